@@ -1,0 +1,45 @@
+# nsa-dist: `make demo` runs the main job on the embedded default, `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(VENV)/.installed
+
+# Torch first, by hand: with no NVIDIA GPU take the CPU wheel (found locally when a wheel
+# directory provides it, else from PyTorch's CPU index), so the range in pyproject.toml is
+# already satisfied and pip pulls no CUDA build.  With a GPU, the default (CUDA) wheel + CuPy.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: installing CUDA torch and the gpu extra"; \
+	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)" && \
+	  $(PY) -m pip install -q -e ".[test,gpu]"; \
+	else \
+	  echo "no NVIDIA GPU: installing the CPU build of torch"; \
+	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX); \
+	  $(PY) -m pip install -q -e ".[test]"; \
+	fi
+	touch $@
+
+demo: install
+	$(PY) -m nsa_dist.demo
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/ntk_gram.py
+
+clean:
+	rm -rf $(VENV) nsa-results.zarr demo-out bench-out

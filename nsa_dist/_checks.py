@@ -1,0 +1,30 @@
+"""Input validation shared by the numerics (private)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from nsa_dist.errors import NonFiniteError, ShapeError
+
+
+def check_finite(name: str, x: Any) -> None:
+    """Raise :class:`NonFiniteError` naming ``name`` if ``x`` holds NaN or inf."""
+    if isinstance(x, torch.Tensor):
+        bad = ~torch.isfinite(x)
+        n_bad = int(bad.sum()) if x.is_floating_point() or x.is_complex() else 0
+    else:
+        arr = np.asarray(x)
+        n_bad = int((~np.isfinite(arr)).sum()) if arr.dtype.kind in "fc" else 0
+    if n_bad:
+        raise NonFiniteError(f"{name} holds {n_bad} NaN/inf entries (of {np.prod(tuple(x.shape))}); "
+                             "clean the data or lower the learning rate")
+
+
+def check_matrix(name: str, x: Any, *, ndim: int = 2) -> None:
+    """Raise :class:`ShapeError` unless ``x`` has ``ndim`` dimensions."""
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != ndim:
+        raise ShapeError(f"{name} must be {ndim}-D, got shape {shape}")

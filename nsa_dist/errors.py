@@ -1,0 +1,30 @@
+"""The exceptions nsa-dist raises on bad input.
+
+Every error names what was wrong (the argument, its shape or value) and what is allowed, so a
+researcher can fix the call without reading the source.  They subclass the builtin that a
+caller would catch anyway (``ValueError`` / ``TypeError``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError"]
+
+
+class NSAError(Exception):
+    """Base class of every error raised by nsa-dist."""
+
+
+class ShapeError(NSAError, ValueError):
+    """An array or a model output has the wrong shape."""
+
+
+class NonFiniteError(NSAError, ValueError):
+    """An input or a result holds NaN or inf."""
+
+
+class UnsupportedModelError(NSAError, TypeError):
+    """A method was forced on a model it cannot handle (e.g. ``structured`` on a conv layer)."""
+
+
+class MissingDependencyError(NSAError, ImportError):
+    """An optional dependency (CuPy, nngeometry, ...) is needed but not installed."""

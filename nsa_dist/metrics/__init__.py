@@ -1,0 +1,45 @@
+"""Spectral metrics of the NTK Gramian during training (the Neural Spectrum Alignment paper, "NSA").
+
+One function per formula of the paper; all take NumPy arrays (float32/float64) or torch CPU
+tensors and return NumPy.  Eigenvectors are columns of an (N, K) ``evecs`` ordered by
+descending eigenvalue.
+
+* energy: :func:`relative_energy` E_t(φ, k), :func:`spectral_projections` ⟨v_i, φ⟩² (§6).
+* preservation: :func:`spectrum_preservation` E_{t1}(v_i^{t2}, k) (Fig. 7d).
+* alignment: :func:`kernel_target_alignment` (raw or centred).
+* flow: :func:`lr_eigen_product` δλ/N, :func:`flow_speed` s_i, :func:`stability_bound` 2N/λ_max (§4).
+* first_order: :func:`first_order_update` −(δ/N) G m (Eq. 3), :func:`first_order_accuracy` (Fig. 1d).
+* dynamics: :func:`constant_gram_dynamics` f̄_t, m̄_t (Eqs. 4–5, App. D).
+* nystrom: :func:`nystrom_extension` g(X, 𝒳) v_k / λ_k (App. A, Eq. 9).
+* fourier: :func:`fourier_transform` φ̂(ξ) (App. G, Eq. 27), :func:`frequency_grid`.
+"""
+
+from __future__ import annotations
+
+from nsa_dist.metrics.alignment import kernel_target_alignment
+from nsa_dist.metrics.dynamics import ConstantGramTrajectory, constant_gram_dynamics
+from nsa_dist.metrics.energy import relative_energy, spectral_projections
+from nsa_dist.metrics.first_order import FirstOrderAccuracy, first_order_accuracy, first_order_update
+from nsa_dist.metrics.flow import flow_speed, lr_eigen_product, stability_bound
+from nsa_dist.metrics.fourier import FrequencyGrid, fourier_transform, frequency_grid
+from nsa_dist.metrics.nystrom import nystrom_extension
+from nsa_dist.metrics.preservation import spectrum_preservation
+
+__all__ = [
+    "relative_energy",
+    "spectral_projections",
+    "spectrum_preservation",
+    "kernel_target_alignment",
+    "lr_eigen_product",
+    "flow_speed",
+    "stability_bound",
+    "first_order_update",
+    "first_order_accuracy",
+    "FirstOrderAccuracy",
+    "constant_gram_dynamics",
+    "ConstantGramTrajectory",
+    "nystrom_extension",
+    "fourier_transform",
+    "frequency_grid",
+    "FrequencyGrid",
+]

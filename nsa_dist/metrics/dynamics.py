@@ -1,0 +1,89 @@
+"""Closed-form GD dynamics of the L2 loss under a constant Gramian (NSA Eqs. 4–5, App. D Eqs. 14–16)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from nsa_dist.errors import ShapeError
+from nsa_dist.metrics._validate import as_real, check_rows, positive_scalar, work_dtype
+
+__all__ = ["constant_gram_dynamics", "ConstantGramTrajectory"]
+
+
+class ConstantGramTrajectory(NamedTuple):
+    """Predicted outputs f̄_t and residuals m̄_t = f̄_t − ȳ at the requested steps t."""
+
+    f: np.ndarray
+    """f̄_t: (N,) / (N, M) for a scalar step, (T, N) / (T, N, M) for T steps."""
+    m: np.ndarray
+    """m̄_t, same shape as ``f``."""
+
+
+def _steps(steps: Any) -> np.ndarray:
+    """``steps`` as a 0-D or 1-D int64 array of values >= 0."""
+    t = np.asarray(steps)
+    if t.dtype.kind not in "iu" or t.ndim > 1:
+        raise TypeError(f"steps must be an integer or a 1-D integer array, got {steps!r}")
+    if t.size == 0 or np.any(t < 0):
+        raise ValueError(f"steps must be integers >= 0 (GD iterations t), got {t.tolist()}")
+    return t.astype(np.int64)
+
+
+def constant_gram_dynamics(evals: Any, evecs: Any, f0: Any, y: Any, lr: float,
+                           steps: int | Any) -> ConstantGramTrajectory:
+    """GD on the L2 loss with a fixed Gramian, in closed form (NSA Eqs. 4–5; App. D Eqs. 14, 16).
+
+    With c_i = ⟨v_i, m̄_0⟩, m̄_0 = f̄_0 − ȳ and r_i = 1 − δλ_i/N:
+
+        m̄_t = Σ_i r_i^t c_i v_i + m̄_0^z                              (Eq. 5 / Eq. 14)
+        f̄_t = f̄_0 − Σ_i (1 − r_i^t) c_i v_i                          (Eq. 4 / Eq. 16)
+
+    the exact solution of m̄_{t+1} = (I − δG/N) m̄_t, f̄_{t+1} = f̄_t − (δ/N) G m̄_t.  m̄_0^z is the
+    part of m̄_0 outside span(evecs): it never moves.  Pass all N eigenpairs (zero eigenvalues
+    included) for the exact dynamics of G; with only the top K < N eigenpairs, the remaining
+    eigenvalues are treated as 0 (G replaced by its rank-K truncation V diag(λ) Vᵀ).
+
+    Args:
+        evals: (K,) eigenvalues λ_i of G (any order, matched with the columns of ``evecs``).
+        evecs: (N, K) orthonormal eigenvectors v_i as columns, K <= N.
+        f0: f̄_0, outputs at the N training points: (N,) or (N, M).
+        y: ȳ, labels of the same shape as ``f0``.
+        lr: learning rate δ > 0.
+        steps: t, an integer >= 0 or a 1-D array of T such integers.
+
+    Returns:
+        ``ConstantGramTrajectory(f, m)``: (N,) / (N, M) each for a scalar ``steps``, else
+        (T, N) / (T, N, M); float32 if every array input is float32, else float64.
+        Unstable steps (δ > 2N/λ_max) overflow to ±inf for large t, as GD would.
+
+    Raises:
+        ShapeError: evecs not (N, K) with K <= N, evals not (K,), or f0/y not matching (N,...).
+        NonFiniteError: NaN/inf input.
+        ValueError: lr <= 0, or a negative step.
+        TypeError: a non-real dtype, or non-integer steps.
+    """
+    lam = as_real("evals", evals, (1,))  # (K,)
+    V = as_real("evecs", evecs, (2,))  # (N, K)
+    f0 = as_real("f0", f0, (1, 2))  # (N,) or (N, M)
+    y = as_real("y", y, (1, 2))
+    if V.shape[1] > V.shape[0] or lam.shape[0] != V.shape[1]:
+        raise ShapeError(f"evecs must be (N, K) with K <= N and evals (K,), got evecs {V.shape}, "
+                         f"evals {lam.shape}")
+    check_rows("f0", f0, "evecs", V)
+    if y.shape != f0.shape:
+        raise ShapeError(f"y has shape {y.shape} and f0 has shape {f0.shape}; they must be equal")
+    lr, t = positive_scalar("lr", lr), _steps(steps)
+    dtype = work_dtype(lam, V, f0, y)
+    V, N = V.astype(np.float64), V.shape[0]
+    m0 = f0.astype(np.float64) - y  # (N,) or (N, M)
+    c = V.T @ m0  # (K,) or (K, M)
+    m0_z = m0 - V @ c  # (N,) or (N, M), outside span(evecs)
+    decay = np.power(1.0 - lr * lam.astype(np.float64) / N, np.atleast_1d(t)[:, None])  # (T, K)
+    kept = np.einsum("nk,tk,k...->tn...", V, decay, c)  # (T, N) or (T, N, M): Σ r_i^t c_i v_i
+    learned = (V @ c)[None] - kept  # Σ (1 − r_i^t) c_i v_i
+    f, m = f0[None] - learned, kept + m0_z[None]
+    if t.ndim == 0:
+        f, m = f[0], m[0]
+    return ConstantGramTrajectory(f.astype(dtype), m.astype(dtype))

@@ -1,0 +1,48 @@
+"""Spectrum preservation: energy of later eigenvectors in an earlier spectrum (NSA Fig. 7d)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from nsa_dist.errors import ShapeError
+from nsa_dist.metrics._validate import as_real, check_rows, count
+from nsa_dist.metrics.energy import relative_energy
+
+__all__ = ["spectrum_preservation"]
+
+
+def spectrum_preservation(evecs_t1: Any, evecs_t2: Any, i: int | Sequence[int] | None = None) -> np.ndarray:
+    """E_{t1}(v_i^{t2}, k) for every k: how much of each t2-eigenvector lies in t1's top-k (Fig. 7d).
+
+    Row r, column k-1 holds E_{t1}(v_{i_r}^{t2}, k) = Σ_{j≤k} ⟨v_j^{t1}, v_{i_r}^{t2}⟩²
+    (‖v_i^{t2}‖ = 1).  A basis against itself gives 1 for k >= i and 0 for k < i.
+
+    Args:
+        evecs_t1: (N, K1) orthonormal eigenvectors of G_{t1}, columns by descending eigenvalue.
+        evecs_t2: (N, K2) orthonormal eigenvectors of G_{t2}, columns by descending eigenvalue.
+        i: eigenvector number(s) of t2, 1-BASED as in the paper (1 = top), each in [1, K2];
+            ``None`` means all of 1..K2.
+
+    Returns:
+        float64 array (len(i), K1); (K2, K1) when ``i`` is None; (K1,) for a single int ``i``.
+
+    Raises:
+        ShapeError: inputs not 2-D, different N, K1 > N, or an ``i`` outside [1, K2].
+        NonFiniteError: NaN/inf input, or a zero column selected from ``evecs_t2``.
+        TypeError: a non-integer ``i``.
+    """
+    V1 = as_real("evecs_t1", evecs_t1, (2,))  # (N, K1)
+    V2 = as_real("evecs_t2", evecs_t2, (2,))  # (N, K2)
+    check_rows("evecs_t2", V2, "evecs_t1", V1)
+    K2 = V2.shape[1]
+    if i is None:
+        rows = np.arange(K2)
+    elif np.ndim(i) == 0:
+        return relative_energy(V1, V2[:, count("i", i, 1, K2) - 1])  # (K1,)
+    else:
+        rows = np.array([count("i", j, 1, K2) - 1 for j in i], dtype=np.intp)
+        if rows.size == 0:
+            raise ShapeError(f"i must name at least one eigenvector number in [1, {K2}], got {i!r}")
+    return relative_energy(V1, V2[:, rows])  # (len(rows), K1)

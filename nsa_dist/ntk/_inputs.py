@@ -1,0 +1,67 @@
+"""Validation of models and inputs shared by the NTK paths (private)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from nsa_dist._checks import check_finite
+from nsa_dist.errors import ShapeError
+
+E = TypeVar("E", bound=Enum)
+
+
+def parse_enum(cls: type[E], value: object, name: str) -> E:
+    """``cls(value)`` with an error naming ``name`` and the allowed values."""
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{name}={value!r} is not one of {allowed}") from None
+
+
+def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters the NTK differentiates: those with ``requires_grad``."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters: its NTK is zero")
+    return params
+
+
+def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """Check ``x`` is a finite (n, d) tensor and cast it to the model's dtype/device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (n, d), got {type(x).__name__}")
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ShapeError(f"{name} must have shape (n, d) with n >= 1, got {tuple(x.shape)}")
+    check_finite(name, x)
+    p = next(iter(model.parameters()))
+    return x.to(dtype=dtype or p.dtype, device=p.device)
+
+
+def output_dim(model: nn.Module, x: torch.Tensor) -> int:
+    """K of a model mapping (n, d) → (n,) [K=1] or (n, K); else a ShapeError naming the shape."""
+    with torch.no_grad():
+        out = model(x[:2])
+    n = min(2, x.shape[0])
+    if not isinstance(out, torch.Tensor):
+        raise ShapeError(f"model must return a tensor of shape (n,) or (n, K), got {type(out).__name__}")
+    if out.ndim == 1 and out.shape[0] == n:
+        return 1
+    if out.ndim == 2 and out.shape[0] == n:
+        return int(out.shape[1])
+    raise ShapeError(f"model output must have shape (n,) or (n, K); for input {(n, x.shape[1])} "
+                     f"it returned {tuple(out.shape)}")
+
+
+def as_2d(out: torch.Tensor) -> torch.Tensor:
+    """(n,) → (n, 1); (n, K) unchanged."""
+    return out.unsqueeze(-1) if out.ndim == 1 else out
+
+
+def default_block(n: int, width: int, itemsize: int, budget_bytes: float = 64e6) -> int:
+    """A block size whose (block, width) working arrays stay near ``budget_bytes``."""
+    return int(max(16, min(n, budget_bytes // max(1, width * itemsize))))

@@ -1,0 +1,94 @@
+"""Matrix-free NTK products v ↦ G v (private; re-exported from :mod:`nsa_dist.ntk`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, jvp, vjp, vmap
+
+from nsa_dist.errors import ShapeError
+from nsa_dist.ntk._inputs import as_2d, trainable_params
+
+
+class NTKOperator:
+    """The NTK Gramian as a linear operator, never formed: ``G V = J (Jᵀ V)``.
+
+    One VJP pass over the data (blocked) gives ``U = Jᵀ V`` in parameter space, one JVP pass
+    gives ``J U``; cost O(N·P) per column, memory O(block·P + m·P) for m columns.
+    For ``kernel="trace"`` the operator is ``Σ_a J_a J_aᵀ`` on (N,) vectors; for ``"full"`` it is
+    the (N·K)×(N·K) kernel acting on vectors laid out as (N, K) flattened row-major.
+
+    Attributes:
+        shape: (N, N) or (N·K, N·K).
+        dtype: torch dtype of the products.
+    """
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, K: int, full: bool, block: int) -> None:
+        self.model, self.x, self.K, self.full, self.block = model, x, K, full, block
+        n = x.shape[0] * (K if full else 1)
+        self.shape = (n, n)
+        self.dtype = x.dtype
+        self._params = {k: p.detach() for k, p in trainable_params(model).items()}
+        self._rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+        self._buffers = dict(model.named_buffers())
+        self.n_matvec = 0
+
+    def _f(self, xb: torch.Tensor):
+        def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return as_2d(functional_call(self.model, ({**p, **self._rest}, self._buffers), (xb,)))  # (b, K)
+        return f
+
+    def _cotangents(self, Vb: torch.Tensor) -> torch.Tensor:
+        """Vb (b, m) traced or (b, K, m) full → cotangents (m', b, K)."""
+        K = self.K
+        if self.full:
+            return Vb.permute(2, 0, 1)  # (m, b, K)
+        eye = torch.eye(K, dtype=Vb.dtype, device=Vb.device)
+        # one cotangent per (column, output a): v placed in output a only -> Σ_a J_a J_aᵀ v
+        return (Vb.T[:, None, :, None] * eye[None, :, None, :]).reshape(-1, Vb.shape[0], K)  # (m K, b, K)
+
+    def matmat(self, V: Any) -> Any:
+        """G V for V of shape (N, m) (or (N,)); numpy in → numpy out, torch in → torch out."""
+        is_np = not isinstance(V, torch.Tensor)
+        Vt = torch.as_tensor(np.asarray(V) if is_np else V, dtype=self.dtype, device=self.x.device)
+        vec = Vt.ndim == 1
+        Vt = Vt[:, None] if vec else Vt
+        if Vt.ndim != 2 or Vt.shape[0] != self.shape[0]:
+            raise ShapeError(f"operator of shape {self.shape} got a block of shape {tuple(Vt.shape)}")
+        m, N, K = Vt.shape[1], self.x.shape[0], self.K
+        Vr = Vt.reshape(N, K, m) if self.full else Vt  # (N, K, m) or (N, m)
+        n_cot = m if self.full else m * K
+        U = {k: torch.zeros((n_cot,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
+        for s in range(0, N, self.block):  # U = Jᵀ V
+            _, pull = vjp(self._f(self.x[s:s + self.block]), self._params)
+            (g,) = vmap(pull)(self._cotangents(Vr[s:s + self.block]))
+            for k in U:
+                U[k] += g[k]
+        out = torch.empty_like(Vr)
+        for s in range(0, N, self.block):  # J U
+            f = self._f(self.x[s:s + self.block])
+            JU = vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U)  # (n_cot, b, K)
+            if self.full:
+                out[s:s + self.block] = JU.permute(1, 2, 0)
+            else:
+                b = JU.shape[1]
+                out[s:s + self.block] = JU.view(m, K, b, K).diagonal(dim1=1, dim2=3).sum(-1).T  # (b, m)
+        self.n_matvec += m
+        out = out.reshape(self.shape[0], m)
+        out = out[:, 0] if vec else out
+        return out.cpu().numpy() if is_np else out
+
+    def matvec(self, v: Any) -> Any:
+        """G v for a single vector v (N,)."""
+        return self.matmat(v)
+
+    def to_dense(self) -> torch.Tensor:
+        """Materialise G by applying the operator to the identity (for checks on small N)."""
+        eye = torch.eye(self.shape[0], dtype=self.dtype, device=self.x.device)
+        return self.matmat(eye)
+
+    def __repr__(self) -> str:
+        return f"NTKOperator(shape={self.shape}, dtype={self.dtype}, kernel={'full' if self.full else 'trace'})"

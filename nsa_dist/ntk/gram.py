@@ -1,0 +1,114 @@
+"""The public NTK entry points: :func:`gram` and :func:`ntk_operator`."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from nsa_dist.errors import ShapeError, UnsupportedModelError
+from nsa_dist.ntk._inputs import default_block, output_dim, parse_enum, prepare_inputs, trainable_params
+from nsa_dist.ntk._jacobian import jacobian_gram
+from nsa_dist.ntk._method import Kernel, NTKMethod
+from nsa_dist.ntk._operator import NTKOperator
+from nsa_dist.ntk._structured import linear_layers, structured_gram
+
+__all__ = ["gram", "ntk_operator", "resolve_method"]
+
+_STRUCTURED_TILE = 1024
+
+
+def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> NTKMethod:
+    """The concrete method ``gram`` would use for ``model`` (AUTO resolved).
+
+    Raises:
+        UnsupportedModelError: ``structured`` forced on a model it cannot handle.
+    """
+    m = parse_enum(NTKMethod, method, "method")
+    if m is NTKMethod.JACOBIAN:
+        return m
+    try:
+        linear_layers(model, x[:2])
+    except UnsupportedModelError:
+        if m is NTKMethod.STRUCTURED:
+            raise
+        return NTKMethod.JACOBIAN
+    return NTKMethod.STRUCTURED
+
+
+def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: torch.dtype | None):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    trainable_params(model)
+    p = next(iter(model.parameters()))
+    if dtype is not None and dtype != p.dtype:
+        model = copy.deepcopy(model).to(dtype)
+    x1 = prepare_inputs(model, x1, "x1", dtype)
+    if x2 is not None:
+        x2 = prepare_inputs(model, x2, "x2", dtype)
+        if x2.shape[1] != x1.shape[1]:
+            raise ShapeError(f"x1 and x2 must have the same input dimension d; got x1 {tuple(x1.shape)} "
+                             f"and x2 {tuple(x2.shape)}")
+    return model, x1, x2, output_dim(model, x1)
+
+
+def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
+         method: str | NTKMethod = "auto", kernel: str | Kernel = "trace",
+         block_size: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The empirical NTK Gramian ``G(i, j) = ∇_θ f(x1_i) · ∇_θ f(x2_j)`` (NSA Eq. 3, G_t = A_tᵀ A_t).
+
+    Args:
+        model: any module mapping (n, d) → (n,) or (n, K); the kernel is over its parameters
+            with ``requires_grad``.
+        x1: (N1, d) points.
+        x2: (N2, d) points, or None for the symmetric Gramian at x1 (upper tiles computed once).
+        method: "auto" | "structured" | "jacobian" (see :class:`NTKMethod`).
+        kernel: "trace" → (N1, N2), Σ_a ∇f_a·∇f_a (the Gramian itself when K = 1);
+            "full" → (N1, K, N2, K).
+        block_size: points per block (bounds memory); the result does not depend on it.
+            Default: 1024 for structured, about 256 MB of Jacobian for jacobian.
+        dtype: compute dtype (e.g. torch.float64 for reference checks); default the model's.
+
+    Returns:
+        The Gramian on the model's device, in ``dtype``.
+
+    Raises:
+        ShapeError: x1/x2 not (n, d), differing d, or a model output not (n,) / (n, K).
+        NonFiniteError: NaN/inf in x1 or x2.
+        UnsupportedModelError: ``method="structured"`` on a model outside its reach.
+        ValueError: an unknown method or kernel, a block_size < 1.
+    """
+    full = parse_enum(Kernel, kernel, "kernel") is Kernel.FULL
+    parse_enum(NTKMethod, method, "method")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    model, x1, x2, K = _setup(model, x1, x2, dtype)
+    m = resolve_method(model, x1, method)
+    if m is NTKMethod.STRUCTURED:
+        return structured_gram(model, x1, x2, K, full, block_size or _STRUCTURED_TILE)
+    P = sum(p.numel() for p in trainable_params(model).values())
+    block = block_size or default_block(x1.shape[0], K * P, x1.element_size(), 256e6)
+    return jacobian_gram(model, x1, x2, K, full, block)
+
+
+def ntk_operator(model: nn.Module, x: torch.Tensor, *, kernel: str | Kernel = "trace",
+                 block_size: int | None = None, dtype: torch.dtype | None = None) -> NTKOperator:
+    """Matrix-free NTK Gramian at x: ``v ↦ G v`` via one VJP and one JVP pass over the data.
+
+    For Lanczos when G (N×N) does not fit in memory.  The operator's ``matmat`` takes (N, m)
+    numpy arrays or torch tensors and returns the same type.
+
+    Args:
+        model: any module mapping (n, d) → (n,) or (n, K).
+        x: (N, d) points.
+        kernel: "trace" (an (N, N) operator) or "full" ((N·K, N·K), vectors laid out (N, K)).
+        block_size: points per VJP/JVP block (default: about 64 MB of activations).
+        dtype: compute dtype; default the model's.
+    """
+    full = parse_enum(Kernel, kernel, "kernel") is Kernel.FULL
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    model, x, _, K = _setup(model, x, None, dtype)
+    width = max(p.shape[0] for p in model.parameters())
+    return NTKOperator(model, x, K, full, block_size or default_block(x.shape[0], 8 * width, x.element_size()))
