@@ -7,10 +7,12 @@ here.  A validation error names the field, the value given and what is allowed.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Activation", "Init", "ModelSpec"]
+__all__ = ["Activation", "Init", "ModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "ExperimentSpec"]
 
 
 class Activation(str, Enum):
@@ -64,3 +66,221 @@ class ModelSpec(_Strict):
         if self.residual and self.depth < 3:
             raise ValueError(f"residual=True needs depth >= 3 (a hidden-to-hidden layer), got depth={self.depth}")
         return self
+
+
+# --------------------------------------------------------------------------- experiments
+
+
+class DataName(str, Enum):
+    """Built-in datasets (see :mod:`nsa_dist.data`)."""
+
+    IMAGE2D = "image2d"
+    MNIST = "mnist"
+    CIFAR10 = "cifar10"
+    CIFAR100 = "cifar100"
+    DIGITS = "digits"
+
+
+class Target(str, Enum):
+    """Target of a classification dataset: the label as a number, ±1 one-vs-rest, or one-hot (K outputs)."""
+
+    LABEL = "label"
+    ONE_VS_REST = "one_vs_rest"
+    ONEHOT = "onehot"
+
+
+_N_CLASSES = {DataName.MNIST: 10, DataName.CIFAR10: 10, DataName.CIFAR100: 100, DataName.DIGITS: 10}
+
+
+class DataSpec(_Strict):
+    """Which data, how many points.  ``path``: an image (image2d) or a data directory (mnist, cifar)."""
+
+    name: DataName = DataName.IMAGE2D
+    n: int = Field(1000, ge=1, description="training points N")
+    n_test: int = Field(0, ge=0, description="test points")
+    path: str | None = None
+    pool: bool = Field(False, description="mnist: 2x2 average pooling to 14x14")
+    grayscale: bool = Field(True, description="cifar: luminance (d=1024) instead of RGB (d=3072)")
+    target: Target = Target.LABEL
+    positive_class: int = Field(0, ge=0, description="the +1 class of target=one_vs_rest")
+
+    @property
+    def input_dim(self) -> int:
+        """d of the inputs this spec yields."""
+        name = DataName(self.name)
+        if name is DataName.IMAGE2D:
+            return 2
+        if name is DataName.MNIST:
+            return 196 if self.pool else 784
+        if name is DataName.DIGITS:
+            return 64
+        return 1024 if self.grayscale else 3072
+
+    @property
+    def output_dim(self) -> int:
+        """K of the targets this spec yields."""
+        name = DataName(self.name)
+        return _N_CLASSES[name] if name in _N_CLASSES and Target(self.target) is Target.ONEHOT else 1
+
+    @model_validator(mode="after")
+    def _target_fits(self) -> "DataSpec":
+        name = DataName(self.name)
+        if name is DataName.IMAGE2D and Target(self.target) is not Target.LABEL:
+            raise ValueError(f"data.target={Target(self.target).value!r}: image2d is a regression, only 'label' applies")
+        if name in _N_CLASSES and self.positive_class >= _N_CLASSES[name]:
+            raise ValueError(f"data.positive_class={self.positive_class} but {name.value} has classes "
+                             f"0..{_N_CLASSES[name] - 1}")
+        return self
+
+
+class OptimizerName(str, Enum):
+    """GD: full batch (the NSA paper).  SGD: minibatches of ``batch_size``.  ADAM: full batch or minibatch Adam."""
+
+    GD = "gd"
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+class OptimizerSpec(_Strict):
+    name: OptimizerName = OptimizerName.GD
+    batch_size: int | None = Field(None, ge=1, description="minibatch size (sgd; optional for adam)")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+
+    @model_validator(mode="after")
+    def _batch(self) -> "OptimizerSpec":
+        name = OptimizerName(self.name)
+        if name is OptimizerName.SGD and self.batch_size is None:
+            raise ValueError("optimizer.batch_size is required for optimizer.name='sgd' (use 'gd' for full batch)")
+        if name is OptimizerName.GD and self.batch_size is not None:
+            raise ValueError("optimizer.batch_size must be unset for 'gd' (full batch); use name='sgd'")
+        return self
+
+
+class LossName(str, Enum):
+    """L2: ℓ = ½(f − y)², L = (1/N) Σ ℓ (the NSA paper), residual m = f − y."""
+
+    L2 = "l2"
+
+
+class ScheduleSpec(_Strict):
+    """Learning rate δ_t = lr · decay^⌊t / every⌋ (NSA: 0.25, halved every 1e5 steps)."""
+
+    lr: float = Field(0.25, gt=0.0)
+    decay: float = Field(1.0, gt=0.0, le=1.0)
+    every: int | None = Field(None, ge=1)
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * (self.decay ** (step // self.every) if self.every else 1.0)
+
+
+class RecordSpec(_Strict):
+    """Which steps are analysed: exactly one of ``every``, ``log_points``, ``steps``.
+
+    Step t means the state θ_t before update t; step 0 (initialisation) and the last
+    training step are always included.
+    """
+
+    every: int | None = Field(None, ge=1)
+    log_points: int | None = Field(None, ge=2, description="this many log-spaced steps")
+    steps: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "RecordSpec":
+        given = [k for k in ("every", "log_points", "steps") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"record: give exactly one of every / log_points / steps, got {given or 'none'}")
+        if self.steps is not None and (not self.steps or min(self.steps) < 0):
+            raise ValueError(f"record.steps must be a non-empty list of steps >= 0, got {self.steps}")
+        return self
+
+    def schedule(self, total: int) -> list[int]:
+        """The sorted recorded steps in [0, total − 1] for a run of ``total`` updates."""
+        last = total - 1
+        if self.every is not None:
+            s = set(range(0, total, self.every))
+        elif self.log_points is not None:
+            import numpy as np
+
+            s = {int(round(v)) for v in np.geomspace(1, total, self.log_points) - 1}
+        else:
+            bad = [t for t in self.steps if t > last]
+            if bad:
+                raise ValueError(f"record.steps {bad} lie past the last training step {last} (steps={total})")
+            s = set(self.steps)
+        return sorted(s | {0, last})
+
+
+class SpectrumSpec(_Strict):
+    """Spectral analysis at each recorded step."""
+
+    k: int | Literal["all"] = Field(100, description="top eigenpairs of G_t, or 'all'")
+    eig_method: str = Field("auto", description="auto | dense | lanczos | arpack")
+    ntk_method: str = Field("auto", description="auto | structured | jacobian")
+    dtype: Literal["float64", "float32"] = "float64"
+    block_size: int | None = Field(None, ge=1)
+    test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
+    store_eigenvectors: bool = True
+    images: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
+                              description="2-D data: eigenvector indices (1-based) drawn as images + Fourier (Fig. 5)")
+    image_size: int = Field(48, ge=4)
+    fourier_limit: float = Field(40.0, gt=0)
+    fourier_size: int = Field(41, ge=3)
+
+    @model_validator(mode="after")
+    def _methods(self) -> "SpectrumSpec":
+        allowed = {"eig_method": ("auto", "dense", "lanczos", "arpack"), "ntk_method": ("auto", "structured", "jacobian")}
+        for field, ok in allowed.items():
+            if getattr(self, field) not in ok:
+                raise ValueError(f"spectrum.{field}={getattr(self, field)!r} is not one of {', '.join(ok)}")
+        if isinstance(self.k, int) and self.k < 1:
+            raise ValueError(f"spectrum.k must be >= 1 or 'all', got {self.k}")
+        if any(i < 1 for i in self.images):
+            raise ValueError(f"spectrum.images are 1-based eigenvector indices, got {self.images}")
+        return self
+
+
+class ExperimentSpec(_Strict):
+    """One training run and what is measured along it (read from YAML by ``nsa run``).
+
+    ``model.input_dim`` / ``model.output_dim`` default to the data's d and K.
+    """
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", max_length=80)
+    seed: int = 0
+    data: DataSpec = Field(default_factory=DataSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    loss: LossName = LossName.L2
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    steps: int = Field(1000, ge=1, description="number of training updates")
+    record: RecordSpec = Field(default_factory=lambda: RecordSpec(log_points=20))
+    spectrum: SpectrumSpec = Field(default_factory=SpectrumSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_model_dims(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        data = values.get("data", {})
+        data = data if isinstance(data, DataSpec) else DataSpec(**(data or {}))
+        model = values.get("model", {})
+        model = model.model_dump(exclude_unset=True) if isinstance(model, ModelSpec) else dict(model or {})
+        model.setdefault("input_dim", data.input_dim)
+        model.setdefault("output_dim", data.output_dim)
+        return {**values, "data": data, "model": model}
+
+    @model_validator(mode="after")
+    def _dims_match(self) -> "ExperimentSpec":
+        if self.model.input_dim != self.data.input_dim:
+            raise ValueError(f"model.input_dim={self.model.input_dim} but data {self.data.name.value} has d={self.data.input_dim}")
+        if self.model.output_dim != self.data.output_dim:
+            raise ValueError(f"model.output_dim={self.model.output_dim} but the targets have K={self.data.output_dim}")
+        if self.optimizer.batch_size is not None and self.optimizer.batch_size > self.data.n:
+            raise ValueError(f"optimizer.batch_size={self.optimizer.batch_size} exceeds data.n={self.data.n}")
+        self.record.schedule(self.steps)  # raises on steps past the end
+        return self
+
+    def record_steps(self) -> list[int]:
+        return self.record.schedule(self.steps)

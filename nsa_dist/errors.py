@@ -7,7 +7,8 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 
 from __future__ import annotations
 
-__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError"]
+__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError",
+           "StoreError"]
 
 
 class NSAError(Exception):
@@ -28,3 +29,7 @@ class UnsupportedModelError(NSAError, TypeError):
 
 class MissingDependencyError(NSAError, ImportError):
     """An optional dependency (CuPy, nngeometry, ...) is needed but not installed."""
+
+
+class StoreError(NSAError, ValueError):
+    """A spectrum store is missing, corrupt, or does not match the run being written."""

@@ -1,0 +1,19 @@
+"""Top-k eigenpairs of (NTK) Gramians: dense LAPACK, block Lanczos, ARPACK; CPU or GPU.
+
+* :func:`top_eigenpairs` — ``G V = V diag(λ)`` for a dense matrix (NumPy, torch, CuPy) or a
+  matrix-free operator (``shape`` + ``matmat``), returning :class:`Eigenpairs`.
+* :class:`EigMethod` — "auto" | "dense" | "lanczos" | "arpack", and when each wins.
+* :class:`Backend` — "auto" | "numpy" | "torch" | "cupy": where the work runs.
+* :class:`LanczosConvergenceWarning` — issued when Lanczos stops at ``max_iter``.
+
+The Lanczos solver itself (:func:`nsa_dist.linalg.lanczos.block_lanczos`) works on any array
+module through :class:`~nsa_dist.linalg._backend.ArrayOps`.
+"""
+
+from __future__ import annotations
+
+from nsa_dist.linalg._backend import Backend
+from nsa_dist.linalg._eigen import EigMethod, Eigenpairs, top_eigenpairs
+from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
+
+__all__ = ["Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning"]

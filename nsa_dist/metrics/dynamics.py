@@ -81,7 +81,7 @@ def constant_gram_dynamics(evals: Any, evecs: Any, f0: Any, y: Any, lr: float,
     c = V.T @ m0  # (K,) or (K, M)
     m0_z = m0 - V @ c  # (N,) or (N, M), outside span(evecs)
     decay = np.power(1.0 - lr * lam.astype(np.float64) / N, np.atleast_1d(t)[:, None])  # (T, K)
-    kept = np.einsum("nk,tk,k...->tn...", V, decay, c)  # (T, N) or (T, N, M): Σ r_i^t c_i v_i
+    kept = np.einsum("nk,tk,k...->tn...", V, decay, c, optimize=True)  # (T, N) or (T, N, M): Σ r_i^t c_i v_i
     learned = (V @ c)[None] - kept  # Σ (1 − r_i^t) c_i v_i
     f, m = f0[None] - learned, kept + m0_z[None]
     if t.ndim == 0:

@@ -1,0 +1,36 @@
+"""Timing and peak-memory helpers shared by the benchmarks (Linux /proc based)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def _status(key: str) -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024.0
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+@contextmanager
+def measured() -> Iterator[dict]:
+    """Wall time and peak resident memory *above the level at entry* of the enclosed block.
+
+    Peak = VmHWM after the block − VmRSS at entry, with the high-water mark reset at entry
+    (``echo 5 > /proc/self/clear_refs``).
+    """
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    rss0 = _status("VmRSS:")
+    res: dict = {}
+    t0 = time.perf_counter()
+    try:
+        yield res
+    finally:
+        res["seconds"] = time.perf_counter() - t0
+        res["peak_bytes"] = _status("VmHWM:") - rss0

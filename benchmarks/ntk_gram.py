@@ -1,0 +1,125 @@
+"""NTK Gramian benchmarks (issue 2 §7).  Run: ``python benchmarks/ntk_gram.py [--parts abcd]``.
+
+(a) structured vs torch.func Jacobian contraction, the paper's 6×256 Leaky-ReLU net, N=1000, float64.
+(b) structured at N=10,000 float32: time / GEMM-bound time, and peak memory / (N²·4 bytes).
+(c) top-100 eigenpairs of a real N=5000 NTK Gram: Lanczos vs full eigh (benchmarks/lanczos.py).
+(d) side by side with nngeometry's GramMatrix at N=4000 and 10,000 float32 (needs nngeometry).
+Every ratio is against a baseline run in this same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _measure import measured  # noqa: E402
+
+from nsa_dist.config import ModelSpec  # noqa: E402
+from nsa_dist.models import build_model  # noqa: E402
+from nsa_dist.ntk import gram  # noqa: E402
+
+
+def paper_net(dtype: torch.dtype) -> torch.nn.Module:
+    return build_model(ModelSpec(depth=6, width=256, activation="leaky_relu"), seed=0, dtype=dtype)
+
+
+def inputs(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.rand(n, 2, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+def part_a(n: int = 1000) -> dict:
+    model, x = paper_net(torch.float64), inputs(n, torch.float64)
+    gram(model, x[:64], method="structured")  # warm up
+    with measured() as s:
+        Gs = gram(model, x, method="structured")
+    with measured() as j:
+        Gj = gram(model, x, method="jacobian")
+    rel = float((Gs - Gj).norm() / Gj.norm())
+    return {"N": n, "structured_s": s["seconds"], "jacobian_s": j["seconds"], "speedup": j["seconds"] / s["seconds"],
+            "rel_diff": rel, "jacobian_peak_GB": j["peak_bytes"] / 1e9, "structured_peak_GB": s["peak_bytes"] / 1e9}
+
+
+def _mm_rate(m: int, k: int, n: int, reps: int = 3) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    out = torch.empty(m, n)
+    torch.mm(a, b, out=out)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b, out=out)
+    return reps * 2.0 * m * k * n / (time.perf_counter() - t0)
+
+
+def part_b(n: int = 10_000) -> dict:
+    model, x = paper_net(torch.float32), inputs(n, torch.float32)
+    flops = sum(2.0 * n * n * (lay.in_features + lay.out_features) for lay in model.layers)
+    rate_sq = _mm_rate(4096, 4096, 4096)
+    rate_nn = _mm_rate(n, 256, n, reps=2)  # the shape of a hidden layer's full A·Aᵀ
+    gram(model, x[:256])  # warm up
+    with measured() as s:
+        G = gram(model, x)
+    out_bytes = n * n * 4
+    assert G.shape == (n, n)
+    return {"N": n, "seconds": s["seconds"], "gflop_full_products": flops / 1e9,
+            "mm_rate_4096_gflops": rate_sq / 1e9, "mm_rate_Nx256xN_gflops": rate_nn / 1e9,
+            "ratio_vs_4096_rate": s["seconds"] / (flops / rate_sq),
+            "ratio_vs_Nx256xN_rate": s["seconds"] / (flops / rate_nn),
+            "peak_over_output": s["peak_bytes"] / out_bytes}
+
+
+def part_c(n: int = 5000, k: int = 100) -> dict:
+    import lanczos  # benchmarks/lanczos.py
+
+    G = gram(paper_net(torch.float64), inputs(n, torch.float64)).numpy()
+    return lanczos.run(G, k=k)
+
+
+def part_d(sizes: tuple[int, ...] = (4000, 10_000), batch: int = 1000) -> dict:
+    try:
+        from nngeometry import GramMatrix
+    except ImportError:
+        return {"skipped": "nngeometry not installed: pip install -e '.[bench]'"}
+    from torch.utils.data import DataLoader, TensorDataset
+
+    out = {}
+    for n in sizes:
+        model, x = paper_net(torch.float32), inputs(n, torch.float32)
+        with measured() as ours:
+            G = gram(model, x)
+        loader = DataLoader(TensorDataset(x), batch_size=batch, shuffle=False)
+        with measured() as theirs:
+            Gn = GramMatrix(model, loader, function=lambda xb: model(xb)).get_dense_tensor()
+        Gn = Gn.reshape(n, n)
+        out[n] = {"ours_s": ours["seconds"], "nngeometry_s": theirs["seconds"],
+                  "speedup": theirs["seconds"] / ours["seconds"],
+                  "ours_peak_GB": ours["peak_bytes"] / 1e9, "nngeometry_peak_GB": theirs["peak_bytes"] / 1e9,
+                  "rel_diff": float((G - Gn).norm() / Gn.norm())}
+        del G, Gn
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="abcd")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    results = {}
+    for part in args.parts:
+        fn = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}[part]
+        results[part] = fn()
+        print(f"({part})", json.dumps(results[part], indent=1, default=float))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The ``nsa`` command: run experiments and query the spectrum store.
+
+    nsa run SPEC.yaml [--store PATH]     train + record spectra (resumes a run already stored)
+    nsa ls [--store PATH]                the runs in a store
+    nsa show RUN [--store PATH]          one run's status and headline measurements
+    nsa plot RUN --out DIR               the NSA paper's figures as PNGs
+The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["main"]
+
+DEFAULT_STORE = "nsa-results.zarr"
+
+
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", default=os.environ.get("NSA_STORE", DEFAULT_STORE),
+                   help="spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nsa", description="Measure NTK spectra during training (nsa-dist).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train one experiment and record its spectra")
+    r.add_argument("spec", type=Path)
+    _store_arg(r)
+    r.add_argument("--plain", action="store_true", help="log lines instead of a progress bar")
+    ls = sub.add_parser("ls", help="list the runs in a store")
+    _store_arg(ls)
+    s = sub.add_parser("show", help="one run's status and measurements")
+    s.add_argument("run")
+    _store_arg(s)
+    pl = sub.add_parser("plot", help="write the paper's figures for a run")
+    pl.add_argument("run")
+    pl.add_argument("--out", type=Path, required=True)
+    pl.add_argument("--figures", nargs="*", default=None, help="only these figure names")
+    _store_arg(pl)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from nsa_dist.errors import NSAError
+    from nsa_dist.specfile import SpecError
+
+    try:
+        return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot}[args.cmd](args)
+    except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"nsa {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------------- run
+def _cmd_run(args: argparse.Namespace) -> int:
+    from nsa_dist.pipeline import run_experiment, run_id
+    from nsa_dist.specfile import load_spec
+    from nsa_dist.store import SpectrumStore, Status
+
+    spec = load_spec(args.spec)
+    store = SpectrumStore(args.store)
+    rid = run_id(spec)
+    fancy = sys.stderr.isatty() and not args.plain
+    progress = _RichProgress(spec.steps, rid) if fancy else _LogProgress(spec.steps, rid)
+    with progress:
+        out = run_experiment(spec, store, on_step=progress.on_step, on_update=progress.on_update)
+    if out.status == Status.FAILED:
+        print(f"run {rid} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)
+        return 1
+    print(f"run {rid} done ({out.steps_computed} recorded steps computed) → {args.store}")
+    return 0
+
+
+class _LogProgress:
+    """Plain log lines: one per recorded step."""
+
+    def __init__(self, total: int, rid: str) -> None:
+        self.total, self.rid, self.t0 = total, rid, time.perf_counter()
+
+    def __enter__(self) -> "_LogProgress":
+        print(f"[nsa] run {self.rid}: {self.total} steps", flush=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def on_update(self, step: int, loss: float) -> None:
+        pass
+
+    def on_step(self, ck, result: dict) -> None:
+        lam = result["eigenvalues"][0]
+        print(f"[nsa] step {ck.step:>8}/{self.total}  loss {ck.loss:.5g}  λ_max {lam:.5g}  "
+              f"E(y,10) {_at(result['energy_y'], 10):.3f}  ({time.perf_counter() - self.t0:.1f} s)", flush=True)
+
+
+class _RichProgress(_LogProgress):
+    """A rich progress bar over training steps showing loss and λ_max."""
+
+    def __enter__(self) -> "_RichProgress":
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("loss {task.fields[loss]}  λ_max {task.fields[lam]}"), TimeRemainingColumn())
+        self.bar.__enter__()
+        self.task = self.bar.add_task(self.rid, total=self.total, loss="-", lam="-")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
+
+    def on_update(self, step: int, loss: float) -> None:
+        self.bar.update(self.task, completed=step, loss=f"{loss:.4g}")
+
+    def on_step(self, ck, result: dict) -> None:
+        self.bar.update(self.task, lam=f"{result['eigenvalues'][0]:.4g}")
+
+
+def _at(E: np.ndarray, k: int) -> float:
+    return float(E[min(k, len(E)) - 1])
+
+
+# ---------------------------------------------------------------------------- queries
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from nsa_dist.client import Client
+
+    runs = Client(args.store).runs()
+    t = Table(title=f"runs in {args.store}")
+    for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr"):
+        t.add_column(col)
+    for r in runs:
+        t.add_row(r.id, r.status, f"{r.steps_done}/{r.steps_total}", str(r.last_step), r.dataset, str(r.n),
+                  f"{r.depth}×{r.width}", r.optimizer, f"{r.lr:g}")
+    Console().print(t if runs else f"no runs in {args.store}")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from nsa_dist.client import Client
+
+    run = Client(args.store).run(args.run)
+    con = Console()
+    con.print(f"[bold]{run.id}[/]  status: {run.status}" + (f"  ({run.reason})" if run.reason else ""))
+    s = run.spec
+    con.print(f"data {s.data.name.value} N={s.data.n}  model {s.model.depth}×{s.model.width} "
+              f"{s.model.activation.value}  {s.optimizer.name.value} lr={s.schedule.lr}  steps={s.steps}")
+    steps = run.steps
+    con.print(f"recorded {len(steps)}/{len(run.schedule)} steps")
+    if not len(steps):
+        return 0
+    cols = sorted({0, len(steps) - 1})
+    t = Table()
+    t.add_column("quantity")
+    for i in cols:
+        t.add_column(f"t = {steps[i]}", justify="right")
+    E = run.energy("y")
+    t.add_row("loss", *(f"{run.train_loss[i]:.5g}" for i in cols))
+    t.add_row("λ_max", *(f"{run.eigenvalues[i, 0]:.5g}" for i in cols))
+    t.add_row("2N/λ_max vs δ", *(f"{run.stability_bound()[i]:.4g} vs {run.lr[i]:.4g}" for i in cols))
+    for k in (1, 5, 10, 20, 50):
+        if k <= E.shape[1]:
+            t.add_row(f"E(y, {k})", *(f"{E[i, k - 1]:.4f}" for i in cols))
+    t.add_row("alignment", *(f"{run.alignment['raw'][i]:.4f}" for i in cols))
+    t.add_row("first-order error", *(f"{run.first_order['error'][i]:.4f}" for i in cols))
+    con.print(t)
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from nsa_dist.client import Client
+    from nsa_dist.plots import plot_run
+
+    paths = plot_run(Client(args.store).run(args.run), args.out, figures=args.figures)
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,250 @@
+"""Read-only access to a spectrum store: ``Client(url).runs()``, ``Client(url).run(id)``.
+
+The client never talks to live actors: it reads the Zarr store, also while runs are still
+writing — a :class:`Run` sees every step finished when it was opened (``refresh()`` to update).
+Everything comes out as plain NumPy arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.errors import StoreError
+from nsa_dist.metrics import flow_speed, lr_eigen_product, spectrum_preservation, stability_bound
+from nsa_dist.store import PHIS, SpectrumStore
+
+__all__ = ["Client", "Run", "RunInfo", "PHI_NAMES"]
+
+PHI_NAMES = PHIS + ("f_test",)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One line of ``Client.runs()``."""
+
+    id: str
+    name: str
+    status: str
+    reason: str | None
+    steps_done: int
+    steps_total: int
+    last_step: int | None
+    dataset: str
+    n: int
+    depth: int
+    width: int
+    optimizer: str
+    lr: float
+
+
+class Run:
+    """One run's recorded spectra, read from the store.
+
+    Arrays are indexed by the finished recorded steps (``steps``, S entries).
+    """
+
+    def __init__(self, store: SpectrumStore, run_id: str) -> None:
+        self._store, self.id = store, run_id
+        self.g = store.group(run_id)
+        try:
+            self.spec = ExperimentSpec.model_validate(self.g.attrs["spec"])
+        except KeyError:
+            raise StoreError(f"corrupt run {run_id!r}: its 'spec' attribute is missing") from None
+        self.refresh()
+
+    def refresh(self) -> "Run":
+        """Re-read the status and the set of finished steps (for watching a live run)."""
+        attrs = dict(self.g.attrs)
+        self.status, self.reason, self.failed_step = attrs.get("status"), attrs.get("reason"), attrs.get("failed_step")
+        self._idx = np.flatnonzero(self._read("done")[:])
+        return self
+
+    def _read(self, name: str) -> Any:
+        if name not in self.g:
+            raise StoreError(f"run {self.id!r} has no array {name!r} (not recorded for this spec, or a corrupt store)")
+        return self.g[name]
+
+    def _per_step(self, name: str) -> np.ndarray:
+        arr = self._read(name)
+        if not len(self._idx):
+            return np.zeros((0,) + tuple(arr.shape[1:]), dtype=arr.dtype)
+        return arr.oindex[self._idx]
+
+    def _index_of(self, step: int) -> int:
+        steps = self.steps
+        where = np.flatnonzero(steps == step)
+        if not len(where):
+            raise KeyError(f"step {step} is not a finished recorded step of run {self.id!r}; "
+                           f"finished: {steps.tolist()[:20]}{' …' if len(steps) > 20 else ''}")
+        return int(self._idx[where[0]])
+
+    # ------------------------------------------------------------------ static
+    @property
+    def schedule(self) -> np.ndarray:
+        """(S_all,) every step that will be recorded."""
+        return self._read("steps")[:]
+
+    @property
+    def X(self) -> np.ndarray:
+        return self._read("X")[:]
+
+    @property
+    def y(self) -> np.ndarray:
+        return self._read("y")[:]
+
+    @property
+    def X_test(self) -> np.ndarray:
+        return self._read("X_test")[:]
+
+    @property
+    def N(self) -> int:
+        return int(self._read("X").shape[0])
+
+    # ------------------------------------------------------------------ per step
+    @property
+    def steps(self) -> np.ndarray:
+        """(S,) the finished recorded steps t."""
+        return self.schedule[self._idx]
+
+    @property
+    def eigenvalues(self) -> np.ndarray:
+        """(S, K) top eigenvalues λ_i^t of G_t, descending."""
+        return self._per_step("eigenvalues")
+
+    def eigenvectors(self, step: int) -> np.ndarray:
+        """(N, K) eigenvectors of G_t at recorded step ``step``."""
+        return np.asarray(self._read("eigenvectors")[self._index_of(step)], dtype=np.float64)
+
+    def energy(self, phi: str = "y", k: int | None = None) -> np.ndarray:
+        """E_t(φ, k) along t: (S,) for one k, (S, K) for all k ≤ K.
+
+        phi: "y" labels, "f" outputs f_t, "residual" m_t, "df" real update, "df_pred" first-order
+        update −(δ/N) G m, "f_test" outputs at the test points (eigenvectors of the test Gram).
+        """
+        if phi not in PHI_NAMES:
+            raise ValueError(f"phi={phi!r} is not one of {', '.join(PHI_NAMES)}")
+        E = self._per_step(f"energy_{phi}")
+        if k is None:
+            return E
+        if not 1 <= k <= E.shape[1]:
+            raise ValueError(f"k={k} outside 1..{E.shape[1]} (the eigenpairs kept for {phi!r})")
+        return E[:, k - 1]
+
+    @property
+    def train_loss(self) -> np.ndarray:
+        """(S,) L(θ_t) at the recorded steps."""
+        return self._per_step("loss")
+
+    @property
+    def loss_trace(self) -> np.ndarray:
+        """(T,) the loss of every training step (NaN where not trained yet)."""
+        return self._read("loss_trace")[:]
+
+    @property
+    def lr(self) -> np.ndarray:
+        """(S,) learning rate δ_t."""
+        return self._per_step("lr")
+
+    @property
+    def first_order(self) -> dict[str, np.ndarray]:
+        """{"error": ‖df − df_pred‖/‖df‖, "cos": cos α_t} along t (NSA Fig. 1d)."""
+        return {"error": self._per_step("first_order_error"), "cos": self._per_step("first_order_cos")}
+
+    @property
+    def alignment(self) -> dict[str, np.ndarray]:
+        """{"raw": yᵀGy/(‖G‖_F‖y‖²), "centered": …} along t."""
+        return {"raw": self._per_step("alignment"), "centered": self._per_step("alignment_centered")}
+
+    def lr_eigen_product(self) -> np.ndarray:
+        """(S, K) δ_t λ_i^t / N (NSA Fig. 2d)."""
+        return lr_eigen_product(self.eigenvalues, self.lr[:, None], self.N)
+
+    def flow_speed(self) -> np.ndarray:
+        """(S, K) s_i^t = 1 − |1 − δ_t λ_i^t / N| (NSA Fig. 2c)."""
+        return flow_speed(self.eigenvalues, self.lr[:, None], self.N)
+
+    def stability_bound(self) -> np.ndarray:
+        """(S,) 2N/λ_max^t, the largest stable learning rate (NSA Fig. 1e)."""
+        return stability_bound(self.eigenvalues[:, 0], self.N)
+
+    def outputs(self, step: int, which: str = "f") -> np.ndarray:
+        """f_t ("f"), df_t ("df"), the first-order df ("df_pred") or f_t at test points ("f_test")."""
+        if which not in ("f", "df", "df_pred", "f_test"):
+            raise ValueError(f"which={which!r} is not one of f, df, df_pred, f_test")
+        return np.asarray(self._read(which)[self._index_of(step)], dtype=np.float64)
+
+    def residual(self, step: int) -> np.ndarray:
+        """m_t = f_t − y at the training points."""
+        return self.outputs(step) - self.y
+
+    def images(self, step: int) -> dict[str, np.ndarray]:
+        """2-D data: eigenvector images (nI, R, R), their |Fourier| (nI, F, F), the residual's, the indices."""
+        i = self._index_of(step)
+        return {"indices": self._read("image_indices")[:], "eigvec_images": self._read("eigvec_images")[i],
+                "eigvec_fourier": self._read("eigvec_fourier")[i], "residual_image": self._read("residual_image")[i],
+                "residual_fourier": self._read("residual_fourier")[i]}
+
+    def spectrum_preservation(self, t1: int | None = None, t2: int | None = None,
+                              i: list[int] | None = None) -> tuple[np.ndarray, int, int, list[int]]:
+        """E_{t1}(v_i^{t2}, k) for every k (NSA Fig. 7d): (rows, K) with t1, t2 and the rows i.
+
+        Default: what the run stored when it finished (second vs last recorded step), else
+        computed from the stored eigenvectors.
+        """
+        if t1 is None and t2 is None and i is None and "preservation" in self.g:
+            a = self.g["preservation"]
+            return a[:], int(a.attrs["t1"]), int(a.attrs["t2"]), list(a.attrs["rows"])
+        steps = self.steps
+        if len(steps) < 2:
+            raise ValueError(f"run {self.id!r} has {len(steps)} finished step(s); preservation needs two")
+        t1 = int(steps[1 if len(steps) > 2 else 0]) if t1 is None else t1
+        t2 = int(steps[-1]) if t2 is None else t2
+        V1, V2 = self.eigenvectors(t1), self.eigenvectors(t2)
+        rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
+        return spectrum_preservation(V1, V2, i=rows), t1, t2, rows
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r}, status={self.status!r}, steps={len(self._idx)}/{len(self.schedule)})"
+
+
+class Client:
+    """Reads a spectrum store at a local path or fsspec URL (``memory://``, ``s3://``, …)."""
+
+    def __init__(self, url: str = "nsa-results.zarr") -> None:
+        self.url = url
+        self.store = SpectrumStore(url, mode="r")
+
+    def runs(self) -> list[RunInfo]:
+        """Every run in the store, with its status and main spec fields."""
+        out = []
+        for rid in self.store.run_ids():
+            g = self.store.group(rid)
+            a = dict(g.attrs)
+            spec = a.get("spec", {})
+            done = np.flatnonzero(g["done"][:]) if "done" in g else np.zeros(0, int)
+            steps = g["steps"][:] if "steps" in g else np.zeros(0, int)
+            out.append(RunInfo(id=rid, name=spec.get("name", "?"), status=a.get("status", "?"), reason=a.get("reason"),
+                               steps_done=len(done), steps_total=len(steps),
+                               last_step=int(steps[done[-1]]) if len(done) else None,
+                               dataset=spec.get("data", {}).get("name", "?"), n=spec.get("data", {}).get("n", 0),
+                               depth=spec.get("model", {}).get("depth", 0), width=spec.get("model", {}).get("width", 0),
+                               optimizer=spec.get("optimizer", {}).get("name", "?"),
+                               lr=spec.get("schedule", {}).get("lr", float("nan"))))
+        return out
+
+    def run(self, run_id: str) -> Run:
+        """A run by id, by a unique id prefix, or by its name when only one run has it."""
+        ids = self.store.run_ids()
+        if run_id in ids:
+            return Run(self.store, run_id)
+        hits = [r for r in ids if r.startswith(run_id)] or \
+               [r for r in ids if dict(self.store.group(r).attrs).get("spec", {}).get("name") == run_id]
+        if len(hits) == 1:
+            return Run(self.store, hits[0])
+        if not hits:
+            raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {', '.join(ids[:10]) or 'none'})")
+        raise StoreError(f"{run_id!r} matches several runs: {', '.join(hits[:10])}; give the full id")

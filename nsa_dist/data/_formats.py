@@ -1,0 +1,101 @@
+"""Readers for the on-disk formats of the standard image sets: IDX (MNIST) and pickled batches (CIFAR).
+
+Each reader checks the file against its format and raises ``ValueError`` naming the path and the
+expected layout when it does not match, so a wrong or truncated download fails loudly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["find_file", "read_idx", "read_pickle_batch"]
+
+IDX_IMAGES = 2051  # 0x00000803: unsigned bytes, 3 dims (N, rows, cols)
+IDX_LABELS = 2049  # 0x00000801: unsigned bytes, 1 dim (N,)
+
+
+def find_file(directory: Path, name: str) -> Path | None:
+    """``directory/name`` or ``directory/name.gz``, whichever exists (plain first); None if neither."""
+    for p in (directory / name, directory / f"{name}.gz"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, gunzipped when the name ends in ``.gz``."""
+    if path.suffix != ".gz":
+        return path.read_bytes()
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError) as exc:  # BadGzipFile is an OSError; a cut-off stream is EOFError
+        raise ValueError(f"{str(path)!r} is not a readable gzip file ({exc})") from exc
+
+
+def read_idx(path: Path, magic: int) -> np.ndarray:
+    """An IDX file of unsigned bytes as a uint8 array of its header's shape.
+
+    Layout (LeCun's MNIST page): a big-endian uint32 magic number (2051 for images, 2049 for
+    labels; its low byte is the number of dims), one big-endian uint32 per dim, then
+    ∏ dims bytes in C order.
+
+    Args:
+        path: the file, optionally gzipped (name ending in ``.gz``).
+        magic: the expected magic number, ``IDX_IMAGES`` or ``IDX_LABELS``.
+
+    Returns:
+        uint8 array, (N, rows, cols) for images, (N,) for labels.
+
+    Raises:
+        ValueError: wrong magic number, or the byte count does not match the header.
+    """
+    raw = _read_bytes(path)
+    expected = f"an IDX file with magic number {magic} (0x{magic:08x}) and big-endian uint32 dims"
+    if len(raw) < 4 or struct.unpack(">I", raw[:4])[0] != magic:
+        got = struct.unpack(">I", raw[:4])[0] if len(raw) >= 4 else f"{len(raw)} bytes"
+        raise ValueError(f"{str(path)!r}: expected {expected}, got magic {got}")
+    ndim = magic & 0xFF
+    head = 4 + 4 * ndim
+    if len(raw) < head:
+        raise ValueError(f"{str(path)!r}: truncated header, expected {expected}")
+    dims = struct.unpack(f">{ndim}I", raw[4:head])
+    size = int(np.prod(dims))
+    if len(raw) - head != size:
+        raise ValueError(f"{str(path)!r}: header dims {dims} need {size} data bytes, the file holds "
+                         f"{len(raw) - head} (truncated or not {expected})")
+    return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(dims)
+
+
+def read_pickle_batch(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A CIFAR python batch: a pickled dict, keys decoded from bytes (the files are Python-2 pickles).
+
+    Args:
+        path: the batch file (e.g. ``data_batch_1``, ``test``).
+        keys: keys that must be present, e.g. ``("data", "labels")``.
+
+    Returns:
+        dict with str keys.
+
+    Raises:
+        ValueError: the file is not a pickle, not a dict, or lacks one of ``keys``.
+    """
+    expected = f"a pickled dict with keys {list(keys)} (the CIFAR 'python version' batch format)"
+    try:
+        with open(path, "rb") as f:
+            obj = pickle.load(f, encoding="bytes")
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not this format"
+        raise ValueError(f"{str(path)!r} is not {expected} ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(obj, dict):
+        raise ValueError(f"{str(path)!r}: expected {expected}, got a pickled {type(obj).__name__}")
+    batch = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(f"{str(path)!r}: expected {expected}; missing {missing}, found {sorted(map(str, batch))}")
+    return batch

@@ -1,0 +1,150 @@
+"""CIFAR-10 and CIFAR-100 from their "python version" pickle directories (no download)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nsa_dist.data._dataset import Dataset
+from nsa_dist.data._formats import read_pickle_batch
+from nsa_dist.data._targets import Target, check_sizes, draw, make_targets, parse_target
+
+__all__ = ["cifar10", "cifar100", "load_cifar_batches"]
+
+LUMINANCE = np.array([0.2125, 0.7154, 0.0721])  # ITU-R BT.709, as skimage.color.rgb2gray; sums to 1
+D_RGB = 3 * 32 * 32
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """File names and label key of one CIFAR variant."""
+
+    name: str
+    folder: str  # the archive's directory name, for messages
+    train: tuple[str, ...]
+    test: str
+    label_key: str
+    K: int
+
+    @property
+    def expected(self) -> str:
+        return (f"expected the '{self.folder}' directory with {list(self.train)} and {self.test!r} "
+                "(the CIFAR python pickle format)")
+
+
+_CIFAR10 = _Layout("cifar10", "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)),
+                   "test_batch", "labels", 10)
+_CIFAR100 = _Layout("cifar100", "cifar-100-python", ("train",), "test", "fine_labels", 100)
+
+
+def load_cifar_batches(paths: list[Path], label_key: str, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated CIFAR batches: pixels uint8 (N, 3072) — R, G, B planes of 32×32, row-major — and labels (N,).
+
+    Raises:
+        ValueError: a file is not a pickled dict with ``data`` (m, 3072) uint8 and ``label_key`` (m,)
+            in 0..K−1.
+    """
+    data, labels = [], []
+    for p in paths:
+        batch = read_pickle_batch(p, ("data", label_key))
+        x, c = np.asarray(batch["data"]), np.asarray(batch[label_key])
+        if x.ndim != 2 or x.shape[1] != D_RGB or x.dtype != np.uint8 or c.shape != (len(x),):
+            raise ValueError(f"{str(p)!r}: expected 'data' uint8 (m, {D_RGB}) and {label_key!r} (m,), got "
+                             f"data {x.dtype} {x.shape} and labels {c.shape}")
+        if c.size and not (c.min() >= 0 and c.max() < K):
+            raise ValueError(f"{str(p)!r}: {label_key!r} holds values outside 0..{K - 1}")
+        data.append(x)
+        labels.append(c.astype(np.int64))
+    return np.concatenate(data), np.concatenate(labels)
+
+
+def _features(pixels: np.ndarray, grayscale: bool) -> np.ndarray:
+    """uint8 (N, 3072) → float64 (N, 1024) luminance Σ_c w_c x_c, or (N, 3072) RGB, in [0, 1]."""
+    x = pixels.astype(np.float64).reshape(-1, 3, 32 * 32) / 255.0  # (N, 3, 1024)
+    return np.einsum("c,ncp->np", LUMINANCE, x) if grayscale else x.reshape(len(x), D_RGB)
+
+
+def _files(directory: Path, names: tuple[str, ...], layout: _Layout, why: str) -> list[Path]:
+    """The paths of ``names`` in ``directory``; FileNotFoundError naming the missing ones otherwise."""
+    missing = [name for name in names if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{layout.name}: {missing} not found in {str(directory)!r} ({why}); "
+                                f"{layout.expected}")
+    return [directory / name for name in names]
+
+
+def _cifar(layout: _Layout, path: str | Path, n: int, n_test: int, grayscale: bool,
+           target: str | Target, positive_class: int, seed: int) -> Dataset:
+    """A seeded subset of one CIFAR variant; train and test drawn from independent streams."""
+    check_sizes(n, n_test, layout.name)
+    t = parse_target(target, layout.K, positive_class, layout.name)
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{layout.name}: directory {str(d)!r} does not exist ({layout.expected})")
+    rng_train, rng_test = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    pixels, labels = load_cifar_batches(_files(d, layout.train, layout, "training batches"), layout.label_key, layout.K)
+    tr = draw(rng_train, len(labels), n, layout.name, "training images (n)")
+    if n_test > 0:
+        pixels_t, labels_t = load_cifar_batches(_files(d, (layout.test,), layout, f"n_test={n_test} needs the "
+                                                       "test batch"), layout.label_key, layout.K)
+        te = draw(rng_test, len(labels_t), n_test, layout.name, "test images (n_test)")
+    else:
+        pixels_t, labels_t, te = pixels, labels, np.arange(0)
+    X, X_test = _features(pixels[tr], grayscale), _features(pixels_t[te], grayscale)
+    meta = {"source": layout.name, "path": str(d), "n": n, "n_test": n_test, "seed": seed,
+            "grayscale": grayscale, "d": int(X.shape[1]), "image_shape": [32, 32] if grayscale else [3, 32, 32],
+            "scale": "pixel / 255" + (", luminance 0.2125 R + 0.7154 G + 0.0721 B" if grayscale else ""),
+            "target": t.value, "classes": layout.K}
+    if t is Target.ONE_VS_REST:
+        meta["positive_class"] = positive_class
+    return Dataset(X, make_targets(labels[tr], t, layout.K, positive_class), X_test,
+                   make_targets(labels_t[te], t, layout.K, positive_class), meta)
+
+
+def cifar10(n: int = 1000, *, path: str | Path, n_test: int = 0, grayscale: bool = True,
+            target: str | Target = "label", positive_class: int = 0, seed: int = 0) -> Dataset:
+    """N CIFAR-10 images as flat vectors in [0, 1]: luminance (d = 1024) or RGB (d = 3072).
+
+    Train is a seeded subset of the 50,000 images in ``data_batch_1..5``, test of the 10,000 in
+    ``test_batch`` (read only when n_test > 0; independent stream, so it does not depend on n).
+    RGB vectors keep CIFAR's layout: the R, G, B 32×32 planes one after the other, row-major.
+
+    Args:
+        n: training points N.
+        path: the extracted ``cifar-10-batches-py`` directory.
+        n_test: test points M.
+        grayscale: x = 0.2125 R + 0.7154 G + 0.0721 B per pixel (BT.709) instead of RGB.
+        target: ``"label"`` y = c (N,), ``"one_vs_rest"`` y = ±1 (N,), ``"onehot"`` y = e_c (N, 10).
+        positive_class: the +1 class of ``one_vs_rest``.
+        seed: subset seed.
+
+    Returns:
+        Dataset with X (N, d), X_test (M, d) float64; y, y_test float64 as above.
+
+    Raises:
+        FileNotFoundError: ``path`` or a batch file is missing.
+        ValueError: a batch is not a CIFAR pickle; n or n_test exceeds the images available; bad target.
+    """
+    return _cifar(_CIFAR10, path, n, n_test, grayscale, target, positive_class, seed)
+
+
+def cifar100(n: int = 1000, *, path: str | Path, n_test: int = 0, grayscale: bool = True,
+             target: str | Target = "label", positive_class: int = 0, seed: int = 0) -> Dataset:
+    """N CIFAR-100 images with their 100 fine labels; as :func:`cifar10` (files ``train``, ``test``).
+
+    Args:
+        n: training points N (of 50,000).
+        path: the extracted ``cifar-100-python`` directory.
+        n_test: test points M (of 10,000).
+        grayscale: luminance (d = 1024) instead of RGB (d = 3072).
+        target: ``"label"`` (N,), ``"one_vs_rest"`` (N,), ``"onehot"`` (N, 100).
+        positive_class: the +1 class of ``one_vs_rest``.
+        seed: subset seed.
+
+    Raises:
+        FileNotFoundError: ``path`` or a batch file is missing.
+        ValueError: a batch is not a CIFAR pickle; n or n_test exceeds the images available; bad target.
+    """
+    return _cifar(_CIFAR100, path, n, n_test, grayscale, target, positive_class, seed)

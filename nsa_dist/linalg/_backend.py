@@ -1,0 +1,211 @@
+"""Array modules the eigensolvers run on: NumPy (CPU), torch or CuPy (GPU) (private).
+
+The solvers are written once against :class:`ArrayOps`, a dozen operations that NumPy and CuPy
+spell identically (``xp.linalg.qr``, ``xp.zeros``, ...) and torch spells slightly differently.
+Small projected matrices (the Lanczos ``H``, at most a few hundred square) always live on the
+host; only the tall (N, m) blocks live on the backend's device.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from nsa_dist.errors import MissingDependencyError
+
+__all__ = ["Backend", "ArrayOps", "TorchOps", "get_cupy", "array_kind", "convert", "resolve_backend"]
+
+_CUPY_HINT = "pip install 'nsa-dist[gpu]' (cupy-cuda12x)"
+_NUMPY_SAFE = (torch.float64, torch.float32, torch.float16)  # torch dtypes NumPy can view
+
+
+def get_cupy() -> ModuleType:
+    """Import CuPy, or raise :class:`MissingDependencyError` saying how to install it."""
+    try:
+        import cupy
+    except ImportError as err:
+        raise MissingDependencyError(f"backend='cupy' needs CuPy, which is not installed; {_CUPY_HINT}") from err
+    return cupy
+
+
+class Backend(str, Enum):
+    """Where the eigensolver runs.
+
+    AUTO: where the input lives — NumPy for NumPy arrays, CPU tensors and SciPy operators;
+        torch on the GPU for CUDA tensors (and operators returning them); CuPy for CuPy arrays.
+    NUMPY: NumPy/SciPy/LAPACK on the host; GPU inputs are copied over.
+    TORCH: torch on the input's device (CUDA for GPU inputs; CPU otherwise, mainly for testing the
+        GPU code path on a CPU machine).
+    CUPY: CuPy on the current GPU; torch CUDA tensors are shared zero-copy through DLPack.
+    """
+
+    AUTO = "auto"
+    NUMPY = "numpy"
+    TORCH = "torch"
+    CUPY = "cupy"
+
+
+def array_kind(x: Any) -> str | None:
+    """"numpy" | "torch" | "cupy" for an array of that library, else None (no CuPy import)."""
+    if isinstance(x, torch.Tensor):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if type(x).__module__.split(".")[0] == "cupy":
+        return "cupy"
+    return None
+
+
+def _on_gpu(x: Any) -> bool:
+    kind = array_kind(x)
+    return kind == "cupy" or (kind == "torch" and x.device.type != "cpu")
+
+
+def convert(x: Any, kind: str, dtype: Any = None, device: Any = None) -> Any:
+    """``x`` (NumPy, torch or CuPy) as a ``kind`` array of ``dtype`` (torch: on ``device``).
+
+    Shares memory where the libraries allow it (torch CPU ↔ NumPy, CUDA ↔ CuPy via DLPack).
+    """
+    src = array_kind(x)
+    if kind == "numpy":
+        if src == "torch":
+            x = x.detach().cpu()
+            x = (x if x.dtype in _NUMPY_SAFE else x.double()).numpy()
+        elif src == "cupy":
+            x = x.get()
+        return np.asarray(x, dtype=dtype)
+    if kind == "torch":
+        if src == "cupy":
+            x = torch.from_dlpack(x)
+        elif src != "torch":
+            a = np.asarray(x)
+            if not a.flags.writeable or min(a.strides, default=0) < 0:
+                a = a.copy()  # torch.from_numpy needs a writeable array with positive strides
+            x = torch.from_numpy(a)
+        return x.detach().to(device=device if device is not None else x.device, dtype=dtype)
+    cp = get_cupy()
+    if src == "torch":
+        x = x.detach()
+        x = cp.from_dlpack(x) if x.device.type == "cuda" else x.numpy()
+    return cp.asarray(x, dtype=dtype)
+
+
+class ArrayOps:
+    """The array operations the solvers need, for NumPy or CuPy (``xp``); float64 throughout."""
+
+    def __init__(self, xp: ModuleType) -> None:
+        self.xp = xp
+        self.name = "numpy" if xp is np else "cupy"
+
+    def asarray(self, x: Any) -> Any:
+        """Any NumPy/torch/CuPy array → this backend's float64 array (no copy when possible)."""
+        return convert(x, self.name, self.xp.float64)
+
+    def from_numpy(self, a: np.ndarray) -> Any:
+        return self.xp.asarray(a, dtype=self.xp.float64)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return x if self.xp is np else self.xp.asnumpy(x)
+
+    def zeros(self, shape: tuple[int, ...]) -> Any:
+        """Zeros; column-major so that column blocks ``V[:, a:b]`` are contiguous."""
+        return self.xp.zeros(shape, dtype=self.xp.float64, order="F")
+
+    def eye(self, n: int, cols: slice) -> Any:
+        """Columns ``cols`` of the (n, n) identity."""
+        E = self.zeros((n, cols.stop - cols.start))
+        E[cols.start + self.xp.arange(E.shape[1]), self.xp.arange(E.shape[1])] = 1.0
+        return E
+
+    def qr(self, A: Any) -> Any:
+        return self.xp.linalg.qr(A)[0]
+
+    def qr_r(self, A: Any) -> tuple[Any, Any]:
+        """Thin QR, both factors."""
+        return self.xp.linalg.qr(A)
+
+    def svd(self, A: Any) -> tuple[Any, Any]:
+        """Thin SVD's left factor and singular values (descending)."""
+        U, S, _ = self.xp.linalg.svd(A, full_matrices=False)
+        return U, S
+
+    def eigh(self, A: Any) -> tuple[Any, Any]:
+        return self.xp.linalg.eigh(A)
+
+    def colnorms(self, A: Any) -> Any:
+        return self.xp.linalg.norm(A, axis=0)
+
+    def all_finite(self, A: Any) -> bool:
+        return bool(self.xp.isfinite(A).all())
+
+
+class TorchOps(ArrayOps):
+    """:class:`ArrayOps` for torch tensors on ``device`` (CUDA, or CPU for tests)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.xp = torch
+        self.name = "torch"
+        self.device = torch.device(device)
+
+    def asarray(self, x: Any) -> torch.Tensor:
+        return convert(x, "torch", torch.float64, self.device)
+
+    def from_numpy(self, a: np.ndarray) -> torch.Tensor:
+        return convert(a, "torch", torch.float64, self.device)
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        return x.detach().cpu().numpy()
+
+    def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape[::-1], dtype=torch.float64, device=self.device).T  # column-major
+
+    def eye(self, n: int, cols: slice) -> torch.Tensor:
+        E = self.zeros((n, cols.stop - cols.start))
+        j = torch.arange(E.shape[1], device=self.device)
+        E[cols.start + j, j] = 1.0
+        return E
+
+    def qr(self, A: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.qr(A)[0]
+
+    def qr_r(self, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.linalg.qr(A)
+
+    def svd(self, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        U, S, _ = torch.linalg.svd(A, full_matrices=False)
+        return U, S
+
+    def eigh(self, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.linalg.eigh(A)
+
+    def colnorms(self, A: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(A, dim=0)
+
+    def all_finite(self, A: torch.Tensor) -> bool:
+        return bool(torch.isfinite(A).all())
+
+
+def resolve_backend(backend: Backend, sample: Any) -> ArrayOps:
+    """The :class:`ArrayOps` for ``backend``; AUTO follows where ``sample`` (an array) lives.
+
+    Raises:
+        MissingDependencyError: CuPy requested (or a CuPy input) without CuPy installed.
+    """
+    kind = array_kind(sample)
+    if backend is Backend.AUTO:
+        if not _on_gpu(sample):
+            return ArrayOps(np)
+        backend = Backend.CUPY if kind == "cupy" else Backend.TORCH
+    if backend is Backend.NUMPY:
+        return ArrayOps(np)
+    if backend is Backend.CUPY:
+        return ArrayOps(get_cupy())
+    if kind == "torch":
+        return TorchOps(sample.device)
+    if kind == "cupy":
+        return TorchOps(torch.device("cuda", sample.device.id))
+    return TorchOps("cpu")

@@ -1,0 +1,118 @@
+"""One experiment end to end on this machine: train, analyse each recorded step, write the store.
+
+The three parts stay separate plain classes (Trainer, SpectralAnalyzer, RunWriter) so the Ray
+layer can place them on different workers; this module is the single-process composition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.data import Dataset, load_dataset
+from nsa_dist.metrics import spectrum_preservation
+from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
+from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
+from nsa_dist.store import RunDims, RunWriter, SpectrumStore, Status
+
+__all__ = ["RunOutcome", "run_experiment", "run_id", "run_dims", "spec_json"]
+
+
+def spec_json(spec: ExperimentSpec) -> dict:
+    """The spec as plain JSON (enums as their values)."""
+    return json.loads(spec.model_dump_json())
+
+
+def run_id(spec: ExperimentSpec) -> str:
+    """Stable id: the run name and a hash of the whole spec (same spec → same id)."""
+    digest = hashlib.sha1(json.dumps(spec_json(spec), sort_keys=True).encode()).hexdigest()[:10]
+    return f"{spec.name}-{digest}"
+
+
+def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: SpectralAnalyzer) -> RunDims:
+    K = spectrum_size(spec, data.n)
+    M = int(data.X_test.shape[0])
+    imgs = analyzer.images
+    return RunDims(N=data.n, M=M, d=int(data.X.shape[1]), Ko=spec.model.output_dim, P=trainer.n_params,
+                   S=len(trainer.record), T=spec.steps, K=K,
+                   Kt=min(K, M) if spec.spectrum.test_points and M else 0,
+                   nI=len(imgs.indices) if imgs else 0, R=spec.spectrum.image_size if imgs else 0,
+                   F=spec.spectrum.fourier_size if imgs else 0, n_slots=len(trainer.slot_names),
+                   L=int(trainer.gen.get_state().numel()), store_eigenvectors=spec.spectrum.store_eigenvectors)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    run_id: str
+    status: str
+    reason: str | None = None
+    steps_computed: int = 0
+
+
+def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
+                   on_step: Callable[[Checkpoint, dict], None] | None = None,
+                   on_update: Callable[[int, float], None] | None = None) -> RunOutcome:
+    """Train ``spec`` and record its spectra in ``store``; resumes a run already there.
+
+    Finished steps are skipped, training restarts from the last stored checkpoint, a diverging
+    run is marked failed (with the step and the reason) keeping every earlier step.
+    """
+    torch.manual_seed(spec.seed)
+    data = load_dataset(spec.data, seed=spec.seed)
+    trainer = Trainer(spec, data)
+    analyzer = SpectralAnalyzer(spec, data)
+    rid = run_id(spec)
+    writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
+    done = writer.done()
+    if done.all():
+        writer.set_status(Status.DONE)
+        return RunOutcome(rid, Status.DONE)
+    writer.write_static({"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
+                         "steps": np.asarray(trainer.record), "image_indices": np.asarray(
+                             analyzer.images.indices if analyzer.images else [], dtype=np.int64)})
+    latest = writer.latest_state()
+    if latest is not None:
+        trainer.load_state(latest[1])
+    trainer.on_update = on_update
+    writer.set_status(Status.RUNNING)
+    computed = 0
+    try:
+        for ck in trainer.train_until(spec.steps):
+            writer.write_trace(ck.trace_start, ck.loss_trace)
+            if done[ck.index]:
+                continue
+            result = analyzer.analyze(ck)
+            writer.write_step(ck.index, result, ck.state)
+            computed += 1
+            if on_step:
+                on_step(ck, result)
+    except TrainingDiverged as exc:
+        writer.set_status(Status.FAILED, str(exc), exc.step)
+        return RunOutcome(rid, Status.FAILED, str(exc), computed)
+    except BaseException as exc:
+        writer.set_status(Status.PENDING, f"interrupted ({type(exc).__name__}: {exc}); re-run to resume")
+        raise
+    _write_preservation(writer, spec)
+    writer.set_status(Status.DONE)
+    return RunOutcome(rid, Status.DONE, None, computed)
+
+
+def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
+    """E_{t1}(v_i^{t2}, k) between the second and the last recorded step (NSA Fig. 7d)."""
+    g, S = writer.g, writer.dims.S
+    if not spec.spectrum.store_eigenvectors or S < 2:
+        return
+    i1 = 1 if S > 2 else 0
+    V1, V2 = g["eigenvectors"][i1], g["eigenvectors"][S - 1]
+    rows = sorted({i for i in spec.spectrum.images if i <= V2.shape[1]} | {1})
+    P = spectrum_preservation(V1.astype(np.float64), V2.astype(np.float64), i=rows)
+    steps = g["steps"][:]
+    writer.write_array("preservation", np.asarray(P, dtype=np.float64),
+                       {"t1": int(steps[i1]), "t2": int(steps[S - 1]), "rows": rows})

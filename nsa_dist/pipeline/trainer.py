@@ -1,0 +1,162 @@
+"""Training of one run, plain PyTorch (no Ray, no store): GD, minibatch SGD, Adam."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from nsa_dist.config import ExperimentSpec, OptimizerName
+from nsa_dist.data import Dataset
+from nsa_dist.models import build_model
+from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
+
+__all__ = ["Trainer", "TrainingDiverged"]
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss became NaN/inf at ``step``."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"training diverged at step {step}: loss = {loss} (lower the learning rate)")
+        self.step, self.loss = step, loss
+
+
+def _as_target(y: np.ndarray) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(y), dtype=torch.float32)
+
+
+class Trainer:
+    """Trains ``spec``'s model on ``data`` with L = (1/N) Σ ½‖f − y‖², deterministically for a seed.
+
+    ``train_until(stop)`` is idempotent in its target: it runs updates from the current step up
+    to ``stop`` and yields a :class:`Checkpoint` at every recorded step passed on the way.
+    """
+
+    def __init__(self, spec: ExperimentSpec, data: Dataset) -> None:
+        self.spec = spec
+        self.model = build_model(spec.model, seed=spec.seed)
+        self.X = torch.as_tensor(data.X, dtype=torch.float32)  # (N, d)
+        self.y = _as_target(data.y)  # (N,) or (N, K)
+        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32).reshape(-1, data.X.shape[1])  # (M, d)
+        self.record = spec.record_steps()
+        self._index = {t: i for i, t in enumerate(self.record)}
+        self.opt = self._optimizer()
+        self.gen = torch.Generator().manual_seed(spec.seed + 7919)
+        self.step = 0
+        self.on_update: Callable[[int, float], None] | None = None  # called after every update
+        self._trace: list[float] = []
+        self._trace_start = 0
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        o = self.spec.optimizer
+        params = self.model.parameters()
+        if OptimizerName(o.name) is OptimizerName.ADAM:
+            return torch.optim.Adam(params, lr=self.spec.schedule.lr, betas=o.betas, eps=o.eps)
+        return torch.optim.SGD(params, lr=self.spec.schedule.lr, momentum=o.momentum)
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    # ------------------------------------------------------------------ state
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        """Names of the per-parameter optimizer state tensors kept in :class:`TrainerState`."""
+        o = self.spec.optimizer
+        if OptimizerName(o.name) is OptimizerName.ADAM:
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if o.momentum > 0 else ()
+
+    def state(self) -> TrainerState:
+        params = list(self.model.parameters())
+        slots = np.zeros((len(self.slot_names), self.n_params), np.float32)
+        for j, name in enumerate(self.slot_names):
+            bufs = [self.opt.state.get(p, {}).get(name) for p in params]
+            if all(b is not None for b in bufs):
+                slots[j] = torch.cat([b.reshape(-1) for b in bufs]).numpy()
+        return TrainerState(self.step, self.theta(), slots, self.gen.get_state().numpy().copy())
+
+    def load_state(self, state: TrainerState) -> None:
+        params = list(self.model.parameters())
+        vector_to_parameters(torch.as_tensor(state.theta, dtype=torch.float32), params)
+        self.opt.state.clear()
+        if state.step > 0:
+            for j, name in enumerate(self.slot_names):
+                off = 0
+                for p in params:
+                    st = self.opt.state.setdefault(p, {})
+                    st[name] = torch.as_tensor(state.slots[j, off:off + p.numel()]).view_as(p).clone()
+                    off += p.numel()
+                    if name == "exp_avg":
+                        st["step"] = torch.tensor(float(state.step))
+        self.gen.set_state(torch.as_tensor(np.asarray(state.rng, dtype=np.uint8)))
+        self.step = state.step
+        self._trace, self._trace_start = [], state.step
+
+    def theta(self) -> np.ndarray:
+        return parameters_to_vector(self.model.parameters()).detach().numpy().copy()  # (P,)
+
+    # ------------------------------------------------------------------ training
+    def _loss(self, idx: torch.Tensor | None) -> torch.Tensor:
+        X, y = (self.X, self.y) if idx is None else (self.X[idx], self.y[idx])
+        r = self.model(X) - y
+        return 0.5 * (r**2).reshape(r.shape[0], -1).sum(1).mean()
+
+    def _batch(self) -> torch.Tensor | None:
+        b = self.spec.optimizer.batch_size
+        if b is None:
+            return None
+        return torch.randperm(self.X.shape[0], generator=self.gen)[:b]
+
+    def _update(self) -> float:
+        """One update θ_t → θ_{t+1}; returns the full-data loss L(θ_t) for GD, the batch loss otherwise."""
+        lr = self.spec.schedule.lr_at(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._loss(self._batch())
+        value = float(loss.detach())
+        if not np.isfinite(value):
+            raise TrainingDiverged(self.step, value)
+        loss.backward()
+        self.opt.step()
+        self.step += 1
+        if self.on_update is not None:
+            self.on_update(self.step, value)
+        return value
+
+    @torch.no_grad()
+    def outputs(self, X: torch.Tensor) -> np.ndarray:
+        return self.model(X).numpy().copy() if X.shape[0] else np.zeros((0,) + tuple(self.y.shape[1:]), np.float32)
+
+    def train_until(self, stop: int) -> Iterator[Checkpoint]:
+        """Run updates until ``self.step == stop``, yielding a checkpoint at each recorded step."""
+        stop = min(stop, self.spec.steps)
+        while self.step < stop:
+            t = self.step
+            if t not in self._index:
+                self._trace.append(self._update())
+                continue
+            theta, f, f_test = self.theta(), self.outputs(self.X), self.outputs(self.X_test)
+            with torch.no_grad():
+                loss = float(self._loss(None))
+            if not np.isfinite(loss):
+                raise TrainingDiverged(t, loss)
+            lr, state = self.spec.schedule.lr_at(t), self.state()
+            self._trace.append(self._update())
+            f_next = self.outputs(self.X)
+            trace, start = np.asarray(self._trace, np.float64), self._trace_start
+            self._trace, self._trace_start = [], self.step
+            yield Checkpoint(index=self._index[t], step=t, lr=lr, loss=loss, theta=theta,
+                             dtheta=self.theta() - theta, f=f, df=f_next - f, f_test=f_test,
+                             loss_trace=trace, trace_start=start, state=state)
+            if not np.isfinite(f_next).all():  # θ_t was fine (recorded above), θ_{t+1} is not
+                raise TrainingDiverged(self.step, float("nan"))
+
+    def run(self, on_checkpoint: Callable[[Checkpoint], None]) -> None:
+        """Train to the end, calling ``on_checkpoint`` at each recorded step."""
+        for ck in self.train_until(self.spec.steps):
+            on_checkpoint(ck)

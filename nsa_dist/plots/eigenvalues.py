@@ -1,0 +1,63 @@
+"""The spectrum of G_t: λ_i^t over i (NSA Fig. 2a) and along t (2b), flow speed (2c), δ_t λ_i^t / N (2d)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nsa_dist.plots._axes import colors, ks, new_figure, some_steps, time_axis
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+
+def fig2a(run: "Run") -> "Figure":
+    """λ_i^t against i for up to six recorded t (log-log; λ ≤ 0 are left out)."""
+    fig, ax = new_figure(run, "2a", "eigenvalues of $G_t$ for several t")
+    ax, evals, t = ax[0, 0], run.eigenvalues, run.steps  # (S, K), (S,)
+    i = np.arange(1, evals.shape[1] + 1)  # (K,)
+    idx = some_steps(len(t))
+    for c, j in zip(colors(len(idx)), idx):
+        lam = np.where(evals[j] > 0, evals[j], np.nan)
+        ax.plot(i, lam, color=c, label=f"t = {t[j]}")
+    ax.set(xscale="log", yscale="log", xlabel="index i", ylabel=r"eigenvalue $\lambda_i^t$")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def fig2b(run: "Run") -> "Figure":
+    """Individual eigenvalues λ_i^t along t for i in 1, 2, 5, 10, … ≤ K (log y)."""
+    fig, ax = new_figure(run, "2b", "individual eigenvalues along t")
+    ax, evals = ax[0, 0], run.eigenvalues  # (S, K)
+    rows = ks(evals.shape[1])
+    for c, i in zip(colors(len(rows)), rows):
+        ax.plot(run.steps, evals[:, i - 1], "o-", ms=3, color=c, label=rf"$\lambda_{{{i}}}^t$")
+    time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True)
+    return fig
+
+
+def fig2c(run: "Run") -> "Figure":
+    """Information-flow speed s_i^t = 1 − |1 − δ_t λ_i^t / N| along t for the top 8 eigenvectors."""
+    fig, ax = new_figure(run, "2c", "information flow speed of the top eigenvectors")
+    ax, s = ax[0, 0], run.flow_speed()  # (S, K)
+    top = min(8, s.shape[1])
+    for c, i in zip(colors(top), range(1, top + 1)):
+        ax.plot(run.steps, s[:, i - 1], "o-", ms=3, color=c, label=f"i = {i}")
+    time_axis(ax, run, r"$s_i^t = 1 - |1 - \delta_t \lambda_i^t / N|$")
+    return fig
+
+
+def fig2d(run: "Run") -> "Figure":
+    """δ_t λ_i^t / N along t for i in 1, 2, 5, 10, … ≤ K, with the stability limit 2 (log y)."""
+    fig, ax = new_figure(run, "2d", r"$\delta_t \lambda_i^t / N$ along t")
+    ax, p = ax[0, 0], run.lr_eigen_product()  # (S, K)
+    rows = ks(p.shape[1])
+    for c, i in zip(colors(len(rows)), rows):
+        ax.plot(run.steps, p[:, i - 1], "o-", ms=3, color=c, label=f"i = {i}")
+    ax.axhline(2.0, color="crimson", ls=":", lw=1.2, label="2 (stability limit)")
+    time_axis(ax, run, r"$\delta_t \lambda_i^t / N$", logy=True)
+    return fig

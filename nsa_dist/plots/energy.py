@@ -1,0 +1,43 @@
+"""Relative energy E_t(φ, k) = Σ_{i≤k} ⟨v_i^t, φ⟩² / ‖φ‖² along t for several k (NSA Fig. 3)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nsa_dist.plots._axes import colors, ks, new_figure, time_axis
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+_PHI_TEX = {"y": r"\bar y", "f": r"\bar f_t", "residual": r"\bar m_t", "df_pred": r"d\bar f_t",
+            "df": r"d\tilde f_t", "f_test": r"\bar f_t^{test}"}
+_WHAT = {"y": "energy of the labels y in the top-k eigenvectors of $G_t$",
+         "f": "energy of the outputs $f_t$", "residual": "energy of the residual $m_t$",
+         "df_pred": r"energy of the differential $d\bar f_t = -(\delta_t/N) G_t m_t$",
+         "f_test": "energy of the test outputs (Gramian at the test points)"}
+_LABEL = {"y": "3a", "f": "3b", "residual": "3c", "df_pred": "3d", "f_test": "3e"}
+
+
+def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = True) -> None:
+    """One line per k in 1, 2, 5, 10, … ≤ K (the K of this φ's eigenbasis)."""
+    E = run.energy(phi)  # (S, K)
+    rows = ks(E.shape[1])
+    for c, k in zip(colors(len(rows)), rows):
+        ax.plot(run.steps, E[:, k - 1], ls, ms=3, color=c, label=f"k = {k}" if labels else None)
+
+
+def energy_figure(run: "Run", phi: str) -> "Figure":
+    """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
+    df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
+    fig, ax = new_figure(run, _LABEL[phi], _WHAT[phi])
+    ax = ax[0, 0]
+    _curves(ax, run, phi)
+    if phi == "df_pred":
+        _curves(ax, run, "df", ls="--", labels=False)
+        ax.plot([], [], "k-", label=r"first order $d\bar f_t$")  # legend entries for the two line styles
+        ax.plot([], [], "k--", label=r"real $d\tilde f_t = f_{t+1} - f_t$")
+    time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$")
+    return fig

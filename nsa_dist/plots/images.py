@@ -1,0 +1,69 @@
+"""2-D data: residual (NSA Figs. 4b–c) and eigenvectors (Fig. 5) as images on [0, 1]² with |Fourier|."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nsa_dist.plots._axes import new_figure
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+
+def _image(ax: "Axes", img: np.ndarray, title: str, bar: bool = True) -> None:
+    """(R, R) values on [0, 1]² (row = x₂), diverging colours centred at 0."""
+    v = float(np.nanmax(np.abs(img))) or 1.0
+    im = ax.imshow(img, origin="lower", extent=(0, 1, 0, 1), cmap="RdBu_r", vmin=-v, vmax=v)
+    ax.set(title=title, xlabel="$x_1$", ylabel="$x_2$")
+    if bar:
+        ax.figure.colorbar(im, ax=ax, shrink=0.85)
+
+
+def _fourier(ax: "Axes", F: np.ndarray, limit: float, title: str, bar: bool = True) -> None:
+    """|φ̂| (F, F) with axis 0 = ξ₁, drawn with ξ₁ horizontal on [−limit, limit]²."""
+    im = ax.imshow(F.T, origin="lower", extent=(-limit, limit, -limit, limit), cmap="magma")
+    ax.set(title=title, xlabel=r"$\xi_1$", ylabel=r"$\xi_2$")
+    if bar:
+        ax.figure.colorbar(im, ax=ax, shrink=0.85)
+
+
+def fig4bc(run: "Run") -> "Figure":
+    """The residual m_t and its |Fourier| at an early step (the second recorded) and the last."""
+    steps, limit = run.steps, run.spec.spectrum.fourier_limit
+    chosen = sorted({int(steps[1 if len(steps) > 2 else 0]), int(steps[-1])})
+    fig, ax = new_figure(run, "4b–c", "residual and its Fourier transform", nrows=len(chosen), ncols=2,
+                         panel=(4.4, 3.8))
+    for row, t in zip(ax, chosen):
+        im = run.images(t)
+        _image(row[0], im["residual_image"], f"residual $m_t$, t = {t}")
+        _fourier(row[1], im["residual_fourier"], limit, rf"$|\hat m_t|$, t = {t}")
+    return fig
+
+
+def fig5(run: "Run") -> "Figure":
+    """Eigenvectors v_i of G_t at the last step as images, each above its |Fourier|, six per line."""
+    t, limit = int(run.steps[-1]), run.spec.spectrum.fourier_limit
+    im = run.images(t)
+    idx = [int(i) for i in im["indices"]]
+    ncols = min(6, len(idx))
+    lines = -(-len(idx) // ncols)
+    fig, ax = new_figure(run, "5", f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}",
+                         nrows=2 * lines, ncols=ncols, panel=(2.3, 2.3))
+    for a in ax.ravel():
+        a.set_axis_off()
+    for j, i in enumerate(idx):
+        top, bottom = ax[2 * (j // ncols), j % ncols], ax[2 * (j // ncols) + 1, j % ncols]
+        top.set_axis_on()
+        bottom.set_axis_on()
+        _image(top, im["eigvec_images"][j], f"$v_{{{i}}}$", bar=False)
+        _fourier(bottom, im["eigvec_fourier"][j], limit, rf"$|\hat v_{{{i}}}|$", bar=False)
+        for a in (top, bottom):
+            a.tick_params(labelsize=6)
+            a.xaxis.label.set_size(7)
+            a.yaxis.label.set_size(7)
+    return fig

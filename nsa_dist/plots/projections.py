@@ -1,0 +1,51 @@
+"""Projections on the eigenvectors of G_t: of the residual (NSA Fig. 4a), of later eigenvectors (7d)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nsa_dist.plots._axes import colors, new_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+
+def residual_projections(run: "Run", step: int) -> np.ndarray:
+    """⟨v_i^t, m_t⟩² for i = 1..K (K,), summed over outputs when the network has several."""
+    V = run.eigenvectors(step)  # (N, K)
+    m = run.residual(step).reshape(V.shape[0], -1)  # (N, Ko)
+    return ((V.T @ m) ** 2).sum(axis=1)  # (K,)
+
+
+def fig4a(run: "Run") -> "Figure":
+    """⟨v_i^t, m_t⟩² against i at the first and the last recorded step (log y)."""
+    fig, ax = new_figure(run, "4a", "spectral projections of the residual")
+    ax, steps = ax[0, 0], run.steps
+    chosen = sorted({int(steps[0]), int(steps[-1])})
+    for c, t in zip(colors(len(chosen)), chosen):
+        p = residual_projections(run, t)
+        ax.plot(np.arange(1, len(p) + 1), np.where(p > 0, p, np.nan), "o-", ms=3, color=c, label=f"t = {t}")
+    ax.set(yscale="log", xlabel="index i", ylabel=r"$\langle v_i^t, m_t\rangle^2$")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def fig7d(run: "Run") -> "Figure":
+    """E_{t1}(v_i^{t2}, k) against k (log x) for the stored rows i: is v_i^{t2} in the top-k spectrum of G_{t1}?"""
+    P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)
+    fig, ax = new_figure(run, "7d", "spectrum preservation")
+    ax = ax[0, 0]
+    k = np.arange(1, P.shape[1] + 1)
+    for c, i, E in zip(colors(len(rows)), rows, P):
+        ax.plot(k, E, "o-", ms=2.5, color=c, label=f"i = {i}")
+    ax.set(xscale="log", xlabel="k (top eigenvectors of $G_{t_1}$)", ylim=(-0.02, 1.02),
+           ylabel=rf"$E_{{{t1}}}(v_i^{{{t2}}}, k)$")
+    ax.set_title(f"$t_1$ = {t1}, $t_2$ = {t2}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, ncol=2 if len(rows) > 6 else 1)
+    return fig

@@ -1,0 +1,109 @@
+"""The figures by name, what each needs from a run, and :func:`plot_run` which writes them as PNGs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from nsa_dist.plots import dynamics, eigenvalues, energy, images, projections
+from nsa_dist.plots._axes import DPI
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+_Needs = Callable[["Run"], bool]
+
+
+def _has(*arrays: str) -> _Needs:
+    """The run stores every one of ``arrays`` (some exist only for some specs)."""
+    return lambda run: all(a in run.g for a in arrays)
+
+
+def _energy(phi: str) -> Callable[["Run"], "Figure"]:
+    return lambda run: energy.energy_figure(run, phi)
+
+
+def _preservation_ready(run: "Run") -> bool:
+    return "preservation" in run.g or ("eigenvectors" in run.g and len(run.steps) >= 2)
+
+
+_EVALS = _has("eigenvalues", "lr")
+_FIGURES: dict[str, tuple[Callable[["Run"], "Figure"], _Needs]] = {
+    "fig1d_first_order": (dynamics.fig1d, _has("first_order_error", "first_order_cos")),
+    "fig1e_lr_stability": (dynamics.fig1e, _EVALS),
+    "fig2a_eigenvalues": (eigenvalues.fig2a, _has("eigenvalues")),
+    "fig2b_eigenvalues_t": (eigenvalues.fig2b, _has("eigenvalues")),
+    "fig2c_flow_speed": (eigenvalues.fig2c, _EVALS),
+    "fig2d_lr_eigen": (eigenvalues.fig2d, _EVALS),
+    "fig3a_energy_y": (_energy("y"), _has("energy_y")),
+    "fig3b_energy_f": (_energy("f"), _has("energy_f")),
+    "fig3c_energy_residual": (_energy("residual"), _has("energy_residual")),
+    "fig3d_energy_df": (_energy("df_pred"), _has("energy_df_pred", "energy_df")),
+    "fig3e_energy_f_test": (_energy("f_test"), _has("energy_f_test")),
+    "fig4a_residual_projections": (projections.fig4a, _has("eigenvectors", "f", "y")),
+    "fig4bc_residual_fourier": (images.fig4bc, _has("residual_image", "residual_fourier")),
+    "fig5_eigenvectors": (images.fig5, _has("eigvec_images", "eigvec_fourier", "image_indices")),
+    "fig7d_preservation": (projections.fig7d, _preservation_ready),
+    "loss": (dynamics.loss, _has("loss_trace", "loss")),
+}
+FIGURES: tuple[str, ...] = tuple(_FIGURES)
+
+
+def _check_names(figures: Iterable[str] | str | None) -> list[str]:
+    if figures is None:
+        return list(FIGURES)
+    names = [figures] if isinstance(figures, str) else list(figures)
+    bad = [n for n in names if n not in _FIGURES]
+    if bad:
+        raise ValueError(f"unknown figure(s) {', '.join(map(repr, bad))}; allowed: {', '.join(FIGURES)}")
+    return list(dict.fromkeys(names))
+
+
+def make_figure(run: "Run", name: str) -> "Figure | None":
+    """Figure ``name`` (one of :data:`FIGURES`) of ``run``, or None when the run did not record its data.
+
+    Raises:
+        ValueError: unknown ``name`` or a run with no finished recorded step.
+    """
+    _check_names([name])
+    _require_steps(run)
+    draw, needs = _FIGURES[name]
+    return draw(run) if needs(run) else None
+
+
+def _require_steps(run: "Run") -> None:
+    if not len(run.steps):
+        raise ValueError(f"run {run.id!r} has no finished recorded step yet (status {run.status!r}, "
+                         f"0/{len(run.schedule)} steps): nothing to plot; wait for a step, then run.refresh()")
+
+
+def plot_run(run: "Run", out_dir: str | Path, *, figures: Iterable[str] | str | None = None) -> list[Path]:
+    """Write ``<out_dir>/<name>.png`` for each figure of the NSA paper the run has data for.
+
+    Args:
+        run: a :class:`nsa_dist.client.Run` (``Client(url).run(id)``).
+        out_dir: folder for the PNGs, created if missing.
+        figures: names from :data:`FIGURES` to draw (default all); figures whose arrays the run
+            lacks (test points, eigenvectors, 2-D images) are skipped.
+
+    Returns:
+        The paths written, in the order of :data:`FIGURES` (or of ``figures``).
+
+    Raises:
+        ValueError: an unknown figure name (the message lists the allowed ones), or a run with no
+            finished recorded step.
+    """
+    names = _check_names(figures)
+    _require_steps(run)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in names:
+        fig = make_figure(run, name)
+        if fig is not None:
+            path = out / f"{name}.png"
+            fig.savefig(path, dpi=DPI)
+            written.append(path)
+    return written

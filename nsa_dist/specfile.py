@@ -1,0 +1,49 @@
+"""Reading an experiment spec from YAML, with errors that name the file, the field and the value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from nsa_dist.config import ExperimentSpec
+
+__all__ = ["SpecError", "load_spec", "format_validation_error"]
+
+
+class SpecError(ValueError):
+    """A spec file is missing, not YAML, or not a valid experiment spec."""
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field.path: message (got value)``."""
+    lines = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(spec)"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        got = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {where}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def load_spec(path: str | Path) -> ExperimentSpec:
+    """The :class:`ExperimentSpec` in a YAML file.
+
+    Raises:
+        SpecError: the file is missing, is not YAML, or fails validation (every problem listed).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"spec file {str(p)!r} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise SpecError(f"{p}: expected a mapping of spec fields at the top level, got {type(raw).__name__}")
+    try:
+        return ExperimentSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(f"{p}: invalid experiment spec\n{format_validation_error(exc)}") from exc

@@ -1,0 +1,424 @@
+"""Every eigensolver path against the dense float64 reference ``torch.linalg.eigh`` (STYLE 9, 10).
+
+One abstract suite, :class:`EigenSuite`, runs on every backend: NumPy on the CPU, the torch
+array module on the CPU (the GPU code path, minus the GPU), and — marked ``gpu``, skipped
+cleanly without CUDA — torch on CUDA and CuPy.  A failing comparison names the entries that
+differ and by how much.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from scipy.sparse.linalg import aslinearoperator
+
+from nsa_dist.errors import MissingDependencyError, NonFiniteError, ShapeError
+from nsa_dist.linalg import EigMethod, Eigenpairs, LanczosConvergenceWarning, top_eigenpairs
+
+TOL = 1e-10  # top_eigenpairs' default residual tolerance
+RTOL_EVALS = 1e-8  # eigenvalues, relative
+RTOL_RESIDUAL = 1e-6  # ‖G v − λ v‖ / λ_max
+HAS_CUDA = torch.cuda.is_available()
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+
+
+# ---------------------------------------------------------------- matrices and references
+
+
+def decaying(N: int) -> np.ndarray:
+    """NTK-like power-law spectrum λ_i = i⁻²."""
+    return np.arange(1, N + 1, dtype=np.float64) ** -2.0
+
+
+def repeated(N: int) -> np.ndarray:
+    """Clusters of multiplicity 3, 2 and 4 at the top, then a decaying tail."""
+    head = np.array([4.0, 4.0, 4.0, 2.0, 1.5, 1.5, 1.0, 1.0, 1.0, 1.0])
+    return np.concatenate([head, 0.5 * decaying(N - len(head))])
+
+
+@functools.lru_cache(maxsize=None)
+def psd(N: int, spectrum: str = "decaying", seed: int = 0) -> np.ndarray:
+    """(N, N) float64 ``Q diag(λ) Qᵀ`` with Haar-random Q (read-only, cached)."""
+    lam = {"decaying": decaying, "repeated": repeated}[spectrum](N)
+    Q, R = np.linalg.qr(np.random.default_rng(seed).standard_normal((N, N)))
+    Q *= np.sign(np.diag(R))
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    G.setflags(write=False)
+    return G
+
+
+@functools.lru_cache(maxsize=None)
+def reference(N: int, spectrum: str = "decaying", seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """torch.linalg.eigh of :func:`psd`, descending: evals (N,), evecs (N, N)."""
+    w, V = torch.linalg.eigh(torch.tensor(psd(N, spectrum, seed)))
+    return w.numpy()[::-1].copy(), V.numpy()[:, ::-1].copy()
+
+
+def low_rank(N: int, rank: int, seed: int = 1) -> np.ndarray:
+    """(N, N) PSD ``A Aᵀ`` of the given rank (a Gram with fewer features than points)."""
+    A = np.random.default_rng(seed).standard_normal((N, rank))
+    return A @ A.T
+
+
+def clusters(evals: np.ndarray, rtol: float = 1e-6) -> list[slice]:
+    """Index ranges of (near-)equal eigenvalues, gap ≤ rtol·λ_max within a cluster."""
+    cuts = np.nonzero(np.abs(np.diff(evals)) > rtol * np.abs(evals).max())[0] + 1
+    edges = [0, *cuts.tolist(), len(evals)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+# ---------------------------------------------------------------- assertions with diagnostics
+
+
+def assert_evals_close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL_EVALS) -> None:
+    assert got.shape == want.shape, f"evals shape {got.shape}, want {want.shape}"
+    floor = 1e-4 * np.abs(want).max()  # below 1e-4·λ_max the test is absolute, 1e-12·λ_max: rounding
+    err = np.abs(got - want) / np.maximum(np.abs(want), floor)
+    bad = np.nonzero(err > rtol)[0]
+    assert bad.size == 0, (f"{bad.size} eigenvalues differ (rel. err > {rtol:g}) at indices {bad[:10].tolist()}: "
+                           f"got {got[bad[:10]]}, want {want[bad[:10]]}, rel. err {err[bad[:10]]}")
+
+
+def residuals(G: np.ndarray, ep: Eigenpairs) -> np.ndarray:
+    """‖G v_i − λ_i v_i‖ per column."""
+    return np.linalg.norm(G @ ep.evecs - ep.evecs * ep.evals, axis=0)
+
+
+def assert_residuals_small(G: np.ndarray, ep: Eigenpairs, rtol: float = RTOL_RESIDUAL) -> None:
+    res = residuals(G, ep) / np.abs(ep.evals).max()
+    bad = np.nonzero(res > rtol)[0]
+    assert bad.size == 0, (f"{bad.size} residuals ‖Gv − λv‖/λ_max > {rtol:g} at columns {bad[:10].tolist()}: "
+                           f"{res[bad[:10]]}")
+
+
+def assert_orthonormal(V: np.ndarray, atol: float = 1e-10) -> None:
+    err = np.abs(V.T @ V - np.eye(V.shape[1]))
+    i, j = np.unravel_index(err.argmax(), err.shape)
+    assert err.max() <= atol, f"VᵀV − I has entry ({i}, {j}) = {err.max():.2e} > {atol:g}"
+
+
+def assert_subspaces_close(G: np.ndarray, ep: Eigenpairs, ref_evals: np.ndarray, ref_evecs: np.ndarray) -> None:
+    """Per cluster of equal reference eigenvalues inside the top k: the largest principal angle
+    between computed and reference eigenvectors within 10× the Davis–Kahan bound ‖R‖ / gap at the
+    solvers' default tolerance, ‖R‖ = TOL·λ_max·√(cluster size), plus rounding."""
+    k = len(ep.evals)
+    lam_max = np.abs(ref_evals).max()
+    for c in clusters(ref_evals):
+        if c.stop > k:  # a cluster cut by k has no well-defined top-k part
+            break
+        rest = np.delete(ref_evals, np.arange(c.start, c.stop))
+        gap = np.min(np.abs(rest[:, None] - ref_evals[c][None, :])) if rest.size else lam_max
+        bound = 10 * TOL * lam_max * np.sqrt(c.stop - c.start) / gap + 1e-9
+        V, U = ep.evecs[:, c], ref_evecs[:, c]  # (N, c) each
+        dist = np.linalg.norm(V - U @ (U.T @ V), 2)  # = ‖VVᵀ − UUᵀ‖₂ = sin of the largest principal angle
+        assert dist <= bound, (f"eigenvectors {c.start}..{c.stop - 1} (λ ≈ {ref_evals[c.start]:.4g}) span a "
+                               f"different subspace: sin∠(V, U) = {dist:.2e} > bound {bound:.2e} (gap {gap:.2e})")
+
+
+def assert_matches_reference(G: np.ndarray, ep: Eigenpairs, ref: tuple[np.ndarray, np.ndarray]) -> None:
+    k = len(ep.evals)
+    assert isinstance(ep.evecs, np.ndarray) and ep.evecs.dtype == np.float64 and ep.evecs.shape == (G.shape[0], k)
+    assert_evals_close(ep.evals, ref[0][:k])
+    assert_orthonormal(ep.evecs)
+    assert_residuals_small(G, ep)
+    assert_subspaces_close(G, ep, *ref)
+
+
+# ---------------------------------------------------------------- operators
+
+
+class TorchOperator:
+    """An NTKOperator look-alike: torch ``dtype``, ``matmat`` on torch tensors (numpy in → numpy out)."""
+
+    def __init__(self, G: torch.Tensor, dtype: torch.dtype = torch.float64) -> None:
+        self.G = G.to(dtype)  # (N, N) torch
+        self.shape, self.dtype, self.n_matvec = tuple(self.G.shape), dtype, 0
+
+    def matmat(self, V: Any) -> Any:
+        is_np = not isinstance(V, torch.Tensor)
+        Vt = torch.as_tensor(np.asarray(V) if is_np else V, dtype=self.dtype, device=self.G.device)
+        self.n_matvec += Vt.shape[1]
+        out = self.G @ Vt
+        return out.cpu().numpy() if is_np else out
+
+
+class MatvecOnly:
+    """Only ``shape`` and ``matvec`` on NumPy vectors."""
+
+    def __init__(self, G: np.ndarray) -> None:
+        self.G, self.shape = G, G.shape
+
+    def matvec(self, v: np.ndarray) -> np.ndarray:
+        if not isinstance(v, np.ndarray) or v.ndim != 1:
+            raise TypeError(f"matvec takes a NumPy (N,) vector, got {type(v).__name__}")
+        return self.G @ v
+
+
+class NativeOperator:
+    """``matmat`` in the backend's own array type (NumPy, torch on a device, CuPy), no dtype attribute."""
+
+    def __init__(self, G: Any) -> None:
+        self.G, self.shape = G, tuple(G.shape)
+
+    def matmat(self, V: Any) -> Any:
+        if type(V) is not type(self.G) or getattr(V, "device", None) != getattr(self.G, "device", None):
+            raise TypeError(f"fed {type(V).__name__}, wants {type(self.G).__name__} like G")
+        return self.G @ V
+
+
+class BadOperator:
+    def __init__(self, N: int, out: Any) -> None:
+        self.shape, self.out = (N, N), out
+
+    def matmat(self, V: np.ndarray) -> np.ndarray:
+        return self.out(V)
+
+
+# ---------------------------------------------------------------- the suite
+
+
+class EigenSuite:
+    """The tests every backend must pass; subclasses set ``backend`` and :meth:`native`."""
+
+    backend: str = "numpy"
+    torch_device: str = "cpu"  # where torch-tensor operators keep their matrix
+
+    def native(self, G: np.ndarray) -> Any:
+        """G as this backend's native array."""
+        raise NotImplementedError
+
+    def solve(self, G: Any, k: Any, method: str = "auto", **kw: Any) -> Eigenpairs:
+        backend = "numpy" if method == "arpack" else self.backend  # ARPACK runs on the host
+        ep = top_eigenpairs(G, k, method, backend=backend, **kw)
+        assert ep.backend == backend
+        return ep
+
+    @pytest.mark.parametrize("method", ["dense", "lanczos", "arpack"])
+    @pytest.mark.parametrize("k", [1, 7, 25])
+    def test_decaying_spectrum(self, method: str, k: int) -> None:
+        G = psd(240)
+        ep = self.solve(self.native(G), k, method)
+        assert ep.method is EigMethod(method)
+        assert_matches_reference(G, ep, reference(240))
+
+    @pytest.mark.parametrize("method", ["dense", "lanczos", "arpack"])
+    @pytest.mark.parametrize("k", [3, 10, 12])
+    def test_repeated_eigenvalues(self, method: str, k: int) -> None:
+        G = psd(200, "repeated")
+        ep = self.solve(self.native(G), k, method)
+        assert_matches_reference(G, ep, reference(200, "repeated"))
+
+    @pytest.mark.parametrize("method", ["dense", "lanczos"])
+    def test_k_all(self, method: str) -> None:
+        G = psd(90)
+        ep = self.solve(self.native(G), "all", method)
+        assert ep.evals.shape == (90,)
+        assert_matches_reference(G, ep, reference(90))
+
+    def test_low_rank_lanczos(self) -> None:
+        """rank 5 < k = 12: the Krylov space is exhausted and refilled with random directions."""
+        G = low_rank(150, 5)
+        ep = self.solve(self.native(G), 12, "lanczos")
+        w, V = torch.linalg.eigh(torch.from_numpy(G))
+        ref = (w.numpy()[::-1].copy(), V.numpy()[:, ::-1].copy())
+        assert_evals_close(ep.evals, ref[0][:12])
+        assert_orthonormal(ep.evecs)
+        assert_residuals_small(G, ep)
+        assert_subspaces_close(G, Eigenpairs(ep.evals[:5], ep.evecs[:, :5]), *ref)
+
+    @pytest.mark.parametrize("kind", ["scipy", "torch", "matvec", "native"])
+    @pytest.mark.parametrize("method", ["dense", "lanczos", "arpack"])
+    def test_operator_inputs(self, kind: str, method: str) -> None:
+        G = psd(240)
+        op = {"scipy": lambda: aslinearoperator(G),
+              "torch": lambda: TorchOperator(torch.tensor(G, device=self.torch_device)),
+              "matvec": lambda: MatvecOnly(G),
+              "native": lambda: NativeOperator(self.native(G))}[kind]()
+        ep = self.solve(op, 9, method)
+        assert_matches_reference(G, ep, reference(240))
+        assert ep.n_matvec >= (240 if method == "dense" else 9)
+        if kind == "torch":
+            assert op.n_matvec == ep.n_matvec
+
+    def test_float32_torch_operator(self) -> None:
+        """float32 products: tol is raised to 100·eps32; eigenvalues to ~1e-5."""
+        G = psd(240)
+        ep = self.solve(TorchOperator(torch.tensor(G, device=self.torch_device), torch.float32), 9, "lanczos")
+        assert_evals_close(ep.evals, reference(240)[0][:9], rtol=1e-4)
+        assert_residuals_small(G, ep, rtol=1e-4)
+        assert ep.converged
+
+    @pytest.mark.parametrize(("N", "k", "want"), [(600, 10, "lanczos"), (600, 250, "dense"), (120, 5, "dense")])
+    def test_auto_method(self, N: int, k: int, want: str) -> None:
+        G = psd(N) if N == 600 else psd(120)
+        ep = self.solve(self.native(G), k)
+        assert ep.method is EigMethod(want)
+        assert_evals_close(ep.evals, reference(N)[0][:k])
+        assert_residuals_small(G, ep)
+
+    @pytest.mark.parametrize("method", ["dense", "lanczos", "arpack"])
+    def test_deterministic_signs(self, method: str) -> None:
+        G = self.native(psd(240))
+        a, b = self.solve(G, 6, method, seed=3), self.solve(G, 6, method, seed=3)
+        np.testing.assert_array_equal(a.evecs, b.evecs)
+        peak = a.evecs[np.abs(a.evecs).argmax(axis=0), np.arange(6)]
+        assert (peak > 0).all(), f"largest-|entry| components {peak} must be positive"
+
+    def test_lanczos_diagnostics(self) -> None:
+        G = psd(240)
+        ep = self.solve(self.native(G), 8, "lanczos", tol=1e-12)
+        assert ep.converged and ep.max_residual is not None
+        true = residuals(G, ep).max()
+        assert ep.max_residual == pytest.approx(true, rel=1e-3, abs=1e-14)
+        assert true <= 1e-11 * ep.evals[0]
+
+    def test_not_converged_warns(self) -> None:
+        with pytest.warns(LanczosConvergenceWarning, match="max_iter"):
+            ep = self.solve(self.native(psd(240)), 25, "lanczos", max_iter=2)
+        assert not ep.converged and ep.evals.shape == (25,)
+
+    # ------------------------------------------------------------ bad input
+
+    @pytest.mark.parametrize("shape", [(5, 4), (6,), (2, 3, 3)])
+    def test_shape_error(self, shape: tuple[int, ...]) -> None:
+        with pytest.raises(ShapeError, match=r"square"):
+            self.solve(self.native(np.ones(shape)), 1)
+
+    def test_operator_shape_error(self) -> None:
+        op = BadOperator(3, lambda V: V)
+        op.shape = (3, 4)
+        with pytest.raises(ShapeError, match=r"square"):
+            self.solve(op, 1)
+
+    @pytest.mark.parametrize("k", [0, -1, 31, 2.5, "some", True, None])
+    def test_bad_k(self, k: Any) -> None:
+        with pytest.raises(ValueError, match=r"k.*N = 30"):
+            self.solve(self.native(psd(30)), k)
+
+    @pytest.mark.parametrize("bad", [np.nan, np.inf])
+    def test_non_finite(self, bad: float) -> None:
+        G = psd(30).copy()
+        G[3, 7] = G[7, 3] = bad
+        with pytest.raises(NonFiniteError, match="2 NaN/inf"):
+            self.solve(self.native(G), 2)
+
+    def test_non_finite_operator_output(self) -> None:
+        op = BadOperator(600, lambda V: np.full(V.shape, np.nan))
+        with pytest.raises(NonFiniteError, match="operator returned NaN"):
+            self.solve(op, 2, "lanczos")
+
+    def test_operator_wrong_output_shape(self) -> None:
+        op = BadOperator(600, lambda V: V[:-1])
+        with pytest.raises(ShapeError, match=r"returned shape \(599, 1\)"):
+            self.solve(op, 2, "lanczos")
+
+    @pytest.mark.parametrize("arg", ["method", "backend"])
+    def test_unknown_choice(self, arg: str) -> None:
+        with pytest.raises(ValueError, match=rf"{arg}='qr' is not one of 'auto', .*"):
+            top_eigenpairs(self.native(psd(30)), 2, **{"method": "auto", "backend": self.backend, arg: "qr"})
+
+    def test_non_symmetric(self) -> None:
+        G = psd(30).copy()
+        G[0, 5] += 1e-3
+        with pytest.raises(ValueError, match=r"symmetric; max \|G - Gᵀ\| = 0.001"):
+            self.solve(self.native(G), 2)
+
+    @pytest.mark.parametrize("method", ["dense", "lanczos", "arpack"])
+    def test_non_symmetric_operator(self, method: str) -> None:
+        A = np.random.default_rng(0).standard_normal((600, 600))
+        with pytest.raises(ValueError, match="symmetric"):
+            self.solve(aslinearoperator(A @ A.T + np.triu(A)), 4, method)
+
+    @pytest.mark.parametrize(("kw", "match"), [({"tol": 0.0}, "tol"), ({"tol": float("nan")}, "tol"),
+                                               ({"max_iter": 0}, "max_iter"), ({"seed": 1.5}, "seed")])
+    def test_bad_options(self, kw: dict, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            self.solve(self.native(psd(30)), 2, "lanczos", **kw)
+
+    def test_arpack_limits(self) -> None:
+        with pytest.raises(ValueError, match="k < N"):
+            self.solve(self.native(psd(30)), "all", "arpack")
+        with pytest.raises(ValueError, match="host only"):
+            top_eigenpairs(self.native(psd(30)), 2, "arpack", backend="torch")
+
+
+class TestNumpyCPU(EigenSuite):
+    backend = "numpy"
+
+    def native(self, G: np.ndarray) -> np.ndarray:
+        return G
+
+
+class TestTorchCPU(EigenSuite):
+    """The torch array module on the CPU: the GPU code path (TorchOps) without a GPU."""
+
+    backend = "torch"
+
+    def native(self, G: np.ndarray) -> torch.Tensor:
+        return torch.tensor(G)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+class TestTorchCUDA(EigenSuite):
+    backend = "torch"
+    torch_device = "cuda"
+
+    def native(self, G: np.ndarray) -> torch.Tensor:
+        return torch.tensor(G, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_CUPY), reason="needs CUDA and CuPy")
+class TestCuPy(EigenSuite):
+    backend = "cupy"
+    torch_device = "cuda"
+
+    def native(self, G: np.ndarray) -> Any:
+        import cupy
+        return cupy.asarray(G)
+
+
+# ---------------------------------------------------------------- not backend-specific
+
+
+@pytest.mark.skipif(HAS_CUPY, reason="CuPy is installed")
+def test_cupy_missing_names_the_extra() -> None:
+    with pytest.raises(MissingDependencyError, match=r"nsa-dist\[gpu\].*cupy-cuda12x"):
+        top_eigenpairs(psd(30), 2, backend="cupy")
+
+
+def test_float32_dense_input() -> None:
+    G = psd(240)
+    ep = top_eigenpairs(G.astype(np.float32), 5, "lanczos")
+    assert ep.evecs.dtype == np.float64
+    assert_evals_close(ep.evals, np.linalg.eigvalsh(G.astype(np.float32).astype(np.float64))[::-1][:5])
+
+
+def test_eig_method_docstring_says_when_each_wins() -> None:
+    for m in EigMethod:
+        assert f"{m.name}:" in EigMethod.__doc__
+
+
+def test_ntk_operator() -> None:
+    """The real matrix-free NTK operator (torch in, torch out) against eigh of its dense Gram."""
+    try:
+        from nsa_dist.ntk import ntk_operator
+    except ImportError as err:  # pragma: no cover - the ntk package is optional here
+        pytest.skip(f"nsa_dist.ntk unavailable: {err}")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    x = torch.randn(600, 3, dtype=torch.float64)
+    op = ntk_operator(model, x, dtype=torch.float64)
+    G = op.to_dense().numpy()
+    G = (G + G.T) / 2
+    w, V = torch.linalg.eigh(torch.from_numpy(G))
+    ep = top_eigenpairs(op, 8)
+    assert ep.method is EigMethod.LANCZOS
+    assert_matches_reference(G, ep, (w.numpy()[::-1].copy(), V.numpy()[:, ::-1].copy()))
