@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["Activation", "Init", "ModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "ExperimentSpec"]
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "ExperimentSpec", "SweepSpec"]
 
 
 class Activation(str, Enum):
@@ -247,7 +247,7 @@ class ExperimentSpec(_Strict):
     ``model.input_dim`` / ``model.output_dim`` default to the data's d and K.
     """
 
-    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", max_length=80)
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", max_length=200)
     seed: int = 0
     data: DataSpec = Field(default_factory=DataSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -284,3 +284,81 @@ class ExperimentSpec(_Strict):
 
     def record_steps(self) -> list[int]:
         return self.record.schedule(self.steps)
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+class SweepSpec(_Strict):
+    """A base experiment and the variations of it to run.
+
+    ``grid`` maps dotted field paths of the experiment spec to lists of values; the sweep is
+    their Cartesian product (e.g. ``{"model.depth": [2, 4, 6, 8], "model.width": [64, 256, 1024]}``,
+    NSA Fig. 7).  ``variants`` adds explicit runs, each a dict of dotted paths → values applied to
+    every grid point (or to the base when the grid is empty).  Each resulting run is named
+    ``<name>__<field>-<value>__…`` and gets the stable id of its spec.
+    """
+
+    name: str = Field("sweep", pattern=r"^[A-Za-z0-9_.-]+$", max_length=60)
+    base: dict[str, Any] = Field(default_factory=dict, description="an ExperimentSpec (as YAML/dict)")
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    variants: list[dict[str, Any]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _valid(self) -> "SweepSpec":
+        for path, values in self.grid.items():
+            if not values:
+                raise ValueError(f"grid.{path} is an empty list; give at least one value")
+        self.expand()  # every run must be a valid ExperimentSpec
+        return self
+
+    def expand(self) -> list[ExperimentSpec]:
+        """The sweep's runs, in a stable order (grid in the order given, then variants)."""
+        import itertools
+
+        keys = list(self.grid)
+        points = [dict(zip(keys, vals)) for vals in itertools.product(*(self.grid[k] for k in keys))]
+        combos = [{**p, **v} for p in points for v in (self.variants or [{}])]
+        out, seen = [], set()
+        for combo in combos:
+            spec = dict(self.base)
+            for path, value in combo.items():
+                spec = _set_path(spec, path, value)
+            suffix = "__".join(f"{p.split('.')[-1]}-{_short(v)}" for p, v in combo.items())
+            spec["name"] = f"{self.name}__{suffix}" if suffix else self.name
+            try:
+                run = ExperimentSpec.model_validate(spec)
+            except ValueError as exc:
+                raise ValueError(f"sweep run {spec['name']!r} ({combo}) is not a valid experiment: {exc}") from exc
+            key = run.model_dump_json()
+            if key not in seen:
+                seen.add(key)
+                out.append(run)
+        return out
+
+
+def _short(v: Any) -> str:
+    """A value as a name fragment: only [A-Za-z0-9_.-], dicts/lists by their values."""
+    import re
+
+    if isinstance(v, dict):
+        return "-".join(_short(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return "-".join(_short(x) for x in v)
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(v))[:24]
+
+
+def _set_path(d: dict, path: str, value: Any) -> dict:
+    """A copy of ``d`` with the dotted ``path`` set to ``value`` (intermediate dicts created)."""
+    head, _, rest = path.partition(".")
+    if not head:
+        raise ValueError(f"empty field path in sweep: {path!r}")
+    out = dict(d)
+    if rest:
+        sub = out.get(head, {})
+        if not isinstance(sub, dict):
+            raise ValueError(f"sweep path {path!r}: {head!r} is not a group of fields")
+        out[head] = _set_path(sub, rest, value)
+    else:
+        out[head] = value
+    return out

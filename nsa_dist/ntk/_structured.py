@@ -21,6 +21,8 @@ from nsa_dist.ntk._inputs import as_2d
 # pass over the data per group.  Trades a few extra passes for peak memory ≈ 1.1× the output.
 _FEATURE_FRACTION = 0.125
 _MIN_FEATURE_BYTES = 64e6
+# Points per forward/backward pass when features are computed for all points at once.
+_FEATURE_CHUNK = 2048
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d)
 
 
@@ -199,13 +201,25 @@ def structured_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None,
     n1 = x1.shape[0]
     n2 = n1 if sym else x2.shape[0]
     shape = (n1, K, n2, K) if full else (n1, n2)
-    G = torch.zeros(shape, dtype=x1.dtype, device=x1.device)
     itemsize = x1.element_size()
     bufs = _Buffers(x1.dtype, x1.device)
+    if sym and not full:
+        plan = _lower_slots(n1, block, sum(lay.n_cols + K * lay.n_out for lay in layers))
+        if plan is not None:  # every entry is written below: no zero fill needed
+            G = torch.empty(shape, dtype=x1.dtype, device=x1.device)
+            _sym_traced_in_place(G, model, layers, x1, K, block, plan, bufs)
+            _mirror_upper(G, block, full)
+            return G
+    G = torch.zeros(shape, dtype=x1.dtype, device=x1.device)
     starts1 = range(0, n1, block)
     for group in _layer_groups(layers, n1 + (0 if sym else n2), K, itemsize, G.numel() * itemsize):
-        F1 = _features(model, group, x1, K, block)
-        F2 = F1 if sym else _features(model, group, x2, K, block)
+        F1 = _features(model, group, x1, K, max(block, _FEATURE_CHUNK))
+        if sym and not full:
+            blocks = [[(A[s:s + block], D[s:s + block].reshape(-1, K * D.shape[2])) for A, D in F1] for s in starts1]
+            _sym_upper(G, blocks, block, bufs, accumulate=True)
+            del F1, blocks
+            continue
+        F2 = F1 if sym else _features(model, group, x2, K, max(block, _FEATURE_CHUNK))
         for s in starts1:
             i = slice(s, min(s + block, n1))
             for t in (range(s, n2, block) if sym else range(0, n2, block)):
@@ -231,3 +245,88 @@ def _mirror_upper(G: torch.Tensor, block: int, full: bool) -> None:
                 G[j, :, i, :].copy_(G[i, :, j, :].permute(2, 3, 0, 1))
             else:
                 G[j, i].copy_(G[i, j].T)
+
+
+# ------------------------------------------------------------------ symmetric traced kernel, in place
+# While the upper tiles (I ≤ J) are computed, G's strictly-lower tiles are unused until the final
+# mirror: the features of every block row are kept there, so the whole computation needs one
+# forward/backward pass over the data and no memory beyond G and two tile buffers.
+
+
+def _lower_slots(n: int, block: int, width: int) -> list[tuple[int, int]] | None:
+    """For block row I, (row block r, first column) of a (rows_I, width) region in G's lower tiles.
+
+    The region of block I lies in block row r (I itself when it fits, else a later, larger row)
+    within columns [0, r·block), so it never overlaps a tile computed before the mirror.
+    None when the lower tiles cannot hold all features (few blocks).
+    """
+    nb = -(-n // block)
+    rows = [min(block, n - r * block) for r in range(nb)]
+    need = -(-width // block)  # lower tiles per block row of features
+    used = [0] * nb
+    plan: list[tuple[int, int] | None] = [None] * nb
+    for I in range(nb):  # first every block row that holds its own features
+        if need <= I:
+            plan[I], used[I] = (I * block, 0), need
+    for I in range(nb):  # then the others, in the rows with the most room left
+        if plan[I] is None:
+            fits = [r for r in range(nb) if rows[r] >= rows[I] and used[r] + need <= r]
+            if not fits:
+                return None
+            r = max(fits, key=lambda q: q - used[q])
+            plan[I] = (r * block, used[r] * block)
+            used[r] += need
+    return plan  # type: ignore[return-value]
+
+
+def _sym_traced_in_place(G: torch.Tensor, model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int,
+                         block: int, plan: list[tuple[int, int]], bufs: _Buffers) -> None:
+    """Upper tiles of the traced symmetric Gram, features stored in G's lower tiles."""
+    n = x.shape[0]
+    feats: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for I, (r0, c0) in enumerate(plan):
+        s = I * block
+        b = min(block, n - s)
+        off, views = c0, []
+        for A, D in _chunk_features(model, layers, x[s:s + b], K):
+            D = D.reshape(b, -1)  # (b, K·n_out)
+            Av, Dv = G[r0:r0 + b, off:off + A.shape[1]], G[r0:r0 + b, off + A.shape[1]:off + A.shape[1] + D.shape[1]]
+            Av.copy_(A)
+            Dv.copy_(D)
+            off += A.shape[1] + D.shape[1]
+            views.append((Av, Dv))
+        feats.append(views)
+    _sym_upper(G, feats, block, bufs, accumulate=False)
+
+
+def _sym_upper(G: torch.Tensor, feats: list[list[tuple[torch.Tensor, torch.Tensor]]], block: int, bufs: _Buffers,
+               accumulate: bool) -> None:
+    """The upper tiles (I ≤ J) of the traced symmetric Gram from per-block features.
+
+    A diagonal tile is done as three of its 2×2 sub-tiles (the fourth mirrors one), so the
+    work is (nb − 1)/(2 nb) + ¾/nb of the full products instead of (nb + 1)/(2 nb).
+    """
+    for I, fi in enumerate(feats):
+        si = I * block
+        bi = fi[0][0].shape[0]
+        h = bi // 2
+        for a, b in ((slice(0, h), slice(0, h)), (slice(0, h), slice(h, bi)), (slice(h, bi), slice(h, bi))):
+            if a.stop > a.start and b.stop > b.start:
+                _tile(G[si + a.start:si + a.stop, si + b.start:si + b.stop],
+                      [(A[a], D[a]) for A, D in fi], [(A[b], D[b]) for A, D in fi], bufs, accumulate)
+        for J in range(I + 1, len(feats)):
+            sj = J * block
+            fj = feats[J]
+            _tile(G[si:si + bi, sj:sj + fj[0][0].shape[0]], fi, fj, bufs, accumulate)
+
+
+def _tile(out: torch.Tensor, fi: list, fj: list, bufs: _Buffers, accumulate: bool) -> None:
+    """out (+)= Σ_l (Â_i Â_jᵀ) ⊙ (D_i D_jᵀ) for per-block features (D flattened over outputs)."""
+    for l, ((a1, d1), (a2, d2)) in enumerate(zip(fi, fj)):
+        AA, DD = bufs.get(tuple(out.shape), tuple(out.shape))
+        torch.mm(a1, a2.T, out=AA)  # (bi, bj)
+        torch.mm(d1, d2.T, out=DD)  # (bi, bj)
+        if l == 0 and not accumulate:
+            torch.mul(AA, DD, out=out)
+        else:
+            out.addcmul_(AA, DD)

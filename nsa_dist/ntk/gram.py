@@ -16,7 +16,12 @@ from nsa_dist.ntk._structured import linear_layers, structured_gram
 
 __all__ = ["gram", "ntk_operator", "resolve_method"]
 
-_STRUCTURED_TILE = 1024
+_STRUCTURED_TILE = 768
+
+
+def _structured_tile(n: int) -> int:
+    """768-point tiles; for small N about a quarter of N (a multiple of 64), so symmetry still pays."""
+    return min(_STRUCTURED_TILE, max(64, -(-n // 4 // 64) * 64))
 
 
 def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> NTKMethod:
@@ -67,7 +72,7 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
         kernel: "trace" → (N1, N2), Σ_a ∇f_a·∇f_a (the Gramian itself when K = 1);
             "full" → (N1, K, N2, K).
         block_size: points per block (bounds memory); the result does not depend on it.
-            Default: 1024 for structured, about 256 MB of Jacobian for jacobian.
+            Default: 768 (N/4 for small N) for structured, about 256 MB of Jacobian for jacobian.
         dtype: compute dtype (e.g. torch.float64 for reference checks); default the model's.
 
     Returns:
@@ -86,7 +91,7 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
     model, x1, x2, K = _setup(model, x1, x2, dtype)
     m = resolve_method(model, x1, method)
     if m is NTKMethod.STRUCTURED:
-        return structured_gram(model, x1, x2, K, full, block_size or _STRUCTURED_TILE)
+        return structured_gram(model, x1, x2, K, full, block_size or _structured_tile(x1.shape[0]))
     P = sum(p.numel() for p in trainable_params(model).values())
     block = block_size or default_block(x1.shape[0], K * P, x1.element_size(), 256e6)
     return jacobian_gram(model, x1, x2, K, full, block)

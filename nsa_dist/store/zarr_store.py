@@ -134,15 +134,17 @@ class RunWriter:
 
     def latest_state(self) -> tuple[int, Any] | None:
         """(index, TrainerState) of the last recorded step, or None before the first."""
-        from nsa_dist.pipeline.checkpoint import TrainerState
-
         done = np.flatnonzero(self.done())
         if not len(done):
             return None
-        i = int(done[-1])
+        return int(done[-1]), self.state_at(int(done[-1]))
+
+    def state_at(self, i: int) -> Any:
+        """The TrainerState stored with recorded step ``i``."""
+        from nsa_dist.pipeline.checkpoint import TrainerState
+
         slots = self.g["opt_slots"][i] if self.dims.n_slots else np.zeros((0, self.dims.P), np.float32)
-        step = int(self.g["steps"][i])
-        return i, TrainerState(step, self.g["theta"][i], slots, self.g["rng_state"][i])
+        return TrainerState(int(self.g["steps"][i]), self.g["theta"][i], slots, self.g["rng_state"][i])
 
     def write_array(self, name: str, value: np.ndarray, attrs: dict | None = None) -> None:
         """A post-run array (e.g. spectrum preservation), replaced if present."""

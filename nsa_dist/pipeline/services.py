@@ -1,0 +1,109 @@
+"""The per-run roles as plain classes with idempotent methods (the Ray layer makes them actors).
+
+``TrainerService.checkpoint(i)`` = "train until recorded step i and hand me its checkpoint":
+called again after a restart it resumes from the last stored checkpoint, never from counting
+steps.  ``SpectralService.analyze_and_write(...)`` computes one (run, step) and writes it to
+the store; doing it twice writes the same chunks twice.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.data import load_dataset
+from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.runner import run_dims, spec_json
+from nsa_dist.pipeline.spectral import SpectralAnalyzer
+from nsa_dist.pipeline.trainer import Trainer
+from nsa_dist.store import RunWriter, SpectrumStore
+
+__all__ = ["TrainerService", "SpectralService", "open_writer"]
+
+
+def open_writer(store_url: str, spec: ExperimentSpec, run_id: str, data=None) -> RunWriter:
+    """The (existing or new) writer of a run, dims computed from the spec and its data."""
+    data = data if data is not None else load_dataset(spec.data, seed=spec.seed)
+    trainer = Trainer(spec, data)
+    analyzer = SpectralAnalyzer(spec, data)
+    return SpectrumStore(store_url).writer(run_id, spec_json(spec), run_dims(spec, data, trainer, analyzer))
+
+
+class TrainerService:
+    """Trains one run; restarts resume from the store's last finished checkpoint."""
+
+    def __init__(self, spec: dict, run_id: str, store_url: str, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.spec = ExperimentSpec.model_validate(spec)
+        self.run_id, self.store_url = run_id, store_url
+        self.data = load_dataset(self.spec.data, seed=self.spec.seed)
+        self.writer = open_writer(store_url, self.spec, run_id, self.data)
+        self._reset()
+
+    def _reset(self, before: int | None = None) -> None:
+        """A fresh trainer at the last stored checkpoint (with index < ``before`` when given)."""
+        self.trainer = Trainer(self.spec, self.data)
+        done = np.flatnonzero(self.writer.done())
+        if before is not None:
+            done = done[done < before]
+        if len(done):
+            state = self.writer.state_at(int(done[-1]))
+            self.trainer.load_state(state)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def step(self) -> int:
+        return self.trainer.step
+
+    def checkpoint(self, index: int) -> Checkpoint:
+        """Train until recorded step ``index`` and return its checkpoint (writes the loss trace)."""
+        t = self.trainer.record[index]
+        if self.trainer.step > t:  # asked again for a step already passed: start over from the store
+            self._reset(before=index + 1)
+        for ck in self.trainer.train_until(t + 1):
+            self.writer.write_trace(ck.trace_start, ck.loss_trace)
+            if ck.index == index:
+                return ck
+        raise RuntimeError(f"run {self.run_id}: recorded step {t} (index {index}) was not reached")
+
+
+class SpectralService:
+    """Analyses (run, step) checkpoints and writes them; keeps the analyzers of recent runs."""
+
+    def __init__(self, store_url: str, threads: int | None = None, cache: int = 2) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.store_url, self.cache = store_url, cache
+        self._runs: OrderedDict[str, tuple[SpectralAnalyzer, RunWriter]] = OrderedDict()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def _run(self, run_id: str, spec: dict) -> tuple[SpectralAnalyzer, RunWriter]:
+        if run_id not in self._runs:
+            es = ExperimentSpec.model_validate(spec)
+            data = load_dataset(es.data, seed=es.seed)
+            self._runs[run_id] = (SpectralAnalyzer(es, data), open_writer(self.store_url, es, run_id, data))
+            while len(self._runs) > self.cache:
+                self._runs.popitem(last=False)
+        self._runs.move_to_end(run_id)
+        return self._runs[run_id]
+
+    def analyze_and_write(self, run_id: str, spec: dict, ck: Checkpoint) -> dict[str, Any]:
+        """Compute recorded step ``ck.index`` of ``run_id`` and write it; returns a short summary."""
+        analyzer, writer = self._run(run_id, spec)
+        result = analyzer.analyze(ck)
+        writer.write_step(ck.index, result, ck.state)
+        E = result["energy_y"]
+        return {"run_id": run_id, "index": ck.index, "step": ck.step, "loss": ck.loss,
+                "lambda_max": float(result["eigenvalues"][0]), "energy_y_10": float(E[min(10, len(E)) - 1])}
