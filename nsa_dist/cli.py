@@ -4,6 +4,9 @@
     nsa ls [--store PATH]                the runs in a store
     nsa show RUN [--store PATH]          one run's status and headline measurements
     nsa plot RUN --out DIR               the NSA paper's figures as PNGs
+    nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster)
+    nsa submit SWEEP.yaml --address http://HEAD:8265 --store URL     as a Ray Job
+    nsa status [JOB] / nsa logs JOB / nsa cancel JOB                   (--address, $RAY_ADDRESS)
 The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
 """
 
@@ -44,6 +47,22 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", type=Path, required=True)
     pl.add_argument("--figures", nargs="*", default=None, help="only these figure names")
     _store_arg(pl)
+    sw = sub.add_parser("sweep", help="run a sweep (grid of experiments) on Ray")
+    sw.add_argument("sweep", type=Path)
+    _store_arg(sw)
+    sw.add_argument("--address", default=None, help="Ray address to join (default: start an embedded local Ray)")
+    sw.add_argument("--plain", action="store_true", help="log lines instead of a live table")
+    sm = sub.add_parser("submit", help="submit a sweep to a Ray cluster as a Ray Job")
+    sm.add_argument("sweep", type=Path)
+    sm.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), required=not os.environ.get("RAY_ADDRESS"),
+                    help="Ray dashboard address, e.g. http://HEAD:8265 (or $RAY_ADDRESS)")
+    _store_arg(sm)
+    sm.add_argument("--job-id", default=None)
+    sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
+    for name, hlp in (("status", "job status (all jobs without JOB)"), ("logs", "a job's logs"), ("cancel", "stop a job")):
+        q = sub.add_parser(name, help=hlp)
+        q.add_argument("job", nargs="?" if name == "status" else None)
+        q.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"))
     return p
 
 
@@ -53,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from nsa_dist.specfile import SpecError
 
     try:
-        return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot}[args.cmd](args)
+        return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot, "sweep": _cmd_sweep,
+                "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel}[args.cmd](args)
     except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError) as exc:
         print(f"nsa {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
@@ -186,6 +206,112 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     paths = plot_run(Client(args.store).run(args.run), args.out, figures=args.figures)
     for p in paths:
         print(p)
+    return 0
+
+
+# ---------------------------------------------------------------------------- Ray
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from nsa_dist.cluster import SweepCoordinator, connect
+    from nsa_dist.specfile import load_sweep
+
+    sweep = load_sweep(args.sweep)
+    n_runs = len(sweep.expand())
+    cl = sweep.cluster
+    demand = cl.spectral_workers * cl.worker_cpus + min(n_runs, cl.max_concurrent_runs or n_runs) * cl.trainer_cpus
+    # the embedded Ray gets enough logical CPUs for every actor (threads are set per actor)
+    connect(args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(demand))))
+    table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
+    with table:
+        outcomes = SweepCoordinator(sweep, args.store, on_event=table.update).run()
+    failed = [o for o in outcomes if o.status != "done"]
+    for o in outcomes:
+        print(f"{o.run_id}: {o.status}" + (f" ({o.reason})" if o.reason else ""))
+    print(f"sweep {sweep.name}: {len(outcomes) - len(failed)}/{len(outcomes)} runs done → {args.store}")
+    return 1 if failed else 0
+
+
+class _SweepTable:
+    """A rich live table of the sweep's runs (step, loss, λ_max, status); log lines when not a TTY."""
+
+    def __init__(self, name: str, plain: bool) -> None:
+        self.name, self.plain = name, plain
+        self._last: dict[str, tuple] = {}
+
+    def __enter__(self) -> "_SweepTable":
+        if not self.plain:
+            from rich.live import Live
+
+            self.live = Live(refresh_per_second=4)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.plain:
+            self.live.__exit__(*exc)
+
+    def update(self, runs: list) -> None:
+        if self.plain:
+            for r in runs:
+                key = (r.done, r.status)
+                if self._last.get(r.run_id) != key:
+                    self._last[r.run_id] = key
+                    lam = f"{r.lambda_max:.5g}" if r.lambda_max is not None else "-"
+                    print(f"[nsa] {r.run_id}: {r.status} {r.done}/{r.total} step {r.step} loss "
+                          f"{r.loss if r.loss is None else f'{r.loss:.5g}'} λ_max {lam}", flush=True)
+            return
+        from rich.table import Table
+
+        t = Table(title=f"sweep {self.name}")
+        for col in ("run", "recorded", "step", "loss", "λ_max", "status"):
+            t.add_column(col)
+        for r in runs:
+            t.add_row(r.run_id, f"{r.done}/{r.total}", str(r.step if r.step is not None else "-"),
+                      f"{r.loss:.4g}" if r.loss is not None else "-",
+                      f"{r.lambda_max:.4g}" if r.lambda_max is not None else "-", r.status)
+        self.live.update(t)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from nsa_dist.cluster import jobs
+
+    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id)
+    print(f"submitted job {job} to {args.address}")
+    if args.wait:
+        return _wait_job(args.address, job)
+    return 0
+
+
+def _wait_job(address: str, job: str, poll: float = 2.0) -> int:
+    from nsa_dist.cluster import jobs
+
+    while True:
+        st = jobs.status(address, job)[0]["status"]
+        if st in ("SUCCEEDED", "FAILED", "STOPPED"):
+            print(jobs.logs(address, job))
+            print(f"job {job}: {st}")
+            return 0 if st == "SUCCEEDED" else 1
+        time.sleep(poll)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from nsa_dist.cluster import jobs
+
+    for j in jobs.status(args.address, args.job):
+        print(f"{j['id']}  {j['status']:<10} {j['entrypoint']}  {j['message']}")
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from nsa_dist.cluster import jobs
+
+    print(jobs.logs(args.address, args.job))
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from nsa_dist.cluster import jobs
+
+    print(f"job {args.job}: {'stopping' if jobs.cancel(args.address, args.job) else 'was not running'}")
     return 0
 
 

@@ -12,7 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["Activation", "Init", "ModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "ExperimentSpec", "SweepSpec"]
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "ExperimentSpec", "ClusterSpec",
+           "SweepSpec"]
 
 
 class Activation(str, Enum):
@@ -289,6 +290,28 @@ class ExperimentSpec(_Strict):
 # --------------------------------------------------------------------------- sweeps
 
 
+class ClusterSpec(_Strict):
+    """How a sweep uses a Ray cluster.
+
+    Trainers take ``trainer_gpus`` GPUs each ("auto": 1 when the cluster has GPUs, else 0) and
+    ``trainer_cpus`` CPUs; the pool of ``spectral_workers`` takes ``worker_cpus`` / ``worker_gpus``
+    each (fractions allowed, "auto": 0.5 GPU when there are GPUs).  ``max_inflight`` bounds the
+    checkpoints of one run waiting for analysis: a slow analysis throttles its trainer.
+    ``*_resources`` are extra custom Ray resources each actor needs (to pin work to nodes).
+    """
+
+    spectral_workers: int = Field(2, ge=1)
+    worker_cpus: float = Field(1.0, ge=0)
+    worker_gpus: float | Literal["auto"] = "auto"
+    trainer_cpus: float = Field(1.0, ge=0)
+    trainer_gpus: float | Literal["auto"] = "auto"
+    max_inflight: int = Field(2, ge=1)
+    max_concurrent_runs: int | None = Field(None, ge=1)
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    worker_resources: dict[str, float] = Field(default_factory=dict)
+    max_retries: int = Field(3, ge=0, description="re-submissions of a (run, step) whose worker died")
+
+
 class SweepSpec(_Strict):
     """A base experiment and the variations of it to run.
 
@@ -303,6 +326,7 @@ class SweepSpec(_Strict):
     base: dict[str, Any] = Field(default_factory=dict, description="an ExperimentSpec (as YAML/dict)")
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     variants: list[dict[str, Any]] = Field(default_factory=list)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
 
     @model_validator(mode="after")
     def _valid(self) -> "SweepSpec":

@@ -7,9 +7,9 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from nsa_dist.config import ExperimentSpec
+from nsa_dist.config import ExperimentSpec, SweepSpec
 
-__all__ = ["SpecError", "load_spec", "format_validation_error"]
+__all__ = ["SpecError", "load_spec", "load_sweep", "format_validation_error"]
 
 
 class SpecError(ValueError):
@@ -28,12 +28,7 @@ def format_validation_error(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_spec(path: str | Path) -> ExperimentSpec:
-    """The :class:`ExperimentSpec` in a YAML file.
-
-    Raises:
-        SpecError: the file is missing, is not YAML, or fails validation (every problem listed).
-    """
+def _read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"spec file {str(p)!r} does not exist")
@@ -43,7 +38,32 @@ def load_spec(path: str | Path) -> ExperimentSpec:
         raise SpecError(f"{p}: not valid YAML ({exc})") from exc
     if not isinstance(raw, dict):
         raise SpecError(f"{p}: expected a mapping of spec fields at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def load_spec(path: str | Path) -> ExperimentSpec:
+    """The :class:`ExperimentSpec` in a YAML file.
+
+    Raises:
+        SpecError: the file is missing, is not YAML, or fails validation (every problem listed).
+    """
+    raw = _read_yaml(path)
     try:
         return ExperimentSpec.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError(f"{p}: invalid experiment spec\n{format_validation_error(exc)}") from exc
+        raise SpecError(f"{path}: invalid experiment spec\n{format_validation_error(exc)}") from exc
+
+
+def load_sweep(path: str | Path) -> SweepSpec:
+    """A :class:`SweepSpec` from YAML; a plain experiment file becomes a one-run sweep.
+
+    Raises:
+        SpecError: missing file, bad YAML, or an invalid sweep / run spec.
+    """
+    raw = _read_yaml(path)
+    if not {"base", "grid", "variants", "cluster"} & set(raw):
+        raw = {"name": raw.get("name", "sweep"), "base": raw}
+    try:
+        return SweepSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(f"{path}: invalid sweep spec\n{format_validation_error(exc)}") from exc

@@ -22,7 +22,8 @@ from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore, Status
 
-__all__ = ["RunOutcome", "run_experiment", "run_id", "run_dims", "spec_json"]
+__all__ = ["PreparedRun", "RunOutcome", "finish_run", "prepare_run", "run_experiment", "run_id", "run_dims",
+           "spec_json"]
 
 
 def spec_json(spec: ExperimentSpec) -> dict:
@@ -56,6 +57,32 @@ class RunOutcome:
     steps_computed: int = 0
 
 
+@dataclass
+class PreparedRun:
+    """A run whose store group exists with its static arrays written."""
+
+    run_id: str
+    spec: ExperimentSpec
+    data: Dataset
+    trainer: Trainer
+    analyzer: SpectralAnalyzer
+    writer: RunWriter
+
+
+def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
+    """Load the data, build trainer and analyzer, create (or reopen and check) the run's group."""
+    data = load_dataset(spec.data, seed=spec.seed)
+    trainer = Trainer(spec, data)
+    analyzer = SpectralAnalyzer(spec, data)
+    rid = run_id(spec)
+    writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
+    if not writer.done().any():
+        writer.write_static({"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
+                             "steps": np.asarray(trainer.record), "image_indices": np.asarray(
+                                 analyzer.images.indices if analyzer.images else [], dtype=np.int64)})
+    return PreparedRun(rid, spec, data, trainer, analyzer, writer)
+
+
 def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
                    on_step: Callable[[Checkpoint, dict], None] | None = None,
                    on_update: Callable[[int, float], None] | None = None) -> RunOutcome:
@@ -65,18 +92,12 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     run is marked failed (with the step and the reason) keeping every earlier step.
     """
     torch.manual_seed(spec.seed)
-    data = load_dataset(spec.data, seed=spec.seed)
-    trainer = Trainer(spec, data)
-    analyzer = SpectralAnalyzer(spec, data)
-    rid = run_id(spec)
-    writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
+    run = prepare_run(spec, store)
+    rid, trainer, analyzer, writer = run.run_id, run.trainer, run.analyzer, run.writer
     done = writer.done()
     if done.all():
         writer.set_status(Status.DONE)
         return RunOutcome(rid, Status.DONE)
-    writer.write_static({"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
-                         "steps": np.asarray(trainer.record), "image_indices": np.asarray(
-                             analyzer.images.indices if analyzer.images else [], dtype=np.int64)})
     latest = writer.latest_state()
     if latest is not None:
         trainer.load_state(latest[1])
@@ -99,9 +120,14 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     except BaseException as exc:
         writer.set_status(Status.PENDING, f"interrupted ({type(exc).__name__}: {exc}); re-run to resume")
         raise
+    finish_run(writer, spec)
+    return RunOutcome(rid, Status.DONE, None, computed)
+
+
+def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
+    """After the last step: spectrum preservation, status done."""
     _write_preservation(writer, spec)
     writer.set_status(Status.DONE)
-    return RunOutcome(rid, Status.DONE, None, computed)
 
 
 def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:

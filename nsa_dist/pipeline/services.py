@@ -17,7 +17,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
-from nsa_dist.pipeline.runner import run_dims, spec_json
+from nsa_dist.pipeline.runner import run_dims, run_id, spec_json
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer
 from nsa_dist.store import RunWriter, SpectrumStore
@@ -25,24 +25,23 @@ from nsa_dist.store import RunWriter, SpectrumStore
 __all__ = ["TrainerService", "SpectralService", "open_writer"]
 
 
-def open_writer(store_url: str, spec: ExperimentSpec, run_id: str, data=None) -> RunWriter:
-    """The (existing or new) writer of a run, dims computed from the spec and its data."""
+def open_writer(store_url: str, spec: ExperimentSpec, data=None) -> RunWriter:
+    """The writer of an existing run (created by the coordinator), checked against the spec."""
     data = data if data is not None else load_dataset(spec.data, seed=spec.seed)
-    trainer = Trainer(spec, data)
-    analyzer = SpectralAnalyzer(spec, data)
-    return SpectrumStore(store_url).writer(run_id, spec_json(spec), run_dims(spec, data, trainer, analyzer))
+    trainer, analyzer = Trainer(spec, data), SpectralAnalyzer(spec, data)
+    return SpectrumStore(store_url).writer(run_id(spec), spec_json(spec), run_dims(spec, data, trainer, analyzer))
 
 
 class TrainerService:
     """Trains one run; restarts resume from the store's last finished checkpoint."""
 
-    def __init__(self, spec: dict, run_id: str, store_url: str, threads: int | None = None) -> None:
+    def __init__(self, spec: dict, store_url: str, threads: int | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.spec = ExperimentSpec.model_validate(spec)
-        self.run_id, self.store_url = run_id, store_url
+        self.run_id, self.store_url = run_id(self.spec), store_url
         self.data = load_dataset(self.spec.data, seed=self.spec.seed)
-        self.writer = open_writer(store_url, self.spec, run_id, self.data)
+        self.writer = open_writer(store_url, self.spec, self.data)
         self._reset()
 
     def _reset(self, before: int | None = None) -> None:
@@ -93,7 +92,7 @@ class SpectralService:
         if run_id not in self._runs:
             es = ExperimentSpec.model_validate(spec)
             data = load_dataset(es.data, seed=es.seed)
-            self._runs[run_id] = (SpectralAnalyzer(es, data), open_writer(self.store_url, es, run_id, data))
+            self._runs[run_id] = (SpectralAnalyzer(es, data), open_writer(self.store_url, es, data))
             while len(self._runs) > self.cache:
                 self._runs.popitem(last=False)
         self._runs.move_to_end(run_id)

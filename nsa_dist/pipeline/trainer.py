@@ -23,6 +23,9 @@ class TrainingDiverged(FloatingPointError):
         super().__init__(f"training diverged at step {step}: loss = {loss} (lower the learning rate)")
         self.step, self.loss = step, loss
 
+    def __reduce__(self):  # survive pickling (Ray ships it from the trainer to the coordinator)
+        return (TrainingDiverged, (self.step, self.loss))
+
 
 def _as_target(y: np.ndarray) -> torch.Tensor:
     return torch.as_tensor(np.asarray(y), dtype=torch.float32)

@@ -52,6 +52,18 @@ class SpectrumStore:
                 self.root.attrs["nsa_dist_schema"] = SCHEMA_VERSION
         self.runs = self.root["runs"]
 
+    def record_sweep(self, name: str, spec: dict, run_ids: list[str]) -> None:
+        """Note a sweep and its runs under ``sweeps/<name>`` (re-submitting it updates the record)."""
+        sweeps = self.root["sweeps"] if "sweeps" in self.root else self.root.create_group("sweeps")
+        g = sweeps[name] if name in sweeps else sweeps.create_group(name)
+        g.attrs.update({"spec": spec, "run_ids": run_ids, "updated": time.time()})
+
+    def sweeps(self) -> dict[str, list[str]]:
+        """Sweep name → its run ids."""
+        if "sweeps" not in self.root:
+            return {}
+        return {k: list(self.root["sweeps"][k].attrs.get("run_ids", [])) for k in self.root["sweeps"].group_keys()}
+
     def run_ids(self) -> list[str]:
         return sorted(self.runs.group_keys())
 

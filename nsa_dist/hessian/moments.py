@@ -1,0 +1,188 @@
+"""Moments ``Tr(A^k)`` of ``A ∈ {H, I, S}``: Hutchinson, Hutch++, and exact ones.
+
+Every estimator reuses one set of products for all orders: with ``h = ⌈k_max / 2⌉`` powers
+``A^j z`` (j ≤ h) of a probe z, ``zᵀ A^k z = (A^a z)ᵀ (A^b z)`` for ``a = ⌊k/2⌋, b = k − a``, so
+the four moments k = 1…4 cost two products per probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from nsa_dist.hessian._loss import Loss, curvature_sqrt, parse_loss
+from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, rademacher
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["Moments", "hutchinson_moments", "hutchpp_moments", "dense_moments", "gauss_newton_eigenvalues",
+           "gauss_newton_moments"]
+
+
+@dataclass(frozen=True)
+class Moments:
+    """``Tr(A^k)`` for ``k = 1 … max_order``.
+
+    Attributes:
+        estimate: (max_order,) float64, ``estimate[k − 1] ≈ Tr(A^k)``.
+        stderr: (max_order,) standard errors of the estimates (0 for exact values; NaN when a
+            single probe leaves no spread to measure).
+        n_products: operator columns applied (0 for the Gram and dense routes).
+        method: "hutchinson" | "hutch++" | "dense" | "ntk_gram".
+    """
+
+    estimate: np.ndarray
+    stderr: np.ndarray
+    n_products: int
+    method: str
+
+    def trace(self, k: int) -> float:
+        """The estimate of ``Tr(A^k)``."""
+        return float(self.estimate[k - 1])
+
+
+def _powers(A: LinearMap, Z: np.ndarray, h: int) -> list[np.ndarray]:
+    """[Z, A Z, …, A^h Z], each (P, m)."""
+    out = [Z]
+    for _ in range(h):
+        out.append(A(out[-1]))
+    return out
+
+
+def _quadratic_forms(pw: list[np.ndarray], max_order: int) -> np.ndarray:
+    """(max_order, m): row k−1 holds ``z_iᵀ A^k z_i = (A^a z_i)ᵀ (A^b z_i)`` per column i."""
+    return np.stack([np.einsum("pm,pm->m", pw[k // 2], pw[k - k // 2]) for k in range(1, max_order + 1)])
+
+
+def _mean_stderr(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    m = q.shape[1]
+    se = q.std(axis=1, ddof=1) / np.sqrt(m) if m > 1 else np.full(q.shape[0], np.nan)
+    return q.mean(axis=1), se
+
+
+def hutchinson_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, seed: int = 0) -> Moments:
+    """Hutchinson's estimate ``Tr(A^k) ≈ (1/m) Σ_i z_iᵀ A^k z_i`` with Rademacher probes z_i.
+
+    Unbiased; the standard error is the sample standard deviation over probes / √m.
+
+    Args:
+        A: symmetric (P, P): a dense NumPy/torch matrix or an operator (``shape``, ``matmat``),
+            e.g. from :func:`~nsa_dist.hessian.hessian_operator`.
+        n_probes: m ≥ 1 probes; the cost is ``m · ⌈max_order / 2⌉`` products.
+        max_order: highest k (≥ 1).
+        seed: NumPy seed of the probes.
+
+    Returns:
+        :class:`Moments` (method "hutchinson").
+
+    Raises:
+        ValueError: n_probes < 1 or max_order < 1.
+    """
+    m = check_int("n_probes", n_probes, 1)
+    kmax = check_int("max_order", max_order, 1)
+    Amap = as_linear_map(A)
+    Z = rademacher(np.random.default_rng(seed), Amap.P, m)  # (P, m)
+    est, se = _mean_stderr(_quadratic_forms(_powers(Amap, Z, -(-kmax // 2)), kmax))
+    return Moments(est, se, Amap.n_products, "hutchinson")
+
+
+def hutchpp_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, sketch: int | None = None,
+                    seed: int = 0) -> Moments:
+    """Hutch++ (Meyer et al. 2021) for every power: ``Tr(A^k) = Tr(Qᵀ A^k Q) + Tr(P⊥ A^k P⊥)``.
+
+    Q (P, s) is an orthonormal basis of ``A Ω`` (Ω Rademacher, s sketch columns): it captures
+    the dominant eigenspace of A and so of every power ``A^k``.  The first term is computed
+    exactly; the second by Hutchinson with ``g = n_probes − s`` probes projected by
+    ``P⊥ = 1 − Q Qᵀ``.  Much lower variance than Hutchinson when a few eigenvalues dominate
+    (the outliers of I and H).  The standard error is that of the Hutchinson part.
+
+    Args:
+        A: symmetric (P, P) matrix or operator.
+        n_probes: random vectors in all, s + g ≥ 1.
+        max_order: highest k (≥ 1).
+        sketch: s, default ``n_probes // 2`` (capped at P; s = P makes the result exact).
+        seed: NumPy seed.
+
+    Returns:
+        :class:`Moments` (method "hutch++"); cost ``s + (s + g) · ⌈max_order / 2⌉`` products.
+        The stderr is 0 when s = P (exact) and NaN when g < 2.
+
+    Raises:
+        ValueError: n_probes < 1, max_order < 1, sketch outside 0..n_probes.
+    """
+    m = check_int("n_probes", n_probes, 1)
+    kmax = check_int("max_order", max_order, 1)
+    s = check_int("sketch", m // 2 if sketch is None else sketch, 0, m)
+    Amap = as_linear_map(A)
+    s = min(s, Amap.P)
+    g, h, rng = m - s, -(-kmax // 2), np.random.default_rng(seed)
+    est = np.zeros(kmax)
+    se = np.zeros(kmax) if s == Amap.P else np.full(kmax, np.nan)  # Q spans R^P: exact
+    Q = np.zeros((Amap.P, 0))
+    if s > 0:
+        Q = np.linalg.qr(Amap(rademacher(rng, Amap.P, s)))[0]  # (P, s)
+        est += _quadratic_forms(_powers(Amap, Q, h), kmax).sum(axis=1)
+    if g > 0 and s < Amap.P:
+        Z = rademacher(rng, Amap.P, g)  # (P, g)
+        Z -= Q @ (Q.T @ Z)
+        mean, se = _mean_stderr(_quadratic_forms(_powers(Amap, Z, h), kmax))
+        est += mean
+    return Moments(est, se, Amap.n_products, "hutch++")
+
+
+def dense_moments(A: Any, max_order: int = 4) -> Moments:
+    """Exact ``Tr(A^k) = Σ_i λ_i^k`` from ``eigvalsh`` of the dense matrix (an operator is
+    materialised with P products) — for small P and tests."""
+    kmax = check_int("max_order", max_order, 1)
+    Amap = as_linear_map(A)
+    M = Amap(np.eye(Amap.P))  # (P, P)
+    lam = np.linalg.eigvalsh((M + M.T) / 2)
+    est = np.array([np.sum(lam ** k) for k in range(1, kmax + 1)])
+    return Moments(est, np.zeros(kmax), Amap.n_products, "dense")
+
+
+def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | Loss = "mse") -> np.ndarray:
+    """The spectrum of I outside its null space, from the NTK Gram (exact, no Hessian products).
+
+    ``I = (1/N) Jᵀ HC J`` has the same nonzero eigenvalues as ``(1/N) HC^{1/2} G HC^{1/2}``,
+    ``G = J Jᵀ`` the full (N·K) × (N·K) NTK Gram (the Hessian paper: I is the weighted kernel
+    PCA of the data w.r.t. the NTK).  For MSE ``HC = Id`` and this is ``G / N``.
+
+    Args:
+        model: the module; X (N, d) inputs; Y targets as for :func:`~nsa_dist.hessian.hessian_operator`
+            (only cross-entropy uses them).
+        loss: "mse" | "cross_entropy".
+
+    Returns:
+        (N·K,) float64 NumPy, descending (the zeros of a rank-deficient Gram included).
+
+    Raises:
+        as :func:`~nsa_dist.hessian.hessian_operator`.
+    """
+    from nsa_dist.hessian.operators import _setup
+    from nsa_dist.ntk import gram
+    from nsa_dist.ntk._inputs import as_2d
+
+    loss_ = parse_loss(loss)
+    model, X, Yt = _setup(model, X, Y, loss_, torch.float64)
+    N, K = Yt.shape
+    G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K)
+    if loss_ is Loss.CROSS_ENTROPY:
+        with torch.no_grad():
+            R = curvature_sqrt(loss_, as_2d(model(X)), Yt)  # (N, K, K)
+        G = torch.einsum("iab,ibjc,jdc->iajd", R, G, R)
+    M = G.reshape(N * K, N * K).cpu().numpy() / N
+    return np.linalg.eigvalsh((M + M.T) / 2)[::-1].copy()
+
+
+def gauss_newton_moments(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | Loss = "mse",
+                         max_order: int = 4) -> Moments:
+    """Exact ``Tr(I^k) = Σ_i μ_i^k`` over :func:`gauss_newton_eigenvalues` μ (method "ntk_gram")."""
+    kmax = check_int("max_order", max_order, 1)
+    mu = gauss_newton_eigenvalues(model, X, Y, loss=loss)
+    est = np.array([np.sum(mu ** k) for k in range(1, kmax + 1)])
+    return Moments(est, np.zeros(kmax), 0, "ntk_gram")

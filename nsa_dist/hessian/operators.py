@@ -1,0 +1,177 @@
+"""Matrix-free ``H``, ``I`` and ``S``: the loss Hessian and its two parts, ``H = I + S``.
+
+For ``C(θ) = (1/N) Σ_i c(f(x_i; θ), y_i)`` with ``J = ∂f/∂θ`` ((N·K) × P) the Hessian paper's
+decomposition is
+
+    H = ∇²_θ C = (1/N) Jᵀ HC J + (1/N) Σ_i ∇_f c_i · ∇²_θ f(x_i) = I + S,
+
+``I`` the Gauss–Newton / Fisher part (PSD), ``S`` the residual part (indefinite, zero at a global
+minimum of MSE).  Every product runs blocked over the data with ``torch.func``; nothing of size
+P×P or N×P is formed.
+"""
+
+from __future__ import annotations
+
+import copy
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.func import grad, jvp, vjp, vmap
+
+from nsa_dist.hessian._loss import Loss, loss_curvature, loss_gradient, loss_sum, parse_loss, prepare_targets
+from nsa_dist.hessian._operator import LossCurvatureOperator
+from nsa_dist.ntk._inputs import output_dim, parse_enum, prepare_inputs, trainable_params
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["HessianPart", "HessianOperator", "GaussNewtonOperator", "ResidualOperator", "hessian_operator",
+           "hessian_parts"]
+
+
+class HessianPart(str, Enum):
+    """Which P×P matrix :func:`hessian_operator` applies.
+
+    H: the full loss Hessian ``∇²_θ C``, by forward-over-reverse (``jvp`` of ``grad``): one
+        product costs about three backward passes.
+    I: the Gauss–Newton / Fisher part ``(1/N) Jᵀ HC J``, by a ``jvp`` (``J v``), the loss
+        curvature, and a ``vjp``: cheaper than H, and PSD.
+    S: the residual part ``(1/N) Σ_i r_i · ∇²_θ f(x_i)`` with ``r_i = ∇_f c_i`` held fixed — the
+        Hessian of ``θ ↦ (1/N) Σ_i r_iᵀ f(x_i; θ)``, computed directly (not as H − I, so a
+        small S does not drown in the rounding of H and I).
+    """
+
+    H = "H"
+    I = "I"  # noqa: E741 - the paper's name
+    S = "S"
+
+
+class HessianOperator(LossCurvatureOperator):
+    """``H v = ∇²_θ C v`` — forward-over-reverse, ``jvp(grad C_b)`` per data block b."""
+
+    def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = next(iter(U.values())).shape[0]
+        out = self._zeros(m)
+        for b in self._blocks(m):
+            f, Yb = self._f(self.X[b]), self.Y[b]
+            g = grad(lambda p: loss_sum(self.loss, f(p), Yb) / self.N)
+            HU = vmap(lambda u: jvp(g, (self._params,), (u,))[1])(U)  # (m, *shape) each
+            for k in out:
+                out[k] += HU[k]
+        return out
+
+
+class GaussNewtonOperator(LossCurvatureOperator):
+    """``I v = (1/N) Jᵀ HC (J v)`` — ``jvp`` for ``J v`` (b, K), the loss curvature, ``vjp`` back."""
+
+    def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = next(iter(U.values())).shape[0]
+        out = self._zeros(m)
+        for b in self._blocks(m):
+            f, Yb = self._f(self.X[b]), self.Y[b]
+            F, pull = vjp(f, self._params)  # F (b, K)
+            JU = vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U)  # (m, b, K)
+            W = loss_curvature(self.loss, F.detach(), Yb, JU) / self.N  # (m, b, K)
+            (IU,) = vmap(pull)(W)
+            for k in out:
+                out[k] += IU[k]
+        return out
+
+
+class ResidualOperator(LossCurvatureOperator):
+    """``S v = ∇²_θ [(1/N) Σ_i r_iᵀ f(x_i; θ)] v`` with the residuals ``r_i = ∇_f c_i`` fixed at θ.
+
+    Attributes:
+        R: (N, K) the fixed output-space gradients ``∇_f c_i`` (f − y for MSE, p − y for CE).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        with torch.no_grad():
+            F = torch.cat([self._f(self.X[b])(self._params) for b in self._blocks(1)])  # (N, K)
+        self.R = loss_gradient(self.loss, F, self.Y)  # (N, K)
+
+    def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = next(iter(U.values())).shape[0]
+        out = self._zeros(m)
+        for b in self._blocks(m):
+            f, Rb = self._f(self.X[b]), self.R[b]
+            g = grad(lambda p: (f(p) * Rb).sum() / self.N)
+            SU = vmap(lambda u: jvp(g, (self._params,), (u,))[1])(U)
+            for k in out:
+                out[k] += SU[k]
+        return out
+
+
+_CLASSES = {HessianPart.H: HessianOperator, HessianPart.I: GaussNewtonOperator, HessianPart.S: ResidualOperator}
+
+
+def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss: Loss,
+           dtype: torch.dtype | None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    trainable_params(model)
+    p = next(iter(model.parameters()))
+    if dtype is not None and dtype != p.dtype:
+        model = copy.deepcopy(model).to(dtype)
+    X = prepare_inputs(model, X, "X", dtype)
+    K = output_dim(model, X)
+    return model, X, prepare_targets(Y, loss, X.shape[0], K, X.dtype, X.device)
+
+
+def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *, loss: str | Loss = "mse",
+                  block_size: int | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[HessianOperator, GaussNewtonOperator, ResidualOperator]:
+    """The three operators ``(H, I, S)`` of one model, dataset and loss (validated once).
+
+    Args and Raises: as :func:`hessian_operator`.
+    """
+    loss_ = parse_loss(loss)
+    if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
+        raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
+    model, X, Yt = _setup(model, X, Y, loss_, dtype)
+    return tuple(_CLASSES[part](model, X, Yt, loss_, block_size) for part in HessianPart)  # type: ignore[return-value]
+
+
+def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *,
+                     part: str | HessianPart = "H", loss: str | Loss = "mse", block_size: int | None = None,
+                     dtype: torch.dtype | None = None) -> LossCurvatureOperator:
+    """The matrix-free P×P operator ``H``, ``I`` or ``S`` of ``C(θ) = (1/N) Σ_i c(f(x_i; θ), y_i)``.
+
+    ``H = I + S`` with ``I = (1/N) Jᵀ HC J`` and ``S = (1/N) Σ_i ∇_f c_i · ∇²_θ f(x_i)`` (the
+    Hessian paper's decomposition of ``H(C ∘ Y)``).  The operator has ``shape == (P, P)``,
+    ``matmat(V)`` for V (P, m) NumPy or torch (the same type back), ``matvec``, ``to_dense()``
+    and an ``n_products`` counter; it works with :func:`nsa_dist.linalg.top_eigenpairs`.
+
+    Args:
+        model: a module mapping (n, d) → (n,) or (n, K); the parameters are those with
+            ``requires_grad``, flattened in ``named_parameters`` order.
+        X: (N, d) inputs.
+        Y: (N,) or (N, K) targets: values for MSE; class indices (N,) (integer) or one-hot /
+            probability rows (N, K) for cross-entropy.
+        part: "H" | "I" | "S" (see :class:`HessianPart`).
+        loss: "mse" (``C = (1/2N) Σ ‖f − y‖²``) or "cross_entropy" (``C = (1/N) Σ CE(softmax f, y)``);
+            see :class:`Loss`.
+        block_size: data points per block (bounds memory; the result does not depend on it).
+            Default: about 256 MB of per-column activations.
+        dtype: compute dtype (e.g. torch.float64 for reference checks); default the model's.
+
+    Returns:
+        :class:`HessianOperator`, :class:`GaussNewtonOperator` or :class:`ResidualOperator`.
+
+    Raises:
+        ValueError: an unknown part or loss (the allowed values are named), block_size < 1,
+            class indices outside 0..K−1.
+        ShapeError: X not (N, d); Y not (N,) / (N, K) matching X and the model's K outputs;
+            cross-entropy on a scalar-output model.
+        NonFiniteError: NaN/inf in X or Y.
+    """
+    part_ = parse_enum(HessianPart, part, "part")
+    loss_ = parse_loss(loss)
+    if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
+        raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
+    model, X, Yt = _setup(model, X, Y, loss_, dtype)
+    return _CLASSES[part_](model, X, Yt, loss_, block_size)
+

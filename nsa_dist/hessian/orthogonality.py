@@ -1,0 +1,140 @@
+"""How orthogonal I and S are: ``‖IS‖_F / (‖I‖_F ‖S‖_F)``, and the Rayleigh quotients of Fig. 2.
+
+The Hessian paper shows I and S are asymptotically mutually orthogonal (``‖IS‖_F → 0``
+relative to their norms), so the moments add: ``Tr(H^k) ≈ Tr(I^k) + Tr(S^k)``.  Its Fig. 2
+shows it along eigenvectors: ``vᵀSv ≈ 0`` on the top eigenvectors of I and ``vᵀIv ≈ 0`` on
+those of S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nsa_dist.errors import ShapeError
+from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, rademacher
+from nsa_dist.hessian.eigen import Which, extreme_eigenpairs
+
+__all__ = ["Orthogonality", "orthogonality", "RayleighQuotients", "rayleigh_quotients"]
+
+
+@dataclass(frozen=True)
+class Orthogonality:
+    """``ρ = ‖IS‖_F / (‖I‖_F ‖S‖_F)`` ∈ [0, 1]: 0 for mutually orthogonal I and S.
+
+    Attributes:
+        value: ρ.
+        stderr: its standard error (delta method over probes; 0 when exact).
+        norm_IS, norm_I, norm_S: the Frobenius norms (estimates for ``method="probes"``).
+        n_products: products with I and S together.
+        method: "probes" | "dense".
+    """
+
+    value: float
+    stderr: float
+    norm_IS: float
+    norm_I: float
+    norm_S: float
+    n_products: int
+    method: str
+
+
+def _maps(I: Any, S: Any) -> tuple[LinearMap, LinearMap]:
+    Imap, Smap = as_linear_map(I, "I"), as_linear_map(S, "S")
+    if Imap.P != Smap.P:
+        raise ShapeError(f"I and S must have the same shape (P, P); got P = {Imap.P} and P = {Smap.P}")
+    return Imap, Smap
+
+
+def orthogonality(I: Any, S: Any, *, n_probes: int = 32, seed: int = 0, exact: bool = False) -> Orthogonality:
+    """``‖IS‖_F / (‖I‖_F ‖S‖_F)`` from Rademacher probes (or exactly, for small P).
+
+    With probes z: ``‖IS‖_F² = E‖I S z‖²``, ``‖I‖_F² = E‖I z‖²``, ``‖S‖_F² = E‖S z‖²`` — one S and
+    two I products per probe.  The ratio of the means is consistent (bias O(1/m)); its standard
+    error comes from the delta method on ``½(log a − log b − log c)``.
+
+    Args:
+        I, S: symmetric (P, P) matrices or operators (e.g. from :func:`~nsa_dist.hessian.hessian_parts`).
+        n_probes: m ≥ 2 probes (ignored when exact).
+        seed: NumPy seed.
+        exact: materialise I and S with P products each and compute the norms densely.
+
+    Returns:
+        :class:`Orthogonality`.
+
+    Raises:
+        ValueError: n_probes < 2.
+        ShapeError: I and S of different shapes.
+    """
+    Imap, Smap = _maps(I, S)
+    if exact:
+        E = np.eye(Imap.P)
+        MI, MS = Imap(E), Smap(E)  # (P, P) each
+        nIS, nI, nS = (float(np.linalg.norm(M)) for M in (MI @ MS, MI, MS))
+        return Orthogonality(nIS / (nI * nS), 0.0, nIS, nI, nS, Imap.n_products + Smap.n_products, "dense")
+    m = check_int("n_probes", n_probes, 2)
+    Z = rademacher(np.random.default_rng(seed), Imap.P, m)  # (P, m)
+    SZ = Smap(Z)
+    IZ_ISZ = Imap(np.concatenate([Z, SZ], axis=1))  # (P, 2m): [I Z, I S Z]
+    q = np.stack([np.sum(IZ_ISZ[:, m:] ** 2, 0), np.sum(IZ_ISZ[:, :m] ** 2, 0), np.sum(SZ ** 2, 0)])  # (3, m)
+    a, b, c = q.mean(axis=1)
+    value = float(np.sqrt(a / (b * c)))
+    grad = 0.5 * np.array([1 / a, -1 / b, -1 / c])  # d log ρ / d (a, b, c)
+    var_log = float(grad @ np.cov(q) @ grad) / m
+    return Orthogonality(value, value * np.sqrt(max(var_log, 0.0)), float(np.sqrt(a)), float(np.sqrt(b)),
+                         float(np.sqrt(c)), Imap.n_products + Smap.n_products, "probes")
+
+
+@dataclass(frozen=True)
+class RayleighQuotients:
+    """``vᵀIv`` and ``vᵀSv`` along k unit eigenvectors v of one matrix (I or S).
+
+    Attributes:
+        evals: (k,) that matrix's eigenvalues, in the order found.
+        vIv: (k,) ``v_iᵀ I v_i``.
+        vSv: (k,) ``v_iᵀ S v_i``.
+        evecs: (P, k) the eigenvectors.
+        n_products: products with I and S (the eigensolver's included).
+    """
+
+    evals: np.ndarray
+    vIv: np.ndarray
+    vSv: np.ndarray
+    evecs: np.ndarray
+    n_products: int
+
+
+def _quotients(Imap: LinearMap, Smap: LinearMap, evals: np.ndarray, V: np.ndarray, n_eig: int) -> RayleighQuotients:
+    n0 = Imap.n_products + Smap.n_products
+    vIv, vSv = np.sum(V * Imap(V), 0), np.sum(V * Smap(V), 0)  # (k,) each
+    return RayleighQuotients(evals, vIv, vSv, V, n_eig + Imap.n_products + Smap.n_products - n0)
+
+
+def rayleigh_quotients(I: Any, S: Any, k: int = 20, *, which_S: str | Which = "magnitude",
+                       method: str = "auto", seed: int = 0) -> tuple[RayleighQuotients, RayleighQuotients]:
+    """The Hessian paper's Fig. 2: ``vᵀIv`` and ``vᵀSv`` over the top-k eigenvectors of I and of S.
+
+    I is PSD, so its "top" is its largest eigenvalues.  S is indefinite and not symmetric
+    about 0, so its k eigenvectors are chosen by ``which_S``: "magnitude" (the k largest |λ|,
+    both ends merged — default), "largest" or "smallest" (algebraic); see :class:`Which`.
+
+    Args:
+        I, S: (P, P) matrices or operators.
+        k: eigenvectors of each, 1 ≤ k < P.
+        which_S: "magnitude" | "largest" | "smallest".
+        method, seed: of :func:`~nsa_dist.hessian.extreme_eigenpairs`.
+
+    Returns:
+        ``(along_I, along_S)`` :class:`RayleighQuotients`; on I's eigenvectors ``vIv = λ(I)``.
+
+    Raises:
+        ValueError: k outside 1..P−1; an unknown which_S or method.
+        ShapeError: I and S of different shapes.
+    """
+    Imap, Smap = _maps(I, S)
+    eI = extreme_eigenpairs(I, k, which="largest", method=method, seed=seed)
+    eS = extreme_eigenpairs(S, k, which=which_S, method=method, seed=seed)
+    return (_quotients(Imap, Smap, eI.evals, eI.evecs, eI.n_matvec),
+            _quotients(Imap, Smap, eS.evals, eS.evecs, eS.n_matvec))

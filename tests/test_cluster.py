@@ -1,0 +1,159 @@
+"""The Ray layer: plain service classes in-process first, then a local Ray cluster (STYLE 12)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from nsa_dist.client import Client
+from nsa_dist.config import ExperimentSpec, ModelSpec, SweepSpec
+from nsa_dist.linalg import top_eigenpairs
+from nsa_dist.models import build_model
+from nsa_dist.ntk import gram
+from nsa_dist.pipeline import prepare_run, run_experiment, run_id, spec_json
+from nsa_dist.pipeline.services import SpectralService, TrainerService
+from nsa_dist.store import SpectrumStore
+
+BASE = dict(data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"every": 6},
+            spectrum={"k": 10, "images": [1, 2], "image_size": 6, "fourier_size": 5})
+COMPARE = ("theta", "f", "df", "eigenvalues", "energy_y", "energy_residual", "first_order_error", "loss", "loss_trace")
+
+
+def _reference(tmp_path, spec: ExperimentSpec) -> Client:
+    url = str(tmp_path / f"ref-{spec.name}.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    return Client(url)
+
+
+def _assert_same_run(a: Client, b: Client, rid: str, finished: bool = True) -> None:
+    ra, rb = a.run(rid), b.run(rid)
+    assert np.all(rb.g["done"][:]) and (rb.status == "done" or not finished)
+    for name in COMPARE:
+        np.testing.assert_array_equal(ra.g[name][:], rb.g[name][:], err_msg=name)
+
+
+# ---------------------------------------------------------------------- in-process plain classes
+def test_services_in_process_match_single_process_run(tmp_path):
+    spec = ExperimentSpec(name="svc", **BASE)
+    url = str(tmp_path / "s.zarr")
+    prepare_run(spec, SpectrumStore(url))
+    trainer, worker = TrainerService(spec_json(spec), url), SpectralService(url)
+    rid = run_id(spec)
+    for i in range(5):
+        summary = worker.analyze_and_write(rid, spec_json(spec), trainer.checkpoint(i))
+        assert summary["index"] == i
+    again = trainer.checkpoint(2)  # idempotent: asked for a step already passed, it replays from the store
+    assert again.step == 12
+    _assert_same_run(_reference(tmp_path, spec), Client(url), rid, finished=False)
+    np.testing.assert_array_equal(again.theta, Client(url).run(rid).g["theta"][2])
+
+
+def test_trainer_service_resumes_from_store_after_restart(tmp_path):
+    spec = ExperimentSpec(name="restart", **{**BASE, "optimizer": {"name": "adam"}, "schedule": {"lr": 0.01}})
+    url = str(tmp_path / "s.zarr")
+    prepare_run(spec, SpectrumStore(url))
+    rid, worker = run_id(spec), SpectralService(url)
+    t1 = TrainerService(spec_json(spec), url)
+    for i in range(3):
+        worker.analyze_and_write(rid, spec_json(spec), t1.checkpoint(i))
+    t2 = TrainerService(spec_json(spec), url)  # a "restarted" trainer: starts at the last stored step
+    assert t2.step() == 12
+    for i in range(3, 5):
+        worker.analyze_and_write(rid, spec_json(spec), t2.checkpoint(i))
+    _assert_same_run(_reference(tmp_path, spec), Client(url), rid, finished=False)
+
+
+# ---------------------------------------------------------------------- local Ray
+@pytest.fixture(scope="session")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    from nsa_dist.cluster import connect
+
+    connect(num_cpus=6)
+    yield ray
+    ray.shutdown()
+
+
+def _sweep(name: str, **kw) -> SweepSpec:
+    return SweepSpec(name=name, base={**BASE, **kw.pop("base", {})}, **kw)
+
+
+@pytest.mark.slow
+def test_sweep_on_local_ray_equals_single_process_runs(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    sweep = _sweep("grid", grid={"model.depth": [2, 3], "optimizer": [{"name": "gd"}, {"name": "adam"}]},
+                   base={"schedule": {"lr": 0.05}}, cluster={"spectral_workers": 2, "max_inflight": 2})
+    url = str(tmp_path / "s.zarr")
+    outcomes = SweepCoordinator(sweep, url).run()
+    assert [o.status for o in outcomes] == ["done"] * 4
+    assert SpectrumStore(url).sweeps()["grid"] == [o.run_id for o in outcomes]
+    for spec in sweep.expand():
+        _assert_same_run(_reference(tmp_path, spec), Client(url), run_id(spec))
+    again = SweepCoordinator(sweep, url)  # restarting the sweep skips finished work
+    assert [o.status for o in again.run()] == ["done"] * 4 and again.workers == []
+
+
+@pytest.mark.slow
+def test_killed_trainer_and_worker_processes_recover(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    sweep = _sweep("faults", base={"steps": 60, "record": {"every": 4}},
+                   cluster={"spectral_workers": 2, "max_inflight": 1})
+    url = str(tmp_path / "s.zarr")
+    coord = SweepCoordinator(sweep, url)
+    (run,) = coord.runs.values()
+    killed: dict[str, int] = {}
+
+    def chaos(progress):
+        (p,) = progress
+        if p.done >= 2 and "trainer" not in killed and run.trainer is not None:
+            killed["trainer"] = local_ray.get(run.trainer.pid.remote())
+            os.kill(killed["trainer"], signal.SIGKILL)
+        elif p.done >= 5 and "worker" not in killed and run.inflight:
+            worker = next(iter(run.inflight.values()))[3]
+            killed["worker"] = local_ray.get(worker.pid.remote())
+            os.kill(killed["worker"], signal.SIGKILL)
+        elif "trainer" in killed and "trainer_after" not in killed and run.trainer is not None:
+            killed["trainer_after"] = local_ray.get(run.trainer.pid.remote())
+
+    coord.on_event = chaos
+    (outcome,) = coord.run()
+    assert outcome.status == "done", outcome
+    assert {"trainer", "worker"} <= set(killed), killed
+    assert killed["trainer_after"] != killed["trainer"], "the trainer actor was not restarted"
+    assert coord.resubmitted >= 1, "the dead worker's (run, step) was not recomputed"
+    spec = sweep.expand()[0]
+    _assert_same_run(_reference(tmp_path, spec), Client(url), run_id(spec))
+
+
+@pytest.mark.slow
+def test_diverging_run_fails_while_others_finish(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    sweep = _sweep("mixed", variants=[{"schedule.lr": 0.1}, {"schedule.lr": 40.0}],
+                   cluster={"spectral_workers": 1})
+    url = str(tmp_path / "s.zarr")
+    good, bad = SweepCoordinator(sweep, url).run()
+    assert good.status == "done"
+    assert bad.status == "failed" and "diverged at step" in bad.reason
+    run = Client(url).run(bad.run_id)
+    assert run.status == "failed" and run.failed_step is not None
+    assert np.all(run.steps < run.failed_step) and np.isfinite(run.eigenvalues).all()
+
+
+@pytest.mark.slow
+def test_distributed_gram_lanczos_equals_single_process(local_ray):
+    from nsa_dist.cluster import distributed_top_eigenpairs
+
+    model = build_model(ModelSpec(depth=4, width=24), seed=0, dtype=torch.float64)
+    x = torch.rand(257, 2, dtype=torch.float64)
+    dist = distributed_top_eigenpairs(model, x, 12, n_workers=2)
+    ref = top_eigenpairs(gram(model, x).numpy(), 12, method="dense")
+    np.testing.assert_allclose(dist.evals, ref.evals, rtol=1e-9)
+    overlap = np.abs(np.sum(dist.evecs * ref.evecs, axis=0))  # sign-fixed, distinct eigenvalues
+    np.testing.assert_allclose(overlap, 1.0, atol=1e-7)
