@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot, "sweep": _cmd_sweep,
                 "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel}[args.cmd](args)
     except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError) as exc:
+        if os.environ.get("NSA_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
         print(f"nsa {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
 

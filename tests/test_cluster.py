@@ -68,7 +68,7 @@ def test_trainer_service_resumes_from_store_after_restart(tmp_path):
 
 
 # ---------------------------------------------------------------------- local Ray
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
     from nsa_dist.cluster import connect

@@ -7,8 +7,10 @@ nsa-dist's dependencies installed (the image in deploy/docker).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,19 @@ def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str 
     runtime_env: dict[str, Any] = {"working_dir": str(work), "py_modules": [str(Path(nsa_dist.__file__).parent)]}
     if pip:
         runtime_env["pip"] = pip
+    if os.environ.get("NSA_DEBUG"):
+        runtime_env["env_vars"] = {"NSA_DEBUG": "1"}
     entry = f"python services/sweep_job.py sweep.yaml --store {store_url}"
     try:
-        return job_client(address).submit_job(entrypoint=entry, runtime_env=runtime_env, submission_id=job_id)
+        client = job_client(address)
+        deadline = time.time() + 90
+        while True:  # a freshly started head has no job agent for a few seconds
+            try:
+                return client.submit_job(entrypoint=entry, runtime_env=runtime_env, submission_id=job_id)
+            except RuntimeError as exc:
+                if "No available agent" not in str(exc) or time.time() > deadline:
+                    raise
+                time.sleep(2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -22,6 +22,8 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, namespac
         if address in (None, "local"):
             kw.update(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
             ray.init(**kw)
+        elif address == "auto" and os.environ.get("RAY_ADDRESS"):
+            ray.init(**kw)  # inside a Ray Job: the job manager's RAY_ADDRESS names the cluster
         else:
             ray.init(address=address, **kw)
     return ray.cluster_resources()

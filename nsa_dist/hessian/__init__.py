@@ -1,0 +1,62 @@
+"""The loss Hessian ``H = I + S`` of a network, matrix-free (the Hessian paper, Jacot et al.).
+
+* Operators — :func:`hessian_operator` (``part="H" | "I" | "S"``), :func:`hessian_parts`:
+  P×P products ``v ↦ A v`` by ``torch.func``, blocked over the data; :class:`Loss` ("mse",
+  "cross_entropy") fixes the convention ``C = (1/N) Σ_i c(f(x_i), y_i)``.
+* Moments ``Tr(A^k)`` — :func:`hutchinson_moments`, :func:`hutchpp_moments` (estimate, standard
+  error, products); exact: :func:`gauss_newton_moments` / :func:`gauss_newton_eigenvalues` (I from
+  the NTK Gram), :func:`dense_moments` (small P).
+* Orthogonality of I and S — :func:`orthogonality` (``‖IS‖_F / (‖I‖_F ‖S‖_F)``),
+  :func:`rayleigh_quotients` (Fig. 2).
+* Extreme eigenpairs — :func:`extreme_eigenpairs` (largest / smallest / magnitude, Lanczos),
+  :func:`edge_of_stability` (``λ_max δ / 2``).
+* Spectral density — :func:`slq_density` (stochastic Lanczos quadrature).
+"""
+
+from nsa_dist.hessian._loss import Loss
+from nsa_dist.hessian._operator import LossCurvatureOperator
+from nsa_dist.hessian.eigen import Which, edge_of_stability, extreme_eigenpairs
+from nsa_dist.hessian.moments import (
+    Moments,
+    dense_moments,
+    gauss_newton_eigenvalues,
+    gauss_newton_moments,
+    hutchinson_moments,
+    hutchpp_moments,
+)
+from nsa_dist.hessian.operators import (
+    GaussNewtonOperator,
+    HessianOperator,
+    HessianPart,
+    ResidualOperator,
+    hessian_operator,
+    hessian_parts,
+)
+from nsa_dist.hessian.orthogonality import Orthogonality, RayleighQuotients, orthogonality, rayleigh_quotients
+from nsa_dist.hessian.slq import SpectralDensity, slq_density
+
+__all__ = [
+    "Loss",
+    "HessianPart",
+    "LossCurvatureOperator",
+    "HessianOperator",
+    "GaussNewtonOperator",
+    "ResidualOperator",
+    "hessian_operator",
+    "hessian_parts",
+    "Moments",
+    "hutchinson_moments",
+    "hutchpp_moments",
+    "dense_moments",
+    "gauss_newton_eigenvalues",
+    "gauss_newton_moments",
+    "Orthogonality",
+    "orthogonality",
+    "RayleighQuotients",
+    "rayleigh_quotients",
+    "Which",
+    "extreme_eigenpairs",
+    "edge_of_stability",
+    "SpectralDensity",
+    "slq_density",
+]
