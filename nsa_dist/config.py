@@ -258,6 +258,15 @@ class ExperimentSpec(_Strict):
     steps: int = Field(1000, ge=1, description="number of training updates")
     record: RecordSpec = Field(default_factory=lambda: RecordSpec(log_points=20))
     spectrum: SpectrumSpec = Field(default_factory=SpectrumSpec)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
+
+    def torch_device(self) -> str:
+        """The device trainer and analysis run on ("cuda" only when torch sees a GPU)."""
+        if self.device == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
     @model_validator(mode="before")
     @classmethod

@@ -44,6 +44,11 @@ class _GramBlockRowFromRefs(GramBlockRow):
     def __init__(self, refs: list, I: int, device: str = "cpu") -> None:
         super().__init__(ray.get(refs), I, device)
 
+    def peak_rss(self) -> int:
+        """This worker process's peak resident memory (bytes, Linux VmHWM)."""
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+
 
 def gram_row_actor(num_cpus: float = 1.0, num_gpus: float = 0.0, resources: dict | None = None) -> Any:
     """The actor class holding one block row of a distributed Gram."""

@@ -51,6 +51,10 @@ class DistributedGram:
         """Memory of each actor's block row."""
         return ray.get([a.nbytes.remote() for a in self.actors])
 
+    def peak_rss(self) -> list[int]:
+        """Peak resident memory of each actor's process."""
+        return ray.get([a.peak_rss.remote() for a in self.actors])
+
     def shutdown(self) -> None:
         for a in self.actors:
             ray.kill(a)

@@ -78,7 +78,7 @@ def extreme_eigenpairs(A: Any, k: int, *, which: str | Which = "largest", method
     if w is Which.LARGEST:
         return top_eigenpairs(A, k, **kw)
     low = top_eigenpairs(_negate(A), k, **kw)
-    low = replace(low, evals=-low.evals, n_matvec=low.n_matvec)  # ascending
+    low = replace(low, evals=-low.evals)  # ascending
     if w is Which.SMALLEST:
         return low
     high = top_eigenpairs(A, k, **kw)

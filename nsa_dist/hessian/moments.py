@@ -15,6 +15,9 @@ import torch
 
 from nsa_dist.hessian._loss import Loss, curvature_sqrt, parse_loss
 from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, rademacher
+from nsa_dist.hessian.operators import _setup
+from nsa_dist.ntk import gram
+from nsa_dist.ntk._inputs import as_2d
 
 if TYPE_CHECKING:
     from torch import nn
@@ -163,10 +166,6 @@ def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss:
     Raises:
         as :func:`~nsa_dist.hessian.hessian_operator`.
     """
-    from nsa_dist.hessian.operators import _setup
-    from nsa_dist.ntk import gram
-    from nsa_dist.ntk._inputs import as_2d
-
     loss_ = parse_loss(loss)
     model, X, Yt = _setup(model, X, Y, loss_, torch.float64)
     N, K = Yt.shape

@@ -51,19 +51,21 @@ class SpectralAnalyzer:
 
     def __init__(self, spec: ExperimentSpec, data: Dataset) -> None:
         self.spec, self.data = spec, data
-        self.model = build_model(spec.model, seed=spec.seed)
+        self.device = torch.device(spec.torch_device())
+        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
         self.dtype = torch.float64 if spec.spectrum.dtype == "float64" else torch.float32
-        self.X = torch.as_tensor(data.X, dtype=torch.float32)
-        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32).reshape(-1, data.X.shape[1])
+        self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)
+        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(-1, data.X.shape[1])
         self.y = np.asarray(data.y, dtype=np.float64)
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
 
-    def _gram(self, X: torch.Tensor) -> np.ndarray:
+    def _gram(self, X: torch.Tensor) -> torch.Tensor:
+        """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU)."""
         s = self.spec.spectrum
-        return gram(self.model, X, method=s.ntk_method, block_size=s.block_size, dtype=self.dtype).numpy()
+        return gram(self.model, X, method=s.ntk_method, block_size=s.block_size, dtype=self.dtype)
 
-    def _eig(self, G: np.ndarray, k: int):
+    def _eig(self, G: torch.Tensor, k: int):
         return top_eigenpairs(G, k, self.spec.spectrum.eig_method)
 
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
@@ -71,20 +73,22 @@ class SpectralAnalyzer:
         params = dict(self.model.named_parameters())
         tangents, offset = {}, 0
         for name, p in params.items():
-            tangents[name] = torch.as_tensor(dtheta[offset:offset + p.numel()]).view_as(p).to(self.dtype)
+            tangents[name] = torch.as_tensor(dtheta[offset:offset + p.numel()], device=self.device).view_as(p).to(self.dtype)
             offset += p.numel()
         model = self.model.to(self.dtype)
         X = self.X.to(self.dtype)
         primals = {k: v.detach() for k, v in model.named_parameters()}
         _, out = jvp(lambda p: functional_call(model, p, (X,)), (primals,), (tangents,))
         self.model.to(torch.float32)
-        return out.detach().numpy()
+        return out.detach().cpu().numpy()
 
     def analyze(self, ck: Checkpoint) -> dict[str, Any]:
-        vector_to_parameters(torch.as_tensor(ck.theta), self.model.parameters())
+        vector_to_parameters(torch.as_tensor(ck.theta, device=self.device), self.model.parameters())
         N = self.data.n
-        G = self._gram(self.X)  # (N, N)
-        eig = self._eig(G, self.K)
+        G_dev = self._gram(self.X)  # (N, N) on the analysis device
+        eig = self._eig(G_dev, self.K)
+        G = G_dev.cpu().numpy()
+        del G_dev
         residual = ck.f.astype(np.float64) - self.y  # m_t = f_t − y
         gd_scalar = OptimizerName(self.spec.optimizer.name) is OptimizerName.GD and residual.ndim == 1
         df_pred = first_order_update(G, residual, ck.lr) if gd_scalar else self._jvp_outputs(ck.dtheta)
@@ -104,8 +108,7 @@ class SpectralAnalyzer:
         out["alignment"] = _safe(kernel_target_alignment, G, self.y)
         out["alignment_centered"] = _safe(kernel_target_alignment, G, self.y, centered=True)
         if self.spec.spectrum.test_points and self.X_test.shape[0] > 0:
-            Gt = self._gram(self.X_test)
-            eig_t = self._eig(Gt, min(self.K, self.X_test.shape[0]))
+            eig_t = self._eig(self._gram(self.X_test), min(self.K, self.X_test.shape[0]))
             out["eigenvalues_test"] = eig_t.evals
             out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
         if self.images is not None:

@@ -40,10 +40,11 @@ class Trainer:
 
     def __init__(self, spec: ExperimentSpec, data: Dataset) -> None:
         self.spec = spec
-        self.model = build_model(spec.model, seed=spec.seed)
-        self.X = torch.as_tensor(data.X, dtype=torch.float32)  # (N, d)
-        self.y = _as_target(data.y)  # (N,) or (N, K)
-        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32).reshape(-1, data.X.shape[1])  # (M, d)
+        self.device = torch.device(spec.torch_device())
+        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
+        self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)  # (N, d)
+        self.y = _as_target(data.y).to(self.device)  # (N,) or (N, K)
+        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(-1, data.X.shape[1])
         self.record = spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.record)}
         self.opt = self._optimizer()
@@ -79,19 +80,19 @@ class Trainer:
         for j, name in enumerate(self.slot_names):
             bufs = [self.opt.state.get(p, {}).get(name) for p in params]
             if all(b is not None for b in bufs):
-                slots[j] = torch.cat([b.reshape(-1) for b in bufs]).numpy()
+                slots[j] = torch.cat([b.reshape(-1) for b in bufs]).cpu().numpy()
         return TrainerState(self.step, self.theta(), slots, self.gen.get_state().numpy().copy())
 
     def load_state(self, state: TrainerState) -> None:
         params = list(self.model.parameters())
-        vector_to_parameters(torch.as_tensor(state.theta, dtype=torch.float32), params)
+        vector_to_parameters(torch.as_tensor(state.theta, dtype=torch.float32, device=self.device), params)
         self.opt.state.clear()
         if state.step > 0:
             for j, name in enumerate(self.slot_names):
                 off = 0
                 for p in params:
                     st = self.opt.state.setdefault(p, {})
-                    st[name] = torch.as_tensor(state.slots[j, off:off + p.numel()]).view_as(p).clone()
+                    st[name] = torch.as_tensor(state.slots[j, off:off + p.numel()], device=self.device).view_as(p).clone()
                     off += p.numel()
                     if name == "exp_avg":
                         st["step"] = torch.tensor(float(state.step))
@@ -100,7 +101,7 @@ class Trainer:
         self._trace, self._trace_start = [], state.step
 
     def theta(self) -> np.ndarray:
-        return parameters_to_vector(self.model.parameters()).detach().numpy().copy()  # (P,)
+        return parameters_to_vector(self.model.parameters()).detach().cpu().numpy().copy()  # (P,)
 
     # ------------------------------------------------------------------ training
     def _loss(self, idx: torch.Tensor | None) -> torch.Tensor:
@@ -112,7 +113,7 @@ class Trainer:
         b = self.spec.optimizer.batch_size
         if b is None:
             return None
-        return torch.randperm(self.X.shape[0], generator=self.gen)[:b]
+        return torch.randperm(self.X.shape[0], generator=self.gen)[:b].to(self.device)
 
     def _update(self) -> float:
         """One update θ_t → θ_{t+1}; returns the full-data loss L(θ_t) for GD, the batch loss otherwise."""
@@ -133,7 +134,7 @@ class Trainer:
 
     @torch.no_grad()
     def outputs(self, X: torch.Tensor) -> np.ndarray:
-        return self.model(X).numpy().copy() if X.shape[0] else np.zeros((0,) + tuple(self.y.shape[1:]), np.float32)
+        return self.model(X).cpu().numpy().copy() if X.shape[0] else np.zeros((0,) + tuple(self.y.shape[1:]), np.float32)
 
     def train_until(self, stop: int) -> Iterator[Checkpoint]:
         """Run updates until ``self.step == stop``, yielding a checkpoint at each recorded step."""
