@@ -207,8 +207,75 @@ class Run:
         rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
         return spectrum_preservation(V1, V2, i=rows), t1, t2, rows
 
+    # ------------------------------------------------------------------ Hessian (H = I + S)
+    def _hessian_index(self) -> np.ndarray:
+        """Positions (into ``steps``) of the finished steps whose Hessian was analysed."""
+        mask = self._read("hessian_steps")[:][self._idx]
+        return np.flatnonzero(mask)
+
+    @property
+    def hessian_steps(self) -> np.ndarray:
+        """(Sh,) the finished recorded steps with Hessian measurements."""
+        return self.steps[self._hessian_index()]
+
+    def _hessian(self, name: str) -> np.ndarray:
+        return self._per_step(name)[self._hessian_index()]
+
+    def hessian_moments(self, part: str = "H") -> dict[str, np.ndarray]:
+        """Tr(A^k), k = 1..4, along the analysed steps: {"estimate": (Sh, 4), "stderr": (Sh, 4)}.
+
+        part: "H", "I" or "S" (Hutch++ estimates); "I_exact" for Tr(I^k) from the NTK Gram.
+        """
+        if part == "I_exact":
+            est = self._hessian("hessian_moments_I_exact")
+            return {"estimate": est, "stderr": np.zeros_like(est)}
+        j = _part(part)
+        return {"estimate": self._hessian("hessian_moments")[:, j], "stderr": self._hessian("hessian_moments_stderr")[:, j]}
+
+    @property
+    def hessian_orthogonality(self) -> dict[str, np.ndarray]:
+        """‖IS‖_F / (‖I‖_F ‖S‖_F) along the analysed steps: {"value": (Sh,), "stderr": (Sh,)}."""
+        o = self._hessian("hessian_orthogonality")
+        return {"value": o[:, 0], "stderr": o[:, 1]}
+
+    def hessian_rayleigh(self, step: int | None = None) -> dict[str, np.ndarray]:
+        """The Hessian paper's Fig. 2 at ``step`` (default: the last analysed).
+
+        {"I": (2, k) [vᵀIv; vᵀSv] over the top-k eigenvectors of I, "S": the same over S's,
+        "evals_I", "evals_S": their eigenvalues}.
+        """
+        i = self._hessian_pos(step)
+        R, E = self._read("hessian_rayleigh")[i], self._read("hessian_rayleigh_evals")[i]
+        return {"I": R[0], "S": R[1], "evals_I": E[0], "evals_S": E[1]}
+
+    def hessian_top(self, part: str = "H") -> np.ndarray:
+        """(Sh, k) the largest eigenvalues of H, I or S along the analysed steps."""
+        return self._hessian("hessian_top")[:, _part(part)]
+
+    def edge_of_stability(self) -> np.ndarray:
+        """(Sh,) λ_max(H)·δ_t — GD on the quadratic model is stable while it stays below 2."""
+        lr = self.lr[self._hessian_index()]
+        return self.hessian_top("H")[:, 0] * lr
+
+    def hessian_density(self, step: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed)."""
+        i = self._hessian_pos(step)
+        return self._read("hessian_density_grid")[i], self._read("hessian_density")[i]
+
+    def _hessian_pos(self, step: int | None) -> int:
+        steps = self.hessian_steps
+        if not len(steps):
+            raise ValueError(f"run {self.id!r} has no finished step with Hessian measurements")
+        return self._index_of(int(steps[-1]) if step is None else step)
+
     def __repr__(self) -> str:
         return f"Run({self.id!r}, status={self.status!r}, steps={len(self._idx)}/{len(self.schedule)})"
+
+
+def _part(part: str) -> int:
+    if part not in ("H", "I", "S"):
+        raise ValueError(f"part={part!r} is not one of 'H', 'I', 'S'")
+    return "HIS".index(part)
 
 
 class Client:

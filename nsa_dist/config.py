@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["Activation", "Init", "ModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "ExperimentSpec", "ClusterSpec",
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "HessianSpec", "ExperimentSpec", "ClusterSpec",
            "SweepSpec"]
 
 
@@ -242,6 +242,37 @@ class SpectrumSpec(_Strict):
         return self
 
 
+class HessianSpec(_Strict):
+    """Loss-Hessian measurements H = I + S at recorded steps (the Hessian paper, Jacot et al.).
+
+    Analysed steps: every ``every``-th recorded step (and the last), or the training ``steps``
+    listed (each must be a recorded step).  The loss is the run's: C = (1/2N) Σ ‖f − y‖².
+    """
+
+    every: int = Field(1, ge=1, description="every n-th recorded step")
+    steps: list[int] | None = Field(None, description="or exactly these (recorded) training steps")
+    moments: bool = Field(True, description="Tr(A^k), k = 1..4, A in H, I, S (Hutch++) and exact Tr(I^k)")
+    probes: int = Field(16, ge=1, description="random probes of the moment / orthogonality estimates")
+    orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
+    rayleigh_k: int = Field(20, ge=0, description="Fig. 2: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)")
+    top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos (0: off)")
+    density: bool = Field(True, description="spectral density of H by stochastic Lanczos quadrature")
+    density_probes: int = Field(4, ge=1)
+    lanczos_steps: int = Field(40, ge=2)
+    density_grid: int = Field(200, ge=10)
+    block_size: int | None = Field(None, ge=1)
+
+    def indices(self, record: list[int]) -> list[int]:
+        """Indices into the recording schedule ``record`` that are analysed."""
+        if self.steps is not None:
+            missing = sorted(set(self.steps) - set(record))
+            if missing:
+                raise ValueError(f"hessian.steps {missing} are not recorded steps (recorded: {record[:10]}"
+                                 f"{' …' if len(record) > 10 else ''}); add them to record.steps")
+            return [i for i, t in enumerate(record) if t in set(self.steps)]
+        return sorted(set(range(0, len(record), self.every)) | {len(record) - 1})
+
+
 class ExperimentSpec(_Strict):
     """One training run and what is measured along it (read from YAML by ``nsa run``).
 
@@ -258,6 +289,7 @@ class ExperimentSpec(_Strict):
     steps: int = Field(1000, ge=1, description="number of training updates")
     record: RecordSpec = Field(default_factory=lambda: RecordSpec(log_points=20))
     spectrum: SpectrumSpec = Field(default_factory=SpectrumSpec)
+    hessian: HessianSpec | None = Field(None, description="loss-Hessian measurements (off when absent)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available")
 
     def torch_device(self) -> str:
@@ -289,7 +321,9 @@ class ExperimentSpec(_Strict):
             raise ValueError(f"model.output_dim={self.model.output_dim} but the targets have K={self.data.output_dim}")
         if self.optimizer.batch_size is not None and self.optimizer.batch_size > self.data.n:
             raise ValueError(f"optimizer.batch_size={self.optimizer.batch_size} exceeds data.n={self.data.n}")
-        self.record.schedule(self.steps)  # raises on steps past the end
+        record = self.record.schedule(self.steps)  # raises on steps past the end
+        if self.hessian is not None:
+            self.hessian.indices(record)
         return self
 
     def record_steps(self) -> list[int]:

@@ -157,3 +157,21 @@ def test_distributed_gram_lanczos_equals_single_process(local_ray):
     np.testing.assert_allclose(dist.evals, ref.evals, rtol=1e-9)
     overlap = np.abs(np.sum(dist.evecs * ref.evecs, axis=0))  # sign-fixed, distinct eigenvalues
     np.testing.assert_allclose(overlap, 1.0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_hessian_measurements_through_the_ray_pipeline(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    hess = {"every": 2, "probes": 8, "rayleigh_k": 3, "top_k": 2, "density_grid": 32, "lanczos_steps": 10}
+    sweep = _sweep("hess", base={"model": {"depth": 2, "width": 6}, "hessian": hess},
+                   cluster={"spectral_workers": 1})
+    url = str(tmp_path / "s.zarr")
+    (outcome,) = SweepCoordinator(sweep, url).run()
+    assert outcome.status == "done"
+    spec = sweep.expand()[0]
+    ref, got = _reference(tmp_path, spec).run(outcome.run_id), Client(url).run(outcome.run_id)
+    for name in ("hessian_moments", "hessian_moments_I_exact", "hessian_top", "hessian_orthogonality",
+                 "hessian_rayleigh", "hessian_density"):
+        np.testing.assert_array_equal(ref.g[name][:], got.g[name][:], err_msg=name)
+    assert got.hessian_steps.tolist() == [0, 12, 23]

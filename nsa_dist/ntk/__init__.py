@@ -1,7 +1,9 @@
-"""Exact NTK Gramians: structured per-layer formula, torch.func Jacobians, matrix-free products."""
+"""Exact NTK Gramians (structured per-layer formula, torch.func Jacobians, matrix-free products)
+and the infinite-width limit Θ∞ (:func:`limit_ntk`)."""
 
 from nsa_dist.ntk._method import Kernel, NTKMethod
 from nsa_dist.ntk._operator import NTKOperator
 from nsa_dist.ntk.gram import gram, ntk_operator, resolve_method
+from nsa_dist.ntk.limit import limit_ntk
 
-__all__ = ["Kernel", "NTKMethod", "NTKOperator", "gram", "ntk_operator", "resolve_method"]
+__all__ = ["Kernel", "NTKMethod", "NTKOperator", "gram", "limit_ntk", "ntk_operator", "resolve_method"]

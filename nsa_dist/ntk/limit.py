@@ -112,7 +112,7 @@ _ACTIVATIONS: dict[Activation, tuple[Callable[[torch.Tensor], torch.Tensor], Cal
 }  # (σ, σ′) of the activations without a closed-form kernel
 
 
-def _pair_for(activation: str | Activation | Callable, negative_slope: float, quadrature: int | None) -> _Pair:
+def _pair_for(activation: str | Activation | Callable, negative_slope: float, quadrature: int) -> _Pair:
     """The closed form for relu / leaky_relu / erf, Gauss–Hermite for the rest (or when
     ``quadrature`` is forced by passing a callable σ)."""
     if callable(activation) and not isinstance(activation, (str, Activation)):

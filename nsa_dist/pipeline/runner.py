@@ -18,6 +18,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import spectrum_preservation
 from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.hessian_step import hessian_dims
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore, Status
@@ -46,7 +47,8 @@ def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: Sp
                    Kt=min(K, M) if spec.spectrum.test_points and M else 0,
                    nI=len(imgs.indices) if imgs else 0, R=spec.spectrum.image_size if imgs else 0,
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=len(trainer.slot_names),
-                   L=int(trainer.gen.get_state().numel()), store_eigenvectors=spec.spectrum.store_eigenvectors)
+                   L=int(trainer.gen.get_state().numel()), store_eigenvectors=spec.spectrum.store_eigenvectors,
+                   hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))))
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,12 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
     rid = run_id(spec)
     writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
     if not writer.done().any():
-        writer.write_static({"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
-                             "steps": np.asarray(trainer.record), "image_indices": np.asarray(
-                                 analyzer.images.indices if analyzer.images else [], dtype=np.int64)})
+        static = {"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
+                  "steps": np.asarray(trainer.record),
+                  "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64)}
+        if spec.hessian is not None:
+            static["hessian_steps"] = np.isin(np.arange(len(trainer.record)), sorted(analyzer.hessian.indices))
+        writer.write_static(static)
     return PreparedRun(rid, spec, data, trainer, analyzer, writer)
 
 

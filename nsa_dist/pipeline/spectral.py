@@ -17,6 +17,7 @@ from nsa_dist.metrics import first_order_accuracy, first_order_update, kernel_ta
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
@@ -59,6 +60,7 @@ class SpectralAnalyzer:
         self.y = np.asarray(data.y, dtype=np.float64)
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
+        self.hessian = HessianAnalysis(spec, self.X, self.y, sum(p.numel() for p in self.model.parameters()))
 
     def _gram(self, X: torch.Tensor) -> torch.Tensor:
         """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU)."""
@@ -113,6 +115,8 @@ class SpectralAnalyzer:
             out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
+        if self.hessian.wanted(ck.index):
+            out.update(self.hessian.analyze(self.model))
         del G
         return out
 

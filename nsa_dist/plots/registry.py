@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from nsa_dist.plots import dynamics, eigenvalues, energy, images, projections
+from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, projections
 from nsa_dist.plots._axes import DPI
 
 if TYPE_CHECKING:
@@ -47,6 +47,11 @@ _FIGURES: dict[str, tuple[Callable[["Run"], "Figure"], _Needs]] = {
     "fig5_eigenvectors": (images.fig5, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig7d_preservation": (projections.fig7d, _preservation_ready),
     "loss": (dynamics.loss, _has("loss_trace", "loss")),
+    "hessian_moments": (hessian.moments, _has("hessian_moments", "hessian_moments_I_exact")),
+    "hessian_orthogonality": (hessian.orthogonality, _has("hessian_orthogonality")),
+    "hessian_fig2_rayleigh": (hessian.rayleigh, _has("hessian_rayleigh")),
+    "hessian_edge_of_stability": (hessian.edge_of_stability, _has("hessian_top")),
+    "hessian_density": (hessian.density, _has("hessian_density")),
 }
 FIGURES: tuple[str, ...] = tuple(_FIGURES)
 

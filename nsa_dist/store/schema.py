@@ -14,7 +14,7 @@ __all__ = ["SCHEMA_VERSION", "ArraySpec", "RunDims", "run_arrays", "STATIC", "PH
 
 SCHEMA_VERSION = 1
 PHIS = ("y", "f", "residual", "df", "df_pred")
-STATIC = ("X", "y", "X_test", "y_test", "steps", "image_indices")
+STATIC = ("X", "y", "X_test", "y_test", "steps", "image_indices", "hessian_steps")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ class RunDims:
     n_slots: int
     L: int
     store_eigenvectors: bool
+    hessian: bool = False
+    Hk: int = 0
+    Hr: int = 0
+    Hg: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -100,6 +104,21 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
     if D.Kt:
         a += [ArraySpec("eigenvalues_test", (D.S, D.Kt), "float64", True),
               ArraySpec("energy_f_test", (D.S, D.Kt), "float64", True)]
+    if D.hessian:
+        a += [ArraySpec("hessian_steps", (D.S,), "bool", False),
+               ArraySpec("hessian_moments", (D.S, 3, 4), "float64", True),
+               ArraySpec("hessian_moments_stderr", (D.S, 3, 4), "float64", True),
+               ArraySpec("hessian_moments_I_exact", (D.S, 4), "float64", True),
+               ArraySpec("hessian_orthogonality", (D.S, 2), "float64", True),
+               ArraySpec("hessian_products", (D.S,), "int64", True)]
+        if D.Hr:
+            a += [ArraySpec("hessian_rayleigh", (D.S, 2, 2, D.Hr), "float64", True),
+                  ArraySpec("hessian_rayleigh_evals", (D.S, 2, D.Hr), "float64", True)]
+        if D.Hk:
+            a.append(ArraySpec("hessian_top", (D.S, 3, D.Hk), "float64", True))
+        if D.Hg:
+            a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True),
+                  ArraySpec("hessian_density", (D.S, D.Hg), "float64", True)]
     if D.nI:
         a += [ArraySpec("eigvec_images", (D.S, D.nI, D.R, D.R), "float32", True),
               ArraySpec("eigvec_fourier", (D.S, D.nI, D.F, D.F), "float32", True),

@@ -1,0 +1,83 @@
+"""The loss Hessian H = I + S along training (the Hessian paper, Jacot et al.)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nsa_dist.plots._axes import colors, new_figure, some_steps, time_axis
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+_PAPER = "Hessian paper"
+
+
+def moments(run: "Run") -> "Figure":
+    """Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, and the exact Tr(I^k)."""
+    fig, axes = new_figure(run, "1", "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0), paper=_PAPER)
+    t = run.hessian_steps
+    exact = run.hessian_moments("I_exact")["estimate"]
+    for k, ax in enumerate(axes[0]):
+        for part, c in zip("HIS", colors(3)):
+            m = run.hessian_moments(part)
+            ax.errorbar(t, m["estimate"][:, k], yerr=m["stderr"][:, k], fmt="o-", ms=3, color=c, capsize=2,
+                        label=f"{part} (Hutch++)")
+        ax.plot(t, exact[:, k], "k--", lw=1, label="I exact (NTK Gram)")
+        ax.set_title(f"Tr(A^{k + 1})", fontsize=10)
+        ax.set_yscale("symlog", linthresh=1e-3 * max(1e-12, float(np.nanmax(np.abs(exact[:, k])))))
+        time_axis(ax, run, "trace" if k == 0 else "", legend=k == 0)
+    return fig
+
+
+def orthogonality(run: "Run") -> "Figure":
+    """‖IS‖_F / (‖I‖_F ‖S‖_F) along t: I and S become orthogonal as training converges."""
+    fig, ax = new_figure(run, "2", "orthogonality of I and S", paper=_PAPER)
+    ax, o = ax[0, 0], run.hessian_orthogonality
+    ax.errorbar(run.hessian_steps, o["value"], yerr=o["stderr"], fmt="o-", ms=3, capsize=2,
+                label=r"$\Vert IS\Vert_F / (\Vert I\Vert_F\Vert S\Vert_F)$")
+    time_axis(ax, run, "normalised ‖IS‖_F")
+    return fig
+
+
+def rayleigh(run: "Run") -> "Figure":
+    """Fig. 2: vᵀIv and vᵀSv over the top eigenvectors of I (left) and of S (right), at the last analysed step."""
+    step = int(run.hessian_steps[-1])
+    R = run.hessian_rayleigh(step)
+    fig, axes = new_figure(run, "2", f"Rayleigh quotients at t = {step}", 1, 2, paper=_PAPER)
+    for ax, key, name in ((axes[0, 0], "I", "I"), (axes[0, 1], "S", "S")):
+        i = np.arange(1, R[key].shape[1] + 1)
+        ax.plot(i, R[key][0], "o-", ms=3, label=r"$v^T I v$")
+        ax.plot(i, R[key][1], "s-", ms=3, label=r"$v^T S v$")
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set(xlabel=f"eigenvector i of {name}", ylabel="Rayleigh quotient", title=f"along eigenvectors of {name}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def edge_of_stability(run: "Run") -> "Figure":
+    """λ_max(H)·δ_t along t against 2 (GD on the local quadratic is stable below 2)."""
+    fig, ax = new_figure(run, "—", "edge of stability λ_max(H)·δ", paper=_PAPER)
+    ax = ax[0, 0]
+    ax.plot(run.hessian_steps, run.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t$")
+    ax.axhline(2.0, color="C3", ls="--", label="2")
+    time_axis(ax, run, r"$\lambda_{max}(H)\,\delta_t$")
+    return fig
+
+
+def density(run: "Run") -> "Figure":
+    """SLQ spectral density of H at a few analysed steps (log y)."""
+    fig, ax = new_figure(run, "1", "spectral density of H (stochastic Lanczos quadrature)", paper=_PAPER)
+    ax, steps = ax[0, 0], run.hessian_steps
+    pick = some_steps(len(steps), 4)
+    for j, c in zip(pick, colors(len(pick))):
+        grid, dens = run.hessian_density(int(steps[j]))
+        ax.plot(grid, np.clip(dens, 1e-8, None), color=c, label=f"t = {steps[j]}")
+    ax.set(xlabel="eigenvalue of H", ylabel="density", yscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
