@@ -48,7 +48,8 @@ def written(tiny: Run, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 def test_every_figure_written_and_readable(written: list[Path]) -> None:
-    assert [p.stem for p in written] == list(FIGURES)
+    nsa_figures = [f for f in FIGURES if not f.startswith("hessian_")]  # this run records no Hessian
+    assert [p.stem for p in written] == nsa_figures
     for p in written:
         assert p.suffix == ".png" and p.stat().st_size > 1000, p
         img = imread(p)
