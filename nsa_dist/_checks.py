@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from enum import Enum
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from nsa_dist.errors import NonFiniteError, ShapeError
+
+E = TypeVar("E", bound=Enum)
+
+
+def parse_enum(cls: type[E], value: object, name: str) -> E:
+    """``cls(value)``, or a ValueError naming ``name`` and the allowed values."""
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{name}={value!r} is not one of {allowed}") from None
 
 
 def check_finite(name: str, x: Any) -> None:

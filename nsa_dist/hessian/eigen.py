@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from nsa_dist._checks import parse_enum
 from nsa_dist.hessian._probes import check_int
 from nsa_dist.linalg import EigMethod, Eigenpairs, top_eigenpairs
-from nsa_dist.ntk._inputs import parse_enum
 
 __all__ = ["Which", "extreme_eigenpairs", "edge_of_stability"]
 

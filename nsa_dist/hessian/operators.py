@@ -12,7 +12,6 @@ P×P or N×P is formed.
 
 from __future__ import annotations
 
-import copy
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -20,9 +19,10 @@ import torch
 from torch import nn
 from torch.func import grad, jvp, vjp, vmap
 
+from nsa_dist._checks import parse_enum
 from nsa_dist.hessian._loss import Loss, loss_curvature, loss_gradient, loss_sum, parse_loss, prepare_targets
 from nsa_dist.hessian._operator import LossCurvatureOperator
-from nsa_dist.ntk._inputs import output_dim, parse_enum, prepare_inputs, trainable_params
+from nsa_dist.ntk._inputs import output_dim, prepare_inputs, prepare_model
 
 if TYPE_CHECKING:
     import numpy as np
@@ -110,12 +110,7 @@ _CLASSES = {HessianPart.H: HessianOperator, HessianPart.I: GaussNewtonOperator, 
 
 def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss: Loss,
            dtype: torch.dtype | None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    trainable_params(model)
-    p = next(iter(model.parameters()))
-    if dtype is not None and dtype != p.dtype:
-        model = copy.deepcopy(model).to(dtype)
+    model = prepare_model(model, dtype)
     X = prepare_inputs(model, X, "X", dtype)
     K = output_dim(model, X)
     return model, X, prepare_targets(Y, loss, X.shape[0], K, X.dtype, X.device)

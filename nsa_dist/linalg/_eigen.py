@@ -5,10 +5,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from nsa_dist._checks import parse_enum
 from nsa_dist.linalg._backend import Backend
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import block_lanczos
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EigMethod", "Eigenpairs", "top_eigenpairs"]
 
-_E = TypeVar("_E", bound=Enum)
 _DENSE_N = 500  # AUTO: dense eigh up to this N
 _DENSE_FRACTION = 1 / 3  # AUTO: dense eigh when k > N/3
 _SUBSET_FRACTION = 1 / 4  # dense on CPU: LAPACK's subset solver (evr) up to k = N/4, full evd above
@@ -104,8 +104,8 @@ def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Lite
     Warns:
         LanczosConvergenceWarning: Lanczos reached ``max_iter`` before the tolerance.
     """
-    method = _parse_enum(EigMethod, method, "method")
-    backend_ = _parse_enum(Backend, backend, "backend")
+    method = parse_enum(EigMethod, method, "method")
+    backend_ = parse_enum(Backend, backend, "backend")
     _check_options(tol, max_iter, seed)
     if method is EigMethod.ARPACK and backend_ not in (Backend.AUTO, Backend.NUMPY):
         raise ValueError(f"method='arpack' runs on the host only (SciPy); got backend={backend!r}, allowed "
@@ -165,14 +165,6 @@ def _fix_signs(V: np.ndarray) -> np.ndarray:
     flip = V[np.abs(V).argmax(axis=0), cols] < 0
     V[:, flip] *= -1
     return V
-
-
-def _parse_enum(cls: type[_E], value: object, name: str) -> _E:
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{name}={value!r} is not one of {allowed}") from None
 
 
 def _parse_k(k: object, N: int) -> int:

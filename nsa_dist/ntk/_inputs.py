@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
-from typing import TypeVar
+import copy
 
 import torch
 from torch import nn
@@ -11,16 +10,15 @@ from torch import nn
 from nsa_dist._checks import check_finite
 from nsa_dist.errors import ShapeError
 
-E = TypeVar("E", bound=Enum)
-
-
-def parse_enum(cls: type[E], value: object, name: str) -> E:
-    """``cls(value)`` with an error naming ``name`` and the allowed values."""
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{name}={value!r} is not one of {allowed}") from None
+def prepare_model(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """Check ``model`` is an nn.Module with trainable parameters; a copy cast to ``dtype`` if it differs."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    trainable_params(model)
+    p = next(iter(model.parameters()))
+    if dtype is not None and dtype != p.dtype:
+        model = copy.deepcopy(model).to(dtype)
+    return model
 
 
 def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
+from nsa_dist._checks import parse_enum
 from nsa_dist.errors import ShapeError, UnsupportedModelError
-from nsa_dist.ntk._inputs import default_block, output_dim, parse_enum, prepare_inputs, trainable_params
+from nsa_dist.ntk._inputs import default_block, output_dim, prepare_inputs, prepare_model, trainable_params
 from nsa_dist.ntk._jacobian import jacobian_gram
 from nsa_dist.ntk._method import Kernel, NTKMethod
 from nsa_dist.ntk._operator import NTKOperator
@@ -43,12 +42,7 @@ def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = 
 
 
 def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: torch.dtype | None):
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    trainable_params(model)
-    p = next(iter(model.parameters()))
-    if dtype is not None and dtype != p.dtype:
-        model = copy.deepcopy(model).to(dtype)
+    model = prepare_model(model, dtype)
     x1 = prepare_inputs(model, x1, "x1", dtype)
     if x2 is not None:
         x2 = prepare_inputs(model, x2, "x2", dtype)
