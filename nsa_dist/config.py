@@ -256,6 +256,8 @@ class HessianSpec(_Strict):
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
     rayleigh_k: int = Field(20, ge=0, description="Fig. 2: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)")
     top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos (0: off)")
+    eig_tol: float = Field(1e-6, gt=0, lt=1, description="Lanczos residual tolerance of those eigenpairs "
+                           "(relative to |λ|_max); S's clustered spectrum edge converges slowly below ~1e-4")
     density: bool = Field(True, description="spectral density of H by stochastic Lanczos quadrature")
     density_probes: int = Field(4, ge=1)
     lanczos_steps: int = Field(40, ge=2)

@@ -57,11 +57,11 @@ class HessianAnalysis:
             o = orthogonality(I, S, n_probes=h.probes, seed=self.seed)
             out["hessian_orthogonality"] = np.array([o.value, o.stderr])
         if self.rayleigh_k:
-            along_I, along_S = rayleigh_quotients(I, S, self.rayleigh_k, seed=self.seed)
+            along_I, along_S = rayleigh_quotients(I, S, self.rayleigh_k, tol=h.eig_tol, seed=self.seed)
             out["hessian_rayleigh"] = np.array([[along_I.vIv, along_I.vSv], [along_S.vIv, along_S.vSv]])  # (2, 2, k)
             out["hessian_rayleigh_evals"] = np.stack([along_I.evals, along_S.evals])  # (2, k)
         if self.top_k:
-            out["hessian_top"] = np.stack([extreme_eigenpairs(ops[p], self.top_k, which="largest",
+            out["hessian_top"] = np.stack([extreme_eigenpairs(ops[p], self.top_k, which="largest", tol=h.eig_tol,
                                                               seed=self.seed).evals for p in PARTS])  # (3, k)
         if self.grid:
             d = slq_density(H, n_probes=h.density_probes, n_steps=h.lanczos_steps, n_grid=self.grid, seed=self.seed)
