@@ -33,10 +33,3 @@ def check_finite(name: str, x: Any) -> None:
     if n_bad:
         raise NonFiniteError(f"{name} holds {n_bad} NaN/inf entries (of {np.prod(tuple(x.shape))}); "
                              "clean the data or lower the learning rate")
-
-
-def check_matrix(name: str, x: Any, *, ndim: int = 2) -> None:
-    """Raise :class:`ShapeError` unless ``x`` has ``ndim`` dimensions."""
-    shape = tuple(getattr(x, "shape", ()))
-    if len(shape) != ndim:
-        raise ShapeError(f"{name} must be {ndim}-D, got shape {shape}")

@@ -307,10 +307,14 @@ class ExperimentSpec(_Strict):
     def _fill_model_dims(cls, values: Any) -> Any:
         if not isinstance(values, dict):
             return values
-        data = values.get("data", {})
-        data = data if isinstance(data, DataSpec) else DataSpec(**(data or {}))
-        model = values.get("model", {})
-        model = model.model_dump(exclude_unset=True) if isinstance(model, ModelSpec) else dict(model or {})
+        data, model = values.get("data") or {}, values.get("model") or {}
+        if not isinstance(data, (dict, DataSpec)) or not isinstance(model, (dict, ModelSpec)):
+            return values  # let field validation report "data" / "model" is not a mapping
+        try:
+            data = data if isinstance(data, DataSpec) else DataSpec(**data)
+        except ValueError:
+            return values  # field validation reports the data errors under "data."
+        model = model.model_dump(exclude_unset=True) if isinstance(model, ModelSpec) else dict(model)
         model.setdefault("input_dim", data.input_dim)
         model.setdefault("output_dim", data.output_dim)
         return {**values, "data": data, "model": model}

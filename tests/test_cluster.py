@@ -23,9 +23,9 @@ BASE = dict(data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"
 COMPARE = ("theta", "f", "df", "eigenvalues", "energy_y", "energy_residual", "first_order_error", "loss", "loss_trace")
 
 
-def _reference(tmp_path, spec: ExperimentSpec) -> Client:
+def _reference(tmp_path, spec: ExperimentSpec, expect: str = "done") -> Client:
     url = str(tmp_path / f"ref-{spec.name}.zarr")
-    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    assert run_experiment(spec, SpectrumStore(url)).status == expect
     return Client(url)
 
 
@@ -144,6 +144,9 @@ def test_diverging_run_fails_while_others_finish(local_ray, tmp_path):
     run = Client(url).run(bad.run_id)
     assert run.status == "failed" and run.failed_step is not None
     assert np.all(run.steps < run.failed_step) and np.isfinite(run.eigenvalues).all()
+    single = _reference(tmp_path, sweep.expand()[1], expect="failed").run(bad.run_id)  # fails the same way in one process
+    assert single.status == "failed" and single.failed_step == run.failed_step
+    assert run.steps.tolist() == single.steps.tolist(), "steps analysed before the divergence were lost"
 
 
 @pytest.mark.slow
@@ -175,3 +178,44 @@ def test_hessian_measurements_through_the_ray_pipeline(local_ray, tmp_path):
                  "hessian_rayleigh", "hessian_density"):
         np.testing.assert_array_equal(ref.g[name][:], got.g[name][:], err_msg=name)
     assert got.hessian_steps.tolist() == [0, 12, 23]
+
+
+def test_auth_token_from_environment_or_file(tmp_path, monkeypatch):
+    from nsa_dist.cluster.runtime import auth_headers
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    assert auth_headers() is None
+    (tmp_path / "tok").write_text("s3cret\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))
+    assert auth_headers() == {"Authorization": "Bearer s3cret"}
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert auth_headers() == {"Authorization": "Bearer from-env"}
+
+
+def test_workers_refuse_a_store_without_the_run(tmp_path):
+    from nsa_dist.errors import StoreError
+
+    spec = ExperimentSpec(name="nowhere", **BASE)
+    with pytest.raises(StoreError, match="shared storage that every node reaches"):
+        TrainerService(spec_json(spec), str(tmp_path / "other.zarr"))
+
+
+def test_cluster_block_must_fit_the_cluster():
+    from nsa_dist.cluster.coordinator import check_resources
+    from nsa_dist.config import ClusterSpec
+
+    check_resources(ClusterSpec(), False, {"CPU": 3.0})
+    with pytest.raises(ValueError, match="GPU: needs 2, cluster has 1"):
+        check_resources(ClusterSpec(), True, {"CPU": 8.0, "GPU": 1.0})  # 2 x 0.5-GPU workers + a 1-GPU trainer
+    with pytest.raises(ValueError, match="node2: needs 2, cluster has 0"):
+        check_resources(ClusterSpec(worker_resources={"node2": 1}), False, {"CPU": 8.0})
+
+
+@pytest.mark.slow
+def test_sweep_that_cannot_be_placed_fails_fast(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    sweep = _sweep("nogpu", cluster={"worker_gpus": 1})
+    with pytest.raises(ValueError, match="GPU: needs 2, cluster has 0"):
+        SweepCoordinator(sweep, str(tmp_path / "s.zarr")).run()

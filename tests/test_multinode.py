@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,21 @@ def test_submit_sweep_to_two_node_cluster(two_node_cluster, tmp_path):
     lg = subprocess.run(nsa + ["logs", "nsa-multinode-test", "--address", address], env=env,
                         capture_output=True, text=True, timeout=60)
     assert "runs done" in lg.stdout
+    # a long sweep, cancelled while it runs
+    long = {**sweep, "name": "tocancel", "base": {**sweep["base"], "steps": 100000, "record": {"every": 50000}}}
+    path.write_text(yaml.safe_dump(long))
+    sub = subprocess.run(nsa + ["submit", str(path), "--address", address, "--store", str(tmp_path / "c.zarr"),
+                                "--job-id", "nsa-cancel-test"], env=env, capture_output=True, text=True, timeout=120)
+    assert sub.returncode == 0, sub.stderr[-2000:]
+    cancel = subprocess.run(nsa + ["cancel", "nsa-cancel-test", "--address", address], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert cancel.returncode == 0 and "stopping" in cancel.stdout, cancel.stdout + cancel.stderr
+    from nsa_dist.cluster import jobs
+
+    deadline = time.time() + 60
+    while jobs.status(address, "nsa-cancel-test")[0]["status"] != "STOPPED" and time.time() < deadline:
+        time.sleep(1)
+    assert jobs.status(address, "nsa-cancel-test")[0]["status"] == "STOPPED"
     from ray.util.state import list_actors
 
     nodes: dict[str, set] = {}

@@ -99,14 +99,11 @@ def test_resume_from_stored_checkpoint_matches_uninterrupted(tmp_path, optimizer
     # an interrupted run: stop it after two recorded steps, then re-run the same spec
     store_b = SpectrumStore(str(tmp_path / "b.zarr"))
 
-    class Stop(Exception):
-        pass
-
     def stop_after_two(ck, result):
         if ck.index == 1:
-            raise Stop
+            raise KeyboardInterrupt  # Ctrl-C between steps
 
-    with pytest.raises(Stop):
+    with pytest.raises(KeyboardInterrupt):
         run_experiment(spec, store_b, on_step=stop_after_two)
     assert Client(str(tmp_path / "b.zarr")).run(full.run_id).status == "pending"
     resumed = run_experiment(spec, store_b)
@@ -218,3 +215,53 @@ def test_cli_smoke(tmp_path, tiny_run):
     r = subprocess.run(nsa + ["run", str(path), "--store", str(tmp_path / "c.zarr")], capture_output=True,
                        text=True, env=env)
     assert r.returncode == 2 and "steps: Input should be greater than or equal to 1" in r.stderr
+
+
+def test_client_reads_a_run_while_it_is_writing(tmp_path):
+    """A reader sees exactly the steps finished so far (done flag last), and the live status."""
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(**{**TINY, "name": "live"})
+    seen = []
+
+    def watch(ck, result):
+        run = Client(url).run(run_id(spec))
+        seen.append((run.status, run.steps.tolist(), run.eigenvalues.shape[0]))
+
+    run_experiment(spec, SpectrumStore(url), on_step=watch)
+    assert seen == [("running", [0], 1), ("running", [0, 10], 2), ("running", [0, 10, 20], 3),
+                    ("running", [0, 10, 20, 29], 4)]
+    run = Client(url).run(run_id(spec))
+    assert run.status == "done" and len(run.steps) == 4
+
+
+def test_resume_fills_a_gap_left_by_out_of_order_steps(tmp_path):
+    """On a cluster steps can finish out of order: a re-run resumes before the first missing one."""
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(**{**TINY, "name": "gap"})
+    run_experiment(spec, SpectrumStore(url))
+    g = SpectrumStore(url).group(run_id(spec))
+    ref = {k: g[k][:] for k in ("theta", "eigenvalues", "energy_y")}
+    g["done"][2] = False
+    g["eigenvalues"][2] = np.nan
+    again = run_experiment(spec, SpectrumStore(url))
+    assert again.steps_computed == 1 and again.status == "done"
+    for k, v in ref.items():
+        np.testing.assert_array_equal(g[k][:], v, err_msg=k)
+
+
+def test_an_error_that_would_recur_marks_the_run_failed(tmp_path):
+    spec = ExperimentSpec(**{**TINY, "name": "bad", "spectrum": {"k": "all", "eig_method": "arpack"}})
+    with pytest.raises(ValueError, match="arpack"):
+        run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
+    run = Client(str(tmp_path / "s.zarr")).run(run_id(spec))
+    assert run.status == "failed" and "ValueError" in run.reason
+
+
+def test_spec_with_a_non_mapping_field_gives_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: mnist\n")
+    with pytest.raises(SpecError, match="data: Input should be a valid dictionary"):
+        load_spec(bad)
+    bad.write_text("data: {name: mnist, n: -3}\n")
+    with pytest.raises(SpecError, match="data.n: Input should be greater than or equal to 1"):
+        load_spec(bad)

@@ -17,13 +17,34 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from nsa_dist.config import ExperimentSpec, SweepSpec
-from nsa_dist.cluster.actors import spectral_workers, trainer_actor
+from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
+from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_actor
 from nsa_dist.cluster.runtime import cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, spec_json
 from nsa_dist.store import RunWriter, SpectrumStore, Status
 
-__all__ = ["SweepCoordinator", "RunProgress"]
+__all__ = ["SweepCoordinator", "RunProgress", "check_resources"]
+
+
+def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float]) -> None:
+    """Raise ValueError unless the cluster holds the worker pool plus one trainer.
+
+    Ray would otherwise queue the actors forever (e.g. two 0.5-GPU workers and a 1-GPU trainer
+    on a one-GPU machine, or a custom resource no node has).
+    """
+    need: dict[str, float] = {"CPU": cl.spectral_workers * cl.worker_cpus + cl.trainer_cpus,
+                              "GPU": cl.spectral_workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
+                              + resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)}
+    for key, v in cl.worker_resources.items():
+        need[key] = need.get(key, 0.0) + cl.spectral_workers * v
+    for key, v in cl.trainer_resources.items():
+        need[key] = need.get(key, 0.0) + v
+    short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
+    if short:
+        what = "; ".join(f"{k}: needs {v:g}, cluster has {a:g}" for k, (v, a) in short.items())
+        raise ValueError(f"the sweep's cluster block does not fit this Ray cluster ({what}); lower "
+                         "cluster.spectral_workers / worker_cpus / worker_gpus / trainer_cpus / trainer_gpus or "
+                         "the *_resources, or add nodes")
 
 
 @dataclass
@@ -52,6 +73,7 @@ class _Run:
     pending: Any = None  # ObjectRef of the checkpoint being trained towards
     pending_index: int = -1
     inflight: dict = field(default_factory=dict)  # analysis ref -> (index, ckpt ref, attempts, worker)
+    diverged: TrainingDiverged | None = None  # set once training diverged: drain, then fail
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -91,6 +113,7 @@ class SweepCoordinator:
         has_gpus = cluster_has_gpus()
         todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
         if todo:
+            check_resources(self.cl, has_gpus, ray.cluster_resources())
             self.workers = spectral_workers(self.store_url, self.cl, has_gpus)
         limit = self.cl.max_concurrent_runs or len(todo)
         active: list[_Run] = []
@@ -132,7 +155,8 @@ class SweepCoordinator:
         return False
 
     def _request_checkpoints(self, r: _Run) -> None:
-        while r.pending is None and len(r.inflight) < self.cl.max_inflight and r.progress.status == Status.RUNNING:
+        while (r.pending is None and len(r.inflight) < self.cl.max_inflight and r.progress.status == Status.RUNNING
+               and r.diverged is None):
             while r.next_index < len(r.done) and r.done[r.next_index]:
                 r.next_index += 1
             if r.next_index >= len(r.done):
@@ -170,12 +194,13 @@ class SweepCoordinator:
         index, ck_ref, attempts, _ = r.inflight.pop(ref)
         try:
             summary = ray.get(ref)
-        except RayTaskError as exc:
+        except RayTaskError as exc:  # the checkpoint or the analysis raised
             cause = _cause(exc)
-            if isinstance(cause, RayActorError) and attempts < self.cl.max_retries:
-                self._submit(r, index, ck_ref, attempts + 1)  # the trainer restarted: same ref retries
-                return
-            self._fail(r, cause)
+            if isinstance(cause, TrainingDiverged):  # keep the earlier steps still being analysed
+                r.diverged, r.pending = cause, None
+                self._finish_diverged(r)
+            else:  # incl. a trainer that cannot be restarted (its constructor raised)
+                self._fail(r, cause)
             return
         except RayActorError:  # the spectral worker died: recompute this (run, step) elsewhere
             if attempts < self.cl.max_retries:
@@ -188,9 +213,16 @@ class SweepCoordinator:
         p.done = int(r.done.sum())
         if p.step is None or summary["step"] >= p.step:  # analyses may finish out of order
             p.step, p.loss, p.lambda_max = summary["step"], summary["loss"], summary["lambda_max"]
-        if r.done.all() and not r.inflight:
+        if r.diverged is not None:
+            self._finish_diverged(r)
+        elif r.done.all() and not r.inflight:
             finish_run(r.writer, r.spec)
             p.status = Status.DONE
+
+    def _finish_diverged(self, r: _Run) -> None:
+        """Once the analyses in flight before the divergence are written, mark the run failed."""
+        if not r.inflight:
+            self._fail(r, r.diverged)
 
     def _fail(self, r: _Run, exc: BaseException) -> None:
         step = exc.step if isinstance(exc, TrainingDiverged) else None

@@ -35,7 +35,11 @@ class DistributedGram:
         device = "cuda" if num_gpus > 0 else "cpu"
         cls = gram_row_actor(num_cpus, num_gpus, resources)
         self.actors = [cls.remote(refs, I, device) for I in range(n_workers)]
-        ray.get([a.nbytes.remote() for a in self.actors])  # block rows built
+        try:
+            ray.get([a.nbytes.remote() for a in self.actors])  # block rows built
+        except BaseException:
+            self.shutdown()
+            raise
         self.shape = (x.shape[0], x.shape[0])
         self.n_matvec = 0
 

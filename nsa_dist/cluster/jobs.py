@@ -8,6 +8,7 @@ nsa-dist's dependencies installed (the image in deploy/docker).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -29,21 +30,31 @@ def job_client(address: str) -> Any:
 
 def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str | None = None,
            pip: list[str] | None = None) -> str:
-    """Submit a sweep; returns the job id.  ``store_url`` must be reachable from every node."""
+    """Submit a sweep; returns the job id.  ``store_url`` must be reachable from every node.
+
+    A local store path is made absolute (the job runs in a temporary directory of the cluster):
+    it only works when that path is shared storage, as on a one-machine cluster.
+    """
     import nsa_dist
     from nsa_dist.specfile import load_sweep
 
     load_sweep(sweep_file)  # fail here, not on the cluster, on a bad file
-    work = Path(tempfile.mkdtemp(prefix="nsa-submit-"))
-    shutil.copy(sweep_file, work / "sweep.yaml")
-    shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
-    runtime_env: dict[str, Any] = {"working_dir": str(work), "py_modules": [str(Path(nsa_dist.__file__).parent)]}
+    if "://" not in store_url:
+        store_url = os.path.abspath(store_url)
+    runtime_env: dict[str, Any] = {"py_modules": [str(Path(nsa_dist.__file__).parent)]}
     if pip:
         runtime_env["pip"] = pip
     if os.environ.get("NSA_DEBUG"):
         runtime_env["env_vars"] = {"NSA_DEBUG": "1"}
-    entry = f"python services/sweep_job.py sweep.yaml --store {store_url}"
+    work = Path(tempfile.mkdtemp(prefix="nsa-submit-"))
     try:
+        shutil.copy(sweep_file, work / "sweep.yaml")
+        if _SERVICES.is_dir():  # a source checkout: the services/ entry point
+            shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
+            entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}"
+        else:  # an installed package: the same command without the wrapper
+            entry = f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain --store {shlex.quote(store_url)}"
+        runtime_env["working_dir"] = str(work)
         client = job_client(address)
         deadline = time.time() + 90
         while True:  # a freshly started head has no job agent for a few seconds

@@ -23,7 +23,7 @@ _FEATURE_FRACTION = 0.125
 _MIN_FEATURE_BYTES = 64e6
 # Points per forward/backward pass when features are computed for all points at once.
 _FEATURE_CHUNK = 2048
-_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d)
+
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ def linear_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
             raise UnsupportedModelError(
                 f"method='structured' needs every trainable parameter in an nn.Linear layer; "
                 f"parameter {name!r} belongs to {type(mod).__name__} (use method='jacobian' or 'auto')")
-    for name, mod in model.named_modules():
-        if isinstance(mod, _NORM_TYPES) and not isinstance(mod, nn.LayerNorm):
+    for name, mod in model.named_modules():  # batch statistics couple the samples of a batch
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and (mod.training or not mod.track_running_stats):
             raise UnsupportedModelError(f"method='structured' cannot handle {type(mod).__name__} "
-                                        f"({name!r}) which mixes samples; use method='jacobian'")
+                                        f"({name!r}) using batch statistics, which mixes samples; use method='jacobian'")
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)
               and (m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad))]
     _probe_calls(model, layers, x_probe)

@@ -17,7 +17,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import spectrum_preservation
-from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.hessian_step import hessian_dims
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
@@ -103,9 +103,9 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     if done.all():
         writer.set_status(Status.DONE)
         return RunOutcome(rid, Status.DONE)
-    latest = writer.latest_state()
-    if latest is not None:
-        trainer.load_state(latest[1])
+    resume = writer.resume_index()
+    if resume is not None:
+        trainer.load_state(TrainerState(**writer.state_at(resume)))
     trainer.on_update = on_update
     writer.set_status(Status.RUNNING)
     computed = 0
@@ -122,8 +122,11 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     except TrainingDiverged as exc:
         writer.set_status(Status.FAILED, str(exc), exc.step)
         return RunOutcome(rid, Status.FAILED, str(exc), computed)
-    except BaseException as exc:
-        writer.set_status(Status.PENDING, f"interrupted ({type(exc).__name__}: {exc}); re-run to resume")
+    except (KeyboardInterrupt, SystemExit) as exc:
+        writer.set_status(Status.PENDING, f"interrupted ({type(exc).__name__}); re-run to resume")
+        raise
+    except Exception as exc:  # a bug or bad input that would recur: failed, finished steps kept
+        writer.set_status(Status.FAILED, f"{type(exc).__name__}: {exc}")
         raise
     finish_run(writer, spec)
     return RunOutcome(rid, Status.DONE, None, computed)

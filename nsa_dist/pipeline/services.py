@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
 import torch
 
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
-from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.runner import run_dims, run_id, spec_json
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer
@@ -29,7 +28,8 @@ def open_writer(store_url: str, spec: ExperimentSpec, data=None) -> RunWriter:
     """The writer of an existing run (created by the coordinator), checked against the spec."""
     data = data if data is not None else load_dataset(spec.data, seed=spec.seed)
     trainer, analyzer = Trainer(spec, data), SpectralAnalyzer(spec, data)
-    return SpectrumStore(store_url).writer(run_id(spec), spec_json(spec), run_dims(spec, data, trainer, analyzer))
+    return SpectrumStore(store_url).writer(run_id(spec), spec_json(spec), run_dims(spec, data, trainer, analyzer),
+                                           create=False)
 
 
 class TrainerService:
@@ -47,12 +47,9 @@ class TrainerService:
     def _reset(self, before: int | None = None) -> None:
         """A fresh trainer at the last stored checkpoint (with index < ``before`` when given)."""
         self.trainer = Trainer(self.spec, self.data)
-        done = np.flatnonzero(self.writer.done())
-        if before is not None:
-            done = done[done < before]
-        if len(done):
-            state = self.writer.state_at(int(done[-1]))
-            self.trainer.load_state(state)
+        i = self.writer.resume_index(before)
+        if i is not None:
+            self.trainer.load_state(TrainerState(**self.writer.state_at(i)))
 
     def pid(self) -> int:
         import os

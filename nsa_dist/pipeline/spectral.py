@@ -22,8 +22,6 @@ from nsa_dist.pipeline.images import eigen_images
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
 
-PHIS = ("y", "f", "residual", "df", "df_pred")
-
 
 def spectrum_size(spec: ExperimentSpec, n: int) -> int:
     """K, the number of eigenpairs kept at n points."""

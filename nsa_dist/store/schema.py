@@ -10,11 +10,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "ArraySpec", "RunDims", "run_arrays", "STATIC", "PHIS"]
+__all__ = ["SCHEMA_VERSION", "ArraySpec", "RunDims", "run_arrays", "PHIS"]
 
 SCHEMA_VERSION = 1
 PHIS = ("y", "f", "residual", "df", "df_pred")
-STATIC = ("X", "y", "X_test", "y_test", "steps", "image_indices", "hessian_steps")
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,15 @@ class SpectrumStore:
             raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {known})")
         return self.runs[run_id]
 
-    def writer(self, run_id: str, spec: dict, dims: RunDims) -> "RunWriter":
-        """Create run ``run_id``, or reopen it for resuming after checking spec, schema and arrays."""
+    def writer(self, run_id: str, spec: dict, dims: RunDims, *, create: bool = True) -> "RunWriter":
+        """Create run ``run_id``, or reopen it for resuming after checking spec, schema and arrays.
+
+        ``create=False`` (cluster workers): the run must exist already — if it does not, this
+        node does not see the store the coordinator created it in.
+        """
+        if run_id not in self.runs and not create:
+            raise StoreError(f"run {run_id!r} is not in {self.url!r} as seen from this node: the store must be "
+                             "shared storage that every node reaches (s3://…, gs://…, a shared filesystem path)")
         if run_id in self.runs:
             g = self.runs[run_id]
             version = g.attrs.get("schema_version")
@@ -144,19 +151,21 @@ class RunWriter:
         if len(values):
             self.g["loss_trace"][start:start + len(values)] = values
 
-    def latest_state(self) -> tuple[int, Any] | None:
-        """(index, TrainerState) of the last recorded step, or None before the first."""
-        done = np.flatnonzero(self.done())
-        if not len(done):
-            return None
-        return int(done[-1]), self.state_at(int(done[-1]))
+    def resume_index(self, before: int | None = None) -> int | None:
+        """The recorded step to resume from: the last of the unbroken run of finished steps from 0
+        (steps can finish out of order on a cluster), only indices < ``before`` when given."""
+        done = self.done()
+        if before is not None:
+            done = done[:before]
+        missing = np.flatnonzero(~done)
+        last = (int(missing[0]) if len(missing) else len(done)) - 1
+        return last if last >= 0 else None
 
-    def state_at(self, i: int) -> Any:
-        """The TrainerState stored with recorded step ``i``."""
-        from nsa_dist.pipeline.checkpoint import TrainerState
-
+    def state_at(self, i: int) -> dict[str, Any]:
+        """The resume state stored with recorded step ``i``: step, theta, slots, rng."""
         slots = self.g["opt_slots"][i] if self.dims.n_slots else np.zeros((0, self.dims.P), np.float32)
-        return TrainerState(int(self.g["steps"][i]), self.g["theta"][i], slots, self.g["rng_state"][i])
+        return {"step": int(self.g["steps"][i]), "theta": self.g["theta"][i], "slots": slots,
+                "rng": self.g["rng_state"][i]}
 
     def write_array(self, name: str, value: np.ndarray, attrs: dict | None = None) -> None:
         """A post-run array (e.g. spectrum preservation), replaced if present."""
