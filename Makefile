@@ -37,9 +37,13 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# nngeometry (benchmark (d) only) declares torchvision, which would drag in another torch build;
+# it never imports it, so it is installed without dependencies.
 bench: install
-	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q --no-deps "nngeometry==0.4"
 	$(PY) benchmarks/ntk_gram.py
+	$(PY) benchmarks/sweep.py
+	$(PY) benchmarks/hessian.py
 
 clean:
 	rm -rf $(VENV) nsa-results.zarr demo-out bench-out

@@ -106,7 +106,7 @@ def part_d(sizes: tuple[int, ...] = (4000, 10_000), batch: int = 1000) -> dict:
     try:
         from nngeometry import GramMatrix
     except ImportError:
-        return {"skipped": "nngeometry not installed: pip install -e '.[bench]'"}
+        return {"skipped": "nngeometry not installed: pip install --no-deps nngeometry==0.4 (or make bench)"}
     from torch.utils.data import DataLoader, TensorDataset
 
     out = {}
