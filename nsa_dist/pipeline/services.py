@@ -24,10 +24,16 @@ from nsa_dist.store import RunWriter, SpectrumStore
 __all__ = ["TrainerService", "SpectralService", "open_writer"]
 
 
-def open_writer(store_url: str, spec: ExperimentSpec, data=None) -> RunWriter:
-    """The writer of an existing run (created by the coordinator), checked against the spec."""
+def open_writer(store_url: str, spec: ExperimentSpec, data=None, *, trainer: Trainer | None = None,
+                analyzer: SpectralAnalyzer | None = None) -> RunWriter:
+    """The writer of an existing run (created by the coordinator), checked against the spec.
+
+    The run's array sizes come from its trainer and analyzer; pass the caller's own to avoid
+    building them twice.
+    """
     data = data if data is not None else load_dataset(spec.data, seed=spec.seed)
-    trainer, analyzer = Trainer(spec, data), SpectralAnalyzer(spec, data)
+    trainer = trainer or Trainer(spec, data)
+    analyzer = analyzer or SpectralAnalyzer(spec, data)
     return SpectrumStore(store_url).writer(run_id(spec), spec_json(spec), run_dims(spec, data, trainer, analyzer),
                                            create=False)
 
@@ -89,7 +95,8 @@ class SpectralService:
         if run_id not in self._runs:
             es = ExperimentSpec.model_validate(spec)
             data = load_dataset(es.data, seed=es.seed)
-            self._runs[run_id] = (SpectralAnalyzer(es, data), open_writer(self.store_url, es, data))
+            analyzer = SpectralAnalyzer(es, data)
+            self._runs[run_id] = (analyzer, open_writer(self.store_url, es, data, analyzer=analyzer))
             while len(self._runs) > self.cache:
                 self._runs.popitem(last=False)
         self._runs.move_to_end(run_id)
