@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["Activation", "Init", "ModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "SpectrumSpec", "HessianSpec", "ExperimentSpec", "ClusterSpec",
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "Layout", "SpectrumSpec", "HessianSpec", "ExperimentSpec", "ClusterSpec",
            "SweepSpec"]
 
 
@@ -213,8 +213,32 @@ class RecordSpec(_Strict):
         return sorted(s | {0, last})
 
 
+class Layout(str, Enum):
+    """Where one recorded step's Gram G_t lives while it is analysed (DESIGN.md, "Scaling one step").
+
+    LOCAL: one worker holds the whole G (~N² entries) — fastest while G fits; the only layout
+    for ``k: all``.  BLOCK_ROWS: a gang of ``spectrum.workers`` workers holds the upper tile
+    pairs, each a balanced share (~N²/(2W)); per-point features are computed once and shared;
+    every metric is exact.  MATRIX_FREE: no G anywhere, ``G V = J (Jᵀ V)`` over data shards
+    (~(N/W)·Σ(n_in + n_out) + P·b per worker) — for N whose G fits nowhere; ‖G‖_F is then
+    estimated (Hutch++, with its standard error).  AUTO: the first of these that fits
+    ``spectrum.memory_budget_gb`` per worker; the choice and the reason are recorded.
+    """
+
+    AUTO = "auto"
+    LOCAL = "local"
+    BLOCK_ROWS = "block_rows"
+    MATRIX_FREE = "matrix_free"
+
+
 class SpectrumSpec(_Strict):
     """Spectral analysis at each recorded step."""
+
+    layout: Layout = Field(Layout.LOCAL, description="local | block_rows | matrix_free | auto (see Layout)")
+    workers: int = Field(1, ge=1, description="spectral workers sharing one step's G (block_rows, matrix_free)")
+    memory_budget_gb: float | None = Field(None, gt=0, description="per-worker memory for layout=auto "
+                                           "(default: half of this machine's memory)")
+    frobenius_probes: int = Field(32, ge=2, description="matrix_free: Hutch++ probes of ‖G‖_F²")
 
     k: int | Literal["all"] = Field(100, description="top eigenpairs of G_t, or 'all'")
     eig_method: str = Field("auto", description="auto | dense | lanczos | arpack")
@@ -239,6 +263,13 @@ class SpectrumSpec(_Strict):
             raise ValueError(f"spectrum.k must be >= 1 or 'all', got {self.k}")
         if any(i < 1 for i in self.images):
             raise ValueError(f"spectrum.images are 1-based eigenvector indices, got {self.images}")
+        layout = Layout(self.layout)
+        if self.k == "all" and layout is not Layout.LOCAL:
+            raise ValueError(f"spectrum.k='all' (a full eigh of G) needs spectrum.layout='local', got "
+                             f"layout={layout.value!r}; ask for the top k eigenpairs (e.g. k: 500) instead")
+        if self.eig_method == "dense" and layout is not Layout.LOCAL:
+            raise ValueError(f"spectrum.eig_method='dense' needs layout='local' (G is never gathered with "
+                             f"layout={layout.value!r}); use 'auto' or 'lanczos'")
         return self
 
 

@@ -16,7 +16,7 @@ descending eigenvalue.
 
 from __future__ import annotations
 
-from nsa_dist.metrics.alignment import kernel_target_alignment
+from nsa_dist.metrics.alignment import alignment_from_products, centered_sq_frobenius, kernel_target_alignment
 from nsa_dist.metrics.dynamics import ConstantGramTrajectory, constant_gram_dynamics
 from nsa_dist.metrics.energy import relative_energy, spectral_projections
 from nsa_dist.metrics.first_order import FirstOrderAccuracy, first_order_accuracy, first_order_update
@@ -30,6 +30,8 @@ __all__ = [
     "spectral_projections",
     "spectrum_preservation",
     "kernel_target_alignment",
+    "alignment_from_products",
+    "centered_sq_frobenius",
     "lr_eigen_product",
     "flow_speed",
     "stability_bound",

@@ -9,7 +9,7 @@ import numpy as np
 from nsa_dist.errors import ShapeError
 from nsa_dist.metrics._validate import as_real, block_size, check_rows, nonzero_norms
 
-__all__ = ["kernel_target_alignment"]
+__all__ = ["kernel_target_alignment", "alignment_from_products", "centered_sq_frobenius"]
 
 
 def _centered_frobenius2(G: np.ndarray) -> float:
@@ -70,3 +70,41 @@ def kernel_target_alignment(G: Any, y: Any, centered: bool = False) -> float:
     GY = (G @ Y.astype(G.dtype, copy=False)).astype(np.float64)  # (N, C)
     numer = float(np.sum(Y * GY))  # tr(Yᵀ G Y)
     return float(numer / (np.sqrt(G_norm2) * np.linalg.norm(Y.T @ Y)))
+
+
+def centered_sq_frobenius(sq_frobenius: float, G1: Any) -> float:
+    """‖HGH‖_F² = ‖G‖_F² − 2‖g‖²/N + (1ᵀg)²/N² from ‖G‖_F² and g = G 1 (H = I − 11ᵀ/N, G symmetric)."""
+    g = np.asarray(G1, dtype=np.float64).reshape(-1)  # (N,)
+    N = g.shape[0]
+    return float(sq_frobenius) - 2 * float(g @ g) / N + float(g.sum()) ** 2 / N**2
+
+
+def alignment_from_products(y: Any, GY: Any, sq_frobenius: float, centered: bool = False,
+                            G1: Any = None) -> float:
+    """The alignment of :func:`kernel_target_alignment` from products only (G never gathered).
+
+    Raw: ``A = tr(Yᵀ G Y) / (‖G‖_F ‖YᵀY‖_F)``.  Centred, with ``g = G 1`` and ``Y_c = Y − 1ȳᵀ``
+    (so ``G Y_c = G Y − g ȳᵀ``): ``A_c = tr(Y_cᵀ G Y_c) / (‖HGH‖_F ‖Y_cᵀ Y_c‖_F)``.
+
+    Args:
+        y: (N,) or (N, C) target.
+        GY: G y, same shape.
+        sq_frobenius: ‖G‖_F² (raw) or ‖HGH‖_F² (centred; see :func:`centered_sq_frobenius`),
+            exact or estimated.
+        centered: the centred alignment (needs ``G1``).
+        G1: (N,) G 1.
+
+    Returns:
+        The alignment (float64); NaN when a norm is zero or not finite.
+    """
+    Y = np.asarray(y, dtype=np.float64).reshape(len(y), -1)  # (N, C)
+    GYm = np.asarray(GY, dtype=np.float64).reshape(Y.shape)
+    if centered:
+        if G1 is None:
+            raise ValueError("alignment_from_products(centered=True) needs G1 = G·1")
+        g, ybar = np.asarray(G1, dtype=np.float64).reshape(-1), Y.mean(axis=0)  # (N,), (C,)
+        Y, GYm = Y - ybar, GYm - g[:, None] * ybar[None, :]
+    denom = np.sqrt(max(float(sq_frobenius), 0.0)) * np.linalg.norm(Y.T @ Y)
+    if not np.isfinite(denom) or denom == 0.0:
+        return float("nan")
+    return float(np.sum(Y * GYm) / denom)

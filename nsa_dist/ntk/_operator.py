@@ -60,15 +60,29 @@ class NTKOperator:
             raise ShapeError(f"operator of shape {self.shape} got a block of shape {tuple(Vt.shape)}")
         m, N, K = Vt.shape[1], self.x.shape[0], self.K
         Vr = Vt.reshape(N, K, m) if self.full else Vt  # (N, K, m) or (N, m)
-        n_cot = m if self.full else m * K
+        out = self.j(self.jt(Vr), m)
+        self.n_matvec += m
+        out = out.reshape(self.shape[0], m)
+        out = out[:, 0] if vec else out
+        return out.cpu().numpy() if is_np else out
+
+    def jt(self, Vr: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``U = Jᵀ V`` by one VJP pass: Vr (N, m) traced or (N, K, m) full → (m·K or m, *param) per parameter."""
+        m = Vr.shape[-1]
+        n_cot = m if self.full else m * self.K
         U = {k: torch.zeros((n_cot,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
-        for s in range(0, N, self.block):  # U = Jᵀ V
+        for s in range(0, self.x.shape[0], self.block):
             _, pull = vjp(self._f(self.x[s:s + self.block]), self._params)
             (g,) = vmap(pull)(self._cotangents(Vr[s:s + self.block]))
             for k in U:
                 U[k] += g[k]
-        out = torch.empty_like(Vr)
-        for s in range(0, N, self.block):  # J U
+        return U
+
+    def j(self, U: dict[str, torch.Tensor], m: int) -> torch.Tensor:
+        """``J U`` by one JVP pass: (N, m) traced (Σ over outputs) or (N, K, m) full."""
+        N, K = self.x.shape[0], self.K
+        out = torch.empty((N, K, m) if self.full else (N, m), dtype=self.dtype, device=self.x.device)
+        for s in range(0, N, self.block):
             f = self._f(self.x[s:s + self.block])
             JU = vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U)  # (n_cot, b, K)
             if self.full:
@@ -76,10 +90,7 @@ class NTKOperator:
             else:
                 b = JU.shape[1]
                 out[s:s + self.block] = JU.view(m, K, b, K).diagonal(dim1=1, dim2=3).sum(-1).T  # (b, m)
-        self.n_matvec += m
-        out = out.reshape(self.shape[0], m)
-        out = out[:, 0] if vec else out
-        return out.cpu().numpy() if is_np else out
+        return out
 
     def matvec(self, v: Any) -> Any:
         """G v for a single vector v (N,)."""

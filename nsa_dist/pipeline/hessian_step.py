@@ -43,16 +43,26 @@ class HessianAnalysis:
     def wanted(self, index: int) -> bool:
         return index in self.indices
 
-    def analyze(self, model: nn.Module) -> dict[str, Any]:
+    def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The step's Hessian quantities on ``model`` at its θ.
+
+        ``ops``: H, I, S as operators summed over a gang's data shards (distributed layouts);
+        every estimate then runs on them, and the exact Tr(I^k) — which needs the whole Gram —
+        is left NaN.
+        """
         h = self.h
-        H, I, S = hessian_parts(model, self.X, self.y, loss="mse", block_size=h.block_size, dtype=torch.float64)
-        ops = {"H": H, "I": I, "S": S}
+        exact_I = ops is None
+        if ops is None:
+            H, I, S = hessian_parts(model, self.X, self.y, loss="mse", block_size=h.block_size, dtype=torch.float64)
+            ops = {"H": H, "I": I, "S": S}
+        H, I, S = ops["H"], ops["I"], ops["S"]
         out: dict[str, Any] = {}
         if h.moments:
             est = [hutchpp_moments(ops[p], h.probes, max_order=4, seed=self.seed) for p in PARTS]
             out["hessian_moments"] = np.stack([m.estimate for m in est])  # (3, 4)
             out["hessian_moments_stderr"] = np.stack([m.stderr for m in est])  # (3, 4)
-            out["hessian_moments_I_exact"] = gauss_newton_moments(model, self.X, self.y, loss="mse").estimate  # (4,)
+            out["hessian_moments_I_exact"] = (gauss_newton_moments(model, self.X, self.y, loss="mse").estimate if exact_I
+                                              else np.full(4, np.nan))  # (4,)
         if h.orthogonality:
             o = orthogonality(I, S, n_probes=h.probes, seed=self.seed)
             out["hessian_orthogonality"] = np.array([o.value, o.stderr])

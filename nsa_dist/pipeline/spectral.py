@@ -9,16 +9,18 @@ import torch
 from torch.func import functional_call, jvp
 from torch.nn.utils import vector_to_parameters
 
-from nsa_dist.config import ExperimentSpec, OptimizerName
+from nsa_dist.config import ExperimentSpec, Layout, OptimizerName
 from nsa_dist.data import Dataset
-from nsa_dist.errors import NonFiniteError
 from nsa_dist.linalg import top_eigenpairs
-from nsa_dist.metrics import first_order_accuracy, first_order_update, kernel_target_alignment, spectral_projections
+from nsa_dist.hessian.moments import hutchpp_moments
+from nsa_dist.metrics import alignment_from_products, centered_sq_frobenius, first_order_accuracy, spectral_projections
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
+from nsa_dist.pipeline.layout import (DenseGram, LocalPool, Pool, ShardedCurvature, StepGram, choose_layout,
+                                      gram_for_layout)
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
 
@@ -44,8 +46,11 @@ def energy_curve(evecs: np.ndarray, phi: np.ndarray) -> np.ndarray:
 class SpectralAnalyzer:
     """Computes every per-step quantity of a run from a :class:`Checkpoint`.
 
-    ``analyze(ck)`` returns a dict of numpy arrays keyed by store array name (see
+    ``analyze(ck, pool)`` returns a dict of numpy arrays keyed by store array name (see
     :mod:`nsa_dist.store.schema`); it holds a model whose parameters it overwrites with θ_t.
+    With ``spectrum.layout`` ``block_rows`` or ``matrix_free`` (or ``auto`` resolving to one)
+    G_t lives on a gang of :class:`~nsa_dist.pipeline.shard.SpectralShard` members (``pool``;
+    in-process when none is given) and every metric is computed from products, never from G.
     """
 
     def __init__(self, spec: ExperimentSpec, data: Dataset) -> None:
@@ -58,15 +63,45 @@ class SpectralAnalyzer:
         self.y = np.asarray(data.y, dtype=np.float64)
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
-        self.hessian = HessianAnalysis(spec, self.X, self.y, sum(p.numel() for p in self.model.parameters()))
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.hessian = HessianAnalysis(spec, self.X, self.y, self.n_params)
+        self.layout = choose_layout(spec, data.n, _feature_width(self.model, spec.model.output_dim))
+        self._local_pool: LocalPool | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """Whether G_t is analysed on a gang (block_rows / matrix_free) rather than held whole."""
+        return self.layout.layout is not Layout.LOCAL
 
     def _gram(self, X: torch.Tensor) -> torch.Tensor:
         """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU)."""
         s = self.spec.spectrum
         return gram(self.model, X, method=s.ntk_method, block_size=s.block_size, dtype=self.dtype)
 
-    def _eig(self, G: torch.Tensor, k: int):
-        return top_eigenpairs(G, k, self.spec.spectrum.eig_method)
+    def _step_gram(self, which: str, theta: np.ndarray, pool: Pool | None) -> StepGram:
+        if not self.distributed:
+            return DenseGram(self._gram(self.X if which == "train" else self.X_test))
+        from nsa_dist.pipeline.runner import run_id, spec_json
+
+        n = self.data.n if which == "train" else self.X_test.shape[0]
+        return gram_for_layout(self.layout.layout, self._pool(pool, n), run_id(self.spec), self.spec,
+                               spec_json(self.spec), theta, which, n)
+
+    def _pool(self, pool: Pool | None, n: int) -> Pool:
+        """The gang to use: the caller's, else an in-process one of ``spectrum.workers`` members."""
+        if pool is not None:
+            return pool
+        if self._local_pool is None:
+            from nsa_dist.pipeline.shard import SpectralShard
+
+            self._local_pool = LocalPool([SpectralShard() for _ in range(self.spec.spectrum.workers)])
+        return self._local_pool
+
+    def _eig(self, G: StepGram, k: int):
+        if isinstance(G, DenseGram):
+            return top_eigenpairs(G.G, k, self.spec.spectrum.eig_method)
+        method = self.spec.spectrum.eig_method
+        return top_eigenpairs(G, k, "lanczos" if method in ("auto", "dense") else method)
 
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
@@ -82,19 +117,43 @@ class SpectralAnalyzer:
         self.model.to(torch.float32)
         return out.detach().cpu().numpy()
 
-    def analyze(self, ck: Checkpoint) -> dict[str, Any]:
+    def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> dict[str, Any]:
+        """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout."""
         vector_to_parameters(torch.as_tensor(ck.theta, device=self.device), self.model.parameters())
         N = self.data.n
-        G_dev = self._gram(self.X)  # (N, N) on the analysis device
-        eig = self._eig(G_dev, self.K)
-        G = G_dev.cpu().numpy()
-        del G_dev
+        G = self._step_gram("train", ck.theta, pool)
+        try:
+            out = self._gram_metrics(G, ck, N)
+        finally:
+            G.close()
+        if self.spec.spectrum.test_points and self.X_test.shape[0] > 0:
+            G_t = self._step_gram("test", ck.theta, pool)
+            try:
+                eig_t = self._eig(G_t, min(self.K, self.X_test.shape[0]))
+            finally:
+                G_t.close()
+            out["eigenvalues_test"] = eig_t.evals
+            out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
+        if self.hessian.wanted(ck.index):
+            out.update(self._hessian(ck, pool))
+        return out
+
+    def _gram_metrics(self, G: StepGram, ck: Checkpoint, N: int) -> dict[str, Any]:
+        """Eigenpairs, energies, first-order prediction, alignment: products with G only."""
+        eig = self._eig(G, self.K)
         residual = ck.f.astype(np.float64) - self.y  # m_t = f_t − y
         gd_scalar = OptimizerName(self.spec.optimizer.name) is OptimizerName.GD and residual.ndim == 1
-        df_pred = first_order_update(G, residual, ck.lr) if gd_scalar else self._jvp_outputs(ck.dtheta)
+        ones = np.ones(N)
+        Y = self.y.reshape(N, -1)
+        probes = np.column_stack([Y, ones] + ([residual] if gd_scalar else []))  # (N, C + 1 [+ 1])
+        GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one distributed product for all of them
+        C = Y.shape[1]
+        GY, G1 = GP[:, :C], GP[:, C]
+        df_pred = -(ck.lr / N) * GP[:, C + 1] if gd_scalar else self._jvp_outputs(ck.dtheta)  # NSA Eq. 3
+        fro2, fro2_se = G.sq_frobenius()
         out: dict[str, Any] = {
             "loss": ck.loss, "lr": ck.lr, "theta": ck.theta, "f": ck.f, "df": ck.df, "df_pred": df_pred,
-            "eigenvalues": eig.evals, "f_test": ck.f_test,
+            "eigenvalues": eig.evals, "f_test": ck.f_test, "gram_sq_frobenius": np.array([fro2, fro2_se]),
         }
         if self.spec.spectrum.store_eigenvectors:
             out["eigenvectors"] = eig.evecs.astype(np.float32)
@@ -105,22 +164,48 @@ class SpectralAnalyzer:
         acc = first_order_accuracy(ck.df.reshape(-1), np.asarray(df_pred).reshape(-1)) if finite else None
         out["first_order_error"] = acc.error if acc else np.nan
         out["first_order_cos"] = acc.cos_alpha if acc else np.nan
-        out["alignment"] = _safe(kernel_target_alignment, G, self.y)
-        out["alignment_centered"] = _safe(kernel_target_alignment, G, self.y, centered=True)
-        if self.spec.spectrum.test_points and self.X_test.shape[0] > 0:
-            eig_t = self._eig(self._gram(self.X_test), min(self.K, self.X_test.shape[0]))
-            out["eigenvalues_test"] = eig_t.evals
-            out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
+        out["alignment"] = alignment_from_products(self.y, GY, fro2)
+        out["alignment_centered"] = self._centered_alignment(G, GY, G1, fro2)
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
-        if self.hessian.wanted(ck.index):
-            out.update(self.hessian.analyze(self.model))
-        del G
         return out
 
+    def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float) -> float:
+        """Centred alignment.  With an estimated ‖G‖_F (matrix_free) ‖HGH‖_F² is estimated directly:
+        ‖G‖_F² − 2‖G1‖²/N + (1ᵀG1)²/N² would cancel the estimate's error into it."""
+        if G.sq_frobenius()[1] == 0.0:
+            hgh2 = centered_sq_frobenius(fro2, G1)
+        else:
+            hgh2 = float(hutchpp_moments(_Centered(G), self.spec.spectrum.frobenius_probes, max_order=2,
+                                         seed=self.spec.seed).estimate[1])
+        return alignment_from_products(self.y, GY, hgh2, centered=True, G1=G1)
 
-def _safe(fn, *args, **kw) -> float:
-    try:
-        return float(fn(*args, **kw))
-    except NonFiniteError:
-        return float("nan")
+    def _hessian(self, ck: Checkpoint, pool: Pool | None) -> dict[str, Any]:
+        """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
+        if not self.distributed:
+            return self.hessian.analyze(self.model)
+        from nsa_dist.pipeline.runner import run_id, spec_json
+
+        curv = ShardedCurvature(self._pool(pool, self.data.n), run_id(self.spec), spec_json(self.spec), ck.theta,
+                                self.data.n, self.n_params)
+        try:
+            return self.hessian.analyze(self.model, ops={p: curv.part(p) for p in ("H", "I", "S")})
+        finally:
+            curv.close()
+
+
+class _Centered:
+    """HGH with H = 1 − 11ᵀ/N, as an operator (for the Hutch++ estimate of ‖HGH‖_F²)."""
+
+    def __init__(self, G: StepGram) -> None:
+        self.G, self.shape = G, G.shape
+
+    def matmat(self, V: np.ndarray) -> np.ndarray:
+        V = V - V.mean(axis=0, keepdims=True)
+        W = np.asarray(self.G.matmat(V), dtype=np.float64)
+        return W - W.mean(axis=0, keepdims=True)
+
+
+def _feature_width(model: torch.nn.Module, K: int) -> int:
+    """Σ_l (n_in + 1 + K·n_out) over the Linear layers: per-point floats of the structured features."""
+    return sum(m.in_features + 1 + K * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -96,6 +96,7 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
         ArraySpec("first_order_cos", (D.S,), "float64", True),
         ArraySpec("alignment", (D.S,), "float64", True),
         ArraySpec("alignment_centered", (D.S,), "float64", True),
+        ArraySpec("gram_sq_frobenius", (D.S, 2), "float64", True),  # ‖G‖_F², its stderr (0: exact)
     ]
     a += [ArraySpec(f"energy_{phi}", (D.S, D.K), "float64", True) for phi in PHIS]
     if D.store_eigenvectors:

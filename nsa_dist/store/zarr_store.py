@@ -128,6 +128,10 @@ class RunWriter:
     def set_status(self, status: str, reason: str | None = None, failed_step: int | None = None) -> None:
         self.g.attrs.update({"status": status, "reason": reason, "failed_step": failed_step, "updated": time.time()})
 
+    def set_attrs(self, **attrs: Any) -> None:
+        """Run attributes other than the status (e.g. the analysis layout chosen and why)."""
+        self.g.attrs.update(attrs)
+
     def write_static(self, arrays: dict[str, np.ndarray]) -> None:
         for name, value in arrays.items():
             if self.specs[name].shape and np.size(value):

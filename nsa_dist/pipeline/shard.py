@@ -1,0 +1,141 @@
+"""A member of a spectral gang: holds its share of one step's G (tiles or a data shard) or of H.
+
+A plain class with idempotent methods keyed by the step's key (the Ray layer makes it an actor
+in a placement group; :class:`~nsa_dist.pipeline.layout.LocalPool` runs it in-process).  It
+rebuilds the run's model and data from the spec once per run and sets θ_t per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.utils import vector_to_parameters
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.data import Dataset, load_dataset
+from nsa_dist.hessian import hessian_parts
+from nsa_dist.models import build_model
+from nsa_dist.ntk import NTKMethod, resolve_method
+from nsa_dist.ntk.blocks import BlockFeatures
+from nsa_dist.ntk.shards import FeatureShard, GramTiles, JacobianShard, shard_features
+
+__all__ = ["SpectralShard"]
+
+
+class SpectralShard:
+    """One gang member.  ``threads``: torch threads of this process (None: leave as is)."""
+
+    def __init__(self, threads: int | None = None, cache: int = 2) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.cache = cache
+        self._runs: OrderedDict[str, tuple[ExperimentSpec, Dataset, torch.nn.Module]] = OrderedDict()
+        self._held: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ run state
+    def _model(self, run_id: str, spec: dict, theta: np.ndarray) -> tuple[ExperimentSpec, Dataset, torch.nn.Module]:
+        if run_id not in self._runs:
+            es = ExperimentSpec.model_validate(spec)
+            data = load_dataset(es.data, seed=es.seed)
+            model = build_model(es.model, seed=es.seed).to(es.torch_device())
+            self._runs[run_id] = (es, data, model)
+            while len(self._runs) > self.cache:
+                self._runs.popitem(last=False)
+        self._runs.move_to_end(run_id)
+        es, data, model = self._runs[run_id]
+        dev = next(model.parameters()).device
+        vector_to_parameters(torch.as_tensor(np.asarray(theta), dtype=torch.float32, device=dev), model.parameters())
+        return es, data, model
+
+    @staticmethod
+    def _points(es: ExperimentSpec, data: Dataset, which: str, rng: tuple[int, int] | None = None) -> torch.Tensor:
+        X = data.X if which == "train" else np.asarray(data.X_test).reshape(-1, data.X.shape[1])
+        X = X if rng is None else X[rng[0]:rng[1]]
+        return torch.as_tensor(np.asarray(X), dtype=torch.float32, device=es.torch_device())
+
+    @staticmethod
+    def _dtype(es: ExperimentSpec) -> torch.dtype:
+        return torch.float64 if es.spectrum.dtype == "float64" else torch.float32
+
+    # ------------------------------------------------------------------ block_rows
+    def features(self, run_id: str, spec: dict, theta: np.ndarray, which: str,
+                 ranges: list[tuple[int, int]]) -> BlockFeatures | list[BlockFeatures]:
+        """Structured features of the given ranges of points (one result per range; a single
+        range gives its features unwrapped, as one object-store return)."""
+        es, data, model = self._model(run_id, spec, theta)
+        X = self._points(es, data, which)
+        feats = shard_features(model, X, ranges, self._dtype(es))
+        return feats[0] if len(ranges) == 1 else feats
+
+    def build_tiles(self, key: str, ranges: list[tuple[int, int]], pairs: list[tuple[int, int]],
+                    features: dict[int, BlockFeatures]) -> int:
+        """Build and hold this member's tiles; returns their bytes."""
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self._held[key] = GramTiles(features, ranges, pairs, device=dev)
+        return self._held[key].nbytes()
+
+    def tiles_matmat(self, key: str, V: np.ndarray) -> np.ndarray:
+        return self._get(key).matmat(V)
+
+    def tiles_stats(self, key: str) -> dict[str, float]:
+        return self._get(key).stats()
+
+    # ------------------------------------------------------------------ matrix_free
+    def shard(self, key: str, run_id: str, spec: dict, theta: np.ndarray, which: str, rng: tuple[int, int]) -> int:
+        """Hold the features (Linear-only nets) or the Jacobian map of points ``rng``; returns bytes held."""
+        es, data, model = self._model(run_id, spec, theta)
+        X = self._points(es, data, which)
+        dtype = self._dtype(es)
+        if resolve_method(model, X[:2], es.spectrum.ntk_method) is NTKMethod.STRUCTURED:
+            feats = shard_features(model, X, [rng], dtype)[0]
+            held: Any = FeatureShard(feats, es.model.output_dim, device=es.torch_device())
+            nbytes = sum(A.nbytes + D.nbytes for A, D in feats)
+        else:
+            held = JacobianShard(model, X[rng[0]:rng[1]], dtype)
+            nbytes = 0
+        self._held[key] = held
+        return nbytes
+
+    def shard_jt(self, key: str, V: np.ndarray) -> np.ndarray:
+        return self._get(key).jt(V)
+
+    def shard_j(self, key: str, U: np.ndarray) -> np.ndarray:
+        return self._get(key).j(U)
+
+    # ------------------------------------------------------------------ loss curvature
+    def curvature(self, key: str, run_id: str, spec: dict, theta: np.ndarray, rng: tuple[int, int],
+                  weight: float) -> None:
+        """Hold H_s, I_s, S_s of the loss on points ``rng`` (float64), products scaled by ``weight`` = n_s/N."""
+        es, data, model = self._model(run_id, spec, theta)
+        X = self._points(es, data, "train", rng)
+        y = np.asarray(data.y, dtype=np.float64)[rng[0]:rng[1]]
+        block = es.hessian.block_size if es.hessian else None
+        H, I, S = hessian_parts(model, X, y, loss="mse", block_size=block, dtype=torch.float64)
+        self._held[key] = ({"H": H, "I": I, "S": S}, weight)
+
+    def curvature_matmat(self, key: str, part: str, V: np.ndarray) -> np.ndarray:
+        ops, weight = self._get(key)
+        return weight * np.asarray(ops[part].matmat(np.asarray(V, dtype=np.float64)))
+
+    # ------------------------------------------------------------------ housekeeping
+    def _get(self, key: str) -> Any:
+        try:
+            return self._held[key]
+        except KeyError:
+            raise KeyError(f"this spectral shard (pid {os.getpid()}) holds nothing under {key!r}: it was "
+                           "released, or the member restarted and lost it") from None
+
+    def release(self, key: str) -> None:
+        self._held.pop(key, None)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def peak_rss(self) -> int:
+        """This process's peak resident memory (bytes, Linux VmHWM)."""
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
