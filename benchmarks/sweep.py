@@ -63,11 +63,11 @@ def part_b(n: int = 20_000, k: int = 100) -> dict:
     t_build = time.perf_counter() - t0
     eig_d = top_eigenpairs(G, k, method="lanczos")
     t_dist = time.perf_counter() - t0
-    peaks, rows = G.peak_rss(), G.row_bytes()
+    peaks, rows = G.peak_rss(), G.tile_bytes()
     G.shutdown()
     return {"N": n, "k": k, "single_s": single["seconds"], "single_peak_GB": single["peak_bytes"] / 1e9,
             "distributed_s": t_dist, "distributed_build_s": t_build,
-            "worker_peak_rss_GB": [p / 1e9 for p in peaks], "worker_block_row_GB": [r / 1e9 for r in rows],
+            "worker_peak_rss_GB": [p / 1e9 for p in peaks], "worker_tiles_GB": [r / 1e9 for r in rows],
             "max_rel_eigenvalue_diff": float(np.max(np.abs(eig_d.evals - eig_s.evals) / eig_s.evals[0]))}
 
 

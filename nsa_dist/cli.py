@@ -95,12 +95,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     fancy = sys.stderr.isatty() and not args.plain
     progress = _RichProgress(spec.steps, rid) if fancy else _LogProgress(spec.steps, rid)
     with progress:
-        out = run_experiment(spec, store, on_step=progress.on_step, on_update=progress.on_update)
+        out = run_experiment(spec, store, on_step=progress.on_step, on_update=progress.on_update,
+                             on_prepared=_print_layout)
     if out.status == Status.FAILED:
         print(f"run {rid} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)
         return 1
     print(f"run {rid} done ({out.steps_computed} recorded steps computed) → {args.store}")
     return 0
+
+
+def _print_layout(run) -> None:
+    lay = run.analyzer.layout
+    workers = f" on {run.spec.spectrum.workers} workers" if run.analyzer.distributed else ""
+    print(f"[nsa] spectrum layout: {lay.layout.value}{workers} ({lay.reason})", file=sys.stderr, flush=True)
 
 
 class _LogProgress:
@@ -181,6 +188,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     s = run.spec
     con.print(f"data {s.data.name.value} N={s.data.n}  model {s.model.depth}×{s.model.width} "
               f"{s.model.activation.value}  {s.optimizer.name.value} lr={s.schedule.lr}  steps={s.steps}")
+    if run.g.attrs.get("layout"):
+        con.print(f"spectrum layout {run.g.attrs['layout']} ({run.g.attrs.get('layout_reason')})")
     steps = run.steps
     con.print(f"recorded {len(steps)}/{len(run.schedule)} steps")
     if not len(steps):

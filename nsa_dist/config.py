@@ -389,7 +389,8 @@ class ClusterSpec(_Strict):
     max_concurrent_runs: int | None = Field(None, ge=1)
     trainer_resources: dict[str, float] = Field(default_factory=dict)
     worker_resources: dict[str, float] = Field(default_factory=dict)
-    max_retries: int = Field(3, ge=0, description="re-submissions of a (run, step) whose worker died")
+    max_retries: int = Field(3, ge=0, description="retries of a (run, step) whose spectral worker or gang died, "
+                             "and restarts of a run's trainer, before the run is marked failed")
 
 
 class SweepSpec(_Strict):

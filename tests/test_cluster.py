@@ -118,15 +118,23 @@ def test_killed_trainer_and_worker_processes_recover(local_ray, tmp_path):
             worker = next(iter(run.inflight.values()))[3]
             killed["worker"] = local_ray.get(worker.pid.remote())
             os.kill(killed["worker"], signal.SIGKILL)
+        elif "worker" in killed and "worker_again" not in killed and run.inflight:
+            # a worker is killed again, possibly while Ray restarts it: Ray's task retries must absorb
+            # both deaths (issue 9: each failed call used to count as one death and fail the run)
+            worker = next(iter(run.inflight.values()))[3]
+            try:
+                killed["worker_again"] = local_ray.get(worker.pid.remote(), timeout=60)
+                os.kill(killed["worker_again"], signal.SIGKILL)
+            except Exception:  # noqa: BLE001 - still restarting: try again at the next event
+                pass
         elif "trainer" in killed and "trainer_after" not in killed and run.trainer is not None:
             killed["trainer_after"] = local_ray.get(run.trainer.pid.remote())
 
     coord.on_event = chaos
     (outcome,) = coord.run()
     assert outcome.status == "done", outcome
-    assert {"trainer", "worker"} <= set(killed), killed
+    assert {"trainer", "worker", "worker_again"} <= set(killed), killed
     assert killed["trainer_after"] != killed["trainer"], "the trainer actor was not restarted"
-    assert coord.resubmitted >= 1, "the dead worker's (run, step) was not recomputed"
     spec = sweep.expand()[0]
     _assert_same_run(_reference(tmp_path, spec), Client(url), run_id(spec))
 

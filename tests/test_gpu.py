@@ -11,7 +11,8 @@ from nsa_dist.data import load_dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram, ntk_operator
-from nsa_dist.ntk.blocks import GramBlockRow, block_features, row_blocks
+from nsa_dist.ntk.blocks import block_features
+from nsa_dist.ntk.shards import FeatureShard, GramTiles, tile_plan
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")]
@@ -41,12 +42,16 @@ def test_operator_and_lanczos_on_gpu_equal_cpu():
     np.testing.assert_allclose(eig.evals, ref.evals, rtol=1e-8)
 
 
-def test_block_row_on_gpu_equals_cpu():
+def test_gram_tiles_and_feature_shard_on_gpu_equal_cpu():
     model, x = _net(), torch.rand(150, 2, dtype=torch.float64)
-    feats = block_features(model, x, row_blocks(150, 2))
-    cpu, gpu = GramBlockRow(feats, 1), GramBlockRow(feats, 1, device="cuda")
+    plan = tile_plan(150, 2)
+    feats = dict(enumerate(block_features(model, x, plan.ranges)))
     V = np.random.default_rng(0).standard_normal((150, 3))
+    cpu, gpu = GramTiles(feats, plan.ranges, plan.pairs[1]), GramTiles(feats, plan.ranges, plan.pairs[1], device="cuda")
     np.testing.assert_allclose(gpu.matmat(V), cpu.matmat(V), rtol=1e-10, atol=1e-10)
+    fs_cpu, fs_gpu = FeatureShard(feats[0], 1), FeatureShard(feats[0], 1, device="cuda")
+    n0 = plan.ranges[0][1]
+    np.testing.assert_allclose(fs_gpu.jt(V[:n0]), fs_cpu.jt(V[:n0]), rtol=1e-10, atol=1e-10)
 
 
 def test_analysis_on_gpu_matches_cpu():

@@ -16,9 +16,11 @@ from typing import Any, Callable
 import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+from ray.util import ActorPool
 
 from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
 from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_actor
+from nsa_dist.cluster.gang import RayGang
 from nsa_dist.cluster.runtime import cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, spec_json
 from nsa_dist.store import RunWriter, SpectrumStore, Status
@@ -26,17 +28,19 @@ from nsa_dist.store import RunWriter, SpectrumStore, Status
 __all__ = ["SweepCoordinator", "RunProgress", "check_resources"]
 
 
-def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float]) -> None:
-    """Raise ValueError unless the cluster holds the worker pool plus one trainer.
+def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float], gang_members: int = 0) -> None:
+    """Raise ValueError unless the cluster holds the worker pool, one trainer and the step gangs.
 
     Ray would otherwise queue the actors forever (e.g. two 0.5-GPU workers and a 1-GPU trainer
-    on a one-GPU machine, or a custom resource no node has).
+    on a one-GPU machine, or a custom resource no node has).  ``gang_members``: the spectral-gang
+    actors of distributed layouts (each takes a worker's resources).
     """
-    need: dict[str, float] = {"CPU": cl.spectral_workers * cl.worker_cpus + cl.trainer_cpus,
-                              "GPU": cl.spectral_workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
+    workers = cl.spectral_workers + gang_members
+    need: dict[str, float] = {"CPU": workers * cl.worker_cpus + cl.trainer_cpus,
+                              "GPU": workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
                               + resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)}
     for key, v in cl.worker_resources.items():
-        need[key] = need.get(key, 0.0) + cl.spectral_workers * v
+        need[key] = need.get(key, 0.0) + workers * v
     for key, v in cl.trainer_resources.items():
         need[key] = need.get(key, 0.0) + v
     short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
@@ -68,11 +72,13 @@ class _Run:
     writer: RunWriter
     done: np.ndarray
     progress: RunProgress
+    gang_size: int = 0  # members of this run's step gang (0: layout local, one worker holds G)
     trainer: Any = None
     next_index: int = 0
     pending: Any = None  # ObjectRef of the checkpoint being trained towards
     pending_index: int = -1
-    inflight: dict = field(default_factory=dict)  # analysis ref -> (index, ckpt ref, attempts, worker)
+    queued: list = field(default_factory=list)  # (index, ckpt ref, attempts) waiting for a worker / gang
+    inflight: dict = field(default_factory=dict)  # analysis ref -> (index, ckpt ref, attempts, worker, gang)
     diverged: TrainingDiverged | None = None  # set once training diverged: drain, then fail
 
 
@@ -84,6 +90,13 @@ def _cause(exc: BaseException) -> BaseException:
 
 class SweepCoordinator:
     """Runs every run of ``sweep`` to completion on the connected Ray cluster.
+
+    Analyses go to idle spectral workers (``ray.util.ActorPool``'s idle set); a worker that dies
+    is restarted by Ray and its task retried there (``max_restarts`` / ``max_task_retries``).
+    Runs whose ``spectrum.layout`` is distributed also take a *gang* of SpectralShard actors
+    (one placement group, :class:`~nsa_dist.cluster.gang.RayGang`) for each step; a gang whose
+    member dies mid-step is replaced by a fresh one and the step recomputed (idempotently), at
+    most ``cluster.max_retries`` times.
 
     Args:
         sweep: the sweep (its ``cluster`` block sets workers, resources and in-flight bound).
@@ -101,11 +114,15 @@ class SweepCoordinator:
             prep = prepare_run(spec, self.store)
             done = prep.writer.done()
             prog = RunProgress(prep.run_id, len(done), int(done.sum()))
-            self.runs[prep.run_id] = _Run(spec, spec_json(spec), prep.writer, done, prog)
+            gang = spec.spectrum.workers if prep.analyzer.distributed else 0
+            self.runs[prep.run_id] = _Run(spec, spec_json(spec), prep.writer, done, prog, gang)
         self.store.record_sweep(sweep.name, sweep.model_dump(mode="json"), list(self.runs))
         self.workers: list[Any] = []
-        self._rr = 0
-        self.resubmitted = 0  # (run, step) analyses re-sent after their worker died
+        self.pool: ActorPool | None = None
+        self.gangs: dict[int, list[RayGang]] = {}  # free gangs by size
+        self._gangs_out: list[RayGang] = []  # gangs lent to an analysis
+        self.resubmitted = 0  # (run, step) analyses recomputed after a gang member died
+        self.replaced_gangs = 0
 
     # ------------------------------------------------------------------ main loop
     def run(self, poll: float = 0.5) -> list[RunOutcome]:
@@ -113,8 +130,13 @@ class SweepCoordinator:
         has_gpus = cluster_has_gpus()
         todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
         if todo:
-            check_resources(self.cl, has_gpus, ray.cluster_resources())
+            sizes = sorted({r.gang_size for r in todo if r.gang_size})
+            check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes))
             self.workers = spectral_workers(self.store_url, self.cl, has_gpus)
+            self.pool = ActorPool(self.workers)
+            for size in sizes:
+                self.gangs[size] = [self._new_gang(size, has_gpus)]
+        self._has_gpus = has_gpus
         limit = self.cl.max_concurrent_runs or len(todo)
         active: list[_Run] = []
         try:
@@ -127,6 +149,7 @@ class SweepCoordinator:
                     active.append(r)
                 for r in active:
                     self._request_checkpoints(r)
+                    self._dispatch(r)
                 self._wait_and_handle(active, poll)
                 for r in [r for r in active if r.progress.status in (Status.DONE, Status.FAILED)]:
                     active.remove(r)
@@ -141,10 +164,18 @@ class SweepCoordinator:
                 r.writer.set_status(Status.PENDING, "sweep interrupted; re-run to resume")
             for w in self.workers:
                 ray.kill(w, no_restart=True)
+            for g in [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
+                g.shutdown()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
 
     def progress(self) -> list[RunProgress]:
         return [r.progress for r in self.runs.values()]
+
+    def _new_gang(self, size: int, has_gpus: bool) -> RayGang:
+        from nsa_dist.cluster.actors import _threads
+
+        return RayGang(size, self.cl.worker_cpus, resolve_gpus(self.cl.worker_gpus, has_gpus, 0.5),
+                       self.cl.worker_resources, threads=_threads(self.cl.worker_cpus))
 
     def _skip_if_finished(self, r: _Run) -> bool:
         if r.done.all():
@@ -155,8 +186,8 @@ class SweepCoordinator:
         return False
 
     def _request_checkpoints(self, r: _Run) -> None:
-        while (r.pending is None and len(r.inflight) < self.cl.max_inflight and r.progress.status == Status.RUNNING
-               and r.diverged is None):
+        while (r.pending is None and len(r.inflight) + len(r.queued) < self.cl.max_inflight
+               and r.progress.status == Status.RUNNING and r.diverged is None):
             while r.next_index < len(r.done) and r.done[r.next_index]:
                 r.next_index += 1
             if r.next_index >= len(r.done):
@@ -164,12 +195,21 @@ class SweepCoordinator:
             r.pending, r.pending_index = r.trainer.checkpoint.remote(r.next_index), r.next_index
             r.next_index += 1
 
-    def _submit(self, r: _Run, index: int, ck_ref: Any, attempts: int) -> None:
-        worker = self.workers[self._rr % len(self.workers)]
-        self._rr += 1
-        ref = worker.analyze_and_write.remote(r.progress.run_id, r.spec_dict, ck_ref)
-        r.inflight[ref] = (index, ck_ref, attempts, worker)
-        self.resubmitted += attempts > 0
+    def _dispatch(self, r: _Run) -> None:
+        """Hand queued checkpoints to idle workers (and a free gang when the layout needs one)."""
+        while r.queued and self.pool is not None and self.pool.has_free():
+            gang = None
+            if r.gang_size:
+                free = self.gangs.get(r.gang_size, [])
+                if not free:
+                    return
+                gang = free.pop()
+                self._gangs_out.append(gang)
+            index, ck_ref, attempts = r.queued.pop(0)
+            worker = self.pool.pop_idle()
+            ref = worker.analyze_and_write.remote(r.progress.run_id, r.spec_dict, ck_ref,
+                                                  gang.pool if gang is not None else None)
+            r.inflight[ref] = (index, ck_ref, attempts, worker, gang)
 
     def _wait_and_handle(self, active: list[_Run], poll: float) -> None:
         owner: dict[Any, tuple[_Run, str]] = {}
@@ -186,28 +226,53 @@ class SweepCoordinator:
             r, kind = owner[ref]
             if kind == "ckpt":  # hand the ref on without fetching the data here
                 index, r.pending = r.pending_index, None
-                self._submit(r, index, ref, 0)
+                r.queued.append((index, ref, 0))
+                self._dispatch(r)
             else:
                 self._analysis_done(r, ref)
 
+    def _return(self, worker: Any, gang: RayGang | None, broken: bool = False) -> None:
+        """Give the worker back to the idle set, the gang back to the free list (or replace it)."""
+        self.pool.push(worker)
+        if gang is None:
+            return
+        self._gangs_out.remove(gang)
+        if broken:  # a member died mid-step: the gang's state is gone; a fresh gang takes its place
+            size = gang.pool.size
+            gang.shutdown()
+            gang = self._new_gang(size, self._has_gpus)
+            self.replaced_gangs += 1
+        self.gangs.setdefault(gang.pool.size, []).append(gang)
+
     def _analysis_done(self, r: _Run, ref: Any) -> None:
-        index, ck_ref, attempts, _ = r.inflight.pop(ref)
+        index, ck_ref, attempts, worker, gang = r.inflight.pop(ref)
         try:
             summary = ray.get(ref)
         except RayTaskError as exc:  # the checkpoint or the analysis raised
             cause = _cause(exc)
+            if isinstance(cause, RayActorError) and gang is not None:  # a gang member died mid-step
+                self._return(worker, gang, broken=True)
+                if attempts < self.cl.max_retries:
+                    r.queued.insert(0, (index, ck_ref, attempts + 1))
+                    self.resubmitted += 1
+                    self._dispatch(r)
+                    return
+                self._fail(r, RuntimeError(f"step index {index}: a spectral-gang member died {attempts + 1} times"))
+                return
+            self._return(worker, gang)
             if isinstance(cause, TrainingDiverged):  # keep the earlier steps still being analysed
                 r.diverged, r.pending = cause, None
                 self._finish_diverged(r)
             else:  # incl. a trainer that cannot be restarted (its constructor raised)
                 self._fail(r, cause)
             return
-        except RayActorError:  # the spectral worker died: recompute this (run, step) elsewhere
-            if attempts < self.cl.max_retries:
-                self._submit(r, index, ck_ref, attempts + 1)
-                return
-            self._fail(r, RuntimeError(f"step index {index}: spectral worker died {attempts + 1} times"))
+        except RayActorError as exc:  # Ray's restarts and task retries are spent: the run fails
+            self._return(worker, gang, broken=gang is not None)
+            who = "its trainer" if self._trainer_dead(r) else "the spectral worker"
+            self._fail(r, RuntimeError(f"step index {index}: {who} kept dying (after cluster.max_retries="
+                                       f"{self.cl.max_retries} restarts): {type(exc).__name__}"))
             return
+        self._return(worker, gang)
         r.done[index] = True
         p = r.progress
         p.done = int(r.done.sum())
@@ -215,13 +280,24 @@ class SweepCoordinator:
             p.step, p.loss, p.lambda_max = summary["step"], summary["loss"], summary["lambda_max"]
         if r.diverged is not None:
             self._finish_diverged(r)
-        elif r.done.all() and not r.inflight:
+        elif r.done.all() and not r.inflight and not r.queued:
             finish_run(r.writer, r.spec)
             p.status = Status.DONE
+
+    @staticmethod
+    def _trainer_dead(r: _Run) -> bool:
+        if r.trainer is None:
+            return False
+        try:
+            ray.get(r.trainer.pid.remote(), timeout=30)
+            return False
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return True
 
     def _finish_diverged(self, r: _Run) -> None:
         """Once the analyses in flight before the divergence are written, mark the run failed."""
         if not r.inflight:
+            r.queued.clear()
             self._fail(r, r.diverged)
 
     def _fail(self, r: _Run, exc: BaseException) -> None:
@@ -229,7 +305,9 @@ class SweepCoordinator:
         reason = str(exc) if isinstance(exc, TrainingDiverged) else f"{type(exc).__name__}: {exc}"
         r.writer.set_status(Status.FAILED, reason, step)
         r.progress.status, r.progress.reason = Status.FAILED, reason
-        for ref in list(r.inflight):
+        for ref, entry in list(r.inflight.items()):
             ray.cancel(ref)
+            self._return(entry[3], entry[4])
         r.inflight.clear()
+        r.queued.clear()
         r.pending = None

@@ -78,6 +78,7 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
     analyzer = SpectralAnalyzer(spec, data)
     rid = run_id(spec)
     writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
+    writer.set_attrs(layout=analyzer.layout.layout.value, layout_reason=analyzer.layout.reason)
     if not writer.done().any():
         static = {"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
                   "steps": np.asarray(trainer.record),
@@ -90,7 +91,8 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
 
 def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
                    on_step: Callable[[Checkpoint, dict], None] | None = None,
-                   on_update: Callable[[int, float], None] | None = None) -> RunOutcome:
+                   on_update: Callable[[int, float], None] | None = None,
+                   on_prepared: Callable[[PreparedRun], None] | None = None) -> RunOutcome:
     """Train ``spec`` and record its spectra in ``store``; resumes a run already there.
 
     Finished steps are skipped, training restarts from the last stored checkpoint, a diverging
@@ -98,6 +100,8 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     """
     torch.manual_seed(spec.seed)
     run = prepare_run(spec, store)
+    if on_prepared:
+        on_prepared(run)
     rid, trainer, analyzer, writer = run.run_id, run.trainer, run.analyzer, run.writer
     done = writer.done()
     if done.all():

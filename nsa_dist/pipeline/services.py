@@ -102,10 +102,14 @@ class SpectralService:
         self._runs.move_to_end(run_id)
         return self._runs[run_id]
 
-    def analyze_and_write(self, run_id: str, spec: dict, ck: Checkpoint) -> dict[str, Any]:
-        """Compute recorded step ``ck.index`` of ``run_id`` and write it; returns a short summary."""
+    def analyze_and_write(self, run_id: str, spec: dict, ck: Checkpoint, pool: Any = None) -> dict[str, Any]:
+        """Compute recorded step ``ck.index`` of ``run_id`` and write it; returns a short summary.
+
+        ``pool``: the step's gang (a :class:`~nsa_dist.pipeline.layout.Pool`) when the run's layout
+        is distributed; this worker then drives Lanczos and the metrics on the gang's products.
+        """
         analyzer, writer = self._run(run_id, spec)
-        result = analyzer.analyze(ck)
+        result = analyzer.analyze(ck, pool)
         writer.write_step(ck.index, result, ck.state)
         E = result["energy_y"]
         return {"run_id": run_id, "index": ck.index, "step": ck.step, "loss": ck.loss,

@@ -1,0 +1,246 @@
+"""One step's G beyond one worker: block_rows and matrix_free equal local (float64), in-process and on Ray."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from torch.nn.utils import parameters_to_vector
+
+from nsa_dist.config import ExperimentSpec, Layout
+from nsa_dist.data import load_dataset
+from nsa_dist.hessian import hessian_parts
+from nsa_dist.models import build_model
+from nsa_dist.ntk import gram
+from nsa_dist.ntk.shards import tile_plan
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, run_experiment, run_id, spec_json
+from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, TiledGram, choose_layout
+from nsa_dist.pipeline.shard import SpectralShard
+from nsa_dist.store import SpectrumStore
+
+HESS = {"probes": 8, "top_k": 2, "rayleigh_k": 2, "density_probes": 2, "lanczos_steps": 6, "density_grid": 20}
+BASE = {"name": "lay", "data": {"n": 97, "n_test": 23}, "model": {"depth": 3, "width": 16}, "steps": 4,
+        "record": {"every": 2}, "spectrum": {"dtype": "float64", "k": 12, "test_points": True, "images": [1, 2, 5],
+                                             "image_size": 6, "fourier_size": 5}}
+ONEHOT = {**BASE, "data": {"name": "digits", "n": 61, "n_test": 11, "target": "onehot"}, "spectrum": {
+    **BASE["spectrum"], "images": []}}
+EXACT = 1e-10  # relative, float64
+
+
+def _spec(base: dict, layout: str, workers: int, **extra) -> ExperimentSpec:
+    return ExperimentSpec.model_validate({**base, **extra, "spectrum": {**base["spectrum"], "layout": layout,
+                                                                        "workers": workers}})
+
+
+def _assert_results_equal(got: dict, ref: dict, what: str, estimated: tuple[str, ...] = ()) -> None:
+    """Every array of ``ref`` equal in ``got`` to EXACT relative (by its largest entry); names what differs."""
+    assert set(got) == set(ref), f"{what}: keys differ: {set(got) ^ set(ref)}"
+    for name, r in ref.items():
+        a, b = np.asarray(got[name], dtype=np.float64), np.asarray(r, dtype=np.float64)
+        assert a.shape == b.shape, f"{what}: {name} shape {a.shape} != {b.shape}"
+        if name in estimated:
+            continue
+        assert np.array_equal(np.isnan(a), np.isnan(b)), f"{what}: {name} NaN pattern differs"
+        if not np.isfinite(b).any():
+            continue
+        err = np.nanmax(np.abs(a - b)) / max(np.nanmax(np.abs(b)), 1e-300)
+        assert err <= EXACT, f"{what}: {name} differs by {err:.3e} relative (max |Δ| over max |ref|)"
+
+
+def _analyses(base: dict, layouts: list[tuple[str, int]], hessian: bool = True) -> dict:
+    extra = {"hessian": HESS} if hessian else {}
+    out = {}
+    for layout, W in layouts:
+        spec = _spec(base, layout, W, **extra)
+        data = load_dataset(spec.data, seed=spec.seed)
+        ck = list(Trainer(spec, data).train_until(3))[1]  # step 2: a trained state
+        out[(layout, W)] = SpectralAnalyzer(spec, data).analyze(ck)
+    return out
+
+
+def test_tile_plan_owns_every_pair_once_and_balances():
+    for n, W in [(97, 2), (97, 3), (1000, 4), (10, 5)]:
+        plan = tile_plan(n, W)
+        B = len(plan.ranges)
+        pairs = [p for ps in plan.pairs for p in ps]
+        assert sorted(pairs) == [(I, J) for I in range(B) for J in range(I, B)], (n, W)
+        assert sorted(b for o in plan.owners for b in o) == list(range(B))
+        entries = plan.tile_entries()
+        biggest = max((b - a) ** 2 for a, b in plan.ranges)
+        assert max(entries) - min(entries) <= biggest, (n, W, entries)
+        assert sum(entries) < n * n  # the symmetry saving: about (B + 1) / (2B) of G
+
+
+@pytest.mark.parametrize("base", [BASE, ONEHOT], ids=["scalar", "onehot-K10"])
+def test_block_rows_and_matrix_free_equal_local_in_process(base):
+    res = _analyses(base, [("local", 1), ("block_rows", 2), ("block_rows", 3), ("matrix_free", 2),
+                           ("matrix_free", 3)], hessian=base is BASE)
+    ref = res.pop(("local", 1))
+    ref_fro = ref["gram_sq_frobenius"]
+    assert ref_fro[1] == 0.0
+    for (layout, W), got in res.items():
+        what = f"{layout} on {W} workers"
+        if layout == "block_rows":
+            _assert_results_equal(got, ref, what, estimated=("hessian_moments_I_exact",))
+        else:  # ‖G‖_F² and what the centred alignment divides by are Hutch++ estimates
+            _assert_results_equal(got, ref, what, estimated=("gram_sq_frobenius", "alignment", "alignment_centered",
+                                                             "hessian_moments_I_exact"))
+            est, se = got["gram_sq_frobenius"]
+            assert 0 < se and abs(est - ref_fro[0]) <= 4 * se + 1e-9 * ref_fro[0], (what, est, se, ref_fro[0])
+            for name in ("alignment", "alignment_centered"):
+                assert abs(got[name] - ref[name]) <= 1e-2 * abs(ref[name]), (what, name, got[name], ref[name])
+        if "hessian_moments_I_exact" in got:  # needs the whole Gram: not computed on a gang
+            assert np.isnan(got["hessian_moments_I_exact"]).all()
+
+
+def test_matrix_free_with_jacobian_shards_equals_dense():
+    spec = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "matrix_free",
+                                                               "workers": 3, "ntk_method": "jacobian"}})
+    data = load_dataset(spec.data)
+    model = build_model(spec.model, seed=spec.seed)
+    theta = parameters_to_vector(model.parameters()).detach().numpy()
+    G = gram(model, torch.as_tensor(data.X, dtype=torch.float32), dtype=torch.float64).numpy()
+    V = np.random.default_rng(1).standard_normal((G.shape[0], 4))
+    pool = LocalPool([SpectralShard() for _ in range(3)])
+    op = ShardedGram(pool, run_id(spec), spec_json(spec), theta, "train", G.shape[0], np.float64)
+    assert type(pool.members[0]._held[op.key]).__name__ == "JacobianShard"
+    err = np.abs(op.matmat(V) - G @ V).max() / np.abs(G @ V).max()
+    assert err <= EXACT, f"J(JᵀV) over Jacobian shards differs from G V by {err:.3e}"
+    op.close()
+    assert not pool.members[0]._held
+
+
+def test_sharded_hessian_products_equal_local():
+    spec = _spec(BASE, "matrix_free", 3, hessian=HESS)
+    data = load_dataset(spec.data)
+    model = build_model(spec.model, seed=spec.seed)
+    theta = parameters_to_vector(model.parameters()).detach().numpy()
+    P = theta.size
+    local = hessian_parts(model, torch.as_tensor(data.X, dtype=torch.float32), data.y, dtype=torch.float64)
+    curv = ShardedCurvature(LocalPool([SpectralShard() for _ in range(3)]), run_id(spec), spec_json(spec), theta,
+                            data.n, P)
+    V = np.random.default_rng(2).standard_normal((P, 3))
+    for name, ref in zip("HIS", local):
+        want = ref.matmat(V)
+        err = np.abs(curv.part(name).matmat(V) - want).max() / np.abs(want).max()
+        assert err <= EXACT, f"Σ_s (n_s/N) {name}_s V differs from {name} V by {err:.3e}"
+
+
+def test_layout_validation_and_auto_choice(tmp_path):
+    with pytest.raises(ValidationError, match="k='all'.*needs spectrum.layout='local'"):
+        _spec({**BASE, "spectrum": {**BASE["spectrum"], "k": "all"}}, "block_rows", 2)
+    with pytest.raises(ValidationError, match="eig_method='dense' needs layout='local'"):
+        _spec({**BASE, "spectrum": {**BASE["spectrum"], "eig_method": "dense"}}, "matrix_free", 2)
+    big = 8 * 97 * 97  # bytes of a float64 G at N = 97
+    cases = [(1.0, 2, Layout.LOCAL), (1.2 * big / 1e9, 2, Layout.BLOCK_ROWS), (0.2 * big / 1e9, 2, Layout.MATRIX_FREE)]
+    for budget, W, want in cases:
+        spec = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": W,
+                                                                   "memory_budget_gb": budget}})
+        choice = choose_layout(spec, 97, 2 * (3 + 17 + 17))
+        assert choice.layout is want, (budget, choice)
+        assert "budget" in choice.reason
+    spec = ExperimentSpec.model_validate({**BASE, "steps": 2, "record": {"every": 1}, "spectrum": {
+        **BASE["spectrum"], "layout": "auto", "workers": 2, "memory_budget_gb": 1.2 * big / 1e9}})
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    attrs = SpectrumStore(url).group(run_id(spec)).attrs
+    assert attrs["layout"] == "block_rows" and "per worker as tiles on 2 workers" in attrs["layout_reason"]
+
+
+def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):
+    from nsa_dist.client import Client
+
+    urls = {}
+    for layout in ("local", "matrix_free"):
+        spec = _spec(BASE, layout, 2)
+        urls[layout] = str(tmp_path / f"{layout}.zarr")
+        assert run_experiment(spec, SpectrumStore(urls[layout])).status == "done"
+    ra, rb = (Client(urls[k]).run("lay") for k in ("local", "matrix_free"))
+    np.testing.assert_allclose(rb.eigenvalues, ra.eigenvalues, rtol=EXACT)
+    np.testing.assert_allclose(rb.energy("y"), ra.energy("y"), rtol=1e-9, atol=1e-12)
+    np.testing.assert_array_equal(rb.g["theta"][:], ra.g["theta"][:])
+
+
+# ---------------------------------------------------------------------- on a local Ray cluster
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    from nsa_dist.cluster import connect
+
+    connect(num_cpus=6)
+    yield ray
+    ray.shutdown()
+
+
+def _sweep(name: str, layout: str, workers: int, **cluster):
+    from nsa_dist.config import SweepSpec
+
+    base = {**BASE, "steps": 9, "record": {"every": 3}, "hessian": {**HESS, "every": 2},
+            "spectrum": {**BASE["spectrum"], "layout": layout, "workers": workers}}
+    return SweepSpec(name=name, base=base, cluster={"spectral_workers": 1, "worker_cpus": 1, **cluster})
+
+
+def _assert_matches_single_process(tmp_path, url: str, spec: ExperimentSpec) -> None:
+    from nsa_dist.client import Client
+
+    ref_url = str(tmp_path / "ref.zarr")
+    assert run_experiment(spec, SpectrumStore(ref_url)).status == "done"
+    ra, rb = Client(ref_url).run(run_id(spec)), Client(url).run(run_id(spec))
+    assert rb.status == "done" and rb.g["done"][:].all()
+    for name in ("eigenvalues", "energy_y", "energy_residual", "energy_df_pred", "df_pred", "alignment",
+                 "alignment_centered", "gram_sq_frobenius", "eigenvalues_test", "energy_f_test", "hessian_moments",
+                 "hessian_top", "hessian_density", "theta", "loss"):
+        np.testing.assert_allclose(rb.g[name][:], ra.g[name][:], rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.slow
+def test_block_rows_sweep_on_ray_equals_single_process(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    sweep = _sweep("gang", "block_rows", 2)
+    url = str(tmp_path / "s.zarr")
+    coord = SweepCoordinator(sweep, url)
+    (outcome,) = coord.run()
+    assert outcome.status == "done", outcome
+    _assert_matches_single_process(tmp_path, url, sweep.expand()[0])
+
+
+@pytest.mark.slow
+def test_killed_gang_member_recomputes_the_step_on_a_fresh_gang(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    sweep = _sweep("gangkill", "matrix_free", 2)
+    url = str(tmp_path / "s.zarr")
+    coord = SweepCoordinator(sweep, url)
+    (run,) = coord.runs.values()
+    killed: list[int] = []
+
+    def chaos(progress):
+        lent = [e[4] for e in run.inflight.values() if e[4] is not None]
+        if lent and len(killed) < 2 and progress[0].done >= len(killed):  # twice, at different steps
+            pid = lent[0].member_pids[len(killed) % 2]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    coord.on_event = chaos
+    (outcome,) = coord.run()
+    assert outcome.status == "done", outcome
+    assert len(killed) == 2 and coord.replaced_gangs >= 1 and coord.resubmitted >= 1, (killed, coord.resubmitted)
+    _assert_matches_single_process(tmp_path, url, sweep.expand()[0])
+
+
+@pytest.mark.slow
+def test_gang_too_large_fails_fast(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+    from nsa_dist.cluster.gang import GangUnplaceable, RayGang
+
+    with pytest.raises(GangUnplaceable, match="no node has that much CPU"):
+        RayGang(2, cpus=64)
+    with pytest.raises(GangUnplaceable, match="spectrum.workers=9 gang members"):
+        RayGang(9, cpus=1)
+    with pytest.raises(ValueError, match="CPU: needs 11, cluster has 6"):  # 1 worker + 9 members + 1 trainer
+        SweepCoordinator(_sweep("huge", "block_rows", 9), str(tmp_path / "s.zarr")).run()
