@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nsa_dist.linalg import Eigenpairs, top_eigenpairs
+from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk.shards import GramTiles, shard_features, tile_plan
 
 __all__ = ["DistributedGram", "distributed_top_eigenpairs"]
@@ -33,7 +34,7 @@ class _TilesFromRefs(GramTiles):
             return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
-class DistributedGram:
+class DistributedGram(LinearOperator):
     """The traced NTK Gram G (N×N) as upper tiles dealt to ``n_workers`` actors (symmetry kept).
 
     ``matmat(V)`` broadcasts V once and sums the actors' partial products: an operator for
@@ -58,16 +59,12 @@ class DistributedGram:
         except BaseException:
             self.shutdown()
             raise
-        self.shape = (x.shape[0], x.shape[0])
-        self.n_matvec = 0
+        super().__init__(x.shape[0], np.dtype(np.float64))
 
-    def matmat(self, V: Any) -> np.ndarray:
+    def _matmat(self, V: np.ndarray) -> np.ndarray:
         """G V for V (N, m): one broadcast of V, the sum of the actors' partial products."""
-        Vn = np.asarray(V, dtype=np.float64)
-        ref = ray.put(Vn)
-        parts = ray.get([a.matmat.remote(ref) for a in self.actors])
-        self.n_matvec += Vn.shape[1] if Vn.ndim == 2 else 1
-        return np.sum(parts, axis=0)
+        ref = ray.put(np.ascontiguousarray(V))
+        return np.sum(ray.get([a.matmat.remote(ref) for a in self.actors]), axis=0)
 
     def tile_bytes(self) -> list[int]:
         """Memory of each actor's tiles."""

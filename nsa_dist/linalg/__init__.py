@@ -5,6 +5,8 @@
 * :class:`EigMethod` — "auto" | "dense" | "lanczos" | "arpack", and when each wins.
 * :class:`Backend` — "auto" | "numpy" | "torch" | "cupy": where the work runs.
 * :class:`LanczosConvergenceWarning` — issued when Lanczos stops at ``max_iter``.
+* :class:`LinearOperator` — the one interface of every matrix-free operator (G, H, I, S, local
+  or on a gang): ``shape``, ``dtype``, ``matmat`` on NumPy or torch blocks.
 
 The Lanczos solver itself (:func:`nsa_dist.linalg.lanczos.block_lanczos`) works on any array
 module through :class:`~nsa_dist.linalg._backend.ArrayOps`.
@@ -15,5 +17,6 @@ from __future__ import annotations
 from nsa_dist.linalg._backend import Backend
 from nsa_dist.linalg._eigen import EigMethod, Eigenpairs, top_eigenpairs
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
+from nsa_dist.linalg.operator import LinearOperator
 
-__all__ = ["Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning"]
+__all__ = ["Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator"]

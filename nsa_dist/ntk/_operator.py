@@ -2,39 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, jvp, vjp, vmap
 
-from nsa_dist.errors import ShapeError
+from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk._inputs import as_2d, trainable_params
 
 
-class NTKOperator:
+class NTKOperator(LinearOperator):
     """The NTK Gramian as a linear operator, never formed: ``G V = J (Jᵀ V)``.
 
     One VJP pass over the data (blocked) gives ``U = Jᵀ V`` in parameter space, one JVP pass
     gives ``J U``; cost O(N·P) per column, memory O(block·P + m·P) for m columns.
     For ``kernel="trace"`` the operator is ``Σ_a J_a J_aᵀ`` on (N,) vectors; for ``"full"`` it is
     the (N·K)×(N·K) kernel acting on vectors laid out as (N, K) flattened row-major.
+    ``matmat`` takes (N, m) numpy arrays or torch tensors and returns the same type
+    (:class:`~nsa_dist.linalg.operator.LinearOperator`).
 
     Attributes:
         shape: (N, N) or (N·K, N·K).
         dtype: torch dtype of the products.
     """
 
+    native = "torch"
+    dim_name = "N"
+
     def __init__(self, model: nn.Module, x: torch.Tensor, K: int, full: bool, block: int) -> None:
+        super().__init__(x.shape[0] * (K if full else 1), x.dtype, "torch", x.device)
         self.model, self.x, self.K, self.full, self.block = model, x, K, full, block
-        n = x.shape[0] * (K if full else 1)
-        self.shape = (n, n)
-        self.dtype = x.dtype
         self._params = {k: p.detach() for k, p in trainable_params(model).items()}
         self._rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
         self._buffers = dict(model.named_buffers())
-        self.n_matvec = 0
 
     def _f(self, xb: torch.Tensor):
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -50,21 +50,10 @@ class NTKOperator:
         # one cotangent per (column, output a): v placed in output a only -> Σ_a J_a J_aᵀ v
         return (Vb.T[:, None, :, None] * eye[None, :, None, :]).reshape(-1, Vb.shape[0], K)  # (m K, b, K)
 
-    def matmat(self, V: Any) -> Any:
-        """G V for V of shape (N, m) (or (N,)); numpy in → numpy out, torch in → torch out."""
-        is_np = not isinstance(V, torch.Tensor)
-        Vt = torch.as_tensor(np.asarray(V) if is_np else V, dtype=self.dtype, device=self.x.device)
-        vec = Vt.ndim == 1
-        Vt = Vt[:, None] if vec else Vt
-        if Vt.ndim != 2 or Vt.shape[0] != self.shape[0]:
-            raise ShapeError(f"operator of shape {self.shape} got a block of shape {tuple(Vt.shape)}")
+    def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         m, N, K = Vt.shape[1], self.x.shape[0], self.K
         Vr = Vt.reshape(N, K, m) if self.full else Vt  # (N, K, m) or (N, m)
-        out = self.j(self.jt(Vr), m)
-        self.n_matvec += m
-        out = out.reshape(self.shape[0], m)
-        out = out[:, 0] if vec else out
-        return out.cpu().numpy() if is_np else out
+        return self.j(self.jt(Vr), m).reshape(self.shape[0], m)
 
     def jt(self, Vr: torch.Tensor) -> dict[str, torch.Tensor]:
         """``U = Jᵀ V`` by one VJP pass: Vr (N, m) traced or (N, K, m) full → (m·K or m, *param) per parameter."""
@@ -92,14 +81,9 @@ class NTKOperator:
                 out[s:s + self.block] = JU.view(m, K, b, K).diagonal(dim1=1, dim2=3).sum(-1).T  # (b, m)
         return out
 
-    def matvec(self, v: Any) -> Any:
-        """G v for a single vector v (N,)."""
-        return self.matmat(v)
-
-    def to_dense(self) -> torch.Tensor:
+    def to_dense(self, block: int = 1 << 30) -> torch.Tensor:
         """Materialise G by applying the operator to the identity (for checks on small N)."""
-        eye = torch.eye(self.shape[0], dtype=self.dtype, device=self.x.device)
-        return self.matmat(eye)
+        return super().to_dense(block)
 
     def __repr__(self) -> str:
         return f"NTKOperator(shape={self.shape}, dtype={self.dtype}, kernel={'full' if self.full else 'trace'})"

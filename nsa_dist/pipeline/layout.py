@@ -23,6 +23,7 @@ import numpy as np
 
 from nsa_dist.config import ExperimentSpec, Layout
 from nsa_dist.hessian.moments import hutchpp_moments
+from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk.blocks import row_blocks
 from nsa_dist.ntk.shards import tile_plan
 
@@ -80,17 +81,15 @@ class StepGram(Protocol):
     def close(self) -> None: ...
 
 
-class DenseGram:
+class DenseGram(LinearOperator):
     """Layout ``local``: G held whole (torch, on the analysis device)."""
 
     def __init__(self, G: Any) -> None:
-        self.G, self.shape, self.dtype = G, tuple(G.shape), np.dtype(str(G.dtype).replace("torch.", ""))
+        super().__init__(G.shape[0], G.dtype, "torch", G.device)
+        self.G = G
 
-    def matmat(self, V: np.ndarray) -> np.ndarray:
-        import torch
-
-        Vt = torch.as_tensor(np.asarray(V), device=self.G.device).to(self.G.dtype)
-        return (self.G @ Vt).cpu().numpy()
+    def _matmat(self, V: Any) -> Any:
+        return self.G @ V
 
     def sq_frobenius(self) -> tuple[float, float]:
         import torch
@@ -101,13 +100,13 @@ class DenseGram:
         self.G = None
 
 
-class _GangGram:
+class _GangGram(LinearOperator):
     """Common part of the gang layouts: a key naming the step's state on every member, release."""
 
     def __init__(self, pool: Pool, N: int, dtype: np.dtype) -> None:
-        self.pool, self.shape, self.dtype = pool, (N, N), np.dtype(dtype)
+        super().__init__(N, np.dtype(dtype))
+        self.pool = pool
         self.key = f"g{os.getpid()}-{next(_keys)}"
-        self.n_products = 0
 
     def close(self) -> None:
         _map(self.pool, "release", [(self.key,)] * self.pool.size)
@@ -137,11 +136,9 @@ class TiledGram(_GangGram):
         del feats
         self.plan = plan
 
-    def matmat(self, V: np.ndarray) -> np.ndarray:
-        V = np.ascontiguousarray(V, dtype=np.float64)
-        h = self.pool.put(V)
+    def _matmat(self, V: np.ndarray) -> np.ndarray:
+        h = self.pool.put(np.ascontiguousarray(V))
         parts = _map(self.pool, "tiles_matmat", [(self.key, h)] * self.pool.size)
-        self.n_products += V.shape[1] if V.ndim == 2 else 1
         return np.sum(parts, axis=0).astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
@@ -165,16 +162,12 @@ class ShardedGram(_GangGram):
         self.probes, self.seed = frobenius_probes, seed
         self._fro: tuple[float, float] | None = None
 
-    def matmat(self, V: np.ndarray) -> np.ndarray:
-        V = np.ascontiguousarray(V, dtype=np.float64)
-        vec = V.ndim == 1
-        V2 = V[:, None] if vec else V
-        U = np.sum(_map(self.pool, "shard_jt", [(self.key, V2[a:b]) for a, b in self.ranges]), axis=0)  # (m, dim)
+    def _matmat(self, V: np.ndarray) -> np.ndarray:
+        U = np.sum(_map(self.pool, "shard_jt", [(self.key, np.ascontiguousarray(V[a:b])) for a, b in self.ranges]),
+                   axis=0)  # (m, dim)
         h = self.pool.put(U)
         out = np.concatenate(_map(self.pool, "shard_j", [(self.key, h)] * self.pool.size), axis=0)  # (N, m)
-        self.n_products += V2.shape[1]
-        out = out.astype(self.dtype, copy=False)
-        return out[:, 0] if vec else out
+        return out.astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
         """‖G‖_F² = Tr(G²) by Hutch++ (estimate, standard error), computed once."""
@@ -205,19 +198,17 @@ class ShardedCurvature:
         _map(self.pool, "release", [(self.key,)] * self.pool.size)
 
 
-class _Part:
-    """One of H, I, S as an operator (``shape``, ``matmat``) summing the members' products."""
+class _Part(LinearOperator):
+    """One of H, I, S as an operator summing the members' products."""
 
     def __init__(self, owner: ShardedCurvature, name: str) -> None:
-        self.owner, self.name, self.shape, self.n_products = owner, name, owner.shape, 0
+        super().__init__(owner.shape[0], np.dtype(np.float64))
+        self.owner, self.name = owner, name
 
-    def matmat(self, V: np.ndarray) -> np.ndarray:
+    def _matmat(self, V: np.ndarray) -> np.ndarray:
         pool = self.owner.pool
-        V = np.ascontiguousarray(V, dtype=np.float64)
-        h = pool.put(V)
-        out = np.sum(_map(pool, "curvature_matmat", [(self.owner.key, self.name, h)] * pool.size), axis=0)
-        self.n_products += V.shape[1] if V.ndim == 2 else 1
-        return out
+        h = pool.put(np.ascontiguousarray(V))
+        return np.sum(_map(pool, "curvature_matmat", [(self.owner.key, self.name, h)] * pool.size), axis=0)
 
 
 # --------------------------------------------------------------------------- choosing a layout

@@ -1,0 +1,98 @@
+"""The one linear-operator interface every matrix-free map shares (G, the cross kernel, H, I, S, local or on a gang).
+
+The solvers (:func:`nsa_dist.linalg.top_eigenpairs`, the Hessian moments, SLQ) only need
+``shape`` and ``matmat``; :class:`LinearOperator` gives every operator the same front door —
+NumPy or torch in, the same type out, ``(n,)`` or ``(n, m)``, a :class:`ShapeError` naming the
+expected shape, products counted in ``n_products`` — so that each operator only implements
+``_matmat`` on 2-D blocks of its own array type (``native``: "torch" on ``device``, or "numpy").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from nsa_dist.errors import ShapeError
+
+__all__ = ["LinearOperator"]
+
+
+class LinearOperator:
+    """Base of the matrix-free operators: ``V ↦ A V`` for an (n, n) A never formed.
+
+    Attributes:
+        shape: (n, n).
+        dtype: the products' dtype (torch dtype for torch-native operators, else NumPy).
+        native: "torch" or "numpy" — the array type ``_matmat`` takes and returns.
+        device: torch device of a torch-native operator.
+        n_products: columns applied so far (one product with A each).
+    """
+
+    native: str = "numpy"
+    device: Any = None
+    dim_name: str = "n"  # how error messages call the dimension (N points, P parameters)
+
+    def __init__(self, n: int, dtype: Any, native: str = "numpy", device: Any = None) -> None:
+        self.shape, self.dtype, self.native, self.device = (n, n), dtype, native, device
+        self.n_products = 0
+
+    # ------------------------------------------------------------------ to implement
+    def _matmat(self, V: Any) -> Any:
+        """A V for a 2-D block V (n, m) of the native type (dtype/device already set)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the front door
+    @property
+    def n_matvec(self) -> int:
+        """Alias of ``n_products`` (the eigensolvers' name)."""
+        return self.n_products
+
+    def matmat(self, V: Any) -> Any:
+        """A V for V (n,) or (n, m), NumPy or torch; returns the same type and shape.
+
+        Raises:
+            ShapeError: V is not (n,) or (n, m).
+        """
+        is_torch = isinstance(V, torch.Tensor)
+        shape = tuple(V.shape) if hasattr(V, "shape") else np.shape(V)
+        if len(shape) not in (1, 2) or shape[0] != self.shape[0]:
+            n = self.dim_name
+            raise ShapeError(f"operator of shape {self.shape} got a block of shape {shape}; expected ({n},) or "
+                             f"({n}, m) with {n} = {self.shape[0]}")
+        vec = len(shape) == 1
+        if self.native == "torch":
+            Vn = torch.as_tensor(V if is_torch else np.asarray(V)).to(dtype=self.dtype, device=self.device)
+        else:
+            Vn = np.asarray(V.detach().cpu().numpy() if is_torch else V, dtype=np.float64)
+        Vn = Vn[:, None] if vec else Vn
+        out = self._matmat(Vn)
+        self.n_products += Vn.shape[1]
+        out = out[:, 0] if vec else out
+        if is_torch and self.native != "torch":
+            return torch.as_tensor(out, device=V.device)
+        if not is_torch and self.native == "torch":
+            return out.detach().cpu().numpy()
+        return out
+
+    def matvec(self, v: Any) -> Any:
+        """A v for a single vector v (n,)."""
+        return self.matmat(v)
+
+    def to_dense(self, block: int = 256) -> Any:
+        """Materialise A (n, n) by applying it to the identity ``block`` columns at a time (small n only)."""
+        n = self.shape[0]
+        if self.native == "torch":
+            A = torch.empty((n, n), dtype=self.dtype, device=self.device)
+            eye = lambda s, e: torch.eye(n, dtype=self.dtype, device=self.device)[:, s:e]  # noqa: E731
+        else:
+            A = np.empty((n, n))
+            eye = lambda s, e: np.eye(n)[:, s:e]  # noqa: E731
+        for s in range(0, n, block):
+            e = min(s + block, n)
+            A[:, s:e] = self.matmat(eye(s, e))
+        return A
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
