@@ -241,8 +241,9 @@ def test_slq_density_moments_and_histogram(tanh_mse):
     (H, _, _), (H_ref, _, _) = tanh_mse
     P = H.shape[0]
     lam = torch.linalg.eigvalsh(H_ref).numpy()
-    dens = slq_density(H, n_probes=40, n_steps=12, seed=5)
-    assert dens.n_products == 40 * 12 and dens.nodes.shape == (40, 12)
+    dens = slq_density(H, n_probes=40, n_steps=12, seed=5, probe_block=4)  # 10 blocks of 4 probes
+    assert dens.n_products == 40 * 12 and dens.nodes.shape == (40, 4 * 12)
+    np.testing.assert_allclose(dens.weights.sum(axis=1), 1.0, rtol=1e-10)
     assert abs(np.trapezoid(dens.density, dens.grid) - 1) < 1e-3
     for k in range(1, 5):
         mean, se = dens.moment(k)

@@ -422,3 +422,25 @@ def test_ntk_operator() -> None:
     ep = top_eigenpairs(op, 8)
     assert ep.method is EigMethod.LANCZOS
     assert_matches_reference(G, ep, (w.numpy()[::-1].copy(), V.numpy()[:, ::-1].copy()))
+
+
+def test_block_gauss_quadrature_is_exact_to_degree_2m_minus_1():
+    """The SLQ rule and the eigensolver share one Krylov code; its quadrature must be exact."""
+    from nsa_dist.linalg._backend import ArrayOps
+    from nsa_dist.linalg.lanczos import block_gauss_quadrature
+
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((200, 200))
+    A = (A + A.T) / 2
+    Z = rng.standard_normal((200, 3))
+    m = 4
+    theta, W, n_matvec = block_gauss_quadrature(lambda X: A @ X, Z, m, ArrayOps(np))
+    assert n_matvec == 3 * m and W.shape == (3, theta.size)
+    np.testing.assert_allclose(W.sum(axis=1), np.sum(Z * Z, axis=0), rtol=1e-10)
+    Ak = np.eye(200)
+    for k in range(1, 2 * m):
+        Ak = Ak @ A
+        exact = np.einsum("ni,nm,mi->i", Z, Ak, Z)
+        rule = W @ theta**k
+        err = np.abs(rule - exact).max() / np.abs(exact).max()
+        assert err < 1e-9, f"degree {k}: quadrature off by {err:.2e} relative"

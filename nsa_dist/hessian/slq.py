@@ -1,8 +1,11 @@
 """Spectral density of a symmetric operator by stochastic Lanczos quadrature (Ghorbani et al. 2019).
 
-For a unit probe ``v = z / √P`` (z Rademacher), m Lanczos steps from v give a tridiagonal
-``T_m = U diag(θ) Uᵀ``; the Gauss quadrature ``Σ_j τ_j f(θ_j)``, ``τ_j = U_{1j}²``, equals
-``vᵀ f(A) v`` for every polynomial f of degree ≤ 2m − 1, and ``E[vᵀ f(A) v] = Tr f(A) / P``.
+For unit probes ``v = z / √P`` (z Rademacher), m block-Lanczos steps from a block of probes
+give nodes θ_j and, per probe, weights τ_j with ``Σ_j τ_j f(θ_j) = vᵀ f(A) v`` for every
+polynomial f of degree ≤ 2m − 1 (block Gauss quadrature,
+:func:`nsa_dist.linalg.lanczos.block_gauss_quadrature` — the same Krylov code as the top-k
+eigensolver), and ``E[vᵀ f(A) v] = Tr f(A) / P``.  Probes of one block share their nodes
+(b·m of them, so a block resolves the spectrum better than b separate recursions).
 Averaging over probes and broadening each node by a Gaussian of width σ gives
 
     φ(t) = (1/n_v) Σ_probes Σ_j τ_j N(t; θ_j, σ²)  ≈  (1/P) Σ_i N(t; λ_i, σ²),
@@ -17,11 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, rademacher
+from nsa_dist.hessian._probes import as_linear_map, check_int, rademacher
+from nsa_dist.linalg._backend import ArrayOps
+from nsa_dist.linalg.lanczos import block_gauss_quadrature
 
 __all__ = ["SpectralDensity", "slq_density"]
 
-_BREAKDOWN = 1e-10  # β_j below this (× the largest |α|, β seen) ends a probe's recursion: invariant subspace
+_NUMPY = ArrayOps(np)
 _BASIS_BYTES = 512e6  # default probe_block keeps the Lanczos bases under about this
 
 
@@ -32,8 +37,9 @@ class SpectralDensity:
     Attributes:
         grid: (n_grid,) points t.
         density: (n_grid,) φ(t); ``np.trapezoid(density, grid) ≈ 1``.
-        nodes: (n_probes, n_steps) Ritz values θ per probe (padding where a probe broke down early).
-        weights: (n_probes, n_steps) quadrature weights τ (0 on padding; each row sums to 1).
+        nodes: (n_probes, n_nodes) the Ritz values θ of each probe's block (shared by the block's
+            probes; padding where a block has fewer).
+        weights: (n_probes, n_nodes) each probe's quadrature weights τ (0 on padding; rows sum to 1).
         sigma: the Gaussian broadening σ.
         n_products: operator columns applied.
     """
@@ -51,37 +57,6 @@ class SpectralDensity:
         per_probe = np.sum(self.weights * self.nodes ** k, axis=1)  # (n_probes,)
         n = per_probe.size
         return float(per_probe.mean()), float(per_probe.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
-
-
-def _lanczos(A: LinearMap, V: np.ndarray, n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Lanczos with full reorthogonalisation, one recursion per column of V (P, b), products batched.
-
-    Returns:
-        alpha (b, n_steps), beta (b, n_steps − 1), length (b,) — steps before breakdown.
-    """
-    P, b = V.shape
-    Q = np.zeros((n_steps, P, b))  # the bases, one per column
-    alpha, beta = np.zeros((b, n_steps)), np.zeros((b, max(n_steps - 1, 0)))
-    length = np.full(b, n_steps)
-    Q[0] = V / np.linalg.norm(V, axis=0)
-    scale = 0.0
-    for j in range(n_steps):
-        W = A(Q[j])  # (P, b)
-        alpha[:, j] = np.sum(Q[j] * W, axis=0)
-        for _ in range(2):  # full reorthogonalisation, twice (classical Gram–Schmidt)
-            W -= np.einsum("jpb,jb->pb", Q[:j + 1], np.einsum("jpb,pb->jb", Q[:j + 1], W))
-        if j == n_steps - 1:
-            break
-        bj = np.linalg.norm(W, axis=0)  # (b,)
-        scale = max(scale, float(np.abs(alpha[:, j]).max()), float(bj.max()))
-        stop = (bj <= _BREAKDOWN * scale) & (length == n_steps)
-        length[stop] = j + 1
-        live = length > j + 1
-        beta[:, j] = np.where(live, bj, 0.0)
-        Q[j + 1] = np.where(live, W / np.where(live, bj, 1.0), 0.0)
-        if not live.any():
-            break
-    return alpha, beta, length
 
 
 def slq_density(A: Any, *, n_probes: int = 10, n_steps: int = 80, sigma: float | None = None,
@@ -102,7 +77,8 @@ def slq_density(A: Any, *, n_probes: int = 10, n_steps: int = 80, sigma: float |
             (m, P, block) float64 bases under ~512 MB.
 
     Returns:
-        :class:`SpectralDensity`; ``n_products = n_probes · m`` (fewer on breakdown).
+        :class:`SpectralDensity`; ``n_products ≤ n_probes · m`` (fewer once a block's Krylov
+        space spans R^P: its quadrature is then exact for every f).
 
     Raises:
         ValueError: n_probes, n_steps, n_grid or probe_block < 1 (n_grid < 2), sigma ≤ 0, a grid
@@ -119,18 +95,21 @@ def slq_density(A: Any, *, n_probes: int = 10, n_steps: int = 80, sigma: float |
             raise ValueError(f"grid must be a finite 1-D array of >= 2 points, got shape {grid.shape}")
     Amap = as_linear_map(A)
     m = min(m, Amap.P)
-    default_block = max(1, int(_BASIS_BYTES // (8 * m * Amap.P)))
+    default_block = max(1, int(_BASIS_BYTES // (16 * m * Amap.P)))  # basis and products, float64
     block = check_int("probe_block", default_block if probe_block is None else probe_block, 1)
     rng = np.random.default_rng(seed)
-    nodes, weights = np.zeros((nv, m)), np.zeros((nv, m))
+    per_block = []
     for s in range(0, nv, block):
         b = min(block, nv - s)
-        alpha, beta, length = _lanczos(Amap, rademacher(rng, Amap.P, b), m)
-        for i in range(b):
-            L = length[i]
-            T = np.diag(alpha[i, :L]) + np.diag(beta[i, :L - 1], 1) + np.diag(beta[i, :L - 1], -1)  # (L, L)
-            theta, U = np.linalg.eigh(T)
-            nodes[s + i, :L], weights[s + i, :L] = theta, U[0] ** 2
+        theta, W, _ = block_gauss_quadrature(Amap, rademacher(rng, Amap.P, b), m, _NUMPY, seed=seed + s)
+        per_block.append((theta, W / Amap.P))  # unit probes: each row sums to 1
+    width = max(t.size for t, _ in per_block)
+    nodes, weights = np.zeros((nv, width)), np.zeros((nv, width))
+    row = 0
+    for theta, W in per_block:
+        nodes[row:row + W.shape[0], :theta.size] = theta
+        weights[row:row + W.shape[0], :theta.size] = W
+        row += W.shape[0]
     live = weights > 0
     lo, hi = float(nodes[live].min()), float(nodes[live].max())
     sig = float(sigma) if sigma is not None else (0.01 * (hi - lo) if hi > lo else max(1e-3, 1e-3 * abs(hi)))

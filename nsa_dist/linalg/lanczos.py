@@ -31,7 +31,7 @@ import numpy as np
 
 from nsa_dist.linalg._backend import ArrayOps
 
-__all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos", "default_block_size"]
+__all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos", "block_gauss_quadrature", "default_block_size"]
 
 _DEFLATE = 1e-13  # singular values below this (× ‖G‖) of a new block are treated as zero
 _CLEAN = 1e-3  # below this (× ‖G X‖) a new block is re-orthogonalised once more
@@ -127,6 +127,46 @@ def block_lanczos(matmat: Callable[[Any], Any], N: int, k: int, ops: ArrayOps, *
         Bc = np.zeros((B.shape[0], n))
         Bc[:, n - bp:] = B
         P = P_next
+
+
+def block_gauss_quadrature(matmat: Callable[[Any], Any], Z: Any, n_steps: int, ops: ArrayOps, *,
+                           sym_rtol: float = 1.5e-8, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """Block Gauss quadrature of ``zᵀ f(A) z`` for the columns z of Z, from the same Krylov machinery.
+
+    ``n_steps`` block steps from Z = Q R (no restart) give the block-tridiagonal
+    ``T = Vᵀ A V = Y diag(θ) Yᵀ``; then for every polynomial f of degree ≤ 2·n_steps − 1
+
+        z_iᵀ f(A) z_i = Σ_j f(θ_j) · ((Rᵀ Y_1)_{ij})²,    Y_1 = the first b rows of Y,
+
+    exactly (Golub & Meurant, block Gauss rules).  Stochastic Lanczos quadrature
+    (:func:`nsa_dist.hessian.slq_density`) is this with Rademacher columns.
+
+    Args:
+        matmat: ``X (N, b) ↦ A X`` on ``ops`` arrays, float64.
+        Z: (N, b) start block.
+        n_steps: block steps (≥ 1); stops early when the basis spans R^N.
+        ops: array backend.
+
+    Returns:
+        ``(theta (n,), W (b, n), n_matvec)``: the nodes θ_j and per-column weights
+        ``W[i, j] = ((Rᵀ Y_1)_{ij})²`` (row i sums to ‖z_i‖²).
+    """
+    N, b = Z.shape
+    Q, R = ops.qr_r(Z)
+    R = ops.to_numpy(R)  # (b, b)
+    st = _State(ops, N, min(N, n_steps * b), b, np.random.default_rng(seed), sym_rtol)
+    P, Bc = Q, np.zeros((b, 0))
+    for _ in range(n_steps):
+        B, P_next = st.extend(P, Bc, matmat)
+        n = st.n
+        if P_next is None or n + P_next.shape[1] > st.M:
+            break
+        Bc = np.zeros((B.shape[0], n))
+        Bc[:, n - P.shape[1]:] = B
+        P = P_next
+    theta, Y = np.linalg.eigh((st.H[:st.n, :st.n] + st.H[:st.n, :st.n].T) / 2)
+    W = (R.T @ Y[:Q.shape[1]]) ** 2  # (b, n)
+    return theta, W, st.n_matvec
 
 
 class _State:
