@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-layouts clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,12 @@ bench: install
 	$(PY) benchmarks/ntk_gram.py
 	$(PY) benchmarks/sweep.py
 	$(PY) benchmarks/hessian.py
+
+# Issue 8's layouts: (a) block_rows on 2 and 4 workers vs local at N = 30,000, (d) the Hessian over
+# 2 shards vs 1; (b) N = 60,000 and (c) matrix_free at N = 200,000 take long: run them by hand.
+bench-layouts: install
+	$(PY) benchmarks/layouts.py a
+	$(PY) benchmarks/layouts.py d
 
 clean:
 	rm -rf $(VENV) nsa-results.zarr demo-out bench-out

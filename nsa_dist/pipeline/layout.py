@@ -224,16 +224,24 @@ def _machine_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def choose_layout(spec: ExperimentSpec, N: int, feature_width: int) -> LayoutChoice:
+def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: bool = True) -> LayoutChoice:
     """Resolve ``spectrum.layout`` for an N-point Gram; ``auto`` picks the first layout that fits.
 
     Per-worker bytes: local ≈ N²·(itemsize + 8) (G, and the float64 copy the solver works on),
     block_rows ≈ (B+1)/(2BW)·N²·itemsize + N·feature_width·itemsize (B = 4W blocks),
     matrix_free ≈ (N/W)·feature_width·itemsize — against ``memory_budget_gb`` (default half this
-    machine's memory).  ``feature_width`` = Σ_l (n_in + 1 + K·n_out).
+    machine's memory).  ``feature_width`` = Σ_l (n_in + 1 + K·n_out).  ``structured``: the model
+    is built of Linear layers only — ``block_rows`` tiles are assembled from their features.
+
+    Raises:
+        ValueError: ``block_rows`` asked for a model outside the structured formula.
     """
     s = spec.spectrum
     layout = Layout(s.layout)
+    if layout is Layout.BLOCK_ROWS and not structured:
+        raise ValueError("spectrum.layout='block_rows' assembles tiles from the per-layer features of nets built "
+                         "of nn.Linear layers only; this model has other parameters: use layout 'matrix_free' "
+                         "(Jacobian shards, any model) or 'local'")
     if layout is not Layout.AUTO:
         return LayoutChoice(layout, "set in the spec")
     item = 8 if s.dtype == "float64" else 4
@@ -247,7 +255,7 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int) -> LayoutCho
         return LayoutChoice(Layout.LOCAL, "k: all needs the whole G")
     if local <= budget:
         return LayoutChoice(Layout.LOCAL, f"G needs ~{gb(local)} on one worker, within the budget {gb(budget)}")
-    if W > 1 and tiles <= budget:
+    if W > 1 and tiles <= budget and structured:
         return LayoutChoice(Layout.BLOCK_ROWS, f"G needs ~{gb(local)} whole (budget {gb(budget)}); "
                                                f"~{gb(tiles)} per worker as tiles on {W} workers")
     return LayoutChoice(Layout.MATRIX_FREE, f"G needs ~{gb(local)} whole and ~{gb(tiles)} per worker as tiles on "
