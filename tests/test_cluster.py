@@ -220,6 +220,43 @@ def test_cluster_block_must_fit_the_cluster():
         check_resources(ClusterSpec(worker_resources={"node2": 1}), False, {"CPU": 8.0})
 
 
+def test_actors_must_fit_on_nodes_not_only_in_cluster_totals():
+    from nsa_dist.cluster.gang import check_bundles_fit
+
+    half = [{"CPU": 4.0, "GPU": 0.5}, {"CPU": 4.0, "GPU": 0.5}]  # one GPU in total, half on each node
+    check_bundles_fit([{"CPU": 1.0, "GPU": 0.5}] * 2, half, "x")
+    with pytest.raises(ValueError, match=r"needing \{'CPU': 1.0, 'GPU': 1.0\} fits on no node"):
+        check_bundles_fit([{"CPU": 1.0, "GPU": 1.0}], half, "x")
+
+
+@pytest.mark.slow
+def test_trainer_crash_loop_fails_its_run_and_the_sweep_finishes(local_ray, tmp_path):
+    from nsa_dist.cluster import SweepCoordinator
+
+    sweep = _sweep("crashloop", variants=[{"seed": 0}, {"seed": 1}], base={"steps": 60, "record": {"every": 4}},
+                   cluster={"spectral_workers": 1, "max_retries": 1, "max_concurrent_runs": 2})
+    url = str(tmp_path / "s.zarr")
+    coord = SweepCoordinator(sweep, url)
+    victim = list(coord.runs.values())[1]
+    killed: list[int] = []
+
+    def chaos(progress):  # kill the trainer of run 2 each time it is back, at most 3 times
+        if victim.trainer is not None and victim.progress.status == "running" and len(killed) < 3:
+            try:
+                pid = local_ray.get(victim.trainer.pid.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - dead for good (restarts spent)
+                return
+            if pid not in killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+    coord.on_event = chaos
+    good, bad = coord.run()
+    assert good.status == "done", good
+    assert bad.status == "failed" and ("kept dying" in bad.reason or "ActorDied" in bad.reason), bad
+    assert len(killed) >= 2
+
+
 @pytest.mark.slow
 def test_sweep_that_cannot_be_placed_fails_fast(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator

@@ -20,7 +20,7 @@ from ray.util import ActorPool
 
 from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
 from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_actor
-from nsa_dist.cluster.gang import RayGang
+from nsa_dist.cluster.gang import RayGang, check_bundles_fit, gang_bundle
 from nsa_dist.cluster.runtime import cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, spec_json
 from nsa_dist.store import RunWriter, SpectrumStore, Status
@@ -132,6 +132,7 @@ class SweepCoordinator:
         if todo:
             sizes = sorted({r.gang_size for r in todo if r.gang_size})
             check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes))
+            self._check_nodes(has_gpus, sum(sizes), min(len(todo), self.cl.max_concurrent_runs or len(todo)))
             self.workers = spectral_workers(self.store_url, self.cl, has_gpus)
             self.pool = ActorPool(self.workers)
             for size in sizes:
@@ -167,6 +168,15 @@ class SweepCoordinator:
             for g in [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
                 g.shutdown()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
+
+    def _check_nodes(self, has_gpus: bool, gang_members: int, trainers: int) -> None:
+        """Every actor placed on some node (not only within the cluster's totals): else ValueError."""
+        cl = self.cl
+        worker = gang_bundle(cl.worker_cpus, resolve_gpus(cl.worker_gpus, has_gpus, 0.5), cl.worker_resources)
+        trainer = gang_bundle(cl.trainer_cpus, resolve_gpus(cl.trainer_gpus, has_gpus, 1.0), cl.trainer_resources)
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        check_bundles_fit([worker] * (cl.spectral_workers + gang_members) + [trainer], nodes,
+                          "the sweep's cluster block does not fit this Ray cluster's nodes")
 
     def progress(self) -> list[RunProgress]:
         return [r.progress for r in self.runs.values()]

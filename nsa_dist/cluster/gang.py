@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nsa_dist.pipeline.shard import SpectralShard
 
-__all__ = ["GangUnplaceable", "GangPool", "RayGang", "gang_bundle"]
+__all__ = ["GangUnplaceable", "GangPool", "RayGang", "check_bundles_fit", "check_gang_fits", "gang_bundle"]
 
 
 class GangUnplaceable(RuntimeError):
@@ -73,6 +73,21 @@ def check_gang_fits(size: int, bundle: dict[str, float], nodes: list[dict[str, f
         raise GangUnplaceable(f"spectrum.workers={size} gang members of {bundle} each do not fit this Ray cluster "
                               f"(room for {fits}; cluster totals {total}); lower spectrum.workers or the per-worker "
                               "resources, or add nodes")
+
+
+def check_bundles_fit(bundles: list[dict[str, float]], nodes: list[dict[str, float]], what: str) -> None:
+    """ValueError unless the bundles (each on one node) pack onto the nodes (first fit, largest first).
+
+    Cluster totals are not enough: two nodes with half a GPU free each do not host a one-GPU actor.
+    """
+    free = [dict(n) for n in nodes]
+    for b in sorted(bundles, key=lambda b: sorted(b.items()), reverse=True):
+        node = next((n for n in free if all(n.get(k, 0.0) + 1e-9 >= v for k, v in b.items())), None)
+        if node is None:
+            raise ValueError(f"{what}: an actor needing {b} fits on no node once the others are placed (nodes: "
+                             f"{nodes}); lower the per-actor resources or add nodes")
+        for k, v in b.items():
+            node[k] -= v
 
 
 def _node_resources() -> list[dict[str, float]]:
