@@ -162,10 +162,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     t = Table(title=f"runs in {args.store}")
     for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr"):
         t.add_column(col)
-    for r in runs:
-        t.add_row(r.id, r.status, f"{r.steps_done}/{r.steps_total}", str(r.last_step), r.dataset, str(r.n),
-                  f"{r.depth}×{r.width}", r.optimizer, f"{r.lr:g}")
-    Console().print(t if runs else f"no runs in {args.store}")
+    for r in runs.to_dict("records"):
+        t.add_row(r["id"], str(r["status"]), f"{r['steps_done']}/{r['steps_total']}", str(r["last_step"]),
+                  str(r.get("data.name")), str(r.get("data.n")), f"{r.get('model.depth')}×{r.get('model.width')}",
+                  str(r.get("optimizer.name")), f"{r.get('schedule.lr', float('nan')):g}")
+    Console().print(t if len(runs) else f"no runs in {args.store}")
     return 0
 
 

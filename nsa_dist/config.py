@@ -223,6 +223,8 @@ class SpectrumSpec(_Strict):
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
     store_eigenvectors: bool = True
+    full_k: int = Field(10, ge=1, description="K-output networks: top eigenvalues of the full (N·K)×(N·K) kernel "
+                        "(sets the GD stability bound and the flow speeds)")
     images: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
                               description="2-D data: eigenvector indices (1-based) drawn as images + Fourier (Fig. 5)")
     image_size: int = Field(48, ge=4)

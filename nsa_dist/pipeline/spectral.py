@@ -9,16 +9,17 @@ import torch
 from torch.func import functional_call, jvp
 from torch.nn.utils import vector_to_parameters
 
-from nsa_dist.config import ExperimentSpec, OptimizerName
+from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import NonFiniteError
 from nsa_dist.linalg import top_eigenpairs
-from nsa_dist.metrics import first_order_accuracy, first_order_update, kernel_target_alignment, spectral_projections
+from nsa_dist.metrics import first_order_accuracy, kernel_target_alignment, spectral_projections
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
+from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
 
@@ -59,6 +60,7 @@ class SpectralAnalyzer:
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
         self.hessian = HessianAnalysis(spec, self.X, self.y, sum(p.numel() for p in self.model.parameters()))
+        self.extras = StepExtras(spec, data.y_test, data.n, self.dtype)
 
     def _gram(self, X: torch.Tensor) -> torch.Tensor:
         """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU)."""
@@ -90,8 +92,7 @@ class SpectralAnalyzer:
         G = G_dev.cpu().numpy()
         del G_dev
         residual = ck.f.astype(np.float64) - self.y  # m_t = f_t − y
-        gd_scalar = OptimizerName(self.spec.optimizer.name) is OptimizerName.GD and residual.ndim == 1
-        df_pred = first_order_update(G, residual, ck.lr) if gd_scalar else self._jvp_outputs(ck.dtheta)
+        df_pred = predicted_update(self.spec, ck, residual, lambda v: G @ v, self._jvp_outputs)
         out: dict[str, Any] = {
             "loss": ck.loss, "lr": ck.lr, "theta": ck.theta, "f": ck.f, "df": ck.df, "df_pred": df_pred,
             "eigenvalues": eig.evals, "f_test": ck.f_test,
@@ -111,6 +112,7 @@ class SpectralAnalyzer:
             eig_t = self._eig(self._gram(self.X_test), min(self.K, self.X_test.shape[0]))
             out["eigenvalues_test"] = eig_t.evals
             out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
+        out.update(self.extras.analyze(self.model, self.X, ck))
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
         if self.hessian.wanted(ck.index):

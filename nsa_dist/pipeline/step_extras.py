@@ -1,0 +1,131 @@
+"""Per-step quantities beyond the traced spectrum (issue 11), kept out of ``spectral.py``.
+
+* :func:`full_kernel_top` — λ_1 ≥ … ≥ λ_k of the full (N·K)×(N·K) NTK of a K-output network,
+  the kernel that sets GD's stability (the stored ``eigenvalues`` are of the output-traced Gram
+  Σ_a J_a J_aᵀ, whose λ_max is up to K times larger).  Computed by Lanczos / dense eigh on the
+  matrix-free operator ``v ↦ J Jᵀ v`` (never the dense (NK)×(NK) matrix for large NK).
+* :func:`held_out_loss` — L_test(θ_t) = (1/M) Σ_j ½‖f_t(x_j) − y_j‖² from f_test and y_test.
+* :func:`predicted_update` — the first-order change of f in update t, aware of momentum:
+  df̄_t = −(δ/N) G_t m_t − δ μ J_t b_{t−1} for GD with heavy-ball momentum μ (buffer b),
+  J_t·Δθ_t otherwise (SGD, Adam, K > 1).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from nsa_dist.config import ExperimentSpec, OptimizerName
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from nsa_dist.pipeline.checkpoint import Checkpoint
+
+__all__ = ["full_kernel_top", "full_kernel_size", "held_out_loss", "predicted_update", "StepExtras"]
+
+
+def full_kernel_size(spec: ExperimentSpec, n: int) -> int:
+    """Kf, the full-kernel eigenvalues kept: min(spectrum.full_k, N·K) for K > 1 outputs, else 0."""
+    K = spec.model.output_dim
+    return min(int(spec.spectrum.full_k), n * K) if K > 1 else 0
+
+
+def full_kernel_top(model: "nn.Module", X: "torch.Tensor", k: int, *, dtype: "torch.dtype | None" = None,
+                    block_size: int | None = None, tol: float = 1e-10) -> np.ndarray:
+    """The k largest eigenvalues of the full NTK Θ = J Jᵀ, (N·K)×(N·K), J = ∂f(X)/∂θ (N·K, P).
+
+    GD on L = (1/N) Σ ½‖f_i − y_i‖² moves the stacked residual as m ← (I − (δ/N) Θ) m to first
+    order, so 2N/λ_max(Θ) is its stability bound (NSA §4 with Θ in place of G).
+
+    Args:
+        model: maps (n, d) → (n, K).
+        X: (N, d) training points.
+        k: 1 ≤ k ≤ N·K eigenvalues.
+        dtype: product dtype (float64 for reference checks).
+        block_size: points per VJP/JVP block of the operator.
+        tol: Lanczos residual tolerance relative to λ_max.
+
+    Returns:
+        (k,) float64, descending.
+    """
+    from nsa_dist.linalg import top_eigenpairs
+    from nsa_dist.ntk import ntk_operator
+
+    op = ntk_operator(model, X, kernel="full", block_size=block_size, dtype=dtype)  # (N·K, N·K)
+    if not 1 <= k <= op.shape[0]:
+        raise ValueError(f"k={k} outside 1..N·K={op.shape[0]}")
+    return np.asarray(top_eigenpairs(op, k, "auto", tol=tol).evals, dtype=np.float64)
+
+
+def held_out_loss(f_test: np.ndarray, y_test: np.ndarray) -> float:
+    """L_test = (1/M) Σ_j ½‖f(x_j) − y_j‖² at the M test points (NaN when M = 0).
+
+    Args:
+        f_test: (M,) or (M, K) outputs.
+        y_test: same shape, targets.
+    """
+    f, y = np.asarray(f_test, np.float64), np.asarray(y_test, np.float64)
+    if f.shape != y.shape:
+        raise ValueError(f"f_test {f.shape} and y_test {y.shape} differ in shape")
+    if f.shape[0] == 0:
+        return float("nan")
+    r = (f - y).reshape(f.shape[0], -1)  # (M, K)
+    return float(0.5 * np.mean(np.sum(r**2, axis=1)))
+
+
+def predicted_update(spec: ExperimentSpec, ck: "Checkpoint", residual: np.ndarray,
+                     G_times: Callable[[np.ndarray], np.ndarray],
+                     J_times: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """First-order change df̄_t of the training outputs in update t (NSA Eq. 3, with momentum).
+
+    GD (full batch, one output): Δθ_t = −δ (μ b_{t−1} + g_t) with g_t = (1/N) Jᵀ m_t and the
+    heavy-ball buffer b_{t−1} (PyTorch SGD, dampening 0; b = 0 before the first update), so
+
+        df̄_t = J Δθ_t = −(δ/N) G_t m_t − δ μ J_t b_{t−1}.
+
+    μ = 0 gives the paper's −(δ/N) G m.  Other optimizers (minibatch SGD, Adam) and K > 1 use
+    the actual update, J_t Δθ_t.
+
+    Args:
+        spec: the run's spec (optimizer, momentum).
+        ck: the checkpoint of step t (lr, dtheta, state.slots[0] = b_{t−1}).
+        residual: m_t = f_t − y, (N,) or (N, K).
+        G_times: v (N,) ↦ G_t v.
+        J_times: u (P,) ↦ J_t u, (N,) or (N, K).
+
+    Returns:
+        (N,) or (N, K) float64.
+    """
+    opt = spec.optimizer
+    if OptimizerName(opt.name) is not OptimizerName.GD or residual.ndim != 1:
+        return np.asarray(J_times(ck.dtheta), np.float64)
+    N = residual.shape[0]
+    pred = -(ck.lr / N) * np.asarray(G_times(np.asarray(residual, np.float64)), np.float64)  # (N,)
+    slots = np.asarray(ck.state.slots)
+    if opt.momentum > 0 and slots.shape[0] and np.any(slots[0]):
+        pred = pred - ck.lr * opt.momentum * np.asarray(J_times(slots[0]), np.float64)
+    return pred
+
+
+class StepExtras:
+    """The issue-11 quantities of one recorded step, by store array name.
+
+    ``analyze(model, X, ck)`` → {"loss_test": float} when there are test points and
+    {"eigenvalues_full": (Kf,)} for a multi-output network.
+    """
+
+    def __init__(self, spec: ExperimentSpec, y_test: np.ndarray, n: int, dtype: "torch.dtype") -> None:
+        self.spec, self.y_test, self.dtype = spec, np.asarray(y_test, np.float64), dtype
+        self.Kf = full_kernel_size(spec, n)
+
+    def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.y_test.shape[0]:
+            out["loss_test"] = held_out_loss(ck.f_test, self.y_test)
+        if self.Kf:
+            out["eigenvalues_full"] = full_kernel_top(model, X, self.Kf, dtype=self.dtype,
+                                                      block_size=self.spec.spectrum.block_size)
+        return out
