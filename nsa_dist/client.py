@@ -101,9 +101,28 @@ class Run:
         """(S, K) top eigenvalues λ_i^t of G_t, descending."""
         return self._per_step("eigenvalues")
 
+    @property
+    def eigenvector_steps(self) -> np.ndarray:
+        """(Se,) the finished steps whose eigenvectors are stored (``spectrum.store_eigenvectors``)."""
+        if "eigenvectors" not in self.g:
+            return np.zeros(0, dtype=np.int64)
+        return np.array([t for t in self.steps if self.spec.spectrum.eigenvectors_at(int(t))], dtype=np.int64)
+
     def eigenvectors(self, step: int) -> np.ndarray:
-        """(N, K) eigenvectors of G_t at recorded step ``step``."""
-        return np.asarray(self._read("eigenvectors")[self._index_of(step)], dtype=np.float64)
+        """(N, K) eigenvectors of G_t at recorded step ``step``.
+
+        Raises:
+            KeyError: ``step`` is not finished, or its eigenvectors were not stored.
+        """
+        i = self._index_of(step)
+        if "eigenvectors" in self.g and not self.spec.spectrum.eigenvectors_at(int(step)):
+            raise KeyError(f"run {self.id!r} stores eigenvectors only at steps {self.eigenvector_steps.tolist()}, "
+                           f"not at {step} (spectrum.store_eigenvectors)")
+        return np.asarray(self._read("eigenvectors")[i], dtype=np.float64)
+
+    def residual_projections(self, step: int) -> np.ndarray:
+        """(K,) ⟨v_i^t, m_t⟩² summed over outputs (NSA Fig. 4a), stored at every recorded step."""
+        return np.asarray(self._read("projections_residual")[self._index_of(step)], dtype=np.float64)
 
     def energy(self, phi: str = "y", k: int | None = None) -> np.ndarray:
         """E_t(φ, k) along t: (S,) for one k, (S, K) for all k ≤ K.
@@ -225,10 +244,11 @@ class Run:
         if t1 is None and t2 is None and i is None and "preservation" in self.g:
             a = self.g["preservation"]
             return a[:], int(a.attrs["t1"]), int(a.attrs["t2"]), list(a.attrs["rows"])
-        steps = self.steps
-        if len(steps) < 2:
-            raise ValueError(f"run {self.id!r} has {len(steps)} finished step(s); preservation needs two")
-        t1 = int(steps[1 if len(steps) > 2 else 0]) if t1 is None else t1
+        steps = self.eigenvector_steps
+        if len(steps) < 2 and (t1 is None or t2 is None):
+            raise ValueError(f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two")
+        t1 = int(steps[1 if len(steps) > 2 and not isinstance(self.spec.spectrum.store_eigenvectors, list) else 0]) \
+            if t1 is None else t1
         t2 = int(steps[-1]) if t2 is None else t2
         V1, V2 = self.eigenvectors(t1), self.eigenvectors(t2)
         rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]

@@ -222,7 +222,8 @@ class SpectrumSpec(_Strict):
     dtype: Literal["float64", "float32"] = "float64"
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
-    store_eigenvectors: bool = True
+    store_eigenvectors: bool | list[int] = Field(True, description="store v_i^t at every recorded step (True), "
+                                                  "none (False) or only at these recorded steps (e.g. Fig. 7d's pair)")
     full_k: int = Field(10, ge=1, description="K-output networks: top eigenvalues of the full (N·K)×(N·K) kernel "
                         "(sets the GD stability bound and the flow speeds)")
     images: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
@@ -241,7 +242,14 @@ class SpectrumSpec(_Strict):
             raise ValueError(f"spectrum.k must be >= 1 or 'all', got {self.k}")
         if any(i < 1 for i in self.images):
             raise ValueError(f"spectrum.images are 1-based eigenvector indices, got {self.images}")
+        if isinstance(self.store_eigenvectors, list) and any(t < 0 for t in self.store_eigenvectors):
+            raise ValueError(f"spectrum.store_eigenvectors steps must be >= 0, got {self.store_eigenvectors}")
         return self
+
+    def eigenvectors_at(self, step: int) -> bool:
+        """Whether v_i^t is stored at recorded step ``step`` (see ``store_eigenvectors``)."""
+        s = self.store_eigenvectors
+        return step in s if isinstance(s, list) else bool(s)
 
 
 class HessianSpec(_Strict):
@@ -330,6 +338,11 @@ class ExperimentSpec(_Strict):
         if self.optimizer.batch_size is not None and self.optimizer.batch_size > self.data.n:
             raise ValueError(f"optimizer.batch_size={self.optimizer.batch_size} exceeds data.n={self.data.n}")
         record = self.record.schedule(self.steps)  # raises on steps past the end
+        if isinstance(self.spectrum.store_eigenvectors, list):
+            missing = sorted(set(self.spectrum.store_eigenvectors) - set(record))
+            if missing:
+                raise ValueError(f"spectrum.store_eigenvectors {missing} are not recorded steps (recorded: "
+                                 f"{record[:10]}{' …' if len(record) > 10 else ''}); add them to record.steps")
         if self.hessian is not None:
             self.hessian.indices(record)
         return self

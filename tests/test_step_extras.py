@@ -134,3 +134,38 @@ def test_test_loss_recomputed_from_the_model(onehot_run) -> None:
             f = model(X_test).numpy()
         ref = 0.5 * np.mean(np.sum((f - y_test) ** 2, 1))
         assert abs(run.test_loss[i] - ref) < 1e-5 * ref, f"step {run.steps[i]}: {run.test_loss[i]} vs {ref}"
+
+
+# ---------------------------------------------------------------- the paper's k without N×N eigenvectors per step
+def test_eigenvector_schedule_and_stored_projections(tmp_path) -> None:
+    """Eigenvectors only at the listed steps; Fig. 4a projections and every-k energies at all steps."""
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(name="sched", data={"n": 48, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
+                          record={"every": 10}, spectrum={"k": "all", "store_eigenvectors": [10, 29], "images": [1]})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("sched")
+    assert run.eigenvector_steps.tolist() == [10, 29]
+    arr = run.g["eigenvectors"]
+    assert arr.nchunks_initialized == 2, f"{arr.nchunks_initialized} eigenvector chunks written, expected 2"
+    with pytest.raises(KeyError, match=r"only at steps \[10, 29\], not at 20"):
+        run.eigenvectors(20)
+    for t in run.steps:  # p_i = ⟨v_i, m⟩² from a recomputed G_t (float64) against the stored array
+        model = build_model(spec.model, seed=0).double()
+        i = int(np.flatnonzero(run.steps == t)[0])
+        torch.nn.utils.vector_to_parameters(torch.as_tensor(run.g["theta"][i], dtype=torch.float64), model.parameters())
+        J = dense_jacobian(model, torch.as_tensor(run.X, dtype=torch.float64)).numpy()
+        w, V = np.linalg.eigh(J @ J.T)
+        m = run.residual(int(t))
+        p_ref = ((V[:, ::-1].T @ m) ** 2)
+        p = run.residual_projections(int(t))
+        assert p.shape == (48,)
+        # G_t has a null space (rank ≤ P): any basis of it is right, so compare the partial sums
+        # (energies) over the non-null eigenvalues, and the full sum
+        r = int(np.sum(w > 1e-8 * w[-1]))
+        d = np.abs(np.cumsum(p) - np.cumsum(p_ref)) / (m @ m)
+        e = max(d[:r].max(), d[-1])
+        assert e < 1e-4, f"t = {t}: partial sums of ⟨v_i, m⟩² off by {e:.2e}"
+        np.testing.assert_allclose(np.cumsum(p) / (m @ m), run.energy("residual")[i], atol=1e-6)
+    P, t1, t2, rows = run.spectrum_preservation()
+    assert (t1, t2) == (10, 29) and P.shape == (len(rows), 48)
+    np.testing.assert_allclose(P[:, -1], 1.0, atol=1e-5)  # all N eigenvectors of G_{t1} span everything

@@ -97,7 +97,7 @@ class SpectralAnalyzer:
             "loss": ck.loss, "lr": ck.lr, "theta": ck.theta, "f": ck.f, "df": ck.df, "df_pred": df_pred,
             "eigenvalues": eig.evals, "f_test": ck.f_test,
         }
-        if self.spec.spectrum.store_eigenvectors:
+        if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = eig.evecs.astype(np.float32)
         phis = {"y": self.y, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
         for name, phi in phis.items():
@@ -112,7 +112,7 @@ class SpectralAnalyzer:
             eig_t = self._eig(self._gram(self.X_test), min(self.K, self.X_test.shape[0]))
             out["eigenvalues_test"] = eig_t.evals
             out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
-        out.update(self.extras.analyze(self.model, self.X, ck))
+        out.update(self.extras.analyze(self.model, self.X, ck, eig.evecs, residual))
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
         if self.hessian.wanted(ck.index):

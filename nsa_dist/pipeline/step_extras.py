@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
     from nsa_dist.pipeline.checkpoint import Checkpoint
 
-__all__ = ["full_kernel_top", "full_kernel_size", "held_out_loss", "predicted_update", "StepExtras"]
+__all__ = ["full_kernel_top", "full_kernel_size", "held_out_loss", "predicted_update", "residual_projections",
+           "StepExtras"]
 
 
 def full_kernel_size(spec: ExperimentSpec, n: int) -> int:
@@ -76,6 +77,20 @@ def held_out_loss(f_test: np.ndarray, y_test: np.ndarray) -> float:
     return float(0.5 * np.mean(np.sum(r**2, axis=1)))
 
 
+def residual_projections(evecs: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """p_i = Σ_c ⟨v_i, m_c⟩² for i = 1..K (NSA Fig. 4a), so Fig. 4a needs no stored eigenvectors.
+
+    Args:
+        evecs: (N, K) eigenvectors of G_t.
+        residual: m_t, (N,) or (N, Ko).
+
+    Returns:
+        (K,) float64; Σ_{i≤k} p_i / ‖m‖² is E_t(m_t, k).
+    """
+    m = np.asarray(residual, np.float64).reshape(evecs.shape[0], -1)  # (N, Ko)
+    return np.sum((np.asarray(evecs, np.float64).T @ m) ** 2, axis=1)  # (K,)
+
+
 def predicted_update(spec: ExperimentSpec, ck: "Checkpoint", residual: np.ndarray,
                      G_times: Callable[[np.ndarray], np.ndarray],
                      J_times: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -113,16 +128,18 @@ def predicted_update(spec: ExperimentSpec, ck: "Checkpoint", residual: np.ndarra
 class StepExtras:
     """The issue-11 quantities of one recorded step, by store array name.
 
-    ``analyze(model, X, ck)`` → {"loss_test": float} when there are test points and
-    {"eigenvalues_full": (Kf,)} for a multi-output network.
+    ``analyze(model, X, ck, evecs, residual)`` → {"projections_residual": (K,)} always,
+    {"loss_test": float} when there are test points and {"eigenvalues_full": (Kf,)} for a
+    multi-output network.
     """
 
     def __init__(self, spec: ExperimentSpec, y_test: np.ndarray, n: int, dtype: "torch.dtype") -> None:
         self.spec, self.y_test, self.dtype = spec, np.asarray(y_test, np.float64), dtype
         self.Kf = full_kernel_size(spec, n)
 
-    def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint") -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint", evecs: np.ndarray,
+                residual: np.ndarray) -> dict[str, Any]:
+        out: dict[str, Any] = {"projections_residual": residual_projections(evecs, residual)}
         if self.y_test.shape[0]:
             out["loss_test"] = held_out_loss(ck.f_test, self.y_test)
         if self.Kf:

@@ -15,7 +15,12 @@ if TYPE_CHECKING:
 
 
 def residual_projections(run: "Run", step: int) -> np.ndarray:
-    """⟨v_i^t, m_t⟩² for i = 1..K (K,), summed over outputs when the network has several."""
+    """⟨v_i^t, m_t⟩² for i = 1..K (K,), summed over outputs when the network has several.
+
+    Read from ``projections_residual`` when stored, else computed from the stored eigenvectors.
+    """
+    if "projections_residual" in run.g:
+        return run.residual_projections(step)
     V = run.eigenvectors(step)  # (N, K)
     m = run.residual(step).reshape(V.shape[0], -1)  # (N, Ko)
     return ((V.T @ m) ** 2).sum(axis=1)  # (K,)

@@ -36,7 +36,11 @@ def _is_2d_scalar(run: "Run") -> bool:
 
 
 def _preservation_ready(run: "Run") -> bool:
-    return "preservation" in run.g or ("eigenvectors" in run.g and len(run.steps) >= 2)
+    return "preservation" in run.g or len(run.eigenvector_steps) >= 2
+
+
+def _projections_ready(run: "Run") -> bool:
+    return "projections_residual" in run.g or "eigenvectors" in run.g
 
 
 _EVALS = _has("eigenvalues", "lr")
@@ -53,7 +57,7 @@ _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "fig3c_energy_residual": (_energy("residual"), _has("energy_residual")),
     "fig3d_energy_df": (_energy("df_pred"), _has("energy_df_pred", "energy_df")),
     "fig3e_energy_f_test": (_energy("f_test"), _has("energy_f_test")),
-    "fig4a_residual_projections": (projections.fig4a, _has("eigenvectors", "f", "y")),
+    "fig4a_residual_projections": (projections.fig4a, _projections_ready),
     "fig4bc_residual_fourier": (images.fig4bc, _has("residual_image", "residual_fourier")),
     "fig5_eigenvectors": (images.fig5, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig6_eigenvectors_early": (images.fig6, _has("eigvec_images", "eigvec_fourier", "image_indices")),

@@ -124,7 +124,8 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
         if D.Hg:
             a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True),
                   ArraySpec("hessian_density", (D.S, D.Hg), "float64", True)]
-    # issue 11: test loss, full-kernel eigenvalues of K-output networks
+    # issue 11: test loss, full-kernel eigenvalues of K-output networks, Fig. 4a projections
+    a.append(ArraySpec("projections_residual", (D.S, D.K), "float64", True))
     if D.M:
         a.append(ArraySpec("loss_test", (D.S,), "float64", True))
     if D.Kf:
@@ -147,7 +148,7 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "df_pred": ("step", "point") + _OUT, "f_test": ("step", "test_point") + _OUT,
     "eigenvalues": ("step", "k"), "eigenvectors": ("step", "point", "k"),
     "eigenvalues_test": ("step", "k_test"), "energy_f_test": ("step", "k_test"),
-    "eigenvalues_full": ("step", "k_full"),
+    "eigenvalues_full": ("step", "k_full"), "projections_residual": ("step", "k"),
     "eigvec_images": ("step", "image", "pixel_y", "pixel_x"),
     "eigvec_fourier": ("step", "image", "freq_y", "freq_x"),
     "residual_image": ("step", "pixel_y", "pixel_x"), "residual_fourier": ("step", "freq_y", "freq_x"),
