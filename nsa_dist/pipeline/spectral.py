@@ -19,6 +19,7 @@ from nsa_dist.ntk import gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
+from nsa_dist.losses import residual as loss_residual
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
@@ -60,7 +61,7 @@ class SpectralAnalyzer:
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
         self.hessian = HessianAnalysis(spec, self.X, self.y, sum(p.numel() for p in self.model.parameters()))
-        self.extras = StepExtras(spec, data.y_test, data.n, self.dtype)
+        self.extras = StepExtras(spec, data, self.dtype)
 
     def _gram(self, X: torch.Tensor) -> torch.Tensor:
         """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU)."""
@@ -91,7 +92,7 @@ class SpectralAnalyzer:
         eig = self._eig(G_dev, self.K)
         G = G_dev.cpu().numpy()
         del G_dev
-        residual = ck.f.astype(np.float64) - self.y  # m_t = f_t − y
+        residual = loss_residual(self.spec, self.data, ck.f)  # m_t = ∂ℓ/∂f (f_t − y for L2)
         df_pred = predicted_update(self.spec, ck, residual, lambda v: G @ v, self._jvp_outputs)
         out: dict[str, Any] = {
             "loss": ck.loss, "lr": ck.lr, "theta": ck.theta, "f": ck.f, "df": ck.df, "df_pred": df_pred,

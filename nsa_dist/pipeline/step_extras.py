@@ -4,7 +4,8 @@
   the kernel that sets GD's stability (the stored ``eigenvalues`` are of the output-traced Gram
   Σ_a J_a J_aᵀ, whose λ_max is up to K times larger).  Computed by Lanczos / dense eigh on the
   matrix-free operator ``v ↦ J Jᵀ v`` (never the dense (NK)×(NK) matrix for large NK).
-* :func:`held_out_loss` — L_test(θ_t) = (1/M) Σ_j ½‖f_t(x_j) − y_j‖² from f_test and y_test.
+* :func:`held_out_loss` — L_test(θ_t) = (1/M) Σ_j ½‖f_t(x_j) − y_j‖² from f_test and y_test
+  (the L2 case of :func:`nsa_dist.losses.loss_value`, which the pipeline calls).
 * :func:`predicted_update` — the first-order change of f in update t, aware of momentum:
   df̄_t = −(δ/N) G_t m_t − δ μ J_t b_{t−1} for GD with heavy-ball momentum μ (buffer b),
   J_t·Δθ_t otherwise (SGD, Adam, K > 1).
@@ -17,11 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from nsa_dist.config import ExperimentSpec, OptimizerName
+from nsa_dist.losses import loss_value
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from nsa_dist.data import Dataset
     from nsa_dist.pipeline.checkpoint import Checkpoint
 
 __all__ = ["full_kernel_top", "full_kernel_size", "held_out_loss", "predicted_update", "residual_projections",
@@ -133,15 +136,15 @@ class StepExtras:
     multi-output network.
     """
 
-    def __init__(self, spec: ExperimentSpec, y_test: np.ndarray, n: int, dtype: "torch.dtype") -> None:
-        self.spec, self.y_test, self.dtype = spec, np.asarray(y_test, np.float64), dtype
-        self.Kf = full_kernel_size(spec, n)
+    def __init__(self, spec: ExperimentSpec, data: "Dataset", dtype: "torch.dtype") -> None:
+        self.spec, self.data, self.dtype = spec, data, dtype
+        self.Kf = full_kernel_size(spec, data.n)
 
     def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint", evecs: np.ndarray,
                 residual: np.ndarray) -> dict[str, Any]:
         out: dict[str, Any] = {"projections_residual": residual_projections(evecs, residual)}
-        if self.y_test.shape[0]:
-            out["loss_test"] = held_out_loss(ck.f_test, self.y_test)
+        if self.data.y_test.shape[0]:
+            out["loss_test"] = loss_value(self.spec, self.data, ck.f_test, test=True)
         if self.Kf:
             out["eigenvalues_full"] = full_kernel_top(model, X, self.Kf, dtype=self.dtype,
                                                       block_size=self.spec.spectrum.block_size)
