@@ -203,6 +203,12 @@ class Run:
         return stability_bound(self.lambda_max, self.N)
 
     @property
+    def per_class_eigenvalues(self) -> np.ndarray:
+        """(S, Ko, Kc) top eigenvalues of each diagonal block J_a J_aᵀ of the full kernel (one-hot:
+        the per-class spectra), if ``spectrum.per_class_k`` > 0."""
+        return self._per_step("eigenvalues_per_class")
+
+    @property
     def test_loss(self) -> np.ndarray:
         """(S,) L_test(θ_t) = (1/M) Σ_j ½‖f_t(x_j) − y_j‖² at the test points (NSA Fig. 7c)."""
         return self._per_step("loss_test")

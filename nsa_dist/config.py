@@ -244,6 +244,8 @@ class SpectrumSpec(_Strict):
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
     store_eigenvectors: bool | list[int] = Field(True, description="store v_i^t at every recorded step (True), "
                                                   "none (False) or only at these recorded steps (e.g. Fig. 7d's pair)")
+    per_class_k: int = Field(0, ge=0, description="K-output networks: top eigenvalues of each diagonal block "
+                             "J_a J_aᵀ of the full kernel (per-class spectra; 0: off)")
     full_k: int = Field(10, ge=1, description="K-output networks: top eigenvalues of the full (N·K)×(N·K) kernel "
                         "(sets the GD stability bound and the flow speeds)")
     images: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],

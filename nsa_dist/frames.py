@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["run_to_xarray", "runs_frame", "STATE_ARRAYS"]
 
 STATE_ARRAYS = ("theta", "opt_slots", "rng_state")
-_ONE_BASED = ("k", "k_full", "k_test", "hessian_k", "hessian_top_k")
+_ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k")
 
 
 def _dims(arr: Any, name: str) -> tuple[str, ...]:

@@ -169,3 +169,31 @@ def test_eigenvector_schedule_and_stored_projections(tmp_path) -> None:
     P, t1, t2, rows = run.spectrum_preservation()
     assert (t1, t2) == (10, 29) and P.shape == (len(rows), 48)
     np.testing.assert_allclose(P[:, -1], 1.0, atol=1e-5)  # all N eigenvectors of G_{t1} span everything
+
+
+@pytest.mark.slow
+def test_per_class_spectra_match_dense_diagonal_blocks(tmp_path) -> None:
+    from nsa_dist.pipeline.step_extras import per_class_top
+
+    model = build_model(ModelSpec(input_dim=3, output_dim=3, depth=2, width=8, activation="tanh"), seed=2).double()
+    X = torch.randn(15, 3, dtype=torch.float64)
+    Gf = dense_ntk(model, X, full=True).numpy()  # (N, K, N, K)
+    got = per_class_top(model, X, 4, dtype=torch.float64)
+    assert got.shape == (3, 4)
+    for a in range(3):
+        ref = np.sort(np.linalg.eigvalsh(Gf[:, a, :, a]))[::-1][:4]
+        e = np.abs(got[a] - ref).max() / ref[0]
+        assert e < 1e-8, f"class {a}: {got[a]} vs {ref} (rel {e:.2e})"
+    # stored along a one-hot run
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(name="pc", data={"name": "digits", "n": 20, "target": "onehot"}, model={"depth": 2, "width": 8},
+                          steps=3, record={"every": 2}, spectrum={"k": 5, "per_class_k": 3, "store_eigenvectors": False})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("pc")
+    assert run.per_class_eigenvalues.shape == (2, 10, 3)
+    m = build_model(spec.model, seed=0).double()
+    torch.nn.utils.vector_to_parameters(torch.as_tensor(run.g["theta"][0], dtype=torch.float64), m.parameters())
+    Gf = dense_ntk(m, torch.as_tensor(run.X, dtype=torch.float64), full=True).numpy()
+    ref = np.stack([np.sort(np.linalg.eigvalsh(Gf[:, a, :, a]))[::-1][:3] for a in range(10)])
+    e = np.abs(run.per_class_eigenvalues[0] - ref).max() / ref.max()
+    assert e < 1e-6, f"stored per-class eigenvalues off by {e:.2e}"

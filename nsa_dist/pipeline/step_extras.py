@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from nsa_dist.data import Dataset
     from nsa_dist.pipeline.checkpoint import Checkpoint
 
-__all__ = ["full_kernel_top", "full_kernel_size", "held_out_loss", "predicted_update", "residual_projections",
+__all__ = ["full_kernel_top", "full_kernel_size", "per_class_top", "per_class_size", "held_out_loss", "predicted_update", "residual_projections",
            "StepExtras"]
 
 
@@ -35,6 +35,48 @@ def full_kernel_size(spec: ExperimentSpec, n: int) -> int:
     """Kf, the full-kernel eigenvalues kept: min(spectrum.full_k, N·K) for K > 1 outputs, else 0."""
     K = spec.model.output_dim
     return min(int(spec.spectrum.full_k), n * K) if K > 1 else 0
+
+
+def per_class_size(spec: ExperimentSpec, n: int) -> int:
+    """Kc, the eigenvalues kept per diagonal block: min(spectrum.per_class_k, N) for K > 1 outputs, else 0."""
+    return min(int(spec.spectrum.per_class_k), n) if spec.model.output_dim > 1 else 0
+
+
+class _Block:
+    """The diagonal block a of the full kernel, Θ_aa = J_a J_aᵀ (N, N), as an operator on (N, m)."""
+
+    def __init__(self, full: Any, a: int, K: int) -> None:
+        self.full, self.a, self.K = full, a, K
+        n = full.shape[0] // K
+        self.shape = (n, n)
+
+    def matmat(self, V: np.ndarray) -> np.ndarray:
+        V = np.asarray(V)
+        W = np.zeros((self.shape[0], self.K) + V.shape[1:], dtype=np.float64)  # (N, K[, m])
+        W[:, self.a] = V
+        out = np.asarray(self.full.matmat(W.reshape(self.shape[0] * self.K, -1)))  # (N·K, m)
+        out = out.reshape(self.shape[0], self.K, -1)[:, self.a]  # (N, m)
+        return out if V.ndim == 2 else out[:, 0]
+
+
+def per_class_top(model: "nn.Module", X: "torch.Tensor", k: int, *, dtype: "torch.dtype | None" = None,
+                  block_size: int | None = None, tol: float = 1e-10) -> np.ndarray:
+    """Top k eigenvalues of each diagonal block Θ_aa = J_a J_aᵀ of the full NTK (per-class spectra).
+
+    Θ_aa is the kernel of output a alone (class a for one-hot targets); Σ_a Θ_aa is the traced
+    Gram G.  Each block is an operator built on the full kernel's products (never dense).
+
+    Returns:
+        (K, k) float64, each row descending.
+    """
+    from nsa_dist.linalg import top_eigenpairs
+    from nsa_dist.ntk import ntk_operator
+
+    full = ntk_operator(model, X, kernel="full", block_size=block_size, dtype=dtype)
+    K = full.shape[0] // X.shape[0]
+    if not 1 <= k <= X.shape[0]:
+        raise ValueError(f"k={k} outside 1..N={X.shape[0]}")
+    return np.stack([top_eigenpairs(_Block(full, a, K), k, "auto", tol=tol).evals for a in range(K)])
 
 
 def full_kernel_top(model: "nn.Module", X: "torch.Tensor", k: int, *, dtype: "torch.dtype | None" = None,
@@ -139,6 +181,7 @@ class StepExtras:
     def __init__(self, spec: ExperimentSpec, data: "Dataset", dtype: "torch.dtype") -> None:
         self.spec, self.data, self.dtype = spec, data, dtype
         self.Kf = full_kernel_size(spec, data.n)
+        self.Kc = per_class_size(spec, data.n)
 
     def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint", evecs: np.ndarray,
                 residual: np.ndarray) -> dict[str, Any]:
@@ -148,4 +191,7 @@ class StepExtras:
         if self.Kf:
             out["eigenvalues_full"] = full_kernel_top(model, X, self.Kf, dtype=self.dtype,
                                                       block_size=self.spec.spectrum.block_size)
+        if self.Kc:
+            out["eigenvalues_per_class"] = per_class_top(model, X, self.Kc, dtype=self.dtype,
+                                                         block_size=self.spec.spectrum.block_size)
         return out

@@ -45,6 +45,7 @@ class RunDims:
     Hr: int = 0
     Hg: int = 0
     Kf: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
+    Kc: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -130,6 +131,8 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
         a.append(ArraySpec("loss_test", (D.S,), "float64", True))
     if D.Kf:
         a.append(ArraySpec("eigenvalues_full", (D.S, D.Kf), "float64", True))
+    if D.Kc:
+        a.append(ArraySpec("eigenvalues_per_class", (D.S, D.Ko, D.Kc), "float64", True))
     if D.nI:
         a += [ArraySpec("eigvec_images", (D.S, D.nI, D.R, D.R), "float32", True),
               ArraySpec("eigvec_fourier", (D.S, D.nI, D.F, D.F), "float32", True),
@@ -148,7 +151,7 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "df_pred": ("step", "point") + _OUT, "f_test": ("step", "test_point") + _OUT,
     "eigenvalues": ("step", "k"), "eigenvectors": ("step", "point", "k"),
     "eigenvalues_test": ("step", "k_test"), "energy_f_test": ("step", "k_test"),
-    "eigenvalues_full": ("step", "k_full"), "projections_residual": ("step", "k"),
+    "eigenvalues_full": ("step", "k_full"), "eigenvalues_per_class": ("step", "output", "k_class"), "projections_residual": ("step", "k"),
     "eigvec_images": ("step", "image", "pixel_y", "pixel_x"),
     "eigvec_fourier": ("step", "image", "freq_y", "freq_x"),
     "residual_image": ("step", "pixel_y", "pixel_x"), "residual_fourier": ("step", "freq_y", "freq_x"),
