@@ -160,5 +160,7 @@ def test_gd_formula_note() -> None:
     assert gd_note(SimpleNamespace(spec=gd)) is None
     mom = ExperimentSpec(optimizer={"name": "gd", "momentum": 0.9})
     assert "GD with momentum 0.9" in gd_note(SimpleNamespace(spec=mom))
+    nce = ExperimentSpec(loss="nce", data={"name": "density2d", "n": 64})
+    assert "8N/λ_max" in gd_note(SimpleNamespace(spec=nce))
     adam = ExperimentSpec(data={"n": 64}, optimizer={"name": "adam", "batch_size": 16})
     assert "Adam" in gd_note(SimpleNamespace(spec=adam)) and "formulas of full-batch GD" in gd_note(SimpleNamespace(spec=adam))
