@@ -203,7 +203,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         t.add_column(f"t = {steps[i]}", justify="right")
     E = run.energy("y")
     t.add_row("loss", *(f"{run.train_loss[i]:.5g}" for i in cols))
-    t.add_row("λ_max", *(f"{run.eigenvalues[i, 0]:.5g}" for i in cols))
+    t.add_row("λ_max" + (" (traced G)" if run.Ko > 1 else ""), *(f"{run.eigenvalues[i, 0]:.5g}" for i in cols))
     if run.Ko > 1:
         t.add_row("λ_max (full NK×NK kernel)", *(f"{run.lambda_max[i]:.5g}" for i in cols))
     t.add_row("2N/λ_max vs δ", *(f"{run.stability_bound()[i]:.4g} vs {run.lr[i]:.4g}" for i in cols))
