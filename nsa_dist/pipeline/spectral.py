@@ -13,13 +13,13 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import NonFiniteError
 from nsa_dist.linalg import top_eigenpairs
+from nsa_dist.losses import residual as loss_residual
 from nsa_dist.metrics import first_order_accuracy, kernel_target_alignment, spectral_projections
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
-from nsa_dist.losses import residual as loss_residual
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
