@@ -120,3 +120,14 @@ def test_cli_plot_sweep_and_ls(store_url: str, tmp_path: Path, capsys: pytest.Ca
     assert main(["ls", "--store", store_url]) == 0
     assert "lone" in capsys.readouterr().out
     assert main(["plot", "--sweep", "nope", "--out", str(tmp_path), "--store", store_url]) == 2
+
+
+def test_cli_plot_run_at_chosen_steps(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plot", "lone", "--out", str(tmp_path), "--store", store_url, "--step", "0", "4", "--k", "1", "3",
+                 "--figures", "fig4a_residual_projections", "fig3a_energy_y"]) == 0
+    assert sorted(Path(p).name for p in capsys.readouterr().out.split()) == \
+        ["fig3a_energy_y.png", "fig4a_residual_projections.png"]
+    assert main(["plot", "lone", "--out", str(tmp_path), "--store", store_url, "--step", "3"]) == 2
+    assert "step(s) [3] are not finished recorded steps" in capsys.readouterr().err
+    assert main(["plot", "--out", str(tmp_path), "--store", store_url]) == 2
+    assert "give either a RUN or --sweep NAME" in capsys.readouterr().err
