@@ -3,9 +3,9 @@
 The front door re-exports the names most sessions need; the subpackages hold the rest.
 """
 
-from nsa_dist.client import Client, Run, RunInfo
+from nsa_dist.client import Client, Run
 from nsa_dist.config import ExperimentSpec, ModelSpec, SweepSpec
 from nsa_dist.models import build_model
 
-__all__ = ["Client", "ExperimentSpec", "ModelSpec", "Run", "RunInfo", "SweepSpec", "build_model", "__version__"]
+__all__ = ["Client", "ExperimentSpec", "ModelSpec", "Run", "SweepSpec", "build_model", "__version__"]
 __version__ = "0.1.0"

@@ -3,7 +3,8 @@
     nsa run SPEC.yaml [--store PATH]     train + record spectra (resumes a run already stored)
     nsa ls [--store PATH]                the runs in a store
     nsa show RUN [--store PATH]          one run's status and headline measurements
-    nsa plot RUN --out DIR               the NSA paper's figures as PNGs
+    nsa plot RUN --out DIR               the NSA paper's figures as PNGs (--step, --pair, --k)
+    nsa plot --sweep NAME --out DIR      Fig. 7a–c across a sweep's runs (--scalar Q --x FIELD [--line FIELD])
     nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster)
     nsa submit SWEEP.yaml --address http://HEAD:8265 --store URL     as a Ray Job
     nsa status [JOB] / nsa logs JOB / nsa cancel JOB                   (--address, $RAY_ADDRESS)
@@ -42,10 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="one run's status and measurements")
     s.add_argument("run")
     _store_arg(s)
-    pl = sub.add_parser("plot", help="write the paper's figures for a run")
-    pl.add_argument("run")
+    pl = sub.add_parser("plot", help="write the paper's figures for a run, or across a sweep's runs")
+    pl.add_argument("run", nargs="?", default=None)
     pl.add_argument("--out", type=Path, required=True)
     pl.add_argument("--figures", nargs="*", default=None, help="only these figure names")
+    pl.add_argument("--step", type=int, nargs="+", default=None,
+                    help="recorded steps of Figs. 1b, 4a-c, 6 (the paper: 20000 600000)")
+    pl.add_argument("--pair", type=int, nargs=2, default=None, metavar=("T1", "T2"),
+                    help="Fig. 7d: E_T1(v_i^T2, k) (the paper: 20000 600000)")
+    pl.add_argument("--k", type=int, nargs="+", default=None, help="the k (rows i) drawn in Figs. 2b, 2d, 3, 7d")
+    pl.add_argument("--sweep", default=None, help="draw Fig. 7a-c across the runs of this sweep")
+    pl.add_argument("--scalar", default=None, help="with --sweep: also this quantity at the last step vs --x")
+    pl.add_argument("--x", default=None, help="with --scalar: the grid field on the x axis (e.g. model.depth)")
+    pl.add_argument("--line", default=None, help="with --scalar: one line per value of this grid field")
     _store_arg(pl)
     sw = sub.add_parser("sweep", help="run a sweep (grid of experiments) on Ray")
     sw.add_argument("sweep", type=Path)
@@ -169,10 +179,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     t = Table(title=f"runs in {args.store}")
     for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr"):
         t.add_column(col)
-    for r in runs:
-        t.add_row(r.id, r.status, f"{r.steps_done}/{r.steps_total}", str(r.last_step), r.dataset, str(r.n),
-                  f"{r.depth}×{r.width}", r.optimizer, f"{r.lr:g}")
-    Console().print(t if runs else f"no runs in {args.store}")
+    for r in runs.to_dict("records"):
+        t.add_row(r["id"], str(r["status"]), f"{r['steps_done']}/{r['steps_total']}", str(r["last_step"]),
+                  str(r.get("data.name")), str(r.get("data.n")), f"{r.get('model.depth')}×{r.get('model.width')}",
+                  str(r.get("optimizer.name")), f"{r.get('schedule.lr', float('nan')):g}")
+    Console().print(t if len(runs) else f"no runs in {args.store}")
     return 0
 
 
@@ -201,22 +212,57 @@ def _cmd_show(args: argparse.Namespace) -> int:
         t.add_column(f"t = {steps[i]}", justify="right")
     E = run.energy("y")
     t.add_row("loss", *(f"{run.train_loss[i]:.5g}" for i in cols))
-    t.add_row("λ_max", *(f"{run.eigenvalues[i, 0]:.5g}" for i in cols))
+    t.add_row("λ_max" + (" (traced G)" if run.Ko > 1 else ""), *(f"{run.eigenvalues[i, 0]:.5g}" for i in cols))
+    if run.Ko > 1:
+        t.add_row("λ_max (full NK×NK kernel)", *(f"{run.lambda_max[i]:.5g}" for i in cols))
     t.add_row("2N/λ_max vs δ", *(f"{run.stability_bound()[i]:.4g} vs {run.lr[i]:.4g}" for i in cols))
+    if "loss_test" in run.g:
+        t.add_row("test loss", *(f"{run.test_loss[i]:.5g}" for i in cols))
     for k in (1, 5, 10, 20, 50):
         if k <= E.shape[1]:
             t.add_row(f"E(y, {k})", *(f"{E[i, k - 1]:.4f}" for i in cols))
     t.add_row("alignment", *(f"{run.alignment['raw'][i]:.4f}" for i in cols))
     t.add_row("first-order error", *(f"{run.first_order['error'][i]:.4f}" for i in cols))
     con.print(t)
+    from nsa_dist.plots._axes import gd_note
+
+    if gd_note(run):
+        con.print(f"[red]{gd_note(run)}[/]")
     return 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
-    from nsa_dist.plots import plot_run
+    from nsa_dist.plots import PlotOptions, plot_run
 
-    paths = plot_run(Client(args.store).run(args.run), args.out, figures=args.figures)
+    if (args.run is None) == (args.sweep is None):
+        raise ValueError("give either a RUN or --sweep NAME")
+    if args.sweep is not None:
+        return _plot_sweep(args)
+    opts = PlotOptions(steps=tuple(args.step) if args.step else None, pair=tuple(args.pair) if args.pair else None,
+                       ks=tuple(args.k) if args.k else None)
+    paths = plot_run(Client(args.store).run(args.run), args.out, figures=args.figures, opts=opts)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _plot_sweep(args: argparse.Namespace) -> int:
+    from nsa_dist.client import Client
+    from nsa_dist.plots import plot_sweep, scalar_figure
+    from nsa_dist.plots._axes import DPI
+
+    sweep = Client(args.store).sweep(args.sweep)
+    k = args.k[0] if args.k else 400
+    paths = plot_sweep(sweep, args.out, figures=args.figures, k=k)
+    if args.scalar:
+        if not args.x:
+            raise ValueError("--scalar needs --x FIELD (one of the sweep's fields: " + ", ".join(sweep.fields) + ")")
+        kk = min(args.k[0], sweep.smallest_k()) if args.k else None
+        fig = scalar_figure(sweep, args.scalar, args.x, args.line, k=kk if args.scalar.startswith("energy_") else None)
+        path = args.out / f"scalar_{args.scalar}.png"
+        fig.savefig(path, dpi=DPI)
+        paths.append(path)
     for p in paths:
         print(p)
     return 0

@@ -7,8 +7,7 @@ Everything comes out as plain NumPy arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,28 +16,15 @@ from nsa_dist.errors import StoreError
 from nsa_dist.metrics import flow_speed, lr_eigen_product, spectrum_preservation, stability_bound
 from nsa_dist.store import PHIS, SpectrumStore
 
-__all__ = ["Client", "Run", "RunInfo", "PHI_NAMES"]
+if TYPE_CHECKING:
+    import pandas
+    import xarray
+
+    from nsa_dist.sweep_view import Sweep
+
+__all__ = ["Client", "Run", "PHI_NAMES"]
 
 PHI_NAMES = PHIS + ("f_test",)
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """One line of ``Client.runs()``."""
-
-    id: str
-    name: str
-    status: str
-    reason: str | None
-    steps_done: int
-    steps_total: int
-    last_step: int | None
-    dataset: str
-    n: int
-    depth: int
-    width: int
-    optimizer: str
-    lr: float
 
 
 class Run:
@@ -115,9 +101,28 @@ class Run:
         """(S, K) top eigenvalues λ_i^t of G_t, descending."""
         return self._per_step("eigenvalues")
 
+    @property
+    def eigenvector_steps(self) -> np.ndarray:
+        """(Se,) the finished steps whose eigenvectors are stored (``spectrum.store_eigenvectors``)."""
+        if "eigenvectors" not in self.g:
+            return np.zeros(0, dtype=np.int64)
+        return np.array([t for t in self.steps if self.spec.spectrum.eigenvectors_at(int(t))], dtype=np.int64)
+
     def eigenvectors(self, step: int) -> np.ndarray:
-        """(N, K) eigenvectors of G_t at recorded step ``step``."""
-        return np.asarray(self._read("eigenvectors")[self._index_of(step)], dtype=np.float64)
+        """(N, K) eigenvectors of G_t at recorded step ``step``.
+
+        Raises:
+            KeyError: ``step`` is not finished, or its eigenvectors were not stored.
+        """
+        i = self._index_of(step)
+        if "eigenvectors" in self.g and not self.spec.spectrum.eigenvectors_at(int(step)):
+            raise KeyError(f"run {self.id!r} stores eigenvectors only at steps {self.eigenvector_steps.tolist()}, "
+                           f"not at {step} (spectrum.store_eigenvectors)")
+        return np.asarray(self._read("eigenvectors")[i], dtype=np.float64)
+
+    def residual_projections(self, step: int) -> np.ndarray:
+        """(K,) ⟨v_i^t, m_t⟩² summed over outputs (NSA Fig. 4a), stored at every recorded step."""
+        return np.asarray(self._read("projections_residual")[self._index_of(step)], dtype=np.float64)
 
     def energy(self, phi: str = "y", k: int | None = None) -> np.ndarray:
         """E_t(φ, k) along t: (S,) for one k, (S, K) for all k ≤ K.
@@ -159,17 +164,64 @@ class Run:
         """{"raw": yᵀGy/(‖G‖_F‖y‖²), "centered": …} along t."""
         return {"raw": self._per_step("alignment"), "centered": self._per_step("alignment_centered")}
 
+    @property
+    def stability_eigenvalues(self) -> np.ndarray:
+        """(S, K') the eigenvalues that set GD's dynamics of the stacked residual m (N·Ko,).
+
+        One output: λ_i^t of G_t (``eigenvalues``).  Ko > 1 outputs: the top Kf eigenvalues of
+        the full (N·Ko)×(N·Ko) kernel J Jᵀ (``eigenvalues_full``) — NOT the output-traced Gram
+        Σ_a J_a J_aᵀ stored in ``eigenvalues``, whose λ_max is up to Ko times larger.
+        """
+        if "eigenvalues_full" in self.g:
+            return self._per_step("eigenvalues_full")
+        if self.Ko > 1:
+            raise StoreError(f"run {self.id!r} has Ko={self.Ko} outputs but no 'eigenvalues_full' (written by an "
+                             "older nsa-dist): its stability quantities would use the traced Gram; re-run it")
+        return self.eigenvalues
+
+    @property
+    def Ko(self) -> int:
+        """Number of network outputs."""
+        y = self._read("y")
+        return 1 if len(y.shape) == 1 else int(y.shape[1])
+
+    @property
+    def lambda_max(self) -> np.ndarray:
+        """(S,) λ_max^t of the kernel that sets GD's stability (see :attr:`stability_eigenvalues`)."""
+        return self.stability_eigenvalues[:, 0]
+
     def lr_eigen_product(self) -> np.ndarray:
-        """(S, K) δ_t λ_i^t / N (NSA Fig. 2d)."""
-        return lr_eigen_product(self.eigenvalues, self.lr[:, None], self.N)
+        """(S, K') δ_t λ_i^t / N (NSA Fig. 2d), λ of :attr:`stability_eigenvalues`; a GD formula."""
+        return lr_eigen_product(self.stability_eigenvalues, self.lr[:, None], self.N)
 
     def flow_speed(self) -> np.ndarray:
-        """(S, K) s_i^t = 1 − |1 − δ_t λ_i^t / N| (NSA Fig. 2c)."""
-        return flow_speed(self.eigenvalues, self.lr[:, None], self.N)
+        """(S, K') s_i^t = 1 − |1 − δ_t λ_i^t / N| (NSA Fig. 2c), λ of :attr:`stability_eigenvalues`; a GD formula."""
+        return flow_speed(self.stability_eigenvalues, self.lr[:, None], self.N)
 
     def stability_bound(self) -> np.ndarray:
-        """(S,) 2N/λ_max^t, the largest stable learning rate (NSA Fig. 1e)."""
-        return stability_bound(self.eigenvalues[:, 0], self.N)
+        """(S,) 2N/λ_max^t, the largest stable learning rate of GD (NSA Fig. 1e), λ_max = :attr:`lambda_max`."""
+        return stability_bound(self.lambda_max, self.N)
+
+    @property
+    def per_class_eigenvalues(self) -> np.ndarray:
+        """(S, Ko, Kc) top eigenvalues of each diagonal block J_a J_aᵀ of the full kernel (one-hot:
+        the per-class spectra), if ``spectrum.per_class_k`` > 0."""
+        return self._per_step("eigenvalues_per_class")
+
+    @property
+    def test_loss(self) -> np.ndarray:
+        """(S,) L_test(θ_t) = (1/M) Σ_j ½‖f_t(x_j) − y_j‖² at the test points (NSA Fig. 7c)."""
+        return self._per_step("loss_test")
+
+    def to_xarray(self, *, state: bool = False) -> "xarray.Dataset":
+        """The run's finished steps as an :class:`xarray.Dataset` (dims step, k, point, output, …).
+
+        ``step`` is a coordinate (the recorded t), ``k`` / ``k_full`` / ``k_test`` run from 1;
+        ``state=True`` adds the resume state (theta, opt_slots, rng_state).  Needs xarray.
+        """
+        from nsa_dist.frames import run_to_xarray
+
+        return run_to_xarray(self, state=state)
 
     def outputs(self, step: int, which: str = "f") -> np.ndarray:
         """f_t ("f"), df_t ("df"), the first-order df ("df_pred") or f_t at test points ("f_test")."""
@@ -198,10 +250,11 @@ class Run:
         if t1 is None and t2 is None and i is None and "preservation" in self.g:
             a = self.g["preservation"]
             return a[:], int(a.attrs["t1"]), int(a.attrs["t2"]), list(a.attrs["rows"])
-        steps = self.steps
-        if len(steps) < 2:
-            raise ValueError(f"run {self.id!r} has {len(steps)} finished step(s); preservation needs two")
-        t1 = int(steps[1 if len(steps) > 2 else 0]) if t1 is None else t1
+        steps = self.eigenvector_steps
+        if len(steps) < 2 and (t1 is None or t2 is None):
+            raise ValueError(f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two")
+        t1 = int(steps[1 if len(steps) > 2 and not isinstance(self.spec.spectrum.store_eigenvectors, list) else 0]) \
+            if t1 is None else t1
         t2 = int(steps[-1]) if t2 is None else t2
         V1, V2 = self.eigenvectors(t1), self.eigenvectors(t2)
         rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
@@ -253,9 +306,12 @@ class Run:
         return self._hessian("hessian_top")[:, _part(part)]
 
     def edge_of_stability(self) -> np.ndarray:
-        """(Sh,) λ_max(H)·δ_t — GD on the quadratic model is stable while it stays below 2."""
+        """(Sh,) λ_max(H)·δ_t / 2 (:func:`nsa_dist.hessian.edge_of_stability`): GD on the local
+        quadratic model is stable while it stays below 1."""
+        from nsa_dist.hessian import edge_of_stability
+
         lr = self.lr[self._hessian_index()]
-        return self.hessian_top("H")[:, 0] * lr
+        return np.array([edge_of_stability(lam, d) for lam, d in zip(self.hessian_top("H")[:, 0], lr)], dtype=np.float64)
 
     def hessian_density(self, step: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed)."""
@@ -285,23 +341,25 @@ class Client:
         self.url = url
         self.store = SpectrumStore(url, mode="r")
 
-    def runs(self) -> list[RunInfo]:
-        """Every run in the store, with its status and main spec fields."""
-        out = []
-        for rid in self.store.run_ids():
-            g = self.store.group(rid)
-            a = dict(g.attrs)
-            spec = a.get("spec", {})
-            done = np.flatnonzero(g["done"][:]) if "done" in g else np.zeros(0, int)
-            steps = g["steps"][:] if "steps" in g else np.zeros(0, int)
-            out.append(RunInfo(id=rid, name=spec.get("name", "?"), status=a.get("status", "?"), reason=a.get("reason"),
-                               steps_done=len(done), steps_total=len(steps),
-                               last_step=int(steps[done[-1]]) if len(done) else None,
-                               dataset=spec.get("data", {}).get("name", "?"), n=spec.get("data", {}).get("n", 0),
-                               depth=spec.get("model", {}).get("depth", 0), width=spec.get("model", {}).get("width", 0),
-                               optimizer=spec.get("optimizer", {}).get("name", "?"),
-                               lr=spec.get("schedule", {}).get("lr", float("nan"))))
-        return out
+    def runs(self, sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
+        """Every run (or a sweep's) as a DataFrame: id, sweep, status, reason, steps_done,
+        steps_total, last_step and each spec field as a dotted column ("model.depth", …).
+
+        ``where`` filters on equality, dots written "__": ``runs(model__depth=6)``.  Needs pandas.
+        """
+        from nsa_dist.frames import runs_frame
+
+        return runs_frame(self.store, sweep, **where)
+
+    def sweeps(self) -> list[str]:
+        """Names of the sweeps recorded in the store."""
+        return sorted(self.store.sweeps())
+
+    def sweep(self, name: str) -> "Sweep":
+        """The runs of sweep ``name`` with its grid (:class:`nsa_dist.sweep_view.Sweep`)."""
+        from nsa_dist.sweep_view import Sweep
+
+        return Sweep(self, name)
 
     def run(self, run_id: str) -> Run:
         """A run by id, by a unique id prefix, or by its name when only one run has it."""

@@ -80,6 +80,8 @@ class DataName(str, Enum):
     CIFAR10 = "cifar10"
     CIFAR100 = "cifar100"
     DIGITS = "digits"
+    DENSITY2D = "density2d"
+    GAUSSIAN_MIXTURE = "gaussian_mixture"
 
 
 class Target(str, Enum):
@@ -104,6 +106,11 @@ class DataSpec(_Strict):
     grayscale: bool = Field(True, description="cifar: luminance (d=1024) instead of RGB (d=3072)")
     target: Target = Target.LABEL
     positive_class: int = Field(0, ge=0, description="the +1 class of target=one_vs_rest")
+    dim: int = Field(5, ge=1, description="gaussian_mixture: the dimension d")
+    noise: Literal["uniform", "gaussian"] = Field("uniform", description="density data (NCE): the noise q — "
+                                                  "uniform over the data's box or the data's Gaussian fit")
+    noise_ratio: int = Field(1, ge=1, description="density data (NCE): ν noise samples per data sample; "
+                             "N = n counts both")
 
     @property
     def input_dim(self) -> int:
@@ -115,6 +122,10 @@ class DataSpec(_Strict):
             return 196 if self.pool else 784
         if name is DataName.DIGITS:
             return 64
+        if name is DataName.DENSITY2D:
+            return 2
+        if name is DataName.GAUSSIAN_MIXTURE:
+            return self.dim
         return 1024 if self.grayscale else 3072
 
     @property
@@ -126,8 +137,9 @@ class DataSpec(_Strict):
     @model_validator(mode="after")
     def _target_fits(self) -> "DataSpec":
         name = DataName(self.name)
-        if name is DataName.IMAGE2D and Target(self.target) is not Target.LABEL:
-            raise ValueError(f"data.target={Target(self.target).value!r}: image2d is a regression, only 'label' applies")
+        if name in (DataName.IMAGE2D, DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE) and \
+                Target(self.target) is not Target.LABEL:
+            raise ValueError(f"data.target={Target(self.target).value!r}: {name.value} has real-valued targets, only 'label' applies")
         if name in _N_CLASSES and self.positive_class >= _N_CLASSES[name]:
             raise ValueError(f"data.positive_class={self.positive_class} but {name.value} has classes "
                              f"0..{_N_CLASSES[name] - 1}")
@@ -160,9 +172,17 @@ class OptimizerSpec(_Strict):
 
 
 class LossName(str, Enum):
-    """L2: ℓ = ½(f − y)², L = (1/N) Σ ℓ (the NSA paper), residual m = f − y."""
+    """L2: ℓ = ½(f − y)², L = (1/N) Σ ℓ (the NSA paper), residual m = f − y.
+
+    NCE: noise-contrastive estimation of an unnormalised log-density f (NSA §6 "Scope"):
+    ℓ_i = −[c_i log σ(h_i) + (1 − c_i) log(1 − σ(h_i))], h_i = f_i − log(ν q(x_i)), over data
+    (c = 1) and noise (c = 0) points; residual m_i = ∂ℓ_i/∂f_i = σ(h_i) − c_i.  Needs a
+    density dataset (``density2d``, ``gaussian_mixture``); the noise q and the ratio ν are
+    ``data.noise`` and ``data.noise_ratio``.
+    """
 
     L2 = "l2"
+    NCE = "nce"
 
 
 class ScheduleSpec(_Strict):
@@ -246,7 +266,12 @@ class SpectrumSpec(_Strict):
     dtype: Literal["float64", "float32"] = "float64"
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
-    store_eigenvectors: bool = True
+    store_eigenvectors: bool | list[int] = Field(True, description="store v_i^t at every recorded step (True), "
+                                                  "none (False) or only at these recorded steps (e.g. Fig. 7d's pair)")
+    per_class_k: int = Field(0, ge=0, description="K-output networks: top eigenvalues of each diagonal block "
+                             "J_a J_aᵀ of the full kernel (per-class spectra; 0: off)")
+    full_k: int = Field(10, ge=1, description="K-output networks: top eigenvalues of the full (N·K)×(N·K) kernel "
+                        "(sets the GD stability bound and the flow speeds)")
     images: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
                               description="2-D data: eigenvector indices (1-based) drawn as images + Fourier (Fig. 5)")
     image_size: int = Field(48, ge=4)
@@ -270,7 +295,14 @@ class SpectrumSpec(_Strict):
         if self.eig_method == "dense" and layout is not Layout.LOCAL:
             raise ValueError(f"spectrum.eig_method='dense' needs layout='local' (G is never gathered with "
                              f"layout={layout.value!r}); use 'auto' or 'lanczos'")
+        if isinstance(self.store_eigenvectors, list) and any(t < 0 for t in self.store_eigenvectors):
+            raise ValueError(f"spectrum.store_eigenvectors steps must be >= 0, got {self.store_eigenvectors}")
         return self
+
+    def eigenvectors_at(self, step: int) -> bool:
+        """Whether v_i^t is stored at recorded step ``step`` (see ``store_eigenvectors``)."""
+        s = self.store_eigenvectors
+        return step in s if isinstance(s, list) else bool(s)
 
 
 class HessianSpec(_Strict):
@@ -359,6 +391,17 @@ class ExperimentSpec(_Strict):
         if self.optimizer.batch_size is not None and self.optimizer.batch_size > self.data.n:
             raise ValueError(f"optimizer.batch_size={self.optimizer.batch_size} exceeds data.n={self.data.n}")
         record = self.record.schedule(self.steps)  # raises on steps past the end
+        density = DataName(self.data.name) in (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE)
+        if (LossName(self.loss) is LossName.NCE) != density:
+            raise ValueError(f"loss={LossName(self.loss).value!r} with data {DataName(self.data.name).value!r}: "
+                             "loss 'nce' goes with the density datasets density2d / gaussian_mixture and only with them")
+        if LossName(self.loss) is LossName.NCE and self.hessian is not None:
+            raise ValueError("hessian: the Hessian measurements assume the L2 loss; remove the block for loss='nce'")
+        if isinstance(self.spectrum.store_eigenvectors, list):
+            missing = sorted(set(self.spectrum.store_eigenvectors) - set(record))
+            if missing:
+                raise ValueError(f"spectrum.store_eigenvectors {missing} are not recorded steps (recorded: "
+                                 f"{record[:10]}{' …' if len(record) > 10 else ''}); add them to record.steps")
         if self.hessian is not None:
             self.hessian.indices(record)
         return self

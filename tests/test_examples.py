@@ -33,3 +33,30 @@ def test_quickstart_is_the_demo_sweeps_6x256_run():
     run = demo[(6, 256)]
     for field in ("data", "model", "optimizer", "schedule", "steps", "record", "spectrum", "seed"):
         assert getattr(run, field) == getattr(quick, field), field
+
+
+def test_paper_setup_keeps_the_papers_k_and_the_fig7d_eigenvectors():
+    s = load_spec(EXAMPLES / "nsa_paper.yaml")
+    assert s.spectrum.k == "all" and s.spectrum.store_eigenvectors == [20_000, 599_999]
+    assert {20_000, 599_999} <= set(s.record_steps())
+
+
+def test_mnist_sweep_runs_at_tiny_size(tmp_path):
+    """The MNIST example's base (bundled subset, one-hot, per-class spectra) shrunk to seconds."""
+    from nsa_dist.client import Client
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment
+    from nsa_dist.store import SpectrumStore
+
+    sweep = load_sweep(EXAMPLES / "mnist_sweep.yaml")
+    base = sweep.expand()[0].model_dump()
+    base.update(name="mnist_tiny", steps=3, record={"every": 2})
+    base["data"].update(n=20, n_test=10)
+    base["model"].update(width=8, depth=2)
+    base["spectrum"].update(k=5, per_class_k=2, full_k=3)
+    spec = ExperimentSpec.model_validate(base)
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("mnist_tiny")
+    assert run.per_class_eigenvalues.shape == (2, 10, 2) and run.stability_eigenvalues.shape == (2, 3)
+    assert (run.per_class_eigenvalues > 0).all() and (run.test_loss > 0).all()

@@ -80,7 +80,7 @@ def test_recorded_hessian_quantities_match_dense_references(hess_run):
         assert abs(o["value"][j] - exact) <= 4 * o["stderr"][j] + 1e-12, (o["value"][j], exact, o["stderr"][j])
         grid, dens = run.hessian_density(int(t))
         assert abs(np.trapezoid(dens, grid) - 1) < 0.05
-    np.testing.assert_allclose(run.edge_of_stability(), run.hessian_top("H")[:, 0] * run.lr[[0, 2, 3]])
+    np.testing.assert_allclose(run.edge_of_stability(), run.hessian_top("H")[:, 0] * run.lr[[0, 2, 3]] / 2)
 
 
 def test_hessian_figures_and_unrecorded_steps(hess_run, tmp_path):

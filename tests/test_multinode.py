@@ -95,9 +95,9 @@ def test_submit_sweep_to_two_node_cluster(two_node_cluster, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SUCCEEDED" in out.stdout and "2/2 runs done" in out.stdout
     runs = Client(str(store)).runs()
-    assert sorted(r.name for r in runs) == ["multinode__width-16", "multinode__width-8"]
-    for info in runs:
-        run = Client(str(store)).run(info.id)
+    assert sorted(runs["name"]) == ["multinode__width-16", "multinode__width-8"]
+    for rid in runs["id"]:
+        run = Client(str(store)).run(rid)
         assert run.status == "done" and run.steps.tolist() == [0, 4, 8, 11]
         assert np.isfinite(run.eigenvalues).all()
     st = subprocess.run(nsa + ["status", "nsa-multinode-test", "--address", address], env=env,

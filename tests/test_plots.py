@@ -18,7 +18,8 @@ from nsa_dist.plots import FIGURES, make_figure, plot_run, residual_projections
 from nsa_dist.store import SpectrumStore
 
 # figures a 2-D run with test points, images and eigenvectors has, and those a digits run lacks
-NEEDS_EXTRAS = ("fig3e_energy_f_test", "fig4a_residual_projections", "fig4bc_residual_fourier",
+NEEDS_EXTRAS = ("fig1abc_target_output_points", "fig3e_energy_f_test",
+                "fig4bc_residual_fourier", "fig6_eigenvectors_early",
                 "fig5_eigenvectors", "fig7d_preservation")
 
 
@@ -86,6 +87,11 @@ def test_digits_run_skips_what_it_lacks(store_url: str, tmp_path: Path) -> None:
     run = Client(store_url).run("digits")
     for name in NEEDS_EXTRAS:
         assert make_figure(run, name) is None, name
+    # Fig. 4a needs no stored eigenvectors: ⟨v_i, m_t⟩² is stored at every step
+    t = int(run.steps[-1])
+    p, m = residual_projections(run, t), run.residual(t).reshape(run.N, -1)
+    np.testing.assert_allclose(np.cumsum(p) / np.sum(m**2), run.energy("residual")[-1], rtol=1e-4, atol=1e-6)
+    assert make_figure(run, "fig4a_residual_projections") is not None
     some = ("fig2a_eigenvalues", "fig3d_energy_df", "loss")
     out = plot_run(run, tmp_path, figures=NEEDS_EXTRAS + some)
     assert [p.name for p in out] == [f"{n}.png" for n in some]
@@ -99,7 +105,7 @@ def test_figures_subset(tiny: Run, tmp_path: Path) -> None:
 
 
 def test_unknown_figure_lists_the_allowed(tiny: Run, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="fig9z.*allowed: fig1d_first_order, .*loss"):
+    with pytest.raises(ValueError, match="fig9z.*allowed: fig1abc_target_output_points, fig1d_first_order, .*loss"):
         plot_run(tiny, tmp_path, figures=["loss", "fig9z"])
     assert not tmp_path.joinpath("loss.png").exists()
 
@@ -117,3 +123,49 @@ def test_run_without_finished_step(store_url: str, tmp_path: Path) -> None:
 def test_import_does_not_load_matplotlib() -> None:
     code = "import sys, nsa_dist.plots; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+# ---------------------------------------------------------------- issue 11: chosen steps, pair, k list, Figs. 1a–c, 6
+def test_chosen_steps_pair_and_k(tiny: Run, tmp_path: Path) -> None:
+    from nsa_dist.plots import PlotOptions
+
+    opts = PlotOptions(steps=(10, 30), pair=(10, 30), ks=(1, 3, 7))
+    labels = make_figure(tiny, "fig4a_residual_projections", opts).axes[0].get_legend_handles_labels()[1]
+    assert labels == ["t = 10", "t = 30"]
+    fig = make_figure(tiny, "fig4bc_residual_fourier", opts)
+    assert [a.get_title() for a in fig.axes if a.get_title().startswith("residual")] == \
+        ["residual $m_t$, t = 10", "residual $m_t$, t = 30"]
+    labels = make_figure(tiny, "fig3a_energy_y", opts).axes[0].get_legend_handles_labels()[1]
+    assert [lb for lb in labels if lb.startswith("k =")] == ["k = 1", "k = 3", "k = 7"]
+    ax = make_figure(tiny, "fig7d_preservation", opts).axes[0]
+    assert ax.get_title() == "$t_1$ = 10, $t_2$ = 30" and ax.get_legend_handles_labels()[1] == ["i = 1", "i = 3", "i = 7"]
+    P, _, _, _ = tiny.spectrum_preservation(10, 30, [3])
+    np.testing.assert_allclose(ax.get_lines()[1].get_ydata(), P[0])
+    assert "t = 10" in make_figure(tiny, "fig6_eigenvectors_early", opts).get_suptitle()
+    assert "t = 30" in make_figure(tiny, "fig1abc_target_output_points", opts).axes[1].get_title()
+    with pytest.raises(ValueError, match=r"step\(s\) \[11\] are not finished recorded steps.*finished: \[0, 10, 20, 30, 39\]"):
+        plot_run(tiny, tmp_path, opts=PlotOptions(steps=(11,)))
+
+
+def test_fig1abc_shows_target_and_output(tiny: Run) -> None:
+    fig = make_figure(tiny, "fig1abc_target_output_points")
+    panels = {ax.get_title()[:3]: ax for ax in fig.axes if ax.get_title().startswith("(")}
+    assert sorted(panels) == ["(a)", "(b)", "(c)"]
+    np.testing.assert_allclose(panels["(a)"].collections[0].get_array(), tiny.y)
+    np.testing.assert_allclose(panels["(b)"].collections[0].get_array(), tiny.outputs(int(tiny.steps[-1])))
+    np.testing.assert_allclose(panels["(c)"].collections[0].get_offsets(), tiny.X)
+
+
+def test_gd_formula_note() -> None:
+    from types import SimpleNamespace
+
+    from nsa_dist.plots._axes import gd_note
+
+    gd = ExperimentSpec()
+    assert gd_note(SimpleNamespace(spec=gd)) is None
+    mom = ExperimentSpec(optimizer={"name": "gd", "momentum": 0.9})
+    assert "GD with momentum 0.9" in gd_note(SimpleNamespace(spec=mom))
+    nce = ExperimentSpec(loss="nce", data={"name": "density2d", "n": 64})
+    assert "8N/λ_max" in gd_note(SimpleNamespace(spec=nce))
+    adam = ExperimentSpec(data={"n": 64}, optimizer={"name": "adam", "batch_size": 16})
+    assert "Adam" in gd_note(SimpleNamespace(spec=adam)) and "formulas of full-batch GD" in gd_note(SimpleNamespace(spec=adam))

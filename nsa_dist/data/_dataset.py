@@ -20,6 +20,8 @@ class Dataset:
         X_test: (M, d) test inputs (M may be 0).
         y_test: (M,) or (M, K) test targets.
         meta: loader details (source, normalisation constants, ...), JSON-serialisable.
+        extra: per-point arrays a loss needs besides y (NCE: "label", "log_noise" and their
+            "_test" forms; see :mod:`nsa_dist.data.density`).
     """
 
     X: np.ndarray
@@ -27,6 +29,7 @@ class Dataset:
     X_test: np.ndarray
     y_test: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def n(self) -> int:

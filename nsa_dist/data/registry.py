@@ -41,6 +41,14 @@ def load_dataset(spec: "DataSpec", seed: int = 0) -> Dataset:
                                     f"({'cifar-10-batches-py/' if name is DataName.CIFAR10 else 'cifar-100-python/'})")
         return fn(spec.n, n_test=spec.n_test, path=spec.path, grayscale=spec.grayscale, target=target,
                   positive_class=spec.positive_class, seed=seed)
+    if name in (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE):
+        from nsa_dist.data.density import density2d, gaussian_mixture
+
+        if name is DataName.DENSITY2D:
+            return density2d(spec.n, n_test=spec.n_test, ratio=spec.noise_ratio, noise=spec.noise, image=spec.path,
+                             seed=seed)
+        return gaussian_mixture(spec.n, d=spec.dim, n_test=spec.n_test, ratio=spec.noise_ratio, noise=spec.noise,
+                                seed=seed)
     from nsa_dist.data.digits import digits
 
     return digits(spec.n, n_test=spec.n_test, target=target, positive_class=spec.positive_class, seed=seed)

@@ -19,6 +19,7 @@ from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import spectrum_preservation
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.hessian_step import hessian_dims
+from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore, Status
@@ -47,8 +48,9 @@ def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: Sp
                    Kt=min(K, M) if spec.spectrum.test_points and M else 0,
                    nI=len(imgs.indices) if imgs else 0, R=spec.spectrum.image_size if imgs else 0,
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=len(trainer.slot_names),
-                   L=int(trainer.gen.get_state().numel()), store_eigenvectors=spec.spectrum.store_eigenvectors,
-                   hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))))
+                   L=int(trainer.gen.get_state().numel()), store_eigenvectors=bool(spec.spectrum.store_eigenvectors),
+                   hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))),
+                   Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n))
 
 
 @dataclass(frozen=True)
@@ -143,11 +145,17 @@ def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
 
 
 def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
-    """E_{t1}(v_i^{t2}, k) between the second and the last recorded step (NSA Fig. 7d)."""
+    """E_{t1}(v_i^{t2}, k) between the second and the last recorded step (NSA Fig. 7d); with a
+    ``store_eigenvectors`` list, between its first and last step."""
     g, S = writer.g, writer.dims.S
     if not spec.spectrum.store_eigenvectors or S < 2:
         return
     i1 = 1 if S > 2 else 0
+    if isinstance(spec.spectrum.store_eigenvectors, list):
+        at = [i for i, t in enumerate(g["steps"][:]) if spec.spectrum.eigenvectors_at(int(t))]
+        if len(at) < 2:
+            return
+        i1, S = at[0], at[-1] + 1
     V1, V2 = g["eigenvectors"][i1], g["eigenvectors"][S - 1]
     rows = sorted({i for i in spec.spectrum.images if i <= V2.shape[1]} | {1})
     P = spectrum_preservation(V1.astype(np.float64), V2.astype(np.float64), i=rows)

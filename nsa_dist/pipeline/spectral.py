@@ -9,10 +9,11 @@ import torch
 from torch.func import functional_call, jvp
 from torch.nn.utils import vector_to_parameters
 
-from nsa_dist.config import ExperimentSpec, Layout, OptimizerName
+from nsa_dist.config import ExperimentSpec, Layout
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
+from nsa_dist.losses import residual as loss_residual
 from nsa_dist.metrics import alignment_from_products, centered_sq_frobenius, first_order_accuracy, spectral_projections
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, gram, resolve_method
@@ -21,6 +22,7 @@ from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.layout import (DenseGram, LocalPool, Pool, ShardedCurvature, StepGram, choose_layout,
                                       gram_for_layout)
+from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
 
@@ -67,6 +69,7 @@ class SpectralAnalyzer:
         self.hessian = HessianAnalysis(spec, self.X, self.y, self.n_params)
         structured = resolve_method(self.model, self.X[:2], "auto") is NTKMethod.STRUCTURED
         self.layout = choose_layout(spec, data.n, _feature_width(self.model, spec.model.output_dim), structured)
+        self.extras = StepExtras(spec, data, self.dtype)
         self._local_pool: LocalPool | None = None
 
     @property
@@ -142,21 +145,20 @@ class SpectralAnalyzer:
     def _gram_metrics(self, G: StepGram, ck: Checkpoint, N: int) -> dict[str, Any]:
         """Eigenpairs, energies, first-order prediction, alignment: products with G only."""
         eig = self._eig(G, self.K)
-        residual = ck.f.astype(np.float64) - self.y  # m_t = f_t − y
-        gd_scalar = OptimizerName(self.spec.optimizer.name) is OptimizerName.GD and residual.ndim == 1
-        ones = np.ones(N)
+        residual = loss_residual(self.spec, self.data, ck.f)  # m_t = ∂ℓ/∂f (f_t − y for L2)
+        scalar = residual.ndim == 1
         Y = self.y.reshape(N, -1)
-        probes = np.column_stack([Y, ones] + ([residual] if gd_scalar else []))  # (N, C + 1 [+ 1])
-        GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one distributed product for all of them
+        probes = np.column_stack([Y, np.ones(N)] + ([residual] if scalar else []))  # (N, C + 1 [+ 1])
+        GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one (distributed) product for all of them
         C = Y.shape[1]
         GY, G1 = GP[:, :C], GP[:, C]
-        df_pred = -(ck.lr / N) * GP[:, C + 1] if gd_scalar else self._jvp_outputs(ck.dtheta)  # NSA Eq. 3
+        df_pred = predicted_update(self.spec, ck, residual, lambda v: GP[:, C + 1], self._jvp_outputs)  # NSA Eq. 3
         fro2, fro2_se = G.sq_frobenius()
         out: dict[str, Any] = {
             "loss": ck.loss, "lr": ck.lr, "theta": ck.theta, "f": ck.f, "df": ck.df, "df_pred": df_pred,
             "eigenvalues": eig.evals, "f_test": ck.f_test, "gram_sq_frobenius": np.array([fro2, fro2_se]),
         }
-        if self.spec.spectrum.store_eigenvectors:
+        if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = eig.evecs.astype(np.float32)
         phis = {"y": self.y, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
         for name, phi in phis.items():
@@ -167,6 +169,7 @@ class SpectralAnalyzer:
         out["first_order_cos"] = acc.cos_alpha if acc else np.nan
         out["alignment"] = alignment_from_products(self.y, GY, fro2)
         out["alignment_centered"] = self._centered_alignment(G, GY, G1, fro2)
+        out.update(self.extras.analyze(self.model, self.X, ck, eig.evecs, residual))
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
         return out

@@ -10,6 +10,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from nsa_dist.config import ExperimentSpec, OptimizerName
 from nsa_dist.data import Dataset
+from nsa_dist.losses import is_nce, nce_loss
 from nsa_dist.models import build_model
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 
@@ -45,6 +46,8 @@ class Trainer:
         self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)  # (N, d)
         self.y = _as_target(data.y).to(self.device)  # (N,) or (N, K)
         self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(-1, data.X.shape[1])
+        self._nce = None if not is_nce(spec) else tuple(  # (label, log(ν q)) at the training points
+            torch.as_tensor(data.extra[k], dtype=torch.float32, device=self.device) for k in ("label", "log_noise"))
         self.record = spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.record)}
         self.opt = self._optimizer()
@@ -106,6 +109,9 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def _loss(self, idx: torch.Tensor | None) -> torch.Tensor:
         X, y = (self.X, self.y) if idx is None else (self.X[idx], self.y[idx])
+        if self._nce is not None:
+            label, log_noise = (t if idx is None else t[idx] for t in self._nce)
+            return nce_loss(self.model(X), label, log_noise)
         r = self.model(X) - y
         return 0.5 * (r**2).reshape(r.shape[0], -1).sum(1).mean()
 

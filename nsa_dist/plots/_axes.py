@@ -6,6 +6,7 @@ plotting never switches the backend or touches the figure registry of a caller's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,9 +33,56 @@ def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
-def ks(K: int) -> list[int]:
-    """The k (or eigenvector indices i) of :data:`KS` that are ≤ K."""
-    return [k for k in KS if k <= K]
+def ks(K: int, chosen: "tuple[int, ...] | None" = None) -> list[int]:
+    """The k (or eigenvector indices i) of ``chosen`` (default :data:`KS`) that are ≤ K."""
+    return [k for k in (chosen or KS) if k <= K]
+
+
+@dataclass(frozen=True)
+class PlotOptions:
+    """What the user chose for a run's figures (``nsa plot --step … --pair … --k …``).
+
+    Attributes:
+        steps: recorded steps for the at-a-step figures (Figs. 1b, 4a–c, 6); None: the figure's default.
+        pair: (t1, t2) of Fig. 7d, E_{t1}(v_i^{t2}, k); None: the stored / default pair.
+        ks: the k (rows i) drawn in Figs. 2b, 2d, 3a–e and 7d; None: :data:`KS`.
+    """
+
+    steps: tuple[int, ...] | None = None
+    pair: tuple[int, int] | None = None
+    ks: tuple[int, ...] | None = None
+
+    def check_steps(self, run: "Run") -> None:
+        """ValueError naming the finished steps when a chosen step is not one of them."""
+        have = set(int(t) for t in run.steps)
+        bad = [t for t in (self.steps or ()) + (self.pair or ()) if t not in have]
+        if bad:
+            raise ValueError(f"step(s) {bad} are not finished recorded steps of run {run.id!r}; "
+                             f"finished: {sorted(have)[:30]}{' …' if len(have) > 30 else ''}")
+
+
+def gd_note(run: "Run") -> str | None:
+    """A note for figures of GD formulas (s_i, δλ/N, 2N/λ_max; NSA §4) on a run that is not plain GD."""
+    o = run.spec.optimizer
+    name = o.name.value if hasattr(o.name, "value") else str(o.name)
+    loss = getattr(run.spec.loss, "value", run.spec.loss)
+    if loss == "nce" and name == "gd" and o.momentum == 0:
+        return ("note: 2N/λ_max, s_i and δλ/N are formulas of GD on the L2 loss (NSA §4); for NCE the "
+                "residual's Jacobian is diag(σ'(h)) ≤ 1/4, so GD's bound is 2N/(λ_max·max σ') ≥ 8N/λ_max")
+    if name == "gd" and o.momentum == 0:
+        return None
+    what = {"sgd": f"minibatch SGD (batch {o.batch_size})", "adam": "Adam"}.get(name, "GD")
+    if o.momentum > 0:
+        what += f" with momentum {o.momentum:g}"
+    return (f"note: δλ/N, s_i and 2N/λ_max are formulas of full-batch GD without momentum (NSA §4); "
+            f"this run uses {what}, so they are shown for reference only")
+
+
+def add_gd_note(fig: "Figure", run: "Run") -> None:
+    """Write :func:`gd_note` at the bottom of ``fig`` when it applies."""
+    note = gd_note(run)
+    if note:
+        fig.text(0.01, 0.005, note, fontsize=7, color="crimson", ha="left", va="bottom", wrap=True)
 
 
 def some_steps(S: int, most: int = 6) -> np.ndarray:

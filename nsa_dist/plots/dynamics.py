@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import decay_lines, new_figure, time_axis
+from nsa_dist.plots._axes import add_gd_note, decay_lines, new_figure, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -30,8 +30,10 @@ def fig1e(run: "Run") -> "Figure":
     fig, ax = new_figure(run, "1e", "learning rate and its stability bound")
     ax, t = ax[0, 0], run.steps
     ax.plot(t, run.lr, "o-", ms=3, label=r"$\delta_t$")
-    ax.plot(t, run.stability_bound(), "s-", ms=3, label=r"$2N / \lambda_{max}^t$")
+    kernel = " (full $NK{\times}NK$ kernel)" if run.Ko > 1 else ""
+    ax.plot(t, run.stability_bound(), "s-", ms=3, label=r"$2N / \lambda_{max}^t$" + kernel)
     time_axis(ax, run, "learning rate", logy=True)
+    add_gd_note(fig, run)
     return fig
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import colors, ks, new_figure, some_steps, time_axis
+from nsa_dist.plots._axes import PlotOptions, add_gd_note, colors, ks, new_figure, some_steps, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -29,11 +29,11 @@ def fig2a(run: "Run") -> "Figure":
     return fig
 
 
-def fig2b(run: "Run") -> "Figure":
+def fig2b(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     """Individual eigenvalues λ_i^t along t for i in 1, 2, 5, 10, … ≤ K (log y)."""
     fig, ax = new_figure(run, "2b", "individual eigenvalues along t")
     ax, evals = ax[0, 0], run.eigenvalues  # (S, K)
-    rows = ks(evals.shape[1])
+    rows = ks(evals.shape[1], opts.ks)
     for c, i in zip(colors(len(rows)), rows):
         ax.plot(run.steps, evals[:, i - 1], "o-", ms=3, color=c, label=rf"$\lambda_{{{i}}}^t$")
     time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True)
@@ -48,16 +48,18 @@ def fig2c(run: "Run") -> "Figure":
     for c, i in zip(colors(top), range(1, top + 1)):
         ax.plot(run.steps, s[:, i - 1], "o-", ms=3, color=c, label=f"i = {i}")
     time_axis(ax, run, r"$s_i^t = 1 - |1 - \delta_t \lambda_i^t / N|$")
+    add_gd_note(fig, run)
     return fig
 
 
-def fig2d(run: "Run") -> "Figure":
+def fig2d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     """δ_t λ_i^t / N along t for i in 1, 2, 5, 10, … ≤ K, with the stability limit 2 (log y)."""
     fig, ax = new_figure(run, "2d", r"$\delta_t \lambda_i^t / N$ along t")
     ax, p = ax[0, 0], run.lr_eigen_product()  # (S, K)
-    rows = ks(p.shape[1])
+    rows = ks(p.shape[1], opts.ks)
     for c, i in zip(colors(len(rows)), rows):
         ax.plot(run.steps, p[:, i - 1], "o-", ms=3, color=c, label=f"i = {i}")
     ax.axhline(2.0, color="crimson", ls=":", lw=1.2, label="2 (stability limit)")
     time_axis(ax, run, r"$\delta_t \lambda_i^t / N$", logy=True)
+    add_gd_note(fig, run)
     return fig

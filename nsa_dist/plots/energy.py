@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nsa_dist.plots._axes import colors, ks, new_figure, time_axis
+from nsa_dist.plots._axes import PlotOptions, colors, ks, new_figure, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -21,22 +21,23 @@ _WHAT = {"y": "energy of the labels y in the top-k eigenvectors of $G_t$",
 _LABEL = {"y": "3a", "f": "3b", "residual": "3c", "df_pred": "3d", "f_test": "3e"}
 
 
-def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = True) -> None:
-    """One line per k in 1, 2, 5, 10, … ≤ K (the K of this φ's eigenbasis)."""
+def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = True,
+            chosen: tuple[int, ...] | None = None) -> None:
+    """One line per k in ``chosen`` (default 1, 2, 5, 10, …) ≤ K (the K of this φ's eigenbasis)."""
     E = run.energy(phi)  # (S, K)
-    rows = ks(E.shape[1])
+    rows = ks(E.shape[1], chosen)
     for c, k in zip(colors(len(rows)), rows):
         ax.plot(run.steps, E[:, k - 1], ls, ms=3, color=c, label=f"k = {k}" if labels else None)
 
 
-def energy_figure(run: "Run", phi: str) -> "Figure":
+def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "Figure":
     """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
     fig, ax = new_figure(run, _LABEL[phi], _WHAT[phi])
     ax = ax[0, 0]
-    _curves(ax, run, phi)
+    _curves(ax, run, phi, chosen=opts.ks)
     if phi == "df_pred":
-        _curves(ax, run, "df", ls="--", labels=False)
+        _curves(ax, run, "df", ls="--", labels=False, chosen=opts.ks)
         ax.plot([], [], "k-", label=r"first order $d\bar f_t$")  # legend entries for the two line styles
         ax.plot([], [], "k--", label=r"real $d\tilde f_t = f_{t+1} - f_t$")
     time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$")

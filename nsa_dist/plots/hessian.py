@@ -60,12 +60,12 @@ def rayleigh(run: "Run") -> "Figure":
 
 
 def edge_of_stability(run: "Run") -> "Figure":
-    """λ_max(H)·δ_t along t against 2 (GD on the local quadratic is stable below 2)."""
-    fig, ax = new_figure(run, "—", "edge of stability λ_max(H)·δ", paper=_PAPER)
+    """λ_max(H)·δ_t / 2 along t against 1 (GD on the local quadratic is stable below 1)."""
+    fig, ax = new_figure(run, "—", "edge of stability λ_max(H)·δ/2", paper=_PAPER)
     ax = ax[0, 0]
-    ax.plot(run.hessian_steps, run.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t$")
-    ax.axhline(2.0, color="C3", ls="--", label="2")
-    time_axis(ax, run, r"$\lambda_{max}(H)\,\delta_t$")
+    ax.plot(run.hessian_steps, run.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t / 2$")
+    ax.axhline(1.0, color="C3", ls="--", label="1 (edge of stability)")
+    time_axis(ax, run, r"$\lambda_{max}(H)\,\delta_t / 2$")
     return fig
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import new_figure
+from nsa_dist.plots._axes import PlotOptions, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -32,10 +32,10 @@ def _fourier(ax: "Axes", F: np.ndarray, limit: float, title: str, bar: bool = Tr
         ax.figure.colorbar(im, ax=ax, shrink=0.85)
 
 
-def fig4bc(run: "Run") -> "Figure":
-    """The residual m_t and its |Fourier| at an early step (the second recorded) and the last."""
+def fig4bc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """The residual m_t and its |Fourier| at the chosen steps (default: the second recorded and the last)."""
     steps, limit = run.steps, run.spec.spectrum.fourier_limit
-    chosen = sorted({int(steps[1 if len(steps) > 2 else 0]), int(steps[-1])})
+    chosen = sorted(set(opts.steps)) if opts.steps else sorted({int(steps[1 if len(steps) > 2 else 0]), int(steps[-1])})
     fig, ax = new_figure(run, "4b–c", "residual and its Fourier transform", nrows=len(chosen), ncols=2,
                          panel=(4.4, 3.8))
     for row, t in zip(ax, chosen):
@@ -45,14 +45,14 @@ def fig4bc(run: "Run") -> "Figure":
     return fig
 
 
-def fig5(run: "Run") -> "Figure":
-    """Eigenvectors v_i of G_t at the last step as images, each above its |Fourier|, six per line."""
-    t, limit = int(run.steps[-1]), run.spec.spectrum.fourier_limit
+def fig5(run: "Run", opts: PlotOptions = PlotOptions(), *, label: str = "5", step: int | None = None) -> "Figure":
+    """Eigenvectors v_i of G_t at ``step`` (default the last) as images, each above its |Fourier|, six per line."""
+    t, limit = int(run.steps[-1]) if step is None else step, run.spec.spectrum.fourier_limit
     im = run.images(t)
     idx = [int(i) for i in im["indices"]]
     ncols = min(6, len(idx))
     lines = -(-len(idx) // ncols)
-    fig, ax = new_figure(run, "5", f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}",
+    fig, ax = new_figure(run, label, f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}",
                          nrows=2 * lines, ncols=ncols, panel=(2.3, 2.3))
     for a in ax.ravel():
         a.set_axis_off()
@@ -67,3 +67,11 @@ def fig5(run: "Run") -> "Figure":
             a.xaxis.label.set_size(7)
             a.yaxis.label.set_size(7)
     return fig
+
+
+def fig6(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """NSA Fig. 6: the eigenvector images and |Fourier| at an early step — the first chosen step
+    (the paper: t = 20,000), default the second recorded step."""
+    steps = run.steps
+    t = opts.steps[0] if opts.steps else int(steps[1 if len(steps) > 1 else 0])
+    return fig5(run, label="6", step=int(t))

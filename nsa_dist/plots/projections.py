@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import colors, new_figure
+from nsa_dist.plots._axes import PlotOptions, colors, ks, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -15,17 +15,22 @@ if TYPE_CHECKING:
 
 
 def residual_projections(run: "Run", step: int) -> np.ndarray:
-    """⟨v_i^t, m_t⟩² for i = 1..K (K,), summed over outputs when the network has several."""
+    """⟨v_i^t, m_t⟩² for i = 1..K (K,), summed over outputs when the network has several.
+
+    Read from ``projections_residual`` when stored, else computed from the stored eigenvectors.
+    """
+    if "projections_residual" in run.g:
+        return run.residual_projections(step)
     V = run.eigenvectors(step)  # (N, K)
     m = run.residual(step).reshape(V.shape[0], -1)  # (N, Ko)
     return ((V.T @ m) ** 2).sum(axis=1)  # (K,)
 
 
-def fig4a(run: "Run") -> "Figure":
-    """⟨v_i^t, m_t⟩² against i at the first and the last recorded step (log y)."""
+def fig4a(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """⟨v_i^t, m_t⟩² against i at the chosen steps (default: the first and the last recorded; log y)."""
     fig, ax = new_figure(run, "4a", "spectral projections of the residual")
     ax, steps = ax[0, 0], run.steps
-    chosen = sorted({int(steps[0]), int(steps[-1])})
+    chosen = sorted(set(opts.steps)) if opts.steps else sorted({int(steps[0]), int(steps[-1])})
     for c, t in zip(colors(len(chosen)), chosen):
         p = residual_projections(run, t)
         ax.plot(np.arange(1, len(p) + 1), np.where(p > 0, p, np.nan), "o-", ms=3, color=c, label=f"t = {t}")
@@ -35,9 +40,18 @@ def fig4a(run: "Run") -> "Figure":
     return fig
 
 
-def fig7d(run: "Run") -> "Figure":
-    """E_{t1}(v_i^{t2}, k) against k (log x) for the stored rows i: is v_i^{t2} in the top-k spectrum of G_{t1}?"""
-    P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)
+def fig7d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """E_{t1}(v_i^{t2}, k) against k (log x) for rows i: is v_i^{t2} in the top-k spectrum of G_{t1}?
+
+    Default: the pair and rows stored when the run finished; ``opts.pair`` / ``opts.ks`` choose
+    (t1, t2) and the rows i (computed from the stored eigenvectors).
+    """
+    if opts.pair or opts.ks:
+        t1, t2 = opts.pair or (None, None)
+        rows = ks(int(run.g["eigenvectors"].shape[2]), opts.ks) if opts.ks else None
+        P, t1, t2, rows = run.spectrum_preservation(t1, t2, rows)
+    else:
+        P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)
     fig, ax = new_figure(run, "7d", "spectrum preservation")
     ax = ax[0, 0]
     k = np.arange(1, P.shape[1] + 1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, projections
-from nsa_dist.plots._axes import DPI
+from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, inputs, projections
+from nsa_dist.plots._axes import DPI, PlotOptions
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 _Needs = Callable[["Run"], bool]
+_Draw = Callable[["Run", PlotOptions], "Figure"]
 
 
 def _has(*arrays: str) -> _Needs:
@@ -21,37 +22,52 @@ def _has(*arrays: str) -> _Needs:
     return lambda run: all(a in run.g for a in arrays)
 
 
-def _energy(phi: str) -> Callable[["Run"], "Figure"]:
-    return lambda run: energy.energy_figure(run, phi)
+def _energy(phi: str) -> _Draw:
+    return lambda run, opts: energy.energy_figure(run, phi, opts)
+
+
+def _plain(draw: Callable[["Run"], "Figure"]) -> _Draw:
+    """A figure with no user choices."""
+    return lambda run, opts: draw(run)
+
+
+def _is_2d_scalar(run: "Run") -> bool:
+    return "eigvec_images" in run.g or (run.X.shape[1] == 2 and run.Ko == 1)
 
 
 def _preservation_ready(run: "Run") -> bool:
-    return "preservation" in run.g or ("eigenvectors" in run.g and len(run.steps) >= 2)
+    return "preservation" in run.g or len(run.eigenvector_steps) >= 2
+
+
+def _projections_ready(run: "Run") -> bool:
+    return "projections_residual" in run.g or "eigenvectors" in run.g
 
 
 _EVALS = _has("eigenvalues", "lr")
-_FIGURES: dict[str, tuple[Callable[["Run"], "Figure"], _Needs]] = {
-    "fig1d_first_order": (dynamics.fig1d, _has("first_order_error", "first_order_cos")),
-    "fig1e_lr_stability": (dynamics.fig1e, _EVALS),
-    "fig2a_eigenvalues": (eigenvalues.fig2a, _has("eigenvalues")),
+_FIGURES: dict[str, tuple[_Draw, _Needs]] = {
+    "fig1abc_target_output_points": (inputs.fig1abc, _is_2d_scalar),
+    "fig1d_first_order": (_plain(dynamics.fig1d), _has("first_order_error", "first_order_cos")),
+    "fig1e_lr_stability": (_plain(dynamics.fig1e), _EVALS),
+    "fig2a_eigenvalues": (_plain(eigenvalues.fig2a), _has("eigenvalues")),
     "fig2b_eigenvalues_t": (eigenvalues.fig2b, _has("eigenvalues")),
-    "fig2c_flow_speed": (eigenvalues.fig2c, _EVALS),
+    "fig2c_flow_speed": (_plain(eigenvalues.fig2c), _EVALS),
     "fig2d_lr_eigen": (eigenvalues.fig2d, _EVALS),
     "fig3a_energy_y": (_energy("y"), _has("energy_y")),
     "fig3b_energy_f": (_energy("f"), _has("energy_f")),
     "fig3c_energy_residual": (_energy("residual"), _has("energy_residual")),
     "fig3d_energy_df": (_energy("df_pred"), _has("energy_df_pred", "energy_df")),
     "fig3e_energy_f_test": (_energy("f_test"), _has("energy_f_test")),
-    "fig4a_residual_projections": (projections.fig4a, _has("eigenvectors", "f", "y")),
+    "fig4a_residual_projections": (projections.fig4a, _projections_ready),
     "fig4bc_residual_fourier": (images.fig4bc, _has("residual_image", "residual_fourier")),
     "fig5_eigenvectors": (images.fig5, _has("eigvec_images", "eigvec_fourier", "image_indices")),
+    "fig6_eigenvectors_early": (images.fig6, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig7d_preservation": (projections.fig7d, _preservation_ready),
-    "loss": (dynamics.loss, _has("loss_trace", "loss")),
-    "hessian_moments": (hessian.moments, _has("hessian_moments", "hessian_moments_I_exact")),
-    "hessian_orthogonality": (hessian.orthogonality, _has("hessian_orthogonality")),
-    "hessian_fig2_rayleigh": (hessian.rayleigh, _has("hessian_rayleigh")),
-    "hessian_edge_of_stability": (hessian.edge_of_stability, _has("hessian_top")),
-    "hessian_density": (hessian.density, _has("hessian_density")),
+    "loss": (_plain(dynamics.loss), _has("loss_trace", "loss")),
+    "hessian_moments": (_plain(hessian.moments), _has("hessian_moments", "hessian_moments_I_exact")),
+    "hessian_orthogonality": (_plain(hessian.orthogonality), _has("hessian_orthogonality")),
+    "hessian_fig2_rayleigh": (_plain(hessian.rayleigh), _has("hessian_rayleigh")),
+    "hessian_edge_of_stability": (_plain(hessian.edge_of_stability), _has("hessian_top")),
+    "hessian_density": (_plain(hessian.density), _has("hessian_density")),
 }
 FIGURES: tuple[str, ...] = tuple(_FIGURES)
 
@@ -66,16 +82,21 @@ def _check_names(figures: Iterable[str] | str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def make_figure(run: "Run", name: str) -> "Figure | None":
+def make_figure(run: "Run", name: str, opts: PlotOptions | None = None) -> "Figure | None":
     """Figure ``name`` (one of :data:`FIGURES`) of ``run``, or None when the run did not record its data.
 
+    ``opts`` chooses the steps of the at-a-step figures, the pair of Fig. 7d and the k drawn.
+
     Raises:
-        ValueError: unknown ``name`` or a run with no finished recorded step.
+        ValueError: unknown ``name``, a run with no finished recorded step, or a chosen step
+            that is not a finished recorded step.
     """
     _check_names([name])
     _require_steps(run)
+    opts = opts or PlotOptions()
+    opts.check_steps(run)
     draw, needs = _FIGURES[name]
-    return draw(run) if needs(run) else None
+    return draw(run, opts) if needs(run) else None
 
 
 def _require_steps(run: "Run") -> None:
@@ -84,7 +105,8 @@ def _require_steps(run: "Run") -> None:
                          f"0/{len(run.schedule)} steps): nothing to plot; wait for a step, then run.refresh()")
 
 
-def plot_run(run: "Run", out_dir: str | Path, *, figures: Iterable[str] | str | None = None) -> list[Path]:
+def plot_run(run: "Run", out_dir: str | Path, *, figures: Iterable[str] | str | None = None,
+             opts: PlotOptions | None = None) -> list[Path]:
     """Write ``<out_dir>/<name>.png`` for each figure of the NSA paper the run has data for.
 
     Args:
@@ -92,6 +114,7 @@ def plot_run(run: "Run", out_dir: str | Path, *, figures: Iterable[str] | str | 
         out_dir: folder for the PNGs, created if missing.
         figures: names from :data:`FIGURES` to draw (default all); figures whose arrays the run
             lacks (test points, eigenvectors, 2-D images) are skipped.
+        opts: :class:`PlotOptions` — steps (Figs. 1b, 4a–c, 6), the pair of Fig. 7d, the k list.
 
     Returns:
         The paths written, in the order of :data:`FIGURES` (or of ``figures``).
@@ -102,11 +125,13 @@ def plot_run(run: "Run", out_dir: str | Path, *, figures: Iterable[str] | str | 
     """
     names = _check_names(figures)
     _require_steps(run)
+    opts = opts or PlotOptions()
+    opts.check_steps(run)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in names:
-        fig = make_figure(run, name)
+        fig = make_figure(run, name, opts)
         if fig is not None:
             path = out / f"{name}.png"
             fig.savefig(path, dpi=DPI)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "ArraySpec", "RunDims", "run_arrays", "PHIS"]
+__all__ = ["SCHEMA_VERSION", "ArraySpec", "RunDims", "run_arrays", "PHIS", "dimension_names"]
 
 SCHEMA_VERSION = 1
 PHIS = ("y", "f", "residual", "df", "df_pred")
@@ -44,6 +44,8 @@ class RunDims:
     Hk: int = 0
     Hr: int = 0
     Hg: int = 0
+    Kf: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
+    Kc: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -55,6 +57,11 @@ class ArraySpec:
     shape: tuple[int, ...]
     dtype: str
     per_step: bool
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """Zarr v3 ``dimension_names`` (xarray reads them): see :func:`dimension_names`."""
+        return dimension_names(self.name, len(self.shape))
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -119,9 +126,53 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
         if D.Hg:
             a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True),
                   ArraySpec("hessian_density", (D.S, D.Hg), "float64", True)]
+    # issue 11: test loss, full-kernel eigenvalues of K-output networks, Fig. 4a projections
+    a.append(ArraySpec("projections_residual", (D.S, D.K), "float64", True))
+    if D.M:
+        a.append(ArraySpec("loss_test", (D.S,), "float64", True))
+    if D.Kf:
+        a.append(ArraySpec("eigenvalues_full", (D.S, D.Kf), "float64", True))
+    if D.Kc:
+        a.append(ArraySpec("eigenvalues_per_class", (D.S, D.Ko, D.Kc), "float64", True))
     if D.nI:
         a += [ArraySpec("eigvec_images", (D.S, D.nI, D.R, D.R), "float32", True),
               ArraySpec("eigvec_fourier", (D.S, D.nI, D.F, D.F), "float32", True),
               ArraySpec("residual_image", (D.S, D.R, D.R), "float32", True),
               ArraySpec("residual_fourier", (D.S, D.F, D.F), "float32", True)]
     return a
+
+
+# --------------------------------------------------------------------------- dimension names (issue 11)
+_OUT = ("output",)
+_DIMS: dict[str, tuple[str, ...]] = {
+    "X": ("point", "input"), "y": ("point",) + _OUT, "X_test": ("test_point", "input"),
+    "y_test": ("test_point",) + _OUT, "steps": ("step",), "image_indices": ("image",),
+    "loss_trace": ("train_step",), "theta": ("step", "param"), "opt_slots": ("step", "slot", "param"),
+    "rng_state": ("step", "rng_byte"), "f": ("step", "point") + _OUT, "df": ("step", "point") + _OUT,
+    "df_pred": ("step", "point") + _OUT, "f_test": ("step", "test_point") + _OUT,
+    "eigenvalues": ("step", "k"), "eigenvectors": ("step", "point", "k"),
+    "eigenvalues_test": ("step", "k_test"), "energy_f_test": ("step", "k_test"),
+    "eigenvalues_full": ("step", "k_full"), "eigenvalues_per_class": ("step", "output", "k_class"), "projections_residual": ("step", "k"),
+    "eigvec_images": ("step", "image", "pixel_y", "pixel_x"),
+    "eigvec_fourier": ("step", "image", "freq_y", "freq_x"),
+    "residual_image": ("step", "pixel_y", "pixel_x"), "residual_fourier": ("step", "freq_y", "freq_x"),
+    "preservation": ("preservation_row", "k"),
+    "hessian_moments": ("step", "hessian_part", "moment"), "hessian_moments_stderr": ("step", "hessian_part", "moment"),
+    "hessian_moments_I_exact": ("step", "moment"), "hessian_orthogonality": ("step", "value_stderr"),
+    "gram_sq_frobenius": ("step", "value_stderr"),
+    "hessian_rayleigh": ("step", "along", "quotient", "hessian_k"), "hessian_rayleigh_evals": ("step", "along", "hessian_k"),
+    "hessian_top": ("step", "hessian_part", "hessian_top_k"),
+    "hessian_density_grid": ("step", "density_bin"), "hessian_density": ("step", "density_bin"),
+}
+
+
+def dimension_names(name: str, ndim: int) -> tuple[str, ...]:
+    """Named axes of array ``name`` with ``ndim`` axes (written as Zarr v3 ``dimension_names``).
+
+    Per-step arrays start with "step" (the S recorded steps), then e.g. "point" (N), "k" (K),
+    "output" (Ko, present only when Ko > 1); energies are ("step", "k"); any other array is
+    ("step",) + ("<name>_dim<j>", …).
+    """
+    dims = _DIMS.get(name) or (("step", "k") if name.startswith("energy_") else ("step",))
+    dims = dims[:ndim]
+    return dims + tuple(f"{name}_dim{j}" for j in range(len(dims), ndim))

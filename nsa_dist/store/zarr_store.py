@@ -9,7 +9,7 @@ import numpy as np
 import zarr
 
 from nsa_dist.errors import StoreError
-from nsa_dist.store.schema import SCHEMA_VERSION, ArraySpec, RunDims, run_arrays
+from nsa_dist.store.schema import SCHEMA_VERSION, ArraySpec, RunDims, dimension_names, run_arrays
 
 __all__ = ["SpectrumStore", "RunWriter", "Status", "open_zarr_group"]
 
@@ -97,7 +97,8 @@ class SpectrumStore:
             return w
         g = self.runs.create_group(run_id)
         for a in run_arrays(dims):
-            g.create_array(a.name, shape=a.shape, chunks=a.chunks, dtype=a.dtype, fill_value=a.fill)
+            g.create_array(a.name, shape=a.shape, chunks=a.chunks, dtype=a.dtype, fill_value=a.fill,
+                           dimension_names=a.dims)
         g.attrs.update({"schema_version": SCHEMA_VERSION, "spec": spec, "dims": dims.to_json(),
                         "status": Status.PENDING, "reason": None, "failed_step": None,
                         "created": time.time(), "updated": time.time()})
@@ -173,6 +174,7 @@ class RunWriter:
 
     def write_array(self, name: str, value: np.ndarray, attrs: dict | None = None) -> None:
         """A post-run array (e.g. spectrum preservation), replaced if present."""
-        self.g.create_array(name, shape=value.shape, dtype=value.dtype, overwrite=True)[...] = value
+        self.g.create_array(name, shape=value.shape, dtype=value.dtype, overwrite=True,
+                            dimension_names=dimension_names(name, value.ndim))[...] = value
         if attrs:
             self.g[name].attrs.update(attrs)

@@ -1,0 +1,118 @@
+"""Runs as data: one run as an :class:`xarray.Dataset`, a store's runs as a :class:`pandas.DataFrame`.
+
+xarray and pandas are imported when called, so ``import nsa_dist`` does not pull them in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from nsa_dist.store.schema import dimension_names
+
+if TYPE_CHECKING:
+    import pandas
+    import xarray
+
+    from nsa_dist.client import Run
+    from nsa_dist.store import SpectrumStore
+
+__all__ = ["run_to_xarray", "runs_frame", "STATE_ARRAYS"]
+
+STATE_ARRAYS = ("theta", "opt_slots", "rng_state")
+_ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k")
+
+
+def _dims(arr: Any, name: str) -> tuple[str, ...]:
+    """The array's Zarr v3 ``dimension_names``, else the schema's (stores written before they were)."""
+    dims = getattr(arr.metadata, "dimension_names", None)
+    return tuple(dims) if dims and all(dims) else dimension_names(name, arr.ndim)
+
+
+def run_to_xarray(run: "Run", *, state: bool = False) -> "xarray.Dataset":
+    """The finished recorded steps of ``run`` with named dimensions.
+
+    Per-step arrays (first dim "step") keep only the finished steps; coordinate ``step`` holds
+    t, ``k``-like coordinates run 1..K, ``train_step`` 0..T−1.  Attributes: the run id, status
+    and spec (JSON string).  The resume state is left out unless ``state``.
+
+    Returns:
+        xarray.Dataset; e.g. ``ds.energy_y.sel(k=10)`` is E_t(y, 10) along t.
+    """
+    import json
+
+    import xarray as xr
+
+    variables: dict[str, Any] = {}
+    for name in sorted(run.g.array_keys()):
+        if name in ("steps", "done") or (name in STATE_ARRAYS and not state):
+            continue
+        arr = run.g[name]
+        dims = _dims(arr, name)
+        data = run._per_step(name) if dims and dims[0] == "step" and name != "hessian_steps" else arr[...]
+        if name == "hessian_steps":
+            data = np.asarray(arr[:])[run._idx]
+        variables[name] = xr.Variable(dims, np.asarray(data), attrs=dict(arr.attrs))
+    ds = xr.Dataset(variables)
+    coords: dict[str, Any] = {"step": ("step", run.steps)}
+    for d in _ONE_BASED:
+        if d in ds.dims:
+            coords[d] = (d, np.arange(1, ds.sizes[d] + 1))
+    if "train_step" in ds.dims:
+        coords["train_step"] = ("train_step", np.arange(ds.sizes["train_step"]))
+    ds = ds.assign_coords(coords)
+    ds.attrs.update({"run_id": run.id, "status": str(run.status), "spec": json.dumps(run.g.attrs["spec"])})
+    return ds
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{"model": {"depth": 6}} → {"model.depth": 6}; lists become tuples (hashable columns)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
+    """One row per run: id, sweep, status, reason, steps_done, steps_total, last_step, then every
+    spec field flattened to a dotted column ("model.depth", "schedule.lr", …).
+
+    Args:
+        store: the spectrum store.
+        sweep: only the runs of this sweep (``sweeps/<name>`` of the store).
+        where: equality filters on columns, dots written as "__" (``model__depth=6``).
+
+    Raises:
+        KeyError: an unknown sweep (the known ones are named), or a filter on a missing column.
+    """
+    import pandas as pd
+
+    sweeps = store.sweeps()
+    if sweep is not None and sweep not in sweeps:
+        raise KeyError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
+    member = {rid: name for name, ids in sweeps.items() for rid in ids}
+    ids = sweeps[sweep] if sweep is not None else store.run_ids()
+    rows = []
+    for rid in ids:
+        if rid not in store.runs:
+            continue  # a sweep run not created yet
+        g = store.group(rid)
+        a = dict(g.attrs)
+        done = np.flatnonzero(g["done"][:]) if "done" in g else np.zeros(0, int)
+        steps = g["steps"][:] if "steps" in g else np.zeros(0, int)
+        rows.append({"id": rid, "sweep": member.get(rid), "status": a.get("status"), "reason": a.get("reason"),
+                     "steps_done": len(done), "steps_total": len(steps),
+                     "last_step": int(steps[done[-1]]) if len(done) else None, **_flatten(a.get("spec", {}))})
+    df = pd.DataFrame(rows, columns=None if rows else ["id", "sweep", "status", "reason", "steps_done",
+                                                       "steps_total", "last_step"])
+    for key, value in where.items():
+        col = key.replace("__", ".")
+        if col not in df.columns:
+            raise KeyError(f"no column {col!r} to filter on; columns: {', '.join(df.columns)}")
+        df = df[df[col] == value]
+    return df.reset_index(drop=True)

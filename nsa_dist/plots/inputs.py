@@ -1,0 +1,38 @@
+"""NSA Figs. 1a–c for 2-D data: the target image, the network's output image at a step, the training points."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nsa_dist.plots._axes import PlotOptions, new_figure
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+
+def _surface(ax: "Axes", X: np.ndarray, v: np.ndarray, title: str, vmin: float, vmax: float) -> None:
+    """v at the N points X (N, 2), linearly interpolated on their Delaunay triangulation."""
+    im = ax.tripcolor(X[:, 0], X[:, 1], v, shading="gouraud", cmap="gray", vmin=vmin, vmax=vmax)
+    ax.set(title=title, xlabel="$x_1$", ylabel="$x_2$", aspect="equal")
+    ax.figure.colorbar(im, ax=ax, shrink=0.8)
+
+
+def fig1abc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """(a) the target y at the training points, (b) the output f_t at the last chosen step
+    (default the last recorded), (c) the training points; in the data's (normalised) coordinates."""
+    X, y = run.X, run.y  # (N, 2), (N,)
+    t = int(opts.steps[-1]) if opts.steps else int(run.steps[-1])
+    f = run.outputs(t)  # (N,)
+    lo, hi = float(np.min(y)), float(np.max(y))
+    fig, ax = new_figure(run, "1a–c", "target, network output and training points", ncols=3, panel=(4.4, 4.0))
+    _surface(ax[0, 0], X, y, "(a) target $y$", lo, hi)
+    _surface(ax[0, 1], X, f, f"(b) output $f_t$, t = {t}", lo, hi)
+    a = ax[0, 2]
+    a.scatter(X[:, 0], X[:, 1], s=max(0.3, 2000 / len(X)), c="k", lw=0)
+    a.set(title=f"(c) the N = {len(X)} training points", xlabel="$x_1$", ylabel="$x_2$", aspect="equal")
+    return fig

@@ -1,0 +1,151 @@
+"""The runs of one sweep read together: per-run quantities along t, aggregated over seeds (NSA Fig. 7a–c).
+
+``Client(url).sweep("nsa_fig7").curves("energy_y", k=400)`` gives one curve per grid point
+(depth × width), the mean over the seeds with its spread; ``.scalar("energy_y", k=10)`` gives
+one value per run next to its grid fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pandas
+
+    from nsa_dist.client import Client, Run
+
+__all__ = ["Sweep", "Curve", "QUANTITIES", "quantity"]
+
+QUANTITIES = ("loss", "loss_recorded", "loss_test", "lambda_max", "stability_bound", "alignment",
+              "first_order_error", "first_order_cos", "energy_y", "energy_f", "energy_residual", "energy_df",
+              "energy_df_pred", "energy_f_test")
+
+
+def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(t, value) of quantity ``name`` along a run.
+
+    "loss": L(θ_t) of every training step (t = 0..T−1, NaN not yet trained); "loss_recorded",
+    "loss_test", "lambda_max", "stability_bound", "alignment", "first_order_error",
+    "first_order_cos": at the finished recorded steps; "energy_<φ>": E_t(φ, k) (k required).
+
+    Raises:
+        ValueError: an unknown name (the allowed are listed) or an energy without k.
+    """
+    if name not in QUANTITIES:
+        raise ValueError(f"unknown quantity {name!r}; allowed: {', '.join(QUANTITIES)}")
+    if name == "loss":
+        trace = run.loss_trace
+        return np.arange(len(trace)), trace
+    t = run.steps
+    if name.startswith("energy_"):
+        if k is None:
+            raise ValueError(f"quantity {name!r} needs k (E_t(φ, k))")
+        return t, run.energy(name.removeprefix("energy_"), k)
+    values = {"loss_recorded": lambda: run.train_loss, "loss_test": lambda: run.test_loss,
+              "lambda_max": lambda: run.lambda_max, "stability_bound": lambda: run.stability_bound(),
+              "alignment": lambda: run.alignment["raw"], "first_order_error": lambda: run.first_order["error"],
+              "first_order_cos": lambda: run.first_order["cos"]}[name]()
+    return t, np.asarray(values, np.float64)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One grid point of a sweep along t: the mean over its n runs (seeds) and the spread.
+
+    Attributes:
+        key: grid field → value of this point (seed excluded).
+        t: (T,) steps common to all its runs.
+        mean, std, lo, hi: (T,) mean, standard deviation (0 for one run), min and max over runs.
+        n: number of runs averaged.
+    """
+
+    key: dict[str, Any]
+    t: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    n: int
+
+    @property
+    def label(self) -> str:
+        name = ", ".join(f"{f.split('.')[-1]}={v}" for f, v in self.key.items()) or "all"
+        return name + (f" ({self.n} seeds)" if self.n > 1 else "")
+
+
+class Sweep:
+    """A recorded sweep: its runs (:attr:`runs`, a DataFrame), the fields it varies and the seeds.
+
+    Attributes:
+        name: the sweep's name.
+        fields: the dotted spec fields the grid / variants vary, seed excluded (e.g. model.depth).
+        seeded: True when the sweep varies ``seed`` (curves are means over seeds).
+    """
+
+    def __init__(self, client: "Client", name: str) -> None:
+        self.client, self.name = client, name
+        self.runs: "pandas.DataFrame" = client.runs(sweep=name)
+        if "sweeps" not in client.store.root or name not in client.store.root["sweeps"]:
+            raise KeyError(f"no sweep {name!r} in {client.url!r}")
+        spec = dict(client.store.root["sweeps"][name].attrs.get("spec", {}))
+        varied = list(spec.get("grid", {})) + [p for v in spec.get("variants", []) for p in v]
+        varied = list(dict.fromkeys(varied))
+        self.seeded = "seed" in varied
+        self.fields = [f for f in varied if f != "seed" and f in self.runs.columns]
+
+    def run(self, run_id: str) -> "Run":
+        return self.client.run(run_id)
+
+    def _finished(self) -> "pandas.DataFrame":
+        return self.runs[self.runs["steps_done"] > 0]
+
+    def groups(self) -> list[tuple[dict[str, Any], list[str]]]:
+        """(grid point, run ids) for each point of the grid, seeds pooled, in the sweep's order."""
+        out: dict[tuple, tuple[dict[str, Any], list[str]]] = {}
+        for row in self._finished().to_dict("records"):
+            key = tuple(row[f] for f in self.fields)
+            out.setdefault(key, (dict(zip(self.fields, key)), []))[1].append(row["id"])
+        return list(out.values())
+
+    def curves(self, name: str, k: int | None = None) -> list[Curve]:
+        """One :class:`Curve` of quantity ``name`` (see :func:`quantity`) per grid point."""
+        curves = []
+        for key, ids in self.groups():
+            series = [quantity(self.run(rid), name, k) for rid in ids]
+            t = series[0][0]
+            for ti, _ in series[1:]:
+                t = np.intersect1d(t, ti)
+            V = np.stack([v[np.searchsorted(ti, t)] for ti, v in series])  # (n, T)
+            with np.errstate(all="ignore"):
+                curves.append(Curve(key, t, np.nanmean(V, 0), np.nanstd(V, 0), np.nanmin(V, 0), np.nanmax(V, 0),
+                                    len(ids)))
+        return curves
+
+    def scalar(self, name: str, k: int | None = None, step: int | None = None) -> "pandas.DataFrame":
+        """One row per finished run: id, the grid fields, seed, ``value`` = quantity ``name`` at
+        ``step`` (default: each run's last finished recorded step; "loss": last trained step)."""
+        import pandas as pd
+
+        rows = []
+        for row in self._finished().to_dict("records"):
+            t, v = quantity(self.run(row["id"]), name, k)
+            if step is None:
+                ok = np.flatnonzero(np.isfinite(v))
+                value = float(v[ok[-1]]) if len(ok) else float("nan")
+            else:
+                where = np.flatnonzero(t == step)
+                if not len(where):
+                    raise KeyError(f"step {step} is not a finished step of {row['id']!r} for {name!r}")
+                value = float(v[where[0]])
+            rows.append({"id": row["id"], **{f: row[f] for f in self.fields}, "seed": row.get("seed"), "value": value})
+        return pd.DataFrame(rows)
+
+    def smallest_k(self) -> int:
+        """The smallest number of eigenpairs K kept by a finished run (the largest k every run has)."""
+        return min(int(self.run(rid).eigenvalues.shape[1]) for _, ids in self.groups() for rid in ids)
+
+    def __repr__(self) -> str:
+        return f"Sweep({self.name!r}, runs={len(self.runs)}, fields={self.fields}, seeded={self.seeded})"

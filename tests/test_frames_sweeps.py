@@ -1,0 +1,133 @@
+"""Runs as data (xarray / pandas, plain xarray.open_zarr) and the cross-run sweep figures, on a tiny sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.pyplot import imread
+
+from nsa_dist.cli import main
+from nsa_dist.client import Client
+from nsa_dist.config import SweepSpec
+from nsa_dist.pipeline import run_experiment, run_id
+from nsa_dist.plots.sweep import SWEEP_FIGURES, plot_sweep, scalar_figure
+from nsa_dist.store import SpectrumStore
+
+xr = pytest.importorskip("xarray")
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2 depths × 2 seeds sweep, recorded as the coordinator records one, plus a run outside it."""
+    url = str(tmp_path_factory.mktemp("sw") / "s.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(name="sw", base={"data": {"n": 32, "n_test": 16}, "model": {"width": 8}, "steps": 12,
+                                       "record": {"every": 4}, "spectrum": {"k": 12, "images": [1]}},
+                      grid={"model.depth": [2, 3], "seed": [0, 1]})
+    ids = []
+    for spec in sweep.expand():
+        assert run_experiment(spec, store).status == "done"
+        ids.append(run_id(spec))
+    store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
+    lone = sweep.expand()[0].model_copy(update={"name": "lone", "steps": 5})
+    assert run_experiment(lone, store).status == "done"
+    return url
+
+
+def test_plain_xarray_opens_a_run(store_url: str) -> None:
+    run = Client(store_url).run("lone")
+    ds = xr.open_zarr(store_url, group=f"runs/{run.id}", consolidated=False)
+    assert ds["f"].dims == ("step", "point") and ds["energy_y"].dims == ("step", "k")
+    assert ds["eigenvectors"].dims == ("step", "point", "k") and ds["X"].dims == ("point", "input")
+    assert ds["f_test"].dims == ("step", "test_point") and ds["loss_trace"].dims == ("train_step",)
+    assert ds["eigvec_images"].dims == ("step", "image", "pixel_y", "pixel_x")
+    np.testing.assert_array_equal(ds["eigenvalues"].values, run.g["eigenvalues"][:])
+
+
+def test_run_to_xarray(store_url: str) -> None:
+    run = Client(store_url).run("lone")
+    ds = run.to_xarray()
+    np.testing.assert_array_equal(ds["step"].values, run.steps)
+    np.testing.assert_array_equal(ds["k"].values, np.arange(1, 13))
+    np.testing.assert_array_equal(ds["energy_y"].sel(k=10).values, run.energy("y", 10))
+    np.testing.assert_array_equal(ds["loss_test"].values, run.test_loss)
+    assert "theta" not in ds and "theta" in run.to_xarray(state=True)
+    assert json.loads(ds.attrs["spec"])["name"] == "lone" and ds.attrs["run_id"] == run.id
+
+
+def test_runs_frame(store_url: str) -> None:
+    c = Client(store_url)
+    df = c.runs()
+    assert len(df) == 5 and {"id", "sweep", "status", "model.depth", "schedule.lr", "seed"} <= set(df.columns)
+    assert df.set_index("name")["sweep"].isna()["lone"]
+    assert (df["status"] == "done").all() and (df["steps_done"] == df["steps_total"]).all()
+    sw = c.runs(sweep="sw")
+    assert sorted(sw["model.depth"].tolist()) == [2, 2, 3, 3] and set(sw["sweep"]) == {"sw"}
+    assert len(c.runs(sweep="sw", model__depth=3, seed=1)) == 1
+    with pytest.raises(KeyError, match="no sweep 'nope'.*sweeps: sw"):
+        c.runs(sweep="nope")
+    with pytest.raises(KeyError, match="no column 'model.deep'"):
+        c.runs(model__deep=3)
+
+
+def test_sweep_curves_are_means_over_seeds(store_url: str) -> None:
+    c = Client(store_url)
+    s = c.sweep("sw")
+    assert s.fields == ["model.depth"] and s.seeded
+    curves = s.curves("energy_y", k=5)
+    assert [cv.key for cv in curves] == [{"model.depth": 2}, {"model.depth": 3}] and all(cv.n == 2 for cv in curves)
+    for cv in curves:
+        runs = [c.run(r) for r in c.runs(sweep="sw", model__depth=cv.key["model.depth"])["id"]]
+        E = np.stack([r.energy("y", 5) for r in runs])  # (2, S)
+        np.testing.assert_allclose(cv.mean, E.mean(0))
+        np.testing.assert_allclose(cv.std, E.std(0))
+        np.testing.assert_array_equal(cv.t, runs[0].steps)
+    test = s.curves("loss_test")[0]
+    assert np.isfinite(test.mean).all() and test.t.tolist() == [0, 4, 8, 11]
+    df = s.scalar("energy_y", k=10)
+    one = df[(df["model.depth"] == 3) & (df["seed"] == 1)]
+    assert one["value"].item() == pytest.approx(c.run(one["id"].item()).energy("y", 10)[-1])
+
+
+def _readable(p: Path) -> None:
+    img = imread(p)
+    assert img.ndim == 3 and min(img.shape[:2]) >= 200 and img[..., :3].std() > 0.01, p
+
+
+def test_sweep_figures(store_url: str, tmp_path: Path) -> None:
+    s = Client(store_url).sweep("sw")
+    out = plot_sweep(s, tmp_path)
+    assert [p.stem for p in out] == list(SWEEP_FIGURES)
+    for p in out:
+        _readable(p)
+    fig = scalar_figure(s, "loss_test", "model.depth")
+    assert fig.axes[0].get_xlabel() == "model.depth"
+    with pytest.raises(ValueError, match="'model.width' is not a field sweep 'sw' varies; its fields: model.depth"):
+        scalar_figure(s, "loss_test", "model.width")
+    with pytest.raises(ValueError, match="unknown sweep figure"):
+        plot_sweep(s, tmp_path, figures=["fig7z"])
+
+
+def test_cli_plot_sweep_and_ls(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plot", "--sweep", "sw", "--out", str(tmp_path), "--store", store_url,
+                 "--scalar", "lambda_max", "--x", "model.depth"]) == 0
+    written = capsys.readouterr().out.split()
+    assert sorted(Path(p).name for p in written) == sorted([f"{n}.png" for n in SWEEP_FIGURES]
+                                                           + ["scalar_lambda_max.png"])
+    assert main(["ls", "--store", store_url]) == 0
+    assert "lone" in capsys.readouterr().out
+    assert main(["plot", "--sweep", "nope", "--out", str(tmp_path), "--store", store_url]) == 2
+
+
+def test_cli_plot_run_at_chosen_steps(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plot", "lone", "--out", str(tmp_path), "--store", store_url, "--step", "0", "4", "--k", "1", "3",
+                 "--figures", "fig4a_residual_projections", "fig3a_energy_y"]) == 0
+    assert sorted(Path(p).name for p in capsys.readouterr().out.split()) == \
+        ["fig3a_energy_y.png", "fig4a_residual_projections.png"]
+    assert main(["plot", "lone", "--out", str(tmp_path), "--store", store_url, "--step", "3"]) == 2
+    assert "step(s) [3] are not finished recorded steps" in capsys.readouterr().err
+    assert main(["plot", "--out", str(tmp_path), "--store", store_url]) == 2
+    assert "give either a RUN or --sweep NAME" in capsys.readouterr().err
