@@ -197,8 +197,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     con = Console()
     con.print(f"[bold]{run.id}[/]  status: {run.status}" + (f"  ({run.reason})" if run.reason else ""))
     s = run.spec
-    con.print(f"data {s.data.name.value} N={s.data.n}  model {s.model.depth}×{s.model.width} "
-              f"{s.model.activation.value}  {s.optimizer.name.value} lr={s.schedule.lr}  steps={s.steps}")
+    if hasattr(s.model, "factory"):  # a user-defined network (factory or Tracker)
+        net = f"{s.model.factory}({', '.join(f'{k}={v}' for k, v in s.model.kwargs.items())})"
+    else:
+        net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
+    lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
+    con.print(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
     if run.g.attrs.get("layout"):
         con.print(f"spectrum layout {run.g.attrs['layout']} ({run.g.attrs.get('layout_reason')})")
     steps = run.steps

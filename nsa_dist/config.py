@@ -7,11 +7,11 @@ here.  A validation error names the field, the value given and what is allowed.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-__all__ = ["Activation", "Init", "ModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
+__all__ = ["Activation", "Init", "ModelSpec", "FactoryModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
            "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "Layout", "SpectrumSpec", "HessianSpec", "ExperimentSpec", "ClusterSpec",
            "SweepSpec"]
 
@@ -69,6 +69,44 @@ class ModelSpec(_Strict):
         return self
 
 
+# --------------------------------------------------------------------------- user-defined networks (issue 12)
+
+
+class FactoryModelSpec(_Strict):
+    """Any ``nn.Module``, built by calling ``factory(**kwargs)`` — ``"pkg.module:function"``.
+
+    The module must be importable wherever the model is built: on the driver and on every Ray
+    worker (ship it with the job's ``runtime_env``, see deploy/README.md).  The import is
+    resolved when the model is built, not here, so a stored spec can always be read back.
+    ``input_dim`` / ``output_dim`` default to the data's d (flattened) and K; the model must
+    map the data's (n, d) inputs to (n,) or (n, K).  ``source="tracker"`` marks a model handed
+    to a :class:`~nsa_dist.Tracker` (``factory`` then only names its class; it is not rebuilt).
+    """
+
+    factory: str = Field(..., description="import path 'package.module:function' of the model factory")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
+    input_dim: int | None = Field(None, ge=1, description="d of the (flattened) inputs")
+    output_dim: int = Field(1, ge=1, description="K, the number of outputs")
+    source: Literal["factory", "tracker"] = "factory"
+
+    @field_validator("factory")
+    @classmethod
+    def _import_path(cls, v: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", v):
+            raise ValueError(f"model.factory={v!r} is not an import path 'package.module:function' "
+                             "(e.g. 'nsa_dist.models:cnn')")
+        return v
+
+
+def _model_kind(v: Any) -> str:
+    """Which model block a value is: a factory when it names one."""
+    if isinstance(v, FactoryModelSpec) or (isinstance(v, dict) and "factory" in v):
+        return "factory"
+    return "fc"
+
+
 # --------------------------------------------------------------------------- experiments
 
 
@@ -82,6 +120,7 @@ class DataName(str, Enum):
     DIGITS = "digits"
     DENSITY2D = "density2d"
     GAUSSIAN_MIXTURE = "gaussian_mixture"
+    ARRAYS = "arrays"  # data handed to a Tracker in memory (issue 12); never loaded from a spec
 
 
 class Target(str, Enum):
@@ -118,6 +157,8 @@ class DataSpec(_Strict):
         name = DataName(self.name)
         if name is DataName.IMAGE2D:
             return 2
+        if name is DataName.ARRAYS:
+            return 0  # a Tracker's arrays: d is the model block's input_dim
         if name is DataName.MNIST:
             return 196 if self.pool else 784
         if name is DataName.DIGITS:
@@ -152,6 +193,7 @@ class OptimizerName(str, Enum):
     GD = "gd"
     SGD = "sgd"
     ADAM = "adam"
+    CUSTOM = "custom"  # a user's own update (Tracker): first-order prediction J·Δθ; not trainable from a spec
 
 
 class OptimizerSpec(_Strict):
@@ -262,7 +304,7 @@ class SpectrumSpec(_Strict):
 
     k: int | Literal["all"] = Field(100, description="top eigenpairs of G_t, or 'all'")
     eig_method: str = Field("auto", description="auto | dense | lanczos | arpack")
-    ntk_method: str = Field("auto", description="auto | structured | jacobian")
+    ntk_method: str = Field("auto", description="auto | structured | per_layer | jacobian")
     dtype: Literal["float64", "float32"] = "float64"
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
@@ -280,7 +322,7 @@ class SpectrumSpec(_Strict):
 
     @model_validator(mode="after")
     def _methods(self) -> "SpectrumSpec":
-        allowed = {"eig_method": ("auto", "dense", "lanczos", "arpack"), "ntk_method": ("auto", "structured", "jacobian")}
+        allowed = {"eig_method": ("auto", "dense", "lanczos", "arpack"), "ntk_method": ("auto", "structured", "per_layer", "jacobian")}
         for field, ok in allowed.items():
             if getattr(self, field) not in ok:
                 raise ValueError(f"spectrum.{field}={getattr(self, field)!r} is not one of {', '.join(ok)}")
@@ -347,7 +389,8 @@ class ExperimentSpec(_Strict):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", max_length=200)
     seed: int = 0
     data: DataSpec = Field(default_factory=DataSpec)
-    model: ModelSpec = Field(default_factory=ModelSpec)
+    model: Annotated[Annotated[ModelSpec, Tag("fc")] | Annotated[FactoryModelSpec, Tag("factory")],
+                     Discriminator(_model_kind)] = Field(default_factory=ModelSpec)
     loss: LossName = LossName.L2
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
@@ -371,22 +414,26 @@ class ExperimentSpec(_Strict):
         if not isinstance(values, dict):
             return values
         data, model = values.get("data") or {}, values.get("model") or {}
-        if not isinstance(data, (dict, DataSpec)) or not isinstance(model, (dict, ModelSpec)):
+        if not isinstance(data, (dict, DataSpec)) or not isinstance(model, (dict, ModelSpec, FactoryModelSpec)):
             return values  # let field validation report "data" / "model" is not a mapping
         try:
             data = data if isinstance(data, DataSpec) else DataSpec(**data)
         except ValueError:
             return values  # field validation reports the data errors under "data."
-        model = model.model_dump(exclude_unset=True) if isinstance(model, ModelSpec) else dict(model)
+        model = model.model_dump(exclude_unset=True) if isinstance(model, BaseModel) else dict(model)
+        if DataName(data.name) is DataName.ARRAYS:
+            return {**values, "data": data, "model": model}  # a Tracker's: the model block carries d and K
         model.setdefault("input_dim", data.input_dim)
         model.setdefault("output_dim", data.output_dim)
         return {**values, "data": data, "model": model}
 
     @model_validator(mode="after")
     def _dims_match(self) -> "ExperimentSpec":
-        if self.model.input_dim != self.data.input_dim:
+        if DataName(self.data.name) is DataName.ARRAYS:
+            pass  # a Tracker's arrays: it checked the model against them
+        elif self.model.input_dim != self.data.input_dim:
             raise ValueError(f"model.input_dim={self.model.input_dim} but data {self.data.name.value} has d={self.data.input_dim}")
-        if self.model.output_dim != self.data.output_dim:
+        if DataName(self.data.name) is not DataName.ARRAYS and self.model.output_dim != self.data.output_dim:
             raise ValueError(f"model.output_dim={self.model.output_dim} but the targets have K={self.data.output_dim}")
         if self.optimizer.batch_size is not None and self.optimizer.batch_size > self.data.n:
             raise ValueError(f"optimizer.batch_size={self.optimizer.batch_size} exceeds data.n={self.data.n}")

@@ -7,7 +7,7 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 
 from __future__ import annotations
 
-__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError",
+__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError", "ModelFactoryError",
            "StoreError"]
 
 
@@ -33,3 +33,10 @@ class MissingDependencyError(NSAError, ImportError):
 
 class StoreError(NSAError, ValueError):
     """A spectrum store is missing, corrupt, or does not match the run being written."""
+
+
+class ModelFactoryError(NSAError, ImportError):
+    """A ``model.factory`` import path cannot be imported or called (issue 12)."""
+
+    def __reduce__(self):  # survive pickling across Ray processes with its message
+        return (ModelFactoryError, (str(self),))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from nsa_dist.config import Activation, Init, ModelSpec
+from nsa_dist.config import Activation, FactoryModelSpec, Init, ModelSpec
+from nsa_dist.errors import ModelFactoryError
 
-__all__ = ["FCNet", "NTKLinear", "build_model"]
+__all__ = ["CNN", "FCNet", "NTKLinear", "build_factory_model", "build_model", "cnn", "resolve_factory"]
 
 
 class NTKLinear(nn.Linear):
@@ -73,8 +75,9 @@ class FCNet(nn.Module):
         return out.squeeze(-1) if self.squeeze and out.shape[-1] == 1 else out
 
 
-def build_model(spec: ModelSpec, *, seed: int | None = None, dtype: torch.dtype = torch.float32) -> FCNet:
-    """Build the network that ``spec`` describes.
+def build_model(spec: ModelSpec | FactoryModelSpec, *, seed: int | None = None,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Build the network that ``spec`` describes (a :class:`FactoryModelSpec`: see :func:`build_factory_model`).
 
     Args:
         spec: depth, width, activation, init, residual, input/output dimensions.
@@ -85,6 +88,8 @@ def build_model(spec: ModelSpec, *, seed: int | None = None, dtype: torch.dtype 
     Returns:
         FCNet mapping (n, d) → (n,) when K = 1, else (n, K).
     """
+    if isinstance(spec, FactoryModelSpec):
+        return build_factory_model(spec, seed=seed, dtype=dtype)
     dims = [spec.input_dim] + [spec.width] * (spec.depth - 1) + [spec.output_dim]
     with torch.random.fork_rng(enabled=seed is not None):
         if seed is not None:
@@ -101,3 +106,135 @@ def _linear(spec: ModelSpec, n_in: int, n_out: int) -> nn.Linear:
     nn.init.xavier_uniform_(layer.weight)
     nn.init.zeros_(layer.bias)
     return layer
+
+
+# --------------------------------------------------------------------------- convolutional nets (issue 12)
+
+
+class CNN(nn.Module):
+    """``conv → σ → avg-pool`` per entry of ``channels``, flatten, ``Linear → σ`` per hidden width, ``Linear``.
+
+    Every convolution is k×k with 'same' zero padding; pooling is ``pool × pool`` average
+    pooling (no parameters), so the NTK's per-layer path (Conv2d + Linear) applies.
+    Inputs: (n, C, H, W) images or the same flattened to (n, C·H·W) (as the CIFAR loader yields).
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], convs: list[nn.Conv2d], linears: list[nn.Linear],
+                 act: nn.Module, pool: int, squeeze: bool = True) -> None:
+        super().__init__()
+        self.input_shape = tuple(input_shape)
+        self.convs, self.linears = nn.ModuleList(convs), nn.ModuleList(linears)
+        self.act, self.pool, self.squeeze = act, nn.AvgPool2d(pool) if pool > 1 else nn.Identity(), squeeze
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape((x.shape[0],) + self.input_shape)  # (n, C, H, W)
+        for conv in self.convs:
+            h = self.pool(self.act(conv(h)))  # (n, C_l, H / pool^l, W / pool^l)
+        h = h.flatten(1)  # (n, C_L·H_L·W_L)
+        for lin in self.linears[:-1]:
+            h = self.act(lin(h))  # (n, hidden)
+        out = self.linears[-1](h)  # (n, K)
+        return out.squeeze(-1) if self.squeeze and out.shape[-1] == 1 else out
+
+
+def cnn(in_channels: int = 3, image_size: int = 32, channels: tuple[int, ...] | list[int] = (16, 32),
+        hidden: tuple[int, ...] | list[int] = (128,), output_dim: int = 1, kernel_size: int = 3,
+        activation: str = "relu", pool: int = 2) -> CNN:
+    """A small CNN for (n, C, H, W) images — a model factory (``model: {factory: "nsa_dist.models:cnn"}``).
+
+    Args:
+        in_channels, image_size: C and H = W of the inputs.
+        channels: output channels of the convolutions, first to last.
+        hidden: widths of the Linear hidden layers after flattening.
+        output_dim: K (the model returns (n,) for K = 1).
+        kernel_size: odd k of the k×k convolutions.
+        activation: one of :class:`~nsa_dist.config.Activation`'s values.
+        pool: average-pooling factor after each convolution (1: none).
+
+    Raises:
+        ValueError: an even kernel, or pooling that shrinks the image below one pixel.
+    """
+    if kernel_size % 2 != 1:
+        raise ValueError(f"cnn: kernel_size must be odd ('same' padding), got {kernel_size}")
+    side = image_size // (pool ** len(channels))
+    if side < 1:
+        raise ValueError(f"cnn: image_size={image_size} pooled by {pool} {len(channels)} times leaves no pixels")
+    chans = [in_channels] + list(channels)
+    convs = [nn.Conv2d(a, b, kernel_size, padding=kernel_size // 2) for a, b in zip(chans[:-1], chans[1:])]
+    dims = [chans[-1] * side * side] + list(hidden) + [output_dim]
+    linears = [nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:])]
+    act = _activation(ModelSpec(activation=Activation(activation)))
+    return CNN((in_channels, image_size, image_size), convs, linears, act, pool)
+
+
+# --------------------------------------------------------------------------- models by import path (issue 12)
+
+_SHIP_HINT = ("the package must be importable on the driver and on every Ray worker: install it in the cluster's "
+              "image, or ship it with the job's runtime_env (py_modules / working_dir; see deploy/README.md)")
+
+
+def resolve_factory(path: str) -> Callable[..., nn.Module]:
+    """The callable at import path ``"package.module:attr"`` (attr may be dotted).
+
+    Raises:
+        ModelFactoryError: the module cannot be imported, lacks the attribute, or it is not callable;
+            the message names the path and says the package must be importable on every worker.
+    """
+    import importlib
+
+    module, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise ModelFactoryError(f"model.factory={path!r}: cannot import module {module!r} ({exc}); {_SHIP_HINT}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelFactoryError(f"model.factory={path!r}: module {module!r} has no attribute {attr!r}; {_SHIP_HINT}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelFactoryError(f"model.factory={path!r} is a {type(obj).__name__}, not a callable returning an nn.Module")
+    return obj
+
+
+def build_factory_model(spec: FactoryModelSpec, *, seed: int | None = None,
+                        dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``factory(**kwargs)`` under a forked RNG seeded with ``seed`` (deterministic, global RNG untouched).
+
+    Raises:
+        ModelFactoryError: the import path does not resolve, the call fails or returns no nn.Module,
+            or the spec is a Tracker's (its model is not rebuilt from the spec).
+    """
+    if spec.source == "tracker":
+        raise ModelFactoryError(f"this run's model ({spec.factory}) was handed to a Tracker; it is not rebuilt from "
+                                "the spec — pass the model to Tracker again")
+    fn = resolve_factory(spec.factory)
+    with torch.random.fork_rng(enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            model = fn(**spec.kwargs)
+        except TypeError as exc:
+            raise ModelFactoryError(f"model.factory={spec.factory!r} called with kwargs {spec.kwargs}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ModelFactoryError(f"model.factory={spec.factory!r} returned a {type(model).__name__}, not an nn.Module")
+    model = model.to(dtype)
+    if spec.input_dim is not None:
+        _check_factory_output(spec, model, dtype)
+    return model
+
+
+def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch.dtype) -> None:
+    """The model must map the data's (n, d) inputs to (n,) for K = 1 or (n, K)."""
+    x = torch.zeros(2, spec.input_dim, dtype=dtype)
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's forward on the data's shape
+        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}) fails on the data's inputs of "
+                                f"shape (n, {spec.input_dim}): {type(exc).__name__}: {exc}") from exc
+    K = spec.output_dim
+    want = (2,) if K == 1 else (2, K)
+    if not isinstance(out, torch.Tensor) or (tuple(out.shape) != want and not (K == 1 and tuple(out.shape) == (2, 1))):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}) returns {got} for inputs (2, "
+                                f"{spec.input_dim}); the targets need {want} (K = {K})")

@@ -20,7 +20,10 @@ def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``field.path: message (got value)``."""
     lines = []
     for e in exc.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(spec)"
+        loc = tuple(e["loc"])
+        if len(loc) > 1 and loc[0] == "model" and loc[1] in ("fc", "factory"):
+            loc = loc[:1] + loc[2:]  # drop the tag of the model block's union (a net or a factory)
+        where = ".".join(str(p) for p in loc) or "(spec)"
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         got = "" if isinstance(got, dict) else f" (got {got!r})"

@@ -43,3 +43,18 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def local_ray_fixture(num_cpus: int):
+    """A module-scoped fixture that starts an embedded Ray with ``num_cpus`` and shuts it down."""
+
+    @pytest.fixture(scope="module")
+    def local_ray():
+        ray = pytest.importorskip("ray")
+        from nsa_dist.cluster import connect
+
+        connect(num_cpus=num_cpus)
+        yield ray
+        ray.shutdown()
+
+    return local_ray

@@ -10,7 +10,7 @@ import ray
 from nsa_dist.config import ClusterSpec
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 
-__all__ = ["trainer_actor", "spectral_workers", "resolve_gpus"]
+__all__ = ["trainer_actor", "spectral_workers", "resolve_gpus", "tracked_run_workers"]
 
 
 def resolve_gpus(value: float | str, has_gpus: bool, auto: float) -> float:
@@ -37,3 +37,17 @@ def spectral_workers(store_url: str, cl: ClusterSpec, has_gpus: bool) -> list[An
     cls = ray.remote(SpectralService).options(num_cpus=cl.worker_cpus, num_gpus=gpus, resources=cl.worker_resources,
                                              max_restarts=-1, max_task_retries=cl.max_retries)
     return [cls.remote(store_url, threads=_threads(cl.worker_cpus)) for _ in range(cl.spectral_workers)]
+
+
+def tracked_run_workers(store_url: str, spec: dict, model_ref: Any, data_ref: Any, n: int, cpus: float = 1.0,
+                        gpus: float = 0.0, resources: dict | None = None) -> list[Any]:
+    """The spectral-worker pool of a Tracker's run (issue 12): ``n`` TrackedRunService actors.
+
+    ``model_ref`` / ``data_ref`` are object refs (put once, shared by the pool); a dead worker
+    restarts from them (max_restarts=-1) and the Tracker re-submits its step.
+    """
+    from nsa_dist.pipeline.tracked import TrackedRunService
+
+    cls = ray.remote(TrackedRunService).options(num_cpus=cpus, num_gpus=gpus, resources=resources or {},
+                                               max_restarts=-1, max_task_retries=0)
+    return [cls.remote(store_url, spec, model_ref, data_ref, threads=_threads(cpus)) for _ in range(n)]

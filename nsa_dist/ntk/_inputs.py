@@ -30,18 +30,20 @@ def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """Check ``x`` is a finite (n, d) tensor and cast it to the model's dtype/device."""
+    """Check ``x`` is a finite (n, …) tensor — (n, d) vectors, (n, C, H, W) images — and cast it
+    to the model's dtype/device."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (n, d), got {type(x).__name__}")
-    if x.ndim != 2 or x.shape[0] == 0:
-        raise ShapeError(f"{name} must have shape (n, d) with n >= 1, got {tuple(x.shape)}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape (n, d) or (n, …), got {type(x).__name__}")
+    if x.ndim < 2 or x.shape[0] == 0 or any(s == 0 for s in x.shape[1:]):
+        raise ShapeError(f"{name} must have shape (n, d) — or (n, …) such as images (n, C, H, W) — with n >= 1 "
+                         f"and no empty axis, got {tuple(x.shape)}")
     check_finite(name, x)
     p = next(iter(model.parameters()))
     return x.to(dtype=dtype or p.dtype, device=p.device)
 
 
 def output_dim(model: nn.Module, x: torch.Tensor) -> int:
-    """K of a model mapping (n, d) → (n,) [K=1] or (n, K); else a ShapeError naming the shape."""
+    """K of a model mapping (n, …) → (n,) [K=1] or (n, K); else a ShapeError naming the shape."""
     with torch.no_grad():
         out = model(x[:2])
     n = min(2, x.shape[0])
@@ -51,7 +53,7 @@ def output_dim(model: nn.Module, x: torch.Tensor) -> int:
         return 1
     if out.ndim == 2 and out.shape[0] == n:
         return int(out.shape[1])
-    raise ShapeError(f"model output must have shape (n,) or (n, K); for input {(n, x.shape[1])} "
+    raise ShapeError(f"model output must have shape (n,) or (n, K); for input {tuple(x[:2].shape)} "
                      f"it returned {tuple(out.shape)}")
 
 

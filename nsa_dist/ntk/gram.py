@@ -7,6 +7,7 @@ from torch import nn
 
 from nsa_dist._checks import parse_enum
 from nsa_dist.errors import ShapeError, UnsupportedModelError
+from nsa_dist.ntk._conv import conv_layers, per_layer_gram
 from nsa_dist.ntk._inputs import default_block, output_dim, prepare_inputs, prepare_model, trainable_params
 from nsa_dist.ntk._jacobian import jacobian_gram
 from nsa_dist.ntk._method import Kernel, NTKMethod
@@ -32,13 +33,20 @@ def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = 
     m = parse_enum(NTKMethod, method, "method")
     if m is NTKMethod.JACOBIAN:
         return m
+    if m in (NTKMethod.AUTO, NTKMethod.STRUCTURED):
+        try:
+            linear_layers(model, x[:2])
+            return NTKMethod.STRUCTURED
+        except UnsupportedModelError:
+            if m is NTKMethod.STRUCTURED:
+                raise
     try:
-        linear_layers(model, x[:2])
+        conv_layers(model, x[:2])
     except UnsupportedModelError:
-        if m is NTKMethod.STRUCTURED:
+        if m is NTKMethod.PER_LAYER:
             raise
         return NTKMethod.JACOBIAN
-    return NTKMethod.STRUCTURED
+    return NTKMethod.PER_LAYER
 
 
 def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: torch.dtype | None):
@@ -46,8 +54,8 @@ def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: t
     x1 = prepare_inputs(model, x1, "x1", dtype)
     if x2 is not None:
         x2 = prepare_inputs(model, x2, "x2", dtype)
-        if x2.shape[1] != x1.shape[1]:
-            raise ShapeError(f"x1 and x2 must have the same input dimension d; got x1 {tuple(x1.shape)} "
+        if x2.shape[1:] != x1.shape[1:]:
+            raise ShapeError(f"x1 and x2 must have the same input dimension d (point shape); got x1 {tuple(x1.shape)} "
                              f"and x2 {tuple(x2.shape)}")
     return model, x1, x2, output_dim(model, x1)
 
@@ -58,11 +66,12 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
     """The empirical NTK Gramian ``G(i, j) = ∇_θ f(x1_i) · ∇_θ f(x2_j)`` (NSA Eq. 3, G_t = A_tᵀ A_t).
 
     Args:
-        model: any module mapping (n, d) → (n,) or (n, K); the kernel is over its parameters
+        model: any module mapping (n, …) → (n,) or (n, K); the kernel is over its parameters
             with ``requires_grad``.
-        x1: (N1, d) points.
-        x2: (N2, d) points, or None for the symmetric Gramian at x1 (upper tiles computed once).
-        method: "auto" | "structured" | "jacobian" (see :class:`NTKMethod`).
+        x1: (N1, d) points, or (N1, …) such as images (N1, C, H, W).
+        x2: (N2, …) points of the same point shape, or None for the symmetric Gramian at x1
+            (upper tiles computed once).
+        method: "auto" | "structured" | "per_layer" | "jacobian" (see :class:`NTKMethod`).
         kernel: "trace" → (N1, N2), Σ_a ∇f_a·∇f_a (the Gramian itself when K = 1);
             "full" → (N1, K, N2, K).
         block_size: points per block (bounds memory); the result does not depend on it.
@@ -73,9 +82,9 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
         The Gramian on the model's device, in ``dtype``.
 
     Raises:
-        ShapeError: x1/x2 not (n, d), differing d, or a model output not (n,) / (n, K).
+        ShapeError: x1/x2 not (n, …), differing point shapes, or a model output not (n,) / (n, K).
         NonFiniteError: NaN/inf in x1 or x2.
-        UnsupportedModelError: ``method="structured"`` on a model outside its reach.
+        UnsupportedModelError: ``method="structured"`` / ``"per_layer"`` on a model outside its reach.
         ValueError: an unknown method or kernel, a block_size < 1.
     """
     full = parse_enum(Kernel, kernel, "kernel") is Kernel.FULL
@@ -86,6 +95,8 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
     m = resolve_method(model, x1, method)
     if m is NTKMethod.STRUCTURED:
         return structured_gram(model, x1, x2, K, full, block_size or _structured_tile(x1.shape[0]))
+    if m is NTKMethod.PER_LAYER:
+        return per_layer_gram(model, x1, x2, K, full, block_size or _structured_tile(x1.shape[0]))
     P = sum(p.numel() for p in trainable_params(model).values())
     block = block_size or default_block(x1.shape[0], K * P, x1.element_size(), 256e6)
     return jacobian_gram(model, x1, x2, K, full, block)
@@ -99,8 +110,8 @@ def ntk_operator(model: nn.Module, x: torch.Tensor, *, kernel: str | Kernel = "t
     numpy arrays or torch tensors and returns the same type.
 
     Args:
-        model: any module mapping (n, d) → (n,) or (n, K).
-        x: (N, d) points.
+        model: any module mapping (n, …) → (n,) or (n, K).
+        x: (N, d) or (N, …) points.
         kernel: "trace" (an (N, N) operator) or "full" ((N·K, N·K), vectors laid out (N, K)).
         block_size: points per VJP/JVP block (default: about 64 MB of activations).
         dtype: compute dtype; default the model's.

@@ -66,7 +66,7 @@ class EigenImages:
 def eigen_images(spec: "ExperimentSpec", data: "Dataset", K: int) -> EigenImages | None:
     """An :class:`EigenImages` for 2-D data with at least one requested index ≤ K, else None."""
     indices = [i for i in spec.spectrum.images if i <= K]
-    if data.X.shape[1] != 2 or not indices:
+    if data.X.ndim != 2 or data.X.shape[1] != 2 or not indices:  # 2-D points only, not (N, 2, H, W) images
         return None
     s = spec.spectrum
     return EigenImages(unit_coordinates(data), indices, s.image_size, s.fourier_limit, s.fourier_size)

@@ -27,21 +27,31 @@ __all__ = ["SpectralShard"]
 
 
 class SpectralShard:
-    """One gang member.  ``threads``: torch threads of this process (None: leave as is)."""
+    """One gang member.  ``threads``: torch threads of this process (None: leave as is).
 
-    def __init__(self, threads: int | None = None, cache: int = 2) -> None:
+    ``model`` / ``data``: an in-process member (``nsa run``, a Tracker) is handed the analyzer's
+    built network and data instead of rebuilding them from the spec — a Tracker's network and
+    in-memory arrays cannot be rebuilt from it.
+    """
+
+    def __init__(self, threads: int | None = None, cache: int = 2, model: torch.nn.Module | None = None,
+                 data: Dataset | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.cache = cache
         self._runs: OrderedDict[str, tuple[ExperimentSpec, Dataset, torch.nn.Module]] = OrderedDict()
         self._held: dict[str, Any] = {}
+        self._given = (model, data) if model is not None and data is not None else None
 
     # ------------------------------------------------------------------ run state
     def _model(self, run_id: str, spec: dict, theta: np.ndarray) -> tuple[ExperimentSpec, Dataset, torch.nn.Module]:
         if run_id not in self._runs:
             es = ExperimentSpec.model_validate(spec)
-            data = load_dataset(es.data, seed=es.seed)
-            model = build_model(es.model, seed=es.seed).to(es.torch_device())
+            if self._given is not None:
+                model, data = self._given
+            else:
+                data = load_dataset(es.data, seed=es.seed)
+                model = build_model(es.model, seed=es.seed).to(es.torch_device())
             self._runs[run_id] = (es, data, model)
             while len(self._runs) > self.cache:
                 self._runs.popitem(last=False)
@@ -53,7 +63,7 @@ class SpectralShard:
 
     @staticmethod
     def _points(es: ExperimentSpec, data: Dataset, which: str, rng: tuple[int, int] | None = None) -> torch.Tensor:
-        X = data.X if which == "train" else np.asarray(data.X_test).reshape(-1, data.X.shape[1])
+        X = data.X if which == "train" else np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:]))
         X = X if rng is None else X[rng[0]:rng[1]]
         return torch.as_tensor(np.asarray(X), dtype=torch.float32, device=es.torch_device())
 

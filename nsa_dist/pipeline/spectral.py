@@ -55,13 +55,15 @@ class SpectralAnalyzer:
     in-process when none is given) and every metric is computed from products, never from G.
     """
 
-    def __init__(self, spec: ExperimentSpec, data: Dataset) -> None:
+    def __init__(self, spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None = None) -> None:
         self.spec, self.data = spec, data
         self.device = torch.device(spec.torch_device())
-        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
+        # ``model``: a built network (a Tracker's; its parameters get overwritten), else built from the spec
+        self.model = (model if model is not None else build_model(spec.model, seed=spec.seed)).to(self.device)
         self.dtype = torch.float64 if spec.spectrum.dtype == "float64" else torch.float32
         self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)
-        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(-1, data.X.shape[1])
+        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(
+            (-1,) + tuple(data.X.shape[1:]))  # (M, …) like X
         self.y = np.asarray(data.y, dtype=np.float64)
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
@@ -98,7 +100,8 @@ class SpectralAnalyzer:
         if self._local_pool is None:
             from nsa_dist.pipeline.shard import SpectralShard
 
-            self._local_pool = LocalPool([SpectralShard() for _ in range(self.spec.spectrum.workers)])
+            self._local_pool = LocalPool([SpectralShard(model=self.model, data=self.data)
+                                          for _ in range(self.spec.spectrum.workers)])
         return self._local_pool
 
     def _eig(self, G: StepGram, k: int):

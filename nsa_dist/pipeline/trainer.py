@@ -60,6 +60,9 @@ class Trainer:
     def _optimizer(self) -> torch.optim.Optimizer:
         o = self.spec.optimizer
         params = self.model.parameters()
+        if OptimizerName(o.name) is OptimizerName.CUSTOM:
+            raise ValueError("optimizer.name='custom' is a user's own update recorded by a Tracker; "
+                             "a spec run needs gd, sgd or adam")
         if OptimizerName(o.name) is OptimizerName.ADAM:
             return torch.optim.Adam(params, lr=self.spec.schedule.lr, betas=o.betas, eps=o.eps)
         return torch.optim.SGD(params, lr=self.spec.schedule.lr, momentum=o.momentum)
