@@ -137,7 +137,9 @@ class _LogProgress:
         pass
 
     def on_step(self, ck, result: dict) -> None:
-        lam = result["eigenvalues"][0]
+        from nsa_dist.pipeline.spectral import step_lambda_max
+
+        lam = step_lambda_max(result)
         print(f"[nsa] step {ck.step:>8}/{self.total}  loss {ck.loss:.5g}  λ_max {lam:.5g}  "
               f"E(y,10) {_at(result['energy_y'], 10):.3f}  ({time.perf_counter() - self.t0:.1f} s)", flush=True)
 
@@ -161,7 +163,9 @@ class _RichProgress(_LogProgress):
         self.bar.update(self.task, completed=step, loss=f"{loss:.4g}")
 
     def on_step(self, ck, result: dict) -> None:
-        self.bar.update(self.task, lam=f"{result['eigenvalues'][0]:.4g}")
+        from nsa_dist.pipeline.spectral import step_lambda_max
+
+        self.bar.update(self.task, lam=f"{step_lambda_max(result):.4g}")
 
 
 def _at(E: np.ndarray, k: int) -> float:
@@ -284,8 +288,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     # the embedded Ray gets enough logical CPUs for every actor (threads are set per actor)
     connect(args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(demand))))
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
+    coordinator = SweepCoordinator(sweep, args.store, on_event=table.update)
+    for rid, (layout, reason) in coordinator.layouts().items():
+        print(f"[nsa] {rid}: spectrum layout {layout} ({reason})", file=sys.stderr, flush=True)
     with table:
-        outcomes = SweepCoordinator(sweep, args.store, on_event=table.update).run()
+        outcomes = coordinator.run()
     failed = [o for o in outcomes if o.status != "done"]
     for o in outcomes:
         print(f"{o.run_id}: {o.status}" + (f" ({o.reason})" if o.reason else ""))

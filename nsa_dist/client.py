@@ -14,7 +14,7 @@ import numpy as np
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.errors import StoreError
 from nsa_dist.metrics import flow_speed, lr_eigen_product, spectrum_preservation, stability_bound
-from nsa_dist.store import PHIS, SpectrumStore
+from nsa_dist.store import PHIS, RunDims, SpectrumStore
 
 if TYPE_CHECKING:
     import pandas
@@ -69,6 +69,11 @@ class Run:
         return int(self._idx[where[0]])
 
     # ------------------------------------------------------------------ static
+    @property
+    def dims(self) -> RunDims:
+        """The sizes the run's arrays were created with (N, K, P, S, …)."""
+        return RunDims(**self.g.attrs["dims"])
+
     @property
     def schedule(self) -> np.ndarray:
         """(S_all,) every step that will be recorded."""
@@ -210,7 +215,8 @@ class Run:
 
     @property
     def test_loss(self) -> np.ndarray:
-        """(S,) L_test(θ_t) = (1/M) Σ_j ½‖f_t(x_j) − y_j‖² at the test points (NSA Fig. 7c)."""
+        """(S,) L_test(θ_t): the run's loss at the test points (NSA Fig. 7c) — (1/M) Σ_j ½‖f_t(x_j) − y_j‖²
+        for L2, the NCE loss over the held-out data and noise points for ``loss: nce``."""
         return self._per_step("loss_test")
 
     def to_xarray(self, *, state: bool = False) -> "xarray.Dataset":

@@ -35,7 +35,7 @@ def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, n
         ValueError: an unknown name (the allowed are listed) or an energy without k.
     """
     if name not in QUANTITIES:
-        raise ValueError(f"unknown quantity {name!r}; allowed: {', '.join(QUANTITIES)}")
+        return run.steps, _stored_scalar(run, name, k)
     if name == "loss":
         trace = run.loss_trace
         return np.arange(len(trace)), trace
@@ -49,6 +49,26 @@ def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, n
               "alignment": lambda: run.alignment["raw"], "first_order_error": lambda: run.first_order["error"],
               "first_order_cos": lambda: run.first_order["cos"]}[name]()
     return t, np.asarray(values, np.float64)
+
+
+def _stored_scalar(run: "Run", name: str, k: int | None) -> np.ndarray:
+    """Any other per-step array the run stores, as one value per finished step: an (S,) array as
+    it is, an (S, n) one at column k (1-based, e.g. ``eigenvalues`` k = 2 is λ_2)."""
+    from nsa_dist.store.schema import run_arrays
+
+    per_step = {a.name: a for a in run_arrays(run.dims) if a.per_step and a.dtype.startswith("float")}
+    spec = per_step.get(name)
+    if spec is None or len(spec.shape) > 2:
+        scalars = sorted(n for n, a in per_step.items() if len(a.shape) <= 2)
+        raise ValueError(f"unknown quantity {name!r}; allowed: {', '.join(QUANTITIES)}, or a stored per-step "
+                         f"array of this run: {', '.join(scalars)}")
+    values = run._per_step(name).astype(np.float64)
+    if values.ndim == 1:
+        return values
+    n = values.shape[1]
+    if k is None or not 1 <= k <= n:
+        raise ValueError(f"quantity {name!r} has {n} values per step: give k in 1..{n}, got {k!r}")
+    return values[:, k - 1]
 
 
 @dataclass(frozen=True)

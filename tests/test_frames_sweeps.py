@@ -34,6 +34,14 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
     lone = sweep.expand()[0].model_copy(update={"name": "lone", "steps": 5})
     assert run_experiment(lone, store).status == "done"
+    two = SweepSpec(name="sw2", base={"data": {"n": 24}, "steps": 4, "record": {"every": 2},
+                                      "spectrum": {"k": 8, "store_eigenvectors": False}},
+                    grid={"model.depth": [2, 3], "model.width": [4, 8]})
+    ids = []
+    for spec in two.expand():
+        assert run_experiment(spec, store).status == "done"
+        ids.append(run_id(spec))
+    store.record_sweep(two.name, two.model_dump(mode="json"), ids)
     return url
 
 
@@ -61,7 +69,7 @@ def test_run_to_xarray(store_url: str) -> None:
 def test_runs_frame(store_url: str) -> None:
     c = Client(store_url)
     df = c.runs()
-    assert len(df) == 5 and {"id", "sweep", "status", "model.depth", "schedule.lr", "seed"} <= set(df.columns)
+    assert len(df) == 9 and {"id", "sweep", "status", "model.depth", "schedule.lr", "seed"} <= set(df.columns)
     assert df.set_index("name")["sweep"].isna()["lone"]
     assert (df["status"] == "done").all() and (df["steps_done"] == df["steps_total"]).all()
     sw = c.runs(sweep="sw")
@@ -109,6 +117,35 @@ def test_sweep_figures(store_url: str, tmp_path: Path) -> None:
         scalar_figure(s, "loss_test", "model.width")
     with pytest.raises(ValueError, match="unknown sweep figure"):
         plot_sweep(s, tmp_path, figures=["fig7z"])
+
+
+def test_scalar_against_one_field_with_a_line_per_other(store_url: str) -> None:
+    c = Client(store_url)
+    s = c.sweep("sw2")
+    assert s.fields == ["model.depth", "model.width"] and not s.seeded
+    ax = scalar_figure(s, "energy_y", "model.depth", line="model.width", k=5).axes[0]
+    lines = {cont.get_label(): cont.lines[0] for cont in ax.containers}  # one errorbar line per width
+    assert sorted(lines) == ["width=4", "width=8"], sorted(lines)
+    for w, ln in ((4, lines["width=4"]), (8, lines["width=8"])):
+        want = [c.run(c.runs(sweep="sw2", model__depth=d, model__width=w)["id"].item()).energy("y", 5)[-1]
+                for d in (2, 3)]
+        np.testing.assert_array_equal(ln.get_xdata(), [2, 3])
+        np.testing.assert_allclose(ln.get_ydata(), want, rtol=1e-12)
+
+
+def test_any_stored_per_step_array_is_a_sweep_quantity(store_url: str) -> None:
+    c = Client(store_url)
+    s = c.sweep("sw2")
+    df = s.scalar("eigenvalues", k=2)  # λ_2 at the last step: not one of the named quantities
+    one = df[(df["model.depth"] == 3) & (df["model.width"] == 8)]
+    run = c.run(one["id"].item())
+    assert one["value"].item() == run.eigenvalues[-1, 1]
+    t, v = s.curves("gram_sq_frobenius", k=1)[0].t, s.curves("gram_sq_frobenius", k=1)[0].mean
+    assert t.tolist() == [0, 2, 3] and len(v) == 3 and (v > 0).all()
+    with pytest.raises(ValueError, match="unknown quantity 'nope'.*or a stored per-step array of this run: .*eigenvalues"):
+        s.scalar("nope")
+    with pytest.raises(ValueError, match="'eigenvalues' has 8 values per step: give k in 1..8, got 9"):
+        s.scalar("eigenvalues", k=9)
 
 
 def test_cli_plot_sweep_and_ls(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

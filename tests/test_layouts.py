@@ -19,6 +19,7 @@ from nsa_dist.ntk import gram
 from nsa_dist.ntk.shards import tile_plan
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, run_experiment, run_id, spec_json
 from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, TiledGram, choose_layout
+from nsa_dist.pipeline.services import SpectralService
 from nsa_dist.pipeline.shard import SpectralShard
 from nsa_dist.store import SpectrumStore
 from conftest import local_ray_fixture
@@ -155,6 +156,22 @@ def test_layout_validation_and_auto_choice(tmp_path):
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     attrs = SpectrumStore(url).group(run_id(spec)).attrs
     assert attrs["layout"] == "block_rows" and "per worker as tiles on 2 workers" in attrs["layout_reason"]
+
+
+def test_auto_layout_is_resolved_once_and_used_by_every_worker(tmp_path, monkeypatch):
+    import nsa_dist.pipeline.layout as layout_mod
+    from nsa_dist.pipeline import prepare_run, spec_json
+
+    spec = ExperimentSpec.model_validate({**BASE, "steps": 2, "record": {"every": 1}, "spectrum": {
+        **BASE["spectrum"], "layout": "auto", "workers": 2}})  # no budget: this machine's memory decides
+    url = str(tmp_path / "s.zarr")
+    prep = prepare_run(spec, SpectrumStore(url))
+    assert prep.analyzer.layout.layout is Layout.LOCAL, prep.analyzer.layout
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: 1e3)  # a node with next to no memory
+    assert SpectralAnalyzer(spec, prep.data).layout.layout is Layout.MATRIX_FREE  # what it alone would pick
+    analyzer, _ = SpectralService(url)._run(run_id(spec), spec_json(spec))
+    assert analyzer.layout.layout is Layout.LOCAL and not analyzer.distributed, analyzer.layout
+    assert prepare_run(spec, SpectrumStore(url)).analyzer.layout.layout is Layout.LOCAL  # a resume too
 
 
 def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):

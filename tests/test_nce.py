@@ -87,3 +87,15 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
                                    rtol=1e-4)
         ref = loss_value(spec, ds, run.g["f_test"][i].astype(np.float64), test=True)
         assert run.test_loss[i] == pytest.approx(ref, rel=1e-10)
+    # every figure of an L2 run is drawn for the NCE run too, with the note on GD's bound
+    from matplotlib.pyplot import imread
+
+    from nsa_dist.plots import FIGURES, make_figure, plot_run
+
+    written = plot_run(run, tmp_path / "figs")
+    assert [p.stem for p in written] == [f for f in FIGURES if not f.startswith("hessian_")]
+    for p in written:
+        img = imread(p)
+        assert img.ndim == 3 and img[..., :3].std() > 0.01, f"{p.name} is blank"
+    fig = make_figure(run, "fig1e_lr_stability")
+    assert any("NCE" in t.get_text() for t in fig.texts), [t.get_text() for t in fig.texts]

@@ -94,13 +94,58 @@ def test_predicted_update_without_momentum_is_the_paper_formula(momentum_run) ->
 
 
 @pytest.fixture(scope="module")
-def onehot_run(tmp_path_factory: pytest.TempPathFactory):
+def onehot_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = str(tmp_path_factory.mktemp("x") / "s.zarr")
     spec = ExperimentSpec(name="oh", data={"name": "digits", "n": 24, "n_test": 10, "target": "onehot"},
                           model={"depth": 2, "width": 8}, steps=4, record={"every": 2},
                           spectrum={"k": 10, "full_k": 6})
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
-    return Client(url).run("oh")
+    return url
+
+
+@pytest.fixture(scope="module")
+def onehot_run(onehot_url: str):
+    return Client(onehot_url).run("oh")
+
+
+def test_onehot_run_figures_show_and_plain_xarray(onehot_url, onehot_run, tmp_path, capsys) -> None:
+    """The figures and ``nsa show`` of a K-output run use the full kernel and say so; xarray names its axes."""
+    from matplotlib.pyplot import imread
+
+    from nsa_dist.cli import main
+    from nsa_dist.plots import make_figure, plot_run
+
+    written = plot_run(onehot_run, tmp_path)
+    assert {"fig1e_lr_stability", "fig2c_flow_speed", "fig2d_lr_eigen", "fig3a_energy_y"} <= {p.stem for p in written}
+    for p in written:
+        img = imread(p)
+        assert img.ndim == 3 and img[..., :3].std() > 0.01, p
+    fig = make_figure(onehot_run, "fig1e_lr_stability")
+    texts = " ".join([fig.get_suptitle()] + [t for ax in fig.axes for t in
+                                             (ax.get_title(), ax.get_ylabel(), *ax.get_legend_handles_labels()[1])])
+    assert "full" in texts and "kernel" in texts, texts
+    assert main(["show", "oh", "--store", onehot_url]) == 0
+    out = capsys.readouterr().out
+    assert "λ_max (full NK×NK kernel)" in out, out
+    xr = pytest.importorskip("xarray")
+    ds = xr.open_zarr(onehot_url, group=f"runs/{onehot_run.id}", consolidated=False)
+    assert ds["f"].dims == ("step", "point", "output") and ds["y"].dims == ("point", "output")
+    assert ds["eigenvalues_full"].dims == ("step", "k_full")
+    np.testing.assert_array_equal(ds["eigenvalues_full"].values, onehot_run.g["eigenvalues_full"][:])
+
+
+def test_nsa_show_notes_gd_formulas_for_sgd_and_adam(tmp_path, capsys) -> None:
+    from nsa_dist.cli import main
+
+    url = str(tmp_path / "s.zarr")
+    for name, opt in (("sgd", {"name": "sgd", "batch_size": 8}), ("adam", {"name": "adam"})):
+        spec = ExperimentSpec(name=name, data={"n": 24}, model={"depth": 2, "width": 8}, steps=3,
+                              record={"every": 2}, optimizer=opt, schedule={"lr": 0.01}, spectrum={"k": 5})
+        assert run_experiment(spec, SpectrumStore(url)).status == "done"
+        assert main(["show", name, "--store", url]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+        what = "minibatch SGD (batch 8)" if name == "sgd" else "Adam"
+        assert "formulas of full-batch GD" in out and f"this run uses {what}" in out, out
 
 
 def test_stored_full_kernel_and_stability_of_onehot_run(onehot_run) -> None:

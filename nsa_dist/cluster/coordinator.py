@@ -178,6 +178,10 @@ class SweepCoordinator:
         check_bundles_fit([worker] * (cl.spectral_workers + gang_members) + [trainer], nodes,
                           "the sweep's cluster block does not fit this Ray cluster's nodes")
 
+    def layouts(self) -> dict[str, tuple[str, str]]:
+        """Each run's spectrum layout and why it was chosen (resolved once, recorded with the run)."""
+        return {rid: (r.writer.attr("layout"), r.writer.attr("layout_reason")) for rid, r in self.runs.items()}
+
     def progress(self) -> list[RunProgress]:
         return [r.progress for r in self.runs.values()]
 

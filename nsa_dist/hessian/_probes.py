@@ -7,9 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from nsa_dist.errors import ShapeError
+from nsa_dist.linalg._backend import Backend
+from nsa_dist.linalg._inputs import as_symmetric_map
+from nsa_dist.linalg.operator import LinearOperator
 
 __all__ = ["LinearMap", "as_linear_map", "rademacher", "check_int"]
 
@@ -27,32 +29,29 @@ class LinearMap:
 
     def __call__(self, V: np.ndarray) -> np.ndarray:
         self.n_products += V.shape[1]
-        out = self._apply(np.ascontiguousarray(V))
-        out = out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
+        out = np.asarray(self._apply(np.ascontiguousarray(V)))
         return out.reshape(V.shape).astype(np.float64, copy=False)
 
 
 def as_linear_map(A: Any, name: str = "A") -> LinearMap:
-    """Wrap a dense square matrix (NumPy / torch) or an operator (``shape`` + ``matmat``/``matvec``).
+    """A dense symmetric matrix or an operator as the estimators see it (NumPy float64 in and out).
+
+    The project's operators (:class:`nsa_dist.linalg.LinearOperator`: H, I, S, G, local or on a
+    gang) already take and return NumPy; anything else goes through the eigensolvers' one input
+    adapter (:func:`nsa_dist.linalg._inputs.as_symmetric_map`: shape, dtype, finiteness and
+    symmetry checks, the array type an operator consumes found by one probe product).
 
     Raises:
         ShapeError: not square.
         TypeError: neither a matrix nor an operator.
+        ValueError: a dense matrix that is not symmetric.
     """
-    if isinstance(A, (np.ndarray, torch.Tensor)):
-        M = A.detach().cpu().double().numpy() if isinstance(A, torch.Tensor) else np.asarray(A, dtype=np.float64)
-        if M.ndim != 2 or M.shape[0] != M.shape[1]:
-            raise ShapeError(f"{name} must be a square (P, P) matrix, got shape {M.shape}")
-        return LinearMap(M.shape[0], lambda V: M @ V)
-    if not hasattr(A, "shape") or not (hasattr(A, "matmat") or hasattr(A, "matvec")):
-        raise TypeError(f"{name} must be a (P, P) array or an operator with `shape` and `matmat(V)`; "
-                        f"got {type(A).__name__}")
-    shape = tuple(A.shape)
-    if len(shape) != 2 or shape[0] != shape[1]:
-        raise ShapeError(f"{name} must be square (P, P); the operator has shape {shape}")
-    if hasattr(A, "matmat"):
-        return LinearMap(shape[0], A.matmat)
-    return LinearMap(shape[0], lambda V: np.stack([np.asarray(A.matvec(v)).reshape(-1) for v in V.T], 1))
+    if isinstance(A, LinearOperator):
+        if len(A.shape) != 2 or A.shape[0] != A.shape[1]:
+            raise ShapeError(f"{name} must be square (P, P); the operator has shape {tuple(A.shape)}")
+        return LinearMap(A.shape[0], A.matmat)
+    smap = as_symmetric_map(A, Backend.NUMPY, name)
+    return LinearMap(smap.N, smap.apply)
 
 
 def rademacher(rng: np.random.Generator, P: int, m: int) -> np.ndarray:

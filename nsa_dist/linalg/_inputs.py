@@ -85,8 +85,10 @@ def sym_rtol(eps: float) -> float:
     return float(np.sqrt(eps))
 
 
-def as_symmetric_map(G: Any, backend: Backend) -> SymmetricMap:
+def as_symmetric_map(G: Any, backend: Backend, name: str = "G_or_operator") -> SymmetricMap:
     """Validate ``G_or_operator`` and wrap it; a dense matrix is moved to ``backend`` once.
+
+    ``name``: what error messages call the argument.
 
     Raises:
         ShapeError: not (N, N), or an operator returning the wrong shape.
@@ -95,33 +97,33 @@ def as_symmetric_map(G: Any, backend: Backend) -> SymmetricMap:
         TypeError: neither an array nor an operator, or complex entries.
     """
     if array_kind(G) is not None:
-        return _dense_map(G, backend)
+        return _dense_map(G, backend, name)
     import scipy.sparse as sp
     from scipy.sparse.linalg import LinearOperator, aslinearoperator
     if sp.issparse(G):
         G = aslinearoperator(G)
     if not (hasattr(G, "matmat") or hasattr(G, "matvec")) or not hasattr(G, "shape"):
-        raise TypeError("G_or_operator must be an (N, N) array (NumPy, torch, CuPy) or an operator with "
+        raise TypeError(f"{name} must be an (N, N) array (NumPy, torch, CuPy) or an operator with "
                         f"`shape` and `matmat(V)` or `matvec(v)`; got {type(G).__name__}")
     shape = tuple(G.shape)
     if len(shape) != 2 or shape[0] != shape[1]:
-        raise ShapeError(f"G_or_operator must be square (N, N); the operator has shape {shape}")
+        raise ShapeError(f"{name} must be square (N, N); the operator has shape {shape}")
     return _operator_map(G, shape[0], backend, numpy_only=isinstance(G, LinearOperator))
 
 
-def _dense_map(G: Any, backend: Backend) -> SymmetricMap:
+def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
     shape = tuple(G.shape)
     if len(shape) != 2 or shape[0] != shape[1]:
-        raise ShapeError(f"G_or_operator must be a square 2-D (N, N) matrix, got shape {shape}")
+        raise ShapeError(f"{name} must be a square 2-D (N, N) matrix, got shape {shape}")
     if "complex" in str(G.dtype):
-        raise TypeError(f"G_or_operator must be real symmetric, got dtype {G.dtype}")
+        raise TypeError(f"{name} must be real symmetric, got dtype {G.dtype}")
     ops = resolve_backend(backend, G)
     Gb = ops.asarray(G)  # (N, N) float64
     if not ops.all_finite(Gb):
         n_bad = int((~ops.xp.isfinite(Gb)).sum())
-        raise NonFiniteError(f"G_or_operator holds {n_bad} NaN/inf entries (of {shape[0] * shape[1]}); "
+        raise NonFiniteError(f"{name} holds {n_bad} NaN/inf entries (of {shape[0] * shape[1]}); "
                              "only finite matrices have an eigendecomposition")
-    _check_symmetric(Gb, sym_rtol(_eps_of(G)), ops.name, "G_or_operator")
+    _check_symmetric(Gb, sym_rtol(_eps_of(G)), ops.name, name)
     return SymmetricMap(shape[0], ops, lambda X: Gb @ X, dense=Gb)
 
 

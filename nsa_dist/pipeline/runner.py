@@ -80,7 +80,7 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
     analyzer = SpectralAnalyzer(spec, data)
     rid = run_id(spec)
     writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
-    writer.set_attrs(layout=analyzer.layout.layout.value, layout_reason=analyzer.layout.reason)
+    pin_layout(writer, analyzer)
     if not writer.done().any():
         static = {"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
                   "steps": np.asarray(trainer.record),
@@ -89,6 +89,16 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
             static["hessian_steps"] = np.isin(np.arange(len(trainer.record)), sorted(analyzer.hessian.indices))
         writer.write_static(static)
     return PreparedRun(rid, spec, data, trainer, analyzer, writer)
+
+
+def pin_layout(writer: RunWriter, analyzer: SpectralAnalyzer) -> None:
+    """Resolve the run's layout once: the first to open the run records its choice (and why),
+    everyone after — a resumed run, every Ray worker — uses the recorded one."""
+    stored = writer.attr("layout")
+    if stored:
+        analyzer.pin_layout(stored, writer.attr("layout_reason") or "recorded with the run")
+    else:
+        writer.set_attrs(layout=analyzer.layout.layout.value, layout_reason=analyzer.layout.reason)
 
 
 def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,

@@ -16,8 +16,8 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
-from nsa_dist.pipeline.runner import run_dims, run_id, spec_json
-from nsa_dist.pipeline.spectral import SpectralAnalyzer
+from nsa_dist.pipeline.runner import pin_layout, run_dims, run_id, spec_json
+from nsa_dist.pipeline.spectral import SpectralAnalyzer, step_lambda_max
 from nsa_dist.pipeline.trainer import Trainer
 from nsa_dist.store import RunWriter, SpectrumStore
 
@@ -96,7 +96,9 @@ class SpectralService:
             es = ExperimentSpec.model_validate(spec)
             data = load_dataset(es.data, seed=es.seed)
             analyzer = SpectralAnalyzer(es, data)
-            self._runs[run_id] = (analyzer, open_writer(self.store_url, es, data, analyzer=analyzer))
+            writer = open_writer(self.store_url, es, data, analyzer=analyzer)
+            pin_layout(writer, analyzer)  # the driver's choice, not this node's memory
+            self._runs[run_id] = (analyzer, writer)
             while len(self._runs) > self.cache:
                 self._runs.popitem(last=False)
         self._runs.move_to_end(run_id)
@@ -113,4 +115,4 @@ class SpectralService:
         writer.write_step(ck.index, result, ck.state)
         E = result["energy_y"]
         return {"run_id": run_id, "index": ck.index, "step": ck.step, "loss": ck.loss,
-                "lambda_max": float(result["eigenvalues"][0]), "energy_y_10": float(E[min(10, len(E)) - 1])}
+                "lambda_max": step_lambda_max(result), "energy_y_10": float(E[min(10, len(E)) - 1])}

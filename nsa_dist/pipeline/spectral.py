@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -20,16 +22,23 @@ from nsa_dist.ntk import NTKMethod, gram, resolve_method
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
-from nsa_dist.pipeline.layout import (DenseGram, LocalPool, Pool, ShardedCurvature, StepGram, choose_layout,
-                                      gram_for_layout)
+from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram,
+                                      choose_layout, gram_for_layout)
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
-__all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size"]
+__all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max"]
 
 
 def spectrum_size(spec: ExperimentSpec, n: int) -> int:
     """K, the number of eigenpairs kept at n points."""
     return n if spec.spectrum.k == "all" else min(int(spec.spectrum.k), n)
+
+
+def step_lambda_max(result: dict[str, Any]) -> float:
+    """The λ_max that sets GD's stability in one step's result: of the full NK×NK kernel for a
+    K-output run (``eigenvalues_full``), else of the (traced) Gram — what progress displays show."""
+    lam = result.get("eigenvalues_full")
+    return float((lam if lam is not None else result["eigenvalues"])[0])
 
 
 def energy_curve(evecs: np.ndarray, phi: np.ndarray) -> np.ndarray:
@@ -73,6 +82,12 @@ class SpectralAnalyzer:
         self.layout = choose_layout(spec, data.n, _feature_width(self.model, spec.model.output_dim), structured)
         self.extras = StepExtras(spec, data, self.dtype)
         self._local_pool: LocalPool | None = None
+        self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
+
+    def pin_layout(self, layout: str, reason: str) -> None:
+        """Use the layout the run was created with (``auto`` is resolved once, by whoever created
+        the run, and stored), not what this machine's memory would choose."""
+        self.layout = LayoutChoice(Layout(layout), reason)
 
     @property
     def distributed(self) -> bool:
@@ -128,26 +143,44 @@ class SpectralAnalyzer:
         """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout."""
         vector_to_parameters(torch.as_tensor(ck.theta, device=self.device), self.model.parameters())
         N = self.data.n
-        G = self._step_gram("train", ck.theta, pool)
+        self.timings = {}
+        with self._timed("gram"):
+            G = self._step_gram("train", ck.theta, pool)
         try:
             out = self._gram_metrics(G, ck, N)
         finally:
             G.close()
         if self.spec.spectrum.test_points and self.X_test.shape[0] > 0:
-            G_t = self._step_gram("test", ck.theta, pool)
-            try:
-                eig_t = self._eig(G_t, min(self.K, self.X_test.shape[0]))
-            finally:
-                G_t.close()
+            with self._timed("test_points"):
+                G_t = self._step_gram("test", ck.theta, pool)
+                try:
+                    eig_t = self._eig(G_t, min(self.K, self.X_test.shape[0]))
+                finally:
+                    G_t.close()
             out["eigenvalues_test"] = eig_t.evals
             out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
         if self.hessian.wanted(ck.index):
-            out.update(self._hessian(ck, pool))
+            with self._timed("hessian"):
+                out.update(self._hessian(ck, pool))
         return out
+
+    @contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        """Add the wall time of the block to ``self.timings[part]`` (seconds of the last step's parts)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
 
     def _gram_metrics(self, G: StepGram, ck: Checkpoint, N: int) -> dict[str, Any]:
         """Eigenpairs, energies, first-order prediction, alignment: products with G only."""
-        eig = self._eig(G, self.K)
+        with self._timed("eigenpairs"):
+            eig = self._eig(G, self.K)
+        with self._timed("metrics"):
+            return self._metrics(G, ck, N, eig)
+
+    def _metrics(self, G: StepGram, ck: Checkpoint, N: int, eig: Any) -> dict[str, Any]:
         residual = loss_residual(self.spec, self.data, ck.f)  # m_t = ∂ℓ/∂f (f_t − y for L2)
         scalar = residual.ndim == 1
         Y = self.y.reshape(N, -1)

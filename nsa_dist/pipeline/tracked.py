@@ -21,7 +21,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import hessian_dims
-from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
+from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore
 
 __all__ = ["TrackedRunService", "tracked_spec", "tracked_dims", "tracked_static", "RNG_BYTES"]
@@ -115,4 +115,4 @@ class TrackedRunService:
         """Compute recorded step ``ck.index`` and write it; returns a short summary."""
         result = self.analyzer.analyze(ck)
         self.writer.write_step(ck.index, result, ck.state)
-        return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": float(result["eigenvalues"][0])}
+        return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": step_lambda_max(result)}

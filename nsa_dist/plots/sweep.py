@@ -62,7 +62,8 @@ def fig7b(sweep: "Sweep") -> "Figure":
 
 
 def fig7c(sweep: "Sweep") -> "Figure":
-    """Test loss (1/M) Σ ½‖f_t(x_j) − y_j‖² at the recorded steps per grid point (log-log against t + 1)."""
+    """Test loss (the run's loss at the test points: (1/M) Σ ½‖f_t(x_j) − y_j‖² for L2) at the recorded
+    steps per grid point (log-log against t + 1)."""
     fig, ax = _figure(sweep, "7c", "test loss")
     _lines(ax, sweep.curves("loss_test"), shift=1)
     ax.set(xlabel="step t + 1", ylabel=r"$L_{test}(\theta_t)$", xscale="log", yscale="log")

@@ -133,6 +133,10 @@ class RunWriter:
         """Run attributes other than the status (e.g. the analysis layout chosen and why)."""
         self.g.attrs.update(attrs)
 
+    def attr(self, name: str, default: Any = None) -> Any:
+        """One run attribute (e.g. the layout recorded when the run was created)."""
+        return self.g.attrs.get(name, default)
+
     def write_static(self, arrays: dict[str, np.ndarray]) -> None:
         for name, value in arrays.items():
             if self.specs[name].shape and np.size(value):
