@@ -49,6 +49,13 @@ def test_gram_tiles_and_feature_shard_on_gpu_equal_cpu():
     V = np.random.default_rng(0).standard_normal((150, 3))
     cpu, gpu = GramTiles(feats, plan.ranges, plan.pairs[1]), GramTiles(feats, plan.ranges, plan.pairs[1], device="cuda")
     np.testing.assert_allclose(gpu.matmat(V), cpu.matmat(V), rtol=1e-10, atol=1e-10)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        cupy = None
+    if cupy is not None:  # the products ran on CuPy views of the torch tiles (zero-copy)
+        assert gpu.backend == "cupy"
+        assert gpu._cp_tiles[0].data.ptr == gpu.tiles[0].data_ptr()
     fs_cpu, fs_gpu = FeatureShard(feats[0], 1), FeatureShard(feats[0], 1, device="cuda")
     n0 = plan.ranges[0][1]
     np.testing.assert_allclose(fs_gpu.jt(V[:n0]), fs_cpu.jt(V[:n0]), rtol=1e-10, atol=1e-10)

@@ -99,6 +99,25 @@ def test_block_rows_and_matrix_free_equal_local_in_process(base):
             assert np.isnan(got["hessian_moments_I_exact"]).all()
 
 
+@pytest.mark.parametrize("layout", ["block_rows", "matrix_free"])
+def test_no_process_forms_the_gram_on_a_gang(layout, monkeypatch):
+    """Every metric of a distributed step without the N×N G: forming it anywhere fails the step."""
+    import nsa_dist.hessian.moments as moments
+    import nsa_dist.pipeline.spectral as spectral
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"layout {layout}: the whole Gram was formed")
+
+    monkeypatch.setattr(spectral, "gram", refuse)
+    monkeypatch.setattr(moments, "gram", refuse)
+    spec = _spec(BASE, layout, 2, hessian=HESS)
+    data = load_dataset(spec.data, seed=spec.seed)
+    ck = list(Trainer(spec, data).train_until(3))[1]
+    out = SpectralAnalyzer(spec, data).analyze(ck)
+    assert np.isfinite(out["eigenvalues"]).all() and np.isfinite(out["energy_f_test"]).all()
+    assert np.isfinite(out["hessian_moments"]).all() and np.isfinite(out["df_pred"]).all()
+
+
 def test_matrix_free_with_jacobian_shards_equals_dense():
     spec = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "matrix_free",
                                                                "workers": 3, "ntk_method": "jacobian"}})
@@ -214,22 +233,12 @@ def _assert_matches_single_process(tmp_path, url: str, spec: ExperimentSpec) -> 
 
 
 @pytest.mark.slow
-def test_block_rows_sweep_on_ray_equals_single_process(local_ray, tmp_path):
+@pytest.mark.parametrize("layout", ["block_rows", "matrix_free"])
+def test_killed_gang_member_recomputes_the_step_on_a_fresh_gang(local_ray, tmp_path, layout):
+    """A sweep on Ray equals the single-process run although a gang member is killed twice."""
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = _sweep("gang", "block_rows", 2)
-    url = str(tmp_path / "s.zarr")
-    coord = SweepCoordinator(sweep, url)
-    (outcome,) = coord.run()
-    assert outcome.status == "done", outcome
-    _assert_matches_single_process(tmp_path, url, sweep.expand()[0])
-
-
-@pytest.mark.slow
-def test_killed_gang_member_recomputes_the_step_on_a_fresh_gang(local_ray, tmp_path):
-    from nsa_dist.cluster import SweepCoordinator
-
-    sweep = _sweep("gangkill", "matrix_free", 2)
+    sweep = _sweep(f"gangkill-{layout}", layout, 2)
     url = str(tmp_path / "s.zarr")
     coord = SweepCoordinator(sweep, url)
     (run,) = coord.runs.values()

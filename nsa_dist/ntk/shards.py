@@ -122,12 +122,24 @@ class GramTiles:
                 _tile(T, fI, fJ, bufs, accumulate=False)
             self.tiles.append(T)
         del feats, bufs
+        # On a GPU the products run on CuPy views of the tiles (DLPack: zero-copy, same memory)
+        # when CuPy is installed (the design card's GPU path); torch-CUDA otherwise.
+        self._cp = _cupy_or_none() if dev.type == "cuda" else None
+        self._cp_tiles = [self._cp.from_dlpack(T) for T in self.tiles] if self._cp is not None else None
+
+    @property
+    def backend(self) -> str:
+        """What runs the products: "cupy" (on CUDA with CuPy), else "torch"."""
+        return "cupy" if self._cp is not None else "torch"
 
     def matmat(self, V: Any) -> np.ndarray:
         """This worker's share of ``G V``: (N, m) float64 with rows of untouched blocks zero."""
         V = np.asarray(V, dtype=np.float64)
         vec = V.ndim == 1
         V2 = V[:, None] if vec else V
+        if self._cp is not None:
+            res = self._cupy_matmat(V2)
+            return res[:, 0] if vec else res
         dev, dt = self.tiles[0].device, self.tiles[0].dtype
         Vt = torch.as_tensor(V2, device=dev).to(dt)  # (N, m)
         out = torch.zeros(V2.shape, dtype=torch.float64, device=dev)
@@ -138,6 +150,17 @@ class GramTiles:
                 out[c:d] += (T.T @ Vt[a:b]).double()
         res = out.cpu().numpy()
         return res[:, 0] if vec else res
+
+    def _cupy_matmat(self, V: np.ndarray) -> np.ndarray:
+        cp = self._cp
+        Vc = cp.asarray(V).astype(self._cp_tiles[0].dtype)  # (N, m), one host-to-device copy
+        out = cp.zeros(V.shape, dtype=cp.float64)
+        for (I, J), T in zip(self.pairs, self._cp_tiles):
+            (a, b), (c, d) = self.ranges[I], self.ranges[J]
+            out[a:b] += (T @ Vc[c:d]).astype(cp.float64)
+            if I != J:
+                out[c:d] += (T.T @ Vc[a:b]).astype(cp.float64)
+        return cp.asnumpy(out)
 
     def stats(self) -> dict[str, float]:
         """Exact tile reductions: ``sq_frobenius`` (off-diagonal tiles count twice) and ``trace``."""
@@ -151,6 +174,16 @@ class GramTiles:
 
     def nbytes(self) -> int:
         return sum(T.numel() * T.element_size() for T in self.tiles)
+
+
+def _cupy_or_none() -> Any:
+    """CuPy when it is installed and sees a GPU, else None (the torch-CUDA products are used)."""
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # not installed, or no usable CUDA runtime for it
+        return None
 
 
 class FeatureShard:
