@@ -3,7 +3,7 @@
     python benchmarks/layouts.py a [--n 30000]     # block_rows on 2 and 4 workers vs local
     python benchmarks/layouts.py b [--n 60000]     # block_rows on 4 workers where G alone is 14.4 GB
     python benchmarks/layouts.py c [--n 200000]    # matrix_free on 2 workers; equality check at --n-check
-    python benchmarks/layouts.py d [--n 20000]     # Hessian over 2 data shards vs 1
+    python benchmarks/layouts.py d [--n 20000] [--probes 16]  # Hessian over 2 data shards vs 1
 
 Every analysis is the full step of a run of the NSA paper's 6x256 Leaky-ReLU net on image2d
 (float32 G, top-k eigenpairs, every metric the store records; no images or test points):
@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench-out"
 
 
-def _spec(n: int, k: int, layout: str, workers: int, hessian: bool = False) -> dict:
+def _spec(n: int, k: int, layout: str, workers: int, hessian: bool = False, probes: int = 16) -> dict:
     spec = {"name": f"bench{n}", "data": {"name": "image2d", "n": n}, "model": {"depth": 6, "width": 256},
             "steps": 1, "record": {"steps": [0]},
             "spectrum": {"k": k, "dtype": "float32", "layout": layout, "workers": workers, "images": [],
                          "frobenius_probes": 16}}
     if hessian:
-        spec["hessian"] = {"probes": 16, "orthogonality": False, "rayleigh_k": 0, "top_k": 1, "density": False,
+        spec["hessian"] = {"probes": probes, "orthogonality": False, "rayleigh_k": 0, "top_k": 1, "density": False,
                            "eig_tol": 1e-8}
     return spec
 
@@ -134,11 +134,13 @@ def part_c(n: int, k: int, n_check: int) -> dict:
     return res
 
 
-def part_d(n: int) -> dict:
-    spec1, spec2 = _spec(n, 10, "matrix_free", 1, hessian=True), _spec(n, 10, "matrix_free", 2, hessian=True)
+def part_d(n: int, probes: int) -> dict:
+    spec1 = _spec(n, 10, "matrix_free", 1, hessian=True, probes=probes)
+    spec2 = _spec(n, 10, "matrix_free", 2, hessian=True, probes=probes)
     one, two = gang(spec1, 1), gang(spec2, 2)
     h1, h2 = one["out"], two["out"]
-    return {"N": n, "one_worker_s": one["seconds"], "two_workers_s": two["seconds"],
+    return {"N": n, "probes": probes, "one_worker_s": one["seconds"], "one_worker_parts_s": one["parts_s"],
+            "two_workers_parts_s": two["parts_s"], "two_workers_s": two["seconds"],
             "time_ratio_2_over_1": two["seconds"] / one["seconds"],
             "lambda_max_H": float(h1["hessian_top"][0, 0]),
             "lambda_max_rel_diff": _rel(h2["hessian_top"], h1["hessian_top"]),
@@ -154,6 +156,7 @@ def main() -> None:
     ap.add_argument("--n", type=int)
     ap.add_argument("--k", type=int)
     ap.add_argument("--n-check", type=int, default=20_000)
+    ap.add_argument("--probes", type=int, default=16, help="(d) Hutch++ probes of the Hessian moments")
     a = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -164,7 +167,7 @@ def main() -> None:
     elif a.part == "c":
         res = part_c(a.n or 200_000, a.k or 20, a.n_check)
     else:
-        res = part_d(a.n or 20_000)
+        res = part_d(a.n or 20_000, a.probes)
     text = json.dumps(res, indent=1, default=float)
     (OUT / f"layouts-{a.part}.json").write_text(text)
     print(text)
