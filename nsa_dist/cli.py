@@ -31,6 +31,16 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
                    help="spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)")
 
 
+def _wait_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", type=float, nargs="?", const=-1.0, default=0.0, metavar="SECONDS",
+                   help="if another live process writes the run, wait for it (for ever, or SECONDS) instead of "
+                        "refusing")
+
+
+def _wait_seconds(value: float) -> float | None:
+    return None if value < 0 else value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nsa", description="Measure NTK spectra during training (nsa-dist).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -38,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("spec", type=Path)
     _store_arg(r)
     r.add_argument("--plain", action="store_true", help="log lines instead of a progress bar")
+    _wait_arg(r)
     ls = sub.add_parser("ls", help="list the runs in a store")
     _store_arg(ls)
     s = sub.add_parser("show", help="one run's status and measurements")
@@ -62,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     _store_arg(sw)
     sw.add_argument("--address", default=None, help="Ray address to join (default: start an embedded local Ray)")
     sw.add_argument("--plain", action="store_true", help="log lines instead of a live table")
+    _wait_arg(sw)
     sm = sub.add_parser("submit", help="submit a sweep to a Ray cluster as a Ray Job")
     sm.add_argument("sweep", type=Path)
     sm.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), required=not os.environ.get("RAY_ADDRESS"),
@@ -106,7 +118,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     progress = _RichProgress(spec.steps, rid) if fancy else _LogProgress(spec.steps, rid)
     with progress:
         out = run_experiment(spec, store, on_step=progress.on_step, on_update=progress.on_update,
-                             on_prepared=_print_layout)
+                             on_prepared=_print_layout, wait=_wait_seconds(args.wait))
     if out.status == Status.FAILED:
         print(f"run {rid} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)
         return 1
@@ -203,8 +215,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
     lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
     con.print(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
-    if run.g.attrs.get("layout"):
-        con.print(f"spectrum layout {run.g.attrs['layout']} ({run.g.attrs.get('layout_reason')})")
+    if run.attrs.get("layout"):
+        con.print(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})")
     steps = run.steps
     con.print(f"recorded {len(steps)}/{len(run.schedule)} steps")
     if not len(steps):
@@ -220,7 +232,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if run.Ko > 1:
         t.add_row("λ_max (full NK×NK kernel)", *(f"{run.lambda_max[i]:.5g}" for i in cols))
     t.add_row("2N/λ_max vs δ", *(f"{run.stability_bound()[i]:.4g} vs {run.lr[i]:.4g}" for i in cols))
-    if "loss_test" in run.g:
+    if run.has("loss_test"):
         t.add_row("test loss", *(f"{run.test_loss[i]:.5g}" for i in cols))
     for k in (1, 5, 10, 20, 50):
         if k <= E.shape[1]:
@@ -285,7 +297,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     connect(args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(demand))))
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
     with table:
-        outcomes = SweepCoordinator(sweep, args.store, on_event=table.update).run()
+        outcomes = SweepCoordinator(sweep, args.store, on_event=table.update, wait=_wait_seconds(args.wait)).run()
     failed = [o for o in outcomes if o.status != "done"]
     for o in outcomes:
         print(f"{o.run_id}: {o.status}" + (f" ({o.reason})" if o.reason else ""))

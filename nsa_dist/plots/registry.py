@@ -40,7 +40,7 @@ def _preservation_ready(run: "Run") -> bool:
 
 
 def _projections_ready(run: "Run") -> bool:
-    return "projections_residual" in run.g or "eigenvectors" in run.g
+    return run.has("projections_residual") or run.has("eigenvectors")
 
 
 _EVALS = _has("eigenvalues", "lr")
