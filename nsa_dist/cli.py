@@ -8,6 +8,8 @@
     nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster)
     nsa submit SWEEP.yaml --address http://HEAD:8265 --store URL     as a Ray Job
     nsa status [JOB] / nsa logs JOB / nsa cancel JOB                   (--address, $RAY_ADDRESS)
+    nsa status --store PATH              the runs' status (running only while a writer is alive)
+    nsa verify [STORE] [--mark]          list damaged steps; --mark: forget them so a re-run recomputes them
 The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
 """
 
@@ -81,10 +83,17 @@ def _parser() -> argparse.ArgumentParser:
     _store_arg(sm)
     sm.add_argument("--job-id", default=None)
     sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
-    for name, hlp in (("status", "job status (all jobs without JOB)"), ("logs", "a job's logs"), ("cancel", "stop a job")):
+    for name, hlp in (("status", "job status (all jobs without JOB), or the runs of --store"), ("logs", "a job's logs"),
+                      ("cancel", "stop a job")):
         q = sub.add_parser(name, help=hlp)
         q.add_argument("job", nargs="?" if name == "status" else None)
         q.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"))
+        if name == "status":
+            q.add_argument("--store", default=None, help="show the runs of this store instead of Ray jobs")
+    v = sub.add_parser("verify", help="check every chunk of a store; --mark forgets damaged steps for a re-run")
+    v.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
+    v.add_argument("--mark", "--repair", action="store_true", dest="mark",
+                   help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)")
     return p
 
 
@@ -95,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot, "sweep": _cmd_sweep,
-                "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel}[args.cmd](args)
-    except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError) as exc:
+                "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel,
+                "verify": _cmd_verify}[args.cmd](args)
+    except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError, ConnectionError) as exc:
         if os.environ.get("NSA_DEBUG"):
             import traceback
 
@@ -369,10 +379,49 @@ def _wait_job(address: str, job: str, poll: float = 2.0) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.store is not None:
+        return _store_status(args.store)
     from nsa_dist.cluster import jobs
 
-    for j in jobs.status(args.address, args.job):
+    try:
+        found = jobs.status(args.address, args.job)
+    except ConnectionError:
+        raise ConnectionError(f"no Ray cluster answers at {args.address} (start one, or pass --address / "
+                              "$RAY_ADDRESS; `nsa status --store PATH` shows a store's runs without a cluster)") from None
+    for j in found:
         print(f"{j['id']}  {j['status']:<10} {j['entrypoint']}  {j['message']}")
+    return 0
+
+
+def _store_status(url: str) -> int:
+    from nsa_dist.client import Client
+
+    runs = Client(url).runs()
+    if not len(runs):
+        print(f"no runs in {url}")
+    for r in runs.to_dict("records"):
+        print(f"{r['id']}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}" +
+              (f"  ({r['reason']})" if r.get("reason") else ""))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from nsa_dist.store import SpectrumStore, mark_damaged, verify_store
+
+    store = SpectrumStore(args.store, mode="r")
+    damage = verify_store(store)
+    n = len(store.run_ids())
+    if not damage:
+        print(f"{args.store}: {n} run(s), no damage found")
+        return 0
+    for d in damage:
+        print(str(d))
+    print(f"{args.store}: {len(damage)} damaged piece(s) in {len({d.run_id for d in damage})} of {n} run(s)")
+    if not args.mark:
+        print("run `nsa verify --mark` to forget the damaged steps, then re-run to recompute them")
+        return 1
+    for rid, idx in mark_damaged(SpectrumStore(args.store), damage).items():
+        print(f"{rid}: step indices {idx} marked not done; re-run it (nsa run / nsa sweep) to recompute them")
     return 0
 
 

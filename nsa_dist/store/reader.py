@@ -161,7 +161,7 @@ class RunReader:
         """Keys (relative to the array) of the chunks stored for ``name`` (one listing, cached)."""
         if name not in self._chunks:
             prefix = f"runs/{self.id}/{name}/"
-            self._chunks[name] = {k.removeprefix(prefix) for k in self.store._list_prefix(prefix)}
+            self._chunks[name] = {k.removeprefix(prefix) for k in self.store._list_prefix(prefix)} - {"zarr.json"}
         return self._chunks[name]
 
     def missing_chunks(self, name: str, idx: np.ndarray) -> dict[int, list[str]]:
