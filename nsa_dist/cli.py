@@ -199,14 +199,22 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
     runs = Client(args.store).runs()
     t = Table(title=f"runs in {args.store}")
-    for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr"):
+    for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
         t.add_column(col)
     for r in runs.to_dict("records"):
+        note = str(r.get("reason") or "") if r["status"] in ("interrupted", "failed", "damaged") else ""
         t.add_row(r["id"], str(r["status"]), f"{r['steps_done']}/{r['steps_total']}", str(r["last_step"]),
                   str(r.get("data.name")), str(r.get("data.n")), f"{r.get('model.depth')}×{r.get('model.width')}",
-                  str(r.get("optimizer.name")), f"{r.get('schedule.lr', float('nan')):g}")
+                  str(r.get("optimizer.name")), _lr(r.get("schedule.lr")), note)
     Console().print(t if len(runs) else f"no runs in {args.store}")
     return 0
+
+
+def _lr(value: object) -> str:
+    try:
+        return f"{float(value):g}"
+    except (TypeError, ValueError):
+        return "-"
 
 
 def _cmd_show(args: argparse.Namespace) -> int:

@@ -292,7 +292,7 @@ def test_damaged_chunks_are_named_found_by_verify_and_recomputed(tmp_path, capsy
     _assert_same_arrays(a, b, rid)
 
 
-def test_a_damaged_run_never_hides_the_others(tmp_path):
+def test_a_damaged_run_never_hides_the_others(tmp_path, capsys):
     url = str(tmp_path / "s.zarr")
     good = run_experiment(ExperimentSpec(**TINY), SpectrumStore(url)).run_id
     bad = run_experiment(ExperimentSpec(**{**TINY, "name": "bad", "steps": 11}), SpectrumStore(url)).run_id
@@ -303,6 +303,10 @@ def test_a_damaged_run_never_hides_the_others(tmp_path):
     assert df.loc[bad, "status"] == "damaged" and str(meta) in df.loc[bad, "reason"], df.loc[bad, "reason"]
     with pytest.raises(StoreError, match=f"{meta}.* is unreadable"):
         Client(url).run(bad)
+    capsys.readouterr()
+    assert nsa(["ls", "--store", url]) == 0
+    listing = capsys.readouterr().out
+    assert "damaged" in listing and "done" in listing, listing
     with pytest.raises(StoreError, match=f"{meta}.* is unreadable"):
         run_experiment(ExperimentSpec(**{**TINY, "name": "bad", "steps": 11}), SpectrumStore(url))
     damage = Client(url).verify()
