@@ -30,7 +30,7 @@ from nsa_dist.store import SpectrumStore  # noqa: E402
 from test_multinode import two_node_cluster  # noqa: E402,F401  (the loopback two-node Ray fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC = dict(name="s3run", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 8}, steps=60,
+SPEC = dict(name="s3run", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 8}, steps=40,
             record={"every": 10}, spectrum={"k": 6, "test_points": True})
 
 
@@ -119,12 +119,12 @@ def test_s3_run_killed_resumed_and_read_back(s3_env, tmp_path):
         time.sleep(0.2)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"not killed (rc {proc.returncode}): {proc.stdout.read()[-2000:]}"
-    assert 2 <= n_done < 7
+    assert 2 <= n_done < 5
     assert Client(url).run(rid).status == "interrupted"
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = Client(local).run(rid), Client(url).run(rid)
-    assert b.status == "done" and b.steps.tolist() == [0, 10, 20, 30, 40, 50, 59]
+    assert b.status == "done" and b.steps.tolist() == [0, 10, 20, 30, 39]
     assert sorted(a.array_names()) == sorted(b.array_names())
     for name in a.array_names():
         np.testing.assert_array_equal(a.array(name), b.array(name), err_msg=f"{name} differs between local and s3")

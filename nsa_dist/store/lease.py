@@ -120,12 +120,24 @@ class Lease:
 
     # ------------------------------------------------------------------ acquire / release
     def acquire(self) -> "Lease":
-        """Take every lease (refusing or waiting as asked), then start the heartbeat thread."""
-        taken: list[str] = []
+        """Take every lease (refusing or waiting as asked), then start the heartbeat thread.
+
+        All leases are written first and read back after one ``settle`` wait, so a sweep of many
+        runs waits once, not once per run.
+        """
+        deadline = None if self.wait is None else time.time() + self.wait
+        pending, taken = list(self.run_ids), []
         try:
-            for rid in self.run_ids:
-                self._acquire_one(rid)
-                taken.append(rid)
+            while pending:
+                held = self._try(pending, taken)
+                if not held:
+                    break
+                if deadline is not None and time.time() >= deadline:
+                    raise self._refusal(*held[0])
+                for rid in taken:  # keep the leases already taken fresh while waiting for the rest
+                    self._write(rid)
+                time.sleep(min(1.0, max(0.05, min(o.ttl if o else 1.0 for _, o in held) / 4)))
+                pending = [rid for rid, _ in held]
         except BaseException:
             for rid in taken:
                 self._write(rid, released=True)
@@ -134,25 +146,32 @@ class Lease:
         self._thread.start()
         return self
 
-    def _acquire_one(self, rid: str) -> None:
-        deadline = None if self.wait is None else time.time() + self.wait
-        while True:
+    def _try(self, pending: list[str], taken: list[str]) -> list[tuple[str, LeaseInfo | None]]:
+        """Write our lease where none is held, wait, read back: the (run, holder) pairs not ours."""
+        held, written = [], []
+        for rid in pending:
             other = self.store.lease_info(rid)
             if other is None or other.token == self.token or not other.fresh():
                 self._write(rid)
-                time.sleep(self.settle)  # a writer racing us has written by now: whose token stayed?
-                now = self.store.lease_info(rid)
-                if now is not None and now.token == self.token:
-                    return
-                other = now
-            if other is not None and (deadline is None or time.time() < deadline):
-                time.sleep(min(1.0, max(0.05, other.ttl / 4)))
-                continue
-            if other is None:
-                raise LeaseHeld(f"run {rid!r} in {self.store.url!r}: its lease vanished while taking it; retry")
-            raise LeaseHeld(f"run {rid!r} in {self.store.url!r} is being written by another process ({other.who()}; "
-                            f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
-                            "wait for it (--wait) or use another store")
+                written.append(rid)
+            else:
+                held.append((rid, other))
+        if written:
+            time.sleep(self.settle)  # a writer racing us has written by now: whose token stayed?
+        for rid in written:
+            now = self.store.lease_info(rid)
+            if now is not None and now.token == self.token:
+                taken.append(rid)
+            else:
+                held.append((rid, now))
+        return held
+
+    def _refusal(self, rid: str, other: LeaseInfo | None) -> LeaseHeld:
+        if other is None:
+            return LeaseHeld(f"run {rid!r} in {self.store.url!r}: its lease vanished while taking it; retry")
+        return LeaseHeld(f"run {rid!r} in {self.store.url!r} is being written by another process ({other.who()}; "
+                         f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
+                         "wait for it (--wait) or use another store")
 
     def _write(self, rid: str, released: bool = False) -> None:
         now = time.time()

@@ -187,11 +187,23 @@ class RunReader:
                              f"{self.store.url} --mark` and re-run to recompute it")
 
     def _damage_error(self, name: str, i: int | None, exc: BaseException) -> StoreError:
-        where = self.step_of(i) if i is not None else "a chunk"
-        path = self.chunk_path(name, self.step_chunks(name, i)[0]) if i is not None and self.specs.get(
-            name, ArraySpec(name, (), "f8", False)).per_step else f"{self.path}/{name}"
-        return StoreError(f"run {self.id!r}: array {name!r} at {where} is damaged ({path}: {type(exc).__name__}: "
-                          f"{exc}); run `nsa verify {self.store.url} --mark` and re-run to recompute it")
+        arr = self.array(name)
+        chunks = self.step_chunks(name, i) if i is not None else list(_grid(arr))
+        bad = next((c for c in chunks if _decode_ok(arr, _selection(arr, c))), chunks[0] if chunks else ())
+        where = f" at {self.step_of(i)}" if i is not None else ""
+        return StoreError(f"run {self.id!r}: array {name!r}{where} is damaged ({self.chunk_path(name, bad)}: "
+                          f"{type(exc).__name__}: {exc}); run `nsa verify {self.store.url} --mark` and re-run to "
+                          "recompute it")
+
+
+def _grid(arr: Any) -> Any:
+    """Every chunk coordinate of an array."""
+    return itertools.product(*[range(math.ceil(s / c)) for s, c in zip(arr.shape, arr.chunks)])
+
+
+def _selection(arr: Any, coords: tuple[int, ...]) -> tuple[slice, ...]:
+    """The index region of one chunk."""
+    return tuple(slice(j * c, min((j + 1) * c, s)) for j, c, s in zip(coords, arr.chunks, arr.shape))
 
 
 # --------------------------------------------------------------------------- verify
@@ -236,9 +248,8 @@ def verify_run(store: "SpectrumStore", run_id: str) -> list[Damage]:
             out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/zarr.json", str(exc)))
             continue
         if not a.per_step:
-            for c in itertools.product(*[range(math.ceil(s / ch)) for s, ch in zip(arr.shape, arr.chunks)]):
-                sel = tuple(slice(j * ch, min((j + 1) * ch, s)) for j, ch, s in zip(c, arr.chunks, arr.shape))
-                problem = _decode_ok(arr, sel)
+            for c in _grid(arr):
+                problem = _decode_ok(arr, _selection(arr, c))
                 if problem:
                     key = arr.metadata.encode_chunk_key(c)
                     out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/{key}", problem,
@@ -251,13 +262,12 @@ def verify_run(store: "SpectrumStore", run_id: str) -> list[Damage]:
         for i in np.flatnonzero(want):
             for c in r.step_chunks(name, int(i)):
                 key = arr.metadata.encode_chunk_key(c)
-                sel = tuple(slice(j * ch, min((j + 1) * ch, s)) for j, ch, s in zip(c, arr.chunks, arr.shape))
                 if key not in present:
                     if name != "done":
                         out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}",
                                           "chunk missing (the step is marked done)", None))
                     continue
-                problem = _decode_ok(arr, sel)
+                problem = _decode_ok(arr, _selection(arr, c))
                 if problem:
                     out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}", problem,
                                       f"runs/{run_id}/{name}/{key}"))
