@@ -316,3 +316,22 @@ def test_a_damaged_run_never_hides_the_others(tmp_path, capsys):
         run_experiment(ExperimentSpec(**{**TINY, "name": "bad", "steps": 11}), SpectrumStore(url))
     damage = Client(url).verify()
     assert [d.run_id for d in damage] == [bad] and str(meta) in damage[0].path
+
+
+def test_no_chunk_exceeds_the_object_store_bound_at_mnist_scale():
+    from nsa_dist.store import RunDims
+    from nsa_dist.store.schema import CHUNK_BYTES
+
+    D = RunDims(N=60000, M=10000, d=784, Ko=10, P=10_000_000, S=50, T=600000, K=1000, Kt=1000, nI=0, R=0, F=0,
+                n_slots=2, L=16, store_eigenvectors=True, Kf=500)
+    too_big = {}
+    for a in run_arrays(D):
+        if a.per_step:
+            assert a.chunks[0] == 1, f"{a.name}: a chunk spans several steps {a.chunks}"
+            nbytes = int(np.prod(a.chunks)) * np.dtype(a.dtype).itemsize
+            if nbytes > CHUNK_BYTES:
+                too_big[a.name] = (a.chunks, nbytes)
+    assert not too_big, f"per-step chunks above {CHUNK_BYTES} bytes: {too_big}"
+    specs = {a.name: a for a in run_arrays(D)}
+    assert specs["eigenvectors"].chunks == (1, 60000, 34)  # along k: one eigenvector is one 8 MiB chunk's column
+    assert specs["theta"].chunks == (1, 2097152) and specs["loss"].chunks == (1,)
