@@ -8,6 +8,8 @@
     nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster)
     nsa submit SWEEP.yaml --address http://HEAD:8265 --store URL     as a Ray Job
     nsa status [JOB] / nsa logs JOB / nsa cancel JOB                   (--address, $RAY_ADDRESS)
+    nsa status --store PATH              the runs' status (running only while a writer is alive)
+    nsa verify [STORE] [--mark]          list damaged steps; --mark: forget them so a re-run recomputes them
 The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
 """
 
@@ -31,6 +33,16 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
                    help="spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)")
 
 
+def _wait_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", type=float, nargs="?", const=-1.0, default=0.0, metavar="SECONDS",
+                   help="if another live process writes the run, wait for it (for ever, or SECONDS) instead of "
+                        "refusing")
+
+
+def _wait_seconds(value: float) -> float | None:
+    return None if value < 0 else value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nsa", description="Measure NTK spectra during training (nsa-dist).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -38,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("spec", type=Path)
     _store_arg(r)
     r.add_argument("--plain", action="store_true", help="log lines instead of a progress bar")
+    _wait_arg(r)
     ls = sub.add_parser("ls", help="list the runs in a store")
     _store_arg(ls)
     s = sub.add_parser("show", help="one run's status and measurements")
@@ -62,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     _store_arg(sw)
     sw.add_argument("--address", default=None, help="Ray address to join (default: start an embedded local Ray)")
     sw.add_argument("--plain", action="store_true", help="log lines instead of a live table")
+    _wait_arg(sw)
     sm = sub.add_parser("submit", help="submit a sweep to a Ray cluster as a Ray Job")
     sm.add_argument("sweep", type=Path)
     sm.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), required=not os.environ.get("RAY_ADDRESS"),
@@ -69,10 +83,17 @@ def _parser() -> argparse.ArgumentParser:
     _store_arg(sm)
     sm.add_argument("--job-id", default=None)
     sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
-    for name, hlp in (("status", "job status (all jobs without JOB)"), ("logs", "a job's logs"), ("cancel", "stop a job")):
+    for name, hlp in (("status", "job status (all jobs without JOB), or the runs of --store"), ("logs", "a job's logs"),
+                      ("cancel", "stop a job")):
         q = sub.add_parser(name, help=hlp)
         q.add_argument("job", nargs="?" if name == "status" else None)
         q.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"))
+        if name == "status":
+            q.add_argument("--store", default=None, help="show the runs of this store instead of Ray jobs")
+    v = sub.add_parser("verify", help="check every chunk of a store; --mark forgets damaged steps for a re-run")
+    v.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
+    v.add_argument("--mark", "--repair", action="store_true", dest="mark",
+                   help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)")
     return p
 
 
@@ -83,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot, "sweep": _cmd_sweep,
-                "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel}[args.cmd](args)
-    except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError) as exc:
+                "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel,
+                "verify": _cmd_verify}[args.cmd](args)
+    except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError, ConnectionError) as exc:
         if os.environ.get("NSA_DEBUG"):
             import traceback
 
@@ -106,7 +128,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     progress = _RichProgress(spec.steps, rid) if fancy else _LogProgress(spec.steps, rid)
     with progress:
         out = run_experiment(spec, store, on_step=progress.on_step, on_update=progress.on_update,
-                             on_prepared=_print_layout)
+                             on_prepared=_print_layout, wait=_wait_seconds(args.wait))
     if out.status == Status.FAILED:
         print(f"run {rid} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)
         return 1
@@ -181,14 +203,22 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
     runs = Client(args.store).runs()
     t = Table(title=f"runs in {args.store}")
-    for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr"):
+    for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
         t.add_column(col)
     for r in runs.to_dict("records"):
+        note = str(r.get("reason") or "") if r["status"] in ("interrupted", "failed", "damaged") else ""
         t.add_row(r["id"], str(r["status"]), f"{r['steps_done']}/{r['steps_total']}", str(r["last_step"]),
                   str(r.get("data.name")), str(r.get("data.n")), f"{r.get('model.depth')}×{r.get('model.width')}",
-                  str(r.get("optimizer.name")), f"{r.get('schedule.lr', float('nan')):g}")
+                  str(r.get("optimizer.name")), _lr(r.get("schedule.lr")), note)
     Console().print(t if len(runs) else f"no runs in {args.store}")
     return 0
+
+
+def _lr(value: object) -> str:
+    try:
+        return f"{float(value):g}"
+    except (TypeError, ValueError):
+        return "-"
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -207,8 +237,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
     lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
     con.print(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
-    if run.g.attrs.get("layout"):
-        con.print(f"spectrum layout {run.g.attrs['layout']} ({run.g.attrs.get('layout_reason')})")
+    if run.attrs.get("layout"):
+        con.print(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})")
     steps = run.steps
     con.print(f"recorded {len(steps)}/{len(run.schedule)} steps")
     if not len(steps):
@@ -224,7 +254,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if run.Ko > 1:
         t.add_row("λ_max (full NK×NK kernel)", *(f"{run.lambda_max[i]:.5g}" for i in cols))
     t.add_row("2N/λ_max vs δ", *(f"{run.stability_bound()[i]:.4g} vs {run.lr[i]:.4g}" for i in cols))
-    if "loss_test" in run.g:
+    if run.has("loss_test"):
         t.add_row("test loss", *(f"{run.test_loss[i]:.5g}" for i in cols))
     for k in (1, 5, 10, 20, 50):
         if k <= E.shape[1]:
@@ -288,7 +318,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     # the embedded Ray gets enough logical CPUs for every actor (threads are set per actor)
     connect(args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(demand))))
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
-    coordinator = SweepCoordinator(sweep, args.store, on_event=table.update)
+    coordinator = SweepCoordinator(sweep, args.store, on_event=table.update, wait=_wait_seconds(args.wait))
     for rid, (layout, reason) in coordinator.layouts().items():
         print(f"[nsa] {rid}: spectrum layout {layout} ({reason})", file=sys.stderr, flush=True)
     with table:
@@ -364,10 +394,49 @@ def _wait_job(address: str, job: str, poll: float = 2.0) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.store is not None:
+        return _store_status(args.store)
     from nsa_dist.cluster import jobs
 
-    for j in jobs.status(args.address, args.job):
+    try:
+        found = jobs.status(args.address, args.job)
+    except ConnectionError:
+        raise ConnectionError(f"no Ray cluster answers at {args.address} (start one, or pass --address / "
+                              "$RAY_ADDRESS; `nsa status --store PATH` shows a store's runs without a cluster)") from None
+    for j in found:
         print(f"{j['id']}  {j['status']:<10} {j['entrypoint']}  {j['message']}")
+    return 0
+
+
+def _store_status(url: str) -> int:
+    from nsa_dist.client import Client
+
+    runs = Client(url).runs()
+    if not len(runs):
+        print(f"no runs in {url}")
+    for r in runs.to_dict("records"):
+        print(f"{r['id']}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}" +
+              (f"  ({r['reason']})" if r.get("reason") else ""))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from nsa_dist.store import SpectrumStore, mark_damaged, verify_store
+
+    store = SpectrumStore(args.store, mode="r")
+    damage = verify_store(store)
+    n = len(store.run_ids())
+    if not damage:
+        print(f"{args.store}: {n} run(s), no damage found")
+        return 0
+    for d in damage:
+        print(str(d))
+    print(f"{args.store}: {len(damage)} damaged piece(s) in {len({d.run_id for d in damage})} of {n} run(s)")
+    if not args.mark:
+        print("run `nsa verify --mark` to forget the damaged steps, then re-run to recompute them")
+        return 1
+    for rid, idx in mark_damaged(SpectrumStore(args.store), damage).items():
+        print(f"{rid}: step indices {idx} marked not done; re-run it (nsa run / nsa sweep) to recompute them")
     return 0
 
 

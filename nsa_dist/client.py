@@ -35,30 +35,53 @@ class Run:
 
     def __init__(self, store: SpectrumStore, run_id: str) -> None:
         self._store, self.id = store, run_id
-        self.g = store.group(run_id)
-        try:
-            self.spec = ExperimentSpec.model_validate(self.g.attrs["spec"])
-        except KeyError:
-            raise StoreError(f"corrupt run {run_id!r}: its 'spec' attribute is missing") from None
-        self.refresh()
+        self._r = store.reader(run_id)
+        if "spec" not in self._r.attrs:
+            raise StoreError(f"corrupt run {run_id!r}: {self._r.path}/zarr.json has no 'spec' attribute")
+        self.spec = ExperimentSpec.model_validate(self._r.attrs["spec"])
+        self._set_state()
 
     def refresh(self) -> "Run":
         """Re-read the status and the set of finished steps (for watching a live run)."""
-        attrs = dict(self.g.attrs)
-        self.status, self.reason, self.failed_step = attrs.get("status"), attrs.get("reason"), attrs.get("failed_step")
-        self._idx = np.flatnonzero(self._read("done")[:])
+        self._r.refresh()
+        self._set_state()
         return self
 
-    def _read(self, name: str) -> Any:
-        if name not in self.g:
-            raise StoreError(f"run {self.id!r} has no array {name!r} (not recorded for this spec, or a corrupt store)")
-        return self.g[name]
+    def _set_state(self) -> None:
+        attrs = self._r.attrs
+        self.status, self.reason = self._r.status()
+        self.failed_step = attrs.get("failed_step")
+        self.attrs: dict[str, Any] = dict(attrs)
+        self._idx = np.flatnonzero(self._r.done)
+
+    @property
+    def g(self) -> Any:
+        """The run's Zarr group, read-only (prefer the typed properties: their reads are checked)."""
+        return self._r.g
+
+    def has(self, name: str) -> bool:
+        """Whether the run holds array ``name``."""
+        return self._r.has(name)
+
+    def array(self, name: str) -> np.ndarray:
+        """A whole stored array (every recorded step, finished or not: unfinished steps are NaN)."""
+        return self._r.read(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of array ``name`` (all S recorded steps)."""
+        return self._r.shape(name)
+
+    def array_names(self) -> list[str]:
+        return self._r.names()
+
+    def _read(self, name: str) -> np.ndarray:
+        return self._r.read(name)
+
+    def _at(self, name: str, i: int) -> np.ndarray:
+        return self._r.read_step(name, i)
 
     def _per_step(self, name: str) -> np.ndarray:
-        arr = self._read(name)
-        if not len(self._idx):
-            return np.zeros((0,) + tuple(arr.shape[1:]), dtype=arr.dtype)
-        return arr.oindex[self._idx]
+        return self._r.read_steps(name, self._idx)
 
     def _index_of(self, step: int) -> int:
         steps = self.steps
@@ -72,28 +95,28 @@ class Run:
     @property
     def dims(self) -> RunDims:
         """The sizes the run's arrays were created with (N, K, P, S, …)."""
-        return RunDims(**self.g.attrs["dims"])
+        return RunDims(**self.attrs["dims"])
 
     @property
     def schedule(self) -> np.ndarray:
         """(S_all,) every step that will be recorded."""
-        return self._read("steps")[:]
+        return self._read("steps")
 
     @property
     def X(self) -> np.ndarray:
-        return self._read("X")[:]
+        return self._read("X")
 
     @property
     def y(self) -> np.ndarray:
-        return self._read("y")[:]
+        return self._read("y")
 
     @property
     def X_test(self) -> np.ndarray:
-        return self._read("X_test")[:]
+        return self._read("X_test")
 
     @property
     def N(self) -> int:
-        return int(self._read("X").shape[0])
+        return int(self._r.shape("X")[0])
 
     # ------------------------------------------------------------------ per step
     @property
@@ -109,7 +132,7 @@ class Run:
     @property
     def eigenvector_steps(self) -> np.ndarray:
         """(Se,) the finished steps whose eigenvectors are stored (``spectrum.store_eigenvectors``)."""
-        if "eigenvectors" not in self.g:
+        if not self.has("eigenvectors"):
             return np.zeros(0, dtype=np.int64)
         return np.array([t for t in self.steps if self.spec.spectrum.eigenvectors_at(int(t))], dtype=np.int64)
 
@@ -120,14 +143,14 @@ class Run:
             KeyError: ``step`` is not finished, or its eigenvectors were not stored.
         """
         i = self._index_of(step)
-        if "eigenvectors" in self.g and not self.spec.spectrum.eigenvectors_at(int(step)):
+        if self.has("eigenvectors") and not self.spec.spectrum.eigenvectors_at(int(step)):
             raise KeyError(f"run {self.id!r} stores eigenvectors only at steps {self.eigenvector_steps.tolist()}, "
                            f"not at {step} (spectrum.store_eigenvectors)")
-        return np.asarray(self._read("eigenvectors")[i], dtype=np.float64)
+        return np.asarray(self._at("eigenvectors", i), dtype=np.float64)
 
     def residual_projections(self, step: int) -> np.ndarray:
         """(K,) ⟨v_i^t, m_t⟩² summed over outputs (NSA Fig. 4a), stored at every recorded step."""
-        return np.asarray(self._read("projections_residual")[self._index_of(step)], dtype=np.float64)
+        return np.asarray(self._at("projections_residual", self._index_of(step)), dtype=np.float64)
 
     def energy(self, phi: str = "y", k: int | None = None) -> np.ndarray:
         """E_t(φ, k) along t: (S,) for one k, (S, K) for all k ≤ K.
@@ -152,7 +175,7 @@ class Run:
     @property
     def loss_trace(self) -> np.ndarray:
         """(T,) the loss of every training step (NaN where not trained yet)."""
-        return self._read("loss_trace")[:]
+        return self._read("loss_trace")
 
     @property
     def lr(self) -> np.ndarray:
@@ -177,7 +200,7 @@ class Run:
         the full (N·Ko)×(N·Ko) kernel J Jᵀ (``eigenvalues_full``) — NOT the output-traced Gram
         Σ_a J_a J_aᵀ stored in ``eigenvalues``, whose λ_max is up to Ko times larger.
         """
-        if "eigenvalues_full" in self.g:
+        if self.has("eigenvalues_full"):
             return self._per_step("eigenvalues_full")
         if self.Ko > 1:
             raise StoreError(f"run {self.id!r} has Ko={self.Ko} outputs but no 'eigenvalues_full' (written by an "
@@ -187,8 +210,8 @@ class Run:
     @property
     def Ko(self) -> int:
         """Number of network outputs."""
-        y = self._read("y")
-        return 1 if len(y.shape) == 1 else int(y.shape[1])
+        y = self._r.shape("y")
+        return 1 if len(y) == 1 else int(y[1])
 
     @property
     def lambda_max(self) -> np.ndarray:
@@ -233,7 +256,7 @@ class Run:
         """f_t ("f"), df_t ("df"), the first-order df ("df_pred") or f_t at test points ("f_test")."""
         if which not in ("f", "df", "df_pred", "f_test"):
             raise ValueError(f"which={which!r} is not one of f, df, df_pred, f_test")
-        return np.asarray(self._read(which)[self._index_of(step)], dtype=np.float64)
+        return np.asarray(self._at(which, self._index_of(step)), dtype=np.float64)
 
     def residual(self, step: int) -> np.ndarray:
         """m_t = f_t − y at the training points."""
@@ -242,9 +265,9 @@ class Run:
     def images(self, step: int) -> dict[str, np.ndarray]:
         """2-D data: eigenvector images (nI, R, R), their |Fourier| (nI, F, F), the residual's, the indices."""
         i = self._index_of(step)
-        return {"indices": self._read("image_indices")[:], "eigvec_images": self._read("eigvec_images")[i],
-                "eigvec_fourier": self._read("eigvec_fourier")[i], "residual_image": self._read("residual_image")[i],
-                "residual_fourier": self._read("residual_fourier")[i]}
+        return {"indices": self._read("image_indices"), "eigvec_images": self._at("eigvec_images", i),
+                "eigvec_fourier": self._at("eigvec_fourier", i), "residual_image": self._at("residual_image", i),
+                "residual_fourier": self._at("residual_fourier", i)}
 
     def spectrum_preservation(self, t1: int | None = None, t2: int | None = None,
                               i: list[int] | None = None) -> tuple[np.ndarray, int, int, list[int]]:
@@ -253,9 +276,9 @@ class Run:
         Default: what the run stored when it finished (second vs last recorded step), else
         computed from the stored eigenvectors.
         """
-        if t1 is None and t2 is None and i is None and "preservation" in self.g:
-            a = self.g["preservation"]
-            return a[:], int(a.attrs["t1"]), int(a.attrs["t2"]), list(a.attrs["rows"])
+        if t1 is None and t2 is None and i is None and self.has("preservation"):
+            a = self._r.array_attrs("preservation")
+            return self._read("preservation"), int(a["t1"]), int(a["t2"]), list(a["rows"])
         steps = self.eigenvector_steps
         if len(steps) < 2 and (t1 is None or t2 is None):
             raise ValueError(f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two")
@@ -269,7 +292,7 @@ class Run:
     # ------------------------------------------------------------------ Hessian (H = I + S)
     def _hessian_index(self) -> np.ndarray:
         """Positions (into ``steps``) of the finished steps whose Hessian was analysed."""
-        mask = self._read("hessian_steps")[:][self._idx]
+        mask = self._read("hessian_steps")[self._idx]
         return np.flatnonzero(mask)
 
     @property
@@ -304,7 +327,7 @@ class Run:
         "evals_I", "evals_S": their eigenvalues}.
         """
         i = self._hessian_pos(step)
-        R, E = self._read("hessian_rayleigh")[i], self._read("hessian_rayleigh_evals")[i]
+        R, E = self._at("hessian_rayleigh", i), self._at("hessian_rayleigh_evals", i)
         return {"I": R[0], "S": R[1], "evals_I": E[0], "evals_S": E[1]}
 
     def hessian_top(self, part: str = "H") -> np.ndarray:
@@ -322,7 +345,7 @@ class Run:
     def hessian_density(self, step: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed)."""
         i = self._hessian_pos(step)
-        return self._read("hessian_density_grid")[i], self._read("hessian_density")[i]
+        return self._at("hessian_density_grid", i), self._at("hessian_density", i)
 
     def _hessian_pos(self, step: int | None) -> int:
         steps = self.hessian_steps
@@ -367,13 +390,28 @@ class Client:
 
         return Sweep(self, name)
 
+    def _name_of(self, rid: str) -> str | None:
+        try:
+            return self.store.run_attrs(rid).get("spec", {}).get("name")
+        except StoreError:
+            return None  # a damaged run: never matched by name
+
+    def verify(self, mark: bool = False) -> list:
+        """Every damaged chunk or metadata file of the store (:func:`nsa_dist.store.verify_store`);
+        ``mark``: delete the damaged chunks and mark their steps not done (needs a writable store)."""
+        from nsa_dist.store import mark_damaged, verify_store
+
+        damage = verify_store(self.store)
+        if mark and damage:
+            mark_damaged(SpectrumStore(self.url), damage)
+        return damage
+
     def run(self, run_id: str) -> Run:
         """A run by id, by a unique id prefix, or by its name when only one run has it."""
         ids = self.store.run_ids()
         if run_id in ids:
             return Run(self.store, run_id)
-        hits = [r for r in ids if r.startswith(run_id)] or \
-               [r for r in ids if dict(self.store.group(r).attrs).get("spec", {}).get("name") == run_id]
+        hits = [r for r in ids if r.startswith(run_id)] or [r for r in ids if self._name_of(r) == run_id]
         if len(hits) == 1:
             return Run(self.store, hits[0])
         if not hits:

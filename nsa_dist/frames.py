@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nsa_dist.store.schema import dimension_names
-
 if TYPE_CHECKING:
     import pandas
     import xarray
@@ -22,12 +20,6 @@ __all__ = ["run_to_xarray", "runs_frame", "STATE_ARRAYS"]
 
 STATE_ARRAYS = ("theta", "opt_slots", "rng_state")
 _ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k")
-
-
-def _dims(arr: Any, name: str) -> tuple[str, ...]:
-    """The array's Zarr v3 ``dimension_names``, else the schema's (stores written before they were)."""
-    dims = getattr(arr.metadata, "dimension_names", None)
-    return tuple(dims) if dims and all(dims) else dimension_names(name, arr.ndim)
 
 
 def run_to_xarray(run: "Run", *, state: bool = False) -> "xarray.Dataset":
@@ -45,15 +37,18 @@ def run_to_xarray(run: "Run", *, state: bool = False) -> "xarray.Dataset":
     import xarray as xr
 
     variables: dict[str, Any] = {}
-    for name in sorted(run.g.array_keys()):
+    r = run._r
+    for name in r.names():
         if name in ("steps", "done") or (name in STATE_ARRAYS and not state):
             continue
-        arr = run.g[name]
-        dims = _dims(arr, name)
-        data = run._per_step(name) if dims and dims[0] == "step" and name != "hessian_steps" else arr[...]
+        dims = r.dimension_names(name)
         if name == "hessian_steps":
-            data = np.asarray(arr[:])[run._idx]
-        variables[name] = xr.Variable(dims, np.asarray(data), attrs=dict(arr.attrs))
+            data = r.read(name)[run._idx]
+        elif dims and dims[0] == "step":
+            data = run._per_step(name)
+        else:
+            data = r.read(name)
+        variables[name] = xr.Variable(dims, np.asarray(data), attrs=r.array_attrs(name))
     ds = xr.Dataset(variables)
     coords: dict[str, Any] = {"step": ("step", run.steps)}
     for d in _ONE_BASED:
@@ -62,7 +57,7 @@ def run_to_xarray(run: "Run", *, state: bool = False) -> "xarray.Dataset":
     if "train_step" in ds.dims:
         coords["train_step"] = ("train_step", np.arange(ds.sizes["train_step"]))
     ds = ds.assign_coords(coords)
-    ds.attrs.update({"run_id": run.id, "status": str(run.status), "spec": json.dumps(run.g.attrs["spec"])})
+    ds.attrs.update({"run_id": run.id, "status": str(run.status), "spec": json.dumps(run.attrs["spec"])})
     return ds
 
 
@@ -76,6 +71,24 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = tuple(v) if isinstance(v, list) else v
     return out
+
+
+def _run_row(store: "SpectrumStore", rid: str, sweep: str | None) -> dict[str, Any]:
+    """One run's row; a damaged run gets status "damaged" and the error (naming the file) as its
+    reason, so that it never hides the others."""
+    from nsa_dist.errors import StoreError
+
+    try:
+        r = store.reader(rid)
+        status, reason = r.status()
+        steps = r.read("steps") if r.has("steps") else np.zeros(0, int)
+        done = np.flatnonzero(r.done)
+        return {"id": rid, "sweep": sweep, "status": status, "reason": reason, "steps_done": len(done),
+                "steps_total": len(steps), "last_step": int(steps[done[-1]]) if len(done) else None,
+                **_flatten(r.attrs.get("spec", {}))}
+    except StoreError as exc:
+        return {"id": rid, "sweep": sweep, "status": "damaged", "reason": str(exc), "steps_done": 0,
+                "steps_total": 0, "last_step": None}
 
 
 def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
@@ -98,16 +111,11 @@ def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -
     member = {rid: name for name, ids in sweeps.items() for rid in ids}
     ids = sweeps[sweep] if sweep is not None else store.run_ids()
     rows = []
+    known = set(store.run_ids())
     for rid in ids:
-        if rid not in store.runs:
+        if rid not in known:
             continue  # a sweep run not created yet
-        g = store.group(rid)
-        a = dict(g.attrs)
-        done = np.flatnonzero(g["done"][:]) if "done" in g else np.zeros(0, int)
-        steps = g["steps"][:] if "steps" in g else np.zeros(0, int)
-        rows.append({"id": rid, "sweep": member.get(rid), "status": a.get("status"), "reason": a.get("reason"),
-                     "steps_done": len(done), "steps_total": len(steps),
-                     "last_step": int(steps[done[-1]]) if len(done) else None, **_flatten(a.get("spec", {}))})
+        rows.append(_run_row(store, rid, member.get(rid)))
     df = pd.DataFrame(rows, columns=None if rows else ["id", "sweep", "status", "reason", "steps_done",
                                                        "steps_total", "last_step"])
     for key, value in where.items():

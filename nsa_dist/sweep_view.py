@@ -108,9 +108,7 @@ class Sweep:
     def __init__(self, client: "Client", name: str) -> None:
         self.client, self.name = client, name
         self.runs: "pandas.DataFrame" = client.runs(sweep=name)
-        if "sweeps" not in client.store.root or name not in client.store.root["sweeps"]:
-            raise KeyError(f"no sweep {name!r} in {client.url!r}")
-        spec = dict(client.store.root["sweeps"][name].attrs.get("spec", {}))
+        spec = client.store.sweep_spec(name)  # KeyError naming the known sweeps
         varied = list(spec.get("grid", {})) + [p for v in spec.get("variants", []) for p in v]
         varied = list(dict.fromkeys(varied))
         self.seeded = "seed" in varied

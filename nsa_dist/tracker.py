@@ -134,9 +134,14 @@ class Tracker:
         self._index = {t: i for i, t in enumerate(self.schedule)}
         self.n_params = sum(p.numel() for p in model.parameters())
         probe = SpectralAnalyzer(self.spec, self.data, model=_cpu_copy(model))  # sizes only (images, hessian)
-        self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params))
+        self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
+        try:
+            self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params))
+        except BaseException:
+            self._lease.release()
+            raise
         self._done = self.writer.done()
-        if not self._done.any():
+        if not self.writer.static_complete():
             self.writer.write_static(tracked_static(self.spec, self.data, probe))
         del probe
         self.max_inflight = max_inflight
@@ -278,6 +283,7 @@ class Tracker:
         except Exception as exc:
             self.writer.set_status(Status.FAILED, f"{type(exc).__name__}: {exc}")
             self.closed = True
+            self._lease.release()
             raise
 
     def _flush_trace(self) -> None:
@@ -295,6 +301,7 @@ class Tracker:
         self.writer.set_status(Status.FAILED, f"training diverged: {why}", step)
         self.closed = True
         self.pool.close()
+        self._lease.release()
         raise NonFiniteError(f"run {self.spec.name!r}: {why}; the run is marked failed, the "
                              f"{int(self._done.sum())} steps recorded before it are kept")
 
@@ -311,12 +318,15 @@ class Tracker:
         finally:
             self.closed = True
             self.pool.close()
-        missing = int((~self._done).sum())
-        if missing:
-            self.writer.set_status(Status.PENDING, f"closed with {missing} of {len(self._done)} recorded steps "
-                                   "missing; reopen the Tracker with this name to continue")
-        else:
-            finish_run(self.writer, self.spec)
+        try:
+            missing = int((~self._done).sum())
+            if missing:
+                self.writer.set_status(Status.PENDING, f"closed with {missing} of {len(self._done)} recorded steps "
+                                       "missing; reopen the Tracker with this name to continue")
+            else:
+                finish_run(self.writer, self.spec)
+        finally:
+            self._lease.release()
 
     def __enter__(self) -> "Tracker":
         return self
@@ -332,7 +342,8 @@ class Tracker:
             finally:
                 self.closed = True
                 self.pool.close()
-                self.writer.set_status(Status.PENDING, f"interrupted ({exc_type.__name__}); reopen to continue")
+                self.writer.set_status(Status.INTERRUPTED, f"interrupted ({exc_type.__name__}); reopen to continue")
+                self._lease.release()
 
     # ------------------------------------------------------------------ resume
     @property
@@ -346,7 +357,7 @@ class Tracker:
         i = self._index[step]
         if not self._done[i]:
             raise ValueError(f"step {step} is not recorded yet")
-        return np.asarray(self.writer.g["theta"][i])
+        return np.asarray(self.writer.read_step("theta", i))
 
 
 def _replace(ck: Checkpoint, **kw: Any) -> Checkpoint:

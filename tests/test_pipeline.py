@@ -105,7 +105,7 @@ def test_resume_from_stored_checkpoint_matches_uninterrupted(tmp_path, optimizer
 
     with pytest.raises(KeyboardInterrupt):
         run_experiment(spec, store_b, on_step=stop_after_two)
-    assert Client(str(tmp_path / "b.zarr")).run(full.run_id).status == "pending"
+    assert Client(str(tmp_path / "b.zarr")).run(full.run_id).status == "interrupted"
     resumed = run_experiment(spec, store_b)
     assert resumed.steps_computed == 2
     a, b = Client(str(tmp_path / "a.zarr")).run(full.run_id), Client(str(tmp_path / "b.zarr")).run(full.run_id)

@@ -22,7 +22,7 @@ from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
 from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang, check_bundles_fit, gang_bundle
 from nsa_dist.cluster.runtime import cluster_has_gpus
-from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, spec_json
+from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, run_id, spec_json
 from nsa_dist.store import RunWriter, SpectrumStore, Status
 
 __all__ = ["SweepCoordinator", "RunProgress", "check_resources"]
@@ -105,18 +105,25 @@ class SweepCoordinator:
     """
 
     def __init__(self, sweep: SweepSpec, store_url: str,
-                 on_event: Callable[[list[RunProgress]], None] | None = None) -> None:
+                 on_event: Callable[[list[RunProgress]], None] | None = None, *, wait: float | None = 0.0) -> None:
         self.sweep, self.store_url, self.cl = sweep, store_url, sweep.cluster
         self.on_event = on_event or (lambda runs: None)
         self.store = SpectrumStore(store_url)
         self.runs: dict[str, _Run] = {}
-        for spec in sweep.expand():
-            prep = prepare_run(spec, self.store)
-            done = prep.writer.done()
-            prog = RunProgress(prep.run_id, len(done), int(done.sum()))
-            gang = spec.spectrum.workers if prep.analyzer.distributed else 0
-            self.runs[prep.run_id] = _Run(spec, spec_json(spec), prep.writer, done, prog, gang)
-        self.store.record_sweep(sweep.name, sweep.model_dump(mode="json"), list(self.runs))
+        specs = sweep.expand()
+        # this driver holds every run's writer lease (its workers write for it) until run() ends
+        self.lease = self.store.lease(list(dict.fromkeys(run_id(s) for s in specs)), wait=wait).acquire()
+        try:
+            for spec in specs:
+                prep = prepare_run(spec, self.store)
+                done = prep.writer.done()
+                prog = RunProgress(prep.run_id, len(done), int(done.sum()))
+                gang = spec.spectrum.workers if prep.analyzer.distributed else 0
+                self.runs[prep.run_id] = _Run(spec, spec_json(spec), prep.writer, done, prog, gang)
+            self.store.record_sweep(sweep.name, sweep.model_dump(mode="json"), list(self.runs))
+        except BaseException:
+            self.lease.release()
+            raise
         self.workers: list[Any] = []
         self.pool: ActorPool | None = None
         self.gangs: dict[int, list[RayGang]] = {}  # free gangs by size
@@ -162,11 +169,12 @@ class SweepCoordinator:
             for r in active:
                 if r.trainer is not None:
                     ray.kill(r.trainer, no_restart=True)
-                r.writer.set_status(Status.PENDING, "sweep interrupted; re-run to resume")
+                r.writer.set_status(Status.INTERRUPTED, "sweep interrupted; re-run to resume")
             for w in self.workers:
                 ray.kill(w, no_restart=True)
             for g in [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
                 g.shutdown()
+            self.lease.release()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
 
     def _check_nodes(self, has_gpus: bool, gang_members: int, trainers: int) -> None:
@@ -175,7 +183,7 @@ class SweepCoordinator:
         worker = gang_bundle(cl.worker_cpus, resolve_gpus(cl.worker_gpus, has_gpus, 0.5), cl.worker_resources)
         trainer = gang_bundle(cl.trainer_cpus, resolve_gpus(cl.trainer_gpus, has_gpus, 1.0), cl.trainer_resources)
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        check_bundles_fit([worker] * (cl.spectral_workers + gang_members) + [trainer], nodes,
+        check_bundles_fit([worker] * (cl.spectral_workers + gang_members) + [trainer] * max(1, trainers), nodes,
                           "the sweep's cluster block does not fit this Ray cluster's nodes")
 
     def layouts(self) -> dict[str, tuple[str, str]]:
@@ -193,8 +201,8 @@ class SweepCoordinator:
 
     def _skip_if_finished(self, r: _Run) -> bool:
         if r.done.all():
-            if r.writer.g.attrs.get("status") != Status.DONE:
-                finish_run(r.writer, r.spec)
+            if r.writer.attrs().get("status") != Status.DONE or not r.writer.has("preservation"):
+                finish_run(r.writer, r.spec)  # also a run whose driver died between its last step and this
             r.progress.status = Status.DONE
             return True
         return False

@@ -25,7 +25,7 @@ from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore, Status
 
 __all__ = ["PreparedRun", "RunOutcome", "finish_run", "prepare_run", "run_experiment", "run_id", "run_dims",
-           "spec_json"]
+           "spec_json", "step_plan", "hessian_flags"]
 
 
 def spec_json(spec: ExperimentSpec) -> dict:
@@ -50,7 +50,24 @@ def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: Sp
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=len(trainer.slot_names),
                    L=int(trainer.gen.get_state().numel()), store_eigenvectors=bool(spec.spectrum.store_eigenvectors),
                    hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))),
-                   Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n))
+                   Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n), **hessian_flags(spec))
+
+
+def hessian_flags(spec: ExperimentSpec) -> dict[str, bool]:
+    """RunDims' Hm / Ho: whether the Hessian moment / orthogonality arrays exist."""
+    h = spec.hessian
+    return {"Hm": bool(h.moments) if h else True, "Ho": bool(h.orthogonality) if h else True}
+
+
+def step_plan(spec: ExperimentSpec, record: list[int], hessian_indices: set[int]) -> dict[str, np.ndarray]:
+    """The static arrays that say which recorded steps write what: steps, eigenvector_steps,
+    hessian_steps (those the run's arrays include)."""
+    out = {"steps": np.asarray(record, dtype=np.int64)}
+    if spec.spectrum.store_eigenvectors:
+        out["eigenvector_steps"] = np.array([spec.spectrum.eigenvectors_at(int(t)) for t in record], dtype=bool)
+    if spec.hessian is not None:
+        out["hessian_steps"] = np.isin(np.arange(len(record)), sorted(hessian_indices))
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,12 +98,10 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
     rid = run_id(spec)
     writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
     pin_layout(writer, analyzer)
-    if not writer.done().any():
+    if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         static = {"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
-                  "steps": np.asarray(trainer.record),
-                  "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64)}
-        if spec.hessian is not None:
-            static["hessian_steps"] = np.isin(np.arange(len(trainer.record)), sorted(analyzer.hessian.indices))
+                  "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64),
+                  **step_plan(spec, trainer.record, analyzer.hessian.indices)}
         writer.write_static(static)
     return PreparedRun(rid, spec, data, trainer, analyzer, writer)
 
@@ -104,20 +119,29 @@ def pin_layout(writer: RunWriter, analyzer: SpectralAnalyzer) -> None:
 def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
                    on_step: Callable[[Checkpoint, dict], None] | None = None,
                    on_update: Callable[[int, float], None] | None = None,
-                   on_prepared: Callable[[PreparedRun], None] | None = None) -> RunOutcome:
+                   on_prepared: Callable[[PreparedRun], None] | None = None,
+                   wait: float | None = 0.0) -> RunOutcome:
     """Train ``spec`` and record its spectra in ``store``; resumes a run already there.
 
-    Finished steps are skipped, training restarts from the last stored checkpoint, a diverging
-    run is marked failed (with the step and the reason) keeping every earlier step.
+    Holds the run's writer lease throughout (taken before the run is created): a run another
+    live process writes is refused at once (``wait=0``, :class:`~nsa_dist.store.LeaseHeld`
+    naming it) or waited for (``wait`` seconds, None: for ever).  Finished steps are skipped,
+    training restarts from the last stored checkpoint, a diverging run is marked failed (with
+    the step and the reason) keeping every earlier step.
     """
+    with store.lease([run_id(spec)], wait=wait):
+        return _run_leased(spec, store, on_step, on_update, on_prepared)
+
+
+def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, on_prepared) -> RunOutcome:
     torch.manual_seed(spec.seed)
     run = prepare_run(spec, store)
     if on_prepared:
         on_prepared(run)
     rid, trainer, analyzer, writer = run.run_id, run.trainer, run.analyzer, run.writer
     done = writer.done()
-    if done.all():
-        writer.set_status(Status.DONE)
+    if done.all():  # also a run killed between its last step and its preservation array
+        finish_run(writer, spec)
         return RunOutcome(rid, Status.DONE)
     resume = writer.resume_index()
     if resume is not None:
@@ -139,7 +163,7 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
         writer.set_status(Status.FAILED, str(exc), exc.step)
         return RunOutcome(rid, Status.FAILED, str(exc), computed)
     except (KeyboardInterrupt, SystemExit) as exc:
-        writer.set_status(Status.PENDING, f"interrupted ({type(exc).__name__}); re-run to resume")
+        writer.set_status(Status.INTERRUPTED, f"interrupted ({type(exc).__name__}); re-run to resume")
         raise
     except Exception as exc:  # a bug or bad input that would recur: failed, finished steps kept
         writer.set_status(Status.FAILED, f"{type(exc).__name__}: {exc}")
@@ -157,18 +181,19 @@ def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
 def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
     """E_{t1}(v_i^{t2}, k) between the second and the last recorded step (NSA Fig. 7d); with a
     ``store_eigenvectors`` list, between its first and last step."""
-    g, S = writer.g, writer.dims.S
+    S = writer.dims.S
     if not spec.spectrum.store_eigenvectors or S < 2:
         return
+    reader = writer.store.reader(writer.run_id)
+    steps = reader.read("steps")
     i1 = 1 if S > 2 else 0
     if isinstance(spec.spectrum.store_eigenvectors, list):
-        at = [i for i, t in enumerate(g["steps"][:]) if spec.spectrum.eigenvectors_at(int(t))]
+        at = [i for i, t in enumerate(steps) if spec.spectrum.eigenvectors_at(int(t))]
         if len(at) < 2:
             return
         i1, S = at[0], at[-1] + 1
-    V1, V2 = g["eigenvectors"][i1], g["eigenvectors"][S - 1]
+    V1, V2 = reader.read_step("eigenvectors", i1), reader.read_step("eigenvectors", S - 1)
     rows = sorted({i for i in spec.spectrum.images if i <= V2.shape[1]} | {1})
     P = spectrum_preservation(V1.astype(np.float64), V2.astype(np.float64), i=rows)
-    steps = g["steps"][:]
     writer.write_array("preservation", np.asarray(P, dtype=np.float64),
                        {"t1": int(steps[i1]), "t2": int(steps[S - 1]), "rows": rows})

@@ -16,7 +16,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
-from nsa_dist.pipeline.runner import pin_layout, run_dims, run_id, spec_json
+from nsa_dist.pipeline.runner import pin_layout, run_id, spec_json
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, step_lambda_max
 from nsa_dist.pipeline.trainer import Trainer
 from nsa_dist.store import RunWriter, SpectrumStore
@@ -24,18 +24,16 @@ from nsa_dist.store import RunWriter, SpectrumStore
 __all__ = ["TrainerService", "SpectralService", "open_writer"]
 
 
-def open_writer(store_url: str, spec: ExperimentSpec, data=None, *, trainer: Trainer | None = None,
-                analyzer: SpectralAnalyzer | None = None) -> RunWriter:
+def open_writer(store_url: str, spec: ExperimentSpec) -> RunWriter:
     """The writer of an existing run (created by the coordinator), checked against the spec.
 
-    The run's array sizes come from its trainer and analyzer; pass the caller's own to avoid
-    building them twice.
+    The run's array sizes are read from the store (written when the coordinator created it).
     """
-    data = data if data is not None else load_dataset(spec.data, seed=spec.seed)
-    trainer = trainer or Trainer(spec, data)
-    analyzer = analyzer or SpectralAnalyzer(spec, data)
-    return SpectrumStore(store_url).writer(run_id(spec), spec_json(spec), run_dims(spec, data, trainer, analyzer),
-                                           create=False)
+    store = SpectrumStore(store_url)
+    rid = run_id(spec)
+    if not store.has_run(rid):
+        return store.writer(rid, spec_json(spec), None, create=False)  # StoreError: not shared storage
+    return store.writer(rid, spec_json(spec), store.dims(rid), create=False)
 
 
 class TrainerService:
@@ -47,7 +45,7 @@ class TrainerService:
         self.spec = ExperimentSpec.model_validate(spec)
         self.run_id, self.store_url = run_id(self.spec), store_url
         self.data = load_dataset(self.spec.data, seed=self.spec.seed)
-        self.writer = open_writer(store_url, self.spec, self.data)
+        self.writer = open_writer(store_url, self.spec)
         self._reset()
 
     def _reset(self, before: int | None = None) -> None:
@@ -96,7 +94,7 @@ class SpectralService:
             es = ExperimentSpec.model_validate(spec)
             data = load_dataset(es.data, seed=es.seed)
             analyzer = SpectralAnalyzer(es, data)
-            writer = open_writer(self.store_url, es, data, analyzer=analyzer)
+            writer = open_writer(self.store_url, es)
             pin_layout(writer, analyzer)  # the driver's choice, not this node's memory
             self._runs[run_id] = (analyzer, writer)
             while len(self._runs) > self.cache:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -30,8 +31,18 @@ __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max
 
 
 def spectrum_size(spec: ExperimentSpec, n: int) -> int:
-    """K, the number of eigenpairs kept at n points."""
-    return n if spec.spectrum.k == "all" else min(int(spec.spectrum.k), n)
+    """K, the number of eigenpairs kept at n points; ``spectrum.k`` > n keeps n, with a warning."""
+    if spec.spectrum.k == "all":
+        return n
+    k = int(spec.spectrum.k)
+    if k > n and (spec.name, k, n) not in _WARNED:
+        _WARNED.add((spec.name, k, n))
+        logging.getLogger("nsa_dist").warning("run %r: spectrum.k=%d is larger than the %d training points; keeping "
+                                              "all K=%d eigenpairs", spec.name, k, n, n)
+    return min(k, n)
+
+
+_WARNED: set[tuple] = set()
 
 
 def step_lambda_max(result: dict[str, Any]) -> float:
@@ -191,7 +202,7 @@ class SpectralAnalyzer:
         df_pred = predicted_update(self.spec, ck, residual, lambda v: GP[:, C + 1], self._jvp_outputs)  # NSA Eq. 3
         fro2, fro2_se = G.sq_frobenius()
         out: dict[str, Any] = {
-            "loss": ck.loss, "lr": ck.lr, "theta": ck.theta, "f": ck.f, "df": ck.df, "df_pred": df_pred,
+            "loss": ck.loss, "lr": ck.lr, "f": ck.f, "df": ck.df, "df_pred": df_pred,
             "eigenvalues": eig.evals, "f_test": ck.f_test, "gram_sq_frobenius": np.array([fro2, fro2_se]),
         }
         if self.spec.spectrum.eigenvectors_at(ck.step):

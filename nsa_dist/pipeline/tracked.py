@@ -21,6 +21,8 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import hessian_dims
+from nsa_dist.pipeline.runner import hessian_flags, step_plan
+from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore
 
@@ -70,19 +72,17 @@ def tracked_dims(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer
                    Kt=min(K, M) if spec.spectrum.test_points and M else 0,
                    nI=len(imgs.indices) if imgs else 0, R=spec.spectrum.image_size if imgs else 0,
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=0, L=RNG_BYTES,
-                   store_eigenvectors=spec.spectrum.store_eigenvectors, hessian=spec.hessian is not None,
-                   Hk=Hk, Hr=Hr, Hg=Hg)
+                   store_eigenvectors=bool(spec.spectrum.store_eigenvectors), hessian=spec.hessian is not None,
+                   Hk=Hk, Hr=Hr, Hg=Hg, Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n),
+                   **hessian_flags(spec))
 
 
 def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer) -> dict[str, np.ndarray]:
     """The arrays written once when a tracked run is created (X, X_test flattened to (n, d))."""
     N, M = data.n, int(data.X_test.shape[0])
     out = {"X": data.X.reshape(N, -1), "y": data.y, "X_test": data.X_test.reshape(M, int(np.prod(data.X.shape[1:]))), "y_test": data.y_test,
-           "steps": np.asarray(spec.record_steps()),
-           "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64)}
-    if spec.hessian is not None:
-        S = len(spec.record_steps())
-        out["hessian_steps"] = np.isin(np.arange(S), sorted(analyzer.hessian.indices))
+           "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64),
+           **step_plan(spec, spec.record_steps(), analyzer.hessian.indices)}
     return out
 
 
@@ -101,10 +101,10 @@ class TrackedRunService:
         if threads:
             torch.set_num_threads(threads)
         self.spec = ExperimentSpec.model_validate(spec)
-        P = sum(p.numel() for p in model.parameters())
         self.analyzer = SpectralAnalyzer(self.spec, data, model=copy.deepcopy(model).float())
-        dims = tracked_dims(self.spec, data, self.analyzer, P)
-        self.writer: RunWriter = SpectrumStore(store_url).writer(self.spec.name, spec, dims, create=False)
+        store = SpectrumStore(store_url)
+        dims = store.dims(self.spec.name) if store.has_run(self.spec.name) else None  # the run's sizes, as stored
+        self.writer: RunWriter = store.writer(self.spec.name, spec, dims, create=False)
 
     def pid(self) -> int:
         import os

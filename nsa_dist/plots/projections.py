@@ -19,7 +19,7 @@ def residual_projections(run: "Run", step: int) -> np.ndarray:
 
     Read from ``projections_residual`` when stored, else computed from the stored eigenvectors.
     """
-    if "projections_residual" in run.g:
+    if run.has("projections_residual"):
         return run.residual_projections(step)
     V = run.eigenvectors(step)  # (N, K)
     m = run.residual(step).reshape(V.shape[0], -1)  # (N, Ko)
@@ -48,7 +48,7 @@ def fig7d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     """
     if opts.pair or opts.ks:
         t1, t2 = opts.pair or (None, None)
-        rows = ks(int(run.g["eigenvectors"].shape[2]), opts.ks) if opts.ks else None
+        rows = ks(int(run.shape("eigenvectors")[2]), opts.ks) if opts.ks else None
         P, t1, t2, rows = run.spectrum_preservation(t1, t2, rows)
     else:
         P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)

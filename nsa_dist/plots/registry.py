@@ -19,7 +19,7 @@ _Draw = Callable[["Run", PlotOptions], "Figure"]
 
 def _has(*arrays: str) -> _Needs:
     """The run stores every one of ``arrays`` (some exist only for some specs)."""
-    return lambda run: all(a in run.g for a in arrays)
+    return lambda run: all(run.has(a) for a in arrays)
 
 
 def _energy(phi: str) -> _Draw:
@@ -32,15 +32,15 @@ def _plain(draw: Callable[["Run"], "Figure"]) -> _Draw:
 
 
 def _is_2d_scalar(run: "Run") -> bool:
-    return "eigvec_images" in run.g or (run.X.shape[1] == 2 and run.Ko == 1)
+    return run.has("eigvec_images") or (run.X.shape[1] == 2 and run.Ko == 1)
 
 
 def _preservation_ready(run: "Run") -> bool:
-    return "preservation" in run.g or len(run.eigenvector_steps) >= 2
+    return run.has("preservation") or len(run.eigenvector_steps) >= 2
 
 
 def _projections_ready(run: "Run") -> bool:
-    return "projections_residual" in run.g or "eigenvectors" in run.g
+    return run.has("projections_residual") or run.has("eigenvectors")
 
 
 _EVALS = _has("eigenvalues", "lr")

@@ -112,7 +112,7 @@ def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | 
     out.mkdir(parents=True, exist_ok=True)
     first = sweep.run(sweep.groups()[0][1][0])
     draw = {"fig7a_energy_y": lambda: fig7a(sweep, k), "fig7b_train_loss": lambda: fig7b(sweep),
-            "fig7c_test_loss": lambda: fig7c(sweep) if "loss_test" in first.g else None,
+            "fig7c_test_loss": lambda: fig7c(sweep) if first.has("loss_test") else None,
             "scalar_energy_y_10": lambda: scalar_figure(sweep, "energy_y", sweep.fields[0],
                                                         sweep.fields[1] if len(sweep.fields) > 1 else None,
                                                         k=min(10, sweep.smallest_k())) if sweep.fields else None}

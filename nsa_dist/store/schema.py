@@ -1,18 +1,25 @@
-"""The layout of a run in the spectrum store (documented in docs/store.md).
+"""The layout of a run in the spectrum store, and the one contract of what a step writes.
 
-Every per-step array has the recording schedule as its first axis (S entries) and one chunk
-per step, so the writer of (run, step) touches its own chunks only.
+Every per-step array has the recording schedule as its first axis (S entries) and its own
+chunks per step (the writer of (run, step) touches its own chunks only); a step's chunk is
+split along its last axes (eigenvectors: along k) so that no chunk exceeds ``CHUNK_BYTES``.
+:class:`StepRecord` is what an analysis hands the writer: it is checked here, key by key,
+against :func:`run_arrays` before anything of the step is written (docs/store.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "ArraySpec", "RunDims", "run_arrays", "PHIS", "dimension_names"]
+__all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord", "run_arrays", "PHIS",
+           "STATE_ARRAYS", "dimension_names", "step_specs"]
 
 SCHEMA_VERSION = 1
+CHUNK_BYTES = 8 << 20  # the largest chunk written (8 MiB before compression): cheap to fetch from s3://
+STATE_ARRAYS = ("theta", "opt_slots", "rng_state")  # the resume state, written from the checkpoint's state
 PHIS = ("y", "f", "residual", "df", "df_pred")
 
 
@@ -46,6 +53,8 @@ class RunDims:
     Hg: int = 0
     Kf: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
     Kc: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
+    Hm: bool = True  # hessian.moments: the Hutch++ moment arrays exist
+    Ho: bool = True  # hessian.orthogonality: the orthogonality array exists
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -53,10 +62,15 @@ class RunDims:
 
 @dataclass(frozen=True)
 class ArraySpec:
+    """One array of a run.  ``at``: which recorded steps write it — "every" step, only the
+    "eigenvectors" steps (static ``eigenvector_steps``), only the "hessian" steps (static
+    ``hessian_steps``); "" for static arrays."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
     per_step: bool
+    at: str = ""
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -65,8 +79,9 @@ class ArraySpec:
 
     @property
     def chunks(self) -> tuple[int, ...]:
+        """One step per chunk, split along the last axes (eigenvectors: k) to ≤ CHUNK_BYTES."""
         if self.per_step:
-            return (1,) + tuple(max(1, s) for s in self.shape[1:])
+            return _split((1,) + tuple(max(1, s) for s in self.shape[1:]), np.dtype(self.dtype).itemsize)
         if self.name == "loss_trace":
             return (min(max(1, self.shape[0]), 65536),)
         return tuple(max(1, s) for s in self.shape)
@@ -77,8 +92,27 @@ class ArraySpec:
         return np.nan if kind == "f" else (False if kind == "b" else 0)
 
 
+def _split(chunk: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Shrink the chunk's trailing axes (the last first) until it holds at most CHUNK_BYTES."""
+    c = list(chunk)
+    for ax in range(len(c) - 1, 0, -1):
+        rest = itemsize * int(np.prod(c[:ax] + c[ax + 1:]))
+        if rest * c[ax] <= CHUNK_BYTES:
+            break
+        c[ax] = max(1, CHUNK_BYTES // rest)
+    return tuple(c)
+
+
+def _at(a: ArraySpec, at: str) -> ArraySpec:
+    return ArraySpec(a.name, a.shape, a.dtype, a.per_step, at)
+
+
 def run_arrays(D: RunDims) -> list[ArraySpec]:
-    """Every array of a run, sized up front."""
+    """Every array of a run, sized up front (per-step arrays tagged with the steps that write them)."""
+    return [_at(a, "every") if a.per_step and not a.at else a for a in _run_arrays(D)]
+
+
+def _run_arrays(D: RunDims) -> list[ArraySpec]:
     out_shape = lambda n: (n,) if D.Ko == 1 else (n, D.Ko)  # noqa: E731
     a = [
         ArraySpec("X", (D.N, D.d), "float64", False),
@@ -107,25 +141,29 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
     ]
     a += [ArraySpec(f"energy_{phi}", (D.S, D.K), "float64", True) for phi in PHIS]
     if D.store_eigenvectors:
-        a.append(ArraySpec("eigenvectors", (D.S, D.N, D.K), "float32", True))
+        a += [ArraySpec("eigenvector_steps", (D.S,), "bool", False),
+              ArraySpec("eigenvectors", (D.S, D.N, D.K), "float32", True, "eigenvectors")]
     if D.Kt:
         a += [ArraySpec("eigenvalues_test", (D.S, D.Kt), "float64", True),
               ArraySpec("energy_f_test", (D.S, D.Kt), "float64", True)]
     if D.hessian:
+        h = "hessian"
         a += [ArraySpec("hessian_steps", (D.S,), "bool", False),
-               ArraySpec("hessian_moments", (D.S, 3, 4), "float64", True),
-               ArraySpec("hessian_moments_stderr", (D.S, 3, 4), "float64", True),
-               ArraySpec("hessian_moments_I_exact", (D.S, 4), "float64", True),
-               ArraySpec("hessian_orthogonality", (D.S, 2), "float64", True),
-               ArraySpec("hessian_products", (D.S,), "int64", True)]
+              ArraySpec("hessian_products", (D.S,), "int64", True, h)]
+        if D.Hm:
+            a += [ArraySpec("hessian_moments", (D.S, 3, 4), "float64", True, h),
+                  ArraySpec("hessian_moments_stderr", (D.S, 3, 4), "float64", True, h),
+                  ArraySpec("hessian_moments_I_exact", (D.S, 4), "float64", True, h)]
+        if D.Ho:
+            a.append(ArraySpec("hessian_orthogonality", (D.S, 2), "float64", True, h))
         if D.Hr:
-            a += [ArraySpec("hessian_rayleigh", (D.S, 2, 2, D.Hr), "float64", True),
-                  ArraySpec("hessian_rayleigh_evals", (D.S, 2, D.Hr), "float64", True)]
+            a += [ArraySpec("hessian_rayleigh", (D.S, 2, 2, D.Hr), "float64", True, h),
+                  ArraySpec("hessian_rayleigh_evals", (D.S, 2, D.Hr), "float64", True, h)]
         if D.Hk:
-            a.append(ArraySpec("hessian_top", (D.S, 3, D.Hk), "float64", True))
+            a.append(ArraySpec("hessian_top", (D.S, 3, D.Hk), "float64", True, h))
         if D.Hg:
-            a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True),
-                  ArraySpec("hessian_density", (D.S, D.Hg), "float64", True)]
+            a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True, h),
+                  ArraySpec("hessian_density", (D.S, D.Hg), "float64", True, h)]
     # issue 11: test loss, full-kernel eigenvalues of K-output networks, Fig. 4a projections
     a.append(ArraySpec("projections_residual", (D.S, D.K), "float64", True))
     if D.M:
@@ -140,6 +178,66 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
               ArraySpec("residual_image", (D.S, D.R, D.R), "float32", True),
               ArraySpec("residual_fourier", (D.S, D.F, D.F), "float32", True)]
     return a
+
+
+# --------------------------------------------------------------------------- the step contract
+def step_specs(D: RunDims, *, eigenvectors: bool, hessian: bool) -> dict[str, ArraySpec]:
+    """The arrays a step's analysis must hand over (the resume state and ``done`` excluded)."""
+    want = {"every"} | ({"eigenvectors"} if eigenvectors else set()) | ({"hessian"} if hessian else set())
+    return {a.name: a for a in run_arrays(D)
+            if a.per_step and a.at in want and a.name not in STATE_ARRAYS and a.name != "done"}
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The checked result of one recorded step: exactly the arrays :func:`step_specs` names, each
+    of its per-step shape and of a dtype that casts to the stored one without changing kind."""
+
+    index: int
+    values: dict[str, np.ndarray]
+
+    @classmethod
+    def build(cls, D: RunDims, index: int, result: dict[str, Any], *, eigenvectors: bool, hessian: bool,
+              where: str = "") -> "StepRecord":
+        """Check ``result`` against the contract; ValueError naming every unknown, missing or
+        mis-shaped key (``where``: the run, for the message)."""
+        from nsa_dist.errors import StoreError
+
+        specs = step_specs(D, eigenvectors=eigenvectors, hessian=hessian)
+        result = {k: v for k, v in result.items() if k not in STATE_ARRAYS}
+        problems = []
+        unknown, missing = sorted(set(result) - set(specs)), sorted(set(specs) - set(result))
+        if unknown:
+            problems.append("unknown key(s) " + ", ".join(unknown) + _why_unknown(unknown, D, eigenvectors, hessian))
+        if missing:
+            problems.append("missing key(s) " + ", ".join(missing))
+        values = {}
+        for name in sorted(set(result) & set(specs)):
+            a, v = specs[name], np.asarray(result[name])
+            if tuple(v.shape) != a.shape[1:]:
+                problems.append(f"{name} has shape {tuple(v.shape)}, the store holds {a.shape[1:]} per step")
+            elif not _casts(v.dtype, np.dtype(a.dtype)):
+                problems.append(f"{name} has dtype {v.dtype}, the store holds {a.dtype}")
+            else:
+                values[name] = v.astype(a.dtype, copy=False)
+        if problems:
+            raise StoreError(f"{where}step index {index}: the analysis result does not match the store schema: "
+                             + "; ".join(problems) + " (nothing of this step was written)")
+        return cls(index, values)
+
+
+def _why_unknown(unknown: list[str], D: RunDims, eigenvectors: bool, hessian: bool) -> str:
+    known = {a.name for a in run_arrays(D)}
+    later = [k for k in unknown if k in known]
+    return f" ({', '.join(later)} not written at this step)" if later else ""
+
+
+def _casts(src: np.dtype, dst: np.dtype) -> bool:
+    if dst.kind == "f":
+        return src.kind in "fiub"
+    if dst.kind in "iu":
+        return src.kind in "iub"
+    return src.kind == dst.kind
 
 
 # --------------------------------------------------------------------------- dimension names (issue 11)

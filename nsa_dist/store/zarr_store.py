@@ -1,34 +1,114 @@
-"""The Zarr v3 spectrum store: one group per run under ``runs/`` (layout: docs/store.md)."""
+"""The Zarr v3 spectrum store: one group per run under ``runs/`` (layout: docs/store.md).
+
+Only ``nsa_dist.store`` touches Zarr.  A run is created crash-safely: its group is written with
+all of its attributes in one write (``creating: true``), then its arrays; a process killed in
+between leaves a run that the next writer finishes creating.  Chunks are zstd-compressed with
+a CRC32C checksum, so a damaged chunk is an error naming the array, never a silent NaN.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.group import GroupMetadata
+from zarr.core.sync import sync
 
-from nsa_dist.errors import StoreError
-from nsa_dist.store.schema import SCHEMA_VERSION, ArraySpec, RunDims, dimension_names, run_arrays
+from nsa_dist.errors import MissingDependencyError, StoreError
+from nsa_dist.store.lease import Lease, LeaseInfo, effective_status
+from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
+                                   run_arrays)
 
-__all__ = ["SpectrumStore", "RunWriter", "Status", "open_zarr_group"]
+__all__ = ["SpectrumStore", "RunWriter", "Status", "open_zarr_group", "CODECS"]
+
+_METADATA_ERRORS = (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError)
+# arrays that schema 1 gained after stores were written: created when such a run is reopened
+_ADDED = ("eigenvector_steps",)
+# fsspec protocols that need a package outside the core dependencies: (module, extra)
+_EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+
+
+def CODECS() -> list:
+    """The codecs of every chunk: zstd, then a CRC32C checksum of the compressed bytes."""
+    return [ZstdCodec(level=3), Crc32cCodec()]
 
 
 class Status:
-    PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+    """A run's status.  ``running`` is shown only while its writer's lease is fresh; a run whose
+    writer stopped without saying so shows ``interrupted`` (re-run to resume)."""
+
+    PENDING, RUNNING, DONE, FAILED, INTERRUPTED = "pending", "running", "done", "failed", "interrupted"
+
+
+# --------------------------------------------------------------------------- opening
+def storage_options(protocol: str) -> dict[str, Any]:
+    """fsspec options from the standard environment variables.
+
+    s3: ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (e.g. MinIO, moto, Ceph); the keys come
+    from the usual ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / profiles (botocore).  gs:
+    ``STORAGE_EMULATOR_HOST``; credentials from ``GOOGLE_APPLICATION_CREDENTIALS`` (gcsfs).
+    Directory listings are never cached: other processes add runs and steps.
+    """
+    opts: dict[str, Any] = {}
+    if protocol in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+        opts["use_listings_cache"] = False
+    elif protocol in ("gs", "gcs"):
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            opts["endpoint_url"] = os.environ["STORAGE_EMULATOR_HOST"]
+        opts["use_listings_cache"] = False
+    return opts
+
+
+def _zarr_store(url: str, read_only: bool) -> Any:
+    """A zarr Store for a local path or an fsspec URL; MissingDependencyError naming the extra."""
+    if "://" in url and not url.startswith("file://"):
+        protocol = url.split("://", 1)[0]
+        module, extra = _EXTRAS.get(protocol, (None, None))
+        if module and importlib.util.find_spec(module) is None:
+            raise MissingDependencyError(f"the store {url!r} needs the {module} package: pip install "
+                                         f"'nsa-dist[{extra}]'")
+        from zarr.storage import FsspecStore
+
+        try:
+            return FsspecStore.from_url(url, read_only=read_only, storage_options=storage_options(protocol) or None)
+        except (ValueError, ImportError) as exc:
+            raise StoreError(f"cannot open the store {url!r}: {exc}") from exc
+    from zarr.storage import LocalStore
+
+    return LocalStore(url.removeprefix("file://"), read_only=read_only)
 
 
 def open_zarr_group(url: str, mode: str) -> zarr.Group:
     """A Zarr group at a local path or an fsspec URL (``memory://``, ``s3://``, ``gs://`` …)."""
+    local = "://" not in url or url.startswith("file://")
+    if mode == "r" and local and not Path(url.removeprefix("file://")).exists():
+        raise StoreError(f"no spectrum store at {url!r} (run `nsa run SPEC.yaml --store {url}` first)")
+    store = _zarr_store(url, read_only=mode == "r")
     try:
-        if "://" in url and not url.startswith("file://"):
-            from zarr.storage import FsspecStore
-
-            store = FsspecStore.from_url(url, read_only=mode == "r")
-            return zarr.open_group(store=store, mode=mode)
-        return zarr.open_group(url.removeprefix("file://"), mode=mode)
+        return zarr.open_group(store=store, mode=mode)
     except FileNotFoundError as exc:
         raise StoreError(f"no spectrum store at {url!r} (run `nsa run SPEC.yaml --store {url}` first)") from exc
+    except _METADATA_ERRORS as exc:
+        raise StoreError(f"{url}/zarr.json is unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def _collect(it: Any) -> list:
+    async def run() -> list:
+        return [x async for x in it]
+
+    return sync(run())
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -37,21 +117,82 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix[:-1]}: {a!r} → {b!r}"]
 
 
+# --------------------------------------------------------------------------- the store
 class SpectrumStore:
-    """A store of runs.  ``mode="a"`` creates it if missing; ``"r"`` reads an existing one."""
+    """A store of runs.  ``mode="a"`` creates it if missing; ``"r"`` reads an existing one.
+
+    Refuses a non-empty directory (or bucket prefix) that is not an nsa-dist store, and a store
+    of another schema version.
+    """
 
     def __init__(self, url: str, mode: str = "a") -> None:
-        self.url = url
-        self.root = open_zarr_group(url, mode)
-        if mode == "r":
-            if "runs" not in self.root:
-                raise StoreError(f"{url!r} is not an nsa-dist spectrum store (it has no 'runs' group)")
-        else:
-            if "runs" not in self.root:
-                self.root.create_group("runs")
-                self.root.attrs["nsa_dist_schema"] = SCHEMA_VERSION
+        self.url, self.read_only = url, mode == "r"
+        self.zstore = _zarr_store(url, read_only=self.read_only) if mode != "r" else None
+        if mode != "r":
+            self._create_root()
+        self.root = open_zarr_group(url, "r" if self.read_only else "r+")
+        self.zstore = self.root.store
+        self._check_root()
         self.runs = self.root["runs"]
 
+    # ------------------------------------------------------------------ raw keys (this module only)
+    def _exists(self, key: str) -> bool:
+        return bool(sync(self.zstore.exists(key)))
+
+    def _get(self, key: str) -> bytes | None:
+        buf = sync(self.zstore.get(key, prototype=default_buffer_prototype()))
+        return None if buf is None else buf.to_bytes()
+
+    def _set(self, key: str, data: bytes) -> None:
+        sync(self.zstore.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+
+    def _delete(self, key: str) -> None:
+        sync(self.zstore.delete(key))
+
+    def _list_dir(self, prefix: str) -> list[str]:
+        return _collect(self.zstore.list_dir(prefix))
+
+    def _list_prefix(self, prefix: str) -> list[str]:
+        return _collect(self.zstore.list_prefix(prefix))
+
+    # ------------------------------------------------------------------ root
+    def _create_root(self) -> None:
+        if self._exists("zarr.json"):
+            return
+        local = "://" not in self.url or self.url.startswith("file://")
+        path = Path(self.url.removeprefix("file://"))
+        if local and path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise StoreError(f"{self.url!r} is a non-empty {'directory' if path.is_dir() else 'file'} that is not an "
+                             "nsa-dist spectrum store (it has no zarr.json): refusing to write into it — give a new or "
+                             "an existing store path")
+        if not local and self._list_prefix(""):
+            raise StoreError(f"{self.url!r} holds objects but is not an nsa-dist spectrum store (no zarr.json): "
+                             "refusing to write into it")
+        zarr.create_group(store=self.zstore, attributes={"nsa_dist_schema": SCHEMA_VERSION})
+
+    def _check_root(self) -> None:
+        attrs = self.root.attrs.asdict()
+        version = attrs.get("nsa_dist_schema")
+        has_runs = self._exists("runs/zarr.json")
+        if version is None and not has_runs:
+            foreign = [k for k in self._list_dir("") if k != "zarr.json"]
+            if self.read_only or foreign or attrs:
+                raise StoreError(f"{self.url!r} is not an nsa-dist spectrum store (its zarr.json has no "
+                                 "'nsa_dist_schema' and it has no 'runs' group)")
+        if version is not None and version != SCHEMA_VERSION:
+            raise StoreError(f"{self.url!r} is an nsa-dist store of schema {version}; this nsa-dist reads and writes "
+                             f"schema {SCHEMA_VERSION}")
+        if self.read_only:
+            if not has_runs:
+                raise StoreError(f"{self.url!r} is not an nsa-dist spectrum store (it has no 'runs' group)")
+            return
+        if version is None:
+            self.root.attrs["nsa_dist_schema"] = SCHEMA_VERSION
+        for name in ("runs", "leases"):  # a root made by a process killed before these
+            if not self._exists(f"{name}/zarr.json"):
+                self.root.create_group(name)
+
+    # ------------------------------------------------------------------ sweeps
     def record_sweep(self, name: str, spec: dict, run_ids: list[str]) -> None:
         """Note a sweep and its runs under ``sweeps/<name>`` (re-submitting it updates the record)."""
         sweeps = self.root["sweeps"] if "sweeps" in self.root else self.root.create_group("sweeps")
@@ -60,101 +201,272 @@ class SpectrumStore:
 
     def sweeps(self) -> dict[str, list[str]]:
         """Sweep name → its run ids."""
-        if "sweeps" not in self.root:
-            return {}
-        return {k: list(self.root["sweeps"][k].attrs.get("run_ids", [])) for k in self.root["sweeps"].group_keys()}
+        return {k: list(v.get("run_ids", [])) for k, v in self._sweep_attrs().items()}
 
+    def sweep_spec(self, name: str) -> dict:
+        """The sweep's spec as recorded (JSON)."""
+        attrs = self._sweep_attrs()
+        if name not in attrs:
+            raise KeyError(f"no sweep {name!r} in {self.url!r} (sweeps: {', '.join(sorted(attrs)) or 'none'})")
+        return dict(attrs[name].get("spec", {}))
+
+    def _sweep_attrs(self) -> dict[str, dict]:
+        if not self._exists("sweeps/zarr.json"):
+            return {}
+        out = {}
+        for k in self._list_dir("sweeps"):
+            raw = self._get(f"sweeps/{k}/zarr.json")
+            if raw is not None:
+                out[k] = self._json(raw, f"sweeps/{k}/zarr.json").get("attributes", {})
+        return out
+
+    def _json(self, raw: bytes, key: str) -> dict:
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise StoreError(f"{self.url}/{key} is unreadable ({exc})") from exc
+
+    # ------------------------------------------------------------------ runs
     def run_ids(self) -> list[str]:
-        return sorted(self.runs.group_keys())
+        """Every run (a group with a zarr.json under ``runs/``), without opening any of them."""
+        return sorted(k for k in self._list_dir("runs") if k != "zarr.json" and self._exists(f"runs/{k}/zarr.json"))
+
+    def has_run(self, run_id: str) -> bool:
+        return self._exists(f"runs/{run_id}/zarr.json")
+
+    def run_path(self, run_id: str) -> str:
+        return f"{self.url.rstrip('/')}/runs/{run_id}"
 
     def group(self, run_id: str) -> zarr.Group:
-        if run_id not in self.runs:
+        """The run's group, opened afresh; StoreError naming the file when it cannot be read."""
+        if not self.has_run(run_id):
             known = ", ".join(self.run_ids()[:10]) or "none"
             raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {known})")
-        return self.runs[run_id]
+        try:
+            return zarr.open_group(store=self.zstore, path=f"runs/{run_id}", mode="r" if self.read_only else "r+")
+        except _METADATA_ERRORS as exc:
+            raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json is unreadable "
+                             f"({type(exc).__name__}: {exc})") from exc
+
+    def run_attrs(self, run_id: str) -> dict[str, Any]:
+        """The run's attributes, read afresh."""
+        return self.group(run_id).attrs.asdict()
+
+    def run_status(self, run_id: str, attrs: dict | None = None) -> tuple[str | None, str | None]:
+        """(status, reason) as it is now: a ``running`` run whose lease expired is ``interrupted``."""
+        a = attrs if attrs is not None else self.run_attrs(run_id)
+        return effective_status(a.get("status"), a.get("reason"), self.lease_info(run_id))
+
+    def reader(self, run_id: str) -> "RunReader":
+        from nsa_dist.store.reader import RunReader
+
+        return RunReader(self, run_id)
 
     def writer(self, run_id: str, spec: dict, dims: RunDims, *, create: bool = True) -> "RunWriter":
         """Create run ``run_id``, or reopen it for resuming after checking spec, schema and arrays.
 
+        A run half made by a killed process (``creating`` still set) is finished here.
         ``create=False`` (cluster workers): the run must exist already — if it does not, this
         node does not see the store the coordinator created it in.
         """
-        if run_id not in self.runs and not create:
-            raise StoreError(f"run {run_id!r} is not in {self.url!r} as seen from this node: the store must be "
-                             "shared storage that every node reaches (s3://…, gs://…, a shared filesystem path)")
-        if run_id in self.runs:
-            g = self.runs[run_id]
-            version = g.attrs.get("schema_version")
-            if version != SCHEMA_VERSION:
-                raise StoreError(f"run {run_id!r} in {self.url!r} has store schema {version}, this nsa-dist "
-                                 f"writes {SCHEMA_VERSION}; use a new store or run name")
-            diff = _diff(g.attrs.get("spec"), spec)
-            if diff:
-                raise StoreError(f"run {run_id!r} exists in {self.url!r} with a different spec ("
-                                 + "; ".join(diff[:5]) + "); refusing to overwrite — use another name")
-            w = RunWriter(g, dims)
-            w.check()
+        if not self.has_run(run_id):
+            if not create:
+                raise StoreError(f"run {run_id!r} is not in {self.url!r} as seen from this node: the store must be "
+                                 "shared storage that every node reaches (s3://…, gs://…, a shared filesystem path)")
+            now = time.time()
+            g = self.runs.create_group(run_id, attributes={
+                "schema_version": SCHEMA_VERSION, "spec": spec, "dims": dims.to_json(), "status": Status.PENDING,
+                "reason": None, "failed_step": None, "created": now, "updated": now, "creating": True})
+            w = RunWriter(self, run_id, g, dims)
+            w.finish_creation()
             return w
-        g = self.runs.create_group(run_id)
-        for a in run_arrays(dims):
-            g.create_array(a.name, shape=a.shape, chunks=a.chunks, dtype=a.dtype, fill_value=a.fill,
-                           dimension_names=a.dims)
-        g.attrs.update({"schema_version": SCHEMA_VERSION, "spec": spec, "dims": dims.to_json(),
-                        "status": Status.PENDING, "reason": None, "failed_step": None,
-                        "created": time.time(), "updated": time.time()})
-        return RunWriter(g, dims)
+        g = self.group(run_id)
+        attrs = g.attrs.asdict()
+        version = attrs.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"run {run_id!r} in {self.url!r} has store schema {version}, this nsa-dist "
+                             f"writes {SCHEMA_VERSION}; use a new store or run name")
+        diff = _diff(attrs.get("spec"), spec)
+        if diff:
+            raise StoreError(f"run {run_id!r} exists in {self.url!r} with a different spec ("
+                             + "; ".join(diff[:5]) + "); refusing to overwrite — use another name")
+        w = RunWriter(self, run_id, g, dims)
+        if attrs.get("creating"):
+            w.finish_creation()
+        else:
+            w.check()
+        return w
+
+    def dims(self, run_id: str) -> RunDims:
+        """The run's array sizes as stored when it was created."""
+        a = self.run_attrs(run_id)
+        if "dims" not in a:
+            raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json has no 'dims' attribute")
+        return RunDims(**a["dims"])
+
+    # ------------------------------------------------------------------ leases
+    def lease(self, run_ids: list[str], *, wait: float | None = 0.0, ttl: float | None = None) -> Lease:
+        """This process's leases on ``run_ids`` (use as a context manager, or ``.acquire()``)."""
+        return Lease(self, run_ids, wait=wait, ttl=ttl)
+
+    def lease_info(self, run_id: str) -> LeaseInfo | None:
+        """The run's lease as last written, or None."""
+        raw = self._get(f"leases/{run_id}/zarr.json")
+        if raw is None:
+            return None
+        try:
+            return LeaseInfo.from_attrs(json.loads(raw).get("attributes", {}))
+        except ValueError:
+            return None  # torn by hand: as good as no lease
+
+    def write_lease(self, run_id: str, attrs: dict[str, Any]) -> None:
+        """Write the lease group's metadata in one put (readers never see it half written)."""
+        if not self._exists("leases/zarr.json"):
+            self.root.require_group("leases")
+        meta = GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())["zarr.json"]
+        self._set(f"leases/{run_id}/zarr.json", meta.to_bytes())
 
 
+# --------------------------------------------------------------------------- one run's writer
 class RunWriter:
     """Writes one run's arrays: static data once, then each recorded step's chunks.
 
-    ``write_step`` writes the step's arrays and its resume state, then sets ``done[i]`` last:
-    a step counts as recorded only once everything it holds is on disk.
+    ``write_step`` checks the step's result against the schema (:class:`StepRecord`), writes
+    its arrays and its resume state, then sets ``done[i]`` last: a step counts as recorded only
+    once everything it holds is stored.
     """
 
-    def __init__(self, group: zarr.Group, dims: RunDims) -> None:
-        self.g, self.dims = group, dims
+    def __init__(self, store: SpectrumStore, run_id: str, group: zarr.Group, dims: RunDims) -> None:
+        self.store, self.run_id, self.g, self.dims = store, run_id, group, dims
         self.specs: dict[str, ArraySpec] = {a.name: a for a in run_arrays(dims)}
+        self._lock = threading.Lock()
+        self._masks: dict[str, np.ndarray] | None = None
+
+    @property
+    def path(self) -> str:
+        return self.store.run_path(self.run_id)
+
+    def _create(self, a: ArraySpec, overwrite: bool = False) -> None:
+        self.g.create_array(a.name, shape=a.shape, chunks=a.chunks, dtype=a.dtype, fill_value=a.fill,
+                            dimension_names=a.dims, compressors=CODECS(), config={"write_empty_chunks": True},
+                            overwrite=overwrite)
+
+    def _array_ok(self, a: ArraySpec) -> bool:
+        try:
+            arr = self.g[a.name]
+        except (KeyError, *_METADATA_ERRORS):
+            return False
+        return tuple(arr.shape) == a.shape and np.dtype(arr.dtype) == np.dtype(a.dtype)
+
+    def finish_creation(self) -> None:
+        """Create every array that is missing or unreadable (no step can be recorded yet), then
+        clear ``creating``."""
+        for a in self.specs.values():
+            if not self._array_ok(a):
+                self._create(a, overwrite=True)
+        self.set_attrs(creating=False)
 
     def check(self) -> None:
         """StoreError naming the first array that is missing or has the wrong shape/dtype."""
         for name, a in self.specs.items():
-            if name not in self.g:
-                raise StoreError(f"corrupt run {self.g.path!r}: array {name!r} is missing")
-            arr = self.g[name]
+            try:
+                present = name in self.g
+                arr = self.g[name] if present else None
+            except _METADATA_ERRORS as exc:
+                raise StoreError(f"corrupt run {self.run_id!r}: {self.path}/{name}/zarr.json is unreadable "
+                                 f"({type(exc).__name__}: {exc})") from exc
+            if arr is None:
+                if name in _ADDED:
+                    self._create(a)
+                    self.set_attrs(static_complete=False)
+                    continue
+                raise StoreError(f"corrupt run {self.run_id!r}: array {name!r} is missing")
             if tuple(arr.shape) != a.shape or np.dtype(arr.dtype) != np.dtype(a.dtype):
-                raise StoreError(f"corrupt run {self.g.path!r}: array {name!r} is {arr.dtype}{tuple(arr.shape)}, "
+                raise StoreError(f"corrupt run {self.run_id!r}: array {name!r} is {arr.dtype}{tuple(arr.shape)}, "
                                  f"expected {a.dtype}{a.shape}")
 
+    # ------------------------------------------------------------------ attributes
+    def attrs(self) -> dict[str, Any]:
+        return self.g.attrs.asdict()
+
     def set_status(self, status: str, reason: str | None = None, failed_step: int | None = None) -> None:
-        self.g.attrs.update({"status": status, "reason": reason, "failed_step": failed_step, "updated": time.time()})
+        self.set_attrs(status=status, reason=reason, failed_step=failed_step, updated=time.time())
+
+    def status(self) -> tuple[str | None, str | None]:
+        """(status, reason) as readers see it (lease-aware)."""
+        return self.store.run_status(self.run_id, self.attrs())
 
     def set_attrs(self, **attrs: Any) -> None:
         """Run attributes other than the status (e.g. the analysis layout chosen and why)."""
-        self.g.attrs.update(attrs)
+        with self._lock:
+            self.g.attrs.update(attrs)
+
+    # ------------------------------------------------------------------ static arrays
+    def static_names(self) -> list[str]:
+        return [a.name for a in self.specs.values() if not a.per_step and a.name != "loss_trace"]
+
+    def static_complete(self) -> bool:
+        """Whether every static array was written (a run made by a process killed before is not)."""
+        return bool(self.attrs().get("static_complete", False))
 
     def attr(self, name: str, default: Any = None) -> Any:
         """One run attribute (e.g. the layout recorded when the run was created)."""
         return self.g.attrs.get(name, default)
 
     def write_static(self, arrays: dict[str, np.ndarray]) -> None:
+        """The run's static arrays (all of :meth:`static_names`; unknown names are refused)."""
+        unknown = sorted(set(arrays) - set(self.static_names()))
+        missing = sorted(set(self.static_names()) - set(arrays))
+        if unknown or missing:
+            raise StoreError(f"run {self.run_id!r}: static arrays do not match the store schema ("
+                             + "; ".join(p for p in (unknown and f"unknown {', '.join(unknown)}",
+                                                     missing and f"missing {', '.join(missing)}") if p) + ")")
         for name, value in arrays.items():
-            if self.specs[name].shape and np.size(value):
-                self.g[name][...] = np.asarray(value)
+            v = np.asarray(value)
+            if tuple(v.shape) != self.specs[name].shape:
+                raise StoreError(f"run {self.run_id!r}: static array {name!r} has shape {v.shape}, the store holds "
+                                 f"{self.specs[name].shape}")
+            if v.size:
+                self.g[name][...] = v
+        self._masks = None
+        self.set_attrs(static_complete=True)
 
+    def _mask(self, at: str) -> np.ndarray:
+        if self._masks is None:
+            S = self.dims.S
+            read = lambda n: np.asarray(self.g[n][:], bool) if n in self.specs else np.zeros(S, bool)  # noqa: E731
+            self._masks = {"every": np.ones(S, bool), "eigenvectors": read("eigenvector_steps"),
+                           "hessian": read("hessian_steps")}
+        return self._masks[at]
+
+    # ------------------------------------------------------------------ steps
     def done(self) -> np.ndarray:
         return np.asarray(self.g["done"][:], dtype=bool)
 
     def write_step(self, index: int, result: dict[str, Any], state: Any) -> None:
-        """Everything of recorded step ``index``: results, θ/optimizer/RNG state, then the done flag."""
-        for name, value in result.items():
-            if name in self.specs:
-                self.g[name][index] = np.asarray(value)
-        self.g["theta"][index] = state.theta
+        """Everything of recorded step ``index``: results, θ/optimizer/RNG state, then the done flag.
+
+        The result is checked first (:class:`StepRecord`): an unknown, missing or mis-shaped key
+        is a StoreError naming it, and nothing of the step is written.
+        """
+        rec = StepRecord.build(self.dims, index, result, eigenvectors=bool(self._mask("eigenvectors")[index]),
+                               hessian=bool(self._mask("hessian")[index]), where=f"run {self.run_id!r} ")
+        theta = np.asarray(state.theta)
+        if theta.shape != (self.dims.P,):
+            raise StoreError(f"run {self.run_id!r} step index {index}: theta has shape {theta.shape}, the store "
+                             f"holds ({self.dims.P},) (nothing of this step was written)")
+        for name, value in rec.values.items():
+            self.g[name][index] = value
+        self.g["theta"][index] = theta
         if self.dims.n_slots:
             self.g["opt_slots"][index] = state.slots
         self.g["rng_state"][index] = state.rng
         self.g["done"][index] = True
+
+    def mark_not_done(self, indices: list[int]) -> None:
+        """Forget recorded steps (their data is damaged): a re-run recomputes them."""
+        for i in indices:
+            self.g["done"][i] = False
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
         if len(values):
@@ -170,15 +482,24 @@ class RunWriter:
         last = (int(missing[0]) if len(missing) else len(done)) - 1
         return last if last >= 0 else None
 
+    def read_step(self, name: str, i: int) -> np.ndarray:
+        """Array ``name`` at recorded step ``i`` (checked: a damaged chunk is a StoreError)."""
+        return self.store.reader(self.run_id).read_step(name, i)
+
     def state_at(self, i: int) -> dict[str, Any]:
         """The resume state stored with recorded step ``i``: step, theta, slots, rng."""
-        slots = self.g["opt_slots"][i] if self.dims.n_slots else np.zeros((0, self.dims.P), np.float32)
-        return {"step": int(self.g["steps"][i]), "theta": self.g["theta"][i], "slots": slots,
-                "rng": self.g["rng_state"][i]}
+        r = self.store.reader(self.run_id)
+        slots = r.read_step("opt_slots", i) if self.dims.n_slots else np.zeros((0, self.dims.P), np.float32)
+        return {"step": int(r.read("steps")[i]), "theta": r.read_step("theta", i), "slots": slots,
+                "rng": r.read_step("rng_state", i)}
+
+    def has(self, name: str) -> bool:
+        return name in self.g
 
     def write_array(self, name: str, value: np.ndarray, attrs: dict | None = None) -> None:
         """A post-run array (e.g. spectrum preservation), replaced if present."""
-        self.g.create_array(name, shape=value.shape, dtype=value.dtype, overwrite=True,
-                            dimension_names=dimension_names(name, value.ndim))[...] = value
-        if attrs:
-            self.g[name].attrs.update(attrs)
+        if name in self.specs or name in STATE_ARRAYS:
+            raise StoreError(f"run {self.run_id!r}: {name!r} is a schema array; write it with write_step/write_static")
+        self.g.create_array(name, shape=value.shape, dtype=value.dtype, overwrite=True, compressors=CODECS(),
+                            dimension_names=dimension_names(name, value.ndim),
+                            attributes=dict(attrs or {}))[...] = value

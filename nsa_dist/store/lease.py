@@ -1,0 +1,213 @@
+"""Writer leases: one process drives a run at a time, and a dead one is seen as dead.
+
+A lease is the small group ``leases/<run id>`` of the store whose attributes name the writer
+(host, pid, since) and its last heartbeat.  The holder refreshes it from a background thread
+every ``ttl / 3`` seconds; a lease whose heartbeat is older than its ``ttl`` is *expired*, and
+a run whose stored status says ``running`` under an expired (or released) lease is shown as
+``interrupted`` (see :func:`effective_status`).  Acquiring works on any store (local paths and
+object stores alike): write the lease with a random token, wait ``settle`` seconds, read it
+back — whoever's token is there holds it; the other refuses naming the holder.  A lease
+whose writer ran on this host and whose pid is gone is expired at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nsa_dist.errors import StoreError
+
+if TYPE_CHECKING:
+    from nsa_dist.store.zarr_store import SpectrumStore
+
+__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "default_ttl", "effective_status"]
+
+INTERRUPTED_HINT = "re-run to resume"
+
+
+def default_ttl() -> float:
+    """Seconds without a heartbeat after which a lease expires ($NSA_LEASE_TTL, default 30)."""
+    return float(os.environ.get("NSA_LEASE_TTL", "30"))
+
+
+class LeaseHeld(StoreError):
+    """Another live writer holds the run's lease."""
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """What a lease says about its writer."""
+
+    host: str
+    pid: int
+    since: float
+    heartbeat: float
+    ttl: float
+    token: str
+    released: bool = False
+
+    @classmethod
+    def from_attrs(cls, a: dict[str, Any]) -> "LeaseInfo":
+        return cls(str(a.get("host", "?")), int(a.get("pid", -1)), float(a.get("since", 0.0)),
+                   float(a.get("heartbeat", 0.0)), float(a.get("ttl", default_ttl())), str(a.get("token", "")),
+                   bool(a.get("released", False)))
+
+    def fresh(self, now: float | None = None) -> bool:
+        """Held and heard from within its ttl — and, when the writer is on this host, alive (a
+        killed local writer's lease is taken over at once, without waiting for the ttl)."""
+        if self.released or (now if now is not None else time.time()) - self.heartbeat >= self.ttl:
+            return False
+        return self.host != socket.gethostname() or _alive(self.pid)
+
+    def who(self) -> str:
+        return f"host {self.host}, pid {self.pid}, since {_iso(self.since)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def effective_status(status: str | None, reason: str | None, lease: LeaseInfo | None,
+                     now: float | None = None) -> tuple[str | None, str | None]:
+    """(status, reason) as it is: ``running`` only while its writer's lease is fresh, else
+    ``interrupted`` with the last sign of life."""
+    if status != "running" or (lease is not None and lease.fresh(now)):
+        return status, reason
+    if lease is None:
+        return "interrupted", f"no writer holds this run; {INTERRUPTED_HINT}"
+    return "interrupted", (f"last sign of life {_iso(lease.heartbeat)} from host {lease.host} pid {lease.pid}; "
+                           f"{INTERRUPTED_HINT}")
+
+
+class Lease:
+    """This process's leases on ``run_ids`` of ``store``, refreshed until :meth:`release`.
+
+    Args:
+        store: the spectrum store.
+        run_ids: the runs to hold (a sweep holds all of its runs).
+        wait: seconds to wait for another writer's lease to be released or to expire (0: refuse
+            at once with :class:`LeaseHeld`; ``None``: wait for ever).
+        ttl: lease lifetime without a heartbeat (default $NSA_LEASE_TTL or 30 s).
+    """
+
+    def __init__(self, store: "SpectrumStore", run_ids: list[str], *, wait: float | None = 0.0,
+                 ttl: float | None = None, settle: float | None = None) -> None:
+        self.store, self.run_ids = store, list(run_ids)
+        self.ttl = float(ttl if ttl is not None else default_ttl())
+        self.settle = settle if settle is not None else min(0.5, self.ttl / 10)
+        self.wait = wait
+        self.token = uuid.uuid4().hex
+        self.host, self.pid, self.since = socket.gethostname(), os.getpid(), time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.lost: list[str] = []  # runs whose lease another writer took over while we held it
+
+    # ------------------------------------------------------------------ acquire / release
+    def acquire(self) -> "Lease":
+        """Take every lease (refusing or waiting as asked), then start the heartbeat thread.
+
+        All leases are written first and read back after one ``settle`` wait, so a sweep of many
+        runs waits once, not once per run.
+        """
+        deadline = None if self.wait is None else time.time() + self.wait
+        pending, taken = list(self.run_ids), []
+        try:
+            while pending:
+                held = self._try(pending, taken)
+                if not held:
+                    break
+                if deadline is not None and time.time() >= deadline:
+                    raise self._refusal(*held[0])
+                for rid in taken:  # keep the leases already taken fresh while waiting for the rest
+                    self._write(rid)
+                time.sleep(min(1.0, max(0.05, min(o.ttl if o else 1.0 for _, o in held) / 4)))
+                pending = [rid for rid, _ in held]
+        except BaseException:
+            for rid in taken:
+                self._write(rid, released=True)
+            raise
+        self._thread = threading.Thread(target=self._beat, name="nsa-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _try(self, pending: list[str], taken: list[str]) -> list[tuple[str, LeaseInfo | None]]:
+        """Write our lease where none is held, wait, read back: the (run, holder) pairs not ours."""
+        held, written = [], []
+        for rid in pending:
+            other = self.store.lease_info(rid)
+            if other is None or other.token == self.token or not other.fresh():
+                self._write(rid)
+                written.append(rid)
+            else:
+                held.append((rid, other))
+        if written:
+            time.sleep(self.settle)  # a writer racing us has written by now: whose token stayed?
+        for rid in written:
+            now = self.store.lease_info(rid)
+            if now is not None and now.token == self.token:
+                taken.append(rid)
+            else:
+                held.append((rid, now))
+        return held
+
+    def _refusal(self, rid: str, other: LeaseInfo | None) -> LeaseHeld:
+        if other is None:
+            return LeaseHeld(f"run {rid!r} in {self.store.url!r}: its lease vanished while taking it; retry")
+        return LeaseHeld(f"run {rid!r} in {self.store.url!r} is being written by another process ({other.who()}; "
+                         f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
+                         "wait for it (--wait) or use another store")
+
+    def _write(self, rid: str, released: bool = False) -> None:
+        now = time.time()
+        self.store.write_lease(rid, {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": now,
+                                     "ttl": self.ttl, "token": self.token, "released": released})
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Renew every lease still ours (one that another writer took over is given up)."""
+        with self._lock:
+            for rid in [r for r in self.run_ids if r not in self.lost]:
+                try:
+                    info = self.store.lease_info(rid)
+                    if info is not None and info.token != self.token:
+                        self.lost.append(rid)
+                        continue
+                    self._write(rid)
+                except Exception:  # noqa: BLE001 — a flaky store: try again at the next beat
+                    pass
+
+    def release(self, run_ids: list[str] | None = None) -> None:
+        """Give up the leases (all, or these runs); the heartbeat stops with the last."""
+        with self._lock:
+            for rid in run_ids if run_ids is not None else list(self.run_ids):
+                if rid in self.run_ids:
+                    self.run_ids.remove(rid)
+                    if rid not in self.lost:
+                        self._write(rid, released=True)
+        if not self.run_ids:
+            self._stop.set()
+
+    def __enter__(self) -> "Lease":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

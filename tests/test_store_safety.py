@@ -1,0 +1,337 @@
+"""Nothing lost, nothing stale, nothing raced (issue 9): the typed step contract, crash-safe
+creation, writer leases and interrupted status, checksummed chunks, ``nsa verify``.
+
+Real stores on disk, real ``nsa run`` processes killed with SIGKILL; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from nsa_dist.cli import main as nsa
+from nsa_dist.client import Client
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.errors import StoreError
+from nsa_dist.pipeline import prepare_run, run_experiment, run_id
+from nsa_dist.store import LeaseHeld, SpectrumStore, run_arrays, step_specs
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(name="safe", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
+            record={"every": 10}, spectrum={"k": 8, "test_points": True})
+SLOW = {**TINY, "name": "slowsafe", "steps": 90, "record": {"every": 10}}  # 10 recorded steps
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+CMD = [sys.executable, "-m", "nsa_dist.cli", "run", "--plain"]
+
+
+def _all_arrays(url: str, rid: str) -> dict[str, np.ndarray]:
+    run = Client(url).run(rid)
+    return {name: run.array(name) for name in run.array_names()}
+
+
+def _assert_same_arrays(a_url: str, b_url: str, rid: str) -> None:
+    a, b = _all_arrays(a_url, rid), _all_arrays(b_url, rid)
+    assert sorted(a) == sorted(b), f"arrays differ: only in a {sorted(set(a) - set(b))}, only in b {sorted(set(b) - set(a))}"
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=f"array {name!r} differs from the uninterrupted run")
+
+
+def _spec_file(tmp_path: Path, spec: dict) -> Path:
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _wait_for(cond, what: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, poll: float = 0.001):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"the process ended (rc {proc.returncode}) before {what}: {out}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _n_done(url: str, rid: str) -> int:
+    try:
+        return int(Client(url).run(rid).array("done").sum())
+    except (StoreError, KeyError, ValueError, FileNotFoundError):
+        return 0
+
+
+# --------------------------------------------------------------------------- the step contract
+def test_step_record_refuses_unknown_missing_and_misshaped_keys_before_writing(tmp_path):
+    spec = ExperimentSpec(**TINY)
+    store = SpectrumStore(str(tmp_path / "s.zarr"))
+    run = prepare_run(spec, store)
+    ck = next(iter(run.trainer.train_until(1)))
+    result = run.analyzer.analyze(ck)
+    bad = dict(result)
+    bad["energy_yy"] = bad.pop("energy_y")  # a misspelled key
+    with pytest.raises(StoreError) as e:
+        run.writer.write_step(0, bad, ck.state)
+    msg = str(e.value)
+    assert "unknown key(s) energy_yy" in msg and "missing key(s) energy_y" in msg and "step index 0" in msg, msg
+    short = {**result, "eigenvalues": result["eigenvalues"][:3]}
+    with pytest.raises(StoreError, match=r"eigenvalues has shape \(3,\), the store holds \(8,\)"):
+        run.writer.write_step(0, short, ck.state)
+    with pytest.raises(StoreError, match="eigenvalues has dtype <U1"):
+        run.writer.write_step(0, {**result, "eigenvalues": np.array(["x"] * 8)}, ck.state)
+    reader = store.reader(run.run_id)
+    written = {n: sorted(reader.present_chunks(n)) for n in reader.names()
+               if reader.specs[n].per_step and reader.present_chunks(n)}
+    assert written == {}, f"a refused step wrote chunks: {written}"
+    run.writer.write_step(0, result, ck.state)
+    assert store.reader(run.run_id).done.tolist()[:2] == [True, False]
+    # the contract is derived from run_arrays: every per-step array but the resume state and done
+    per_step = {a.name for a in run_arrays(run.writer.dims) if a.per_step and a.at in ("every", "eigenvectors")}
+    assert set(result) == per_step - {"theta", "opt_slots", "rng_state", "done"}
+    assert set(result) == set(step_specs(run.writer.dims, eigenvectors=True, hessian=False))
+
+
+def test_k_larger_than_n_is_a_logged_clamp(tmp_path, caplog):
+    spec = ExperimentSpec(**{**TINY, "name": "bigk", "steps": 2, "record": {"every": 1}, "spectrum": {"k": 100}})
+    with caplog.at_level(logging.WARNING, logger="nsa_dist"):
+        out = run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
+    assert "spectrum.k=100 is larger than the 32 training points" in caplog.text
+    assert Client(str(tmp_path / "s.zarr")).run(out.run_id).eigenvalues.shape == (2, 32)
+
+
+# --------------------------------------------------------------------------- store roots
+def test_a_non_store_directory_or_foreign_schema_is_refused(tmp_path, capsys):
+    d = tmp_path / "photos"
+    d.mkdir()
+    (d / "holiday.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(StoreError, match="non-empty directory that is not an nsa-dist spectrum store"):
+        SpectrumStore(str(d))
+    assert sorted(os.listdir(d)) == ["holiday.jpg"]
+    rc = nsa(["run", str(_spec_file(tmp_path, TINY)), "--store", str(d), "--plain"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not an nsa-dist spectrum store" in err and len(err.strip().splitlines()) == 1, err
+    other = tmp_path / "other.zarr"
+    SpectrumStore(str(other))
+    meta = json.loads((other / "zarr.json").read_text())
+    meta["attributes"]["nsa_dist_schema"] = 999
+    (other / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match="schema 999"):
+        SpectrumStore(str(other))
+    with pytest.raises(StoreError, match="schema 999"):
+        Client(str(other))
+
+
+def test_nsa_status_without_a_cluster_is_one_line(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = nsa(["status", "--address", f"http://127.0.0.1:{port}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no Ray cluster answers at" in err and len(err.strip().splitlines()) == 1, err
+
+
+# --------------------------------------------------------------------------- leases
+def test_a_fresh_lease_refuses_a_second_writer_and_an_expired_one_is_taken_over(tmp_path):
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(**TINY)
+    rid = run_id(spec)
+    store = SpectrumStore(url)
+    now = time.time()
+    other = {"host": "node-7.elsewhere", "pid": 4242, "since": now - 60, "heartbeat": now, "ttl": 30.0,
+             "token": "theirs", "released": False}
+    store.write_lease(rid, other)
+    with pytest.raises(LeaseHeld) as e:
+        run_experiment(spec, store)
+    assert "host node-7.elsewhere, pid 4242, since" in str(e.value)
+    assert not store.has_run(rid), "the refused writer created the run"
+    store.write_lease(rid, {**other, "heartbeat": now - 31})  # no heartbeat for longer than its ttl
+    assert run_experiment(spec, store).status == "done"
+    info = store.lease_info(rid)
+    assert info.pid == os.getpid() and info.released
+
+
+def test_a_running_status_under_an_expired_lease_reads_interrupted(tmp_path, capsys):
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(**TINY)
+    out = run_experiment(spec, SpectrumStore(url))
+    store = SpectrumStore(url)
+    w = store.writer(out.run_id, store.run_attrs(out.run_id)["spec"], store.dims(out.run_id))
+    w.set_status("running")
+    now = time.time()
+    lease = {"host": "node-7.elsewhere", "pid": 4242, "since": now - 600, "heartbeat": now, "ttl": 30.0,
+             "token": "t", "released": False}
+    store.write_lease(out.run_id, lease)
+    assert Client(url).run(out.run_id).status == "running"
+    store.write_lease(out.run_id, {**lease, "heartbeat": now - 120})
+    run = Client(url).run(out.run_id)
+    assert run.status == "interrupted" and "last sign of life" in run.reason and "re-run to resume" in run.reason
+    assert Client(url).runs().loc[0, "status"] == "interrupted"
+    assert nsa(["status", "--store", url]) == 0
+    assert "interrupted" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_concurrent_writers_one_computes_the_other_refuses(tmp_path):
+    path = _spec_file(tmp_path, TINY)
+    url = str(tmp_path / "s.zarr")
+    procs = [subprocess.Popen(CMD + [str(path), "--store", url], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    rcs = sorted(o[0] for o in outs)
+    assert rcs == [0, 2], f"expected one writer to finish and one to refuse: {outs}"
+    winner, loser = (procs[0], procs[1]) if outs[0][0] == 0 else (procs[1], procs[0])
+    err = outs[procs.index(loser)][2]
+    assert f"pid {winner.pid}" in err and "being written by another process" in err, err
+    rid = run_id(ExperimentSpec(**TINY))
+    run = Client(url).run(rid)
+    assert run.status == "done" and len(run.steps) == 4
+    # a writer asked to wait starts once the lease is released
+    store = SpectrumStore(url)
+    lease = store.lease([rid]).acquire()
+    proc = subprocess.Popen(CMD + [str(path), "--store", url, "--wait"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    time.sleep(3)
+    assert proc.poll() is None, f"the waiting writer did not wait: {proc.stdout.read()}"
+    lease.release()
+    assert proc.wait(timeout=120) == 0, proc.stdout.read()
+
+
+# --------------------------------------------------------------------------- kills at many instants
+@pytest.mark.slow
+def test_kill_at_many_instants_including_creation_resumes_bit_identical(tmp_path):
+    spec = ExperimentSpec(**SLOW)
+    rid = run_id(spec)
+    a, b = str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")
+    run_experiment(spec, SpectrumStore(a))
+    path = _spec_file(tmp_path, SLOW)
+    group = Path(b) / "runs" / rid / "zarr.json"
+    kills = [("the run's group appears (inside run creation)", lambda: group.exists()),
+             ("two steps are done", lambda: _n_done(b, rid) >= 2),
+             ("six steps are done", lambda: _n_done(b, rid) >= 6),
+             ("the last step is done (before preservation)", lambda: _n_done(b, rid) >= 10)]
+    for i, (what, cond) in enumerate(kills):
+        proc = subprocess.Popen(CMD + [str(path), "--store", b], env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        _wait_for(cond, what, proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL, f"not killed when {what}"
+        attrs = SpectrumStore(b).run_attrs(rid)
+        if i == 0:
+            assert attrs.get("creating") is True, "the kill landed after run creation, not inside it"
+        elif Client(b).run(rid).status != "done":
+            run = Client(b).run(rid)  # its writer is dead: the run shows interrupted, not running
+            assert run.status == "interrupted" and "re-run to resume" in run.reason, (run.status, run.reason)
+    out = subprocess.run(CMD + [str(path), "--store", b], env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert Client(b).run(rid).status == "done"
+    assert Client(b).run(rid).has("preservation")
+    _assert_same_arrays(a, b, rid)
+
+
+def test_a_kill_after_the_last_step_still_writes_preservation(tmp_path):
+    spec = ExperimentSpec(**TINY)
+    url = str(tmp_path / "s.zarr")
+
+    def stop_at_last(ck, result):
+        if ck.index == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(spec, SpectrumStore(url), on_step=stop_at_last)
+    run = Client(url).run(run_id(spec))
+    assert len(run.steps) == 4 and not run.has("preservation") and run.status == "interrupted"
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run(run_id(spec))
+    assert run.status == "done" and run.has("preservation")
+
+
+# --------------------------------------------------------------------------- damage
+def _chunk(url: str, rid: str, array: str, key: str) -> Path:
+    return Path(url) / "runs" / rid / array / key
+
+
+def test_damaged_chunks_are_named_found_by_verify_and_recomputed(tmp_path, capsys):
+    spec = ExperimentSpec(**TINY)
+    a, b = str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")
+    rid = run_experiment(spec, SpectrumStore(a)).run_id
+    shutil.copytree(a, b)
+    corrupt = _chunk(b, rid, "eigenvalues", "c/2/0")
+    raw = bytearray(corrupt.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    corrupt.write_bytes(bytes(raw))
+    _chunk(b, rid, "f", "c/1/0").unlink()  # a lost chunk of a done step
+    trace = _chunk(b, rid, "loss_trace", "c/0")
+    trace.write_bytes(trace.read_bytes()[:-3])  # a truncated chunk of a static array
+    run = Client(b).run(rid)
+    with pytest.raises(StoreError) as e:
+        run.eigenvalues
+    msg = str(e.value)
+    assert "array 'eigenvalues' at step 20 (index 2) is damaged" in msg and str(corrupt) in msg, msg
+    with pytest.raises(StoreError, match=r"array 'f' at step 10 \(index 1\) is damaged: chunk .*f/c/1/0 is missing"):
+        run.outputs(10)
+    np.testing.assert_array_equal(run.train_loss, Client(a).run(rid).train_loss)  # the rest reads fine
+    assert nsa(["verify", b]) == 1
+    out = capsys.readouterr().out
+    assert "eigenvalues step 20 (index 2)" in out and "f step 10 (index 1)" in out and "3 damaged piece(s)" in out, out
+    assert "loss_trace: unreadable chunk" in out and str(trace) in out, out
+    with pytest.raises(StoreError, match=r"array 'loss_trace' is damaged \(.*loss_trace/c/0: "):
+        run.loss_trace
+    assert nsa(["verify", b, "--mark"]) == 0
+    assert "step indices [1, 2] marked not done" in capsys.readouterr().out
+    assert Client(b).run(rid).steps.tolist() == [0, 29]
+    assert run_experiment(spec, SpectrumStore(b)).steps_computed == 2
+    assert nsa(["verify", b]) == 0
+    _assert_same_arrays(a, b, rid)
+
+
+def test_a_damaged_run_never_hides_the_others(tmp_path, capsys):
+    url = str(tmp_path / "s.zarr")
+    good = run_experiment(ExperimentSpec(**TINY), SpectrumStore(url)).run_id
+    bad = run_experiment(ExperimentSpec(**{**TINY, "name": "bad", "steps": 11}), SpectrumStore(url)).run_id
+    meta = Path(url) / "runs" / bad / "zarr.json"
+    meta.write_text(meta.read_text()[:50])  # truncated
+    df = Client(url).runs().set_index("id")
+    assert df.loc[good, "status"] == "done"
+    assert df.loc[bad, "status"] == "damaged" and str(meta) in df.loc[bad, "reason"], df.loc[bad, "reason"]
+    with pytest.raises(StoreError, match=f"{meta}.* is unreadable"):
+        Client(url).run(bad)
+    capsys.readouterr()
+    assert nsa(["ls", "--store", url]) == 0
+    listing = capsys.readouterr().out
+    assert "damaged" in listing and "done" in listing, listing
+    with pytest.raises(StoreError, match=f"{meta}.* is unreadable"):
+        run_experiment(ExperimentSpec(**{**TINY, "name": "bad", "steps": 11}), SpectrumStore(url))
+    damage = Client(url).verify()
+    assert [d.run_id for d in damage] == [bad] and str(meta) in damage[0].path
+
+
+def test_no_chunk_exceeds_the_object_store_bound_at_mnist_scale():
+    from nsa_dist.store import RunDims
+    from nsa_dist.store.schema import CHUNK_BYTES
+
+    D = RunDims(N=60000, M=10000, d=784, Ko=10, P=10_000_000, S=50, T=600000, K=1000, Kt=1000, nI=0, R=0, F=0,
+                n_slots=2, L=16, store_eigenvectors=True, Kf=500)
+    too_big = {}
+    for a in run_arrays(D):
+        if a.per_step:
+            assert a.chunks[0] == 1, f"{a.name}: a chunk spans several steps {a.chunks}"
+            nbytes = int(np.prod(a.chunks)) * np.dtype(a.dtype).itemsize
+            if nbytes > CHUNK_BYTES:
+                too_big[a.name] = (a.chunks, nbytes)
+    assert not too_big, f"per-step chunks above {CHUNK_BYTES} bytes: {too_big}"
+    specs = {a.name: a for a in run_arrays(D)}
+    assert specs["eigenvectors"].chunks == (1, 60000, 34)  # along k: one eigenvector is one 8 MiB chunk's column
+    assert specs["theta"].chunks == (1, 2097152) and specs["loss"].chunks == (1,)
