@@ -335,3 +335,33 @@ def test_no_chunk_exceeds_the_object_store_bound_at_mnist_scale():
     specs = {a.name: a for a in run_arrays(D)}
     assert specs["eigenvectors"].chunks == (1, 60000, 34)  # along k: one eigenvector is one 8 MiB chunk's column
     assert specs["theta"].chunks == (1, 2097152) and specs["loss"].chunks == (1,)
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_driver_leaves_nothing_a_resubmission_cannot_resume(tmp_path):
+    """SIGKILL the ``nsa sweep`` process (the coordinator, owner of the embedded Ray) mid-sweep:
+    its runs read interrupted, and the same command again finishes them bit-identical."""
+    from nsa_dist.config import SweepSpec
+
+    sweep = {"name": "killsweep", "base": {**{k: v for k, v in SLOW.items() if k != "name"}},
+             "grid": {"model.width": [8, 16]}, "cluster": {"spectral_workers": 1, "max_inflight": 1}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    url = str(tmp_path / "s.zarr")
+    rids = [run_id(s) for s in SweepSpec.model_validate(sweep).expand()]
+    cmd = [sys.executable, "-m", "nsa_dist.cli", "sweep", str(path), "--store", url, "--plain"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: sum(_n_done(url, r) for r in rids) >= 3, "three recorded steps", proc, timeout=240, poll=0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = [Client(url).run(r) for r in rids]
+    assert any(r.status != "done" for r in partial), "the sweep finished before the kill"
+    for r in partial:
+        assert r.status in ("done", "interrupted", "pending"), (r.id, r.status, r.reason)
+    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for spec in SweepSpec.model_validate(sweep).expand():
+        ref = str(tmp_path / f"ref-{run_id(spec)}.zarr")
+        run_experiment(spec, SpectrumStore(ref))
+        assert Client(url).run(run_id(spec)).status == "done"
+        _assert_same_arrays(ref, url, run_id(spec))
