@@ -28,7 +28,7 @@ from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk._inputs import as_2d
-from nsa_dist.ntk._structured import _mirror_upper
+from nsa_dist.ntk._structured import _mirror_upper, layer_passes
 
 __all__ = ["conv_layers", "per_layer_gram"]
 
@@ -140,26 +140,11 @@ def _chunk_features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: 
                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
     """Factors (Â (b, n_in+1), D (b, K·n_out)) of each factored layer and the formed gradients
     M (b, K·P_formed) of the others, for one chunk of points x (b, …)."""
-    acts: dict[int, torch.Tensor] = {}
-    zs: dict[int, torch.Tensor] = {}
-
-    def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        acts[id(mod)], zs[id(mod)] = inp[0].detach(), out
-
-    handles = [lay.module.register_forward_hook(hook) for lay in layers]
-    try:
-        with torch.enable_grad():
-            out = as_2d(model(x))  # (b, K)
-            Z = [zs[id(lay.module)] for lay in layers]
-            grads = [torch.autograd.grad(out[:, a].sum(), Z, retain_graph=a < K - 1, allow_unused=True)
-                     for a in range(K)]  # K × layers × δ (b, …)
-    finally:
-        for h in handles:
-            h.remove()
+    acts, Z, grads = layer_passes(model, [lay.module for lay in layers], x, K)
     b = x.shape[0]
     factors, formed = [], []
     for i, lay in enumerate(layers):
-        A = acts[id(lay.module)]
+        A = acts[i]
         deltas = [g[i] if g[i] is not None else torch.zeros_like(Z[i]) for g in grads]  # K × (b, …)
         if lay.factored:
             cols = ([A * lay.w] if lay.w is not None else []) + ([A.new_full((b, 1), lay.b)] if lay.b is not None else [])

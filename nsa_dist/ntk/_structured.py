@@ -94,28 +94,37 @@ def _probe_calls(model: nn.Module, layers: list[nn.Linear], x: torch.Tensor) -> 
                                         f"(n, features) inputs; {m} {why} (use method='jacobian')")
 
 
-def _chunk_features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(Â (b, n_cols), D (b, K, n_out)) per layer for one chunk of points x (b, d)."""
+def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K: int
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor | None, ...]]]:
+    """One forward and K backward passes over a chunk x: each module's input ``A_l`` (detached),
+    its output ``z_l`` and, per model output a, ``δ_{a,l} = ∂f_a/∂z_l`` (None where f_a does not
+    depend on z_l).  What the per-layer NTK paths (structured, conv) build their features from."""
     acts: dict[int, torch.Tensor] = {}
     zs: dict[int, torch.Tensor] = {}
 
     def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         acts[id(mod)], zs[id(mod)] = inp[0].detach(), out
 
-    handles = [lay.module.register_forward_hook(hook) for lay in layers]
+    handles = [m.register_forward_hook(hook) for m in modules]
     try:
         with torch.enable_grad():
             out = as_2d(model(x))  # (b, K)
-            Z = [zs[id(lay.module)] for lay in layers]
+            Z = [zs[id(m)] for m in modules]
             grads = [torch.autograd.grad(out[:, a].sum(), Z, retain_graph=a < K - 1, allow_unused=True)
-                     for a in range(K)]
+                     for a in range(K)]  # K × modules × δ (b, …)
     finally:
         for h in handles:
             h.remove()
+    return [acts[id(m)] for m in modules], Z, grads
+
+
+def _chunk_features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(Â (b, n_cols), D (b, K, n_out)) per layer for one chunk of points x (b, d)."""
+    acts, _, grads = layer_passes(model, [lay.module for lay in layers], x, K)
     feats = []
     for i, lay in enumerate(layers):
-        A = acts[id(lay.module)]  # (b, n_in)
+        A = acts[i]  # (b, n_in)
         Ahat = A.new_zeros(A.shape[0], lay.n_cols)  # (b, n_cols) = [w·A, β·1, 0…]
         c = 0
         if lay.w is not None:
