@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from nsa_dist.errors import NonFiniteError, ShapeError
+from nsa_dist.errors import NonFiniteError
 
 E = TypeVar("E", bound=Enum)
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._inputs import as_2d
 from nsa_dist.ntk._structured import _mirror_upper, layer_passes
 
 __all__ = ["conv_layers", "per_layer_gram"]

@@ -7,14 +7,12 @@ the features through its object store.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from torch import nn
 
 from nsa_dist.ntk._inputs import output_dim, prepare_inputs
-from nsa_dist.ntk._structured import _Buffers, _chunk_features, _tile, linear_layers
+from nsa_dist.ntk._structured import _chunk_features, linear_layers
 
 __all__ = ["BlockFeatures", "block_features", "row_blocks"]
 
