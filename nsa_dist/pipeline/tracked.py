@@ -20,7 +20,7 @@ from torch import nn
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
-from nsa_dist.pipeline.hessian_step import hessian_dims
+from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore
 
@@ -71,7 +71,7 @@ def tracked_dims(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer
                    nI=len(imgs.indices) if imgs else 0, R=spec.spectrum.image_size if imgs else 0,
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=0, L=RNG_BYTES,
                    store_eigenvectors=spec.spectrum.store_eigenvectors, hessian=spec.hessian is not None,
-                   Hk=Hk, Hr=Hr, Hg=Hg)
+                   Hk=Hk, Hr=Hr, Hg=Hg, HI=hessian_eig_count(spec, data.n))
 
 
 def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer) -> dict[str, np.ndarray]:
