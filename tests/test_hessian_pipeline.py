@@ -186,8 +186,8 @@ def test_theory_arrays_match_dense_references(tmp_path, k):
 
 
 def test_cross_entropy_run_records_I_and_S_of_its_loss(tmp_path):
-    run, spec = _run(tmp_path, name="ce", loss="cross_entropy", data={"name": "digits", "n": 8, "target": "onehot"},
-                     model={"depth": 2, "width": 3, "init": "ntk", "activation": "tanh"}, steps=4, record={"every": 3},
+    run, spec = _run(tmp_path, name="ce", loss="cross_entropy", data={"name": "digits", "n": 6, "target": "onehot"},
+                     model={"depth": 2, "width": 2, "init": "ntk", "activation": "tanh"}, steps=4, record={"every": 3},
                      spectrum={"k": 8, "images": []}, schedule={"lr": 1.0},
                      hessian={"probes": 4, "rayleigh_k": 0, "top_k": 0, "density": False, "additivity": False})
     data = load_dataset(spec.data, seed=spec.seed)
@@ -203,12 +203,11 @@ def test_cross_entropy_run_records_I_and_S_of_its_loss(tmp_path):
         np.testing.assert_allclose(run.hessian_moments("I_exact")["estimate"][j],
                                    [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-6,
                                    err_msg=f"CE Tr(I^k) at t={t}")
-        mu = np.sort(np.linalg.eigvalsh(I))[::-1][:80]
+        mu = np.sort(np.linalg.eigvalsh(I))[::-1][:60]
         np.testing.assert_allclose(run.hessian_I_eigenvalues()[j], mu, rtol=1e-6, atol=1e-10)
-        for part, A in (("H", H), ("I", I), ("S", S)):
-            m = run.hessian_moments(part)
-            z = abs(m["estimate"][j][0] - np.trace(A)) / max(m["stderr"][j][0], 1e-15)
-            assert z < 5 or abs(m["estimate"][j][0] - np.trace(A)) < 1e-9, (part, m["estimate"][j][0], np.trace(A))
+        trS = run.hessian_trace_S()  # Tr(S) = (1/N) Σ (p_i − y_i)ᵀ G_i against the dense CE S
+        assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j],
+                                                                                 np.trace(S))
     from nsa_dist.hessian import hessian_parts
     H_op, I_op, S_op = hessian_parts(_model_at(run, spec, 3), X, Y, loss="cross_entropy", dtype=torch.float64)
     np.testing.assert_allclose(S_op.to_dense().numpy(), S, rtol=1e-8, atol=1e-12, err_msg="CE S operator vs dense")

@@ -212,7 +212,7 @@ def test_limit_ntk_of_new_activations_against_monte_carlo_recursion(act):
     phi, dphi = _ACTIVATIONS[Activation(act)]
     rng = np.random.default_rng(1)
     X = rng.normal(size=(3, 4))
-    beta2, L, n = 0.1 ** 2, 3, 2_000_000
+    beta2, L, n = 0.1 ** 2, 3, 400_000
     K = X @ X.T / 4 + beta2
     theta = K.copy()
     for _ in range(L - 1):
@@ -221,7 +221,7 @@ def test_limit_ntk_of_new_activations_against_monte_carlo_recursion(act):
         K, Kd = s.T @ s / n + beta2, ds.T @ ds / n
         theta = theta * Kd + K
     quad = limit_ntk(X, depth=L, activation=act).numpy()
-    np.testing.assert_allclose(quad, theta, rtol=5e-3, err_msg=f"Θ∞ ({act}): quadrature vs Monte Carlo")
+    np.testing.assert_allclose(quad, theta, rtol=1e-2, atol=4e-3 * np.abs(theta).max(), err_msg=f"Θ∞ ({act}): quadrature vs Monte Carlo")
 
 
 # --------------------------------------------------------------------------- the active regime
