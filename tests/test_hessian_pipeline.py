@@ -86,7 +86,7 @@ def test_recorded_hessian_quantities_match_dense_references(hess_run):
 def test_hessian_figures_and_unrecorded_steps(hess_run, tmp_path):
     run, _ = hess_run
     names = ["hessian_moments", "hessian_orthogonality", "hessian_fig2_rayleigh", "hessian_edge_of_stability",
-             "hessian_density"]
+             "hessian_density", "hessian_I_spectrum", "hessian_additivity", "hessian_trace_S", "hessian_S_norms"]
     paths = plot_run(run, tmp_path, figures=names)
     assert [p.stem for p in paths] == names and all(p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(KeyError, match="not a finished recorded step"):
@@ -232,3 +232,43 @@ def test_theory_spec_errors():
         ExperimentSpec(name="x", loss="cross_entropy", data={"name": "digits", "n": 8, "target": "label"})
     with pytest.raises(ValueError, match="hessian.*'l2' and 'cross_entropy'"):
         ExperimentSpec(name="x", loss="nce", data={"name": "density2d", "n": 8}, hessian={})
+
+
+def test_hessian_sweep_quantities_and_figures(tmp_path):
+    """Moments over seeds against step and width, the width convergence to Θ∞ with its fitted slope."""
+    from nsa_dist.config import SweepSpec
+    from nsa_dist.pipeline import run_id
+    from nsa_dist.plots.sweep import HESSIAN_SWEEP_FIGURES, fit_slope, plot_sweep
+    from nsa_dist.sweep_view import quantity
+
+    url = str(tmp_path / "s.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(name="hw", base={**_THEORY, "data": {"n": 6}, "steps": 2, "record": {"every": 1},
+                                       "hessian": {"probes": 8, "rayleigh_k": 0, "top_k": 1, "density": False,
+                                                   "additivity": False}},
+                      grid={"model.width": [3, 12], "seed": [0, 1]})
+    ids = []
+    for spec in sweep.expand():
+        assert run_experiment(spec, store).status == "done"
+        ids.append(run_id(spec))
+    store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
+    c = Client(url)
+    s = c.sweep("hw")
+    for cv in s.curves("hessian_S", k=2):
+        runs = [c.run(r) for r in c.runs(sweep="hw", model__width=cv.key["model.width"])["id"]]
+        V = np.stack([r.hessian_moments("S")["estimate"][:, 1] for r in runs])
+        np.testing.assert_allclose(cv.mean, V.mean(0), err_msg=str(cv.key))
+        np.testing.assert_allclose(cv.std, V.std(0))
+        np.testing.assert_array_equal(cv.t, runs[0].hessian_steps)
+    run = c.run(ids[0])
+    t, err = quantity(run, "hessian_I_error", k=2)
+    ex, lim = run.hessian_moments("I_exact")["estimate"][:, 1], run.hessian_moments("I_limit")["estimate"][:, 1]
+    np.testing.assert_allclose(err, np.abs(ex - lim) / lim)
+    t, ratio = quantity(run, "hessian_S_ratio")
+    np.testing.assert_allclose(ratio, run.hessian_moments("S")["estimate"][:, 1] / run.hessian_moments("I")["estimate"][:, 1])
+    with pytest.raises(ValueError, match="needs k, the moment order"):
+        quantity(run, "hessian_S")
+    out = plot_sweep(s, tmp_path / "fig", figures=list(HESSIAN_SWEEP_FIGURES))
+    assert [p.stem for p in out] == list(HESSIAN_SWEEP_FIGURES) and all(p.stat().st_size > 10_000 for p in out)
+    w = np.array([16.0, 64.0, 256.0])
+    assert fit_slope(w, 3 * w ** -0.5) == pytest.approx(-0.5)

@@ -250,5 +250,13 @@ def test_active_regime_divides_the_output_and_scales_the_learning_rate():
     step = -0.05 * 7 * torch.cat([g.reshape(-1) for g in grads]).numpy()
     assert ck.lr == pytest.approx(0.05 * 7)
     np.testing.assert_allclose(ck.dtheta, step, rtol=1e-4, atol=1e-7, err_msg="θ₁ − θ₀ = −(lr · w) ∇L")
+    from nsa_dist.pipeline.hessian_step import HessianAnalysis, limit_reason
+
+    assert limit_reason(ntk) is None and "active" in limit_reason(act)
+    assert "init='xavier'" in limit_reason(ExperimentSpec(**{**base, "model": {"depth": 3, "width": 7}}))
+    h = HessianAnalysis(ExperimentSpec(**{**base, "model": {**base["model"], "regime": "active"}, "hessian": {}}),
+                        torch.zeros(5, 2), np.zeros(5), 10)
+    with pytest.raises(ValueError, match="no infinite-width limit of I.*regime='active'"):
+        h.limit_gram()
     with pytest.raises(ValueError, match="regime='active'.*init='ntk'"):
         ExperimentSpec(**{**base, "model": {"depth": 3, "width": 7, "regime": "active"}})
