@@ -37,7 +37,7 @@ def _figure(sweep: "Sweep", label: str, what: str, ncols: int = 0,
     fig = Figure(figsize=(7.0 if not ncols else 4.4 * ncols, 4.6), layout="constrained")
     FigureCanvasAgg(fig)
     seeds = "; mean ± std over seeds" if sweep.seeded else ""
-    fig.suptitle(f"{paper} Fig. {label} — {what}\nsweep {sweep.name}{seeds}", fontsize=11)
+    fig.suptitle(f"{paper}{f' Fig. {label}' if label else ''} — {what}\nsweep {sweep.name}{seeds}", fontsize=11)
     return fig, (fig.subplots() if not ncols else fig.subplots(1, ncols, squeeze=False)[0])
 
 
@@ -144,7 +144,7 @@ def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (
     fluctuations of the NTK are O(1/√w): slope ≈ −1/2)."""
     if _WIDTH not in sweep.fields:
         raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
-    fig, ax = _figure(sweep, "—", f"width convergence of I to its limit at t = {step}", paper="Hessian paper")
+    fig, ax = _figure(sweep, "", f"width convergence of I to its limit at t = {step}", paper="Hessian paper")
     for c, k in zip(colors(len(orders)), orders):
         for _, w, mean, std in _by_width(sweep, "hessian_I_error", k, step, None):
             slope = fit_slope(w, mean)
@@ -167,7 +167,7 @@ def regimes_figure(sweep: "Sweep", step: int = 0) -> "Figure":
     if _WIDTH not in sweep.fields:
         raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
     line = "model.regime" if "model.regime" in sweep.fields else None
-    fig, axes = _figure(sweep, "—", f"NTK vs active regime over width at t = {step}", ncols=3, paper="Hessian paper")
+    fig, axes = _figure(sweep, "", f"NTK vs active regime over width at t = {step}", ncols=3, paper="Hessian paper")
     panels = (("hessian_S_ratio", "Tr(S²) / Tr(I²)"), ("hessian_S_op", r"$\Vert S\Vert_{op}$"),
               ("hessian_S_fro", r"$\Vert S\Vert_F$"))
     for ax, (name, label) in zip(axes, panels):
