@@ -96,10 +96,14 @@ def I_spectrum(run: "Run") -> "Figure":
     mu, lim = run.hessian_I_eigenvalues(), run.hessian_I_eigenvalues(limit=True)
     pick = some_steps(len(steps), 3)
     i = np.arange(1, mu.shape[1] + 1)
+    drawn = None
     for j, c in zip(pick, colors(len(pick))):
         ax.plot(i, np.clip(mu[j], 1e-16, None), "o-", ms=2.5, lw=1, color=c, label=f"measured, t = {steps[j]}")
-        if np.isfinite(lim[j]).any():
-            ax.plot(i, np.clip(lim[j], 1e-16, None), "--", lw=1.2, color=c, label=f"limit (Θ∞), t = {steps[j]}")
+        if np.isfinite(lim[j]).any() and (drawn is None or not np.allclose(lim[j], drawn)):  # MSE: one limit for all t
+            same = np.allclose(lim[pick], lim[j])
+            ax.plot(i, np.clip(lim[j], 1e-16, None), "--", lw=1.2, color="k" if same else c,
+                    label="limit (Θ∞ kernel PCA)" if same else f"limit (Θ∞), t = {steps[j]}")
+            drawn = lim[j]
     ax.set(xlabel="index i", ylabel=r"$\lambda_i(I)$", xscale="log", yscale="log")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
