@@ -107,17 +107,42 @@ def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k:
 def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
     """Tr(A^k), k = 1..4, of A = ``part`` ("H", "I", "S", "I_exact", "I_limit") along t per grid
     point: mean ± std over the seeds (symlog y: Tr(S^k) changes sign)."""
-    fig, axes = _figure(sweep, "1", f"moments Tr({part}^k) along training", ncols=4, paper="Hessian paper")
+    one_step = all(len(c.t) == 1 for c in sweep.curves(f"hessian_{part}", 1))
+    what = f"moments Tr({part}^k)" + (" at t = %d, per grid point" % sweep.curves(f"hessian_{part}", 1)[0].t[0]
+                                      if one_step else " along training")
+    fig, axes = _figure(sweep, "1", what, ncols=4, paper="Hessian paper")
     for k, ax in enumerate(axes, start=1):
         curves = sweep.curves(f"hessian_{part}", k)
-        _lines(ax, curves)
+        if one_step:  # one analysed step (e.g. initialisation): each grid point's seeds and their mean ± std
+            _points(ax, sweep, curves, f"hessian_{part}", k)
+        else:
+            _lines(ax, curves)
+            for line in ax.lines:
+                line.set_marker("o")
+                line.set_markersize(3)
+            ax.set(xlabel="step t", xscale="symlog")
         ax.axhline(0, color="0.5", lw=0.8)
         finite = [np.nanmax(np.abs(c.mean)) for c in curves if np.isfinite(c.mean).any()]
-        ax.set(xlabel="step t", title=f"Tr({part}^{k})", xscale="symlog")
+        ax.set_title(f"Tr({part}^{k})")
         ax.set_yscale("symlog", linthresh=1e-3 * max([1e-12] + finite))
         if k > 1 and ax.get_legend():
             ax.get_legend().remove()
     return fig
+
+
+def _points(ax: "Axes", sweep: "Sweep", curves: list["Curve"], name: str, k: int) -> None:
+    """One column per grid point: every seed's value (dots) and the mean ± std (error bar)."""
+    df = sweep.scalar(name, k, step=int(curves[0].t[0]))
+    for x, (c, cv) in enumerate(zip(colors(len(curves)), curves)):
+        sub = df
+        for f, v in cv.key.items():
+            sub = sub[sub[f] == v]
+        ax.plot(np.full(len(sub), x) + np.linspace(-0.15, 0.15, len(sub)), sub["value"], ".", color=c, alpha=0.6)
+        ax.errorbar([x], cv.mean, yerr=cv.std, fmt="o", ms=6, capsize=4, color=c, label=cv.label)
+    ax.set_xticks(range(len(curves)), [", ".join(str(v) for v in cv.key.values()) for cv in curves],
+                  rotation=20, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def fit_slope(x: np.ndarray, y: np.ndarray) -> float:
