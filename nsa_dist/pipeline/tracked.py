@@ -39,7 +39,8 @@ def _digest(*arrays: np.ndarray) -> str:
 
 
 def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: int, record: dict,
-                 spectrum: dict, hessian: dict | None, optimizer: str, seed: int, device: str) -> ExperimentSpec:
+                 spectrum: dict, hessian: dict | None, optimizer: str, seed: int, device: str,
+                 loss: str = "l2") -> ExperimentSpec:
     """The ExperimentSpec stored with a tracked run.
 
     ``data`` is ``{name: arrays, path: "sha1:<digest of X, y, X_test, y_test>"}`` and ``model`` a
@@ -52,6 +53,7 @@ def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: i
     P = sum(p.numel() for p in model.parameters())
     return ExperimentSpec.model_validate({
         "name": name, "seed": seed, "steps": steps, "record": record, "spectrum": spectrum, "hessian": hessian,
+        "loss": loss,
         "device": device, "optimizer": {"name": optimizer},
         "data": {"name": "arrays", "n": data.n, "n_test": int(data.X_test.shape[0]),
                  "path": "sha1:" + _digest(data.X, data.y, data.X_test, data.y_test)},
