@@ -243,7 +243,7 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
 
     url = str(tmp_path / "s.zarr")
     store = SpectrumStore(url)
-    sweep = SweepSpec(name="hw", base={**_THEORY, "data": {"n": 6}, "steps": 2, "record": {"every": 1},
+    sweep = SweepSpec(name="hw", base={**_THEORY, "data": {"n": 6}, "steps": 1, "record": {"steps": [0]},
                                        "hessian": {"probes": 8, "rayleigh_k": 0, "top_k": 1, "density": False,
                                                    "additivity": False}},
                       grid={"model.width": [3, 12], "seed": [0, 1]})
@@ -270,5 +270,13 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
         quantity(run, "hessian_S")
     out = plot_sweep(s, tmp_path / "fig", figures=list(HESSIAN_SWEEP_FIGURES))
     assert [p.stem for p in out] == list(HESSIAN_SWEEP_FIGURES) and all(p.stat().st_size > 10_000 for p in out)
+    from nsa_dist.plots.sweep import hessian_moments_figure
+
+    ax = hessian_moments_figure(s, "S").axes[1]  # one analysed step: each grid point's seeds and mean ± std
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["3", "12"]
+    dots = [ln for ln in ax.lines if ln.get_marker() == "."]
+    assert len(dots) == 2 and all(len(ln.get_ydata()) == 2 for ln in dots)
+    np.testing.assert_allclose(sorted(np.concatenate([ln.get_ydata() for ln in dots])),
+                               sorted(s.scalar("hessian_S", 2, step=0)["value"]))
     w = np.array([16.0, 64.0, 256.0])
     assert fit_slope(w, 3 * w ** -0.5) == pytest.approx(-0.5)
