@@ -297,7 +297,10 @@ def _plot_sweep(args: argparse.Namespace) -> int:
         if not args.x:
             raise ValueError("--scalar needs --x FIELD (one of the sweep's fields: " + ", ".join(sweep.fields) + ")")
         kk = min(args.k[0], sweep.smallest_k()) if args.k else None
-        fig = scalar_figure(sweep, args.scalar, args.x, args.line, k=kk if args.scalar.startswith("energy_") else None)
+        if args.scalar.startswith("hessian_"):  # k: the moment order of Tr(A^k)
+            kk = args.k[0] if args.k else None
+        fig = scalar_figure(sweep, args.scalar, args.x, args.line,
+                            k=kk if args.scalar.startswith(("energy_", "hessian_")) else None)
         path = args.out / f"scalar_{args.scalar}.png"
         fig.savefig(path, dpi=DPI)
         paths.append(path)

@@ -259,7 +259,11 @@ class Run:
         return np.asarray(self._at(which, self._index_of(step)), dtype=np.float64)
 
     def residual(self, step: int) -> np.ndarray:
-        """m_t = f_t − y at the training points."""
+        """m_t = ∂ℓ/∂f at the training points: f_t − y (l2), softmax(f_t) − y (cross_entropy)."""
+        if getattr(self.spec, "loss", None) is not None and getattr(self.spec.loss, "value", self.spec.loss) == "cross_entropy":
+            from nsa_dist.losses import softmax
+
+            return softmax(self.outputs(step)) - self.y
         return self.outputs(step) - self.y
 
     def images(self, step: int) -> dict[str, np.ndarray]:
@@ -306,10 +310,11 @@ class Run:
     def hessian_moments(self, part: str = "H") -> dict[str, np.ndarray]:
         """Tr(A^k), k = 1..4, along the analysed steps: {"estimate": (Sh, 4), "stderr": (Sh, 4)}.
 
-        part: "H", "I" or "S" (Hutch++ estimates); "I_exact" for Tr(I^k) from the NTK Gram.
+        part: "H", "I" or "S" (Hutch++ estimates); "I_exact" for Tr(I^k) from the NTK Gram;
+        "I_limit" for the infinite-width prediction from Θ∞ (NaN where it does not apply).
         """
-        if part == "I_exact":
-            est = self._hessian("hessian_moments_I_exact")
+        if part in ("I_exact", "I_limit"):
+            est = self._hessian("hessian_moments_I_exact" if part == "I_exact" else "hessian_I_limit_moments")
             return {"estimate": est, "stderr": np.zeros_like(est)}
         j = _part(part)
         return {"estimate": self._hessian("hessian_moments")[:, j], "stderr": self._hessian("hessian_moments_stderr")[:, j]}
@@ -346,6 +351,37 @@ class Run:
         """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed)."""
         i = self._hessian_pos(step)
         return self._at("hessian_density_grid", i), self._at("hessian_density", i)
+
+    def hessian_I_eigenvalues(self, limit: bool = False) -> np.ndarray:
+        """(Sh, N·K) eigenvalues of I outside its null space, descending: measured exactly (from the
+        NTK Gram; NaN with a distributed layout) or, ``limit=True``, the kernel PCA of Θ∞
+        weighted by HC (NaN where the limit does not apply, see docs/store.md)."""
+        return self._hessian("hessian_I_limit_eigenvalues" if limit else "hessian_I_eigenvalues")
+
+    def hessian_additivity(self) -> dict[str, np.ndarray]:
+        """Theorem 1's gap Tr(H^k) − Tr(I^k) − Tr(S^k), k = 1..4 (shared probes):
+        {"estimate": (Sh, 4), "stderr": (Sh, 4)}."""
+        a = self._hessian("hessian_additivity")
+        return {"estimate": a[:, 0], "stderr": a[:, 1]}
+
+    def hessian_trace_S(self) -> dict[str, np.ndarray]:
+        """Tr(S) two independent ways along the analysed steps: "G" = ∇Cᵀ·G (per-point traces of the
+        model Hessian) with "G_stderr", and "hutchpp" (Hutch++ on S) with "hutchpp_stderr"."""
+        g, m = self._hessian("hessian_trace_S_G"), self.hessian_moments("S")
+        return {"G": g[:, 0], "G_stderr": g[:, 1], "hutchpp": m["estimate"][:, 0], "hutchpp_stderr": m["stderr"][:, 0]}
+
+    def hessian_G(self, step: int | None = None) -> dict[str, np.ndarray]:
+        """G_i = Σ_p ∂²f(x_i)/∂θ_p² at ``step`` (default: the last analysed): {"estimate", "stderr"} (N,) or (N, K)."""
+        i = self._hessian_pos(step)
+        return {"estimate": self._read("hessian_G")[i], "stderr": self._read("hessian_G_stderr")[i]}
+
+    def hessian_S_norms(self) -> dict[str, np.ndarray]:
+        """‖S‖_op (Lanczos, "op") beside the paper's bounds Tr(S^k)^{1/k} for k = 2 ("k2" = ‖S‖_F)
+        and k = 4 ("k4"), from the Hutch++ moments: (Sh,) each; ‖S‖_op ≤ k4 ≤ k2."""
+        m = self.hessian_moments("S")["estimate"]
+        with np.errstate(invalid="ignore"):
+            return {"op": self._hessian("hessian_S_op"), "k2": np.sqrt(np.clip(m[:, 1], 0, None)),
+                    "k4": np.clip(m[:, 3], 0, None) ** 0.25}
 
     def _hessian_pos(self, step: int | None) -> int:
         steps = self.hessian_steps

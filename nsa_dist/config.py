@@ -25,6 +25,8 @@ class Activation(str, Enum):
     ERF = "erf"
     SOFTPLUS = "softplus"
     GELU = "gelu"
+    ATAN = "atan"
+    SOFTPLUS_NORMALIZED = "softplus_normalized"  # (softplus(z) − a) / b: E σ(z) = 0, E σ(z)² = 1 for z ~ N(0, 1)
 
 
 class Init(str, Enum):
@@ -61,12 +63,24 @@ class ModelSpec(_Strict):
     init: Init = Init.XAVIER
     bias_scale: float = Field(0.1, ge=0.0, description="β of the NTK parametrisation")
     residual: bool = Field(False, description="shortcut h + σ(W h + b) between equal-width hidden layers")
+    regime: Literal["ntk", "active"] = Field("ntk", description="active: the Hessian paper's active regime — the "
+                                            "output divided by √width and the learning rate multiplied by width "
+                                            "(needs init='ntk')")
 
     @model_validator(mode="after")
     def _residual_needs_hidden(self) -> "ModelSpec":
         if self.residual and self.depth < 3:
             raise ValueError(f"residual=True needs depth >= 3 (a hidden-to-hidden layer), got depth={self.depth}")
+        if self.regime == "active" and (Init(self.init) is not Init.NTK or self.depth < 2):
+            raise ValueError(f"model.regime='active' (output / √width, lr · width) is the Hessian paper's NTK "
+                             f"parametrisation with hidden layers: it needs init='ntk' and depth >= 2, got "
+                             f"init={Init(self.init).value!r}, depth={self.depth}")
         return self
+
+    @property
+    def lr_factor(self) -> float:
+        """The learning-rate multiplier of the regime: ``width`` (active), 1 (ntk)."""
+        return float(self.width) if self.regime == "active" else 1.0
 
 
 # --------------------------------------------------------------------------- user-defined networks (issue 12)
@@ -221,10 +235,15 @@ class LossName(str, Enum):
     (c = 1) and noise (c = 0) points; residual m_i = ∂ℓ_i/∂f_i = σ(h_i) − c_i.  Needs a
     density dataset (``density2d``, ``gaussian_mixture``); the noise q and the ratio ν are
     ``data.noise`` and ``data.noise_ratio``.
+
+    CROSS_ENTROPY: ℓ_i = −Σ_k y_ik log softmax(f_i)_k on one-hot (or probability) targets, K ≥ 2
+    outputs (the logits); residual m_i = ∂ℓ_i/∂f_i = softmax(f_i) − y_i, loss curvature
+    HC_i = diag(p_i) − p_i p_iᵀ in the Hessian's I.
     """
 
     L2 = "l2"
     NCE = "nce"
+    CROSS_ENTROPY = "cross_entropy"
 
 
 class ScheduleSpec(_Strict):
@@ -351,7 +370,8 @@ class HessianSpec(_Strict):
     """Loss-Hessian measurements H = I + S at recorded steps (the Hessian paper, Jacot et al.).
 
     Analysed steps: every ``every``-th recorded step (and the last), or the training ``steps``
-    listed (each must be a recorded step).  The loss is the run's: C = (1/2N) Σ ‖f − y‖².
+    listed (each must be a recorded step).  The loss is the run's: C = (1/2N) Σ ‖f − y‖² (l2) or
+    C = (1/N) Σ CE(softmax f, y) (cross_entropy); NCE is not supported.
     """
 
     every: int = Field(1, ge=1, description="every n-th recorded step")
@@ -360,7 +380,7 @@ class HessianSpec(_Strict):
     probes: int = Field(16, ge=1, description="random probes of the moment / orthogonality estimates")
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
     rayleigh_k: int = Field(20, ge=0, description="Fig. 2: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)")
-    top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos (0: off)")
+    top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos, and ‖S‖_op = max |λ(S)| (0: off)")
     eig_tol: float = Field(1e-6, gt=0, lt=1, description="Lanczos residual tolerance of those eigenpairs "
                            "(relative to |λ|_max); S's clustered spectrum edge converges slowly below ~1e-4")
     density: bool = Field(True, description="spectral density of H by stochastic Lanczos quadrature")
@@ -368,6 +388,12 @@ class HessianSpec(_Strict):
     lanczos_steps: int = Field(40, ge=2)
     density_grid: int = Field(200, ge=10)
     block_size: int | None = Field(None, ge=1)
+    additivity: bool = Field(True, description="Theorem 1: Tr(H^k) − Tr(I^k) − Tr(S^k), k = 1..4, with shared probes "
+                             "(and its standard error)")
+    trace_G: bool = Field(True, description="Tr(S) = ∇Cᵀ·G from the per-point traces G_i = Σ_p ∂²f(x_i)/∂θ_p² "
+                          "(probe estimate with standard errors)")
+    limit: bool = Field(True, description="the infinite-width prediction of I (kernel PCA of Θ∞, limit_ntk) beside "
+                        "the measured I — fully-connected init='ntk' runs in the NTK regime only (NaN otherwise)")
 
     def indices(self, record: list[int]) -> list[int]:
         """Indices into the recording schedule ``record`` that are analysed."""
@@ -443,7 +469,10 @@ class ExperimentSpec(_Strict):
             raise ValueError(f"loss={LossName(self.loss).value!r} with data {DataName(self.data.name).value!r}: "
                              "loss 'nce' goes with the density datasets density2d / gaussian_mixture and only with them")
         if LossName(self.loss) is LossName.NCE and self.hessian is not None:
-            raise ValueError("hessian: the Hessian measurements assume the L2 loss; remove the block for loss='nce'")
+            raise ValueError("hessian: the Hessian measurements support loss 'l2' and 'cross_entropy'; remove the "
+                             "block for loss='nce'")
+        if LossName(self.loss) is LossName.CROSS_ENTROPY:
+            self._check_cross_entropy()
         if isinstance(self.spectrum.store_eigenvectors, list):
             missing = sorted(set(self.spectrum.store_eigenvectors) - set(record))
             if missing:
@@ -453,8 +482,23 @@ class ExperimentSpec(_Strict):
             self.hessian.indices(record)
         return self
 
+    def _check_cross_entropy(self) -> None:
+        K = self.model.output_dim
+        if K < 2:
+            raise ValueError(f"loss='cross_entropy' needs K >= 2 outputs (logits of K classes), but the model has "
+                             f"output_dim={K}; use one-hot targets (data.target='onehot') of a classification dataset")
+        name = DataName(self.data.name)
+        if name in _N_CLASSES and Target(self.data.target) is not Target.ONEHOT:
+            raise ValueError(f"loss='cross_entropy' needs one-hot targets; set data.target='onehot' "
+                             f"(got {Target(self.data.target).value!r})")
+
     def record_steps(self) -> list[int]:
         return self.record.schedule(self.steps)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update ``step``: the schedule's times the regime's factor (active: × width)."""
+        factor = self.model.lr_factor if isinstance(self.model, ModelSpec) else 1.0
+        return self.schedule.lr_at(step) * factor
 
 
 # --------------------------------------------------------------------------- sweeps

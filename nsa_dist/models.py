@@ -11,7 +11,7 @@ from torch import nn
 from nsa_dist.config import Activation, FactoryModelSpec, Init, ModelSpec
 from nsa_dist.errors import ModelFactoryError
 
-__all__ = ["CNN", "FCNet", "NTKLinear", "build_factory_model", "build_model", "cnn", "resolve_factory"]
+__all__ = ["CNN", "FCNet", "NTKLinear", "normalized_softplus", "build_factory_model", "build_model", "cnn", "resolve_factory"]
 
 
 class NTKLinear(nn.Linear):
@@ -39,6 +39,10 @@ def _activation(spec: ModelSpec) -> nn.Module:
         return nn.LeakyReLU(spec.negative_slope)
     if act is Activation.ERF:
         return _Erf()
+    if act is Activation.ATAN:
+        return _Atan()
+    if act is Activation.SOFTPLUS_NORMALIZED:
+        return _NormalizedSoftplus()
     return {Activation.RELU: nn.ReLU, Activation.TANH: nn.Tanh,
             Activation.SOFTPLUS: nn.Softplus, Activation.GELU: nn.GELU}[act]()
 
@@ -46,6 +50,45 @@ def _activation(spec: ModelSpec) -> nn.Module:
 class _Erf(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return torch.erf(z)
+
+
+class _Atan(nn.Module):
+    """σ(z) = arctan z (the Hessian paper's Fig. 1)."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.atan(z)
+
+
+def _gauss_moments(phi, n: int = 200) -> tuple[float, float]:
+    """(E φ(z), E φ(z)²) for z ~ N(0, 1) by n-node Gauss–Hermite quadrature (float64)."""
+    import numpy as np
+
+    z, w = np.polynomial.hermite_e.hermegauss(n)
+    w = w / w.sum()
+    v = phi(torch.tensor(z, dtype=torch.float64)).numpy()
+    return float(w @ v), float(w @ v ** 2)
+
+
+_SP_MEAN, _SP_SQ = _gauss_moments(nn.functional.softplus)
+SOFTPLUS_SHIFT = _SP_MEAN  # a = E softplus(z) ≈ 0.8063 for z ~ N(0, 1)
+SOFTPLUS_SCALE = math.sqrt(_SP_SQ - _SP_MEAN ** 2)  # b = std softplus(z) ≈ 0.5542
+
+
+def normalized_softplus(z: torch.Tensor) -> torch.Tensor:
+    """σ(z) = (softplus(z) − a) / b with a, b the mean and standard deviation of softplus(z), z ~ N(0, 1).
+
+    The Hessian paper names a "normalized smooth ReLU" (Fig. 1) without defining it; this is the
+    normalisation that makes E σ(z) = 0 and E σ(z)² = 1 under the standard Gaussian pre-activations
+    of the first layer (docs/design-notes.md).  σ′(z) = sigmoid(z) / b.
+    """
+    return (nn.functional.softplus(z) - SOFTPLUS_SHIFT) / SOFTPLUS_SCALE
+
+
+class _NormalizedSoftplus(nn.Module):
+    """:func:`normalized_softplus`."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return normalized_softplus(z)
 
 
 class FCNet(nn.Module):
@@ -85,6 +128,9 @@ def build_model(spec: ModelSpec | FactoryModelSpec, *, seed: int | None = None,
             semantics via a forked RNG, so the global RNG state is left untouched.
         dtype: parameter dtype (float32 for training, float64 for reference checks).
 
+    ``regime="active"`` divides the output by √width (the last layer's scales; the trainer
+    multiplies the learning rate by width, :meth:`ExperimentSpec.lr_at`).
+
     Returns:
         FCNet mapping (n, d) → (n,) when K = 1, else (n, K).
     """
@@ -95,6 +141,10 @@ def build_model(spec: ModelSpec | FactoryModelSpec, *, seed: int | None = None,
         if seed is not None:
             torch.manual_seed(seed)
         layers = [_linear(spec, n_in, n_out) for n_in, n_out in zip(dims[:-1], dims[1:])]
+    if spec.regime == "active":  # the Hessian paper's active regime: f / √w, exactly (the scales the NTK reads)
+        last = layers[-1]
+        last.weight_scale /= math.sqrt(spec.width)
+        last.bias_scale /= math.sqrt(spec.width)
     model = FCNet(layers, _activation(spec), residual=spec.residual)
     return model.to(dtype)
 

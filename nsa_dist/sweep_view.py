@@ -21,7 +21,39 @@ __all__ = ["Sweep", "Curve", "QUANTITIES", "quantity"]
 
 QUANTITIES = ("loss", "loss_recorded", "loss_test", "lambda_max", "stability_bound", "alignment",
               "first_order_error", "first_order_cos", "energy_y", "energy_f", "energy_residual", "energy_df",
-              "energy_df_pred", "energy_f_test")
+              "energy_df_pred", "energy_f_test",
+              # the Hessian paper (issue 10), at the analysed steps; k: the moment order 1..4 where named
+              "hessian_H", "hessian_I", "hessian_S", "hessian_I_exact", "hessian_I_limit", "hessian_gap",
+              "hessian_I_error", "hessian_S_ratio", "hessian_S_op", "hessian_S_fro", "hessian_I_fro",
+              "hessian_orthogonality", "hessian_trace_S_G")
+_HESSIAN_K = ("hessian_H", "hessian_I", "hessian_S", "hessian_I_exact", "hessian_I_limit", "hessian_gap",
+              "hessian_I_error")  # Tr(A^k): need k
+
+
+def _hessian_quantity(run: "Run", name: str, k: int | None) -> np.ndarray:
+    """The Hessian quantities of :data:`QUANTITIES` along ``run.hessian_steps``."""
+    if name in _HESSIAN_K:
+        if k is None or not 1 <= k <= 4:
+            raise ValueError(f"quantity {name!r} needs k, the moment order 1..4 (Tr(A^k)), got k={k!r}")
+        if name == "hessian_gap":
+            return run.hessian_additivity()["estimate"][:, k - 1]
+        if name == "hessian_I_error":  # |Tr(I^k) − its Θ∞ limit| / limit
+            exact, lim = (run.hessian_moments(p)["estimate"][:, k - 1] for p in ("I_exact", "I_limit"))
+            with np.errstate(all="ignore"):
+                return np.abs(exact - lim) / np.abs(lim)
+        return run.hessian_moments(name.removeprefix("hessian_"))["estimate"][:, k - 1]
+    if name == "hessian_S_ratio":  # Tr(S²) / Tr(I²): ~w in the active regime, bounded in the NTK regime
+        with np.errstate(all="ignore"):
+            return run.hessian_moments("S")["estimate"][:, 1] / run.hessian_moments("I")["estimate"][:, 1]
+    if name == "hessian_S_op":
+        return run.hessian_S_norms()["op"]
+    if name == "hessian_S_fro":
+        return run.hessian_S_norms()["k2"]
+    if name == "hessian_I_fro":
+        return np.sqrt(np.clip(run.hessian_moments("I")["estimate"][:, 1], 0, None))
+    if name == "hessian_orthogonality":
+        return run.hessian_orthogonality["value"]
+    return run.hessian_trace_S()["G"]
 
 
 def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -29,13 +61,19 @@ def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, n
 
     "loss": L(θ_t) of every training step (t = 0..T−1, NaN not yet trained); "loss_recorded",
     "loss_test", "lambda_max", "stability_bound", "alignment", "first_order_error",
-    "first_order_cos": at the finished recorded steps; "energy_<φ>": E_t(φ, k) (k required).
+    "first_order_cos": at the finished recorded steps; "energy_<φ>": E_t(φ, k) (k required);
+    "hessian_<…>" at the analysed Hessian steps: Tr(A^k) of "hessian_H" / "_I" / "_S" (Hutch++),
+    "_I_exact", "_I_limit" (Θ∞), "hessian_gap" (Theorem 1), "hessian_I_error" (|exact − limit| /
+    limit) with k the order 1..4; "hessian_S_ratio" = Tr(S²)/Tr(I²), "hessian_S_op", "hessian_S_fro",
+    "hessian_I_fro", "hessian_orthogonality", "hessian_trace_S_G" (∇Cᵀ·G).
 
     Raises:
         ValueError: an unknown name (the allowed are listed) or an energy without k.
     """
     if name not in QUANTITIES:
         return run.steps, _stored_scalar(run, name, k)
+    if name.startswith("hessian_"):
+        return run.hessian_steps, np.asarray(_hessian_quantity(run, name, k), np.float64)
     if name == "loss":
         trace = run.loss_trace
         return np.arange(len(trace)), trace

@@ -30,6 +30,7 @@ from torch.nn.utils import parameters_to_vector
 from nsa_dist.config import RecordSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import NonFiniteError, ShapeError
+from nsa_dist.losses import cross_entropy_loss
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.pipeline.tracked import RNG_BYTES, TrackedRunService, tracked_dims, tracked_spec, tracked_static
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Tracker"]
 
-_LOSSES = ("mse", "l2")
+_LOSSES = {"mse": "l2", "l2": "l2", "cross_entropy": "cross_entropy"}  # Tracker name → spec loss
 
 
 class _ThreadPool:
@@ -89,7 +90,8 @@ class Tracker:
         steps: T, the number of updates the loop will make (sizes the store).
         record: when to record, a :class:`RecordSpec` block (``every`` / ``log_points`` / ``steps``).
         spectrum, hessian: the spec blocks of the same names (hessian None: off).
-        loss: "mse" — L = (1/N) Σ ½‖f − y‖², the loss the stored metrics refer to.
+        loss: the loss the stored metrics refer to: "mse" — L = (1/N) Σ ½‖f − y‖² — or "cross_entropy"
+            (y one-hot (N, K), K ≥ 2: m_t = softmax(f) − y, the Hessian's HC = diag p − ppᵀ).
         optimizer: "custom" (any update: the first-order prediction is J_t Δθ_t) or "gd" (plain full-batch
             gradient descent on that loss: the closed form −δ_t/N·G_t m_t, as ``nsa run``).
         cluster: None (a background thread of this process), "local" (an embedded Ray), "auto" (the
@@ -111,7 +113,8 @@ class Tracker:
                  optimizer: str = "custom", cluster: str | None = None, workers: int = 1, worker_cpus: float = 1.0,
                  worker_gpus: float = 0.0, max_inflight: int = 2, seed: int = 0, device: str = "auto") -> None:
         if loss not in _LOSSES:
-            raise ValueError(f"loss={loss!r}: the stored metrics refer to the squared loss; use 'mse'")
+            raise ValueError(f"loss={loss!r} is not one of 'mse' (or 'l2'), 'cross_entropy': the loss the stored "
+                             "metrics refer to")
         if optimizer not in ("custom", "gd"):
             raise ValueError(f"optimizer={optimizer!r} is not one of custom, gd")
         if max_inflight < 1:
@@ -124,12 +127,13 @@ class Tracker:
         rec = record.model_dump() if isinstance(record, RecordSpec) else (record or {"log_points": 20})
         self.spec: ExperimentSpec = tracked_spec(name, model, self.data, K, steps=steps, record=rec,
                                                  spectrum=spectrum or {}, hessian=hessian, optimizer=optimizer,
-                                                 seed=seed, device=device)
+                                                 seed=seed, device=device, loss=_LOSSES[loss])
         spec_dict = self.spec.model_dump(mode="json")
         self.device = next(model.parameters()).device
         self.X = torch.as_tensor(self.data.X, dtype=torch.float32, device=self.device)  # (N, …)
         self.y = torch.as_tensor(self.data.y, dtype=torch.float32, device=self.device)  # (N,) or (N, K)
         self.X_test = torch.as_tensor(self.data.X_test, dtype=torch.float32, device=self.device)
+        self._ce = loss == "cross_entropy"
         self.schedule = self.spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.schedule)}
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -237,7 +241,7 @@ class Tracker:
         if self._done[i]:
             return
         f = self.model(self.X)  # (N,) or (N, K)
-        L = 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean()
+        L = cross_entropy_loss(f, self.y) if self._ce else 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean()
         given = float(L) if loss is None else float(loss)
         if not (np.isfinite(given) and np.isfinite(float(L))):
             self._fail(step, f"loss is {given if not np.isfinite(given) else float(L)} at step {step}")

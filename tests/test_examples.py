@@ -60,3 +60,15 @@ def test_mnist_sweep_runs_at_tiny_size(tmp_path):
     run = Client(url).run("mnist_tiny")
     assert run.per_class_eigenvalues.shape == (2, 10, 2) and run.stability_eigenvalues.shape == (2, 3)
     assert (run.per_class_eigenvalues > 0).all() and (run.test_loss > 0).all()
+
+
+def test_hessian_paper_examples_are_the_papers_settings():
+    """Fig. 1: the three nonlinearities at initialisation over seeds; the regimes: both, over widths."""
+    fig1 = load_sweep(EXAMPLES / "hessian_fig1.yaml").expand()
+    assert {r.model.activation.value for r in fig1} == {"softplus", "atan", "softplus_normalized"}
+    assert len({r.seed for r in fig1}) >= 5 and all(r.record_steps() == [0] and r.hessian for r in fig1)
+    active = load_sweep(EXAMPLES / "hessian_active.yaml").expand()
+    assert {r.model.regime for r in active} == {"ntk", "active"} and len({r.model.width for r in active}) >= 4
+    assert all(r.model.init.value == "ntk" and r.hessian.top_k >= 1 for r in active)  # ‖S‖_op needs Lanczos
+    fig3 = load_spec(EXAMPLES / "hessian_fig3.yaml")
+    assert fig3.hessian.orthogonality and len(fig3.hessian.indices(fig3.record_steps())) >= 5

@@ -86,7 +86,7 @@ def test_recorded_hessian_quantities_match_dense_references(hess_run):
 def test_hessian_figures_and_unrecorded_steps(hess_run, tmp_path):
     run, _ = hess_run
     names = ["hessian_moments", "hessian_orthogonality", "hessian_fig2_rayleigh", "hessian_edge_of_stability",
-             "hessian_density"]
+             "hessian_density", "hessian_I_spectrum", "hessian_additivity", "hessian_trace_S", "hessian_S_norms"]
     paths = plot_run(run, tmp_path, figures=names)
     assert [p.stem for p in paths] == names and all(p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(KeyError, match="not a finished recorded step"):
@@ -100,3 +100,183 @@ def test_hessian_spec_errors():
         ExperimentSpec(**{**SPEC, "hessian": {"probes": 0}})
     spec = ExperimentSpec(**{k: v for k, v in SPEC.items() if k != "hessian"})
     assert spec.hessian is None
+
+
+# --------------------------------------------------------------------------- issue 10: theory beside measurement
+
+def _dense_loss_parts(model, X, Y, ce: bool):
+    """Dense H, I, S and J of the MSE or cross-entropy loss (float64), HC = diag p − ppᵀ for CE."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    names, shapes = list(params), [p.shape for p in params.values()]
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+
+    def F(v):
+        out, o = {}, 0
+        for n, s in zip(names, shapes):
+            out[n] = v[o:o + int(np.prod(s))].view(s)
+            o += int(np.prod(s))
+        f = functional_call(model, out, (X,))
+        return f[:, None] if f.ndim == 1 else f
+
+    N = X.shape[0]
+    Y2 = Y.reshape(N, -1)
+    C = (lambda v: -(Y2 * torch.log_softmax(F(v), -1)).sum() / N) if ce else \
+        (lambda v: 0.5 * ((F(v) - Y2) ** 2).sum() / N)
+    H = hessian(C)(flat)
+    J = torch.func.jacrev(F)(flat).reshape(-1, flat.numel())
+    if ce:
+        p = torch.softmax(F(flat), -1).detach()
+        HC = torch.block_diag(*[torch.diag(pi) - torch.outer(pi, pi) for pi in p])
+    else:
+        HC = torch.eye(J.shape[0], dtype=torch.float64)
+    I = J.T @ HC @ J / N
+    return H.numpy(), I.numpy(), (H - I).numpy(), F(flat).detach().numpy()
+
+
+def _model_at(run, spec, t):
+    model = build_model(spec.model, seed=spec.seed).double()
+    i = int(np.flatnonzero(run.steps == t)[0])
+    vector_to_parameters(torch.tensor(run.g["theta"][i], dtype=torch.float64), model.parameters())
+    return model
+
+
+def _run(tmp_path, **spec):
+    url = str(tmp_path / "s.zarr")
+    es = ExperimentSpec(**spec)
+    out = run_experiment(es, SpectrumStore(url))
+    assert out.status == "done", out
+    return Client(url).run(out.run_id), es
+
+
+_THEORY = dict(name="theory", data={"n": 10}, model={"depth": 2, "width": 5, "init": "ntk", "activation": "atan"},
+               steps=6, record={"every": 5}, spectrum={"k": "all", "images": []}, schedule={"lr": 0.5},
+               hessian={"probes": 48, "rayleigh_k": 0, "top_k": 2, "density": False})  # P = 21: exact Hutch++
+
+
+@pytest.mark.parametrize("k", ["all", 4])
+def test_theory_arrays_match_dense_references(tmp_path, k):
+    """Exact I (reused Gram, both k), its Θ∞ limit, the additivity gap, Tr(S) by G, ‖S‖_op."""
+    from nsa_dist.hessian import limit_gauss_newton_eigenvalues
+    from nsa_dist.ntk import limit_ntk
+
+    run, spec = _run(tmp_path, **{**_THEORY, "spectrum": {"k": k, "images": []}})
+    data = load_dataset(spec.data, seed=spec.seed)
+    X, y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y)
+    lim = limit_gauss_newton_eigenvalues(limit_ntk(X, depth=2, activation="atan"))
+    add, trS = run.hessian_additivity(), run.hessian_trace_S()
+    for j, t in enumerate(run.hessian_steps):
+        H, I, S, F = _dense_loss_parts(_model_at(run, spec, int(t)), X, y, ce=False)
+        mu = np.sort(np.linalg.eigvalsh(I))[::-1][:10]
+        np.testing.assert_allclose(run.hessian_I_eigenvalues()[j], mu, rtol=1e-7, atol=1e-12,
+                                   err_msg=f"eigenvalues of I at t={t}")
+        np.testing.assert_allclose(run.hessian_moments("I_exact")["estimate"][j],
+                                   [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-7)
+        np.testing.assert_allclose(run.hessian_I_eigenvalues(limit=True)[j], lim, rtol=1e-12)
+        np.testing.assert_allclose(run.hessian_moments("I_limit")["estimate"][j], [np.sum(lim ** p) for p in range(1, 5)],
+                                   rtol=1e-12)
+        tr = lambda A, p: np.trace(np.linalg.matrix_power(A, p))  # noqa: E731
+        gap = [tr(H, p) - tr(I, p) - tr(S, p) for p in range(1, 5)]
+        np.testing.assert_allclose(add["estimate"][j][1:], gap[1:], rtol=1e-7, err_msg=f"additivity gap at t={t}")
+        assert abs(add["estimate"][j][0]) < 1e-12 * tr(H, 1), add["estimate"][j]
+        assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j], np.trace(S))
+        np.testing.assert_allclose(trS["hutchpp"][j], np.trace(S), rtol=1e-7, atol=1e-12)
+        np.testing.assert_allclose(run.hessian_S_norms()["op"][j], np.abs(np.linalg.eigvalsh(S)).max(), rtol=1e-5)
+    norms = run.hessian_S_norms()
+    assert np.all(norms["op"] <= norms["k4"] * (1 + 1e-9)) and np.all(norms["k4"] <= norms["k2"] * (1 + 1e-9)), norms
+
+
+def test_cross_entropy_run_records_I_and_S_of_its_loss(tmp_path):
+    run, spec = _run(tmp_path, name="ce", loss="cross_entropy", data={"name": "digits", "n": 6, "target": "onehot"},
+                     model={"depth": 2, "width": 2, "init": "ntk", "activation": "tanh"}, steps=4, record={"every": 3},
+                     spectrum={"k": 8, "images": []}, schedule={"lr": 1.0},
+                     hessian={"probes": 4, "rayleigh_k": 0, "top_k": 0, "density": False, "additivity": False})
+    data = load_dataset(spec.data, seed=spec.seed)
+    X, Y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y, dtype=torch.float64)
+    assert run.train_loss[-1] < run.train_loss[0], run.train_loss
+    f0 = run.outputs(0)
+    p = np.exp(f0 - f0.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(run.train_loss[0], -np.mean(np.sum(data.y * np.log(p), 1)), rtol=1e-5, err_msg="CE loss")
+    np.testing.assert_allclose(run.residual(0), p - data.y, rtol=1e-5, atol=1e-7, err_msg="m = softmax(f) − y")
+    for j, t in enumerate(run.hessian_steps):
+        H, I, S, F = _dense_loss_parts(_model_at(run, spec, int(t)), X, Y, ce=True)
+        np.testing.assert_allclose(run.hessian_moments("I_exact")["estimate"][j],
+                                   [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-6,
+                                   err_msg=f"CE Tr(I^k) at t={t}")
+        mu = np.sort(np.linalg.eigvalsh(I))[::-1][:60]
+        np.testing.assert_allclose(run.hessian_I_eigenvalues()[j], mu, rtol=1e-6, atol=1e-10)
+        trS = run.hessian_trace_S()  # Tr(S) = (1/N) Σ (p_i − y_i)ᵀ G_i against the dense CE S
+        assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j],
+                                                                                 np.trace(S))
+    from nsa_dist.hessian import hessian_parts
+    H_op, I_op, S_op = hessian_parts(_model_at(run, spec, 3), X, Y, loss="cross_entropy", dtype=torch.float64)
+    np.testing.assert_allclose(S_op.to_dense().numpy(), S, rtol=1e-8, atol=1e-12, err_msg="CE S operator vs dense")
+    np.testing.assert_allclose(I_op.to_dense().numpy(), I, rtol=1e-8, atol=1e-12, err_msg="CE I operator vs dense")
+
+
+def test_block_rows_gives_the_first_two_exact_moments_of_I_from_the_tiles(tmp_path):
+    run, spec = _run(tmp_path, **{**_THEORY, "spectrum": {"k": 4, "images": [], "layout": "block_rows", "workers": 2}})
+    data = load_dataset(spec.data, seed=spec.seed)
+    X, y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y)
+    exact = run.hessian_moments("I_exact")["estimate"]
+    for j, t in enumerate(run.hessian_steps):
+        _, I, _, _ = _dense_loss_parts(_model_at(run, spec, int(t)), X, y, ce=False)
+        np.testing.assert_allclose(exact[j][:2], [np.trace(I), np.trace(I @ I)], rtol=1e-6)
+        assert np.isnan(exact[j][2:]).all() and np.isnan(run.hessian_I_eigenvalues()[j]).all()
+
+
+def test_theory_spec_errors():
+    with pytest.raises(ValueError, match="cross_entropy.*K >= 2"):
+        ExperimentSpec(name="x", loss="cross_entropy", data={"n": 8})
+    with pytest.raises(ValueError, match="cross_entropy.*data.target='onehot'"):
+        ExperimentSpec(name="x", loss="cross_entropy", data={"name": "digits", "n": 8, "target": "label"})
+    with pytest.raises(ValueError, match="hessian.*'l2' and 'cross_entropy'"):
+        ExperimentSpec(name="x", loss="nce", data={"name": "density2d", "n": 8}, hessian={})
+
+
+def test_hessian_sweep_quantities_and_figures(tmp_path):
+    """Moments over seeds against step and width, the width convergence to Θ∞ with its fitted slope."""
+    from nsa_dist.config import SweepSpec
+    from nsa_dist.pipeline import run_id
+    from nsa_dist.plots.sweep import HESSIAN_SWEEP_FIGURES, fit_slope, plot_sweep
+    from nsa_dist.sweep_view import quantity
+
+    url = str(tmp_path / "s.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(name="hw", base={**_THEORY, "data": {"n": 6}, "steps": 1, "record": {"steps": [0]},
+                                       "hessian": {"probes": 8, "rayleigh_k": 0, "top_k": 1, "density": False,
+                                                   "additivity": False}},
+                      grid={"model.width": [3, 12], "seed": [0, 1]})
+    ids = []
+    for spec in sweep.expand():
+        assert run_experiment(spec, store).status == "done"
+        ids.append(run_id(spec))
+    store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
+    c = Client(url)
+    s = c.sweep("hw")
+    for cv in s.curves("hessian_S", k=2):
+        runs = [c.run(r) for r in c.runs(sweep="hw", model__width=cv.key["model.width"])["id"]]
+        V = np.stack([r.hessian_moments("S")["estimate"][:, 1] for r in runs])
+        np.testing.assert_allclose(cv.mean, V.mean(0), err_msg=str(cv.key))
+        np.testing.assert_allclose(cv.std, V.std(0))
+        np.testing.assert_array_equal(cv.t, runs[0].hessian_steps)
+    run = c.run(ids[0])
+    t, err = quantity(run, "hessian_I_error", k=2)
+    ex, lim = run.hessian_moments("I_exact")["estimate"][:, 1], run.hessian_moments("I_limit")["estimate"][:, 1]
+    np.testing.assert_allclose(err, np.abs(ex - lim) / lim)
+    t, ratio = quantity(run, "hessian_S_ratio")
+    np.testing.assert_allclose(ratio, run.hessian_moments("S")["estimate"][:, 1] / run.hessian_moments("I")["estimate"][:, 1])
+    with pytest.raises(ValueError, match="needs k, the moment order"):
+        quantity(run, "hessian_S")
+    out = plot_sweep(s, tmp_path / "fig", figures=list(HESSIAN_SWEEP_FIGURES))
+    assert [p.stem for p in out] == list(HESSIAN_SWEEP_FIGURES) and all(p.stat().st_size > 10_000 for p in out)
+    from nsa_dist.plots.sweep import hessian_moments_figure
+
+    ax = hessian_moments_figure(s, "S").axes[1]  # one analysed step: each grid point's seeds and mean ± std
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["3", "12"]
+    dots = [ln for ln in ax.lines if ln.get_marker() == "."]
+    assert len(dots) == 2 and all(len(ln.get_ydata()) == 2 for ln in dots)
+    np.testing.assert_allclose(sorted(np.concatenate([ln.get_ydata() for ln in dots])),
+                               sorted(s.scalar("hessian_S", 2, step=0)["value"]))
+    w = np.array([16.0, 64.0, 256.0])
+    assert fit_slope(w, 3 * w ** -0.5) == pytest.approx(-0.5)

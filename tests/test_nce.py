@@ -54,7 +54,7 @@ def test_nce_config_errors() -> None:
         ExperimentSpec(loss="nce", data={"n": 10})
     with pytest.raises(ValueError, match="loss 'nce' goes with the density datasets"):
         ExperimentSpec(data={"name": "density2d", "n": 10})
-    with pytest.raises(ValueError, match="Hessian measurements assume the L2 loss"):
+    with pytest.raises(ValueError, match="Hessian measurements support loss .l2. and .cross_entropy."):
         ExperimentSpec(loss="nce", data={"name": "density2d", "n": 10}, hessian={})
     with pytest.raises(ValueError, match="must be >= 1 \\+ ratio = 4"):
         load_dataset(DataSpec(name="density2d", n=3, noise_ratio=3))

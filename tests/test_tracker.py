@@ -278,3 +278,37 @@ def test_unpicklable_model_is_refused_with_a_clear_error(tmp_path):
     model.lock = threading.Lock()  # e.g. a module holding a lock or an open file
     with pytest.raises(TypeError, match="cannot be copied or pickled.*keep unpicklable state"):
         _tracker(str(tmp_path / "t.zarr"), model=model)
+
+
+def test_cross_entropy_tracker_records_what_nsa_run_records(tmp_path):
+    """loss='cross_entropy': the user's CE loop records nsa run's arrays (loss, m_t, the Hessian of CE)."""
+    spec = ExperimentSpec(name="ce", loss="cross_entropy", data={"name": "digits", "n": 10, "target": "onehot"},
+                          model={"depth": 2, "width": 4}, steps=7, record={"every": 3}, schedule={"lr": 0.5},
+                          spectrum={"k": 6, "images": []},
+                          hessian={"probes": 4, "rayleigh_k": 0, "top_k": 0, "density": False, "additivity": False})
+    ref_url, url = str(tmp_path / "ref.zarr"), str(tmp_path / "t.zarr")
+    assert run_experiment(spec, SpectrumStore(ref_url)).status == "done"
+    ref = Client(ref_url).run(run_id(spec))
+    data = load_dataset(spec.data, seed=spec.seed)
+    model = build_model(spec.model, seed=spec.seed)
+    tr = Tracker(url, "ce", model, data.X, data.y, steps=7, record={"every": 3}, spectrum={"k": 6, "images": []},
+                 hessian=spec.hessian.model_dump(), optimizer="gd", loss="cross_entropy")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
+    for t in range(7):
+        opt.zero_grad()
+        loss = -(y * torch.log_softmax(model(X), -1)).sum(1).mean()
+        if tr.due(t):
+            tr.record(t, lr=0.5, loss=loss.item())
+        else:
+            tr.log(t, loss.item())
+        loss.backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("ce")
+    assert run.status == "done" and run.spec.loss.value == "cross_entropy"
+    for name in ("theta", "f", "loss", "energy_residual", "hessian_moments_I_exact", "hessian_trace_S_G"):
+        np.testing.assert_allclose(run.g[name][:], ref.g[name][:], rtol=1e-5, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(run.residual(0), ref.residual(0), rtol=1e-6)
+    with pytest.raises(ValueError, match="loss='hinge' is not one of"):
+        Tracker(str(tmp_path / "x.zarr"), "x", model, data.X, data.y, steps=3, loss="hinge")

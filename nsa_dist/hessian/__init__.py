@@ -11,6 +11,9 @@
 * Extreme eigenpairs — :func:`extreme_eigenpairs` (largest / smallest / magnitude, Lanczos),
   :func:`edge_of_stability` (``λ_max δ / 2``).
 * Spectral density — :func:`slq_density` (stochastic Lanczos quadrature).
+* The paper's predictions — :func:`additivity_gap` (Theorem 1, shared probes),
+  :func:`output_hessian_traces` / :func:`trace_S_from_G` (Tr(S) = ∇Cᵀ·G),
+  :func:`limit_gauss_newton_eigenvalues` (I from Θ∞), :func:`numerical_ranks` (rank bounds).
 """
 
 from nsa_dist.hessian._loss import Loss
@@ -34,6 +37,16 @@ from nsa_dist.hessian.operators import (
 )
 from nsa_dist.hessian.orthogonality import Orthogonality, RayleighQuotients, orthogonality, rayleigh_quotients
 from nsa_dist.hessian.slq import SpectralDensity, slq_density
+from nsa_dist.hessian.theory import (
+    OutputTraces,
+    Ranks,
+    additivity_gap,
+    limit_gauss_newton_eigenvalues,
+    numerical_ranks,
+    output_hessian_traces,
+    power_moments,
+    trace_S_from_G,
+)
 
 __all__ = [
     "Loss",
@@ -59,4 +72,12 @@ __all__ = [
     "edge_of_stability",
     "SpectralDensity",
     "slq_density",
+    "additivity_gap",
+    "OutputTraces",
+    "output_hessian_traces",
+    "trace_S_from_G",
+    "limit_gauss_newton_eigenvalues",
+    "power_moments",
+    "Ranks",
+    "numerical_ranks",
 ]

@@ -23,6 +23,7 @@ import torch
 from nsa_dist._checks import check_finite
 from nsa_dist.config import Activation
 from nsa_dist.errors import ShapeError
+from nsa_dist.models import SOFTPLUS_SCALE, normalized_softplus
 
 __all__ = ["limit_ntk"]
 
@@ -109,6 +110,8 @@ _ACTIVATIONS: dict[Activation, tuple[Callable[[torch.Tensor], torch.Tensor], Cal
     Activation.TANH: (torch.tanh, lambda u: 1 - torch.tanh(u) ** 2),
     Activation.SOFTPLUS: (torch.nn.functional.softplus, torch.sigmoid),
     Activation.GELU: (torch.nn.functional.gelu, _gelu_prime),
+    Activation.ATAN: (torch.atan, lambda u: 1 / (1 + u * u)),
+    Activation.SOFTPLUS_NORMALIZED: (normalized_softplus, lambda u: torch.sigmoid(u) / SOFTPLUS_SCALE),
 }  # (σ, σ′) of the activations without a closed-form kernel
 
 
@@ -163,14 +166,16 @@ def limit_ntk(x1: torch.Tensor | np.ndarray, x2: torch.Tensor | np.ndarray | Non
     ``Θ∞ ⊗ Id_K``.
 
     Gaussian expectations are closed forms for relu and leaky_relu (arc-cosine kernels) and erf,
-    and ``quadrature × quadrature``-node Gauss–Hermite for tanh, softplus, gelu or a callable σ
+    and ``quadrature × quadrature``-node Gauss–Hermite for tanh, softplus, softplus_normalized,
+    atan, gelu or a callable σ
     (fast convergence for smooth σ — erf: 4e-7 at 64 nodes, 1e-12 at 128 — slow, about 1/n, for kinks).
 
     Args:
         x1: (N1, d) points (torch or NumPy).
         x2: (N2, d) points, or None for x1.
         depth: L ≥ 1, the number of Linear layers (``ModelSpec.depth``).
-        activation: "relu" | "leaky_relu" | "erf" | "tanh" | "softplus" | "gelu", or a callable
+        activation: "relu" | "leaky_relu" | "erf" | "tanh" | "softplus" | "softplus_normalized" |
+            "atan" | "gelu", or a callable
             elementwise σ on float64 tensors (quadrature; σ′ by autograd).
         negative_slope: leaky_relu's slope for u < 0.
         bias_scale: β.

@@ -8,13 +8,51 @@ import numpy as np
 import torch
 from torch import nn
 
-from nsa_dist.config import ExperimentSpec
-from nsa_dist.hessian import (extreme_eigenpairs, gauss_newton_moments, hessian_parts, hutchpp_moments, orthogonality,
-                              rayleigh_quotients, slq_density)
+from nsa_dist.config import ExperimentSpec, Init, LossName, ModelSpec
+from nsa_dist.hessian import (additivity_gap, extreme_eigenpairs, gauss_newton_eigenvalues, hessian_parts,
+                              hutchpp_moments, limit_gauss_newton_eigenvalues, orthogonality, output_hessian_traces,
+                              power_moments, rayleigh_quotients, slq_density, trace_S_from_G)
+from nsa_dist.hessian._loss import Loss, loss_gradient, parse_loss, prepare_targets
+from nsa_dist.ntk._inputs import as_2d, prepare_model
 
-__all__ = ["HessianAnalysis", "hessian_dims"]
+__all__ = ["HessianAnalysis", "hessian_dims", "hessian_loss", "hessian_eig_count", "limit_reason"]
 
 PARTS = ("H", "I", "S")
+
+
+def hessian_loss(spec: ExperimentSpec) -> Loss:
+    """The run's loss as the Hessian's :class:`~nsa_dist.hessian.Loss` (l2 → mse, cross_entropy).
+
+    Raises:
+        ValueError: loss 'nce' (the spec refuses a hessian block with it).
+    """
+    if LossName(spec.loss) is LossName.NCE:
+        raise ValueError("the Hessian measurements support loss 'l2' and 'cross_entropy', not 'nce'")
+    return parse_loss(LossName(spec.loss).value)
+
+
+def hessian_eig_count(spec: ExperimentSpec, n: int) -> int:
+    """N·K: the eigenvalues of I stored per analysed step (measured and limit), 0 without a hessian block."""
+    return 0 if spec.hessian is None else n * spec.model.output_dim
+
+
+def limit_reason(spec: ExperimentSpec) -> str | None:
+    """Why the infinite-width limit of I does not apply to ``spec``'s model (None: it does).
+
+    ``limit_ntk`` is the NTK limit of a fully-connected net in the NTK parametrisation; the
+    active regime's NTK moves during training (the Hessian paper, §"active regime") and a
+    residual, Xavier or user-built network has another (or no) limit.
+    """
+    m = spec.model
+    if not isinstance(m, ModelSpec):
+        return "a user-built (factory) network: limit_ntk is the limit of the fully-connected ModelSpec nets"
+    if Init(m.init) is not Init.NTK:
+        return f"init={Init(m.init).value!r}: the limit is that of the NTK parametrisation (init='ntk')"
+    if m.regime != "ntk":
+        return "regime='active': the NTK is not constant during training in the active regime"
+    if m.residual:
+        return "residual=True: limit_ntk has no shortcut connections"
+    return None
 
 
 def hessian_dims(spec: ExperimentSpec, n_params: int) -> tuple[int, int, int]:
@@ -39,30 +77,103 @@ class HessianAnalysis:
         self.indices = set(self.h.indices(spec.record_steps())) if self.h else set()
         self.top_k, self.rayleigh_k, self.grid = hessian_dims(spec, n_params)
         self.seed = spec.seed
+        self.spec = spec
+        self.loss = hessian_loss(spec) if self.h else Loss.MSE
+        self.limit_reason = limit_reason(spec) if self.h and self.h.limit else "hessian.limit is off"
+        self._theta_inf: torch.Tensor | None = None  # Θ̃∞ at the training points, computed once per run
+
+    def limit_gram(self) -> torch.Tensor:
+        """Θ̃∞ (N, N) at the training points (:func:`~nsa_dist.ntk.limit_ntk`), cached.
+
+        Raises:
+            ValueError: the limit does not apply to this run's model (the reason is named).
+        """
+        if self.limit_reason is not None:
+            raise ValueError(f"no infinite-width limit of I for run {self.spec.name!r}: {self.limit_reason}")
+        if self._theta_inf is None:
+            from nsa_dist.ntk import limit_ntk
+
+            m = self.spec.model
+            self._theta_inf = limit_ntk(self.X.detach().cpu().double().reshape(self.X.shape[0], -1), depth=m.depth,
+                                        activation=m.activation, negative_slope=m.negative_slope,
+                                        bias_scale=m.bias_scale)
+        return self._theta_inf
 
     def wanted(self, index: int) -> bool:
         return index in self.indices
 
-    def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _gram_reusable(self) -> bool:
+        """Whether the step's NTK Gram G (N, N) gives I: one output, MSE (I = Jᵀ J / N ~ G / N)."""
+        return self.loss is Loss.MSE and self.spec.model.output_dim == 1
+
+    def _exact_I(self, model: nn.Module, gram: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray]:
+        """(eigenvalues of I outside its null space (N·K,), Tr(I^k) k = 1..4) — exact, NaN where unknown.
+
+        ``gram``: what the step's spectral analysis already has of G = J Jᵀ (K = 1, MSE): "evals"
+        (its whole spectrum, float64) or, with a distributed layout, "trace" and "sq_frobenius"
+        (exact tile reductions) — Tr(I) = Tr(G)/N and Tr(I²) = ‖G‖_F²/N², orders 3–4 NaN.
+        Without it (K > 1, cross-entropy, a float32 Gram) the full Gram is recomputed.
+        """
+        N = self.X.shape[0]
+        nk = N * self.spec.model.output_dim
+        if gram is not None and self._gram_reusable() and "evals" in gram:
+            mu = np.sort(np.asarray(gram["evals"], np.float64))[::-1] / N
+            return mu, power_moments(mu)
+        if gram is not None and self._gram_reusable() and "trace" in gram:
+            moments = np.array([gram["trace"] / N, gram["sq_frobenius"] / N ** 2, np.nan, np.nan])
+            return np.full(nk, np.nan), moments
+        if gram is not None and gram.get("distributed"):
+            return np.full(nk, np.nan), np.full(4, np.nan)
+        mu = gauss_newton_eigenvalues(model, self.X, self.y, loss=self.loss)
+        return mu, power_moments(mu)
+
+    def _limit_I(self, F: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(limiting eigenvalues of I (N·K,), limiting Tr(I^k)), NaN when the limit does not apply."""
+        nk = F.shape[0] * F.shape[1]
+        if self.limit_reason is not None:
+            return np.full(nk, np.nan), np.full(4, np.nan)
+        Y = prepare_targets(self.y, self.loss, F.shape[0], F.shape[1], torch.float64, torch.device("cpu"))
+        mu = limit_gauss_newton_eigenvalues(self.limit_gram(), F.detach().cpu(), Y.numpy(), loss=self.loss)
+        return mu, power_moments(mu)
+
+    def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None,
+                gram: dict[str, Any] | None = None) -> dict[str, Any]:
         """The step's Hessian quantities on ``model`` at its θ.
 
         ``ops``: H, I, S as operators summed over a gang's data shards (distributed layouts);
-        every estimate then runs on them, and the exact Tr(I^k) — which needs the whole Gram —
-        is left NaN.
+        every estimate then runs on them.  ``gram``: what the step already knows of its NTK
+        Gram (see :meth:`_exact_I`), reused for the exact Tr(I^k) instead of a new Gram.
         """
         h = self.h
-        exact_I = ops is None
         if ops is None:
-            H, I, S = hessian_parts(model, self.X, self.y, loss="mse", block_size=h.block_size, dtype=torch.float64)
+            H, I, S = hessian_parts(model, self.X, self.y, loss=self.loss, block_size=h.block_size, dtype=torch.float64)
             ops = {"H": H, "I": I, "S": S}
         H, I, S = ops["H"], ops["I"], ops["S"]
+        m64 = prepare_model(model, torch.float64)
+        X64 = self.X.to(torch.float64)
+        with torch.no_grad():
+            F = as_2d(m64(X64)).detach()  # (N, K) outputs at θ
         out: dict[str, Any] = {}
         if h.moments:
             est = [hutchpp_moments(ops[p], h.probes, max_order=4, seed=self.seed) for p in PARTS]
             out["hessian_moments"] = np.stack([m.estimate for m in est])  # (3, 4)
             out["hessian_moments_stderr"] = np.stack([m.stderr for m in est])  # (3, 4)
-            out["hessian_moments_I_exact"] = (gauss_newton_moments(model, self.X, self.y, loss="mse").estimate if exact_I
-                                              else np.full(4, np.nan))  # (4,)
+            mu, exact = self._exact_I(model, gram)
+            out["hessian_moments_I_exact"] = exact  # (4,)
+            out["hessian_I_eigenvalues"] = mu  # (N·K,)
+            mu_inf, limit = self._limit_I(F.cpu())
+            out["hessian_I_limit_eigenvalues"], out["hessian_I_limit_moments"] = mu_inf, limit
+        if h.additivity:
+            g = additivity_gap(H, I, S, h.probes, max_order=4, seed=self.seed + 1)
+            out["hessian_additivity"] = np.stack([g.estimate, g.stderr])  # (2, 4)
+        if h.trace_G:
+            Y = prepare_targets(self.y, self.loss, F.shape[0], F.shape[1], torch.float64, F.device)
+            R = loss_gradient(self.loss, F, Y).cpu().numpy()  # (N, K) ∇_f c_i
+            tr = output_hessian_traces(m64, X64, h.probes, seed=self.seed + 2, block_size=h.block_size)
+            shape = (F.shape[0],) if F.shape[1] == 1 else tuple(F.shape)
+            out["hessian_G"] = tr.estimate.reshape(shape)
+            out["hessian_G_stderr"] = tr.stderr.reshape(shape)
+            out["hessian_trace_S_G"] = np.array(trace_S_from_G(R, tr))
         if h.orthogonality:
             o = orthogonality(I, S, n_probes=h.probes, seed=self.seed)
             out["hessian_orthogonality"] = np.array([o.value, o.stderr])
@@ -73,6 +184,8 @@ class HessianAnalysis:
         if self.top_k:
             out["hessian_top"] = np.stack([extreme_eigenpairs(ops[p], self.top_k, which="largest", tol=h.eig_tol,
                                                               seed=self.seed).evals for p in PARTS])  # (3, k)
+            out["hessian_S_op"] = float(abs(extreme_eigenpairs(S, 1, which="magnitude", tol=h.eig_tol,
+                                                                seed=self.seed).evals[0]))  # ‖S‖_op
         if self.grid:
             d = slq_density(H, n_probes=h.density_probes, n_steps=h.lanczos_steps, n_grid=self.grid, seed=self.seed)
             out["hessian_density_grid"], out["hessian_density"] = d.grid, d.density

@@ -142,8 +142,12 @@ class TiledGram(_GangGram):
         return np.sum(parts, axis=0).astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
+        return self.trace_stats()["sq_frobenius"], 0.0
+
+    def trace_stats(self) -> dict[str, float]:
+        """Exact ``sq_frobenius`` = ‖G‖_F² and ``trace`` = Tr(G), summed over the members' tiles."""
         stats = _map(self.pool, "tiles_stats", [(self.key,)] * self.pool.size)
-        return float(sum(s["sq_frobenius"] for s in stats)), 0.0
+        return {k: float(sum(s[k] for s in stats)) for k in ("sq_frobenius", "trace")}
 
 
 class ShardedGram(_GangGram):

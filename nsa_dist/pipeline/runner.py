@@ -18,7 +18,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import spectrum_preservation
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
-from nsa_dist.pipeline.hessian_step import hessian_dims
+from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
@@ -50,7 +50,8 @@ def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: Sp
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=len(trainer.slot_names),
                    L=int(trainer.gen.get_state().numel()), store_eigenvectors=bool(spec.spectrum.store_eigenvectors),
                    hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))),
-                   Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n), **hessian_flags(spec))
+                   Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n), **hessian_flags(spec),
+                   HI=hessian_eig_count(spec, data.n))
 
 
 def hessian_flags(spec: ExperimentSpec) -> dict[str, bool]:

@@ -18,6 +18,7 @@ from torch.nn.utils import vector_to_parameters
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.hessian import hessian_parts
+from nsa_dist.pipeline.hessian_step import hessian_loss
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, resolve_method
 from nsa_dist.ntk.blocks import BlockFeatures
@@ -124,7 +125,7 @@ class SpectralShard:
         X = self._points(es, data, "train", rng)
         y = np.asarray(data.y, dtype=np.float64)[rng[0]:rng[1]]
         block = es.hessian.block_size if es.hessian else None
-        H, I, S = hessian_parts(model, X, y, loss="mse", block_size=block, dtype=torch.float64)
+        H, I, S = hessian_parts(model, X, y, loss=hessian_loss(es), block_size=block, dtype=torch.float64)
         self._held[key] = ({"H": H, "I": I, "S": S}, weight)
 
     def curvature_matmat(self, key: str, part: str, V: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from nsa_dist.ntk import NTKMethod, gram, resolve_method
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
-from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram,
+from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram,
                                       choose_layout, gram_for_layout)
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
@@ -157,8 +157,11 @@ class SpectralAnalyzer:
         self.timings = {}
         with self._timed("gram"):
             G = self._step_gram("train", ck.theta, pool)
+        gram_info = None
         try:
             out = self._gram_metrics(G, ck, N)
+            if self.hessian.wanted(ck.index):
+                gram_info = self._gram_for_hessian(G, out["eigenvalues"])
         finally:
             G.close()
         if self.spec.spectrum.test_points and self.X_test.shape[0] > 0:
@@ -172,7 +175,7 @@ class SpectralAnalyzer:
             out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
         if self.hessian.wanted(ck.index):
             with self._timed("hessian"):
-                out.update(self._hessian(ck, pool))
+                out.update(self._hessian(ck, pool, gram_info))
         return out
 
     @contextmanager
@@ -183,6 +186,23 @@ class SpectralAnalyzer:
             yield
         finally:
             self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
+
+    def _gram_for_hessian(self, G: StepGram, evals: np.ndarray) -> dict[str, Any] | None:
+        """What the Hessian step can reuse of G for the exact Tr(I^k) (one output, MSE, float64 G):
+        its whole spectrum (k: all — the eigenvalues just computed — or one eigvalsh of the
+        dense G), or with block_rows the exact tile trace and ‖G‖_F²; None otherwise."""
+        if not self.hessian._gram_reusable():
+            return {"distributed": True} if self.distributed else None
+        if isinstance(G, DenseGram):
+            if self.dtype != torch.float64:
+                return None
+            if self.spec.spectrum.k == "all":
+                return {"evals": np.asarray(evals, np.float64)}
+            return {"evals": torch.linalg.eigvalsh(G.G).detach().cpu().numpy().astype(np.float64)}
+        if isinstance(G, TiledGram):
+            stats = G.trace_stats()
+            return {"trace": stats["trace"], "sq_frobenius": stats["sq_frobenius"], "distributed": True}
+        return {"distributed": True}
 
     def _gram_metrics(self, G: StepGram, ck: Checkpoint, N: int) -> dict[str, Any]:
         """Eigenpairs, energies, first-order prediction, alignment: products with G only."""
@@ -231,16 +251,17 @@ class SpectralAnalyzer:
                                          seed=self.spec.seed).estimate[1])
         return alignment_from_products(self.y, GY, hgh2, centered=True, G1=G1)
 
-    def _hessian(self, ck: Checkpoint, pool: Pool | None) -> dict[str, Any]:
+    def _hessian(self, ck: Checkpoint, pool: Pool | None, gram: dict[str, Any] | None = None) -> dict[str, Any]:
         """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
         if not self.distributed:
-            return self.hessian.analyze(self.model)
+            return self.hessian.analyze(self.model, gram=gram)
         from nsa_dist.pipeline.runner import run_id, spec_json
 
         curv = ShardedCurvature(self._pool(pool, self.data.n), run_id(self.spec), spec_json(self.spec), ck.theta,
                                 self.data.n, self.n_params)
         try:
-            return self.hessian.analyze(self.model, ops={p: curv.part(p) for p in ("H", "I", "S")})
+            return self.hessian.analyze(self.model, ops={p: curv.part(p) for p in ("H", "I", "S")},
+                                        gram=gram or {"distributed": True})
         finally:
             curv.close()
 

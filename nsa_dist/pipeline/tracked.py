@@ -20,7 +20,7 @@ from torch import nn
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
-from nsa_dist.pipeline.hessian_step import hessian_dims
+from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.runner import hessian_flags, step_plan
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
@@ -41,7 +41,8 @@ def _digest(*arrays: np.ndarray) -> str:
 
 
 def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: int, record: dict,
-                 spectrum: dict, hessian: dict | None, optimizer: str, seed: int, device: str) -> ExperimentSpec:
+                 spectrum: dict, hessian: dict | None, optimizer: str, seed: int, device: str,
+                 loss: str = "l2") -> ExperimentSpec:
     """The ExperimentSpec stored with a tracked run.
 
     ``data`` is ``{name: arrays, path: "sha1:<digest of X, y, X_test, y_test>"}`` and ``model`` a
@@ -54,6 +55,7 @@ def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: i
     P = sum(p.numel() for p in model.parameters())
     return ExperimentSpec.model_validate({
         "name": name, "seed": seed, "steps": steps, "record": record, "spectrum": spectrum, "hessian": hessian,
+        "loss": loss,
         "device": device, "optimizer": {"name": optimizer},
         "data": {"name": "arrays", "n": data.n, "n_test": int(data.X_test.shape[0]),
                  "path": "sha1:" + _digest(data.X, data.y, data.X_test, data.y_test)},
@@ -74,7 +76,7 @@ def tracked_dims(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=0, L=RNG_BYTES,
                    store_eigenvectors=bool(spec.spectrum.store_eigenvectors), hessian=spec.hessian is not None,
                    Hk=Hk, Hr=Hr, Hg=Hg, Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n),
-                   **hessian_flags(spec))
+                   **hessian_flags(spec), HI=hessian_eig_count(spec, data.n))
 
 
 def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer) -> dict[str, np.ndarray]:

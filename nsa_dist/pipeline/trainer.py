@@ -10,7 +10,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from nsa_dist.config import ExperimentSpec, OptimizerName
 from nsa_dist.data import Dataset
-from nsa_dist.losses import is_nce, nce_loss
+from nsa_dist.losses import cross_entropy_loss, is_cross_entropy, is_nce, nce_loss
 from nsa_dist.models import build_model
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 
@@ -33,7 +33,8 @@ def _as_target(y: np.ndarray) -> torch.Tensor:
 
 
 class Trainer:
-    """Trains ``spec``'s model on ``data`` with L = (1/N) Σ ½‖f − y‖², deterministically for a seed.
+    """Trains ``spec``'s model on ``data`` with the spec's loss (L = (1/N) Σ ½‖f − y‖², NCE or
+    cross-entropy), deterministically for a seed; the learning rate is :meth:`ExperimentSpec.lr_at`.
 
     ``train_until(stop)`` is idempotent in its target: it runs updates from the current step up
     to ``stop`` and yields a :class:`Checkpoint` at every recorded step passed on the way.
@@ -48,6 +49,7 @@ class Trainer:
         self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(-1, data.X.shape[1])
         self._nce = None if not is_nce(spec) else tuple(  # (label, log(ν q)) at the training points
             torch.as_tensor(data.extra[k], dtype=torch.float32, device=self.device) for k in ("label", "log_noise"))
+        self._ce = is_cross_entropy(spec)
         self.record = spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.record)}
         self.opt = self._optimizer()
@@ -64,8 +66,8 @@ class Trainer:
             raise ValueError("optimizer.name='custom' is a user's own update recorded by a Tracker; "
                              "a spec run needs gd, sgd or adam")
         if OptimizerName(o.name) is OptimizerName.ADAM:
-            return torch.optim.Adam(params, lr=self.spec.schedule.lr, betas=o.betas, eps=o.eps)
-        return torch.optim.SGD(params, lr=self.spec.schedule.lr, momentum=o.momentum)
+            return torch.optim.Adam(params, lr=self.spec.lr_at(0), betas=o.betas, eps=o.eps)
+        return torch.optim.SGD(params, lr=self.spec.lr_at(0), momentum=o.momentum)
 
     @property
     def n_params(self) -> int:
@@ -115,6 +117,8 @@ class Trainer:
         if self._nce is not None:
             label, log_noise = (t if idx is None else t[idx] for t in self._nce)
             return nce_loss(self.model(X), label, log_noise)
+        if self._ce:
+            return cross_entropy_loss(self.model(X), y)
         r = self.model(X) - y
         return 0.5 * (r**2).reshape(r.shape[0], -1).sum(1).mean()
 
@@ -126,7 +130,7 @@ class Trainer:
 
     def _update(self) -> float:
         """One update θ_t → θ_{t+1}; returns the full-data loss L(θ_t) for GD, the batch loss otherwise."""
-        lr = self.spec.schedule.lr_at(self.step)
+        lr = self.spec.lr_at(self.step)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
@@ -158,7 +162,7 @@ class Trainer:
                 loss = float(self._loss(None))
             if not np.isfinite(loss):
                 raise TrainingDiverged(t, loss)
-            lr, state = self.spec.schedule.lr_at(t), self.state()
+            lr, state = self.spec.lr_at(t), self.state()
             self._trace.append(self._update())
             f_next = self.outputs(self.X)
             trace, start = np.asarray(self._trace, np.float64), self._trace_start

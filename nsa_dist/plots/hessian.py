@@ -17,7 +17,8 @@ _PAPER = "Hessian paper"
 
 
 def moments(run: "Run") -> "Figure":
-    """Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, and the exact Tr(I^k)."""
+    """Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, the exact Tr(I^k) and
+    the infinite-width prediction of Tr(I^k) from Θ∞ (NTK-parametrised FC runs)."""
     fig, axes = new_figure(run, "1", "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0), paper=_PAPER)
     t = run.hessian_steps
     exact = run.hessian_moments("I_exact")["estimate"]
@@ -27,6 +28,10 @@ def moments(run: "Run") -> "Figure":
             ax.errorbar(t, m["estimate"][:, k], yerr=m["stderr"][:, k], fmt="o-", ms=3, color=c, capsize=2,
                         label=f"{part} (Hutch++)")
         ax.plot(t, exact[:, k], "k--", lw=1, label="I exact (NTK Gram)")
+        if run.has("hessian_I_limit_moments"):
+            lim = run.hessian_moments("I_limit")["estimate"][:, k]
+            if np.isfinite(lim).any():
+                ax.plot(t, lim, ":", color="C3", lw=1.6, label=r"I limit ($\Theta_\infty$, kernel PCA)")
         ax.set_title(f"Tr(A^{k + 1})", fontsize=10)
         ax.set_yscale("symlog", linthresh=1e-3 * max(1e-12, float(np.nanmax(np.abs(exact[:, k])))))
         time_axis(ax, run, "trace" if k == 0 else "", legend=k == 0)
@@ -80,4 +85,66 @@ def density(run: "Run") -> "Figure":
     ax.set(xlabel="eigenvalue of H", ylabel="density", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def I_spectrum(run: "Run") -> "Figure":
+    """The spectrum of I (outside its null space) measured at a few analysed steps beside the kernel
+    PCA of Θ∞ (the paper's limit, weighted by HC) on the same axes."""
+    fig, ax = new_figure(run, "—", "eigenvalues of I: measured vs the Θ∞ limit", paper=_PAPER)
+    ax, steps = ax[0, 0], run.hessian_steps
+    mu, lim = run.hessian_I_eigenvalues(), run.hessian_I_eigenvalues(limit=True)
+    pick = some_steps(len(steps), 3)
+    i = np.arange(1, mu.shape[1] + 1)
+    drawn = None
+    for j, c in zip(pick, colors(len(pick))):
+        ax.plot(i, np.clip(mu[j], 1e-16, None), "o-", ms=2.5, lw=1, color=c, label=f"measured, t = {steps[j]}")
+        if np.isfinite(lim[j]).any() and (drawn is None or not np.allclose(lim[j], drawn)):  # MSE: one limit for all t
+            same = np.allclose(lim[pick], lim[j])
+            ax.plot(i, np.clip(lim[j], 1e-16, None), "--", lw=1.2, color="k" if same else c,
+                    label="limit (Θ∞ kernel PCA)" if same else f"limit (Θ∞), t = {steps[j]}")
+            drawn = lim[j]
+    ax.set(xlabel="index i", ylabel=r"$\lambda_i(I)$", xscale="log", yscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def additivity(run: "Run") -> "Figure":
+    """Theorem 1: the gap Tr(H^k) − Tr(I^k) − Tr(S^k) relative to Tr(H^k), k = 1..4, ± its standard error."""
+    fig, axes = new_figure(run, "—", "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k", 1, 4, panel=(4.2, 4.0),
+                           paper=_PAPER)
+    t, g = run.hessian_steps, run.hessian_additivity()
+    H = run.hessian_moments("H")["estimate"]
+    for k, ax in enumerate(axes[0]):
+        with np.errstate(all="ignore"):
+            rel, se = g["estimate"][:, k] / np.abs(H[:, k]), g["stderr"][:, k] / np.abs(H[:, k])
+        ax.errorbar(t, rel, yerr=se, fmt="o-", ms=3, capsize=2, label="gap / |Tr(H^k)|")
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_title(f"k = {k + 1}", fontsize=10)
+        time_axis(ax, run, "relative gap" if k == 0 else "", legend=k == 0)
+    return fig
+
+
+def trace_S(run: "Run") -> "Figure":
+    """Tr(S) two independent ways: ∇Cᵀ·G (per-point traces of the model Hessian) and Hutch++ on S."""
+    fig, ax = new_figure(run, "—", r"Tr(S) = ∇Cᵀ·G against Hutch++", paper=_PAPER)
+    ax, t, tr = ax[0, 0], run.hessian_steps, run.hessian_trace_S()
+    ax.errorbar(t, tr["G"], yerr=tr["G_stderr"], fmt="o-", ms=3, capsize=2, label=r"$\nabla C^T G$ (probes)")
+    ax.errorbar(t, tr["hutchpp"], yerr=tr["hutchpp_stderr"], fmt="s--", ms=3, capsize=2, label="Hutch++ on S")
+    ax.axhline(0, color="0.5", lw=0.8)
+    time_axis(ax, run, "Tr(S)")
+    return fig
+
+
+def S_norms(run: "Run") -> "Figure":
+    """‖S‖_op (Lanczos) beside the bounds Tr(S^k)^{1/k}, k = 2 (‖S‖_F) and 4: the paper's
+    consequence 2 (‖S‖_op → 0 with width while ‖S‖_F stays finite)."""
+    fig, ax = new_figure(run, "—", r"‖S‖_op ≤ Tr(S⁴)^{1/4} ≤ ‖S‖_F", paper=_PAPER)
+    ax, t, n = ax[0, 0], run.hessian_steps, run.hessian_S_norms()
+    ax.plot(t, n["op"], "o-", ms=3, label=r"$\Vert S\Vert_{op}$")
+    ax.plot(t, n["k4"], "s--", ms=3, label=r"Tr$(S^4)^{1/4}$")
+    ax.plot(t, n["k2"], "^--", ms=3, label=r"$\Vert S\Vert_F$ = Tr$(S^2)^{1/2}$")
+    ax.set_yscale("log")
+    time_axis(ax, run, "norm of S")
     return fig

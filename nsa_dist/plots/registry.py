@@ -68,6 +68,10 @@ _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "hessian_fig2_rayleigh": (_plain(hessian.rayleigh), _has("hessian_rayleigh")),
     "hessian_edge_of_stability": (_plain(hessian.edge_of_stability), _has("hessian_top")),
     "hessian_density": (_plain(hessian.density), _has("hessian_density")),
+    "hessian_I_spectrum": (_plain(hessian.I_spectrum), _has("hessian_I_eigenvalues", "hessian_I_limit_eigenvalues")),
+    "hessian_additivity": (_plain(hessian.additivity), _has("hessian_additivity", "hessian_moments")),
+    "hessian_trace_S": (_plain(hessian.trace_S), _has("hessian_trace_S_G", "hessian_moments")),
+    "hessian_S_norms": (_plain(hessian.S_norms), _has("hessian_S_op", "hessian_moments")),
 }
 FIGURES: tuple[str, ...] = tuple(_FIGURES)
 

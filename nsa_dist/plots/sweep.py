@@ -19,20 +19,26 @@ if TYPE_CHECKING:
 
     from nsa_dist.sweep_view import Curve, Sweep
 
-__all__ = ["SWEEP_FIGURES", "fig7a", "fig7b", "fig7c", "scalar_figure", "plot_sweep"]
+__all__ = ["SWEEP_FIGURES", "HESSIAN_SWEEP_FIGURES", "fig7a", "fig7b", "fig7c", "scalar_figure", "plot_sweep", "hessian_moments_figure",
+           "width_convergence", "regimes_figure", "fit_slope"]
 
 SWEEP_FIGURES = ("fig7a_energy_y", "fig7b_train_loss", "fig7c_test_loss", "scalar_energy_y_10")
+HESSIAN_SWEEP_FIGURES = ("hessian_moments_H", "hessian_moments_I", "hessian_moments_S", "hessian_width_convergence",
+                         "hessian_regimes")  # drawn for sweeps with a hessian block (width figures: a width axis)
+_ALL = SWEEP_FIGURES + HESSIAN_SWEEP_FIGURES
+_WIDTH = "model.width"
 
 
-def _figure(sweep: "Sweep", label: str, what: str) -> tuple["Figure", "Axes"]:
+def _figure(sweep: "Sweep", label: str, what: str, ncols: int = 0,
+            paper: str = "NSA") -> tuple["Figure", "Axes"]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.0, 4.6), layout="constrained")
+    fig = Figure(figsize=(7.0 if not ncols else 4.4 * ncols, 4.6), layout="constrained")
     FigureCanvasAgg(fig)
     seeds = "; mean ± std over seeds" if sweep.seeded else ""
-    fig.suptitle(f"NSA Fig. {label} — {what}\nsweep {sweep.name}{seeds}", fontsize=11)
-    return fig, fig.subplots()
+    fig.suptitle(f"{paper}{f' Fig. {label}' if label else ''} — {what}\nsweep {sweep.name}{seeds}", fontsize=11)
+    return fig, (fig.subplots() if not ncols else fig.subplots(1, ncols, squeeze=False)[0])
 
 
 def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0) -> None:
@@ -96,22 +102,138 @@ def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k:
     return fig
 
 
+# --------------------------------------------------------------------------- the Hessian paper (issue 10)
+
+
+def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
+    """Tr(A^k), k = 1..4, of A = ``part`` ("H", "I", "S", "I_exact", "I_limit") along t per grid
+    point: mean ± std over the seeds (symlog y: Tr(S^k) changes sign)."""
+    one_step = all(len(c.t) == 1 for c in sweep.curves(f"hessian_{part}", 1))
+    what = f"moments Tr({part}^k)" + (" at t = %d, per grid point" % sweep.curves(f"hessian_{part}", 1)[0].t[0]
+                                      if one_step else " along training")
+    fig, axes = _figure(sweep, "1", what, ncols=4, paper="Hessian paper")
+    for k, ax in enumerate(axes, start=1):
+        curves = sweep.curves(f"hessian_{part}", k)
+        if one_step:  # one analysed step (e.g. initialisation): each grid point's seeds and their mean ± std
+            _points(ax, sweep, curves, f"hessian_{part}", k)
+        else:
+            _lines(ax, curves)
+            for line in ax.lines:
+                line.set_marker("o")
+                line.set_markersize(3)
+            ax.set(xlabel="step t", xscale="symlog")
+        ax.axhline(0, color="0.5", lw=0.8)
+        finite = [np.nanmax(np.abs(c.mean)) for c in curves if np.isfinite(c.mean).any()]
+        ax.set_title(f"Tr({part}^{k})")
+        ax.set_yscale("symlog", linthresh=1e-3 * max([1e-12] + finite))
+        if k > 1 and ax.get_legend():
+            ax.get_legend().remove()
+    return fig
+
+
+def _points(ax: "Axes", sweep: "Sweep", curves: list["Curve"], name: str, k: int) -> None:
+    """One column per grid point: every seed's value (dots) and the mean ± std (error bar)."""
+    df = sweep.scalar(name, k, step=int(curves[0].t[0]))
+    for x, (c, cv) in enumerate(zip(colors(len(curves)), curves)):
+        sub = df
+        for f, v in cv.key.items():
+            sub = sub[sub[f] == v]
+        ax.plot(np.full(len(sub), x) + np.linspace(-0.15, 0.15, len(sub)), sub["value"], ".", color=c, alpha=0.6)
+        ax.errorbar([x], cv.mean, yerr=cv.std, fmt="o", ms=6, capsize=4, color=c, label=cv.label)
+    ax.set_xticks(range(len(curves)), [", ".join(str(v) for v in cv.key.values()) for cv in curves],
+                  rotation=20, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def fit_slope(x: np.ndarray, y: np.ndarray) -> float:
+    """The least-squares slope of log y against log x over the finite, positive pairs (NaN with < 2)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    ok = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+    return float(np.polyfit(np.log(x[ok]), np.log(y[ok]), 1)[0]) if ok.sum() >= 2 else float("nan")
+
+
+def _by_width(sweep: "Sweep", name: str, k: int | None, step: int | None, line: str | None):
+    """[(line value, widths, mean, std)] of quantity ``name`` over ``model.width`` (seeds pooled)."""
+    df = sweep.scalar(name, k, step)
+    groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
+    out = []
+    for lv, sub in groups:
+        g = sub.groupby(_WIDTH, sort=True)["value"]
+        out.append((lv, g.mean().index.to_numpy(np.float64), g.mean().to_numpy(), g.std(ddof=0).fillna(0.0).to_numpy()))
+    return out
+
+
+def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (1, 2)) -> "Figure":
+    """Relative error of the measured Tr(I^k) against its Θ∞ limit over ``model.width`` at ``step``
+    (default initialisation), log-log, mean ± std over seeds, with the fitted slope (the
+    fluctuations of the NTK are O(1/√w): slope ≈ −1/2)."""
+    if _WIDTH not in sweep.fields:
+        raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
+    fig, ax = _figure(sweep, "", f"width convergence of I to its limit at t = {step}", paper="Hessian paper")
+    for c, k in zip(colors(len(orders)), orders):
+        for _, w, mean, std in _by_width(sweep, "hessian_I_error", k, step, None):
+            slope = fit_slope(w, mean)
+            ax.errorbar(w, mean, yerr=std, fmt="o-", ms=4, capsize=3, color=c,
+                        label=f"|Tr(I^{k}) − limit| / limit: slope {slope:+.2f}")
+    if len(ax.lines):
+        w = np.asarray(sorted(sweep.runs[_WIDTH].unique()), np.float64)
+        y0 = ax.lines[0].get_ydata()[0]
+        ax.plot(w, y0 * np.sqrt(w[0] / w), "k:", lw=1, label=r"$\propto w^{-1/2}$")
+    ax.set(xlabel="width w", ylabel="relative error", xscale="log", yscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def regimes_figure(sweep: "Sweep", step: int = 0) -> "Figure":
+    """The consequences of Proposition 4 over ``model.width`` at ``step``: Tr(S²)/Tr(I²) (grows ~w
+    in the active regime, bounded in the NTK regime), ‖S‖_op (→ 0 in the NTK regime) and ‖S‖_F
+    (finite at initialisation); one line per ``model.regime`` when the sweep varies it."""
+    if _WIDTH not in sweep.fields:
+        raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
+    line = "model.regime" if "model.regime" in sweep.fields else None
+    fig, axes = _figure(sweep, "", f"NTK vs active regime over width at t = {step}", ncols=3, paper="Hessian paper")
+    panels = (("hessian_S_ratio", "Tr(S²) / Tr(I²)"), ("hessian_S_op", r"$\Vert S\Vert_{op}$"),
+              ("hessian_S_fro", r"$\Vert S\Vert_F$"))
+    for ax, (name, label) in zip(axes, panels):
+        series = _by_width(sweep, name, None, step, line)
+        for c, (lv, w, mean, std) in zip(colors(len(series)), series):
+            ax.errorbar(w, mean, yerr=std, fmt="o-", ms=4, capsize=3, color=c,
+                        label=f"{lv or 'all'}: slope {fit_slope(w, mean):+.2f}")
+        ax.set(xlabel="width w", title=label, xscale="log", yscale="log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    return fig
+
+
 def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | None = None, k: int = 400) -> list[Path]:
-    """Write ``<out_dir>/<name>.png`` for the sweep figures (default all of :data:`SWEEP_FIGURES`).
+    """Write ``<out_dir>/<name>.png`` for the sweep figures (default all of :data:`SWEEP_FIGURES` and
+    :data:`HESSIAN_SWEEP_FIGURES`).
 
     "scalar_energy_y_10" is the final E(y, 10) against the first varied field, one line per value
-    of the second (if any).  Figures a sweep cannot draw (no test points: 7c) are skipped.
+    of the second (if any).  "hessian_moments_<A>": Tr(A^k) along t (mean ± std over seeds);
+    "hessian_width_convergence" and "hessian_regimes": against ``model.width`` at initialisation.
+    Figures a sweep cannot draw (no test points: 7c; no Hessian block; no width axis) are skipped.
     """
-    names = list(SWEEP_FIGURES if figures is None else figures)
-    bad = [n for n in names if n not in SWEEP_FIGURES]
+    names = list(_ALL if figures is None else figures)
+    bad = [n for n in names if n not in _ALL]
     if bad:
-        raise ValueError(f"unknown sweep figure(s) {', '.join(bad)}; allowed: {', '.join(SWEEP_FIGURES)}")
+        raise ValueError(f"unknown sweep figure(s) {', '.join(bad)}; allowed: {', '.join(_ALL)}")
     if not sweep.groups():
         raise ValueError(f"sweep {sweep.name!r} has no run with a finished recorded step: nothing to plot")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     first = sweep.run(sweep.groups()[0][1][0])
-    draw = {"fig7a_energy_y": lambda: fig7a(sweep, k), "fig7b_train_loss": lambda: fig7b(sweep),
+    hess = first.has("hessian_moments")
+    wide = hess and _WIDTH in sweep.fields
+    draw = {"hessian_moments_H": lambda: hessian_moments_figure(sweep, "H") if hess else None,
+            "hessian_moments_I": lambda: hessian_moments_figure(sweep, "I") if hess else None,
+            "hessian_moments_S": lambda: hessian_moments_figure(sweep, "S") if hess else None,
+            "hessian_width_convergence": lambda: width_convergence(sweep) if wide and np.isfinite(
+                first.hessian_moments("I_limit")["estimate"]).any() else None,
+            "hessian_regimes": lambda: regimes_figure(sweep) if wide and first.has("hessian_S_op") else None,
+            "fig7a_energy_y": lambda: fig7a(sweep, k), "fig7b_train_loss": lambda: fig7b(sweep),
             "fig7c_test_loss": lambda: fig7c(sweep) if first.has("loss_test") else None,
             "scalar_energy_y_10": lambda: scalar_figure(sweep, "energy_y", sweep.fields[0],
                                                         sweep.fields[1] if len(sweep.fields) > 1 else None,

@@ -55,6 +55,7 @@ class RunDims:
     Kc: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
     Hm: bool = True  # hessian.moments: the Hutch++ moment arrays exist
     Ho: bool = True  # hessian.orthogonality: the orthogonality array exists
+    HI: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -164,6 +165,17 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         if D.Hg:
             a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True, h),
                   ArraySpec("hessian_density", (D.S, D.Hg), "float64", True, h)]
+        # issue 10: the Hessian paper's predictions beside the measurements
+        a += [ArraySpec("hessian_additivity", (D.S, 2, 4), "float64", True, h),  # Tr(H^k)−Tr(I^k)−Tr(S^k), stderr
+              ArraySpec("hessian_I_limit_moments", (D.S, 4), "float64", True, h),  # Tr(I^k) of the Θ∞ limit
+              ArraySpec("hessian_G", (D.S,) + out_shape(D.N), "float64", True, h),  # Σ_p ∂²f(x_i)/∂θ_p²
+              ArraySpec("hessian_G_stderr", (D.S,) + out_shape(D.N), "float64", True, h),
+              ArraySpec("hessian_trace_S_G", (D.S, 2), "float64", True, h)]  # Tr(S) = ∇Cᵀ·G, stderr
+        if D.HI:
+            a += [ArraySpec("hessian_I_eigenvalues", (D.S, D.HI), "float64", True, h),
+                  ArraySpec("hessian_I_limit_eigenvalues", (D.S, D.HI), "float64", True, h)]
+        if D.Hk:
+            a.append(ArraySpec("hessian_S_op", (D.S,), "float64", True, h))  # ‖S‖_op = max |λ(S)|
     # issue 11: test loss, full-kernel eigenvalues of K-output networks, Fig. 4a projections
     a.append(ArraySpec("projections_residual", (D.S, D.K), "float64", True))
     if D.M:
@@ -261,6 +273,10 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "hessian_rayleigh": ("step", "along", "quotient", "hessian_k"), "hessian_rayleigh_evals": ("step", "along", "hessian_k"),
     "hessian_top": ("step", "hessian_part", "hessian_top_k"),
     "hessian_density_grid": ("step", "density_bin"), "hessian_density": ("step", "density_bin"),
+    "hessian_additivity": ("step", "value_stderr", "moment"), "hessian_I_limit_moments": ("step", "moment"),
+    "hessian_G": ("step", "point") + _OUT, "hessian_G_stderr": ("step", "point") + _OUT,
+    "hessian_trace_S_G": ("step", "value_stderr"), "hessian_I_eigenvalues": ("step", "hessian_I_k"),
+    "hessian_I_limit_eigenvalues": ("step", "hessian_I_k"), "hessian_S_op": ("step",),
 }
 
 

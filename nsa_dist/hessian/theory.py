@@ -1,0 +1,280 @@
+"""The Hessian paper's predictions, measured: additivity (Theorem 1), Tr(S) = ∇Cᵀ·G (Proposition 4),
+the kernel-PCA limit of I, and the rank bounds of I and S.
+
+* :func:`additivity_gap` — ``Tr(H^k) − Tr(I^k) − Tr(S^k)``, k = 1..4, estimated with one set of
+  probes shared by H, I and S (a Hutch++ sketch spanning the dominant spaces of I and S, then
+  Hutchinson on the rest), so the gap's standard error is that of the gap itself, not of three
+  independent estimates.  ``H = I + S`` exactly, so k = 1 is 0 to rounding; for k ≥ 2 the gap is
+  ``2 Tr(IS)`` (k = 2) and cross terms, which vanish only in the infinite-width limit.
+* :func:`output_hessian_traces` — the vector ``G_i = Σ_p ∂²f(x_i)/∂θ_p²`` (per point and output)
+  by Rademacher probes ``zᵀ ∇²_θ f(x_i) z`` (forward-over-forward, all points at once), with
+  standard errors; :func:`trace_S_from_G` gives ``Tr(S) = (1/N) Σ_i ∇_f c_iᵀ G_i``.
+* :func:`limit_gauss_newton_eigenvalues` — the nonzero spectrum of I predicted by the limiting NTK:
+  ``eig((1/N) HC^{1/2} (Θ̃∞ ⊗ Id_K) HC^{1/2})`` (the weighted kernel PCA; MSE: ``eig(Θ̃∞)/N``).
+* :func:`numerical_ranks` — ranks of dense I, S, H at a stated tolerance beside the paper's bounds
+  ``Rank(I) ≤ N n_L`` and ``Rank(S) ≤ 2(L − 1) w N n_L``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.func import functional_call, jvp, vmap
+
+from nsa_dist.hessian._loss import Loss, curvature_sqrt, parse_loss
+from nsa_dist.hessian._probes import as_linear_map, check_int, rademacher
+from nsa_dist.hessian.moments import Moments, _mean_stderr, _powers, _quadratic_forms
+from nsa_dist.hessian.operators import hessian_parts
+from nsa_dist.ntk._inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["additivity_gap", "OutputTraces", "output_hessian_traces", "trace_S_from_G",
+           "limit_gauss_newton_eigenvalues", "Ranks", "numerical_ranks", "power_moments"]
+
+
+def power_moments(evals: np.ndarray, max_order: int = 4) -> np.ndarray:
+    """``Σ_i λ_i^k`` for k = 1..max_order, (max_order,) float64 (NaN where λ is NaN)."""
+    lam = np.asarray(evals, np.float64)
+    return np.array([np.sum(lam ** k) for k in range(1, max_order + 1)])
+
+
+# --------------------------------------------------------------------------- Theorem 1: additivity
+
+
+def additivity_gap(H: Any, I: Any, S: Any, n_probes: int = 32, *, max_order: int = 4, sketch: int | None = None,
+                   seed: int = 0) -> Moments:
+    """``Tr(H^k) − Tr(I^k) − Tr(S^k)`` for k = 1..max_order with probes shared by H, I and S.
+
+    Hutch++ with one sketch for the three: Q (P, s) an orthonormal basis of ``[I Ω₁, S Ω₂]``
+    (s/2 Rademacher columns each — the dominant spaces of I and S, hence of H = I + S); the
+    Q-part of every trace exactly, the rest by Hutchinson with the same ``g = n_probes − s``
+    probes projected by ``1 − QQᵀ`` for H, I and S, the gap formed per probe.
+
+    Returns:
+        :class:`Moments` (method "additivity") of the gap; stderr that of the Hutchinson part
+        (0 when s = P: exact; NaN when g < 2).  Cost ``s + 3 (s + g) ⌈max_order / 2⌉`` products.
+
+    Raises:
+        ValueError: n_probes < 1, max_order < 1, sketch outside 0..n_probes; ShapeError: the
+            three are not square of one size.
+    """
+    m = check_int("n_probes", n_probes, 1)
+    kmax = check_int("max_order", max_order, 1)
+    s = check_int("sketch", m // 2 if sketch is None else sketch, 0, m)
+    maps = [as_linear_map(A, name) for A, name in ((H, "H"), (I, "I"), (S, "S"))]
+    P = maps[0].P
+    if any(mp.P != P for mp in maps):
+        raise ValueError(f"H, I, S must have one size; got {[mp.P for mp in maps]}")
+    s = min(s, P)
+    g, h, rng = m - s, -(-kmax // 2), np.random.default_rng(seed)
+    est = np.zeros(kmax)
+    se = np.zeros(kmax) if s == P else np.full(kmax, np.nan)
+    Q = np.zeros((P, 0))
+    if s > 0:
+        Om = rademacher(rng, P, s)
+        half = max(1, s // 2) if s > 1 else s
+        Q = np.linalg.qr(np.hstack([maps[1](Om[:, :half]), maps[2](Om[:, half:])]) if s > 1 else maps[1](Om))[0]
+        q = [_quadratic_forms(_powers(mp, Q, h), kmax).sum(axis=1) for mp in maps]
+        est += q[0] - q[1] - q[2]
+    if g > 0 and s < P:
+        Z = rademacher(rng, P, g)
+        Z -= Q @ (Q.T @ Z)
+        q = [_quadratic_forms(_powers(mp, Z, h), kmax) for mp in maps]  # (kmax, g) each
+        mean, se = _mean_stderr(q[0] - q[1] - q[2])
+        est += mean
+    return Moments(est, se, sum(mp.n_products for mp in maps), "additivity")
+
+
+# --------------------------------------------------------------------------- Proposition 4: Tr(S) = ∇Cᵀ G
+
+
+@dataclass(frozen=True)
+class OutputTraces:
+    """``G_i = Σ_p ∂²f(x_i)/∂θ_p²`` per point and output, by Rademacher probes.
+
+    Attributes:
+        estimate: (N, K) mean of ``zᵀ ∇²_θ f_k(x_i) z`` over the probes (unbiased for G).
+        stderr: (N, K) standard error (NaN with one probe).
+        per_probe: (m, N, K) the probe values (any linear functional of G gets its own stderr).
+    """
+
+    estimate: np.ndarray
+    stderr: np.ndarray
+    per_probe: np.ndarray
+
+
+def output_hessian_traces(model: "nn.Module", X: torch.Tensor, n_probes: int = 16, *, seed: int = 0,
+                          dtype: torch.dtype | None = torch.float64, block_size: int | None = None) -> OutputTraces:
+    """The vector G of the Hessian paper (``G = Σ_p ∂²Y/∂θ_p²``) at the points X, by probes.
+
+    For a Rademacher z (``E zzᵀ = Id``), ``E[zᵀ ∇²_θ f(x_i) z] = Tr ∇²_θ f(x_i) = G_i``;
+    ``zᵀ ∇²f z = d²/dt² f(x_i; θ + t z)`` at t = 0 is one forward-over-forward pass (``jvp`` of
+    ``jvp``) for every point and output at once.
+
+    Args:
+        model: the module (its trainable parameters, ``named_parameters`` order).
+        X: (N, d) inputs.
+        n_probes: m ≥ 1 probes.
+        seed: NumPy seed of the probes.
+        dtype: compute dtype (default float64; None: the model's).
+        block_size: points per block (default: about 256 MB of tangents).
+
+    Returns:
+        :class:`OutputTraces`.
+
+    Raises:
+        ValueError: n_probes < 1; as :func:`~nsa_dist.hessian.hessian_operator` for model and X.
+    """
+    m = check_int("n_probes", n_probes, 1)
+    model = prepare_model(model, dtype)
+    X = prepare_inputs(model, X, "X", dtype)
+    params = {k: p.detach() for k, p in trainable_params(model).items()}
+    rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+    sizes = [p.numel() for p in params.values()]
+    P = sum(sizes)
+    Z = torch.as_tensor(rademacher(np.random.default_rng(seed), P, m), dtype=X.dtype, device=X.device)  # (P, m)
+    U = {k: u.T.reshape((m,) + p.shape) for (k, p), u in zip(params.items(), Z.split(sizes))}
+    N = X.shape[0]
+    b = block_size or default_block(N, m * max(p.shape[0] for p in params.values()) * len(sizes) * 8,
+                                    X.element_size(), 256e6)
+    out = []
+    for s in range(0, N, b):
+        xb = X[s:s + b]
+
+        def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return as_2d(functional_call(model, ({**p, **rest}, buffers), (xb,)))
+
+        def second(u: dict[str, torch.Tensor]) -> torch.Tensor:
+            first = lambda p: jvp(f, (p,), (u,))[1]  # noqa: E731 - ∇f·u at p
+            return jvp(first, (params,), (u,))[1]  # uᵀ ∇²f u, (b, K)
+
+        with torch.no_grad():
+            out.append(vmap(second)(U))  # (m, b, K)
+    q = torch.cat(out, dim=1).cpu().numpy().astype(np.float64)  # (m, N, K)
+    se = q.std(axis=0, ddof=1) / np.sqrt(m) if m > 1 else np.full(q.shape[1:], np.nan)
+    return OutputTraces(q.mean(axis=0), se, q)
+
+
+def trace_S_from_G(R: np.ndarray, traces: OutputTraces) -> tuple[float, float]:
+    """``Tr(S) = (1/N) Σ_i R_iᵀ G_i`` (R_i = ∇_f c_i: f − y for MSE, p − y for cross-entropy) and
+    its standard error over the probes; R (N,) or (N, K) like the traces."""
+    R = np.asarray(R, np.float64).reshape(traces.estimate.shape)
+    N = R.shape[0]
+    per = np.einsum("mik,ik->m", traces.per_probe, R) / N  # (m,)
+    se = float(per.std(ddof=1) / np.sqrt(len(per))) if len(per) > 1 else float("nan")
+    return float(per.mean()), se
+
+
+# --------------------------------------------------------------------------- the limit of I
+
+
+def limit_gauss_newton_eigenvalues(theta: Any, F: Any = None, Y: Any = None, *, loss: str | Loss = "mse") -> np.ndarray:
+    """The spectrum of I predicted by a (limiting) NTK Gram ``Θ̃`` (N, N): kernel PCA weighted by HC.
+
+    ``I = (1/N) Jᵀ HC J`` with ``J Jᵀ → Θ̃∞ ⊗ Id_K`` has the nonzero eigenvalues of
+    ``(1/N) HC^{1/2} (Θ̃∞ ⊗ Id_K) HC^{1/2}``; for MSE (HC = Id) they are those of ``Θ̃∞ / N``,
+    each K times.  Cross-entropy weights by ``HC_i = diag p_i − p_i p_iᵀ`` at the outputs F.
+
+    Args:
+        theta: (N, N) symmetric Gram (e.g. :func:`~nsa_dist.ntk.limit_ntk` at the training points).
+        F: (N, K) outputs (cross-entropy: the logits whose softmax gives p; MSE: only K is read).
+        Y: (N, K) one-hot / probability targets (cross-entropy; rows summing to 1).
+        loss: "mse" | "cross_entropy".
+
+    Returns:
+        (N·K,) float64, descending.
+
+    Raises:
+        ValueError: theta not square, F not (N, K), or cross-entropy without F.
+    """
+    loss_ = parse_loss(loss)
+    T = np.asarray(theta.detach().cpu() if isinstance(theta, torch.Tensor) else theta, np.float64)
+    if T.ndim != 2 or T.shape[0] != T.shape[1]:
+        raise ValueError(f"theta must be a square (N, N) Gram, got shape {T.shape}")
+    N = T.shape[0]
+    if F is None:
+        if loss_ is Loss.CROSS_ENTROPY:
+            raise ValueError("the cross-entropy limit of I needs the outputs F (its HC = diag p − ppᵀ depends on them)")
+        K = 1
+    else:
+        Fa = np.asarray(F.detach().cpu() if isinstance(F, torch.Tensor) else F, np.float64).reshape(N, -1)
+        K = Fa.shape[1]
+    if loss_ is Loss.MSE:
+        lam = np.linalg.eigvalsh((T + T.T) / 2) / N
+        return np.sort(np.repeat(lam, K))[::-1].copy()
+    Ft = torch.as_tensor(Fa, dtype=torch.float64)
+    Yt = torch.as_tensor(np.asarray(Y, np.float64).reshape(N, K)) if Y is not None else torch.ones(N, K) / K
+    R = curvature_sqrt(loss_, Ft, Yt).numpy()  # (N, K, K)
+    M = np.einsum("iab,ij,jbc->iajc", R, T, R).reshape(N * K, N * K) / N
+    return np.linalg.eigvalsh((M + M.T) / 2)[::-1].copy()
+
+
+# --------------------------------------------------------------------------- rank bounds
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Numerical ranks of I, S, H (eigenvalues with |λ| > tol · max|λ| of that matrix) and the bounds.
+
+    Attributes:
+        I, S, H: the ranks.
+        bound_I: N·n_L.
+        bound_S: 2(L − 1)·w·N·n_L (None when the hidden widths differ: the paper states it for a
+            constant width w).
+        P: parameters; tol: the relative tolerance; evals: {"I", "S", "H"} the dense spectra.
+    """
+
+    I: int  # noqa: E741 - the paper's name
+    S: int
+    H: int
+    bound_I: int
+    bound_S: int | None
+    P: int
+    tol: float
+    evals: dict[str, np.ndarray]
+
+
+_MAX_DENSE_P = 4096
+
+
+def numerical_ranks(model: "nn.Module", X: torch.Tensor, Y: Any, *, loss: str | Loss = "mse",
+                    tol: float = 1e-9) -> Ranks:
+    """Ranks of the dense I, S and H of a small network, beside ``Rank(I) ≤ N n_L`` and
+    ``Rank(S) ≤ 2(L − 1) w N n_L`` (the Hessian paper; L Linear layers, hidden width w).
+
+    Args:
+        model: a fully-connected network (its Linear layers give L, w, n_L), P ≤ 4096.
+        X: (N, d) inputs; Y: targets as for :func:`~nsa_dist.hessian.hessian_operator`.
+        loss: "mse" | "cross_entropy".
+        tol: relative tolerance: an eigenvalue counts when |λ| > tol · max|λ| (0 < tol < 1).
+
+    Raises:
+        ValueError: P too large for a dense eigendecomposition, a tol outside (0, 1), a model
+            without Linear layers.
+    """
+    if not (isinstance(tol, float) and 0 < tol < 1):
+        raise ValueError(f"tol (relative to the largest |eigenvalue|) must be a float in (0, 1), got {tol!r}")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears:
+        raise ValueError(f"numerical_ranks needs a fully-connected network (nn.Linear layers); {type(model).__name__} has none")
+    P = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if P > _MAX_DENSE_P:
+        raise ValueError(f"numerical_ranks forms the dense P×P matrices: P = {P} > {_MAX_DENSE_P}; use a smaller network")
+    H, I, S = hessian_parts(model, X, Y, loss=loss, dtype=torch.float64)
+    evals, ranks = {}, {}
+    for name, op in (("I", I), ("S", S), ("H", H)):
+        M = op.to_dense().cpu().numpy()
+        lam = np.linalg.eigvalsh((M + M.T) / 2)
+        evals[name] = lam
+        top = np.abs(lam).max()
+        ranks[name] = int(np.sum(np.abs(lam) > tol * top)) if top > 0 else 0
+    N, nL, L = X.shape[0], linears[-1].out_features, len(linears)
+    hidden = {m.out_features for m in linears[:-1]}
+    bound_S = 2 * (L - 1) * hidden.pop() * N * nL if len(hidden) == 1 else (0 if L == 1 else None)
+    return Ranks(ranks["I"], ranks["S"], ranks["H"], N * nL, bound_S, P, tol, evals)
