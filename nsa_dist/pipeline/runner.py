@@ -55,9 +55,12 @@ def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: Sp
 
 
 def hessian_flags(spec: ExperimentSpec) -> dict[str, bool]:
-    """RunDims' Hm / Ho: whether the Hessian moment / orthogonality arrays exist."""
+    """RunDims' Hm / Ho / Ha / Ht: whether the Hessian moment / orthogonality / additivity /
+    trace-by-G arrays exist (the switches of the spec's hessian block)."""
     h = spec.hessian
-    return {"Hm": bool(h.moments) if h else True, "Ho": bool(h.orthogonality) if h else True}
+    if h is None:
+        return {"Hm": True, "Ho": True, "Ha": True, "Ht": True}
+    return {"Hm": bool(h.moments), "Ho": bool(h.orthogonality), "Ha": bool(h.additivity), "Ht": bool(h.trace_G)}
 
 
 def step_plan(spec: ExperimentSpec, record: list[int], hessian_indices: set[int]) -> dict[str, np.ndarray]:

@@ -56,6 +56,8 @@ class RunDims:
     Hm: bool = True  # hessian.moments: the Hutch++ moment arrays exist
     Ho: bool = True  # hessian.orthogonality: the orthogonality array exists
     HI: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
+    Ha: bool = True  # hessian.additivity: Theorem 1's gap array exists
+    Ht: bool = True  # hessian.trace_G: the per-point traces G and Tr(S) = ∇Cᵀ·G exist
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -166,12 +168,15 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
             a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True, h),
                   ArraySpec("hessian_density", (D.S, D.Hg), "float64", True, h)]
         # issue 10: the Hessian paper's predictions beside the measurements
-        a += [ArraySpec("hessian_additivity", (D.S, 2, 4), "float64", True, h),  # Tr(H^k)−Tr(I^k)−Tr(S^k), stderr
-              ArraySpec("hessian_I_limit_moments", (D.S, 4), "float64", True, h),  # Tr(I^k) of the Θ∞ limit
-              ArraySpec("hessian_G", (D.S,) + out_shape(D.N), "float64", True, h),  # Σ_p ∂²f(x_i)/∂θ_p²
-              ArraySpec("hessian_G_stderr", (D.S,) + out_shape(D.N), "float64", True, h),
-              ArraySpec("hessian_trace_S_G", (D.S, 2), "float64", True, h)]  # Tr(S) = ∇Cᵀ·G, stderr
-        if D.HI:
+        if D.Ha:
+            a.append(ArraySpec("hessian_additivity", (D.S, 2, 4), "float64", True, h))  # Tr(H^k)−Tr(I^k)−Tr(S^k), stderr
+        if D.Hm:
+            a.append(ArraySpec("hessian_I_limit_moments", (D.S, 4), "float64", True, h))  # Tr(I^k) of the Θ∞ limit
+        if D.Ht:
+            a += [ArraySpec("hessian_G", (D.S,) + out_shape(D.N), "float64", True, h),  # Σ_p ∂²f(x_i)/∂θ_p²
+                  ArraySpec("hessian_G_stderr", (D.S,) + out_shape(D.N), "float64", True, h),
+                  ArraySpec("hessian_trace_S_G", (D.S, 2), "float64", True, h)]  # Tr(S) = ∇Cᵀ·G, stderr
+        if D.HI and D.Hm:
             a += [ArraySpec("hessian_I_eigenvalues", (D.S, D.HI), "float64", True, h),
                   ArraySpec("hessian_I_limit_eigenvalues", (D.S, D.HI), "float64", True, h)]
         if D.Hk:

@@ -427,7 +427,7 @@ class RunWriter:
                 raise StoreError(f"run {self.run_id!r}: static array {name!r} has shape {v.shape}, the store holds "
                                  f"{self.specs[name].shape}")
             if v.size:
-                self.g[name][...] = v
+                self._out(name)[...] = v
         self._masks = None
         self.set_attrs(static_complete=True)
 
@@ -438,6 +438,12 @@ class RunWriter:
             self._masks = {"every": np.ones(S, bool), "eigenvectors": read("eigenvector_steps"),
                            "hessian": read("hessian_steps")}
         return self._masks[at]
+
+    def _out(self, name: str) -> "zarr.Array":
+        """Array ``name`` opened for writing with ``write_empty_chunks`` (an opened array does not
+        keep the option it was created with): a step's chunk that is all fill value (NaN) is still
+        written, so a missing chunk always means damage."""
+        return self.g[name].with_config({"write_empty_chunks": True})
 
     # ------------------------------------------------------------------ steps
     def done(self) -> np.ndarray:
@@ -456,21 +462,21 @@ class RunWriter:
             raise StoreError(f"run {self.run_id!r} step index {index}: theta has shape {theta.shape}, the store "
                              f"holds ({self.dims.P},) (nothing of this step was written)")
         for name, value in rec.values.items():
-            self.g[name][index] = value
-        self.g["theta"][index] = theta
+            self._out(name)[index] = value
+        self._out("theta")[index] = theta
         if self.dims.n_slots:
-            self.g["opt_slots"][index] = state.slots
-        self.g["rng_state"][index] = state.rng
-        self.g["done"][index] = True
+            self._out("opt_slots")[index] = state.slots
+        self._out("rng_state")[index] = state.rng
+        self._out("done")[index] = True
 
     def mark_not_done(self, indices: list[int]) -> None:
         """Forget recorded steps (their data is damaged): a re-run recomputes them."""
         for i in indices:
-            self.g["done"][i] = False
+            self._out("done")[i] = False
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
         if len(values):
-            self.g["loss_trace"][start:start + len(values)] = values
+            self._out("loss_trace")[start:start + len(values)] = values
 
     def resume_index(self, before: int | None = None) -> int | None:
         """The recorded step to resume from: the last of the unbroken run of finished steps from 0
