@@ -17,6 +17,24 @@ def dense_jacobian(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([j.reshape(nk, -1) for j in J.values()], dim=1)
 
 
+def flat_model(model: torch.nn.Module):
+    """(θ flat, f(v, X)): the model's parameters as one vector and the network as a function of it
+    (for dense ``torch.func.hessian`` / ``jacrev`` references over all parameters)."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    names, shapes = list(params), [p.shape for p in params.values()]
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+
+    def unflat(v):
+        out, o = {}, 0
+        for n, s in zip(names, shapes):
+            k = s.numel()
+            out[n] = v[o:o + k].view(s)
+            o += k
+        return out
+
+    return flat, (lambda v, X: functional_call(model, unflat(v), (X,)))
+
+
 def dense_ntk(model: torch.nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, full: bool = False):
     """Reference kernel: traced (n1, n2) or full (n1, K, n2, K) from dense Jacobians."""
     J1 = dense_jacobian(model, x1)

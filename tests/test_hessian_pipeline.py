@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import flat_model
 from torch.func import functional_call, hessian
 from torch.nn.utils import vector_to_parameters
 
@@ -24,21 +25,10 @@ SPEC = dict(name="hess", data={"n": 24}, model={"depth": 2, "width": 6}, steps=1
 
 def _dense_parts(model, X, y):
     """Dense H (P, P) of C = (1/2N) Σ (f − y)² and its Gauss–Newton part I = Jᵀ J / N."""
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    names, shapes = list(params), [p.shape for p in params.values()]
-    flat = torch.cat([p.reshape(-1) for p in params.values()])
-
-    def unflat(v):
-        out, o = {}, 0
-        for n, s in zip(names, shapes):
-            k = int(np.prod(s))
-            out[n] = v[o:o + k].view(s)
-            o += k
-        return out
-
-    loss = lambda v: 0.5 * ((functional_call(model, unflat(v), (X,)) - y) ** 2).mean()  # noqa: E731
+    flat, f = flat_model(model)
+    loss = lambda v: 0.5 * ((f(v, X) - y) ** 2).mean()  # noqa: E731
     H = hessian(loss)(flat)
-    J = torch.func.jacrev(lambda v: functional_call(model, unflat(v), (X,)))(flat)  # (N, P)
+    J = torch.func.jacrev(lambda v: f(v, X))(flat)  # (N, P)
     I = J.T @ J / X.shape[0]
     return H.numpy(), I.numpy(), (H - I).numpy()
 

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.func import functional_call, hessian, jacrev
+from conftest import flat_model
+from torch.func import hessian, jacrev
 
 from nsa_dist.config import Activation, ExperimentSpec, ModelSpec
 from nsa_dist.hessian import (additivity_gap, hessian_parts, limit_gauss_newton_eigenvalues, numerical_ranks,
@@ -29,20 +30,7 @@ def _net(depth=3, width=5, d=3, K=1, act="tanh", seed=0):
                        seed=seed, dtype=F64)
 
 
-def _flat(model):
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    names, shapes = list(params), [p.shape for p in params.values()]
-    flat = torch.cat([p.reshape(-1) for p in params.values()])
-
-    def unflat(v):
-        out, o = {}, 0
-        for n, s in zip(names, shapes):
-            k = int(np.prod(s))
-            out[n] = v[o:o + k].view(s)
-            o += k
-        return out
-
-    return flat, (lambda v, X: functional_call(model, unflat(v), (X,)))
+_flat = flat_model
 
 
 def _dense(model, X, Y, loss="mse"):
