@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import flat_model
-from torch.func import functional_call, hessian
+from torch.func import hessian
 from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.client import Client
@@ -96,16 +96,10 @@ def test_hessian_spec_errors():
 
 def _dense_loss_parts(model, X, Y, ce: bool):
     """Dense H, I, S and J of the MSE or cross-entropy loss (float64), HC = diag p − ppᵀ for CE."""
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    names, shapes = list(params), [p.shape for p in params.values()]
-    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    flat, net = flat_model(model)
 
     def F(v):
-        out, o = {}, 0
-        for n, s in zip(names, shapes):
-            out[n] = v[o:o + int(np.prod(s))].view(s)
-            o += int(np.prod(s))
-        f = functional_call(model, out, (X,))
+        f = net(v, X)
         return f[:, None] if f.ndim == 1 else f
 
     N = X.shape[0]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._structured import _mirror_upper, layer_passes
+from nsa_dist.ntk._structured import _mirror_upper, input_ranks, layer_passes
 
 __all__ = ["conv_layers", "per_layer_gram"]
 
@@ -81,19 +81,12 @@ def conv_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
 
 def _probe_calls(model: nn.Module, mods: list[nn.Module], x: torch.Tensor) -> list[int]:
     """The input rank each layer sees; UnsupportedModelError unless each is called exactly once."""
-    calls: dict[int, list[int]] = {id(m): [] for m in mods}
-    handles = [m.register_forward_hook(lambda mod, inp, out: calls[id(mod)].append(inp[0].ndim)) for m in mods]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    for m in mods:
-        if len(calls[id(m)]) != 1:
+    ranks = input_ranks(model, mods, x)
+    for m, seen in zip(mods, ranks):
+        if len(seen) != 1:
             raise UnsupportedModelError(f"method='per_layer' needs each layer used once per forward; {m} is called "
-                                        f"{len(calls[id(m)])} times (use method='jacobian')")
-    return [calls[id(m)][0] for m in mods]
+                                        f"{len(seen)} times (use method='jacobian')")
+    return [seen[0] for seen in ranks]
 
 
 def _conv_weight_grad(m: nn.Conv2d, A: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:

@@ -73,21 +73,21 @@ def linear_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
             for m in layers]
 
 
-def _probe_calls(model: nn.Module, layers: list[nn.Linear], x: torch.Tensor) -> None:
-    calls: dict[int, list[int]] = {id(m): [] for m in layers}
-
-    def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        calls[id(mod)].append(inp[0].ndim)
-
-    handles = [m.register_forward_hook(hook) for m in layers]
+def input_ranks(model: nn.Module, modules: list[nn.Module], x: torch.Tensor) -> list[list[int]]:
+    """The rank of the input each module sees, once per call, in one no-grad forward of x."""
+    calls: dict[int, list[int]] = {id(m): [] for m in modules}
+    handles = [m.register_forward_hook(lambda mod, inp, out: calls[id(mod)].append(inp[0].ndim)) for m in modules]
     try:
         with torch.no_grad():
             model(x)
     finally:
         for h in handles:
             h.remove()
-    for m in layers:
-        seen = calls[id(m)]
+    return [calls[id(m)] for m in modules]
+
+
+def _probe_calls(model: nn.Module, layers: list[nn.Linear], x: torch.Tensor) -> None:
+    for m, seen in zip(layers, input_ranks(model, layers, x)):
         if len(seen) != 1 or seen[0] != 2:
             why = f"is called {len(seen)} times per forward" if len(seen) != 1 else f"sees {seen[0]}-D inputs"
             raise UnsupportedModelError(f"method='structured' needs each Linear used once per sample on "
