@@ -315,13 +315,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.specfile import load_sweep
 
     sweep = load_sweep(args.sweep)
-    n_runs = len(sweep.expand())
-    cl = sweep.cluster
-    demand = cl.spectral_workers * cl.worker_cpus + min(n_runs, cl.max_concurrent_runs or n_runs) * cl.trainer_cpus
-    # the embedded Ray gets enough logical CPUs for every actor (threads are set per actor)
-    connect(args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(demand))))
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
     coordinator = SweepCoordinator(sweep, args.store, on_event=table.update, wait=_wait_seconds(args.wait))
+    try:  # the embedded Ray holds every actor at once, step gangs included (threads are set per actor)
+        need = coordinator.demand()
+        custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU") and v > 0}
+        connect(args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(need["CPU"] - 1e-9))),
+                resources=custom or None)
+    except BaseException:
+        coordinator.close()
+        raise
     for rid, (layout, reason) in coordinator.layouts().items():
         print(f"[nsa] {rid}: spectrum layout {layout} ({reason})", file=sys.stderr, flush=True)
     with table:

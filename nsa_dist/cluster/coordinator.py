@@ -25,7 +25,24 @@ from nsa_dist.cluster.runtime import cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, run_id, spec_json
 from nsa_dist.store import RunWriter, SpectrumStore, Status
 
-__all__ = ["SweepCoordinator", "RunProgress", "check_resources"]
+__all__ = ["SweepCoordinator", "RunProgress", "check_resources", "resource_demand"]
+
+
+def resource_demand(cl: ClusterSpec, has_gpus: bool, gang_members: int = 0, trainers: int = 1) -> dict[str, float]:
+    """What a sweep's actors take together: the spectral-worker pool, the step gangs' members (each a
+    worker's resources) and ``trainers`` trainer actors — CPU, GPU and every custom resource.
+
+    The one sum both the embedded Ray's size (``nsa sweep``) and the fit check use.
+    """
+    workers = cl.spectral_workers + gang_members
+    need: dict[str, float] = {"CPU": workers * cl.worker_cpus + trainers * cl.trainer_cpus,
+                              "GPU": workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
+                              + trainers * resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)}
+    for key, v in cl.worker_resources.items():
+        need[key] = need.get(key, 0.0) + workers * v
+    for key, v in cl.trainer_resources.items():
+        need[key] = need.get(key, 0.0) + trainers * v
+    return need
 
 
 def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float], gang_members: int = 0) -> None:
@@ -35,14 +52,7 @@ def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float]
     on a one-GPU machine, or a custom resource no node has).  ``gang_members``: the spectral-gang
     actors of distributed layouts (each takes a worker's resources).
     """
-    workers = cl.spectral_workers + gang_members
-    need: dict[str, float] = {"CPU": workers * cl.worker_cpus + cl.trainer_cpus,
-                              "GPU": workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
-                              + resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)}
-    for key, v in cl.worker_resources.items():
-        need[key] = need.get(key, 0.0) + workers * v
-    for key, v in cl.trainer_resources.items():
-        need[key] = need.get(key, 0.0) + v
+    need = resource_demand(cl, has_gpus, gang_members)
     short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
     if short:
         what = "; ".join(f"{k}: needs {v:g}, cluster has {a:g}" for k, (v, a) in short.items())
@@ -80,6 +90,11 @@ class _Run:
     queued: list = field(default_factory=list)  # (index, ckpt ref, attempts) waiting for a worker / gang
     inflight: dict = field(default_factory=dict)  # analysis ref -> (index, ckpt ref, attempts, worker, gang)
     diverged: TrainingDiverged | None = None  # set once training diverged: drain, then fail
+
+
+def _gang_sizes(runs: list[_Run]) -> list[int]:
+    """The distinct gang sizes the runs' layouts need (one gang of each size is kept)."""
+    return sorted({r.gang_size for r in runs if r.gang_size})
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -137,7 +152,7 @@ class SweepCoordinator:
         has_gpus = cluster_has_gpus()
         todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
         if todo:
-            sizes = sorted({r.gang_size for r in todo if r.gang_size})
+            sizes = _gang_sizes(todo)
             check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes))
             self._check_nodes(has_gpus, sum(sizes), min(len(todo), self.cl.max_concurrent_runs or len(todo)))
             self.workers = spectral_workers(self.store_url, self.cl, has_gpus)
@@ -185,6 +200,17 @@ class SweepCoordinator:
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         check_bundles_fit([worker] * (cl.spectral_workers + gang_members) + [trainer] * max(1, trainers), nodes,
                           "the sweep's cluster block does not fit this Ray cluster's nodes")
+
+    def demand(self, has_gpus: bool = False) -> dict[str, float]:
+        """Resources for every actor of this sweep at once (pool, one gang per size, one trainer per
+        concurrent run): what an embedded Ray is started with."""
+        runs = list(self.runs.values())
+        trainers = min(len(runs), self.cl.max_concurrent_runs or len(runs))
+        return resource_demand(self.cl, has_gpus, sum(_gang_sizes(runs)), max(1, trainers))
+
+    def close(self) -> None:
+        """Give the runs' leases back without running (``run`` does this itself when it ends)."""
+        self.lease.release()
 
     def layouts(self) -> dict[str, tuple[str, str]]:
         """Each run's spectrum layout and why it was chosen (resolved once, recorded with the run)."""

@@ -10,8 +10,12 @@ import ray
 __all__ = ["connect", "cluster_has_gpus", "auth_headers"]
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None, namespace: str = "nsa-dist") -> dict:
+def connect(address: str | None = None, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
+            namespace: str = "nsa-dist") -> dict:
     """Start or join Ray.  ``address=None`` → an embedded local Ray; "auto" or "HOST:PORT" → join.
+
+    ``num_cpus`` and ``resources`` (custom resources) size only an embedded Ray: on one machine
+    every custom resource a sweep asks for is this machine's.
 
     Token authentication (``RAY_AUTH_MODE=token``, default for local clusters from Ray 2.59) is
     left to Ray: a joined cluster reads ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` from the
@@ -20,7 +24,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, namespac
     if not ray.is_initialized():
         kw: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
         if address in (None, "local"):
-            kw.update(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
+            kw.update(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, resources=resources)
             ray.init(**kw)
         elif address == "auto" and os.environ.get("RAY_ADDRESS"):
             ray.init(**kw)  # inside a Ray Job: the job manager's RAY_ADDRESS names the cluster
