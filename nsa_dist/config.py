@@ -323,7 +323,7 @@ class SpectrumSpec(_Strict):
 
     k: int | Literal["all"] = Field(100, description="top eigenpairs of G_t, or 'all'")
     eig_method: str = Field("auto", description="auto | dense | lanczos | arpack")
-    ntk_method: str = Field("auto", description="auto | structured | per_layer | jacobian")
+    ntk_method: str = Field("auto", description="auto | structured | per_layer | jacobian | batch")
     dtype: Literal["float64", "float32"] = "float64"
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
@@ -341,7 +341,7 @@ class SpectrumSpec(_Strict):
 
     @model_validator(mode="after")
     def _methods(self) -> "SpectrumSpec":
-        allowed = {"eig_method": ("auto", "dense", "lanczos", "arpack"), "ntk_method": ("auto", "structured", "per_layer", "jacobian")}
+        allowed = {"eig_method": ("auto", "dense", "lanczos", "arpack"), "ntk_method": ("auto", "structured", "per_layer", "jacobian", "batch")}
         for field, ok in allowed.items():
             if getattr(self, field) not in ok:
                 raise ValueError(f"spectrum.{field}={getattr(self, field)!r} is not one of {', '.join(ok)}")

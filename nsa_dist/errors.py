@@ -8,7 +8,7 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 from __future__ import annotations
 
 __all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError", "ModelFactoryError",
-           "StoreError"]
+           "StoreError", "ModelForwardError"]
 
 
 class NSAError(Exception):
@@ -40,3 +40,11 @@ class ModelFactoryError(NSAError, ImportError):
 
     def __reduce__(self):  # survive pickling across Ray processes with its message
         return (ModelFactoryError, (str(self),))
+
+
+class ModelForwardError(NSAError, RuntimeError):
+    """The model's forward (or its derivatives) failed inside an NTK / Hessian computation; the
+    message names the module that was running and the cause (the torch error is chained)."""
+
+    def __reduce__(self):  # survive pickling across Ray processes with its message
+        return (ModelForwardError, (str(self),))

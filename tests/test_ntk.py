@@ -103,13 +103,13 @@ def test_float32_model_with_float64_compute_and_frozen_layers():
     assert not torch.allclose(G, ref), "freezing parameters must change the kernel"
 
 
-def test_general_module_falls_back_to_jacobian():
+def test_layernorm_takes_the_per_layer_path():
     model = nn.Sequential(nn.Linear(2, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 1)).double()
     x = _x(11)
-    assert resolve_method(model, x) is NTKMethod.JACOBIAN
+    assert resolve_method(model, x) is NTKMethod.PER_LAYER
     with pytest.raises(UnsupportedModelError, match="LayerNorm"):
         gram(model, x, method="structured")
-    assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-10, "auto → jacobian")
+    assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-10, "auto → per_layer")
 
 
 def test_weight_sharing_is_rejected_by_structured():
@@ -126,7 +126,7 @@ def test_weight_sharing_is_rejected_by_structured():
     model, x = Twice().double(), _x(9)
     with pytest.raises(UnsupportedModelError, match="called 2 times"):
         gram(model, x, method="structured")
-    assert resolve_method(model, x) is NTKMethod.JACOBIAN
+    assert resolve_method(model, x) is NTKMethod.PER_LAYER  # `inner` by Jacobians, the others per layer
     assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-10, "shared weights via jacobian")
 
 

@@ -87,10 +87,12 @@ def test_shape_errors_and_unsupported_models():
     with pytest.raises(UnsupportedModelError, match="BatchNorm2d"):
         gram(bn, torch.randn(3, 1, 4, 4, dtype=torch.float64), method="per_layer")
     x = torch.randn(3, 1, 4, 4, dtype=torch.float64)
-    assert resolve_method(bn, x) is NTKMethod.JACOBIAN  # auto falls back
-    grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 1)).double()
-    with pytest.raises(UnsupportedModelError, match="groups=1"):
-        gram(grouped, torch.randn(3, 2, 4, 4, dtype=torch.float64), method="per_layer")
+    assert resolve_method(bn, x) is NTKMethod.BATCH  # train-mode batch norm couples the samples
+    grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2, padding=1, padding_mode="reflect"), nn.Flatten(),
+                            nn.Linear(32, 1)).double()
+    xg = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    assert resolve_method(grouped, xg) is NTKMethod.PER_LAYER  # the layer's own VJP per sample
+    assert_close_rel(gram(grouped, xg, method="per_layer"), dense_ntk(grouped, xg), 1e-12, "grouped, reflect-padded")
 
 
 def test_mlp_still_uses_structured():

@@ -14,8 +14,15 @@ from torch import nn
 from torch.func import functional_call
 
 from nsa_dist.hessian._loss import Loss
+import logging
+
 from nsa_dist.linalg.operator import LinearOperator
+from nsa_dist.ntk._blame import blame
 from nsa_dist.ntk._inputs import as_2d, default_block, trainable_params
+from nsa_dist.ntk._probe import couples
+from nsa_dist.ntk._state import exact_kernels, stateless
+
+_log = logging.getLogger("nsa_dist")
 
 __all__ = ["LossCurvatureOperator"]
 
@@ -41,7 +48,13 @@ class LossCurvatureOperator(LinearOperator):
     def __init__(self, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, loss: Loss,
                  block_size: int | None) -> None:
         P = sum(p.numel() for p in trainable_params(model).values())
-        super().__init__(P, X.dtype, "torch", X.device)
+        super().__init__(P, Y.dtype, "torch", X.device)
+        with blame(model):
+            coupling = couples(model, X)
+            model = stateless(model, X[:2])  # products change no buffer of the user's model
+        if coupling is not None:  # C of the batch forward: every product over all points at once
+            _log.info("the model couples samples (%s): curvature products over the whole batch", coupling)
+            block_size = X.shape[0]
         self.model, self.X, self.Y, self.loss = model, X, Y, loss  # X (N, d), Y (N, K)
         self.N, self.K = X.shape[0], Y.shape[1]
         self._params = {k: p.detach() for k, p in trainable_params(model).items()}
@@ -66,7 +79,7 @@ class LossCurvatureOperator(LinearOperator):
     def _blocks(self, m: int) -> Iterator[slice]:
         """Data blocks for a product with m columns (default: ~256 MB of per-column activations)."""
         width = m * self._width * len(self._sizes) * 8
-        b = self.block_size or default_block(self.N, width, self.X.element_size(), _BLOCK_BYTES)
+        b = self.block_size or default_block(self.N, width, self.dtype.itemsize, _BLOCK_BYTES)
         for s in range(0, self.N, b):
             yield slice(s, min(s + b, self.N))
 
@@ -77,7 +90,8 @@ class LossCurvatureOperator(LinearOperator):
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
         m = Vt.shape[1]
         U = {k: u.T.reshape((m,) + p.shape) for (k, p), u in zip(self._params.items(), Vt.split(self._sizes))}
-        AU = self._apply(U)
+        with exact_kernels(), blame(self.model):
+            AU = self._apply(U)
         return torch.cat([AU[k].reshape(m, -1) for k in self._params], dim=1).T  # (P, m)
 
     def __repr__(self) -> str:

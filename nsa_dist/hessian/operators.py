@@ -22,7 +22,9 @@ from torch.func import grad, jvp, vjp, vmap
 from nsa_dist._checks import parse_enum
 from nsa_dist.hessian._loss import Loss, loss_curvature, loss_gradient, loss_sum, parse_loss, prepare_targets
 from nsa_dist.hessian._operator import LossCurvatureOperator
+from nsa_dist.ntk._blame import blame
 from nsa_dist.ntk._inputs import output_dim, prepare_inputs, prepare_model
+from nsa_dist.ntk._state import preserved
 
 if TYPE_CHECKING:
     import numpy as np
@@ -112,8 +114,10 @@ def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss
            dtype: torch.dtype | None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = prepare_model(model, dtype)
     X = prepare_inputs(model, X, "X", dtype)
-    K = output_dim(model, X)
-    return model, X, prepare_targets(Y, loss, X.shape[0], K, X.dtype, X.device)
+    with preserved(model), blame(model):
+        K = output_dim(model, X)
+    cdt = next(p.dtype for p in model.parameters() if p.requires_grad)
+    return model, X, prepare_targets(Y, loss, X.shape[0], K, cdt, X.device)
 
 
 def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *, loss: str | Loss = "mse",

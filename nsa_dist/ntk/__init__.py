@@ -3,7 +3,7 @@ and the infinite-width limit Θ∞ (:func:`limit_ntk`)."""
 
 from nsa_dist.ntk._method import Kernel, NTKMethod
 from nsa_dist.ntk._operator import NTKOperator
-from nsa_dist.ntk.gram import gram, ntk_operator, resolve_method
+from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method
 from nsa_dist.ntk.limit import limit_ntk
 
-__all__ = ["Kernel", "NTKMethod", "NTKOperator", "gram", "limit_ntk", "ntk_operator", "resolve_method"]
+__all__ = ["Kernel", "NTKMethod", "NTKOperator", "explain_method", "gram", "limit_ntk", "ntk_operator", "resolve_method"]

@@ -1,21 +1,25 @@
-"""Per-layer NTK for networks of Conv2d and Linear layers (private).
+"""Per-layer NTK: fast per-layer features where the forward proves them valid, per-sample
+Jacobians for every other parameter (private).
 
-One forward and one backward pass per output a give, for every layer, its input ``A`` and its
-output gradient ``δ_a = ∂f_a/∂z``; the per-sample parameter gradients follow layer by layer:
+``G = Σ_g J_g J_gᵀ`` over any partition of the parameters, so each group takes its own route
+(:func:`~nsa_dist.ntk._probe.plan_forward` decides which).  One forward and one backward pass per
+output a give, for every fast layer, its input ``A`` and its output gradient ``δ_a = ∂f_a/∂z``:
 
-- Conv2d ``z = w·W ⋆ A + β·b`` (groups = 1, zero padding): with ``U = unfold(A)`` (C_in·k_h·k_w, L)
-  the input patches at the L output positions and ``δ_a`` (C_out, L),
-  ``∂f_a/∂W = w·δ_a Uᵀ`` (C_out, C_in·k_h·k_w) and ``∂f_a/∂b = β·δ_a 1`` (computed offset by
-  offset from strided views of the padded input, see ``_conv_weight_grad``).  A convolution has few
-  parameters, so these gradients ``g`` (N, K, P_l) are formed and contracted, ``G_IJ += g_I g_Jᵀ``.
 - Linear on (n, features) inputs: the structured factors of :mod:`._structured`,
   ``G_IJ += (Â_I Â_Jᵀ) ⊙ (D_I D_Jᵀ)`` with ``Â = [w·A, β·1]`` and ``D = [δ_1 … δ_K]``.
-- Linear on (n, …, features) inputs (applied at L positions): ``∂f_a/∂W = w·Σ_p δ_{a,p} a_pᵀ``,
-  formed like a convolution's.
+- Conv2d ``z = w·W ⋆ A + β·b`` (groups = 1, numeric zero padding): with the input patches at the
+  L output positions, ``∂f_a/∂W = w·δ_a Uᵀ`` and ``∂f_a/∂b = β·δ_a 1`` (offset by offset from
+  strided views of the padded input, see ``_conv_weight_grad``).
+- Linear on (n, …, features) inputs (applied at L positions): ``∂f_a/∂W = w·Σ_p δ_{a,p} a_pᵀ``.
+- Any other known layer (Conv1d/3d, grouped or padded convolutions, Embedding, LayerNorm,
+  GroupNorm, eval-mode BatchNorm, RMSNorm): the per-sample gradient is the VJP of the layer
+  alone at its own input, ``∂f_a/∂θ_l = vjp(θ ↦ layer(A; θ))(δ_a)``, batched over samples.
+- The rest (recurrent, attention, shared weights, custom modules): per-sample Jacobians of the
+  whole model with respect to those parameters only (:func:`~nsa_dist.ntk._jacobian.jacobian_fn`).
 
-Exact (no approximation), and it never forms the N×P Jacobian of the Linear layers, whose
-weights dominate P in a CNN.  Memory: the features of all N points,
-``N·(Σ_lin (n_in + 1 + K·n_out) + K·P_formed)`` numbers, plus G.
+Formed gradients ``g`` (N, K, P_formed) are contracted ``G_IJ += g_I g_Jᵀ``.  Exact, and it never
+forms the Jacobian of the factored Linear layers, whose weights dominate P in a CNN.
+Memory: ``N·(Σ_lin (n_in + 1 + K·n_out) + K·P_formed)`` numbers, plus G.
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._structured import _mirror_upper, input_ranks, layer_passes
+from torch.func import functional_call, vjp, vmap
 
-__all__ = ["conv_layers", "per_layer_gram"]
+from nsa_dist.errors import UnsupportedModelError
+from nsa_dist.ntk._jacobian import jacobian_fn
+from nsa_dist.ntk._probe import ForwardPlan, FastLayer, plan_forward
+from nsa_dist.ntk._structured import _mirror_upper, layer_passes
+
+__all__ = ["conv_layers", "per_layer_layers", "per_layer_gram"]
 
 # Points per forward/backward pass while the features are computed.
 _FEATURE_CHUNK = 256
@@ -37,56 +45,50 @@ _FEATURE_CHUNK = 256
 
 @dataclass(frozen=True)
 class _Layer:
-    """A Conv2d or Linear layer with the scales of its trainable parameters (None: frozen/absent).
+    """A fast layer: its trainable parameters (local names) and the route of their gradients.
 
-    ``factored``: a Linear on 2-D inputs, contracted through its factors Â, D; otherwise its
-    per-sample gradients are formed.
+    ``kind``: "factor" (Linear on 2-D inputs: factors Â, D), "conv2d" / "linear" (formed by the
+    closed forms below), "local" (formed by the VJP of the layer alone).
     """
 
     module: nn.Module
+    params: tuple[str, ...]
     w: float | None
     b: float | None
-    factored: bool
+    kind: str
+    clone_out: bool
+
+    @property
+    def factored(self) -> bool:
+        return self.kind == "factor"
+
+
+def _kind(lay: FastLayer) -> str:
+    m = lay.module
+    if lay.factored:
+        return "factor"
+    if type(m).forward is nn.Conv2d.forward and m.groups == 1 and m.padding_mode == "zeros" \
+            and not isinstance(m.padding, str):
+        return "conv2d"
+    if isinstance(m, nn.Linear) and set(lay.params) <= {"weight", "bias"}:
+        return "linear"
+    return "local"
+
+
+def per_layer_layers(plan: ForwardPlan) -> list[_Layer]:
+    """The fast layers of a plan with the route of each."""
+    return [_Layer(lay.module, lay.params, lay.w, lay.b, _kind(lay), lay.clone_out) for lay in plan.layers]
 
 
 def conv_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
-    """The model's Conv2d / Linear layers, or UnsupportedModelError saying why the path does not apply.
-
-    The path needs: every trainable parameter in an ``nn.Conv2d`` (groups = 1, zero padding) or
-    an ``nn.Linear``; each such layer called once per forward; no batch statistics.
-    """
-    owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
-    for name, p in model.named_parameters():
-        mod = owner[id(p)]
-        if p.requires_grad and not isinstance(mod, (nn.Linear, nn.Conv2d)):
-            raise UnsupportedModelError(
-                f"method='per_layer' needs every trainable parameter in an nn.Conv2d or nn.Linear layer; "
-                f"parameter {name!r} belongs to {type(mod).__name__} (use method='jacobian' or 'auto')")
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and (mod.training or not mod.track_running_stats):
-            raise UnsupportedModelError(f"method='per_layer' cannot handle {type(mod).__name__} ({name!r}) "
-                                        "using batch statistics, which mixes samples; use method='jacobian'")
-        if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.padding_mode != "zeros"
-                                           or isinstance(mod.padding, str)):
-            raise UnsupportedModelError(f"method='per_layer' handles Conv2d with groups=1 and numeric zero "
-                                        f"padding; {name!r} is {mod} (use method='jacobian')")
-    mods = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
-            and (m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad))]
-    ndims = _probe_calls(model, mods, x_probe)
-    return [_Layer(m, getattr(m, "weight_scale", 1.0) if m.weight.requires_grad else None,
-                   getattr(m, "bias_scale", 1.0) if m.bias is not None and m.bias.requires_grad else None,
-                   isinstance(m, nn.Linear) and nd == 2)
-            for m, nd in zip(mods, ndims)]
-
-
-def _probe_calls(model: nn.Module, mods: list[nn.Module], x: torch.Tensor) -> list[int]:
-    """The input rank each layer sees; UnsupportedModelError unless each is called exactly once."""
-    ranks = input_ranks(model, mods, x)
-    for m, seen in zip(mods, ranks):
-        if len(seen) != 1:
-            raise UnsupportedModelError(f"method='per_layer' needs each layer used once per forward; {m} is called "
-                                        f"{len(seen)} times (use method='jacobian')")
-    return [seen[0] for seen in ranks]
+    """The model's fast layers when every trainable parameter takes a per-layer route, else
+    UnsupportedModelError naming the first that does not (see :func:`plan_forward`)."""
+    plan = plan_forward(model, x_probe)
+    if plan.coupled or plan.generic:
+        name = plan.generic[0] if plan.generic else next(iter(plan.routes))
+        raise UnsupportedModelError(f"method='per_layer' has no per-layer formula for parameter {name!r}: "
+                                    f"{plan.routes[name][1]} (use method='auto')")
+    return per_layer_layers(plan)
 
 
 def _conv_weight_grad(m: nn.Conv2d, A: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
@@ -111,11 +113,27 @@ def _conv_weight_grad(m: nn.Conv2d, A: torch.Tensor, dz: torch.Tensor) -> torch.
     return torch.stack(out, dim=-1).reshape(b, -1)
 
 
+def _local_grad(lay: _Layer, A: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Per-sample gradients (b, P_l) of a layer as the VJP of the layer alone at its own input:
+    ``vjp(θ_l ↦ layer(a_i; θ_l))(δ_i)`` for every sample i (vmapped)."""
+    m = lay.module
+    p0 = {n: getattr(m, n).detach() for n in lay.params}
+
+    def one(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        _, pull = vjp(lambda p: functional_call(m, p, (a[None],)), p0)
+        (g,) = pull(d[None])
+        return torch.cat([g[n].reshape(-1) for n in lay.params])  # (P_l,)
+
+    return vmap(one)(A, delta)
+
+
 def _formed_grad(lay: _Layer, A: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """Per-sample gradients (b, P_l) of a formed layer from its input A and output gradient δ."""
+    if lay.kind == "local":
+        return _local_grad(lay, A, delta)
     m, b = lay.module, A.shape[0]
     parts = []
-    if isinstance(m, nn.Conv2d):
+    if lay.kind == "conv2d":
         if lay.w is not None:
             parts.append(_conv_weight_grad(m, A, delta) * lay.w)  # (b, C_out·C_in k k)
         dz = delta.reshape(b, delta.shape[1], -1)  # (b, C_out, L)
@@ -128,26 +146,31 @@ def _formed_grad(lay: _Layer, A: torch.Tensor, delta: torch.Tensor) -> torch.Ten
     return torch.cat(parts, dim=1)
 
 
-def _chunk_features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
+def _chunk_features(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int
                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
     """Factors (Â (b, n_in+1), D (b, K·n_out)) of each factored layer and the formed gradients
-    M (b, K·P_formed) of the others, for one chunk of points x (b, …)."""
-    acts, Z, grads = layer_passes(model, [lay.module for lay in layers], x, K)
+    M (b, K·P_formed) of the others — the fast layers' and, from ``jac`` (x ↦ (b, K, P_g)), the
+    per-sample Jacobians of the remaining parameters — for one chunk of points x (b, …)."""
     b = x.shape[0]
     factors, formed = [], []
-    for i, lay in enumerate(layers):
-        A = acts[i]
-        deltas = [g[i] if g[i] is not None else torch.zeros_like(Z[i]) for g in grads]  # K × (b, …)
-        if lay.factored:
-            cols = ([A * lay.w] if lay.w is not None else []) + ([A.new_full((b, 1), lay.b)] if lay.b is not None else [])
-            factors.append((torch.cat(cols, dim=1), torch.cat(deltas, dim=1)))  # (b, n_in+1), (b, K·n_out)
-        else:
-            formed.append(torch.stack([_formed_grad(lay, A, d) for d in deltas], dim=1))  # (b, K, P_l)
+    if layers:
+        acts, Z, grads = layer_passes(model, [lay.module for lay in layers], x, K, [lay.clone_out for lay in layers])
+        for i, lay in enumerate(layers):
+            A = acts[i]
+            deltas = [g[i] if g[i] is not None else torch.zeros_like(Z[i]) for g in grads]  # K × (b, …)
+            if lay.factored:
+                cols = (([A * lay.w] if lay.w is not None else [])
+                        + ([A.new_full((b, 1), lay.b)] if lay.b is not None else []))
+                factors.append((torch.cat(cols, dim=1), torch.cat(deltas, dim=1)))  # (b, n_in+1), (b, K·n_out)
+            else:
+                formed.append(torch.stack([_formed_grad(lay, A, d) for d in deltas], dim=1))  # (b, K, P_l)
+    if jac is not None:
+        formed.append(jac(x))  # (b, K, P_generic)
     M = torch.cat(formed, dim=2).reshape(b, -1) if formed else None  # (b, K·P_formed)
     return factors, M
 
 
-def _features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
+def _features(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int
               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
     """The features of every point of x, ``_FEATURE_CHUNK`` points per forward/backward pass,
     written into preallocated (N, ·) arrays."""
@@ -155,7 +178,7 @@ def _features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
     factors: list[tuple[torch.Tensor, torch.Tensor]] = []
     M: torch.Tensor | None = None
     for s in range(0, n, _FEATURE_CHUNK):
-        fac, Mc = _chunk_features(model, layers, x[s:s + _FEATURE_CHUNK], K)
+        fac, Mc = _chunk_features(model, layers, jac, x[s:s + _FEATURE_CHUNK], K)
         if s == 0:
             factors = [(A.new_empty((n,) + A.shape[1:]), D.new_empty((n,) + D.shape[1:])) for A, D in fac]
             M = Mc.new_empty((n,) + Mc.shape[1:]) if Mc is not None else None
@@ -186,22 +209,24 @@ def _tile(fi: tuple, fj: tuple, i: slice, j: slice, K: int, full: bool) -> torch
     return out
 
 
-def per_layer_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool,
-                   block: int) -> torch.Tensor:
-    """Exact NTK Gramian of a Conv2d/Linear network from per-layer features, in (block × block) tiles.
+def per_layer_gram(model: nn.Module, layers: list[_Layer], generic: tuple[str, ...], x1: torch.Tensor,
+                   x2: torch.Tensor | None, K: int, full: bool, block: int) -> torch.Tensor:
+    """Exact NTK Gramian from per-layer features plus per-sample Jacobians, in (block × block) tiles.
 
     Args:
-        model: a network :func:`conv_layers` accepts.
+        model: the network; layers: its fast layers (:func:`per_layer_layers`); generic: the
+            qualified names of the other trainable parameters (per-sample Jacobians).
         x1: (N1, …) points; x2: (N2, …) or None (symmetric: upper tiles computed once, mirrored).
         K: outputs; full: (N1, K, N2, K) instead of the traced (N1, N2).
         block: points per tile side.
     """
-    layers = conv_layers(model, x1[:2])
+    jac = jacobian_fn(model, K, generic) if generic else None
     sym = x2 is None
-    f1 = _features(model, layers, x1, K)
-    f2 = f1 if sym else _features(model, layers, x2, K)
+    f1 = _features(model, layers, jac, x1, K)
+    f2 = f1 if sym else _features(model, layers, jac, x2, K)
     n1, n2 = x1.shape[0], (x1 if sym else x2).shape[0]
-    G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=x1.dtype, device=x1.device)
+    dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
+    G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=dtype, device=x1.device)
     for s in range(0, n1, block):
         i = slice(s, min(s + block, n1))
         for t in (range(s, n2, block) if sym else range(0, n2, block)):

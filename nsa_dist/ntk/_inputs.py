@@ -30,8 +30,9 @@ def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """Check ``x`` is a finite (n, …) tensor — (n, d) vectors, (n, C, H, W) images — and cast it
-    to the model's dtype/device."""
+    """Check ``x`` is a finite (n, …) tensor — (n, d) vectors, (n, C, H, W) images, (n, T) token
+    ids — and move it to the model's device; floating inputs are cast to ``dtype`` (default the
+    model's), integer inputs stay integers."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (n, d) or (n, …), got {type(x).__name__}")
     if x.ndim < 2 or x.shape[0] == 0 or any(s == 0 for s in x.shape[1:]):
@@ -39,6 +40,8 @@ def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dt
                          f"and no empty axis, got {tuple(x.shape)}")
     check_finite(name, x)
     p = next(iter(model.parameters()))
+    if not (x.is_floating_point() or x.is_complex()):  # token ids, class indices: as the model takes them
+        return x.to(device=p.device)
     return x.to(dtype=dtype or p.dtype, device=p.device)
 
 

@@ -1,4 +1,14 @@
-"""NTK by Jacobian contraction with torch.func, for any module (private)."""
+"""NTK by Jacobian contraction with torch.func, for any module (private).
+
+Two Jacobians:
+
+* per-sample (:func:`jacobian_fn`): ``J_i = ∂f(x_i)/∂θ`` point by point (``vmap(jacrev)``), for
+  models whose outputs for one point depend on that point alone.  Where ``vmap`` has no batching
+  rule (recurrent layers) the same numbers come from one reverse pass per point and output.
+* full-batch (:func:`batch_jacobian_gram`): ``J = ∂f(X)/∂θ`` of the forward over the whole batch,
+  for models that couple samples (batch norm in train mode): the kernel of the batch forward,
+  ``G = J Jᵀ``, row chunks of J from one forward and batched reverse passes.
+"""
 
 from __future__ import annotations
 
@@ -6,67 +16,145 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev, vjp, vmap
 
 from nsa_dist.ntk._inputs import as_2d, trainable_params
+
+__all__ = ["jacobian_fn", "jacobian_gram", "batch_jacobian_gram"]
 
 # Per-block Jacobians of the second input are cached while they fit under this many bytes;
 # past it they are recomputed for every row block (memory stays at two blocks).
 _JAC_CACHE_BYTES = 2 * 2**30
 
 
-def jacobian_fn(model: nn.Module, K: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x (b, d) ↦ J (b, K, P): per-sample Jacobians of the outputs w.r.t. trainable parameters."""
-    params = {k: p.detach() for k, p in trainable_params(model).items()}
+def jacobian_fn(model: nn.Module, K: int, names: tuple[str, ...] | None = None
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x (b, …) ↦ J (b, K, P_names): per-sample Jacobians of the outputs w.r.t. the trainable
+    parameters ``names`` (default all), every other parameter held fixed."""
+    trainable = trainable_params(model)
+    names = tuple(trainable) if names is None else names
+    params = {k: trainable[k].detach() for k in names}
     buffers = dict(model.named_buffers())
-    frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+    frozen = {k: p.detach() for k, p in model.named_parameters() if k not in params}
+    state = {"vmap": True}
 
     def f_one(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return as_2d(functional_call(model, ({**p, **frozen}, buffers), (x[None],)))[0]  # (K,)
 
     jac = vmap(jacrev(f_one), in_dims=(None, 0))
 
+    def by_loop(xb: torch.Tensor) -> torch.Tensor:
+        """One forward and K reverse passes per point: no batching rule needed."""
+        live = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        rows = []
+        for i in range(xb.shape[0]):
+            with torch.enable_grad():
+                out = as_2d(functional_call(model, ({**live, **frozen}, buffers), (xb[i:i + 1],)))[0]  # (K,)
+                for a in range(K):
+                    g = torch.autograd.grad(out[a], list(live.values()), retain_graph=a < K - 1, allow_unused=True)
+                    rows.append(torch.cat([(gi if gi is not None else torch.zeros_like(v)).reshape(-1)
+                                           for gi, v in zip(g, live.values())]))
+        return torch.stack(rows).view(xb.shape[0], K, -1)
+
     def J(xb: torch.Tensor) -> torch.Tensor:
-        blocks = jac(params, xb)
-        return torch.cat([blocks[k].reshape(xb.shape[0], K, -1) for k in params], dim=2)  # (b, K, P)
+        if state["vmap"]:
+            try:
+                blocks = jac(params, xb)
+                return torch.cat([blocks[k].reshape(xb.shape[0], K, -1) for k in params], dim=2)  # (b, K, P)
+            except (RuntimeError, NotImplementedError, ValueError):
+                state["vmap"] = False  # e.g. no vmap rule for an RNN; exact by the loop from now on
+        return by_loop(xb)
 
     return J
 
 
-def jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool,
-                  block: int) -> torch.Tensor:
-    """``G_IJ = J_I J_Jᵀ`` block by block; (N1, N2) traced or (N1, K, N2, K) full."""
-    J = jacobian_fn(model, K)
-    sym = x2 is None
-    xs2 = x1 if sym else x2
-    n1, n2 = x1.shape[0], xs2.shape[0]
-    G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=x1.dtype, device=x1.device)
-    P = sum(p.numel() for p in trainable_params(model).values())
-    cache_ok = n2 * K * P * x1.element_size() <= _JAC_CACHE_BYTES
-    cache: dict[int, torch.Tensor] = {}
-
-    def J2(t: int) -> torch.Tensor:
-        if t in cache:
-            return cache[t]
-        out = J(xs2[t:t + block])
-        if cache_ok:
-            cache[t] = out
-        return out
-
+def _contract(G: torch.Tensor, J1, J2, n1: int, n2: int, block: int, sym: bool, full: bool, K: int) -> torch.Tensor:
+    """``G_IJ = J_I J_Jᵀ`` for (b, K, P) Jacobian blocks given by J1(start) / J2(start)."""
     for s in range(0, n1, block):
-        J1 = J2(s) if sym else J(x1[s:s + block])  # (bi, K, P)
-        bi = J1.shape[0]
+        Ji = J1(s)  # (bi, K, P)
+        bi, P = Ji.shape[0], Ji.shape[2]
         for t in range(s if sym else 0, n2, block):
-            Jt = J1 if (sym and t == s) else J2(t)  # (bj, K, P)
+            Jt = Ji if (sym and t == s) else J2(t)  # (bj, K, P)
             bj = Jt.shape[0]
             if full:
-                tile = (J1.reshape(bi * K, P) @ Jt.reshape(bj * K, P).T).view(bi, K, bj, K)
+                tile = (Ji.reshape(bi * K, P) @ Jt.reshape(bj * K, P).T).view(bi, K, bj, K)
                 G[s:s + bi, :, t:t + bj, :] = tile
                 if sym and t != s:
                     G[t:t + bj, :, s:s + bi, :] = tile.permute(2, 3, 0, 1)
             else:
-                tile = J1.reshape(bi, K * P) @ Jt.reshape(bj, K * P).T  # Σ_a J_a J_aᵀ
+                tile = Ji.reshape(bi, K * P) @ Jt.reshape(bj, K * P).T  # Σ_a J_a J_aᵀ
                 G[s:s + bi, t:t + bj] = tile
                 if sym and t != s:
                     G[t:t + bj, s:s + bi] = tile.T
     return G
+
+
+def _cached(fn: Callable[[int], torch.Tensor], ok: bool) -> Callable[[int], torch.Tensor]:
+    cache: dict[int, torch.Tensor] = {}
+
+    def get(t: int) -> torch.Tensor:
+        if t in cache:
+            return cache[t]
+        out = fn(t)
+        if ok:
+            cache[t] = out
+        return out
+
+    return get
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return next(iter(trainable_params(model).values())).dtype
+
+
+def jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool,
+                  block: int) -> torch.Tensor:
+    """``G_IJ = J_I J_Jᵀ`` from per-sample Jacobians, block by block; (N1, N2) or (N1, K, N2, K)."""
+    J = jacobian_fn(model, K)
+    sym = x2 is None
+    xs2 = x1 if sym else x2
+    n1, n2 = x1.shape[0], xs2.shape[0]
+    G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=_dtype(model), device=x1.device)
+    P = sum(p.numel() for p in trainable_params(model).values())
+    J2 = _cached(lambda t: J(xs2[t:t + block]), n2 * K * P * G.element_size() <= _JAC_CACHE_BYTES)
+    J1 = J2 if sym else (lambda s: J(x1[s:s + block]))
+    return _contract(G, J1, J2, n1, n2, block, sym, full, K)
+
+
+def _batch_rows(model: nn.Module, x: torch.Tensor, K: int) -> Callable[[int, int], torch.Tensor]:
+    """(start, stop) ↦ the rows of the full-batch Jacobian for points start..stop, (b, K, P):
+    one forward of the whole batch, then batched reverse passes with one-hot cotangents."""
+    params = {k: p.detach() for k, p in trainable_params(model).items()}
+    frozen = {k: p.detach() for k, p in model.named_parameters() if k not in params}
+    buffers = dict(model.named_buffers())
+    out, pull = vjp(lambda p: as_2d(functional_call(model, ({**p, **frozen}, buffers), (x,))), params)  # (N, K)
+    N = out.shape[0]
+
+    def rows(s: int, e: int) -> torch.Tensor:
+        cot = torch.zeros((e - s) * K, N, K, dtype=out.dtype, device=out.device)
+        idx = torch.arange((e - s) * K, device=out.device)
+        cot[idx, s + idx // K, idx % K] = 1.0
+        try:
+            (g,) = vmap(pull)(cot)
+            J = torch.cat([g[k].reshape((e - s) * K, -1) for k in params], dim=1)
+        except (RuntimeError, NotImplementedError, ValueError):
+            J = torch.stack([torch.cat([gk.reshape(-1) for gk in pull(c)[0].values()]) for c in cot])
+        return J.view(e - s, K, -1)  # (b, K, P)
+
+    return rows
+
+
+def batch_jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool,
+                        block: int) -> torch.Tensor:
+    """The kernel of the batch forward of a sample-coupling model: ``G = J Jᵀ`` with J the Jacobian
+    of f(X) (all points in one forward), in row chunks of ``block`` points; x2 (when given) is
+    forwarded as its own batch.  (N1, N2) traced or (N1, K, N2, K) full."""
+    sym = x2 is None
+    n1, n2 = x1.shape[0], (x1 if sym else x2).shape[0]
+    G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=_dtype(model), device=x1.device)
+    P = sum(p.numel() for p in trainable_params(model).values())
+    r1 = _batch_rows(model, x1, K)
+    r2 = r1 if sym else _batch_rows(model, x2, K)
+    J2 = _cached(lambda t: r2(t, min(t + block, n2)), n2 * K * P * G.element_size() <= _JAC_CACHE_BYTES)
+    J1 = J2 if sym else (lambda s: r1(s, min(s + block, n1)))
+    return _contract(G, J1, J2, n1, n2, block, sym, full, K)

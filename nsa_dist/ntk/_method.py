@@ -10,25 +10,36 @@ __all__ = ["NTKMethod", "Kernel"]
 class NTKMethod(str, Enum):
     """How the Gramian is computed.
 
+    Which parameter may take which path is decided from what the forward pass does (probe
+    forwards: which layer used which parameter how often, whether a saved layer input or output
+    was modified in place, whether the samples are coupled), never from module types alone.
+
     STRUCTURED: per-layer formula ``G = Σ_l (Â_l Â_lᵀ) ⊙ (Δ_l Δ_lᵀ)`` from one forward and one
         backward pass per block (Â_l = [w_l·A_l, β_l·1] the scaled layer inputs, Δ_l the output
         gradients).  Costs O(N²·Σ_l(n_in+n_out)) and never forms the N×P Jacobian: wins for every
         network whose trainable parameters all live in ``nn.Linear`` layers applied once per
         sample to (n, features) inputs — MLPs, residual MLPs, the NTK parametrisation.
-    PER_LAYER: per-sample per-layer gradients of networks of ``nn.Conv2d`` and ``nn.Linear`` layers
-        from one forward and one backward pass per block (``unfold`` for convolutions), contracted
-        block by block; Linear layers on (n, features) inputs keep the structured factors.  Wins
-        for CNNs: the Jacobian of the large Linear layers is never formed (see ``_conv.py``).
-    JACOBIAN: per-sample Jacobians from ``torch.func`` (``vmap(jacrev)``) contracted block by block,
-        ``G_IJ = J_I J_Jᵀ``.  Costs O(N²·P) plus the Jacobians: the fallback for any module
-        (convolutions, norms, weight sharing).
-    AUTO: STRUCTURED when the model qualifies, else PER_LAYER when it qualifies, otherwise JACOBIAN.
+    PER_LAYER: the hybrid ``G = Σ_g J_g J_gᵀ`` over parameter groups: the structured factors of
+        Linear layers, formed per-sample gradients of Conv1d/2d/3d, Embedding, LayerNorm,
+        GroupNorm and eval-mode BatchNorm layers from their inputs and output gradients, and
+        per-sample Jacobians (torch.func) for every other parameter (recurrent, attention,
+        tied weights).  Wins for CNNs, ResNets and Transformers: one unsupported module costs
+        only its own parameters' Jacobians.
+    JACOBIAN: per-sample Jacobians from ``torch.func`` (``vmap(jacrev)``; one reverse pass per point
+        where vmap has no rule) contracted block by block, ``G_IJ = J_I J_Jᵀ``.  Costs O(N²·P)
+        plus the Jacobians: exact for any module whose samples do not interact.
+    BATCH: the full-batch Jacobian ``J = ∂f(X)/∂θ`` (one forward of all points, reverse passes in
+        row chunks): the kernel of the batch forward for models that couple samples (BatchNorm
+        in train mode or without running statistics).  The only exact choice there.
+    AUTO: BATCH when the samples are coupled, else STRUCTURED when every parameter qualifies,
+        else PER_LAYER when any layer does, otherwise JACOBIAN.
     """
 
     AUTO = "auto"
     STRUCTURED = "structured"
     JACOBIAN = "jacobian"
     PER_LAYER = "per_layer"
+    BATCH = "batch"
 
 
 class Kernel(str, Enum):

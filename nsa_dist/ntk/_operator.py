@@ -7,8 +7,15 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp, vjp, vmap
 
+import logging
+
 from nsa_dist.linalg.operator import LinearOperator
+from nsa_dist.ntk._blame import blame
 from nsa_dist.ntk._inputs import as_2d, trainable_params
+from nsa_dist.ntk._probe import couples
+from nsa_dist.ntk._state import exact_kernels, stateless
+
+_log = logging.getLogger("nsa_dist")
 
 
 class NTKOperator(LinearOperator):
@@ -30,7 +37,14 @@ class NTKOperator(LinearOperator):
     dim_name = "N"
 
     def __init__(self, model: nn.Module, x: torch.Tensor, K: int, full: bool, block: int) -> None:
-        super().__init__(x.shape[0] * (K if full else 1), x.dtype, "torch", x.device)
+        dtype = next(iter(trainable_params(model).values())).dtype
+        super().__init__(x.shape[0] * (K if full else 1), dtype, "torch", x.device)
+        with blame(model):
+            coupling = couples(model, x)
+            model = stateless(model, x[:2])  # products change no buffer of the user's model
+        if coupling is not None:  # the kernel of the batch forward: every product over all points at once
+            _log.info("the model couples samples (%s): operator products over the whole batch", coupling)
+            block = x.shape[0]
         self.model, self.x, self.K, self.full, self.block = model, x, K, full, block
         self._params = {k: p.detach() for k, p in trainable_params(model).items()}
         self._rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
@@ -53,7 +67,8 @@ class NTKOperator(LinearOperator):
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         m, N, K = Vt.shape[1], self.x.shape[0], self.K
         Vr = Vt.reshape(N, K, m) if self.full else Vt  # (N, K, m) or (N, m)
-        return self.j(self.jt(Vr), m).reshape(self.shape[0], m)
+        with exact_kernels(), blame(self.model):
+            return self.j(self.jt(Vr), m).reshape(self.shape[0], m)
 
     def jt(self, Vr: torch.Tensor) -> dict[str, torch.Tensor]:
         """``U = Jᵀ V`` by one VJP pass: Vr (N, m) traced or (N, K, m) full → (m·K or m, *param) per parameter."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk._inputs import as_2d
+from nsa_dist.ntk._probe import ForwardPlan, Route, plan_forward
 
 # Feature memory (Â, D for all points of one layer group) is kept under this fraction of the
 # output's bytes (or _MIN_FEATURE_BYTES): layers are split into groups, one forward/backward
@@ -33,6 +34,7 @@ class _Layer:
     module: nn.Linear
     w: float | None
     b: float | None
+    clone_out: bool = False
 
     @property
     def n_cols(self) -> int:
@@ -48,67 +50,70 @@ def _pad8(n: int) -> int:
     return -(-n // 8) * 8
 
 
+class Unproven(RuntimeError):
+    """A feature pass saw what the probe did not (a saved layer input or output modified in
+    place): the per-layer formula is not proven for these points; the caller takes the exact path."""
+
+
+def structured_layers(plan: ForwardPlan) -> list[_Layer]:
+    """The structured factors' layers of a plan whose every parameter takes the structured path."""
+    return [_Layer(lay.module, lay.w, lay.b, lay.clone_out) for lay in plan.layers]
+
+
+def not_structured_reason(plan: ForwardPlan) -> str | None:
+    """Why ``method='structured'`` does not apply to the plan's model (None: it does)."""
+    for name, (path, why) in plan.routes.items():
+        if path != Route.STRUCTURED:
+            return f"parameter {name!r} takes the {path} path: {why}"
+    return None
+
+
 def linear_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
     """The model's Linear layers, or UnsupportedModelError saying why the formula does not apply.
 
-    The formula needs: every trainable parameter in an ``nn.Linear``; each Linear called once per
-    forward on a 2-D (n, features) input; no layer mixing samples (batch norm).
+    The formula needs (checked on probe forwards, :func:`plan_forward`): every trainable parameter
+    in a standard ``nn.Linear`` called once per forward on 2-D (n, features) inputs and used once,
+    its input not modified in place, and no coupling of samples (batch statistics).
     """
-    owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
-    for name, p in model.named_parameters():
-        mod = owner[id(p)]
-        if p.requires_grad and not isinstance(mod, nn.Linear):
-            raise UnsupportedModelError(
-                f"method='structured' needs every trainable parameter in an nn.Linear layer; "
-                f"parameter {name!r} belongs to {type(mod).__name__} (use method='jacobian' or 'auto')")
-    for name, mod in model.named_modules():  # batch statistics couple the samples of a batch
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and (mod.training or not mod.track_running_stats):
-            raise UnsupportedModelError(f"method='structured' cannot handle {type(mod).__name__} "
-                                        f"({name!r}) using batch statistics, which mixes samples; use method='jacobian'")
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear)
-              and (m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad))]
-    _probe_calls(model, layers, x_probe)
-    return [_Layer(m, getattr(m, "weight_scale", 1.0) if m.weight.requires_grad else None,
-                   getattr(m, "bias_scale", 1.0) if m.bias is not None and m.bias.requires_grad else None)
-            for m in layers]
+    plan = plan_forward(model, x_probe)
+    why = not_structured_reason(plan)
+    if why is not None:
+        raise UnsupportedModelError(f"method='structured' does not apply: {why} (use method='auto')")
+    return structured_layers(plan)
 
 
-def input_ranks(model: nn.Module, modules: list[nn.Module], x: torch.Tensor) -> list[list[int]]:
-    """The rank of the input each module sees, once per call, in one no-grad forward of x."""
-    calls: dict[int, list[int]] = {id(m): [] for m in modules}
-    handles = [m.register_forward_hook(lambda mod, inp, out: calls[id(mod)].append(inp[0].ndim)) for m in modules]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return [calls[id(m)] for m in modules]
-
-
-def _probe_calls(model: nn.Module, layers: list[nn.Linear], x: torch.Tensor) -> None:
-    for m, seen in zip(layers, input_ranks(model, layers, x)):
-        if len(seen) != 1 or seen[0] != 2:
-            why = f"is called {len(seen)} times per forward" if len(seen) != 1 else f"sees {seen[0]}-D inputs"
-            raise UnsupportedModelError(f"method='structured' needs each Linear used once per sample on "
-                                        f"(n, features) inputs; {m} {why} (use method='jacobian')")
-
-
-def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K: int
+def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K: int,
+                 clone: list[bool] | None = None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor | None, ...]]]:
     """One forward and K backward passes over a chunk x: each module's input ``A_l`` (detached),
     its output ``z_l`` and, per model output a, ``δ_{a,l} = ∂f_a/∂z_l`` (None where f_a does not
-    depend on z_l).  What the per-layer NTK paths (structured, conv) build their features from."""
+    depend on z_l).  What the per-layer NTK paths (structured, conv) build their features from.
+
+    ``clone[l]``: hand the model a copy of module l's output (the model modifies it in place) and
+    differentiate the original.  Any other saved input or output modified in place raises
+    :class:`Unproven` — the formula would silently use the modified tensor.
+    """
     acts: dict[int, torch.Tensor] = {}
     zs: dict[int, torch.Tensor] = {}
+    seen: dict[int, list] = {}
+    copy_out = {id(m): c for m, c in zip(modules, clone or [False] * len(modules))}
 
-    def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+    def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
         acts[id(mod)], zs[id(mod)] = inp[0].detach(), out
+        seen.setdefault(id(mod), []).append((inp[0], inp[0]._version, out, out._version))
+        return out.clone() if copy_out[id(mod)] else None
 
     handles = [m.register_forward_hook(hook) for m in modules]
     try:
         with torch.enable_grad():
             out = as_2d(model(x))  # (b, K)
+            for m in modules:
+                calls = seen.get(id(m), [])
+                if len(calls) != 1:
+                    raise Unproven(f"{type(m).__name__} was called {len(calls)} times in a feature pass")
+                a, va, z, vz = calls[0]
+                if a._version != va or (not copy_out[id(m)] and z._version != vz):
+                    raise Unproven(f"a saved tensor of {type(m).__name__} was modified in place")
             Z = [zs[id(m)] for m in modules]
             grads = [torch.autograd.grad(out[:, a].sum(), Z, retain_graph=a < K - 1, allow_unused=True)
                      for a in range(K)]  # K × modules × δ (b, …)
@@ -121,7 +126,7 @@ def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K:
 def _chunk_features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(Â (b, n_cols), D (b, K, n_out)) per layer for one chunk of points x (b, d)."""
-    acts, _, grads = layer_passes(model, [lay.module for lay in layers], x, K)
+    acts, _, grads = layer_passes(model, [lay.module for lay in layers], x, K, [lay.clone_out for lay in layers])
     feats = []
     for i, lay in enumerate(layers):
         A = acts[i]  # (b, n_in)
@@ -199,13 +204,13 @@ def _add_tile(out: torch.Tensor, F1: list, F2: list, i: slice, j: slice, full: b
             out[i, j].addcmul_(AA, DD)
 
 
-def structured_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool,
-                    block: int) -> torch.Tensor:
+def structured_gram(model: nn.Module, layers: list[_Layer], x1: torch.Tensor, x2: torch.Tensor | None, K: int,
+                    full: bool, block: int) -> torch.Tensor:
     """Exact NTK Gramian by the per-layer formula, assembled in (block × block) tiles.
 
+    ``layers``: from :func:`structured_layers` of the model's plan.
     Returns (N1, N2) traced or (N1, K, N2, K) full; symmetric tiles are computed once when x2 is None.
     """
-    layers = linear_layers(model, x1[:2])
     sym = x2 is None
     n1 = x1.shape[0]
     n2 = n1 if sym else x2.shape[0]

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from nsa_dist._checks import parse_enum
 from nsa_dist.errors import ShapeError, UnsupportedModelError
-from nsa_dist.ntk._conv import conv_layers, per_layer_gram
+
+from nsa_dist.ntk._blame import blame
+from nsa_dist.ntk._conv import per_layer_gram, per_layer_layers
 from nsa_dist.ntk._inputs import default_block, output_dim, prepare_inputs, prepare_model, trainable_params
-from nsa_dist.ntk._jacobian import jacobian_gram
+from nsa_dist.ntk._jacobian import batch_jacobian_gram, jacobian_gram
 from nsa_dist.ntk._method import Kernel, NTKMethod
 from nsa_dist.ntk._operator import NTKOperator
-from nsa_dist.ntk._structured import linear_layers, structured_gram
+from nsa_dist.ntk._probe import ForwardPlan, plan_forward
+from nsa_dist.ntk._state import preserved, stateless
+from nsa_dist.ntk._structured import Unproven, not_structured_reason, structured_gram, structured_layers
 
-__all__ = ["gram", "ntk_operator", "resolve_method"]
+__all__ = ["gram", "ntk_operator", "resolve_method", "explain_method"]
+
+_log = logging.getLogger("nsa_dist")
 
 _STRUCTURED_TILE = 768
 
@@ -25,28 +33,62 @@ def _structured_tile(n: int) -> int:
 
 
 def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> NTKMethod:
-    """The concrete method ``gram`` would use for ``model`` (AUTO resolved).
+    """The concrete method ``gram`` would use for ``model`` at points x (AUTO resolved).
+
+    Decided from probe forwards on the first points of x (:func:`explain_method` says, per
+    parameter, which path and why); the model's buffers and modes are left as they were.
 
     Raises:
-        UnsupportedModelError: ``structured`` forced on a model it cannot handle.
+        UnsupportedModelError: ``structured`` / ``per_layer`` forced on a model they cannot handle.
+    """
+    return explain_method(model, x, method)[0]
+
+
+def explain_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto"
+                   ) -> tuple[NTKMethod, dict[str, tuple[str, str]]]:
+    """``(method, routes)``: the method ``gram`` uses and, per trainable parameter, its path
+    ("structured" | "per_layer" | "jacobian" | "batch") and the reason, e.g.
+    ``{"0.weight": ("jacobian", "parameter 0.weight is used 2 times per forward (shared or tied)")}``.
+
+    Raises:
+        UnsupportedModelError: ``structured`` / ``per_layer`` forced on a model they cannot handle,
+            or a random forward (dropout in train mode).
     """
     m = parse_enum(NTKMethod, method, "method")
+    model = prepare_model(model, None)
+    plan = _plan(model, prepare_inputs(model, x, "x", None))
+    return _choose(plan, m), plan.routes
+
+
+def _plan(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
+    with blame(model):
+        return plan_forward(model, x)
+
+
+def _choose(plan: ForwardPlan, m: NTKMethod) -> NTKMethod:
+    """The method for a plan: AUTO → the fastest exact one; a forced one checked against the plan."""
+    if plan.coupled:
+        if m in (NTKMethod.STRUCTURED, NTKMethod.PER_LAYER):
+            raise UnsupportedModelError(f"method={m.value!r} needs samples that do not interact, but "
+                                        f"{next(iter(plan.routes.values()))[1]}; use method='auto'")
+        return NTKMethod.BATCH
+    if m is NTKMethod.BATCH:
+        return m
+    if m is NTKMethod.STRUCTURED:
+        why = not_structured_reason(plan)
+        if why is not None:
+            raise UnsupportedModelError(f"method='structured' does not apply: {why} (use method='auto')")
+        return m
     if m is NTKMethod.JACOBIAN:
         return m
-    if m in (NTKMethod.AUTO, NTKMethod.STRUCTURED):
-        try:
-            linear_layers(model, x[:2])
-            return NTKMethod.STRUCTURED
-        except UnsupportedModelError:
-            if m is NTKMethod.STRUCTURED:
-                raise
-    try:
-        conv_layers(model, x[:2])
-    except UnsupportedModelError:
-        if m is NTKMethod.PER_LAYER:
-            raise
-        return NTKMethod.JACOBIAN
-    return NTKMethod.PER_LAYER
+    if m is NTKMethod.PER_LAYER:
+        if not plan.layers:
+            raise UnsupportedModelError("method='per_layer' found no layer with a per-layer formula; routes: "
+                                        + "; ".join(f"{k}: {w}" for k, (_, w) in list(plan.routes.items())[:3]))
+        return m
+    if plan.all_factored:
+        return NTKMethod.STRUCTURED
+    return NTKMethod.PER_LAYER if plan.layers else NTKMethod.JACOBIAN
 
 
 def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: torch.dtype | None):
@@ -57,7 +99,8 @@ def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: t
         if x2.shape[1:] != x1.shape[1:]:
             raise ShapeError(f"x1 and x2 must have the same input dimension d (point shape); got x1 {tuple(x1.shape)} "
                              f"and x2 {tuple(x2.shape)}")
-    return model, x1, x2, output_dim(model, x1)
+    with preserved(model), blame(model):
+        return model, x1, x2, output_dim(model, x1)
 
 
 def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
@@ -88,17 +131,37 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
         ValueError: an unknown method or kernel, a block_size < 1.
     """
     full = parse_enum(Kernel, kernel, "kernel") is Kernel.FULL
-    parse_enum(NTKMethod, method, "method")
+    m = parse_enum(NTKMethod, method, "method")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     model, x1, x2, K = _setup(model, x1, x2, dtype)
-    m = resolve_method(model, x1, method)
+    with preserved(model):
+        plan = _plan(model, x1)
+        m = _choose(plan, m)
+        if m is NTKMethod.BATCH:
+            _log.info("the model couples samples (%s): computing the kernel of the batch forward exactly "
+                      "(full-batch Jacobian)", next(iter(plan.routes.values()))[1])
+        try:
+            with blame(model):
+                return _gram(model, plan, m, x1, x2, K, full, block_size)
+        except Unproven as e:  # a feature pass saw an in-place change the probe did not: exact path
+            _log.info("per-layer NTK not proven for these points (%s): per-sample Jacobians instead", e)
+            with blame(model):
+                return _gram(model, plan, NTKMethod.JACOBIAN, x1, x2, K, full, block_size)
+
+
+def _gram(model: nn.Module, plan: ForwardPlan, m: NTKMethod, x1: torch.Tensor, x2: torch.Tensor | None, K: int,
+          full: bool, block_size: int | None) -> torch.Tensor:
+    n = x1.shape[0]
     if m is NTKMethod.STRUCTURED:
-        return structured_gram(model, x1, x2, K, full, block_size or _structured_tile(x1.shape[0]))
+        return structured_gram(model, structured_layers(plan), x1, x2, K, full, block_size or _structured_tile(n))
     if m is NTKMethod.PER_LAYER:
-        return per_layer_gram(model, x1, x2, K, full, block_size or _structured_tile(x1.shape[0]))
+        return per_layer_gram(model, per_layer_layers(plan), plan.generic, x1, x2, K, full,
+                              block_size or _structured_tile(n))
     P = sum(p.numel() for p in trainable_params(model).values())
-    block = block_size or default_block(x1.shape[0], K * P, x1.element_size(), 256e6)
+    block = block_size or default_block(n, K * P, x1.element_size() if x1.is_floating_point() else 4, 256e6)
+    if m is NTKMethod.BATCH:
+        return batch_jacobian_gram(stateless(model, x1[:2]), x1, x2, K, full, block)
     return jacobian_gram(model, x1, x2, K, full, block)
 
 

@@ -1,0 +1,321 @@
+"""The models people bring: every pattern exact against a float64 ``jacrev`` of the full-batch
+forward, through ``gram`` (trace and full), and each on the path it must take (so the fast path
+cannot silently become the fallback, nor the fallback silently take a fast path that is wrong).
+The user's model — buffers, training modes — is the same after every call."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from nsa_dist.errors import ModelForwardError, UnsupportedModelError
+from nsa_dist.ntk import explain_method, gram, ntk_operator
+from conftest import assert_close_rel, dense_ntk
+
+F64 = torch.float64
+
+
+class InplaceMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
+                                 nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+class InplaceCNN(nn.Module):
+    def __init__(self, k=1):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 3, stride=2)
+        self.act = nn.ReLU(inplace=True)
+        self.fc = nn.Linear(4, k)  # 4×4 → 4×4 → 1×1
+
+    def forward(self, x):
+        return self.fc(self.act(self.c2(self.act(self.c1(x)))).flatten(1))
+
+
+class TiedLinear(nn.Module):
+    """An autoencoder-style tied weight: the decoder uses the encoder's weight transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.mid, self.head = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(torch.tanh(self.enc(x))))
+        return self.head(torch.tanh(h @ self.enc.weight)).squeeze(-1)
+
+
+class TiedModules(nn.Module):
+    """Two Linear modules sharing one Parameter object (weight tying as in language models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 1)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x))))).squeeze(-1)
+
+
+class TiedConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(2, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 4 * 4, 1)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.c(torch.tanh(self.c(x)))).flatten(1)).squeeze(-1)
+
+
+def bn_cnn(track=True, train=False):
+    m = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3, track_running_stats=track), nn.Tanh(),
+                      nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    with torch.no_grad():  # non-trivial running statistics
+        m[1].weight.uniform_(0.5, 1.5)
+        m[1].bias.uniform_(-0.5, 0.5)
+        if track:
+            m[1].running_mean.uniform_(-0.2, 0.2)
+            m[1].running_var.uniform_(0.5, 2.0)
+    return m.train(train)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock: BatchNorm, ReLU(inplace=True), out += identity."""
+
+    def __init__(self, c, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+def resnet(k=1):
+    m = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                      BasicBlock(4), BasicBlock(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, k))
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            with torch.no_grad():
+                mod.weight.uniform_(0.5, 1.5)
+                mod.bias.uniform_(-0.3, 0.3)
+                mod.running_mean.uniform_(-0.2, 0.2)
+                mod.running_var.uniform_(0.5, 2.0)
+    return m.eval()
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(3, 5, batch_first=True)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x):  # x (n, T, 3)
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1]).squeeze(-1)
+
+
+class TokenBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, ids):  # ids (n, T) int64
+        return self.fc(torch.tanh(self.emb(ids)).mean(1))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.enc(self.emb(ids)).mean(1))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        out, _ = self.att(x, x, x)
+        return self.head(out.mean(1)).squeeze(-1)
+
+
+def _img(n, c=2, s=4):
+    return torch.randn(n, c, s, s, dtype=F64)
+
+
+# name → (model factory, inputs, the path every parameter takes or a {param: path} subset)
+PATTERNS = {
+    "mlp_inplace_relu": (InplaceMLP, lambda: torch.randn(9, 3, dtype=F64), "structured"),
+    "cnn_inplace_relu": (lambda: InplaceCNN(2), lambda: _img(7), "per_layer_or_structured"),
+    "tied_transpose": (TiedLinear, lambda: torch.randn(8, 4, dtype=F64),
+                       {"enc.weight": "jacobian", "enc.bias": "jacobian", "mid.weight": "structured",
+                        "head.weight": "structured"}),
+    "tied_modules": (TiedModules, lambda: torch.randn(8, 5, dtype=F64),
+                     {"a.weight": "jacobian", "a.bias": "jacobian", "b.bias": "jacobian", "head.weight": "structured"}),
+    "tied_conv": (TiedConv, lambda: _img(6), {"c.weight": "jacobian", "fc.weight": "structured"}),
+    "bn_no_running_stats": (lambda: bn_cnn(track=False), lambda: _img(6), "batch"),
+    "bn_train": (lambda: bn_cnn(train=True), lambda: _img(6), "batch"),
+    "bn_eval": (lambda: bn_cnn(), lambda: _img(6), {"1.weight": "per_layer", "0.weight": "per_layer",
+                                                    "4.weight": "structured"}),
+    "resnet_block": (lambda: resnet(2), lambda: _img(5), "per_layer_or_structured"),
+    "resnet_train": (lambda: resnet(1).train(), lambda: _img(5), "batch"),
+    "lstm": (lambda: Recurrent("LSTM"), lambda: torch.randn(6, 4, 3, dtype=F64),
+             {"rnn.weight_ih_l0": "jacobian", "head.weight": "structured"}),
+    "gru": (lambda: Recurrent("GRU"), lambda: torch.randn(6, 4, 3, dtype=F64), {"rnn.weight_hh_l0": "jacobian"}),
+    "rnn": (lambda: Recurrent("RNN"), lambda: torch.randn(6, 4, 3, dtype=F64), {"rnn.bias_hh_l0": "jacobian"}),
+    "embedding_tokens": (TokenBag, lambda: torch.randint(0, 11, (7, 5)), {"emb.weight": "per_layer",
+                                                                          "fc.weight": "structured"}),
+    "transformer_tokens": (lambda: TinyTransformer().eval(), lambda: torch.randint(0, 13, (5, 6)),
+                           {"emb.weight": "per_layer", "enc.self_attn.in_proj_weight": "jacobian",
+                            "enc.linear1.weight": "per_layer", "enc.norm1.weight": "per_layer",
+                            "head.weight": "structured"}),
+    "multihead_attention": (Attention, lambda: torch.randn(5, 3, 4, dtype=F64),
+                            {"att.in_proj_weight": "jacobian", "att.out_proj.weight": "jacobian"}),
+    "layernorm_frozen": (lambda: nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(),
+                                               nn.Linear(6, 1)).requires_grad_(True), lambda: torch.randn(7, 3, dtype=F64),
+                         {"1.weight": "per_layer", "0.weight": "structured"}),
+}
+
+
+def _state(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()}, [m.training for m in model.modules()])
+
+
+def _assert_unchanged(model, before, what):
+    sd, modes = before
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd[k]), f"{what}: the call changed the model's {k!r}"
+    assert [m.training for m in model.modules()] == modes, f"{what}: the call changed a module's training mode"
+
+
+def _autograd_ntk(model, x, full=False):
+    """J of the full-batch forward row by row with plain autograd (one reverse pass per output):
+    independent of torch.func, and valid when the forward updates running statistics."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(x)
+    out = out.unsqueeze(-1) if out.ndim == 1 else out  # (n, K)
+    n, K = out.shape
+    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], params, retain_graph=True)])
+            for i in range(n) for a in range(K)]
+    J = torch.stack(rows)  # (n K, P)
+    Gf = (J @ J.T).reshape(n, K, n, K)
+    return Gf if full else Gf.diagonal(dim1=1, dim2=3).sum(-1)
+
+
+def _reference(model, x, full=False):
+    twin = copy.deepcopy(model)  # the reference's own forward may update running statistics
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in twin.modules()):
+        return _autograd_ntk(twin, x, full)
+    return dense_ntk(twin, x, full=full)
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_pattern_exact_on_its_path(name):
+    make, inputs, path = PATTERNS[name]
+    torch.manual_seed(0)
+    model, x = make().double(), inputs()
+    before = _state(model)
+    method, routes = explain_method(model, x)
+    if path == "per_layer_or_structured":
+        assert {p for p, _ in routes.values()} <= {"per_layer", "structured"}, routes
+    elif isinstance(path, str):
+        assert {p for p, _ in routes.values()} == {path}, f"{name}: routes {routes}"
+    else:
+        for pname, want in path.items():
+            assert routes[pname][0] == want, f"{name}: {pname} took {routes[pname]}, expected {want}"
+    for full in (False, True):
+        G = gram(model, x, kernel="full" if full else "trace")
+        _assert_unchanged(model, before, f"{name} gram")
+        assert_close_rel(G, _reference(model, x, full), 1e-10, f"{name} ({'full' if full else 'trace'}, {method.value})")
+    x2 = x[:3].clone()
+    if method.value != "batch":  # the cross kernel of a coupling model depends on the batch it is taken in
+        assert_close_rel(gram(model, x, x2), dense_ntk(copy.deepcopy(model), torch.cat([x, x2]))[:x.shape[0], x.shape[0]:],
+                         1e-10, f"{name} cross kernel")
+
+
+@pytest.mark.parametrize("name", ["mlp_inplace_relu", "cnn_inplace_relu", "tied_modules", "bn_train", "lstm",
+                                  "embedding_tokens", "transformer_tokens", "resnet_block"])
+def test_pattern_operator_exact(name):
+    make, inputs, _ = PATTERNS[name]
+    model, x = make().double(), inputs()
+    before = _state(model)
+    op = ntk_operator(model, x, block_size=3)
+    V = torch.randn(x.shape[0], 2, dtype=F64)
+    got = op.matmat(V)
+    _assert_unchanged(model, before, f"{name} operator")
+    assert_close_rel(got, _reference(model, x) @ V, 1e-10, f"{name} operator")
+
+
+def test_float32_model_in_place_relu_matches_float64_reference():
+    """The issue's 29–32 % case: a float32 MLP with ReLU(inplace=True), default method."""
+    model = InplaceMLP()
+    x = torch.randn(40, 3)
+    G = gram(model, x)
+    assert_close_rel(G, _reference(model.double(), x.double()), 1e-5, "float32 in-place ReLU MLP")
+
+
+def test_dropout_in_train_mode_is_one_clear_error():
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 1)).double().train()
+    with pytest.raises(UnsupportedModelError, match=r"random.*dropout in train mode: '1'.*model.eval\(\)"):
+        gram(model, torch.randn(6, 3, dtype=F64))
+
+
+def test_a_failing_module_is_named_not_a_torch_traceback():
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if x.shape[0] == 1:  # fine on batches, fails on single points (per-sample paths)
+                raise RuntimeError("picky: needs a batch")
+            return x
+
+    model = nn.Sequential(nn.Linear(3, 3), Picky(), nn.Linear(3, 1)).double()
+    with pytest.raises(ModelForwardError, match=r"module '1' \(Picky\).*picky: needs a batch"):
+        gram(model, torch.randn(5, 3, dtype=F64), method="jacobian")
+
+
+@pytest.mark.parametrize("name", ["bn_train", "lstm", "transformer_tokens", "embedding_tokens", "tied_modules"])
+def test_pattern_hessian_operators(name):
+    """I = (1/N) Jᵀ J for MSE from the full-batch autograd Jacobian, and H = I + S, on the patterns;
+    the user's model unchanged."""
+    from nsa_dist.hessian import hessian_parts
+
+    make, inputs, _ = PATTERNS[name]
+    model, x = make().double(), inputs()
+    before = _state(model)
+    twin = copy.deepcopy(model)
+    out = twin(x)
+    out = out.unsqueeze(-1) if out.ndim == 1 else out
+    Y = torch.randn_like(out.detach())
+    params = [p for p in twin.parameters() if p.requires_grad]
+    J = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], params, retain_graph=True)])
+                     for i in range(out.shape[0]) for a in range(out.shape[1])])  # (N K, P)
+    H, I, S = hessian_parts(model, x, Y.squeeze(-1) if Y.shape[1] == 1 else Y, loss="mse", block_size=2)
+    V = torch.randn(J.shape[1], 3, dtype=F64)
+    IV, HV, SV = I.matmat(V), H.matmat(V), S.matmat(V)
+    _assert_unchanged(model, before, f"{name} hessian")
+    assert_close_rel(IV, J.T @ (J @ V) / x.shape[0], 1e-10, f"{name} I·V")
+    assert_close_rel(HV, IV + SV, 1e-9, f"{name} H·V = I·V + S·V")
