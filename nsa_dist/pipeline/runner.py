@@ -113,6 +113,7 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
 def pin_layout(writer: RunWriter, analyzer: SpectralAnalyzer) -> None:
     """Resolve the run's layout once: the first to open the run records its choice (and why),
     everyone after — a resumed run, every Ray worker — uses the recorded one."""
+    writer.set_attrs(ntk_paths=analyzer.ntk_paths)  # which parameter took which NTK path, and why
     stored = writer.attr("layout")
     if stored:
         analyzer.pin_layout(stored, writer.attr("layout_reason") or "recorded with the run")

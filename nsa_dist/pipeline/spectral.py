@@ -19,7 +19,7 @@ from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import residual as loss_residual
 from nsa_dist.metrics import alignment_from_products, centered_sq_frobenius, first_order_accuracy, spectral_projections
 from nsa_dist.models import build_model
-from nsa_dist.ntk import NTKMethod, gram, resolve_method
+from nsa_dist.ntk import NTKMethod, explain_method, gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
@@ -89,7 +89,9 @@ class SpectralAnalyzer:
         self.images = eigen_images(spec, data, self.K)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.hessian = HessianAnalysis(spec, self.X, self.y, self.n_params)
-        structured = resolve_method(self.model, self.X[:2], "auto") is NTKMethod.STRUCTURED
+        method, routes = explain_method(self.model, self.X[:4], spec.spectrum.ntk_method)
+        self.ntk_paths = {"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}}
+        structured = method is NTKMethod.STRUCTURED
         self.layout = choose_layout(spec, data.n, _feature_width(self.model, spec.model.output_dim), structured)
         self.extras = StepExtras(spec, data, self.dtype)
         self._local_pool: LocalPool | None = None
