@@ -357,3 +357,18 @@ def test_factory_resnet_in_a_sweep_is_exact_and_says_its_paths(tmp_path):
             ref = torch.linalg.eigvalsh(_reference(model, X)).flip(0)[:6]
             assert_close_rel(torch.as_tensor(np.asarray(run.g["eigenvalues"][i])), ref, 1e-8,
                              f"{spec.name} eigenvalues at record {i}")
+
+
+def test_a_coupling_model_is_refused_by_distributed_layouts_and_local_under_auto():
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline.layout import choose_layout
+
+    why = "batch statistics in '1' (BatchNorm2d, train mode)"
+    for layout in ("block_rows", "matrix_free"):
+        spec = ExperimentSpec.model_validate({"data": {"n": 20}, "model": {"depth": 2, "width": 4},
+                                              "spectrum": {"layout": layout, "workers": 2}})
+        with pytest.raises(ValueError, match=r"couples samples.*use layout 'local'"):
+            choose_layout(spec, 20, 10, structured=False, coupled=why)
+    auto = ExperimentSpec.model_validate({"data": {"n": 20}, "model": {"depth": 2, "width": 4},
+                                          "spectrum": {"layout": "auto", "workers": 2, "memory_budget_gb": 1e-9}})
+    assert choose_layout(auto, 20, 10, structured=False, coupled=why).layout.value == "local"

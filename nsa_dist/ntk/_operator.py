@@ -67,25 +67,34 @@ class NTKOperator(LinearOperator):
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         m, N, K = Vt.shape[1], self.x.shape[0], self.K
         Vr = Vt.reshape(N, K, m) if self.full else Vt  # (N, K, m) or (N, m)
-        with exact_kernels(), blame(self.model):
-            return self.j(self.jt(Vr), m).reshape(self.shape[0], m)
+        return self.j(self.jt(Vr), m).reshape(self.shape[0], m)
 
     def jt(self, Vr: torch.Tensor) -> dict[str, torch.Tensor]:
         """``U = Jᵀ V`` by one VJP pass: Vr (N, m) traced or (N, K, m) full → (m·K or m, *param) per parameter."""
         m = Vr.shape[-1]
         n_cot = m if self.full else m * self.K
         U = {k: torch.zeros((n_cot,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
+        with exact_kernels(), blame(self.model):
+            self._jt_into(U, Vr)
+        return U
+
+    def _jt_into(self, U: dict[str, torch.Tensor], Vr: torch.Tensor) -> None:
         for s in range(0, self.x.shape[0], self.block):
             _, pull = vjp(self._f(self.x[s:s + self.block]), self._params)
             (g,) = vmap(pull)(self._cotangents(Vr[s:s + self.block]))
             for k in U:
                 U[k] += g[k]
-        return U
 
     def j(self, U: dict[str, torch.Tensor], m: int) -> torch.Tensor:
         """``J U`` by one JVP pass: (N, m) traced (Σ over outputs) or (N, K, m) full."""
         N, K = self.x.shape[0], self.K
         out = torch.empty((N, K, m) if self.full else (N, m), dtype=self.dtype, device=self.x.device)
+        with exact_kernels(), blame(self.model):
+            self._j_into(out, U, m)
+        return out
+
+    def _j_into(self, out: torch.Tensor, U: dict[str, torch.Tensor], m: int) -> None:
+        N, K = self.x.shape[0], self.K
         for s in range(0, N, self.block):
             f = self._f(self.x[s:s + self.block])
             JU = vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U)  # (n_cot, b, K)
@@ -94,7 +103,6 @@ class NTKOperator(LinearOperator):
             else:
                 b = JU.shape[1]
                 out[s:s + self.block] = JU.view(m, K, b, K).diagonal(dim1=1, dim2=3).sum(-1).T  # (b, m)
-        return out
 
     def to_dense(self, block: int = 1 << 30) -> torch.Tensor:
         """Materialise G by applying the operator to the identity (for checks on small N)."""

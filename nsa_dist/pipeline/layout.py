@@ -228,7 +228,8 @@ def _machine_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: bool = True) -> LayoutChoice:
+def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: bool = True,
+                  coupled: str | None = None) -> LayoutChoice:
     """Resolve ``spectrum.layout`` for an N-point Gram; ``auto`` picks the first layout that fits.
 
     Per-worker bytes: local ≈ N²·(itemsize + 8) (G, and the float64 copy the solver works on),
@@ -237,11 +238,21 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: 
     machine's memory).  ``feature_width`` = Σ_l (n_in + 1 + K·n_out).  ``structured``: the model
     is built of Linear layers only — ``block_rows`` tiles are assembled from their features.
 
+    ``coupled``: why the model couples samples (None: it does not) — its kernel is that of the
+    whole batch's forward, which no split of the points reproduces: only ``local``.
+
     Raises:
-        ValueError: ``block_rows`` asked for a model outside the structured formula.
+        ValueError: ``block_rows`` asked for a model outside the structured formula, or a
+            distributed layout for a model that couples samples.
     """
     s = spec.spectrum
     layout = Layout(s.layout)
+    if coupled is not None:
+        if layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
+            raise ValueError(f"spectrum.layout={layout.value!r} splits the points over workers, but the model couples "
+                             f"samples ({coupled}): its kernel is that of the whole batch's forward; use layout "
+                             "'local' (or put batch norm in eval mode)")
+        return LayoutChoice(Layout.LOCAL, f"the model couples samples ({coupled}): the whole batch on one worker")
     if layout is Layout.BLOCK_ROWS and not structured:
         raise ValueError("spectrum.layout='block_rows' assembles tiles from the per-layer features of nets built "
                          "of nn.Linear layers only; this model has other parameters: use layout 'matrix_free' "

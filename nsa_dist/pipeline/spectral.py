@@ -92,7 +92,9 @@ class SpectralAnalyzer:
         method, routes = explain_method(self.model, self.X[:4], spec.spectrum.ntk_method)
         self.ntk_paths = {"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}}
         structured = method is NTKMethod.STRUCTURED
-        self.layout = choose_layout(spec, data.n, _feature_width(self.model, spec.model.output_dim), structured)
+        coupled = next(iter(routes.values()))[1] if method is NTKMethod.BATCH else None
+        self.layout = choose_layout(spec, data.n, _feature_width(self.model, spec.model.output_dim), structured,
+                                    coupled)
         self.extras = StepExtras(spec, data, self.dtype)
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
