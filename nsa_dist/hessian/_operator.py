@@ -90,7 +90,7 @@ class LossCurvatureOperator(LinearOperator):
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
         m = Vt.shape[1]
         U = {k: u.T.reshape((m,) + p.shape) for (k, p), u in zip(self._params.items(), Vt.split(self._sizes))}
-        with exact_kernels(), blame(self.model):
+        with exact_kernels(self.model), blame(self.model):
             AU = self._apply(U)
         return torch.cat([AU[k].reshape(m, -1) for k in self._params], dim=1).T  # (P, m)
 

@@ -74,7 +74,7 @@ class NTKOperator(LinearOperator):
         m = Vr.shape[-1]
         n_cot = m if self.full else m * self.K
         U = {k: torch.zeros((n_cot,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
-        with exact_kernels(), blame(self.model):
+        with exact_kernels(self.model), blame(self.model):
             self._jt_into(U, Vr)
         return U
 
@@ -89,7 +89,7 @@ class NTKOperator(LinearOperator):
         """``J U`` by one JVP pass: (N, m) traced (Σ over outputs) or (N, K, m) full."""
         N, K = self.x.shape[0], self.K
         out = torch.empty((N, K, m) if self.full else (N, m), dtype=self.dtype, device=self.x.device)
-        with exact_kernels(), blame(self.model):
+        with exact_kernels(self.model), blame(self.model):
             self._j_into(out, U, m)
         return out
 

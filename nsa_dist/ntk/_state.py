@@ -73,11 +73,20 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
     return twin
 
 
+_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+              nn.TransformerDecoder, nn.Transformer)
+
+
 @contextlib.contextmanager
-def exact_kernels() -> Iterator[None]:
-    """Composite kernels inside forward-mode and higher-order AD: no fused Transformer fast path
-    (``_transformer_encoder_layer_fwd`` has no forward-mode rule) and the math attention kernel
-    (the CPU flash kernel has none either).  The same function, differentiable every way."""
+def exact_kernels(model: nn.Module) -> Iterator[None]:
+    """Composite kernels inside forward-mode and higher-order AD for a model with attention: no
+    fused Transformer fast path (``_transformer_encoder_layer_fwd`` has no forward-mode rule) and
+    the math attention kernel (the CPU flash kernel has none either) — the same function,
+    differentiable every way.  The switches are process-wide, so they are set only for models
+    that hold attention, and only for the duration of the block."""
+    if not any(isinstance(m, _ATTENTION) for m in model.modules()):
+        yield
+        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fast = torch.backends.mha.get_fastpath_enabled()
