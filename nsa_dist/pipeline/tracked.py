@@ -8,7 +8,6 @@ figures and resume cannot tell the two sources apart (DESIGN.md, "Sources of che
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import re
 from typing import Any
@@ -20,13 +19,15 @@ from torch import nn
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.errors import AnalysisError
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
+from nsa_dist.pipeline.model_state import analysis_copy
 from nsa_dist.pipeline.runner import hessian_flags, step_plan
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore
 
-__all__ = ["TrackedRunService", "tracked_spec", "tracked_dims", "tracked_static", "RNG_BYTES"]
+__all__ = ["TrackedRunService", "tracked_spec", "tracked_dims", "tracked_static", "analysis_error", "RNG_BYTES"]
 
 RNG_BYTES = 1  # a tracked run has no trainer RNG; its resume state is θ alone
 
@@ -88,13 +89,22 @@ def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyz
     return out
 
 
+def analysis_error(run: str, step: int, exc: BaseException) -> AnalysisError:
+    """The one error a Tracker raises for a failed analysis: run, step and the cause's first line
+    (an NTK error names the module there); chain ``exc`` as its ``__cause__`` when raising."""
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return AnalysisError(f"run {run!r}: the analysis of recorded step {step} failed: {cause}", step)
+
+
 class TrackedRunService:
     """Analyses and writes the checkpoints of one tracked run (a thread's or a Ray actor's job).
 
     Args:
         store_url: the store the run was created in (by the Tracker).
         spec: the run's spec as JSON (``tracked_spec``).
-        model: the user's network (copied; its parameters are overwritten with each θ_t).
+        model: the user's network (copied; its parameters, buffers and modes are overwritten with
+            each checkpoint's θ_t and :class:`~nsa_dist.pipeline.model_state.ModelState`).
         data: the run's points and targets.
         threads: torch threads (Ray actors: their CPUs).
     """
@@ -103,7 +113,7 @@ class TrackedRunService:
         if threads:
             torch.set_num_threads(threads)
         self.spec = ExperimentSpec.model_validate(spec)
-        self.analyzer = SpectralAnalyzer(self.spec, data, model=copy.deepcopy(model).float())
+        self.analyzer = SpectralAnalyzer(self.spec, data, model=analysis_copy(model))
         store = SpectrumStore(store_url)
         dims = store.dims(self.spec.name) if store.has_run(self.spec.name) else None  # the run's sizes, as stored
         self.writer: RunWriter = store.writer(self.spec.name, spec, dims, create=False)
