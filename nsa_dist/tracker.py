@@ -22,7 +22,6 @@ raised as one :class:`~nsa_dist.errors.AnalysisError` (run, step, cause) at the 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,7 @@ from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError
 from nsa_dist.losses import cross_entropy_loss
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, preserved, theta_vector
-from nsa_dist.pipeline.tracked import (RNG_BYTES, TrackedRunService, analysis_error, tracked_dims, tracked_spec,
+from nsa_dist.pipeline.tracked import (RNG_BYTES, ThreadTrackerPool, TrackedRunService, tracked_dims, tracked_spec,
                                        tracked_static)
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.store import SpectrumStore, Status
@@ -49,36 +48,6 @@ __all__ = ["Tracker", "couples_samples"]
 log = logging.getLogger("nsa_dist")
 
 _LOSSES = {"mse": "l2", "l2": "l2", "cross_entropy": "cross_entropy"}  # Tracker name → spec loss
-
-
-class _ThreadPool:
-    """In-process analysis: one background thread (torch releases the GIL in its kernels)."""
-
-    def __init__(self, service: TrackedRunService) -> None:
-        self.service = service
-        self.exe = cf.ThreadPoolExecutor(1, thread_name_prefix="nsa-tracker")
-        self.inflight: dict[cf.Future, int] = {}  # future -> its step
-        self.resubmitted = 0
-
-    def submit(self, ck: Checkpoint) -> None:
-        self.inflight[self.exe.submit(self.service.analyze_and_write, ck)] = ck.step
-
-    def wait(self, block: bool) -> list[dict]:
-        """Summaries of finished steps; AnalysisError (the analysis's exception as its cause) if one failed."""
-        if not self.inflight:
-            return []
-        done, _ = cf.wait(list(self.inflight), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
-        out = []
-        for fut in done:
-            step = self.inflight.pop(fut)
-            exc = fut.exception()
-            if exc is not None:
-                raise analysis_error(self.service.spec.name, step, exc) from exc
-            out.append(fut.result())
-        return out
-
-    def close(self) -> None:
-        self.exe.shutdown(wait=True)
 
 
 def _as_tensor(name: str, a: Any) -> torch.Tensor:
@@ -168,7 +137,7 @@ class Tracker:
         del probe
         self.max_inflight = max_inflight
         if cluster is None:
-            self.pool: Any = _ThreadPool(TrackedRunService(self.store.url, spec_dict, _analysis_copy(model), self.data))
+            self.pool: Any = ThreadTrackerPool(TrackedRunService(self.store.url, spec_dict, _analysis_copy(model), self.data))
         else:
             from nsa_dist.cluster.tracking import RayTrackerPool
 

@@ -8,6 +8,7 @@ figures and resume cannot tell the two sources apart (DESIGN.md, "Sources of che
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import re
 from typing import Any
@@ -27,7 +28,7 @@ from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
 from nsa_dist.store import RunDims, RunWriter, SpectrumStore
 
-__all__ = ["TrackedRunService", "tracked_spec", "tracked_dims", "tracked_static", "analysis_error", "RNG_BYTES"]
+__all__ = ["TrackedRunService", "ThreadTrackerPool", "tracked_spec", "tracked_dims", "tracked_static", "analysis_error", "RNG_BYTES"]
 
 RNG_BYTES = 1  # a tracked run has no trainer RNG; its resume state is θ alone
 
@@ -128,3 +129,37 @@ class TrackedRunService:
         result = self.analyzer.analyze(ck)
         self.writer.write_step(ck.index, result, ck.state)
         return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": step_lambda_max(result)}
+
+
+class ThreadTrackerPool:
+    """A Tracker's in-process analysis: one background thread (torch releases the GIL in its kernels).
+
+    The same interface as :class:`~nsa_dist.cluster.tracking.RayTrackerPool`: ``submit(ck)``,
+    ``wait(block)`` → summaries, ``inflight``, ``resubmitted``, ``close()``.
+    """
+
+    def __init__(self, service: TrackedRunService) -> None:
+        self.service = service
+        self.exe = cf.ThreadPoolExecutor(1, thread_name_prefix="nsa-tracker")
+        self.inflight: dict[cf.Future, int] = {}  # future -> its step
+        self.resubmitted = 0
+
+    def submit(self, ck: Checkpoint) -> None:
+        self.inflight[self.exe.submit(self.service.analyze_and_write, ck)] = ck.step
+
+    def wait(self, block: bool) -> list[dict]:
+        """Summaries of finished steps; AnalysisError (the analysis's exception as its cause) if one failed."""
+        if not self.inflight:
+            return []
+        done, _ = cf.wait(list(self.inflight), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
+        out = []
+        for fut in done:
+            step = self.inflight.pop(fut)
+            exc = fut.exception()
+            if exc is not None:
+                raise analysis_error(self.service.spec.name, step, exc) from exc
+            out.append(fut.result())
+        return out
+
+    def close(self) -> None:
+        self.exe.shutdown(wait=True)
