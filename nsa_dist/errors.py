@@ -8,7 +8,7 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 from __future__ import annotations
 
 __all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError", "ModelFactoryError",
-           "StoreError", "ModelForwardError"]
+           "StoreError", "ModelForwardError", "AnalysisError"]
 
 
 class NSAError(Exception):
@@ -48,3 +48,19 @@ class ModelForwardError(NSAError, RuntimeError):
 
     def __reduce__(self):  # survive pickling across Ray processes with its message
         return (ModelForwardError, (str(self),))
+
+
+class AnalysisError(NSAError, RuntimeError):
+    """The analysis of a recorded step failed; the message names the run, the step and the cause,
+    and the original exception is chained as ``__cause__`` (issue 17).
+
+    Attributes:
+        step: t, the recorded step whose analysis failed (None when unknown).
+    """
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+    def __reduce__(self):  # survive pickling across Ray processes with its message and step
+        return (AnalysisError, (str(self), self.step))

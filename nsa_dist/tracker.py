@@ -9,65 +9,46 @@ for step in range(T):
 tr.close()                                  # waits for the analyses; status done
 ```
 
-Contract: ``record(t)`` is called with the model at θ_t, before update t.  The update
+Contract: ``record(t)`` is called with the model at θ_t, before update t, once per recorded t; it
+snapshots θ_t with the model's buffers and per-module training modes, and step t is analysed on
+the model exactly as it was then (the Tracker's own forwards leave the user's model unchanged).  The update
 (Δθ_t = θ_{t+1} − θ_t, Δf_t) of a recorded step — needed by the first-order metrics — is taken
 when the Tracker next sees step t + 1 (``due(t+1)``, ``record(t+1)``, ``log(t+1)``, or ``close()`` after
 the last step T − 1); otherwise it is NaN and so are those metrics.  Analyses run in a
 background thread (``cluster=None``) or on a Ray spectral-worker pool; at most ``max_inflight``
-checkpoints wait, so training blocks only when the analysis falls behind.
+checkpoints wait, so training blocks only when the analysis falls behind.  A failed analysis is
+raised as one :class:`~nsa_dist.errors.AnalysisError` (run, step, cause) at the next Tracker call.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.utils import parameters_to_vector
 
 from nsa_dist.config import RecordSpec
 from nsa_dist.data import Dataset
-from nsa_dist.errors import NonFiniteError, ShapeError
+from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
-from nsa_dist.pipeline.tracked import RNG_BYTES, TrackedRunService, tracked_dims, tracked_spec, tracked_static
+from nsa_dist.ntk import preserved, sample_coupling
+from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
+from nsa_dist.pipeline.tracked import (RNG_BYTES, ThreadTrackerPool, TrackedRunService, tracked_dims, tracked_spec,
+                                       tracked_static)
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.store import SpectrumStore, Status
 
 if TYPE_CHECKING:
     from nsa_dist.pipeline.tracked import ExperimentSpec
 
-__all__ = ["Tracker"]
+__all__ = ["Tracker", "couples_samples"]
+
+log = logging.getLogger("nsa_dist")
 
 _LOSSES = {"mse": "l2", "l2": "l2", "cross_entropy": "cross_entropy"}  # Tracker name → spec loss
-
-
-class _ThreadPool:
-    """In-process analysis: one background thread (torch releases the GIL in its kernels)."""
-
-    def __init__(self, service: TrackedRunService) -> None:
-        self.service = service
-        self.exe = cf.ThreadPoolExecutor(1, thread_name_prefix="nsa-tracker")
-        self.inflight: dict[cf.Future, int] = {}
-        self.resubmitted = 0
-
-    def submit(self, ck: Checkpoint) -> None:
-        self.inflight[self.exe.submit(self.service.analyze_and_write, ck)] = ck.index
-
-    def wait(self, block: bool) -> list[dict]:
-        if not self.inflight:
-            return []
-        done, _ = cf.wait(list(self.inflight), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
-        out = []
-        for fut in done:
-            self.inflight.pop(fut)
-            out.append(fut.result())  # re-raises the analysis's error
-        return out
-
-    def close(self) -> None:
-        self.exe.shutdown(wait=True)
 
 
 def _as_tensor(name: str, a: Any) -> torch.Tensor:
@@ -84,8 +65,13 @@ class Tracker:
     Args:
         store: a store path / fsspec URL or a :class:`SpectrumStore`.
         name: the run's id (``[A-Za-z0-9_.-]+``); reopening the same name continues the run.
-        model: the network being trained (any ``nn.Module`` mapping (n, …) → (n,) or (n, K)).
-        X: (N, …) training points — (N, d) vectors or (N, C, H, W) images; y: (N,) or (N, K).
+        model: the network being trained (any ``nn.Module`` mapping (n, …) → (n,) or (n, K)); float32
+            or float64 (a float64 model is fed float64 points and analysed from its float64 θ_t).
+            Its buffers (e.g. BatchNorm running statistics) and per-module training modes at
+            ``record(t)`` are part of step t: the analysis computes with them.
+        X: (N, …) training points — (N, d) vectors, (N, C, H, W) images, or (N, T) integer token ids
+            (kept integers up to the model; floating points are fed in the model's dtype);
+            y: (N,) or (N, K).
         X_test, y_test: optional (M, …) / (M,) or (M, K) test points.
         steps: T, the number of updates the loop will make (sizes the store).
         record: when to record, a :class:`RecordSpec` block (``every`` / ``log_points`` / ``steps``).
@@ -129,15 +115,17 @@ class Tracker:
                                                  spectrum=spectrum or {}, hessian=hessian, optimizer=optimizer,
                                                  seed=seed, device=device, loss=_LOSSES[loss])
         spec_dict = self.spec.model_dump(mode="json")
-        self.device = next(model.parameters()).device
-        self.X = torch.as_tensor(self.data.X, dtype=torch.float32, device=self.device)  # (N, …)
-        self.y = torch.as_tensor(self.data.y, dtype=torch.float32, device=self.device)  # (N,) or (N, K)
-        self.X_test = torch.as_tensor(self.data.X_test, dtype=torch.float32, device=self.device)
+        p = next(model.parameters())
+        self.device = p.device
+        self.X = model_inputs(self.data.X, model)  # (N, …): the model's float dtype, or integer ids as given
+        self.y = torch.as_tensor(self.data.y, device=self.device).to(  # (N,) or (N, K)
+            p.dtype if p.dtype == torch.float64 else torch.float32)
+        self.X_test = model_inputs(self.data.X_test, model)  # (M, …) like X
         self._ce = loss == "cross_entropy"
         self.schedule = self.spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.schedule)}
         self.n_params = sum(p.numel() for p in model.parameters())
-        probe = SpectralAnalyzer(self.spec, self.data, model=_cpu_copy(model))  # sizes only (images, hessian)
+        probe = SpectralAnalyzer(self.spec, self.data, model=_analysis_copy(model))  # sizes only (images, hessian)
         self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
         try:
             self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params))
@@ -150,14 +138,17 @@ class Tracker:
         del probe
         self.max_inflight = max_inflight
         if cluster is None:
-            self.pool: Any = _ThreadPool(TrackedRunService(self.store.url, spec_dict, _cpu_copy(model), self.data))
+            self.pool: Any = ThreadTrackerPool(TrackedRunService(self.store.url, spec_dict, _analysis_copy(model), self.data))
         else:
             from nsa_dist.cluster.tracking import RayTrackerPool
 
-            self.pool = RayTrackerPool(cluster, self.store.url, spec_dict, _cpu_copy(model), self.data,
+            self.pool = RayTrackerPool(cluster, self.store.url, spec_dict, _analysis_copy(model), self.data,
                                        workers=workers, cpus=worker_cpus, gpus=worker_gpus)
         self.writer.set_status(Status.RUNNING)
-        self._pending: tuple[Checkpoint, torch.Tensor, torch.Tensor] | None = None  # awaiting θ_{t+1}
+        self._pending: tuple[Checkpoint, np.ndarray, np.ndarray] | None = None  # awaiting θ_{t+1}
+        self._recorded: set[int] = set()  # steps record() took in this session
+        self._failure: AnalysisError | None = None
+        self._coupling_said = False
         self._trace: dict[int, float] = {}
         self.max_seen_inflight = 0
         self.blocked = 0  # times record() waited for a free slot
@@ -173,9 +164,8 @@ class Tracker:
         for nm, a in (("X", X), ("y", y)):
             if not torch.isfinite(a.double()).all():
                 raise NonFiniteError(f"{nm} holds NaN or inf")
-        p = next(model.parameters())
-        with torch.no_grad():
-            out = model(X[:2].to(device=p.device, dtype=p.dtype))
+        with torch.no_grad(), preserved(model):
+            out = model(model_inputs(X[:2], model))
         n = min(2, X.shape[0])
         if not isinstance(out, torch.Tensor) or out.ndim not in (1, 2) or out.shape[0] != n:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -189,12 +179,16 @@ class Tracker:
         if X_test is None:
             X_test, y_test = X.new_zeros((0,) + tuple(X.shape[1:])), y.new_zeros((0,) + tuple(y.shape[1:]))
         X_test = _as_tensor("X_test", X_test)
+        if X_test.shape[0] and X_test.is_floating_point() != X.is_floating_point():
+            raise TypeError(f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both "
+                            "integer ids")
         y_test = _as_tensor("y_test", y_test) if y_test is not None else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan"))
         if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:]):
             raise ShapeError(f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
                              f"{tuple(y.shape[1:])}; got {tuple(X_test.shape)} and {tuple(y_test.shape)}")
         f64 = lambda a: a.to(torch.float64).numpy()  # noqa: E731
-        return Dataset(f64(X), f64(y), f64(X_test), f64(y_test), {"source": "tracker"}), K
+        ids = lambda a: a.numpy().copy() if not a.is_floating_point() else f64(a)  # noqa: E731 - token ids stay integers
+        return Dataset(ids(X), f64(y), ids(X_test), f64(y_test), {"source": "tracker"}), K
 
     # ------------------------------------------------------------------ the loop's calls
     @property
@@ -207,19 +201,33 @@ class Tracker:
         return self.pool.resubmitted
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is a recorded step not yet in the store (also takes a pending update)."""
+        """Whether ``step`` is a recorded step still to record: not in the store, not taken by this
+        Tracker's ``record`` (so a loop that sees one step twice, e.g. under gradient accumulation,
+        records it once).  Also takes a pending update.
+
+        Raises:
+            AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
+        """
+        self._poll()
         self._advance(step)
         i = self._index.get(step)
-        return i is not None and not self._done[i]
+        return i is not None and not self._done[i] and step not in self._recorded
 
     def log(self, step: int, loss: float) -> None:
-        """Note the loss of update ``step`` for the store's loss curve (cheap; written at the next record)."""
+        """Note the loss of update ``step`` for the store's loss curve (cheap; written at the next record).
+
+        Raises:
+            AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
+        """
+        self._poll()
         self._advance(step)
         self._trace[step] = float(loss)
 
     @torch.no_grad()
     def record(self, step: int, lr: float, loss: float | None = None) -> None:
-        """Snapshot θ_t and the outputs at recorded step ``step`` and queue its analysis; returns at once.
+        """Snapshot θ_t, the model's buffers and modes, and the outputs at recorded step ``step`` and
+        queue its analysis; returns at once.  The user's model is left as it was (a train-mode
+        BatchNorm's running statistics are not advanced by the Tracker's own forwards).
 
         Args:
             step: t, one of the recording schedule's steps.
@@ -228,32 +236,51 @@ class Tracker:
                 L(θ_t) over all N points.
 
         Raises:
-            ValueError: ``step`` is not in the schedule; the tracker is closed.
+            ValueError: ``step`` is not in the schedule, was recorded before (in this session or in the
+                store), or the tracker is closed; nothing stored changes.
             NonFiniteError: a NaN/inf loss or outputs (the run is marked failed; finished steps are kept).
+            AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
+        self._poll()
         if self.closed:
             raise ValueError("this Tracker is closed")
         if step not in self._index:
             raise ValueError(f"step {step} is not a recorded step of this run (schedule: {self.schedule[:8]}"
                              f"{' …' if len(self.schedule) > 8 else ''}); test tr.due(step) first")
-        self._advance(step)
         i = self._index[step]
-        if self._done[i]:
-            return
-        f = self.model(self.X)  # (N,) or (N, K)
+        if step in self._recorded or self._done[i]:
+            when = "by this Tracker" if step in self._recorded else "in the store, before this Tracker was opened"
+            raise ValueError(f"step {step} was already recorded ({when}); a step is recorded once, at θ_t before "
+                             "update t — test tr.due(step) first")
+        self._advance(step)
+        self._recorded.add(step)
+        mstate = ModelState.capture(self.model)  # buffers and modes of step t, with θ_t
+        self._say_coupling(step)
+        with preserved(self.model):
+            f = self.model(self.X)  # (N,) or (N, K)
+            f_test = self.model(self.X_test) if self.X_test.shape[0] else f.new_zeros((0,) + tuple(f.shape[1:]))
         L = cross_entropy_loss(f, self.y) if self._ce else 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean()
         given = float(L) if loss is None else float(loss)
         if not (np.isfinite(given) and np.isfinite(float(L))):
             self._fail(step, f"loss is {given if not np.isfinite(given) else float(L)} at step {step}")
         self._trace[step] = given
-        theta = parameters_to_vector(self.model.parameters()).detach().float().cpu().numpy().copy()  # (P,)
-        fn = f.float().cpu().numpy().copy()
-        f_test = self.model(self.X_test).float().cpu().numpy().copy() if self.X_test.shape[0] else \
-            np.zeros((0,) + fn.shape[1:], np.float32)
+        theta = theta_vector(self.model)  # (P,)
+        fn, f_test = _outputs(f), _outputs(f_test)
         state = TrainerState(step, theta, np.zeros((0, self.n_params), np.float32), np.zeros(RNG_BYTES, np.uint8))
         ck = Checkpoint(index=i, step=step, lr=float(lr), loss=float(L), theta=theta, dtheta=theta, f=fn, df=fn,
-                        f_test=f_test, loss_trace=np.zeros(0), trace_start=step, state=state)
+                        f_test=f_test, loss_trace=np.zeros(0), trace_start=step, state=state, model_state=mstate)
         self._pending = (ck, theta, fn)
+
+    def _say_coupling(self, step: int) -> None:
+        """Log once when the model couples samples (checked at each record until it does)."""
+        if self._coupling_said or not couples_samples(self.model, self.X):
+            return
+        self._coupling_said = True
+        bn = _batch_stat_modules(self.model)
+        log.warning("run %r: at step %d the model couples samples — its output for one point depends on the other "
+                    "points of the batch%s; its NTK is that of the full-batch forward on the N = %d points",
+                    self.spec.name, step, f" (batch statistics in {', '.join(repr(b) for b in bn)})" if bn else "",
+                    self.data.n)
 
     def _advance(self, step: int) -> None:
         """Submit the pending checkpoint: with its update if the model is now at its step + 1."""
@@ -261,14 +288,21 @@ class Tracker:
             return
         ck, theta, f = self._pending
         if step == ck.step + 1:
-            with torch.no_grad():
-                theta1 = parameters_to_vector(self.model.parameters()).detach().float().cpu().numpy()
-                f1 = self.model(self.X).float().cpu().numpy()
+            with torch.no_grad(), preserved(self.model):
+                theta1 = theta_vector(self.model)
+                f1 = _outputs(self.model(self.X))
             dtheta, df = theta1 - theta, f1 - f
         else:
             dtheta, df = np.full_like(theta, np.nan), np.full_like(f, np.nan)
         self._pending = None
         self._submit(_replace(ck, dtheta=dtheta, df=df))
+
+    def _poll(self) -> None:
+        """Raise a failed analysis at the Tracker call after it happened (not only at close())."""
+        if self._failure is not None:
+            raise AnalysisError(str(self._failure), self._failure.step) from self._failure.__cause__
+        if not self.closed and self.inflight:
+            self._collect(block=False)
 
     def _submit(self, ck: Checkpoint) -> None:
         self._collect(block=False)
@@ -281,14 +315,35 @@ class Tracker:
 
     def _collect(self, block: bool) -> None:
         try:
-            for s in self.pool.wait(block):
-                self._done[s["index"]] = True
-                self.finished.append(s)
+            self._take(self.pool.wait(block))
+        except AnalysisError as exc:
+            self._abort(exc)
+            raise
         except Exception as exc:
             self.writer.set_status(Status.FAILED, f"{type(exc).__name__}: {exc}")
             self.closed = True
             self._lease.release()
             raise
+
+    def _take(self, summaries: list[dict]) -> None:
+        for s in summaries:
+            self._done[s["index"]] = True
+            self.finished.append(s)
+
+    def _abort(self, exc: AnalysisError) -> None:
+        """After a failed analysis: let the other queued steps finish (what they store is kept), mark
+        the run failed with the error's message and step, and close; later calls raise it again."""
+        self._failure, self._pending = exc, None
+        while self.inflight:
+            try:
+                self._take(self.pool.wait(True))
+            except Exception:  # noqa: BLE001 - the first failure is the one reported
+                pass
+        self._flush_trace()
+        self.writer.set_status(Status.FAILED, str(exc), exc.step)
+        self.closed = True
+        self.pool.close()
+        self._lease.release()
 
     def _flush_trace(self) -> None:
         for t, v in sorted(self._trace.items()):
@@ -310,7 +365,11 @@ class Tracker:
                              f"{int(self._done.sum())} steps recorded before it are kept")
 
     def close(self) -> None:
-        """Wait for every analysis; status ``done`` when every recorded step is in the store."""
+        """Wait for every analysis; status ``done`` when every recorded step is in the store.
+
+        Raises:
+            AnalysisError: a recorded step's analysis failed (the run is marked failed).
+        """
         if self.closed:
             return
         if self._pending is not None:
@@ -364,18 +423,39 @@ class Tracker:
         return np.asarray(self.writer.read_step("theta", i))
 
 
+def _outputs(f: torch.Tensor) -> np.ndarray:
+    """Model outputs as a CPU array: float64 for a float64 model, else float32."""
+    return f.detach().cpu().to(torch.float64 if f.dtype == torch.float64 else torch.float32).numpy().copy()
+
+
+def _batch_stat_modules(model: nn.Module) -> list[str]:
+    """Names of the batch-norm modules normalising by the batch's own statistics (train mode, or no running stats)."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)]
+
+
+def couples_samples(model: nn.Module, X: torch.Tensor, points: int = 4) -> bool:
+    """Whether the model couples samples (BatchNorm in train mode or without running statistics):
+    the NTK core's probe, :func:`nsa_dist.ntk.sample_coupling`, on the first ``points`` points.
+    A random forward (dropout in train mode) cannot be judged and counts as not coupling.
+    The model's buffers, modes and the global RNG state are as before."""
+    try:
+        return sample_coupling(model, X[:points]) is not None
+    except UnsupportedModelError:  # a random forward: no verdict
+        return False
+
+
 def _replace(ck: Checkpoint, **kw: Any) -> Checkpoint:
     from dataclasses import replace
 
     return replace(ck, **kw)
 
 
-def _cpu_copy(model: nn.Module) -> nn.Module:
-    """A float32 CPU copy of the model for the analysis (a thread's own, or the one pickled to Ray)."""
-    import copy
-
+def _analysis_copy(model: nn.Module) -> nn.Module:
+    """A CPU copy of the model for the analysis (a thread's own, or the one pickled to Ray): float64
+    for a float64 model, else float32."""
     try:
-        return copy.deepcopy(model).cpu().float()
+        return analysis_copy(model)
     except (TypeError, AttributeError, RuntimeError) as exc:
         raise TypeError(f"the model ({type(model).__qualname__}) cannot be copied or pickled ({exc}); the Tracker "
                         "analyses a copy of it, in a thread or pickled to the Ray spectral workers — keep "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 
@@ -12,7 +13,7 @@ import torch
 from nsa_dist import Client, Tracker
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
-from nsa_dist.errors import NonFiniteError, ShapeError, StoreError
+from nsa_dist.errors import AnalysisError, ModelForwardError, NonFiniteError, ShapeError, StoreError
 from nsa_dist.models import build_model, cnn
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
@@ -312,3 +313,349 @@ def test_cross_entropy_tracker_records_what_nsa_run_records(tmp_path):
     np.testing.assert_allclose(run.residual(0), ref.residual(0), rtol=1e-6)
     with pytest.raises(ValueError, match="loss='hinge' is not one of"):
         Tracker(str(tmp_path / "x.zarr"), "x", model, data.X, data.y, steps=3, loss="hinge")
+
+
+# ---------------------------------------------------------------------- issue 17: the model as it is at step t
+class Scaled(torch.nn.Module):
+    """An MLP scaled by a buffer the user's loop changes, and by 3× that in eval mode: θ_t alone
+    does not fix its kernel, its buffers and mode at t do (G ∝ scale²)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        s = self.scale if self.training else 3.0 * self.scale
+        return s * self.net(x).squeeze(-1)
+
+
+class Flaky(torch.nn.Module):
+    """Runs in the user's float32 loop; its forward raises on the analysis's float64 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise ValueError("Flaky.forward refuses float64 inputs\n(a second line of detail)")
+        return self.lin(x).squeeze(-1)
+
+
+class TokenNet(torch.nn.Module):
+    """Embedding of (n, T) token ids; refuses anything but integer ids, as nn.Embedding does."""
+
+    def __init__(self, vocab: int = 10, T: int = 5) -> None:
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(vocab, 4), torch.nn.Linear(4 * T, 1)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        if x.dtype != torch.long:
+            raise TypeError(f"TokenNet takes int64 token ids, got {x.dtype}")
+        return self.lin(self.emb(x).flatten(1)).squeeze(-1)
+
+
+def _bn_cnn(**bn) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3, **bn), torch.nn.ReLU(),
+                               torch.nn.Flatten(), torch.nn.Linear(3 * 16, 1), torch.nn.Flatten(0))
+
+
+def _state(model) -> tuple[dict, dict]:
+    return ({k: b.clone() for k, b in model.named_buffers()}, {k: m.training for k, m in model.named_modules()})
+
+
+def _assert_state(model, state, what: str) -> None:
+    bufs, modes = state
+    for k, b in model.named_buffers():
+        assert torch.equal(b, bufs[k]), f"{what} changed the user's buffer {k}: {bufs[k]} -> {b}"
+    assert {k: m.training for k, m in model.named_modules()} == modes, f"{what} changed the user's modes"
+
+
+def _loop(tr: Tracker, model, X, y, steps: int, *, lr: float = 0.05, train: bool = True, record_eval: bool = False,
+          after_step=None) -> dict[int, torch.nn.Module]:
+    """A user's SGD loop (the model in train mode unless ``train`` is False); at each recorded step t
+    the Tracker gets the model as it is — optionally switched to eval mode around record(t) — and a
+    copy of it (θ_t, buffers_t, mode_t) is kept as the reference.  record() must leave the model as it was."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train(train)
+    copies = {}
+    for t in range(steps):
+        opt.zero_grad()
+        loss = ((model(X) - y) ** 2).mean()
+        if tr.due(t):
+            if record_eval:
+                model.eval()
+            copies[t] = copy.deepcopy(model)
+            before = _state(model)
+            tr.record(t, lr=lr)
+            _assert_state(model, before, f"record({t})")
+            model.train(train)
+        else:
+            tr.log(t, loss.item())
+        loss.backward()  # the Tracker's forwards since this step's forward must not break its backward
+        opt.step()
+        if after_step is not None:
+            after_step(model)
+    return copies
+
+
+def _assert_spectra(run, copies: dict, X, rtol: float) -> None:
+    """The stored eigenvalues of each recorded step = those of gram() on the model as it was at record(t)."""
+    from nsa_dist.ntk import gram
+
+    for i, t in enumerate(sorted(copies)):
+        ref = np.linalg.eigvalsh(gram(copies[t], X, dtype=torch.float64).numpy())[::-1]
+        got = run.g["eigenvalues"][i]
+        err = np.abs(got - ref).max() / ref[0]
+        assert err <= rtol, f"step {t}: stored λ differ from gram() at θ_t, buffers_t, mode_t by {err:.2e} (λ₁ " \
+                            f"{got[0]:.6g} vs {ref[0]:.6g})"
+
+
+def test_buffers_and_modes_of_step_t_are_analysed(tmp_path):
+    """Built in eval mode, trained in train mode with a buffer the loop changes: the analysis of step t
+    uses the buffers and modes the model had at record(t), not those at construction."""
+    torch.manual_seed(0)
+    X, y = torch.randn(16, 3), torch.randn(16)
+    model = Scaled().eval()
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "s", model, X, y, steps=20, record={"steps": [0, 10, 19]}, spectrum={"k": "all", "images": []})
+    copies = _loop(tr, model, X, y, 20, after_step=lambda m: m.scale.mul_(1.1))
+    tr.close()
+    run = Client(url).run("s")
+    assert run.status == "done" and all(copies[t].training for t in copies)
+    _assert_spectra(run, copies, X, rtol=1e-9)
+    assert np.isfinite(run.g["first_order_error"][:2]).all()  # J·Δθ at θ_t, buffers_t, mode_t
+
+
+def test_batchnorm_running_statistics_of_step_t_are_analysed(tmp_path):
+    """A BatchNorm CNN built in train mode, trained in train mode and recorded in eval mode: step t is
+    analysed with the running statistics of step t (and the Tracker's own forwards never advance them)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(16, 2, 6, 6), torch.randn(16)
+    model = _bn_cnn()
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "bn", model, X, y, steps=20, record={"steps": [0, 10, 19]}, spectrum={"k": "all", "images": []})
+    copies = _loop(tr, model, X, y, 20, record_eval=True)
+    tr.close()
+    assert int(model[1].num_batches_tracked) == 20, "the Tracker's forwards advanced the running statistics"
+    assert not torch.equal(copies[0][1].running_mean, copies[19][1].running_mean)
+    run = Client(url).run("bn")
+    assert run.status == "done"
+    _assert_spectra(run, copies, X, rtol=1e-9)
+
+
+def test_batchnorm_in_train_mode_is_analysed_in_train_mode(tmp_path):
+    """Built in eval mode, trained and recorded in train mode: step t's kernel is that of the batch
+    forward in train mode (batch statistics), and record() leaves the running statistics alone."""
+    torch.manual_seed(0)
+    X, y = torch.randn(16, 2, 6, 6), torch.randn(16)
+    model = _bn_cnn().eval()
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "bnt", model, X, y, steps=20, record={"steps": [0, 10, 19]},
+                 spectrum={"k": "all", "images": []})
+    copies = _loop(tr, model, X, y, 20)
+    tr.close()
+    assert int(model[1].num_batches_tracked) == 20
+    run = Client(url).run("bnt")
+    assert run.status == "done"
+    _assert_spectra(run, copies, X, rtol=1e-9)
+
+
+def test_second_record_of_a_step_is_refused(tmp_path):
+    torch.manual_seed(0)
+    X, y = torch.randn(12, 3), torch.randn(12)
+    model = Scaled()
+    url = str(tmp_path / "t.zarr")
+    kw = dict(steps=6, record={"steps": [0, 3]}, spectrum={"k": 4, "images": []})
+    tr = Tracker(url, "r", model, X, y, **kw)
+    theta0 = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    tr.record(0, lr=0.1)
+    assert tr.due(0) is False  # a loop that tests due() records each step once
+    with pytest.raises(ValueError, match=r"^step 0 was already recorded \(by this Tracker\)"):
+        tr.record(0, lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ((model(X) - y) ** 2).mean().backward()
+    opt.step()  # θ_1 ≠ θ_0, and the loop (wrongly) records step 0 again
+    with pytest.raises(ValueError, match=r"^step 0 was already recorded"):
+        tr.record(0, lr=0.5)
+    assert tr.due(1) is False and tr.due(3) is True
+    tr.close()
+    run = Client(url).run("r")
+    assert run.g["done"][0] and not run.g["done"][1:].any()
+    np.testing.assert_array_equal(run.g["theta"][0], theta0.numpy())
+    assert run.g["lr"][0] == 0.1
+    tr2 = Tracker(url, "r", model, X, y, **kw)  # a new session: step 0 is in the store
+    with pytest.raises(ValueError, match=r"^step 0 was already recorded \(in the store"):
+        tr2.record(0, lr=0.1)
+    tr2.close()
+    np.testing.assert_array_equal(Client(url).run("r").g["theta"][0], theta0.numpy())
+
+
+def test_analysis_error_surfaces_at_the_next_call(tmp_path):
+    """A step whose analysis fails: one AnalysisError naming the step and the cause at the next Tracker
+    call (here log()), the original exception chained, the run failed; later calls repeat it."""
+    import concurrent.futures as cf
+
+    torch.manual_seed(0)
+    X, y = torch.randn(12, 3), torch.randn(12)
+    model = Flaky()
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "f", model, X, y, steps=10, record={"every": 5}, spectrum={"k": 4, "images": []})
+    tr.record(0, lr=0.1)
+    assert tr.due(1) is False  # hands step 0 to the analysis
+    cf.wait(list(tr.pool.inflight))  # ... which has failed by now
+    with pytest.raises(AnalysisError) as info:
+        tr.log(1, 0.5)
+    err = info.value
+    assert str(err) == ("run 'f': the analysis of recorded step 0 failed: computing the NTK of Flaky failed in "
+                        "module '<root>' (Flaky): ValueError: Flaky.forward refuses float64 inputs") and err.step == 0
+    root = err.__cause__
+    while root.__cause__ is not None:
+        root = root.__cause__
+    assert isinstance(root, ValueError) and "(a second line of detail)" in str(root)
+    run = Client(url).run("f")
+    assert run.status == "failed" and run.reason == str(err) and run.failed_step == 0
+    for call in (lambda: tr.due(2), lambda: tr.log(2, 0.1), lambda: tr.record(5, lr=0.1)):
+        with pytest.raises(AnalysisError, match="recorded step 0 failed"):
+            call()
+    tr.close()  # already failed: nothing more to raise, the status stays
+    assert Client(url).run("f").status == "failed"
+
+
+def test_analysis_error_surfaces_before_close_in_a_loop(tmp_path):
+    """In a plain loop the failure of step 0 reaches the loop no later than the next hand-over (max_inflight=1)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(12, 3), torch.randn(12)
+    model = Flaky()
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "f", model, X, y, steps=10, record={"every": 3}, spectrum={"k": 4, "images": []},
+                 max_inflight=1)
+    with pytest.raises(AnalysisError, match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK of Flaky failed in module '<root>' \(Flaky\): ValueError: Flaky"):
+        _loop(tr, model, X, y, 10)
+    assert Client(url).run("f").status == "failed"
+    tr.close()
+
+
+def test_float64_model_through_the_tracker(tmp_path):
+    """A float64 model with float64 points: fed float64, analysed from its float64 θ_t, exact to 1e-10."""
+    torch.manual_seed(0)
+    X, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
+    model = Scaled().double()
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "d", model, X, y, steps=8, record={"steps": [0, 4, 7]}, spectrum={"k": "all", "images": []})
+    copies = _loop(tr, model, X, y, 8)
+    tr.close()
+    run = Client(url).run("d")
+    assert run.status == "done"
+    _assert_spectra(run, copies, X, rtol=1e-10)
+    assert np.isfinite(run.g["first_order_error"][:2]).all()
+    np.testing.assert_allclose(run.g["f"][0], copies[0](X).detach().numpy(), rtol=1e-6)
+
+
+def test_integer_token_ids_reach_the_model_as_integers(tmp_path):
+    """(N, T) int64 ids stay integers from the user to every forward (the Tracker's and the analysis
+    copy's inputs); the store's X holds them exactly (as float64)."""
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 10, (12, 5)), torch.randn(12)
+    model = TokenNet()
+    url = str(tmp_path / "t.zarr")
+    with pytest.raises(KeyboardInterrupt):  # leave before the analysis (the NTK core's part) runs
+        with Tracker(url, "tok", model, ids, y, ids[:3], y[:3], steps=4, record={"every": 2},
+                     spectrum={"k": 4, "images": []}) as tr:
+            tr.record(0, lr=0.1)
+            assert tr.pool.service.analyzer.X.dtype == torch.int64
+            assert tr.pool.service.analyzer.X_test.dtype == torch.int64
+            raise KeyboardInterrupt
+    assert model.seen and set(model.seen) == {torch.int64}, model.seen
+    np.testing.assert_array_equal(Client(url).run("tok").g["X"][:], ids.numpy().astype(np.float64))
+    with pytest.raises(TypeError, match="both be floating points or both integer ids"):
+        Tracker(str(tmp_path / "u.zarr"), "u", TokenNet(), ids, y, ids[:3].float(), y[:3], steps=4)
+
+
+def test_integer_token_ids_end_to_end(tmp_path):
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 10, (12, 5)), torch.randn(12)
+    model = TokenNet()
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "tok", model, ids, y, steps=4, record={"every": 2}, spectrum={"k": "all", "images": []})
+    copies = _loop(tr, model, ids, y, 4)
+    tr.close()
+    run = Client(url).run("tok")
+    assert run.status == "done"
+    _assert_spectra(run, copies, ids, rtol=1e-9)
+
+
+def test_couples_samples():
+    from nsa_dist.tracker import couples_samples
+
+    torch.manual_seed(0)
+    X = torch.randn(6, 2, 6, 6)
+    bn = _bn_cnn()
+    before = _state(bn)
+    assert couples_samples(bn, X) is True  # train mode: batch statistics
+    _assert_state(bn, before, "couples_samples")
+    assert couples_samples(bn.eval(), X) is False  # eval: running statistics, per point
+    assert couples_samples(_bn_cnn(track_running_stats=False).eval(), X) is True  # no running statistics
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    x = torch.randn(6, 3)
+    assert couples_samples(mlp.eval(), x) is False
+    rng = torch.get_rng_state()
+    assert couples_samples(mlp.train(), x) is False  # random forward: no verdict
+    assert torch.equal(torch.get_rng_state(), rng), "couples_samples consumed the user's RNG"
+    bn1 = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    assert couples_samples(bn1, torch.randn(2, 3)) is True  # halves of one point cannot even be normalised
+
+
+def test_tracker_logs_once_that_the_model_couples_samples(tmp_path, caplog):
+    torch.manual_seed(0)
+    X, y = torch.randn(12, 2, 6, 6), torch.randn(12)
+    for name, model, said in (("c", _bn_cnn(track_running_stats=False).eval(), 1), ("p", _bn_cnn().eval(), 0)):
+        caplog.clear()
+        url = str(tmp_path / f"{name}.zarr")
+        tr = Tracker(url, name, model, X, y, steps=6, record={"every": 2}, spectrum={"k": 4, "images": []})
+        with caplog.at_level("INFO", logger="nsa_dist"):
+            _loop(tr, model, X, y, 6, train=False)
+            tr.close()
+        lines = [r.getMessage() for r in caplog.records
+                 if "couples samples" in r.getMessage() and r.getMessage().startswith("run '")]
+        assert len(lines) == said, lines
+        if said:
+            assert f"run '{name}': at step 0" in lines[0] and "batch statistics in '1'" in lines[0]
+
+
+@pytest.mark.slow
+def test_ray_tracker_analyses_step_state_and_reports_errors(local_ray, tmp_path):
+    """The Ray pool: step t's buffers and modes reach the worker's copy; a worker's analysis error is one
+    AnalysisError naming the step, its cause chained."""
+    import sys
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's model classes, to the workers
+    try:
+        torch.manual_seed(0)
+        X, y = torch.randn(16, 3), torch.randn(16)
+        model = Scaled().eval()
+        url = str(tmp_path / "t.zarr")
+        tr = Tracker(url, "s", model, X, y, steps=12, record={"steps": [0, 6, 11]},
+                     spectrum={"k": "all", "images": []}, cluster="auto", workers=1)
+        copies = _loop(tr, model, X, y, 12, after_step=lambda m: m.scale.mul_(1.1))
+        tr.close()
+        run = Client(url).run("s")
+        assert run.status == "done"
+        _assert_spectra(run, copies, X, rtol=1e-9)
+
+        tr = Tracker(url, "f", Flaky(), X, y, steps=10, record={"every": 3}, spectrum={"k": 4, "images": []},
+                     cluster="auto", workers=1, max_inflight=1)
+        with pytest.raises(AnalysisError, match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK of "
+                                                r"Flaky failed in module '<root>' \(Flaky\): ValueError: "
+                                                r"Flaky.forward refuses float64 inputs$") as info:
+            _loop(tr, tr.model, X, y, 10)
+        assert isinstance(info.value.__cause__, ModelForwardError) and info.value.step == 0  # its words name the ValueError
+        assert Client(url).run("f").status == "failed" and Client(url).run("f").failed_step == 0
+        tr.close()
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

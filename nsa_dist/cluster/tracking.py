@@ -16,6 +16,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from nsa_dist.cluster.actors import tracked_run_workers
 from nsa_dist.cluster.runtime import connect
+from nsa_dist.errors import AnalysisError
+from nsa_dist.pipeline.tracked import analysis_error
 
 __all__ = ["RayTrackerPool"]
 
@@ -53,7 +55,8 @@ class RayTrackerPool:
         self.workers = tracked_run_workers(store_url, spec, model_ref, data_ref, workers, cpus, gpus)
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
         self.max_retries = max_retries
-        self.inflight: dict[Any, tuple[Any, Any, int, Any]] = {}  # task ref -> (ckpt ref, index, attempts, worker)
+        self.run = spec["name"]
+        self.inflight: dict[Any, tuple[Any, int, int, Any]] = {}  # task ref -> (ckpt ref, step, attempts, worker)
         self.resubmitted = 0
         try:
             self.pids = ray.get([w.pid.remote() for w in self.workers])
@@ -68,34 +71,40 @@ class RayTrackerPool:
             load[id(w)] += 1
         return min(self.workers, key=lambda w: load[id(w)])
 
-    def _send(self, ck_ref: Any, index: int, attempts: int) -> None:
+    def _send(self, ck_ref: Any, step: int, attempts: int) -> None:
         w = self._least_busy()
-        self.inflight[w.analyze_and_write.remote(ck_ref)] = (ck_ref, index, attempts, w)
+        self.inflight[w.analyze_and_write.remote(ck_ref)] = (ck_ref, step, attempts, w)
 
     def submit(self, ck: Any) -> None:
         """Hand checkpoint ``ck`` to a worker; returns at once."""
-        self._send(ray.put(ck), ck.index, 0)
+        self._send(ray.put(ck), ck.step, 0)
 
     def wait(self, block: bool) -> list[dict]:
-        """Summaries of finished steps (at least one if ``block`` and any is in flight); raises an analysis error."""
+        """Summaries of finished steps (at least one if ``block`` and any is in flight).
+
+        Raises:
+            AnalysisError: a step's analysis failed (the worker's exception chained as its cause),
+                or its worker died more than ``max_retries`` times.
+        """
         if not self.inflight:
             return []
         ready, _ = ray.wait(list(self.inflight), num_returns=1 if block else len(self.inflight),
                             timeout=None if block else 0)
         out = []
         for ref in ready:
-            ck_ref, index, attempts, worker = self.inflight.pop(ref)
+            ck_ref, step, attempts, worker = self.inflight.pop(ref)
             try:
                 out.append(ray.get(ref))
-            except RayActorError:
+            except RayActorError as exc:
                 if attempts >= self.max_retries:
-                    raise RuntimeError(f"recorded step index {index}: its spectral worker died "
-                                       f"{attempts + 1} times") from None
+                    raise AnalysisError(f"run {self.run!r}: the analysis of recorded step {step} failed: its "
+                                        f"spectral worker died {attempts + 1} times", step) from exc
                 self._await_restart(worker)
                 self.resubmitted += 1
-                self._send(ck_ref, index, attempts + 1)
-            except Exception as exc:  # noqa: BLE001 - the analysis's own error, unwrapped
-                raise _cause(exc) from exc
+                self._send(ck_ref, step, attempts + 1)
+            except Exception as exc:  # noqa: BLE001 - the analysis's own error, unwrapped from Ray's wrapper
+                cause = _cause(exc)
+                raise analysis_error(self.run, step, cause) from cause
         return out
 
     @staticmethod

@@ -140,8 +140,13 @@ def _couples(model: nn.Module, x: torch.Tensor) -> str | None:
 def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     """Why the model couples samples, probed on the first points of x (None: it does not); the
     model's buffers and modes are unchanged afterwards."""
-    with preserved(model):
+    with preserved(model), _rng_kept(x):
         return _couples(model, x[:_PROBE_POINTS])
+
+
+def _rng_kept(x: torch.Tensor):
+    """The global RNG state is the same after the probes (a random forward draws from it)."""
+    return torch.random.fork_rng(devices=[x.device.index or 0] if x.device.type == "cuda" else [])
 
 
 def _uses(out: torch.Tensor) -> dict[int, int]:
@@ -175,7 +180,7 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     """
     params = trainable_params(model)
     xs = x[:_PROBE_POINTS]
-    with preserved(model):
+    with preserved(model), _rng_kept(xs):
         coupling = _couples(model, xs)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"

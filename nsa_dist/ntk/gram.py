@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -23,6 +24,15 @@ from nsa_dist.ntk._structured import Unproven, not_structured_reason, structured
 __all__ = ["gram", "ntk_operator", "resolve_method", "explain_method"]
 
 _log = logging.getLogger("nsa_dist")
+_told: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _first_time(model: nn.Module) -> bool:
+    """True once per model object: a run's analysis says once, not at every step, what it does."""
+    if model in _told:
+        return False
+    _told.add(model)
+    return True
 
 _STRUCTURED_TILE = 768
 
@@ -138,7 +148,7 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
     with preserved(model):
         plan = _plan(model, x1)
         m = _choose(plan, m)
-        if m is NTKMethod.BATCH:
+        if m is NTKMethod.BATCH and _first_time(model):
             _log.info("the model couples samples (%s): computing the kernel of the batch forward exactly "
                       "(full-batch Jacobian)", next(iter(plan.routes.values()))[1])
         try:

@@ -13,6 +13,7 @@ from nsa_dist.hessian import (additivity_gap, extreme_eigenpairs, gauss_newton_e
                               hutchpp_moments, limit_gauss_newton_eigenvalues, orthogonality, output_hessian_traces,
                               power_moments, rayleigh_quotients, slq_density, trace_S_from_G)
 from nsa_dist.hessian._loss import Loss, loss_gradient, parse_loss, prepare_targets
+from nsa_dist.ntk import preserved
 from nsa_dist.ntk._inputs import as_2d, prepare_model
 
 __all__ = ["HessianAnalysis", "hessian_dims", "hessian_loss", "hessian_eig_count", "limit_reason"]
@@ -150,8 +151,8 @@ class HessianAnalysis:
             ops = {"H": H, "I": I, "S": S}
         H, I, S = ops["H"], ops["I"], ops["S"]
         m64 = prepare_model(model, torch.float64)
-        X64 = self.X.to(torch.float64)
-        with torch.no_grad():
+        X64 = self.X.to(torch.float64) if self.X.is_floating_point() else self.X  # token ids stay integers
+        with torch.no_grad(), preserved(m64):
             F = as_2d(m64(X64)).detach()  # (N, K) outputs at θ
         out: dict[str, Any] = {}
         if h.moments:

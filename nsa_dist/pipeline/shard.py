@@ -19,6 +19,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.hessian import hessian_parts
 from nsa_dist.pipeline.hessian_step import hessian_loss
+from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, resolve_method
 from nsa_dist.ntk.blocks import BlockFeatures
@@ -58,15 +59,16 @@ class SpectralShard:
                 self._runs.popitem(last=False)
         self._runs.move_to_end(run_id)
         es, data, model = self._runs[run_id]
-        dev = next(model.parameters()).device
-        vector_to_parameters(torch.as_tensor(np.asarray(theta), dtype=torch.float32, device=dev), model.parameters())
+        p = next(model.parameters())  # float32, or a Tracker's float64 model
+        vector_to_parameters(torch.as_tensor(np.asarray(theta), dtype=p.dtype, device=p.device), model.parameters())
         return es, data, model
 
     @staticmethod
-    def _points(es: ExperimentSpec, data: Dataset, which: str, rng: tuple[int, int] | None = None) -> torch.Tensor:
+    def _points(es: ExperimentSpec, data: Dataset, model: torch.nn.Module, which: str,
+                rng: tuple[int, int] | None = None) -> torch.Tensor:
         X = data.X if which == "train" else np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:]))
         X = X if rng is None else X[rng[0]:rng[1]]
-        return torch.as_tensor(np.asarray(X), dtype=torch.float32, device=es.torch_device())
+        return model_inputs(np.asarray(X), model, es.torch_device())
 
     @staticmethod
     def _dtype(es: ExperimentSpec) -> torch.dtype:
@@ -78,7 +80,7 @@ class SpectralShard:
         """Structured features of the given ranges of points (one result per range; a single
         range gives its features unwrapped, as one object-store return)."""
         es, data, model = self._model(run_id, spec, theta)
-        X = self._points(es, data, which)
+        X = self._points(es, data, model, which)
         feats = shard_features(model, X, ranges, self._dtype(es))
         return feats[0] if len(ranges) == 1 else feats
 
@@ -99,7 +101,7 @@ class SpectralShard:
     def shard(self, key: str, run_id: str, spec: dict, theta: np.ndarray, which: str, rng: tuple[int, int]) -> int:
         """Hold the features (Linear-only nets) or the Jacobian map of points ``rng``; returns bytes held."""
         es, data, model = self._model(run_id, spec, theta)
-        X = self._points(es, data, which)
+        X = self._points(es, data, model, which)
         dtype = self._dtype(es)
         if resolve_method(model, X[:2], es.spectrum.ntk_method) is NTKMethod.STRUCTURED:
             feats = shard_features(model, X, [rng], dtype)[0]
@@ -122,7 +124,7 @@ class SpectralShard:
                   weight: float) -> None:
         """Hold H_s, I_s, S_s of the loss on points ``rng`` (float64), products scaled by ``weight`` = n_s/N."""
         es, data, model = self._model(run_id, spec, theta)
-        X = self._points(es, data, "train", rng)
+        X = self._points(es, data, model, "train", rng)
         y = np.asarray(data.y, dtype=np.float64)[rng[0]:rng[1]]
         block = es.hessian.block_size if es.hessian else None
         H, I, S = hessian_parts(model, X, y, loss=hessian_loss(es), block_size=block, dtype=torch.float64)

@@ -23,6 +23,7 @@ from nsa_dist.ntk import NTKMethod, explain_method, gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
+from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram,
                                       choose_layout, gram_for_layout)
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
@@ -81,9 +82,9 @@ class SpectralAnalyzer:
         # ``model``: a built network (a Tracker's; its parameters get overwritten), else built from the spec
         self.model = (model if model is not None else build_model(spec.model, seed=spec.seed)).to(self.device)
         self.dtype = torch.float64 if spec.spectrum.dtype == "float64" else torch.float32
-        self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)
-        self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(
-            (-1,) + tuple(data.X.shape[1:]))  # (M, …) like X
+        self.X = model_inputs(data.X, self.model, self.device)  # (N, …): the model's float dtype, or integer ids
+        self.X_test = model_inputs(np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:])), self.model,
+                                   self.device)  # (M, …) like X
         self.y = np.asarray(data.y, dtype=np.float64)
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
@@ -147,16 +148,24 @@ class SpectralAnalyzer:
         for name, p in params.items():
             tangents[name] = torch.as_tensor(dtheta[offset:offset + p.numel()], device=self.device).view_as(p).to(self.dtype)
             offset += p.numel()
-        model = self.model.to(self.dtype)
-        X = self.X.to(self.dtype)
-        primals = {k: v.detach() for k, v in model.named_parameters()}
-        _, out = jvp(lambda p: functional_call(model, p, (X,)), (primals,), (tangents,))
-        self.model.to(torch.float32)
+        X = self.X.to(self.dtype) if self.X.is_floating_point() else self.X  # token ids stay integers
+        primals = {k: v.detach().to(self.dtype) for k, v in params.items()}
+        buffers = {k: b.detach().to(self.dtype) if b.is_floating_point() else b.detach()
+                   for k, b in self.model.named_buffers()}
+
+        def f(p):  # every tensor swapped in, so the module itself is not cast; a train-mode BatchNorm
+            # updates fresh buffer copies, never the model's or a tensor captured by the transform
+            return functional_call(self.model, {**p, **{k: b.clone() for k, b in buffers.items()}}, (X,))
+
+        _, out = jvp(f, (primals,), (tangents,))
         return out.detach().cpu().numpy()
 
     def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> dict[str, Any]:
         """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout."""
-        vector_to_parameters(torch.as_tensor(ck.theta, device=self.device), self.model.parameters())
+        p = next(self.model.parameters())
+        vector_to_parameters(torch.as_tensor(ck.theta, dtype=p.dtype, device=self.device), self.model.parameters())
+        if ck.model_state is not None:  # a Tracker's model: its buffers and modes at t, not at construction
+            ck.model_state.apply(self.model)
         N = self.data.n
         self.timings = {}
         with self._timed("gram"):
