@@ -372,3 +372,37 @@ def test_a_coupling_model_is_refused_by_distributed_layouts_and_local_under_auto
     auto = ExperimentSpec.model_validate({"data": {"n": 20}, "model": {"depth": 2, "width": 4},
                                           "spectrum": {"layout": "auto", "workers": 2, "memory_budget_gb": 1e-9}})
     assert choose_layout(auto, 20, 10, structured=False, coupled=why).layout.value == "local"
+
+
+def test_tracker_on_a_transformer_over_token_ids_with_adam(tmp_path):
+    """The issue's Transformer under the Tracker's default optimizer ("custom": the first-order
+    prediction J·Δθ is a forward-mode product through attention): every step stored, exact."""
+    import numpy as np
+
+    from nsa_dist import Tracker
+    from nsa_dist.client import Client
+
+    torch.manual_seed(0)
+    model = TinyTransformer().eval()
+    X = torch.randint(0, 13, (16, 6))
+    y = torch.randn(16, 3)
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "tf", model, X, y, steps=4, record={"every": 2}, spectrum={"k": 4, "images": []})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    thetas = {}
+    for t in range(4):
+        if tr.due(t):
+            thetas[t] = copy.deepcopy(model)
+            tr.record(t, lr=1e-2)
+        opt.zero_grad()
+        loss = ((model(X) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("tf")
+    assert run.status == "done"
+    for i, t in enumerate(sorted(thetas)):
+        ref = torch.linalg.eigvalsh(_reference(thetas[t].double(), X)).flip(0)[:4]
+        assert_close_rel(torch.as_tensor(np.asarray(run.g["eigenvalues"][i])), ref, 1e-4, f"eigenvalues at t={t}")
+    fo = np.asarray(run.g["first_order_error"][:])
+    assert np.isfinite(fo).all() and (fo < 0.5).all(), f"J·Δθ through attention: first-order errors {fo}"

@@ -110,3 +110,35 @@ class NTKOperator(LinearOperator):
 
     def __repr__(self) -> str:
         return f"NTKOperator(shape={self.shape}, dtype={self.dtype}, kernel={'full' if self.full else 'trace'})"
+
+
+def jacobian_vector_product(model: nn.Module, x: torch.Tensor, dtheta: torch.Tensor) -> torch.Tensor:
+    """``J · dθ`` at the points x: the first-order change of the outputs, (n,) or (n, K) like the model's.
+
+    ``dθ`` is a (P,) vector over *all* parameters in ``named_parameters`` order (a training step's
+    Δθ).  One forward-mode pass of the batch forward (a coupling model's batch stays one batch),
+    under the same rules as every NTK product: the model's buffers are not changed, attention
+    uses composite kernels, and a failing module is named.
+
+    Raises:
+        ShapeError: dθ does not have P entries.
+        ModelForwardError: the forward fails (the module is named).
+    """
+    from nsa_dist.errors import ShapeError
+
+    params = dict(model.named_parameters())
+    P = sum(p.numel() for p in params.values())
+    if dtheta.numel() != P:
+        raise ShapeError(f"dθ must have the model's P = {P} entries, got {dtheta.numel()}")
+    dtype = next(iter(params.values())).dtype
+    tangents, off = {}, 0
+    for k, p in params.items():
+        tangents[k] = dtheta[off:off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
+        off += p.numel()
+    with blame(model):
+        twin = stateless(model, x[:2])
+        primals = {k: p.detach() for k, p in twin.named_parameters()}
+        buffers = dict(twin.named_buffers())
+        with exact_kernels(twin):
+            _, out = jvp(lambda p: functional_call(twin, (p, buffers), (x,)), (primals,), (tangents,))
+    return out.detach()

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.func import functional_call, jvp
+
 from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.config import ExperimentSpec, Layout
@@ -19,7 +19,7 @@ from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import residual as loss_residual
 from nsa_dist.metrics import alignment_from_products, centered_sq_frobenius, first_order_accuracy, spectral_projections
 from nsa_dist.models import build_model
-from nsa_dist.ntk import NTKMethod, explain_method, gram
+from nsa_dist.ntk import NTKMethod, explain_method, gram, jacobian_vector_product, prepare_model
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
@@ -143,22 +143,9 @@ class SpectralAnalyzer:
 
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
-        params = dict(self.model.named_parameters())
-        tangents, offset = {}, 0
-        for name, p in params.items():
-            tangents[name] = torch.as_tensor(dtheta[offset:offset + p.numel()], device=self.device).view_as(p).to(self.dtype)
-            offset += p.numel()
         X = self.X.to(self.dtype) if self.X.is_floating_point() else self.X  # token ids stay integers
-        primals = {k: v.detach().to(self.dtype) for k, v in params.items()}
-        buffers = {k: b.detach().to(self.dtype) if b.is_floating_point() else b.detach()
-                   for k, b in self.model.named_buffers()}
-
-        def f(p):  # every tensor swapped in, so the module itself is not cast; a train-mode BatchNorm
-            # updates fresh buffer copies, never the model's or a tensor captured by the transform
-            return functional_call(self.model, {**p, **{k: b.clone() for k, b in buffers.items()}}, (X,))
-
-        _, out = jvp(f, (primals,), (tangents,))
-        return out.detach().cpu().numpy()
+        model = self.model if next(self.model.parameters()).dtype == self.dtype else prepare_model(self.model, self.dtype)
+        return jacobian_vector_product(model, X, torch.as_tensor(dtheta)).cpu().numpy()
 
     def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> dict[str, Any]:
         """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout."""
