@@ -237,6 +237,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
     lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
     con.print(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
+    con.print(f"data fingerprint {run.data_fingerprint or '(not recorded: a run made before fingerprints)'}")
     if run.attrs.get("layout"):
         con.print(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})")
     steps = run.steps

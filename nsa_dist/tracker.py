@@ -140,7 +140,8 @@ class Tracker:
         probe = SpectralAnalyzer(self.spec, self.data, model=_cpu_copy(model))  # sizes only (images, hessian)
         self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
         try:
-            self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params))
+            self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params),
+                                            data_fingerprint=self.data.fingerprint(), token=self._lease.token)
         except BaseException:
             self._lease.release()
             raise
@@ -150,12 +151,13 @@ class Tracker:
         del probe
         self.max_inflight = max_inflight
         if cluster is None:
-            self.pool: Any = _ThreadPool(TrackedRunService(self.store.url, spec_dict, _cpu_copy(model), self.data))
+            self.pool: Any = _ThreadPool(TrackedRunService(self.store.url, spec_dict, _cpu_copy(model), self.data,
+                                                           token=self._lease.token))
         else:
             from nsa_dist.cluster.tracking import RayTrackerPool
 
             self.pool = RayTrackerPool(cluster, self.store.url, spec_dict, _cpu_copy(model), self.data,
-                                       workers=workers, cpus=worker_cpus, gpus=worker_gpus)
+                                       workers=workers, cpus=worker_cpus, gpus=worker_gpus, token=self._lease.token)
         self.writer.set_status(Status.RUNNING)
         self._pending: tuple[Checkpoint, torch.Tensor, torch.Tensor] | None = None  # awaiting θ_{t+1}
         self._trace: dict[int, float] = {}

@@ -97,16 +97,18 @@ class TrackedRunService:
         model: the user's network (copied; its parameters are overwritten with each θ_t).
         data: the run's points and targets.
         threads: torch threads (Ray actors: their CPUs).
+        token: the Tracker's lease token, fencing every write (LeaseLost once another took the run).
     """
 
-    def __init__(self, store_url: str, spec: dict, model: nn.Module, data: Dataset, threads: int | None = None) -> None:
+    def __init__(self, store_url: str, spec: dict, model: nn.Module, data: Dataset, threads: int | None = None,
+                 token: str | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.spec = ExperimentSpec.model_validate(spec)
         self.analyzer = SpectralAnalyzer(self.spec, data, model=copy.deepcopy(model).float())
         store = SpectrumStore(store_url)
         dims = store.dims(self.spec.name) if store.has_run(self.spec.name) else None  # the run's sizes, as stored
-        self.writer: RunWriter = store.writer(self.spec.name, spec, dims, create=False)
+        self.writer: RunWriter = store.writer(self.spec.name, spec, dims, create=False, token=token)
 
     def pid(self) -> int:
         import os
