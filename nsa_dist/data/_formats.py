@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from nsa_dist.data._paths import regular_file
+
 __all__ = ["find_file", "read_idx", "read_pickle_batch"]
 
 IDX_IMAGES = 2051  # 0x00000803: unsigned bytes, 3 dims (N, rows, cols)
@@ -21,10 +23,14 @@ IDX_LABELS = 2049  # 0x00000801: unsigned bytes, 1 dim (N,)
 
 
 def find_file(directory: Path, name: str) -> Path | None:
-    """``directory/name`` or ``directory/name.gz``, whichever exists (plain first); None if neither."""
+    """``directory/name`` or ``directory/name.gz``, whichever exists (plain first); None if neither.
+
+    Raises:
+        ValueError: the one that exists is a directory or not a regular file.
+    """
     for p in (directory / name, directory / f"{name}.gz"):
-        if p.is_file():
-            return p
+        if p.exists():
+            return regular_file(p, "data", f"the file {name} (optionally gzipped as {name}.gz)")
     return None
 
 

@@ -344,6 +344,11 @@ class SpectrumStore:
         except ValueError:
             return None  # torn by hand: as good as no lease
 
+    def creation_live(self, run_id: str) -> bool:
+        """Whether a live writer (fresh lease) may still be creating run ``run_id``."""
+        info = self.lease_info(run_id)
+        return info is not None and info.fresh()
+
     def write_lease(self, run_id: str, attrs: dict[str, Any]) -> None:
         """Write the lease group's metadata in one put (readers never see it half written)."""
         if not self._exists("leases/zarr.json"):
