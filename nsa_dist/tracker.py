@@ -34,7 +34,7 @@ from nsa_dist.losses import cross_entropy_loss
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.pipeline.tracked import RNG_BYTES, TrackedRunService, tracked_dims, tracked_spec, tracked_static
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
-from nsa_dist.store import SpectrumStore, Status
+from nsa_dist.store import LeaseLost, SpectrumStore, Status
 
 if TYPE_CHECKING:
     from nsa_dist.pipeline.tracked import ExperimentSpec
@@ -105,6 +105,8 @@ class Tracker:
         NonFiniteError: NaN/inf in X or y.
         StoreError: the store holds a run of this name with another spec, data or network.
         TypeError: the model cannot be pickled for Ray workers (cluster set).
+        LeaseLost: (from ``record`` / ``log`` / ``close``) another writer took the run over while this
+            process was paused longer than the lease's ttl; the Tracker closes without writing more.
     """
 
     def __init__(self, store: str | SpectrumStore, name: str, model: nn.Module, X: Any, y: Any,
@@ -286,11 +288,20 @@ class Tracker:
             for s in self.pool.wait(block):
                 self._done[s["index"]] = True
                 self.finished.append(s)
+        except LeaseLost:  # another writer has the run: not a word more from this one
+            self._stop_lost()
+            raise
         except Exception as exc:
             self.writer.set_status(Status.FAILED, f"{type(exc).__name__}: {exc}")
             self.closed = True
             self._lease.release()
             raise
+
+    def _stop_lost(self) -> None:
+        """This Tracker's lease was taken over: close without writing (no status, no released lease)."""
+        self.closed = True
+        self._pending = None
+        self._lease.release()
 
     def _flush_trace(self) -> None:
         for t, v in sorted(self._trace.items()):
@@ -340,6 +351,8 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+        elif issubclass(exc_type, LeaseLost):
+            self._stop_lost()
         elif not self.closed:
             self._pending = None
             try:

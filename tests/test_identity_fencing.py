@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -251,3 +252,41 @@ def test_cluster_workers_are_fenced_by_the_drivers_lease(tmp_path):
             worker.analyze_and_write(rid, spec.model_dump(mode="json"), ck, token=lease.token)
         assert _files(url) == before
     assert SpectrumStore(url).lease_info(rid).token == "theirs", "releasing overwrote the new writer's lease"
+
+
+def test_a_tracker_whose_lease_is_taken_over_stops_without_writing(tmp_path):
+    from nsa_dist import Tracker
+    from nsa_dist.models import build_model
+
+    spec = ExperimentSpec(**TINY)
+    data = load_dataset(spec.data, seed=spec.seed)
+    model = build_model(spec.model, seed=spec.seed)
+    url = str(tmp_path / "t.zarr")
+    store = SpectrumStore(url)
+    tr = Tracker(url, "tracked", model, data.X, data.y, steps=30, record={"every": 10}, spectrum={"k": 8},
+                 optimizer="gd", max_inflight=1)
+    X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before: dict = {}
+    with pytest.raises(LeaseLost, match="host node-7.elsewhere, pid 4242, since .* took the run over"):
+        with tr:
+            for t in range(30):
+                if t == 12:  # steps 0 and 10 analysed and written; then another writer takes the run
+                    deadline = time.time() + 120
+                    while store.reader("tracked").done.sum() < 2 and time.time() < deadline:
+                        time.sleep(0.05)
+                    now = time.time()
+                    store.write_lease("tracked", {"host": "node-7.elsewhere", "pid": 4242, "since": now,
+                                                  "heartbeat": now, "ttl": 600.0, "token": "theirs",
+                                                  "released": False})
+                    before = _files(url)
+                opt.zero_grad()
+                loss = 0.5 * ((model(X) - y) ** 2).mean()
+                if tr.due(t):
+                    tr.record(t, lr=0.1, loss=loss.item())
+                else:
+                    tr.log(t, loss.item())
+                loss.backward()
+                opt.step()
+    assert before and _files(url) == before, "the Tracker wrote after losing its lease"
+    assert store.lease_info("tracked").token == "theirs"
