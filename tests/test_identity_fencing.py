@@ -170,6 +170,7 @@ def _take_over_paused(tmp_path: Path, spec_d: dict, cmd: list[str], pause) -> tu
     return proc, url
 
 
+@pytest.mark.slow
 def test_a_paused_writer_that_lost_its_lease_writes_nothing_more(tmp_path):
     spec = ExperimentSpec(**SLOW)
     rid = run_id(spec)

@@ -126,6 +126,7 @@ def _stop_inside_creation(spec_path: Path, url: str, rid: str) -> subprocess.Pop
     raise AssertionError("could not stop the writer inside the run's creation in 5 tries")
 
 
+@pytest.mark.slow
 def test_an_interrupted_creation_is_reported_as_such_and_repaired_by_a_rerun(tmp_path, capsys):
     spec = ExperimentSpec(**TINY)
     rid = run_id(spec)
