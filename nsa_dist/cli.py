@@ -206,12 +206,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
         t.add_column(col)
     for r in runs.to_dict("records"):
-        note = str(r.get("reason") or "") if r["status"] in ("interrupted", "failed", "damaged") else ""
+        note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""
         t.add_row(r["id"], str(r["status"]), f"{r['steps_done']}/{r['steps_total']}", str(r["last_step"]),
                   str(r.get("data.name")), str(r.get("data.n")), f"{r.get('model.depth')}×{r.get('model.width')}",
                   str(r.get("optimizer.name")), _lr(r.get("schedule.lr")), note)
     Console().print(t if len(runs) else f"no runs in {args.store}")
     return 0
+
+
+def _text(value: object) -> str:
+    """A DataFrame cell as text: "" for a missing value (pandas reads a None among strings as NaN)."""
+    return "" if value is None or (isinstance(value, float) and np.isnan(value)) else str(value)
 
 
 def _lr(value: object) -> str:
@@ -237,6 +242,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
     lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
     con.print(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
+    con.print(f"data fingerprint {run.data_fingerprint or '(not recorded: a run made before fingerprints)'}")
     if run.attrs.get("layout"):
         con.print(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})")
     steps = run.steps
@@ -421,8 +427,9 @@ def _store_status(url: str) -> int:
     if not len(runs):
         print(f"no runs in {url}")
     for r in runs.to_dict("records"):
-        print(f"{r['id']}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}" +
-              (f"  ({r['reason']})" if r.get("reason") else ""))
+        reason = _text(r.get("reason"))
+        print(f"{r['id']}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}"
+              + (f"  ({reason})" if reason else ""))
     return 0
 
 
@@ -430,8 +437,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from nsa_dist.store import SpectrumStore, mark_damaged, verify_store
 
     store = SpectrumStore(args.store, mode="r")
-    damage = verify_store(store)
+    found = verify_store(store)
     n = len(store.run_ids())
+    for d in (d for d in found if d.unfinished):  # not damage: a plain re-run finishes the creation
+        print(str(d))
+    damage = [d for d in found if not d.unfinished]
     if not damage:
         print(f"{args.store}: {n} run(s), no damage found")
         return 0

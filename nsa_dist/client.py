@@ -98,6 +98,12 @@ class Run:
         return RunDims(**self.attrs["dims"])
 
     @property
+    def data_fingerprint(self) -> str | None:
+        """``"sha256:…"`` of the data the run was created from (X, y, X_test, y_test as loaded;
+        :meth:`nsa_dist.data.Dataset.fingerprint`); None for runs recorded before fingerprints."""
+        return self.attrs.get("data_fingerprint")
+
+    @property
     def schedule(self) -> np.ndarray:
         """(S_all,) every step that will be recorded."""
         return self._read("steps")
@@ -408,7 +414,7 @@ class Client:
 
     def runs(self, sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
         """Every run (or a sweep's) as a DataFrame: id, sweep, status, reason, steps_done,
-        steps_total, last_step and each spec field as a dotted column ("model.depth", …).
+        steps_total, last_step, data_fingerprint and each spec field as a dotted column ("model.depth", …).
 
         ``where`` filters on equality, dots written "__": ``runs(model__depth=6)``.  Needs pandas.
         """

@@ -85,15 +85,16 @@ def _run_row(store: "SpectrumStore", rid: str, sweep: str | None) -> dict[str, A
         done = np.flatnonzero(r.done)
         return {"id": rid, "sweep": sweep, "status": status, "reason": reason, "steps_done": len(done),
                 "steps_total": len(steps), "last_step": int(steps[done[-1]]) if len(done) else None,
-                **_flatten(r.attrs.get("spec", {}))}
+                "data_fingerprint": r.attrs.get("data_fingerprint"), **_flatten(r.attrs.get("spec", {}))}
     except StoreError as exc:
         return {"id": rid, "sweep": sweep, "status": "damaged", "reason": str(exc), "steps_done": 0,
                 "steps_total": 0, "last_step": None}
 
 
 def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
-    """One row per run: id, sweep, status, reason, steps_done, steps_total, last_step, then every
-    spec field flattened to a dotted column ("model.depth", "schedule.lr", …).
+    """One row per run: id, sweep, status, reason, steps_done, steps_total, last_step,
+    data_fingerprint (of the data the run was created from), then every spec field flattened to a
+    dotted column ("model.depth", "schedule.lr", …).
 
     Args:
         store: the spectrum store.
@@ -117,7 +118,7 @@ def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -
             continue  # a sweep run not created yet
         rows.append(_run_row(store, rid, member.get(rid)))
     df = pd.DataFrame(rows, columns=None if rows else ["id", "sweep", "status", "reason", "steps_done",
-                                                       "steps_total", "last_step"])
+                                                       "steps_total", "last_step", "data_fingerprint"])
     for key, value in where.items():
         col = key.replace("__", ".")
         if col not in df.columns:

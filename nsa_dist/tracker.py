@@ -39,7 +39,7 @@ from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_input
 from nsa_dist.pipeline.tracked import (RNG_BYTES, ThreadTrackerPool, TrackedRunService, tracked_dims, tracked_spec,
                                        tracked_static)
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
-from nsa_dist.store import SpectrumStore, Status
+from nsa_dist.store import LeaseLost, SpectrumStore, Status
 
 if TYPE_CHECKING:
     from nsa_dist.pipeline.tracked import ExperimentSpec
@@ -91,6 +91,8 @@ class Tracker:
         NonFiniteError: NaN/inf in X or y.
         StoreError: the store holds a run of this name with another spec, data or network.
         TypeError: the model cannot be pickled for Ray workers (cluster set).
+        LeaseLost: (from ``record`` / ``log`` / ``close``) another writer took the run over while this
+            process was paused longer than the lease's ttl; the Tracker closes without writing more.
     """
 
     def __init__(self, store: str | SpectrumStore, name: str, model: nn.Module, X: Any, y: Any,
@@ -128,7 +130,8 @@ class Tracker:
         probe = SpectralAnalyzer(self.spec, self.data, model=_analysis_copy(model))  # sizes only (images, hessian)
         self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
         try:
-            self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params))
+            self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params),
+                                            data_fingerprint=self.data.fingerprint(), token=self._lease.token)
         except BaseException:
             self._lease.release()
             raise
@@ -138,12 +141,13 @@ class Tracker:
         del probe
         self.max_inflight = max_inflight
         if cluster is None:
-            self.pool: Any = ThreadTrackerPool(TrackedRunService(self.store.url, spec_dict, _analysis_copy(model), self.data))
+            self.pool: Any = ThreadTrackerPool(TrackedRunService(self.store.url, spec_dict, _analysis_copy(model),
+                                                                 self.data, token=self._lease.token))
         else:
             from nsa_dist.cluster.tracking import RayTrackerPool
 
             self.pool = RayTrackerPool(cluster, self.store.url, spec_dict, _analysis_copy(model), self.data,
-                                       workers=workers, cpus=worker_cpus, gpus=worker_gpus)
+                                       workers=workers, cpus=worker_cpus, gpus=worker_gpus, token=self._lease.token)
         self.writer.set_status(Status.RUNNING)
         self._pending: tuple[Checkpoint, np.ndarray, np.ndarray] | None = None  # awaiting θ_{t+1}
         self._recorded: set[int] = set()  # steps record() took in this session
@@ -316,6 +320,9 @@ class Tracker:
     def _collect(self, block: bool) -> None:
         try:
             self._take(self.pool.wait(block))
+        except LeaseLost:  # another writer has the run: not a word more from this one
+            self._stop_lost()
+            raise
         except AnalysisError as exc:
             self._abort(exc)
             raise
@@ -343,6 +350,12 @@ class Tracker:
         self.writer.set_status(Status.FAILED, str(exc), exc.step)
         self.closed = True
         self.pool.close()
+        self._lease.release()
+
+    def _stop_lost(self) -> None:
+        """This Tracker's lease was taken over: close without writing (no status, no released lease)."""
+        self.closed = True
+        self._pending = None
         self._lease.release()
 
     def _flush_trace(self) -> None:
@@ -397,6 +410,8 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+        elif issubclass(exc_type, LeaseLost):
+            self._stop_lost()
         elif not self.closed:
             self._pending = None
             try:

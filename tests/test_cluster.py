@@ -258,3 +258,39 @@ def test_sweep_that_cannot_be_placed_fails_fast(local_ray, tmp_path):
     sweep = _sweep("nogpu", cluster={"worker_gpus": 1})
     with pytest.raises(ValueError, match="GPU: needs 2, cluster has 0"):
         SweepCoordinator(sweep, str(tmp_path / "s.zarr")).run()
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_lease_is_taken_over_stops_and_writes_nothing_more(local_ray, tmp_path):
+    """Issue 18: another driver takes the run over mid-sweep (this one was paused beyond its ttl);
+    the trainer's and workers' writes are fenced by this driver's token: run() raises LeaseLost,
+    the status is left to the new owner and its lease is not overwritten."""
+    import time
+
+    from nsa_dist.cluster import SweepCoordinator
+    from nsa_dist.store import LeaseLost
+
+    sweep = _sweep("fenced", base={"steps": 60, "record": {"every": 4}},
+                   cluster={"spectral_workers": 1, "max_inflight": 1})
+    url = str(tmp_path / "s.zarr")
+    coord = SweepCoordinator(sweep, url)
+    (rid,) = coord.runs
+    store = SpectrumStore(url)
+    at_swap: list[int] = []
+
+    def take_over(progress):
+        (p,) = progress
+        if p.done >= 2 and not at_swap:
+            now = time.time()
+            store.write_lease(rid, {"host": "node-7.elsewhere", "pid": 4242, "since": now, "heartbeat": now,
+                                    "ttl": 600.0, "token": "theirs", "released": False})
+            at_swap.append(int(store.reader(rid).done.sum()))
+
+    coord.on_event = take_over
+    with pytest.raises(LeaseLost, match="host node-7.elsewhere, pid 4242, since .* took the run over"):
+        coord.run()
+    info = store.lease_info(rid)
+    assert info.token == "theirs" and not info.released, "the fenced driver released the new owner's lease"
+    r = store.reader(rid)
+    assert r.attrs["status"] == "running", "the fenced driver wrote a status after losing the run"
+    assert at_swap and r.done.sum() <= at_swap[0] + 1, (at_swap, int(r.done.sum()))  # at most the step in flight

@@ -4,7 +4,9 @@ Data flow per run: ``trainer.checkpoint(i)`` → a Checkpoint in the object stor
 zero-copy) → ``worker.analyze_and_write(run, spec, ckpt_ref)`` → chunks of step i in the store.
 The coordinator never fetches checkpoints; it only hands object refs on, keeps at most
 ``max_inflight`` checkpoints of a run waiting, records run status in the store and re-submits
-a (run, step) whose worker died.  Re-running a sweep skips finished steps.
+a (run, step) whose worker died.  Re-running a sweep skips finished steps.  Every write — the
+driver's, its trainers' and workers' — is fenced by the driver's lease token: once another driver
+took a run over, the sweep stops with :class:`~nsa_dist.store.LeaseLost` and writes nothing more.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_acto
 from nsa_dist.cluster.gang import RayGang, check_bundles_fit, gang_bundle
 from nsa_dist.cluster.runtime import cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, run_id, spec_json
-from nsa_dist.store import RunWriter, SpectrumStore, Status
+from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
 __all__ = ["SweepCoordinator", "RunProgress", "check_resources", "resource_demand"]
 
@@ -130,7 +132,7 @@ class SweepCoordinator:
         self.lease = self.store.lease(list(dict.fromkeys(run_id(s) for s in specs)), wait=wait).acquire()
         try:
             for spec in specs:
-                prep = prepare_run(spec, self.store)
+                prep = prepare_run(spec, self.store, self.lease.token)
                 done = prep.writer.done()
                 prog = RunProgress(prep.run_id, len(done), int(done.sum()))
                 gang = spec.spectrum.workers if prep.analyzer.distributed else 0
@@ -166,7 +168,7 @@ class SweepCoordinator:
             while todo or active:
                 while todo and len(active) < limit:
                     r = todo.pop(0)
-                    r.trainer = trainer_actor(r.spec_dict, self.store_url, self.cl, has_gpus)
+                    r.trainer = trainer_actor(r.spec_dict, self.store_url, self.cl, has_gpus, self.lease.token)
                     r.writer.set_status(Status.RUNNING)
                     r.progress.status = Status.RUNNING
                     active.append(r)
@@ -184,7 +186,10 @@ class SweepCoordinator:
             for r in active:
                 if r.trainer is not None:
                     ray.kill(r.trainer, no_restart=True)
-                r.writer.set_status(Status.INTERRUPTED, "sweep interrupted; re-run to resume")
+                try:
+                    r.writer.set_status(Status.INTERRUPTED, "sweep interrupted; re-run to resume")
+                except LeaseLost:
+                    pass  # another driver has the run: it says how it stands
             for w in self.workers:
                 ray.kill(w, no_restart=True)
             for g in [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
@@ -256,7 +261,7 @@ class SweepCoordinator:
             index, ck_ref, attempts = r.queued.pop(0)
             worker = self.pool.pop_idle()
             ref = worker.analyze_and_write.remote(r.progress.run_id, r.spec_dict, ck_ref,
-                                                  gang.pool if gang is not None else None)
+                                                  gang.pool if gang is not None else None, self.lease.token)
             r.inflight[ref] = (index, ck_ref, attempts, worker, gang)
 
     def _wait_and_handle(self, active: list[_Run], poll: float) -> None:
@@ -298,6 +303,9 @@ class SweepCoordinator:
             summary = ray.get(ref)
         except RayTaskError as exc:  # the checkpoint or the analysis raised
             cause = _cause(exc)
+            if isinstance(cause, LeaseLost):  # another driver took the run over: stop, write nothing
+                self._return(worker, gang)
+                raise cause from None
             if isinstance(cause, RayActorError) and gang is not None:  # a gang member died mid-step
                 self._return(worker, gang, broken=True)
                 if attempts < self.cl.max_retries:

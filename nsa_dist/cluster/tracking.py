@@ -18,6 +18,7 @@ from nsa_dist.cluster.actors import tracked_run_workers
 from nsa_dist.cluster.runtime import connect
 from nsa_dist.errors import AnalysisError
 from nsa_dist.pipeline.tracked import analysis_error
+from nsa_dist.store import LeaseLost
 
 __all__ = ["RayTrackerPool"]
 
@@ -36,13 +37,14 @@ class RayTrackerPool:
         store_url, spec, model, data: what each worker builds its analyzer and writer from.
         workers, cpus, gpus: pool size and resources per worker.
         max_retries: re-submissions of a step whose worker died.
+        token: the Tracker's lease token, fencing the workers' writes.
 
     Raises:
         TypeError: the model cannot be pickled for the workers.
     """
 
     def __init__(self, address: str, store_url: str, spec: dict, model: Any, data: Any, *, workers: int = 1,
-                 cpus: float = 1.0, gpus: float = 0.0, max_retries: int = 3) -> None:
+                 cpus: float = 1.0, gpus: float = 0.0, max_retries: int = 3, token: str | None = None) -> None:
         if not ray.is_initialized():
             connect(None if address == "local" else address)
         try:
@@ -52,7 +54,7 @@ class RayTrackerPool:
                             f"({exc}); define its class in an importable module (shipped to the workers with the "
                             "job's runtime_env) or analyse in this process with cluster=None") from exc
         data_ref = ray.put(data)
-        self.workers = tracked_run_workers(store_url, spec, model_ref, data_ref, workers, cpus, gpus)
+        self.workers = tracked_run_workers(store_url, spec, model_ref, data_ref, workers, cpus, gpus, token=token)
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
         self.max_retries = max_retries
         self.run = spec["name"]
@@ -104,6 +106,8 @@ class RayTrackerPool:
                 self._send(ck_ref, step, attempts + 1)
             except Exception as exc:  # noqa: BLE001 - the analysis's own error, unwrapped from Ray's wrapper
                 cause = _cause(exc)
+                if isinstance(cause, LeaseLost):  # not the analysis's failure: another writer has the run
+                    raise cause from None
                 raise analysis_error(self.run, step, cause) from cause
         return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,3 +35,20 @@ class Dataset:
     @property
     def n(self) -> int:
         return int(self.X.shape[0])
+
+    def fingerprint(self) -> str:
+        """``"sha256:<32 hex>"``: a hash of the arrays the run trains and is measured on — X, y,
+        X_test, y_test and the ``extra`` arrays, each with its name, dtype and shape.
+
+        Hashing the loaded arrays, not the files, catches every way the data can change (a file
+        replaced at the same path in any format, a changed loader or normalisation, generated
+        data) and nothing else (a re-compressed file with the same pixels is the same data); X,
+        y, X_test, y_test are what the run stores, so a plain reader can recompute it.
+        """
+        h = hashlib.sha256()
+        named = [("X", self.X), ("y", self.y), ("X_test", self.X_test), ("y_test", self.y_test)]
+        for name, a in named + sorted(self.extra.items()):
+            a = np.ascontiguousarray(a)
+            h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+            h.update(a.reshape(-1).view(np.uint8) if a.size else b"")
+        return f"sha256:{h.hexdigest()[:32]}"

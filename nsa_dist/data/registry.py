@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from nsa_dist.data._dataset import Dataset
 
@@ -11,14 +14,39 @@ if TYPE_CHECKING:
 
 __all__ = ["load_dataset"]
 
+log = logging.getLogger(__name__)
+
 
 def load_dataset(spec: "DataSpec", seed: int = 0) -> Dataset:
     """The train/test split that ``spec`` describes, sampled with ``seed``.
 
     Raises:
         FileNotFoundError: a data file or directory named by ``spec.path`` is missing.
-        ValueError: a file in the wrong format, or more points asked than the data has.
+        ValueError: a path that is a directory or not a regular file, a file in the wrong format,
+            more points asked than the data has, or a training target that is 0 everywhere.
     """
+    data = _load(spec, seed)
+    _check_target(data, spec)
+    return data
+
+
+def _check_target(data: Dataset, spec: "DataSpec") -> None:
+    """Refuse y ≡ 0: every energy E(y, k) = ‖P_k y‖² / ‖y‖² would be 0/0 (a constant image
+    normalises to it); warn about another constant target (nothing to learn but an offset)."""
+    y = np.asarray(data.y)
+    if not y.size:
+        return
+    name = getattr(spec.name, "value", spec.name)
+    what = f"data.path {str(spec.path)!r}" if spec.path else f"the {name} data"
+    if not np.any(y):
+        raise ValueError(f"{what}: every training target y is 0 (a constant image or target normalises to 0), "
+                         "so every energy E(y, k) = ‖P_k y‖²/‖y‖² would be 0/0 — give data whose target varies")
+    if len(y) > 1 and np.all(y == y[:1]):
+        log.warning("%s: every training target y equals %s: a constant target, nothing to learn but an offset",
+                    what, y[0].tolist())
+
+
+def _load(spec: "DataSpec", seed: int) -> Dataset:
     from nsa_dist.config import DataName
 
     name = DataName(spec.name)

@@ -22,7 +22,7 @@ from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
-from nsa_dist.store import RunDims, RunWriter, SpectrumStore, Status
+from nsa_dist.store import LeaseLost, RunDims, RunWriter, SpectrumStore, Status
 
 __all__ = ["PreparedRun", "RunOutcome", "finish_run", "prepare_run", "run_experiment", "run_id", "run_dims",
            "spec_json", "step_plan", "hessian_flags"]
@@ -94,13 +94,19 @@ class PreparedRun:
     writer: RunWriter
 
 
-def prepare_run(spec: ExperimentSpec, store: SpectrumStore) -> PreparedRun:
-    """Load the data, build trainer and analyzer, create (or reopen and check) the run's group."""
+def prepare_run(spec: ExperimentSpec, store: SpectrumStore, token: str | None = None) -> PreparedRun:
+    """Load the data, build trainer and analyzer, create (or reopen and check) the run's group.
+
+    The run records its data's fingerprint when created; reopened with other data (a file
+    replaced at the same path) it is refused (StoreError naming the data and both
+    fingerprints).  ``token``: the writer lease's token, fencing every write of the run.
+    """
     data = load_dataset(spec.data, seed=spec.seed)
     trainer = Trainer(spec, data)
     analyzer = SpectralAnalyzer(spec, data)
     rid = run_id(spec)
-    writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer))
+    writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer),
+                          data_fingerprint=data.fingerprint(), token=token)
     pin_layout(writer, analyzer)
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         static = {"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
@@ -132,15 +138,18 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     live process writes is refused at once (``wait=0``, :class:`~nsa_dist.store.LeaseHeld`
     naming it) or waited for (``wait`` seconds, None: for ever).  Finished steps are skipped,
     training restarts from the last stored checkpoint, a diverging run is marked failed (with
-    the step and the reason) keeping every earlier step.
+    the step and the reason) keeping every earlier step.  Every write is fenced by the lease: a
+    writer whose lease another took over (it was paused longer than the lease's ttl) raises
+    :class:`~nsa_dist.store.LeaseLost` without writing anything more.
     """
-    with store.lease([run_id(spec)], wait=wait):
-        return _run_leased(spec, store, on_step, on_update, on_prepared)
+    with store.lease([run_id(spec)], wait=wait) as lease:
+        return _run_leased(spec, store, on_step, on_update, on_prepared, lease.token)
 
 
-def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, on_prepared) -> RunOutcome:
+def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, on_prepared,
+                token: str) -> RunOutcome:
     torch.manual_seed(spec.seed)
-    run = prepare_run(spec, store)
+    run = prepare_run(spec, store, token)
     if on_prepared:
         on_prepared(run)
     rid, trainer, analyzer, writer = run.run_id, run.trainer, run.analyzer, run.writer
@@ -167,6 +176,8 @@ def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, 
     except TrainingDiverged as exc:
         writer.set_status(Status.FAILED, str(exc), exc.step)
         return RunOutcome(rid, Status.FAILED, str(exc), computed)
+    except LeaseLost:  # the run is another writer's now: not a word more from this one
+        raise
     except (KeyboardInterrupt, SystemExit) as exc:
         writer.set_status(Status.INTERRUPTED, f"interrupted ({type(exc).__name__}); re-run to resume")
         raise

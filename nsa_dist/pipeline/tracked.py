@@ -26,7 +26,7 @@ from nsa_dist.pipeline.model_state import analysis_copy
 from nsa_dist.pipeline.runner import hessian_flags, step_plan
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
-from nsa_dist.store import RunDims, RunWriter, SpectrumStore
+from nsa_dist.store import LeaseLost, RunDims, RunWriter, SpectrumStore
 
 __all__ = ["TrackedRunService", "ThreadTrackerPool", "tracked_spec", "tracked_dims", "tracked_static", "analysis_error", "RNG_BYTES"]
 
@@ -111,16 +111,18 @@ class TrackedRunService:
             each checkpoint's θ_t and :class:`~nsa_dist.pipeline.model_state.ModelState`).
         data: the run's points and targets.
         threads: torch threads (Ray actors: their CPUs).
+        token: the Tracker's lease token, fencing every write (LeaseLost once another took the run).
     """
 
-    def __init__(self, store_url: str, spec: dict, model: nn.Module, data: Dataset, threads: int | None = None) -> None:
+    def __init__(self, store_url: str, spec: dict, model: nn.Module, data: Dataset, threads: int | None = None,
+                 token: str | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.spec = ExperimentSpec.model_validate(spec)
         self.analyzer = SpectralAnalyzer(self.spec, data, model=analysis_copy(model))
         store = SpectrumStore(store_url)
         dims = store.dims(self.spec.name) if store.has_run(self.spec.name) else None  # the run's sizes, as stored
-        self.writer: RunWriter = store.writer(self.spec.name, spec, dims, create=False)
+        self.writer: RunWriter = store.writer(self.spec.name, spec, dims, create=False, token=token)
 
     def pid(self) -> int:
         import os
@@ -159,6 +161,8 @@ class ThreadTrackerPool:
         for fut in done:
             step = self.inflight.pop(fut)
             exc = fut.exception()
+            if isinstance(exc, LeaseLost):  # not the analysis's failure: another writer has the run
+                raise exc
             if exc is not None:
                 raise analysis_error(self.service.spec.name, step, exc) from exc
             out.append(fut.result())

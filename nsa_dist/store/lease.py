@@ -8,6 +8,12 @@ a run whose stored status says ``running`` under an expired (or released) lease 
 object stores alike): write the lease with a random token, wait ``settle`` seconds, read it
 back — whoever's token is there holds it; the other refuses naming the holder.  A lease
 whose writer ran on this host and whose pid is gone is expired at once.
+
+The token is also a *fencing token*: a writer given it (``RunWriter(token=…)``) reads the lease
+back before each write and before committing a step (``done[i]``), and a writer whose lease was
+taken over — it was paused (Ctrl-Z, SIGSTOP, a VM freeze) or cut off longer than the ttl —
+raises :class:`LeaseLost` instead of writing anything more (:func:`check_holder`).  A heartbeat
+alone cannot do this: the paused writer's first act on waking may be a write, not a beat.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from nsa_dist.errors import StoreError
 if TYPE_CHECKING:
     from nsa_dist.store.zarr_store import SpectrumStore
 
-__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "default_ttl", "effective_status"]
+__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status"]
 
 INTERRUPTED_HINT = "re-run to resume"
 
@@ -37,6 +43,26 @@ def default_ttl() -> float:
 
 class LeaseHeld(StoreError):
     """Another live writer holds the run's lease."""
+
+
+class LeaseLost(StoreError):
+    """This writer's lease was taken over by another writer: it must not write anything more."""
+
+
+def check_holder(store: "SpectrumStore", run_id: str, token: str) -> None:
+    """Fencing: return only if the run's lease still carries ``token``.
+
+    Raises:
+        LeaseLost: another writer took the run over (named: host, pid, since when) or the lease
+            was removed; one line, saying that this writer stopped without writing more.
+    """
+    info = store.lease_info(run_id)
+    if info is not None and info.token == token:
+        return
+    who = f"{info.who()} took the run over" if info is not None else f"its lease leases/{run_id} was removed"
+    raise LeaseLost(f"run {run_id!r} in {store.url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
+                    f"lost its lease — {who} (this writer was paused or cut off longer than the lease's ttl); "
+                    "stopped without writing anything more, the other writer finishes the run")
 
 
 @dataclass(frozen=True)
@@ -195,13 +221,20 @@ class Lease:
                 except Exception:  # noqa: BLE001 — a flaky store: try again at the next beat
                     pass
 
+    def _still_ours(self, rid: str) -> bool:
+        info = self.store.lease_info(rid)
+        if info is not None and info.token != self.token:
+            self.lost.append(rid)
+            return False
+        return True
+
     def release(self, run_ids: list[str] | None = None) -> None:
         """Give up the leases (all, or these runs); the heartbeat stops with the last."""
         with self._lock:
             for rid in run_ids if run_ids is not None else list(self.run_ids):
                 if rid in self.run_ids:
                     self.run_ids.remove(rid)
-                    if rid not in self.lost:
+                    if rid not in self.lost and self._still_ours(rid):  # never release another's lease
                         self._write(rid, released=True)
         if not self.run_ids:
             self._stop.set()

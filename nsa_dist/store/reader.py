@@ -70,13 +70,27 @@ class RunReader:
     def array(self, name: str) -> "zarr.Array":
         if name not in self._arrays:
             if not self.has(name):
-                raise StoreError(f"run {self.id!r} has no array {name!r} (not recorded for this spec, or a corrupt store)")
+                raise StoreError(self._absent(name))
             try:
                 self._arrays[name] = self.g[name]
             except _META as exc:
                 raise StoreError(f"run {self.id!r}: {self.path}/{name}/zarr.json is unreadable "
                                  f"({type(exc).__name__}: {exc})") from exc
         return self._arrays[name]
+
+    def _absent(self, name: str) -> str:
+        """Why array ``name`` is not there, truly: still being made, creation interrupted, not part
+        of this run, or missing (damage)."""
+        if self.attrs.get("creating"):
+            if self.store.creation_live(self.id):
+                return (f"run {self.id!r} is still being created (array {name!r} is not made yet); read it again "
+                        "in a moment")
+            return (f"run {self.id!r}: its creation was interrupted before array {name!r} was made; re-run it "
+                    "(nsa run / nsa sweep) to finish creating it")
+        if name in self.specs:
+            return (f"run {self.id!r}: array {name!r} is missing ({self.path}/{name}/zarr.json); run `nsa verify "
+                    f"{self.store.url}`")
+        return f"run {self.id!r} has no array {name!r} (not recorded for this spec)"
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.array(name).shape)
@@ -219,6 +233,7 @@ class Damage:
     path: str
     problem: str
     key: str | None = None  # the chunk's store key (to delete), None for metadata
+    unfinished: bool = False  # not damage: a creation interrupted before its arrays were made (a re-run ends it)
 
     def __str__(self) -> str:
         at = f" step {self.step} (index {self.index})" if self.index is not None else ""
@@ -239,6 +254,12 @@ def verify_run(store: "SpectrumStore", run_id: str) -> list[Damage]:
         r = store.reader(run_id)
     except StoreError as exc:
         return [Damage(run_id, "", None, None, f"{store.run_path(run_id)}/zarr.json", str(exc))]
+    if r.attrs.get("creating"):  # no step can be recorded yet: nothing to check, nothing damaged
+        if store.creation_live(run_id):
+            return []
+        return [Damage(run_id, "", None, None, f"{r.path}/zarr.json", "its creation was interrupted (its writer "
+                       "stopped before making every array); re-run it (nsa run / nsa sweep) to finish creating it",
+                       unfinished=True)]
     out: list[Damage] = []
     steps = None
     for name, a in r.specs.items():
@@ -278,7 +299,8 @@ def verify_run(store: "SpectrumStore", run_id: str) -> list[Damage]:
 
 
 def verify_store(store: "SpectrumStore", run_ids: list[str] | None = None) -> list[Damage]:
-    """Every damaged piece of every run (or of ``run_ids``)."""
+    """Every damaged piece of every run (or of ``run_ids``), and one ``unfinished`` entry for each
+    run whose creation was interrupted (not damage: a plain re-run finishes it)."""
     return [d for rid in (run_ids if run_ids is not None else store.run_ids()) for d in verify_run(store, rid)]
 
 
@@ -287,9 +309,11 @@ def mark_damaged(store: "SpectrumStore", damage: list[Damage]) -> dict[str, list
 
     A damaged static array is deleted chunk-wise and the run's static arrays are rewritten on the
     next run; a damaged ``loss_trace`` chunk makes the re-run train again from before it.  Damaged
-    metadata (a zarr.json) cannot be repaired here: StoreError naming it.  Returns run → the step
-    indices marked not done.
+    metadata (a zarr.json) cannot be repaired here: StoreError naming it.  A run whose creation
+    was interrupted (``unfinished``) is left as it is: a plain re-run finishes it.  Returns run →
+    the step indices marked not done.
     """
+    damage = [d for d in damage if not d.unfinished]
     meta = [d for d in damage if d.key is None and d.index is None]
     if meta:
         raise StoreError("cannot repair damaged metadata (restore it, or delete the run and re-run): "

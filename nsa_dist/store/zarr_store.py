@@ -24,7 +24,7 @@ from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
 from nsa_dist.errors import MissingDependencyError, StoreError
-from nsa_dist.store.lease import Lease, LeaseInfo, effective_status
+from nsa_dist.store.lease import Lease, LeaseInfo, check_holder, effective_status
 from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
                                    run_arrays)
 
@@ -262,12 +262,23 @@ class SpectrumStore:
 
         return RunReader(self, run_id)
 
-    def writer(self, run_id: str, spec: dict, dims: RunDims, *, create: bool = True) -> "RunWriter":
-        """Create run ``run_id``, or reopen it for resuming after checking spec, schema and arrays.
+    def writer(self, run_id: str, spec: dict, dims: RunDims, *, create: bool = True,
+               data_fingerprint: str | None = None, token: str | None = None) -> "RunWriter":
+        """Create run ``run_id``, or reopen it for resuming after checking spec, data, schema and arrays.
 
         A run half made by a killed process (``creating`` still set) is finished here.
         ``create=False`` (cluster workers): the run must exist already — if it does not, this
         node does not see the store the coordinator created it in.
+
+        Args:
+            data_fingerprint: :meth:`Dataset.fingerprint` of the data loaded for this run: recorded
+                when the run is created, compared when it is reopened.
+            token: the writer lease's token; every write is fenced by it (:func:`check_holder`).
+
+        Raises:
+            StoreError: another spec or schema, a missing / mis-shaped array, or data whose
+                fingerprint differs from the run's (one line naming the data and both fingerprints).
+            LeaseLost: ``token`` no longer holds the run's lease.
         """
         if not self.has_run(run_id):
             if not create:
@@ -276,8 +287,9 @@ class SpectrumStore:
             now = time.time()
             g = self.runs.create_group(run_id, attributes={
                 "schema_version": SCHEMA_VERSION, "spec": spec, "dims": dims.to_json(), "status": Status.PENDING,
-                "reason": None, "failed_step": None, "created": now, "updated": now, "creating": True})
-            w = RunWriter(self, run_id, g, dims)
+                "reason": None, "failed_step": None, "created": now, "updated": now, "creating": True,
+                "data_fingerprint": data_fingerprint})
+            w = RunWriter(self, run_id, g, dims, token=token)
             w.finish_creation()
             return w
         g = self.group(run_id)
@@ -290,12 +302,25 @@ class SpectrumStore:
         if diff:
             raise StoreError(f"run {run_id!r} exists in {self.url!r} with a different spec ("
                              + "; ".join(diff[:5]) + "); refusing to overwrite — use another name")
-        w = RunWriter(self, run_id, g, dims)
+        self._check_data(run_id, spec, attrs.get("data_fingerprint"), data_fingerprint)
+        w = RunWriter(self, run_id, g, dims, token=token)
+        if data_fingerprint and not attrs.get("data_fingerprint"):  # a run made before fingerprints
+            w.set_attrs(data_fingerprint=data_fingerprint)
         if attrs.get("creating"):
             w.finish_creation()
         else:
             w.check()
         return w
+
+    def _check_data(self, run_id: str, spec: dict, stored: str | None, loaded: str | None) -> None:
+        """StoreError unless the data loaded now is the data the run was created with."""
+        if not stored or not loaded or stored == loaded:
+            return
+        data = (spec or {}).get("data") or {}
+        what = f"data.path {data['path']!r}" if data.get("path") else f"the {data.get('name', '?')} data"
+        raise StoreError(f"run {run_id!r} in {self.url!r} was created from other data: {what} now loads as "
+                         f"{loaded}, the run holds {stored}; refusing to mix them — start a new run (change the "
+                         f"spec's `name`) or delete this one ({self.run_path(run_id)})")
 
     def dims(self, run_id: str) -> RunDims:
         """The run's array sizes as stored when it was created."""
@@ -319,6 +344,11 @@ class SpectrumStore:
         except ValueError:
             return None  # torn by hand: as good as no lease
 
+    def creation_live(self, run_id: str) -> bool:
+        """Whether a live writer (fresh lease) may still be creating run ``run_id``."""
+        info = self.lease_info(run_id)
+        return info is not None and info.fresh()
+
     def write_lease(self, run_id: str, attrs: dict[str, Any]) -> None:
         """Write the lease group's metadata in one put (readers never see it half written)."""
         if not self._exists("leases/zarr.json"):
@@ -333,11 +363,14 @@ class RunWriter:
 
     ``write_step`` checks the step's result against the schema (:class:`StepRecord`), writes
     its arrays and its resume state, then sets ``done[i]`` last: a step counts as recorded only
-    once everything it holds is stored.
+    once everything it holds is stored.  With a lease ``token`` every write is fenced: it is
+    made only while the run's lease still carries the token, and ``done[i]`` is committed only
+    after checking again (:class:`~nsa_dist.store.lease.LeaseLost` otherwise).
     """
 
-    def __init__(self, store: SpectrumStore, run_id: str, group: zarr.Group, dims: RunDims) -> None:
-        self.store, self.run_id, self.g, self.dims = store, run_id, group, dims
+    def __init__(self, store: SpectrumStore, run_id: str, group: zarr.Group, dims: RunDims,
+                 token: str | None = None) -> None:
+        self.store, self.run_id, self.g, self.dims, self.token = store, run_id, group, dims, token
         self.specs: dict[str, ArraySpec] = {a.name: a for a in run_arrays(dims)}
         self._lock = threading.Lock()
         self._masks: dict[str, np.ndarray] | None = None
@@ -358,9 +391,15 @@ class RunWriter:
             return False
         return tuple(arr.shape) == a.shape and np.dtype(arr.dtype) == np.dtype(a.dtype)
 
+    def fence(self) -> None:
+        """LeaseLost unless this writer (given a token) still holds the run's lease."""
+        if self.token is not None:
+            check_holder(self.store, self.run_id, self.token)
+
     def finish_creation(self) -> None:
         """Create every array that is missing or unreadable (no step can be recorded yet), then
         clear ``creating``."""
+        self.fence()
         for a in self.specs.values():
             if not self._array_ok(a):
                 self._create(a, overwrite=True)
@@ -398,6 +437,7 @@ class RunWriter:
 
     def set_attrs(self, **attrs: Any) -> None:
         """Run attributes other than the status (e.g. the analysis layout chosen and why)."""
+        self.fence()
         with self._lock:
             self.g.attrs.update(attrs)
 
@@ -421,6 +461,7 @@ class RunWriter:
             raise StoreError(f"run {self.run_id!r}: static arrays do not match the store schema ("
                              + "; ".join(p for p in (unknown and f"unknown {', '.join(unknown)}",
                                                      missing and f"missing {', '.join(missing)}") if p) + ")")
+        self.fence()
         for name, value in arrays.items():
             v = np.asarray(value)
             if tuple(v.shape) != self.specs[name].shape:
@@ -461,21 +502,25 @@ class RunWriter:
         if theta.shape != (self.dims.P,):
             raise StoreError(f"run {self.run_id!r} step index {index}: theta has shape {theta.shape}, the store "
                              f"holds ({self.dims.P},) (nothing of this step was written)")
+        self.fence()
         for name, value in rec.values.items():
             self._out(name)[index] = value
         self._out("theta")[index] = theta
         if self.dims.n_slots:
             self._out("opt_slots")[index] = state.slots
         self._out("rng_state")[index] = state.rng
+        self.fence()  # commit: the step counts only if this writer still held the run throughout
         self._out("done")[index] = True
 
     def mark_not_done(self, indices: list[int]) -> None:
         """Forget recorded steps (their data is damaged): a re-run recomputes them."""
+        self.fence()
         for i in indices:
             self._out("done")[i] = False
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
         if len(values):
+            self.fence()
             self._out("loss_trace")[start:start + len(values)] = values
 
     def resume_index(self, before: int | None = None) -> int | None:
@@ -506,6 +551,7 @@ class RunWriter:
         """A post-run array (e.g. spectrum preservation), replaced if present."""
         if name in self.specs or name in STATE_ARRAYS:
             raise StoreError(f"run {self.run_id!r}: {name!r} is a schema array; write it with write_step/write_static")
+        self.fence()
         self.g.create_array(name, shape=value.shape, dtype=value.dtype, overwrite=True, compressors=CODECS(),
                             dimension_names=dimension_names(name, value.ndim),
                             attributes=dict(attrs or {}))[...] = value
