@@ -165,6 +165,17 @@ def test_theory_arrays_match_dense_references(tmp_path, k):
         assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j], np.trace(S))
         np.testing.assert_allclose(trS["hutchpp"][j], np.trace(S), rtol=1e-7, atol=1e-12)
         np.testing.assert_allclose(run.hessian_S_norms()["op"][j], np.abs(np.linalg.eigvalsh(S)).max(), rtol=1e-5)
+    from nsa_dist.hessian.s_limit import limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
+
+    ker = limit_S_kernels(X, depth=2, activation="atan", bias_scale=spec.model.bias_scale)
+    pred = run.hessian_S_limit()
+    for j, t in enumerate(run.hessian_steps):  # the recorded limits of S are the library's at this run's data
+        np.testing.assert_allclose(pred["trace_S_init"][j], limit_trace_S_init(ker), rtol=1e-10)
+        np.testing.assert_allclose(pred["trace_S"][j], limit_trace_S_gd(ker, y.numpy(), [0.5] * int(t), [int(t)])[0],
+                                   rtol=1e-10)
+        grad_C = (run.outputs(int(t)).reshape(-1).astype(np.float64) - y.numpy()) / len(y)
+        np.testing.assert_allclose(pred["trace_S2"][j], limit_trace_S2(ker.upsilon, grad_C), rtol=1e-4)
+    assert np.isclose(pred["trace_S"][0], pred["trace_S_init"][0], rtol=1e-12) and pred["trace_S"][-1] != pred["trace_S"][0], pred
     norms = run.hessian_S_norms()
     assert np.all(norms["op"] <= norms["k4"] * (1 + 1e-9)) and np.all(norms["k4"] <= norms["k2"] * (1 + 1e-9)), norms
 
