@@ -326,7 +326,7 @@ class Run:
         return {"value": o[:, 0], "stderr": o[:, 1]}
 
     def hessian_rayleigh(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """The Hessian paper's Fig. 2 at ``step`` (default: the last analysed).
+        """The Hessian paper's Fig. 3 at ``step`` (default: the last analysed).
 
         {"I": (2, k) [vᵀIv; vᵀSv] over the top-k eigenvectors of I, "S": the same over S's,
         "evals_I", "evals_S": their eigenvalues}.

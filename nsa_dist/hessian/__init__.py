@@ -7,7 +7,7 @@
   error, products); exact: :func:`gauss_newton_moments` / :func:`gauss_newton_eigenvalues` (I from
   the NTK Gram), :func:`dense_moments` (small P).
 * Orthogonality of I and S — :func:`orthogonality` (``‖IS‖_F / (‖I‖_F ‖S‖_F)``),
-  :func:`rayleigh_quotients` (Fig. 2).
+  :func:`rayleigh_quotients` (Fig. 3).
 * Extreme eigenpairs — :func:`extreme_eigenpairs` (largest / smallest / magnitude, Lanczos),
   :func:`edge_of_stability` (``λ_max δ / 2``).
 * Spectral density — :func:`slq_density` (stochastic Lanczos quadrature).

@@ -68,7 +68,7 @@ class HessianAnalysis:
 
     Everything is matrix-free (Hessian-vector products with torch.func, float64): moments by
     Hutch++ with standard errors plus exact Tr(I^k) from the NTK Gram, orthogonality of I and S,
-    the Fig. 2 Rayleigh quotients, top eigenvalues by Lanczos, and the SLQ density of H.
+    the Fig. 3 Rayleigh quotients, top eigenvalues by Lanczos, and the SLQ density of H.
     """
 
     def __init__(self, spec: ExperimentSpec, X: torch.Tensor, y: np.ndarray, n_params: int) -> None:
