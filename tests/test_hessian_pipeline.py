@@ -112,6 +112,23 @@ def test_every_hessian_plot_title_follows_the_papers_numbering(hess_run):
             assert f"Fig. {name.split('_fig')[1][0]} " in title, (name, title)
 
 
+def test_the_limits_of_S_apply_only_where_derived():
+    """NaN, with the reason, for a non-NTK init (as the limit of I) and for relu (σ̈ is needed)."""
+    from nsa_dist.pipeline.hessian_step import HessianAnalysis
+
+    X, y = torch.zeros(4, 2), np.zeros(4)
+    F = torch.zeros(4, 1, dtype=torch.float64)
+    for model, why in (({"init": "xavier", "activation": "tanh"}, "init='xavier'"),
+                       ({"init": "ntk", "activation": "relu"}, "smooth σ")):
+        h = HessianAnalysis(ExperimentSpec(**{**SPEC, "model": {"depth": 2, "width": 4, **model}}), X, y, 20)
+        assert why in h.s_limit_reason(), h.s_limit_reason()
+        assert np.isnan(h._limit_S(F, 3)).all()
+    h = HessianAnalysis(ExperimentSpec(**{**SPEC, "model": {"depth": 2, "width": 4, "init": "ntk", "activation": "tanh"},
+                                         "optimizer": {"name": "adam"}}), X, y, 20)
+    out = h._limit_S(F, 3)  # the GD prediction needs plain GD; E[Tr S] at t = 0 and Tr(S²) do not
+    assert h.s_limit_reason() is None and np.isnan(out[1]) and np.isfinite(out[[0, 2]]).all(), out
+
+
 def test_hessian_spec_errors():
     with pytest.raises(ValueError, match=r"hessian.steps \[7\] are not recorded steps"):
         ExperimentSpec(**{**SPEC, "hessian": {"steps": [0, 7]}})

@@ -67,6 +67,14 @@ def test_theta_of_the_recursion_is_limit_ntk():
     assert torch.allclose(k.theta, ref, rtol=1e-5), (k.theta - ref).abs().max()
 
 
+def test_a_callable_sigma_by_autograd_equals_the_closed_forms():
+    x = _x(5)
+    a = limit_S_kernels(x, depth=3, activation=torch.tanh, bias_scale=BETA)
+    b = limit_S_kernels(x, depth=3, activation="tanh", bias_scale=BETA)
+    for name in ("sigma", "theta", "phi", "upsilon", "lam"):
+        assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-12, atol=1e-14), name
+
+
 def test_relu_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="smooth σ"):
         limit_S_kernels(_x(), depth=3, activation="relu")

@@ -41,11 +41,15 @@ The consequences computed here (one output; a K-output net has ``⊗ Id_K``):
   (the paper's MSE formulae of Theorem 1 in discrete time; E over the initialisation, with
   ``E[R₀R₀ᵀ] = Σ̃ + y yᵀ`` and ``E[G₀ R₀ᵀ] = Φ̃ᵀ``).
 
-Smooth σ only (the paper's setting needs σ̈, σ⃛): relu / leaky_relu are refused.
+Smooth σ only (the paper's setting needs σ̈, σ⃛): relu / leaky_relu are refused.  The recursions
+are derived here from the definitions above (the paper's appendix states its own; tests/test_s_limit.py
+checks each kernel and prediction against finite-width networks: Monte-Carlo over initialisations,
+probes, dense float64 Hessians, trained ensembles).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,13 +57,14 @@ import numpy as np
 import torch
 
 from nsa_dist.config import Activation
-from nsa_dist.ntk.limit import _ACTIVATIONS, _as_points, _check_options, _cos_angle
+from nsa_dist.models import SOFTPLUS_SCALE, SOFTPLUS_SHIFT
+from nsa_dist.ntk.limit import _as_points, _check_options, _cos_angle
 
 __all__ = ["SKernels", "limit_S_kernels", "limit_trace_S_init", "limit_trace_S2", "limit_trace_S_gd"]
 
 _F64 = torch.float64
 _QUAD_ELEMS = 2 ** 21
-_PAIRS = ((0, 0), (1, 1), (0, 2), (2, 0), (2, 2), (3, 1))  # (a, b) of 𝕃^{σ^(a), σ^(b)} needed
+_PAIRS = ((0, 0), (1, 1), (0, 2), (2, 0), (2, 2), (3, 1), (1, 3))  # (a, b) of 𝕃^{σ^(a), σ^(b)} on i ≤ j
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,45 @@ class SKernels:
     lam: torch.Tensor
 
 
-def _derivatives(phi: Callable[[torch.Tensor], torch.Tensor], u: torch.Tensor) -> list[torch.Tensor]:
+_Derivs = Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def _tanh(u: torch.Tensor) -> list[torch.Tensor]:
+    t = torch.tanh(u)
+    d1 = 1 - t * t
+    return [t, d1, -2 * t * d1, d1 * (6 * t * t - 2)]
+
+
+def _atan(u: torch.Tensor) -> list[torch.Tensor]:
+    r = 1 / (1 + u * u)
+    return [torch.atan(u), r, -2 * u * r * r, (6 * u * u - 2) * r ** 3]
+
+
+def _softplus(u: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> list[torch.Tensor]:
+    s = torch.sigmoid(u)
+    d2 = s * (1 - s)
+    return [(torch.nn.functional.softplus(u) - shift) / scale, s / scale, d2 / scale, d2 * (1 - 2 * s) / scale]
+
+
+def _erf(u: torch.Tensor) -> list[torch.Tensor]:
+    d1 = 2 / math.sqrt(math.pi) * torch.exp(-u * u)
+    return [torch.erf(u), d1, -2 * u * d1, (4 * u * u - 2) * d1]
+
+
+def _gelu(u: torch.Tensor) -> list[torch.Tensor]:
+    pdf = torch.exp(-0.5 * u * u) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + torch.erf(u / math.sqrt(2)))
+    return [u * cdf, cdf + u * pdf, pdf * (2 - u * u), pdf * (u ** 3 - 4 * u)]
+
+
+_CLOSED: dict[Activation, _Derivs] = {
+    Activation.TANH: _tanh, Activation.ATAN: _atan, Activation.SOFTPLUS: _softplus, Activation.ERF: _erf,
+    Activation.GELU: _gelu,
+    Activation.SOFTPLUS_NORMALIZED: lambda u: _softplus(u, SOFTPLUS_SCALE, SOFTPLUS_SHIFT),
+}  # [σ, σ̇, σ̈, σ⃛] in closed form (a callable σ gets them by autograd)
+
+
+def _autograd_derivatives(phi: Callable[[torch.Tensor], torch.Tensor], u: torch.Tensor) -> list[torch.Tensor]:
     """[σ, σ̇, σ̈, σ⃛](u) by nested autograd (zeros once a derivative no longer depends on u)."""
     with torch.enable_grad():
         u = u.detach().requires_grad_(True)
@@ -96,7 +139,7 @@ def _derivatives(phi: Callable[[torch.Tensor], torch.Tensor], u: torch.Tensor) -
     return [t.detach() for t in out]
 
 
-def _expectations(phi: Callable[[torch.Tensor], torch.Tensor], n: int, k11: torch.Tensor, k22: torch.Tensor,
+def _expectations(derivs: _Derivs, n: int, k11: torch.Tensor, k22: torch.Tensor,
                   k12: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
     """``𝕃^{σ^(a), σ^(b)}`` for the (a, b) of ``_PAIRS`` on broadcast (k11, k22, k12), by n×n
     Gauss–Hermite quadrature: u = √k11 z₁, u′ = √k22 (ρ z₁ + √(1 − ρ²) z₂)."""
@@ -111,27 +154,42 @@ def _expectations(phi: Callable[[torch.Tensor], torch.Tensor], n: int, k11: torc
     chunk = max(1, _QUAD_ELEMS // (n * n))
     for s in range(0, k12.numel(), chunk):
         c = slice(s, s + chunk)
-        du = _derivatives(phi, s1[c, None] * z)  # 4 × (c, n)
+        du = derivs(s1[c, None] * z)  # 4 × (c, n)
         v = torch.addcmul((s2[c] * rho[c])[:, None, None] * z[:, None],
                           (s2[c] * (1 - rho[c] ** 2).clamp_min(0).sqrt())[:, None, None], z)  # (c, n, n)
-        dv = [d @ w for d in _derivatives(phi, v)]  # 4 × (c, n): E over z₂ given z₁
+        dv = [d @ w for d in derivs(v)]  # 4 × (c, n): E over z₂ given z₁
         for a, b in _PAIRS:
             out[(a, b)][c] = (du[a] * dv[b]) @ w
     return {p: t.reshape(shape) for p, t in out.items()}
 
 
-def _smooth_activation(activation: str | Activation | Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+def _pair_matrices(derivs: _Derivs, n: int, K: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
+    """(N, N) ``𝕃^{σ^(a), σ^(b)}_K`` for the (a, b) of ``_PAIRS``, evaluated on i ≤ j only:
+    ``𝕃^{a,b}(x_j, x_i) = 𝕃^{b,a}(x_i, x_j)``."""
+    i, j = torch.triu_indices(*K.shape)
+    d = K.diagonal()
+    e = _expectations(derivs, n, d[i], d[j], (K[i, j] + K[j, i]) / 2)
+    out = {}
+    for a, b in _PAIRS:
+        M = torch.empty_like(K)
+        M[i, j], M[j, i] = e[(a, b)], e[(b, a)]
+        out[(a, b)] = M
+    return out
+
+
+def _smooth_activation(activation: str | Activation | Callable) -> _Derivs:
+    """[σ, σ̇, σ̈, σ⃛] of a smooth activation (closed forms) or of a callable σ (autograd)."""
     if callable(activation) and not isinstance(activation, (str, Activation)):
-        return activation
+        return lambda u: _autograd_derivatives(activation, u)
     try:
         act = Activation(activation)
     except ValueError:
         allowed = ", ".join(repr(a.value) for a in Activation)
         raise ValueError(f"activation={activation!r} is not one of {allowed} (or a callable σ)") from None
-    if act in (Activation.RELU, Activation.LEAKY_RELU):
+    if act not in _CLOSED:
         raise ValueError(f"activation={act.value!r}: the limits of S need a smooth σ (σ̈ and σ⃛ enter Φ, Υ, Λ); "
                          "use tanh, erf, softplus, softplus_normalized, atan or gelu")
-    return torch.erf if act is Activation.ERF else _ACTIVATIONS[act][0]
+    return _CLOSED[act]
 
 
 def limit_S_kernels(x: torch.Tensor | np.ndarray, *, depth: int,
@@ -139,7 +197,8 @@ def limit_S_kernels(x: torch.Tensor | np.ndarray, *, depth: int,
                     bias_scale: float = 0.1, quadrature: int = 64) -> SKernels:
     """Σ̃, Θ̃∞, Φ̃, Υ̃, Λ̃ at the points x, by the recursions of the module docstring.
 
-    Cost: ``(depth − 1) · N² · quadrature²`` evaluations of σ and its first three derivatives.
+    Cost: ``(depth − 1) · N(N + 1)/2 · quadrature²`` evaluations of σ and its first three
+    derivatives (closed forms for the named activations): about 4× :func:`~nsa_dist.ntk.limit_ntk`.
 
     Args:
         x: (N, d) points.
@@ -157,15 +216,14 @@ def limit_S_kernels(x: torch.Tensor | np.ndarray, *, depth: int,
         ValueError: depth < 1, quadrature < 2, bias_scale < 0, relu / leaky_relu or an unknown activation.
     """
     _check_options(depth, 0.0, bias_scale, quadrature)
-    phi_fn = _smooth_activation(activation)
+    derivs = _smooth_activation(activation)
     a = _as_points(x, "x")
     beta2, n0 = float(bias_scale) ** 2, a.shape[1]
     sigma = a @ a.T / n0 + beta2  # (N, N) Σ⁽¹⁾
     theta = sigma.clone()
     phi, ups, lam = (torch.zeros_like(sigma) for _ in range(3))
     for _ in range(depth - 1):
-        d = sigma.diagonal()
-        E = _expectations(phi_fn, int(quadrature), d[:, None], d[None, :], sigma)
+        E = _pair_matrices(derivs, int(quadrature), sigma)
         sdot = E[(1, 1)]  # Σ̇⁽ᴸ⁾
         D = theta.diagonal() + phi.diagonal()  # (N,) Θ(x, x) + Φ(x, x)
         phi_new = phi * sdot + D[None, :] * E[(0, 2)]
