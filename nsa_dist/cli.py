@@ -268,6 +268,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
     t.add_row("alignment", *(f"{run.alignment['raw'][i]:.4f}" for i in cols))
     t.add_row("first-order error", *(f"{run.first_order['error'][i]:.4f}" for i in cols))
     con.print(t)
+    from nsa_dist._show import hessian_table
+
+    ht = hessian_table(run)
+    if ht is not None:
+        con.print(ht)
     from nsa_dist.plots._axes import gd_note
 
     if gd_note(run):

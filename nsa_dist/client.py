@@ -332,7 +332,7 @@ class Run:
         return {"value": o[:, 0], "stderr": o[:, 1]}
 
     def hessian_rayleigh(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """The Hessian paper's Fig. 2 at ``step`` (default: the last analysed).
+        """The Hessian paper's Fig. 3 at ``step`` (default: the last analysed).
 
         {"I": (2, k) [vᵀIv; vᵀSv] over the top-k eigenvectors of I, "S": the same over S's,
         "evals_I", "evals_S": their eigenvalues}.
@@ -375,6 +375,14 @@ class Run:
         model Hessian) with "G_stderr", and "hutchpp" (Hutch++ on S) with "hutchpp_stderr"."""
         g, m = self._hessian("hessian_trace_S_G"), self.hessian_moments("S")
         return {"G": g[:, 0], "G_stderr": g[:, 1], "hutchpp": m["estimate"][:, 0], "hutchpp_stderr": m["stderr"][:, 0]}
+
+    def hessian_S_limit(self) -> dict[str, np.ndarray]:
+        """The infinite-width predictions for S along the analysed steps (the Hessian paper,
+        Proposition 4 and Theorem 1; :mod:`nsa_dist.hessian.s_limit`), (Sh,) each, NaN where a
+        prediction does not apply: "trace_S_init" E[Tr S] at initialisation (MSE: K Tr(Φ̃)/N),
+        "trace_S" E[Tr S_t] along plain GD (MSE), "trace_S2" Tr(S²) = ∇C_tᵀ (Υ̃ ⊗ Id) ∇C_t."""
+        a = self._hessian("hessian_S_limit")
+        return {"trace_S_init": a[:, 0], "trace_S": a[:, 1], "trace_S2": a[:, 2]}
 
     def hessian_G(self, step: int | None = None) -> dict[str, np.ndarray]:
         """G_i = Σ_p ∂²f(x_i)/∂θ_p² at ``step`` (default: the last analysed): {"estimate", "stderr"} (N,) or (N, K)."""

@@ -379,7 +379,7 @@ class HessianSpec(_Strict):
     moments: bool = Field(True, description="Tr(A^k), k = 1..4, A in H, I, S (Hutch++) and exact Tr(I^k)")
     probes: int = Field(16, ge=1, description="random probes of the moment / orthogonality estimates")
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
-    rayleigh_k: int = Field(20, ge=0, description="Fig. 2: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)")
+    rayleigh_k: int = Field(20, ge=0, description="Hessian paper Fig. 3: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)")
     top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos, and ‖S‖_op = max |λ(S)| (0: off)")
     eig_tol: float = Field(1e-6, gt=0, lt=1, description="Lanczos residual tolerance of those eigenpairs "
                            "(relative to |λ|_max); S's clustered spectrum edge converges slowly below ~1e-4")

@@ -75,12 +75,58 @@ def test_recorded_hessian_quantities_match_dense_references(hess_run):
 
 def test_hessian_figures_and_unrecorded_steps(hess_run, tmp_path):
     run, _ = hess_run
-    names = ["hessian_moments", "hessian_orthogonality", "hessian_fig2_rayleigh", "hessian_edge_of_stability",
+    names = ["hessian_moments", "hessian_orthogonality", "hessian_fig3_rayleigh", "hessian_edge_of_stability",
              "hessian_density", "hessian_I_spectrum", "hessian_additivity", "hessian_trace_S", "hessian_S_norms"]
     paths = plot_run(run, tmp_path, figures=names)
     assert [p.stem for p in paths] == names and all(p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(KeyError, match="not a finished recorded step"):
         run.hessian_density(7)
+
+
+# The Hessian paper's numbering: its text says "Figure 1" for the moments along training (the sign of
+# Tr(S) per nonlinearity) and "Figure 3 illustrates the mutual orthogonality of I and S"; figures it
+# does not have name the statement they draw (Theorem 1, Proposition 4, the kernel PCA of I).
+_TITLES = {
+    "hessian_moments": "Hessian paper Fig. 1 — moments",
+    "hessian_orthogonality": "Hessian paper Fig. 3 — orthogonality of I and S",
+    "hessian_fig3_rayleigh": "Hessian paper Fig. 3 — Rayleigh quotients",
+    "hessian_additivity": "Hessian paper, Theorem 1 — additivity",
+    "hessian_trace_S": "Hessian paper, Proposition 4 — Tr(S)",
+    "hessian_S_norms": "Hessian paper, Proposition 4, consequence 2 — ‖S‖_op",
+    "hessian_I_spectrum": "Hessian paper, § the matrix I (kernel PCA of Θ∞) — eigenvalues of I",
+    "hessian_density": "Hessian paper, § the matrix I (a few large eigenvalues, a bulk) — spectral density",
+    "hessian_edge_of_stability": "Hessian paper — edge of stability",
+}
+
+
+def test_every_hessian_plot_title_follows_the_papers_numbering(hess_run):
+    from nsa_dist.plots import FIGURES, make_figure
+
+    run, _ = hess_run
+    assert {n for n in FIGURES if n.startswith("hessian_")} == set(_TITLES), "a Hessian figure without a checked title"
+    for name, want in _TITLES.items():
+        title = make_figure(run, name).get_suptitle().split("\n")[0]
+        assert title.startswith(want), f"{name}: {title!r} should start with {want!r}"
+        assert "Fig. —" not in title and "— —" not in title, title
+        if "_fig" in name:  # a figure named after its number carries that number
+            assert f"Fig. {name.split('_fig')[1][0]} " in title, (name, title)
+
+
+def test_the_limits_of_S_apply_only_where_derived():
+    """NaN, with the reason, for a non-NTK init (as the limit of I) and for relu (σ̈ is needed)."""
+    from nsa_dist.pipeline.hessian_step import HessianAnalysis
+
+    X, y = torch.zeros(4, 2), np.zeros(4)
+    F = torch.zeros(4, 1, dtype=torch.float64)
+    for model, why in (({"init": "xavier", "activation": "tanh"}, "init='xavier'"),
+                       ({"init": "ntk", "activation": "relu"}, "smooth σ")):
+        h = HessianAnalysis(ExperimentSpec(**{**SPEC, "model": {"depth": 2, "width": 4, **model}}), X, y, 20)
+        assert why in h.s_limit_reason(), h.s_limit_reason()
+        assert np.isnan(h._limit_S(F, 3)).all()
+    h = HessianAnalysis(ExperimentSpec(**{**SPEC, "model": {"depth": 2, "width": 4, "init": "ntk", "activation": "tanh"},
+                                         "optimizer": {"name": "adam"}}), X, y, 20)
+    out = h._limit_S(F, 3)  # the GD prediction needs plain GD; E[Tr S] at t = 0 and Tr(S²) do not
+    assert h.s_limit_reason() is None and np.isnan(out[1]) and np.isfinite(out[[0, 2]]).all(), out
 
 
 def test_hessian_spec_errors():
@@ -138,12 +184,13 @@ _THEORY = dict(name="theory", data={"n": 10}, model={"depth": 2, "width": 5, "in
 
 
 @pytest.mark.parametrize("k", ["all", 4])
-def test_theory_arrays_match_dense_references(tmp_path, k):
+def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
     """Exact I (reused Gram, both k), its Θ∞ limit, the additivity gap, Tr(S) by G, ‖S‖_op."""
     from nsa_dist.hessian import limit_gauss_newton_eigenvalues
     from nsa_dist.ntk import limit_ntk
 
     run, spec = _run(tmp_path, **{**_THEORY, "spectrum": {"k": k, "images": []}})
+    url = str(tmp_path / "s.zarr")
     data = load_dataset(spec.data, seed=spec.seed)
     X, y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y)
     lim = limit_gauss_newton_eigenvalues(limit_ntk(X, depth=2, activation="atan"))
@@ -165,6 +212,37 @@ def test_theory_arrays_match_dense_references(tmp_path, k):
         assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j], np.trace(S))
         np.testing.assert_allclose(trS["hutchpp"][j], np.trace(S), rtol=1e-7, atol=1e-12)
         np.testing.assert_allclose(run.hessian_S_norms()["op"][j], np.abs(np.linalg.eigvalsh(S)).max(), rtol=1e-5)
+    from nsa_dist.hessian.s_limit import limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
+
+    ker = limit_S_kernels(X, depth=2, activation="atan", bias_scale=spec.model.bias_scale)
+    pred = run.hessian_S_limit()
+    for j, t in enumerate(run.hessian_steps):  # the recorded limits of S are the library's at this run's data
+        np.testing.assert_allclose(pred["trace_S_init"][j], limit_trace_S_init(ker), rtol=1e-10)
+        np.testing.assert_allclose(pred["trace_S"][j], limit_trace_S_gd(ker, y.numpy(), [0.5] * int(t), [int(t)])[0],
+                                   rtol=1e-10)
+        grad_C = (run.outputs(int(t)).reshape(-1).astype(np.float64) - y.numpy()) / len(y)
+        np.testing.assert_allclose(pred["trace_S2"][j], limit_trace_S2(ker.upsilon, grad_C), rtol=1e-4)
+    from nsa_dist.plots import make_figure
+
+    fig = make_figure(run, "hessian_trace_S")  # the limits drawn beside the measured Tr(S) with error bars
+    lines = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
+    np.testing.assert_array_equal(lines["limit E[Tr $S_t$] (MSE GD)"].get_ydata(), pred["trace_S"])
+    assert any(c.get_label() == "Hutch++ on S" for c in fig.axes[0].containers), "measured Tr(S) has error bars"
+    fig = make_figure(run, "hessian_moments")
+    lines = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
+    np.testing.assert_array_equal(lines[r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$"].get_ydata(), pred["trace_S2"])
+    assert np.isclose(pred["trace_S"][0], pred["trace_S_init"][0], rtol=1e-12) and pred["trace_S"][-1] != pred["trace_S"][0], pred
+    from nsa_dist.cli import main
+
+    assert main(["show", run.id, "--store", url]) == 0
+    out = capsys.readouterr().out
+    m, top = run.hessian_moments("S"), run.hessian_top("H")[:, 0]
+    for j in range(len(run.hessian_steps)):  # every number printed is the run's (2 analysed steps: both shown)
+        for want in (f"{m['estimate'][j, 1]:.4g}", f"{top[j]:.4g}", f"{pred['trace_S2'][j]:.4g}",
+                     f"{pred['trace_S'][j]:.4g}", f"{trS['G'][j]:.4g} ± {trS['G_stderr'][j]:.2g}"):
+            assert want in out, f"nsa show lacks {want!r}:\n{out}"
+    for label in ("Tr(S^2)", "λ_max(H)", "E[Tr S₀] limit", "E[Tr S_t] limit", "Tr(S²) limit", "Hutch++ ± s.e."):
+        assert label in out, out
     norms = run.hessian_S_norms()
     assert np.all(norms["op"] <= norms["k4"] * (1 + 1e-9)) and np.all(norms["k4"] <= norms["k2"] * (1 + 1e-9)), norms
 

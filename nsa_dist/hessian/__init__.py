@@ -7,13 +7,16 @@
   error, products); exact: :func:`gauss_newton_moments` / :func:`gauss_newton_eigenvalues` (I from
   the NTK Gram), :func:`dense_moments` (small P).
 * Orthogonality of I and S — :func:`orthogonality` (``‖IS‖_F / (‖I‖_F ‖S‖_F)``),
-  :func:`rayleigh_quotients` (Fig. 2).
+  :func:`rayleigh_quotients` (Fig. 3).
 * Extreme eigenpairs — :func:`extreme_eigenpairs` (largest / smallest / magnitude, Lanczos),
   :func:`edge_of_stability` (``λ_max δ / 2``).
 * Spectral density — :func:`slq_density` (stochastic Lanczos quadrature).
 * The paper's predictions — :func:`additivity_gap` (Theorem 1, shared probes),
   :func:`output_hessian_traces` / :func:`trace_S_from_G` (Tr(S) = ∇Cᵀ·G),
   :func:`limit_gauss_newton_eigenvalues` (I from Θ∞), :func:`numerical_ranks` (rank bounds).
+* The limits of S — :func:`limit_S_kernels` (Φ̃, Υ̃, Λ̃ by recursion), :func:`limit_trace_S_init`
+  (E[Tr S] at initialisation), :func:`limit_trace_S2` (Tr(S²) = ∇Cᵀ Υ̃ ∇C),
+  :func:`limit_trace_S_gd` (E[Tr S_t] along MSE GD).
 """
 
 from nsa_dist.hessian._loss import Loss
@@ -36,6 +39,7 @@ from nsa_dist.hessian.operators import (
     hessian_parts,
 )
 from nsa_dist.hessian.orthogonality import Orthogonality, RayleighQuotients, orthogonality, rayleigh_quotients
+from nsa_dist.hessian.s_limit import SKernels, limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
 from nsa_dist.hessian.slq import SpectralDensity, slq_density
 from nsa_dist.hessian.theory import (
     OutputTraces,
@@ -80,4 +84,9 @@ __all__ = [
     "power_moments",
     "Ranks",
     "numerical_ranks",
+    "SKernels",
+    "limit_S_kernels",
+    "limit_trace_S_init",
+    "limit_trace_S2",
+    "limit_trace_S_gd",
 ]

@@ -1,7 +1,7 @@
-"""How orthogonal I and S are: ``‖IS‖_F / (‖I‖_F ‖S‖_F)``, and the Rayleigh quotients of Fig. 2.
+"""How orthogonal I and S are: ``‖IS‖_F / (‖I‖_F ‖S‖_F)``, and the Rayleigh quotients of Fig. 3.
 
 The Hessian paper shows I and S are asymptotically mutually orthogonal (``‖IS‖_F → 0``
-relative to their norms), so the moments add: ``Tr(H^k) ≈ Tr(I^k) + Tr(S^k)``.  Its Fig. 2
+relative to their norms), so the moments add: ``Tr(H^k) ≈ Tr(I^k) + Tr(S^k)``.  Its Fig. 3
 shows it along eigenvectors: ``vᵀSv ≈ 0`` on the top eigenvectors of I and ``vᵀIv ≈ 0`` on
 those of S.
 """
@@ -115,7 +115,7 @@ def _quotients(Imap: LinearMap, Smap: LinearMap, evals: np.ndarray, V: np.ndarra
 def rayleigh_quotients(I: Any, S: Any, k: int = 20, *, which_S: str | Which = "magnitude",
                        method: str = "auto", tol: float = 1e-10, max_iter: int | None = None,
                        seed: int = 0) -> tuple[RayleighQuotients, RayleighQuotients]:
-    """The Hessian paper's Fig. 2: ``vᵀIv`` and ``vᵀSv`` over the top-k eigenvectors of I and of S.
+    """The Hessian paper's Fig. 3: ``vᵀIv`` and ``vᵀSv`` over the top-k eigenvectors of I and of S.
 
     I is PSD, so its "top" is its largest eigenvalues.  S is indefinite and not symmetric
     about 0, so its k eigenvectors are chosen by ``which_S``: "magnitude" (the k largest |λ|,

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nsa_dist.config import ExperimentSpec, Init, LossName, ModelSpec
+from nsa_dist.config import Activation, ExperimentSpec, Init, LossName, ModelSpec
 from nsa_dist.hessian import (additivity_gap, extreme_eigenpairs, gauss_newton_eigenvalues, hessian_parts,
                               hutchpp_moments, limit_gauss_newton_eigenvalues, orthogonality, output_hessian_traces,
                               power_moments, rayleigh_quotients, slq_density, trace_S_from_G)
@@ -69,7 +69,7 @@ class HessianAnalysis:
 
     Everything is matrix-free (Hessian-vector products with torch.func, float64): moments by
     Hutch++ with standard errors plus exact Tr(I^k) from the NTK Gram, orthogonality of I and S,
-    the Fig. 2 Rayleigh quotients, top eigenvalues by Lanczos, and the SLQ density of H.
+    the Fig. 3 Rayleigh quotients, top eigenvalues by Lanczos, and the SLQ density of H.
     """
 
     def __init__(self, spec: ExperimentSpec, X: torch.Tensor, y: np.ndarray, n_params: int) -> None:
@@ -82,6 +82,7 @@ class HessianAnalysis:
         self.loss = hessian_loss(spec) if self.h else Loss.MSE
         self.limit_reason = limit_reason(spec) if self.h and self.h.limit else "hessian.limit is off"
         self._theta_inf: torch.Tensor | None = None  # Θ̃∞ at the training points, computed once per run
+        self._s_kernels: Any = None  # Σ̃, Θ̃∞, Φ̃, Υ̃, Λ̃ (the limits of S), computed once per run
 
     def limit_gram(self) -> torch.Tensor:
         """Θ̃∞ (N, N) at the training points (:func:`~nsa_dist.ntk.limit_ntk`), cached.
@@ -99,6 +100,40 @@ class HessianAnalysis:
                                         activation=m.activation, negative_slope=m.negative_slope,
                                         bias_scale=m.bias_scale)
         return self._theta_inf
+
+    def s_limit_reason(self) -> str | None:
+        """Why the limits of S do not apply (None: they do): those of I, plus a smooth σ."""
+        if self.limit_reason is not None:
+            return self.limit_reason
+        act = Activation(self.spec.model.activation)
+        if act in (Activation.RELU, Activation.LEAKY_RELU):
+            return f"activation={act.value!r}: the limits of S need σ̈ (a smooth σ)"
+        return None
+
+    def _limit_S(self, F: torch.Tensor, step: int | None) -> np.ndarray:
+        """(3,) the limits of S at this step (the Hessian paper, Proposition 4, Theorem 1):
+        [E[Tr S] at initialisation (MSE: K Tr(Φ̃)/N), E[Tr S_t] along GD (MSE, plain full-batch GD,
+        :func:`~nsa_dist.hessian.s_limit.limit_trace_S_gd`), Tr(S²) = ∇C_tᵀ (Υ̃ ⊗ Id_K) ∇C_t at this
+        step's outputs]; NaN where one does not apply (see :meth:`s_limit_reason`)."""
+        out = np.full(3, np.nan)
+        if self.s_limit_reason() is not None:
+            return out
+        from nsa_dist.hessian.s_limit import limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
+
+        m, N, K = self.spec.model, F.shape[0], F.shape[1]
+        if self._s_kernels is None:
+            self._s_kernels = limit_S_kernels(self.X.detach().cpu().double().reshape(N, -1), depth=m.depth,
+                                              activation=m.activation, bias_scale=m.bias_scale)
+        k = self._s_kernels
+        Y = prepare_targets(self.y, self.loss, N, K, torch.float64, torch.device("cpu"))
+        out[2] = limit_trace_S2(k.upsilon, loss_gradient(self.loss, F.cpu(), Y).numpy() / N)
+        if self.loss is Loss.MSE:
+            out[0] = limit_trace_S_init(k, K)
+            opt = self.spec.optimizer
+            if step is not None and opt.name == "gd" and opt.momentum == 0:
+                lrs = [self.spec.schedule.lr_at(s) for s in range(step)]
+                out[1] = limit_trace_S_gd(k, Y.numpy(), lrs, [step])[0]
+        return out
 
     def wanted(self, index: int) -> bool:
         return index in self.indices
@@ -138,8 +173,8 @@ class HessianAnalysis:
         return mu, power_moments(mu)
 
     def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None,
-                gram: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The step's Hessian quantities on ``model`` at its θ.
+                gram: dict[str, Any] | None = None, step: int | None = None) -> dict[str, Any]:
+        """The step's Hessian quantities on ``model`` at its θ (training step ``step``: θ_step).
 
         ``ops``: H, I, S as operators summed over a gang's data shards (distributed layouts);
         every estimate then runs on them.  ``gram``: what the step already knows of its NTK
@@ -164,6 +199,7 @@ class HessianAnalysis:
             out["hessian_I_eigenvalues"] = mu  # (N·K,)
             mu_inf, limit = self._limit_I(F.cpu())
             out["hessian_I_limit_eigenvalues"], out["hessian_I_limit_moments"] = mu_inf, limit
+            out["hessian_S_limit"] = self._limit_S(F, step)  # (3,)
         if h.additivity:
             g = additivity_gap(H, I, S, h.probes, max_order=4, seed=self.seed + 1)
             out["hessian_additivity"] = np.stack([g.estimate, g.stderr])  # (2, 4)

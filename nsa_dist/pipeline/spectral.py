@@ -254,14 +254,14 @@ class SpectralAnalyzer:
     def _hessian(self, ck: Checkpoint, pool: Pool | None, gram: dict[str, Any] | None = None) -> dict[str, Any]:
         """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
         if not self.distributed:
-            return self.hessian.analyze(self.model, gram=gram)
+            return self.hessian.analyze(self.model, gram=gram, step=ck.step)
         from nsa_dist.pipeline.runner import run_id, spec_json
 
         curv = ShardedCurvature(self._pool(pool, self.data.n), run_id(self.spec), spec_json(self.spec), ck.theta,
                                 self.data.n, self.n_params)
         try:
             return self.hessian.analyze(self.model, ops={p: curv.part(p) for p in ("H", "I", "S")},
-                                        gram=gram or {"distributed": True})
+                                        gram=gram or {"distributed": True}, step=ck.step)
         finally:
             curv.close()
 

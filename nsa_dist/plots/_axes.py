@@ -23,13 +23,16 @@ DPI = 110
 
 def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1,
                panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA") -> tuple["Figure", np.ndarray]:
-    """A constrained-layout Agg figure titled "<paper> Fig. <label> — <what>" and its (nrows, ncols) axes."""
+    """A constrained-layout Agg figure and its (nrows, ncols) axes, titled "<paper> Fig. <label> — <what>"
+    when ``label`` is a figure number of the paper ("2a", "3"), else "<paper>, <label> — <what>" for
+    the statement of the paper a figure draws ("Theorem 1", "Proposition 4") or "" for none."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    fig.suptitle(f"{paper} Fig. {label} — {what}\nrun {run.id}", fontsize=11)
+    ref = f" Fig. {label}" if label[:1].isdigit() else (f", {label}" if label else "")
+    fig.suptitle(f"{paper}{ref} — {what}\nrun {run.id}", fontsize=11)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 

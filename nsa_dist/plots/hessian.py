@@ -1,4 +1,10 @@
-"""The loss Hessian H = I + S along training (the Hessian paper, Jacot et al.)."""
+"""The loss Hessian H = I + S along training (the Hessian paper, Jacot et al.).
+
+Titles follow the paper: its figure number where it has the figure (Fig. 1: the moments of I and
+S along training; Fig. 3: the mutual orthogonality of I and S), else the statement drawn
+(Theorem 1, Proposition 4 and its consequences, the kernel PCA of I).  :data:`TITLES` is the
+table the figures use (and the test checks against the paper).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +20,26 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 _PAPER = "Hessian paper"
+TITLES: dict[str, str] = {  # figure function → the paper's figure number or statement
+    "moments": "1",
+    "orthogonality": "3",
+    "rayleigh": "3",
+    "trace_S": "Proposition 4",
+    "S_norms": "Proposition 4, consequence 2",
+    "additivity": "Theorem 1",
+    "I_spectrum": "§ the matrix I (kernel PCA of Θ∞)",
+    "density": "§ the matrix I (a few large eigenvalues, a bulk)",
+    "edge_of_stability": "",  # not in the paper: GD's stability bound on λ_max(H)
+}
 
 
 def moments(run: "Run") -> "Figure":
-    """Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, the exact Tr(I^k) and
-    the infinite-width prediction of Tr(I^k) from Θ∞ (NTK-parametrised FC runs)."""
-    fig, axes = new_figure(run, "1", "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0), paper=_PAPER)
+    """Fig. 1: Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, the exact Tr(I^k),
+    the infinite-width prediction of Tr(I^k) from Θ∞ and the limits of S: E[Tr S_t] (MSE GD) in
+    the k = 1 panel, Tr(S²) = ∇CᵀΥ̃∇C in the k = 2 panel (NTK-parametrised FC runs)."""
+    fig, axes = new_figure(run, TITLES["moments"], "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0),
+                           paper=_PAPER)
+    S_lim = run.hessian_S_limit() if run.has("hessian_S_limit") else None
     t = run.hessian_steps
     exact = run.hessian_moments("I_exact")["estimate"]
     for k, ax in enumerate(axes[0]):
@@ -32,6 +52,12 @@ def moments(run: "Run") -> "Figure":
             lim = run.hessian_moments("I_limit")["estimate"][:, k]
             if np.isfinite(lim).any():
                 ax.plot(t, lim, ":", color="C3", lw=1.6, label=r"I limit ($\Theta_\infty$, kernel PCA)")
+        if S_lim is not None and k < 2:
+            pred = S_lim["trace_S" if k == 0 else "trace_S2"]
+            if np.isfinite(pred).any():
+                ax.plot(t, pred, "-.", color="C2", lw=1.6,
+                        label=r"S limit: E[Tr $S_t$] (MSE GD)" if k == 0 else r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$")
+                ax.legend(fontsize=7)
         ax.set_title(f"Tr(A^{k + 1})", fontsize=10)
         ax.set_yscale("symlog", linthresh=1e-3 * max(1e-12, float(np.nanmax(np.abs(exact[:, k])))))
         time_axis(ax, run, "trace" if k == 0 else "", legend=k == 0)
@@ -39,8 +65,8 @@ def moments(run: "Run") -> "Figure":
 
 
 def orthogonality(run: "Run") -> "Figure":
-    """‖IS‖_F / (‖I‖_F ‖S‖_F) along t: I and S become orthogonal as training converges."""
-    fig, ax = new_figure(run, "2", "orthogonality of I and S", paper=_PAPER)
+    """Fig. 3: ‖IS‖_F / (‖I‖_F ‖S‖_F) along t, the mutual orthogonality of I and S."""
+    fig, ax = new_figure(run, TITLES["orthogonality"], "orthogonality of I and S", paper=_PAPER)
     ax, o = ax[0, 0], run.hessian_orthogonality
     ax.errorbar(run.hessian_steps, o["value"], yerr=o["stderr"], fmt="o-", ms=3, capsize=2,
                 label=r"$\Vert IS\Vert_F / (\Vert I\Vert_F\Vert S\Vert_F)$")
@@ -49,10 +75,10 @@ def orthogonality(run: "Run") -> "Figure":
 
 
 def rayleigh(run: "Run") -> "Figure":
-    """Fig. 2: vᵀIv and vᵀSv over the top eigenvectors of I (left) and of S (right), at the last analysed step."""
+    """Fig. 3: vᵀIv and vᵀSv over the top eigenvectors of I (left) and of S (right), at the last analysed step."""
     step = int(run.hessian_steps[-1])
     R = run.hessian_rayleigh(step)
-    fig, axes = new_figure(run, "2", f"Rayleigh quotients at t = {step}", 1, 2, paper=_PAPER)
+    fig, axes = new_figure(run, TITLES["rayleigh"], f"Rayleigh quotients at t = {step}", 1, 2, paper=_PAPER)
     for ax, key, name in ((axes[0, 0], "I", "I"), (axes[0, 1], "S", "S")):
         i = np.arange(1, R[key].shape[1] + 1)
         ax.plot(i, R[key][0], "o-", ms=3, label=r"$v^T I v$")
@@ -66,7 +92,8 @@ def rayleigh(run: "Run") -> "Figure":
 
 def edge_of_stability(run: "Run") -> "Figure":
     """λ_max(H)·δ_t / 2 along t against 1 (GD on the local quadratic is stable below 1)."""
-    fig, ax = new_figure(run, "—", "edge of stability λ_max(H)·δ/2", paper=_PAPER)
+    fig, ax = new_figure(run, TITLES["edge_of_stability"], "edge of stability λ_max(H)·δ/2 (not a paper figure)",
+                         paper=_PAPER)
     ax = ax[0, 0]
     ax.plot(run.hessian_steps, run.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t / 2$")
     ax.axhline(1.0, color="C3", ls="--", label="1 (edge of stability)")
@@ -76,7 +103,8 @@ def edge_of_stability(run: "Run") -> "Figure":
 
 def density(run: "Run") -> "Figure":
     """SLQ spectral density of H at a few analysed steps (log y)."""
-    fig, ax = new_figure(run, "1", "spectral density of H (stochastic Lanczos quadrature)", paper=_PAPER)
+    fig, ax = new_figure(run, TITLES["density"], "spectral density of H (stochastic Lanczos quadrature)",
+                         paper=_PAPER)
     ax, steps = ax[0, 0], run.hessian_steps
     pick = some_steps(len(steps), 4)
     for j, c in zip(pick, colors(len(pick))):
@@ -91,7 +119,7 @@ def density(run: "Run") -> "Figure":
 def I_spectrum(run: "Run") -> "Figure":
     """The spectrum of I (outside its null space) measured at a few analysed steps beside the kernel
     PCA of Θ∞ (the paper's limit, weighted by HC) on the same axes."""
-    fig, ax = new_figure(run, "—", "eigenvalues of I: measured vs the Θ∞ limit", paper=_PAPER)
+    fig, ax = new_figure(run, TITLES["I_spectrum"], "eigenvalues of I: measured vs the Θ∞ limit", paper=_PAPER)
     ax, steps = ax[0, 0], run.hessian_steps
     mu, lim = run.hessian_I_eigenvalues(), run.hessian_I_eigenvalues(limit=True)
     pick = some_steps(len(steps), 3)
@@ -112,7 +140,8 @@ def I_spectrum(run: "Run") -> "Figure":
 
 def additivity(run: "Run") -> "Figure":
     """Theorem 1: the gap Tr(H^k) − Tr(I^k) − Tr(S^k) relative to Tr(H^k), k = 1..4, ± its standard error."""
-    fig, axes = new_figure(run, "—", "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k", 1, 4, panel=(4.2, 4.0),
+    fig, axes = new_figure(run, TITLES["additivity"], "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k", 1, 4,
+                           panel=(4.2, 4.0),
                            paper=_PAPER)
     t, g = run.hessian_steps, run.hessian_additivity()
     H = run.hessian_moments("H")["estimate"]
@@ -127,11 +156,20 @@ def additivity(run: "Run") -> "Figure":
 
 
 def trace_S(run: "Run") -> "Figure":
-    """Tr(S) two independent ways: ∇Cᵀ·G (per-point traces of the model Hessian) and Hutch++ on S."""
-    fig, ax = new_figure(run, "—", r"Tr(S) = ∇Cᵀ·G against Hutch++", paper=_PAPER)
+    """Proposition 4: Tr(S) two independent ways, ∇Cᵀ·G (per-point traces of the model Hessian) and
+    Hutch++ on S, with their standard errors, beside the limits: E[Tr S] at initialisation
+    (MSE: K Tr(Φ̃)/N, a marker at t = 0) and E[Tr S_t] along GD (MSE, Theorem 1)."""
+    fig, ax = new_figure(run, TITLES["trace_S"], r"Tr(S) = ∇Cᵀ·G against Hutch++ and the limits", paper=_PAPER)
     ax, t, tr = ax[0, 0], run.hessian_steps, run.hessian_trace_S()
     ax.errorbar(t, tr["G"], yerr=tr["G_stderr"], fmt="o-", ms=3, capsize=2, label=r"$\nabla C^T G$ (probes)")
     ax.errorbar(t, tr["hutchpp"], yerr=tr["hutchpp_stderr"], fmt="s--", ms=3, capsize=2, label="Hutch++ on S")
+    if run.has("hessian_S_limit"):
+        lim = run.hessian_S_limit()
+        if np.isfinite(lim["trace_S"]).any():
+            ax.plot(t, lim["trace_S"], "-.", color="C2", lw=1.6, label=r"limit E[Tr $S_t$] (MSE GD)")
+        if np.isfinite(lim["trace_S_init"]).any():
+            ax.plot([t[0]], [lim["trace_S_init"][0]], "*", color="C3", ms=11,
+                    label=r"limit E[Tr S] at init = K Tr$(\tilde\Phi)$/N")
     ax.axhline(0, color="0.5", lw=0.8)
     time_axis(ax, run, "Tr(S)")
     return fig
@@ -140,11 +178,14 @@ def trace_S(run: "Run") -> "Figure":
 def S_norms(run: "Run") -> "Figure":
     """‖S‖_op (Lanczos) beside the bounds Tr(S^k)^{1/k}, k = 2 (‖S‖_F) and 4: the paper's
     consequence 2 (‖S‖_op → 0 with width while ‖S‖_F stays finite)."""
-    fig, ax = new_figure(run, "—", r"‖S‖_op ≤ Tr(S⁴)^{1/4} ≤ ‖S‖_F", paper=_PAPER)
+    fig, ax = new_figure(run, TITLES["S_norms"], r"‖S‖_op ≤ Tr(S⁴)^{1/4} ≤ ‖S‖_F", paper=_PAPER)
     ax, t, n = ax[0, 0], run.hessian_steps, run.hessian_S_norms()
     ax.plot(t, n["op"], "o-", ms=3, label=r"$\Vert S\Vert_{op}$")
     ax.plot(t, n["k4"], "s--", ms=3, label=r"Tr$(S^4)^{1/4}$")
     ax.plot(t, n["k2"], "^--", ms=3, label=r"$\Vert S\Vert_F$ = Tr$(S^2)^{1/2}$")
+    if run.has("hessian_S_limit") and np.isfinite(run.hessian_S_limit()["trace_S2"]).any():
+        ax.plot(t, np.sqrt(np.clip(run.hessian_S_limit()["trace_S2"], 0, None)), ":", color="C2", lw=1.6,
+                label=r"limit $(\nabla C^T\tilde\Upsilon\nabla C)^{1/2}$")
     ax.set_yscale("log")
     time_axis(ax, run, "norm of S")
     return fig

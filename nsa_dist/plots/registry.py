@@ -65,7 +65,7 @@ _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "loss": (_plain(dynamics.loss), _has("loss_trace", "loss")),
     "hessian_moments": (_plain(hessian.moments), _has("hessian_moments", "hessian_moments_I_exact")),
     "hessian_orthogonality": (_plain(hessian.orthogonality), _has("hessian_orthogonality")),
-    "hessian_fig2_rayleigh": (_plain(hessian.rayleigh), _has("hessian_rayleigh")),
+    "hessian_fig3_rayleigh": (_plain(hessian.rayleigh), _has("hessian_rayleigh")),
     "hessian_edge_of_stability": (_plain(hessian.edge_of_stability), _has("hessian_top")),
     "hessian_density": (_plain(hessian.density), _has("hessian_density")),
     "hessian_I_spectrum": (_plain(hessian.I_spectrum), _has("hessian_I_eigenvalues", "hessian_I_limit_eigenvalues")),

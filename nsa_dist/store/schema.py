@@ -172,6 +172,8 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
             a.append(ArraySpec("hessian_additivity", (D.S, 2, 4), "float64", True, h))  # Tr(H^k)−Tr(I^k)−Tr(S^k), stderr
         if D.Hm:
             a.append(ArraySpec("hessian_I_limit_moments", (D.S, 4), "float64", True, h))  # Tr(I^k) of the Θ∞ limit
+            # issue 19: the limits of S — [E Tr S at init, E Tr S_t along GD (MSE), Tr S² = ∇CᵀΥ̃∇C]
+            a.append(ArraySpec("hessian_S_limit", (D.S, 3), "float64", True, h))
         if D.Ht:
             a += [ArraySpec("hessian_G", (D.S,) + out_shape(D.N), "float64", True, h),  # Σ_p ∂²f(x_i)/∂θ_p²
                   ArraySpec("hessian_G_stderr", (D.S,) + out_shape(D.N), "float64", True, h),
@@ -282,6 +284,7 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "hessian_G": ("step", "point") + _OUT, "hessian_G_stderr": ("step", "point") + _OUT,
     "hessian_trace_S_G": ("step", "value_stderr"), "hessian_I_eigenvalues": ("step", "hessian_I_k"),
     "hessian_I_limit_eigenvalues": ("step", "hessian_I_k"), "hessian_S_op": ("step",),
+    "hessian_S_limit": ("step", "S_prediction"),
 }
 
 

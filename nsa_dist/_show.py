@@ -1,0 +1,76 @@
+"""The Hessian table of ``nsa show``: what a run measured of H = I + S and the paper's limits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from nsa_dist.client import Run
+
+__all__ = ["hessian_table"]
+
+
+def _pm(value: float, se: float) -> str:
+    """"v ± se" ("v" when se is 0 or NaN: exact, or one probe); "—" for NaN."""
+    if not np.isfinite(value):
+        return "—"
+    return f"{value:.4g}" if not np.isfinite(se) or se == 0 else f"{value:.4g} ± {se:.2g}"
+
+
+def _columns(n: int) -> list[int]:
+    """Positions of the analysed steps shown (80 columns): all up to 3, else the first, middle, last."""
+    return list(range(n)) if n <= 3 else [0, n // 2, n - 1]
+
+
+def hessian_table(run: "Run") -> "Table | None":
+    """The Hessian quantities at (up to three of) the analysed steps: Tr(A^k) ± standard error for
+    A = H, I, S (Hutch++), the exact and limiting Tr(I^k), λ_max(H), ‖S‖_op, the orthogonality,
+    Tr(S) = ∇Cᵀ·G, Theorem 1's gap and the limits of S; None when the run has no Hessian step."""
+    from rich.table import Table
+
+    if not run.has("hessian_steps") or not len(run.hessian_steps):
+        return None
+    steps = run.hessian_steps
+    cols = _columns(len(steps))
+    t = Table(title="Hessian H = I + S: Tr(A^k) by Hutch++ ± s.e.; the limits from the kernels")
+    t.add_column("quantity")
+    for i in cols:
+        t.add_column(f"t = {steps[i]}", justify="right")
+
+    def row(name: str, v: np.ndarray, se: np.ndarray | None = None) -> None:
+        se = np.zeros_like(v) if se is None else se
+        t.add_row(name, *(_pm(float(v[i]), float(se[i])) for i in cols))
+
+    if run.has("hessian_moments"):
+        for part in "HIS":
+            m = run.hessian_moments(part)
+            for k in range(4):
+                row(f"Tr({part}^{k + 1})", m["estimate"][:, k], m["stderr"][:, k])
+        for part, what in (("I_exact", "exact"), ("I_limit", "Θ∞ limit")):
+            m = run.hessian_moments(part)["estimate"]
+            if np.isfinite(m).any():
+                for k in range(2):
+                    row(f"Tr(I^{k + 1}) {what}", m[:, k])
+    if run.has("hessian_top"):
+        row("λ_max(H)", run.hessian_top("H")[:, 0])
+    if run.has("hessian_S_op"):
+        row("‖S‖_op", run.hessian_S_norms()["op"])
+    if run.has("hessian_orthogonality"):
+        o = run.hessian_orthogonality
+        row("‖IS‖/(‖I‖‖S‖)", o["value"], o["stderr"])
+    if run.has("hessian_additivity"):
+        g = run.hessian_additivity()
+        row("Thm 1 gap, k=2", g["estimate"][:, 1], g["stderr"][:, 1])
+    if run.has("hessian_trace_S_G"):
+        tr = run.hessian_trace_S()
+        row("Tr(S) = ∇Cᵀ·G", tr["G"], tr["G_stderr"])
+    if run.has("hessian_S_limit"):
+        lim = run.hessian_S_limit()
+        row("E[Tr S₀] limit", lim["trace_S_init"])
+        row("E[Tr S_t] limit", lim["trace_S"])
+        row("Tr(S²) limit", lim["trace_S2"])
+    return t
