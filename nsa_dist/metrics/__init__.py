@@ -11,6 +11,7 @@ descending eigenvalue.
 * first_order: :func:`first_order_update` −(δ/N) G m (Eq. 3), :func:`first_order_accuracy` (Fig. 1d).
 * dynamics: :func:`constant_gram_dynamics` f̄_t, m̄_t (Eqs. 4–5, App. D).
 * nystrom: :func:`nystrom_extension` g(X, 𝒳) v_k / λ_k (App. A, Eq. 9).
+* reconstruction: :func:`top_k_reconstructions` Σ_{i≤k} ⟨v_i, φ⟩ v_i (Fig. 4d).
 * fourier: :func:`fourier_transform` φ̂(ξ) (App. G, Eq. 27), :func:`frequency_grid`.
 """
 
@@ -24,6 +25,7 @@ from nsa_dist.metrics.flow import flow_speed, lr_eigen_product, stability_bound
 from nsa_dist.metrics.fourier import FrequencyGrid, fourier_transform, frequency_grid
 from nsa_dist.metrics.nystrom import nystrom_extension
 from nsa_dist.metrics.preservation import spectrum_preservation
+from nsa_dist.metrics.reconstruction import RECONSTRUCTION_KS, reconstruction_ks, top_k_reconstructions
 
 __all__ = [
     "relative_energy",
@@ -43,5 +45,8 @@ __all__ = [
     "nystrom_extension",
     "fourier_transform",
     "frequency_grid",
+    "RECONSTRUCTION_KS",
+    "reconstruction_ks",
+    "top_k_reconstructions",
     "FrequencyGrid",
 ]

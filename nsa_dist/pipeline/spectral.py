@@ -17,7 +17,8 @@ from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import residual as loss_residual
-from nsa_dist.metrics import alignment_from_products, centered_sq_frobenius, first_order_accuracy, spectral_projections
+from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, first_order_accuracy, reconstruction_ks,
+                              spectral_projections, top_k_reconstructions)
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, explain_method, gram
 from nsa_dist.pipeline.checkpoint import Checkpoint
@@ -25,6 +26,7 @@ from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram,
                                       choose_layout, gram_for_layout)
+from nsa_dist.pipeline.nsa_extras import gram_change, gram_change_size
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max"]
@@ -231,6 +233,7 @@ class SpectralAnalyzer:
         }
         if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = eig.evecs.astype(np.float32)
+            out.update(self._at_eigenvector_step(ck, eig.evecs))
         phis = {"y": self.y, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
         for name, phi in phis.items():
             out[f"energy_{name}"] = energy_curve(eig.evecs, phi)
@@ -243,6 +246,18 @@ class SpectralAnalyzer:
         out.update(self.extras.analyze(self.model, self.X, ck, eig.evecs, residual))
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
+        return out
+
+    def _at_eigenvector_step(self, ck: Checkpoint, evecs: np.ndarray) -> dict[str, Any]:
+        """Fig. 4d's f̄_{t,k} (and their images on 2-D data), App. F's dG_t on the top Kg eigenvectors."""
+        R = top_k_reconstructions(evecs, ck.f, reconstruction_ks(self.K))  # (nR, N[, Ko])
+        out: dict[str, Any] = {"reconstructions": R.astype(np.float32)}
+        if self.images is not None:
+            out["reconstruction_images"] = self.images.image(R.reshape(R.shape[0], self.data.n, -1)[..., 0].T
+                                                             ).astype(np.float32)  # (nR, R, R)
+        Kg = gram_change_size(self.spec, self.K)
+        if Kg:
+            out.update(gram_change(self.model, self.X, ck.theta, ck.dtheta, evecs[:, :Kg], self.dtype))
         return out
 
     def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float) -> float:

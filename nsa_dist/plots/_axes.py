@@ -23,13 +23,15 @@ DPI = 110
 
 def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1,
                panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA") -> tuple["Figure", np.ndarray]:
-    """A constrained-layout Agg figure titled "<paper> Fig. <label> — <what>" and its (nrows, ncols) axes."""
+    """A constrained-layout Agg figure titled "<paper> Fig. <label> — <what>" ("<paper> App. X — …" for an
+    appendix label) and its (nrows, ncols) axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    fig.suptitle(f"{paper} Fig. {label} — {what}\nrun {run.id}", fontsize=11)
+    where = label if label.startswith("App.") else f"Fig. {label}"  # an appendix has no figure number
+    fig.suptitle(f"{paper} {where} — {what}\nrun {run.id}", fontsize=11)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 

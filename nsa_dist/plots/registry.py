@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, inputs, projections
+from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, inputs, projections, spectral_dynamics
 from nsa_dist.plots._axes import DPI, PlotOptions
 
 if TYPE_CHECKING:
@@ -59,6 +59,8 @@ _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "fig3e_energy_f_test": (_energy("f_test"), _has("energy_f_test")),
     "fig4a_residual_projections": (projections.fig4a, _projections_ready),
     "fig4bc_residual_fourier": (images.fig4bc, _has("residual_image", "residual_fourier")),
+    "fig4d_reconstructions": (spectral_dynamics.fig4d, lambda run: run.has("reconstructions") and len(run.eigenvector_steps) > 0),
+    "appF_gram_change": (_plain(spectral_dynamics.appF), lambda run: run.has("gram_change") and len(run.eigenvector_steps) > 0),
     "fig5_eigenvectors": (images.fig5, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig6_eigenvectors_early": (images.fig6, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig7d_preservation": (projections.fig7d, _preservation_ready),

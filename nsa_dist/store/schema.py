@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from nsa_dist.metrics.reconstruction import reconstruction_ks
+
 __all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord", "run_arrays", "PHIS",
            "STATE_ARRAYS", "dimension_names", "step_specs"]
 
@@ -58,6 +60,7 @@ class RunDims:
     HI: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
     Ha: bool = True  # hessian.additivity: Theorem 1's gap array exists
     Ht: bool = True  # hessian.trace_G: the per-point traces G and Tr(S) = ∇Cᵀ·G exist
+    Kg: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -189,6 +192,16 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         a.append(ArraySpec("eigenvalues_full", (D.S, D.Kf), "float64", True))
     if D.Kc:
         a.append(ArraySpec("eigenvalues_per_class", (D.S, D.Ko, D.Kc), "float64", True))
+    # issue 19: Fig. 4d reconstructions f̄_{t,k} and App. F's dG_t, at the eigenvector steps
+    if D.store_eigenvectors:
+        nR = len(reconstruction_ks(D.K))
+        a += [ArraySpec("reconstruction_k", (nR,), "int64", False),
+              ArraySpec("reconstructions", (D.S, nR) + out_shape(D.N), "float32", True, "eigenvectors")]
+        if D.nI:
+            a.append(ArraySpec("reconstruction_images", (D.S, nR, D.R, D.R), "float32", True, "eigenvectors"))
+        if D.Kg:
+            a += [ArraySpec("gram_change", (D.S, 2, D.Kg), "float64", True, "eigenvectors"),  # v_iᵀ dG v_i: measured, 1st order
+                  ArraySpec("gram_change_fro", (D.S, 3), "float64", True, "eigenvectors")]  # ‖VᵀdGV‖_F: meas, pred, diff
     if D.nI:
         a += [ArraySpec("eigvec_images", (D.S, D.nI, D.R, D.R), "float32", True),
               ArraySpec("eigvec_fourier", (D.S, D.nI, D.F, D.F), "float32", True),
@@ -282,6 +295,10 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "hessian_G": ("step", "point") + _OUT, "hessian_G_stderr": ("step", "point") + _OUT,
     "hessian_trace_S_G": ("step", "value_stderr"), "hessian_I_eigenvalues": ("step", "hessian_I_k"),
     "hessian_I_limit_eigenvalues": ("step", "hessian_I_k"), "hessian_S_op": ("step",),
+    "reconstruction_k": ("reconstruction",), "reconstructions": ("step", "reconstruction", "point") + _OUT,
+    "reconstruction_images": ("step", "reconstruction", "pixel_y", "pixel_x"),
+    "gram_change": ("step", "measured_first_order", "k_gram_change"), "gram_change_fro": ("step", "gram_change_norm"),
+    "constant_gram_residual": ("step", "predicted_measured"), "constant_gram_energy": ("step", "k"),
 }
 
 
