@@ -10,7 +10,7 @@ import torch
 from conftest import dense_jacobian, dense_ntk, flat_model
 
 from nsa_dist.client import Client
-from nsa_dist.config import ExperimentSpec, ModelSpec
+from nsa_dist.config import ExperimentSpec, ModelSpec, OptimizerName
 from nsa_dist.errors import ShapeError
 from nsa_dist.metrics import reconstruction_ks, top_k_reconstructions
 from nsa_dist.models import build_model
@@ -146,3 +146,80 @@ def test_fig4d_and_appF_drawn(recon_run, tmp_path) -> None:
     assert make_figure(run, "appF_gram_change")._suptitle.get_text().startswith("NSA App. F — ")
     with pytest.raises(KeyError, match=r"only at its eigenvector steps \[0, 1\], not at 2"):
         run.reconstructions(2)
+
+
+def _psd(N: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((N, N // 2))
+    G = A @ A.T  # rank N/2: a null space, as a real Gram of P < N parameters
+    w, V = np.linalg.eigh(G)
+    return G, w[::-1], V[:, ::-1]
+
+
+def test_constant_gram_residual_is_gd_on_a_fixed_gram() -> None:
+    """Eq. 5 with a schedule against the direct iteration m ← (I − δ_s G/N) m in float64."""
+    from nsa_dist.metrics import constant_gram_dynamics, constant_gram_residual
+
+    N = 20
+    G, w, V = _psd(N, 0)
+    m0 = np.random.default_rng(1).standard_normal(N)
+    lr_of = lambda s: 0.5 if s < 7 else 0.05  # noqa: E731 - a step decay
+    record = [0, 3, 7, 12]
+    for K in (N, 6):  # all eigenpairs (exact), the top 6 (G's rank-6 truncation)
+        Gk = V[:, :K] @ np.diag(w[:K]) @ V[:, :K].T
+        got = constant_gram_residual(w[:K], (V[:, :K].T @ m0) ** 2, float(m0 @ m0), N,
+                                     [np.array([lr_of(s) for s in range(t)]) for t in record])
+        m, ref_norm, ref_E = m0.copy(), [], []
+        for t in range(record[-1] + 1):
+            if t in record:
+                ref_norm.append(np.linalg.norm(m))
+                ref_E.append(np.cumsum((V[:, :K].T @ m) ** 2) / (m @ m))
+            m = m - lr_of(t) / N * (Gk @ m)
+        np.testing.assert_allclose(got.norm, ref_norm, rtol=1e-10)
+        np.testing.assert_allclose(got.energy, ref_E, rtol=1e-9, atol=1e-12)
+    # a constant rate agrees with the library's closed form (Eq. 5)
+    traj = constant_gram_dynamics(w, V, m0, np.zeros(N), 0.3, np.array(record))
+    const = constant_gram_residual(w, (V.T @ m0) ** 2, float(m0 @ m0), N, [np.full(t, 0.3) for t in record])
+    np.testing.assert_allclose(const.norm, np.linalg.norm(traj.m, axis=1), rtol=1e-10)
+
+
+def test_stored_constant_gram_prediction(tmp_path) -> None:
+    """The stored Eqs. 4–5 prediction against G_{t0} rebuilt densely from the stored θ_{t0}."""
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(name="cg", data={"n": 30}, model={"depth": 2, "width": 12}, steps=12, record={"every": 4},
+                          spectrum={"k": "all", "images": [1], "store_eigenvectors": False},
+                          schedule={"lr": 0.2, "decay": 0.5, "every": 6})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("cg")
+    G = _dense_gram(spec, run, 0)
+    m = run.residual(int(run.steps[0])).astype(np.float64)
+    w, V = np.linalg.eigh(G)
+    V = V[:, ::-1]
+    pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")
+    assert pred.shape == (len(run.steps), 2) and E.shape == (len(run.steps), 30)
+    for t in range(int(run.steps[-1]) + 1):
+        if t in run.steps:
+            i = int(np.flatnonzero(run.steps == t)[0])
+            assert pred[i, 0] == pytest.approx(np.linalg.norm(m), rel=1e-4), f"t = {t}"
+            assert pred[i, 1] == pytest.approx(np.linalg.norm(run.residual(t)), rel=1e-6)
+            r = int(np.sum(w > 1e-8 * w[-1]))  # compare over the non-null part (any null basis is right)
+            np.testing.assert_allclose(E[i, :r], (np.cumsum((V.T @ m) ** 2) / (m @ m))[:r], atol=1e-4)
+        m = m - spec.lr_at(t) / 30 * (G @ m)
+
+
+def test_eqs45_drawn(tmp_path) -> None:
+    from nsa_dist.plots.registry import make_figure
+
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(name="cgp", data={"n": 24}, model={"depth": 2, "width": 8}, steps=4, record={"every": 2},
+                          spectrum={"k": 12, "images": [1], "store_eigenvectors": False})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("cgp")
+    assert run.g["constant_gram_residual"].attrs["truncated"] is True  # K = 12 < N = 24
+    fig = make_figure(run, "eqs45_constant_gram")
+    assert fig._suptitle.get_text().startswith("NSA Eqs. 4–5 — ")
+    # Adam: not the paper's dynamics, nothing written, no figure
+    spec2 = spec.model_copy(update={"name": "cga", "optimizer": spec.optimizer.model_copy(update={"name": OptimizerName.ADAM})})
+    assert run_experiment(spec2, SpectrumStore(url)).status == "done"
+    run2 = Client(url).run("cga")
+    assert not run2.has("constant_gram_residual") and make_figure(run2, "eqs45_constant_gram") is None

@@ -9,7 +9,8 @@ import numpy as np
 from nsa_dist.errors import ShapeError
 from nsa_dist.metrics._validate import as_real, check_rows, positive_scalar, work_dtype
 
-__all__ = ["constant_gram_dynamics", "ConstantGramTrajectory"]
+__all__ = ["constant_gram_dynamics", "ConstantGramTrajectory", "constant_gram_decay", "constant_gram_residual",
+           "ConstantGramResidual"]
 
 
 class ConstantGramTrajectory(NamedTuple):
@@ -87,3 +88,60 @@ def constant_gram_dynamics(evals: Any, evecs: Any, f0: Any, y: Any, lr: float,
     if t.ndim == 0:
         f, m = f[0], m[0]
     return ConstantGramTrajectory(f.astype(dtype), m.astype(dtype))
+
+
+class ConstantGramResidual(NamedTuple):
+    """‖m̄_t‖ and E(m̄_t, k) predicted by GD with the Gramian G_{t0} held fixed (Eq. 5)."""
+
+    norm: np.ndarray
+    """(S,) ‖m̄_t‖ at each requested step."""
+    energy: np.ndarray
+    """(S, K) E(m̄_t, k) = Σ_{i≤k} ⟨v_i, m̄_t⟩² / ‖m̄_t‖² in the eigenbasis of G_{t0}."""
+
+
+def constant_gram_decay(evals: Any, lrs: Any, n: int) -> np.ndarray:
+    """Π_s (1 − δ_s λ_i / N) over the learning rates δ_s of a run of updates (Eq. 5 with a schedule).
+
+    Exact: the product is taken as Π_u (1 − δ_u λ_i/N)^{count_u} over the distinct rates δ_u.
+
+    Args:
+        evals: (K,) eigenvalues λ_i of G.
+        lrs: (T,) learning rates of T consecutive updates (T = 0: all ones).
+        n: N, the number of training points.
+
+    Returns:
+        (K,) float64.
+    """
+    lam = as_real("evals", evals, (1,)).astype(np.float64)  # (K,)
+    rates, counts = np.unique(np.asarray(lrs, np.float64).reshape(-1), return_counts=True)
+    out = np.ones_like(lam)
+    for d, c in zip(rates, counts):
+        out *= np.power(1.0 - d * lam / n, int(c))
+    return out
+
+
+def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, n: int, lrs: list[Any]) -> ConstantGramResidual:
+    """‖m̄_t‖ and E(m̄_t, k) under GD with G fixed at G_{t0} (NSA Eq. 5 / App. D Eq. 14), from projections.
+
+    With p_i = ⟨v_i, m̄_{t0}⟩² (summed over output columns) and the decay r_i(t) = Π_{s=t0}^{t−1}
+    (1 − δ_s λ_i/N):  ‖m̄_t‖² = Σ_i r_i(t)² p_i + ‖m̄_{t0}^z‖², ‖m̄^z‖² = ‖m̄_{t0}‖² − Σ_i p_i (the part
+    outside the K eigenvectors, which never moves: the rank-K truncation of G, exact for K = N).
+
+    Args:
+        evals: (K,) eigenvalues of G_{t0}; proj: (K,) p_i.
+        m0_sq: ‖m̄_{t0}‖².
+        n: N.
+        lrs: S arrays, lrs[j] the learning rates of updates t0 … t_j − 1 (empty for t_j = t0).
+
+    Returns:
+        ``ConstantGramResidual(norm (S,), energy (S, K))`` float64.
+    """
+    lam = as_real("evals", evals, (1,)).astype(np.float64)
+    p = as_real("proj", proj, (1,)).astype(np.float64)
+    if p.shape != lam.shape:
+        raise ShapeError(f"proj has shape {p.shape} and evals {lam.shape}; they must be equal (K,)")
+    rest = max(float(m0_sq) - float(p.sum()), 0.0)  # ‖m̄^z‖², clipped at round-off
+    kept = np.stack([constant_gram_decay(lam, d, n) ** 2 * p for d in lrs])  # (S, K)
+    total = kept.sum(axis=1) + rest  # (S,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ConstantGramResidual(np.sqrt(total), np.cumsum(kept, axis=1) / total[:, None])

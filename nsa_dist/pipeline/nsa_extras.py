@@ -5,6 +5,7 @@
   eigenvectors, measured (G_{t+1} − G_t, from θ_{t+1} = θ_t + Δθ_t) and to first order
   (dG_t = ∂G/∂θ · Δθ_t = dJ Jᵀ + J dJᵀ, which for GD is −(δ/N)(Q_t + Q_tᵀ), Eq. 26).
   Both by products with the network (forward-over-reverse), never the dense G.
+* :func:`write_constant_gram` — after the run: Eqs. 4–5's constant-Gram residual beside the measured one.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from nsa_dist.config import ExperimentSpec
+    from nsa_dist.store import RunWriter
 
-__all__ = ["gram_change_size", "gram_change"]
+__all__ = ["gram_change_size", "gram_change", "write_constant_gram"]
 
 def gram_change_size(spec: "ExperimentSpec", K: int) -> int:
     """Kg, the top eigenvectors App. F's dG_t is projected on: min(spectrum.gram_change_k, K) (0: off)."""
@@ -109,3 +111,33 @@ def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta
     fro = np.linalg.norm
     return {"gram_change": np.stack([np.diag(D), np.diag(Dbar)]),
             "gram_change_fro": np.array([fro(D), fro(Dbar), fro(D - Dbar)])}
+
+
+def write_constant_gram(writer: "RunWriter", spec: "ExperimentSpec") -> None:
+    """After the last step: Eqs. 4–5's constant-Gram prediction of the residual beside the measured one.
+
+    From the first recorded step t0 (its eigenvalues, ⟨v_i, m_{t0}⟩² and m_{t0}) and the run's
+    learning rates δ_s, writes ``constant_gram_residual`` (S, 2) = [predicted ‖m̄_t‖, measured
+    ‖m_t‖] and ``constant_gram_energy`` (S, K) = predicted E(m̄_t, k) in G_{t0}'s eigenbasis (the
+    measured E_t(m_t, k) is ``energy_residual``).  Only for the paper's setting, full-batch GD
+    without momentum on the L2 loss; with K < N the rest of G_{t0}'s spectrum counts as 0.
+    """
+    from nsa_dist.config import LossName, OptimizerName
+    from nsa_dist.metrics import constant_gram_residual
+
+    opt = spec.optimizer
+    if (LossName(spec.loss) is not LossName.L2 or OptimizerName(opt.name) is not OptimizerName.GD
+            or opt.momentum > 0):
+        return
+    reader = writer.store.reader(writer.run_id)
+    steps = reader.read("steps")
+    y = np.asarray(reader.read("y"), np.float64)
+    f = np.asarray(reader.read("f"), np.float64)  # (S, N[, Ko])
+    m = (f - y[None]).reshape(len(steps), -1)  # (S, N·Ko)
+    lam, p = reader.read_step("eigenvalues", 0), reader.read_step("projections_residual", 0)
+    t0 = int(steps[0])
+    lrs = [np.array([spec.lr_at(s) for s in range(t0, int(t))]) for t in steps]
+    pred = constant_gram_residual(lam, p, float(m[0] @ m[0]), writer.dims.N, lrs)
+    writer.write_array("constant_gram_residual", np.stack([pred.norm, np.linalg.norm(m, axis=1)], axis=1),
+                       {"t0": t0, "truncated": bool(writer.dims.K < writer.dims.N)})
+    writer.write_array("constant_gram_energy", pred.energy, {"t0": t0})

@@ -17,7 +17,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import reconstruction_ks, spectrum_preservation
-from nsa_dist.pipeline.nsa_extras import gram_change_size
+from nsa_dist.pipeline.nsa_extras import gram_change_size, write_constant_gram
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
@@ -182,6 +182,7 @@ def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, 
 def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
     """After the last step: spectrum preservation, status done."""
     _write_preservation(writer, spec)
+    write_constant_gram(writer, spec)
     writer.set_status(Status.DONE)
 
 

@@ -30,7 +30,7 @@ def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1
 
     fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    where = label if label.startswith("App.") else f"Fig. {label}"  # an appendix has no figure number
+    where = label if label.startswith(("App.", "Eqs.")) else f"Fig. {label}"  # appendix / equations: no figure
     fig.suptitle(f"{paper} {where} — {what}\nrun {run.id}", fontsize=11)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 

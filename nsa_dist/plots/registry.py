@@ -61,6 +61,7 @@ _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "fig4bc_residual_fourier": (images.fig4bc, _has("residual_image", "residual_fourier")),
     "fig4d_reconstructions": (spectral_dynamics.fig4d, lambda run: run.has("reconstructions") and len(run.eigenvector_steps) > 0),
     "appF_gram_change": (_plain(spectral_dynamics.appF), lambda run: run.has("gram_change") and len(run.eigenvector_steps) > 0),
+    "eqs45_constant_gram": (spectral_dynamics.eqs45, _has("constant_gram_residual", "constant_gram_energy")),
     "fig5_eigenvectors": (images.fig5, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig6_eigenvectors_early": (images.fig6, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig7d_preservation": (projections.fig7d, _preservation_ready),

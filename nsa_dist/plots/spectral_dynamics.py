@@ -62,3 +62,28 @@ def appF(run: "Run") -> "Figure":
     right.grid(alpha=0.3)
     right.legend(fontsize=7)
     return fig
+
+
+def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """Eqs. 4–5: ‖m_t‖ and E_t(m_t, k) measured beside GD's prediction with G fixed at its first
+    recorded value (E of the prediction in G_{t0}'s eigenbasis, the measured one in G_t's)."""
+    from nsa_dist.plots._axes import ks as chosen_ks
+
+    pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")  # (S, 2), (S, K)
+    idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]
+    t0 = int(run.schedule[0])
+    fig, ax = new_figure(run, "Eqs. 4–5", rf"residual under a constant Gramian $G_{{{t0}}}$ vs measured", ncols=2)
+    left, right = ax[0]
+    left.plot(run.steps, pred[idx, 1], "o-", ms=3, label=r"measured $\Vert m_t\Vert$")
+    left.plot(run.steps, pred[idx, 0], "s--", ms=3, label=rf"Eq. 5 with $G_{{{t0}}}$ fixed")
+    left.set(xlabel="step t", ylabel=r"$\Vert m_t\Vert$", yscale="log")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    measured = run.energy("residual")  # (S, K)
+    for k in chosen_ks(E.shape[1], opts.ks or (1, 10, 100, 500)):
+        line, = right.plot(run.steps, measured[:, k - 1], "o-", ms=3, label=f"k = {k}, measured")
+        right.plot(run.steps, E[idx, k - 1], "--", color=line.get_color(), label=f"k = {k}, Eq. 5")
+    right.set(xlabel="step t", ylabel=r"$E_t(m_t, k)$", ylim=(-0.02, 1.02))
+    right.grid(alpha=0.3)
+    right.legend(fontsize=7)
+    return fig
