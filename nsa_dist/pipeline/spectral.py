@@ -16,7 +16,7 @@ from nsa_dist.config import ExperimentSpec, Layout
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
-from nsa_dist.losses import residual as loss_residual
+from nsa_dist.losses import is_nce, residual as loss_residual
 from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, first_order_accuracy, reconstruction_ks,
                               spectral_projections, top_k_reconstructions)
 from nsa_dist.models import build_model
@@ -87,6 +87,9 @@ class SpectralAnalyzer:
         self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(
             (-1,) + tuple(data.X.shape[1:]))  # (M, …) like X
         self.y = np.asarray(data.y, dtype=np.float64)
+        # φ = y of E_t(y, k): for NCE the log-density centred over the points (its additive constant,
+        # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖², issue 19)
+        self.energy_target = self.y - self.y.mean(axis=0) if is_nce(spec) else self.y
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -234,7 +237,7 @@ class SpectralAnalyzer:
         if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = eig.evecs.astype(np.float32)
             out.update(self._at_eigenvector_step(ck, eig.evecs))
-        phis = {"y": self.y, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
+        phis = {"y": self.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
         for name, phi in phis.items():
             out[f"energy_{name}"] = energy_curve(eig.evecs, phi)
         finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged

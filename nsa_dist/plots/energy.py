@@ -33,7 +33,10 @@ def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = Tru
 def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "Figure":
     """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
-    fig, ax = new_figure(run, _LABEL[phi], _WHAT[phi])
+    what = _WHAT[phi]
+    if phi == "y" and getattr(run.spec.loss, "value", run.spec.loss) == "nce":  # the energy of the centred log-density (spectral.py)
+        what = r"energy of the centred log-density $y - \bar{y}\mathbf{1}$ (NCE) in the top-k eigenvectors of $G_t$"
+    fig, ax = new_figure(run, _LABEL[phi], what)
     ax = ax[0, 0]
     _curves(ax, run, phi, chosen=opts.ks)
     if phi == "df_pred":
