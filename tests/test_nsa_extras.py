@@ -223,3 +223,50 @@ def test_eqs45_drawn(tmp_path) -> None:
     assert run_experiment(spec2, SpectrumStore(url)).status == "done"
     run2 = Client(url).run("cga")
     assert not run2.has("constant_gram_residual") and make_figure(run2, "eqs45_constant_gram") is None
+
+
+# every NSA figure of `nsa plot`: its figure number (panel letters of the paper's captions) and what
+_NSA_TITLES = {
+    "fig1abc_target_output_points": "NSA Fig. 1a–c — target, network output and training points",
+    "fig1d_first_order": "NSA Fig. 1d — accuracy of the first-order dynamics",
+    "fig1e_lr_stability": "NSA Fig. 1e — learning rate and its stability bound",
+    "fig2a_eigenvalues": "NSA Fig. 2a — eigenvalues of $G_t$ for different t",
+    "fig2b_eigenvalues_t": "NSA Fig. 2b — individual eigenvalues along t",
+    "fig2c_flow_speed": "NSA Fig. 2c — information flow speed of the top eigenvectors",
+    "fig2d_lr_eigen": r"NSA Fig. 2d — $\delta_t \lambda_i^t / N$ along t",
+    "fig3a_energy_y": r"NSA Fig. 3a — relative energy of the labels $\bar y$ in the top k eigenvectors of $G_t$",
+    "fig3b_energy_f": r"NSA Fig. 3b — relative energy of the network output $\bar f_t$",
+    "fig3c_energy_residual": r"NSA Fig. 3c — relative energy of the residual $\bar m_t$",
+    "fig3d_energy_df": r"NSA Fig. 3d — relative energy of the differential $d\bar f_t = -(\delta_t/N) G_t \bar m_t$",
+    "fig3e_energy_f_test": "NSA Fig. 3e — relative energy of the network output at the test points "
+                           "(Gramian at the test points)",
+    "fig4a_residual_projections": "NSA Fig. 4a — spectral projections of the residual",
+    "fig4bc_residual_fourier": "NSA Fig. 4b–c — residual and its Fourier transform",
+    "fig4d_reconstructions": r"NSA Fig. 4d — $\bar f_{t,k}$ from the top $k$ eigenvectors of $G_t$, t = 4",
+    "appF_gram_change": "NSA App. F — first-order change $dG_t$ of the Gramian",
+    "eqs45_constant_gram": "NSA Eqs. 4–5 — residual under a constant Gramian $G_{0}$ vs measured",
+    "fig5_eigenvectors": "NSA Fig. 5 — eigenvectors of $G_t$ and their Fourier transforms, t = 4",
+    "fig6_eigenvectors_early": "NSA Fig. 6 — eigenvectors of $G_t$ and their Fourier transforms, t = 2",
+    "fig7d_preservation": r"NSA Fig. 7d — spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum "
+                          r"of $G_{t_1}$",
+    "loss": "NSA Fig. 7b (this run) — training loss",
+}
+
+
+def test_every_nsa_figure_title(tmp_path) -> None:
+    """A 2-D GD/L2 run with test points and eigenvectors draws every NSA figure, each titled with
+    the paper's figure number; the sweep's Fig. 7a–c likewise."""
+    from nsa_dist.plots.registry import FIGURES, make_figure
+
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(name="titles", data={"n": 30, "n_test": 8}, model={"depth": 2, "width": 8}, steps=5,
+                          record={"every": 2}, spectrum={"k": "all", "images": [1, 2], "test_points": True})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("titles")
+    nsa = [f for f in FIGURES if not f.startswith("hessian_")]
+    assert sorted(nsa) == sorted(_NSA_TITLES), "a new NSA figure needs its title here"
+    for name in nsa:
+        fig = make_figure(run, name)
+        assert fig is not None, f"{name} not drawn"
+        got = fig.get_suptitle().split("\n")[0]
+        assert got == _NSA_TITLES[name], f"{name}: {got!r}"
