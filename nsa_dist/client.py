@@ -164,6 +164,12 @@ class Run:
             out["images"] = self._at("reconstruction_images", i)
         return out
 
+    def constant_gram_test(self) -> np.ndarray:
+        """App. E, Eq. 22: (S, M[, Ko]) the test outputs f_t(X') at every recorded step predicted at the
+        first one by GD with G_{t0} fixed, through the Nyström extension of its eigenvectors (the
+        measured ones: ``outputs(t, "f_test")``)."""
+        return np.asarray(self._at("constant_gram_f_test", 0), dtype=np.float64)
+
     def gram_change(self) -> dict[str, np.ndarray]:
         """NSA App. F along the eigenvector steps: {"steps": (Se,), "measured", "first_order": (Se, Kg)
         v_iᵀ dG_t v_i, "fro": (Se, 3) ‖VᵀdG_tV‖_F measured, first order, their difference}."""

@@ -158,7 +158,7 @@ def _psd(N: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def test_constant_gram_residual_is_gd_on_a_fixed_gram() -> None:
     """Eq. 5 with a schedule against the direct iteration m ← (I − δ_s G/N) m in float64."""
-    from nsa_dist.metrics import constant_gram_dynamics, constant_gram_residual
+    from nsa_dist.metrics import constant_gram_decays, constant_gram_dynamics, constant_gram_residual
 
     N = 20
     G, w, V = _psd(N, 0)
@@ -167,8 +167,8 @@ def test_constant_gram_residual_is_gd_on_a_fixed_gram() -> None:
     record = [0, 3, 7, 12]
     for K in (N, 6):  # all eigenpairs (exact), the top 6 (G's rank-6 truncation)
         Gk = V[:, :K] @ np.diag(w[:K]) @ V[:, :K].T
-        got = constant_gram_residual(w[:K], (V[:, :K].T @ m0) ** 2, float(m0 @ m0), N,
-                                     [np.array([lr_of(s) for s in range(t)]) for t in record])
+        decays = constant_gram_decays(w[:K], [lr_of(s) for s in range(record[-1])], record, N)
+        got = constant_gram_residual(w[:K], (V[:, :K].T @ m0) ** 2, float(m0 @ m0), decays)
         m, ref_norm, ref_E = m0.copy(), [], []
         for t in range(record[-1] + 1):
             if t in record:
@@ -177,9 +177,12 @@ def test_constant_gram_residual_is_gd_on_a_fixed_gram() -> None:
             m = m - lr_of(t) / N * (Gk @ m)
         np.testing.assert_allclose(got.norm, ref_norm, rtol=1e-10)
         np.testing.assert_allclose(got.energy, ref_E, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match=r"offsets must increase within 0..3"):
+        constant_gram_decays(w, [0.1, 0.1, 0.1], [0, 4], N)
     # a constant rate agrees with the library's closed form (Eq. 5)
     traj = constant_gram_dynamics(w, V, m0, np.zeros(N), 0.3, np.array(record))
-    const = constant_gram_residual(w, (V.T @ m0) ** 2, float(m0 @ m0), N, [np.full(t, 0.3) for t in record])
+    const = constant_gram_residual(w, (V.T @ m0) ** 2, float(m0 @ m0),
+                                   constant_gram_decays(w, np.full(record[-1], 0.3), record, N))
     np.testing.assert_allclose(const.norm, np.linalg.norm(traj.m, axis=1), rtol=1e-10)
 
 
@@ -270,3 +273,59 @@ def test_every_nsa_figure_title(tmp_path) -> None:
         assert fig is not None, f"{name} not drawn"
         got = fig.get_suptitle().split("\n")[0]
         assert got == _NSA_TITLES[name], f"{name}: {got!r}"
+
+
+def test_eq22_nystrom_equals_exact_test_dynamics() -> None:
+    """Eq. 22 through the Nyström extension over all λ_i > 0 is Eq. 18 (the exact test-point
+    dynamics with g(X', 𝒳) fixed), iterated directly in float64; the top-K version is the
+    prediction of the rank-K truncated kernel."""
+    from nsa_dist.metrics import constant_gram_decays, constant_gram_test_outputs, nystrom_extension
+
+    rng = np.random.default_rng(3)
+    N, M, P = 16, 5, 10  # P < N: G has a null space, as a real Gram of few parameters
+    J, Jt = rng.standard_normal((N, P)), rng.standard_normal((M, P))
+    G, g = J @ J.T, Jt @ J.T  # (N, N), (M, N)
+    w, V = np.linalg.eigh(G)
+    w, V = w[::-1][:P], V[:, ::-1][:, :P]  # the P eigenpairs with λ > 0
+    m0, f0 = rng.standard_normal(N), rng.standard_normal(M)
+    lr_of = lambda s: 0.02 if s < 5 else 0.01  # noqa: E731
+    record = [0, 2, 5, 9]
+    decays = constant_gram_decays(w, [lr_of(s) for s in range(record[-1])], record, N)
+    got = constant_gram_test_outputs(nystrom_extension(g, w, V), V.T @ m0, f0, decays)
+    m, f, ref = m0.copy(), f0.copy(), []
+    for t in range(record[-1] + 1):
+        if t in record:
+            ref.append(f.copy())
+        f, m = f - lr_of(t) / N * (g @ m), m - lr_of(t) / N * (G @ m)  # Eq. 17 and Eq. 14's step
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+    # two outputs at once: the columns are independent
+    two = constant_gram_test_outputs(nystrom_extension(g, w, V), V.T @ np.stack([m0, -m0], 1),
+                                     np.stack([f0, f0], 1), decays)
+    np.testing.assert_allclose(two[..., 0], ref, rtol=1e-10)
+    np.testing.assert_allclose(two[..., 1] - f0, -(np.asarray(ref) - f0), rtol=1e-10, atol=1e-12)
+
+
+def test_stored_test_point_prediction_against_exact(tmp_path) -> None:
+    """The stored App. E prediction (Nyström from JVP products at θ_{t0}) against Eq. 18 with the
+    dense g(X', 𝒳) and G at the stored θ_{t0}, iterated over the run's learning rates."""
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(name="eq22", data={"n": 24, "n_test": 6}, model={"depth": 2, "width": 6}, steps=8,
+                          record={"every": 4}, spectrum={"k": "all", "images": [1], "store_eigenvectors": False},
+                          schedule={"lr": 0.3, "decay": 0.5, "every": 3})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("eq22")
+    model = build_model(spec.model, seed=0).double()
+    torch.nn.utils.vector_to_parameters(torch.as_tensor(run.g["theta"][0], dtype=torch.float64), model.parameters())
+    X, Xt = (torch.as_tensor(a, dtype=torch.float64) for a in (run.X, run.X_test))
+    G, g = dense_ntk(model, X).numpy(), dense_ntk(model, Xt, X).numpy()
+    m, f = run.residual(0).astype(np.float64), run.outputs(0, "f_test").astype(np.float64)
+    got = run.constant_gram_test()
+    assert got.shape == (len(run.steps), 6)
+    np.testing.assert_allclose(got[0], f, rtol=1e-12)
+    for t in range(int(run.steps[-1]) + 1):
+        if t in run.steps:
+            i = int(np.flatnonzero(run.steps == t)[0])
+            err = np.abs(got[i] - f).max() / np.abs(f - got[0]).max() if t else 0.0
+            assert err < 1e-3, f"t = {t}: Eq. 22 off Eq. 18 by {err:.2e} of the change"
+        f, m = f - spec.lr_at(t) / 24 * (g @ m), m - spec.lr_at(t) / 24 * (G @ m)
+    assert np.isnan(run.g["constant_gram_f_test"][1]).all(), "written at the first recorded step only"

@@ -19,13 +19,14 @@ descending eigenvalue.
 from __future__ import annotations
 
 from nsa_dist.metrics.alignment import alignment_from_products, centered_sq_frobenius, kernel_target_alignment
-from nsa_dist.metrics.dynamics import (ConstantGramResidual, ConstantGramTrajectory, constant_gram_decay,
-                                       constant_gram_dynamics, constant_gram_residual)
+from nsa_dist.metrics.dynamics import (ConstantGramResidual, ConstantGramTrajectory, constant_gram_decay, constant_gram_decays,
+                                       constant_gram_dynamics, constant_gram_residual,
+                                       constant_gram_test_outputs)
 from nsa_dist.metrics.energy import relative_energy, spectral_projections
 from nsa_dist.metrics.first_order import FirstOrderAccuracy, first_order_accuracy, first_order_update
 from nsa_dist.metrics.flow import flow_speed, lr_eigen_product, stability_bound
 from nsa_dist.metrics.fourier import FrequencyGrid, fourier_transform, frequency_grid
-from nsa_dist.metrics.nystrom import nystrom_extension
+from nsa_dist.metrics.nystrom import nystrom_extension, nystrom_from_products
 from nsa_dist.metrics.preservation import spectrum_preservation
 from nsa_dist.metrics.reconstruction import RECONSTRUCTION_KS, reconstruction_ks, top_k_reconstructions
 
@@ -45,9 +46,12 @@ __all__ = [
     "constant_gram_dynamics",
     "ConstantGramTrajectory",
     "constant_gram_decay",
+    "constant_gram_decays",
     "constant_gram_residual",
     "ConstantGramResidual",
+    "constant_gram_test_outputs",
     "nystrom_extension",
+    "nystrom_from_products",
     "fourier_transform",
     "frequency_grid",
     "RECONSTRUCTION_KS",

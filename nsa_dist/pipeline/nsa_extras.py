@@ -5,6 +5,8 @@
   eigenvectors, measured (G_{t+1} − G_t, from θ_{t+1} = θ_t + Δθ_t) and to first order
   (dG_t = ∂G/∂θ · Δθ_t = dJ Jᵀ + J dJᵀ, which for GD is −(δ/N)(Q_t + Q_tᵀ), Eq. 26).
   Both by products with the network (forward-over-reverse), never the dense G.
+* :func:`test_point_prediction` — at the first recorded step: App. E's Eq. 22, the test outputs of every
+  recorded step under G_{t0} fixed, through the Nyström extension of its eigenvectors (Eq. 9).
 * :func:`write_constant_gram` — after the run: Eqs. 4–5's constant-Gram residual beside the measured one.
 """
 
@@ -21,24 +23,29 @@ if TYPE_CHECKING:
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.store import RunWriter
 
-__all__ = ["gram_change_size", "gram_change", "write_constant_gram"]
+__all__ = ["gram_change_size", "gram_change", "cross_gram_times", "constant_gram_applies", "run_decays",
+           "test_point_prediction", "write_constant_gram"]
 
 def gram_change_size(spec: "ExperimentSpec", K: int) -> int:
     """Kg, the top eigenvectors App. F's dG_t is projected on: min(spectrum.gram_change_k, K) (0: off)."""
     return min(int(spec.spectrum.gram_change_k), K)
 
 
-def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor") -> Callable:
-    """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p, by VJP + JVP."""
+def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor",
+                X_out: "torch.Tensor | None" = None) -> Callable:
+    """p ↦ g(p)(X_out, X) V with g = Σ_a J'_a J_aᵀ (the output-traced kernel), J = ∂f(X)/∂p,
+    J' = ∂f(X_out)/∂p (X_out = X: the Gram G V), by one VJP at X and JVPs at X_out."""
     import torch
     from torch.func import functional_call, jvp, vjp
 
-    def f(p):
-        out = functional_call(model, p, (X,))
-        return out.reshape(out.shape[0], -1)  # (N, Ko)
+    def f(p, Z):
+        out = functional_call(model, p, (Z,))
+        return out.reshape(out.shape[0], -1)  # (n, Ko)
+
+    Z = X if X_out is None else X_out
 
     def GV(p):
-        fx, pull = vjp(f, p)
+        fx, pull = vjp(lambda q: f(q, X), p)
         cols = []
         for j in range(V.shape[1]):
             acc = 0.0
@@ -46,11 +53,48 @@ def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor") -> Cal
                 cot = torch.zeros_like(fx)
                 cot[:, a] = V[:, j]
                 (u,) = pull(cot)  # J_aᵀ v_j, a dict like p
-                acc = acc + jvp(f, (p,), (u,))[1][:, a]  # J_a J_aᵀ v_j, (N,)
+                acc = acc + jvp(lambda q: f(q, Z), (p,), (u,))[1][:, a]  # J'_a J_aᵀ v_j, (n_out,)
             cols.append(acc)
-        return torch.stack(cols, dim=1)  # (N, Kg)
+        return torch.stack(cols, dim=1)  # (n_out, Kg)
 
     return GV
+
+
+def _unflat(model: "nn.Module", vec: np.ndarray, dtype: "torch.dtype") -> dict[str, "torch.Tensor"]:
+    """A flat (P,) vector as the model's named parameters (in ``dtype``)."""
+    import torch
+
+    dev = next(model.parameters()).device
+    t = torch.as_tensor(np.ascontiguousarray(vec, np.float64), device=dev).to(dtype)
+    out, o = {}, 0
+    for n, p in model.named_parameters():
+        out[n] = t[o:o + p.numel()].view(p.shape)
+        o += p.numel()
+    return out
+
+
+def cross_gram_times(model: "nn.Module", X_out: "torch.Tensor", X: "torch.Tensor", theta: np.ndarray,
+                     V: np.ndarray, dtype: "torch.dtype") -> np.ndarray:
+    """g_θ(X_out, 𝒳) V, the kernel rows between new points and the N training points times V
+    (NSA Eq. 9's g_t(X, 𝒳) v_k), by products; the model's parameters are left as they were.
+
+    Args:
+        X_out: (M, d) new points; X: (N, d) training points; theta: (P,) the parameters.
+        V: (N, K) columns; dtype: the products' dtype.
+
+    Returns:
+        (M, K) float64.
+    """
+    import torch
+
+    orig = next(model.parameters()).dtype
+    model.to(dtype)
+    try:
+        Vt = torch.as_tensor(np.ascontiguousarray(V, np.float64), device=X.device).to(dtype)
+        out = _gram_times(model, X.to(dtype), Vt, X_out.to(dtype))(_unflat(model, theta, dtype))
+        return out.detach().cpu().double().numpy()
+    finally:
+        model.to(orig)
 
 
 def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta: np.ndarray, evecs: np.ndarray,
@@ -82,17 +126,8 @@ def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta
     if not np.all(np.isfinite(dtheta)):
         return {"gram_change": np.full((2, Kg), np.nan), "gram_change_fro": np.full(3, np.nan)}
     names = [n for n, _ in model.named_parameters()]
-    shapes = [p.shape for _, p in model.named_parameters()]
     dev = next(model.parameters()).device
-
-    def unflat(vec: np.ndarray) -> dict[str, "torch.Tensor"]:
-        t = torch.as_tensor(np.ascontiguousarray(vec, np.float64), device=dev).to(dtype)
-        out, o = {}, 0
-        for n, s in zip(names, shapes):
-            k = int(np.prod(s))
-            out[n] = t[o:o + k].view(s)
-            o += k
-        return out
+    unflat = lambda v: _unflat(model, v, dtype)  # noqa: E731
 
     orig = next(model.parameters()).dtype
     model.to(dtype)
@@ -113,6 +148,57 @@ def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta
             "gram_change_fro": np.array([fro(D), fro(Dbar), fro(D - Dbar)])}
 
 
+def constant_gram_applies(spec: "ExperimentSpec") -> bool:
+    """Whether Eqs. 4–5 / App. E describe the run: full-batch GD without momentum on the L2 loss."""
+    from nsa_dist.config import LossName, OptimizerName
+
+    opt = spec.optimizer
+    return (LossName(spec.loss) is LossName.L2 and OptimizerName(opt.name) is OptimizerName.GD
+            and opt.momentum == 0)
+
+
+def run_decays(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", evals: np.ndarray, n: int) -> np.ndarray:
+    """r_i(t_j) = Π_{s=t_0}^{t_j−1} (1 − δ_s λ_i/N) at the recorded steps t_j, from the run's own rates.
+
+    Returns:
+        (S, K) float64.
+    """
+    from nsa_dist.metrics import constant_gram_decays
+
+    t0, t_end = int(steps[0]), int(steps[-1])
+    lrs = np.array([spec.lr_at(s) for s in range(t0, t_end)])
+    return constant_gram_decays(evals, lrs, np.asarray(steps, np.int64) - t0, n)
+
+
+def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.Tensor", theta: np.ndarray,
+                          evals: np.ndarray, evecs: np.ndarray, residual: np.ndarray, f_test: np.ndarray,
+                          spec: "ExperimentSpec", dtype: "torch.dtype") -> np.ndarray:
+    """App. E, Eq. 22 at the first recorded step t0: the test outputs at every recorded step predicted
+    by GD with G_{t0} fixed, through the Nyström extension ṽ_i(X') = g_{t0}(X', 𝒳) v_i / λ_i (Eq. 9).
+
+    Eigenpairs with λ_i ≤ 1e-10 λ_1 are left out (Eq. 22 sums over λ_i ≠ 0; dividing by round-off
+    would amplify noise).
+
+    Args:
+        X, X_test: (N, d), (M, d); theta: (P,) θ_{t0}; evals, evecs: (K,), (N, K) of G_{t0};
+        residual: m̄_{t0}, (N,) or (N, Ko); f_test: f_{t0}(X'), (M,) or (M, Ko);
+        spec: the run's spec (its recorded steps and learning rates); dtype: the products' dtype.
+
+    Returns:
+        (S, M) or (S, M, Ko) float64.
+    """
+    from nsa_dist.metrics import constant_gram_test_outputs, nystrom_from_products
+
+    lam = np.asarray(evals, np.float64)
+    keep = lam > 1e-10 * lam[0]
+    V = np.asarray(evecs, np.float64)[:, keep]  # (N, K')
+    ext = nystrom_from_products(cross_gram_times(model, X_test, X, theta, V, dtype), lam[keep])  # (M, K')
+    coef = V.T @ np.asarray(residual, np.float64)  # (K',) or (K', Ko)
+    N = V.shape[0]
+    decays = run_decays(spec, spec.record_steps(), lam[keep], N)  # (S, K')
+    return constant_gram_test_outputs(ext, coef, f_test, decays)
+
+
 def write_constant_gram(writer: "RunWriter", spec: "ExperimentSpec") -> None:
     """After the last step: Eqs. 4–5's constant-Gram prediction of the residual beside the measured one.
 
@@ -122,12 +208,9 @@ def write_constant_gram(writer: "RunWriter", spec: "ExperimentSpec") -> None:
     measured E_t(m_t, k) is ``energy_residual``).  Only for the paper's setting, full-batch GD
     without momentum on the L2 loss; with K < N the rest of G_{t0}'s spectrum counts as 0.
     """
-    from nsa_dist.config import LossName, OptimizerName
     from nsa_dist.metrics import constant_gram_residual
 
-    opt = spec.optimizer
-    if (LossName(spec.loss) is not LossName.L2 or OptimizerName(opt.name) is not OptimizerName.GD
-            or opt.momentum > 0):
+    if not constant_gram_applies(spec):
         return
     reader = writer.store.reader(writer.run_id)
     steps = reader.read("steps")
@@ -136,8 +219,7 @@ def write_constant_gram(writer: "RunWriter", spec: "ExperimentSpec") -> None:
     m = (f - y[None]).reshape(len(steps), -1)  # (S, N·Ko)
     lam, p = reader.read_step("eigenvalues", 0), reader.read_step("projections_residual", 0)
     t0 = int(steps[0])
-    lrs = [np.array([spec.lr_at(s) for s in range(t0, int(t))]) for t in steps]
-    pred = constant_gram_residual(lam, p, float(m[0] @ m[0]), writer.dims.N, lrs)
+    pred = constant_gram_residual(lam, p, float(m[0] @ m[0]), run_decays(spec, steps, lam, writer.dims.N))
     writer.write_array("constant_gram_residual", np.stack([pred.norm, np.linalg.norm(m, axis=1)], axis=1),
                        {"t0": t0, "truncated": bool(writer.dims.K < writer.dims.N)})
     writer.write_array("constant_gram_energy", pred.energy, {"t0": t0})

@@ -17,7 +17,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import reconstruction_ks, spectrum_preservation
-from nsa_dist.pipeline.nsa_extras import gram_change_size, write_constant_gram
+from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size, write_constant_gram
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
@@ -52,7 +52,8 @@ def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: Sp
                    L=int(trainer.gen.get_state().numel()), store_eigenvectors=bool(spec.spectrum.store_eigenvectors),
                    hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))),
                    Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n), **hessian_flags(spec),
-                   HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K))
+                   HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K),
+                   Cg=constant_gram_applies(spec))
 
 
 def hessian_flags(spec: ExperimentSpec) -> dict[str, bool]:

@@ -26,7 +26,7 @@ from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram,
                                       choose_layout, gram_for_layout)
-from nsa_dist.pipeline.nsa_extras import gram_change, gram_change_size
+from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change, gram_change_size, test_point_prediction
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max"]
@@ -247,6 +247,9 @@ class SpectralAnalyzer:
         out["alignment"] = alignment_from_products(self.y, GY, fro2)
         out["alignment_centered"] = self._centered_alignment(G, GY, G1, fro2)
         out.update(self.extras.analyze(self.model, self.X, ck, eig.evecs, residual))
+        if ck.index == 0 and self.X_test.shape[0] and constant_gram_applies(self.spec):  # App. E, Eq. 22
+            out["constant_gram_f_test"] = test_point_prediction(
+                self.model, self.X, self.X_test, ck.theta, eig.evals, eig.evecs, residual, ck.f_test, self.spec, self.dtype)
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
         return out

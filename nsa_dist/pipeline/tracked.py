@@ -21,7 +21,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
-from nsa_dist.pipeline.nsa_extras import gram_change_size
+from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size
 from nsa_dist.pipeline.runner import hessian_flags, step_plan
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
@@ -77,7 +77,8 @@ def tracked_dims(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=0, L=RNG_BYTES,
                    store_eigenvectors=bool(spec.spectrum.store_eigenvectors), hessian=spec.hessian is not None,
                    Hk=Hk, Hr=Hr, Hg=Hg, Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n),
-                   **hessian_flags(spec), HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K))
+                   **hessian_flags(spec), HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K),
+                   Cg=constant_gram_applies(spec))
 
 
 def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer) -> dict[str, np.ndarray]:

@@ -66,14 +66,27 @@ def appF(run: "Run") -> "Figure":
 
 def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     """Eqs. 4–5: ‖m_t‖ and E_t(m_t, k) measured beside GD's prediction with G fixed at its first
-    recorded value (E of the prediction in G_{t0}'s eigenbasis, the measured one in G_t's)."""
+    recorded value (E of the prediction in G_{t0}'s eigenbasis, the measured one in G_t's); with test
+    points, App. E's Eq. 22 (Nyström extension) for the test residual beside the measured one."""
     from nsa_dist.plots._axes import ks as chosen_ks
 
     pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")  # (S, 2), (S, K)
     idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]
     t0 = int(run.schedule[0])
-    fig, ax = new_figure(run, "Eqs. 4–5", rf"residual under a constant Gramian $G_{{{t0}}}$ vs measured", ncols=2)
-    left, right = ax[0]
+    test = run.has("constant_gram_f_test")
+    fig, ax = new_figure(run, "Eqs. 4–5", rf"residual under a constant Gramian $G_{{{t0}}}$ vs measured",
+                         ncols=3 if test else 2)
+    left, right = ax[0][:2]
+    if test:  # App. E, Eq. 22 with the Nyström extension
+        pred_test, yt = run.constant_gram_test()[idx], run.array("y_test")  # (S', M[, Ko])
+        meas = np.stack([run.outputs(int(t), "f_test") for t in run.steps])
+        norm = lambda F: np.linalg.norm((F - yt[None]).reshape(len(F), -1), axis=1)  # noqa: E731
+        a = ax[0][2]
+        a.plot(run.steps, norm(meas), "o-", ms=3, label=r"measured $\Vert f_t(X') - y'\Vert$")
+        a.plot(run.steps, norm(pred_test), "s--", ms=3, label="Eq. 22 (Nyström, App. E)")
+        a.set(xlabel="step t", ylabel="test residual norm", yscale="log", title="test points")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     left.plot(run.steps, pred[idx, 1], "o-", ms=3, label=r"measured $\Vert m_t\Vert$")
     left.plot(run.steps, pred[idx, 0], "s--", ms=3, label=rf"Eq. 5 with $G_{{{t0}}}$ fixed")
     left.set(xlabel="step t", ylabel=r"$\Vert m_t\Vert$", yscale="log")

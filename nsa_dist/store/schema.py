@@ -61,6 +61,7 @@ class RunDims:
     Ha: bool = True  # hessian.additivity: Theorem 1's gap array exists
     Ht: bool = True  # hessian.trace_G: the per-point traces G and Tr(S) = ∇Cᵀ·G exist
     Kg: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
+    Cg: bool = False  # App. E: the constant-Gram prediction of the test outputs (GD, L2, test points; issue 19)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -70,7 +71,7 @@ class RunDims:
 class ArraySpec:
     """One array of a run.  ``at``: which recorded steps write it — "every" step, only the
     "eigenvectors" steps (static ``eigenvector_steps``), only the "hessian" steps (static
-    ``hessian_steps``); "" for static arrays."""
+    ``hessian_steps``), only the "first" recorded step (index 0); "" for static arrays."""
 
     name: str
     shape: tuple[int, ...]
@@ -192,6 +193,8 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         a.append(ArraySpec("eigenvalues_full", (D.S, D.Kf), "float64", True))
     if D.Kc:
         a.append(ArraySpec("eigenvalues_per_class", (D.S, D.Ko, D.Kc), "float64", True))
+    if D.Cg and D.M:  # App. E, Eq. 22 (Nyström): f_test of every recorded step predicted at the first
+        a.append(ArraySpec("constant_gram_f_test", (D.S, D.S) + out_shape(D.M), "float64", True, "first"))
     # issue 19: Fig. 4d reconstructions f̄_{t,k} and App. F's dG_t, at the eigenvector steps
     if D.store_eigenvectors:
         nR = len(reconstruction_ks(D.K))
@@ -211,9 +214,11 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
 
 
 # --------------------------------------------------------------------------- the step contract
-def step_specs(D: RunDims, *, eigenvectors: bool, hessian: bool) -> dict[str, ArraySpec]:
-    """The arrays a step's analysis must hand over (the resume state and ``done`` excluded)."""
-    want = {"every"} | ({"eigenvectors"} if eigenvectors else set()) | ({"hessian"} if hessian else set())
+def step_specs(D: RunDims, *, eigenvectors: bool, hessian: bool, first: bool = False) -> dict[str, ArraySpec]:
+    """The arrays a step's analysis must hand over (the resume state and ``done`` excluded);
+    ``first``: the first recorded step (index 0)."""
+    want = ({"every"} | ({"eigenvectors"} if eigenvectors else set()) | ({"hessian"} if hessian else set())
+            | ({"first"} if first else set()))
     return {a.name: a for a in run_arrays(D)
             if a.per_step and a.at in want and a.name not in STATE_ARRAYS and a.name != "done"}
 
@@ -233,7 +238,7 @@ class StepRecord:
         mis-shaped key (``where``: the run, for the message)."""
         from nsa_dist.errors import StoreError
 
-        specs = step_specs(D, eigenvectors=eigenvectors, hessian=hessian)
+        specs = step_specs(D, eigenvectors=eigenvectors, hessian=hessian, first=index == 0)
         result = {k: v for k, v in result.items() if k not in STATE_ARRAYS}
         problems = []
         unknown, missing = sorted(set(result) - set(specs)), sorted(set(specs) - set(result))
@@ -298,6 +303,7 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "reconstruction_k": ("reconstruction",), "reconstructions": ("step", "reconstruction", "point") + _OUT,
     "reconstruction_images": ("step", "reconstruction", "pixel_y", "pixel_x"),
     "gram_change": ("step", "measured_first_order", "k_gram_change"), "gram_change_fro": ("step", "gram_change_norm"),
+    "constant_gram_f_test": ("step", "predicted_step", "test_point") + _OUT,
     "constant_gram_residual": ("step", "predicted_measured"), "constant_gram_energy": ("step", "k"),
 }
 
