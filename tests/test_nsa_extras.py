@@ -329,3 +329,14 @@ def test_stored_test_point_prediction_against_exact(tmp_path) -> None:
             assert err < 1e-3, f"t = {t}: Eq. 22 off Eq. 18 by {err:.2e} of the change"
         f, m = f - spec.lr_at(t) / 24 * (g @ m), m - spec.lr_at(t) / 24 * (G @ m)
     assert np.isnan(run.g["constant_gram_f_test"][1]).all(), "written at the first recorded step only"
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_cross_gram_times_is_the_dense_kernel_rows(K: int) -> None:
+    from nsa_dist.pipeline.nsa_extras import cross_gram_times
+
+    model = _model(K)
+    X, Xt = torch.randn(11, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    V = np.random.default_rng(0).standard_normal((11, 3))
+    ref = dense_ntk(model, Xt, X).numpy() @ V  # (M, N) traced kernel rows times V
+    np.testing.assert_allclose(cross_gram_times(model, Xt, X, V, torch.float64), ref, rtol=1e-10, atol=1e-12)

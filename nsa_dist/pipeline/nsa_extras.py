@@ -26,23 +26,21 @@ if TYPE_CHECKING:
 __all__ = ["gram_change_size", "gram_change", "cross_gram_times", "constant_gram_applies", "run_decays",
            "test_point_prediction", "write_constant_gram"]
 
+
 def gram_change_size(spec: "ExperimentSpec", K: int) -> int:
     """Kg, the top eigenvectors App. F's dG_t is projected on: min(spectrum.gram_change_k, K) (0: off)."""
     return min(int(spec.spectrum.gram_change_k), K)
 
 
-def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor",
-                X_out: "torch.Tensor | None" = None) -> Callable:
-    """p ↦ g(p)(X_out, X) V with g = Σ_a J'_a J_aᵀ (the output-traced kernel), J = ∂f(X)/∂p,
-    J' = ∂f(X_out)/∂p (X_out = X: the Gram G V), by one VJP at X and JVPs at X_out."""
+def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor") -> Callable:
+    """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p, by one VJP and
+    JVPs (differentiable in p: App. F takes its JVP along Δθ)."""
     import torch
     from torch.func import functional_call, jvp, vjp
 
     def f(p, Z):
         out = functional_call(model, p, (Z,))
         return out.reshape(out.shape[0], -1)  # (n, Ko)
-
-    Z = X if X_out is None else X_out
 
     def GV(p):
         fx, pull = vjp(lambda q: f(q, X), p)
@@ -53,9 +51,9 @@ def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor",
                 cot = torch.zeros_like(fx)
                 cot[:, a] = V[:, j]
                 (u,) = pull(cot)  # J_aᵀ v_j, a dict like p
-                acc = acc + jvp(lambda q: f(q, Z), (p,), (u,))[1][:, a]  # J'_a J_aᵀ v_j, (n_out,)
+                acc = acc + jvp(lambda q: f(q, X), (p,), (u,))[1][:, a]  # J_a J_aᵀ v_j, (N,)
             cols.append(acc)
-        return torch.stack(cols, dim=1)  # (n_out, Kg)
+        return torch.stack(cols, dim=1)  # (N, Kg)
 
     return GV
 
@@ -73,28 +71,29 @@ def _unflat(model: "nn.Module", vec: np.ndarray, dtype: "torch.dtype") -> dict[s
     return out
 
 
-def cross_gram_times(model: "nn.Module", X_out: "torch.Tensor", X: "torch.Tensor", theta: np.ndarray,
-                     V: np.ndarray, dtype: "torch.dtype") -> np.ndarray:
-    """g_θ(X_out, 𝒳) V, the kernel rows between new points and the N training points times V
-    (NSA Eq. 9's g_t(X, 𝒳) v_k), by products; the model's parameters are left as they were.
+def cross_gram_times(model: "nn.Module", X_out: "torch.Tensor", X: "torch.Tensor", V: np.ndarray,
+                     dtype: "torch.dtype", method: str = "auto", block_size: int | None = None) -> np.ndarray:
+    """g_θ(X_out, 𝒳) V at the model's parameters: the kernel rows between new points and the N
+    training points (NSA Eq. 9's g_t(X, 𝒳) v_k), through :func:`nsa_dist.ntk.gram` (the run's own
+    NTK path), a block of rows (≤ 32 Mi floats) at a time, never all M×N rows at once.
 
     Args:
-        X_out: (M, d) new points; X: (N, d) training points; theta: (P,) the parameters.
-        V: (N, K) columns; dtype: the products' dtype.
+        X_out: (M, …) new points; X: (N, …) training points; V: (N, K) columns.
+        dtype: the kernel's dtype; method, block_size: as ``spectrum.ntk_method`` / ``block_size``.
 
     Returns:
         (M, K) float64.
     """
     import torch
 
-    orig = next(model.parameters()).dtype
-    model.to(dtype)
-    try:
-        Vt = torch.as_tensor(np.ascontiguousarray(V, np.float64), device=X.device).to(dtype)
-        out = _gram_times(model, X.to(dtype), Vt, X_out.to(dtype))(_unflat(model, theta, dtype))
-        return out.detach().cpu().double().numpy()
-    finally:
-        model.to(orig)
+    from nsa_dist.ntk import gram
+
+    N, M = X.shape[0], X_out.shape[0]
+    Vt = torch.as_tensor(np.ascontiguousarray(V, np.float64), device=X.device).to(dtype)  # (N, K)
+    rows = max(1, (32 << 20) // max(N, 1))
+    out = [(gram(model, X_out[i:i + rows], X, method=method, block_size=block_size, dtype=dtype) @ Vt)
+           .detach().cpu().double().numpy() for i in range(0, M, rows)]  # (b, N) @ (N, K) each
+    return np.concatenate(out, axis=0)  # (M, K)
 
 
 def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta: np.ndarray, evecs: np.ndarray,
@@ -170,9 +169,9 @@ def run_decays(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", evals: n
     return constant_gram_decays(evals, lrs, np.asarray(steps, np.int64) - t0, n)
 
 
-def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.Tensor", theta: np.ndarray,
-                          evals: np.ndarray, evecs: np.ndarray, residual: np.ndarray, f_test: np.ndarray,
-                          spec: "ExperimentSpec", dtype: "torch.dtype") -> np.ndarray:
+def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.Tensor", evals: np.ndarray,
+                          evecs: np.ndarray, residual: np.ndarray, f_test: np.ndarray, spec: "ExperimentSpec",
+                          dtype: "torch.dtype") -> np.ndarray:
     """App. E, Eq. 22 at the first recorded step t0: the test outputs at every recorded step predicted
     by GD with G_{t0} fixed, through the Nyström extension ṽ_i(X') = g_{t0}(X', 𝒳) v_i / λ_i (Eq. 9).
 
@@ -180,7 +179,8 @@ def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.
     would amplify noise).
 
     Args:
-        X, X_test: (N, d), (M, d); theta: (P,) θ_{t0}; evals, evecs: (K,), (N, K) of G_{t0};
+        model: the network at θ_{t0}.
+        X, X_test: (N, …), (M, …); evals, evecs: (K,), (N, K) of G_{t0};
         residual: m̄_{t0}, (N,) or (N, Ko); f_test: f_{t0}(X'), (M,) or (M, Ko);
         spec: the run's spec (its recorded steps and learning rates); dtype: the products' dtype.
 
@@ -192,7 +192,9 @@ def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.
     lam = np.asarray(evals, np.float64)
     keep = lam > 1e-10 * lam[0]
     V = np.asarray(evecs, np.float64)[:, keep]  # (N, K')
-    ext = nystrom_from_products(cross_gram_times(model, X_test, X, theta, V, dtype), lam[keep])  # (M, K')
+    sp = spec.spectrum
+    gV = cross_gram_times(model, X_test, X, V, dtype, sp.ntk_method, sp.block_size)  # (M, K')
+    ext = nystrom_from_products(gV, lam[keep])  # (M, K')
     coef = V.T @ np.asarray(residual, np.float64)  # (K',) or (K', Ko)
     N = V.shape[0]
     decays = run_decays(spec, spec.record_steps(), lam[keep], N)  # (S, K')

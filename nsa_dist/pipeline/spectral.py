@@ -249,7 +249,7 @@ class SpectralAnalyzer:
         out.update(self.extras.analyze(self.model, self.X, ck, eig.evecs, residual))
         if ck.index == 0 and self.X_test.shape[0] and constant_gram_applies(self.spec):  # App. E, Eq. 22
             out["constant_gram_f_test"] = test_point_prediction(
-                self.model, self.X, self.X_test, ck.theta, eig.evals, eig.evecs, residual, ck.f_test, self.spec, self.dtype)
+                self.model, self.X, self.X_test, eig.evals, eig.evecs, residual, ck.f_test, self.spec, self.dtype)
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
         return out
