@@ -329,6 +329,10 @@ def test_stored_test_point_prediction_against_exact(tmp_path) -> None:
             assert err < 1e-3, f"t = {t}: Eq. 22 off Eq. 18 by {err:.2e} of the change"
         f, m = f - spec.lr_at(t) / 24 * (g @ m), m - spec.lr_at(t) / 24 * (G @ m)
     assert np.isnan(run.g["constant_gram_f_test"][1]).all(), "written at the first recorded step only"
+    ds = run.to_xarray()  # named dimensions for the new arrays
+    assert ds["constant_gram_f_test"].dims == ("step", "predicted_step", "test_point")
+    assert ds["constant_gram_residual"].dims == ("step", "predicted_measured")
+    np.testing.assert_array_equal(ds["constant_gram_f_test"].values[0], got)
 
 
 @pytest.mark.parametrize("K", [1, 3])
