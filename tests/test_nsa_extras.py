@@ -263,7 +263,8 @@ def test_every_nsa_figure_title(tmp_path) -> None:
 
     url = str(tmp_path / "s.zarr")
     spec = ExperimentSpec(name="titles", data={"n": 30, "n_test": 8}, model={"depth": 2, "width": 8}, steps=5,
-                          record={"every": 2}, spectrum={"k": "all", "images": [1, 2], "test_points": True})
+                          record={"every": 2}, spectrum={"k": "all", "images": [1, 2], "test_points": True,
+                                                                 "gram_change_k": 2})
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("titles")
     nsa = [f for f in FIGURES if not f.startswith("hessian_")]
