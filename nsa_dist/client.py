@@ -154,6 +154,36 @@ class Run:
                            f"not at {step} (spectrum.store_eigenvectors)")
         return np.asarray(self._at("eigenvectors", i), dtype=np.float64)
 
+    def reconstructions(self, step: int) -> dict[str, np.ndarray]:
+        """NSA Fig. 4d at eigenvector step ``step``: {"k": (nR,), "f": (nR, N[, Ko]) f̄_{t,k} =
+        Σ_{i≤k} ⟨v_i, f̄_t⟩ v_i, and on 2-D data "images": (nR, R, R) on [0, 1]²}.
+
+        Raises:
+            KeyError: ``step`` is not finished, or not one of the eigenvector steps.
+        """
+        i = self._index_of(step)
+        if not self.has("reconstructions") or not self.spec.spectrum.eigenvectors_at(int(step)):
+            raise KeyError(f"run {self.id!r} stores reconstructions only at its eigenvector steps "
+                           f"{self.eigenvector_steps.tolist()}, not at {step}")
+        out = {"k": self._read("reconstruction_k"), "f": self._at("reconstructions", i)}
+        if self.has("reconstruction_images"):
+            out["images"] = self._at("reconstruction_images", i)
+        return out
+
+    def constant_gram_test(self) -> np.ndarray:
+        """App. E, Eq. 22: (S, M[, Ko]) the test outputs f_t(X') at every recorded step predicted at the
+        first one by GD with G_{t0} fixed, through the Nyström extension of its eigenvectors (the
+        measured ones: ``outputs(t, "f_test")``)."""
+        return np.asarray(self._at("constant_gram_f_test", 0), dtype=np.float64)
+
+    def gram_change(self) -> dict[str, np.ndarray]:
+        """NSA App. F along the eigenvector steps: {"steps": (Se,), "measured", "first_order": (Se, Kg)
+        v_iᵀ dG_t v_i, "fro": (Se, 3) ‖VᵀdG_tV‖_F measured, first order, their difference}."""
+        idx = [self._index_of(int(t)) for t in self.eigenvector_steps]
+        gc = np.asarray(self._r.read_steps("gram_change", np.asarray(idx, dtype=np.int64)))  # (Se, 2, Kg)
+        fro = np.asarray(self._r.read_steps("gram_change_fro", np.asarray(idx, dtype=np.int64)))
+        return {"steps": self.eigenvector_steps, "measured": gc[:, 0], "first_order": gc[:, 1], "fro": fro}
+
     def residual_projections(self, step: int) -> np.ndarray:
         """(K,) ⟨v_i^t, m_t⟩² summed over outputs (NSA Fig. 4a), stored at every recorded step."""
         return np.asarray(self._at("projections_residual", self._index_of(step)), dtype=np.float64)

@@ -333,6 +333,10 @@ class SpectrumSpec(_Strict):
                              "J_a J_aᵀ of the full kernel (per-class spectra; 0: off)")
     full_k: int = Field(10, ge=1, description="K-output networks: top eigenvalues of the full (N·K)×(N·K) kernel "
                         "(sets the GD stability bound and the flow speeds)")
+    gram_change_k: int = Field(0, ge=0, description="App. F: the change of G over update t projected on its top "
+                               "gram_change_k eigenvectors, measured and to first order, at the eigenvector steps "
+                               "(0: off; costs ~8 full-batch forward/backward passes per eigenvector — about 3× a "
+                               "1000-point step on CPU at 10, so best with a store_eigenvectors list)")
     images: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
                               description="2-D data: eigenvector indices (1-based) drawn as images + Fourier (Fig. 5)")
     image_size: int = Field(48, ge=4)

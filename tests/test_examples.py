@@ -72,3 +72,20 @@ def test_hessian_paper_examples_are_the_papers_settings():
     assert all(r.model.init.value == "ntk" and r.hessian.top_k >= 1 for r in active)  # ‖S‖_op needs Lanczos
     fig3 = load_spec(EXAMPLES / "hessian_fig3.yaml")
     assert fig3.hessian.orthogonality and len(fig3.hessian.indices(fig3.record_steps())) >= 5
+
+
+@pytest.mark.parametrize("multi, single", [("mnist_sweep.yaml", "mnist_one_vs_rest.yaml"),
+                                           ("cifar100_sweep.yaml", "cifar100_one_vs_rest.yaml")])
+def test_onehot_examples_name_their_kernel_and_offer_single_output(multi: str, single: str) -> None:
+    """The one-hot examples say they use the traced multi-output Gram the NSA paper sets aside and
+    point at a single-output (one-vs-rest) sweep that is otherwise the same."""
+    text = (EXAMPLES / multi).read_text()
+    head = text[:text.index("name:")]
+    assert "traced" in head and "out of scope" in head and single in head, head
+    m, s = load_sweep(EXAMPLES / multi).expand(), load_sweep(EXAMPLES / single).expand()
+    assert all(r.model.output_dim > 1 and r.data.target.value == "onehot" for r in m)
+    assert all(r.model.output_dim == 1 and r.data.target.value == "one_vs_rest" for r in s)
+    assert len(m) == len(s)
+    for a, b in zip(m, s):
+        assert (a.model.depth, a.model.width, a.schedule, a.steps, a.data.n) == \
+            (b.model.depth, b.model.width, b.schedule, b.steps, b.data.n)

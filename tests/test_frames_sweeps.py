@@ -168,3 +168,16 @@ def test_cli_plot_run_at_chosen_steps(store_url: str, tmp_path: Path, capsys: py
     assert "step(s) [3] are not finished recorded steps" in capsys.readouterr().err
     assert main(["plot", "--out", str(tmp_path), "--store", store_url]) == 2
     assert "give either a RUN or --sweep NAME" in capsys.readouterr().err
+
+
+def test_sweep_figure_titles(store_url: str) -> None:
+    """NSA Fig. 7a–c by their numbers; the scalar summary claims no figure of the paper."""
+    from nsa_dist.plots.sweep import fig7a, fig7b, fig7c
+
+    s = Client(store_url).sweep("sw")
+    first = lambda fig: fig.get_suptitle().split("\n")[0]  # noqa: E731
+    assert first(fig7a(s, 10)) == "NSA Fig. 7a — label energy $E_t(y, 10)$"
+    assert first(fig7b(s)) == "NSA Fig. 7b — training loss"
+    assert first(fig7c(s)) == "NSA Fig. 7c — test loss"
+    t = first(scalar_figure(s, "loss_test", "model.depth"))
+    assert t.startswith("NSA — ") and "no figure of the paper" in t and "Fig." not in t, t

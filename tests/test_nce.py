@@ -82,6 +82,9 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
         e = np.linalg.norm(run.outputs(int(t), "df_pred") - pred) / np.linalg.norm(pred)
         assert e < 1e-4, f"t = {t}: stored df_pred off the dense −(δ/N) J Jᵀ m by {e:.2e}"
         assert run.first_order["error"][i] < 0.1, (t, run.first_order["error"][i])
+        # E_t(y, k) is of the centred log-density (its constant would carry most of ‖y‖²)
+        V, yc = run.eigenvectors(int(t)), ds.y - ds.y.mean()
+        np.testing.assert_allclose(run.energy("y")[i], np.cumsum((V.T @ yc) ** 2) / (yc @ yc), rtol=1e-4, atol=1e-6)
         # the energies of the residual are of the NCE derivative
         np.testing.assert_allclose(run.energy("residual")[i, -1], np.sum((run.eigenvectors(int(t)).T @ m) ** 2) / (m @ m),
                                    rtol=1e-4)
@@ -93,7 +96,10 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
     from nsa_dist.plots import FIGURES, make_figure, plot_run
 
     written = plot_run(run, tmp_path / "figs")
-    assert [p.stem for p in written] == [f for f in FIGURES if not f.startswith("hessian_")]
+    # Eqs. 4–5 are GD on the L2 loss: no constant-Gram prediction for NCE; App. F is off by default
+    skipped = ("eqs45_constant_gram", "appF_gram_change")
+    assert [p.stem for p in written] == [f for f in FIGURES if not f.startswith("hessian_") and f not in skipped]
+    assert "centred log-density" in make_figure(run, "fig3a_energy_y")._suptitle.get_text()
     for p in written:
         img = imread(p)
         assert img.ndim == 3 and img[..., :3].std() > 0.01, f"{p.name} is blank"

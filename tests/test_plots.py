@@ -20,7 +20,7 @@ from nsa_dist.store import SpectrumStore
 # figures a 2-D run with test points, images and eigenvectors has, and those a digits run lacks
 NEEDS_EXTRAS = ("fig1abc_target_output_points", "fig3e_energy_f_test",
                 "fig4bc_residual_fourier", "fig6_eigenvectors_early",
-                "fig5_eigenvectors", "fig7d_preservation")
+                "fig5_eigenvectors", "fig7d_preservation", "fig4d_reconstructions", "appF_gram_change")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     store = SpectrumStore(url)
     tiny = ExperimentSpec(name="tiny", data={"n": 64, "n_test": 32}, model={"depth": 3, "width": 32}, steps=40,
                           record={"every": 10}, schedule={"decay": 0.5, "every": 20},
-                          spectrum={"k": 20, "test_points": True})
+                          spectrum={"k": 20, "test_points": True, "gram_change_k": 3})
     digits = ExperimentSpec(name="digits", data={"name": "digits", "n": 32}, model={"depth": 2, "width": 16},
                             steps=6, record={"every": 5}, spectrum={"k": 10, "store_eigenvectors": False})
     for spec in (tiny, digits):

@@ -98,9 +98,13 @@ def test_step_record_refuses_unknown_missing_and_misshaped_keys_before_writing(t
     run.writer.write_step(0, result, ck.state)
     assert store.reader(run.run_id).done.tolist()[:2] == [True, False]
     # the contract is derived from run_arrays: every per-step array but the resume state and done
-    per_step = {a.name for a in run_arrays(run.writer.dims) if a.per_step and a.at in ("every", "eigenvectors")}
+    # (index 0 also writes the arrays of the first recorded step: App. E's constant_gram_f_test)
+    per_step = {a.name for a in run_arrays(run.writer.dims) if a.per_step and a.at in ("every", "eigenvectors", "first")}
     assert set(result) == per_step - {"theta", "opt_slots", "rng_state", "done"}
-    assert set(result) == set(step_specs(run.writer.dims, eigenvectors=True, hessian=False))
+    assert set(result) == set(step_specs(run.writer.dims, eigenvectors=True, hessian=False, first=True))
+    assert "constant_gram_f_test" in result
+    later = set(step_specs(run.writer.dims, eigenvectors=True, hessian=False))
+    assert later == set(result) - {"constant_gram_f_test"}
 
 
 def test_k_larger_than_n_is_a_logged_clamp(tmp_path, caplog):

@@ -9,7 +9,8 @@ import numpy as np
 from nsa_dist.errors import ShapeError
 from nsa_dist.metrics._validate import as_real, check_rows, positive_scalar, work_dtype
 
-__all__ = ["constant_gram_dynamics", "ConstantGramTrajectory"]
+__all__ = ["constant_gram_dynamics", "ConstantGramTrajectory", "constant_gram_decay", "constant_gram_residual",
+           "ConstantGramResidual", "constant_gram_test_outputs", "constant_gram_decays"]
 
 
 class ConstantGramTrajectory(NamedTuple):
@@ -87,3 +88,116 @@ def constant_gram_dynamics(evals: Any, evecs: Any, f0: Any, y: Any, lr: float,
     if t.ndim == 0:
         f, m = f[0], m[0]
     return ConstantGramTrajectory(f.astype(dtype), m.astype(dtype))
+
+
+class ConstantGramResidual(NamedTuple):
+    """‖m̄_t‖ and E(m̄_t, k) predicted by GD with the Gramian G_{t0} held fixed (Eq. 5)."""
+
+    norm: np.ndarray
+    """(S,) ‖m̄_t‖ at each requested step."""
+    energy: np.ndarray
+    """(S, K) E(m̄_t, k) = Σ_{i≤k} ⟨v_i, m̄_t⟩² / ‖m̄_t‖² in the eigenbasis of G_{t0}."""
+
+
+def constant_gram_decay(evals: Any, lrs: Any, n: int) -> np.ndarray:
+    """Π_s (1 − δ_s λ_i / N) over the learning rates δ_s of a run of updates (Eq. 5 with a schedule).
+
+    Exact: the product is taken as Π_u (1 − δ_u λ_i/N)^{count_u} over the distinct rates δ_u.
+
+    Args:
+        evals: (K,) eigenvalues λ_i of G.
+        lrs: (T,) learning rates of T consecutive updates (T = 0: all ones).
+        n: N, the number of training points.
+
+    Returns:
+        (K,) float64.
+    """
+    lam = as_real("evals", evals, (1,)).astype(np.float64)  # (K,)
+    rates, counts = np.unique(np.asarray(lrs, np.float64).reshape(-1), return_counts=True)
+    out = np.ones_like(lam)
+    for d, c in zip(rates, counts):
+        out *= np.power(1.0 - d * lam / n, int(c))
+    return out
+
+
+def constant_gram_decays(evals: Any, lrs: Any, offsets: Any, n: int) -> np.ndarray:
+    """r_i(t_j) = Π_{s<t_j−t_0} (1 − δ_s λ_i/N) at several steps, one pass over the rates.
+
+    Args:
+        evals: (K,) eigenvalues of G_{t0}.
+        lrs: (T,) the rates of updates t_0, t_0 + 1, … (at least max(offsets) of them).
+        offsets: (S,) increasing t_j − t_0 ≥ 0.
+        n: N.
+
+    Returns:
+        (S, K) float64.
+    """
+    lam = as_real("evals", evals, (1,)).astype(np.float64)
+    d = np.asarray(lrs, np.float64).reshape(-1)
+    off = np.asarray(offsets, np.int64).reshape(-1)
+    if np.any(np.diff(off) < 0) or (off.size and (off[0] < 0 or off[-1] > d.size)):
+        raise ValueError(f"offsets must increase within 0..{d.size} (the rates given), got {off.tolist()[:10]}")
+    out, r, prev = np.empty((off.size, lam.size)), np.ones_like(lam), 0
+    for j, o in enumerate(off):
+        r = r * constant_gram_decay(lam, d[prev:o], n)
+        out[j], prev = r, o
+    return out
+
+
+def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: Any) -> ConstantGramResidual:
+    """‖m̄_t‖ and E(m̄_t, k) under GD with G fixed at G_{t0} (NSA Eq. 5 / App. D Eq. 14), from projections.
+
+    With p_i = ⟨v_i, m̄_{t0}⟩² (summed over output columns) and the decay r_i(t) = Π_{s=t0}^{t−1}
+    (1 − δ_s λ_i/N) (:func:`constant_gram_decays`):  ‖m̄_t‖² = Σ_i r_i(t)² p_i + ‖m̄_{t0}^z‖²,
+    ‖m̄^z‖² = ‖m̄_{t0}‖² − Σ_i p_i (the part outside the K eigenvectors, which never moves: the
+    rank-K truncation of G, exact for K = N).
+
+    Args:
+        evals: (K,) eigenvalues of G_{t0}; proj: (K,) p_i.
+        m0_sq: ‖m̄_{t0}‖².
+        decays: (S, K) r_i(t_j).
+
+    Returns:
+        ``ConstantGramResidual(norm (S,), energy (S, K))`` float64.
+    """
+    lam = as_real("evals", evals, (1,)).astype(np.float64)
+    p = as_real("proj", proj, (1,)).astype(np.float64)
+    r = as_real("decays", decays, (2,)).astype(np.float64)
+    if p.shape != lam.shape or r.shape[1] != lam.shape[0]:
+        raise ShapeError(f"proj {p.shape}, evals {lam.shape} and decays {r.shape} must be (K,), (K,), (S, K)")
+    rest = max(float(m0_sq) - float(p.sum()), 0.0)  # ‖m̄^z‖², clipped at round-off
+    kept = r**2 * p  # (S, K)
+    total = kept.sum(axis=1) + rest  # (S,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ConstantGramResidual(np.sqrt(total), np.cumsum(kept, axis=1) / total[:, None])
+
+
+def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: Any) -> np.ndarray:
+    """Outputs at test points under GD with a fixed Gramian, through its eigenfunctions (App. E, Eq. 22):
+
+        f_t(X') = f_0(X') − Σ_i [1 − r_i(t)] ⟨v_i, m̄_0⟩ ṽ_i(X'),   ṽ_i(X') = g(X', 𝒳) v_i / λ_i (Eq. 9)
+
+    with r_i(t) = Π_s (1 − δ_s λ_i/N) (:func:`constant_gram_decay`).  Over all eigenpairs with
+    λ_i > 0 this is Eq. 18 exactly (g(X', 𝒳) m̄_0^z = 0 for a Jacobian kernel); over the top K it
+    is the rank-K truncation.  Columns of ``ext`` that are NaN (eigenpairs left out) count as 0.
+
+    Args:
+        ext: (M, K) Nyström extensions ṽ_i at the M test points (:func:`nystrom_extension`).
+        coef: (K,) or (K, Ko) c_i = ⟨v_i, m̄_0⟩ per output column.
+        f0_test: (M,) or (M, Ko) f_0(X').
+        decays: (S, K) r_i(t) at S steps.
+
+    Returns:
+        (S, M) or (S, M, Ko) float64.
+    """
+    E = np.nan_to_num(as_real("ext", ext, (2,)).astype(np.float64, copy=True), nan=0.0)  # (M, K)
+    c = as_real("coef", coef, (1, 2)).astype(np.float64)
+    f0 = as_real("f0_test", f0_test, (1, 2)).astype(np.float64)
+    r = as_real("decays", decays, (2,)).astype(np.float64)  # (S, K)
+    if c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0] or c.ndim != f0.ndim:
+        raise ShapeError(f"ext {E.shape}, coef {c.shape}, f0_test {f0.shape}, decays {r.shape} do not match "
+                         "(M, K), (K[, Ko]), (M[, Ko]), (S, K)")
+    C = c.reshape(c.shape[0], -1)  # (K, Ko)
+    learned = np.einsum("mk,sk,ko->smo", E, 1.0 - r, C)  # (S, M, Ko)
+    out = f0.reshape(f0.shape[0], -1)[None] - learned
+    return out[..., 0] if f0.ndim == 1 else out

@@ -16,7 +16,8 @@ import torch
 
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
-from nsa_dist.metrics import spectrum_preservation
+from nsa_dist.metrics import reconstruction_ks, spectrum_preservation
+from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size, write_constant_gram
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
@@ -51,7 +52,8 @@ def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: Sp
                    L=int(trainer.gen.get_state().numel()), store_eigenvectors=bool(spec.spectrum.store_eigenvectors),
                    hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))),
                    Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n), **hessian_flags(spec),
-                   HI=hessian_eig_count(spec, data.n))
+                   HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K),
+                   Cg=constant_gram_applies(spec))
 
 
 def hessian_flags(spec: ExperimentSpec) -> dict[str, bool]:
@@ -63,12 +65,13 @@ def hessian_flags(spec: ExperimentSpec) -> dict[str, bool]:
     return {"Hm": bool(h.moments), "Ho": bool(h.orthogonality), "Ha": bool(h.additivity), "Ht": bool(h.trace_G)}
 
 
-def step_plan(spec: ExperimentSpec, record: list[int], hessian_indices: set[int]) -> dict[str, np.ndarray]:
-    """The static arrays that say which recorded steps write what: steps, eigenvector_steps,
-    hessian_steps (those the run's arrays include)."""
+def step_plan(spec: ExperimentSpec, record: list[int], hessian_indices: set[int], K: int) -> dict[str, np.ndarray]:
+    """The static arrays that say which recorded steps write what: steps, eigenvector_steps (with
+    Fig. 4d's reconstruction_k of the K eigenpairs kept), hessian_steps (those the run's arrays include)."""
     out = {"steps": np.asarray(record, dtype=np.int64)}
     if spec.spectrum.store_eigenvectors:
         out["eigenvector_steps"] = np.array([spec.spectrum.eigenvectors_at(int(t)) for t in record], dtype=bool)
+        out["reconstruction_k"] = np.asarray(reconstruction_ks(K), dtype=np.int64)  # Fig. 4d's k
     if spec.hessian is not None:
         out["hessian_steps"] = np.isin(np.arange(len(record)), sorted(hessian_indices))
     return out
@@ -111,7 +114,7 @@ def prepare_run(spec: ExperimentSpec, store: SpectrumStore, token: str | None = 
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         static = {"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
                   "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64),
-                  **step_plan(spec, trainer.record, analyzer.hessian.indices)}
+                  **step_plan(spec, trainer.record, analyzer.hessian.indices, analyzer.K)}
         writer.write_static(static)
     return PreparedRun(rid, spec, data, trainer, analyzer, writer)
 
@@ -191,6 +194,7 @@ def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, 
 def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
     """After the last step: spectrum preservation, status done."""
     _write_preservation(writer, spec)
+    write_constant_gram(writer, spec)
     writer.set_status(Status.DONE)
 
 

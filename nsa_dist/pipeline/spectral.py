@@ -16,8 +16,9 @@ from nsa_dist.config import ExperimentSpec, Layout
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
-from nsa_dist.losses import residual as loss_residual
-from nsa_dist.metrics import alignment_from_products, centered_sq_frobenius, first_order_accuracy, spectral_projections
+from nsa_dist.losses import is_nce, residual as loss_residual
+from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, first_order_accuracy, reconstruction_ks,
+                              spectral_projections, top_k_reconstructions)
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, explain_method, gram, jacobian_vector_product, prepare_model
 from nsa_dist.pipeline.checkpoint import Checkpoint
@@ -26,6 +27,7 @@ from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram,
                                       choose_layout, gram_for_layout)
+from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change, gram_change_size, test_point_prediction
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max"]
@@ -86,6 +88,9 @@ class SpectralAnalyzer:
         self.X_test = model_inputs(np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:])), self.model,
                                    self.device)  # (M, …) like X
         self.y = np.asarray(data.y, dtype=np.float64)
+        # φ = y of E_t(y, k): for NCE the log-density centred over the points (its additive constant,
+        # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖², issue 19)
+        self.energy_target = self.y - self.y.mean(axis=0) if is_nce(spec) else self.y
         self.K = spectrum_size(spec, data.n)
         self.images = eigen_images(spec, data, self.K)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -227,7 +232,8 @@ class SpectralAnalyzer:
         }
         if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = eig.evecs.astype(np.float32)
-        phis = {"y": self.y, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
+            out.update(self._at_eigenvector_step(ck, eig.evecs))
+        phis = {"y": self.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
         for name, phi in phis.items():
             out[f"energy_{name}"] = energy_curve(eig.evecs, phi)
         finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
@@ -237,8 +243,23 @@ class SpectralAnalyzer:
         out["alignment"] = alignment_from_products(self.y, GY, fro2)
         out["alignment_centered"] = self._centered_alignment(G, GY, G1, fro2)
         out.update(self.extras.analyze(self.model, self.X, ck, eig.evecs, residual))
+        if ck.index == 0 and self.X_test.shape[0] and constant_gram_applies(self.spec):  # App. E, Eq. 22
+            out["constant_gram_f_test"] = test_point_prediction(
+                self.model, self.X, self.X_test, eig.evals, eig.evecs, residual, ck.f_test, self.spec, self.dtype)
         if self.images is not None:
             out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
+        return out
+
+    def _at_eigenvector_step(self, ck: Checkpoint, evecs: np.ndarray) -> dict[str, Any]:
+        """Fig. 4d's f̄_{t,k} (and their images on 2-D data), App. F's dG_t on the top Kg eigenvectors."""
+        R = top_k_reconstructions(evecs, ck.f, reconstruction_ks(self.K))  # (nR, N[, Ko])
+        out: dict[str, Any] = {"reconstructions": R.astype(np.float32)}
+        if self.images is not None:
+            out["reconstruction_images"] = self.images.image(R.reshape(R.shape[0], self.data.n, -1)[..., 0].T
+                                                             ).astype(np.float32)  # (nR, R, R)
+        Kg = gram_change_size(self.spec, self.K)
+        if Kg:
+            out.update(gram_change(self.model, self.X, ck.theta, ck.dtheta, evecs[:, :Kg], self.dtype))
         return out
 
     def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float) -> float:

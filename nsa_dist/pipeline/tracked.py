@@ -23,6 +23,7 @@ from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.errors import AnalysisError, NSAError
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.model_state import analysis_copy
+from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size
 from nsa_dist.pipeline.runner import hessian_flags, step_plan
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
@@ -78,7 +79,8 @@ def tracked_dims(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer
                    F=spec.spectrum.fourier_size if imgs else 0, n_slots=0, L=RNG_BYTES,
                    store_eigenvectors=bool(spec.spectrum.store_eigenvectors), hessian=spec.hessian is not None,
                    Hk=Hk, Hr=Hr, Hg=Hg, Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n),
-                   **hessian_flags(spec), HI=hessian_eig_count(spec, data.n))
+                   **hessian_flags(spec), HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K),
+                   Cg=constant_gram_applies(spec))
 
 
 def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer) -> dict[str, np.ndarray]:
@@ -86,7 +88,7 @@ def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyz
     N, M = data.n, int(data.X_test.shape[0])
     out = {"X": data.X.reshape(N, -1), "y": data.y, "X_test": data.X_test.reshape(M, int(np.prod(data.X.shape[1:]))), "y_test": data.y_test,
            "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64),
-           **step_plan(spec, spec.record_steps(), analyzer.hessian.indices)}
+           **step_plan(spec, spec.record_steps(), analyzer.hessian.indices, analyzer.K)}
     return out
 
 

@@ -24,14 +24,20 @@ DPI = 110
 def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1,
                panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA") -> tuple["Figure", np.ndarray]:
     """A constrained-layout Agg figure and its (nrows, ncols) axes, titled "<paper> Fig. <label> — <what>"
-    when ``label`` is a figure number of the paper ("2a", "3"), else "<paper>, <label> — <what>" for
-    the statement of the paper a figure draws ("Theorem 1", "Proposition 4") or "" for none."""
+    when ``label`` is a figure number of the paper ("2a", "3"), "<paper> App. X — <what>" /
+    "<paper> Eqs. 4–5 — <what>" for an appendix or equations, else "<paper>, <label> — <what>" for the
+    statement of the paper a figure draws ("Theorem 1", "Proposition 4") or "" for none."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    ref = f" Fig. {label}" if label[:1].isdigit() else (f", {label}" if label else "")
+    if label[:1].isdigit():
+        ref = f" Fig. {label}"
+    elif label.startswith(("App.", "Eqs.")):  # an appendix or equations: no figure number
+        ref = f" {label}"
+    else:
+        ref = f", {label}" if label else ""
     fig.suptitle(f"{paper}{ref} — {what}\nrun {run.id}", fontsize=11)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def fig2a(run: "Run") -> "Figure":
     """λ_i^t against i for up to six recorded t (log-log; λ ≤ 0 are left out)."""
-    fig, ax = new_figure(run, "2a", "eigenvalues of $G_t$ for several t")
+    fig, ax = new_figure(run, "2a", "eigenvalues of $G_t$ for different t")
     ax, evals, t = ax[0, 0], run.eigenvalues, run.steps  # (S, K), (S,)
     i = np.arange(1, evals.shape[1] + 1)  # (K,)
     idx = some_steps(len(t))

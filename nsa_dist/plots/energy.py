@@ -14,10 +14,11 @@ if TYPE_CHECKING:
 
 _PHI_TEX = {"y": r"\bar y", "f": r"\bar f_t", "residual": r"\bar m_t", "df_pred": r"d\bar f_t",
             "df": r"d\tilde f_t", "f_test": r"\bar f_t^{test}"}
-_WHAT = {"y": "energy of the labels y in the top-k eigenvectors of $G_t$",
-         "f": "energy of the outputs $f_t$", "residual": "energy of the residual $m_t$",
-         "df_pred": r"energy of the differential $d\bar f_t = -(\delta_t/N) G_t m_t$",
-         "f_test": "energy of the test outputs (Gramian at the test points)"}
+_WHAT = {"y": r"relative energy of the labels $\bar y$ in the top k eigenvectors of $G_t$",
+         "f": r"relative energy of the network output $\bar f_t$",
+         "residual": r"relative energy of the residual $\bar m_t$",
+         "df_pred": r"relative energy of the differential $d\bar f_t = -(\delta_t/N) G_t \bar m_t$",
+         "f_test": r"relative energy of the network output at the test points (Gramian at the test points)"}
 _LABEL = {"y": "3a", "f": "3b", "residual": "3c", "df_pred": "3d", "f_test": "3e"}
 
 
@@ -33,7 +34,10 @@ def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = Tru
 def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "Figure":
     """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
-    fig, ax = new_figure(run, _LABEL[phi], _WHAT[phi])
+    what = _WHAT[phi]
+    if phi == "y" and getattr(run.spec.loss, "value", run.spec.loss) == "nce":  # the energy of the centred log-density (spectral.py)
+        what = r"relative energy of the centred log-density $\bar y - \mathrm{mean}(\bar y)$ (NCE) in the top k eigenvectors of $G_t$"
+    fig, ax = new_figure(run, _LABEL[phi], what)
     ax = ax[0, 0]
     _curves(ax, run, phi, chosen=opts.ks)
     if phi == "df_pred":

@@ -52,7 +52,7 @@ def fig7d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
         P, t1, t2, rows = run.spectrum_preservation(t1, t2, rows)
     else:
         P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)
-    fig, ax = new_figure(run, "7d", "spectrum preservation")
+    fig, ax = new_figure(run, "7d", r"spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum of $G_{t_1}$")
     ax = ax[0, 0]
     k = np.arange(1, P.shape[1] + 1)
     for c, i, E in zip(colors(len(rows)), rows, P):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, inputs, projections
+from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, inputs, projections, spectral_dynamics
 from nsa_dist.plots._axes import DPI, PlotOptions
 
 if TYPE_CHECKING:
@@ -43,6 +43,11 @@ def _projections_ready(run: "Run") -> bool:
     return run.has("projections_residual") or run.has("eigenvectors")
 
 
+def _at_eigenvector_steps(array: str) -> _Needs:
+    """The run stores ``array`` (written at the eigenvector steps) and has finished one such step."""
+    return lambda run: run.has(array) and len(run.eigenvector_steps) > 0
+
+
 _EVALS = _has("eigenvalues", "lr")
 _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "fig1abc_target_output_points": (inputs.fig1abc, _is_2d_scalar),
@@ -59,6 +64,9 @@ _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "fig3e_energy_f_test": (_energy("f_test"), _has("energy_f_test")),
     "fig4a_residual_projections": (projections.fig4a, _projections_ready),
     "fig4bc_residual_fourier": (images.fig4bc, _has("residual_image", "residual_fourier")),
+    "fig4d_reconstructions": (spectral_dynamics.fig4d, _at_eigenvector_steps("reconstructions")),
+    "appF_gram_change": (_plain(spectral_dynamics.appF), _at_eigenvector_steps("gram_change")),
+    "eqs45_constant_gram": (spectral_dynamics.eqs45, _has("constant_gram_residual", "constant_gram_energy")),
     "fig5_eigenvectors": (images.fig5, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig6_eigenvectors_early": (images.fig6, _has("eigvec_images", "eigvec_fourier", "image_indices")),
     "fig7d_preservation": (projections.fig7d, _preservation_ready),

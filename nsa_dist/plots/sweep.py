@@ -89,7 +89,7 @@ def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k:
             raise ValueError(f"{f!r} is not a field sweep {sweep.name!r} varies; its fields: {', '.join(sweep.fields)}")
     df = sweep.scalar(name, k, step)
     what = f"{name}" + (f"(k={k})" if k else "") + (f" at t = {step}" if step is not None else " at the last step")
-    fig, ax = _figure(sweep, "7 (summary)", what)
+    fig, ax = _figure(sweep, "", what + " across the sweep (a summary, no figure of the paper)")
     groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
     for c, (lv, sub) in zip(colors(len(groups)), groups):
         g = sub.groupby(x, sort=True)["value"]

@@ -160,6 +160,8 @@ class RunReader:
             return np.zeros(len(self.done), bool)
         if a.at == "every":
             return self.done.copy()
+        if a.at == "first":
+            return self.done & (np.arange(len(self.done)) == 0)
         mask_name = {"eigenvectors": "eigenvector_steps", "hessian": "hessian_steps"}[a.at]
         if not self.has(mask_name):
             return np.zeros(len(self.done), bool)

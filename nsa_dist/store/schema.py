@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from nsa_dist.metrics.reconstruction import reconstruction_ks
+
 __all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord", "run_arrays", "PHIS",
            "STATE_ARRAYS", "dimension_names", "step_specs"]
 
@@ -58,6 +60,8 @@ class RunDims:
     HI: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
     Ha: bool = True  # hessian.additivity: Theorem 1's gap array exists
     Ht: bool = True  # hessian.trace_G: the per-point traces G and Tr(S) = ∇Cᵀ·G exist
+    Kg: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
+    Cg: bool = False  # App. E: the constant-Gram prediction of the test outputs (GD, L2, test points; issue 19)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -67,7 +71,7 @@ class RunDims:
 class ArraySpec:
     """One array of a run.  ``at``: which recorded steps write it — "every" step, only the
     "eigenvectors" steps (static ``eigenvector_steps``), only the "hessian" steps (static
-    ``hessian_steps``); "" for static arrays."""
+    ``hessian_steps``), only the "first" recorded step (index 0); "" for static arrays."""
 
     name: str
     shape: tuple[int, ...]
@@ -191,6 +195,18 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         a.append(ArraySpec("eigenvalues_full", (D.S, D.Kf), "float64", True))
     if D.Kc:
         a.append(ArraySpec("eigenvalues_per_class", (D.S, D.Ko, D.Kc), "float64", True))
+    if D.Cg and D.M:  # App. E, Eq. 22 (Nyström): f_test of every recorded step predicted at the first
+        a.append(ArraySpec("constant_gram_f_test", (D.S, D.S) + out_shape(D.M), "float64", True, "first"))
+    # issue 19: Fig. 4d reconstructions f̄_{t,k} and App. F's dG_t, at the eigenvector steps
+    if D.store_eigenvectors:
+        nR = len(reconstruction_ks(D.K))
+        a += [ArraySpec("reconstruction_k", (nR,), "int64", False),
+              ArraySpec("reconstructions", (D.S, nR) + out_shape(D.N), "float32", True, "eigenvectors")]
+        if D.nI:
+            a.append(ArraySpec("reconstruction_images", (D.S, nR, D.R, D.R), "float32", True, "eigenvectors"))
+        if D.Kg:
+            a += [ArraySpec("gram_change", (D.S, 2, D.Kg), "float64", True, "eigenvectors"),  # v_iᵀ dG v_i: measured, 1st order
+                  ArraySpec("gram_change_fro", (D.S, 3), "float64", True, "eigenvectors")]  # ‖VᵀdGV‖_F: meas, pred, diff
     if D.nI:
         a += [ArraySpec("eigvec_images", (D.S, D.nI, D.R, D.R), "float32", True),
               ArraySpec("eigvec_fourier", (D.S, D.nI, D.F, D.F), "float32", True),
@@ -200,9 +216,11 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
 
 
 # --------------------------------------------------------------------------- the step contract
-def step_specs(D: RunDims, *, eigenvectors: bool, hessian: bool) -> dict[str, ArraySpec]:
-    """The arrays a step's analysis must hand over (the resume state and ``done`` excluded)."""
-    want = {"every"} | ({"eigenvectors"} if eigenvectors else set()) | ({"hessian"} if hessian else set())
+def step_specs(D: RunDims, *, eigenvectors: bool, hessian: bool, first: bool = False) -> dict[str, ArraySpec]:
+    """The arrays a step's analysis must hand over (the resume state and ``done`` excluded);
+    ``first``: the first recorded step (index 0)."""
+    want = ({"every"} | ({"eigenvectors"} if eigenvectors else set()) | ({"hessian"} if hessian else set())
+            | ({"first"} if first else set()))
     return {a.name: a for a in run_arrays(D)
             if a.per_step and a.at in want and a.name not in STATE_ARRAYS and a.name != "done"}
 
@@ -222,7 +240,7 @@ class StepRecord:
         mis-shaped key (``where``: the run, for the message)."""
         from nsa_dist.errors import StoreError
 
-        specs = step_specs(D, eigenvectors=eigenvectors, hessian=hessian)
+        specs = step_specs(D, eigenvectors=eigenvectors, hessian=hessian, first=index == 0)
         result = {k: v for k, v in result.items() if k not in STATE_ARRAYS}
         problems = []
         unknown, missing = sorted(set(result) - set(specs)), sorted(set(specs) - set(result))
@@ -285,6 +303,11 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "hessian_trace_S_G": ("step", "value_stderr"), "hessian_I_eigenvalues": ("step", "hessian_I_k"),
     "hessian_I_limit_eigenvalues": ("step", "hessian_I_k"), "hessian_S_op": ("step",),
     "hessian_S_limit": ("step", "S_prediction"),
+    "reconstruction_k": ("reconstruction",), "reconstructions": ("step", "reconstruction", "point") + _OUT,
+    "reconstruction_images": ("step", "reconstruction", "pixel_y", "pixel_x"),
+    "gram_change": ("step", "measured_first_order", "k_gram_change"), "gram_change_fro": ("step", "gram_change_norm"),
+    "constant_gram_f_test": ("step", "predicted_step", "test_point") + _OUT,
+    "constant_gram_residual": ("step", "predicted_measured"), "constant_gram_energy": ("step", "k"),
 }
 
 

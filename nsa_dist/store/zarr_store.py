@@ -477,7 +477,7 @@ class RunWriter:
             S = self.dims.S
             read = lambda n: np.asarray(self.g[n][:], bool) if n in self.specs else np.zeros(S, bool)  # noqa: E731
             self._masks = {"every": np.ones(S, bool), "eigenvectors": read("eigenvector_steps"),
-                           "hessian": read("hessian_steps")}
+                           "hessian": read("hessian_steps"), "first": np.arange(S) == 0}
         return self._masks[at]
 
     def _out(self, name: str) -> "zarr.Array":

@@ -1,0 +1,102 @@
+"""NSA Fig. 4d (the output from its top-k eigenvectors) and App. F (the first-order change of G_t)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nsa_dist.plots._axes import PlotOptions, new_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from nsa_dist.client import Run
+
+
+def fig4d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """f̄_{t,k} = Σ_{i≤k} ⟨v_i, f̄_t⟩ v_i at k = 10, 100, 200, 500 (≤ K) at an eigenvector step (the
+    first chosen one, default the last): images on [0, 1]² for 2-D data (the paper's linear
+    interpolation), else f̄_{t,k} against f̄_t at the training points."""
+    from nsa_dist.plots.images import _image
+
+    steps = run.eigenvector_steps
+    chosen = [t for t in (opts.steps or ()) if t in set(steps.tolist())]
+    t = int(chosen[0] if chosen else steps[-1])
+    rec = run.reconstructions(t)
+    ks = [int(k) for k in rec["k"]]
+    fig, ax = new_figure(run, "4d", rf"$\bar f_{{t,k}}$ from the top $k$ eigenvectors of $G_t$, t = {t}",
+                         ncols=len(ks), panel=(3.6, 3.3))
+    f = run.outputs(t)
+    for a, j, k in zip(ax[0], range(len(ks)), ks):
+        if "images" in rec:
+            _image(a, rec["images"][j], f"k = {k}")
+            continue
+        fk = np.asarray(rec["f"][j]).reshape(-1)
+        a.plot(np.asarray(f).reshape(-1), fk, ".", ms=3)
+        lim = [float(np.nanmin(f)), float(np.nanmax(f))]
+        a.plot(lim, lim, "k--", lw=0.8)
+        a.set(title=f"k = {k}", xlabel=r"$\bar f_t$", ylabel=r"$\bar f_{t,k}$")
+    return fig
+
+
+def appF(run: "Run") -> "Figure":
+    """App. F: v_iᵀ(G_{t+1} − G_t)v_i measured and its first-order value (Eqs. 25–26) at each
+    eigenvector step, and ‖Vᵀ dG_t V‖_F relative to ‖Vᵀ G_t V‖_F along t."""
+    gc = run.gram_change()
+    fig, ax = new_figure(run, "App. F", r"first-order change $dG_t$ of the Gramian", ncols=2)
+    left, right = ax[0]
+    i = np.arange(1, gc["measured"].shape[1] + 1)
+    for j, t in enumerate(gc["steps"]):
+        line, = left.plot(i, gc["measured"][j], "o-", ms=3, label=f"measured, t = {t}")
+        left.plot(i, gc["first_order"][j], "x--", ms=4, color=line.get_color(), label=f"first order, t = {t}")
+    left.set(xlabel="i", ylabel=r"$v_i^T\,dG_t\,v_i$  ($\approx d\lambda_i$)")
+    left.axhline(0.0, color="k", lw=0.5)
+    left.legend(fontsize=7)
+    evals = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, :len(i)]
+    scale = np.linalg.norm(evals, axis=1)  # ‖Vᵀ G_t V‖_F = ‖λ_{1..Kg}‖
+    right.plot(gc["steps"], gc["fro"][:, 0] / scale, "o-", ms=3, label=r"$\Vert V^T(G_{t+1}-G_t)V\Vert_F$")
+    right.plot(gc["steps"], gc["fro"][:, 1] / scale, "s--", ms=3, label=r"$\Vert V^T dG_t V\Vert_F$ (Eq. 26)")
+    right.plot(gc["steps"], gc["fro"][:, 2] / scale, "^:", ms=3, label="difference")
+    right.set(xlabel="step t", ylabel=r"relative to $\Vert\lambda_{1..k}\Vert$", yscale="log")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=7)
+    return fig
+
+
+def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+    """Eqs. 4–5: ‖m_t‖ and E_t(m_t, k) measured beside GD's prediction with G fixed at its first
+    recorded value (E of the prediction in G_{t0}'s eigenbasis, the measured one in G_t's); with test
+    points, App. E's Eq. 22 (Nyström extension) for the test residual beside the measured one."""
+    from nsa_dist.plots._axes import ks as chosen_ks
+
+    pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")  # (S, 2), (S, K)
+    idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]
+    t0 = int(run.schedule[0])
+    test = run.has("constant_gram_f_test")
+    fig, ax = new_figure(run, "Eqs. 4–5", rf"residual under a constant Gramian $G_{{{t0}}}$ vs measured",
+                         ncols=3 if test else 2)
+    left, right = ax[0][:2]
+    if test:  # App. E, Eq. 22 with the Nyström extension
+        pred_test, yt = run.constant_gram_test()[idx], run.array("y_test")  # (S', M[, Ko])
+        meas = np.stack([run.outputs(int(t), "f_test") for t in run.steps])
+        norm = lambda F: np.linalg.norm((F - yt[None]).reshape(len(F), -1), axis=1)  # noqa: E731
+        a = ax[0][2]
+        a.plot(run.steps, norm(meas), "o-", ms=3, label=r"measured $\Vert f_t(X') - y'\Vert$")
+        a.plot(run.steps, norm(pred_test), "s--", ms=3, label="Eq. 22 (Nyström, App. E)")
+        a.set(xlabel="step t", ylabel="test residual norm", yscale="log", title="test points")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    left.plot(run.steps, pred[idx, 1], "o-", ms=3, label=r"measured $\Vert m_t\Vert$")
+    left.plot(run.steps, pred[idx, 0], "s--", ms=3, label=rf"Eq. 5 with $G_{{{t0}}}$ fixed")
+    left.set(xlabel="step t", ylabel=r"$\Vert m_t\Vert$", yscale="log")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    measured = run.energy("residual")  # (S, K)
+    for k in chosen_ks(E.shape[1], opts.ks or (1, 10, 100, 500)):
+        line, = right.plot(run.steps, measured[:, k - 1], "o-", ms=3, label=f"k = {k}, measured")
+        right.plot(run.steps, E[idx, k - 1], "--", color=line.get_color(), label=f"k = {k}, Eq. 5")
+    right.set(xlabel="step t", ylabel=r"$E_t(m_t, k)$", ylim=(-0.02, 1.02))
+    right.grid(alpha=0.3)
+    right.legend(fontsize=7)
+    return fig
