@@ -118,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- run
 def _cmd_run(args: argparse.Namespace) -> int:
     from nsa_dist.pipeline import run_experiment, run_id
-    from nsa_dist.specfile import load_spec
+    from nsa_dist.specfile import check_data, load_spec
     from nsa_dist.store import SpectrumStore, Status
 
     spec = load_spec(args.spec)
+    check_data([spec], args.spec)  # a missing data file is said now, not after the store and the model
     store = SpectrumStore(args.store)
     rid = run_id(spec)
     fancy = sys.stderr.isatty() and not args.plain
@@ -323,9 +324,10 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- Ray
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import SweepCoordinator, connect
-    from nsa_dist.specfile import load_sweep
+    from nsa_dist.specfile import check_data, load_sweep
 
     sweep = load_sweep(args.sweep)
+    check_data(sweep.expand(), args.sweep)  # before Ray starts (≈ 9 s for the embedded one)
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
     coordinator = SweepCoordinator(sweep, args.store, on_event=table.update, wait=_wait_seconds(args.wait))
     try:  # the embedded Ray holds every actor at once, step gangs included (threads are set per actor)

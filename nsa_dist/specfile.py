@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import ValidationError
 
 from nsa_dist.config import ExperimentSpec, SweepSpec
 
-__all__ = ["SpecError", "load_spec", "load_sweep", "format_validation_error"]
+if TYPE_CHECKING:
+    from nsa_dist.data._paths import Location
+
+__all__ = ["SpecError", "load_spec", "load_sweep", "format_validation_error", "check_data"]
 
 
 class SpecError(ValueError):
@@ -70,3 +75,40 @@ def load_sweep(path: str | Path) -> SweepSpec:
         return SweepSpec.model_validate(raw)
     except ValidationError as exc:
         raise SpecError(f"{path}: invalid sweep spec\n{format_validation_error(exc)}") from exc
+
+
+def check_data(specs: Iterable[ExperimentSpec], source: str | Path, *, urls: bool = True) -> dict[str, list["Location"]]:
+    """Cheap checks of every run's data files — each exists, is a regular file, a local one is
+    readable — before anything starts (no Ray, no store); nothing is loaded.
+
+    Args:
+        specs: the runs (one spec, or a sweep's expanded runs).
+        source: the spec file, for messages.
+        urls: also check ``data.path`` URLs (``s3://`` …); False checks local paths only (``nsa
+            submit``: the cluster, not the submitting machine, may hold the bucket's keys).
+
+    Returns:
+        each checked ``data.path`` → the files its runs read (test files when some run has n_test > 0).
+
+    Raises:
+        SpecError: one line naming the spec file, the run and the missing / wrong file.
+        MissingDependencyError: a URL whose filesystem package (s3fs, gcsfs) is not installed.
+    """
+    from nsa_dist.data._paths import is_url
+    from nsa_dist.data.registry import data_files
+
+    files: dict[str, list[Location]] = {}
+    seen: set[tuple] = set()
+    for spec in specs:
+        data = spec.data
+        key = (getattr(data.name, "value", data.name), data.path, data.n_test > 0)
+        if key in seen or (data.path is not None and is_url(data.path) and not urls):
+            continue
+        seen.add(key)
+        try:
+            found = data_files(data)
+        except (OSError, ValueError) as exc:
+            raise SpecError(f"{source}: run {spec.name!r}: {exc}") from exc
+        if data.path is not None:
+            files[data.path] = list(dict.fromkeys(files.get(data.path, []) + found))
+    return files

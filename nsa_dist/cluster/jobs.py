@@ -1,7 +1,8 @@
 """``nsa submit / status / logs / cancel``: sweeps as Ray Jobs on a real cluster (Ray Jobs SDK).
 
 The job runs ``services/sweep_job.py`` (a thin wrapper of ``nsa sweep --address auto``) with a
-runtime_env that ships the ``nsa_dist`` package and the sweep file, so the cluster needs only
+runtime_env that ships the ``nsa_dist`` package, the sweep file and its local data files (up to
+``job_data.SHIP_LIMIT_BYTES``; see :mod:`nsa_dist.cluster.job_data`), so the cluster needs only
 nsa-dist's dependencies installed (the image in deploy/docker).
 """
 
@@ -15,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from nsa_dist.cluster.job_data import prepare_job_data
 from nsa_dist.cluster.runtime import auth_headers
 
 __all__ = ["submit", "status", "logs", "cancel", "job_client"]
@@ -48,7 +52,8 @@ def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str 
         runtime_env["env_vars"] = {"NSA_DEBUG": "1"}
     work = Path(tempfile.mkdtemp(prefix="nsa-submit-"))
     try:
-        shutil.copy(sweep_file, work / "sweep.yaml")
+        # the sweep as the job sees it, its local data files copied into work (or refused: too big)
+        (work / "sweep.yaml").write_text(yaml.safe_dump(prepare_job_data(sweep_file, work), sort_keys=False))
         if _SERVICES.is_dir():  # a source checkout: the services/ entry point
             shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
             entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}"

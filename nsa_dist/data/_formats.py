@@ -7,14 +7,14 @@ expected layout when it does not match, so a wrong or truncated download fails l
 from __future__ import annotations
 
 import gzip
+import io
 import pickle
 import struct
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from nsa_dist.data._paths import regular_file
+from nsa_dist.data._paths import Location, exists, join, read_bytes, regular_file
 
 __all__ = ["find_file", "read_idx", "read_pickle_batch"]
 
@@ -29,30 +29,31 @@ IDX_IMAGES = 2051  # 0x00000803: unsigned bytes, 3 dims (N, rows, cols)
 IDX_LABELS = 2049  # 0x00000801: unsigned bytes, 1 dim (N,)
 
 
-def find_file(directory: Path, name: str) -> Path | None:
+def find_file(directory: Location, name: str) -> Location | None:
     """``directory/name`` or ``directory/name.gz``, whichever exists (plain first); None if neither.
+    ``directory`` may be an fsspec URL (a prefix).
 
     Raises:
         ValueError: the one that exists is a directory or not a regular file.
     """
-    for p in (directory / name, directory / f"{name}.gz"):
-        if p.exists():
+    for p in (join(directory, name), join(directory, f"{name}.gz")):
+        if exists(p):
             return regular_file(p, "data", f"the file {name} (optionally gzipped as {name}.gz)")
     return None
 
 
-def _read_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped when the name ends in ``.gz``."""
-    if path.suffix != ".gz":
-        return path.read_bytes()
+def _read_bytes(path: Location) -> bytes:
+    """The file's bytes (local or an fsspec URL), gunzipped when the name ends in ``.gz``."""
+    raw = read_bytes(path)
+    if not str(path).endswith(".gz"):
+        return raw
     try:
-        with gzip.open(path, "rb") as f:
-            return f.read()
+        return gzip.decompress(raw)
     except (OSError, EOFError) as exc:  # BadGzipFile is an OSError; a cut-off stream is EOFError
         raise ValueError(f"{str(path)!r} is not a readable gzip file ({exc})") from exc
 
 
-def read_idx(path: Path, magic: int) -> np.ndarray:
+def read_idx(path: Location, magic: int) -> np.ndarray:
     """An IDX file of unsigned bytes as a uint8 array of its header's shape.
 
     Layout (LeCun's MNIST page): a big-endian uint32 magic number (2051 for images, 2049 for
@@ -60,7 +61,7 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
     ∏ dims bytes in C order.
 
     Args:
-        path: the file, optionally gzipped (name ending in ``.gz``).
+        path: the file (a local path or an fsspec URL), optionally gzipped (name ending in ``.gz``).
         magic: the expected magic number, ``IDX_IMAGES`` or ``IDX_LABELS``.
 
     Returns:
@@ -97,7 +98,7 @@ class _BatchUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_pickle_batch(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+def read_pickle_batch(path: Location, keys: tuple[str, ...]) -> dict[str, Any]:
     """A CIFAR python batch: a pickled dict, keys decoded from bytes (the files are Python-2 pickles).
 
     Unpickled with an unpickler that admits only what the format contains (dicts, lists, bytes /
@@ -105,7 +106,7 @@ def read_pickle_batch(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     anything of it runs.
 
     Args:
-        path: the batch file (e.g. ``data_batch_1``, ``test``).
+        path: the batch file (e.g. ``data_batch_1``, ``test``), a local path or an fsspec URL.
         keys: keys that must be present, e.g. ``("data", "labels")``.
 
     Returns:
@@ -116,9 +117,9 @@ def read_pickle_batch(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
             a dict, or lacks one of ``keys``.
     """
     expected = f"a pickled dict with keys {list(keys)} (the CIFAR 'python version' batch format)"
+    raw = read_bytes(path)  # opening and reading errors are the filesystem's, not the format's
     try:
-        with open(path, "rb") as f:
-            obj = _BatchUnpickler(f, encoding="bytes").load()
+        obj = _BatchUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not this format"
         raise ValueError(f"{str(path)!r} is not {expected} ({type(exc).__name__}: {exc})") from exc
     if not isinstance(obj, dict):

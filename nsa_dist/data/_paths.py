@@ -1,13 +1,27 @@
 """What a data path is, said truly: missing, a directory, or not a regular file (a FIFO, a socket,
-a device) — each its own one-line error naming the path and what was expected."""
+a device) — each its own one-line error naming the path and what was expected.
+
+A data path is a local path or an fsspec URL (``s3://bucket/mnist``, ``gs://…``, ``file:///shared/…``;
+s3fs / gcsfs are the ``s3`` / ``gcs`` extras, endpoints and keys from the standard environment
+variables as for the store).  The same checks apply to both; a URL is kept as its string, never
+passed through ``Path`` (which would fold ``s3://`` into ``s3:/``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
-__all__ = ["regular_file", "directory"]
+from nsa_dist._fsspec import is_url, url_to_fs
+
+__all__ = ["Location", "regular_file", "directory", "join", "exists", "open_binary", "read_bytes", "file_size",
+           "is_url"]
+
+Location = Path | str  # a local path, or an fsspec URL kept as a string
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"))
@@ -20,14 +34,38 @@ def _stat(path: Path, who: str, expected: str) -> os.stat_result:
         raise FileNotFoundError(f"{who}: {str(path)!r} does not exist (expected {expected})") from None
 
 
-def regular_file(path: str | Path, who: str, expected: str) -> Path:
-    """``path`` if it is a regular file (or a link to one).
+def _info(url: str, who: str, expected: str) -> dict[str, Any]:
+    """fsspec's ``info`` of ``url``: its ``type`` ("file", "directory", …) and ``size``.
+
+    Raises:
+        FileNotFoundError: no object (and no prefix) at ``url``.
+        OSError: the filesystem could not be asked (endpoint down, access denied …); one line.
+    """
+    fs, p = url_to_fs(url, who)
+    try:
+        return fs.info(p)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{who}: {url!r} does not exist (expected {expected})") from None
+    except OSError as exc:
+        raise OSError(f"{who}: cannot read {url!r} ({type(exc).__name__}: {exc})") from exc
+
+
+def regular_file(path: Location, who: str, expected: str) -> Location:
+    """``path`` if it is a readable regular file (or a link to one); a URL must name an object.
 
     Raises:
         FileNotFoundError: it does not exist.
         ValueError: it is a directory, or not a regular file (FIFO, socket, device) — read, a FIFO
             would block and a device never ends.
+        PermissionError: a local file this process may not read.
     """
+    if is_url(path):
+        kind = _info(path, who, expected).get("type")
+        if kind == "directory":
+            raise ValueError(f"{who}: {path!r} is a directory (a prefix), expected {expected}")
+        if kind != "file":
+            raise ValueError(f"{who}: {path!r} is not a regular file (it is {kind!r}), expected {expected}")
+        return path
     p = Path(path)
     mode = _stat(p, who, expected).st_mode
     if stat.S_ISDIR(mode):
@@ -35,17 +73,62 @@ def regular_file(path: str | Path, who: str, expected: str) -> Path:
     if not stat.S_ISREG(mode):
         kind = next((name for test, name in _KINDS if test(mode)), "a special file")
         raise ValueError(f"{who}: {str(p)!r} is not a regular file (it is {kind}), expected {expected}")
+    if not os.access(p, os.R_OK):
+        raise PermissionError(f"{who}: {str(p)!r} is not readable by this user, expected {expected}")
     return p
 
 
-def directory(path: str | Path, who: str, expected: str) -> Path:
-    """``path`` if it is a directory.
+def directory(path: Location, who: str, expected: str) -> Location:
+    """``path`` if it is a directory (for a URL: a prefix holding objects).
 
     Raises:
         FileNotFoundError: it does not exist.
         ValueError: it is a file (or another non-directory).
     """
+    if is_url(path):
+        if _info(path, who, expected).get("type") != "directory":
+            raise ValueError(f"{who}: {path!r} is not a directory (a prefix), expected {expected}")
+        return path
     p = Path(path)
     if not stat.S_ISDIR(_stat(p, who, expected).st_mode):
         raise ValueError(f"{who}: {str(p)!r} is not a directory, expected {expected}")
     return p
+
+
+def join(base: Location, name: str) -> Location:
+    """``base/name``: a ``Path`` for a local base, a URL string for a URL."""
+    return f"{base.rstrip('/')}/{name}" if is_url(base) else Path(base) / name
+
+
+def exists(path: Location) -> bool:
+    """Whether anything is at ``path`` (a URL: an object or a prefix)."""
+    if is_url(path):
+        fs, p = url_to_fs(path, "data")
+        return bool(fs.exists(p))
+    return Path(path).exists()
+
+
+def file_size(path: Location) -> int:
+    """The size of a file in bytes."""
+    if is_url(path):
+        fs, p = url_to_fs(path, "data")
+        return int(fs.size(p))
+    return os.stat(path).st_size
+
+
+@contextlib.contextmanager
+def open_binary(path: Location) -> Iterator[IO[bytes]]:
+    """The file opened for binary reading, local or through fsspec."""
+    if is_url(path):
+        fs, p = url_to_fs(path, "data")
+        with fs.open(p, "rb") as f:
+            yield f
+    else:
+        with open(path, "rb") as f:
+            yield f
+
+
+def read_bytes(path: Location) -> bytes:
+    """The whole file's bytes."""
+    with open_binary(path) as f:
+        return f.read()

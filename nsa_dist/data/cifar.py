@@ -9,10 +9,10 @@ import numpy as np
 
 from nsa_dist.data._dataset import Dataset
 from nsa_dist.data._formats import read_pickle_batch
-from nsa_dist.data._paths import directory, regular_file
+from nsa_dist.data._paths import Location, directory, exists, join, regular_file
 from nsa_dist.data._targets import Target, check_sizes, draw, make_targets, parse_target
 
-__all__ = ["cifar10", "cifar100", "load_cifar_batches"]
+__all__ = ["cifar10", "cifar100", "load_cifar_batches", "batch_files"]
 
 LUMINANCE = np.array([0.2125, 0.7154, 0.0721])  # ITU-R BT.709, as skimage.color.rgb2gray; sums to 1
 D_RGB = 3 * 32 * 32
@@ -40,7 +40,7 @@ _CIFAR10 = _Layout("cifar10", "cifar-10-batches-py", tuple(f"data_batch_{i}" for
 _CIFAR100 = _Layout("cifar100", "cifar-100-python", ("train",), "test", "fine_labels", 100)
 
 
-def load_cifar_batches(paths: list[Path], label_key: str, K: int) -> tuple[np.ndarray, np.ndarray]:
+def load_cifar_batches(paths: list[Location], label_key: str, K: int) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated CIFAR batches: pixels uint8 (N, 3072) — R, G, B planes of 32×32, row-major — and labels (N,).
 
     Raises:
@@ -67,14 +67,29 @@ def _features(pixels: np.ndarray, grayscale: bool) -> np.ndarray:
     return np.einsum("c,ncp->np", LUMINANCE, x) if grayscale else x.reshape(len(x), D_RGB)
 
 
-def _files(folder: Path, names: tuple[str, ...], layout: _Layout, why: str) -> list[Path]:
+def _files(folder: Location, names: tuple[str, ...], layout: _Layout, why: str) -> list[Location]:
     """The paths of ``names`` in ``folder``; FileNotFoundError naming the missing ones, ValueError
     naming one that is a directory or not a regular file."""
-    missing = [name for name in names if not (folder / name).exists()]
+    missing = [name for name in names if not exists(join(folder, name))]
     if missing:
         raise FileNotFoundError(f"{layout.name}: {missing} not found in {str(folder)!r} ({why}); "
                                 f"{layout.expected}")
-    return [regular_file(folder / name, layout.name, "a CIFAR python batch file") for name in names]
+    return [regular_file(join(folder, name), layout.name, "a CIFAR python batch file") for name in names]
+
+
+def batch_files(name: str, path: Location, n_test: int) -> list[Location]:
+    """The batch files ``cifar10`` / ``cifar100`` (``name``) read from ``path`` — the training
+    batches, and the test batch when n_test > 0 — each checked to be a readable regular file;
+    nothing is read.
+
+    Raises:
+        FileNotFoundError: ``path`` or a batch is missing.
+        ValueError: ``path`` is not a directory, or a batch is not a regular file.
+    """
+    layout = {_CIFAR10.name: _CIFAR10, _CIFAR100.name: _CIFAR100}[name]
+    d = directory(path, layout.name, layout.expected.removeprefix("expected "))
+    test = _files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch") if n_test > 0 else []
+    return _files(d, layout.train, layout, "training batches") + test
 
 
 def _cifar(layout: _Layout, path: str | Path, n: int, n_test: int, grayscale: bool,
@@ -113,7 +128,7 @@ def cifar10(n: int = 1000, *, path: str | Path, n_test: int = 0, grayscale: bool
 
     Args:
         n: training points N.
-        path: the extracted ``cifar-10-batches-py`` directory.
+        path: the extracted ``cifar-10-batches-py`` directory (a local path or an fsspec URL).
         n_test: test points M.
         grayscale: x = 0.2125 R + 0.7154 G + 0.0721 B per pixel (BT.709) instead of RGB.
         target: ``"label"`` y = c (N,), ``"one_vs_rest"`` y = ±1 (N,), ``"onehot"`` y = e_c (N, 10).
@@ -136,7 +151,7 @@ def cifar100(n: int = 1000, *, path: str | Path, n_test: int = 0, grayscale: boo
 
     Args:
         n: training points N (of 50,000).
-        path: the extracted ``cifar-100-python`` directory.
+        path: the extracted ``cifar-100-python`` directory (a local path or an fsspec URL).
         n_test: test points M (of 10,000).
         grayscale: luminance (d = 1024) instead of RGB (d = 3072).
         target: ``"label"`` (N,), ``"one_vs_rest"`` (N,), ``"onehot"`` (N, 100).

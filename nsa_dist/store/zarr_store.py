@@ -8,9 +8,7 @@ a CRC32C checksum, so a damaged chunk is an error naming the array, never a sile
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -23,7 +21,8 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
-from nsa_dist.errors import MissingDependencyError, StoreError
+from nsa_dist._fsspec import require_extra, storage_options
+from nsa_dist.errors import StoreError
 from nsa_dist.store.lease import Lease, LeaseInfo, check_holder, effective_status
 from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
                                    run_arrays)
@@ -33,8 +32,6 @@ __all__ = ["SpectrumStore", "RunWriter", "Status", "open_zarr_group", "CODECS"]
 _METADATA_ERRORS = (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError)
 # arrays that schema 1 gained after stores were written: created when such a run is reopened
 _ADDED = ("eigenvector_steps",)
-# fsspec protocols that need a package outside the core dependencies: (module, extra)
-_EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
 
 
 def CODECS() -> list:
@@ -50,35 +47,10 @@ class Status:
 
 
 # --------------------------------------------------------------------------- opening
-def storage_options(protocol: str) -> dict[str, Any]:
-    """fsspec options from the standard environment variables.
-
-    s3: ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (e.g. MinIO, moto, Ceph); the keys come
-    from the usual ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / profiles (botocore).  gs:
-    ``STORAGE_EMULATOR_HOST``; credentials from ``GOOGLE_APPLICATION_CREDENTIALS`` (gcsfs).
-    Directory listings are never cached: other processes add runs and steps.
-    """
-    opts: dict[str, Any] = {}
-    if protocol in ("s3", "s3a"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            opts["endpoint_url"] = endpoint
-        opts["use_listings_cache"] = False
-    elif protocol in ("gs", "gcs"):
-        if os.environ.get("STORAGE_EMULATOR_HOST"):
-            opts["endpoint_url"] = os.environ["STORAGE_EMULATOR_HOST"]
-        opts["use_listings_cache"] = False
-    return opts
-
-
 def _zarr_store(url: str, read_only: bool) -> Any:
     """A zarr Store for a local path or an fsspec URL; MissingDependencyError naming the extra."""
     if "://" in url and not url.startswith("file://"):
-        protocol = url.split("://", 1)[0]
-        module, extra = _EXTRAS.get(protocol, (None, None))
-        if module and importlib.util.find_spec(module) is None:
-            raise MissingDependencyError(f"the store {url!r} needs the {module} package: pip install "
-                                         f"'nsa-dist[{extra}]'")
+        protocol = require_extra(url, "the store")
         from zarr.storage import FsspecStore
 
         try:

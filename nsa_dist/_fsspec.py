@@ -1,0 +1,74 @@
+"""fsspec URLs shared by the store and the data loaders: which extra a protocol needs, and the
+options its filesystem takes from the standard environment variables."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from nsa_dist.errors import MissingDependencyError
+
+__all__ = ["EXTRAS", "is_url", "require_extra", "storage_options", "url_to_fs"]
+
+# fsspec protocols that need a package outside the core dependencies: (module, extra)
+EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` is an fsspec URL (``s3://``, ``gs://``, ``file://``, …) rather than a local path."""
+    return isinstance(path, str) and "://" in path
+
+
+def storage_options(protocol: str) -> dict[str, Any]:
+    """fsspec options from the standard environment variables.
+
+    s3: ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (e.g. MinIO, moto, Ceph); the keys come
+    from the usual ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / profiles (botocore).  gs:
+    ``STORAGE_EMULATOR_HOST``; credentials from ``GOOGLE_APPLICATION_CREDENTIALS`` (gcsfs).
+    Directory listings are never cached: other processes add runs and steps.
+    """
+    opts: dict[str, Any] = {}
+    if protocol in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+        opts["use_listings_cache"] = False
+    elif protocol in ("gs", "gcs"):
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            opts["endpoint_url"] = os.environ["STORAGE_EMULATOR_HOST"]
+        opts["use_listings_cache"] = False
+    return opts
+
+
+def require_extra(url: str, what: str) -> str:
+    """The URL's protocol, after checking that its filesystem package is installed.
+
+    Raises:
+        MissingDependencyError: s3fs / gcsfs is missing; the message names the extra to install.
+    """
+    protocol = url.split("://", 1)[0]
+    module, extra = EXTRAS.get(protocol, (None, None))
+    if module and importlib.util.find_spec(module) is None:
+        raise MissingDependencyError(f"{what} {url!r} needs the {module} package: pip install 'nsa-dist[{extra}]'")
+    return protocol
+
+
+def url_to_fs(url: str, what: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` (options from the environment) and the path inside it.
+
+    Args:
+        url: an fsspec URL, e.g. ``s3://bucket/mnist``.
+        what: what the URL is, for messages (``"data.path"``).
+
+    Raises:
+        MissingDependencyError: the protocol's package (s3fs, gcsfs) is not installed.
+        ValueError: fsspec does not know the protocol.
+    """
+    import fsspec
+
+    protocol = require_extra(url, what)
+    try:
+        return fsspec.core.url_to_fs(url, **storage_options(protocol))
+    except (ValueError, ImportError) as exc:
+        raise ValueError(f"{what} {url!r}: no filesystem for {protocol}:// ({exc})") from exc

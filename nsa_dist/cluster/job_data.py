@@ -1,0 +1,108 @@
+"""A submitted sweep's local data files, shipped with the job in its Ray ``working_dir``.
+
+Every run's local ``data.path`` (relative to the submitting directory, or absolute) is resolved
+and the files its loader reads are copied into the job's working directory, which Ray unpacks on
+every node and makes the workers' current directory.  A relative path that stays inside the
+submitting directory keeps its place (``data/mnist`` → ``<working_dir>/data/mnist``), so the
+job's specs — and run ids — are the ones a local ``nsa sweep`` would compute; an absolute or
+escaping one (``/data/x.png``, ``../mnist``) is copied to ``_nsa_data/<i>/<name>`` and the sweep the
+job gets says so.  URLs (``s3://``, ``gs://``, ``file://`` for a filesystem every node mounts) are
+read by the nodes themselves and are left as they are.
+
+Ray refuses a working_dir over ~500 MiB, and every job upload is held in the head's object
+store, so at most ``SHIP_LIMIT_BYTES`` travel; more is refused at submission, naming the
+largest file and the ``s3://`` alternative.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SHIP_LIMIT_BYTES", "SHIPPED_DIR", "prepare_job_data"]
+
+SHIP_LIMIT_BYTES = 100 * 2**20  # data shipped with one job; Ray's working_dir limit is ~500 MiB
+SHIPPED_DIR = "_nsa_data"  # where absolute / escaping data paths are copied inside the working_dir
+_TAKEN = {"sweep.yaml", "services", SHIPPED_DIR}  # names the job's working_dir already uses
+
+
+def _target(path: str, i: int) -> str:
+    """Where ``path``'s data go inside the working_dir: the same relative path when it stays inside
+    the submitting directory (and clear of the job's own files), else ``_nsa_data/<i>/<name>``."""
+    norm = os.path.normpath(path)
+    first = norm.split(os.sep, 1)[0]
+    if not os.path.isabs(norm) and first not in ("..", ".") and first not in _TAKEN:
+        return Path(norm).as_posix()
+    return f"{SHIPPED_DIR}/{i}/{Path(os.path.abspath(norm)).name}"
+
+
+def _rewrite(obj: Any, moved: dict[str, str]) -> Any:
+    """``obj`` (a sweep as plain data) with every string equal to a moved path replaced; the caller
+    checks that only ``data.path`` changed."""
+    if isinstance(obj, dict):
+        return {k: _rewrite(v, moved) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rewrite(v, moved) for v in obj]
+    return moved.get(obj, obj) if isinstance(obj, str) else obj
+
+
+def _check_only_paths_moved(old: Any, new: Any, moved: dict[str, str]) -> None:
+    """Every run of the rewritten sweep is the original run with ``data.path`` moved (names aside).
+
+    Raises:
+        RuntimeError: a rewrite touched anything else (a field whose value equals a data path).
+    """
+    for a, b in zip(old.expand(), new.expand(), strict=True):
+        want = a.model_copy(update={"data": a.data.model_copy(update={"path": moved.get(a.data.path, a.data.path)})})
+        if want.model_dump(exclude={"name"}) != b.model_dump(exclude={"name"}):
+            raise RuntimeError(f"shipping the data of run {a.name!r} changed more than data.path; submit with the "
+                               "data in a bucket (data.path: s3://…) instead")
+
+
+def prepare_job_data(sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT_BYTES) -> dict[str, Any]:
+    """Copy the sweep's local data files into ``work`` and return the sweep the job gets.
+
+    Args:
+        sweep_file: the sweep (or experiment) YAML; relative data paths are relative to the
+            current directory, as for ``nsa run`` / ``nsa sweep``.
+        work: the job's working_dir being assembled.
+        limit: the most bytes of data that may travel with the job.
+
+    Returns:
+        the sweep as plain data (write it as the job's ``sweep.yaml``), data paths rewritten where
+        they moved.
+
+    Raises:
+        SpecError: a data file is missing / not a readable regular file, or the files exceed
+            ``limit`` — one line naming the file, its size and the ``s3://`` alternative.
+    """
+    from nsa_dist.config import SweepSpec
+    from nsa_dist.specfile import SpecError, check_data, load_sweep
+
+    sweep = load_sweep(sweep_file)
+    files = check_data(sweep.expand(), sweep_file, urls=False)  # data.path → its files, local only
+    sizes = {os.path.realpath(f): os.stat(f).st_size for fs in files.values() for f in fs}
+    total = sum(sizes.values())
+    if total > limit:
+        big = max(sizes, key=sizes.__getitem__)
+        raise SpecError(f"{sweep_file}: the data files come to {total / 2**20:.1f} MiB, over the "
+                        f"{limit / 2**20:.0f} MiB that travel with a job (largest {big!r}, {sizes[big] / 2**20:.1f} "
+                        "MiB); put the data in a bucket and set data.path: s3://BUCKET/PREFIX (or a file:// path "
+                        "every node mounts)")
+    moved: dict[str, str] = {}
+    for i, (path, found) in enumerate(files.items()):
+        target = _target(path, i)
+        if target != path:
+            moved[path] = target
+        single = os.path.isfile(path)  # an image: the path is the file; else a directory of files
+        for f in found:
+            dest = work / target if single else work / target / Path(f).name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
+    raw = sweep.model_dump(mode="json")
+    if moved:
+        raw = _rewrite(raw, moved)
+        _check_only_paths_moved(sweep, SweepSpec.model_validate(raw), moved)
+    return raw
