@@ -95,6 +95,55 @@ def test_a_bucket_prefix_holding_other_objects_is_refused(s3_env):
         SpectrumStore(f"s3://{bucket}/data")
 
 
+def test_data_in_s3_load_as_the_local_files_do(s3_env, tmp_path):
+    """image2d PNG, MNIST IDX (raw and gz) and CIFAR pickle batches read through ``data.path: s3://…``
+    give the arrays the local files give; a run trains on them; a missing object, a prefix given
+    as an image and a pickle naming a callable are refused in one line naming the URL."""
+    import pickle
+
+    import s3fs
+
+    from nsa_dist.config import DataSpec
+    from nsa_dist.data import load_dataset
+    from test_job_data import write_datasets
+
+    local = write_datasets(tmp_path / "data")
+    bucket = _bucket(s3_env)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_env["AWS_ENDPOINT_URL"])
+    fs.put(str(tmp_path / "data") + "/", f"{bucket}/sets/", recursive=True)
+    remote = {name: f"s3://{bucket}/sets/{p.name}" for name, p in local.items()}
+    for name, n_test in (("image2d", 4), ("mnist", 3), ("cifar10", 2)):
+        got = load_dataset(DataSpec(name=name, path=remote[name], n=20, n_test=n_test), seed=1)
+        want = load_dataset(DataSpec(name=name, path=str(local[name]), n=20, n_test=n_test), seed=1)
+        for a in ("X", "y", "X_test", "y_test"):
+            np.testing.assert_array_equal(getattr(got, a), getattr(want, a), err_msg=f"{name}.{a}")
+
+    spec = ExperimentSpec(name="s3data", data={"name": "image2d", "path": remote["image2d"], "n": 16},
+                          model={"depth": 2, "width": 8}, steps=4, record={"every": 2}, spectrum={"k": 4})
+    out = run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
+    assert out.status == "done"
+    run = Client(str(tmp_path / "s.zarr")).run(run_id(spec))
+    assert run.spec.data.path == remote["image2d"] and np.isfinite(run.eigenvalues).all()
+
+    absent = f"s3://{bucket}/sets/absent.png"
+    with pytest.raises(FileNotFoundError) as exc:
+        load_dataset(DataSpec(name="image2d", path=absent, n=4))
+    assert str(exc.value) == f"image2d: {absent!r} does not exist (expected a PNG or JPEG image file)"
+    with pytest.raises(ValueError, match=f"image2d: {remote['mnist']!r} is a directory"):
+        load_dataset(DataSpec(name="image2d", path=remote["mnist"], n=4))
+    with pytest.raises(FileNotFoundError, match=r"\['train-labels-idx1-ubyte'\] not found in 's3://"):
+        fs.rm(f"{bucket}/sets/mnist/train-labels-idx1-ubyte")
+        load_dataset(DataSpec(name="mnist", path=remote["mnist"], n=4))
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("this ran",))
+
+    fs.pipe(f"{bucket}/sets/cifar-10-batches-py/data_batch_2", pickle.dumps({b"data": Evil(), b"labels": []}))
+    with pytest.raises(ValueError, match=r"data_batch_2' is not a pickled dict .*refused builtins.print"):
+        load_dataset(DataSpec(name="cifar10", path=remote["cifar10"], n=4))
+
+
 @pytest.mark.slow
 def test_s3_run_killed_resumed_and_read_back(s3_env, tmp_path):
     spec = ExperimentSpec(**SPEC)
