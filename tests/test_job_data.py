@@ -151,3 +151,34 @@ def test_a_missing_data_file_refuses_the_submission(in_tmp):
     (in_tmp / "sweep.yaml").write_text(yaml.safe_dump(_sweep({"image2d": "data/absent.png"})))
     with pytest.raises(SpecError, match=r"'data/absent.png' does not exist"):
         prepare_job_data("sweep.yaml", in_tmp)
+
+
+def test_nsa_submit_refuses_data_over_the_limit_before_connecting(in_tmp, capsys):
+    from nsa_dist.cluster.job_data import SHIP_LIMIT_BYTES
+
+    big = in_tmp / "big.png"
+    with open(big, "wb") as f:  # sparse: a regular file of the size, no bytes written
+        f.truncate(SHIP_LIMIT_BYTES + 1)
+    (in_tmp / "sweep.yaml").write_text(yaml.safe_dump(_sweep({"image2d": "big.png"})))
+    capsys.readouterr()
+    rc = nsa(["submit", "sweep.yaml", "--address", "http://127.0.0.1:9", "--store", str(in_tmp / "s.zarr")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"(largest {str(big)!r}, 100.0 MiB)" in err and "over the 100 MiB" in err and "s3://" in err, err
+
+
+def test_a_file_url_is_read_where_the_run_runs_and_not_shipped(in_tmp):
+    d = write_datasets(in_tmp / "data")
+    url = f"file://{d['mnist']}"
+    sweep = _sweep({"mnist": url, "image2d": f"file://{d['image2d']}"}, n_test=2)
+    (in_tmp / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    work = in_tmp / "work"
+    work.mkdir()
+    job = prepare_job_data("sweep.yaml", work)
+    assert [r.data.path for r in SweepSpec.model_validate(job).expand()] == [url, f"file://{d['image2d']}"]
+    assert not any(work.iterdir())
+    got = load_dataset(DataSpec(name="mnist", path=url, n=8, n_test=2))
+    want = load_dataset(DataSpec(name="mnist", path=str(d["mnist"]), n=8, n_test=2))
+    np.testing.assert_array_equal(got.X_test, want.X_test)
+    with pytest.raises(FileNotFoundError, match=r"'file://.*/absent.png' does not exist"):
+        load_dataset(DataSpec(name="image2d", path=f"file://{in_tmp}/absent.png", n=4))
