@@ -95,35 +95,38 @@ def test_a_bucket_prefix_holding_other_objects_is_refused(s3_env):
         SpectrumStore(f"s3://{bucket}/data")
 
 
+def _datasets_in_s3(env: dict, tmp_path: Path) -> tuple[dict, dict, str]:
+    """A PNG, MNIST IDX files and CIFAR-10 batches written locally and uploaded to a new bucket:
+    (local paths, their s3:// URLs, the bucket) by dataset name."""
+    import s3fs
+
+    from test_job_data import write_datasets
+
+    local = write_datasets(tmp_path / "data")
+    bucket = _bucket(env)
+    s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"]).put(str(tmp_path / "data") + "/", f"{bucket}/sets/",
+                                                                 recursive=True)
+    return local, {name: f"s3://{bucket}/sets/{p.name}" for name, p in local.items()}, bucket
+
+
 def test_data_in_s3_load_as_the_local_files_do(s3_env, tmp_path):
     """image2d PNG, MNIST IDX (raw and gz) and CIFAR pickle batches read through ``data.path: s3://…``
-    give the arrays the local files give; a run trains on them; a missing object, a prefix given
-    as an image and a pickle naming a callable are refused in one line naming the URL."""
+    give the arrays the local files give; a missing object, a prefix given as an image and a
+    pickle naming a callable are refused in one line naming the URL."""
     import pickle
 
     import s3fs
 
     from nsa_dist.config import DataSpec
     from nsa_dist.data import load_dataset
-    from test_job_data import write_datasets
 
-    local = write_datasets(tmp_path / "data")
-    bucket = _bucket(s3_env)
+    local, remote, bucket = _datasets_in_s3(s3_env, tmp_path)
     fs = s3fs.S3FileSystem(endpoint_url=s3_env["AWS_ENDPOINT_URL"])
-    fs.put(str(tmp_path / "data") + "/", f"{bucket}/sets/", recursive=True)
-    remote = {name: f"s3://{bucket}/sets/{p.name}" for name, p in local.items()}
     for name, n_test in (("image2d", 4), ("mnist", 3), ("cifar10", 2)):
         got = load_dataset(DataSpec(name=name, path=remote[name], n=20, n_test=n_test), seed=1)
         want = load_dataset(DataSpec(name=name, path=str(local[name]), n=20, n_test=n_test), seed=1)
         for a in ("X", "y", "X_test", "y_test"):
             np.testing.assert_array_equal(getattr(got, a), getattr(want, a), err_msg=f"{name}.{a}")
-
-    spec = ExperimentSpec(name="s3data", data={"name": "image2d", "path": remote["image2d"], "n": 16},
-                          model={"depth": 2, "width": 8}, steps=4, record={"every": 2}, spectrum={"k": 4})
-    out = run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
-    assert out.status == "done"
-    run = Client(str(tmp_path / "s.zarr")).run(run_id(spec))
-    assert run.spec.data.path == remote["image2d"] and np.isfinite(run.eigenvalues).all()
 
     absent = f"s3://{bucket}/sets/absent.png"
     with pytest.raises(FileNotFoundError) as exc:
@@ -142,6 +145,17 @@ def test_data_in_s3_load_as_the_local_files_do(s3_env, tmp_path):
     fs.pipe(f"{bucket}/sets/cifar-10-batches-py/data_batch_2", pickle.dumps({b"data": Evil(), b"labels": []}))
     with pytest.raises(ValueError, match=r"data_batch_2' is not a pickled dict .*refused builtins.print"):
         load_dataset(DataSpec(name="cifar10", path=remote["cifar10"], n=4))
+
+
+def test_a_run_trains_on_data_read_from_s3(s3_env, tmp_path):
+    """A plain ``run_experiment`` whose ``data.path`` is an s3:// URL; the store records the URL."""
+    _, remote, _ = _datasets_in_s3(s3_env, tmp_path)
+    spec = ExperimentSpec(name="s3data", data={"name": "image2d", "path": remote["image2d"], "n": 16},
+                          model={"depth": 2, "width": 8}, steps=4, record={"every": 2}, spectrum={"k": 4})
+    out = run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
+    assert out.status == "done"
+    run = Client(str(tmp_path / "s.zarr")).run(run_id(spec))
+    assert run.spec.data.path == remote["image2d"] and np.isfinite(run.eigenvalues).all()
 
 
 @pytest.mark.slow
