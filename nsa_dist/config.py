@@ -149,7 +149,8 @@ _N_CLASSES = {DataName.MNIST: 10, DataName.CIFAR10: 10, DataName.CIFAR100: 100, 
 
 
 class DataSpec(_Strict):
-    """Which data, how many points.  ``path``: an image (image2d) or a data directory (mnist, cifar)."""
+    """Which data, how many points.  ``path``: an image (image2d) or a data directory (mnist, cifar),
+    a local path (relative to the current directory) or an fsspec URL (``s3://``, ``gs://``, ``file://``)."""
 
     name: DataName = DataName.IMAGE2D
     n: int = Field(1000, ge=1, description="training points N")
