@@ -18,8 +18,7 @@ from typing import IO, Any
 
 from nsa_dist._fsspec import is_url, url_to_fs
 
-__all__ = ["Location", "regular_file", "directory", "join", "exists", "open_binary", "read_bytes", "file_size",
-           "is_url"]
+__all__ = ["Location", "regular_file", "directory", "join", "exists", "open_binary", "read_bytes", "is_url"]
 
 Location = Path | str  # a local path, or an fsspec URL kept as a string
 
@@ -106,14 +105,6 @@ def exists(path: Location) -> bool:
         fs, p = url_to_fs(path, "data")
         return bool(fs.exists(p))
     return Path(path).exists()
-
-
-def file_size(path: Location) -> int:
-    """The size of a file in bytes."""
-    if is_url(path):
-        fs, p = url_to_fs(path, "data")
-        return int(fs.size(p))
-    return os.stat(path).st_size
 
 
 @contextlib.contextmanager
