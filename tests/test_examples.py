@@ -89,3 +89,20 @@ def test_onehot_examples_name_their_kernel_and_offer_single_output(multi: str, s
     for a, b in zip(m, s):
         assert (a.model.depth, a.model.width, a.schedule, a.steps, a.data.n) == \
             (b.model.depth, b.model.width, b.schedule, b.steps, b.data.n)
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_says_the_ntk_path_its_model_takes(path):
+    """The '# NTK path:' line of each example is what the NTK core decides for its (first) model."""
+    import torch
+
+    from nsa_dist.models import build_model
+    from nsa_dist.ntk import explain_method
+
+    said = next(line for line in path.read_text().splitlines() if line.startswith("# NTK path:"))
+    spec = load_sweep(path).expand()[0]
+    model = build_model(spec.model, seed=0)
+    _, routes = explain_method(model, torch.randn(4, spec.model.input_dim))
+    paths = {p for p, _ in routes.values()}
+    want = {"structured", "per_layer"} if "'per_layer'" in said else {"structured"}
+    assert paths == want, f"{path.name} says {said!r}; the NTK core takes {paths}"
