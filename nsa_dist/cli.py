@@ -5,7 +5,7 @@
     nsa show RUN [--store PATH]          one run's status and headline measurements
     nsa plot RUN --out DIR               the NSA paper's figures as PNGs (--step, --pair, --k)
     nsa plot --sweep NAME --out DIR      Fig. 7a–c across a sweep's runs (--scalar Q --x FIELD [--line FIELD])
-    nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster)
+    nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster); --max-runs N
     nsa submit SWEEP.yaml --address http://HEAD:8265 --store URL     as a Ray Job
     nsa status [JOB] / nsa logs JOB / nsa cancel JOB                   (--address, $RAY_ADDRESS)
     nsa status --store PATH              the runs' status (running only while a writer is alive)
@@ -43,6 +43,13 @@ def _wait_seconds(value: float) -> float | None:
     return None if value < 0 else value
 
 
+def _max_runs_arg(p: argparse.ArgumentParser) -> None:
+    from nsa_dist.config import MAX_SWEEP_RUNS
+
+    p.add_argument("--max-runs", type=int, default=None, metavar="N",
+                   help=f"accept a sweep of up to N runs (default {MAX_SWEEP_RUNS}; counted before expanding the grid)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nsa", description="Measure NTK spectra during training (nsa-dist).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -76,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--address", default=None, help="Ray address to join (default: start an embedded local Ray)")
     sw.add_argument("--plain", action="store_true", help="log lines instead of a live table")
     _wait_arg(sw)
+    _max_runs_arg(sw)
     sm = sub.add_parser("submit", help="submit a sweep to a Ray cluster as a Ray Job")
     sm.add_argument("sweep", type=Path)
     sm.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), required=not os.environ.get("RAY_ADDRESS"),
@@ -83,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     _store_arg(sm)
     sm.add_argument("--job-id", default=None)
     sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
+    _max_runs_arg(sm)
     for name, hlp in (("status", "job status (all jobs without JOB), or the runs of --store"), ("logs", "a job's logs"),
                       ("cancel", "stop a job")):
         q = sub.add_parser(name, help=hlp)
@@ -118,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- run
 def _cmd_run(args: argparse.Namespace) -> int:
     from nsa_dist.pipeline import run_experiment, run_id
+    from nsa_dist.pipeline.budget import check_fits
     from nsa_dist.specfile import load_spec
     from nsa_dist.store import SpectrumStore, Status
 
     spec = load_spec(args.spec)
+    check_fits(spec)  # before the store is touched
     store = SpectrumStore(args.store)
     rid = run_id(spec)
     fancy = sys.stderr.isatty() and not args.plain
@@ -312,10 +323,14 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- Ray
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import SweepCoordinator, connect
+    from nsa_dist.pipeline.budget import check_fits
     from nsa_dist.specfile import load_sweep
 
-    sweep = load_sweep(args.sweep)
-    n_runs = len(sweep.expand())
+    sweep = load_sweep(args.sweep, max_runs=args.max_runs)
+    specs = sweep.expand()
+    for spec in specs:  # before Ray starts or the store is touched
+        check_fits(spec)
+    n_runs = len(specs)
     cl = sweep.cluster
     demand = cl.spectral_workers * cl.worker_cpus + min(n_runs, cl.max_concurrent_runs or n_runs) * cl.trainer_cpus
     # the embedded Ray gets enough logical CPUs for every actor (threads are set per actor)
@@ -377,7 +392,7 @@ class _SweepTable:
 def _cmd_submit(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import jobs
 
-    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id)
+    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id, max_runs=args.max_runs)
     print(f"submitted job {job} to {args.address}")
     if args.wait:
         return _wait_job(args.address, job)

@@ -8,7 +8,7 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 from __future__ import annotations
 
 __all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError", "ModelFactoryError",
-           "StoreError"]
+           "StoreError", "ResourceError"]
 
 
 class NSAError(Exception):
@@ -33,6 +33,11 @@ class MissingDependencyError(NSAError, ImportError):
 
 class StoreError(NSAError, ValueError):
     """A spectrum store is missing, corrupt, or does not match the run being written."""
+
+
+class ResourceError(NSAError, ValueError):
+    """A run, a sweep or an input would need more memory (or more of anything) than allowed:
+    refused from its sizes before anything is allocated."""
 
 
 class ModelFactoryError(NSAError, ImportError):

@@ -29,16 +29,18 @@ def job_client(address: str) -> Any:
 
 
 def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str | None = None,
-           pip: list[str] | None = None) -> str:
+           pip: list[str] | None = None, max_runs: int | None = None) -> str:
     """Submit a sweep; returns the job id.  ``store_url`` must be reachable from every node.
 
     A local store path is made absolute (the job runs in a temporary directory of the cluster):
-    it only works when that path is shared storage, as on a one-machine cluster.
+    it only works when that path is shared storage, as on a one-machine cluster.  ``max_runs``
+    raises the sweep's run limit here and in the job.
     """
     import nsa_dist
     from nsa_dist.specfile import load_sweep
 
-    load_sweep(sweep_file)  # fail here, not on the cluster, on a bad file
+    load_sweep(sweep_file, max_runs=max_runs)  # fail here, not on the cluster, on a bad file
+    limit = f" --max-runs {int(max_runs)}" if max_runs else ""
     if "://" not in store_url:
         store_url = os.path.abspath(store_url)
     runtime_env: dict[str, Any] = {"py_modules": [str(Path(nsa_dist.__file__).parent)]}
@@ -51,9 +53,10 @@ def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str 
         shutil.copy(sweep_file, work / "sweep.yaml")
         if _SERVICES.is_dir():  # a source checkout: the services/ entry point
             shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
-            entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}"
+            entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}{limit}"
         else:  # an installed package: the same command without the wrapper
-            entry = f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain --store {shlex.quote(store_url)}"
+            entry = (f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain "
+                     f"--store {shlex.quote(store_url)}{limit}")
         runtime_env["working_dir"] = str(work)
         client = job_client(address)
         deadline = time.time() + 90

@@ -17,6 +17,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import spectrum_preservation
+from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
@@ -132,7 +133,12 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     naming it) or waited for (``wait`` seconds, None: for ever).  Finished steps are skipped,
     training restarts from the last stored checkpoint, a diverging run is marked failed (with
     the step and the reason) keeping every earlier step.
+
+    Raises:
+        ResourceError: the run's estimated memory exceeds this machine (:func:`check_fits`),
+            refused before its data is loaded or its model built.
     """
+    check_fits(spec)  # before the data is loaded or the model built
     with store.lease([run_id(spec)], wait=wait):
         return _run_leased(spec, store, on_step, on_update, on_prepared)
 
