@@ -3,11 +3,12 @@
 Only this package touches Zarr; everything else reads and writes through it.
 """
 
+from nsa_dist.store.faults import describe_fault
 from nsa_dist.store.lease import Lease, LeaseHeld, LeaseInfo, effective_status
 from nsa_dist.store.reader import Damage, RunReader, mark_damaged, verify_store
 from nsa_dist.store.schema import PHIS, SCHEMA_VERSION, RunDims, StepRecord, run_arrays, step_specs
 from nsa_dist.store.zarr_store import RunWriter, SpectrumStore, Status, open_zarr_group
 
 __all__ = ["PHIS", "SCHEMA_VERSION", "Damage", "Lease", "LeaseHeld", "LeaseInfo", "RunDims", "RunReader", "RunWriter",
-           "SpectrumStore", "Status", "StepRecord", "effective_status", "mark_damaged", "open_zarr_group",
-           "run_arrays", "step_specs", "verify_store"]
+           "SpectrumStore", "Status", "StepRecord", "describe_fault", "effective_status", "mark_damaged",
+           "open_zarr_group", "run_arrays", "step_specs", "verify_store"]
