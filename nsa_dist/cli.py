@@ -5,18 +5,20 @@
     nsa show RUN [--store PATH]          one run's status and headline measurements
     nsa plot RUN --out DIR               the NSA paper's figures as PNGs (--step, --pair, --k)
     nsa plot --sweep NAME --out DIR      Fig. 7a–c across a sweep's runs (--scalar Q --x FIELD [--line FIELD])
-    nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster)
+    nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster); --max-runs N
     nsa submit SWEEP.yaml --address http://HEAD:8265 --store URL     as a Ray Job
     nsa status [JOB] / nsa logs JOB / nsa cancel JOB                   (--address, $RAY_ADDRESS)
     nsa status --store PATH              the runs' status (running only while a writer is alive)
     nsa verify [STORE] [--mark]          list damaged steps; --mark: forget them so a re-run recomputes them
 The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
+Every failure is one line on stderr (`_one_line`); --debug or NSA_DEBUG=1 adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,9 +45,29 @@ def _wait_seconds(value: float) -> float | None:
     return None if value < 0 else value
 
 
+def _with_parents(common: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    """An ArgumentParser class whose instances all inherit ``common``'s arguments."""
+
+    class Parser(argparse.ArgumentParser):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, parents=[common], **kw)
+
+    return Parser
+
+
+def _max_runs_arg(p: argparse.ArgumentParser) -> None:
+    from nsa_dist.config import MAX_SWEEP_RUNS
+
+    p.add_argument("--max-runs", type=int, default=None, metavar="N",
+                   help=f"accept a sweep of up to N runs (default {MAX_SWEEP_RUNS}; counted before expanding the grid)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nsa", description="Measure NTK spectra during training (nsa-dist).")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--debug", action="store_true", help="show the traceback of a failure (also NSA_DEBUG=1)")
+    common = argparse.ArgumentParser(add_help=False)  # the same flag after the command (`nsa run X --debug`)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_with_parents(common))
     r = sub.add_parser("run", help="train one experiment and record its spectra")
     r.add_argument("spec", type=Path)
     _store_arg(r)
@@ -76,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--address", default=None, help="Ray address to join (default: start an embedded local Ray)")
     sw.add_argument("--plain", action="store_true", help="log lines instead of a live table")
     _wait_arg(sw)
+    _max_runs_arg(sw)
     sm = sub.add_parser("submit", help="submit a sweep to a Ray cluster as a Ray Job")
     sm.add_argument("sweep", type=Path)
     sm.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), required=not os.environ.get("RAY_ADDRESS"),
@@ -83,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     _store_arg(sm)
     sm.add_argument("--job-id", default=None)
     sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
+    _max_runs_arg(sm)
     for name, hlp in (("status", "job status (all jobs without JOB), or the runs of --store"), ("logs", "a job's logs"),
                       ("cancel", "stop a job")):
         q = sub.add_parser(name, help=hlp)
@@ -98,31 +122,119 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from nsa_dist.errors import NSAError
-    from nsa_dist.specfile import SpecError
+    """Run one ``nsa`` command; every failure ends as one line on stderr (``--debug``: and its traceback).
 
+    Returns:
+        0 on success, 1 when a run failed or an unexpected error occurred, 2 on a refused input
+        or an outside failure, 130 on Ctrl-C and 143 on SIGTERM (both leave resumable runs).
+    """
+    args = _parser().parse_args(argv)
+    saved_debug = os.environ.get("NSA_DEBUG")
+    debug = args.debug or bool(saved_debug)
+    if debug:
+        os.environ["NSA_DEBUG"] = "1"  # also for a submitted job's environment
+    handler = _catch_sigterm()
+    _SIGTERM_SEEN.clear()
     try:
         return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot, "sweep": _cmd_sweep,
                 "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel,
                 "verify": _cmd_verify}[args.cmd](args)
-    except (SpecError, NSAError, FileNotFoundError, KeyError, ValueError, ConnectionError) as exc:
-        if os.environ.get("NSA_DEBUG"):
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every failure is reported here, once
+        line, rc = _one_line(exc, args)
+        if debug:
             import traceback
 
             traceback.print_exc()
-        print(f"nsa {args.cmd}: error: {exc}", file=sys.stderr)
-        return 2
+        elif argv is None:  # the process's own command: a failed store leaves coroutines and tasks that
+            _quiet_at_exit()  # complain when collected at exit — not news after this line
+        print(f"nsa {args.cmd}: {line}", file=sys.stderr, flush=True)
+        return rc
+    finally:
+        if handler is not _NOT_INSTALLED:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
+        if saved_debug is None:
+            os.environ.pop("NSA_DEBUG", None)
+
+
+def _quiet_at_exit() -> None:
+    """Silence what the interpreter reports while collecting a failed store's leftovers at exit:
+    "Exception ignored in <coroutine …>" (sys.unraisablehook) and asyncio's "Task was destroyed
+    but it is pending!" (the "asyncio" logger)."""
+    import logging
+
+    sys.unraisablehook = lambda unraisable: None
+    logging.getLogger("asyncio").disabled = True
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt: the same clean-up runs
+    (a run is marked interrupted, Ray is shut down) and the command exits with 143."""
+
+
+_SIGTERM_SEEN: list[int] = []  # Ray re-raises a KeyboardInterrupt subclass as a plain one: remember the signal
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    _SIGTERM_SEEN.append(signum)
+    raise Terminated()
+
+
+_NOT_INSTALLED = object()
+
+
+def _catch_sigterm() -> object:
+    """Install the SIGTERM → :class:`Terminated` handler; the previous handler (``_NOT_INSTALLED``
+    outside the main thread, where Python cannot install one)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _NOT_INSTALLED
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def _one_line(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
+    """The one place that turns a failure into a line and an exit status.
+
+    Outside failures first (a store's endpoint, keys, bucket or disk, named with the store URL
+    and the endpoint), then nsa-dist's own refusals and the builtin errors of bad input, then
+    anything else as an unexpected error pointing to ``--debug``.
+    """
+    from nsa_dist.errors import NSAError
+    from nsa_dist.specfile import SpecError
+    from nsa_dist.store import describe_fault
+
+    if isinstance(exc, Terminated) or (isinstance(exc, KeyboardInterrupt) and _SIGTERM_SEEN):
+        return "terminated (SIGTERM); re-run the same command to resume", 143
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C); re-run the same command to resume", 130
+    store = getattr(args, "store", None)
+    fault = describe_fault(exc, store) if isinstance(store, str) else None
+    if fault:
+        return f"error: {fault}", 2
+    if isinstance(exc, SpecError):
+        return f"error: {exc}", 2  # one line per problem in the file
+    if isinstance(exc, (NSAError, OSError, KeyError, ValueError)):
+        return f"error: {_flat(str(exc))}", 2
+    return (f"error: {type(exc).__name__}: {_flat(str(exc))} (unexpected; --debug or NSA_DEBUG=1 shows the "
+            "traceback)"), 1
+
+
+def _flat(text: str, limit: int = 2000) -> str:
+    """A message on one line, at most ``limit`` characters."""
+    line = "; ".join(part.strip() for part in text.splitlines() if part.strip())
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------- run
 def _cmd_run(args: argparse.Namespace) -> int:
     from nsa_dist.pipeline import run_experiment, run_id
+    from nsa_dist.pipeline.budget import check_fits
     from nsa_dist.specfile import check_data, load_spec
     from nsa_dist.store import SpectrumStore, Status
 
     spec = load_spec(args.spec)
     check_data([spec], args.spec)  # a missing data file is said now, not after the store and the model
+    check_fits(spec)  # before the store is touched
     store = SpectrumStore(args.store)
     rid = run_id(spec)
     fancy = sys.stderr.isatty() and not args.plain
@@ -324,10 +436,14 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- Ray
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import SweepCoordinator, connect
+    from nsa_dist.pipeline.budget import check_fits
     from nsa_dist.specfile import check_data, load_sweep
 
-    sweep = load_sweep(args.sweep)
-    check_data(sweep.expand(), args.sweep)  # before Ray starts (≈ 9 s for the embedded one)
+    sweep = load_sweep(args.sweep, max_runs=args.max_runs)
+    specs = sweep.expand()
+    check_data(specs, args.sweep)  # before Ray starts (≈ 9 s for the embedded one)
+    for spec in specs:  # before Ray starts or the store is touched
+        check_fits(spec)
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
     coordinator = SweepCoordinator(sweep, args.store, on_event=table.update, wait=_wait_seconds(args.wait))
     try:  # the embedded Ray holds every actor at once, step gangs included (threads are set per actor)
@@ -393,7 +509,7 @@ class _SweepTable:
 def _cmd_submit(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import jobs
 
-    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id)
+    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id, max_runs=args.max_runs)
     print(f"submitted job {job} to {args.address}")
     if args.wait:
         return _wait_job(args.address, job)
@@ -417,11 +533,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return _store_status(args.store)
     from nsa_dist.cluster import jobs
 
-    try:
-        found = jobs.status(args.address, args.job)
-    except ConnectionError:
-        raise ConnectionError(f"no Ray cluster answers at {args.address} (start one, or pass --address / "
-                              "$RAY_ADDRESS; `nsa status --store PATH` shows a store's runs without a cluster)") from None
+    found = jobs.status(args.address, args.job)
     for j in found:
         print(f"{j['id']}  {j['status']:<10} {j['entrypoint']}  {j['message']}")
     return 0

@@ -6,10 +6,12 @@ here.  A validation error names the field, the value given and what is allowed.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_validator)
 
 __all__ = ["Activation", "Init", "ModelSpec", "FactoryModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
            "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "Layout", "SpectrumSpec", "HessianSpec", "ExperimentSpec", "ClusterSpec",
@@ -56,7 +58,8 @@ class ModelSpec(_Strict):
 
     input_dim: int = Field(2, ge=1, description="d, the input dimension")
     output_dim: int = Field(1, ge=1, description="K, the number of outputs")
-    depth: int = Field(6, ge=1, description="number of Linear layers")
+    depth: int = Field(6, ge=1, le=10_000, description="number of Linear layers (each ~4 KB of Python objects "
+                       "and a sequential step of every pass: 10,000 at most)")
     width: int = Field(256, ge=1, description="hidden-layer width")
     activation: Activation = Activation.LEAKY_RELU
     negative_slope: float = Field(0.01, ge=0.0, lt=1.0, description="leaky_relu slope for z < 0")
@@ -258,6 +261,9 @@ class ScheduleSpec(_Strict):
         return self.lr * (self.decay ** (step // self.every) if self.every else 1.0)
 
 
+MAX_RECORDED_STEPS = 1_000_000  # recorded steps of one run: each is an eigendecomposition and a chunk per array
+
+
 class RecordSpec(_Strict):
     """Which steps are analysed: exactly one of ``every``, ``log_points``, ``steps``.
 
@@ -278,12 +284,36 @@ class RecordSpec(_Strict):
             raise ValueError(f"record.steps must be a non-empty list of steps >= 0, got {self.steps}")
         return self
 
-    def schedule(self, total: int) -> list[int]:
-        """The sorted recorded steps in [0, total − 1] for a run of ``total`` updates."""
-        last = total - 1
+    def count(self, total: int) -> int:
+        """How many steps :meth:`schedule` records for ``total`` updates, by arithmetic (nothing built).
+
+        An upper bound for ``log_points`` (rounding may merge early points) and ``steps``.
+        """
         if self.every is not None:
-            s = set(range(0, total, self.every))
-        elif self.log_points is not None:
+            n = -(-total // self.every)  # ⌈total / every⌉ multiples of every in [0, total − 1]
+            return n + ((total - 1) % self.every != 0)  # and the last step when it is not one
+        if self.log_points is not None:
+            return self.log_points + 1  # the points and step 0 (geomspace builds all of them)
+        return len(self.steps) + 2
+
+    def schedule(self, total: int) -> list[int]:
+        """The sorted recorded steps in [0, total − 1] for a run of ``total`` updates.
+
+        Raises:
+            ValueError: more than ``MAX_RECORDED_STEPS`` steps would be recorded (checked by
+                :meth:`count` before any list is built), or ``record.steps`` past the last step.
+        """
+        last = total - 1
+        n = self.count(total)
+        if n > MAX_RECORDED_STEPS:
+            which = (f"record.every={self.every}" if self.every is not None else
+                     f"record.log_points={self.log_points}" if self.log_points is not None else "record.steps")
+            raise ValueError(f"{which} with steps={total} records {n:,} steps, more than {MAX_RECORDED_STEPS:,} "
+                             "(each is a full spectral analysis); record fewer steps")
+        if self.every is not None:
+            s = list(range(0, total, self.every))
+            return s if s[-1] == last else s + [last]
+        if self.log_points is not None:
             import numpy as np
 
             s = {int(round(v)) for v in np.geomspace(1, total, self.log_points) - 1}
@@ -418,7 +448,7 @@ class ExperimentSpec(_Strict):
     """
 
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", max_length=200)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63, description="seeds the data draw, the initialisation and the probes")
     data: DataSpec = Field(default_factory=DataSpec)
     model: Annotated[Annotated[ModelSpec, Tag("fc")] | Annotated[FactoryModelSpec, Tag("factory")],
                      Discriminator(_model_kind)] = Field(default_factory=ModelSpec)
@@ -532,6 +562,9 @@ class ClusterSpec(_Strict):
                              "and restarts of a run's trainer, before the run is marked failed")
 
 
+MAX_SWEEP_RUNS = 1000  # runs of one sweep unless raised explicitly (validation context "max_runs")
+
+
 class SweepSpec(_Strict):
     """A base experiment and the variations of it to run.
 
@@ -539,7 +572,9 @@ class SweepSpec(_Strict):
     their Cartesian product (e.g. ``{"model.depth": [2, 4, 6, 8], "model.width": [64, 256, 1024]}``,
     NSA Fig. 7).  ``variants`` adds explicit runs, each a dict of dotted paths → values applied to
     every grid point (or to the base when the grid is empty).  Each resulting run is named
-    ``<name>__<field>-<value>__…`` and gets the stable id of its spec.
+    ``<name>__<field>-<value>__…`` and gets the stable id of its spec.  A sweep of more than
+    ``MAX_SWEEP_RUNS`` runs (counted before anything is expanded) is refused unless validated
+    with a higher ``context={"max_runs": N}`` (``nsa sweep --max-runs N``).
     """
 
     name: str = Field("sweep", pattern=r"^[A-Za-z0-9_.-]+$", max_length=60)
@@ -549,12 +584,24 @@ class SweepSpec(_Strict):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
 
     @model_validator(mode="after")
-    def _valid(self) -> "SweepSpec":
+    def _valid(self, info: ValidationInfo) -> "SweepSpec":
         for path, values in self.grid.items():
             if not values:
                 raise ValueError(f"grid.{path} is an empty list; give at least one value")
+        limit = int((info.context or {}).get("max_runs") or MAX_SWEEP_RUNS)
+        if self.size > limit:
+            sizes = " × ".join(f"{len(v)} {k}" for k, v in self.grid.items())
+            raise ValueError(f"the sweep has {self.size:,} runs ({sizes or 'no grid'}"
+                             f"{f' × {len(self.variants)} variants' if self.variants else ''}), more than the limit "
+                             f"{limit:,}; shrink the grid, or raise the limit explicitly (nsa sweep / nsa submit "
+                             "--max-runs N)")
         self.expand()  # every run must be a valid ExperimentSpec
         return self
+
+    @property
+    def size(self) -> int:
+        """The number of runs before duplicates are dropped: ∏ |grid values| · max(1, |variants|), by arithmetic."""
+        return math.prod(len(v) for v in self.grid.values()) * max(1, len(self.variants))
 
     def expand(self) -> list[ExperimentSpec]:
         """The sweep's runs, in a stable order (grid in the order given, then variants)."""

@@ -8,7 +8,7 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 from __future__ import annotations
 
 __all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError", "ModelFactoryError",
-           "StoreError", "ModelForwardError", "AnalysisError"]
+           "StoreError", "ModelForwardError", "AnalysisError", "ResourceError", "OutsideError"]
 
 
 class NSAError(Exception):
@@ -33,6 +33,16 @@ class MissingDependencyError(NSAError, ImportError):
 
 class StoreError(NSAError, ValueError):
     """A spectrum store is missing, corrupt, or does not match the run being written."""
+
+
+class ResourceError(NSAError, ValueError):
+    """A run, a sweep or an input would need more memory (or more of anything) than allowed:
+    refused from its sizes before anything is allocated."""
+
+
+class OutsideError(NSAError, OSError):
+    """Something outside the process failed (a store's endpoint or disk, a cluster's address):
+    the message names what was reached and what answered."""
 
 
 class ModelFactoryError(NSAError, ImportError):

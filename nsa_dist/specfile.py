@@ -1,7 +1,13 @@
-"""Reading an experiment spec from YAML, with errors that name the file, the field and the value."""
+"""Reading an experiment spec from YAML, with errors that name the file, the field and the value.
+
+A spec file is small: one over ``MAX_SPEC_BYTES`` is refused unread, and one whose YAML aliases
+expand to more than ``MAX_SPEC_NODES`` values ("billion laughs") is refused before validation.
+Error messages are bounded too (``MAX_ERRORS`` problems, each value shown shortened).
+"""
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,34 +22,69 @@ if TYPE_CHECKING:
 
 __all__ = ["SpecError", "load_spec", "load_sweep", "format_validation_error", "check_data"]
 
+MAX_SPEC_BYTES = 16 << 20  # a spec or sweep file larger than this is refused unread
+MAX_SPEC_NODES = 1_000_000  # values of a spec once its YAML aliases are expanded
+MAX_ERRORS = 20  # validation problems listed (then "… and N more")
+_SHORT = reprlib.Repr()  # how a rejected value is shown: a few levels and items, long strings cut
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 2, 4, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
+
 
 class SpecError(ValueError):
     """A spec file is missing, not YAML, or not a valid experiment spec."""
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field.path: message (got value)``."""
-    lines = []
-    for e in exc.errors():
+    """One line per problem: ``field.path: message (got value)``, at most ``MAX_ERRORS`` of them,
+    each value shortened (a huge input never becomes a huge message)."""
+    lines, errors = [], exc.errors()
+    for e in errors[:MAX_ERRORS]:
         loc = tuple(e["loc"])
         if len(loc) > 1 and loc[0] == "model" and loc[1] in ("fc", "factory"):
             loc = loc[:1] + loc[2:]  # drop the tag of the model block's union (a net or a factory)
         where = ".".join(str(p) for p in loc) or "(spec)"
-        msg = e["msg"].removeprefix("Value error, ")
+        msg = _clip(e["msg"].removeprefix("Value error, "), 1000)
         got = e.get("input")
-        got = "" if isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  {where}: {msg}{got}")
+        got = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)})"
+        lines.append(f"  {_clip(where, 200)}: {msg}{got}")
+    if len(errors) > MAX_ERRORS:
+        lines.append(f"  … and {len(errors) - MAX_ERRORS} more problems")
     return "\n".join(lines)
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def _check_expanded_size(obj: object, path: Path) -> None:
+    """Count the values of ``obj`` with every shared (aliased) node counted at each use; refuse
+    past ``MAX_SPEC_NODES``.  Iterative, so deep nesting and cyclic aliases cannot hang or recurse."""
+    stack, n = [obj], 0
+    while stack:
+        x = stack.pop()
+        n += 1
+        if n > MAX_SPEC_NODES:
+            raise SpecError(f"{path}: the YAML expands to more than {MAX_SPEC_NODES:,} values (nested aliases "
+                            "'&a' / '*a'?); a spec file lists its values")
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
 
 
 def _read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"spec file {str(p)!r} does not exist")
+    if p.stat().st_size > MAX_SPEC_BYTES:
+        raise SpecError(f"{p}: {p.stat().st_size:,} bytes, more than a spec file's {MAX_SPEC_BYTES:,}; "
+                        "is it the right file?")
     try:
         raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML ({exc})") from exc
+        raise SpecError(f"{p}: not valid YAML ({_clip(str(exc), 500)})") from exc
+    _check_expanded_size(raw, p)
     if not isinstance(raw, dict):
         raise SpecError(f"{p}: expected a mapping of spec fields at the top level, got {type(raw).__name__}")
     return raw
@@ -62,17 +103,22 @@ def load_spec(path: str | Path) -> ExperimentSpec:
         raise SpecError(f"{path}: invalid experiment spec\n{format_validation_error(exc)}") from exc
 
 
-def load_sweep(path: str | Path) -> SweepSpec:
+def load_sweep(path: str | Path, max_runs: int | None = None) -> SweepSpec:
     """A :class:`SweepSpec` from YAML; a plain experiment file becomes a one-run sweep.
 
+    Args:
+        path: the YAML file.
+        max_runs: the most runs accepted (default ``config.MAX_SWEEP_RUNS``); the grid's size is
+            counted before it is expanded.
+
     Raises:
-        SpecError: missing file, bad YAML, or an invalid sweep / run spec.
+        SpecError: missing file, bad YAML, too many runs, or an invalid sweep / run spec.
     """
     raw = _read_yaml(path)
     if not {"base", "grid", "variants", "cluster"} & set(raw):
         raw = {"name": raw.get("name", "sweep"), "base": raw}
     try:
-        return SweepSpec.model_validate(raw)
+        return SweepSpec.model_validate(raw, context={"max_runs": max_runs})
     except ValidationError as exc:
         raise SpecError(f"{path}: invalid sweep spec\n{format_validation_error(exc)}") from exc
 

@@ -5,6 +5,7 @@ nodes meet only in S3.  Endpoint and keys come from the standard AWS_* variables
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -40,16 +41,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def s3_env():
-    """A moto S3 server on 127.0.0.1 (its own process) and the AWS_* variables that reach it."""
+@contextlib.contextmanager
+def moto_server(server_env: dict | None = None):
+    """A moto S3 server on 127.0.0.1 (its own process; ``server_env``: its extra environment, e.g.
+    ``INITIAL_NO_AUTH_ACTION_COUNT=0`` to check credentials); yields (the AWS_* variables that
+    reach it, the process)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(server_env or {})})
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
         deadline = time.time() + 60
         while True:
@@ -60,15 +61,26 @@ def s3_env():
                 if time.time() > deadline or proc.poll() is not None:
                     raise RuntimeError("the moto S3 server did not start")
                 time.sleep(0.2)
-        yield env
+        yield env, proc
     finally:
         proc.kill()
         proc.wait()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    """A moto S3 server on 127.0.0.1 (its own process) and the AWS_* variables that reach it."""
+    with moto_server() as (env, _):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _bucket(env: dict) -> str:

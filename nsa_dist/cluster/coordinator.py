@@ -25,6 +25,7 @@ from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_acto
 from nsa_dist.cluster.gang import RayGang, check_bundles_fit, gang_bundle
 from nsa_dist.cluster.runtime import cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, run_id, spec_json
+from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
 __all__ = ["SweepCoordinator", "RunProgress", "check_resources", "resource_demand"]
@@ -125,9 +126,11 @@ class SweepCoordinator:
                  on_event: Callable[[list[RunProgress]], None] | None = None, *, wait: float | None = 0.0) -> None:
         self.sweep, self.store_url, self.cl = sweep, store_url, sweep.cluster
         self.on_event = on_event or (lambda runs: None)
+        specs = sweep.expand()
+        for spec in specs:  # every run's memory estimate, before the store is touched or any model built
+            check_fits(spec)
         self.store = SpectrumStore(store_url)
         self.runs: dict[str, _Run] = {}
-        specs = sweep.expand()
         # this driver holds every run's writer lease (its workers write for it) until run() ends
         self.lease = self.store.lease(list(dict.fromkeys(run_id(s) for s in specs)), wait=wait).acquire()
         try:

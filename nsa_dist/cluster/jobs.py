@@ -8,41 +8,112 @@ nsa-dist's dependencies installed (the image in deploy/docker).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
 from nsa_dist.cluster.job_data import prepare_job_data
 from nsa_dist.cluster.runtime import auth_headers
+from nsa_dist.errors import OutsideError
 
-__all__ = ["submit", "status", "logs", "cancel", "job_client"]
+__all__ = ["submit", "status", "logs", "cancel", "job_client", "probe"]
 
 _SERVICES = Path(__file__).resolve().parents[2] / "services"
 
 
+PROBE_TIMEOUT = 5.0  # seconds a dashboard has to answer the unauthenticated probe
+
+
 def job_client(address: str) -> Any:
+    """A Ray Jobs client for ``address``, made only after :func:`probe` saw a Ray dashboard there;
+    the token (``RAY_AUTH_TOKEN``) goes only to a dashboard that said it wants one."""
+    mode = probe(address)
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address, headers=auth_headers())
+    return JobSubmissionClient(address, headers=auth_headers() if mode == "token" else None)
+
+
+def probe(address: str) -> str:
+    """Ask ``address``, without credentials, whether it is a Ray dashboard; its authentication mode.
+
+    ``GET /api/authentication_mode`` is public on a Ray dashboard and answers
+    ``{"authentication_mode": "token" | "disabled"}``; a dashboard without it must answer
+    ``GET /api/version`` with ``{"ray_version": …}`` (or refuse it as Ray's token check does).
+
+    Raises:
+        OutsideError: ``address`` is not an http(s) URL, nothing answers there, or what answers
+            is not a Ray dashboard — the line names the address and what answered.
+    """
+    if address.split("://", 1)[0] not in ("http", "https") or "://" not in address:
+        raise OutsideError(f"address {address!r} is not a Ray dashboard URL: nsa submit / status / logs / cancel "
+                           "talk to the dashboard over HTTP — give http://HOST:8265 (--address or $RAY_ADDRESS)")
+    base = address.rstrip("/")
+    status, server, body = _ask(base, "/api/authentication_mode")
+    found = _json(body) if status == 200 else None
+    if isinstance(found, dict) and "authentication_mode" in found:
+        return str(found["authentication_mode"])
+    v_status, v_server, v_body = _ask(base, "/api/version")
+    version = _json(v_body) if v_status == 200 else None
+    if isinstance(version, dict) and "ray_version" in version:
+        return "disabled"
+    if v_status in (401, 403) and v_body.startswith((b"Unauthorized", b"Forbidden")) and status == 404:
+        return "token"
+    what = f"HTTP {status}" + (f" from {server}" if server else "") + (f": {_snippet(body)}" if body else "")
+    raise OutsideError(f"{address} is not a Ray dashboard: GET /api/authentication_mode answered {what} (check "
+                       "--address / $RAY_ADDRESS: the dashboard listens on port 8265 of the head node)")
+
+
+def _ask(base: str, path: str) -> tuple[int, str, bytes]:
+    """(HTTP status, Server header, the first 64 KB of the body) of ``GET base+path``, no credentials."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(base + path, headers={"Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=PROBE_TIMEOUT) as r:
+            return r.status, r.headers.get("Server", ""), r.read(1 << 16)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Server", "") if exc.headers else "", exc.read(1 << 16)
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise OutsideError(f"no Ray cluster answers at {base} ({reason}); start one, or pass --address / "
+                           "$RAY_ADDRESS (`nsa status --store PATH` shows a store's runs without a cluster)") from None
+
+
+def _json(body: bytes) -> Any:
+    import json
+
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _snippet(body: bytes) -> str:
+    text = " ".join(body.decode("utf-8", "replace").split())
+    return repr(text[:80] + ("…" if len(text) > 80 else ""))
 
 
 def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str | None = None,
-           pip: list[str] | None = None) -> str:
+           pip: list[str] | None = None, max_runs: int | None = None) -> str:
     """Submit a sweep; returns the job id.  ``store_url`` must be reachable from every node.
 
     A local store path is made absolute (the job runs in a temporary directory of the cluster):
-    it only works when that path is shared storage, as on a one-machine cluster.
+    it only works when that path is shared storage, as on a one-machine cluster.  ``max_runs``
+    raises the sweep's run limit here and in the job.
     """
     import nsa_dist
     from nsa_dist.specfile import load_sweep
 
-    load_sweep(sweep_file)  # fail here, not on the cluster, on a bad file
+    load_sweep(sweep_file, max_runs=max_runs)  # fail here, not on the cluster, on a bad file
+    limit = f" --max-runs {int(max_runs)}" if max_runs else ""
     if "://" not in store_url:
         store_url = os.path.abspath(store_url)
     runtime_env: dict[str, Any] = {"py_modules": [str(Path(nsa_dist.__file__).parent)]}
@@ -56,34 +127,52 @@ def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str 
         (work / "sweep.yaml").write_text(yaml.safe_dump(prepare_job_data(sweep_file, work), sort_keys=False))
         if _SERVICES.is_dir():  # a source checkout: the services/ entry point
             shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
-            entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}"
+            entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}{limit}"
         else:  # an installed package: the same command without the wrapper
-            entry = f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain --store {shlex.quote(store_url)}"
+            entry = (f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain "
+                     f"--store {shlex.quote(store_url)}{limit}")
         runtime_env["working_dir"] = str(work)
-        client = job_client(address)
-        deadline = time.time() + 90
-        while True:  # a freshly started head has no job agent for a few seconds
-            try:
-                return client.submit_job(entrypoint=entry, runtime_env=runtime_env, submission_id=job_id)
-            except RuntimeError as exc:
-                if "No available agent" not in str(exc) or time.time() > deadline:
-                    raise
-                time.sleep(2)
+        with _answered(address):
+            client = job_client(address)
+            deadline = time.time() + 90
+            while True:  # a freshly started head has no job agent for a few seconds
+                try:
+                    return client.submit_job(entrypoint=entry, runtime_env=runtime_env, submission_id=job_id)
+                except RuntimeError as exc:
+                    if "No available agent" not in str(exc) or time.time() > deadline:
+                        raise
+                    time.sleep(2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def status(address: str, job_id: str | None = None) -> list[dict]:
     """One job's status, or every job's, as dicts (id, status, entrypoint, message)."""
-    client = job_client(address)
-    jobs = [client.get_job_info(job_id)] if job_id else client.list_jobs()
+    with _answered(address):
+        client = job_client(address)
+        jobs = [client.get_job_info(job_id)] if job_id else client.list_jobs()
     return [{"id": j.submission_id or j.job_id, "status": str(j.status.value if hasattr(j.status, "value") else j.status),
              "entrypoint": j.entrypoint, "message": j.message or ""} for j in jobs]
 
 
 def logs(address: str, job_id: str) -> str:
-    return job_client(address).get_job_logs(job_id)
+    with _answered(address):
+        return job_client(address).get_job_logs(job_id)
 
 
 def cancel(address: str, job_id: str) -> bool:
-    return bool(job_client(address).stop_job(job_id))
+    with _answered(address):
+        return bool(job_client(address).stop_job(job_id))
+
+
+@contextlib.contextmanager
+def _answered(address: str) -> Iterator[None]:
+    """What the dashboard answered (after :func:`probe`), as one OutsideError naming the address:
+    the Ray client raises RuntimeError("Request failed with status code …") and connection errors."""
+    try:
+        yield
+    except OutsideError:
+        raise
+    except (RuntimeError, OSError) as exc:
+        text = " ".join(str(exc).split())
+        raise OutsideError(f"the Ray dashboard at {address} answered: {text[:500]}") from exc

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from typing import Any
 
 import ray
@@ -19,8 +21,22 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, resource
 
     Token authentication (``RAY_AUTH_MODE=token``, default for local clusters from Ray 2.59) is
     left to Ray: a joined cluster reads ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` from the
-    environment.  Returns ``ray.cluster_resources()``.
+    environment.  A SIGTERM handler the caller installed (``nsa``: SIGTERM unwinds like Ctrl-C)
+    is put back after ``ray.init``, which replaces it: with Ray's handlers in place a SIGTERM of
+    the driver ended in a C++ stack dump ("SIGTERM received") and SIGABRT, rc 134, instead of
+    the caller's clean-up.  Returns ``ray.cluster_resources()``.
     """
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        _init(address, num_cpus, namespace)
+    finally:
+        if callable(handler):
+            signal.signal(signal.SIGTERM, handler)
+    return ray.cluster_resources()
+
+
+def _init(address: str | None, num_cpus: int | None, namespace: str) -> None:
     if not ray.is_initialized():
         kw: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
         if address in (None, "local"):
@@ -30,7 +46,6 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, resource
             ray.init(**kw)  # inside a Ray Job: the job manager's RAY_ADDRESS names the cluster
         else:
             ray.init(address=address, **kw)
-    return ray.cluster_resources()
 
 
 def cluster_has_gpus() -> bool:

@@ -6,15 +6,18 @@ expected layout when it does not match, so a wrong or truncated download fails l
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
+import math
 import pickle
 import struct
-from typing import Any
+import zlib
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
-from nsa_dist.data._paths import Location, exists, join, read_bytes, regular_file
+from nsa_dist.data._paths import Location, exists, file_size, join, open_binary, read_bytes, regular_file
 
 __all__ = ["find_file", "read_idx", "read_pickle_batch"]
 
@@ -42,15 +45,40 @@ def find_file(directory: Location, name: str) -> Location | None:
     return None
 
 
-def _read_bytes(path: Location) -> bytes:
-    """The file's bytes (local or an fsspec URL), gunzipped when the name ends in ``.gz``."""
-    raw = read_bytes(path)
-    if not str(path).endswith(".gz"):
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError) as exc:  # BadGzipFile is an OSError; a cut-off stream is EOFError
-        raise ValueError(f"{str(path)!r} is not a readable gzip file ({exc})") from exc
+_DEFLATE_MAX_RATIO = 1032  # deflate cannot inflate one byte to more than ~1032 (RFC 1951's longest match / 2 bits)
+_READ_CHUNK = 1 << 24
+
+
+def _gz(path: Location) -> bool:
+    return str(path).endswith(".gz")
+
+
+@contextlib.contextmanager
+def _open(path: Location) -> Iterator[BinaryIO]:
+    """The file (local or an fsspec URL) as a binary stream, gunzipped on the fly when the name ends in ``.gz``."""
+    with open_binary(path) as raw:
+        if _gz(path):
+            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                yield f
+        else:
+            yield raw
+
+
+def _read_exact(f: BinaryIO, path: Location, size: int, expected: str) -> np.ndarray:
+    """Exactly ``size`` bytes of ``f`` into a uint8 array of that size, read in chunks; then the
+    stream must end — nothing more is read than one byte past what the header announced."""
+    out = np.empty(size, dtype=np.uint8)  # (size,)
+    view, got = memoryview(out), 0
+    while got < size:
+        n = f.readinto(view[got:got + _READ_CHUNK])
+        if not n:
+            raise ValueError(f"{str(path)!r}: the header announces {size:,} data bytes, the file holds {got:,} "
+                             f"(truncated or not {expected})")
+        got += n
+    if f.read(1):
+        raise ValueError(f"{str(path)!r}: holds more than the {size:,} data bytes its header announces "
+                         f"(not {expected}); refused without reading the rest")
+    return out
 
 
 def read_idx(path: Location, magic: int) -> np.ndarray:
@@ -58,7 +86,9 @@ def read_idx(path: Location, magic: int) -> np.ndarray:
 
     Layout (LeCun's MNIST page): a big-endian uint32 magic number (2051 for images, 2049 for
     labels; its low byte is the number of dims), one big-endian uint32 per dim, then
-    ∏ dims bytes in C order.
+    ∏ dims bytes in C order.  The header is read first and the data checked against it while
+    streaming: a file (or a gzip stream) holding more or less than ∏ dims bytes is refused
+    without being read whole, and a gzip file too small to inflate to ∏ dims bytes before any.
 
     Args:
         path: the file (a local path or an fsspec URL), optionally gzipped (name ending in ``.gz``).
@@ -70,21 +100,38 @@ def read_idx(path: Location, magic: int) -> np.ndarray:
     Raises:
         ValueError: wrong magic number, or the byte count does not match the header.
     """
-    raw = _read_bytes(path)
     expected = f"an IDX file with magic number {magic} (0x{magic:08x}) and big-endian uint32 dims"
-    if len(raw) < 4 or struct.unpack(">I", raw[:4])[0] != magic:
-        got = struct.unpack(">I", raw[:4])[0] if len(raw) >= 4 else f"{len(raw)} bytes"
-        raise ValueError(f"{str(path)!r}: expected {expected}, got magic {got}")
     ndim = magic & 0xFF
-    head = 4 + 4 * ndim
-    if len(raw) < head:
-        raise ValueError(f"{str(path)!r}: truncated header, expected {expected}")
-    dims = struct.unpack(f">{ndim}I", raw[4:head])
-    size = int(np.prod(dims))
-    if len(raw) - head != size:
-        raise ValueError(f"{str(path)!r}: header dims {dims} need {size} data bytes, the file holds "
-                         f"{len(raw) - head} (truncated or not {expected})")
-    return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(dims)
+    try:
+        with _open(path) as f:
+            raw = f.read(4)
+            if len(raw) < 4 or struct.unpack(">I", raw)[0] != magic:
+                got = struct.unpack(">I", raw)[0] if len(raw) == 4 else f"{len(raw)} bytes"
+                raise ValueError(f"{str(path)!r}: expected {expected}, got magic {got}")
+            raw = f.read(4 * ndim)
+            if len(raw) < 4 * ndim:
+                raise ValueError(f"{str(path)!r}: truncated header, expected {expected}")
+            dims = struct.unpack(f">{ndim}I", raw)
+            size = math.prod(dims)
+            _check_claim(path, 4 + 4 * ndim, dims, size, expected)
+            data = _read_exact(f, path, size, expected)
+    except (OSError, EOFError, zlib.error) as exc:  # BadGzipFile is an OSError; a cut-off stream is EOFError
+        raise ValueError(f"{str(path)!r} is not a readable {'gzip ' if _gz(path) else ''}file "
+                         f"({exc})") from exc
+    return data.reshape(dims)
+
+
+def _check_claim(path: Location, head: int, dims: tuple[int, ...], size: int, expected: str) -> None:
+    """Refuse a header whose ∏ dims the file cannot hold, before reading any data: a plain file
+    must hold exactly that many bytes after the header, a gzip file at most 1032× its size."""
+    on_disk = file_size(path)
+    if not _gz(path):
+        if on_disk - head != size:
+            raise ValueError(f"{str(path)!r}: header dims {dims} need {size:,} data bytes, the file holds "
+                             f"{on_disk - head:,} (truncated or not {expected})")
+    elif size > _DEFLATE_MAX_RATIO * on_disk:
+        raise ValueError(f"{str(path)!r}: header dims {dims} need {size:,} data bytes, more than a "
+                         f"{on_disk:,}-byte gzip file can inflate to (truncated or not {expected})")
 
 
 class _BatchUnpickler(pickle.Unpickler):

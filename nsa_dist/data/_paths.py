@@ -119,6 +119,14 @@ def open_binary(path: Location) -> Iterator[IO[bytes]]:
             yield f
 
 
+def file_size(path: Location) -> int:
+    """The file's size in bytes (its stored, possibly compressed, size)."""
+    if is_url(path):
+        fs, p = url_to_fs(path, "data")
+        return int(fs.size(p))
+    return Path(path).stat().st_size
+
+
 def read_bytes(path: Location) -> bytes:
     """The whole file's bytes."""
     with open_binary(path) as f:

@@ -28,7 +28,7 @@ from nsa_dist.ntk.blocks import row_blocks
 from nsa_dist.ntk.shards import tile_plan
 
 __all__ = ["Pool", "LocalPool", "StepGram", "DenseGram", "TiledGram", "ShardedGram", "ShardedCurvature",
-           "LayoutChoice", "choose_layout", "gram_for_layout"]
+           "LayoutChoice", "choose_layout", "gram_for_layout", "layout_bytes", "layout_budget"]
 
 _keys = itertools.count()
 
@@ -228,15 +228,35 @@ def _machine_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def layout_bytes(spec: ExperimentSpec, N: int, feature_width: int) -> dict[Layout, float]:
+    """Per-worker bytes of an N-point Gram in each layout (the estimates :func:`choose_layout` weighs).
+
+    local ≈ 1.1·N²·(itemsize + 8) (G, and the float64 copy the solver works on), block_rows ≈
+    (B+1)/(2BW)·N²·itemsize + N·feature_width·itemsize (B = 4W blocks), matrix_free ≈
+    (N/W)·feature_width·itemsize; ``feature_width`` = Σ_l (n_in + 1 + K·n_out).
+    """
+    s = spec.spectrum
+    item = 8 if s.dtype == "float64" else 4
+    W, B = s.workers, 4 * s.workers
+    return {Layout.LOCAL: N * N * (item + 8) * 1.1,
+            Layout.BLOCK_ROWS: (B + 1) / (2 * B * W) * N * N * item + N * feature_width * item,
+            Layout.MATRIX_FREE: N / W * feature_width * item}
+
+
+def layout_budget(spec: ExperimentSpec) -> float:
+    """The per-worker bytes ``layout: auto`` fits into: ``memory_budget_gb``, else half this machine."""
+    gb = spec.spectrum.memory_budget_gb
+    return gb * 1e9 if gb else 0.5 * _machine_bytes()
+
+
 def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: bool = True,
                   coupled: str | None = None) -> LayoutChoice:
     """Resolve ``spectrum.layout`` for an N-point Gram; ``auto`` picks the first layout that fits.
 
-    Per-worker bytes: local ≈ N²·(itemsize + 8) (G, and the float64 copy the solver works on),
-    block_rows ≈ (B+1)/(2BW)·N²·itemsize + N·feature_width·itemsize (B = 4W blocks),
-    matrix_free ≈ (N/W)·feature_width·itemsize — against ``memory_budget_gb`` (default half this
-    machine's memory).  ``feature_width`` = Σ_l (n_in + 1 + K·n_out).  ``structured``: the model
-    is built of Linear layers only — ``block_rows`` tiles are assembled from their features.
+    Per-worker bytes (:func:`layout_bytes`) against ``memory_budget_gb`` (default half this
+    machine's memory, :func:`layout_budget`).  ``feature_width`` = Σ_l (n_in + 1 + K·n_out).
+    ``structured``: the model is built of Linear layers only — ``block_rows`` tiles are
+    assembled from their features.
 
     ``coupled``: why the model couples samples (None: it does not) — its kernel is that of the
     whole batch's forward, which no split of the points reproduces: only ``local``.
@@ -259,12 +279,10 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: 
                          "(Jacobian shards, any model) or 'local'")
     if layout is not Layout.AUTO:
         return LayoutChoice(layout, "set in the spec")
-    item = 8 if s.dtype == "float64" else 4
     W = s.workers
-    budget = (s.memory_budget_gb * 1e9) if s.memory_budget_gb else 0.5 * _machine_bytes()
-    local = N * N * (item + 8) * 1.1
-    B = 4 * W
-    tiles = (B + 1) / (2 * B * W) * N * N * item + N * feature_width * item
+    budget = layout_budget(spec)
+    need = layout_bytes(spec, N, feature_width)
+    local, tiles = need[Layout.LOCAL], need[Layout.BLOCK_ROWS]
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if s.k == "all":
         return LayoutChoice(Layout.LOCAL, "k: all needs the whole G")

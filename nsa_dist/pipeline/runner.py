@@ -17,6 +17,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import reconstruction_ks, spectrum_preservation
+from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size, write_constant_gram
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
@@ -144,7 +145,12 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
     the step and the reason) keeping every earlier step.  Every write is fenced by the lease: a
     writer whose lease another took over (it was paused longer than the lease's ttl) raises
     :class:`~nsa_dist.store.LeaseLost` without writing anything more.
+
+    Raises:
+        ResourceError: the run's estimated memory exceeds this machine (:func:`check_fits`),
+            refused before its data is loaded or its model built.
     """
+    check_fits(spec)  # before the data is loaded or the model built
     with store.lease([run_id(spec)], wait=wait) as lease:
         return _run_leased(spec, store, on_step, on_update, on_prepared, lease.token)
 

@@ -71,9 +71,24 @@ def open_zarr_group(url: str, mode: str) -> zarr.Group:
     try:
         return zarr.open_group(store=store, mode=mode)
     except FileNotFoundError as exc:
+        _check_bucket(store, url)  # a missing bucket or a wrong endpoint is not "no store"
         raise StoreError(f"no spectrum store at {url!r} (run `nsa run SPEC.yaml --store {url}` first)") from exc
     except _METADATA_ERRORS as exc:
         raise StoreError(f"{url}/zarr.json is unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_bucket(store: Any, url: str) -> None:
+    """For a remote store that was not found: list its bucket, so that a missing bucket or an
+    endpoint that is not the object store surfaces as the fsspec error it is (a StoreError
+    chained to it; ``store.faults.describe_fault`` names the cause)."""
+    fs = getattr(store, "fs", None)
+    if url.split("://", 1)[0] not in _EXTRAS or fs is None or not hasattr(fs, "_ls"):
+        return  # local paths and memory:// have no bucket
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    try:
+        sync(fs._ls(bucket, refresh=True))
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"cannot list the bucket of {url!r} ({type(exc).__name__}: {exc})") from exc
 
 
 def _collect(it: Any) -> list:

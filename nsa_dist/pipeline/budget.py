@@ -1,0 +1,106 @@
+"""What one worker of a run holds in memory, estimated from the spec alone (nothing is built).
+
+A run whose estimate exceeds this machine (or, with ``layout: auto``, the per-worker
+``spectrum.memory_budget_gb``) is refused in one line before its data is loaded or its model
+built: ``model.width: 10**9`` or ``data.n: 10**8`` must not be found out by the allocator.
+
+Parts (bytes, lower estimates — a run refused here would certainly not fit):
+
+* the Gram of the run's layout, per worker — :func:`~nsa_dist.pipeline.layout.layout_bytes`;
+* the top-k eigenvectors, N·k·8;
+* the data, N·d·16 (float64 as loaded, float32 copies in the trainer and the analyzer);
+* the parameters, P·4·(4 + slots) (trainer and analyzer copies, gradients, θ_t, optimizer slots);
+* the Hessian probes, P·8·(probes + lanczos_steps), when a ``hessian`` block is set;
+* the eigenvector images of 2-D data, nI·(R² + F²)·8.
+
+P and Σ_l (n_in + 1 + K·n_out) have closed forms for the fully-connected ``model`` block; a
+``model.factory`` network is known only once built, so its parameter terms are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nsa_dist.config import DataName, ExperimentSpec, Layout, ModelSpec, OptimizerName
+from nsa_dist.errors import ResourceError
+from nsa_dist.pipeline import layout as _layout
+
+__all__ = ["Footprint", "fc_sizes", "footprint", "check_fits"]
+
+
+def fc_sizes(m: ModelSpec) -> tuple[int, int]:
+    """(P, Σ_l (n_in + 1 + K·n_out)) of a fully-connected net, by arithmetic over its layer widths
+    d → w → … → w → K (``depth`` Linear layers, each with a bias)."""
+    d, w, K, L = m.input_dim, m.width, m.output_dim, m.depth
+    shapes = [(d, K, 1)] if L == 1 else [(d, w, 1), (w, w, L - 2), (w, K, 1)]  # (n_in, n_out, how many)
+    P = sum(c * (n_in + 1) * n_out for n_in, n_out, c in shapes)
+    width = sum(c * (n_in + 1 + K * n_out) for n_in, n_out, c in shapes)
+    return P, width
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A run's estimated bytes per worker, by part, in the layout it would use."""
+
+    layout: Layout
+    parts: dict[str, float]
+    P: int | None  # parameters (None: a factory model, unknown before it is built)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        """``G 12.3 GB, eigenvectors 0.1 GB, …`` — the parts over 1 MB, largest first."""
+        big = sorted(((v, k) for k, v in self.parts.items() if v >= 1e6), reverse=True)
+        return ", ".join(f"{k} {_gb(v)}" for v, k in big) or "under 1 MB"
+
+
+def footprint(spec: ExperimentSpec) -> Footprint:
+    """The estimate of one worker's bytes for ``spec`` (see the module docstring)."""
+    N, s = spec.data.n, spec.spectrum
+    P, width = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (None, 0)
+    lay = _layout.choose_layout(spec, N, width).layout
+    k = N if s.k == "all" else min(int(s.k), N)
+    parts = {f"G ({lay.value} layout)": _layout.layout_bytes(spec, N, width)[lay], "eigenvectors": 8.0 * N * k,
+             "data": 16.0 * N * spec.data.input_dim}
+    if P is not None:
+        slots = {OptimizerName.ADAM: 2, OptimizerName.SGD: 1}.get(OptimizerName(spec.optimizer.name), 0)
+        parts[f"parameters (P = {P:,})"] = 4.0 * P * (4 + slots)
+        if spec.hessian is not None:
+            parts["Hessian probes"] = 8.0 * P * (spec.hessian.probes + spec.hessian.lanczos_steps)
+    if DataName(spec.data.name) in (DataName.IMAGE2D, DataName.DENSITY2D):
+        parts["eigenvector images"] = 8.0 * len(s.images) * (s.image_size ** 2 + s.fourier_size ** 2)
+    return Footprint(lay, parts, P)
+
+
+def check_fits(spec: ExperimentSpec) -> Footprint:
+    """Refuse a run that cannot fit before anything of it is allocated; its :class:`Footprint` otherwise.
+
+    Raises:
+        ResourceError: the estimate exceeds this machine's memory, or (``layout: auto`` with
+            ``memory_budget_gb``) the Gram exceeds the per-worker budget in every layout.
+    """
+    fp = footprint(spec)
+    machine = _layout._machine_bytes()
+    if fp.total > machine:
+        largest = max(fp.parts, key=fp.parts.get).split(" ")[0]
+        raise ResourceError(f"run {spec.name!r} needs ~{_gb(fp.total)} on one worker ({fp.describe()}), more than "
+                            f"this machine's {_gb(machine)}; {_FIX[largest]}")
+    budget = spec.spectrum.memory_budget_gb
+    G = next(v for key, v in fp.parts.items() if key.startswith("G "))
+    if Layout(spec.spectrum.layout) is Layout.AUTO and budget and G > budget * 1e9:
+        raise ResourceError(f"run {spec.name!r}: its Gram needs ~{_gb(G)} per worker even as {fp.layout.value}, more "
+                            f"than spectrum.memory_budget_gb={budget:g}; lower data.n, or raise spectrum.workers "
+                            "or the budget")
+    return fp
+
+
+_FIX = {"G": "lower data.n, or use spectrum.layout 'matrix_free' (or 'auto') with more spectrum.workers",
+        "eigenvectors": "lower spectrum.k", "data": "lower data.n", "parameters": "lower model.width / model.depth",
+        "Hessian": "lower hessian.probes / hessian.lanczos_steps",
+        "eigenvector": "lower spectrum.image_size / spectrum.fourier_size"}
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.3g} GB"

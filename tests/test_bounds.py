@@ -1,0 +1,214 @@
+"""Bounds before allocation (issue 18, item 3): absurd specs and inputs are refused from their sizes.
+
+The absurd cases run through ``nsa`` in one child process that reports its peak resident memory
+after each case: every one must be refused with a short message naming its cause, and the
+process must never have held more than ``PEAK_MB`` (before, these reached 4.5–5.3 GB or a
+358 MB message).  The child's address space is capped so a regression fails instead of
+swapping the machine.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from nsa_dist.config import MAX_RECORDED_STEPS, ExperimentSpec, ModelSpec, RecordSpec, SweepSpec
+from nsa_dist.data._formats import IDX_IMAGES, read_idx
+from nsa_dist.errors import ResourceError
+from nsa_dist.models import build_model
+from nsa_dist.pipeline.budget import check_fits, fc_sizes, footprint
+from nsa_dist.pipeline.spectral import _feature_width
+from nsa_dist.specfile import SpecError, load_spec, load_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK_MB = 1024  # what a refused spec may cost the process, torch and all (~300 MB here)
+TINY = {"data": {"n": 16}, "model": {"depth": 2, "width": 8}, "steps": 4, "record": {"every": 2},
+        "spectrum": {"k": 4, "images": []}}
+
+CHILD = r"""
+import contextlib, io, json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # a regression fails here, not in the machine's swap
+from nsa_dist.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(argv)
+    except BaseException as exc:  # what escaped nsa's handler (e.g. MemoryError)
+        rc = f"raised {type(exc).__name__}"
+    out.append({"rc": rc, "err": err.getvalue()[-20000:], "chars": len(err.getvalue()),
+                "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+print(json.dumps(out))
+"""
+
+
+def _write(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _laughs(levels: int) -> str:
+    """A YAML 'billion laughs': each level a list of nine aliases of the level below (9**levels values)."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines)
+
+
+def _idx_bomb(d: Path) -> None:
+    """MNIST files whose images header announces 10 images while the gzip stream inflates to 2 GiB:
+    128 gzip members of 16 MiB of zeros each (a gzip reader reads every member), ~2 MB on disk."""
+    zeros = gzip.compress(bytes(16 << 20), compresslevel=9)
+    with open(d / "train-images-idx3-ubyte.gz", "wb") as f:
+        f.write(gzip.compress(struct.pack(">IIII", IDX_IMAGES, 10, 28, 28) + bytes(10 * 28 * 28)))
+        for _ in range(128):
+            f.write(zeros)
+    with gzip.open(d / "train-labels-idx1-ubyte.gz", "wb") as f:
+        f.write(struct.pack(">II", 2049, 10) + bytes(range(10)))
+
+
+def test_absurd_specs_and_inputs_are_refused_at_bounded_memory(tmp_path):
+    mnist = tmp_path / "mnist"
+    mnist.mkdir()
+    _idx_bomb(mnist)
+    assert (mnist / "train-images-idx3-ubyte.gz").stat().st_size < 4 << 20
+    big = "\n".join([_laughs(5), "steps: *l4"])  # 9**5 values: under the alias bound, an invalid steps (and l0..l4)
+    cases = {  # name: (argv, what the message must say)
+        "record": (["run", str(_write(tmp_path / "record.yaml", {**TINY, "steps": 10**12, "record": {"every": 10}}))],
+                   "record.every=10 with steps=1000000000000 records 100,000,000,001 steps"),
+        "depth": (["run", str(_write(tmp_path / "depth.yaml", {**TINY, "model": {"depth": 10**6, "width": 8}}))],
+                  "model.depth"),
+        "width": (["run", str(_write(tmp_path / "width.yaml", {**TINY, "model": {"depth": 3, "width": 10**7}}))],
+                  "parameters (P = 100,000,"),
+        "gram": (["run", str(_write(tmp_path / "gram.yaml", {**TINY, "data": {"n": 10**7}}))], "G (local layout)"),
+        "seed": (["run", str(_write(tmp_path / "seed.yaml", {**TINY, "seed": 10**30}))], "seed: Input should be less"),
+        "laughs": (["run", str(_write_text(tmp_path / "laughs.yaml", _laughs(9) + "\nsteps: *l8"))],
+                   "expands to more than 1,000,000 values"),
+        "message": (["run", str(_write_text(tmp_path / "message.yaml", big))], "steps: Input should be a valid integer"),
+        "grid": (["sweep", str(_write(tmp_path / "grid.yaml", {"name": "huge", "base": TINY, "grid": {
+            "seed": list(range(10)), "model.width": list(range(1, 11)), "model.depth": list(range(2, 12)),
+            "schedule.lr": [0.1 * i for i in range(1, 11)], "steps": list(range(10, 20)),
+            "data.n": list(range(20, 30))}})), "--plain"], "the sweep has 1,000,000 runs"),
+        "idx": (["run", str(_write(tmp_path / "idx.yaml", {**TINY, "data": {"name": "mnist", "path": str(mnist),
+                                                                            "n": 5}}))],
+                "holds more than the 7,840 data bytes its header announces"),
+    }
+    argv = [[*a, "--store", str(tmp_path / f"{name}.zarr")] for name, (a, _) in cases.items()]
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = dict(zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])))
+    for name, (_, want) in cases.items():
+        r = results[name]
+        assert r["rc"] == 2 and want in r["err"], (name, r)
+        lines = r["err"].strip().splitlines()  # a spec file's problems: a header and one line each
+        assert r["chars"] < 3000 and len(lines) <= (8 if name == "message" else 2), (name, r["chars"], lines[:20])
+        assert r["peak_mb"] < PEAK_MB, f"{name}: peak {r['peak_mb']:.0f} MB (≥ {PEAK_MB} MB) before refusing"
+        assert not (tmp_path / f"{name}.zarr").exists() or name == "idx", f"{name}: a store was created"
+
+
+def _write_text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# --------------------------------------------------------------------------- the recording schedule
+
+
+def test_schedule_is_counted_by_arithmetic_and_matches_its_list():
+    rng = np.random.default_rng(0)
+    for total, every in zip(rng.integers(1, 500, 300), rng.integers(1, 60, 300)):
+        r = RecordSpec(every=int(every))
+        want = sorted(set(range(0, int(total), int(every))) | {0, int(total) - 1})
+        assert r.schedule(int(total)) == want and r.count(int(total)) == len(want), (total, every)
+    for total, points in zip(rng.integers(1, 10**6, 50), rng.integers(2, 50, 50)):
+        r = RecordSpec(log_points=int(points))
+        assert len(r.schedule(int(total))) <= r.count(int(total))
+    assert RecordSpec(every=1).count(MAX_RECORDED_STEPS) == MAX_RECORDED_STEPS  # the bound itself is accepted
+    with pytest.raises(ValueError, match=r"record.every=1 with steps=1000001 records 1,000,001 steps"):
+        RecordSpec(every=1).schedule(MAX_RECORDED_STEPS + 1)
+    with pytest.raises(ValidationError, match=r"record.log_points=10000000 .* more than 1,000,000"):
+        ExperimentSpec(steps=100, record={"log_points": 10**7})  # geomspace would build 10**7 points
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+def test_a_sweep_is_counted_before_it_is_expanded_and_the_limit_is_raised_explicitly(tmp_path):
+    raw = {"name": "s", "base": TINY, "grid": {"seed": [0, 1, 2]}, "variants": [{}, {"model.width": 4}]}
+    assert SweepSpec.model_validate(raw).size == 6
+    with pytest.raises(ValidationError, match=r"the sweep has 6 runs \(3 seed × 2 variants\), more than the limit 5"):
+        SweepSpec.model_validate(raw, context={"max_runs": 5})
+    assert len(SweepSpec.model_validate(raw, context={"max_runs": 6}).expand()) == 6
+    path = _write(tmp_path / "s.yaml", raw)
+    with pytest.raises(SpecError, match="--max-runs N"):
+        load_sweep(path, max_runs=5)
+    assert load_sweep(path).size == 6
+    from nsa_dist.cli import main
+
+    assert main(["sweep", str(path), "--max-runs", "5", "--store", str(tmp_path / "x.zarr")]) == 2
+    assert not (tmp_path / "x.zarr").exists()
+
+
+# --------------------------------------------------------------------------- the memory estimate
+
+
+@pytest.mark.parametrize("model", [dict(depth=1, width=5), dict(depth=2, width=7), dict(depth=6, width=256),
+                                   dict(depth=4, width=9, residual=True), dict(depth=3, width=6, init="ntk")])
+def test_closed_form_parameter_count_and_feature_width_match_the_built_net(model):
+    m = ModelSpec(input_dim=3, output_dim=2, **model)
+    net = build_model(m)
+    assert fc_sizes(m) == (sum(p.numel() for p in net.parameters()), _feature_width(net, 2))
+
+
+def test_the_memory_estimate_refuses_past_the_machine_and_past_an_auto_budget(monkeypatch):
+    import nsa_dist.pipeline.layout as layout_mod
+
+    spec = ExperimentSpec(**TINY)
+    fp = check_fits(spec)  # a tiny run fits
+    assert fp.P == fc_sizes(spec.model)[0] and fp.total > 0
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: fp.total / 2)
+    with pytest.raises(ResourceError, match=r"run 'run' needs ~.* GB on one worker \(.*\), more than this machine's"):
+        check_fits(spec)
+    monkeypatch.undo()
+    n = 2000
+    G = footprint(ExperimentSpec(**{**TINY, "data": {"n": n}, "spectrum": {"k": 4, "layout": "matrix_free"}})).parts
+    tight = {**TINY, "data": {"n": n}, "spectrum": {"k": 4, "layout": "auto", "memory_budget_gb": 1e-9}}
+    with pytest.raises(ResourceError, match=r"its Gram needs ~.* per worker even as matrix_free, more than "
+                                            r"spectrum.memory_budget_gb=1e-09"):
+        check_fits(ExperimentSpec(**tight))
+    assert G["G (matrix_free layout)"] > 1e-9 * 1e9
+    roomy = {**tight, "spectrum": {**tight["spectrum"], "memory_budget_gb": 100.0}}
+    assert check_fits(ExperimentSpec(**roomy)).layout.value == "local"
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def test_an_idx_header_that_the_gzip_cannot_hold_is_refused_before_reading(tmp_path):
+    p = tmp_path / "train-images-idx3-ubyte.gz"
+    p.write_bytes(gzip.compress(struct.pack(">IIII", IDX_IMAGES, 6_000_000, 28, 28) + bytes(100)))
+    with pytest.raises(ValueError, match=r"need 4,704,000,000 data bytes, more than a .*-byte gzip file can inflate"):
+        read_idx(p, IDX_IMAGES)
+    q = tmp_path / "plain-idx3-ubyte"
+    q.write_bytes(struct.pack(">IIII", IDX_IMAGES, 3, 2, 2) + bytes(13))  # one byte more than 3·2·2
+    with pytest.raises(ValueError, match=r"header dims \(3, 2, 2\) need 12 data bytes, the file holds 13"):
+        read_idx(q, IDX_IMAGES)
+
+
+def test_validation_messages_are_bounded(tmp_path):
+    bad = {**TINY, "record": {"steps": [-1] * 5000}, **{f"x{i}": i for i in range(50)}}
+    with pytest.raises(SpecError) as e:
+        load_spec(_write(tmp_path / "bad.yaml", bad))
+    msg = str(e.value)
+    assert len(msg) < 5000 and "… and" in msg and "more problems" in msg, msg[:6000]
