@@ -44,6 +44,7 @@ bench: install
 	$(PY) benchmarks/ntk_gram.py
 	$(PY) benchmarks/sweep.py
 	$(PY) benchmarks/hessian.py
+	$(PY) benchmarks/ntk_models.py --parts ab --n-resnet 2000 --n-small 500 --batch 250 500 --jacobian-cached
 
 # Issue 8's layouts: (a) block_rows on 2 and 4 workers vs local at N = 30,000, (d) the Hessian over
 # 2 shards vs 1; (b) N = 60,000 and (c) matrix_free at N = 200,000 take long: run them by hand.
