@@ -29,14 +29,14 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, resource
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
     try:
-        _init(address, num_cpus, namespace)
+        _init(address, num_cpus, resources, namespace)
     finally:
         if callable(handler):
             signal.signal(signal.SIGTERM, handler)
     return ray.cluster_resources()
 
 
-def _init(address: str | None, num_cpus: int | None, namespace: str) -> None:
+def _init(address: str | None, num_cpus: int | None, resources: dict[str, float] | None, namespace: str) -> None:
     if not ray.is_initialized():
         kw: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
         if address in (None, "local"):

@@ -21,7 +21,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
-from nsa_dist._fsspec import require_extra, storage_options
+from nsa_dist._fsspec import EXTRAS, require_extra, storage_options
 from nsa_dist.errors import StoreError
 from nsa_dist.store.lease import Lease, LeaseInfo, check_holder, effective_status
 from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
@@ -82,7 +82,7 @@ def _check_bucket(store: Any, url: str) -> None:
     endpoint that is not the object store surfaces as the fsspec error it is (a StoreError
     chained to it; ``store.faults.describe_fault`` names the cause)."""
     fs = getattr(store, "fs", None)
-    if url.split("://", 1)[0] not in _EXTRAS or fs is None or not hasattr(fs, "_ls"):
+    if url.split("://", 1)[0] not in EXTRAS or fs is None or not hasattr(fs, "_ls"):
         return  # local paths and memory:// have no bucket
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     try:
