@@ -177,7 +177,10 @@ class SpectrumStore:
             self.root.attrs["nsa_dist_schema"] = SCHEMA_VERSION
         for name in ("runs", "leases"):  # a root made by a process killed before these
             if not self._exists(f"{name}/zarr.json"):
-                self.root.create_group(name)
+                try:
+                    self.root.create_group(name)
+                except zarr.errors.ContainsGroupError:  # a second writer opening a new store made it first
+                    pass
 
     # ------------------------------------------------------------------ sweeps
     def record_sweep(self, name: str, spec: dict, run_ids: list[str]) -> None:
