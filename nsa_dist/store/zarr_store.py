@@ -155,7 +155,10 @@ class SpectrumStore:
         if not local and self._list_prefix(""):
             raise StoreError(f"{self.url!r} holds objects but is not an nsa-dist spectrum store (no zarr.json): "
                              "refusing to write into it")
-        zarr.create_group(store=self.zstore, attributes={"nsa_dist_schema": SCHEMA_VERSION})
+        try:
+            zarr.create_group(store=self.zstore, attributes={"nsa_dist_schema": SCHEMA_VERSION})
+        except zarr.errors.ContainsGroupError:  # a second writer opening the new store made it first
+            pass
 
     def _check_root(self) -> None:
         attrs = self.root.attrs.asdict()
