@@ -105,6 +105,31 @@ def test_block_rows_and_matrix_free_equal_local_in_process(base):
             assert np.isnan(got["hessian_I_eigenvalues"]).all(), what
 
 
+CNN8 = {"factory": "nsa_dist.models:cnn", "kwargs": {"in_channels": 1, "image_size": 8, "channels": [3], "hidden": [8]}}
+RESNET = {"factory": "user_models:inplace_resnet", "kwargs": {"channels": 2}}
+
+
+@pytest.mark.parametrize("model", [CNN8, RESNET], ids=["cnn-factory", "inplace-bn-resnet"])
+def test_gang_layouts_of_a_per_layer_model_equal_local(model):
+    """block_rows tiles and matrix_free shards built from per-layer features (convolutions, eval-mode
+    BN, in-place ReLU, a residual sum) give the local step's numbers (float64)."""
+    base = {**BASE, "data": {"name": "digits", "n": 53, "n_test": 9}, "model": model,
+            "spectrum": {**BASE["spectrum"], "images": []}}
+    res = _analyses(base, [("local", 1), ("block_rows", 3), ("matrix_free", 2)], hessian=False)
+    ref = res.pop(("local", 1))
+    for (layout, W), got in res.items():
+        est = () if layout == "block_rows" else ("gram_sq_frobenius", "alignment", "alignment_centered")
+        _assert_results_equal(got, ref, f"{layout} on {W} workers", estimated=est)
+    spec = _spec(base, "block_rows", 2)
+    data = load_dataset(spec.data, seed=spec.seed)
+    model_ = build_model(spec.model, seed=spec.seed)
+    theta = parameters_to_vector(model_.parameters()).detach().numpy()
+    pool = LocalPool([SpectralShard() for _ in range(2)])
+    op = ShardedGram(pool, run_id(spec), spec_json(spec), theta, "train", data.n, np.float64)
+    assert type(pool.members[0]._held[op.key]).__name__ == "FeatureShard"  # not the per-product Jacobian map
+    op.close()
+
+
 @pytest.mark.parametrize("layout", ["block_rows", "matrix_free"])
 def test_no_process_forms_the_gram_on_a_gang(layout, monkeypatch):
     """Every metric of a distributed step without the N×N G: forming it anywhere fails the step."""
@@ -172,11 +197,13 @@ def test_layout_validation_and_auto_choice(tmp_path):
         assert "budget" in choice.reason
     tight = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": 2,
                                                                 "memory_budget_gb": 1.2 * big / 1e9}})
-    assert choose_layout(tight, 97, 74, structured=False).layout is Layout.MATRIX_FREE  # no tiles without features
-    with pytest.raises(ValueError, match="block_rows.*nn.Linear layers only.*matrix_free"):
-        choose_layout(_spec(BASE, "block_rows", 2), 97, 74, structured=False)
-    spec = ExperimentSpec.model_validate({**BASE, "steps": 2, "record": {"every": 1}, "spectrum": {
-        **BASE["spectrum"], "layout": "auto", "workers": 2, "memory_budget_gb": 1.2 * big / 1e9}})
+    assert choose_layout(tight, 97, 97 * 97).layout is Layout.MATRIX_FREE  # features as wide as G: no tiles
+    with pytest.raises(ValueError, match="block_rows.*couples samples.*'local'"):
+        choose_layout(_spec(BASE, "block_rows", 2), 97, 74, coupled="batch norm in train mode")
+    # a run: its measured feature width (96 floats per point, padded) against G at N = 400
+    spec = ExperimentSpec.model_validate({**BASE, "data": {"n": 400, "n_test": 23}, "steps": 2, "record": {"every": 1},
+                                          "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": 2,
+                                                       "memory_budget_gb": 0.8 * 8 * 400 * 400 / 1e9}})
     url = str(tmp_path / "s.zarr")
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     attrs = SpectrumStore(url).group(run_id(spec)).attrs

@@ -368,10 +368,10 @@ def test_a_coupling_model_is_refused_by_distributed_layouts_and_local_under_auto
         spec = ExperimentSpec.model_validate({"data": {"n": 20}, "model": {"depth": 2, "width": 4},
                                               "spectrum": {"layout": layout, "workers": 2}})
         with pytest.raises(ValueError, match=r"couples samples.*use layout 'local'"):
-            choose_layout(spec, 20, 10, structured=False, coupled=why)
+            choose_layout(spec, 20, 10, coupled=why)
     auto = ExperimentSpec.model_validate({"data": {"n": 20}, "model": {"depth": 2, "width": 4},
                                           "spectrum": {"layout": "auto", "workers": 2, "memory_budget_gb": 1e-9}})
-    assert choose_layout(auto, 20, 10, structured=False, coupled=why).layout.value == "local"
+    assert choose_layout(auto, 20, 10, coupled=why).layout.value == "local"
 
 
 def test_tracker_on_a_transformer_over_token_ids_with_adam(tmp_path):

@@ -1,6 +1,6 @@
-"""Per-block structured features of the NTK (for distributed assembly, see :mod:`nsa_dist.ntk.shards`).
+"""Per-block features of the NTK (for distributed assembly, see :mod:`nsa_dist.ntk.shards`).
 
-``block_features`` computes, once, the structured features (Â_l, D_l) of every block of points;
+``block_features`` computes, once, the per-layer features (Â_l, D_l) of every block of points;
 tiles or data shards of G are built from them.  Knows nothing of Ray: the cluster layer ships
 the features through its object store.
 """
@@ -11,10 +11,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from nsa_dist.ntk._inputs import output_dim, prepare_inputs
-from nsa_dist.ntk._structured import _chunk_features, linear_layers
+from nsa_dist._checks import parse_enum
+from nsa_dist.errors import UnsupportedModelError
+from nsa_dist.ntk._blame import blame
+from nsa_dist.ntk._conv import _features, per_layer_layers
+from nsa_dist.ntk._inputs import output_dim, prepare_inputs, trainable_params
+from nsa_dist.ntk._jacobian import jacobian_fn
+from nsa_dist.ntk._method import NTKMethod
+from nsa_dist.ntk._probe import ForwardPlan
+from nsa_dist.ntk._state import preserved
+from nsa_dist.ntk._structured import Unproven, _chunk_features, structured_layers
+from nsa_dist.ntk.gram import _choose, _plan
 
-__all__ = ["BlockFeatures", "block_features", "row_blocks"]
+__all__ = ["BlockFeatures", "block_features", "feature_width", "row_blocks"]
 
 BlockFeatures = list[tuple[np.ndarray, np.ndarray]]  # per layer: Â (b, n_cols), D (b, K·n_out)
 
@@ -28,19 +37,57 @@ def row_blocks(n: int, n_parts: int) -> list[tuple[int, int]]:
 
 
 def block_features(model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]],
-                   dtype: torch.dtype | None = None) -> list[BlockFeatures]:
-    """Structured features of each range of points, as numpy arrays (traced kernel).
+                   dtype: torch.dtype | None = None, method: str | NTKMethod = "auto") -> list[BlockFeatures]:
+    """Per-layer features of each range of points, as numpy arrays (traced kernel).
+
+    For every model whose points do not interact, ``G_IJ = Σ_l (Â_{l,I} Â_{l,J}ᵀ) ⊙ (D_{l,I} D_{l,J}ᵀ)``
+    over the returned pairs: the structured factors of the factored Linear layers and, for every
+    other parameter (convolutions, norms, attention, …: the per-layer formed gradients or
+    per-sample Jacobians, :mod:`._conv`), one pair ``(M, 1)`` with M (b, K·P_formed) — so tiles and
+    data shards built from factors serve any such model, exactly (``method`` as in ``gram``).
 
     Raises:
-        UnsupportedModelError: the model is not built of Linear layers (see ``method="structured"``).
+        UnsupportedModelError: the model couples samples (batch norm in train mode, …): its kernel
+            is that of the whole batch's forward, which no split of the points reproduces; or a
+            forced ``method`` the model is outside of.
     """
     if dtype is not None:
         model = model.to(dtype)  # caller passes a copy when it must keep its model
     x = prepare_inputs(model, x, "x", dtype)
     K = output_dim(model, x)
-    layers = linear_layers(model, x[:2])
+    with preserved(model), blame(model):
+        plan = _plan(model, x)
+        m = _choose(plan, parse_enum(NTKMethod, method, "method"))
+        if m is NTKMethod.BATCH:
+            raise UnsupportedModelError("block features split the points, but " + next(iter(plan.routes.values()))[1]
+                                        + "; use layout 'local'")
+        try:
+            if m is NTKMethod.STRUCTURED:
+                layers = structured_layers(plan)
+                return [[(A.cpu().numpy(), D.reshape(b - a, -1).cpu().numpy())
+                         for A, D in _chunk_features(model, layers, x[a:b], K)] for a, b in ranges]
+            return _formed_blocks(model, plan if m is NTKMethod.PER_LAYER else None, x, ranges, K)
+        except Unproven:  # a feature pass saw an in-place change the probe did not: per-sample Jacobians
+            return _formed_blocks(model, None, x, ranges, K)
+
+
+def _formed_blocks(model: nn.Module, plan: ForwardPlan | None, x: torch.Tensor, ranges: list[tuple[int, int]],
+                   K: int) -> list[BlockFeatures]:
+    """Per-layer features (``plan``) or, with None, every parameter's per-sample Jacobian as ``(M, 1)``."""
+    layers = per_layer_layers(plan) if plan is not None else []
+    generic = plan.generic if plan is not None else tuple(trainable_params(model))
+    jac = jacobian_fn(model, K, generic) if generic else None
     out = []
     for a, b in ranges:
-        feats = _chunk_features(model, layers, x[a:b], K)
-        out.append([(A.cpu().numpy(), D.reshape(b - a, -1).cpu().numpy()) for A, D in feats])
+        factors, M = _features(model, layers, jac, x[a:b], K)
+        feats = [(A.cpu().numpy(), D.reshape(b - a, -1).cpu().numpy()) for A, D in factors]
+        if M is not None:
+            Mn = M.cpu().numpy()
+            feats.append((Mn, np.ones((b - a, 1), dtype=Mn.dtype)))
+        out.append(feats)
     return out
+
+
+def feature_width(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> int:
+    """Numbers per point of :func:`block_features` (Σ over its pairs of the two widths), from two points."""
+    return sum(A.shape[1] + D.shape[1] for A, D in block_features(model, x[:2], [(0, min(2, len(x)))], method=method)[0])

@@ -5,7 +5,8 @@ Two ways to split ``G = J Jᵀ`` (traced over outputs) so that no process holds 
 * **Tiles** (layout ``block_rows``).  The points are cut into ``B`` blocks; the upper tile pairs
   ``(I, J), I ≤ J`` are dealt to ``W`` workers, balanced by size (:func:`tile_plan`).  A
   :class:`GramTiles` builds its tiles from the per-block structured features (Â_l, D_l) — each
-  block's features computed once, by one worker, and shared — and answers products with partial
+  block's features computed once, by one worker, and shared; for models beyond Linear layers one
+  pair is (formed gradients, 1), :func:`block_features` — and answers products with partial
   sums for both sides of an off-diagonal tile: ``y_I += G_IJ v_J`` and ``y_J += G_IJᵀ v_I``.  The
   sum of the workers' partial products is ``G V``; no off-diagonal tile is computed twice.
 * **Data shards** (layout ``matrix_free``).  Worker s holds only its points' features and answers
@@ -83,10 +84,10 @@ def tile_plan(n: int, n_workers: int, blocks_per_worker: int = 4) -> TilePlan:
     return TilePlan(ranges, [sorted(p) for p in pairs], owners)
 
 
-def shard_features(model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]], dtype: torch.dtype
-                   ) -> list[BlockFeatures]:
-    """Structured features (Â_l, D_l) of each range of points, as NumPy (see :func:`block_features`)."""
-    return block_features(prepare_model(model, dtype), x, ranges, dtype=dtype)
+def shard_features(model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]], dtype: torch.dtype,
+                   method: str = "auto") -> list[BlockFeatures]:
+    """Per-layer features (Â_l, D_l) of each range of points, as NumPy (see :func:`block_features`)."""
+    return block_features(prepare_model(model, dtype), x, ranges, dtype=dtype, method=method)
 
 
 class GramTiles:

@@ -249,21 +249,19 @@ def layout_budget(spec: ExperimentSpec) -> float:
     return gb * 1e9 if gb else 0.5 * _machine_bytes()
 
 
-def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: bool = True,
-                  coupled: str | None = None) -> LayoutChoice:
+def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str | None = None) -> LayoutChoice:
     """Resolve ``spectrum.layout`` for an N-point Gram; ``auto`` picks the first layout that fits.
 
     Per-worker bytes (:func:`layout_bytes`) against ``memory_budget_gb`` (default half this
-    machine's memory, :func:`layout_budget`).  ``feature_width`` = Σ_l (n_in + 1 + K·n_out).
-    ``structured``: the model is built of Linear layers only — ``block_rows`` tiles are
-    assembled from their features.
+    machine's memory, :func:`layout_budget`).  ``feature_width``: numbers per point of the
+    per-layer features the tiles are assembled from (:func:`~nsa_dist.ntk.blocks.feature_width`;
+    Σ_l (n_in + 1 + K·n_out) for a net of Linear layers).
 
     ``coupled``: why the model couples samples (None: it does not) — its kernel is that of the
     whole batch's forward, which no split of the points reproduces: only ``local``.
 
     Raises:
-        ValueError: ``block_rows`` asked for a model outside the structured formula, or a
-            distributed layout for a model that couples samples.
+        ValueError: a distributed layout for a model that couples samples.
     """
     s = spec.spectrum
     layout = Layout(s.layout)
@@ -273,10 +271,6 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: 
                              f"samples ({coupled}): its kernel is that of the whole batch's forward; use layout "
                              "'local' (or put batch norm in eval mode)")
         return LayoutChoice(Layout.LOCAL, f"the model couples samples ({coupled}): the whole batch on one worker")
-    if layout is Layout.BLOCK_ROWS and not structured:
-        raise ValueError("spectrum.layout='block_rows' assembles tiles from the per-layer features of nets built "
-                         "of nn.Linear layers only; this model has other parameters: use layout 'matrix_free' "
-                         "(Jacobian shards, any model) or 'local'")
     if layout is not Layout.AUTO:
         return LayoutChoice(layout, "set in the spec")
     W = s.workers
@@ -288,7 +282,7 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, structured: 
         return LayoutChoice(Layout.LOCAL, "k: all needs the whole G")
     if local <= budget:
         return LayoutChoice(Layout.LOCAL, f"G needs ~{gb(local)} on one worker, within the budget {gb(budget)}")
-    if W > 1 and tiles <= budget and structured:
+    if W > 1 and tiles <= budget:
         return LayoutChoice(Layout.BLOCK_ROWS, f"G needs ~{gb(local)} whole (budget {gb(budget)}); "
                                                f"~{gb(tiles)} per worker as tiles on {W} workers")
     return LayoutChoice(Layout.MATRIX_FREE, f"G needs ~{gb(local)} whole and ~{gb(tiles)} per worker as tiles on "

@@ -77,11 +77,11 @@ class SpectralShard:
     # ------------------------------------------------------------------ block_rows
     def features(self, run_id: str, spec: dict, theta: np.ndarray, which: str,
                  ranges: list[tuple[int, int]]) -> BlockFeatures | list[BlockFeatures]:
-        """Structured features of the given ranges of points (one result per range; a single
+        """Per-layer features of the given ranges of points (one result per range; a single
         range gives its features unwrapped, as one object-store return)."""
         es, data, model = self._model(run_id, spec, theta)
         X = self._points(es, data, model, which)
-        feats = shard_features(model, X, ranges, self._dtype(es))
+        feats = shard_features(model, X, ranges, self._dtype(es), es.spectrum.ntk_method)
         return feats[0] if len(ranges) == 1 else feats
 
     def build_tiles(self, key: str, ranges: list[tuple[int, int]], pairs: list[tuple[int, int]],
@@ -99,12 +99,13 @@ class SpectralShard:
 
     # ------------------------------------------------------------------ matrix_free
     def shard(self, key: str, run_id: str, spec: dict, theta: np.ndarray, which: str, rng: tuple[int, int]) -> int:
-        """Hold the features (Linear-only nets) or the Jacobian map of points ``rng``; returns bytes held."""
+        """Hold the per-layer features (structured or per-layer NTK) or, for models with neither,
+        the Jacobian map of points ``rng``; returns bytes held."""
         es, data, model = self._model(run_id, spec, theta)
         X = self._points(es, data, model, which)
         dtype = self._dtype(es)
-        if resolve_method(model, X[:2], es.spectrum.ntk_method) is NTKMethod.STRUCTURED:
-            feats = shard_features(model, X, [rng], dtype)[0]
+        if resolve_method(model, X[:2], es.spectrum.ntk_method) in (NTKMethod.STRUCTURED, NTKMethod.PER_LAYER):
+            feats = shard_features(model, X, [rng], dtype, es.spectrum.ntk_method)[0]
             held: Any = FeatureShard(feats, es.model.output_dim, device=es.torch_device())
             nbytes = sum(A.nbytes + D.nbytes for A, D in feats)
         else:

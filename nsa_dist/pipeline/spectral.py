@@ -21,6 +21,7 @@ from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, fi
                               spectral_projections, top_k_reconstructions)
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, explain_method, gram, jacobian_vector_product, prepare_model
+from nsa_dist.ntk.blocks import feature_width
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
@@ -97,10 +98,9 @@ class SpectralAnalyzer:
         self.hessian = HessianAnalysis(spec, self.X, self.y, self.n_params)
         method, routes = explain_method(self.model, self.X[:4], spec.spectrum.ntk_method)
         self.ntk_paths = {"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}}
-        structured = method is NTKMethod.STRUCTURED
         coupled = next(iter(routes.values()))[1] if method is NTKMethod.BATCH else None
-        self.layout = choose_layout(spec, data.n, _feature_width(self.model, spec.model.output_dim), structured,
-                                    coupled)
+        width = 0 if coupled else feature_width(self.model, self.X[:2], method)
+        self.layout = choose_layout(spec, data.n, width, coupled)
         self.extras = StepExtras(spec, data, self.dtype)
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
@@ -297,8 +297,3 @@ class _Centered:
         V = V - V.mean(axis=0, keepdims=True)
         W = np.asarray(self.G.matmat(V), dtype=np.float64)
         return W - W.mean(axis=0, keepdims=True)
-
-
-def _feature_width(model: torch.nn.Module, K: int) -> int:
-    """Σ_l (n_in + 1 + K·n_out) over the Linear layers: per-point floats of the structured features."""
-    return sum(m.in_features + 1 + K * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
