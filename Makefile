@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench bench-layouts clean
+.PHONY: install demo test test-fast bench bench-layouts bench-full-size clean
 
 install: $(VENV)/.installed
 
@@ -51,6 +51,12 @@ bench: install
 bench-layouts: install
 	$(PY) benchmarks/layouts.py a
 	$(PY) benchmarks/layouts.py d
+
+# Issue 19: the full-size recipes (MNIST N = 60,000; CIFAR-10 N = 50,000 with the CNN factory) on
+# stand-in files in the real formats, block_rows on 4 gang members, three recorded steps each.
+bench-full-size: install
+	$(PY) benchmarks/full_size.py mnist --steps 3
+	$(PY) benchmarks/full_size.py cifar10 --steps 3
 
 clean:
 	rm -rf $(VENV) nsa-results.zarr demo-out bench-out
