@@ -358,6 +358,9 @@ class SpectrumSpec(_Strict):
     dtype: Literal["float64", "float32"] = "float64"
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
+    warm_start: bool = Field(False, description="Lanczos starts from the previous recorded step's eigenvectors "
+                             "(saves products only when G moves little between records; results then depend on "
+                             "the steps this analyzer saw before, within the solver's tolerance)")
     store_eigenvectors: bool | list[int] = Field(True, description="store v_i^t at every recorded step (True), "
                                                   "none (False) or only at these recorded steps (e.g. Fig. 7d's pair)")
     per_class_k: int = Field(0, ge=0, description="K-output networks: top eigenvalues of each diagonal block "

@@ -444,3 +444,47 @@ def test_block_gauss_quadrature_is_exact_to_degree_2m_minus_1():
         rule = W @ theta**k
         err = np.abs(rule - exact).max() / np.abs(exact).max()
         assert err < 1e-9, f"degree {k}: quadrature off by {err:.2e} relative"
+
+
+def _perturbed(N: int, rel: float, seed: int = 3) -> np.ndarray:
+    """psd(N) plus a symmetric perturbation of relative size ``rel`` (the next recorded step's G)."""
+    E = np.random.default_rng(seed).standard_normal((N, N))
+    return psd(N) + rel * decaying(N)[0] * (E + E.T) / (2 * np.sqrt(N))
+
+
+def test_warm_start_saves_products() -> None:
+    """The previous G's eigenvectors as the start block: same accuracy, fewer products (issue 22)."""
+    G0, G1 = psd(600), _perturbed(600, 1e-6)
+    prev = top_eigenpairs(G0, 40, "lanczos")
+    cold = top_eigenpairs(G1, 40, "lanczos")
+    warm = top_eigenpairs(G1, 40, "lanczos", start=prev.evecs)
+    w, V = np.linalg.eigh(G1)
+    ref = (w[::-1].copy(), V[:, ::-1].copy())
+    for ep in (cold, warm):
+        assert_matches_reference(G1, ep, ref)
+    assert warm.n_matvec < cold.n_matvec, (warm.n_matvec, cold.n_matvec)
+
+
+def test_warm_start_narrow_block_and_bad_shape() -> None:
+    """A start block narrower than the Lanczos block is topped up with random vectors; a wrong N is named."""
+    G = psd(240)
+    ep = top_eigenpairs(G, 9, "lanczos", start=reference(240)[1][:, :3])
+    assert_matches_reference(G, ep, reference(240))
+    with pytest.raises(ValueError, match=r"start must be an \(N, s\) block with N = 240"):
+        top_eigenpairs(G, 9, "lanczos", start=np.ones((200, 9)))
+
+
+def test_large_host_matrix_runs_on_torch_blas() -> None:
+    """AUTO puts a dense host G of N ≥ 2048 on torch's CPU BLAS (block 32 for k ≥ 64); results as eigh's."""
+    N, k = 2048, 64
+    lam = decaying(N)
+    Q, _ = np.linalg.qr(np.random.default_rng(5).standard_normal((N, N)))
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    ep = top_eigenpairs(G.astype(np.float32), k, "lanczos")
+    assert ep.backend == "torch"
+    G32 = G.astype(np.float32).astype(np.float64)
+    w = np.linalg.eigvalsh(G32)[::-1][:k]
+    assert_evals_close(ep.evals, w)
+    assert_orthonormal(ep.evecs)
+    assert_residuals_small(G32, ep)

@@ -139,6 +139,9 @@ class ArrayOps:
     def colnorms(self, A: Any) -> Any:
         return self.xp.linalg.norm(A, axis=0)
 
+    def hstack(self, A: Any, B: Any) -> Any:
+        return self.xp.concatenate([A, B], axis=1)
+
     def all_finite(self, A: Any) -> bool:
         return bool(self.xp.isfinite(A).all())
 
@@ -185,8 +188,13 @@ class TorchOps(ArrayOps):
     def colnorms(self, A: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(A, dim=0)
 
+    def hstack(self, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        return torch.cat([A, B], 1)
+
     def all_finite(self, A: torch.Tensor) -> bool:
-        return bool(torch.isfinite(A).all())
+        """One pass without a boolean temporary: a NaN/inf entry makes the sum non-finite (a
+        finite sum can overflow too, so only a non-finite sum is checked entry by entry)."""
+        return bool(torch.isfinite(A.sum())) or bool(torch.isfinite(A).all())
 
 
 def resolve_backend(backend: Backend, sample: Any) -> ArrayOps:

@@ -73,7 +73,7 @@ class Eigenpairs:
 
 def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Literal["all"],
                    method: str | EigMethod = "auto", *, tol: float = 1e-10, max_iter: int | None = None,
-                   seed: int = 0, backend: str = "auto") -> Eigenpairs:
+                   seed: int = 0, backend: str = "auto", start: np.ndarray | None = None) -> Eigenpairs:
     """The k largest eigenvalues of a symmetric G and their eigenvectors, ``G V = V diag(λ)``.
 
     Args:
@@ -89,7 +89,10 @@ def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Lite
             proportional to N / block size).
         seed: seed of the random start vectors (results are reproducible for a fixed seed).
         backend: "auto" | "numpy" | "torch" | "cupy" (see :class:`Backend`); AUTO runs on the
-            GPU for CUDA tensors, CuPy arrays and operators returning them, on the host otherwise.
+            GPU for CUDA tensors, CuPy arrays and operators returning them, on the host otherwise
+            (a dense host matrix of N ≥ 2048: torch's CPU BLAS, MKL).
+        start: Lanczos only: (N, s) vectors spanning a guess of the top-k eigenvectors (the
+            previous recorded step's), a warm start (see :func:`block_lanczos`); None: random.
 
     Returns:
         :class:`Eigenpairs`, evals (k,) descending, evecs (N, k) float64 NumPy.
@@ -121,9 +124,19 @@ def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Lite
         evals, evecs = _arpack_top(A, k, tol, max_iter, seed)
         return Eigenpairs(evals, _fix_signs(evecs), method, "numpy", A.n_matvec)
     res = block_lanczos(A.matmat, A.N, k, A.ops, tol=max(tol, 100 * A.eps), max_iter=max_iter, seed=seed,
-                        sym_rtol=A.sym_rtol)
+                        sym_rtol=A.sym_rtol, start=start, block_size=_block_size(A, k))
     return Eigenpairs(res.evals, _fix_signs(A.ops.to_numpy(res.evecs)), method, A.ops.name, A.n_matvec,
                       float(res.residuals.max()), res.converged)
+
+
+def _block_size(A: SymmetricMap, k: int) -> int | None:
+    """Lanczos block size: 32 for a large dense matrix and k ≥ 64 — an (N, 16) GEMM streams G
+    from memory (2.4× the time per column of an (N, 48) one at N = 10⁴ on two cores,
+    ``benchmarks/topk.py``), for a few % more products; the default
+    (:func:`default_block_size`) otherwise."""
+    if A.dense is not None and A.N >= 4096 and k >= 64:
+        return 32
+    return None
 
 
 def _dense_top(A: SymmetricMap, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from nsa_dist.errors import NonFiniteError, ShapeError
-from nsa_dist.linalg._backend import ArrayOps, Backend, array_kind, convert, get_cupy, resolve_backend
+from nsa_dist.linalg._backend import (ArrayOps, Backend, TorchOps, _on_gpu, array_kind, convert, get_cupy,
+                                      resolve_backend)
 
 __all__ = ["SymmetricMap", "as_symmetric_map", "sym_rtol"]
 
@@ -85,10 +86,16 @@ def sym_rtol(eps: float) -> float:
     return float(np.sqrt(eps))
 
 
+_TORCH_HOST_N = 2048  # AUTO: a dense host matrix at least this large runs on torch's CPU BLAS
+
+
 def as_symmetric_map(G: Any, backend: Backend, name: str = "G_or_operator") -> SymmetricMap:
     """Validate ``G_or_operator`` and wrap it; a dense matrix is moved to ``backend`` once.
 
-    ``name``: what error messages call the argument.
+    ``name``: what error messages call the argument.  With AUTO a dense host matrix of
+    N ≥ 2048 runs on torch's CPU BLAS (MKL): its (N, 16–48) float64 products and the tall QRs of
+    Lanczos ran 2–4× faster there than on NumPy's OpenBLAS at N = 10⁴ on two shared cores
+    (``benchmarks/topk.py``).
 
     Raises:
         ShapeError: not (N, N), or an operator returning the wrong shape.
@@ -117,7 +124,8 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
         raise ShapeError(f"{name} must be a square 2-D (N, N) matrix, got shape {shape}")
     if "complex" in str(G.dtype):
         raise TypeError(f"{name} must be real symmetric, got dtype {G.dtype}")
-    ops = resolve_backend(backend, G)
+    host_torch = backend is Backend.AUTO and shape[0] >= _TORCH_HOST_N and not _on_gpu(G)
+    ops = TorchOps("cpu") if host_torch else resolve_backend(backend, G)
     Gb = ops.asarray(G)  # (N, N) float64
     if not ops.all_finite(Gb):
         n_bad = int((~ops.xp.isfinite(Gb)).sum())

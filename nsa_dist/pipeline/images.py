@@ -55,8 +55,8 @@ class EigenImages:
         F = np.abs(fourier_transform(V, self.X01, self.freqs.points))  # (F², m)
         return F.T.reshape((-1,) + self.freqs.shape)
 
-    def render(self, evecs: np.ndarray, residual: np.ndarray) -> dict[str, np.ndarray]:
-        V = evecs[:, [i - 1 for i in self.indices]]  # (N, nI)
+    def render(self, V: np.ndarray, residual: np.ndarray) -> dict[str, np.ndarray]:
+        """V (N, nI): the eigenvectors of ``indices``, in that order; residual (N,)."""
         both = np.concatenate([V, residual[:, None]], axis=1)  # (N, nI + 1)
         img, four = self.image(both), self.fourier(both)
         return {"eigvec_images": img[:-1].astype(np.float32), "eigvec_fourier": four[:-1].astype(np.float32),

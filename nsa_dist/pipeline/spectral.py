@@ -18,7 +18,7 @@ from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import is_nce, residual as loss_residual
 from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, first_order_accuracy, reconstruction_ks,
-                              spectral_projections, top_k_reconstructions)
+                              top_k_reconstructions)
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, explain_method, gram, jacobian_vector_product, prepare_model
 from nsa_dist.ntk.blocks import feature_width
@@ -29,6 +29,7 @@ from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram,
                                       choose_layout, gram_for_layout)
 from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change, gram_change_size, test_point_prediction
+from nsa_dist.pipeline.step_basis import StepSpectrum, energy_from_projections, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max"]
@@ -63,10 +64,9 @@ def energy_curve(evecs: np.ndarray, phi: np.ndarray) -> np.ndarray:
     or a non-finite φ (the update of a diverging step).
     """
     phi2 = np.asarray(phi, dtype=np.float64).reshape(evecs.shape[0], -1)  # (N, C)
-    norm2 = float(np.sum(phi2**2))
-    if norm2 == 0.0 or not np.isfinite(norm2):
+    if not np.isfinite(phi2).all():
         return np.full(evecs.shape[1], np.nan)
-    return np.cumsum(spectral_projections(evecs, phi2).sum(0)) / norm2  # (K,)
+    return energy_from_projections(np.asarray(evecs, np.float64).T @ phi2, phi2)  # (K,)
 
 
 class SpectralAnalyzer:
@@ -104,6 +104,8 @@ class SpectralAnalyzer:
         self.extras = StepExtras(spec, data, self.dtype)
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
+        self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
+        self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
 
     def pin_layout(self, layout: str, reason: str) -> None:
         """Use the layout the run was created with (``auto`` is resolved once, by whoever created
@@ -140,11 +142,40 @@ class SpectralAnalyzer:
                                           for _ in range(self.spec.spectrum.workers)])
         return self._local_pool
 
-    def _eig(self, G: StepGram, k: int):
-        if isinstance(G, DenseGram):
-            return top_eigenpairs(G.G, k, self.spec.spectrum.eig_method)
+    def _eig(self, G: StepGram, k: int, which: str = "train"):
+        """Top-k eigenpairs; with ``spectrum.warm_start`` Lanczos starts from the last ones of this Gram."""
         method = self.spec.spectrum.eig_method
-        return top_eigenpairs(G, k, "lanczos" if method in ("auto", "dense") else method)
+        if not isinstance(G, DenseGram):
+            method = "lanczos" if method in ("auto", "dense") else method
+        start = self._warm.get(which) if self.spec.spectrum.warm_start else None
+        eig = top_eigenpairs(G.G if isinstance(G, DenseGram) else G, k, method,
+                             start=start if start is not None and start.shape[0] == G.shape[0] else None)
+        if self.spec.spectrum.warm_start and eig.method is not None and eig.method.value == "lanczos":
+            self._warm[which] = eig.evecs
+        self.n_products[which] = eig.n_matvec
+        return eig
+
+    def _spectrum(self, G: StepGram, k: int, which: str, phis: dict[str, np.ndarray], vectors: bool) -> StepSpectrum:
+        """Eigenvalues and ⟨v_i, φ⟩ of the step's φ: where a dense eigh would run and no
+        eigenvectors are needed, from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`, the
+        cost of eigvalsh); else from the eigenpairs.  ``vectors``: the step needs all of V."""
+        idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
+        if isinstance(G, DenseGram) and not vectors and self._dense_method(k, G.shape[0]):
+            self.n_products[which] = 0
+            return from_tridiagonal(G.G, k, phis, idx)
+        eig = self._eig(G, k, which)
+        return from_eigenpairs(eig.evals, eig.evecs, phis, idx, eig.n_matvec)
+
+    def _dense_method(self, k: int, n: int) -> bool:
+        """Whether ``spectrum.eig_method`` resolves to a dense eigh (as ``top_eigenpairs`` decides)."""
+        m = self.spec.spectrum.eig_method
+        return m == "dense" or (m == "auto" and (3 * k > n or n <= 500))
+
+    def _needs_vectors(self, ck: Checkpoint) -> bool:
+        """Whether this step uses all K training eigenvectors: it stores them, or App. E's
+        constant-Gram prediction at t = 0."""
+        return self.spec.spectrum.eigenvectors_at(ck.step) or (
+            ck.index == 0 and self.X_test.shape[0] > 0 and constant_gram_applies(self.spec))
 
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
@@ -173,11 +204,11 @@ class SpectralAnalyzer:
             with self._timed("test_points"):
                 G_t = self._step_gram("test", ck.theta, pool)
                 try:
-                    eig_t = self._eig(G_t, min(self.K, self.X_test.shape[0]))
+                    sp_t = self._spectrum(G_t, min(self.K, self.X_test.shape[0]), "test", {"f_test": ck.f_test}, False)
                 finally:
                     G_t.close()
-            out["eigenvalues_test"] = eig_t.evals
-            out["energy_f_test"] = energy_curve(eig_t.evecs, ck.f_test)
+            out["eigenvalues_test"] = sp_t.evals
+            out["energy_f_test"] = energy_from_projections(sp_t.proj["f_test"], ck.f_test)
         if self.hessian.wanted(ck.index):
             with self._timed("hessian"):
                 out.update(self._hessian(ck, pool, gram_info))
@@ -210,44 +241,48 @@ class SpectralAnalyzer:
         return {"distributed": True}
 
     def _gram_metrics(self, G: StepGram, ck: Checkpoint, N: int) -> dict[str, Any]:
-        """Eigenpairs, energies, first-order prediction, alignment: products with G only."""
-        with self._timed("eigenpairs"):
-            eig = self._eig(G, self.K)
+        """Eigenpairs, energies, first-order prediction, alignment: products with G only.  The
+        step's φ come first, so that a ``k: all`` step without stored eigenvectors projects them
+        during the factorisation instead of forming V."""
         with self._timed("metrics"):
-            return self._metrics(G, ck, N, eig)
+            residual = loss_residual(self.spec, self.data, ck.f)  # m_t = ∂ℓ/∂f (f_t − y for L2)
+            Y = self.y.reshape(N, -1)
+            probes = np.column_stack([Y, np.ones(N)] + ([residual] if residual.ndim == 1 else []))  # (N, C + 1 [+ 1])
+            GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one (distributed) product for all of them
+            C = Y.shape[1]
+            df_pred = predicted_update(self.spec, ck, residual, lambda v: GP[:, C + 1], self._jvp_outputs)  # NSA Eq. 3
+            phis = {"y": self.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
+        with self._timed("eigenpairs"):
+            sp = self._spectrum(G, self.K, "train", phis, self._needs_vectors(ck))
+        with self._timed("metrics"):
+            return self._metrics(G, ck, N, sp, phis, GP[:, :C], GP[:, C])
 
-    def _metrics(self, G: StepGram, ck: Checkpoint, N: int, eig: Any) -> dict[str, Any]:
-        residual = loss_residual(self.spec, self.data, ck.f)  # m_t = ∂ℓ/∂f (f_t − y for L2)
-        scalar = residual.ndim == 1
-        Y = self.y.reshape(N, -1)
-        probes = np.column_stack([Y, np.ones(N)] + ([residual] if scalar else []))  # (N, C + 1 [+ 1])
-        GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one (distributed) product for all of them
-        C = Y.shape[1]
-        GY, G1 = GP[:, :C], GP[:, C]
-        df_pred = predicted_update(self.spec, ck, residual, lambda v: GP[:, C + 1], self._jvp_outputs)  # NSA Eq. 3
+    def _metrics(self, G: StepGram, ck: Checkpoint, N: int, sp: StepSpectrum, phis: dict[str, np.ndarray],
+                 GY: np.ndarray, G1: np.ndarray) -> dict[str, Any]:
+        residual, df_pred = phis["residual"], phis["df_pred"]
         fro2, fro2_se = G.sq_frobenius()
         out: dict[str, Any] = {
             "loss": ck.loss, "lr": ck.lr, "f": ck.f, "df": ck.df, "df_pred": df_pred,
-            "eigenvalues": eig.evals, "f_test": ck.f_test, "gram_sq_frobenius": np.array([fro2, fro2_se]),
+            "eigenvalues": sp.evals, "f_test": ck.f_test, "gram_sq_frobenius": np.array([fro2, fro2_se]),
         }
         if self.spec.spectrum.eigenvectors_at(ck.step):
-            out["eigenvectors"] = eig.evecs.astype(np.float32)
-            out.update(self._at_eigenvector_step(ck, eig.evecs))
-        phis = {"y": self.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
+            out["eigenvectors"] = sp.evecs.astype(np.float32)
+            out.update(self._at_eigenvector_step(ck, sp.evecs))
         for name, phi in phis.items():
-            out[f"energy_{name}"] = energy_curve(eig.evecs, phi)
+            out[f"energy_{name}"] = energy_from_projections(sp.proj[name], phi)
         finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
         acc = first_order_accuracy(ck.df.reshape(-1), np.asarray(df_pred).reshape(-1)) if finite else None
         out["first_order_error"] = acc.error if acc else np.nan
         out["first_order_cos"] = acc.cos_alpha if acc else np.nan
         out["alignment"] = alignment_from_products(self.y, GY, fro2)
         out["alignment_centered"] = self._centered_alignment(G, GY, G1, fro2)
-        out.update(self.extras.analyze(self.model, self.X, ck, eig.evecs, residual))
+        out.update(self.extras.analyze(self.model, self.X, ck, sp.proj["residual"], residual))
         if ck.index == 0 and self.X_test.shape[0] and constant_gram_applies(self.spec):  # App. E, Eq. 22
             out["constant_gram_f_test"] = test_point_prediction(
-                self.model, self.X, self.X_test, eig.evals, eig.evecs, residual, ck.f_test, self.spec, self.dtype)
+                self.model, self.X, self.X_test, sp.evals, sp.evecs, residual, ck.f_test, self.spec, self.dtype)
         if self.images is not None:
-            out.update(self.images.render(eig.evecs, residual.reshape(N, -1)[:, 0]))
+            V = np.column_stack([sp.columns[i - 1] for i in self.images.indices])  # (N, nI)
+            out.update(self.images.render(V, residual.reshape(N, -1)[:, 0]))
         return out
 
     def _at_eigenvector_step(self, ck: Checkpoint, evecs: np.ndarray) -> dict[str, Any]:

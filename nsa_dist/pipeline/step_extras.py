@@ -173,7 +173,7 @@ def predicted_update(spec: ExperimentSpec, ck: "Checkpoint", residual: np.ndarra
 class StepExtras:
     """The issue-11 quantities of one recorded step, by store array name.
 
-    ``analyze(model, X, ck, evecs, residual)`` → {"projections_residual": (K,)} always,
+    ``analyze(model, X, ck, residual_proj, residual)`` → {"projections_residual": (K,)} always,
     {"loss_test": float} when there are test points and {"eigenvalues_full": (Kf,)} for a
     multi-output network.
     """
@@ -183,9 +183,11 @@ class StepExtras:
         self.Kf = full_kernel_size(spec, data.n)
         self.Kc = per_class_size(spec, data.n)
 
-    def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint", evecs: np.ndarray,
+    def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint", residual_proj: np.ndarray,
                 residual: np.ndarray) -> dict[str, Any]:
-        out: dict[str, Any] = {"projections_residual": residual_projections(evecs, residual)}
+        """``residual_proj``: (K, Ko) = Vᵀ m_t, the residual's coordinates in G_t's top-K eigenvectors
+        (what :func:`residual_projections` squares and sums over the outputs)."""
+        out: dict[str, Any] = {"projections_residual": np.sum(np.asarray(residual_proj, np.float64) ** 2, axis=1)}
         if self.data.y_test.shape[0]:
             out["loss_test"] = loss_value(self.spec, self.data, ck.f_test, test=True)
         if self.Kf:
