@@ -26,7 +26,7 @@ class Eigenvalues(Panel):
     def __init__(self, run: "Run") -> None:
         self.rows = ks(int(run.dims.K))
         self.source = ColumnDataSource({"t": [], **{f"l{i}": [] for i in self.rows}})
-        fig = new_figure("", "step t", "eigenvalue λ_i^t", y_log=True, width=700)
+        fig = new_figure("", "step t", "eigenvalue λ_i^t", y_log=True, width=700, css_classes=["nsa-plot-eigenvalues"])
         for c, i in zip(PALETTE * 3, self.rows):
             fig.line("t", f"l{i}", source=self.source, color=c, legend_label=f"i = {i}", line_width=1.5)
             fig.scatter("t", f"l{i}", source=self.source, color=c, size=4)
