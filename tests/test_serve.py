@@ -19,6 +19,7 @@ from nsa_dist.errors import ServeError, StoreError
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.serve import ServeOptions, is_loopback, make_server
 from nsa_dist.store import SpectrumStore, run_summaries
+from test_s3 import s3_env  # noqa: F401  (the moto S3 server on loopback)
 
 SPEC = ExperimentSpec(name="served", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 12}, steps=8,
                       record={"every": 4}, spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4,
@@ -186,3 +187,54 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
     assert "holds TensorBoard event files already" in capsys.readouterr().err
     with pytest.raises(StoreError, match="no run 'nosuch'"):
         Client(store).run("nosuch")
+
+
+# --------------------------------------------------------------------------- a sweep's page
+def test_the_sweep_page_draws_fig7_per_selected_grid_point(tmp_path):
+    from nsa_dist.config import SweepSpec
+    from nsa_dist.serve.sweep_page import _FIGURES, SweepFigure
+
+    url = str(tmp_path / "sw.zarr")
+    sweep = SweepSpec(name="widths", base={**SPEC.model_dump(mode="json"), "hessian": None},
+                      grid={"model.width": [8, 12]})
+    ids = [run_experiment(s, SpectrumStore(url)).run_id for s in sweep.expand()]
+    SpectrumStore(url).record_sweep("widths", sweep.model_dump(mode="json"), ids)
+    sw = Client(url).sweep("widths")
+    by_label = {label: SweepFigure(*spec) for spec in _FIGURES for label in [spec[0]]}
+    for label, fig in by_label.items():
+        fig.update(fig.guarded((sw, 3, {"model.width": ["8", "12"]})))
+        assert not fig.error.visible, fig.error.text
+        assert len(fig.lines.data["xs"]) == 2, label
+    energy = {c.label: c for c in sw.curves("energy_y", 3)}
+    line = dict(zip(by_label["7a"].lines.data["label"], by_label["7a"].lines.data["ys"]))
+    for label, c in energy.items():
+        np.testing.assert_array_equal(line[label], c.mean)  # the curves of `nsa plot --sweep`
+    fig = by_label["7b"]
+    fig.update(fig.guarded((sw, 3, {"model.width": ["12"]})))  # the selector keeps one grid point
+    assert fig.lines.data["label"] == ["width=12"]
+    with _Served(ServeOptions(url, port=0)) as s:
+        assert s.get("/sweep?name=widths")[0] == 200
+
+
+# --------------------------------------------------------------------------- s3://
+def test_the_table_and_a_run_page_read_an_s3_store(store, s3_env):
+    import boto3
+
+    from test_s3 import _bucket
+
+    bucket = _bucket(s3_env)
+    s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"])
+    for p in Path(store).rglob("*"):
+        if p.is_file():
+            s3.put_object(Bucket=bucket, Key=f"s.zarr/{p.relative_to(store)}", Body=p.read_bytes())
+    url = f"s3://{bucket}/s.zarr"
+    remote, local = (run_summaries(SpectrumStore(u, mode="r")) for u in (url, store))
+    assert remote == local
+    from nsa_dist.serve.run_page import run_panels
+
+    run = Client(url).run("served")
+    for p in run_panels(run):
+        p.update(p.guarded(run))
+        assert not p.error.visible, p.error.text
+    with _Served(ServeOptions(url, port=0)) as s:
+        assert s.get("/")[0] == 200 and s.get(f"/run?id={run_id(SPEC)}")[0] == 200

@@ -89,7 +89,8 @@ def sweep_page(store: "SpectrumStore", refresh_s: float) -> Any:
         lock = threading.Lock()
         values = {f: sorted({str(v) for v in sweep.runs[f]}) for f in sweep.fields}
         pickers = {f: MultiChoice(title=f, value=list(v), options=list(v), width=260) for f, v in values.items()}
-        k = Spinner(title="k of Fig. 7a", low=1, step=1, value=400, width=120)
+        k = Spinner(title="k of Fig. 7a", low=1, step=1, width=120,
+                    value=min(400, sweep.smallest_k()) if len(sweep.groups()) else 400)  # the paper's k, ≤ every run's K
         header = Div(text="")
         figures = [SweepFigure(*spec) for spec in _FIGURES]
         state = {"sweep": sweep}
