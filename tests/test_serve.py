@@ -146,6 +146,12 @@ def test_serving_never_writes_to_the_store(store):
     assert _tree(store) == before
 
 
+def test_a_port_in_use_is_a_serve_error(store):
+    with _Served(ServeOptions(store, port=0)) as s:
+        with pytest.raises(ServeError, match=f"cannot listen on 127.0.0.1:{s.server.port}"):
+            make_server(ServeOptions(store, port=s.server.port))
+
+
 def test_a_missing_store_is_one_line(tmp_path, capsys):
     assert nsa(["serve", str(tmp_path / "none.zarr"), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
