@@ -10,6 +10,8 @@
     nsa status [JOB] / nsa logs JOB / nsa cancel JOB                   (--address, $RAY_ADDRESS)
     nsa status --store PATH              the runs' status (running only while a writer is alive)
     nsa verify [STORE] [--mark]          list damaged steps; --mark: forget them so a re-run recomputes them
+    nsa serve [STORE] [--port P]         a read-only web view of the store at http://127.0.0.1:P/, live
+    nsa export RUN --tensorboard DIR     a run's scalars and spectra as TensorBoard event files
 The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
 Every failure is one line on stderr (`_one_line`); --debug or NSA_DEBUG=1 adds the traceback.
 """
@@ -118,6 +120,18 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
     v.add_argument("--mark", "--repair", action="store_true", dest="mark",
                    help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)")
+    se = sub.add_parser("serve", help="a read-only web view of a store (runs, a run's figures, a sweep's), live")
+    se.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
+    se.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    se.add_argument("--port", type=int, default=5006, help="port (0: any free one; default 5006)")
+    se.add_argument("--allow-remote", action="store_true", help="consent to listen on a non-loopback --host")
+    se.add_argument("--token", default=os.environ.get("NSA_SERVE_TOKEN"),
+                    help="secret every request must carry (needed with --allow-remote; or $NSA_SERVE_TOKEN)")
+    se.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS", help="re-read the store this often")
+    ex = sub.add_parser("export", help="export a run's per-step scalars and spectra (TensorBoard event files)")
+    ex.add_argument("run")
+    ex.add_argument("--tensorboard", type=Path, required=True, metavar="DIR", help="log directory to write")
+    _store_arg(ex)
     return p
 
 
@@ -138,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot, "sweep": _cmd_sweep,
                 "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel,
-                "verify": _cmd_verify}[args.cmd](args)
+                "verify": _cmd_verify, "serve": _cmd_serve, "export": _cmd_export}[args.cmd](args)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every failure is reported here, once
         line, rc = _one_line(exc, args)
         if debug:
@@ -572,6 +586,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     for rid, idx in mark_damaged(SpectrumStore(args.store), damage).items():
         print(f"{rid}: step indices {idx} marked not done; re-run it (nsa run / nsa sweep) to recompute them")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from nsa_dist.serve import ServeOptions, serve
+
+    opts = ServeOptions(args.store, host=args.host, port=args.port, token=args.token, allow_remote=args.allow_remote,
+                        refresh_s=args.refresh)
+    serve(opts, announce=lambda url: print(f"nsa serve: {args.store} at {url} (read-only; Ctrl-C stops)", flush=True))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from nsa_dist.client import Client
+    from nsa_dist.export import export_tensorboard
+
+    run = Client(args.store).run(args.run)
+    out = export_tensorboard(run, args.tensorboard)
+    print(f"{run.id}: {out.scalars} scalar points in {len(out.tags)} tags and {out.spectra} spectra written to "
+          f"{out.logdir} (tensorboard --logdir {args.tensorboard})")
     return 0
 
 

@@ -8,7 +8,7 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 from __future__ import annotations
 
 __all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError", "ModelFactoryError",
-           "StoreError", "ModelForwardError", "AnalysisError", "ResourceError", "OutsideError"]
+           "StoreError", "ModelForwardError", "AnalysisError", "ResourceError", "OutsideError", "ServeError"]
 
 
 class NSAError(Exception):
@@ -33,6 +33,11 @@ class MissingDependencyError(NSAError, ImportError):
 
 class StoreError(NSAError, ValueError):
     """A spectrum store is missing, corrupt, or does not match the run being written."""
+
+
+class ServeError(NSAError, ValueError):
+    """``nsa serve`` refuses an unsafe or impossible setting (a non-loopback address without
+    ``--allow-remote`` and a token, a port in use)."""
 
 
 class ResourceError(NSAError, ValueError):

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import xarray
 
     from nsa_dist.client import Run
-    from nsa_dist.store import SpectrumStore
+    from nsa_dist.store import RunSummary, SpectrumStore
 
 __all__ = ["run_to_xarray", "runs_frame", "STATE_ARRAYS"]
 
@@ -73,22 +73,14 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _run_row(store: "SpectrumStore", rid: str, sweep: str | None) -> dict[str, Any]:
-    """One run's row; a damaged run gets status "damaged" and the error (naming the file) as its
+def _run_row(summary: "RunSummary", sweep: str | None) -> dict[str, Any]:
+    """One run's row; a damaged run has status "damaged" and the error (naming the file) as its
     reason, so that it never hides the others."""
-    from nsa_dist.errors import StoreError
-
-    try:
-        r = store.reader(rid)
-        status, reason = r.status()
-        steps = r.read("steps") if r.has("steps") else np.zeros(0, int)
-        done = np.flatnonzero(r.done)
-        return {"id": rid, "sweep": sweep, "status": status, "reason": reason, "steps_done": len(done),
-                "steps_total": len(steps), "last_step": int(steps[done[-1]]) if len(done) else None,
-                "data_fingerprint": r.attrs.get("data_fingerprint"), **_flatten(r.attrs.get("spec", {}))}
-    except StoreError as exc:
-        return {"id": rid, "sweep": sweep, "status": "damaged", "reason": str(exc), "steps_done": 0,
-                "steps_total": 0, "last_step": None}
+    row = {"id": summary.id, "sweep": sweep, "status": summary.status, "reason": summary.reason,
+           "steps_done": summary.steps_done, "steps_total": summary.steps_total, "last_step": summary.last_step}
+    if summary.status == "damaged":
+        return row
+    return {**row, "data_fingerprint": summary.data_fingerprint, **_flatten(summary.spec)}
 
 
 def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
@@ -110,13 +102,11 @@ def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -
     if sweep is not None and sweep not in sweeps:
         raise KeyError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
     member = {rid: name for name, ids in sweeps.items() for rid in ids}
-    ids = sweeps[sweep] if sweep is not None else store.run_ids()
-    rows = []
-    known = set(store.run_ids())
-    for rid in ids:
-        if rid not in known:
-            continue  # a sweep run not created yet
-        rows.append(_run_row(store, rid, member.get(rid)))
+    from nsa_dist.store import run_summaries
+
+    known = store.run_ids()
+    ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known  # not created yet: left out
+    rows = [_run_row(s, member.get(s.id)) for s in run_summaries(store, ids)]
     df = pd.DataFrame(rows, columns=None if rows else ["id", "sweep", "status", "reason", "steps_done",
                                                        "steps_total", "last_step", "data_fingerprint"])
     for key, value in where.items():

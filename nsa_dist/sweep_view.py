@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Client, Run
 
-__all__ = ["Sweep", "Curve", "QUANTITIES", "quantity"]
+__all__ = ["Sweep", "Curve", "QUANTITIES", "quantity", "varied_fields"]
 
 QUANTITIES = ("loss", "loss_recorded", "loss_test", "lambda_max", "stability_bound", "alignment",
               "first_order_error", "first_order_cos", "energy_y", "energy_f", "energy_residual", "energy_df",
@@ -109,6 +109,12 @@ def _stored_scalar(run: "Run", name: str, k: int | None) -> np.ndarray:
     return values[:, k - 1]
 
 
+def varied_fields(spec: dict[str, Any]) -> list[str]:
+    """The dotted spec fields a recorded sweep spec varies (its grid's, then its variants'), seed included."""
+    varied = list(spec.get("grid", {})) + [p for v in spec.get("variants", []) for p in v]
+    return list(dict.fromkeys(varied))
+
+
 @dataclass(frozen=True)
 class Curve:
     """One grid point of a sweep along t: the mean over its n runs (seeds) and the spread.
@@ -146,9 +152,7 @@ class Sweep:
     def __init__(self, client: "Client", name: str) -> None:
         self.client, self.name = client, name
         self.runs: "pandas.DataFrame" = client.runs(sweep=name)
-        spec = client.store.sweep_spec(name)  # KeyError naming the known sweeps
-        varied = list(spec.get("grid", {})) + [p for v in spec.get("variants", []) for p in v]
-        varied = list(dict.fromkeys(varied))
+        varied = varied_fields(client.store.sweep_spec(name))  # KeyError naming the known sweeps
         self.seeded = "seed" in varied
         self.fields = [f for f in varied if f != "seed" and f in self.runs.columns]
 

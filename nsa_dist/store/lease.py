@@ -18,6 +18,7 @@ alone cannot do this: the paused writer's first act on waking may be a write, no
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -106,6 +107,16 @@ def _alive(pid: int) -> bool:
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def parse_lease(raw: bytes | None) -> LeaseInfo | None:
+    """The lease in a lease group's ``zarr.json`` bytes; None when absent or torn (as good as none)."""
+    if raw is None:
+        return None
+    try:
+        return LeaseInfo.from_attrs(json.loads(raw).get("attributes", {}))
+    except (ValueError, AttributeError):
+        return None
 
 
 def effective_status(status: str | None, reason: str | None, lease: LeaseInfo | None,

@@ -23,7 +23,7 @@ from zarr.core.sync import sync
 
 from nsa_dist._fsspec import EXTRAS, require_extra, storage_options
 from nsa_dist.errors import StoreError
-from nsa_dist.store.lease import Lease, LeaseInfo, check_holder, effective_status
+from nsa_dist.store.lease import Lease, LeaseInfo, check_holder, effective_status, parse_lease
 from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
                                    run_arrays)
 
@@ -329,13 +329,7 @@ class SpectrumStore:
 
     def lease_info(self, run_id: str) -> LeaseInfo | None:
         """The run's lease as last written, or None."""
-        raw = self._get(f"leases/{run_id}/zarr.json")
-        if raw is None:
-            return None
-        try:
-            return LeaseInfo.from_attrs(json.loads(raw).get("attributes", {}))
-        except ValueError:
-            return None  # torn by hand: as good as no lease
+        return parse_lease(self._get(f"leases/{run_id}/zarr.json"))
 
     def creation_live(self, run_id: str) -> bool:
         """Whether a live writer (fresh lease) may still be creating run ``run_id``."""

@@ -1,0 +1,246 @@
+"""``nsa serve`` without a browser (issue 21): the table's rows, the safe defaults, damage shown
+on the page, never a write — and ``nsa export --tensorboard`` read back with TensorBoard's reader."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nsa_dist import Client
+from nsa_dist.cli import main as nsa
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.errors import ServeError, StoreError
+from nsa_dist.pipeline import run_experiment, run_id
+from nsa_dist.serve import ServeOptions, is_loopback, make_server
+from nsa_dist.store import SpectrumStore, run_summaries
+from test_s3 import s3_env  # noqa: F401  (the moto S3 server on loopback)
+
+SPEC = ExperimentSpec(name="served", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 12}, steps=8,
+                      record={"every": 4}, spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4,
+                                                     "test_points": True},
+                      hessian={"probes": 4, "rayleigh_k": 0, "top_k": 1, "density": False})
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """A store holding one finished run of SPEC (image data: eigenvector images; a Hessian block)."""
+    url = str(tmp_path_factory.mktemp("serve") / "s.zarr")
+    assert run_experiment(SPEC, SpectrumStore(url)).status == "done"
+    return url
+
+
+def _tree(url: str) -> dict[str, tuple[str, int]]:
+    """Every file of a local store: its content hash and mtime."""
+    return {str(p.relative_to(url)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(Path(url).rglob("*")) if p.is_file()}
+
+
+class _Served:
+    """A server of ``opts`` on its own IO loop thread, stopped on exit."""
+
+    def __init__(self, opts: ServeOptions) -> None:
+        self.server = make_server(opts)
+        self.server.start()
+        self.thread = threading.Thread(target=self.server.io_loop.start, daemon=True)
+
+    def __enter__(self) -> "_Served":
+        self.thread.start()
+        return self
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, str, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.server.port}{path}", headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode(), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(), dict(e.headers)
+
+    def __exit__(self, *exc) -> None:
+        self.server.io_loop.add_callback(self.server.io_loop.stop)
+        self.thread.join(timeout=10)
+        self.server.stop()
+
+
+# --------------------------------------------------------------------------- the table's rows
+def test_run_summaries_give_what_the_client_reads(store):
+    run = Client(store).run("served")
+    (s,) = run_summaries(SpectrumStore(store, mode="r"))
+    assert (s.id, s.status, s.steps_done, s.steps_total, s.last_step) == (run.id, "done", 3, 3, int(run.steps[-1]))
+    assert s.loss == float(run.train_loss[-1]) and s.lambda_max == float(run.lambda_max[-1])
+    (quick,) = run_summaries(SpectrumStore(store, mode="r"), steps=False)
+    assert quick.steps_done is None and quick.steps_total == 3 and quick.spec == s.spec
+
+
+def test_the_run_table_reads_the_steps_again_only_for_live_or_changed_runs(store, tmp_path):
+    from nsa_dist.serve.table import RunTable
+
+    table = RunTable(SpectrumStore(store, mode="r"))
+    assert [s.steps_done for s in table.quick()] == [None]  # the first listing: metadata only
+    assert [s.steps_done for s in table.refresh()] == [3]
+    assert [s.steps_done for s in table.quick()] == [3]  # a finished run keeps its step columns
+    cols = table.columns(table.refresh(), ["model.width"])
+    assert cols["progress"] == ["3/3"] and cols["model.width"] == ["12"] and cols["id"] == [run_id(SPEC)]
+
+
+def test_a_damaged_chunk_is_a_row_and_a_panel_message_not_a_crash(store, tmp_path):
+    import shutil
+
+    from nsa_dist.serve.run_page import run_panels
+
+    url = str(tmp_path / "d.zarr")
+    shutil.copytree(store, url)
+    rid = run_id(SPEC)
+    chunk = Path(url) / "runs" / rid / "eigenvalues" / "c" / "2" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    (row,) = run_summaries(SpectrumStore(url, mode="r"))
+    assert row.status == "damaged" and str(chunk) in row.reason, row.reason
+    run = Client(url).run(rid)
+    panels = {type(p).__name__: p for p in run_panels(run)}
+    for p in panels.values():
+        p.update(p.guarded(run))
+    eig = panels["Eigenvalues"]
+    assert eig.error.visible and not eig.body.visible and str(chunk) in eig.error.text, eig.error.text
+    assert not panels["Loss"].error.visible and panels["Loss"].body.visible  # the others go on
+    with _Served(ServeOptions(url, port=0)) as s:
+        assert s.get(f"/run?id={rid}")[0] == 200 and s.get("/")[0] == 200
+
+
+# --------------------------------------------------------------------------- safe by default
+def test_a_non_loopback_bind_needs_allow_remote_and_a_token(capsys):
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0")
+    with pytest.raises(ServeError, match="not a loopback address: pass --allow-remote and a --token"):
+        ServeOptions("x.zarr", host="0.0.0.0").check()
+    with pytest.raises(ServeError, match="needs a --token"):
+        ServeOptions("x.zarr", host="0.0.0.0", allow_remote=True).check()
+    ServeOptions("x.zarr", host="0.0.0.0", allow_remote=True, token="s3cret").check()
+    assert nsa(["serve", "x.zarr", "--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refusing to listen on '0.0.0.0'" in err[0], err
+
+
+def test_every_request_must_carry_the_token(store):
+    with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
+        assert s.get("/")[0] == 403
+        assert s.get("/?token=wrong")[0] == 403
+        status, body, headers = s.get("/?token=s3cret")
+        assert status == 200 and "nsa_serve_token=s3cret" in headers.get("Set-Cookie", ""), headers
+        assert s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret"})[0] == 200
+        assert s.get("/run?id=x", {"Cookie": "nsa_serve_token=nope"})[0] == 403
+
+
+def test_serving_never_writes_to_the_store(store):
+    before = _tree(store)
+    with _Served(ServeOptions(store, port=0, refresh_s=0.2)) as s:
+        for path in ("/", f"/run?id={run_id(SPEC)}", "/run?id=nosuchrun", "/sweep?name=nosuchsweep"):
+            assert s.get(path)[0] == 200
+        threading.Event().wait(1.0)  # the pages' periodic re-reads run meanwhile
+    assert _tree(store) == before
+
+
+def test_a_port_in_use_is_a_serve_error(store):
+    with _Served(ServeOptions(store, port=0)) as s:
+        with pytest.raises(ServeError, match=f"cannot listen on 127.0.0.1:{s.server.port}"):
+            make_server(ServeOptions(store, port=s.server.port))
+
+
+def test_a_missing_store_is_one_line(tmp_path, capsys):
+    assert nsa(["serve", str(tmp_path / "none.zarr"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no spectrum store at" in err[0], err
+
+
+# --------------------------------------------------------------------------- export
+def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    from nsa_dist.export import scalar_series
+
+    logdir = tmp_path / "tb"
+    assert nsa(["export", "served", "--tensorboard", str(logdir), "--store", store]) == 0
+    run = Client(store).run("served")
+    acc = EventAccumulator(str(logdir / run.id), size_guidance={"tensors": 0, "histograms": 0})
+    acc.Reload()
+    series = list(scalar_series(run))
+    assert {"loss/train", "spectrum/lambda_max", "energy_y/k_5", "hessian/Tr(S^2)_stderr"} <= {t for t, _, _ in series}
+    assert set(acc.Tags()["tensors"]) == {t for t, _, v in series if np.isfinite(v).any()}
+    for tag, t, v in series:
+        ok = np.isfinite(v)
+        if not ok.any():
+            continue
+        events = acc.Tensors(tag)
+        assert [e.step for e in events] == t[ok].tolist(), tag
+        got = np.array([tensor_util.make_ndarray(e.tensor_proto) for e in events], np.float64)
+        np.testing.assert_array_equal(got, v[ok], err_msg=tag)  # float64, exact
+        assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars", tag
+    np.testing.assert_array_equal([e.step for e in acc.Tensors("loss/train")], np.arange(SPEC.steps))
+    hist = acc.Histograms("spectrum/eigenvalues")
+    assert [h.step for h in hist] == run.steps.tolist()
+    for h, lam in zip(hist, run.eigenvalues):
+        np.testing.assert_array_equal(h.histogram_value.bucket_limit, np.sort(lam))  # the spectrum, unbinned
+        assert h.histogram_value.num == len(lam)
+    capsys.readouterr()
+    assert nsa(["export", "served", "--tensorboard", str(logdir), "--store", store]) == 2
+    assert "holds TensorBoard event files already" in capsys.readouterr().err
+    with pytest.raises(StoreError, match="no run 'nosuch'"):
+        Client(store).run("nosuch")
+
+
+# --------------------------------------------------------------------------- a sweep's page
+def test_the_sweep_page_draws_fig7_per_selected_grid_point(tmp_path):
+    from nsa_dist.config import SweepSpec
+    from nsa_dist.serve.sweep_page import _FIGURES, SweepFigure
+
+    url = str(tmp_path / "sw.zarr")
+    sweep = SweepSpec(name="widths", base={**SPEC.model_dump(mode="json"), "hessian": None},
+                      grid={"model.width": [8, 12]})
+    ids = [run_experiment(s, SpectrumStore(url)).run_id for s in sweep.expand()]
+    SpectrumStore(url).record_sweep("widths", sweep.model_dump(mode="json"), ids)
+    sw = Client(url).sweep("widths")
+    by_label = {label: SweepFigure(*spec) for spec in _FIGURES for label in [spec[0]]}
+    for label, fig in by_label.items():
+        fig.update(fig.guarded((sw, 3, {"model.width": ["8", "12"]})))
+        assert not fig.error.visible, fig.error.text
+        assert len(fig.lines.data["xs"]) == 2, label
+    energy = {c.label: c for c in sw.curves("energy_y", 3)}
+    line = dict(zip(by_label["7a"].lines.data["label"], by_label["7a"].lines.data["ys"]))
+    for label, c in energy.items():
+        np.testing.assert_array_equal(line[label], c.mean)  # the curves of `nsa plot --sweep`
+    fig = by_label["7b"]
+    fig.update(fig.guarded((sw, 3, {"model.width": ["12"]})))  # the selector keeps one grid point
+    assert fig.lines.data["label"] == ["width=12"]
+    with _Served(ServeOptions(url, port=0)) as s:
+        assert s.get("/sweep?name=widths")[0] == 200
+
+
+# --------------------------------------------------------------------------- s3://
+def test_the_table_and_a_run_page_read_an_s3_store(store, s3_env):
+    import boto3
+
+    from test_s3 import _bucket
+
+    bucket = _bucket(s3_env)
+    s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"])
+    for p in Path(store).rglob("*"):
+        if p.is_file():
+            s3.put_object(Bucket=bucket, Key=f"s.zarr/{p.relative_to(store)}", Body=p.read_bytes())
+    url = f"s3://{bucket}/s.zarr"
+    remote, local = (run_summaries(SpectrumStore(u, mode="r")) for u in (url, store))
+    assert remote == local
+    from nsa_dist.serve.run_page import run_panels
+
+    run = Client(url).run("served")
+    for p in run_panels(run):
+        p.update(p.guarded(run))
+        assert not p.error.visible, p.error.text
+    with _Served(ServeOptions(url, port=0)) as s:
+        assert s.get("/")[0] == 200 and s.get(f"/run?id={run_id(SPEC)}")[0] == 200

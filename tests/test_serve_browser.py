@@ -1,0 +1,166 @@
+"""``nsa serve`` in a real browser (issue 21): Debian's Chromium, driven by Playwright, watches a
+store that a Tracker is filling — the run table, a run's page whose step count grows, and a
+screenshot of a plot that holds its lines.
+
+Set NSA_SERVE_SCREENSHOT=docs/serve.png to keep the page's screenshot (the README's).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nsa_dist import Tracker  # imported here, not in the writer's thread: no import race with the test's reads
+from nsa_dist.config import DataSpec, ModelSpec
+from nsa_dist.data import load_dataset
+from nsa_dist.models import build_model
+from nsa_dist.store import SpectrumStore, run_summaries
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium): the "
+                                                          "browser test of nsa serve needs one")]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+STEPS, EVERY = 30, 5  # recorded: 0, 5, …, 25 and the last, 29
+
+
+class _Writer(threading.Thread):
+    """A user's GD loop recording into ``url`` through a Tracker; it pauses after recording
+    ``pause_after`` steps until ``go`` is set."""
+
+    def __init__(self, url: str, pause_after: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.pause_after, self.go, self.error = url, pause_after, threading.Event(), None
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 — the test reports it
+            self.error = exc
+
+    def _loop(self) -> None:
+        data = load_dataset(DataSpec(n=30), seed=0)
+        model = build_model(ModelSpec(depth=2, width=16), seed=0)
+        tr = Tracker(self.url, "watched", model, data.X, data.y, steps=STEPS, record={"every": EVERY},
+                     spectrum={"k": 8, "images": [1, 2], "image_size": 6, "fourier_size": 5}, optimizer="gd",
+                     hessian={"probes": 4, "rayleigh_k": 0, "top_k": 1, "density": False}, max_inflight=1)
+        X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
+        opt, recorded = torch.optim.SGD(model.parameters(), lr=0.25), 0
+        for t in range(STEPS):
+            opt.zero_grad()
+            loss = 0.5 * ((model(X) - y) ** 2).reshape(len(X), -1).sum(1).mean()
+            if tr.due(t):
+                if recorded == self.pause_after:
+                    self.go.wait(300)
+                tr.record(t, lr=0.25, loss=loss.item())
+                recorded += 1
+            else:
+                tr.log(t, loss.item())
+            loss.backward()
+            opt.step()
+        tr.close()
+
+
+def _done(url: str) -> int:
+    if not (Path(url) / "runs" / "watched" / "zarr.json").exists():
+        return 0
+    rows = run_summaries(SpectrumStore(url, mode="r"))
+    return rows[0].steps_done or 0 if rows else 0
+
+
+def _wait(cond, what: str, timeout: float = 120.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _shadow_text(page, css: str) -> str:
+    """The text of a Bokeh element (rendered in its shadow root)."""
+    return page.locator(css).first.evaluate("e => (e.shadowRoot || e).textContent")
+
+
+def _steps_done(page) -> int:
+    m = re.search(r"steps done: (\d+)/(\d+)", _shadow_text(page, ".nsa-header"))
+    return int(m.group(1)) if m else -1
+
+
+def _line_pixels(png: bytes, rgb: tuple[int, int, int]) -> int:
+    """Pixels of the screenshot within a small distance of colour ``rgb`` (a plotted line's)."""
+    import io
+
+    from PIL import Image
+
+    a = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), np.int32)  # (H, W, 3)
+    return int((np.abs(a - np.asarray(rgb)).sum(-1) < 40).sum())
+
+
+def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url = str(tmp_path / "live.zarr")
+    writer = _Writer(url, pause_after=2)
+    writer.start()
+    _wait(lambda: _done(url) >= 1 or writer.error, "the writer's first step")
+    assert writer.error is None, writer.error
+    S = run_summaries(SpectrumStore(url, mode="r"))[0].steps_total
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    server = subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", "serve", url, "--port", "0", "--refresh", "0.5"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = server.stdout.readline()
+        m = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
+        assert m, f"nsa serve printed {line!r}"
+        base = m.group(1)
+        with sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
+                                                        args=ARGS, headless=True,
+                                                        viewport={"width": 1400, "height": 1000})
+            try:
+                page = ctx.new_page()
+                page.goto(base)
+                _wait(lambda: "watched" in " ".join(page.locator(".slick-cell").all_inner_texts()), "the run table")
+                cells = page.locator(".slick-cell").all_inner_texts()
+                assert any(re.fullmatch(rf"[1-{S}]/{S}", c) for c in cells), cells  # progress read from the store
+                page.goto(f"{base}run?id=watched")
+                page.locator(".nsa-plot-eigenvalues").first.wait_for(timeout=60000)
+                before = _wait(lambda: _steps_done(page) if _steps_done(page) >= 1 else None, "the run page")
+                assert before <= 3  # the writer is paused after its second step (one may still be finishing)
+                writer.go.set()
+                after = _wait(lambda: _steps_done(page) if _steps_done(page) > before else None,
+                              "the step count to grow on the page")
+                assert after > before
+                _wait(lambda: _steps_done(page) == S, "every step on the page", timeout=180)
+                page.wait_for_timeout(1000)  # the redraw after the last step
+                shot = page.locator(".nsa-plot-eigenvalues").first.screenshot()
+                assert _line_pixels(shot, (0x1F, 0x77, 0xB4)) > 200  # λ_1's line (PALETTE[0]) is drawn
+                assert _line_pixels(shot, (0xFF, 0x7F, 0x0E)) > 200  # λ_2's
+                assert "damaged" not in _shadow_text(page, ".nsa-header")
+                keep = os.environ.get("NSA_SERVE_SCREENSHOT")
+                if keep:
+                    page.screenshot(path=keep, clip={"x": 0, "y": 0, "width": 1400, "height": 1500}, full_page=True)
+                page.goto(base)
+                _wait(lambda: f"{S}/{S}" in page.locator(".slick-cell").all_inner_texts(), "the table's progress S/S")
+            finally:
+                ctx.close()
+    finally:
+        server.terminate()
+        out = server.communicate(timeout=30)[0]
+        writer.go.set()
+        writer.join(timeout=120)
+    assert writer.error is None, writer.error
+    assert "Traceback" not in out, out[-3000:]
