@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from pydantic import ValidationError
 
@@ -27,7 +28,7 @@ from nsa_dist.data._formats import IDX_IMAGES, read_idx
 from nsa_dist.errors import ResourceError
 from nsa_dist.models import build_model
 from nsa_dist.pipeline.budget import check_fits, fc_sizes, footprint
-from nsa_dist.pipeline.spectral import _feature_width
+from nsa_dist.ntk.blocks import feature_width
 from nsa_dist.specfile import SpecError, load_spec, load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +169,7 @@ def test_a_sweep_is_counted_before_it_is_expanded_and_the_limit_is_raised_explic
 def test_closed_form_parameter_count_and_feature_width_match_the_built_net(model):
     m = ModelSpec(input_dim=3, output_dim=2, **model)
     net = build_model(m)
-    assert fc_sizes(m) == (sum(p.numel() for p in net.parameters()), _feature_width(net, 2))
+    assert fc_sizes(m) == (sum(p.numel() for p in net.parameters()), feature_width(net, torch.zeros(2, 3)))
 
 
 def test_the_memory_estimate_refuses_past_the_machine_and_past_an_auto_budget(monkeypatch):

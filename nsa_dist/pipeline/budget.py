@@ -29,12 +29,15 @@ __all__ = ["Footprint", "fc_sizes", "footprint", "check_fits"]
 
 
 def fc_sizes(m: ModelSpec) -> tuple[int, int]:
-    """(P, Σ_l (n_in + 1 + K·n_out)) of a fully-connected net, by arithmetic over its layer widths
-    d → w → … → w → K (``depth`` Linear layers, each with a bias)."""
+    """(P, feature width) of a fully-connected net, by arithmetic over its layer widths d → w → …
+    → w → K (``depth`` Linear layers, each with a bias).  The width is the structured features'
+    numbers per point, Σ_l (pad8(n_in + 1) + K·pad8(n_out)) — the block features are zero-padded
+    to multiples of 8 columns (:func:`~nsa_dist.ntk.blocks.feature_width` measures the same)."""
     d, w, K, L = m.input_dim, m.width, m.output_dim, m.depth
     shapes = [(d, K, 1)] if L == 1 else [(d, w, 1), (w, w, L - 2), (w, K, 1)]  # (n_in, n_out, how many)
+    pad8 = lambda n: -(-n // 8) * 8  # noqa: E731
     P = sum(c * (n_in + 1) * n_out for n_in, n_out, c in shapes)
-    width = sum(c * (n_in + 1 + K * n_out) for n_in, n_out, c in shapes)
+    width = sum(c * (pad8(n_in + 1) + K * pad8(n_out)) for n_in, n_out, c in shapes)
     return P, width
 
 
