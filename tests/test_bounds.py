@@ -40,6 +40,9 @@ CHILD = r"""
 import contextlib, io, json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # a regression fails here, not in the machine's swap
 from nsa_dist.cli import main
+def peak_mb():  # this program's own peak (VmHWM); ru_maxrss would carry the forking parent's over exec
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
 out = []
 for argv in json.loads(sys.argv[1]):
     err = io.StringIO()
@@ -49,7 +52,7 @@ for argv in json.loads(sys.argv[1]):
     except BaseException as exc:  # what escaped nsa's handler (e.g. MemoryError)
         rc = f"raised {type(exc).__name__}"
     out.append({"rc": rc, "err": err.getvalue()[-20000:], "chars": len(err.getvalue()),
-                "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+                "peak_mb": peak_mb()})
 print(json.dumps(out))
 """
 

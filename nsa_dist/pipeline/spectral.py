@@ -23,6 +23,7 @@ from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, explain_method, gram, jacobian_vector_product, prepare_model
 from nsa_dist.ntk.blocks import feature_width
 from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.trainer import CHUNK_POINTS
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.model_state import model_inputs
@@ -181,7 +182,10 @@ class SpectralAnalyzer:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
         X = self.X.to(self.dtype) if self.X.is_floating_point() else self.X  # token ids stay integers
         model = self.model if next(self.model.parameters()).dtype == self.dtype else prepare_model(self.model, self.dtype)
-        return jacobian_vector_product(model, X, torch.as_tensor(dtheta)).cpu().numpy()
+        dtheta = torch.as_tensor(dtheta)
+        c = X.shape[0] if self.ntk_paths["method"] == NTKMethod.BATCH.value else CHUNK_POINTS  # coupled: one batch
+        return torch.cat([jacobian_vector_product(model, X[s:s + c], dtheta)
+                          for s in range(0, X.shape[0], c)]).cpu().numpy()
 
     def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> dict[str, Any]:
         """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout."""

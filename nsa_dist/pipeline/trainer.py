@@ -12,9 +12,16 @@ from nsa_dist.config import ExperimentSpec, OptimizerName
 from nsa_dist.data import Dataset
 from nsa_dist.losses import cross_entropy_loss, is_cross_entropy, is_nce, nce_loss
 from nsa_dist.models import build_model
+from nsa_dist.ntk import sample_coupling
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 
 __all__ = ["Trainer", "TrainingDiverged"]
+
+# Points per forward/backward pass when a step's batch is larger (GD's full batch at N = 50,000
+# CIFAR images would keep 11 GB of a small CNN's activations): every loss is a mean over points,
+# so the gradient is the sum of the pieces' gradients weighted n_piece / n — the same gradient,
+# one piece's activations.  A model that couples samples (batch statistics) takes its batch whole.
+CHUNK_POINTS = 4096
 
 
 class TrainingDiverged(FloatingPointError):
@@ -53,6 +60,8 @@ class Trainer:
         self.record = spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.record)}
         self.opt = self._optimizer()
+        big = self.X.shape[0] > CHUNK_POINTS
+        self._chunk = CHUNK_POINTS if big and sample_coupling(self.model, self.X[:4]) is None else None
         self.gen = torch.Generator().manual_seed(spec.seed + 7919)
         self.step = 0
         self.on_update: Callable[[int, float], None] | None = None  # called after every update
@@ -112,7 +121,8 @@ class Trainer:
         return parameters_to_vector(self.model.parameters()).detach().cpu().numpy().copy()  # (P,)
 
     # ------------------------------------------------------------------ training
-    def _loss(self, idx: torch.Tensor | None) -> torch.Tensor:
+    def _loss(self, idx: torch.Tensor | slice | None) -> torch.Tensor:
+        """L over the points ``idx`` (None: all), a mean over them."""
         X, y = (self.X, self.y) if idx is None else (self.X[idx], self.y[idx])
         if self._nce is not None:
             label, log_noise = (t if idx is None else t[idx] for t in self._nce)
@@ -128,17 +138,30 @@ class Trainer:
             return None
         return torch.randperm(self.X.shape[0], generator=self.gen)[:b].to(self.device)
 
+    def _pieces(self, idx: torch.Tensor | None) -> list[tuple[torch.Tensor | slice | None, float]]:
+        """The batch ``idx`` (None: every point) as pieces of at most ``CHUNK_POINTS`` points, each
+        with its weight n_piece / n; one piece, weight 1, when it is small or the model couples samples."""
+        n = self.X.shape[0] if idx is None else idx.shape[0]
+        c = self._chunk
+        if c is None or n <= c:
+            return [(idx, 1.0)]
+        return [(slice(s, min(s + c, n)) if idx is None else idx[s:s + c], min(c, n - s) / n) for s in range(0, n, c)]
+
     def _update(self) -> float:
         """One update θ_t → θ_{t+1}; returns the full-data loss L(θ_t) for GD, the batch loss otherwise."""
         lr = self.spec.lr_at(self.step)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
-        loss = self._loss(self._batch())
-        value = float(loss.detach())
-        if not np.isfinite(value):
-            raise TrainingDiverged(self.step, value)
-        loss.backward()
+        value = 0.0
+        for piece, weight in self._pieces(self._batch()):
+            loss = self._loss(piece)
+            loss = loss if weight == 1.0 else loss * weight
+            part = float(loss.detach())
+            if not np.isfinite(part):
+                raise TrainingDiverged(self.step, part)
+            loss.backward()  # gradients add up over the pieces
+            value += part
         self.opt.step()
         self.step += 1
         if self.on_update is not None:
@@ -147,7 +170,17 @@ class Trainer:
 
     @torch.no_grad()
     def outputs(self, X: torch.Tensor) -> np.ndarray:
-        return self.model(X).cpu().numpy().copy() if X.shape[0] else np.zeros((0,) + tuple(self.y.shape[1:]), np.float32)
+        """f(X), in pieces of ``CHUNK_POINTS`` points for a model that does not couple samples."""
+        if not X.shape[0]:
+            return np.zeros((0,) + tuple(self.y.shape[1:]), np.float32)
+        if self._chunk is None or X.shape[0] <= self._chunk:
+            return self.model(X).cpu().numpy().copy()
+        return torch.cat([self.model(X[s:s + self._chunk]) for s in range(0, X.shape[0], self._chunk)]).cpu().numpy()
+
+    @torch.no_grad()
+    def full_loss(self) -> float:
+        """L(θ) over every training point (summed over pieces as the update's gradient is)."""
+        return sum(float(self._loss(piece)) * weight for piece, weight in self._pieces(None))
 
     def train_until(self, stop: int) -> Iterator[Checkpoint]:
         """Run updates until ``self.step == stop``, yielding a checkpoint at each recorded step."""
@@ -158,8 +191,7 @@ class Trainer:
                 self._trace.append(self._update())
                 continue
             theta, f, f_test = self.theta(), self.outputs(self.X), self.outputs(self.X_test)
-            with torch.no_grad():
-                loss = float(self._loss(None))
+            loss = self.full_loss()
             if not np.isfinite(loss):
                 raise TrainingDiverged(t, loss)
             lr, state = self.spec.lr_at(t), self.state()
