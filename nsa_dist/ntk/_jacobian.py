@@ -30,7 +30,8 @@ _JAC_CACHE_BYTES = 2 * 2**30
 def jacobian_fn(model: nn.Module, K: int, names: tuple[str, ...] | None = None
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x (b, …) ↦ J (b, K, P_names): per-sample Jacobians of the outputs w.r.t. the trainable
-    parameters ``names`` (default all), every other parameter held fixed."""
+    parameters ``names`` (default all), every other parameter held fixed; P_names is the
+    function's ``n_params`` attribute."""
     trainable = trainable_params(model)
     names = tuple(trainable) if names is None else names
     params = {k: trainable[k].detach() for k in names}
@@ -65,6 +66,7 @@ def jacobian_fn(model: nn.Module, K: int, names: tuple[str, ...] | None = None
                 state["vmap"] = False  # e.g. no vmap rule for an RNN; exact by the loop from now on
         return by_loop(xb)
 
+    J.n_params = sum(p.numel() for p in params.values())  # type: ignore[attr-defined]
     return J
 
 
