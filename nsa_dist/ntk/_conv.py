@@ -38,6 +38,7 @@ from torch.func import functional_call, vjp, vmap
 
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk import _inputs
+from nsa_dist.ntk._attention import Projection, attention_ok, decomposed_forwards, projections
 from nsa_dist.ntk._contract import add_factors, add_formed, tile_slices
 from nsa_dist.ntk._jacobian import jacobian_fn
 from nsa_dist.ntk._probe import ForwardPlan, FastLayer, plan_forward
@@ -92,8 +93,19 @@ def _kind(lay: FastLayer) -> str:
 
 
 def per_layer_layers(plan: ForwardPlan) -> list[_Layer]:
-    """The fast layers of a plan with the route of each."""
-    return [_Layer(lay.module, lay.params, lay.w, lay.b, _kind(lay), lay.clone_out) for lay in plan.layers]
+    """The fast layers of a plan with the route of each; a self-attention module becomes its two
+    projections (:class:`~nsa_dist.ntk._attention.Projection`), each a Linear at every position."""
+    out = []
+    for lay in plan.layers:
+        if not attention_ok(lay.module):
+            out.append(_Layer(lay.module, lay.params, lay.w, lay.b, _kind(lay), lay.clone_out))
+            continue
+        for proj in projections(lay.module):
+            w, b = (n in lay.params for n in proj.names)
+            params = tuple(k for k, t in zip(("weight", "bias"), (w, b)) if t)
+            if params:
+                out.append(_Layer(proj, params, 1.0 if w else None, 1.0 if b else None, "linear", False))
+    return out
 
 
 def conv_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
@@ -187,7 +199,11 @@ def _pass(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, 
     D (b, K·n_out)) of the factored layers among ``layers`` into ``factors``, in order."""
     off, f = 0, 0
     if layers:
-        acts, Z, grads = layer_passes(model, [lay.module for lay in layers], x, K, [lay.clone_out for lay in layers])
+        pairs = {id(lay.module.owner): (lay.module.owner,) + lay.module.pair for lay in layers
+                 if isinstance(lay.module, Projection)}
+        with decomposed_forwards(list(pairs.values())):
+            acts, Z, grads = layer_passes(model, [lay.module for lay in layers], x, K,
+                                          [lay.clone_out for lay in layers])
         for i, lay in enumerate(layers):
             A = acts[i]
             deltas = [g[i] for g in grads]  # K × (b, …) or None
