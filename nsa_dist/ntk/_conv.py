@@ -12,9 +12,12 @@ output a give, for every fast layer, its input ``A`` and its output gradient ``�
   (the batch folded into the groups), ``∂f_a/∂b = β·Σ_pos δ_a``.
 - BatchNorm in eval mode (running statistics), ``z = γ·x̂ + β`` with
   ``x̂ = (A − μ_run)/√(σ²_run + ε)``: ``∂f_a/∂γ = Σ_pos δ_a ⊙ x̂``, ``∂f_a/∂β = Σ_pos δ_a``.
-- Linear on (n, …, features) inputs (applied at L positions): ``∂f_a/∂W = w·Σ_p δ_{a,p} a_pᵀ``.
-- Any other known layer (Embedding, LayerNorm, GroupNorm, RMSNorm, convolutions with other
-  padding modes): the VJP of the layer alone at its own input,
+- LayerNorm likewise with ``x̂`` normalised over the layer's own shape (``F.layer_norm`` of A).
+- Embedding on token ids t: ``∂f_a/∂E = Σ_p e_{t_p} δ_{a,p}ᵀ`` (a scatter-add of the output
+  gradients into the rows of the tokens, none into ``padding_idx``).
+- Linear on (n, …, features) inputs (applied at L positions): ``∂f_a/∂W = w·Σ_p δ_{a,p} a_pᵀ``;
+  the two projections of an unmasked self-attention are two such layers (:mod:`._attention`).
+- Any other known layer (GroupNorm, RMSNorm, convolutions with other padding modes): the VJP of the layer alone at its own input,
   ``∂f_a/∂θ_l = vjp(θ ↦ layer(A; θ))(δ_a)``, batched over samples.
 - The rest (recurrent, attention, shared weights, custom modules): per-sample Jacobians of the
   whole model with respect to those parameters only (:func:`~nsa_dist.ntk._jacobian.jacobian_fn`).
@@ -32,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torch.func import functional_call, vjp, vmap
@@ -57,8 +61,8 @@ class _Layer:
     """A fast layer: its trainable parameters (local names) and the route of their gradients.
 
     ``kind``: "factor" (Linear on 2-D inputs: factors Â, D), "conv" (Conv1d/2d/3d), "bn" (eval
-    BatchNorm), "linear" (Linear at L positions) — formed by the closed forms of the module
-    docstring — or "local" (formed by the VJP of the layer alone).
+    BatchNorm), "ln" (LayerNorm), "emb" (Embedding), "linear" (Linear at L positions) — formed by
+    the closed forms of the module docstring — or "local" (formed by the VJP of the layer alone).
     """
 
     module: nn.Module
@@ -89,6 +93,10 @@ def _kind(lay: FastLayer) -> str:
         return "bn"
     if isinstance(m, nn.Linear) and set(lay.params) <= {"weight", "bias"}:
         return "linear"
+    if type(m).forward is nn.LayerNorm.forward:
+        return "ln"
+    if type(m).forward is nn.Embedding.forward and not m.scale_grad_by_freq and m.max_norm is None:
+        return "emb"
     return "local"
 
 
@@ -158,6 +166,12 @@ def _write_formed(lay: _Layer, A: torch.Tensor, deltas: list[torch.Tensor | None
     if lay.kind == "bn":
         stat = (1, -1) + (1,) * (A.ndim - 2)
         xhat = (A - m.running_mean.view(stat)) * torch.rsqrt(m.running_var.view(stat) + m.eps)  # (b, C, …)
+    elif lay.kind == "ln":
+        red = tuple(range(1, A.ndim - len(m.normalized_shape)))  # positions
+        xhat = F.layer_norm(A, m.normalized_shape, None, None, m.eps)  # (b, …, *shape)
+    elif lay.kind == "emb":
+        ids = A.reshape(b, -1, 1).expand(-1, -1, m.embedding_dim)  # (b, L, d)
+        keep = None if m.padding_idx is None else (A.reshape(b, -1, 1) != m.padding_idx)  # (b, L, 1)
     for a, d in enumerate(deltas):
         dst = out[:, a]  # (b, P_l)
         if d is None:
@@ -167,12 +181,18 @@ def _write_formed(lay: _Layer, A: torch.Tensor, deltas: list[torch.Tensor | None
             dst.copy_(_local_grad(lay, A, d))
             continue
         c = 0
-        if lay.kind == "bn":
+        if lay.kind == "emb":
+            src = d.reshape(b, -1, m.embedding_dim)  # (b, L, d)
+            dst.zero_()
+            dst.view(b, m.num_embeddings, m.embedding_dim).scatter_add_(1, ids, src if keep is None else src * keep)
+            continue
+        if lay.kind in ("bn", "ln"):
             if "weight" in lay.params:
-                torch.sum(d * xhat, dim=red, out=dst[:, :A.shape[1]]) if red else dst[:, :A.shape[1]].copy_(d * xhat)
-                c = A.shape[1]
+                gw = (d * xhat).sum(red) if red else d * xhat  # (b, C) or (b, *shape)
+                c = gw[0].numel()
+                dst[:, :c].copy_(gw.reshape(b, c))
             if "bias" in lay.params:
-                dst[:, c:].copy_(d.sum(red) if red else d)
+                dst[:, c:].copy_((d.sum(red) if red else d).reshape(b, -1))
             continue
         if lay.kind == "conv":
             if lay.w is not None:
