@@ -84,7 +84,7 @@ def test_column_groups_give_the_same_kernel(monkeypatch, kernel):
     formed = [lay for lay in per_layer_layers(plan_forward(model, x)) if not lay.factored]
     P = sum(lay.n_formed for lay in formed)
     monkeypatch.setattr(_inputs, "FEATURE_BYTES", (6 + 3) * 2 * P * 8 / 3)  # about a third of M (x and x2)
-    groups = _column_groups(formed, 0, (6 + 3) * 2, 8)
+    groups = _column_groups(formed, {}, (6 + 3) * 2, 8)
     assert len(groups) >= 3, groups
     assert sorted((id(lay) for ls, _ in groups for lay in ls)) == sorted(id(lay) for lay in formed)  # each once
     full = kernel == "full"
@@ -111,5 +111,11 @@ def test_generic_parameters_in_their_own_group(monkeypatch):
     model, x = Tied().double(), torch.randn(5, 2, 4, 4, dtype=F64)
     _, routes = explain_method(model, x)
     assert routes["c.weight"][0] == "jacobian" and routes["c2.weight"][0] == "per_layer", routes
-    monkeypatch.setattr(_inputs, "FEATURE_BYTES", 5 * 60 * 8)  # below one group holding both
+    gen = {"c.weight": 36, "c.bias": 2}
+    monkeypatch.setattr(_inputs, "FEATURE_BYTES", 5 * 40 * 8)  # about a quarter of M: the tied weight alone
+    formed = [lay for lay in per_layer_layers(plan_forward(model, x)) if not lay.factored]
+    groups = _column_groups(formed, gen, 5, 8)
+    assert [(len(ls), names) for ls, names in groups] == [(0, ("c.weight",)), (0, ("c.bias",)), (1, ())], groups
     assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-10, "tied conv, column groups")
+    assert_close_rel(gram(model, x, x[:2] + 1, kernel="full"), dense_ntk(model, x, x[:2] + 1, full=True), 1e-10,
+                     "tied conv, column groups, cross full")

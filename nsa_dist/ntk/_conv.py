@@ -301,26 +301,25 @@ def _tile(fi: tuple, fj: tuple, i: slice, j: slice, K: int, full: bool) -> torch
     return out
 
 
-def _column_groups(formed: list[_Layer], n_generic: int, rows: int, itemsize: int
-                   ) -> list[tuple[list[_Layer], bool]]:
+def _column_groups(formed: list[_Layer], generic: dict[str, int], rows: int, itemsize: int
+                   ) -> list[tuple[list[_Layer], tuple[str, ...]]]:
     """The formed columns in g = ⌈rows·P_formed·itemsize / FEATURE_BYTES⌉ groups of about equal
-    width (``rows`` = N·K rows each): (layers, takes the generic parameters) per group.  The
-    generic parameters come first, then the layers latest first (a group of late layers needs
-    only a short backward pass); a layer is never split."""
-    units: list[tuple[_Layer | None, int]] = ([(None, n_generic)] if n_generic else []) + \
-        [(lay, lay.n_formed) for lay in reversed(formed)]
+    width (``rows`` = N·K rows each): (layers, generic parameter names) per group.  The generic
+    parameters (name → size) come first, then the layers latest first (a group of late layers
+    needs only a short backward pass); a layer or a parameter is never split."""
+    units: list[tuple[_Layer | str, int]] = list(generic.items()) + [(lay, lay.n_formed) for lay in reversed(formed)]
     total = sum(c for _, c in units)
     if not total:
         return []
     n_groups = max(1, -(-rows * total * itemsize // _inputs.FEATURE_BYTES))
-    groups: list[tuple[list[_Layer], bool]] = [([], False)]
+    groups: list[tuple[list[_Layer], list[str]]] = [([], [])]
     used = 0
-    for lay, cols in units:
+    for unit, cols in units:
         if used and used + cols / 2 > total / n_groups * len(groups):  # past this group's share
-            groups.append(([], False))
-        groups[-1] = (groups[-1][0] + ([lay] if lay is not None else []), groups[-1][1] or lay is None)
+            groups.append(([], []))
+        groups[-1][1 if isinstance(unit, str) else 0].append(unit)
         used += cols
-    return [(sorted(ls, key=formed.index), gen) for ls, gen in groups]
+    return [(sorted(ls, key=formed.index), tuple(names)) for ls, names in groups]
 
 
 def per_layer_gram(model: nn.Module, layers: list[_Layer], generic: tuple[str, ...], x1: torch.Tensor,
@@ -343,30 +342,29 @@ def per_layer_gram(model: nn.Module, layers: list[_Layer], generic: tuple[str, .
     sym = x2 is None
     n1, n2 = x1.shape[0], (x1 if sym else x2).shape[0]
     like = next(p for p in model.parameters() if p.requires_grad)
-    jac = jacobian_fn(model, K, generic) if generic else None
-    n_gen = sum(model.get_parameter(n).numel() for n in generic)
+    gen = {n: model.get_parameter(n).numel() for n in generic}
     formed = [lay for lay in layers if not lay.factored]
     factored = [lay for lay in layers if lay.factored]
     G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=like.dtype, device=like.device)
     tiles = tile_slices(n1, n2, block, sym)
-    rows = (n1 + (0 if sym else n2)) * K
-    groups = _column_groups(formed, n_gen, rows, like.element_size()) or [([], False)]
-    width = max(sum(lay.n_formed for lay in ls) + (n_gen if gen else 0) for ls, gen in groups)
+    groups = _column_groups(formed, gen, (n1 + (0 if sym else n2)) * K, like.element_size()) or [([], ())]
+    width = max(sum(lay.n_formed for lay in ls) + sum(gen[n] for n in names) for ls, names in groups)
     buf1 = like.new_empty(n1 * K * width)
     buf2 = None if sym else like.new_empty(n2 * K * width)
     F1 = _factor_arrays(factored, n1, K, like)
     F2 = F1 if sym else _factor_arrays(factored, n2, K, like)
-    for g, (ls, gen) in enumerate(groups):
+    r = K if full else 1
+    for g, (ls, names) in enumerate(groups):
         pass_layers = sorted(ls + (factored if g == 0 else []), key=layers.index)
-        cols = sum(lay.n_formed for lay in ls) + (n_gen if gen else 0)
+        jac = jacobian_fn(model, K, names) if names else None
+        cols = sum(lay.n_formed for lay in ls) + sum(gen[n] for n in names)
         M1 = buf1[:n1 * K * cols].view(n1, K, cols)
-        _fill(model, pass_layers, jac if gen else None, x1, K, M1, F1 if g == 0 else [])
+        _fill(model, pass_layers, jac, x1, K, M1, F1 if g == 0 else [])
         M2 = M1
         if not sym:
             M2 = buf2[:n2 * K * cols].view(n2, K, cols)
-            _fill(model, pass_layers, jac if gen else None, x2, K, M2, F2 if g == 0 else [])
+            _fill(model, pass_layers, jac, x2, K, M2, F2 if g == 0 else [])
         if cols:
-            r = K if full else 1
             add_formed(G.view(n1 * r, n2 * r), M1.view(n1 * r, -1), M2.view(n2 * r, -1), tiles, r, sym)
     del buf1, buf2
     add_factors(G, F1, F2, tiles, K, full)
