@@ -119,3 +119,15 @@ def test_generic_parameters_in_their_own_group(monkeypatch):
     assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-10, "tied conv, column groups")
     assert_close_rel(gram(model, x, x[:2] + 1, kernel="full"), dense_ntk(model, x, x[:2] + 1, full=True), 1e-10,
                      "tied conv, column groups, cross full")
+
+
+def test_wide_convolution_patches_route_matches_jacrev():
+    """Convolutions with ≥ 64 input channels take the unfold route of _conv_weight_grad."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(64, 3, 3, stride=2, padding=1), nn.ReLU(inplace=True), nn.Conv2d(3, 2, 2),
+                          nn.Flatten(), nn.Linear(2, 2)).double()
+    x = torch.randn(4, 64, 4, 4, dtype=F64)
+    assert [lay.kind for lay in per_layer_layers(plan_forward(model, x))] == ["conv", "conv", "factor"]
+    for full in (False, True):
+        assert_close_rel(gram(model, x, kernel="full" if full else "trace"), dense_ntk(model, x, full=full), 1e-10,
+                         f"wide conv ({'full' if full else 'trace'})")
