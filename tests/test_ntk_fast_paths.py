@@ -121,8 +121,8 @@ def test_generic_parameters_in_their_own_group(monkeypatch):
                      "tied conv, column groups, cross full")
 
 
-def test_wide_convolution_patches_route_matches_jacrev():
-    """Convolutions with ≥ 64 input channels take the unfold route of _conv_weight_grad."""
+def test_wide_strided_convolution_matches_jacrev():
+    """The grouped convolution_backward with many channels per sample, stride and padding."""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Conv2d(64, 3, 3, stride=2, padding=1), nn.ReLU(inplace=True), nn.Conv2d(3, 2, 2),
                           nn.Flatten(), nn.Linear(2, 2)).double()
