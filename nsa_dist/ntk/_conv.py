@@ -159,6 +159,14 @@ def _local_grad(lay: _Layer, A: torch.Tensor, delta: torch.Tensor) -> torch.Tens
     return vmap(one)(A, delta)
 
 
+def _scaled_into(dst: torch.Tensor, g: torch.Tensor, scale: float) -> None:
+    """dst = scale·g (a plain copy for the usual scale 1)."""
+    if scale == 1.0:
+        dst.copy_(g)
+    else:
+        torch.mul(g, scale, out=dst)
+
+
 def _write_formed(lay: _Layer, A: torch.Tensor, deltas: list[torch.Tensor | None], out: torch.Tensor) -> None:
     """Per-sample gradients of a formed layer into out (b, K, P_l), from its input A (b, …) and
     the output gradients δ_a (b, …) of each model output a (None: f_a does not depend on it)."""
@@ -199,17 +207,17 @@ def _write_formed(lay: _Layer, A: torch.Tensor, deltas: list[torch.Tensor | None
             if lay.w is not None:
                 g = _conv_weight_grad(m, A, d)  # (b, C_out·C_in/g·∏k)
                 c = g.shape[1]
-                torch.mul(g, lay.w, out=dst[:, :c])
+                _scaled_into(dst[:, :c], g, lay.w)
             bias = d.sum(red)  # (b, C_out)
         else:  # Linear at L positions
             dz = d.reshape(b, -1, d.shape[-1]).transpose(1, 2)  # (b, n_out, L)
             if lay.w is not None:
                 g = torch.bmm(dz, A.reshape(b, -1, A.shape[-1])).view(b, -1)  # (b, n_out·n_in)
                 c = g.shape[1]
-                torch.mul(g, lay.w, out=dst[:, :c])
+                _scaled_into(dst[:, :c], g, lay.w)
             bias = dz.sum(-1)  # (b, n_out)
         if lay.b is not None:
-            torch.mul(bias, lay.b, out=dst[:, c:])
+            _scaled_into(dst[:, c:], bias, lay.b)
 
 
 def _pass(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, M: torch.Tensor | None,
