@@ -131,3 +131,20 @@ def test_wide_strided_convolution_matches_jacrev():
     for full in (False, True):
         assert_close_rel(gram(model, x, kernel="full" if full else "trace"), dense_ntk(model, x, full=full), 1e-10,
                          f"wide conv ({'full' if full else 'trace'})")
+
+
+@pytest.mark.parametrize("kernel", ["trace", "full"])
+def test_contraction_in_column_chunks_and_uneven_tiles(monkeypatch, kernel):
+    """G += M_I[:, c] M_J[:, c]ᵀ over many column chunks, odd tile sizes (diagonal sub-tiles of 1)."""
+    from nsa_dist.ntk import _contract
+
+    monkeypatch.setattr(_contract, "_COLUMNS", 7)
+    torch.manual_seed(5)
+    model, x = Mixed(K=2).double(), _points(9)
+    full = kernel == "full"
+    for block in (1, 2, 5):
+        assert_close_rel(gram(model, x, kernel=kernel, block_size=block), dense_ntk(model, x, full=full), 1e-10,
+                         f"column chunks of 7, block {block}, {kernel}")
+    x2 = _points(4)
+    assert_close_rel(gram(model, x, x2, kernel=kernel, block_size=2), dense_ntk(model, x, x2, full=full), 1e-10,
+                     f"column chunks of 7, cross {kernel}")
