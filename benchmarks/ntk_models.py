@@ -1,7 +1,7 @@
 """NTK Gramians of the models people bring (issue 17): a torchvision-style ResNet and a token Transformer.
 
 Run: ``python benchmarks/ntk_models.py [--parts ab] [--n-resnet 2000] [--n-small 500] [--n-transformer 1000]
-[--batch 250 500] [--jacobian-cached] [--skip-jacobian] [--skip-nngeometry] [--one-group] [--repeat R] [--json FILE]``.
+[--batch 250 500] [--jacobian-cached] [--skip-jacobian] [--skip-nngeometry] [--one-group] [--threads T] [--repeat R] [--json FILE]``.
 
 (a) ResNet-20-style network on 3×32×32 inputs, float32: stem conv 3→16 + BatchNorm + ReLU, three
     stages of 3 BasicBlocks (16 / 32 / 64 channels; stride-2 downsampling by a 1×1 conv + BatchNorm
@@ -325,11 +325,15 @@ def main() -> None:
                    help="(a) also the jacobian method with J held in memory where it exceeds its cache limit")
     p.add_argument("--one-group", action="store_true",
                    help="also the default method with the feature memory rule lifted (M in one group)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default torch's; 1 gives figures robust to other jobs on shared cores)")
     p.add_argument("--repeat", type=int, default=1, help="calls per method (the minimum time is reported)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
     global REPEAT, ONE_GROUP
     REPEAT, ONE_GROUP = max(1, args.repeat), args.one_group
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {_load()}")
     results: dict = {}
     if "a" in args.parts:

@@ -135,14 +135,16 @@ def test_wide_strided_convolution_matches_jacrev():
 
 @pytest.mark.parametrize("kernel", ["trace", "full"])
 def test_contraction_in_column_chunks_and_uneven_tiles(monkeypatch, kernel):
-    """G += M_I[:, c] M_J[:, c]ᵀ over many column chunks, odd tile sizes (diagonal sub-tiles of 1)."""
+    """G += M_I[:, c] M_J[:, c]ᵀ over many column chunks, odd tile sizes, diagonal tiles split
+    recursively down to sub-tiles of one point."""
     from nsa_dist.ntk import _contract
 
     monkeypatch.setattr(_contract, "_COLUMNS", 7)
+    monkeypatch.setattr(_contract, "_MIN_SUB", 1)
     torch.manual_seed(5)
     model, x = Mixed(K=2).double(), _points(9)
     full = kernel == "full"
-    for block in (1, 2, 5):
+    for block in (1, 2, 5, 9):
         assert_close_rel(gram(model, x, kernel=kernel, block_size=block), dense_ntk(model, x, full=full), 1e-10,
                          f"column chunks of 7, block {block}, {kernel}")
     x2 = _points(4)

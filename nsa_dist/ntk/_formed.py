@@ -111,8 +111,7 @@ def write_formed(lay: Layer, A: torch.Tensor, deltas: list[torch.Tensor | None],
     m, b = lay.module, A.shape[0]
     red = tuple(range(2, A.ndim))  # positions (conv, batch norm)
     if lay.kind == "bn":
-        stat = (1, -1) + (1,) * (A.ndim - 2)
-        xhat = (A - m.running_mean.view(stat)) * torch.rsqrt(m.running_var.view(stat) + m.eps)  # (b, C, …)
+        xhat = F.batch_norm(A, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)  # (b, C, …) in one pass
     elif lay.kind == "ln":
         red = tuple(range(1, A.ndim - len(m.normalized_shape)))  # positions
         xhat = F.layer_norm(A, m.normalized_shape, None, None, m.eps)  # (b, …, *shape)
