@@ -72,7 +72,7 @@ def _conv_weight_grad(m: nn.Module, A: torch.Tensor, dz: torch.Tensor) -> torch.
     layer's own groups): input (1, b·C_in, …), output gradient (1, b·C_out, …), so its "weight
     gradient" (b·C_out, C_in/g, k…) holds every sample's gradient.  On the ResNet of
     benchmarks/ntk_models.py (128 points, 3–64 channels) 3.2× faster in all than offset-wise
-    batched products of strided views and 15× faster than ``unfold`` (CPU ``im2col``) + ``bmm``.
+    batched products of strided views and 11× faster than ``unfold`` (CPU ``im2col``) + ``bmm``.
     """
     b, C, O = A.shape[0], A.shape[1], dz.shape[1]
     w_shape = (b * O, C // m.groups) + tuple(m.kernel_size)
