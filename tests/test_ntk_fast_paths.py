@@ -150,3 +150,36 @@ def test_contraction_in_column_chunks_and_uneven_tiles(monkeypatch, kernel):
     x2 = _points(4)
     assert_close_rel(gram(model, x, x2, kernel=kernel, block_size=2), dense_ntk(model, x, x2, full=full), 1e-10,
                      f"column chunks of 7, cross {kernel}")
+
+
+def test_attention_with_an_instance_forward_is_left_alone():
+    """A forward set on the instance (here a call-counting wrapper with the same output) is not
+    the standard forward: the generic path, and the user's wrapper is still there afterwards."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.calls = 0
+            std = self.att.forward
+
+            def counted(*a, **k):
+                self.calls += 1
+                return std(*a, **k)
+
+            self.att.forward = counted
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(self.att(x, x, x)[0].mean(1)).squeeze(-1)
+
+    torch.manual_seed(6)
+    model, x = Net().double(), torch.randn(5, 3, 4, dtype=F64)
+    wrapper = model.att.forward
+    _, routes = explain_method(model, x)
+    assert routes["att.in_proj_weight"][0] == "jacobian" and routes["att.out_proj.weight"][0] == "jacobian", routes
+    assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-10, "attention with an instance forward")
+    assert model.att.forward is wrapper
+    before = model.calls
+    model(x)
+    assert model.calls == before + 1
