@@ -183,3 +183,24 @@ def test_attention_with_an_instance_forward_is_left_alone():
     before = model.calls
     model(x)
     assert model.calls == before + 1
+
+
+def test_features_and_tile_keep_their_contract():
+    """``_features`` / ``_tile`` (used by the distributed layouts): Σ of tiles = the kernel, with
+    jacobian_fn's Jacobians or any plain x ↦ (b, K, P) callable for the generic parameters."""
+    from nsa_dist.ntk._conv import _features, _tile
+    from nsa_dist.ntk._jacobian import jacobian_fn
+
+    torch.manual_seed(7)
+    model, x = Mixed(K=2).double(), _points(6)
+    plan = plan_forward(model, x)
+    layers = per_layer_layers(plan)
+    names = ("att.in_proj_weight", "att.in_proj_bias")  # pretend generic: drop the projections' layers
+    layers = [lay for lay in layers if getattr(lay.module, "names", (None,))[0] != "in_proj_weight"]
+    assert len(layers) == len(per_layer_layers(plan)) - 1
+    J = jacobian_fn(model, 2, names)
+    for jac in (J, lambda xb: J(xb)):  # the second has no n_params attribute
+        f = _features(model, layers, jac, x, 2)
+        for full in (False, True):
+            G = _tile(f, f, slice(0, 6), slice(0, 6), 2, full)
+            assert_close_rel(G, dense_ntk(model, x, full=full), 1e-10, f"_features/_tile ({'full' if full else 'trace'})")

@@ -140,7 +140,8 @@ def _features(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: i
     n = x.shape[0]
     like = next(p for p in model.parameters() if p.requires_grad)
     factors = _factor_arrays(layers, n, K, like)
-    cols = sum(lay.n_formed for lay in layers) + (jac.n_params if jac is not None else 0)
+    n_jac = 0 if jac is None else getattr(jac, "n_params", None) or jac(x[:1]).shape[2]  # any x ↦ (b, K, P) callable
+    cols = sum(lay.n_formed for lay in layers) + n_jac
     M = like.new_empty(n, K, cols) if cols else None
     _fill(model, layers, jac, x, K, M, factors)
     return factors, (M.view(n, K * cols) if M is not None else None)
