@@ -150,13 +150,30 @@ class TinyTransformer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    """Self-attention; ``mode``: "plain" (returns weights, batch_first), "seq_first" (sequence-first
+    layout, weights per head), "causal" (a mask: generic path), "cross" (query ≠ key: generic path),
+    "weights" (the model uses the attention weights: the decomposition returns them too)."""
+
+    def __init__(self, mode="plain"):
         super().__init__()
-        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.mode = mode
+        self.att = nn.MultiheadAttention(4, 2, batch_first=mode != "seq_first")
         self.head = nn.Linear(4, 1)
 
-    def forward(self, x):
-        out, _ = self.att(x, x, x)
+    def forward(self, x):  # x (n, T, 4)
+        if self.mode == "seq_first":
+            out, _ = self.att(*(x.transpose(0, 1),) * 3, average_attn_weights=False)
+            out = out.transpose(0, 1)
+        elif self.mode == "causal":
+            T = x.shape[1]
+            out, _ = self.att(x, x, x, attn_mask=torch.triu(torch.ones(T, T, dtype=torch.bool), 1))
+        elif self.mode == "cross":
+            out, _ = self.att(x, torch.tanh(x), torch.tanh(x))
+        elif self.mode == "weights":
+            out, w = self.att(x, x, x)
+            out = out * w.sum(-1, keepdim=True) + w @ x
+        else:
+            out, _ = self.att(x, x, x)
         return self.head(out.mean(1)).squeeze(-1)
 
 
@@ -187,11 +204,20 @@ PATTERNS = {
     "embedding_tokens": (TokenBag, lambda: torch.randint(0, 11, (7, 5)), {"emb.weight": "per_layer",
                                                                           "fc.weight": "structured"}),
     "transformer_tokens": (lambda: TinyTransformer().eval(), lambda: torch.randint(0, 13, (5, 6)),
-                           {"emb.weight": "per_layer", "enc.self_attn.in_proj_weight": "jacobian",
+                           {"emb.weight": "per_layer", "enc.self_attn.in_proj_weight": "per_layer",
+                            "enc.self_attn.out_proj.weight": "per_layer",
                             "enc.linear1.weight": "per_layer", "enc.norm1.weight": "per_layer",
                             "head.weight": "structured"}),
-    "multihead_attention": (Attention, lambda: torch.randn(5, 3, 4, dtype=F64),
-                            {"att.in_proj_weight": "jacobian", "att.out_proj.weight": "jacobian"}),
+    "multihead_attention": (Attention, lambda: torch.randn(5, 3, 4, dtype=F64), "per_layer_or_structured"),
+    "attention_seq_first": (lambda: Attention("seq_first"), lambda: torch.randn(5, 3, 4, dtype=F64),
+                            "per_layer_or_structured"),
+    "attention_weights_used": (lambda: Attention("weights"), lambda: torch.randn(5, 3, 4, dtype=F64),
+                               "per_layer_or_structured"),
+    "attention_causal_mask": (lambda: Attention("causal"), lambda: torch.randn(5, 3, 4, dtype=F64),
+                              {"att.in_proj_weight": "jacobian", "att.out_proj.weight": "jacobian",
+                               "head.weight": "structured"}),
+    "cross_attention": (lambda: Attention("cross"), lambda: torch.randn(5, 3, 4, dtype=F64),
+                        {"att.in_proj_bias": "jacobian", "att.out_proj.bias": "jacobian"}),
     "conv1d_groupnorm": (lambda: nn.Sequential(nn.Conv1d(2, 4, 3, stride=2, dilation=1, padding=1), nn.GroupNorm(2, 4),
                                                nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4, 1)),
                          lambda: torch.randn(6, 2, 8, dtype=F64), {"0.weight": "per_layer", "1.weight": "per_layer"}),

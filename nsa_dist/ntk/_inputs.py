@@ -10,6 +10,11 @@ from torch import nn
 from nsa_dist._checks import check_finite
 from nsa_dist.errors import ShapeError
 
+# Feature memory rule shared by the NTK paths: per-sample gradients / Jacobians of all points are
+# held in memory while they fit in this many bytes; past it they are split into groups of columns
+# (per_layer: one forward/backward pass over the data per group).
+FEATURE_BYTES = 2 * 2**30
+
 def prepare_model(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """Check ``model`` is an nn.Module with trainable parameters; a copy cast to ``dtype`` if it differs."""
     if not isinstance(model, nn.Module):

@@ -18,19 +18,21 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
+from nsa_dist.ntk import _inputs
 from nsa_dist.ntk._inputs import as_2d, trainable_params
 
 __all__ = ["jacobian_fn", "jacobian_gram", "batch_jacobian_gram"]
 
-# Per-block Jacobians of the second input are cached while they fit under this many bytes;
-# past it they are recomputed for every row block (memory stays at two blocks).
-_JAC_CACHE_BYTES = 2 * 2**30
+# Per-block Jacobians of the second input are cached while they fit in _inputs.FEATURE_BYTES
+# (the feature memory rule of every NTK path); past it they are recomputed for every row block
+# (memory stays at two blocks).
 
 
 def jacobian_fn(model: nn.Module, K: int, names: tuple[str, ...] | None = None
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x (b, …) ↦ J (b, K, P_names): per-sample Jacobians of the outputs w.r.t. the trainable
-    parameters ``names`` (default all), every other parameter held fixed."""
+    parameters ``names`` (default all), every other parameter held fixed; P_names is the
+    function's ``n_params`` attribute."""
     trainable = trainable_params(model)
     names = tuple(trainable) if names is None else names
     params = {k: trainable[k].detach() for k in names}
@@ -65,6 +67,7 @@ def jacobian_fn(model: nn.Module, K: int, names: tuple[str, ...] | None = None
                 state["vmap"] = False  # e.g. no vmap rule for an RNN; exact by the loop from now on
         return by_loop(xb)
 
+    J.n_params = sum(p.numel() for p in params.values())  # type: ignore[attr-defined]
     return J
 
 
@@ -116,7 +119,7 @@ def jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K
     n1, n2 = x1.shape[0], xs2.shape[0]
     G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=_dtype(model), device=x1.device)
     P = sum(p.numel() for p in trainable_params(model).values())
-    J2 = _cached(lambda t: J(xs2[t:t + block]), n2 * K * P * G.element_size() <= _JAC_CACHE_BYTES)
+    J2 = _cached(lambda t: J(xs2[t:t + block]), n2 * K * P * G.element_size() <= _inputs.FEATURE_BYTES)
     J1 = J2 if sym else (lambda s: J(x1[s:s + block]))
     return _contract(G, J1, J2, n1, n2, block, sym, full, K)
 
@@ -155,6 +158,6 @@ def batch_jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | N
     P = sum(p.numel() for p in trainable_params(model).values())
     r1 = _batch_rows(model, x1, K)
     r2 = r1 if sym else _batch_rows(model, x2, K)
-    J2 = _cached(lambda t: r2(t, min(t + block, n2)), n2 * K * P * G.element_size() <= _JAC_CACHE_BYTES)
+    J2 = _cached(lambda t: r2(t, min(t + block, n2)), n2 * K * P * G.element_size() <= _inputs.FEATURE_BYTES)
     J1 = J2 if sym else (lambda s: r1(s, min(s + block, n1)))
     return _contract(G, J1, J2, n1, n2, block, sym, full, K)

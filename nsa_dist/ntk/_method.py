@@ -21,10 +21,13 @@ class NTKMethod(str, Enum):
         sample to (n, features) inputs — MLPs, residual MLPs, the NTK parametrisation.
     PER_LAYER: the hybrid ``G = Σ_g J_g J_gᵀ`` over parameter groups: the structured factors of
         Linear layers, formed per-sample gradients of Conv1d/2d/3d, Embedding, LayerNorm,
-        GroupNorm and eval-mode BatchNorm layers from their inputs and output gradients, and
-        per-sample Jacobians (torch.func) for every other parameter (recurrent, attention,
-        tied weights).  Wins for CNNs, ResNets and Transformers: one unsupported module costs
-        only its own parameters' Jacobians.
+        GroupNorm, eval-mode BatchNorm and unmasked self-attention (its two projections) from
+        their inputs and output gradients, and per-sample Jacobians (torch.func) for every other
+        parameter (recurrent, masked attention, tied weights), contracted at the GEMM rate on
+        upper tiles.  Costs O(N²·P_formed) plus about three passes' work per point for the
+        features; memory ``min(N·K·P_formed, FEATURE_BYTES)`` plus G (past the budget, one
+        extra forward/backward pass per column group).  Wins for CNNs, ResNets and Transformers:
+        one unsupported module costs only its own parameters' Jacobians.
     JACOBIAN: per-sample Jacobians from ``torch.func`` (``vmap(jacrev)``; one reverse pass per point
         where vmap has no rule) contracted block by block, ``G_IJ = J_I J_Jᵀ``.  Costs O(N²·P)
         plus the Jacobians: exact for any module whose samples do not interact.

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
+from nsa_dist.ntk._attention import attention_ok, attention_call_ok
 from nsa_dist.ntk._inputs import as_2d, trainable_params
 from nsa_dist.ntk._state import batch_stat_modules, preserved
 
@@ -193,18 +194,23 @@ def _plan_layers(model: nn.Module, xs: torch.Tensor, params: dict[str, torch.Ten
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
             owner.setdefault(id(p), (mname, m, pname))
+    attention = {mname for mname, m in model.named_modules()
+                 if attention_ok(m) and any(p.requires_grad for p in m.parameters())}
     cands = {mname: m for mname, m in model.named_modules()
-             if any(p.requires_grad for p in m.parameters(recurse=False)) and _standard(m)}
+             if mname in attention or (any(p.requires_grad for p in m.parameters(recurse=False)) and _standard(m))}
+    cands = {n: m for n, m in cands.items() if n.rpartition(".")[0] not in attention}  # out_proj goes with its attention
     calls: dict[str, list] = {n: [] for n in cands}
 
     def hook(name):
-        def f(mod, inp, out):
-            a = inp[0] if inp else None
-            calls[name].append((a, a._version if isinstance(a, torch.Tensor) else None, out,
-                                out._version if isinstance(out, torch.Tensor) else None))
+        def f(mod, args, kwargs, out):
+            a = args[0] if args else kwargs.get("query", kwargs.get("input"))
+            z = out[0] if name in attention and isinstance(out, tuple) else out
+            why = attention_call_ok(mod, args, kwargs, out) if name in attention else None
+            calls[name].append((a, a._version if isinstance(a, torch.Tensor) else None, z,
+                                z._version if isinstance(z, torch.Tensor) else None, why))
         return f
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in cands.items()]
+    handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in cands.items()]
     try:
         with torch.enable_grad():
             out = as_2d(model(xs))
@@ -215,32 +221,39 @@ def _plan_layers(model: nn.Module, xs: torch.Tensor, params: dict[str, torch.Ten
     routes: dict[str, tuple[str, str]] = {}
     layers: list[FastLayer] = []
     for mname, m in cands.items():
-        local = tuple(pn for pn, p in m.named_parameters(recurse=False) if p.requires_grad)
+        local = tuple(pn for pn, p in m.named_parameters(recurse=mname in attention) if p.requires_grad)
         seen = calls[mname]
         why = None
         if len(seen) != 1:
             why = f"module {mname!r} is called {len(seen)} times per forward"
         else:
-            a, va, z, vz = seen[0]
-            shared = [pn for pn in local if uses.get(id(getattr(m, pn)), 0) != 1]
-            if shared:
+            a, va, z, vz, why = seen[0]
+            why = f"{type(m).__name__} ({mname!r}): {why}" if why else None
+            shared = [pn for pn in local if uses.get(id(m.get_parameter(pn)), 0) != 1]
+            if why is None and shared:
                 pn = shared[0]
-                why = (f"parameter {mname}.{pn} is used {uses.get(id(getattr(m, pn)), 0)} times per forward "
+                why = (f"parameter {mname}.{pn} is used {uses.get(id(m.get_parameter(pn)), 0)} times per forward "
                        "(shared or tied)")
-            elif not isinstance(a, torch.Tensor) or not isinstance(z, torch.Tensor):
+            elif why is None and (not isinstance(a, torch.Tensor) or not isinstance(z, torch.Tensor)):
                 why = f"module {mname!r} does not map one tensor to one tensor"
-            elif a._version != va:
+            elif why is None and a._version != va:
                 why = f"the input of {mname!r} is modified in place after the call"
         names = [f"{mname}.{pn}" if mname else pn for pn in local]
         if why is not None:
             for n in names:
                 routes[n] = (Route.JACOBIAN, why)
             continue
-        a, _, z, vz = seen[0]
+        a, _, z, vz, _ = seen[0]
         factored = isinstance(m, nn.Linear) and a.ndim == 2
         clone = z._version != vz
         path = Route.STRUCTURED if factored else Route.PER_LAYER
         note = f"{type(m).__name__} used once" + ("; its output is modified in place (cloned)" if clone else "")
+        if mname in attention:
+            if clone:
+                for n in names:
+                    routes[n] = (Route.JACOBIAN, f"the output of {mname!r} is modified in place")
+                continue
+            note += " as unmasked self-attention: its projections as Linear layers at every position"
         for n in names:
             routes[n] = (path, note)
         layers.append(FastLayer(mname, m, local, factored, clone))

@@ -1,0 +1,129 @@
+"""Self-attention as two Linear layers at every position, for the per-layer NTK (private).
+
+``nn.MultiheadAttention`` (packed in-projection, no bias_k/bias_v, no zero attention, no dropout)
+applied as self-attention without masks is
+
+    qkv = x W_inᵀ + b_in            (n, T, 3E)   — a Linear at T positions
+    ctx = softmax(q kᵀ/√d_h) v      (n, T, E)    per head, no parameters
+    out = ctx W_outᵀ + b_out        (n, T, E)    — a Linear at T positions
+
+so ``∂f_a/∂W_in = Σ_t δqkv_{a,t} x_tᵀ`` and ``∂f_a/∂W_out = Σ_t δout_{a,t} ctx_tᵀ`` from the inputs
+and output gradients of the two projections: the per-layer path's "Linear at L positions".
+During a feature pass the module's forward is replaced by exactly this decomposition, with the
+projections as :class:`Projection` modules the pass can hook; :func:`attention_call_ok` (at probe
+time) checks the call and that the decomposition gives the module's own output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Projection", "attention_ok", "attention_call_ok", "decomposed", "decomposed_forwards", "projections"]
+
+
+class Projection(nn.Module):
+    """One projection of a MultiheadAttention as a Linear layer: ``x ↦ x Wᵀ + b`` with the
+    attention module's own parameters (``owner``'s ``names``)."""
+
+    def __init__(self, owner: nn.MultiheadAttention, weight: str, bias: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "owner", owner)  # not a submodule
+        self.names = (weight, bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return _attr(self.owner, self.names[0])
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return _attr(self.owner, self.names[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _attr(m: nn.Module, dotted: str) -> torch.Tensor | None:
+    """``m.a.b`` by attribute access (so ``torch.func.functional_call``'s swapped tensors are seen)."""
+    for part in dotted.split("."):
+        m = getattr(m, part)
+    return m
+
+
+def attention_ok(m: nn.Module) -> bool:
+    """A standard MultiheadAttention whose forward the decomposition reproduces."""
+    return (isinstance(m, nn.MultiheadAttention) and type(m).forward is nn.MultiheadAttention.forward
+            and "forward" not in m.__dict__ and m._qkv_same_embed_dim and m.in_proj_weight is not None and m.bias_k is None
+            and m.bias_v is None and not m.add_zero_attn and (m.dropout == 0.0 or not m.training))
+
+
+def _call(args: tuple, kwargs: dict) -> dict:
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+             "is_causal")
+    call = {"key_padding_mask": None, "need_weights": True, "attn_mask": None, "average_attn_weights": True,
+            "is_causal": False}
+    call.update(dict(zip(names, args)))
+    call.update(kwargs)
+    return call
+
+
+def attention_call_ok(m: nn.MultiheadAttention, args: tuple, kwargs: dict, out: object) -> str | None:
+    """Why one recorded call of m is outside the decomposition (None: inside, and it reproduces
+    the module's output to rounding)."""
+    c = _call(args, kwargs)
+    q = c.get("query")
+    if not (q is c.get("key") is c.get("value")) or not isinstance(q, torch.Tensor) or q.ndim != 3:
+        return "it is not called as batched self-attention (query is key is value)"
+    if c["key_padding_mask"] is not None or c["attn_mask"] is not None or c["is_causal"]:
+        return "it is called with a mask"
+    with torch.no_grad():
+        mine = decomposed(m, *projections(m), *args, **kwargs)
+    ref = out[0] if isinstance(out, tuple) else out
+    tol = 1e-9 if q.dtype == torch.float64 else 1e-4
+    if not isinstance(ref, torch.Tensor) or mine[0].shape != ref.shape or \
+            (mine[0] - ref).abs().max() > tol * ref.abs().max().clamp_min(1.0):
+        return "its output differs from the decomposition into projections"
+    return None
+
+
+def decomposed(m: nn.MultiheadAttention, p_in: Projection, p_out: Projection, query: torch.Tensor,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The module's forward for an unmasked self-attention call, through the projections."""
+    c = _call((query,) + args, kwargs)
+    x = query if m.batch_first else query.transpose(0, 1)  # (n, T, E)
+    n, T, E = x.shape
+    h = m.num_heads
+    q, k, v = (t.reshape(n, T, h, E // h).transpose(1, 2) for t in p_in(x).chunk(3, dim=-1))  # (n, h, T, d_h)
+    weights = None
+    if c["need_weights"]:
+        att = torch.softmax((q * (E // h) ** -0.5) @ k.transpose(-2, -1), dim=-1)  # (n, h, T, T)
+        ctx = att @ v
+        weights = att.mean(1) if c["average_attn_weights"] else att
+    else:
+        ctx = F.scaled_dot_product_attention(q, k, v)  # (n, h, T, d_h)
+    out = p_out(ctx.transpose(1, 2).reshape(n, T, E))  # (n, T, E)
+    return (out if m.batch_first else out.transpose(0, 1)), weights
+
+
+def projections(m: nn.MultiheadAttention) -> tuple[Projection, Projection]:
+    """The in- and out-projection of m as Linear-like modules (each knows the pair as ``pair``)."""
+    pair = (Projection(m, "in_proj_weight", "in_proj_bias"), Projection(m, "out_proj.weight", "out_proj.bias"))
+    for p in pair:
+        object.__setattr__(p, "pair", pair)
+    return pair
+
+
+@contextlib.contextmanager
+def decomposed_forwards(pairs: list[tuple[nn.MultiheadAttention, Projection, Projection]]) -> Iterator[None]:
+    """Within the block, each attention module runs :func:`decomposed` through its projections."""
+    for m, p_in, p_out in pairs:
+        m.forward = lambda *a, _m=m, _i=p_in, _o=p_out, **k: decomposed(_m, _i, _o, *a, **k)
+    try:
+        yield
+    finally:
+        for m, _, _ in pairs:
+            del m.forward
