@@ -107,12 +107,14 @@ def test_block_rows_and_matrix_free_equal_local_in_process(base):
 
 CNN8 = {"factory": "nsa_dist.models:cnn", "kwargs": {"in_channels": 1, "image_size": 8, "channels": [3], "hidden": [8]}}
 RESNET = {"factory": "user_models:inplace_resnet", "kwargs": {"channels": 2}}
+TIED = {"factory": "user_models:tied_mlp", "kwargs": {"d": 64, "width": 6}}
 
 
-@pytest.mark.parametrize("model", [CNN8, RESNET], ids=["cnn-factory", "inplace-bn-resnet"])
+@pytest.mark.parametrize("model", [CNN8, RESNET, TIED], ids=["cnn-factory", "inplace-bn-resnet", "tied-weights"])
 def test_gang_layouts_of_a_per_layer_model_equal_local(model):
     """block_rows tiles and matrix_free shards built from per-layer features (convolutions, eval-mode
-    BN, in-place ReLU, a residual sum) give the local step's numbers (float64)."""
+    BN, in-place ReLU, a residual sum, a weight shared by two layers: its per-sample Jacobian) give
+    the local step's numbers (float64)."""
     base = {**BASE, "data": {"name": "digits", "n": 53, "n_test": 9}, "model": model,
             "spectrum": {**BASE["spectrum"], "images": []}}
     res = _analyses(base, [("local", 1), ("block_rows", 3), ("matrix_free", 2)], hessian=False)

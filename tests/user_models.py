@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -27,3 +28,21 @@ def inplace_resnet(channels: int = 3, eval_bn: bool = True) -> nn.Module:
                       nn.BatchNorm2d(channels), nn.ReLU(inplace=True), _Block(channels), nn.AdaptiveAvgPool2d(2),
                       nn.Flatten(), nn.Linear(4 * channels, 1), nn.Flatten(0))
     return m.eval() if eval_bn else m
+
+
+class _Tied(nn.Module):
+    def __init__(self, d: int, width: int) -> None:
+        super().__init__()
+        self.inp, self.a, self.b, self.head = nn.Linear(d, width), nn.Linear(width, width), nn.Linear(width, width), \
+            nn.Linear(width, 1)
+        self.b.weight = self.a.weight  # weight tying: one Parameter in two modules
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.relu(self.inp(x))
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(h))))).squeeze(-1)
+
+
+def tied_mlp(d: int = 64, width: int = 6) -> nn.Module:
+    """An MLP on (n, d) points whose two hidden Linear layers share one weight, with an in-place ReLU."""
+    return _Tied(d, width)
