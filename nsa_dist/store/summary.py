@@ -1,8 +1,9 @@
 """One line per run, read concurrently: what a table of hundreds of runs needs and nothing more.
 
 :func:`run_summaries` reads, for every run at once (one ``asyncio.gather`` on Zarr's own event
-loop), the run's ``zarr.json`` (status, spec, sizes), its lease, the ``steps`` and ``done`` flags,
-and the loss and λ_max of its last finished step — two chunks.  Opening each run through
+loop), the run's ``zarr.json`` (status, spec, sizes), its lease, the ``steps``, the ``done`` flags
+(one chunk per recorded step, so only for a run not ``done``: a finished run has them all) and the
+loss and λ_max of its last finished step — two chunks.  Opening each run through
 :class:`~nsa_dist.store.reader.RunReader` instead makes a dozen blocking round trips per run, ~6 ms
 each on a local disk (``benchmarks/serve_table.py`` measures both).  A run whose quick read fails
 is read again through the checked reader, whose error names the damaged file; that error becomes
@@ -106,9 +107,11 @@ async def _quick(store: "SpectrumStore", rid: str, steps_too: bool) -> RunSummar
     if not steps_too:
         return RunSummary(**base, steps_done=None, steps_total=dims.S)
     open_ = lambda name: AsyncArray.open(StorePath(store.zstore, f"runs/{rid}/{name}"), zarr_format=3)  # noqa: E731
-    steps_a, done_a = await asyncio.gather(open_("steps"), open_("done"))
-    steps, done = await asyncio.gather(steps_a.getitem(slice(None)), done_a.getitem(slice(None)))
-    idx = np.flatnonzero(np.asarray(done, bool))
+    steps = await (await open_("steps")).getitem(slice(None))
+    if status == "done":  # a finished run has every step done (nsa verify --mark makes it pending first)
+        idx = np.arange(len(steps))
+    else:  # one chunk per recorded step: read only for runs still in progress
+        idx = np.flatnonzero(np.asarray(await (await open_("done")).getitem(slice(None)), bool))
     if not len(idx):
         return RunSummary(**base, steps_total=len(steps))
     last = int(idx[-1])
