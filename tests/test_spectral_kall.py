@@ -23,11 +23,18 @@ def _spec(store: bool, **spectrum) -> ExperimentSpec:
 
 @pytest.fixture(scope="module")
 def two_routes() -> tuple[dict, dict, SpectralAnalyzer]:
+    import nsa_dist.pipeline.spectral as spectral_mod
+
     full, proj = _spec(True), _spec(False)
     data = load_dataset(full.data, seed=0)
     ck = list(Trainer(full, data).train_until(3))[-1]  # index 1: no App. E prediction, so no vectors needed
     an = SpectralAnalyzer(proj, data)
-    return SpectralAnalyzer(full, data).analyze(ck), an.analyze(ck), an
+    assert not spectral_mod.TRIDIAGONAL_K_ALL  # off by default (slower than eigh at N = 10⁴ here)
+    spectral_mod.TRIDIAGONAL_K_ALL = True
+    try:
+        return SpectralAnalyzer(full, data).analyze(ck), an.analyze(ck), an
+    finally:
+        spectral_mod.TRIDIAGONAL_K_ALL = False
 
 
 def test_k_all_without_vectors_stores_what_eigh_stores(two_routes) -> None:

@@ -35,6 +35,12 @@ from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 
 __all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max"]
 
+# A dense step that needs no eigenvectors could take every eigenvalue and ⟨v_i, φ⟩ from one
+# dsytrd (:mod:`nsa_dist.linalg.tridiag`) instead of eigh.  Measured on 2 cores, quiet, at
+# N = 10⁴ (examples/nsa_paper.yaml, k: all, test points): 160 s per Gram against eigh's 80 s —
+# dsytrd is the bulk of both and the chunked dstemr adds to it — so eigh stays the default.
+TRIDIAGONAL_K_ALL = False
+
 
 def spectrum_size(spec: ExperimentSpec, n: int) -> int:
     """K, the number of eigenpairs kept at n points; ``spectrum.k`` > n keeps n, with a warning."""
@@ -161,7 +167,7 @@ class SpectralAnalyzer:
         eigenvectors are needed, from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`, the
         cost of eigvalsh); else from the eigenpairs.  ``vectors``: the step needs all of V."""
         idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
-        if isinstance(G, DenseGram) and not vectors and self._dense_method(k, G.shape[0]):
+        if TRIDIAGONAL_K_ALL and isinstance(G, DenseGram) and not vectors and self._dense_method(k, G.shape[0]):
             self.n_products[which] = 0
             return from_tridiagonal(G.G, k, phis, idx)
         eig = self._eig(G, k, which)
