@@ -6,7 +6,7 @@ import ctypes
 import gc
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 
 def _status(key: str) -> float:
@@ -37,3 +37,18 @@ def measured() -> Iterator[dict]:
     finally:
         res["seconds"] = time.perf_counter() - t0
         res["peak_bytes"] = _status("VmHWM:") - rss0
+
+
+def best_of(f: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:
+    """(minimum wall seconds over ``repeat`` calls of f, f's last result)."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = f()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def peak_rss() -> float:
+    """This process's peak resident memory (bytes, VmHWM)."""
+    return _status("VmHWM:")

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "bench-out"
 
-from layouts import _rss_self  # noqa: E402
+from _measure import peak_rss  # noqa: E402
 
 RECIPES = {"mnist": ("mnist_full.yaml", "mnist"), "cifar10": ("cifar10_full.yaml", "cifar-10-batches-py")}
 
@@ -83,7 +83,7 @@ def run(dataset: str, steps: int, k: int | None, workers: int, n: int | None = N
                                  "energy_y_k": float(out["energy_y"][-1])})
             print(json.dumps(res["steps"][-1], default=float), flush=True)
         res["worker_peak_GB"] = [p / 1e9 for p in gang.peak_rss()]
-        res["driver_peak_GB"] = _rss_self() / 1e9
+        res["driver_peak_GB"] = peak_rss() / 1e9
     finally:
         gang.shutdown()
         ray.shutdown()

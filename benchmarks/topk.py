@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import numpy as np
 import scipy.linalg as sl
 import torch
 
+from _measure import best_of as _best
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.linalg.tridiag import eig_projections
-
-
-def _best(f, repeat: int):
-    best, out = np.inf, None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = f()
-        best = min(best, time.perf_counter() - t)
-    return best, out
 
 
 def main() -> None:
