@@ -52,7 +52,7 @@ def run(dataset: str, steps: int, k: int | None, workers: int, n: int | None = N
     from nsa_dist.cluster.gang import RayGang
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.data import load_dataset
-    from nsa_dist.pipeline import SpectralAnalyzer, Trainer
+    from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
     from nsa_dist.specfile import load_sweep
 
     torch.set_num_threads(2)
@@ -72,11 +72,12 @@ def run(dataset: str, steps: int, k: int | None, workers: int, n: int | None = N
     res: dict = {"dataset": dataset, "N": data.n, "d": int(data.X.shape[1]), "workers": workers,
                  "k": spec.spectrum.k, "model": first["model"], "load_s": load_s, "steps": []}
     try:
-        an = SpectralAnalyzer(spec, data)
-        res["layout"], res["ntk_method"] = an.layout.layout.value, an.ntk_paths["method"]
-        for ck in Trainer(spec, data).train_until(steps):
+        plan = plan_run(spec, data)
+        an = SpectralAnalyzer(plan, data)
+        res["layout"], res["ntk_method"] = an.plan.layout.layout.value, an.plan.ntk_method
+        for ck in Trainer(plan, data).train_until(steps):
             t1 = time.perf_counter()
-            out = an.analyze(ck, gang.pool)
+            out = an.analyze(ck, gang.pool).arrays()
             res["steps"].append({"t": int(ck.step), "seconds": time.perf_counter() - t1, "parts_s": dict(an.timings),
                                  "loss": float(ck.loss), "lambda_max": float(out["eigenvalues"][0]),
                                  "lambda_k": float(out["eigenvalues"][-1]),

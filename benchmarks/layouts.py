@@ -49,15 +49,16 @@ def _analyze(spec_dict: dict, pool=None) -> tuple[dict, float, object]:
 
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.data import load_dataset
-    from nsa_dist.pipeline import SpectralAnalyzer, Trainer
+    from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
     torch.set_num_threads(1)
     spec = ExperimentSpec.model_validate(spec_dict)
     data = load_dataset(spec.data, seed=spec.seed)
-    ck = next(iter(Trainer(spec, data).train_until(1)))
-    an = SpectralAnalyzer(spec, data)
+    plan = plan_run(spec, data)
+    ck = next(iter(Trainer(plan, data).train_until(1)))
+    an = SpectralAnalyzer(plan, data)
     t0 = time.perf_counter()
-    out = an.analyze(ck, pool)
+    out = an.analyze(ck, pool).arrays()
     return out, time.perf_counter() - t0, an
 
 
@@ -92,7 +93,7 @@ def gang(spec: dict, workers: int) -> dict:
         ray.shutdown()
     return {"seconds": seconds, "parts_s": dict(an.timings), "worker_peak_GB": [p / 1e9 for p in peaks],
             "driver_peak_GB": _rss_self() / 1e9,
-            "layout": an.layout.layout.value, "eigenvalues": out["eigenvalues"], "energy_y": out["energy_y"],
+            "layout": an.plan.layout.layout.value, "eigenvalues": out["eigenvalues"], "energy_y": out["energy_y"],
             "fro": out["gram_sq_frobenius"], "out": out}
 
 

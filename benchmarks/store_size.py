@@ -32,6 +32,7 @@ def _du(path: Path) -> int:
 def main() -> None:
     from nsa_dist.pipeline import prepare_run
     from nsa_dist.pipeline.checkpoint import TrainerState
+    from nsa_dist.store import StepResult
     from nsa_dist.specfile import load_spec
     from nsa_dist.store import SpectrumStore, run_arrays
 
@@ -48,12 +49,12 @@ def main() -> None:
         dims, writer = prep.writer.dims, prep.writer
         skip = {"done", "theta", "opt_slots", "rng_state"}  # the writer stores these from the state
         per_step = [s for s in run_arrays(dims) if s.per_step and s.name not in skip]
-        record = prep.trainer.record
+        record = prep.plan.record
         S = len(record)
         for i in range(S):
             res = {s.name: rng.standard_normal(s.shape[1:]).astype(s.dtype) for s in per_step
                    if s.name != "eigenvectors" or spec.spectrum.eigenvectors_at(int(record[i]))}
-            writer.write_step(i, res, _state(dims, rng, TrainerState, record[i]))
+            writer.write_step(i, StepResult.from_arrays(res), _state(dims, rng, TrainerState, record[i]))
         total = _du(url)
         ev_dir = url / "runs" / prep.run_id / "eigenvectors"
         ev_total = _du(ev_dir) if ev_dir.exists() else 0
@@ -66,7 +67,7 @@ def main() -> None:
 
 def _state(dims, rng, TrainerState, step):
     return TrainerState(step=int(step), theta=rng.standard_normal(dims.P).astype(np.float32),
-                        slots=np.zeros((dims.n_slots, dims.P), np.float32), rng=np.zeros(dims.L, np.uint8))
+                        slots=np.zeros((dims.n_slots, dims.P), np.float32), rng=np.zeros(dims.rng_bytes, np.uint8))
 
 
 if __name__ == "__main__":

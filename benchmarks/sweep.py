@@ -76,10 +76,11 @@ def part_c(reps: int = 20) -> dict:
 
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.data import load_dataset
-    from nsa_dist.pipeline import Trainer
+    from nsa_dist.pipeline import Trainer, plan_run
 
     spec = ExperimentSpec(data={"n": 10_000, "n_test": 10_000}, steps=2, record={"every": 1})
-    ck = next(Trainer(spec, load_dataset(spec.data)).train_until(1))
+    data = load_dataset(spec.data)
+    ck = next(Trainer(plan_run(spec, data), data).train_until(1))
     nbytes = sum(v.nbytes for v in vars(ck).values() if isinstance(v, np.ndarray))
     nbytes += sum(v.nbytes for v in vars(ck.state).values() if isinstance(v, np.ndarray))
 

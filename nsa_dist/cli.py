@@ -264,8 +264,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_layout(run) -> None:
-    lay = run.analyzer.layout
-    workers = f" on {run.spec.spectrum.workers} workers" if run.analyzer.distributed else ""
+    lay = run.plan.layout
+    workers = f" on {run.plan.spec.spectrum.workers} workers" if run.plan.distributed else ""
     print(f"[nsa] spectrum layout: {lay.layout.value}{workers} ({lay.reason})", file=sys.stderr, flush=True)
 
 
@@ -285,12 +285,9 @@ class _LogProgress:
     def on_update(self, step: int, loss: float) -> None:
         pass
 
-    def on_step(self, ck, result: dict) -> None:
-        from nsa_dist.pipeline.spectral import step_lambda_max
-
-        lam = step_lambda_max(result)
-        print(f"[nsa] step {ck.step:>8}/{self.total}  loss {ck.loss:.5g}  λ_max {lam:.5g}  "
-              f"E(y,10) {_at(result['energy_y'], 10):.3f}  ({time.perf_counter() - self.t0:.1f} s)", flush=True)
+    def on_step(self, ck, result) -> None:
+        print(f"[nsa] step {ck.step:>8}/{self.total}  loss {ck.loss:.5g}  λ_max {result.lambda_max:.5g}  "
+              f"E(y,10) {result.energy_y_at(10):.3f}  ({time.perf_counter() - self.t0:.1f} s)", flush=True)
 
 
 class _RichProgress(_LogProgress):
@@ -311,14 +308,8 @@ class _RichProgress(_LogProgress):
     def on_update(self, step: int, loss: float) -> None:
         self.bar.update(self.task, completed=step, loss=f"{loss:.4g}")
 
-    def on_step(self, ck, result: dict) -> None:
-        from nsa_dist.pipeline.spectral import step_lambda_max
-
-        self.bar.update(self.task, lam=f"{step_lambda_max(result):.4g}")
-
-
-def _at(E: np.ndarray, k: int) -> float:
-    return float(E[min(k, len(E)) - 1])
+    def on_step(self, ck, result) -> None:
+        self.bar.update(self.task, lam=f"{result.lambda_max:.4g}")
 
 
 # ---------------------------------------------------------------------------- queries

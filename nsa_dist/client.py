@@ -95,7 +95,7 @@ class Run:
     @property
     def dims(self) -> RunDims:
         """The sizes the run's arrays were created with (N, K, P, S, …)."""
-        return RunDims(**self.attrs["dims"])
+        return RunDims.from_json(self.attrs["dims"])
 
     @property
     def data_fingerprint(self) -> str | None:

@@ -36,9 +36,8 @@ from nsa_dist.losses import cross_entropy_loss
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.ntk import preserved, sample_coupling
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
-from nsa_dist.pipeline.tracked import (RNG_BYTES, ThreadTrackerPool, TrackedRunService, tracked_dims, tracked_spec,
-                                       tracked_static)
-from nsa_dist.pipeline.spectral import SpectralAnalyzer
+from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES, plan_run
+from nsa_dist.pipeline.tracked import ThreadTrackerPool, TrackedRunService, tracked_spec
 from nsa_dist.store import LeaseLost, SpectrumStore, Status
 
 if TYPE_CHECKING:
@@ -116,7 +115,6 @@ class Tracker:
         self.spec: ExperimentSpec = tracked_spec(name, model, self.data, K, steps=steps, record=rec,
                                                  spectrum=spectrum or {}, hessian=hessian, optimizer=optimizer,
                                                  seed=seed, device=device, loss=_LOSSES[loss])
-        spec_dict = self.spec.model_dump(mode="json")
         p = next(model.parameters())
         self.device = p.device
         self.X = model_inputs(self.data.X, model)  # (N, …): the model's float dtype, or integer ids as given
@@ -127,26 +125,25 @@ class Tracker:
         self.schedule = self.spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.schedule)}
         self.n_params = sum(p.numel() for p in model.parameters())
-        probe = SpectralAnalyzer(self.spec, self.data, model=_analysis_copy(model))  # sizes only (images, hessian)
+        self.plan = plan_run(self.spec, self.data, _analysis_copy(model))
         self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
         try:
-            self.writer = self.store.writer(name, spec_dict, tracked_dims(self.spec, self.data, probe, self.n_params),
+            self.writer = self.store.writer(name, self.plan.spec_json, self.plan.dims,
                                             data_fingerprint=self.data.fingerprint(), token=self._lease.token)
         except BaseException:
             self._lease.release()
             raise
         self._done = self.writer.done()
         if not self.writer.static_complete():
-            self.writer.write_static(tracked_static(self.spec, self.data, probe))
-        del probe
+            self.writer.write_static(self.plan.static_arrays(self.data))
         self.max_inflight = max_inflight
         if cluster is None:
-            self.pool: Any = ThreadTrackerPool(TrackedRunService(self.store.url, spec_dict, _analysis_copy(model),
+            self.pool: Any = ThreadTrackerPool(TrackedRunService(self.store.url, self.plan, _analysis_copy(model),
                                                                  self.data, token=self._lease.token))
         else:
             from nsa_dist.cluster.tracking import RayTrackerPool
 
-            self.pool = RayTrackerPool(cluster, self.store.url, spec_dict, _analysis_copy(model), self.data,
+            self.pool = RayTrackerPool(cluster, self.store.url, self.plan, _analysis_copy(model), self.data,
                                        workers=workers, cpus=worker_cpus, gpus=worker_gpus, token=self._lease.token)
         self.writer.set_status(Status.RUNNING)
         self._pending: tuple[Checkpoint, np.ndarray, np.ndarray] | None = None  # awaiting θ_{t+1}
@@ -270,7 +267,7 @@ class Tracker:
         self._trace[step] = given
         theta = theta_vector(self.model)  # (P,)
         fn, f_test = _outputs(f), _outputs(f_test)
-        state = TrainerState(step, theta, np.zeros((0, self.n_params), np.float32), np.zeros(RNG_BYTES, np.uint8))
+        state = TrainerState(step, theta, np.zeros((0, self.n_params), np.float32), np.zeros(TRACKED_RNG_BYTES, np.uint8))
         ck = Checkpoint(index=i, step=step, lr=float(lr), loss=float(L), theta=theta, dtheta=theta, f=fn, df=fn,
                         f_test=f_test, loss_trace=np.zeros(0), trace_start=step, state=state, model_state=mstate)
         self._pending = (ck, theta, fn)

@@ -14,7 +14,8 @@ from nsa_dist.config import ExperimentSpec, ModelSpec, SweepSpec
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
-from nsa_dist.pipeline import prepare_run, run_experiment, run_id, spec_json
+from nsa_dist.data import load_dataset
+from nsa_dist.pipeline import plan_run, prepare_run, run_experiment, run_id
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.store import SpectrumStore
 from conftest import local_ray_fixture
@@ -41,11 +42,11 @@ def _assert_same_run(a: Client, b: Client, rid: str, finished: bool = True) -> N
 def test_services_in_process_match_single_process_run(tmp_path):
     spec = ExperimentSpec(name="svc", **BASE)
     url = str(tmp_path / "s.zarr")
-    prepare_run(spec, SpectrumStore(url))
-    trainer, worker = TrainerService(spec_json(spec), url), SpectralService(url)
+    plan = prepare_run(spec, SpectrumStore(url)).plan
+    trainer, worker = TrainerService(plan, url), SpectralService(url)
     rid = run_id(spec)
     for i in range(5):
-        summary = worker.analyze_and_write(rid, spec_json(spec), trainer.checkpoint(i))
+        summary = worker.analyze_and_write(plan, trainer.checkpoint(i))
         assert summary["index"] == i
     again = trainer.checkpoint(2)  # idempotent: asked for a step already passed, it replays from the store
     assert again.step == 12
@@ -56,15 +57,15 @@ def test_services_in_process_match_single_process_run(tmp_path):
 def test_trainer_service_resumes_from_store_after_restart(tmp_path):
     spec = ExperimentSpec(name="restart", **{**BASE, "optimizer": {"name": "adam"}, "schedule": {"lr": 0.01}})
     url = str(tmp_path / "s.zarr")
-    prepare_run(spec, SpectrumStore(url))
+    plan = prepare_run(spec, SpectrumStore(url)).plan
     rid, worker = run_id(spec), SpectralService(url)
-    t1 = TrainerService(spec_json(spec), url)
+    t1 = TrainerService(plan, url)
     for i in range(3):
-        worker.analyze_and_write(rid, spec_json(spec), t1.checkpoint(i))
-    t2 = TrainerService(spec_json(spec), url)  # a "restarted" trainer: starts at the last stored step
+        worker.analyze_and_write(plan, t1.checkpoint(i))
+    t2 = TrainerService(plan, url)  # a "restarted" trainer: starts at the last stored step
     assert t2.step() == 12
     for i in range(3, 5):
-        worker.analyze_and_write(rid, spec_json(spec), t2.checkpoint(i))
+        worker.analyze_and_write(plan, t2.checkpoint(i))
     _assert_same_run(_reference(tmp_path, spec), Client(url), rid, finished=False)
 
 
@@ -200,7 +201,7 @@ def test_workers_refuse_a_store_without_the_run(tmp_path):
 
     spec = ExperimentSpec(name="nowhere", **BASE)
     with pytest.raises(StoreError, match="shared storage that every node reaches"):
-        TrainerService(spec_json(spec), str(tmp_path / "other.zarr"))
+        TrainerService(plan_run(spec, load_dataset(spec.data)), str(tmp_path / "other.zarr"))
 
 
 def test_cluster_block_must_fit_the_cluster():

@@ -62,12 +62,12 @@ def test_gram_tiles_and_feature_shard_on_gpu_equal_cpu():
 
 
 def test_analysis_on_gpu_matches_cpu():
-    from nsa_dist.pipeline import SpectralAnalyzer, Trainer
+    from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
     base = dict(data={"n": 64}, model={"depth": 3, "width": 32}, steps=3, record={"every": 1}, spectrum={"k": 10})
     data = load_dataset(ExperimentSpec(**base).data)
-    ck = next(Trainer(ExperimentSpec(**base, device="cpu"), data).train_until(1))
-    cpu = SpectralAnalyzer(ExperimentSpec(**base, device="cpu"), data).analyze(ck)
-    gpu = SpectralAnalyzer(ExperimentSpec(**base, device="cuda"), data).analyze(ck)
+    ck = next(Trainer(plan_run(ExperimentSpec(**base, device="cpu"), data), data).train_until(1))
+    cpu = SpectralAnalyzer(plan_run(ExperimentSpec(**base, device="cpu"), data), data).analyze(ck).arrays()
+    gpu = SpectralAnalyzer(plan_run(ExperimentSpec(**base, device="cuda"), data), data).analyze(ck).arrays()
     np.testing.assert_allclose(gpu["eigenvalues"], cpu["eigenvalues"], rtol=1e-8)
     np.testing.assert_allclose(gpu["energy_y"], cpu["energy_y"], rtol=1e-6, atol=1e-9)

@@ -114,17 +114,24 @@ def test_every_hessian_plot_title_follows_the_papers_numbering(hess_run):
 
 def test_the_limits_of_S_apply_only_where_derived():
     """NaN, with the reason, for a non-NTK init (as the limit of I) and for relu (σ̈ is needed)."""
+    from nsa_dist.data import load_dataset
+    from nsa_dist.pipeline import plan_run
     from nsa_dist.pipeline.hessian_step import HessianAnalysis
 
     X, y = torch.zeros(4, 2), np.zeros(4)
     F = torch.zeros(4, 1, dtype=torch.float64)
+
+    def analysis(spec: dict) -> HessianAnalysis:
+        es = ExperimentSpec(**spec)
+        return HessianAnalysis(plan_run(es, load_dataset(es.data)), X, y)
+
     for model, why in (({"init": "xavier", "activation": "tanh"}, "init='xavier'"),
                        ({"init": "ntk", "activation": "relu"}, "smooth σ")):
-        h = HessianAnalysis(ExperimentSpec(**{**SPEC, "model": {"depth": 2, "width": 4, **model}}), X, y, 20)
+        h = analysis({**SPEC, "model": {"depth": 2, "width": 4, **model}})
         assert why in h.s_limit_reason(), h.s_limit_reason()
         assert np.isnan(h._limit_S(F, 3)).all()
-    h = HessianAnalysis(ExperimentSpec(**{**SPEC, "model": {"depth": 2, "width": 4, "init": "ntk", "activation": "tanh"},
-                                         "optimizer": {"name": "adam"}}), X, y, 20)
+    h = analysis({**SPEC, "model": {"depth": 2, "width": 4, "init": "ntk", "activation": "tanh"},
+                  "optimizer": {"name": "adam"}})
     out = h._limit_S(F, 3)  # the GD prediction needs plain GD; E[Tr S] at t = 0 and Tr(S²) do not
     assert h.s_limit_reason() is None and np.isnan(out[1]) and np.isfinite(out[[0, 2]]).all(), out
 

@@ -226,10 +226,10 @@ def test_active_regime_divides_the_output_and_scales_the_learning_rate():
     np.testing.assert_allclose(f_act.detach().numpy(), f_ntk.detach().numpy() / math.sqrt(7), rtol=1e-12)
     assert act.lr_at(2) == pytest.approx(0.05 * 7) and ntk.lr_at(2) == 0.05
     from nsa_dist.data import load_dataset
-    from nsa_dist.pipeline.trainer import Trainer
+    from nsa_dist.pipeline import Trainer, plan_run
 
     data = load_dataset(act.data, seed=0)
-    tr = Trainer(act, data)
+    tr = Trainer(plan_run(act, data), data)
     ck = next(tr.train_until(1))
     model = build_model(act.model, seed=0)
     Xd, yd = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
@@ -242,8 +242,8 @@ def test_active_regime_divides_the_output_and_scales_the_learning_rate():
 
     assert limit_reason(ntk) is None and "active" in limit_reason(act)
     assert "init='xavier'" in limit_reason(ExperimentSpec(**{**base, "model": {"depth": 3, "width": 7}}))
-    h = HessianAnalysis(ExperimentSpec(**{**base, "model": {**base["model"], "regime": "active"}, "hessian": {}}),
-                        torch.zeros(5, 2), np.zeros(5), 10)
+    active = ExperimentSpec(**{**base, "model": {**base["model"], "regime": "active"}, "hessian": {}})
+    h = HessianAnalysis(plan_run(active, data), torch.zeros(5, 2), np.zeros(5))
     with pytest.raises(ValueError, match="no infinite-width limit of I.*regime='active'"):
         h.limit_gram()
     with pytest.raises(ValueError, match="regime='active'.*init='ntk'"):

@@ -26,7 +26,7 @@ from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.errors import StoreError
-from nsa_dist.pipeline import run_experiment, run_id
+from nsa_dist.pipeline import plan_run, run_experiment, run_id
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.store import LeaseLost, SpectrumStore
 
@@ -128,9 +128,10 @@ def test_cluster_workers_refuse_data_that_differs_from_the_run(tmp_path):
     spec = ExperimentSpec(**{**TINY, "name": "nodes", "data": {"name": "image2d", "path": str(png), "n": 32}})
     url = str(tmp_path / "s.zarr")
     run_experiment(spec, SpectrumStore(url))
+    plan = plan_run(spec, load_dataset(spec.data))  # the driver's plan, made before the file changed
     _png(png, seed=2)
     with pytest.raises(StoreError, match=r"was created from other data: data\.path .*target\.png"):
-        TrainerService(spec.model_dump(mode="json"), url)
+        TrainerService(plan, url)
 
 
 # --------------------------------------------------------------------------- fencing
@@ -237,11 +238,11 @@ def test_cluster_workers_are_fenced_by_the_drivers_lease(tmp_path):
     from nsa_dist.pipeline import prepare_run
 
     with store.lease([rid]) as lease:
-        prepare_run(spec, store, lease.token)
-        trainer = TrainerService(spec.model_dump(mode="json"), url, token=lease.token)
+        plan = prepare_run(spec, store, lease.token).plan
+        trainer = TrainerService(plan, url, token=lease.token)
         ck = trainer.checkpoint(0)
         worker = SpectralService(url)
-        worker.analyze_and_write(rid, spec.model_dump(mode="json"), ck, token=lease.token)
+        worker.analyze_and_write(plan, ck, token=lease.token)
         assert SpectrumStore(url).reader(rid).done.tolist() == [True, False, False, False]
         now = time.time()
         store.write_lease(rid, {"host": "node-7.elsewhere", "pid": 4242, "since": now, "heartbeat": now,
@@ -250,7 +251,7 @@ def test_cluster_workers_are_fenced_by_the_drivers_lease(tmp_path):
         with pytest.raises(LeaseLost, match="host node-7.elsewhere, pid 4242, since .* took the run over"):
             trainer.checkpoint(1)
         with pytest.raises(LeaseLost, match="took the run over"):
-            worker.analyze_and_write(rid, spec.model_dump(mode="json"), ck, token=lease.token)
+            worker.analyze_and_write(plan, ck, token=lease.token)
         assert _files(url) == before
     assert SpectrumStore(url).lease_info(rid).token == "theirs", "releasing overwrote the new writer's lease"
 

@@ -17,7 +17,7 @@ from nsa_dist.hessian import hessian_parts
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.ntk.shards import tile_plan
-from nsa_dist.pipeline import SpectralAnalyzer, Trainer, run_experiment, run_id, spec_json
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment, run_id
 from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, TiledGram, choose_layout
 from nsa_dist.pipeline.services import SpectralService
 from nsa_dist.pipeline.shard import SpectralShard
@@ -59,8 +59,9 @@ def _analyses(base: dict, layouts: list[tuple[str, int]], hessian: bool = True) 
     for layout, W in layouts:
         spec = _spec(base, layout, W, **extra)
         data = load_dataset(spec.data, seed=spec.seed)
-        ck = list(Trainer(spec, data).train_until(3))[1]  # step 2: a trained state
-        out[(layout, W)] = SpectralAnalyzer(spec, data).analyze(ck)
+        plan = plan_run(spec, data)
+        ck = list(Trainer(plan, data).train_until(3))[1]  # step 2: a trained state
+        out[(layout, W)] = SpectralAnalyzer(plan, data).analyze(ck).arrays()
     return out
 
 
@@ -127,7 +128,7 @@ def test_gang_layouts_of_a_per_layer_model_equal_local(model):
     model_ = build_model(spec.model, seed=spec.seed)
     theta = parameters_to_vector(model_.parameters()).detach().numpy()
     pool = LocalPool([SpectralShard() for _ in range(2)])
-    op = ShardedGram(pool, run_id(spec), spec_json(spec), theta, "train", data.n, np.float64)
+    op = ShardedGram(pool, plan_run(spec, data), theta, "train", data.n, np.float64)
     assert type(pool.members[0]._held[op.key]).__name__ == "FeatureShard"  # not the per-product Jacobian map
     op.close()
 
@@ -145,8 +146,9 @@ def test_no_process_forms_the_gram_on_a_gang(layout, monkeypatch):
     monkeypatch.setattr(moments, "gram", refuse)
     spec = _spec(BASE, layout, 2, hessian=HESS)
     data = load_dataset(spec.data, seed=spec.seed)
-    ck = list(Trainer(spec, data).train_until(3))[1]
-    out = SpectralAnalyzer(spec, data).analyze(ck)
+    plan = plan_run(spec, data)
+    ck = list(Trainer(plan, data).train_until(3))[1]
+    out = SpectralAnalyzer(plan, data).analyze(ck).arrays()
     assert np.isfinite(out["eigenvalues"]).all() and np.isfinite(out["energy_f_test"]).all()
     assert np.isfinite(out["hessian_moments"]).all() and np.isfinite(out["df_pred"]).all()
 
@@ -160,7 +162,7 @@ def test_matrix_free_with_jacobian_shards_equals_dense():
     G = gram(model, torch.as_tensor(data.X, dtype=torch.float32), dtype=torch.float64).numpy()
     V = np.random.default_rng(1).standard_normal((G.shape[0], 4))
     pool = LocalPool([SpectralShard() for _ in range(3)])
-    op = ShardedGram(pool, run_id(spec), spec_json(spec), theta, "train", G.shape[0], np.float64)
+    op = ShardedGram(pool, plan_run(spec, data), theta, "train", G.shape[0], np.float64)
     assert type(pool.members[0]._held[op.key]).__name__ == "JacobianShard"
     err = np.abs(op.matmat(V) - G @ V).max() / np.abs(G @ V).max()
     assert err <= EXACT, f"J(JᵀV) over Jacobian shards differs from G V by {err:.3e}"
@@ -175,8 +177,7 @@ def test_sharded_hessian_products_equal_local():
     theta = parameters_to_vector(model.parameters()).detach().numpy()
     P = theta.size
     local = hessian_parts(model, torch.as_tensor(data.X, dtype=torch.float32), data.y, dtype=torch.float64)
-    curv = ShardedCurvature(LocalPool([SpectralShard() for _ in range(3)]), run_id(spec), spec_json(spec), theta,
-                            data.n, P)
+    curv = ShardedCurvature(LocalPool([SpectralShard() for _ in range(3)]), plan_run(spec, data), theta, data.n, P)
     V = np.random.default_rng(2).standard_normal((P, 3))
     for name, ref in zip("HIS", local):
         want = ref.matmat(V)
@@ -214,18 +215,18 @@ def test_layout_validation_and_auto_choice(tmp_path):
 
 def test_auto_layout_is_resolved_once_and_used_by_every_worker(tmp_path, monkeypatch):
     import nsa_dist.pipeline.layout as layout_mod
-    from nsa_dist.pipeline import prepare_run, spec_json
+    from nsa_dist.pipeline import prepare_run
 
     spec = ExperimentSpec.model_validate({**BASE, "steps": 2, "record": {"every": 1}, "spectrum": {
         **BASE["spectrum"], "layout": "auto", "workers": 2}})  # no budget: this machine's memory decides
     url = str(tmp_path / "s.zarr")
     prep = prepare_run(spec, SpectrumStore(url))
-    assert prep.analyzer.layout.layout is Layout.LOCAL, prep.analyzer.layout
+    assert prep.plan.layout.layout is Layout.LOCAL, prep.plan.layout
     monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: 1e3)  # a node with next to no memory
-    assert SpectralAnalyzer(spec, prep.data).layout.layout is Layout.MATRIX_FREE  # what it alone would pick
-    analyzer, _ = SpectralService(url)._run(run_id(spec), spec_json(spec))
-    assert analyzer.layout.layout is Layout.LOCAL and not analyzer.distributed, analyzer.layout
-    assert prepare_run(spec, SpectrumStore(url)).analyzer.layout.layout is Layout.LOCAL  # a resume too
+    assert plan_run(spec, prep.data).layout.layout is Layout.MATRIX_FREE  # what it alone would pick
+    analyzer, _ = SpectralService(url)._run(prep.plan)
+    assert analyzer.plan.layout.layout is Layout.LOCAL and not analyzer.distributed, analyzer.plan.layout
+    assert prepare_run(spec, SpectrumStore(url)).plan.layout.layout is Layout.LOCAL  # a resume too
 
 
 def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):

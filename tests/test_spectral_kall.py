@@ -10,7 +10,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.errors import ShapeError
 from nsa_dist.linalg.tridiag import eig_projections
-from nsa_dist.pipeline import SpectralAnalyzer, Trainer
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
 
 def _spec(store: bool, **spectrum) -> ExperimentSpec:
@@ -27,12 +27,12 @@ def two_routes() -> tuple[dict, dict, SpectralAnalyzer]:
 
     full, proj = _spec(True), _spec(False)
     data = load_dataset(full.data, seed=0)
-    ck = list(Trainer(full, data).train_until(3))[-1]  # index 1: no App. E prediction, so no vectors needed
-    an = SpectralAnalyzer(proj, data)
+    ck = list(Trainer(plan_run(full, data), data).train_until(3))[-1]  # index 1: no App. E prediction, so no vectors needed
+    an = SpectralAnalyzer(plan_run(proj, data), data)
     assert not spectral_mod.TRIDIAGONAL_K_ALL  # off by default (slower than eigh at N = 10⁴ here)
     spectral_mod.TRIDIAGONAL_K_ALL = True
     try:
-        return SpectralAnalyzer(full, data).analyze(ck), an.analyze(ck), an
+        return SpectralAnalyzer(plan_run(full, data), data).analyze(ck).arrays(), an.analyze(ck).arrays(), an
     finally:
         spectral_mod.TRIDIAGONAL_K_ALL = False
 

@@ -12,7 +12,7 @@ from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec, ModelSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.models import build_model
-from nsa_dist.pipeline import SpectralAnalyzer, Trainer, run_experiment
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment
 from nsa_dist.pipeline.step_extras import full_kernel_top, held_out_loss, predicted_update
 from nsa_dist.store import SpectrumStore
 
@@ -56,7 +56,7 @@ def momentum_run():
     spec = ExperimentSpec(name="mom", data={"n": 40}, model={"depth": 3, "width": 16}, steps=8, record={"every": 1},
                           optimizer={"name": "gd", "momentum": 0.9}, schedule={"lr": 0.02}, spectrum={"k": 10})
     data = load_dataset(spec.data)
-    trainer = Trainer(spec, data)
+    trainer = Trainer(plan_run(spec, data), data)
     cks = list(trainer.train_until(spec.steps))
     return spec, data, cks
 
@@ -64,11 +64,11 @@ def momentum_run():
 def test_momentum_prediction_is_the_actual_update(momentum_run) -> None:
     """df̄ = −(δ/N) G m − δμ J b equals J·Δθ (dense float64 Jacobian) and tracks the real df."""
     spec, data, cks = momentum_run
-    an = SpectralAnalyzer(spec, data)
+    an = SpectralAnalyzer(plan_run(spec, data), data)
     model = build_model(spec.model, seed=spec.seed).double()
     X = torch.as_tensor(data.X, dtype=torch.float64)
     for ck in cks[3:6]:  # the buffer is well developed after a few steps
-        out = an.analyze(ck)
+        out = an.analyze(ck).arrays()
         torch.nn.utils.vector_to_parameters(torch.as_tensor(ck.theta, dtype=torch.float64), model.parameters())
         J = dense_jacobian(model, X).numpy()  # (N, P)
         jd = J @ ck.dtheta.astype(np.float64)  # J·Δθ

@@ -6,6 +6,7 @@ Real stores on disk, real ``nsa run`` processes killed with SIGKILL; nothing moc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,8 +26,8 @@ from nsa_dist.cli import main as nsa
 from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.errors import StoreError
-from nsa_dist.pipeline import prepare_run, run_experiment, run_id
-from nsa_dist.store import LeaseHeld, SpectrumStore, run_arrays, step_specs
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, prepare_run, run_experiment, run_id
+from nsa_dist.store import HessianStep, LeaseHeld, SpectrumStore, StepResult, run_arrays, step_specs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(name="safe", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
@@ -74,23 +75,25 @@ def _n_done(url: str, rid: str) -> int:
 
 
 # --------------------------------------------------------------------------- the step contract
-def test_step_record_refuses_unknown_missing_and_misshaped_keys_before_writing(tmp_path):
+def test_step_record_refuses_absent_unexpected_and_misshaped_arrays_before_writing(tmp_path):
     spec = ExperimentSpec(**TINY)
     store = SpectrumStore(str(tmp_path / "s.zarr"))
     run = prepare_run(spec, store)
-    ck = next(iter(run.trainer.train_until(1)))
-    result = run.analyzer.analyze(ck)
-    bad = dict(result)
-    bad["energy_yy"] = bad.pop("energy_y")  # a misspelled key
+    ck = next(iter(Trainer(run.plan, run.data).train_until(1)))
+    result = SpectralAnalyzer(run.plan, run.data).analyze(ck)
+    assert not run.plan.has("hessian_products")
+    bad = dataclasses.replace(result, gram=dataclasses.replace(result.gram, energy_y=None),  # not computed
+                              hessian=HessianStep(hessian_products=3))  # a part this run does not have
     with pytest.raises(StoreError) as e:
         run.writer.write_step(0, bad, ck.state)
     msg = str(e.value)
-    assert "unknown key(s) energy_yy" in msg and "missing key(s) energy_y" in msg and "step index 0" in msg, msg
-    short = {**result, "eigenvalues": result["eigenvalues"][:3]}
+    assert "unknown key(s) hessian_products" in msg and "missing key(s) energy_y" in msg and "step index 0" in msg, msg
+    short = dataclasses.replace(result, gram=dataclasses.replace(result.gram, eigenvalues=result.gram.eigenvalues[:3]))
     with pytest.raises(StoreError, match=r"eigenvalues has shape \(3,\), the store holds \(8,\)"):
         run.writer.write_step(0, short, ck.state)
     with pytest.raises(StoreError, match="eigenvalues has dtype <U1"):
-        run.writer.write_step(0, {**result, "eigenvalues": np.array(["x"] * 8)}, ck.state)
+        run.writer.write_step(0, StepResult.from_arrays({**result.arrays(), "eigenvalues": np.array(["x"] * 8)}),
+                              ck.state)
     reader = store.reader(run.run_id)
     written = {n: sorted(reader.present_chunks(n)) for n in reader.names()
                if reader.specs[n].per_step and reader.present_chunks(n)}
@@ -100,11 +103,11 @@ def test_step_record_refuses_unknown_missing_and_misshaped_keys_before_writing(t
     # the contract is derived from run_arrays: every per-step array but the resume state and done
     # (index 0 also writes the arrays of the first recorded step: App. E's constant_gram_f_test)
     per_step = {a.name for a in run_arrays(run.writer.dims) if a.per_step and a.at in ("every", "eigenvectors", "first")}
-    assert set(result) == per_step - {"theta", "opt_slots", "rng_state", "done"}
-    assert set(result) == set(step_specs(run.writer.dims, eigenvectors=True, hessian=False, first=True))
-    assert "constant_gram_f_test" in result
+    assert set(result.arrays()) == per_step - {"theta", "opt_slots", "rng_state", "done"}
+    assert set(result.arrays()) == set(step_specs(run.writer.dims, eigenvectors=True, hessian=False, first=True))
+    assert "constant_gram_f_test" in result.arrays()
     later = set(step_specs(run.writer.dims, eigenvectors=True, hessian=False))
-    assert later == set(result) - {"constant_gram_f_test"}
+    assert later == set(result.arrays()) - {"constant_gram_f_test"}
 
 
 def test_k_larger_than_n_is_a_logged_clamp(tmp_path, caplog):
@@ -326,8 +329,8 @@ def test_no_chunk_exceeds_the_object_store_bound_at_mnist_scale():
     from nsa_dist.store import RunDims
     from nsa_dist.store.schema import CHUNK_BYTES
 
-    D = RunDims(N=60000, M=10000, d=784, Ko=10, P=10_000_000, S=50, T=600000, K=1000, Kt=1000, nI=0, R=0, F=0,
-                n_slots=2, L=16, store_eigenvectors=True, Kf=500)
+    D = RunDims(N=60000, M=10000, d=784, Ko=10, P=10_000_000, S=50, T=600000, K=1000, k_test=1000, n_images=0,
+                image_size=0, fourier_size=0, n_slots=2, rng_bytes=16, store_eigenvectors=True, k_full=500)
     too_big = {}
     for a in run_arrays(D):
         if a.per_step:

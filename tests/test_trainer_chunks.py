@@ -10,7 +10,7 @@ import nsa_dist.pipeline.spectral as spectral_mod
 import nsa_dist.pipeline.trainer as trainer_mod
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
-from nsa_dist.pipeline import SpectralAnalyzer, Trainer
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
 BASE = {"name": "pieces", "data": {"n": 50, "n_test": 6}, "model": {"depth": 3, "width": 12}, "steps": 5,
         "record": {"steps": [0, 2, 4]}, "spectrum": {"k": 6, "images": [], "dtype": "float64"}}
@@ -26,8 +26,9 @@ CASES = {
 
 def _record(spec: ExperimentSpec) -> tuple[list, Trainer]:
     data = load_dataset(spec.data, seed=spec.seed)
-    trainer, an = Trainer(spec, data), SpectralAnalyzer(spec, data)
-    return [(ck, an.analyze(ck)) for ck in trainer.train_until(spec.steps)], trainer
+    plan = plan_run(spec, data)
+    trainer, an = Trainer(plan, data), SpectralAnalyzer(plan, data)
+    return [(ck, an.analyze(ck).arrays()) for ck in trainer.train_until(spec.steps)], trainer
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -60,5 +61,6 @@ def test_a_model_that_couples_samples_takes_its_batch_whole(monkeypatch):
                                           "model": {"factory": "user_models:inplace_resnet",
                                                     "kwargs": {"channels": 2, "eval_bn": False}},
                                           "spectrum": {**BASE["spectrum"], "k": 4}})
-    trainer = Trainer(spec, load_dataset(spec.data, seed=spec.seed))
+    data = load_dataset(spec.data, seed=spec.seed)
+    trainer = Trainer(plan_run(spec, data), data)
     assert trainer._chunk is None and trainer._pieces(None) == [(None, 1.0)]

@@ -21,14 +21,14 @@ def _threads(cpus: float) -> int:
     return max(1, int(math.floor(cpus)) or 1)
 
 
-def trainer_actor(spec: dict, store_url: str, cl: ClusterSpec, has_gpus: bool, token: str | None = None) -> Any:
+def trainer_actor(plan: Any, store_url: str, cl: ClusterSpec, has_gpus: bool, token: str | None = None) -> Any:
     """A restartable trainer: killed, it comes back, resumes from the store and Ray retries its task;
     after ``cluster.max_retries`` restarts it stays dead and its run fails with the reason.
     ``token``: the driver's lease token, fencing the trainer's writes (the loss trace)."""
     gpus = resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)
     cls = ray.remote(TrainerService).options(num_cpus=cl.trainer_cpus, num_gpus=gpus, resources=cl.trainer_resources,
                                             max_restarts=cl.max_retries, max_task_retries=-1)
-    return cls.remote(spec, store_url, threads=_threads(cl.trainer_cpus), token=token)
+    return cls.remote(plan, store_url, threads=_threads(cl.trainer_cpus), token=token)
 
 
 def spectral_workers(store_url: str, cl: ClusterSpec, has_gpus: bool) -> list[Any]:
@@ -40,7 +40,7 @@ def spectral_workers(store_url: str, cl: ClusterSpec, has_gpus: bool) -> list[An
     return [cls.remote(store_url, threads=_threads(cl.worker_cpus)) for _ in range(cl.spectral_workers)]
 
 
-def tracked_run_workers(store_url: str, spec: dict, model_ref: Any, data_ref: Any, n: int, cpus: float = 1.0,
+def tracked_run_workers(store_url: str, plan: Any, model_ref: Any, data_ref: Any, n: int, cpus: float = 1.0,
                         gpus: float = 0.0, resources: dict | None = None, token: str | None = None) -> list[Any]:
     """The spectral-worker pool of a Tracker's run (issue 12): ``n`` TrackedRunService actors.
 
@@ -51,4 +51,4 @@ def tracked_run_workers(store_url: str, spec: dict, model_ref: Any, data_ref: An
 
     cls = ray.remote(TrackedRunService).options(num_cpus=cpus, num_gpus=gpus, resources=resources or {},
                                                max_restarts=-1, max_task_retries=0)
-    return [cls.remote(store_url, spec, model_ref, data_ref, threads=_threads(cpus), token=token) for _ in range(n)]
+    return [cls.remote(store_url, plan, model_ref, data_ref, threads=_threads(cpus), token=token) for _ in range(n)]

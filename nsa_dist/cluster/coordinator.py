@@ -1,7 +1,7 @@
 """Schedules the runs of a sweep over a Ray cluster: trainer actors, a spectral-worker pool.
 
 Data flow per run: ``trainer.checkpoint(i)`` → a Checkpoint in the object store (numpy,
-zero-copy) → ``worker.analyze_and_write(run, spec, ckpt_ref)`` → chunks of step i in the store.
+zero-copy) → ``worker.analyze_and_write(plan, ckpt_ref)`` → chunks of step i in the store.
 The coordinator never fetches checkpoints; it only hands object refs on, keeps at most
 ``max_inflight`` checkpoints of a run waiting, records run status in the store and re-submits
 a (run, step) whose worker died.  Re-running a sweep skips finished steps.  Every write — the
@@ -24,7 +24,7 @@ from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
 from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang, check_bundles_fit, gang_bundle
 from nsa_dist.cluster.runtime import cluster_has_gpus
-from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, run_id, spec_json
+from nsa_dist.pipeline import RunOutcome, RunPlan, TrainingDiverged, finish_run, prepare_run, run_id
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
@@ -81,7 +81,7 @@ class RunProgress:
 @dataclass
 class _Run:
     spec: ExperimentSpec
-    spec_dict: dict
+    plan: RunPlan
     writer: RunWriter
     done: np.ndarray
     progress: RunProgress
@@ -138,8 +138,8 @@ class SweepCoordinator:
                 prep = prepare_run(spec, self.store, self.lease.token)
                 done = prep.writer.done()
                 prog = RunProgress(prep.run_id, len(done), int(done.sum()))
-                gang = spec.spectrum.workers if prep.analyzer.distributed else 0
-                self.runs[prep.run_id] = _Run(spec, spec_json(spec), prep.writer, done, prog, gang)
+                gang = spec.spectrum.workers if prep.plan.distributed else 0
+                self.runs[prep.run_id] = _Run(spec, prep.plan, prep.writer, done, prog, gang)
             self.store.record_sweep(sweep.name, sweep.model_dump(mode="json"), list(self.runs))
         except BaseException:
             self.lease.release()
@@ -171,7 +171,7 @@ class SweepCoordinator:
             while todo or active:
                 while todo and len(active) < limit:
                     r = todo.pop(0)
-                    r.trainer = trainer_actor(r.spec_dict, self.store_url, self.cl, has_gpus, self.lease.token)
+                    r.trainer = trainer_actor(r.plan, self.store_url, self.cl, has_gpus, self.lease.token)
                     r.writer.set_status(Status.RUNNING)
                     r.progress.status = Status.RUNNING
                     active.append(r)
@@ -263,7 +263,7 @@ class SweepCoordinator:
                 self._gangs_out.append(gang)
             index, ck_ref, attempts = r.queued.pop(0)
             worker = self.pool.pop_idle()
-            ref = worker.analyze_and_write.remote(r.progress.run_id, r.spec_dict, ck_ref,
+            ref = worker.analyze_and_write.remote(r.plan, ck_ref,
                                                   gang.pool if gang is not None else None, self.lease.token)
             r.inflight[ref] = (index, ck_ref, attempts, worker, gang)
 

@@ -34,7 +34,7 @@ class RayTrackerPool:
     Args:
         address: "local" (embedded Ray), "auto" (the running cluster / Ray Job) or "ray://HOST:PORT";
             an already initialised Ray is used as it is.
-        store_url, spec, model, data: what each worker builds its analyzer and writer from.
+        store_url, plan, model, data: what each worker builds its analyzer and writer from.
         workers, cpus, gpus: pool size and resources per worker.
         max_retries: re-submissions of a step whose worker died.
         token: the Tracker's lease token, fencing the workers' writes.
@@ -43,7 +43,7 @@ class RayTrackerPool:
         TypeError: the model cannot be pickled for the workers.
     """
 
-    def __init__(self, address: str, store_url: str, spec: dict, model: Any, data: Any, *, workers: int = 1,
+    def __init__(self, address: str, store_url: str, plan: Any, model: Any, data: Any, *, workers: int = 1,
                  cpus: float = 1.0, gpus: float = 0.0, max_retries: int = 3, token: str | None = None) -> None:
         if not ray.is_initialized():
             connect(None if address == "local" else address)
@@ -54,10 +54,10 @@ class RayTrackerPool:
                             f"({exc}); define its class in an importable module (shipped to the workers with the "
                             "job's runtime_env) or analyse in this process with cluster=None") from exc
         data_ref = ray.put(data)
-        self.workers = tracked_run_workers(store_url, spec, model_ref, data_ref, workers, cpus, gpus, token=token)
+        self.workers = tracked_run_workers(store_url, plan, model_ref, data_ref, workers, cpus, gpus, token=token)
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
         self.max_retries = max_retries
-        self.run = spec["name"]
+        self.run = plan.run_id
         self.inflight: dict[Any, tuple[Any, int, int, Any]] = {}  # task ref -> (ckpt ref, step, attempts, worker)
         self.resubmitted = 0
         try:

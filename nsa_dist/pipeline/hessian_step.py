@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,8 +16,12 @@ from nsa_dist.hessian import (additivity_gap, extreme_eigenpairs, gauss_newton_e
 from nsa_dist.hessian._loss import Loss, loss_gradient, parse_loss, prepare_targets
 from nsa_dist.ntk import preserved
 from nsa_dist.ntk._inputs import as_2d, prepare_model
+from nsa_dist.store.records import HessianStep
 
-__all__ = ["HessianAnalysis", "hessian_dims", "hessian_loss", "hessian_eig_count", "limit_reason"]
+if TYPE_CHECKING:
+    from nsa_dist.pipeline.plan import RunPlan
+
+__all__ = ["GramKnowledge", "HessianAnalysis", "hessian_dims", "hessian_loss", "hessian_eig_count", "limit_reason"]
 
 PARTS = ("H", "I", "S")
 
@@ -64,6 +69,23 @@ def hessian_dims(spec: ExperimentSpec, n_params: int) -> tuple[int, int, int]:
     return min(h.top_k, n_params - 1), min(h.rayleigh_k, n_params - 1), h.density_grid if h.density else 0
 
 
+@dataclass(frozen=True)
+class GramKnowledge:
+    """What the step's spectral analysis already knows of its NTK Gram G = J Jᵀ, reused by the
+    Hessian step for the exact Tr(I^k) instead of a new Gram.
+
+    Attributes:
+        evals: G's whole spectrum (float64), from a local layout.
+        trace, sq_frobenius: Tr(G) and ‖G‖_F², exact tile reductions (block_rows).
+        distributed: G lives on a gang; nothing more of it is computable here.
+    """
+
+    evals: np.ndarray | None = None
+    trace: float | None = None
+    sq_frobenius: float | None = None
+    distributed: bool = False
+
+
 class HessianAnalysis:
     """Computes the Hessian quantities the spec asks for at its analysed recorded steps.
 
@@ -72,11 +94,13 @@ class HessianAnalysis:
     the Fig. 3 Rayleigh quotients, top eigenvalues by Lanczos, and the SLQ density of H.
     """
 
-    def __init__(self, spec: ExperimentSpec, X: torch.Tensor, y: np.ndarray, n_params: int) -> None:
-        self.h = spec.hessian
+    def __init__(self, plan: RunPlan, X: torch.Tensor, y: np.ndarray) -> None:
+        spec = plan.spec
+        self.plan, self.h = plan, spec.hessian
         self.X, self.y = X, y
-        self.indices = set(self.h.indices(spec.record_steps())) if self.h else set()
-        self.top_k, self.rayleigh_k, self.grid = hessian_dims(spec, n_params)
+        self.indices = plan.hessian_indices
+        D = plan.dims
+        self.top_k, self.rayleigh_k, self.grid = D.hessian_top_k, D.hessian_rayleigh_k, D.hessian_density_bins
         self.seed = spec.seed
         self.spec = spec
         self.loss = hessian_loss(spec) if self.h else Loss.MSE
@@ -138,27 +162,28 @@ class HessianAnalysis:
     def wanted(self, index: int) -> bool:
         return index in self.indices
 
-    def _gram_reusable(self) -> bool:
+    @property
+    def gram_reusable(self) -> bool:
         """Whether the step's NTK Gram G (N, N) gives I: one output, MSE (I = Jᵀ J / N ~ G / N)."""
         return self.loss is Loss.MSE and self.spec.model.output_dim == 1
 
-    def _exact_I(self, model: nn.Module, gram: dict[str, Any] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _exact_I(self, model: nn.Module, gram: GramKnowledge | None) -> tuple[np.ndarray, np.ndarray]:
         """(eigenvalues of I outside its null space (N·K,), Tr(I^k) k = 1..4) — exact, NaN where unknown.
 
-        ``gram``: what the step's spectral analysis already has of G = J Jᵀ (K = 1, MSE): "evals"
-        (its whole spectrum, float64) or, with a distributed layout, "trace" and "sq_frobenius"
-        (exact tile reductions) — Tr(I) = Tr(G)/N and Tr(I²) = ‖G‖_F²/N², orders 3–4 NaN.
+        ``gram``: what the step's spectral analysis already has of G = J Jᵀ (K = 1, MSE): its whole
+        spectrum or, with a distributed layout, its exact trace and ‖G‖_F² — Tr(I) = Tr(G)/N and
+        Tr(I²) = ‖G‖_F²/N², orders 3–4 NaN.
         Without it (K > 1, cross-entropy, a float32 Gram) the full Gram is recomputed.
         """
         N = self.X.shape[0]
         nk = N * self.spec.model.output_dim
-        if gram is not None and self._gram_reusable() and "evals" in gram:
-            mu = np.sort(np.asarray(gram["evals"], np.float64))[::-1] / N
+        if gram is not None and self.gram_reusable and gram.evals is not None:
+            mu = np.sort(np.asarray(gram.evals, np.float64))[::-1] / N
             return mu, power_moments(mu)
-        if gram is not None and self._gram_reusable() and "trace" in gram:
-            moments = np.array([gram["trace"] / N, gram["sq_frobenius"] / N ** 2, np.nan, np.nan])
+        if gram is not None and self.gram_reusable and gram.trace is not None:
+            moments = np.array([gram.trace / N, gram.sq_frobenius / N ** 2, np.nan, np.nan])
             return np.full(nk, np.nan), moments
-        if gram is not None and gram.get("distributed"):
+        if gram is not None and gram.distributed:
             return np.full(nk, np.nan), np.full(4, np.nan)
         mu = gauss_newton_eigenvalues(model, self.X, self.y, loss=self.loss)
         return mu, power_moments(mu)
@@ -173,7 +198,7 @@ class HessianAnalysis:
         return mu, power_moments(mu)
 
     def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None,
-                gram: dict[str, Any] | None = None, step: int | None = None) -> dict[str, Any]:
+                gram: GramKnowledge | None = None, step: int | None = None) -> HessianStep:
         """The step's Hessian quantities on ``model`` at its θ (training step ``step``: θ_step).
 
         ``ops``: H, I, S as operators summed over a gang's data shards (distributed layouts);
@@ -189,21 +214,23 @@ class HessianAnalysis:
         X64 = self.X.to(torch.float64) if self.X.is_floating_point() else self.X  # token ids stay integers
         with torch.no_grad(), preserved(m64):
             F = as_2d(m64(X64)).detach()  # (N, K) outputs at θ
+        has = self.plan.has
         out: dict[str, Any] = {}
-        if h.moments:
+        if has("hessian_moments"):
             est = [hutchpp_moments(ops[p], h.probes, max_order=4, seed=self.seed) for p in PARTS]
             out["hessian_moments"] = np.stack([m.estimate for m in est])  # (3, 4)
             out["hessian_moments_stderr"] = np.stack([m.stderr for m in est])  # (3, 4)
             mu, exact = self._exact_I(model, gram)
             out["hessian_moments_I_exact"] = exact  # (4,)
-            out["hessian_I_eigenvalues"] = mu  # (N·K,)
             mu_inf, limit = self._limit_I(F.cpu())
-            out["hessian_I_limit_eigenvalues"], out["hessian_I_limit_moments"] = mu_inf, limit
+            out["hessian_I_limit_moments"] = limit
+            if has("hessian_I_eigenvalues"):
+                out["hessian_I_eigenvalues"], out["hessian_I_limit_eigenvalues"] = mu, mu_inf  # (N·K,)
             out["hessian_S_limit"] = self._limit_S(F, step)  # (3,)
-        if h.additivity:
+        if has("hessian_additivity"):
             g = additivity_gap(H, I, S, h.probes, max_order=4, seed=self.seed + 1)
             out["hessian_additivity"] = np.stack([g.estimate, g.stderr])  # (2, 4)
-        if h.trace_G:
+        if has("hessian_G"):
             Y = prepare_targets(self.y, self.loss, F.shape[0], F.shape[1], torch.float64, F.device)
             R = loss_gradient(self.loss, F, Y).cpu().numpy()  # (N, K) ∇_f c_i
             tr = output_hessian_traces(m64, X64, h.probes, seed=self.seed + 2, block_size=h.block_size)
@@ -211,20 +238,20 @@ class HessianAnalysis:
             out["hessian_G"] = tr.estimate.reshape(shape)
             out["hessian_G_stderr"] = tr.stderr.reshape(shape)
             out["hessian_trace_S_G"] = np.array(trace_S_from_G(R, tr))
-        if h.orthogonality:
+        if has("hessian_orthogonality"):
             o = orthogonality(I, S, n_probes=h.probes, seed=self.seed)
             out["hessian_orthogonality"] = np.array([o.value, o.stderr])
-        if self.rayleigh_k:
+        if has("hessian_rayleigh"):
             along_I, along_S = rayleigh_quotients(I, S, self.rayleigh_k, tol=h.eig_tol, seed=self.seed)
             out["hessian_rayleigh"] = np.array([[along_I.vIv, along_I.vSv], [along_S.vIv, along_S.vSv]])  # (2, 2, k)
             out["hessian_rayleigh_evals"] = np.stack([along_I.evals, along_S.evals])  # (2, k)
-        if self.top_k:
+        if has("hessian_top"):
             out["hessian_top"] = np.stack([extreme_eigenpairs(ops[p], self.top_k, which="largest", tol=h.eig_tol,
                                                               seed=self.seed).evals for p in PARTS])  # (3, k)
             out["hessian_S_op"] = float(abs(extreme_eigenpairs(S, 1, which="magnitude", tol=h.eig_tol,
                                                                 seed=self.seed).evals[0]))  # ‖S‖_op
-        if self.grid:
+        if has("hessian_density"):
             d = slq_density(H, n_probes=h.density_probes, n_steps=h.lanczos_steps, n_grid=self.grid, seed=self.seed)
             out["hessian_density_grid"], out["hessian_density"] = d.grid, d.density
         out["hessian_products"] = sum(op.n_products for op in ops.values())
-        return out
+        return HessianStep(**out)

@@ -9,6 +9,7 @@ from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
 from scipy.spatial import Delaunay
 
 from nsa_dist.metrics import fourier_transform, frequency_grid
+from nsa_dist.store.records import ImageStep
 
 if TYPE_CHECKING:
     from nsa_dist.config import ExperimentSpec
@@ -55,12 +56,12 @@ class EigenImages:
         F = np.abs(fourier_transform(V, self.X01, self.freqs.points))  # (F², m)
         return F.T.reshape((-1,) + self.freqs.shape)
 
-    def render(self, V: np.ndarray, residual: np.ndarray) -> dict[str, np.ndarray]:
+    def render(self, V: np.ndarray, residual: np.ndarray) -> ImageStep:
         """V (N, nI): the eigenvectors of ``indices``, in that order; residual (N,)."""
         both = np.concatenate([V, residual[:, None]], axis=1)  # (N, nI + 1)
         img, four = self.image(both), self.fourier(both)
-        return {"eigvec_images": img[:-1].astype(np.float32), "eigvec_fourier": four[:-1].astype(np.float32),
-                "residual_image": img[-1].astype(np.float32), "residual_fourier": four[-1].astype(np.float32)}
+        return ImageStep(eigvec_images=img[:-1].astype(np.float32), eigvec_fourier=four[:-1].astype(np.float32),
+                         residual_image=img[-1].astype(np.float32), residual_fourier=four[-1].astype(np.float32))
 
 
 def eigen_images(spec: "ExperimentSpec", data: "Dataset", K: int) -> EigenImages | None:

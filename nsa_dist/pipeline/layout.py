@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk.blocks import row_blocks
 from nsa_dist.ntk.shards import tile_plan
+
+if TYPE_CHECKING:
+    from nsa_dist.pipeline.plan import RunPlan
 
 __all__ = ["Pool", "LocalPool", "StepGram", "DenseGram", "TiledGram", "ShardedGram", "ShardedCurvature",
            "LayoutChoice", "choose_layout", "gram_for_layout", "layout_bytes", "layout_budget"]
@@ -120,15 +123,14 @@ class TiledGram(_GangGram):
     store on one node) and builds its tiles.  ``G V`` = the sum of the members' partial products.
     """
 
-    def __init__(self, pool: Pool, run_id: str, spec: dict, theta: np.ndarray, which: str, N: int,
-                 dtype: np.dtype) -> None:
+    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
         super().__init__(pool, N, dtype)
         plan = tile_plan(N, pool.size)
-        theta_h = pool.put(theta)
+        run_h, theta_h = pool.put(run), pool.put(theta)
         feats: dict[int, Any] = {}
         for i, owned in enumerate(plan.owners):
             ranges = [plan.ranges[b] for b in owned]
-            h = pool.submit(i, "features", run_id, spec, theta_h, which, ranges, num_returns=len(owned))
+            h = pool.submit(i, "features", run_h, theta_h, which, ranges, num_returns=len(owned))
             feats.update(zip(owned, h if len(owned) > 1 else [h]))
         need = [sorted({b for p in pairs for b in p}) for pairs in plan.pairs]
         self.nbytes = _map(pool, "build_tiles", [(self.key, plan.ranges, plan.pairs[i], {b: feats[b] for b in need[i]})
@@ -157,12 +159,12 @@ class ShardedGram(_GangGram):
     through Ray), broadcasts the sum and concatenates the members' ``J_s U``.
     """
 
-    def __init__(self, pool: Pool, run_id: str, spec: dict, theta: np.ndarray, which: str, N: int,
-                 dtype: np.dtype, frobenius_probes: int = 32, seed: int = 0) -> None:
+    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype,
+                 frobenius_probes: int = 32, seed: int = 0) -> None:
         super().__init__(pool, N, dtype)
         self.ranges = row_blocks(N, pool.size)
-        theta_h = pool.put(theta)
-        self.nbytes = _map(pool, "shard", [(self.key, run_id, spec, theta_h, which, r) for r in self.ranges])
+        run_h, theta_h = pool.put(run), pool.put(theta)
+        self.nbytes = _map(pool, "shard", [(self.key, run_h, theta_h, which, r) for r in self.ranges])
         self.probes, self.seed = frobenius_probes, seed
         self._fro: tuple[float, float] | None = None
 
@@ -188,12 +190,12 @@ class ShardedCurvature:
     sum the Hessian of ``C = (1/N) Σ_i c_i``.  ``shape`` is (P, P).
     """
 
-    def __init__(self, pool: Pool, run_id: str, spec: dict, theta: np.ndarray, N: int, P: int) -> None:
+    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, N: int, P: int) -> None:
         self.pool, self.shape = pool, (P, P)
         self.key = f"h{os.getpid()}-{next(_keys)}"
         ranges = row_blocks(N, pool.size)
-        theta_h = pool.put(theta)
-        _map(pool, "curvature", [(self.key, run_id, spec, theta_h, r, (r[1] - r[0]) / N) for r in ranges])
+        run_h, theta_h = pool.put(run), pool.put(theta)
+        _map(pool, "curvature", [(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for r in ranges])
 
     def part(self, name: str) -> "_Part":
         return _Part(self, name)
@@ -289,12 +291,13 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
                                             f"{W} workers, over the budget {gb(budget)}: products J(JᵀV) only")
 
 
-def gram_for_layout(layout: Layout, pool: Pool, run_id: str, spec: ExperimentSpec, spec_dict: dict,
-                    theta: np.ndarray, which: str, N: int) -> StepGram:
-    """The step's G on the gang in ``layout`` (block_rows or matrix_free)."""
+def gram_for_layout(pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int) -> StepGram:
+    """The step's G on the gang in the layout of ``run`` (a :class:`~nsa_dist.pipeline.plan.RunPlan`:
+    block_rows or matrix_free)."""
+    spec, layout = run.spec, run.layout.layout
     dtype = np.float64 if spec.spectrum.dtype == "float64" else np.float32
     if layout is Layout.BLOCK_ROWS:
-        return TiledGram(pool, run_id, spec_dict, theta, which, N, dtype)
+        return TiledGram(pool, run, theta, which, N, dtype)
     if layout is Layout.MATRIX_FREE:
-        return ShardedGram(pool, run_id, spec_dict, theta, which, N, dtype, spec.spectrum.frobenius_probes, spec.seed)
+        return ShardedGram(pool, run, theta, which, N, dtype, spec.spectrum.frobenius_probes, spec.seed)
     raise ValueError(f"gram_for_layout: {layout.value!r} is not a gang layout")

@@ -6,8 +6,6 @@ layer can place them on different workers; this module is the single-process com
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,66 +14,17 @@ import torch
 
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
-from nsa_dist.metrics import reconstruction_ks, spectrum_preservation
+from nsa_dist.metrics import spectrum_preservation
+from nsa_dist.models import build_model
 from nsa_dist.pipeline.budget import check_fits
-from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size, write_constant_gram
+from nsa_dist.pipeline.nsa_extras import write_constant_gram
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
-from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
-from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
-from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size
+from nsa_dist.pipeline.plan import RunPlan, plan_run, run_id
+from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
-from nsa_dist.store import LeaseLost, RunDims, RunWriter, SpectrumStore, Status
+from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
-__all__ = ["PreparedRun", "RunOutcome", "finish_run", "prepare_run", "run_experiment", "run_id", "run_dims",
-           "spec_json", "step_plan", "hessian_flags"]
-
-
-def spec_json(spec: ExperimentSpec) -> dict:
-    """The spec as plain JSON (enums as their values)."""
-    return json.loads(spec.model_dump_json())
-
-
-def run_id(spec: ExperimentSpec) -> str:
-    """Stable id: the run name and a hash of the whole spec (same spec → same id)."""
-    digest = hashlib.sha1(json.dumps(spec_json(spec), sort_keys=True).encode()).hexdigest()[:10]
-    return f"{spec.name}-{digest}"
-
-
-def run_dims(spec: ExperimentSpec, data: Dataset, trainer: Trainer, analyzer: SpectralAnalyzer) -> RunDims:
-    K = spectrum_size(spec, data.n)
-    M = int(data.X_test.shape[0])
-    imgs = analyzer.images
-    return RunDims(N=data.n, M=M, d=int(data.X.shape[1]), Ko=spec.model.output_dim, P=trainer.n_params,
-                   S=len(trainer.record), T=spec.steps, K=K,
-                   Kt=min(K, M) if spec.spectrum.test_points and M else 0,
-                   nI=len(imgs.indices) if imgs else 0, R=spec.spectrum.image_size if imgs else 0,
-                   F=spec.spectrum.fourier_size if imgs else 0, n_slots=len(trainer.slot_names),
-                   L=int(trainer.gen.get_state().numel()), store_eigenvectors=bool(spec.spectrum.store_eigenvectors),
-                   hessian=spec.hessian is not None, **dict(zip(("Hk", "Hr", "Hg"), hessian_dims(spec, trainer.n_params))),
-                   Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n), **hessian_flags(spec),
-                   HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K),
-                   Cg=constant_gram_applies(spec))
-
-
-def hessian_flags(spec: ExperimentSpec) -> dict[str, bool]:
-    """RunDims' Hm / Ho / Ha / Ht: whether the Hessian moment / orthogonality / additivity /
-    trace-by-G arrays exist (the switches of the spec's hessian block)."""
-    h = spec.hessian
-    if h is None:
-        return {"Hm": True, "Ho": True, "Ha": True, "Ht": True}
-    return {"Hm": bool(h.moments), "Ho": bool(h.orthogonality), "Ha": bool(h.additivity), "Ht": bool(h.trace_G)}
-
-
-def step_plan(spec: ExperimentSpec, record: list[int], hessian_indices: set[int], K: int) -> dict[str, np.ndarray]:
-    """The static arrays that say which recorded steps write what: steps, eigenvector_steps (with
-    Fig. 4d's reconstruction_k of the K eigenpairs kept), hessian_steps (those the run's arrays include)."""
-    out = {"steps": np.asarray(record, dtype=np.int64)}
-    if spec.spectrum.store_eigenvectors:
-        out["eigenvector_steps"] = np.array([spec.spectrum.eigenvectors_at(int(t)) for t in record], dtype=bool)
-        out["reconstruction_k"] = np.asarray(reconstruction_ks(K), dtype=np.int64)  # Fig. 4d's k
-    if spec.hessian is not None:
-        out["hessian_steps"] = np.isin(np.arange(len(record)), sorted(hessian_indices))
-    return out
+__all__ = ["PreparedRun", "RunOutcome", "finish_run", "prepare_run", "run_experiment"]
 
 
 @dataclass(frozen=True)
@@ -88,47 +37,46 @@ class RunOutcome:
 
 @dataclass
 class PreparedRun:
-    """A run whose store group exists with its static arrays written."""
+    """A run whose store group exists with its static arrays written, and its plan (with the layout
+    the run was created with)."""
 
-    run_id: str
-    spec: ExperimentSpec
+    plan: RunPlan
     data: Dataset
-    trainer: Trainer
-    analyzer: SpectralAnalyzer
     writer: RunWriter
 
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
 
-def prepare_run(spec: ExperimentSpec, store: SpectrumStore, token: str | None = None) -> PreparedRun:
-    """Load the data, build trainer and analyzer, create (or reopen and check) the run's group.
+
+def prepare_run(spec: ExperimentSpec, store: SpectrumStore, token: str | None = None,
+                model: torch.nn.Module | None = None) -> PreparedRun:
+    """Load the data, plan the run, create (or reopen and check) the run's group.
 
     The run records its data's fingerprint when created; reopened with other data (a file
     replaced at the same path) it is refused (StoreError naming the data and both
-    fingerprints).  ``token``: the writer lease's token, fencing every write of the run.
+    fingerprints).  The first to open the run records its layout (and why); everyone after — a
+    resumed run, every Ray worker given the plan — uses the recorded one.  ``token``: the writer
+    lease's token, fencing every write of the run.  ``model``: a network built from the spec that
+    the caller keeps (the plan reads its sizes), else one is built for planning.
     """
     data = load_dataset(spec.data, seed=spec.seed)
-    trainer = Trainer(spec, data)
-    analyzer = SpectralAnalyzer(spec, data)
-    rid = run_id(spec)
-    writer = store.writer(rid, spec_json(spec), run_dims(spec, data, trainer, analyzer),
-                          data_fingerprint=data.fingerprint(), token=token)
-    pin_layout(writer, analyzer)
+    plan = plan_run(spec, data, model)
+    writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
+    plan = pin_layout(writer, plan)
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
-        static = {"X": data.X, "y": data.y, "X_test": data.X_test, "y_test": data.y_test,
-                  "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64),
-                  **step_plan(spec, trainer.record, analyzer.hessian.indices, analyzer.K)}
-        writer.write_static(static)
-    return PreparedRun(rid, spec, data, trainer, analyzer, writer)
+        writer.write_static(plan.static_arrays(data))
+    return PreparedRun(plan, data, writer)
 
 
-def pin_layout(writer: RunWriter, analyzer: SpectralAnalyzer) -> None:
-    """Resolve the run's layout once: the first to open the run records its choice (and why),
-    everyone after — a resumed run, every Ray worker — uses the recorded one."""
-    writer.set_attrs(ntk_paths=analyzer.ntk_paths)  # which parameter took which NTK path, and why
+def pin_layout(writer: RunWriter, plan: RunPlan) -> RunPlan:
+    """The plan with the run's recorded layout; the first to open the run records its own."""
+    writer.set_attrs(ntk_paths=plan.ntk_paths)  # which parameter took which NTK path, and why
     stored = writer.attr("layout")
     if stored:
-        analyzer.pin_layout(stored, writer.attr("layout_reason") or "recorded with the run")
-    else:
-        writer.set_attrs(layout=analyzer.layout.layout.value, layout_reason=analyzer.layout.reason)
+        return plan.with_layout(stored, writer.attr("layout_reason") or "recorded with the run")
+    writer.set_attrs(layout=plan.layout.layout.value, layout_reason=plan.layout.reason)
+    return plan
 
 
 def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
@@ -158,10 +106,12 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
 def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, on_prepared,
                 token: str) -> RunOutcome:
     torch.manual_seed(spec.seed)
-    run = prepare_run(spec, store, token)
+    model = build_model(spec.model, seed=spec.seed)  # the analyzer's network, planned with
+    run = prepare_run(spec, store, token, model)
     if on_prepared:
         on_prepared(run)
-    rid, trainer, analyzer, writer = run.run_id, run.trainer, run.analyzer, run.writer
+    rid, writer = run.run_id, run.writer
+    trainer, analyzer = Trainer(run.plan, run.data), SpectralAnalyzer(run.plan, run.data, model)
     done = writer.done()
     if done.all():  # also a run killed between its last step and its preservation array
         finish_run(writer, spec)

@@ -15,46 +15,38 @@ from typing import Any
 
 import torch
 
-from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
-from nsa_dist.pipeline.runner import pin_layout, run_id, spec_json
-from nsa_dist.pipeline.spectral import SpectralAnalyzer, step_lambda_max
+from nsa_dist.pipeline.plan import RunPlan
+from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer
 from nsa_dist.store import RunWriter, SpectrumStore
 
 __all__ = ["TrainerService", "SpectralService", "open_writer"]
 
 
-def open_writer(store_url: str, spec: ExperimentSpec, data: Dataset | None = None,
-                token: str | None = None) -> RunWriter:
-    """The writer of an existing run (created by the coordinator), checked against the spec and
-    against ``data`` (this node's copy must be the run's), fenced by the driver's lease ``token``.
-
-    The run's array sizes are read from the store (written when the coordinator created it).
-    """
-    store = SpectrumStore(store_url)
-    rid = run_id(spec)
-    dims = store.dims(rid) if store.has_run(rid) else None  # None: StoreError below, not shared storage
-    return store.writer(rid, spec_json(spec), dims, create=False, token=token,
-                        data_fingerprint=data.fingerprint() if data is not None else None)
+def open_writer(store_url: str, plan: RunPlan, data: Dataset | None = None, token: str | None = None) -> RunWriter:
+    """The writer of an existing run (created by the coordinator), checked against the plan's spec
+    and against ``data`` (this node's copy must be the run's), fenced by the driver's lease ``token``."""
+    return SpectrumStore(store_url).writer(plan.run_id, plan.spec_json, plan.dims, create=False, token=token,
+                                           data_fingerprint=data.fingerprint() if data is not None else None)
 
 
 class TrainerService:
     """Trains one run; restarts resume from the store's last finished checkpoint."""
 
-    def __init__(self, spec: dict, store_url: str, threads: int | None = None, token: str | None = None) -> None:
+    def __init__(self, plan: RunPlan, store_url: str, threads: int | None = None, token: str | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.spec = ExperimentSpec.model_validate(spec)
-        self.run_id, self.store_url = run_id(self.spec), store_url
+        self.plan, self.spec = plan, plan.spec
+        self.run_id, self.store_url = plan.run_id, store_url
         self.data = load_dataset(self.spec.data, seed=self.spec.seed)
-        self.writer = open_writer(store_url, self.spec, self.data, token)
+        self.writer = open_writer(store_url, plan, self.data, token)
         self._reset()
 
     def _reset(self, before: int | None = None) -> None:
         """A fresh trainer at the last stored checkpoint (with index < ``before`` when given)."""
-        self.trainer = Trainer(self.spec, self.data)
+        self.trainer = Trainer(self.plan, self.data)
         i = self.writer.resume_index(before)
         if i is not None:
             self.trainer.load_state(TrainerState(**self.writer.state_at(i)))
@@ -86,38 +78,33 @@ class SpectralService:
         if threads:
             torch.set_num_threads(threads)
         self.store_url, self.cache = store_url, cache
-        self._runs: OrderedDict[str, tuple[SpectralAnalyzer, RunWriter]] = OrderedDict()
+        self._runs: OrderedDict[str, tuple[SpectralAnalyzer, RunWriter]] = OrderedDict()  # by run id
 
     def pid(self) -> int:
         import os
 
         return os.getpid()
 
-    def _run(self, run_id: str, spec: dict) -> tuple[SpectralAnalyzer, RunWriter]:
-        if run_id not in self._runs:
-            es = ExperimentSpec.model_validate(spec)
-            data = load_dataset(es.data, seed=es.seed)
-            analyzer = SpectralAnalyzer(es, data)
-            writer = open_writer(self.store_url, es, data)
-            pin_layout(writer, analyzer)  # the driver's choice, not this node's memory
-            self._runs[run_id] = (analyzer, writer)
+    def _run(self, plan: RunPlan) -> tuple[SpectralAnalyzer, RunWriter]:
+        if plan.run_id not in self._runs:
+            data = load_dataset(plan.spec.data, seed=plan.spec.seed)
+            self._runs[plan.run_id] = (SpectralAnalyzer(plan, data), open_writer(self.store_url, plan, data))
             while len(self._runs) > self.cache:
                 self._runs.popitem(last=False)
-        self._runs.move_to_end(run_id)
-        return self._runs[run_id]
+        self._runs.move_to_end(plan.run_id)
+        return self._runs[plan.run_id]
 
-    def analyze_and_write(self, run_id: str, spec: dict, ck: Checkpoint, pool: Any = None,
+    def analyze_and_write(self, plan: RunPlan, ck: Checkpoint, pool: Any = None,
                           token: str | None = None) -> dict[str, Any]:
-        """Compute recorded step ``ck.index`` of ``run_id`` and write it; returns a short summary.
+        """Compute recorded step ``ck.index`` of the planned run and write it; returns a short summary.
 
         ``pool``: the step's gang (a :class:`~nsa_dist.pipeline.layout.Pool`) when the run's layout
         is distributed; this worker then drives Lanczos and the metrics on the gang's products.
         ``token``: the driver's lease token, fencing the write (LeaseLost once it lost the run).
         """
-        analyzer, writer = self._run(run_id, spec)
+        analyzer, writer = self._run(plan)
         writer.token = token
         result = analyzer.analyze(ck, pool)
         writer.write_step(ck.index, result, ck.state)
-        E = result["energy_y"]
-        return {"run_id": run_id, "index": ck.index, "step": ck.step, "loss": ck.loss,
-                "lambda_max": step_lambda_max(result), "energy_y_10": float(E[min(10, len(E)) - 1])}
+        return {"run_id": plan.run_id, "index": ck.index, "step": ck.step, "loss": ck.loss,
+                "lambda_max": result.lambda_max, "energy_y_10": result.energy_y_at(10)}

@@ -2,7 +2,8 @@
 
 A plain class with idempotent methods keyed by the step's key (the Ray layer makes it an actor
 in a placement group; :class:`~nsa_dist.pipeline.layout.LocalPool` runs it in-process).  It
-rebuilds the run's model and data from the spec once per run and sets θ_t per step.
+is handed the run's :class:`~nsa_dist.pipeline.plan.RunPlan`, loads the run's data and builds its
+network once per run, and sets θ_t per step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, resolve_method
 from nsa_dist.ntk.blocks import BlockFeatures
 from nsa_dist.ntk.shards import FeatureShard, GramTiles, JacobianShard, shard_features
+from nsa_dist.pipeline.plan import RunPlan
 
 __all__ = ["SpectralShard"]
 
@@ -41,24 +43,25 @@ class SpectralShard:
         if threads:
             torch.set_num_threads(threads)
         self.cache = cache
-        self._runs: OrderedDict[str, tuple[ExperimentSpec, Dataset, torch.nn.Module]] = OrderedDict()
+        self._runs: OrderedDict[str, tuple[Dataset, torch.nn.Module]] = OrderedDict()
         self._held: dict[str, Any] = {}
         self._given = (model, data) if model is not None and data is not None else None
 
     # ------------------------------------------------------------------ run state
-    def _model(self, run_id: str, spec: dict, theta: np.ndarray) -> tuple[ExperimentSpec, Dataset, torch.nn.Module]:
-        if run_id not in self._runs:
-            es = ExperimentSpec.model_validate(spec)
+    def _model(self, plan: RunPlan, theta: np.ndarray) -> tuple[ExperimentSpec, Dataset, torch.nn.Module]:
+        """The run's data and network (loaded and built once per run in this process) at θ_t."""
+        es = plan.spec
+        if plan.run_id not in self._runs:
             if self._given is not None:
                 model, data = self._given
             else:
                 data = load_dataset(es.data, seed=es.seed)
                 model = build_model(es.model, seed=es.seed).to(es.torch_device())
-            self._runs[run_id] = (es, data, model)
+            self._runs[plan.run_id] = (data, model)
             while len(self._runs) > self.cache:
                 self._runs.popitem(last=False)
-        self._runs.move_to_end(run_id)
-        es, data, model = self._runs[run_id]
+        self._runs.move_to_end(plan.run_id)
+        data, model = self._runs[plan.run_id]
         p = next(model.parameters())  # float32, or a Tracker's float64 model
         vector_to_parameters(torch.as_tensor(np.asarray(theta), dtype=p.dtype, device=p.device), model.parameters())
         return es, data, model
@@ -70,18 +73,14 @@ class SpectralShard:
         X = X if rng is None else X[rng[0]:rng[1]]
         return model_inputs(np.asarray(X), model, es.torch_device())
 
-    @staticmethod
-    def _dtype(es: ExperimentSpec) -> torch.dtype:
-        return torch.float64 if es.spectrum.dtype == "float64" else torch.float32
-
     # ------------------------------------------------------------------ block_rows
-    def features(self, run_id: str, spec: dict, theta: np.ndarray, which: str,
+    def features(self, plan: RunPlan, theta: np.ndarray, which: str,
                  ranges: list[tuple[int, int]]) -> BlockFeatures | list[BlockFeatures]:
         """Per-layer features of the given ranges of points (one result per range; a single
         range gives its features unwrapped, as one object-store return)."""
-        es, data, model = self._model(run_id, spec, theta)
+        es, data, model = self._model(plan, theta)
         X = self._points(es, data, model, which)
-        feats = shard_features(model, X, ranges, self._dtype(es), es.spectrum.ntk_method)
+        feats = shard_features(model, X, ranges, plan.torch_dtype, es.spectrum.ntk_method)
         return feats[0] if len(ranges) == 1 else feats
 
     def build_tiles(self, key: str, ranges: list[tuple[int, int]], pairs: list[tuple[int, int]],
@@ -98,12 +97,12 @@ class SpectralShard:
         return self._get(key).stats()
 
     # ------------------------------------------------------------------ matrix_free
-    def shard(self, key: str, run_id: str, spec: dict, theta: np.ndarray, which: str, rng: tuple[int, int]) -> int:
+    def shard(self, key: str, plan: RunPlan, theta: np.ndarray, which: str, rng: tuple[int, int]) -> int:
         """Hold the per-layer features (structured or per-layer NTK) or, for models with neither,
         the Jacobian map of points ``rng``; returns bytes held."""
-        es, data, model = self._model(run_id, spec, theta)
+        es, data, model = self._model(plan, theta)
         X = self._points(es, data, model, which)
-        dtype = self._dtype(es)
+        dtype = plan.torch_dtype
         if resolve_method(model, X[:2], es.spectrum.ntk_method) in (NTKMethod.STRUCTURED, NTKMethod.PER_LAYER):
             feats = shard_features(model, X, [rng], dtype, es.spectrum.ntk_method)[0]
             held: Any = FeatureShard(feats, es.model.output_dim, device=es.torch_device())
@@ -121,10 +120,9 @@ class SpectralShard:
         return self._get(key).j(U)
 
     # ------------------------------------------------------------------ loss curvature
-    def curvature(self, key: str, run_id: str, spec: dict, theta: np.ndarray, rng: tuple[int, int],
-                  weight: float) -> None:
+    def curvature(self, key: str, plan: RunPlan, theta: np.ndarray, rng: tuple[int, int], weight: float) -> None:
         """Hold H_s, I_s, S_s of the loss on points ``rng`` (float64), products scaled by ``weight`` = n_s/N."""
-        es, data, model = self._model(run_id, spec, theta)
+        es, data, model = self._model(plan, theta)
         X = self._points(es, data, model, "train", rng)
         y = np.asarray(data.y, dtype=np.float64)[rng[0]:rng[1]]
         block = es.hessian.block_size if es.hessian else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -12,7 +12,6 @@ import torch
 
 from torch.nn.utils import vector_to_parameters
 
-from nsa_dist.config import ExperimentSpec, Layout
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
@@ -20,60 +19,26 @@ from nsa_dist.losses import is_nce, residual as loss_residual
 from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, first_order_accuracy, reconstruction_ks,
                               top_k_reconstructions)
 from nsa_dist.models import build_model
-from nsa_dist.ntk import NTKMethod, explain_method, gram, jacobian_vector_product, prepare_model
-from nsa_dist.ntk.blocks import feature_width
+from nsa_dist.ntk import gram, jacobian_vector_product, prepare_model
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.trainer import CHUNK_POINTS
-from nsa_dist.pipeline.hessian_step import HessianAnalysis
+from nsa_dist.pipeline.hessian_step import GramKnowledge, HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.model_state import model_inputs
-from nsa_dist.pipeline.layout import (DenseGram, LayoutChoice, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram,
-                                      choose_layout, gram_for_layout)
-from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change, gram_change_size, test_point_prediction
+from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram, gram_for_layout
+from nsa_dist.pipeline.plan import RunPlan
+from nsa_dist.pipeline.nsa_extras import gram_change, test_point_prediction
 from nsa_dist.pipeline.step_basis import StepSpectrum, energy_from_projections, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
+from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
 
-__all__ = ["SpectralAnalyzer", "energy_curve", "spectrum_size", "step_lambda_max"]
+__all__ = ["SpectralAnalyzer"]
 
 # A dense step that needs no eigenvectors could take every eigenvalue and ⟨v_i, φ⟩ from one
 # dsytrd (:mod:`nsa_dist.linalg.tridiag`) instead of eigh.  Measured on 2 cores, quiet, at
 # N = 10⁴ (examples/nsa_paper.yaml, k: all, test points): 160 s per Gram against eigh's 80 s —
 # dsytrd is the bulk of both and the chunked dstemr adds to it — so eigh stays the default.
 TRIDIAGONAL_K_ALL = False
-
-
-def spectrum_size(spec: ExperimentSpec, n: int) -> int:
-    """K, the number of eigenpairs kept at n points; ``spectrum.k`` > n keeps n, with a warning."""
-    if spec.spectrum.k == "all":
-        return n
-    k = int(spec.spectrum.k)
-    if k > n and (spec.name, k, n) not in _WARNED:
-        _WARNED.add((spec.name, k, n))
-        logging.getLogger("nsa_dist").warning("run %r: spectrum.k=%d is larger than the %d training points; keeping "
-                                              "all K=%d eigenpairs", spec.name, k, n, n)
-    return min(k, n)
-
-
-_WARNED: set[tuple] = set()
-
-
-def step_lambda_max(result: dict[str, Any]) -> float:
-    """The λ_max that sets GD's stability in one step's result: of the full NK×NK kernel for a
-    K-output run (``eigenvalues_full``), else of the (traced) Gram — what progress displays show."""
-    lam = result.get("eigenvalues_full")
-    return float((lam if lam is not None else result["eigenvalues"])[0])
-
-
-def energy_curve(evecs: np.ndarray, phi: np.ndarray) -> np.ndarray:
-    """E(φ, k) for k = 1..K; a K-output φ (N, K_out) counts the energy of all its columns.
-
-    E(φ, k) = Σ_c Σ_{i≤k} ⟨v_i, φ_c⟩² / Σ_c ‖φ_c‖² (NSA §6 for one column).  NaN for φ = 0
-    or a non-finite φ (the update of a diverging step).
-    """
-    phi2 = np.asarray(phi, dtype=np.float64).reshape(evecs.shape[0], -1)  # (N, C)
-    if not np.isfinite(phi2).all():
-        return np.full(evecs.shape[1], np.nan)
-    return energy_from_projections(np.asarray(evecs, np.float64).T @ phi2, phi2)  # (K,)
 
 
 class SpectralAnalyzer:
@@ -86,12 +51,13 @@ class SpectralAnalyzer:
     in-process when none is given) and every metric is computed from products, never from G.
     """
 
-    def __init__(self, spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None = None) -> None:
-        self.spec, self.data = spec, data
+    def __init__(self, plan: RunPlan, data: Dataset, model: torch.nn.Module | None = None) -> None:
+        spec = plan.spec
+        self.plan, self.spec, self.data = plan, spec, data
         self.device = torch.device(spec.torch_device())
         # ``model``: a built network (a Tracker's; its parameters get overwritten), else built from the spec
         self.model = (model if model is not None else build_model(spec.model, seed=spec.seed)).to(self.device)
-        self.dtype = torch.float64 if spec.spectrum.dtype == "float64" else torch.float32
+        self.dtype = plan.torch_dtype
         self.X = model_inputs(data.X, self.model, self.device)  # (N, …): the model's float dtype, or integer ids
         self.X_test = model_inputs(np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:])), self.model,
                                    self.device)  # (M, …) like X
@@ -99,30 +65,20 @@ class SpectralAnalyzer:
         # φ = y of E_t(y, k): for NCE the log-density centred over the points (its additive constant,
         # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖², issue 19)
         self.energy_target = self.y - self.y.mean(axis=0) if is_nce(spec) else self.y
-        self.K = spectrum_size(spec, data.n)
-        self.images = eigen_images(spec, data, self.K)
-        self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.hessian = HessianAnalysis(spec, self.X, self.y, self.n_params)
-        method, routes = explain_method(self.model, self.X[:4], spec.spectrum.ntk_method)
-        self.ntk_paths = {"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}}
-        coupled = next(iter(routes.values()))[1] if method is NTKMethod.BATCH else None
-        width = 0 if coupled else feature_width(self.model, self.X[:2], method)
-        self.layout = choose_layout(spec, data.n, width, coupled)
-        self.extras = StepExtras(spec, data, self.dtype)
+        self.K = plan.K
+        self.images = eigen_images(spec, data, self.K) if plan.has("eigvec_images") else None  # the renderer
+        self.n_params = plan.dims.P
+        self.hessian = HessianAnalysis(plan, self.X, self.y)
+        self.extras = StepExtras(plan, data)
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
         self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
 
-    def pin_layout(self, layout: str, reason: str) -> None:
-        """Use the layout the run was created with (``auto`` is resolved once, by whoever created
-        the run, and stored), not what this machine's memory would choose."""
-        self.layout = LayoutChoice(Layout(layout), reason)
-
     @property
     def distributed(self) -> bool:
         """Whether G_t is analysed on a gang (block_rows / matrix_free) rather than held whole."""
-        return self.layout.layout is not Layout.LOCAL
+        return self.plan.distributed
 
     def _gram(self, X: torch.Tensor) -> torch.Tensor:
         """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU)."""
@@ -132,11 +88,8 @@ class SpectralAnalyzer:
     def _step_gram(self, which: str, theta: np.ndarray, pool: Pool | None) -> StepGram:
         if not self.distributed:
             return DenseGram(self._gram(self.X if which == "train" else self.X_test))
-        from nsa_dist.pipeline.runner import run_id, spec_json
-
         n = self.data.n if which == "train" else self.X_test.shape[0]
-        return gram_for_layout(self.layout.layout, self._pool(pool, n), run_id(self.spec), self.spec,
-                               spec_json(self.spec), theta, which, n)
+        return gram_for_layout(self._pool(pool, n), self.plan, theta, which, n)
 
     def _pool(self, pool: Pool | None, n: int) -> Pool:
         """The gang to use: the caller's, else an in-process one of ``spectrum.workers`` members."""
@@ -181,48 +134,47 @@ class SpectralAnalyzer:
     def _needs_vectors(self, ck: Checkpoint) -> bool:
         """Whether this step uses all K training eigenvectors: it stores them, or App. E's
         constant-Gram prediction at t = 0."""
-        return self.spec.spectrum.eigenvectors_at(ck.step) or (
-            ck.index == 0 and self.X_test.shape[0] > 0 and constant_gram_applies(self.spec))
+        return self.spec.spectrum.eigenvectors_at(ck.step) or (ck.index == 0 and self.plan.has("constant_gram_f_test"))
 
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
         X = self.X.to(self.dtype) if self.X.is_floating_point() else self.X  # token ids stay integers
         model = self.model if next(self.model.parameters()).dtype == self.dtype else prepare_model(self.model, self.dtype)
         dtheta = torch.as_tensor(dtheta)
-        c = X.shape[0] if self.ntk_paths["method"] == NTKMethod.BATCH.value else CHUNK_POINTS  # coupled: one batch
+        c = X.shape[0] if self.plan.coupled else CHUNK_POINTS  # coupled: one batch
         return torch.cat([jacobian_vector_product(model, X[s:s + c], dtheta)
                           for s in range(0, X.shape[0], c)]).cpu().numpy()
 
-    def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> dict[str, Any]:
+    def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> StepResult:
         """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout."""
         p = next(self.model.parameters())
         vector_to_parameters(torch.as_tensor(ck.theta, dtype=p.dtype, device=self.device), self.model.parameters())
         if ck.model_state is not None:  # a Tracker's model: its buffers and modes at t, not at construction
             ck.model_state.apply(self.model)
-        N = self.data.n
         self.timings = {}
         with self._timed("gram"):
             G = self._step_gram("train", ck.theta, pool)
-        gram_info = None
+        known = None
         try:
-            out = self._gram_metrics(G, ck, N)
+            gram_step, extras, images = self._gram_metrics(G, ck, self.data.n)
             if self.hessian.wanted(ck.index):
-                gram_info = self._gram_for_hessian(G, out["eigenvalues"])
+                known = self._gram_for_hessian(G, gram_step.eigenvalues)
         finally:
             G.close()
-        if self.spec.spectrum.test_points and self.X_test.shape[0] > 0:
+        if self.plan.has("eigenvalues_test"):
             with self._timed("test_points"):
                 G_t = self._step_gram("test", ck.theta, pool)
                 try:
-                    sp_t = self._spectrum(G_t, min(self.K, self.X_test.shape[0]), "test", {"f_test": ck.f_test}, False)
+                    sp_t = self._spectrum(G_t, self.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
                 finally:
                     G_t.close()
-            out["eigenvalues_test"] = sp_t.evals
-            out["energy_f_test"] = energy_from_projections(sp_t.proj["f_test"], ck.f_test)
+            gram_step = dataclasses.replace(gram_step, eigenvalues_test=sp_t.evals,
+                                            energy_f_test=energy_from_projections(sp_t.proj["f_test"], ck.f_test))
+        hessian = None
         if self.hessian.wanted(ck.index):
             with self._timed("hessian"):
-                out.update(self._hessian(ck, pool, gram_info))
-        return out
+                hessian = self._hessian(ck, pool, known)
+        return StepResult(gram_step, extras, hessian, images)
 
     @contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -233,24 +185,24 @@ class SpectralAnalyzer:
         finally:
             self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
 
-    def _gram_for_hessian(self, G: StepGram, evals: np.ndarray) -> dict[str, Any] | None:
+    def _gram_for_hessian(self, G: StepGram, evals: np.ndarray) -> GramKnowledge | None:
         """What the Hessian step can reuse of G for the exact Tr(I^k) (one output, MSE, float64 G):
         its whole spectrum (k: all — the eigenvalues just computed — or one eigvalsh of the
         dense G), or with block_rows the exact tile trace and ‖G‖_F²; None otherwise."""
-        if not self.hessian._gram_reusable():
-            return {"distributed": True} if self.distributed else None
+        if not self.hessian.gram_reusable:
+            return GramKnowledge(distributed=True) if self.distributed else None
         if isinstance(G, DenseGram):
             if self.dtype != torch.float64:
                 return None
             if self.spec.spectrum.k == "all":
-                return {"evals": np.asarray(evals, np.float64)}
-            return {"evals": torch.linalg.eigvalsh(G.G).detach().cpu().numpy().astype(np.float64)}
+                return GramKnowledge(evals=np.asarray(evals, np.float64))
+            return GramKnowledge(evals=torch.linalg.eigvalsh(G.G).detach().cpu().numpy().astype(np.float64))
         if isinstance(G, TiledGram):
             stats = G.trace_stats()
-            return {"trace": stats["trace"], "sq_frobenius": stats["sq_frobenius"], "distributed": True}
-        return {"distributed": True}
+            return GramKnowledge(trace=stats["trace"], sq_frobenius=stats["sq_frobenius"], distributed=True)
+        return GramKnowledge(distributed=True)
 
-    def _gram_metrics(self, G: StepGram, ck: Checkpoint, N: int) -> dict[str, Any]:
+    def _gram_metrics(self, G: StepGram, ck: Checkpoint, N: int) -> tuple[GramStep, KernelExtras, ImageStep | None]:
         """Eigenpairs, energies, first-order prediction, alignment: products with G only.  The
         step's φ come first, so that a ``k: all`` step without stored eigenvectors projects them
         during the factorisation instead of forming V."""
@@ -268,43 +220,42 @@ class SpectralAnalyzer:
             return self._metrics(G, ck, N, sp, phis, GP[:, :C], GP[:, C])
 
     def _metrics(self, G: StepGram, ck: Checkpoint, N: int, sp: StepSpectrum, phis: dict[str, np.ndarray],
-                 GY: np.ndarray, G1: np.ndarray) -> dict[str, Any]:
+                 GY: np.ndarray, G1: np.ndarray) -> tuple[GramStep, KernelExtras, ImageStep | None]:
         residual, df_pred = phis["residual"], phis["df_pred"]
         fro2, fro2_se = G.sq_frobenius()
+        finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
+        acc = first_order_accuracy(ck.df.reshape(-1), np.asarray(df_pred).reshape(-1)) if finite else None
         out: dict[str, Any] = {
-            "loss": ck.loss, "lr": ck.lr, "f": ck.f, "df": ck.df, "df_pred": df_pred,
-            "eigenvalues": sp.evals, "f_test": ck.f_test, "gram_sq_frobenius": np.array([fro2, fro2_se]),
+            "loss": ck.loss, "lr": ck.lr, "f": ck.f, "df": ck.df, "df_pred": df_pred, "f_test": ck.f_test,
+            "eigenvalues": sp.evals, "gram_sq_frobenius": np.array([fro2, fro2_se]),
+            **{f"energy_{name}": energy_from_projections(sp.proj[name], phi) for name, phi in phis.items()},
+            "first_order_error": acc.error if acc else np.nan, "first_order_cos": acc.cos_alpha if acc else np.nan,
+            "alignment": alignment_from_products(self.y, GY, fro2),
+            "alignment_centered": self._centered_alignment(G, GY, G1, fro2),
         }
         if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = sp.evecs.astype(np.float32)
             out.update(self._at_eigenvector_step(ck, sp.evecs))
-        for name, phi in phis.items():
-            out[f"energy_{name}"] = energy_from_projections(sp.proj[name], phi)
-        finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
-        acc = first_order_accuracy(ck.df.reshape(-1), np.asarray(df_pred).reshape(-1)) if finite else None
-        out["first_order_error"] = acc.error if acc else np.nan
-        out["first_order_cos"] = acc.cos_alpha if acc else np.nan
-        out["alignment"] = alignment_from_products(self.y, GY, fro2)
-        out["alignment_centered"] = self._centered_alignment(G, GY, G1, fro2)
-        out.update(self.extras.analyze(self.model, self.X, ck, sp.proj["residual"], residual))
-        if ck.index == 0 and self.X_test.shape[0] and constant_gram_applies(self.spec):  # App. E, Eq. 22
+        if ck.index == 0 and self.plan.has("constant_gram_f_test"):  # App. E, Eq. 22
             out["constant_gram_f_test"] = test_point_prediction(
                 self.model, self.X, self.X_test, sp.evals, sp.evecs, residual, ck.f_test, self.spec, self.dtype)
+        extras = self.extras.analyze(self.model, self.X, ck, sp.proj["residual"], residual)
+        images = None
         if self.images is not None:
             V = np.column_stack([sp.columns[i - 1] for i in self.images.indices])  # (N, nI)
-            out.update(self.images.render(V, residual.reshape(N, -1)[:, 0]))
-        return out
+            images = self.images.render(V, residual.reshape(N, -1)[:, 0])
+        return GramStep(**out), extras, images
 
     def _at_eigenvector_step(self, ck: Checkpoint, evecs: np.ndarray) -> dict[str, Any]:
         """Fig. 4d's f̄_{t,k} (and their images on 2-D data), App. F's dG_t on the top Kg eigenvectors."""
         R = top_k_reconstructions(evecs, ck.f, reconstruction_ks(self.K))  # (nR, N[, Ko])
         out: dict[str, Any] = {"reconstructions": R.astype(np.float32)}
-        if self.images is not None:
+        if self.plan.has("reconstruction_images"):
             out["reconstruction_images"] = self.images.image(R.reshape(R.shape[0], self.data.n, -1)[..., 0].T
                                                              ).astype(np.float32)  # (nR, R, R)
-        Kg = gram_change_size(self.spec, self.K)
-        if Kg:
-            out.update(gram_change(self.model, self.X, ck.theta, ck.dtheta, evecs[:, :Kg], self.dtype))
+        if self.plan.has("gram_change"):
+            out.update(gram_change(self.model, self.X, ck.theta, ck.dtheta,
+                                   evecs[:, :self.plan.dims.k_gram_change], self.dtype))
         return out
 
     def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float) -> float:
@@ -317,17 +268,14 @@ class SpectralAnalyzer:
                                          seed=self.spec.seed).estimate[1])
         return alignment_from_products(self.y, GY, hgh2, centered=True, G1=G1)
 
-    def _hessian(self, ck: Checkpoint, pool: Pool | None, gram: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _hessian(self, ck: Checkpoint, pool: Pool | None, gram: GramKnowledge | None = None) -> HessianStep:
         """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
         if not self.distributed:
             return self.hessian.analyze(self.model, gram=gram, step=ck.step)
-        from nsa_dist.pipeline.runner import run_id, spec_json
-
-        curv = ShardedCurvature(self._pool(pool, self.data.n), run_id(self.spec), spec_json(self.spec), ck.theta,
-                                self.data.n, self.n_params)
+        curv = ShardedCurvature(self._pool(pool, self.data.n), self.plan, ck.theta, self.data.n, self.n_params)
         try:
             return self.hessian.analyze(self.model, ops={p: curv.part(p) for p in ("H", "I", "S")},
-                                        gram=gram or {"distributed": True}, step=ck.step)
+                                        gram=gram or GramKnowledge(distributed=True), step=ck.step)
         finally:
             curv.close()
 

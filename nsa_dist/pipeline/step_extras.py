@@ -19,6 +19,7 @@ import numpy as np
 
 from nsa_dist.config import ExperimentSpec, OptimizerName
 from nsa_dist.losses import loss_value
+from nsa_dist.store.records import KernelExtras
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
     from nsa_dist.data import Dataset
     from nsa_dist.pipeline.checkpoint import Checkpoint
+    from nsa_dist.pipeline.plan import RunPlan
 
 __all__ = ["full_kernel_top", "full_kernel_size", "per_class_top", "per_class_size", "held_out_loss", "predicted_update", "residual_projections",
            "StepExtras"]
@@ -171,29 +173,23 @@ def predicted_update(spec: ExperimentSpec, ck: "Checkpoint", residual: np.ndarra
 
 
 class StepExtras:
-    """The issue-11 quantities of one recorded step, by store array name.
+    """The issue-11 quantities of one recorded step (:class:`~nsa_dist.store.records.KernelExtras`):
+    Fig. 4a's projections always, the test loss with test points, the full-kernel and per-class
+    eigenvalues of a multi-output network."""
 
-    ``analyze(model, X, ck, residual_proj, residual)`` → {"projections_residual": (K,)} always,
-    {"loss_test": float} when there are test points and {"eigenvalues_full": (Kf,)} for a
-    multi-output network.
-    """
-
-    def __init__(self, spec: ExperimentSpec, data: "Dataset", dtype: "torch.dtype") -> None:
-        self.spec, self.data, self.dtype = spec, data, dtype
-        self.Kf = full_kernel_size(spec, data.n)
-        self.Kc = per_class_size(spec, data.n)
+    def __init__(self, plan: "RunPlan", data: "Dataset") -> None:
+        self.plan, self.spec, self.data, self.dtype = plan, plan.spec, data, plan.torch_dtype
 
     def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint", residual_proj: np.ndarray,
-                residual: np.ndarray) -> dict[str, Any]:
+                residual: np.ndarray) -> KernelExtras:
         """``residual_proj``: (K, Ko) = Vᵀ m_t, the residual's coordinates in G_t's top-K eigenvectors
         (what :func:`residual_projections` squares and sums over the outputs)."""
         out: dict[str, Any] = {"projections_residual": np.sum(np.asarray(residual_proj, np.float64) ** 2, axis=1)}
-        if self.data.y_test.shape[0]:
+        has, D, block = self.plan.has, self.plan.dims, self.spec.spectrum.block_size
+        if has("loss_test"):
             out["loss_test"] = loss_value(self.spec, self.data, ck.f_test, test=True)
-        if self.Kf:
-            out["eigenvalues_full"] = full_kernel_top(model, X, self.Kf, dtype=self.dtype,
-                                                      block_size=self.spec.spectrum.block_size)
-        if self.Kc:
-            out["eigenvalues_per_class"] = per_class_top(model, X, self.Kc, dtype=self.dtype,
-                                                         block_size=self.spec.spectrum.block_size)
-        return out
+        if has("eigenvalues_full"):
+            out["eigenvalues_full"] = full_kernel_top(model, X, D.k_full, dtype=self.dtype, block_size=block)
+        if has("eigenvalues_per_class"):
+            out["eigenvalues_per_class"] = per_class_top(model, X, D.k_class, dtype=self.dtype, block_size=block)
+        return KernelExtras(**out)

@@ -21,17 +21,12 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.errors import AnalysisError, NSAError
-from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.model_state import analysis_copy
-from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size
-from nsa_dist.pipeline.runner import hessian_flags, step_plan
-from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
-from nsa_dist.pipeline.spectral import SpectralAnalyzer, spectrum_size, step_lambda_max
-from nsa_dist.store import LeaseLost, RunDims, RunWriter, SpectrumStore
+from nsa_dist.pipeline.plan import RunPlan
+from nsa_dist.pipeline.spectral import SpectralAnalyzer
+from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore
 
-__all__ = ["TrackedRunService", "ThreadTrackerPool", "tracked_spec", "tracked_dims", "tracked_static", "analysis_error", "RNG_BYTES"]
-
-RNG_BYTES = 1  # a tracked run has no trainer RNG; its resume state is θ alone
+__all__ = ["TrackedRunService", "ThreadTrackerPool", "tracked_spec", "analysis_error"]
 
 
 def _digest(*arrays: np.ndarray) -> str:
@@ -67,31 +62,6 @@ def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: i
     })
 
 
-def tracked_dims(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer, n_params: int) -> RunDims:
-    """The store sizes of a tracked run (no optimizer slots; X stored flattened to (N, d))."""
-    K, M = spectrum_size(spec, data.n), int(data.X_test.shape[0])
-    imgs = analyzer.images
-    Hk, Hr, Hg = hessian_dims(spec, n_params)
-    return RunDims(N=data.n, M=M, d=int(np.prod(data.X.shape[1:])), Ko=spec.model.output_dim, P=n_params,
-                   S=len(spec.record_steps()), T=spec.steps, K=K,
-                   Kt=min(K, M) if spec.spectrum.test_points and M else 0,
-                   nI=len(imgs.indices) if imgs else 0, R=spec.spectrum.image_size if imgs else 0,
-                   F=spec.spectrum.fourier_size if imgs else 0, n_slots=0, L=RNG_BYTES,
-                   store_eigenvectors=bool(spec.spectrum.store_eigenvectors), hessian=spec.hessian is not None,
-                   Hk=Hk, Hr=Hr, Hg=Hg, Kf=full_kernel_size(spec, data.n), Kc=per_class_size(spec, data.n),
-                   **hessian_flags(spec), HI=hessian_eig_count(spec, data.n), Kg=gram_change_size(spec, K),
-                   Cg=constant_gram_applies(spec))
-
-
-def tracked_static(spec: ExperimentSpec, data: Dataset, analyzer: SpectralAnalyzer) -> dict[str, np.ndarray]:
-    """The arrays written once when a tracked run is created (X, X_test flattened to (n, d))."""
-    N, M = data.n, int(data.X_test.shape[0])
-    out = {"X": data.X.reshape(N, -1), "y": data.y, "X_test": data.X_test.reshape(M, int(np.prod(data.X.shape[1:]))), "y_test": data.y_test,
-           "image_indices": np.asarray(analyzer.images.indices if analyzer.images else [], dtype=np.int64),
-           **step_plan(spec, spec.record_steps(), analyzer.hessian.indices, analyzer.K)}
-    return out
-
-
 def analysis_error(run: str, step: int, exc: BaseException) -> AnalysisError:
     """The one error a Tracker raises for a failed analysis: run, step and the cause's first line
     (an NTK error names the module there); chain ``exc`` as its ``__cause__`` when raising."""
@@ -108,7 +78,7 @@ class TrackedRunService:
 
     Args:
         store_url: the store the run was created in (by the Tracker).
-        spec: the run's spec as JSON (``tracked_spec``).
+        plan: the run's plan (of its ``tracked_spec``).
         model: the user's network (copied; its parameters, buffers and modes are overwritten with
             each checkpoint's θ_t and :class:`~nsa_dist.pipeline.model_state.ModelState`).
         data: the run's points and targets.
@@ -116,15 +86,14 @@ class TrackedRunService:
         token: the Tracker's lease token, fencing every write (LeaseLost once another took the run).
     """
 
-    def __init__(self, store_url: str, spec: dict, model: nn.Module, data: Dataset, threads: int | None = None,
+    def __init__(self, store_url: str, plan: RunPlan, model: nn.Module, data: Dataset, threads: int | None = None,
                  token: str | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.spec = ExperimentSpec.model_validate(spec)
-        self.analyzer = SpectralAnalyzer(self.spec, data, model=analysis_copy(model))
-        store = SpectrumStore(store_url)
-        dims = store.dims(self.spec.name) if store.has_run(self.spec.name) else None  # the run's sizes, as stored
-        self.writer: RunWriter = store.writer(self.spec.name, spec, dims, create=False, token=token)
+        self.spec = plan.spec
+        self.analyzer = SpectralAnalyzer(plan, data, model=analysis_copy(model))
+        self.writer: RunWriter = SpectrumStore(store_url).writer(plan.run_id, plan.spec_json, plan.dims, create=False,
+                                                                 token=token)
 
     def pid(self) -> int:
         import os
@@ -135,7 +104,7 @@ class TrackedRunService:
         """Compute recorded step ``ck.index`` and write it; returns a short summary."""
         result = self.analyzer.analyze(ck)
         self.writer.write_step(ck.index, result, ck.state)
-        return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": step_lambda_max(result)}
+        return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": result.lambda_max}
 
 
 class ThreadTrackerPool:

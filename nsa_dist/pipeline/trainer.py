@@ -8,12 +8,13 @@ import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from nsa_dist.config import ExperimentSpec, OptimizerName
+from nsa_dist.config import OptimizerName
 from nsa_dist.data import Dataset
 from nsa_dist.losses import cross_entropy_loss, is_cross_entropy, is_nce, nce_loss
 from nsa_dist.models import build_model
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
+from nsa_dist.pipeline.plan import RunPlan, slot_names
 
 __all__ = ["Trainer", "TrainingDiverged"]
 
@@ -47,8 +48,9 @@ class Trainer:
     to ``stop`` and yields a :class:`Checkpoint` at every recorded step passed on the way.
     """
 
-    def __init__(self, spec: ExperimentSpec, data: Dataset) -> None:
-        self.spec = spec
+    def __init__(self, plan: RunPlan, data: Dataset) -> None:
+        spec = plan.spec
+        self.plan, self.spec = plan, spec
         self.device = torch.device(spec.torch_device())
         self.model = build_model(spec.model, seed=spec.seed).to(self.device)
         self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)  # (N, d)
@@ -57,7 +59,7 @@ class Trainer:
         self._nce = None if not is_nce(spec) else tuple(  # (label, log(ν q)) at the training points
             torch.as_tensor(data.extra[k], dtype=torch.float32, device=self.device) for k in ("label", "log_noise"))
         self._ce = is_cross_entropy(spec)
-        self.record = spec.record_steps()
+        self.record = list(plan.record)
         self._index = {t: i for i, t in enumerate(self.record)}
         self.opt = self._optimizer()
         big = self.X.shape[0] > CHUNK_POINTS
@@ -86,10 +88,7 @@ class Trainer:
     @property
     def slot_names(self) -> tuple[str, ...]:
         """Names of the per-parameter optimizer state tensors kept in :class:`TrainerState`."""
-        o = self.spec.optimizer
-        if OptimizerName(o.name) is OptimizerName.ADAM:
-            return ("exp_avg", "exp_avg_sq")
-        return ("momentum_buffer",) if o.momentum > 0 else ()
+        return slot_names(self.spec)
 
     def state(self) -> TrainerState:
         params = list(self.model.parameters())

@@ -33,7 +33,7 @@ class Eigenvectors(Panel):
         self.steps: list[int] = []
         self.slider = Slider(title="stored step (index)", start=0, end=1, value=0, step=1, width=500, disabled=True)
         self.label = Div(text="", css_classes=["nsa-eigvec-step"])
-        n = min(_MAX_IMAGES, int(run.dims.nI)) if self.images else 1
+        n = min(_MAX_IMAGES, int(run.dims.n_images)) if self.images else 1
         self.sources = [ColumnDataSource({"image": [], "dw": [], "dh": []}) for _ in range(n)]
         self.titles, self.mappers, figs = [], [], []
         for src in self.sources:

@@ -46,7 +46,7 @@ class RunReader:
         self._static: dict[str, np.ndarray] = {}
         dims = self.attrs.get("dims")
         try:
-            self.dims = RunDims(**dims) if dims else None
+            self.dims = RunDims.from_json(dims) if dims else None
         except TypeError:
             self.dims = None
         self.specs: dict[str, ArraySpec] = {a.name: a for a in run_arrays(self.dims)} if self.dims else {}

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from nsa_dist.metrics.reconstruction import reconstruction_ks
+from nsa_dist.store.records import PHIS, step_array_specs
 
 __all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord", "run_arrays", "PHIS",
            "STATE_ARRAYS", "dimension_names", "step_specs"]
@@ -22,16 +23,14 @@ __all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord"
 SCHEMA_VERSION = 1
 CHUNK_BYTES = 8 << 20  # the largest chunk written (8 MiB before compression): cheap to fetch from s3://
 STATE_ARRAYS = ("theta", "opt_slots", "rng_state")  # the resume state, written from the checkpoint's state
-PHIS = ("y", "f", "residual", "df", "df_pred")
 
 
 @dataclass(frozen=True)
 class RunDims:
-    """Sizes of a run's arrays.
+    """Sizes of a run's arrays (what exists is decided from them by :mod:`nsa_dist.store.records`).
 
     N/M train/test points, d inputs, Ko outputs, P parameters, S recorded steps, T training
-    steps, K eigenpairs kept, Kt test eigenpairs (0: none), nI eigenvector images of R×R
-    pixels and F×F frequencies (0: none), n_slots optimizer state vectors, L RNG bytes.
+    steps, K eigenpairs kept; the others are named for what they count or switch.
     """
 
     N: int
@@ -42,29 +41,40 @@ class RunDims:
     S: int
     T: int
     K: int
-    Kt: int
-    nI: int
-    R: int
-    F: int
-    n_slots: int
-    L: int
+    k_test: int  # test-point eigenpairs (0: none)
+    n_images: int  # eigenvector images (NSA Fig. 4–5; 0: none) …
+    image_size: int  # … of image_size² pixels
+    fourier_size: int  # … and fourier_size² frequencies
+    n_slots: int  # optimizer state vectors of the resume state
+    rng_bytes: int  # the trainer's RNG state of the resume state
     store_eigenvectors: bool
-    hessian: bool = False
-    Hk: int = 0
-    Hr: int = 0
-    Hg: int = 0
-    Kf: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
-    Kc: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
-    Hm: bool = True  # hessian.moments: the Hutch++ moment arrays exist
-    Ho: bool = True  # hessian.orthogonality: the orthogonality array exists
-    HI: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
-    Ha: bool = True  # hessian.additivity: Theorem 1's gap array exists
-    Ht: bool = True  # hessian.trace_G: the per-point traces G and Tr(S) = ∇Cᵀ·G exist
-    Kg: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
-    Cg: bool = False  # App. E: the constant-Gram prediction of the test outputs (GD, L2, test points; issue 19)
+    hessian: bool = False  # the run has a hessian block
+    hessian_top_k: int = 0
+    hessian_rayleigh_k: int = 0
+    hessian_density_bins: int = 0
+    k_full: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
+    k_class: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
+    hessian_moments: bool = True  # hessian.moments: the Hutch++ moment arrays exist
+    hessian_orthogonality: bool = True
+    hessian_I_k: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
+    hessian_additivity: bool = True  # Theorem 1's gap
+    hessian_trace_G: bool = True  # the per-point traces G and Tr(S) = ∇Cᵀ·G
+    k_gram_change: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
+    constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs (issue 19)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RunDims":
+        """The sizes as stored; a run written before the fields were named (``Hm``, ``Kt``, …) reads too."""
+        return cls(**{_OLD_NAMES.get(k, k): v for k, v in d.items()})
+
+
+_OLD_NAMES = {"Kt": "k_test", "nI": "n_images", "R": "image_size", "F": "fourier_size", "L": "rng_bytes",
+              "Hk": "hessian_top_k", "Hr": "hessian_rayleigh_k", "Hg": "hessian_density_bins", "Kf": "k_full",
+              "Kc": "k_class", "Hm": "hessian_moments", "Ho": "hessian_orthogonality", "HI": "hessian_I_k",
+              "Ha": "hessian_additivity", "Ht": "hessian_trace_G", "Kg": "k_gram_change", "Cg": "constant_gram"}
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,7 @@ def run_arrays(D: RunDims) -> list[ArraySpec]:
 
 
 def _run_arrays(D: RunDims) -> list[ArraySpec]:
+    """The static arrays, the resume state, then every per-step array the step records define."""
     out_shape = lambda n: (n,) if D.Ko == 1 else (n, D.Ko)  # noqa: E731
     a = [
         ArraySpec("X", (D.N, D.d), "float64", False),
@@ -127,92 +138,19 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         ArraySpec("X_test", (D.M, D.d), "float64", False),
         ArraySpec("y_test", out_shape(D.M), "float64", False),
         ArraySpec("steps", (D.S,), "int64", False),
-        ArraySpec("image_indices", (D.nI,), "int64", False),
+        ArraySpec("image_indices", (D.n_images,), "int64", False),
         ArraySpec("loss_trace", (D.T,), "float64", False),
         ArraySpec("done", (D.S,), "bool", True),
-        ArraySpec("loss", (D.S,), "float64", True),
-        ArraySpec("lr", (D.S,), "float64", True),
         ArraySpec("theta", (D.S, D.P), "float32", True),
         ArraySpec("opt_slots", (D.S, D.n_slots, D.P), "float32", True),
-        ArraySpec("rng_state", (D.S, D.L), "uint8", True),
-        ArraySpec("f", (D.S,) + out_shape(D.N), "float32", True),
-        ArraySpec("df", (D.S,) + out_shape(D.N), "float32", True),
-        ArraySpec("df_pred", (D.S,) + out_shape(D.N), "float32", True),
-        ArraySpec("f_test", (D.S,) + out_shape(D.M), "float32", True),
-        ArraySpec("eigenvalues", (D.S, D.K), "float64", True),
-        ArraySpec("first_order_error", (D.S,), "float64", True),
-        ArraySpec("first_order_cos", (D.S,), "float64", True),
-        ArraySpec("alignment", (D.S,), "float64", True),
-        ArraySpec("alignment_centered", (D.S,), "float64", True),
-        ArraySpec("gram_sq_frobenius", (D.S, 2), "float64", True),  # ‖G‖_F², its stderr (0: exact)
+        ArraySpec("rng_state", (D.S, D.rng_bytes), "uint8", True),
     ]
-    a += [ArraySpec(f"energy_{phi}", (D.S, D.K), "float64", True) for phi in PHIS]
     if D.store_eigenvectors:
         a += [ArraySpec("eigenvector_steps", (D.S,), "bool", False),
-              ArraySpec("eigenvectors", (D.S, D.N, D.K), "float32", True, "eigenvectors")]
-    if D.Kt:
-        a += [ArraySpec("eigenvalues_test", (D.S, D.Kt), "float64", True),
-              ArraySpec("energy_f_test", (D.S, D.Kt), "float64", True)]
+              ArraySpec("reconstruction_k", (len(reconstruction_ks(D.K)),), "int64", False)]
     if D.hessian:
-        h = "hessian"
-        a += [ArraySpec("hessian_steps", (D.S,), "bool", False),
-              ArraySpec("hessian_products", (D.S,), "int64", True, h)]
-        if D.Hm:
-            a += [ArraySpec("hessian_moments", (D.S, 3, 4), "float64", True, h),
-                  ArraySpec("hessian_moments_stderr", (D.S, 3, 4), "float64", True, h),
-                  ArraySpec("hessian_moments_I_exact", (D.S, 4), "float64", True, h)]
-        if D.Ho:
-            a.append(ArraySpec("hessian_orthogonality", (D.S, 2), "float64", True, h))
-        if D.Hr:
-            a += [ArraySpec("hessian_rayleigh", (D.S, 2, 2, D.Hr), "float64", True, h),
-                  ArraySpec("hessian_rayleigh_evals", (D.S, 2, D.Hr), "float64", True, h)]
-        if D.Hk:
-            a.append(ArraySpec("hessian_top", (D.S, 3, D.Hk), "float64", True, h))
-        if D.Hg:
-            a += [ArraySpec("hessian_density_grid", (D.S, D.Hg), "float64", True, h),
-                  ArraySpec("hessian_density", (D.S, D.Hg), "float64", True, h)]
-        # issue 10: the Hessian paper's predictions beside the measurements
-        if D.Ha:
-            a.append(ArraySpec("hessian_additivity", (D.S, 2, 4), "float64", True, h))  # Tr(H^k)−Tr(I^k)−Tr(S^k), stderr
-        if D.Hm:
-            a.append(ArraySpec("hessian_I_limit_moments", (D.S, 4), "float64", True, h))  # Tr(I^k) of the Θ∞ limit
-            # issue 19: the limits of S — [E Tr S at init, E Tr S_t along GD (MSE), Tr S² = ∇CᵀΥ̃∇C]
-            a.append(ArraySpec("hessian_S_limit", (D.S, 3), "float64", True, h))
-        if D.Ht:
-            a += [ArraySpec("hessian_G", (D.S,) + out_shape(D.N), "float64", True, h),  # Σ_p ∂²f(x_i)/∂θ_p²
-                  ArraySpec("hessian_G_stderr", (D.S,) + out_shape(D.N), "float64", True, h),
-                  ArraySpec("hessian_trace_S_G", (D.S, 2), "float64", True, h)]  # Tr(S) = ∇Cᵀ·G, stderr
-        if D.HI and D.Hm:
-            a += [ArraySpec("hessian_I_eigenvalues", (D.S, D.HI), "float64", True, h),
-                  ArraySpec("hessian_I_limit_eigenvalues", (D.S, D.HI), "float64", True, h)]
-        if D.Hk:
-            a.append(ArraySpec("hessian_S_op", (D.S,), "float64", True, h))  # ‖S‖_op = max |λ(S)|
-    # issue 11: test loss, full-kernel eigenvalues of K-output networks, Fig. 4a projections
-    a.append(ArraySpec("projections_residual", (D.S, D.K), "float64", True))
-    if D.M:
-        a.append(ArraySpec("loss_test", (D.S,), "float64", True))
-    if D.Kf:
-        a.append(ArraySpec("eigenvalues_full", (D.S, D.Kf), "float64", True))
-    if D.Kc:
-        a.append(ArraySpec("eigenvalues_per_class", (D.S, D.Ko, D.Kc), "float64", True))
-    if D.Cg and D.M:  # App. E, Eq. 22 (Nyström): f_test of every recorded step predicted at the first
-        a.append(ArraySpec("constant_gram_f_test", (D.S, D.S) + out_shape(D.M), "float64", True, "first"))
-    # issue 19: Fig. 4d reconstructions f̄_{t,k} and App. F's dG_t, at the eigenvector steps
-    if D.store_eigenvectors:
-        nR = len(reconstruction_ks(D.K))
-        a += [ArraySpec("reconstruction_k", (nR,), "int64", False),
-              ArraySpec("reconstructions", (D.S, nR) + out_shape(D.N), "float32", True, "eigenvectors")]
-        if D.nI:
-            a.append(ArraySpec("reconstruction_images", (D.S, nR, D.R, D.R), "float32", True, "eigenvectors"))
-        if D.Kg:
-            a += [ArraySpec("gram_change", (D.S, 2, D.Kg), "float64", True, "eigenvectors"),  # v_iᵀ dG v_i: measured, 1st order
-                  ArraySpec("gram_change_fro", (D.S, 3), "float64", True, "eigenvectors")]  # ‖VᵀdGV‖_F: meas, pred, diff
-    if D.nI:
-        a += [ArraySpec("eigvec_images", (D.S, D.nI, D.R, D.R), "float32", True),
-              ArraySpec("eigvec_fourier", (D.S, D.nI, D.F, D.F), "float32", True),
-              ArraySpec("residual_image", (D.S, D.R, D.R), "float32", True),
-              ArraySpec("residual_fourier", (D.S, D.F, D.F), "float32", True)]
-    return a
+        a.append(ArraySpec("hessian_steps", (D.S,), "bool", False))
+    return a + [ArraySpec(name, (D.S,) + shape, dtype, True, at) for name, shape, dtype, at in step_array_specs(D)]
 
 
 # --------------------------------------------------------------------------- the step contract

@@ -103,7 +103,7 @@ async def _quick(store: "SpectrumStore", rid: str, steps_too: bool) -> RunSummar
                 data_fingerprint=attrs.get("data_fingerprint"))
     if attrs.get("creating"):
         return RunSummary(**base)  # no array need exist yet
-    dims = RunDims(**attrs["dims"])
+    dims = RunDims.from_json(attrs["dims"])
     if not steps_too:
         return RunSummary(**base, steps_done=None, steps_total=dims.S)
     open_ = lambda name: AsyncArray.open(StorePath(store.zstore, f"runs/{rid}/{name}"), zarr_format=3)  # noqa: E731

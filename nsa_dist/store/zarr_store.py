@@ -24,6 +24,7 @@ from zarr.core.sync import sync
 from nsa_dist._fsspec import EXTRAS, require_extra, storage_options
 from nsa_dist.errors import StoreError
 from nsa_dist.store.lease import Lease, LeaseInfo, check_holder, effective_status, parse_lease
+from nsa_dist.store.records import StepResult
 from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
                                    run_arrays)
 
@@ -320,7 +321,7 @@ class SpectrumStore:
         a = self.run_attrs(run_id)
         if "dims" not in a:
             raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json has no 'dims' attribute")
-        return RunDims(**a["dims"])
+        return RunDims.from_json(a["dims"])
 
     # ------------------------------------------------------------------ leases
     def lease(self, run_ids: list[str], *, wait: float | None = 0.0, ttl: float | None = None) -> Lease:
@@ -477,13 +478,14 @@ class RunWriter:
     def done(self) -> np.ndarray:
         return np.asarray(self.g["done"][:], dtype=bool)
 
-    def write_step(self, index: int, result: dict[str, Any], state: Any) -> None:
+    def write_step(self, index: int, result: StepResult, state: Any) -> None:
         """Everything of recorded step ``index``: results, θ/optimizer/RNG state, then the done flag.
 
-        The result is checked first (:class:`StepRecord`): an unknown, missing or mis-shaped key
-        is a StoreError naming it, and nothing of the step is written.
+        The result's arrays are checked first (:class:`StepRecord`): one missing for this step,
+        present though this step does not write it, or mis-shaped is a StoreError naming it, and
+        nothing of the step is written.
         """
-        rec = StepRecord.build(self.dims, index, result, eigenvectors=bool(self._mask("eigenvectors")[index]),
+        rec = StepRecord.build(self.dims, index, result.arrays(), eigenvectors=bool(self._mask("eigenvectors")[index]),
                                hessian=bool(self._mask("hessian")[index]), where=f"run {self.run_id!r} ")
         theta = np.asarray(state.theta)
         if theta.shape != (self.dims.P,):

@@ -1,0 +1,209 @@
+"""The plan of one run, built once from its validated spec, its data and its network.
+
+A :class:`RunPlan` is what every role of a run receives — the trainer, the analyzer, a gang's
+shards, the writer, the sweep coordinator and the Tracker — instead of each rebuilding the run
+from its spec: the run id, the spec (validated once), every array size (:class:`RunDims`), the
+recording schedule, the Hessian steps, the eigenpair count, the eigenvector images and the
+analysis layout with its reason.  It is frozen and small (no arrays, no network), so it crosses
+Ray by value.  Building it needs the data's shapes and one network (for the parameter count and
+the NTK route that decides the layout), never a Trainer or an analyzer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nsa_dist.config import ExperimentSpec, Layout, OptimizerName
+from nsa_dist.data import Dataset
+from nsa_dist.metrics import reconstruction_ks
+from nsa_dist.models import build_model
+from nsa_dist.ntk import NTKMethod, explain_method
+from nsa_dist.ntk.blocks import feature_width
+from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
+from nsa_dist.pipeline.images import eigen_images
+from nsa_dist.pipeline.layout import LayoutChoice, choose_layout
+from nsa_dist.pipeline.model_state import model_inputs
+from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size
+from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
+from nsa_dist.store import RunDims, run_arrays
+
+__all__ = ["RunPlan", "plan_run", "run_id", "spec_json", "spectrum_size", "slot_names", "TRACKED_RNG_BYTES"]
+
+TRACKED_RNG_BYTES = 1  # a tracked run has no trainer RNG; its resume state is θ alone
+_TRAINER_RNG_BYTES = int(torch.Generator().get_state().numel())  # the trainer's minibatch RNG state
+
+
+def _tracked(spec: ExperimentSpec) -> bool:
+    """Whether ``spec`` is a Tracker's (its network is the user's, ``model.source: tracker``)."""
+    return getattr(spec.model, "source", "factory") == "tracker"
+
+
+def spec_json(spec: ExperimentSpec) -> dict:
+    """The spec as plain JSON (enums as their values)."""
+    return json.loads(spec.model_dump_json())
+
+
+def run_id(spec: ExperimentSpec) -> str:
+    """Stable id: the run name and a hash of the whole spec (same spec → same id).  A tracked run
+    (``model.source: tracker``) is named by its user: its id is its name (reopening continues)."""
+    if _tracked(spec):
+        return spec.name
+    digest = hashlib.sha1(json.dumps(spec_json(spec), sort_keys=True).encode()).hexdigest()[:10]
+    return f"{spec.name}-{digest}"
+
+
+def spectrum_size(spec: ExperimentSpec, n: int) -> int:
+    """K, the number of eigenpairs kept at n points; ``spectrum.k`` > n keeps n, with a warning."""
+    if spec.spectrum.k == "all":
+        return n
+    k = int(spec.spectrum.k)
+    if k > n and (spec.name, k, n) not in _WARNED:
+        _WARNED.add((spec.name, k, n))
+        import logging
+
+        logging.getLogger("nsa_dist").warning("run %r: spectrum.k=%d is larger than the %d training points; keeping "
+                                              "all K=%d eigenpairs", spec.name, k, n, n)
+    return min(k, n)
+
+
+_WARNED: set[tuple] = set()
+
+
+def slot_names(spec: ExperimentSpec) -> tuple[str, ...]:
+    """Names of the per-parameter optimizer state tensors a spec run's resume state keeps."""
+    o = spec.optimizer
+    if _tracked(spec):
+        return ()  # the user's own update: θ alone
+    if OptimizerName(o.name) is OptimizerName.ADAM:
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if o.momentum > 0 else ()
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a role needs to know about a run besides its data and network.
+
+    Attributes:
+        run_id: the store's name of the run.
+        spec: the validated experiment spec.
+        spec_json: ``spec`` as plain JSON (what the store records and compares).
+        dims: every array size of the run (the store's schema is derived from it).
+        record: the recorded training steps, in order.
+        hessian_indices: the recorded-step indices whose Hessian is measured.
+        K: eigenpairs kept per step.
+        image_indices: the eigenvectors drawn as images (1-based; empty without 2-D data).
+        layout: where G_t lives (local, block_rows, matrix_free) and why.
+        ntk_method: the NTK route the network takes (``NTKMethod`` value).
+        ntk_paths: which parameter took which NTK path, and why (recorded with the run).
+    """
+
+    run_id: str
+    spec: ExperimentSpec
+    spec_json: dict
+    dims: RunDims
+    record: tuple[int, ...]
+    hessian_indices: frozenset[int]
+    K: int
+    image_indices: tuple[int, ...]
+    layout: LayoutChoice
+    ntk_method: str
+    ntk_paths: dict
+
+    @functools.cached_property
+    def arrays(self) -> frozenset[str]:
+        """The names of the run's arrays (:func:`~nsa_dist.store.run_arrays` of its sizes)."""
+        return frozenset(a.name for a in run_arrays(self.dims))
+
+    def has(self, array: str) -> bool:
+        """Whether the run stores ``array`` — the one answer to "is this quantity measured", decided
+        by its step record's field (:mod:`nsa_dist.store.records`)."""
+        return array in self.arrays
+
+    @property
+    def distributed(self) -> bool:
+        """Whether G_t is analysed on a gang (block_rows / matrix_free) rather than held whole."""
+        return self.layout.layout is not Layout.LOCAL
+
+    @property
+    def coupled(self) -> bool:
+        """Whether the network couples samples (its kernel is that of one whole batch)."""
+        return self.ntk_method == NTKMethod.BATCH.value
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The analysis precision (``spectrum.dtype``)."""
+        return torch.float64 if self.spec.spectrum.dtype == "float64" else torch.float32
+
+    def with_layout(self, layout: str, reason: str) -> "RunPlan":
+        """The plan with the layout the run was created with (``auto`` is resolved once, by whoever
+        created the run, and stored), not the one this machine's memory would choose."""
+        return dataclasses.replace(self, layout=LayoutChoice(Layout(layout), reason))
+
+    def static_arrays(self, data: Dataset) -> dict[str, np.ndarray]:
+        """The arrays written once when the run is created: the data (X flattened to (N, d)) and
+        which recorded steps write what (steps, eigenvector_steps with Fig. 4d's reconstruction_k,
+        hessian_steps)."""
+        N, M, d = self.dims.N, self.dims.M, self.dims.d
+        out = {"X": np.asarray(data.X).reshape(N, d), "y": data.y, "X_test": np.asarray(data.X_test).reshape(M, d),
+               "y_test": data.y_test, "image_indices": np.asarray(self.image_indices, dtype=np.int64),
+               "steps": np.asarray(self.record, dtype=np.int64)}
+        s = self.spec.spectrum
+        if s.store_eigenvectors:
+            out["eigenvector_steps"] = np.array([s.eigenvectors_at(int(t)) for t in self.record], dtype=bool)
+            out["reconstruction_k"] = np.asarray(reconstruction_ks(self.K), dtype=np.int64)
+        if self.spec.hessian is not None:
+            out["hessian_steps"] = np.isin(np.arange(len(self.record)), sorted(self.hessian_indices))
+        return out
+
+
+def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None = None) -> RunPlan:
+    """The plan of ``spec`` on ``data``.
+
+    Args:
+        spec: a validated spec (a Tracker's ``model.source: tracker`` spec for a tracked run).
+        data: the run's points (only shapes and, for eigenvector images, the 2-D coordinates are read).
+        model: the run's network (a Tracker's, or one the caller built and keeps); built from the
+            spec when None.  Only its parameter count and NTK route are read.
+
+    Raises:
+        ValueError: ``spectrum.layout`` names a distributed layout for a network that couples samples.
+    """
+    if model is None:
+        model = build_model(spec.model, seed=spec.seed)
+    N, M = data.n, int(np.asarray(data.X_test).shape[0])
+    P = sum(p.numel() for p in model.parameters())
+    K = spectrum_size(spec, N)
+    record = tuple(spec.record_steps())
+    images = eigen_images(spec, data, K)
+    nI = len(images.indices) if images else 0
+    h = spec.hessian
+    X4 = model_inputs(np.asarray(data.X[:4]), model)  # on the network's device, as it is
+    method, routes = explain_method(model, X4, spec.spectrum.ntk_method)
+    coupled = next(iter(routes.values()))[1] if method is NTKMethod.BATCH else None
+    width = 0 if coupled else feature_width(model, X4[:2], method)
+    Hk, Hr, Hg = hessian_dims(spec, P)
+    dims = RunDims(
+        N=N, M=M, d=int(np.prod(np.asarray(data.X).shape[1:])), Ko=spec.model.output_dim, P=P, S=len(record),
+        T=spec.steps, K=K, k_test=min(K, M) if spec.spectrum.test_points and M else 0,
+        n_images=nI, image_size=spec.spectrum.image_size if nI else 0, fourier_size=spec.spectrum.fourier_size if nI else 0,
+        n_slots=len(slot_names(spec)), rng_bytes=TRACKED_RNG_BYTES if _tracked(spec) else _TRAINER_RNG_BYTES,
+        store_eigenvectors=bool(spec.spectrum.store_eigenvectors), hessian=h is not None,
+        hessian_top_k=Hk, hessian_rayleigh_k=Hr, hessian_density_bins=Hg,
+        k_full=full_kernel_size(spec, N), k_class=per_class_size(spec, N),
+        hessian_moments=h is None or bool(h.moments), hessian_orthogonality=h is None or bool(h.orthogonality),
+        hessian_additivity=h is None or bool(h.additivity), hessian_trace_G=h is None or bool(h.trace_G),
+        hessian_I_k=hessian_eig_count(spec, N), k_gram_change=gram_change_size(spec, K),
+        constant_gram=constant_gram_applies(spec))
+    return RunPlan(
+        run_id=run_id(spec), spec=spec, spec_json=spec_json(spec), dims=dims, record=record,
+        hessian_indices=frozenset(h.indices(list(record))) if h else frozenset(), K=K,
+        image_indices=tuple(images.indices) if images else (), layout=choose_layout(spec, N, width, coupled),
+        ntk_method=method.value,
+        ntk_paths={"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}})
