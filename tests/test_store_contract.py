@@ -256,6 +256,8 @@ class StoreContract:
                 mark_damaged(SpectrumStore(run_url), damage)
             assert store.reader(RID).done.tolist()[:2] == [True, True], "a refused repair changed the run"
             w = store.reopen(RID, token=lease.token)
+            with pytest.raises(StoreError, match="refusing to delete keys of another run: runs/other/loss/c/1"):
+                w.forget_steps([1], ["runs/other/loss/c/1"], static_damaged=False, reason="x")
             _other_writer_takes_over(store)
             with pytest.raises(LeaseLost):
                 w.forget_steps([1], [], static_damaged=False, reason="x")
