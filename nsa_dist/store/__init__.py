@@ -1,17 +1,33 @@
 """The Zarr spectrum store: schema (the one contract), writer, checked reader, leases, verify.
 
-Only this package touches Zarr; everything else reads and writes through it.
+Owns: everything under a store URL (local path, ``memory://``, ``s3://`` …) — the layout of a
+run (:mod:`.schema`), a run's status (:mod:`.status`), opening a URL and the raw key operations
+(:mod:`.keys`), writer leases and fencing (:mod:`.lease`), the runs as read (:mod:`.runs`), checked
+reads (:mod:`.reader`), creating and writing runs (:mod:`.zarr_store`), ``nsa verify`` and its
+repair through the writer (:mod:`.verify`), one-line summaries (:mod:`.summary`) and naming a
+store's outside faults (:mod:`.faults`).  Only this package touches Zarr; everything else reads
+and writes through it.
+
+May import: numpy, zarr, :mod:`nsa_dist.errors`, :mod:`nsa_dist._fsspec`, and
+:mod:`nsa_dist.metrics` (the schema sizes the reconstruction arrays) — nothing of the pipeline,
+the cluster or the client.  Inside, the modules import downwards only, never in a circle:
+``status``, ``keys`` ← ``lease`` ← ``runs`` ← ``reader`` ← ``zarr_store`` ← ``verify``
+(``schema`` beside them; ``summary`` and ``faults`` on top); only ``keys`` calls the Zarr
+store's key API.
 """
 
 from nsa_dist.store.faults import describe_fault
+from nsa_dist.store.keys import Keys, open_zarr_group
 from nsa_dist.store.lease import Lease, LeaseHeld, LeaseInfo, LeaseLost, check_holder, effective_status, parse_lease
+from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
-from nsa_dist.store.reader import Damage, RunReader, mark_damaged, verify_store
-from nsa_dist.store.summary import RunSummary, run_summaries
 from nsa_dist.store.schema import PHIS, SCHEMA_VERSION, RunDims, StepRecord, run_arrays, step_specs
-from nsa_dist.store.zarr_store import RunWriter, SpectrumStore, Status, open_zarr_group
+from nsa_dist.store.status import Status
+from nsa_dist.store.summary import RunSummary, run_summaries
+from nsa_dist.store.verify import Damage, mark_damaged, verify_store
+from nsa_dist.store.zarr_store import RunWriter, SpectrumStore
 
-__all__ = ["GramStep", "HessianStep", "ImageStep", "KernelExtras", "StepResult", "PHIS", "SCHEMA_VERSION", "Damage", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "RunDims", "RunReader", "RunSummary",
-           "RunWriter", "SpectrumStore", "Status", "StepRecord", "check_holder", "describe_fault", "effective_status",
-           "mark_damaged",
-           "open_zarr_group", "parse_lease", "run_arrays", "run_summaries", "step_specs", "verify_store"]
+__all__ = ["GramStep", "HessianStep", "ImageStep", "KernelExtras", "StepResult", "PHIS", "SCHEMA_VERSION", "Damage", "Keys", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "RunDims",
+           "RunReader", "RunSummary", "RunWriter", "SpectrumStore", "Status", "StepRecord", "check_holder",
+           "describe_fault", "effective_status", "mark_damaged", "open_zarr_group", "parse_lease", "run_arrays",
+           "run_summaries", "step_specs", "verify_store"]

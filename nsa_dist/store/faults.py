@@ -13,6 +13,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from nsa_dist._fsspec import storage_options
+from nsa_dist.store.keys import is_local
+
 __all__ = ["describe_fault", "endpoint_of", "exception_chain"]
 
 _DISK = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only filesystem",
@@ -42,10 +45,8 @@ def exception_chain(exc: BaseException, limit: int = 64) -> Iterator[BaseExcepti
 
 def endpoint_of(url: str) -> str | None:
     """The endpoint a remote store URL is reached at (None for a local path)."""
-    if "://" not in url or url.startswith("file://"):
+    if is_local(url):
         return None
-    from nsa_dist.store.zarr_store import storage_options
-
     protocol = url.split("://", 1)[0]
     default = {"s3": "the AWS default endpoint", "s3a": "the AWS default endpoint", "gs": "storage.googleapis.com",
                "gcs": "storage.googleapis.com"}.get(protocol, f"{protocol}://")

@@ -25,14 +25,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nsa_dist.errors import StoreError
+from nsa_dist.store.keys import Keys
+from nsa_dist.store.status import Status
 
-if TYPE_CHECKING:
-    from nsa_dist.store.zarr_store import SpectrumStore
-
-__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status"]
+__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status",
+           "parse_lease", "read_lease", "write_lease"]
 
 INTERRUPTED_HINT = "re-run to resume"
 
@@ -50,18 +50,30 @@ class LeaseLost(StoreError):
     """This writer's lease was taken over by another writer: it must not write anything more."""
 
 
-def check_holder(store: "SpectrumStore", run_id: str, token: str) -> None:
+def read_lease(keys: Keys, run_id: str) -> "LeaseInfo | None":
+    """The run's lease as last written, or None (absent or torn)."""
+    return parse_lease(keys.get(f"leases/{run_id}/zarr.json"))
+
+
+def write_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
+    """Write the lease group ``leases/<run id>`` in one put (readers never see it half written)."""
+    if not keys.exists("leases/zarr.json"):  # a store made before leases
+        keys.set_group("leases", {})
+    keys.set_group(f"leases/{run_id}", attrs)
+
+
+def check_holder(keys: Keys, run_id: str, token: str) -> None:
     """Fencing: return only if the run's lease still carries ``token``.
 
     Raises:
         LeaseLost: another writer took the run over (named: host, pid, since when) or the lease
             was removed; one line, saying that this writer stopped without writing more.
     """
-    info = store.lease_info(run_id)
+    info = read_lease(keys, run_id)
     if info is not None and info.token == token:
         return
     who = f"{info.who()} took the run over" if info is not None else f"its lease leases/{run_id} was removed"
-    raise LeaseLost(f"run {run_id!r} in {store.url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
+    raise LeaseLost(f"run {run_id!r} in {keys.url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
                     f"lost its lease — {who} (this writer was paused or cut off longer than the lease's ttl); "
                     "stopped without writing anything more, the other writer finishes the run")
 
@@ -123,28 +135,28 @@ def effective_status(status: str | None, reason: str | None, lease: LeaseInfo | 
                      now: float | None = None) -> tuple[str | None, str | None]:
     """(status, reason) as it is: ``running`` only while its writer's lease is fresh, else
     ``interrupted`` with the last sign of life."""
-    if status != "running" or (lease is not None and lease.fresh(now)):
+    if status != Status.RUNNING or (lease is not None and lease.fresh(now)):
         return status, reason
     if lease is None:
-        return "interrupted", f"no writer holds this run; {INTERRUPTED_HINT}"
-    return "interrupted", (f"last sign of life {_iso(lease.heartbeat)} from host {lease.host} pid {lease.pid}; "
+        return Status.INTERRUPTED, f"no writer holds this run; {INTERRUPTED_HINT}"
+    return Status.INTERRUPTED, (f"last sign of life {_iso(lease.heartbeat)} from host {lease.host} pid {lease.pid}; "
                            f"{INTERRUPTED_HINT}")
 
 
 class Lease:
-    """This process's leases on ``run_ids`` of ``store``, refreshed until :meth:`release`.
+    """This process's leases on ``run_ids`` of a store, refreshed until :meth:`release`.
 
     Args:
-        store: the spectrum store.
+        keys: the store's keys (``SpectrumStore.keys``).
         run_ids: the runs to hold (a sweep holds all of its runs).
         wait: seconds to wait for another writer's lease to be released or to expire (0: refuse
             at once with :class:`LeaseHeld`; ``None``: wait for ever).
         ttl: lease lifetime without a heartbeat (default $NSA_LEASE_TTL or 30 s).
     """
 
-    def __init__(self, store: "SpectrumStore", run_ids: list[str], *, wait: float | None = 0.0,
+    def __init__(self, keys: Keys, run_ids: list[str], *, wait: float | None = 0.0,
                  ttl: float | None = None, settle: float | None = None) -> None:
-        self.store, self.run_ids = store, list(run_ids)
+        self.keys, self.run_ids = keys, list(run_ids)
         self.ttl = float(ttl if ttl is not None else default_ttl())
         self.settle = settle if settle is not None else min(0.5, self.ttl / 10)
         self.wait = wait
@@ -187,7 +199,7 @@ class Lease:
         """Write our lease where none is held, wait, read back: the (run, holder) pairs not ours."""
         held, written = [], []
         for rid in pending:
-            other = self.store.lease_info(rid)
+            other = read_lease(self.keys, rid)
             if other is None or other.token == self.token or not other.fresh():
                 self._write(rid)
                 written.append(rid)
@@ -196,7 +208,7 @@ class Lease:
         if written:
             time.sleep(self.settle)  # a writer racing us has written by now: whose token stayed?
         for rid in written:
-            now = self.store.lease_info(rid)
+            now = read_lease(self.keys, rid)
             if now is not None and now.token == self.token:
                 taken.append(rid)
             else:
@@ -205,14 +217,14 @@ class Lease:
 
     def _refusal(self, rid: str, other: LeaseInfo | None) -> LeaseHeld:
         if other is None:
-            return LeaseHeld(f"run {rid!r} in {self.store.url!r}: its lease vanished while taking it; retry")
-        return LeaseHeld(f"run {rid!r} in {self.store.url!r} is being written by another process ({other.who()}; "
+            return LeaseHeld(f"run {rid!r} in {self.keys.url!r}: its lease vanished while taking it; retry")
+        return LeaseHeld(f"run {rid!r} in {self.keys.url!r} is being written by another process ({other.who()}; "
                          f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
                          "wait for it (--wait) or use another store")
 
     def _write(self, rid: str, released: bool = False) -> None:
         now = time.time()
-        self.store.write_lease(rid, {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": now,
+        write_lease(self.keys, rid, {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": now,
                                      "ttl": self.ttl, "token": self.token, "released": released})
 
     def _beat(self) -> None:
@@ -224,7 +236,7 @@ class Lease:
         with self._lock:
             for rid in [r for r in self.run_ids if r not in self.lost]:
                 try:
-                    info = self.store.lease_info(rid)
+                    info = read_lease(self.keys, rid)
                     if info is not None and info.token != self.token:
                         self.lost.append(rid)
                         continue
@@ -233,7 +245,7 @@ class Lease:
                     pass
 
     def _still_ours(self, rid: str) -> bool:
-        info = self.store.lease_info(rid)
+        info = read_lease(self.keys, rid)
         if info is not None and info.token != self.token:
             self.lost.append(rid)
             return False

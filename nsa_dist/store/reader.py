@@ -1,38 +1,35 @@
-"""Checked reads of a run, and ``verify``: damage is an error naming the array, the step and the
-file — never a NaN presented as data.
+"""Checked reads of a run: damage is an error naming the array, the step and the file — never a
+NaN presented as data.
 
 A recorded step is ``done`` only after every chunk it writes is stored, so a done step whose
-chunk is missing, or whose chunk fails its CRC32C checksum / zstd frame, is damage.
-:func:`verify_store` lists it; :func:`mark_damaged` deletes the damaged chunks and marks their
-steps not done, so that a re-run recomputes exactly those steps and keeps everything else.
+chunk is missing, or whose chunk fails its CRC32C checksum / zstd frame, is damage
+(:mod:`nsa_dist.store.verify` lists it and has it repaired).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nsa_dist.errors import StoreError
+from nsa_dist.store.keys import METADATA_ERRORS
+from nsa_dist.store.runs import RunIndex
 from nsa_dist.store.schema import ArraySpec, RunDims, dimension_names, run_arrays
 
 if TYPE_CHECKING:
     import zarr
 
-    from nsa_dist.store.zarr_store import SpectrumStore
-
-__all__ = ["RunReader", "Damage", "verify_store", "mark_damaged"]
-
-_META = (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError)
+__all__ = ["RunReader", "chunk_grid", "chunk_problem", "chunk_selection"]
 
 
 class RunReader:
     """Read access to one run: attributes, array metadata and checked array reads."""
 
-    def __init__(self, store: "SpectrumStore", run_id: str) -> None:
+    def __init__(self, store: RunIndex, run_id: str) -> None:
         self.store, self.id = store, run_id
         self.path = store.run_path(run_id)
         self.refresh()
@@ -64,7 +61,7 @@ class RunReader:
     def has(self, name: str) -> bool:
         try:
             return name in self.g
-        except _META:
+        except METADATA_ERRORS:
             return True  # present but unreadable: reading it names the file
 
     def array(self, name: str) -> "zarr.Array":
@@ -73,7 +70,7 @@ class RunReader:
                 raise StoreError(self._absent(name))
             try:
                 self._arrays[name] = self.g[name]
-            except _META as exc:
+            except METADATA_ERRORS as exc:
                 raise StoreError(f"run {self.id!r}: {self.path}/{name}/zarr.json is unreadable "
                                  f"({type(exc).__name__}: {exc})") from exc
         return self._arrays[name]
@@ -177,7 +174,7 @@ class RunReader:
         """Keys (relative to the array) of the chunks stored for ``name`` (one listing, cached)."""
         if name not in self._chunks:
             prefix = f"runs/{self.id}/{name}/"
-            self._chunks[name] = {k.removeprefix(prefix) for k in self.store._list_prefix(prefix)} - {"zarr.json"}
+            self._chunks[name] = {k.removeprefix(prefix) for k in self.store.keys.list_prefix(prefix)} - {"zarr.json"}
         return self._chunks[name]
 
     def missing_chunks(self, name: str, idx: np.ndarray) -> dict[int, list[str]]:
@@ -204,142 +201,28 @@ class RunReader:
 
     def _damage_error(self, name: str, i: int | None, exc: BaseException) -> StoreError:
         arr = self.array(name)
-        chunks = self.step_chunks(name, i) if i is not None else list(_grid(arr))
-        bad = next((c for c in chunks if _decode_ok(arr, _selection(arr, c))), chunks[0] if chunks else ())
+        chunks = self.step_chunks(name, i) if i is not None else list(chunk_grid(arr))
+        bad = next((c for c in chunks if chunk_problem(arr, chunk_selection(arr, c))), chunks[0] if chunks else ())
         where = f" at {self.step_of(i)}" if i is not None else ""
         return StoreError(f"run {self.id!r}: array {name!r}{where} is damaged ({self.chunk_path(name, bad)}: "
                           f"{type(exc).__name__}: {exc}); run `nsa verify {self.store.url} --mark` and re-run to "
                           "recompute it")
 
 
-def _grid(arr: Any) -> Any:
+def chunk_grid(arr: "zarr.Array") -> Iterator[tuple[int, ...]]:
     """Every chunk coordinate of an array."""
     return itertools.product(*[range(math.ceil(s / c)) for s, c in zip(arr.shape, arr.chunks)])
 
 
-def _selection(arr: Any, coords: tuple[int, ...]) -> tuple[slice, ...]:
+def chunk_selection(arr: "zarr.Array", coords: tuple[int, ...]) -> tuple[slice, ...]:
     """The index region of one chunk."""
     return tuple(slice(j * c, min((j + 1) * c, s)) for j, c, s in zip(coords, arr.chunks, arr.shape))
 
 
-# --------------------------------------------------------------------------- verify
-@dataclass(frozen=True)
-class Damage:
-    """One damaged piece of a store: the run, the array ('' for the run's own metadata), the
-    recorded step index (None: not a per-step chunk), the file and what is wrong."""
-
-    run_id: str
-    array: str
-    index: int | None
-    step: int | None
-    path: str
-    problem: str
-    key: str | None = None  # the chunk's store key (to delete), None for metadata
-    unfinished: bool = False  # not damage: a creation interrupted before its arrays were made (a re-run ends it)
-
-    def __str__(self) -> str:
-        at = f" step {self.step} (index {self.index})" if self.index is not None else ""
-        return f"{self.run_id}: {self.array or '(run metadata)'}{at}: {self.problem} — {self.path}"
-
-
-def _decode_ok(arr: Any, sel: tuple) -> str | None:
+def chunk_problem(arr: "zarr.Array", sel: tuple[slice, ...]) -> str | None:
+    """Why the region ``sel`` of ``arr`` cannot be decoded (a checksum or frame error), or None."""
     try:
         arr[sel]
         return None
     except Exception as exc:  # noqa: BLE001
         return f"unreadable chunk ({type(exc).__name__}: {exc})"
-
-
-def verify_run(store: "SpectrumStore", run_id: str) -> list[Damage]:
-    """Every damaged chunk or metadata file of one run."""
-    try:
-        r = store.reader(run_id)
-    except StoreError as exc:
-        return [Damage(run_id, "", None, None, f"{store.run_path(run_id)}/zarr.json", str(exc))]
-    if r.attrs.get("creating"):  # no step can be recorded yet: nothing to check, nothing damaged
-        if store.creation_live(run_id):
-            return []
-        return [Damage(run_id, "", None, None, f"{r.path}/zarr.json", "its creation was interrupted (its writer "
-                       "stopped before making every array); re-run it (nsa run / nsa sweep) to finish creating it",
-                       unfinished=True)]
-    out: list[Damage] = []
-    steps = None
-    for name, a in r.specs.items():
-        try:
-            arr = r.array(name)
-        except StoreError as exc:
-            out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/zarr.json", str(exc)))
-            continue
-        if not a.per_step:
-            for c in _grid(arr):
-                problem = _decode_ok(arr, _selection(arr, c))
-                if problem:
-                    key = arr.metadata.encode_chunk_key(c)
-                    out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/{key}", problem,
-                                      f"runs/{run_id}/{name}/{key}"))
-            if name == "steps" and not any(d.array == "steps" for d in out):
-                steps = r.read("steps")
-            continue
-        want = r.expected(name) if name != "done" else np.ones(len(r.done), bool)
-        present = r.present_chunks(name)
-        for i in np.flatnonzero(want):
-            for c in r.step_chunks(name, int(i)):
-                key = arr.metadata.encode_chunk_key(c)
-                if key not in present:
-                    if name != "done":
-                        out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}",
-                                          "chunk missing (the step is marked done)", None))
-                    continue
-                problem = _decode_ok(arr, _selection(arr, c))
-                if problem:
-                    out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}", problem,
-                                      f"runs/{run_id}/{name}/{key}"))
-    if steps is not None:
-        out = [Damage(d.run_id, d.array, d.index, int(steps[d.index]) if d.index is not None else None, d.path,
-                      d.problem, d.key) for d in out]
-    return out
-
-
-def verify_store(store: "SpectrumStore", run_ids: list[str] | None = None) -> list[Damage]:
-    """Every damaged piece of every run (or of ``run_ids``), and one ``unfinished`` entry for each
-    run whose creation was interrupted (not damage: a plain re-run finishes it)."""
-    return [d for rid in (run_ids if run_ids is not None else store.run_ids()) for d in verify_run(store, rid)]
-
-
-def mark_damaged(store: "SpectrumStore", damage: list[Damage]) -> dict[str, list[int]]:
-    """Delete the damaged chunks and mark their steps not done (a re-run recomputes them).
-
-    A damaged static array is deleted chunk-wise and the run's static arrays are rewritten on the
-    next run; a damaged ``loss_trace`` chunk makes the re-run train again from before it.  Damaged
-    metadata (a zarr.json) cannot be repaired here: StoreError naming it.  A run whose creation
-    was interrupted (``unfinished``) is left as it is: a plain re-run finishes it.  Returns run →
-    the step indices marked not done.
-    """
-    damage = [d for d in damage if not d.unfinished]
-    meta = [d for d in damage if d.key is None and d.index is None]
-    if meta:
-        raise StoreError("cannot repair damaged metadata (restore it, or delete the run and re-run): "
-                         + "; ".join(f"{d.path}" for d in meta))
-    marked: dict[str, list[int]] = {}
-    for rid in sorted({d.run_id for d in damage}):
-        ds = [d for d in damage if d.run_id == rid]
-        g = store.group(rid)
-        steps = np.asarray(g["steps"][:]) if not any(d.array == "steps" for d in ds) else None
-        idx = {d.index for d in ds if d.index is not None}
-        static = {d.array for d in ds if d.index is None and d.array != "loss_trace"}
-        for d in ds:
-            if d.key is not None:
-                store._delete(d.key)
-        for d in ds:
-            if d.array == "loss_trace" and d.key is not None and steps is not None:
-                start = int(d.key.rsplit("/", 1)[-1]) * g["loss_trace"].chunks[0]
-                later = np.flatnonzero(steps > start)  # resume from a checkpoint at or before the chunk
-                idx |= {int(later[0])} if len(later) else set()
-        done = np.asarray(g["done"][:], bool)
-        for i in sorted(idx):
-            g["done"][i] = False
-        g.attrs.update({"static_complete": not static and bool(g.attrs.get("static_complete", True)),
-                        "status": "pending", "reason": f"{len(idx)} damaged step(s) marked for recompute by nsa verify; "
-                                                       "re-run to resume"})
-        marked[rid] = sorted(i for i in idx if i < len(done))
-    return marked

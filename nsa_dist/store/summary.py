@@ -15,24 +15,21 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from zarr.core.array import AsyncArray
-from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import StorePath
 
 from nsa_dist.errors import StoreError
 from nsa_dist.store.lease import effective_status, parse_lease
+from nsa_dist.store.reader import RunReader
+from nsa_dist.store.runs import RunIndex
 from nsa_dist.store.schema import RunDims, run_arrays
-
-if TYPE_CHECKING:
-    from nsa_dist.store.zarr_store import SpectrumStore
+from nsa_dist.store.status import Status
 
 __all__ = ["RunSummary", "run_summaries"]
-
-DAMAGED = "damaged"
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ class RunSummary:
     data_fingerprint: str | None = None
 
 
-def run_summaries(store: "SpectrumStore", run_ids: list[str] | None = None, *,
+def run_summaries(store: RunIndex, run_ids: list[str] | None = None, *,
                   steps: bool = True) -> list[RunSummary]:
     """A :class:`RunSummary` of each run (default: every run of the store), in the order given.
 
@@ -87,14 +84,10 @@ def run_summaries(store: "SpectrumStore", run_ids: list[str] | None = None, *,
     return out
 
 
-async def _raw(store: "SpectrumStore", key: str) -> bytes | None:
-    buf = await store.zstore.get(key, prototype=default_buffer_prototype())
-    return None if buf is None else buf.to_bytes()
-
-
-async def _quick(store: "SpectrumStore", rid: str, steps_too: bool) -> RunSummary:
+async def _quick(store: RunIndex, rid: str, steps_too: bool) -> RunSummary:
     """The unchecked concurrent read; any failure is re-read by :func:`_checked`."""
-    meta, lease = await asyncio.gather(_raw(store, f"runs/{rid}/zarr.json"), _raw(store, f"leases/{rid}/zarr.json"))
+    meta, lease = await asyncio.gather(store.keys.get_async(f"runs/{rid}/zarr.json"),
+                                       store.keys.get_async(f"leases/{rid}/zarr.json"))
     if meta is None:
         raise StoreError(f"no run {rid!r} in {store.url!r}")
     attrs = json.loads(meta).get("attributes", {})
@@ -106,9 +99,9 @@ async def _quick(store: "SpectrumStore", rid: str, steps_too: bool) -> RunSummar
     dims = RunDims.from_json(attrs["dims"])
     if not steps_too:
         return RunSummary(**base, steps_done=None, steps_total=dims.S)
-    open_ = lambda name: AsyncArray.open(StorePath(store.zstore, f"runs/{rid}/{name}"), zarr_format=3)  # noqa: E731
+    open_ = lambda name: AsyncArray.open(StorePath(store.keys.zarr, f"runs/{rid}/{name}"), zarr_format=3)  # noqa: E731
     steps = await (await open_("steps")).getitem(slice(None))
-    if status == "done":  # a finished run has every step done (nsa verify --mark makes it pending first)
+    if status == Status.DONE:  # a finished run has every step done (nsa verify --mark makes it pending first)
         idx = np.arange(len(steps))
     else:  # one chunk per recorded step: read only for runs still in progress
         idx = np.flatnonzero(np.asarray(await (await open_("done")).getitem(slice(None)), bool))
@@ -134,10 +127,10 @@ def _lambda_array(dims: RunDims) -> str | None:
     return "eigenvalues" if dims.Ko == 1 and "eigenvalues" in names else None
 
 
-def _checked(store: "SpectrumStore", rid: str, quick_error: BaseException, steps_too: bool) -> RunSummary:
+def _checked(store: RunIndex, rid: str, quick_error: BaseException, steps_too: bool) -> RunSummary:
     """The row of a run whose quick read failed: the checked reader's error names the file."""
     try:
-        r = store.reader(rid)
+        r = RunReader(store, rid)
         status, reason = r.status()
         if not steps_too:
             return RunSummary(rid, status, reason, None, r.dims.S if r.dims else 0, spec=r.attrs.get("spec") or {},
@@ -154,6 +147,6 @@ def _checked(store: "SpectrumStore", rid: str, quick_error: BaseException, steps
         return RunSummary(rid, status, reason, len(idx), len(steps), int(steps[last]), loss, lam,
                           r.attrs.get("spec") or {}, r.attrs.get("data_fingerprint"))
     except StoreError as exc:
-        return RunSummary(rid, DAMAGED, str(exc))
+        return RunSummary(rid, Status.DAMAGED, str(exc))
     except Exception:  # noqa: BLE001 — the checked reader found nothing: report what the quick read met
-        return RunSummary(rid, DAMAGED, f"run {rid!r}: {type(quick_error).__name__}: {quick_error}")
+        return RunSummary(rid, Status.DAMAGED, f"run {rid!r}: {type(quick_error).__name__}: {quick_error}")

@@ -8,29 +8,26 @@ a CRC32C checksum, so a damaged chunk is an error naming the array, never a sile
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.group import GroupMetadata
-from zarr.core.sync import sync
 
-from nsa_dist._fsspec import EXTRAS, require_extra, storage_options
 from nsa_dist.errors import StoreError
-from nsa_dist.store.lease import Lease, LeaseInfo, check_holder, effective_status, parse_lease
+from nsa_dist.store.keys import METADATA_ERRORS, Keys
+from nsa_dist.store.lease import Lease, check_holder, write_lease
+from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import StepResult
+from nsa_dist.store.runs import RunIndex
 from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
                                    run_arrays)
+from nsa_dist.store.status import Status
 
-__all__ = ["SpectrumStore", "RunWriter", "Status", "open_zarr_group", "CODECS"]
+__all__ = ["SpectrumStore", "RunWriter", "CODECS"]
 
-_METADATA_ERRORS = (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError)
 # arrays that schema 1 gained after stores were written: created when such a run is reopened
 _ADDED = ("eigenvector_steps",)
 
@@ -40,65 +37,6 @@ def CODECS() -> list:
     return [ZstdCodec(level=3), Crc32cCodec()]
 
 
-class Status:
-    """A run's status.  ``running`` is shown only while its writer's lease is fresh; a run whose
-    writer stopped without saying so shows ``interrupted`` (re-run to resume)."""
-
-    PENDING, RUNNING, DONE, FAILED, INTERRUPTED = "pending", "running", "done", "failed", "interrupted"
-
-
-# --------------------------------------------------------------------------- opening
-def _zarr_store(url: str, read_only: bool) -> Any:
-    """A zarr Store for a local path or an fsspec URL; MissingDependencyError naming the extra."""
-    if "://" in url and not url.startswith("file://"):
-        protocol = require_extra(url, "the store")
-        from zarr.storage import FsspecStore
-
-        try:
-            return FsspecStore.from_url(url, read_only=read_only, storage_options=storage_options(protocol) or None)
-        except (ValueError, ImportError) as exc:
-            raise StoreError(f"cannot open the store {url!r}: {exc}") from exc
-    from zarr.storage import LocalStore
-
-    return LocalStore(url.removeprefix("file://"), read_only=read_only)
-
-
-def open_zarr_group(url: str, mode: str) -> zarr.Group:
-    """A Zarr group at a local path or an fsspec URL (``memory://``, ``s3://``, ``gs://`` …)."""
-    local = "://" not in url or url.startswith("file://")
-    if mode == "r" and local and not Path(url.removeprefix("file://")).exists():
-        raise StoreError(f"no spectrum store at {url!r} (run `nsa run SPEC.yaml --store {url}` first)")
-    store = _zarr_store(url, read_only=mode == "r")
-    try:
-        return zarr.open_group(store=store, mode=mode)
-    except FileNotFoundError as exc:
-        _check_bucket(store, url)  # a missing bucket or a wrong endpoint is not "no store"
-        raise StoreError(f"no spectrum store at {url!r} (run `nsa run SPEC.yaml --store {url}` first)") from exc
-    except _METADATA_ERRORS as exc:
-        raise StoreError(f"{url}/zarr.json is unreadable ({type(exc).__name__}: {exc})") from exc
-
-
-def _check_bucket(store: Any, url: str) -> None:
-    """For a remote store that was not found: list its bucket, so that a missing bucket or an
-    endpoint that is not the object store surfaces as the fsspec error it is (a StoreError
-    chained to it; ``store.faults.describe_fault`` names the cause)."""
-    fs = getattr(store, "fs", None)
-    if url.split("://", 1)[0] not in EXTRAS or fs is None or not hasattr(fs, "_ls"):
-        return  # local paths and memory:// have no bucket
-    bucket = url.split("://", 1)[1].split("/", 1)[0]
-    try:
-        sync(fs._ls(bucket, refresh=True))
-    except (OSError, ValueError) as exc:
-        raise StoreError(f"cannot list the bucket of {url!r} ({type(exc).__name__}: {exc})") from exc
-
-
-def _collect(it: Any) -> list:
-    async def run() -> list:
-        return [x async for x in it]
-
-    return sync(run())
-
-
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
@@ -106,67 +44,45 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 # --------------------------------------------------------------------------- the store
-class SpectrumStore:
+class SpectrumStore(RunIndex):
     """A store of runs.  ``mode="a"`` creates it if missing; ``"r"`` reads an existing one.
 
     Refuses a non-empty directory (or bucket prefix) that is not an nsa-dist store, and a store
-    of another schema version.
+    of another schema version.  Reading its runs is :class:`~nsa_dist.store.runs.RunIndex`'s;
+    its raw keys are :attr:`keys` (:class:`~nsa_dist.store.keys.Keys`).
     """
 
     def __init__(self, url: str, mode: str = "a") -> None:
-        self.url, self.read_only = url, mode == "r"
-        self.zstore = _zarr_store(url, read_only=self.read_only) if mode != "r" else None
-        if mode != "r":
+        super().__init__(Keys(url, read_only=mode == "r"))
+        if not self.read_only:
             self._create_root()
-        self.root = open_zarr_group(url, "r" if self.read_only else "r+")
-        self.zstore = self.root.store
+        self.root = self.keys.open_group("r" if self.read_only else "r+")
         self._check_root()
         self.runs = self.root["runs"]
 
-    # ------------------------------------------------------------------ raw keys (this module only)
-    def _exists(self, key: str) -> bool:
-        return bool(sync(self.zstore.exists(key)))
-
-    def _get(self, key: str) -> bytes | None:
-        buf = sync(self.zstore.get(key, prototype=default_buffer_prototype()))
-        return None if buf is None else buf.to_bytes()
-
-    def _set(self, key: str, data: bytes) -> None:
-        sync(self.zstore.set(key, default_buffer_prototype().buffer.from_bytes(data)))
-
-    def _delete(self, key: str) -> None:
-        sync(self.zstore.delete(key))
-
-    def _list_dir(self, prefix: str) -> list[str]:
-        return _collect(self.zstore.list_dir(prefix))
-
-    def _list_prefix(self, prefix: str) -> list[str]:
-        return _collect(self.zstore.list_prefix(prefix))
-
     # ------------------------------------------------------------------ root
     def _create_root(self) -> None:
-        if self._exists("zarr.json"):
+        if self.keys.exists("zarr.json"):
             return
-        local = "://" not in self.url or self.url.startswith("file://")
-        path = Path(self.url.removeprefix("file://"))
-        if local and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        path = self.keys.path
+        if self.keys.local and path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise StoreError(f"{self.url!r} is a non-empty {'directory' if path.is_dir() else 'file'} that is not an "
                              "nsa-dist spectrum store (it has no zarr.json): refusing to write into it — give a new or "
                              "an existing store path")
-        if not local and self._list_prefix(""):
+        if not self.keys.local and self.keys.list_prefix(""):
             raise StoreError(f"{self.url!r} holds objects but is not an nsa-dist spectrum store (no zarr.json): "
                              "refusing to write into it")
         try:
-            zarr.create_group(store=self.zstore, attributes={"nsa_dist_schema": SCHEMA_VERSION})
+            zarr.create_group(store=self.keys.zarr, attributes={"nsa_dist_schema": SCHEMA_VERSION})
         except zarr.errors.ContainsGroupError:  # a second writer opening the new store made it first
             pass
 
     def _check_root(self) -> None:
         attrs = self.root.attrs.asdict()
         version = attrs.get("nsa_dist_schema")
-        has_runs = self._exists("runs/zarr.json")
+        has_runs = self.keys.exists("runs/zarr.json")
         if version is None and not has_runs:
-            foreign = [k for k in self._list_dir("") if k != "zarr.json"]
+            foreign = [k for k in self.keys.list_dir("") if k != "zarr.json"]
             if self.read_only or foreign or attrs:
                 raise StoreError(f"{self.url!r} is not an nsa-dist spectrum store (its zarr.json has no "
                                  "'nsa_dist_schema' and it has no 'runs' group)")
@@ -180,7 +96,7 @@ class SpectrumStore:
         if version is None:
             self.root.attrs["nsa_dist_schema"] = SCHEMA_VERSION
         for name in ("runs", "leases"):  # a root made by a process killed before these
-            if not self._exists(f"{name}/zarr.json"):
+            if not self.keys.exists(f"{name}/zarr.json"):
                 try:
                     self.root.create_group(name)
                 except zarr.errors.ContainsGroupError:  # a second writer opening a new store made it first
@@ -205,55 +121,18 @@ class SpectrumStore:
         return dict(attrs[name].get("spec", {}))
 
     def _sweep_attrs(self) -> dict[str, dict]:
-        if not self._exists("sweeps/zarr.json"):
+        if not self.keys.exists("sweeps/zarr.json"):
             return {}
         out = {}
-        for k in self._list_dir("sweeps"):
-            raw = self._get(f"sweeps/{k}/zarr.json")
-            if raw is not None:
-                out[k] = self._json(raw, f"sweeps/{k}/zarr.json").get("attributes", {})
+        for k in self.keys.list_dir("sweeps"):
+            meta = self.keys.get_json(f"sweeps/{k}/zarr.json")
+            if meta is not None:
+                out[k] = meta.get("attributes", {})
         return out
 
-    def _json(self, raw: bytes, key: str) -> dict:
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise StoreError(f"{self.url}/{key} is unreadable ({exc})") from exc
-
     # ------------------------------------------------------------------ runs
-    def run_ids(self) -> list[str]:
-        """Every run (a group with a zarr.json under ``runs/``), without opening any of them."""
-        return sorted(k for k in self._list_dir("runs") if k != "zarr.json" and self._exists(f"runs/{k}/zarr.json"))
-
-    def has_run(self, run_id: str) -> bool:
-        return self._exists(f"runs/{run_id}/zarr.json")
-
-    def run_path(self, run_id: str) -> str:
-        return f"{self.url.rstrip('/')}/runs/{run_id}"
-
-    def group(self, run_id: str) -> zarr.Group:
-        """The run's group, opened afresh; StoreError naming the file when it cannot be read."""
-        if not self.has_run(run_id):
-            known = ", ".join(self.run_ids()[:10]) or "none"
-            raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {known})")
-        try:
-            return zarr.open_group(store=self.zstore, path=f"runs/{run_id}", mode="r" if self.read_only else "r+")
-        except _METADATA_ERRORS as exc:
-            raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json is unreadable "
-                             f"({type(exc).__name__}: {exc})") from exc
-
-    def run_attrs(self, run_id: str) -> dict[str, Any]:
-        """The run's attributes, read afresh."""
-        return self.group(run_id).attrs.asdict()
-
-    def run_status(self, run_id: str, attrs: dict | None = None) -> tuple[str | None, str | None]:
-        """(status, reason) as it is now: a ``running`` run whose lease expired is ``interrupted``."""
-        a = attrs if attrs is not None else self.run_attrs(run_id)
-        return effective_status(a.get("status"), a.get("reason"), self.lease_info(run_id))
-
-    def reader(self, run_id: str) -> "RunReader":
-        from nsa_dist.store.reader import RunReader
-
+    def reader(self, run_id: str) -> RunReader:
+        """The run's checked reader."""
         return RunReader(self, run_id)
 
     def writer(self, run_id: str, spec: dict, dims: RunDims, *, create: bool = True,
@@ -306,6 +185,18 @@ class SpectrumStore:
             w.check()
         return w
 
+    def reopen(self, run_id: str, *, token: str | None = None) -> "RunWriter":
+        """The writer of existing run ``run_id`` as it is stored (its own sizes; nothing compared),
+        for repairs such as :func:`~nsa_dist.store.verify.mark_damaged`.
+
+        Args:
+            token: the lease token that fences every write.
+
+        Raises:
+            StoreError: no such run, or its zarr.json is unreadable or has no sizes.
+        """
+        return RunWriter(self, run_id, self.group(run_id), self.dims(run_id), token=token)
+
     def _check_data(self, run_id: str, spec: dict, stored: str | None, loaded: str | None) -> None:
         """StoreError unless the data loaded now is the data the run was created with."""
         if not stored or not loaded or stored == loaded:
@@ -316,33 +207,14 @@ class SpectrumStore:
                          f"{loaded}, the run holds {stored}; refusing to mix them — start a new run (change the "
                          f"spec's `name`) or delete this one ({self.run_path(run_id)})")
 
-    def dims(self, run_id: str) -> RunDims:
-        """The run's array sizes as stored when it was created."""
-        a = self.run_attrs(run_id)
-        if "dims" not in a:
-            raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json has no 'dims' attribute")
-        return RunDims.from_json(a["dims"])
-
     # ------------------------------------------------------------------ leases
     def lease(self, run_ids: list[str], *, wait: float | None = 0.0, ttl: float | None = None) -> Lease:
         """This process's leases on ``run_ids`` (use as a context manager, or ``.acquire()``)."""
-        return Lease(self, run_ids, wait=wait, ttl=ttl)
-
-    def lease_info(self, run_id: str) -> LeaseInfo | None:
-        """The run's lease as last written, or None."""
-        return parse_lease(self._get(f"leases/{run_id}/zarr.json"))
-
-    def creation_live(self, run_id: str) -> bool:
-        """Whether a live writer (fresh lease) may still be creating run ``run_id``."""
-        info = self.lease_info(run_id)
-        return info is not None and info.fresh()
+        return Lease(self.keys, run_ids, wait=wait, ttl=ttl)
 
     def write_lease(self, run_id: str, attrs: dict[str, Any]) -> None:
         """Write the lease group's metadata in one put (readers never see it half written)."""
-        if not self._exists("leases/zarr.json"):
-            self.root.require_group("leases")
-        meta = GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())["zarr.json"]
-        self._set(f"leases/{run_id}/zarr.json", meta.to_bytes())
+        write_lease(self.keys, run_id, attrs)
 
 
 # --------------------------------------------------------------------------- one run's writer
@@ -375,14 +247,14 @@ class RunWriter:
     def _array_ok(self, a: ArraySpec) -> bool:
         try:
             arr = self.g[a.name]
-        except (KeyError, *_METADATA_ERRORS):
+        except (KeyError, *METADATA_ERRORS):
             return False
         return tuple(arr.shape) == a.shape and np.dtype(arr.dtype) == np.dtype(a.dtype)
 
     def fence(self) -> None:
         """LeaseLost unless this writer (given a token) still holds the run's lease."""
         if self.token is not None:
-            check_holder(self.store, self.run_id, self.token)
+            check_holder(self.store.keys, self.run_id, self.token)
 
     def finish_creation(self) -> None:
         """Create every array that is missing or unreadable (no step can be recorded yet), then
@@ -399,7 +271,7 @@ class RunWriter:
             try:
                 present = name in self.g
                 arr = self.g[name] if present else None
-            except _METADATA_ERRORS as exc:
+            except METADATA_ERRORS as exc:
                 raise StoreError(f"corrupt run {self.run_id!r}: {self.path}/{name}/zarr.json is unreadable "
                                  f"({type(exc).__name__}: {exc})") from exc
             if arr is None:
@@ -416,7 +288,7 @@ class RunWriter:
     def attrs(self) -> dict[str, Any]:
         return self.g.attrs.asdict()
 
-    def set_status(self, status: str, reason: str | None = None, failed_step: int | None = None) -> None:
+    def set_status(self, status: Status, reason: str | None = None, failed_step: int | None = None) -> None:
         self.set_attrs(status=status, reason=reason, failed_step=failed_step, updated=time.time())
 
     def status(self) -> tuple[str | None, str | None]:
@@ -506,6 +378,25 @@ class RunWriter:
         self.fence()
         for i in indices:
             self._out("done")[i] = False
+
+    def forget_steps(self, indices: list[int], chunk_keys: list[str], *, static_damaged: bool, reason: str) -> None:
+        """Repair damage so that a re-run recomputes it: the run becomes ``pending`` (and, when
+        ``static_damaged``, its static arrays to be rewritten), recorded steps ``indices`` not
+        done, and then the damaged chunks ``chunk_keys`` (store keys under this run) are deleted.
+
+        Raises:
+            StoreError: a key outside this run (nothing written).
+            LeaseLost: this writer's token no longer holds the run (nothing more written).
+        """
+        outside = [k for k in chunk_keys if not k.startswith(f"runs/{self.run_id}/")]
+        if outside:
+            raise StoreError(f"run {self.run_id!r}: refusing to delete keys of another run: {', '.join(outside)}")
+        self.set_attrs(static_complete=not static_damaged and bool(self.attr("static_complete", True)))
+        self.set_status(Status.PENDING, reason)
+        self.mark_not_done(indices)
+        for key in chunk_keys:
+            self.fence()
+            self.store.keys.delete(key)
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
         if len(values):

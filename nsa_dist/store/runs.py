@@ -1,0 +1,81 @@
+"""The runs of an opened store, as read: their ids, groups, attributes, sizes and lease-aware status.
+
+:class:`RunIndex` is what the checked reader, the verifier and the summaries need of a store;
+:class:`~nsa_dist.store.zarr_store.SpectrumStore` adds creating the store, writing runs, leases
+and sweeps on top of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zarr
+
+from nsa_dist.errors import StoreError
+from nsa_dist.store.keys import METADATA_ERRORS, Keys
+from nsa_dist.store.lease import LeaseInfo, effective_status, read_lease
+from nsa_dist.store.schema import RunDims
+
+__all__ = ["RunIndex"]
+
+
+class RunIndex:
+    """The runs under ``runs/`` of the store whose keys are ``keys``.
+
+    Args:
+        keys: the opened store (:class:`~nsa_dist.store.keys.Keys`).
+    """
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys, self.url, self.read_only = keys, keys.url, keys.read_only
+
+    def run_ids(self) -> list[str]:
+        """Every run (a group with a zarr.json under ``runs/``), without opening any of them."""
+        return sorted(k for k in self.keys.list_dir("runs")
+                      if k != "zarr.json" and self.keys.exists(f"runs/{k}/zarr.json"))
+
+    def has_run(self, run_id: str) -> bool:
+        return self.keys.exists(f"runs/{run_id}/zarr.json")
+
+    def run_path(self, run_id: str) -> str:
+        return f"{self.url.rstrip('/')}/runs/{run_id}"
+
+    def group(self, run_id: str) -> zarr.Group:
+        """The run's group, opened afresh.
+
+        Raises:
+            StoreError: no such run (naming the runs there), or its zarr.json cannot be read.
+        """
+        if not self.has_run(run_id):
+            known = ", ".join(self.run_ids()[:10]) or "none"
+            raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {known})")
+        try:
+            return zarr.open_group(store=self.keys.zarr, path=f"runs/{run_id}", mode="r" if self.read_only else "r+")
+        except METADATA_ERRORS as exc:
+            raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json is unreadable "
+                             f"({type(exc).__name__}: {exc})") from exc
+
+    def run_attrs(self, run_id: str) -> dict[str, Any]:
+        """The run's attributes, read afresh."""
+        return self.group(run_id).attrs.asdict()
+
+    def run_status(self, run_id: str, attrs: dict | None = None) -> tuple[str | None, str | None]:
+        """(status, reason) as it is now: a ``running`` run whose lease expired is ``interrupted``."""
+        a = attrs if attrs is not None else self.run_attrs(run_id)
+        return effective_status(a.get("status"), a.get("reason"), self.lease_info(run_id))
+
+    def dims(self, run_id: str) -> RunDims:
+        """The run's array sizes as stored when it was created."""
+        a = self.run_attrs(run_id)
+        if "dims" not in a:
+            raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json has no 'dims' attribute")
+        return RunDims.from_json(a["dims"])
+
+    def lease_info(self, run_id: str) -> LeaseInfo | None:
+        """The run's lease as last written, or None."""
+        return read_lease(self.keys, run_id)
+
+    def creation_live(self, run_id: str) -> bool:
+        """Whether a live writer (fresh lease) may still be creating run ``run_id``."""
+        info = self.lease_info(run_id)
+        return info is not None and info.fresh()

@@ -1,0 +1,153 @@
+"""``nsa verify``: every damaged chunk or metadata file of a store, and its repair through the writer.
+
+A recorded step is ``done`` only after every chunk it writes is stored, so a done step whose
+chunk is missing, or whose chunk fails its CRC32C checksum / zstd frame, is damage.
+:func:`verify_store` lists it; :func:`mark_damaged` has each run's writer (holding the run's
+lease) forget the damaged steps (:meth:`~nsa_dist.store.zarr_store.RunWriter.forget_steps`), so
+that a re-run recomputes exactly those steps and keeps everything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from nsa_dist.errors import StoreError
+from nsa_dist.store.reader import RunReader, chunk_grid, chunk_problem, chunk_selection
+from nsa_dist.store.runs import RunIndex
+from nsa_dist.store.zarr_store import SpectrumStore
+
+__all__ = ["Damage", "mark_damaged", "verify_run", "verify_store"]
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One damaged piece of a store: the run, the array ('' for the run's own metadata), the
+    recorded step index (None: not a per-step chunk), the file and what is wrong."""
+
+    run_id: str
+    array: str
+    index: int | None
+    step: int | None
+    path: str
+    problem: str
+    key: str | None = None  # the chunk's store key (to delete), None for metadata
+    unfinished: bool = False  # not damage: a creation interrupted before its arrays were made (a re-run ends it)
+
+    def __str__(self) -> str:
+        at = f" step {self.step} (index {self.index})" if self.index is not None else ""
+        return f"{self.run_id}: {self.array or '(run metadata)'}{at}: {self.problem} — {self.path}"
+
+
+def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
+    """Every damaged chunk or metadata file of one run."""
+    try:
+        r = RunReader(store, run_id)
+    except StoreError as exc:
+        return [Damage(run_id, "", None, None, f"{store.run_path(run_id)}/zarr.json", str(exc))]
+    if r.attrs.get("creating"):  # no step can be recorded yet: nothing to check, nothing damaged
+        if store.creation_live(run_id):
+            return []
+        return [Damage(run_id, "", None, None, f"{r.path}/zarr.json", "its creation was interrupted (its writer "
+                       "stopped before making every array); re-run it (nsa run / nsa sweep) to finish creating it",
+                       unfinished=True)]
+    out: list[Damage] = []
+    steps = None
+    for name, a in r.specs.items():
+        try:
+            arr = r.array(name)
+        except StoreError as exc:
+            out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/zarr.json", str(exc)))
+            continue
+        if not a.per_step:
+            for c in chunk_grid(arr):
+                problem = chunk_problem(arr, chunk_selection(arr, c))
+                if problem:
+                    key = arr.metadata.encode_chunk_key(c)
+                    out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/{key}", problem,
+                                      f"runs/{run_id}/{name}/{key}"))
+            if name == "steps" and not any(d.array == "steps" for d in out):
+                steps = r.read("steps")
+            continue
+        want = r.expected(name) if name != "done" else np.ones(len(r.done), bool)
+        present = r.present_chunks(name)
+        for i in np.flatnonzero(want):
+            for c in r.step_chunks(name, int(i)):
+                key = arr.metadata.encode_chunk_key(c)
+                if key not in present:
+                    if name != "done":
+                        out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}",
+                                          "chunk missing (the step is marked done)", None))
+                    continue
+                problem = chunk_problem(arr, chunk_selection(arr, c))
+                if problem:
+                    out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}", problem,
+                                      f"runs/{run_id}/{name}/{key}"))
+    if steps is not None:
+        out = [replace(d, step=int(steps[d.index]) if d.index is not None else None) for d in out]
+    return out
+
+
+def verify_store(store: RunIndex, run_ids: list[str] | None = None) -> list[Damage]:
+    """Every damaged piece of every run (or of ``run_ids``), and one ``unfinished`` entry for each
+    run whose creation was interrupted (not damage: a plain re-run finishes it)."""
+    return [d for rid in (run_ids if run_ids is not None else store.run_ids()) for d in verify_run(store, rid)]
+
+
+def mark_damaged(store: SpectrumStore, damage: list[Damage], *, wait: float | None = 0.0) -> dict[str, list[int]]:
+    """Have each damaged run's writer forget its damaged steps, so that a re-run recomputes them.
+
+    The runs' leases are taken first (a run a live writer holds is refused: :class:`LeaseHeld`),
+    then each run's writer, fenced by the lease, marks the run ``pending``, its damaged steps not
+    done and deletes the damaged chunks (:meth:`RunWriter.forget_steps`).  A damaged static array
+    is rewritten on the next run; a damaged ``loss_trace`` chunk makes the re-run train again from
+    the recorded step before it.  A run whose creation was interrupted (``unfinished``) is left as
+    it is: a plain re-run finishes it.
+
+    Args:
+        store: the store, opened writable.
+        damage: what :func:`verify_store` found.
+        wait: seconds to wait for another writer's lease (as :meth:`SpectrumStore.lease`).
+
+    Returns:
+        Run id → the step indices marked not done.
+
+    Raises:
+        StoreError: damaged metadata (a zarr.json) cannot be repaired here (naming each file).
+        LeaseHeld: a live writer holds one of the runs.
+    """
+    damage = [d for d in damage if not d.unfinished]
+    meta = [d for d in damage if d.key is None and d.index is None]
+    if meta:
+        raise StoreError("cannot repair damaged metadata (restore it, or delete the run and re-run): "
+                         + "; ".join(f"{d.path}" for d in meta))
+    rids = sorted({d.run_id for d in damage})
+    if not rids:
+        return {}
+    marked: dict[str, list[int]] = {}
+    with store.lease(rids, wait=wait) as lease:
+        for rid in rids:
+            ds = [d for d in damage if d.run_id == rid]
+            idx = _steps_to_recompute(RunReader(store, rid), ds)
+            store.reopen(rid, token=lease.token).forget_steps(
+                idx, [d.key for d in ds if d.key is not None],
+                static_damaged=any(d.index is None and d.array != "loss_trace" for d in ds),
+                reason=f"{len(idx)} damaged step(s) marked for recompute by nsa verify; re-run to resume")
+            marked[rid] = idx
+    return marked
+
+
+def _steps_to_recompute(r: RunReader, ds: list[Damage]) -> list[int]:
+    """The recorded steps a re-run must compute again: the damaged ones, and for a damaged
+    ``loss_trace`` chunk the first recorded step after the chunk's start (training resumes from
+    the checkpoint before it)."""
+    idx = {d.index for d in ds if d.index is not None}
+    if not any(d.array == "steps" for d in ds):
+        steps = r.read("steps")
+        for d in ds:
+            if d.array == "loss_trace" and d.key is not None:
+                start = int(d.key.rsplit("/", 1)[-1]) * r.array("loss_trace").chunks[0]
+                later = np.flatnonzero(steps > start)
+                idx |= {int(later[0])} if len(later) else set()
+    return sorted(i for i in idx if i < len(r.done))
