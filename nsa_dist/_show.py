@@ -32,9 +32,9 @@ def hessian_table(run: "Run") -> "Table | None":
     Tr(S) = ∇Cᵀ·G, Theorem 1's gap and the limits of S; None when the run has no Hessian step."""
     from rich.table import Table
 
-    if not run.has("hessian_steps") or not len(run.hessian_steps):
+    if not run.has("hessian_steps") or not len(run.hessian.steps):
         return None
-    steps = run.hessian_steps
+    steps = run.hessian.steps
     cols = _columns(len(steps))
     t = Table(title="Hessian H = I + S: Tr(A^k) by Hutch++ ± s.e.; the limits from the kernels")
     t.add_column("quantity")
@@ -47,29 +47,29 @@ def hessian_table(run: "Run") -> "Table | None":
 
     if run.has("hessian_moments"):
         for part in "HIS":
-            m = run.hessian_moments(part)
+            m = run.hessian.moments(part)
             for k in range(4):
                 row(f"Tr({part}^{k + 1})", m["estimate"][:, k], m["stderr"][:, k])
         for part, what in (("I_exact", "exact"), ("I_limit", "Θ∞ limit")):
-            m = run.hessian_moments(part)["estimate"]
+            m = run.hessian.moments(part)["estimate"]
             if np.isfinite(m).any():
                 for k in range(2):
                     row(f"Tr(I^{k + 1}) {what}", m[:, k])
     if run.has("hessian_top"):
-        row("λ_max(H)", run.hessian_top("H")[:, 0])
+        row("λ_max(H)", run.hessian.top("H")[:, 0])
     if run.has("hessian_S_op"):
-        row("‖S‖_op", run.hessian_S_norms()["op"])
+        row("‖S‖_op", run.hessian.S_norms()["op"])
     if run.has("hessian_orthogonality"):
-        o = run.hessian_orthogonality
+        o = run.hessian.orthogonality
         row("‖IS‖/(‖I‖‖S‖)", o["value"], o["stderr"])
     if run.has("hessian_additivity"):
-        g = run.hessian_additivity()
+        g = run.hessian.additivity()
         row("Thm 1 gap, k=2", g["estimate"][:, 1], g["stderr"][:, 1])
     if run.has("hessian_trace_S_G"):
-        tr = run.hessian_trace_S()
+        tr = run.hessian.trace_S()
         row("Tr(S) = ∇Cᵀ·G", tr["G"], tr["G_stderr"])
     if run.has("hessian_S_limit"):
-        lim = run.hessian_S_limit()
+        lim = run.hessian.S_limit()
         row("E[Tr S₀] limit", lim["trace_S_init"])
         row("E[Tr S_t] limit", lim["trace_S"])
         row("Tr(S²) limit", lim["trace_S2"])

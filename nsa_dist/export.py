@@ -41,16 +41,15 @@ class ExportSummary:
 
 
 def scalar_series(run: "Run") -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """(tag, t, value) of every scalar series the run stores (through :func:`nsa_dist.sweep_view.quantity`).
+    """(tag, t, value) of every scalar series the run stores (through :func:`nsa_dist.client.quantity`).
 
     Tags: ``loss/train`` (every trained step), ``loss/recorded``, ``loss/test``, ``lr``,
     ``spectrum/lambda_max``, ``spectrum/stability_bound`` (2N/λ_max), ``spectrum/lambda_<i>`` and
     ``energy_<φ>/k_<k>`` for i, k in 1, 2, 5, 10, … ≤ K, ``alignment``, ``first_order/error``,
     ``first_order/cos``, and ``hessian/Tr(<A>^<k>)`` with ``…_stderr`` for A = H, I, S, k = 1..4.
     """
-    from nsa_dist.client import PHI_NAMES
+    from nsa_dist.client import PHI_NAMES, quantity
     from nsa_dist.plots._axes import ks
-    from nsa_dist.sweep_view import quantity
 
     named: list[tuple[str, Callable[[], tuple[np.ndarray, np.ndarray]]]] = [
         ("loss/train", lambda: quantity(run, "loss")), ("loss/recorded", lambda: quantity(run, "loss_recorded")),
@@ -72,9 +71,9 @@ def scalar_series(run: "Run") -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
         t, v = get()
         yield tag, np.asarray(t), np.asarray(v, np.float64)
     if run.has("hessian_moments"):
-        t = run.hessian_steps
+        t = run.hessian.steps
         for part in "HIS":
-            m = run.hessian_moments(part)
+            m = run.hessian.moments(part)
             for k in range(4):
                 yield f"hessian/Tr({part}^{k + 1})", t, m["estimate"][:, k]
                 yield f"hessian/Tr({part}^{k + 1})_stderr", t, m["stderr"][:, k]

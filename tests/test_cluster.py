@@ -180,7 +180,7 @@ def test_hessian_measurements_through_the_ray_pipeline(local_ray, tmp_path):
     for name in ("hessian_moments", "hessian_moments_I_exact", "hessian_top", "hessian_orthogonality",
                  "hessian_rayleigh", "hessian_density"):
         np.testing.assert_array_equal(ref.g[name][:], got.g[name][:], err_msg=name)
-    assert got.hessian_steps.tolist() == [0, 12, 23]
+    assert got.hessian.steps.tolist() == [0, 12, 23]
 
 
 def test_auth_token_from_environment_or_file(tmp_path, monkeypatch):

@@ -58,8 +58,8 @@ def test_mnist_sweep_runs_at_tiny_size(tmp_path):
     url = str(tmp_path / "s.zarr")
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("mnist_tiny")
-    assert run.per_class_eigenvalues.shape == (2, 10, 2) and run.stability_eigenvalues.shape == (2, 3)
-    assert (run.per_class_eigenvalues > 0).all() and (run.test_loss > 0).all()
+    assert run.kernel.per_class_eigenvalues.shape == (2, 10, 2) and run.stability_eigenvalues.shape == (2, 3)
+    assert (run.kernel.per_class_eigenvalues > 0).all() and (run.test_loss > 0).all()
 
 
 def test_hessian_paper_examples_are_the_papers_settings():

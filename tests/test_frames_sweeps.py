@@ -181,3 +181,41 @@ def test_sweep_figure_titles(store_url: str) -> None:
     assert first(fig7c(s)) == "NSA Fig. 7c — test loss"
     t = first(scalar_figure(s, "loss_test", "model.depth"))
     assert t.startswith("NSA — ") and "no figure of the paper" in t and "Fig." not in t, t
+
+
+def test_run_reads_and_views_are_the_stored_arrays_at_the_finished_steps(store_url: str) -> None:
+    """run.per_step / index_of / row are the stored arrays at the finished steps; run.images and
+    run.kernel return the stored rows; a run without a Hessian block says so by name."""
+    from nsa_dist.errors import StoreError
+
+    run = Client(store_url).run("lone")
+    assert run.steps.tolist() == [0, 4] and run.finished.tolist() == [0, 1]
+    np.testing.assert_array_equal(run.per_step("eigenvalues"), run.array("eigenvalues")[run.finished])
+    np.testing.assert_array_equal(run.rows("lr", np.array([1])), run.lr[1:])
+    i = run.index_of(4)
+    assert i == 1
+    with pytest.raises(KeyError, match=r"step 3 is not a finished recorded step of run .*finished: \[0, 4\]"):
+        run.index_of(3)
+    im = run.images.at(4)
+    assert run.images.indices.tolist() == [1] and im["indices"].tolist() == [1]
+    for name in ("eigvec_images", "eigvec_fourier", "residual_image", "residual_fourier"):
+        np.testing.assert_array_equal(im[name], run.array(name)[i], err_msg=name)
+    np.testing.assert_array_equal(run.kernel.residual_projections(4), run.row("projections_residual", i))
+    assert run.dimension_names("eigenvalues") == ("step", "k")
+    assert not run.has("hessian_steps")
+    with pytest.raises(StoreError, match="has no array 'hessian_steps'"):
+        run.hessian.steps
+
+
+def test_sweep_opens_from_the_store_alone(store_url: str) -> None:
+    from nsa_dist.client import Sweep, flatten_spec
+
+    c = Client(store_url)
+    s = Sweep(c.store, "sw")
+    assert s.runs.equals(c.sweep("sw").runs) and s.fields == ["model.depth"]
+    rid = s.runs["id"][0]
+    assert s.run(rid).id == rid
+    with pytest.raises(KeyError, match="no sweep 'nope'"):
+        Sweep(c.store, "nope")
+    assert flatten_spec({"model": {"depth": 6}, "grid": [1, 2], "extra": {}}) == \
+        {"model.depth": 6, "grid": (1, 2), "extra": {}}

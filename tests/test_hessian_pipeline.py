@@ -45,32 +45,32 @@ def hess_run(tmp_path_factory):
 def test_recorded_hessian_quantities_match_dense_references(hess_run):
     run, spec = hess_run
     assert run.steps.tolist() == [0, 5, 10, 15]
-    assert run.hessian_steps.tolist() == [0, 10, 15]
+    assert run.hessian.steps.tolist() == [0, 10, 15]
     data = load_dataset(spec.data, seed=spec.seed)
     model = build_model(spec.model, seed=spec.seed).double()
     X, y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y)
-    for j, t in enumerate(run.hessian_steps):
+    for j, t in enumerate(run.hessian.steps):
         i = int(np.flatnonzero(run.steps == t)[0])
         vector_to_parameters(torch.tensor(run.g["theta"][i], dtype=torch.float64), model.parameters())
         H, I, S = _dense_parts(model, X, y)
         for part, A in (("H", H), ("I", I), ("S", S)):
             ref = [np.trace(np.linalg.matrix_power(A, k)) for k in range(1, 5)]
-            np.testing.assert_allclose(run.hessian_moments(part)["estimate"][j], ref, rtol=1e-8, atol=1e-10,
+            np.testing.assert_allclose(run.hessian.moments(part)["estimate"][j], ref, rtol=1e-8, atol=1e-10,
                                        err_msg=f"Tr({part}^k) at t={t}")
-        np.testing.assert_allclose(run.hessian_moments("I_exact")["estimate"][j],
+        np.testing.assert_allclose(run.hessian.moments("I_exact")["estimate"][j],
                                    [np.trace(np.linalg.matrix_power(I, k)) for k in range(1, 5)], rtol=1e-8)
         assert abs(np.trace(S)) < 1e-10 * np.abs(S).sum(), "Tr(S) = 0 for a piecewise-linear net with MSE"
         evals = {p: np.sort(np.linalg.eigvalsh(A))[::-1] for p, A in (("H", H), ("I", I), ("S", S))}
         for part in "HIS":
-            np.testing.assert_allclose(run.hessian_top(part)[j], evals[part][:3], rtol=1e-7, atol=1e-10)
-        R = run.hessian_rayleigh(int(t))
+            np.testing.assert_allclose(run.hessian.top(part)[j], evals[part][:3], rtol=1e-7, atol=1e-10)
+        R = run.hessian.rayleigh(int(t))
         np.testing.assert_allclose(R["I"][0], evals["I"][:4], rtol=1e-7, atol=1e-10)  # vᵀIv = λ(I) on I's eigvecs
         exact = np.linalg.norm(I @ S) / (np.linalg.norm(I) * np.linalg.norm(S))
-        o = run.hessian_orthogonality
+        o = run.hessian.orthogonality
         assert abs(o["value"][j] - exact) <= 4 * o["stderr"][j] + 1e-12, (o["value"][j], exact, o["stderr"][j])
-        grid, dens = run.hessian_density(int(t))
+        grid, dens = run.hessian.density(int(t))
         assert abs(np.trapezoid(dens, grid) - 1) < 0.05
-    np.testing.assert_allclose(run.edge_of_stability(), run.hessian_top("H")[:, 0] * run.lr[[0, 2, 3]] / 2)
+    np.testing.assert_allclose(run.hessian.edge_of_stability(), run.hessian.top("H")[:, 0] * run.lr[[0, 2, 3]] / 2)
 
 
 def test_hessian_figures_and_unrecorded_steps(hess_run, tmp_path):
@@ -80,7 +80,7 @@ def test_hessian_figures_and_unrecorded_steps(hess_run, tmp_path):
     paths = plot_run(run, tmp_path, figures=names)
     assert [p.stem for p in paths] == names and all(p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(KeyError, match="not a finished recorded step"):
-        run.hessian_density(7)
+        run.hessian.density(7)
 
 
 # The Hessian paper's numbering: its text says "Figure 1" for the moments along training (the sign of
@@ -201,16 +201,16 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
     data = load_dataset(spec.data, seed=spec.seed)
     X, y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y)
     lim = limit_gauss_newton_eigenvalues(limit_ntk(X, depth=2, activation="atan"))
-    add, trS = run.hessian_additivity(), run.hessian_trace_S()
-    for j, t in enumerate(run.hessian_steps):
+    add, trS = run.hessian.additivity(), run.hessian.trace_S()
+    for j, t in enumerate(run.hessian.steps):
         H, I, S, F = _dense_loss_parts(_model_at(run, spec, int(t)), X, y, ce=False)
         mu = np.sort(np.linalg.eigvalsh(I))[::-1][:10]
-        np.testing.assert_allclose(run.hessian_I_eigenvalues()[j], mu, rtol=1e-7, atol=1e-12,
+        np.testing.assert_allclose(run.hessian.I_eigenvalues()[j], mu, rtol=1e-7, atol=1e-12,
                                    err_msg=f"eigenvalues of I at t={t}")
-        np.testing.assert_allclose(run.hessian_moments("I_exact")["estimate"][j],
+        np.testing.assert_allclose(run.hessian.moments("I_exact")["estimate"][j],
                                    [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-7)
-        np.testing.assert_allclose(run.hessian_I_eigenvalues(limit=True)[j], lim, rtol=1e-12)
-        np.testing.assert_allclose(run.hessian_moments("I_limit")["estimate"][j], [np.sum(lim ** p) for p in range(1, 5)],
+        np.testing.assert_allclose(run.hessian.I_eigenvalues(limit=True)[j], lim, rtol=1e-12)
+        np.testing.assert_allclose(run.hessian.moments("I_limit")["estimate"][j], [np.sum(lim ** p) for p in range(1, 5)],
                                    rtol=1e-12)
         tr = lambda A, p: np.trace(np.linalg.matrix_power(A, p))  # noqa: E731
         gap = [tr(H, p) - tr(I, p) - tr(S, p) for p in range(1, 5)]
@@ -218,12 +218,12 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
         assert abs(add["estimate"][j][0]) < 1e-12 * tr(H, 1), add["estimate"][j]
         assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j], np.trace(S))
         np.testing.assert_allclose(trS["hutchpp"][j], np.trace(S), rtol=1e-7, atol=1e-12)
-        np.testing.assert_allclose(run.hessian_S_norms()["op"][j], np.abs(np.linalg.eigvalsh(S)).max(), rtol=1e-5)
+        np.testing.assert_allclose(run.hessian.S_norms()["op"][j], np.abs(np.linalg.eigvalsh(S)).max(), rtol=1e-5)
     from nsa_dist.hessian.s_limit import limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
 
     ker = limit_S_kernels(X, depth=2, activation="atan", bias_scale=spec.model.bias_scale)
-    pred = run.hessian_S_limit()
-    for j, t in enumerate(run.hessian_steps):  # the recorded limits of S are the library's at this run's data
+    pred = run.hessian.S_limit()
+    for j, t in enumerate(run.hessian.steps):  # the recorded limits of S are the library's at this run's data
         np.testing.assert_allclose(pred["trace_S_init"][j], limit_trace_S_init(ker), rtol=1e-10)
         np.testing.assert_allclose(pred["trace_S"][j], limit_trace_S_gd(ker, y.numpy(), [0.5] * int(t), [int(t)])[0],
                                    rtol=1e-10)
@@ -243,14 +243,14 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
 
     assert main(["show", run.id, "--store", url]) == 0
     out = capsys.readouterr().out
-    m, top = run.hessian_moments("S"), run.hessian_top("H")[:, 0]
-    for j in range(len(run.hessian_steps)):  # every number printed is the run's (2 analysed steps: both shown)
+    m, top = run.hessian.moments("S"), run.hessian.top("H")[:, 0]
+    for j in range(len(run.hessian.steps)):  # every number printed is the run's (2 analysed steps: both shown)
         for want in (f"{m['estimate'][j, 1]:.4g}", f"{top[j]:.4g}", f"{pred['trace_S2'][j]:.4g}",
                      f"{pred['trace_S'][j]:.4g}", f"{trS['G'][j]:.4g} ± {trS['G_stderr'][j]:.2g}"):
             assert want in out, f"nsa show lacks {want!r}:\n{out}"
     for label in ("Tr(S^2)", "λ_max(H)", "E[Tr S₀] limit", "E[Tr S_t] limit", "Tr(S²) limit", "Hutch++ ± s.e."):
         assert label in out, out
-    norms = run.hessian_S_norms()
+    norms = run.hessian.S_norms()
     assert np.all(norms["op"] <= norms["k4"] * (1 + 1e-9)) and np.all(norms["k4"] <= norms["k2"] * (1 + 1e-9)), norms
 
 
@@ -267,14 +267,14 @@ def test_cross_entropy_run_records_I_and_S_of_its_loss(tmp_path):
     p /= p.sum(1, keepdims=True)
     np.testing.assert_allclose(run.train_loss[0], -np.mean(np.sum(data.y * np.log(p), 1)), rtol=1e-5, err_msg="CE loss")
     np.testing.assert_allclose(run.residual(0), p - data.y, rtol=1e-5, atol=1e-7, err_msg="m = softmax(f) − y")
-    for j, t in enumerate(run.hessian_steps):
+    for j, t in enumerate(run.hessian.steps):
         H, I, S, F = _dense_loss_parts(_model_at(run, spec, int(t)), X, Y, ce=True)
-        np.testing.assert_allclose(run.hessian_moments("I_exact")["estimate"][j],
+        np.testing.assert_allclose(run.hessian.moments("I_exact")["estimate"][j],
                                    [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-6,
                                    err_msg=f"CE Tr(I^k) at t={t}")
         mu = np.sort(np.linalg.eigvalsh(I))[::-1][:60]
-        np.testing.assert_allclose(run.hessian_I_eigenvalues()[j], mu, rtol=1e-6, atol=1e-10)
-        trS = run.hessian_trace_S()  # Tr(S) = (1/N) Σ (p_i − y_i)ᵀ G_i against the dense CE S
+        np.testing.assert_allclose(run.hessian.I_eigenvalues()[j], mu, rtol=1e-6, atol=1e-10)
+        trS = run.hessian.trace_S()  # Tr(S) = (1/N) Σ (p_i − y_i)ᵀ G_i against the dense CE S
         assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j],
                                                                                  np.trace(S))
     from nsa_dist.hessian import hessian_parts
@@ -287,11 +287,11 @@ def test_block_rows_gives_the_first_two_exact_moments_of_I_from_the_tiles(tmp_pa
     run, spec = _run(tmp_path, **{**_THEORY, "spectrum": {"k": 4, "images": [], "layout": "block_rows", "workers": 2}})
     data = load_dataset(spec.data, seed=spec.seed)
     X, y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y)
-    exact = run.hessian_moments("I_exact")["estimate"]
-    for j, t in enumerate(run.hessian_steps):
+    exact = run.hessian.moments("I_exact")["estimate"]
+    for j, t in enumerate(run.hessian.steps):
         _, I, _, _ = _dense_loss_parts(_model_at(run, spec, int(t)), X, y, ce=False)
         np.testing.assert_allclose(exact[j][:2], [np.trace(I), np.trace(I @ I)], rtol=1e-6)
-        assert np.isnan(exact[j][2:]).all() and np.isnan(run.hessian_I_eigenvalues()[j]).all()
+        assert np.isnan(exact[j][2:]).all() and np.isnan(run.hessian.I_eigenvalues()[j]).all()
 
 
 def test_theory_spec_errors():
@@ -308,7 +308,7 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
     from nsa_dist.config import SweepSpec
     from nsa_dist.pipeline import run_id
     from nsa_dist.plots.sweep import HESSIAN_SWEEP_FIGURES, fit_slope, plot_sweep
-    from nsa_dist.sweep_view import quantity
+    from nsa_dist.client import quantity
 
     url = str(tmp_path / "s.zarr")
     store = SpectrumStore(url)
@@ -325,16 +325,16 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
     s = c.sweep("hw")
     for cv in s.curves("hessian_S", k=2):
         runs = [c.run(r) for r in c.runs(sweep="hw", model__width=cv.key["model.width"])["id"]]
-        V = np.stack([r.hessian_moments("S")["estimate"][:, 1] for r in runs])
+        V = np.stack([r.hessian.moments("S")["estimate"][:, 1] for r in runs])
         np.testing.assert_allclose(cv.mean, V.mean(0), err_msg=str(cv.key))
         np.testing.assert_allclose(cv.std, V.std(0))
-        np.testing.assert_array_equal(cv.t, runs[0].hessian_steps)
+        np.testing.assert_array_equal(cv.t, runs[0].hessian.steps)
     run = c.run(ids[0])
     t, err = quantity(run, "hessian_I_error", k=2)
-    ex, lim = run.hessian_moments("I_exact")["estimate"][:, 1], run.hessian_moments("I_limit")["estimate"][:, 1]
+    ex, lim = run.hessian.moments("I_exact")["estimate"][:, 1], run.hessian.moments("I_limit")["estimate"][:, 1]
     np.testing.assert_allclose(err, np.abs(ex - lim) / lim)
     t, ratio = quantity(run, "hessian_S_ratio")
-    np.testing.assert_allclose(ratio, run.hessian_moments("S")["estimate"][:, 1] / run.hessian_moments("I")["estimate"][:, 1])
+    np.testing.assert_allclose(ratio, run.hessian.moments("S")["estimate"][:, 1] / run.hessian.moments("I")["estimate"][:, 1])
     with pytest.raises(ValueError, match="needs k, the moment order"):
         quantity(run, "hessian_S")
     out = plot_sweep(s, tmp_path / "fig", figures=list(HESSIAN_SWEEP_FIGURES))

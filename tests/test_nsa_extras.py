@@ -145,7 +145,7 @@ def test_fig4d_and_appF_drawn(recon_run, tmp_path) -> None:
     assert make_figure(run, "fig4d_reconstructions")._suptitle.get_text().startswith("NSA Fig. 4d — ")
     assert make_figure(run, "appF_gram_change")._suptitle.get_text().startswith("NSA App. F — ")
     with pytest.raises(KeyError, match=r"only at its eigenvector steps \[0, 1\], not at 2"):
-        run.reconstructions(2)
+        run.kernel.reconstructions(2)
 
 
 def _psd(N: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -320,7 +320,7 @@ def test_stored_test_point_prediction_against_exact(tmp_path) -> None:
     X, Xt = (torch.as_tensor(a, dtype=torch.float64) for a in (run.X, run.X_test))
     G, g = dense_ntk(model, X).numpy(), dense_ntk(model, Xt, X).numpy()
     m, f = run.residual(0).astype(np.float64), run.outputs(0, "f_test").astype(np.float64)
-    got = run.constant_gram_test()
+    got = run.kernel.constant_gram_test()
     assert got.shape == (len(run.steps), 6)
     np.testing.assert_allclose(got[0], f, rtol=1e-12)
     for t in range(int(run.steps[-1]) + 1):

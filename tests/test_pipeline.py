@@ -71,7 +71,7 @@ def test_stored_spectra_equal_recomputation_from_stored_checkpoint(tiny_run):
     P, t1, t2, rows = run.spectrum_preservation()
     assert (t1, t2) == (10, 29) and P.shape == (len(rows), 12) and np.all(P <= 1 + 1e-6)
     assert np.isfinite(run.loss_trace).all() and run.loss_trace.shape == (30,)
-    im = run.images(29)
+    im = run.images.at(29)
     assert im["eigvec_images"].shape == (3, 8, 8) and im["eigvec_fourier"].shape == (3, 5, 5)
 
 

@@ -202,7 +202,7 @@ def test_eigenvector_schedule_and_stored_projections(tmp_path) -> None:
         w, V = np.linalg.eigh(J @ J.T)
         m = run.residual(int(t))
         p_ref = ((V[:, ::-1].T @ m) ** 2)
-        p = run.residual_projections(int(t))
+        p = run.kernel.residual_projections(int(t))
         assert p.shape == (48,)
         # G_t has a null space (rank ≤ P): any basis of it is right, so compare the partial sums
         # (energies) over the non-null eigenvalues, and the full sum
@@ -235,10 +235,10 @@ def test_per_class_spectra_match_dense_diagonal_blocks(tmp_path) -> None:
                           steps=3, record={"every": 2}, spectrum={"k": 5, "per_class_k": 3, "store_eigenvectors": False})
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("pc")
-    assert run.per_class_eigenvalues.shape == (2, 10, 3)
+    assert run.kernel.per_class_eigenvalues.shape == (2, 10, 3)
     m = build_model(spec.model, seed=0).double()
     torch.nn.utils.vector_to_parameters(torch.as_tensor(run.g["theta"][0], dtype=torch.float64), m.parameters())
     Gf = dense_ntk(m, torch.as_tensor(run.X, dtype=torch.float64), full=True).numpy()
     ref = np.stack([np.sort(np.linalg.eigvalsh(Gf[:, a, :, a]))[::-1][:3] for a in range(10)])
-    e = np.abs(run.per_class_eigenvalues[0] - ref).max() / ref.max()
+    e = np.abs(run.kernel.per_class_eigenvalues[0] - ref).max() / ref.max()
     assert e < 1e-6, f"stored per-class eigenvalues off by {e:.2e}"

@@ -39,17 +39,17 @@ def moments(run: "Run") -> "Figure":
     the k = 1 panel, Tr(S²) = ∇CᵀΥ̃∇C in the k = 2 panel (NTK-parametrised FC runs)."""
     fig, axes = new_figure(run, TITLES["moments"], "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0),
                            paper=_PAPER)
-    S_lim = run.hessian_S_limit() if run.has("hessian_S_limit") else None
-    t = run.hessian_steps
-    exact = run.hessian_moments("I_exact")["estimate"]
+    S_lim = run.hessian.S_limit() if run.has("hessian_S_limit") else None
+    t = run.hessian.steps
+    exact = run.hessian.moments("I_exact")["estimate"]
     for k, ax in enumerate(axes[0]):
         for part, c in zip("HIS", colors(3)):
-            m = run.hessian_moments(part)
+            m = run.hessian.moments(part)
             ax.errorbar(t, m["estimate"][:, k], yerr=m["stderr"][:, k], fmt="o-", ms=3, color=c, capsize=2,
                         label=f"{part} (Hutch++)")
         ax.plot(t, exact[:, k], "k--", lw=1, label="I exact (NTK Gram)")
         if run.has("hessian_I_limit_moments"):
-            lim = run.hessian_moments("I_limit")["estimate"][:, k]
+            lim = run.hessian.moments("I_limit")["estimate"][:, k]
             if np.isfinite(lim).any():
                 ax.plot(t, lim, ":", color="C3", lw=1.6, label=r"I limit ($\Theta_\infty$, kernel PCA)")
         if S_lim is not None and k < 2:
@@ -67,8 +67,8 @@ def moments(run: "Run") -> "Figure":
 def orthogonality(run: "Run") -> "Figure":
     """Fig. 3: ‖IS‖_F / (‖I‖_F ‖S‖_F) along t, the mutual orthogonality of I and S."""
     fig, ax = new_figure(run, TITLES["orthogonality"], "orthogonality of I and S", paper=_PAPER)
-    ax, o = ax[0, 0], run.hessian_orthogonality
-    ax.errorbar(run.hessian_steps, o["value"], yerr=o["stderr"], fmt="o-", ms=3, capsize=2,
+    ax, o = ax[0, 0], run.hessian.orthogonality
+    ax.errorbar(run.hessian.steps, o["value"], yerr=o["stderr"], fmt="o-", ms=3, capsize=2,
                 label=r"$\Vert IS\Vert_F / (\Vert I\Vert_F\Vert S\Vert_F)$")
     time_axis(ax, run, "normalised ‖IS‖_F")
     return fig
@@ -76,8 +76,8 @@ def orthogonality(run: "Run") -> "Figure":
 
 def rayleigh(run: "Run") -> "Figure":
     """Fig. 3: vᵀIv and vᵀSv over the top eigenvectors of I (left) and of S (right), at the last analysed step."""
-    step = int(run.hessian_steps[-1])
-    R = run.hessian_rayleigh(step)
+    step = int(run.hessian.steps[-1])
+    R = run.hessian.rayleigh(step)
     fig, axes = new_figure(run, TITLES["rayleigh"], f"Rayleigh quotients at t = {step}", 1, 2, paper=_PAPER)
     for ax, key, name in ((axes[0, 0], "I", "I"), (axes[0, 1], "S", "S")):
         i = np.arange(1, R[key].shape[1] + 1)
@@ -95,7 +95,7 @@ def edge_of_stability(run: "Run") -> "Figure":
     fig, ax = new_figure(run, TITLES["edge_of_stability"], "edge of stability λ_max(H)·δ/2 (not a paper figure)",
                          paper=_PAPER)
     ax = ax[0, 0]
-    ax.plot(run.hessian_steps, run.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t / 2$")
+    ax.plot(run.hessian.steps, run.hessian.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t / 2$")
     ax.axhline(1.0, color="C3", ls="--", label="1 (edge of stability)")
     time_axis(ax, run, r"$\lambda_{max}(H)\,\delta_t / 2$")
     return fig
@@ -105,10 +105,10 @@ def density(run: "Run") -> "Figure":
     """SLQ spectral density of H at a few analysed steps (log y)."""
     fig, ax = new_figure(run, TITLES["density"], "spectral density of H (stochastic Lanczos quadrature)",
                          paper=_PAPER)
-    ax, steps = ax[0, 0], run.hessian_steps
+    ax, steps = ax[0, 0], run.hessian.steps
     pick = some_steps(len(steps), 4)
     for j, c in zip(pick, colors(len(pick))):
-        grid, dens = run.hessian_density(int(steps[j]))
+        grid, dens = run.hessian.density(int(steps[j]))
         ax.plot(grid, np.clip(dens, 1e-8, None), color=c, label=f"t = {steps[j]}")
     ax.set(xlabel="eigenvalue of H", ylabel="density", yscale="log")
     ax.grid(alpha=0.3)
@@ -120,8 +120,8 @@ def I_spectrum(run: "Run") -> "Figure":
     """The spectrum of I (outside its null space) measured at a few analysed steps beside the kernel
     PCA of Θ∞ (the paper's limit, weighted by HC) on the same axes."""
     fig, ax = new_figure(run, TITLES["I_spectrum"], "eigenvalues of I: measured vs the Θ∞ limit", paper=_PAPER)
-    ax, steps = ax[0, 0], run.hessian_steps
-    mu, lim = run.hessian_I_eigenvalues(), run.hessian_I_eigenvalues(limit=True)
+    ax, steps = ax[0, 0], run.hessian.steps
+    mu, lim = run.hessian.I_eigenvalues(), run.hessian.I_eigenvalues(limit=True)
     pick = some_steps(len(steps), 3)
     i = np.arange(1, mu.shape[1] + 1)
     drawn = None
@@ -143,8 +143,8 @@ def additivity(run: "Run") -> "Figure":
     fig, axes = new_figure(run, TITLES["additivity"], "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k", 1, 4,
                            panel=(4.2, 4.0),
                            paper=_PAPER)
-    t, g = run.hessian_steps, run.hessian_additivity()
-    H = run.hessian_moments("H")["estimate"]
+    t, g = run.hessian.steps, run.hessian.additivity()
+    H = run.hessian.moments("H")["estimate"]
     for k, ax in enumerate(axes[0]):
         with np.errstate(all="ignore"):
             rel, se = g["estimate"][:, k] / np.abs(H[:, k]), g["stderr"][:, k] / np.abs(H[:, k])
@@ -160,11 +160,11 @@ def trace_S(run: "Run") -> "Figure":
     Hutch++ on S, with their standard errors, beside the limits: E[Tr S] at initialisation
     (MSE: K Tr(Φ̃)/N, a marker at t = 0) and E[Tr S_t] along GD (MSE, Theorem 1)."""
     fig, ax = new_figure(run, TITLES["trace_S"], r"Tr(S) = ∇Cᵀ·G against Hutch++ and the limits", paper=_PAPER)
-    ax, t, tr = ax[0, 0], run.hessian_steps, run.hessian_trace_S()
+    ax, t, tr = ax[0, 0], run.hessian.steps, run.hessian.trace_S()
     ax.errorbar(t, tr["G"], yerr=tr["G_stderr"], fmt="o-", ms=3, capsize=2, label=r"$\nabla C^T G$ (probes)")
     ax.errorbar(t, tr["hutchpp"], yerr=tr["hutchpp_stderr"], fmt="s--", ms=3, capsize=2, label="Hutch++ on S")
     if run.has("hessian_S_limit"):
-        lim = run.hessian_S_limit()
+        lim = run.hessian.S_limit()
         if np.isfinite(lim["trace_S"]).any():
             ax.plot(t, lim["trace_S"], "-.", color="C2", lw=1.6, label=r"limit E[Tr $S_t$] (MSE GD)")
         if np.isfinite(lim["trace_S_init"]).any():
@@ -179,12 +179,12 @@ def S_norms(run: "Run") -> "Figure":
     """‖S‖_op (Lanczos) beside the bounds Tr(S^k)^{1/k}, k = 2 (‖S‖_F) and 4: the paper's
     consequence 2 (‖S‖_op → 0 with width while ‖S‖_F stays finite)."""
     fig, ax = new_figure(run, TITLES["S_norms"], r"‖S‖_op ≤ Tr(S⁴)^{1/4} ≤ ‖S‖_F", paper=_PAPER)
-    ax, t, n = ax[0, 0], run.hessian_steps, run.hessian_S_norms()
+    ax, t, n = ax[0, 0], run.hessian.steps, run.hessian.S_norms()
     ax.plot(t, n["op"], "o-", ms=3, label=r"$\Vert S\Vert_{op}$")
     ax.plot(t, n["k4"], "s--", ms=3, label=r"Tr$(S^4)^{1/4}$")
     ax.plot(t, n["k2"], "^--", ms=3, label=r"$\Vert S\Vert_F$ = Tr$(S^2)^{1/2}$")
-    if run.has("hessian_S_limit") and np.isfinite(run.hessian_S_limit()["trace_S2"]).any():
-        ax.plot(t, np.sqrt(np.clip(run.hessian_S_limit()["trace_S2"], 0, None)), ":", color="C2", lw=1.6,
+    if run.has("hessian_S_limit") and np.isfinite(run.hessian.S_limit()["trace_S2"]).any():
+        ax.plot(t, np.sqrt(np.clip(run.hessian.S_limit()["trace_S2"], 0, None)), ":", color="C2", lw=1.6,
                 label=r"limit $(\nabla C^T\tilde\Upsilon\nabla C)^{1/2}$")
     ax.set_yscale("log")
     time_axis(ax, run, "norm of S")

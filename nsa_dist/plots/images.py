@@ -39,7 +39,7 @@ def fig4bc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     fig, ax = new_figure(run, "4b–c", "residual and its Fourier transform", nrows=len(chosen), ncols=2,
                          panel=(4.4, 3.8))
     for row, t in zip(ax, chosen):
-        im = run.images(t)
+        im = run.images.at(t)
         _image(row[0], im["residual_image"], f"residual $m_t$, t = {t}")
         _fourier(row[1], im["residual_fourier"], limit, rf"$|\hat m_t|$, t = {t}")
     return fig
@@ -48,7 +48,7 @@ def fig4bc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
 def fig5(run: "Run", opts: PlotOptions = PlotOptions(), *, label: str = "5", step: int | None = None) -> "Figure":
     """Eigenvectors v_i of G_t at ``step`` (default the last) as images, each above its |Fourier|, six per line."""
     t, limit = int(run.steps[-1]) if step is None else step, run.spec.spectrum.fourier_limit
-    im = run.images(t)
+    im = run.images.at(t)
     idx = [int(i) for i in im["indices"]]
     ncols = min(6, len(idx))
     lines = -(-len(idx) // ncols)

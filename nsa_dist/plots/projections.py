@@ -20,7 +20,7 @@ def residual_projections(run: "Run", step: int) -> np.ndarray:
     Read from ``projections_residual`` when stored, else computed from the stored eigenvectors.
     """
     if run.has("projections_residual"):
-        return run.residual_projections(step)
+        return run.kernel.residual_projections(step)
     V = run.eigenvectors(step)  # (N, K)
     m = run.residual(step).reshape(V.shape[0], -1)  # (N, Ko)
     return ((V.T @ m) ** 2).sum(axis=1)  # (K,)

@@ -23,7 +23,7 @@ def fig4d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     steps = run.eigenvector_steps
     chosen = [t for t in (opts.steps or ()) if t in set(steps.tolist())]
     t = int(chosen[0] if chosen else steps[-1])
-    rec = run.reconstructions(t)
+    rec = run.kernel.reconstructions(t)
     ks = [int(k) for k in rec["k"]]
     fig, ax = new_figure(run, "4d", rf"$\bar f_{{t,k}}$ from the top $k$ eigenvectors of $G_t$, t = {t}",
                          ncols=len(ks), panel=(3.6, 3.3))
@@ -43,7 +43,7 @@ def fig4d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
 def appF(run: "Run") -> "Figure":
     """App. F: v_iᵀ(G_{t+1} − G_t)v_i measured and its first-order value (Eqs. 25–26) at each
     eigenvector step, and ‖Vᵀ dG_t V‖_F relative to ‖Vᵀ G_t V‖_F along t."""
-    gc = run.gram_change()
+    gc = run.kernel.gram_change()
     fig, ax = new_figure(run, "App. F", r"first-order change $dG_t$ of the Gramian", ncols=2)
     left, right = ax[0]
     i = np.arange(1, gc["measured"].shape[1] + 1)
@@ -78,7 +78,7 @@ def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
                          ncols=3 if test else 2)
     left, right = ax[0][:2]
     if test:  # App. E, Eq. 22 with the Nyström extension
-        pred_test, yt = run.constant_gram_test()[idx], run.array("y_test")  # (S', M[, Ko])
+        pred_test, yt = run.kernel.constant_gram_test()[idx], run.array("y_test")  # (S', M[, Ko])
         meas = np.stack([run.outputs(int(t), "f_test") for t in run.steps])
         norm = lambda F: np.linalg.norm((F - yt[None]).reshape(len(F), -1), axis=1)  # noqa: E731
         a = ax[0][2]

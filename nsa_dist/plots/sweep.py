@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from nsa_dist.sweep_view import Curve, Sweep
+    from nsa_dist.client import Curve, Sweep
 
 __all__ = ["SWEEP_FIGURES", "HESSIAN_SWEEP_FIGURES", "fig7a", "fig7b", "fig7c", "scalar_figure", "plot_sweep", "hessian_moments_figure",
            "width_convergence", "regimes_figure", "fit_slope"]
@@ -231,7 +231,7 @@ def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | 
             "hessian_moments_I": lambda: hessian_moments_figure(sweep, "I") if hess else None,
             "hessian_moments_S": lambda: hessian_moments_figure(sweep, "S") if hess else None,
             "hessian_width_convergence": lambda: width_convergence(sweep) if wide and np.isfinite(
-                first.hessian_moments("I_limit")["estimate"]).any() else None,
+                first.hessian.moments("I_limit")["estimate"]).any() else None,
             "hessian_regimes": lambda: regimes_figure(sweep) if wide and first.has("hessian_S_op") else None,
             "fig7a_energy_y": lambda: fig7a(sweep, k), "fig7b_train_loss": lambda: fig7b(sweep),
             "fig7c_test_loss": lambda: fig7c(sweep) if first.has("loss_test") else None,

@@ -55,7 +55,7 @@ class Eigenvectors(Panel):
     def at(self, run: "Run", step: int) -> dict[str, Any]:
         """What the panel draws at ``step`` (worker thread)."""
         if self.images:
-            im = run.images(step)
+            im = run.images.at(step)
             return {"step": step, "images": im["eigvec_images"][:len(self.sources)], "indices": im["indices"]}
         return {"step": step, "images": run.eigenvectors(step)[None], "indices": None}
 

@@ -143,8 +143,8 @@ class HessianMoments(Panel):
         super().__init__(column(self.part, row(*figs)))
 
     def read(self, run: "Run") -> dict[str, Any]:
-        m = run.hessian_moments(self.part.value)
-        return {"t": run.hessian_steps, "estimate": m["estimate"], "stderr": m["stderr"]}
+        m = run.hessian.moments(self.part.value)
+        return {"t": run.hessian.steps, "estimate": m["estimate"], "stderr": m["stderr"]}
 
     def show(self, data: dict[str, Any]) -> None:
         for k, src in enumerate(self.sources):

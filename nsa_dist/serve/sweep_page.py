@@ -1,7 +1,7 @@
 """The page at ``/sweep?name=NAME``: a sweep's cross-run figures (NSA Fig. 7a–c), one line per grid
 point (mean over seeds, band ± one standard deviation), the grid's fields as selectors.
 
-The curves come from :meth:`nsa_dist.sweep_view.Sweep.curves`, the same as ``nsa plot --sweep``.
+The curves come from :meth:`nsa_dist.client.Sweep.curves`, the same as ``nsa plot --sweep``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from bokeh.document import Document
 
     from nsa_dist.store import SpectrumStore
-    from nsa_dist.sweep_view import Curve, Sweep
+    from nsa_dist.client import Curve, Sweep
 
 __all__ = ["sweep_page", "SweepFigure"]
 

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nsa_dist.frames import _flatten
+from nsa_dist.client import flatten_spec, varied_fields
 from nsa_dist.store import RunSummary, run_summaries
-from nsa_dist.sweep_view import varied_fields
 
 if TYPE_CHECKING:
     from bokeh.document import Document
@@ -64,7 +63,7 @@ class RunTable:
     def columns(self, rows: list[RunSummary], fields: list[str]) -> dict[str, list[Any]]:
         """The table's columns (a Bokeh ``ColumnDataSource``'s data)."""
         member = {rid: name for name, ids in self.store.sweeps().items() for rid in ids}
-        flat = [_flatten(s.spec) for s in rows]
+        flat = [flatten_spec(s.spec) for s in rows]
         cols: dict[str, list[Any]] = {
             "id": [s.id for s in rows], "sweep": [member.get(s.id, "") for s in rows],
             "status": [s.status or "" for s in rows],

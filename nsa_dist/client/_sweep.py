@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nsa_dist.client._frames import runs_frame
+from nsa_dist.client._run import Run
+from nsa_dist.store import run_arrays
+
 if TYPE_CHECKING:
     import pandas
 
-    from nsa_dist.client import Client, Run
+    from nsa_dist.store import SpectrumStore
 
 __all__ = ["Sweep", "Curve", "QUANTITIES", "quantity", "varied_fields"]
 
@@ -30,33 +34,34 @@ _HESSIAN_K = ("hessian_H", "hessian_I", "hessian_S", "hessian_I_exact", "hessian
               "hessian_I_error")  # Tr(A^k): need k
 
 
-def _hessian_quantity(run: "Run", name: str, k: int | None) -> np.ndarray:
-    """The Hessian quantities of :data:`QUANTITIES` along ``run.hessian_steps``."""
+def _hessian_quantity(run: Run, name: str, k: int | None) -> np.ndarray:
+    """The Hessian quantities of :data:`QUANTITIES` along ``run.hessian.steps``."""
+    h = run.hessian
     if name in _HESSIAN_K:
         if k is None or not 1 <= k <= 4:
             raise ValueError(f"quantity {name!r} needs k, the moment order 1..4 (Tr(A^k)), got k={k!r}")
         if name == "hessian_gap":
-            return run.hessian_additivity()["estimate"][:, k - 1]
+            return h.additivity()["estimate"][:, k - 1]
         if name == "hessian_I_error":  # |Tr(I^k) − its Θ∞ limit| / limit
-            exact, lim = (run.hessian_moments(p)["estimate"][:, k - 1] for p in ("I_exact", "I_limit"))
+            exact, lim = (h.moments(p)["estimate"][:, k - 1] for p in ("I_exact", "I_limit"))
             with np.errstate(all="ignore"):
                 return np.abs(exact - lim) / np.abs(lim)
-        return run.hessian_moments(name.removeprefix("hessian_"))["estimate"][:, k - 1]
+        return h.moments(name.removeprefix("hessian_"))["estimate"][:, k - 1]
     if name == "hessian_S_ratio":  # Tr(S²) / Tr(I²): ~w in the active regime, bounded in the NTK regime
         with np.errstate(all="ignore"):
-            return run.hessian_moments("S")["estimate"][:, 1] / run.hessian_moments("I")["estimate"][:, 1]
+            return h.moments("S")["estimate"][:, 1] / h.moments("I")["estimate"][:, 1]
     if name == "hessian_S_op":
-        return run.hessian_S_norms()["op"]
+        return h.S_norms()["op"]
     if name == "hessian_S_fro":
-        return run.hessian_S_norms()["k2"]
+        return h.S_norms()["k2"]
     if name == "hessian_I_fro":
-        return np.sqrt(np.clip(run.hessian_moments("I")["estimate"][:, 1], 0, None))
+        return np.sqrt(np.clip(h.moments("I")["estimate"][:, 1], 0, None))
     if name == "hessian_orthogonality":
-        return run.hessian_orthogonality["value"]
-    return run.hessian_trace_S()["G"]
+        return h.orthogonality["value"]
+    return h.trace_S()["G"]
 
 
-def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def quantity(run: Run, name: str, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(t, value) of quantity ``name`` along a run.
 
     "loss": L(θ_t) of every training step (t = 0..T−1, NaN not yet trained); "loss_recorded",
@@ -73,7 +78,7 @@ def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, n
     if name not in QUANTITIES:
         return run.steps, _stored_scalar(run, name, k)
     if name.startswith("hessian_"):
-        return run.hessian_steps, np.asarray(_hessian_quantity(run, name, k), np.float64)
+        return run.hessian.steps, np.asarray(_hessian_quantity(run, name, k), np.float64)
     if name == "loss":
         trace = run.loss_trace
         return np.arange(len(trace)), trace
@@ -89,18 +94,16 @@ def quantity(run: "Run", name: str, k: int | None = None) -> tuple[np.ndarray, n
     return t, np.asarray(values, np.float64)
 
 
-def _stored_scalar(run: "Run", name: str, k: int | None) -> np.ndarray:
+def _stored_scalar(run: Run, name: str, k: int | None) -> np.ndarray:
     """Any other per-step array the run stores, as one value per finished step: an (S,) array as
     it is, an (S, n) one at column k (1-based, e.g. ``eigenvalues`` k = 2 is λ_2)."""
-    from nsa_dist.store.schema import run_arrays
-
     per_step = {a.name: a for a in run_arrays(run.dims) if a.per_step and a.dtype.startswith("float")}
     spec = per_step.get(name)
     if spec is None or len(spec.shape) > 2:
         scalars = sorted(n for n, a in per_step.items() if len(a.shape) <= 2)
         raise ValueError(f"unknown quantity {name!r}; allowed: {', '.join(QUANTITIES)}, or a stored per-step "
                          f"array of this run: {', '.join(scalars)}")
-    values = run._per_step(name).astype(np.float64)
+    values = run.per_step(name).astype(np.float64)
     if values.ndim == 1:
         return values
     n = values.shape[1]
@@ -144,20 +147,25 @@ class Sweep:
     """A recorded sweep: its runs (:attr:`runs`, a DataFrame), the fields it varies and the seeds.
 
     Attributes:
+        store: the spectrum store it was read from.
         name: the sweep's name.
         fields: the dotted spec fields the grid / variants vary, seed excluded (e.g. model.depth).
         seeded: True when the sweep varies ``seed`` (curves are means over seeds).
+
+    Raises:
+        KeyError: no sweep ``name`` in the store (the known ones are named).
     """
 
-    def __init__(self, client: "Client", name: str) -> None:
-        self.client, self.name = client, name
-        self.runs: "pandas.DataFrame" = client.runs(sweep=name)
-        varied = varied_fields(client.store.sweep_spec(name))  # KeyError naming the known sweeps
+    def __init__(self, store: "SpectrumStore", name: str) -> None:
+        self.store, self.name = store, name
+        self.runs: "pandas.DataFrame" = runs_frame(store, sweep=name)  # KeyError naming the known sweeps
+        varied = varied_fields(store.sweep_spec(name))
         self.seeded = "seed" in varied
         self.fields = [f for f in varied if f != "seed" and f in self.runs.columns]
 
-    def run(self, run_id: str) -> "Run":
-        return self.client.run(run_id)
+    def run(self, run_id: str) -> Run:
+        """One run of the sweep by its id (a value of ``runs["id"]``)."""
+        return Run(self.store, run_id)
 
     def _finished(self) -> "pandas.DataFrame":
         return self.runs[self.runs["steps_done"] > 0]

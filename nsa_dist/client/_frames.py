@@ -9,21 +9,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nsa_dist.store import run_summaries
+from nsa_dist.store.schema import STATE_ARRAYS
+
 if TYPE_CHECKING:
     import pandas
     import xarray
 
-    from nsa_dist.client import Run
+    from nsa_dist.client._arrays import RunArrays
     from nsa_dist.store import RunSummary, SpectrumStore
 
-__all__ = ["run_to_xarray", "runs_frame", "STATE_ARRAYS"]
+__all__ = ["run_to_xarray", "runs_frame", "flatten_spec"]
 
-STATE_ARRAYS = ("theta", "opt_slots", "rng_state")
 _ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k")
 
 
-def run_to_xarray(run: "Run", *, state: bool = False) -> "xarray.Dataset":
-    """The finished recorded steps of ``run`` with named dimensions.
+def run_to_xarray(run: "RunArrays", *, state: bool = False) -> "xarray.Dataset":
+    """The finished recorded steps of ``run`` (a :class:`~nsa_dist.client.Run`) with named dimensions.
 
     Per-step arrays (first dim "step") keep only the finished steps; coordinate ``step`` holds
     t, ``k``-like coordinates run 1..K, ``train_step`` 0..T−1.  Attributes: the run id, status
@@ -37,18 +39,17 @@ def run_to_xarray(run: "Run", *, state: bool = False) -> "xarray.Dataset":
     import xarray as xr
 
     variables: dict[str, Any] = {}
-    r = run._r
-    for name in r.names():
+    for name in run.array_names():
         if name in ("steps", "done") or (name in STATE_ARRAYS and not state):
             continue
-        dims = r.dimension_names(name)
+        dims = run.dimension_names(name)
         if name == "hessian_steps":
-            data = r.read(name)[run._idx]
+            data = run.array(name)[run.finished]
         elif dims and dims[0] == "step":
-            data = run._per_step(name)
+            data = run.per_step(name)
         else:
-            data = r.read(name)
-        variables[name] = xr.Variable(dims, np.asarray(data), attrs=r.array_attrs(name))
+            data = run.array(name)
+        variables[name] = xr.Variable(dims, np.asarray(data), attrs=run.array_attrs(name))
     ds = xr.Dataset(variables)
     coords: dict[str, Any] = {"step": ("step", run.steps)}
     for d in _ONE_BASED:
@@ -61,13 +62,14 @@ def run_to_xarray(run: "Run", *, state: bool = False) -> "xarray.Dataset":
     return ds
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """{"model": {"depth": 6}} → {"model.depth": 6}; lists become tuples (hashable columns)."""
+def flatten_spec(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested spec dict as dotted columns: {"model": {"depth": 6}} → {"model.depth": 6}; lists
+    become tuples (hashable columns)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_spec(v, key + "."))
         else:
             out[key] = tuple(v) if isinstance(v, list) else v
     return out
@@ -80,7 +82,7 @@ def _run_row(summary: "RunSummary", sweep: str | None) -> dict[str, Any]:
            "steps_done": summary.steps_done, "steps_total": summary.steps_total, "last_step": summary.last_step}
     if summary.status == "damaged":
         return row
-    return {**row, "data_fingerprint": summary.data_fingerprint, **_flatten(summary.spec)}
+    return {**row, "data_fingerprint": summary.data_fingerprint, **flatten_spec(summary.spec)}
 
 
 def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
@@ -102,8 +104,6 @@ def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -
     if sweep is not None and sweep not in sweeps:
         raise KeyError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
     member = {rid: name for name, ids in sweeps.items() for rid in ids}
-    from nsa_dist.store import run_summaries
-
     known = store.run_ids()
     ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known  # not created yet: left out
     rows = [_run_row(s, member.get(s.id)) for s in run_summaries(store, ids)]

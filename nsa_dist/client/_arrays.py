@@ -1,0 +1,136 @@
+"""One run's stored arrays as of its finished steps: the layer every view of a run reads through.
+
+A recorded step is finished when its ``done`` flag is set; :class:`RunArrays` keeps the storage
+indices of the finished steps (``finished``, S entries into the schedule) and reads per-step
+arrays at exactly those, checked (a damaged chunk is a StoreError naming it, never a NaN).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.errors import StoreError
+from nsa_dist.store import RunDims, SpectrumStore
+
+__all__ = ["RunArrays"]
+
+
+class RunArrays:
+    """A run's identity, status and checked array reads at its finished recorded steps.
+
+    Attributes:
+        id: the run id.
+        spec: the validated :class:`~nsa_dist.config.ExperimentSpec` it was created from.
+        status, reason: the lease-aware status ("running", "done", "failed", …) and why.
+        failed_step: the step a failed run stopped at (None otherwise).
+        attrs: the run group's attributes (spec, dims, …) as a dict.
+        finished: (S,) int64 storage indices (into :attr:`schedule`) of the finished steps.
+
+    Raises:
+        StoreError: the run has no ``spec`` attribute (a corrupt run).
+    """
+
+    def __init__(self, store: SpectrumStore, run_id: str) -> None:
+        self.id = run_id
+        self._r = store.reader(run_id)
+        if "spec" not in self._r.attrs:
+            raise StoreError(f"corrupt run {run_id!r}: {self._r.path}/zarr.json has no 'spec' attribute")
+        self.spec = ExperimentSpec.model_validate(self._r.attrs["spec"])
+        self._set_state()
+
+    def refresh(self) -> "RunArrays":
+        """Re-read the status and the set of finished steps (for watching a live run)."""
+        self._r.refresh()
+        self._set_state()
+        return self
+
+    def _set_state(self) -> None:
+        attrs = self._r.attrs
+        self.status, self.reason = self._r.status()
+        self.failed_step = attrs.get("failed_step")
+        self.attrs: dict[str, Any] = dict(attrs)
+        self.finished = np.flatnonzero(self._r.done)
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def g(self) -> Any:
+        """The run's Zarr group, read-only (prefer the typed properties: their reads are checked)."""
+        return self._r.g
+
+    def has(self, name: str) -> bool:
+        """Whether the run holds array ``name``."""
+        return self._r.has(name)
+
+    def array_names(self) -> list[str]:
+        """The names of every array the run holds, sorted."""
+        return self._r.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of array ``name`` (all S recorded steps)."""
+        return self._r.shape(name)
+
+    def dimension_names(self, name: str) -> tuple[str, ...]:
+        """The named axes of array ``name`` (Zarr v3 ``dimension_names``; per-step arrays start with "step")."""
+        return self._r.dimension_names(name)
+
+    def array_attrs(self, name: str) -> dict[str, Any]:
+        """The attributes stored with array ``name``."""
+        return self._r.array_attrs(name)
+
+    @property
+    def dims(self) -> RunDims:
+        """The sizes the run's arrays were created with (N, K, P, S, …)."""
+        return RunDims.from_json(self.attrs["dims"])
+
+    # ------------------------------------------------------------------ data
+    def array(self, name: str) -> np.ndarray:
+        """A whole stored array (every recorded step, finished or not: unfinished steps are NaN)."""
+        return self._r.read(name)
+
+    @property
+    def schedule(self) -> np.ndarray:
+        """(S_all,) every step that will be recorded."""
+        return self.array("steps")
+
+    @property
+    def steps(self) -> np.ndarray:
+        """(S,) the finished recorded steps t."""
+        return self.schedule[self.finished]
+
+    @property
+    def eigenvector_steps(self) -> np.ndarray:
+        """(Se,) the finished steps whose eigenvectors are stored (``spectrum.store_eigenvectors``)."""
+        if not self.has("eigenvectors"):
+            return np.zeros(0, dtype=np.int64)
+        return np.array([t for t in self.steps if self.spec.spectrum.eigenvectors_at(int(t))], dtype=np.int64)
+
+    def per_step(self, name: str) -> np.ndarray:
+        """(S, …) per-step array ``name`` at the finished steps (rows in the order of :attr:`steps`)."""
+        return self.rows(name, self.finished)
+
+    def rows(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """(len(idx), …) per-step array ``name`` at storage indices ``idx`` (into :attr:`schedule`), checked."""
+        return self._r.read_steps(name, idx)
+
+    def row(self, name: str, i: int) -> np.ndarray:
+        """Per-step array ``name`` at storage index ``i`` (into :attr:`schedule`), checked."""
+        return self._r.read_step(name, i)
+
+    def index_of(self, step: int) -> int:
+        """The storage index (into :attr:`schedule`) of finished recorded step ``step``.
+
+        Raises:
+            KeyError: ``step`` is not a finished recorded step (the finished ones are named).
+        """
+        steps = self.steps
+        where = np.flatnonzero(steps == step)
+        if not len(where):
+            raise KeyError(f"step {step} is not a finished recorded step of run {self.id!r}; "
+                           f"finished: {steps.tolist()[:20]}{' …' if len(steps) > 20 else ''}")
+        return int(self.finished[where[0]])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r}, status={self.status!r}, steps={len(self.finished)}/{len(self.schedule)})"

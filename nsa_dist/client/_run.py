@@ -1,0 +1,243 @@
+"""``Run``: one run's NSA quantities along its finished recorded steps, with named views of the
+other families — ``run.hessian`` (H = I + S), ``run.kernel`` (per-class spectra, projections,
+reconstructions, dG_t, the constant-Gram prediction) and ``run.images`` (2-D data)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nsa_dist.client._arrays import RunArrays
+from nsa_dist.client._frames import run_to_xarray
+from nsa_dist.client._hessian import HessianView
+from nsa_dist.client._images import ImagesView
+from nsa_dist.client._kernel import KernelView
+from nsa_dist.errors import StoreError
+from nsa_dist.metrics import flow_speed, lr_eigen_product, spectrum_preservation, stability_bound
+from nsa_dist.store import PHIS
+
+if TYPE_CHECKING:
+    import xarray
+
+__all__ = ["Run", "PHI_NAMES"]
+
+PHI_NAMES = PHIS + ("f_test",)
+
+
+class Run(RunArrays):
+    """One run's recorded spectra, read from the store.
+
+    Arrays are indexed by the finished recorded steps (``steps``, S entries).  The store-level
+    reads (``has``, ``array``, ``per_step``, ``dims``, …) come from :class:`RunArrays`; the
+    Hessian, kernel-extra and image families are the views :attr:`hessian`, :attr:`kernel` and
+    :attr:`images`.
+    """
+
+    # ------------------------------------------------------------------ views
+    @cached_property
+    def hessian(self) -> HessianView:
+        """The Hessian H = I + S at the analysed steps (:class:`~nsa_dist.client.HessianView`)."""
+        return HessianView(self)
+
+    @cached_property
+    def kernel(self) -> KernelView:
+        """Per-class spectra, residual projections, reconstructions, dG_t, the constant-Gram
+        prediction (:class:`~nsa_dist.client.KernelView`)."""
+        return KernelView(self)
+
+    @cached_property
+    def images(self) -> ImagesView:
+        """2-D data: the eigenvector and residual images (:class:`~nsa_dist.client.ImagesView`)."""
+        return ImagesView(self)
+
+    # ------------------------------------------------------------------ the data
+    @property
+    def data_fingerprint(self) -> str | None:
+        """``"sha256:…"`` of the data the run was created from (X, y, X_test, y_test as loaded;
+        :meth:`nsa_dist.data.Dataset.fingerprint`); None for runs recorded before fingerprints."""
+        return self.attrs.get("data_fingerprint")
+
+    @property
+    def X(self) -> np.ndarray:
+        """(N, d) the training inputs."""
+        return self.array("X")
+
+    @property
+    def y(self) -> np.ndarray:
+        """(N,) or (N, Ko) the training targets."""
+        return self.array("y")
+
+    @property
+    def X_test(self) -> np.ndarray:
+        """(M, d) the test inputs."""
+        return self.array("X_test")
+
+    @property
+    def N(self) -> int:
+        """Number of training points."""
+        return int(self.shape("X")[0])
+
+    @property
+    def Ko(self) -> int:
+        """Number of network outputs."""
+        y = self.shape("y")
+        return 1 if len(y) == 1 else int(y[1])
+
+    # ------------------------------------------------------------------ the spectrum
+    @property
+    def eigenvalues(self) -> np.ndarray:
+        """(S, K) top eigenvalues λ_i^t of G_t, descending."""
+        return self.per_step("eigenvalues")
+
+    def eigenvectors(self, step: int) -> np.ndarray:
+        """(N, K) eigenvectors of G_t at recorded step ``step``.
+
+        Raises:
+            KeyError: ``step`` is not finished, or its eigenvectors were not stored.
+        """
+        i = self.index_of(step)
+        if self.has("eigenvectors") and not self.spec.spectrum.eigenvectors_at(int(step)):
+            raise KeyError(f"run {self.id!r} stores eigenvectors only at steps {self.eigenvector_steps.tolist()}, "
+                           f"not at {step} (spectrum.store_eigenvectors)")
+        return np.asarray(self.row("eigenvectors", i), dtype=np.float64)
+
+    def energy(self, phi: str = "y", k: int | None = None) -> np.ndarray:
+        """E_t(φ, k) along t: (S,) for one k, (S, K) for all k ≤ K.
+
+        phi: "y" labels, "f" outputs f_t, "residual" m_t, "df" real update, "df_pred" first-order
+        update −(δ/N) G m, "f_test" outputs at the test points (eigenvectors of the test Gram).
+
+        Raises:
+            ValueError: an unknown phi, or k outside 1..K.
+        """
+        if phi not in PHI_NAMES:
+            raise ValueError(f"phi={phi!r} is not one of {', '.join(PHI_NAMES)}")
+        E = self.per_step(f"energy_{phi}")
+        if k is None:
+            return E
+        if not 1 <= k <= E.shape[1]:
+            raise ValueError(f"k={k} outside 1..{E.shape[1]} (the eigenpairs kept for {phi!r})")
+        return E[:, k - 1]
+
+    def spectrum_preservation(self, t1: int | None = None, t2: int | None = None,
+                              i: list[int] | None = None) -> tuple[np.ndarray, int, int, list[int]]:
+        """E_{t1}(v_i^{t2}, k) for every k (NSA Fig. 7d): (rows, K) with t1, t2 and the rows i.
+
+        Default: what the run stored when it finished (second vs last recorded step), else
+        computed from the stored eigenvectors.
+
+        Raises:
+            ValueError: fewer than two eigenvector steps are finished.
+        """
+        if t1 is None and t2 is None and i is None and self.has("preservation"):
+            a = self.array_attrs("preservation")
+            return self.array("preservation"), int(a["t1"]), int(a["t2"]), list(a["rows"])
+        steps = self.eigenvector_steps
+        if len(steps) < 2 and (t1 is None or t2 is None):
+            raise ValueError(f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two")
+        t1 = int(steps[1 if len(steps) > 2 and not isinstance(self.spec.spectrum.store_eigenvectors, list) else 0]) \
+            if t1 is None else t1
+        t2 = int(steps[-1]) if t2 is None else t2
+        V1, V2 = self.eigenvectors(t1), self.eigenvectors(t2)
+        rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
+        return spectrum_preservation(V1, V2, i=rows), t1, t2, rows
+
+    # ------------------------------------------------------------------ training
+    @property
+    def train_loss(self) -> np.ndarray:
+        """(S,) L(θ_t) at the recorded steps."""
+        return self.per_step("loss")
+
+    @property
+    def loss_trace(self) -> np.ndarray:
+        """(T,) the loss of every training step (NaN where not trained yet)."""
+        return self.array("loss_trace")
+
+    @property
+    def test_loss(self) -> np.ndarray:
+        """(S,) L_test(θ_t): the run's loss at the test points (NSA Fig. 7c) — (1/M) Σ_j ½‖f_t(x_j) − y_j‖²
+        for L2, the NCE loss over the held-out data and noise points for ``loss: nce``."""
+        return self.per_step("loss_test")
+
+    @property
+    def lr(self) -> np.ndarray:
+        """(S,) learning rate δ_t."""
+        return self.per_step("lr")
+
+    @property
+    def first_order(self) -> dict[str, np.ndarray]:
+        """{"error": ‖df − df_pred‖/‖df‖, "cos": cos α_t} along t (NSA Fig. 1d)."""
+        return {"error": self.per_step("first_order_error"), "cos": self.per_step("first_order_cos")}
+
+    @property
+    def alignment(self) -> dict[str, np.ndarray]:
+        """{"raw": yᵀGy/(‖G‖_F‖y‖²), "centered": …} along t."""
+        return {"raw": self.per_step("alignment"), "centered": self.per_step("alignment_centered")}
+
+    def outputs(self, step: int, which: str = "f") -> np.ndarray:
+        """f_t ("f"), df_t ("df"), the first-order df ("df_pred") or f_t at test points ("f_test").
+
+        Raises:
+            ValueError: an unknown ``which``.  KeyError: ``step`` is not finished.
+        """
+        if which not in ("f", "df", "df_pred", "f_test"):
+            raise ValueError(f"which={which!r} is not one of f, df, df_pred, f_test")
+        return np.asarray(self.row(which, self.index_of(step)), dtype=np.float64)
+
+    def residual(self, step: int) -> np.ndarray:
+        """m_t = ∂ℓ/∂f at the training points: f_t − y (l2), softmax(f_t) − y (cross_entropy)."""
+        if getattr(self.spec, "loss", None) is not None and getattr(self.spec.loss, "value", self.spec.loss) == "cross_entropy":
+            from nsa_dist.losses import softmax
+
+            return softmax(self.outputs(step)) - self.y
+        return self.outputs(step) - self.y
+
+    # ------------------------------------------------------------------ GD's stability
+    @property
+    def stability_eigenvalues(self) -> np.ndarray:
+        """(S, K') the eigenvalues that set GD's dynamics of the stacked residual m (N·Ko,).
+
+        One output: λ_i^t of G_t (``eigenvalues``).  Ko > 1 outputs: the top Kf eigenvalues of
+        the full (N·Ko)×(N·Ko) kernel J Jᵀ (``eigenvalues_full``) — NOT the output-traced Gram
+        Σ_a J_a J_aᵀ stored in ``eigenvalues``, whose λ_max is up to Ko times larger.
+
+        Raises:
+            StoreError: a Ko > 1 run written before ``eigenvalues_full`` existed.
+        """
+        if self.has("eigenvalues_full"):
+            return self.per_step("eigenvalues_full")
+        if self.Ko > 1:
+            raise StoreError(f"run {self.id!r} has Ko={self.Ko} outputs but no 'eigenvalues_full' (written by an "
+                             "older nsa-dist): its stability quantities would use the traced Gram; re-run it")
+        return self.eigenvalues
+
+    @property
+    def lambda_max(self) -> np.ndarray:
+        """(S,) λ_max^t of the kernel that sets GD's stability (see :attr:`stability_eigenvalues`)."""
+        return self.stability_eigenvalues[:, 0]
+
+    def lr_eigen_product(self) -> np.ndarray:
+        """(S, K') δ_t λ_i^t / N (NSA Fig. 2d), λ of :attr:`stability_eigenvalues`; a GD formula."""
+        return lr_eigen_product(self.stability_eigenvalues, self.lr[:, None], self.N)
+
+    def flow_speed(self) -> np.ndarray:
+        """(S, K') s_i^t = 1 − |1 − δ_t λ_i^t / N| (NSA Fig. 2c), λ of :attr:`stability_eigenvalues`; a GD formula."""
+        return flow_speed(self.stability_eigenvalues, self.lr[:, None], self.N)
+
+    def stability_bound(self) -> np.ndarray:
+        """(S,) 2N/λ_max^t, the largest stable learning rate of GD (NSA Fig. 1e), λ_max = :attr:`lambda_max`."""
+        return stability_bound(self.lambda_max, self.N)
+
+    # ------------------------------------------------------------------ as data
+    def to_xarray(self, *, state: bool = False) -> "xarray.Dataset":
+        """The run's finished steps as an :class:`xarray.Dataset` (dims step, k, point, output, …).
+
+        ``step`` is a coordinate (the recorded t), ``k`` / ``k_full`` / ``k_test`` run from 1;
+        ``state=True`` adds the resume state (theta, opt_slots, rng_state).  Needs xarray.
+        """
+        return run_to_xarray(self, state=state)
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r}, status={self.status!r}, steps={len(self.finished)}/{len(self.schedule)})"
