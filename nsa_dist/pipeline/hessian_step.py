@@ -21,7 +21,7 @@ from nsa_dist.store.records import HessianStep
 if TYPE_CHECKING:
     from nsa_dist.pipeline.plan import RunPlan
 
-__all__ = ["GramKnowledge", "HessianAnalysis", "hessian_dims", "hessian_loss", "hessian_eig_count", "limit_reason"]
+__all__ = ["GramKnowledge", "HessianAnalysis", "hessian_loss", "limit_reason"]
 
 PARTS = ("H", "I", "S")
 
@@ -35,11 +35,6 @@ def hessian_loss(spec: ExperimentSpec) -> Loss:
     if LossName(spec.loss) is LossName.NCE:
         raise ValueError("the Hessian measurements support loss 'l2' and 'cross_entropy', not 'nce'")
     return parse_loss(LossName(spec.loss).value)
-
-
-def hessian_eig_count(spec: ExperimentSpec, n: int) -> int:
-    """N·K: the eigenvalues of I stored per analysed step (measured and limit), 0 without a hessian block."""
-    return 0 if spec.hessian is None else n * spec.model.output_dim
 
 
 def limit_reason(spec: ExperimentSpec) -> str | None:
@@ -59,14 +54,6 @@ def limit_reason(spec: ExperimentSpec) -> str | None:
     if m.residual:
         return "residual=True: limit_ntk has no shortcut connections"
     return None
-
-
-def hessian_dims(spec: ExperimentSpec, n_params: int) -> tuple[int, int, int]:
-    """(top_k, rayleigh_k, density grid) of the stored arrays, capped below P."""
-    h = spec.hessian
-    if h is None:
-        return 0, 0, 0
-    return min(h.top_k, n_params - 1), min(h.rayleigh_k, n_params - 1), h.density_grid if h.density else 0
 
 
 @dataclass(frozen=True)

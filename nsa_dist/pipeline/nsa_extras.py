@@ -23,13 +23,8 @@ if TYPE_CHECKING:
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.store import RunWriter
 
-__all__ = ["gram_change_size", "gram_change", "cross_gram_times", "constant_gram_applies", "run_decays",
+__all__ = ["gram_change", "cross_gram_times", "run_decays",
            "test_point_prediction", "write_constant_gram"]
-
-
-def gram_change_size(spec: "ExperimentSpec", K: int) -> int:
-    """Kg, the top eigenvectors App. F's dG_t is projected on: min(spectrum.gram_change_k, K) (0: off)."""
-    return min(int(spec.spectrum.gram_change_k), K)
 
 
 def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor") -> Callable:
@@ -147,15 +142,6 @@ def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta
             "gram_change_fro": np.array([fro(D), fro(Dbar), fro(D - Dbar)])}
 
 
-def constant_gram_applies(spec: "ExperimentSpec") -> bool:
-    """Whether Eqs. 4–5 / App. E describe the run: full-batch GD without momentum on the L2 loss."""
-    from nsa_dist.config import LossName, OptimizerName
-
-    opt = spec.optimizer
-    return (LossName(spec.loss) is LossName.L2 and OptimizerName(opt.name) is OptimizerName.GD
-            and opt.momentum == 0)
-
-
 def run_decays(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", evals: np.ndarray, n: int) -> np.ndarray:
     """r_i(t_j) = Π_{s=t_0}^{t_j−1} (1 − δ_s λ_i/N) at the recorded steps t_j, from the run's own rates.
 
@@ -212,7 +198,7 @@ def write_constant_gram(writer: "RunWriter", spec: "ExperimentSpec") -> None:
     """
     from nsa_dist.metrics import constant_gram_residual
 
-    if not constant_gram_applies(spec):
+    if not (writer.dims.constant_gram and writer.dims.M):
         return
     reader = writer.store.reader(writer.run_id)
     steps = reader.read("steps")

@@ -20,18 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nsa_dist.config import ExperimentSpec, Layout, OptimizerName
+from nsa_dist.config import ExperimentSpec, Layout, LossName, OptimizerName
 from nsa_dist.data import Dataset
 from nsa_dist.metrics import reconstruction_ks
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, explain_method
 from nsa_dist.ntk.blocks import feature_width
-from nsa_dist.pipeline.hessian_step import hessian_dims, hessian_eig_count
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.layout import LayoutChoice, choose_layout
 from nsa_dist.pipeline.model_state import model_inputs
-from nsa_dist.pipeline.nsa_extras import constant_gram_applies, gram_change_size
-from nsa_dist.pipeline.step_extras import full_kernel_size, per_class_size
 from nsa_dist.store import RunDims, run_arrays
 
 __all__ = ["RunPlan", "plan_run", "run_id", "spec_json", "spectrum_size", "slot_names", "TRACKED_RNG_BYTES"]
@@ -183,24 +180,28 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
     record = tuple(spec.record_steps())
     images = eigen_images(spec, data, K)
     nI = len(images.indices) if images else 0
-    h = spec.hessian
     X4 = model_inputs(np.asarray(data.X[:4]), model)  # on the network's device, as it is
     method, routes = explain_method(model, X4, spec.spectrum.ntk_method)
     coupled = next(iter(routes.values()))[1] if method is NTKMethod.BATCH else None
     width = 0 if coupled else feature_width(model, X4[:2], method)
-    Hk, Hr, Hg = hessian_dims(spec, P)
+    s, h, Ko, opt = spec.spectrum, spec.hessian, spec.model.output_dim, spec.optimizer
     dims = RunDims(
         N=N, M=M, d=int(np.prod(np.asarray(data.X).shape[1:])), Ko=spec.model.output_dim, P=P, S=len(record),
         T=spec.steps, K=K, k_test=min(K, M) if spec.spectrum.test_points and M else 0,
         n_images=nI, image_size=spec.spectrum.image_size if nI else 0, fourier_size=spec.spectrum.fourier_size if nI else 0,
         n_slots=len(slot_names(spec)), rng_bytes=TRACKED_RNG_BYTES if _tracked(spec) else _TRAINER_RNG_BYTES,
-        store_eigenvectors=bool(spec.spectrum.store_eigenvectors), hessian=h is not None,
-        hessian_top_k=Hk, hessian_rayleigh_k=Hr, hessian_density_bins=Hg,
-        k_full=full_kernel_size(spec, N), k_class=per_class_size(spec, N),
+        store_eigenvectors=bool(s.store_eigenvectors),
+        k_full=min(int(s.full_k), N * Ko) if Ko > 1 else 0,  # the full NK×NK kernel's top eigenvalues
+        k_class=min(int(s.per_class_k), N) if Ko > 1 else 0,  # per diagonal block Θ_aa
+        k_gram_change=min(int(s.gram_change_k), K),  # App. F: dG_t on the top eigenvectors
+        # App. E / Eqs. 4–5 describe the run: full-batch GD without momentum on the L2 loss
+        constant_gram=LossName(spec.loss) is LossName.L2 and OptimizerName(opt.name) is OptimizerName.GD
+        and opt.momentum == 0,
+        hessian=h is not None, hessian_I_k=N * Ko if h else 0,  # eigenvalues of I: measured and limit
+        hessian_top_k=min(h.top_k, P - 1) if h else 0, hessian_rayleigh_k=min(h.rayleigh_k, P - 1) if h else 0,
+        hessian_density_bins=h.density_grid if h and h.density else 0,
         hessian_moments=h is None or bool(h.moments), hessian_orthogonality=h is None or bool(h.orthogonality),
-        hessian_additivity=h is None or bool(h.additivity), hessian_trace_G=h is None or bool(h.trace_G),
-        hessian_I_k=hessian_eig_count(spec, N), k_gram_change=gram_change_size(spec, K),
-        constant_gram=constant_gram_applies(spec))
+        hessian_additivity=h is None or bool(h.additivity), hessian_trace_G=h is None or bool(h.trace_G))
     return RunPlan(
         run_id=run_id(spec), spec=spec, spec_json=spec_json(spec), dims=dims, record=record,
         hessian_indices=frozenset(h.indices(list(record))) if h else frozenset(), K=K,

@@ -29,19 +29,8 @@ if TYPE_CHECKING:
     from nsa_dist.pipeline.checkpoint import Checkpoint
     from nsa_dist.pipeline.plan import RunPlan
 
-__all__ = ["full_kernel_top", "full_kernel_size", "per_class_top", "per_class_size", "held_out_loss", "predicted_update", "residual_projections",
+__all__ = ["full_kernel_top", "per_class_top", "held_out_loss", "predicted_update", "residual_projections",
            "StepExtras"]
-
-
-def full_kernel_size(spec: ExperimentSpec, n: int) -> int:
-    """Kf, the full-kernel eigenvalues kept: min(spectrum.full_k, N·K) for K > 1 outputs, else 0."""
-    K = spec.model.output_dim
-    return min(int(spec.spectrum.full_k), n * K) if K > 1 else 0
-
-
-def per_class_size(spec: ExperimentSpec, n: int) -> int:
-    """Kc, the eigenvalues kept per diagonal block: min(spectrum.per_class_k, N) for K > 1 outputs, else 0."""
-    return min(int(spec.spectrum.per_class_k), n) if spec.model.output_dim > 1 else 0
 
 
 class _Block:
