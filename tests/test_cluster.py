@@ -187,7 +187,7 @@ def test_workers_refuse_a_store_without_the_run(tmp_path):
 
 
 def test_cluster_block_must_fit_the_cluster():
-    from nsa_dist.cluster.coordinator import check_resources
+    from nsa_dist.cluster.resources import check_resources
     from nsa_dist.config import ClusterSpec
 
     check_resources(ClusterSpec(), False, {"CPU": 3.0})
@@ -198,7 +198,7 @@ def test_cluster_block_must_fit_the_cluster():
 
 
 def test_actors_must_fit_on_nodes_not_only_in_cluster_totals():
-    from nsa_dist.cluster.gang import check_bundles_fit
+    from nsa_dist.cluster.resources import check_bundles_fit
 
     half = [{"CPU": 4.0, "GPU": 0.5}, {"CPU": 4.0, "GPU": 0.5}]  # one GPU in total, half on each node
     check_bundles_fit([{"CPU": 1.0, "GPU": 0.5}] * 2, half, "x")

@@ -5,6 +5,9 @@
   ``matrix_free``, :class:`~nsa_dist.cluster.gang.RayGang`).
 * :func:`connect` — an embedded local Ray, or join a cluster.
 * :mod:`nsa_dist.cluster.jobs` — ``nsa submit / status / logs / cancel`` through the Ray Jobs SDK.
+
+Plain classes become actors only in :mod:`~nsa_dist.cluster.actors`; what they take is summed
+and checked only in :mod:`~nsa_dist.cluster.resources`.
 """
 
 from nsa_dist.cluster.coordinator import RunProgress, SweepCoordinator

@@ -20,48 +20,16 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util import ActorPool
 
-from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
-from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_actor
-from nsa_dist.cluster.gang import RayGang, check_bundles_fit, gang_bundle
-from nsa_dist.cluster.runtime import cluster_has_gpus
+from nsa_dist.config import ExperimentSpec, SweepSpec
+from nsa_dist.cluster.actors import spectral_workers, trainer_actor
+from nsa_dist.cluster.gang import RayGang
+from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
+from nsa_dist.cluster.runtime import alive_nodes, cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, TrainingDiverged, finish_run, prepare_run, run_id, spec_json
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
-__all__ = ["SweepCoordinator", "RunProgress", "check_resources", "resource_demand"]
-
-
-def resource_demand(cl: ClusterSpec, has_gpus: bool, gang_members: int = 0, trainers: int = 1) -> dict[str, float]:
-    """What a sweep's actors take together: the spectral-worker pool, the step gangs' members (each a
-    worker's resources) and ``trainers`` trainer actors — CPU, GPU and every custom resource.
-
-    The one sum both the embedded Ray's size (``nsa sweep``) and the fit check use.
-    """
-    workers = cl.spectral_workers + gang_members
-    need: dict[str, float] = {"CPU": workers * cl.worker_cpus + trainers * cl.trainer_cpus,
-                              "GPU": workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
-                              + trainers * resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)}
-    for key, v in cl.worker_resources.items():
-        need[key] = need.get(key, 0.0) + workers * v
-    for key, v in cl.trainer_resources.items():
-        need[key] = need.get(key, 0.0) + trainers * v
-    return need
-
-
-def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float], gang_members: int = 0) -> None:
-    """Raise ValueError unless the cluster holds the worker pool, one trainer and the step gangs.
-
-    Ray would otherwise queue the actors forever (e.g. two 0.5-GPU workers and a 1-GPU trainer
-    on a one-GPU machine, or a custom resource no node has).  ``gang_members``: the spectral-gang
-    actors of distributed layouts (each takes a worker's resources).
-    """
-    need = resource_demand(cl, has_gpus, gang_members)
-    short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
-    if short:
-        what = "; ".join(f"{k}: needs {v:g}, cluster has {a:g}" for k, (v, a) in short.items())
-        raise ValueError(f"the sweep's cluster block does not fit this Ray cluster ({what}); lower "
-                         "cluster.spectral_workers / worker_cpus / worker_gpus / trainer_cpus / trainer_gpus or "
-                         "the *_resources, or add nodes")
+__all__ = ["SweepCoordinator", "RunProgress"]
 
 
 @dataclass
@@ -158,8 +126,8 @@ class SweepCoordinator:
         todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
         if todo:
             sizes = _gang_sizes(todo)
-            check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes))
-            self._check_nodes(has_gpus, sum(sizes), min(len(todo), self.cl.max_concurrent_runs or len(todo)))
+            check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes),
+                            min(len(todo), self.cl.max_concurrent_runs or len(todo)), alive_nodes())
             self.workers = spectral_workers(self.store_url, self.cl, has_gpus)
             self.pool = ActorPool(self.workers)
             for size in sizes:
@@ -200,15 +168,6 @@ class SweepCoordinator:
             self.lease.release()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
 
-    def _check_nodes(self, has_gpus: bool, gang_members: int, trainers: int) -> None:
-        """Every actor placed on some node (not only within the cluster's totals): else ValueError."""
-        cl = self.cl
-        worker = gang_bundle(cl.worker_cpus, resolve_gpus(cl.worker_gpus, has_gpus, 0.5), cl.worker_resources)
-        trainer = gang_bundle(cl.trainer_cpus, resolve_gpus(cl.trainer_gpus, has_gpus, 1.0), cl.trainer_resources)
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        check_bundles_fit([worker] * (cl.spectral_workers + gang_members) + [trainer] * max(1, trainers), nodes,
-                          "the sweep's cluster block does not fit this Ray cluster's nodes")
-
     def demand(self, has_gpus: bool = False) -> dict[str, float]:
         """Resources for every actor of this sweep at once (pool, one gang per size, one trainer per
         concurrent run): what an embedded Ray is started with."""
@@ -228,10 +187,8 @@ class SweepCoordinator:
         return [r.progress for r in self.runs.values()]
 
     def _new_gang(self, size: int, has_gpus: bool) -> RayGang:
-        from nsa_dist.cluster.actors import _threads
-
         return RayGang(size, self.cl.worker_cpus, resolve_gpus(self.cl.worker_gpus, has_gpus, 0.5),
-                       self.cl.worker_resources, threads=_threads(self.cl.worker_cpus))
+                       self.cl.worker_resources, threads=threads(self.cl.worker_cpus))
 
     def _skip_if_finished(self, r: _Run) -> bool:
         if r.done.all():
