@@ -85,7 +85,7 @@ def test_sweep_on_local_ray_equals_single_process_runs(local_ray, tmp_path):
     for spec in sweep.expand():
         _assert_same_run(_reference(tmp_path, spec), Client(url), run_id(spec))
     again = SweepCoordinator(sweep, url)  # restarting the sweep skips finished work
-    assert [o.status for o in again.run()] == ["done"] * 4 and again.workers == []
+    assert [o.status for o in again.run()] == ["done"] * 4 and again.pool is None
 
 
 @pytest.mark.slow
@@ -105,13 +105,13 @@ def test_killed_trainer_and_worker_processes_recover(local_ray, tmp_path):
             killed["trainer"] = local_ray.get(run.trainer.pid.remote())
             os.kill(killed["trainer"], signal.SIGKILL)
         elif p.done >= 5 and "worker" not in killed and run.inflight:
-            worker = next(iter(run.inflight.values()))[3]
+            worker = next(iter(run.inflight.values())).worker
             killed["worker"] = local_ray.get(worker.pid.remote())
             os.kill(killed["worker"], signal.SIGKILL)
         elif "worker" in killed and "worker_again" not in killed and run.inflight:
             # a worker is killed again, possibly while Ray restarts it: Ray's task retries must absorb
             # both deaths (issue 9: each failed call used to count as one death and fail the run)
-            worker = next(iter(run.inflight.values()))[3]
+            worker = next(iter(run.inflight.values())).worker
             try:
                 killed["worker_again"] = local_ray.get(worker.pid.remote(), timeout=60)
                 os.kill(killed["worker_again"], signal.SIGKILL)

@@ -280,7 +280,7 @@ def test_killed_gang_member_recomputes_the_step_on_a_fresh_gang(local_ray, tmp_p
     killed: list[int] = []
 
     def chaos(progress):
-        lent = [e[4] for e in run.inflight.values() if e[4] is not None]
+        lent = [a.gang for a in run.inflight.values() if a.gang is not None]
         if lent and len(killed) < 2 and progress[0].done >= len(killed):  # twice, at different steps
             pid = lent[0].member_pids[len(killed) % 2]
             os.kill(pid, signal.SIGKILL)

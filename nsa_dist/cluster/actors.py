@@ -41,16 +41,16 @@ def spectral_workers(store_url: str, cl: ClusterSpec, has_gpus: bool) -> list[An
 
 
 def tracked_run_workers(store_url: str, spec: dict, model_ref: Any, data_ref: Any, n: int, cpus: float = 1.0,
-                        gpus: float = 0.0, resources: dict | None = None, token: str | None = None) -> list[Any]:
+                        gpus: float = 0.0, max_retries: int = 3, token: str | None = None) -> list[Any]:
     """The spectral-worker pool of a Tracker's run (issue 12): ``n`` TrackedRunService actors.
 
     ``model_ref`` / ``data_ref`` are object refs (put once, shared by the pool); a dead worker
-    restarts from them (max_restarts=-1) and the Tracker re-submits its step.
+    restarts from them (``max_restarts=-1``) and Ray retries its step there, up to ``max_retries`` times.
     """
     from nsa_dist.pipeline.tracked import TrackedRunService
 
-    cls = ray.remote(TrackedRunService).options(num_cpus=cpus, num_gpus=gpus, resources=resources or {},
-                                               max_restarts=-1, max_task_retries=0)
+    cls = ray.remote(TrackedRunService).options(num_cpus=cpus, num_gpus=gpus, max_restarts=-1,
+                                               max_task_retries=max_retries)
     return [cls.remote(store_url, spec, model_ref, data_ref, threads=threads(cpus), token=token) for _ in range(n)]
 
 
@@ -62,7 +62,8 @@ class _ShardFromRefs(SpectralShard):
         return super().build_tiles(key, ranges, pairs, fetched)
 
 
-def gang_members(pg: Any, size: int, cpus: float, gpus: float, resources: dict | None, n_threads: int | None) -> list[Any]:
+def gang_members(pg: Any, size: int, cpus: float, gpus: float, resources: dict | None,
+                 n_threads: int | None) -> list[Any]:
     """``size`` SpectralShard actors, member i in bundle i of placement group ``pg``; never restarted."""
     cls = ray.remote(_ShardFromRefs)
     return [cls.options(num_cpus=cpus, num_gpus=gpus, resources=resources or {}, max_restarts=0,
