@@ -1,8 +1,9 @@
-"""Distribution benchmarks (issue 4 §9).  Run: ``python benchmarks/sweep.py [--parts abc]``.
+"""Distribution benchmarks (issue 4 §9).  Run: ``python benchmarks/sweep.py [--parts ac]``.
 
 (a) sweep throughput with 1 vs 2 spectral workers on the embedded local Ray (ratio);
-(b) distributed Gram + Lanczos top-k at N=20,000 on 2 workers vs one process (time, peak memory);
 (c) object-store cost of one checkpoint of the paper's net (P = 264,193, N = 10,000).
+(The former (b), a Gram as block rows on 2 workers vs one process, is ``benchmarks/layouts.py`` (a):
+the ``block_rows`` layout on a gang.)
 Every ratio is against a baseline measured in this same process.
 """
 
@@ -16,18 +17,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _measure import measured  # noqa: E402
-
-from nsa_dist.cluster import DistributedGram, SweepCoordinator, connect  # noqa: E402
-from nsa_dist.config import ModelSpec, SweepSpec  # noqa: E402
-from nsa_dist.linalg import top_eigenpairs  # noqa: E402
-from nsa_dist.models import build_model  # noqa: E402
-from nsa_dist.ntk import gram  # noqa: E402
+from nsa_dist.cluster import SweepCoordinator, connect  # noqa: E402
+from nsa_dist.config import SweepSpec  # noqa: E402
 
 
 def part_a(n_runs: int = 2) -> dict:
@@ -51,24 +45,6 @@ def part_a(n_runs: int = 2) -> dict:
     steps = n_runs * 11
     return {"runs": n_runs, "recorded_steps": steps, "seconds_1_worker": out[1], "seconds_2_workers": out[2],
             "steps_per_s_1": steps / out[1], "steps_per_s_2": steps / out[2], "speedup_2_vs_1": out[1] / out[2]}
-
-
-def part_b(n: int = 20_000, k: int = 100) -> dict:
-    model = build_model(ModelSpec(depth=6, width=256), seed=0, dtype=torch.float64)
-    x = torch.rand(n, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    with measured() as single:
-        eig_s = top_eigenpairs(gram(model, x).numpy(), k, method="lanczos")
-    t0 = time.perf_counter()
-    G = DistributedGram(model, x, 2)
-    t_build = time.perf_counter() - t0
-    eig_d = top_eigenpairs(G, k, method="lanczos")
-    t_dist = time.perf_counter() - t0
-    peaks, rows = G.peak_rss(), G.tile_bytes()
-    G.shutdown()
-    return {"N": n, "k": k, "single_s": single["seconds"], "single_peak_GB": single["peak_bytes"] / 1e9,
-            "distributed_s": t_dist, "distributed_build_s": t_build,
-            "worker_peak_rss_GB": [p / 1e9 for p in peaks], "worker_tiles_GB": [r / 1e9 for r in rows],
-            "max_rel_eigenvalue_diff": float(np.max(np.abs(eig_d.evals - eig_s.evals) / eig_s.evals[0]))}
 
 
 def part_c(reps: int = 20) -> dict:
@@ -106,13 +82,13 @@ def part_c(reps: int = 20) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="abc")
+    p.add_argument("--parts", default="ac")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     connect(num_cpus=4)
     results = {}
     for part in args.parts:
-        results[part] = {"a": part_a, "b": part_b, "c": part_c}[part]()
+        results[part] = {"a": part_a, "c": part_c}[part]()
         print(f"({part})", json.dumps(results[part], indent=1, default=float), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,8 @@ from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.ntk import preserved, sample_coupling
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
 from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES, plan_run
-from nsa_dist.pipeline.tracked import ThreadTrackerPool, TrackedRunService, tracked_spec
+from nsa_dist.pipeline.pool import ThreadAnalysisPool
+from nsa_dist.pipeline.tracked import TrackedRunService, tracked_spec
 from nsa_dist.store import LeaseLost, SpectrumStore, Status
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class Tracker:
             self.writer.write_static(self.plan.static_arrays(self.data))
         self.max_inflight = max_inflight
         if cluster is None:
-            self.pool: Any = ThreadTrackerPool(TrackedRunService(self.store.url, self.plan, _analysis_copy(model),
+            self.pool: Any = ThreadAnalysisPool(TrackedRunService(self.store.url, self.plan, _analysis_copy(model),
                                                                  self.data, token=self._lease.token))
         else:
             from nsa_dist.cluster.tracking import RayTrackerPool

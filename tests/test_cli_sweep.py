@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from nsa_dist.cluster.coordinator import resource_demand
+from nsa_dist.cluster.resources import resource_demand
 from nsa_dist.config import ClusterSpec, SweepSpec
 from nsa_dist.pipeline import run_id
 from nsa_dist.client import Client

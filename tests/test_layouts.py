@@ -18,7 +18,7 @@ from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.ntk.shards import tile_plan
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment, run_id
-from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, TiledGram, choose_layout
+from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, choose_layout
 from nsa_dist.pipeline.services import SpectralService
 from nsa_dist.pipeline.shard import SpectralShard
 from nsa_dist.store import SpectrumStore
@@ -281,7 +281,7 @@ def test_killed_gang_member_recomputes_the_step_on_a_fresh_gang(local_ray, tmp_p
     killed: list[int] = []
 
     def chaos(progress):
-        lent = [e[4] for e in run.inflight.values() if e[4] is not None]
+        lent = [a.gang for a in run.inflight.values() if a.gang is not None]
         if lent and len(killed) < 2 and progress[0].done >= len(killed):  # twice, at different steps
             pid = lent[0].member_pids[len(killed) % 2]
             os.kill(pid, signal.SIGKILL)

@@ -18,50 +18,18 @@ from typing import Any, Callable
 import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util import ActorPool
 
-from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
-from nsa_dist.cluster.actors import resolve_gpus, spectral_workers, trainer_actor
-from nsa_dist.cluster.gang import RayGang, check_bundles_fit, gang_bundle
-from nsa_dist.cluster.runtime import cluster_has_gpus
+from nsa_dist.config import ExperimentSpec, SweepSpec
+from nsa_dist.cluster.actors import spectral_workers, trainer_actor
+from nsa_dist.cluster.gang import RayGang
+from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
+from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
+from nsa_dist.cluster.runtime import alive_nodes, cluster_has_gpus
 from nsa_dist.pipeline import RunOutcome, RunPlan, TrainingDiverged, finish_run, prepare_run, run_id
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
-__all__ = ["SweepCoordinator", "RunProgress", "check_resources", "resource_demand"]
-
-
-def resource_demand(cl: ClusterSpec, has_gpus: bool, gang_members: int = 0, trainers: int = 1) -> dict[str, float]:
-    """What a sweep's actors take together: the spectral-worker pool, the step gangs' members (each a
-    worker's resources) and ``trainers`` trainer actors — CPU, GPU and every custom resource.
-
-    The one sum both the embedded Ray's size (``nsa sweep``) and the fit check use.
-    """
-    workers = cl.spectral_workers + gang_members
-    need: dict[str, float] = {"CPU": workers * cl.worker_cpus + trainers * cl.trainer_cpus,
-                              "GPU": workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
-                              + trainers * resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)}
-    for key, v in cl.worker_resources.items():
-        need[key] = need.get(key, 0.0) + workers * v
-    for key, v in cl.trainer_resources.items():
-        need[key] = need.get(key, 0.0) + trainers * v
-    return need
-
-
-def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float], gang_members: int = 0) -> None:
-    """Raise ValueError unless the cluster holds the worker pool, one trainer and the step gangs.
-
-    Ray would otherwise queue the actors forever (e.g. two 0.5-GPU workers and a 1-GPU trainer
-    on a one-GPU machine, or a custom resource no node has).  ``gang_members``: the spectral-gang
-    actors of distributed layouts (each takes a worker's resources).
-    """
-    need = resource_demand(cl, has_gpus, gang_members)
-    short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
-    if short:
-        what = "; ".join(f"{k}: needs {v:g}, cluster has {a:g}" for k, (v, a) in short.items())
-        raise ValueError(f"the sweep's cluster block does not fit this Ray cluster ({what}); lower "
-                         "cluster.spectral_workers / worker_cpus / worker_gpus / trainer_cpus / trainer_gpus or "
-                         "the *_resources, or add nodes")
+__all__ = ["SweepCoordinator", "RunProgress"]
 
 
 @dataclass
@@ -90,20 +58,14 @@ class _Run:
     next_index: int = 0
     pending: Any = None  # ObjectRef of the checkpoint being trained towards
     pending_index: int = -1
-    queued: list = field(default_factory=list)  # (index, ckpt ref, attempts) waiting for a worker / gang
-    inflight: dict = field(default_factory=dict)  # analysis ref -> (index, ckpt ref, attempts, worker, gang)
+    queued: list[Analysis] = field(default_factory=list)  # waiting for a worker / gang
+    inflight: dict[Any, Analysis] = field(default_factory=dict)  # analysis ref -> its record
     diverged: TrainingDiverged | None = None  # set once training diverged: drain, then fail
 
 
 def _gang_sizes(runs: list[_Run]) -> list[int]:
     """The distinct gang sizes the runs' layouts need (one gang of each size is kept)."""
     return sorted({r.gang_size for r in runs if r.gang_size})
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The user exception inside a RayTaskError (e.g. TrainingDiverged), else exc itself."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
 
 
 class SweepCoordinator:
@@ -144,8 +106,7 @@ class SweepCoordinator:
         except BaseException:
             self.lease.release()
             raise
-        self.workers: list[Any] = []
-        self.pool: ActorPool | None = None
+        self.pool: RayAnalysisPool | None = None  # the spectral workers, once run() needs them
         self.gangs: dict[int, list[RayGang]] = {}  # free gangs by size
         self._gangs_out: list[RayGang] = []  # gangs lent to an analysis
         self.resubmitted = 0  # (run, step) analyses recomputed after a gang member died
@@ -158,10 +119,9 @@ class SweepCoordinator:
         todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
         if todo:
             sizes = _gang_sizes(todo)
-            check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes))
-            self._check_nodes(has_gpus, sum(sizes), min(len(todo), self.cl.max_concurrent_runs or len(todo)))
-            self.workers = spectral_workers(self.store_url, self.cl, has_gpus)
-            self.pool = ActorPool(self.workers)
+            check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes),
+                            min(len(todo), self.cl.max_concurrent_runs or len(todo)), alive_nodes())
+            self.pool = RayAnalysisPool(spectral_workers(self.store_url, self.cl, has_gpus))
             for size in sizes:
                 self.gangs[size] = [self._new_gang(size, has_gpus)]
         self._has_gpus = has_gpus
@@ -193,21 +153,12 @@ class SweepCoordinator:
                     r.writer.set_status(Status.INTERRUPTED, "sweep interrupted; re-run to resume")
                 except LeaseLost:
                     pass  # another driver has the run: it says how it stands
-            for w in self.workers:
-                ray.kill(w, no_restart=True)
+            if self.pool is not None:
+                self.pool.close()
             for g in [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
                 g.shutdown()
             self.lease.release()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
-
-    def _check_nodes(self, has_gpus: bool, gang_members: int, trainers: int) -> None:
-        """Every actor placed on some node (not only within the cluster's totals): else ValueError."""
-        cl = self.cl
-        worker = gang_bundle(cl.worker_cpus, resolve_gpus(cl.worker_gpus, has_gpus, 0.5), cl.worker_resources)
-        trainer = gang_bundle(cl.trainer_cpus, resolve_gpus(cl.trainer_gpus, has_gpus, 1.0), cl.trainer_resources)
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        check_bundles_fit([worker] * (cl.spectral_workers + gang_members) + [trainer] * max(1, trainers), nodes,
-                          "the sweep's cluster block does not fit this Ray cluster's nodes")
 
     def demand(self, has_gpus: bool = False) -> dict[str, float]:
         """Resources for every actor of this sweep at once (pool, one gang per size, one trainer per
@@ -228,10 +179,8 @@ class SweepCoordinator:
         return [r.progress for r in self.runs.values()]
 
     def _new_gang(self, size: int, has_gpus: bool) -> RayGang:
-        from nsa_dist.cluster.actors import _threads
-
         return RayGang(size, self.cl.worker_cpus, resolve_gpus(self.cl.worker_gpus, has_gpus, 0.5),
-                       self.cl.worker_resources, threads=_threads(self.cl.worker_cpus))
+                       self.cl.worker_resources, threads=threads(self.cl.worker_cpus))
 
     def _skip_if_finished(self, r: _Run) -> bool:
         if r.done.all():
@@ -261,11 +210,9 @@ class SweepCoordinator:
                     return
                 gang = free.pop()
                 self._gangs_out.append(gang)
-            index, ck_ref, attempts = r.queued.pop(0)
-            worker = self.pool.pop_idle()
-            ref = worker.analyze_and_write.remote(r.plan, ck_ref,
-                                                  gang.pool if gang is not None else None, self.lease.token)
-            r.inflight[ref] = (index, ck_ref, attempts, worker, gang)
+            a = r.queued.pop(0)
+            a.gang = gang
+            r.inflight[self.pool.send(a, r.plan, a.ckpt, gang.pool if gang else None, self.lease.token)] = a
 
     def _wait_and_handle(self, active: list[_Run], poll: float) -> None:
         owner: dict[Any, tuple[_Run, str]] = {}
@@ -282,14 +229,15 @@ class SweepCoordinator:
             r, kind = owner[ref]
             if kind == "ckpt":  # hand the ref on without fetching the data here
                 index, r.pending = r.pending_index, None
-                r.queued.append((index, ref, 0))
+                r.queued.append(Analysis(r.progress.run_id, index, ref))
                 self._dispatch(r)
             else:
                 self._analysis_done(r, ref)
 
-    def _return(self, worker: Any, gang: RayGang | None, broken: bool = False) -> None:
-        """Give the worker back to the idle set, the gang back to the free list (or replace it)."""
-        self.pool.push(worker)
+    def _return(self, a: Analysis, broken: bool = False) -> None:
+        """Give ``a``'s worker back to the idle set, its gang back to the free list (or replace it)."""
+        self.pool.release(a)
+        gang, a.gang = a.gang, None
         if gang is None:
             return
         self._gangs_out.remove(gang)
@@ -301,24 +249,25 @@ class SweepCoordinator:
         self.gangs.setdefault(gang.pool.size, []).append(gang)
 
     def _analysis_done(self, r: _Run, ref: Any) -> None:
-        index, ck_ref, attempts, worker, gang = r.inflight.pop(ref)
+        a = r.inflight.pop(ref)
         try:
             summary = ray.get(ref)
         except RayTaskError as exc:  # the checkpoint or the analysis raised
-            cause = _cause(exc)
+            cause = task_cause(exc)
             if isinstance(cause, LeaseLost):  # another driver took the run over: stop, write nothing
-                self._return(worker, gang)
+                self._return(a)
                 raise cause from None
-            if isinstance(cause, RayActorError) and gang is not None:  # a gang member died mid-step
-                self._return(worker, gang, broken=True)
-                if attempts < self.cl.max_retries:
-                    r.queued.insert(0, (index, ck_ref, attempts + 1))
+            if isinstance(cause, RayActorError) and a.gang is not None:  # a gang member died mid-step
+                self._return(a, broken=True)  # the one retry Ray has no primitive for: a fresh gang recomputes
+                if a.attempts < self.cl.max_retries:
+                    a.attempts += 1
+                    r.queued.insert(0, a)
                     self.resubmitted += 1
                     self._dispatch(r)
                     return
-                self._fail(r, RuntimeError(f"step index {index}: a spectral-gang member died {attempts + 1} times"))
+                self._fail(r, RuntimeError(f"step index {a.index}: a spectral-gang member died {a.attempts + 1} times"))
                 return
-            self._return(worker, gang)
+            self._return(a)
             if isinstance(cause, TrainingDiverged):  # keep the earlier steps still being analysed
                 r.diverged, r.pending = cause, None
                 self._finish_diverged(r)
@@ -326,13 +275,13 @@ class SweepCoordinator:
                 self._fail(r, cause)
             return
         except RayActorError as exc:  # Ray's restarts and task retries are spent: the run fails
-            self._return(worker, gang, broken=gang is not None)
+            self._return(a, broken=a.gang is not None)
             who = "its trainer" if self._trainer_dead(r) else "the spectral worker"
-            self._fail(r, RuntimeError(f"step index {index}: {who} kept dying (after cluster.max_retries="
+            self._fail(r, RuntimeError(f"step index {a.index}: {who} kept dying (after cluster.max_retries="
                                        f"{self.cl.max_retries} restarts): {type(exc).__name__}"))
             return
-        self._return(worker, gang)
-        r.done[index] = True
+        self._return(a)
+        r.done[a.index] = True
         p = r.progress
         p.done = int(r.done.sum())
         if p.step is None or summary["step"] >= p.step:  # analyses may finish out of order
@@ -364,9 +313,9 @@ class SweepCoordinator:
         reason = str(exc) if isinstance(exc, TrainingDiverged) else f"{type(exc).__name__}: {exc}"
         r.writer.set_status(Status.FAILED, reason, step)
         r.progress.status, r.progress.reason = Status.FAILED, reason
-        for ref, entry in list(r.inflight.items()):
+        for ref, a in list(r.inflight.items()):
             ray.cancel(ref)
-            self._return(entry[3], entry[4])
+            self._return(a)
         r.inflight.clear()
         r.queued.clear()
         r.pending = None

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-__all__ = ["connect", "cluster_has_gpus", "auth_headers"]
+__all__ = ["connect", "cluster_has_gpus", "alive_nodes", "auth_headers"]
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
@@ -50,6 +50,11 @@ def _init(address: str | None, num_cpus: int | None, resources: dict[str, float]
 
 def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def alive_nodes() -> list[dict[str, float]]:
+    """The resources of each alive node of the connected cluster."""
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
 def auth_headers() -> dict[str, str] | None:

@@ -1,34 +1,27 @@
-"""The Tracker's spectral-worker pool on Ray: asynchronous, bounded, re-submitting a dead worker's step.
+"""The Tracker's :class:`~nsa_dist.pipeline.pool.AnalysisPool` on Ray actors.
 
-Checkpoints go to the object store once (``ray.put``) and their refs to the least-busy worker;
-the driver fetches only the short summaries.  A worker that dies (RayActorError) is restarted by
-Ray (``max_restarts=-1``) and the step is sent again, up to ``max_retries`` times.
+Checkpoints go to the object store once (``ray.put``), their refs to idle workers (the rest wait
+in order); the driver fetches only the short summaries.  Ray restarts a dead worker and retries its step.
 """
 
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from nsa_dist.cluster.actors import tracked_run_workers
+from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
 from nsa_dist.cluster.runtime import connect
 from nsa_dist.errors import AnalysisError
-from nsa_dist.pipeline.tracked import analysis_error
-from nsa_dist.store import LeaseLost
+from nsa_dist.pipeline.pool import raise_failure
 
 __all__ = ["RayTrackerPool"]
 
 
-def _cause(exc: BaseException) -> BaseException:
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
-
-
-class RayTrackerPool:
+class RayTrackerPool(RayAnalysisPool):
     """``workers`` TrackedRunService actors analysing one tracked run.
 
     Args:
@@ -36,11 +29,12 @@ class RayTrackerPool:
             an already initialised Ray is used as it is.
         store_url, plan, model, data: what each worker builds its analyzer and writer from.
         workers, cpus, gpus: pool size and resources per worker.
-        max_retries: re-submissions of a step whose worker died.
+        max_retries: Ray's retries of a step whose worker died.
         token: the Tracker's lease token, fencing the workers' writes.
 
     Raises:
         TypeError: the model cannot be pickled for the workers.
+        RuntimeError: the workers could not start (the model's class not importable there).
     """
 
     def __init__(self, address: str, store_url: str, plan: Any, model: Any, data: Any, *, workers: int = 1,
@@ -54,32 +48,34 @@ class RayTrackerPool:
                             f"({exc}); define its class in an importable module (shipped to the workers with the "
                             "job's runtime_env) or analyse in this process with cluster=None") from exc
         data_ref = ray.put(data)
-        self.workers = tracked_run_workers(store_url, plan, model_ref, data_ref, workers, cpus, gpus, token=token)
+        super().__init__(tracked_run_workers(store_url, plan, model_ref, data_ref, workers, cpus, gpus, max_retries,
+                                             token))
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
-        self.max_retries = max_retries
-        self.run = plan.run_id
-        self.inflight: dict[Any, tuple[Any, int, int, Any]] = {}  # task ref -> (ckpt ref, step, attempts, worker)
+        self.max_retries, self.run = max_retries, plan.run_id
+        self.running: dict[Any, Analysis] = {}  # task ref -> its analysis
+        self.queued: list[Analysis] = []
         self.resubmitted = 0
         try:
             self.pids = ray.get([w.pid.remote() for w in self.workers])
         except RayActorError as exc:
-            raise RuntimeError(f"the Ray spectral workers could not start: {_cause(exc)} — the model's class and "
+            raise RuntimeError(f"the Ray spectral workers could not start: {task_cause(exc)} — the model's class and "
                                "nsa_dist must be importable on every worker (runtime_env py_modules / working_dir, "
                                "see deploy/README.md)") from exc
 
-    def _least_busy(self) -> Any:
-        load = {id(w): 0 for w in self.workers}
-        for _, _, _, w in self.inflight.values():
-            load[id(w)] += 1
-        return min(self.workers, key=lambda w: load[id(w)])
-
-    def _send(self, ck_ref: Any, step: int, attempts: int) -> None:
-        w = self._least_busy()
-        self.inflight[w.analyze_and_write.remote(ck_ref)] = (ck_ref, step, attempts, w)
+    @property
+    def inflight(self) -> list[Analysis]:
+        """The steps handed over and not yet returned: running and queued."""
+        return [*self.running.values(), *self.queued]
 
     def submit(self, ck: Any) -> None:
-        """Hand checkpoint ``ck`` to a worker; returns at once."""
-        self._send(ray.put(ck), ck.step, 0)
+        """Hand checkpoint ``ck`` to an idle worker, or queue it; returns at once."""
+        self.queued.append(Analysis(self.run, ck.index, ray.put(ck), ck.step))
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.queued and self.has_free():
+            a = self.queued.pop(0)
+            self.running[self.send(a, a.ckpt, probe=True)] = a
 
     def wait(self, block: bool) -> list[dict]:
         """Summaries of finished steps (at least one if ``block`` and any is in flight).
@@ -87,44 +83,26 @@ class RayTrackerPool:
         Raises:
             AnalysisError: a step's analysis failed (the worker's exception chained as its cause),
                 or its worker died more than ``max_retries`` times.
+            LeaseLost: another writer took the run over.
         """
-        if not self.inflight:
+        if not self.running:
             return []
-        ready, _ = ray.wait(list(self.inflight), num_returns=1 if block else len(self.inflight),
+        ready, _ = ray.wait(list(self.running), num_returns=1 if block else len(self.running),
                             timeout=None if block else 0)
         out = []
         for ref in ready:
-            ck_ref, step, attempts, worker = self.inflight.pop(ref)
+            a = self.running.pop(ref)
             try:
                 out.append(ray.get(ref))
             except RayActorError as exc:
-                if attempts >= self.max_retries:
-                    raise AnalysisError(f"run {self.run!r}: the analysis of recorded step {step} failed: its "
-                                        f"spectral worker died {attempts + 1} times", step) from exc
-                self._await_restart(worker)
-                self.resubmitted += 1
-                self._send(ck_ref, step, attempts + 1)
+                raise AnalysisError(f"run {self.run!r}: the analysis of recorded step {a.step} failed: its spectral "
+                                    f"worker died {self.max_retries + 1} times", a.step) from exc
             except Exception as exc:  # noqa: BLE001 - the analysis's own error, unwrapped from Ray's wrapper
-                cause = _cause(exc)
-                if isinstance(cause, LeaseLost):  # not the analysis's failure: another writer has the run
-                    raise cause from None
-                raise analysis_error(self.run, step, cause) from cause
+                raise_failure(self.run, a.step, task_cause(exc))
+            self.resubmitted += self.release(a)
+        self._dispatch()
         return out
 
-    @staticmethod
-    def _await_restart(worker: Any, timeout: float = 120.0) -> None:
-        """Block until Ray has restarted a dead worker (tasks sent before that fail at once)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                ray.get(worker.pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                return
-            except (RayActorError, GetTimeoutError):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"a spectral worker did not restart within {timeout:.0f} s") from None
-                time.sleep(0.2)
-
     def close(self) -> None:
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        self.workers, self.inflight = [], {}
+        super().close()
+        self.running, self.queued = {}, []

@@ -8,7 +8,6 @@ figures and resume cannot tell the two sources apart (DESIGN.md, "Sources of che
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import re
 from typing import Any
@@ -20,13 +19,12 @@ from torch import nn
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
-from nsa_dist.errors import AnalysisError, NSAError
 from nsa_dist.pipeline.model_state import analysis_copy
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
-from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore
+from nsa_dist.store import RunWriter, SpectrumStore
 
-__all__ = ["TrackedRunService", "ThreadTrackerPool", "tracked_spec", "analysis_error"]
+__all__ = ["TrackedRunService", "tracked_spec"]
 
 
 def _digest(*arrays: np.ndarray) -> str:
@@ -62,15 +60,6 @@ def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: i
     })
 
 
-def analysis_error(run: str, step: int, exc: BaseException) -> AnalysisError:
-    """The one error a Tracker raises for a failed analysis: run, step and the cause's first line
-    (an NTK error names the module there); chain ``exc`` as its ``__cause__`` when raising."""
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-    if isinstance(exc, NSAError) and lines:  # nsa-dist's own words already name the module and the cause
-        cause = lines[0]
-    else:
-        cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return AnalysisError(f"run {run!r}: the analysis of recorded step {step} failed: {cause}", step)
 
 
 class TrackedRunService:
@@ -105,39 +94,3 @@ class TrackedRunService:
         result = self.analyzer.analyze(ck)
         self.writer.write_step(ck.index, result, ck.state)
         return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": result.lambda_max}
-
-
-class ThreadTrackerPool:
-    """A Tracker's in-process analysis: one background thread (torch releases the GIL in its kernels).
-
-    The same interface as :class:`~nsa_dist.cluster.tracking.RayTrackerPool`: ``submit(ck)``,
-    ``wait(block)`` → summaries, ``inflight``, ``resubmitted``, ``close()``.
-    """
-
-    def __init__(self, service: TrackedRunService) -> None:
-        self.service = service
-        self.exe = cf.ThreadPoolExecutor(1, thread_name_prefix="nsa-tracker")
-        self.inflight: dict[cf.Future, int] = {}  # future -> its step
-        self.resubmitted = 0
-
-    def submit(self, ck: Checkpoint) -> None:
-        self.inflight[self.exe.submit(self.service.analyze_and_write, ck)] = ck.step
-
-    def wait(self, block: bool) -> list[dict]:
-        """Summaries of finished steps; AnalysisError (the analysis's exception as its cause) if one failed."""
-        if not self.inflight:
-            return []
-        done, _ = cf.wait(list(self.inflight), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
-        out = []
-        for fut in done:
-            step = self.inflight.pop(fut)
-            exc = fut.exception()
-            if isinstance(exc, LeaseLost):  # not the analysis's failure: another writer has the run
-                raise exc
-            if exc is not None:
-                raise analysis_error(self.service.spec.name, step, exc) from exc
-            out.append(fut.result())
-        return out
-
-    def close(self) -> None:
-        self.exe.shutdown(wait=True)
