@@ -15,7 +15,7 @@ from nsa_dist.errors import ShapeError
 from nsa_dist.metrics import reconstruction_ks, top_k_reconstructions
 from nsa_dist.models import build_model
 from nsa_dist.pipeline import run_experiment
-from nsa_dist.pipeline.nsa_extras import gram_change
+from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.store import SpectrumStore
 
 
@@ -338,7 +338,7 @@ def test_stored_test_point_prediction_against_exact(tmp_path) -> None:
 
 @pytest.mark.parametrize("K", [1, 3])
 def test_cross_gram_times_is_the_dense_kernel_rows(K: int) -> None:
-    from nsa_dist.pipeline.nsa_extras import cross_gram_times
+    from nsa_dist.ntk.kernel_change import cross_gram_times
 
     model = _model(K)
     X, Xt = torch.randn(11, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)

@@ -13,7 +13,9 @@ from nsa_dist.config import ExperimentSpec, ModelSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.models import build_model
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment
-from nsa_dist.pipeline.step_extras import full_kernel_top, held_out_loss, predicted_update
+from nsa_dist.losses import loss_value
+from nsa_dist.ntk.kernel_spectra import full_kernel_top
+from nsa_dist.pipeline.step_extras import predicted_update
 from nsa_dist.store import SpectrumStore
 
 
@@ -43,12 +45,15 @@ def test_full_kernel_top_rejects_bad_k() -> None:
         full_kernel_top(model, torch.randn(4, 2), 9)
 
 
-def test_held_out_loss() -> None:
+def test_held_out_loss_is_the_l2_loss_at_the_test_points() -> None:
+    from nsa_dist.data import Dataset
+
+    spec = ExperimentSpec(name="ho", data={"n": 4}, model={"depth": 2, "width": 4}, steps=1)  # loss l2
     f, y = np.array([[1.0, 2.0], [0.0, 0.0]]), np.array([[0.0, 0.0], [1.0, 1.0]])
-    assert held_out_loss(f, y) == pytest.approx(0.5 * (5.0 + 2.0) / 2)
-    assert np.isnan(held_out_loss(np.zeros((0,)), np.zeros((0,))))
-    with pytest.raises(ValueError, match="differ in shape"):
-        held_out_loss(f, y[:, :1])
+    data = Dataset(np.zeros((2, 2)), np.zeros((2, 2)), np.zeros((2, 2)), y)
+    assert loss_value(spec, data, f, test=True) == pytest.approx(0.5 * (5.0 + 2.0) / 2)
+    assert np.isnan(loss_value(spec, Dataset(data.X, data.y, np.zeros((0, 2)), np.zeros((0, 2))), np.zeros((0, 2)),
+                               test=True))
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +223,7 @@ def test_eigenvector_schedule_and_stored_projections(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_per_class_spectra_match_dense_diagonal_blocks(tmp_path) -> None:
-    from nsa_dist.pipeline.step_extras import per_class_top
+    from nsa_dist.ntk.kernel_spectra import per_class_top
 
     model = build_model(ModelSpec(input_dim=3, output_dim=3, depth=2, width=8, activation="tanh"), seed=2).double()
     X = torch.randn(15, 3, dtype=torch.float64)

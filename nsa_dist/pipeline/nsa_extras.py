@@ -1,10 +1,7 @@
-"""NSA quantities that need the step's eigenvectors (issue 19), recorded at the eigenvector steps.
+"""NSA quantities of App. E (issue 19): the constant-Gram predictions.
 
-(Fig. 4d's reconstructions are :func:`nsa_dist.metrics.top_k_reconstructions`.)
-* :func:`gram_change` — App. F: the change of the Gramian over update t, projected on the top
-  eigenvectors, measured (G_{t+1} − G_t, from θ_{t+1} = θ_t + Δθ_t) and to first order
-  (dG_t = ∂G/∂θ · Δθ_t = dJ Jᵀ + J dJᵀ, which for GD is −(δ/N)(Q_t + Q_tᵀ), Eq. 26).
-  Both by products with the network (forward-over-reverse), never the dense G.
+(Fig. 4d's reconstructions are :func:`nsa_dist.metrics.top_k_reconstructions`, App. F's dG_t is
+:func:`nsa_dist.ntk.kernel_change.gram_change`.)
 * :func:`test_point_prediction` — at the first recorded step: App. E's Eq. 22, the test outputs of every
   recorded step under G_{t0} fixed, through the Nyström extension of its eigenvectors (Eq. 9).
 * :func:`write_constant_gram` — after the run: Eqs. 4–5's constant-Gram residual beside the measured one.
@@ -12,9 +9,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from nsa_dist.ntk.kernel_change import cross_gram_times
 
 if TYPE_CHECKING:
     import torch
@@ -23,123 +22,7 @@ if TYPE_CHECKING:
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.store import RunWriter
 
-__all__ = ["gram_change", "cross_gram_times", "run_decays",
-           "test_point_prediction", "write_constant_gram"]
-
-
-def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor") -> Callable:
-    """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p, by one VJP and
-    JVPs (differentiable in p: App. F takes its JVP along Δθ)."""
-    import torch
-    from torch.func import functional_call, jvp, vjp
-
-    def f(p, Z):
-        out = functional_call(model, p, (Z,))
-        return out.reshape(out.shape[0], -1)  # (n, Ko)
-
-    def GV(p):
-        fx, pull = vjp(lambda q: f(q, X), p)
-        cols = []
-        for j in range(V.shape[1]):
-            acc = 0.0
-            for a in range(fx.shape[1]):
-                cot = torch.zeros_like(fx)
-                cot[:, a] = V[:, j]
-                (u,) = pull(cot)  # J_aᵀ v_j, a dict like p
-                acc = acc + jvp(lambda q: f(q, X), (p,), (u,))[1][:, a]  # J_a J_aᵀ v_j, (N,)
-            cols.append(acc)
-        return torch.stack(cols, dim=1)  # (N, Kg)
-
-    return GV
-
-
-def _unflat(model: "nn.Module", vec: np.ndarray, dtype: "torch.dtype") -> dict[str, "torch.Tensor"]:
-    """A flat (P,) vector as the model's named parameters (in ``dtype``)."""
-    import torch
-
-    dev = next(model.parameters()).device
-    t = torch.as_tensor(np.ascontiguousarray(vec, np.float64), device=dev).to(dtype)
-    out, o = {}, 0
-    for n, p in model.named_parameters():
-        out[n] = t[o:o + p.numel()].view(p.shape)
-        o += p.numel()
-    return out
-
-
-def cross_gram_times(model: "nn.Module", X_out: "torch.Tensor", X: "torch.Tensor", V: np.ndarray,
-                     dtype: "torch.dtype", method: str = "auto", block_size: int | None = None) -> np.ndarray:
-    """g_θ(X_out, 𝒳) V at the model's parameters: the kernel rows between new points and the N
-    training points (NSA Eq. 9's g_t(X, 𝒳) v_k), through :func:`nsa_dist.ntk.gram` (the run's own
-    NTK path), a block of rows (≤ 32 Mi floats) at a time, never all M×N rows at once.
-
-    Args:
-        X_out: (M, …) new points; X: (N, …) training points; V: (N, K) columns.
-        dtype: the kernel's dtype; method, block_size: as ``spectrum.ntk_method`` / ``block_size``.
-
-    Returns:
-        (M, K) float64.
-    """
-    import torch
-
-    from nsa_dist.ntk import gram
-
-    N, M = X.shape[0], X_out.shape[0]
-    Vt = torch.as_tensor(np.ascontiguousarray(V, np.float64), device=X.device).to(dtype)  # (N, K)
-    rows = max(1, (32 << 20) // max(N, 1))
-    out = [(gram(model, X_out[i:i + rows], X, method=method, block_size=block_size, dtype=dtype) @ Vt)
-           .detach().cpu().double().numpy() for i in range(0, M, rows)]  # (b, N) @ (N, K) each
-    return np.concatenate(out, axis=0)  # (M, K)
-
-
-def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta: np.ndarray, evecs: np.ndarray,
-                dtype: "torch.dtype") -> dict[str, np.ndarray]:
-    """App. F: dG_t projected on the top Kg eigenvectors V of G_t, measured and to first order.
-
-    measured:    D = Vᵀ (G(θ_t + Δθ_t) − G(θ_t)) V
-    first order: D̄ = Vᵀ (∂G/∂θ · Δθ_t) V, ∂G/∂θ·Δθ = dJ Jᵀ + J dJᵀ, dJ = ∂J/∂θ · Δθ;
-                 for GD (Δθ = −(δ/N) Jᵀ m) this is −(δ/N) Vᵀ(Q_t + Q_tᵀ)V of Eq. 26, with the
-                 i-th column of Q_t = Aᵀ ℋ_t(X^i) A m̄_t.
-
-    diag(D̄)_i is the first-order change of λ_i (perturbation theory: dλ_i = v_iᵀ dG v_i).
-
-    Args:
-        model: the network (its parameters are left as they were).
-        X: (N, d) training inputs.
-        theta: (P,) θ_t; dtheta: (P,) Δθ_t = θ_{t+1} − θ_t (NaN: unknown, e.g. a Tracker's last step).
-        evecs: (N, Kg) eigenvectors of G_t.
-        dtype: the products' dtype (float64 for the paper's quantities).
-
-    Returns:
-        {"gram_change": (2, Kg) [diag D, diag D̄], "gram_change_fro": (3,) [‖D‖_F, ‖D̄‖_F, ‖D − D̄‖_F]};
-        NaN when Δθ_t is not finite.
-    """
-    import torch
-    from torch.func import jvp
-
-    Kg = evecs.shape[1]
-    if not np.all(np.isfinite(dtheta)):
-        return {"gram_change": np.full((2, Kg), np.nan), "gram_change_fro": np.full(3, np.nan)}
-    names = [n for n, _ in model.named_parameters()]
-    dev = next(model.parameters()).device
-    unflat = lambda v: _unflat(model, v, dtype)  # noqa: E731
-
-    orig = next(model.parameters()).dtype
-    model.to(dtype)
-    try:
-        Xd = X.to(dtype)
-        V = torch.as_tensor(np.ascontiguousarray(evecs, np.float64), device=dev).to(dtype)  # (N, Kg)
-        GV = _gram_times(model, Xd, V)
-        p0, dp = unflat(theta), unflat(dtheta)
-        p1 = {n: p0[n] + dp[n] for n in names}
-        G0V, dGV = jvp(GV, (p0,), (dp,))  # G_t V and (∂G/∂θ·Δθ) V, (N, Kg) each
-        G1V = GV(p1)
-        D = (V.T @ (G1V - G0V)).detach().cpu().double().numpy()  # (Kg, Kg)
-        Dbar = (V.T @ dGV).detach().cpu().double().numpy()
-    finally:
-        model.to(orig)
-    fro = np.linalg.norm
-    return {"gram_change": np.stack([np.diag(D), np.diag(Dbar)]),
-            "gram_change_fro": np.array([fro(D), fro(Dbar), fro(D - Dbar)])}
+__all__ = ["run_decays", "test_point_prediction", "write_constant_gram"]
 
 
 def run_decays(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", evals: np.ndarray, n: int) -> np.ndarray:

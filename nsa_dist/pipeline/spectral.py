@@ -27,7 +27,8 @@ from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram, gram_for_layout
 from nsa_dist.pipeline.plan import RunPlan
-from nsa_dist.pipeline.nsa_extras import gram_change, test_point_prediction
+from nsa_dist.ntk.kernel_change import gram_change
+from nsa_dist.pipeline.nsa_extras import test_point_prediction
 from nsa_dist.pipeline.step_basis import StepSpectrum, energy_from_projections, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
