@@ -17,10 +17,10 @@ from nsa_dist.hessian._loss import Loss
 import logging
 
 from nsa_dist.linalg.operator import LinearOperator
-from nsa_dist.ntk._blame import blame
-from nsa_dist.ntk._inputs import as_2d, default_block, trainable_params
-from nsa_dist.ntk._probe import couples
-from nsa_dist.ntk._state import exact_kernels, stateless
+from nsa_dist.ntk.blame import blame
+from nsa_dist.ntk.inputs import as_2d, default_block, trainable_params
+from nsa_dist.ntk import sample_coupling
+from nsa_dist.ntk.state import exact_kernels, stateless
 
 _log = logging.getLogger("nsa_dist")
 
@@ -50,7 +50,7 @@ class LossCurvatureOperator(LinearOperator):
         P = sum(p.numel() for p in trainable_params(model).values())
         super().__init__(P, Y.dtype, "torch", X.device)
         with blame(model):
-            coupling = couples(model, X)
+            coupling = sample_coupling(model, X)
             model = stateless(model, X[:2])  # products change no buffer of the user's model
         if coupling is not None:  # C of the batch forward: every product over all points at once
             _log.info("the model couples samples (%s): curvature products over the whole batch", coupling)

@@ -17,7 +17,7 @@ from nsa_dist.hessian._loss import Loss, curvature_sqrt, parse_loss
 from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, rademacher
 from nsa_dist.hessian.operators import _setup
 from nsa_dist.ntk import gram
-from nsa_dist.ntk._inputs import as_2d
+from nsa_dist.ntk.inputs import as_2d
 
 if TYPE_CHECKING:
     from torch import nn

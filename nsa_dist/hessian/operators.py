@@ -22,9 +22,9 @@ from torch.func import grad, jvp, vjp, vmap
 from nsa_dist._checks import parse_enum
 from nsa_dist.hessian._loss import Loss, loss_curvature, loss_gradient, loss_sum, parse_loss, prepare_targets
 from nsa_dist.hessian._operator import LossCurvatureOperator
-from nsa_dist.ntk._blame import blame
-from nsa_dist.ntk._inputs import output_dim, prepare_inputs, prepare_model
-from nsa_dist.ntk._state import preserved
+from nsa_dist.ntk.blame import blame
+from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
+from nsa_dist.ntk.state import preserved
 
 if TYPE_CHECKING:
     import numpy as np

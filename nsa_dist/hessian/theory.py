@@ -28,7 +28,7 @@ from nsa_dist.hessian._loss import Loss, curvature_sqrt, parse_loss
 from nsa_dist.hessian._probes import as_linear_map, check_int, rademacher
 from nsa_dist.hessian.moments import Moments, _mean_stderr, _powers, _quadratic_forms
 from nsa_dist.hessian.operators import hessian_parts
-from nsa_dist.ntk._inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
+from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
 
 if TYPE_CHECKING:
     from torch import nn

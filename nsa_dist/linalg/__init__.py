@@ -14,9 +14,11 @@ module through :class:`~nsa_dist.linalg._backend.ArrayOps`.
 
 from __future__ import annotations
 
-from nsa_dist.linalg._backend import Backend
+from nsa_dist.linalg._backend import ArrayOps, Backend
 from nsa_dist.linalg._eigen import EigMethod, Eigenpairs, top_eigenpairs
+from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
 
-__all__ = ["Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator"]
+__all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator",
+           "SymmetricMap", "as_symmetric_map"]

@@ -14,7 +14,7 @@ from nsa_dist.hessian import (additivity_gap, extreme_eigenpairs, gauss_newton_e
                               power_moments, rayleigh_quotients, slq_density, trace_S_from_G)
 from nsa_dist.hessian._loss import Loss, loss_gradient, parse_loss, prepare_targets
 from nsa_dist.ntk import preserved
-from nsa_dist.ntk._inputs import as_2d, prepare_model
+from nsa_dist.ntk.inputs import as_2d, prepare_model
 
 __all__ = ["HessianAnalysis", "hessian_dims", "hessian_loss", "hessian_eig_count", "limit_reason"]
 

@@ -3,7 +3,7 @@
 matplotlib is imported only when a figure is drawn, on an Agg canvas (no pyplot, no backend switch).
 """
 
-from nsa_dist.plots._axes import PlotOptions
+from nsa_dist.plots.axes import PlotOptions
 from nsa_dist.plots.projections import residual_projections
 from nsa_dist.plots.registry import FIGURES, make_figure, plot_run
 from nsa_dist.plots.sweep import SWEEP_FIGURES, plot_sweep, scalar_figure

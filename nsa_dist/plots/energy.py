@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nsa_dist.plots._axes import PlotOptions, colors, ks, new_figure, time_axis
+from nsa_dist.plots.axes import PlotOptions, colors, ks, new_figure, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -2,6 +2,8 @@
 
 Figures are plain :class:`matplotlib.figure.Figure` objects on an Agg canvas: no pyplot, so
 plotting never switches the backend or touches the figure registry of a caller's session.
+A public module: the CLI, ``export`` and ``serve`` draw with the same :data:`DPI`, :func:`ks`
+and :func:`gd_note`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from nsa_dist.client import Run
+
+__all__ = ["KS", "DPI", "PlotOptions", "new_figure", "ks", "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps",
+           "decay_lines", "time_axis"]
 
 KS = (1, 2, 5, 10, 20, 50, 100, 200, 400, 1000, 2000, 4000, 10000)  # k (or i) drawn, as in NSA Fig. 3
 DPI = 110
