@@ -16,7 +16,7 @@ from nsa_dist.config import ExperimentSpec, Layout
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
-from nsa_dist.losses import is_nce, residual as loss_residual
+from nsa_dist.losses import is_nce, training_residual as loss_residual
 from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, first_order_accuracy, reconstruction_ks,
                               top_k_reconstructions)
 from nsa_dist.models import build_model

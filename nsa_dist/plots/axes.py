@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nsa_dist.config import LossName
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -79,8 +81,7 @@ def gd_note(run: "Run") -> str | None:
     """A note for figures of GD formulas (s_i, δλ/N, 2N/λ_max; NSA §4) on a run that is not plain GD."""
     o = run.spec.optimizer
     name = o.name.value if hasattr(o.name, "value") else str(o.name)
-    loss = getattr(run.spec.loss, "value", run.spec.loss)
-    if loss == "nce" and name == "gd" and o.momentum == 0:
+    if LossName(run.spec.loss) is LossName.NCE and name == "gd" and o.momentum == 0:
         return ("note: 2N/λ_max, s_i and δλ/N are formulas of GD on the L2 loss (NSA §4); for NCE the "
                 "residual's Jacobian is diag(σ'(h)) ≤ 1/4, so GD's bound is 2N/(λ_max·max σ') ≥ 8N/λ_max")
     if name == "gd" and o.momentum == 0:
