@@ -14,6 +14,10 @@ descending eigenvalue.
 * nystrom: :func:`nystrom_extension` g(X, 𝒳) v_k / λ_k (App. A, Eq. 9).
 * reconstruction: :func:`top_k_reconstructions` Σ_{i≤k} ⟨v_i, φ⟩ v_i (Fig. 4d).
 * fourier: :func:`fourier_transform` φ̂(ξ) (App. G, Eq. 27), :func:`frequency_grid`.
+
+Owns: every formula of the paper on eigenpairs and vectors — the one home of the relative energy
+(the pipeline's energy curves are :func:`relative_energy`).  May import: NumPy, torch (CPU
+tensors in), ``errors`` and ``_checks`` — no model, no solver, nothing else of nsa_dist.
 """
 
 from __future__ import annotations
