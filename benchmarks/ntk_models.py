@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _measure import measured  # noqa: E402
 
 from nsa_dist.ntk import explain_method, gram  # noqa: E402
-from nsa_dist.ntk import _inputs  # noqa: E402  (the feature memory rule, for the --jacobian-cached variant)
+from nsa_dist.ntk import inputs  # noqa: E402  (the feature memory rule, for the --jacobian-cached variant)
 
 # torch.func has no vmap rule for CPU flash attention and falls back to a loop (both methods' Jacobians).
 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
@@ -217,20 +217,20 @@ def _nngeometry(model: nn.Module, x: torch.Tensor, batch: int) -> torch.Tensor:
 
 def _jacobian_cached(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``gram(method="jacobian")`` with its cache limit lifted: every block's Jacobian computed once."""
-    old, _inputs.FEATURE_BYTES = _inputs.FEATURE_BYTES, float("inf")
+    old, inputs.FEATURE_BYTES = inputs.FEATURE_BYTES, float("inf")
     try:
         return gram(model, x, method="jacobian")
     finally:
-        _inputs.FEATURE_BYTES = old
+        inputs.FEATURE_BYTES = old
 
 
 def _one_group(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The default method with the feature memory rule lifted: M (N, K·P_formed) in one group."""
-    old, _inputs.FEATURE_BYTES = _inputs.FEATURE_BYTES, float("inf")
+    old, inputs.FEATURE_BYTES = inputs.FEATURE_BYTES, float("inf")
     try:
         return gram(model, x)
     finally:
-        _inputs.FEATURE_BYTES = old
+        inputs.FEATURE_BYTES = old
 
 
 def exact64(model: nn.Module, x: torch.Tensor) -> float:
@@ -250,17 +250,17 @@ def compare(model: nn.Module, x: torch.Tensor, skip_jacobian: bool, nng_batches:
     G, res["default"] = _run("default (ours)", lambda: gram(model, x), n)
     base = res["default"]["s"]
     M_bytes = n * _outputs(model, x) * sum(p.numel() for p in model.parameters()) * 4
-    if ONE_GROUP and M_bytes > _inputs.FEATURE_BYTES:
+    if ONE_GROUP and M_bytes > inputs.FEATURE_BYTES:
         _, res["default_one_group"] = _run("default, M in one group", lambda: _one_group(model, x), n, G, base)
     if not skip_jacobian:
         J_bytes = n * _outputs(model, x) * sum(p.numel() for p in model.parameters()) * 4
-        res["J_bytes"], res["J_cache_bytes"] = J_bytes, _inputs.FEATURE_BYTES
-        if J_bytes > _inputs.FEATURE_BYTES:
+        res["J_bytes"], res["J_cache_bytes"] = J_bytes, inputs.FEATURE_BYTES
+        if J_bytes > inputs.FEATURE_BYTES:
             print(f"  (J = {J_bytes / 2**30:.3f} GiB > the feature memory rule's "
-                  f"{_inputs.FEATURE_BYTES / 2**30:.0f} GiB: column blocks' Jacobians recomputed per row block)")
+                  f"{inputs.FEATURE_BYTES / 2**30:.0f} GiB: column blocks' Jacobians recomputed per row block)")
         Gj, res["jacobian"] = _run("torch.func Jacobian", lambda: gram(model, x, method="jacobian"), n, G, base)
         del Gj
-        if jacobian_cached and J_bytes > _inputs.FEATURE_BYTES:
+        if jacobian_cached and J_bytes > inputs.FEATURE_BYTES:
             Gj, res["jacobian_cached"] = _run("Jacobian, J cached", lambda: _jacobian_cached(model, x), n, G, base)
             del Gj
     for batch in nng_batches:

@@ -391,7 +391,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     ht = hessian_table(run)
     if ht is not None:
         con.print(ht)
-    from nsa_dist.plots._axes import gd_note
+    from nsa_dist.plots.axes import gd_note
 
     if gd_note(run):
         con.print(f"[red]{gd_note(run)}[/]")
@@ -417,7 +417,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _plot_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
     from nsa_dist.plots import plot_sweep, scalar_figure
-    from nsa_dist.plots._axes import DPI
+    from nsa_dist.plots.axes import DPI
 
     sweep = Client(args.store).sweep(args.sweep)
     k = args.k[0] if args.k else 400

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
                       model_validator)
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Activation", "Init", "ModelSpec", "FactoryModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "Layout", "SpectrumSpec", "HessianSpec", "ExperimentSpec", "ClusterSpec",
-           "SweepSpec"]
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "NTKMethod", "EigMethod", "Layout", "SpectrumSpec",
+           "HessianSpec", "ExperimentSpec", "ClusterSpec", "SweepSpec"]
 
 
 class Activation(str, Enum):
@@ -243,6 +246,9 @@ class LossName(str, Enum):
     CROSS_ENTROPY: ℓ_i = −Σ_k y_ik log softmax(f_i)_k on one-hot (or probability) targets, K ≥ 2
     outputs (the logits); residual m_i = ∂ℓ_i/∂f_i = softmax(f_i) − y_i, loss curvature
     HC_i = diag(p_i) − p_i p_iᵀ in the Hessian's I.
+
+    The one loss enum: the pipeline, :mod:`nsa_dist.hessian` and the Tracker use it; a model
+    measured outside a spec also calls l2 "mse" (:func:`nsa_dist.losses.parse_loss`).
     """
 
     L2 = "l2"
@@ -325,6 +331,70 @@ class RecordSpec(_Strict):
         return sorted(s | {0, last})
 
 
+# --------------------------------------------------------------------------- algorithm choices
+# (the spec names them; nsa_dist.ntk and nsa_dist.linalg re-export them from their front doors)
+
+
+class NTKMethod(str, Enum):
+    """How the Gramian is computed.
+
+    Which parameter may take which path is decided from what the forward pass does (probe
+    forwards: which layer used which parameter how often, whether a saved layer input or output
+    was modified in place, whether the samples are coupled), never from module types alone.
+
+    STRUCTURED: per-layer formula ``G = Σ_l (Â_l Â_lᵀ) ⊙ (Δ_l Δ_lᵀ)`` from one forward and one
+        backward pass per block (Â_l = [w_l·A_l, β_l·1] the scaled layer inputs, Δ_l the output
+        gradients).  Costs O(N²·Σ_l(n_in+n_out)) and never forms the N×P Jacobian: wins for every
+        network whose trainable parameters all live in ``nn.Linear`` layers applied once per
+        sample to (n, features) inputs — MLPs, residual MLPs, the NTK parametrisation.
+    PER_LAYER: the hybrid ``G = Σ_g J_g J_gᵀ`` over parameter groups: the structured factors of
+        Linear layers, formed per-sample gradients of Conv1d/2d/3d, Embedding, LayerNorm,
+        GroupNorm, eval-mode BatchNorm and unmasked self-attention (its two projections) from
+        their inputs and output gradients, and per-sample Jacobians (torch.func) for every other
+        parameter (recurrent, masked attention, tied weights), contracted at the GEMM rate on
+        upper tiles.  Costs O(N²·P_formed) plus about three passes' work per point for the
+        features; memory ``min(N·K·P_formed, FEATURE_BYTES)`` plus G (past the budget, one
+        extra forward/backward pass per column group).  Wins for CNNs, ResNets and Transformers:
+        one unsupported module costs only its own parameters' Jacobians.
+    JACOBIAN: per-sample Jacobians from ``torch.func`` (``vmap(jacrev)``; one reverse pass per point
+        where vmap has no rule) contracted block by block, ``G_IJ = J_I J_Jᵀ``.  Costs O(N²·P)
+        plus the Jacobians: exact for any module whose samples do not interact.
+    BATCH: the full-batch Jacobian ``J = ∂f(X)/∂θ`` (one forward of all points, reverse passes in
+        row chunks): the kernel of the batch forward for models that couple samples (BatchNorm
+        in train mode or without running statistics).  The only exact choice there.
+    AUTO: BATCH when the samples are coupled, else STRUCTURED when every parameter qualifies,
+        else PER_LAYER when any layer does, otherwise JACOBIAN.
+    """
+
+    AUTO = "auto"
+    STRUCTURED = "structured"
+    JACOBIAN = "jacobian"
+    PER_LAYER = "per_layer"
+    BATCH = "batch"
+
+
+class EigMethod(str, Enum):
+    """How :func:`~nsa_dist.linalg.top_eigenpairs` computes the top-k eigenpairs of the (N, N) Gramian.
+
+    DENSE: LAPACK ``eigh`` (SciPy on the host, ``torch.linalg.eigh`` / ``cupy.linalg.eigh`` on the
+        GPU), O(N³).  Wins when k is a large fraction of N (k > N/3), for small N (≤ 500), and
+        for ``k="all"``.  An operator is first materialised with N products.
+    LANCZOS: thick-restart block Lanczos with full reorthogonalisation
+        (:func:`nsa_dist.linalg.lanczos.block_lanczos`), O(N²·m) for a dense G with m ≈ 3k
+        products.  Wins for k ≪ N: ≥ 10× faster than ``eigh`` for the top 100 of N = 5000 on two
+        cores, and the only choice when G is matrix-free (an NTK operator too large to form).
+    ARPACK: SciPy's ``eigsh(which="LA")``, implicitly restarted single-vector Lanczos, on the host
+        only.  A reference: fewer products than LANCZOS for very small k, but one matvec at a time
+        (BLAS-2), so slower on dense matrices and operators with batched products.
+    AUTO: DENSE when k > N/3 or N ≤ 500, else LANCZOS.
+    """
+
+    AUTO = "auto"
+    DENSE = "dense"
+    LANCZOS = "lanczos"
+    ARPACK = "arpack"
+
+
 class Layout(str, Enum):
     """Where one recorded step's Gram G_t lives while it is analysed (DESIGN.md, "Scaling one step").
 
@@ -353,8 +423,9 @@ class SpectrumSpec(_Strict):
     frobenius_probes: int = Field(32, ge=2, description="matrix_free: Hutch++ probes of ‖G‖_F²")
 
     k: int | Literal["all"] = Field(100, description="top eigenpairs of G_t, or 'all'")
-    eig_method: str = Field("auto", description="auto | dense | lanczos | arpack")
-    ntk_method: str = Field("auto", description="auto | structured | per_layer | jacobian | batch")
+    eig_method: EigMethod = Field(EigMethod.AUTO, description="auto | dense | lanczos | arpack (see EigMethod)")
+    ntk_method: NTKMethod = Field(NTKMethod.AUTO, description="auto | structured | per_layer | jacobian | batch "
+                                  "(see NTKMethod)")
     dtype: Literal["float64", "float32"] = "float64"
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
@@ -379,10 +450,6 @@ class SpectrumSpec(_Strict):
 
     @model_validator(mode="after")
     def _methods(self) -> "SpectrumSpec":
-        allowed = {"eig_method": ("auto", "dense", "lanczos", "arpack"), "ntk_method": ("auto", "structured", "per_layer", "jacobian", "batch")}
-        for field, ok in allowed.items():
-            if getattr(self, field) not in ok:
-                raise ValueError(f"spectrum.{field}={getattr(self, field)!r} is not one of {', '.join(ok)}")
         if isinstance(self.k, int) and self.k < 1:
             raise ValueError(f"spectrum.k must be >= 1 or 'all', got {self.k}")
         if any(i < 1 for i in self.images):
@@ -391,12 +458,19 @@ class SpectrumSpec(_Strict):
         if self.k == "all" and layout is not Layout.LOCAL:
             raise ValueError(f"spectrum.k='all' (a full eigh of G) needs spectrum.layout='local', got "
                              f"layout={layout.value!r}; ask for the top k eigenpairs (e.g. k: 500) instead")
-        if self.eig_method == "dense" and layout is not Layout.LOCAL:
+        if EigMethod(self.eig_method) is EigMethod.DENSE and layout is not Layout.LOCAL:
             raise ValueError(f"spectrum.eig_method='dense' needs layout='local' (G is never gathered with "
                              f"layout={layout.value!r}); use 'auto' or 'lanczos'")
         if isinstance(self.store_eigenvectors, list) and any(t < 0 for t in self.store_eigenvectors):
             raise ValueError(f"spectrum.store_eigenvectors steps must be >= 0, got {self.store_eigenvectors}")
         return self
+
+    def torch_dtype(self) -> "torch.dtype":
+        """``dtype`` as torch's (``torch.float64`` or ``torch.float32``): G_t, its features and its
+        products are computed in it.  (NumPy's is ``np.dtype(dtype)``, itemsize 8 or 4.)"""
+        import torch
+
+        return {"float64": torch.float64, "float32": torch.float32}[self.dtype]
 
     def eigenvectors_at(self, step: int) -> bool:
         """Whether v_i^t is stored at recorded step ``step`` (see ``store_eigenvectors``)."""

@@ -49,7 +49,7 @@ def scalar_series(run: "Run") -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     ``first_order/cos``, and ``hessian/Tr(<A>^<k>)`` with ``…_stderr`` for A = H, I, S, k = 1..4.
     """
     from nsa_dist.client import PHI_NAMES, quantity
-    from nsa_dist.plots._axes import ks
+    from nsa_dist.plots.axes import ks
 
     named: list[tuple[str, Callable[[], tuple[np.ndarray, np.ndarray]]]] = [
         ("loss/train", lambda: quantity(run, "loss")), ("loss/recorded", lambda: quantity(run, "loss_recorded")),

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from nsa_dist.config import ExperimentSpec, SweepSpec
 
 if TYPE_CHECKING:
-    from nsa_dist.data._paths import Location
+    from nsa_dist.data import Location
 
 __all__ = ["SpecError", "load_spec", "load_sweep", "format_validation_error", "check_data"]
 
@@ -140,7 +140,7 @@ def check_data(specs: Iterable[ExperimentSpec], source: str | Path, *, urls: boo
         SpecError: one line naming the spec file, the run and the missing / wrong file.
         MissingDependencyError: a URL whose filesystem package (s3fs, gcsfs) is not installed.
     """
-    from nsa_dist.data._paths import is_url
+    from nsa_dist.data import is_url
     from nsa_dist.data.registry import data_files
 
     files: dict[str, list[Location]] = {}

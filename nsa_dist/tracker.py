@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from nsa_dist.config import RecordSpec
+from nsa_dist.config import LossName, RecordSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError, UnsupportedModelError
-from nsa_dist.losses import cross_entropy_loss
+from nsa_dist.losses import cross_entropy_loss, parse_loss
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.ntk import preserved, sample_coupling
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["Tracker", "couples_samples"]
 
 log = logging.getLogger("nsa_dist")
-
-_LOSSES = {"mse": "l2", "l2": "l2", "cross_entropy": "cross_entropy"}  # Tracker name → spec loss
-
 
 def _as_tensor(name: str, a: Any) -> torch.Tensor:
     if isinstance(a, np.ndarray):
@@ -97,12 +94,10 @@ class Tracker:
 
     def __init__(self, store: str | SpectrumStore, name: str, model: nn.Module, X: Any, y: Any,
                  X_test: Any = None, y_test: Any = None, *, steps: int, record: dict | RecordSpec | None = None,
-                 spectrum: dict | None = None, hessian: dict | None = None, loss: str = "mse",
+                 spectrum: dict | None = None, hessian: dict | None = None, loss: str | LossName = "mse",
                  optimizer: str = "custom", cluster: str | None = None, workers: int = 1, worker_cpus: float = 1.0,
                  worker_gpus: float = 0.0, max_inflight: int = 2, seed: int = 0, device: str = "auto") -> None:
-        if loss not in _LOSSES:
-            raise ValueError(f"loss={loss!r} is not one of 'mse' (or 'l2'), 'cross_entropy': the loss the stored "
-                             "metrics refer to")
+        loss = parse_loss(loss)
         if optimizer not in ("custom", "gd"):
             raise ValueError(f"optimizer={optimizer!r} is not one of custom, gd")
         if max_inflight < 1:
@@ -115,14 +110,14 @@ class Tracker:
         rec = record.model_dump() if isinstance(record, RecordSpec) else (record or {"log_points": 20})
         self.spec: ExperimentSpec = tracked_spec(name, model, self.data, K, steps=steps, record=rec,
                                                  spectrum=spectrum or {}, hessian=hessian, optimizer=optimizer,
-                                                 seed=seed, device=device, loss=_LOSSES[loss])
+                                                 seed=seed, device=device, loss=loss)
         p = next(model.parameters())
         self.device = p.device
         self.X = model_inputs(self.data.X, model)  # (N, …): the model's float dtype, or integer ids as given
         self.y = torch.as_tensor(self.data.y, device=self.device).to(  # (N,) or (N, K)
             p.dtype if p.dtype == torch.float64 else torch.float32)
         self.X_test = model_inputs(self.data.X_test, model)  # (M, …) like X
-        self._ce = loss == "cross_entropy"
+        self._ce = loss is LossName.CROSS_ENTROPY
         self.schedule = self.spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.schedule)}
         self.n_params = sum(p.numel() for p in model.parameters())

@@ -105,6 +105,37 @@ class TestRelativeEnergy:
         with pytest.raises(TypeError, match="phi must hold real numbers"):
             relative_energy(V3, PHI.astype(complex))
 
+    def test_pooled_columns_by_hand(self):
+        """pooled: Σ_c Σ_{i≤k} ⟨v_i, φ_c⟩² / Σ_c ‖φ_c‖² — with φ_2 = (0, 0, 5): (8, 10, 39) / 39."""
+        Phi = np.stack([PHI, np.array([0.0, 0.0, 5.0])], axis=1)  # (N, M=2)
+        assert_allclose(relative_energy(V3, Phi, pooled=True), [8 / 39, 10 / 39, 1.0], rtol=1e-12)
+        assert relative_energy(V3, Phi, k=2, pooled=True) == pytest.approx(10 / 39, rel=1e-12)
+        assert_allclose(relative_energy(V3, PHI, pooled=True), relative_energy(V3, PHI), rtol=0)  # (N,): no effect
+
+    def test_pooled_is_the_energy_of_the_stacked_vector(self):
+        """The columns pooled = the (N·M,) vector in the basis {v_i ⊗ e_c} (a K-output network's f)."""
+        V, M = random_basis(12, seed=3)[:, :5], 3
+        Phi = np.random.default_rng(4).standard_normal((12, M))
+        basis = np.stack([np.kron(V[:, i], np.eye(M)[c]) for i in range(5) for c in range(M)], axis=1)  # (N·M, 5·M)
+        stacked = relative_energy(basis, Phi.reshape(-1))[M - 1::M]  # after each i's M directions
+        assert_allclose(relative_energy(V, Phi, pooled=True), stacked, rtol=1e-12)
+
+    def test_undefined_nan(self):
+        """undefined="nan": NaN where E is 0/0 or φ is not finite (a diverging step); evecs still checked."""
+        Phi = np.stack([PHI, np.zeros(3)], axis=1)
+        out = relative_energy(V3, Phi, undefined="nan")
+        assert_allclose(out[0], [8 / 14, 10 / 14, 1.0], rtol=1e-12)
+        assert np.isnan(out[1]).all()
+        assert np.isnan(relative_energy(V3, np.zeros((3, 2)), pooled=True, undefined="nan")).all()
+        for bad in (np.array([1.0, np.nan, 0.0]), torch.tensor([np.inf, 1.0, 2.0])):
+            E = relative_energy(V3, bad, undefined="nan")
+            assert E.shape == (3,) and np.isnan(E).all()
+        assert np.isnan(relative_energy(V3, np.array([1.0, np.inf, 0.0]), k=2, undefined="nan"))
+        with pytest.raises(NonFiniteError, match="evecs holds 1 NaN/inf"):
+            relative_energy(np.where(V3 == 1.0, np.nan, V3), PHI, undefined="nan")
+        with pytest.raises(ValueError, match="undefined='zero' is not one of 'raise', 'nan'"):
+            relative_energy(V3, PHI, undefined="zero")
+
 
 class TestSpectrumPreservation:
     def test_basis_against_itself(self):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conftest import assert_close_rel, dense_ntk
-from nsa_dist.ntk import _inputs, explain_method, gram
+from nsa_dist.ntk import explain_method, gram, inputs
 from nsa_dist.ntk._conv import _column_groups, per_layer_layers
 from nsa_dist.ntk._probe import plan_forward
 
@@ -83,7 +83,7 @@ def test_column_groups_give_the_same_kernel(monkeypatch, kernel):
     model, x = Mixed(K=2).double(), _points(6)
     formed = [lay for lay in per_layer_layers(plan_forward(model, x)) if not lay.factored]
     P = sum(lay.n_formed for lay in formed)
-    monkeypatch.setattr(_inputs, "FEATURE_BYTES", (6 + 3) * 2 * P * 8 / 3)  # about a third of M (x and x2)
+    monkeypatch.setattr(inputs, "FEATURE_BYTES", (6 + 3) * 2 * P * 8 / 3)  # about a third of M (x and x2)
     groups = _column_groups(formed, {}, (6 + 3) * 2, 8)
     assert len(groups) >= 3, groups
     assert sorted((id(lay) for ls, _ in groups for lay in ls)) == sorted(id(lay) for lay in formed)  # each once
@@ -112,7 +112,7 @@ def test_generic_parameters_in_their_own_group(monkeypatch):
     _, routes = explain_method(model, x)
     assert routes["c.weight"][0] == "jacobian" and routes["c2.weight"][0] == "per_layer", routes
     gen = {"c.weight": 36, "c.bias": 2}
-    monkeypatch.setattr(_inputs, "FEATURE_BYTES", 5 * 40 * 8)  # about a quarter of M: the tied weight alone
+    monkeypatch.setattr(inputs, "FEATURE_BYTES", 5 * 40 * 8)  # about a quarter of M: the tied weight alone
     formed = [lay for lay in per_layer_layers(plan_forward(model, x)) if not lay.factored]
     groups = _column_groups(formed, gen, 5, 8)
     assert [(len(ls), names) for ls, names in groups] == [(0, ("c.weight",)), (0, ("c.bias",)), (1, ())], groups

@@ -159,7 +159,7 @@ def test_fig1abc_shows_target_and_output(tiny: Run) -> None:
 def test_gd_formula_note() -> None:
     from types import SimpleNamespace
 
-    from nsa_dist.plots._axes import gd_note
+    from nsa_dist.plots.axes import gd_note
 
     gd = ExperimentSpec()
     assert gd_note(SimpleNamespace(spec=gd)) is None

@@ -187,12 +187,14 @@ class Run(RunArrays):
         return np.asarray(self.row(which, self.index_of(step)), dtype=np.float64)
 
     def residual(self, step: int) -> np.ndarray:
-        """m_t = ∂ℓ/∂f at the training points: f_t − y (l2), softmax(f_t) − y (cross_entropy)."""
-        if getattr(self.spec, "loss", None) is not None and getattr(self.spec.loss, "value", self.spec.loss) == "cross_entropy":
-            from nsa_dist.losses import softmax
+        """m_t = ∂ℓ/∂f at the training points: f_t − y (l2), softmax(f_t) − y (cross_entropy).
 
-            return softmax(self.outputs(step)) - self.y
-        return self.outputs(step) - self.y
+        Raises:
+            ValueError: an NCE run (its residual needs the labels and noise log-densities, not stored).
+        """
+        from nsa_dist.losses import residual
+
+        return residual(self.spec.loss, self.outputs(step), self.y)
 
     # ------------------------------------------------------------------ GD's stability
     @property

@@ -1,8 +1,9 @@
 """The loss Hessian ``H = I + S`` of a network, matrix-free (the Hessian paper, Jacot et al.).
 
 * Operators — :func:`hessian_operator` (``part="H" | "I" | "S"``), :func:`hessian_parts`:
-  P×P products ``v ↦ A v`` by ``torch.func``, blocked over the data; :class:`Loss` ("mse",
-  "cross_entropy") fixes the convention ``C = (1/N) Σ_i c(f(x_i), y_i)``.
+  P×P products ``v ↦ A v`` by ``torch.func``, blocked over the data; ``loss`` ("mse" = "l2" or
+  "cross_entropy", a :class:`~nsa_dist.config.LossName`) fixes the convention
+  ``C = (1/N) Σ_i c(f(x_i), y_i)``; :func:`prepare_targets` gives the (N, K) targets it uses.
 * Moments ``Tr(A^k)`` — :func:`hutchinson_moments`, :func:`hutchpp_moments` (estimate, standard
   error, products); exact: :func:`gauss_newton_moments` / :func:`gauss_newton_eigenvalues` (I from
   the NTK Gram), :func:`dense_moments` (small P).
@@ -17,9 +18,16 @@
 * The limits of S — :func:`limit_S_kernels` (Φ̃, Υ̃, Λ̃ by recursion), :func:`limit_trace_S_init`
   (E[Tr S] at initialisation), :func:`limit_trace_S2` (Tr(S²) = ∇Cᵀ Υ̃ ∇C),
   :func:`limit_trace_S_gd` (E[Tr S_t] along MSE GD).
+
+Owns: the loss's curvature in output space and every Hessian measurement of a torch model.
+May import: torch, NumPy, :mod:`nsa_dist.ntk` (its front door and the public modules
+``ntk.inputs``, ``ntk.state``, ``ntk.blame``, ``ntk.limit``), :mod:`nsa_dist.linalg`,
+:mod:`nsa_dist.losses` (the loss names' parsing and the residual ∇_f c), :mod:`nsa_dist.config`
+(enums), :mod:`nsa_dist.models` (the softplus constants of the limits), ``errors`` and
+``_checks`` — never the pipeline, Ray or the store.
 """
 
-from nsa_dist.hessian._loss import Loss
+from nsa_dist.hessian._loss import prepare_targets
 from nsa_dist.hessian._operator import LossCurvatureOperator
 from nsa_dist.hessian.eigen import Which, edge_of_stability, extreme_eigenpairs
 from nsa_dist.hessian.moments import (
@@ -53,7 +61,7 @@ from nsa_dist.hessian.theory import (
 )
 
 __all__ = [
-    "Loss",
+    "prepare_targets",
     "HessianPart",
     "LossCurvatureOperator",
     "HessianOperator",

@@ -7,20 +7,19 @@ Parameters are laid out as one flat vector θ ∈ R^P: the model's trainable par
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from nsa_dist.hessian._loss import Loss
-import logging
-
+from nsa_dist.config import LossName
 from nsa_dist.linalg.operator import LinearOperator
-from nsa_dist.ntk._blame import blame
-from nsa_dist.ntk._inputs import as_2d, default_block, trainable_params
-from nsa_dist.ntk._probe import couples
-from nsa_dist.ntk._state import exact_kernels, stateless
+from nsa_dist.ntk import sample_coupling
+from nsa_dist.ntk.blame import blame
+from nsa_dist.ntk.inputs import as_2d, default_block, trainable_params
+from nsa_dist.ntk.state import exact_kernels, stateless
 
 _log = logging.getLogger("nsa_dist")
 
@@ -38,19 +37,19 @@ class LossCurvatureOperator(LinearOperator):
     Attributes:
         shape: (P, P), P the number of trainable parameters.
         dtype, device: of the products (the model's after an optional cast).
-        loss: the :class:`Loss`.
+        loss: the :class:`~nsa_dist.config.LossName` (l2 or cross_entropy).
         N: data points.
         n_products: columns applied so far (one Hessian-vector product each).
     """
 
     dim_name = "P"
 
-    def __init__(self, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, loss: Loss,
+    def __init__(self, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, loss: LossName,
                  block_size: int | None) -> None:
         P = sum(p.numel() for p in trainable_params(model).values())
         super().__init__(P, Y.dtype, "torch", X.device)
         with blame(model):
-            coupling = couples(model, X)
+            coupling = sample_coupling(model, X)
             model = stateless(model, X[:2])  # products change no buffer of the user's model
         if coupling is not None:  # C of the batch forward: every product over all points at once
             _log.info("the model couples samples (%s): curvature products over the whole batch", coupling)

@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 
 from nsa_dist.errors import ShapeError
-from nsa_dist.linalg._backend import Backend
-from nsa_dist.linalg._inputs import as_symmetric_map
+from nsa_dist.linalg import Backend, as_symmetric_map
 from nsa_dist.linalg.operator import LinearOperator
 
 __all__ = ["LinearMap", "as_linear_map", "rademacher", "check_int"]
@@ -38,7 +37,7 @@ def as_linear_map(A: Any, name: str = "A") -> LinearMap:
 
     The project's operators (:class:`nsa_dist.linalg.LinearOperator`: H, I, S, G, local or on a
     gang) already take and return NumPy; anything else goes through the eigensolvers' one input
-    adapter (:func:`nsa_dist.linalg._inputs.as_symmetric_map`: shape, dtype, finiteness and
+    adapter (:func:`nsa_dist.linalg.as_symmetric_map`: shape, dtype, finiteness and
     symmetry checks, the array type an operator consumes found by one probe product).
 
     Raises:

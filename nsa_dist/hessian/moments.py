@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nsa_dist.hessian._loss import Loss, curvature_sqrt, parse_loss
+from nsa_dist.config import LossName
+from nsa_dist.hessian._loss import curvature_sqrt
 from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, rademacher
 from nsa_dist.hessian.operators import _setup
 from nsa_dist.ntk import gram
-from nsa_dist.ntk._inputs import as_2d
+from nsa_dist.losses import parse_loss
+from nsa_dist.ntk.inputs import as_2d
 
 if TYPE_CHECKING:
     from torch import nn
@@ -148,7 +150,7 @@ def dense_moments(A: Any, max_order: int = 4) -> Moments:
     return Moments(est, np.zeros(kmax), Amap.n_products, "dense")
 
 
-def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | Loss = "mse") -> np.ndarray:
+def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse") -> np.ndarray:
     """The spectrum of I outside its null space, from the NTK Gram (exact, no Hessian products).
 
     ``I = (1/N) Jᵀ HC J`` has the same nonzero eigenvalues as ``(1/N) HC^{1/2} G HC^{1/2}``,
@@ -170,7 +172,7 @@ def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss:
     model, X, Yt = _setup(model, X, Y, loss_, torch.float64)
     N, K = Yt.shape
     G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K)
-    if loss_ is Loss.CROSS_ENTROPY:
+    if loss_ is LossName.CROSS_ENTROPY:
         with torch.no_grad():
             R = curvature_sqrt(loss_, as_2d(model(X)), Yt)  # (N, K, K)
         G = torch.einsum("iab,ibjc,jdc->iajd", R, G, R)
@@ -178,7 +180,7 @@ def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss:
     return np.linalg.eigvalsh((M + M.T) / 2)[::-1].copy()
 
 
-def gauss_newton_moments(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | Loss = "mse",
+def gauss_newton_moments(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
                          max_order: int = 4) -> Moments:
     """Exact ``Tr(I^k) = Σ_i μ_i^k`` over :func:`gauss_newton_eigenvalues` μ (method "ntk_gram")."""
     kmax = check_int("max_order", max_order, 1)

@@ -20,11 +20,13 @@ from torch import nn
 from torch.func import grad, jvp, vjp, vmap
 
 from nsa_dist._checks import parse_enum
-from nsa_dist.hessian._loss import Loss, loss_curvature, loss_gradient, loss_sum, parse_loss, prepare_targets
+from nsa_dist.config import LossName
+from nsa_dist.hessian._loss import loss_curvature, loss_sum, prepare_targets
 from nsa_dist.hessian._operator import LossCurvatureOperator
-from nsa_dist.ntk._blame import blame
-from nsa_dist.ntk._inputs import output_dim, prepare_inputs, prepare_model
-from nsa_dist.ntk._state import preserved
+from nsa_dist.ntk.blame import blame
+from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
+from nsa_dist.losses import parse_loss, residual
+from nsa_dist.ntk.state import preserved
 
 if TYPE_CHECKING:
     import numpy as np
@@ -93,7 +95,7 @@ class ResidualOperator(LossCurvatureOperator):
         super().__init__(*args, **kwargs)
         with torch.no_grad():
             F = torch.cat([self._f(self.X[b])(self._params) for b in self._blocks(1)])  # (N, K)
-        self.R = loss_gradient(self.loss, F, self.Y)  # (N, K)
+        self.R = residual(self.loss, F, self.Y)  # (N, K)
 
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m = next(iter(U.values())).shape[0]
@@ -110,7 +112,7 @@ class ResidualOperator(LossCurvatureOperator):
 _CLASSES = {HessianPart.H: HessianOperator, HessianPart.I: GaussNewtonOperator, HessianPart.S: ResidualOperator}
 
 
-def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss: Loss,
+def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss: LossName,
            dtype: torch.dtype | None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = prepare_model(model, dtype)
     X = prepare_inputs(model, X, "X", dtype)
@@ -120,7 +122,7 @@ def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss
     return model, X, prepare_targets(Y, loss, X.shape[0], K, cdt, X.device)
 
 
-def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *, loss: str | Loss = "mse",
+def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *, loss: str | LossName = "mse",
                   block_size: int | None = None,
                   dtype: torch.dtype | None = None) -> tuple[HessianOperator, GaussNewtonOperator, ResidualOperator]:
     """The three operators ``(H, I, S)`` of one model, dataset and loss (validated once).
@@ -135,7 +137,7 @@ def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarra
 
 
 def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *,
-                     part: str | HessianPart = "H", loss: str | Loss = "mse", block_size: int | None = None,
+                     part: str | HessianPart = "H", loss: str | LossName = "mse", block_size: int | None = None,
                      dtype: torch.dtype | None = None) -> LossCurvatureOperator:
     """The matrix-free P×P operator ``H``, ``I`` or ``S`` of ``C(θ) = (1/N) Σ_i c(f(x_i; θ), y_i)``.
 
@@ -152,7 +154,7 @@ def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.nda
             probability rows (N, K) for cross-entropy.
         part: "H" | "I" | "S" (see :class:`HessianPart`).
         loss: "mse" (``C = (1/2N) Σ ‖f − y‖²``) or "cross_entropy" (``C = (1/N) Σ CE(softmax f, y)``);
-            see :class:`Loss`.
+            or a :class:`~nsa_dist.config.LossName` ("l2" = "mse").
         block_size: data points per block (bounds memory; the result does not depend on it).
             Default: about 256 MB of per-column activations.
         dtype: compute dtype (e.g. torch.float64 for reference checks); default the model's.

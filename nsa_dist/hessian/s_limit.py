@@ -58,7 +58,7 @@ import torch
 
 from nsa_dist.config import Activation
 from nsa_dist.models import SOFTPLUS_SCALE, SOFTPLUS_SHIFT
-from nsa_dist.ntk.limit import _as_points, _check_options, _cos_angle
+from nsa_dist.ntk.limit import as_points, check_options, cos_angle
 
 __all__ = ["SKernels", "limit_S_kernels", "limit_trace_S_init", "limit_trace_S2", "limit_trace_S_gd"]
 
@@ -148,7 +148,7 @@ def _expectations(derivs: _Derivs, n: int, k11: torch.Tensor, k22: torch.Tensor,
     k11, k22, k12 = torch.broadcast_tensors(k11, k22, k12)
     shape = k12.shape
     k11, k22, k12 = k11.reshape(-1), k22.reshape(-1), k12.reshape(-1)
-    _, rho = _cos_angle(k11, k22, k12)
+    _, rho = cos_angle(k11, k22, k12)
     s1, s2 = k11.sqrt(), k22.sqrt()
     out = {p: torch.empty_like(k12) for p in _PAIRS}
     chunk = max(1, _QUAD_ELEMS // (n * n))
@@ -215,9 +215,9 @@ def limit_S_kernels(x: torch.Tensor | np.ndarray, *, depth: int,
         ShapeError / NonFiniteError: x not (N, d) or not finite.
         ValueError: depth < 1, quadrature < 2, bias_scale < 0, relu / leaky_relu or an unknown activation.
     """
-    _check_options(depth, 0.0, bias_scale, quadrature)
+    check_options(depth, 0.0, bias_scale, quadrature)
     derivs = _smooth_activation(activation)
-    a = _as_points(x, "x")
+    a = as_points(x, "x")
     beta2, n0 = float(bias_scale) ** 2, a.shape[1]
     sigma = a @ a.T / n0 + beta2  # (N, N) Σ⁽¹⁾
     theta = sigma.clone()

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from nsa_dist.hessian._probes import as_linear_map, check_int, rademacher
-from nsa_dist.linalg._backend import ArrayOps
+from nsa_dist.linalg import ArrayOps
 from nsa_dist.linalg.lanczos import block_gauss_quadrature
 
 __all__ = ["SpectralDensity", "slq_density"]

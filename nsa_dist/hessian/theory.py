@@ -24,11 +24,13 @@ import numpy as np
 import torch
 from torch.func import functional_call, jvp, vmap
 
-from nsa_dist.hessian._loss import Loss, curvature_sqrt, parse_loss
+from nsa_dist.config import LossName
+from nsa_dist.hessian._loss import curvature_sqrt
 from nsa_dist.hessian._probes import as_linear_map, check_int, rademacher
 from nsa_dist.hessian.moments import Moments, _mean_stderr, _powers, _quadratic_forms
 from nsa_dist.hessian.operators import hessian_parts
-from nsa_dist.ntk._inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
+from nsa_dist.losses import parse_loss
+from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
 
 if TYPE_CHECKING:
     from torch import nn
@@ -174,7 +176,7 @@ def trace_S_from_G(R: np.ndarray, traces: OutputTraces) -> tuple[float, float]:
 # --------------------------------------------------------------------------- the limit of I
 
 
-def limit_gauss_newton_eigenvalues(theta: Any, F: Any = None, Y: Any = None, *, loss: str | Loss = "mse") -> np.ndarray:
+def limit_gauss_newton_eigenvalues(theta: Any, F: Any = None, Y: Any = None, *, loss: str | LossName = "mse") -> np.ndarray:
     """The spectrum of I predicted by a (limiting) NTK Gram ``Θ̃`` (N, N): kernel PCA weighted by HC.
 
     ``I = (1/N) Jᵀ HC J`` with ``J Jᵀ → Θ̃∞ ⊗ Id_K`` has the nonzero eigenvalues of
@@ -199,13 +201,13 @@ def limit_gauss_newton_eigenvalues(theta: Any, F: Any = None, Y: Any = None, *, 
         raise ValueError(f"theta must be a square (N, N) Gram, got shape {T.shape}")
     N = T.shape[0]
     if F is None:
-        if loss_ is Loss.CROSS_ENTROPY:
+        if loss_ is LossName.CROSS_ENTROPY:
             raise ValueError("the cross-entropy limit of I needs the outputs F (its HC = diag p − ppᵀ depends on them)")
         K = 1
     else:
         Fa = np.asarray(F.detach().cpu() if isinstance(F, torch.Tensor) else F, np.float64).reshape(N, -1)
         K = Fa.shape[1]
-    if loss_ is Loss.MSE:
+    if loss_ is LossName.L2:
         lam = np.linalg.eigvalsh((T + T.T) / 2) / N
         return np.sort(np.repeat(lam, K))[::-1].copy()
     Ft = torch.as_tensor(Fa, dtype=torch.float64)
@@ -243,7 +245,7 @@ class Ranks:
 _MAX_DENSE_P = 4096
 
 
-def numerical_ranks(model: "nn.Module", X: torch.Tensor, Y: Any, *, loss: str | Loss = "mse",
+def numerical_ranks(model: "nn.Module", X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
                     tol: float = 1e-9) -> Ranks:
     """Ranks of the dense I, S and H of a small network, beside ``Rank(I) ≤ N n_L`` and
     ``Rank(S) ≤ 2(L − 1) w N n_L`` (the Hessian paper; L Linear layers, hidden width w).

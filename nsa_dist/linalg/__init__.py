@@ -9,14 +9,23 @@
   or on a gang): ``shape``, ``dtype``, ``matmat`` on NumPy or torch blocks.
 
 The Lanczos solver itself (:func:`nsa_dist.linalg.lanczos.block_lanczos`) works on any array
-module through :class:`~nsa_dist.linalg._backend.ArrayOps`.
+module through :class:`ArrayOps`; :func:`as_symmetric_map` turns a matrix or operator into the
+validated :class:`SymmetricMap` the solvers take (shared with :mod:`nsa_dist.hessian`).
+
+Owns: symmetric eigensolvers and the operator protocol; knows nothing of networks.
+May import: NumPy, SciPy, torch, CuPy (behind a guard), :mod:`nsa_dist.config` (the
+:class:`EigMethod` enum, defined with the spec), ``errors`` and ``_checks`` — nothing else of
+nsa_dist.
 """
 
 from __future__ import annotations
 
-from nsa_dist.linalg._backend import Backend
-from nsa_dist.linalg._eigen import EigMethod, Eigenpairs, top_eigenpairs
+from nsa_dist.linalg._backend import ArrayOps, Backend
+from nsa_dist.config import EigMethod
+from nsa_dist.linalg._eigen import Eigenpairs, top_eigenpairs
+from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
 
-__all__ = ["Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator"]
+__all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator",
+           "SymmetricMap", "as_symmetric_map"]

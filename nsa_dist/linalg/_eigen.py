@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from nsa_dist._checks import parse_enum
+from nsa_dist.config import EigMethod
 from nsa_dist.linalg._backend import Backend
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import block_lanczos
@@ -22,28 +22,6 @@ __all__ = ["EigMethod", "Eigenpairs", "top_eigenpairs"]
 _DENSE_N = 500  # AUTO: dense eigh up to this N
 _DENSE_FRACTION = 1 / 3  # AUTO: dense eigh when k > N/3
 _SUBSET_FRACTION = 1 / 4  # dense on CPU: LAPACK's subset solver (evr) up to k = N/4, full evd above
-
-
-class EigMethod(str, Enum):
-    """How :func:`top_eigenpairs` computes the top-k eigenpairs of the (N, N) Gramian.
-
-    DENSE: LAPACK ``eigh`` (SciPy on the host, ``torch.linalg.eigh`` / ``cupy.linalg.eigh`` on the
-        GPU), O(N³).  Wins when k is a large fraction of N (k > N/3), for small N (≤ 500), and
-        for ``k="all"``.  An operator is first materialised with N products.
-    LANCZOS: thick-restart block Lanczos with full reorthogonalisation
-        (:func:`nsa_dist.linalg.lanczos.block_lanczos`), O(N²·m) for a dense G with m ≈ 3k
-        products.  Wins for k ≪ N: ≥ 10× faster than ``eigh`` for the top 100 of N = 5000 on two
-        cores, and the only choice when G is matrix-free (an NTK operator too large to form).
-    ARPACK: SciPy's ``eigsh(which="LA")``, implicitly restarted single-vector Lanczos, on the host
-        only.  A reference: fewer products than LANCZOS for very small k, but one matvec at a time
-        (BLAS-2), so slower on dense matrices and operators with batched products.
-    AUTO: DENSE when k > N/3 or N ≤ 500, else LANCZOS.
-    """
-
-    AUTO = "auto"
-    DENSE = "dense"
-    LANCZOS = "lanczos"
-    ARPACK = "arpack"
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from nsa_dist.errors import ShapeError
+from nsa_dist.errors import NonFiniteError, ShapeError
 from nsa_dist.metrics._validate import as_real, check_rows, count, nonzero_norms, work_dtype
 
-__all__ = ["spectral_projections", "relative_energy"]
+__all__ = ["spectral_projections", "relative_energy", "energy_from_projections"]
 
 
 def _validated(evecs: Any, phi: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -48,34 +48,76 @@ def spectral_projections(evecs: Any, phi: Any) -> np.ndarray:
     return _projections2(*_validated(evecs, phi))
 
 
-def relative_energy(evecs: Any, phi: Any, k: int | None = None) -> np.ndarray | float:
+def relative_energy(evecs: Any, phi: Any, k: int | None = None, *, pooled: bool = False,
+                    undefined: Literal["raise", "nan"] = "raise") -> np.ndarray | float:
     """Relative energy E_t(φ, k) of ``phi`` in the top-k eigenvectors, for every k <= K (NSA §6).
 
     E_t(φ, k) = Σ_{i≤k} ⟨v_i, φ⟩² / ‖φ‖² = cos²α_t(φ, k), the share of ‖φ‖² inside
     span{v_1, …, v_k}.  Columns of ``evecs`` must be ordered by DESCENDING eigenvalue
-    (``np.linalg.eigh`` returns them ascending: pass ``evecs[:, ::-1]``).
+    (``np.linalg.eigh`` returns them ascending: pass ``evecs[:, ::-1]``).  ``pooled``: the M
+    columns of a (N, M) φ (a K-output network's outputs) as one vector,
+    E_t(φ, k) = Σ_c Σ_{i≤k} ⟨v_i, φ_c⟩² / Σ_c ‖φ_c‖².
 
     Args:
         evecs: (N, K) float array, orthonormal eigenvectors v_1..v_K of G_t as columns.
         phi: (N,) vector φ (labels ȳ, outputs f̄_t, residual m̄_t, df̄_t, ...), or (N, M).
         k: if given, a count 1 <= k <= K; only E_t(φ, k) is returned.
+        pooled: one energy for all columns of a (N, M) φ (no effect on a (N,) φ).
+        undefined: a zero or non-finite φ (the update of a diverging step) raises ("raise") or
+            gives NaN ("nan") where E is undefined.
 
     Returns:
         float64 array (K,) whose entry k-1 is E_t(φ, k) (non-decreasing in k; 1 at k = N),
-        or (M, K) for ``phi`` of shape (N, M).  With ``k``: a float, or an (M,) array.
+        or (M, K) for ``phi`` of shape (N, M) unless pooled.  With ``k``: a float, or an (M,) array.
+        Float32 ``evecs`` and ``phi`` are projected in float32, anything else in float64.
 
     Raises:
         ShapeError: bad shapes (see :func:`spectral_projections`) or k outside [1, K].
-        NonFiniteError: NaN/inf input, or a zero vector φ (E is 0/0).
+        NonFiniteError: NaN/inf input, or a zero vector φ (E is 0/0) — for φ only with
+            ``undefined="raise"``.
         TypeError: a non-real dtype, or ``k`` not an integer.
+        ValueError: ``undefined`` not "raise" or "nan".
     """
-    V, phi = _validated(evecs, phi)
+    if undefined not in ("raise", "nan"):
+        raise ValueError(f"undefined={undefined!r} is not one of 'raise', 'nan'")
+    try:
+        V, phi = _validated(evecs, phi)
+        finite = True
+    except NonFiniteError:
+        if undefined == "raise":
+            raise
+        V, phi = _validated(evecs, _zeroed(phi))  # NaN/inf in evecs still raise
+        finite = False
     if k is not None:
         k = count("k", k, 1, V.shape[1])
-    norm2 = np.sum(np.square(phi.astype(np.float64)), axis=0)  # () or (M,)
-    nonzero_norms("phi", norm2, "the relative energy Σ⟨v_i,φ⟩²/‖φ‖²")
-    energy = np.cumsum(_projections2(V, phi), axis=-1) / np.asarray(norm2)[..., None]  # (K,)|(M, K)
+    P2 = _projections2(V, phi)  # (K,) | (M, K)
+    norm2 = np.sum(np.square(phi.astype(np.float64)), axis=0)  # () | (M,)
+    if pooled:
+        P2, norm2 = P2.reshape(-1, V.shape[1]).sum(axis=0), norm2.sum()  # (K,), ()
+    if undefined == "raise":
+        nonzero_norms("phi", norm2, "the relative energy Σ⟨v_i,φ⟩²/‖φ‖²")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        energy = np.cumsum(P2, axis=-1) / np.asarray(norm2)[..., None]  # (K,) | (M, K)
+    energy[np.asarray(norm2) == 0] = np.nan  # 0/0 (only reached with undefined="nan")
+    if not finite:
+        energy[...] = np.nan
     if k is None:
         return energy
     out = energy[..., k - 1]
     return float(out) if out.ndim == 0 else out
+
+
+def _zeroed(phi: Any) -> np.ndarray:
+    """``phi`` with its NaN/inf entries replaced by 0 (the caller then returns NaN)."""
+    arr = np.asarray(phi.detach().cpu().numpy() if hasattr(phi, "detach") else phi)
+    return np.where(np.isfinite(arr), arr, 0).astype(arr.dtype, copy=False) if arr.dtype.kind in "fc" else arr
+
+
+def energy_from_projections(P: np.ndarray, phi: np.ndarray) -> np.ndarray:
+    """E(φ, k) for k = 1..K from the coordinates P = Vᵀφ (K, C) already computed (a step projects
+    every φ once, during its eigensolve): Σ_c Σ_{i≤k} P_ic² / Σ_c ‖φ_c‖² (NSA §6; the pooled
+    :func:`relative_energy`); NaN for φ = 0 or a non-finite φ (the update of a diverging step)."""
+    norm2 = float(np.sum(np.asarray(phi, dtype=np.float64) ** 2))
+    if norm2 == 0.0 or not np.isfinite(norm2):
+        return np.full(P.shape[0], np.nan)
+    return np.cumsum(np.sum(P**2, axis=1)) / norm2  # (K,)

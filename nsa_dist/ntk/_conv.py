@@ -24,7 +24,7 @@ output a give, for every fast layer, its input ``A`` and its output gradient ``Î
 
 The formed gradients are written straight into one feature matrix M (N, K, P_formed) and
 contracted ``G += M Máµ€`` (:mod:`._contract`: column chunks, upper tiles only when symmetric).
-Memory: M is held for all points while it fits in :data:`~nsa_dist.ntk._inputs.FEATURE_BYTES`;
+Memory: M is held for all points while it fits in :data:`~nsa_dist.ntk.inputs.FEATURE_BYTES`;
 past it the formed columns are split into groups, one forward/backward pass over the data per
 group (the latest layers first: their backward pass is the shortest).  Exact, and it never forms
 the Jacobian of the factored Linear layers.
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk import _inputs
+from nsa_dist.ntk import inputs
 from nsa_dist.ntk._attention import Projection, attention_ok, decomposed_forwards, projections
 from nsa_dist.ntk._contract import add_factors, add_formed, tile_slices
 from nsa_dist.ntk._formed import Layer as _Layer, kind as _kind, write_formed
@@ -178,7 +178,7 @@ def _column_groups(formed: list[_Layer], generic: dict[str, int], rows: int, ite
     total = sum(c for _, c in units)
     if not total:
         return []
-    n_groups = max(1, -(-rows * total * itemsize // _inputs.FEATURE_BYTES))
+    n_groups = max(1, -(-rows * total * itemsize // inputs.FEATURE_BYTES))
     groups: list[tuple[list[_Layer], list[str]]] = [([], [])]
     used = 0
     for unit, cols in units:

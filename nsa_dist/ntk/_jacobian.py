@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
-from nsa_dist.ntk import _inputs
-from nsa_dist.ntk._inputs import as_2d, trainable_params
+from nsa_dist.ntk import inputs
+from nsa_dist.ntk.inputs import as_2d, trainable_params
 
 __all__ = ["jacobian_fn", "jacobian_gram", "batch_jacobian_gram"]
 
-# Per-block Jacobians of the second input are cached while they fit in _inputs.FEATURE_BYTES
+# Per-block Jacobians of the second input are cached while they fit in inputs.FEATURE_BYTES
 # (the feature memory rule of every NTK path); past it they are recomputed for every row block
 # (memory stays at two blocks).
 
@@ -119,7 +119,7 @@ def jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K
     n1, n2 = x1.shape[0], xs2.shape[0]
     G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=_dtype(model), device=x1.device)
     P = sum(p.numel() for p in trainable_params(model).values())
-    J2 = _cached(lambda t: J(xs2[t:t + block]), n2 * K * P * G.element_size() <= _inputs.FEATURE_BYTES)
+    J2 = _cached(lambda t: J(xs2[t:t + block]), n2 * K * P * G.element_size() <= inputs.FEATURE_BYTES)
     J1 = J2 if sym else (lambda s: J(x1[s:s + block]))
     return _contract(G, J1, J2, n1, n2, block, sym, full, K)
 
@@ -158,6 +158,6 @@ def batch_jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | N
     P = sum(p.numel() for p in trainable_params(model).values())
     r1 = _batch_rows(model, x1, K)
     r2 = r1 if sym else _batch_rows(model, x2, K)
-    J2 = _cached(lambda t: r2(t, min(t + block, n2)), n2 * K * P * G.element_size() <= _inputs.FEATURE_BYTES)
+    J2 = _cached(lambda t: r2(t, min(t + block, n2)), n2 * K * P * G.element_size() <= inputs.FEATURE_BYTES)
     J1 = J2 if sym else (lambda s: r1(s, min(s + block, n1)))
     return _contract(G, J1, J2, n1, n2, block, sym, full, K)

@@ -10,10 +10,10 @@ from torch.func import functional_call, jvp, vjp, vmap
 import logging
 
 from nsa_dist.linalg.operator import LinearOperator
-from nsa_dist.ntk._blame import blame
-from nsa_dist.ntk._inputs import as_2d, trainable_params
+from nsa_dist.ntk.blame import blame
+from nsa_dist.ntk.inputs import as_2d, trainable_params
 from nsa_dist.ntk._probe import couples
-from nsa_dist.ntk._state import exact_kernels, stateless
+from nsa_dist.ntk.state import exact_kernels, stateless
 
 _log = logging.getLogger("nsa_dist")
 

@@ -25,8 +25,8 @@ from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk._attention import attention_ok, attention_call_ok
-from nsa_dist.ntk._inputs import as_2d, trainable_params
-from nsa_dist.ntk._state import batch_stat_modules, preserved
+from nsa_dist.ntk.inputs import as_2d, trainable_params
+from nsa_dist.ntk.state import batch_stat_modules, preserved
 
 __all__ = ["Route", "FastLayer", "ForwardPlan", "plan_forward", "couples"]
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._inputs import as_2d
+from nsa_dist.ntk.inputs import as_2d
 from nsa_dist.ntk._probe import ForwardPlan, Route, plan_forward
 
 # Feature memory (Â, D for all points of one layer group) is kept under this fraction of the

@@ -25,14 +25,14 @@ from nsa_dist.config import Activation
 from nsa_dist.errors import ShapeError
 from nsa_dist.models import SOFTPLUS_SCALE, normalized_softplus
 
-__all__ = ["limit_ntk"]
+__all__ = ["limit_ntk", "as_points", "check_options", "cos_angle"]  # the last three shared with hessian.s_limit
 
 _F64 = torch.float64
 _QUAD_ELEMS = 2 ** 22  # rows of the quadrature are chunked to about this many evaluations
 _Pair = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _cos_angle(k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_angle(k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(√(k11 k22), ρ = k12 / √(k11 k22) clamped to [−1, 1]; ρ = 0 where a variance is 0)."""
     s = (k11 * k22).sqrt()
     rho = torch.where(s > 0, k12 / torch.where(s > 0, s, 1.0), 0.0).clamp(-1.0, 1.0)
@@ -46,7 +46,7 @@ def _leaky_relu_pair(a: float) -> _Pair:
     E[σ̇σ̇′] = (1 + a²)(π − θ)/(2π) + a θ/π.
     """
     def pair(k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s, rho = _cos_angle(k11, k22, k12)
+        s, rho = cos_angle(k11, k22, k12)
         th = torch.arccos(rho)
         sin = (1 - rho ** 2).clamp_min(0).sqrt()
         E = s / (2 * math.pi) * ((1 + a * a) * (sin + (math.pi - th) * rho) - 2 * a * (sin - th * rho))
@@ -86,7 +86,7 @@ def _quadrature_pair(phi: Callable[[torch.Tensor], torch.Tensor], n: int,
         k11, k22, k12 = torch.broadcast_tensors(k11, k22, k12)
         shape = k12.shape
         k11, k22, k12 = k11.reshape(-1), k22.reshape(-1), k12.reshape(-1)
-        _, rho = _cos_angle(k11, k22, k12)
+        _, rho = cos_angle(k11, k22, k12)
         s1, s2 = k11.sqrt(), k22.sqrt()
         E, Ed = torch.empty_like(k12), torch.empty_like(k12)
         chunk = max(1, _QUAD_ELEMS // (n * n))
@@ -135,7 +135,13 @@ def _pair_for(activation: str | Activation | Callable, negative_slope: float, qu
     return _quadrature_pair(phi, quadrature, dphi)
 
 
-def _as_points(x: object, name: str) -> torch.Tensor:
+def as_points(x: object, name: str) -> torch.Tensor:
+    """``x`` as finite float64 points (n, d), n, d >= 1.
+
+    Raises:
+        ShapeError: not 2-D or empty.
+        NonFiniteError: NaN/inf entries.
+    """
     xt = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
     if xt.ndim != 2 or xt.shape[0] == 0 or xt.shape[1] == 0:
         raise ShapeError(f"{name} must have shape (n, d) with n, d >= 1, got {tuple(xt.shape)}")
@@ -143,7 +149,8 @@ def _as_points(x: object, name: str) -> torch.Tensor:
     return xt.to(_F64)
 
 
-def _check_options(depth: int, negative_slope: float, bias_scale: float, quadrature: int) -> None:
+def check_options(depth: int, negative_slope: float, bias_scale: float, quadrature: int) -> None:
+    """Validate the options of a limit kernel (:func:`limit_ntk`); a ValueError naming the bad one."""
     if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1:
         raise ValueError(f"depth (the number of Linear layers) must be an int >= 1, got {depth!r}")
     if isinstance(quadrature, bool) or not isinstance(quadrature, (int, np.integer)) or quadrature < 2:
@@ -189,9 +196,9 @@ def limit_ntk(x1: torch.Tensor | np.ndarray, x2: torch.Tensor | np.ndarray | Non
         NonFiniteError: NaN/inf in x1 or x2.
         ValueError: depth < 1, quadrature < 2, bias_scale < 0, an unknown activation.
     """
-    _check_options(depth, negative_slope, bias_scale, quadrature)
-    a = _as_points(x1, "x1")
-    b = a if x2 is None else _as_points(x2, "x2")
+    check_options(depth, negative_slope, bias_scale, quadrature)
+    a = as_points(x1, "x1")
+    b = a if x2 is None else as_points(x2, "x2")
     if b.shape[1] != a.shape[1]:
         raise ShapeError(f"x1 and x2 must have the same input dimension d; got {tuple(a.shape)} and {tuple(b.shape)}")
     pair = _pair_for(activation, negative_slope, int(quadrature))

@@ -12,10 +12,10 @@ from torch import nn
 from nsa_dist.config import Activation, ExperimentSpec, Init, LossName, ModelSpec
 from nsa_dist.hessian import (additivity_gap, extreme_eigenpairs, gauss_newton_eigenvalues, hessian_parts,
                               hutchpp_moments, limit_gauss_newton_eigenvalues, orthogonality, output_hessian_traces,
-                              power_moments, rayleigh_quotients, slq_density, trace_S_from_G)
-from nsa_dist.hessian._loss import Loss, loss_gradient, parse_loss, prepare_targets
+                              power_moments, prepare_targets, rayleigh_quotients, slq_density, trace_S_from_G)
+from nsa_dist.losses import parse_loss, residual as loss_gradient
 from nsa_dist.ntk import preserved
-from nsa_dist.ntk._inputs import as_2d, prepare_model
+from nsa_dist.ntk.inputs import as_2d, prepare_model
 from nsa_dist.store.records import HessianStep
 
 if TYPE_CHECKING:
@@ -26,15 +26,15 @@ __all__ = ["GramKnowledge", "HessianAnalysis", "hessian_loss", "limit_reason"]
 PARTS = ("H", "I", "S")
 
 
-def hessian_loss(spec: ExperimentSpec) -> Loss:
-    """The run's loss as the Hessian's :class:`~nsa_dist.hessian.Loss` (l2 → mse, cross_entropy).
+def hessian_loss(spec: ExperimentSpec) -> LossName:
+    """The run's loss as the Hessian takes it (l2, cross_entropy).
 
     Raises:
         ValueError: loss 'nce' (the spec refuses a hessian block with it).
     """
     if LossName(spec.loss) is LossName.NCE:
         raise ValueError("the Hessian measurements support loss 'l2' and 'cross_entropy', not 'nce'")
-    return parse_loss(LossName(spec.loss).value)
+    return parse_loss(spec.loss)
 
 
 def limit_reason(spec: ExperimentSpec) -> str | None:
@@ -90,7 +90,7 @@ class HessianAnalysis:
         self.top_k, self.rayleigh_k, self.grid = D.hessian_top_k, D.hessian_rayleigh_k, D.hessian_density_bins
         self.seed = spec.seed
         self.spec = spec
-        self.loss = hessian_loss(spec) if self.h else Loss.MSE
+        self.loss = hessian_loss(spec) if self.h else LossName.L2
         self.limit_reason = limit_reason(spec) if self.h and self.h.limit else "hessian.limit is off"
         self._theta_inf: torch.Tensor | None = None  # Θ̃∞ at the training points, computed once per run
         self._s_kernels: Any = None  # Σ̃, Θ̃∞, Φ̃, Υ̃, Λ̃ (the limits of S), computed once per run
@@ -138,7 +138,7 @@ class HessianAnalysis:
         k = self._s_kernels
         Y = prepare_targets(self.y, self.loss, N, K, torch.float64, torch.device("cpu"))
         out[2] = limit_trace_S2(k.upsilon, loss_gradient(self.loss, F.cpu(), Y).numpy() / N)
-        if self.loss is Loss.MSE:
+        if self.loss is LossName.L2:
             out[0] = limit_trace_S_init(k, K)
             opt = self.spec.optimizer
             if step is not None and opt.name == "gd" and opt.momentum == 0:
@@ -152,7 +152,7 @@ class HessianAnalysis:
     @property
     def gram_reusable(self) -> bool:
         """Whether the step's NTK Gram G (N, N) gives I: one output, MSE (I = Jᵀ J / N ~ G / N)."""
-        return self.loss is Loss.MSE and self.spec.model.output_dim == 1
+        return self.loss is LossName.L2 and self.spec.model.output_dim == 1
 
     def _exact_I(self, model: nn.Module, gram: GramKnowledge | None) -> tuple[np.ndarray, np.ndarray]:
         """(eigenvalues of I outside its null space (N·K,), Tr(I^k) k = 1..4) — exact, NaN where unknown.

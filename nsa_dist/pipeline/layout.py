@@ -238,7 +238,7 @@ def layout_bytes(spec: ExperimentSpec, N: int, feature_width: int) -> dict[Layou
     (N/W)·feature_width·itemsize; ``feature_width`` = Σ_l (n_in + 1 + K·n_out).
     """
     s = spec.spectrum
-    item = 8 if s.dtype == "float64" else 4
+    item = np.dtype(s.dtype).itemsize
     W, B = s.workers, 4 * s.workers
     return {Layout.LOCAL: N * N * (item + 8) * 1.1,
             Layout.BLOCK_ROWS: (B + 1) / (2 * B * W) * N * N * item + N * feature_width * item,
@@ -295,7 +295,7 @@ def gram_for_layout(pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: 
     """The step's G on the gang in the layout of ``run`` (a :class:`~nsa_dist.pipeline.plan.RunPlan`:
     block_rows or matrix_free)."""
     spec, layout = run.spec, run.layout.layout
-    dtype = np.float64 if spec.spectrum.dtype == "float64" else np.float32
+    dtype = np.dtype(spec.spectrum.dtype)
     if layout is Layout.BLOCK_ROWS:
         return TiledGram(pool, run, theta, which, N, dtype)
     if layout is Layout.MATRIX_FREE:

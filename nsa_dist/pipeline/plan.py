@@ -136,7 +136,7 @@ class RunPlan:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The analysis precision (``spectrum.dtype``)."""
-        return torch.float64 if self.spec.spectrum.dtype == "float64" else torch.float32
+        return self.spec.spectrum.torch_dtype()
 
     def with_layout(self, layout: str, reason: str) -> "RunPlan":
         """The plan with the layout the run was created with (``auto`` is resolved once, by whoever

@@ -15,9 +15,9 @@ from torch.nn.utils import vector_to_parameters
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
-from nsa_dist.losses import is_nce, residual as loss_residual
-from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, first_order_accuracy, reconstruction_ks,
-                              top_k_reconstructions)
+from nsa_dist.losses import is_nce, training_residual as loss_residual
+from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, energy_from_projections,
+                              first_order_accuracy, reconstruction_ks, top_k_reconstructions)
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram, jacobian_vector_product, prepare_model
 from nsa_dist.pipeline.checkpoint import Checkpoint
@@ -29,7 +29,7 @@ from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvatur
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
-from nsa_dist.pipeline.step_basis import StepSpectrum, energy_from_projections, from_eigenpairs, from_tridiagonal
+from nsa_dist.pipeline.step_basis import StepSpectrum, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
 

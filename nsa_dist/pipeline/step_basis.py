@@ -11,7 +11,7 @@ import numpy as np
 
 from nsa_dist.linalg.tridiag import eig_projections
 
-__all__ = ["StepSpectrum", "energy_from_projections", "from_eigenpairs", "from_tridiagonal"]
+__all__ = ["StepSpectrum", "from_eigenpairs", "from_tridiagonal"]
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,3 @@ def from_tridiagonal(G: Any, k: int, phis: dict[str, np.ndarray], indices: tuple
     sp = eig_projections(G, Phi, idx)
     return StepSpectrum(sp.evals[:k].copy(), {n: sp.proj[:k, s] for n, s in where.items()},
                         {i: sp.vectors[:, j] for j, i in enumerate(idx)})
-
-
-def energy_from_projections(P: np.ndarray, phi: np.ndarray) -> np.ndarray:
-    """E(φ, k) for k = 1..K from P = Vᵀφ (K, C): Σ_c Σ_{i≤k} P_ic² / Σ_c ‖φ_c‖² (NSA §6);
-    NaN for φ = 0 or a non-finite φ (the update of a diverging step)."""
-    norm2 = float(np.sum(np.asarray(phi, dtype=np.float64) ** 2))
-    if norm2 == 0.0 or not np.isfinite(norm2):
-        return np.full(P.shape[0], np.nan)
-    return np.cumsum(np.sum(P**2, axis=1)) / norm2  # (K,)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import add_gd_note, decay_lines, new_figure, time_axis
+from nsa_dist.plots.axes import add_gd_note, decay_lines, new_figure, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import PlotOptions, add_gd_note, colors, ks, new_figure, some_steps, time_axis
+from nsa_dist.plots.axes import PlotOptions, add_gd_note, colors, ks, new_figure, some_steps, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

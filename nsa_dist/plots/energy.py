@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nsa_dist.plots._axes import PlotOptions, colors, ks, new_figure, time_axis
+from nsa_dist.config import LossName
+from nsa_dist.plots.axes import PlotOptions, colors, ks, new_figure, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -35,7 +36,7 @@ def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "F
     """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
     what = _WHAT[phi]
-    if phi == "y" and getattr(run.spec.loss, "value", run.spec.loss) == "nce":  # the energy of the centred log-density (spectral.py)
+    if phi == "y" and LossName(run.spec.loss) is LossName.NCE:  # the energy of the centred log-density (spectral.py)
         what = r"relative energy of the centred log-density $\bar y - \mathrm{mean}(\bar y)$ (NCE) in the top k eigenvectors of $G_t$"
     fig, ax = new_figure(run, _LABEL[phi], what)
     ax = ax[0, 0]

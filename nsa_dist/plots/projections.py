@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import PlotOptions, colors, ks, new_figure
+from nsa_dist.plots.axes import PlotOptions, colors, ks, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

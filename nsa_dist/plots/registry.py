@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, inputs, projections, spectral_dynamics
-from nsa_dist.plots._axes import DPI, PlotOptions
+from nsa_dist.plots.axes import DPI, PlotOptions
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots._axes import PlotOptions, new_figure
+from nsa_dist.plots.axes import PlotOptions, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -68,7 +68,7 @@ def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     """Eqs. 4–5: ‖m_t‖ and E_t(m_t, k) measured beside GD's prediction with G fixed at its first
     recorded value (E of the prediction in G_{t0}'s eigenbasis, the measured one in G_t's); with test
     points, App. E's Eq. 22 (Nyström extension) for the test residual beside the measured one."""
-    from nsa_dist.plots._axes import ks as chosen_ks
+    from nsa_dist.plots.axes import ks as chosen_ks
 
     pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")  # (S, 2), (S, K)
     idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]

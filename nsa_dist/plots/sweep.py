@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from nsa_dist.plots._axes import DPI, colors
+from nsa_dist.plots.axes import DPI, colors
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -9,7 +9,7 @@ import numpy as np
 from bokeh.layouts import column, row
 from bokeh.models import (ColorBar, ColumnDataSource, HoverTool, LinearColorMapper, Select, Whisker)
 
-from nsa_dist.plots._axes import ks
+from nsa_dist.plots.axes import ks
 from nsa_dist.serve._live import PALETTE, Panel, new_figure, positive
 
 if TYPE_CHECKING:

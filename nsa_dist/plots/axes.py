@@ -2,6 +2,8 @@
 
 Figures are plain :class:`matplotlib.figure.Figure` objects on an Agg canvas: no pyplot, so
 plotting never switches the backend or touches the figure registry of a caller's session.
+A public module: the CLI, ``export`` and ``serve`` draw with the same :data:`DPI`, :func:`ks`
+and :func:`gd_note`.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nsa_dist.config import LossName
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from nsa_dist.client import Run
+
+__all__ = ["KS", "DPI", "PlotOptions", "new_figure", "ks", "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps",
+           "decay_lines", "time_axis"]
 
 KS = (1, 2, 5, 10, 20, 50, 100, 200, 400, 1000, 2000, 4000, 10000)  # k (or i) drawn, as in NSA Fig. 3
 DPI = 110
@@ -74,8 +81,7 @@ def gd_note(run: "Run") -> str | None:
     """A note for figures of GD formulas (s_i, δλ/N, 2N/λ_max; NSA §4) on a run that is not plain GD."""
     o = run.spec.optimizer
     name = o.name.value if hasattr(o.name, "value") else str(o.name)
-    loss = getattr(run.spec.loss, "value", run.spec.loss)
-    if loss == "nce" and name == "gd" and o.momentum == 0:
+    if LossName(run.spec.loss) is LossName.NCE and name == "gd" and o.momentum == 0:
         return ("note: 2N/λ_max, s_i and δλ/N are formulas of GD on the L2 loss (NSA §4); for NCE the "
                 "residual's Jacobian is diag(σ'(h)) ≤ 1/4, so GD's bound is 2N/(λ_max·max σ') ≥ 8N/λ_max")
     if name == "gd" and o.momentum == 0:

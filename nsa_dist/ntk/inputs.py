@@ -1,4 +1,4 @@
-"""Validation of models and inputs shared by the NTK paths (private)."""
+"""Validation of models and inputs shared by the NTK paths and the Hessian operators (:mod:`nsa_dist.hessian`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from nsa_dist.errors import ShapeError
 # held in memory while they fit in this many bytes; past it they are split into groups of columns
 # (per_layer: one forward/backward pass over the data per group).
 FEATURE_BYTES = 2 * 2**30
+
+__all__ = ["FEATURE_BYTES", "prepare_model", "trainable_params", "prepare_inputs", "output_dim", "as_2d", "default_block"]
+
 
 def prepare_model(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """Check ``model`` is an nn.Module with trainable parameters; a copy cast to ``dtype`` if it differs."""

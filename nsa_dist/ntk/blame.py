@@ -1,4 +1,4 @@
-"""One nsa-dist error naming the module, instead of a torch traceback from deep in the stack (private)."""
+"""One nsa-dist error naming the module, instead of a torch traceback from deep in the stack (NTK and Hessian calls)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The user's model is never changed by a measurement (private).
+"""The user's model is never changed by a measurement (shared with :mod:`nsa_dist.hessian`).
 
 NTK, operator and Hessian calls run forwards of the user's model: a BatchNorm in train mode
 updates its running statistics and ``num_batches_tracked`` on every forward.  ``preserved``
