@@ -10,6 +10,9 @@ gang as partial sums.
 * :class:`ShardedGram` — layout ``matrix_free``: ``G V = J (Jᵀ V)``, ``Jᵀ V`` reduced over shards.
 * :class:`ShardedCurvature` — ``H V = Σ_s (n_s/N) H_s V`` (also I, S) over the same shards.
 * :func:`choose_layout` — ``layout: auto`` by a per-worker memory budget.
+
+``run`` arguments are handed to the members as they are (the run's
+:class:`~nsa_dist.pipeline.plan.RunPlan`: a member loads the run's data and network once by it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,11 +30,8 @@ from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk.blocks import row_blocks
 from nsa_dist.ntk.shards import tile_plan
 
-if TYPE_CHECKING:
-    from nsa_dist.pipeline.plan import RunPlan
-
 __all__ = ["Pool", "LocalPool", "StepGram", "DenseGram", "TiledGram", "ShardedGram", "ShardedCurvature",
-           "LayoutChoice", "choose_layout", "gram_for_layout", "layout_bytes", "layout_budget"]
+           "LayoutChoice", "choose_layout", "layout_bytes", "layout_budget"]
 
 _keys = itertools.count()
 
@@ -123,7 +123,7 @@ class TiledGram(_GangGram):
     store on one node) and builds its tiles.  ``G V`` = the sum of the members' partial products.
     """
 
-    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
+    def __init__(self, pool: Pool, run: Any, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
         super().__init__(pool, N, dtype)
         plan = tile_plan(N, pool.size)
         run_h, theta_h = pool.put(run), pool.put(theta)
@@ -159,7 +159,7 @@ class ShardedGram(_GangGram):
     through Ray), broadcasts the sum and concatenates the members' ``J_s U``.
     """
 
-    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype,
+    def __init__(self, pool: Pool, run: Any, theta: np.ndarray, which: str, N: int, dtype: np.dtype,
                  frobenius_probes: int = 32, seed: int = 0) -> None:
         super().__init__(pool, N, dtype)
         self.ranges = row_blocks(N, pool.size)
@@ -190,7 +190,7 @@ class ShardedCurvature:
     sum the Hessian of ``C = (1/N) Σ_i c_i``.  ``shape`` is (P, P).
     """
 
-    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, N: int, P: int) -> None:
+    def __init__(self, pool: Pool, run: Any, theta: np.ndarray, N: int, P: int) -> None:
         self.pool, self.shape = pool, (P, P)
         self.key = f"h{os.getpid()}-{next(_keys)}"
         ranges = row_blocks(N, pool.size)
@@ -289,15 +289,3 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
                                                f"~{gb(tiles)} per worker as tiles on {W} workers")
     return LayoutChoice(Layout.MATRIX_FREE, f"G needs ~{gb(local)} whole and ~{gb(tiles)} per worker as tiles on "
                                             f"{W} workers, over the budget {gb(budget)}: products J(JᵀV) only")
-
-
-def gram_for_layout(pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int) -> StepGram:
-    """The step's G on the gang in the layout of ``run`` (a :class:`~nsa_dist.pipeline.plan.RunPlan`:
-    block_rows or matrix_free)."""
-    spec, layout = run.spec, run.layout.layout
-    dtype = np.dtype(spec.spectrum.dtype)
-    if layout is Layout.BLOCK_ROWS:
-        return TiledGram(pool, run, theta, which, N, dtype)
-    if layout is Layout.MATRIX_FREE:
-        return ShardedGram(pool, run, theta, which, N, dtype, spec.spectrum.frobenius_probes, spec.seed)
-    raise ValueError(f"gram_for_layout: {layout.value!r} is not a gang layout")

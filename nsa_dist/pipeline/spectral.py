@@ -12,6 +12,7 @@ import torch
 
 from torch.nn.utils import vector_to_parameters
 
+from nsa_dist.config import Layout
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.hessian.moments import hutchpp_moments
@@ -25,7 +26,7 @@ from nsa_dist.pipeline.trainer import CHUNK_POINTS
 from nsa_dist.pipeline.hessian_step import GramKnowledge, HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.model_state import model_inputs
-from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvature, StepGram, TiledGram, gram_for_layout
+from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvature, ShardedGram, StepGram, TiledGram
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
@@ -87,10 +88,14 @@ class SpectralAnalyzer:
         return gram(self.model, X, method=s.ntk_method, block_size=s.block_size, dtype=self.dtype)
 
     def _step_gram(self, which: str, theta: np.ndarray, pool: Pool | None) -> StepGram:
+        """G at the training (or test) points in the run's layout: whole here, or on the gang."""
         if not self.distributed:
             return DenseGram(self._gram(self.X if which == "train" else self.X_test))
-        n = self.data.n if which == "train" else self.X_test.shape[0]
-        return gram_for_layout(self._pool(pool, n), self.plan, theta, which, n)
+        n, s = (self.data.n if which == "train" else self.X_test.shape[0]), self.spec.spectrum
+        gang, dtype = self._pool(pool, n), np.dtype(s.dtype)
+        if self.plan.layout.layout is Layout.BLOCK_ROWS:
+            return TiledGram(gang, self.plan, theta, which, n, dtype)
+        return ShardedGram(gang, self.plan, theta, which, n, dtype, s.frobenius_probes, self.spec.seed)
 
     def _pool(self, pool: Pool | None, n: int) -> Pool:
         """The gang to use: the caller's, else an in-process one of ``spectrum.workers`` members."""

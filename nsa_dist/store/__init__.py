@@ -1,7 +1,8 @@
 """The Zarr spectrum store: schema (the one contract), writer, checked reader, leases, verify.
 
 Owns: everything under a store URL (local path, ``memory://``, ``s3://`` …) — the layout of a
-run (:mod:`.schema`), a run's status (:mod:`.status`), opening a URL and the raw key operations
+run (:mod:`.schema`: sizes in :mod:`.dims`, the per-step arrays defined by the step records of
+:mod:`.records`), a run's status (:mod:`.status`), opening a URL and the raw key operations
 (:mod:`.keys`), writer leases and fencing (:mod:`.lease`), the runs as read (:mod:`.runs`), checked
 reads (:mod:`.reader`), creating and writing runs (:mod:`.zarr_store`), ``nsa verify`` and its
 repair through the writer (:mod:`.verify`), one-line summaries (:mod:`.summary`) and naming a
@@ -12,7 +13,7 @@ May import: numpy, zarr, :mod:`nsa_dist.errors`, :mod:`nsa_dist._fsspec`, and
 :mod:`nsa_dist.metrics` (the schema sizes the reconstruction arrays) — nothing of the pipeline,
 the cluster or the client.  Inside, the modules import downwards only, never in a circle:
 ``status``, ``keys`` ← ``lease`` ← ``runs`` ← ``reader`` ← ``zarr_store`` ← ``verify``
-(``schema`` beside them; ``summary`` and ``faults`` on top); only ``keys`` calls the Zarr
+(``dims`` ← ``records`` ← ``schema`` beside them; ``summary`` and ``faults`` on top); only ``keys`` calls the Zarr
 store's key API.
 """
 

@@ -14,14 +14,12 @@ the step does not have that array.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from nsa_dist.metrics.reconstruction import reconstruction_ks
-
-if TYPE_CHECKING:
-    from nsa_dist.store.schema import RunDims
+from nsa_dist.store.dims import RunDims
 
 __all__ = ["GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "step_array_specs"]
 

@@ -9,12 +9,13 @@ against :func:`run_arrays` before anything of the step is written (docs/store.md
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from nsa_dist.metrics.reconstruction import reconstruction_ks
+from nsa_dist.store.dims import RunDims
 from nsa_dist.store.records import PHIS, step_array_specs
 
 __all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord", "run_arrays", "PHIS",
@@ -23,58 +24,6 @@ __all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord"
 SCHEMA_VERSION = 1
 CHUNK_BYTES = 8 << 20  # the largest chunk written (8 MiB before compression): cheap to fetch from s3://
 STATE_ARRAYS = ("theta", "opt_slots", "rng_state")  # the resume state, written from the checkpoint's state
-
-
-@dataclass(frozen=True)
-class RunDims:
-    """Sizes of a run's arrays (what exists is decided from them by :mod:`nsa_dist.store.records`).
-
-    N/M train/test points, d inputs, Ko outputs, P parameters, S recorded steps, T training
-    steps, K eigenpairs kept; the others are named for what they count or switch.
-    """
-
-    N: int
-    M: int
-    d: int
-    Ko: int
-    P: int
-    S: int
-    T: int
-    K: int
-    k_test: int  # test-point eigenpairs (0: none)
-    n_images: int  # eigenvector images (NSA Fig. 4–5; 0: none) …
-    image_size: int  # … of image_size² pixels
-    fourier_size: int  # … and fourier_size² frequencies
-    n_slots: int  # optimizer state vectors of the resume state
-    rng_bytes: int  # the trainer's RNG state of the resume state
-    store_eigenvectors: bool
-    hessian: bool = False  # the run has a hessian block
-    hessian_top_k: int = 0
-    hessian_rayleigh_k: int = 0
-    hessian_density_bins: int = 0
-    k_full: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
-    k_class: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
-    hessian_moments: bool = True  # hessian.moments: the Hutch++ moment arrays exist
-    hessian_orthogonality: bool = True
-    hessian_I_k: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
-    hessian_additivity: bool = True  # Theorem 1's gap
-    hessian_trace_G: bool = True  # the per-point traces G and Tr(S) = ∇Cᵀ·G
-    k_gram_change: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
-    constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs (issue 19)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "RunDims":
-        """The sizes as stored; a run written before the fields were named (``Hm``, ``Kt``, …) reads too."""
-        return cls(**{_OLD_NAMES.get(k, k): v for k, v in d.items()})
-
-
-_OLD_NAMES = {"Kt": "k_test", "nI": "n_images", "R": "image_size", "F": "fourier_size", "L": "rng_bytes",
-              "Hk": "hessian_top_k", "Hr": "hessian_rayleigh_k", "Hg": "hessian_density_bins", "Kf": "k_full",
-              "Kc": "k_class", "Hm": "hessian_moments", "Ho": "hessian_orthogonality", "HI": "hessian_I_k",
-              "Ha": "hessian_additivity", "Ht": "hessian_trace_G", "Kg": "k_gram_change", "Cg": "constant_gram"}
 
 
 @dataclass(frozen=True)
