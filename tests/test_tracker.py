@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -212,6 +213,20 @@ def test_ray_tracker_records_what_nsa_run_records_and_does_not_block(local_ray, 
 
 
 @pytest.mark.slow
+def _until_analysing(tr, timeout: float = 30.0) -> None:
+    """Return once the Tracker's Ray worker is running an analysis (sent, not finished)."""
+    import ray
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        tr._collect(False)  # takes finished summaries; the pool hands queued steps to its idle worker
+        refs = list(tr.pool.running)
+        if refs and not ray.wait(refs, timeout=0)[0]:
+            return
+        time.sleep(0.005)
+    raise AssertionError("no analysis was running on the Ray worker")
+
+
 def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
     url = str(tmp_path / "t.zarr")
     tr, model, data = _tracker(url, cluster="auto", workers=1, max_inflight=2)
@@ -228,6 +243,7 @@ def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
         opt.step()
         if t == 7 and not killed:  # step 6 was just handed over on due(7)
             assert tr.inflight >= 1
+            _until_analysing(tr)  # the kill must land mid-analysis, not on an idle worker
             os.kill(pid, signal.SIGKILL)
             killed = True
     tr.close()
