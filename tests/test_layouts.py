@@ -22,7 +22,6 @@ from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, T
 from nsa_dist.pipeline.services import SpectralService
 from nsa_dist.pipeline.shard import SpectralShard
 from nsa_dist.store import SpectrumStore
-from conftest import local_ray_fixture
 
 HESS = {"probes": 8, "top_k": 2, "rayleigh_k": 2, "density_probes": 2, "lanczos_steps": 6, "density_grid": 20}
 BASE = {"name": "lay", "data": {"n": 97, "n_test": 23}, "model": {"depth": 3, "width": 16}, "steps": 4,
@@ -243,9 +242,6 @@ def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):
 
 
 # ---------------------------------------------------------------------- on a local Ray cluster
-local_ray = local_ray_fixture(num_cpus=6)
-
-
 def _sweep(name: str, layout: str, workers: int, **cluster):
     from nsa_dist.config import SweepSpec
 

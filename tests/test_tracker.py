@@ -17,7 +17,6 @@ from nsa_dist.errors import AnalysisError, ModelForwardError, NonFiniteError, Sh
 from nsa_dist.models import build_model, cnn
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
-from conftest import local_ray_fixture
 
 SPECTRUM = {"k": 10, "images": [1, 2], "image_size": 6, "fourier_size": 5}
 SPEC = ExperimentSpec(name="eq", data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"every": 6},
@@ -184,9 +183,6 @@ def test_image_inputs_with_a_cnn(tmp_path):
 
 
 # ---------------------------------------------------------------------- local Ray
-local_ray = local_ray_fixture(num_cpus=3)
-
-
 @pytest.mark.slow
 def test_ray_tracker_records_what_nsa_run_records_and_does_not_block(local_ray, tmp_path, reference):
     url = str(tmp_path / "t.zarr")
