@@ -245,7 +245,7 @@ def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):
 def _sweep(name: str, layout: str, workers: int, **cluster):
     from nsa_dist.config import SweepSpec
 
-    base = {**BASE, "steps": 9, "record": {"every": 3}, "hessian": {**HESS, "every": 2},
+    base = {**BASE, "steps": 7, "record": {"every": 3}, "hessian": {**HESS, "every": 2},  # steps 0, 3, 6; H at 0, 6
             "spectrum": {**BASE["spectrum"], "layout": layout, "workers": workers}}
     return SweepSpec(name=name, base=base, cluster={"spectral_workers": 1, "worker_cpus": 1, **cluster})
 
