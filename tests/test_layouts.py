@@ -76,6 +76,7 @@ def test_tile_plan_owns_every_pair_once_and_balances():
         assert sum(entries) < n * n  # the symmetry saving: about (B + 1) / (2B) of G
 
 
+@pytest.mark.slow  # five Hessian steps at N = 97 in float64: ~30 s on 2 cores
 @pytest.mark.parametrize("base", [BASE, ONEHOT], ids=["scalar", "onehot-K10"])
 def test_block_rows_and_matrix_free_equal_local_in_process(base):
     res = _analyses(base, [("local", 1), ("block_rows", 2), ("block_rows", 3), ("matrix_free", 2),
