@@ -1,10 +1,25 @@
-"""Shared fixtures: float64 reference machinery for the NTK tests."""
+"""Shared fixtures: float64 reference machinery for the NTK tests, and the processes a test session
+starts once: one embedded Ray, one moto S3 server on loopback, one two-node Ray cluster on loopback."""
 
 from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from torch.func import functional_call, jacrev
+
+BIN = Path(sys.executable).parent
+LOCAL_RAY_CPUS = 6  # the embedded Ray every module's Ray tests share ("cluster has 6" in their messages)
 
 
 def dense_jacobian(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -63,16 +78,123 @@ def _seed():
     torch.manual_seed(0)
 
 
-def local_ray_fixture(num_cpus: int):
-    """A module-scoped fixture that starts an embedded Ray with ``num_cpus`` and shuts it down."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    @pytest.fixture(scope="module")
-    def local_ray():
-        ray = pytest.importorskip("ray")
-        from nsa_dist.cluster import connect
 
-        connect(num_cpus=num_cpus)
-        yield ray
-        ray.shutdown()
+# ---------------------------------------------------------------------- processes started once
+_LOCAL_RAY, _TWO_NODE = "local_ray", "two_node_cluster"
 
-    return local_ray
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Modules using the session's embedded Ray run after all others, then those using the two-node
+    cluster: each is started when its first module starts and stopped at the end of the session, so
+    neither sits idle on the cores while unrelated tests run (the order within a module is kept)."""
+    def rank(item) -> int:
+        names = modules.get(item.nodeid.split("::")[0], set())
+        return 2 if _TWO_NODE in names else 1 if _LOCAL_RAY in names else 0
+
+    modules: dict[str, set] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], set()).update(getattr(item, "fixturenames", ()))
+    items.sort(key=rank)  # stable: the order within each group is pytest's
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One embedded Ray with ``LOCAL_RAY_CPUS`` CPUs for every test that needs a local cluster (STYLE 12)."""
+    ray = pytest.importorskip("ray")
+    from nsa_dist.cluster import connect
+
+    connect(num_cpus=LOCAL_RAY_CPUS)
+    yield ray
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def moto_server(server_env: dict | None = None) -> Iterator[tuple[dict, subprocess.Popen]]:
+    """A moto S3 server on 127.0.0.1 (its own process; ``server_env``: its extra environment, e.g.
+    ``INITIAL_NO_AUTH_ACTION_COUNT=0`` to check credentials); yields (the AWS_* variables that
+    reach it, the process)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(server_env or {})})
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the moto S3 server did not start")
+                time.sleep(0.2)
+        yield env, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict]:
+    """One moto S3 server for the session (tests make their own uuid-named buckets): its AWS_* variables."""
+    pytest.importorskip("moto")
+    with moto_server() as (env, _):
+        yield env
+
+
+def kill_cluster(marks: list[str]) -> None:
+    """Stop exactly the processes whose command line holds one of ``marks``, and their children
+    (``ray stop`` would stop every Ray on the machine; agents rename themselves, so children are
+    found through their parents)."""
+    import psutil
+
+    procs = set()
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(m in part for part in (p.info["cmdline"] or []) for m in marks):
+                procs |= {p, *p.children(recursive=True)}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(procs), timeout=10)
+
+
+@pytest.fixture(scope="session")
+def two_node_cluster(s3_server: dict) -> Iterator[tuple[str, dict]]:
+    """A two-node Ray cluster on loopback, started once for every multi-node test: a head (1 CPU,
+    custom resource ``head_node``: 4, the dashboard) and a second node (1 CPU, ``worker_node``: 4).
+    Its nodes start with the session S3 server's AWS_* variables, so sweeps on it can write to
+    s3:// stores.  Yields (the dashboard address, the environment its nodes and ``nsa`` run in).
+    Token auth is disabled on loopback only."""
+    pytest.importorskip("ray")
+    # one temp dir per node: nodes sharing one would garbage-collect each other's runtime envs
+    temp_dir, temp_dir2 = (tempfile.mkdtemp(prefix="nsa-ray-", dir="/tmp") for _ in range(2))
+    port, dash = free_port(), free_port()
+    ports = lambda: [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",  # noqa: E731
+                     f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+                     f"--ray-client-server-port={free_port()}"]
+    # the nodes run `python` from this environment (a real cluster has nsa-dist's deps in its image)
+    env = {**os.environ, **s3_server, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+    head = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1",
+            "--resources", json.dumps({"head_node": 4}), "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", *common, *ports()]
+    node = [str(BIN / "ray"), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1",
+            "--resources", json.dumps({"worker_node": 4}), f"--temp-dir={temp_dir2}", *common, *ports()[:4]]
+    try:
+        subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
+        subprocess.run(node, check=True, env=env, capture_output=True, timeout=120)
+        yield f"http://127.0.0.1:{dash}", env
+    finally:
+        kill_cluster([temp_dir, temp_dir2, f"127.0.0.1:{port}", f":{port}"])

@@ -14,7 +14,6 @@ from nsa_dist.data import load_dataset
 from nsa_dist.pipeline import plan_run, prepare_run, run_experiment, run_id
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.store import SpectrumStore
-from conftest import local_ray_fixture
 
 BASE = dict(data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"every": 6},
             spectrum={"k": 10, "images": [1, 2], "image_size": 6, "fourier_size": 5})
@@ -66,9 +65,6 @@ def test_trainer_service_resumes_from_store_after_restart(tmp_path):
 
 
 # ---------------------------------------------------------------------- local Ray
-local_ray = local_ray_fixture(num_cpus=6)
-
-
 def _sweep(name: str, **kw) -> SweepSpec:
     return SweepSpec(name=name, base={**BASE, **kw.pop("base", {})}, **kw)
 

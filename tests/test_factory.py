@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close_rel, local_ray_fixture
+from conftest import assert_close_rel
 from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.errors import ModelFactoryError
@@ -106,9 +106,6 @@ def test_cifar_cnn_example_runs_on_a_stand_in(tmp_path):
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run(run_id(spec))
     assert np.isfinite(run.g["eigenvalues"][:]).all() and run.g["eigenvalues_test"].shape == (3, 6)
-
-
-local_ray = local_ray_fixture(num_cpus=3)
 
 
 @pytest.mark.slow

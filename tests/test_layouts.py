@@ -22,7 +22,6 @@ from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, c
 from nsa_dist.pipeline.services import SpectralService
 from nsa_dist.pipeline.shard import SpectralShard
 from nsa_dist.store import SpectrumStore
-from conftest import local_ray_fixture
 
 HESS = {"probes": 8, "top_k": 2, "rayleigh_k": 2, "density_probes": 2, "lanczos_steps": 6, "density_grid": 20}
 BASE = {"name": "lay", "data": {"n": 97, "n_test": 23}, "model": {"depth": 3, "width": 16}, "steps": 4,
@@ -78,6 +77,7 @@ def test_tile_plan_owns_every_pair_once_and_balances():
         assert sum(entries) < n * n  # the symmetry saving: about (B + 1) / (2B) of G
 
 
+@pytest.mark.slow  # five Hessian steps at N = 97 in float64: ~30 s on 2 cores
 @pytest.mark.parametrize("base", [BASE, ONEHOT], ids=["scalar", "onehot-K10"])
 def test_block_rows_and_matrix_free_equal_local_in_process(base):
     res = _analyses(base, [("local", 1), ("block_rows", 2), ("block_rows", 3), ("matrix_free", 2),
@@ -244,13 +244,10 @@ def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):
 
 
 # ---------------------------------------------------------------------- on a local Ray cluster
-local_ray = local_ray_fixture(num_cpus=6)
-
-
 def _sweep(name: str, layout: str, workers: int, **cluster):
     from nsa_dist.config import SweepSpec
 
-    base = {**BASE, "steps": 9, "record": {"every": 3}, "hessian": {**HESS, "every": 2},
+    base = {**BASE, "steps": 7, "record": {"every": 3}, "hessian": {**HESS, "every": 2},  # steps 0, 3, 6; H at 0, 6
             "spectrum": {**BASE["spectrum"], "layout": layout, "workers": workers}}
     return SweepSpec(name=name, base=base, cluster={"spectral_workers": 1, "worker_cpus": 1, **cluster})
 

@@ -1,78 +1,24 @@
-"""A two-node Ray cluster on loopback, a sweep submitted with ``nsa submit`` (Ray Jobs), the store checked.
+"""A two-node Ray cluster on loopback (the session's, conftest.two_node_cluster), a sweep submitted
+with ``nsa submit`` (Ray Jobs), the store checked.
 
 Custom resources pin trainers to the head node and spectral workers to the second node, so the
-sweep only finishes if work lands on both.  Token auth is disabled on loopback only.
+sweep only finishes if work lands on both.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import yaml
 
 from nsa_dist.client import Client
 
-REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_cluster(marks: list[str]) -> None:
-    """Stop exactly this cluster's processes and their children (``ray stop`` would stop every
-    Ray on the machine; agents rename themselves, so children are found through their parents)."""
-    procs = set()
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(m in part for part in (p.info["cmdline"] or []) for m in marks):
-                procs |= {p, *p.children(recursive=True)}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(procs), timeout=10)
-
-
-@pytest.fixture
-def two_node_cluster():
-    # one temp dir per node: nodes sharing one would garbage-collect each other's runtime envs
-    temp_dir, temp_dir2 = (tempfile.mkdtemp(prefix="nsa-ray-", dir="/tmp") for _ in range(2))
-    port, dash = _free_port(), _free_port()
-    ports = lambda: [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",  # noqa: E731
-                     f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-                     f"--ray-client-server-port={_free_port()}"]
-    # the nodes run `python` from this environment (a real cluster has nsa-dist's deps in its image)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    head = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1",
-            "--resources", json.dumps({"head_node": 4}), "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", *common, *ports()]
-    node = [str(BIN / "ray"), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1",
-            "--resources", json.dumps({"worker_node": 4}), f"--temp-dir={temp_dir2}", *common, *ports()[:4]]
-    try:
-        subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
-        subprocess.run(node, check=True, env=env, capture_output=True, timeout=120)
-        yield f"http://127.0.0.1:{dash}", env
-    finally:
-        _kill_cluster([temp_dir, temp_dir2, f"127.0.0.1:{port}", f":{port}"])
 
 
 @pytest.mark.slow

@@ -5,11 +5,9 @@ nodes meet only in S3.  Endpoint and keys come from the standard AWS_* variables
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,59 +26,25 @@ from nsa_dist.config import ExperimentSpec  # noqa: E402
 from nsa_dist.errors import MissingDependencyError, StoreError  # noqa: E402
 from nsa_dist.pipeline import run_experiment, run_id  # noqa: E402
 from nsa_dist.store import SpectrumStore  # noqa: E402
-from test_multinode import two_node_cluster  # noqa: E402,F401  (the loopback two-node Ray fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = dict(name="s3run", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 8}, steps=40,
             record={"every": 10}, spectrum={"k": 6, "test_points": True})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def moto_server(server_env: dict | None = None):
-    """A moto S3 server on 127.0.0.1 (its own process; ``server_env``: its extra environment, e.g.
-    ``INITIAL_NO_AUTH_ACTION_COUNT=0`` to check credentials); yields (the AWS_* variables that
-    reach it, the process)."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(server_env or {})})
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the moto S3 server did not start")
-                time.sleep(0.2)
-        yield env, proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
-def s3_env():
-    """A moto S3 server on 127.0.0.1 (its own process) and the AWS_* variables that reach it."""
-    with moto_server() as (env, _):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield env
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+def s3_env(s3_server):
+    """The session's moto S3 server (conftest.s3_server), its AWS_* variables set in this process."""
+    saved = {k: os.environ.get(k) for k in s3_server}
+    os.environ.update(s3_server)
+    try:
+        yield s3_server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _bucket(env: dict) -> str:

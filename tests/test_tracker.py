@@ -18,7 +18,6 @@ from nsa_dist.errors import AnalysisError, ModelForwardError, NonFiniteError, Sh
 from nsa_dist.models import build_model, cnn
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
-from conftest import local_ray_fixture
 
 SPECTRUM = {"k": 10, "images": [1, 2], "image_size": 6, "fourier_size": 5}
 SPEC = ExperimentSpec(name="eq", data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"every": 6},
@@ -185,9 +184,6 @@ def test_image_inputs_with_a_cnn(tmp_path):
 
 
 # ---------------------------------------------------------------------- local Ray
-local_ray = local_ray_fixture(num_cpus=3)
-
-
 @pytest.mark.slow
 def test_ray_tracker_records_what_nsa_run_records_and_does_not_block(local_ray, tmp_path, reference):
     url = str(tmp_path / "t.zarr")
@@ -267,25 +263,23 @@ def test_lightning_callback_is_optional():
             nl.SpectrumCallback  # noqa: B018
 
 
-def test_cli_and_figures_read_a_tracked_run(tmp_path):
+def test_cli_and_figures_read_a_tracked_run(tmp_path, capsys):
     """``nsa ls/show/plot`` treat a tracked run like any other."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from nsa_dist.cli import main as nsa
 
     url = str(tmp_path / "t.zarr")
     tr, model, data = _tracker(url, name="cli")
     _gd_loop(tr, model, data.X, data.y, SPEC.steps, SPEC.schedule.lr)
     tr.close()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    nsa = [sys.executable, "-m", "nsa_dist.cli"]
-    r = subprocess.run(nsa + ["ls", "--store", url], capture_output=True, text=True, env=env)
-    assert r.returncode == 0 and "cli" in r.stdout and "done" in r.stdout, r.stderr
-    r = subprocess.run(nsa + ["show", "cli", "--store", url], capture_output=True, text=True, env=env)
-    assert r.returncode == 0 and "FCNet" in r.stdout and "λ_max" in r.stdout, r.stderr
-    r = subprocess.run(nsa + ["plot", "cli", "--store", url, "--out", str(tmp_path / "figs")], capture_output=True,
-                       text=True, env=env)
-    assert r.returncode == 0 and list((tmp_path / "figs").glob("*.png")), r.stderr
+    capsys.readouterr()
+    assert nsa(["ls", "--store", url]) == 0
+    r = capsys.readouterr()
+    assert "cli" in r.out and "done" in r.out, r.err
+    assert nsa(["show", "cli", "--store", url]) == 0
+    r = capsys.readouterr()
+    assert "FCNet" in r.out and "λ_max" in r.out, r.err
+    assert nsa(["plot", "cli", "--store", url, "--out", str(tmp_path / "figs")]) == 0, capsys.readouterr().err
+    assert list((tmp_path / "figs").glob("*.png"))
 
 
 def test_unpicklable_model_is_refused_with_a_clear_error(tmp_path):
