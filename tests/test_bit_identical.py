@@ -11,12 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import local_ray_fixture
 from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
-
-local_ray = local_ray_fixture(num_cpus=4)  # 2 workers + a trainer per run
 
 BASE = dict(data={"name": "image2d", "n": 36, "n_test": 8}, model={"depth": 3, "width": 12, "init": "ntk",
                                                                     "activation": "tanh"},

@@ -11,7 +11,6 @@ import pytest
 
 from nsa_dist.config import ClusterSpec
 from nsa_dist.cluster.resources import check_resources, resource_demand, threads, trainer_bundle, worker_bundle
-from conftest import local_ray_fixture
 
 
 @pytest.mark.parametrize("has_gpus", [False, True])
@@ -35,8 +34,7 @@ def test_cluster_totals_that_fit_are_refused_when_an_actor_fits_on_no_node():
     check_resources(cl, False, {"CPU": 5.0}, nodes=[{"CPU": 3.0}, {"CPU": 2.0}])
 
 
-# ---------------------------------------------------------------------- local Ray
-local_ray = local_ray_fixture(num_cpus=2)
+# ---------------------------------------------------------------------- local Ray (conftest's shared one)
 
 
 class Gated:

@@ -291,17 +291,18 @@ class TestMemoryStore(StoreContract):
 
 
 @pytest.fixture(scope="module")
-def s3_bucket():
-    """A bucket on a moto S3 server on loopback (tests/test_s3.py's), with the AWS_* variables
-    that reach it set for the module."""
+def s3_bucket(s3_server):
+    """A bucket of its own on the session's moto S3 server on loopback (conftest.s3_server), with
+    the AWS_* variables that reach it set for the module."""
     pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
-    from test_s3 import _bucket, moto_server
+    import boto3
 
-    with moto_server() as (env, _), pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_server.items():
             mp.setenv(k, v)
-        yield _bucket(env)
+        name = f"nsa-contract-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+        yield name
 
 
 class TestS3Store(StoreContract):
