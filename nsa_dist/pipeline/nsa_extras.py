@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nsa_dist.losses import residual
 from nsa_dist.ntk.kernel_change import cross_gram_times
 
 if TYPE_CHECKING:
@@ -81,13 +82,13 @@ def write_constant_gram(writer: "RunWriter", spec: "ExperimentSpec") -> None:
     """
     from nsa_dist.metrics import constant_gram_residual
 
-    if not (writer.dims.constant_gram and writer.dims.M):
+    if not writer.dims.constant_gram:
         return
     reader = writer.store.reader(writer.run_id)
     steps = reader.read("steps")
     y = np.asarray(reader.read("y"), np.float64)
     f = np.asarray(reader.read("f"), np.float64)  # (S, N[, Ko])
-    m = (f - y[None]).reshape(len(steps), -1)  # (S, N·Ko)
+    m = np.stack([residual(spec.loss, f_t, y) for f_t in f]).reshape(len(steps), -1)  # (S, N·Ko): L2, f_t − y
     lam, p = reader.read_step("eigenvalues", 0), reader.read_step("projections_residual", 0)
     t0 = int(steps[0])
     pred = constant_gram_residual(lam, p, float(m[0] @ m[0]), run_decays(spec, steps, lam, writer.dims.N))
