@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.func import functional_call, jacrev, jvp
+from torch.func import functional_call, grad, jacrev, jvp, stack_module_state, vmap
 
 from nsa_dist.config import ModelSpec
-from nsa_dist.hessian import output_hessian_traces
+from nsa_dist.hessian import OutputTraces, output_hessian_traces, trace_S_from_G
+from nsa_dist.hessian._probes import rademacher
 from nsa_dist.hessian.s_limit import limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
 from nsa_dist.models import build_model
 from nsa_dist.ntk.limit import limit_ntk
@@ -25,6 +26,40 @@ def _x(n: int = 4, d: int = 3, seed: int = 0) -> torch.Tensor:
 def _net(width: int, seed: int, depth: int = 3, activation: str = "tanh", d: int = 3) -> torch.nn.Module:
     spec = ModelSpec(input_dim=d, init="ntk", bias_scale=BETA, depth=depth, width=width, activation=activation)
     return build_model(spec, seed=seed, dtype=F64)
+
+
+def _ensemble(width: int, seeds: range, depth: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """(one of the nets, to call functionally; the parameters of ``_net(width, s, depth)`` for every
+    seed s stacked along a leading axis, each (E, ...)): the same nets as built one at a time."""
+    models = [_net(width, s, depth) for s in seeds]
+    params, _ = stack_module_state(models)
+    return models[0], {k: p.detach() for k, p in params.items()}
+
+
+def _ensemble_probes(params: dict[str, torch.Tensor], seeds: range, m: int) -> dict[str, torch.Tensor]:
+    """(E, m, ...) per parameter: net s gets the m Rademacher probes that
+    ``output_hessian_traces(net, X, m, seed=s)`` draws for it (one (P, m) draw, ``named_parameters`` order)."""
+    sizes = [p[0].numel() for p in params.values()]
+    Z = torch.stack([torch.as_tensor(rademacher(np.random.default_rng(s), sum(sizes), m), dtype=F64)
+                     for s in seeds])  # (E, P, m)
+    return {k: z.transpose(1, 2).reshape((len(seeds), m) + p.shape[1:])
+            for (k, p), z in zip(params.items(), Z.split(sizes, dim=1))}
+
+
+def _ensemble_f_and_probes(model: torch.nn.Module, params: dict[str, torch.Tensor], U: dict[str, torch.Tensor],
+                           X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """f (E, N) and ``zᵀ ∇²_θ f z`` (E, m, N) of every net of a one-output ensemble: the forward-over-
+    forward pass of :func:`output_hessian_traces`, vmapped over the nets and their probes."""
+    def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return functional_call(model, p, (X,)).reshape(-1)
+
+    def second(p: dict[str, torch.Tensor], u: dict[str, torch.Tensor]) -> torch.Tensor:
+        return jvp(lambda q: jvp(f, (q,), (u,))[1], (p,), (u,))[1]  # uᵀ ∇²f u, (N,)
+
+    m = next(iter(U.values())).shape[1]
+    with torch.no_grad():
+        Q = [vmap(second)(params, {k: u[:, j] for k, u in U.items()}) for j in range(m)]  # m × (E, N)
+        return vmap(f)(params), torch.stack(Q, dim=1)
 
 
 def _flat(model: torch.nn.Module, X: torch.Tensor):
@@ -80,22 +115,24 @@ def test_relu_is_refused_with_the_reason():
         limit_S_kernels(_x(), depth=3, activation="relu")
 
 
-@pytest.mark.slow
 def test_phi_is_the_monte_carlo_mean_of_f_times_g():
     """Φ(x_i, x_j) = E[f(x_i) g(x_j)] over initialisations (g by 2 probes each): 160 nets of width 128
     and depth 3 (O(1/w) from the limit; depth 2 is exact in expectation at any width and is met by
-    the t = 0 point of the GD test)."""
+    the t = 0 point of the GD test).  The nets are evaluated as one vmapped ensemble; two of them
+    are checked against the net built alone and :func:`output_hessian_traces` with its seed."""
     depth = 3
     x = 2 * _x()
     phi = limit_S_kernels(x, depth=depth, activation="tanh", bias_scale=BETA).phi.numpy()
-    samples = []
-    for seed in range(160):
-        m = _net(128, seed, depth)
+    seeds = range(160)
+    model, params = _ensemble(128, seeds, depth)
+    F, Q = _ensemble_f_and_probes(model, params, _ensemble_probes(params, seeds, 2), x)  # (E, N), (E, 2, N)
+    for s in (seeds[0], seeds[-1]):  # the batched nets and probes are those of build_model and output_hessian_traces
+        m = _net(128, s, depth)
         with torch.no_grad():
-            f = m(x).reshape(-1).numpy()
-        g = output_hessian_traces(m, x, 2, seed=seed).estimate.reshape(-1)
-        samples.append(np.outer(f, g))
-    S = np.stack(samples)  # (seeds, N, N)
+            torch.testing.assert_close(F[s], m(x).reshape(-1), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(Q[s].numpy(), output_hessian_traces(m, x, 2, seed=s).per_probe[..., 0],
+                                   rtol=1e-10, atol=1e-12)
+    S = np.einsum("ei,ej->eij", F.numpy(), Q.mean(1).numpy())  # (seeds, N, N) f(x_i) g(x_j), g by 2 probes
     mean, se = S.mean(0), S.std(0, ddof=1) / np.sqrt(len(S))
     z = np.abs(mean - phi) / se
     assert z.max() < 4.5, f"depth {depth}: |MC − Φ|/se max {z.max():.2f}\nMC {mean}\nΦ {phi}\nse {se}"
@@ -151,33 +188,45 @@ def test_expected_trace_S_at_init_is_K_trace_phi_over_N():
     assert limit_trace_S_gd(k, np.zeros((5, 2)), [], [0])[0] == pytest.approx(limit_trace_S_init(k, 2))
 
 
-@pytest.mark.slow
 def test_expected_trace_S_along_gd_matches_trained_ensembles():
     """E[Tr S_t] under GD (MSE, δ = 1): 100 nets of width 256 trained 20 steps, Tr(S_t) = ∇Cᵀ·G by probes,
-    against :func:`limit_trace_S_gd`; the prediction that keeps G frozen (Λ̃ = 0) must miss."""
-    from nsa_dist.hessian import trace_S_from_G
-
+    against :func:`limit_trace_S_gd`; the prediction that keeps G frozen (Λ̃ = 0) must miss.  The nets
+    are trained as one vmapped ensemble; net 0 is checked against itself trained alone by
+    ``torch.optim.SGD`` and measured by :func:`output_hessian_traces`."""
     x = _x(4, seed=3)
     y = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=F64)
     steps, lr = [0, 5, 20], 1.0
     k = limit_S_kernels(x, depth=2, activation="tanh", bias_scale=BETA)
     pred = limit_trace_S_gd(k, y.numpy(), [lr] * 20, steps)
     frozen = limit_trace_S_gd(type(k)(k.sigma, k.theta, k.phi, k.upsilon, 0 * k.lam), y.numpy(), [lr] * 20, steps)
-    vals = []
-    for seed in range(100):
-        m = _net(256, seed, depth=2)
-        opt = torch.optim.SGD(m.parameters(), lr=lr)
-        row = []
-        for t in range(21):
-            if t in steps:
-                with torch.no_grad():
-                    R = (m(x).reshape(-1) - y).numpy()
-                row.append(trace_S_from_G(R, output_hessian_traces(m, x, 2, seed=seed))[0])
-            opt.zero_grad()
-            (0.5 * ((m(x).reshape(-1) - y) ** 2).mean()).backward()
-            opt.step()
-        vals.append(row)
-    V = np.array(vals)
+    seeds = range(100)
+    model, params = _ensemble(256, seeds, 2)
+    U = _ensemble_probes(params, seeds, 2)  # each net's probes, the same at every step (as seed=seed gives)
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return 0.5 * ((functional_call(model, p, (x,)).reshape(-1) - y) ** 2).mean()
+
+    cols = []
+    for t in range(21):
+        if t in steps:
+            F, Q = _ensemble_f_and_probes(model, params, U, x)  # (E, N), (E, 2, N)
+            R = (F - y).numpy()
+            traces = [OutputTraces(q.mean(0), q.std(0, ddof=1) / np.sqrt(len(q)), q) for q in Q[..., None].numpy()]
+            cols.append([trace_S_from_G(r, tr)[0] for r, tr in zip(R, traces)])
+        with torch.no_grad():  # one SGD step of every net on its own loss
+            params = {n: p - lr * g for (n, p), g in zip(params.items(), vmap(grad(loss))(params).values())}
+    V = np.array(cols).T  # (seeds, len(steps))
+    m = _net(256, seeds[0], depth=2)  # the batched training is net 0 trained alone by torch.optim.SGD
+    opt, row = torch.optim.SGD(m.parameters(), lr=lr), []
+    for t in range(21):
+        if t in steps:
+            with torch.no_grad():
+                R = (m(x).reshape(-1) - y).numpy()
+            row.append(trace_S_from_G(R, output_hessian_traces(m, x, 2, seed=seeds[0]))[0])
+        opt.zero_grad()
+        (0.5 * ((m(x).reshape(-1) - y) ** 2).mean()).backward()
+        opt.step()
+    np.testing.assert_allclose(V[0], row, rtol=1e-8, atol=1e-10)
     mean, se = V.mean(0), V.std(0, ddof=1) / np.sqrt(len(V))
     z = np.abs(mean - pred) / se
     assert z.max() < 4.5, f"E[Tr S_t] MC {mean} ± {se}, predicted {pred}"
