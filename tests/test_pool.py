@@ -59,17 +59,19 @@ def test_ray_pool_gives_one_analysis_per_worker_and_ray_retries_a_killed_one(loc
     try:
         worker = local_ray.remote(Gated).options(num_cpus=0.5, max_restarts=-1, max_task_retries=1).remote()
         pool = RayAnalysisPool([worker])
+        before = local_ray.get(worker.pid.remote())
+        pool.seen([before])
         gate = tmp_path / "gate"
         a = Analysis("r", 0, None)
         ref = pool.send(a, str(gate), probe=True)
-        assert not pool.has_free() and a.worker is worker
-        before = local_ray.get(a.pids[0])
+        assert not pool.has_free() and a.worker is worker and a.pids[0] == before
         os.kill(before, signal.SIGKILL)  # mid-analysis: Ray restarts the worker and runs the analysis again
         gate.touch()
         assert local_ray.get(ref, timeout=120) != before
         assert pool.release(a) is True and pool.has_free() and a.worker is None
         b = Analysis("r", 1, None)
-        assert local_ray.get(pool.send(b, str(gate), probe=True), timeout=60) == local_ray.get(b.pids[0])
+        ran_in = local_ray.get(pool.send(b, str(gate), probe=True), timeout=60)
+        assert ran_in == b.pids[0] and ran_in != before  # the restarted process, as last seen
         assert pool.release(b) is False
         pool.close()
     finally:

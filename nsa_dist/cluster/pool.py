@@ -30,7 +30,7 @@ class Analysis:
     attempts: int = 0  # recomputes after its gang broke
     worker: Any = None  # the spectral worker running it
     gang: RayGang | None = None  # the step's gang (distributed layouts)
-    pids: tuple[Any, Any] | None = None  # refs of the worker's pid before and after it (changed: Ray re-ran it)
+    pids: tuple[Any, Any] | None = None  # the worker's pid last seen before it, a ref of its pid after it
 
 
 def task_cause(exc: BaseException) -> BaseException:
@@ -44,23 +44,35 @@ class RayAnalysisPool:
 
     def __init__(self, workers: list[Any]) -> None:
         self.workers, self._idle = workers, ActorPool(workers)
+        self._pid: dict[int, int] = {}  # id(worker) -> the process it ran in when last seen
 
     def has_free(self) -> bool:
         return self._idle.has_free()
 
+    def seen(self, pids: list[int]) -> None:
+        """The workers' processes as they started (in ``workers``' order), for :meth:`release`."""
+        self._pid.update({id(w): p for w, p in zip(self.workers, pids)})
+
     def send(self, a: Analysis, *args: Any, probe: bool = False) -> Any:
-        """Start ``analyze_and_write(*args)`` for ``a`` on an idle worker; its ref.  ``probe``: fill ``a.pids``."""
+        """Start ``analyze_and_write(*args)`` for ``a`` on an idle worker; its ref.  ``probe``: fill ``a.pids``.
+
+        The process before is the one last seen (a ``pid`` call sent now could itself be re-run
+        by Ray after a kill and report the new process)."""
         a.worker = w = self._idle.pop_idle()
-        before = w.pid.remote() if probe else None
         ref = w.analyze_and_write.remote(*args)
-        a.pids = (before, w.pid.remote()) if probe else None
+        a.pids = (self._pid.get(id(w)), w.pid.remote()) if probe else None
         return ref
 
     def release(self, a: Analysis) -> bool:
-        """``a`` is over: its worker is idle again.  Whether Ray re-ran ``a`` on a restarted worker (if probed)."""
-        self._idle.push(a.worker)
-        a.worker = None
-        return a.pids is not None and len(set(ray.get(list(a.pids)))) > 1
+        """``a`` is over: its worker is idle again.  Whether ``a`` ran on a process Ray restarted
+        since the worker was last seen (if probed): a kill during ``a`` made Ray run it again."""
+        w, a.worker = a.worker, None
+        self._idle.push(w)
+        if a.pids is None:
+            return False
+        before, after = a.pids[0], ray.get(a.pids[1])
+        self._pid[id(w)] = after
+        return before is not None and after != before
 
     def close(self) -> None:
         for w in self.workers:

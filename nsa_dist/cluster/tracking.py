@@ -57,6 +57,7 @@ class RayTrackerPool(RayAnalysisPool):
         self.resubmitted = 0
         try:
             self.pids = ray.get([w.pid.remote() for w in self.workers])
+            self.seen(self.pids)
         except RayActorError as exc:
             raise RuntimeError(f"the Ray spectral workers could not start: {task_cause(exc)} — the model's class and "
                                "nsa_dist must be importable on every worker (runtime_env py_modules / working_dir, "
