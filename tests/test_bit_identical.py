@@ -15,12 +15,12 @@ from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
 
-BASE = dict(data={"name": "image2d", "n": 36, "n_test": 8}, model={"depth": 3, "width": 12, "init": "ntk",
+BASE = dict(data={"name": "image2d", "n": 24, "n_test": 6}, model={"depth": 3, "width": 8, "init": "ntk",
                                                                     "activation": "tanh"},
-            steps=8, record={"every": 4}, schedule={"lr": 0.05},
-            spectrum={"k": 8, "dtype": "float64", "test_points": True, "store_eigenvectors": True, "images": [1, 2],
+            steps=4, record={"every": 2}, schedule={"lr": 0.05},
+            spectrum={"k": 6, "dtype": "float64", "test_points": True, "store_eigenvectors": True, "images": [1, 2],
                       "image_size": 6, "fourier_size": 4},
-            hessian={"top_k": 2, "rayleigh_k": 2, "density_grid": 12, "probes": 4})
+            hessian={"top_k": 2, "rayleigh_k": 2, "density_grid": 10, "probes": 2})
 SKIP_ATTRS = {"created", "updated"}  # wall-clock times
 # Lanczos on the P×P Hessian operators: the last bit differs between a Ray worker and the driver
 # process (measured ≤ 4.3e-16 relative, the same before issue 23's redesign, at 1 and 2 threads);
