@@ -121,7 +121,7 @@ class Tracker:
         self.schedule = self.spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.schedule)}
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.plan = plan_run(self.spec, self.data, _analysis_copy(model))
+        self.plan = plan_run(self.spec, self.data, model)  # reads its sizes and NTK route, changes nothing
         self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
         try:
             self.writer = self.store.writer(name, self.plan.spec_json, self.plan.dims,
