@@ -356,7 +356,8 @@ def test_a_killed_sweep_driver_leaves_nothing_a_resubmission_cannot_resume(tmp_p
     killed driver left in the store, not a second Ray start)."""
     from nsa_dist.config import SweepSpec
 
-    sweep = {"name": "killsweep", "base": {**{k: v for k, v in SLOW.items() if k != "name"}},
+    base = {**{k: v for k, v in SLOW.items() if k != "name"}, "steps": 50}  # 6 recorded steps a run
+    sweep = {"name": "killsweep", "base": base,
              "grid": {"model.width": [8, 16]}, "cluster": {"spectral_workers": 1, "max_inflight": 1}}
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
