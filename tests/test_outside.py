@@ -160,27 +160,34 @@ def test_an_s3_endpoint_gone_mid_run_is_one_line(tmp_path, monkeypatch):
     assert f"store {url} (endpoint {env['AWS_ENDPOINT_URL']}): cannot reach the endpoint" in line, line
 
 
-def test_a_failing_s3_endpoint_is_tried_twice_per_request_unless_the_user_set_retries(web, monkeypatch):
+def test_a_failing_s3_endpoint_is_tried_twice_per_request_unless_the_user_set_retries(web, tmp_path, monkeypatch):
     """The store's S3 client tries a failing request twice (botocore's default 5 tries with
     backoff, under s3fs's own 5, left a researcher waiting through minutes of retries against a
     dead endpoint before the one line, which names the endpoint: test_s3_faults_… and
-    test_an_s3_endpoint_gone_mid_run_…); ``AWS_MAX_ATTEMPTS``, the user's own setting, is kept.
-    Counted at a server that answers every request HTTP 500."""
+    test_an_s3_endpoint_gone_mid_run_…); the user's own setting (``AWS_MAX_ATTEMPTS``, or
+    ``max_attempts`` in the AWS profile) is kept.  Counted at a server that answers every
+    request HTTP 500."""
+    import s3fs
+
     web.status = 500
     endpoint = f"http://127.0.0.1:{web.server_address[1]}"
     for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(tmp_path / "absent")}.items():
         monkeypatch.setenv(k, v)
-    for k in ("AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"):
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS", "AWS_PROFILE"):
         monkeypatch.delenv(k, raising=False)
+    (tmp_path / "aws-config").write_text("[default]\nmax_attempts = 3\n")
     url = f"s3://nsa-{uuid.uuid4().hex[:8]}/s.zarr"
-    for attempts in (2, 3):
-        if attempts != 2:
-            monkeypatch.setenv("AWS_MAX_ATTEMPTS", str(attempts))
+    for attempts, setting in ((2, None), (3, ("AWS_MAX_ATTEMPTS", "3")),
+                              (3, ("AWS_CONFIG_FILE", str(tmp_path / "aws-config")))):
+        monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+        if setting:
+            monkeypatch.setenv(*setting)
+        s3fs.S3FileSystem.clear_instance_cache()  # a client of its own for each setting
         web.seen.clear()
         with pytest.raises(OSError, match="Internal Server Error"):
             Keys(url).get("zarr.json")  # one read: one request, tried `attempts` times
-        assert [(m, p) for m, p, _ in web.seen] == [("HEAD", f"{url[4:]}/zarr.json")] * attempts, web.seen
+        assert [(m, p) for m, p, _ in web.seen] == [("HEAD", f"{url[4:]}/zarr.json")] * attempts, (setting, web.seen)
 
 
 # --------------------------------------------------------------------------- local disks
