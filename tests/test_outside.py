@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import yaml
 
 from nsa_dist.cli import main as nsa
 from nsa_dist.client import Client
+from nsa_dist.store.keys import Keys
 from conftest import moto_server
 from test_s3 import _bucket, s3_env  # noqa: F401  (the session's loopback moto server, its AWS_* variables set)
 
@@ -63,14 +65,17 @@ def _spec(tmp_path: Path, spec: dict, name: str = "spec.yaml") -> Path:
 
 
 class _Recorder(BaseHTTPRequestHandler):
-    """Answers every request like a static web server (404 + HTML), or like a Ray dashboard that
+    """Answers every request like a static web server (404 + HTML; ``server.status``: that HTTP
+    status instead), or like a Ray dashboard that
     wants a token (``server.ray_token`` set); records each request's path and headers."""
 
     def _answer(self) -> None:
         self.server.seen.append((self.command, self.path, dict(self.headers)))
         token = getattr(self.server, "ray_token", None)
         if token is None:
-            self._send(404, "text/html", b"<!DOCTYPE html><html><body><h1>404 Not Found</h1></body></html>")
+            code = getattr(self.server, "status", 404)
+            page = f"<!DOCTYPE html><html><body><h1>{code} {HTTPStatus(code).phrase}</h1></body></html>"
+            self._send(code, "text/html", page.encode())
         elif self.path == "/api/authentication_mode":
             self._send(200, "application/json", json.dumps({"authentication_mode": "token"}).encode())
         elif self.headers.get("Authorization") != f"Bearer {token}":
@@ -153,6 +158,36 @@ def test_an_s3_endpoint_gone_mid_run_is_one_line(tmp_path, monkeypatch):
     assert proc.returncode == 2, err[-3000:]
     line = _error_line(err, "run")
     assert f"store {url} (endpoint {env['AWS_ENDPOINT_URL']}): cannot reach the endpoint" in line, line
+
+
+def test_a_failing_s3_endpoint_is_tried_twice_per_request_unless_the_user_set_retries(web, tmp_path, monkeypatch):
+    """The store's S3 client tries a failing request twice (botocore's default 5 tries with
+    backoff, under s3fs's own 5, left a researcher waiting through minutes of retries against a
+    dead endpoint before the one line, which names the endpoint: test_s3_faults_… and
+    test_an_s3_endpoint_gone_mid_run_…); the user's own setting (``AWS_MAX_ATTEMPTS``, or
+    ``max_attempts`` in the AWS profile) is kept.  Counted at a server that answers every
+    request HTTP 500."""
+    import s3fs
+
+    web.status = 500
+    endpoint = f"http://127.0.0.1:{web.server_address[1]}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(tmp_path / "absent")}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "aws-config").write_text("[default]\nmax_attempts = 3\n")
+    url = f"s3://nsa-{uuid.uuid4().hex[:8]}/s.zarr"
+    for attempts, setting in ((2, None), (3, ("AWS_MAX_ATTEMPTS", "3")),
+                              (3, ("AWS_CONFIG_FILE", str(tmp_path / "aws-config")))):
+        monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+        if setting:
+            monkeypatch.setenv(*setting)
+        s3fs.S3FileSystem.clear_instance_cache()  # a client of its own for each setting
+        web.seen.clear()
+        with pytest.raises(OSError, match="Internal Server Error"):
+            Keys(url).get("zarr.json")  # one read: one request, tried `attempts` times
+        assert [(m, p) for m, p, _ in web.seen] == [("HEAD", f"{url[4:]}/zarr.json")] * attempts, (setting, web.seen)
 
 
 # --------------------------------------------------------------------------- local disks
