@@ -58,9 +58,8 @@ def test_ray_pool_gives_one_analysis_per_worker_and_ray_retries_a_killed_one(loc
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's worker class, to the workers
     try:
         worker = local_ray.remote(Gated).options(num_cpus=0.5, max_restarts=-1, max_task_retries=1).remote()
-        pool = RayAnalysisPool([worker])
         before = local_ray.get(worker.pid.remote())
-        pool.seen([before])
+        pool = RayAnalysisPool([worker], [before])
         gate = tmp_path / "gate"
         a = Analysis("r", 0, None)
         ref = pool.send(a, str(gate), probe=True)

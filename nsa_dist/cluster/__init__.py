@@ -7,11 +7,8 @@
 * :mod:`nsa_dist.cluster.jobs` — ``nsa submit / status / logs / cancel`` through the Ray Jobs SDK.
 
 Plain classes become actors only in :mod:`~nsa_dist.cluster.actors`; what they take is summed
-and checked only in :mod:`~nsa_dist.cluster.resources`; work in flight is an
-:class:`~nsa_dist.cluster.pool.Analysis` of a :class:`~nsa_dist.cluster.pool.RayAnalysisPool`.
-
-May import: ``ray``, and config, errors, data, pipeline, store, specfile (the Jobs SDK's spec
-files) and the package root (its version) — never the client, plots or serve.
+and checked only in :mod:`~nsa_dist.cluster.resources`.  May import ``ray``, config, errors,
+data, pipeline, store, specfile and the package root — never the client, plots or serve.
 """
 
 from nsa_dist.cluster.coordinator import RunProgress, SweepCoordinator

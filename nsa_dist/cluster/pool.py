@@ -42,16 +42,12 @@ def task_cause(exc: BaseException) -> BaseException:
 class RayAnalysisPool:
     """Spectral-worker actors (``analyze_and_write``, ``pid``), one analysis each at a time."""
 
-    def __init__(self, workers: list[Any]) -> None:
+    def __init__(self, workers: list[Any], pids: list[int] = ()) -> None:
         self.workers, self._idle = workers, ActorPool(workers)
-        self._pid: dict[int, int] = {}  # id(worker) -> the process it ran in when last seen
+        self._pid = {id(w): p for w, p in zip(workers, pids)}  # worker -> its process when last seen
 
     def has_free(self) -> bool:
         return self._idle.has_free()
-
-    def seen(self, pids: list[int]) -> None:
-        """The workers' processes as they started (in ``workers``' order), for :meth:`release`."""
-        self._pid.update({id(w): p for w, p in zip(self.workers, pids)})
 
     def send(self, a: Analysis, *args: Any, probe: bool = False) -> Any:
         """Start ``analyze_and_write(*args)`` for ``a`` on an idle worker; its ref.  ``probe``: fill ``a.pids``.

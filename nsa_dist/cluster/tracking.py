@@ -48,20 +48,19 @@ class RayTrackerPool(RayAnalysisPool):
                             f"({exc}); define its class in an importable module (shipped to the workers with the "
                             "job's runtime_env) or analyse in this process with cluster=None") from exc
         data_ref = ray.put(data)
-        super().__init__(tracked_run_workers(store_url, plan, model_ref, data_ref, workers, cpus, gpus, max_retries,
-                                             token))
+        actors = tracked_run_workers(store_url, plan, model_ref, data_ref, workers, cpus, gpus, max_retries, token)
+        try:
+            self.pids = ray.get([w.pid.remote() for w in actors])
+        except RayActorError as exc:
+            raise RuntimeError(f"the Ray spectral workers could not start: {task_cause(exc)} — the model's class and "
+                               "nsa_dist must be importable on every worker (runtime_env py_modules / working_dir, "
+                               "see deploy/README.md)") from exc
+        super().__init__(actors, self.pids)
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
         self.max_retries, self.run = max_retries, plan.run_id
         self.running: dict[Any, Analysis] = {}  # task ref -> its analysis
         self.queued: list[Analysis] = []
         self.resubmitted = 0
-        try:
-            self.pids = ray.get([w.pid.remote() for w in self.workers])
-            self.seen(self.pids)
-        except RayActorError as exc:
-            raise RuntimeError(f"the Ray spectral workers could not start: {task_cause(exc)} — the model's class and "
-                               "nsa_dist must be importable on every worker (runtime_env py_modules / working_dir, "
-                               "see deploy/README.md)") from exc
 
     @property
     def inflight(self) -> list[Analysis]:
