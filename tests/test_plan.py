@@ -78,3 +78,21 @@ def test_a_tracked_run_is_planned_from_the_users_network():
     plan = plan_run(spec, data, net)
     assert plan.run_id == "mine" and plan.dims.n_slots == 0 and plan.dims.rng_bytes == 1
     assert plan.dims.P == sum(p.numel() for p in net.parameters()) and plan.dims.Ko == 2
+
+
+def test_step_results_and_sizes_read_back_by_their_stored_names():
+    """A step read back by array name lands in its records; a name no record has is refused by
+    name; sizes stored under the old short names (Kt, Hm, …) read as the named fields."""
+    from nsa_dist.store import RunDims, StepResult
+
+    r = StepResult.from_arrays({"eigenvalues": np.ones(3), "loss_test": 0.5, "hessian_products": 7})
+    assert r.gram.eigenvalues.tolist() == [1.0] * 3 and r.extras.loss_test == 0.5
+    assert r.hessian.hessian_products == 7 and r.images is None
+    assert set(r.arrays()) == {"eigenvalues", "loss_test", "hessian_products"}
+    with pytest.raises(ValueError, match="not arrays of a step result: energy_yy"):
+        StepResult.from_arrays({"energy_yy": np.ones(3)})
+    old = dict(N=4, M=0, d=2, Ko=1, P=9, S=2, T=4, K=3, Kt=0, nI=0, R=0, F=0, n_slots=0, L=1,
+               store_eigenvectors=False, hessian=True, Hk=2, Hm=False, Cg=True)
+    D = RunDims.from_json(old)
+    assert (D.hessian_top_k, D.hessian_moments, D.constant_gram, D.rng_bytes) == (2, False, True, 1)
+    assert RunDims.from_json(D.to_json()) == D
