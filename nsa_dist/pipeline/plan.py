@@ -152,10 +152,10 @@ class RunPlan:
                "y_test": data.y_test, "image_indices": np.asarray(self.image_indices, dtype=np.int64),
                "steps": np.asarray(self.record, dtype=np.int64)}
         s = self.spec.spectrum
-        if s.store_eigenvectors:
+        if self.has("eigenvector_steps"):
             out["eigenvector_steps"] = np.array([s.eigenvectors_at(int(t)) for t in self.record], dtype=bool)
             out["reconstruction_k"] = np.asarray(reconstruction_ks(self.K), dtype=np.int64)
-        if self.spec.hessian is not None:
+        if self.has("hessian_steps"):
             out["hessian_steps"] = np.isin(np.arange(len(self.record)), sorted(self.hessian_indices))
         return out
 
