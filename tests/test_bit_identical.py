@@ -4,6 +4,8 @@ The sweep crosses every role boundary (the plan to a trainer actor and to spectr
 checkpoint through the object store, the StepResult to the writer), so any role that re-derived
 something from its own copy of the spec, or a record that dropped or re-typed an array, shows
 here as a differing array — not only the handful of quantities the other sweep tests compare.
+The grid varies the depth (so P, the plan's sizes) and the optimizer (its state) across runs;
+the same sweep restarted skips every finished run.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ def _arrays(url: str, rid: str) -> dict[str, tuple[str, tuple, bytes]]:
 def test_a_sweep_stores_every_array_byte_for_byte_as_the_single_process_run(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = SweepSpec(name="bits", base=BASE, grid={"optimizer": [{"name": "gd"}, {"name": "adam"}]},
+    sweep = SweepSpec(name="bits", base=BASE, grid={"model.depth": [2, 3], "optimizer": [{"name": "gd"}, {"name": "adam"}]},
                       cluster={"spectral_workers": 2, "max_inflight": 2})
     url = str(tmp_path / "sweep.zarr")
-    assert [o.status for o in SweepCoordinator(sweep, url).run()] == ["done", "done"]
+    outcomes = SweepCoordinator(sweep, url).run()
+    assert [o.status for o in outcomes] == ["done"] * 4
+    assert SpectrumStore(url).sweeps()["bits"] == [o.run_id for o in outcomes]
     for spec in sweep.expand():
         ref = str(tmp_path / f"ref-{spec.name}.zarr")
         assert run_experiment(ExperimentSpec.model_validate(spec.model_dump()), SpectrumStore(ref)).status == "done"
@@ -56,3 +60,5 @@ def test_a_sweep_stores_every_array_byte_for_byte_as_the_single_process_run(loca
         a = {k: v for k, v in SpectrumStore(url).group(rid).attrs.asdict().items() if k not in SKIP_ATTRS}
         b = {k: v for k, v in SpectrumStore(ref).group(rid).attrs.asdict().items() if k not in SKIP_ATTRS}
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    again = SweepCoordinator(sweep, url)  # restarting the sweep skips finished work: no pool is even started
+    assert [o.status for o in again.run()] == ["done"] * 4 and again.pool is None

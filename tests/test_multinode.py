@@ -1,8 +1,10 @@
 """A two-node Ray cluster on loopback (the session's, conftest.two_node_cluster), a sweep submitted
-with ``nsa submit`` (Ray Jobs), the store checked.
+with ``nsa submit`` (Ray Jobs) into an s3:// store on the session's loopback S3 server, the store
+checked.
 
 Custom resources pin trainers to the head node and spectral workers to the second node, so the
-sweep only finishes if work lands on both.
+sweep only finishes if work lands on both — and the nodes meet only in S3 (and in the job's
+shipped working directory).  One job serves both claims, so the cluster starts one sweep, not two.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +25,20 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.mark.slow
-def test_submit_sweep_to_two_node_cluster(two_node_cluster, tmp_path):
+def test_submit_sweep_to_two_node_cluster_whose_nodes_meet_only_in_s3(two_node_cluster, tmp_path, monkeypatch):
     """Its runs read an image2d PNG, MNIST IDX files and CIFAR pickle batches that exist only in
     the submitting directory: ``nsa submit`` ships them with the job (a relative path keeps its
-    place, an absolute one moves into the job's working_dir) and every node reads them there."""
+    place, an absolute one moves into the job's working_dir) and every node reads them there.
+    Trainers (head) and spectral workers (second node) write one s3:// store."""
+    import boto3
     from test_job_data import write_datasets
 
     address, env = two_node_cluster
+    for k, v in env.items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)  # this process reads the store the nodes wrote
+    bucket = f"nsa-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket=bucket)
     local = write_datasets(tmp_path / "data", n=40)
     base = {"model": {"depth": 2, "width": 8}, "steps": 12, "record": {"every": 4}, "spectrum": {"k": 6, "images": []},
             "schedule": {"lr": 1e-4}}  # λ_max(NTK) of raw 784 / 1024-pixel inputs is in the thousands
@@ -45,7 +55,7 @@ def test_submit_sweep_to_two_node_cluster(two_node_cluster, tmp_path):
     }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
-    store = tmp_path / "s.zarr"
+    store = f"s3://{bucket}/sweeps/s.zarr"
     nsa = [str(BIN / "nsa")]
     out = subprocess.run(nsa + ["submit", "sweep.yaml", "--address", address, "--store", str(store), "--wait",
                                 "--job-id", "nsa-multinode-test"], env=env, capture_output=True, text=True, timeout=600,

@@ -41,10 +41,17 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``nsa ARGS`` as its own process (PYTHONPATH: this checkout)."""
-    return subprocess.run([sys.executable, "-m", "nsa_dist.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+def _clis(calls: list[tuple[list[str], dict | None]], cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """``nsa ARGS`` for every (args, env) of ``calls``, each its own process, all at once (they are
+    independent, and each spends its first seconds importing on a core of its own)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}) for args, env in calls]
+    out = []
+    for (args, _), p in zip(calls, procs):
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
 
 
 def _error_line(proc: subprocess.CompletedProcess | str, cmd: str) -> str:
@@ -138,8 +145,9 @@ def test_s3_faults_are_one_line_naming_store_endpoint_and_cause(cmd, s3_env, s3_
         "not S3": ({**s3_env, "AWS_ENDPOINT_URL": plain}, "with HTTP 404 from 'BaseHTTP/"),
         "wrong keys": (s3_checking_keys, "access denied"),
     }
-    for what, (env, cause) in cases.items():
-        line = _error_line(_cli(args, tmp_path, env), cmd)
+    results = _clis([(args, env) for env, _ in cases.values()], tmp_path)
+    for (what, (env, cause)), result in zip(cases.items(), results):
+        line = _error_line(result, cmd)
         assert f"store {url} (endpoint {env['AWS_ENDPOINT_URL']}): " in line and cause in line, (what, line)
     assert not (tmp_path / "s.zarr").exists()
 
@@ -215,11 +223,12 @@ def tmpfs(tmp_path):
 @pytest.mark.slow
 def test_a_full_or_read_only_disk_is_one_line_naming_the_store(tmpfs, tmp_path):
     spec = _spec(tmp_path, {**TINY, "data": {"n": 64}, "spectrum": {"k": 32, "images": []}})
-    full = tmpfs("full") / "s.zarr"
-    line = _error_line(_cli(["run", str(spec), "--store", str(full), "--plain"], tmp_path), "run")
+    full, ro = tmpfs("full") / "s.zarr", tmpfs("ro", ro=True) / "s.zarr"
+    on_full, on_ro = _clis([(["run", str(spec), "--store", str(store), "--plain"], None) for store in (full, ro)],
+                           tmp_path)
+    line = _error_line(on_full, "run")
     assert line.startswith(f"nsa run: error: store {full}: disk full") and "No space left on device" in line, line
-    ro = tmpfs("ro", ro=True) / "s.zarr"
-    line = _error_line(_cli(["run", str(spec), "--store", str(ro), "--plain"], tmp_path), "run")
+    line = _error_line(on_ro, "run")
     assert line == f"nsa run: error: store {ro}: read-only filesystem at {ro} (Read-only file system)", line
 
 
@@ -239,9 +248,10 @@ def test_a_non_ray_server_gets_one_line_and_never_the_token(web, tmp_path):
     address = f"http://127.0.0.1:{web.server_address[1]}"
     token = {"RAY_AUTH_TOKEN": "the-secret-token"}
     sweep = _spec(tmp_path, {"name": "s", "base": TINY})
-    for args in (["status", "--address", address], ["submit", str(sweep), "--address", address, "--store",
-                                                    str(tmp_path / "s.zarr")]):
-        line = _error_line(_cli(args, tmp_path, token, timeout=120), args[0])
+    calls = [(["status", "--address", address], token),
+             (["submit", str(sweep), "--address", address, "--store", str(tmp_path / "s.zarr")], token)]
+    for (args, _), result in zip(calls, _clis(calls, tmp_path, timeout=120)):
+        line = _error_line(result, args[0])
         assert f"{address} is not a Ray dashboard: GET /api/authentication_mode answered HTTP 404" in line, line
         assert "Not Found" in line, line
     assert web.seen and all("the-secret-token" not in json.dumps(h) for _, _, h in web.seen), web.seen

@@ -1,6 +1,7 @@
 """Real object stores (issue 9): a run written to, killed in, resumed from and read back from an
-S3 API server on loopback (moto's server mode, a separate process), and a two-node sweep whose
-nodes meet only in S3.  Endpoint and keys come from the standard AWS_* variables.
+S3 API server on loopback (moto's server mode, a separate process).  The two-node sweep whose
+nodes meet only in S3 is test_multinode's (one job on the session's cluster).  Endpoint and keys
+come from the standard AWS_* variables.
 """
 
 from __future__ import annotations
@@ -172,30 +173,3 @@ def test_s3_run_killed_resumed_and_read_back(s3_env, tmp_path):
     v = subprocess.run([sys.executable, "-m", "nsa_dist.cli", "verify", url], env=env, capture_output=True,
                        text=True, timeout=300)
     assert v.returncode == 0 and "no damage found" in v.stdout, v.stdout + v.stderr
-
-
-@pytest.mark.slow
-def test_two_node_sweep_whose_nodes_meet_only_in_s3(s3_env, two_node_cluster, tmp_path):
-    address, env = two_node_cluster
-    url = f"s3://{_bucket(s3_env)}/sweeps/s.zarr"
-    sweep = {
-        "name": "s3nodes",
-        "base": {"data": {"n": 24}, "model": {"depth": 2, "width": 8}, "steps": 9, "record": {"every": 4},
-                 "spectrum": {"k": 4, "images": []}},
-        "grid": {"model.width": [8, 12]},
-        "cluster": {"spectral_workers": 2, "worker_cpus": 0.5, "trainer_cpus": 0.5,
-                    "trainer_resources": {"head_node": 1}, "worker_resources": {"worker_node": 1}},
-    }
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(sweep))
-    bin_dir = Path(sys.executable).parent
-    out = subprocess.run([str(bin_dir / "nsa"), "submit", str(path), "--address", address, "--store", url, "--wait",
-                          "--job-id", "nsa-s3-test"], env={**env, **s3_env}, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "2/2 runs done" in out.stdout, out.stdout[-3000:]
-    runs = Client(url).runs()
-    assert sorted(runs["status"]) == ["done", "done"], runs[["id", "status", "reason"]]
-    for rid in runs["id"]:
-        run = Client(url).run(rid)
-        assert run.steps.tolist() == [0, 4, 8] and np.isfinite(run.eigenvalues).all()

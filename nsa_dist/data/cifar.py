@@ -63,7 +63,8 @@ def load_cifar_batches(paths: list[Location], label_key: str, K: int) -> tuple[n
 
 def _features(pixels: np.ndarray, grayscale: bool) -> np.ndarray:
     """uint8 (N, 3072) → float64 (N, 1024) luminance Σ_c w_c x_c, or (N, 3072) RGB, in [0, 1]."""
-    x = pixels.astype(np.float64).reshape(-1, 3, 32 * 32) / 255.0  # (N, 3, 1024)
+    x = pixels.astype(np.float64).reshape(-1, 3, 32 * 32)  # (N, 3, 1024)
+    x /= 255.0  # in place: no second (N, 3072) float64 copy
     return np.einsum("c,ncp->np", LUMINANCE, x) if grayscale else x.reshape(len(x), D_RGB)
 
 

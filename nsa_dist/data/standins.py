@@ -97,11 +97,11 @@ def _shift(img: np.ndarray, dy: int, dx: int) -> np.ndarray:
 def _stroke(img: np.ndarray, how: np.ndarray) -> np.ndarray:
     """Thicken (how = 1) or thin (how = −1) the strokes of (n, 28, 28) images by one pixel (3×3
     max / min over the cross), or leave them (0)."""
-    p = np.pad(img, ((0, 0), (1, 1), (1, 1)))
-    cross = np.stack([p[:, 1:-1, 1:-1], p[:, :-2, 1:-1], p[:, 2:, 1:-1], p[:, 1:-1, :-2], p[:, 1:-1, 2:]])
     out = img.copy()
-    out[how == 1] = cross.max(0)[how == 1]
-    out[how == -1] = cross.min(0)[how == -1]
+    for sign, pick in ((1, np.maximum), (-1, np.minimum)):
+        sel = np.flatnonzero(how == sign)
+        p = np.pad(img[sel], ((0, 0), (1, 1), (1, 1)))
+        out[sel] = pick.reduce([p[:, 1:-1, 1:-1], p[:, :-2, 1:-1], p[:, 2:, 1:-1], p[:, 1:-1, :-2], p[:, 1:-1, 2:]])
     return out
 
 
@@ -156,13 +156,15 @@ def _crops(photo: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     H, W = photo.shape[:2]
     out = np.empty((n, 3, 32, 32), dtype=np.float32)
     scale = rng.integers(1, 4, n)  # crop side 32·s, averaged over s×s blocks
+    grid = np.arange(32)
     for s in (1, 2, 3):
         idx = np.flatnonzero(scale == s)
         side = 32 * s
         ys, xs = rng.integers(0, H - side + 1, idx.size), rng.integers(0, W - side + 1, idx.size)
-        for i, y, x in zip(idx, ys, xs):
-            c = photo[y:y + side, x:x + side].reshape(32, s, 32, s, 3).mean(axis=(1, 3))  # (32, 32, 3)
-            out[i] = c.transpose(2, 0, 1)
+        # the s×s block means of every crop are samples, at stride s, of the photo's s×s box means
+        box = sum(photo[i:H - s + 1 + i, j:W - s + 1 + j] for i in range(s) for j in range(s)) / (s * s)
+        crops = box[(ys[:, None] + s * grid)[:, :, None], (xs[:, None] + s * grid)[:, None, :]]  # (m, 32, 32, 3)
+        out[idx] = crops.transpose(0, 3, 1, 2)
     flip = rng.random(n) < 0.5
     out[flip] = out[flip][..., ::-1]
     out *= rng.uniform(0.8, 1.2, (n, 1, 1, 1)).astype(np.float32)
