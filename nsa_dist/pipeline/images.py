@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
-from scipy.spatial import Delaunay
 
 from nsa_dist.metrics import fourier_transform, frequency_grid
 from nsa_dist.store.records import ImageStep
@@ -35,6 +33,8 @@ class EigenImages:
     """
 
     def __init__(self, X01: np.ndarray, indices: list[int], size: int, limit: float, n_freq: int) -> None:
+        from scipy.spatial import Delaunay  # here, not at import: only runs with images load scipy
+
         self.X01, self.indices = X01, indices  # (N, 2), 1-based eigenvector indices
         self.tri = Delaunay(X01)
         g = (np.arange(size) + 0.5) / size
@@ -45,6 +45,8 @@ class EigenImages:
 
     def image(self, V: np.ndarray) -> np.ndarray:
         """V (N, m) → (m, R, R)."""
+        from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
+
         vals = LinearNDInterpolator(self.tri, V)(self.grid)  # (R², m)
         holes = np.isnan(vals).any(axis=1)
         if holes.any():
