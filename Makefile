@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+# two pytest workers: every Ray-cluster module on one (tests/conftest.py groups them, so each
+# cluster starts once), the rest on the other — the suite waits on processes starting often
+# enough that the second worker fills those waits (TEST_WORKERS=0: one process, as before)
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast bench bench-layouts bench-full-size clean
 
@@ -32,7 +36,7 @@ demo: install
 	$(PY) -m nsa_dist.demo
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
