@@ -102,11 +102,11 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         modules.setdefault(item.nodeid.split("::")[0], set()).update(getattr(item, "fixturenames", ()))
     items.sort(key=rank)  # stable: the order within each group is pytest's
     if getattr(config.option, "dist", "no") == "loadgroup":
-        # under ``-n 2 --dist loadgroup`` (make test) every module of a Ray cluster goes to one
+        # under ``-n 2 --dist loadgroup`` (make test) every module of one Ray cluster goes to one
         # worker, so each cluster starts once; the other worker takes the rest as they come
         for item in items:
             if rank(item):
-                item.add_marker(pytest.mark.xdist_group("ray"))
+                item.add_marker(pytest.mark.xdist_group(_TWO_NODE if rank(item) == 2 else _LOCAL_RAY))
 
 
 @pytest.fixture(scope="session")
