@@ -19,6 +19,12 @@ import torch
 from torch.func import functional_call, jacrev
 
 BIN = Path(sys.executable).parent
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on a 2-core machine: one thread each (and in every process a test starts).  Two
+    # OpenMP threads on a core another process keeps busy wait at every barrier for a descheduled
+    # sibling — a 6 s in-process layout test took 75 s that way, under load 4.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 LOCAL_RAY_CPUS = 6  # the embedded Ray every module's Ray tests share ("cluster has 6" in their messages)
 
 
