@@ -526,3 +526,13 @@ def test_lanczos_on_torch_cpu_matches_numpy() -> None:
     for ep in eps:
         assert_matches_reference(G, ep, ref)
     assert_evals_close(eps[1].evals, eps[0].evals)
+
+
+def test_asymmetry_found_in_a_far_tile_on_torch_cpu() -> None:
+    """The symmetry check of a host G on torch's CPU (512-tiles) compares every tile with its
+    transposed partner: a single asymmetric pair far off the diagonal is found and named."""
+    N = 1100  # 3 tiles per side, a partial last one
+    G = psd(N).copy()
+    G[1090, 7] += 1e-3
+    with pytest.raises(ValueError, match=r"symmetric; max \|G - Gᵀ\| = 0.001"):
+        top_eigenpairs(G, 10, "lanczos", backend="torch")
