@@ -47,7 +47,8 @@ def main() -> None:
         out = {}
         for route in ("before", "after"):
             lanczos._cholesky_qr2 = cholesky_qr2 if route == "after" else (lambda ops, A: None)
-            inputs._asymmetry = asymmetry if route == "after" else (lambda G, tile: asymmetry(G, 4096 if tile == 512 else tile))
+            inputs._asymmetry = asymmetry if route == "after" else \
+                (lambda G, tile: asymmetry(G, 4096 if tile == 512 else tile))
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
             out[route] = an.analyze(ck).arrays()
