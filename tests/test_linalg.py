@@ -488,3 +488,51 @@ def test_large_host_matrix_runs_on_torch_blas() -> None:
     assert_evals_close(ep.evals, w)
     assert_orthonormal(ep.evecs)
     assert_residuals_small(G32, ep)
+
+
+def _tall_qr_check(A: torch.Tensor, Q: torch.Tensor, R: np.ndarray) -> None:
+    """Q orthonormal, R upper triangular, Q R = A, all to float64 rounding."""
+    b = A.shape[1]
+    assert np.abs(Q.T.numpy() @ Q.numpy() - np.eye(b)).max() < 1e-13
+    assert np.abs(np.tril(R, -1)).max() == 0.0
+    assert np.abs(Q.numpy() @ R - A.numpy()).max() < 1e-12 * np.abs(A.numpy()).max()
+
+
+def test_tall_qr_cholesky_path_and_its_fallback() -> None:
+    """Lanczos's tall QR on torch's CPU: Cholesky QR twice where it is accurate; an ill-conditioned
+    block (cond 1e12, beyond Cholesky QR's ~1e8) is refused by its own check and LAPACK's QR runs
+    (issue 22)."""
+    from nsa_dist.linalg._backend import TorchOps
+    from nsa_dist.linalg.lanczos import _cholesky_qr2, _qr_r
+
+    ops, rng = TorchOps("cpu"), np.random.default_rng(3)
+    good = torch.from_numpy(rng.standard_normal((800, 12)))
+    assert _cholesky_qr2(ops, good) is not None
+    U, _ = np.linalg.qr(rng.standard_normal((800, 12)))
+    W, _ = np.linalg.qr(rng.standard_normal((12, 12)))
+    bad = torch.from_numpy((U * np.logspace(0, -12, 12)) @ W.T)  # singular values 1 … 1e-12, mixed columns
+    assert _cholesky_qr2(ops, bad) is None
+    for A in (good, bad, good.T.contiguous().T):  # row- and column-major
+        Q, R = _qr_r(ops, A)
+        _tall_qr_check(A, Q, R)
+
+
+def test_lanczos_on_torch_cpu_matches_numpy() -> None:
+    """The torch CPU route (Cholesky QR) and the NumPy route (LAPACK QR) give the same top-k to the
+    solver's tolerance, each checked against eigh."""
+    G = psd(400)
+    ref = reference(400)
+    eps = [top_eigenpairs(G, 30, "lanczos", backend=be) for be in ("numpy", "torch")]
+    for ep in eps:
+        assert_matches_reference(G, ep, ref)
+    assert_evals_close(eps[1].evals, eps[0].evals)
+
+
+def test_asymmetry_found_in_a_far_tile_on_torch_cpu() -> None:
+    """The symmetry check of a host G on torch's CPU (512-tiles) compares every tile with its
+    transposed partner: a single asymmetric pair far off the diagonal is found and named."""
+    N = 1100  # 3 tiles per side, a partial last one
+    G = psd(N).copy()
+    G[1090, 7] += 1e-3
+    with pytest.raises(ValueError, match=r"symmetric; max \|G - Gᵀ\| = 0.001"):
+        top_eigenpairs(G, 10, "lanczos", backend="torch")

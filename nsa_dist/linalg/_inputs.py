@@ -136,8 +136,11 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
 
 
 def _check_symmetric(G: Any, rtol: float, backend: str, what: str) -> None:
-    """Raise ValueError naming max |G − Gᵀ| if it exceeds ``rtol · max |G|``."""
-    asym, scale = _asymmetry(G, tile=256 if backend == "numpy" else 4096)
+    """Raise ValueError naming max |G − Gᵀ| if it exceeds ``rtol · max |G|``.
+
+    Tiles: 256 on NumPy; 512 on torch's CPU (the transposed tile stays in cache: at N = 10⁴ float64
+    0.18 s against 0.84 s with 4096-tiles, issue 22); 4096 on a GPU (fewer kernel launches)."""
+    asym, scale = _asymmetry(G, tile=256 if backend == "numpy" else 4096 if _on_gpu(G) else 512)
     if asym > rtol * scale:
         raise ValueError(f"{what} must be symmetric; max |G - Gᵀ| = {asym:.3g} ({asym / scale:.3g} of max |G|, "
                          f"allowed ≤ {rtol:.1e}); symmetrise with (G + G.T) / 2 if this is rounding")
