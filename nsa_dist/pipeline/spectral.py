@@ -36,11 +36,13 @@ from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtra
 
 __all__ = ["SpectralAnalyzer"]
 
-# A dense step that needs no eigenvectors could take every eigenvalue and ⟨v_i, φ⟩ from one
-# dsytrd (:mod:`nsa_dist.linalg.tridiag`) instead of eigh.  Measured on 2 cores, quiet, at
-# N = 10⁴ (examples/nsa_paper.yaml, k: all, test points): 160 s per Gram against eigh's 80 s —
-# dsytrd is the bulk of both and the chunked dstemr adds to it — so eigh stays the default.
-TRIDIAGONAL_K_ALL = False
+# A dense step that needs no eigenvectors (k: all, or a dense top-k) takes every eigenvalue and
+# ⟨v_i, φ⟩ from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`) instead of eigh with
+# vectors: MKL ?syrdb with Q formed, in the Gram's precision, then divide and conquer on T.
+# Measured on 2 cores at N = 10⁴ (benchmarks/README.md, issue 22): the eigh of a float32 Gram in
+# float64 with vectors is 2–4× this route; its float32 eigenvalues lie within 4e-7·λ_1 of
+# eigh's, closer than the float32 Gram's own rounding moves them (8e-7·λ_1).  False: eigh always.
+TRIDIAGONAL_K_ALL = True
 
 
 class SpectralAnalyzer:
@@ -75,6 +77,7 @@ class SpectralAnalyzer:
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
         self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
+        self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "eigenpairs"
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
 
     @property
@@ -127,8 +130,9 @@ class SpectralAnalyzer:
         cost of eigvalsh); else from the eigenpairs.  ``vectors``: the step needs all of V."""
         idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
         if TRIDIAGONAL_K_ALL and isinstance(G, DenseGram) and not vectors and self._dense_method(k, G.shape[0]):
-            self.n_products[which] = 0
+            self.n_products[which], self.eig_route[which] = 0, "tridiagonal"
             return from_tridiagonal(G.G, k, phis, idx)
+        self.eig_route[which] = "eigenpairs"
         eig = self._eig(G, k, which)
         return from_eigenpairs(eig.evals, eig.evecs, phis, idx, eig.n_matvec)
 
