@@ -77,7 +77,8 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
 
     Args:
         G: (N, N) symmetric matrix, NumPy or torch (CPU); reduced in its own precision when
-            float32 or float64 (other dtypes: float64), on a copy, so G itself is left alone.
+            float32 or float64 (other dtypes: float64), on a copy, so G itself is left alone.  Its
+            lower triangle is read (its upper one when C-ordered: the same for a symmetric G).
         Phi: (N, c) or (N,) float vectors φ_j.
         indices: 0-based positions (in descending order of λ) of eigenvectors to return.
         reduction: "auto" | "mkl" | "lapack" (see :class:`Reduction`).
@@ -111,14 +112,15 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
         raise ValueError(f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
                          f"probe in {dtype} (see the log); use 'auto' or 'lapack'")
     d = e = apply_qt = apply_q = None
+    G_f = G_np.T if G_np.flags.c_contiguous else G_np  # symmetric: Gᵀ's Fortran copy is a plain memcpy
     if route is Reduction.MKL:
-        d, e, apply_qt, apply_q = _mkl(np.array(G_np, dtype=dtype, order="F"))
+        d, e, apply_qt, apply_q = _mkl(np.array(G_f, dtype=dtype, order="F"))
         bad = _residual(G_np, d, e, apply_qt, apply_q)
         if bad is not None:  # never seen at kd ≤ N/4; proven on every call all the same (3 products)
             _log.warning("MKL ?syrdb's reduction of this %d×%d G is off (%s); redone by SciPy's ?sytrd", N, N, bad)
             route = Reduction.LAPACK
     if route is Reduction.LAPACK:
-        d, e, apply_qt, apply_q = _lapack(np.array(G_np, dtype=dtype, order="F"))
+        d, e, apply_qt, apply_q = _lapack(np.array(G_f, dtype=dtype, order="F"))
     psi = apply_qt(Phi2)  # (N, c) = Qᵀ Φ
     w, S = _tridiagonal_eigh(d, e)  # (N,) ascending, (N, N)
     proj = S.T @ psi  # (N, c)
