@@ -39,9 +39,10 @@ __all__ = ["SpectralAnalyzer"]
 # A dense step that needs no eigenvectors (k: all, or a dense top-k) takes every eigenvalue and
 # ⟨v_i, φ⟩ from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`) instead of eigh with
 # vectors: MKL ?syrdb with Q formed, in the Gram's precision, then divide and conquer on T.
-# Measured on 2 cores at N = 10⁴ (benchmarks/README.md, issue 22): the eigh of a float32 Gram in
-# float64 with vectors is 2–4× this route; its float32 eigenvalues lie within 4e-7·λ_1 of
-# eigh's, closer than the float32 Gram's own rounding moves them (8e-7·λ_1).  False: eigh always.
+# Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md,
+# issue 22): 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
+# within 4.7e-7·λ_1 of eigh's, less than the float32 Gram's own rounding moves them (8.3e-7·λ_1).
+# False: eigh always.
 TRIDIAGONAL_K_ALL = True
 
 
