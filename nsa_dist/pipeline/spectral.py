@@ -36,11 +36,15 @@ from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtra
 
 __all__ = ["SpectralAnalyzer"]
 
-# A dense step that needs no eigenvectors could take every eigenvalue and ⟨v_i, φ⟩ from one
-# dsytrd (:mod:`nsa_dist.linalg.tridiag`) instead of eigh.  Measured on 2 cores, quiet, at
-# N = 10⁴ (examples/nsa_paper.yaml, k: all, test points): 160 s per Gram against eigh's 80 s —
-# dsytrd is the bulk of both and the chunked dstemr adds to it — so eigh stays the default.
-TRIDIAGONAL_K_ALL = False
+# A `k: all` step that needs no eigenvectors takes every eigenvalue and
+# ⟨v_i, φ⟩ from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`) instead of eigh with
+# vectors: MKL ?syrdb with Q formed, in the Gram's precision, then divide and conquer on T.
+# Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md,
+# issue 22): 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
+# within 4.7e-7·λ_1 of eigh's, less than the float32 Gram's own rounding moves them (8.3e-7·λ_1).
+# Only k: all: a top-k (dense eigh or Lanczos) keeps its float64 route and its stored numbers,
+# and MKL's internal ?syrdb is called only where a step needs every eigenvalue.  False: eigh always.
+TRIDIAGONAL_K_ALL = True
 
 
 class SpectralAnalyzer:
@@ -75,6 +79,7 @@ class SpectralAnalyzer:
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
         self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
+        self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "eigenpairs"
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
 
     @property
@@ -122,20 +127,16 @@ class SpectralAnalyzer:
         return eig
 
     def _spectrum(self, G: StepGram, k: int, which: str, phis: dict[str, np.ndarray], vectors: bool) -> StepSpectrum:
-        """Eigenvalues and ⟨v_i, φ⟩ of the step's φ: where a dense eigh would run and no
-        eigenvectors are needed, from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`, the
+        """Eigenvalues and ⟨v_i, φ⟩ of the step's φ: at a `k: all` step that needs no
+        eigenvectors, from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`, the
         cost of eigvalsh); else from the eigenpairs.  ``vectors``: the step needs all of V."""
         idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
-        if TRIDIAGONAL_K_ALL and isinstance(G, DenseGram) and not vectors and self._dense_method(k, G.shape[0]):
-            self.n_products[which] = 0
+        if TRIDIAGONAL_K_ALL and isinstance(G, DenseGram) and not vectors and k >= G.shape[0]:  # k: all
+            self.n_products[which], self.eig_route[which] = 0, "tridiagonal"
             return from_tridiagonal(G.G, k, phis, idx)
+        self.eig_route[which] = "eigenpairs"
         eig = self._eig(G, k, which)
         return from_eigenpairs(eig.evals, eig.evecs, phis, idx, eig.n_matvec)
-
-    def _dense_method(self, k: int, n: int) -> bool:
-        """Whether ``spectrum.eig_method`` resolves to a dense eigh (as ``top_eigenpairs`` decides)."""
-        m = self.spec.spectrum.eig_method
-        return m == "dense" or (m == "auto" and (3 * k > n or n <= 500))
 
     def _needs_vectors(self, ck: Checkpoint) -> bool:
         """Whether this step uses all K training eigenvectors: it stores them, or App. E's
