@@ -399,9 +399,19 @@ class RunWriter:
             self.store.keys.delete(key)
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
+        """``loss_trace[start:start + len(values)] = values``, as whole chunks: they are read and
+        merged before the fence, so only their encoding and write follow it.  (Zarr's own
+        read-modify-write after the fence left a paused writer that had already read a chunk free to
+        put it back, stale, over the next writer's: seen as a changed ``loss_trace/c/0`` in
+        tests/test_identity_fencing.py.  The window is now the write itself, not closed.)"""
         if len(values):
+            arr = self._out("loss_trace")
+            c = arr.chunks[0]
+            lo, hi = start // c * c, min(arr.shape[0], -(-(start + len(values)) // c) * c)
+            block = arr[lo:hi]  # (hi − lo,) the chunks the values fall in
+            block[start - lo:start - lo + len(values)] = values
             self.fence()
-            self._out("loss_trace")[start:start + len(values)] = values
+            arr[lo:hi] = block
 
     def resume_index(self, before: int | None = None) -> int | None:
         """The recorded step to resume from: the last of the unbroken run of finished steps from 0
