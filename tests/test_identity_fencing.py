@@ -26,7 +26,7 @@ from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.errors import StoreError
-from nsa_dist.pipeline import plan_run, run_experiment, run_id
+from nsa_dist.pipeline import plan_run, prepare_run, run_experiment, run_id
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.store import LeaseLost, SpectrumStore
 
@@ -44,10 +44,11 @@ def _png(path: Path, seed: int) -> Path:
 
 
 def _files(url: str) -> dict[str, tuple[int, str]]:
-    """Every file of the store: relative path → (mtime_ns, sha1 of its bytes)."""
+    """Every file of the store: relative path → (mtime_ns, sha1 of its bytes).  A ``.partial``
+    file is not a key (a put in progress, renamed into place or removed; readers never see it)."""
     root = Path(url)
     return {str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.endswith(".partial")}
 
 
 def _arrays(url: str, rid: str) -> dict[str, np.ndarray]:
@@ -229,14 +230,84 @@ def test_nsa_run_stopped_beyond_its_ttl_exits_with_one_line_and_the_run_ends_as_
     _assert_same_arrays(ref, url, rid)
 
 
+def test_a_write_checked_before_a_takeover_never_lands_after_it(tmp_path):
+    """The instant between a writer's lease check and its put (where a paused writer put a stale
+    ``loss_trace`` chunk back over its successor's, CI run of 1aab64a): the writer has checked
+    and encoded its chunk, the run is taken over before the put lands — the put is refused."""
+    import threading
+
+    from nsa_dist.store.locks import file_lock
+
+    spec = ExperimentSpec(**TINY)
+    url = str(tmp_path / "w.zarr")
+    store = SpectrumStore(url)
+    rid = run_id(spec)
+    with store.lease([rid], ttl=600) as lease:
+        writer = prepare_run(spec, store, lease.token).writer
+        writer.write_trace(0, np.arange(5, dtype=np.float64))
+        trace = Path(url) / "runs" / rid / "loss_trace"
+        outcome: dict[str, str] = {}
+
+        def write() -> None:
+            try:
+                writer.write_trace(5, np.full(3, 7.0))
+            except LeaseLost as exc:
+                outcome["error"] = str(exc)
+
+        lock = Path(url) / "leases" / rid / "lock"
+        with file_lock(lock, 5.0, "test"):  # the writer's put waits here, past its check
+            t = threading.Thread(target=write)
+            t.start()
+            deadline = time.time() + 60
+            while not list(trace.rglob("*.partial")) and t.is_alive() and time.time() < deadline:
+                time.sleep(0.005)
+            assert t.is_alive(), f"the put landed without waiting for the run's lock (not fenced): {outcome}"
+            assert list(trace.rglob("*.partial")), "the writer never reached its put"
+            now = time.time()  # the takeover, while the writer waits between its check and its put
+            store.keys.set_group(f"leases/{rid}", {"host": "node-7.elsewhere", "pid": 4242, "since": now,
+                                                   "heartbeat": now, "ttl": 600.0, "token": "theirs",
+                                                   "released": False})
+            before = {k: v for k, v in _files(url).items() if not k.startswith("leases/")}
+        t.join(60)
+        assert "took the run over" in outcome.get("error", ""), outcome
+        after = {k: v for k, v in _files(url).items() if not k.startswith("leases/")}
+        assert after == before, f"changed after the takeover: {sorted(set(after.items()) ^ set(before.items()))}"
+        assert not list(trace.rglob("*.partial")), "the refused put left its .partial file"
+        np.testing.assert_array_equal(Client(url).run(rid).array("loss_trace")[:8],
+                                      np.r_[np.arange(5.0), np.full(3, np.nan)])
+
+
+def test_a_run_lock_held_by_a_stopped_process_is_one_error_naming_it(tmp_path):
+    """A writer stopped inside its microseconds under the lock blocks the takeover: the waiter
+    gets one line naming the stopped pid, not a hang."""
+    from nsa_dist.store.locks import LockTimeout, file_lock
+
+    lock = tmp_path / "leases" / "r" / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys; from pathlib import Path; from nsa_dist.store.locks import file_lock\n"
+        f"with file_lock(Path({str(lock)!r}), 5.0, 'x'):\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n")], env=ENV)
+    try:
+        _wait_stopped(holder.pid, holder)
+        t0 = time.time()
+        with pytest.raises(LockTimeout, match=rf"held by process {holder.pid} for over 1 s .*stopped"):
+            with file_lock(lock, 1.0, "run 'r'"):
+                pass
+        assert time.time() - t0 < 30
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.wait(60) == 0
+        with file_lock(lock, 1.0, "run 'r'"):  # let go by the holder: free again
+            pass
+    finally:
+        holder.kill()
+
+
 def test_cluster_workers_are_fenced_by_the_drivers_lease(tmp_path):
     """The plain services a Ray worker runs check the driver's token before writing."""
     spec = ExperimentSpec(**TINY)
     url = str(tmp_path / "s.zarr")
     store = SpectrumStore(url)
     rid = run_id(spec)
-    from nsa_dist.pipeline import prepare_run
-
     with store.lease([rid]) as lease:
         plan = prepare_run(spec, store, lease.token).plan
         trainer = TrainerService(plan, url, token=lease.token)

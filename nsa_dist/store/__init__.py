@@ -3,7 +3,8 @@
 Owns: everything under a store URL (local path, ``memory://``, ``s3://`` …) — the layout of a
 run (:mod:`.schema`: sizes in :mod:`.dims`, the per-step arrays defined by the step records of
 :mod:`.records`), a run's status (:mod:`.status`), opening a URL and the raw key operations
-(:mod:`.keys`), writer leases and fencing (:mod:`.lease`), the runs as read (:mod:`.runs`), checked
+(:mod:`.keys`), writer leases and fencing (:mod:`.lease`; on a local store each fenced put under the
+run's lock file: :mod:`.locks`, :mod:`.fencing`), the runs as read (:mod:`.runs`), checked
 reads (:mod:`.reader`), creating and writing runs (:mod:`.zarr_store`), ``nsa verify`` and its
 repair through the writer (:mod:`.verify`), one-line summaries (:mod:`.summary`) and naming a
 store's outside faults (:mod:`.faults`).  Only this package touches Zarr; everything else reads
@@ -12,9 +13,9 @@ and writes through it.
 May import: numpy, zarr, :mod:`nsa_dist.errors`, :mod:`nsa_dist._fsspec`, and
 :mod:`nsa_dist.metrics` (the schema sizes the reconstruction arrays) — nothing of the pipeline,
 the cluster or the client.  Inside, the modules import downwards only, never in a circle:
-``status``, ``keys`` ← ``lease`` ← ``runs`` ← ``reader`` ← ``zarr_store`` ← ``verify``
+``status``, ``keys``, ``locks`` ← ``lease`` ← ``fencing`` ← ``runs`` ← ``reader`` ← ``zarr_store`` ← ``verify``
 (``dims`` ← ``records`` ← ``schema`` beside them; ``summary`` and ``faults`` on top); only ``keys`` calls the Zarr
-store's key API.
+store's key API, and ``fencing`` implements it (the fenced writer's local store).
 """
 
 from nsa_dist.store.faults import describe_fault

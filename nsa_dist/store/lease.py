@@ -14,6 +14,13 @@ back before each write and before committing a step (``done[i]``), and a writer 
 taken over — it was paused (Ctrl-Z, SIGSTOP, a VM freeze) or cut off longer than the ttl —
 raises :class:`LeaseLost` instead of writing anything more (:func:`check_holder`).  A heartbeat
 alone cannot do this: the paused writer's first act on waking may be a write, not a beat.
+
+A check before a write still leaves the instant between the two: a writer paused right after
+its check wakes up holding bytes it then writes over its successor's.  On a local store every
+lease write here and every write of a fenced writer (:mod:`.fencing`) therefore happen under the
+run's lock file ``leases/<run id>/lock`` (:func:`run_lock`): the takeover and the check-and-write
+exclude each other, so a write lands only if its writer held the lease at that instant.  Object
+stores have no such lock: there the window stays (docs/design-notes.md).
 """
 
 from __future__ import annotations
@@ -24,15 +31,17 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from nsa_dist.errors import StoreError
 from nsa_dist.store.keys import Keys
+from nsa_dist.store.locks import file_lock
 from nsa_dist.store.status import Status
 
 __all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status",
-           "parse_lease", "read_lease", "write_lease"]
+           "lease_lost", "lock_timeout", "parse_lease", "read_lease", "run_lock", "write_lease"]
 
 INTERRUPTED_HINT = "re-run to resume"
 
@@ -55,11 +64,42 @@ def read_lease(keys: Keys, run_id: str) -> "LeaseInfo | None":
     return parse_lease(keys.get(f"leases/{run_id}/zarr.json"))
 
 
-def write_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
-    """Write the lease group ``leases/<run id>`` in one put (readers never see it half written)."""
+def lock_timeout() -> float:
+    """Seconds to wait for a run's lock file: it is held for microseconds to milliseconds, so
+    longer means a stopped holder (at least 10 s, and two ttls)."""
+    return max(10.0, 2 * default_ttl())
+
+
+def run_lock(keys: Keys, run_id: str) -> AbstractContextManager[None]:
+    """The run's lock ``leases/<run id>/lock`` on a local store (a no-op on object stores).
+
+    Raises:
+        LockTimeout: held by another process for :func:`lock_timeout` seconds (one line).
+    """
+    if not keys.local:
+        return nullcontext()
+    return file_lock(keys.path / "leases" / run_id / "lock", lock_timeout(), f"run {run_id!r} in {keys.url!r}")
+
+
+def _put_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
     if not keys.exists("leases/zarr.json"):  # a store made before leases
         keys.set_group("leases", {})
     keys.set_group(f"leases/{run_id}", attrs)
+
+
+def write_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
+    """Write the lease group ``leases/<run id>`` in one put (readers never see it half written),
+    under the run's lock (so never in the middle of a fenced writer's check and write)."""
+    with run_lock(keys, run_id):
+        _put_lease(keys, run_id, attrs)
+
+
+def lease_lost(url: str, run_id: str, info: "LeaseInfo | None") -> LeaseLost:
+    """The one-line error of a writer whose lease ``info`` (None: removed) no longer carries its token."""
+    who = f"{info.who()} took the run over" if info is not None else f"its lease leases/{run_id} was removed"
+    return LeaseLost(f"run {run_id!r} in {url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
+                     f"lost its lease — {who} (this writer was paused or cut off longer than the lease's ttl); "
+                     "stopped without writing anything more, the other writer finishes the run")
 
 
 def check_holder(keys: Keys, run_id: str, token: str) -> None:
@@ -70,12 +110,8 @@ def check_holder(keys: Keys, run_id: str, token: str) -> None:
             was removed; one line, saying that this writer stopped without writing more.
     """
     info = read_lease(keys, run_id)
-    if info is not None and info.token == token:
-        return
-    who = f"{info.who()} took the run over" if info is not None else f"its lease leases/{run_id} was removed"
-    raise LeaseLost(f"run {run_id!r} in {keys.url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
-                    f"lost its lease — {who} (this writer was paused or cut off longer than the lease's ttl); "
-                    "stopped without writing anything more, the other writer finishes the run")
+    if info is None or info.token != token:
+        raise lease_lost(keys.url, run_id, info)
 
 
 @dataclass(frozen=True)
@@ -184,12 +220,15 @@ class Lease:
                 if deadline is not None and time.time() >= deadline:
                     raise self._refusal(*held[0])
                 for rid in taken:  # keep the leases already taken fresh while waiting for the rest
-                    self._write(rid)
+                    with run_lock(self.keys, rid):
+                        self._write(rid)
                 time.sleep(min(1.0, max(0.05, min(o.ttl if o else 1.0 for _, o in held) / 4)))
                 pending = [rid for rid, _ in held]
         except BaseException:
             for rid in taken:
-                self._write(rid, released=True)
+                with run_lock(self.keys, rid):
+                    if self._still_ours(rid):
+                        self._write(rid, released=True)
             raise
         self._thread = threading.Thread(target=self._beat, name="nsa-lease", daemon=True)
         self._thread.start()
@@ -199,12 +238,13 @@ class Lease:
         """Write our lease where none is held, wait, read back: the (run, holder) pairs not ours."""
         held, written = [], []
         for rid in pending:
-            other = read_lease(self.keys, rid)
-            if other is None or other.token == self.token or not other.fresh():
-                self._write(rid)
-                written.append(rid)
-            else:
-                held.append((rid, other))
+            with run_lock(self.keys, rid):  # on a local store: read and write as one step
+                other = read_lease(self.keys, rid)
+                if other is None or other.token == self.token or not other.fresh():
+                    self._write(rid)
+                    written.append(rid)
+                else:
+                    held.append((rid, other))
         if written:
             time.sleep(self.settle)  # a writer racing us has written by now: whose token stayed?
         for rid in written:
@@ -223,8 +263,9 @@ class Lease:
                          "wait for it (--wait) or use another store")
 
     def _write(self, rid: str, released: bool = False) -> None:
+        """Put our lease of ``rid`` (the caller holds the run's lock)."""
         now = time.time()
-        write_lease(self.keys, rid, {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": now,
+        _put_lease(self.keys, rid, {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": now,
                                      "ttl": self.ttl, "token": self.token, "released": released})
 
     def _beat(self) -> None:
@@ -236,11 +277,9 @@ class Lease:
         with self._lock:
             for rid in [r for r in self.run_ids if r not in self.lost]:
                 try:
-                    info = read_lease(self.keys, rid)
-                    if info is not None and info.token != self.token:
-                        self.lost.append(rid)
-                        continue
-                    self._write(rid)
+                    with run_lock(self.keys, rid):
+                        if self._still_ours(rid):
+                            self._write(rid)
                 except Exception:  # noqa: BLE001 — a flaky store: try again at the next beat
                     pass
 
@@ -257,8 +296,9 @@ class Lease:
             for rid in run_ids if run_ids is not None else list(self.run_ids):
                 if rid in self.run_ids:
                     self.run_ids.remove(rid)
-                    if rid not in self.lost and self._still_ours(rid):  # never release another's lease
-                        self._write(rid, released=True)
+                    with run_lock(self.keys, rid):
+                        if rid not in self.lost and self._still_ours(rid):  # never release another's lease
+                            self._write(rid, released=True)
         if not self.run_ids:
             self._stop.set()
 

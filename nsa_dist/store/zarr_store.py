@@ -17,6 +17,7 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from nsa_dist.errors import StoreError
+from nsa_dist.store.fencing import FencedLocalStore, RunFence
 from nsa_dist.store.keys import METADATA_ERRORS, Keys
 from nsa_dist.store.lease import Lease, check_holder, write_lease
 from nsa_dist.store.reader import RunReader
@@ -225,11 +226,17 @@ class RunWriter:
     its arrays and its resume state, then sets ``done[i]`` last: a step counts as recorded only
     once everything it holds is stored.  With a lease ``token`` every write is fenced: it is
     made only while the run's lease still carries the token, and ``done[i]`` is committed only
-    after checking again (:class:`~nsa_dist.store.lease.LeaseLost` otherwise).
+    after checking again (:class:`~nsa_dist.store.lease.LeaseLost` otherwise).  On a local store
+    the check and each put are one step under the run's lock (:mod:`.fencing`): a writer paused
+    between them cannot land a stale chunk over its successor's.
     """
 
     def __init__(self, store: SpectrumStore, run_id: str, group: zarr.Group, dims: RunDims,
                  token: str | None = None) -> None:
+        self._fence: RunFence | None = None
+        if token is not None and store.keys.local and not store.keys.read_only:
+            fenced = FencedLocalStore.for_run(store.keys.path, run_id, token, store.url)
+            group, self._fence = zarr.open_group(store=fenced, path=f"runs/{run_id}", mode="r+"), fenced.fence
         self.store, self.run_id, self.g, self.dims, self.token = store, run_id, group, dims, token
         self.specs: dict[str, ArraySpec] = {a.name: a for a in run_arrays(dims)}
         self._lock = threading.Lock()
@@ -396,14 +403,19 @@ class RunWriter:
         self.mark_not_done(indices)
         for key in chunk_keys:
             self.fence()
-            self.store.keys.delete(key)
+            if self._fence is not None:
+                self._fence.delete(self.store.keys.path / key)
+            else:
+                self.store.keys.delete(key)
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
         """``loss_trace[start:start + len(values)] = values``, as whole chunks: they are read and
         merged before the fence, so only their encoding and write follow it.  (Zarr's own
         read-modify-write after the fence left a paused writer that had already read a chunk free to
         put it back, stale, over the next writer's: seen as a changed ``loss_trace/c/0`` in
-        tests/test_identity_fencing.py.  The window is now the write itself, not closed.)"""
+        tests/test_identity_fencing.py.  On a local store the fenced store closes that window — a
+        put lands only under the lock with the lease checked; on an object store the window is
+        the put itself.)"""
         if len(values):
             arr = self._out("loss_trace")
             c = arr.chunks[0]
