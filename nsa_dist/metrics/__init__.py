@@ -30,7 +30,7 @@ from nsa_dist.metrics.dynamics import (ConstantGramResidual, ConstantGramTraject
 from nsa_dist.metrics.energy import energy_from_projections, relative_energy, spectral_projections
 from nsa_dist.metrics.first_order import FirstOrderAccuracy, first_order_accuracy, first_order_update
 from nsa_dist.metrics.flow import flow_speed, lr_eigen_product, stability_bound
-from nsa_dist.metrics.fourier import FrequencyGrid, fourier_transform, frequency_grid
+from nsa_dist.metrics.fourier import FrequencyGrid, fourier_transform, fourier_transform_grid, frequency_grid
 from nsa_dist.metrics.nystrom import nystrom_extension, nystrom_from_products
 from nsa_dist.metrics.preservation import spectrum_preservation
 from nsa_dist.metrics.reconstruction import RECONSTRUCTION_KS, reconstruction_ks, top_k_reconstructions
@@ -59,6 +59,7 @@ __all__ = [
     "nystrom_extension",
     "nystrom_from_products",
     "fourier_transform",
+    "fourier_transform_grid",
     "frequency_grid",
     "RECONSTRUCTION_KS",
     "reconstruction_ks",

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.metrics import fourier_transform, frequency_grid
+from nsa_dist.metrics import fourier_transform_grid, frequency_grid
 from nsa_dist.store.records import ImageStep
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class EigenImages:
 
     def fourier(self, V: np.ndarray) -> np.ndarray:
         """V (N, m) → |φ̂| (m, F, F) on the frequency grid (axis 0: ξ_x, axis 1: ξ_y)."""
-        F = np.abs(fourier_transform(V, self.X01, self.freqs.points))  # (F², m)
+        F = np.abs(fourier_transform_grid(V, self.X01, self.freqs))  # (F², m)
         return F.T.reshape((-1,) + self.freqs.shape)
 
     def render(self, V: np.ndarray, residual: np.ndarray) -> ImageStep:

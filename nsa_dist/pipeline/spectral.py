@@ -238,7 +238,7 @@ class SpectralAnalyzer:
             **{f"energy_{name}": energy_from_projections(sp.proj[name], phi) for name, phi in phis.items()},
             "first_order_error": acc.error if acc else np.nan, "first_order_cos": acc.cos_alpha if acc else np.nan,
             "alignment": alignment_from_products(self.y, GY, fro2),
-            "alignment_centered": self._centered_alignment(G, GY, G1, fro2),
+            "alignment_centered": self._centered_alignment(G, GY, G1, fro2, fro2_se),
         }
         if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = sp.evecs.astype(np.float32)
@@ -265,10 +265,10 @@ class SpectralAnalyzer:
                                    evecs[:, :self.plan.dims.k_gram_change], self.dtype))
         return out
 
-    def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float) -> float:
-        """Centred alignment.  With an estimated ‖G‖_F (matrix_free) ‖HGH‖_F² is estimated directly:
-        ‖G‖_F² − 2‖G1‖²/N + (1ᵀG1)²/N² would cancel the estimate's error into it."""
-        if G.sq_frobenius()[1] == 0.0:
+    def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float, fro2_se: float) -> float:
+        """Centred alignment.  With an estimated ‖G‖_F (matrix_free: ``fro2_se`` > 0) ‖HGH‖_F² is
+        estimated directly: ‖G‖_F² − 2‖G1‖²/N + (1ᵀG1)²/N² would cancel the estimate's error into it."""
+        if fro2_se == 0.0:
             hgh2 = centered_sq_frobenius(fro2, G1)
         else:
             hgh2 = float(hutchpp_moments(_Centered(G), self.spec.spectrum.frobenius_probes, max_order=2,
