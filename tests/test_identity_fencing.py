@@ -230,51 +230,44 @@ def test_nsa_run_stopped_beyond_its_ttl_exits_with_one_line_and_the_run_ends_as_
     _assert_same_arrays(ref, url, rid)
 
 
-def test_a_write_checked_before_a_takeover_never_lands_after_it(tmp_path):
-    """The instant between a writer's lease check and its put (where a paused writer put a stale
-    ``loss_trace`` chunk back over its successor's, CI run of 1aab64a): the writer has checked
-    and encoded its chunk, the run is taken over before the put lands — the put is refused."""
-    import threading
-
-    from nsa_dist.store.locks import file_lock
+def test_a_put_made_before_a_takeover_never_lands_after_it(tmp_path):
+    """The instant between a writer's check and its put (where a paused writer put a stale
+    ``loss_trace`` chunk back over its successor's, CI run of 1aab64a): writer A has checked,
+    encoded and written its bytes; its lease expires (A paused), B takes the run over; A's put
+    and A's delete then land nothing, and A's later writes are refused."""
+    from nsa_dist.store.fencing import RunFence
 
     spec = ExperimentSpec(**TINY)
     url = str(tmp_path / "w.zarr")
     store = SpectrumStore(url)
     rid = run_id(spec)
-    with store.lease([rid], ttl=600) as lease:
-        writer = prepare_run(spec, store, lease.token).writer
-        writer.write_trace(0, np.arange(5, dtype=np.float64))
-        trace = Path(url) / "runs" / rid / "loss_trace"
-        outcome: dict[str, str] = {}
-
-        def write() -> None:
-            try:
-                writer.write_trace(5, np.full(3, 7.0))
-            except LeaseLost as exc:
-                outcome["error"] = str(exc)
-
-        lock = Path(url) / "leases" / rid / "lock"
-        with file_lock(lock, 5.0, "test"):  # the writer's put waits here, past its check
-            t = threading.Thread(target=write)
-            t.start()
-            deadline = time.time() + 60
-            while not list(trace.rglob("*.partial")) and t.is_alive() and time.time() < deadline:
-                time.sleep(0.005)
-            assert t.is_alive(), f"the put landed without waiting for the run's lock (not fenced): {outcome}"
-            assert list(trace.rglob("*.partial")), "the writer never reached its put"
-            now = time.time()  # the takeover, while the writer waits between its check and its put
-            store.keys.set_group(f"leases/{rid}", {"host": "node-7.elsewhere", "pid": 4242, "since": now,
-                                                   "heartbeat": now, "ttl": 600.0, "token": "theirs",
-                                                   "released": False})
-            before = {k: v for k, v in _files(url).items() if not k.startswith("leases/")}
-        t.join(60)
-        assert "took the run over" in outcome.get("error", ""), outcome
+    a = store.lease([rid], ttl=1.0).acquire()
+    writer = prepare_run(spec, store, a.token).writer
+    writer.write_trace(0, np.arange(5, dtype=np.float64))
+    chunk = Path(url) / "runs" / rid / "loss_trace" / "c" / "0"
+    fence = RunFence(Path(url), rid, a.token, url)
+    staged = fence.stage(chunk, b"stale bytes")  # A's put, past every check, not yet in place
+    a._stop.set()  # A's heartbeat stops, as in a paused process; its lease expires
+    time.sleep(1.1)
+    b = store.lease([rid], wait=0).acquire()  # B takes the run over (and revokes A's write folder)
+    try:
+        before = {k: v for k, v in _files(url).items() if not k.startswith("leases/")}
+        with pytest.raises(LeaseLost, match=rf"pid {os.getpid()}, since .* took the run over"):
+            staged.land()
+        with pytest.raises(LeaseLost, match="took the run over"):
+            fence.delete(chunk)
+        with pytest.raises(LeaseLost, match="took the run over"):
+            writer.write_trace(5, np.full(3, 7.0))
         after = {k: v for k, v in _files(url).items() if not k.startswith("leases/")}
         assert after == before, f"changed after the takeover: {sorted(set(after.items()) ^ set(before.items()))}"
-        assert not list(trace.rglob("*.partial")), "the refused put left its .partial file"
+        assert not list(Path(url).rglob("*.partial")), "a refused put left its staged file"
         np.testing.assert_array_equal(Client(url).run(rid).array("loss_trace")[:8],
                                       np.r_[np.arange(5.0), np.full(3, np.nan)])
+        B = prepare_run(spec, store, b.token).writer  # the new holder writes as usual
+        B.write_trace(5, np.full(3, 7.0))
+        np.testing.assert_array_equal(Client(url).run(rid).array("loss_trace")[:8], np.r_[np.arange(5.0), [7.0] * 3])
+    finally:
+        b.release()
 
 
 def test_a_run_lock_held_by_a_stopped_process_is_one_error_naming_it(tmp_path):

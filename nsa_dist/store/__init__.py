@@ -3,8 +3,9 @@
 Owns: everything under a store URL (local path, ``memory://``, ``s3://`` …) — the layout of a
 run (:mod:`.schema`: sizes in :mod:`.dims`, the per-step arrays defined by the step records of
 :mod:`.records`), a run's status (:mod:`.status`), opening a URL and the raw key operations
-(:mod:`.keys`), writer leases and fencing (:mod:`.lease`; on a local store each fenced put under the
-run's lock file: :mod:`.locks`, :mod:`.fencing`), the runs as read (:mod:`.runs`), checked
+(:mod:`.keys`), writer leases and fencing (:mod:`.lease`; on a local store each fenced put a rename
+out of a revocable write folder, :mod:`.fencing`, and lease writes under a lock file, :mod:`.locks`),
+the runs as read (:mod:`.runs`), checked
 reads (:mod:`.reader`), creating and writing runs (:mod:`.zarr_store`), ``nsa verify`` and its
 repair through the writer (:mod:`.verify`), one-line summaries (:mod:`.summary`) and naming a
 store's outside faults (:mod:`.faults`).  Only this package touches Zarr; everything else reads

@@ -1,17 +1,18 @@
-"""A fenced writer's Zarr store on a local path: every write lands only while its lease holds.
+"""A fenced writer's Zarr store on a local path: a put lands only while its writer holds the run.
 
 A :class:`~nsa_dist.store.zarr_store.RunWriter` given a lease token opens its run through
-:class:`FencedLocalStore`.  Each key it puts is first written whole to a ``.partial`` file beside
-its place (the encoding and the bytes: the slow part, outside any lock); then, under the run's lock
-file (:func:`~nsa_dist.store.lease.run_lock`), the lease is read and — only if it still carries the
-writer's token — the file is renamed into place.  Lease takeovers write the lease under the same
-lock, so a writer paused anywhere (before, inside or after its check) either lands its write
-before the takeover, or finds the new token and raises
-:class:`~nsa_dist.store.lease.LeaseLost`, deleting its ``.partial`` file.  Zarr's own
-read-modify-write of a chunk (a trace chunk, a group's attributes) is safe the same way: its
-stale read can only be written back while the writer still holds the run.
+:class:`FencedLocalStore`.  Each key it puts is first written whole into the writer's own write
+folder ``leases/<run id>/w-<token>`` (:func:`~nsa_dist.store.lease.write_folder`: made when the
+lease was taken, before the lease named this writer), then renamed into its place.  A writer that
+takes the run over renames every other writer's folder away before it writes anything
+(:func:`~nsa_dist.store.lease.revoke_others`), so a paused writer that wakes up — whatever it
+checked or read before — finds its file gone and raises
+:class:`~nsa_dist.store.lease.LeaseLost`: the rename *is* the check, atomic in the filesystem,
+and no lock is held while a writer can be stopped.  Zarr's own read-modify-write of a chunk or of
+a group's attributes is safe the same way: its stale read can only be written back while the
+writer still holds the run.  A delete moves the key into the write folder first (same rule).
 
-Object stores have no lock file; their writers keep the check before each write
+Object stores have no rename; their writers keep the check before each write
 (:meth:`RunWriter.fence`), which leaves the instant between the check and the put.
 """
 
@@ -22,20 +23,48 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from zarr.core.buffer import Buffer
 from zarr.storage import LocalStore
 
-from nsa_dist.store.lease import lease_lost, lock_timeout, parse_lease
-from nsa_dist.store.locks import file_lock
+from nsa_dist.store.lease import LeaseLost, lease_lost, parse_lease
 
-__all__ = ["FencedLocalStore", "RunFence"]
+__all__ = ["FencedLocalStore", "RunFence", "Staged"]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A key's bytes written whole into the write folder, not yet in place (:meth:`RunFence.stage`)."""
+
+    fence: "RunFence"
+    tmp: Path
+    path: Path
+    exclusive: bool = False
+
+    def land(self) -> None:
+        """Rename the bytes into place.
+
+        Raises:
+            LeaseLost: the write folder was revoked (another writer took the run over): nothing
+                lands.
+            FileExistsError: ``exclusive`` and the key exists.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.exclusive and self.path.exists():
+                raise FileExistsError(self.path)
+            self.tmp.rename(self.path)
+        except FileNotFoundError:
+            if not self.fence.folder.is_dir():
+                raise self.fence.lost() from None
+            raise
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
 class RunFence:
-    """The lease check of one run's writer on a local store, and its fenced file operations.
+    """One run's writer on a local store: its write folder and its fenced file operations.
 
     Attributes:
         root: the store's directory.
@@ -50,50 +79,58 @@ class RunFence:
     url: str
 
     @property
-    def lock_path(self) -> Path:
-        return self.root / "leases" / self.run_id / "lock"
+    def folder(self) -> Path:
+        """``leases/<run id>/w-<token>`` (:func:`~nsa_dist.store.lease.write_folder`)."""
+        return self.root / "leases" / self.run_id / f"w-{self.token}"
 
-    def check(self) -> None:
-        """LeaseLost unless the lease on disk carries the token (the caller holds the lock)."""
+    def lost(self) -> Exception:
+        """The LeaseLost of this writer, naming whoever holds the run now."""
         try:
             raw: bytes | None = (self.root / "leases" / self.run_id / "zarr.json").read_bytes()
         except FileNotFoundError:
             raw = None
         info = parse_lease(raw)
-        if info is None or info.token != self.token:
-            raise lease_lost(self.url, self.run_id, info)
+        if info is not None and info.token == self.token:  # ours, yet the folder is gone: removed by hand
+            return LeaseLost(f"run {self.run_id!r} in {self.url!r}: this writer's write folder {self.folder} is "
+                             "gone although its lease is still held (removed from outside?); stopped without "
+                             "writing anything more — re-run to resume")
+        return lease_lost(self.url, self.run_id, info)
 
-    def commit(self, action: Callable[[], None]) -> None:
-        """Run ``action`` under the run's lock, only while the lease carries the token."""
-        with file_lock(self.lock_path, lock_timeout(), f"run {self.run_id!r} in {self.url!r}"):
-            self.check()
-            action()
-
-    def put(self, path: Path, data: bytes | memoryview, exclusive: bool = False) -> None:
-        """Write ``data`` at ``path``: whole to a ``.partial`` file, then renamed under the fence.
+    def stage(self, path: Path, data: bytes | memoryview, exclusive: bool = False) -> Staged:
+        """Write ``data`` for ``path`` whole into the write folder (nothing in place yet).
 
         Raises:
-            LeaseLost: the lease was taken over (nothing written; the ``.partial`` file removed).
-            FileExistsError: ``exclusive`` and ``path`` exists.
+            LeaseLost: the write folder is gone (revoked).
         """
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+        tmp = self.folder / f"{uuid.uuid4().hex}.partial"
         try:
-            with tmp.open("wb") as f:
+            with tmp.open("xb") as f:
                 f.write(data)
+        except FileNotFoundError:
+            raise self.lost() from None
+        return Staged(self, tmp, path, exclusive)
 
-            def land() -> None:
-                if exclusive and path.exists():
-                    raise FileExistsError(path)
-                tmp.replace(path)
-
-            self.commit(land)
-        finally:
-            tmp.unlink(missing_ok=True)
+    def put(self, path: Path, data: bytes | memoryview, exclusive: bool = False) -> None:
+        """:meth:`stage` then :meth:`Staged.land`."""
+        self.stage(path, data, exclusive).land()
 
     def delete(self, path: Path) -> None:
-        """Remove the file or folder ``path`` under the fence (absent: nothing happens)."""
-        self.commit(lambda: shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True))
+        """Remove the file or folder ``path`` by moving it into the write folder first (absent:
+        nothing happens).
+
+        Raises:
+            LeaseLost: the write folder was revoked (nothing removed).
+        """
+        if not path.exists():
+            return
+        trash = self.folder / f"{uuid.uuid4().hex}.deleted"
+        try:
+            path.rename(trash)
+        except FileNotFoundError:
+            if not self.folder.is_dir():
+                raise self.lost() from None
+            return  # the key went away meanwhile
+        shutil.rmtree(trash) if trash.is_dir() else trash.unlink(missing_ok=True)
 
 
 class FencedLocalStore(LocalStore):

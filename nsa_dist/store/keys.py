@@ -115,11 +115,15 @@ class Keys:
         except ValueError as exc:
             raise StoreError(f"{self.url}/{key} is unreadable ({exc})") from exc
 
+    @staticmethod
+    def group_json(attrs: dict[str, Any]) -> bytes:
+        """The bytes of a group's ``zarr.json`` with ``attrs``."""
+        return GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+
     def set_group(self, path: str, attrs: dict[str, Any]) -> None:
         """Write the group ``path``'s ``zarr.json`` with ``attrs`` in one put (readers never see it
         half written; a group already there is replaced)."""
-        meta = GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())["zarr.json"]
-        self.set(f"{path}/zarr.json", meta.to_bytes())
+        self.set(f"{path}/zarr.json", self.group_json(attrs))
 
     def open_group(self, mode: str, path: str = "") -> zarr.Group:
         """The Zarr group at ``path`` (``mode`` as :func:`zarr.open_group`).

@@ -16,23 +16,29 @@ raises :class:`LeaseLost` instead of writing anything more (:func:`check_holder`
 alone cannot do this: the paused writer's first act on waking may be a write, not a beat.
 
 A check before a write still leaves the instant between the two: a writer paused right after
-its check wakes up holding bytes it then writes over its successor's.  On a local store every
-lease write here and every write of a fenced writer (:mod:`.fencing`) therefore happen under the
-run's lock file ``leases/<run id>/lock`` (:func:`run_lock`): the takeover and the check-and-write
-exclude each other, so a write lands only if its writer held the lease at that instant.  Object
-stores have no such lock: there the window stays (docs/design-notes.md).
+its check wakes up holding bytes it then writes over its successor's.  On a local store a
+writer's puts therefore land by a rename *out of its own write folder* ``leases/<run id>/w-<token>``
+(:mod:`.fencing`), made before its lease was written; a writer that takes the run over renames
+every other writer's folder away (:func:`revoke_others`) before it writes anything, so a stale
+rename finds no source and fails — the filesystem makes the check and the put one step, and no
+lock is held while a writer may be stopped.  The lease's own read-then-write (take, renew,
+release) runs under the run's lock file ``leases/<run id>/lock`` (:func:`run_lock`), held for a
+read and a rename.  Object stores have neither: there the window stays (docs/design-notes.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
 import uuid
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nsa_dist.errors import StoreError
@@ -41,7 +47,8 @@ from nsa_dist.store.locks import file_lock
 from nsa_dist.store.status import Status
 
 __all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status",
-           "lease_lost", "lock_timeout", "parse_lease", "read_lease", "run_lock", "write_lease"]
+           "lease_lost", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock", "write_folder",
+           "write_lease"]
 
 INTERRUPTED_HINT = "re-run to resume"
 
@@ -87,11 +94,66 @@ def _put_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
     keys.set_group(f"leases/{run_id}", attrs)
 
 
+@contextmanager
+def _staged(keys: Keys, run_id: str, attrs: dict[str, Any]) -> Iterator[Callable[[], None]]:
+    """The lease ``attrs`` made ready to land: on a local store written whole to a ``.partial``
+    file beside its place before the run's lock is taken, so that landing it under the lock is
+    one rename (the lock is held for microseconds: a writer stopped by Ctrl-Z is unlikely to be
+    stopped inside it).  Elsewhere landing is the put.  Yields the function that lands it."""
+    if not keys.local:
+        yield lambda: _put_lease(keys, run_id, attrs)
+        return
+    if not keys.exists("leases/zarr.json"):  # a store made before leases
+        keys.set_group("leases", {})
+    final = keys.path / "leases" / run_id / "zarr.json"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"zarr.json.{uuid.uuid4().hex}.partial")
+    tmp.write_bytes(Keys.group_json(attrs))
+    try:
+        yield lambda: tmp.replace(final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_folder(keys: Keys, run_id: str, token: str) -> Path:
+    """The local write folder of the writer holding ``token``: its puts are renamed out of it."""
+    return keys.path / "leases" / run_id / f"w-{token}"
+
+
+def revoke_others(keys: Keys, run_id: str, token: str) -> None:
+    """Rename every write folder of ``run_id`` but ``token``'s away and delete it (local store): a
+    writer that lost the run can land nothing more, even a put it had already checked."""
+    if not keys.local:
+        return
+    for folder in (keys.path / "leases" / run_id).glob("w-*"):
+        if folder.name != f"w-{token}":
+            gone = folder.with_name(f"revoked-{uuid.uuid4().hex}")
+            try:
+                folder.rename(gone)
+            except FileNotFoundError:  # revoked by another taker at the same time
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
+
+
+def _current(keys: Keys, run_id: str) -> "LeaseInfo | None":
+    """:func:`read_lease`, read straight from the file on a local store (inside the run's lock)."""
+    if not keys.local:
+        return read_lease(keys, run_id)
+    try:
+        return parse_lease((keys.path / "leases" / run_id / "zarr.json").read_bytes())
+    except FileNotFoundError:
+        return None
+
+
 def write_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
     """Write the lease group ``leases/<run id>`` in one put (readers never see it half written),
-    under the run's lock (so never in the middle of a fenced writer's check and write)."""
-    with run_lock(keys, run_id):
-        _put_lease(keys, run_id, attrs)
+    under the run's lock; on a local store the writers of other tokens are revoked."""
+    token = str(attrs.get("token", ""))
+    with _staged(keys, run_id, attrs) as land, run_lock(keys, run_id):
+        if keys.local and token:
+            write_folder(keys, run_id, token).mkdir(parents=True, exist_ok=True)
+        land()
+    revoke_others(keys, run_id, token)
 
 
 def lease_lost(url: str, run_id: str, info: "LeaseInfo | None") -> LeaseLost:
@@ -220,16 +282,15 @@ class Lease:
                 if deadline is not None and time.time() >= deadline:
                     raise self._refusal(*held[0])
                 for rid in taken:  # keep the leases already taken fresh while waiting for the rest
-                    with run_lock(self.keys, rid):
-                        self._write(rid)
+                    self._put_if_ours(rid)
                 time.sleep(min(1.0, max(0.05, min(o.ttl if o else 1.0 for _, o in held) / 4)))
                 pending = [rid for rid, _ in held]
         except BaseException:
             for rid in taken:
-                with run_lock(self.keys, rid):
-                    if self._still_ours(rid):
-                        self._write(rid, released=True)
+                self._put_if_ours(rid, released=True)
             raise
+        for rid in taken:  # before this process writes anything: no earlier writer can land a put
+            revoke_others(self.keys, rid, self.token)
         self._thread = threading.Thread(target=self._beat, name="nsa-lease", daemon=True)
         self._thread.start()
         return self
@@ -238,10 +299,12 @@ class Lease:
         """Write our lease where none is held, wait, read back: the (run, holder) pairs not ours."""
         held, written = [], []
         for rid in pending:
-            with run_lock(self.keys, rid):  # on a local store: read and write as one step
-                other = read_lease(self.keys, rid)
+            with _staged(self.keys, rid, self._attrs()) as land, run_lock(self.keys, rid):
+                other = _current(self.keys, rid)  # on a local store: read and write as one step
                 if other is None or other.token == self.token or not other.fresh():
-                    self._write(rid)
+                    if self.keys.local:  # made before the lease names us: never after a successor revoked it
+                        write_folder(self.keys, rid, self.token).mkdir(parents=True, exist_ok=True)
+                    land()
                     written.append(rid)
                 else:
                     held.append((rid, other))
@@ -262,11 +325,17 @@ class Lease:
                          f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
                          "wait for it (--wait) or use another store")
 
-    def _write(self, rid: str, released: bool = False) -> None:
-        """Put our lease of ``rid`` (the caller holds the run's lock)."""
-        now = time.time()
-        _put_lease(self.keys, rid, {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": now,
-                                     "ttl": self.ttl, "token": self.token, "released": released})
+    def _attrs(self, released: bool = False) -> dict[str, Any]:
+        """Our lease, heard from now."""
+        return {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": time.time(),
+                "ttl": self.ttl, "token": self.token, "released": released}
+
+    def _put_if_ours(self, rid: str, released: bool = False) -> None:
+        """Renew (or release) our lease of ``rid`` unless another writer took it over: the check
+        and the put as one step under the run's lock on a local store."""
+        with _staged(self.keys, rid, self._attrs(released)) as land, run_lock(self.keys, rid):
+            if self._still_ours(rid):
+                land()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -277,14 +346,12 @@ class Lease:
         with self._lock:
             for rid in [r for r in self.run_ids if r not in self.lost]:
                 try:
-                    with run_lock(self.keys, rid):
-                        if self._still_ours(rid):
-                            self._write(rid)
+                    self._put_if_ours(rid)
                 except Exception:  # noqa: BLE001 — a flaky store: try again at the next beat
                     pass
 
     def _still_ours(self, rid: str) -> bool:
-        info = read_lease(self.keys, rid)
+        info = _current(self.keys, rid)
         if info is not None and info.token != self.token:
             self.lost.append(rid)
             return False
@@ -296,9 +363,10 @@ class Lease:
             for rid in run_ids if run_ids is not None else list(self.run_ids):
                 if rid in self.run_ids:
                     self.run_ids.remove(rid)
-                    with run_lock(self.keys, rid):
-                        if rid not in self.lost and self._still_ours(rid):  # never release another's lease
-                            self._write(rid, released=True)
+                    if rid not in self.lost:  # never release another's lease
+                        self._put_if_ours(rid, released=True)
+                    if self.keys.local:
+                        shutil.rmtree(write_folder(self.keys, rid, self.token), ignore_errors=True)
         if not self.run_ids:
             self._stop.set()
 

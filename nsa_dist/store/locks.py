@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,9 @@ from nsa_dist.errors import StoreError
 
 __all__ = ["LockTimeout", "file_lock", "lock_holder"]
 
-_POLL = 0.002  # seconds between tries while another process holds the lock
+_POLL = (0.0002, 0.005)  # seconds between tries while another process holds the lock: first, at most
+_LOCAL: dict[str, threading.Lock] = {}  # one per lock file: this process's threads queue here, not by polling
+_LOCAL_GUARD = threading.Lock()
 
 
 class LockTimeout(StoreError):
@@ -54,22 +57,33 @@ def file_lock(path: Path, timeout: float, what: str) -> Iterator[None]:
         LockTimeout: the lock stayed held for ``timeout`` seconds (one line naming the holder's
             pid where the system tells it).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout
+
+    def timed_out(who: str) -> LockTimeout:
+        return LockTimeout(f"{what}: its lock {path} has been held by {who} for over {timeout:.0f} s — a writer "
+                           "stopped (Ctrl-Z, SIGSTOP) or hung inside a write; resume or end it, then retry")
+
+    with _LOCAL_GUARD:
+        local = _LOCAL.setdefault(str(path), threading.Lock())
+    if not local.acquire(timeout=timeout):
+        raise timed_out("another thread of this process")
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    pid = lock_holder(path)
-                    who = f"process {pid}" if pid is not None else "another process"
-                    raise LockTimeout(f"{what}: its lock {path} has been held by {who} for over {timeout:.0f} s — "
-                                      "a writer stopped (Ctrl-Z, SIGSTOP) or hung inside a write; resume or end "
-                                      "it, then retry") from None
-                time.sleep(_POLL)
-        yield
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            pause = _POLL[0]
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        pid = lock_holder(path)
+                        raise timed_out(f"process {pid}" if pid is not None else "another process") from None
+                    time.sleep(pause)
+                    pause = min(2 * pause, _POLL[1])
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        local.release()

@@ -227,8 +227,8 @@ class RunWriter:
     once everything it holds is stored.  With a lease ``token`` every write is fenced: it is
     made only while the run's lease still carries the token, and ``done[i]`` is committed only
     after checking again (:class:`~nsa_dist.store.lease.LeaseLost` otherwise).  On a local store
-    the check and each put are one step under the run's lock (:mod:`.fencing`): a writer paused
-    between them cannot land a stale chunk over its successor's.
+    each put is also a rename out of the writer's revocable write folder (:mod:`.fencing`): a
+    writer paused between a check and its put cannot land a stale chunk over its successor's.
     """
 
     def __init__(self, store: SpectrumStore, run_id: str, group: zarr.Group, dims: RunDims,
@@ -414,8 +414,8 @@ class RunWriter:
         read-modify-write after the fence left a paused writer that had already read a chunk free to
         put it back, stale, over the next writer's: seen as a changed ``loss_trace/c/0`` in
         tests/test_identity_fencing.py.  On a local store the fenced store closes that window — a
-        put lands only under the lock with the lease checked; on an object store the window is
-        the put itself.)"""
+        put lands only by a rename out of the writer's write folder, which a successor revokes; on
+        an object store the window is the put itself.)"""
         if len(values):
             arr = self._out("loss_trace")
             c = arr.chunks[0]
