@@ -465,6 +465,33 @@ def test_warm_start_saves_products() -> None:
     assert warm.n_matvec < cold.n_matvec, (warm.n_matvec, cold.n_matvec)
 
 
+def test_gated_checks_change_nothing_but_the_number_of_full_checks(monkeypatch) -> None:
+    """Lanczos skips a full convergence check when a partial eigh already shows the weakest of the
+    top k unconverged (issue 22): the same eigenpairs and products as checking every time, fewer
+    full (n, n) eighs, and the answer still matches dense eigh."""
+    import nsa_dist.linalg.lanczos as lanczos
+
+    G = torch.from_numpy(psd(2400).copy())  # a dense host G of N ≥ 2048: the torch route, block 32
+    calls = {"full": 0}
+    ritz = lanczos._ritz
+
+    def counted(H):
+        calls["full"] += 1
+        return ritz(H)
+
+    monkeypatch.setattr(lanczos, "_ritz", counted)
+    gated = top_eigenpairs(G, 200, "lanczos")
+    n_gated, calls["full"] = calls["full"], 0
+    with monkeypatch.context() as m:
+        m.setattr(lanczos, "_surely_unconverged", lambda *a, **kw: False)
+        every = top_eigenpairs(G, 200, "lanczos")
+    assert n_gated < calls["full"], f"the gate skipped no check ({n_gated} full checks vs {calls['full']})"
+    assert gated.n_matvec == every.n_matvec
+    np.testing.assert_array_equal(gated.evals, every.evals)
+    w, V = np.linalg.eigh(G.numpy())
+    assert_matches_reference(G.numpy(), gated, (w[::-1].copy(), V[:, ::-1].copy()))
+
+
 def test_warm_start_narrow_block_and_bad_shape() -> None:
     """A start block narrower than the Lanczos block is topped up with random vectors; a wrong N is named."""
     G = psd(240)
