@@ -563,3 +563,17 @@ def test_asymmetry_found_in_a_far_tile_on_torch_cpu() -> None:
     G[1090, 7] += 1e-3
     with pytest.raises(ValueError, match=r"symmetric; max \|G - Gᵀ\| = 0.001"):
         top_eigenpairs(G, 10, "lanczos", backend="torch")
+
+
+def test_a_float32_host_tensor_is_checked_as_it_is() -> None:
+    """A float32 torch G of N ≥ 2048 (the pipeline's Gram) is checked for symmetry before its
+    float64 copy is used: one asymmetric pair in a far tile is named; a symmetric one solves."""
+    N = 2100
+    G = torch.from_numpy(psd(N).astype(np.float32))
+    G[2090, 7] += 1e-3
+    with pytest.raises(ValueError, match=r"symmetric; max \|G - Gᵀ\| = 0.001"):
+        top_eigenpairs(G, 10, "lanczos")
+    G[2090, 7] = G[7, 2090]
+    ep = top_eigenpairs(G, 10, "lanczos")
+    w = np.linalg.eigvalsh(G.double().numpy())[::-1][:10]
+    assert np.abs(ep.evals - w).max() <= 1e-9 * w[0], (ep.evals, w)

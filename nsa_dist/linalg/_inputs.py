@@ -131,7 +131,10 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
         n_bad = int((~ops.xp.isfinite(Gb)).sum())
         raise NonFiniteError(f"{name} holds {n_bad} NaN/inf entries (of {shape[0] * shape[1]}); "
                              "only finite matrices have an eigendecomposition")
-    _check_symmetric(Gb, sym_rtol(_eps_of(G)), ops.name, name)
+    # a float32 torch G on the host is checked as it is: its float64 copy holds the same values, and
+    # the check reads half the bytes (0.09 s against 0.39–0.44 s at N = 10⁴, issue 22)
+    host_float = isinstance(G, torch.Tensor) and G.device.type == "cpu" and G.is_floating_point()
+    _check_symmetric(G if host_float else Gb, sym_rtol(_eps_of(G)), ops.name, name)
     return SymmetricMap(shape[0], ops, lambda X: Gb @ X, dense=Gb)
 
 
