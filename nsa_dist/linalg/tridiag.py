@@ -19,6 +19,7 @@ Cost at N = 10⁴ float32 on 2 cores: ``benchmarks/kall.py`` and benchmarks/READ
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
@@ -30,7 +31,7 @@ import logging
 
 from nsa_dist.linalg._mkl_syrdb import MIN_N, syrdb_explicit, syrdb_ready
 
-__all__ = ["Reduction", "SpectralProjections", "eig_projections"]
+__all__ = ["Reduction", "Solver", "SpectralProjections", "eig_projections", "eig_weights"]
 
 _log = logging.getLogger(__name__)
 
@@ -51,6 +52,21 @@ class Reduction(str, Enum):
     LAPACK = "lapack"
 
 
+class Solver(str, Enum):
+    """How T = S diag(λ) Sᵀ is solved: divide and conquer in float64 either way.
+
+    AUTO: MKL where :func:`~nsa_dist.linalg._mkl_stedc.stedc_ready` proved it, else LAPACK (the
+        probe's failure is logged once).
+    MKL: ``dstedc(compz='I')`` of the MKL inside torch: its merges' GEMMs run on MKL; 5.2–5.9 s
+        against 7.5–8.9 s for SciPy's at N = 10⁴ on 2 cores.
+    LAPACK: SciPy's ``dstevd`` (OpenBLAS's LAPACK); portable, the reference.
+    """
+
+    AUTO = "auto"
+    MKL = "mkl"
+    LAPACK = "lapack"
+
+
 @dataclass(frozen=True)
 class SpectralProjections:
     """All eigenvalues of G and the coordinates of Φ in its eigenbasis.
@@ -62,6 +78,9 @@ class SpectralProjections:
             signed so that its largest-|entry| component is positive (as ``top_eigenpairs``).
         indices: the m indices of ``vectors``.
         reduction: the route that ran (MKL or LAPACK).
+        solver: the divide and conquer that solved T (MKL or LAPACK).
+        one_vector: whether :func:`eig_weights` answered without Q (its checks passed).
+        checks: :func:`eig_weights`'s proofs as (name, error, tolerance), whether they passed or not.
     """
 
     evals: np.ndarray
@@ -69,10 +88,13 @@ class SpectralProjections:
     vectors: np.ndarray
     indices: tuple[int, ...]
     reduction: Reduction = Reduction.LAPACK
+    solver: Solver = Solver.LAPACK
+    one_vector: bool = False
+    checks: tuple[tuple[str, float, float], ...] = ()
 
 
 def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
-                    reduction: str | Reduction = "auto") -> SpectralProjections:
+                    reduction: str | Reduction = "auto", solver: str | Solver = "auto") -> SpectralProjections:
     """λ_1 ≥ … ≥ λ_N of G and ``Vᵀ Φ``, plus the eigenvectors ``indices`` (see module docstring).
 
     Args:
@@ -82,24 +104,22 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
         Phi: (N, c) or (N,) float vectors φ_j.
         indices: 0-based positions (in descending order of λ) of eigenvectors to return.
         reduction: "auto" | "mkl" | "lapack" (see :class:`Reduction`).
+        solver: "auto" | "mkl" | "lapack" (see :class:`Solver`).
 
     Returns:
         :class:`SpectralProjections`.
 
     Raises:
         ShapeError: G not square, or Phi's rows ≠ N.
-        ValueError: an index outside 0..N−1, an unknown reduction, or "mkl" where
-            MKL's ``?syrdb`` is missing or failed its probe.
+        ValueError: an index outside 0..N−1, an unknown reduction or solver, or "mkl" where
+            MKL's ``?syrdb`` (``dstedc``) is missing or failed its probe.
         RuntimeError: LAPACK reports a failure (its ``info`` is named).
     """
     from nsa_dist._checks import parse_enum
     from nsa_dist.errors import ShapeError
 
     route = parse_enum(Reduction, reduction, "reduction")
-    G_np = G.detach().cpu().numpy() if hasattr(G, "detach") else np.asarray(G)
-    dtype = G_np.dtype if G_np.dtype in (np.float32, np.float64) else np.dtype(np.float64)
-    if G_np.ndim != 2 or G_np.shape[0] != G_np.shape[1]:
-        raise ShapeError(f"G must be a square (N, N) matrix, got shape {G_np.shape}")
+    G_np, dtype = _square(G)
     N = G_np.shape[0]
     if np.ndim(Phi) not in (1, 2) or np.shape(Phi)[0] != N:
         raise ShapeError(f"Phi must be (N,) or (N, c) with N = {N}, got shape {np.shape(Phi)}")
@@ -112,27 +132,211 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
         raise ValueError(f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
                          f"probe in {dtype} (see the log); use 'auto' or 'lapack'")
     d = e = apply_qt = apply_q = None
-    G_f = G_np.T if G_np.flags.c_contiguous else G_np  # symmetric: Gᵀ's Fortran copy is a plain memcpy
     if route is Reduction.MKL:
-        d, e, apply_qt, apply_q = _mkl(np.array(G_f, dtype=dtype, order="F"))
+        d, e, apply_qt, apply_q = _mkl(_fortran_copy(G_np, dtype))
         bad = _residual(G_np, d, e, apply_qt, apply_q)
         if bad is not None:  # never seen at kd ≤ N/4; proven on every call all the same (3 products)
             _log.warning("MKL ?syrdb's reduction of this %d×%d G is off (%s); redone by SciPy's ?sytrd", N, N, bad)
             route = Reduction.LAPACK
     if route is Reduction.LAPACK:
-        d, e, apply_qt, apply_q = _lapack(np.array(G_f, dtype=dtype, order="F"))
+        d, e, apply_qt, apply_q = _lapack(_fortran_copy(G_np, dtype))
     psi = apply_qt(Phi2)  # (N, c) = Qᵀ Φ
-    w, S = _tridiagonal_eigh(d, e)  # (N,) ascending, (N, N)
+    w, S, solver = _tridiagonal_eigh(d, e, solver)  # (N,) ascending, (N, N)
     proj = S.T @ psi  # (N, c)
     cols = [N - 1 - i for i in indices]
     V = apply_q(np.array(S[:, cols])) if indices else np.empty((N, 0))  # (N, m)
     del S
     flip = V[np.abs(V).argmax(axis=0), np.arange(V.shape[1])] < 0 if V.size else np.zeros(0, bool)
     V[:, flip] *= -1
-    return SpectralProjections(w[::-1].copy(), proj[::-1].copy(), V, tuple(indices), route)
+    return SpectralProjections(w[::-1].copy(), proj[::-1].copy(), V, tuple(indices), route, solver)
+
+
+def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
+                solver: str | Solver = "auto") -> SpectralProjections:
+    """λ_1 ≥ … ≥ λ_N of G and ⟨v_i, φ⟩ of ONE vector φ, with Q neither formed nor applied.
+
+    The Householder reflector H = I − β u uᵀ with H x = σ e₁ (x = φ/‖φ‖, σ = ±1) gives
+    G' = H G H, with G's eigenvalues and eigenvectors H v_i, and ⟨H v_i, e₁⟩ = σ ⟨v_i, x⟩.  The
+    reduction ``G' = Q T Qᵀ`` with uplo = 'L' leaves e₁ fixed (``Q e₁ = e₁``: every reflector of
+    both stages acts on rows 2…N), so with ``T = S diag(λ) Sᵀ`` G' has eigenvectors Q s_i and
+
+        ⟨v_i, φ⟩ = ±‖φ‖ S[0, i]      (i.e. ⟨v_i, φ⟩² = ‖φ‖² S[0, i]²: Gauss quadrature weights),
+
+    up to v_i's sign (which any eigensolver leaves arbitrary).  Cost: G' is a rank-2 update of G
+    (one product G u, O(N²)); the reduction runs with jobz = 'N' (MKL ``?syrdb``, proven by
+    :func:`~nsa_dist.linalg._mkl_syrdb.probe_first_column`; or SciPy's ``?sytrd``, whose
+    Q e₁ = e₁ is its documented reflector form); then divide and conquer on T.
+
+    Every call proves its result (:func:`_weights_checks`, two more products with G): T against G's
+    orthogonal invariants, T's first column against G', and the weights' moments against φᵀ G^m φ;
+    any failure is logged as a warning and :func:`eig_projections` (Q formed) answers instead.
+
+    Args:
+        G: (N, N) symmetric, NumPy or torch (CPU), as :func:`eig_projections` (its lower triangle,
+            or upper when C-ordered, is reduced; the checks use all of it).
+        phi: (N,) or (N, 1) finite float vector.
+        reduction, solver: as :func:`eig_projections`.
+
+    Returns:
+        :class:`SpectralProjections` with ``proj`` (N, 1), no vectors; ``one_vector`` True unless
+        the checks sent the call to :func:`eig_projections`.
+
+    Raises:
+        ShapeError: G not square, or φ not N entries.
+        NonFiniteError: φ holds NaN or inf.
+        ValueError: an unknown reduction or solver, or "mkl" where MKL's routine is missing or
+            failed its probe.
+    """
+    from nsa_dist._checks import check_finite, parse_enum
+    from nsa_dist.errors import ShapeError
+    from nsa_dist.linalg._mkl_syrdb import first_column_ready
+
+    route = parse_enum(Reduction, reduction, "reduction")
+    G_np, dtype = _square(G)
+    N = G_np.shape[0]
+    if np.size(phi) != N or np.ndim(phi) > 2:
+        raise ShapeError(f"phi must be (N,) or (N, 1) with N = {N}, got shape {np.shape(phi)}")
+    check_finite("phi", phi)
+    x = np.asarray(phi, dtype=np.float64).reshape(N)  # (N,)
+    mkl_ok = N >= MIN_N and first_column_ready(dtype)
+    if route is Reduction.MKL and not mkl_ok:
+        raise ValueError(f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
+                         f"probes in {dtype} (see the log); use 'auto' or 'lapack'")
+    route = Reduction.MKL if route is not Reduction.LAPACK and mkl_ok else Reduction.LAPACK
+    nrm = float(np.linalg.norm(x))
+    A = _fortran_copy(G_np, dtype)  # (N, N), lower triangle: G, then G' = H G H
+    X = np.column_stack([x, _householder(x / nrm) if nrm > 0 else np.zeros(N)])  # (N, 2): φ, u
+    GX, fro2 = _products(G_np, X)  # (N, 2) = G [φ, u], ‖G‖_F²
+    if nrm > 0:
+        _reflect(A, X[:, 1], GX[:, 1])
+    col0 = A[:, 0].astype(np.float64)  # G' e₁ (lower part)
+    d, e = _reduce_values(A, route)
+    del A
+    lam, S, solver = _tridiagonal_eigh(d, e, solver)
+    s0 = np.array(S[0])  # (N,) first components
+    del S
+    stats = _Stats(N, float(np.finfo(dtype).eps), float(np.trace(G_np, dtype=np.float64)), fro2, col0, x, GX[:, 0],
+                   _products(G_np, GX[:, :1])[0][:, 0])
+    checks = tuple(_weights_checks(stats, d.astype(np.float64), e.astype(np.float64), lam, s0))
+    bad = [f"{name} = {err:.2e} > {tol:.2e}" for name, err, tol in checks if not err <= tol]
+    if bad:
+        _log.warning("the one-vector route's result for this %d×%d G is off (%s); redone with Q formed", N, N,
+                     "; ".join(bad))
+        return dataclasses.replace(eig_projections(G, x, reduction=reduction, solver=solver), checks=checks)
+    proj = (nrm * s0)[::-1, None].copy()  # (N, 1) descending
+    return SpectralProjections(lam[::-1].copy(), proj, np.empty((N, 0)), (), route, solver, True, checks)
+
+
+def _householder(x: np.ndarray) -> np.ndarray:
+    """u with H = I − 2 u uᵀ / uᵀu mapping the unit vector x to −sign(x₀) e₁ (u = x + sign(x₀) e₁,
+    no cancellation)."""
+    u = x.copy()
+    u[0] += 1.0 if x[0] >= 0 else -1.0
+    return u
+
+
+def _reflect(A: np.ndarray, u: np.ndarray, Gu: np.ndarray) -> None:
+    """A's lower triangle ← that of H A H, H = I − β u uᵀ (β = 2/uᵀu), given Gu = A u in float64:
+    ``H A H = A − u wᵀ − w uᵀ`` with ``w = β Gu − (β²/2)(uᵀ Gu) u`` (BLAS ``?syr2``, in place)."""
+    from scipy.linalg import blas
+
+    beta = 2.0 / float(u @ u)
+    p = beta * Gu
+    w = p - 0.5 * beta * float(u @ p) * u
+    syr2 = blas.ssyr2 if A.dtype == np.float32 else blas.dsyr2
+    out = syr2(-1.0, u.astype(A.dtype), w.astype(A.dtype), lower=1, a=A, overwrite_a=1)
+    if out is not A and not np.shares_memory(out, A):  # SciPy copied (never for a Fortran-ordered A)
+        A[...] = out
+
+
+def _products(G: np.ndarray, X: np.ndarray, rows: int = 1024) -> tuple[np.ndarray, float]:
+    """G X (N, c) in float64 from G of any float dtype and ‖G‖_F², one sweep of ``rows`` rows at a time."""
+    out, fro2 = np.zeros((G.shape[0], X.shape[1])), 0.0
+    for lo in range(0, G.shape[0], rows):
+        Gb = G[lo:lo + rows].astype(np.float64)  # (rows, N)
+        out[lo:lo + rows] = Gb @ X
+        fro2 += float(np.einsum("ij,ij->", Gb, Gb))
+    return out, fro2
+
+
+def _reduce_values(A: np.ndarray, route: Reduction) -> tuple[np.ndarray, np.ndarray]:
+    """T of A = Q T Qᵀ (uplo = 'L', Q discarded): MKL ``?syrdb(jobz='N')`` or SciPy ``?sytrd``."""
+    if route is Reduction.MKL:
+        from nsa_dist.linalg._mkl_syrdb import syrdb_values
+
+        return syrdb_values(A)
+    s = "s" if A.dtype == np.float32 else "d"
+    _, d, e, _, info = getattr(lapack, f"{s}sytrd")(A, lower=1, overwrite_a=1)
+    _ok(f"{s}sytrd", info)
+    return d, e
+
+
+@dataclass(frozen=True)
+class _Stats:
+    """What the checks of :func:`eig_weights` compare against (float64): N, eps of G's dtype, tr G,
+    ‖G‖_F², G' e₁ as reduced, φ, Gφ and G²φ."""
+
+    N: int
+    eps: float
+    trace: float
+    fro2: float
+    col0: np.ndarray
+    phi: np.ndarray
+    Gphi: np.ndarray
+    G2phi: np.ndarray
+
+
+def _weights_checks(st: _Stats, d: np.ndarray, e: np.ndarray, lam: np.ndarray, s0: np.ndarray
+                    ) -> list[tuple[str, float, float]]:
+    """Whether T (d, e) belongs to G' = H G H and the weights w_i = ‖φ‖² S[0, i]² are right, as
+    (name, error, tolerance) triples.
+
+    Tolerances: the reduction in G's precision is backward stable, T = Qᵀ(G' + Δ)Q with
+    ‖Δ‖_F ≤ τ‖G‖_F, τ = max(100√N, 1000)·eps (the scale of :func:`_residual`; the worst-case bound
+    is O(N·eps), the observed one O(√N·eps)); forming G' in that precision adds ≤ 4·eps·‖G‖_F.  So
+    with δ = (τ + 4·eps)·‖G‖_F, F = ‖G‖_F ≥ ‖G‖₂, and S from float64 divide and conquer
+    (orthogonal to c = 100·N·eps₆₄):
+
+    - ``|Σ d − tr G| ≤ √N·δ`` (|tr Δ| ≤ √N‖Δ‖_F) and ``|‖T‖_F − F| ≤ δ`` (orthogonal invariants);
+    - ``|d₀ − G'₀₀| ≤ δ`` and ``||e₀| − ‖G'₁:,₀‖| ≤ δ`` (Q e₁ = e₁ on this call);
+    - ``|Σ w_i λ_i^m − φᵀ G^m φ| ≤ ‖φ‖²((F + δ)^m − F^m + c·F^m)``, m = 0…3: the weights are
+      exact for G + Δ', ‖Δ'‖₂ ≤ δ.
+
+    A route that broke Q e₁ = e₁, or an S not matching λ, is off by O(‖G‖), far above these.
+    """
+    N, F = st.N, float(np.sqrt(st.fro2))
+    delta = (max(100 * np.sqrt(N), 1000) + 4) * st.eps * F
+    c = 100 * N * float(np.finfo(np.float64).eps)
+    n2 = float(st.phi @ st.phi)
+    w = n2 * s0 ** 2  # (N,)
+    checks = [("|tr T - tr G|", abs(float(d.sum()) - st.trace), np.sqrt(N) * delta),
+              ("||T|_F - |G|_F|", abs(float(np.sqrt(d @ d + 2 * e @ e)) - F), delta),
+              ("|d0 - G'00|", abs(float(d[0]) - st.col0[0]), delta),
+              ("||e0| - |G'[1:, 0]||", abs(abs(float(e[0]) if N > 1 else 0.0) - float(np.linalg.norm(st.col0[1:]))),
+               delta)]
+    moments = (n2, float(st.phi @ st.Gphi), float(st.Gphi @ st.Gphi), float(st.Gphi @ st.G2phi))  # φᵀG^mφ
+    for m, ref in enumerate(moments):
+        checks.append((f"|Σ w λ^{m} - φ'G^{m}φ|", abs(float(w @ lam ** m) - ref),
+                       n2 * ((F + delta) ** m - F ** m + c * F ** m)))
+    return checks
 
 
 _Apply = Callable[[np.ndarray], np.ndarray]
+
+
+def _square(G: Any) -> tuple[np.ndarray, np.dtype]:
+    """G as a NumPy (N, N) array (a torch tensor's own memory) and the dtype it is reduced in."""
+    from nsa_dist.errors import ShapeError
+
+    G_np = G.detach().cpu().numpy() if hasattr(G, "detach") else np.asarray(G)
+    if G_np.ndim != 2 or G_np.shape[0] != G_np.shape[1]:
+        raise ShapeError(f"G must be a square (N, N) matrix, got shape {G_np.shape}")
+    return G_np, (G_np.dtype if G_np.dtype in (np.float32, np.float64) else np.dtype(np.float64))
+
+
+def _fortran_copy(G: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A Fortran-ordered copy of symmetric G in ``dtype`` (of Gᵀ when G is C-ordered: a plain memcpy)."""
+    return np.array(G.T if G.flags.c_contiguous else G, dtype=dtype, order="F")
 
 
 def _ok(name: str, info: int) -> None:
@@ -208,12 +412,27 @@ def _lapack(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Apply, _Apply]:
     return d.astype(np.float64), e.astype(np.float64), lambda X: apply(X, "T"), lambda X: apply(X, "N")
 
 
-def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto"
+                      ) -> tuple[np.ndarray, np.ndarray, Solver]:
     """Eigenvalues (N,) ascending and eigenvectors S (N, N) of T = tridiag(e, d, e), float64, by
-    divide and conquer (LAPACK ``dstevd``: its merges are GEMMs, and an NTK's many near-zero
-    eigenvalues deflate; 13 s at N = 10⁴ where chunked MRRR took ~30 s)."""
+    divide and conquer (its merges are GEMMs, and an NTK's many near-zero eigenvalues deflate;
+    13 s at N = 10⁴ by SciPy's where chunked MRRR took ~30 s), and the :class:`Solver` that ran.
+
+    Raises:
+        ValueError: an unknown solver, or "mkl" where MKL's ``dstedc`` is missing or failed its probe.
+        RuntimeError: LAPACK reports a failure.
+    """
+    from nsa_dist._checks import parse_enum
+    from nsa_dist.linalg._mkl_stedc import stedc, stedc_ready
+
+    route = parse_enum(Solver, solver, "solver")
+    if route is not Solver.LAPACK and d.shape[0] > 1 and stedc_ready():
+        return (*stedc(d, e), Solver.MKL)
+    if route is Solver.MKL and d.shape[0] > 1:
+        raise ValueError("solver='mkl' needs MKL dstedc present and passing its probe (see the log); "
+                         "use 'auto' or 'lapack'")
     if d.shape[0] == 1:
-        return d.copy(), np.ones((1, 1))
+        return d.copy(), np.ones((1, 1)), Solver.LAPACK
     w, S, info = lapack.dstevd(d, e, compute_v=1)
     _ok("dstevd", info)
-    return w, S
+    return w, S, Solver.LAPACK
