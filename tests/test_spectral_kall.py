@@ -118,3 +118,21 @@ def test_eig_projections_bad_input_named() -> None:
         eig_projections(np.eye(5), np.ones((4, 2)))
     with pytest.raises(ValueError, match=r"indices must lie in 0..4"):
         eig_projections(np.eye(5), np.ones(5), indices=(5,))
+
+
+def test_only_one_phi_column_skips_q(two_routes) -> None:
+    """Several φ columns (a multi-output f_test) keep the Q route; one column takes the one-vector
+    route, the same eigenvalues and energies (float64)."""
+    from nsa_dist.pipeline.layout import DenseGram
+
+    _, _, an, ck = two_routes
+    G = DenseGram(an._gram(an.X_test))
+    M = G.shape[0]
+    F = np.column_stack([ck.f_test, np.linspace(-1, 1, M)])  # (M, 2)
+    two = an._spectrum(G, M, "test", {"f_test": F}, False)
+    assert an.eig_route["test"] == "tridiagonal" and two.proj["f_test"].shape == (M, 2)
+    one = an._spectrum(G, M, "test", {"f_test": F[:, :1]}, False)
+    assert an.eig_route["test"] == "one_vector" and one.proj["f_test"].shape == (M, 1)
+    np.testing.assert_allclose(one.evals, two.evals, rtol=0, atol=1e-12 * two.evals[0])
+    np.testing.assert_allclose(np.cumsum(one.proj["f_test"][:, 0] ** 2), np.cumsum(two.proj["f_test"][:, 0] ** 2),
+                               rtol=0, atol=1e-10 * float(F[:, 0] @ F[:, 0]))

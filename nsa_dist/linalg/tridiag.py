@@ -10,8 +10,12 @@ where S comes from divide and conquer on T (``dstevd``, float64): G's own (N, N)
 ``V = Q S`` — the N³ product that dominates ``eigh`` with vectors — are never formed.  A few
 eigenvectors (the images of Fig. 5) are ``v_i = Q s_i``.
 
+With ONE φ (:func:`eig_weights`, a step's test half: φ = f_test) Q is not needed at all: G is
+reflected so that e₁ ∝ φ, the reduction (which leaves e₁ fixed) runs with jobz = 'N', and
+⟨v_i, φ⟩ = ±‖φ‖ S[0, i] — proven per call by cheap checks, the Q route otherwise.
+
 The reduction runs in G's precision (float32 or float64) by one of two :class:`Reduction` routes;
-T's eigenproblem is always float64.  A float32 G therefore gets float32-accurate eigenvalues
+T's eigenproblem is always float64 (MKL's ``dstedc`` or SciPy's ``dstevd``, :class:`Solver`).  A float32 G therefore gets float32-accurate eigenvalues
 (absolute errors ~ N·eps₃₂·λ_1 at worst, 4e-7·λ_1 measured at N = 10⁴ — less than the float32
 rounding of G itself moves them) where a float64 ``eigh`` of the same G would be exact for that G.
 Cost at N = 10⁴ float32 on 2 cores: ``benchmarks/kall.py`` and benchmarks/README.md (issue 22).
@@ -50,6 +54,10 @@ class Reduction(str, Enum):
     AUTO = "auto"
     MKL = "mkl"
     LAPACK = "lapack"
+
+
+# Solver.AUTO takes MKL's dstedc where its probe passed.  False: SciPy's dstevd (the route before, for benchmarks).
+MKL_STEDC = True
 
 
 class Solver(str, Enum):
@@ -203,28 +211,36 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
         raise ValueError(f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
                          f"probes in {dtype} (see the log); use 'auto' or 'lapack'")
     route = Reduction.MKL if route is not Reduction.LAPACK and mkl_ok else Reduction.LAPACK
-    nrm = float(np.linalg.norm(x))
-    A = _fortran_copy(G_np, dtype)  # (N, N), lower triangle: G, then G' = H G H
-    X = np.column_stack([x, _householder(x / nrm) if nrm > 0 else np.zeros(N)])  # (N, 2): φ, u
-    GX, fro2 = _products(G_np, X)  # (N, 2) = G [φ, u], ‖G‖_F²
-    if nrm > 0:
-        _reflect(A, X[:, 1], GX[:, 1])
-    col0 = A[:, 0].astype(np.float64)  # G' e₁ (lower part)
-    d, e = _reduce_values(A, route)
-    del A
+    d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
     lam, S, solver = _tridiagonal_eigh(d, e, solver)
     s0 = np.array(S[0])  # (N,) first components
     del S
-    stats = _Stats(N, float(np.finfo(dtype).eps), float(np.trace(G_np, dtype=np.float64)), fro2, col0, x, GX[:, 0],
-                   _products(G_np, GX[:, :1])[0][:, 0])
-    checks = tuple(_weights_checks(stats, d.astype(np.float64), e.astype(np.float64), lam, s0))
+    checks = tuple(_weights_checks(stats, d, e, lam, s0))
     bad = [f"{name} = {err:.2e} > {tol:.2e}" for name, err, tol in checks if not err <= tol]
     if bad:
         _log.warning("the one-vector route's result for this %d×%d G is off (%s); redone with Q formed", N, N,
                      "; ".join(bad))
         return dataclasses.replace(eig_projections(G, x, reduction=reduction, solver=solver), checks=checks)
-    proj = (nrm * s0)[::-1, None].copy()  # (N, 1) descending
+    proj = (np.linalg.norm(x) * s0)[::-1, None].copy()  # (N, 1) descending
     return SpectralProjections(lam[::-1].copy(), proj, np.empty((N, 0)), (), route, solver, True, checks)
+
+
+def _reflected_tridiagonal(G: np.ndarray, x: np.ndarray, dtype: np.dtype, route: Reduction
+                           ) -> tuple[np.ndarray, np.ndarray, _Stats]:
+    """T (d, e float64) of G' = H G H (H e₁ ∝ x; H = I for x = 0) reduced in ``dtype`` by ``route`` with
+    Q discarded, and what :func:`_weights_checks` compares it with (three products with G in all)."""
+    N, nrm = G.shape[0], float(np.linalg.norm(x))
+    A = _fortran_copy(G, dtype)  # (N, N), lower triangle: G, then G' = H G H
+    X = np.column_stack([x, _householder(x / nrm) if nrm > 0 else np.zeros(N)])  # (N, 2): φ, u
+    GX, fro2 = _products(G, X)  # (N, 2) = G [φ, u], ‖G‖_F²
+    if nrm > 0:
+        _reflect(A, X[:, 1], GX[:, 1])
+    col0 = A[:, 0].astype(np.float64)  # G' e₁ (lower part)
+    d, e = _reduce_values(A, route)
+    del A
+    stats = _Stats(N, float(np.finfo(dtype).eps), float(np.trace(G, dtype=np.float64)), fro2, col0, x, GX[:, 0],
+                   _products(G, GX[:, :1])[0][:, 0])
+    return d.astype(np.float64), e.astype(np.float64), stats
 
 
 def _householder(x: np.ndarray) -> np.ndarray:
@@ -426,7 +442,7 @@ def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto
     from nsa_dist.linalg._mkl_stedc import stedc, stedc_ready
 
     route = parse_enum(Solver, solver, "solver")
-    if route is not Solver.LAPACK and d.shape[0] > 1 and stedc_ready():
+    if (route is Solver.MKL or route is Solver.AUTO and MKL_STEDC) and d.shape[0] > 1 and stedc_ready():
         return (*stedc(d, e), Solver.MKL)
     if route is Solver.MKL and d.shape[0] > 1:
         raise ValueError("solver='mkl' needs MKL dstedc present and passing its probe (see the log); "

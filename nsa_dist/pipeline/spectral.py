@@ -47,6 +47,8 @@ __all__ = ["SpectralAnalyzer"]
 # Only k: all: a top-k (dense eigh or Lanczos) keeps its float64 route and its stored numbers,
 # and MKL's internal ?syrdb is called only where a step needs every eigenvalue.  False: eigh always.
 TRIDIAGONAL_K_ALL = True
+# With one φ column (the test half): no Q at all (eig_weights, issue 22).  False: Q formed for it too.
+ONE_VECTOR_K_ALL = True
 
 
 class SpectralAnalyzer:
@@ -135,7 +137,8 @@ class SpectralAnalyzer:
         idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
         if TRIDIAGONAL_K_ALL and isinstance(G, DenseGram) and not vectors and k >= G.shape[0]:  # k: all
             self.n_products[which], self.eig_route[which] = 0, "tridiagonal"
-            if not idx and len(phis) == 1 and np.size(next(iter(phis.values()))) == G.shape[0]:  # one column: no Q
+            one_column = len(phis) == 1 and np.size(next(iter(phis.values()))) == G.shape[0]
+            if ONE_VECTOR_K_ALL and one_column and not idx:  # no Q
                 sp, one = _one_vector(G.G, k, *next(iter(phis.items())))
                 self.eig_route[which] = "one_vector" if one else "tridiagonal"
                 return sp
