@@ -11,7 +11,8 @@ import pytest
 import scipy.linalg.lapack as lapack
 
 from nsa_dist.errors import NonFiniteError, ShapeError
-from nsa_dist.linalg._mkl_stedc import probe_stedc, stedc, stedc_errors, stedc_ready
+from nsa_dist.linalg._mkl_stedc import (first_row, first_row_errors, first_row_ready, probe_stedc, stedc, stedc_errors,
+                                        stedc_ready)
 from nsa_dist.linalg._mkl_syrdb import first_column_ready, probe_first_column
 from nsa_dist.linalg.tridiag import Reduction, Solver, eig_projections, eig_weights
 
@@ -53,6 +54,7 @@ def test_weights_against_dense_eigh(route: Reduction, dtype: type, rel: float) -
     phi = np.random.default_rng(6).standard_normal(N)
     sp = eig_weights(G.astype(dtype), phi, reduction=route)
     assert sp.one_vector and sp.reduction is route and sp.proj.shape == (N, 1) and sp.vectors.shape == (N, 0)
+    assert sp.solver is (Solver.FIRST_ROW if first_row_ready() else Solver.LAPACK if not stedc_ready() else Solver.MKL)
     dw = np.abs(sp.evals - w) / w
     assert dw.max() <= rel, f"eigenvalue {dw.argmax()} off by {dw.max():.1e} relative"
     P2, ref = sp.proj[:, 0] ** 2, (V.T @ phi) ** 2
@@ -169,7 +171,7 @@ def test_probes_pass_here_without_a_warning(caplog) -> None:
         pytest.skip("this torch build has no usable MKL ?syrdb / dstedc (the LAPACK routes are tested)")
     with caplog.at_level(logging.WARNING):
         assert probe_first_column(np.dtype(np.float32)) and probe_first_column(np.dtype(np.float64))
-        assert probe_stedc()
+        assert probe_stedc() and first_row_ready()
     assert not caplog.records
 
 
@@ -211,3 +213,55 @@ def test_stedc_errors_see_a_wrong_result() -> None:
     bad = stedc_errors(d, e, w, S[:, ::-1])  # eigenvectors paired with the wrong eigenvalues
     assert bad["|TS - Sw|"] > 1e-3 and bad["|w - λ(T)|"] < 1e-13
     assert stedc_errors(d, e, w * np.nan, S)["|w - λ(T)|"] == float("inf")
+
+
+def _split_clustered(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """T (d, e) with a few large eigenvalues, a tight cluster near 1e-9 and zero off-diagonals: deflation
+    by tiny z, by close poles and by splitting all occur in the merges."""
+    rng = np.random.default_rng(seed)
+    m = max(n // 5, 1)
+    mu = np.concatenate([1e3 / np.arange(1, m + 1) ** 2, 1e-9 * (1 + 1e-7 * np.arange(n - m))])
+    U, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    _, d, e, _, _ = lapack.dsytrd(np.asfortranarray((U * mu) @ U.T), lower=1)
+    e = e.copy()
+    e[n // 3:n // 3 + 1] = 0.0
+    return d.copy(), e
+
+
+@pytest.mark.parametrize("n, leaf", [(2, 32), (3, 1), (40, 4), (300, 8), (300, 32)])
+def test_first_row_against_dstevd(n: int, leaf: int) -> None:
+    """The first-row divide and conquer: eigenvalues and the weights S[0, i]² (summed over each cluster of
+    eigenvalues closer than 1e-6·‖T‖, where single ones are not unique) against SciPy's dstevd."""
+    if not first_row_ready():
+        pytest.skip("this torch build has no usable MKL dlaed4")
+    d, e = _split_clustered(n, n + leaf)
+    w, s0 = first_row(d, e, leaf=leaf)
+    errs = first_row_errors(d, e, w, s0)
+    assert errs["|w - λ(T)|"] <= 50 * n * 2.2e-16, errs
+    assert errs["|cluster weights - dstevd's|"] <= 50 * n * 2.2e-16 / 1e-6, errs
+    assert abs(float(s0 @ s0) - 1.0) <= 50 * n * 2.2e-16
+
+
+def test_first_row_errors_see_a_wrong_row_and_the_solver_is_checked() -> None:
+    d, e = _split_clustered(60, 1)
+    w, S, _ = lapack.dstevd(d, e, compute_v=1)
+    assert max(first_row_errors(d, e, w, S[0]).values()) < 1e-13
+    assert first_row_errors(d, e, w, S[0, ::-1])["|cluster weights - dstevd's|"] > 1e-3
+    assert first_row_errors(d, e, w, S[-1])["|cluster weights - dstevd's|"] > 1e-3  # the last row is not the first
+    with pytest.raises(ValueError, match="solver='first_row' gives only the first row"):
+        eig_projections(np.eye(20), np.ones(20), solver="first_row")
+
+
+@pytest.mark.parametrize("solver", [Solver.MKL, Solver.LAPACK])
+def test_whole_s_solvers_give_the_first_row_route_s_weights(solver: Solver) -> None:
+    """eig_weights with S formed whole (MKL dstedc, SciPy dstevd: the fallbacks) against FIRST_ROW."""
+    if not first_row_ready() or (solver is Solver.MKL and not stedc_ready()):
+        pytest.skip("this torch build lacks MKL dlaed4 / dstedc")
+    G, w, _ = _ntk_like(N, 18)
+    phi = np.random.default_rng(19).standard_normal(N)
+    a, b = eig_weights(G, phi), eig_weights(G, phi, solver=solver)
+    assert a.solver is Solver.FIRST_ROW and b.solver is solver and a.one_vector and b.one_vector
+    np.testing.assert_allclose(a.evals, b.evals, rtol=0, atol=1e-12 * w[0])
+    Ea, Eb = np.cumsum(a.proj[:, 0] ** 2), np.cumsum(b.proj[:, 0] ** 2)
+    edges = [0, 10, N // 4 - 1, N // 4 + N // 2 - 1, N - 1]
+    np.testing.assert_allclose(Ea[edges], Eb[edges], rtol=0, atol=1e-10 * float(phi @ phi))

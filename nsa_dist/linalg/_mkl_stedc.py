@@ -22,7 +22,7 @@ import numpy as np
 
 from nsa_dist.linalg._mkl_syrdb import fortran_info, fortran_int, mkl_function, probe_verdict
 
-__all__ = ["probe_stedc", "stedc", "stedc_errors", "stedc_ready"]
+__all__ = ["first_row", "first_row_errors", "first_row_ready", "probe_stedc", "stedc", "stedc_errors", "stedc_ready"]
 
 _log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
@@ -92,6 +92,43 @@ def stedc_errors(d: np.ndarray, e: np.ndarray, w: np.ndarray, S: np.ndarray) -> 
                             float(np.abs(S.T @ S - np.eye(S.shape[0])).max()))))
 
 
+def first_row_errors(d: np.ndarray, e: np.ndarray, w: np.ndarray, s0: np.ndarray, gap: float = 1e-6
+                     ) -> dict[str, float]:
+    """How far (w, s0) is from T's eigenvalues and first eigenvector row, against SciPy's ``dstevd``,
+    relative to ‖T‖₂: ``max|w − λ(T)|`` and ``max|Σ_{i∈g} s0_i² − Σ_{i∈g} S[0, i]²|`` over the groups g
+    of eigenvalues closer than ``gap``·‖T‖ (inside a cluster S[0, i] is not unique, its sum is);
+    inf where not finite."""
+    import scipy.linalg.lapack as lapack
+
+    names = ("|w - λ(T)|", "|cluster weights - dstevd's|")
+    if not (np.isfinite(w).all() and np.isfinite(s0).all()):
+        return dict.fromkeys(names, float("inf"))
+    ref, S, _ = lapack.dstevd(np.asarray(d, np.float64), np.asarray(e, np.float64), compute_v=1)
+    scale = max(float(np.abs(ref).max()), np.finfo(np.float64).tiny)
+    group = np.concatenate([[0], np.cumsum(np.diff(ref) > gap * scale)])  # (n,) cluster ids, ascending
+    dW = np.bincount(group, s0 ** 2) - np.bincount(group, S[0] ** 2)
+    return dict(zip(names, (float(np.abs(w - ref).max()) / scale, float(np.abs(dW).max()))))
+
+
+@functools.cache
+def first_row_ready() -> bool:
+    """Whether :func:`first_row` is present and right: on the probe T of :func:`probe_stedc` (several
+    merges, deflation by tiny z and by close poles) every :func:`first_row_errors` is within
+    ``50·n·eps₆₄`` (eigenvalues) and ``50·n·eps₆₄ / 1e-6`` (cluster weights, separated by ≥ 1e-6·‖T‖);
+    once per process, a failure logged as one warning."""
+    d, e = _probe_tridiagonal(_PROBE_N)
+    try:
+        w, s0 = first_row(d, e, leaf=16)
+    except RuntimeError as err:
+        _log.warning("MKL dlaed4 unusable (%s); T's first eigenvector row comes from a whole divide and conquer", err)
+        return False
+    errs = first_row_errors(d, e, w, s0)
+    tol = 50 * _PROBE_N * float(np.finfo(np.float64).eps)
+    return probe_verdict({k: v * (1e-6 if "cluster" in k else 1.0) for k, v in errs.items()}, tol,
+                         f"the first-row divide and conquer disagrees with SciPy's dstevd on a {_PROBE_N}-row probe "
+                         "(cluster weights scaled by 1e-6)", "T's first eigenvector row comes from a whole divide and conquer")
+
+
 @functools.cache
 def stedc_ready() -> bool:
     """Whether :func:`stedc` is present and right: :func:`probe_stedc` passed (once per process)."""
@@ -130,3 +167,165 @@ def _probe_tridiagonal(n: int) -> tuple[np.ndarray, np.ndarray]:
     e = e.copy()
     e[[n // 4, n // 2]] = 0.0
     return d.copy(), e
+
+
+def first_row(d: np.ndarray, e: np.ndarray, leaf: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues of T = tridiag(e, d, e) and the first row of its eigenvector matrix S, by divide and
+    conquer carrying only the first and last rows of each block's S (Cuppen's method with LAPACK's
+    deflation, ``dlaed2``, and Gu–Eisenstat eigenvectors, ``dlaed3``; the secular equation by MKL's
+    ``dlaed4``): O(N²) flops and memory O(K²) for the largest undeflated merge, where ``stedc`` forms S.
+
+    Args:
+        d: (N,) diagonal; e: (N − 1,) off-diagonal (float64).
+        leaf: blocks of at most this many rows are solved whole (SciPy ``dstevd``).
+
+    Returns:
+        (w, s0): w (N,) ascending, s0 (N,) with ``s0[i] = S[0, i]`` (each column's sign arbitrary).
+
+    Raises:
+        RuntimeError: ``dlaed4`` is missing or reports a failure.
+    """
+    d, e = np.asarray(d, np.float64), np.asarray(e, np.float64)
+    scale = max(float(np.abs(d).max(initial=0.0)), float(np.abs(e).max(initial=0.0)))
+    if scale == 0.0:
+        return d.copy(), np.eye(d.shape[0])[0]
+    w, f, _ = _first_last(d / scale, e / scale, leaf)
+    return w * scale, f
+
+
+def _first_last(d: np.ndarray, e: np.ndarray, leaf: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(w ascending, S[0], S[−1]) of tridiag(e, d, e): a leaf whole, else two halves merged."""
+    import scipy.linalg.lapack as lapack
+
+    n = d.shape[0]
+    if n == 1:
+        return d.copy(), np.ones(1), np.ones(1)
+    if n <= leaf:
+        w, S, info = lapack.dstevd(d, e, compute_v=1)
+        if info != 0:
+            raise RuntimeError(f"LAPACK dstevd failed with info = {info}")
+        return w, S[0].copy(), S[-1].copy()
+    m, b = n // 2, float(e[n // 2 - 1])
+    d1, d2 = d[:m].copy(), d[m:].copy()
+    d1[-1] -= abs(b)  # T = diag(T1, T2) − |b|(e_m e_mᵀ + e_{m+1}e_{m+1}ᵀ) + |b| v vᵀ, v = e_m + sign(b) e_{m+1}
+    d2[0] -= abs(b)
+    w1, f1, l1 = _first_last(d1, e[:m - 1], leaf)
+    w2, f2, l2 = _first_last(d2, e[m:], leaf)
+    z = np.concatenate([l1, np.copysign(1.0, b) * f2]) / np.sqrt(2.0)  # ‖z‖ = 1
+    F = np.concatenate([f1, np.zeros_like(f2)])  # first rows of the block eigenvectors, (n,)
+    L = np.concatenate([np.zeros_like(l1), l2])
+    return _merge(np.concatenate([w1, w2]), z, 2.0 * abs(b), F, L)
+
+
+def _merge(D: np.ndarray, z: np.ndarray, rho: float, F: np.ndarray, L: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Eigenvalues of diag(D) + ρ z zᵀ and the rows F, L (first / last of T's block eigenvectors) carried
+    into its eigenvectors: deflation as LAPACK's ``dlaed2``, the rest as ``dlaed3``."""
+    order = np.argsort(D, kind="stable")
+    D, z, F, L = D[order], z[order].copy(), F[order], L[order]
+    tol = 8 * (np.finfo(np.float64).eps / 2) * max(float(np.abs(D).max()), float(np.abs(z).max()))
+    kept, pj = [], -1
+    for nj in np.flatnonzero(rho * np.abs(z) > tol):  # tiny z_j: deflated as they stand
+        if pj < 0:
+            pj = nj
+            continue
+        tau = float(np.hypot(z[nj], z[pj]))
+        c, s = z[nj] / tau, -z[pj] / tau
+        if abs((D[nj] - D[pj]) * c * s) <= tol:  # close poles: rotate z_pj to 0, deflate pj
+            z[nj], z[pj] = tau, 0.0
+            for V in (F, L):
+                V[pj], V[nj] = c * V[pj] + s * V[nj], c * V[nj] - s * V[pj]
+            D[pj], D[nj] = D[pj] * c * c + D[nj] * s * s, D[pj] * s * s + D[nj] * c * c
+        else:
+            kept.append(pj)
+        pj = nj
+    if pj >= 0:
+        kept.append(pj)
+    K = np.array(kept, dtype=np.int64)
+    if K.size:
+        lam, Fk, Lk = _secular(D[K], z[K], rho, F[K], L[K])
+        D, F, L = D.copy(), F.copy(), L.copy()
+        D[K], F[K], L[K] = lam, Fk, Lk
+    order = np.argsort(D, kind="stable")
+    return D[order], F[order], L[order]
+
+
+def _secular(dl: np.ndarray, w: np.ndarray, rho: float, f: np.ndarray, l: np.ndarray, rows: int = 64
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Roots λ_j of 1 + ρ Σ w_i² / (dl_i − λ) (MKL ``dlaed4``, one call a root) and f, l carried into the
+    eigenvectors u_j ∝ ŵ / (dl − λ_j), ŵ the Gu–Eisenstat vector recomputed from the roots (``dlaed3``).
+
+    Blocks of ``rows`` roots, on two threads when k is large (``dlaed4`` and NumPy release the GIL):
+    the first sweep finds the roots and accumulates ŵ_i² = −Π_j (dl_i − λ_j) / Π_{j≠i} (dl_i − dl_j),
+    the second projects f and l on each block's eigenvectors."""
+    k = dl.shape[0]
+    dl, w = np.ascontiguousarray(dl), np.ascontiguousarray(w)
+    lam = np.empty(k)
+    if k == 1:
+        _dlaed4_rows(dl, w, rho, 0, 1, lam)
+        return lam, f.copy(), l.copy()
+    if k == 2:  # dlaed4 hands the 2 × 2 case to dlaed5, whose "delta" rows are the eigenvectors (as dlaed3 uses them)
+        U = _dlaed4_rows(dl, w, rho, 0, 2, lam)
+        U /= np.linalg.norm(U, axis=1)[:, None]
+        return lam, U @ f, U @ l
+    blocks = [(lo, min(lo + rows, k)) for lo in range(0, k, rows)]
+    Delta: dict[int, np.ndarray] = {}
+
+    def products(block: tuple[int, int]) -> np.ndarray:
+        lo, hi = block
+        Delta[lo] = R = _dlaed4_rows(dl, w, rho, lo, hi, lam)  # (b, k): row j − lo = dl − λ_j
+        j = np.arange(lo, hi)
+        gap = dl[None, :] - dl[j, None]  # (b, k): dl_i − dl_j
+        gap[np.arange(hi - lo), j] = 1.0
+        return np.prod(R / gap, axis=0)  # (k,)
+
+    def project(block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        U = what[None, :] / Delta.pop(block[0])  # (b, k): row j ∝ u_j
+        U /= np.linalg.norm(U, axis=1)[:, None]
+        return U @ f, U @ l
+
+    with _pool(k) as pool:
+        P = np.prod(np.stack(list(pool.map(products, blocks))), axis=0)
+        what = np.copysign(np.sqrt(np.maximum(-P, 0.0)), w)  # Gu–Eisenstat ŵ
+        FL = list(pool.map(project, blocks))
+    return lam, np.concatenate([x for x, _ in FL]), np.concatenate([y for _, y in FL])
+
+
+class _Inline:
+    """``map`` in this thread (a small merge: threads cost more than they save)."""
+
+    def __enter__(self) -> "_Inline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    @staticmethod
+    def map(fn, items):  # noqa: ANN001, ANN205
+        return map(fn, items)
+
+
+def _pool(k: int):  # noqa: ANN202
+    """Two threads for a merge of k ≥ 1024 roots, else :class:`_Inline`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(2) if k >= 1024 else _Inline()
+
+
+def _dlaed4_rows(dl: np.ndarray, w: np.ndarray, rho: float, lo: int, hi: int, lam: np.ndarray) -> np.ndarray:
+    """Roots lo … hi − 1 (0-based) of the secular equation by MKL ``dlaed4`` into ``lam``, and their
+    (hi − lo, k) rows ``dl − λ_j``."""
+    fn = mkl_function("mkl_lapack_dlaed4")
+    if fn is None:
+        raise RuntimeError("MKL dlaed4 is not exported by this torch build")
+    k = dl.shape[0]
+    out = np.empty((hi - lo, k))
+    dlam, info, kk, r = ctypes.c_double(0.0), fortran_int(0), fortran_int(k), ctypes.c_double(rho)
+    pd, pw = dl.ctypes.data_as(_P), w.ctypes.data_as(_P)
+    for j in range(lo, hi):
+        fn(ctypes.byref(kk), ctypes.byref(fortran_int(j + 1)), pd, pw, out[j - lo].ctypes.data_as(_P), ctypes.byref(r),
+           ctypes.byref(dlam), ctypes.byref(info))
+        if fortran_info(info) != 0:
+            raise RuntimeError(f"MKL dlaed4 failed with info = {fortran_info(info)} (root {j + 1} of {k})")
+        lam[j] = dlam.value
+    return out

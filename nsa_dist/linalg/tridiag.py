@@ -6,7 +6,7 @@ columns of Φ (2N²c flops), the eigenvalues of T (``dsterf``) and, with ``T = S
 
     Vᵀ Φ = Sᵀ Qᵀ Φ = Sᵀ ψ,
 
-where S comes from divide and conquer on T (``dstevd``, float64): G's own (N, N) eigenvectors
+where S comes from divide and conquer on T (float64): G's own (N, N) eigenvectors
 ``V = Q S`` — the N³ product that dominates ``eigh`` with vectors — are never formed.  A few
 eigenvectors (the images of Fig. 5) are ``v_i = Q s_i``.
 
@@ -15,9 +15,10 @@ reflected so that e₁ ∝ φ, the reduction (which leaves e₁ fixed) runs with
 ⟨v_i, φ⟩ = ±‖φ‖ S[0, i] — proven per call by cheap checks, the Q route otherwise.
 
 The reduction runs in G's precision (float32 or float64) by one of two :class:`Reduction` routes;
-T's eigenproblem is always float64 (MKL's ``dstedc`` or SciPy's ``dstevd``, :class:`Solver`).  A float32 G therefore gets float32-accurate eigenvalues
-(absolute errors ~ N·eps₃₂·λ_1 at worst, 4e-7·λ_1 measured at N = 10⁴ — less than the float32
-rounding of G itself moves them) where a float64 ``eigh`` of the same G would be exact for that G.
+T's eigenproblem is always float64 (MKL's ``dstedc`` or SciPy's ``dstevd``, :class:`Solver`).  A
+float32 G therefore gets float32-accurate eigenvalues (absolute errors ~ N·eps₃₂·λ_1 at worst,
+4e-7·λ_1 measured at N = 10⁴ — less than the float32 rounding of G itself moves them) where a
+float64 ``eigh`` of the same G would be exact for that G.
 Cost at N = 10⁴ float32 on 2 cores: ``benchmarks/kall.py`` and benchmarks/README.md (issue 22).
 """
 
@@ -56,23 +57,28 @@ class Reduction(str, Enum):
     LAPACK = "lapack"
 
 
-# Solver.AUTO takes MKL's dstedc where its probe passed.  False: SciPy's dstevd (the route before, for benchmarks).
+# Solver.AUTO takes MKL's dstedc (and, for one φ, the first-row divide and conquer) where their probes
+# passed.  False: SciPy's dstevd, S whole (the route before, for benchmarks).
 MKL_STEDC = True
 
 
 class Solver(str, Enum):
     """How T = S diag(λ) Sᵀ is solved: divide and conquer in float64 either way.
 
-    AUTO: MKL where :func:`~nsa_dist.linalg._mkl_stedc.stedc_ready` proved it, else LAPACK (the
-        probe's failure is logged once).
+    AUTO: for :func:`eig_weights` FIRST_ROW, else MKL, where their probes passed
+        (:mod:`nsa_dist.linalg._mkl_stedc`), else LAPACK (a probe's failure is logged once).
     MKL: ``dstedc(compz='I')`` of the MKL inside torch: its merges' GEMMs run on MKL; 5.2–5.9 s
         against 7.5–8.9 s for SciPy's at N = 10⁴ on 2 cores.
     LAPACK: SciPy's ``dstevd`` (OpenBLAS's LAPACK); portable, the reference.
+    FIRST_ROW: divide and conquer carrying only the first and last rows of S (MKL ``dlaed4`` for
+        the secular equations): O(N²) flops and no (N, N) S — all :func:`eig_weights` needs; not
+        for :func:`eig_projections`, which needs all of S.
     """
 
     AUTO = "auto"
     MKL = "mkl"
     LAPACK = "lapack"
+    FIRST_ROW = "first_row"
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,8 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
     up to v_i's sign (which any eigensolver leaves arbitrary).  Cost: G' is a rank-2 update of G
     (one product G u, O(N²)); the reduction runs with jobz = 'N' (MKL ``?syrdb``, proven by
     :func:`~nsa_dist.linalg._mkl_syrdb.probe_first_column`; or SciPy's ``?sytrd``, whose
-    Q e₁ = e₁ is its documented reflector form); then divide and conquer on T.
+    Q e₁ = e₁ is its documented reflector form); then divide and conquer on T carrying only S's
+    first row (``Solver.FIRST_ROW``, O(N²)) where its probe passed, else S whole.
 
     Every call proves its result (:func:`_weights_checks`, two more products with G): T against G's
     orthogonal invariants, T's first column against G', and the weights' moments against φᵀ G^m φ;
@@ -212,17 +219,16 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
                          f"probes in {dtype} (see the log); use 'auto' or 'lapack'")
     route = Reduction.MKL if route is not Reduction.LAPACK and mkl_ok else Reduction.LAPACK
     d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
-    lam, S, solver = _tridiagonal_eigh(d, e, solver)
-    s0 = np.array(S[0])  # (N,) first components
-    del S
+    lam, s0, used = _first_row(d, e, solver)  # (N,) ascending, (N,) = S[0, :]
     checks = tuple(_weights_checks(stats, d, e, lam, s0))
     bad = [f"{name} = {err:.2e} > {tol:.2e}" for name, err, tol in checks if not err <= tol]
     if bad:
         _log.warning("the one-vector route's result for this %d×%d G is off (%s); redone with Q formed", N, N,
                      "; ".join(bad))
-        return dataclasses.replace(eig_projections(G, x, reduction=reduction, solver=solver), checks=checks)
+        whole = "auto" if used is Solver.FIRST_ROW else used
+        return dataclasses.replace(eig_projections(G, x, reduction=reduction, solver=whole), checks=checks)
     proj = (np.linalg.norm(x) * s0)[::-1, None].copy()  # (N, 1) descending
-    return SpectralProjections(lam[::-1].copy(), proj, np.empty((N, 0)), (), route, solver, True, checks)
+    return SpectralProjections(lam[::-1].copy(), proj, np.empty((N, 0)), (), route, used, True, checks)
 
 
 def _reflected_tridiagonal(G: np.ndarray, x: np.ndarray, dtype: np.dtype, route: Reduction
@@ -428,6 +434,23 @@ def _lapack(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Apply, _Apply]:
     return d.astype(np.float64), e.astype(np.float64), lambda X: apply(X, "T"), lambda X: apply(X, "N")
 
 
+def _first_row(d: np.ndarray, e: np.ndarray, solver: str | Solver) -> tuple[np.ndarray, np.ndarray, Solver]:
+    """Eigenvalues (N,) ascending of T = tridiag(e, d, e), the first row of its S, and the :class:`Solver`
+    that ran: FIRST_ROW where asked for or (AUTO, ``MKL_STEDC``) proven, else S whole by
+    :func:`_tridiagonal_eigh`."""
+    from nsa_dist._checks import parse_enum
+    from nsa_dist.linalg._mkl_stedc import first_row, first_row_ready
+
+    route = parse_enum(Solver, solver, "solver")
+    if route in (Solver.FIRST_ROW, Solver.AUTO) and (route is Solver.FIRST_ROW or MKL_STEDC) and first_row_ready():
+        return (*first_row(d, e), Solver.FIRST_ROW)
+    if route is Solver.FIRST_ROW:
+        raise ValueError("solver='first_row' needs MKL dlaed4 present and passing its probe (see the log); "
+                         "use 'auto', 'mkl' or 'lapack'")
+    lam, S, used = _tridiagonal_eigh(d, e, route)
+    return lam, np.array(S[0]), used
+
+
 def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto"
                       ) -> tuple[np.ndarray, np.ndarray, Solver]:
     """Eigenvalues (N,) ascending and eigenvectors S (N, N) of T = tridiag(e, d, e), float64, by
@@ -442,6 +465,9 @@ def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto
     from nsa_dist.linalg._mkl_stedc import stedc, stedc_ready
 
     route = parse_enum(Solver, solver, "solver")
+    if route is Solver.FIRST_ROW:
+        raise ValueError("solver='first_row' gives only the first row of T's eigenvectors (eig_weights); "
+                         "use 'auto', 'mkl' or 'lapack'")
     if (route is Solver.MKL or route is Solver.AUTO and MKL_STEDC) and d.shape[0] > 1 and stedc_ready():
         return (*stedc(d, e), Solver.MKL)
     if route is Solver.MKL and d.shape[0] > 1:
