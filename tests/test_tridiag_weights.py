@@ -54,7 +54,7 @@ def test_weights_against_dense_eigh(route: Reduction, dtype: type, rel: float) -
     phi = np.random.default_rng(6).standard_normal(N)
     sp = eig_weights(G.astype(dtype), phi, reduction=route)
     assert sp.one_vector and sp.reduction is route and sp.proj.shape == (N, 1) and sp.vectors.shape == (N, 0)
-    assert sp.solver is (Solver.FIRST_ROW if first_row_ready() else Solver.LAPACK if not stedc_ready() else Solver.MKL)
+    assert sp.solver is (Solver.ROWS if first_row_ready() else Solver.LAPACK if not stedc_ready() else Solver.MKL)
     dw = np.abs(sp.evals - w) / w
     assert dw.max() <= rel, f"eigenvalue {dw.argmax()} off by {dw.max():.1e} relative"
     P2, ref = sp.proj[:, 0] ** 2, (V.T @ phi) ** 2
@@ -160,7 +160,7 @@ def test_bad_input_named() -> None:
         eig_weights(np.eye(5), np.array([1, 2, np.nan, 0, 0]))
     with pytest.raises(ValueError, match=r"reduction='mkl' needs N >= 16 \(got 5\)"):
         eig_weights(np.eye(5), np.ones(5), reduction="mkl")
-    with pytest.raises(ValueError, match=r"solver='qr' is not one of 'auto', 'mkl', 'lapack'"):
+    with pytest.raises(ValueError, match=r"solver='qr' is not one of 'auto', 'mkl', 'lapack', 'rows'"):
         eig_weights(np.eye(20), np.ones(20), solver="qr")
 
 
@@ -248,20 +248,53 @@ def test_first_row_errors_see_a_wrong_row_and_the_solver_is_checked() -> None:
     assert max(first_row_errors(d, e, w, S[0]).values()) < 1e-13
     assert first_row_errors(d, e, w, S[0, ::-1])["|cluster weights - dstevd's|"] > 1e-3
     assert first_row_errors(d, e, w, S[-1])["|cluster weights - dstevd's|"] > 1e-3  # the last row is not the first
-    with pytest.raises(ValueError, match="solver='first_row' gives only the first row"):
-        eig_projections(np.eye(20), np.ones(20), solver="first_row")
+    with pytest.raises(ValueError, match="solver='rows' gives no eigenvector columns"):
+        eig_projections(np.eye(20), np.ones(20), indices=(0,), solver="rows")
 
 
 @pytest.mark.parametrize("solver", [Solver.MKL, Solver.LAPACK])
 def test_whole_s_solvers_give_the_first_row_route_s_weights(solver: Solver) -> None:
-    """eig_weights with S formed whole (MKL dstedc, SciPy dstevd: the fallbacks) against FIRST_ROW."""
+    """eig_weights with S formed whole (MKL dstedc, SciPy dstevd: the fallbacks) against ROWS."""
     if not first_row_ready() or (solver is Solver.MKL and not stedc_ready()):
         pytest.skip("this torch build lacks MKL dlaed4 / dstedc")
     G, w, _ = _ntk_like(N, 18)
     phi = np.random.default_rng(19).standard_normal(N)
     a, b = eig_weights(G, phi), eig_weights(G, phi, solver=solver)
-    assert a.solver is Solver.FIRST_ROW and b.solver is solver and a.one_vector and b.one_vector
+    assert a.solver is Solver.ROWS and b.solver is solver and a.one_vector and b.one_vector
     np.testing.assert_allclose(a.evals, b.evals, rtol=0, atol=1e-12 * w[0])
     Ea, Eb = np.cumsum(a.proj[:, 0] ** 2), np.cumsum(b.proj[:, 0] ** 2)
     edges = [0, 10, N // 4 - 1, N // 4 + N // 2 - 1, N - 1]
     np.testing.assert_allclose(Ea[edges], Eb[edges], rtol=0, atol=1e-10 * float(phi @ phi))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_q_route_without_eigenvectors_carries_only_psi_rows(dtype: type) -> None:
+    """eig_projections with no eigenvector asked for solves T by the rows-only divide and conquer (ψᵀS):
+    the same eigenvalues and energies as with S whole (MKL dstedc / SciPy dstevd) and as float64 eigh."""
+    if not first_row_ready():
+        pytest.skip("this torch build has no usable MKL dlaed4")
+    G, w, V = _ntk_like(N, 20)
+    Phi = np.random.default_rng(21).standard_normal((N, 3))
+    rows, whole = eig_projections(G.astype(dtype), Phi), eig_projections(G.astype(dtype), Phi, solver="lapack")
+    assert rows.solver is Solver.ROWS and whole.solver is Solver.LAPACK
+    eps = float(np.finfo(dtype).eps)
+    np.testing.assert_allclose(rows.evals, whole.evals, rtol=0, atol=100 * N * 2.2e-16 * w[0])
+    np.testing.assert_allclose(rows.evals, w, rtol=0, atol=50 * N * eps * w[0])
+    n2 = (Phi ** 2).sum(axis=0)
+    edges = [0, 10, N // 4 - 1, N - 1] + ([N // 4 + N // 2 - 1] if dtype == np.float64 else [])
+    E, E_whole = np.cumsum(rows.proj ** 2, 0) / n2, np.cumsum(whole.proj ** 2, 0) / n2
+    E_ref = np.cumsum((V.T @ Phi) ** 2, 0) / n2
+    np.testing.assert_allclose(E[edges], E_whole[edges], rtol=0, atol=1e-10)
+    np.testing.assert_allclose(E[edges], E_ref[edges], rtol=0, atol=1e-10 if dtype == np.float64 else 1e-3)
+
+
+def test_rows_check_sees_wrong_rows() -> None:
+    from nsa_dist.linalg.tridiag import _rows_errors
+
+    d, e = _split_clustered(50, 2)
+    X = np.random.default_rng(3).standard_normal((50, 2))
+    w, S, _ = lapack.dstevd(d, e, compute_v=1)
+    P = X.T @ S  # (2, 50)
+    assert _rows_errors(d, e, X, w, P) is None
+    assert "m = 1" in (_rows_errors(d, e, X, w, P[:, ::-1]) or "")  # weights on the wrong eigenvalues
+    assert "m = 0" in (_rows_errors(d, e, X, w, 1.01 * P) or "")

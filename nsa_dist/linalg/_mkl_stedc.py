@@ -22,7 +22,8 @@ import numpy as np
 
 from nsa_dist.linalg._mkl_syrdb import fortran_info, fortran_int, mkl_function, probe_verdict
 
-__all__ = ["first_row", "first_row_errors", "first_row_ready", "probe_stedc", "stedc", "stedc_errors", "stedc_ready"]
+__all__ = ["first_row", "first_row_errors", "first_row_ready", "probe_stedc", "rows_of_s", "stedc", "stedc_errors",
+           "stedc_ready"]
 
 _log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
@@ -170,59 +171,72 @@ def _probe_tridiagonal(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def first_row(d: np.ndarray, e: np.ndarray, leaf: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """Eigenvalues of T = tridiag(e, d, e) and the first row of its eigenvector matrix S, by divide and
-    conquer carrying only the first and last rows of each block's S (Cuppen's method with LAPACK's
-    deflation, ``dlaed2``, and Gu–Eisenstat eigenvectors, ``dlaed3``; the secular equation by MKL's
-    ``dlaed4``): O(N²) flops and memory O(K²) for the largest undeflated merge, where ``stedc`` forms S.
+    """Eigenvalues of T = tridiag(e, d, e) and the first row of its eigenvector matrix S (``s0[i] = S[0, i]``,
+    each column's sign arbitrary): :func:`rows_of_s` with no X."""
+    w, M = rows_of_s(d, e, None, leaf)
+    return w, M[0]
+
+
+def rows_of_s(d: np.ndarray, e: np.ndarray, X: np.ndarray | None = None, leaf: int = 32
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues of T = tridiag(e, d, e) and the rows e₁ᵀS, e_Nᵀ S and XᵀS of its eigenvector matrix S,
+    by divide and conquer carrying only those rows of each block's S (Cuppen's method with LAPACK's
+    deflation, ``dlaed2``, and Gu–Eisenstat eigenvectors, ``dlaed3``; the secular equations by MKL's
+    ``dlaed4``): O((c + 2)·N²) flops, memory O(K²) for the largest undeflated merge — where
+    :func:`stedc` forms all of S (N² memory, GEMMs of N³ flops less deflation).
 
     Args:
         d: (N,) diagonal; e: (N − 1,) off-diagonal (float64).
+        X: (N, c) float64 columns to project (``Sᵀ X``), or None.
         leaf: blocks of at most this many rows are solved whole (SciPy ``dstevd``).
 
     Returns:
-        (w, s0): w (N,) ascending, s0 (N,) with ``s0[i] = S[0, i]`` (each column's sign arbitrary).
+        (w, M): w (N,) ascending; M (2 + c, N) with rows S[0, :], S[N − 1, :] and (XᵀS)[j, :], each
+        eigenvector's sign arbitrary but the same in every row.
 
     Raises:
         RuntimeError: ``dlaed4`` is missing or reports a failure.
     """
     d, e = np.asarray(d, np.float64), np.asarray(e, np.float64)
+    n = d.shape[0]
+    X = np.zeros((n, 0)) if X is None else np.asarray(X, np.float64).reshape(n, -1)
     scale = max(float(np.abs(d).max(initial=0.0)), float(np.abs(e).max(initial=0.0)))
-    if scale == 0.0:
-        return d.copy(), np.eye(d.shape[0])[0]
-    w, f, _ = _first_last(d / scale, e / scale, leaf)
-    return w * scale, f
+    if scale == 0.0:  # T = 0: S = I
+        return d.copy(), np.vstack([np.eye(n)[[0, n - 1]], X.T])
+    w, M = _rows(d / scale, e / scale, X, leaf)
+    return w * scale, M
 
 
-def _first_last(d: np.ndarray, e: np.ndarray, leaf: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(w ascending, S[0], S[−1]) of tridiag(e, d, e): a leaf whole, else two halves merged."""
+def _rows(d: np.ndarray, e: np.ndarray, X: np.ndarray, leaf: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w ascending, M = [S[0]; S[−1]; XᵀS]) of tridiag(e, d, e): a leaf whole, else two halves merged."""
     import scipy.linalg.lapack as lapack
 
     n = d.shape[0]
     if n == 1:
-        return d.copy(), np.ones(1), np.ones(1)
+        return d.copy(), np.vstack([np.ones((2, 1)), X.T])
     if n <= leaf:
         w, S, info = lapack.dstevd(d, e, compute_v=1)
         if info != 0:
             raise RuntimeError(f"LAPACK dstevd failed with info = {info}")
-        return w, S[0].copy(), S[-1].copy()
+        return w, np.vstack([S[[0, n - 1]], X.T @ S])
     m, b = n // 2, float(e[n // 2 - 1])
     d1, d2 = d[:m].copy(), d[m:].copy()
     d1[-1] -= abs(b)  # T = diag(T1, T2) − |b|(e_m e_mᵀ + e_{m+1}e_{m+1}ᵀ) + |b| v vᵀ, v = e_m + sign(b) e_{m+1}
     d2[0] -= abs(b)
-    w1, f1, l1 = _first_last(d1, e[:m - 1], leaf)
-    w2, f2, l2 = _first_last(d2, e[m:], leaf)
-    z = np.concatenate([l1, np.copysign(1.0, b) * f2]) / np.sqrt(2.0)  # ‖z‖ = 1
-    F = np.concatenate([f1, np.zeros_like(f2)])  # first rows of the block eigenvectors, (n,)
-    L = np.concatenate([np.zeros_like(l1), l2])
-    return _merge(np.concatenate([w1, w2]), z, 2.0 * abs(b), F, L)
+    w1, M1 = _rows(d1, e[:m - 1], X[:m], leaf)
+    w2, M2 = _rows(d2, e[m:], X[m:], leaf)
+    z = np.concatenate([M1[1], np.copysign(1.0, b) * M2[0]]) / np.sqrt(2.0)  # ‖z‖ = 1
+    M = np.block([[M1[:1], np.zeros_like(M2[:1])],  # first row: block 1's
+                  [np.zeros_like(M1[:1]), M2[1:2]],  # last row: block 2's
+                  [M1[2:], M2[2:]]])  # XᵀS: each block its own part of X
+    return _merge(np.concatenate([w1, w2]), z, 2.0 * abs(b), M)
 
 
-def _merge(D: np.ndarray, z: np.ndarray, rho: float, F: np.ndarray, L: np.ndarray
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Eigenvalues of diag(D) + ρ z zᵀ and the rows F, L (first / last of T's block eigenvectors) carried
-    into its eigenvectors: deflation as LAPACK's ``dlaed2``, the rest as ``dlaed3``."""
+def _merge(D: np.ndarray, z: np.ndarray, rho: float, M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues of diag(D) + ρ z zᵀ and the rows M (r, n) of T's block eigenvectors carried into
+    its eigenvectors: deflation as LAPACK's ``dlaed2``, the rest as ``dlaed3``."""
     order = np.argsort(D, kind="stable")
-    D, z, F, L = D[order], z[order].copy(), F[order], L[order]
+    D, z, M = D[order], z[order].copy(), M[:, order]
     tol = 8 * (np.finfo(np.float64).eps / 2) * max(float(np.abs(D).max()), float(np.abs(z).max()))
     kept, pj = [], -1
     for nj in np.flatnonzero(rho * np.abs(z) > tol):  # tiny z_j: deflated as they stand
@@ -233,8 +247,7 @@ def _merge(D: np.ndarray, z: np.ndarray, rho: float, F: np.ndarray, L: np.ndarra
         c, s = z[nj] / tau, -z[pj] / tau
         if abs((D[nj] - D[pj]) * c * s) <= tol:  # close poles: rotate z_pj to 0, deflate pj
             z[nj], z[pj] = tau, 0.0
-            for V in (F, L):
-                V[pj], V[nj] = c * V[pj] + s * V[nj], c * V[nj] - s * V[pj]
+            M[:, pj], M[:, nj] = c * M[:, pj] + s * M[:, nj], c * M[:, nj] - s * M[:, pj]
             D[pj], D[nj] = D[pj] * c * c + D[nj] * s * s, D[pj] * s * s + D[nj] * c * c
         else:
             kept.append(pj)
@@ -243,31 +256,32 @@ def _merge(D: np.ndarray, z: np.ndarray, rho: float, F: np.ndarray, L: np.ndarra
         kept.append(pj)
     K = np.array(kept, dtype=np.int64)
     if K.size:
-        lam, Fk, Lk = _secular(D[K], z[K], rho, F[K], L[K])
-        D, F, L = D.copy(), F.copy(), L.copy()
-        D[K], F[K], L[K] = lam, Fk, Lk
+        D = D.copy()
+        D[K], M[:, K] = _secular(D[K], z[K], rho, M[:, K])
     order = np.argsort(D, kind="stable")
-    return D[order], F[order], L[order]
+    return D[order], M[:, order]
 
 
-def _secular(dl: np.ndarray, w: np.ndarray, rho: float, f: np.ndarray, l: np.ndarray, rows: int = 64
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Roots λ_j of 1 + ρ Σ w_i² / (dl_i − λ) (MKL ``dlaed4``, one call a root) and f, l carried into the
-    eigenvectors u_j ∝ ŵ / (dl − λ_j), ŵ the Gu–Eisenstat vector recomputed from the roots (``dlaed3``).
+def _secular(dl: np.ndarray, w: np.ndarray, rho: float, M: np.ndarray, rows: int = 64
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Roots λ_j of 1 + ρ Σ w_i² / (dl_i − λ) (MKL ``dlaed4``, one call a root) and the rows M (r, k)
+    carried into the eigenvectors u_j ∝ ŵ / (dl − λ_j), ŵ the Gu–Eisenstat vector recomputed from the
+    roots (``dlaed3``).
 
     Blocks of ``rows`` roots, on two threads when k is large (``dlaed4`` and NumPy release the GIL):
     the first sweep finds the roots and accumulates ŵ_i² = −Π_j (dl_i − λ_j) / Π_{j≠i} (dl_i − dl_j),
-    the second projects f and l on each block's eigenvectors."""
+    the second projects M on each block's eigenvectors."""
+    from concurrent.futures import ThreadPoolExecutor
+
     k = dl.shape[0]
     dl, w = np.ascontiguousarray(dl), np.ascontiguousarray(w)
     lam = np.empty(k)
     if k == 1:
         _dlaed4_rows(dl, w, rho, 0, 1, lam)
-        return lam, f.copy(), l.copy()
-    if k == 2:  # dlaed4 hands the 2 × 2 case to dlaed5, whose "delta" rows are the eigenvectors (as dlaed3 uses them)
+        return lam, M.copy()
+    if k == 2:  # dlaed4 hands it to dlaed5, whose "delta" rows are the eigenvectors (as dlaed3 uses them)
         U = _dlaed4_rows(dl, w, rho, 0, 2, lam)
-        U /= np.linalg.norm(U, axis=1)[:, None]
-        return lam, U @ f, U @ l
+        return lam, M @ (U / np.linalg.norm(U, axis=1)[:, None]).T
     blocks = [(lo, min(lo + rows, k)) for lo in range(0, k, rows)]
     Delta: dict[int, np.ndarray] = {}
 
@@ -279,37 +293,20 @@ def _secular(dl: np.ndarray, w: np.ndarray, rho: float, f: np.ndarray, l: np.nda
         gap[np.arange(hi - lo), j] = 1.0
         return np.prod(R / gap, axis=0)  # (k,)
 
-    def project(block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def project(block: tuple[int, int]) -> np.ndarray:
         U = what[None, :] / Delta.pop(block[0])  # (b, k): row j ∝ u_j
         U /= np.linalg.norm(U, axis=1)[:, None]
-        return U @ f, U @ l
+        return M @ U.T  # (r, b)
 
-    with _pool(k) as pool:
-        P = np.prod(np.stack(list(pool.map(products, blocks))), axis=0)
+    pool = ThreadPoolExecutor(2) if k >= 1024 else None  # small merges: threads cost more than they save
+    run = pool.map if pool is not None else map
+    try:
+        P = np.prod(np.stack(list(run(products, blocks))), axis=0)
         what = np.copysign(np.sqrt(np.maximum(-P, 0.0)), w)  # Gu–Eisenstat ŵ
-        FL = list(pool.map(project, blocks))
-    return lam, np.concatenate([x for x, _ in FL]), np.concatenate([y for _, y in FL])
-
-
-class _Inline:
-    """``map`` in this thread (a small merge: threads cost more than they save)."""
-
-    def __enter__(self) -> "_Inline":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    @staticmethod
-    def map(fn, items):  # noqa: ANN001, ANN205
-        return map(fn, items)
-
-
-def _pool(k: int):  # noqa: ANN202
-    """Two threads for a merge of k ≥ 1024 roots, else :class:`_Inline`."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(2) if k >= 1024 else _Inline()
+        return lam, np.concatenate(list(run(project, blocks)), axis=1)
+    finally:
+        if pool is not None:
+            pool.shutdown()
 
 
 def _dlaed4_rows(dl: np.ndarray, w: np.ndarray, rho: float, lo: int, hi: int, lam: np.ndarray) -> np.ndarray:

@@ -57,28 +57,28 @@ class Reduction(str, Enum):
     LAPACK = "lapack"
 
 
-# Solver.AUTO takes MKL's dstedc (and, for one φ, the first-row divide and conquer) where their probes
-# passed.  False: SciPy's dstevd, S whole (the route before, for benchmarks).
+# Solver.AUTO takes the rows-only divide and conquer (no eigenvector asked for) or MKL's dstedc where their
+# probes passed.  False: SciPy's dstevd, S whole (the route before, for benchmarks).
 MKL_STEDC = True
 
 
 class Solver(str, Enum):
     """How T = S diag(λ) Sᵀ is solved: divide and conquer in float64 either way.
 
-    AUTO: for :func:`eig_weights` FIRST_ROW, else MKL, where their probes passed
+    AUTO: ROWS where no eigenvector is asked for, else MKL, where their probes passed
         (:mod:`nsa_dist.linalg._mkl_stedc`), else LAPACK (a probe's failure is logged once).
     MKL: ``dstedc(compz='I')`` of the MKL inside torch: its merges' GEMMs run on MKL; 5.2–5.9 s
         against 7.5–8.9 s for SciPy's at N = 10⁴ on 2 cores.
     LAPACK: SciPy's ``dstevd`` (OpenBLAS's LAPACK); portable, the reference.
-    FIRST_ROW: divide and conquer carrying only the first and last rows of S (MKL ``dlaed4`` for
-        the secular equations): O(N²) flops and no (N, N) S — all :func:`eig_weights` needs; not
-        for :func:`eig_projections`, which needs all of S.
+    ROWS: divide and conquer carrying only the rows of S that are used — S's first row for
+        :func:`eig_weights`, ψᵀS for :func:`eig_projections` — with MKL's ``dlaed4`` for the
+        secular equations: O(c·N²) flops, no (N, N) S; not where eigenvectors are asked for.
     """
 
     AUTO = "auto"
     MKL = "mkl"
     LAPACK = "lapack"
-    FIRST_ROW = "first_row"
+    ROWS = "rows"
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,9 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
     if route is Reduction.LAPACK:
         d, e, apply_qt, apply_q = _lapack(_fortran_copy(G_np, dtype))
     psi = apply_qt(Phi2)  # (N, c) = Qᵀ Φ
-    w, S, solver = _tridiagonal_eigh(d, e, solver)  # (N,) ascending, (N, N)
-    proj = S.T @ psi  # (N, c)
     cols = [N - 1 - i for i in indices]
-    V = apply_q(np.array(S[:, cols])) if indices else np.empty((N, 0))  # (N, m)
-    del S
+    w, proj, _, Sc, solver = _solve(d, e, psi, solver, cols)  # (N,) ascending, (N, c) = Sᵀψ, (N, m) = S[:, cols]
+    V = apply_q(Sc) if indices else np.empty((N, 0))  # (N, m)
     flip = V[np.abs(V).argmax(axis=0), np.arange(V.shape[1])] < 0 if V.size else np.zeros(0, bool)
     V[:, flip] *= -1
     return SpectralProjections(w[::-1].copy(), proj[::-1].copy(), V, tuple(indices), route, solver)
@@ -180,7 +178,7 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
     (one product G u, O(N²)); the reduction runs with jobz = 'N' (MKL ``?syrdb``, proven by
     :func:`~nsa_dist.linalg._mkl_syrdb.probe_first_column`; or SciPy's ``?sytrd``, whose
     Q e₁ = e₁ is its documented reflector form); then divide and conquer on T carrying only S's
-    first row (``Solver.FIRST_ROW``, O(N²)) where its probe passed, else S whole.
+    first row (``Solver.ROWS``, O(N²)) where its probe passed, else S whole.
 
     Every call proves its result (:func:`_weights_checks`, two more products with G): T against G's
     orthogonal invariants, T's first column against G', and the weights' moments against φᵀ G^m φ;
@@ -219,13 +217,13 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
                          f"probes in {dtype} (see the log); use 'auto' or 'lapack'")
     route = Reduction.MKL if route is not Reduction.LAPACK and mkl_ok else Reduction.LAPACK
     d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
-    lam, s0, used = _first_row(d, e, solver)  # (N,) ascending, (N,) = S[0, :]
+    lam, _, s0, _, used = _solve(d, e, np.zeros((N, 0)), solver, [])  # (N,) ascending, (N,) = S[0, :]
     checks = tuple(_weights_checks(stats, d, e, lam, s0))
     bad = [f"{name} = {err:.2e} > {tol:.2e}" for name, err, tol in checks if not err <= tol]
     if bad:
         _log.warning("the one-vector route's result for this %d×%d G is off (%s); redone with Q formed", N, N,
                      "; ".join(bad))
-        whole = "auto" if used is Solver.FIRST_ROW else used
+        whole = "auto" if used is Solver.ROWS else used
         return dataclasses.replace(eig_projections(G, x, reduction=reduction, solver=whole), checks=checks)
     proj = (np.linalg.norm(x) * s0)[::-1, None].copy()  # (N, 1) descending
     return SpectralProjections(lam[::-1].copy(), proj, np.empty((N, 0)), (), route, used, True, checks)
@@ -434,21 +432,50 @@ def _lapack(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Apply, _Apply]:
     return d.astype(np.float64), e.astype(np.float64), lambda X: apply(X, "T"), lambda X: apply(X, "N")
 
 
-def _first_row(d: np.ndarray, e: np.ndarray, solver: str | Solver) -> tuple[np.ndarray, np.ndarray, Solver]:
-    """Eigenvalues (N,) ascending of T = tridiag(e, d, e), the first row of its S, and the :class:`Solver`
-    that ran: FIRST_ROW where asked for or (AUTO, ``MKL_STEDC``) proven, else S whole by
-    :func:`_tridiagonal_eigh`."""
+def _solve(d: np.ndarray, e: np.ndarray, X: np.ndarray, solver: str | Solver, cols: list[int]
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Solver]:
+    """T = tridiag(e, d, e) = S diag(λ) Sᵀ as far as it is used: λ (N,) ascending, Sᵀ X (N, c), S[0, :] (N,),
+    the columns S[:, cols] (N, m), and the :class:`Solver` that ran.  ROWS (where asked for, or AUTO with
+    ``MKL_STEDC``, no columns and its probe passed) is checked per call by :func:`_rows_errors`; on a
+    failure (a warning) and otherwise S is formed whole by :func:`_tridiagonal_eigh`.
+
+    Raises:
+        ValueError: an unknown solver, "rows" with columns asked for, or a solver whose probe failed.
+    """
     from nsa_dist._checks import parse_enum
-    from nsa_dist.linalg._mkl_stedc import first_row, first_row_ready
+    from nsa_dist.linalg._mkl_stedc import first_row_ready, rows_of_s
 
     route = parse_enum(Solver, solver, "solver")
-    if route in (Solver.FIRST_ROW, Solver.AUTO) and (route is Solver.FIRST_ROW or MKL_STEDC) and first_row_ready():
-        return (*first_row(d, e), Solver.FIRST_ROW)
-    if route is Solver.FIRST_ROW:
-        raise ValueError("solver='first_row' needs MKL dlaed4 present and passing its probe (see the log); "
-                         "use 'auto', 'mkl' or 'lapack'")
+    if route is Solver.ROWS and (cols or not first_row_ready()):
+        raise ValueError("solver='rows' gives no eigenvector columns and needs MKL dlaed4 passing its probe (see the "
+                         "log); use 'auto', 'mkl' or 'lapack'")
+    if route is Solver.ROWS or route is Solver.AUTO and MKL_STEDC and not cols and first_row_ready():
+        lam, M = rows_of_s(d, e, X)  # (2 + c, N): S[0], S[−1], XᵀS
+        bad = _rows_errors(d, e, X, lam, M[2:])
+        if bad is None:
+            return lam, M[2:].T.copy(), M[0].copy(), np.empty((d.shape[0], 0)), Solver.ROWS
+        _log.warning("the rows-only divide and conquer of this T is off (%s); S formed whole", bad)
+        route = Solver.AUTO
     lam, S, used = _tridiagonal_eigh(d, e, route)
-    return lam, np.array(S[0]), used
+    return lam, S.T @ X, np.array(S[0]), np.array(S[:, cols]), used
+
+
+def _rows_errors(d: np.ndarray, e: np.ndarray, X: np.ndarray, lam: np.ndarray, P: np.ndarray) -> str | None:
+    """Whether P = XᵀS (c, N) fits T and X: Σ_i P_ji² λ_i^m = x_jᵀ T^m x_j for m = 0, 1, 2 within
+    ``100·N·eps₆₄·‖T‖^m·‖x_j‖²`` (divide and conquer is backward stable in float64: S exact for T + E,
+    ‖E‖ ≤ O(N·eps)‖T‖); None when it holds, else what is off."""
+    N = d.shape[0]
+    if not X.shape[1]:
+        return None
+    TX = d[:, None] * X
+    TX[:-1] += e[:, None] * X[1:]
+    TX[1:] += e[:, None] * X[:-1]
+    norm = max(float(np.abs(lam).max()), np.finfo(np.float64).tiny)
+    tol = 100 * N * float(np.finfo(np.float64).eps) * (X * X).sum(axis=0)  # (c,)
+    refs = ((X * X).sum(axis=0), (X * TX).sum(axis=0), (TX * TX).sum(axis=0))
+    bad = [f"m = {m}: {float(np.max(np.abs((P ** 2) @ lam ** m - ref) / (tol * norm ** m))):.1e} × allowed"
+           for m, ref in enumerate(refs) if not np.all(np.abs((P ** 2) @ lam ** m - ref) <= tol * norm ** m)]
+    return "; ".join(bad) if bad else None
 
 
 def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto"
@@ -465,9 +492,6 @@ def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto
     from nsa_dist.linalg._mkl_stedc import stedc, stedc_ready
 
     route = parse_enum(Solver, solver, "solver")
-    if route is Solver.FIRST_ROW:
-        raise ValueError("solver='first_row' gives only the first row of T's eigenvectors (eig_weights); "
-                         "use 'auto', 'mkl' or 'lapack'")
     if (route is Solver.MKL or route is Solver.AUTO and MKL_STEDC) and d.shape[0] > 1 and stedc_ready():
         return (*stedc(d, e), Solver.MKL)
     if route is Solver.MKL and d.shape[0] > 1:
