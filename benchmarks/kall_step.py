@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-import nsa_dist.linalg.tridiag as tridiag_mod
+import nsa_dist.linalg._tridiag_eig as tridiag_eig
 import nsa_dist.pipeline.spectral as spectral_mod
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
@@ -47,7 +47,7 @@ def main() -> None:
     out = {}
     for which in a.order.split(","):
         spectral_mod.TRIDIAGONAL_K_ALL = which != "off"
-        spectral_mod.ONE_VECTOR_K_ALL = tridiag_mod.MKL_STEDC = which == "on"
+        spectral_mod.ONE_VECTOR_K_ALL = tridiag_eig.MKL_STEDC = which == "on"
         an = SpectralAnalyzer(plan, data)
         l0 = os.getloadavg()[0]
         t0 = time.perf_counter()

@@ -289,7 +289,7 @@ def test_q_route_without_eigenvectors_carries_only_psi_rows(dtype: type) -> None
 
 
 def test_rows_check_sees_wrong_rows() -> None:
-    from nsa_dist.linalg.tridiag import _rows_errors
+    from nsa_dist.linalg._tridiag_eig import _rows_errors
 
     d, e = _split_clustered(50, 2)
     X = np.random.default_rng(3).standard_normal((50, 2))

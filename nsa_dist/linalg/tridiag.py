@@ -35,6 +35,7 @@ import scipy.linalg.lapack as lapack
 import logging
 
 from nsa_dist.linalg._mkl_syrdb import MIN_N, syrdb_explicit, syrdb_ready
+from nsa_dist.linalg._tridiag_eig import Solver, lapack_ok, solve_tridiagonal
 
 __all__ = ["Reduction", "Solver", "SpectralProjections", "eig_projections", "eig_weights"]
 
@@ -55,30 +56,6 @@ class Reduction(str, Enum):
     AUTO = "auto"
     MKL = "mkl"
     LAPACK = "lapack"
-
-
-# Solver.AUTO takes the rows-only divide and conquer (no eigenvector asked for) or MKL's dstedc where their
-# probes passed.  False: SciPy's dstevd, S whole (the route before, for benchmarks).
-MKL_STEDC = True
-
-
-class Solver(str, Enum):
-    """How T = S diag(λ) Sᵀ is solved: divide and conquer in float64 either way.
-
-    AUTO: ROWS where no eigenvector is asked for, else MKL, where their probes passed
-        (:mod:`nsa_dist.linalg._mkl_stedc`), else LAPACK (a probe's failure is logged once).
-    MKL: ``dstedc(compz='I')`` of the MKL inside torch: its merges' GEMMs run on MKL; 5.2–5.9 s
-        against 7.5–8.9 s for SciPy's at N = 10⁴ on 2 cores.
-    LAPACK: SciPy's ``dstevd`` (OpenBLAS's LAPACK); portable, the reference.
-    ROWS: divide and conquer carrying only the rows of S that are used — S's first row for
-        :func:`eig_weights`, ψᵀS for :func:`eig_projections` — with MKL's ``dlaed4`` for the
-        secular equations: O(c·N²) flops, no (N, N) S; not where eigenvectors are asked for.
-    """
-
-    AUTO = "auto"
-    MKL = "mkl"
-    LAPACK = "lapack"
-    ROWS = "rows"
 
 
 @dataclass(frozen=True)
@@ -156,7 +133,7 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
         d, e, apply_qt, apply_q = _lapack(_fortran_copy(G_np, dtype))
     psi = apply_qt(Phi2)  # (N, c) = Qᵀ Φ
     cols = [N - 1 - i for i in indices]
-    w, proj, _, Sc, solver = _solve(d, e, psi, solver, cols)  # (N,) ascending, (N, c) = Sᵀψ, (N, m) = S[:, cols]
+    w, proj, _, Sc, solver = solve_tridiagonal(d, e, psi, solver, cols)  # (N,) ascending, (N, c) = Sᵀψ, (N, m) = S[:, cols]
     V = apply_q(Sc) if indices else np.empty((N, 0))  # (N, m)
     flip = V[np.abs(V).argmax(axis=0), np.arange(V.shape[1])] < 0 if V.size else np.zeros(0, bool)
     V[:, flip] *= -1
@@ -217,7 +194,7 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
                          f"probes in {dtype} (see the log); use 'auto' or 'lapack'")
     route = Reduction.MKL if route is not Reduction.LAPACK and mkl_ok else Reduction.LAPACK
     d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
-    lam, _, s0, _, used = _solve(d, e, np.zeros((N, 0)), solver, [])  # (N,) ascending, (N,) = S[0, :]
+    lam, _, s0, _, used = solve_tridiagonal(d, e, np.zeros((N, 0)), solver, [])  # (N,) ascending, (N,) = S[0, :]
     checks = tuple(_weights_checks(stats, d, e, lam, s0))
     bad = [f"{name} = {err:.2e} > {tol:.2e}" for name, err, tol in checks if not err <= tol]
     if bad:
@@ -287,7 +264,7 @@ def _reduce_values(A: np.ndarray, route: Reduction) -> tuple[np.ndarray, np.ndar
         return syrdb_values(A)
     s = "s" if A.dtype == np.float32 else "d"
     _, d, e, _, info = getattr(lapack, f"{s}sytrd")(A, lower=1, overwrite_a=1)
-    _ok(f"{s}sytrd", info)
+    lapack_ok(f"{s}sytrd", info)
     return d, e
 
 
@@ -359,11 +336,6 @@ def _fortran_copy(G: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.array(G.T if G.flags.c_contiguous else G, dtype=dtype, order="F")
 
 
-def _ok(name: str, info: int) -> None:
-    if info != 0:
-        raise RuntimeError(f"LAPACK {name} failed with info = {info}")
-
-
 def _mkl(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Apply, _Apply]:
     """MKL ``?syrdb`` with Q formed: (d, e) float64 and X ↦ Qᵀ X, X ↦ Q X (float64 accumulation)."""
     Q, d, e = syrdb_explicit(A)  # Q (N, N) in A's dtype, A's own memory
@@ -416,7 +388,7 @@ def _lapack(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Apply, _Apply]:
     acting on rows 1.. (LAPACK's ``?ormtr`` for uplo = 'L')."""
     s = "s" if A.dtype == np.float32 else "d"
     c, d, e, tau, info = getattr(lapack, f"{s}sytrd")(A, lower=1, overwrite_a=1)
-    _ok(f"{s}sytrd", info)
+    lapack_ok(f"{s}sytrd", info)
     N = A.shape[0]
     U = np.asfortranarray(c[1:, :N - 1])  # (N − 1, N − 1) reflectors below the diagonal
 
@@ -425,80 +397,8 @@ def _lapack(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Apply, _Apply]:
         if N > 1 and X.shape[1]:
             out, _, info = getattr(lapack, f"{s}ormqr")("L", trans, U, tau[:N - 1], X[1:], max(1, 64 * X.shape[1]),
                                                          overwrite_c=1)
-            _ok(f"{s}ormqr", info)
+            lapack_ok(f"{s}ormqr", info)
             X[1:] = out
         return X.astype(np.float64)
 
     return d.astype(np.float64), e.astype(np.float64), lambda X: apply(X, "T"), lambda X: apply(X, "N")
-
-
-def _solve(d: np.ndarray, e: np.ndarray, X: np.ndarray, solver: str | Solver, cols: list[int]
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Solver]:
-    """T = tridiag(e, d, e) = S diag(λ) Sᵀ as far as it is used: λ (N,) ascending, Sᵀ X (N, c), S[0, :] (N,),
-    the columns S[:, cols] (N, m), and the :class:`Solver` that ran.  ROWS (where asked for, or AUTO with
-    ``MKL_STEDC``, no columns and its probe passed) is checked per call by :func:`_rows_errors`; on a
-    failure (a warning) and otherwise S is formed whole by :func:`_tridiagonal_eigh`.
-
-    Raises:
-        ValueError: an unknown solver, "rows" with columns asked for, or a solver whose probe failed.
-    """
-    from nsa_dist._checks import parse_enum
-    from nsa_dist.linalg._mkl_stedc import first_row_ready, rows_of_s
-
-    route = parse_enum(Solver, solver, "solver")
-    if route is Solver.ROWS and (cols or not first_row_ready()):
-        raise ValueError("solver='rows' gives no eigenvector columns and needs MKL dlaed4 passing its probe (see the "
-                         "log); use 'auto', 'mkl' or 'lapack'")
-    if route is Solver.ROWS or route is Solver.AUTO and MKL_STEDC and not cols and first_row_ready():
-        lam, M = rows_of_s(d, e, X)  # (2 + c, N): S[0], S[−1], XᵀS
-        bad = _rows_errors(d, e, X, lam, M[2:])
-        if bad is None:
-            return lam, M[2:].T.copy(), M[0].copy(), np.empty((d.shape[0], 0)), Solver.ROWS
-        _log.warning("the rows-only divide and conquer of this T is off (%s); S formed whole", bad)
-        route = Solver.AUTO
-    lam, S, used = _tridiagonal_eigh(d, e, route)
-    return lam, S.T @ X, np.array(S[0]), np.array(S[:, cols]), used
-
-
-def _rows_errors(d: np.ndarray, e: np.ndarray, X: np.ndarray, lam: np.ndarray, P: np.ndarray) -> str | None:
-    """Whether P = XᵀS (c, N) fits T and X: Σ_i P_ji² λ_i^m = x_jᵀ T^m x_j for m = 0, 1, 2 within
-    ``100·N·eps₆₄·‖T‖^m·‖x_j‖²`` (divide and conquer is backward stable in float64: S exact for T + E,
-    ‖E‖ ≤ O(N·eps)‖T‖); None when it holds, else what is off."""
-    N = d.shape[0]
-    if not X.shape[1]:
-        return None
-    TX = d[:, None] * X
-    TX[:-1] += e[:, None] * X[1:]
-    TX[1:] += e[:, None] * X[:-1]
-    norm = max(float(np.abs(lam).max()), np.finfo(np.float64).tiny)
-    tol = 100 * N * float(np.finfo(np.float64).eps) * (X * X).sum(axis=0)  # (c,)
-    refs = ((X * X).sum(axis=0), (X * TX).sum(axis=0), (TX * TX).sum(axis=0))
-    bad = [f"m = {m}: {float(np.max(np.abs((P ** 2) @ lam ** m - ref) / (tol * norm ** m))):.1e} × allowed"
-           for m, ref in enumerate(refs) if not np.all(np.abs((P ** 2) @ lam ** m - ref) <= tol * norm ** m)]
-    return "; ".join(bad) if bad else None
-
-
-def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto"
-                      ) -> tuple[np.ndarray, np.ndarray, Solver]:
-    """Eigenvalues (N,) ascending and eigenvectors S (N, N) of T = tridiag(e, d, e), float64, by
-    divide and conquer (its merges are GEMMs, and an NTK's many near-zero eigenvalues deflate;
-    13 s at N = 10⁴ by SciPy's where chunked MRRR took ~30 s), and the :class:`Solver` that ran.
-
-    Raises:
-        ValueError: an unknown solver, or "mkl" where MKL's ``dstedc`` is missing or failed its probe.
-        RuntimeError: LAPACK reports a failure.
-    """
-    from nsa_dist._checks import parse_enum
-    from nsa_dist.linalg._mkl_stedc import stedc, stedc_ready
-
-    route = parse_enum(Solver, solver, "solver")
-    if (route is Solver.MKL or route is Solver.AUTO and MKL_STEDC) and d.shape[0] > 1 and stedc_ready():
-        return (*stedc(d, e), Solver.MKL)
-    if route is Solver.MKL and d.shape[0] > 1:
-        raise ValueError("solver='mkl' needs MKL dstedc present and passing its probe (see the log); "
-                         "use 'auto' or 'lapack'")
-    if d.shape[0] == 1:
-        return d.copy(), np.ones((1, 1)), Solver.LAPACK
-    w, S, info = lapack.dstevd(d, e, compute_v=1)
-    _ok("dstevd", info)
-    return w, S, Solver.LAPACK
