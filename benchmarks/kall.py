@@ -1,7 +1,7 @@
 """Issue 22 item 4: a `k: all` step's eigenvalues and projections without the N×N eigenvectors, in one process.
 
     python benchmarks/kall.py GRAM.npy [--phi PHI.npy] [--ref W.npy P.npy] [--noise W.npy P.npy]
-                              [--routes eigvalsh,mkl,eigh,lapack,weights,syrdb-v,syrdb-n:128,stedc,dstevd]
+                              [--routes eigvalsh,mkl,eigh,lapack,weights,syrdb-v,syrdb-n:128,stedc,dstevd,rows,first-row]
 
 GRAM.npy: a float32 NTK Gram (e.g. of examples/nsa_paper.yaml at t = 0, N = 10⁴).  Times, in this
 order, each once (the load average before and after is printed with each):
@@ -16,7 +16,9 @@ order, each once (the load average before and after is printed with each):
   checks (error / tolerance);
 - the parts, one at a time: ``syrdb-v`` (MKL ``?syrdb`` with Q formed, the band of the Q route),
   ``syrdb-n:KD`` (``jobz = 'N'``, band KD), and T's divide and conquer on the last T reduced:
-  ``stedc`` (MKL ``dstedc``), ``dstevd`` (SciPy's).
+  ``stedc`` (MKL ``dstedc``), ``dstevd`` (SciPy's), ``rows`` (the rows-only divide and conquer with
+  the first row and Φ's c columns carried, :func:`~nsa_dist.linalg._mkl_stedc.rows_of_s`), ``first-row``
+  (the same with the first row alone).
 
 ``--ref W P``: eigenvalues (N,) and ``Vᵀ Φ`` (N, c), descending, of the float64 ``eigh`` of the
 same G: each route's max |Δλ|/λ_1, max |Δ E(φ, k)| (energies as fractions of ‖φ‖²) and max
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from nsa_dist.linalg import top_eigenpairs
-from nsa_dist.linalg._mkl_stedc import stedc
+from nsa_dist.linalg._mkl_stedc import first_row, rows_of_s, stedc
 from nsa_dist.linalg._mkl_syrdb import syrdb_explicit, syrdb_values
 from nsa_dist.linalg.tridiag import eig_projections, eig_weights
 
@@ -88,11 +90,12 @@ def main() -> None:
             A = np.array(G, order="F")
             d, e = _timed(f"MKL ?syrdb jobz = N, kd = {kd} ({G.dtype})", lambda: syrdb_values(A, kd))
             T, A = (d.astype(np.float64), e.astype(np.float64)), None
-        elif route in ("stedc", "dstevd") and T is not None:
+        elif route in ("stedc", "dstevd", "rows", "first-row") and T is not None:
             import scipy.linalg.lapack as lapack
 
-            fn = (lambda: stedc(*T)) if route == "stedc" else (lambda: lapack.dstevd(*T, compute_v=1))
-            _timed(f"T's divide and conquer, {'MKL dstedc' if route == 'stedc' else 'SciPy dstevd'}", fn)
+            fn = {"stedc": lambda: stedc(*T), "dstevd": lambda: lapack.dstevd(*T, compute_v=1),
+                  "rows": lambda: rows_of_s(*T, Phi), "first-row": lambda: first_row(*T)}[route]
+            _timed(f"T's divide and conquer, {route} (c = {Phi.shape[1] if route == 'rows' else 0})", fn)
         elif route == "eigvalsh":
             _timed(f"torch eigvalsh ({G.dtype})", lambda: torch.linalg.eigvalsh(torch.from_numpy(G)))
         elif route in ("mkl", "lapack"):

@@ -27,6 +27,8 @@ import nsa_dist.linalg._tridiag_eig as tridiag_eig
 import nsa_dist.pipeline.spectral as spectral_mod
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
+from nsa_dist.linalg._mkl_stedc import first_row_ready, stedc_ready
+from nsa_dist.linalg._mkl_syrdb import first_column_ready, syrdb_ready
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
 
@@ -44,6 +46,9 @@ def main() -> None:
     plan = plan_run(spec, data)
     ck = list(Trainer(plan, data).train_until(2))[-1]
     print(f"N = {a.n}, step {ck.step} (index {ck.index}), k: {spec.spectrum.k}, {spec.spectrum.dtype}")
+    t0 = time.perf_counter()  # the MKL routines' probes run once per process, not per step: out of the timing
+    ready = [syrdb_ready(np.dtype(np.float32)), first_column_ready(np.dtype(np.float32)), stedc_ready(), first_row_ready()]
+    print(f"probes (once per process): {time.perf_counter() - t0:.1f} s, passed {ready}", flush=True)
     out = {}
     for which in a.order.split(","):
         spectral_mod.TRIDIAGONAL_K_ALL = which != "off"
@@ -56,6 +61,7 @@ def main() -> None:
         parts = " + ".join(f"{k} {v:.1f}" for k, v in an.timings.items())
         print(f"route {which}: {total:.1f} s = {parts} (load {l0:.2f} -> {os.getloadavg()[0]:.2f}), "
               f"routes {an.eig_route}", flush=True)
+        del an
     names = list(out)
     for other in names[:-1]:
         on, off = out[names[-1]], out[other]

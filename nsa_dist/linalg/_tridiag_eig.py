@@ -23,7 +23,7 @@ MKL_STEDC = True
 class Solver(str, Enum):
     """How T = S diag(λ) Sᵀ is solved: divide and conquer in float64 either way.
 
-    AUTO: ROWS where no eigenvector is asked for, else MKL, where their probes passed
+    AUTO: ROWS, else MKL, where their probes passed
         (:mod:`nsa_dist.linalg._mkl_stedc`), else LAPACK (a probe's failure is logged once).
     MKL: ``dstedc(compz='I')`` of the MKL inside torch: its merges' GEMMs run on MKL; 5.2–5.9 s
         against 7.5–8.9 s for SciPy's at N = 10⁴ on 2 cores.
@@ -31,7 +31,8 @@ class Solver(str, Enum):
     ROWS: divide and conquer carrying only the rows of S that are used — S's first row for
         :func:`~nsa_dist.linalg.tridiag.eig_weights`, ψᵀS for
         :func:`~nsa_dist.linalg.tridiag.eig_projections` — with MKL's ``dlaed4`` for the
-        secular equations: O(c·N²) flops, no (N, N) S; not where eigenvectors are asked for.
+        secular equations, and the few eigenvector columns asked for by inverse iteration:
+        O(c·N²) flops, no (N, N) S.
     """
 
     AUTO = "auto"
@@ -46,31 +47,58 @@ def lapack_ok(name: str, info: int) -> None:
 
 
 def solve_tridiagonal(d: np.ndarray, e: np.ndarray, X: np.ndarray, solver: str | Solver, cols: list[int]
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Solver]:
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Solver]:
     """T = tridiag(e, d, e) = S diag(λ) Sᵀ as far as it is used: λ (N,) ascending, Sᵀ X (N, c), S[0, :] (N,),
-    the columns S[:, cols] (N, m), and the :class:`Solver` that ran.  ROWS (where asked for, or AUTO with
-    ``MKL_STEDC``, no columns and its probe passed) is checked per call by :func:`_rows_errors`; on a
-    failure (a warning) and otherwise S is formed whole by :func:`_tridiagonal_eigh`.
+    the columns S[:, cols] (N, m, 0-based ascending positions), and the :class:`Solver` that ran.
+
+    ROWS (where asked for, or AUTO with ``MKL_STEDC`` and its probe passed) carries the rows, and the
+    few columns come from bisection and inverse iteration on T (LAPACK ``dstebz`` + ``dstein``,
+    O(N) each); both are checked per call (:func:`_rows_errors`, :func:`_columns_errors`); on a failure
+    (a warning) and otherwise S is formed whole by :func:`_tridiagonal_eigh`.
 
     Raises:
-        ValueError: an unknown solver, "rows" with columns asked for, or a solver whose probe failed.
+        ValueError: an unknown solver, or "rows" where its probe failed.
     """
     from nsa_dist._checks import parse_enum
     from nsa_dist.linalg._mkl_stedc import first_row_ready, rows_of_s
 
     route = parse_enum(Solver, solver, "solver")
-    if route is Solver.ROWS and (cols or not first_row_ready()):
-        raise ValueError("solver='rows' gives no eigenvector columns and needs MKL dlaed4 passing its probe (see the "
-                         "log); use 'auto', 'mkl' or 'lapack'")
-    if route is Solver.ROWS or route is Solver.AUTO and MKL_STEDC and not cols and first_row_ready():
+    if route is Solver.ROWS and not first_row_ready():
+        raise ValueError("solver='rows' needs MKL dlaed4 present and passing its probe (see the log); "
+                         "use 'auto', 'mkl' or 'lapack'")
+    if route is Solver.ROWS or route is Solver.AUTO and MKL_STEDC and first_row_ready():
         lam, M = rows_of_s(d, e, X)  # (2 + c, N): S[0], S[−1], XᵀS
-        bad = _rows_errors(d, e, X, lam, M[2:])
+        Sc, bad = _columns(d, e, lam, cols)
+        bad = bad or _rows_errors(d, e, X, lam, M[2:])
         if bad is None:
-            return lam, M[2:].T.copy(), M[0].copy(), np.empty((d.shape[0], 0)), Solver.ROWS
+            return lam, M[2:].T.copy(), M[0].copy(), Sc, Solver.ROWS
         _log.warning("the rows-only divide and conquer of this T is off (%s); S formed whole", bad)
         route = Solver.AUTO
     lam, S, used = _tridiagonal_eigh(d, e, route)
     return lam, S.T @ X, np.array(S[0]), np.array(S[:, cols]), used
+
+
+def _columns(d: np.ndarray, e: np.ndarray, lam: np.ndarray, cols: list[int]) -> tuple[np.ndarray, str | None]:
+    """S[:, cols] (N, m) by bisection and inverse iteration (SciPy ``eigh_tridiagonal``, ``stebz``), and
+    None when each column is a unit vector with ``‖T s − λ s‖∞ ≤ 100·N·eps₆₄·‖T‖`` for its λ of ``lam``,
+    else what is off (inverse iteration that failed to converge included)."""
+    from scipy.linalg import LinAlgError, eigh_tridiagonal
+
+    N = d.shape[0]
+    Sc = np.empty((N, len(cols)))
+    try:
+        for j, c in enumerate(cols):
+            Sc[:, j] = eigh_tridiagonal(d, e, select="i", select_range=(c, c), lapack_driver="stebz")[1][:, 0]
+    except LinAlgError as err:
+        return Sc, f"inverse iteration: {err}"
+    TS = d[:, None] * Sc
+    TS[:-1] += e[:, None] * Sc[1:]
+    TS[1:] += e[:, None] * Sc[:-1]
+    norm = max(float(np.abs(lam).max()), np.finfo(np.float64).tiny)
+    res = np.abs(TS - Sc * lam[cols]).max(initial=0.0) / norm
+    unit = np.abs(np.linalg.norm(Sc, axis=0) - 1.0).max(initial=0.0)
+    tol = 100 * N * float(np.finfo(np.float64).eps)
+    return Sc, None if res <= tol and unit <= tol else f"columns {cols}: residual {res:.1e}, |‖s‖ − 1| {unit:.1e}"
 
 
 def _rows_errors(d: np.ndarray, e: np.ndarray, X: np.ndarray, lam: np.ndarray, P: np.ndarray) -> str | None:
