@@ -6,10 +6,15 @@ statically and exports ``mkl_lapack_dstedc`` (Fortran calling convention, as ``?
 :mod:`nsa_dist.linalg._mkl_syrdb`), which took 5.2–5.9 s against 7.5–8.9 s at N = 10⁴ on 2 cores
 (benchmarks/README.md, issue 22).
 
+Where S itself is not needed, :func:`rows_of_s` runs the same divide and conquer carrying only
+the rows of S that are used (S's first row, ψᵀS) through the merges, with MKL's ``dlaed4`` for the
+secular equations: O(c·N²) flops and no N×N matrix.
+
 A private symbol's calling convention is an assumption, so it is proven before use
-(:func:`stedc_ready`): a fixed tridiagonal of 300 rows with clustered, deflating eigenvalues must
-give SciPy ``dstevd``'s eigenvalues, a small residual and orthonormal S; otherwise (or when the
-symbol is missing) the caller takes SciPy's ``dstevd`` and one warning is logged.
+(:func:`stedc_ready`, :func:`first_row_ready`): a fixed tridiagonal of 300 rows with clustered,
+deflating eigenvalues must give SciPy ``dstevd``'s eigenvalues, a small residual and orthonormal S
+(its first row's weights, cluster by cluster); otherwise (or when the symbol is missing) the caller
+takes SciPy's ``dstevd`` and one warning is logged.
 """
 
 from __future__ import annotations
