@@ -40,7 +40,9 @@ __all__ = ["SpectralAnalyzer"]
 # A `k: all` step that needs no eigenvectors takes every eigenvalue and
 # ⟨v_i, φ⟩ from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`) instead of eigh with
 # vectors: MKL ?syrdb with Q formed, in the Gram's precision, then divide and conquer on T; with
-# one φ column (the test half's f_test) Q is not formed at all (``eig_weights``).
+# one φ column (the test half's f_test) Q is not formed at all (``eig_weights``), and T's S in
+# neither half.  A recorded step of examples/nsa_paper.yaml (N = 10⁴ float32, test points): 47.6–48.3 s
+# against 84–86 s with Q in both halves and S whole (one process, quiet machine, benchmarks/README.md).
 # Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md,
 # issue 22): 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
 # within 4.7e-7·λ_1 of eigh's, less than the float32 Gram's own rounding moves them (8.3e-7·λ_1).
