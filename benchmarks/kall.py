@@ -1,7 +1,7 @@
 """Issue 22 item 4: a `k: all` step's eigenvalues and projections without the N×N eigenvectors, in one process.
 
     python benchmarks/kall.py GRAM.npy [--phi PHI.npy] [--ref W.npy P.npy] [--noise W.npy P.npy]
-                              [--routes eigvalsh,mkl,eigh,lapack]
+                              [--routes eigvalsh,mkl,eigh,lapack,weights,syrdb-v,syrdb-n:128,stedc,dstevd,rows,first-row]
 
 GRAM.npy: a float32 NTK Gram (e.g. of examples/nsa_paper.yaml at t = 0, N = 10⁴).  Times, in this
 order, each once (the load average before and after is printed with each):
@@ -11,7 +11,14 @@ order, each once (the load average before and after is printed with each):
   each :class:`~nsa_dist.linalg.tridiag.Reduction` (MKL ``?syrdb`` with Q formed / SciPy
   ``?sytrd`` + ``?ormqr``), in G's dtype;
 - ``eigh``: what a ``k: all`` step ran before: ``top_eigenpairs(G, "all")``, a float64 ``eigh``
-  with vectors, and ``Vᵀ Φ``.
+  with vectors, and ``Vᵀ Φ``;
+- ``weights``: :func:`~nsa_dist.linalg.tridiag.eig_weights` of Φ's first column (no Q), with its
+  checks (error / tolerance);
+- the parts, one at a time: ``syrdb-v`` (MKL ``?syrdb`` with Q formed, the band of the Q route),
+  ``syrdb-n:KD`` (``jobz = 'N'``, band KD), and T's divide and conquer on the last T reduced:
+  ``stedc`` (MKL ``dstedc``), ``dstevd`` (SciPy's), ``rows`` (the rows-only divide and conquer with
+  the first row and Φ's c columns carried, :func:`~nsa_dist.linalg._mkl_stedc.rows_of_s`), ``first-row``
+  (the same with the first row alone).
 
 ``--ref W P``: eigenvalues (N,) and ``Vᵀ Φ`` (N, c), descending, of the float64 ``eigh`` of the
 same G: each route's max |Δλ|/λ_1, max |Δ E(φ, k)| (energies as fractions of ‖φ‖²) and max
@@ -29,7 +36,9 @@ import numpy as np
 import torch
 
 from nsa_dist.linalg import top_eigenpairs
-from nsa_dist.linalg.tridiag import eig_projections
+from nsa_dist.linalg._mkl_stedc import first_row, rows_of_s, stedc
+from nsa_dist.linalg._mkl_syrdb import syrdb_explicit, syrdb_values
+from nsa_dist.linalg.tridiag import eig_projections, eig_weights
 
 
 def _timed(name: str, fn):
@@ -64,8 +73,30 @@ def main() -> None:
     print(f"N = {N}, {G.dtype}, c = {Phi.shape[1]}, torch threads {torch.get_num_threads()}")
     if a.noise and ref:
         _errors("float64 Gram vs float32 Gram (both float64 eigh)", np.load(a.noise[0]), np.load(a.noise[1]), *ref)
+    T = None  # the last (d, e) reduced, float64
     for route in a.routes.split(","):
-        if route == "eigvalsh":
+        if route == "weights":
+            sp = _timed(f"eig_weights, one φ ({G.dtype})", lambda: eig_weights(G, Phi[:, 0]))
+            print(f"    {sp.reduction.value} + {sp.solver.value}, one_vector {sp.one_vector}; checks (error / tolerance): "
+                  + ", ".join(f"{n} {e / t:.1e}" for n, e, t in sp.checks), flush=True)
+            if ref:
+                _errors("weights", sp.evals, sp.proj, ref[0], ref[1][:, :1])
+        elif route == "syrdb-v":
+            A = np.array(G, order="F")
+            _, d, e = _timed(f"MKL ?syrdb with Q formed ({G.dtype})", lambda: syrdb_explicit(A))
+            T, A = (d.astype(np.float64), e.astype(np.float64)), None
+        elif route.startswith("syrdb-n"):
+            kd = int(route.split(":")[1]) if ":" in route else 128
+            A = np.array(G, order="F")
+            d, e = _timed(f"MKL ?syrdb jobz = N, kd = {kd} ({G.dtype})", lambda: syrdb_values(A, kd))
+            T, A = (d.astype(np.float64), e.astype(np.float64)), None
+        elif route in ("stedc", "dstevd", "rows", "first-row") and T is not None:
+            import scipy.linalg.lapack as lapack
+
+            fn = {"stedc": lambda: stedc(*T), "dstevd": lambda: lapack.dstevd(*T, compute_v=1),
+                  "rows": lambda: rows_of_s(*T, Phi), "first-row": lambda: first_row(*T)}[route]
+            _timed(f"T's divide and conquer, {route} (c = {Phi.shape[1] if route == 'rows' else 0})", fn)
+        elif route == "eigvalsh":
             _timed(f"torch eigvalsh ({G.dtype})", lambda: torch.linalg.eigvalsh(torch.from_numpy(G)))
         elif route in ("mkl", "lapack"):
             sp = _timed(f"eig_projections, reduction={route} ({G.dtype})", lambda: eig_projections(G, Phi, reduction=route))

@@ -32,13 +32,13 @@ def two_routes() -> tuple[dict, dict, SpectralAnalyzer]:
     an = SpectralAnalyzer(plan_run(proj, data), data)
     ref = SpectralAnalyzer(plan_run(full, data), data)
     want, got = ref.analyze(ck).arrays(), an.analyze(ck).arrays()
-    assert ref.eig_route == {"train": "eigenpairs", "test": "tridiagonal"}  # stored vectors need eigh
-    return want, got, an
+    assert ref.eig_route == {"train": "eigenpairs", "test": "one_vector"}  # stored vectors need eigh
+    return want, got, an, ck
 
 
 def test_k_all_without_vectors_stores_what_eigh_stores(two_routes) -> None:
-    want, got, an = two_routes
-    assert an.eig_route == {"train": "tridiagonal", "test": "tridiagonal"}
+    want, got, an, _ = two_routes
+    assert an.eig_route == {"train": "tridiagonal", "test": "one_vector"}
     assert "eigenvectors" in want and "eigenvectors" not in got
     for key in sorted(set(got) - {"loss", "lr"}):
         a, b = np.asarray(got[key], np.float64), np.asarray(want[key], np.float64)
@@ -61,7 +61,7 @@ def test_float32_k_all_within_the_float32_grams_own_rounding() -> None:
     ck = list(Trainer(plan_run(spec32, data), data).train_until(3))[-1]
     an = SpectralAnalyzer(plan_run(spec32, data), data)
     got = an.analyze(ck).arrays()
-    assert an.eig_route == {"train": "tridiagonal", "test": "tridiagonal"}
+    assert an.eig_route == {"train": "tridiagonal", "test": "one_vector"}
     spectral_mod.TRIDIAGONAL_K_ALL = False
     try:
         eigh32 = SpectralAnalyzer(plan_run(spec32, data), data).analyze(ck).arrays()
@@ -78,6 +78,24 @@ def test_float32_k_all_within_the_float32_grams_own_rounding() -> None:
         float32_level = 10 * 150 * np.finfo(np.float32).eps * float(np.nanmax(np.abs(eigh32[key])))
         assert ours <= max(2 * rounding, float32_level), \
             f"{key}: float32 route off by {ours:.1e}; the float32 Gram's rounding {rounding:.1e}, 10·N·eps₃₂ {float32_level:.1e}"
+
+
+def test_one_vector_test_half_stores_what_the_q_route_stores(two_routes) -> None:
+    """The test half (one φ = f_test, no Q) against the route it replaces (Q formed, ψ = Qᵀφ) and against
+    float64 eigh with vectors, on the same test Gram: eigenvalues_test and energy_f_test to 1e-9."""
+    from nsa_dist.linalg import top_eigenpairs
+    from nsa_dist.metrics import energy_from_projections
+
+    _, got, an, ck = two_routes
+    G_t = an._gram(an.X_test)  # (M, M) float64, as the analyzer's
+    q = eig_projections(G_t, ck.f_test)
+    assert not q.one_vector
+    eig = top_eigenpairs(G_t, "all")
+    for name, evals, E in (("Q route", q.evals, energy_from_projections(q.proj, ck.f_test)),
+                           ("eigh", eig.evals, energy_from_projections(eig.evecs.T @ ck.f_test.reshape(-1, 1), ck.f_test))):
+        for key, ref in (("eigenvalues_test", evals), ("energy_f_test", E)):
+            err = float(np.abs(got[key] - ref).max()) / float(np.abs(ref).max())
+            assert err <= 1e-9, f"{key}: max |Δ| = {err:.2e} of max |value| against the {name}"
 
 
 def test_eig_projections_against_eigh() -> None:
@@ -100,3 +118,21 @@ def test_eig_projections_bad_input_named() -> None:
         eig_projections(np.eye(5), np.ones((4, 2)))
     with pytest.raises(ValueError, match=r"indices must lie in 0..4"):
         eig_projections(np.eye(5), np.ones(5), indices=(5,))
+
+
+def test_only_one_phi_column_skips_q(two_routes) -> None:
+    """Several φ columns (a multi-output f_test) keep the Q route; one column takes the one-vector
+    route, the same eigenvalues and energies (float64)."""
+    from nsa_dist.pipeline.layout import DenseGram
+
+    _, _, an, ck = two_routes
+    G = DenseGram(an._gram(an.X_test))
+    M = G.shape[0]
+    F = np.column_stack([ck.f_test, np.linspace(-1, 1, M)])  # (M, 2)
+    two = an._spectrum(G, M, "test", {"f_test": F}, False)
+    assert an.eig_route["test"] == "tridiagonal" and two.proj["f_test"].shape == (M, 2)
+    one = an._spectrum(G, M, "test", {"f_test": F[:, :1]}, False)
+    assert an.eig_route["test"] == "one_vector" and one.proj["f_test"].shape == (M, 1)
+    np.testing.assert_allclose(one.evals, two.evals, rtol=0, atol=1e-12 * two.evals[0])
+    np.testing.assert_allclose(np.cumsum(one.proj["f_test"][:, 0] ** 2), np.cumsum(two.proj["f_test"][:, 0] ** 2),
+                               rtol=0, atol=1e-10 * float(F[:, 0] @ F[:, 0]))

@@ -23,39 +23,47 @@ import os
 
 import numpy as np
 
-__all__ = ["MIN_N", "probe_syrdb", "reduction_errors", "syrdb_explicit", "syrdb_ready"]
+__all__ = ["KD_VALUES", "MIN_N", "first_column_ready", "fortran_info", "fortran_int", "mkl_function", "probe_first_column",
+           "probe_syrdb", "probe_verdict", "reduction_errors", "syrdb_explicit", "syrdb_ready", "syrdb_values"]
 
 _log = logging.getLogger(__name__)
 KD = 128  # band of the first stage: jobz = V at N = 10⁴ float32 under the same load, kd 32 137 s, 64 80 s, 128 67 s, 256 64 s
+KD_VALUES = 128  # the band for jobz = 'N' (benchmarks/README.md, issue 22)
 MIN_N = 16  # smaller G: SciPy's route (instant there)
 _PROBE_N = 256
 _P = ctypes.c_void_p
 
 
 @functools.cache
-def _symbol(prefix: str) -> ctypes._CFuncPtr | None:
-    """``mkl_lapack_{prefix}syrdb`` of torch's libtorch_cpu.so, or None where it is not exported."""
+def mkl_function(name: str) -> ctypes._CFuncPtr | None:
+    """The function ``name`` (e.g. ``mkl_lapack_ssyrdb``) of torch's libtorch_cpu.so, or None where it is
+    not exported (a torch built without MKL)."""
     try:
         import torch
 
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        fn = getattr(lib, f"mkl_lapack_{prefix}syrdb")
+        fn = getattr(lib, name)
     except (OSError, AttributeError):
         return None
     fn.restype = None
     return fn
 
 
+def _symbol(prefix: str) -> ctypes._CFuncPtr | None:
+    """``mkl_lapack_{prefix}syrdb``, or None."""
+    return mkl_function(f"mkl_lapack_{prefix}syrdb")
+
+
 def _prefix(dtype: np.dtype) -> str:
     return {np.dtype(np.float32): "s", np.dtype(np.float64): "d"}[np.dtype(dtype)]
 
 
-def _int(v: int) -> ctypes.c_int64:
+def fortran_int(v: int) -> ctypes.c_int64:
     """A Fortran INTEGER: 8 zeroed bytes hold a small value for both LP64 (4-byte) and ILP64 MKL."""
     return ctypes.c_int64(v)
 
 
-def _info(v: ctypes.c_int64) -> int:
+def fortran_info(v: ctypes.c_int64) -> int:
     """LAPACK's info as a signed 32-bit value (LP64 MKL writes only the low 4 bytes)."""
     low = v.value & 0xFFFFFFFF
     return low - (1 << 32) if low >= 1 << 31 else low
@@ -79,6 +87,30 @@ def syrdb_explicit(A: np.ndarray, kd: int = KD) -> tuple[np.ndarray, np.ndarray,
         RuntimeError: the symbol is missing, or MKL reports a failure (its ``info`` is named).
         ValueError: A not square and Fortran-ordered.
     """
+    d, e = _syrdb(A, kd, b"V")
+    return A, d, e
+
+
+def syrdb_values(A: np.ndarray, kd: int = KD_VALUES) -> tuple[np.ndarray, np.ndarray]:
+    """T of ``A = Q T Qᵀ`` by MKL ``?syrdb(jobz='N', uplo='L')``: Q is neither formed nor kept.
+
+    With uplo = 'L' every reflector of both stages acts on rows 1…N−1, so ``Q e₁ = e₁`` — what the
+    one-vector route of :mod:`nsa_dist.linalg.tridiag` rests on, proven by :func:`probe_first_column`.
+
+    Args:
+        A: as :func:`syrdb_explicit` (overwritten by work); kd: its band, clipped the same way.
+
+    Returns:
+        (d, e): (N,) and (N − 1,) in A's dtype.
+
+    Raises:
+        as :func:`syrdb_explicit`.
+    """
+    return _syrdb(A, kd, b"N")
+
+
+def _syrdb(A: np.ndarray, kd: int, jobz: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """One ``?syrdb(jobz, uplo='L')`` call on A in place (after its workspace query): (d, e)."""
     n = A.shape[0]
     prefix = _prefix(A.dtype)
     fn = _symbol(prefix)
@@ -90,21 +122,21 @@ def syrdb_explicit(A: np.ndarray, kd: int = KD) -> tuple[np.ndarray, np.ndarray,
         raise ValueError(f"MKL ?syrdb is used for N >= {MIN_N}, got N = {n}")
     kd = max(1, min(kd, n // 4))
     d, e, tau = np.empty(n, A.dtype), np.empty(max(n - 1, 1), A.dtype), np.empty(max(n - 1, 1), A.dtype)
-    Z, query = np.zeros(1, A.dtype), np.zeros(4, A.dtype)  # Z: not referenced for jobz = 'V'
-    info = _int(0)
+    Z, query = np.zeros(1, A.dtype), np.zeros(4, A.dtype)  # Z: referenced only for jobz = 'U'
+    info = fortran_int(0)
 
     def call(work: np.ndarray, lwork: int) -> None:
-        fn(ctypes.c_char_p(b"V"), ctypes.c_char_p(b"L"), ctypes.byref(_int(n)), ctypes.byref(_int(kd)),
-           A.ctypes.data_as(_P), ctypes.byref(_int(n)), d.ctypes.data_as(_P), e.ctypes.data_as(_P),
-           tau.ctypes.data_as(_P), Z.ctypes.data_as(_P), ctypes.byref(_int(1)), work.ctypes.data_as(_P),
-           ctypes.byref(_int(lwork)), ctypes.byref(info), ctypes.c_size_t(1), ctypes.c_size_t(1))
-        if _info(info) != 0:
-            raise RuntimeError(f"MKL {prefix}syrdb failed with info = {_info(info)} (N = {n}, kd = {kd})")
+        fn(ctypes.c_char_p(jobz), ctypes.c_char_p(b"L"), ctypes.byref(fortran_int(n)), ctypes.byref(fortran_int(kd)),
+           A.ctypes.data_as(_P), ctypes.byref(fortran_int(n)), d.ctypes.data_as(_P), e.ctypes.data_as(_P),
+           tau.ctypes.data_as(_P), Z.ctypes.data_as(_P), ctypes.byref(fortran_int(1)), work.ctypes.data_as(_P),
+           ctypes.byref(fortran_int(lwork)), ctypes.byref(info), ctypes.c_size_t(1), ctypes.c_size_t(1))
+        if fortran_info(info) != 0:
+            raise RuntimeError(f"MKL {prefix}syrdb failed with info = {fortran_info(info)} (N = {n}, kd = {kd})")
 
     call(query, -1)  # workspace query; never below (2kd + 1)·N + kd: MKL writes past a short workspace
     lwork = max(int(query[0]), (2 * kd + 1) * n + kd)
     call(np.empty(lwork, A.dtype), lwork)
-    return A, d, e[:n - 1]
+    return d, e[:n - 1]
 
 
 @functools.cache
@@ -122,10 +154,7 @@ def probe_syrdb(dtype: np.dtype) -> bool:
     names the reason and False is returned.
     """
     dtype = np.dtype(dtype)
-    rng = np.random.default_rng(22)
-    U, _ = np.linalg.qr(rng.standard_normal((_PROBE_N, _PROBE_N)))
-    A = (U * np.logspace(0, -6, _PROBE_N)) @ U.T + 1e-3 * np.eye(_PROBE_N)  # (n, n) float64 reference
-    A = (A + A.T) / 2
+    A = _probe_matrix(_PROBE_N)
     scale = float(np.abs(np.linalg.eigvalsh(A)).max())
     tol = 50 * _PROBE_N * float(np.finfo(dtype).eps) * scale
     try:
@@ -133,14 +162,64 @@ def probe_syrdb(dtype: np.dtype) -> bool:
     except RuntimeError as err:
         _log.warning("MKL ?syrdb unusable (%s); k: all reductions take SciPy's ?sytrd (several times slower)", err)
         return False
-    errs = reduction_errors(A, Q, d, e)
+    return probe_verdict(reduction_errors(A, Q, d, e), tol,
+                         f"MKL {_prefix(dtype)}syrdb disagrees with SciPy on a {_PROBE_N}×{_PROBE_N} {dtype} probe",
+                         "k: all reductions take SciPy's ?sytrd (several times slower)")
+
+
+def probe_verdict(errs: dict[str, float], tol: float, what: str, instead: str) -> bool:
+    """Whether every error of a probe is within ``tol``; if not, one warning ``what (errors > tol);
+    instead`` in this module's log."""
     bad = {k: v for k, v in errs.items() if not v <= tol}
     if bad:
-        _log.warning("MKL %ssyrdb disagrees with SciPy on a %d×%d %s probe (%s > %.1e); k: all reductions take "
-                     "SciPy's ?sytrd (several times slower)", _prefix(dtype), _PROBE_N, _PROBE_N, dtype,
-                     ", ".join(f"{k} = {v:.1e}" for k, v in bad.items()), tol)
+        _log.warning("%s (%s > %.1e); %s", what, ", ".join(f"{k} = {v:.1e}" for k, v in bad.items()), tol, instead)
+    return not bad
+
+
+def _probe_matrix(n: int) -> np.ndarray:
+    """A fixed symmetric (n, n) float64 matrix with eigenvalues 1 … 1e-6 (log-spaced) + 1e-3."""
+    rng = np.random.default_rng(22)
+    U, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    A = (U * np.logspace(0, -6, n)) @ U.T + 1e-3 * np.eye(n)
+    return (A + A.T) / 2
+
+
+@functools.cache
+def first_column_ready(dtype: np.dtype) -> bool:
+    """Whether :func:`syrdb_values` may be trusted to leave e₁ fixed (``Q e₁ = e₁``) in ``dtype``:
+    :func:`syrdb_ready` and :func:`probe_first_column` passed (once per dtype and process)."""
+    return syrdb_ready(np.dtype(dtype)) and probe_first_column(np.dtype(dtype))
+
+
+def probe_first_column(dtype: np.dtype) -> bool:
+    """Prove on a fixed (4·KD_VALUES)² matrix (so the band is the one used at scale) that MKL's
+    ``?syrdb(uplo='L')`` leaves e₁ fixed, and that its ``jobz = 'N'`` run yields the T of its
+    ``jobz = 'V'`` run.
+
+    Accepted when, with Q formed, every :func:`reduction_errors` is within ``50·n·eps·‖A‖``,
+    ``max|Q[:, 0] − e₁|`` and ``max|Q[0, :] − e₁ᵀ|`` within ``50·n·eps``, and the ``jobz = 'N'``
+    diagonal and |off-diagonal| within ``50·n·eps·‖A‖`` of the ``jobz = 'V'`` ones; otherwise (or
+    when a call fails) one warning names what is off and False is returned.
+    """
+    dtype = np.dtype(dtype)
+    n = 4 * KD_VALUES
+    A = _probe_matrix(n)
+    eps = float(np.finfo(dtype).eps)
+    scale = float(np.abs(np.linalg.eigvalsh(A)).max())
+    try:
+        Q, d, e = syrdb_explicit(np.asfortranarray(A.astype(dtype)), KD_VALUES)
+        d_n, e_n = syrdb_values(np.asfortranarray(A.astype(dtype)), KD_VALUES)
+    except RuntimeError as err:
+        _log.warning("MKL ?syrdb unusable (%s); the one-vector k: all route takes SciPy's ?sytrd", err)
         return False
-    return True
+    Q = Q.astype(np.float64)
+    e1 = np.eye(n)[0]
+    errs = {**{k: v / scale for k, v in reduction_errors(A, Q, d, e).items()},
+            "|Q[:, 0] - e1|": float(np.abs(Q[:, 0] - e1).max()), "|Q[0, :] - e1|": float(np.abs(Q[0] - e1).max()),
+            "|d(N) - d(V)|/|A|": float(np.abs(d_n.astype(np.float64) - d).max()) / scale,
+            "||e(N)| - |e(V)||/|A|": float(np.abs(np.abs(e_n.astype(np.float64)) - np.abs(e)).max()) / scale}
+    return probe_verdict(errs, 50 * n * eps, f"MKL {_prefix(dtype)}syrdb does not keep e1 fixed on a {n}×{n} {dtype} "
+                         "probe", "the one-vector k: all route takes SciPy's ?sytrd")
 
 
 def reduction_errors(A: np.ndarray, Q: np.ndarray, d: np.ndarray, e: np.ndarray) -> dict[str, float]:

@@ -15,6 +15,7 @@ from torch.nn.utils import vector_to_parameters
 from nsa_dist.config import Layout
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import top_eigenpairs
+from nsa_dist.linalg.tridiag import eig_weights
 from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import is_nce, training_residual as loss_residual
 from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, energy_from_projections,
@@ -38,13 +39,18 @@ __all__ = ["SpectralAnalyzer"]
 
 # A `k: all` step that needs no eigenvectors takes every eigenvalue and
 # ⟨v_i, φ⟩ from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`) instead of eigh with
-# vectors: MKL ?syrdb with Q formed, in the Gram's precision, then divide and conquer on T.
+# vectors: MKL ?syrdb with Q formed, in the Gram's precision, then divide and conquer on T; with
+# one φ column (the test half's f_test) Q is not formed at all (``eig_weights``), and T's S in
+# neither half.  A recorded step of examples/nsa_paper.yaml (N = 10⁴ float32, test points): 47.6–48.3 s
+# against 84–86 s with Q in both halves and S whole (one process, quiet machine, benchmarks/README.md).
 # Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md,
 # issue 22): 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
 # within 4.7e-7·λ_1 of eigh's, less than the float32 Gram's own rounding moves them (8.3e-7·λ_1).
 # Only k: all: a top-k (dense eigh or Lanczos) keeps its float64 route and its stored numbers,
 # and MKL's internal ?syrdb is called only where a step needs every eigenvalue.  False: eigh always.
 TRIDIAGONAL_K_ALL = True
+# With one φ column (the test half): no Q at all (eig_weights, issue 22).  False: Q formed for it too.
+ONE_VECTOR_K_ALL = True
 
 
 class SpectralAnalyzer:
@@ -79,7 +85,7 @@ class SpectralAnalyzer:
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
         self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
-        self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "eigenpairs"
+        self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
 
     @property
@@ -133,6 +139,11 @@ class SpectralAnalyzer:
         idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
         if TRIDIAGONAL_K_ALL and isinstance(G, DenseGram) and not vectors and k >= G.shape[0]:  # k: all
             self.n_products[which], self.eig_route[which] = 0, "tridiagonal"
+            one_column = len(phis) == 1 and np.size(next(iter(phis.values()))) == G.shape[0]
+            if ONE_VECTOR_K_ALL and one_column and not idx:  # no Q
+                sp, one = _one_vector(G.G, k, *next(iter(phis.items())))
+                self.eig_route[which] = "one_vector" if one else "tridiagonal"
+                return sp
             return from_tridiagonal(G.G, k, phis, idx)
         self.eig_route[which] = "eigenpairs"
         eig = self._eig(G, k, which)
@@ -285,6 +296,14 @@ class SpectralAnalyzer:
                                         gram=gram or GramKnowledge(distributed=True), step=ck.step)
         finally:
             curv.close()
+
+
+def _one_vector(G: torch.Tensor, k: int, name: str, phi: np.ndarray) -> tuple[StepSpectrum, bool]:
+    """The top k of G (N, N) and ⟨v_i, φ⟩ of one φ column by :func:`~nsa_dist.linalg.tridiag.eig_weights`
+    (no Q; whether its checks passed); a non-finite φ is zeroed (its energy is NaN anyway)."""
+    p = np.asarray(phi, dtype=np.float64).reshape(-1)  # (N,)
+    sp = eig_weights(G, p if np.isfinite(p).all() else np.zeros_like(p))
+    return StepSpectrum(sp.evals[:k].copy(), {name: sp.proj[:k]}), sp.one_vector
 
 
 class _Centered:
