@@ -192,9 +192,21 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
     if route is Reduction.MKL and not mkl_ok:
         raise ValueError(f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
                          f"probes in {dtype} (see the log); use 'auto' or 'lapack'")
+    asked = route
     route = Reduction.MKL if route is not Reduction.LAPACK and mkl_ok else Reduction.LAPACK
     d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
     lam, _, s0, _, used = solve_tridiagonal(d, e, np.zeros((N, 0)), solver, [])  # (N,) ascending, (N,) = S[0, :]
+    unresolved = _unresolved_weight(stats, lam, s0)
+    if dtype != np.float64 and unresolved > UNRESOLVED_WEIGHT:
+        # φ has weight among eigenvalues below this precision's resolution, where the reflected
+        # reduction splits it less faithfully than Q does (E(φ, k) off by up to 0.14 for a Gaussian
+        # φ at N = 10⁴ float32): the same route in float64 (exact to ~1e-6 there; 1.7× the time)
+        _log.info("one-vector route: %.1e of φ's weight below float32 resolution; reduced in float64", unresolved)
+        route = Reduction.MKL if asked is not Reduction.LAPACK and N >= MIN_N and first_column_ready(np.float64) \
+            else Reduction.LAPACK
+        dtype = np.dtype(np.float64)
+        d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
+        lam, _, s0, _, used = solve_tridiagonal(d, e, np.zeros((N, 0)), solver, [])
     checks = tuple(_weights_checks(stats, d, e, lam, s0))
     bad = [f"{name} = {err:.2e} > {tol:.2e}" for name, err, tol in checks if not err <= tol]
     if bad:
@@ -204,6 +216,21 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
         return dataclasses.replace(eig_projections(G, x, reduction=reduction, solver=whole), checks=checks)
     proj = (np.linalg.norm(x) * s0)[::-1, None].copy()  # (N, 1) descending
     return SpectralProjections(lam[::-1].copy(), proj, np.empty((N, 0)), (), route, used, True, checks)
+
+
+UNRESOLVED_WEIGHT = 1e-3  # largest share of ‖φ‖² below the resolution that a float32 one-vector call keeps
+
+
+def _resolution(st: "_Stats") -> float:
+    """δ = (max(100√N, 1000) + 4)·eps·‖G‖_F: the reduction's backward error in G's precision (see
+    :func:`_weights_checks`); eigenvalues below it are not resolved by that precision."""
+    return (max(100 * np.sqrt(st.N), 1000) + 4) * st.eps * float(np.sqrt(st.fro2))
+
+
+def _unresolved_weight(st: "_Stats", lam: np.ndarray, s0: np.ndarray) -> float:
+    """The share of ‖φ‖² on eigenvalues |λ| ≤ δ (:func:`_resolution`): there the float32 reduction's
+    split of φ's weight is noise, so E(φ, k) can err by up to this share (plus O(δ/gap) above)."""
+    return float((s0[np.abs(lam) <= _resolution(st)] ** 2).sum())
 
 
 def _reflected_tridiagonal(G: np.ndarray, x: np.ndarray, dtype: np.dtype, route: Reduction
@@ -302,7 +329,7 @@ def _weights_checks(st: _Stats, d: np.ndarray, e: np.ndarray, lam: np.ndarray, s
     A route that broke Q e₁ = e₁, or an S not matching λ, is off by O(‖G‖), far above these.
     """
     N, F = st.N, float(np.sqrt(st.fro2))
-    delta = (max(100 * np.sqrt(N), 1000) + 4) * st.eps * F
+    delta = _resolution(st)
     c = 100 * N * float(np.finfo(np.float64).eps)
     n2 = float(st.phi @ st.phi)
     w = n2 * s0 ** 2  # (N,)
