@@ -88,9 +88,13 @@ def run_lock(keys: Keys, run_id: str) -> AbstractContextManager[None]:
     return file_lock(keys.path / "leases" / run_id / "lock", lock_timeout(), f"run {run_id!r} in {keys.url!r}")
 
 
-def _put_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
+def _leases_group(keys: Keys) -> None:
     if not keys.exists("leases/zarr.json"):  # a store made before leases
         keys.set_group("leases", {})
+
+
+def _put_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
+    _leases_group(keys)
     keys.set_group(f"leases/{run_id}", attrs)
 
 
@@ -103,8 +107,7 @@ def _staged(keys: Keys, run_id: str, attrs: dict[str, Any]) -> Iterator[Callable
     if not keys.local:
         yield lambda: _put_lease(keys, run_id, attrs)
         return
-    if not keys.exists("leases/zarr.json"):  # a store made before leases
-        keys.set_group("leases", {})
+    _leases_group(keys)
     final = keys.path / "leases" / run_id / "zarr.json"
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"zarr.json.{uuid.uuid4().hex}.partial")
