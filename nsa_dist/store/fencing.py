@@ -27,7 +27,7 @@ from pathlib import Path
 from zarr.core.buffer import Buffer
 from zarr.storage import LocalStore
 
-from nsa_dist.store.lease import LeaseLost, lease_lost, parse_lease
+from nsa_dist.store.lease import LeaseLost, lease_lost, lease_on_disk
 
 __all__ = ["FencedLocalStore", "RunFence", "Staged"]
 
@@ -85,11 +85,7 @@ class RunFence:
 
     def lost(self) -> Exception:
         """The LeaseLost of this writer, naming whoever holds the run now."""
-        try:
-            raw: bytes | None = (self.root / "leases" / self.run_id / "zarr.json").read_bytes()
-        except FileNotFoundError:
-            raw = None
-        info = parse_lease(raw)
+        info = lease_on_disk(self.root, self.run_id)
         if info is not None and info.token == self.token:  # ours, yet the folder is gone: removed by hand
             return LeaseLost(f"run {self.run_id!r} in {self.url!r}: this writer's write folder {self.folder} is "
                              "gone although its lease is still held (removed from outside?); stopped without "

@@ -47,7 +47,7 @@ from nsa_dist.store.locks import file_lock
 from nsa_dist.store.status import Status
 
 __all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status",
-           "lease_lost", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock", "write_folder",
+           "lease_lost", "lease_on_disk", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock", "write_folder",
            "write_lease"]
 
 INTERRUPTED_HINT = "re-run to resume"
@@ -138,14 +138,17 @@ def revoke_others(keys: Keys, run_id: str, token: str) -> None:
             shutil.rmtree(gone, ignore_errors=True)
 
 
-def _current(keys: Keys, run_id: str) -> "LeaseInfo | None":
-    """:func:`read_lease`, read straight from the file on a local store (inside the run's lock)."""
-    if not keys.local:
-        return read_lease(keys, run_id)
+def lease_on_disk(root: Path, run_id: str) -> "LeaseInfo | None":
+    """The lease of a local store at ``root``, read straight from its file (None: absent or torn)."""
     try:
-        return parse_lease((keys.path / "leases" / run_id / "zarr.json").read_bytes())
+        return parse_lease((root / "leases" / run_id / "zarr.json").read_bytes())
     except FileNotFoundError:
         return None
+
+
+def _current(keys: Keys, run_id: str) -> "LeaseInfo | None":
+    """:func:`read_lease`, read straight from the file on a local store (inside the run's lock)."""
+    return lease_on_disk(keys.path, run_id) if keys.local else read_lease(keys, run_id)
 
 
 def write_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
