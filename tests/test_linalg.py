@@ -577,3 +577,25 @@ def test_a_float32_host_tensor_is_checked_as_it_is() -> None:
     ep = top_eigenpairs(G, 10, "lanczos")
     w = np.linalg.eigvalsh(G.double().numpy())[::-1][:10]
     assert np.abs(ep.evals - w).max() <= 1e-9 * w[0], (ep.evals, w)
+
+
+def test_orthogonalise_local_first_then_one_pass_or_two() -> None:
+    """Lanczos's re-orthogonalisation (issue 22): the last blocks first, then one pass against the
+    whole basis, and a second only where that pass took away more than half of a column.  Both
+    cases give W ⟂ V to float64 rounding and coefficients with W_in = V C + W_out."""
+    from nsa_dist.linalg._backend import TorchOps
+    from nsa_dist.linalg.lanczos import _orthogonalise
+
+    ops, rng = TorchOps("cpu"), np.random.default_rng(11)
+    V = torch.from_numpy(np.linalg.qr(rng.standard_normal((3000, 256)))[0])
+    local_part = V[:, -64:] @ torch.from_numpy(rng.standard_normal((64, 16))) * 1e3
+    small_new = torch.from_numpy(rng.standard_normal((3000, 16)))
+    cases = {"recurrence-like: W in the last blocks plus new directions": local_part + small_new,
+             "after a restart: W mostly along old columns": V[:, :64] @ torch.from_numpy(rng.standard_normal((64, 16)))
+             * 1e6 + small_new}
+    for name, W in cases.items():
+        out, C = _orthogonalise(ops, V, W, local=64)
+        orth = float((V.T @ out).abs().max() / out.abs().max())
+        rebuilt = float((V @ torch.from_numpy(C) + out - W).abs().max() / W.abs().max())
+        assert orth < 1e-14, f"{name}: |Vᵀ W_out| / |W_out| = {orth:.2e}"
+        assert rebuilt < 1e-14, f"{name}: |V C + W_out − W_in| / |W_in| = {rebuilt:.2e}"

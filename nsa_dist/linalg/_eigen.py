@@ -11,6 +11,7 @@ import numpy as np
 from nsa_dist._checks import parse_enum
 from nsa_dist.config import EigMethod
 from nsa_dist.linalg._backend import Backend
+from nsa_dist.linalg._deflated import deflated_lanczos, deflation_applies
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import block_lanczos
 
@@ -38,6 +39,9 @@ class Eigenpairs:
         max_residual: ``max_i ‖G v_i − λ_i v_i‖`` (absolute) where the method yields it for free
             (Lanczos), else None.
         converged: False only when Lanczos hit ``max_iter`` first (a warning was issued).
+        products: "float64", or "deflated-float32" where a float32 host G was solved with float32
+            products of ``G − U S Uᵀ`` that passed their float64 check
+            (:mod:`nsa_dist.linalg._deflated`).
     """
 
     evals: np.ndarray
@@ -47,6 +51,7 @@ class Eigenpairs:
     n_matvec: int = 0
     max_residual: float | None = None
     converged: bool = True
+    products: str = "float64"
 
 
 def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Literal["all"],
@@ -101,7 +106,14 @@ def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Lite
     if method is EigMethod.ARPACK:
         evals, evecs = _arpack_top(A, k, tol, max_iter, seed)
         return Eigenpairs(evals, _fix_signs(evecs), method, "numpy", A.n_matvec)
-    res = block_lanczos(A.matmat, A.N, k, A.ops, tol=max(tol, 100 * A.eps), max_iter=max_iter, seed=seed,
+    tol = max(tol, 100 * A.eps)
+    if A.source is not None and deflation_applies(A.source, k, backend_.value):
+        res = deflated_lanczos(A.source, k, tol=tol, max_iter=max_iter, seed=seed, start=start,
+                               block_size=_block_size(A, k))
+        if res is not None:
+            return Eigenpairs(res.evals, _fix_signs(res.evecs.numpy()), method, "torch", res.n_matvec,
+                              float(res.residuals.max()), res.converged, products="deflated-float32")
+    res = block_lanczos(A.matmat, A.N, k, A.ops, tol=tol, max_iter=max_iter, seed=seed,
                         sym_rtol=A.sym_rtol, start=start, block_size=_block_size(A, k))
     return Eigenpairs(res.evals, _fix_signs(A.ops.to_numpy(res.evecs)), method, A.ops.name, A.n_matvec,
                       float(res.residuals.max()), res.converged)
@@ -112,7 +124,7 @@ def _block_size(A: SymmetricMap, k: int) -> int | None:
     from memory (2.4× the time per column of an (N, 48) one at N = 10⁴ on two cores,
     ``benchmarks/topk.py``), for a few % more products; the default
     (:func:`default_block_size`) otherwise."""
-    if A.dense is not None and A.N >= 4096 and k >= 64:
+    if A.source is not None and A.N >= 4096 and k >= 64:
         return 32
     return None
 
@@ -135,7 +147,7 @@ def _arpack_top(A: SymmetricMap, k: int, tol: float, max_iter: int | None, seed:
     from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
     if k >= A.N:
         raise ValueError(f"method='arpack' needs k < N; got k={k}, N={A.N} (use method='dense' for all eigenpairs)")
-    if A.dense is None:
+    if A.source is None:
         A.check_symmetric(seed)  # a dense G was checked on entry; Lanczos checks as it goes
     lo = LinearOperator((A.N, A.N), matvec=lambda v: A.matmat(v.reshape(-1, 1)).ravel(), matmat=A.matmat,
                         dtype=np.float64)

@@ -17,7 +17,7 @@ import torch
 
 from nsa_dist.errors import NonFiniteError, ShapeError
 from nsa_dist.linalg._backend import (ArrayOps, Backend, TorchOps, _on_gpu, array_kind, convert, get_cupy,
-                                      resolve_backend)
+                                      host_empty, resolve_backend)
 
 __all__ = ["SymmetricMap", "as_symmetric_map", "sym_rtol"]
 
@@ -33,7 +33,10 @@ class SymmetricMap:
         N: dimension.
         ops: backend of :meth:`matmat`'s arrays.
         apply: ``X (N, b) ↦ G X (N, b)``, float64 ``ops`` arrays; NaN/inf outputs raise.
-        dense: the (N, N) float64 matrix on the backend when the input was one, else None.
+        source: the validated dense (N, N) input as it was given (any float dtype, its own
+            device), else None for an operator.
+        dense: ``source`` as a float64 matrix on the backend, made on first use (a float32 G
+            solved with float32 products never needs it), else None.
         eps: machine epsilon of the products (float32 operators: 1.2e-7; dense inputs are
             applied in float64).
         sym_rtol: relative asymmetry of the products the solvers tolerate (inf for a dense
@@ -44,10 +47,22 @@ class SymmetricMap:
     N: int
     ops: ArrayOps
     apply: Callable[[Any], Any]
-    dense: Any = None
+    source: Any = None
     eps: float = _EPS64
     sym_rtol: float = float("inf")
     n_matvec: int = 0
+    _dense: Any = None
+
+    @property
+    def dense(self) -> Any:
+        if self._dense is None and self.source is not None:
+            src, ops = self.source, self.ops
+            converted = str(src.dtype) not in ("float64", "torch.float64")
+            if converted and ops.name == "torch" and ops.device.type == "cpu" and not _on_gpu(src):
+                self._dense = host_empty(tuple(src.shape)).copy_(torch.as_tensor(src))  # in huge pages
+            else:
+                self._dense = ops.asarray(src)  # (N, N) float64, no copy where src already is one
+        return self._dense
 
     def matmat(self, X: Any) -> Any:
         """G X for X (N, b) on the backend, counted in ``n_matvec``."""
@@ -126,16 +141,28 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
         raise TypeError(f"{name} must be real symmetric, got dtype {G.dtype}")
     host_torch = backend is Backend.AUTO and shape[0] >= _TORCH_HOST_N and not _on_gpu(G)
     ops = TorchOps("cpu") if host_torch else resolve_backend(backend, G)
-    Gb = ops.asarray(G)  # (N, N) float64
-    if not ops.all_finite(Gb):
-        n_bad = int((~ops.xp.isfinite(Gb)).sum())
+    # a float G is checked as it is: its float64 copy holds the same values, and a float32 G read
+    # as it is reads half the bytes (0.09 s against 0.39–0.44 s at N = 10⁴, issue 22); the copy
+    # is made only if the solver needs it (SymmetricMap.dense)
+    is_float = G.is_floating_point() if isinstance(G, torch.Tensor) else G.dtype.kind == "f"
+    checked = G if is_float else ops.asarray(G)  # integer or bool entries: their float64 copy
+    n_bad = _non_finite(checked)
+    if n_bad:
         raise NonFiniteError(f"{name} holds {n_bad} NaN/inf entries (of {shape[0] * shape[1]}); "
                              "only finite matrices have an eigendecomposition")
-    # a float32 torch G on the host is checked as it is: its float64 copy holds the same values, and
-    # the check reads half the bytes (0.09 s against 0.39–0.44 s at N = 10⁴, issue 22)
-    host_float = isinstance(G, torch.Tensor) and G.device.type == "cpu" and G.is_floating_point()
-    _check_symmetric(G if host_float else Gb, sym_rtol(_eps_of(G)), ops.name, name)
-    return SymmetricMap(shape[0], ops, lambda X: Gb @ X, dense=Gb)
+    _check_symmetric(checked, sym_rtol(_eps_of(G)), ops.name, name)
+    A = SymmetricMap(shape[0], ops, lambda X: A.dense @ X, source=checked)
+    return A
+
+
+def _non_finite(G: Any) -> int:
+    """NaN/inf entries of G (NumPy, torch or CuPy): one pass without a boolean temporary when
+    there are none (a finite sum can overflow too, so only a non-finite sum is counted entry by
+    entry)."""
+    xp = torch if isinstance(G, torch.Tensor) else np if isinstance(G, np.ndarray) else get_cupy()
+    if bool(xp.isfinite(G.sum())):
+        return 0
+    return int((~xp.isfinite(G)).sum())
 
 
 def _check_symmetric(G: Any, rtol: float, backend: str, what: str) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from nsa_dist.linalg._backend import ArrayOps
 
@@ -196,7 +197,9 @@ class _State:
 
     def __init__(self, ops: ArrayOps, N: int, M: int, b: int, rng: np.random.Generator, sym_rtol: float):
         self.ops, self.N, self.M, self.b, self.rng, self.sym_rtol = ops, N, M, b, rng, sym_rtol
-        self.V, self.AV = ops.zeros((N, M)), ops.zeros((N, M))  # (N, M) each
+        # (N, M) each; only the first n columns are ever read, and they are written first (zeroing
+        # two (10⁴, 1500) blocks took 0.1 s each, issue 22)
+        self.V, self.AV = ops.empty((N, M)), ops.empty((N, M))
         self.H = np.zeros((M, M))
         self.n = self.steps = self.n_matvec = 0
         self.anorm = 0.0
@@ -216,7 +219,7 @@ class _State:
         self.n_matvec += bp
         self.AV[:, n:m] = W
         w_scale = float(ops.colnorms(W).max())
-        W, C = _orthogonalise(ops, self.V[:, :m], W)  # C: (m, bp) = V_mᵀ G P
+        W, C = _orthogonalise(ops, self.V[:, :m], W, local=bp + self.b)  # C: (m, bp) = V_mᵀ G P
         self._check_symmetric(C[:n], Bc.T, w_scale)
         self.H[n:m, n:m] = (C[n:] + C[n:].T) / 2
         self.anorm = max(self.anorm, w_scale)
@@ -280,13 +283,39 @@ class _State:
         return LanczosResult(theta[:k].copy(), X, res, self.n_matvec, restarts, converged)
 
 
-def _orthogonalise(ops: ArrayOps, V: Any, W: Any) -> tuple[Any, np.ndarray]:
-    """W − V Vᵀ W by classical Gram–Schmidt twice; returns it and the coefficients Vᵀ W (host)."""
+def _orthogonalise(ops: ArrayOps, V: Any, W: Any, local: int = 0) -> tuple[Any, np.ndarray]:
+    """W − V Vᵀ W and the coefficients Vᵀ W (host), by classical Gram–Schmidt (BLAS-3).
+
+    ``local = 0``: two passes against all of V.  ``local > 0`` (Lanczos, W = G P): the last
+    ``local`` columns of V — the current and previous blocks, which hold nearly all of W by the
+    three-term recurrence — twice, then one pass against all of V, and a second only for a block
+    where that pass took away more than half of a column's norm (Kahan–Parlett's "twice is
+    enough" test, κ = 2: otherwise one more pass cannot improve orthogonality).  A full pass
+    streams the (N, m) basis twice; at N = 10⁴, k = 500 the two passes were 0.6 s of a 4–5 s
+    top-500 (issue 22).
+    """
+    m = V.shape[1]
+    if local <= 0 or local >= m:
+        C = V.T @ W  # (m, b)
+        W = W - V @ C
+        C2 = V.T @ W
+        W = W - V @ C2
+        return W, ops.to_numpy(C + C2)
+    L = V[:, m - local:]
+    C_loc = L.T @ W  # (local, b)
+    W = W - L @ C_loc
+    C_loc2 = L.T @ W
+    W = W - L @ C_loc2
+    before = ops.colnorms(W)
     C = V.T @ W  # (m, b)
     W = W - V @ C
-    C2 = V.T @ W
-    W = W - V @ C2
-    return W, ops.to_numpy(C + C2)
+    C = ops.to_numpy(C)
+    C[m - local:] += ops.to_numpy(C_loc + C_loc2)
+    if bool((ops.colnorms(W) < 0.5 * before).any()):
+        C2 = V.T @ W
+        W = W - V @ C2
+        C += ops.to_numpy(C2)
+    return W, C
 
 
 def _qr(ops: ArrayOps, A: Any) -> Any:
@@ -341,13 +370,14 @@ def _column_major(ops: ArrayOps, A: Any) -> Any:
 def _ritz(H: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eigenpairs of the projected H (n, n), descending.
 
-    On one BLAS thread: NumPy's OpenBLAS threads spin after a call and then fight torch's MKL
-    threads over the cores for the next G·V product — with both threads busy, a 1000² eigh took
-    2.2 s instead of 0.17 s and the tall QRs 20× longer (N = 10⁴, 2 shared cores).
+    By torch's LAPACK (MKL, on the threads of the G·V products): 113 ms at n = 1024 on two cores
+    against 218 ms for NumPy's on one thread.  NumPy's OpenBLAS is kept off its own threads
+    (:func:`_one_blas_thread`) because they spin after a call and then fight torch's MKL threads
+    over the cores for the next product — with both busy, a 1000² eigh took 2.2 s instead of
+    0.17 s and the tall QRs 20× longer (N = 10⁴, 2 shared cores).
     """
-    with _one_blas_thread():
-        theta, Y = np.linalg.eigh((H + H.T) / 2)
-    return theta[::-1].copy(), np.ascontiguousarray(Y[:, ::-1])
+    theta, Y = torch.linalg.eigh(torch.from_numpy((H + H.T) / 2))
+    return theta.numpy()[::-1].copy(), np.ascontiguousarray(Y.numpy()[:, ::-1])
 
 
 def _surely_unconverged(H: np.ndarray, B: np.ndarray, bp: int, k: int, tol: float, m: int = 8) -> bool:
