@@ -108,3 +108,24 @@ def test_where_the_route_applies(gram):
     assert not deflation_applies(gram[:N - 1, :N - 1], K, "auto")  # too small
     small = top_eigenpairs(_kernel_gram(600), 100)
     assert small.products == "float64"
+
+
+def test_a_workspace_is_reused_and_changes_nothing(gram):
+    """A HostWorkspace hands the same buffers to the next solve of the same size (no fresh pages),
+    and a solve in it returns what a solve in fresh memory returns; results are not views of it."""
+    from nsa_dist.linalg import HostWorkspace
+
+    ws = HostWorkspace()
+    a = top_eigenpairs(gram, K, tol=TOL, workspace=ws)
+    held = {name: buf.data_ptr() for name, buf in ws._buffers.items()}
+    assert {"deflated.rest", "lanczos.V", "lanczos.AV"} <= set(held), sorted(held)
+    b = top_eigenpairs(gram, K, tol=TOL, workspace=ws)
+    assert {name: buf.data_ptr() for name, buf in ws._buffers.items()} == held, "the buffers were reallocated"
+    fresh = top_eigenpairs(gram, K, tol=TOL)
+    for out in (a, b):
+        np.testing.assert_array_equal(out.evals, fresh.evals)
+        np.testing.assert_array_equal(out.evecs, fresh.evecs)
+    small = top_eigenpairs(_kernel_gram(N // 2 + 1000), K, tol=TOL, workspace=ws)  # another size: reallocated
+    assert ws._buffers["lanczos.V"].shape[0] == N // 2 + 1000 and small.products == "float64"
+    ws.clear()
+    assert ws.nbytes == 0

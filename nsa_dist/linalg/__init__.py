@@ -5,6 +5,7 @@
 * :class:`EigMethod` — "auto" | "dense" | "lanczos" | "arpack", and when each wins.
 * :class:`Backend` — "auto" | "numpy" | "torch" | "cupy": where the work runs.
 * :class:`LanczosConvergenceWarning` — issued when Lanczos stops at ``max_iter``.
+* :class:`HostWorkspace` — big CPU buffers a caller keeps between solves of the same size.
 * :class:`LinearOperator` — the one interface of every matrix-free operator (G, H, I, S, local
   or on a gang): ``shape``, ``dtype``, ``matmat`` on NumPy or torch blocks.
 
@@ -20,12 +21,12 @@ nsa_dist.
 
 from __future__ import annotations
 
-from nsa_dist.linalg._backend import ArrayOps, Backend
+from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
 from nsa_dist.config import EigMethod
 from nsa_dist.linalg._eigen import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
 
-__all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator",
+__all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "HostWorkspace", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator",
            "SymmetricMap", "as_symmetric_map"]

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nsa_dist.linalg._backend import TorchOps, host_empty
+from nsa_dist.linalg._backend import HostWorkspace, TorchOps, host_empty
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning, LanczosResult, _qr, block_lanczos
 
 __all__ = ["DeflatedGram", "deflated_lanczos", "deflation_applies"]
@@ -64,7 +64,7 @@ class DeflatedGram:
         n_matvec: float32 columns of G applied to build U and S.
     """
 
-    def __init__(self, G: torch.Tensor, seed: int = 0, rank: int = RANK) -> None:
+    def __init__(self, G: torch.Tensor, seed: int = 0, rank: int = RANK, workspace: HostWorkspace | None = None) -> None:
         N = G.shape[0]
         ops = TorchOps("cpu")
         g = torch.Generator().manual_seed(seed)
@@ -77,7 +77,8 @@ class DeflatedGram:
         self.G, self.U, self.S = G, U, (S + S.T) / 2
         self.n_matvec = (POWER + 1) * rank
         self.top = float(torch.linalg.eigvalsh(self.S).abs().max())
-        self.rest = host_empty(tuple(G.shape), torch.float32)  # huge pages: 40 against 51 ms a product
+        shape = tuple(G.shape)  # the rest in huge pages: 40 against 51 ms a product
+        self.rest = workspace.empty("deflated.rest", shape, torch.float32) if workspace else host_empty(shape, torch.float32)
         US, Ut = U @ self.S, U.T.contiguous()
         buf = torch.empty((min(SLAB, N), N), dtype=torch.float64)
         for i in range(0, N, SLAB):
@@ -121,15 +122,16 @@ def deflation_applies(G: Any, k: int, backend: str) -> bool:
 
 
 def deflated_lanczos(G: Any, k: int, *, tol: float, max_iter: int | None, seed: int, start: Any,
-                     block_size: int | None) -> LanczosResult | None:
-    """Top-k of a validated float32 host G by block Lanczos on :class:`DeflatedGram` products.
+                     block_size: int | None, workspace: HostWorkspace | None = None) -> LanczosResult | None:
+    """Top-k of a validated float32 host G by block Lanczos on :class:`DeflatedGram` products
+    (``workspace``: where the rest and Lanczos's blocks live, see :class:`HostWorkspace`).
 
     Returns the result with every residual an upper bound of the true one (sampled ones: the
     true residual; others: Lanczos's plus the largest sampled product error), or None when a
     check fails (logged): the caller then runs the float64 products.
     """
     G = torch.as_tensor(G).contiguous()
-    D = DeflatedGram(G, seed)
+    D = DeflatedGram(G, seed, workspace=workspace)
     budget = tol * D.top
     if D.predicted_error > budget / 2:
         log.info("deflated float32 products not tried: predicted error %.2e > half the tolerance %.2e "
@@ -141,7 +143,7 @@ def deflated_lanczos(G: Any, k: int, *, tol: float, max_iter: int | None, seed: 
     with warnings.catch_warnings():  # not converged: the float64 products run and warn
         warnings.simplefilter("ignore", LanczosConvergenceWarning)
         res = block_lanczos(D.matmat, G.shape[0], k, TorchOps("cpu"), tol=tol / 2, max_iter=max_iter, seed=seed,
-                            start=start, block_size=block_size, sym_rtol=float("inf"))
+                            start=start, block_size=block_size, sym_rtol=float("inf"), workspace=workspace)
     scale = float(np.abs(res.evals).max())
     idx = _sample(k)
     X = res.evecs[:, idx]  # (N, m)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nsa_dist.linalg._backend import ArrayOps
+from nsa_dist.linalg._backend import ArrayOps, HostWorkspace, TorchOps
 
 __all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos", "block_gauss_quadrature", "default_block_size"]
 
@@ -71,7 +71,8 @@ def default_block_size(N: int, k: int) -> int:
 
 def block_lanczos(matmat: Callable[[Any], Any], N: int, k: int, ops: ArrayOps, *, tol: float = 1e-10,
                   max_iter: int | None = None, seed: int = 0, block_size: int | None = None,
-                  max_basis: int | None = None, sym_rtol: float = 1.5e-8, start: Any = None) -> LanczosResult:
+                  max_basis: int | None = None, sym_rtol: float = 1.5e-8, start: Any = None,
+                  workspace: HostWorkspace | None = None) -> LanczosResult:
     """Top-k (largest algebraic) eigenpairs of a symmetric operator by thick-restart block Lanczos.
 
     Stops when every Ritz residual satisfies ``‖G v_i − θ_i v_i‖ ≤ tol · max|θ|``; by the
@@ -94,6 +95,8 @@ def block_lanczos(matmat: Callable[[Any], Any], N: int, k: int, ops: ArrayOps, *
             vector of span(start), so that the Krylov space starts with the unwanted
             eigendirections damped by how well span(start) already holds the wanted ones.  s < b
             columns are topped up with random ones.  None: a random block.
+        workspace: on torch's CPU, where the basis V and the products G V (N, M) live between
+            calls (:class:`~nsa_dist.linalg._backend.HostWorkspace`); None: fresh memory.
 
     Returns:
         :class:`LanczosResult`.
@@ -109,7 +112,7 @@ def block_lanczos(matmat: Callable[[Any], Any], N: int, k: int, ops: ArrayOps, *
     M = N if M < min(N, k + 2 * b) else M  # room for k Ritz vectors plus two blocks, or all of R^N
     max_iter = max_iter or max(100, 10 * -(-N // b))
     rng = np.random.default_rng(seed)
-    st = _State(ops, N, M, b, rng, sym_rtol)
+    st = _State(ops, N, M, b, rng, sym_rtol, workspace)
     P = _start_block(ops, N, b, rng, start)  # (N, b)
     Bc = np.zeros((b, 0))  # coupling rows of P to the basis
     since_check, restarts = 0, 0
@@ -195,11 +198,16 @@ def block_gauss_quadrature(matmat: Callable[[Any], Any], Z: Any, n_steps: int, o
 class _State:
     """Basis V (N, M), products AV = G V, projected H (host), counters."""
 
-    def __init__(self, ops: ArrayOps, N: int, M: int, b: int, rng: np.random.Generator, sym_rtol: float):
+    def __init__(self, ops: ArrayOps, N: int, M: int, b: int, rng: np.random.Generator, sym_rtol: float,
+                 workspace: HostWorkspace | None = None):
         self.ops, self.N, self.M, self.b, self.rng, self.sym_rtol = ops, N, M, b, rng, sym_rtol
         # (N, M) each; only the first n columns are ever read, and they are written first (zeroing
         # two (10⁴, 1500) blocks took 0.1 s each, issue 22)
-        self.V, self.AV = ops.empty((N, M)), ops.empty((N, M))
+        if workspace is not None and isinstance(ops, TorchOps) and ops.device.type == "cpu":
+            self.V = workspace.empty("lanczos.V", (N, M), column_major=True)
+            self.AV = workspace.empty("lanczos.AV", (N, M), column_major=True)
+        else:
+            self.V, self.AV = ops.empty((N, M)), ops.empty((N, M))
         self.H = np.zeros((M, M))
         self.n = self.steps = self.n_matvec = 0
         self.anorm = 0.0

@@ -14,7 +14,7 @@ from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.config import Layout
 from nsa_dist.data import Dataset
-from nsa_dist.linalg import top_eigenpairs
+from nsa_dist.linalg import HostWorkspace, top_eigenpairs
 from nsa_dist.linalg.tridiag import eig_weights
 from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import is_nce, training_residual as loss_residual
@@ -86,6 +86,7 @@ class SpectralAnalyzer:
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
         self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
         self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
+        self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
 
     @property
@@ -126,7 +127,8 @@ class SpectralAnalyzer:
             method = "lanczos" if method in ("auto", "dense") else method
         start = self._warm.get(which) if self.spec.spectrum.warm_start else None
         eig = top_eigenpairs(G.G if isinstance(G, DenseGram) else G, k, method,
-                             start=start if start is not None and start.shape[0] == G.shape[0] else None)
+                             start=start if start is not None and start.shape[0] == G.shape[0] else None,
+                             workspace=self._workspace)
         if self.spec.spectrum.warm_start and eig.method is not None and eig.method.value == "lanczos":
             self._warm[which] = eig.evecs
         self.n_products[which] = eig.n_matvec
