@@ -202,3 +202,24 @@ def test_in_place_symmetric_path_matches_dense(n, block):
     G = gram(model, x, method="structured", block_size=block)
     assert_close_rel(G, dense_ntk(model, x), 1e-10, "in-place symmetric")
     assert torch.equal(G, G.T)
+
+
+def test_gram_into_out_equals_a_fresh_one() -> None:
+    """gram(out=...) writes the Gramian into the given buffer (structured: assembled there; other
+    methods: copied) and returns it; its old contents do not leak in; a wrong buffer is named."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    x, x2 = torch.randn(40, 3, dtype=torch.float64), torch.randn(25, 3, dtype=torch.float64)
+    for method in ("structured", "jacobian"):
+        for b, shape in ((None, (40, 40)), (x2, (40, 25))):
+            fresh = gram(mlp, x, b, method=method)
+            out = torch.full(shape, float("nan"), dtype=torch.float64)
+            got = gram(mlp, x, b, method=method, out=out)
+            assert got is out
+            torch.testing.assert_close(out, fresh, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"out must be a contiguous tensor of shape \(40, 40\), dtype torch.float64"):
+        gram(mlp, x, out=torch.empty(40, 41, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dtype torch.float64 .* got shape \\(40, 40\\), dtype torch.float32"):
+        gram(mlp, x, out=torch.empty(40, 40))
+    with pytest.raises(ValueError, match="not contiguous"):
+        gram(mlp, x, out=torch.empty(40, 40, dtype=torch.float64).T)

@@ -205,10 +205,11 @@ def _add_tile(out: torch.Tensor, F1: list, F2: list, i: slice, j: slice, full: b
 
 
 def structured_gram(model: nn.Module, layers: list[_Layer], x1: torch.Tensor, x2: torch.Tensor | None, K: int,
-                    full: bool, block: int) -> torch.Tensor:
+                    full: bool, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact NTK Gramian by the per-layer formula, assembled in (block × block) tiles.
 
-    ``layers``: from :func:`structured_layers` of the model's plan.
+    ``layers``: from :func:`structured_layers` of the model's plan.  ``out``: the tensor to
+    assemble it in (checked by the caller), else a new one.
     Returns (N1, N2) traced or (N1, K, N2, K) full; symmetric tiles are computed once when x2 is None.
     """
     sym = x2 is None
@@ -220,11 +221,11 @@ def structured_gram(model: nn.Module, layers: list[_Layer], x1: torch.Tensor, x2
     if sym and not full:
         plan = _lower_slots(n1, block, sum(lay.n_cols + K * lay.n_out for lay in layers))
         if plan is not None:  # every entry is written below: no zero fill needed
-            G = torch.empty(shape, dtype=x1.dtype, device=x1.device)
+            G = out if out is not None else torch.empty(shape, dtype=x1.dtype, device=x1.device)
             _sym_traced_in_place(G, model, layers, x1, K, block, plan, bufs)
             _mirror_upper(G, block, full)
             return G
-    G = torch.zeros(shape, dtype=x1.dtype, device=x1.device)
+    G = out.zero_() if out is not None else torch.zeros(shape, dtype=x1.dtype, device=x1.device)
     starts1 = range(0, n1, block)
     for group in _layer_groups(layers, n1 + (0 if sym else n2), K, itemsize, G.numel() * itemsize):
         F1 = _features(model, group, x1, K, max(block, _FEATURE_CHUNK))

@@ -116,7 +116,8 @@ def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: t
 
 def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
          method: str | NTKMethod = "auto", kernel: str | Kernel = "trace",
-         block_size: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+         block_size: int | None = None, dtype: torch.dtype | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """The empirical NTK Gramian ``G(i, j) = ∇_θ f(x1_i) · ∇_θ f(x2_j)`` (NSA Eq. 3, G_t = A_tᵀ A_t).
 
     Args:
@@ -131,21 +132,29 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
         block_size: points per block (bounds memory); the result does not depend on it.
             Default: 768 (N/4 for small N) for structured, about 256 MB of Jacobian for jacobian.
         dtype: compute dtype (e.g. torch.float64 for reference checks); default the model's.
+        out: a contiguous tensor of the result's shape, dtype and device to write the Gramian
+            into (its contents are overwritten), e.g. one buffer reused at every recorded step:
+            fresh (10⁴)² float32 pages cost their first touch, and a caller can hand them in
+            NumPy's huge pages (:class:`nsa_dist.linalg.HostWorkspace`).  The structured method
+            writes it directly; the others copy their result into it.
 
     Returns:
-        The Gramian on the model's device, in ``dtype``.
+        The Gramian on the model's device, in ``dtype`` (``out`` itself when given).
 
     Raises:
         ShapeError: x1/x2 not (n, …), differing point shapes, or a model output not (n,) / (n, K).
         NonFiniteError: NaN/inf in x1 or x2.
         UnsupportedModelError: ``method="structured"`` / ``"per_layer"`` on a model outside its reach.
-        ValueError: an unknown method or kernel, a block_size < 1.
+        ValueError: an unknown method or kernel, a block_size < 1, an ``out`` of the wrong shape,
+            dtype or device, or not contiguous.
     """
     full = parse_enum(Kernel, kernel, "kernel") is Kernel.FULL
     m = parse_enum(NTKMethod, method, "method")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     model, x1, x2, K = _setup(model, x1, x2, dtype)
+    if out is not None:
+        _check_out(out, model, x1, x2, K, full)
     with preserved(model):
         plan = _plan(model, x1)
         m = _choose(plan, m)
@@ -154,18 +163,33 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
                       "(full-batch Jacobian)", next(iter(plan.routes.values()))[1])
         try:
             with blame(model):
-                return _gram(model, plan, m, x1, x2, K, full, block_size)
+                G = _gram(model, plan, m, x1, x2, K, full, block_size, out)
         except Unproven as e:  # a feature pass saw an in-place change the probe did not: exact path
             _log.info("per-layer NTK not proven for these points (%s): per-sample Jacobians instead", e)
             with blame(model):
-                return _gram(model, plan, NTKMethod.JACOBIAN, x1, x2, K, full, block_size)
+                G = _gram(model, plan, NTKMethod.JACOBIAN, x1, x2, K, full, block_size)
+    return out.copy_(G) if out is not None and G is not out else G
+
+
+def _check_out(out: torch.Tensor, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int,
+               full: bool) -> None:
+    """ValueError unless ``out`` can hold the Gramian as the computation makes it (the prepared
+    model's dtype, the points' device)."""
+    n1, n2 = x1.shape[0], (x1 if x2 is None else x2).shape[0]
+    shape = (n1, K, n2, K) if full else (n1, n2)
+    dtype = next(model.parameters()).dtype
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != x1.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of shape {shape}, dtype {dtype} on {x1.device}; got "
+                         f"shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+                         + ("" if out.is_contiguous() else ", not contiguous"))
 
 
 def _gram(model: nn.Module, plan: ForwardPlan, m: NTKMethod, x1: torch.Tensor, x2: torch.Tensor | None, K: int,
-          full: bool, block_size: int | None) -> torch.Tensor:
+          full: bool, block_size: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
     n = x1.shape[0]
     if m is NTKMethod.STRUCTURED:
-        return structured_gram(model, structured_layers(plan), x1, x2, K, full, block_size or _structured_tile(n))
+        return structured_gram(model, structured_layers(plan), x1, x2, K, full, block_size or _structured_tile(n),
+                               out=out)
     if m is NTKMethod.PER_LAYER:
         return per_layer_gram(model, per_layer_layers(plan), plan.generic, x1, x2, K, full,
                               block_size or _structured_tile(n))

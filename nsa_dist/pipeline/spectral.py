@@ -94,15 +94,20 @@ class SpectralAnalyzer:
         """Whether G_t is analysed on a gang (block_rows / matrix_free) rather than held whole."""
         return self.plan.distributed
 
-    def _gram(self, X: torch.Tensor) -> torch.Tensor:
-        """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU)."""
+    def _gram(self, X: torch.Tensor, which: str | None = None) -> torch.Tensor:
+        """G at X on the analysis device (eigenpairs are computed there: cuSOLVER/CuPy on a GPU).
+        ``which`` ("train" / "test"): on the host, in the workspace's buffer for that Gram, reused
+        at every step (valid until the next step's); None: a new tensor."""
         s = self.spec.spectrum
-        return gram(self.model, X, method=s.ntk_method, block_size=s.block_size, dtype=self.dtype)
+        n = X.shape[0]
+        on_host = which is not None and self.device.type == "cpu"
+        out = self._workspace.empty(f"gram.{which}", (n, n), self.dtype) if on_host else None
+        return gram(self.model, X, method=s.ntk_method, block_size=s.block_size, dtype=self.dtype, out=out)
 
     def _step_gram(self, which: str, theta: np.ndarray, pool: Pool | None) -> StepGram:
         """G at the training (or test) points in the run's layout: whole here, or on the gang."""
         if not self.distributed:
-            return DenseGram(self._gram(self.X if which == "train" else self.X_test))
+            return DenseGram(self._gram(self.X if which == "train" else self.X_test, which))
         n, s = (self.data.n if which == "train" else self.X_test.shape[0]), self.spec.spectrum
         gang, dtype = self._pool(pool, n), np.dtype(s.dtype)
         if self.plan.layout.layout is Layout.BLOCK_ROWS:
