@@ -129,3 +129,20 @@ def test_a_workspace_is_reused_and_changes_nothing(gram):
     assert ws._buffers["lanczos.V"].shape[0] == N // 2 + 1000 and small.products == "float64"
     ws.clear()
     assert ws.nbytes == 0
+
+
+def test_views_and_tensors_that_track_gradients_are_taken(gram):
+    """A reversed NumPy view (negative strides), a read-only array and a tensor that requires
+    grad are valid inputs: each gives the same top-k as the plain tensor, on both routes."""
+    plain = top_eigenpairs(gram, K, tol=TOL)
+    arr = gram.numpy()
+    rev = arr[::-1, ::-1]  # symmetric too: the same spectrum, eigenvectors reversed
+    ro = arr.copy()
+    ro.flags.writeable = False
+    for G, flip in ((rev, True), (ro, False), (gram.clone().requires_grad_(), False)):
+        out = top_eigenpairs(G, K, tol=TOL)
+        assert out.products == "deflated-float32"
+        assert np.abs(out.evals - plain.evals).max() <= 2 * TOL * plain.evals[0]
+        small = top_eigenpairs(G[:3000, :3000] if not flip else np.ascontiguousarray(arr[:3000, :3000])[::-1, ::-1],
+                               20, tol=TOL)  # the float64 route (N < 4096)
+        assert small.products == "float64" and np.isfinite(small.evals).all()

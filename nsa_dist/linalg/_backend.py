@@ -107,6 +107,16 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float64, colum
     return torch.from_numpy(np.empty(shape, dtype=np_dtype, order="F" if column_major else "C"))
 
 
+def _strides(shape: tuple[int, ...], column_major: bool) -> tuple[int, ...]:
+    """Element strides of a dense array of ``shape`` in C or Fortran order (as :func:`host_empty` makes)."""
+    dims = shape[::-1] if not column_major else shape
+    out, step = [], 1
+    for n in dims:
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(out[::-1]) if not column_major else tuple(out)
+
+
 class HostWorkspace:
     """Big CPU buffers that a caller keeps between solves of the same size (build once, hand on).
 
@@ -115,7 +125,9 @@ class HostWorkspace:
     reusing them took a top-500 from 3.6–4.4 s to 3.2–3.3 s (issue 22).  A
     :class:`~nsa_dist.pipeline.SpectralAnalyzer` holds one for its life, so its steps, and the
     training and test Grams of a step, solve in the same memory.  One solve at a time: a buffer is
-    the solver's until it returns (the results it returns are never views of one).
+    the solver's until it returns (the results it returns are never views of one); not for
+    concurrent solves.  It keeps what it holds (~1.1 GB for a step at N = 10⁴: two float32 Grams,
+    the rest, Lanczos's two blocks) until :meth:`clear` or its owner goes.
     """
 
     def __init__(self) -> None:
@@ -126,8 +138,8 @@ class HostWorkspace:
         """The buffer ``name`` (uninitialised contents), reallocated by :func:`host_empty` when its
         shape, dtype or order differ from what is asked."""
         buf = self._buffers.get(name)
-        order_ok = buf is not None and (buf.ndim < 2 or (buf.stride(0) == 1) == column_major)
-        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not order_ok:
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or \
+                buf.stride() != _strides(tuple(shape), column_major):
             self._buffers.pop(name, None)  # freed before the new one is allocated
             buf = self._buffers[name] = host_empty(shape, dtype, column_major)
         return buf

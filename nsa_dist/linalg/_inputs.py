@@ -59,7 +59,7 @@ class SymmetricMap:
             src, ops = self.source, self.ops
             converted = str(src.dtype) not in ("float64", "torch.float64")
             if converted and ops.name == "torch" and ops.device.type == "cpu" and not _on_gpu(src):
-                self._dense = host_empty(tuple(src.shape)).copy_(torch.as_tensor(src))  # in huge pages
+                self._dense = host_empty(tuple(src.shape)).copy_(convert(src, "torch"))  # in huge pages
             else:
                 self._dense = ops.asarray(src)  # (N, N) float64, no copy where src already is one
         return self._dense
@@ -139,6 +139,8 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
         raise ShapeError(f"{name} must be a square 2-D (N, N) matrix, got shape {shape}")
     if "complex" in str(G.dtype):
         raise TypeError(f"{name} must be real symmetric, got dtype {G.dtype}")
+    if isinstance(G, torch.Tensor):
+        G = G.detach()  # a G that tracks gradients: its values (no graph through the solver)
     host_torch = backend is Backend.AUTO and shape[0] >= _TORCH_HOST_N and not _on_gpu(G)
     ops = TorchOps("cpu") if host_torch else resolve_backend(backend, G)
     # a float G is checked as it is: its float64 copy holds the same values, and a float32 G read
