@@ -126,7 +126,7 @@ class HostWorkspace:
     :class:`~nsa_dist.pipeline.SpectralAnalyzer` holds one for its life, so its steps, and the
     training and test Grams of a step, solve in the same memory.  One solve at a time: a buffer is
     the solver's until it returns (the results it returns are never views of one); not for
-    concurrent solves.  It keeps what it holds (~1.1 GB for a step at N = 10⁴: two float32 Grams,
+    concurrent solves.  It keeps what it holds (~1.4 GB for a step at N = 10⁴: two float32 Grams,
     the rest, Lanczos's two blocks) until :meth:`clear` or its owner goes.
     """
 
