@@ -32,6 +32,7 @@ when it cannot:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 import warnings
 from typing import Any
 
@@ -85,11 +86,7 @@ class DeflatedGram:
         shape = tuple(G.shape)  # the rest in huge pages: 40 against 51 ms a product
         self.rest = workspace.empty("deflated.rest", shape, torch.float32) if workspace else host_empty(shape, torch.float32)
         US, Ut = U @ self.S, U.T.contiguous()
-        buf = torch.empty((min(SLAB, N), N), dtype=torch.float64)
-        for i in range(0, N, SLAB):
-            j = min(i + SLAB, N)
-            b = buf[:j - i]
-            b.copy_(G[i:j])
+        for i, j, b in _float64_slabs(G):
             b.addmm_(US[i:j], Ut, alpha=-1.0)
             self.rest[i:j].copy_(b)
         self.rest_fro = float(torch.linalg.vector_norm(self.rest))
@@ -105,15 +102,22 @@ class DeflatedGram:
 
     def exact(self, X: torch.Tensor) -> torch.Tensor:
         """G X in float64 for X (N, m) float64, G converted slab by slab (no (N, N) float64 copy)."""
-        N = self.G.shape[0]
-        out = torch.empty((N, X.shape[1]), dtype=torch.float64)
-        buf = torch.empty((min(SLAB, N), N), dtype=torch.float64)
-        for i in range(0, N, SLAB):
-            j = min(i + SLAB, N)
-            b = buf[:j - i]
-            b.copy_(self.G[i:j])
+        out = torch.empty((self.G.shape[0], X.shape[1]), dtype=torch.float64)
+        for i, j, b in _float64_slabs(self.G):
             torch.mm(b, X, out=out[i:j])
         return out
+
+
+def _float64_slabs(G: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(i, j, G[i:j] in float64)`` over row slabs of :data:`SLAB` rows, one reused buffer (no
+    (N, N) float64 copy); a slab is valid until the next is yielded."""
+    N = G.shape[0]
+    buf = torch.empty((min(SLAB, N), N), dtype=torch.float64)
+    for i in range(0, N, SLAB):
+        j = min(i + SLAB, N)
+        b = buf[:j - i]
+        b.copy_(G[i:j])
+        yield i, j, b
 
 
 def deflation_applies(G: Any, k: int, backend: str) -> bool:
