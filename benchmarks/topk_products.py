@@ -8,7 +8,7 @@ the same float32 G twice: the route it takes now (``products == "deflated-float3
 float64 products (the route switched off by raising ``MIN_K``), and prints both times, their
 ratio, the products, the max residual, the eigenvalue difference between the routes, and the
 GEMM bound of each route's products (the time of that many columns of G·X in its precision, in
-(N, 32) blocks as Lanczos applies them).  The load average is printed with each round.
+(N, b) blocks as Lanczos applies them, b = 48 since issue 22's sixth pass).  The load average is printed with each round.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 import nsa_dist.linalg._deflated as deflated
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.linalg._backend import host_empty
+
+BLOCK = 48  # Lanczos's block for a large dense G (nsa_dist.linalg._eigen._block_size)
 
 
 def _paper_gram() -> torch.Tensor:
@@ -44,11 +46,11 @@ def _paper_gram() -> torch.Tensor:
 
 
 def _gemm_bound(G: torch.Tensor, columns: int) -> float:
-    """Seconds for ``columns`` columns of G·X in G's precision, (N, 32) blocks."""
-    X = torch.randn(G.shape[0], 32, dtype=G.dtype)
+    """Seconds for ``columns`` columns of G·X in G's precision, in Lanczos's (N, BLOCK) blocks."""
+    X = torch.randn(G.shape[0], BLOCK, dtype=G.dtype)
     G @ X
     t = time.perf_counter()
-    for _ in range(-(-columns // 32)):
+    for _ in range(-(-columns // BLOCK)):
         G @ X
     return time.perf_counter() - t
 

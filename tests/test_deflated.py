@@ -61,7 +61,11 @@ def test_top_k_equals_float64_products_within_tolerance(gram):
     orth = np.abs(fast.evecs.T @ fast.evecs - np.eye(K)).max()
     assert d_eval <= 2 * TOL, f"eigenvalues differ by {d_eval:.2e}·λ₁ from the float64 route's"
     assert true.max() <= TOL * lam1, f"true residual {true.max() / lam1:.2e}·λ₁ > tol {TOL:.0e} (every vector)"
-    assert fast.max_residual >= true.max(), f"reported {fast.max_residual:.3e} is not a bound of {true.max():.3e}"
+    # a bound up to the rounding of a residual itself (√N·eps₆₄·λ₁: a sampled vector reports its
+    # true residual, whose product here runs in another GEMM order)
+    slack = np.sqrt(gram.shape[0]) * np.finfo(np.float64).eps * lam1
+    assert fast.max_residual >= true.max() - slack, \
+        f"reported {fast.max_residual:.3e} is not a bound of {true.max():.3e} (allowed rounding {slack:.1e})"
     assert orth < 1e-12, f"‖VᵀV − I‖_max = {orth:.2e}"
     cos = np.abs((fast.evecs * ref.evecs).sum(axis=0))[:50]
     assert cos.min() > 1 - 1e-8, f"a top-50 eigenvector moved: min |cos| = {cos.min():.12f}"

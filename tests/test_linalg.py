@@ -599,3 +599,27 @@ def test_orthogonalise_local_first_then_one_pass_or_two() -> None:
         rebuilt = float((V @ torch.from_numpy(C) + out - W).abs().max() / W.abs().max())
         assert orth < 1e-14, f"{name}: |Vᵀ W_out| / |W_out| = {orth:.2e}"
         assert rebuilt < 1e-14, f"{name}: |V C + W_out − W_in| / |W_in| = {rebuilt:.2e}"
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_sign_fix_in_place_equals_the_copying_one(order: str) -> None:
+    """The in-place sign fix of a solver's own V (max/min per column, argmax only on ties) flips
+    exactly the columns the copying one (NumPy argmax of |V|) flips: ties go to the first entry,
+    a zero column and a NaN column stay as they are."""
+    from nsa_dist.linalg._eigen import _fix_signs
+
+    V = np.random.default_rng(0).standard_normal((300, 12))
+    V[:, 3] = 0.0
+    V[[5, 7], 3] = (-1.0, 1.0)  # tie, the negative one first: flipped
+    V[:, 4] = 0.0
+    V[[5, 7], 4] = (1.0, -1.0)  # tie, the positive one first: kept
+    V[:, 6] = 0.0
+    V[9, 8] = np.nan
+    V = np.asarray(V, order=order)
+    copied = _fix_signs(V)
+    own = V.copy(order=order)
+    fixed = _fix_signs(own, owned=True)
+    assert fixed is own, "an owned contiguous float64 V is flipped in place, not copied"
+    np.testing.assert_array_equal(fixed, copied)
+    assert fixed[5, 3] == 1.0 and fixed[5, 4] == 1.0 and fixed[7, 3] == -1.0
+    assert copied is not V and copied.flags.f_contiguous

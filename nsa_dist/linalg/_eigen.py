@@ -114,21 +114,22 @@ def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Lite
         res = deflated_lanczos(A.source, k, tol=tol, max_iter=max_iter, seed=seed, start=start,
                                block_size=_block_size(A, k), workspace=workspace)
         if res is not None:
-            return Eigenpairs(res.evals, _fix_signs(res.evecs.numpy()), method, "torch", res.n_matvec,
+            return Eigenpairs(res.evals, _fix_signs(res.evecs.numpy(), owned=True), method, "torch", res.n_matvec,
                               float(res.residuals.max()), res.converged, products="deflated-float32")
     res = block_lanczos(A.matmat, A.N, k, A.ops, tol=tol, max_iter=max_iter, seed=seed,
                         sym_rtol=A.sym_rtol, start=start, block_size=_block_size(A, k), workspace=workspace)
-    return Eigenpairs(res.evals, _fix_signs(A.ops.to_numpy(res.evecs)), method, A.ops.name, A.n_matvec,
+    return Eigenpairs(res.evals, _fix_signs(A.ops.to_numpy(res.evecs), owned=True), method, A.ops.name, A.n_matvec,
                       float(res.residuals.max()), res.converged)
 
 
 def _block_size(A: SymmetricMap, k: int) -> int | None:
-    """Lanczos block size: 32 for a large dense matrix and k ≥ 64 — an (N, 16) GEMM streams G
+    """Lanczos block size: 48 for a large dense matrix and k ≥ 64 — an (N, 16) GEMM streams G
     from memory (2.4× the time per column of an (N, 48) one at N = 10⁴ on two cores,
-    ``benchmarks/topk.py``), for a few % more products; the default
-    (:func:`default_block_size`) otherwise."""
+    ``benchmarks/topk.py``), and an (N, 48) float32 one took 0.73–0.76 ms a column against
+    0.94–1.03 for (N, 32) (0.76 for 56 and 64: MKL's kernels), for ~8 % more products
+    (benchmarks/README.md, issue 22); the default (:func:`default_block_size`) otherwise."""
     if A.source is not None and A.N >= 4096 and k >= 64:
-        return 32
+        return 48
     return None
 
 
@@ -164,12 +165,32 @@ def _arpack_top(A: SymmetricMap, k: int, tol: float, max_iter: int | None, seed:
     return w[order], V[:, order]
 
 
-def _fix_signs(V: np.ndarray) -> np.ndarray:
-    """Flip columns so each one's largest-|entry| component is positive."""
-    V = np.array(V, dtype=np.float64, order="F")
-    cols = np.arange(V.shape[1])
-    flip = V[np.abs(V).argmax(axis=0), cols] < 0
-    V[:, flip] *= -1
+def _fix_signs(V: np.ndarray, owned: bool = False) -> np.ndarray:
+    """Flip columns so each one's largest-|entry| component is positive (the first such entry on a
+    tie, as NumPy's argmax).
+
+    ``owned``: V is a contiguous float64 array the solver just made (Lanczos's V·Y), flipped in
+    place on torch's threads — a column's largest |entry| has the sign of whichever of its max and
+    min is larger in size; only a tie needs argmax.  At N = 10⁴, k = 500: ~0.01 s, against
+    0.06–0.16 s for the float64 column-major copy and NumPy's |V| temporary that a view (dense
+    eigh's columns of its (N, N) V) still gets."""
+    if not (owned and isinstance(V, np.ndarray) and V.dtype == np.float64
+            and (V.flags.c_contiguous or V.flags.f_contiguous) and V.size):
+        V = np.array(V, dtype=np.float64, order="F")
+        cols = np.arange(V.shape[1])
+        flip = V[np.abs(V).argmax(axis=0), cols] < 0
+        V[:, flip] *= -1
+        return V
+    import torch
+
+    t = torch.from_numpy(V)  # shares V's memory
+    top, bottom = t.amax(dim=0), -t.amin(dim=0)
+    flip = bottom > top  # NaN: no flip, as argmax of |V| finds it and NaN < 0 is False
+    tie = (bottom == top).nonzero().flatten()
+    if tie.numel():
+        ties = t[:, tie]
+        flip[tie] = ties[ties.abs().argmax(dim=0), torch.arange(tie.numel())] < 0
+    t.mul_(torch.where(flip, -1.0, 1.0).to(torch.float64))
     return V
 
 
