@@ -345,3 +345,8 @@ def test_cross_gram_times_is_the_dense_kernel_rows(K: int) -> None:
     V = np.random.default_rng(0).standard_normal((11, 3))
     ref = dense_ntk(model, Xt, X).numpy() @ V  # (M, N) traced kernel rows times V
     np.testing.assert_allclose(cross_gram_times(model, Xt, X, V, torch.float64), ref, rtol=1e-10, atol=1e-12)
+    buf = torch.full((4, 11), float("nan"), dtype=torch.float64)  # whole, in a caller's buffer (overwritten)
+    np.testing.assert_allclose(cross_gram_times(model, Xt, X, V, torch.float64, out=buf), ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(buf.numpy(), dense_ntk(model, Xt, X).numpy(), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"out must be a contiguous tensor of shape \(4, 11\)"):
+        cross_gram_times(model, Xt, X, V, torch.float64, out=torch.empty(11, 4, dtype=torch.float64))

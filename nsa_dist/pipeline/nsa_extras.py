@@ -41,7 +41,7 @@ def run_decays(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", evals: n
 
 def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.Tensor", evals: np.ndarray,
                           evecs: np.ndarray, residual: np.ndarray, f_test: np.ndarray, spec: "ExperimentSpec",
-                          dtype: "torch.dtype") -> np.ndarray:
+                          dtype: "torch.dtype", out: "torch.Tensor | None" = None) -> np.ndarray:
     """App. E, Eq. 22 at the first recorded step t0: the test outputs at every recorded step predicted
     by GD with G_{t0} fixed, through the Nyström extension ṽ_i(X') = g_{t0}(X', 𝒳) v_i / λ_i (Eq. 9).
 
@@ -53,6 +53,8 @@ def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.
         X, X_test: (N, …), (M, …); evals, evecs: (K,), (N, K) of G_{t0};
         residual: m̄_{t0}, (N,) or (N, Ko); f_test: f_{t0}(X'), (M,) or (M, Ko);
         spec: the run's spec (its recorded steps and learning rates); dtype: the products' dtype.
+        out: an (M, N) buffer of ``dtype`` for the cross kernel g_{t0}(X', 𝒳) whole (see
+            :func:`~nsa_dist.ntk.kernel_change.cross_gram_times`); None: blocks of rows.
 
     Returns:
         (S, M) or (S, M, Ko) float64.
@@ -63,7 +65,7 @@ def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.
     keep = lam > 1e-10 * lam[0]
     V = np.asarray(evecs, np.float64)[:, keep]  # (N, K')
     sp = spec.spectrum
-    gV = cross_gram_times(model, X_test, X, V, dtype, sp.ntk_method, sp.block_size)  # (M, K')
+    gV = cross_gram_times(model, X_test, X, V, dtype, sp.ntk_method, sp.block_size, out=out)  # (M, K')
     ext = nystrom_from_products(gV, lam[keep])  # (M, K')
     coef = V.T @ np.asarray(residual, np.float64)  # (K',) or (K', Ko)
     N = V.shape[0]

@@ -263,13 +263,24 @@ class SpectralAnalyzer:
             out.update(self._at_eigenvector_step(ck, sp.evecs))
         if ck.index == 0 and self.plan.has("constant_gram_f_test"):  # App. E, Eq. 22
             out["constant_gram_f_test"] = test_point_prediction(
-                self.model, self.X, self.X_test, sp.evals, sp.evecs, residual, ck.f_test, self.spec, self.dtype)
+                self.model, self.X, self.X_test, sp.evals, sp.evecs, residual, ck.f_test, self.spec, self.dtype,
+                out=self._cross_buffer())
         extras = self.extras.analyze(self.model, self.X, ck, sp.proj["residual"], residual)
         images = None
         if self.images is not None:
             V = np.column_stack([sp.columns[i - 1] for i in self.images.indices])  # (N, nI)
             images = self.images.render(V, residual.reshape(N, -1)[:, 0])
         return GramStep(**out), extras, images
+
+    def _cross_buffer(self) -> torch.Tensor | None:
+        """Where App. E's cross kernel g(X_test, 𝒳) (M, N) is assembled whole: on the host with G
+        held whole, the test Gram's workspace buffer — free until the test half, which overwrites it
+        later in the step (reallocated there when M ≠ N, once per run: App. E runs at t0 only), so
+        the training points' features are computed once and no fresh pages are touched; None
+        (blocks of rows) on a gang, where G is too large to hold, or on a GPU."""
+        if self.distributed or self.device.type != "cpu":
+            return None
+        return self._workspace.empty("gram.test", (self.X_test.shape[0], self.data.n), self.dtype)
 
     def _at_eigenvector_step(self, ck: Checkpoint, evecs: np.ndarray) -> dict[str, Any]:
         """Fig. 4d's f̄_{t,k} (and their images on 2-D data), App. F's dG_t on the top Kg eigenvectors."""
