@@ -136,3 +136,25 @@ def test_only_one_phi_column_skips_q(two_routes) -> None:
     np.testing.assert_allclose(one.evals, two.evals, rtol=0, atol=1e-12 * two.evals[0])
     np.testing.assert_allclose(np.cumsum(one.proj["f_test"][:, 0] ** 2), np.cumsum(two.proj["f_test"][:, 0] ** 2),
                                rtol=0, atol=1e-10 * float(F[:, 0] @ F[:, 0]))
+
+
+def test_app_e_cross_kernel_in_the_test_grams_buffer_changes_nothing() -> None:
+    """App. E's g(X_test, 𝒳) V at t0 is assembled whole in the test Gram's workspace buffer when
+    the step has test Grams (M ≠ N here: the buffer is reshaped for it, then for the test Gram),
+    in transient blocks of rows otherwise (no buffer held for nothing); the prediction is the same."""
+    import torch
+
+    with_test, without = _spec(False), _spec(False, test_points=False)
+    data = load_dataset(with_test.data, seed=0)
+    ck = next(iter(Trainer(plan_run(with_test, data), data).train_until(1)))  # index 0: App. E
+    a, b = SpectralAnalyzer(plan_run(with_test, data), data), SpectralAnalyzer(plan_run(without, data), data)
+    assert a.plan.has("constant_gram_f_test") and b.plan.has("constant_gram_f_test")
+    seen = []
+    cross = a._cross_buffer
+    a._cross_buffer = lambda: seen.append(cross()) or seen[-1]  # the buffer App. E was handed
+    got, want = a.analyze(ck).arrays(), b.analyze(ck).arrays()
+    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor) and tuple(seen[0].shape) == (60, 150)
+    assert b._cross_buffer() is None
+    held = a._workspace.nbytes - b._workspace.nbytes
+    assert held == 60 * 60 * 8, f"{held} bytes more: the test Gram's (M, M) float64 only, not also the (M, N) cross kernel"
+    np.testing.assert_allclose(got["constant_gram_f_test"], want["constant_gram_f_test"], rtol=1e-12, atol=1e-14)

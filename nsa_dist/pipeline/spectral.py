@@ -274,11 +274,12 @@ class SpectralAnalyzer:
 
     def _cross_buffer(self) -> torch.Tensor | None:
         """Where App. E's cross kernel g(X_test, 𝒳) (M, N) is assembled whole: on the host with G
-        held whole, the test Gram's workspace buffer — free until the test half, which overwrites it
-        later in the step (reallocated there when M ≠ N, once per run: App. E runs at t0 only), so
-        the training points' features are computed once and no fresh pages are touched; None
-        (blocks of rows) on a gang, where G is too large to hold, or on a GPU."""
-        if self.distributed or self.device.type != "cpu":
+        held whole and the test Gram measured, that Gram's workspace buffer — free until the test
+        half, which overwrites it later in the step (reallocated there when M ≠ N, once per run:
+        App. E runs at t0 only), so the training points' features are computed once and no fresh
+        pages are touched; None (blocks of rows, transient) without test Grams (a buffer would stay
+        held for nothing), on a gang, where G is too large to hold, or on a GPU."""
+        if self.distributed or self.device.type != "cpu" or not self.plan.has("eigenvalues_test"):
             return None
         return self._workspace.empty("gram.test", (self.X_test.shape[0], self.data.n), self.dtype)
 
