@@ -56,7 +56,7 @@ def main() -> None:
         cold, warm = analyzers["cold"].n_products, analyzers["warm"].n_products
         dlam = max(float(np.max(np.abs(out["warm"][e] - out["cold"][e])) / float(out["cold"][e][0]))
                    for e in ("eigenvalues", "eigenvalues_test"))
-        saved = {g: f"{1 - warm[g] / cold[g]:.0%}" for g in cold}
+        saved = {g: f"{1 - warm[g] / cold[g]:.0%}" if cold[g] else "n/a" for g in cold}
         spacing = "—" if previous is None else ck.step - previous
         print(f"t = {ck.step} (spacing {spacing}, trained in {trained:.0f} s): products cold {cold} warm {warm} "
               f"saved {saved}; cold {secs['cold']:.1f} s, warm {secs['warm']:.1f} s; max |Δλ|/λ₁ {dlam:.1e}; "

@@ -471,7 +471,7 @@ def test_gated_checks_change_nothing_but_the_number_of_full_checks(monkeypatch) 
     full (n, n) eighs, and the answer still matches dense eigh."""
     import nsa_dist.linalg.lanczos as lanczos
 
-    G = torch.from_numpy(psd(2400).copy())  # a dense host G of N ≥ 2048: the torch route, block 32
+    G = torch.from_numpy(psd(2400).copy())  # a dense host G of N ≥ 2048: the torch route, block 16 (48 only from N = 4096)
     calls = {"full": 0}
     ritz = lanczos._ritz
 
@@ -502,7 +502,7 @@ def test_warm_start_narrow_block_and_bad_shape() -> None:
 
 
 def test_large_host_matrix_runs_on_torch_blas() -> None:
-    """AUTO puts a dense host G of N ≥ 2048 on torch's CPU BLAS (block 32 for k ≥ 64); results as eigh's."""
+    """AUTO puts a dense host G of N ≥ 2048 on torch's CPU BLAS (block 16; 48 only from N = 4096); results as eigh's."""
     N, k = 2048, 64
     lam = decaying(N)
     Q, _ = np.linalg.qr(np.random.default_rng(5).standard_normal((N, N)))
