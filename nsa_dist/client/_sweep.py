@@ -215,5 +215,9 @@ class Sweep:
         """The smallest number of eigenpairs K kept by a finished run (the largest k every run has)."""
         return min(int(self.run(rid).eigenvalues.shape[1]) for _, ids in self.groups() for rid in ids)
 
+    def smallest_n(self) -> int:
+        """The smallest number of training points N of a finished run (a k < it is a k below every run's N)."""
+        return min(self.run(rid).N for _, ids in self.groups() for rid in ids)
+
     def __repr__(self) -> str:
         return f"Sweep({self.name!r}, runs={len(self.runs)}, fields={self.fields}, seeded={self.seeded})"

@@ -21,11 +21,27 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Run
 
-__all__ = ["KS", "DPI", "PlotOptions", "new_figure", "ks", "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps",
+__all__ = ["KS", "DPI", "PAPER_K_FRACTION", "energy_k", "PlotOptions", "new_figure", "ks", "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps",
            "decay_lines", "time_axis"]
 
 KS = (1, 2, 5, 10, 20, 50, 100, 200, 400, 1000, 2000, 4000, 10000)  # k (or i) drawn, as in NSA Fig. 3
 DPI = 110
+PAPER_K_FRACTION = 400 / 10_000  # NSA Fig. 7a reads E_t(y, k) at k = 400 of N = 10⁴
+
+
+def energy_k(n: int, k_stored: int, requested: int | None = None) -> int:
+    """The k at which a single-k energy figure (NSA Fig. 7a) reads E_t(φ, k) by default.
+
+    The paper's fraction of N (400 of 10⁴), at least 1, capped by the eigenpairs stored
+    (``k_stored``) and kept below N: at k = N every E is 1 and the curve says nothing.
+    An explicit ``requested`` k is only capped by what is stored.
+
+    >>> energy_k(10_000, 10_000), energy_k(1000, 100), energy_k(20, 20), energy_k(50, 50, requested=50)
+    (400, 40, 1, 50)
+    """
+    if requested is not None:
+        return max(1, min(int(requested), int(k_stored)))
+    return max(1, min(round(PAPER_K_FRACTION * n), int(k_stored), int(n) - 1))
 
 
 def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1,
