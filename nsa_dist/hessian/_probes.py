@@ -12,7 +12,7 @@ from nsa_dist.errors import ShapeError
 from nsa_dist.linalg import Backend, as_symmetric_map
 from nsa_dist.linalg.operator import LinearOperator
 
-__all__ = ["LinearMap", "as_linear_map", "rademacher", "check_int"]
+__all__ = ["LinearMap", "as_linear_map", "rademacher", "gaussian", "check_int"]
 
 
 class LinearMap:
@@ -56,6 +56,11 @@ def as_linear_map(A: Any, name: str = "A") -> LinearMap:
 def rademacher(rng: np.random.Generator, P: int, m: int) -> np.ndarray:
     """(P, m) independent ±1 entries (float64)."""
     return rng.integers(0, 2, size=(P, m)).astype(np.float64) * 2 - 1
+
+
+def gaussian(rng: np.random.Generator, P: int, m: int) -> np.ndarray:
+    """(P, m) independent standard normal entries (float64)."""
+    return rng.standard_normal((P, m))
 
 
 def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:

@@ -3,6 +3,19 @@
 Every estimator reuses one set of products for all orders: with ``h = ⌈k_max / 2⌉`` powers
 ``A^j z`` (j ≤ h) of a probe z, ``zᵀ A^k z = (A^a z)ᵀ (A^b z)`` for ``a = ⌊k/2⌋, b = k − a``, so
 the four moments k = 1…4 cost two products per probe.
+
+Standard errors use every probe.  The Hutchinson probes are Gaussian, so one form ``zᵀ B z``
+(B symmetric: ``A^k``, or ``P⊥ A^k P⊥`` for Hutch++) has variance exactly ``2 ‖B‖_F²``, and
+``‖B‖_F²`` is estimated without bias from all m² forms ``z_iᵀ B z_j`` — the m(m − 1) with
+i ≠ j have mean ``‖B‖_F²``, the spread of the m with i = j has mean ``2 ‖B‖_F²`` — instead of
+from the m diagonal forms alone (whose sample variance has m − 1 degrees of freedom, too few
+for honest intervals at 4 or 8 probes).  Hutch++'s sketch adds no variance: given Q the
+estimate is unbiased (``Tr A^k = Tr Qᵀ A^k Q + Tr P⊥ A^k P⊥`` for every orthonormal Q), so its
+variance is the mean over Q of the Hutchinson part's, which the remainder's forms estimate.
+What probes cannot calibrate is a remainder of very low effective rank (a few outliers the
+sketch missed, e.g. in ``I`` of rank N·K above the sketch size, or in high powers): there the
+estimate is χ²-like with few degrees of freedom and ±1σ / ±2σ under-cover whatever the
+variance estimate.
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ import torch
 
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import curvature_sqrt
-from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, rademacher
+from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, gaussian, rademacher
 from nsa_dist.hessian.operators import _setup
 from nsa_dist.ntk import gram
 from nsa_dist.losses import parse_loss
@@ -69,10 +82,34 @@ def _mean_stderr(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.mean(axis=1), se
 
 
-def hutchinson_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, seed: int = 0) -> Moments:
-    """Hutchinson's estimate ``Tr(A^k) ≈ (1/m) Σ_i z_iᵀ A^k z_i`` with Rademacher probes z_i.
+def _forms(pw: list[np.ndarray], max_order: int) -> np.ndarray:
+    """(max_order, m, m): slice k−1 holds every ``z_iᵀ A^k z_j = (A^a z_i)ᵀ (A^b z_j)``, symmetrised."""
+    C = np.stack([pw[k // 2].T @ pw[k - k // 2] for k in range(1, max_order + 1)])
+    return (C + C.transpose(0, 2, 1)) / 2
 
-    Unbiased; the standard error is the sample standard deviation over probes / √m.
+
+def _gaussian_mean_stderr(C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of the diagonal forms of C (K, m, m) and its standard error from all m² forms.
+
+    For m independent Gaussian probes and ``C_ij = z_iᵀ B z_j``: ``Var(C_ii) = 2 ‖B‖_F²``,
+    ``E[C_ij²] = ‖B‖_F²`` (i ≠ j) and ``E[s²] = 2 ‖B‖_F²`` (s² the diagonal's sample variance), so
+    ``T = (Σ_{i≠j} C_ij² + (m/2) s²) / m²`` is unbiased for ``‖B‖_F²`` and ``√(2T/m)`` is the
+    standard error of the mean (NaN for m < 2).
+    """
+    m = C.shape[1]
+    d = np.einsum("kii->ki", C)  # (K, m)
+    if m < 2:
+        return d.mean(axis=1), np.full(C.shape[0], np.nan)
+    off = np.sum(C ** 2, axis=(1, 2)) - np.sum(d ** 2, axis=1)
+    T = (off + m / 2 * d.var(axis=1, ddof=1)) / m ** 2
+    return d.mean(axis=1), np.sqrt(2 * T / m)
+
+
+def hutchinson_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, seed: int = 0) -> Moments:
+    """Hutchinson's estimate ``Tr(A^k) ≈ (1/m) Σ_i z_iᵀ A^k z_i`` with Gaussian probes z_i.
+
+    Unbiased; the standard error ``√(2 ‖A^k‖_F² / m)`` with ``‖A^k‖_F²`` estimated from all m²
+    forms ``z_iᵀ A^k z_j`` (see the module docstring).
 
     Args:
         A: symmetric (P, P): a dense NumPy/torch matrix or an operator (``shape``, ``matmat``),
@@ -90,8 +127,8 @@ def hutchinson_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, seed: 
     m = check_int("n_probes", n_probes, 1)
     kmax = check_int("max_order", max_order, 1)
     Amap = as_linear_map(A)
-    Z = rademacher(np.random.default_rng(seed), Amap.P, m)  # (P, m)
-    est, se = _mean_stderr(_quadratic_forms(_powers(Amap, Z, -(-kmax // 2)), kmax))
+    Z = gaussian(np.random.default_rng(seed), Amap.P, m)  # (P, m)
+    est, se = _gaussian_mean_stderr(_forms(_powers(Amap, Z, -(-kmax // 2)), kmax))
     return Moments(est, se, Amap.n_products, "hutchinson")
 
 
@@ -101,9 +138,11 @@ def hutchpp_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, sketch: i
 
     Q (P, s) is an orthonormal basis of ``A Ω`` (Ω Rademacher, s sketch columns): it captures
     the dominant eigenspace of A and so of every power ``A^k``.  The first term is computed
-    exactly; the second by Hutchinson with ``g = n_probes − s`` probes projected by
+    exactly; the second by Hutchinson with ``g = n_probes − s`` Gaussian probes projected by
     ``P⊥ = 1 − Q Qᵀ``.  Much lower variance than Hutchinson when a few eigenvalues dominate
-    (the outliers of I and H).  The standard error is that of the Hutchinson part.
+    (the outliers of I and H).  The standard error is the whole estimate's: given Q the sketch
+    part is exact and the estimate unbiased, so all the variance is the Hutchinson part's,
+    ``2 ‖P⊥ A^k P⊥‖_F² / g``, estimated from all g² remainder forms (module docstring).
 
     Args:
         A: symmetric (P, P) matrix or operator.
@@ -132,9 +171,9 @@ def hutchpp_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, sketch: i
         Q = np.linalg.qr(Amap(rademacher(rng, Amap.P, s)))[0]  # (P, s)
         est += _quadratic_forms(_powers(Amap, Q, h), kmax).sum(axis=1)
     if g > 0 and s < Amap.P:
-        Z = rademacher(rng, Amap.P, g)  # (P, g)
+        Z = gaussian(rng, Amap.P, g)  # (P, g)
         Z -= Q @ (Q.T @ Z)
-        mean, se = _mean_stderr(_quadratic_forms(_powers(Amap, Z, h), kmax))
+        mean, se = _gaussian_mean_stderr(_forms(_powers(Amap, Z, h), kmax))
         est += mean
     return Moments(est, se, Amap.n_products, "hutch++")
 
