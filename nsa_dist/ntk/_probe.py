@@ -22,15 +22,25 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._attention import attention_ok, attention_call_ok
+from nsa_dist.ntk._attention import attention_ok, attention_call_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, trainable_params
 from nsa_dist.ntk.state import batch_stat_modules, preserved
 
 __all__ = ["Route", "FastLayer", "ForwardPlan", "plan_forward", "couples"]
 
 _PROBE_POINTS = 4
+
+# The assumptions a fast route makes about a layer (docs/design-notes.md, "What a fast NTK route
+# assumes about a layer"); the reason given for a layer that fails a proof starts with its name.
+KNOWN = "known layer"
+READS = "reads its parameters"
+ONCE = "called once"
+AXIS = "sample axis"
+RETURNS = "returns its output"
+KEPT = "input kept"
 
 
 class Route:
@@ -64,11 +74,19 @@ class FastLayer:
     @property
     def w(self) -> float | None:
         """The weight's scale in the structured factor (NTK parametrisation), None when frozen."""
-        return getattr(self.module, "weight_scale", 1.0) if "weight" in self.params else None
+        return self._scale("weight")
 
     @property
     def b(self) -> float | None:
-        return getattr(self.module, "bias_scale", 1.0) if "bias" in self.params else None
+        """The bias's scale (NTK parametrisation), None when frozen or absent."""
+        return self._scale("bias")
+
+    def _scale(self, name: str) -> float | None:
+        from nsa_dist.models import NTKLinear
+
+        if name not in self.params:
+            return None
+        return getattr(self.module, f"{name}_scale") if type(self.module).forward is NTKLinear.forward else 1.0
 
 
 @dataclass(frozen=True)
@@ -189,6 +207,124 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
         return _plan_layers(model, xs, params)
 
 
+def _not_own(m: nn.Module, local: tuple[str, ...], attention: bool) -> str | None:
+    """Why m's forward may read something other than exactly its registered parameters (None: it
+    reads them): a parametrization, a forward replaced on the instance, trainable parameters the
+    formula does not know (weight_norm's ``weight_g``/``weight_v``), a weight that is not a parameter."""
+    if any(parametrize.is_parametrized(s) for s in (m.modules() if attention else [m])):
+        return "its weight is computed by a parametrization (torch.nn.utils.parametrize)"
+    if "forward" in m.__dict__:
+        return "its forward is replaced on the instance"
+    own = _ATTENTION_OWN if attention else ("weight", "bias")
+    extra = [pn for pn in local if pn not in own]
+    if extra:
+        return (f"it has trainable parameters {', '.join(extra)} besides its own weight and bias "
+                "(a reparametrised weight, e.g. weight_norm)")
+    for pn in own:
+        sub, _, leaf = pn.rpartition(".")
+        holder = m.get_submodule(sub) if sub else m
+        t = getattr(holder, leaf, None)
+        if isinstance(t, torch.Tensor) and t.requires_grad and holder._parameters.get(leaf) is not t:
+            return f"its {pn} is not its registered parameter (computed before each forward)"
+    return None
+
+
+_ATTENTION_OWN = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+
+
+@dataclass
+class _Call:
+    """One recorded call of a candidate layer: its input, the output it computed, the copy the
+    network was handed and their version counters at the call."""
+
+    args: tuple
+    kwargs: dict
+    a: object
+    va: int | None
+    z: object
+    given: object
+    vg: int | None
+    why: str | None  # the attention call's own check
+
+
+def _batch_dim(m: nn.Module, attention: bool) -> int:
+    return 1 if attention and not m.batch_first else 0
+
+
+def _reference(m: nn.Module, call: _Call, attention: bool) -> torch.Tensor:
+    """The layer's class forward on its recorded input (detached) with its registered parameters."""
+    if not attention:
+        return type(m).forward(m, call.a.detach())
+    q = call.a.detach()
+    args = tuple(q if i < 3 else v for i, v in enumerate(call.args))
+    kwargs = {k: (q if k in ("query", "key", "value") else v) for k, v in call.kwargs.items()}
+    return decomposed(m, *projections(m), *args, **kwargs)[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).abs().max() / a.abs().max().clamp_min(1e-300)).item()) if a.numel() else 0.0
+
+
+def _tol(t: torch.Tensor) -> float:
+    return 1e-9 if t.dtype == torch.float64 else 1e-4
+
+
+def _own_output(m: nn.Module, call: _Call, attention: bool, params: list[torch.Tensor], label: str) -> str | None:
+    """Why the output the network used is not the layer's own function of its input and registered
+    parameters — in value, or in its gradient w.r.t. them (one random VJP); None when it is."""
+    z = call.z
+    with torch.enable_grad():
+        ref = _reference(m, call, attention)
+    if ref.shape != z.shape or not _close(ref, z):
+        err = f" (by {_rel(ref, z):.1e} relative)" if ref.shape == z.shape else f" ({tuple(z.shape)} vs {tuple(ref.shape)})"
+        return (f"{RETURNS}: the output of {label} differs from {type(m).__name__}.forward on its input with its "
+                f"registered parameters{err}: a forward hook or another forward replaces it")
+    g = torch.Generator(device=z.device).manual_seed(7)
+    v = torch.randn(z.shape, generator=g, dtype=z.dtype, device=z.device)
+    got = torch.autograd.grad(z, params, v, retain_graph=True, allow_unused=True) if z.requires_grad else [None] * len(params)
+    want = torch.autograd.grad(ref, params, v, allow_unused=True)
+    for p, gz, gr in zip(params, got, want):
+        gz = torch.zeros_like(p) if gz is None else gz
+        gr = torch.zeros_like(p) if gr is None else gr
+        if not _close(gr, gz):
+            return (f"{RETURNS}: the gradient of {label}'s output w.r.t. its parameters is not the layer's own "
+                    f"(by {_rel(gr, gz):.1e} relative): a forward hook or another forward replaces it")
+    return None
+
+
+def _own_rows(out: torch.Tensor, outputs: dict[str, tuple[torch.Tensor, int, str]]) -> dict[str, str]:
+    """Layers whose output rows do not each reach only their own point's output (name → why).
+
+    For each probe point k, one backward of a random combination of f(x_k)'s outputs: its gradient
+    w.r.t. every layer's output must vanish outside row k (of the sample axis)."""
+    b = out.shape[0]
+    names = list(outputs)
+    bad: dict[str, str] = {}
+    if b < 2 or not names or not out.requires_grad:
+        return bad
+    g = torch.Generator(device=out.device).manual_seed(11)
+    u = torch.rand(out.shape, generator=g, dtype=out.dtype, device=out.device) + 0.5
+    for k in range(b):
+        live = [n for n in names if n not in bad]
+        if not live:
+            break
+        grads = torch.autograd.grad((out[k] * u[k]).sum(), [outputs[n][0] for n in live], retain_graph=True,
+                                    allow_unused=True)
+        for n, d in zip(live, grads):
+            if d is None:
+                continue
+            z, dim, label = outputs[n]
+            d = d.detach().movedim(dim, 0).reshape(b, -1).abs()
+            scale = float(d.max())
+            rest = torch.cat([d[:k], d[k + 1:]]).amax(1)  # per other row
+            if scale > 0 and float(rest.max()) > _tol(d) * scale:
+                r = int(rest.argmax()) + (int(rest.argmax()) >= k)
+                bad[n] = (f"{AXIS}: row {r} of the output of {label} (shape {tuple(z.shape)}) reaches point {k}'s "
+                          "output: its rows are not one per point (an axis of the batch's length that is not "
+                          "the sample axis, or a broadcast)")
+    return bad
+
+
 def _plan_layers(model: nn.Module, xs: torch.Tensor, params: dict[str, torch.Tensor]) -> ForwardPlan:
     owner = {}  # id(param) → (module name, module, local name)
     for mname, m in model.named_modules():
@@ -199,15 +335,19 @@ def _plan_layers(model: nn.Module, xs: torch.Tensor, params: dict[str, torch.Ten
     cands = {mname: m for mname, m in model.named_modules()
              if mname in attention or (any(p.requires_grad for p in m.parameters(recurse=False)) and _standard(m))}
     cands = {n: m for n, m in cands.items() if n.rpartition(".")[0] not in attention}  # out_proj goes with its attention
-    calls: dict[str, list] = {n: [] for n in cands}
+    calls: dict[str, list[_Call]] = {n: [] for n in cands}
 
     def hook(name):
         def f(mod, args, kwargs, out):
             a = args[0] if args else kwargs.get("query", kwargs.get("input"))
             z = out[0] if name in attention and isinstance(out, tuple) else out
             why = attention_call_ok(mod, args, kwargs, out) if name in attention else None
-            calls[name].append((a, a._version if isinstance(a, torch.Tensor) else None, z,
-                                z._version if isinstance(z, torch.Tensor) else None, why))
+            given = z.clone() if isinstance(z, torch.Tensor) else z  # the network's copy: z stays as computed
+            calls[name].append(_Call(args, kwargs, a, a._version if isinstance(a, torch.Tensor) else None, z, given,
+                                     given._version if isinstance(given, torch.Tensor) else None, why))
+            if not isinstance(z, torch.Tensor):
+                return None
+            return (given,) + tuple(out[1:]) if isinstance(out, tuple) else given
         return f
 
     handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in cands.items()]
@@ -217,50 +357,90 @@ def _plan_layers(model: nn.Module, xs: torch.Tensor, params: dict[str, torch.Ten
     finally:
         for h in handles:
             h.remove()
+    b = xs.shape[0]
     uses = _uses(out)
     routes: dict[str, tuple[str, str]] = {}
     layers: list[FastLayer] = []
+    proven: dict[str, tuple[nn.Module, tuple[str, ...], _Call]] = {}
     for mname, m in cands.items():
-        local = tuple(pn for pn, p in m.named_parameters(recurse=mname in attention) if p.requires_grad)
+        att = mname in attention
+        local = tuple(pn for pn, p in m.named_parameters(recurse=att) if p.requires_grad)
+        label = f"{_kind(m)} {mname!r}"
         seen = calls[mname]
-        why = None
-        if len(seen) != 1:
-            why = f"module {mname!r} is called {len(seen)} times per forward"
-        else:
-            a, va, z, vz, why = seen[0]
-            why = f"{type(m).__name__} ({mname!r}): {why}" if why else None
+        why = _not_own(m, local, att)
+        why = None if why is None else f"{READS}: {label}: {why}"
+        if why is None and len(seen) != 1:
+            why = f"{ONCE}: {label} is called {len(seen)} times per forward"
+        if why is None:
+            c = seen[0]
             shared = [pn for pn in local if uses.get(id(m.get_parameter(pn)), 0) != 1]
-            if why is None and shared:
+            if c.why:
+                why = f"{KNOWN}: {label}: {c.why}"
+            elif shared:
                 pn = shared[0]
-                why = (f"parameter {mname}.{pn} is used {uses.get(id(m.get_parameter(pn)), 0)} times per forward "
-                       "(shared or tied)")
-            elif why is None and (not isinstance(a, torch.Tensor) or not isinstance(z, torch.Tensor)):
-                why = f"module {mname!r} does not map one tensor to one tensor"
-            elif why is None and a._version != va:
-                why = f"the input of {mname!r} is modified in place after the call"
-        names = [f"{mname}.{pn}" if mname else pn for pn in local]
+                why = (f"{ONCE}: parameter {mname}.{pn} is used {uses.get(id(m.get_parameter(pn)), 0)} times per "
+                       "forward (shared or tied)")
+            elif not isinstance(c.a, torch.Tensor) or not isinstance(c.z, torch.Tensor):
+                why = f"{KNOWN}: {label} does not map one tensor to one tensor"
+            elif c.a._version != c.va:
+                why = f"{KEPT}: the input of {label} is modified in place after the call"
+            else:
+                why = _sample_axis(m, c, att, b, label) or _own_output(m, c, att, [m.get_parameter(pn) for pn in local],
+                                                                      label)
         if why is not None:
-            for n in names:
-                routes[n] = (Route.JACOBIAN, why)
+            for pn in local:
+                routes[f"{mname}.{pn}" if mname else pn] = (Route.JACOBIAN, why)
             continue
-        a, _, z, vz, _ = seen[0]
-        factored = isinstance(m, nn.Linear) and a.ndim == 2
-        clone = z._version != vz
+        proven[mname] = (m, local, seen[0])
+    rows = _own_rows(out, {n: (c.z, _batch_dim(m, n in attention), f"{_kind(m)} {n!r}")
+                           for n, (m, _, c) in proven.items()})
+    for mname, (m, local, c) in proven.items():
+        names = [f"{mname}.{pn}" if mname else pn for pn in local]
+        if mname in rows:
+            for n in names:
+                routes[n] = (Route.JACOBIAN, rows[mname])
+            continue
+        factored = isinstance(m, nn.Linear) and c.a.ndim == 2
+        clone = c.given._version != c.vg
         path = Route.STRUCTURED if factored else Route.PER_LAYER
         note = f"{type(m).__name__} used once" + ("; its output is modified in place (cloned)" if clone else "")
         if mname in attention:
             if clone:
                 for n in names:
-                    routes[n] = (Route.JACOBIAN, f"the output of {mname!r} is modified in place")
+                    routes[n] = (Route.JACOBIAN, f"{RETURNS}: the output of {mname!r} is modified in place")
                 continue
             note += " as unmasked self-attention: its projections as Linear layers at every position"
         for n in names:
-            routes[n] = (path, note)
+            routes[n] = (path, note + "; proven on the probe points")
         layers.append(FastLayer(mname, m, local, factored, clone))
     for n in params:
         if n not in routes:
-            mname, m, _ = owner[id(params[n])]
-            routes[n] = (Route.JACOBIAN, f"{type(m).__name__} ({mname!r}) has no per-layer formula")
+            routes[n] = _unowned(model, n, *owner[id(params[n])])
     order = list(params)
     generic = tuple(n for n in order if routes[n][0] == Route.JACOBIAN)
     return ForwardPlan(False, tuple(layers), generic, {n: routes[n] for n in order})
+
+
+def _kind(m: nn.Module) -> str:
+    """The layer's class name (the original class of a parametrized module)."""
+    return type(m).__bases__[0].__name__ if parametrize.is_parametrized(m) else type(m).__name__
+
+
+def _sample_axis(m: nn.Module, c: _Call, attention: bool, b: int, label: str) -> str | None:
+    """Why the layer's input or output does not have the probe batch's length on its sample axis."""
+    dim = _batch_dim(m, attention)
+    for what, t in (("input", c.a), ("output", c.z)):
+        if t.ndim <= dim or t.shape[dim] != b:
+            return (f"{AXIS}: the {what} of {label} has shape {tuple(t.shape)}, not one row per point of the "
+                    f"probe's {b} (a table or a tensor broadcast over the points)")
+    return None
+
+
+def _unowned(model: nn.Module, name: str, mname: str, m: nn.Module, pname: str) -> tuple[str, str]:
+    """The route and reason of a parameter outside every candidate layer."""
+    if ".parametrizations." in f".{name}":
+        layer = f".{name}".split(".parametrizations.")[0][1:]
+        host = model.get_submodule(layer)
+        return Route.JACOBIAN, (f"{READS}: {_kind(host)} {layer!r}: its weight is computed by a parametrization "
+                                "(torch.nn.utils.parametrize)")
+    return Route.JACOBIAN, f"{KNOWN}: {type(m).__name__} ({mname!r}) has no per-layer formula"

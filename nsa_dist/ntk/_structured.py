@@ -90,8 +90,9 @@ def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K:
     depend on z_l).  What the per-layer NTK paths (structured, conv) build their features from.
 
     ``clone[l]``: hand the model a copy of module l's output (the model modifies it in place) and
-    differentiate the original.  Any other saved input or output modified in place raises
-    :class:`Unproven` — the formula would silently use the modified tensor.
+    differentiate the original.  Any other saved input or output modified in place, or an input or
+    output without one row per point of x, raises :class:`Unproven` — the formula would silently use
+    the wrong tensor.
     """
     acts: dict[int, torch.Tensor] = {}
     zs: dict[int, torch.Tensor] = {}
@@ -99,6 +100,9 @@ def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K:
     copy_out = {id(m): c for m, c in zip(modules, clone or [False] * len(modules))}
 
     def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
+        if inp[0].shape[:1] != x.shape[:1] or out.shape[:1] != x.shape[:1]:  # the probe proved one row per point
+            raise Unproven(f"{type(mod).__name__} saw {tuple(inp[0].shape)} → {tuple(out.shape)} in a feature pass "
+                           f"of {x.shape[0]} points")
         acts[id(mod)], zs[id(mod)] = inp[0].detach(), out
         seen.setdefault(id(mod), []).append((inp[0], inp[0]._version, out, out._version))
         return out.clone() if copy_out[id(mod)] else None

@@ -1,0 +1,280 @@
+"""Every assumption a fast NTK route makes about a layer, broken on purpose, one model each.
+
+The structured and per-layer routes compute a layer's per-sample gradients from its input ``A``
+and its output gradient ``δ``.  That holds only when the layer's input and output carry one row
+per point, its output rows reach only their own point, it reads exactly its registered
+parameters and the network uses the output it computed (docs/design-notes.md, "What a fast NTK
+route assumes about a layer").  Each model below breaks one of these in a way people write;
+``gram()`` must equal a float64 ``torch.func.jacrev`` reference, the layer that breaks the
+assumption must take the exact route (saying which assumption failed) and a layer that does not
+must stay fast.  The tests name the assumption, not a model.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from conftest import dense_ntk
+from nsa_dist.ntk import explain_method, gram
+
+F64 = torch.float64
+FAST = ("structured", "per_layer")
+
+
+class TableBias(nn.Module):
+    """Tokens (n, T, d) plus a bias that a small MLP computes from a table of T coordinates, a
+    trainable parameter with no sample axis, broadcast-added to every point's activations (the
+    continuous position bias of a windowed attention, in miniature).  With T equal to the number
+    of probe points the table's leading axis has the batch's length."""
+
+    def __init__(self, T=5, d=3):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(T, 2))
+        self.cpb = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, d, bias=False))
+        self.inp, self.head = nn.Linear(d, d), nn.Linear(d, 1)
+
+    def forward(self, x):  # x (n, T·d)
+        h = self.inp(x.view(x.shape[0], self.table.shape[0], -1))  # (n, T, d)
+        h = h + 4 * torch.sigmoid(self.cpb(self.table))  # (T, d) broadcast over the points
+        return self.head(torch.tanh(h)).mean(1).squeeze(-1)
+
+
+class LeadingOne(nn.Module):
+    """A Linear applied to a (1, T, d) parameter, its output broadcast over the batch."""
+
+    def __init__(self, T=3, d=4):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, T, d))
+        self.pos_proj, self.inp, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 1)
+
+    def forward(self, x):  # x (n, T·d)
+        h = self.inp(x.view(x.shape[0], self.pos.shape[1], -1)) + self.pos_proj(self.pos)
+        return self.head(torch.tanh(h)).sum(1).squeeze(-1)
+
+
+class PositionIds(nn.Module):
+    """Position embeddings looked up by ``arange(T)`` (no sample axis) added to token embeddings."""
+
+    def __init__(self, T=5, d=4, leading_one=False):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(7, d), nn.Embedding(T, d), nn.Linear(d, 1)
+        self.leading_one = leading_one
+
+    def forward(self, x):  # x (n, T) token ids as floats
+        ids = torch.arange(x.shape[1])
+        h = self.tok(x.long()) + self.pos(ids[None] if self.leading_one else ids)
+        return self.head(torch.tanh(h)).mean(1).squeeze(-1)
+
+
+class TransposedAxis(nn.Module):
+    """Points (n, T, d), tested with n = T: a Linear applied to ``x.transpose(0, 1)``, whose leading axis has
+    the batch's length but runs over positions, not points."""
+
+    def __init__(self, T=4, d=3):
+        super().__init__()
+        self.T = T
+        self.mix, self.inp, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 1)
+
+    def forward(self, x):  # x (n, T·d)
+        h = torch.tanh(self.inp(x.view(x.shape[0], self.T, -1)))  # (n, T, d)
+        h = torch.tanh(self.mix(h.transpose(0, 1))).transpose(0, 1)  # the Linear on (T, n, d)
+        return self.head(h).mean(1).squeeze(-1)
+
+
+class Chain(nn.Module):
+    """``head(tanh(b(tanh(a(x)))))``: ``a`` is the layer the tests tamper with, ``b`` stays fast."""
+
+    def __init__(self, d=4, conv=False):
+        super().__init__()
+        self.conv = conv
+        if conv:
+            self.a, self.b = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 3)
+            self.head = nn.Linear(2 * 2 * 2, 1)
+        else:
+            self.a, self.b, self.head = nn.Linear(d, 6), nn.Linear(6, 5), nn.Linear(5, 1)
+
+    def mid(self, x):
+        return torch.tanh(self.a(x))
+
+    def forward(self, x):
+        if self.conv:
+            x = x.view(x.shape[0], 2, 4, 4)
+        h = torch.tanh(self.b(self.mid(x)))
+        return self.head(h.flatten(1)).squeeze(-1)
+
+
+class Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).T
+
+
+def _parametrized():
+    m = Chain()
+    m.a = nn.Linear(4, 4)
+    m.b = nn.Linear(4, 5)
+    parametrize.register_parametrization(m.a, "weight", Symmetric())
+    return m
+
+
+def _weight_norm_new():
+    m = Chain()
+    torch.nn.utils.parametrizations.weight_norm(m.a)
+    return m
+
+
+def _weight_norm_old_conv():
+    m = Chain(conv=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated but still used
+        torch.nn.utils.weight_norm(m.a)
+    return m
+
+
+def _output_hook():
+    m = Chain()
+    m.a.register_forward_hook(lambda mod, args, out: 2 * out + 1)
+    return m
+
+
+def _pre_hook_own_parameter():
+    m = Chain()
+    m.a.register_forward_pre_hook(lambda mod, args: (args[0] * mod.bias.sum(),))
+    return m
+
+
+def _pre_hook_input():
+    m = Chain()
+    m.a.register_forward_pre_hook(lambda mod, args: (torch.tanh(args[0]),))
+    return m
+
+
+def _instance_forward():
+    m = Chain()
+    a = m.a
+    a.forward = lambda x: F.linear(x, a.weight * 1.5, a.bias)
+    return m
+
+
+class InPlaceAfter(Chain):
+    """The output of ``a`` multiplied in place by a trainable gate, and a slice of it zeroed,
+    before the network uses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.rand(6) + 0.5)
+
+    def mid(self, x):
+        z = self.a(x)
+        z.mul_(self.gate)
+        z[:, 0] = 0.0
+        return torch.tanh(z)
+
+
+class CalledTwice(Chain):
+    """``a`` applied to the points and again to a (T, d) table of another shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3, 4))
+
+    def mid(self, x):
+        return torch.tanh(self.a(x)) + torch.tanh(self.a(self.table)).mean(0)
+
+
+class FunctionalReuse(Chain):
+    """``a``'s weight also used through ``F.linear`` outside the module."""
+
+    def mid(self, x):
+        return torch.tanh(self.a(x)) + 0.5 * torch.tanh(F.linear(x, self.a.weight))
+
+
+def _flat(n, width, g):
+    return torch.randn(n, width, generator=g, dtype=F64)
+
+
+def _ids(n, T, g):
+    return torch.randint(0, 7, (n, T), generator=g).to(F64)
+
+
+# name → (model, points (generator ↦ x), {parameter: (route, reason starts with)}, a parameter that stays fast)
+CASES = {
+    "sample_axis/table_broadcast": (lambda: TableBias(T=5), lambda g: _flat(6, 15, g),
+                                     {"cpb.0.weight": ("jacobian", "sample axis"),
+                                      "cpb.2.weight": ("jacobian", "sample axis")}, "inp.weight"),
+    "sample_axis/table_with_the_batch_length": (lambda: TableBias(T=4), lambda g: _flat(4, 12, g),
+                                                 {"cpb.0.weight": ("jacobian", "sample axis"),
+                                                  "cpb.2.weight": ("jacobian", "sample axis")}, "inp.weight"),
+    "sample_axis/leading_one": (LeadingOne, lambda g: _flat(6, 12, g),
+                                {"pos_proj.weight": ("jacobian", "sample axis")}, "inp.weight"),
+    "sample_axis/position_ids": (PositionIds, lambda g: _ids(6, 5, g),
+                                 {"pos.weight": ("jacobian", "sample axis")}, "tok.weight"),
+    "sample_axis/position_ids_leading_one": (lambda: PositionIds(leading_one=True), lambda g: _ids(6, 5, g),
+                                             {"pos.weight": ("jacobian", "sample axis")}, "tok.weight"),
+    "sample_axis/transposed_axis_of_batch_length": (TransposedAxis, lambda g: _flat(4, 12, g),
+                                                    {"mix.weight": ("jacobian", "sample axis")}, "inp.weight"),
+    "reads_its_parameters/parametrization": (_parametrized, lambda g: _flat(6, 4, g),
+                                             {"a.parametrizations.weight.original": ("jacobian", "reads its"),
+                                              "a.bias": ("jacobian", "reads its")}, "b.weight"),
+    "reads_its_parameters/weight_norm": (_weight_norm_new, lambda g: _flat(6, 4, g),
+                                         {"a.parametrizations.weight.original0": ("jacobian", "reads its"),
+                                          "a.bias": ("jacobian", "reads its")}, "b.weight"),
+    "reads_its_parameters/weight_norm_hook_conv": (_weight_norm_old_conv, lambda g: _flat(6, 32, g),
+                                                   {"a.weight_g": ("jacobian", "reads its"),
+                                                    "a.weight_v": ("jacobian", "reads its")}, "b.weight"),
+    "reads_its_parameters/instance_forward": (_instance_forward, lambda g: _flat(6, 4, g),
+                                              {"a.weight": ("jacobian", "reads its")}, "b.weight"),
+    "reads_its_parameters/pre_hook_uses_own_parameter": (_pre_hook_own_parameter, lambda g: _flat(6, 4, g),
+                                                         {"a.bias": ("jacobian", "called once")}, "b.weight"),
+    "returns_its_output/forward_hook_replaces_output": (_output_hook, lambda g: _flat(6, 4, g),
+                                                        {"a.weight": ("jacobian", "returns its output")}, "b.weight"),
+    "called_once/twice_with_different_shapes": (CalledTwice, lambda g: _flat(6, 4, g),
+                                                {"a.weight": ("jacobian", "called once")}, "b.weight"),
+    "called_once/weight_reused_functionally": (FunctionalReuse, lambda g: _flat(6, 4, g),
+                                               {"a.weight": ("jacobian", "called once")}, "b.weight"),
+    # proven and kept fast: the formula reads the input the forward saw (after the pre-hook) and
+    # differentiates the output before the in-place changes (the network gets a copy)
+    "proven/pre_hook_changes_input": (_pre_hook_input, lambda g: _flat(6, 4, g),
+                                      {"a.weight": ("structured", "")}, "b.weight"),
+    "proven/output_changed_in_place": (InPlaceAfter, lambda g: _flat(6, 4, g),
+                                       {"a.weight": ("structured", "")}, "b.weight"),
+}
+
+
+def _routes_text(routes):
+    return "\n".join(f"  {k}: {p} — {w}" for k, (p, w) in routes.items())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_broken_assumption_takes_the_exact_route(name):
+    make, points, want, fast = CASES[name]
+    torch.manual_seed(0)
+    model = make().double().eval()
+    x = points(torch.Generator().manual_seed(1))
+    _, routes = explain_method(model, x)
+    G = gram(model, x)
+    ref = dense_ntk(model, x)  # functional_call: the model is unchanged (weight_norm's hook cannot be deep-copied)
+    err = float(((G - ref).abs().max() / ref.abs().max()).item()) if torch.isfinite(G).all() else float("inf")
+    assert err <= 1e-12, f"{name}: gram is off by {err:.3e} (max relative to max |G|); routes:\n{_routes_text(routes)}"
+    for pname, (path, why) in want.items():
+        got_path, got_why = routes[pname]
+        assert got_path == path and got_why.startswith(why), \
+            f"{name}: {pname} took {got_path} ({got_why}), expected {path} ({why}…); routes:\n{_routes_text(routes)}"
+    assert routes[fast][0] in FAST, f"{name}: {fast} should stay fast; routes:\n{_routes_text(routes)}"
+
+
+def test_cross_kernel_with_a_table_of_the_batch_length():
+    """The probe sees 4 points and a 4-row table; the cross kernel's second set has another length."""
+    torch.manual_seed(0)
+    model = TableBias(T=4).double().eval()
+    g = torch.Generator().manual_seed(2)
+    x1, x2 = _flat(4, 12, g), _flat(7, 12, g)
+    ref = dense_ntk(model, torch.cat([x1, x2]))[:4, 4:]
+    G = gram(model, x1, x2)
+    err = float(((G - ref).abs().max() / ref.abs().max()).item())
+    assert err <= 1e-12, f"cross kernel off by {err:.3e}"
