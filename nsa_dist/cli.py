@@ -344,6 +344,20 @@ def _lr(value: object) -> str:
         return "-"
 
 
+def _print_notes(con: "Console", notes: dict[int, dict[str, str]], most: int = 5) -> None:
+    """The diagnostics stored as NaN, with their reasons: one line per step and reason."""
+    from rich.markup import escape
+
+    lines = [f"t = {t}: {', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
+             for t, by in notes.items() for reason in dict.fromkeys(by.values())]
+    if lines:
+        con.print(f"[yellow]diagnostics not computed at {len(notes)} step(s):[/]")
+        for line in lines[:most]:
+            con.print("  " + escape(line), soft_wrap=True)
+        if len(lines) > most:
+            con.print(f"  … {len(lines) - most} more (Run.notes has them all)")
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -391,6 +405,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     ht = hessian_table(run)
     if ht is not None:
         con.print(ht)
+    _print_notes(con, run.notes)
     from nsa_dist.plots.axes import gd_note
 
     if gd_note(run):

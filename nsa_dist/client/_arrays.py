@@ -7,6 +7,8 @@ arrays at exactly those, checked (a damaged chunk is a StoreError naming it, nev
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 import numpy as np
@@ -110,6 +112,19 @@ class RunArrays:
     def per_step(self, name: str) -> np.ndarray:
         """(S, …) per-step array ``name`` at the finished steps (rows in the order of :attr:`steps`)."""
         return self.rows(name, self.finished)
+
+    @property
+    def notes(self) -> dict[int, dict[str, str]]:
+        """Why some diagnostics are NaN, by finished step t: ``{t: {array name: reason}}`` (only the
+        steps with a note; a diagnostic that could not be computed is stored as NaN and the run goes
+        on).  Runs written before notes existed have none."""
+        if not self.has("step_notes"):
+            return {}
+        out = {}
+        for t, text in zip(self.steps.tolist(), self.per_step("step_notes").tolist()):
+            if text:
+                out[int(t)] = json.loads(text)
+        return out
 
     def rows(self, name: str, idx: np.ndarray) -> np.ndarray:
         """(len(idx), …) per-step array ``name`` at storage indices ``idx`` (into :attr:`schedule`), checked."""

@@ -10,7 +10,8 @@ from nsa_dist.errors import ShapeError
 from nsa_dist.metrics._validate import as_real, check_rows, positive_scalar, work_dtype
 
 __all__ = ["constant_gram_dynamics", "ConstantGramTrajectory", "constant_gram_decay", "constant_gram_residual",
-           "ConstantGramResidual", "constant_gram_test_outputs", "constant_gram_decays"]
+           "ConstantGramResidual", "constant_gram_test_outputs", "constant_gram_decays", "constant_gram_log_decays",
+           "Decays"]
 
 
 class ConstantGramTrajectory(NamedTuple):
@@ -99,10 +100,74 @@ class ConstantGramResidual(NamedTuple):
     """(S, K) E(m̄_t, k) = Σ_{i≤k} ⟨v_i, m̄_t⟩² / ‖m̄_t‖² in the eigenbasis of G_{t0}."""
 
 
+class Decays(NamedTuple):
+    """r_i(t_j) = Π_s (1 − δ_s λ_i/N) held as a sign and a log-modulus.
+
+    Beyond GD's stability bound (δ λ_i/N > 2) |r_i| grows geometrically and overflows float64
+    after a few hundred steps; its logarithm does not, so ratios such as E(m̄_t, k) stay exact.
+    """
+
+    log_abs: np.ndarray
+    """(S, K) or (K,) log|r_i(t_j)| (−inf where r is exactly 0)."""
+    sign: np.ndarray
+    """Same shape: the sign of r_i(t_j) (0 where r is 0)."""
+
+    def values(self) -> np.ndarray:
+        """r itself, ±inf where its modulus overflows float64."""
+        with np.errstate(over="ignore"):
+            return self.sign * np.exp(self.log_abs)
+
+    def overflows(self) -> np.ndarray:
+        """(S,) whether any r_i(t_j) of step j overflows float64 (the prediction diverges there)."""
+        return ~np.isfinite(self.values()).reshape(self.log_abs.shape[0], -1).all(axis=1)
+
+    @classmethod
+    def of(cls, values: Any) -> "Decays":
+        """The decays of finite values r (e.g. from :func:`constant_gram_decays`)."""
+        r = as_real("decays", values, (1, 2)).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            return cls(np.log(np.abs(r)), np.sign(r))
+
+
+def constant_gram_log_decays(evals: Any, lrs: Any, offsets: Any, n: int) -> Decays:
+    """r_i(t_j) = Π_{s<t_j−t_0} (1 − δ_s λ_i/N) at several steps as :class:`Decays`, one pass over the rates.
+
+    Exact: over each run of updates the product is Π_u (1 − δ_u λ_i/N)^{count_u} over the
+    distinct rates δ_u, summed as count_u · log|1 − δ_u λ_i/N| with the sign's parity.
+
+    Args:
+        evals: (K,) eigenvalues of G_{t0}.
+        lrs: (T,) the rates of updates t_0, t_0 + 1, … (at least max(offsets) of them).
+        offsets: (S,) increasing t_j − t_0 ≥ 0.
+        n: N.
+
+    Returns:
+        :class:`Decays` of shape (S, K).
+    """
+    lam = as_real("evals", evals, (1,)).astype(np.float64)
+    d = np.asarray(lrs, np.float64).reshape(-1)
+    off = np.asarray(offsets, np.int64).reshape(-1)
+    if np.any(np.diff(off) < 0) or (off.size and (off[0] < 0 or off[-1] > d.size)):
+        raise ValueError(f"offsets must increase within 0..{d.size} (the rates given), got {off.tolist()[:10]}")
+    log_abs, sign = np.empty((off.size, lam.size)), np.empty((off.size, lam.size))
+    la, sg, prev = np.zeros_like(lam), np.ones_like(lam), 0
+    for j, o in enumerate(off):
+        rates, counts = np.unique(d[prev:o], return_counts=True)
+        for rate, c in zip(rates, counts):
+            factor = 1.0 - rate * lam / n
+            with np.errstate(divide="ignore"):
+                la = la + int(c) * np.log(np.abs(factor))
+            sg = sg * np.sign(factor) ** (int(c) % 2) * (factor != 0)
+        log_abs[j], sign[j], prev = la, sg, o
+    return Decays(log_abs, sign)
+
+
 def constant_gram_decay(evals: Any, lrs: Any, n: int) -> np.ndarray:
     """Π_s (1 − δ_s λ_i / N) over the learning rates δ_s of a run of updates (Eq. 5 with a schedule).
 
     Exact: the product is taken as Π_u (1 − δ_u λ_i/N)^{count_u} over the distinct rates δ_u.
+    Beyond the stability bound the product overflows to ±inf (:func:`constant_gram_log_decays`
+    keeps it finite).
 
     Args:
         evals: (K,) eigenvalues λ_i of G.
@@ -112,67 +177,57 @@ def constant_gram_decay(evals: Any, lrs: Any, n: int) -> np.ndarray:
     Returns:
         (K,) float64.
     """
-    lam = as_real("evals", evals, (1,)).astype(np.float64)  # (K,)
-    rates, counts = np.unique(np.asarray(lrs, np.float64).reshape(-1), return_counts=True)
-    out = np.ones_like(lam)
-    for d, c in zip(rates, counts):
-        out *= np.power(1.0 - d * lam / n, int(c))
-    return out
+    T = int(np.asarray(lrs).size)
+    return constant_gram_log_decays(evals, lrs, [T], n).values()[0]
 
 
 def constant_gram_decays(evals: Any, lrs: Any, offsets: Any, n: int) -> np.ndarray:
-    """r_i(t_j) = Π_{s<t_j−t_0} (1 − δ_s λ_i/N) at several steps, one pass over the rates.
-
-    Args:
-        evals: (K,) eigenvalues of G_{t0}.
-        lrs: (T,) the rates of updates t_0, t_0 + 1, … (at least max(offsets) of them).
-        offsets: (S,) increasing t_j − t_0 ≥ 0.
-        n: N.
+    """r_i(t_j) = Π_{s<t_j−t_0} (1 − δ_s λ_i/N) at several steps (:func:`constant_gram_log_decays`'s values).
 
     Returns:
-        (S, K) float64.
+        (S, K) float64, ±inf where |r| overflows (beyond the stability bound).
     """
-    lam = as_real("evals", evals, (1,)).astype(np.float64)
-    d = np.asarray(lrs, np.float64).reshape(-1)
-    off = np.asarray(offsets, np.int64).reshape(-1)
-    if np.any(np.diff(off) < 0) or (off.size and (off[0] < 0 or off[-1] > d.size)):
-        raise ValueError(f"offsets must increase within 0..{d.size} (the rates given), got {off.tolist()[:10]}")
-    out, r, prev = np.empty((off.size, lam.size)), np.ones_like(lam), 0
-    for j, o in enumerate(off):
-        r = r * constant_gram_decay(lam, d[prev:o], n)
-        out[j], prev = r, o
-    return out
+    return constant_gram_log_decays(evals, lrs, offsets, n).values()
 
 
-def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: Any) -> ConstantGramResidual:
+def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: "Decays | Any") -> ConstantGramResidual:
     """‖m̄_t‖ and E(m̄_t, k) under GD with G fixed at G_{t0} (NSA Eq. 5 / App. D Eq. 14), from projections.
 
     With p_i = ⟨v_i, m̄_{t0}⟩² (summed over output columns) and the decay r_i(t) = Π_{s=t0}^{t−1}
-    (1 − δ_s λ_i/N) (:func:`constant_gram_decays`):  ‖m̄_t‖² = Σ_i r_i(t)² p_i + ‖m̄_{t0}^z‖²,
+    (1 − δ_s λ_i/N) (:func:`constant_gram_log_decays`):  ‖m̄_t‖² = Σ_i r_i(t)² p_i + ‖m̄_{t0}^z‖²,
     ‖m̄^z‖² = ‖m̄_{t0}‖² − Σ_i p_i (the part outside the K eigenvectors, which never moves: the
     rank-K truncation of G, exact for K = N).
+
+    Summed in log space: above the stability bound (δ λ_1/N > 2) the energies stay exact and the
+    norm is +inf only where it exceeds float64 (the prediction diverges there).
 
     Args:
         evals: (K,) eigenvalues of G_{t0}; proj: (K,) p_i.
         m0_sq: ‖m̄_{t0}‖².
-        decays: (S, K) r_i(t_j).
+        decays: :class:`Decays` or finite values r_i(t_j), (S, K).
 
     Returns:
         ``ConstantGramResidual(norm (S,), energy (S, K))`` float64.
     """
     lam = as_real("evals", evals, (1,)).astype(np.float64)
     p = as_real("proj", proj, (1,)).astype(np.float64)
-    r = as_real("decays", decays, (2,)).astype(np.float64)
-    if p.shape != lam.shape or r.shape[1] != lam.shape[0]:
-        raise ShapeError(f"proj {p.shape}, evals {lam.shape} and decays {r.shape} must be (K,), (K,), (S, K)")
+    dec = decays if isinstance(decays, Decays) else Decays.of(decays)
+    la = np.asarray(dec.log_abs, np.float64)
+    if p.shape != lam.shape or la.ndim != 2 or la.shape[1] != lam.shape[0]:
+        raise ShapeError(f"proj {p.shape}, evals {lam.shape} and decays {la.shape} must be (K,), (K,), (S, K)")
     rest = max(float(m0_sq) - float(p.sum()), 0.0)  # ‖m̄^z‖², clipped at round-off
-    kept = r**2 * p  # (S, K)
-    total = kept.sum(axis=1) + rest  # (S,)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return ConstantGramResidual(np.sqrt(total), np.cumsum(kept, axis=1) / total[:, None])
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        log_kept = 2.0 * la + np.log(p)[None, :]  # (S, K) log(r_i² p_i), −inf where p_i = 0 or r_i = 0
+        log_rest = np.full((la.shape[0], 1), np.log(rest))
+        scale = np.max(np.concatenate([log_kept, log_rest], axis=1), axis=1, keepdims=True)  # (S, 1)
+        scale = np.where(np.isfinite(scale), scale, 0.0)
+        kept = np.exp(log_kept - scale)
+        total = kept.sum(axis=1, keepdims=True) + np.exp(log_rest - scale)  # (S, 1), ≥ 1 unless all zero
+        norm = np.exp(0.5 * (scale[:, 0] + np.log(total[:, 0])))
+        return ConstantGramResidual(norm, np.cumsum(kept, axis=1) / total)
 
 
-def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: Any) -> np.ndarray:
+def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: "Decays | Any") -> np.ndarray:
     """Outputs at test points under GD with a fixed Gramian, through its eigenfunctions (App. E, Eq. 22):
 
         f_t(X') = f_0(X') − Σ_i [1 − r_i(t)] ⟨v_i, m̄_0⟩ ṽ_i(X'),   ṽ_i(X') = g(X', 𝒳) v_i / λ_i (Eq. 9)
@@ -180,24 +235,31 @@ def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: Any) -
     with r_i(t) = Π_s (1 − δ_s λ_i/N) (:func:`constant_gram_decay`).  Over all eigenpairs with
     λ_i > 0 this is Eq. 18 exactly (g(X', 𝒳) m̄_0^z = 0 for a Jacobian kernel); over the top K it
     is the rank-K truncation.  Columns of ``ext`` that are NaN (eigenpairs left out) count as 0.
+    Steps at which some r_i(t) overflows float64 (beyond the stability bound) are NaN: the
+    prediction diverges there.
 
     Args:
         ext: (M, K) Nyström extensions ṽ_i at the M test points (:func:`nystrom_extension`).
         coef: (K,) or (K, Ko) c_i = ⟨v_i, m̄_0⟩ per output column.
         f0_test: (M,) or (M, Ko) f_0(X').
-        decays: (S, K) r_i(t) at S steps.
+        decays: (S, K) r_i(t) at S steps, finite values or :class:`Decays`.
 
     Returns:
         (S, M) or (S, M, Ko) float64.
     """
+    dec = decays if isinstance(decays, Decays) else Decays.of(decays)
     E = np.nan_to_num(as_real("ext", ext, (2,)).astype(np.float64, copy=True), nan=0.0)  # (M, K)
     c = as_real("coef", coef, (1, 2)).astype(np.float64)
     f0 = as_real("f0_test", f0_test, (1, 2)).astype(np.float64)
-    r = as_real("decays", decays, (2,)).astype(np.float64)  # (S, K)
-    if c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0] or c.ndim != f0.ndim:
+    r = np.asarray(dec.values(), np.float64)  # (S, K), ±inf where it overflows
+    diverged = dec.overflows() if r.ndim == 2 else np.zeros(0, bool)
+    r = np.where(diverged[:, None], 0.0, r) if r.ndim == 2 else r
+    if r.ndim != 2 or c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0] or c.ndim != f0.ndim:
         raise ShapeError(f"ext {E.shape}, coef {c.shape}, f0_test {f0.shape}, decays {r.shape} do not match "
                          "(M, K), (K[, Ko]), (M[, Ko]), (S, K)")
     C = c.reshape(c.shape[0], -1)  # (K, Ko)
     learned = np.einsum("mk,sk,ko->smo", E, 1.0 - r, C)  # (S, M, Ko)
     out = f0.reshape(f0.shape[0], -1)[None] - learned
+    with np.errstate(invalid="ignore"):
+        out[diverged | ~np.isfinite(out).reshape(out.shape[0], -1).all(axis=1)] = np.nan
     return out[..., 0] if f0.ndim == 1 else out

@@ -33,7 +33,9 @@ from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
 from nsa_dist.pipeline.step_basis import StepSpectrum, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
-from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
+from nsa_dist.pipeline.diagnostics import StepNotes
+from nsa_dist.store import step_specs
+from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult, not_computed
 
 __all__ = ["SpectralAnalyzer"]
 
@@ -88,6 +90,7 @@ class SpectralAnalyzer:
         self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
         self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
+        self._notes = StepNotes(plan.run_id, -1)  # why the step being analysed has NaN diagnostics
 
     @property
     def distributed(self) -> bool:
@@ -171,35 +174,66 @@ class SpectralAnalyzer:
                           for s in range(0, X.shape[0], c)]).cpu().numpy()
 
     def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> StepResult:
-        """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout."""
+        """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout.
+
+        G_t, its spectrum and the energies are the measurement; everything else is a diagnostic
+        (:mod:`~nsa_dist.pipeline.diagnostics`): one that cannot be computed at this step is
+        stored as NaN with its reason in ``step_notes``, and the step goes on."""
         p = next(self.model.parameters())
         vector_to_parameters(torch.as_tensor(ck.theta, dtype=p.dtype, device=self.device), self.model.parameters())
         if ck.model_state is not None:  # a Tracker's model: its buffers and modes at t, not at construction
             ck.model_state.apply(self.model)
         self.timings = {}
+        notes = self._notes = StepNotes(self.plan.run_id, ck.step)
         with self._timed("gram"):
             G = self._step_gram("train", ck.theta, pool)
         known = None
         try:
             gram_step, extras, images = self._gram_metrics(G, ck, self.data.n)
             if self.hessian.wanted(ck.index):
-                known = self._gram_for_hessian(G, gram_step.eigenvalues)
+                known = notes.guard(self._part_names(ck, HessianStep), self._gram_for_hessian, G,
+                                    gram_step.eigenvalues)
         finally:
             G.close()
         if self.plan.has("eigenvalues_test"):
             with self._timed("test_points"):
-                G_t = self._step_gram("test", ck.theta, pool)
-                try:
-                    sp_t = self._spectrum(G_t, self.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
-                finally:
-                    G_t.close()
-            gram_step = dataclasses.replace(gram_step, eigenvalues_test=sp_t.evals,
-                                            energy_f_test=energy_from_projections(sp_t.proj["f_test"], ck.f_test))
+                test = notes.guard(("eigenvalues_test", "energy_f_test"), self._test_spectrum, ck, pool)
+            if test is not None:
+                gram_step = dataclasses.replace(gram_step, **test)
         hessian = None
         if self.hessian.wanted(ck.index):
             with self._timed("hessian"):
-                hessian = self._hessian(ck, pool, known)
-        return StepResult(gram_step, extras, hessian, images)
+                hessian = notes.guard(self._part_names(ck, HessianStep), self._hessian, ck, pool, known)
+        return self._with_notes(StepResult(gram_step, extras, hessian, images), ck, notes)
+
+    def _test_spectrum(self, ck: Checkpoint, pool: Pool | None) -> dict[str, np.ndarray]:
+        """The test Gram's eigenvalues and E(f_test, k) (NSA Fig. 3e)."""
+        G_t = self._step_gram("test", ck.theta, pool)
+        try:
+            sp_t = self._spectrum(G_t, self.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
+        finally:
+            G_t.close()
+        return {"eigenvalues_test": sp_t.evals, "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test)}
+
+    def _expected(self, ck: Checkpoint) -> set[str]:
+        """The arrays this step must hand the writer."""
+        return set(step_specs(self.plan.dims, eigenvectors=self.spec.spectrum.eigenvectors_at(ck.step),
+                              hessian=self.hessian.wanted(ck.index), first=ck.index == 0))
+
+    def _part_names(self, ck: Checkpoint, part: type) -> tuple[str, ...]:
+        """The arrays of record type ``part`` that this step writes."""
+        expected = self._expected(ck)
+        return tuple(f.name for f in dataclasses.fields(part) if f.name in expected)
+
+    def _with_notes(self, result: StepResult, ck: Checkpoint, notes: StepNotes) -> StepResult:
+        """``result`` with every noted array that this step writes as NaN, and ``step_notes``."""
+        if not notes.reasons:
+            return dataclasses.replace(result, gram=dataclasses.replace(result.gram, step_notes=""))
+        expected = self._expected(ck)
+        arrays = result.arrays()
+        arrays.update({n: not_computed(n, self.plan.dims) for n in notes.reasons if n in expected})
+        arrays["step_notes"] = notes.json()
+        return StepResult.from_arrays(arrays)
 
     @contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -237,40 +271,58 @@ class SpectralAnalyzer:
             probes = np.column_stack([Y, np.ones(N)] + ([residual] if residual.ndim == 1 else []))  # (N, C + 1 [+ 1])
             GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one (distributed) product for all of them
             C = Y.shape[1]
-            df_pred = predicted_update(self.spec, ck, residual, lambda v: GP[:, C + 1], self._jvp_outputs)  # NSA Eq. 3
+            df_pred = self._notes.guard(("df_pred", "energy_df_pred", "first_order_error", "first_order_cos"),
+                                        predicted_update, self.spec, ck, residual, lambda v: GP[:, C + 1],
+                                        self._jvp_outputs)  # NSA Eq. 3
             phis = {"y": self.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
         with self._timed("eigenpairs"):
-            sp = self._spectrum(G, self.K, "train", phis, self._needs_vectors(ck))
+            sp = self._spectrum(G, self.K, "train", {k: v for k, v in phis.items() if v is not None},
+                                self._needs_vectors(ck))
         with self._timed("metrics"):
             return self._metrics(G, ck, N, sp, phis, GP[:, :C], GP[:, C])
 
     def _metrics(self, G: StepGram, ck: Checkpoint, N: int, sp: StepSpectrum, phis: dict[str, np.ndarray],
                  GY: np.ndarray, G1: np.ndarray) -> tuple[GramStep, KernelExtras, ImageStep | None]:
-        residual, df_pred = phis["residual"], phis["df_pred"]
+        residual, df_pred, notes = phis["residual"], phis["df_pred"], self._notes
         fro2, fro2_se = G.sq_frobenius()
-        finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
-        acc = first_order_accuracy(ck.df.reshape(-1), np.asarray(df_pred).reshape(-1)) if finite else None
         out: dict[str, Any] = {
-            "loss": ck.loss, "lr": ck.lr, "f": ck.f, "df": ck.df, "df_pred": df_pred, "f_test": ck.f_test,
+            "loss": ck.loss, "lr": ck.lr, "f": ck.f, "df": ck.df, "f_test": ck.f_test,
             "eigenvalues": sp.evals, "gram_sq_frobenius": np.array([fro2, fro2_se]),
-            **{f"energy_{name}": energy_from_projections(sp.proj[name], phi) for name, phi in phis.items()},
-            "first_order_error": acc.error if acc else np.nan, "first_order_cos": acc.cos_alpha if acc else np.nan,
-            "alignment": alignment_from_products(self.y, GY, fro2),
-            "alignment_centered": self._centered_alignment(G, GY, G1, fro2, fro2_se),
+            **{f"energy_{name}": energy_from_projections(sp.proj[name], phi) for name, phi in phis.items()
+               if phi is not None},
         }
+        if df_pred is not None:
+            out["df_pred"] = df_pred
+            finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
+            acc = notes.guard(("first_order_error", "first_order_cos"), first_order_accuracy, ck.df.reshape(-1),
+                              np.asarray(df_pred).reshape(-1)) if finite else None
+            out.update(first_order_error=acc.error if acc else np.nan, first_order_cos=acc.cos_alpha if acc else np.nan)
+        out["alignment"] = notes.guard(("alignment",), alignment_from_products, self.y, GY, fro2)
+        out["alignment_centered"] = notes.guard(("alignment_centered",), self._centered_alignment, G, GY, G1, fro2,
+                                                fro2_se)
         if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = sp.evecs.astype(np.float32)
             out.update(self._at_eigenvector_step(ck, sp.evecs))
         if ck.index == 0 and self.plan.has("constant_gram_f_test"):  # App. E, Eq. 22
-            out["constant_gram_f_test"] = test_point_prediction(
-                self.model, self.X, self.X_test, sp.evals, sp.evecs, residual, ck.f_test, self.spec, self.dtype,
-                out=self._cross_buffer())
-        extras = self.extras.analyze(self.model, self.X, ck, sp.proj["residual"], residual)
+            out["constant_gram_f_test"] = notes.guard(("constant_gram_f_test",), self._test_point_prediction, sp,
+                                                      residual, ck)
+        extras = notes.guard(self._part_names(ck, KernelExtras), self.extras.analyze, self.model, self.X, ck,
+                             sp.proj["residual"], residual)
         images = None
         if self.images is not None:
             V = np.column_stack([sp.columns[i - 1] for i in self.images.indices])  # (N, nI)
-            images = self.images.render(V, residual.reshape(N, -1)[:, 0])
-        return GramStep(**out), extras, images
+            images = notes.guard(self._part_names(ck, ImageStep), self.images.render, V, residual.reshape(N, -1)[:, 0])
+        out = {k: v for k, v in out.items() if v is not None}
+        return GramStep(**out), extras or KernelExtras(), images
+
+    def _test_point_prediction(self, sp: StepSpectrum, residual: np.ndarray, ck: Checkpoint) -> np.ndarray:
+        """App. E's Eq. 22 at t0; the steps where it diverges (δλ_i/N > 2 long enough to overflow
+        float64) are NaN, and the step's notes say from which step on."""
+        pred, diverged = test_point_prediction(self.model, self.X, self.X_test, sp.evals, sp.evecs, residual,
+                                               ck.f_test, self.spec, self.dtype, out=self._cross_buffer())
+        if diverged is not None:
+            self._notes.note(("constant_gram_f_test",), diverged)
+        return pred
 
     def _cross_buffer(self) -> torch.Tensor | None:
         """Where App. E's cross kernel g(X_test, 𝒳) (M, N) is assembled whole: on the host with G
@@ -291,8 +343,8 @@ class SpectralAnalyzer:
             out["reconstruction_images"] = self.images.image(R.reshape(R.shape[0], self.data.n, -1)[..., 0].T
                                                              ).astype(np.float32)  # (nR, R, R)
         if self.plan.has("gram_change"):
-            out.update(gram_change(self.model, self.X, ck.theta, ck.dtheta,
-                                   evecs[:, :self.plan.dims.k_gram_change], self.dtype))
+            out.update(self._notes.guard(("gram_change", "gram_change_fro"), gram_change, self.model, self.X, ck.theta,
+                                         ck.dtheta, evecs[:, :self.plan.dims.k_gram_change], self.dtype) or {})
         return out
 
     def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float, fro2_se: float) -> float:

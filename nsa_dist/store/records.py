@@ -21,9 +21,11 @@ import numpy as np
 from nsa_dist.metrics.reconstruction import reconstruction_ks
 from nsa_dist.store.dims import RunDims
 
-__all__ = ["GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "step_array_specs"]
+__all__ = ["GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "NOTES_DTYPE", "step_array_specs",
+           "not_computed"]
 
 PHIS = ("y", "f", "residual", "df", "df_pred")  # the φ of E_t(φ, k) stored every step
+NOTES_DTYPE = "T"  # numpy's variable-length UTF-8 strings (np.dtype("T")); Zarr's vlen-utf8
 
 
 def _array(shape: Callable[[RunDims], tuple[int, ...]], dtype: str = "float64",
@@ -79,6 +81,8 @@ class GramStep:
     # App. E, Eq. 22 (Nyström): f_test of every recorded step predicted at the first
     constant_gram_f_test: np.ndarray = _array(lambda D: (D.S,) + _out(_M)(D),
                                               when=lambda D: D.constant_gram and D.M > 0, at="first")
+    # why some of this step's diagnostics are NaN: JSON {array name: reason}, "" when none
+    step_notes: str = _array(_SCALAR, NOTES_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -192,3 +196,16 @@ def step_array_specs(D: RunDims) -> list[tuple[str, tuple[int, ...], str, str]]:
             if m["when"] is None or m["when"](D):
                 out.append((f.name, tuple(m["shape"](D)), m["dtype"], m["at"]))
     return out
+
+
+def not_computed(name: str, D: RunDims) -> Any:
+    """The value a step stores for array ``name`` when it could not be computed: NaN of its
+    per-step shape (integers: −1), for a diagnostic that failed at this step (its reason goes
+    into the step's ``step_notes``)."""
+    for part in _PARTS:
+        for f in fields(part):
+            if f.name == name:
+                dtype = np.dtype(f.metadata["dtype"])
+                shape = tuple(f.metadata["shape"](D))
+                return np.full(shape, np.nan if dtype.kind == "f" else -1, dtype)
+    raise KeyError(f"{name!r} is not an array of a step result")

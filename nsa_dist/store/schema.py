@@ -55,7 +55,7 @@ class ArraySpec:
     @property
     def fill(self) -> object:
         kind = np.dtype(self.dtype).kind
-        return np.nan if kind == "f" else (False if kind == "b" else 0)
+        return np.nan if kind == "f" else (False if kind == "b" else ("" if kind in "TU" else 0))
 
 
 def _split(chunk: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -161,6 +161,8 @@ def _casts(src: np.dtype, dst: np.dtype) -> bool:
         return src.kind in "fiub"
     if dst.kind in "iu":
         return src.kind in "iub"
+    if dst.kind == "T":  # variable-length strings take any string
+        return src.kind in "TU"
     return src.kind == dst.kind
 
 

@@ -30,7 +30,7 @@ from nsa_dist.store.status import Status
 __all__ = ["SpectrumStore", "RunWriter", "CODECS"]
 
 # arrays that schema 1 gained after stores were written: created when such a run is reopened
-_ADDED = ("eigenvector_steps",)
+_ADDED = ("eigenvector_steps", "step_notes")
 
 
 def CODECS() -> list:
@@ -284,7 +284,11 @@ class RunWriter:
             if arr is None:
                 if name in _ADDED:
                     self._create(a)
-                    self.set_attrs(static_complete=False)
+                    if a.per_step:  # the steps already done noted nothing: their chunks are written, not missing
+                        for i in np.flatnonzero(self.done()):
+                            self._out(name)[int(i)] = a.fill
+                    else:
+                        self.set_attrs(static_complete=False)
                     continue
                 raise StoreError(f"corrupt run {self.run_id!r}: array {name!r} is missing")
             if tuple(arr.shape) != a.shape or np.dtype(arr.dtype) != np.dtype(a.dtype):
