@@ -9,7 +9,7 @@ from typing import Any
 
 from nsa_dist.errors import MissingDependencyError
 
-__all__ = ["EXTRAS", "S3_CLIENT", "is_url", "require_extra", "storage_options", "url_to_fs"]
+__all__ = ["EXTRAS", "S3_CLIENT", "first_line", "is_url", "require_extra", "storage_options", "url_to_fs"]
 
 # fsspec protocols that need a package outside the core dependencies: (module, extra)
 EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
@@ -91,12 +91,21 @@ def url_to_fs(url: str, what: str) -> tuple[Any, str]:
 
     Raises:
         MissingDependencyError: the protocol's package (s3fs, gcsfs) is not installed.
-        ValueError: fsspec does not know the protocol.
+        ValueError: fsspec does not know the protocol (or its package is missing); one line
+            naming the URL.
     """
     import fsspec
 
     protocol = require_extra(url, what)
     try:
         return fsspec.core.url_to_fs(url, **storage_options(protocol))
-    except (ValueError, ImportError) as exc:
-        raise ValueError(f"{what} {url!r}: no filesystem for {protocol}:// ({exc})") from exc
+    except ValueError as exc:
+        raise ValueError(f"{what}: {url!r}: unknown scheme {protocol}:// (fsspec: {first_line(exc)})") from exc
+    except ImportError as exc:
+        raise ValueError(f"{what}: {url!r}: no filesystem for {protocol}:// ({first_line(exc)})") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (fsspec's ImportError adds install advice below)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

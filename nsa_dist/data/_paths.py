@@ -5,6 +5,10 @@ A data path is a local path or an fsspec URL (``s3://bucket/mnist``, ``gs://…`
 s3fs / gcsfs are the ``s3`` / ``gcs`` extras, endpoints and keys from the standard environment
 variables as for the store).  The same checks apply to both; a URL is kept as its string, never
 passed through ``Path`` (which would fold ``s3://`` into ``s3:/``).
+
+Every failure to reach a URL is one line naming it, its endpoint and the cause: no credentials,
+refused keys, a missing bucket or object, an endpoint that cannot be reached, an unknown scheme
+(:func:`_failure`; the causes are :func:`nsa_dist.store.faults.outside_cause`'s, as for a store).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from nsa_dist._fsspec import is_url, url_to_fs
+from nsa_dist._fsspec import first_line, is_url, url_to_fs
+from nsa_dist.errors import OutsideError
 
 __all__ = ["Location", "regular_file", "directory", "join", "exists", "open_binary", "read_bytes", "is_url"]
 
@@ -33,20 +38,58 @@ def _stat(path: Path, who: str, expected: str) -> os.stat_result:
         raise FileNotFoundError(f"{who}: {str(path)!r} does not exist (expected {expected})") from None
 
 
+# packages whose exceptions mean "the filesystem behind a URL failed" (matched by name, never imported)
+_REMOTE_PACKAGES = {"botocore", "aiobotocore", "boto3", "s3fs", "aiohttp", "gcsfs", "google", "fsspec"}
+
+
+def _is_outside(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception behind it) is the filesystem's: an OSError or an error of
+    the object-store client packages (botocore's NoCredentialsError is not an OSError)."""
+    from nsa_dist.store.faults import exception_chain
+
+    return any(isinstance(e, OSError) or type(e).__module__.split(".")[0] in _REMOTE_PACKAGES
+               for e in exception_chain(exc))
+
+
+def _failure(exc: BaseException, url: str, who: str, expected: str | None = None) -> Exception:
+    """The one-line error for a URL whose filesystem failed: FileNotFoundError when nothing is
+    there (naming a missing bucket), else :class:`~nsa_dist.errors.OutsideError` naming the URL,
+    its endpoint and the cause (credentials, keys, endpoint, or the client's own message)."""
+    from nsa_dist.store.faults import endpoint_of, outside_cause
+
+    cause = outside_cause(exc, url)
+    wanted = f" (expected {expected})" if expected else ""
+    if isinstance(exc, FileNotFoundError) and (cause is None or "does not exist" in cause):
+        return FileNotFoundError(f"{who}: {url!r} does not exist" + (f": {cause}" if cause else "") + wanted)
+    if cause is None:
+        cause = f"{type(exc).__name__}: {first_line(exc)[:300]}"
+    endpoint = endpoint_of(url)
+    return OutsideError(f"{who}: cannot read {url!r}" + (f" (endpoint {endpoint})" if endpoint else "") + f": {cause}")
+
+
+@contextlib.contextmanager
+def _asking(url: str, who: str, expected: str | None = None) -> Iterator[None]:
+    """Turn a failure of ``url``'s filesystem inside the block into :func:`_failure`'s one line."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_outside(exc):
+            raise
+        raise _failure(exc, url, who, expected) from exc
+
+
 def _info(url: str, who: str, expected: str) -> dict[str, Any]:
     """fsspec's ``info`` of ``url``: its ``type`` ("file", "directory", …) and ``size``.
 
     Raises:
-        FileNotFoundError: no object (and no prefix) at ``url``.
-        OSError: the filesystem could not be asked (endpoint down, access denied …); one line.
+        FileNotFoundError: no object (and no prefix) at ``url``; a missing bucket is named.
+        OutsideError: the filesystem could not be asked (no credentials, refused keys, endpoint
+            down …); one line naming the URL, the endpoint and the cause.
+        ValueError: an unknown scheme; MissingDependencyError: s3fs / gcsfs not installed.
     """
     fs, p = url_to_fs(url, who)
-    try:
+    with _asking(url, who, expected):
         return fs.info(p)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{who}: {url!r} does not exist (expected {expected})") from None
-    except OSError as exc:
-        raise OSError(f"{who}: cannot read {url!r} ({type(exc).__name__}: {exc})") from exc
 
 
 def regular_file(path: Location, who: str, expected: str) -> Location:
@@ -103,17 +146,28 @@ def exists(path: Location) -> bool:
     """Whether anything is at ``path`` (a URL: an object or a prefix)."""
     if is_url(path):
         fs, p = url_to_fs(path, "data")
-        return bool(fs.exists(p))
+        with _asking(path, "data"):
+            return bool(fs.exists(p))
     return Path(path).exists()
 
 
 @contextlib.contextmanager
 def open_binary(path: Location) -> Iterator[IO[bytes]]:
-    """The file opened for binary reading, local or through fsspec."""
+    """The file opened for binary reading, local or through fsspec (a URL's failures to open or
+    read as :func:`_failure`'s one line; the reader's own errors pass unchanged)."""
     if is_url(path):
         fs, p = url_to_fs(path, "data")
-        with fs.open(p, "rb") as f:
-            yield f
+        with _asking(path, "data"):
+            f = fs.open(p, "rb")
+        with f:
+            try:
+                yield f
+            except Exception as exc:
+                from nsa_dist.store.faults import outside_cause
+
+                if outside_cause(exc, path) is None:
+                    raise
+                raise _failure(exc, path, "data") from exc
     else:
         with open(path, "rb") as f:
             yield f
@@ -123,7 +177,8 @@ def file_size(path: Location) -> int:
     """The file's size in bytes (its stored, possibly compressed, size)."""
     if is_url(path):
         fs, p = url_to_fs(path, "data")
-        return int(fs.size(p))
+        with _asking(path, "data"):
+            return int(fs.size(p))
     return Path(path).stat().st_size
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from nsa_dist._fsspec import storage_options
 from nsa_dist.store.keys import is_local
 
-__all__ = ["describe_fault", "endpoint_of", "exception_chain"]
+__all__ = ["describe_fault", "endpoint_of", "exception_chain", "outside_cause"]
 
 _DISK = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only filesystem",
          errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
@@ -61,15 +61,22 @@ def describe_fault(exc: BaseException, url: str) -> str | None:
     status without an S3 error code), and a local disk that is full, read-only, not writable or
     under a file.
     """
+    cause = outside_cause(exc, url)
+    if cause is None:
+        return None
     endpoint = endpoint_of(url)
-    where = f"store {url}" + (f" (endpoint {endpoint})" if endpoint else "")
+    return f"store {url}" + (f" (endpoint {endpoint})" if endpoint else "") + f": {cause}"
+
+
+def outside_cause(exc: BaseException, url: str) -> str | None:
+    """The outside cause found in ``exc``'s chain for ``url`` (a store or a data path), or None:
+    for a remote URL its endpoint, credentials or bucket (:func:`describe_fault`), for a local
+    path its disk."""
+    remote = endpoint_of(url) is not None
     for e in exception_chain(exc):
-        if endpoint is not None:
-            cause = _remote_cause(e, url)
-        else:
-            cause = _disk_cause(e, url)
+        cause = _remote_cause(e, url) if remote else _disk_cause(e, url)
         if cause:
-            return f"{where}: {cause}"
+            return cause
     return None
 
 
