@@ -344,11 +344,11 @@ def _lr(value: object) -> str:
         return "-"
 
 
-def _print_notes(con: "Console", notes: dict[int, dict[str, str]], most: int = 5) -> None:
+def _print_notes(con: "Console", notes: dict[object, dict[str, str]], most: int = 5) -> None:
     """The diagnostics stored as NaN, with their reasons: one line per step and reason."""
     from rich.markup import escape
 
-    lines = [f"t = {t}: {', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
+    lines = [f"{f't = {t}' if isinstance(t, int) else t}: {', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
              for t, by in notes.items() for reason in dict.fromkeys(by.values())]
     if lines:
         con.print(f"[yellow]diagnostics not computed at {len(notes)} step(s):[/]")
@@ -405,7 +405,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     ht = hessian_table(run)
     if ht is not None:
         con.print(ht)
-    _print_notes(con, run.notes)
+    _print_notes(con, {**run.notes, **({"after the run": run.attrs["post_run_notes"]}
+                                       if run.attrs.get("post_run_notes") else {})})
     from nsa_dist.plots.axes import gd_note
 
     if gd_note(run):

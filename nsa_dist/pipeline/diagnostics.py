@@ -43,7 +43,8 @@ class StepNotes:
     {'ratio': 'ZeroDivisionError: division by zero'}
     """
 
-    def __init__(self, run_id: str, step: int) -> None:
+    def __init__(self, run_id: str, step: int | None) -> None:
+        """``step``: the training step analysed; None for what is computed after the run."""
         self.run_id, self.step = run_id, step
         self.reasons: dict[str, str] = {}
 
@@ -53,7 +54,8 @@ class StepNotes:
         if not names:
             return
         reason = " ".join(str(reason).split())[:500]
-        log.warning("run %s step %d: %s stored as NaN: %s", self.run_id, self.step, ", ".join(names), reason)
+        where = f"step {self.step}" if self.step is not None else "after the last step"
+        log.warning("run %s %s: %s not computed (NaN): %s", self.run_id, where, ", ".join(names), reason)
         self.reasons.update({n: reason for n in names})
 
     def guard(self, names: Iterable[str], fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:

@@ -19,6 +19,7 @@ from nsa_dist.ntk.inputs import as_2d, prepare_model
 from nsa_dist.store.records import HessianStep
 
 if TYPE_CHECKING:
+    from nsa_dist.pipeline.diagnostics import StepNotes
     from nsa_dist.pipeline.plan import RunPlan
 
 __all__ = ["GramKnowledge", "HessianAnalysis", "hessian_loss", "limit_reason"]
@@ -185,12 +186,15 @@ class HessianAnalysis:
         return mu, power_moments(mu)
 
     def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None,
-                gram: GramKnowledge | None = None, step: int | None = None) -> HessianStep:
+                gram: GramKnowledge | None = None, step: int | None = None,
+                notes: "StepNotes | None" = None) -> HessianStep:
         """The step's Hessian quantities on ``model`` at its θ (training step ``step``: θ_step).
 
         ``ops``: H, I, S as operators summed over a gang's data shards (distributed layouts);
         every estimate then runs on them.  ``gram``: what the step already knows of its NTK
         Gram (see :meth:`_exact_I`), reused for the exact Tr(I^k) instead of a new Gram.
+        ``notes``: each quantity is then a diagnostic of its own — one that cannot be computed is
+        left out (NaN, its reason noted) and the others are still computed.
         """
         h = self.h
         if ops is None:
@@ -203,42 +207,66 @@ class HessianAnalysis:
             F = as_2d(m64(X64)).detach()  # (N, K) outputs at θ
         has = self.plan.has
         out: dict[str, Any] = {}
-        if has("hessian_moments"):
+
+        def part(names: tuple[str, ...], fn: Any) -> None:
+            names = tuple(n for n in names if has(n))
+            if names:
+                got = notes.guard(names, fn) if notes is not None else fn()
+                out.update({k: v for k, v in (got or {}).items() if has(k)})
+
+        def moments() -> dict[str, Any]:
             est = [hutchpp_moments(ops[p], h.probes, max_order=4, seed=self.seed) for p in PARTS]
-            out["hessian_moments"] = np.stack([m.estimate for m in est])  # (3, 4)
-            out["hessian_moments_stderr"] = np.stack([m.stderr for m in est])  # (3, 4)
+            return {"hessian_moments": np.stack([m.estimate for m in est]),  # (3, 4)
+                    "hessian_moments_stderr": np.stack([m.stderr for m in est])}  # (3, 4)
+
+        def exact_I() -> dict[str, Any]:
             mu, exact = self._exact_I(model, gram)
-            out["hessian_moments_I_exact"] = exact  # (4,)
+            return {"hessian_moments_I_exact": exact, "hessian_I_eigenvalues": mu}  # (4,), (N·K,)
+
+        def limit_I() -> dict[str, Any]:
             mu_inf, limit = self._limit_I(F.cpu())
-            out["hessian_I_limit_moments"] = limit
-            if has("hessian_I_eigenvalues"):
-                out["hessian_I_eigenvalues"], out["hessian_I_limit_eigenvalues"] = mu, mu_inf  # (N·K,)
-            out["hessian_S_limit"] = self._limit_S(F, step)  # (3,)
-        if has("hessian_additivity"):
-            g = additivity_gap(H, I, S, h.probes, max_order=4, seed=self.seed + 1)
-            out["hessian_additivity"] = np.stack([g.estimate, g.stderr])  # (2, 4)
-        if has("hessian_G"):
+            return {"hessian_I_limit_moments": limit, "hessian_I_limit_eigenvalues": mu_inf}
+
+        def trace_G() -> dict[str, Any]:
             Y = prepare_targets(self.y, self.loss, F.shape[0], F.shape[1], torch.float64, F.device)
             R = loss_gradient(self.loss, F, Y).cpu().numpy()  # (N, K) ∇_f c_i
             tr = output_hessian_traces(m64, X64, h.probes, seed=self.seed + 2, block_size=h.block_size)
             shape = (F.shape[0],) if F.shape[1] == 1 else tuple(F.shape)
-            out["hessian_G"] = tr.estimate.reshape(shape)
-            out["hessian_G_stderr"] = tr.stderr.reshape(shape)
-            out["hessian_trace_S_G"] = np.array(trace_S_from_G(R, tr))
-        if has("hessian_orthogonality"):
+            return {"hessian_G": tr.estimate.reshape(shape), "hessian_G_stderr": tr.stderr.reshape(shape),
+                    "hessian_trace_S_G": np.array(trace_S_from_G(R, tr))}
+
+        def additivity() -> dict[str, Any]:
+            g = additivity_gap(H, I, S, h.probes, max_order=4, seed=self.seed + 1)
+            return {"hessian_additivity": np.stack([g.estimate, g.stderr])}  # (2, 4)
+
+        def orthogonal() -> dict[str, Any]:
             o = orthogonality(I, S, n_probes=h.probes, seed=self.seed)
-            out["hessian_orthogonality"] = np.array([o.value, o.stderr])
-        if has("hessian_rayleigh"):
+            return {"hessian_orthogonality": np.array([o.value, o.stderr])}
+
+        def rayleigh() -> dict[str, Any]:
             along_I, along_S = rayleigh_quotients(I, S, self.rayleigh_k, tol=h.eig_tol, seed=self.seed)
-            out["hessian_rayleigh"] = np.array([[along_I.vIv, along_I.vSv], [along_S.vIv, along_S.vSv]])  # (2, 2, k)
-            out["hessian_rayleigh_evals"] = np.stack([along_I.evals, along_S.evals])  # (2, k)
-        if has("hessian_top"):
-            out["hessian_top"] = np.stack([extreme_eigenpairs(ops[p], self.top_k, which="largest", tol=h.eig_tol,
-                                                              seed=self.seed).evals for p in PARTS])  # (3, k)
-            out["hessian_S_op"] = float(abs(extreme_eigenpairs(S, 1, which="magnitude", tol=h.eig_tol,
-                                                                seed=self.seed).evals[0]))  # ‖S‖_op
-        if has("hessian_density"):
+            return {"hessian_rayleigh": np.array([[along_I.vIv, along_I.vSv], [along_S.vIv, along_S.vSv]]),
+                    "hessian_rayleigh_evals": np.stack([along_I.evals, along_S.evals])}  # (2, 2, k), (2, k)
+
+        def top() -> dict[str, Any]:
+            top = np.stack([extreme_eigenpairs(ops[p], self.top_k, which="largest", tol=h.eig_tol,
+                                               seed=self.seed).evals for p in PARTS])  # (3, k)
+            s_op = float(abs(extreme_eigenpairs(S, 1, which="magnitude", tol=h.eig_tol, seed=self.seed).evals[0]))
+            return {"hessian_top": top, "hessian_S_op": s_op}  # ‖S‖_op
+
+        def density() -> dict[str, Any]:
             d = slq_density(H, n_probes=h.density_probes, n_steps=h.lanczos_steps, n_grid=self.grid, seed=self.seed)
-            out["hessian_density_grid"], out["hessian_density"] = d.grid, d.density
+            return {"hessian_density_grid": d.grid, "hessian_density": d.density}
+
+        part(("hessian_moments", "hessian_moments_stderr"), moments)
+        part(("hessian_moments_I_exact", "hessian_I_eigenvalues"), exact_I)
+        part(("hessian_I_limit_moments", "hessian_I_limit_eigenvalues"), limit_I)
+        part(("hessian_S_limit",), lambda: {"hessian_S_limit": self._limit_S(F, step)})  # (3,)
+        part(("hessian_additivity",), additivity)
+        part(("hessian_G", "hessian_G_stderr", "hessian_trace_S_G"), trace_G)
+        part(("hessian_orthogonality",), orthogonal)
+        part(("hessian_rayleigh", "hessian_rayleigh_evals"), rayleigh)
+        part(("hessian_top", "hessian_S_op"), top)
+        part(("hessian_density_grid", "hessian_density"), density)
         out["hessian_products"] = sum(op.n_products for op in ops.values())
         return HessianStep(**out)

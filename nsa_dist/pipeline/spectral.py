@@ -90,7 +90,7 @@ class SpectralAnalyzer:
         self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
         self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
-        self._notes = StepNotes(plan.run_id, -1)  # why the step being analysed has NaN diagnostics
+        self._notes = StepNotes(plan.run_id, None)  # why the step being analysed has NaN diagnostics
 
     @property
     def distributed(self) -> bool:
@@ -360,11 +360,12 @@ class SpectralAnalyzer:
     def _hessian(self, ck: Checkpoint, pool: Pool | None, gram: GramKnowledge | None = None) -> HessianStep:
         """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
         if not self.distributed:
-            return self.hessian.analyze(self.model, gram=gram, step=ck.step)
+            return self.hessian.analyze(self.model, gram=gram, step=ck.step, notes=self._notes)
         curv = ShardedCurvature(self._pool(pool, self.data.n), self.plan, ck.theta, self.data.n, self.n_params)
         try:
             return self.hessian.analyze(self.model, ops={p: curv.part(p) for p in ("H", "I", "S")},
-                                        gram=gram or GramKnowledge(distributed=True), step=ck.step)
+                                        gram=gram or GramKnowledge(distributed=True), step=ck.step,
+                                        notes=self._notes)
         finally:
             curv.close()
 

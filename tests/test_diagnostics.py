@@ -1,0 +1,169 @@
+"""A diagnostic never ends the run it observes: the constant-Gram predictions stay exact above GD's
+stability bound (log space), and any per-step or post-run diagnostic that raises is stored as NaN
+with its reason while the run finishes ``done``."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal, getcontext
+
+import numpy as np
+import pytest
+import torch
+
+from nsa_dist.client import Client
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.metrics import Decays, constant_gram_log_decays, constant_gram_residual
+from nsa_dist.pipeline import run_experiment
+from nsa_dist.pipeline.diagnostics import StepNotes, is_infrastructure
+from nsa_dist.store import LeaseLost, SpectrumStore
+
+
+def _psd(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    A = np.random.default_rng(seed).standard_normal((n, n))
+    w, V = np.linalg.eigh(A @ A.T)
+    return w[::-1].copy(), V[:, ::-1].copy()
+
+
+def _reference_energy(w, p, rest, lrs, steps, n):
+    """E(m̄_t, k) and log‖m̄_t‖ in 60-digit decimals (no overflow at any exponent)."""
+    getcontext().prec = 60
+    E, log_norm = [], []
+    for t in steps:
+        r2 = [Decimal(1) for _ in w]
+        for s in range(t):
+            r2 = [x * (Decimal(1) - Decimal(float(lrs[s])) * Decimal(float(lam)) / n) ** 2 for x, lam in zip(r2, w)]
+        kept = [x * Decimal(float(pi)) for x, pi in zip(r2, p)]
+        total = sum(kept) + Decimal(rest)
+        c, row = Decimal(0), []
+        for x in kept:
+            c += x
+            row.append(float(c / total))
+        E.append(row)
+        log_norm.append(float(total.ln() / 2))
+    return np.array(E), np.array(log_norm)
+
+
+def test_constant_gram_residual_above_the_stability_bound_is_exact_in_log_space() -> None:
+    """δ = 1.8·(2N/λ_1): r_1 grows as 2.6^t and overflows float64 after ~740 steps; the energies
+    stay finite and equal a 60-digit reference, the norm is +inf only where it exceeds float64."""
+    N, K = 12, 5
+    w, V = _psd(N, 3)
+    w = w[:K]
+    m0 = np.random.default_rng(4).standard_normal(N)
+    p = (V[:, :K].T @ m0) ** 2
+    lr = 1.8 * 2 * N / w[0]
+    steps = [0, 10, 400, 900]
+    lrs = np.full(steps[-1], lr)
+    dec = constant_gram_log_decays(w, lrs, steps, N)
+    assert dec.overflows().tolist() == [False, False, False, True]
+    got = constant_gram_residual(w, p, float(m0 @ m0), dec)
+    ref_E, ref_log = _reference_energy(w, p, float(m0 @ m0 - p.sum()), lrs, steps, N)
+    assert np.isfinite(got.energy).all(), got.energy
+    err = np.abs(got.energy - ref_E).max()
+    assert err < 1e-12, f"E differs from the 60-digit reference by {err:.2e}"
+    finite = np.isfinite(got.norm)
+    assert finite.tolist() == [True, True, True, False] and got.norm[-1] == np.inf
+    rel = np.abs(np.log(got.norm[finite]) - ref_log[finite]).max()
+    assert rel < 1e-12, f"log‖m̄_t‖ differs by {rel:.2e}"
+    # below the bound the log-space route gives exactly the values of the direct product
+    stable = constant_gram_log_decays(w, np.full(20, 0.5 * lr / 1.8), [0, 5, 20], N)
+    direct = constant_gram_residual(w, p, float(m0 @ m0), stable.values())
+    np.testing.assert_allclose(constant_gram_residual(w, p, float(m0 @ m0), stable).energy, direct.energy, rtol=1e-13)
+    assert Decays.of(stable.values()).sign.tolist() == stable.sign.tolist()
+
+
+def test_app_e_prediction_beyond_the_bound_is_nan_with_its_reason() -> None:
+    """App. E's test-point prediction on a real network: the steps whose decay overflows are NaN,
+    the reason names the rate, the bound and the first overflowing recorded step; earlier steps are
+    the finite prediction."""
+    from nsa_dist.models import build_model
+    from nsa_dist.ntk import gram
+    from nsa_dist.pipeline.nsa_extras import test_point_prediction
+
+    spec = ExperimentSpec.model_validate({"name": "appe", "data": {"n": 16, "n_test": 6}, "model": {"depth": 2, "width": 8},
+                                          "steps": 1500, "record": {"steps": [0, 5, 1499]},
+                                          "schedule": {"lr": 1.0}, "spectrum": {"k": 16}})
+    torch.manual_seed(0)
+    model = build_model(spec.model, seed=0).double()
+    X, X_test = torch.randn(16, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    G = gram(model, X, dtype=torch.float64).numpy()
+    w, V = np.linalg.eigh(G)
+    w, V = w[::-1].copy(), V[:, ::-1].copy()
+    spec = spec.model_copy(update={"schedule": spec.schedule.model_copy(update={"lr": 3.0 * 2 * 16 / w[0]})})
+    with torch.no_grad():
+        f, f_test = model(X).numpy().ravel(), model(X_test).numpy().ravel()
+    pred, why = test_point_prediction(model, X, X_test, w, V, f - 1.0, f_test, spec, torch.float64)
+    assert np.isfinite(pred[:2]).all() and np.isnan(pred[2]).all(), pred
+    assert why is not None and "stability bound" in why and "recorded step 1499" in why, why
+
+
+def _tiny(name: str, **over) -> ExperimentSpec:
+    base = {"name": name, "data": {"n": 24, "n_test": 8}, "model": {"depth": 2, "width": 8}, "steps": 6,
+            "record": {"every": 2}, "spectrum": {"k": 6, "test_points": True, "store_eigenvectors": True,
+                                                         "gram_change_k": 3}}
+    base.update(over)
+    return ExperimentSpec.model_validate(base)
+
+
+def test_a_failing_diagnostic_is_nan_with_its_reason_and_the_run_is_done(tmp_path, monkeypatch) -> None:
+    """Fault injection: the alignment, App. F's dG_t, one Hessian quantity and the post-run
+    Eqs. 4–5 prediction raise at every step; every other array is computed, the run is done."""
+    import nsa_dist.pipeline.hessian_step as hs
+    import nsa_dist.metrics as metrics
+    import nsa_dist.pipeline.spectral as sp
+
+    def boom(*a, **k):
+        raise FloatingPointError("injected")
+
+    monkeypatch.setattr(sp, "alignment_from_products", boom)
+    monkeypatch.setattr(sp, "gram_change", boom)
+    monkeypatch.setattr(hs, "orthogonality", boom)
+    monkeypatch.setattr(metrics, "constant_gram_residual", boom)  # imported by write_constant_gram when called
+    spec = _tiny("inj", hessian={"probes": 4, "orthogonality": True, "steps": [0]})
+    url = str(tmp_path / "s.zarr")
+    out = run_experiment(spec, SpectrumStore(url))
+    assert out.status == "done", out
+    run = Client(url).run(out.run_id)
+    assert run.status == "done" and len(run.steps) == len(run.schedule)
+    assert np.isnan(run.per_step("alignment")).all() and np.isnan(run.per_step("alignment_centered")).all()
+    assert np.isfinite(run.per_step("first_order_cos")[1:]).all() and np.isfinite(run.per_step("loss_test")).all()
+    assert np.isfinite(run.eigenvalues).all() and np.isfinite(run.energy("y")).all()
+    assert np.isnan(run.array("hessian_orthogonality")[0]).all() and np.isfinite(run.array("hessian_moments")[0]).all()
+    assert set(run.notes) == set(run.steps.tolist())
+    first = run.notes[int(run.steps[0])]
+    assert first["alignment"] == "FloatingPointError: injected" and "hessian_orthogonality" in first
+    assert run.has("gram_change") and "gram_change" in first and "gram_change_fro" in first
+    assert np.isnan(run.array("gram_change")[0]).all() and np.isfinite(run.array("reconstructions")[0]).all()
+    assert run.attrs["post_run_notes"] == {"constant_gram_residual": "FloatingPointError: injected",
+                                           "constant_gram_energy": "FloatingPointError: injected"}
+    assert not run.has("constant_gram_residual") and run.has("preservation")
+
+
+def test_a_run_without_failures_notes_nothing(tmp_path) -> None:
+    url = str(tmp_path / "s.zarr")
+    out = run_experiment(_tiny("clean"), SpectrumStore(url))
+    run = Client(url).run(out.run_id)
+    assert out.status == "done" and run.notes == {} and run.attrs["post_run_notes"] == {}
+    assert (run.per_step("step_notes") == "").all()
+
+
+def test_infrastructure_errors_are_not_swallowed() -> None:
+    """A lost lease, an interrupt, memory and Ray's errors pass through the guard: the machinery
+    that handles them (fencing, retries on another worker) must see them."""
+    import ray.exceptions
+
+    notes = StepNotes("r", 0)
+    for exc in (LeaseLost("taken over"), KeyboardInterrupt(), MemoryError(), ray.exceptions.RayActorError()):
+        assert is_infrastructure(exc)
+        with pytest.raises(type(exc)):
+            notes.guard(("x",), _raiser(exc))
+    assert notes.reasons == {}
+    assert notes.guard(("a", "b"), _raiser(np.linalg.LinAlgError("singular"))) is None
+    assert json.loads(notes.json()) == {"a": "LinAlgError: singular", "b": "LinAlgError: singular"}
+
+
+def _raiser(exc: BaseException):
+    def f():
+        raise exc
+    return f
