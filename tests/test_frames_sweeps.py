@@ -172,10 +172,10 @@ def test_cli_plot_run_at_chosen_steps(store_url: str, tmp_path: Path, capsys: py
 
 def test_sweep_figure_titles(store_url: str) -> None:
     """NSA Fig. 7a–c by their numbers; the scalar summary claims no figure of the paper."""
+    from nsa_dist.plots.axes import title_of as first  # the title line, unwrapped
     from nsa_dist.plots.sweep import fig7a, fig7b, fig7c
 
     s = Client(store_url).sweep("sw")
-    first = lambda fig: fig.get_suptitle().split("\n")[0]  # noqa: E731
     assert first(fig7a(s, 10)) == "NSA Fig. 7a — label energy $E_t(y, 10)$"
     assert first(fig7b(s)) == "NSA Fig. 7b — training loss"
     assert first(fig7c(s)) == "NSA Fig. 7c — test loss"

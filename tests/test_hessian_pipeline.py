@@ -101,11 +101,12 @@ _TITLES = {
 
 def test_every_hessian_plot_title_follows_the_papers_numbering(hess_run):
     from nsa_dist.plots import FIGURES, make_figure
+    from nsa_dist.plots.axes import title_of
 
     run, _ = hess_run
     assert {n for n in FIGURES if n.startswith("hessian_")} == set(_TITLES), "a Hessian figure without a checked title"
     for name, want in _TITLES.items():
-        title = make_figure(run, name).get_suptitle().split("\n")[0]
+        title = title_of(make_figure(run, name))  # unwrapped
         assert title.startswith(want), f"{name}: {title!r} should start with {want!r}"
         assert "Fig. —" not in title and "— —" not in title, title
         if "_fig" in name:  # a figure named after its number carries that number

@@ -8,6 +8,7 @@ and :func:`gd_note`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Run
 
-__all__ = ["KS", "DPI", "PAPER_K_FRACTION", "energy_k", "PlotOptions", "new_figure", "ks", "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps",
-           "decay_lines", "time_axis"]
+__all__ = ["KS", "DPI", "PAPER_K_FRACTION", "MAX_LEGEND", "TITLE_PT", "energy_k", "PlotOptions", "PaperFigure",
+           "new_figure", "set_title", "title_of", "ks", "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps",
+           "decay_lines", "time_axis", "lr_steps", "legend", "family_label", "symlog_y", "keep_flat"]
 
 KS = (1, 2, 5, 10, 20, 50, 100, 200, 400, 1000, 2000, 4000, 10000)  # k (or i) drawn, as in NSA Fig. 3
 DPI = 110
@@ -44,24 +46,118 @@ def energy_k(n: int, k_stored: int, requested: int | None = None) -> int:
     return max(1, min(round(PAPER_K_FRACTION * n), int(k_stored), int(n) - 1))
 
 
+MAX_LEGEND = 10  # entries a legend holds; a family of more lines gets a colour key, other entries are thinned
+TITLE_PT = (11.0, 9.0)  # a figure title's font size: the largest in this range that fits its width, then wrapped
+FLAT_SPAN = 1e-6  # a linear y range narrower than this fraction of the values' size is rounding: drawn flat
+FLAT_PAD = 0.05  # … with this fraction of the size (or of 1 at 0) above and below
+
+
+class PaperFigure:
+    """Marker base for the figures of this package; see :func:`_figure_class`."""
+
+
+@functools.cache
+def _figure_class():
+    """A :class:`matplotlib.figure.Figure` that applies :func:`keep_flat` to its axes whenever it is
+    drawn (``savefig``, ``canvas.draw``): the y-limits are settled on the final data, whoever drew it."""
+    from matplotlib.figure import Figure
+
+    class _PaperFigure(PaperFigure, Figure):
+        def draw(self, renderer):  # noqa: D102 — Figure.draw, after the flat-range rule
+            for ax in self.axes:
+                keep_flat(ax)
+            return super().draw(renderer)
+
+    return _PaperFigure
+
+
+def blank_figure(figsize: tuple[float, float]) -> "Figure":
+    """An empty constrained-layout :class:`PaperFigure` of ``figsize`` inches on its own Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = _figure_class()(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _words(text: str) -> list[str]:
+    """``text`` split at the spaces outside ``$…$`` (a mathtext span is never broken)."""
+    words, cur, math = [], "", False
+    for ch in text:
+        if ch == "$":
+            math = not math
+        if ch == " " and not math:
+            words.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return words + [cur]
+
+
+def _text_width(fig: "Figure", text: str, pt: float) -> float:
+    """Rendered width of ``text`` at ``pt`` points on ``fig``'s canvas, in pixels."""
+    from matplotlib import cbook
+    from matplotlib.font_manager import FontProperties
+
+    renderer = fig.canvas.get_renderer()
+    return renderer.get_text_width_height_descent(text, FontProperties(size=pt), ismath=cbook.is_math_text(text))[0]
+
+
+def fit_text(fig: "Figure", text: str, width: float, sizes: tuple[float, float] = TITLE_PT) -> tuple[str, float]:
+    """(``text`` wrapped, font size) so that every line is at most ``width`` pixels wide on ``fig``.
+
+    The largest size from ``sizes[0]`` down to ``sizes[1]`` (half points) at which ``text`` fits on one
+    line; else the text is wrapped greedily at the smallest size, at spaces outside ``$…$``.
+    """
+    pt = sizes[0]
+    while pt >= sizes[1]:
+        if _text_width(fig, text, pt) <= width:
+            return text, pt
+        pt -= 0.5
+    pt, lines, cur = sizes[1], [], ""
+    for w in _words(text):
+        trial = f"{cur} {w}" if cur else w
+        if cur and _text_width(fig, trial, pt) > width:
+            lines.append(cur)
+            cur = w
+        else:
+            cur = trial
+    return "\n".join(lines + [cur]), pt
+
+
+def set_title(fig: "Figure", head: str, sub: str) -> None:
+    """The figure's title: ``head`` (what it shows, fitted to the width by :func:`fit_text`) over ``sub``
+    (the run or sweep, one line) — every line inside the canvas; :func:`title_of` reads ``head`` back."""
+    text, pt = fit_text(fig, head, 0.96 * fig.bbox.width)
+    fig.suptitle(f"{text}\n{sub}", fontsize=pt)
+
+
+def title_of(fig: "Figure") -> str:
+    """The title line of a figure of this package as set (:func:`set_title`), its wrapping undone.
+
+    >>> fig = blank_figure((3, 2))
+    >>> set_title(fig, "NSA Fig. 3e — a title far too long for a figure this narrow", "run r")
+    >>> "\\n" in fig.get_suptitle(), title_of(fig)
+    (True, 'NSA Fig. 3e — a title far too long for a figure this narrow')
+    """
+    return " ".join(fig.get_suptitle().split("\n")[:-1])
+
+
 def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1,
                panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA") -> tuple["Figure", np.ndarray]:
     """A constrained-layout Agg figure and its (nrows, ncols) axes, titled "<paper> Fig. <label> — <what>"
     when ``label`` is a figure number of the paper ("2a", "3"), "<paper> App. X — <what>" /
     "<paper> Eqs. 4–5 — <what>" for an appendix or equations, else "<paper>, <label> — <what>" for the
-    statement of the paper a figure draws ("Theorem 1", "Proposition 4") or "" for none."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(panel[0] * ncols, panel[1] * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
+    statement of the paper a figure draws ("Theorem 1", "Proposition 4") or "" for none.  A title too
+    wide for the figure is set smaller, then wrapped (:func:`set_title`)."""
+    fig = blank_figure((panel[0] * ncols, panel[1] * nrows))
     if label[:1].isdigit():
         ref = f" Fig. {label}"
     elif label.startswith(("App.", "Eqs.")):  # an appendix or equations: no figure number
         ref = f" {label}"
     else:
         ref = f", {label}" if label else ""
-    fig.suptitle(f"{paper}{ref} — {what}\nrun {run.id}", fontsize=11)
+    set_title(fig, f"{paper}{ref} — {what}", f"run {run.id}")
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
@@ -142,8 +238,10 @@ def decay_lines(ax: "Axes", run: "Run", t_max: float, shift: int = 0) -> None:
         ax.axvline(t + shift, color="0.45", ls="--", lw=0.9, label="δ decay" if j == 0 else None)
 
 
-def time_axis(ax: "Axes", run: "Run", ylabel: str, *, logy: bool = False, legend: bool = True) -> None:
-    """Decay lines, "step t" and ``ylabel`` labels, optional log y, legend of a time plot."""
+def time_axis(ax: "Axes", run: "Run", ylabel: str, *, logy: bool = False, legend: bool = True,
+              family: "tuple[str, list[str], np.ndarray] | None" = None) -> None:
+    """Decay lines, "step t" and ``ylabel`` labels, optional log y, legend of a time plot (``family``:
+    see :func:`legend`)."""
     decay_lines(ax, run, float(run.steps[-1]))
     ax.set_xlabel("step t")
     ax.set_ylabel(ylabel)
@@ -151,4 +249,84 @@ def time_axis(ax: "Axes", run: "Run", ylabel: str, *, logy: bool = False, legend
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     if legend:
-        ax.legend(fontsize=8, ncol=2 if len(ax.get_legend_handles_labels()[1]) > 6 else 1)
+        _legend(ax, family=family)
+
+
+def lr_steps(run: "Run", t_end: int) -> tuple[np.ndarray, np.ndarray]:
+    """(t, δ_t) at step 0, at every decay in (0, t_end] and at ``t_end``: the schedule's learning rate,
+    piecewise constant, to draw with ``drawstyle="steps-post"`` (δ_t holds from one decay to the next)."""
+    t = np.unique(np.concatenate([[0], decay_steps(run, t_end), [t_end]])).astype(np.int64)
+    return t, np.array([run.spec.lr_at(int(s)) for s in t], np.float64)
+
+
+def family_label(name: str, value: object) -> str:
+    """The legend label of one line of a family ("k = 10"); :func:`legend`'s colour key shows the value."""
+    return f"{name} = {value}"
+
+
+def legend(ax: "Axes", *, family: "tuple[str, list[str], np.ndarray] | None" = None, most: int = MAX_LEGEND,
+           fontsize: float = 8, **kw) -> None:
+    """A legend of at most ``most`` entries (about 10), never one that buries the plot.
+
+    ``family`` = (name, labels, colours) names a family of lines (the k of Fig. 3, the steps of App. F,
+    the grid points of a sweep) by their labels and colours: when the legend would hold more than
+    ``most`` entries, the family leaves it for a colour key beside the axes (one band per line, ticked
+    with its label less a leading "<name> = ").  Other entries beyond ``most`` are thinned to an even
+    selection (first and last kept) and the legend's title says how many are shown.
+    """
+    handles, labels = ax.get_legend_handles_labels()
+    if not labels:
+        return
+    if len(labels) > most and family is not None:
+        name, own, cols = family
+        keep = [j for j, lb in enumerate(labels) if lb not in set(own)]
+        handles, labels = [handles[j] for j in keep], [labels[j] for j in keep]
+        _color_key(ax, name, [lb.removeprefix(f"{name} = ") for lb in own], cols)
+    title = None
+    if len(labels) > most:
+        pick = some_steps(len(labels), most)
+        title = f"{len(pick)} of {len(labels)} entries shown"
+        handles, labels = [handles[j] for j in pick], [labels[j] for j in pick]
+    if labels:
+        ax.legend(handles, labels, fontsize=fontsize, title=title, title_fontsize=fontsize,
+                  ncol=2 if len(labels) > 6 else 1, **kw)
+
+
+_legend = legend  # for time_axis, whose ``legend`` argument hides the function
+
+
+def _color_key(ax: "Axes", name: str, values: list[str], cols: np.ndarray) -> None:
+    """A discrete colour bar beside ``ax``: one band of ``cols[j]`` per value, ticked with the values."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    n = len(values)
+    sm = ScalarMappable(BoundaryNorm(np.arange(n + 1) - 0.5, n), ListedColormap(cols[:n]))
+    bar = ax.figure.colorbar(sm, ax=ax, ticks=np.arange(n), pad=0.01, fraction=0.05, aspect=30)
+    bar.ax.set_yticklabels(values, fontsize=7)
+    bar.set_label(name, fontsize=8)
+
+
+def symlog_y(ax: "Axes", values: np.ndarray) -> None:
+    """A symlog y axis for values of either sign: linear within ±linthresh, a power of ten three
+    decades below the largest |value|, so the labels ±linthresh and 0 stand a decade apart and
+    never overlap."""
+    v = np.abs(np.asarray(values, np.float64))
+    v = v[np.isfinite(v) & (v > 0)]
+    top = float(v.max()) if len(v) else 1.0
+    ax.set_yscale("symlog", linthresh=10.0 ** np.floor(np.log10(top) - 3), linscale=1.0)
+
+
+def keep_flat(ax: "Axes") -> None:
+    """A flat curve drawn flat: when the data on a linear, autoscaled y axis span less than
+    :data:`FLAT_SPAN` of their size (E ≡ 1 ± 1e-15), the y-limits are the value ± :data:`FLAT_PAD` of
+    it instead of rounding noise stretched over the whole height."""
+    if ax.get_yscale() != "linear" or not ax.get_autoscaley_on() or hasattr(ax, "_colorbar"):
+        return
+    lo, hi = ax.dataLim.intervaly
+    if not (np.isfinite(lo) and np.isfinite(hi)) or hi < lo:
+        return
+    size = max(abs(lo), abs(hi))
+    if hi - lo <= FLAT_SPAN * size or size == 0.0:
+        mid, pad = 0.5 * (lo + hi), FLAT_PAD * (size or 1.0)
+        ax.set_ylim(mid - pad, mid + pad)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import add_gd_note, decay_lines, new_figure, time_axis
+from nsa_dist.plots.axes import add_gd_note, decay_lines, legend, lr_steps, new_figure, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -26,10 +26,13 @@ def fig1d(run: "Run") -> "Figure":
 
 
 def fig1e(run: "Run") -> "Figure":
-    """Learning rate δ_t and its stability bound 2N / λ_max^t along t (log y)."""
+    """Learning rate δ_t and its stability bound 2N / λ_max^t along t (log y).  δ_t is the schedule's,
+    piecewise constant between its decays, so it is drawn as steps (markers: the recorded values)."""
     fig, ax = new_figure(run, "1e", "learning rate and its stability bound")
     ax, t = ax[0, 0], run.steps
-    ax.plot(t, run.lr, "o-", ms=3, label=r"$\delta_t$")
+    ts, lr = lr_steps(run, int(t[-1]))
+    line, = ax.plot(ts, lr, "-", drawstyle="steps-post", label=r"$\delta_t$")
+    ax.plot(t, run.lr, "o", ms=3, color=line.get_color())
     kernel = " (full $NK{\times}NK$ kernel)" if run.Ko > 1 else ""
     ax.plot(t, run.stability_bound(), "s-", ms=3, label=r"$2N / \lambda_{max}^t$" + kernel)
     time_axis(ax, run, "learning rate", logy=True)
@@ -47,5 +50,5 @@ def loss(run: "Run") -> "Figure":
     decay_lines(ax, run, float(len(trace) - 1), shift=1)
     ax.set(xscale="log", yscale="log", xlabel="step t + 1", ylabel=r"loss $L(\theta_t)$")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend(ax)
     return fig

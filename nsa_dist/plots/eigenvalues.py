@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, add_gd_note, colors, ks, new_figure, some_steps, time_axis
+from nsa_dist.plots.axes import (PlotOptions, add_gd_note, colors, family_label, ks, legend, new_figure, some_steps,
+                                 time_axis)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -25,7 +26,7 @@ def fig2a(run: "Run") -> "Figure":
         ax.plot(i, lam, color=c, label=f"t = {t[j]}")
     ax.set(xscale="log", yscale="log", xlabel="index i", ylabel=r"eigenvalue $\lambda_i^t$")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    legend(ax)
     return fig
 
 
@@ -34,9 +35,10 @@ def fig2b(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     fig, ax = new_figure(run, "2b", "individual eigenvalues along t")
     ax, evals = ax[0, 0], run.eigenvalues  # (S, K)
     rows = ks(evals.shape[1], opts.ks)
-    for c, i in zip(colors(len(rows)), rows):
-        ax.plot(run.steps, evals[:, i - 1], "o-", ms=3, color=c, label=rf"$\lambda_{{{i}}}^t$")
-    time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True)
+    cols, labels = colors(len(rows)), [rf"$\lambda_{{{i}}}^t$" for i in rows]
+    for c, i, label in zip(cols, rows, labels):
+        ax.plot(run.steps, evals[:, i - 1], "o-", ms=3, color=c, label=label)
+    time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True, family=("i", labels, cols))
     return fig
 
 
@@ -57,9 +59,10 @@ def fig2d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     fig, ax = new_figure(run, "2d", r"$\delta_t \lambda_i^t / N$ along t")
     ax, p = ax[0, 0], run.lr_eigen_product()  # (S, K)
     rows = ks(p.shape[1], opts.ks)
-    for c, i in zip(colors(len(rows)), rows):
-        ax.plot(run.steps, p[:, i - 1], "o-", ms=3, color=c, label=f"i = {i}")
+    cols, labels = colors(len(rows)), [family_label("i", i) for i in rows]
+    for c, i, label in zip(cols, rows, labels):
+        ax.plot(run.steps, p[:, i - 1], "o-", ms=3, color=c, label=label)
     ax.axhline(2.0, color="crimson", ls=":", lw=1.2, label="2 (stability limit)")
-    time_axis(ax, run, r"$\delta_t \lambda_i^t / N$", logy=True)
+    time_axis(ax, run, r"$\delta_t \lambda_i^t / N$", logy=True, family=("i", labels, cols))
     add_gd_note(fig, run)
     return fig

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nsa_dist.config import LossName
-from nsa_dist.plots.axes import PlotOptions, colors, ks, new_figure, time_axis
+from nsa_dist.plots.axes import PlotOptions, colors, family_label, ks, new_figure, time_axis
 
 if TYPE_CHECKING:
+    import numpy as np
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
@@ -24,12 +25,15 @@ _LABEL = {"y": "3a", "f": "3b", "residual": "3c", "df_pred": "3d", "f_test": "3e
 
 
 def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = True,
-            chosen: tuple[int, ...] | None = None) -> None:
-    """One line per k in ``chosen`` (default 1, 2, 5, 10, …) ≤ K (the K of this φ's eigenbasis)."""
+            chosen: tuple[int, ...] | None = None) -> tuple[str, list[str], "np.ndarray"]:
+    """One line per k in ``chosen`` (default 1, 2, 5, 10, …) ≤ K (the K of this φ's eigenbasis);
+    returns the family (name, labels, colours) for :func:`axes.legend`."""
     E = run.energy(phi)  # (S, K)
     rows = ks(E.shape[1], chosen)
-    for c, k in zip(colors(len(rows)), rows):
-        ax.plot(run.steps, E[:, k - 1], ls, ms=3, color=c, label=f"k = {k}" if labels else None)
+    cols = colors(len(rows))
+    for c, k in zip(cols, rows):
+        ax.plot(run.steps, E[:, k - 1], ls, ms=3, color=c, label=family_label("k", k) if labels else None)
+    return "k", [family_label("k", k) for k in rows], cols
 
 
 def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "Figure":
@@ -37,13 +41,14 @@ def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "F
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
     what = _WHAT[phi]
     if phi == "y" and LossName(run.spec.loss) is LossName.NCE:  # the energy of the centred log-density (spectral.py)
-        what = r"relative energy of the centred log-density $\bar y - \mathrm{mean}(\bar y)$ (NCE) in the top k eigenvectors of $G_t$"
+        what = (r"relative energy of the centred log-density $\bar y - \mathrm{mean}(\bar y)$ (NCE) in the top k "
+                r"eigenvectors of $G_t$")
     fig, ax = new_figure(run, _LABEL[phi], what)
     ax = ax[0, 0]
-    _curves(ax, run, phi, chosen=opts.ks)
+    family = _curves(ax, run, phi, chosen=opts.ks)
     if phi == "df_pred":
         _curves(ax, run, "df", ls="--", labels=False, chosen=opts.ks)
         ax.plot([], [], "k-", label=r"first order $d\bar f_t$")  # legend entries for the two line styles
         ax.plot([], [], "k--", label=r"real $d\tilde f_t = f_{t+1} - f_t$")
-    time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$")
+    time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$", family=family)
     return fig

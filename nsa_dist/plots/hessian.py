@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import colors, new_figure, some_steps, time_axis
+from nsa_dist.plots.axes import colors, family_label, legend, new_figure, some_steps, symlog_y, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -55,11 +55,11 @@ def moments(run: "Run") -> "Figure":
         if S_lim is not None and k < 2:
             pred = S_lim["trace_S" if k == 0 else "trace_S2"]
             if np.isfinite(pred).any():
-                ax.plot(t, pred, "-.", color="C2", lw=1.6,
-                        label=r"S limit: E[Tr $S_t$] (MSE GD)" if k == 0 else r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$")
-                ax.legend(fontsize=7)
+                label = r"S limit: E[Tr $S_t$] (MSE GD)" if k == 0 else r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$"
+                ax.plot(t, pred, "-.", color="C2", lw=1.6, label=label)
+                legend(ax, fontsize=7)
         ax.set_title(f"Tr(A^{k + 1})", fontsize=10)
-        ax.set_yscale("symlog", linthresh=1e-3 * max(1e-12, float(np.nanmax(np.abs(exact[:, k])))))
+        symlog_y(ax, np.concatenate([ln.get_ydata() for ln in ax.get_lines()]))
         time_axis(ax, run, "trace" if k == 0 else "", legend=k == 0)
     return fig
 
@@ -86,7 +86,7 @@ def rayleigh(run: "Run") -> "Figure":
         ax.axhline(0, color="0.5", lw=0.8)
         ax.set(xlabel=f"eigenvector i of {name}", ylabel="Rayleigh quotient", title=f"along eigenvectors of {name}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        legend(ax)
     return fig
 
 
@@ -109,10 +109,10 @@ def density(run: "Run") -> "Figure":
     pick = some_steps(len(steps), 4)
     for j, c in zip(pick, colors(len(pick))):
         grid, dens = run.hessian.density(int(steps[j]))
-        ax.plot(grid, np.clip(dens, 1e-8, None), color=c, label=f"t = {steps[j]}")
+        ax.plot(grid, np.clip(dens, 1e-8, None), color=c, label=family_label("t", steps[j]))
     ax.set(xlabel="eigenvalue of H", ylabel="density", yscale="log")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend(ax)
     return fig
 
 
@@ -134,7 +134,7 @@ def I_spectrum(run: "Run") -> "Figure":
             drawn = lim[j]
     ax.set(xlabel="index i", ylabel=r"$\lambda_i(I)$", xscale="log", yscale="log")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    legend(ax)
     return fig
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, colors, ks, new_figure
+from nsa_dist.plots.axes import PlotOptions, colors, family_label, ks, legend, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -31,12 +31,13 @@ def fig4a(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     fig, ax = new_figure(run, "4a", "spectral projections of the residual")
     ax, steps = ax[0, 0], run.steps
     chosen = sorted(set(opts.steps)) if opts.steps else sorted({int(steps[0]), int(steps[-1])})
-    for c, t in zip(colors(len(chosen)), chosen):
+    cols, labels = colors(len(chosen)), [family_label("t", t) for t in chosen]
+    for c, t, label in zip(cols, chosen, labels):
         p = residual_projections(run, t)
-        ax.plot(np.arange(1, len(p) + 1), np.where(p > 0, p, np.nan), "o-", ms=3, color=c, label=f"t = {t}")
+        ax.plot(np.arange(1, len(p) + 1), np.where(p > 0, p, np.nan), "o-", ms=3, color=c, label=label)
     ax.set(yscale="log", xlabel="index i", ylabel=r"$\langle v_i^t, m_t\rangle^2$")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    legend(ax, family=("t", labels, cols))
     return fig
 
 
@@ -52,14 +53,16 @@ def fig7d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
         P, t1, t2, rows = run.spectrum_preservation(t1, t2, rows)
     else:
         P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)
-    fig, ax = new_figure(run, "7d", r"spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum of $G_{t_1}$")
+    fig, ax = new_figure(run, "7d",
+                         r"spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum of $G_{t_1}$")
     ax = ax[0, 0]
     k = np.arange(1, P.shape[1] + 1)
-    for c, i, E in zip(colors(len(rows)), rows, P):
-        ax.plot(k, E, "o-", ms=2.5, color=c, label=f"i = {i}")
+    cols = colors(len(rows))
+    for c, i, E in zip(cols, rows, P):
+        ax.plot(k, E, "o-", ms=2.5, color=c, label=family_label("i", i))
     ax.set(xscale="log", xlabel="k (top eigenvectors of $G_{t_1}$)", ylim=(-0.02, 1.02),
            ylabel=rf"$E_{{{t1}}}(v_i^{{{t2}}}, k)$")
     ax.set_title(f"$t_1$ = {t1}, $t_2$ = {t2}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, ncol=2 if len(rows) > 6 else 1)
+    legend(ax, family=("i", [family_label("i", i) for i in rows], cols))
     return fig

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, new_figure
+from nsa_dist.plots.axes import PlotOptions, colors, family_label, legend, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -15,18 +15,19 @@ if TYPE_CHECKING:
 
 
 def fig4d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
-    """f̄_{t,k} = Σ_{i≤k} ⟨v_i, f̄_t⟩ v_i at k = 10, 100, 200, 500 (≤ K) at an eigenvector step (the
-    first chosen one, default the last): images on [0, 1]² for 2-D data (the paper's linear
-    interpolation), else f̄_{t,k} against f̄_t at the training points."""
+    """f̄_{t,k} = Σ_{i≤k} ⟨v_i, f̄_t⟩ v_i at k = 10, 100, 200, 500 (≤ K) at an eigenvector step: the
+    last chosen one (``--step 20000 599999``: 599999, as the paper shows the end of training), default
+    the last stored; images on [0, 1]² for 2-D data (the paper's linear interpolation), else f̄_{t,k}
+    against f̄_t at the training points."""
     from nsa_dist.plots.images import _image
 
     steps = run.eigenvector_steps
     chosen = [t for t in (opts.steps or ()) if t in set(steps.tolist())]
-    t = int(chosen[0] if chosen else steps[-1])
+    t = int(chosen[-1] if chosen else steps[-1])
     rec = run.kernel.reconstructions(t)
     ks = [int(k) for k in rec["k"]]
     fig, ax = new_figure(run, "4d", rf"$\bar f_{{t,k}}$ from the top $k$ eigenvectors of $G_t$, t = {t}",
-                         ncols=len(ks), panel=(3.6, 3.3))
+                         ncols=len(ks), panel=(3.9, 3.3))
     f = run.outputs(t)
     for a, j, k in zip(ax[0], range(len(ks)), ks):
         if "images" in rec:
@@ -47,12 +48,16 @@ def appF(run: "Run") -> "Figure":
     fig, ax = new_figure(run, "App. F", r"first-order change $dG_t$ of the Gramian", ncols=2)
     left, right = ax[0]
     i = np.arange(1, gc["measured"].shape[1] + 1)
-    for j, t in enumerate(gc["steps"]):
-        line, = left.plot(i, gc["measured"][j], "o-", ms=3, label=f"measured, t = {t}")
-        left.plot(i, gc["first_order"][j], "x--", ms=4, color=line.get_color(), label=f"first order, t = {t}")
+    cols, labels = colors(len(gc["steps"])), [family_label("t", int(t)) for t in gc["steps"]]
+    for j, (c, label) in enumerate(zip(cols, labels)):  # one colour per step: a colour key when many
+        left.plot(i, gc["measured"][j], "o-", ms=3, color=c, label=label)
+        left.plot(i, gc["first_order"][j], "x--", ms=4, color=c)
+    left.plot([], [], "ko-", ms=3, label="measured")  # legend entries for the two line styles
+    left.plot([], [], "kx--", ms=4, label="first order (Eqs. 25–26)")
     left.set(xlabel="i", ylabel=r"$v_i^T\,dG_t\,v_i$  ($\approx d\lambda_i$)")
+    left.xaxis.get_major_locator().set_params(integer=True)
     left.axhline(0.0, color="k", lw=0.5)
-    left.legend(fontsize=7)
+    legend(left, family=("t", labels, cols), fontsize=7)
     evals = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, :len(i)]
     scale = np.linalg.norm(evals, axis=1)  # ‖Vᵀ G_t V‖_F = ‖λ_{1..Kg}‖
     right.plot(gc["steps"], gc["fro"][:, 0] / scale, "o-", ms=3, label=r"$\Vert V^T(G_{t+1}-G_t)V\Vert_F$")
@@ -60,7 +65,7 @@ def appF(run: "Run") -> "Figure":
     right.plot(gc["steps"], gc["fro"][:, 2] / scale, "^:", ms=3, label="difference")
     right.set(xlabel="step t", ylabel=r"relative to $\Vert\lambda_{1..k}\Vert$", yscale="log")
     right.grid(alpha=0.3)
-    right.legend(fontsize=7)
+    legend(right, fontsize=7)
     return fig
 
 
@@ -86,17 +91,21 @@ def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
         a.plot(run.steps, norm(pred_test), "s--", ms=3, label="Eq. 22 (Nyström, App. E)")
         a.set(xlabel="step t", ylabel="test residual norm", yscale="log", title="test points")
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        legend(a)
     left.plot(run.steps, pred[idx, 1], "o-", ms=3, label=r"measured $\Vert m_t\Vert$")
     left.plot(run.steps, pred[idx, 0], "s--", ms=3, label=rf"Eq. 5 with $G_{{{t0}}}$ fixed")
     left.set(xlabel="step t", ylabel=r"$\Vert m_t\Vert$", yscale="log")
     left.grid(alpha=0.3)
-    left.legend(fontsize=8)
+    legend(left)
     measured = run.energy("residual")  # (S, K)
-    for k in chosen_ks(E.shape[1], opts.ks or (1, 10, 100, 500)):
-        line, = right.plot(run.steps, measured[:, k - 1], "o-", ms=3, label=f"k = {k}, measured")
-        right.plot(run.steps, E[idx, k - 1], "--", color=line.get_color(), label=f"k = {k}, Eq. 5")
+    rows = chosen_ks(E.shape[1], opts.ks or (1, 10, 100, 500))
+    cols, labels = colors(len(rows)), [family_label("k", k) for k in rows]
+    for c, k, label in zip(cols, rows, labels):
+        right.plot(run.steps, measured[:, k - 1], "o-", ms=3, color=c, label=label)
+        right.plot(run.steps, E[idx, k - 1], "--", color=c)
+    right.plot([], [], "ko-", ms=3, label="measured")
+    right.plot([], [], "k--", label="Eq. 5")
     right.set(xlabel="step t", ylabel=r"$E_t(m_t, k)$", ylim=(-0.02, 1.02))
     right.grid(alpha=0.3)
-    right.legend(fontsize=7)
+    legend(right, family=("k", labels, cols), fontsize=7)
     return fig

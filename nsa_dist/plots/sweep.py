@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from nsa_dist.plots.axes import DPI, colors
+from nsa_dist.plots.axes import DPI, blank_figure, colors, energy_k, legend, set_title, symlog_y
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Curve, Sweep
 
-__all__ = ["SWEEP_FIGURES", "HESSIAN_SWEEP_FIGURES", "fig7a", "fig7b", "fig7c", "scalar_figure", "plot_sweep", "hessian_moments_figure",
-           "width_convergence", "regimes_figure", "fit_slope"]
+__all__ = ["SWEEP_FIGURES", "HESSIAN_SWEEP_FIGURES", "fig7a", "fig7b", "fig7c", "scalar_figure", "plot_sweep",
+           "hessian_moments_figure", "width_convergence", "regimes_figure", "fit_slope", "summary_k"]
 
 SWEEP_FIGURES = ("fig7a_energy_y", "fig7b_train_loss", "fig7c_test_loss", "scalar_energy_y_10")
 HESSIAN_SWEEP_FIGURES = ("hessian_moments_H", "hessian_moments_I", "hessian_moments_S", "hessian_width_convergence",
@@ -31,28 +31,34 @@ _WIDTH = "model.width"
 
 def _figure(sweep: "Sweep", label: str, what: str, ncols: int = 0,
             paper: str = "NSA") -> tuple["Figure", "Axes"]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7.0 if not ncols else 4.4 * ncols, 4.6), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = blank_figure((7.0 if not ncols else 4.4 * ncols, 4.6))
     seeds = "; mean ± std over seeds" if sweep.seeded else ""
-    fig.suptitle(f"{paper}{f' Fig. {label}' if label else ''} — {what}\nsweep {sweep.name}{seeds}", fontsize=11)
+    set_title(fig, f"{paper}{f' Fig. {label}' if label else ''} — {what}", f"sweep {sweep.name}{seeds}")
     return fig, (fig.subplots() if not ncols else fig.subplots(1, ncols, squeeze=False)[0])
 
 
 def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0) -> None:
-    for c, cv in zip(colors(len(curves)), curves):
+    """One line per grid point (mean over seeds, ± std shaded); more than ~10 get a colour key."""
+    cols = colors(len(curves))
+    for c, cv in zip(cols, curves):
         ax.plot(cv.t + shift, cv.mean, "-", lw=1.2, color=c, label=cv.label)
         if cv.n > 1:
             ax.fill_between(cv.t + shift, cv.mean - cv.std, cv.mean + cv.std, color=c, alpha=0.2, lw=0)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, ncol=2 if len(curves) > 6 else 1)
+    legend(ax, family=("grid point", [cv.label for cv in curves], cols))
 
 
-def fig7a(sweep: "Sweep", k: int = 400) -> "Figure":
-    """E_t(y, k) along t per grid point (the paper: k = 400; capped at the smallest K of the sweep)."""
-    k = min(k, sweep.smallest_k())
+def summary_k(sweep: "Sweep", k: int = 10) -> int:
+    """The k of the summary E(φ, k) across a sweep: ``k`` capped by the eigenpairs every run stores
+    and kept below every run's N (at k = N every E is 1)."""
+    return max(1, min(k, sweep.smallest_k(), sweep.smallest_n() - 1))
+
+
+def fig7a(sweep: "Sweep", k: int | None = None) -> "Figure":
+    """E_t(y, k) along t per grid point.  Default k: the paper's fraction of N (k = 400 of N = 10⁴)
+    of the smallest N of the sweep, below it and capped at the smallest K (:func:`axes.energy_k`);
+    a given ``k`` is capped at the smallest K."""
+    k = energy_k(sweep.smallest_n(), sweep.smallest_k(), k)
     fig, ax = _figure(sweep, "7a", f"label energy $E_t(y, {k})$")
     _lines(ax, sweep.curves("energy_y", k))
     ax.set(xlabel="step t", ylabel=f"$E_t(y, {k})$", xscale="symlog", ylim=(-0.02, 1.02))
@@ -91,14 +97,15 @@ def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k:
     what = f"{name}" + (f"(k={k})" if k else "") + (f" at t = {step}" if step is not None else " at the last step")
     fig, ax = _figure(sweep, "", what + " across the sweep (a summary, no figure of the paper)")
     groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
-    for c, (lv, sub) in zip(colors(len(groups)), groups):
+    cols, labels = colors(len(groups)), [f"{line.split('.')[-1]}={lv}" if line else name for lv, _ in groups]
+    for c, label, (lv, sub) in zip(cols, labels, groups):
         g = sub.groupby(x, sort=True)["value"]
         mean, std = g.mean(), g.std(ddof=0).fillna(0.0)
         ax.errorbar(mean.index.to_numpy(), mean.to_numpy(), yerr=std.to_numpy(), fmt="o-", ms=4, capsize=3, color=c,
-                    label=f"{line.split('.')[-1]}={lv}" if line else name)
+                    label=label)
     ax.set(xlabel=x, ylabel=what)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend(ax, family=(line or name, labels, cols))
     return fig
 
 
@@ -123,9 +130,8 @@ def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
                 line.set_markersize(3)
             ax.set(xlabel="step t", xscale="symlog")
         ax.axhline(0, color="0.5", lw=0.8)
-        finite = [np.nanmax(np.abs(c.mean)) for c in curves if np.isfinite(c.mean).any()]
         ax.set_title(f"Tr({part}^{k})")
-        ax.set_yscale("symlog", linthresh=1e-3 * max([1e-12] + finite))
+        symlog_y(ax, np.concatenate([c.mean for c in curves]))
         if k > 1 and ax.get_legend():
             ax.get_legend().remove()
     return fig
@@ -143,7 +149,7 @@ def _points(ax: "Axes", sweep: "Sweep", curves: list["Curve"], name: str, k: int
     ax.set_xticks(range(len(curves)), [", ".join(str(v) for v in cv.key.values()) for cv in curves],
                   rotation=20, fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend(ax)
 
 
 def fit_slope(x: np.ndarray, y: np.ndarray) -> float:
@@ -182,7 +188,7 @@ def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (
         ax.plot(w, y0 * np.sqrt(w[0] / w), "k:", lw=1, label=r"$\propto w^{-1/2}$")
     ax.set(xlabel="width w", ylabel="relative error", xscale="log", yscale="log")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    legend(ax)
     return fig
 
 
@@ -203,16 +209,18 @@ def regimes_figure(sweep: "Sweep", step: int = 0) -> "Figure":
                         label=f"{lv or 'all'}: slope {fit_slope(w, mean):+.2f}")
         ax.set(xlabel="width w", title=label, xscale="log", yscale="log")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        legend(ax)
     return fig
 
 
-def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | None = None, k: int = 400) -> list[Path]:
+def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | None = None,
+               k: int | None = None) -> list[Path]:
     """Write ``<out_dir>/<name>.png`` for the sweep figures (default all of :data:`SWEEP_FIGURES` and
     :data:`HESSIAN_SWEEP_FIGURES`).
 
-    "scalar_energy_y_10" is the final E(y, 10) against the first varied field, one line per value
-    of the second (if any).  "hessian_moments_<A>": Tr(A^k) along t (mean ± std over seeds);
+    "fig7a_energy_y" is E_t(y, k) at ``k`` (default the paper's fraction of N, :func:`fig7a`).
+    "scalar_energy_y_10" is the final E(y, 10) (:func:`summary_k`: below N) against the first varied
+    field, one line per value of the second (if any).  "hessian_moments_<A>": Tr(A^k) along t (mean ± std over seeds);
     "hessian_width_convergence" and "hessian_regimes": against ``model.width`` at initialisation.
     Figures a sweep cannot draw (no test points: 7c; no Hessian block; no width axis) are skipped.
     """
@@ -237,7 +245,7 @@ def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | 
             "fig7c_test_loss": lambda: fig7c(sweep) if first.has("loss_test") else None,
             "scalar_energy_y_10": lambda: scalar_figure(sweep, "energy_y", sweep.fields[0],
                                                         sweep.fields[1] if len(sweep.fields) > 1 else None,
-                                                        k=min(10, sweep.smallest_k())) if sweep.fields else None}
+                                                        k=summary_k(sweep)) if sweep.fields else None}
     written = []
     for name in names:
         fig = draw[name]()
