@@ -433,15 +433,15 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _plot_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
     from nsa_dist.plots import plot_sweep, scalar_figure
-    from nsa_dist.plots.axes import DPI
+    from nsa_dist.plots.axes import DPI, energy_k
 
     sweep = Client(args.store).sweep(args.sweep)
-    k = args.k[0] if args.k else 400
+    k = args.k[0] if args.k else None  # Fig. 7a: default the paper's fraction of N (plots.axes.energy_k)
     paths = plot_sweep(sweep, args.out, figures=args.figures, k=k)
     if args.scalar:
         if not args.x:
             raise ValueError("--scalar needs --x FIELD (one of the sweep's fields: " + ", ".join(sweep.fields) + ")")
-        kk = min(args.k[0], sweep.smallest_k()) if args.k else None
+        kk = energy_k(sweep.smallest_n(), sweep.smallest_k(), k)
         if args.scalar.startswith("hessian_"):  # k: the moment order of Tr(A^k)
             kk = args.k[0] if args.k else None
         fig = scalar_figure(sweep, args.scalar, args.x, args.line,
