@@ -168,11 +168,21 @@ def cancel(address: str, job_id: str) -> bool:
 @contextlib.contextmanager
 def _answered(address: str) -> Iterator[None]:
     """What the dashboard answered (after :func:`probe`), as one OutsideError naming the address:
-    the Ray client raises RuntimeError("Request failed with status code …") and connection errors."""
+    the Ray client raises RuntimeError("Request failed with status code …"), connection errors and
+    Ray's AuthenticationError (a missing or wrong token, told as which variable to set)."""
+    from ray.exceptions import AuthenticationError
+
     try:
         yield
     except OutsideError:
         raise
+    except AuthenticationError as exc:
+        if str(getattr(exc, "message", "")).startswith("Authentication failed"):  # HTTP 403
+            raise OutsideError(f"the Ray dashboard at {address} refused the token (HTTP 403): RAY_AUTH_TOKEN (or the "
+                               "file named by RAY_AUTH_TOKEN_PATH) does not hold the cluster's token") from exc
+        raise OutsideError(f"the Ray dashboard at {address} wants a token (its token authentication is on) and got "
+                           "none: set RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file "
+                           "holding it") from exc
     except (RuntimeError, OSError) as exc:
         text = " ".join(str(exc).split())
         raise OutsideError(f"the Ray dashboard at {address} answered: {text[:500]}") from exc

@@ -1,0 +1,78 @@
+"""Ray's token authentication on a real head (deploy/README.md, "Authentication"): a loopback head
+started with ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN``; ``nsa status`` against its dashboard
+with no token, a wrong one and the right one (from ``RAY_AUTH_TOKEN`` and from the file named by
+``RAY_AUTH_TOKEN_PATH``).  A missing or wrong token is one line saying which variable to set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from nsa_dist.cli import main as nsa
+from conftest import BIN, free_port, kill_cluster
+
+
+@pytest.fixture(scope="module")
+def token_head():
+    """A one-node Ray head on loopback with token auth on: (its dashboard address, the token)."""
+    pytest.importorskip("ray")
+    temp_dir = tempfile.mkdtemp(prefix="nsa-raytok-", dir="/tmp")
+    port, dash, token = free_port(), free_port(), secrets.token_hex(16)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    head = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+            "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+            *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                     "runtime-env-agent-port", "metrics-export-port",
+                                                     "ray-client-server-port"))]
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        subprocess.run(head, check=True, env=env, capture_output=True, timeout=180)
+        deadline, mode = time.time() + 120, None
+        while mode is None and time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"{address}/api/authentication_mode", timeout=5) as r:
+                    mode = json.loads(r.read())["authentication_mode"]
+            except OSError:
+                time.sleep(1)
+        assert mode == "token", f"the head's dashboard answered authentication_mode {mode!r}"
+        yield address, token
+    finally:
+        kill_cluster([temp_dir, f"127.0.0.1:{port}", f":{port}"])
+
+
+@pytest.mark.slow
+def test_nsa_status_against_a_token_head(token_head, tmp_path, capsys, monkeypatch):
+    address, token = token_head
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+
+    def status() -> tuple[int, str]:
+        capsys.readouterr()
+        rc = nsa(["status", "--address", address])
+        return rc, capsys.readouterr().err.strip()
+
+    rc, err = status()
+    assert rc == 2 and err == (f"nsa status: error: the Ray dashboard at {address} wants a token (its token "
+                               "authentication is on) and got none: set RAY_AUTH_TOKEN to the cluster's token, or "
+                               "RAY_AUTH_TOKEN_PATH to a file holding it"), (rc, err)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-" + token)
+    rc, err = status()
+    assert rc == 2 and err.startswith(f"nsa status: error: the Ray dashboard at {address} refused the token "
+                                      "(HTTP 403)") and len(err.splitlines()) == 1, (rc, err)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    assert status() == (0, ""), "the right token in RAY_AUTH_TOKEN"
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    (tmp_path / "tok").write_text(token + "\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))
+    assert status() == (0, ""), "the right token in the file named by RAY_AUTH_TOKEN_PATH"
