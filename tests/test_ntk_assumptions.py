@@ -142,6 +142,13 @@ def _output_hook():
     return m
 
 
+def _output_hook_same_value():
+    """The hook returns a tensor equal to the output whose gradient is twice the output's."""
+    m = Chain()
+    m.a.register_forward_hook(lambda mod, args, out: 2 * out - out.detach())
+    return m
+
+
 def _pre_hook_own_parameter():
     m = Chain()
     m.a.register_forward_pre_hook(lambda mod, args: (args[0] * mod.bias.sum(),))
@@ -233,6 +240,8 @@ CASES = {
                                                          {"a.bias": ("jacobian", "called once")}, "b.weight"),
     "returns_its_output/forward_hook_replaces_output": (_output_hook, lambda g: _flat(6, 4, g),
                                                         {"a.weight": ("jacobian", "returns its output")}, "b.weight"),
+    "returns_its_output/forward_hook_same_value_other_gradient": (
+        _output_hook_same_value, lambda g: _flat(6, 4, g), {"a.weight": ("jacobian", "returns its output")}, "b.weight"),
     "called_once/twice_with_different_shapes": (CalledTwice, lambda g: _flat(6, 4, g),
                                                 {"a.weight": ("jacobian", "called once")}, "b.weight"),
     "called_once/weight_reused_functionally": (FunctionalReuse, lambda g: _flat(6, 4, g),

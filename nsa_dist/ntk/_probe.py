@@ -251,14 +251,15 @@ def _batch_dim(m: nn.Module, attention: bool) -> int:
     return 1 if attention and not m.batch_first else 0
 
 
-def _reference(m: nn.Module, call: _Call, attention: bool) -> torch.Tensor:
-    """The layer's class forward on its recorded input (detached) with its registered parameters."""
+def _reference(m: nn.Module, call: _Call, attention: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer's class forward on a copy of its recorded input, with its registered parameters;
+    that copy: a leaf that requires grad where the input does, so the two graphs match)."""
+    q = call.a.detach().requires_grad_(call.a.requires_grad)
     if not attention:
-        return type(m).forward(m, call.a.detach())
-    q = call.a.detach()
+        return type(m).forward(m, q), q
     args = tuple(q if i < 3 else v for i, v in enumerate(call.args))
     kwargs = {k: (q if k in ("query", "key", "value") else v) for k, v in call.kwargs.items()}
-    return decomposed(m, *projections(m), *args, **kwargs)[0]
+    return decomposed(m, *projections(m), *args, **kwargs)[0], q
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -271,14 +272,23 @@ def _tol(t: torch.Tensor) -> float:
 
 def _own_output(m: nn.Module, call: _Call, attention: bool, params: list[torch.Tensor], label: str) -> str | None:
     """Why the output the network used is not the layer's own function of its input and registered
-    parameters — in value, or in its gradient w.r.t. them (one random VJP); None when it is."""
+    parameters (None when it is): its value must equal the class forward's on the recorded input,
+    and its autograd graph down to that input must be the class forward's (the same operations on
+    the same parameters) — for self-attention, whose module runs other kernels than its
+    decomposition, one random VJP w.r.t. the parameters instead."""
     z = call.z
     with torch.enable_grad():
-        ref = _reference(m, call, attention)
-    if ref.shape != z.shape or not _close(ref, z):
+        ref, a = _reference(m, call, attention)
+    if ref.shape != z.shape or not (torch.equal(ref, z) or _close(ref, z)):
         err = f" (by {_rel(ref, z):.1e} relative)" if ref.shape == z.shape else f" ({tuple(z.shape)} vs {tuple(ref.shape)})"
         return (f"{RETURNS}: the output of {label} differs from {type(m).__name__}.forward on its input with its "
                 f"registered parameters{err}: a forward hook or another forward replaces it")
+    if not attention:
+        if _graph(z, call.a) != _graph(ref, a):
+            return (f"{RETURNS}: the output of {label} is not computed by {type(m).__name__}.forward from its input "
+                    "and registered parameters alone (its autograd graph differs): a forward hook or another forward "
+                    "replaces it")
+        return None
     g = torch.Generator(device=z.device).manual_seed(7)
     v = torch.randn(z.shape, generator=g, dtype=z.dtype, device=z.device)
     got = torch.autograd.grad(z, params, v, retain_graph=True, allow_unused=True) if z.requires_grad else [None] * len(params)
@@ -292,36 +302,64 @@ def _own_output(m: nn.Module, call: _Call, attention: bool, params: list[torch.T
     return None
 
 
+def _graph(z: torch.Tensor, a: object) -> list:
+    """z's autograd graph down to the input a, as a canonical list: node types in depth-first order,
+    the parameters (leaves) reached, and "in" where the input (or a tensor without grad) enters."""
+    stop = a.grad_fn if isinstance(a, torch.Tensor) else None
+    out: list = []
+    seen: dict[int, int] = {}
+    stack = [z.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or (stop is not None and fn is stop):
+            out.append("in")
+            continue
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            out.append("in" if var is a else ("leaf", id(var)))
+            continue
+        if id(fn) in seen:
+            out.append(("again", seen[id(fn)]))
+            continue
+        seen[id(fn)] = len(seen)
+        out.append(type(fn).__name__)
+        stack.extend(nxt for nxt, _ in reversed(fn.next_functions))
+    return out
+
+
 def _own_rows(out: torch.Tensor, outputs: dict[str, tuple[torch.Tensor, int, str]]) -> dict[str, str]:
     """Layers whose output rows do not each reach only their own point's output (name → why).
 
-    For each probe point k, one backward of a random combination of f(x_k)'s outputs: its gradient
-    w.r.t. every layer's output must vanish outside row k (of the sample axis)."""
+    For each probe point k, the gradient of a random combination of f(x_k)'s outputs w.r.t. every
+    layer's output must vanish outside row k of its sample axis: one batched backward pass (one
+    pass per point where an operation has no batching rule)."""
     b = out.shape[0]
     names = list(outputs)
-    bad: dict[str, str] = {}
     if b < 2 or not names or not out.requires_grad:
-        return bad
+        return {}
     g = torch.Generator(device=out.device).manual_seed(11)
     u = torch.rand(out.shape, generator=g, dtype=out.dtype, device=out.device) + 0.5
-    for k in range(b):
-        live = [n for n in names if n not in bad]
-        if not live:
-            break
-        grads = torch.autograd.grad((out[k] * u[k]).sum(), [outputs[n][0] for n in live], retain_graph=True,
-                                    allow_unused=True)
-        for n, d in zip(live, grads):
-            if d is None:
-                continue
-            z, dim, label = outputs[n]
-            d = d.detach().movedim(dim, 0).reshape(b, -1).abs()
-            scale = float(d.max())
-            rest = torch.cat([d[:k], d[k + 1:]]).amax(1)  # per other row
-            if scale > 0 and float(rest.max()) > _tol(d) * scale:
-                r = int(rest.argmax()) + (int(rest.argmax()) >= k)
-                bad[n] = (f"{AXIS}: row {r} of the output of {label} (shape {tuple(z.shape)}) reaches point {k}'s "
-                          "output: its rows are not one per point (an axis of the batch's length that is not "
-                          "the sample axis, or a broadcast)")
+    eye = torch.eye(b, dtype=out.dtype, device=out.device)
+    cot = eye[:, :, None] * u[None]  # (b, b, K): cotangent k is f(x_k)'s combination
+    Z = [outputs[n][0] for n in names]
+    try:
+        grads = torch.autograd.grad(out, Z, cot, retain_graph=True, allow_unused=True, is_grads_batched=True)
+    except (RuntimeError, NotImplementedError):  # no batching rule: one backward pass per point
+        per = [torch.autograd.grad(out, Z, cot[k], retain_graph=True, allow_unused=True) for k in range(b)]
+        grads = [None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(len(Z))]
+    bad: dict[str, str] = {}
+    for n, d in zip(names, grads):
+        if d is None:
+            continue
+        z, dim, label = outputs[n]
+        d = d.detach().movedim(dim + 1, 1).reshape(b, b, -1).abs().amax(2)  # (point k, row r)
+        scale = float(d.max())
+        leak = d * (1 - eye)
+        if scale > 0 and float(leak.max()) > _tol(z) * scale:
+            k, r = divmod(int(leak.argmax()), b)
+            bad[n] = (f"{AXIS}: row {r} of the output of {label} (shape {tuple(z.shape)}) reaches point {k}'s "
+                      "output: its rows are not one per point (an axis of the batch's length that is not "
+                      "the sample axis, or a broadcast)")
     return bad
 
 
