@@ -1,5 +1,7 @@
 """``nsa serve`` without a browser (issue 21): the table's rows, the safe defaults, damage shown
-on the page, never a write — and ``nsa export --tensorboard`` read back with TensorBoard's reader."""
+on the page, never a write, every figure of ``nsa plot`` as a panel of the run's or the sweep's
+page with the data the client reads, store strings escaped (issue 33) — and ``nsa export
+--tensorboard`` read back with TensorBoard's reader."""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from test_s3 import s3_env  # noqa: F401  (the moto S3 server on loopback)
 
 SPEC = ExperimentSpec(name="served", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 12}, steps=8,
                       record={"every": 4}, spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4,
-                                                     "test_points": True},
-                      hessian={"probes": 4, "rayleigh_k": 0, "top_k": 1, "density": False})
+                                                     "test_points": True, "gram_change_k": 3},
+                      hessian={"probes": 4, "rayleigh_k": 3, "top_k": 1, "density": True})
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_a_damaged_chunk_is_a_row_and_a_panel_message_not_a_crash(store, tmp_pat
     panels = {type(p).__name__: p for p in run_panels(run)}
     for p in panels.values():
         p.update(p.guarded(run))
-    eig = panels["Eigenvalues"]
+    eig = panels["Fig2b"]
     assert eig.error.visible and not eig.body.visible and str(chunk) in eig.error.text, eig.error.text
     assert not panels["Loss"].error.visible and panels["Loss"].body.visible  # the others go on
     with _Served(ServeOptions(url, port=0)) as s:
@@ -196,29 +198,53 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- a sweep's page
-def test_the_sweep_page_draws_fig7_per_selected_grid_point(tmp_path):
+@pytest.fixture(scope="module")
+def sweep_store(tmp_path_factory) -> str:
+    """A sweep over model.width (8, 12) of SPEC, its Hessian block included."""
     from nsa_dist.config import SweepSpec
-    from nsa_dist.serve.sweep_page import _FIGURES, SweepFigure
 
-    url = str(tmp_path / "sw.zarr")
-    sweep = SweepSpec(name="widths", base={**SPEC.model_dump(mode="json"), "hessian": None},
-                      grid={"model.width": [8, 12]})
+    url = str(tmp_path_factory.mktemp("sweep") / "sw.zarr")
+    base = SPEC.model_dump(mode="json")
+    base["hessian"].update(rayleigh_k=0, density=False)
+    base["spectrum"].update(images=[], gram_change_k=0)
+    base["model"].update(init="ntk", regime="ntk")  # the Θ∞ limits apply
+    sweep = SweepSpec(name="widths", base=base, grid={"model.width": [8, 12]})
     ids = [run_experiment(s, SpectrumStore(url)).run_id for s in sweep.expand()]
     SpectrumStore(url).record_sweep("widths", sweep.model_dump(mode="json"), ids)
-    sw = Client(url).sweep("widths")
-    by_label = {label: SweepFigure(*spec) for spec in _FIGURES for label in [spec[0]]}
-    for label, fig in by_label.items():
-        fig.update(fig.guarded((sw, 3, {"model.width": ["8", "12"]})))
-        assert not fig.error.visible, fig.error.text
-        assert len(fig.lines.data["xs"]) == 2, label
-    energy = {c.label: c for c in sw.curves("energy_y", 3)}
-    line = dict(zip(by_label["7a"].lines.data["label"], by_label["7a"].lines.data["ys"]))
-    for label, c in energy.items():
-        np.testing.assert_array_equal(line[label], c.mean)  # the curves of `nsa plot --sweep`
-    fig = by_label["7b"]
-    fig.update(fig.guarded((sw, 3, {"model.width": ["12"]})))  # the selector keeps one grid point
-    assert fig.lines.data["label"] == ["width=12"]
-    with _Served(ServeOptions(url, port=0)) as s:
+    return url
+
+
+def test_the_sweep_page_draws_every_sweep_figure_per_selected_grid_point(sweep_store):
+    from nsa_dist.plots.axes import energy_k
+    from nsa_dist.plots.sweep import HESSIAN_SWEEP_FIGURES, SWEEP_FIGURES
+    from nsa_dist.serve.sweep_page import default_k, sweep_panels
+
+    sw = Client(sweep_store).sweep("widths")
+    panels = sweep_panels(sw)
+    drawn = {f for p in panels for f in p.figures}
+    every = set(SWEEP_FIGURES) | set(HESSIAN_SWEEP_FIGURES)
+    assert drawn == every, f"missing {every - drawn}, unknown {drawn - every}"
+    k = default_k(sw)
+    assert k == energy_k(sw.smallest_n(), sw.smallest_k()) == 1  # N = 24: the paper's 4 % of N, never N
+    both = (sw, k, {"model.width": ["8", "12"]})
+    for p in panels:
+        p.update(p.guarded(both))
+        assert not p.error.visible and not p.waiting.visible, (p.title, p.error.text, p.waiting.text)
+        assert all(len(src["lines"].data["xs"]) for src in p.sources), p.title
+    by = {f: p for p in panels for f in p.figures}
+    fig7a = by["fig7a_energy_y"]
+    line = dict(zip(fig7a.sources[0]["lines"].data["label"], fig7a.sources[0]["lines"].data["ys"]))
+    for c in sw.curves("energy_y", k):
+        np.testing.assert_array_equal(line[c.label], c.mean)  # the curves of `nsa plot --sweep`
+    assert fig7a.figs[0].yaxis.axis_label == f"E_t(y, {k})"
+    fig7b = by["fig7b_train_loss"]
+    fig7b.update(fig7b.guarded((sw, k, {"model.width": ["12"]})))  # the selector keeps one grid point
+    assert fig7b.sources[0]["lines"].data["label"] == ["width=12"]
+    moments = by["hessian_moments_S"]
+    got = dict(zip(moments.sources[1]["lines"].data["label"], moments.sources[1]["lines"].data["ys"]))
+    for c in sw.curves("hessian_S", 2):
+        np.testing.assert_array_equal(got[c.label], c.mean)  # Tr(S²) per grid point
+    with _Served(ServeOptions(sweep_store, port=0)) as s:
         assert s.get("/sweep?name=widths")[0] == 200
 
 

@@ -1,6 +1,8 @@
 """``nsa serve`` in a real browser (issue 21): Debian's Chromium, driven by Playwright, watches a
 store that a Tracker is filling — the run table, a run's page whose step count grows, and a
-screenshot of a plot that holds its lines.
+screenshot of a plot that holds its lines — then opens every tab of the run's page (the NSA
+paper, the Hessian paper) and a sweep's page, and checks that every panel drew its figures: no
+error, no waiting note, a canvas with coloured pixels (issue 33).
 
 Set NSA_SERVE_SCREENSHOT=docs/serve.png to keep the page's screenshot (the README's).
 """
@@ -24,6 +26,9 @@ from nsa_dist import Tracker  # imported here, not in the writer's thread: no im
 from nsa_dist.config import DataSpec, ModelSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.models import build_model
+from nsa_dist.client import Client
+from nsa_dist.serve.run_page import run_sections
+from nsa_dist.serve.sweep_page import sweep_panels
 from nsa_dist.store import SpectrumStore, run_summaries
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
@@ -109,6 +114,42 @@ def _line_pixels(png: bytes, rgb: tuple[int, int, int]) -> int:
     return int((np.abs(a - np.asarray(rgb)).sum(-1) < 40).sum())
 
 
+def _saturated(png: bytes) -> int:
+    """Pixels of a screenshot that are clearly coloured (a curve, a band, a marker, an image), not grey."""
+    import io
+
+    from PIL import Image
+
+    a = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), np.int32)
+    return int((np.abs(a[..., 0] - a[..., 1]) + np.abs(a[..., 1] - a[..., 2]) > 60).sum())
+
+
+def _check_panels(page, expected: list[str], where: str) -> None:
+    """Every visible panel of the page is one of ``expected`` (titles, in order), and each drew: no
+    error shown, no waiting note, a canvas, and (line figures) coloured pixels."""
+    panels = page.locator(".nsa-panel")
+    visible = lambda: [panels.nth(i) for i in range(panels.count()) if panels.nth(i).is_visible()]  # noqa: E731
+    end = time.time() + 60
+    while len(visible()) != len(expected) and time.time() < end:
+        time.sleep(0.3)
+    page.wait_for_timeout(800)  # the figures' first paint
+    shown = visible()
+    titles = [p.locator("h3").first.inner_text() for p in shown]
+    assert titles == expected, f"{where}: panels {titles}, expected {expected}"
+    bad = []
+    for title, p in zip(titles, shown):
+        err, note = p.locator(".nsa-damaged").first, p.locator(".nsa-waiting").first
+        if err.is_visible():
+            bad.append(f"{title}: error {err.inner_text()!r}")
+        elif note.is_visible():
+            bad.append(f"{title}: still waiting ({note.inner_text()!r})")
+        elif not p.locator("canvas").count():
+            bad.append(f"{title}: no canvas")
+        elif p.locator(".nsa-plot").count() and _saturated(p.screenshot()) < 100:
+            bad.append(f"{title}: nothing coloured drawn ({_saturated(p.screenshot())} px)")
+    assert not bad, f"{where}:\n" + "\n".join(bad)
+
+
 def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -153,6 +194,18 @@ def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
                 keep = os.environ.get("NSA_SERVE_SCREENSHOT")
                 if keep:
                     page.screenshot(path=keep, clip={"x": 0, "y": 0, "width": 1400, "height": 1500}, full_page=True)
+                sections = {paper: [p.title for p in ps]
+                            for paper, ps in run_sections(Client(url).run("watched")).items()}
+                assert list(sections) == ["NSA paper", "Hessian paper"], list(sections)
+                for paper, titles in sections.items():
+                    page.get_by_text(paper, exact=True).first.click()
+                    _check_panels(page, titles, f"the run page's {paper} tab")
+                run = Client(url).run("watched")
+                spec = {"name": "one_width", "base": run.spec.model_dump(mode="json"),
+                        "grid": {"steps": [run.spec.steps]}}  # a sweep of this one run: the page's panels
+                SpectrumStore(url).record_sweep("one_width", spec, ["watched"])
+                page.goto(f"{base}sweep?name=one_width")
+                _check_panels(page, [p.title for p in sweep_panels(Client(url).sweep("one_width"))], "the sweep page")
                 page.goto(base)
                 _wait(lambda: f"{S}/{S}" in page.locator(".slick-cell").all_inner_texts(), "the table's progress S/S")
             finally:

@@ -1,6 +1,8 @@
-"""The eigenvector panel of a run's page, with a slider over the steps whose eigenvectors are stored.
+"""The image panels of a run's page: NSA Figs. 4b–c, 5–6 (eigenvectors and the residual as
+images, with a slider over the steps), 1a–c (target and output over 2-D inputs) and 4d (the
+output from its top-k eigenvectors).
 
-2-D data: the stored eigenvector images v_i^t on the input grid (NSA Figs. 5–6, ``Run.images``).
+2-D data: the stored images v_i^t and m_t on the input grid and their |Fourier| (``Run.images``).
 Other data: the stored eigenvectors V_t (N, K) themselves as one image, points × index
 (``Run.eigenvectors``, at ``spectrum.store_eigenvectors`` steps).
 """
@@ -11,42 +13,72 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, Div, LinearColorMapper, Slider
+from bokeh.models import ColorBar, ColumnDataSource, Div, LinearColorMapper, Select, Slider
 
+from nsa_dist.serve._curves import need, step_options
 from nsa_dist.serve._live import Panel, new_figure
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
-__all__ = ["Eigenvectors"]
+__all__ = ["Eigenvectors", "Fig1abc", "Fig4d"]
 
 _MAX_IMAGES = 6
 
 
-class Eigenvectors(Panel):
-    """Eigenvector images at the stored steps, one step at a time (the slider)."""
+class _Image:
+    """One image figure: its source, colour mapper (symmetric about 0, or 0..max) and title."""
 
-    title = "Eigenvectors of G_t at the stored steps"
+    def __init__(self, size: int, palette: str = "RdBu11", symmetric: bool = True, x: str = "", y: str = "",
+                 height: int | None = None) -> None:
+        self.source = ColumnDataSource({"image": [], "dw": [], "dh": [], "x": [], "y": []})
+        self.fig = new_figure("", x, y, width=size, height=height or size)
+        self.mapper = LinearColorMapper(palette=palette)
+        self.fig.image(image="image", x="x", y="y", dw="dw", dh="dh", source=self.source, color_mapper=self.mapper)
+        self.fig.grid.visible = False
+        self.symmetric = symmetric
+
+    def draw(self, img: Any, title: str, extent: tuple[float, float, float, float] | None = None) -> None:
+        img = np.asarray(img, np.float64)
+        x0, y0, w, h = extent or (0.0, 0.0, float(img.shape[1]), float(img.shape[0]))
+        self.source.data = {"image": [img], "x": [x0], "y": [y0], "dw": [w], "dh": [h]}
+        top = float(np.nanmax(np.abs(img))) if np.isfinite(img).any() else 1.0
+        top = top or 1.0
+        self.mapper.update(low=-top if self.symmetric else 0.0, high=top)
+        self.fig.title.text = title
+
+
+class Eigenvectors(Panel):
+    """At one stored step (the slider; the newest by default, NSA Fig. 5 — an early one is Fig. 6):
+    the residual m_t and its |Fourier| (Figs. 4b–c) and the eigenvector images v_i^t above their
+    |Fourier|; without 2-D data, V_t as one image."""
+
+    title = "NSA Figs. 4b–c, 5 and 6 — the residual and the eigenvectors of G_t at a step (and |Fourier|)"
+    figures = ("fig4bc_residual_fourier", "fig5_eigenvectors", "fig6_eigenvectors_early")
 
     def __init__(self, run: "Run") -> None:
         self.images = run.has("eigvec_images")
+        self.has_residual = run.has("residual_image")
         self.steps: list[int] = []
         self.slider = Slider(title="stored step (index)", start=0, end=1, value=0, step=1, width=500, disabled=True)
         self.label = Div(text="", css_classes=["nsa-eigvec-step"])
+        self.limit = float(run.spec.spectrum.fourier_limit) if self.images else 0.0
         n = min(_MAX_IMAGES, int(run.dims.n_images)) if self.images else 1
-        self.sources = [ColumnDataSource({"image": [], "dw": [], "dh": []}) for _ in range(n)]
-        self.titles, self.mappers, figs = [], [], []
-        for src in self.sources:
-            size = 200 if self.images else 700
-            fig = new_figure("", "" if self.images else "index i", "" if self.images else "point",
-                             width=size, height=size if self.images else 300, match_aspect=self.images)
-            mapper = LinearColorMapper(palette="RdBu11")
-            fig.image(image="image", x=0, y=0, dw="dw", dh="dh", source=src, color_mapper=mapper)
-            fig.grid.visible = False
-            self.titles.append(fig.title)
-            self.mappers.append(mapper)
-            figs.append(fig)
-        super().__init__(column(row(self.slider, self.label), row(*figs)))
+        if self.images:
+            self.vecs = [_Image(190) for _ in range(n)]
+            self.ffts = [_Image(190, "Magma256", symmetric=False) for _ in range(n)]
+            self.residual = [_Image(260), _Image(260, "Magma256", symmetric=False)] if self.has_residual else []
+            rows = ([row(*(i.fig for i in self.residual))] if self.residual else []) + [
+                row(*(i.fig for i in self.vecs)), row(*(i.fig for i in self.ffts))]
+        else:
+            self.vecs, self.ffts, self.residual = [_Image(700, x="index i", y="point", height=300)], [], []
+            rows = [row(self.vecs[0].fig)]
+        super().__init__(column(row(self.slider, self.label), *rows))
+
+    @property
+    def controls(self) -> list[Any]:
+        """No value-driven chooser: the slider is wired by the page (a small read at one step)."""
+        return []
 
     def stored_steps(self, run: "Run") -> list[int]:
         """The finished steps whose eigenvectors (or their images) are stored."""
@@ -55,15 +87,14 @@ class Eigenvectors(Panel):
     def at(self, run: "Run", step: int) -> dict[str, Any]:
         """What the panel draws at ``step`` (worker thread)."""
         if self.images:
-            im = run.images.at(step)
-            return {"step": step, "images": im["eigvec_images"][:len(self.sources)], "indices": im["indices"]}
-        return {"step": step, "images": run.eigenvectors(step)[None], "indices": None}
+            return {"step": step, **run.images.at(step)}
+        return {"step": step, "eigvec_images": run.eigenvectors(step)[None], "indices": None}
 
     def read(self, run: "Run") -> dict[str, Any]:
         steps = self.stored_steps(run)
         follow = not self.steps or self.slider.value >= len(self.steps) - 1  # at the newest: follow new steps
         i = len(steps) - 1 if follow else min(self.slider.value, len(steps) - 1)
-        return {"steps": steps, "index": i, **(self.at(run, steps[i]) if steps else {"images": None})}
+        return {"steps": steps, "index": i, **(self.at(run, steps[i]) if steps else {"eigvec_images": None})}
 
     def show(self, data: dict[str, Any]) -> None:
         self.steps = data["steps"]
@@ -72,13 +103,119 @@ class Eigenvectors(Panel):
         self.draw(data)
 
     def draw(self, data: dict[str, Any]) -> None:
-        if data.get("images") is None:
+        """Draw the images of one step (document thread)."""
+        if data.get("eigvec_images") is None:
             self.label.text = "no stored step yet"
             return
-        self.label.text = f"t = {data['step']}"
-        for j, (src, title, mapper) in enumerate(zip(self.sources, self.titles, self.mappers)):
-            img = np.asarray(data["images"][j], np.float64)  # (R, R) image, or (N, K) eigenvectors: point × i
-            src.data = {"image": [img], "dw": [img.shape[1]], "dh": [img.shape[0]]}
-            lim = float(np.nanmax(np.abs(img))) if np.isfinite(img).any() else 1.0
-            mapper.update(low=-lim, high=lim)  # symmetric: white is 0
-            title.text = f"v_{int(data['indices'][j])}" if data["indices"] is not None else "V_t (point × i)"
+        t = int(data["step"])
+        self.label.text = f"t = {t}"
+        L = self.limit
+        if not self.images:
+            self.vecs[0].draw(data["eigvec_images"][0], f"V_t (point × i), t = {t}")
+            return
+        if self.residual:
+            self.residual[0].draw(data["residual_image"], f"Fig. 4b: residual m_t, t = {t}", (0, 0, 1, 1))
+            self.residual[1].draw(np.asarray(data["residual_fourier"]).T, f"Fig. 4c: |m̂_t|, t = {t}",
+                                  (-L, -L, 2 * L, 2 * L))
+        for j, (v, f) in enumerate(zip(self.vecs, self.ffts)):
+            i = int(data["indices"][j])
+            v.draw(data["eigvec_images"][j], f"v_{i}", (0, 0, 1, 1))
+            f.draw(np.asarray(data["eigvec_fourier"][j]).T, f"|v̂_{i}|", (-L, -L, 2 * L, 2 * L))
+
+
+class Fig1abc(Panel):
+    """(a) the target y at the training points, (b) the output f_t at a chosen step, (c) the
+    points, coloured by value on the same scale (NSA Figs. 1a–c, 2-D inputs)."""
+
+    title = "NSA Figs. 1a–c — target, network output and training points"
+    figures = ("fig1abc_target_output_points",)
+
+    def __init__(self, run: "Run") -> None:
+        steps = step_options(run.steps)
+        self.step = Select(title="step t of (b)", value=steps[-1] if steps else "", options=steps, width=150)
+        self.controls = [self.step]
+        self.mapper = LinearColorMapper(palette="Greys256")
+        self.sources, figs = [], []
+        for title in ("(a) target y", "(b) output f_t", "(c) the training points"):
+            src = ColumnDataSource({"x": [], "y": [], "v": []})
+            fig = new_figure(title, "x₁", "x₂", width=330, height=330, match_aspect=True)
+            if title.startswith("(c)"):
+                fig.scatter("x", "y", source=src, size=3, color="#000000")
+            else:
+                fig.scatter("x", "y", source=src, size=7, fill_color={"field": "v", "transform": self.mapper},
+                            line_color=None)
+            self.sources.append(src)
+            figs.append(fig)
+        self.figs = figs
+        figs[1].add_layout(ColorBar(color_mapper=self.mapper, width=8), "right")
+        super().__init__(column(self.step, row(*figs)))
+
+    def read(self, run: "Run") -> dict[str, Any]:
+        have = step_options(run.steps)
+        need(have, "recorded step")
+        t = int(self.step.value if self.step.value in have else have[-1])
+        X, y = np.asarray(run.X, np.float64), np.asarray(run.y, np.float64).reshape(-1)
+        return {"X": X, "y": y, "f": np.asarray(run.outputs(t), np.float64).reshape(-1), "t": t, "options": have}
+
+    def show(self, data: dict[str, Any]) -> None:
+        X = data["X"]
+        for src, v in zip(self.sources, (data["y"], data["f"], data["y"])):
+            src.data = {"x": X[:, 0], "y": X[:, 1], "v": v}
+        self.mapper.update(low=float(np.min(data["y"])), high=float(np.max(data["y"])))
+        self.figs[1].title.text = f"(b) output f_t, t = {data['t']}"
+        self.figs[2].title.text = f"(c) the N = {len(X)} training points"
+        if list(self.step.options) != data["options"]:
+            self.step.options = data["options"]
+
+
+class Fig4d(Panel):
+    """f̄_{t,k} = Σ_{i≤k} ⟨v_i, f̄_t⟩ v_i at the stored k (10, 100, 200, 500 ≤ K) at a chosen
+    eigenvector step (default the last): images on 2-D data, else f̄_{t,k} against f̄_t."""
+
+    title = "NSA Fig. 4d — the output from the top-k eigenvectors of G_t"
+    figures = ("fig4d_reconstructions",)
+
+    def __init__(self, run: "Run") -> None:
+        steps = step_options(run.eigenvector_steps)
+        self.step = Select(title="eigenvector step t", value=steps[-1] if steps else "", options=steps, width=180)
+        self.controls = [self.step]
+        self.images = run.has("reconstruction_images")
+        n = int(run.shape("reconstruction_k")[0])
+        if self.images:
+            self.panels: list[Any] = [_Image(240) for _ in range(n)]
+            figs = [p.fig for p in self.panels]
+        else:
+            self.panels = []
+            for _ in range(n):
+                src = ColumnDataSource({"f": [], "fk": []})
+                diag = ColumnDataSource({"x": [], "y": []})
+                fig = new_figure("", "f̄_t", "f̄_t,k", width=260, height=260)
+                fig.scatter("f", "fk", source=src, size=3)
+                fig.line("x", "y", source=diag, color="#000000", line_dash="dashed")
+                self.panels.append((fig, src, diag))
+            figs = [p[0] for p in self.panels]
+        super().__init__(column(self.step, row(*figs)))
+
+    def read(self, run: "Run") -> dict[str, Any]:
+        have = step_options(run.eigenvector_steps)
+        need(have, "step with stored eigenvectors")
+        t = int(self.step.value if self.step.value in have else have[-1])
+        rec = run.kernel.reconstructions(t)
+        return {"t": t, "options": have, "k": [int(k) for k in rec["k"]], "images": rec.get("images"),
+                "f": np.asarray(run.outputs(t), np.float64).reshape(-1),
+                "fk": np.asarray(rec["f"], np.float64).reshape(len(rec["k"]), -1)}
+
+    def show(self, data: dict[str, Any]) -> None:
+        if list(self.step.options) != data["options"]:
+            self.step.options = data["options"]
+        for j, k in enumerate(data["k"][:len(self.panels)]):
+            title = f"k = {k}, t = {data['t']}"
+            if self.images:
+                self.panels[j].draw(data["images"][j], title, (0, 0, 1, 1))
+                continue
+            fig, src, diag = self.panels[j]
+            f = data["f"]
+            src.data = {"f": f, "fk": data["fk"][j]}
+            lim = [float(np.nanmin(f)), float(np.nanmax(f))] if np.isfinite(f).any() else [0.0, 1.0]
+            diag.data = {"x": lim, "y": lim}
+            fig.title.text = title

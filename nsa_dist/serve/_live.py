@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from bokeh.document import Document
     from bokeh.model import Model
 
-__all__ = ["Panel", "every", "new_figure", "positive", "query_arg", "PALETTE"]
+__all__ = ["Panel", "Waiting", "every", "new_figure", "positive", "query_arg", "PALETTE"]
 
 # Category10, written out: bokeh.palettes builds every palette at import
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -86,6 +86,11 @@ def positive(a: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(a) & (a > 0), a, np.nan)
 
 
+class Waiting(Exception):
+    """A panel's data is not there yet (a live run has not reached the step it needs): a note in
+    place of the figures, not an error."""
+
+
 class Panel:
     """One block of a page: a title, its figures (``body``) and a message shown instead of them
     when reading their data failed.
@@ -100,7 +105,9 @@ class Panel:
         self.body = body
         self.error = Div(text="", visible=False, css_classes=["nsa-damaged"],
                          styles={"color": "#b00020", "max-width": "1000px", "white-space": "normal"})
-        self.layout = column(Div(text=f"<h3>{self.title}</h3>"), self.error, body)
+        self.waiting = Div(text="", visible=False, css_classes=["nsa-waiting"], styles={"color": "#555555"})
+        self.layout = column(Div(text=f"<h3>{_escape(self.title)}</h3>"), self.error, self.waiting, body,
+                             css_classes=["nsa-panel"])
 
     def read(self, run: Any) -> Any:
         raise NotImplementedError
@@ -117,11 +124,15 @@ class Panel:
 
     def update(self, data: Any) -> None:
         """Show ``data`` — or, if it is an exception, its message in place of the figures."""
+        if isinstance(data, Waiting):
+            self.waiting.text = f"<i>{_escape(str(data))}</i>"
+            self.error.visible, self.waiting.visible, self.body.visible = False, True, False
+            return
         if isinstance(data, BaseException):
             self.error.text = f"<b>cannot show this ({type(data).__name__}):</b> {_escape(str(data))}"
-            self.error.visible, self.body.visible = True, False
+            self.error.visible, self.waiting.visible, self.body.visible = True, False, False
             return
-        self.error.visible, self.body.visible = False, True
+        self.error.visible, self.waiting.visible, self.body.visible = False, False, True
         self.show(data)
 
 

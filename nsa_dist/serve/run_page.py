@@ -1,8 +1,10 @@
 """The page at ``/run?id=RUN``: one run's figures, redrawn while its writer adds steps.
 
-A header says the status and the finished steps; below it one panel per figure the run has data
-for — eigenvalues along t, the energy heat map, the first-order accuracy, the loss, the Hessian
-moments with their error bars and the eigenvectors with a step slider.  A panel whose read fails
+A header says the status and the finished steps; below it one tab per paper — the NSA paper
+(Figs. 1a–e, 2a–d, 3a–e, 4a–d, 5–7d, Eqs. 4–5 with App. E, App. F, the loss) and, for a run
+with a ``hessian:`` block, the Hessian paper (Figs. 1 and 3, Theorem 1, Proposition 4, the
+spectra of I and H) — each figure titled with its number in the paper and drawn from the same
+reads as ``nsa plot`` draws it, the predictions beside the measurements.  A panel whose read fails
 (a damaged chunk) shows the error naming the file; the others go on.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import html
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from nsa_dist.client import Client, Run
 
@@ -20,25 +22,61 @@ if TYPE_CHECKING:
     from nsa_dist.serve._live import Panel
     from nsa_dist.store import SpectrumStore
 
-__all__ = ["run_page", "run_panels"]
+__all__ = ["run_page", "run_panels", "run_sections"]
+
+_Needs = Callable[[Run], bool]
+
+
+def _has(*names: str) -> _Needs:
+    return lambda run: all(run.has(n) for n in names)
+
+
+def _sections() -> dict[str, list[tuple[Any, _Needs]]]:
+    """Each paper's panels in page order, with what a run must store for each (as ``nsa plot``'s
+    registry asks; a panel whose step has not come yet says so)."""
+    from nsa_dist.serve import _eigvec_panel as im
+    from nsa_dist.serve import _hessian_panels as h
+    from nsa_dist.serve import _nsa_panels as n
+
+    evals = _has("eigenvalues", "lr")
+    two_d = lambda run: run.has("eigvec_images") or (run.shape("X")[1] == 2 and run.Ko == 1)  # noqa: E731
+    return {
+        "NSA paper": [
+            (im.Fig1abc, two_d), (n.Fig1d, _has("first_order_error", "first_order_cos")), (n.Fig1e, evals),
+            (n.Fig2a, _has("eigenvalues")), (n.Fig2b, _has("eigenvalues")), (n.Fig2c, evals), (n.Fig2d, evals),
+            (n.Energy, lambda run: any(run.has(f"energy_{p}") for p in n.Energy.PHIS)),
+            (n.Fig4a, lambda run: run.has("projections_residual") or run.has("eigenvectors")),
+            (im.Eigenvectors, lambda run: run.has("eigvec_images") or run.has("eigenvectors")),
+            (im.Fig4d, _has("reconstructions")), (n.Fig7d, lambda run: run.has("preservation") or
+                                                 run.has("eigenvectors")),
+            (n.Eqs45, lambda run: run.has("constant_gram_residual") or bool(run.dims.constant_gram)),
+            (n.AppF, _has("gram_change")),
+            (n.Loss, _has("loss_trace"))],
+        "Hessian paper": [
+            (h.Moments, _has("hessian_moments")), (h.Orthogonality, _has("hessian_orthogonality")),
+            (h.Rayleigh, _has("hessian_rayleigh")), (h.Additivity, _has("hessian_additivity", "hessian_moments")),
+            (h.TraceS, _has("hessian_trace_S_G", "hessian_moments")), (h.SNorms, _has("hessian_S_op",
+                                                                                   "hessian_moments")),
+            (h.ISpectrum, _has("hessian_I_eigenvalues", "hessian_I_limit_eigenvalues")),
+            (h.Density, _has("hessian_density")), (h.EdgeOfStability, _has("hessian_top"))],
+    }
+
+
+def run_sections(run: Run) -> dict[str, list["Panel"]]:
+    """The panels run ``run`` has data for, by paper (a tab each), in page order; papers without
+    a panel are left out."""
+    out = {paper: [cls(run) for cls, needs in panels if needs(run)] for paper, panels in _sections().items()}
+    return {paper: panels for paper, panels in out.items() if panels}
 
 
 def run_panels(run: Run) -> list["Panel"]:
-    """The panels run ``run`` has data for, in page order."""
-    from nsa_dist.serve._eigvec_panel import Eigenvectors
-    from nsa_dist.serve._run_panels import Eigenvalues, EnergyMap, FirstOrder, HessianMoments, Loss
+    """Every panel of :func:`run_sections`, in page order."""
+    return [p for panels in run_sections(run).values() for p in panels]
 
-    out: list[Panel] = [Eigenvalues(run)]
-    if any(run.has(f"energy_{p}") for p in EnergyMap.PHIS):
-        out.append(EnergyMap(run))
-    if run.has("first_order_error"):
-        out.append(FirstOrder(run))
-    out.append(Loss(run))
-    if run.has("hessian_moments"):
-        out.append(HessianMoments(run))
-    if run.has("eigvec_images") or run.has("eigenvectors"):
-        out.append(Eigenvectors(run))
-    return out
+
+def panel_classes() -> list[Any]:
+    """Every panel class a run's page can show (for the tests: each names the ``nsa plot`` figures it draws)."""
+    return [cls for panels in _sections().values() for cls, _ in panels]
 
 
 def header_text(run: Run) -> str:
@@ -56,7 +94,7 @@ def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
 
     def app(doc: "Document") -> None:
         from bokeh.layouts import column
-        from bokeh.models import Div
+        from bokeh.models import Div, TabPanel, Tabs
 
         from nsa_dist.serve._live import every, query_arg
 
@@ -69,26 +107,51 @@ def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
             return
         lock = threading.Lock()
         header = Div(text=header_text(run), css_classes=["nsa-header"])
-        panels = run_panels(run)
-        for p in panels:
-            p.update(p.guarded(run))
+        sections = run_sections(run)
+        groups = list(sections.values())
+        panels = [p for ps in groups for p in ps]
+        tabs = Tabs(tabs=[TabPanel(child=column(*(p.layout for p in ps)), title=paper)
+                          for paper, ps in sections.items()], css_classes=["nsa-tabs"])
+        # Only the open tab is read and redrawn; the others are brought up to date when opened, and
+        # nothing is re-sent while the run's finished steps and status stay the same.
+        state: dict[str, Any] = {"seen": _seen(run), "stale": set(range(1, len(groups)))}
+        for p in groups[0] if groups else []:
+            p.update(_read(p, run))
         doc.title = f"nsa — {run.id}"
-        doc.add_root(column(header, *(p.layout for p in panels)))
+        doc.add_root(column(header, tabs))
         _wire_choices(panels, run, lock)
 
-        def read() -> tuple[str, list[Any]] | BaseException:
+        def switch(attr: str, old: Any, new: Any) -> None:
+            with lock:
+                if new in state["stale"]:
+                    state["stale"].discard(new)
+                    for p in groups[new]:
+                        p.update(_read(p, run))
+
+        tabs.on_change("active", switch)
+
+        def read() -> tuple[str, list[tuple[Any, Any]]] | None | BaseException:
             try:
                 run.refresh()
             except Exception as exc:  # noqa: BLE001
                 return exc
-            return header_text(run), [p.guarded(run) for p in panels]
+            if _seen(run) == state["seen"]:
+                return None
+            state["seen"] = _seen(run)
+            active = int(tabs.active or 0)
+            state["stale"] = set(range(len(groups))) - {active}
+            return header_text(run), [(p, _read(p, run)) for p in (groups[active] if groups else [])]
 
-        def apply(got: tuple[str, list[Any]] | BaseException) -> None:
+        def apply(got: tuple[str, list[tuple[Any, Any]]] | None | BaseException) -> None:
+            if got is None:
+                return
             if isinstance(got, BaseException):
-                header.text = f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(run.id)}:</b> {html.escape(str(got))}</p>"
+                header.text = (f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(run.id)}:</b> "
+                               f"{html.escape(str(got))}</p>")
+                state["seen"] = None
                 return
             header.text = got[0]
-            for p, data in zip(panels, got[1]):
+            for p, data in got[1]:
                 p.update(data)
 
         every(doc, refresh_s, read, apply, lock)
@@ -96,18 +159,31 @@ def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
     return app
 
 
+def _seen(run: Run) -> tuple[bytes, str, str]:
+    """What a redraw depends on: the finished steps and the status (and why)."""
+    return run.finished.tobytes(), str(run.status), str(run.reason)
+
+
+def _read(p: "Panel", run: Run) -> Any:
+    """The panel's data, or what it shows instead (an error, or a note while no step is finished)."""
+    from nsa_dist.serve._live import Waiting
+
+    if not len(run.steps):
+        return Waiting("waiting for the run's first finished recorded step")
+    return p.guarded(run)
+
+
 def _wire_choices(panels: list["Panel"], run: Run, lock: threading.Lock) -> None:
-    """A chooser (φ, A, the step slider) redraws its panel at once (a small read, under ``lock``)."""
+    """A chooser (φ, steps, the step slider) redraws its panel at once (a small read, under ``lock``)."""
     from nsa_dist.serve._eigvec_panel import Eigenvectors
 
     for p in panels:
         def redraw(attr: str, old: Any, new: Any, p: "Panel" = p) -> None:
             with lock:
-                p.update(p.guarded(run))
+                p.update(_read(p, run))
 
-        for name in ("phi", "part"):
-            if hasattr(p, name):
-                getattr(p, name).on_change("value", redraw)
+        for w in getattr(p, "controls", []):
+            w.on_change("value", redraw)
         if isinstance(p, Eigenvectors):
             def slide(attr: str, old: Any, new: Any, p: Eigenvectors = p) -> None:
                 if not p.steps:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING, Any
 
+from urllib.parse import quote
+
 import numpy as np
 
 from nsa_dist.client import flatten_spec, varied_fields
@@ -65,7 +67,8 @@ class RunTable:
         member = {rid: name for name, ids in self.store.sweeps().items() for rid in ids}
         flat = [flatten_spec(s.spec) for s in rows]
         cols: dict[str, list[Any]] = {
-            "id": [s.id for s in rows], "sweep": [member.get(s.id, "") for s in rows],
+            "id": [s.id for s in rows], "href": [f"run?id={quote(s.id, safe='')}" for s in rows],
+            "sweep": [member.get(s.id, "") for s in rows],
             "status": [s.status or "" for s in rows],
             "progress": [f"{'…' if s.steps_done is None else s.steps_done}/{s.steps_total}" for s in rows],
             "last_step": [np.nan if s.last_step is None else s.last_step for s in rows],
@@ -90,10 +93,11 @@ def table_page(store: "SpectrumStore", refresh_s: float) -> Any:
         fields = table.fields()
         rows = table.quick()
         source = ColumnDataSource(table.columns(rows, fields))
-        link = HTMLTemplateFormatter(template='<a href="run?id=<%= value %>"><%= value %></a>')
+        link = HTMLTemplateFormatter(template='<a href="<%- href %>"><%- value %></a>')  # <%- %>: HTML-escaped
         num = ScientificFormatter(precision=4, nan_format="—")
         cols = [TableColumn(field="id", title="run", formatter=link, width=220),
-                TableColumn(field="sweep", title="sweep", width=100), TableColumn(field="status", title="status", width=90),
+                TableColumn(field="sweep", title="sweep", width=100),
+                TableColumn(field="status", title="status", width=90),
                 TableColumn(field="progress", title="steps done", width=80),
                 TableColumn(field="last_step", title="last t", formatter=NumberFormatter(format="0", nan_format="—"),
                             width=70),
@@ -130,13 +134,13 @@ def _count_text(rows: list[RunSummary]) -> str:
     by: dict[str, int] = {}
     for s in rows:
         by[s.status or "?"] = by.get(s.status or "?", 0) + 1
-    parts = ", ".join(f"{n} {k}" for k, n in sorted(by.items()))
+    parts = ", ".join(f"{n} {html.escape(k)}" for k, n in sorted(by.items()))
     return f"{len(rows)} runs" + (f" ({parts})" if parts else "")
 
 
 def _sweep_links(sweeps: dict[str, list[str]]) -> str:
     if not sweeps:
         return ""
-    links = " · ".join(f'<a href="sweep?name={html.escape(n)}">{html.escape(n)}</a> ({len(ids)} runs)'
+    links = " · ".join(f'<a href="sweep?name={html.escape(quote(n, safe=""))}">{html.escape(n)}</a> ({len(ids)} runs)'
                        for n, ids in sorted(sweeps.items()))
     return f"sweeps: {links}"

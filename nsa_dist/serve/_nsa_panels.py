@@ -1,0 +1,322 @@
+"""The NSA paper's line figures of one run, each read through :class:`nsa_dist.client.Run` (and
+the plots' public data helpers) exactly as ``nsa plot`` reads them: Figs. 1d–e, 2a–d, 3a–e (along
+t, and against k on a log axis at chosen steps), 4a, 7d, Eqs. 4–5 with App. E, App. F and the loss.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from bokeh.models import MultiChoice, Select
+
+from nsa_dist.plots import residual_projections
+from nsa_dist.plots.axes import gd_note, ks, some_steps
+from nsa_dist.serve._live import Waiting
+from nsa_dist.serve._curves import (Curves, Plot, Series, chosen, color, first_middle_last, hline, need, stairs,
+                                    step_options)
+
+if TYPE_CHECKING:
+    from nsa_dist.client import Run
+
+__all__ = ["Fig1d", "Fig1e", "Fig2a", "Fig2b", "Fig2c", "Fig2d", "Energy", "Fig4a", "Fig7d", "Eqs45", "AppF", "Loss"]
+
+
+def _steps_choice(run: "Run", title: str) -> MultiChoice:
+    return MultiChoice(title=title, value=first_middle_last(run.steps), options=step_options(run.steps), width=330)
+
+
+class Fig1d(Curves):
+    """‖df̃_t − df̄_t‖ / ‖df̃_t‖ and cos α_t along t (NSA Fig. 1d)."""
+
+    title = "NSA Fig. 1d — accuracy of the first-order dynamics"
+    figures = ("fig1d_first_order",)
+    plots = (Plot("step t", "‖df − df_pred‖ / ‖df‖", y_log=True, width=460),
+             Plot("step t", "cos α_t (df, df_pred)", width=460))
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        fo = run.first_order
+        return [[Series(run.steps, fo["error"], "error_t", color(3))], [Series(run.steps, fo["cos"], "cos α_t")]]
+
+
+class Fig1e(Curves):
+    """δ_t (held between recorded steps) and GD's stability bound 2N/λ_max^t along t (NSA Fig. 1e)."""
+
+    title = "NSA Fig. 1e — learning rate δ_t and its stability bound 2N/λ_max^t"
+    figures = ("fig1e_lr_stability",)
+    plots = (Plot("step t", "learning rate", y_log=True),)
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        x, y = stairs(run.steps, run.lr)
+        full = " (full NK×NK kernel)" if run.Ko > 1 else ""
+        return [[Series(x, y, "δ_t", color(0), markers=False), Series(run.steps, run.lr, "δ_t", color(0)),
+                 Series(run.steps, run.stability_bound(), "2N/λ_max^t" + full, color(1))]]
+
+    def note_text(self, run: "Run") -> str:
+        return gd_note(run) or ""
+
+
+class Fig2a(Curves):
+    """λ_i^t against i at chosen steps (log-log; NSA Fig. 2a)."""
+
+    title = "NSA Fig. 2a — eigenvalues λ_i^t of G_t against i"
+    figures = ("fig2a_eigenvalues",)
+    plots = (Plot("index i", "eigenvalue λ_i^t", x_log=True, y_log=True),)
+
+    def __init__(self, run: "Run") -> None:
+        self.pick = MultiChoice(title="steps t", value=step_options(run.steps[some_steps(len(run.steps))])
+                                if len(run.steps) else [], options=step_options(run.steps), width=330)
+        super().__init__(run, [self.pick])
+
+    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
+        return [(self.pick, step_options(run.steps))]
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        lam, steps = run.eigenvalues, run.steps
+        pos = {int(t): j for j, t in enumerate(steps)}
+        some = lambda s: step_options(np.asarray(s)[some_steps(len(s))]) if len(s) else []  # noqa: E731
+        i = np.arange(1, lam.shape[1] + 1)
+        return [[Series(i, lam[pos[t]], f"t = {t}", color(j), markers=False)
+                 for j, t in enumerate(chosen(self.pick, steps, some))]]
+
+
+class Fig2b(Curves):
+    """λ_i^t along t for i in 1, 2, 5, 10, … ≤ K (log y; NSA Fig. 2b)."""
+
+    title = "NSA Fig. 2b — eigenvalues λ_i^t of G_t along t"
+    figures = ("fig2b_eigenvalues_t",)
+    css = "nsa-plot-eigenvalues"
+    plots = (Plot("step t", "eigenvalue λ_i^t", y_log=True, width=700),)
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        lam = run.eigenvalues
+        return [[Series(run.steps, lam[:, i - 1], f"i = {i}", color(j)) for j, i in enumerate(ks(lam.shape[1]))]]
+
+
+class Fig2c(Curves):
+    """s_i^t = 1 − |1 − δ_t λ_i^t / N| of the top 8 eigenvectors along t (NSA Fig. 2c)."""
+
+    title = "NSA Fig. 2c — information flow speed s_i^t = 1 − |1 − δ_t λ_i^t / N|"
+    figures = ("fig2c_flow_speed",)
+    plots = (Plot("step t", "s_i^t"),)
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        s = run.flow_speed()
+        return [[Series(run.steps, s[:, i], f"i = {i + 1}", color(i)) for i in range(min(8, s.shape[1]))]]
+
+    def note_text(self, run: "Run") -> str:
+        return gd_note(run) or ""
+
+
+class Fig2d(Curves):
+    """δ_t λ_i^t / N along t with the stability limit 2 (log y; NSA Fig. 2d)."""
+
+    title = "NSA Fig. 2d — δ_t λ_i^t / N along t"
+    figures = ("fig2d_lr_eigen",)
+    plots = (Plot("step t", "δ_t λ_i^t / N", y_log=True),)
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        p = run.lr_eigen_product()
+        out = [Series(run.steps, p[:, i - 1], f"i = {i}", color(j)) for j, i in enumerate(ks(p.shape[1]))]
+        return [out + [hline(run.steps, 2.0, "2 (stability limit)", "#d62728", "dotted")]]
+
+    def note_text(self, run: "Run") -> str:
+        return gd_note(run) or ""
+
+
+class Energy(Curves):
+    """E_t(φ, k) along t for k = 1, 2, 5, 10, … (NSA Fig. 3a–e) and against k on a log axis at
+    chosen steps; φ chosen.  For φ = df_pred (Fig. 3d) the real update df̃_t is drawn dashed."""
+
+    title = "NSA Fig. 3a–e — relative energy E_t(φ, k) = Σ_{i≤k} ⟨v_i^t, φ⟩² / ‖φ‖²"
+    figures = ("fig3a_energy_y", "fig3b_energy_f", "fig3c_energy_residual", "fig3d_energy_df", "fig3e_energy_f_test")
+    PHIS = {"y": "3a: labels y", "f": "3b: outputs f_t", "residual": "3c: residual m_t",
+            "df_pred": "3d: first-order update df_t (real df̃_t dashed)", "f_test": "3e: test outputs f_t(X')",
+            "df": "real update df̃_t = f_{t+1} − f_t"}
+    plots = (Plot("step t", "E_t(φ, k)", title="along t, one line per k", width=560),
+             Plot("k", "E_t(φ, k)", x_log=True, title="against k at the chosen steps", width=560))
+
+    def __init__(self, run: "Run") -> None:
+        options = [(p, f"Fig. {w}" if w[0].isdigit() else w) for p, w in self.PHIS.items() if run.has(f"energy_{p}")]
+        self.phi = Select(title="φ", value=options[0][0], options=options, width=330)
+        self.pick = _steps_choice(run, "steps t (curves against k)")
+        super().__init__(run, [self.phi, self.pick])
+
+    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
+        return [(self.pick, step_options(run.steps))]
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        phi = self.phi.value
+        E, steps = run.energy(phi), run.steps
+        rows = ks(E.shape[1])
+        along = [Series(steps, E[:, k - 1], f"k = {k}", color(j)) for j, k in enumerate(rows)]
+        if phi == "df_pred" and run.has("energy_df"):
+            real = run.energy("df")
+            along += [Series(steps, real[:, k - 1], f"k = {k}, real df̃", color(j), "dashed", markers=False)
+                      for j, k in enumerate(rows) if k <= real.shape[1]]
+        pos = {int(t): j for j, t in enumerate(steps)}
+        k = np.arange(1, E.shape[1] + 1)
+        against = [Series(k, E[pos[t]], f"t = {t}", color(j), markers=len(k) <= 60)
+                   for j, t in enumerate(chosen(self.pick, steps))]
+        return [along, against]
+
+
+class Fig4a(Curves):
+    """⟨v_i^t, m_t⟩² against i at chosen steps (log y; NSA Fig. 4a)."""
+
+    title = "NSA Fig. 4a — spectral projections ⟨v_i^t, m_t⟩² of the residual"
+    figures = ("fig4a_residual_projections",)
+    plots = (Plot("index i", "⟨v_i^t, m_t⟩²", y_log=True),)
+
+    def __init__(self, run: "Run") -> None:
+        first_last = lambda s: list(dict.fromkeys(step_options(s)[:1] + step_options(s)[-1:]))  # noqa: E731
+        self.first_last = first_last
+        self.pick = MultiChoice(title="steps t", value=first_last(self.ready(run)),
+                                options=step_options(self.ready(run)), width=330)
+        super().__init__(run, [self.pick])
+
+    @staticmethod
+    def ready(run: "Run") -> np.ndarray:
+        """The steps with projections: every finished step when stored, else the eigenvector steps."""
+        return run.steps if run.has("projections_residual") else run.eigenvector_steps
+
+    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
+        return [(self.pick, step_options(self.ready(run)))]
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        need(self.ready(run), "step with stored projections (or eigenvectors)")
+        out = []
+        for j, t in enumerate(chosen(self.pick, self.ready(run), self.first_last)):
+            p = residual_projections(run, t)
+            out.append(Series(np.arange(1, len(p) + 1), p, f"t = {t}", color(j), markers=len(p) <= 60))
+        return [out]
+
+
+class Fig7d(Curves):
+    """E_{t1}(v_i^{t2}, k) against k (log x) for rows i (NSA Fig. 7d); the pair stored at the end,
+    or one chosen among the eigenvector steps."""
+
+    title = "NSA Fig. 7d — spectrum preservation E_{t1}(v_i^{t2}, k)"
+    figures = ("fig7d_preservation",)
+    plots = (Plot("k (top eigenvectors of G_t1)", "E_t1(v_i^t2, k)", x_log=True, width=700),)
+    STORED = "stored"
+
+    def __init__(self, run: "Run") -> None:
+        opts = [self.STORED] + step_options(run.eigenvector_steps)
+        self.t1 = Select(title="t1", value=self.STORED, options=opts, width=150)
+        self.t2 = Select(title="t2", value=self.STORED, options=opts, width=150)
+        self.pair = ""
+        super().__init__(run, [self.t1, self.t2])
+
+    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
+        opts = [self.STORED] + step_options(run.eigenvector_steps)
+        return [(self.t1, opts), (self.t2, opts)]
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        a, b = self.t1.value, self.t2.value
+        if not run.has("preservation") and len(run.eigenvector_steps) < 2:
+            need([], "two steps with stored eigenvectors (or the pair stored at the end)")
+        if self.STORED in (a, b):
+            P, t1, t2, rows = run.spectrum_preservation()
+        else:
+            P, t1, t2, rows = run.spectrum_preservation(int(a), int(b))
+        self.pair = f"t1 = {t1}, t2 = {t2}"
+        k = np.arange(1, P.shape[1] + 1)
+        return [[Series(k, E, f"i = {i}", color(j), markers=len(k) <= 60) for j, (i, E) in enumerate(zip(rows, P))]]
+
+    def read(self, run: "Run") -> dict[str, Any]:
+        data = super().read(run)
+        data["pair"] = self.pair
+        return data
+
+    def show(self, data: dict[str, Any]) -> None:
+        super().show(data)
+        self.figs[0].title.text = data["pair"]
+
+
+class Eqs45(Curves):
+    """‖m_t‖ and E_t(m_t, k) measured beside GD's prediction with G fixed at its first recorded
+    value (NSA Eqs. 4–5); with test points, App. E's Eq. 22 (Nyström) for the test residual."""
+
+    title = "NSA Eqs. 4–5 (and App. E, Eq. 22) — the residual under a constant Gramian G_t0 vs measured"
+    figures = ("eqs45_constant_gram",)
+
+    def __init__(self, run: "Run") -> None:
+        self.test = run.has("constant_gram_f_test")
+        plots = (Plot("step t", "‖m_t‖", y_log=True, width=420), Plot("step t", "E_t(m_t, k)", width=420))
+        if self.test:
+            plots += (Plot("step t", "test residual ‖f_t(X') − y'‖", y_log=True, width=420, title="App. E"),)
+        super().__init__(run, plots=plots)
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        if not run.has("constant_gram_residual"):
+            raise Waiting("Eqs. 4–5's prediction is written when the run finishes")
+        pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")  # (S_all, 2), (S_all, K)
+        idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]
+        t, t0 = run.steps, int(run.schedule[0])
+        norms = [Series(t, pred[idx, 1], "measured ‖m_t‖", color(0)),
+                 Series(t, pred[idx, 0], f"Eq. 5 with G_{t0} fixed", color(1), "dashed")]
+        measured = run.energy("residual")
+        energy = []
+        for j, k in enumerate(ks(E.shape[1], (1, 10, 100, 500))):
+            energy += [Series(t, measured[:, k - 1], f"k = {k}, measured", color(j)),
+                       Series(t, E[idx, k - 1], f"k = {k}, Eq. 5", color(j), "dashed", markers=False)]
+        out = [norms, energy]
+        if self.test:
+            pred_test, yt = run.kernel.constant_gram_test()[idx], run.array("y_test")
+            meas = np.stack([run.outputs(int(s), "f_test") for s in t])
+            norm = lambda F: np.linalg.norm((F - yt[None]).reshape(len(F), -1), axis=1)  # noqa: E731
+            out.append([Series(t, norm(meas), "measured", color(0)),
+                        Series(t, norm(pred_test), "Eq. 22 (Nyström, App. E)", color(1), "dashed")])
+        return out
+
+
+class AppF(Curves):
+    """v_iᵀ(G_{t+1} − G_t)v_i measured and to first order (Eqs. 25–26) at the eigenvector steps, and
+    ‖Vᵀ dG_t V‖_F relative to ‖λ_{1..k}‖ along t (NSA App. F)."""
+
+    title = "NSA App. F — the first-order change dG_t of the Gramian"
+    figures = ("appF_gram_change",)
+    plots = (Plot("i", "v_iᵀ dG_t v_i (≈ dλ_i)", width=560),
+             Plot("step t", "relative to ‖λ_1..k‖", y_log=True, width=480))
+
+    def __init__(self, run: "Run") -> None:
+        self.pick = _steps_choice(run, "steps t (left)")
+        self.pick.update(value=first_middle_last(run.eigenvector_steps), options=step_options(run.eigenvector_steps))
+        super().__init__(run, [self.pick])
+
+    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
+        return [(self.pick, step_options(run.eigenvector_steps))]
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        need(run.eigenvector_steps, "step with stored eigenvectors")
+        gc = run.kernel.gram_change()
+        i = np.arange(1, gc["measured"].shape[1] + 1)
+        pos = {int(t): j for j, t in enumerate(gc["steps"])}
+        left = []
+        for j, t in enumerate(chosen(self.pick, gc["steps"])):
+            left += [Series(i, gc["measured"][pos[t]], f"measured, t = {t}", color(j)),
+                     Series(i, gc["first_order"][pos[t]], f"first order, t = {t}", color(j), "dashed")]
+        lam = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, :len(i)]
+        scale = np.linalg.norm(lam, axis=1)  # ‖Vᵀ G_t V‖_F = ‖λ_{1..Kg}‖
+        names = ("‖Vᵀ(G_{t+1} − G_t)V‖_F", "‖Vᵀ dG_t V‖_F (Eq. 26)", "difference")
+        right = [Series(gc["steps"], gc["fro"][:, c] / scale, n, color(c), ("solid", "dashed", "dotted")[c])
+                 for c, n in enumerate(names)]
+        return [left, right]
+
+
+class Loss(Curves):
+    """L(θ_t) of every trained step (log-log against t + 1), the recorded steps and the test loss."""
+
+    title = "Loss L(θ_t) (NSA Fig. 7b–c for this run)"
+    figures = ("loss",)
+    plots = (Plot("step t + 1", "L(θ_t)", x_log=True, y_log=True, width=700),)
+
+    def series(self, run: "Run") -> list[list[Series]]:
+        trace = np.asarray(run.loss_trace, np.float64)
+        ok = np.flatnonzero(np.isfinite(trace))
+        out = [Series(ok + 1.0, trace[ok], "training loss, every step", color(0), markers=False),
+               Series(run.steps + 1.0, run.train_loss, "recorded steps", color(0))]
+        if run.has("loss_test"):
+            out.append(Series(run.steps + 1.0, run.test_loss, "test loss", color(1)))
+        return [out]
