@@ -7,7 +7,6 @@ before it starts anything.
 
 from __future__ import annotations
 
-import socket
 import uuid
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from nsa_dist.cli import main as nsa
-from conftest import moto_server
+from conftest import free_port, moto_server
 
 
 def _nsa_run(data_path: str, tmp_path: Path, capsys) -> str:
@@ -26,15 +25,13 @@ def _nsa_run(data_path: str, tmp_path: Path, capsys) -> str:
     capsys.readouterr()
     rc = nsa(["run", str(spec), "--store", str(tmp_path / "s.zarr"), "--plain"])
     err = capsys.readouterr().err.strip().splitlines()
-    with capsys.disabled():
-        print(f"\n{err}")  # shown with -s
     assert rc == 2 and len(err) == 1, f"rc {rc}, stderr {err}"
     assert not (tmp_path / "s.zarr").exists(), "a store was made for a run whose data cannot be read"
     return err[0]
 
 
 def _assert_names(line: str, url: str, cause: str) -> None:
-    assert f"run 'urls': image2d: " in line and repr(url) in line and cause in line, \
+    assert "run 'urls': image2d: " in line and repr(url) in line and cause in line, \
         f"expected the URL {url!r} and {cause!r} in: {line}"
     assert "unexpected" not in line and "Traceback" not in line, line
 
@@ -65,21 +62,9 @@ def s3(s3_server, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def _bucket(env: dict) -> str:
-    import boto3
-
-    name = f"nsa-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
-    return name
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_s3_data_paths_name_the_url_and_the_cause(s3, tmp_path, capsys, monkeypatch):
+    from test_s3 import _bucket
+
     bucket = _bucket(s3)
     endpoint = s3["AWS_ENDPOINT_URL"]
     key = f"s3://{bucket}/absent/face.png"
@@ -87,7 +72,7 @@ def test_s3_data_paths_name_the_url_and_the_cause(s3, tmp_path, capsys, monkeypa
     gone = f"s3://nsa-missing-{uuid.uuid4().hex[:8]}/face.png"
     _assert_names(_nsa_run(gone, tmp_path, capsys), gone, f"bucket {gone.split('/')[2]!r} does not exist")
 
-    dead = f"http://127.0.0.1:{_closed_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
     _assert_names(_nsa_run(key, tmp_path, capsys), key, f"(endpoint {dead}): cannot reach the endpoint")
 
