@@ -23,7 +23,8 @@ from nsa_dist.serve import ServeOptions, is_loopback, make_server
 from nsa_dist.store import SpectrumStore, run_summaries
 from test_s3 import s3_env  # noqa: F401  (the moto S3 server on loopback)
 
-SPEC = ExperimentSpec(name="served", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 12}, steps=8,
+SPEC = ExperimentSpec(name="served", data={"n": 24, "n_test": 8}, steps=8,
+                      model={"depth": 2, "width": 12, "init": "ntk", "regime": "ntk", "activation": "tanh"},
                       record={"every": 4}, spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4,
                                                      "test_points": True, "gram_change_k": 3},
                       hessian={"probes": 4, "rayleigh_k": 3, "top_k": 1, "density": True})
@@ -113,6 +114,126 @@ def test_a_damaged_chunk_is_a_row_and_a_panel_message_not_a_crash(store, tmp_pat
     assert not panels["Loss"].error.visible and panels["Loss"].body.visible  # the others go on
     with _Served(ServeOptions(url, port=0)) as s:
         assert s.get(f"/run?id={rid}")[0] == 200 and s.get("/")[0] == 200
+
+
+# --------------------------------------------------------------------------- a run's page: both papers
+def _series(panel, plot: int = 0) -> dict[str, np.ndarray]:
+    """The lines a panel's figure ``plot`` draws, by legend label (the last of a repeated label)."""
+    d = panel.sources[plot]["lines"].data
+    return dict(zip(d["label"], d["ys"]))
+
+
+def test_every_figure_of_nsa_plot_has_a_panel_on_the_run_page():
+    from nsa_dist.plots.registry import FIGURES
+    from nsa_dist.serve.run_page import panel_classes
+
+    drawn = [f for cls in panel_classes() for f in cls.figures]
+    assert sorted(drawn) == sorted(FIGURES), f"missing {set(FIGURES) - set(drawn)}, unknown {set(drawn) - set(FIGURES)}"
+    titles = [cls.title for cls in panel_classes()]
+    assert all(t.startswith(("NSA ", "Hessian paper", "Loss")) for t in titles), titles
+
+
+def test_the_run_page_draws_what_nsa_plot_draws_with_the_predictions(store):
+    from nsa_dist.plots.registry import _FIGURES
+    from nsa_dist.serve.run_page import run_sections
+
+    run = Client(store).run("served")
+    sections = run_sections(run)
+    assert list(sections) == ["NSA paper", "Hessian paper"]
+    panels = {f: p for ps in sections.values() for p in ps for f in p.figures}
+    want = [name for name, (_, needs) in _FIGURES.items() if needs(run)]
+    assert len(want) == len(_FIGURES), [n for n in _FIGURES if n not in want]  # SPEC has every figure's data
+    assert set(want) <= set(panels), set(want) - set(panels)
+    for p in {id(p): p for p in panels.values()}.values():
+        p.update(p.guarded(run))
+        assert not p.error.visible and not p.waiting.visible, (p.title, p.error.text, p.waiting.text)
+    h, t = run.hessian, run.hessian.steps
+    moments = panels["hessian_moments"]
+    for k in range(4):  # the measurements and each prediction the run stores, in every Tr(A^k) panel
+        got = _series(moments, k)
+        np.testing.assert_array_equal(got["S (Hutch++)"], h.moments("S")["estimate"][:, k])
+        np.testing.assert_array_equal(got["I exact (NTK Gram)"], h.moments("I_exact")["estimate"][:, k])
+        np.testing.assert_array_equal(got["I limit (Θ∞, kernel PCA)"], h.moments("I_limit")["estimate"][:, k])
+    np.testing.assert_array_equal(_series(moments, 0)["S limit: E[Tr S_t] (MSE GD)"], h.S_limit()["trace_S"])
+    np.testing.assert_array_equal(_series(moments, 1)["S limit: ∇CᵀΥ̃∇C"], h.S_limit()["trace_S2"])
+    trace = _series(panels["hessian_trace_S"])
+    np.testing.assert_array_equal(trace["limit E[Tr S] at init = K Tr(Φ̃)/N"], h.S_limit()["trace_S_init"][:1])
+    assert len(t) and np.isfinite(h.S_limit()["trace_S"]).all()
+    energy = panels["fig3a_energy_y"]
+    assert energy.plots[1].x_log and energy.phi.value == "y"
+    steps = run.steps
+    assert energy.pick.value == [str(steps[0]), str(steps[len(steps) // 2]), str(steps[-1])]
+    against_k = _series(energy, 1)
+    for j, s in enumerate(steps):
+        np.testing.assert_array_equal(against_k[f"t = {s}"], run.energy("y")[j])  # E_t(y, ·) over log k
+    energy.pick.value = [str(steps[-1])]
+    energy.phi.value = "df_pred"
+    energy.update(energy.guarded(run))
+    assert list(_series(energy, 1)) == [f"t = {steps[-1]}"]
+    assert "k = 1, real df̃" in _series(energy, 0)  # Fig. 3d: the real update dashed beside the first-order one
+    eqs = _series(panels["eqs45_constant_gram"])
+    pred = run.array("constant_gram_residual")
+    np.testing.assert_array_equal(eqs["Eq. 5 with G_0 fixed"], pred[[int(np.flatnonzero(run.schedule == s)[0])
+                                                                      for s in steps], 0])
+    lr = panels["fig1e_lr_stability"].sources[0]["lines"].data["xs"][0]
+    assert len(lr) == 2 * len(steps) - 1  # δ_t held between recorded steps: a staircase
+
+
+def test_a_run_page_waits_for_its_first_step_and_for_data_written_at_the_end(store, tmp_path):
+    """A run's page opened before the run finished: panels whose data is not there yet say so
+    (a note, not an error)."""
+    from nsa_dist.serve._live import Waiting
+    from nsa_dist.serve.run_page import _read, run_panels
+
+    run = Client(store).run("served")
+    panels = run_panels(run)
+    run.finished = run.finished[:0]  # as a reader sees a run before its first finished step
+    for p in panels:
+        got = _read(p, run)
+        assert isinstance(got, Waiting), (p.title, got)
+        p.update(got)
+        assert p.waiting.visible and not p.error.visible and not p.body.visible
+
+
+def test_the_run_page_is_a_document_with_a_tab_per_paper(store):
+    from bokeh.client import pull_session
+    from bokeh.models import Div, TabPanel
+
+    with _Served(ServeOptions(store, port=0)) as s:
+        with pull_session(url=f"http://127.0.0.1:{s.server.port}/run", arguments={"id": "served"}) as session:
+            doc = session.document
+            tabs = [m.title for m in doc.select({"type": TabPanel})]
+            texts = " ".join(m.text for m in doc.select({"type": Div}))
+    assert tabs == ["NSA paper", "Hessian paper"], tabs
+    for number in ("NSA Fig. 1e", "NSA Fig. 3a–e", "NSA Fig. 4a", "NSA Fig. 7d", "NSA Eqs. 4–5", "NSA App. F",
+                   "Hessian paper Fig. 1", "Hessian paper Fig. 3", "Theorem 1", "Proposition 4"):
+        assert number in texts, number
+
+
+def test_store_strings_are_escaped_on_every_page(store):
+    import dataclasses
+
+    from bokeh.models import Div
+
+    from nsa_dist.serve._live import Panel
+    from nsa_dist.serve.run_page import header_text
+    from nsa_dist.serve.table import RunTable, _count_text, _sweep_links
+
+    evil = '<img src=x onerror="alert(1)">'
+    run = Client(store).run("served")
+    run.id, run.status, run.reason = evil, evil, evil
+    text = header_text(run)
+    assert "<img" not in text and text.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") == 3, text
+    links = _sweep_links({evil: ["a"]})
+    assert "<img" not in links and 'href="sweep?name=%3Cimg%20src%3Dx' in links, links
+    (row,) = run_summaries(SpectrumStore(store, mode="r"))
+    row = dataclasses.replace(row, id=evil, status=evil)
+    assert "<img" not in _count_text([row])
+    cols = RunTable(SpectrumStore(store, mode="r")).columns([row], [])
+    assert cols["href"] == ["run?id=%3Cimg%20src%3Dx%20onerror%3D%22alert%281%29%22%3E"], cols["href"]
+    p = Panel(Div(text=""))
+    p.update(ValueError(evil))  # a read's error message (it may quote the store) shown in place of a figure
+    assert "<img" not in p.error.text and "&lt;img" in p.error.text
 
 
 # --------------------------------------------------------------------------- safe by default
