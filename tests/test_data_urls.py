@@ -7,6 +7,7 @@ before it starts anything.
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def _nsa_run(data_path: str, tmp_path: Path, capsys) -> str:
 
 
 def _assert_names(line: str, url: str, cause: str) -> None:
-    assert "run 'urls': image2d: " in line and repr(url) in line and cause in line, \
+    assert "image2d" in line and repr(url) in line and cause in line, \
         f"expected the URL {url!r} and {cause!r} in: {line}"
     assert "unexpected" not in line and "Traceback" not in line, line
 
@@ -43,6 +44,8 @@ def test_local_and_file_urls_and_unknown_schemes_name_the_path(tmp_path, capsys)
              "nosuch://bucket/face.png": "unknown scheme nosuch:// (fsspec: Protocol not known: nosuch)"}
     (tmp_path / "dir.png").mkdir()
     cases[str(tmp_path / "dir.png")] = "is a directory, expected a PNG or JPEG image file"
+    if importlib.util.find_spec("gcsfs") is None:
+        cases["gs://bucket/face.png"] = "needs the gcsfs package: pip install 'nsa-dist[gcs]'"
     for url, cause in cases.items():
         _assert_names(_nsa_run(url, tmp_path, capsys), url, cause)
 
