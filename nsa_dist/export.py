@@ -4,7 +4,9 @@ Written with ``torch.utils.tensorboard.SummaryWriter`` into ``DIR/<run id>/``, s
 beside the training curves a researcher already logs there.  Values are kept exactly:
 
 * scalars are float64 scalar summaries (``new_style``, ``double_precision``: TensorBoard's Scalars
-  dashboard shows them), one point per step where the value is finite;
+  dashboard shows them), one point per step where the value is finite — every scalar series the
+  store holds, the papers' predictions included (:func:`scalar_sources` lists them from the
+  store's arrays, so that a new array is exported without a change here);
 * the spectrum λ_1^t ≥ … ≥ λ_K^t of each recorded step is a histogram whose bucket edges ARE the
   eigenvalues (one count each), so that TensorBoard's reader gives them back unbinned — its
   Histograms and Distributions dashboards draw them as the spectrum's distribution.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from nsa_dist.errors import StoreError
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
-__all__ = ["export_tensorboard", "ExportSummary", "scalar_series", "spectra"]
+__all__ = ["export_tensorboard", "ExportSummary", "Source", "PER_ITEM_DIMS", "scalar_series", "scalar_sources",
+           "spectra"]
 
 
 @dataclass(frozen=True)
@@ -40,53 +43,151 @@ class ExportSummary:
     spectra: int
 
 
-def scalar_series(run: "Run") -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """(tag, t, value) of every scalar series the run stores (through :func:`nsa_dist.client.quantity`).
+# Axes along which an array holds one value per point, pixel, parameter, … (not a handful of
+# scalars): such arrays are not scalar series.  Every other per-step numeric array is exported.
+PER_ITEM_DIMS = frozenset({"point", "test_point", "input", "param", "slot", "rng_byte", "image", "pixel_y", "pixel_x",
+                           "freq_y", "freq_x", "density_bin", "reconstruction", "predicted_step", "preservation_row",
+                           "train_step"})
+_LABELS = {"value_stderr": ("value", "stderr"), "hessian_part": ("H", "I", "S"),
+           "S_prediction": ("trace_S_init", "trace_S", "trace_S2"), "predicted_measured": ("predicted", "measured"),
+           "gram_change_norm": ("measured", "first_order", "difference"),
+           "measured_first_order": ("measured", "first_order"), "along": ("along_I", "along_S"),
+           "quotient": ("vIv", "vSv")}
+_FULL = 8  # an axis this short is exported whole; a longer one (k, i) at 1, 2, 5, 10, … (NSA Fig. 3's k)
+_ANY_STEP = ("every", "")
 
-    Tags: ``loss/train`` (every trained step), ``loss/recorded``, ``loss/test``, ``lr``,
-    ``spectrum/lambda_max``, ``spectrum/stability_bound`` (2N/λ_max), ``spectrum/lambda_<i>`` and
-    ``energy_<φ>/k_<k>`` for i, k in 1, 2, 5, 10, … ≤ K, ``alignment``, ``first_order/error``,
-    ``first_order/cos``, and ``hessian/Tr(<A>^<k>)`` with ``…_stderr`` for A = H, I, S, k = 1..4.
+
+@dataclass(frozen=True)
+class Source:
+    """Where an exported scalar series comes from: stored array ``array`` at ``index`` (the
+    position along its axes after ``step``), or — ``array`` None — a quantity the client derives."""
+
+    tag: str
+    array: str | None
+    index: tuple[int, ...] = ()
+
+
+def _legacy(name: str, labels: tuple[str, ...], index: tuple[int, ...]) -> str | None:
+    """The tags of the first exports, kept: loss, lr, λ_i, E_t(φ, k), alignment, first order, Tr(A^k)."""
+    plain = {"loss": "loss/recorded", "loss_test": "loss/test", "lr": "lr", "alignment": "alignment",
+             "first_order_error": "first_order/error", "first_order_cos": "first_order/cos"}
+    if not index and name in plain:
+        return plain[name]
+    if name == "eigenvalues":
+        return f"spectrum/lambda_{index[0] + 1}"
+    if name.startswith("energy_") and len(index) == 1:
+        return f"{name}/k_{index[0] + 1}"
+    if name in ("hessian_moments", "hessian_moments_stderr"):
+        return f"hessian/Tr({labels[0]}^{index[1] + 1})" + ("_stderr" if name.endswith("stderr") else "")
+    return None
+
+
+def scalar_sources(run: "Run") -> list[Source]:
+    """Every scalar series the run stores, named, with where each comes from.
+
+    Every per-step numeric array of the store whose axes after ``step`` are not per point, pixel
+    or parameter (:data:`PER_ITEM_DIMS`) — predictions included: Eqs. 4–5 (``constant_gram_*``),
+    App. F (``gram_change*``), the first-order accuracy, the Hessian's moments, their Θ∞ and S
+    limits, orthogonality, additivity, ∇Cᵀ·G, ‖S‖_op … — one series per entry of its short axes
+    (named: ``hessian_S_limit/trace_S2``, ``hessian_additivity/value/moment_2``) and per
+    i = 1, 2, 5, 10, … of a long one; the first exports' names are kept (``loss/recorded``,
+    ``spectrum/lambda_<i>``, ``energy_<φ>/k_<k>``, ``hessian/Tr(<A>^<k>)``).  Derived from the
+    client: ``loss/train`` (every step), ``spectrum/lambda_max`` and ``spectrum/stability_bound``
+    (2N/λ_max of the kernel that sets GD's stability), ``hessian/edge_of_stability`` and App. E's
+    test residual ``app_E/test_residual/{predicted,measured}``.
     """
-    from nsa_dist.client import PHI_NAMES, quantity
+    from itertools import product
+
     from nsa_dist.plots.axes import ks
 
-    named: list[tuple[str, Callable[[], tuple[np.ndarray, np.ndarray]]]] = [
-        ("loss/train", lambda: quantity(run, "loss")), ("loss/recorded", lambda: quantity(run, "loss_recorded")),
-        ("lr", lambda: quantity(run, "lr")), ("spectrum/lambda_max", lambda: quantity(run, "lambda_max")),
-        ("spectrum/stability_bound", lambda: quantity(run, "stability_bound")),
-        ("alignment", lambda: quantity(run, "alignment"))]
-    if run.has("loss_test"):
-        named.append(("loss/test", lambda: quantity(run, "loss_test")))
-    if run.has("first_order_error"):
-        named += [("first_order/error", lambda: quantity(run, "first_order_error")),
-                  ("first_order/cos", lambda: quantity(run, "first_order_cos"))]
-    K = int(run.dims.K)
-    named += [(f"spectrum/lambda_{i}", lambda i=i: quantity(run, "eigenvalues", i)) for i in ks(K)]
-    for phi in PHI_NAMES:
-        if run.has(f"energy_{phi}"):
-            Kphi = int(run.shape(f"energy_{phi}")[1])
-            named += [(f"energy_{phi}/k_{k}", lambda phi=phi, k=k: quantity(run, f"energy_{phi}", k)) for k in ks(Kphi)]
-    for tag, get in named:
-        t, v = get()
-        yield tag, np.asarray(t), np.asarray(v, np.float64)
-    if run.has("hessian_moments"):
-        t = run.hessian.steps
-        for part in "HIS":
-            m = run.hessian.moments(part)
-            for k in range(4):
-                yield f"hessian/Tr({part}^{k + 1})", t, m["estimate"][:, k]
-                yield f"hessian/Tr({part}^{k + 1})_stderr", t, m["stderr"][:, k]
+    out = [Source("loss/train", None), Source("spectrum/lambda_max", None), Source("spectrum/stability_bound", None)]
+    if run.has("hessian_top") and len(run.hessian.steps):
+        out.append(Source("hessian/edge_of_stability", None))
+    if run.has("constant_gram_f_test"):
+        out += [Source("app_E/test_residual/predicted", None), Source("app_E/test_residual/measured", None)]
+    for name in run.array_names():
+        dims = run.dimension_names(name)
+        if (not dims or dims[0] != "step" or name in ("steps", "done") or PER_ITEM_DIMS & set(dims[1:])
+                or run.g[name].dtype.kind not in "fiu"):
+            continue
+        axes = []
+        for dim, n in zip(dims[1:], run.shape(name)[1:]):
+            idx = range(n) if n <= _FULL else [k - 1 for k in ks(n)]
+            names = _LABELS.get(dim) if dim in _LABELS and len(_LABELS[dim]) == n else None
+            axes.append([(j, names[j] if names else f"{dim}_{j + 1}") for j in idx])
+        for combo in product(*axes):
+            index, labels = tuple(j for j, _ in combo), tuple(lab for _, lab in combo)
+            tag = _legacy(name, labels, index) or "/".join((name,) + labels)
+            out.append(Source(tag, name, index))
+    return out
+
+
+def _steps_of(run: "Run", name: str) -> np.ndarray:
+    """The finished steps array ``name`` is written at (Hessian arrays: the analysed steps, …)."""
+    from nsa_dist.store import run_arrays
+
+    at = {a.name: a.at for a in run_arrays(run.dims)}.get(name, "every")
+    if at == "hessian":
+        return run.hessian.steps
+    if at == "eigenvectors":
+        return run.eigenvector_steps
+    if at == "first":
+        return run.steps[:1] if len(run.steps) and run.steps[0] == run.schedule[0] else run.steps[:0]
+    return run.steps
+
+
+def _derived(run: "Run", tag: str) -> tuple[np.ndarray, np.ndarray]:
+    from nsa_dist.client import quantity
+
+    if tag == "loss/train":
+        return quantity(run, "loss")
+    if tag == "spectrum/lambda_max":
+        return quantity(run, "lambda_max")
+    if tag == "spectrum/stability_bound":
+        return quantity(run, "stability_bound")
+    if tag == "hessian/edge_of_stability":
+        return run.hessian.steps, run.hessian.edge_of_stability()
+    idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]  # App. E, Eq. 22 (Nyström)
+    yt = run.array("y_test")
+    if tag.endswith("predicted"):
+        F = run.kernel.constant_gram_test()[idx]
+    else:
+        F = np.stack([run.outputs(int(t), "f_test") for t in run.steps]) if len(run.steps) else yt[None, :0]
+    return run.steps, np.linalg.norm((F - yt[None]).reshape(len(F), -1), axis=1)
+
+
+def scalar_series(run: "Run") -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """(tag, t, value) of every scalar series the run stores (:func:`scalar_sources`), values as
+    stored (float64), at the steps each is written at."""
+    cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for src in scalar_sources(run):
+        if src.array is None:
+            t, v = _derived(run, src.tag)
+            yield src.tag, np.asarray(t), np.asarray(v, np.float64)
+            continue
+        if src.array not in cache:
+            steps = _steps_of(run, src.array)
+            rows = np.asarray(run.per_step(src.array))[np.isin(run.steps, steps)]
+            cache = {src.array: (steps, rows)}
+        steps, rows = cache[src.array]
+        yield src.tag, steps, np.asarray(rows[(slice(None),) + src.index], np.float64)
 
 
 def spectra(run: "Run") -> Iterator[tuple[str, int, np.ndarray]]:
     """(tag, t, eigenvalues) of every finished recorded step: ``spectrum/eigenvalues`` (λ_i^t of
-    G_t) and, for K-output runs, ``spectrum/eigenvalues_full`` (the full kernel's)."""
-    arrays = [("spectrum/eigenvalues", run.eigenvalues)]
+    G_t), for K-output runs ``spectrum/eigenvalues_full`` (the full kernel's), with test points
+    ``spectrum/eigenvalues_test``, and at the analysed Hessian steps ``hessian/I_eigenvalues`` and
+    its Θ∞ limit ``hessian/I_limit_eigenvalues``."""
+    arrays = [("spectrum/eigenvalues", run.steps, run.eigenvalues)]
     if run.has("eigenvalues_full"):
-        arrays.append(("spectrum/eigenvalues_full", run.stability_eigenvalues))
-    for tag, lam in arrays:
-        for t, row in zip(run.steps, lam):
+        arrays.append(("spectrum/eigenvalues_full", run.steps, run.stability_eigenvalues))
+    if run.has("eigenvalues_test"):
+        arrays.append(("spectrum/eigenvalues_test", run.steps, run.per_step("eigenvalues_test")))
+    if run.has("hessian_I_eigenvalues") and len(run.hessian.steps):
+        arrays += [("hessian/I_eigenvalues", run.hessian.steps, run.hessian.I_eigenvalues()),
+                   ("hessian/I_limit_eigenvalues", run.hessian.steps, run.hessian.I_eigenvalues(limit=True))]
+    for tag, steps, lam in arrays:
+        for t, row in zip(steps, lam):
             yield tag, int(t), np.asarray(row, np.float64)
 
 

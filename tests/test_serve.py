@@ -286,7 +286,7 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    from nsa_dist.export import scalar_series
+    from nsa_dist.export import PER_ITEM_DIMS, scalar_series, scalar_sources
 
     logdir = tmp_path / "tb"
     assert nsa(["export", "served", "--tensorboard", str(logdir), "--store", store]) == 0
@@ -294,7 +294,37 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
     acc = EventAccumulator(str(logdir / run.id), size_guidance={"tensors": 0, "histograms": 0})
     acc.Reload()
     series = list(scalar_series(run))
-    assert {"loss/train", "spectrum/lambda_max", "energy_y/k_5", "hessian/Tr(S^2)_stderr"} <= {t for t, _, _ in series}
+    tags = [t for t, _, _ in series]
+    assert len(tags) == len(set(tags)), sorted(t for t in tags if tags.count(t) > 1)
+    predictions = {"loss/train", "spectrum/lambda_max", "energy_y/k_5", "hessian/Tr(S^2)_stderr",
+                   "first_order/error", "constant_gram_residual/predicted", "constant_gram_energy/k_1",
+                   "app_E/test_residual/predicted", "gram_change_fro/first_order", "hessian_S_limit/trace_S2",
+                   "hessian_S_limit/trace_S_init", "hessian_I_limit_moments/moment_2", "hessian_orthogonality/value",
+                   "hessian_additivity/value/moment_2", "hessian_trace_S_G/value", "hessian_moments_I_exact/moment_1"}
+    assert predictions <= set(tags), predictions - set(tags)
+    # every per-step numeric array of the store is exported, unless it holds one value per point /
+    # pixel / parameter — the list comes from the store, so that a new array cannot be missed
+    exported = {src.array for src in scalar_sources(run)}
+    skipped = []
+    for name in run.array_names():
+        dims = run.dimension_names(name)
+        if dims[:1] != ("step",) or name in ("steps", "done") or run.g[name].dtype.kind not in "fiu":
+            continue
+        if name not in exported:
+            skipped.append(name)
+            assert PER_ITEM_DIMS & set(dims[1:]), f"{name} {dims} is a scalar series the export leaves out"
+    assert len(exported) >= 30 and len(skipped) >= 10, (sorted(exported), skipped)
+    # each exported series is the stored column, bitwise, at the steps it is written at
+    schedule = {int(t): i for i, t in enumerate(run.schedule)}
+    by_tag = {t: (steps, v) for t, steps, v in series}
+    for src in scalar_sources(run):
+        if src.array is None:
+            continue
+        steps, v = by_tag[src.tag]
+        want = run.array(src.array)[[schedule[int(t)] for t in steps]][(slice(None),) + src.index]
+        np.testing.assert_array_equal(v, want.astype(np.float64), err_msg=src.tag)
+        written = run.hessian.steps if src.array.startswith("hessian_") else run.steps
+        assert set(steps.tolist()) <= set(written.tolist()), src.tag
     assert set(acc.Tags()["tensors"]) == {t for t, _, v in series if np.isfinite(v).any()}
     for tag, t, v in series:
         ok = np.isfinite(v)
@@ -306,11 +336,14 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
         np.testing.assert_array_equal(got, v[ok], err_msg=tag)  # float64, exact
         assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars", tag
     np.testing.assert_array_equal([e.step for e in acc.Tensors("loss/train")], np.arange(SPEC.steps))
-    hist = acc.Histograms("spectrum/eigenvalues")
-    assert [h.step for h in hist] == run.steps.tolist()
-    for h, lam in zip(hist, run.eigenvalues):
-        np.testing.assert_array_equal(h.histogram_value.bucket_limit, np.sort(lam))  # the spectrum, unbinned
-        assert h.histogram_value.num == len(lam)
+    for tag, steps, spectra in (("spectrum/eigenvalues", run.steps, run.eigenvalues),
+                                ("hessian/I_limit_eigenvalues", run.hessian.steps,
+                                 run.hessian.I_eigenvalues(limit=True))):
+        hist = acc.Histograms(tag)
+        assert [h.step for h in hist] == steps.tolist(), tag
+        for h, lam in zip(hist, spectra):
+            np.testing.assert_array_equal(h.histogram_value.bucket_limit, np.sort(lam))  # the spectrum, unbinned
+            assert h.histogram_value.num == len(lam)
     capsys.readouterr()
     assert nsa(["export", "served", "--tensorboard", str(logdir), "--store", store]) == 2
     assert "holds TensorBoard event files already" in capsys.readouterr().err
