@@ -11,7 +11,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
 
 if TYPE_CHECKING:
     import torch
@@ -99,8 +99,10 @@ class FactoryModelSpec(_Strict):
     worker (ship it with the job's ``runtime_env``, see deploy/README.md).  The import is
     resolved when the model is built, not here, so a stored spec can always be read back.
     ``input_dim`` / ``output_dim`` default to the data's d (flattened) and K; the model must
-    map the data's (n, d) inputs to (n,) or (n, K).  ``source="tracker"`` marks a model handed
-    to a :class:`~nsa_dist.Tracker` (``factory`` then only names its class; it is not rebuilt).
+    map the data's (n, d) inputs to (n,) or (n, K) — or, with ``output`` set, return a dict, a
+    tuple or a Hugging Face ``ModelOutput`` whose ``output`` (a key or an index) is that tensor.
+    ``source="tracker"`` marks a model handed to a :class:`~nsa_dist.Tracker` (``factory`` then
+    only names its class; it is not rebuilt).
     """
 
     factory: str = Field(..., description="import path 'package.module:function' of the model factory")
@@ -108,6 +110,16 @@ class FactoryModelSpec(_Strict):
     input_dim: int | None = Field(None, ge=1, description="d of the (flattened) inputs")
     output_dim: int = Field(1, ge=1, description="K, the number of outputs")
     source: Literal["factory", "tracker"] = "factory"
+    output: str | int | None = Field(None, description="the output to measure when the model returns a dict, tuple "
+                                     "or ModelOutput: a key or an index (None: the model returns the tensor)")
+
+    @model_serializer(mode="wrap")
+    def _no_default_output(self, handler: Any) -> dict:
+        """``output`` is written only when set: a spec without it keeps the JSON (and run id) it had."""
+        d = handler(self)
+        if isinstance(d, dict) and d.get("output") is None:
+            d.pop("output", None)
+        return d
 
     @field_validator("factory")
     @classmethod

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable, Union
 
 import torch
 from torch import nn
 
 from nsa_dist.config import Activation, FactoryModelSpec, Init, ModelSpec
-from nsa_dist.errors import ModelFactoryError
+from nsa_dist.errors import ModelFactoryError, ShapeError
 
-__all__ = ["CNN", "FCNet", "NTKLinear", "normalized_softplus", "build_factory_model", "build_model", "cnn", "resolve_factory"]
+__all__ = ["CNN", "FCNet", "NTKLinear", "OutputSelector", "SelectedOutput", "normalized_softplus",
+           "build_factory_model", "build_model", "cnn", "describe_output", "measured_module", "not_a_tensor",
+           "resolve_factory", "select_output"]
 
 
 class NTKLinear(nn.Linear):
@@ -248,7 +252,9 @@ def resolve_factory(path: str) -> Callable[..., nn.Module]:
 
 def build_factory_model(spec: FactoryModelSpec, *, seed: int | None = None,
                         dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``factory(**kwargs)`` under a forked RNG seeded with ``seed`` (deterministic, global RNG untouched).
+    """``factory(**kwargs)`` under a forked RNG seeded with ``seed`` (deterministic, global RNG untouched);
+    with ``spec.output`` set, the :class:`SelectedOutput` of that output (a compiled model: the
+    module it wraps, :func:`measured_module`).
 
     Raises:
         ModelFactoryError: the import path does not resolve, the call fails or returns no nn.Module,
@@ -267,7 +273,7 @@ def build_factory_model(spec: FactoryModelSpec, *, seed: int | None = None,
             raise ModelFactoryError(f"model.factory={spec.factory!r} called with kwargs {spec.kwargs}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise ModelFactoryError(f"model.factory={spec.factory!r} returned a {type(model).__name__}, not an nn.Module")
-    model = model.to(dtype)
+    model = measured_module(model, spec.output).to(dtype)
     if spec.input_dim is not None:
         _check_factory_output(spec, model, dtype)
     return model
@@ -284,7 +290,118 @@ def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch
                                 f"shape (n, {spec.input_dim}): {type(exc).__name__}: {exc}") from exc
     K = spec.output_dim
     want = (2,) if K == 1 else (2, K)
-    if not isinstance(out, torch.Tensor) or (tuple(out.shape) != want and not (K == 1 and tuple(out.shape) == (2, 1))):
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}) returns {got} for inputs (2, "
-                                f"{spec.input_dim}); the targets need {want} (K = {K})")
+    if not isinstance(out, torch.Tensor):
+        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}): {not_a_tensor(out)} (in a spec: "
+                                "model.output, a key or an index)")
+    if tuple(out.shape) != want and not (K == 1 and tuple(out.shape) == (2, 1)):
+        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}) returns {tuple(out.shape)} for "
+                                f"inputs (2, {spec.input_dim}); the targets need {want} (K = {K})")
+
+
+# --------------------------------------------------------------------------- outputs as models return them
+
+OutputSelector = Union[str, int, Callable[[Any], torch.Tensor], None]
+"""Which output of a model to measure: None (the model returns the tensor), a key (a dict's or a
+``ModelOutput``'s, or an attribute name), an index (a tuple's or a list's; the i-th value of a
+dict / ``ModelOutput``, as ``ModelOutput[i]``), or a callable ``output -> tensor``."""
+
+
+def describe_output(out: Any) -> str:
+    """A model output's type in words, with its keys or items: "dict with keys ['logits', 'hidden']"."""
+    name = type(out).__name__
+    if isinstance(out, torch.Tensor):
+        return f"Tensor of shape {tuple(out.shape)}"
+    if isinstance(out, Mapping):
+        return f"{name} with keys {list(out.keys())}"
+    if isinstance(out, (tuple, list)):
+        items = ", ".join(f"Tensor {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                          for v in out[:6])
+        return f"{name} of {len(out)} ({items}{', …' if len(out) > 6 else ''})"
+    return name
+
+
+def _selector_name(output: OutputSelector) -> str:
+    if callable(output):
+        return getattr(output, "__qualname__", None) or repr(output)
+    return repr(output)
+
+
+def select_output(out: Any, output: OutputSelector) -> torch.Tensor:
+    """The tensor ``output`` selects from a model's output ``out`` (None: ``out`` itself).
+
+    Raises:
+        ShapeError: the key / index is not in ``out``, or what it selects is not a tensor (both
+            named, with the output's type and keys).
+        TypeError: ``output`` is none of None, str, int, callable.
+    """
+    if output is None:
+        return out
+    if callable(output):
+        sel = output(out)
+    elif isinstance(output, str):
+        if isinstance(out, Mapping) and output in out:
+            sel = out[output]
+        elif not isinstance(out, Mapping) and hasattr(out, output):  # a named tuple's or a dataclass's field
+            sel = getattr(out, output)
+        else:
+            raise ShapeError(f"output={output!r} is not a key of the model's output, a {describe_output(out)}")
+    elif isinstance(output, int) and not isinstance(output, bool):
+        items = list(out.values()) if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else None
+        if items is None or not -len(items) <= output < len(items):
+            raise ShapeError(f"output={output} does not index the model's output, a {describe_output(out)}")
+        sel = items[output]
+    else:
+        raise TypeError(f"output must be None, a key (str), an index (int) or a callable, got {type(output).__name__}")
+    if not isinstance(sel, torch.Tensor):
+        raise ShapeError(f"output={_selector_name(output)} selects a {describe_output(sel)} from the model's output "
+                         f"(a {describe_output(out)}), not a tensor")
+    return sel
+
+
+def not_a_tensor(out: Any) -> str:
+    """Why a model output that is not a tensor cannot be measured as it is, and what to pass."""
+    hint = ("a key, e.g. output=" + repr(next(iter(out.keys()))) if isinstance(out, Mapping) and len(out)
+            else "an index, e.g. output=0" if isinstance(out, (tuple, list)) else "a key or an index")
+    return (f"the model returns a {describe_output(out)}, not a tensor: say which output to measure with output= "
+            f"{hint}, or a callable that returns the tensor")
+
+
+class SelectedOutput(nn.Module):
+    """A model with one of its outputs selected: ``forward(*args) = select_output(model(*args), output)``.
+
+    The model is the submodule ``model`` (its parameters are shared, named ``model.<name>``).
+    """
+
+    def __init__(self, model: nn.Module, output: OutputSelector) -> None:
+        super().__init__()
+        self.model = model
+        self.__dict__["output"] = output  # a plain attribute: a selector that is a module adds no parameters
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return select_output(self.model(*args, **kwargs), self.output)
+
+    def extra_repr(self) -> str:
+        return f"output={_selector_name(self.output)}"
+
+
+def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Module:
+    """The module nsa-dist measures for a user's ``model`` (every entry point applies this once).
+
+    * a ``torch.compile``'d model (``OptimizedModule``) is measured through the module it wraps
+      (``_orig_mod``, the same parameters): the measurements run many forwards under hooks and
+      ``torch.func`` transforms, each of which would make Dynamo recompile until its limit;
+    * with ``output`` given, a :class:`SelectedOutput` of it.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``output`` is of no selector type.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    while dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+        model = model._orig_mod
+    if output is None:
+        return model
+    if not (callable(output) or isinstance(output, str) or (isinstance(output, int) and not isinstance(output, bool))):
+        raise TypeError(f"output must be None, a key (str), an index (int) or a callable, got {type(output).__name__}")
+    return SelectedOutput(model, output)

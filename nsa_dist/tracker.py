@@ -33,6 +33,7 @@ from nsa_dist.config import LossName, RecordSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss, parse_loss
+from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.ntk import preserved, sample_coupling
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
@@ -82,6 +83,10 @@ class Tracker:
         workers, worker_cpus, worker_gpus: the Ray spectral-worker pool.
         max_inflight: checkpoints waiting for analysis before ``record`` blocks.
         seed, device: as in a spec ("auto": CUDA when available).
+        output: which output is f when the model returns a dict, a tuple or a Hugging Face
+            ``ModelOutput``: a key, an index, or a callable ``output -> tensor`` (as in
+            :func:`nsa_dist.ntk.gram`).  A ``torch.compile``'d model is analysed through the module
+            it wraps (``_orig_mod``, the same parameters), so the analyses never recompile it.
 
     Raises:
         ShapeError: model output not (n,) / (n, K), or X, y, X_test, y_test of inconsistent shapes.
@@ -96,19 +101,20 @@ class Tracker:
                  X_test: Any = None, y_test: Any = None, *, steps: int, record: dict | RecordSpec | None = None,
                  spectrum: dict | None = None, hessian: dict | None = None, loss: str | LossName = "mse",
                  optimizer: str = "custom", cluster: str | None = None, workers: int = 1, worker_cpus: float = 1.0,
-                 worker_gpus: float = 0.0, max_inflight: int = 2, seed: int = 0, device: str = "auto") -> None:
+                 worker_gpus: float = 0.0, max_inflight: int = 2, seed: int = 0, device: str = "auto",
+                 output: OutputSelector = None) -> None:
         loss = parse_loss(loss)
         if optimizer not in ("custom", "gd"):
             raise ValueError(f"optimizer={optimizer!r} is not one of custom, gd")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        user = measured_module(model)  # a compiled model: the module it wraps
+        model = measured_module(user, output)  # the user's module, or its selected output
         self.model = model
         self.store = store if isinstance(store, SpectrumStore) else SpectrumStore(store)
         self.data, K = self._check_data(model, X, y, X_test, y_test)
         rec = record.model_dump() if isinstance(record, RecordSpec) else (record or {"log_points": 20})
-        self.spec: ExperimentSpec = tracked_spec(name, model, self.data, K, steps=steps, record=rec,
+        self.spec: ExperimentSpec = tracked_spec(name, user, self.data, K, steps=steps, record=rec,
                                                  spectrum=spectrum or {}, hessian=hessian, optimizer=optimizer,
                                                  seed=seed, device=device, loss=loss)
         p = next(model.parameters())
@@ -164,8 +170,10 @@ class Tracker:
         with torch.no_grad(), preserved(model):
             out = model(model_inputs(X[:2], model))
         n = min(2, X.shape[0])
-        if not isinstance(out, torch.Tensor) or out.ndim not in (1, 2) or out.shape[0] != n:
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        if not isinstance(out, torch.Tensor):
+            raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
+        if out.ndim not in (1, 2) or out.shape[0] != n:
+            got = tuple(out.shape)
             raise ShapeError(f"the model must map (n, …) inputs to (n,) or (n, K) outputs; for input "
                              f"{tuple(X[:2].shape)} it returned {got}")
         K = 1 if out.ndim == 1 else int(out.shape[1])

@@ -26,6 +26,7 @@ from nsa_dist.hessian._operator import LossCurvatureOperator
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
 from nsa_dist.losses import parse_loss, residual
+from nsa_dist.models import OutputSelector
 from nsa_dist.ntk.state import preserved
 
 if TYPE_CHECKING:
@@ -112,9 +113,9 @@ class ResidualOperator(LossCurvatureOperator):
 _CLASSES = {HessianPart.H: HessianOperator, HessianPart.I: GaussNewtonOperator, HessianPart.S: ResidualOperator}
 
 
-def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss: LossName,
-           dtype: torch.dtype | None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    model = prepare_model(model, dtype)
+def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss: LossName, dtype: torch.dtype | None,
+           output: OutputSelector = None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model = prepare_model(model, dtype, output)
     X = prepare_inputs(model, X, "X", dtype)
     with preserved(model), blame(model):
         K = output_dim(model, X)
@@ -123,8 +124,8 @@ def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss
 
 
 def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *, loss: str | LossName = "mse",
-                  block_size: int | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[HessianOperator, GaussNewtonOperator, ResidualOperator]:
+                  block_size: int | None = None, dtype: torch.dtype | None = None, output: OutputSelector = None,
+                  ) -> tuple[HessianOperator, GaussNewtonOperator, ResidualOperator]:
     """The three operators ``(H, I, S)`` of one model, dataset and loss (validated once).
 
     Args and Raises: as :func:`hessian_operator`.
@@ -132,13 +133,13 @@ def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarra
     loss_ = parse_loss(loss)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
-    model, X, Yt = _setup(model, X, Y, loss_, dtype)
+    model, X, Yt = _setup(model, X, Y, loss_, dtype, output)
     return tuple(_CLASSES[part](model, X, Yt, loss_, block_size) for part in HessianPart)  # type: ignore[return-value]
 
 
 def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *,
                      part: str | HessianPart = "H", loss: str | LossName = "mse", block_size: int | None = None,
-                     dtype: torch.dtype | None = None) -> LossCurvatureOperator:
+                     dtype: torch.dtype | None = None, output: OutputSelector = None) -> LossCurvatureOperator:
     """The matrix-free P×P operator ``H``, ``I`` or ``S`` of ``C(θ) = (1/N) Σ_i c(f(x_i; θ), y_i)``.
 
     ``H = I + S`` with ``I = (1/N) Jᵀ HC J`` and ``S = (1/N) Σ_i ∇_f c_i · ∇²_θ f(x_i)`` (the
@@ -158,6 +159,8 @@ def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.nda
         block_size: data points per block (bounds memory; the result does not depend on it).
             Default: about 256 MB of per-column activations.
         dtype: compute dtype (e.g. torch.float64 for reference checks); default the model's.
+        output: which output is f when the model returns a dict, a tuple or a ``ModelOutput``
+            (a key, an index or a callable; :func:`nsa_dist.ntk.gram`).
 
     Returns:
         :class:`HessianOperator`, :class:`GaussNewtonOperator` or :class:`ResidualOperator`.
@@ -173,6 +176,6 @@ def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.nda
     loss_ = parse_loss(loss)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
-    model, X, Yt = _setup(model, X, Y, loss_, dtype)
+    model, X, Yt = _setup(model, X, Y, loss_, dtype, output)
     return _CLASSES[part_](model, X, Yt, loss_, block_size)
 

@@ -31,6 +31,7 @@ from nsa_dist.hessian.moments import Moments, _mean_stderr, _powers, _quadratic_
 from nsa_dist.hessian.operators import hessian_parts
 from nsa_dist.losses import parse_loss
 from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
+from nsa_dist.ntk.state import exact_kernels
 
 if TYPE_CHECKING:
     from torch import nn
@@ -156,7 +157,7 @@ def output_hessian_traces(model: "nn.Module", X: torch.Tensor, n_probes: int = 1
             first = lambda p: jvp(f, (p,), (u,))[1]  # noqa: E731 - ∇f·u at p
             return jvp(first, (params,), (u,))[1]  # uᵀ ∇²f u, (b, K)
 
-        with torch.no_grad():
+        with torch.no_grad(), exact_kernels(model):
             out.append(vmap(second)(U))  # (m, b, K)
     q = torch.cat(out, dim=1).cpu().numpy().astype(np.float64)  # (m, N, K)
     se = q.std(axis=0, ddof=1) / np.sqrt(m) if m > 1 else np.full(q.shape[1:], np.nan)

@@ -12,18 +12,25 @@ and output gradients of the two projections: the per-layer path's "Linear at L p
 During a feature pass the module's forward is replaced by exactly this decomposition, with the
 projections as :class:`Projection` modules the pass can hook; :func:`attention_call_ok` (at probe
 time) checks the call and that the decomposition gives the module's own output.
+
+:func:`composite_attention` is the other half: forward-mode AD (every ``jvp`` of the operators,
+the Hessian products, the first-order predictions) needs attention computed by kernels that have
+a forward-mode rule, wherever the model calls it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["Projection", "attention_ok", "attention_call_ok", "decomposed", "decomposed_forwards", "projections"]
+__all__ = ["Projection", "attention_ok", "attention_call_ok", "composite_attention", "decomposed",
+           "decomposed_forwards", "projections"]
 
 
 class Projection(nn.Module):
@@ -127,3 +134,52 @@ def decomposed_forwards(pairs: list[tuple[nn.MultiheadAttention, Projection, Pro
     finally:
         for m, _, _ in pairs:
             del m.forward
+
+
+def _math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` by its math backend: the composite of matmuls and a
+    softmax that every AD mode differentiates (the fused CPU flash and CUDA kernels have no
+    forward-mode rule)."""
+    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                             scale=scale, enable_gqa=enable_gqa)[0]
+
+
+class _CompositeAttention(TorchFunctionMode):
+    """Attention by composite kernels, in this thread only.
+
+    * ``F.scaled_dot_product_attention`` called anywhere (a model's own code, nanoGPT / Hugging
+      Face style) runs its math backend;
+    * ``F.multi_head_attention_forward`` without weights (``nn.MultiheadAttention`` calls the
+      fused kernel then) computes them, by the explicit softmax, and returns None for them as asked;
+    * the fused fast paths of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``
+      (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``) are not taken: they
+      are skipped whenever a torch-function mode is active.
+
+    Each is the same function as the fused kernel, to rounding.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _math_attention(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            call = inspect.signature(func).bind(*args, **kwargs).arguments
+            if not call.get("need_weights", True):
+                out, _ = func(**{**call, "need_weights": True})
+                return out, None
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def composite_attention() -> Iterator[None]:
+    """Within the block (this thread only), every attention — ``F.scaled_dot_product_attention``
+    called by the model itself, ``nn.MultiheadAttention``, the Transformer layers — runs composite
+    kernels that have forward-mode and higher-order derivatives: the same function, exactly.
+
+    Thread-local (a torch-function mode): a training loop in another thread keeps its fused
+    kernels, and no process-wide switch is left set when blocks in two threads overlap.
+    """
+    with _CompositeAttention():
+        yield

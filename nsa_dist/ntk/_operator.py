@@ -10,6 +10,7 @@ from torch.func import functional_call, jvp, vjp, vmap
 import logging
 
 from nsa_dist.linalg.operator import LinearOperator
+from nsa_dist.models import OutputSelector, measured_module
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, trainable_params
 from nsa_dist.ntk._probe import couples
@@ -112,13 +113,15 @@ class NTKOperator(LinearOperator):
         return f"NTKOperator(shape={self.shape}, dtype={self.dtype}, kernel={'full' if self.full else 'trace'})"
 
 
-def jacobian_vector_product(model: nn.Module, x: torch.Tensor, dtheta: torch.Tensor) -> torch.Tensor:
+def jacobian_vector_product(model: nn.Module, x: torch.Tensor, dtheta: torch.Tensor, *,
+                            output: OutputSelector = None) -> torch.Tensor:
     """``J · dθ`` at the points x: the first-order change of the outputs, (n,) or (n, K) like the model's.
 
     ``dθ`` is a (P,) vector over *all* parameters in ``named_parameters`` order (a training step's
     Δθ).  One forward-mode pass of the batch forward (a coupling model's batch stays one batch),
     under the same rules as every NTK product: the model's buffers are not changed, attention
-    uses composite kernels, and a failing module is named.
+    uses composite kernels, and a failing module is named.  ``output`` selects the output of a
+    model returning a dict, tuple or ``ModelOutput`` (as in :func:`nsa_dist.ntk.gram`).
 
     Raises:
         ShapeError: dθ does not have P entries.
@@ -126,6 +129,7 @@ def jacobian_vector_product(model: nn.Module, x: torch.Tensor, dtheta: torch.Ten
     """
     from nsa_dist.errors import ShapeError
 
+    model = measured_module(model, output)
     params = dict(model.named_parameters())
     P = sum(p.numel() for p in params.values())
     if dtheta.numel() != P:

@@ -11,6 +11,7 @@ from torch import nn
 from nsa_dist._checks import parse_enum
 from nsa_dist.config import NTKMethod
 from nsa_dist.errors import ShapeError, UnsupportedModelError
+from nsa_dist.models import OutputSelector
 
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk._conv import per_layer_gram, per_layer_layers
@@ -43,7 +44,8 @@ def _structured_tile(n: int) -> int:
     return min(_STRUCTURED_TILE, max(64, -(-n // 4 // 64) * 64))
 
 
-def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> NTKMethod:
+def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *,
+                   output: OutputSelector = None) -> NTKMethod:
     """The concrete method ``gram`` would use for ``model`` at points x (AUTO resolved).
 
     Decided from probe forwards on the first points of x (:func:`explain_method` says, per
@@ -52,21 +54,22 @@ def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = 
     Raises:
         UnsupportedModelError: ``structured`` / ``per_layer`` forced on a model they cannot handle.
     """
-    return explain_method(model, x, method)[0]
+    return explain_method(model, x, method, output=output)[0]
 
 
-def explain_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto"
-                   ) -> tuple[NTKMethod, dict[str, tuple[str, str]]]:
+def explain_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *,
+                   output: OutputSelector = None) -> tuple[NTKMethod, dict[str, tuple[str, str]]]:
     """``(method, routes)``: the method ``gram`` uses and, per trainable parameter, its path
     ("structured" | "per_layer" | "jacobian" | "batch") and the reason, e.g.
     ``{"0.weight": ("jacobian", "parameter 0.weight is used 2 times per forward (shared or tied)")}``.
+    ``output`` selects the output to measure, as in :func:`gram`.
 
     Raises:
         UnsupportedModelError: ``structured`` / ``per_layer`` forced on a model they cannot handle,
             or a random forward (dropout in train mode).
     """
     m = parse_enum(NTKMethod, method, "method")
-    model = prepare_model(model, None)
+    model = prepare_model(model, None, output)
     plan = _plan(model, prepare_inputs(model, x, "x", None))
     return _choose(plan, m), plan.routes
 
@@ -102,8 +105,9 @@ def _choose(plan: ForwardPlan, m: NTKMethod) -> NTKMethod:
     return NTKMethod.PER_LAYER if plan.layers else NTKMethod.JACOBIAN
 
 
-def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: torch.dtype | None):
-    model = prepare_model(model, dtype)
+def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: torch.dtype | None,
+           output: OutputSelector = None):
+    model = prepare_model(model, dtype, output)
     x1 = prepare_inputs(model, x1, "x1", dtype)
     if x2 is not None:
         x2 = prepare_inputs(model, x2, "x2", dtype)
@@ -117,7 +121,7 @@ def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: t
 def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
          method: str | NTKMethod = "auto", kernel: str | Kernel = "trace",
          block_size: int | None = None, dtype: torch.dtype | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, output: OutputSelector = None) -> torch.Tensor:
     """The empirical NTK Gramian ``G(i, j) = ∇_θ f(x1_i) · ∇_θ f(x2_j)`` (NSA Eq. 3, G_t = A_tᵀ A_t).
 
     Args:
@@ -137,6 +141,10 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
             fresh (10⁴)² float32 pages cost their first touch, and a caller can hand them in
             NumPy's huge pages (:class:`nsa_dist.linalg.HostWorkspace`).  The structured method
             writes it directly; the others copy their result into it.
+        output: which output to measure when the model returns a dict, a tuple or a Hugging Face
+            ``ModelOutput``: a key, an index, or a callable ``output -> tensor``
+            (:data:`nsa_dist.models.OutputSelector`; the parameters are then named
+            ``model.<name>``).  A ``torch.compile``'d model is measured through the module it wraps.
 
     Returns:
         The Gramian on the model's device, in ``dtype`` (``out`` itself when given).
@@ -152,7 +160,7 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
     m = parse_enum(NTKMethod, method, "method")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    model, x1, x2, K = _setup(model, x1, x2, dtype)
+    model, x1, x2, K = _setup(model, x1, x2, dtype, output)
     if out is not None:
         _check_out(out, model, x1, x2, K, full)
     with preserved(model):
@@ -201,7 +209,8 @@ def _gram(model: nn.Module, plan: ForwardPlan, m: NTKMethod, x1: torch.Tensor, x
 
 
 def ntk_operator(model: nn.Module, x: torch.Tensor, *, kernel: str | Kernel = "trace",
-                 block_size: int | None = None, dtype: torch.dtype | None = None) -> NTKOperator:
+                 block_size: int | None = None, dtype: torch.dtype | None = None,
+                 output: OutputSelector = None) -> NTKOperator:
     """Matrix-free NTK Gramian at x: ``v ↦ G v`` via one VJP and one JVP pass over the data.
 
     For Lanczos when G (N×N) does not fit in memory.  The operator's ``matmat`` takes (N, m)
@@ -213,10 +222,11 @@ def ntk_operator(model: nn.Module, x: torch.Tensor, *, kernel: str | Kernel = "t
         kernel: "trace" (an (N, N) operator) or "full" ((N·K, N·K), vectors laid out (N, K)).
         block_size: points per VJP/JVP block (default: about 64 MB of activations).
         dtype: compute dtype; default the model's.
+        output: the output to measure, as in :func:`gram`.
     """
     full = parse_enum(Kernel, kernel, "kernel") is Kernel.FULL
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    model, x, _, K = _setup(model, x, None, dtype)
+    model, x, _, K = _setup(model, x, None, dtype, output)
     width = max(p.shape[0] for p in model.parameters())
     return NTKOperator(model, x, K, full, block_size or default_block(x.shape[0], 8 * width, x.element_size()))

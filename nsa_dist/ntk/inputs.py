@@ -9,6 +9,7 @@ from torch import nn
 
 from nsa_dist._checks import check_finite
 from nsa_dist.errors import ShapeError
+from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
 
 # Feature memory rule shared by the NTK paths: per-sample gradients / Jacobians of all points are
 # held in memory while they fit in this many bytes; past it they are split into groups of columns
@@ -18,10 +19,11 @@ FEATURE_BYTES = 2 * 2**30
 __all__ = ["FEATURE_BYTES", "prepare_model", "trainable_params", "prepare_inputs", "output_dim", "as_2d", "default_block"]
 
 
-def prepare_model(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
-    """Check ``model`` is an nn.Module with trainable parameters; a copy cast to ``dtype`` if it differs."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+def prepare_model(model: nn.Module, dtype: torch.dtype | None, output: OutputSelector = None) -> nn.Module:
+    """The module every measurement computes with: ``model`` checked (an nn.Module with trainable
+    parameters), a ``torch.compile``'d one unwrapped and ``output`` selected
+    (:func:`nsa_dist.models.measured_module`), a copy cast to ``dtype`` if it differs."""
+    model = measured_module(model, output)
     trainable_params(model)
     p = next(iter(model.parameters()))
     if dtype is not None and dtype != p.dtype:
@@ -59,7 +61,7 @@ def output_dim(model: nn.Module, x: torch.Tensor) -> int:
         out = model(x[:2])
     n = min(2, x.shape[0])
     if not isinstance(out, torch.Tensor):
-        raise ShapeError(f"model must return a tensor of shape (n,) or (n, K), got {type(out).__name__}")
+        raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
     if out.ndim == 1 and out.shape[0] == n:
         return 1
     if out.ndim == 2 and out.shape[0] == n:

@@ -123,6 +123,8 @@ def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta
     import torch
     from torch.func import jvp
 
+    from nsa_dist.ntk.state import exact_kernels
+
     Kg = evecs.shape[1]
     if not np.all(np.isfinite(dtheta)):
         return {"gram_change": np.full((2, Kg), np.nan), "gram_change_fro": np.full(3, np.nan)}
@@ -138,8 +140,9 @@ def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta
         GV = _gram_times(model, Xd, V)
         p0, dp = unflat(theta), unflat(dtheta)
         p1 = {n: p0[n] + dp[n] for n in names}
-        G0V, dGV = jvp(GV, (p0,), (dp,))  # G_t V and (∂G/∂θ·Δθ) V, (N, Kg) each
-        G1V = GV(p1)
+        with exact_kernels(model):  # attention by composite kernels: forward-mode AD through it
+            G0V, dGV = jvp(GV, (p0,), (dp,))  # G_t V and (∂G/∂θ·Δθ) V, (N, Kg) each
+            G1V = GV(p1)
         D = (V.T @ (G1V - G0V)).detach().cpu().double().numpy()  # (Kg, Kg)
         Dbar = (V.T @ dGV).detach().cpu().double().numpy()
     finally:

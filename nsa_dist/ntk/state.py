@@ -73,26 +73,15 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
     return twin
 
 
-_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
-              nn.TransformerDecoder, nn.Transformer)
-
-
 @contextlib.contextmanager
 def exact_kernels(model: nn.Module) -> Iterator[None]:
-    """Composite kernels inside forward-mode and higher-order AD for a model with attention: no
-    fused Transformer fast path (``_transformer_encoder_layer_fwd`` has no forward-mode rule) and
-    the math attention kernel (the CPU flash kernel has none either) — the same function,
-    differentiable every way.  The switches are process-wide, so they are set only for models
-    that hold attention, and only for the duration of the block."""
-    if not any(isinstance(m, _ATTENTION) for m in model.modules()):
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """Composite kernels inside forward-mode and higher-order AD, whatever calls attention: the
+    math backend of ``F.scaled_dot_product_attention`` (a model's own call or
+    ``nn.MultiheadAttention``'s; the CPU flash kernel has no forward-mode rule) and no fused
+    Transformer fast path (``_transformer_encoder_layer_fwd`` has none either) — the same
+    function, differentiable every way.  Thread-local, for the duration of the block
+    (:func:`nsa_dist.ntk._attention.composite_attention`); ``model`` is not inspected."""
+    from nsa_dist.ntk._attention import composite_attention
 
-    fast = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with sdpa_kernel([SDPBackend.MATH]):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fast)
+    with composite_attention():
+        yield
