@@ -195,6 +195,7 @@ def test_a_run_page_waits_for_its_first_step_and_for_data_written_at_the_end(sto
         assert p.waiting.visible and not p.error.visible and not p.body.visible
 
 
+@pytest.mark.slow  # the whole page built by the server and pulled over its websocket
 def test_the_run_page_is_a_document_with_a_tab_per_paper(store):
     from bokeh.client import pull_session
     from bokeh.models import Div, TabPanel

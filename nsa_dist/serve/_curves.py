@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, Div, Legend, LegendItem
+from bokeh.models import ColumnDataSource, Div, Legend, LegendItem, MultiChoice
 from bokeh.core.properties import field
 
 from nsa_dist.serve._live import PALETTE, Panel, Waiting, new_figure, positive
@@ -22,8 +22,8 @@ from nsa_dist.serve._live import PALETTE, Panel, Waiting, new_figure, positive
 if TYPE_CHECKING:
     from bokeh.model import Model
 
-__all__ = ["Series", "Plot", "Curves", "stairs", "hline", "color", "step_options", "first_middle_last", "chosen",
-           "need"]
+__all__ = ["Series", "Plot", "Curves", "Picked", "stairs", "hline", "color", "step_options", "first_middle_last",
+           "spread", "chosen", "need"]
 
 
 @dataclass(frozen=True)
@@ -200,3 +200,39 @@ def need(steps: Any, what: str) -> None:
     """:class:`Waiting` (a note on the page, not an error) while ``steps`` is empty."""
     if not len(steps):
         raise Waiting(f"waiting for the run's first finished {what}")
+
+
+def spread(most: int) -> Callable[[Any], list[str]]:
+    """A default choice of steps: up to ``most`` spread over them, the first and the last included."""
+    from nsa_dist.plots.axes import some_steps
+
+    return lambda steps: step_options(np.asarray(steps)[some_steps(len(steps), most)]) if len(steps) else []
+
+
+class Picked(Curves):
+    """A figure drawn at the steps picked in :attr:`pick` (a MultiChoice over :meth:`steps_of`, its
+    options following the run), by default :meth:`default` of them; ``before``: widgets shown
+    ahead of the picker."""
+
+    pick_title = "steps t"
+
+    def __init__(self, run: Any, before: Sequence["Model"] = (), plots: tuple[Plot, ...] | None = None) -> None:
+        steps = self.steps_of(run)
+        self.pick = MultiChoice(title=self.pick_title, value=self.default(steps), options=step_options(steps),
+                                width=330)
+        super().__init__(run, [*before, self.pick], plots)
+
+    def steps_of(self, run: Any) -> Any:
+        """The steps one can pick (default: the finished recorded steps)."""
+        return run.steps
+
+    def default(self, steps: Any) -> list[str]:
+        """The steps drawn when none of the picked ones is finished (default: first, middle, last)."""
+        return first_middle_last(steps)
+
+    def choices(self, run: Any) -> list[tuple["Model", list[Any]]]:
+        return [(self.pick, step_options(self.steps_of(run)))]
+
+    def picked(self, run: Any) -> list[int]:
+        """The steps to draw now."""
+        return chosen(self.pick, self.steps_of(run), self.default)

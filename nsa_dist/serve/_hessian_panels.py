@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from bokeh.models import MultiChoice, Select
+from bokeh.models import Select
 
-from nsa_dist.plots.axes import some_steps
-from nsa_dist.serve._curves import Curves, Plot, Series, chosen, color, hline, need, step_options
+from nsa_dist.serve._curves import Curves, Picked, Plot, Series, chosen, color, hline, need, spread, step_options
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
@@ -25,11 +24,6 @@ _BLACK, _LIMIT_I, _LIMIT_S = "#000000", "#d62728", "#2ca02c"
 
 def _finite(a: Any) -> bool:
     return bool(np.isfinite(np.asarray(a, np.float64)).any())
-
-
-def _some(n: int) -> Any:
-    """The default steps of a figure drawn at a few steps: up to ``n`` spread over the analysed ones."""
-    return lambda s: step_options(np.asarray(s)[some_steps(len(s), n)]) if len(s) else []
 
 
 class _HessianCurves(Curves):
@@ -126,30 +120,36 @@ class EdgeOfStability(_HessianCurves):
                  hline(t, 1.0, "1 (edge of stability)", _LIMIT_I)]]
 
 
-class Density(_HessianCurves):
+class _HessianPicked(Picked):
+    """A Hessian figure at analysed steps picked by the user."""
+
+    def steps_of(self, run: "Run") -> np.ndarray:
+        """The analysed steps."""
+        return run.hessian.steps
+
+    def read(self, run: "Run") -> dict[str, Any]:
+        need(run.hessian.steps, "step with a Hessian analysis")
+        return super().read(run)
+
+
+class Density(_HessianPicked):
     """The SLQ spectral density of H at chosen analysed steps (log y)."""
 
     title = "Hessian paper § the matrix I — spectral density of H (stochastic Lanczos quadrature)"
     figures = ("hessian_density",)
     plots = (Plot("eigenvalue of H", "density", y_log=True, width=700),)
 
-    def __init__(self, run: "Run") -> None:
-        s = run.hessian.steps
-        self.pick = MultiChoice(title="steps t", value=_some(4)(s), options=step_options(s), width=330)
-        super().__init__(run, [self.pick])
-
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
-        return [(self.pick, step_options(run.hessian.steps))]
+    default = staticmethod(spread(4))
 
     def series(self, run: "Run") -> list[list[Series]]:
         out = []
-        for j, t in enumerate(chosen(self.pick, run.hessian.steps, _some(4))):
+        for j, t in enumerate(self.picked(run)):
             grid, dens = run.hessian.density(t)
             out.append(Series(grid, np.clip(dens, 1e-8, None), f"t = {t}", color(j), markers=False))
         return [out]
 
 
-class ISpectrum(_HessianCurves):
+class ISpectrum(_HessianPicked):
     """The eigenvalues of I (outside its null space) measured at chosen steps beside the kernel
     PCA of Θ∞ (the paper's limit) — log-log."""
 
@@ -157,13 +157,7 @@ class ISpectrum(_HessianCurves):
     figures = ("hessian_I_spectrum",)
     plots = (Plot("index i", "λ_i(I)", x_log=True, y_log=True, width=700),)
 
-    def __init__(self, run: "Run") -> None:
-        s = run.hessian.steps
-        self.pick = MultiChoice(title="steps t", value=_some(3)(s), options=step_options(s), width=330)
-        super().__init__(run, [self.pick])
-
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
-        return [(self.pick, step_options(run.hessian.steps))]
+    default = staticmethod(spread(3))
 
     def series(self, run: "Run") -> list[list[Series]]:
         steps = run.hessian.steps
@@ -171,7 +165,7 @@ class ISpectrum(_HessianCurves):
         pos = {int(t): j for j, t in enumerate(steps)}
         i = np.arange(1, mu.shape[1] + 1)
         out = []
-        for j, t in enumerate(chosen(self.pick, steps, _some(3))):
+        for j, t in enumerate(self.picked(run)):
             out.append(Series(i, mu[pos[t]], f"measured, t = {t}", color(j), markers=len(i) <= 60))
             if _finite(lim[pos[t]]):
                 out.append(Series(i, lim[pos[t]], f"limit (Θ∞), t = {t}", color(j), "dashed", markers=False))

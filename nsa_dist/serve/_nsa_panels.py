@@ -8,22 +8,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from bokeh.models import MultiChoice, Select
+from bokeh.models import Select
 
 from nsa_dist.plots import residual_projections
-from nsa_dist.plots.axes import gd_note, ks, some_steps
+from nsa_dist.plots.axes import gd_note, ks
 from nsa_dist.serve._live import Waiting
-from nsa_dist.serve._curves import (Curves, Plot, Series, chosen, color, first_middle_last, hline, need, stairs,
-                                    step_options)
+from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, need, spread, stairs, step_options
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 __all__ = ["Fig1d", "Fig1e", "Fig2a", "Fig2b", "Fig2c", "Fig2d", "Energy", "Fig4a", "Fig7d", "Eqs45", "AppF", "Loss"]
-
-
-def _steps_choice(run: "Run", title: str) -> MultiChoice:
-    return MultiChoice(title=title, value=first_middle_last(run.steps), options=step_options(run.steps), width=330)
 
 
 class Fig1d(Curves):
@@ -56,28 +51,20 @@ class Fig1e(Curves):
         return gd_note(run) or ""
 
 
-class Fig2a(Curves):
+class Fig2a(Picked):
     """λ_i^t against i at chosen steps (log-log; NSA Fig. 2a)."""
 
     title = "NSA Fig. 2a — eigenvalues λ_i^t of G_t against i"
     figures = ("fig2a_eigenvalues",)
     plots = (Plot("index i", "eigenvalue λ_i^t", x_log=True, y_log=True),)
 
-    def __init__(self, run: "Run") -> None:
-        self.pick = MultiChoice(title="steps t", value=step_options(run.steps[some_steps(len(run.steps))])
-                                if len(run.steps) else [], options=step_options(run.steps), width=330)
-        super().__init__(run, [self.pick])
-
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
-        return [(self.pick, step_options(run.steps))]
+    default = staticmethod(spread(6))
 
     def series(self, run: "Run") -> list[list[Series]]:
-        lam, steps = run.eigenvalues, run.steps
-        pos = {int(t): j for j, t in enumerate(steps)}
-        some = lambda s: step_options(np.asarray(s)[some_steps(len(s))]) if len(s) else []  # noqa: E731
+        lam = run.eigenvalues
+        pos = {int(t): j for j, t in enumerate(run.steps)}
         i = np.arange(1, lam.shape[1] + 1)
-        return [[Series(i, lam[pos[t]], f"t = {t}", color(j), markers=False)
-                 for j, t in enumerate(chosen(self.pick, steps, some))]]
+        return [[Series(i, lam[pos[t]], f"t = {t}", color(j), markers=False) for j, t in enumerate(self.picked(run))]]
 
 
 class Fig2b(Curves):
@@ -124,7 +111,7 @@ class Fig2d(Curves):
         return gd_note(run) or ""
 
 
-class Energy(Curves):
+class Energy(Picked):
     """E_t(φ, k) along t for k = 1, 2, 5, 10, … (NSA Fig. 3a–e) and against k on a log axis at
     chosen steps; φ chosen.  For φ = df_pred (Fig. 3d) the real update df̃_t is drawn dashed."""
 
@@ -133,17 +120,14 @@ class Energy(Curves):
     PHIS = {"y": "3a: labels y", "f": "3b: outputs f_t", "residual": "3c: residual m_t",
             "df_pred": "3d: first-order update df_t (real df̃_t dashed)", "f_test": "3e: test outputs f_t(X')",
             "df": "real update df̃_t = f_{t+1} − f_t"}
+    pick_title = "steps t (curves against k)"
     plots = (Plot("step t", "E_t(φ, k)", title="along t, one line per k", width=560),
              Plot("k", "E_t(φ, k)", x_log=True, title="against k at the chosen steps", width=560))
 
     def __init__(self, run: "Run") -> None:
         options = [(p, f"Fig. {w}" if w[0].isdigit() else w) for p, w in self.PHIS.items() if run.has(f"energy_{p}")]
         self.phi = Select(title="φ", value=options[0][0], options=options, width=330)
-        self.pick = _steps_choice(run, "steps t (curves against k)")
-        super().__init__(run, [self.phi, self.pick])
-
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
-        return [(self.pick, step_options(run.steps))]
+        super().__init__(run, [self.phi])
 
     def series(self, run: "Run") -> list[list[Series]]:
         phi = self.phi.value
@@ -157,36 +141,27 @@ class Energy(Curves):
         pos = {int(t): j for j, t in enumerate(steps)}
         k = np.arange(1, E.shape[1] + 1)
         against = [Series(k, E[pos[t]], f"t = {t}", color(j), markers=len(k) <= 60)
-                   for j, t in enumerate(chosen(self.pick, steps))]
+                   for j, t in enumerate(self.picked(run))]
         return [along, against]
 
 
-class Fig4a(Curves):
+class Fig4a(Picked):
     """⟨v_i^t, m_t⟩² against i at chosen steps (log y; NSA Fig. 4a)."""
 
     title = "NSA Fig. 4a — spectral projections ⟨v_i^t, m_t⟩² of the residual"
     figures = ("fig4a_residual_projections",)
     plots = (Plot("index i", "⟨v_i^t, m_t⟩²", y_log=True),)
 
-    def __init__(self, run: "Run") -> None:
-        first_last = lambda s: list(dict.fromkeys(step_options(s)[:1] + step_options(s)[-1:]))  # noqa: E731
-        self.first_last = first_last
-        self.pick = MultiChoice(title="steps t", value=first_last(self.ready(run)),
-                                options=step_options(self.ready(run)), width=330)
-        super().__init__(run, [self.pick])
+    default = staticmethod(spread(2))  # the first and the last, as nsa plot
 
-    @staticmethod
-    def ready(run: "Run") -> np.ndarray:
+    def steps_of(self, run: "Run") -> np.ndarray:
         """The steps with projections: every finished step when stored, else the eigenvector steps."""
         return run.steps if run.has("projections_residual") else run.eigenvector_steps
 
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
-        return [(self.pick, step_options(self.ready(run)))]
-
     def series(self, run: "Run") -> list[list[Series]]:
-        need(self.ready(run), "step with stored projections (or eigenvectors)")
+        need(self.steps_of(run), "step with stored projections (or eigenvectors)")
         out = []
-        for j, t in enumerate(chosen(self.pick, self.ready(run), self.first_last)):
+        for j, t in enumerate(self.picked(run)):
             p = residual_projections(run, t)
             out.append(Series(np.arange(1, len(p) + 1), p, f"t = {t}", color(j), markers=len(p) <= 60))
         return [out]
@@ -271,7 +246,7 @@ class Eqs45(Curves):
         return out
 
 
-class AppF(Curves):
+class AppF(Picked):
     """v_iᵀ(G_{t+1} − G_t)v_i measured and to first order (Eqs. 25–26) at the eigenvector steps, and
     ‖Vᵀ dG_t V‖_F relative to ‖λ_{1..k}‖ along t (NSA App. F)."""
 
@@ -280,13 +255,11 @@ class AppF(Curves):
     plots = (Plot("i", "v_iᵀ dG_t v_i (≈ dλ_i)", width=560),
              Plot("step t", "relative to ‖λ_1..k‖", y_log=True, width=480))
 
-    def __init__(self, run: "Run") -> None:
-        self.pick = _steps_choice(run, "steps t (left)")
-        self.pick.update(value=first_middle_last(run.eigenvector_steps), options=step_options(run.eigenvector_steps))
-        super().__init__(run, [self.pick])
+    pick_title = "steps t (left)"
 
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
-        return [(self.pick, step_options(run.eigenvector_steps))]
+    def steps_of(self, run: "Run") -> np.ndarray:
+        """The eigenvector steps (App. F's dG_t is stored at them)."""
+        return run.eigenvector_steps
 
     def series(self, run: "Run") -> list[list[Series]]:
         need(run.eigenvector_steps, "step with stored eigenvectors")
@@ -294,7 +267,7 @@ class AppF(Curves):
         i = np.arange(1, gc["measured"].shape[1] + 1)
         pos = {int(t): j for j, t in enumerate(gc["steps"])}
         left = []
-        for j, t in enumerate(chosen(self.pick, gc["steps"])):
+        for j, t in enumerate(self.picked(run)):
             left += [Series(i, gc["measured"][pos[t]], f"measured, t = {t}", color(j)),
                      Series(i, gc["first_order"][pos[t]], f"first order, t = {t}", color(j), "dashed")]
         lam = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, :len(i)]
