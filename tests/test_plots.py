@@ -138,12 +138,14 @@ def test_chosen_steps_pair_and_k(tiny: Run, tmp_path: Path) -> None:
     labels = make_figure(tiny, "fig3a_energy_y", opts).axes[0].get_legend_handles_labels()[1]
     assert [lb for lb in labels if lb.startswith("k =")] == ["k = 1", "k = 3", "k = 7"]
     ax = make_figure(tiny, "fig7d_preservation", opts).axes[0]
-    assert ax.get_title() == "$t_1$ = 10, $t_2$ = 30" and ax.get_legend_handles_labels()[1] == ["i = 1", "i = 3", "i = 7"]
+    assert ax.get_title() == "$t_1$ = 10, $t_2$ = 30"
+    assert ax.get_legend_handles_labels()[1] == ["i = 1", "i = 3", "i = 7"]
     P, _, _, _ = tiny.spectrum_preservation(10, 30, [3])
     np.testing.assert_allclose(ax.get_lines()[1].get_ydata(), P[0])
     assert "t = 10" in make_figure(tiny, "fig6_eigenvectors_early", opts).get_suptitle()
     assert "t = 30" in make_figure(tiny, "fig1abc_target_output_points", opts).axes[1].get_title()
-    with pytest.raises(ValueError, match=r"step\(s\) \[11\] are not finished recorded steps.*finished: \[0, 10, 20, 30, 39\]"):
+    with pytest.raises(ValueError,
+                       match=r"step\(s\) \[11\] are not finished recorded steps.*finished: \[0, 10, 20, 30, 39\]"):
         plot_run(tiny, tmp_path, opts=PlotOptions(steps=(11,)))
 
 
@@ -168,4 +170,233 @@ def test_gd_formula_note() -> None:
     nce = ExperimentSpec(loss="nce", data={"name": "density2d", "n": 64})
     assert "8N/λ_max" in gd_note(SimpleNamespace(spec=nce))
     adam = ExperimentSpec(data={"n": 64}, optimizer={"name": "adam", "batch_size": 16})
-    assert "Adam" in gd_note(SimpleNamespace(spec=adam)) and "formulas of full-batch GD" in gd_note(SimpleNamespace(spec=adam))
+    note = gd_note(SimpleNamespace(spec=adam))
+    assert "Adam" in note and "formulas of full-batch GD" in note, note
+
+
+# ---------------------------------------------------------------- right by default: every figure readable
+@pytest.fixture(scope="module")
+def sweep_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A sweep of N = 10 points, 2 widths × 2 seeds, whose runs record every Hessian quantity (limits of
+    I and S, density, Rayleigh, additivity) and test points: every sweep figure and Hessian figure."""
+    from nsa_dist.config import SweepSpec
+    from nsa_dist.pipeline import run_id
+
+    url = str(tmp_path_factory.mktemp("sweep") / "s.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(name="hw", base={"data": {"n": 10, "n_test": 4}, "steps": 4, "record": {"every": 2},
+                                       "model": {"depth": 2, "init": "ntk", "activation": "atan"},
+                                       "schedule": {"lr": 0.5}, "spectrum": {"k": "all", "images": []},
+                                       "hessian": {"every": 2, "probes": 8, "rayleigh_k": 3, "top_k": 1,
+                                                   "density_grid": 32, "lanczos_steps": 8}},
+                      grid={"model.width": [3, 6], "seed": [0, 1]})
+    ids = []
+    for spec in sweep.expand():
+        assert run_experiment(spec, store).status == "done"
+        ids.append(run_id(spec))
+    store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
+    return url
+
+
+@pytest.fixture(scope="module")
+def nce_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A small NCE run on 2-D density data with test points and eigenvector images."""
+    url = str(tmp_path_factory.mktemp("nce") / "s.zarr")
+    spec = ExperimentSpec(name="nce", loss="nce", data={"name": "density2d", "n": 40, "n_test": 12},
+                          model={"depth": 2, "width": 16}, steps=10, record={"every": 5}, schedule={"lr": 1.0},
+                          spectrum={"k": 12, "images": [1, 2], "test_points": True})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    return Client(url).run("nce")
+
+
+def _drawn_ticklabels(axis) -> list:
+    """The major tick labels an axis draws (its locator's ticks inside the view, with text)."""
+    lo, hi = sorted(axis.get_view_interval())
+    return [lb for loc, lb in zip(axis.get_majorticklocs(), axis.get_majorticklabels())
+            if lo - 1e-12 * (abs(lo) + abs(hi)) <= loc <= hi + 1e-12 * (abs(lo) + abs(hi)) and lb.get_text()]
+
+
+def layout_problems(fig) -> list[str]:
+    """What of ``fig``'s text lies outside its canvas (suptitle, figure texts, axes titles, axis labels
+    and tick labels, legends), legends of more than ~10 entries and overlapping tick labels — each
+    named with its text and pixel box."""
+    from nsa_dist.plots.axes import MAX_LEGEND
+
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    W, H = fig.bbox.width, fig.bbox.height
+    items = [(f"figure text {t.get_text()[:60]!r}", t) for t in fig.texts]
+    for i, ax in enumerate(fig.axes):
+        if not ax.axison:
+            continue
+        items += [(f"axes {i} title {t.get_text()[:40]!r}", t) for t in (ax.title, ax._left_title, ax._right_title)]
+        items += [(f"axes {i} {n} axis (label {a.label.get_text()[:30]!r})", a)
+                  for n, a in (("x", ax.xaxis), ("y", ax.yaxis))]
+        if ax.get_legend() is not None:
+            items.append((f"axes {i} legend", ax.get_legend()))
+    out = []
+    for what, a in items:
+        if not a.get_visible() or (hasattr(a, "get_text") and not a.get_text()):
+            continue
+        b = a.get_window_extent(r) if hasattr(a, "get_text") else a.get_tightbbox(r)
+        if b is not None and (b.x0 < -0.5 or b.y0 < -0.5 or b.x1 > W + 0.5 or b.y1 > H + 0.5):
+            out.append(f"{what} at [{b.x0:.0f}, {b.y0:.0f}, {b.x1:.0f}, {b.y1:.0f}] outside {W:.0f}×{H:.0f}")
+    for i, ax in enumerate(fig.axes):
+        legend = ax.get_legend()
+        if legend is not None and len(legend.texts) > MAX_LEGEND:
+            out.append(f"axes {i} legend has {len(legend.texts)} entries > {MAX_LEGEND}")
+        if not ax.axison:
+            continue
+        for n, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            boxes = [(lb.get_window_extent(r), lb.get_text()) for lb in _drawn_ticklabels(axis)]
+            boxes.sort(key=lambda bt: bt[0].x0 if n == "x" else bt[0].y0)
+            for (b1, t1), (b2, t2) in zip(boxes, boxes[1:]):
+                if b1.overlaps(b2) and (b1.x1 - b2.x0 > 1 if n == "x" else b1.y1 - b2.y0 > 1):
+                    out.append(f"axes {i} {n} tick labels {t1!r} and {t2!r} overlap")
+    return out
+
+
+def test_layout_problems_sees_what_is_outside() -> None:
+    """The check itself: a title wider than its figure, a legend of 12 entries, labels drawn on each other."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3, 2))
+    FigureCanvasAgg(fig)
+    fig.suptitle("a title far wider than a figure three inches wide can show")
+    ax = fig.subplots()
+    for j in range(12):
+        ax.plot([0, 1], [j, j], label=f"line {j}")
+    ax.legend()
+    ax.set_yticks([0, 0.01], ["label", "another"])
+    got = layout_problems(fig)
+    assert any("figure text 'a title far" in p for p in got), got
+    assert any("12 entries" in p for p in got), got
+    assert any("'label' and 'another' overlap" in p for p in got), got
+
+
+_IMAGES = ("fig1abc_target_output_points", "fig4bc_residual_fourier", "fig5_eigenvectors", "fig6_eigenvectors_early")
+_OPTS = ("fig2b_eigenvalues_t", "fig2d_lr_eigen", "fig3a_energy_y", "fig3d_energy_df", "fig4a_residual_projections",
+         "eqs45_constant_gram", "fig7d_preservation")  # the figures whose lines follow --k / --step
+
+
+def _every_figure(tiny: Run, nce: Run, sweep_url: str):
+    """(where, name, figure) for every figure ``nsa plot`` and ``nsa plot --sweep`` draw: each run
+    figure of the 2-D run (App. E/F, Eqs. 4–5, images), again with 20 k and every recorded step
+    chosen, the NCE run's (its image figures are the 2-D run's code), a Hessian run's Hessian
+    figures, and every sweep figure."""
+    from nsa_dist.plots import PlotOptions
+    from nsa_dist.plots.sweep import _ALL, fig7a, fig7b, fig7c, hessian_moments_figure, regimes_figure, \
+        scalar_figure, width_convergence
+
+    sweep = Client(sweep_url).sweep("hw")
+    hess = sweep.run(sweep.groups()[0][1][0])
+    many = PlotOptions(steps=tuple(int(t) for t in tiny.steps), ks=tuple(range(1, 21)))
+    for where, run, names, opts in (("2-D run", tiny, FIGURES, None), ("2-D run, 20 k", tiny, _OPTS, many),
+                                    ("NCE run", nce, [n for n in FIGURES if n not in _IMAGES], None),
+                                    ("Hessian run", hess, [n for n in FIGURES if n.startswith("hessian_")], None)):
+        for name in names:
+            fig = make_figure(run, name, opts)
+            if fig is not None:
+                yield where, name, fig
+    sweep_figs = {"fig7a_energy_y": fig7a(sweep), "fig7b_train_loss": fig7b(sweep), "fig7c_test_loss": fig7c(sweep),
+                  "scalar_energy_y_10": scalar_figure(sweep, "energy_y", "model.width", k=2),
+                  "hessian_width_convergence": width_convergence(sweep), "hessian_regimes": regimes_figure(sweep)}
+    sweep_figs.update({f"hessian_moments_{p}": hessian_moments_figure(sweep, p) for p in "HIS"})
+    assert set(sweep_figs) == set(_ALL), set(_ALL) ^ set(sweep_figs)
+    for name, fig in sweep_figs.items():
+        yield f"sweep {sweep.name}", name, fig
+
+
+@pytest.mark.slow  # about 60 figures drawn: 15 s on a free core
+def test_every_figure_keeps_its_text_inside_and_its_legends_short(tiny: Run, nce_run: Run, sweep_url: str) -> None:
+    """Every figure ``nsa plot`` and ``nsa plot --sweep`` draw — NSA, NCE, App. E/F, Eqs. 4–5, the
+    Hessian paper's, the sweep's — has every title, label, tick label and legend inside its canvas,
+    no legend of more than ~10 entries and no tick labels drawn on each other."""
+    drawn, bad = set(), []
+    for where, name, fig in _every_figure(tiny, nce_run, sweep_url):
+        drawn.add(name)
+        bad += [f"{where} {name}: {p}" for p in layout_problems(fig)]
+    assert drawn >= set(FIGURES), f"figures not drawn by any run: {sorted(set(FIGURES) - drawn)}"
+    assert not bad, "\n".join(bad)
+
+
+def test_fig7a_default_k_is_the_papers_fraction_of_n_below_n(sweep_url: str, tmp_path: Path) -> None:
+    """On a sweep of N = 10 the default k is not min(400, K) = N (where every E is 1) but 400/10⁴ of N,
+    at least 1 and below N; ``nsa plot --sweep`` draws that k, an explicit k is kept."""
+    from nsa_dist.cli import main
+    from nsa_dist.plots.axes import energy_k, title_of
+    from nsa_dist.plots.sweep import fig7a, plot_sweep
+
+    sweep = Client(sweep_url).sweep("hw")
+    n, K = sweep.smallest_n(), sweep.smallest_k()
+    assert (n, K) == (10, 10), (n, K)
+    k = energy_k(n, K)
+    assert 1 <= k < n, k
+    fig = fig7a(sweep)
+    assert title_of(fig) == f"NSA Fig. 7a — label energy $E_t(y, {k})$", title_of(fig)
+    curve = sweep.curves("energy_y", k)[0]
+    np.testing.assert_allclose(fig.axes[0].get_lines()[0].get_ydata(), curve.mean)
+    assert curve.mean.max() < 1 - 1e-3, f"E_t(y, {k}) is {curve.mean}: the default k draws a saturated curve"
+    assert f"E_t(y, {n - 1})" in title_of(fig7a(sweep, n - 1))
+    assert [p.stem for p in plot_sweep(sweep, tmp_path / "a", figures=["fig7a_energy_y"])] == ["fig7a_energy_y"]
+    assert main(["plot", "--sweep", "hw", "--out", str(tmp_path / "b"), "--store", sweep_url, "--figures",
+                 "fig7a_energy_y", "--scalar", "energy_y", "--x", "model.width"]) == 0
+    assert (tmp_path / "b" / "fig7a_energy_y.png").stat().st_size > 1000  # --scalar energy_y: k by default too
+    assert (tmp_path / "b" / "scalar_energy_y.png").stat().st_size > 1000
+
+
+def test_a_flat_curve_is_drawn_flat(sweep_url: str) -> None:
+    """E(y, N) ≡ 1 (all of y in the N eigenvectors) drawn against the width: y-limits of a visible
+    width around 1, not its rounding noise autoscaled to the axes' height; the same for any line flat
+    to 3e-15 (which matplotlib alone would stretch over the whole height; it widens only spans ≤ 1e-15)."""
+    from nsa_dist.plots.axes import FLAT_PAD, blank_figure
+    from nsa_dist.plots.sweep import scalar_figure
+
+    sweep = Client(sweep_url).sweep("hw")
+    ax = scalar_figure(sweep, "energy_y", "model.width", k=sweep.smallest_n()).axes[0]
+    ax.figure.canvas.draw()
+    y = ax.get_lines()[0].get_ydata()
+    np.testing.assert_allclose(y, 1.0, atol=1e-5)
+    lo, hi = ax.get_ylim()
+    assert lo < 1 < hi and hi - lo >= 2 * FLAT_PAD * 0.99, (lo, hi, y - 1)
+    fig = blank_figure((4, 3))
+    ax = fig.subplots()
+    ax.plot([0, 1, 2, 3], 1 + np.array([0, 1e-15, -2e-15, 1e-15]))
+    fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    assert (lo, hi) == pytest.approx((1 - FLAT_PAD, 1 + FLAT_PAD)), f"noise of 3e-15 drawn over y in [{lo}, {hi}]"
+    ax.plot([0, 3], [1, 1.5])  # a real change keeps matplotlib's limits
+    fig.canvas.draw()
+    assert ax.get_ylim()[1] >= 1.5
+
+
+def test_lr_is_drawn_as_steps_of_the_schedule(tiny: Run) -> None:
+    """δ_t is piecewise constant (halved at t = 20): drawn as steps with corners at the decays, its
+    values the recorded δ_t at the recorded steps, not a slope between recorded steps."""
+    ax = make_figure(tiny, "fig1e_lr_stability").axes[0]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    lr = lines[r"$\delta_t$"]
+    assert lr.get_drawstyle() == "steps-post", lr.get_drawstyle()
+    np.testing.assert_array_equal(lr.get_xdata(), [0, 20, 39])
+    np.testing.assert_allclose(lr.get_ydata(), [0.25, 0.125, 0.125])
+    t, y = lr.get_xdata(), lr.get_ydata()
+    at = [y[np.searchsorted(t, s, side="right") - 1] for s in tiny.steps]  # the step function at the recorded steps
+    np.testing.assert_allclose(at, tiny.lr, rtol=1e-6, err_msg="δ_t drawn vs recorded")
+    marks = [ln for ln in ax.get_lines() if ln.get_marker() == "o" and ln.get_color() == lr.get_color()]
+    assert len(marks) == 1 and np.allclose(marks[0].get_ydata(), tiny.lr), "recorded δ_t as markers"
+
+
+def test_fig4d_at_the_last_stored_step_unless_asked(tiny: Run) -> None:
+    """Fig. 4d defaults to the last eigenvector step; with steps chosen (``--step 10 30``, as the README's
+    paper command ``--step 20000 599999``) it shows the last chosen one, as the paper shows the end."""
+    from nsa_dist.plots import PlotOptions
+    from nsa_dist.plots.axes import title_of
+
+    last = int(tiny.eigenvector_steps[-1])
+    assert last == int(tiny.steps[-1]) == 39
+    for opts, t in ((PlotOptions(), last), (PlotOptions(steps=(10, 30)), 30), (PlotOptions(steps=(20,)), 20)):
+        fig = make_figure(tiny, "fig4d_reconstructions", opts)
+        assert title_of(fig).endswith(f"t = {t}"), (opts, title_of(fig))
+        img = fig.axes[0].get_images()[0].get_array()
+        np.testing.assert_allclose(img, tiny.kernel.reconstructions(t)["images"][0], err_msg=f"t = {t}")

@@ -329,4 +329,4 @@ def keep_flat(ax: "Axes") -> None:
     size = max(abs(lo), abs(hi))
     if hi - lo <= FLAT_SPAN * size or size == 0.0:
         mid, pad = 0.5 * (lo + hi), FLAT_PAD * (size or 1.0)
-        ax.set_ylim(mid - pad, mid + pad)
+        ax.set_ylim(mid - pad, mid + pad, auto=None)  # autoscale stays on: more data later rescales
