@@ -94,12 +94,13 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
     from matplotlib.pyplot import imread
 
     from nsa_dist.plots import FIGURES, make_figure, plot_run
+    from nsa_dist.plots.axes import title_of
 
     written = plot_run(run, tmp_path / "figs")
     # Eqs. 4–5 are GD on the L2 loss: no constant-Gram prediction for NCE; App. F is off by default
     skipped = ("eqs45_constant_gram", "appF_gram_change")
     assert [p.stem for p in written] == [f for f in FIGURES if not f.startswith("hessian_") and f not in skipped]
-    assert "centred log-density" in make_figure(run, "fig3a_energy_y")._suptitle.get_text()
+    assert "centred log-density" in title_of(make_figure(run, "fig3a_energy_y"))
     for p in written:
         img = imread(p)
         assert img.ndim == 3 and img[..., :3].std() > 0.01, f"{p.name} is blank"
