@@ -88,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="recorded steps of Figs. 1b, 4a-c, 6 (the paper: 20000 600000)")
     pl.add_argument("--pair", type=int, nargs=2, default=None, metavar=("T1", "T2"),
                     help="Fig. 7d: E_T1(v_i^T2, k) (the paper: 20000 600000)")
-    pl.add_argument("--k", type=int, nargs="+", default=None, help="the k (rows i) drawn in Figs. 2b, 2d, 3, 7d")
+    pl.add_argument("--k", type=int, nargs="+", default=None,
+                    help="the k (rows i) drawn in Figs. 2b, 2d, 3, 7d; with --sweep: Fig. 7a's k (default 4%% of "
+                         "the smallest N, as the paper's 400 of 10^4, below N)")
     pl.add_argument("--sweep", default=None, help="draw Fig. 7a-c across the runs of this sweep")
     pl.add_argument("--scalar", default=None, help="with --sweep: also this quantity at the last step vs --x")
     pl.add_argument("--x", default=None, help="with --scalar: the grid field on the x axis (e.g. model.depth)")

@@ -103,26 +103,38 @@ def _text_width(fig: "Figure", text: str, pt: float) -> float:
     return renderer.get_text_width_height_descent(text, FontProperties(size=pt), ismath=cbook.is_math_text(text))[0]
 
 
-def fit_text(fig: "Figure", text: str, width: float, sizes: tuple[float, float] = TITLE_PT) -> tuple[str, float]:
-    """(``text`` wrapped, font size) so that every line is at most ``width`` pixels wide on ``fig``.
-
-    The largest size from ``sizes[0]`` down to ``sizes[1]`` (half points) at which ``text`` fits on one
-    line; else the text is wrapped greedily at the smallest size, at spaces outside ``$…$``.
-    """
-    pt = sizes[0]
-    while pt >= sizes[1]:
-        if _text_width(fig, text, pt) <= width:
-            return text, pt
-        pt -= 0.5
-    pt, lines, cur = sizes[1], [], ""
-    for w in _words(text):
+def _greedy(fig: "Figure", words: list[str], width: float, pt: float) -> list[str]:
+    """``words`` filled into lines of at most ``width`` pixels (a word wider than that stands alone)."""
+    lines, cur = [], ""
+    for w in words:
         trial = f"{cur} {w}" if cur else w
         if cur and _text_width(fig, trial, pt) > width:
             lines.append(cur)
             cur = w
         else:
             cur = trial
-    return "\n".join(lines + [cur]), pt
+    return lines + [cur]
+
+
+def fit_text(fig: "Figure", text: str, width: float, sizes: tuple[float, float] = TITLE_PT) -> tuple[str, float]:
+    """(``text`` wrapped, font size) so that every line is at most ``width`` pixels wide on ``fig``.
+
+    The largest size from ``sizes[0]`` down to ``sizes[1]`` (half points) at which ``text`` fits on one
+    line; else the text is wrapped at the smallest size, at spaces outside ``$…$``, into as few lines
+    as fit, of balanced lengths (no word left alone on the last line).
+    """
+    pt = sizes[0]
+    while pt >= sizes[1]:
+        if _text_width(fig, text, pt) <= width:
+            return text, pt
+        pt -= 0.5
+    pt, words = sizes[1], _words(text)
+    n = len(_greedy(fig, words, width, pt))
+    lo, hi = width / n, width  # the narrowest width that still takes n lines balances them
+    for _ in range(12):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if len(_greedy(fig, words, mid, pt)) <= n else (mid, hi)
+    return "\n".join(_greedy(fig, words, hi, pt)), pt
 
 
 def set_title(fig: "Figure", head: str, sub: str) -> None:

@@ -37,15 +37,17 @@ def _figure(sweep: "Sweep", label: str, what: str, ncols: int = 0,
     return fig, (fig.subplots() if not ncols else fig.subplots(1, ncols, squeeze=False)[0])
 
 
-def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0) -> None:
-    """One line per grid point (mean over seeds, ± std shaded); more than ~10 get a colour key."""
+def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0, key: bool = True) -> None:
+    """One line per grid point (mean over seeds, ± std shaded) and, with ``key``, their legend (more
+    than ~10: a colour key)."""
     cols = colors(len(curves))
     for c, cv in zip(cols, curves):
         ax.plot(cv.t + shift, cv.mean, "-", lw=1.2, color=c, label=cv.label)
         if cv.n > 1:
             ax.fill_between(cv.t + shift, cv.mean - cv.std, cv.mean + cv.std, color=c, alpha=0.2, lw=0)
     ax.grid(alpha=0.3, which="both")
-    legend(ax, family=("grid point", [cv.label for cv in curves], cols))
+    if key:
+        legend(ax, family=("grid point", [cv.label for cv in curves], cols))
 
 
 def summary_k(sweep: "Sweep", k: int = 10) -> int:
@@ -124,7 +126,7 @@ def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
         if one_step:  # one analysed step (e.g. initialisation): each grid point's seeds and their mean ± std
             _points(ax, sweep, curves, f"hessian_{part}", k)
         else:
-            _lines(ax, curves)
+            _lines(ax, curves, key=k == 1)  # one key for the four panels
             for line in ax.lines:
                 line.set_marker("o")
                 line.set_markersize(3)
