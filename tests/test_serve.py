@@ -6,6 +6,7 @@ page with the data the client reads, store strings escaped (issue 33) — and ``
 from __future__ import annotations
 
 import hashlib
+import html
 import threading
 import urllib.error
 import urllib.request
@@ -162,8 +163,9 @@ def test_the_run_page_draws_what_nsa_plot_draws_with_the_predictions(store):
     energy = panels["fig3a_energy_y"]
     assert energy.plots[1].x_log and energy.phi.value == "y"
     steps = run.steps
-    assert energy.pick.value == [str(steps[0]), str(steps[len(steps) // 2]), str(steps[-1])]
+    assert energy.pick.value == []  # nothing picked: the first, middle and last, following a live run
     against_k = _series(energy, 1)
+    assert list(against_k) == [f"t = {s}" for s in (steps[0], steps[len(steps) // 2], steps[-1])]
     for j, s in enumerate(steps):
         np.testing.assert_array_equal(against_k[f"t = {s}"], run.energy("y")[j])  # E_t(y, ·) over log k
     energy.pick.value = [str(steps[-1])]
@@ -177,6 +179,30 @@ def test_the_run_page_draws_what_nsa_plot_draws_with_the_predictions(store):
                                                                       for s in steps], 0])
     lr = panels["fig1e_lr_stability"].sources[0]["lines"].data["xs"][0]
     assert len(lr) == 2 * len(steps) - 1  # δ_t held between recorded steps: a staircase
+
+
+@pytest.mark.slow  # an NCE run of its own
+def test_an_nce_runs_page_draws_what_nsa_plot_draws(tmp_path):
+    from nsa_dist.plots.axes import gd_note
+    from nsa_dist.plots.registry import _FIGURES
+    from nsa_dist.serve.run_page import run_sections
+
+    url = str(tmp_path / "nce.zarr")
+    spec = ExperimentSpec(name="nce", loss="nce", data={"name": "density2d", "n": 40, "n_test": 12},
+                          model={"depth": 2, "width": 12}, steps=8, record={"every": 4},
+                          spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4, "test_points": True})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("nce")
+    sections = run_sections(run)
+    assert list(sections) == ["NSA paper"]  # no hessian block: no Hessian tab
+    panels = {f: p for p in sections["NSA paper"] for f in p.figures}
+    want = {name for name, (_, needs) in _FIGURES.items() if needs(run)}
+    assert want <= set(panels), want - set(panels)
+    for p in sections["NSA paper"]:
+        p.update(p.guarded(run))
+        assert not p.error.visible and not p.waiting.visible, (p.title, p.error.text, p.waiting.text)
+    fig1e = panels["fig1e_lr_stability"]
+    assert fig1e.note.visible and fig1e.note.text == html.escape(gd_note(run))  # GD's bound is an L2 formula
 
 
 def test_a_run_page_waits_for_its_first_step_and_for_data_written_at_the_end(store, tmp_path):

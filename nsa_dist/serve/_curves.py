@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, Div, Legend, LegendItem, MultiChoice
+from bokeh.models import ColumnDataSource, Div, Legend, LegendItem, MultiChoice, Select
 from bokeh.core.properties import field
 
 from nsa_dist.serve._live import PALETTE, Panel, Waiting, new_figure, positive
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from bokeh.model import Model
 
 __all__ = ["Series", "Plot", "Curves", "Picked", "stairs", "hline", "color", "step_options", "first_middle_last",
-           "spread", "chosen", "need"]
+           "spread", "chosen", "need", "LAST", "step_select", "last_options"]
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,8 @@ class Curves(Panel):
                 w.options = options
         for src, cols in zip(self.sources, data["plots"]):
             for name, s in src.items():
-                s.data = cols[name]
+                if any(len(v) for v in cols[name].values()) or any(len(v) for v in s.data.values()):
+                    s.data = cols[name]  # an empty source left empty sends nothing to the browser
 
 
 def step_options(steps: Any) -> list[str]:
@@ -186,6 +187,19 @@ def first_middle_last(steps: Any) -> list[str]:
     """The default steps of an at-a-step figure: the first, the middle and the last recorded."""
     s = step_options(steps)
     return list(dict.fromkeys([s[0], s[len(s) // 2], s[-1]])) if s else []
+
+
+LAST = "last"  # a step chooser's value that follows a live run's newest step
+
+
+def last_options(steps: Any) -> list[Any]:
+    """A one-step chooser's options: "the last" (following new steps), then each finished step."""
+    return [(LAST, "the last")] + step_options(steps)
+
+
+def step_select(title: str, steps: Any, width: int = 160) -> Select:
+    """A chooser of one step, on "the last" until the user picks one."""
+    return Select(title=title, value=LAST, options=last_options(steps), width=width)
 
 
 def chosen(widget: "Model", steps: Any, default: Callable[[Any], list[str]] = first_middle_last) -> list[int]:
@@ -211,15 +225,16 @@ def spread(most: int) -> Callable[[Any], list[str]]:
 
 class Picked(Curves):
     """A figure drawn at the steps picked in :attr:`pick` (a MultiChoice over :meth:`steps_of`, its
-    options following the run), by default :meth:`default` of them; ``before``: widgets shown
-    ahead of the picker."""
+    options following the run) — until the user picks, :meth:`default` of them, which follows a
+    live run's new steps; ``before``: widgets shown ahead of the picker."""
 
     pick_title = "steps t"
+    default_text = "first, middle and last"
 
     def __init__(self, run: Any, before: Sequence["Model"] = (), plots: tuple[Plot, ...] | None = None) -> None:
         steps = self.steps_of(run)
-        self.pick = MultiChoice(title=self.pick_title, value=self.default(steps), options=step_options(steps),
-                                width=330)
+        self.pick = MultiChoice(title=self.pick_title, value=[], options=step_options(steps), width=330,
+                                placeholder=f"default: the {self.default_text}")
         super().__init__(run, [*before, self.pick], plots)
 
     def steps_of(self, run: Any) -> Any:

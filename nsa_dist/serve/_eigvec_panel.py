@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from bokeh.layouts import column, row
-from bokeh.models import ColorBar, ColumnDataSource, Div, LinearColorMapper, Select, Slider
+from bokeh.models import ColorBar, ColumnDataSource, Div, LinearColorMapper, Slider
 
-from nsa_dist.serve._curves import need, step_options
+from nsa_dist.serve._curves import last_options, need, step_options, step_select
 from nsa_dist.serve._live import Panel, new_figure
 
 if TYPE_CHECKING:
@@ -131,8 +131,7 @@ class Fig1abc(Panel):
     figures = ("fig1abc_target_output_points",)
 
     def __init__(self, run: "Run") -> None:
-        steps = step_options(run.steps)
-        self.step = Select(title="step t of (b)", value=steps[-1] if steps else "", options=steps, width=150)
+        self.step = step_select("step t of (b)", run.steps)
         self.controls = [self.step]
         self.mapper = LinearColorMapper(palette="Greys256")
         self.sources, figs = [], []
@@ -155,7 +154,8 @@ class Fig1abc(Panel):
         need(have, "recorded step")
         t = int(self.step.value if self.step.value in have else have[-1])
         X, y = np.asarray(run.X, np.float64), np.asarray(run.y, np.float64).reshape(-1)
-        return {"X": X, "y": y, "f": np.asarray(run.outputs(t), np.float64).reshape(-1), "t": t, "options": have}
+        return {"X": X, "y": y, "f": np.asarray(run.outputs(t), np.float64).reshape(-1), "t": t,
+                "options": last_options(have)}
 
     def show(self, data: dict[str, Any]) -> None:
         X = data["X"]
@@ -176,8 +176,7 @@ class Fig4d(Panel):
     figures = ("fig4d_reconstructions",)
 
     def __init__(self, run: "Run") -> None:
-        steps = step_options(run.eigenvector_steps)
-        self.step = Select(title="eigenvector step t", value=steps[-1] if steps else "", options=steps, width=180)
+        self.step = step_select("eigenvector step t", run.eigenvector_steps, width=180)
         self.controls = [self.step]
         self.images = run.has("reconstruction_images")
         n = int(run.shape("reconstruction_k")[0])
@@ -201,7 +200,7 @@ class Fig4d(Panel):
         need(have, "step with stored eigenvectors")
         t = int(self.step.value if self.step.value in have else have[-1])
         rec = run.kernel.reconstructions(t)
-        return {"t": t, "options": have, "k": [int(k) for k in rec["k"]], "images": rec.get("images"),
+        return {"t": t, "options": last_options(have), "k": [int(k) for k in rec["k"]], "images": rec.get("images"),
                 "f": np.asarray(run.outputs(t), np.float64).reshape(-1),
                 "fk": np.asarray(rec["f"], np.float64).reshape(len(rec["k"]), -1)}
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from bokeh.models import Select
 
-from nsa_dist.serve._curves import Curves, Picked, Plot, Series, chosen, color, hline, need, spread, step_options
+from nsa_dist.serve._curves import (Curves, Picked, Plot, Series, chosen, color, hline, last_options, need, spread,
+                                    step_options, step_select)
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
@@ -89,12 +89,11 @@ class Rayleigh(_HessianCurves):
              Plot("eigenvector i of S", "Rayleigh quotient", title="along eigenvectors of S", width=460))
 
     def __init__(self, run: "Run") -> None:
-        steps = step_options(run.hessian.steps)
-        self.step = Select(title="step t", value=steps[-1] if steps else "", options=steps, width=150)
+        self.step = step_select("step t", run.hessian.steps)
         super().__init__(run, [self.step])
 
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
-        return [(self.step, step_options(run.hessian.steps))]
+    def choices(self, run: "Run") -> list[tuple[Any, list[Any]]]:
+        return [(self.step, last_options(run.hessian.steps))]
 
     def series(self, run: "Run") -> list[list[Series]]:
         (t,) = chosen(self.step, run.hessian.steps, lambda s: step_options(s)[-1:])
@@ -140,6 +139,7 @@ class Density(_HessianPicked):
     plots = (Plot("eigenvalue of H", "density", y_log=True, width=700),)
 
     default = staticmethod(spread(4))
+    default_text = "four spread from the first to the last"
 
     def series(self, run: "Run") -> list[list[Series]]:
         out = []
@@ -158,6 +158,7 @@ class ISpectrum(_HessianPicked):
     plots = (Plot("index i", "λ_i(I)", x_log=True, y_log=True, width=700),)
 
     default = staticmethod(spread(3))
+    default_text = "first, middle and last"
 
     def series(self, run: "Run") -> list[list[Series]]:
         steps = run.hessian.steps

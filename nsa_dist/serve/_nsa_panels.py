@@ -59,6 +59,7 @@ class Fig2a(Picked):
     plots = (Plot("index i", "eigenvalue λ_i^t", x_log=True, y_log=True),)
 
     default = staticmethod(spread(6))
+    default_text = "six spread from the first to the last"
 
     def series(self, run: "Run") -> list[list[Series]]:
         lam = run.eigenvalues
@@ -153,6 +154,7 @@ class Fig4a(Picked):
     plots = (Plot("index i", "⟨v_i^t, m_t⟩²", y_log=True),)
 
     default = staticmethod(spread(2))  # the first and the last, as nsa plot
+    default_text = "first and last"
 
     def steps_of(self, run: "Run") -> np.ndarray:
         """The steps with projections: every finished step when stored, else the eigenvector steps."""

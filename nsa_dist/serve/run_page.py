@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from nsa_dist.client import Client, Run
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["run_page", "run_panels", "run_sections"]
 
 _Needs = Callable[[Run], bool]
+_REDRAW_S = 2.0  # a live run's page redraws its figures at most this often (a browser draws ~40 of them)
 
 
 def _has(*names: str) -> _Needs:
@@ -114,7 +116,7 @@ def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
                           for paper, ps in sections.items()], css_classes=["nsa-tabs"])
         # Only the open tab is read and redrawn; the others are brought up to date when opened, and
         # nothing is re-sent while the run's finished steps and status stay the same.
-        state: dict[str, Any] = {"seen": _seen(run), "stale": set(range(1, len(groups)))}
+        state: dict[str, Any] = {"seen": _seen(run), "stale": set(range(1, len(groups))), "next": 0.0}
         for p in groups[0] if groups else []:
             p.update(_read(p, run))
         doc.title = f"nsa — {run.id}"
@@ -135,9 +137,9 @@ def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
                 run.refresh()
             except Exception as exc:  # noqa: BLE001
                 return exc
-            if _seen(run) == state["seen"]:
-                return None
-            state["seen"] = _seen(run)
+            if _seen(run) == state["seen"] or time.monotonic() < state["next"]:
+                return None  # nothing new, or redrawn less than _REDRAW_S ago: the next tick brings it
+            state["seen"], state["next"] = _seen(run), time.monotonic() + max(refresh_s, _REDRAW_S)
             active = int(tabs.active or 0)
             state["stale"] = set(range(len(groups))) - {active}
             return header_text(run), [(p, _read(p, run)) for p in (groups[active] if groups else [])]
