@@ -64,3 +64,18 @@ bench-full-size: install
 
 clean:
 	rm -rf $(VENV) nsa-results.zarr demo-out bench-out
+
+# The model zoo: every torchvision classification model (tiny configurations where the default is
+# too large) and tiny Hugging Face transformers, gram() against a float64 torch.func.jacrev
+# reference; its table is in benchmarks/README.md. Its own venv: torchvision needs another torch
+# build than the CPU one above. Never part of `make test`.
+ZOO_VENV ?= .venv-zoo
+.PHONY: zoo
+zoo: $(ZOO_VENV)/.installed
+	$(ZOO_VENV)/bin/python benchmarks/zoo.py
+
+$(ZOO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(ZOO_VENV)
+	$(ZOO_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 transformers
+	$(ZOO_VENV)/bin/pip install -q -e .
+	touch $@

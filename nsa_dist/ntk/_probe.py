@@ -1,19 +1,27 @@
 """What the forward pass actually does: which parameter may take which NTK path (private).
 
-The per-layer formulas (structured factors of a Linear layer, formed per-sample gradients of a
-convolution, an embedding or a norm's affine parameters) hold for a parameter only when
+A fast route (structured factors of a Linear layer; formed per-sample gradients of a
+convolution, an embedding, a norm's affine parameters, self-attention's projections) computes a
+layer's per-sample gradients from its recorded input A and output gradient δ.  That is the true
+per-sample gradient only when (docs/design-notes.md, "What a fast NTK route assumes about a
+layer"; a failed proof's reason starts with the assumption's name):
 
-1. it belongs to a layer of a known kind whose forward is the standard one,
-2. that layer is called exactly once per forward and the parameter is used exactly once in the
-   autograd graph (tied or shared weights are used twice),
-3. the layer's input is not modified in place after the call (its version counter shows it);
-   an output modified in place (``ReLU(inplace=True)``, ``out += identity``) is cloned by the
-   feature pass instead, so the output gradient is still the layer's own,
-4. the model does not couple samples: its outputs for half a batch equal those of the whole batch.
+- known layer: a kind with a closed form, its class's own forward, one tensor in and one out;
+- reads its parameters: its trainable parameters are exactly its registered weight and bias
+  (no parametrization, no ``weight_g``/``weight_v``, no forward replaced on the instance);
+- called once: one call per forward, each parameter used once in the autograd graph;
+- sample axis: its input and output have the batch's length on the sample axis, and the
+  gradient of point k's output reaches only row k of its output;
+- returns its output: its output equals its class forward on the recorded input, through the
+  same autograd graph (no hook or other forward replaced it); a copy is handed to the network,
+  so in-place changes of the network's copy leave the differentiated output as computed;
+- input kept: its input is not modified in place after the call;
+- and, for the model, samples do not interact: the outputs for half a batch equal the whole's.
 
-:func:`plan_forward` runs three probe forwards on a few points and returns a :class:`ForwardPlan`
-saying, per parameter, the path and why.  Parameters outside the rules go through per-sample
-Jacobians (exact for any module); a coupling model goes through the full-batch Jacobian.
+:func:`plan_forward` proves each on probe forwards of the first few points (a no-grad forward,
+one with grad and hooks, the two halves, one backward pass per probe point) and returns a
+:class:`ForwardPlan` saying, per parameter, the path and why.  A layer that is not proven takes
+per-sample Jacobians (exact for any module), alone; a coupling model the full-batch Jacobian.
 """
 
 from __future__ import annotations
@@ -132,11 +140,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a - b).abs().max() <= tol * a.abs().max().clamp_min(1.0)).item())
 
 
-def _couples(model: nn.Module, x: torch.Tensor) -> str | None:
-    """Why the model couples samples (None if it does not); UnsupportedModelError if its forward is random."""
+def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = None) -> str | None:
+    """Why the model couples samples (None if it does not); UnsupportedModelError if its forward is
+    random.  ``again``: the outputs of a second forward of x already run (else one is run here)."""
     with torch.no_grad():
         whole = as_2d(model(x))
-        again = as_2d(model(x))
+        again = as_2d(model(x)) if again is None else again.detach()
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
             raise UnsupportedModelError("the model's forward is random (two forwards of the same points differ"
@@ -200,11 +209,12 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     params = trainable_params(model)
     xs = x[:_PROBE_POINTS]
     with preserved(model), _rng_kept(xs):
-        coupling = _couples(model, xs)
+        trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
+        coupling = _couples(model, xs, again=trace.out)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})
-        return _plan_layers(model, xs, params)
+        return _plan_layers(model, trace, params)
 
 
 def _not_own(m: nn.Module, local: tuple[str, ...], attention: bool) -> str | None:
@@ -331,8 +341,8 @@ def _own_rows(out: torch.Tensor, outputs: dict[str, tuple[torch.Tensor, int, str
     """Layers whose output rows do not each reach only their own point's output (name → why).
 
     For each probe point k, the gradient of a random combination of f(x_k)'s outputs w.r.t. every
-    layer's output must vanish outside row k of its sample axis: one batched backward pass (one
-    pass per point where an operation has no batching rule)."""
+    layer's output must vanish outside row k of its sample axis: one backward pass per point (a
+    batched pass, ``is_grads_batched``, ran 6× slower than the loop on a ResNet's convolutions)."""
     b = out.shape[0]
     names = list(outputs)
     if b < 2 or not names or not out.requires_grad:
@@ -342,11 +352,8 @@ def _own_rows(out: torch.Tensor, outputs: dict[str, tuple[torch.Tensor, int, str
     eye = torch.eye(b, dtype=out.dtype, device=out.device)
     cot = eye[:, :, None] * u[None]  # (b, b, K): cotangent k is f(x_k)'s combination
     Z = [outputs[n][0] for n in names]
-    try:
-        grads = torch.autograd.grad(out, Z, cot, retain_graph=True, allow_unused=True, is_grads_batched=True)
-    except (RuntimeError, NotImplementedError):  # no batching rule: one backward pass per point
-        per = [torch.autograd.grad(out, Z, cot[k], retain_graph=True, allow_unused=True) for k in range(b)]
-        grads = [None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(len(Z))]
+    per = [torch.autograd.grad(out, Z, cot[k], retain_graph=True, allow_unused=True) for k in range(b)]
+    grads = [None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(len(Z))]
     bad: dict[str, str] = {}
     for n, d in zip(names, grads):
         if d is None:
@@ -363,39 +370,51 @@ def _own_rows(out: torch.Tensor, outputs: dict[str, tuple[torch.Tensor, int, str
     return bad
 
 
-def _plan_layers(model: nn.Module, xs: torch.Tensor, params: dict[str, torch.Tensor]) -> ForwardPlan:
-    owner = {}  # id(param) → (module name, module, local name)
-    for mname, m in model.named_modules():
-        for pname, p in m.named_parameters(recurse=False):
-            owner.setdefault(id(p), (mname, m, pname))
-    attention = {mname for mname, m in model.named_modules()
-                 if attention_ok(m) and any(p.requires_grad for p in m.parameters())}
-    cands = {mname: m for mname, m in model.named_modules()
-             if mname in attention or (any(p.requires_grad for p in m.parameters(recurse=False)) and _standard(m))}
-    cands = {n: m for n, m in cands.items() if n.rpartition(".")[0] not in attention}  # out_proj goes with its attention
-    calls: dict[str, list[_Call]] = {n: [] for n in cands}
+class _Trace:
+    """One forward of the probe points with grad, every candidate layer hooked: each call's input,
+    the output it computed and the copy the network was handed instead (so the computed output
+    stays as it was, whatever the network does to its copy)."""
 
-    def hook(name):
+    def __init__(self, model: nn.Module, xs: torch.Tensor) -> None:
+        self.attention = {mname for mname, m in model.named_modules()
+                          if attention_ok(m) and any(p.requires_grad for p in m.parameters())}
+        cands = {mname: m for mname, m in model.named_modules() if mname in self.attention
+                 or (any(p.requires_grad for p in m.parameters(recurse=False)) and _standard(m))}
+        # an attention's out_proj goes with its attention
+        self.cands = {n: m for n, m in cands.items() if n.rpartition(".")[0] not in self.attention}
+        self.calls: dict[str, list[_Call]] = {n: [] for n in self.cands}
+        self.b = xs.shape[0]
+        handles = [m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self.cands.items()]
+        try:
+            with torch.enable_grad():
+                self.out = as_2d(model(xs))
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, name: str):
+        att = name in self.attention
+
         def f(mod, args, kwargs, out):
             a = args[0] if args else kwargs.get("query", kwargs.get("input"))
-            z = out[0] if name in attention and isinstance(out, tuple) else out
-            why = attention_call_ok(mod, args, kwargs, out) if name in attention else None
-            given = z.clone() if isinstance(z, torch.Tensor) else z  # the network's copy: z stays as computed
-            calls[name].append(_Call(args, kwargs, a, a._version if isinstance(a, torch.Tensor) else None, z, given,
-                                     given._version if isinstance(given, torch.Tensor) else None, why))
+            z = out[0] if att and isinstance(out, tuple) else out
+            why = attention_call_ok(mod, args, kwargs, out) if att else None
+            given = z.clone() if isinstance(z, torch.Tensor) else z
+            self.calls[name].append(_Call(args, kwargs, a, a._version if isinstance(a, torch.Tensor) else None, z,
+                                          given, given._version if isinstance(given, torch.Tensor) else None, why))
             if not isinstance(z, torch.Tensor):
                 return None
             return (given,) + tuple(out[1:]) if isinstance(out, tuple) else given
         return f
 
-    handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in cands.items()]
-    try:
-        with torch.enable_grad():
-            out = as_2d(model(xs))
-    finally:
-        for h in handles:
-            h.remove()
-    b = xs.shape[0]
+
+def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor]) -> ForwardPlan:
+    owner = {}  # id(param) → (module name, module, local name)
+    for mname, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            owner.setdefault(id(p), (mname, m, pname))
+    attention, cands, calls, out = trace.attention, trace.cands, trace.calls, trace.out
+    b = trace.b
     uses = _uses(out)
     routes: dict[str, tuple[str, str]] = {}
     layers: list[FastLayer] = []
