@@ -322,14 +322,14 @@ def test_tracker_on_a_models_own_sdpa_is_exact(tmp_path, hessian):
     from nsa_dist.client import Client
 
     torch.manual_seed(0)
-    model, X, y = SelfAttention(causal=True).double(), _tokens(8), torch.randn(8, 2, dtype=F64)
+    model, X, y = SelfAttention(E=4, causal=True).double(), _tokens(8, 4, 4), torch.randn(8, 2, dtype=F64)
     url = str(tmp_path / "t.zarr")
     tr = Tracker(url, "sdpa", model, X, y, steps=3, record={"every": 2},
                  spectrum={"k": 3, "images": [], "eig_method": "lanczos"}, hessian=_HESSIAN if hessian else None)
     thetas = _train(tr, model, X, y, 3)
     run = Client(url).run("sdpa")
     assert run.status == "done", run.status
-    ref_model = SelfAttention(causal=True).double()
+    ref_model = SelfAttention(E=4, causal=True).double()
     ref_model.explicit = True
     for i, t in enumerate(sorted(thetas)):
         ref_model.load_state_dict(thetas[t])

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nsa_dist.errors import ModelForwardError, NonFiniteError, ShapeError
+from nsa_dist.errors import NonFiniteError, NSAError, ShapeError
 from nsa_dist.linalg._backend import (ArrayOps, Backend, TorchOps, _on_gpu, array_kind, convert, get_cupy,
                                       host_empty, resolve_backend)
 
@@ -234,8 +234,8 @@ def _probe(op: Any, N: int, backend: Backend, numpy_only: bool) -> tuple[Callabl
     for kind, dtype, device in candidates:
         try:
             out = _apply(op, convert(x, kind, dtype, device))
-        except ModelForwardError:
-            raise  # the model's forward failed (the module named), not the array type
+        except NSAError:
+            raise  # already one clear error (e.g. a model's forward failed, the module named), not the array type
         except _PROBE_ERRORS as err:
             first_err = first_err or err
             continue
