@@ -76,12 +76,6 @@ def _quadratic_forms(pw: list[np.ndarray], max_order: int) -> np.ndarray:
     return np.stack([np.einsum("pm,pm->m", pw[k // 2], pw[k - k // 2]) for k in range(1, max_order + 1)])
 
 
-def _mean_stderr(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    m = q.shape[1]
-    se = q.std(axis=1, ddof=1) / np.sqrt(m) if m > 1 else np.full(q.shape[0], np.nan)
-    return q.mean(axis=1), se
-
-
 def _forms(pw: list[np.ndarray], max_order: int) -> np.ndarray:
     """(max_order, m, m): slice k−1 holds every ``z_iᵀ A^k z_j = (A^a z_i)ᵀ (A^b z_j)``, symmetrised."""
     C = np.stack([pw[k // 2].T @ pw[k - k // 2] for k in range(1, max_order + 1)])

@@ -26,8 +26,8 @@ from torch.func import functional_call, jvp, vmap
 
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import curvature_sqrt
-from nsa_dist.hessian._probes import as_linear_map, check_int, rademacher
-from nsa_dist.hessian.moments import Moments, _mean_stderr, _powers, _quadratic_forms
+from nsa_dist.hessian._probes import as_linear_map, check_int, gaussian, rademacher
+from nsa_dist.hessian.moments import Moments, _forms, _gaussian_mean_stderr, _powers, _quadratic_forms
 from nsa_dist.hessian.operators import hessian_parts
 from nsa_dist.losses import parse_loss
 from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
@@ -56,7 +56,8 @@ def additivity_gap(H: Any, I: Any, S: Any, n_probes: int = 32, *, max_order: int
     Hutch++ with one sketch for the three: Q (P, s) an orthonormal basis of ``[I Ω₁, S Ω₂]``
     (s/2 Rademacher columns each — the dominant spaces of I and S, hence of H = I + S); the
     Q-part of every trace exactly, the rest by Hutchinson with the same ``g = n_probes − s``
-    probes projected by ``1 − QQᵀ`` for H, I and S, the gap formed per probe.
+    Gaussian probes projected by ``1 − QQᵀ`` for H, I and S, the gap formed per probe pair (its
+    standard error from all g² forms, as :func:`~nsa_dist.hessian.hutchpp_moments`).
 
     Returns:
         :class:`Moments` (method "additivity") of the gap; stderr that of the Hutchinson part
@@ -85,10 +86,10 @@ def additivity_gap(H: Any, I: Any, S: Any, n_probes: int = 32, *, max_order: int
         q = [_quadratic_forms(_powers(mp, Q, h), kmax).sum(axis=1) for mp in maps]
         est += q[0] - q[1] - q[2]
     if g > 0 and s < P:
-        Z = rademacher(rng, P, g)
+        Z = gaussian(rng, P, g)
         Z -= Q @ (Q.T @ Z)
-        q = [_quadratic_forms(_powers(mp, Z, h), kmax) for mp in maps]  # (kmax, g) each
-        mean, se = _mean_stderr(q[0] - q[1] - q[2])
+        q = [_forms(_powers(mp, Z, h), kmax) for mp in maps]  # (kmax, g, g) each
+        mean, se = _gaussian_mean_stderr(q[0] - q[1] - q[2])
         est += mean
     return Moments(est, se, sum(mp.n_products for mp in maps), "additivity")
 
