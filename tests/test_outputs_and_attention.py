@@ -211,6 +211,25 @@ def test_attention_modules_and_transformer_layers_still_exact_under_forward_mode
     assert_close_rel(hessian_operator(model, X, Y).matmat(V), HV, 1e-11, "H·V")
 
 
+def test_second_order_forward_products_through_a_models_own_sdpa():
+    """The other forward-mode products — App. F's kernel change (forward over reverse over
+    forward) and the per-point traces G_i (forward over forward) — equal the same products on the
+    model with its attention written out (which has forward-mode rules of its own)."""
+    from nsa_dist.hessian import output_hessian_traces
+    from nsa_dist.ntk.kernel_change import gram_change
+
+    model, X = SelfAttention(E=4, causal=True).double(), _tokens(5, 4, 4)
+    twin = _explicit(model)
+    a, b = output_hessian_traces(model, X, 3, seed=1), output_hessian_traces(twin, X, 3, seed=1)
+    assert_close_rel(torch.as_tensor(a.per_probe), torch.as_tensor(b.per_probe), 1e-12, "G_i probes")
+    theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()
+    dtheta = 1e-3 * np.random.default_rng(0).standard_normal(theta.shape)
+    evecs = np.linalg.eigh(dense_ntk(twin, X).numpy())[1][:, ::-1][:, :2]
+    got, ref = gram_change(model, X, theta, dtheta, evecs, F64), gram_change(twin, X, theta, dtheta, evecs, F64)
+    for k in ref:
+        assert_close_rel(torch.as_tensor(got[k]), torch.as_tensor(ref[k]), 1e-10, k)
+
+
 def test_composite_attention_is_thread_local_and_sets_no_process_switch():
     """The kernels are switched for the products' thread only: no global SDPA flag is touched and
     another thread (a training loop beside a Tracker's analysis) sees no mode."""
