@@ -122,6 +122,7 @@ class Curves(Panel):
     plots: tuple[Plot, ...] = ()
     figures: tuple[str, ...] = ()
     css = ""
+    ncols = 3  # figures per row
 
     def __init__(self, run: Any = None, controls: Sequence["Model"] = (),
                  plots: tuple[Plot, ...] | None = None) -> None:
@@ -147,7 +148,8 @@ class Curves(Panel):
             self.sources.append(src)
             figs.append(fig)
         self.figs = figs
-        body = column(*([row(*self.controls)] if self.controls else []), self.note, row(*figs))
+        rows = [row(*figs[i:i + self.ncols]) for i in range(0, len(figs), self.ncols)]
+        body = column(*([row(*self.controls)] if self.controls else []), self.note, *rows)
         super().__init__(body)
 
     def series(self, run: Any) -> list[list[Series]]:

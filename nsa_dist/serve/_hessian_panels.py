@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["Moments", "Orthogonality", "Rayleigh", "EdgeOfStability", "Density", "ISpectrum", "Additivity",
            "TraceS", "SNorms"]
 
-_BLACK, _LIMIT_I, _LIMIT_S = "#000000", "#d62728", "#2ca02c"
+_BLACK, _LIMIT_I, _LIMIT_S = "#000000", "#d62728", "#8c564b"  # S's limits: not the green of S itself
 
 
 def _finite(a: Any) -> bool:
@@ -40,7 +40,8 @@ class Moments(_HessianCurves):
 
     title = "Hessian paper Fig. 1 — moments Tr(A^k) of H = I + S, measured and predicted"
     figures = ("hessian_moments",)
-    plots = tuple(Plot("step t", "trace" if k == 1 else "", title=f"Tr(A^{k})", width=400, height=300)
+    ncols = 2
+    plots = tuple(Plot("step t", "trace" if k in (1, 3) else "", title=f"Tr(A^{k})", width=600, height=300)
                   for k in range(1, 5))
 
     def series(self, run: "Run") -> list[list[Series]]:
@@ -178,7 +179,8 @@ class Additivity(_HessianCurves):
 
     title = "Hessian paper, Theorem 1 — additivity: (Tr H^k − Tr I^k − Tr S^k) / |Tr H^k|"
     figures = ("hessian_additivity",)
-    plots = tuple(Plot("step t", "relative gap" if k == 1 else "", title=f"k = {k}", width=400, height=300)
+    ncols = 2
+    plots = tuple(Plot("step t", "relative gap" if k in (1, 3) else "", title=f"k = {k}", width=520, height=280)
                   for k in range(1, 5))
 
     def series(self, run: "Run") -> list[list[Series]]:

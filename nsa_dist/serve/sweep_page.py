@@ -125,6 +125,7 @@ class HessianMoments(Curves):
     point (x: the grid point's number, the legend names it)."""
 
     title = "Hessian paper Fig. 1 — moments Tr(A^k) per grid point"
+    ncols = 2
     figures = ("hessian_moments_H", "hessian_moments_I", "hessian_moments_S")
 
     def __init__(self) -> None:
@@ -132,7 +133,7 @@ class HessianMoments(Curves):
 
         self.part = Select(title="A", value="S", options=[("H", "H (loss Hessian)"), ("I", "I (Gauss-Newton)"),
                                                          ("S", "S (residual part)")], width=200)
-        super().__init__(None, [self.part], tuple(Plot("step t", "", title=f"Tr(A^{k})", width=400, height=300)
+        super().__init__(None, [self.part], tuple(Plot("step t", "", title=f"Tr(A^{k})", width=560, height=300)
                                                   for k in range(1, 5)))
 
     def series(self, args: Args) -> list[list[Series]]:
