@@ -320,6 +320,13 @@ def describe_output(out: Any) -> str:
     return name
 
 
+def _check_selector(output: OutputSelector) -> None:
+    """TypeError unless ``output`` is a selector: None, a key, an index or a callable."""
+    if not (output is None or callable(output) or isinstance(output, str)
+            or (isinstance(output, int) and not isinstance(output, bool))):
+        raise TypeError(f"output must be None, a key (str), an index (int) or a callable, got {type(output).__name__}")
+
+
 def _selector_name(output: OutputSelector) -> str:
     if callable(output):
         return getattr(output, "__qualname__", None) or repr(output)
@@ -345,13 +352,12 @@ def select_output(out: Any, output: OutputSelector) -> torch.Tensor:
             sel = getattr(out, output)
         else:
             raise ShapeError(f"output={output!r} is not a key of the model's output, a {describe_output(out)}")
-    elif isinstance(output, int) and not isinstance(output, bool):
+    else:
+        _check_selector(output)
         items = list(out.values()) if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else None
         if items is None or not -len(items) <= output < len(items):
             raise ShapeError(f"output={output} does not index the model's output, a {describe_output(out)}")
         sel = items[output]
-    else:
-        raise TypeError(f"output must be None, a key (str), an index (int) or a callable, got {type(output).__name__}")
     if not isinstance(sel, torch.Tensor):
         raise ShapeError(f"output={_selector_name(output)} selects a {describe_output(sel)} from the model's output "
                          f"(a {describe_output(out)}), not a tensor")
@@ -402,6 +408,5 @@ def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Modul
         model = model._orig_mod
     if output is None:
         return model
-    if not (callable(output) or isinstance(output, str) or (isinstance(output, int) and not isinstance(output, bool))):
-        raise TypeError(f"output must be None, a key (str), an index (int) or a callable, got {type(output).__name__}")
+    _check_selector(output)
     return SelectedOutput(model, output)
