@@ -277,7 +277,7 @@ def test_layout_problems_sees_what_is_outside() -> None:
 
 _IMAGES = ("fig1abc_target_output_points", "fig4bc_residual_fourier", "fig5_eigenvectors", "fig6_eigenvectors_early")
 _OPTS = ("fig2b_eigenvalues_t", "fig2d_lr_eigen", "fig3a_energy_y", "fig3d_energy_df", "fig4a_residual_projections",
-         "eqs45_constant_gram", "fig7d_preservation")  # the figures whose lines follow --k / --step
+         "fig4bc_residual_fourier", "eqs45_constant_gram", "fig7d_preservation")  # what follows --k / --step
 
 
 def _every_figure(tiny: Run, nce: Run, sweep_url: str):

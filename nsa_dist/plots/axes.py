@@ -71,11 +71,13 @@ def _figure_class():
     return _PaperFigure
 
 
-def blank_figure(figsize: tuple[float, float]) -> "Figure":
-    """An empty constrained-layout :class:`PaperFigure` of ``figsize`` inches on its own Agg canvas."""
+def blank_figure(figsize: tuple[float, float], images: bool = False) -> "Figure":
+    """An empty :class:`PaperFigure` of ``figsize`` inches on its own Agg canvas, laid out by matplotlib's
+    "constrained" engine, or its "compressed" one for ``images`` (panels of a fixed aspect, whose
+    labels "constrained" can push past the edge)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = _figure_class()(figsize=figsize, layout="constrained")
+    fig = _figure_class()(figsize=figsize, layout="compressed" if images else "constrained")
     FigureCanvasAgg(fig)
     return fig
 
@@ -156,13 +158,15 @@ def title_of(fig: "Figure") -> str:
 
 
 def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1,
-               panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA") -> tuple["Figure", np.ndarray]:
+               panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA",
+               images: bool = False) -> tuple["Figure", np.ndarray]:
     """A constrained-layout Agg figure and its (nrows, ncols) axes, titled "<paper> Fig. <label> — <what>"
     when ``label`` is a figure number of the paper ("2a", "3"), "<paper> App. X — <what>" /
     "<paper> Eqs. 4–5 — <what>" for an appendix or equations, else "<paper>, <label> — <what>" for the
     statement of the paper a figure draws ("Theorem 1", "Proposition 4") or "" for none.  A title too
-    wide for the figure is set smaller, then wrapped (:func:`set_title`)."""
-    fig = blank_figure((panel[0] * ncols, panel[1] * nrows))
+    wide for the figure is set smaller, then wrapped (:func:`set_title`); ``images``: panels of a fixed
+    aspect (:func:`blank_figure`)."""
+    fig = blank_figure((panel[0] * ncols, panel[1] * nrows), images=images)
     if label[:1].isdigit():
         ref = f" Fig. {label}"
     elif label.startswith(("App.", "Eqs.")):  # an appendix or equations: no figure number

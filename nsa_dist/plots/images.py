@@ -37,7 +37,7 @@ def fig4bc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     steps, limit = run.steps, run.spec.spectrum.fourier_limit
     chosen = sorted(set(opts.steps)) if opts.steps else sorted({int(steps[1 if len(steps) > 2 else 0]), int(steps[-1])})
     fig, ax = new_figure(run, "4b–c", "residual and its Fourier transform", nrows=len(chosen), ncols=2,
-                         panel=(4.4, 3.8))
+                         panel=(4.4, 3.8), images=True)
     for row, t in zip(ax, chosen):
         im = run.images.at(t)
         _image(row[0], im["residual_image"], f"residual $m_t$, t = {t}")
@@ -53,7 +53,7 @@ def fig5(run: "Run", opts: PlotOptions = PlotOptions(), *, label: str = "5", ste
     ncols = min(6, len(idx))
     lines = -(-len(idx) // ncols)
     fig, ax = new_figure(run, label, f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}",
-                         nrows=2 * lines, ncols=ncols, panel=(2.3, 2.3))
+                         nrows=2 * lines, ncols=ncols, panel=(2.3, 2.3), images=True)
     for a in ax.ravel():
         a.set_axis_off()
     for j, i in enumerate(idx):

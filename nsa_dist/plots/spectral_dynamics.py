@@ -27,7 +27,7 @@ def fig4d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     rec = run.kernel.reconstructions(t)
     ks = [int(k) for k in rec["k"]]
     fig, ax = new_figure(run, "4d", rf"$\bar f_{{t,k}}$ from the top $k$ eigenvectors of $G_t$, t = {t}",
-                         ncols=len(ks), panel=(3.9, 3.3))
+                         ncols=len(ks), panel=(3.9, 3.3), images="images" in rec)
     f = run.outputs(t)
     for a, j, k in zip(ax[0], range(len(ks)), ks):
         if "images" in rec:
