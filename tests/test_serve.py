@@ -427,6 +427,13 @@ def test_the_sweep_page_draws_every_sweep_figure_per_selected_grid_point(sweep_s
         np.testing.assert_array_equal(got[c.label], c.mean)  # Tr(S²) per grid point
     with _Served(ServeOptions(sweep_store, port=0)) as s:
         assert s.get("/sweep?name=widths")[0] == 200
+    from nsa_dist.serve.run_page import run_panels
+
+    run = sw.run(sw.groups()[0][1][0])  # data without 2-D images: V_t itself in place of Figs. 4b–c, 5–6
+    for p in run_panels(run):
+        p.update(p.guarded(run))
+        assert not p.error.visible and not p.waiting.visible, (p.title, p.error.text, p.waiting.text)
+    assert any(p.title.startswith("Eigenvectors V_t") for p in run_panels(run))
 
 
 # --------------------------------------------------------------------------- s3://

@@ -73,6 +73,7 @@ class Eigenvectors(Panel):
         else:
             self.vecs, self.ffts, self.residual = [_Image(700, x="index i", y="point", height=300)], [], []
             rows = [row(self.vecs[0].fig)]
+            self.title = "Eigenvectors V_t of G_t at the stored steps (NSA Figs. 4b–c, 5–6 need 2-D inputs)"
         super().__init__(column(row(self.slider, self.label), *rows))
 
     @property
