@@ -237,8 +237,12 @@ def test_the_run_page_is_a_document_with_a_tab_per_paper(store):
         assert number in texts, number
 
 
-def test_store_strings_are_escaped_on_every_page(store):
+def test_store_strings_are_escaped_on_every_page(store, tmp_path):
     import dataclasses
+    import json
+    import shutil
+
+    import zarr
 
     from bokeh.models import Div
 
@@ -258,6 +262,14 @@ def test_store_strings_are_escaped_on_every_page(store):
     assert "<img" not in _count_text([row])
     cols = RunTable(SpectrumStore(store, mode="r")).columns([row], [])
     assert cols["href"] == ["run?id=%3Cimg%20src%3Dx%20onerror%3D%22alert%281%29%22%3E"], cols["href"]
+    url = str(tmp_path / "noted.zarr")  # a diagnostic's reason, as the store keeps it for a NaN
+    shutil.copytree(store, url)
+    zarr.open_group(str(Path(url) / "runs" / run_id(SPEC)), mode="r+")["step_notes"][0] = json.dumps(
+        {"constant_gram_residual": evil})
+    noted = Client(url).run("served")
+    assert noted.notes == {0: {"constant_gram_residual": evil}}
+    text = header_text(noted)
+    assert "<img" not in text and "t = 0, constant_gram_residual: &lt;img src=x" in text, text
     p = Panel(Div(text=""))
     p.update(ValueError(evil))  # a read's error message (it may quote the store) shown in place of a figure
     assert "<img" not in p.error.text and "&lt;img" in p.error.text

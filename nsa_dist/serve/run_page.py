@@ -82,13 +82,29 @@ def panel_classes() -> list[Any]:
 
 
 def header_text(run: Run) -> str:
-    """The run's id, status (and why), and finished / scheduled recorded steps."""
+    """The run's id, status (and why), finished / scheduled recorded steps, and the diagnostics
+    stored as NaN with why (``run.notes``), every store string HTML-escaped."""
     t = run.steps
     last = f", last t = {int(t[-1])}" if len(t) else ""
     why = f" — {html.escape(str(run.reason))}" if run.reason else ""
     return (f'<a href="./">all runs</a><h2>run {html.escape(run.id)}</h2>'
             f'<p>status <b>{html.escape(str(run.status))}</b>{why}<br>'
-            f'<span class="nsa-steps">steps done: {len(t)}/{len(run.schedule)}</span>{last}</p>')
+            f'<span class="nsa-steps">steps done: {len(t)}/{len(run.schedule)}</span>{last}</p>' + _notes(run))
+
+
+_MAX_NOTES = 20
+
+
+def _notes(run: Run) -> str:
+    """A folded list of the diagnostics a step could not compute (stored as NaN) and why."""
+    rows = [(t, name, reason) for t, notes in sorted(run.notes.items()) for name, reason in sorted(notes.items())]
+    if not rows:
+        return ""
+    items = "".join(f"<li>t = {t}, {html.escape(str(name))}: {html.escape(str(reason))}</li>"
+                    for t, name, reason in rows[:_MAX_NOTES])
+    more = f"<li>… and {len(rows) - _MAX_NOTES} more (Run.notes)</li>" if len(rows) > _MAX_NOTES else ""
+    return (f'<details class="nsa-notes"><summary>{len(rows)} diagnostic value(s) stored as NaN, and why'
+            f'</summary><ul>{items}{more}</ul></details>')
 
 
 def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
