@@ -2,8 +2,15 @@
 
 Figures are plain :class:`matplotlib.figure.Figure` objects on an Agg canvas: no pyplot, so
 plotting never switches the backend or touches the figure registry of a caller's session.
-A public module: the CLI, ``export`` and ``serve`` draw with the same :data:`DPI`, :func:`ks`
-and :func:`gd_note`.
+A public module: the CLI, ``export`` and ``serve`` draw with the same :data:`DPI`, :func:`ks`,
+:func:`energy_k` and :func:`gd_note`.
+
+Every figure keeps the same rules, so that it reads right with the defaults: its title fits its
+width (:func:`set_title`: smaller, then wrapped), a legend holds at most :data:`MAX_LEGEND` entries
+(:func:`legend`: a family of lines becomes a colour key, other entries a selection), a curve flat to
+rounding is drawn flat (:func:`keep_flat`, applied whenever the figure is drawn), a symlog axis
+puts ±linthresh and 0 a decade apart (:func:`symlog_y`), and δ_t is drawn as the schedule's steps
+(:func:`lr_steps`).
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Run
 
-__all__ = ["KS", "DPI", "PAPER_K_FRACTION", "MAX_LEGEND", "TITLE_PT", "energy_k", "PlotOptions", "PaperFigure",
-           "new_figure", "set_title", "title_of", "ks", "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps",
-           "decay_lines", "time_axis", "lr_steps", "legend", "family_label", "symlog_y", "keep_flat"]
+__all__ = ["KS", "DPI", "PAPER_K_FRACTION", "MAX_LEGEND", "TITLE_PT", "FLAT_SPAN", "FLAT_PAD", "energy_k",
+           "PlotOptions", "PaperFigure", "blank_figure", "new_figure", "fit_text", "set_title", "title_of", "ks",
+           "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps", "decay_lines", "time_axis", "lr_steps",
+           "legend", "family_label", "symlog_y", "keep_flat"]
 
 KS = (1, 2, 5, 10, 20, 50, 100, 200, 400, 1000, 2000, 4000, 10000)  # k (or i) drawn, as in NSA Fig. 3
 DPI = 110
