@@ -323,7 +323,8 @@ def test_every_figure_keeps_its_text_inside_and_its_legends_short(tiny: Run, nce
 
 def test_fig7a_default_k_is_the_papers_fraction_of_n_below_n(sweep_url: str, tmp_path: Path) -> None:
     """On a sweep of N = 10 the default k is not min(400, K) = N (where every E is 1) but 400/10⁴ of N,
-    at least 1 and below N; ``nsa plot --sweep`` draws that k, an explicit k is kept."""
+    at least 1 and below N; an explicit k is kept; ``nsa plot --sweep --scalar energy_y`` takes the
+    same default (it needed --k before)."""
     from nsa_dist.cli import main
     from nsa_dist.plots.axes import energy_k, title_of
     from nsa_dist.plots.sweep import fig7a, plot_sweep
