@@ -205,6 +205,27 @@ def test_an_nce_runs_page_draws_what_nsa_plot_draws(tmp_path):
     assert fig1e.note.visible and fig1e.note.text == html.escape(gd_note(run))  # GD's bound is an L2 formula
 
 
+def test_eqs45_says_where_its_prediction_diverges(store, tmp_path):
+    import shutil
+
+    import zarr
+
+    from nsa_dist.serve._nsa_panels import Eqs45
+
+    url = str(tmp_path / "diverging.zarr")  # as GD with G fixed diverges above 2N/λ_max(G_t0)
+    shutil.copytree(store, url)
+    g = zarr.open_group(str(Path(url) / "runs" / run_id(SPEC)), mode="r+")
+    pred = g["constant_gram_residual"][:]
+    pred[1:, 0] = np.inf
+    g["constant_gram_residual"][:] = pred
+    run = Client(url).run("served")
+    p = Eqs45(run)
+    p.update(p.guarded(run))
+    assert not p.error.visible and p.note.visible, p.error.text
+    assert f"not finite from t = {int(run.steps[1])}" in p.note.text, p.note.text
+    assert np.isnan(_series(p)[f"Eq. 5 with G_{int(run.schedule[0])} fixed"][1:]).all()  # not drawn (log axis)
+
+
 def test_a_run_page_waits_for_its_first_step_and_for_data_written_at_the_end(store, tmp_path):
     """A run's page opened before the run finished: panels whose data is not there yet say so
     (a note, not an error)."""

@@ -247,6 +247,16 @@ class Eqs45(Curves):
                         Series(t, norm(pred_test), "Eq. 22 (Nyström, App. E)", color(1), "dashed")])
         return out
 
+    def note_text(self, run: "Run") -> str:
+        if not run.has("constant_gram_residual") or not len(run.steps):
+            return ""
+        pred = run.array("constant_gram_residual")[[int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps], 0]
+        bad = run.steps[~np.isfinite(pred) | (pred > 1e300)]
+        if not len(bad):
+            return ""
+        return (f"Eq. 5's prediction is not finite from t = {int(bad[0])} (not drawn there): with G fixed, GD "
+                "diverges when δ > 2N/λ_max(G_t0)" + ("; see the notes above" if run.notes else ""))
+
 
 class AppF(Picked):
     """v_iᵀ(G_{t+1} − G_t)v_i measured and to first order (Eqs. 25–26) at the eigenvector steps, and
