@@ -104,7 +104,7 @@ class ScalarFigure(Curves):
     """The final E(y, 10) against the first varied field, one line per value of the second (a
     summary of the sweep, no figure of the paper; ``nsa plot --sweep``'s ``scalar_energy_y_10``)."""
 
-    title = "E(y, 10) at the last step across the sweep (a summary, no figure of the paper)"
+    title = "E(y, k = 10, at most K) at the last step across the sweep (a summary, no figure of the paper)"
     figures = ("scalar_energy_y_10",)
 
     def __init__(self, sweep: "Sweep") -> None:
@@ -116,7 +116,17 @@ class ScalarFigure(Curves):
         sweep = args[0]
         if not _numeric(sweep, self.x):
             raise ValueError(f"field {self.x!r} is not numeric: `nsa plot --sweep` draws this summary")
-        return [_by(sweep.scalar("energy_y", min(10, sweep.smallest_k())), self.x, self.line, args)]
+        self.k = min(10, sweep.smallest_k())
+        return [_by(sweep.scalar("energy_y", self.k), self.x, self.line, args)]
+
+    def read(self, args: Args) -> dict[str, Any]:
+        data = super().read(args)
+        data["k"] = self.k
+        return data
+
+    def show(self, data: dict[str, Any]) -> None:
+        super().show(data)
+        self.figs[0].yaxis.axis_label = f"E(y, {data['k']}) at the last step"
 
 
 class HessianMoments(Curves):
@@ -236,7 +246,7 @@ def sweep_page(store: "SpectrumStore", refresh_s: float) -> Any:
                                   f'{html.escape(name)}:</b> {html.escape(str(exc))}</p>'))
             return
         lock = threading.Lock()
-        values = {f: sorted({str(v) for v in sweep.runs[f]}) for f in sweep.fields}
+        values = {f: sorted({str(v) for v in sweep.runs[f]}, key=_order) for f in sweep.fields}
         pickers = {f: MultiChoice(title=f, value=list(v), options=[(x, html.escape(x)) for x in v], width=260)
                    for f, v in values.items()}  # MultiChoice draws its labels as HTML: escaped
         state: dict[str, Any] = {"sweep": sweep, "auto": True, "shown": None}
@@ -301,6 +311,14 @@ def default_k(sweep: "Sweep") -> int | None:
     """Fig. 7a's default k for ``sweep`` (:func:`~nsa_dist.plots.axes.energy_k` of its smallest N and
     K), or None before any run has a finished step."""
     return energy_k(sweep.smallest_n(), sweep.smallest_k()) if len(sweep.groups()) else None
+
+
+def _order(value: str) -> tuple[int, float, str]:
+    """Grid values in numeric order where they are numbers (8 before 12), else by name."""
+    try:
+        return 0, float(value), value
+    except ValueError:
+        return 1, 0.0, value
 
 
 def _guard(read: Any) -> Any:
