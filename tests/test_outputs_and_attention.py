@@ -21,7 +21,7 @@ from conftest import assert_close_rel, dense_jacobian, dense_ntk, flat_model
 from nsa_dist.errors import ModelFactoryError, ModelForwardError, ShapeError
 from nsa_dist.hessian import hessian_operator
 from nsa_dist.linalg import top_eigenpairs
-from nsa_dist.ntk import gram, ntk_operator
+from nsa_dist.ntk import explain_method, gram, jacobian_vector_product, ntk_operator
 
 F64 = torch.float64
 
@@ -292,6 +292,11 @@ def test_selected_output_is_exact_through_gram_operator_and_hessian(kind):
     pick = lambda o: o[1] if isinstance(o, tuple) else o["logits"]  # noqa: E731
     assert_close_rel(gram(model, X, output=pick), ref, 1e-12, f"gram with a callable ({kind})")
     assert_close_rel(ntk_operator(model, X, output=sel).to_dense(), ref, 1e-12, f"operator ({kind})")
+    _, routes = explain_method(model, X, output=sel)
+    assert set(routes) == {f"model.{k}" for k, _ in model.named_parameters()}, routes
+    dtheta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=F64)
+    assert_close_rel(jacobian_vector_product(model, X, dtheta, output=sel).reshape(-1),
+                     dense_jacobian(ref_model, X) @ dtheta, 1e-12, f"J·dθ ({kind})")
     Y = torch.randn(7, 2, dtype=F64)
     V = torch.randn(sum(p.numel() for p in model.parameters()), 2, dtype=F64)
     assert_close_rel(hessian_operator(model, X, Y, output=sel).matmat(V), _hessian_times(ref_model, X, Y, V),
