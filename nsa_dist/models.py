@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Union
 
@@ -300,6 +302,9 @@ def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch
 
 # --------------------------------------------------------------------------- outputs as models return them
 
+_log = logging.getLogger("nsa_dist")
+_compiled_said: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose compiled submodules were reported
+
 OutputSelector = Union[str, int, Callable[[Any], torch.Tensor], None]
 """Which output of a model to measure: None (the model returns the tensor), a key (a dict's or a
 ``ModelOutput``'s, or an attribute name), an index (a tuple's or a list's; the i-th value of a
@@ -406,6 +411,15 @@ def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Modul
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
     while dynamo is not None and isinstance(model, dynamo.OptimizedModule):
         model = model._orig_mod
+    if dynamo is not None and model not in _compiled_said:
+        inner = [name for name, m in model.named_modules() if isinstance(m, dynamo.OptimizedModule)]
+        if inner:
+            _compiled_said.add(model)
+            _log.warning("submodule %s of %s is torch.compile'd: the measurements run its compiled forward under "
+                         "hooks and torch.func transforms, so Dynamo recompiles it (exact, but slow); pass the "
+                         "model with uncompiled submodules, or compile the whole model (a compiled model is "
+                         "measured through the module it wraps)", ", ".join(repr(n) for n in inner[:3]),
+                         type(model).__name__)
     if output is None:
         return model
     _check_selector(output)

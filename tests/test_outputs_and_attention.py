@@ -476,3 +476,21 @@ def test_a_compiled_model_is_measured_through_its_module_without_recompiling(tmp
     limit = [str(w.message) for w in caught if "recompile" in str(w.message).lower() or "cache_size_limit" in
              str(w.message)]
     assert not limit, limit
+
+
+def test_a_compiled_submodule_is_reported_once(caplog):
+    """A model holding a torch.compile'd submodule (which the measurements would recompile) is
+    named in one warning saying what to pass instead (torch.compile is lazy: nothing compiles here)."""
+    import logging
+
+    from nsa_dist.models import measured_module
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    model[0] = torch.compile(model[0])
+    with caplog.at_level(logging.WARNING, logger="nsa_dist"):
+        assert measured_module(model) is model
+        measured_module(model)
+    said = [r.getMessage() for r in caplog.records if "torch.compile'd" in r.getMessage()]
+    assert len(said) == 1 and "submodule '0' of Sequential" in said[0] and "uncompiled submodules" in said[0], said
+    outer = torch.compile(nn.Linear(2, 1))
+    assert isinstance(measured_module(outer), nn.Linear) and measured_module(outer) is outer._orig_mod
