@@ -245,12 +245,13 @@ def test_a_run_page_waits_for_its_first_step_and_for_data_written_at_the_end(sto
 @pytest.mark.slow  # the whole page built by the server and pulled over its websocket
 def test_the_run_page_is_a_document_with_a_tab_per_paper(store):
     from bokeh.client import pull_session
-    from bokeh.models import Div, TabPanel
+    from bokeh.models import Div, Tabs
 
     with _Served(ServeOptions(store, port=0)) as s:
         with pull_session(url=f"http://127.0.0.1:{s.server.port}/run", arguments={"id": "served"}) as session:
             doc = session.document
-            tabs = [m.title for m in doc.select({"type": TabPanel})]
+            (tab_row,) = doc.select({"type": Tabs})
+            tabs = [t.title for t in tab_row.tabs]
             texts = " ".join(m.text for m in doc.select({"type": Div}))
     assert tabs == ["NSA paper", "Hessian paper"], tabs
     for number in ("NSA Fig. 1e", "NSA Fig. 3a–e", "NSA Fig. 4a", "NSA Fig. 7d", "NSA Eqs. 4–5", "NSA App. F",
