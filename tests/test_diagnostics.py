@@ -167,3 +167,22 @@ def _raiser(exc: BaseException):
     def f():
         raise exc
     return f
+
+
+def test_a_run_above_the_bound_is_done_and_its_figure_says_the_prediction_diverges(tmp_path) -> None:
+    """δ above 2N/λ_max(G_0) for a few steps: the run is done, the Eqs. 4–5 arrays record where the
+    prediction diverges, and the figure says so."""
+    from nsa_dist.plots import make_figure
+    from nsa_dist.plots.axes import title_of
+
+    url = str(tmp_path / "s.zarr")
+    out = run_experiment(_tiny("above", schedule={"lr": 1.0}), SpectrumStore(url))  # 2N/λ_max(G_0) = 0.79
+    assert out.status == "done", out
+    run = Client(url).run(out.run_id)
+    attrs = run.array_attrs("constant_gram_residual")
+    assert attrs["diverges"] is True and attrs["lr_max"] == 1.0 and attrs["stability_bound"] < 1.0, attrs
+    assert attrs["first_unstable_step"] == 0 and attrs["overflow_step"] == -1, attrs
+    assert np.isfinite(run.array("constant_gram_energy")).all()
+    fig = make_figure(run, "eqs45_constant_gram")
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert any("the prediction diverges" in t for t in texts), (title_of(fig), texts)

@@ -9,6 +9,7 @@ import numpy as np
 from nsa_dist.plots.axes import PlotOptions, colors, family_label, legend, new_figure
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from nsa_dist.client import Run
@@ -69,6 +70,19 @@ def appF(run: "Run") -> "Figure":
     return fig
 
 
+def _say_if_diverging(ax: "Axes", attrs: dict) -> None:
+    """Above GD's stability bound the constant-Gram prediction diverges: say so on the panel (the
+    predicted norm is +inf, not drawn, where it overflows float64)."""
+    if not attrs.get("diverges"):
+        return
+    note = (f"δ = {attrs['lr_max']:.3g} > 2N/λ_max(G_t0) = {attrs['stability_bound']:.3g}:\n"
+            "the prediction diverges")
+    if attrs.get("overflow_step", -1) >= 0:
+        note += f"\n(beyond float64 from t = {attrs['overflow_step']})"
+    ax.text(0.02, 0.03, note, transform=ax.transAxes, fontsize=7, color="C3", va="bottom",
+            bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+
+
 def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     """Eqs. 4–5: ‖m_t‖ and E_t(m_t, k) measured beside GD's prediction with G fixed at its first
     recorded value (E of the prediction in G_{t0}'s eigenbasis, the measured one in G_t's); with test
@@ -97,6 +111,7 @@ def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     left.set(xlabel="step t", ylabel=r"$\Vert m_t\Vert$", yscale="log")
     left.grid(alpha=0.3)
     legend(left)
+    _say_if_diverging(left, run.array_attrs("constant_gram_residual"))
     measured = run.energy("residual")  # (S, K)
     rows = chosen_ks(E.shape[1], opts.ks or (1, 10, 100, 500))
     cols, labels = colors(len(rows)), [family_label("k", k) for k in rows]
