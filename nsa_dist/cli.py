@@ -322,16 +322,24 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
 
     runs = Client(args.store).runs()
-    t = Table(title=f"runs in {args.store}")
+    t = Table(title=f"runs in {_esc(args.store)}")
     for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
         t.add_column(col)
     for r in runs.to_dict("records"):
         note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""
-        t.add_row(r["id"], str(r["status"]), f"{r['steps_done']}/{r['steps_total']}", str(r["last_step"]),
-                  str(r.get("data.name")), str(r.get("data.n")), f"{r.get('model.depth')}×{r.get('model.width')}",
-                  str(r.get("optimizer.name")), _lr(r.get("schedule.lr")), note)
-    Console().print(t if len(runs) else f"no runs in {args.store}")
+        t.add_row(*map(_esc, (r["id"], r["status"], f"{r['steps_done']}/{r['steps_total']}", r["last_step"],
+                              r.get("data.name"), r.get("data.n"), f"{r.get('model.depth')}×{r.get('model.width')}",
+                              r.get("optimizer.name"), _lr(r.get("schedule.lr")), note)))
+    Console().print(t if len(runs) else f"no runs in {_esc(args.store)}")
     return 0
+
+
+def _esc(value: object) -> str:
+    """A string from a store, a spec or a path as Rich shows it literally: never read as markup
+    (a run that failed with "[/data/x]" in its reason must not break the table that lists it)."""
+    from rich.markup import escape
+
+    return escape(str(value))
 
 
 def _text(value: object) -> str:
@@ -348,14 +356,13 @@ def _lr(value: object) -> str:
 
 def _print_notes(con: "Console", notes: dict[object, dict[str, str]], most: int = 5) -> None:
     """The diagnostics stored as NaN, with their reasons: one line per step and reason."""
-    from rich.markup import escape
-
-    lines = [f"{f't = {t}' if isinstance(t, int) else t}: {', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
+    lines = [f"{f't = {t}' if isinstance(t, int) else t}: "
+             f"{', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
              for t, by in notes.items() for reason in dict.fromkeys(by.values())]
     if lines:
         con.print(f"[yellow]diagnostics not computed at {len(notes)} step(s):[/]")
         for line in lines[:most]:
-            con.print("  " + escape(line), soft_wrap=True)
+            con.print("  " + _esc(line), soft_wrap=True)
         if len(lines) > most:
             con.print(f"  … {len(lines) - most} more (Run.notes has them all)")
 
@@ -368,17 +375,19 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     run = Client(args.store).run(args.run)
     con = Console()
-    con.print(f"[bold]{run.id}[/]  status: {run.status}" + (f"  ({run.reason})" if run.reason else ""))
+    con.print(f"[bold]{_esc(run.id)}[/]  status: {_esc(run.status)}"
+              + (f"  ({_esc(run.reason)})" if run.reason else ""))
     s = run.spec
     if hasattr(s.model, "factory"):  # a user-defined network (factory or Tracker)
         net = f"{s.model.factory}({', '.join(f'{k}={v}' for k, v in s.model.kwargs.items())})"
     else:
         net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
     lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
-    con.print(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
-    con.print(f"data fingerprint {run.data_fingerprint or '(not recorded: a run made before fingerprints)'}")
+    con.print(_esc(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  "
+                   f"steps={s.steps}"))
+    con.print(_esc(f"data fingerprint {run.data_fingerprint or '(not recorded: a run made before fingerprints)'}"))
     if run.attrs.get("layout"):
-        con.print(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})")
+        con.print(_esc(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})"))
     steps = run.steps
     con.print(f"recorded {len(steps)}/{len(run.schedule)} steps")
     if not len(steps):
@@ -519,13 +528,13 @@ class _SweepTable:
             return
         from rich.table import Table
 
-        t = Table(title=f"sweep {self.name}")
+        t = Table(title=f"sweep {_esc(self.name)}")
         for col in ("run", "recorded", "step", "loss", "λ_max", "status"):
             t.add_column(col)
         for r in runs:
-            t.add_row(r.run_id, f"{r.done}/{r.total}", str(r.step if r.step is not None else "-"),
+            t.add_row(_esc(r.run_id), f"{r.done}/{r.total}", str(r.step if r.step is not None else "-"),
                       f"{r.loss:.4g}" if r.loss is not None else "-",
-                      f"{r.lambda_max:.4g}" if r.lambda_max is not None else "-", r.status)
+                      f"{r.lambda_max:.4g}" if r.lambda_max is not None else "-", _esc(r.status))
         self.live.update(t)
 
 

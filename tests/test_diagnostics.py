@@ -186,3 +186,24 @@ def test_a_run_above_the_bound_is_done_and_its_figure_says_the_prediction_diverg
     fig = make_figure(run, "eqs45_constant_gram")
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert any("the prediction diverges" in t for t in texts), (title_of(fig), texts)
+
+
+def test_store_strings_are_never_rich_markup_in_the_cli(tmp_path, capsys) -> None:
+    """A failure reason (and notes) holding Rich markup — "[/data/x]", "[bold]" — is printed as it
+    is by `nsa ls` and `nsa show`; it used to end both with a MarkupError listing nothing."""
+    from nsa_dist.cli import main
+
+    url = str(tmp_path / "s.zarr")
+    out = run_experiment(_tiny("markup"), SpectrumStore(url))
+    store = SpectrumStore(url)
+    w = store.writer(out.run_id, store.run_attrs(out.run_id)["spec"], store.dims(out.run_id))
+    reason = "FileNotFoundError: [/data/x] missing [bold]not bold[/bold] [red"
+    w.set_status("failed", reason)
+    w.set_attrs(post_run_notes={"preservation": "ValueError: [/oops]"})
+    capsys.readouterr()
+    assert main(["ls", "--store", url]) == 0
+    listed = capsys.readouterr().out
+    assert "failed" in listed and "[red" in listed, listed  # the reason, literally, in a narrow table
+    assert main(["show", out.run_id, "--store", url]) == 0
+    shown = capsys.readouterr().out
+    assert reason in shown.replace("\n", "") and "ValueError: [/oops]" in shown, shown
