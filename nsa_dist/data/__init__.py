@@ -3,7 +3,7 @@
 Owns: the loaders and generators (MNIST, CIFAR, digits, 2-D images, densities for NCE, the
 stand-ins), their file formats and what a data path is (:data:`Location`, :func:`is_url`: local
 or fsspec URL).  May import: NumPy, SciPy, scikit-learn / scikit-image (optional loaders),
-:mod:`nsa_dist.config` (the data spec), ``errors`` and ``_fsspec`` — the bottom layer beside
+:mod:`nsa_dist.config` (the data spec), ``errors``, ``_fsspec`` and ``_faults`` — the bottom layer beside
 ``config``: never a model, the numerics, the pipeline or the store.
 """
 

@@ -8,7 +8,7 @@ passed through ``Path`` (which would fold ``s3://`` into ``s3:/``).
 
 Every failure to reach a URL is one line naming it, its endpoint and the cause: no credentials,
 refused keys, a missing bucket or object, an endpoint that cannot be reached, an unknown scheme
-(:func:`_failure`; the causes are :func:`nsa_dist.store.faults.outside_cause`'s, as for a store).
+(:func:`_failure`; the causes are :func:`nsa_dist._faults.outside_cause`'s, as for a store).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _REMOTE_PACKAGES = {"botocore", "aiobotocore", "boto3", "s3fs", "aiohttp", "gcsf
 def _is_outside(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception behind it) is the filesystem's: an OSError or an error of
     the object-store client packages (botocore's NoCredentialsError is not an OSError)."""
-    from nsa_dist.store.faults import exception_chain
+    from nsa_dist._faults import exception_chain
 
     return any(isinstance(e, OSError) or type(e).__module__.split(".")[0] in _REMOTE_PACKAGES
                for e in exception_chain(exc))
@@ -55,7 +55,7 @@ def _failure(exc: BaseException, url: str, who: str, expected: str | None = None
     """The one-line error for a URL whose filesystem failed: FileNotFoundError when nothing is
     there (naming a missing bucket), else :class:`~nsa_dist.errors.OutsideError` naming the URL,
     its endpoint and the cause (credentials, keys, endpoint, or the client's own message)."""
-    from nsa_dist.store.faults import endpoint_of, outside_cause
+    from nsa_dist._faults import endpoint_of, outside_cause
 
     cause = outside_cause(exc, url)
     wanted = f" (expected {expected})" if expected else ""
@@ -163,7 +163,7 @@ def open_binary(path: Location) -> Iterator[IO[bytes]]:
             try:
                 yield f
             except Exception as exc:
-                from nsa_dist.store.faults import outside_cause
+                from nsa_dist._faults import outside_cause
 
                 if outside_cause(exc, path) is None:
                     raise

@@ -11,7 +11,7 @@ repair through the writer (:mod:`.verify`), one-line summaries (:mod:`.summary`)
 store's outside faults (:mod:`.faults`).  Only this package touches Zarr; everything else reads
 and writes through it.
 
-May import: numpy, zarr, :mod:`nsa_dist.errors`, :mod:`nsa_dist._fsspec`, and
+May import: numpy, zarr, :mod:`nsa_dist.errors`, :mod:`nsa_dist._fsspec`, ``_faults``, and
 :mod:`nsa_dist.metrics` (the schema sizes the reconstruction arrays) — nothing of the pipeline,
 the cluster or the client.  Inside, the modules import downwards only, never in a circle:
 ``status``, ``keys``, ``locks`` ← ``lease`` ← ``fencing`` ← ``runs`` ← ``reader`` ← ``zarr_store`` ← ``verify``
