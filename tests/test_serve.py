@@ -492,3 +492,31 @@ def test_the_table_and_a_run_page_read_an_s3_store(store, s3_env):
         assert not p.error.visible, p.error.text
     with _Served(ServeOptions(url, port=0)) as s:
         assert s.get("/")[0] == 200 and s.get(f"/run?id={run_id(SPEC)}")[0] == 200
+
+
+def test_a_flat_curve_is_served_flat() -> None:
+    """E(y, N) ≡ 1 to rounding: the linear axis keeps at least ±5 % of the value instead of
+    stretching 1e-15 of noise over the figure (a zig-zag); a curve that moves autoscales as before."""
+    pytest.importorskip("bokeh")
+    from nsa_dist.serve._curves import Curves, Plot, Series, flat_interval
+
+    t = np.arange(6.0)
+    flat = [Series(t, 1.0 + 1e-15 * np.array([0, 1, -1, 1, 0, -1]), "E(y, N)")]
+    assert flat_interval(flat, Plot("t", "E")) == pytest.approx(0.1)
+    assert flat_interval([Series(t, np.zeros(6), "0")], Plot("t", "E")) == pytest.approx(0.1)
+    assert flat_interval([Series(t, t / 10, "moving")], Plot("t", "E")) is None
+    assert flat_interval(flat, Plot("t", "E", y_log=True)) is None
+
+    class Flat(Curves):
+        plots = (Plot("t", "E"),)
+
+        def series(self, run):
+            return [self.curves]
+
+    panel = Flat()
+    panel.curves = flat
+    panel.show(panel.read(None))
+    assert panel.figs[0].y_range.min_interval == pytest.approx(0.1)
+    panel.curves = [Series(t, t / 10, "moving")]
+    panel.show(panel.read(None))
+    assert panel.figs[0].y_range.min_interval is None

@@ -111,6 +111,25 @@ def _columns(series: Sequence[Series], plot: Plot) -> dict[str, dict[str, list[A
     return {"lines": lines, "dots": dots, "bars": bars, "bands": bands}
 
 
+def flat_interval(series: Sequence[Series], plot: Plot) -> float | None:
+    """The least y-interval a linear axis shows for these curves: a curve flat to rounding (e.g.
+    E(y, N) ≡ 1 ± 1e-15) is drawn flat over ±5 % of its value, as ``nsa plot`` does
+    (:func:`nsa_dist.plots.axes.keep_flat`), instead of autoscaling the noise; None otherwise."""
+    from nsa_dist.plots.axes import FLAT_PAD, FLAT_SPAN
+
+    if plot.y_log:
+        return None
+    ys = [np.asarray(s.y, np.float64).ravel() for s in series]
+    y = np.concatenate(ys) if ys else np.zeros(0)
+    y = y[np.isfinite(y)]
+    if not y.size:
+        return None
+    scale = float(np.max(np.abs(y)))
+    if float(y.max() - y.min()) > FLAT_SPAN * scale:
+        return None
+    return 2 * FLAT_PAD * (scale or 1.0)
+
+
 class Curves(Panel):
     """A titled block of line figures (``plots``) drawn from :meth:`series`, with ``controls``.
 
@@ -167,7 +186,8 @@ class Curves(Panel):
     def read(self, run: Any) -> dict[str, Any]:
         curves = self.series(run)
         return {"note": self.note_text(run), "choices": self.choices(run),
-                "plots": [_columns(s, p) for s, p in zip(curves, self.plots)]}
+                "plots": [_columns(s, p) for s, p in zip(curves, self.plots)],
+                "flat": [flat_interval(s, p) for s, p in zip(curves, self.plots)]}
 
     def show(self, data: dict[str, Any]) -> None:
         self.note.text, self.note.visible = html.escape(data["note"]), bool(data["note"])
@@ -178,6 +198,9 @@ class Curves(Panel):
             for name, s in src.items():
                 if any(len(v) for v in cols[name].values()) or any(len(v) for v in s.data.values()):
                     s.data = cols[name]  # an empty source left empty sends nothing to the browser
+        for fig, least in zip(self.figs, data.get("flat", [])):
+            if fig.y_range.min_interval != least:
+                fig.y_range.min_interval = least
 
 
 def step_options(steps: Any) -> list[str]:
