@@ -84,6 +84,9 @@ def _read_yaml(path: str | Path) -> dict:
         raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML ({_clip(str(exc), 500)})") from exc
+    except RecursionError as exc:  # the parser recurses per level: [[[[…]]]] 50,000 deep
+        raise SpecError(f"{p}: the YAML nests too deeply to read (thousands of levels of [ or {{); "
+                        "a spec file is a few levels deep") from exc
     _check_expanded_size(raw, p)
     if not isinstance(raw, dict):
         raise SpecError(f"{p}: expected a mapping of spec fields at the top level, got {type(raw).__name__}")

@@ -41,6 +41,12 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
         img = img[..., :3] @ np.array([0.2125, 0.7154, 0.0721])
     if img.ndim != 2 or min(img.shape) < 2:
         raise ValueError(f"image2d: expected a 2-D grayscale or RGB image, got shape {img.shape}")
+    bad = ~np.isfinite(img)
+    if bad.any():  # a float TIFF/EXR-like decode: NaN or inf pixels would read as a constant image
+        where = np.argwhere(bad)[0].tolist()
+        raise ValueError(f"image2d: {str(path) if path is not None else 'the image'!r} has {int(bad.sum())} non-finite "
+                         f"pixel(s) (NaN/inf, the first at row {where[0]}, column {where[1]}); give an image "
+                         "whose pixels are numbers")
     lo, hi = img.min(), img.max()
     return (img - lo) / (hi - lo) if hi > lo else np.zeros_like(img)
 
