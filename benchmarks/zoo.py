@@ -58,10 +58,11 @@ def _tiny_resnet(name: str, k: int) -> nn.Module:
     return R.ResNet(block, [1, 1, 1, 1], num_classes=k, groups=groups, width_per_group=width)
 
 
-def _small_classifier(m: nn.Module, width: int, k: int) -> nn.Module:
-    """VGG / AlexNet with their 4096-wide classifier (100M+ parameters) narrowed to ``width``."""
+def _small_classifier(m: nn.Module, width: int, k: int, features: int | None = None) -> nn.Module:
+    """VGG / AlexNet with their 4096-wide classifier (100M+ parameters) narrowed to ``width``
+    (``features``: its input width, default the original's)."""
     first = next(mod for mod in m.classifier if isinstance(mod, nn.Linear))
-    m.classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(first.in_features, width), nn.ReLU(inplace=True),
+    m.classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(features or first.in_features, width), nn.ReLU(inplace=True),
                                  nn.Dropout(0.5), nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, k))
     return m
 
@@ -72,7 +73,7 @@ def _tiny_vgg(name: str, k: int) -> nn.Module:
     letter = {"vgg11": "A", "vgg13": "B", "vgg16": "D", "vgg19": "E"}[name.replace("_bn", "")]
     cfg = [c if c == "M" else c // 8 for c in V.cfgs[letter]]
     m = V.VGG(V.make_layers(cfg, batch_norm=name.endswith("_bn")), num_classes=k)
-    return _small_classifier(m, 32, k)
+    return _small_classifier(m, 32, k, features=[c for c in cfg if c != "M"][-1] * 7 * 7)
 
 
 def _tiny_densenet(name: str, k: int) -> nn.Module:
@@ -88,8 +89,12 @@ def _tiny_efficientnet(name: str, k: int) -> nn.Module:
         setting, last = E._efficientnet_conf(name, width_mult=0.5, depth_mult=0.5)
         return E.EfficientNet(setting, 0.2, last_channel=last, num_classes=k)
     setting, last = E._efficientnet_conf(name)
-    setting = [dataclasses.replace(c, input_channels=max(8, c.input_channels // 4),
-                                   out_channels=max(8, c.out_channels // 4), num_layers=1) for c in setting]
+    narrow, prev = [], -(-setting[0].input_channels // 32) * 8
+    for c in setting:  # a quarter of the channels (multiples of 8, as the configs round them), one layer per stage
+        narrow.append(dataclasses.replace(c, input_channels=prev, out_channels=-(-c.out_channels // 32) * 8,
+                                          num_layers=1))
+        prev = narrow[-1].out_channels
+    setting = narrow
     return E.EfficientNet(setting, 0.2, last_channel=256, num_classes=k,
                           norm_layer=partial(nn.BatchNorm2d, eps=1e-03))
 

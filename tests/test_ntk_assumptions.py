@@ -201,6 +201,19 @@ class FunctionalReuse(Chain):
         return torch.tanh(self.a(x)) + 0.5 * torch.tanh(F.linear(x, self.a.weight))
 
 
+class SharedTable(nn.Module):
+    """One embedding table registered in two modules, only the second of which is called (tied
+    input embeddings as in a T5 encoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.tok, self.head = nn.Embedding(7, 4), nn.Embedding(7, 4), nn.Linear(4, 1)
+        self.tok.weight = self.shared.weight
+
+    def forward(self, x):  # x (n, T) token ids as floats
+        return self.head(torch.tanh(self.tok(x.long()))).mean(1).squeeze(-1)
+
+
 def _flat(n, width, g):
     return torch.randn(n, width, generator=g, dtype=F64)
 
@@ -244,6 +257,8 @@ CASES = {
         _output_hook_same_value, lambda g: _flat(6, 4, g), {"a.weight": ("jacobian", "returns its output")}, "b.weight"),
     "called_once/twice_with_different_shapes": (CalledTwice, lambda g: _flat(6, 4, g),
                                                 {"a.weight": ("jacobian", "called once")}, "b.weight"),
+    "called_once/tied_through_a_module_not_called": (SharedTable, lambda g: _ids(6, 5, g),
+                                                     {"shared.weight": ("jacobian", "called once")}, "head.weight"),
     "called_once/weight_reused_functionally": (FunctionalReuse, lambda g: _flat(6, 4, g),
                                                {"a.weight": ("jacobian", "called once")}, "b.weight"),
     # proven and kept fast: the formula reads the input the forward saw (after the pre-hook) and

@@ -26,6 +26,7 @@ per-sample Jacobians (exact for any module), alone; a coupling model the full-ba
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -414,6 +415,8 @@ def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor
         for pname, p in m.named_parameters(recurse=False):
             owner.setdefault(id(p), (mname, m, pname))
     attention, cands, calls, out = trace.attention, trace.cands, trace.calls, trace.out
+    homes = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))  # tied: > 1
+    canonical = {id(p): n for n, p in params.items()}
     b = trace.b
     uses = _uses(out)
     routes: dict[str, tuple[str, str]] = {}
@@ -428,6 +431,10 @@ def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor
         why = None if why is None else f"{READS}: {label}: {why}"
         if why is None and len(seen) != 1:
             why = f"{ONCE}: {label} is called {len(seen)} times per forward"
+        tied = [pn for pn in local if homes[id(m.get_parameter(pn))] > 1]
+        if why is None and tied:
+            why = (f"{ONCE}: parameter {mname}.{tied[0]} is also registered in another module (tied), which the "
+                   "forward may use too")
         if why is None:
             c = seen[0]
             shared = [pn for pn in local if uses.get(id(m.get_parameter(pn)), 0) != 1]
@@ -446,13 +453,13 @@ def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor
                                                                       label)
         if why is not None:
             for pn in local:
-                routes[f"{mname}.{pn}" if mname else pn] = (Route.JACOBIAN, why)
+                routes[canonical.get(id(m.get_parameter(pn)), f"{mname}.{pn}")] = (Route.JACOBIAN, why)
             continue
         proven[mname] = (m, local, seen[0])
     rows = _own_rows(out, {n: (c.z, _batch_dim(m, n in attention), f"{_kind(m)} {n!r}")
                            for n, (m, _, c) in proven.items()})
     for mname, (m, local, c) in proven.items():
-        names = [f"{mname}.{pn}" if mname else pn for pn in local]
+        names = [canonical.get(id(m.get_parameter(pn)), f"{mname}.{pn}") for pn in local]
         if mname in rows:
             for n in names:
                 routes[n] = (Route.JACOBIAN, rows[mname])
