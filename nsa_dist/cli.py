@@ -321,15 +321,18 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
     from nsa_dist.client import Client
 
-    runs = Client(args.store).runs()
+    client = Client(args.store)
+    runs = client.runs()
     t = Table(title=f"runs in {_esc(args.store)}")
     for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
         t.add_column(col)
     for r in runs.to_dict("records"):
         note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""
-        t.add_row(*map(_esc, (r["id"], r["status"], f"{r['steps_done']}/{r['steps_total']}", r["last_step"],
-                              r.get("data.name"), r.get("data.n"), f"{r.get('model.depth')}×{r.get('model.width')}",
-                              r.get("optimizer.name"), _lr(r.get("schedule.lr")), note)))
+        lr = _recorded_lr(client, r) if r.get("data.name") == "arrays" else _lr(r.get("schedule.lr"))
+        t.add_row(*map(_esc, (r["id"], r["status"], f"{_int(r['steps_done'])}/{_int(r['steps_total'])}",
+                              _int(r["last_step"]), _text(r.get("data.name")), _int(r.get("data.n")),
+                              f"{_int(r.get('model.depth'))}×{_int(r.get('model.width'))}",
+                              _text(r.get("optimizer.name")), lr, note)))
     Console().print(t if len(runs) else f"no runs in {_esc(args.store)}")
     return 0
 
@@ -345,6 +348,25 @@ def _esc(value: object) -> str:
 def _text(value: object) -> str:
     """A DataFrame cell as text: "" for a missing value (pandas reads a None among strings as NaN)."""
     return "" if value is None or (isinstance(value, float) and np.isnan(value)) else str(value)
+
+
+def _int(value: object) -> str:
+    """A count as an integer ("39", never "39.0": pandas makes a column float when another run's
+    cell is missing); "-" when missing."""
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return _text(value) or "-"
+    return "-" if np.isnan(v) else (str(int(v)) if v.is_integer() else f"{v:g}")
+
+
+def _recorded_lr(client: "Client", row: dict) -> str:
+    """A Tracker run's learning rate as recorded at its last finished step (its spec holds none)."""
+    try:
+        lr = client.run(row["id"]).lr
+    except Exception:  # noqa: BLE001 - a damaged run still lists
+        return "-"
+    return _lr(lr[-1]) if len(lr) else "-"
 
 
 def _lr(value: object) -> str:

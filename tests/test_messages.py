@@ -29,3 +29,35 @@ def test_yaml_nested_too_deeply_is_refused_naming_the_file(tmp_path, capsys) -> 
     assert main(["run", str(spec), "--store", str(tmp_path / "s.zarr")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(spec) in err[0] and "nests too deeply" in err[0], err
+
+
+def test_nsa_ls_shows_counts_as_integers_and_a_trackers_recorded_lr(tmp_path, capsys, monkeypatch) -> None:
+    """Counts print as integers even when pandas made their column float, and a Tracker run's lr is
+    the one it recorded, not the spec's default."""
+    import torch
+
+    from nsa_dist.cli import _int
+    from nsa_dist.tracker import Tracker
+
+    assert (_int(39.0), _int(float("nan")), _int(None), _int(7), _int(2.5)) == ("39", "-", "-", "7", "2.5")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    X, y = torch.randn(12, 2), torch.randn(12)
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "tracked", model, X, y, steps=4, record={"every": 2}, spectrum={"k": 4}, optimizer="gd")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0371)
+    for t in range(4):
+        opt.zero_grad()
+        loss = 0.5 * ((model(X) - y) ** 2).mean()
+        if tr.due(t):
+            tr.record(t, lr=0.0371, loss=loss.item())
+        else:
+            tr.log(t, loss.item())
+        loss.backward()
+        opt.step()
+    tr.close()
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: Rich shortens cells to fit
+    capsys.readouterr()
+    assert main(["ls", "--store", url]) == 0
+    out = capsys.readouterr().out
+    assert "0.0371" in out and ".0×" not in out, out
