@@ -520,3 +520,36 @@ def test_a_flat_curve_is_served_flat() -> None:
     panel.curves = [Series(t, t / 10, "moving")]
     panel.show(panel.read(None))
     assert panel.figs[0].y_range.min_interval is None
+
+
+# --------------------------------------------------------------------------- a store is untrusted input
+def _pulled_texts(s: "_Served", path: str, **args: str) -> list[str]:
+    """The Divs' texts of page ``path`` with query ``args``, as the server builds it for a session."""
+    from bokeh.client import pull_session
+    from bokeh.models import Div
+
+    with pull_session(url=f"http://127.0.0.1:{s.server.port}{path}", arguments=args) as session:
+        return [m.text for m in session.document.select({"type": Div})]
+
+
+def test_a_run_id_is_looked_up_among_the_listed_runs_never_as_a_path(store, tmp_path):
+    import shutil
+
+    from nsa_dist.serve.run_page import UNKNOWN_RUN, open_run
+
+    url = tmp_path / "in" / "s.zarr"
+    shutil.copytree(store, url)
+    outside = url.parent / "secret"  # a Zarr group outside the store, where runs/../../secret points
+    shutil.copytree(url / "runs" / run_id(SPEC), outside)
+    sneaky = "../../secret"
+    assert (url / "runs" / sneaky / "zarr.json").is_file()
+    opened = SpectrumStore(str(url), mode="r")
+    assert open_run(opened, run_id(SPEC)[:6]).id == run_id(SPEC) and open_run(opened, "served").id == run_id(SPEC)
+    for rid in (sneaky, "../../nothing", "", "nosuchrun", "/etc", "runs/../" + run_id(SPEC)):
+        with pytest.raises(LookupError) as got:
+            open_run(opened, rid)
+        assert str(got.value) == UNKNOWN_RUN, (rid, str(got.value))
+    with _Served(ServeOptions(str(url), port=0)) as s:
+        pages = {rid: _pulled_texts(s, "/run", id=rid) for rid in (sneaky, "../../nothing")}
+    assert pages[sneaky] == pages["../../nothing"], pages  # one fixed message: nothing told of the filesystem
+    assert UNKNOWN_RUN in pages[sneaky][0] and str(tmp_path) not in pages[sneaky][0], pages[sneaky]

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from nsa_dist.client import Client, Run
+from nsa_dist.client import Run
 
 if TYPE_CHECKING:
     from bokeh.document import Document
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from nsa_dist.serve._live import Panel
     from nsa_dist.store import SpectrumStore
 
-__all__ = ["run_page", "run_panels", "run_sections"]
+__all__ = ["UNKNOWN_RUN", "open_run", "run_page", "run_panels", "run_sections"]
 
 _Needs = Callable[[Run], bool]
 _REDRAW_S = 2.0  # a live run's page redraws its figures at most this often (a browser draws ~40 of them)
@@ -107,6 +107,36 @@ def _notes(run: Run) -> str:
             f'</summary><ul>{items}{more}</ul></details>')
 
 
+UNKNOWN_RUN = "no run with this id in the store"
+
+
+def open_run(store: "SpectrumStore", rid: str) -> Run:
+    """The run ``?id=`` names, looked up among the runs the store lists only — its id, a unique id
+    prefix, or its name when one run has it — never as a path (``..`` names no listed run).
+
+    Raises:
+        LookupError: :data:`UNKNOWN_RUN` (the same words for every id not listed, so the page tells
+            nothing of what exists outside the store), or the listed ids an ambiguous prefix matches.
+    """
+    ids = store.run_ids()
+    hits = [rid] if rid in ids else [r for r in ids if rid and r.startswith(rid)]
+    if not hits and rid:
+        hits = [r for r in ids if _spec_name(store, r) == rid]
+    if not hits:
+        raise LookupError(UNKNOWN_RUN)
+    if len(hits) > 1:
+        raise LookupError(f"{len(hits)} runs match: {', '.join(hits[:10])}; give the full id")
+    return Run(store, hits[0])
+
+
+def _spec_name(store: "SpectrumStore", rid: str) -> str | None:
+    """Run ``rid``'s spec name, or None for a run whose attributes cannot be read."""
+    try:
+        return store.run_attrs(rid).get("spec", {}).get("name")
+    except Exception:  # noqa: BLE001 — a damaged run is never matched by name
+        return None
+
+
 def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
     """The Bokeh app function of ``/run``."""
 
@@ -116,12 +146,15 @@ def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
 
         from nsa_dist.serve._live import every, query_arg
 
-        rid = query_arg(doc, "id") or ""
         try:
-            run = Run(store, rid) if store.has_run(rid) else Client.of(store).run(rid)  # a prefix or a name
-        except Exception as exc:  # noqa: BLE001 — a missing or unreadable run is the page's message
-            doc.add_root(Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open run '
-                                  f'{html.escape(rid)}:</b> {html.escape(str(exc))}</p>'))
+            run = open_run(store, query_arg(doc, "id") or "")
+        except LookupError as exc:  # an id the store does not list: a fixed message, nothing of the filesystem
+            doc.add_root(Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>{html.escape(str(exc))}'
+                                  '</b></p>'))
+            return
+        except Exception as exc:  # noqa: BLE001 — a listed run that cannot be read: the page's message
+            doc.add_root(Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open this run:</b> '
+                                  f'{html.escape(str(exc))}</p>'))
             return
         lock = threading.Lock()
         header = Div(text=header_text(run), css_classes=["nsa-header"])
