@@ -17,13 +17,18 @@ with ``EventAccumulator(path, size_guidance={"tensors": 0, "histograms": 0})``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from nsa_dist.errors import StoreError
+from nsa_dist.errors import OutsideError, StoreError
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
@@ -194,6 +199,12 @@ def spectra(run: "Run") -> Iterator[tuple[str, int, np.ndarray]]:
 def export_tensorboard(run: "Run", logdir: str | Path) -> ExportSummary:
     """Write ``run``'s scalars and spectra as TensorBoard event files under ``logdir/<run id>/``.
 
+    The export is atomic: the event file is written into a temporary folder beside the
+    destination (``logdir/.<run id>.*.partial``) and moved into place only once complete, so that
+    a failure — a full disk, a damaged chunk of the run, Ctrl-C — leaves nothing behind and the
+    next export into ``logdir`` starts clean.  Events are written synchronously (TensorBoard's
+    ``SummaryWriter`` writes on a thread that prints a traceback of its own when the disk fills).
+
     Args:
         run: a recorded run (``Client(url).run(id)``); its finished steps are written.
         logdir: TensorBoard's log directory (``tensorboard --logdir logdir``); created if missing.
@@ -205,30 +216,88 @@ def export_tensorboard(run: "Run", logdir: str | Path) -> ExportSummary:
         MissingDependencyError: the ``tensorboard`` package is missing (the extra to install is named).
         StoreError: ``logdir/<run id>`` holds event files already (a second export would
             interleave with them), or a damaged chunk of the run (the file is named).
+        OutsideError: the export folder cannot be written (disk full, permission denied …: the
+            folder and the cause are named).
     """
     from nsa_dist._extras import require
 
     require("tensorboard", "tensorboard", "nsa export --tensorboard")
-    from torch.utils.tensorboard import SummaryWriter
 
     out = Path(logdir) / run.id
     if out.is_dir() and any(out.glob("events.out.tfevents.*")):
         raise StoreError(f"{out} holds TensorBoard event files already: remove it (or export to another "
                          "directory) — a second export would interleave with the first")
+    failed = None
+    try:
+        Path(logdir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(logdir) / f".{run.id}.{uuid.uuid4().hex[:12]}.partial"
+        tmp.mkdir()
+    except OSError as exc:
+        failed = _write_error(exc, out)
+    if failed is not None:
+        raise failed  # outside the handler: the OSError is not chained (it is not the store's)
+    try:
+        summary = _write_events(run, tmp)
+        _move_into_place(tmp, out)
+    except OSError as exc:
+        failed = _write_error(exc, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # on success only the emptied folder (or nothing) is left
+    if failed is not None:
+        raise failed
+    return replace(summary, logdir=out)
+
+
+def _write_error(exc: OSError, out: Path) -> OutsideError:
+    """The one-line error for an export folder that cannot be written (the folder, the cause)."""
+    from nsa_dist._faults import outside_cause
+
+    cause = outside_cause(exc, str(out)) or f"{type(exc).__name__}: {exc.strerror or exc}"
+    return OutsideError(f"cannot write the export folder {out}: {cause}; nothing was left there")
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Move the finished export from ``tmp`` to ``out``: the folder in one rename, or — ``out``
+    exists already (without event files) — each file in one rename."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    for f in tmp.iterdir():
+        os.replace(f, out / f.name)
+
+
+def _write_events(run: "Run", folder: Path) -> ExportSummary:
+    """Write every scalar series and spectrum of ``run`` as one event file in ``folder``."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    from torch.utils.tensorboard.summary import histogram_raw, scalar
+
+    name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
     tags, n_scalars, n_spectra = [], 0, 0
-    with SummaryWriter(str(out)) as w:
+    with open(folder / name, "wb") as f:
+        w = RecordWriter(f)
+
+        def put(step: int, summary=None, **fields) -> None:
+            e = Event(wall_time=time.time(), step=step, summary=summary, **fields)
+            w.write(e.SerializeToString())
+
+        put(0, file_version="brain.Event:2")
         for tag, t, v in scalar_series(run):
             ok = np.flatnonzero(np.isfinite(v))
             for i in ok:
-                w.add_scalar(tag, float(v[i]), int(t[i]), new_style=True, double_precision=True)
+                put(int(t[i]), scalar(tag, float(v[i]), new_style=True, double_precision=True))
             tags.append(tag)
             n_scalars += len(ok)
         for tag, t, lam in spectra(run):
             lam = np.sort(lam[np.isfinite(lam)])
             if not len(lam):
                 continue
-            w.add_histogram_raw(tag, min=float(lam[0]), max=float(lam[-1]), num=len(lam), sum=float(lam.sum()),
-                                sum_squares=float((lam ** 2).sum()), bucket_limits=lam.tolist(),
-                                bucket_counts=[1] * len(lam), global_step=t)
+            put(t, histogram_raw(tag, min=float(lam[0]), max=float(lam[-1]), num=len(lam), sum=float(lam.sum()),
+                                 sum_squares=float((lam ** 2).sum()), bucket_limits=lam.tolist(),
+                                 bucket_counts=[1] * len(lam)))
             n_spectra += 1
-    return ExportSummary(out, tuple(tags), n_scalars, n_spectra)
+        f.flush()
+        os.fsync(f.fileno())
+    return ExportSummary(folder, tuple(tags), n_scalars, n_spectra)
