@@ -553,3 +553,20 @@ def test_a_run_id_is_looked_up_among_the_listed_runs_never_as_a_path(store, tmp_
         pages = {rid: _pulled_texts(s, "/run", id=rid) for rid in (sneaky, "../../nothing")}
     assert pages[sneaky] == pages["../../nothing"], pages  # one fixed message: nothing told of the filesystem
     assert UNKNOWN_RUN in pages[sneaky][0] and str(tmp_path) not in pages[sneaky][0], pages[sneaky]
+
+
+def test_a_pages_session_token_never_carries_the_serve_token(store):
+    import re
+
+    from bokeh.util.token import get_token_payload
+
+    with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
+        pages = [s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret; other=1"}),
+                 s.get("/?token=s3cret&x=1", {"Cookie": "nsa_serve_token=s3cret"})]
+    for status, body, _ in pages:
+        tokens = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
+        assert status == 200 and len(tokens) == 1, (status, body[:2000])
+        payload = get_token_payload(tokens[0])
+        assert "s3cret" not in repr(payload) and "s3cret" not in body, payload  # what the page's script sees
+        assert payload["cookies"] == {} and "Cookie" not in payload["headers"], payload
+    assert payload["arguments"].keys() == {"x"}, payload  # the other query arguments still reach the page

@@ -113,6 +113,18 @@ def _auth(token: str) -> Any:
     return TokenAuth()
 
 
+def _without_token(application: type) -> type:
+    """``application`` (Bokeh's ``Application``) whose sessions' tokens carry the request's query
+    arguments less ``token``: the session token is readable by the page's script."""
+
+    class WithoutToken(application):  # type: ignore[misc, valid-type]
+        def process_request(self, request: Any) -> dict[str, Any]:
+            args = {k: v for k, v in (request.arguments or {}).items() if k != "token"}
+            return {**super().process_request(request), "arguments": args}
+
+    return WithoutToken
+
+
 def make_server(opts: ServeOptions) -> "Server":
     """The Bokeh server of ``opts`` (bound, not started): ``/`` the run table, ``/run?id=RUN`` a
     run's page, ``/sweep?name=NAME`` a sweep's figures.
@@ -138,14 +150,16 @@ def make_server(opts: ServeOptions) -> "Server":
     store = SpectrumStore(opts.store, mode="r")
     apps = {"/": table_page(store, opts.refresh_s), "/run": run_page(store, opts.refresh_s),
             "/sweep": sweep_page(store, opts.refresh_s)}
-    kw: dict[str, Any] = {}
+    # A page's script sees its Bokeh session token, and the token carries the request's headers,
+    # cookies and query arguments: none of them may carry the serve token (the cookie is HttpOnly).
+    kw: dict[str, Any] = {"include_cookies": [], "exclude_headers": ["Cookie", "Authorization"]}
     if opts.token:
         kw["auth_provider"] = _auth(opts.token)
     if not is_loopback(opts.host):
         kw["allow_websocket_origin"] = ["*"]  # any name of this host; the token (same-site cookie) admits
     try:
-        return Server({path: Application(FunctionHandler(fn)) for path, fn in apps.items()}, address=opts.host,
-                      port=opts.port, num_procs=1, **kw)
+        return Server({path: _without_token(Application)(FunctionHandler(fn)) for path, fn in apps.items()},
+                      address=opts.host, port=opts.port, num_procs=1, **kw)
     except OSError as exc:
         raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc.strerror or exc})") from exc
 
