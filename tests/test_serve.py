@@ -570,3 +570,33 @@ def test_a_pages_session_token_never_carries_the_serve_token(store):
         assert "s3cret" not in repr(payload) and "s3cret" not in body, payload  # what the page's script sees
         assert payload["cookies"] == {} and "Cookie" not in payload["headers"], payload
     assert payload["arguments"].keys() == {"x"}, payload  # the other query arguments still reach the page
+
+
+def _upgrade(port: int, path: str, headers: str = "") -> str:
+    """The status line the server answers a websocket upgrade request for ``path`` with."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{headers}\r\n"
+                      ).encode())
+        return sock.recv(4096).decode(errors="replace").split("\r\n")[0]
+
+
+def test_a_websocket_without_the_token_is_refused_quietly(store, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
+        caplog.clear()
+        got = [_upgrade(s.server.port, path, h) for path, h in
+               (("/ws", ""), ("/run/ws", "Sec-WebSocket-Protocol: bokeh, x\r\n"),
+                ("/ws", "Cookie: nsa_serve_token=nope\r\n"))]
+        threading.Event().wait(0.3)  # the server logs after it answers
+        admitted = _upgrade(s.server.port, "/run/ws", "Cookie: nsa_serve_token=s3cret\r\n")
+    assert got == ["HTTP/1.1 403 Forbidden"] * 3 and admitted == "HTTP/1.1 101 Switching Protocols", (got, admitted)
+    logged = [r for r in caplog.records if "/ws" in r.getMessage() or r.exc_info]
+    refused = logged[:3]
+    assert [r.getMessage().split()[:3] for r in refused] == [["403", "GET", "/ws"], ["403", "GET", "/run/ws"],
+                                                             ["403", "GET", "/ws"]], [r.getMessage() for r in logged]
+    assert not any(r.exc_info for r in refused), [r.getMessage() for r in refused]  # one line each, no traceback

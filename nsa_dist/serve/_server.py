@@ -13,7 +13,7 @@ import hmac
 import ipaddress
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from nsa_dist.errors import ServeError
 
@@ -76,7 +76,8 @@ def is_loopback(host: str) -> bool:
 def _auth(token: str) -> Any:
     """A Bokeh AuthProvider admitting requests that carry ``token`` (query argument or cookie)."""
     from bokeh.server.auth_provider import AuthProvider
-    from tornado.web import RequestHandler
+    from tornado.web import HTTPError, RequestHandler
+    from tornado.websocket import WebSocketHandler
 
     class Refused(RequestHandler):
         def get(self) -> None:
@@ -97,10 +98,19 @@ def _auth(token: str) -> Any:
             return "token"
         return None
 
+    async def get_user_async(handler: RequestHandler) -> str | None:
+        # Called before the handler's method, so before a websocket's handshake: a websocket without
+        # the token is refused there with a 403 (one access-log line); refused after the upgrade, it
+        # was a failed handshake and a traceback in the log per attempt.
+        user = get_user(handler)
+        if user is None and isinstance(handler, WebSocketHandler):
+            raise HTTPError(403)
+        return user
+
     class TokenAuth(AuthProvider):
         @property
-        def get_user(self) -> Callable[[RequestHandler], str | None]:
-            return get_user
+        def get_user_async(self) -> Callable[[RequestHandler], Awaitable[str | None]]:
+            return get_user_async
 
         @property
         def login_url(self) -> str:
