@@ -119,6 +119,9 @@ def test_a_data_file_replaced_at_the_same_path_is_refused_on_resume(tmp_path, ca
     after = _files(url)
     assert {k: v for k, v in after.items() if not k.startswith("leases/")} == \
            {k: v for k, v in before.items() if not k.startswith("leases/")}, "the refused run wrote into the store"
+    lease = f"leases/{rid}/zarr.json"
+    assert lease in before and after.get(lease, (0, ""))[1] == before[lease][1], \
+        "the refused re-run left its own lease: the run's last sign of life would name the refused process"
     run = Client(url).run(rid)
     assert len(run.steps) == 2 and run.data_fingerprint == old
 

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,12 @@ class LeaseHeld(StoreError):
 
 class LeaseLost(StoreError):
     """This writer's lease was taken over by another writer: it must not write anything more."""
+
+
+class RunRefused(StoreError):
+    """The run was refused before anything of it was written (e.g. its data changed): the lease
+    this process took for it is handed back to the writer it replaced, so the run's "last sign of
+    life" still names that writer, not the refused process."""
 
 
 def read_lease(keys: Keys, run_id: str) -> "LeaseInfo | None":
@@ -270,6 +277,7 @@ class Lease:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.lost: list[str] = []  # runs whose lease another writer took over while we held it
+        self.replaced: dict[str, LeaseInfo] = {}  # the stale lease each of ours replaced, by run
 
     # ------------------------------------------------------------------ acquire / release
     def acquire(self) -> "Lease":
@@ -308,6 +316,8 @@ class Lease:
             with _staged(self.keys, rid, self._attrs()) as land, run_lock(self.keys, rid):
                 other = _current(self.keys, rid)  # on a local store: read and write as one step
                 if other is None or other.token == self.token or not other.fresh():
+                    if other is not None and other.token != self.token:
+                        self.replaced[rid] = other
                     if self.keys.local:  # made before the lease names us: never after a successor revoked it
                         write_folder(self.keys, rid, self.token).mkdir(parents=True, exist_ok=True)
                     land()
@@ -379,5 +389,20 @@ class Lease:
     def __enter__(self) -> "Lease":
         return self.acquire()
 
-    def __exit__(self, *exc: object) -> None:
+    def hand_back(self) -> None:
+        """Give each lease back to the writer ours replaced (as it was: stale or released), where
+        it is still ours; then stop as :meth:`release` does."""
+        with self._lock:
+            for rid, prev in self.replaced.items():
+                if rid in self.run_ids and rid not in self.lost:
+                    with _staged(self.keys, rid, dataclasses.asdict(prev)) as land, run_lock(self.keys, rid):
+                        if self._still_ours(rid):
+                            land()
+                    self.lost.append(rid)  # not ours any more: release() must not overwrite it
         self.release()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, RunRefused):
+            self.hand_back()
+        else:
+            self.release()

@@ -19,7 +19,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from nsa_dist.errors import StoreError
 from nsa_dist.store.fencing import FencedLocalStore, RunFence
 from nsa_dist.store.keys import METADATA_ERRORS, Keys
-from nsa_dist.store.lease import Lease, check_holder, write_lease
+from nsa_dist.store.lease import Lease, RunRefused, check_holder, write_lease
 from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import StepResult
 from nsa_dist.store.runs import RunIndex
@@ -170,11 +170,11 @@ class SpectrumStore(RunIndex):
         attrs = g.attrs.asdict()
         version = attrs.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise StoreError(f"run {run_id!r} in {self.url!r} has store schema {version}, this nsa-dist "
+            raise RunRefused(f"run {run_id!r} in {self.url!r} has store schema {version}, this nsa-dist "
                              f"writes {SCHEMA_VERSION}; use a new store or run name")
         diff = _diff(attrs.get("spec"), spec)
         if diff:
-            raise StoreError(f"run {run_id!r} exists in {self.url!r} with a different spec ("
+            raise RunRefused(f"run {run_id!r} exists in {self.url!r} with a different spec ("
                              + "; ".join(diff[:5]) + "); refusing to overwrite — use another name")
         self._check_data(run_id, spec, attrs.get("data_fingerprint"), data_fingerprint)
         w = RunWriter(self, run_id, g, dims, token=token)
@@ -204,7 +204,7 @@ class SpectrumStore(RunIndex):
             return
         data = (spec or {}).get("data") or {}
         what = f"data.path {data['path']!r}" if data.get("path") else f"the {data.get('name', '?')} data"
-        raise StoreError(f"run {run_id!r} in {self.url!r} was created from other data: {what} now loads as "
+        raise RunRefused(f"run {run_id!r} in {self.url!r} was created from other data: {what} now loads as "
                          f"{loaded}, the run holds {stored}; refusing to mix them — start a new run (change the "
                          f"spec's `name`) or delete this one ({self.run_path(run_id)})")
 
