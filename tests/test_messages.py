@@ -61,3 +61,33 @@ def test_nsa_ls_shows_counts_as_integers_and_a_trackers_recorded_lr(tmp_path, ca
     assert main(["ls", "--store", url]) == 0
     out = capsys.readouterr().out
     assert "0.0371" in out and ".0×" not in out, out
+
+
+def test_an_embedded_ray_that_times_out_starting_is_started_again_then_named(monkeypatch) -> None:
+    """Ray waits a fixed 30 s for its raylet; under load it raises a bare "timed out during
+    startup".  Injected here (a loaded machine cannot be made on demand): started again, and after
+    the last try one OutsideError line with the load and what to try."""
+    import ray
+
+    from nsa_dist.cluster import runtime
+    from nsa_dist.errors import OutsideError
+
+    calls = []
+
+    def timing_out(**kw):
+        calls.append(kw)
+        if len(calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", timing_out)
+    runtime._start_embedded({"num_cpus": 1}, tries=3, pause=0.0)
+    assert len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **kw: timing_out(**kw) or (_ for _ in ()).throw(
+        Exception("The current node timed out during startup.")))
+    with pytest.raises(OutsideError, match=r"did not start in 2 tries: .*load average .*ray start --head") as e:
+        runtime._start_embedded({"num_cpus": 1}, tries=2, pause=0.0)
+    assert "\n" not in str(e.value) and len(calls) == 2
+    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("another failure")))
+    with pytest.raises(ValueError, match="another failure"):  # not a startup timeout: not retried
+        runtime._start_embedded({}, tries=3, pause=0.0)

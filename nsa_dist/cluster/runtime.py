@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import ray
+
+from nsa_dist.errors import OutsideError
 
 __all__ = ["connect", "cluster_has_gpus", "alive_nodes", "auth_headers"]
 
@@ -41,11 +44,35 @@ def _init(address: str | None, num_cpus: int | None, resources: dict[str, float]
         kw: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
         if address in (None, "local"):
             kw.update(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, resources=resources)
-            ray.init(**kw)
+            _start_embedded(kw)
         elif address == "auto" and os.environ.get("RAY_ADDRESS"):
             ray.init(**kw)  # inside a Ray Job: the job manager's RAY_ADDRESS names the cluster
         else:
             ray.init(address=address, **kw)
+
+
+EMBEDDED_TRIES = 3  # Ray waits a fixed 30 s for its raylet to register: under load, start it again
+
+
+def _start_embedded(kw: dict[str, Any], tries: int = EMBEDDED_TRIES, pause: float = 5.0) -> None:
+    """``ray.init`` of an embedded Ray, started again when it times out during startup (Ray's own
+    wait for the raylet is a fixed 30 s, which a machine at load ~10 can miss); after ``tries``
+    one :class:`~nsa_dist.errors.OutsideError` line says so and what to try."""
+    for attempt in range(1, tries + 1):
+        try:
+            ray.init(**kw)
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if "timed out during startup" not in str(exc):
+                raise
+            ray.shutdown()
+            if attempt == tries:
+                load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+                raise OutsideError(
+                    f"the embedded Ray did not start in {tries} tries: its raylet did not register within Ray's "
+                    f"30 s (load average {load} on {os.cpu_count()} cores); run again when the machine is "
+                    "quieter, or start Ray yourself (`ray start --head`) and pass --address auto") from exc
+            time.sleep(pause * attempt)
 
 
 def cluster_has_gpus() -> bool:
