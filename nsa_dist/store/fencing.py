@@ -19,6 +19,7 @@ Object stores have no rename; their writers keep the check before each write
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from pathlib import Path
 from zarr.core.buffer import Buffer
 from zarr.storage import LocalStore
 
+from nsa_dist.errors import StoreError
 from nsa_dist.store.lease import LeaseLost, lease_lost, lease_on_disk
 
 __all__ = ["FencedLocalStore", "RunFence", "Staged"]
@@ -50,6 +52,7 @@ class Staged:
             FileExistsError: ``exclusive`` and the key exists.
         """
         try:
+            self.fence.check_inside(self.path)  # before mkdir: nothing is made through a link
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.exclusive and self.path.exists():
                 raise FileExistsError(self.path)
@@ -110,15 +113,41 @@ class RunFence:
         """:meth:`stage` then :meth:`Staged.land`."""
         self.stage(path, data, exclusive).land()
 
+    def linked_folder(self, path: Path) -> Path | None:
+        """The first folder between the store's directory and ``path`` that is a symbolic link, or None."""
+        rel = path.relative_to(self.root)
+        return next((above for above in (self.root.joinpath(*rel.parts[:n]) for n in range(1, len(rel.parts)))
+                     if above.is_symlink()), None)
+
+    def check_inside(self, path: Path) -> None:
+        """Refuse a key whose folders within the store include a symbolic link or whose place is a
+        directory: a put or delete would act outside the store, or fail half way.
+
+        Raises:
+            StoreError: naming the entry and ``nsa verify --mark`` (which removes it).
+        """
+        above = self.linked_folder(path)
+        if above is not None:
+            raise StoreError(f"refusing to write {path}: {above} is a symbolic link (to {os.readlink(above)}) "
+                             f"and would be written through; run `nsa verify {self.url} --mark` to remove it")
+        if path.is_dir() and not path.is_symlink():
+            raise StoreError(f"refusing to write {path}: it is a directory where a chunk file belongs; run "
+                             f"`nsa verify {self.url} --mark` to remove it")
+
     def delete(self, path: Path) -> None:
-        """Remove the file or folder ``path`` by moving it into the write folder first (absent:
-        nothing happens).
+        """Remove the file, folder or symbolic link ``path`` by moving it into the write folder
+        first (absent: nothing happens).  A symbolic link is removed itself, never followed, and
+        nothing is removed through a linked folder above ``path``.
 
         Raises:
             LeaseLost: the write folder was revoked (nothing removed).
+            StoreError: a folder above ``path`` is a symbolic link (nothing removed).
         """
-        if not path.exists():
+        if not os.path.lexists(path):
             return
+        above = self.linked_folder(path)
+        if above is not None:
+            raise StoreError(f"refusing to delete {path} through the symbolic link {above}")
         trash = self.folder / f"{uuid.uuid4().hex}.deleted"
         try:
             path.rename(trash)
@@ -126,7 +155,7 @@ class RunFence:
             if not self.folder.is_dir():
                 raise self.lost() from None
             return  # the key went away meanwhile
-        shutil.rmtree(trash) if trash.is_dir() else trash.unlink(missing_ok=True)
+        shutil.rmtree(trash) if trash.is_dir() and not trash.is_symlink() else trash.unlink(missing_ok=True)
 
 
 class FencedLocalStore(LocalStore):

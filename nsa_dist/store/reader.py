@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import stat
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,7 @@ from nsa_dist.store.schema import ArraySpec, RunDims, dimension_names, run_array
 if TYPE_CHECKING:
     import zarr
 
-__all__ = ["RunReader", "chunk_grid", "chunk_problem", "chunk_selection"]
+__all__ = ["RunReader", "chunk_grid", "chunk_problem", "chunk_selection", "covering", "scan_array_folder"]
 
 
 class RunReader:
@@ -40,6 +42,7 @@ class RunReader:
         self.attrs: dict[str, Any] = self.g.attrs.asdict()
         self._arrays: dict[str, Any] = {}
         self._chunks: dict[str, set[str]] = {}
+        self._wrong: dict[str, dict[str, str]] = {}
         self._static: dict[str, np.ndarray] = {}
         dims = self.attrs.get("dims")
         try:
@@ -112,6 +115,7 @@ class RunReader:
             return self._static[name].copy()
         arr = self.array(name)
         a = self.specs.get(name)
+        self._check_kinds(name)
         try:
             value = arr[...]
             if a is not None and not a.per_step and name != "loss_trace":
@@ -171,11 +175,28 @@ class RunReader:
         return [(i,) + rest for rest in itertools.product(*grid)]
 
     def present_chunks(self, name: str) -> set[str]:
-        """Keys (relative to the array) of the chunks stored for ``name`` (one listing, cached)."""
+        """Keys (relative to the array) of the chunks stored for ``name`` (one listing, cached):
+        on a local store only regular files reached without a symbolic link (:meth:`wrong_kinds`)."""
         if name not in self._chunks:
-            prefix = f"runs/{self.id}/{name}/"
-            self._chunks[name] = {k.removeprefix(prefix) for k in self.store.keys.list_prefix(prefix)} - {"zarr.json"}
+            if self.store.keys.local:
+                self._chunks[name], self._wrong[name] = scan_array_folder(self._folder(name), self.array(name).ndim)
+            else:
+                prefix = f"runs/{self.id}/{name}/"
+                self._chunks[name] = {k.removeprefix(prefix) for k in self.store.keys.list_prefix(prefix)}
+                self._wrong[name] = {}
+            self._chunks[name] -= {"zarr.json"}
         return self._chunks[name]
+
+    def wrong_kinds(self, name: str) -> dict[str, str]:
+        """Entries of array ``name``'s folder (keys relative to the array) that are not what a
+        chunk is, and what they are: a symbolic link (to a file or a folder, inside the store or
+        out), a device, FIFO or socket, a directory where a chunk file belongs.  Readers read
+        none of them and ``nsa verify`` reports and removes them (empty on an object store)."""
+        self.present_chunks(name)
+        return self._wrong[name]
+
+    def _folder(self, name: str) -> str:
+        return os.path.join(self.store.keys.path, "runs", self.id, name)
 
     def missing_chunks(self, name: str, idx: np.ndarray) -> dict[int, list[str]]:
         """Step index → chunk keys of a done step that should be stored but are not."""
@@ -194,10 +215,20 @@ class RunReader:
         miss = self.missing_chunks(name, idx)
         if miss:
             i, keys = next(iter(miss.items()))
-            raise StoreError(f"run {self.id!r}: array {name!r} at {self.step_of(i)} is damaged: chunk "
-                             f"{self.path}/{name}/{keys[0]} is missing though the step is marked done"
+            hit = covering(self.wrong_kinds(name), keys[0])
+            what = (f"{self.path}/{name}/{hit} is {self.wrong_kinds(name)[hit]}" if hit is not None
+                    else f"chunk {self.path}/{name}/{keys[0]} is missing though the step is marked done")
+            raise StoreError(f"run {self.id!r}: array {name!r} at {self.step_of(i)} is damaged: {what}"
                              f"{f' ({len(miss)} steps affected)' if len(miss) > 1 else ''}; run `nsa verify "
                              f"{self.store.url} --mark` and re-run to recompute it")
+
+    def _check_kinds(self, name: str) -> None:
+        """StoreError naming the first entry of the wrong kind in array ``name``'s folder."""
+        wrong = self.wrong_kinds(name)
+        if wrong:
+            key = min(wrong)
+            raise StoreError(f"run {self.id!r}: array {name!r} is damaged: {self.path}/{name}/{key} is {wrong[key]}; "
+                             f"run `nsa verify {self.store.url} --mark` and re-run to recompute it")
 
     def _damage_error(self, name: str, i: int | None, exc: BaseException) -> StoreError:
         arr = self.array(name)
@@ -226,3 +257,52 @@ def chunk_problem(arr: "zarr.Array", sel: tuple[slice, ...]) -> str | None:
         return None
     except Exception as exc:  # noqa: BLE001
         return f"unreadable chunk ({type(exc).__name__}: {exc})"
+
+
+def covering(wrong: dict[str, str], key: str) -> str | None:
+    """The entry of ``wrong`` that is ``key`` or a folder above it, or None."""
+    parts = key.split("/")
+    return next((k for k in ("/".join(parts[:n]) for n in range(1, len(parts) + 1)) if k in wrong), None)
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def scan_array_folder(folder: str, ndim: int) -> tuple[set[str], dict[str, str]]:
+    """(the chunk files, the entries of the wrong kind) of a local array folder, keys relative to it.
+
+    A chunk is a regular file reached without a symbolic link.  Of the wrong kind: a symbolic
+    link anywhere (never followed: a folder linked to outside the store is not read, and its
+    removal removes only the link), a device, FIFO or socket, and a directory where a chunk file
+    belongs (``c/<one index per axis>``).
+    """
+    files: set[str] = set()
+    wrong: dict[str, str] = {}
+
+    def walk(path: str, rel: str) -> None:
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            key = rel + e.name
+            if e.is_symlink():
+                wrong[key] = f"a symbolic link (to {os.readlink(e.path)}), not a chunk file"
+            elif e.is_dir(follow_symlinks=False):
+                parts = key.split("/")
+                if parts[0] == "c" and len(parts) == ndim + 1:
+                    wrong[key] = "a directory where a chunk file belongs"
+                else:
+                    walk(e.path, key + "/")
+            elif e.is_file(follow_symlinks=False):
+                files.add(key)
+            else:
+                wrong[key] = f"{_kind(e.stat(follow_symlinks=False).st_mode)}, not a chunk file"
+
+    walk(folder, "")
+    return files, wrong

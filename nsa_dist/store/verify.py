@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from nsa_dist.errors import StoreError
-from nsa_dist.store.reader import RunReader, chunk_grid, chunk_problem, chunk_selection
+from nsa_dist.store.reader import RunReader, chunk_grid, chunk_problem, chunk_selection, covering
 from nsa_dist.store.runs import RunIndex
 from nsa_dist.store.zarr_store import SpectrumStore
 
@@ -34,6 +34,7 @@ class Damage:
     problem: str
     key: str | None = None  # the chunk's store key (to delete), None for metadata
     unfinished: bool = False  # not damage: a creation interrupted before its arrays were made (a re-run ends it)
+    stray: bool = False  # an entry of the wrong kind no recorded step needs: removed, nothing recomputed
 
     def __str__(self) -> str:
         at = f" step {self.step} (index {self.index})" if self.index is not None else ""
@@ -60,30 +61,47 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
         except StoreError as exc:
             out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/zarr.json", str(exc)))
             continue
+        wrong, used = r.wrong_kinds(name), set()
+
+        def wrong_kind(key: str, i: int | None) -> bool:
+            hit = covering(wrong, key)
+            if hit is not None and (hit, i) not in used:
+                used.add((hit, i))
+                out.append(Damage(run_id, name, i, None, f"{r.path}/{name}/{hit}", wrong[hit],
+                                  f"runs/{run_id}/{name}/{hit}"))
+            return hit is not None
+
         if not a.per_step:
             for c in chunk_grid(arr):
+                key = arr.metadata.encode_chunk_key(c)
+                if wrong_kind(key, None):
+                    continue
                 problem = chunk_problem(arr, chunk_selection(arr, c))
                 if problem:
-                    key = arr.metadata.encode_chunk_key(c)
                     out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/{key}", problem,
                                       f"runs/{run_id}/{name}/{key}"))
             if name == "steps" and not any(d.array == "steps" for d in out):
                 steps = r.read("steps")
-            continue
-        want = r.expected(name) if name != "done" else np.ones(len(r.done), bool)
-        present = r.present_chunks(name)
-        for i in np.flatnonzero(want):
-            for c in r.step_chunks(name, int(i)):
-                key = arr.metadata.encode_chunk_key(c)
-                if key not in present:
-                    if name != "done":
-                        out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}",
-                                          "chunk missing (the step is marked done)", None))
-                    continue
-                problem = chunk_problem(arr, chunk_selection(arr, c))
-                if problem:
-                    out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}", problem,
-                                      f"runs/{run_id}/{name}/{key}"))
+        else:
+            want = r.expected(name) if name != "done" else np.ones(len(r.done), bool)
+            present = r.present_chunks(name)
+            for i in np.flatnonzero(want):
+                for c in r.step_chunks(name, int(i)):
+                    key = arr.metadata.encode_chunk_key(c)
+                    if wrong_kind(key, int(i)):
+                        continue
+                    if key not in present:
+                        if name != "done":
+                            out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}",
+                                              "chunk missing (the step is marked done)", None))
+                        continue
+                    problem = chunk_problem(arr, chunk_selection(arr, c))
+                    if problem:
+                        out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}", problem,
+                                          f"runs/{run_id}/{name}/{key}"))
+        for hit in sorted(set(wrong) - {h for h, _ in used}):  # at a step not done, or stray: removed only
+            out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/{hit}", wrong[hit],
+                              f"runs/{run_id}/{name}/{hit}", stray=True))
     if steps is not None:
         out = [replace(d, step=int(steps[d.index]) if d.index is not None else None) for d in out]
     return out
@@ -131,8 +149,8 @@ def mark_damaged(store: SpectrumStore, damage: list[Damage], *, wait: float | No
             ds = [d for d in damage if d.run_id == rid]
             idx = _steps_to_recompute(RunReader(store, rid), ds)
             store.reopen(rid, token=lease.token).forget_steps(
-                idx, [d.key for d in ds if d.key is not None],
-                static_damaged=any(d.index is None and d.array != "loss_trace" for d in ds),
+                idx, list(dict.fromkeys(d.key for d in ds if d.key is not None)),
+                static_damaged=any(d.index is None and d.array != "loss_trace" and not d.stray for d in ds),
                 reason=f"{len(idx)} damaged step(s) marked for recompute by nsa verify; re-run to resume")
             marked[rid] = idx
     return marked
@@ -146,8 +164,9 @@ def _steps_to_recompute(r: RunReader, ds: list[Damage]) -> list[int]:
     if not any(d.array == "steps" for d in ds):
         steps = r.read("steps")
         for d in ds:
-            if d.array == "loss_trace" and d.key is not None:
-                start = int(d.key.rsplit("/", 1)[-1]) * r.array("loss_trace").chunks[0]
+            if d.array == "loss_trace" and d.key is not None and not d.stray:
+                last = d.key.rsplit("/", 1)[-1]  # a chunk, or a folder of the wrong kind above several
+                start = int(last) * r.array("loss_trace").chunks[0] if last.isdigit() else -1
                 later = np.flatnonzero(steps > start)
                 idx |= {int(later[0])} if len(later) else set()
     return sorted(i for i in idx if i < len(r.done))

@@ -1,0 +1,150 @@
+"""Every damage ``nsa verify`` sees, ``verify --mark`` repairs, and every damage a reader trips on,
+``verify`` sees: chunks of the wrong kind — a directory, a symbolic link (to a file, or a folder
+linked to outside the store), a FIFO, a device — are reported by verify and by the readers alike,
+removed by ``--mark`` (a link itself, never what it points to), and a re-run ends bit-identical
+to the undamaged run without writing anything outside the store.
+
+Real stores on disk and real re-runs; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nsa_dist.cli import main as nsa
+from nsa_dist.client import Client
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.errors import StoreError
+from nsa_dist.pipeline import run_experiment
+from nsa_dist.store import SpectrumStore
+
+TINY = dict(name="repair", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
+            record={"every": 10}, spectrum={"k": 8, "test_points": True})
+
+
+@pytest.fixture(scope="module")
+def undamaged(tmp_path_factory) -> tuple[str, str]:
+    """(store URL, run id) of one finished run, never damaged: the reference."""
+    url = str(tmp_path_factory.mktemp("repair") / "a.zarr")
+    out = run_experiment(ExperimentSpec(**TINY), SpectrumStore(url))
+    assert out.status == "done"
+    return url, out.run_id
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (links not followed): its content hash."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def _dir_chunk(run: Path, outside: Path) -> tuple[Path, str]:
+    chunk = run / "eigenvalues" / "c" / "2" / "0"
+    chunk.unlink()
+    chunk.mkdir()
+    (chunk / "stray").write_bytes(b"x")
+    return chunk, "a directory where a chunk file belongs"
+
+
+def _static_dir_chunk(run: Path, outside: Path) -> tuple[Path, str]:
+    chunk = run / "loss_trace" / "c" / "0"
+    chunk.unlink()
+    chunk.mkdir()
+    return chunk, "a directory where a chunk file belongs"
+
+
+def _linked_folder(run: Path, outside: Path) -> tuple[Path, str]:
+    folder = run / "f" / "c" / "1"
+    shutil.copytree(folder, outside / "c1")  # the right bytes, outside the store: still refused
+    shutil.rmtree(folder)
+    folder.symlink_to(outside / "c1")
+    return folder, "a symbolic link"
+
+
+def _linked_file(run: Path, outside: Path) -> tuple[Path, str]:
+    chunk = run / "eigenvalues_test" / "c" / "1" / "0"
+    shutil.copy(chunk, outside / "chunk")
+    chunk.unlink()
+    chunk.symlink_to(outside / "chunk")
+    return chunk, "a symbolic link"
+
+
+def _fifo(run: Path, outside: Path) -> tuple[Path, str]:
+    chunk = run / "f" / "c" / "3" / "0"
+    chunk.unlink()
+    os.mkfifo(chunk)
+    return chunk, "a FIFO"
+
+
+def _device(run: Path, outside: Path) -> tuple[Path, str]:
+    chunk = run / "eigenvalues" / "c" / "1" / "0"
+    chunk.unlink()
+    try:
+        os.mknod(chunk, stat.S_IFCHR | 0o600, os.makedev(1, 3))  # /dev/null's numbers
+    except PermissionError:
+        pytest.skip("making a device file needs root")
+    return chunk, "a character device"
+
+
+@pytest.mark.parametrize("damage", [_dir_chunk, _static_dir_chunk, _linked_folder, _linked_file, _fifo, _device],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_chunk_of_the_wrong_kind_is_seen_removed_and_recomputed_bit_identical(undamaged, tmp_path, damage, capsys):
+    a, rid = undamaged
+    b = str(tmp_path / "b.zarr")
+    shutil.copytree(a, b)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    entry, kind = damage(Path(b) / "runs" / rid, outside)
+    before_outside = _tree(outside)
+
+    damage_found = Client(b).verify()
+    assert [d.path for d in damage_found if not d.unfinished] and all(
+        d.path == str(entry) and kind in d.problem for d in damage_found), [str(d) for d in damage_found]
+    run = Client(b).run(rid)
+    name = entry.relative_to(Path(b) / "runs" / rid).parts[0]
+    with pytest.raises(StoreError) as e:  # the readers refuse what verify names, never read through it
+        run.array(name)
+    assert str(entry) in str(e.value) and kind in str(e.value), str(e.value)
+
+    assert nsa(["verify", b]) == 1
+    assert str(entry) in capsys.readouterr().out
+    assert nsa(["verify", b, "--mark"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert not os.path.lexists(entry) or (entry.is_dir() and not entry.is_symlink() and name == "f"), \
+        f"--mark left {entry} ({os.lstat(entry)})"
+    out = run_experiment(ExperimentSpec(**TINY), SpectrumStore(b))
+    assert out.status == "done", out
+    assert nsa(["verify", b]) == 0, capsys.readouterr().out
+    assert _tree(outside) == before_outside, "the re-run wrote outside the store"
+    assert not [p for p in Path(b).rglob("*") if p.is_symlink()], "a link is left in the store"
+    ref, got = Client(a).run(rid), Client(b).run(rid)
+    assert ref.array_names() == got.array_names()
+    for arr in ref.array_names():
+        x, y = ref.array(arr), got.array(arr)
+        np.testing.assert_array_equal(y, x, err_msg=f"array {arr!r} differs from the undamaged run after the repair")
+
+
+def test_a_fenced_writer_never_writes_or_deletes_through_a_linked_folder(undamaged, tmp_path):
+    """Even before ``verify --mark``: a re-run into a run with a linked chunk folder is refused
+    (one line naming the link), and nothing outside the store changes."""
+    a, rid = undamaged
+    b = str(tmp_path / "b.zarr")
+    shutil.copytree(a, b)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder, _ = _linked_folder(Path(b) / "runs" / rid, outside)
+    before = _tree(outside)
+    from nsa_dist.store.fencing import RunFence
+
+    fence = RunFence(Path(b), rid, "t", b)
+    with pytest.raises(StoreError, match=f"{folder} is a symbolic link"):
+        fence.check_inside(folder / "0")
+    with pytest.raises(StoreError, match="through the symbolic link"):
+        fence.delete(folder / "0")
+    assert _tree(outside) == before
