@@ -92,15 +92,20 @@ def _device(run: Path, outside: Path) -> tuple[Path, str]:
     return chunk, "a character device"
 
 
-@pytest.mark.parametrize("damage", [_dir_chunk, _static_dir_chunk, _linked_folder, _linked_file, _fifo, _device],
-                         ids=lambda f: f.__name__.strip("_"))
-def test_a_chunk_of_the_wrong_kind_is_seen_removed_and_recomputed_bit_identical(undamaged, tmp_path, damage, capsys):
+def _damaged_copy(undamaged: tuple[str, str], tmp_path: Path, damage) -> tuple[str, Path, tuple[Path, str]]:
+    """(a copy of the undamaged store, a folder outside it, what ``damage`` did to the copy's run)."""
     a, rid = undamaged
     b = str(tmp_path / "b.zarr")
     shutil.copytree(a, b)
     outside = tmp_path / "outside"
     outside.mkdir()
-    entry, kind = damage(Path(b) / "runs" / rid, outside)
+    return b, outside, damage(Path(b) / "runs" / rid, outside)
+
+
+@pytest.mark.parametrize("damage", [_dir_chunk, _static_dir_chunk, _linked_folder, _linked_file, _fifo, _device],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_chunk_of_the_wrong_kind_is_seen_removed_and_recomputed_bit_identical(undamaged, tmp_path, damage, capsys):
+    (a, rid), b, outside, (entry, kind) = undamaged, *_damaged_copy(undamaged, tmp_path, damage)
     before_outside = _tree(outside)
 
     damage_found = Client(b).verify()
@@ -133,12 +138,8 @@ def test_a_chunk_of_the_wrong_kind_is_seen_removed_and_recomputed_bit_identical(
 def test_a_fenced_writer_never_writes_or_deletes_through_a_linked_folder(undamaged, tmp_path):
     """Even before ``verify --mark``: a re-run into a run with a linked chunk folder is refused
     (one line naming the link), and nothing outside the store changes."""
-    a, rid = undamaged
-    b = str(tmp_path / "b.zarr")
-    shutil.copytree(a, b)
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    folder, _ = _linked_folder(Path(b) / "runs" / rid, outside)
+    b, outside, (folder, _) = _damaged_copy(undamaged, tmp_path, _linked_folder)
+    rid = undamaged[1]
     before = _tree(outside)
     from nsa_dist.store.fencing import RunFence
 
