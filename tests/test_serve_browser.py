@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -217,3 +218,82 @@ def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
         writer.join(timeout=120)
     assert writer.error is None, writer.error
     assert "Traceback" not in out, out[-3000:]
+
+
+# A payload sets window.__xss when a page renders it as markup; each must show as its own text.
+XSS_TAG = "<img src=x onerror=window.__xss=1>"
+XSS_ATTR = "\"'><svg onload=window.__xss=2>"
+XSS_SCRIPT = "</script><script>window.__xss=3</script>"
+
+
+def test_store_strings_never_run_as_script_on_any_page(tmp_path):
+    """XSS payloads in every store-derived string that reaches a page — the run id, the sweep's
+    name, its grid values, a failure reason, a step note, a spec field — show as text and
+    never run, in the run table, the run's page and the sweep's page."""
+    import json
+
+    import zarr
+    from playwright.sync_api import sync_playwright
+
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment
+
+    url = tmp_path / "evil.zarr"
+    spec = ExperimentSpec(name="plain", data={"n": 12, "n_test": 4}, steps=4, record={"every": 2},
+                          model={"depth": 2, "width": 8}, spectrum={"k": 3})
+    made = run_experiment(spec, SpectrumStore(str(url))).run_id
+    rid = XSS_ATTR + XSS_TAG  # a folder name: no '/'
+    (url / "runs" / made).rename(url / "runs" / rid)
+    group = zarr.open_group(str(url / "runs" / rid), mode="r+")
+    attrs = group.attrs.asdict()
+    evil_spec = {**attrs["spec"], "data": {**attrs["spec"]["data"], "path": XSS_SCRIPT + XSS_TAG}}  # a free string
+    group.attrs.update({"spec": evil_spec, "status": "failed",
+                        "reason": f"{XSS_SCRIPT} {XSS_TAG} {XSS_ATTR}"})
+    group["step_notes"][0] = json.dumps({"constant_gram_residual": XSS_SCRIPT + XSS_TAG})
+    sweep = XSS_TAG + XSS_ATTR
+    SpectrumStore(str(url)).record_sweep(sweep, {"name": "evil", "base": evil_spec,
+                                                 "grid": {"data.path": [XSS_SCRIPT + XSS_TAG]}}, [rid])
+    SpectrumStore(str(url)).record_sweep("keys", {"name": "keys", "base": evil_spec,  # a grid field: a table column
+                                                  "grid": {XSS_ATTR: ["a", "b"]}}, [rid])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    server = subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", "serve", str(url), "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = server.stdout.readline()
+        m = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
+        assert m, f"nsa serve printed {line!r}"
+        base = m.group(1)
+        with sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
+                                                        args=ARGS, headless=True,
+                                                        viewport={"width": 1400, "height": 1000})
+            try:
+                page = ctx.new_page()
+                seen: dict[str, str] = {}
+                for path, ready in (("", ".slick-cell"), (f"run?id={quote(rid, safe='')}", ".nsa-header"),
+                                    (f"sweep?name={quote(sweep, safe='')}", ".bk-Div")):
+                    page.goto(base + path)
+                    page.locator(ready).first.wait_for(timeout=60000)
+                    page.wait_for_timeout(1500)  # the periodic refresh redraws once
+                    seen[path] = page.evaluate("document.title") + " " + _all_text(page)
+                    assert page.evaluate("window.__xss") is None, f"a payload ran as script on /{path}"
+            finally:
+                ctx.close()
+    finally:
+        server.terminate()
+        out = server.communicate(timeout=30)[0]
+    table, run, sw = seen.values()
+    for where, text, shown in (("the table", table, (XSS_ATTR + XSS_TAG, XSS_SCRIPT + XSS_TAG, sweep)),
+                               ("the run page", run, (XSS_ATTR + XSS_TAG, XSS_SCRIPT)),
+                               ("the sweep page", sw, (sweep, XSS_SCRIPT + XSS_TAG))):
+        missing = [p for p in shown if p not in text]
+        assert not missing, f"{where} does not show {missing} as text: {text[:3000]}"
+    assert "Traceback" not in out, out[-3000:]
+
+
+def _all_text(page) -> str:
+    """Every text node of the page, Bokeh's shadow roots included."""
+    return page.evaluate("""() => { const out = []; const walk = (n) => {
+        if (n.nodeType === 3) out.push(n.textContent);
+        if (n.shadowRoot) walk(n.shadowRoot);
+        for (const c of n.childNodes) walk(c); }; walk(document.body); return out.join(' '); }""")
