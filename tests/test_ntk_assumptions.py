@@ -254,7 +254,8 @@ CASES = {
     "returns_its_output/forward_hook_replaces_output": (_output_hook, lambda g: _flat(6, 4, g),
                                                         {"a.weight": ("jacobian", "returns its output")}, "b.weight"),
     "returns_its_output/forward_hook_same_value_other_gradient": (
-        _output_hook_same_value, lambda g: _flat(6, 4, g), {"a.weight": ("jacobian", "returns its output")}, "b.weight"),
+        _output_hook_same_value, lambda g: _flat(6, 4, g), {"a.weight": ("jacobian", "returns its output")},
+        "b.weight"),
     "called_once/twice_with_different_shapes": (CalledTwice, lambda g: _flat(6, 4, g),
                                                 {"a.weight": ("jacobian", "called once")}, "b.weight"),
     "called_once/tied_through_a_module_not_called": (SharedTable, lambda g: _ids(6, 5, g),
