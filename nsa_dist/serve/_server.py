@@ -2,7 +2,10 @@
 
 It listens on 127.0.0.1 unless told otherwise; another address needs ``allow_remote`` AND a
 token, which every request must carry (``?token=…`` once — it is then kept in a same-site cookie —
-or the cookie), the page and its websocket alike (Bokeh's ``AuthProvider`` hook).  The store is
+or the cookie), the page and its websocket alike (Bokeh's ``AuthProvider`` hook; a websocket
+without it is refused with a 403 before its handshake).  The token never reaches a page's script:
+the cookie is HttpOnly, and the Bokeh session token embedded in each page carries no cookie, no
+``Cookie`` header and no ``?token=`` argument.  The store is
 opened with ``SpectrumStore(url, mode="r")``: a read-only Zarr store, so no lease is taken and no
 key can be written.
 """
