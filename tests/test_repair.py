@@ -149,3 +149,26 @@ def test_a_fenced_writer_never_writes_or_deletes_through_a_linked_folder(undamag
     with pytest.raises(StoreError, match="through the symbolic link"):
         fence.delete(folder / "0")
     assert _tree(outside) == before
+
+
+@pytest.mark.parametrize("level", ["run", "array"])
+def test_a_linked_run_or_array_folder_is_refused_by_readers_and_named_by_verify(undamaged, tmp_path, level, capsys):
+    """A run's or an array's folder that is a symbolic link holds metadata: readers refuse it,
+    ``verify`` names it, and ``--mark`` refuses in one line saying what to do (nothing changed)."""
+    a, rid = undamaged
+    b = str(tmp_path / "b.zarr")
+    shutil.copytree(a, b)
+    folder = Path(b) / "runs" / rid / ("" if level == "run" else "eigenvalues")
+    shutil.copytree(folder, tmp_path / "outside")
+    shutil.rmtree(folder)
+    folder.symlink_to(tmp_path / "outside")
+    before = _tree(tmp_path / "outside")
+    with pytest.raises(StoreError, match=f"{folder} is a symbolic link"):
+        Client(b).run(rid).eigenvalues
+    damage = Client(b).verify()
+    assert len(damage) == 1 and str(folder) in damage[0].problem, [str(d) for d in damage]
+    capsys.readouterr()
+    assert nsa(["verify", b, "--mark"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot repair" in err[0], err
+    assert folder.is_symlink() and _tree(tmp_path / "outside") == before

@@ -38,6 +38,8 @@ class RunReader:
 
     def refresh(self) -> "RunReader":
         """Re-read the attributes and the finished steps (a live run moves on)."""
+        self._refuse_link(os.path.join(self.store.keys.path, "runs", self.id) if self.store.keys.local else None,
+                          "the run's folder")
         self.g = self.store.group(self.id)
         self.attrs: dict[str, Any] = self.g.attrs.asdict()
         self._arrays: dict[str, Any] = {}
@@ -71,12 +73,21 @@ class RunReader:
         if name not in self._arrays:
             if not self.has(name):
                 raise StoreError(self._absent(name))
+            self._refuse_link(self._folder(name) if self.store.keys.local else None, f"array {name!r}'s folder")
             try:
                 self._arrays[name] = self.g[name]
             except METADATA_ERRORS as exc:
                 raise StoreError(f"run {self.id!r}: {self.path}/{name}/zarr.json is unreadable "
                                  f"({type(exc).__name__}: {exc})") from exc
         return self._arrays[name]
+
+    def _refuse_link(self, folder: str | None, what: str) -> None:
+        """StoreError when ``folder`` (a local run's or array's folder) is a symbolic link: it holds
+        metadata, so readers do not follow it and ``nsa verify --mark`` cannot remove it."""
+        if folder is not None and os.path.islink(folder):
+            raise StoreError(f"run {self.id!r}: {folder} is a symbolic link (to {os.readlink(folder)}), not "
+                             f"{what}: replace the link by a copy of the folder it points to (it holds the "
+                             "metadata, which nsa verify --mark cannot rebuild), or delete the run and re-run")
 
     def _absent(self, name: str) -> str:
         """Why array ``name`` is not there, truly: still being made, creation interrupted, not part
