@@ -217,7 +217,8 @@ class RunReader:
             return {}
         arr, present, out = self.array(name), self.present_chunks(name), {}
         for i in rows:
-            miss = [k for k in (arr.metadata.encode_chunk_key(c) for c in self.step_chunks(name, i)) if k not in present]
+            keys = (arr.metadata.encode_chunk_key(c) for c in self.step_chunks(name, i))
+            miss = [k for k in keys if k not in present]
             if miss:
                 out[i] = miss
         return out
