@@ -16,7 +16,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 from urllib.parse import quote
 
 import numpy as np
@@ -151,73 +153,82 @@ def _check_panels(page, expected: list[str], where: str) -> None:
     assert not bad, f"{where}:\n" + "\n".join(bad)
 
 
-def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
+@contextmanager
+def _browsing(url: str, tmp_path: Path, *serve_args: str) -> Iterator[tuple[Any, str, list[str]]]:
+    """``nsa serve url`` in a subprocess and a headless Chromium page: (page, the base URL, a list
+    that holds the server's output once the block is left)."""
     from playwright.sync_api import sync_playwright
 
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    server = subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", "serve", url, "--port", "0", *serve_args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out: list[str] = []
+    try:
+        line = server.stdout.readline()
+        m = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
+        assert m, f"nsa serve printed {line!r}"
+        with sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
+                                                        args=ARGS, headless=True,
+                                                        viewport={"width": 1400, "height": 1000})
+            try:
+                yield ctx.new_page(), m.group(1), out
+            finally:
+                ctx.close()
+    finally:
+        server.terminate()
+        out.append(server.communicate(timeout=30)[0])
+
+
+def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
     url = str(tmp_path / "live.zarr")
     writer = _Writer(url, pause_after=2)
     writer.start()
     _wait(lambda: _done(url) >= 1 or writer.error, "the writer's first step")
     assert writer.error is None, writer.error
     S = run_summaries(SpectrumStore(url, mode="r"))[0].steps_total
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    server = subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", "serve", url, "--port", "0", "--refresh", "0.5"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        line = server.stdout.readline()
-        m = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
-        assert m, f"nsa serve printed {line!r}"
-        base = m.group(1)
-        with sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
-                                                        args=ARGS, headless=True,
-                                                        viewport={"width": 1400, "height": 1000})
-            try:
-                page = ctx.new_page()
-                page.goto(base)
-                _wait(lambda: "watched" in " ".join(page.locator(".slick-cell").all_inner_texts()), "the run table")
-                cells = page.locator(".slick-cell").all_inner_texts()
-                assert any(re.fullmatch(rf"[1-{S}]/{S}", c) for c in cells), cells  # progress read from the store
-                page.goto(f"{base}run?id=watched")
-                page.locator(".nsa-plot-eigenvalues").first.wait_for(timeout=60000)
-                before = _wait(lambda: _steps_done(page) if _steps_done(page) >= 1 else None, "the run page")
-                assert before <= 3  # the writer is paused after its second step (one may still be finishing)
-                writer.go.set()
-                after = _wait(lambda: _steps_done(page) if _steps_done(page) > before else None,
-                              "the step count to grow on the page")
-                assert after > before
-                _wait(lambda: _steps_done(page) == S, "every step on the page", timeout=180)
-                page.wait_for_timeout(1000)  # the redraw after the last step
-                shot = page.locator(".nsa-plot-eigenvalues").first.screenshot()
-                assert _line_pixels(shot, (0x1F, 0x77, 0xB4)) > 200  # λ_1's line (PALETTE[0]) is drawn
-                assert _line_pixels(shot, (0xFF, 0x7F, 0x0E)) > 200  # λ_2's
-                assert "damaged" not in _shadow_text(page, ".nsa-header")
-                keep = os.environ.get("NSA_SERVE_SCREENSHOT")
-                if keep:
-                    page.screenshot(path=keep, clip={"x": 0, "y": 0, "width": 1400, "height": 1500}, full_page=True)
-                sections = {paper: [p.title for p in ps]
-                            for paper, ps in run_sections(Client(url).run("watched")).items()}
-                assert list(sections) == ["NSA paper", "Hessian paper"], list(sections)
-                for paper, titles in sections.items():
-                    page.get_by_text(paper, exact=True).first.click()
-                    _check_panels(page, titles, f"the run page's {paper} tab")
-                run = Client(url).run("watched")
-                spec = {"name": "one_width", "base": run.spec.model_dump(mode="json"),
-                        "grid": {"steps": [run.spec.steps]}}  # a sweep of this one run: the page's panels
-                SpectrumStore(url).record_sweep("one_width", spec, ["watched"])
-                page.goto(f"{base}sweep?name=one_width")
-                _check_panels(page, [p.title for p in sweep_panels(Client(url).sweep("one_width"))], "the sweep page")
-                page.goto(base)
-                _wait(lambda: f"{S}/{S}" in page.locator(".slick-cell").all_inner_texts(), "the table's progress S/S")
-            finally:
-                ctx.close()
+        with _browsing(url, tmp_path, "--refresh", "0.5") as (page, base, out):
+            page.goto(base)
+            _wait(lambda: "watched" in " ".join(page.locator(".slick-cell").all_inner_texts()), "the run table")
+            cells = page.locator(".slick-cell").all_inner_texts()
+            assert any(re.fullmatch(rf"[1-{S}]/{S}", c) for c in cells), cells  # progress read from the store
+            page.goto(f"{base}run?id=watched")
+            page.locator(".nsa-plot-eigenvalues").first.wait_for(timeout=60000)
+            before = _wait(lambda: _steps_done(page) if _steps_done(page) >= 1 else None, "the run page")
+            assert before <= 3  # the writer is paused after its second step (one may still be finishing)
+            writer.go.set()
+            after = _wait(lambda: _steps_done(page) if _steps_done(page) > before else None,
+                          "the step count to grow on the page")
+            assert after > before
+            _wait(lambda: _steps_done(page) == S, "every step on the page", timeout=180)
+            page.wait_for_timeout(1000)  # the redraw after the last step
+            shot = page.locator(".nsa-plot-eigenvalues").first.screenshot()
+            assert _line_pixels(shot, (0x1F, 0x77, 0xB4)) > 200  # λ_1's line (PALETTE[0]) is drawn
+            assert _line_pixels(shot, (0xFF, 0x7F, 0x0E)) > 200  # λ_2's
+            assert "damaged" not in _shadow_text(page, ".nsa-header")
+            keep = os.environ.get("NSA_SERVE_SCREENSHOT")
+            if keep:
+                page.screenshot(path=keep, clip={"x": 0, "y": 0, "width": 1400, "height": 1500}, full_page=True)
+            sections = {paper: [p.title for p in ps]
+                        for paper, ps in run_sections(Client(url).run("watched")).items()}
+            assert list(sections) == ["NSA paper", "Hessian paper"], list(sections)
+            for paper, titles in sections.items():
+                page.get_by_text(paper, exact=True).first.click()
+                _check_panels(page, titles, f"the run page's {paper} tab")
+            run = Client(url).run("watched")
+            spec = {"name": "one_width", "base": run.spec.model_dump(mode="json"),
+                    "grid": {"steps": [run.spec.steps]}}  # a sweep of this one run: the page's panels
+            SpectrumStore(url).record_sweep("one_width", spec, ["watched"])
+            page.goto(f"{base}sweep?name=one_width")
+            _check_panels(page, [p.title for p in sweep_panels(Client(url).sweep("one_width"))], "the sweep page")
+            page.goto(base)
+            _wait(lambda: f"{S}/{S}" in page.locator(".slick-cell").all_inner_texts(), "the table's progress S/S")
     finally:
-        server.terminate()
-        out = server.communicate(timeout=30)[0]
         writer.go.set()
         writer.join(timeout=120)
     assert writer.error is None, writer.error
-    assert "Traceback" not in out, out[-3000:]
+    assert "Traceback" not in out[0], out[0][-3000:]
 
 
 # A payload sets window.__xss when a page renders it as markup; each must show as its own text.
@@ -233,7 +244,6 @@ def test_store_strings_never_run_as_script_on_any_page(tmp_path):
     import json
 
     import zarr
-    from playwright.sync_api import sync_playwright
 
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.pipeline import run_experiment
@@ -255,40 +265,22 @@ def test_store_strings_never_run_as_script_on_any_page(tmp_path):
                                                  "grid": {"data.path": [XSS_SCRIPT + XSS_TAG]}}, [rid])
     SpectrumStore(str(url)).record_sweep("keys", {"name": "keys", "base": evil_spec,  # a grid field: a table column
                                                   "grid": {XSS_ATTR: ["a", "b"]}}, [rid])
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    server = subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", "serve", str(url), "--port", "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        line = server.stdout.readline()
-        m = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
-        assert m, f"nsa serve printed {line!r}"
-        base = m.group(1)
-        with sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
-                                                        args=ARGS, headless=True,
-                                                        viewport={"width": 1400, "height": 1000})
-            try:
-                page = ctx.new_page()
-                seen: dict[str, str] = {}
-                for path, ready in (("", ".slick-cell"), (f"run?id={quote(rid, safe='')}", ".nsa-header"),
-                                    (f"sweep?name={quote(sweep, safe='')}", ".bk-Div")):
-                    page.goto(base + path)
-                    page.locator(ready).first.wait_for(timeout=60000)
-                    page.wait_for_timeout(1500)  # the periodic refresh redraws once
-                    seen[path] = page.evaluate("document.title") + " " + _all_text(page)
-                    assert page.evaluate("window.__xss") is None, f"a payload ran as script on /{path}"
-            finally:
-                ctx.close()
-    finally:
-        server.terminate()
-        out = server.communicate(timeout=30)[0]
+    seen: dict[str, str] = {}
+    with _browsing(str(url), tmp_path) as (page, base, out):
+        for path, ready in (("", ".slick-cell"), (f"run?id={quote(rid, safe='')}", ".nsa-header"),
+                            (f"sweep?name={quote(sweep, safe='')}", ".bk-Div")):
+            page.goto(base + path)
+            page.locator(ready).first.wait_for(timeout=60000)
+            page.wait_for_timeout(1500)  # the periodic refresh redraws once
+            seen[path] = page.evaluate("document.title") + " " + _all_text(page)
+            assert page.evaluate("window.__xss") is None, f"a payload ran as script on /{path}"
     table, run, sw = seen.values()
     for where, text, shown in (("the table", table, (XSS_ATTR + XSS_TAG, XSS_SCRIPT + XSS_TAG, sweep)),
                                ("the run page", run, (XSS_ATTR + XSS_TAG, XSS_SCRIPT)),
                                ("the sweep page", sw, (sweep, XSS_SCRIPT + XSS_TAG))):
         missing = [p for p in shown if p not in text]
         assert not missing, f"{where} does not show {missing} as text: {text[:3000]}"
-    assert "Traceback" not in out, out[-3000:]
+    assert "Traceback" not in out[0], out[0][-3000:]
 
 
 def _all_text(page) -> str:
