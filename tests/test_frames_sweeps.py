@@ -60,7 +60,7 @@ def test_run_to_xarray(store_url: str) -> None:
     ds = run.to_xarray()
     np.testing.assert_array_equal(ds["step"].values, run.steps)
     np.testing.assert_array_equal(ds["k"].values, np.arange(1, 13))
-    np.testing.assert_array_equal(ds["energy_y"].sel(k=10).values, run.energy("y", 10))
+    np.testing.assert_array_equal(ds["energy_y"].sel(k=10).values, run.energy("y", 10, step=None)[0])
     np.testing.assert_array_equal(ds["loss_test"].values, run.test_loss)
     assert "theta" not in ds and "theta" in run.to_xarray(state=True)
     assert json.loads(ds.attrs["spec"])["name"] == "lone" and ds.attrs["run_id"] == run.id
@@ -89,7 +89,7 @@ def test_sweep_curves_are_means_over_seeds(store_url: str) -> None:
     assert [cv.key for cv in curves] == [{"model.depth": 2}, {"model.depth": 3}] and all(cv.n == 2 for cv in curves)
     for cv in curves:
         runs = [c.run(r) for r in c.runs(sweep="sw", model__depth=cv.key["model.depth"])["id"]]
-        E = np.stack([r.energy("y", 5) for r in runs])  # (2, S)
+        E = np.stack([r.energy("y", 5, step=None)[0] for r in runs])  # (2, S)
         np.testing.assert_allclose(cv.mean, E.mean(0))
         np.testing.assert_allclose(cv.std, E.std(0))
         np.testing.assert_array_equal(cv.t, runs[0].steps)
@@ -97,7 +97,7 @@ def test_sweep_curves_are_means_over_seeds(store_url: str) -> None:
     assert np.isfinite(test.mean).all() and test.t.tolist() == [0, 4, 8, 11]
     df = s.scalar("energy_y", k=10)
     one = df[(df["model.depth"] == 3) & (df["seed"] == 1)]
-    assert one["value"].item() == pytest.approx(c.run(one["id"].item()).energy("y", 10)[-1])
+    assert one["value"].item() == pytest.approx(c.run(one["id"].item()).energy("y", 10)[0])
 
 
 def _readable(p: Path) -> None:
@@ -127,7 +127,7 @@ def test_scalar_against_one_field_with_a_line_per_other(store_url: str) -> None:
     lines = {cont.get_label(): cont.lines[0] for cont in ax.containers}  # one errorbar line per width
     assert sorted(lines) == ["width=4", "width=8"], sorted(lines)
     for w, ln in ((4, lines["width=4"]), (8, lines["width=8"])):
-        want = [c.run(c.runs(sweep="sw2", model__depth=d, model__width=w)["id"].item()).energy("y", 5)[-1]
+        want = [c.run(c.runs(sweep="sw2", model__depth=d, model__width=w)["id"].item()).energy("y", 5)[0]
                 for d in (2, 3)]
         np.testing.assert_array_equal(ln.get_xdata(), [2, 3])
         np.testing.assert_allclose(ln.get_ydata(), want, rtol=1e-12)

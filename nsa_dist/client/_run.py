@@ -5,11 +5,12 @@ reconstructions, dG_t, the constant-Gram prediction) and ``run.images`` (2-D dat
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nsa_dist.client._arrays import RunArrays
+from nsa_dist.client._curves import EXACT_BRACKET, BracketedCurve, energy_route, read_curve
 from nsa_dist.client._frames import run_to_xarray
 from nsa_dist.client._hessian import HessianView
 from nsa_dist.client._images import ImagesView
@@ -103,23 +104,138 @@ class Run(RunArrays):
                            f"not at {step} (spectrum.store_eigenvectors)")
         return np.asarray(self.row("eigenvectors", i), dtype=np.float64)
 
-    def energy(self, phi: str = "y", k: int | None = None) -> np.ndarray:
-        """E_t(φ, k) along t: (S,) for one k, (S, K) for all k ≤ K.
+    def energy(self, phi: str = "y", k: int | None = None, step: int | None = -1) -> Any:
+        """E_t(φ, k) with its bracket: ``(value, lower, upper)`` at recorded step ``step``.
 
         phi: "y" labels, "f" outputs f_t, "residual" m_t, "df" real update, "df_pred" first-order
         update −(δ/N) G m, "f_test" outputs at the test points (eigenvectors of the test Gram).
+        k: 1..N.  The exact route (``spectrum.k: all`` on one process) gives every k exactly
+        (lower = upper = value); the quadrature route gives the top part exactly and every other k
+        within its bracket (:attr:`curve_bracket` says how it is guaranteed); a k between two
+        measured k is bracketed by its neighbours (E is non-decreasing in k).
+        step: a finished recorded step t, −1 for the last (floats back), or None for every finished
+        step (three (S,) arrays back).
+
+        Without ``k``: the stored top-K energies along t, (S, K) (``energy_<φ>``: every k on the
+        exact route with ``k: all``, the exact top part on the quadrature route).
 
         Raises:
-            ValueError: an unknown phi, or k outside 1..K.
+            ValueError: an unknown phi; k outside 1..N, or beyond what the run measured (a run that
+                kept K eigenpairs on the exact route: k ≤ K).
+            KeyError: ``step`` is not a finished recorded step (the finished ones are named).
         """
+        self._check_phi(phi)
+        if k is None:
+            return self.per_step(f"energy_{phi}")
+        return self._at(self.curve(f"energy_{phi}"), k, step)
+
+    def eigenvalue(self, i: int, step: int | None = -1) -> Any:
+        """λ_i^t of G_t with its bracket: ``(value, lower, upper)`` at ``step`` (as :meth:`energy`;
+        λ is non-increasing in i, so an i between two measured ones is bracketed by them).
+
+        Raises:
+            ValueError: i outside 1..N or beyond what the run measured.  KeyError: an unfinished step.
+        """
+        return self._at(self.curve("eigenvalue"), i, step)
+
+    def energy_curve(self, phi: str = "y") -> "xarray.Dataset":
+        """E_t(φ, k) at every k the run measured, along the finished steps: an
+        :class:`xarray.Dataset` with variables ``value``, ``lower``, ``upper`` (dims step, k),
+        coordinates ``step``, ``k`` and ``exact`` (k: True where the value is exact), attributes
+        ``route`` ("exact" / "quadrature"), ``bracket`` (how the brackets are guaranteed),
+        ``confidence`` (statistical brackets), ``N`` and ``phi``.
+
+        Exact route: k = 1..K (K = N with ``spectrum.k: all``), lower = upper = value.  Quadrature
+        route: k = 1..top (exact), then the log grid ``curve_k`` to N.
+
+        Raises:
+            ValueError: an unknown phi.
+        """
+        self._check_phi(phi)
+        return self.curve(f"energy_{phi}").to_xarray(phi)
+
+    def eigenvalue_curve(self) -> "xarray.Dataset":
+        """λ_k^t (the k-th eigenvalue of G_t, descending) at every k the run measured, as
+        :meth:`energy_curve` (variables value, lower, upper; dims step, k)."""
+        return self.curve("eigenvalue").to_xarray()
+
+    def curve(self, name: str) -> BracketedCurve:
+        """The curve ``name`` ("eigenvalue" or "energy_<φ>") as NumPy arrays with its bracket
+        (:class:`~nsa_dist.client.BracketedCurve`), read once per set of finished steps.
+
+        Raises:
+            ValueError: an unknown name.  KeyError: the run does not store it (e.g. f_test without test points).
+        """
+        if name != "eigenvalue":
+            self._check_phi(name.removeprefix("energy_") if name.startswith("energy_") else name)
+        key = (name, self.finished.tobytes())
+        cache = self.__dict__.setdefault("_curve_cache", {})
+        if key not in cache:
+            if len(cache) > 16:
+                cache.clear()
+            cache[key] = read_curve(self, name, self.N)
+        return cache[key]
+
+    @property
+    def k_max(self) -> int:
+        """The largest k at which :meth:`energy` answers: N on the quadrature route, else the
+        eigenpairs kept (K; N with ``spectrum.k: all``)."""
+        if self.energy_route == "quadrature" and self.has("curve_k"):
+            return self.N
+        return int(self.shape("eigenvalues")[1])
+
+    @property
+    def energy_route(self) -> str:
+        """"exact" or "quadrature": how the run measured E_t(φ, k) and λ_i beyond its top eigenpairs."""
+        return energy_route(self)
+
+    @property
+    def curve_bracket(self) -> str:
+        """How the curves' brackets are guaranteed (the run's ``curve_bracket``; exact on the exact route)."""
+        if self.energy_route == "exact":
+            return EXACT_BRACKET
+        return str(self.attrs.get("curve_bracket", "quadrature bounds (the run names no bracket kind)"))
+
+    def gram_density(self, step: int | None = -1) -> tuple[np.ndarray, np.ndarray]:
+        """(grid, density) of the spectral density of G_t (stochastic Lanczos quadrature; it
+        integrates to 1 over the grid) at ``step`` (−1: the last finished step; None: every
+        finished step, (S, bins) each).
+
+        Raises:
+            KeyError: the run stores no density of G (the exact route stores every eigenvalue
+                instead: :meth:`eigenvalue_curve`), or an unfinished step.
+        """
+        if not self.has("gram_density"):
+            raise KeyError(f"run {self.id!r} stores no gram_density (the quadrature route stores it; this run's "
+                           f"route is {self.energy_route!r}: its eigenvalues are eigenvalue_curve())")
+        if step is None:
+            return self.per_step("gram_density_grid"), self.per_step("gram_density")
+        i = self.index_of(self._step(step))
+        return (np.asarray(self.row("gram_density_grid", i), np.float64),
+                np.asarray(self.row("gram_density", i), np.float64))
+
+    def _check_phi(self, phi: str) -> None:
         if phi not in PHI_NAMES:
             raise ValueError(f"phi={phi!r} is not one of {', '.join(PHI_NAMES)}")
-        E = self.per_step(f"energy_{phi}")
-        if k is None:
-            return E
-        if not 1 <= k <= E.shape[1]:
-            raise ValueError(f"k={k} outside 1..{E.shape[1]} (the eigenpairs kept for {phi!r})")
-        return E[:, k - 1]
+
+    def _step(self, step: int) -> int:
+        """``step`` as a finished recorded step (−1: the last), or KeyError naming the finished ones."""
+        steps = self.steps
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+            raise KeyError(f"step={step!r} is not a recorded step t (an integer, -1 for the last, None for all)")
+        if step == -1:
+            if not len(steps):
+                raise KeyError(f"run {self.id!r} has no finished recorded step yet (status {self.status!r})")
+            return int(steps[-1])
+        self.index_of(int(step))  # KeyError naming the finished steps
+        return int(step)
+
+    def _at(self, curve: BracketedCurve, k: int, step: int | None) -> Any:
+        value, lower, upper = curve.at(k)
+        if step is None:
+            return value, lower, upper
+        j = int(np.flatnonzero(curve.steps == self._step(step))[0])
+        return float(value[j]), float(lower[j]), float(upper[j])
 
     def spectrum_preservation(self, t1: int | None = None, t2: int | None = None,
                               i: list[int] | None = None) -> tuple[np.ndarray, int, int, list[int]]:

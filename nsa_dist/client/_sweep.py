@@ -86,7 +86,7 @@ def quantity(run: Run, name: str, k: int | None = None) -> tuple[np.ndarray, np.
     if name.startswith("energy_"):
         if k is None:
             raise ValueError(f"quantity {name!r} needs k (E_t(φ, k))")
-        return t, run.energy(name.removeprefix("energy_"), k)
+        return t, run.energy(name.removeprefix("energy_"), k, step=None)[0]
     values = {"loss_recorded": lambda: run.train_loss, "loss_test": lambda: run.test_loss,
               "lambda_max": lambda: run.lambda_max, "stability_bound": lambda: run.stability_bound(),
               "alignment": lambda: run.alignment["raw"], "first_order_error": lambda: run.first_order["error"],
@@ -127,6 +127,9 @@ class Curve:
         t: (T,) steps common to all its runs.
         mean, std, lo, hi: (T,) mean, standard deviation (0 for one run), min and max over runs.
         n: number of runs averaged.
+        bracket: (lower, upper), (T,) each, that contain the exact mean of an energy E_t(φ, k)
+            (the means of the runs' brackets; lower = upper = mean where every run measured it
+            exactly), None for other quantities.
     """
 
     key: dict[str, Any]
@@ -136,6 +139,7 @@ class Curve:
     lo: np.ndarray
     hi: np.ndarray
     n: int
+    bracket: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def label(self) -> str:
@@ -179,17 +183,26 @@ class Sweep:
         return list(out.values())
 
     def curves(self, name: str, k: int | None = None) -> list[Curve]:
-        """One :class:`Curve` of quantity ``name`` (see :func:`quantity`) per grid point."""
+        """One :class:`Curve` of quantity ``name`` (see :func:`quantity`) per grid point; an energy
+        E_t(φ, k) carries the bracket of its mean (:attr:`Curve.bracket`)."""
         curves = []
         for key, ids in self.groups():
-            series = [quantity(self.run(rid), name, k) for rid in ids]
+            runs = [self.run(rid) for rid in ids]
+            series = [quantity(r, name, k) for r in runs]
             t = series[0][0]
             for ti, _ in series[1:]:
                 t = np.intersect1d(t, ti)
-            V = np.stack([v[np.searchsorted(ti, t)] for ti, v in series])  # (n, T)
+            at = [np.searchsorted(ti, t) for ti, _ in series]
+            V = np.stack([v[j] for j, (_, v) in zip(at, series)])  # (n, T)
+            bracket = None
+            if name.startswith("energy_") and k is not None:
+                b = [r.energy(name.removeprefix("energy_"), k, step=None) for r in runs]
+                lo = np.stack([bi[1][j] for j, bi in zip(at, b)])
+                hi = np.stack([bi[2][j] for j, bi in zip(at, b)])
+                bracket = (lo.mean(0), hi.mean(0))  # the mean of exact values lies between the means of the bounds
             with np.errstate(all="ignore"):
                 curves.append(Curve(key, t, np.nanmean(V, 0), np.nanstd(V, 0), np.nanmin(V, 0), np.nanmax(V, 0),
-                                    len(ids)))
+                                    len(ids), bracket))
         return curves
 
     def scalar(self, name: str, k: int | None = None, step: int | None = None) -> "pandas.DataFrame":
@@ -212,8 +225,9 @@ class Sweep:
         return pd.DataFrame(rows)
 
     def smallest_k(self) -> int:
-        """The smallest number of eigenpairs K kept by a finished run (the largest k every run has)."""
-        return min(int(self.run(rid).eigenvalues.shape[1]) for _, ids in self.groups() for rid in ids)
+        """The largest k at which every finished run has E_t(φ, k): the smallest :attr:`Run.k_max`
+        (the eigenpairs kept, or N for a run that measured every k)."""
+        return min(self.run(rid).k_max for _, ids in self.groups() for rid in ids)
 
     def smallest_n(self) -> int:
         """The smallest number of training points N of a finished run (a k < it is a k below every run's N)."""

@@ -16,29 +16,43 @@ if TYPE_CHECKING:
 
 
 def fig2a(run: "Run") -> "Figure":
-    """λ_i^t against i for up to six recorded t (log-log; λ ≤ 0 are left out)."""
+    """λ_i^t against i for up to six recorded t (log-log; λ ≤ 0 are left out): every i the run
+    measured, the bracket as a band where it is not a point (the quadrature route beyond its top)."""
+    from nsa_dist.plots.brackets import add_bracket_caption, draw_bracketed
+
     fig, ax = new_figure(run, "2a", "eigenvalues of $G_t$ for different t")
-    ax, evals, t = ax[0, 0], run.eigenvalues, run.steps  # (S, K), (S,)
-    i = np.arange(1, evals.shape[1] + 1)  # (K,)
+    ax, curve, t = ax[0, 0], run.curve("eigenvalue"), run.steps
     idx = some_steps(len(t))
+    drawn = False
     for c, j in zip(colors(len(idx)), idx):
-        lam = np.where(evals[j] > 0, evals[j], np.nan)
-        ax.plot(i, lam, color=c, label=f"t = {t[j]}")
+        drawn |= draw_bracketed(ax, curve, j, c, f"t = {t[j]}", logy=True)
     ax.set(xscale="log", yscale="log", xlabel="index i", ylabel=r"eigenvalue $\lambda_i^t$")
     ax.grid(alpha=0.3, which="both")
     legend(ax)
+    if curve.route == "quadrature":
+        add_bracket_caption(fig, run, drawn)
     return fig
 
 
 def fig2b(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
-    """Individual eigenvalues λ_i^t along t for i in 1, 2, 5, 10, … ≤ K (log y)."""
+    """Individual eigenvalues λ_i^t along t for i in 1, 2, 5, 10, … ≤ the largest i measured (log y),
+    each with its bracket as a band where it is not a point."""
+    from nsa_dist.plots.brackets import add_bracket_caption, draw_bracketed_along_t
+
     fig, ax = new_figure(run, "2b", "individual eigenvalues along t")
-    ax, evals = ax[0, 0], run.eigenvalues  # (S, K)
-    rows = ks(evals.shape[1], opts.ks)
+    ax, curve = ax[0, 0], run.curve("eigenvalue")
+    rows = ks(int(curve.k[-1]), opts.ks)
     cols, labels = colors(len(rows)), [rf"$\lambda_{{{i}}}^t$" for i in rows]
+    drawn = False
     for c, i, label in zip(cols, rows, labels):
-        ax.plot(run.steps, evals[:, i - 1], "o-", ms=3, color=c, label=label)
+        value, lower, upper = curve.at(i)
+        if np.any(upper > lower):  # a log axis: a lower bound ≤ 0 is drawn at half the smallest positive value
+            pos = value[np.isfinite(value) & (value > 0)]
+            lower = np.maximum(lower, float(pos.min()) / 2 if len(pos) else 1e-300)
+        drawn |= draw_bracketed_along_t(ax, run.steps, value, lower, upper, c, label)
     time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True, family=("i", labels, cols))
+    if curve.route == "quadrature":
+        add_bracket_caption(fig, run, drawn)
     return fig
 
 

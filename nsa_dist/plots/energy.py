@@ -25,15 +25,22 @@ _LABEL = {"y": "3a", "f": "3b", "residual": "3c", "df_pred": "3d", "f_test": "3e
 
 
 def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = True,
-            chosen: tuple[int, ...] | None = None) -> tuple[str, list[str], "np.ndarray"]:
-    """One line per k in ``chosen`` (default 1, 2, 5, 10, …) ≤ K (the K of this φ's eigenbasis);
-    returns the family (name, labels, colours) for :func:`axes.legend`."""
-    E = run.energy(phi)  # (S, K)
-    rows = ks(E.shape[1], chosen)
+            chosen: tuple[int, ...] | None = None) -> tuple[str, list[str], "np.ndarray", bool]:
+    """One line per k in ``chosen`` (default 1, 2, 5, 10, …) ≤ the largest k the run measured for
+    this φ (its K, or N with every k measured), each with its bracket as a band where the bracket is
+    not a point; returns the family (name, labels, colours) for :func:`axes.legend` and whether a
+    band was drawn."""
+    from nsa_dist.plots.brackets import draw_bracketed_along_t
+
+    curve = run.curve(f"energy_{phi}")
+    rows = ks(int(curve.k[-1]), chosen)
     cols = colors(len(rows))
+    drawn = False
     for c, k in zip(cols, rows):
-        ax.plot(run.steps, E[:, k - 1], ls, ms=3, color=c, label=family_label("k", k) if labels else None)
-    return "k", [family_label("k", k) for k in rows], cols
+        value, lower, upper = curve.at(k)
+        drawn |= draw_bracketed_along_t(ax, run.steps, value, lower, upper, c,
+                                        family_label("k", k) if labels else None, ls)
+    return "k", [family_label("k", k) for k in rows], cols, drawn
 
 
 def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "Figure":
@@ -45,10 +52,14 @@ def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "F
                 r"eigenvectors of $G_t$")
     fig, ax = new_figure(run, _LABEL[phi], what)
     ax = ax[0, 0]
-    family = _curves(ax, run, phi, chosen=opts.ks)
+    *family, drawn = _curves(ax, run, phi, chosen=opts.ks)
     if phi == "df_pred":
-        _curves(ax, run, "df", ls="--", labels=False, chosen=opts.ks)
+        drawn |= _curves(ax, run, "df", ls="--", labels=False, chosen=opts.ks)[3]
         ax.plot([], [], "k-", label=r"first order $d\bar f_t$")  # legend entries for the two line styles
         ax.plot([], [], "k--", label=r"real $d\tilde f_t = f_{t+1} - f_t$")
-    time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$", family=family)
+    time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$", family=tuple(family))
+    if run.energy_route == "quadrature":
+        from nsa_dist.plots.brackets import add_bracket_caption
+
+        add_bracket_caption(fig, run, drawn)
     return fig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from nsa_dist.plots import dynamics, eigenvalues, energy, hessian, images, inputs, projections, spectral_dynamics
+from nsa_dist.plots import brackets, dynamics, eigenvalues, energy, hessian, images, inputs, projections, spectral_dynamics
 from nsa_dist.plots.axes import DPI, PlotOptions
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ _FIGURES: dict[str, tuple[_Draw, _Needs]] = {
     "fig3c_energy_residual": (_energy("residual"), _has("energy_residual")),
     "fig3d_energy_df": (_energy("df_pred"), _has("energy_df_pred", "energy_df")),
     "fig3e_energy_f_test": (_energy("f_test"), _has("energy_f_test")),
+    "energy_against_k": (brackets.energy_against_k, _has("energy_y")),
     "fig4a_residual_projections": (projections.fig4a, _projections_ready),
     "fig4bc_residual_fourier": (images.fig4bc, _has("residual_image", "residual_fourier")),
     "fig4d_reconstructions": (spectral_dynamics.fig4d, _at_eigenvector_steps("reconstructions")),

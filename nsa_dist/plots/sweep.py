@@ -38,13 +38,17 @@ def _figure(sweep: "Sweep", label: str, what: str, ncols: int = 0,
 
 
 def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0, key: bool = True) -> None:
-    """One line per grid point (mean over seeds, ± std shaded) and, with ``key``, their legend (more
-    than ~10: a colour key)."""
-    cols = colors(len(curves))
+    """One line per grid point (mean over seeds, ± std shaded; an energy measured beyond the exact top
+    with its bracket hatched) and, with ``key``, their legend (more than ~10: a colour key)."""
+    cols, bracketed = colors(len(curves)), False
     for c, cv in zip(cols, curves):
         ax.plot(cv.t + shift, cv.mean, "-", lw=1.2, color=c, label=cv.label)
         if cv.n > 1:
             ax.fill_between(cv.t + shift, cv.mean - cv.std, cv.mean + cv.std, color=c, alpha=0.2, lw=0)
+        if cv.bracket is not None and np.any(cv.bracket[1] > cv.bracket[0]):  # measured beyond the exact top
+            ax.fill_between(cv.t + shift, cv.bracket[0], cv.bracket[1], facecolor="none", edgecolor=c, hatch="////",
+                            lw=0, alpha=0.6, label="bracket (quadrature)" if not bracketed else None)
+            bracketed = True
     ax.grid(alpha=0.3, which="both")
     if key:
         legend(ax, family=("grid point", [cv.label for cv in curves], cols))

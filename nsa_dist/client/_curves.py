@@ -1,0 +1,176 @@
+"""E_t(φ, k) and λ_i^t for every k a run measured, each with its bracket, whichever route measured them.
+
+Two routes store the curves (``spectrum.energy``; the run attribute ``energy_route`` says which):
+
+* **exact** — the whole G_t on one process, ``spectrum.k: all``: ``energy_<φ>`` (S, N) and
+  ``eigenvalues`` (S, N) hold every k; lower = upper = value.  A run that kept only the top K
+  eigenpairs has its curve at k = 1..K, exact.
+* **quadrature** — products with G_t only (gang layouts, or asked for): the top part
+  (k ≤ ``spectrum.quadrature.top``) exact in ``energy_<φ>`` / ``eigenvalues``, beyond it
+  ``curve_energy_<φ>`` / ``curve_eigenvalue`` with ``…_lower`` / ``…_upper`` at the k of
+  ``curve_k`` (a log grid to N).  The run attribute ``curve_bracket`` says how the brackets are
+  guaranteed (provable quadrature bounds, or statistical at ``curve_confidence``).
+
+:class:`BracketedCurve` joins the two parts: the exact top k = 1..K, then the grid beyond it.
+Between two grid points k_a < k < k_b the bracket follows from monotonicity alone — E_t(φ, ·)
+is non-decreasing and λ_· non-increasing in k — so ``E(k) ∈ [lower(k_a), upper(k_b)]`` and
+``λ_k ∈ [lower(k_b), upper(k_a)]``; the value there is interpolated in log k, inside that bracket.
+A curve is therefore never reported sharper than what was measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import xarray
+
+    from nsa_dist.client._arrays import RunArrays
+
+__all__ = ["BracketedCurve", "read_curve", "energy_route", "EXACT_BRACKET"]
+
+EXACT_BRACKET = "exact: from the eigendecomposition of G_t (lower = upper = value)"
+
+
+def energy_route(run: "RunArrays") -> str:
+    """"exact" or "quadrature": the route that measured the run's curves (the ``energy_route``
+    attribute; runs written before it existed are exact)."""
+    route = run.attrs.get("energy_route")
+    if route is None:
+        return "quadrature" if run.has("curve_k") else "exact"
+    return str(route)
+
+
+@dataclass(frozen=True)
+class BracketedCurve:
+    """One curve along the finished steps: ``value`` with ``lower ≤ value ≤ upper`` at each k.
+
+    Attributes:
+        name: "eigenvalue" (λ_k, non-increasing in k) or "energy_<φ>" (E_t(φ, k), non-decreasing).
+        steps: (S,) the finished recorded steps t.
+        k: (n,) the k (or i) measured, ascending, 1-based.
+        value, lower, upper: (S, n) float64.
+        exact: (n,) True where the value is exact (the top part; every k on the exact route).
+        n_points: N, the largest k there is.
+        route: "exact" or "quadrature".
+        bracket: how the brackets are guaranteed (the run's ``curve_bracket``, or exact).
+        confidence: the confidence of a statistical bracket, else None.
+    """
+
+    name: str
+    steps: np.ndarray
+    k: np.ndarray
+    value: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    exact: np.ndarray
+    n_points: int
+    route: str
+    bracket: str
+    confidence: float | None = None
+
+    @property
+    def increasing(self) -> bool:
+        """True for an energy (non-decreasing in k), False for the eigenvalues."""
+        return self.name != "eigenvalue"
+
+    @property
+    def degenerate(self) -> bool:
+        """True when every bracket is a point (lower = upper = value wherever finite)."""
+        ok = np.isfinite(self.value)
+        return bool(np.all(self.lower[ok] == self.value[ok]) and np.all(self.upper[ok] == self.value[ok]))
+
+    @property
+    def width(self) -> np.ndarray:
+        """(S, n) upper − lower."""
+        return self.upper - self.lower
+
+    def check_k(self, k: int) -> int:
+        """``k`` as an int in 1..N that the curve covers, or a ValueError naming the range and why."""
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+            raise ValueError(f"k={k!r} is not an integer index 1..{self.n_points}")
+        k = int(k)
+        if not 1 <= k <= self.n_points:
+            raise ValueError(f"k={k} outside 1..{self.n_points} (N, the number of training points)")
+        top = int(self.k[-1]) if len(self.k) else 0
+        if k > top:
+            raise ValueError(f"k={k}: this run measured {self.name} only for k ≤ {top} (the eigenpairs it kept, "
+                             f"spectrum.k); spectrum.k: all (layout local) or spectrum.energy: quadrature "
+                             f"measures every k up to N = {self.n_points}")
+        return k
+
+    def at(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(value, lower, upper), each (S,), at ``k``: the stored column when k was measured, else
+        the monotone bracket of its neighbours with the value interpolated in log k inside it.
+
+        Raises:
+            ValueError: k is not in 1..N, or beyond what the run measured (both named).
+        """
+        k = self.check_k(k)
+        j = int(np.searchsorted(self.k, k))
+        if self.k[j] == k:
+            return self.value[:, j], self.lower[:, j], self.upper[:, j]
+        a, b = j - 1, j  # k[a] < k < k[b]
+        ka, kb = float(self.k[a]), float(self.k[b])
+        w = (np.log(k) - np.log(ka)) / (np.log(kb) - np.log(ka))
+        value = (1 - w) * self.value[:, a] + w * self.value[:, b]
+        if self.increasing:
+            lower, upper = self.lower[:, a], self.upper[:, b]
+        else:
+            lower, upper = self.lower[:, b], self.upper[:, a]
+        with np.errstate(invalid="ignore"):
+            value = np.minimum(np.maximum(value, lower), upper)
+        return value, lower.copy(), upper.copy()
+
+    def to_xarray(self, phi: str | None = None) -> "xarray.Dataset":
+        """``value``, ``lower``, ``upper`` with dims (step, k), coordinates step, k and ``exact`` (k);
+        attributes: route, bracket, confidence (statistical brackets), N, phi (energies)."""
+        import xarray as xr
+
+        attrs: dict[str, Any] = {"route": self.route, "bracket": self.bracket, "N": self.n_points,
+                                 "quantity": self.name}
+        if self.confidence is not None:
+            attrs["confidence"] = self.confidence
+        if phi is not None:
+            attrs["phi"] = phi
+        dims = ("step", "k")
+        return xr.Dataset({"value": (dims, self.value), "lower": (dims, self.lower), "upper": (dims, self.upper)},
+                          coords={"step": ("step", self.steps), "k": ("k", self.k), "exact": ("k", self.exact)},
+                          attrs=attrs)
+
+
+def read_curve(run: "RunArrays", name: str, n_points: int) -> BracketedCurve:
+    """The curve ``name`` ("eigenvalue" or "energy_<φ>") of ``run`` along its finished steps.
+
+    Raises:
+        StoreError: a damaged chunk (named).  KeyError: the run stores no ``name``.
+    """
+    top_name = "eigenvalues" if name == "eigenvalue" else name
+    if not run.has(top_name):
+        raise KeyError(f"run {run.id!r} stores no {top_name!r}")
+    top = np.asarray(run.per_step(top_name), np.float64)
+    if top.ndim == 1:
+        top = top[:, None]
+    S, K = top.shape
+    route = energy_route(run)
+    conf = run.attrs.get("curve_confidence")
+    curve_name = f"curve_{name}"
+    if route == "quadrature" and run.has(curve_name) and run.has("curve_k"):
+        ck = np.asarray(run.array("curve_k"), np.int64)
+        beyond = ck > K
+        kk = np.concatenate([np.arange(1, K + 1, dtype=np.int64), ck[beyond]])
+        parts = [np.asarray(run.per_step(f"{curve_name}{s}"), np.float64)[:, beyond] for s in ("", "_lower", "_upper")]
+        value = np.concatenate([top, parts[0]], axis=1)
+        lower = np.concatenate([top, parts[1]], axis=1)
+        upper = np.concatenate([top, parts[2]], axis=1)
+        exact = np.concatenate([np.ones(K, bool), np.all(parts[1] == parts[2], axis=0) if S
+                                else np.zeros(int(beyond.sum()), bool)])
+        bracket = str(run.attrs.get("curve_bracket", "quadrature bounds (the run names no bracket kind)"))
+        return BracketedCurve(name, np.asarray(run.steps), kk, value, lower, upper, exact, n_points, "quadrature",
+                              bracket, None if conf is None else float(conf))
+    top.flags.writeable = False
+    return BracketedCurve(name, np.asarray(run.steps), np.arange(1, K + 1, dtype=np.int64), top, top, top,
+                          np.ones(K, bool), n_points, "exact", EXACT_BRACKET, None)
