@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import time
@@ -142,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 on success, 1 when a run failed or an unexpected error occurred, 2 on a refused input
-        or an outside failure, 130 on Ctrl-C and 143 on SIGTERM (both leave resumable runs).
+        or an outside failure, 130 on Ctrl-C and 143 on SIGTERM, 75 when this machine's Ray
+        raylet stopped under a sweep (all three leave resumable runs).
     """
     args = _parser().parse_args(argv)
+    args.argv = argv
     saved_debug = os.environ.get("NSA_DEBUG")
     debug = args.debug or bool(saved_debug)
     if debug:
@@ -223,6 +226,10 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
         return "terminated (SIGTERM); re-run the same command to resume", 143
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C); re-run the same command to resume", 130
+    lost = getattr(sys.modules.get("nsa_dist.cluster.runtime"), "RayletLost", None)  # never imports Ray
+    if lost is not None and isinstance(exc, lost):  # the runs are interrupted, not failed (EX_TEMPFAIL)
+        again = " ".join(["nsa", *map(shlex.quote, getattr(args, "argv", None) or sys.argv[1:])])
+        return f"interrupted: {_flat(str(exc))}; re-run `{again}` to resume", 75
     store = getattr(args, "store", None)
     fault = describe_fault(exc, store) if isinstance(store, str) else None
     if fault:

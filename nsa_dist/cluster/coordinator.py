@@ -7,12 +7,16 @@ The coordinator never fetches checkpoints; it only hands object refs on, keeps a
 a (run, step) whose worker died.  Re-running a sweep skips finished steps.  Every write — the
 driver's, its trainers' and workers' — is fenced by the driver's lease token: once another driver
 took a run over, the sweep stops with :class:`~nsa_dist.store.LeaseLost` and writes nothing more.
+When this machine's raylet stops (killed, out of memory, the embedded Ray gone), the sweep stops
+with :class:`~nsa_dist.cluster.runtime.RayletLost`: its runs are *interrupted*, not failed (the
+actors died with the raylet, not of anything in the runs), and a re-run resumes them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +28,7 @@ from nsa_dist.cluster.actors import spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang
 from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
 from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
-from nsa_dist.cluster.runtime import alive_nodes, cluster_has_gpus
+from nsa_dist.cluster.runtime import RayletLost, alive_nodes, cluster_has_gpus, raylet_lost
 from nsa_dist.pipeline import RunOutcome, RunPlan, TrainingDiverged, finish_run, prepare_run, run_id
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
@@ -61,6 +65,18 @@ class _Run:
     queued: list[Analysis] = field(default_factory=list)  # waiting for a worker / gang
     inflight: dict[Any, Analysis] = field(default_factory=dict)  # analysis ref -> its record
     diverged: TrainingDiverged | None = None  # set once training diverged: drain, then fail
+
+
+def _from_ray(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of Ray's own errors (an actor or the system failed, not a run)."""
+    return any(c.__module__.split(".")[0] == "ray" for c in type(exc).__mro__)
+
+
+def _where(active: list[_Run]) -> str:
+    """Where the runs in progress stand, for :class:`RayletLost`'s one line."""
+    parts = [f"run {r.progress.run_id} is interrupted at step {r.progress.step if r.progress.step is not None else 0} "
+             f"({r.progress.done} of {r.progress.total} recorded steps kept)" for r in active]
+    return "; ".join(parts)
 
 
 def _gang_sizes(runs: list[_Run]) -> list[int]:
@@ -127,8 +143,10 @@ class SweepCoordinator:
         self._has_gpus = has_gpus
         limit = self.cl.max_concurrent_runs or len(todo)
         active: list[_Run] = []
+        interrupted = "sweep interrupted; re-run to resume"
         try:
             while todo or active:
+                self._check_raylet(active)
                 while todo and len(active) < limit:
                     r = todo.pop(0)
                     r.trainer = trainer_actor(r.plan, self.store_url, self.cl, has_gpus, self.lease.token)
@@ -145,18 +163,36 @@ class SweepCoordinator:
                         ray.kill(r.trainer, no_restart=True)
                         r.trainer = None
                 self.on_event(self.progress())
+        except RayletLost as exc:
+            interrupted = f"interrupted: Ray's raylet on this machine stopped ({exc.cause}); re-run to resume"
+            raise
+        except Exception as exc:  # a Ray error of a raylet gone under it is its cause's, not the runs'
+            cause = raylet_lost(ask_cluster=True) if _from_ray(exc) else None
+            if cause is None:
+                raise
+            interrupted = f"interrupted: Ray's raylet on this machine stopped ({cause}); re-run to resume"
+            raise RayletLost(cause, _where(active)) from exc
         finally:
+            lost = interrupted.startswith("interrupted:")
+
+            def stop(fn: Callable[[], Any]) -> None:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - with the raylet gone its actors are gone too
+                    if not lost:
+                        raise
+
             for r in active:
                 if r.trainer is not None:
-                    ray.kill(r.trainer, no_restart=True)
+                    stop(partial(ray.kill, r.trainer, no_restart=True))
                 try:
-                    r.writer.set_status(Status.INTERRUPTED, "sweep interrupted; re-run to resume")
+                    r.writer.set_status(Status.INTERRUPTED, interrupted)
                 except LeaseLost:
                     pass  # another driver has the run: it says how it stands
             if self.pool is not None:
-                self.pool.close()
+                stop(self.pool.close)
             for g in [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
-                g.shutdown()
+                stop(g.shutdown)
             self.lease.release()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
 
@@ -248,12 +284,21 @@ class SweepCoordinator:
             self.replaced_gangs += 1
         self.gangs.setdefault(gang.pool.size, []).append(gang)
 
+    def _check_raylet(self, active: list[_Run], ask_cluster: bool = False) -> None:
+        """Raise :class:`RayletLost` when this machine's raylet stopped (before any of its actors'
+        deaths is taken for the runs' failure)."""
+        cause = raylet_lost(ask_cluster)
+        if cause is not None:
+            raise RayletLost(cause, _where(active))
+
     def _analysis_done(self, r: _Run, ref: Any) -> None:
         a = r.inflight.pop(ref)
         try:
             summary = ray.get(ref)
         except RayTaskError as exc:  # the checkpoint or the analysis raised
             cause = task_cause(exc)
+            if _from_ray(cause):
+                self._check_raylet([x for x in self.runs.values() if x.progress.status == Status.RUNNING], True)
             if isinstance(cause, LeaseLost):  # another driver took the run over: stop, write nothing
                 self._return(a)
                 raise cause from None
@@ -275,6 +320,7 @@ class SweepCoordinator:
                 self._fail(r, cause)
             return
         except RayActorError as exc:  # Ray's restarts and task retries are spent: the run fails
+            self._check_raylet([x for x in self.runs.values() if x.progress.status == Status.RUNNING], True)
             self._return(a, broken=a.gang is not None)
             who = "its trainer" if self._trainer_dead(r) else "the spectral worker"
             self._fail(r, RuntimeError(f"step index {a.index}: {who} kept dying (after cluster.max_retries="

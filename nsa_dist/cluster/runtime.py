@@ -12,7 +12,17 @@ import ray
 
 from nsa_dist.errors import OutsideError
 
-__all__ = ["connect", "cluster_has_gpus", "alive_nodes", "auth_headers"]
+__all__ = ["RayletLost", "connect", "cluster_has_gpus", "alive_nodes", "auth_headers", "raylet_lost"]
+
+
+class RayletLost(OutsideError):
+    """Ray's raylet on this machine (the node process every actor and object of the sweep lives
+    in) stopped under a running sweep: the runs it drove are *interrupted* — their finished steps
+    kept, resumable by re-running — not failed.  The message names the cause in one line."""
+
+    def __init__(self, cause: str, runs: str = "") -> None:
+        self.cause, self.runs = cause, runs
+        super().__init__(f"Ray's raylet on this machine stopped ({cause})" + (f"; {runs}" if runs else ""))
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
@@ -36,6 +46,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, resource
     finally:
         if callable(handler):
             signal.signal(signal.SIGTERM, handler)
+    _route_raylet_reports()
     return ray.cluster_resources()
 
 
@@ -73,6 +84,73 @@ def _start_embedded(kw: dict[str, Any], tries: int = EMBEDDED_TRIES, pause: floa
                     f"30 s (load average {load} on {os.cpu_count()} cores); run again when the machine is "
                     "quieter, or start Ray yourself (`ray start --head`) and pass --address auto") from exc
             time.sleep(pause * attempt)
+
+
+def raylet_lost(ask_cluster: bool = False) -> str | None:
+    """Why this machine's raylet is gone, in a few words; None while it runs.
+
+    An embedded Ray's raylet is this process's child: its exit status says at once (killed by
+    SIGKILL, exited with 1) — cheap enough to ask at every turn of the coordinator's loop.  For a
+    joined cluster (no child to look at), ``ask_cluster`` asks the GCS whether this node is alive
+    (after a Ray error only: one round trip)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    info = (getattr(node, "all_processes", None) or {}).get(ray._private.ray_constants.PROCESS_TYPE_RAYLET)
+    if info:
+        proc = info[0].process
+        rc = proc.poll()
+        if rc is None:
+            return None
+        how = f"killed by {_signal_name(-rc)}" if rc < 0 else f"exited with status {rc}"
+        try:
+            log = f"; its log: {os.path.join(node.get_logs_dir_path(), 'raylet.out')}"
+        except Exception:  # noqa: BLE001 - the log's place is a courtesy
+            log = ""
+        return f"pid {proc.pid}, {how}{log}"
+    if not ask_cluster or not ray.is_initialized():
+        return None
+    try:
+        me = ray.get_runtime_context().get_node_id()
+        alive = {n.get("NodeID"): n.get("Alive") for n in ray.nodes()}
+    except Exception as exc:  # noqa: BLE001 - the GCS itself is gone: that is the answer
+        return f"the cluster's GCS cannot be reached: {type(exc).__name__}"
+    return None if alive.get(me) else f"node {me[:12]} is marked dead by the cluster"
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+# What Ray publishes to the driver when a raylet dies: the "Last 20 lines of the Raylet logs" dump
+# (once per agent) and the GCS's "marked dead" notice.  nsa names the cause in one line instead.
+_RAYLET_REPORTS = ("Raylet is terminated", "has been marked dead because the detector has missed too many heartbeats")
+
+
+def _route_raylet_reports() -> None:
+    """Send Ray's console reports of a dead raylet to ``nsa-driver-reports.log`` in Ray's session
+    log folder (next to ``raylet.out``) instead of stdout; every other report is printed as Ray
+    prints it.  Ray prints them from its error-listener thread through the module function
+    ``ray._private.worker.print_to_stdstream``, with no setting to turn them off."""
+    worker = ray._private.worker
+    show = worker.print_to_stdstream
+    if getattr(show, "nsa_routed", False):
+        return
+
+    def routed(data: dict, ignore_prefix: bool) -> None:
+        text = "\n".join(str(line) for line in data.get("lines", []))
+        if data.get("pid") != "raylet" or not any(m in text for m in _RAYLET_REPORTS):
+            return show(data, ignore_prefix)
+        try:
+            path = os.path.join(worker._global_node.get_logs_dir_path(), "nsa-driver-reports.log")
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        except Exception:  # noqa: BLE001 - a report not kept is no reason to print it
+            pass
+
+    routed.nsa_routed = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = routed
 
 
 def cluster_has_gpus() -> bool:
