@@ -81,6 +81,11 @@ class Eigenvectors(Panel):
         """No value-driven chooser: the slider is wired by the page (a small read at one step)."""
         return []
 
+    def state(self) -> tuple[Any, ...]:
+        """Also the slider's position among the steps shown (:meth:`read` follows the newest step
+        while the slider is at the end)."""
+        return (*super().state(), int(self.slider.value), len(self.steps))
+
     def stored_steps(self, run: "Run") -> list[int]:
         """The finished steps whose eigenvectors (or their images) are stored."""
         return [int(t) for t in (run.steps if self.images else run.eigenvector_steps)]

@@ -1,17 +1,24 @@
-"""What every page shares: reads off the server's event loop, a panel that shows damage instead of
-crashing, and the figure defaults.
+"""What every page shares: reads off the server's event loop and shared by its sessions, a panel
+that shows damage instead of crashing, and the figure defaults.
 
-Store reads are blocking (Zarr's ``sync``), so a page never reads on Tornado's event loop: a
-periodic callback hands the read to a worker thread (``run_in_executor``) without the document
-lock, and applies the result to the document on the next tick, with the lock (Bokeh's pattern for
-slow updates).  A read that raises becomes the panel's message — a damaged chunk's
-:class:`~nsa_dist.errors.StoreError` names the array, the step and the file.
+Store reads are blocking (Zarr's ``sync``), so a page never reads on Tornado's event loop: a page
+is built in a worker thread before its session starts (:func:`prepared`), and a periodic callback
+hands its re-read to a worker thread (``run_in_executor``) without the document lock, and applies
+the result to the document on the next tick, with the lock (Bokeh's pattern for slow updates).
+The reads go through :class:`Shared`: one read per key (a run's state, a panel's data at a
+run's state and the panel's choices, the run table) per refresh interval, whatever the number of
+sessions watching — thirty viewers of a live run cost one run's reads, not thirty.  A session
+destroyed while its read was in flight drops the result (its document is gone).  A read that
+raises becomes the panel's message — a damaged chunk's :class:`~nsa_dist.errors.StoreError`
+names the array, the step and the file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -25,11 +32,125 @@ if TYPE_CHECKING:
     from bokeh.document import Document
     from bokeh.model import Model
 
-__all__ = ["Panel", "Waiting", "every", "new_figure", "positive", "query_arg", "PALETTE"]
+__all__ = ["Panel", "Shared", "Waiting", "alive", "every", "new_figure", "off_loop", "positive", "prepared",
+           "query_arg", "request_args", "PALETTE"]
 
 # Category10, written out: bokeh.palettes builds every palette at import
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf")
+
+
+class Shared:
+    """Reads shared by every session of a server: :meth:`get` returns the result of the last
+    ``read`` for ``key`` begun less than ``max_age`` seconds ago (or still running: the callers
+    wait for it), and otherwise runs ``read`` once, in the calling thread, for every caller.
+
+    Entries not asked for in ``keep_s`` seconds are dropped, so that the cache holds the current
+    state of what is being watched and nothing older.  ``reads`` counts the reads per key's first
+    element ("run", "panel", "table", …).  Thread-safe; called from worker threads only (a read
+    blocks).
+    """
+
+    def __init__(self, keep_s: float = 60.0) -> None:
+        self.keep_s = keep_s
+        self.reads: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._entries: dict[Any, tuple[float, float, Future]] = {}  # key → (begun, last asked, result)
+        self._pruned = time.monotonic()
+
+    def get(self, key: tuple[Any, ...], read: Callable[[], Any], max_age: float) -> Any:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._pruned > self.keep_s / 4:
+                self._pruned = now
+                self._entries = {k: e for k, e in self._entries.items()
+                                 if not e[2].done() or now - e[1] < self.keep_s}
+            entry = self._entries.get(key)
+            mine = entry is None or (entry[2].done() and now - entry[0] >= max_age)
+            if mine:
+                entry = (now, now, Future())
+                self.reads[key[0]] = self.reads.get(key[0], 0) + 1
+            else:
+                entry = (entry[0], now, entry[2])
+            self._entries[key] = entry
+        future = entry[2]
+        if mine:
+            try:
+                future.set_result(read())
+            except BaseException as exc:  # noqa: BLE001 — every caller gets it, raised
+                future.set_exception(exc)
+        return future.result()
+
+    def latest(self, key: tuple[Any, ...]) -> Any:
+        """The result of the last finished read of ``key`` (None: none, or it raised)."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None or not entry[2].done() or entry[2].exception() is not None:
+            return None
+        return entry[2].result()
+
+
+def alive(doc: "Document") -> bool:
+    """Whether ``doc``'s session still lives (Bokeh destroys a closed page's document: a change to
+    it after that raises, so a read that comes back late is dropped)."""
+    return getattr(doc, "_session_context", None) is not None
+
+
+def prepared(build: Callable[[dict[str, str]], Callable[["Document"], None]]) -> Callable[["Document"], None]:
+    """A Bokeh app function for a page whose ``build(args)`` (a worker thread: the store reads and
+    the models) returns what attaches it to a session's document (the event loop: no reads).
+
+    The server's application runs ``build`` before the session's document is made (its
+    ``on_session_created`` hook, see :mod:`nsa_dist.serve._server`) and leaves the result on
+    the session context; without it (an app run directly), ``build`` runs here.
+    """
+
+    def app(doc: "Document") -> None:
+        ctx = doc.session_context
+        attach = getattr(ctx, "_nsa_attach", None) if ctx is not None else None
+        if attach is None:
+            attach = build(request_args(doc))
+        attach(doc)
+
+    app.build = build  # type: ignore[attr-defined]
+    return app
+
+
+def request_args(doc_or_ctx: Any) -> dict[str, str]:
+    """The page's query arguments (the first value of each), from a document or a session context."""
+    ctx = getattr(doc_or_ctx, "session_context", doc_or_ctx)
+    request = getattr(ctx, "request", None) if ctx is not None else None
+    out = {}
+    for name, values in ((request.arguments or {}).items() if request is not None else ()):
+        if values:
+            v = values[0]
+            out[name] = v.decode() if isinstance(v, bytes) else str(v)
+    return out
+
+
+def off_loop(doc: "Document", read: Callable[[], Any], apply: Callable[[Any], None],
+             lock: threading.Lock | None = None) -> None:
+    """Once, soon: ``read()`` in a worker thread (under ``lock``), then ``apply(result)`` on the
+    document — a widget's redraw, without blocking the event loop on its read."""
+
+    def locked() -> Any:
+        if lock is None:
+            return read()
+        with lock:
+            return read()
+
+    def applied(result: Any) -> None:
+        if alive(doc):
+            apply(result)
+
+    @without_document_lock
+    async def go() -> None:
+        result = await asyncio.get_running_loop().run_in_executor(None, locked)
+        if alive(doc):
+            doc.add_next_tick_callback(partial(applied, result))
+
+    if alive(doc):
+        doc.add_next_tick_callback(go)
 
 
 def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Callable[[Any], None],
@@ -38,7 +159,8 @@ def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Call
 
     A tick is skipped while the previous read is still running; ``lock`` serialises the reads
     with the page's other readers (a slider's).  ``read`` returns whatever ``apply`` takes:
-    exceptions are the reader's business (see :meth:`Panel.guarded`).
+    exceptions are the reader's business (see :meth:`Panel.guarded`).  Once the session is
+    destroyed, no read starts and none is applied.
     """
     busy = threading.Event()
 
@@ -48,16 +170,21 @@ def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Call
         with lock:
             return read()
 
+    def applied(result: Any) -> None:
+        if alive(doc):
+            apply(result)
+
     @without_document_lock
     async def tick() -> None:
-        if busy.is_set():
+        if busy.is_set() or not alive(doc):
             return
         busy.set()
         try:
             result = await asyncio.get_running_loop().run_in_executor(None, locked)
         finally:
             busy.clear()
-        doc.add_next_tick_callback(partial(apply, result))
+        if alive(doc):  # same thread as the session's destruction, no await between: no race
+            doc.add_next_tick_callback(partial(applied, result))
 
     doc.add_periodic_callback(tick, int(period_s * 1000))
 
@@ -109,8 +236,20 @@ class Panel:
         self.layout = column(Div(text=f"<h3>{_escape(self.title)}</h3>"), self.error, self.waiting, body,
                              css_classes=["nsa-panel"])
 
+    # attributes :meth:`read` sets for :meth:`show` (its output, not what it depends on)
+    outputs: tuple[str, ...] = ("pair", "k")
+
     def read(self, run: Any) -> Any:
         raise NotImplementedError
+
+    def state(self) -> tuple[Any, ...]:
+        """What :meth:`read` depends on besides the run: the panel's class, its plain attributes
+        (set from the run when it was made) and its widgets' values — two panels with the same
+        state read the same data from the same run, so the sessions share one read."""
+        plain = tuple(sorted((k, v) for k, v in vars(self).items()
+                             if isinstance(v, (bool, int, float, str)) and k not in self.outputs))
+        widgets = tuple(_frozen(w.value) for w in getattr(self, "controls", []))
+        return (type(self).__name__, plain, widgets)
 
     def show(self, data: Any) -> None:
         raise NotImplementedError
@@ -134,6 +273,11 @@ class Panel:
             return
         self.error.visible, self.waiting.visible, self.body.visible = False, False, True
         self.show(data)
+
+
+def _frozen(value: Any) -> Any:
+    """A widget's value, hashable (a MultiChoice's list as a tuple)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _escape(text: str) -> str:

@@ -126,16 +126,32 @@ def _auth(token: str) -> Any:
     return TokenAuth()
 
 
-def _without_token(application: type) -> type:
-    """``application`` (Bokeh's ``Application``) whose sessions' tokens carry the request's query
-    arguments less ``token``: the session token is readable by the page's script."""
+def _application(application: type) -> type:
+    """``application`` (Bokeh's ``Application``) whose pages are built off the event loop, and
+    whose sessions' tokens carry the request's query arguments less ``token`` (the session token is
+    readable by the page's script)."""
 
-    class WithoutToken(application):  # type: ignore[misc, valid-type]
+    class App(application):  # type: ignore[misc, valid-type]
+        def __init__(self, handler: Any, build: Callable[[dict[str, str]], Any]) -> None:
+            super().__init__(handler)
+            self._build = build
+
         def process_request(self, request: Any) -> dict[str, Any]:
             args = {k: v for k, v in (request.arguments or {}).items() if k != "token"}
             return {**super().process_request(request), "arguments": args}
 
-    return WithoutToken
+        async def on_session_created(self, session_context: Any) -> None:
+            # The page's store reads and models, in a worker thread: the loop serves the other
+            # sessions meanwhile; the app function then only attaches the result.
+            import asyncio
+
+            from nsa_dist.serve._live import request_args
+
+            await super().on_session_created(session_context)
+            args = request_args(session_context)
+            session_context._nsa_attach = await asyncio.get_running_loop().run_in_executor(None, self._build, args)
+
+    return App
 
 
 def make_server(opts: ServeOptions) -> "Server":
@@ -160,9 +176,12 @@ def make_server(opts: ServeOptions) -> "Server":
     from nsa_dist.serve.table import table_page
     from nsa_dist.store import SpectrumStore
 
+    from nsa_dist.serve._live import Shared
+
     store = SpectrumStore(opts.store, mode="r")
-    apps = {"/": table_page(store, opts.refresh_s), "/run": run_page(store, opts.refresh_s),
-            "/sweep": sweep_page(store, opts.refresh_s)}
+    shared = Shared()  # one read per refresh for every session (see nsa_dist.serve._live)
+    apps = {"/": table_page(store, opts.refresh_s, shared), "/run": run_page(store, opts.refresh_s, shared),
+            "/sweep": sweep_page(store, opts.refresh_s, shared)}
     # A page's script sees its Bokeh session token, and the token carries the request's headers,
     # cookies and query arguments: none of them may carry the serve token (the cookie is HttpOnly).
     kw: dict[str, Any] = {"include_cookies": [], "exclude_headers": ["Cookie", "Authorization"]}
@@ -171,10 +190,12 @@ def make_server(opts: ServeOptions) -> "Server":
     if not is_loopback(opts.host):
         kw["allow_websocket_origin"] = ["*"]  # any name of this host; the token (same-site cookie) admits
     try:
-        return Server({path: _without_token(Application)(FunctionHandler(fn)) for path, fn in apps.items()},
-                      address=opts.host, port=opts.port, num_procs=1, **kw)
+        server = Server({path: _application(Application)(FunctionHandler(fn), fn.build) for path, fn in apps.items()},
+                        address=opts.host, port=opts.port, num_procs=1, **kw)
     except OSError as exc:
         raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc.strerror or exc})") from exc
+    server.nsa_shared = shared  # type: ignore[attr-defined]  (the tests count its reads)
+    return server
 
 
 def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:

@@ -20,7 +20,7 @@ from nsa_dist.client import Run
 if TYPE_CHECKING:
     from bokeh.document import Document
 
-    from nsa_dist.serve._live import Panel
+    from nsa_dist.serve._live import Panel, Shared
     from nsa_dist.store import SpectrumStore
 
 __all__ = ["UNKNOWN_RUN", "open_run", "run_page", "run_panels", "run_sections"]
@@ -137,27 +137,44 @@ def _spec_name(store: "SpectrumStore", rid: str) -> str | None:
         return None
 
 
-def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
-    """The Bokeh app function of ``/run``."""
+class _Snapshot:
+    """A run as of one refresh, shared by every session watching it (never refreshed: the next
+    refresh is a new snapshot): the run, what a redraw depends on, and the header's text."""
 
-    def app(doc: "Document") -> None:
+    def __init__(self, run: Run) -> None:
+        self.run, self.seen, self.header = run, _seen(run), header_text(run)
+
+
+def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" = None) -> Any:
+    """The Bokeh app function of ``/run``: its reads go through ``shared`` — one read of a run's
+    state per refresh interval, and one of each panel's data per new state and choice of the
+    panel, for every session watching the run."""
+    from nsa_dist.serve._live import Shared, off_loop, prepared
+
+    shared = shared if shared is not None else Shared()
+
+    def snapshot(rid: str) -> _Snapshot:
+        return shared.get(("run", rid), lambda: _Snapshot(Run(store, rid)), refresh_s)
+
+    def data(p: "Panel", snap: _Snapshot) -> Any:
+        return shared.get(("panel", snap.run.id, snap.seen, p.state()), lambda: _read(p, snap.run), refresh_s)
+
+    def build(args: dict[str, str]) -> Any:
         from bokeh.layouts import column
         from bokeh.models import Div, TabPanel, Tabs
 
-        from nsa_dist.serve._live import every, query_arg
-
+        arg = args.get("id") or ""
         try:
-            run = open_run(store, query_arg(doc, "id") or "")
+            rid = shared.get(("open", arg), lambda: open_run(store, arg).id, refresh_s)
+            snap = snapshot(rid)
         except LookupError as exc:  # an id the store does not list: a fixed message, nothing of the filesystem
-            doc.add_root(Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>{html.escape(str(exc))}'
-                                  '</b></p>'))
-            return
+            return _message(f'<a href="./">all runs</a><p class="nsa-damaged"><b>{html.escape(str(exc))}</b></p>')
         except Exception as exc:  # noqa: BLE001 — a listed run that cannot be read: the page's message
-            doc.add_root(Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open this run:</b> '
-                                  f'{html.escape(str(exc))}</p>'))
-            return
+            return _message(f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open this run:</b> '
+                            f'{html.escape(str(exc))}</p>')
+        run = snap.run
         lock = threading.Lock()
-        header = Div(text=header_text(run), css_classes=["nsa-header"])
+        header = Div(text=snap.header, css_classes=["nsa-header"])
         sections = run_sections(run)
         groups = list(sections.values())
         panels = [p for ps in groups for p in ps]
@@ -165,49 +182,66 @@ def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
                           for paper, ps in sections.items()], css_classes=["nsa-tabs"])
         # Only the open tab is read and redrawn; the others are brought up to date when opened, and
         # nothing is re-sent while the run's finished steps and status stay the same.
-        state: dict[str, Any] = {"seen": _seen(run), "stale": set(range(1, len(groups))), "next": 0.0}
+        state: dict[str, Any] = {"snap": snap, "seen": snap.seen, "stale": set(range(1, len(groups))), "next": 0.0}
         for p in groups[0] if groups else []:
-            p.update(_read(p, run))
-        doc.title = f"nsa — {run.id}"
-        doc.add_root(column(header, tabs))
-        _wire_choices(panels, run, lock)
-
-        def switch(attr: str, old: Any, new: Any) -> None:
-            with lock:
-                if new in state["stale"]:
-                    state["stale"].discard(new)
-                    for p in groups[new]:
-                        p.update(_read(p, run))
-
-        tabs.on_change("active", switch)
+            p.update(data(p, snap))
+        root = column(header, tabs)
 
         def read() -> tuple[str, list[tuple[Any, Any]]] | None | BaseException:
             try:
-                run.refresh()
+                now = snapshot(rid)
             except Exception as exc:  # noqa: BLE001
                 return exc
-            if _seen(run) == state["seen"] or time.monotonic() < state["next"]:
+            state["snap"] = now
+            if now.seen == state["seen"] or time.monotonic() < state["next"]:
                 return None  # nothing new, or redrawn less than _REDRAW_S ago: the next tick brings it
-            state["seen"], state["next"] = _seen(run), time.monotonic() + max(refresh_s, _REDRAW_S)
+            state["seen"], state["next"] = now.seen, time.monotonic() + max(refresh_s, _REDRAW_S)
             active = int(tabs.active or 0)
             state["stale"] = set(range(len(groups))) - {active}
-            return header_text(run), [(p, _read(p, run)) for p in (groups[active] if groups else [])]
+            return now.header, [(p, data(p, now)) for p in (groups[active] if groups else [])]
 
         def apply(got: tuple[str, list[tuple[Any, Any]]] | None | BaseException) -> None:
             if got is None:
                 return
             if isinstance(got, BaseException):
-                header.text = (f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(run.id)}:</b> "
+                header.text = (f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(rid)}:</b> "
                                f"{html.escape(str(got))}</p>")
                 state["seen"] = None
                 return
             header.text = got[0]
-            for p, data in got[1]:
-                p.update(data)
+            for p, d in got[1]:
+                p.update(d)
 
-        every(doc, refresh_s, read, apply, lock)
+        def attach(doc: "Document") -> None:
+            from nsa_dist.serve._live import every
 
-    return app
+            doc.title = f"nsa — {rid}"
+            doc.add_root(root)
+
+            def switch(attr: str, old: Any, new: Any) -> None:
+                def read_tab() -> list[tuple[Any, Any]]:
+                    if new not in state["stale"]:
+                        return []
+                    state["stale"].discard(new)
+                    return [(p, data(p, state["snap"])) for p in groups[new]]
+
+                off_loop(doc, read_tab, lambda got: [p.update(d) for p, d in got], lock)
+
+            tabs.on_change("active", switch)
+            _wire_choices(doc, panels, state, data, lock)
+            every(doc, refresh_s, read, apply, lock)
+
+        return attach
+
+    return prepared(build)
+
+
+def _message(text: str) -> Any:
+    """A page that is only ``text`` (HTML)."""
+    from bokeh.models import Div
+
+    div = Div(text=text)
+    return lambda doc: doc.add_root(div)
 
 
 def _seen(run: Run) -> tuple[bytes, str, str]:
@@ -224,14 +258,16 @@ def _read(p: "Panel", run: Run) -> Any:
     return p.guarded(run)
 
 
-def _wire_choices(panels: list["Panel"], run: Run, lock: threading.Lock) -> None:
-    """A chooser (φ, steps, the step slider) redraws its panel at once (a small read, under ``lock``)."""
+def _wire_choices(doc: "Document", panels: list["Panel"], state: dict[str, Any],
+                  data: Callable[["Panel", Any], Any], lock: threading.Lock) -> None:
+    """A chooser (φ, steps, the step slider) redraws its panel (a small read, off the event loop,
+    under ``lock``, from the session's latest snapshot of the run)."""
     from nsa_dist.serve._eigvec_panel import Eigenvectors
+    from nsa_dist.serve._live import off_loop
 
     for p in panels:
         def redraw(attr: str, old: Any, new: Any, p: "Panel" = p) -> None:
-            with lock:
-                p.update(_read(p, run))
+            off_loop(doc, lambda: data(p, state["snap"]), p.update, lock)
 
         for w in getattr(p, "controls", []):
             w.on_change("value", redraw)
@@ -239,12 +275,14 @@ def _wire_choices(panels: list["Panel"], run: Run, lock: threading.Lock) -> None
             def slide(attr: str, old: Any, new: Any, p: Eigenvectors = p) -> None:
                 if not p.steps:
                     return
-                with lock:
+                step = p.steps[min(int(new), len(p.steps) - 1)]
+
+                def at() -> Any:
                     try:
-                        data = p.at(run, p.steps[min(int(new), len(p.steps) - 1)])
+                        return p.at(state["snap"].run, step)
                     except Exception as exc:  # noqa: BLE001
-                        p.update(exc)
-                        return
-                p.draw(data)
+                        return exc
+
+                off_loop(doc, at, lambda got: p.update(got) if isinstance(got, BaseException) else p.draw(got), lock)
 
             p.slider.on_change("value", slide)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from bokeh.document import Document
 
     from nsa_dist.client import Curve, Sweep
+    from nsa_dist.serve._live import Shared
     from nsa_dist.store import SpectrumStore
 
 __all__ = ["sweep_page", "SweepFigure", "ScalarFigure", "HessianMoments", "WidthConvergence", "Regimes",
@@ -227,84 +228,112 @@ def sweep_panels(sweep: "Sweep") -> list[Curves]:
     return out
 
 
-def sweep_page(store: "SpectrumStore", refresh_s: float) -> Any:
-    """The Bokeh app function of ``/sweep``."""
+class _Snapshot:
+    """A sweep as of one refresh, shared by every session showing it: the sweep and the header."""
 
-    def app(doc: "Document") -> None:
+    _made = 0
+
+    def __init__(self, sweep: "Sweep", name: str) -> None:
+        _Snapshot._made += 1
+        self.version, self.sweep = _Snapshot._made, sweep
+        done = int((sweep.runs["steps_done"] > 0).sum()) if len(sweep.runs) else 0
+        self.header = (f'<a href="./">all runs</a><h2>sweep {html.escape(name)}</h2><p>{len(sweep.runs)} runs, '
+                       f'{done} with a finished step; grid fields: {html.escape(", ".join(sweep.fields) or "none")}'
+                       f'{"; mean ± std over seeds" if sweep.seeded else ""}</p>')
+
+
+def sweep_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" = None) -> Any:
+    """The Bokeh app function of ``/sweep``: its reads go through ``shared`` — one read of the
+    sweep per refresh interval, and one of each figure per state of the sweep and choice of the
+    grid values and k, for every session showing it."""
+    from nsa_dist.client import Client
+    from nsa_dist.serve._live import Shared, off_loop, prepared
+
+    shared = shared if shared is not None else Shared()
+    client = Client.of(store)
+
+    def snapshot(name: str) -> _Snapshot:
+        return shared.get(("sweep", name), lambda: _Snapshot(client.sweep(name), name), refresh_s)
+
+    def build(qargs: dict[str, str]) -> Any:
         from bokeh.layouts import column, row
         from bokeh.models import Div, MultiChoice, Spinner
 
-        from nsa_dist.client import Client
-        from nsa_dist.serve._live import every, query_arg
-
-        name = query_arg(doc, "name") or ""
-        client = Client.of(store)
+        name = qargs.get("name") or ""
         try:
-            sweep = client.sweep(name)
+            snap = snapshot(name)
         except Exception as exc:  # noqa: BLE001
-            doc.add_root(Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open sweep '
-                                  f'{html.escape(name)}:</b> {html.escape(str(exc))}</p>'))
-            return
+            div = Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open sweep '
+                           f'{html.escape(name)}:</b> {html.escape(str(exc))}</p>')
+            return lambda doc: doc.add_root(div)
+        sweep = snap.sweep
         lock = threading.Lock()
         values = {f: sorted({str(v) for v in sweep.runs[f]}, key=_order) for f in sweep.fields}
         pickers = {f: MultiChoice(title=f, value=list(v), options=[(x, html.escape(x)) for x in v], width=260)
                    for f, v in values.items()}  # MultiChoice draws its labels as HTML: escaped
-        state: dict[str, Any] = {"sweep": sweep, "auto": True, "shown": None}
+        state: dict[str, Any] = {"snap": snap, "auto": True, "shown": None}
         k = Spinner(title="k of Fig. 7a", low=1, step=1, width=140, value=default_k(sweep) or 1)
         header = Div(text="")
         figures = sweep_panels(sweep)
 
         def args() -> Args:
-            s = state["sweep"]
+            s = state["snap"].sweep
             kk = int(k.value)
             if len(s.groups()):  # the default follows the runs; a k the user chose is only capped by K
                 kk = energy_k(s.smallest_n(), s.smallest_k(), None if state["auto"] else kk)
             return s, kk, {f: list(p.value) for f, p in pickers.items()}
 
+        def data(f: Curves, a: Args) -> Any:
+            chosen = (a[1], tuple(sorted((field, tuple(v)) for field, v in a[2].items())))
+            return shared.get(("sweep-figure", name, state["snap"].version, f.state(), chosen),
+                              lambda: f.guarded(a), refresh_s)
+
         def read_all() -> tuple[str, int, list[Any]]:
-            state["sweep"] = client.sweep(name)
-            s = state["sweep"]
-            done = int((s.runs["steps_done"] > 0).sum()) if len(s.runs) else 0
-            text = (f'<a href="./">all runs</a><h2>sweep {html.escape(name)}</h2><p>{len(s.runs)} runs, '
-                    f'{done} with a finished step; grid fields: {html.escape(", ".join(s.fields) or "none")}'
-                    f'{"; mean ± std over seeds" if s.seeded else ""}</p>')
+            state["snap"] = snapshot(name)
             a = args()
-            return text, a[1], [f.guarded(a) for f in figures]
+            return state["snap"].header, a[1], [data(f, a) for f in figures]
 
         def apply(got: tuple[str, int, list[Any]]) -> None:
             header.text = got[0]
             if state["auto"] and k.value != got[1]:
                 state["shown"] = got[1]
                 k.value = got[1]
-            for f, data in zip(figures, got[2]):
-                f.update(data)
+            for f, d in zip(figures, got[2]):
+                f.update(d)
 
-        def redraw(attr: str, old: Any, new: Any) -> None:
-            with lock:
-                a = args()
-                for f in figures:
-                    f.update(f.guarded(a))
+        apply(read_all())
+        root = column(header, row(*pickers.values(), k), *(f.layout for f in figures))
 
-        def k_changed(attr: str, old: Any, new: Any) -> None:
-            if new == state["shown"]:  # set by apply, whose read drew the figures at this k already
-                return
-            state["auto"] = False
-            redraw(attr, old, new)
+        def attach(doc: "Document") -> None:
+            from nsa_dist.serve._live import every
 
-        for p in pickers.values():
-            p.on_change("value", redraw)
-        k.on_change("value", k_changed)
-        for f in figures:
-            for w in f.controls:
-                w.on_change("value", redraw)
-        with lock:
-            apply(read_all())
-        doc.title = f"nsa — sweep {name}"
-        doc.add_root(column(header, row(*pickers.values(), k), *(f.layout for f in figures)))
-        every(doc, refresh_s, _guard(read_all), lambda got: apply(got) if not isinstance(got, BaseException) else None,
-              lock)
+            def redraw(attr: str, old: Any, new: Any) -> None:
+                def read() -> list[Any]:
+                    a = args()
+                    return [data(f, a) for f in figures]
 
-    return app
+                off_loop(doc, read, lambda got: [f.update(d) for f, d in zip(figures, got)], lock)
+
+            def k_changed(attr: str, old: Any, new: Any) -> None:
+                if new == state["shown"]:  # set by apply, whose read drew the figures at this k already
+                    return
+                state["auto"] = False
+                redraw(attr, old, new)
+
+            for p in pickers.values():
+                p.on_change("value", redraw)
+            k.on_change("value", k_changed)
+            for f in figures:
+                for w in f.controls:
+                    w.on_change("value", redraw)
+            doc.title = f"nsa — sweep {name}"
+            doc.add_root(root)
+            every(doc, refresh_s, _guard(read_all),
+                  lambda got: apply(got) if not isinstance(got, BaseException) else None, lock)
+
+        return attach
+
+    return prepared(build)
 
 
 def default_k(sweep: "Sweep") -> int | None:

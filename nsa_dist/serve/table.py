@@ -21,6 +21,7 @@ from nsa_dist.store import RunSummary, run_summaries
 if TYPE_CHECKING:
     from bokeh.document import Document
 
+    from nsa_dist.serve._live import Shared
     from nsa_dist.store import SpectrumStore
 
 __all__ = ["RunTable", "table_page"]
@@ -79,55 +80,72 @@ class RunTable:
         return cols
 
 
-def table_page(store: "SpectrumStore", refresh_s: float) -> Any:
-    """The Bokeh app function of ``/``."""
+def table_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" = None) -> Any:
+    """The Bokeh app function of ``/``: one :class:`RunTable` for every session, its reads shared
+    (``shared``: one listing per refresh interval, whatever the number of viewers)."""
+    from nsa_dist.serve._live import Shared, prepared
 
-    def app(doc: "Document") -> None:
+    shared = shared if shared is not None else Shared()
+    table = RunTable(store)
+
+    def listing(full: bool) -> tuple[list[RunSummary], list[str], dict[str, list[Any]], str]:
+        rows = table.refresh() if full else table.quick()
+        fields = table.fields()
+        return rows, fields, table.columns(rows, fields), _sweep_links(store.sweeps())
+
+    def build(args: dict[str, str]) -> Any:
         from bokeh.layouts import column
         from bokeh.models import (ColumnDataSource, DataTable, Div, HTMLTemplateFormatter, NumberFormatter,
                                   ScientificFormatter, TableColumn)
 
-        from nsa_dist.serve._live import every
-
-        table = RunTable(store)
-        fields = table.fields()
-        rows = table.quick()
-        source = ColumnDataSource(table.columns(rows, fields))
+        # the last full listing when there is one; else the quick one (metadata only: hundreds of
+        # runs appear at once), the step columns following at the first refresh
+        rows, fields, cols, links = (shared.latest(("table",))
+                                     or shared.get(("table-quick",), lambda: listing(False), refresh_s))
+        source = ColumnDataSource(cols)
         link = HTMLTemplateFormatter(template='<a href="<%- href %>"><%- value %></a>')  # <%- %>: HTML-escaped
         num = ScientificFormatter(precision=4, nan_format="—")
-        cols = [TableColumn(field="id", title="run", formatter=link, width=220),
-                TableColumn(field="sweep", title="sweep", width=100),
-                TableColumn(field="status", title="status", width=90),
-                TableColumn(field="progress", title="steps done", width=80),
-                TableColumn(field="last_step", title="last t", formatter=NumberFormatter(format="0", nan_format="—"),
-                            width=70),
-                TableColumn(field="loss", title="loss", formatter=num, width=100),
-                TableColumn(field="lambda_max", title="λ_max", formatter=num, width=100)]
-        cols += [TableColumn(field=f, title=f, width=90) for f in fields]
-        cols.append(TableColumn(field="reason", title="reason", width=400))
-        grid = DataTable(source=source, columns=cols, width=1300, height=min(800, 60 + 28 * max(len(rows), 3)),
+        columns = [TableColumn(field="id", title="run", formatter=link, width=220),
+                   TableColumn(field="sweep", title="sweep", width=100),
+                   TableColumn(field="status", title="status", width=90),
+                   TableColumn(field="progress", title="steps done", width=80),
+                   TableColumn(field="last_step", title="last t",
+                               formatter=NumberFormatter(format="0", nan_format="—"), width=70),
+                   TableColumn(field="loss", title="loss", formatter=num, width=100),
+                   TableColumn(field="lambda_max", title="λ_max", formatter=num, width=100)]
+        columns += [TableColumn(field=f, title=f, width=90) for f in fields]
+        columns.append(TableColumn(field="reason", title="reason", width=400))
+        grid = DataTable(source=source, columns=columns, width=1300, height=min(800, 60 + 28 * max(len(rows), 3)),
                          index_position=None, css_classes=["nsa-runs"])
         count = Div(text=_count_text(rows), css_classes=["nsa-count"])
-        sweeps = Div(text=_sweep_links(store.sweeps()))
-        doc.title = f"nsa serve — {store.url}"
-        doc.add_root(column(Div(text=f"<h2>nsa-dist store {html.escape(store.url)}</h2>"), count, sweeps, grid))
+        sweeps = Div(text=links)
+        root = column(Div(text=f"<h2>nsa-dist store {html.escape(store.url)}</h2>"), count, sweeps, grid)
 
-        def apply(got: list[RunSummary] | BaseException) -> None:
+        def apply(got: Any) -> None:
             if isinstance(got, BaseException):
                 count.text = f"<b>cannot read the store:</b> {html.escape(str(got))}"
                 return
-            source.data = table.columns(got, fields)
-            count.text = _count_text(got)
+            new_rows, new_fields, new_cols, new_links = got
+            # a field no sweep varies any more is left blank; a new one's column comes with a reload
+            source.data = {**{f: [""] * len(new_rows) for f in fields if f not in new_fields}, **new_cols}
+            count.text, sweeps.text = _count_text(new_rows), new_links
 
-        def read() -> list[RunSummary] | BaseException:
+        def read() -> Any:
             try:
-                return table.refresh()
+                return shared.get(("table",), lambda: listing(True), refresh_s)
             except Exception as exc:  # noqa: BLE001 — an outage of the store is shown, and retried next tick
                 return exc
 
-        every(doc, refresh_s, read, apply)
+        def attach(doc: "Document") -> None:
+            from nsa_dist.serve._live import every
 
-    return app
+            doc.title = f"nsa serve — {store.url}"
+            doc.add_root(root)
+            every(doc, refresh_s, read, apply)
+
+        return attach
+
+    return prepared(build)
 
 
 def _count_text(rows: list[RunSummary]) -> str:
