@@ -29,7 +29,8 @@ __all__ = ["Series", "Plot", "Curves", "Picked", "stairs", "hline", "color", "st
 @dataclass(frozen=True)
 class Series:
     """One curve: y against x, its legend label, colour, dash ("solid", "dashed", "dotted",
-    "dashdot"), markers at the points, ± ``err`` bars and a shaded ``band`` = (lo, hi) (None: none)."""
+    "dashdot"), markers at the points, ± ``err`` bars and a shaded ``band`` = (lo, hi) (None: none),
+    drawn at ``band_x`` when given (a staircase band has its own x, :func:`nsa_dist.plots.brackets.band_polygon`)."""
 
     x: Any
     y: Any
@@ -39,6 +40,7 @@ class Series:
     markers: bool = True
     err: Any = None
     band: Any = None
+    band_x: Any = None
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,10 @@ def _columns(series: Sequence[Series], plot: Plot) -> dict[str, dict[str, list[A
             bars["y1"] += fy(raw[ok] + e[ok]).tolist()
             bars["color"] += [s.color] * int(ok.sum())
         if s.band is not None:
+            bx = x if s.band_x is None else fx(s.band_x)
             lo, hi = fy(s.band[0]), fy(s.band[1])
-            ok = np.isfinite(lo) & np.isfinite(hi) & np.isfinite(x)
-            bands["xs"].append(np.concatenate([x[ok], x[ok][::-1]]))
+            ok = np.isfinite(lo) & np.isfinite(hi) & np.isfinite(bx)
+            bands["xs"].append(np.concatenate([bx[ok], bx[ok][::-1]]))
             bands["ys"].append(np.concatenate([lo[ok], hi[ok][::-1]]))
             bands["color"].append(s.color)
     return {"lines": lines, "dots": dots, "bars": bars, "bands": bands}

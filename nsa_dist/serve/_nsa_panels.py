@@ -18,7 +18,7 @@ from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, n
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
-__all__ = ["Fig1d", "Fig1e", "Fig2a", "Fig2b", "Fig2c", "Fig2d", "Energy", "Fig4a", "Fig7d", "Eqs45", "AppF", "Loss"]
+__all__ = ["bracket_note", "Fig1d", "Fig1e", "Fig2a", "Fig2b", "Fig2c", "Fig2d", "Energy", "Fig4a", "Fig7d", "Eqs45", "AppF", "Loss"]
 
 
 class Fig1d(Curves):
@@ -52,7 +52,8 @@ class Fig1e(Curves):
 
 
 class Fig2a(Picked):
-    """λ_i^t against i at chosen steps (log-log; NSA Fig. 2a)."""
+    """λ_i^t against i at chosen steps (log-log; NSA Fig. 2a): every i the run measured, the
+    bracket shaded where it is not a point (the quadrature route beyond its top)."""
 
     title = "NSA Fig. 2a — eigenvalues λ_i^t of G_t against i"
     figures = ("fig2a_eigenvalues",)
@@ -62,14 +63,17 @@ class Fig2a(Picked):
     default_text = "six spread from the first to the last"
 
     def series(self, run: "Run") -> list[list[Series]]:
-        lam = run.eigenvalues
+        curve = run.curve("eigenvalue")
         pos = {int(t): j for j, t in enumerate(run.steps)}
-        i = np.arange(1, lam.shape[1] + 1)
-        return [[Series(i, lam[pos[t]], f"t = {t}", color(j), markers=False) for j, t in enumerate(self.picked(run))]]
+        return [[_against_k(curve, pos[t], f"t = {t}", color(j), log=True) for j, t in enumerate(self.picked(run))]]
+
+    def note_text(self, run: "Run") -> str:
+        return bracket_note(run)
 
 
 class Fig2b(Curves):
-    """λ_i^t along t for i in 1, 2, 5, 10, … ≤ K (log y; NSA Fig. 2b)."""
+    """λ_i^t along t for i in 1, 2, 5, 10, … ≤ the largest i measured (log y; NSA Fig. 2b), each
+    with its bracket shaded where it is not a point."""
 
     title = "NSA Fig. 2b — eigenvalues λ_i^t of G_t along t"
     figures = ("fig2b_eigenvalues_t",)
@@ -77,8 +81,11 @@ class Fig2b(Curves):
     plots = (Plot("step t", "eigenvalue λ_i^t", y_log=True, width=700),)
 
     def series(self, run: "Run") -> list[list[Series]]:
-        lam = run.eigenvalues
-        return [[Series(run.steps, lam[:, i - 1], f"i = {i}", color(j)) for j, i in enumerate(ks(lam.shape[1]))]]
+        curve = run.curve("eigenvalue")
+        return [[_along_t(curve, i, f"i = {i}", color(j), log=True) for j, i in enumerate(ks(int(curve.k[-1])))]]
+
+    def note_text(self, run: "Run") -> str:
+        return bracket_note(run)
 
 
 class Fig2c(Curves):
@@ -117,7 +124,8 @@ class Energy(Picked):
     chosen steps; φ chosen.  For φ = df_pred (Fig. 3d) the real update df̃_t is drawn dashed."""
 
     title = "NSA Fig. 3a–e — relative energy E_t(φ, k) = Σ_{i≤k} ⟨v_i^t, φ⟩² / ‖φ‖²"
-    figures = ("fig3a_energy_y", "fig3b_energy_f", "fig3c_energy_residual", "fig3d_energy_df", "fig3e_energy_f_test")
+    figures = ("fig3a_energy_y", "fig3b_energy_f", "fig3c_energy_residual", "fig3d_energy_df", "fig3e_energy_f_test",
+               "energy_against_k")
     PHIS = {"y": "3a: labels y", "f": "3b: outputs f_t", "residual": "3c: residual m_t",
             "df_pred": "3d: first-order update df_t (real df̃_t dashed)", "f_test": "3e: test outputs f_t(X')",
             "df": "real update df̃_t = f_{t+1} − f_t"}
@@ -132,18 +140,61 @@ class Energy(Picked):
 
     def series(self, run: "Run") -> list[list[Series]]:
         phi = self.phi.value
-        E, steps = run.energy(phi), run.steps
-        rows = ks(E.shape[1])
-        along = [Series(steps, E[:, k - 1], f"k = {k}", color(j)) for j, k in enumerate(rows)]
+        curve, steps = run.curve(f"energy_{phi}"), run.steps
+        rows = ks(int(curve.k[-1]))
+        along = [_along_t(curve, k, f"k = {k}", color(j)) for j, k in enumerate(rows)]
         if phi == "df_pred" and run.has("energy_df"):
-            real = run.energy("df")
-            along += [Series(steps, real[:, k - 1], f"k = {k}, real df̃", color(j), "dashed", markers=False)
-                      for j, k in enumerate(rows) if k <= real.shape[1]]
+            real = run.curve("energy_df")
+            along += [Series(steps, real.at(k)[0], f"k = {k}, real df̃", color(j), "dashed", markers=False)
+                      for j, k in enumerate(rows) if k <= real.k[-1]]
         pos = {int(t): j for j, t in enumerate(steps)}
-        k = np.arange(1, E.shape[1] + 1)
-        against = [Series(k, E[pos[t]], f"t = {t}", color(j), markers=len(k) <= 60)
-                   for j, t in enumerate(self.picked(run))]
+        against = [_against_k(curve, pos[t], f"t = {t}", color(j)) for j, t in enumerate(self.picked(run))]
         return [along, against]
+
+    def note_text(self, run: "Run") -> str:
+        return bracket_note(run)
+
+
+def bracket_note(run: "Run") -> str:
+    """The note of a panel of bracketed curves: on the quadrature route, where k is exact and how
+    the shaded brackets are guaranteed (:func:`nsa_dist.plots.brackets.bracket_caption`); "" on the
+    exact route (no bracket)."""
+    from nsa_dist.plots.brackets import bracket_caption
+
+    return bracket_caption(run) if run.energy_route == "quadrature" else ""
+
+
+def _band(lo: np.ndarray, hi: np.ndarray, value: np.ndarray, log: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A band on a log axis keeps a lower bound ≤ 0 at half the smallest positive value (it runs
+    off the bottom rather than being cut)."""
+    if not log:
+        return lo, hi
+    pos = np.asarray(value, np.float64)
+    pos = pos[np.isfinite(pos) & (pos > 0)]
+    floor = float(pos.min()) / 2 if len(pos) else 1e-300
+    return np.maximum(lo, floor), np.maximum(hi, floor)
+
+
+def _against_k(curve: Any, j: int, label: str, col: str, log: bool = False) -> Series:
+    """Row ``j`` (a step) of a bracketed curve against k, its bracket a staircase band where it is
+    not a point (:func:`nsa_dist.plots.brackets.band_polygon`); markers at the measured k beyond the
+    exact part."""
+    from nsa_dist.plots.brackets import band_polygon
+
+    k, v, lo, hi = curve.k, curve.value[j], curve.lower[j], curve.upper[j]
+    band = band_x = None
+    if not curve.degenerate and np.any(hi > lo):
+        ok = np.isfinite(lo) & np.isfinite(hi)
+        band_x, blo, bhi = band_polygon(k[ok], lo[ok], hi[ok], curve.increasing)
+        band = _band(blo, bhi, v, log)
+    return Series(k, v, label, col, markers=len(k) <= 60, band=band, band_x=band_x)
+
+
+def _along_t(curve: Any, k: int, label: str, col: str, log: bool = False) -> Series:
+    """A bracketed curve at one k along t, its bracket shaded where it is not a point."""
+    value, lo, hi = curve.at(k)
+    band = _band(lo, hi, value, log) if np.any(hi > lo) else None
+    return Series(curve.steps, value, label, col, band=band)
 
 
 class Fig4a(Picked):
