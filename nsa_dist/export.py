@@ -7,6 +7,8 @@ beside the training curves a researcher already logs there.  Values are kept exa
   dashboard shows them), one point per step where the value is finite — every scalar series the
   store holds, the papers' predictions included (:func:`scalar_sources` lists them from the
   store's arrays, so that a new array is exported without a change here);
+* E_t(φ, k) and λ_k^t beyond the exact top (the quadrature route) with their brackets, one scalar
+  series per measured k: ``curve_energy_<φ>[_lower|_upper]/k_<k>``, ``curve_eigenvalue[…]/k_<k>``;
 * the spectrum λ_1^t ≥ … ≥ λ_K^t of each recorded step is a histogram whose bucket edges ARE the
   eigenvalues (one count each), so that TensorBoard's reader gives them back unbinned — its
   Histograms and Distributions dashboards draw them as the spectrum's distribution.
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 __all__ = ["export_tensorboard", "ExportSummary", "Source", "PER_ITEM_DIMS", "scalar_series", "scalar_sources",
-           "spectra"]
+           "curve_sources", "spectra"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,8 @@ class ExportSummary:
 # Axes along which an array holds one value per point, pixel, parameter, … (not a handful of
 # scalars): such arrays are not scalar series.  Every other per-step numeric array is exported.
 PER_ITEM_DIMS = frozenset({"point", "test_point", "input", "param", "slot", "rng_byte", "image", "pixel_y", "pixel_x",
-                           "freq_y", "freq_x", "density_bin", "reconstruction", "predicted_step", "preservation_row",
-                           "train_step"})
+                           "freq_y", "freq_x", "density_bin", "density", "reconstruction", "predicted_step",
+                           "preservation_row", "train_step", "curve"})
 _LABELS = {"value_stderr": ("value", "stderr"), "hessian_part": ("H", "I", "S"),
            "S_prediction": ("trace_S_init", "trace_S", "trace_S2"), "predicted_measured": ("predicted", "measured"),
            "gram_change_norm": ("measured", "first_order", "difference"),
@@ -95,7 +97,8 @@ def scalar_sources(run: "Run") -> list[Source]:
     App. F (``gram_change*``), the first-order accuracy, the Hessian's moments, their Θ∞ and S
     limits, orthogonality, additivity, ∇Cᵀ·G, ‖S‖_op … — one series per entry of its short axes
     (named: ``hessian_S_limit/trace_S2``, ``hessian_additivity/value/moment_2``) and per
-    i = 1, 2, 5, 10, … of a long one; the first exports' names are kept (``loss/recorded``,
+    i = 1, 2, 5, 10, … of a long one; the quadrature route's curves and their brackets at every k
+    they were measured at (:func:`curve_sources`); the first exports' names are kept (``loss/recorded``,
     ``spectrum/lambda_<i>``, ``energy_<φ>/k_<k>``, ``hessian/Tr(<A>^<k>)``).  Derived from the
     client: ``loss/train`` (every step), ``spectrum/lambda_max`` and ``spectrum/stability_bound``
     (2N/λ_max of the kernel that sets GD's stability), ``hessian/edge_of_stability`` and App. E's
@@ -124,6 +127,21 @@ def scalar_sources(run: "Run") -> list[Source]:
             index, labels = tuple(j for j, _ in combo), tuple(lab for _, lab in combo)
             tag = _legacy(name, labels, index) or "/".join((name,) + labels)
             out.append(Source(tag, name, index))
+    return out + curve_sources(run)
+
+
+def curve_sources(run: "Run") -> list[Source]:
+    """The quadrature route's curves beyond the exact top, every point: ``curve_energy_<φ>/k_<k>``,
+    ``curve_energy_<φ>_lower/k_<k>``, ``curve_energy_<φ>_upper/k_<k>`` and the same of
+    ``curve_eigenvalue`` at each k of ``curve_k`` (the exact top part is ``energy_<φ>/k_<k>`` and
+    ``spectrum/lambda_<i>``); none on the exact route."""
+    if not run.has("curve_k"):
+        return []
+    ks_ = [int(k) for k in run.array("curve_k")]
+    out = []
+    for name in run.array_names():
+        if name.startswith("curve_") and run.dimension_names(name) == ("step", "curve"):
+            out += [Source(f"{name}/k_{k}", name, (j,)) for j, k in enumerate(ks_)]
     return out
 
 
