@@ -632,6 +632,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print("run `nsa verify --mark` to forget the damaged steps, then re-run to recompute them")
         return 1
     for rid, idx in mark_damaged(SpectrumStore(args.store), damage).items():
+        if idx is None:  # its folder was a symbolic link to nothing: removed
+            print(f"{rid}: removed (its folder linked to nothing); re-run it (nsa run / nsa sweep) to recompute it")
+            continue
         print(f"{rid}: step indices {idx} marked not done; re-run it (nsa run / nsa sweep) to recompute them")
     return 0
 

@@ -2,7 +2,9 @@
 ``verify`` sees: chunks of the wrong kind — a directory, a symbolic link (to a file, or a folder
 linked to outside the store), a FIFO, a device — are reported by verify and by the readers alike,
 removed by ``--mark`` (a link itself, never what it points to), and a re-run ends bit-identical
-to the undamaged run without writing anything outside the store.
+to the undamaged run without writing anything outside the store.  A run's or an array's folder
+that is a link is replaced by a real folder holding a copy of its target (the target untouched),
+or, linked to nothing, the run is recomputed from scratch.
 
 Real stores on disk and real re-runs; nothing mocked.
 """
@@ -151,24 +153,63 @@ def test_a_fenced_writer_never_writes_or_deletes_through_a_linked_folder(undamag
     assert _tree(outside) == before
 
 
-@pytest.mark.parametrize("level", ["run", "array"])
-def test_a_linked_run_or_array_folder_is_refused_by_readers_and_named_by_verify(undamaged, tmp_path, level, capsys):
+def _link_folder(store: Path, rid: str, folder: str, where: str, tmp_path: Path) -> tuple[Path, Path]:
+    """Replace run ``rid``'s ``folder`` ('' for the run's own) by a symbolic link: to a copy outside
+    the store ("outside"), the same with one done step's chunk missing ("outside-damaged"), to a
+    copy elsewhere inside the store's directory ("inside"), or to nothing ("dangling").
+    Returns (the link, its target)."""
+    link = store / "runs" / rid / folder if folder else store / "runs" / rid
+    target = (store / "stash" if where == "inside" else tmp_path / "outside") / (folder or rid)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(link, target)
+    if where == "outside-damaged":
+        (target / "c" / "2" / "0").unlink()  # eigenvalues at recorded step index 2
+    shutil.rmtree(link)
+    if where == "dangling":
+        shutil.rmtree(target)
+    link.symlink_to(target)
+    return link, target
+
+
+@pytest.mark.parametrize(("folder", "where"), [("", "outside"), ("eigenvalues", "outside-damaged"),
+                                               ("eigenvalues", "inside"), ("", "dangling"),
+                                               ("eigenvalues", "dangling"), ("loss_trace", "dangling")],
+                         ids=lambda v: v or "run")
+def test_a_linked_run_or_array_folder_is_replaced_by_a_copy_and_recomputed_bit_identical(
+        undamaged, tmp_path, folder, where, capsys):
     """A run's or an array's folder that is a symbolic link holds metadata: readers refuse it,
-    ``verify`` names it, and ``--mark`` refuses in one line saying what to do (nothing changed)."""
+    ``verify`` names it, ``--mark`` replaces it by a real folder holding a copy of the target
+    (never written through: the target is untouched) — or, linked to nothing, removes the run /
+    recreates the array and marks the run for recomputation from scratch — and a re-run ends
+    bit-identical to the undamaged run."""
     a, rid = undamaged
-    b = str(tmp_path / "b.zarr")
+    b = Path(tmp_path / "b.zarr")
     shutil.copytree(a, b)
-    folder = Path(b) / "runs" / rid / ("" if level == "run" else "eigenvalues")
-    shutil.copytree(folder, tmp_path / "outside")
-    shutil.rmtree(folder)
-    folder.symlink_to(tmp_path / "outside")
-    before = _tree(tmp_path / "outside")
-    with pytest.raises(StoreError, match=f"{folder} is a symbolic link"):
-        Client(b).run(rid).eigenvalues
-    damage = Client(b).verify()
-    assert len(damage) == 1 and str(folder) in damage[0].problem, [str(d) for d in damage]
+    link, target = _link_folder(b, rid, folder, where, tmp_path)
+    before = _tree(target)
+    with pytest.raises(StoreError, match=rid if (where, folder) == ("dangling", "") else f"{link} is a symbolic link"):
+        Client(str(b)).run(rid).array(folder or "eigenvalues")  # a run linked to nothing is no run
+    damage = Client(str(b)).verify()
+    assert len(damage) == 1 and damage[0].link and damage[0].path == str(link), [str(d) for d in damage]
     capsys.readouterr()
-    assert nsa(["verify", b, "--mark"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot repair" in err[0], err
-    assert folder.is_symlink() and _tree(tmp_path / "outside") == before
+    assert nsa(["verify", str(b), "--mark"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    steps = len(Client(a).run(rid).g["done"][:])
+    want = ("removed" if not folder else f"step indices {list(range(steps))}") if where == "dangling" else \
+        f"step indices {[2] if where == 'outside-damaged' else []}"  # a copy recovers all it holds
+    assert f"{rid}: {want} " in out, out
+    assert not link.is_symlink() and (link.is_dir() or (where, folder) == ("dangling", "")), f"--mark left {link}"
+    assert _tree(target) == before, "the link's target changed"
+    if where != "dangling":
+        status = Client(str(b)).run(rid).status
+        assert status == "pending", status
+
+    assert run_experiment(ExperimentSpec(**TINY), SpectrumStore(str(b))).status == "done"
+    assert nsa(["verify", str(b)]) == 0, capsys.readouterr().out
+    assert _tree(target) == before, "the re-run wrote to the link's target"
+    assert not [p for p in b.rglob("*") if p.is_symlink()], "a link is left in the store"
+    ref, got = Client(a).run(rid), Client(str(b)).run(rid)
+    assert ref.array_names() == got.array_names()
+    for arr in ref.array_names():
+        np.testing.assert_array_equal(got.array(arr), ref.array(arr),
+                                      err_msg=f"array {arr!r} differs from the undamaged run after the repair")

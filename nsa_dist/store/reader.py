@@ -71,9 +71,9 @@ class RunReader:
 
     def array(self, name: str) -> "zarr.Array":
         if name not in self._arrays:
+            self._refuse_link(self._folder(name) if self.store.keys.local else None, f"array {name!r}'s folder")
             if not self.has(name):
                 raise StoreError(self._absent(name))
-            self._refuse_link(self._folder(name) if self.store.keys.local else None, f"array {name!r}'s folder")
             try:
                 self._arrays[name] = self.g[name]
             except METADATA_ERRORS as exc:
@@ -83,11 +83,12 @@ class RunReader:
 
     def _refuse_link(self, folder: str | None, what: str) -> None:
         """StoreError when ``folder`` (a local run's or array's folder) is a symbolic link: it holds
-        metadata, so readers do not follow it and ``nsa verify --mark`` cannot remove it."""
+        metadata that readers do not follow; ``nsa verify --mark`` replaces it by a copy."""
         if folder is not None and os.path.islink(folder):
             raise StoreError(f"run {self.id!r}: {folder} is a symbolic link (to {os.readlink(folder)}), not "
-                             f"{what}: replace the link by a copy of the folder it points to (it holds the "
-                             "metadata, which nsa verify --mark cannot rebuild), or delete the run and re-run")
+                             f"{what}: readers do not follow it; `nsa verify --mark` replaces it by a real folder "
+                             "holding a copy of what it points to (never written through), and a re-run recomputes "
+                             "what the copy lacks")
 
     def _absent(self, name: str) -> str:
         """Why array ``name`` is not there, truly: still being made, creation interrupted, not part

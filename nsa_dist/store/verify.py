@@ -5,15 +5,27 @@ chunk is missing, or whose chunk fails its CRC32C checksum / zstd frame, is dama
 :func:`verify_store` lists it; :func:`mark_damaged` has each run's writer (holding the run's
 lease) forget the damaged steps (:meth:`~nsa_dist.store.zarr_store.RunWriter.forget_steps`), so
 that a re-run recomputes exactly those steps and keeps everything else.
+
+A run's or an array's folder that is a symbolic link (it holds the metadata, so it is not just
+removed like a linked chunk) is replaced by a real folder: a copy of what the link points to
+(the target is only read, never written through), verified like any folder afterwards.  A link
+to nothing recoverable (dangling, or to a folder without a ``zarr.json``) is removed: a run's
+folder — the run is gone and a re-run creates it anew; an array's folder — the array is created
+empty and the whole run marked for recomputation from scratch.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
 from nsa_dist.errors import StoreError
+from nsa_dist.store.fencing import RunFence
 from nsa_dist.store.reader import RunReader, chunk_grid, chunk_problem, chunk_selection, covering
 from nsa_dist.store.runs import RunIndex
 from nsa_dist.store.zarr_store import SpectrumStore
@@ -35,6 +47,7 @@ class Damage:
     key: str | None = None  # the chunk's store key (to delete), None for metadata
     unfinished: bool = False  # not damage: a creation interrupted before its arrays were made (a re-run ends it)
     stray: bool = False  # an entry of the wrong kind no recorded step needs: removed, nothing recomputed
+    link: bool = False  # ``path`` is a run's or an array's folder that is a symbolic link: replaced by a copy
 
     def __str__(self) -> str:
         at = f" step {self.step} (index {self.index})" if self.index is not None else ""
@@ -46,7 +59,9 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
     try:
         r = RunReader(store, run_id)
     except StoreError as exc:
-        return [Damage(run_id, "", None, None, f"{store.run_path(run_id)}/zarr.json", str(exc))]
+        folder = _linked(store, run_id)
+        return [Damage(run_id, "", None, None, folder or f"{store.run_path(run_id)}/zarr.json", str(exc),
+                       link=folder is not None)]
     if r.attrs.get("creating"):  # no step can be recorded yet: nothing to check, nothing damaged
         if store.creation_live(run_id):
             return []
@@ -59,7 +74,9 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
         try:
             arr = r.array(name)
         except StoreError as exc:
-            out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/zarr.json", str(exc)))
+            folder = _linked(store, run_id, name)
+            out.append(Damage(run_id, name, None, None, folder or f"{r.path}/{name}/zarr.json", str(exc),
+                              link=folder is not None))
             continue
         wrong, used = r.wrong_kinds(name), set()
 
@@ -107,13 +124,32 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
     return out
 
 
+def _linked(store: RunIndex, run_id: str, name: str | None = None) -> str | None:
+    """The run's (or its array ``name``'s) folder when it is a symbolic link on a local store, else None."""
+    if not store.keys.local:
+        return None
+    folder = os.path.join(store.keys.path, "runs", run_id, *([name] if name else []))
+    return folder if os.path.islink(folder) else None
+
+
 def verify_store(store: RunIndex, run_ids: list[str] | None = None) -> list[Damage]:
     """Every damaged piece of every run (or of ``run_ids``), and one ``unfinished`` entry for each
-    run whose creation was interrupted (not damage: a plain re-run finishes it)."""
-    return [d for rid in (run_ids if run_ids is not None else store.run_ids()) for d in verify_run(store, rid)]
+    run whose creation was interrupted (not damage: a plain re-run finishes it).  On a local
+    store, a run's folder that is a symbolic link to nothing usable (no run to list) is named too."""
+    ids = run_ids if run_ids is not None else store.run_ids()
+    out = [d for rid in ids for d in verify_run(store, rid)]
+    runs = os.path.join(store.keys.path, "runs") if store.keys.local else None
+    if run_ids is None and runs is not None and os.path.isdir(runs):
+        for e in sorted(os.scandir(runs), key=lambda e: e.name):
+            if e.is_symlink() and e.name not in ids:
+                out.append(Damage(e.name, "", None, None, e.path, f"the run's folder is a symbolic link (to "
+                                  f"{os.readlink(e.path)}) to no run's folder; --mark removes the link and a re-run "
+                                  "creates the run anew", link=True))
+    return out
 
 
-def mark_damaged(store: SpectrumStore, damage: list[Damage], *, wait: float | None = 0.0) -> dict[str, list[int]]:
+def mark_damaged(store: SpectrumStore, damage: list[Damage], *,
+                 wait: float | None = 0.0) -> dict[str, list[int] | None]:
     """Have each damaged run's writer forget its damaged steps, so that a re-run recomputes them.
 
     The runs' leases are taken first (a run a live writer holds is refused: :class:`LeaseHeld`),
@@ -123,37 +159,94 @@ def mark_damaged(store: SpectrumStore, damage: list[Damage], *, wait: float | No
     the recorded step before it.  A run whose creation was interrupted (``unfinished``) is left as
     it is: a plain re-run finishes it.
 
+    A run's or an array's folder that is a symbolic link (``link``) is first replaced by a real
+    folder holding a copy of the link's target (copied into the writer's fenced write folder, then
+    renamed into the link's place; the target is only read), and the run verified again like any
+    other: what the copy lacks or holds damaged is marked as above.  A link to nothing
+    recoverable (dangling, or to a folder without a ``zarr.json``) is removed: for a run's folder
+    the run is gone (a re-run creates it anew; its value here is None), for an array's folder the
+    array is created empty and every step of the run marked not done (recomputed from scratch).
+
     Args:
         store: the store, opened writable.
         damage: what :func:`verify_store` found.
         wait: seconds to wait for another writer's lease (as :meth:`SpectrumStore.lease`).
 
     Returns:
-        Run id → the step indices marked not done.
+        Run id → the step indices marked not done (None: the run was removed, a re-run makes it anew).
 
     Raises:
         StoreError: damaged metadata (a zarr.json) cannot be repaired here (naming each file).
         LeaseHeld: a live writer holds one of the runs.
     """
     damage = [d for d in damage if not d.unfinished]
-    meta = [d for d in damage if d.key is None and d.index is None]
+    meta = [d for d in damage if d.key is None and d.index is None and not d.link]
     if meta:
         raise StoreError("cannot repair damaged metadata (restore it, or delete the run and re-run): "
                          + "; ".join(f"{d.path}" for d in meta))
     rids = sorted({d.run_id for d in damage})
     if not rids:
         return {}
-    marked: dict[str, list[int]] = {}
+    marked: dict[str, list[int] | None] = {}
     with store.lease(rids, wait=wait) as lease:
         for rid in rids:
             ds = [d for d in damage if d.run_id == rid]
-            idx = _steps_to_recompute(RunReader(store, rid), ds)
+            scratch = False
+            for _ in range(3):  # a link inside a copied run folder (an array's) is replaced on the next round
+                links = [d for d in ds if d.link]
+                if not links:
+                    break
+                fence = RunFence(Path(store.keys.path), rid, lease.token, store.url)
+                lost = [d for d in links if not _replace_link(fence, Path(d.path))]
+                if not store.has_run(rid):  # its folder linked to nothing: gone, a re-run creates it anew
+                    break
+                if lost:  # an array's folder linked to nothing: the array made anew, the run recomputed
+                    store.reopen(rid, token=lease.token).finish_creation()
+                    scratch = True
+                ds = [d for d in verify_run(store, rid) if not d.unfinished]
+                meta = [d for d in ds if d.key is None and d.index is None and not d.link]
+                if meta:
+                    raise StoreError(f"run {rid!r}: the copy that replaced its linked folder has damaged metadata "
+                                     "(restore it, or delete the run and re-run): " + "; ".join(d.path for d in meta))
+            if not store.has_run(rid):
+                marked[rid] = None
+                continue
+            r = RunReader(store, rid)
+            idx = list(range(len(r.done))) if scratch else _steps_to_recompute(r, ds)
             store.reopen(rid, token=lease.token).forget_steps(
                 idx, list(dict.fromkeys(d.key for d in ds if d.key is not None)),
-                static_damaged=any(d.index is None and d.array != "loss_trace" and not d.stray for d in ds),
+                static_damaged=scratch or any(d.index is None and d.array != "loss_trace" and not d.stray
+                                              for d in ds),
                 reason=f"{len(idx)} damaged step(s) marked for recompute by nsa verify; re-run to resume")
             marked[rid] = idx
     return marked
+
+
+def _replace_link(fence: RunFence, link: Path) -> bool:
+    """Replace the symbolic link ``link`` (a run's or an array's folder) by a real folder holding
+    a copy of its target; whether anything was recovered (False: the link was only removed).
+
+    The copy is made in the writer's write folder (a revoked writer finds it gone: LeaseLost) and
+    renamed into place after the link itself is removed; links inside the target are copied as
+    links (never followed: the next verification names and removes them)."""
+    target = os.path.realpath(link)
+    found = os.path.isdir(target) and os.path.isfile(os.path.join(target, "zarr.json"))
+    copy = fence.folder / f"{uuid.uuid4().hex}.copy"
+    try:
+        if found:
+            shutil.copytree(target, copy, symlinks=True)
+        fence.delete(link)
+        if found:
+            fence.check_inside(link)
+            copy.rename(link)
+    except FileNotFoundError:
+        if not fence.folder.is_dir():
+            raise fence.lost() from None
+        raise
+    finally:
+        if copy.exists():
+            shutil.rmtree(copy, ignore_errors=True)
+    return found
 
 
 def _steps_to_recompute(r: RunReader, ds: list[Damage]) -> list[int]:
