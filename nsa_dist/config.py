@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Activation", "Init", "ModelSpec", "FactoryModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "NTKMethod", "EigMethod", "Layout", "SpectrumSpec",
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "NTKMethod", "EigMethod", "Layout", "EnergyRoute", "QuadratureSpec",
+           "SpectrumSpec",
            "HessianSpec", "ExperimentSpec", "ClusterSpec", "SweepSpec"]
 
 
@@ -425,6 +426,34 @@ class Layout(str, Enum):
     MATRIX_FREE = "matrix_free"
 
 
+class EnergyRoute(str, Enum):
+    """How ``spectrum.k: all`` gets E_t(φ, k) and λ_k for every k (docs/design-notes.md, "The curve beyond one node").
+
+    EXACT: every eigenvalue and projection of the whole G (layout local only).  QUADRATURE: the
+    top ``quadrature.top`` eigenpairs exactly, beyond them Gauss quadrature of each φ's spectral
+    measure and stochastic Lanczos quadrature of G's eigenvalue counting function, from products
+    with G only (every layout), with a bracket at every reported k.  AUTO: exact when the layout
+    is local (G fits whole on one worker within the budget), quadrature otherwise.
+    """
+
+    AUTO = "auto"
+    EXACT = "exact"
+    QUADRATURE = "quadrature"
+
+
+class QuadratureSpec(_Strict):
+    """Sizes of the quadrature route of ``k: all`` (defaults measured, docs/design-notes.md)."""
+
+    top: int = Field(100, ge=1, description="exact top eigenpairs (the curve is exact for k ≤ top)")
+    lanczos_steps: int = Field(60, ge=2, description="block Lanczos steps from the φ's and the probes")
+    probes: int = Field(24, ge=2, description="Rademacher probes of G's eigenvalue counting function")
+    curve_points: int = Field(100, ge=2, description="points of the log-spaced k grid from 1 to N (fewer "
+                              "after rounding to distinct integers)")
+    confidence: float = Field(0.95, gt=0, lt=1, description="pointwise confidence of the counting function's "
+                              "statistical bracket")
+    density_grid: int = Field(200, ge=10, description="points of G's SLQ spectral density")
+
+
 class SpectrumSpec(_Strict):
     """Spectral analysis at each recorded step."""
 
@@ -435,6 +464,8 @@ class SpectrumSpec(_Strict):
     frobenius_probes: int = Field(32, ge=2, description="matrix_free: Hutch++ probes of ‖G‖_F²")
 
     k: int | Literal["all"] = Field(100, description="top eigenpairs of G_t, or 'all'")
+    energy: EnergyRoute = Field(EnergyRoute.AUTO, description="k: all — exact | quadrature | auto (see EnergyRoute)")
+    quadrature: QuadratureSpec = Field(default_factory=QuadratureSpec, description="k: all on the quadrature route")
     eig_method: EigMethod = Field(EigMethod.AUTO, description="auto | dense | lanczos | arpack (see EigMethod)")
     ntk_method: NTKMethod = Field(NTKMethod.AUTO, description="auto | structured | per_layer | jacobian | batch "
                                   "(see NTKMethod)")
@@ -467,9 +498,14 @@ class SpectrumSpec(_Strict):
         if any(i < 1 for i in self.images):
             raise ValueError(f"spectrum.images are 1-based eigenvector indices, got {self.images}")
         layout = Layout(self.layout)
-        if self.k == "all" and layout is not Layout.LOCAL:
-            raise ValueError(f"spectrum.k='all' (a full eigh of G) needs spectrum.layout='local', got "
-                             f"layout={layout.value!r}; ask for the top k eigenpairs (e.g. k: 500) instead")
+        energy = EnergyRoute(self.energy)
+        if self.k == "all" and energy is EnergyRoute.EXACT and layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
+            raise ValueError(f"spectrum.energy='exact' with k='all' (a full eigh of G) needs spectrum.layout='local', "
+                             f"got layout={layout.value!r}; use energy 'quadrature' (or 'auto') for every k from "
+                             "products with G")
+        if self.k != "all" and energy is EnergyRoute.QUADRATURE:
+            raise ValueError(f"spectrum.energy='quadrature' is the route of k='all', got k={self.k}; set k: all "
+                             "(quadrature.top sets the exact part)")
         if EigMethod(self.eig_method) is EigMethod.DENSE and layout is not Layout.LOCAL:
             raise ValueError(f"spectrum.eig_method='dense' needs layout='local' (G is never gathered with "
                              f"layout={layout.value!r}); use 'auto' or 'lanczos'")

@@ -189,8 +189,8 @@ def test_sharded_hessian_products_equal_local():
 
 
 def test_layout_validation_and_auto_choice(tmp_path):
-    with pytest.raises(ValidationError, match="k='all'.*needs spectrum.layout='local'"):
-        _spec({**BASE, "spectrum": {**BASE["spectrum"], "k": "all"}}, "block_rows", 2)
+    with pytest.raises(ValidationError, match="energy='exact' with k='all'.*needs spectrum.layout='local'"):
+        _spec({**BASE, "spectrum": {**BASE["spectrum"], "k": "all", "energy": "exact"}}, "block_rows", 2)
     with pytest.raises(ValidationError, match="eig_method='dense' needs layout='local'"):
         _spec({**BASE, "spectrum": {**BASE["spectrum"], "eig_method": "dense"}}, "matrix_free", 2)
     big = 8 * 97 * 97  # bytes of a float64 G at N = 97

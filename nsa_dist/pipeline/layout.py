@@ -284,8 +284,11 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
     need = layout_bytes(spec, N, feature_width)
     local, tiles = need[Layout.LOCAL], need[Layout.BLOCK_ROWS]
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
-    if s.k == "all":
-        return LayoutChoice(Layout.LOCAL, "k: all needs the whole G")
+    if s.k == "all" and s.energy.value == "exact":
+        return LayoutChoice(Layout.LOCAL, "k: all with energy: exact needs the whole G")
+    if s.k == "all" and local <= budget:
+        return LayoutChoice(Layout.LOCAL, f"k: all: G needs ~{gb(local)} on one worker, within the budget "
+                                          f"{gb(budget)}: every eigenpair exactly")
     if local <= budget:
         return LayoutChoice(Layout.LOCAL, f"G needs ~{gb(local)} on one worker, within the budget {gb(budget)}")
     if W > 1 and tiles <= budget:

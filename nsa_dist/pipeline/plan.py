@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nsa_dist.config import ExperimentSpec, Layout, LossName, OptimizerName
+from nsa_dist.config import EnergyRoute, ExperimentSpec, Layout, LossName, OptimizerName
 from nsa_dist.data import Dataset
 from nsa_dist.metrics import reconstruction_ks
 from nsa_dist.models import build_model
@@ -31,7 +31,8 @@ from nsa_dist.pipeline.layout import LayoutChoice, choose_layout
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.store import RunDims, run_arrays
 
-__all__ = ["RunPlan", "plan_run", "run_id", "spec_json", "spectrum_size", "slot_names", "TRACKED_RNG_BYTES"]
+__all__ = ["RunPlan", "plan_run", "run_id", "spec_json", "spectrum_size", "slot_names", "energy_route",
+           "TRACKED_RNG_BYTES"]
 
 TRACKED_RNG_BYTES = 1  # a tracked run has no trainer RNG; its resume state is θ alone
 _TRAINER_RNG_BYTES = int(torch.Generator().get_state().numel())  # the trainer's minibatch RNG state
@@ -56,10 +57,23 @@ def run_id(spec: ExperimentSpec) -> str:
     return f"{spec.name}-{digest}"
 
 
-def spectrum_size(spec: ExperimentSpec, n: int) -> int:
-    """K, the number of eigenpairs kept at n points; ``spectrum.k`` > n keeps n, with a warning."""
+def energy_route(spec: ExperimentSpec, layout: Layout) -> str:
+    """How E_t(φ, k) is measured: "quadrature" for ``k: all`` on a gang layout or with ``energy:
+    quadrature`` (the top ``quadrature.top`` exactly, brackets beyond), else "exact"."""
+    s = spec.spectrum
+    if s.k != "all":
+        return "exact"
+    energy = EnergyRoute(s.energy)
+    if energy is EnergyRoute.QUADRATURE or (energy is EnergyRoute.AUTO and Layout(layout) is not Layout.LOCAL):
+        return "quadrature"
+    return "exact"
+
+
+def spectrum_size(spec: ExperimentSpec, n: int, layout: Layout = Layout.LOCAL) -> int:
+    """K, the number of eigenpairs kept at n points; ``spectrum.k`` > n keeps n, with a warning.
+    ``k: all`` keeps n on the exact route, ``quadrature.top`` (≤ n) on the quadrature route."""
     if spec.spectrum.k == "all":
-        return n
+        return min(spec.spectrum.quadrature.top, n) if energy_route(spec, layout) == "quadrature" else n
     k = int(spec.spectrum.k)
     if k > n and (spec.name, k, n) not in _WARNED:
         _WARNED.add((spec.name, k, n))
@@ -124,6 +138,30 @@ class RunPlan:
         return array in self.arrays
 
     @property
+    def energy_route(self) -> str:
+        """"exact" | "quadrature" (:func:`energy_route` of the run's layout)."""
+        return energy_route(self.spec, self.layout.layout)
+
+    def curve_k(self) -> np.ndarray:
+        """The reported k of the quadrature route's curves (empty on the exact route)."""
+        if not self.dims.curve_points:
+            return np.zeros(0, dtype=np.int64)
+        from nsa_dist.linalg.quadrature import curve_ks
+
+        return curve_ks(self.dims.N, self.spec.spectrum.quadrature.curve_points)
+
+    def energy_attrs(self) -> dict:
+        """The run attributes saying how E_t(φ, k) was measured and how its brackets are guaranteed."""
+        if self.energy_route != "quadrature":
+            return {"energy_route": "exact", "curve_bracket": "exact: every eigenvalue and projection of the whole "
+                    "G (lower = upper = value)"}
+        from nsa_dist.linalg.quadrature import BRACKET_SENTENCE
+
+        q = self.spec.spectrum.quadrature
+        return {"energy_route": "quadrature", "curve_bracket": BRACKET_SENTENCE.format(c=q.confidence),
+                "curve_confidence": float(q.confidence)}
+
+    @property
     def distributed(self) -> bool:
         """Whether G_t is analysed on a gang (block_rows / matrix_free) rather than held whole."""
         return self.layout.layout is not Layout.LOCAL
@@ -157,6 +195,8 @@ class RunPlan:
             out["reconstruction_k"] = np.asarray(reconstruction_ks(self.K), dtype=np.int64)
         if self.has("hessian_steps"):
             out["hessian_steps"] = np.isin(np.arange(len(self.record)), sorted(self.hessian_indices))
+        if self.has("curve_k"):
+            out["curve_k"] = self.curve_k()
         return out
 
 
@@ -176,15 +216,19 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
         model = build_model(spec.model, seed=spec.seed)
     N, M = data.n, int(np.asarray(data.X_test).shape[0])
     P = sum(p.numel() for p in model.parameters())
-    K = spectrum_size(spec, N)
     record = tuple(spec.record_steps())
-    images = eigen_images(spec, data, K)
-    nI = len(images.indices) if images else 0
     X4 = model_inputs(np.asarray(data.X[:4]), model)  # on the network's device, as it is
     method, routes = explain_method(model, X4, spec.spectrum.ntk_method)
     coupled = next(iter(routes.values()))[1] if method is NTKMethod.BATCH else None
     width = 0 if coupled else feature_width(model, X4[:2], method)
+    layout = choose_layout(spec, N, width, coupled)
+    K = spectrum_size(spec, N, layout.layout)
+    images = eigen_images(spec, data, K)
+    nI = len(images.indices) if images else 0
     s, h, Ko, opt = spec.spectrum, spec.hessian, spec.model.output_dim, spec.optimizer
+    curve = energy_route(spec, layout.layout) == "quadrature"
+    if curve:
+        from nsa_dist.linalg.quadrature import curve_ks
     dims = RunDims(
         N=N, M=M, d=int(np.prod(np.asarray(data.X).shape[1:])), Ko=spec.model.output_dim, P=P, S=len(record),
         T=spec.steps, K=K, k_test=min(K, M) if spec.spectrum.test_points and M else 0,
@@ -201,10 +245,12 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
         hessian_top_k=min(h.top_k, P - 1) if h else 0, hessian_rayleigh_k=min(h.rayleigh_k, P - 1) if h else 0,
         hessian_density_bins=h.density_grid if h and h.density else 0,
         hessian_moments=h is None or bool(h.moments), hessian_orthogonality=h is None or bool(h.orthogonality),
-        hessian_additivity=h is None or bool(h.additivity), hessian_trace_G=h is None or bool(h.trace_G))
+        hessian_additivity=h is None or bool(h.additivity), hessian_trace_G=h is None or bool(h.trace_G),
+        curve_points=len(curve_ks(N, s.quadrature.curve_points)) if curve else 0,
+        gram_density_bins=s.quadrature.density_grid if curve else 0)
     return RunPlan(
         run_id=run_id(spec), spec=spec, spec_json=spec_json(spec), dims=dims, record=record,
         hessian_indices=frozenset(h.indices(list(record))) if h else frozenset(), K=K,
-        image_indices=tuple(images.indices) if images else (), layout=choose_layout(spec, N, width, coupled),
+        image_indices=tuple(images.indices) if images else (), layout=layout,
         ntk_method=method.value,
         ntk_paths={"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}})

@@ -76,7 +76,7 @@ def pin_layout(writer: RunWriter, plan: RunPlan) -> RunPlan:
     stored = writer.attr("layout")
     if stored:
         return plan.with_layout(stored, writer.attr("layout_reason") or "recorded with the run")
-    writer.set_attrs(layout=plan.layout.layout.value, layout_reason=plan.layout.reason)
+    writer.set_attrs(layout=plan.layout.layout.value, layout_reason=plan.layout.reason, **plan.energy_attrs())
     return plan
 
 

@@ -253,7 +253,7 @@ class SpectralAnalyzer:
         if isinstance(G, DenseGram):
             if self.dtype != torch.float64:
                 return None
-            if self.spec.spectrum.k == "all":
+            if self.spec.spectrum.k == "all" and self.plan.energy_route == "exact":
                 return GramKnowledge(evals=np.asarray(evals, np.float64))
             return GramKnowledge(evals=torch.linalg.eigvalsh(G.G).detach().cpu().numpy().astype(np.float64))
         if isinstance(G, TiledGram):
@@ -278,8 +278,34 @@ class SpectralAnalyzer:
         with self._timed("eigenpairs"):
             sp = self._spectrum(G, self.K, "train", {k: v for k, v in phis.items() if v is not None},
                                 self._needs_vectors(ck))
+        curves = {}
+        if self.plan.has("curve_k"):
+            with self._timed("quadrature"):
+                curves = self._curves(G, sp, phis)
         with self._timed("metrics"):
-            return self._metrics(G, ck, N, sp, phis, GP[:, :C], GP[:, C])
+            gram_step, extras, images = self._metrics(G, ck, N, sp, phis, GP[:, :C], GP[:, C])
+        return (dataclasses.replace(gram_step, **curves) if curves else gram_step), extras, images
+
+    def _curves(self, G: StepGram, sp: StepSpectrum, phis: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+        """The quadrature route of ``k: all``: λ_k and E_t(φ, k) at every reported k with their brackets,
+        and G's SLQ density, from the exact top K and products with G (:mod:`nsa_dist.linalg.quadrature`)."""
+        from nsa_dist.linalg.quadrature import spectral_curves
+
+        q = self.spec.spectrum.quadrature
+        if sp.evecs is None:  # K = N (quadrature.top ≥ N): every eigenpair is exact
+            return _exact_curves(sp, phis, self.plan.curve_k(), q.density_grid)
+        c = spectral_curves(G.G if isinstance(G, DenseGram) else G, sp.evals, sp.evecs, phis, self.plan.curve_k(),
+                            lanczos_steps=q.lanczos_steps, probes=q.probes, confidence=q.confidence,
+                            density_grid=q.density_grid, seed=self.spec.seed)
+        self.n_products["quadrature"] = c.n_products
+        out = {"curve_eigenvalue": c.eigenvalue.value, "curve_eigenvalue_lower": c.eigenvalue.lower,
+               "curve_eigenvalue_upper": c.eigenvalue.upper, "gram_density_grid": c.density_grid,
+               "gram_density": c.density}
+        for name in ("y", "f", "residual", "df", "df_pred"):
+            b = c.energy[name]
+            out.update({f"curve_energy_{name}": b.value, f"curve_energy_{name}_lower": b.lower,
+                        f"curve_energy_{name}_upper": b.upper})
+        return out
 
     def _metrics(self, G: StepGram, ck: Checkpoint, N: int, sp: StepSpectrum, phis: dict[str, np.ndarray],
                  GY: np.ndarray, G1: np.ndarray) -> tuple[GramStep, KernelExtras, ImageStep | None]:
@@ -368,6 +394,22 @@ class SpectralAnalyzer:
                                         notes=self._notes)
         finally:
             curv.close()
+
+
+def _exact_curves(sp: StepSpectrum, phis: dict[str, np.ndarray | None], ks: np.ndarray,
+                  n_grid: int) -> dict[str, np.ndarray]:
+    """The curve arrays when every eigenpair is known (lower = upper = value), the density of the eigenvalues."""
+    from nsa_dist.linalg.quadrature import atoms_density
+
+    lam = sp.evals[ks - 1]
+    out = {"curve_eigenvalue": lam, "curve_eigenvalue_lower": lam, "curve_eigenvalue_upper": lam}
+    for name in ("y", "f", "residual", "df", "df_pred"):
+        phi = phis.get(name)
+        E = energy_from_projections(sp.proj[name], phi)[ks - 1] if phi is not None and name in sp.proj else \
+            np.full(ks.size, np.nan)
+        out.update({f"curve_energy_{name}": E, f"curve_energy_{name}_lower": E, f"curve_energy_{name}_upper": E})
+    out["gram_density_grid"], out["gram_density"] = atoms_density(sp.evals, np.ones(sp.evals.size), n_grid)
+    return out
 
 
 def _one_vector(G: torch.Tensor, k: int, name: str, phi: np.ndarray) -> tuple[StepSpectrum, bool]:

@@ -43,6 +43,8 @@ class RunDims:
     hessian_trace_G: bool = True  # the per-point traces G and Tr(S) = ∇Cᵀ·G
     k_gram_change: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
     constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs (issue 19)
+    curve_points: int = 0  # k: all on the quadrature route: the reported k of the curves (0: exact route / top-k)
+    gram_density_bins: int = 0  # … and the grid of G's SLQ spectral density
 
     def to_json(self) -> dict:
         return asdict(self)

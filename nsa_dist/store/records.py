@@ -21,7 +21,7 @@ import numpy as np
 from nsa_dist.metrics.reconstruction import reconstruction_ks
 from nsa_dist.store.dims import RunDims
 
-__all__ = ["GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "NOTES_DTYPE", "step_array_specs",
+__all__ = ["CURVE_ARRAYS", "GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "NOTES_DTYPE", "step_array_specs",
            "not_computed"]
 
 PHIS = ("y", "f", "residual", "df", "df_pred")  # the φ of E_t(φ, k) stored every step
@@ -44,6 +44,9 @@ _K = lambda D: (D.K,)  # noqa: E731
 _N, _M = (lambda D: D.N), (lambda D: D.M)  # noqa: E731
 _n_rec = lambda D: len(reconstruction_ks(D.K))  # noqa: E731
 _evecs = lambda D: D.store_eigenvectors  # noqa: E731
+_CURVE = lambda D: (D.curve_points,)  # noqa: E731
+_curve = lambda D: D.curve_points > 0  # noqa: E731
+CURVE_ARRAYS = ("curve_eigenvalue",) + tuple(f"curve_energy_{p}" for p in ("y", "f", "residual", "df", "df_pred"))
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,28 @@ class GramStep:
     # App. E, Eq. 22 (Nyström): f_test of every recorded step predicted at the first
     constant_gram_f_test: np.ndarray = _array(lambda D: (D.S,) + _out(_M)(D),
                                               when=lambda D: D.constant_gram and D.M > 0, at="first")
+    # k: all on the quadrature route: λ_k and E_t(φ, k) at the reported k (static curve_k), each
+    # with its bracket (lower ≤ value ≤ upper, equal for k ≤ K), and G_t's SLQ spectral density
+    curve_eigenvalue: np.ndarray = _array(_CURVE, when=_curve)
+    curve_eigenvalue_lower: np.ndarray = _array(_CURVE, when=_curve)
+    curve_eigenvalue_upper: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_y: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_y_lower: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_y_upper: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_f: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_f_lower: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_f_upper: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_residual: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_residual_lower: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_residual_upper: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_df: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_df_lower: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_df_upper: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_df_pred: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_df_pred_lower: np.ndarray = _array(_CURVE, when=_curve)
+    curve_energy_df_pred_upper: np.ndarray = _array(_CURVE, when=_curve)
+    gram_density_grid: np.ndarray = _array(lambda D: (D.gram_density_bins,), when=lambda D: D.gram_density_bins > 0)
+    gram_density: np.ndarray = _array(lambda D: (D.gram_density_bins,), when=lambda D: D.gram_density_bins > 0)
     # why some of this step's diagnostics are NaN: JSON {array name: reason}, "" when none
     step_notes: str = _array(_SCALAR, NOTES_DTYPE)
 

@@ -99,6 +99,8 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
               ArraySpec("reconstruction_k", (len(reconstruction_ks(D.K)),), "int64", False)]
     if D.hessian:
         a.append(ArraySpec("hessian_steps", (D.S,), "bool", False))
+    if D.curve_points:
+        a.append(ArraySpec("curve_k", (D.curve_points,), "int64", False))
     return a + [ArraySpec(name, (D.S,) + shape, dtype, True, at) for name, shape, dtype, at in step_array_specs(D)]
 
 
@@ -197,6 +199,7 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "gram_change": ("step", "measured_first_order", "k_gram_change"), "gram_change_fro": ("step", "gram_change_norm"),
     "constant_gram_f_test": ("step", "predicted_step", "test_point") + _OUT,
     "constant_gram_residual": ("step", "predicted_measured"), "constant_gram_energy": ("step", "k"),
+    "curve_k": ("curve",), "gram_density_grid": ("step", "density"), "gram_density": ("step", "density"),
 }
 
 
@@ -207,6 +210,7 @@ def dimension_names(name: str, ndim: int) -> tuple[str, ...]:
     "output" (Ko, present only when Ko > 1); energies are ("step", "k"); any other array is
     ("step",) + ("<name>_dim<j>", …).
     """
-    dims = _DIMS.get(name) or (("step", "k") if name.startswith("energy_") else ("step",))
+    dims = _DIMS.get(name) or (("step", "k") if name.startswith("energy_") else
+                               ("step", "curve") if name.startswith("curve_") else ("step",))
     dims = dims[:ndim]
     return dims + tuple(f"{name}_dim{j}" for j in range(len(dims), ndim))

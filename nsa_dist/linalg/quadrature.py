@@ -1,0 +1,427 @@
+"""E(φ, k) = Σ_{i≤k} ⟨v_i, φ⟩² / ‖φ‖² and λ_k for every k from products with G only, with brackets.
+
+The top K eigenpairs (λ_i, v_i) of G are known exactly (a top-k solve).  Beyond them:
+
+* **Each φ's tail measure.**  With ``P = I − UUᵀ`` (U the top K eigenvectors) and the deflated
+  operator ``A = P G P``, the spectral measure of ``φ' = Pφ`` is ``μ_φ = Σ_{i>K} ⟨v_i, φ⟩² δ_{λ_i}``,
+  so ``E(φ, k) = (‖Uᵀφ‖² + Σ_{K<i≤k} ⟨v_i, φ⟩²) / ‖φ‖²`` and for λ_k the k-th eigenvalue
+
+      μ_φ((λ_k, ∞)) ≤ Σ_{K<i≤k} ⟨v_i, φ⟩² ≤ μ_φ([λ_k, ∞)).
+
+  m block-Lanczos steps of A from a block holding every φ' (and the probes below) give, per
+  column, a discrete measure ν with the same moments 0 … 2m − 1 as μ
+  (:func:`~nsa_dist.linalg.lanczos.block_gauss_quadrature`'s rule).  The m-point Gauss rule of
+  those moments (nodes x_1 < … < x_m, weights w_j; the Stieltjes procedure on ν) bounds every
+  measure with these moments, μ among them, by the Chebyshev–Markov–Stieltjes inequalities
+
+      Σ_{x_i < x_j} w_i ≤ μ((−∞, x_j)),      μ((−∞, x_j]) ≤ Σ_{x_i ≤ x_j} w_i,
+
+  hence at any t: ``μ([t, ∞)) ≤ Σ_{i ≥ j} w_i`` (x_j the largest node < t) and
+  ``μ((t, ∞)) ≥ Σ_{i > j'} w_i`` (x_{j'} the smallest node ≥ t).  These are proofs (in exact
+  arithmetic, for the operator the products apply).
+
+* **G's counting function** ``n(t) = #{i : λ_i ≥ t}`` = #{i ≤ K : λ_i ≥ t} + Tr 1[A ≥ t] on
+  range(P).  For Rademacher probes z, ``z' = Pz`` has ``E[μ_{z'}([t, ∞))] = #{i > K : λ_i ≥ t}``
+  (t > 0); each probe's measure is bracketed as above and the mean over p probes gets a
+  statistical margin ``q·√(2 n_tail / p)`` (q the normal quantile of the confidence; 2·n_tail
+  bounds the variance of ``zᵀMz`` for a Rademacher z and M the rank-n_tail spectral
+  projector).  The bracket of λ_k inverts it: ``λ_k ≥ sup{t : n_lower(t) ≥ k}`` and
+  ``λ_k ≤ inf{t : n_upper(t) < k}``, and λ_k ≥ the (k − K)-th Ritz value of A on the block
+  Krylov space (Cauchy interlacing, a proof), λ_k ≤ λ_K.
+
+* The value reported inside each bracket is the block rule's own estimate (the same
+  inversion and tail sums with ν, which resolves the spectrum with b·m nodes), clipped into
+  the bracket; the SLQ density of G comes from the same probes.
+
+So the energy bracket is provable given λ_k's bracket, which is statistical at the stated
+(pointwise) confidence beyond the top K.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nsa_dist.linalg._backend import ArrayOps, Backend
+from nsa_dist.linalg._inputs import as_symmetric_map
+from nsa_dist.linalg.lanczos import _qr_r, _State
+
+__all__ = ["CurveBracket", "SpectralCurves", "curve_ks", "spectral_curves", "quadrature_basis_bytes",
+           "BRACKET_SENTENCE", "atoms_density"]
+
+BRACKET_SENTENCE = ("λ_k for k ≤ top and E(φ, k) for k ≤ top are exact; beyond, λ_k's bracket is statistical "
+                    "(stochastic Lanczos quadrature of G's counting function, Rademacher probes, normal "
+                    "approximation with the variance bound 2·n(t), pointwise confidence {c:g}) tightened by "
+                    "Cauchy interlacing of Ritz values (provable), and E(φ, k)'s bracket is provable "
+                    "(Chebyshev–Markov–Stieltjes bounds of φ's spectral measure) given λ_k's bracket")
+
+_BASIS_BYTES = 1 << 30  # default cap of one group's Lanczos basis and products (two (N, b·m) float64 blocks)
+
+
+def curve_ks(N: int, points: int) -> np.ndarray:
+    """The reported k: ``points`` log-spaced values from 1 to N rounded to distinct integers (1 and N included)."""
+    if N < 1 or points < 2:
+        raise ValueError(f"curve_ks needs N >= 1 and points >= 2, got N={N}, points={points}")
+    k = np.unique(np.round(np.logspace(0.0, math.log10(N), points)).astype(np.int64))
+    return np.unique(np.concatenate([[1], k, [N]])).astype(np.int64)
+
+
+def quadrature_basis_bytes(N: int, columns: int, lanczos_steps: int, cap: float = _BASIS_BYTES) -> float:
+    """Bytes of the Lanczos bases the route holds at once (V and G·V, float64, per column group)."""
+    per_col = 16.0 * N * lanczos_steps
+    group = max(1, min(columns, int(cap // per_col)))
+    return per_col * group
+
+
+@dataclass(frozen=True)
+class CurveBracket:
+    """A curve at the reported k: value, lower ≤ value ≤ upper (equal where exact)."""
+
+    value: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+
+
+@dataclass(frozen=True)
+class SpectralCurves:
+    """λ_k and E(φ, k) at ``k`` (1-based), G's SLQ density, and how they were obtained.
+
+    Attributes:
+        k: (nk,) reported k.
+        eigenvalue: λ_k with its bracket.
+        energy: E(φ, k) by φ name (NaN where φ is not finite or zero).
+        density_grid, density: G's spectral density (∫ density dλ ≈ 1 over the grid).
+        n_products: columns G was applied to.
+        lanczos_steps: block steps taken (the Gauss rules have that many nodes).
+        exact_from: k above which the brackets are estimates (K; N where everything is exact).
+    """
+
+    k: np.ndarray
+    eigenvalue: CurveBracket
+    energy: dict[str, CurveBracket]
+    density_grid: np.ndarray
+    density: np.ndarray
+    n_products: int
+    lanczos_steps: int
+    exact_from: int
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np.ndarray | None], ks: np.ndarray, *,
+                    lanczos_steps: int = 60, probes: int = 24, confidence: float = 0.95, density_grid: int = 200,
+                    seed: int = 0, basis_bytes: float = _BASIS_BYTES) -> SpectralCurves:
+    """λ_k and E(φ, k) at every ``ks`` from the top eigenpairs and products with G (see the module docstring).
+
+    Args:
+        G: the symmetric PSD (N, N) matrix or operator (``shape`` + ``matmat``).
+        evals: (K,) its top eigenvalues, descending; evecs: (N, K) the eigenvectors (NumPy or torch).
+        phis: φ by name, (N,) or (N, C) (E sums the C columns); None or non-finite → NaN curves.
+        ks: reported k, 1 ≤ k ≤ N, sorted.
+        lanczos_steps: m, block steps of A = PGP from the block of φ's and probes.
+        probes: Rademacher probes of the counting function.
+        confidence: pointwise confidence of the counting function's bracket.
+        density_grid: points of the density grid.
+        seed: seed of the probes.
+        basis_bytes: columns are run in groups whose Lanczos bases stay under this.
+
+    Raises:
+        ValueError: sizes that do not match, ks outside 1 … N, a non-PSD top eigenvalue.
+    """
+    A = as_symmetric_map(G, Backend.AUTO, "G")
+    ops, N = A.ops, A.N
+    lam = np.asarray(evals, dtype=np.float64).reshape(-1)
+    K = lam.size
+    U = np.asarray(evecs.detach().cpu().numpy() if hasattr(evecs, "detach") else evecs, dtype=np.float64)
+    ks = np.asarray(ks, dtype=np.int64)
+    if U.shape != (N, K):
+        raise ValueError(f"evecs must be (N, K) = ({N}, {K}), got {U.shape}")
+    if ks.ndim != 1 or ks.size == 0 or ks.min() < 1 or ks.max() > N or np.any(np.diff(ks) < 0):
+        raise ValueError(f"ks must be sorted integers in 1 … N = {N}, got {ks[:5]}…")
+    if K < 1:
+        raise ValueError("spectral_curves needs at least one exact eigenpair (K ≥ 1)")
+    cols, owners, norms2, top2 = _phi_columns(phis, U)
+    m = max(2, min(int(lanczos_steps), N))
+    rng = np.random.default_rng(seed)
+    n_probe = int(probes) if K < N else 0
+    Z = [np.asarray(cols[:, j]) for j in range(cols.shape[1])]
+    Z += [rng.choice([-1.0, 1.0], size=N) for _ in range(n_probe)]
+    Z = [z - U @ (U.T @ z) for z in Z]  # deflated start vectors
+    Ub = ops.from_numpy(U)
+
+    def deflated(X: Any) -> Any:
+        X = X - Ub @ (Ub.T @ X)
+        W = A.matmat(X)
+        return W - Ub @ (Ub.T @ W)
+
+    rules, ritz, steps_done = [], [], m
+    per_group = max(1, int(basis_bytes // (16.0 * N * m)))
+    for s in range(0, len(Z), per_group):
+        block = np.column_stack(Z[s:s + per_group]) if Z else np.zeros((N, 0))
+        if block.shape[1] == 0:
+            continue
+        theta, W, steps, exhausted = _block_rule(deflated, ops.from_numpy(block), m, ops, A.sym_rtol, seed + s)
+        steps_done = min(steps_done, steps)
+        ritz.append(theta)
+        for i in range(block.shape[1]):
+            rules.append(_Rule(theta, W[i], steps, exhausted))
+    n_phi_cols = cols.shape[1]
+    phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
+    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, 8.0 * A.eps * float(lam[0]))
+    energy = {}
+    for name in phis:
+        idx = [j for j, o in enumerate(owners) if o == name]
+        energy[name] = _energy_curve(lam, N, ks, eig, [phi_rules[j] for j in idx], norms2.get(name, np.nan),
+                                     top2.get(name))
+    grid, dens = _density(lam, N, probe_rules, density_grid)
+    return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N)
+
+
+# --------------------------------------------------------------------------- the quadrature rules
+
+
+@dataclass
+class _Rule:
+    """One column's block rule ν (nodes θ, weights ν_w) and the m-point Gauss rule of its moments."""
+
+    theta: np.ndarray
+    nu: np.ndarray
+    steps: int
+    exhausted: bool
+    x: np.ndarray = None  # Gauss nodes ascending
+    w: np.ndarray = None
+
+    def __post_init__(self) -> None:
+        keep = self.nu > 0
+        if self.exhausted:  # the Krylov space is invariant: ν is μ
+            order = np.argsort(self.theta[keep])
+            self.x, self.w = self.theta[keep][order], self.nu[keep][order]
+        else:
+            self.x, self.w = _gauss_from_discrete(self.theta[keep], self.nu[keep], self.steps)
+
+    @property
+    def mass(self) -> float:
+        return float(self.nu.sum())
+
+    def tail_upper(self, t: np.ndarray) -> np.ndarray:
+        """≥ μ([t, ∞)): the weights of the nodes from the largest node < t up (every node when none)."""
+        if self.exhausted:
+            return self.tail_closed(t)
+        c = np.concatenate([[0.0], np.cumsum(self.w)])  # c[j] = Σ_{i<j} w_i (ascending x)
+        j = np.searchsorted(self.x, t, side="left") - 1  # index of the largest node < t (−1: none)
+        return self.mass - c[np.maximum(j, 0)]
+
+    def tail_lower(self, t: np.ndarray) -> np.ndarray:
+        """≤ μ((t, ∞)): the weights of the nodes above the smallest node ≥ t (none when no node ≥ t)."""
+        if self.exhausted:
+            return self.tail_open(t)
+        c = np.concatenate([[0.0], np.cumsum(self.w)])
+        j = np.searchsorted(self.x, t, side="left")  # the smallest node ≥ t
+        return np.where(j < self.x.size, self.mass - c[np.minimum(j + 1, self.x.size)], 0.0)
+
+    def tail_closed(self, t: np.ndarray, nodes: np.ndarray | None = None) -> np.ndarray:
+        """ν([t, ∞)) of the block rule (or of the Gauss rule when exhausted)."""
+        x, w = (self.x, self.w) if self.exhausted else (np.sort(self.theta), self.nu[np.argsort(self.theta)])
+        c = np.concatenate([[0.0], np.cumsum(w)])
+        return c[-1] - c[np.searchsorted(x, t, side="left")]
+
+    def tail_open(self, t: np.ndarray) -> np.ndarray:
+        x, w = (self.x, self.w) if self.exhausted else (np.sort(self.theta), self.nu[np.argsort(self.theta)])
+        c = np.concatenate([[0.0], np.cumsum(w)])
+        return c[-1] - c[np.searchsorted(x, t, side="right")]
+
+
+def _block_rule(matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: float,
+                seed: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """:func:`~nsa_dist.linalg.lanczos.block_gauss_quadrature`'s rule on the same Krylov machinery,
+    also returning the block steps taken and whether the basis became invariant (then the rule is
+    exact for every f)."""
+    N, b = Z.shape
+    Q, R = _qr_r(ops, Z)
+    st = _State(ops, N, min(N, n_steps * b), b, np.random.default_rng(seed), sym_rtol)
+    P, Bc, exhausted = Q, np.zeros((b, 0)), False
+    for _ in range(n_steps):
+        B, P_next = st.extend(P, Bc, matmat)
+        n = st.n
+        if P_next is None:
+            exhausted = True
+            break
+        if n + P_next.shape[1] > st.M:
+            break
+        Bc = np.zeros((B.shape[0], n))
+        Bc[:, n - P.shape[1]:] = B
+        P = P_next
+    H = st.H[:st.n, :st.n]
+    theta, Y = np.linalg.eigh((H + H.T) / 2)
+    W = (R.T @ Y[:Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
+    steps = st.steps
+    del st
+    return theta, W, steps, exhausted
+
+
+def _gauss_from_discrete(theta: np.ndarray, w: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The m-point Gauss rule (nodes ascending, weights) of the discrete measure Σ w_j δ_θj's moments
+    0 … 2m − 1 (Lanczos on diag(θ) with full reorthogonalisation; fewer nodes when ν has fewer atoms,
+    and then it is ν itself)."""
+    mass = float(w.sum())
+    if mass <= 0 or theta.size == 0:
+        return np.zeros(0), np.zeros(0)
+    n = theta.size
+    m = min(m, n)
+    V = np.zeros((m, n))
+    alpha, beta = np.zeros(m), np.zeros(m)
+    v = np.sqrt(w / mass)
+    scale = max(np.abs(theta).max(), 1e-300)
+    r = 0
+    for j in range(m):
+        V[j] = v
+        u = theta * v
+        alpha[j] = u @ v
+        u = u - alpha[j] * v - (beta[j - 1] * V[j - 1] if j else 0.0)
+        u -= V[:j + 1].T @ (V[:j + 1] @ u)  # full reorthogonalisation, twice
+        u -= V[:j + 1].T @ (V[:j + 1] @ u)
+        r = j + 1
+        b = float(np.linalg.norm(u))
+        if j + 1 == m or b <= 1e-13 * scale:
+            break
+        beta[j] = b
+        v = u / b
+    T = np.diag(alpha[:r]) + np.diag(beta[:r - 1], 1) + np.diag(beta[:r - 1], -1)
+    x, Y = np.linalg.eigh(T)
+    return x, mass * Y[0] ** 2
+
+
+# --------------------------------------------------------------------------- the curves
+
+
+def _phi_columns(phis: Mapping[str, np.ndarray | None],
+                 U: np.ndarray) -> tuple[np.ndarray, list[str], dict[str, float], dict[str, np.ndarray]]:
+    """The finite non-zero φ columns (N, c), their owners, ‖φ‖² and the cumulative top energies Σ_{i≤k}⟨v_i, φ⟩²."""
+    N = U.shape[0]
+    cols, owners, norms2, top2 = [], [], {}, {}
+    for name, phi in phis.items():
+        if phi is None:
+            continue
+        P = np.asarray(phi, dtype=np.float64).reshape(N, -1)
+        if not np.isfinite(P).all():
+            continue
+        n2 = float(np.sum(P * P))
+        if n2 == 0.0:
+            continue
+        norms2[name] = n2
+        top2[name] = np.cumsum(np.sum((U.T @ P) ** 2, axis=1))  # (K,)
+        for c in range(P.shape[1]):
+            cols.append(P[:, c])
+            owners.append(name)
+    return (np.column_stack(cols) if cols else np.zeros((N, 0))), owners, norms2, top2
+
+
+def _eigenvalue_curve(lam: np.ndarray, N: int, ks: np.ndarray, probes: list[_Rule], ritz: list[np.ndarray],
+                      confidence: float, slack: float = 0.0) -> CurveBracket:
+    """λ_k: exact for k ≤ K, else the inverted bracket of the counting function (module docstring);
+    ``slack``: the products' rounding (‖δG‖ ≲ 8·eps·λ_1), added to each side."""
+    K = lam.size
+    value, lower, upper = np.full(ks.size, np.nan), np.full(ks.size, np.nan), np.full(ks.size, np.nan)
+    top = ks <= K
+    value[top] = lower[top] = upper[top] = lam[ks[top] - 1]
+    tail = ~top
+    if not tail.any():
+        return CurveBracket(value, lower, upper)
+    if not probes:
+        raise ValueError("k beyond the exact top part needs probes ≥ 1")
+    from scipy.stats import norm
+
+    q = float(norm.ppf(0.5 + confidence / 2))
+    p = len(probes)
+    # breakpoints: every Gauss node and every block-rule node of the probes, the top eigenvalues
+    bps = np.unique(np.concatenate([lam] + [r.x for r in probes] + [np.sort(r.theta) for r in probes]))
+    bps = bps[bps > 0]
+    n_top = lambda t: np.searchsorted(-lam, -t, side="right")  # noqa: E731  #{i ≤ K: λ_i ≥ t}
+    L = np.mean([r.tail_lower(bps) for r in probes], axis=0)  # ≤ mean of μ_z((t, ∞))
+    Uu = np.mean([r.tail_upper(bps) for r in probes], axis=0)  # ≥ mean of μ_z([t, ∞))
+    c = q * math.sqrt(2.0 / p)
+    root_hi = (c + np.sqrt(c * c + 4 * np.maximum(Uu, 0))) / 2  # √n_tail ≤ this (n ≤ Ū + c√n)
+    margin = c * root_hi
+    n_lo = n_top(bps) + np.clip(L - margin, 0, N - K)
+    n_hi = n_top(bps) + np.clip(Uu + margin, 0, N - K)
+    est = n_top(bps) + np.mean([r.tail_closed(bps) for r in probes], axis=0)
+    # n_lo, n_hi, est are non-increasing step functions of t, left-continuous at the breakpoints
+    n_lo, n_hi, est = (np.minimum.accumulate(a) for a in (n_lo, n_hi, est))
+    ritz_desc = [np.sort(r)[::-1] for r in ritz]
+    for i in np.nonzero(tail)[0]:
+        k = int(ks[i])
+        lo = _last_at_least(bps, n_lo, k, 0.0)
+        j = k - K - 1  # Cauchy interlacing: λ_{K+j+1} ≥ the (j+1)-th Ritz value of PGP on any subspace
+        lo = max([lo] + [float(r[j]) - slack for r in ritz_desc if j < r.size])
+        hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1])
+        v = _last_at_least(bps, est, k, 0.0)
+        lower[i], upper[i] = max(lo - slack, 0.0), hi + slack
+        lower[i] = min(lower[i], upper[i])
+        value[i] = min(max(v, lower[i]), upper[i])
+    return CurveBracket(value, lower, upper)
+
+
+def _last_at_least(t: np.ndarray, n: np.ndarray, k: int, default: float) -> float:
+    """The largest t_j with n_j ≥ k (n non-increasing along ascending t), else ``default``."""
+    j = np.searchsorted(-n, -k, side="right") - 1  # n ≥ k on t[:j+1]
+    return float(t[j]) if j >= 0 else default
+
+
+def _energy_curve(lam: np.ndarray, N: int, ks: np.ndarray, eig: CurveBracket, rules: list[_Rule], norm2: float,
+                  top2: np.ndarray | None) -> CurveBracket:
+    """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond."""
+    nk = ks.size
+    if top2 is None or not np.isfinite(norm2):
+        nan = np.full(nk, np.nan)
+        return CurveBracket(nan, nan.copy(), nan.copy())
+    K = lam.size
+    value, lower, upper = np.zeros(nk), np.zeros(nk), np.zeros(nk)
+    top = ks <= K
+    value[top] = lower[top] = upper[top] = top2[ks[top] - 1] / norm2
+    tail = ~top
+    if tail.any():
+        base = top2[-1]
+        lo_t, hi_t, v_t = eig.upper[tail], eig.lower[tail], eig.value[tail]
+        low = base + sum(r.tail_lower(lo_t) for r in rules)
+        high = base + sum(r.tail_upper(hi_t) for r in rules)
+        val = base + sum(r.tail_closed(v_t) for r in rules)
+        lower[tail], upper[tail] = low / norm2, np.minimum(high / norm2, 1.0)
+        lower[tail] = np.minimum(lower[tail], upper[tail])
+        # E is non-decreasing in k: carry the bounds along the reported k
+        lower[tail] = np.maximum.accumulate(np.maximum(lower[tail], value[top].max(initial=0.0)))
+        upper[tail] = np.minimum.accumulate(upper[tail][::-1])[::-1]
+        value[tail] = np.clip(val / norm2, lower[tail], upper[tail])
+        value[tail] = np.clip(np.maximum.accumulate(value[tail]), lower[tail], upper[tail])
+    last = ks == N
+    value[last] = lower[last] = upper[last] = 1.0  # E(φ, N) = 1
+    return CurveBracket(value, lower, upper)
+
+
+def _density(lam: np.ndarray, N: int, probes: list[_Rule], n_grid: int) -> tuple[np.ndarray, np.ndarray]:
+    """G's spectral density: the top eigenvalues and the probes' block rules (the tail's measure,
+    E = Σ_{i>K} δ_λi) as atoms (:func:`atoms_density`)."""
+    atoms = [lam], [np.ones(lam.size)]
+    for r in probes:
+        atoms[0].append(r.theta)
+        atoms[1].append(r.nu / len(probes))
+    return atoms_density(np.concatenate(atoms[0]), np.concatenate(atoms[1]), n_grid)
+
+
+def atoms_density(x: np.ndarray, w: np.ndarray, n_grid: int) -> tuple[np.ndarray, np.ndarray]:
+    """A density of λ on a log-spaced grid from atoms (x_j, w_j), each broadened log-normally by 0.05
+    decades (G's spectrum spans decades), normalised so that the trapezoid rule over the grid gives 1;
+    atoms ≤ 0 (G's null space) are left out."""
+    keep = (x > 0) & (w > 0)
+    x, w = x[keep], w[keep]
+    if x.size == 0:
+        return np.linspace(0.0, 1.0, n_grid), np.full(n_grid, np.nan)
+    hi, lo = float(x.max()), float(max(x.min(), x.max() * 1e-12))
+    s = 0.05
+    grid = np.logspace(math.log10(lo) - 4 * s, math.log10(hi) + 4 * s, n_grid)
+    lg, lx = np.log10(grid)[:, None], np.log10(x)[None, :]
+    dens = (np.exp(-0.5 * ((lg - lx) / s) ** 2) * w).sum(axis=1) / (grid * math.log(10) * s * math.sqrt(2 * math.pi))
+    total = float(np.trapezoid(dens, grid))
+    return grid, dens / total if total > 0 else dens
