@@ -166,6 +166,14 @@ def test_exact_route_serve_panel_draws_every_k_without_a_band(exact: Run) -> Non
         t = int(label.removeprefix("t = "))
         np.testing.assert_array_equal(ys, exact.energy_curve("y")["value"].sel(step=t).values)
     assert not any(len(v) for v in p.sources[1]["bands"].data.values())
+    cells = p.map.sources[0].data  # the heat map over (t, log k): each cell is E at its step and k
+    E, steps = exact.energy("y"), exact.steps
+    for left, right, bottom, top, v in zip(cells["left"], cells["right"], cells["bottom"], cells["top"], cells["v"]):
+        (j,) = np.flatnonzero((steps > left) & (steps < right))
+        inside = [k for k in range(1, N + 1) if bottom < k < top]  # one measured k, drawn at its own value
+        assert inside and v in E[j, np.array(inside) - 1], (left, bottom, top, v)
+    assert len(cells["v"]) >= 3 * len(steps) and not np.any(p.map.sources[1].data["v"])  # widths: all 0
     p = Fig2a(exact)
     p.update(p.guarded(exact))
     assert not p.error.visible and not any(len(v) for v in p.sources[0]["bands"].data.values())
+

@@ -18,7 +18,8 @@ from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, n
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
-__all__ = ["bracket_note", "Fig1d", "Fig1e", "Fig2a", "Fig2b", "Fig2c", "Fig2d", "Energy", "Fig4a", "Fig7d", "Eqs45", "AppF", "Loss"]
+__all__ = ["bracket_note", "Fig1d", "Fig1e", "Fig2a", "Fig2b", "Fig2c", "Fig2d", "Energy", "Fig4a",
+           "Fig7d", "Eqs45", "AppF", "Loss"]
 
 
 class Fig1d(Curves):
@@ -121,7 +122,9 @@ class Fig2d(Curves):
 
 class Energy(Picked):
     """E_t(φ, k) along t for k = 1, 2, 5, 10, … (NSA Fig. 3a–e) and against k on a log axis at
-    chosen steps; φ chosen.  For φ = df_pred (Fig. 3d) the real update df̃_t is drawn dashed."""
+    chosen steps, every measured k with its bracket shaded; below, E_t(φ, k) as a heat map over
+    (t, log k) beside its bracket's width.  φ chosen.  For φ = df_pred (Fig. 3d) the real update df̃_t
+    is drawn dashed."""
 
     title = "NSA Fig. 3a–e — relative energy E_t(φ, k) = Σ_{i≤k} ⟨v_i^t, φ⟩² / ‖φ‖²"
     figures = ("fig3a_energy_y", "fig3b_energy_f", "fig3c_energy_residual", "fig3d_energy_df", "fig3e_energy_f_test",
@@ -137,6 +140,17 @@ class Energy(Picked):
         options = [(p, f"Fig. {w}" if w[0].isdigit() else w) for p, w in self.PHIS.items() if run.has(f"energy_{p}")]
         self.phi = Select(title="φ", value=options[0][0], options=options, width=330)
         super().__init__(run, [self.phi])
+        self.map = _EnergyMap()
+        self.body.children.append(self.map.layout)
+
+    def read(self, run: "Run") -> dict[str, Any]:
+        data = super().read(run)
+        data["map"] = _EnergyMap.read(run.curve(f"energy_{self.phi.value}"))
+        return data
+
+    def show(self, data: dict[str, Any]) -> None:
+        super().show(data)
+        self.map.show(data["map"])
 
     def series(self, run: "Run") -> list[list[Series]]:
         phi = self.phi.value
@@ -356,3 +370,62 @@ class Loss(Curves):
         if run.has("loss_test"):
             out.append(Series(run.steps + 1.0, run.test_loss, "test loss", color(1)))
         return [out]
+
+
+def _edges(c: np.ndarray, log: bool) -> np.ndarray:
+    """(n + 1,) cell edges around the centres ``c`` (ascending): midpoints, in log space for ``log``."""
+    e = np.log(np.asarray(c, np.float64)) if log else np.asarray(c, np.float64)
+    if len(e) == 1:
+        return np.exp(e + [-0.5, 0.5]) if log else e + np.array([-0.5, 0.5])
+    mid = 0.5 * (e[1:] + e[:-1])
+    out = np.concatenate([[e[0] - (mid[0] - e[0])], mid, [e[-1] + (e[-1] - mid[-1])]])
+    return np.exp(out) if log else out
+
+
+class _EnergyMap:
+    """E_t(φ, k) over (t, log k) as a heat map, and beside it the width of its bracket upper − lower
+    (zero on the exact route and for k ≤ top: a wide bracket shows as a bright cell, never hidden in
+    a smooth colour) — the :class:`Energy` panel's third row.  Every measured k up to :data:`MAP_K`
+    of them (log-spaced in k beyond)."""
+
+    MAP_K = 120
+
+    def __init__(self) -> None:
+        from bokeh.layouts import row
+        from bokeh.models import ColorBar, ColumnDataSource, LinearColorMapper
+
+        from nsa_dist.serve._live import new_figure
+
+        self.sources, self.mappers, figs = [], [], []
+        for title, palette in (("E_t(φ, k) over t and k", "Viridis256"),
+                               ("its bracket's width, upper − lower", "Magma256")):
+            src = ColumnDataSource({"left": [], "right": [], "bottom": [], "top": [], "v": []})
+            mapper = LinearColorMapper(palette=palette, low=0.0, high=1.0)
+            fig = new_figure(title, "step t", "k", y_log=True, width=500, height=320,
+                             css_classes=["nsa-plot", "nsa-energy-map"])
+            fig.quad(left="left", right="right", bottom="bottom", top="top", source=src,
+                     fill_color={"field": "v", "transform": mapper}, line_alpha=0)
+            fig.add_layout(ColorBar(color_mapper=mapper, width=10), "right")
+            self.sources.append(src)
+            self.mappers.append(mapper)
+            figs.append(fig)
+        self.layout = row(*figs)
+
+    @classmethod
+    def read(cls, curve: Any) -> dict[str, Any]:
+        """The cells of both maps from a :class:`~nsa_dist.client.BracketedCurve` (worker thread)."""
+        k = curve.k
+        want = np.geomspace(1, k[-1], min(cls.MAP_K, len(k)))  # log-spaced in k, each a measured k
+        pick = np.unique(np.clip(np.searchsorted(k, want), 0, len(k) - 1))
+        k, value, width = k[pick], curve.value[:, pick], curve.width[:, pick]
+        xe, ye = _edges(np.asarray(curve.steps, np.float64), False), _edges(k, True)
+        S, n = value.shape
+        cells = {"left": np.repeat(xe[:-1], n), "right": np.repeat(xe[1:], n),
+                 "bottom": np.tile(ye[:-1], S), "top": np.tile(ye[1:], S)}
+        w = np.nan_to_num(width.ravel(), nan=0.0)
+        return {"maps": [{**cells, "v": value.ravel()}, {**cells, "v": w}], "wide": float(w.max()) if w.size else 0.0}
+
+    def show(self, data: dict[str, Any]) -> None:
+        for src, cols in zip(self.sources, data["maps"]):
+            src.data = cols
+        self.mappers[1].high = max(data["wide"], 1e-12)  # the width's scale: its largest value (0 → a flat map)
