@@ -2,7 +2,7 @@
 the kernel-PCA limit of I, and the rank bounds of I and S.
 
 * :func:`additivity_gap` — ``Tr(H^k) − Tr(I^k) − Tr(S^k)``, k = 1..4, estimated with one set of
-  probes shared by H, I and S (a Hutch++ sketch spanning the dominant spaces of I and S, then
+  probes shared by H, I and S (a Hutch++ sketch spanning the dominant space of H, then
   Hutchinson on the rest), so the gap's standard error is that of the gap itself, not of three
   independent estimates.  ``H = I + S`` exactly, so k = 1 is 0 to rounding; for k ≥ 2 the gap is
   ``2 Tr(IS)`` (k = 2) and cross terms, which vanish only in the infinite-width limit.
@@ -27,7 +27,8 @@ from torch.func import functional_call, jvp, vmap
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import curvature_sqrt
 from nsa_dist.hessian._probes import as_linear_map, check_int, gaussian, rademacher
-from nsa_dist.hessian.moments import Moments, _forms, _gaussian_mean_stderr, _powers, _quadratic_forms
+from nsa_dist.hessian.moments import (Moments, _form_scale, _powers, _quadratic_forms, _remainder, _sketch,
+                                      _with_rounding)
 from nsa_dist.hessian.operators import hessian_parts
 from nsa_dist.losses import parse_loss
 from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
@@ -53,15 +54,18 @@ def additivity_gap(H: Any, I: Any, S: Any, n_probes: int = 32, *, max_order: int
                    seed: int = 0) -> Moments:
     """``Tr(H^k) − Tr(I^k) − Tr(S^k)`` for k = 1..max_order with probes shared by H, I and S.
 
-    Hutch++ with one sketch for the three: Q (P, s) an orthonormal basis of ``[I Ω₁, S Ω₂]``
-    (s/2 Rademacher columns each — the dominant spaces of I and S, hence of H = I + S); the
-    Q-part of every trace exactly, the rest by Hutchinson with the same ``g = n_probes − s``
-    Gaussian probes projected by ``1 − QQᵀ`` for H, I and S, the gap formed per probe pair (its
-    standard error from all g² forms, as :func:`~nsa_dist.hessian.hutchpp_moments`).
+    Hutch++ with one sketch for the three: Q (P, s) an orthonormal basis of ``H² Ω`` (s
+    Rademacher columns: the dominant space of H, where the cross terms ``IS + SI`` of the gap
+    are largest); the Q-part of every trace exactly, the rest by Hutchinson with the same
+    ``g = n_probes − s`` Gaussian probes projected by ``1 − QQᵀ`` for H, I and S, the gap formed
+    per probe (its standard error from ``‖P⊥ (H^k − I^k − S^k) z_i‖²`` as
+    :func:`~nsa_dist.hessian.hutchpp_moments`, calibrated as :mod:`nsa_dist.hessian.moments`
+    describes).
 
     Returns:
         :class:`Moments` (method "additivity") of the gap; stderr that of the Hutchinson part
-        (0 when s = P: exact; NaN when g < 2).  Cost ``s + 3 (s + g) ⌈max_order / 2⌉`` products.
+        (0 when s = P: exact; NaN when g < 2).  Cost ``2s + 3 s ⌈max_order / 2⌉ + 3 g max_order``
+        products.
 
     Raises:
         ValueError: n_probes < 1, max_order < 1, sketch outside 0..n_probes; ShapeError: the
@@ -78,19 +82,20 @@ def additivity_gap(H: Any, I: Any, S: Any, n_probes: int = 32, *, max_order: int
     g, h, rng = m - s, -(-kmax // 2), np.random.default_rng(seed)
     est = np.zeros(kmax)
     se = np.zeros(kmax) if s == P else np.full(kmax, np.nan)
-    Q = np.zeros((P, 0))
+    Q, scale = np.zeros((P, 0)), np.zeros(kmax)
     if s > 0:
-        Om = rademacher(rng, P, s)
-        half = max(1, s // 2) if s > 1 else s
-        Q = np.linalg.qr(np.hstack([maps[1](Om[:, :half]), maps[2](Om[:, half:])]) if s > 1 else maps[1](Om))[0]
-        q = [_quadratic_forms(_powers(mp, Q, h), kmax).sum(axis=1) for mp in maps]
+        Q = _sketch(maps[0], rademacher(rng, P, s))  # (P, s): H's dominant space
+        pw = [_powers(mp, Q, h) for mp in maps]
+        q = [_quadratic_forms(p, kmax).sum(axis=1) for p in pw]
         est += q[0] - q[1] - q[2]
+        scale += sum(_form_scale(p, kmax) for p in pw)
     if g > 0 and s < P:
         Z = gaussian(rng, P, g)
         Z -= Q @ (Q.T @ Z)
-        q = [_forms(_powers(mp, Z, h), kmax) for mp in maps]  # (kmax, g, g) each
-        mean, se = _gaussian_mean_stderr(q[0] - q[1] - q[2])
+        terms = [(c, _powers(mp, Z, kmax)) for c, mp in zip((1.0, -1.0, -1.0), maps)]  # H − I − S
+        mean, se, rscale = _remainder(terms, Q, kmax)
         est += mean
+        se = _with_rounding(se, scale + rscale, P)
     return Moments(est, se, sum(mp.n_products for mp in maps), "additivity")
 
 
