@@ -45,11 +45,16 @@ def _tree(url: str) -> dict[str, tuple[str, int]]:
             for p in sorted(Path(url).rglob("*")) if p.is_file()}
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kw):
+        return None  # the 3xx answer itself is returned (as an HTTPError)
+
+
 class _Served:
     """A server of ``opts`` on its own IO loop thread, stopped on exit."""
 
-    def __init__(self, opts: ServeOptions) -> None:
-        self.server = make_server(opts)
+    def __init__(self, opts: ServeOptions, **server_kw) -> None:
+        self.server = make_server(opts, **server_kw)
         self.server.start()
         self.thread = threading.Thread(target=self.server.io_loop.start, daemon=True)
 
@@ -57,10 +62,12 @@ class _Served:
         self.thread.start()
         return self
 
-    def get(self, path: str, headers: dict | None = None) -> tuple[int, str, dict]:
+    def get(self, path: str, headers: dict | None = None, follow: bool = True) -> tuple[int, str, dict]:
+        """(status, body, headers) of GET ``path``; ``follow``: follow a redirect (else its answer)."""
         req = urllib.request.Request(f"http://127.0.0.1:{self.server.port}{path}", headers=headers or {})
+        opener = urllib.request.build_opener(*(() if follow else (_NoRedirect(),)))
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with opener.open(req, timeout=60) as r:
                 return r.status, r.read().decode(), dict(r.headers)
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode(), dict(e.headers)
@@ -315,8 +322,13 @@ def test_every_request_must_carry_the_token(store):
     with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
         assert s.get("/")[0] == 403
         assert s.get("/?token=wrong")[0] == 403
-        status, body, headers = s.get("/?token=s3cret")
-        assert status == 200 and "nsa_serve_token=s3cret" in headers.get("Set-Cookie", ""), headers
+        for path, to in (("/?token=s3cret", "/"), (f"/run?id={run_id(SPEC)}&token=s3cret&x=1",
+                                                   f"/run?id={run_id(SPEC)}&x=1")):
+            # the token goes into an HttpOnly cookie and out of the address: a redirect to the page without it
+            status, body, headers = s.get(path, follow=False)
+            assert status == 302 and headers.get("Location") == to, (path, status, headers)
+            cookie = headers.get("Set-Cookie", "")
+            assert "nsa_serve_token=s3cret" in cookie and "httponly" in cookie.lower(), headers
         assert s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret"})[0] == 200
         assert s.get("/run?id=x", {"Cookie": "nsa_serve_token=nope"})[0] == 403
 
@@ -585,6 +597,7 @@ def _upgrade(port: int, path: str, headers: str = "") -> str:
 
 def test_a_websocket_without_the_token_is_refused_quietly(store, caplog):
     import logging
+    import re
 
     caplog.set_level(logging.INFO)
     with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
@@ -593,10 +606,91 @@ def test_a_websocket_without_the_token_is_refused_quietly(store, caplog):
                (("/ws", ""), ("/run/ws", "Sec-WebSocket-Protocol: bokeh, x\r\n"),
                 ("/ws", "Cookie: nsa_serve_token=nope\r\n"))]
         threading.Event().wait(0.3)  # the server logs after it answers
-        admitted = _upgrade(s.server.port, "/run/ws", "Cookie: nsa_serve_token=s3cret\r\n")
+        body = s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret"})[1]
+        (session_token,) = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
+        admitted = _upgrade(s.server.port, "/run/ws", f"Cookie: nsa_serve_token=s3cret\r\nSec-WebSocket-Protocol: bokeh, "
+                                                      f"{session_token}\r\n")
     assert got == ["HTTP/1.1 403 Forbidden"] * 3 and admitted == "HTTP/1.1 101 Switching Protocols", (got, admitted)
     logged = [r for r in caplog.records if "/ws" in r.getMessage() or r.exc_info]
     refused = logged[:3]
     assert [r.getMessage().split()[:3] for r in refused] == [["403", "GET", "/ws"], ["403", "GET", "/run/ws"],
                                                              ["403", "GET", "/ws"]], [r.getMessage() for r in logged]
     assert not any(r.exc_info for r in refused), [r.getMessage() for r in refused]  # one line each, no traceback
+
+
+def test_a_malformed_bokeh_websocket_is_refused_quietly(store, caplog):
+    """A websocket to a page whose Bokeh subprotocol header is not ``bokeh, <session token>`` (or
+    whose token cannot be read) is a 400 before its handshake: one access-log line, no traceback."""
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO)
+    with _Served(ServeOptions(store, port=0)) as s:
+        status, body, _ = s.get(f"/run?id={run_id(SPEC)}")
+        (session_token,) = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
+        caplog.clear()
+        bad = ["Sec-WebSocket-Protocol: bokeh, garbage\r\n", "Sec-WebSocket-Protocol: nope\r\n",
+               "Sec-WebSocket-Protocol: bokeh\r\n", "", "Sec-WebSocket-Protocol: other, " + session_token + "\r\n",
+               "Sec-WebSocket-Protocol: bokeh, e30.e30.x\r\n"]  # a readable token without a session id
+        got = [_upgrade(s.server.port, "/run/ws", h) for h in bad]
+        threading.Event().wait(0.3)  # the server logs after it answers
+        admitted = _upgrade(s.server.port, "/run/ws", f"Sec-WebSocket-Protocol: bokeh, {session_token}\r\n")
+        threading.Event().wait(0.3)
+    assert [g.split()[1] for g in got] == ["400"] * len(bad) and admitted == "HTTP/1.1 101 Switching Protocols", \
+        (got, admitted)
+    refused = [r for r in caplog.records if "/run/ws" in r.getMessage() and "400" in r.getMessage()]
+    assert len(refused) == len(bad), [r.getMessage() for r in caplog.records]
+    tracebacks = [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not tracebacks, tracebacks
+
+
+def _pull(port: int, path: str, **args: str) -> int:
+    """A Bokeh client session of page ``path`` (as a browser's BokehJS opens one): the number of
+    models of its document; closed on return."""
+    from bokeh.client import pull_session
+
+    with pull_session(url=f"http://127.0.0.1:{port}{path}", arguments=args) as session:
+        return len(session.document.roots)
+
+
+def test_sessions_share_the_store_reads(store):
+    """Four viewers opened at once of a run's page and of the table cost one read of the run, one
+    of each panel the open tab shows and one listing — not four of each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nsa_dist.serve.run_page import run_sections
+
+    first_tab = list(run_sections(Client(store).run(run_id(SPEC))).values())[0]
+    with _Served(ServeOptions(store, port=0, refresh_s=600)) as s:  # no refresh within the test
+        with ThreadPoolExecutor(4) as pool:
+            roots = list(pool.map(lambda _: _pull(s.server.port, "/run", id=run_id(SPEC)), range(4)))
+            roots += list(pool.map(lambda _: _pull(s.server.port, "/"), range(4)))
+        reads = dict(s.server.nsa_shared.reads)
+    assert roots == [1] * 8, roots
+    assert reads == {"open": 1, "run": 1, "panel": len(first_tab), "table-quick": 1}, reads
+
+
+def test_sessions_come_and_go_without_a_traceback(store, caplog):
+    """Viewers open and close pages while the pages re-read the store every 0.2 s; the server
+    destroys their sessions (a closed page's session lives 0.5 s here), reads in flight included:
+    nothing is logged as an error, no traceback."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    caplog.set_level(logging.INFO)
+    with _Served(ServeOptions(store, port=0, refresh_s=0.2), unused_session_lifetime_milliseconds=500,
+                 check_unused_sessions_milliseconds=200) as s:
+        pages = [("/run", {"id": run_id(SPEC)}), ("/", {}), ("/run", {"id": "nosuchrun"})] * 2
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda pa: _pull(s.server.port, pa[0], **pa[1]), pages))
+        made = s.server.nsa_shared.reads.get("run", 0)
+        end = threading.Event()
+        for _ in range(100):  # every session destroyed, within 10 s
+            if not any(ctx.sessions for ctx in s.server._tornado._applications.values()):
+                break
+            end.wait(0.1)
+        left = sum(len(ctx.sessions) for ctx in s.server._tornado._applications.values())
+        end.wait(1.0)  # reads begun before the destruction come back
+    assert made >= 1 and left == 0, (made, left)
+    bad = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not bad, bad

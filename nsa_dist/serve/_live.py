@@ -145,7 +145,12 @@ def off_loop(doc: "Document", read: Callable[[], Any], apply: Callable[[Any], No
 
     @without_document_lock
     async def go() -> None:
-        result = await asyncio.get_running_loop().run_in_executor(None, locked)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(None, locked)
+        except Exception:
+            if alive(doc):
+                raise
+            return  # the session was destroyed during the read (its models' values with it)
         if alive(doc):
             doc.add_next_tick_callback(partial(applied, result))
 
@@ -181,6 +186,10 @@ def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Call
         busy.set()
         try:
             result = await asyncio.get_running_loop().run_in_executor(None, locked)
+        except Exception:
+            if alive(doc):
+                raise
+            return  # the session was destroyed during the read (its models' values with it)
         finally:
             busy.clear()
         if alive(doc):  # same thread as the session's destruction, no await between: no race
@@ -253,6 +262,23 @@ class Panel:
 
     def show(self, data: Any) -> None:
         raise NotImplementedError
+
+    def shareable(self, run: Any) -> Any:
+        """:meth:`guarded`, with this panel's widgets in the result (a chooser whose options follow
+        the run) named by attribute instead: another session's panel of the same :meth:`state`
+        shows it (:meth:`own`), with its own widgets."""
+        data = self.guarded(run)
+        if isinstance(data, dict) and data.get("choices"):
+            names = {id(v): k for k, v in vars(self).items()}
+            data = {**data, "choices": [(names.get(id(w), w), options) for w, options in data["choices"]]}
+        return data
+
+    def own(self, data: Any) -> Any:
+        """``data`` from :meth:`shareable` (of any panel of the same state), with this panel's widgets."""
+        if isinstance(data, dict) and data.get("choices"):
+            data = {**data, "choices": [(getattr(self, w) if isinstance(w, str) else w, options)
+                                        for w, options in data["choices"]]}
+        return data
 
     def guarded(self, run: Any) -> Any:
         """:meth:`read`, with a failure returned (as the exception) instead of raised."""

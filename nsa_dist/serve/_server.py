@@ -1,11 +1,13 @@
 """``nsa serve``: a Bokeh server over a store, opened read-only, safe by default.
 
 It listens on 127.0.0.1 unless told otherwise; another address needs ``allow_remote`` AND a
-token, which every request must carry (``?token=…`` once — it is then kept in a same-site cookie —
-or the cookie), the page and its websocket alike (Bokeh's ``AuthProvider`` hook; a websocket
-without it is refused with a 403 before its handshake).  The token never reaches a page's script:
-the cookie is HttpOnly, and the Bokeh session token embedded in each page carries no cookie, no
-``Cookie`` header and no ``?token=`` argument.  The store is
+token, which every request must carry (``?token=…`` once — it is then kept in a same-site
+cookie, and the request is redirected to its address less the token, so that neither the
+address bar nor the tab's back/forward history shows it — or the cookie), the page and its
+websocket alike (Bokeh's ``AuthProvider`` hook; a websocket without it is refused with a 403
+before its handshake, one whose Bokeh subprotocol header is malformed with a 400).  The token
+never reaches a page's script: the cookie is HttpOnly, and the Bokeh session token embedded in
+each page carries no cookie, no ``Cookie`` header and no ``?token=`` argument.  The store is
 opened with ``SpectrumStore(url, mode="r")``: a read-only Zarr store, so no lease is taken and no
 key can be written.
 """
@@ -76,8 +78,10 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def _auth(token: str) -> Any:
-    """A Bokeh AuthProvider admitting requests that carry ``token`` (query argument or cookie)."""
+def _auth(token: str | None) -> Any:
+    """A Bokeh AuthProvider admitting requests that carry ``token`` (query argument or cookie; every
+    request when None), and refusing before its handshake a websocket whose Bokeh subprotocol
+    header is not ``bokeh, <a valid session token>``."""
     from bokeh.server.auth_provider import AuthProvider
     from tornado.web import HTTPError, RequestHandler
     from tornado.websocket import WebSocketHandler
@@ -88,13 +92,17 @@ def _auth(token: str) -> Any:
             self.write("nsa serve: this server needs its token: open the page with ?token=TOKEN")
 
     def get_user(handler: RequestHandler) -> str | None:
+        if token is None:
+            return "viewer"
         given = handler.get_argument("token", None)
         if given is not None and hmac.compare_digest(given.encode(), token.encode()):
-            if hasattr(handler, "set_cookie") and not getattr(handler, "_headers_written", False):
-                try:
-                    handler.set_cookie(_COOKIE, token, httponly=True, samesite="Strict")
-                except Exception:  # noqa: BLE001 — a websocket handshake sets no cookie: the page did
-                    pass
+            if not isinstance(handler, WebSocketHandler) and not getattr(handler, "_headers_written", False):
+                # the token goes into the cookie and out of the address: the page is reached by a
+                # redirect to its URL less ``token`` (not in the address bar, the tab's history
+                # or any page script's ``location``)
+                handler.set_cookie(_COOKIE, token, httponly=True, samesite="Strict")
+                if handler.request.method in ("GET", "HEAD"):
+                    handler.redirect(_without_token_arg(handler.request))
             return "token"
         cookie = handler.get_cookie(_COOKIE)
         if cookie is not None and hmac.compare_digest(cookie.encode(), token.encode()):
@@ -103,11 +111,16 @@ def _auth(token: str) -> Any:
 
     async def get_user_async(handler: RequestHandler) -> str | None:
         # Called before the handler's method, so before a websocket's handshake: a websocket without
-        # the token is refused there with a 403 (one access-log line); refused after the upgrade, it
-        # was a failed handshake and a traceback in the log per attempt.
+        # the token is refused there with a 403, one with a malformed Bokeh subprotocol with a 400
+        # (one access-log line each); refused after the upgrade, it was a failed handshake and a
+        # traceback in the log per attempt.
         user = get_user(handler)
-        if user is None and isinstance(handler, WebSocketHandler):
-            raise HTTPError(403)
+        if isinstance(handler, WebSocketHandler):
+            if user is None:
+                raise HTTPError(403)
+            why = bad_subprotocol(handler)
+            if why:
+                raise HTTPError(400, reason=f"Bad Bokeh websocket: {why}")
         return user
 
     class TokenAuth(AuthProvider):
@@ -124,6 +137,46 @@ def _auth(token: str) -> Any:
             return Refused
 
     return TokenAuth()
+
+
+def _without_token_arg(request: Any) -> str:
+    """The path and query of ``request`` less its ``token`` argument (a relative redirect)."""
+    from urllib.parse import parse_qsl, urlencode
+
+    args = [(k, v) for k, v in parse_qsl(request.query, keep_blank_values=True) if k != "token"]
+    return request.path + (f"?{urlencode(args)}" if args else "")
+
+
+def bad_subprotocol(handler: Any) -> str | None:
+    """Why the websocket request of ``handler`` cannot open a Bokeh session (its
+    ``Sec-WebSocket-Protocol`` must be ``bokeh, TOKEN`` with a readable, unexpired session token,
+    signed when the server signs them), or None when it can: what Bokeh checks after the
+    handshake, where a refusal is a traceback."""
+    import calendar
+    import datetime as dt
+
+    from bokeh.util.token import check_token_signature, get_session_id, get_token_payload
+
+    protocols = [p.strip() for p in handler.request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+    if len(protocols) != 2 or protocols[0] != "bokeh" or not protocols[1]:
+        return "the subprotocol header is not 'bokeh, TOKEN'"
+    tok = protocols[1]
+    try:
+        session_id = get_session_id(tok)
+        payload = get_token_payload(tok)
+    except Exception:  # noqa: BLE001 — any undecodable token is the same refusal
+        return "unreadable session token"
+    if not isinstance(session_id, str) or not session_id:
+        return "no session id in the token"
+    expiry = payload.get("session_expiry")
+    if not isinstance(expiry, (int, float)):
+        return "no session expiry in the token"
+    if calendar.timegm(dt.datetime.now(tz=dt.timezone.utc).timetuple()) >= expiry:
+        return "expired session token (reload the page)"
+    app = handler.application
+    if not check_token_signature(tok, signed=app.sign_sessions, secret_key=app.secret_key):
+        return "bad session token signature"
+    return None
 
 
 def _application(application: type) -> type:
@@ -154,9 +207,27 @@ def _application(application: type) -> type:
     return App
 
 
-def make_server(opts: ServeOptions) -> "Server":
+class _ClosedPageFilter:
+    """Drops Bokeh's warning for an update sent to a page that had just been closed (one line per
+    websocket frame in flight when a viewer leaves: noise, not a fault)."""
+
+    def filter(self, record: Any) -> bool:
+        return "connection was closed" not in record.getMessage()
+
+
+def _quiet_closed_pages() -> None:
+    import logging
+
+    log = logging.getLogger("bokeh.server.views.ws")
+    if not any(isinstance(f, _ClosedPageFilter) for f in log.filters):
+        log.addFilter(_ClosedPageFilter())
+
+
+def make_server(opts: ServeOptions, **server_kw: Any) -> "Server":
     """The Bokeh server of ``opts`` (bound, not started): ``/`` the run table, ``/run?id=RUN`` a
-    run's page, ``/sweep?name=NAME`` a sweep's figures.
+    run's page, ``/sweep?name=NAME`` a sweep's figures.  ``server_kw``: more arguments of Bokeh's
+    ``Server`` (e.g. ``unused_session_lifetime_milliseconds``: how long a closed page's session
+    lives on).
 
     Raises:
         ServeError: an unsafe bind (see :meth:`ServeOptions.check`) or a port that cannot be bound.
@@ -184,9 +255,8 @@ def make_server(opts: ServeOptions) -> "Server":
             "/sweep": sweep_page(store, opts.refresh_s, shared)}
     # A page's script sees its Bokeh session token, and the token carries the request's headers,
     # cookies and query arguments: none of them may carry the serve token (the cookie is HttpOnly).
-    kw: dict[str, Any] = {"include_cookies": [], "exclude_headers": ["Cookie", "Authorization"]}
-    if opts.token:
-        kw["auth_provider"] = _auth(opts.token)
+    kw: dict[str, Any] = {"include_cookies": [], "exclude_headers": ["Cookie", "Authorization"], **server_kw}
+    kw["auth_provider"] = _auth(opts.token)
     if not is_loopback(opts.host):
         kw["allow_websocket_origin"] = ["*"]  # any name of this host; the token (same-site cookie) admits
     try:
@@ -194,6 +264,7 @@ def make_server(opts: ServeOptions) -> "Server":
                         address=opts.host, port=opts.port, num_procs=1, **kw)
     except OSError as exc:
         raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc.strerror or exc})") from exc
+    _quiet_closed_pages()
     server.nsa_shared = shared  # type: ignore[attr-defined]  (the tests count its reads)
     return server
 
