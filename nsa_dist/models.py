@@ -395,6 +395,12 @@ class SelectedOutput(nn.Module):
         return f"output={_selector_name(self.output)}"
 
 
+def single_column(out: torch.Tensor) -> torch.Tensor:
+    """The (n,) values of a one-column (n, 1) output (a selector: a model ending in
+    ``nn.Linear(…, 1)`` is measured as the scalar function it is)."""
+    return out[:, 0]
+
+
 def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Module:
     """The module nsa-dist measures for a user's ``model`` (every entry point applies this once).
 

@@ -33,7 +33,7 @@ from nsa_dist.config import LossName, RecordSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss, parse_loss
-from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
+from nsa_dist.models import OutputSelector, SelectedOutput, measured_module, not_a_tensor, single_column
 from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.ntk import preserved, sample_coupling
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
@@ -112,7 +112,10 @@ class Tracker:
         model = measured_module(user, output)  # the user's module, or its selected output
         self.model = model
         self.store = store if isinstance(store, SpectrumStore) else SpectrumStore(store)
-        self.data, K = self._check_data(model, X, y, X_test, y_test)
+        self.data, K, column = self._check_data(model, X, y, X_test, y_test)
+        if column:  # an (n, 1) output (a final nn.Linear(…, 1)) is measured as the (n,) it means
+            model = SelectedOutput(model, single_column)
+            self.model = model
         rec = record.model_dump() if isinstance(record, RecordSpec) else (record or {"log_points": 20})
         self.spec: ExperimentSpec = tracked_spec(name, user, self.data, K, steps=steps, record=rec,
                                                  spectrum=spectrum or {}, hessian=hessian, optimizer=optimizer,
@@ -160,7 +163,9 @@ class Tracker:
 
     # ------------------------------------------------------------------ inputs
     @staticmethod
-    def _check_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> tuple[Dataset, int]:
+    def _check_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> tuple[Dataset, int, bool]:
+        """The checked data, the outputs per point K and whether the model's output is one
+        column, (n, 1) — then measured as (n,), with y and y_test accepted as (N,) or (N, 1)."""
         X, y = _as_tensor("X", X), _as_tensor("y", y)
         if X.ndim < 2 or X.shape[0] == 0:
             raise ShapeError(f"X must have shape (N, d) or (N, …) with N >= 1, got {tuple(X.shape)}")
@@ -177,10 +182,14 @@ class Tracker:
             raise ShapeError(f"the model must map (n, …) inputs to (n,) or (n, K) outputs; for input "
                              f"{tuple(X[:2].shape)} it returned {got}")
         K = 1 if out.ndim == 1 else int(out.shape[1])
-        want = (X.shape[0],) if out.ndim == 1 else (X.shape[0], K)
+        column = out.ndim == 2 and K == 1
+        if column:
+            y = y.reshape(-1) if tuple(y.shape) == (X.shape[0], 1) else y
+        want = (X.shape[0],) if out.ndim == 1 or column else (X.shape[0], K)
         if tuple(y.shape) != want:
-            raise ShapeError(f"y must have shape {want} (N = {X.shape[0]} points, the model's output per point "
-                             f"{tuple(out.shape[1:])}); got {tuple(y.shape)}")
+            also = f" or {(X.shape[0], 1)}" if column else ""
+            raise ShapeError(f"y must have shape {want}{also} (N = {X.shape[0]} points, the model's output per "
+                             f"point {tuple(out.shape[1:])}); got {tuple(y.shape)}")
         if X_test is None:
             X_test, y_test = X.new_zeros((0,) + tuple(X.shape[1:])), y.new_zeros((0,) + tuple(y.shape[1:]))
         X_test = _as_tensor("X_test", X_test)
@@ -188,12 +197,14 @@ class Tracker:
             raise TypeError(f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both "
                             "integer ids")
         y_test = _as_tensor("y_test", y_test) if y_test is not None else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan"))
+        if column and y_test.ndim == 2 and y_test.shape[1] == 1:
+            y_test = y_test.reshape(-1)
         if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:]):
             raise ShapeError(f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
                              f"{tuple(y.shape[1:])}; got {tuple(X_test.shape)} and {tuple(y_test.shape)}")
         f64 = lambda a: a.to(torch.float64).numpy()  # noqa: E731
         ids = lambda a: a.numpy().copy() if not a.is_floating_point() else f64(a)  # noqa: E731 - token ids stay integers
-        return Dataset(ids(X), f64(y), ids(X_test), f64(y_test), {"source": "tracker"}), K
+        return Dataset(ids(X), f64(y), ids(X_test), f64(y_test), {"source": "tracker"}), K, column
 
     # ------------------------------------------------------------------ the loop's calls
     @property

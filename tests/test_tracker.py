@@ -67,6 +67,35 @@ def _tracker(url: str, name: str = "eq", model=None, **kw) -> tuple[Tracker, tor
 
 
 # ---------------------------------------------------------------------- in-process
+class _Column(torch.nn.Module):
+    """The reference network with a one-column output, (n, 1), as a final ``nn.Linear(…, 1)`` gives."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x).unsqueeze(1)
+
+
+def test_one_column_output_records_what_nsa_run_records(tmp_path, reference):
+    """A model with (n, 1) outputs and y of shape (N, 1) — the most common regression net — is
+    measured as the scalar function it is: the same arrays as ``nsa run`` of the (n,) network."""
+    url = str(tmp_path / "c.zarr")
+    data = load_dataset(SPEC.data, seed=SPEC.seed)
+    model = _Column(build_model(SPEC.model, seed=SPEC.seed))
+    y = data.y.reshape(-1, 1)
+    tr = Tracker(url, "eq", model, data.X, y, steps=SPEC.steps, record={"every": 6}, spectrum=SPECTRUM,
+                 optimizer="gd", max_inflight=1)
+    _gd_loop(tr, model, data.X, y, SPEC.steps, SPEC.schedule.lr)
+    tr.close()
+    run = Client(url).run("eq")
+    assert run.status == "done"
+    _assert_same(reference, run)
+    with pytest.raises(ShapeError, match=r"\(40,\) or \(40, 1\)"):
+        Tracker(str(tmp_path / "bad.zarr"), "b", model, data.X, data.y[:-1], steps=4)
+
+
 def test_in_process_tracker_records_what_nsa_run_records(tmp_path, reference):
     url = str(tmp_path / "t.zarr")
     tr, model, data = _tracker(url, max_inflight=1)
