@@ -289,3 +289,33 @@ def _all_text(page) -> str:
         if (n.nodeType === 3) out.push(n.textContent);
         if (n.shadowRoot) walk(n.shadowRoot);
         for (const c of n.childNodes) walk(c); }; walk(document.body); return out.join(' '); }""")
+
+
+def test_the_token_leaves_the_address_bar_and_the_page_works(tmp_path):
+    """Opened with ``?token=…`` (as ``nsa serve --token`` prints it), the page's final address has
+    no token — nor its history entry, its HTML or any script-readable cookie — and the page works:
+    the run table lists the run, a run's page (opened with the token too) shows its steps."""
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment
+
+    url = tmp_path / "s.zarr"
+    spec = ExperimentSpec(name="guarded", data={"n": 12, "n_test": 4}, steps=4, record={"every": 2},
+                          model={"depth": 2, "width": 8}, spectrum={"k": 3})
+    rid = run_experiment(spec, SpectrumStore(str(url))).run_id
+    secret = "s3cret-in-the-url"
+    with _browsing(str(url), tmp_path, "--token", secret) as (page, base, out):
+        for path, ready, want in (("", ".slick-cell", lambda: rid in " ".join(
+                page.locator(".slick-cell").all_inner_texts())),
+                                  (f"run?id={rid}&", ".nsa-header", lambda: _steps_done(page) >= 1)):
+            page.goto(f"{base}{path}{'' if path else '?'}token={secret}")
+            page.locator(ready).first.wait_for(timeout=60000)
+            _wait(want, f"the page {path or '/'} to show the run")
+            shown = page.url
+            assert secret not in shown and "token=" not in shown, shown
+            assert shown == base + path.rstrip("&"), (shown, base + path)
+            seen = page.evaluate("[location.href, document.cookie, history.length, document.documentElement.outerHTML]")
+            assert not any(secret in str(v) for v in seen), seen[:3]
+        page.go_back()  # the tab's previous entry is the table, without the token
+        page.wait_for_load_state()
+        assert secret not in page.url and page.url == base, page.url
+    assert "Traceback" not in out[0], out[0][-3000:]
