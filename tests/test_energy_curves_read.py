@@ -177,3 +177,140 @@ def test_exact_route_serve_panel_draws_every_k_without_a_band(exact: Run) -> Non
     p.update(p.guarded(exact))
     assert not p.error.visible and not any(len(v) for v in p.sources[0]["bands"].data.values())
 
+
+
+# --------------------------------------------------------------------------- the quadrature route
+NQ = 150
+# width 64: P ≈ 4,400 parameters, so G (N = 150) has full rank — beyond rank(G) the exact route's E_t(φ, k)
+# depends on the basis eigh picks in G's null space (with width 24, P < N, it lay outside the bracket there)
+QBASE = {"data": {"n": NQ, "n_test": 12}, "model": {"depth": 2, "width": 64}, "steps": 6, "record": {"every": 3},
+         "seed": 5}
+QEXACT = ExperimentSpec.model_validate({**QBASE, "name": "q-exact",
+                                        "spectrum": {"k": "all", "dtype": "float64", "energy": "exact"}})
+QUAD = ExperimentSpec.model_validate({**QBASE, "name": "q-quad", "spectrum": {
+    "k": "all", "dtype": "float64", "energy": "quadrature",
+    "quadrature": {"top": 10, "lanczos_steps": 20, "probes": 8, "curve_points": 25}}})
+QPHIS = ("y", "f", "residual", "df", "df_pred")
+
+
+@pytest.fixture(scope="module")
+def quad_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run, str]:
+    """The same run (seed, data, net) measured on the exact and on the quadrature route, layout local."""
+    url = str(tmp_path_factory.mktemp("quad") / "s.zarr")
+    store = SpectrumStore(url)
+    for spec in (QEXACT, QUAD):
+        assert run_experiment(spec, store).status == "done"
+    c = Client(url)
+    return c.run("q-exact"), c.run("q-quad"), url
+
+
+@pytest.mark.slow  # the pair of runs: ~40 s on a free core
+def test_quadrature_brackets_contain_the_exact_routes_value_at_every_k(quad_pair) -> None:
+    """Run.energy(φ, k)'s bracket holds the exact route's E_t(φ, k) at every k = 1..N (on the grid and
+    between it) and step, for every φ; λ_k's bracket holds the exact λ_k; k ≤ top is exact."""
+    ex, qu, _ = quad_pair
+    assert qu.energy_route == "quadrature" and ex.energy_route == "exact" and qu.k_max == NQ
+    np.testing.assert_array_equal(qu.per_step("f"), ex.per_step("f"))  # the same training
+    top = int(qu.shape("eigenvalues")[1])
+    assert qu.curve_bracket and qu.curve_bracket != ex.curve_bracket
+    slop = 1e-9
+    widest = (0.0, None)
+    for name in [f"energy_{p}" for p in QPHIS] + ["eigenvalue"]:
+        want = ex.curve(name).value  # (S, N)
+        c = qu.curve(name)
+        assert c.k[-1] == NQ and np.all(np.diff(c.k) > 0) and c.exact[:top].all()
+        scale = 1.0 if name != "eigenvalue" else float(np.abs(want).max())
+        bad = []
+        for k in range(1, NQ + 1):
+            v, lo, hi = c.at(k)
+            out = np.flatnonzero((lo > want[:, k - 1] + slop * scale) | (hi < want[:, k - 1] - slop * scale))
+            bad += [f"{name} t={int(qu.steps[j])} k={k}: exact {want[j, k - 1]:.6g} not in [{lo[j]:.6g}, {hi[j]:.6g}]"
+                    for j in out]
+            if k <= top:
+                assert np.all(lo == hi), f"{name} k={k} ≤ top={top} is not exact"
+            w = float(np.max(hi - lo)) / scale
+            if w > widest[0]:
+                widest = (w, f"{name} k={k}")
+        assert not bad, "\n".join(bad[:20]) + f"\n({len(bad)} in all)"
+    print(f"widest bracket: {widest[0]:.3g} at {widest[1]}")
+    v, lo, hi = qu.energy("y", NQ // 3, step=int(qu.steps[1]))
+    assert lo <= v <= hi
+    grid, density = qu.gram_density()
+    assert grid.shape == density.shape and np.isfinite(density).all()
+    assert abs(np.trapezoid(density, grid) - 1) < 0.05, np.trapezoid(density, grid)
+    ds = qu.energy_curve("y")
+    assert ds.attrs["route"] == "quadrature" and ds.attrs["bracket"] == qu.curve_bracket
+    assert (ds["lower"] <= ds["value"]).all() and (ds["value"] <= ds["upper"]).all()
+
+
+@pytest.mark.slow  # the pair of runs: ~40 s on a free core
+def test_quadrature_plot_draws_the_bracket_as_a_band_and_names_it(quad_pair) -> None:
+    from matplotlib.collections import PolyCollection
+
+    from nsa_dist.plots import make_figure
+
+    ex, qu, _ = quad_pair
+    assert not qu.curve("energy_y").degenerate  # something beyond the top was bracketed, not measured
+    fig = make_figure(qu, "energy_against_k")
+    bands = [c for c in fig.axes[0].collections if isinstance(c, PolyCollection)]
+    assert bands, "no band on the quadrature route"
+    assert qu.curve_bracket.split()[0] in fig.get_supxlabel().replace("\n", " ")
+    # the band holds the exact route's curve at every k (it is drawn from the same bracket)
+    paths = bands[0].get_paths()[0].vertices
+    want = ex.curve("energy_y").value[0]
+    for k in range(1, NQ + 1):
+        ys = paths[np.abs(paths[:, 0] - k) < 1e-9, 1]
+        if len(ys):
+            assert ys.min() - 1e-9 <= want[k - 1] <= ys.max() + 1e-9, f"k={k}: {want[k - 1]} outside the band"
+    for name in ("fig2a_eigenvalues", "fig3a_energy_y", "fig2b_eigenvalues_t"):
+        fig = make_figure(qu, name)
+        assert fig is not None and qu.curve_bracket.split()[0] in fig.get_supxlabel().replace("\n", " "), name
+    from test_plots import layout_problems
+
+    for name in ("energy_against_k", "fig2a_eigenvalues", "fig2b_eigenvalues_t", "fig3a_energy_y", "fig3d_energy_df"):
+        assert not layout_problems(make_figure(qu, name)), (name, layout_problems(make_figure(qu, name)))
+
+
+@pytest.mark.slow  # the pair of runs: ~40 s on a free core
+def test_quadrature_export_round_trips_the_curves_bitwise(quad_pair, tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    from nsa_dist.export import export_tensorboard
+
+    _, qu, _ = quad_pair
+    export_tensorboard(qu, tmp_path)
+    acc = EventAccumulator(str(tmp_path / qu.id), size_guidance={"tensors": 0})
+    acc.Reload()
+    ks_ = qu.array("curve_k").tolist()
+    names = [f"curve_energy_{p}{s}" for p in QPHIS for s in ("", "_lower", "_upper")] + \
+            [f"curve_eigenvalue{s}" for s in ("", "_lower", "_upper")]
+    for name in names:
+        stored = qu.per_step(name)
+        for j, k in enumerate(ks_):
+            events = acc.Tensors(f"{name}/k_{k}")
+            assert [e.step for e in events] == qu.steps.tolist(), (name, k)
+            got = np.array([tensor_util.make_ndarray(e.tensor_proto) for e in events], np.float64)
+            np.testing.assert_array_equal(got, stored[:, j], err_msg=f"{name}/k_{k}")
+
+
+@pytest.mark.slow  # the pair of runs: ~40 s on a free core
+def test_quadrature_runs_page_opens_and_shades_the_bracket(quad_pair) -> None:
+    from nsa_dist.serve import ServeOptions
+    from nsa_dist.serve.run_page import run_panels
+    from test_serve import _Served
+
+    _, qu, url = quad_pair
+    panels = {type(p).__name__: p for p in run_panels(qu)}
+    for p in panels.values():
+        p.update(p.guarded(qu))
+        assert not p.error.visible, (p.title, p.error.text)
+    energy = panels["Energy"]
+    bands = energy.sources[1]["bands"].data
+    assert len(bands["xs"]) and any(len(x) for x in bands["xs"]), "no band against k on the quadrature route"
+    assert qu.curve_bracket in energy.note.text or qu.curve_bracket.split()[0] in energy.note.text
+    lines = dict(zip(energy.sources[1]["lines"].data["label"], energy.sources[1]["lines"].data["ys"]))
+    t = int(qu.steps[-1])
+    np.testing.assert_array_equal(lines[f"t = {t}"], qu.energy_curve("y")["value"].sel(step=t).values)
+    with _Served(ServeOptions(url, port=0)) as s:
+        assert s.get(f"/run?id={qu.id}")[0] == 200

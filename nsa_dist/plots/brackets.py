@@ -119,10 +119,20 @@ def bracket_caption(run: "Run", drawn: bool = True) -> str:
 
 def add_bracket_caption(fig: "Figure", run: "Run", drawn: bool = True) -> None:
     """Write :func:`bracket_caption` under the axes of ``fig`` (laid out with them, wrapped to the width)."""
-    from nsa_dist.plots.axes import fit_text
+    import textwrap
 
-    text, pt = fit_text(fig, bracket_caption(run, drawn), 0.96 * fig.bbox.width, sizes=(8.0, 7.0))
-    fig.supxlabel(text, fontsize=pt, color="0.25")
+    from nsa_dist.plots.axes import _text_width
+
+    text, pt, width = bracket_caption(run, drawn), 7.0, 0.96 * fig.bbox.width
+    # the characters per line from the font size, narrowed until the widest line fits (axes.fit_text
+    # measures every trial line: seconds on a sentence this long)
+    chars = max(20, int(width / (0.5 * pt * fig.dpi / 72)))
+    for _ in range(8):
+        lines = textwrap.wrap(text, chars)
+        if max(_text_width(fig, ln, pt) for ln in lines) <= width:
+            break
+        chars = int(chars * 0.9)
+    fig.supxlabel("\n".join(lines), fontsize=pt, color="0.25")
 
 
 _PHI_TEX = {"y": r"\bar y", "f": r"\bar f_t", "residual": r"\bar m_t", "df_pred": r"d\bar f_t",
