@@ -28,7 +28,8 @@ def run_to_xarray(run: "RunArrays", *, state: bool = False) -> "xarray.Dataset":
     """The finished recorded steps of ``run`` (a :class:`~nsa_dist.client.Run`) with named dimensions.
 
     Per-step arrays (first dim "step") keep only the finished steps; coordinate ``step`` holds
-    t, ``k``-like coordinates run 1..K, ``train_step`` 0..T−1.  Attributes: the run id, status
+    t, ``k``-like coordinates run 1..K, ``curve`` is the quadrature route's k (``curve_k``),
+    ``train_step`` 0..T−1.  Attributes: the run id, status
     and spec (JSON string).  The resume state is left out unless ``state``.
 
     Returns:
@@ -57,6 +58,8 @@ def run_to_xarray(run: "RunArrays", *, state: bool = False) -> "xarray.Dataset":
             coords[d] = (d, np.arange(1, ds.sizes[d] + 1))
     if "train_step" in ds.dims:
         coords["train_step"] = ("train_step", np.arange(ds.sizes["train_step"]))
+    if "curve" in ds.dims and "curve_k" in ds:  # the quadrature route's k: ds.curve_energy_y.sel(curve=400)
+        coords["curve"] = ("curve", np.asarray(ds["curve_k"].values, np.int64))
     ds = ds.assign_coords(coords)
     ds.attrs.update({"run_id": run.id, "status": str(run.status), "spec": json.dumps(run.attrs["spec"])})
     return ds
