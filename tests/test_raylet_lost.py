@@ -9,6 +9,7 @@ that process (found among its own children), never another Ray on this machine.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def test_a_killed_raylet_interrupts_the_sweep_in_one_line_and_a_rerun_resumes_bi
     assert "Raylet is terminated" not in out + err and "marked dead" not in out + err, \
         f"Ray's dump reached the console:\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     assert "Traceback" not in err, err
+    ray_logs = [line for line in err.splitlines() if re.match(r"\[\d{4}-\d\d-\d\d [^]]*\] \S+\.cc:\d+:", line)]
+    assert not ray_logs, f"Ray's C++ log lines reached the console: {ray_logs}"
     run = Client(store).run(rid)
     kept = int(np.sum(run.g["done"][:]))
     assert run.status == "interrupted" and "raylet" in (run.reason or ""), (run.status, run.reason)
@@ -100,7 +103,9 @@ def test_a_killed_raylet_interrupts_the_sweep_in_one_line_and_a_rerun_resumes_bi
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, f"the re-run failed (rc {again.returncode}):\n{again.stderr[-3000:]}"
     run = Client(store).run(rid)
-    assert run.status == "done" and np.all(run.g["done"][:]), run.status
+    assert run.status == "done" and np.all(run.g["done"][:]), \
+        (run.status, run.reason, run.attrs.get("status"), int(np.sum(run.g["done"][:])), again.stdout[-2000:],
+         again.stderr[-2000:])
 
     ref_url = str(tmp_path / "ref.zarr")
     assert run_experiment(spec, SpectrumStore(ref_url)).status == "done"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -28,7 +27,7 @@ from nsa_dist.cluster.actors import spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang
 from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
 from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
-from nsa_dist.cluster.runtime import RayletLost, alive_nodes, cluster_has_gpus, raylet_lost
+from nsa_dist.cluster.runtime import RayletLost, alive_nodes, cluster_has_gpus, quiet_ray_at_exit, raylet_lost
 from nsa_dist.pipeline import RunOutcome, RunPlan, TrainingDiverged, finish_run, prepare_run, run_id
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
@@ -73,9 +72,18 @@ def _from_ray(exc: BaseException) -> bool:
 
 
 def _where(active: list[_Run]) -> str:
-    """Where the runs in progress stand, for :class:`RayletLost`'s one line."""
-    parts = [f"run {r.progress.run_id} is interrupted at step {r.progress.step if r.progress.step is not None else 0} "
-             f"({r.progress.done} of {r.progress.total} recorded steps kept)" for r in active]
+    """Where the runs in progress stand, for :class:`RayletLost`'s one line: the last step seen
+    analysed and the recorded steps the store holds done (a worker may have written one more
+    than the driver heard of)."""
+    parts = []
+    for r in active:
+        try:
+            kept = int(r.writer.done().sum())
+        except Exception:  # noqa: BLE001 - the count the driver saw will do
+            kept = r.progress.done
+        step = r.progress.step if r.progress.step is not None else 0
+        parts.append(f"run {r.progress.run_id} is interrupted at step {step} ({kept} of {r.progress.total} "
+                     "recorded steps kept)")
     return "; ".join(parts)
 
 
@@ -164,35 +172,29 @@ class SweepCoordinator:
                         r.trainer = None
                 self.on_event(self.progress())
         except RayletLost as exc:
-            interrupted = f"interrupted: Ray's raylet on this machine stopped ({exc.cause}); re-run to resume"
+            interrupted = f"interrupted: Ray's {exc.cause}; re-run to resume"
+            quiet_ray_at_exit()
             raise
         except Exception as exc:  # a Ray error of a raylet gone under it is its cause's, not the runs'
             cause = raylet_lost(ask_cluster=True) if _from_ray(exc) else None
             if cause is None:
                 raise
-            interrupted = f"interrupted: Ray's raylet on this machine stopped ({cause}); re-run to resume"
+            interrupted = f"interrupted: Ray's {cause}; re-run to resume"
+            quiet_ray_at_exit()
             raise RayletLost(cause, _where(active)) from exc
         finally:
-            lost = interrupted.startswith("interrupted:")
-
-            def stop(fn: Callable[[], Any]) -> None:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001 - with the raylet gone its actors are gone too
-                    if not lost:
-                        raise
-
+            lost = interrupted.startswith("interrupted:")  # the actors went with the node: none to stop
             for r in active:
-                if r.trainer is not None:
-                    stop(partial(ray.kill, r.trainer, no_restart=True))
+                if r.trainer is not None and not lost:
+                    ray.kill(r.trainer, no_restart=True)
                 try:
                     r.writer.set_status(Status.INTERRUPTED, interrupted)
                 except LeaseLost:
                     pass  # another driver has the run: it says how it stands
-            if self.pool is not None:
-                stop(self.pool.close)
-            for g in [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
-                stop(g.shutdown)
+            if self.pool is not None and not lost:
+                self.pool.close()
+            for g in ([] if lost else [g for gs in self.gangs.values() for g in gs] + self._gangs_out):
+                g.shutdown()
             self.lease.release()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
 

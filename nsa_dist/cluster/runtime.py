@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -17,12 +19,13 @@ __all__ = ["RayletLost", "connect", "cluster_has_gpus", "alive_nodes", "auth_hea
 
 class RayletLost(OutsideError):
     """Ray's raylet on this machine (the node process every actor and object of the sweep lives
-    in) stopped under a running sweep: the runs it drove are *interrupted* — their finished steps
-    kept, resumable by re-running — not failed.  The message names the cause in one line."""
+    in) stopped under a running sweep — or the embedded Ray's GCS did: the runs it drove are
+    *interrupted* — their finished steps kept, resumable by re-running — not failed.  The message
+    names the cause in one line (``cause``: what :func:`raylet_lost` found)."""
 
     def __init__(self, cause: str, runs: str = "") -> None:
         self.cause, self.runs = cause, runs
-        super().__init__(f"Ray's raylet on this machine stopped ({cause})" + (f"; {runs}" if runs else ""))
+        super().__init__(f"Ray's {cause}" + (f"; {runs}" if runs else ""))
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
@@ -87,33 +90,35 @@ def _start_embedded(kw: dict[str, Any], tries: int = EMBEDDED_TRIES, pause: floa
 
 
 def raylet_lost(ask_cluster: bool = False) -> str | None:
-    """Why this machine's raylet is gone, in a few words; None while it runs.
+    """What stopped, in a few words ("raylet on this machine stopped (pid 4242, killed by SIGKILL;
+    its log: …/raylet.out)"); None while this machine's raylet runs.
 
-    An embedded Ray's raylet is this process's child: its exit status says at once (killed by
-    SIGKILL, exited with 1) — cheap enough to ask at every turn of the coordinator's loop.  For a
-    joined cluster (no child to look at), ``ask_cluster`` asks the GCS whether this node is alive
-    (after a Ray error only: one round trip)."""
+    An embedded Ray's raylet and GCS are this process's children: their exit status says at once
+    — cheap enough to ask at every turn of the coordinator's loop.  For a joined cluster (no child
+    to look at), ``ask_cluster`` asks the GCS whether this node is alive (after a Ray error only:
+    one round trip)."""
     node = getattr(ray._private.worker, "_global_node", None)
-    info = (getattr(node, "all_processes", None) or {}).get(ray._private.ray_constants.PROCESS_TYPE_RAYLET)
-    if info:
-        proc = info[0].process
-        rc = proc.poll()
+    procs = getattr(node, "all_processes", None) or {}
+    for kind, name in ((ray._private.ray_constants.PROCESS_TYPE_RAYLET, "raylet"),
+                       (ray._private.ray_constants.PROCESS_TYPE_GCS_SERVER, "GCS server")):
+        info = procs.get(kind)
+        rc = info[0].process.poll() if info else None
         if rc is None:
-            return None
+            continue
         how = f"killed by {_signal_name(-rc)}" if rc < 0 else f"exited with status {rc}"
         try:
-            log = f"; its log: {os.path.join(node.get_logs_dir_path(), 'raylet.out')}"
+            log = f"; its log: {os.path.join(node.get_logs_dir_path(), kind + '.out')}"
         except Exception:  # noqa: BLE001 - the log's place is a courtesy
             log = ""
-        return f"pid {proc.pid}, {how}{log}"
-    if not ask_cluster or not ray.is_initialized():
+        return f"{name} on this machine stopped (pid {info[0].process.pid}, {how}{log})"
+    if procs.get(ray._private.ray_constants.PROCESS_TYPE_RAYLET) or not ask_cluster or not ray.is_initialized():
         return None
     try:
         me = ray.get_runtime_context().get_node_id()
         alive = {n.get("NodeID"): n.get("Alive") for n in ray.nodes()}
     except Exception as exc:  # noqa: BLE001 - the GCS itself is gone: that is the answer
-        return f"the cluster's GCS cannot be reached: {type(exc).__name__}"
-    return None if alive.get(me) else f"node {me[:12]} is marked dead by the cluster"
+        return f"GCS cannot be reached from this machine ({type(exc).__name__})"
+    return None if alive.get(me) else f"raylet on this machine stopped (node {me[:12]} is marked dead by the cluster)"
 
 
 def _signal_name(num: int) -> str:
@@ -151,6 +156,28 @@ def _route_raylet_reports() -> None:
 
     routed.nsa_routed = True  # type: ignore[attr-defined]
     worker.print_to_stdstream = routed
+
+
+def quiet_ray_at_exit() -> None:
+    """After this machine's raylet is lost: what Ray's own shutdown writes to stderr at exit (its
+    C++ core worker's "Failed to push error to driver" for the tasks that died with the node) goes
+    to ``nsa-driver-reports.log`` in Ray's session log folder instead.  Registered after
+    ``ray.init`` registered its shutdown, so it runs first; the command's own line is out by then."""
+    try:
+        path = os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "nsa-driver-reports.log")
+    except Exception:  # noqa: BLE001 - no session folder: leave stderr alone
+        return
+
+    def redirect() -> None:
+        try:
+            sys.stderr.flush()
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+        except OSError:
+            pass
+
+    atexit.register(redirect)
 
 
 def cluster_has_gpus() -> bool:
