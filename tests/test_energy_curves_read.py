@@ -314,3 +314,24 @@ def test_quadrature_runs_page_opens_and_shades_the_bracket(quad_pair) -> None:
     np.testing.assert_array_equal(lines[f"t = {t}"], qu.energy_curve("y")["value"].sel(step=t).values)
     with _Served(ServeOptions(url, port=0)) as s:
         assert s.get(f"/run?id={qu.id}")[0] == 200
+
+
+@pytest.mark.slow  # the pair of runs: ~40 s on a free core
+def test_fig7a_of_a_quadrature_sweep_hatches_the_bracket_of_the_mean(quad_pair) -> None:
+    """Fig. 7a at a k beyond the exact top: the grid point's curve carries a bracket holding the
+    exact route's E_t(y, k), and the figure hatches it."""
+    from nsa_dist.config import SweepSpec
+    from nsa_dist.plots.sweep import fig7a
+
+    ex, qu, url = quad_pair
+    base = QUAD.model_dump(mode="json")
+    SpectrumStore(url).record_sweep("qs", SweepSpec(name="qs", base=base, grid={"seed": [QBASE["seed"]]})
+                                    .model_dump(mode="json"), [qu.id])
+    sweep = Client(url).sweep("qs")
+    k = 60  # beyond top = 10, between two points of the grid
+    (cv,) = sweep.curves("energy_y", k)
+    want = ex.energy("y", k, step=None)[0]
+    assert np.all(cv.bracket[0] <= want) and np.all(want <= cv.bracket[1]), (cv.bracket, want)
+    assert np.any(cv.bracket[1] > cv.bracket[0])
+    fig = fig7a(sweep, k)
+    assert [c for c in fig.axes[0].collections if c.get_hatch()], "no hatched bracket"

@@ -401,3 +401,18 @@ def test_fig4d_at_the_last_stored_step_unless_asked(tiny: Run) -> None:
         assert title_of(fig).endswith(f"t = {t}"), (opts, title_of(fig))
         img = fig.axes[0].get_images()[0].get_array()
         np.testing.assert_allclose(img, tiny.kernel.reconstructions(t)["images"][0], err_msg=f"t = {t}")
+
+
+def test_fig7a_on_the_exact_route_has_a_point_bracket_and_no_hatch(sweep_url: str) -> None:
+    """A sweep measured exactly (k: all, local): each grid point's mean E_t(y, k) carries the bracket
+    lower = upper = mean, and Fig. 7a hatches nothing (the quadrature route's bracket would be hatched)."""
+    from nsa_dist.plots.sweep import fig7a
+
+    sweep = Client(sweep_url).sweep("hw")
+    for cv in sweep.curves("energy_y", 2):
+        assert cv.bracket is not None
+        np.testing.assert_array_equal(cv.bracket[0], cv.mean)
+        np.testing.assert_array_equal(cv.bracket[1], cv.mean)
+    fig = fig7a(sweep, 2)
+    assert not [c for c in fig.axes[0].collections if c.get_hatch()], "a hatched bracket on the exact route"
+    assert "bracket (quadrature)" not in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
