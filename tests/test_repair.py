@@ -157,13 +157,16 @@ def _link_folder(store: Path, rid: str, folder: str, where: str, tmp_path: Path)
     """Replace run ``rid``'s ``folder`` ('' for the run's own) by a symbolic link: to a copy outside
     the store ("outside"), the same with one done step's chunk missing ("outside-damaged"), to a
     copy elsewhere inside the store's directory ("inside"), or to nothing ("dangling").
+    ("outside-damaged": one chunk missing, one a FIFO — never opened by the copy.)
     Returns (the link, its target)."""
     link = store / "runs" / rid / folder if folder else store / "runs" / rid
     target = (store / "stash" if where == "inside" else tmp_path / "outside") / (folder or rid)
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(link, target)
-    if where == "outside-damaged":
-        (target / "c" / "2" / "0").unlink()  # eigenvalues at recorded step index 2
+    if where == "outside-damaged":  # eigenvalues at recorded step index 2 missing, at index 1 a FIFO
+        (target / "c" / "2" / "0").unlink()
+        (target / "c" / "1" / "0").unlink()
+        os.mkfifo(target / "c" / "1" / "0")
     shutil.rmtree(link)
     if where == "dangling":
         shutil.rmtree(target)
@@ -196,7 +199,7 @@ def test_a_linked_run_or_array_folder_is_replaced_by_a_copy_and_recomputed_bit_i
     out = capsys.readouterr().out
     steps = len(Client(a).run(rid).g["done"][:])
     want = ("removed" if not folder else f"step indices {list(range(steps))}") if where == "dangling" else \
-        f"step indices {[2] if where == 'outside-damaged' else []}"  # a copy recovers all it holds
+        f"step indices {[1, 2] if where == 'outside-damaged' else []}"  # a copy recovers all it holds
     assert f"{rid}: {want} " in out, out
     assert not link.is_symlink() and (link.is_dir() or (where, folder) == ("dangling", "")), f"--mark left {link}"
     assert _tree(target) == before, "the link's target changed"

@@ -228,13 +228,14 @@ def _replace_link(fence: RunFence, link: Path) -> bool:
 
     The copy is made in the writer's write folder (a revoked writer finds it gone: LeaseLost) and
     renamed into place after the link itself is removed; links inside the target are copied as
-    links (never followed: the next verification names and removes them)."""
+    links (never followed: the next verification names and removes them), and only regular files
+    are copied (a FIFO or a device there is never opened: its chunk is then missing, and marked)."""
     target = os.path.realpath(link)
     found = os.path.isdir(target) and os.path.isfile(os.path.join(target, "zarr.json"))
     copy = fence.folder / f"{uuid.uuid4().hex}.copy"
     try:
         if found:
-            shutil.copytree(target, copy, symlinks=True)
+            shutil.copytree(target, copy, symlinks=True, copy_function=_copy_file)
         fence.delete(link)
         if found:
             fence.check_inside(link)
@@ -247,6 +248,12 @@ def _replace_link(fence: RunFence, link: Path) -> bool:
         if copy.exists():
             shutil.rmtree(copy, ignore_errors=True)
     return found
+
+
+def _copy_file(src: str, dst: str) -> None:
+    """``shutil.copy2`` for a regular file; anything else (FIFO, device, socket) is left out."""
+    if os.path.isfile(src) and not os.path.islink(src):
+        shutil.copy2(src, dst)
 
 
 def _steps_to_recompute(r: RunReader, ds: list[Damage]) -> list[int]:
