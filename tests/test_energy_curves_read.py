@@ -81,6 +81,8 @@ def test_bad_phi_k_and_step_are_refused_in_one_line(exact: Run, store_url: str) 
     for k in (0, -3, N + 1):
         with pytest.raises(ValueError, match=rf"k={k} outside 1\.\.{N}"):
             exact.energy("y", k)
+    with pytest.raises(ValueError, match=r"k=13 outside 1\.\.12 \(M, the number of test points\)"):
+        exact.energy("f_test", 13)
     with pytest.raises(ValueError, match="not an integer"):
         exact.energy("y", 2.5)
     with pytest.raises(KeyError, match=r"step 4 is not a finished recorded step .*finished: \[0, 3, 5\]"):

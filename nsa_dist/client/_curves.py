@@ -94,7 +94,8 @@ class BracketedCurve:
             raise ValueError(f"k={k!r} is not an integer index 1..{self.n_points}")
         k = int(k)
         if not 1 <= k <= self.n_points:
-            raise ValueError(f"k={k} outside 1..{self.n_points} (N, the number of training points)")
+            what = "M, the number of test points" if self.name == "energy_f_test" else "N, the number of training points"
+            raise ValueError(f"k={k} outside 1..{self.n_points} ({what})")
         top = int(self.k[-1]) if len(self.k) else 0
         if k > top:
             raise ValueError(f"k={k}: this run measured {self.name} only for k ≤ {top} (the eigenpairs it kept, "

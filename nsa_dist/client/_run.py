@@ -173,7 +173,8 @@ class Run(RunArrays):
         if key not in cache:
             if len(cache) > 16:
                 cache.clear()
-            cache[key] = read_curve(self, name, self.N)
+            n = int(self.shape("X_test")[0]) if name == "energy_f_test" and self.has("X_test") else self.N
+            cache[key] = read_curve(self, name, n)  # f_test: in the eigenbasis of the M×M test Gram
         return cache[key]
 
     @property
