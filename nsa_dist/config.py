@@ -452,6 +452,8 @@ class QuadratureSpec(_Strict):
     confidence: float = Field(0.95, gt=0, lt=1, description="pointwise confidence of the counting function's "
                               "statistical bracket")
     density_grid: int = Field(200, ge=10, description="points of G's SLQ spectral density")
+    block_size: int = Field(16, ge=1, description="φ columns and probes per block Lanczos run (bigger: sharper "
+                            "values and Ritz bounds, a larger basis N·lanczos_steps·block_size)")
 
 
 class SpectrumSpec(_Strict):

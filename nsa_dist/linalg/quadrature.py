@@ -48,7 +48,7 @@ import numpy as np
 
 from nsa_dist.linalg._backend import ArrayOps, Backend
 from nsa_dist.linalg._inputs import as_symmetric_map
-from nsa_dist.linalg.lanczos import _qr_r, _State
+from nsa_dist.linalg.lanczos import _qr_r, _ritz, _State
 
 __all__ = ["CurveBracket", "SpectralCurves", "curve_ks", "spectral_curves", "quadrature_basis_bytes",
            "BRACKET_SENTENCE", "atoms_density"]
@@ -70,11 +70,10 @@ def curve_ks(N: int, points: int) -> np.ndarray:
     return np.unique(np.concatenate([[1], k, [N]])).astype(np.int64)
 
 
-def quadrature_basis_bytes(N: int, columns: int, lanczos_steps: int, cap: float = _BASIS_BYTES) -> float:
-    """Bytes of the Lanczos bases the route holds at once (V and G·V, float64, per column group)."""
+def quadrature_basis_bytes(N: int, lanczos_steps: int, block_size: int = 12, cap: float = _BASIS_BYTES) -> float:
+    """Bytes of the Lanczos basis the route holds at once (V and G·V, float64, one column group)."""
     per_col = 16.0 * N * lanczos_steps
-    group = max(1, min(columns, int(cap // per_col)))
-    return per_col * group
+    return per_col * max(1, min(block_size, int(cap // per_col)))
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ class SpectralCurves:
 
 def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np.ndarray | None], ks: np.ndarray, *,
                     lanczos_steps: int = 60, probes: int = 24, confidence: float = 0.95, density_grid: int = 200,
-                    seed: int = 0, basis_bytes: float = _BASIS_BYTES) -> SpectralCurves:
+                    seed: int = 0, block_size: int = 12, basis_bytes: float = _BASIS_BYTES) -> SpectralCurves:
     """λ_k and E(φ, k) at every ``ks`` from the top eigenpairs and products with G (see the module docstring).
 
     Args:
@@ -126,12 +125,15 @@ def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np
         confidence: pointwise confidence of the counting function's bracket.
         density_grid: points of the density grid.
         seed: seed of the probes.
+        block_size: columns (φ's and probes) per block Lanczos run: larger blocks resolve the
+            spectrum better (sharper values, tighter Ritz bounds) at a (b·m)² eigh and a
+            b·m-column basis per run; the Gauss-rule brackets do not depend on it.
         basis_bytes: columns are run in groups whose Lanczos bases stay under this.
 
     Raises:
         ValueError: sizes that do not match, ks outside 1 … N, a non-PSD top eigenvalue.
     """
-    A = as_symmetric_map(G, Backend.AUTO, "G")
+    A = as_symmetric_map(G, Backend.TORCH, "G")  # torch's BLAS: Cholesky QR, MKL eigh (numpy's QR stalls on 2 cores)
     ops, N = A.ops, A.N
     lam = np.asarray(evals, dtype=np.float64).reshape(-1)
     K = lam.size
@@ -158,7 +160,7 @@ def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np
         return W - Ub @ (Ub.T @ W)
 
     rules, ritz, steps_done = [], [], m
-    per_group = max(1, int(basis_bytes // (16.0 * N * m)))
+    per_group = max(1, min(int(block_size), int(basis_bytes // (16.0 * N * m))))
     for s in range(0, len(Z), per_group):
         block = np.column_stack(Z[s:s + per_group]) if Z else np.zeros((N, 0))
         if block.shape[1] == 0:
@@ -193,6 +195,8 @@ class _Rule:
     exhausted: bool
     x: np.ndarray = None  # Gauss nodes ascending
     w: np.ndarray = None
+    alpha: np.ndarray = None  # the Jacobi matrix of the moments (normalised measure)
+    beta: np.ndarray = None
 
     def __post_init__(self) -> None:
         keep = self.nu > 0
@@ -200,7 +204,40 @@ class _Rule:
             order = np.argsort(self.theta[keep])
             self.x, self.w = self.theta[keep][order], self.nu[keep][order]
         else:
-            self.x, self.w = _gauss_from_discrete(self.theta[keep], self.nu[keep], self.steps)
+            self.x, self.w, self.alpha, self.beta = _gauss_from_discrete(self.theta[keep], self.nu[keep], self.steps)
+            if self.x.size < self.steps:  # fewer atoms than nodes: the moments determine μ = ν
+                self.exhausted = True
+
+    def radau(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(≤ μ((t, ∞)), ≥ μ([t, ∞))) at each t from the canonical representation through t (Gauss–Radau
+        with the m − 1 free nodes the moments 0 … 2m − 2 fix; Markov–Krein: its mass below, at and above
+        t bounds every measure with those moments).  Its bracket is the Christoffel function at t,
+        about half the two Gauss weights around t that :meth:`tail_lower` / :meth:`tail_upper` leave."""
+        t = np.asarray(t, dtype=np.float64)
+        if self.exhausted or self.alpha is None or self.alpha.size < 2:
+            return self.tail_lower(t), self.tail_upper(t)
+        from scipy.linalg import eigh_tridiagonal, solve_banded
+
+        a, b = self.alpha[:-1], self.beta  # J_{m−1} and β_{m−1}
+        n = a.size
+        lo, hi = np.empty(t.size), np.empty(t.size)
+        for i, ti in enumerate(t):
+            ab = np.zeros((3, n))
+            ab[0, 1:], ab[1], ab[2, :-1] = b[:n - 1], a - ti, b[:n - 1]
+            rhs = np.zeros(n)
+            rhs[-1] = b[n - 1] ** 2
+            try:
+                delta = solve_banded((1, 1), ab, rhs)
+            except np.linalg.LinAlgError:
+                lo[i], hi[i] = self.tail_lower(ti), self.tail_upper(ti)
+                continue
+            d = np.append(a, ti + delta[-1])
+            x, Y = eigh_tridiagonal(d, b[:n])
+            w = self.mass * Y[0] ** 2
+            j = int(np.argmin(np.abs(x - ti)))
+            above = (x > ti) & (np.arange(x.size) != j)
+            lo[i], hi[i] = w[above].sum(), w[above].sum() + w[j]
+        return np.maximum(lo, self.tail_lower(t)), np.minimum(hi, self.tail_upper(t))
 
     @property
     def mass(self) -> float:
@@ -255,20 +292,20 @@ def _block_rule(matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: floa
         Bc[:, n - P.shape[1]:] = B
         P = P_next
     H = st.H[:st.n, :st.n]
-    theta, Y = np.linalg.eigh((H + H.T) / 2)
+    theta, Y = _ritz(H)  # descending, MKL's eigh on the products' threads
     W = (R.T @ Y[:Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
     steps = st.steps
     del st
     return theta, W, steps, exhausted
 
 
-def _gauss_from_discrete(theta: np.ndarray, w: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+def _gauss_from_discrete(theta: np.ndarray, w: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The m-point Gauss rule (nodes ascending, weights) of the discrete measure Σ w_j δ_θj's moments
     0 … 2m − 1 (Lanczos on diag(θ) with full reorthogonalisation; fewer nodes when ν has fewer atoms,
     and then it is ν itself)."""
     mass = float(w.sum())
     if mass <= 0 or theta.size == 0:
-        return np.zeros(0), np.zeros(0)
+        return np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0)
     n = theta.size
     m = min(m, n)
     V = np.zeros((m, n))
@@ -289,9 +326,10 @@ def _gauss_from_discrete(theta: np.ndarray, w: np.ndarray, m: int) -> tuple[np.n
             break
         beta[j] = b
         v = u / b
-    T = np.diag(alpha[:r]) + np.diag(beta[:r - 1], 1) + np.diag(beta[:r - 1], -1)
-    x, Y = np.linalg.eigh(T)
-    return x, mass * Y[0] ** 2
+    from scipy.linalg import eigh_tridiagonal
+
+    x, Y = eigh_tridiagonal(alpha[:r], beta[:r - 1]) if r > 1 else (alpha[:1].copy(), np.ones((1, 1)))
+    return x, mass * Y[0] ** 2, alpha[:r].copy(), beta[:r - 1].copy()
 
 
 # --------------------------------------------------------------------------- the curves
@@ -385,8 +423,8 @@ def _energy_curve(lam: np.ndarray, N: int, ks: np.ndarray, eig: CurveBracket, ru
     if tail.any():
         base = top2[-1]
         lo_t, hi_t, v_t = eig.upper[tail], eig.lower[tail], eig.value[tail]
-        low = base + sum(r.tail_lower(lo_t) for r in rules)
-        high = base + sum(r.tail_upper(hi_t) for r in rules)
+        low = base + sum(r.radau(lo_t)[0] for r in rules)
+        high = base + sum(r.radau(hi_t)[1] for r in rules)
         val = base + sum(r.tail_closed(v_t) for r in rules)
         lower[tail], upper[tail] = low / norm2, np.minimum(high / norm2, 1.0)
         lower[tail] = np.minimum(lower[tail], upper[tail])

@@ -7,7 +7,9 @@ built: ``model.width: 10**9`` or ``data.n: 10**8`` must not be found out by the 
 Parts (bytes, lower estimates — a run refused here would certainly not fit):
 
 * the Gram of the run's layout, per worker — :func:`~nsa_dist.pipeline.layout.layout_bytes`;
-* the top-k eigenvectors, N·k·8;
+* the top-k eigenvectors, N·k·8 (``k: all``: N² on the exact route, N·quadrature.top on the
+  quadrature route, which also holds one column group's Lanczos basis and products,
+  2·N·lanczos_steps·block_size·8 — :func:`~nsa_dist.linalg.quadrature.quadrature_basis_bytes`);
 * the data, N·d·16 (float64 as loaded, float32 copies in the trainer and the analyzer);
 * the parameters, P·4·(4 + slots) (trainer and analyzer copies, gradients, θ_t, optimizer slots);
 * the Hessian probes, P·8·(probes + lanczos_steps), when a ``hessian`` block is set;
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 
 from nsa_dist.config import DataName, ExperimentSpec, Layout, ModelSpec, OptimizerName
 from nsa_dist.errors import ResourceError
+from nsa_dist.linalg.quadrature import quadrature_basis_bytes
 from nsa_dist.pipeline import layout as _layout
+from nsa_dist.pipeline.plan import energy_route
 
 __all__ = ["Footprint", "fc_sizes", "footprint", "check_fits"]
 
@@ -64,9 +68,13 @@ def footprint(spec: ExperimentSpec) -> Footprint:
     N, s = spec.data.n, spec.spectrum
     P, width = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (None, 0)
     lay = _layout.choose_layout(spec, N, width).layout
-    k = N if s.k == "all" else min(int(s.k), N)
+    quadrature = energy_route(spec, lay) == "quadrature"
+    q = s.quadrature
+    k = (min(q.top, N) if quadrature else N) if s.k == "all" else min(int(s.k), N)
     parts = {f"G ({lay.value} layout)": _layout.layout_bytes(spec, N, width)[lay], "eigenvectors": 8.0 * N * k,
              "data": 16.0 * N * spec.data.input_dim}
+    if quadrature:
+        parts["quadrature Lanczos basis"] = quadrature_basis_bytes(N, q.lanczos_steps, q.block_size)
     if P is not None:
         slots = {OptimizerName.ADAM: 2, OptimizerName.SGD: 1}.get(OptimizerName(spec.optimizer.name), 0)
         parts[f"parameters (P = {P:,})"] = 4.0 * P * (4 + slots)
@@ -100,7 +108,8 @@ def check_fits(spec: ExperimentSpec) -> Footprint:
 
 
 _FIX = {"G": "lower data.n, or use spectrum.layout 'matrix_free' (or 'auto') with more spectrum.workers",
-        "eigenvectors": "lower spectrum.k", "data": "lower data.n", "parameters": "lower model.width / model.depth",
+        "eigenvectors": "lower spectrum.k (or quadrature.top)", "quadrature": "lower spectrum.quadrature.lanczos_steps "
+        "or block_size", "data": "lower data.n", "parameters": "lower model.width / model.depth",
         "Hessian": "lower hessian.probes / hessian.lanczos_steps",
         "eigenvector": "lower spectrum.image_size / spectrum.fourier_size"}
 

@@ -296,7 +296,7 @@ class SpectralAnalyzer:
             return _exact_curves(sp, phis, self.plan.curve_k(), q.density_grid)
         c = spectral_curves(G.G if isinstance(G, DenseGram) else G, sp.evals, sp.evecs, phis, self.plan.curve_k(),
                             lanczos_steps=q.lanczos_steps, probes=q.probes, confidence=q.confidence,
-                            density_grid=q.density_grid, seed=self.spec.seed)
+                            density_grid=q.density_grid, seed=self.spec.seed, block_size=q.block_size)
         self.n_products["quadrature"] = c.n_products
         out = {"curve_eigenvalue": c.eigenvalue.value, "curve_eigenvalue_lower": c.eigenvalue.lower,
                "curve_eigenvalue_upper": c.eigenvalue.upper, "gram_density_grid": c.density_grid,
