@@ -337,3 +337,24 @@ def test_fig7a_of_a_quadrature_sweep_hatches_the_bracket_of_the_mean(quad_pair) 
     assert np.any(cv.bracket[1] > cv.bracket[0])
     fig = fig7a(sweep, k)
     assert [c for c in fig.axes[0].collections if c.get_hatch()], "no hatched bracket"
+
+
+@pytest.mark.slow  # a gang of two Ray workers: ~20 s
+def test_a_block_rows_runs_curves_read_the_same_way(quad_pair) -> None:
+    """k: all on layout block_rows (2 workers) takes the quadrature route; its curves read through the
+    same client, and every bracket holds the exact route's value of the same seed."""
+    ex, _, url = quad_pair
+    spec = ExperimentSpec.model_validate({**QBASE, "name": "q-rows", "spectrum": {
+        "k": "all", "dtype": "float64", "layout": "block_rows", "workers": 2,
+        "quadrature": {"top": 10, "lanczos_steps": 20, "probes": 8, "curve_points": 25}}})
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    rows = Client(url).run("q-rows")
+    assert rows.energy_route == "quadrature" and rows.attrs.get("layout") == "block_rows"
+    for name in ("energy_y", "energy_residual", "eigenvalue"):
+        want, c = ex.curve(name).value, rows.curve(name)
+        slop = 1e-9 * (1.0 if name != "eigenvalue" else float(np.abs(want).max()))
+        for k in range(1, NQ + 1):
+            _, lo, hi = c.at(k)
+            assert np.all(lo <= want[:, k - 1] + slop) and np.all(want[:, k - 1] - slop <= hi), (name, k, lo, hi)
+    v, lo, hi = rows.energy("y", 40)
+    assert lo <= v <= hi and hi > lo
