@@ -27,11 +27,11 @@ def trained() -> dict:
     """The Gram of a trained leaky-ReLU net (the NSA paper's kind, narrower) on the 2-D image task,
     its exact spectrum and the step's φ."""
     spec = ExperimentSpec.model_validate({
-        "name": "q", "seed": 0, "data": {"name": "image2d", "n": 600, "n_test": 10},
+        "name": "q", "seed": 0, "data": {"name": "image2d", "n": 500, "n_test": 10},
         "model": {"depth": 4, "width": 64, "activation": "leaky_relu", "init": "xavier"},
-        "schedule": {"lr": 0.25}, "steps": 300, "record": {"steps": [0, 299]}, "spectrum": {"k": 10}})
+        "schedule": {"lr": 0.25}, "steps": 200, "record": {"steps": [0, 199]}, "spectrum": {"k": 10}})
     data = load_dataset(spec.data, seed=0)
-    ck = list(Trainer(plan_run(spec, data), data).train_until(300))[-1]
+    ck = list(Trainer(plan_run(spec, data), data).train_until(200))[-1]
     model = build_model(spec.model, seed=0)
     vector_to_parameters(torch.as_tensor(ck.theta, dtype=torch.float32), model.parameters())
     G = gram(model, torch.as_tensor(np.asarray(data.X), dtype=torch.float32), dtype=torch.float64)
@@ -169,7 +169,9 @@ def _assert_same_curves(got: dict, ref: dict, what: str) -> None:
             np.all(ref[name + "_lower"] <= got[name + "_upper"] + scale), f"{what}: {name} brackets do not overlap"
 
 
+@pytest.mark.slow
 def test_layouts_give_the_same_curves_in_process():
+    """local, block_rows ×3 and matrix_free ×2 (in-process gangs): the same curves within the brackets."""
     res = _analyses([("local", 1), ("block_rows", 3), ("matrix_free", 2)])
     ref = res[("local", 1)]
     for key, got in res.items():
@@ -206,3 +208,18 @@ def test_block_rows_and_matrix_free_on_ray_end_done_with_bracketed_curves(local_
             _assert_same_curves(got, want, f"{layout} step {i} vs local")
             dens, grid = run.g["gram_density"][i], run.g["gram_density_grid"][i]
             assert abs(np.trapezoid(dens, grid) - 1) < 1e-6
+
+
+def test_the_budget_counts_the_quadrature_route():
+    from nsa_dist.pipeline.budget import footprint
+
+    base = {"data": {"n": 200_000}, "model": {"depth": 6, "width": 256}}
+    q = footprint(ExperimentSpec.model_validate({**base, "spectrum": {"k": "all", "layout": "matrix_free",
+                                                                      "workers": 2}}))
+    top = footprint(ExperimentSpec.model_validate({**base, "spectrum": {"k": 100, "layout": "matrix_free",
+                                                                        "workers": 2}}))
+    assert q.parts["eigenvectors"] == top.parts["eigenvectors"] == 8.0 * 200_000 * 100  # top = 100: not N²
+    assert q.parts["quadrature Lanczos basis"] >= 16.0 * 200_000 * 60  # one block's V and G·V at least
+    assert "quadrature Lanczos basis" not in top.parts
+    local = footprint(ExperimentSpec.model_validate({"data": {"n": 2000}, "spectrum": {"k": "all"}}))
+    assert local.parts["eigenvectors"] == 8.0 * 2000 ** 2 and "quadrature Lanczos basis" not in local.parts
