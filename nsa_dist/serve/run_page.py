@@ -27,6 +27,10 @@ __all__ = ["UNKNOWN_RUN", "open_run", "run_page", "run_panels", "run_sections"]
 
 _Needs = Callable[[Run], bool]
 _REDRAW_S = 2.0  # a live run's page redraws its figures at most this often (a browser draws ~40 of them)
+# … and, with many viewers of the run, at most every _PER_VIEWER_S × viewers seconds: a redraw
+# re-sends every figure's data to each session, so that the server's work per step grows with the
+# viewers, and this bounds it (the header — status, steps done — still follows every refresh)
+_PER_VIEWER_S = 0.25
 
 
 def _has(*names: str) -> _Needs:
@@ -62,6 +66,12 @@ def _sections() -> dict[str, list[tuple[Any, _Needs]]]:
             (h.ISpectrum, _has("hessian_I_eigenvalues", "hessian_I_limit_eigenvalues")),
             (h.Density, _has("hessian_density")), (h.EdgeOfStability, _has("hessian_top"))],
     }
+
+
+def _section_classes(run: Run) -> dict[str, list[Any]]:
+    """The panel classes run ``run`` has data for, by paper, in page order (papers without one left out)."""
+    out = {paper: [cls for cls, needs in panels if needs(run)] for paper, panels in _sections().items()}
+    return {paper: classes for paper, classes in out.items() if classes}
 
 
 def run_sections(run: Run) -> dict[str, list["Panel"]]:
@@ -152,12 +162,14 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
     from nsa_dist.serve._live import Shared, off_loop, prepared
 
     shared = shared if shared is not None else Shared()
+    viewers: dict[str, int] = {}  # run → its sessions now (event loop only)
 
     def snapshot(rid: str) -> _Snapshot:
         return shared.get(("run", rid), lambda: _Snapshot(Run(store, rid)), refresh_s)
 
     def data(p: "Panel", snap: _Snapshot) -> Any:
-        return shared.get(("panel", snap.run.id, snap.seen, p.state()), lambda: _read(p, snap.run), refresh_s)
+        return p.own(shared.get(("panel", snap.run.id, snap.seen, p.state()), lambda: _read(p, snap.run, True),
+                                refresh_s))
 
     def build(args: dict[str, str]) -> Any:
         from bokeh.layouts import column
@@ -175,14 +187,18 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
         run = snap.run
         lock = threading.Lock()
         header = Div(text=snap.header, css_classes=["nsa-header"])
-        sections = run_sections(run)
-        groups = list(sections.values())
-        panels = [p for ps in groups for p in ps]
-        tabs = Tabs(tabs=[TabPanel(child=column(*(p.layout for p in ps)), title=paper)
-                          for paper, ps in sections.items()], css_classes=["nsa-tabs"])
-        # Only the open tab is read and redrawn; the others are brought up to date when opened, and
+        # Only the open tab is built, read and redrawn (a figure is ~50 Bokeh models: building them
+        # is most of a page's cost); another is built and brought up to date when opened, and
         # nothing is re-sent while the run's finished steps and status stay the same.
-        state: dict[str, Any] = {"snap": snap, "seen": snap.seen, "stale": set(range(1, len(groups))), "next": 0.0}
+        classes = _section_classes(run)
+        groups: list[list[Panel] | None] = [None] * len(classes)
+        if classes:
+            groups[0] = [cls(run) for cls in list(classes.values())[0]]
+        tabs = Tabs(tabs=[TabPanel(child=column(*(p.layout for p in groups[0])) if j == 0 else
+                                   Div(text="<i>loading…</i>"), title=paper)
+                          for j, paper in enumerate(classes)], css_classes=["nsa-tabs"])
+        state: dict[str, Any] = {"snap": snap, "seen": snap.seen, "head": snap.seen, "stale": set(range(1, len(groups))),
+                                 "next": 0.0}
         for p in groups[0] if groups else []:
             p.update(data(p, snap))
         root = column(header, tabs)
@@ -193,12 +209,16 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
             except Exception as exc:  # noqa: BLE001
                 return exc
             state["snap"] = now
+            head = now.header if now.seen != state["head"] else None
+            state["head"] = now.seen
             if now.seen == state["seen"] or time.monotonic() < state["next"]:
-                return None  # nothing new, or redrawn less than _REDRAW_S ago: the next tick brings it
-            state["seen"], state["next"] = now.seen, time.monotonic() + max(refresh_s, _REDRAW_S)
+                # nothing new, or redrawn less than the redraw interval ago: the next tick brings it
+                return None if head is None else (head, [])
+            every_s = max(refresh_s, _REDRAW_S, _PER_VIEWER_S * viewers.get(rid, 1))
+            state["seen"], state["next"] = now.seen, time.monotonic() + every_s
             active = int(tabs.active or 0)
             state["stale"] = set(range(len(groups))) - {active}
-            return now.header, [(p, data(p, now)) for p in (groups[active] if groups else [])]
+            return now.header, [(p, data(p, now)) for p in (groups[active] or [] if groups else [])]
 
         def apply(got: tuple[str, list[tuple[Any, Any]]] | None | BaseException) -> None:
             if got is None:
@@ -206,9 +226,10 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
             if isinstance(got, BaseException):
                 header.text = (f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(rid)}:</b> "
                                f"{html.escape(str(got))}</p>")
-                state["seen"] = None
+                state["seen"] = state["head"] = None
                 return
-            header.text = got[0]
+            if got[0] is not None:
+                header.text = got[0]
             for p, d in got[1]:
                 p.update(d)
 
@@ -217,18 +238,36 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
 
             doc.title = f"nsa — {rid}"
             doc.add_root(root)
+            viewers[rid] = viewers.get(rid, 0) + 1
+
+            def left(ctx: Any) -> None:
+                viewers[rid] -= 1
+
+            doc.on_session_destroyed(left)
 
             def switch(attr: str, old: Any, new: Any) -> None:
-                def read_tab() -> list[tuple[Any, Any]]:
+                def read_tab() -> tuple[list[Panel] | None, list[tuple[Any, Any]]]:
                     if new not in state["stale"]:
-                        return []
+                        return None, []
                     state["stale"].discard(new)
-                    return [(p, data(p, state["snap"])) for p in groups[new]]
+                    made = None
+                    if groups[new] is None:
+                        made = [cls(state["snap"].run) for cls in list(classes.values())[new]]
+                    return made, [(p, data(p, state["snap"])) for p in (made or groups[new])]
 
-                off_loop(doc, read_tab, lambda got: [p.update(d) for p, d in got], lock)
+                def show_tab(got: tuple[list[Panel] | None, list[tuple[Any, Any]]]) -> None:
+                    made, read = got
+                    for p, d in read:
+                        p.update(d)
+                    if made is not None:
+                        groups[new] = made
+                        tabs.tabs[new].child = column(*(p.layout for p in made))
+                        _wire_choices(doc, made, state, data, lock)
+
+                off_loop(doc, read_tab, show_tab, lock)
 
             tabs.on_change("active", switch)
-            _wire_choices(doc, panels, state, data, lock)
+            _wire_choices(doc, groups[0] or [] if groups else [], state, data, lock)
             every(doc, refresh_s, read, apply, lock)
 
         return attach
@@ -249,13 +288,14 @@ def _seen(run: Run) -> tuple[bytes, str, str]:
     return run.finished.tobytes(), str(run.status), str(run.reason)
 
 
-def _read(p: "Panel", run: Run) -> Any:
-    """The panel's data, or what it shows instead (an error, or a note while no step is finished)."""
+def _read(p: "Panel", run: Run, shareable: bool = False) -> Any:
+    """The panel's data, or what it shows instead (an error, or a note while no step is finished);
+    ``shareable``: as :meth:`Panel.shareable` gives it."""
     from nsa_dist.serve._live import Waiting
 
     if not len(run.steps):
         return Waiting("waiting for the run's first finished recorded step")
-    return p.guarded(run)
+    return p.shareable(run) if shareable else p.guarded(run)
 
 
 def _wire_choices(doc: "Document", panels: list["Panel"], state: dict[str, Any],
