@@ -285,8 +285,8 @@ def sweep_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None"
 
         def data(f: Curves, a: Args) -> Any:
             chosen = (a[1], tuple(sorted((field, tuple(v)) for field, v in a[2].items())))
-            return shared.get(("sweep-figure", name, state["snap"].version, f.state(), chosen),
-                              lambda: f.guarded(a), refresh_s)
+            return f.own(shared.get(("sweep-figure", name, state["snap"].version, f.state(), chosen),
+                                    lambda: f.shareable(a), refresh_s))
 
         def read_all() -> tuple[str, int, list[Any]]:
             state["snap"] = snapshot(name)
