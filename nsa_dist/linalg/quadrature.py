@@ -133,7 +133,7 @@ def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np
     Raises:
         ValueError: sizes that do not match, ks outside 1 … N, a non-PSD top eigenvalue.
     """
-    A = as_symmetric_map(G, Backend.TORCH, "G")  # torch's BLAS: Cholesky QR, MKL eigh (numpy's QR stalls on 2 cores)
+    A = _products(G)
     ops, N = A.ops, A.N
     lam = np.asarray(evals, dtype=np.float64).reshape(-1)
     K = lam.size
@@ -177,12 +177,49 @@ def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np
     for name in phis:
         idx = [j for j, o in enumerate(owners) if o == name]
         energy[name] = _energy_curve(lam, N, ks, eig, [phi_rules[j] for j in idx], norms2.get(name, np.nan),
-                                     top2.get(name))
+                                     top2.get(name), 16.0 * A.eps)
     grid, dens = _density(lam, N, probe_rules, density_grid)
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N)
 
 
 # --------------------------------------------------------------------------- the quadrature rules
+
+
+class _DenseProducts:
+    """A dense torch G applied in float64 without a float64 copy of it: a float32 G is upcast one
+    slab of rows at a time (~64 MB), so the products are those of the stored matrix to float64
+    rounding.  (The whole copy was the route's largest block, 0.8 GB at N = 10⁴; float32 products
+    instead blurred λ_k below ~10⁻⁶·λ_1 into the bracket — at N = 500 the widths doubled.)"""
+
+    def __init__(self, G: Any) -> None:
+        from nsa_dist.linalg._backend import TorchOps
+
+        self.G, self.N, self.ops = G, int(G.shape[0]), TorchOps(G.device)
+        self.eps = float(np.finfo(np.float64).eps)
+        self.sym_rtol, self.n_matvec = float(np.sqrt(self.eps)), 0
+        self.rows = max(64, int(64e6 // (8 * max(self.N, 1))))
+
+    def matmat(self, X: Any) -> Any:
+        import torch
+
+        self.n_matvec += X.shape[1]
+        if self.G.dtype == torch.float64:
+            return self.G @ X
+        out = torch.empty((self.N, X.shape[1]), dtype=torch.float64, device=X.device)
+        for a in range(0, self.N, self.rows):
+            out[a:a + self.rows] = self.G[a:a + self.rows].to(torch.float64) @ X
+        return out
+
+
+def _products(G: Any) -> Any:
+    """G as the block rule applies it: a dense torch matrix as it is, anything else through
+    :func:`~nsa_dist.linalg._inputs.as_symmetric_map` on torch's BLAS (Cholesky QR and MKL's eigh;
+    NumPy's LAPACK QR stalled behind the products' threads on 2 cores)."""
+    import torch
+
+    if isinstance(G, torch.Tensor) and G.ndim == 2 and G.shape[0] == G.shape[1] and G.is_floating_point():
+        return _DenseProducts(G)
+    return as_symmetric_map(G, Backend.TORCH, "G")
 
 
 @dataclass
@@ -409,8 +446,10 @@ def _last_at_least(t: np.ndarray, n: np.ndarray, k: int, default: float) -> floa
 
 
 def _energy_curve(lam: np.ndarray, N: int, ks: np.ndarray, eig: CurveBracket, rules: list[_Rule], norm2: float,
-                  top2: np.ndarray | None) -> CurveBracket:
-    """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond."""
+                  top2: np.ndarray | None, slack: float = 0.0) -> CurveBracket:
+    """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond;
+    ``slack`` (16·eps of the products) widens each side for the products' rounding (float32: the
+    bound holds for the rounded products' moments, which differ from G's by about eps)."""
     nk = ks.size
     if top2 is None or not np.isfinite(norm2):
         nan = np.full(nk, np.nan)
@@ -426,7 +465,7 @@ def _energy_curve(lam: np.ndarray, N: int, ks: np.ndarray, eig: CurveBracket, ru
         low = base + sum(r.radau(lo_t)[0] for r in rules)
         high = base + sum(r.radau(hi_t)[1] for r in rules)
         val = base + sum(r.tail_closed(v_t) for r in rules)
-        lower[tail], upper[tail] = low / norm2, np.minimum(high / norm2, 1.0)
+        lower[tail], upper[tail] = np.maximum(low / norm2 - slack, 0.0), np.minimum(high / norm2 + slack, 1.0)
         lower[tail] = np.minimum(lower[tail], upper[tail])
         # E is non-decreasing in k: carry the bounds along the reported k
         lower[tail] = np.maximum.accumulate(np.maximum(lower[tail], value[top].max(initial=0.0)))
