@@ -6,6 +6,9 @@
 * :class:`Backend` — "auto" | "numpy" | "torch" | "cupy": where the work runs.
 * :class:`LanczosConvergenceWarning` — issued when Lanczos stops at ``max_iter``.
 * :class:`HostWorkspace` — big CPU buffers a caller keeps between solves of the same size.
+* :func:`spectral_curves` — λ_k and E(φ, k) = Σ_{i≤k}⟨v_i, φ⟩²/‖φ‖² for every k from the top
+  eigenpairs and products with G, with brackets (Gauss quadrature bounds, stochastic Lanczos
+  quadrature of the counting function); :func:`curve_ks` the log grid of reported k.
 * :class:`LinearOperator` — the one interface of every matrix-free operator (G, H, I, S, local
   or on a gang): ``shape``, ``dtype``, ``matmat`` on NumPy or torch blocks.
 
@@ -27,6 +30,7 @@ from nsa_dist.linalg._eigen import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
+from nsa_dist.linalg.quadrature import SpectralCurves, curve_ks, spectral_curves
 
 __all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "HostWorkspace", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator",
-           "SymmetricMap", "as_symmetric_map"]
+           "SymmetricMap", "as_symmetric_map", "SpectralCurves", "curve_ks", "spectral_curves"]
