@@ -194,9 +194,10 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
         groups: list[list[Panel] | None] = [None] * len(classes)
         if classes:
             groups[0] = [cls(run) for cls in list(classes.values())[0]]
-        tabs = Tabs(tabs=[TabPanel(child=column(*(p.layout for p in groups[0])) if j == 0 else
-                                   Div(text="<i>loading…</i>"), title=paper)
-                          for j, paper in enumerate(classes)], css_classes=["nsa-tabs"])
+        bodies = [column(*(p.layout for p in groups[0])) if j == 0 else column(Div(text="<i>loading…</i>"))
+                  for j in range(len(classes))]  # a column's children change is redrawn (a TabPanel's child is not)
+        tabs = Tabs(tabs=[TabPanel(child=body, title=paper) for body, paper in zip(bodies, classes)],
+                    css_classes=["nsa-tabs"])
         state: dict[str, Any] = {"snap": snap, "seen": snap.seen, "head": snap.seen, "stale": set(range(1, len(groups))),
                                  "next": 0.0}
         for p in groups[0] if groups else []:
@@ -261,7 +262,7 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
                         p.update(d)
                     if made is not None:
                         groups[new] = made
-                        tabs.tabs[new].child = column(*(p.layout for p in made))
+                        bodies[new].children = [p.layout for p in made]
                         _wire_choices(doc, made, state, data, lock)
 
                 off_loop(doc, read_tab, show_tab, lock)
