@@ -296,13 +296,14 @@ class _Rule:
         j = np.searchsorted(self.x, t, side="left")  # the smallest node ≥ t
         return np.where(j < self.x.size, self.mass - c[np.minimum(j + 1, self.x.size)], 0.0)
 
-    def tail_closed(self, t: np.ndarray, nodes: np.ndarray | None = None) -> np.ndarray:
+    def tail_closed(self, t: np.ndarray) -> np.ndarray:
         """ν([t, ∞)) of the block rule (or of the Gauss rule when exhausted)."""
         x, w = (self.x, self.w) if self.exhausted else (np.sort(self.theta), self.nu[np.argsort(self.theta)])
         c = np.concatenate([[0.0], np.cumsum(w)])
         return c[-1] - c[np.searchsorted(x, t, side="left")]
 
     def tail_open(self, t: np.ndarray) -> np.ndarray:
+        """ν((t, ∞)) of the block rule (or of the Gauss rule when exhausted)."""
         x, w = (self.x, self.w) if self.exhausted else (np.sort(self.theta), self.nu[np.argsort(self.theta)])
         c = np.concatenate([[0.0], np.cumsum(w)])
         return c[-1] - c[np.searchsorted(x, t, side="right")]
