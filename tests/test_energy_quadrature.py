@@ -169,7 +169,6 @@ def _assert_same_curves(got: dict, ref: dict, what: str) -> None:
             np.all(ref[name + "_lower"] <= got[name + "_upper"] + scale), f"{what}: {name} brackets do not overlap"
 
 
-@pytest.mark.slow
 def test_layouts_give_the_same_curves_in_process():
     """local, block_rows ×3 and matrix_free ×2 (in-process gangs): the same curves within the brackets."""
     res = _analyses([("local", 1), ("block_rows", 3), ("matrix_free", 2)])
