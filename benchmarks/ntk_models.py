@@ -43,8 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _measure import measured  # noqa: E402
 
-from nsa_dist.ntk import explain_method, gram  # noqa: E402
-from nsa_dist.ntk import inputs  # noqa: E402  (the feature memory rule, for the --jacobian-cached variant)
+from nsa_dist.ntk import (  # noqa: E402
+    explain_method,
+    gram,
+    inputs,  # noqa: E402  (the feature memory rule, for the --jacobian-cached variant)
+)
 
 # torch.func has no vmap rule for CPU flash attention and falls back to a loop (both methods' Jacobians).
 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")

@@ -32,9 +32,8 @@ def _du(path: Path) -> int:
 def main() -> None:
     from nsa_dist.pipeline import prepare_run
     from nsa_dist.pipeline.checkpoint import TrainerState
-    from nsa_dist.store import StepResult
     from nsa_dist.specfile import load_spec
-    from nsa_dist.store import SpectrumStore, run_arrays
+    from nsa_dist.store import SpectrumStore, StepResult, run_arrays
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", default=str(ROOT / "examples" / "nsa_paper.yaml"))

@@ -18,8 +18,8 @@ import os
 import numpy as np
 import scipy.linalg as sl
 import torch
-
 from _measure import best_of as _best
+
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.linalg.tridiag import eig_projections
 

@@ -10,8 +10,17 @@ import math
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +83,7 @@ class ModelSpec(_Strict):
                                             "(needs init='ntk')")
 
     @model_validator(mode="after")
-    def _residual_needs_hidden(self) -> "ModelSpec":
+    def _residual_needs_hidden(self) -> ModelSpec:
         if self.residual and self.depth < 3:
             raise ValueError(f"residual=True needs depth >= 3 (a hidden-to-hidden layer), got depth={self.depth}")
         if self.regime == "active" and (Init(self.init) is not Init.NTK or self.depth < 2):
@@ -209,7 +218,7 @@ class DataSpec(_Strict):
         return _N_CLASSES[name] if name in _N_CLASSES and Target(self.target) is Target.ONEHOT else 1
 
     @model_validator(mode="after")
-    def _target_fits(self) -> "DataSpec":
+    def _target_fits(self) -> DataSpec:
         name = DataName(self.name)
         if name in (DataName.IMAGE2D, DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE) and \
                 Target(self.target) is not Target.LABEL:
@@ -237,7 +246,7 @@ class OptimizerSpec(_Strict):
     eps: float = Field(1e-8, gt=0.0)
 
     @model_validator(mode="after")
-    def _batch(self) -> "OptimizerSpec":
+    def _batch(self) -> OptimizerSpec:
         name = OptimizerName(self.name)
         if name is OptimizerName.SGD and self.batch_size is None:
             raise ValueError("optimizer.batch_size is required for optimizer.name='sgd' (use 'gd' for full batch)")
@@ -294,7 +303,7 @@ class RecordSpec(_Strict):
     steps: list[int] | None = None
 
     @model_validator(mode="after")
-    def _one(self) -> "RecordSpec":
+    def _one(self) -> RecordSpec:
         given = [k for k in ("every", "log_points", "steps") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"record: give exactly one of every / log_points / steps, got {given or 'none'}")
@@ -461,7 +470,7 @@ class SpectrumSpec(_Strict):
     fourier_size: int = Field(41, ge=3)
 
     @model_validator(mode="after")
-    def _methods(self) -> "SpectrumSpec":
+    def _methods(self) -> SpectrumSpec:
         if isinstance(self.k, int) and self.k < 1:
             raise ValueError(f"spectrum.k must be >= 1 or 'all', got {self.k}")
         if any(i < 1 for i in self.images):
@@ -477,7 +486,7 @@ class SpectrumSpec(_Strict):
             raise ValueError(f"spectrum.store_eigenvectors steps must be >= 0, got {self.store_eigenvectors}")
         return self
 
-    def torch_dtype(self) -> "torch.dtype":
+    def torch_dtype(self) -> torch.dtype:
         """``dtype`` as torch's (``torch.float64`` or ``torch.float32``): G_t, its features and its
         products are computed in it.  (NumPy's is ``np.dtype(dtype)``, itemsize 8 or 4.)"""
         import torch
@@ -578,7 +587,7 @@ class ExperimentSpec(_Strict):
         return {**values, "data": data, "model": model}
 
     @model_validator(mode="after")
-    def _dims_match(self) -> "ExperimentSpec":
+    def _dims_match(self) -> ExperimentSpec:
         if DataName(self.data.name) is DataName.ARRAYS:
             pass  # a Tracker's arrays: it checked the model against them
         elif self.model.input_dim != self.data.input_dim:
@@ -673,7 +682,7 @@ class SweepSpec(_Strict):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
 
     @model_validator(mode="after")
-    def _valid(self, info: ValidationInfo) -> "SweepSpec":
+    def _valid(self, info: ValidationInfo) -> SweepSpec:
         for path, values in self.grid.items():
             if not values:
                 raise ValueError(f"grid.{path} is an empty list; give at least one value")

@@ -6,8 +6,8 @@ import logging
 import math
 import sys
 import weakref
-from collections.abc import Mapping
-from typing import Any, Callable, Union
+from collections.abc import Callable, Mapping
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -303,7 +303,7 @@ def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch
 # --------------------------------------------------------------------------- outputs as models return them
 
 _log = logging.getLogger("nsa_dist")
-_compiled_said: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose compiled submodules were reported
+_compiled_said: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose compiled submodules were reported
 
 OutputSelector = Union[str, int, Callable[[Any], torch.Tensor], None]
 """Which output of a model to measure: None (the model returns the tensor), a key (a dict's or a

@@ -34,8 +34,8 @@ from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss, parse_loss
 from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
-from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.ntk import preserved, sample_coupling
+from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
 from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES, plan_run
 from nsa_dist.pipeline.pool import ThreadAnalysisPool
@@ -405,7 +405,7 @@ class Tracker:
         finally:
             self._lease.release()
 
-    def __enter__(self) -> "Tracker":
+    def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

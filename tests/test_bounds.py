@@ -27,8 +27,8 @@ from nsa_dist.config import MAX_RECORDED_STEPS, ExperimentSpec, ModelSpec, Recor
 from nsa_dist.data._formats import IDX_IMAGES, read_idx
 from nsa_dist.errors import ResourceError
 from nsa_dist.models import build_model
-from nsa_dist.pipeline.budget import check_fits, fc_sizes, footprint
 from nsa_dist.ntk.blocks import feature_width
+from nsa_dist.pipeline.budget import check_fits, fc_sizes, footprint
 from nsa_dist.specfile import SpecError, load_spec, load_sweep
 
 REPO = Path(__file__).resolve().parents[1]

@@ -109,8 +109,8 @@ def _tiny(name: str, **over) -> ExperimentSpec:
 def test_a_failing_diagnostic_is_nan_with_its_reason_and_the_run_is_done(tmp_path, monkeypatch) -> None:
     """Fault injection: the alignment, App. F's dG_t, one Hessian quantity and the post-run
     Eqs. 4–5 prediction raise at every step; every other array is computed, the run is done."""
-    import nsa_dist.pipeline.hessian_step as hs
     import nsa_dist.metrics as metrics
+    import nsa_dist.pipeline.hessian_step as hs
     import nsa_dist.pipeline.spectral as sp
 
     def boom(*a, **k):

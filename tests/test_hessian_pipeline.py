@@ -306,10 +306,10 @@ def test_theory_spec_errors():
 
 def test_hessian_sweep_quantities_and_figures(tmp_path):
     """Moments over seeds against step and width, the width convergence to Θ∞ with its fitted slope."""
+    from nsa_dist.client import quantity
     from nsa_dist.config import SweepSpec
     from nsa_dist.pipeline import run_id
     from nsa_dist.plots.sweep import HESSIAN_SWEEP_FIGURES, fit_slope, plot_sweep
-    from nsa_dist.client import quantity
 
     url = str(tmp_path / "s.zarr")
     store = SpectrumStore(url)

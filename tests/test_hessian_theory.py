@@ -16,8 +16,14 @@ from conftest import flat_model
 from torch.func import hessian, jacrev
 
 from nsa_dist.config import Activation, ExperimentSpec, ModelSpec
-from nsa_dist.hessian import (additivity_gap, hessian_parts, limit_gauss_newton_eigenvalues, numerical_ranks,
-                              output_hessian_traces, trace_S_from_G)
+from nsa_dist.hessian import (
+    additivity_gap,
+    hessian_parts,
+    limit_gauss_newton_eigenvalues,
+    numerical_ranks,
+    output_hessian_traces,
+    trace_S_from_G,
+)
 from nsa_dist.hessian._probes import rademacher
 from nsa_dist.models import SOFTPLUS_SCALE, SOFTPLUS_SHIFT, build_model, normalized_softplus
 from nsa_dist.ntk import limit_ntk

@@ -18,7 +18,7 @@ import torch
 from scipy.sparse.linalg import aslinearoperator
 
 from nsa_dist.errors import MissingDependencyError, NonFiniteError, ShapeError
-from nsa_dist.linalg import EigMethod, Eigenpairs, LanczosConvergenceWarning, top_eigenpairs
+from nsa_dist.linalg import Eigenpairs, EigMethod, LanczosConvergenceWarning, top_eigenpairs
 
 TOL = 1e-10  # top_eigenpairs' default residual tolerance
 RTOL_EVALS = 1e-8  # eigenvalues, relative
@@ -41,7 +41,7 @@ def repeated(N: int) -> np.ndarray:
     return np.concatenate([head, 0.5 * decaying(N - len(head))])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def psd(N: int, spectrum: str = "decaying", seed: int = 0) -> np.ndarray:
     """(N, N) float64 ``Q diag(λ) Qᵀ`` with Haar-random Q (read-only, cached)."""
     lam = {"decaying": decaying, "repeated": repeated}[spectrum](N)
@@ -53,7 +53,7 @@ def psd(N: int, spectrum: str = "decaying", seed: int = 0) -> np.ndarray:
     return G
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(N: int, spectrum: str = "decaying", seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """torch.linalg.eigh of :func:`psd`, descending: evals (N,), evecs (N, N)."""
     w, V = torch.linalg.eigh(torch.tensor(psd(N, spectrum, seed)))

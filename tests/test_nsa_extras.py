@@ -14,8 +14,8 @@ from nsa_dist.config import ExperimentSpec, ModelSpec, OptimizerName
 from nsa_dist.errors import ShapeError
 from nsa_dist.metrics import reconstruction_ks, top_k_reconstructions
 from nsa_dist.models import build_model
-from nsa_dist.pipeline import run_experiment
 from nsa_dist.ntk.kernel_change import gram_change
+from nsa_dist.pipeline import run_experiment
 from nsa_dist.store import SpectrumStore
 
 

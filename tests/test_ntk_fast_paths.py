@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close_rel, dense_ntk
 from torch import nn
 
-from conftest import assert_close_rel, dense_ntk
 from nsa_dist.ntk import explain_method, gram, inputs
 from nsa_dist.ntk._conv import _column_groups, per_layer_layers
 from nsa_dist.ntk._probe import plan_forward

@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_close_rel, dense_ntk
 from torch import nn
 
 from nsa_dist.errors import ModelForwardError, UnsupportedModelError
 from nsa_dist.ntk import explain_method, gram, ntk_operator
-from conftest import assert_close_rel, dense_ntk
 
 F64 = torch.float64
 

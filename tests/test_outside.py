@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import moto_server
+from test_s3 import _bucket, s3_env  # noqa: F401  (the session's loopback moto server, its AWS_* variables set)
 
 from nsa_dist.cli import main as nsa
 from nsa_dist.client import Client
 from nsa_dist.store.keys import Keys
-from conftest import moto_server
-from test_s3 import _bucket, s3_env  # noqa: F401  (the session's loopback moto server, its AWS_* variables set)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"data": {"n": 16}, "model": {"depth": 2, "width": 8}, "steps": 4, "record": {"every": 2},

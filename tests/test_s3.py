@@ -77,7 +77,6 @@ def _datasets_in_s3(env: dict, tmp_path: Path) -> tuple[dict, dict, str]:
     """A PNG, MNIST IDX files and CIFAR-10 batches written locally and uploaded to a new bucket:
     (local paths, their s3:// URLs, the bucket) by dataset name."""
     import s3fs
-
     from test_job_data import write_datasets
 
     local = write_datasets(tmp_path / "data")

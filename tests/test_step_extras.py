@@ -11,10 +11,10 @@ from conftest import dense_jacobian, dense_ntk
 from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec, ModelSpec
 from nsa_dist.data import load_dataset
-from nsa_dist.models import build_model
-from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment
 from nsa_dist.losses import loss_value
+from nsa_dist.models import build_model
 from nsa_dist.ntk.kernel_spectra import full_kernel_top
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment
 from nsa_dist.pipeline.step_extras import predicted_update
 from nsa_dist.store import SpectrumStore
 

@@ -18,8 +18,21 @@ import pytest
 
 from nsa_dist.errors import StoreError
 from nsa_dist.pipeline.checkpoint import TrainerState
-from nsa_dist.store import (Keys, LeaseHeld, LeaseLost, RunDims, RunWriter, SpectrumStore, Status, StepResult, mark_damaged,
-                            run_arrays, run_summaries, step_specs, verify_store)
+from nsa_dist.store import (
+    Keys,
+    LeaseHeld,
+    LeaseLost,
+    RunDims,
+    RunWriter,
+    SpectrumStore,
+    Status,
+    StepResult,
+    mark_damaged,
+    run_arrays,
+    run_summaries,
+    step_specs,
+    verify_store,
+)
 
 DIMS = RunDims(N=4, M=2, d=3, Ko=1, P=5, S=4, T=40, K=2, k_test=0, n_images=0, image_size=0, fourier_size=0,
                n_slots=1, rng_bytes=2, store_eigenvectors=False)

@@ -233,7 +233,7 @@ class Run(RunArrays):
         return stability_bound(self.lambda_max, self.N)
 
     # ------------------------------------------------------------------ as data
-    def to_xarray(self, *, state: bool = False) -> "xarray.Dataset":
+    def to_xarray(self, *, state: bool = False) -> xarray.Dataset:
         """The run's finished steps as an :class:`xarray.Dataset` (dims step, k, point, output, …).
 
         ``step`` is a coordinate (the recorded t), ``k`` / ``k_full`` / ``k_test`` run from 1;

@@ -156,9 +156,9 @@ class Sweep:
         KeyError: no sweep ``name`` in the store (the known ones are named).
     """
 
-    def __init__(self, store: "SpectrumStore", name: str) -> None:
+    def __init__(self, store: SpectrumStore, name: str) -> None:
         self.store, self.name = store, name
-        self.runs: "pandas.DataFrame" = runs_frame(store, sweep=name)  # KeyError naming the known sweeps
+        self.runs: pandas.DataFrame = runs_frame(store, sweep=name)  # KeyError naming the known sweeps
         varied = varied_fields(store.sweep_spec(name))
         self.seeded = "seed" in varied
         self.fields = [f for f in varied if f != "seed" and f in self.runs.columns]
@@ -167,7 +167,7 @@ class Sweep:
         """One run of the sweep by its id (a value of ``runs["id"]``)."""
         return Run(self.store, run_id)
 
-    def _finished(self) -> "pandas.DataFrame":
+    def _finished(self) -> pandas.DataFrame:
         return self.runs[self.runs["steps_done"] > 0]
 
     def groups(self) -> list[tuple[dict[str, Any], list[str]]]:
@@ -192,7 +192,7 @@ class Sweep:
                                     len(ids)))
         return curves
 
-    def scalar(self, name: str, k: int | None = None, step: int | None = None) -> "pandas.DataFrame":
+    def scalar(self, name: str, k: int | None = None, step: int | None = None) -> pandas.DataFrame:
         """One row per finished run: id, the grid fields, seed, ``value`` = quantity ``name`` at
         ``step`` (default: each run's last finished recorded step; "loss": last trained step)."""
         import pandas as pd

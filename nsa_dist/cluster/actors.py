@@ -13,8 +13,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nsa_dist.config import ClusterSpec
 from nsa_dist.cluster.resources import resolve_gpus, threads
+from nsa_dist.config import ClusterSpec
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.pipeline.shard import SpectralShard
 

@@ -12,19 +12,20 @@ took a run over, the sweep stops with :class:`~nsa_dist.store.LeaseLost` and wri
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.cluster.actors import spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang
 from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
 from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
 from nsa_dist.cluster.runtime import alive_nodes, cluster_has_gpus
+from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import RunOutcome, RunPlan, TrainingDiverged, finish_run, prepare_run, run_id
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status

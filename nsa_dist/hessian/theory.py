@@ -112,7 +112,7 @@ class OutputTraces:
     per_probe: np.ndarray
 
 
-def output_hessian_traces(model: "nn.Module", X: torch.Tensor, n_probes: int = 16, *, seed: int = 0,
+def output_hessian_traces(model: nn.Module, X: torch.Tensor, n_probes: int = 16, *, seed: int = 0,
                           dtype: torch.dtype | None = torch.float64, block_size: int | None = None) -> OutputTraces:
     """The vector G of the Hessian paper (``G = Σ_p ∂²Y/∂θ_p²``) at the points X, by probes.
 
@@ -247,7 +247,7 @@ class Ranks:
 _MAX_DENSE_P = 4096
 
 
-def numerical_ranks(model: "nn.Module", X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
+def numerical_ranks(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
                     tol: float = 1e-9) -> Ranks:
     """Ranks of the dense I, S and H of a small network, beside ``Rank(I) ≤ N n_L`` and
     ``Rank(S) ≤ 2(L − 1) w N n_L`` (the Hessian paper; L Linear layers, hidden width w).

@@ -21,8 +21,8 @@ nsa_dist.
 
 from __future__ import annotations
 
-from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
 from nsa_dist.config import EigMethod
+from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
 from nsa_dist.linalg._eigen import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning

@@ -32,8 +32,8 @@ when it cannot:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np

@@ -16,8 +16,17 @@ import numpy as np
 import torch
 
 from nsa_dist.errors import NonFiniteError, NSAError, ShapeError
-from nsa_dist.linalg._backend import (ArrayOps, Backend, TorchOps, _on_gpu, array_kind, convert, get_cupy,
-                                      host_empty, resolve_backend)
+from nsa_dist.linalg._backend import (
+    ArrayOps,
+    Backend,
+    TorchOps,
+    _on_gpu,
+    array_kind,
+    convert,
+    get_cupy,
+    host_empty,
+    resolve_backend,
+)
 
 __all__ = ["SymmetricMap", "as_symmetric_map", "sym_rtol"]
 

@@ -17,12 +17,12 @@ pipeline or the store.
 
 from nsa_dist.config import NTKMethod
 from nsa_dist.ntk._method import Kernel
-from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk._operator import NTKOperator, jacobian_vector_product
-from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method
 from nsa_dist.ntk._probe import couples as sample_coupling
-from nsa_dist.ntk.state import preserved
+from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method
+from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk.limit import limit_ntk
+from nsa_dist.ntk.state import preserved
 
 __all__ = ["Kernel", "NTKMethod", "NTKOperator", "explain_method", "gram", "jacobian_vector_product", "limit_ntk", "ntk_operator", "prepare_model", "preserved", "resolve_method",
            "sample_coupling"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

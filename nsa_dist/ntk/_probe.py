@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._attention import attention_ok, attention_call_ok, decomposed, projections
+from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, trainable_params
 from nsa_dist.ntk.state import batch_stat_modules, preserved
 

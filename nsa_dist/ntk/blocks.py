@@ -14,14 +14,14 @@ from torch import nn
 from nsa_dist._checks import parse_enum
 from nsa_dist.config import NTKMethod
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk._conv import _features, per_layer_layers
-from nsa_dist.ntk.inputs import output_dim, prepare_inputs, trainable_params
 from nsa_dist.ntk._jacobian import jacobian_fn
 from nsa_dist.ntk._probe import ForwardPlan
-from nsa_dist.ntk.state import preserved
 from nsa_dist.ntk._structured import Unproven, _chunk_features, structured_layers
+from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.gram import _choose, _plan
+from nsa_dist.ntk.inputs import output_dim, prepare_inputs, trainable_params
+from nsa_dist.ntk.state import preserved
 
 __all__ = ["BlockFeatures", "block_features", "feature_width", "row_blocks"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ class ModelState:
     training: dict[str, bool]
 
     @classmethod
-    def capture(cls, model: nn.Module) -> "ModelState":
+    def capture(cls, model: nn.Module) -> ModelState:
         """A copy of ``model``'s buffers and modes now (later changes to the model do not reach it)."""
         buffers = {}
         for name, b in model.named_buffers():

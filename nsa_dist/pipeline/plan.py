@@ -138,7 +138,7 @@ class RunPlan:
         """The analysis precision (``spectrum.dtype``)."""
         return self.spec.spectrum.torch_dtype()
 
-    def with_layout(self, layout: str, reason: str) -> "RunPlan":
+    def with_layout(self, layout: str, reason: str) -> RunPlan:
         """The plan with the layout the run was created with (``auto`` is resolved once, by whoever
         created the run, and stored), not the one this machine's memory would choose."""
         return dataclasses.replace(self, layout=LayoutChoice(Layout(layout), reason))

@@ -4,36 +4,42 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-
 from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.config import Layout
 from nsa_dist.data import Dataset
+from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.linalg import HostWorkspace, top_eigenpairs
 from nsa_dist.linalg.tridiag import eig_weights
-from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import is_nce, training_residual as loss_residual
-from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, energy_from_projections,
-                              first_order_accuracy, reconstruction_ks, top_k_reconstructions)
+from nsa_dist.metrics import (
+    alignment_from_products,
+    centered_sq_frobenius,
+    energy_from_projections,
+    first_order_accuracy,
+    reconstruction_ks,
+    top_k_reconstructions,
+)
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram, jacobian_vector_product, prepare_model
+from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.pipeline.checkpoint import Checkpoint
-from nsa_dist.pipeline.trainer import CHUNK_POINTS
+from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.hessian_step import GramKnowledge, HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
-from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvature, ShardedGram, StepGram, TiledGram
-from nsa_dist.pipeline.plan import RunPlan
-from nsa_dist.ntk.kernel_change import gram_change
+from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
+from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.step_basis import StepSpectrum, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
-from nsa_dist.pipeline.diagnostics import StepNotes
+from nsa_dist.pipeline.trainer import CHUNK_POINTS
 from nsa_dist.store import step_specs
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult, not_computed
 

@@ -24,8 +24,8 @@ _WHAT = {"y": r"relative energy of the labels $\bar y$ in the top k eigenvectors
 _LABEL = {"y": "3a", "f": "3b", "residual": "3c", "df_pred": "3d", "f_test": "3e"}
 
 
-def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = True,
-            chosen: tuple[int, ...] | None = None) -> tuple[str, list[str], "np.ndarray"]:
+def _curves(ax: Axes, run: Run, phi: str, ls: str = "o-", labels: bool = True,
+            chosen: tuple[int, ...] | None = None) -> tuple[str, list[str], np.ndarray]:
     """One line per k in ``chosen`` (default 1, 2, 5, 10, …) ≤ K (the K of this φ's eigenbasis);
     returns the family (name, labels, colours) for :func:`axes.legend`."""
     E = run.energy(phi)  # (S, K)
@@ -36,7 +36,7 @@ def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = Tru
     return "k", [family_label("k", k) for k in rows], cols
 
 
-def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "Figure":
+def energy_figure(run: Run, phi: str, opts: PlotOptions = PlotOptions()) -> Figure:
     """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
     what = _WHAT[phi]

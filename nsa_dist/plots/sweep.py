@@ -6,8 +6,9 @@ and a shaded band of ± one standard deviation.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,15 +30,15 @@ _ALL = SWEEP_FIGURES + HESSIAN_SWEEP_FIGURES
 _WIDTH = "model.width"
 
 
-def _figure(sweep: "Sweep", label: str, what: str, ncols: int = 0,
-            paper: str = "NSA") -> tuple["Figure", "Axes"]:
+def _figure(sweep: Sweep, label: str, what: str, ncols: int = 0,
+            paper: str = "NSA") -> tuple[Figure, Axes]:
     fig = blank_figure((7.0 if not ncols else 4.4 * ncols, 4.6))
     seeds = "; mean ± std over seeds" if sweep.seeded else ""
     set_title(fig, f"{paper}{f' Fig. {label}' if label else ''} — {what}", f"sweep {sweep.name}{seeds}")
     return fig, (fig.subplots() if not ncols else fig.subplots(1, ncols, squeeze=False)[0])
 
 
-def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0, key: bool = True) -> None:
+def _lines(ax: Axes, curves: list[Curve], shift: int = 0, key: bool = True) -> None:
     """One line per grid point (mean over seeds, ± std shaded) and, with ``key``, their legend (more
     than ~10: a colour key)."""
     cols = colors(len(curves))
@@ -50,13 +51,13 @@ def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0, key: bool = True) 
         legend(ax, family=("grid point", [cv.label for cv in curves], cols))
 
 
-def summary_k(sweep: "Sweep", k: int = 10) -> int:
+def summary_k(sweep: Sweep, k: int = 10) -> int:
     """The k of the summary E(φ, k) across a sweep: ``k`` capped by the eigenpairs every run stores
     and kept below every run's N (at k = N every E is 1)."""
     return max(1, min(k, sweep.smallest_k(), sweep.smallest_n() - 1))
 
 
-def fig7a(sweep: "Sweep", k: int | None = None) -> "Figure":
+def fig7a(sweep: Sweep, k: int | None = None) -> Figure:
     """E_t(y, k) along t per grid point.  Default k: the paper's fraction of N (k = 400 of N = 10⁴)
     of the smallest N of the sweep, below it and capped at the smallest K (:func:`axes.energy_k`);
     a given ``k`` is capped at the smallest K."""
@@ -67,7 +68,7 @@ def fig7a(sweep: "Sweep", k: int | None = None) -> "Figure":
     return fig
 
 
-def fig7b(sweep: "Sweep") -> "Figure":
+def fig7b(sweep: Sweep) -> Figure:
     """Training loss L(θ_t) of every step per grid point (log-log against t + 1)."""
     fig, ax = _figure(sweep, "7b", "training loss")
     _lines(ax, sweep.curves("loss"), shift=1)
@@ -75,7 +76,7 @@ def fig7b(sweep: "Sweep") -> "Figure":
     return fig
 
 
-def fig7c(sweep: "Sweep") -> "Figure":
+def fig7c(sweep: Sweep) -> Figure:
     """Test loss (the run's loss at the test points: (1/M) Σ ½‖f_t(x_j) − y_j‖² for L2) at the recorded
     steps per grid point (log-log against t + 1)."""
     fig, ax = _figure(sweep, "7c", "test loss")
@@ -84,8 +85,8 @@ def fig7c(sweep: "Sweep") -> "Figure":
     return fig
 
 
-def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k: int | None = None,
-                  step: int | None = None) -> "Figure":
+def scalar_figure(sweep: Sweep, name: str, x: str, line: str | None = None, k: int | None = None,
+                  step: int | None = None) -> Figure:
     """Quantity ``name`` at ``step`` (default the last) against grid field ``x``, one line per
     value of field ``line``; error bars ± std over seeds.
 
@@ -114,7 +115,7 @@ def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k:
 # --------------------------------------------------------------------------- the Hessian paper (issue 10)
 
 
-def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
+def hessian_moments_figure(sweep: Sweep, part: str = "S") -> Figure:
     """Tr(A^k), k = 1..4, of A = ``part`` ("H", "I", "S", "I_exact", "I_limit") along t per grid
     point: mean ± std over the seeds (symlog y: Tr(S^k) changes sign)."""
     one_step = all(len(c.t) == 1 for c in sweep.curves(f"hessian_{part}", 1))
@@ -139,7 +140,7 @@ def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
     return fig
 
 
-def _points(ax: "Axes", sweep: "Sweep", curves: list["Curve"], name: str, k: int) -> None:
+def _points(ax: Axes, sweep: Sweep, curves: list[Curve], name: str, k: int) -> None:
     """One column per grid point: every seed's value (dots) and the mean ± std (error bar)."""
     df = sweep.scalar(name, k, step=int(curves[0].t[0]))
     for x, (c, cv) in enumerate(zip(colors(len(curves)), curves)):
@@ -161,7 +162,7 @@ def fit_slope(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.polyfit(np.log(x[ok]), np.log(y[ok]), 1)[0]) if ok.sum() >= 2 else float("nan")
 
 
-def _by_width(sweep: "Sweep", name: str, k: int | None, step: int | None, line: str | None):
+def _by_width(sweep: Sweep, name: str, k: int | None, step: int | None, line: str | None):
     """[(line value, widths, mean, std)] of quantity ``name`` over ``model.width`` (seeds pooled)."""
     df = sweep.scalar(name, k, step)
     groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
@@ -172,7 +173,7 @@ def _by_width(sweep: "Sweep", name: str, k: int | None, step: int | None, line: 
     return out
 
 
-def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (1, 2)) -> "Figure":
+def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1, 2)) -> Figure:
     """Relative error of the measured Tr(I^k) against its Θ∞ limit over ``model.width`` at ``step``
     (default initialisation), log-log, mean ± std over seeds, with the fitted slope (the
     fluctuations of the NTK are O(1/√w): slope ≈ −1/2)."""
@@ -194,7 +195,7 @@ def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (
     return fig
 
 
-def regimes_figure(sweep: "Sweep", step: int = 0) -> "Figure":
+def regimes_figure(sweep: Sweep, step: int = 0) -> Figure:
     """The consequences of Proposition 4 over ``model.width`` at ``step``: Tr(S²)/Tr(I²) (grows ~w
     in the active regime, bounded in the NTK regime), ‖S‖_op (→ 0 in the NTK regime) and ‖S‖_F
     (finite at initialisation); one line per ``model.regime`` when the sweep varies it."""
@@ -215,7 +216,7 @@ def regimes_figure(sweep: "Sweep", step: int = 0) -> "Figure":
     return fig
 
 
-def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | None = None,
+def plot_sweep(sweep: Sweep, out_dir: str | Path, *, figures: Iterable[str] | None = None,
                k: int | None = None) -> list[Path]:
     """Write ``<out_dir>/<name>.png`` for the sweep figures (default all of :data:`SWEEP_FIGURES` and
     :data:`HESSIAN_SWEEP_FIGURES`).

@@ -56,7 +56,7 @@ class Eigenvectors(Panel):
     title = "NSA Figs. 4b–c, 5 and 6 — the residual and the eigenvectors of G_t at a step (and |Fourier|)"
     figures = ("fig4bc_residual_fourier", "fig5_eigenvectors", "fig6_eigenvectors_early")
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.images = run.has("eigvec_images")
         self.has_residual = run.has("residual_image")
         self.steps: list[int] = []
@@ -81,17 +81,17 @@ class Eigenvectors(Panel):
         """No value-driven chooser: the slider is wired by the page (a small read at one step)."""
         return []
 
-    def stored_steps(self, run: "Run") -> list[int]:
+    def stored_steps(self, run: Run) -> list[int]:
         """The finished steps whose eigenvectors (or their images) are stored."""
         return [int(t) for t in (run.steps if self.images else run.eigenvector_steps)]
 
-    def at(self, run: "Run", step: int) -> dict[str, Any]:
+    def at(self, run: Run, step: int) -> dict[str, Any]:
         """What the panel draws at ``step`` (worker thread)."""
         if self.images:
             return {"step": step, **run.images.at(step)}
         return {"step": step, "eigvec_images": run.eigenvectors(step)[None], "indices": None}
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         steps = self.stored_steps(run)
         follow = not self.steps or self.slider.value >= len(self.steps) - 1  # at the newest: follow new steps
         i = len(steps) - 1 if follow else min(self.slider.value, len(steps) - 1)
@@ -131,7 +131,7 @@ class Fig1abc(Panel):
     title = "NSA Figs. 1a–c — target, network output and training points"
     figures = ("fig1abc_target_output_points",)
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.step = step_select("step t of (b)", run.steps)
         self.controls = [self.step]
         self.mapper = LinearColorMapper(palette="Greys256")
@@ -150,7 +150,7 @@ class Fig1abc(Panel):
         figs[1].add_layout(ColorBar(color_mapper=self.mapper, width=8), "right")
         super().__init__(column(self.step, row(*figs)))
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         have = step_options(run.steps)
         need(have, "recorded step")
         t = int(self.step.value if self.step.value in have else have[-1])
@@ -176,7 +176,7 @@ class Fig4d(Panel):
     title = "NSA Fig. 4d — the output from the top-k eigenvectors of G_t"
     figures = ("fig4d_reconstructions",)
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.step = step_select("eigenvector step t", run.eigenvector_steps, width=180)
         self.controls = [self.step]
         self.images = run.has("reconstruction_images")
@@ -196,7 +196,7 @@ class Fig4d(Panel):
             figs = [p[0] for p in self.panels]
         super().__init__(column(self.step, row(*figs)))
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         have = step_options(run.eigenvector_steps)
         need(have, "step with stored eigenvectors")
         t = int(self.step.value if self.step.value in have else have[-1])

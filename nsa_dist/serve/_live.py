@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from bokeh.document import without_document_lock
@@ -32,7 +33,7 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#17becf")
 
 
-def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Callable[[Any], None],
+def every(doc: Document, period_s: float, read: Callable[[], Any], apply: Callable[[Any], None],
           lock: threading.Lock | None = None) -> None:
     """Every ``period_s``: ``read()`` in a worker thread, then ``apply(result)`` on the document.
 
@@ -62,7 +63,7 @@ def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Call
     doc.add_periodic_callback(tick, int(period_s * 1000))
 
 
-def query_arg(doc: "Document", name: str) -> str | None:
+def query_arg(doc: Document, name: str) -> str | None:
     """The page's query argument ``name`` (``/run?id=…``), or None."""
     values = doc.session_context.request.arguments.get(name) if doc.session_context else None
     if not values:
@@ -101,7 +102,7 @@ class Panel:
 
     title = ""
 
-    def __init__(self, body: "Model") -> None:
+    def __init__(self, body: Model) -> None:
         self.body = body
         self.error = Div(text="", visible=False, css_classes=["nsa-damaged"],
                          styles={"color": "#b00020", "max-width": "1000px", "white-space": "normal"})

@@ -12,8 +12,8 @@ from bokeh.models import Select
 
 from nsa_dist.plots import residual_projections
 from nsa_dist.plots.axes import gd_note, ks
-from nsa_dist.serve._live import Waiting
 from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, need, spread, stairs, step_options
+from nsa_dist.serve._live import Waiting
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
@@ -29,7 +29,7 @@ class Fig1d(Curves):
     plots = (Plot("step t", "‖df − df_pred‖ / ‖df‖", y_log=True, width=460),
              Plot("step t", "cos α_t (df, df_pred)", width=460))
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         fo = run.first_order
         return [[Series(run.steps, fo["error"], "error_t", color(3))], [Series(run.steps, fo["cos"], "cos α_t")]]
 
@@ -41,13 +41,13 @@ class Fig1e(Curves):
     figures = ("fig1e_lr_stability",)
     plots = (Plot("step t", "learning rate", y_log=True),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         x, y = stairs(run.steps, run.lr)
         full = " (full NK×NK kernel)" if run.Ko > 1 else ""
         return [[Series(x, y, "δ_t", color(0), markers=False), Series(run.steps, run.lr, "δ_t", color(0)),
                  Series(run.steps, run.stability_bound(), "2N/λ_max^t" + full, color(1))]]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return gd_note(run) or ""
 
 
@@ -61,7 +61,7 @@ class Fig2a(Picked):
     default = staticmethod(spread(6))
     default_text = "six spread from the first to the last"
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         lam = run.eigenvalues
         pos = {int(t): j for j, t in enumerate(run.steps)}
         i = np.arange(1, lam.shape[1] + 1)
@@ -76,7 +76,7 @@ class Fig2b(Curves):
     css = "nsa-plot-eigenvalues"
     plots = (Plot("step t", "eigenvalue λ_i^t", y_log=True, width=700),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         lam = run.eigenvalues
         return [[Series(run.steps, lam[:, i - 1], f"i = {i}", color(j)) for j, i in enumerate(ks(lam.shape[1]))]]
 
@@ -88,11 +88,11 @@ class Fig2c(Curves):
     figures = ("fig2c_flow_speed",)
     plots = (Plot("step t", "s_i^t"),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         s = run.flow_speed()
         return [[Series(run.steps, s[:, i], f"i = {i + 1}", color(i)) for i in range(min(8, s.shape[1]))]]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return gd_note(run) or ""
 
 
@@ -103,12 +103,12 @@ class Fig2d(Curves):
     figures = ("fig2d_lr_eigen",)
     plots = (Plot("step t", "δ_t λ_i^t / N", y_log=True),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         p = run.lr_eigen_product()
         out = [Series(run.steps, p[:, i - 1], f"i = {i}", color(j)) for j, i in enumerate(ks(p.shape[1]))]
         return [out + [hline(run.steps, 2.0, "2 (stability limit)", "#d62728", "dotted")]]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return gd_note(run) or ""
 
 
@@ -125,12 +125,12 @@ class Energy(Picked):
     plots = (Plot("step t", "E_t(φ, k)", title="along t, one line per k", width=560),
              Plot("k", "E_t(φ, k)", x_log=True, title="against k at the chosen steps", width=560))
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         options = [(p, f"Fig. {w}" if w[0].isdigit() else w) for p, w in self.PHIS.items() if run.has(f"energy_{p}")]
         self.phi = Select(title="φ", value=options[0][0], options=options, width=330)
         super().__init__(run, [self.phi])
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         phi = self.phi.value
         E, steps = run.energy(phi), run.steps
         rows = ks(E.shape[1])
@@ -156,11 +156,11 @@ class Fig4a(Picked):
     default = staticmethod(spread(2))  # the first and the last, as nsa plot
     default_text = "first and last"
 
-    def steps_of(self, run: "Run") -> np.ndarray:
+    def steps_of(self, run: Run) -> np.ndarray:
         """The steps with projections: every finished step when stored, else the eigenvector steps."""
         return run.steps if run.has("projections_residual") else run.eigenvector_steps
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         need(self.steps_of(run), "step with stored projections (or eigenvectors)")
         out = []
         for j, t in enumerate(self.picked(run)):
@@ -178,18 +178,18 @@ class Fig7d(Curves):
     plots = (Plot("k (top eigenvectors of G_t1)", "E_t1(v_i^t2, k)", x_log=True, width=700),)
     STORED = "stored"
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         opts = [self.STORED] + step_options(run.eigenvector_steps)
         self.t1 = Select(title="t1", value=self.STORED, options=opts, width=150)
         self.t2 = Select(title="t2", value=self.STORED, options=opts, width=150)
         self.pair = ""
         super().__init__(run, [self.t1, self.t2])
 
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
+    def choices(self, run: Run) -> list[tuple[Any, list[str]]]:
         opts = [self.STORED] + step_options(run.eigenvector_steps)
         return [(self.t1, opts), (self.t2, opts)]
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         a, b = self.t1.value, self.t2.value
         if not run.has("preservation") and len(run.eigenvector_steps) < 2:
             need([], "two steps with stored eigenvectors (or the pair stored at the end)")
@@ -201,7 +201,7 @@ class Fig7d(Curves):
         k = np.arange(1, P.shape[1] + 1)
         return [[Series(k, E, f"i = {i}", color(j), markers=len(k) <= 60) for j, (i, E) in enumerate(zip(rows, P))]]
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         data = super().read(run)
         data["pair"] = self.pair
         return data
@@ -218,14 +218,14 @@ class Eqs45(Curves):
     title = "NSA Eqs. 4–5 (and App. E, Eq. 22) — the residual under a constant Gramian G_t0 vs measured"
     figures = ("eqs45_constant_gram",)
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.test = run.has("constant_gram_f_test")
         plots = (Plot("step t", "‖m_t‖", y_log=True, width=420), Plot("step t", "E_t(m_t, k)", width=420))
         if self.test:
             plots += (Plot("step t", "test residual ‖f_t(X') − y'‖", y_log=True, width=420, title="App. E"),)
         super().__init__(run, plots=plots)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         if not run.has("constant_gram_residual"):
             raise Waiting("Eqs. 4–5's prediction is written when the run finishes")
         pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")  # (S_all, 2), (S_all, K)
@@ -247,7 +247,7 @@ class Eqs45(Curves):
                         Series(t, norm(pred_test), "Eq. 22 (Nyström, App. E)", color(1), "dashed")])
         return out
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         if not run.has("constant_gram_residual") or not len(run.steps):
             return ""
         pred = run.array("constant_gram_residual")[[int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps], 0]
@@ -269,11 +269,11 @@ class AppF(Picked):
 
     pick_title = "steps t (left)"
 
-    def steps_of(self, run: "Run") -> np.ndarray:
+    def steps_of(self, run: Run) -> np.ndarray:
         """The eigenvector steps (App. F's dG_t is stored at them)."""
         return run.eigenvector_steps
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         need(run.eigenvector_steps, "step with stored eigenvectors")
         gc = run.kernel.gram_change()
         i = np.arange(1, gc["measured"].shape[1] + 1)
@@ -297,7 +297,7 @@ class Loss(Curves):
     figures = ("loss",)
     plots = (Plot("step t + 1", "L(θ_t)", x_log=True, y_log=True, width=700),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         trace = np.asarray(run.loss_trace, np.float64)
         ok = np.flatnonzero(np.isfinite(trace))
         out = [Series(ok + 1.0, trace[ok], "training loss, every step", color(0), markers=False),

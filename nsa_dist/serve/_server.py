@@ -15,8 +15,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from nsa_dist.errors import ServeError
 
@@ -138,7 +139,7 @@ def _without_token(application: type) -> type:
     return WithoutToken
 
 
-def make_server(opts: ServeOptions) -> "Server":
+def make_server(opts: ServeOptions) -> Server:
     """The Bokeh server of ``opts`` (bound, not started): ``/`` the run table, ``/run?id=RUN`` a
     run's page, ``/sweep?name=NAME`` a sweep's figures.
 

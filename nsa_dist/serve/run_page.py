@@ -13,7 +13,8 @@ from __future__ import annotations
 import html
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from nsa_dist.client import Run
 
@@ -36,9 +37,7 @@ def _has(*names: str) -> _Needs:
 def _sections() -> dict[str, list[tuple[Any, _Needs]]]:
     """Each paper's panels in page order, with what a run must store for each (as ``nsa plot``'s
     registry asks; a panel whose step has not come yet says so)."""
-    from nsa_dist.serve import _eigvec_panel as im
-    from nsa_dist.serve import _hessian_panels as h
-    from nsa_dist.serve import _nsa_panels as n
+    from nsa_dist.serve import _eigvec_panel as im, _hessian_panels as h, _nsa_panels as n
 
     evals = _has("eigenvalues", "lr")
     two_d = lambda run: run.has("eigvec_images") or (run.shape("X")[1] == 2 and run.Ko == 1)  # noqa: E731
@@ -64,14 +63,14 @@ def _sections() -> dict[str, list[tuple[Any, _Needs]]]:
     }
 
 
-def run_sections(run: Run) -> dict[str, list["Panel"]]:
+def run_sections(run: Run) -> dict[str, list[Panel]]:
     """The panels run ``run`` has data for, by paper (a tab each), in page order; papers without
     a panel are left out."""
     out = {paper: [cls(run) for cls, needs in panels if needs(run)] for paper, panels in _sections().items()}
     return {paper: panels for paper, panels in out.items() if panels}
 
 
-def run_panels(run: Run) -> list["Panel"]:
+def run_panels(run: Run) -> list[Panel]:
     """Every panel of :func:`run_sections`, in page order."""
     return [p for panels in run_sections(run).values() for p in panels]
 
@@ -110,7 +109,7 @@ def _notes(run: Run) -> str:
 UNKNOWN_RUN = "no run with this id in the store"
 
 
-def open_run(store: "SpectrumStore", rid: str) -> Run:
+def open_run(store: SpectrumStore, rid: str) -> Run:
     """The run ``?id=`` names, looked up among the runs the store lists only — its id, a unique id
     prefix, or its name when one run has it — never as a path (``..`` names no listed run).
 
@@ -129,7 +128,7 @@ def open_run(store: "SpectrumStore", rid: str) -> Run:
     return Run(store, hits[0])
 
 
-def _spec_name(store: "SpectrumStore", rid: str) -> str | None:
+def _spec_name(store: SpectrumStore, rid: str) -> str | None:
     """Run ``rid``'s spec name, or None for a run whose attributes cannot be read."""
     try:
         return store.run_attrs(rid).get("spec", {}).get("name")
@@ -137,10 +136,10 @@ def _spec_name(store: "SpectrumStore", rid: str) -> str | None:
         return None
 
 
-def run_page(store: "SpectrumStore", refresh_s: float) -> Any:
+def run_page(store: SpectrumStore, refresh_s: float) -> Any:
     """The Bokeh app function of ``/run``."""
 
-    def app(doc: "Document") -> None:
+    def app(doc: Document) -> None:
         from bokeh.layouts import column
         from bokeh.models import Div, TabPanel, Tabs
 
@@ -215,7 +214,7 @@ def _seen(run: Run) -> tuple[bytes, str, str]:
     return run.finished.tobytes(), str(run.status), str(run.reason)
 
 
-def _read(p: "Panel", run: Run) -> Any:
+def _read(p: Panel, run: Run) -> Any:
     """The panel's data, or what it shows instead (an error, or a note while no step is finished)."""
     from nsa_dist.serve._live import Waiting
 
@@ -224,12 +223,12 @@ def _read(p: "Panel", run: Run) -> Any:
     return p.guarded(run)
 
 
-def _wire_choices(panels: list["Panel"], run: Run, lock: threading.Lock) -> None:
+def _wire_choices(panels: list[Panel], run: Run, lock: threading.Lock) -> None:
     """A chooser (φ, steps, the step slider) redraws its panel at once (a small read, under ``lock``)."""
     from nsa_dist.serve._eigvec_panel import Eigenvectors
 
     for p in panels:
-        def redraw(attr: str, old: Any, new: Any, p: "Panel" = p) -> None:
+        def redraw(attr: str, old: Any, new: Any, p: Panel = p) -> None:
             with lock:
                 p.update(_read(p, run))
 

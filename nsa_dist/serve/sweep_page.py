@@ -44,7 +44,7 @@ def _keep(args: Args, key: dict[str, Any]) -> bool:
     return all(str(key[f]) in args[2].get(f, [str(key[f])]) for f in key)
 
 
-def _lines(curves: list["Curve"], args: Args, shift: float = 0.0) -> list[Series]:
+def _lines(curves: list[Curve], args: Args, shift: float = 0.0) -> list[Series]:
     """One series per chosen grid point: the mean over its seeds with a ± std band."""
     out = []
     for j, c in enumerate(x for x in curves if _keep(args, x.key)):
@@ -92,7 +92,7 @@ def _by(df: Any, x: str, line: str | None, args: Args) -> list[Series]:
     return out
 
 
-def _numeric(sweep: "Sweep", field: str) -> bool:
+def _numeric(sweep: Sweep, field: str) -> bool:
     try:
         np.asarray(sweep.runs[field].to_numpy(), np.float64)
     except (TypeError, ValueError):
@@ -107,7 +107,7 @@ class ScalarFigure(Curves):
     title = "E(y, k = 10, at most K) at the last step across the sweep (a summary, no figure of the paper)"
     figures = ("scalar_energy_y_10",)
 
-    def __init__(self, sweep: "Sweep") -> None:
+    def __init__(self, sweep: Sweep) -> None:
         self.x = sweep.fields[0]
         self.line = sweep.fields[1] if len(sweep.fields) > 1 else None
         super().__init__(plots=(Plot(self.x, "E(y, 10) at the last step", width=620),))
@@ -205,7 +205,7 @@ class Regimes(Curves):
         return out
 
 
-def sweep_panels(sweep: "Sweep") -> list[Curves]:
+def sweep_panels(sweep: Sweep) -> list[Curves]:
     """The figures sweep ``sweep`` can draw, as ``nsa plot --sweep`` decides: Fig. 7c with test
     points, the summary with a varied field, the Hessian figures with a ``hessian:`` block (the
     width figures with a width axis)."""
@@ -227,10 +227,10 @@ def sweep_panels(sweep: "Sweep") -> list[Curves]:
     return out
 
 
-def sweep_page(store: "SpectrumStore", refresh_s: float) -> Any:
+def sweep_page(store: SpectrumStore, refresh_s: float) -> Any:
     """The Bokeh app function of ``/sweep``."""
 
-    def app(doc: "Document") -> None:
+    def app(doc: Document) -> None:
         from bokeh.layouts import column, row
         from bokeh.models import Div, MultiChoice, Spinner
 
@@ -307,7 +307,7 @@ def sweep_page(store: "SpectrumStore", refresh_s: float) -> Any:
     return app
 
 
-def default_k(sweep: "Sweep") -> int | None:
+def default_k(sweep: Sweep) -> int | None:
     """Fig. 7a's default k for ``sweep`` (:func:`~nsa_dist.plots.axes.energy_k` of its smallest N and
     K), or None before any run has a finished step."""
     return energy_k(sweep.smallest_n(), sweep.smallest_k()) if len(sweep.groups()) else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 from typing import TYPE_CHECKING, Any
-
 from urllib.parse import quote
 
 import numpy as np
@@ -35,7 +34,7 @@ class RunTable:
         store: the spectrum store (read only).
     """
 
-    def __init__(self, store: "SpectrumStore") -> None:
+    def __init__(self, store: SpectrumStore) -> None:
         self.store = store
         self._full: dict[str, RunSummary] = {}  # run → its last read with the step columns
 
@@ -79,13 +78,20 @@ class RunTable:
         return cols
 
 
-def table_page(store: "SpectrumStore", refresh_s: float) -> Any:
+def table_page(store: SpectrumStore, refresh_s: float) -> Any:
     """The Bokeh app function of ``/``."""
 
-    def app(doc: "Document") -> None:
+    def app(doc: Document) -> None:
         from bokeh.layouts import column
-        from bokeh.models import (ColumnDataSource, DataTable, Div, HTMLTemplateFormatter, NumberFormatter,
-                                  ScientificFormatter, TableColumn)
+        from bokeh.models import (
+            ColumnDataSource,
+            DataTable,
+            Div,
+            HTMLTemplateFormatter,
+            NumberFormatter,
+            ScientificFormatter,
+            TableColumn,
+        )
 
         from nsa_dist.serve._live import every
 

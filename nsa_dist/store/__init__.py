@@ -21,8 +21,16 @@ store's key API, and ``fencing`` implements it (the fenced writer's local store)
 
 from nsa_dist.store.faults import describe_fault
 from nsa_dist.store.keys import Keys, open_zarr_group
-from nsa_dist.store.lease import (Lease, LeaseHeld, LeaseInfo, LeaseLost, RunRefused, check_holder, effective_status,
-                                  parse_lease)
+from nsa_dist.store.lease import (
+                                  Lease,
+                                  LeaseHeld,
+                                  LeaseInfo,
+                                  LeaseLost,
+                                  RunRefused,
+                                  check_holder,
+                                  effective_status,
+                                  parse_lease,
+)
 from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
 from nsa_dist.store.schema import PHIS, SCHEMA_VERSION, RunDims, StepRecord, run_arrays, step_specs

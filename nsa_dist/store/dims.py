@@ -48,7 +48,7 @@ class RunDims:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RunDims":
+    def from_json(cls, d: dict) -> RunDims:
         """The sizes as stored; a run written before the fields were named (``Hm``, ``Kt``, …) reads too."""
         return cls(**{_OLD_NAMES.get(k, k): v for k, v in d.items()})
 

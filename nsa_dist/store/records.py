@@ -13,8 +13,9 @@ the step does not have that array.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -161,7 +162,7 @@ class StepResult:
                 if part is not None for f in fields(part) if getattr(part, f.name) is not None}
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, Any]) -> "StepResult":
+    def from_arrays(cls, arrays: dict[str, Any]) -> StepResult:
         """The result holding ``arrays`` (stored names; e.g. a step read back from the store).
 
         Raises:

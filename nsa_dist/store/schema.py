@@ -122,7 +122,7 @@ class StepRecord:
 
     @classmethod
     def build(cls, D: RunDims, index: int, result: dict[str, Any], *, eigenvectors: bool, hessian: bool,
-              where: str = "") -> "StepRecord":
+              where: str = "") -> StepRecord:
         """Check ``result`` against the contract; ValueError naming every unknown, missing or
         mis-shaped key (``where``: the run, for the message)."""
         from nsa_dist.errors import StoreError
