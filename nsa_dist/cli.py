@@ -24,8 +24,14 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from nsa_dist.client import Client
 
 __all__ = ["main"]
 

@@ -7,7 +7,7 @@ import math
 import sys
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -305,7 +305,7 @@ def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch
 _log = logging.getLogger("nsa_dist")
 _compiled_said: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose compiled submodules were reported
 
-OutputSelector = Union[str, int, Callable[[Any], torch.Tensor], None]
+OutputSelector = str | int | Callable[[Any], torch.Tensor] | None
 """Which output of a model to measure: None (the model returns the tensor), a key (a dict's or a
 ``ModelOutput``'s, or an attribute name), an index (a tuple's or a list's; the i-th value of a
 dict / ``ModelOutput``, as ``ModelOutput[i]``), or a callable ``output -> tensor``."""

@@ -144,7 +144,7 @@ def moto_server(server_env: dict | None = None) -> Iterator[tuple[dict, subproce
                 break
             except OSError:
                 if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the moto S3 server did not start")
+                    raise RuntimeError("the moto S3 server did not start") from None
                 time.sleep(0.2)
         yield env, proc
     finally:

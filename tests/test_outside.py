@@ -48,7 +48,7 @@ def _clis(calls: list[tuple[list[str], dict | None]], cwd: Path, timeout: float 
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}) for args, env in calls]
     out = []
-    for (args, _), p in zip(calls, procs):
+    for p in procs:
         stdout, stderr = p.communicate(timeout=timeout)
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out

@@ -101,7 +101,7 @@ def scalar_figure(sweep: Sweep, name: str, x: str, line: str | None = None, k: i
     fig, ax = _figure(sweep, "", what + " across the sweep (a summary, no figure of the paper)")
     groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
     cols, labels = colors(len(groups)), [f"{line.split('.')[-1]}={lv}" if line else name for lv, _ in groups]
-    for c, label, (lv, sub) in zip(cols, labels, groups):
+    for c, label, (_, sub) in zip(cols, labels, groups):
         g = sub.groupby(x, sort=True)["value"]
         mean, std = g.mean(), g.std(ddof=0).fillna(0.0)
         ax.errorbar(mean.index.to_numpy(), mean.to_numpy(), yerr=std.to_numpy(), fmt="o-", ms=4, capsize=3, color=c,
@@ -119,7 +119,7 @@ def hessian_moments_figure(sweep: Sweep, part: str = "S") -> Figure:
     """Tr(A^k), k = 1..4, of A = ``part`` ("H", "I", "S", "I_exact", "I_limit") along t per grid
     point: mean ± std over the seeds (symlog y: Tr(S^k) changes sign)."""
     one_step = all(len(c.t) == 1 for c in sweep.curves(f"hessian_{part}", 1))
-    what = f"moments Tr({part}^k)" + (" at t = %d, per grid point" % sweep.curves(f"hessian_{part}", 1)[0].t[0]
+    what = f"moments Tr({part}^k)" + (f" at t = {int(sweep.curves(f'hessian_{part}', 1)[0].t[0])}, per grid point"
                                       if one_step else " along training")
     fig, axes = _figure(sweep, "1", what, ncols=4, paper="Hessian paper")
     for k, ax in enumerate(axes, start=1):

@@ -213,7 +213,10 @@ def sweep_panels(sweep: Sweep) -> list[Curves]:
 
     ids = list(sweep.runs["id"]) if len(sweep.runs) else []
     first = Run(sweep.store, ids[0]) if ids else None
-    has = (lambda name: first is not None and first.has(name))
+
+    def has(name: str) -> bool:
+        return first is not None and first.has(name)
+
     out: list[Curves] = [SweepFigure(*spec) for spec in _FIGURES if spec[2] != "loss_test" or has("loss_test")]
     if sweep.fields:
         out.append(ScalarFigure(sweep))
