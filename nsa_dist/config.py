@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Activation", "Init", "ModelSpec", "FactoryModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "NTKMethod", "EigMethod", "Layout", "SpectrumSpec",
-           "HessianSpec", "ExperimentSpec", "ClusterSpec", "SweepSpec"]
+           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "NTKMethod", "EigMethod", "Layout",
+           "SpectrumSpec", "HessianSpec", "ExperimentSpec", "ClusterSpec", "SweepSpec"]
 
 
 class Activation(str, Enum):
@@ -222,7 +222,8 @@ class DataSpec(_Strict):
         name = DataName(self.name)
         if name in (DataName.IMAGE2D, DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE) and \
                 Target(self.target) is not Target.LABEL:
-            raise ValueError(f"data.target={Target(self.target).value!r}: {name.value} has real-valued targets, only 'label' applies")
+            raise ValueError(f"data.target={Target(self.target).value!r}: {name.value} has real-valued targets, "
+                             "only 'label' applies")
         if name in _N_CLASSES and self.positive_class >= _N_CLASSES[name]:
             raise ValueError(f"data.positive_class={self.positive_class} but {name.value} has classes "
                              f"0..{_N_CLASSES[name] - 1}")
@@ -512,7 +513,8 @@ class HessianSpec(_Strict):
     moments: bool = Field(True, description="Tr(A^k), k = 1..4, A in H, I, S (Hutch++) and exact Tr(I^k)")
     probes: int = Field(16, ge=1, description="random probes of the moment / orthogonality estimates")
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
-    rayleigh_k: int = Field(20, ge=0, description="Hessian paper Fig. 3: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)")
+    rayleigh_k: int = Field(20, ge=0, description="Hessian paper Fig. 3: vᵀIv, vᵀSv over the top-k eigenvectors "
+                                                 "of I and of S (0: off)")
     top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos, and ‖S‖_op = max |λ(S)| (0: off)")
     eig_tol: float = Field(1e-6, gt=0, lt=1, description="Lanczos residual tolerance of those eigenpairs "
                            "(relative to |λ|_max); S's clustered spectrum edge converges slowly below ~1e-4")
@@ -591,7 +593,8 @@ class ExperimentSpec(_Strict):
         if DataName(self.data.name) is DataName.ARRAYS:
             pass  # a Tracker's arrays: it checked the model against them
         elif self.model.input_dim != self.data.input_dim:
-            raise ValueError(f"model.input_dim={self.model.input_dim} but data {self.data.name.value} has d={self.data.input_dim}")
+            raise ValueError(f"model.input_dim={self.model.input_dim} but data {self.data.name.value} "
+                             f"has d={self.data.input_dim}")
         if DataName(self.data.name) is not DataName.ARRAYS and self.model.output_dim != self.data.output_dim:
             raise ValueError(f"model.output_dim={self.model.output_dim} but the targets have K={self.data.output_dim}")
         if self.optimizer.batch_size is not None and self.optimizer.batch_size > self.data.n:
@@ -600,7 +603,8 @@ class ExperimentSpec(_Strict):
         density = DataName(self.data.name) in (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE)
         if (LossName(self.loss) is LossName.NCE) != density:
             raise ValueError(f"loss={LossName(self.loss).value!r} with data {DataName(self.data.name).value!r}: "
-                             "loss 'nce' goes with the density datasets density2d / gaussian_mixture and only with them")
+                             "loss 'nce' goes with the density datasets density2d / gaussian_mixture and only "
+                             "with them")
         if LossName(self.loss) is LossName.NCE and self.hessian is not None:
             raise ValueError("hessian: the Hessian measurements support loss 'l2' and 'cross_entropy'; remove the "
                              "block for loss='nce'")

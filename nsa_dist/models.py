@@ -242,13 +242,16 @@ def resolve_factory(path: str) -> Callable[..., nn.Module]:
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as exc:
-        raise ModelFactoryError(f"model.factory={path!r}: cannot import module {module!r} ({exc}); {_SHIP_HINT}") from exc
+        raise ModelFactoryError(f"model.factory={path!r}: cannot import module {module!r} ({exc}); "
+                                f"{_SHIP_HINT}") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ModelFactoryError(f"model.factory={path!r}: module {module!r} has no attribute {attr!r}; {_SHIP_HINT}")
+            raise ModelFactoryError(f"model.factory={path!r}: module {module!r} has no attribute {attr!r}; "
+                                    f"{_SHIP_HINT}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ModelFactoryError(f"model.factory={path!r} is a {type(obj).__name__}, not a callable returning an nn.Module")
+        raise ModelFactoryError(f"model.factory={path!r} is a {type(obj).__name__}, "
+                                "not a callable returning an nn.Module")
     return obj
 
 

@@ -187,8 +187,10 @@ class Tracker:
         if X_test.shape[0] and X_test.is_floating_point() != X.is_floating_point():
             raise TypeError(f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both "
                             "integer ids")
-        y_test = _as_tensor("y_test", y_test) if y_test is not None else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan"))
-        if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:]):
+        y_test = (_as_tensor("y_test", y_test) if y_test is not None
+                  else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan")))
+        if (tuple(X_test.shape[1:]) != tuple(X.shape[1:])
+                or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:])):
             raise ShapeError(f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
                              f"{tuple(y.shape[1:])}; got {tuple(X_test.shape)} and {tuple(y_test.shape)}")
         f64 = lambda a: a.to(torch.float64).numpy()  # noqa: E731
@@ -264,14 +266,16 @@ class Tracker:
         with preserved(self.model):
             f = self.model(self.X)  # (N,) or (N, K)
             f_test = self.model(self.X_test) if self.X_test.shape[0] else f.new_zeros((0,) + tuple(f.shape[1:]))
-        L = cross_entropy_loss(f, self.y) if self._ce else 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean()
+        L = (cross_entropy_loss(f, self.y) if self._ce
+             else 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean())
         given = float(L) if loss is None else float(loss)
         if not (np.isfinite(given) and np.isfinite(float(L))):
             self._fail(step, f"loss is {given if not np.isfinite(given) else float(L)} at step {step}")
         self._trace[step] = given
         theta = theta_vector(self.model)  # (P,)
         fn, f_test = _outputs(f), _outputs(f_test)
-        state = TrainerState(step, theta, np.zeros((0, self.n_params), np.float32), np.zeros(TRACKED_RNG_BYTES, np.uint8))
+        state = TrainerState(step, theta, np.zeros((0, self.n_params), np.float32),
+                             np.zeros(TRACKED_RNG_BYTES, np.uint8))
         ck = Checkpoint(index=i, step=step, lr=float(lr), loss=float(L), theta=theta, dtheta=theta, f=fn, df=fn,
                         f_test=f_test, loss_trace=np.zeros(0), trace_start=step, state=state, model_state=mstate)
         self._pending = (ck, theta, fn)

@@ -81,7 +81,8 @@ def test_app_e_prediction_beyond_the_bound_is_nan_with_its_reason() -> None:
     from nsa_dist.ntk import gram
     from nsa_dist.pipeline.nsa_extras import test_point_prediction
 
-    spec = ExperimentSpec.model_validate({"name": "appe", "data": {"n": 16, "n_test": 6}, "model": {"depth": 2, "width": 8},
+    spec = ExperimentSpec.model_validate({"name": "appe", "data": {"n": 16, "n_test": 6},
+                                          "model": {"depth": 2, "width": 8},
                                           "steps": 1500, "record": {"steps": [0, 5, 1499]},
                                           "schedule": {"lr": 1.0}, "spectrum": {"k": 16}})
     torch.manual_seed(0)

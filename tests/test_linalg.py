@@ -471,7 +471,8 @@ def test_gated_checks_change_nothing_but_the_number_of_full_checks(monkeypatch) 
     full (n, n) eighs, and the answer still matches dense eigh."""
     import nsa_dist.linalg.lanczos as lanczos
 
-    G = torch.from_numpy(psd(2400).copy())  # a dense host G of N ≥ 2048: the torch route, block 16 (48 only from N = 4096)
+    # a dense host G of N ≥ 2048: the torch route, block 16 (48 only from N = 4096)
+    G = torch.from_numpy(psd(2400).copy())
     calls = {"full": 0}
     ritz = lanczos._ritz
 

@@ -41,7 +41,8 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _clis(calls: list[tuple[list[str], dict | None]], cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+def _clis(calls: list[tuple[list[str], dict | None]],
+          cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
     """``nsa ARGS`` for every (args, env) of ``calls``, each its own process, all at once (they are
     independent, and each spends its first seconds importing on a core of its own)."""
     procs = [subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
@@ -237,7 +238,8 @@ def test_a_store_path_under_a_file_is_one_line(tmp_path, capsys):
     store = tmp_path / "file" / "s.zarr"
     assert nsa(["run", str(_spec(tmp_path, TINY)), "--store", str(store), "--plain"]) == 2
     line = _error_line(capsys.readouterr().err, "run")
-    assert line == f"nsa run: error: store {store}: a parent of the path is not a directory at {store} (Not a directory)"
+    assert line == (f"nsa run: error: store {store}: a parent of the path is not a directory at {store} "
+                    "(Not a directory)")
 
 
 # --------------------------------------------------------------------------- Ray dashboards

@@ -68,7 +68,8 @@ def test_a_bucket_prefix_holding_other_objects_is_refused(s3_env):
     import boto3
 
     bucket = _bucket(s3_env)
-    boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"]).put_object(Bucket=bucket, Key="data/notes.txt", Body=b"x")
+    boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"]).put_object(
+        Bucket=bucket, Key="data/notes.txt", Body=b"x")
     with pytest.raises(StoreError, match="holds objects but is not an nsa-dist spectrum store"):
         SpectrumStore(f"s3://{bucket}/data")
 

@@ -237,9 +237,11 @@ class StoreContract:
         store.keys.set(chunk, bytes(raw))  # fails its CRC32C checksum
         store.keys.delete(f"runs/{RID}/f/c/2/0")  # a lost chunk of a done step
         r = SpectrumStore(run_url, mode="r").reader(RID)
-        with pytest.raises(StoreError, match=r"array 'eigenvalues' at step 10 \(index 1\) is damaged .*eigenvalues/c/1/0"):
+        with pytest.raises(StoreError,
+                           match=r"array 'eigenvalues' at step 10 \(index 1\) is damaged .*eigenvalues/c/1/0"):
             r.read_steps("eigenvalues", np.arange(3))
-        with pytest.raises(StoreError, match=r"array 'f' at step 20 \(index 2\) is damaged: chunk .*f/c/2/0 is missing"):
+        with pytest.raises(StoreError,
+                           match=r"array 'f' at step 20 \(index 2\) is damaged: chunk .*f/c/2/0 is missing"):
             r.read_step("f", 2)
         assert r.read_step("loss", 2) == _value(2), "the rest reads fine"
         damage = verify_store(SpectrumStore(run_url, mode="r"))

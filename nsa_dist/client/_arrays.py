@@ -147,4 +147,5 @@ class RunArrays:
         return int(self.finished[where[0]])
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.id!r}, status={self.status!r}, steps={len(self.finished)}/{len(self.schedule)})"
+        return (f"{type(self).__name__}({self.id!r}, status={self.status!r}, "
+                f"steps={len(self.finished)}/{len(self.schedule)})")

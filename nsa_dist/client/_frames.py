@@ -105,7 +105,8 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
         raise KeyError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
     member = {rid: name for name, ids in sweeps.items() for rid in ids}
     known = store.run_ids()
-    ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known  # not created yet: left out
+    # a run of the sweep not created yet is left out
+    ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known
     rows = [_run_row(s, member.get(s.id)) for s in run_summaries(store, ids)]
     df = pd.DataFrame(rows, columns=None if rows else ["id", "sweep", "status", "reason", "steps_done",
                                                        "steps_total", "last_step", "data_fingerprint"])

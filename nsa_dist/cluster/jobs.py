@@ -152,7 +152,8 @@ def status(address: str, job_id: str | None = None) -> list[dict]:
     with _answered(address):
         client = job_client(address)
         jobs = [client.get_job_info(job_id)] if job_id else client.list_jobs()
-    return [{"id": j.submission_id or j.job_id, "status": str(j.status.value if hasattr(j.status, "value") else j.status),
+    return [{"id": j.submission_id or j.job_id,
+             "status": str(j.status.value if hasattr(j.status, "value") else j.status),
              "entrypoint": j.entrypoint, "message": j.message or ""} for j in jobs]
 
 

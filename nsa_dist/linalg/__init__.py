@@ -28,5 +28,5 @@ from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
 
-__all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "HostWorkspace", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator",
-           "SymmetricMap", "as_symmetric_map"]
+__all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "HostWorkspace", "top_eigenpairs",
+           "LanczosConvergenceWarning", "LinearOperator", "SymmetricMap", "as_symmetric_map"]

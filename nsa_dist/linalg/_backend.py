@@ -17,7 +17,8 @@ import torch
 
 from nsa_dist.errors import MissingDependencyError
 
-__all__ = ["Backend", "ArrayOps", "TorchOps", "get_cupy", "array_kind", "convert", "host_empty", "HostWorkspace", "resolve_backend"]
+__all__ = ["Backend", "ArrayOps", "TorchOps", "get_cupy", "array_kind", "convert", "host_empty",
+           "HostWorkspace", "resolve_backend"]
 
 _CUPY_HINT = "pip install 'nsa-dist[gpu]' (cupy-cuda12x)"
 _NUMPY_SAFE = (torch.float64, torch.float32, torch.float16)  # torch dtypes NumPy can view

@@ -70,7 +70,8 @@ class DeflatedGram:
         n_matvec: float32 columns of G applied to build U and S.
     """
 
-    def __init__(self, G: torch.Tensor, seed: int = 0, rank: int = RANK, workspace: HostWorkspace | None = None) -> None:
+    def __init__(self, G: torch.Tensor, seed: int = 0, rank: int = RANK,
+                 workspace: HostWorkspace | None = None) -> None:
         N = G.shape[0]
         ops = TorchOps("cpu")
         g = torch.Generator().manual_seed(seed)
@@ -84,7 +85,8 @@ class DeflatedGram:
         self.n_matvec = (POWER + 1) * rank
         self.top = float(torch.linalg.eigvalsh(self.S).abs().max())
         shape = tuple(G.shape)  # the rest in huge pages: 40 against 51 ms a product
-        self.rest = workspace.empty("deflated.rest", shape, torch.float32) if workspace else host_empty(shape, torch.float32)
+        self.rest = (workspace.empty("deflated.rest", shape, torch.float32) if workspace
+                     else host_empty(shape, torch.float32))
         US, Ut = U @ self.S, U.T.contiguous()
         for i, j, b in _float64_slabs(G):
             b.addmm_(US[i:j], Ut, alpha=-1.0)
@@ -168,7 +170,8 @@ def deflated_lanczos(G: Any, k: int, *, tol: float, max_iter: int | None, seed: 
                  "product error %.2e, largest residual bound %.2e, against %.2e); float64 products",
                  res.converged, true.max(), err.max(), residuals.max(), tol * scale)
         return None
-    return LanczosResult(res.evals, res.evecs, residuals, res.n_matvec + D.n_matvec + 2 * len(idx), res.n_restarts, True)
+    return LanczosResult(res.evals, res.evecs, residuals,
+                         res.n_matvec + D.n_matvec + 2 * len(idx), res.n_restarts, True)
 
 
 def _sample(k: int) -> np.ndarray:

@@ -23,11 +23,14 @@ import os
 
 import numpy as np
 
-__all__ = ["KD_VALUES", "MIN_N", "first_column_ready", "fortran_info", "fortran_int", "mkl_function", "probe_first_column",
-           "probe_syrdb", "probe_verdict", "reduction_errors", "syrdb_explicit", "syrdb_ready", "syrdb_values"]
+__all__ = ["KD_VALUES", "MIN_N", "first_column_ready", "fortran_info", "fortran_int", "mkl_function",
+           "probe_first_column", "probe_syrdb", "probe_verdict", "reduction_errors", "syrdb_explicit", "syrdb_ready",
+           "syrdb_values"]
 
 _log = logging.getLogger(__name__)
-KD = 128  # band of the first stage: jobz = V at N = 10⁴ float32 under the same load, kd 32 137 s, 64 80 s, 128 67 s, 256 64 s
+# band of the first stage: jobz = V at N = 10⁴ float32 under the same load, kd 32 137 s, 64 80 s, 128 67 s,
+# 256 64 s
+KD = 128
 KD_VALUES = 128  # the band for jobz = 'N' (benchmarks/README.md, issue 22)
 MIN_N = 16  # smaller G: SciPy's route (instant there)
 _PROBE_N = 256

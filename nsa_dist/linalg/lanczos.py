@@ -32,7 +32,8 @@ import torch
 
 from nsa_dist.linalg._backend import ArrayOps, HostWorkspace, TorchOps
 
-__all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos", "block_gauss_quadrature", "default_block_size"]
+__all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos",
+           "block_gauss_quadrature", "default_block_size"]
 
 _DEFLATE = 1e-13  # singular values below this (× ‖G‖) of a new block are treated as zero
 _CLEAN = 1e-3  # below this (× ‖G X‖) a new block is re-orthogonalised once more

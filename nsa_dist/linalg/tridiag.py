@@ -133,7 +133,8 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
         d, e, apply_qt, apply_q = _lapack(_fortran_copy(G_np, dtype))
     psi = apply_qt(Phi2)  # (N, c) = Qᵀ Φ
     cols = [N - 1 - i for i in indices]
-    w, proj, _, Sc, solver = solve_tridiagonal(d, e, psi, solver, cols)  # (N,) ascending, (N, c) = Sᵀψ, (N, m) = S[:, cols]
+    # (N,) ascending, (N, c) = Sᵀψ, (N, m) = S[:, cols]
+    w, proj, _, Sc, solver = solve_tridiagonal(d, e, psi, solver, cols)
     V = apply_q(Sc) if indices else np.empty((N, 0))  # (N, m)
     flip = V[np.abs(V).argmax(axis=0), np.arange(V.shape[1])] < 0 if V.size else np.zeros(0, bool)
     V[:, flip] *= -1

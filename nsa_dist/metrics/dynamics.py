@@ -254,7 +254,8 @@ def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: Decays
     r = np.asarray(dec.values(), np.float64)  # (S, K), ±inf where it overflows
     diverged = dec.overflows() if r.ndim == 2 else np.zeros(0, bool)
     r = np.where(diverged[:, None], 0.0, r) if r.ndim == 2 else r
-    if r.ndim != 2 or c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0] or c.ndim != f0.ndim:
+    if (r.ndim != 2 or c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0]
+            or c.ndim != f0.ndim):
         raise ShapeError(f"ext {E.shape}, coef {c.shape}, f0_test {f0.shape}, decays {r.shape} do not match "
                          "(M, K), (K[, Ko]), (M[, Ko]), (S, K)")
     C = c.reshape(c.shape[0], -1)  # (K, Ko)

@@ -17,7 +17,8 @@ output a give, for every fast layer, its input ``A`` and its output gradient ``�
   gradients into the rows of the tokens, none into ``padding_idx``).
 - Linear on (n, …, features) inputs (applied at L positions): ``∂f_a/∂W = w·Σ_p δ_{a,p} a_pᵀ``;
   the two projections of an unmasked self-attention are two such layers (:mod:`._attention`).
-- Any other known layer (GroupNorm, RMSNorm, convolutions with other padding modes): the VJP of the layer alone at its own input,
+- Any other known layer (GroupNorm, RMSNorm, convolutions with other padding modes): the VJP of the layer
+  alone at its own input,
   ``∂f_a/∂θ_l = vjp(θ ↦ layer(A; θ))(δ_a)``, batched over samples.
 - The rest (recurrent, attention, shared weights, custom modules): per-sample Jacobians of the
   whole model with respect to those parameters only (:func:`~nsa_dist.ntk._jacobian.jacobian_fn`).
@@ -104,7 +105,8 @@ def _pass(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, 
                     Ahat[:, c].fill_(lay.b)
                 n_out = Z[i].shape[1]
                 for a, d in enumerate(deltas):
-                    D[:, a * n_out:(a + 1) * n_out].copy_(d) if d is not None else D[:, a * n_out:(a + 1) * n_out].zero_()
+                    D_a = D[:, a * n_out:(a + 1) * n_out]
+                    D_a.copy_(d) if d is not None else D_a.zero_()
             else:
                 write_formed(lay, A, deltas, M[:, :, off:off + lay.n_formed])
                 off += lay.n_formed

@@ -150,7 +150,8 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
             raise UnsupportedModelError("the model's forward is random (two forwards of the same points differ"
-                                        + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
+                                        + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}"
+                                           if drop else "")
                                         + "): its NTK is not defined; call model.eval() (or disable the randomness)")
         if x.shape[0] < 2:
             return None

@@ -90,4 +90,5 @@ def _formed_blocks(model: nn.Module, plan: ForwardPlan | None, x: torch.Tensor, 
 
 def feature_width(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> int:
     """Numbers per point of :func:`block_features` (Σ over its pairs of the two widths), from two points."""
-    return sum(A.shape[1] + D.shape[1] for A, D in block_features(model, x[:2], [(0, min(2, len(x)))], method=method)[0])
+    features = block_features(model, x[:2], [(0, min(2, len(x)))], method=method)[0]
+    return sum(A.shape[1] + D.shape[1] for A, D in features)

@@ -93,7 +93,8 @@ class SpectralAnalyzer:
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
         self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
-        self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
+        # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
+        self.eig_route: dict[str, str] = {}
         self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
         self._notes = StepNotes(plan.run_id, None)  # why the step being analysed has NaN diagnostics
@@ -173,7 +174,8 @@ class SpectralAnalyzer:
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
         X = self.X.to(self.dtype) if self.X.is_floating_point() else self.X  # token ids stay integers
-        model = self.model if next(self.model.parameters()).dtype == self.dtype else prepare_model(self.model, self.dtype)
+        same = next(self.model.parameters()).dtype == self.dtype
+        model = self.model if same else prepare_model(self.model, self.dtype)
         dtheta = torch.as_tensor(dtheta)
         c = X.shape[0] if self.plan.coupled else CHUNK_POINTS  # coupled: one batch
         return torch.cat([jacobian_vector_product(model, X[s:s + c], dtheta)
@@ -219,7 +221,8 @@ class SpectralAnalyzer:
             sp_t = self._spectrum(G_t, self.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
         finally:
             G_t.close()
-        return {"eigenvalues_test": sp_t.evals, "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test)}
+        return {"eigenvalues_test": sp_t.evals,
+                "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test)}
 
     def _expected(self, ck: Checkpoint) -> set[str]:
         """The arrays this step must hand the writer."""

@@ -39,7 +39,8 @@ from nsa_dist.store.summary import RunSummary, run_summaries
 from nsa_dist.store.verify import Damage, mark_damaged, verify_store
 from nsa_dist.store.zarr_store import RunWriter, SpectrumStore
 
-__all__ = ["GramStep", "HessianStep", "ImageStep", "KernelExtras", "StepResult", "PHIS", "SCHEMA_VERSION", "Damage", "Keys", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "RunRefused", "RunDims",
+__all__ = ["GramStep", "HessianStep", "ImageStep", "KernelExtras", "StepResult", "PHIS", "SCHEMA_VERSION", "Damage",
+           "Keys", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "RunRefused", "RunDims",
            "RunReader", "RunSummary", "RunWriter", "SpectrumStore", "Status", "StepRecord", "check_holder",
            "describe_fault", "effective_status", "mark_damaged", "open_zarr_group", "parse_lease", "run_arrays",
            "run_summaries", "step_specs", "verify_store"]

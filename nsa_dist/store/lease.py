@@ -48,8 +48,8 @@ from nsa_dist.store.locks import file_lock
 from nsa_dist.store.status import Status
 
 __all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status",
-           "lease_lost", "lease_on_disk", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock", "write_folder",
-           "write_lease"]
+           "lease_lost", "lease_on_disk", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock",
+           "write_folder", "write_lease"]
 
 INTERRUPTED_HINT = "re-run to resume"
 

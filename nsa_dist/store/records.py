@@ -22,8 +22,8 @@ import numpy as np
 from nsa_dist.metrics.reconstruction import reconstruction_ks
 from nsa_dist.store.dims import RunDims
 
-__all__ = ["GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "NOTES_DTYPE", "step_array_specs",
-           "not_computed"]
+__all__ = ["GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "NOTES_DTYPE",
+           "step_array_specs", "not_computed"]
 
 PHIS = ("y", "f", "residual", "df", "df_pred")  # the φ of E_t(φ, k) stored every step
 NOTES_DTYPE = "T"  # numpy's variable-length UTF-8 strings (np.dtype("T")); Zarr's vlen-utf8
