@@ -110,14 +110,13 @@ def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str 
     it only works when that path is shared storage, as on a one-machine cluster.  ``max_runs``
     raises the sweep's run limit here and in the job.
     """
-    import nsa_dist
     from nsa_dist.specfile import load_sweep
 
     load_sweep(sweep_file, max_runs=max_runs)  # fail here, not on the cluster, on a bad file
     limit = f" --max-runs {int(max_runs)}" if max_runs else ""
     if "://" not in store_url:
         store_url = os.path.abspath(store_url)
-    runtime_env: dict[str, Any] = {"py_modules": [str(Path(nsa_dist.__file__).parent)]}
+    runtime_env: dict[str, Any] = {"py_modules": [str(Path(__file__).parent.parent)]}  # nsa_dist/
     if pip:
         runtime_env["pip"] = pip
     if os.environ.get("NSA_DEBUG"):
