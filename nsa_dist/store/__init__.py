@@ -17,6 +17,27 @@ the cluster or the client.  Inside, the modules import downwards only, never in 
 ``status``, ``keys``, ``locks`` ← ``lease`` ← ``fencing`` ← ``runs`` ← ``reader`` ← ``zarr_store`` ← ``verify``
 (``dims`` ← ``records`` ← ``schema`` beside them; ``summary`` and ``faults`` on top); only ``keys`` calls the Zarr
 store's key API, and ``fencing`` implements it (the fenced writer's local store).
+
+Example — a store round trip in a temporary folder: a tiny run written by the pipeline, listed,
+read through the checked reader and verified::
+
+>>> import tempfile
+>>> from nsa_dist.config import ExperimentSpec
+>>> from nsa_dist.pipeline import run_experiment
+>>> from nsa_dist.store import SpectrumStore, run_summaries, verify_store
+>>> folder = tempfile.TemporaryDirectory()
+>>> store = SpectrumStore(f"{folder.name}/runs.zarr")
+>>> spec = ExperimentSpec.model_validate({"name": "tiny", "data": {"n": 16}, "model": {"depth": 2, "width": 8},
+...                                       "steps": 3, "record": {"every": 2}, "spectrum": {"k": 4, "images": []}})
+>>> out = run_experiment(spec, store)                     # the writer: create, write every step, finish
+>>> [(s.id == out.run_id, s.status) for s in run_summaries(store, store.run_ids())]
+[(True, 'done')]
+>>> r = store.reader(out.run_id)                          # the checked reader
+>>> r.read("eigenvalues").shape                           # (recorded steps, k)
+(2, 4)
+>>> verify_store(store)                                   # every chunk checked: nothing damaged
+[]
+>>> folder.cleanup()
 """
 
 from nsa_dist.store.faults import describe_fault
