@@ -98,7 +98,7 @@ class ModelSpec(_Strict):
         return float(self.width) if self.regime == "active" else 1.0
 
 
-# --------------------------------------------------------------------------- user-defined networks (issue 12)
+# --------------------------------------------------------------------------- user-defined networks
 
 
 class FactoryModelSpec(_Strict):
@@ -161,7 +161,7 @@ class DataName(str, Enum):
     DIGITS = "digits"
     DENSITY2D = "density2d"
     GAUSSIAN_MIXTURE = "gaussian_mixture"
-    ARRAYS = "arrays"  # data handed to a Tracker in memory (issue 12); never loaded from a spec
+    ARRAYS = "arrays"  # data handed to a Tracker in memory; never loaded from a spec
 
 
 class Target(str, Enum):

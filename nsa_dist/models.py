@@ -164,7 +164,7 @@ def _linear(spec: ModelSpec, n_in: int, n_out: int) -> nn.Linear:
     return layer
 
 
-# --------------------------------------------------------------------------- convolutional nets (issue 12)
+# --------------------------------------------------------------------------- convolutional nets
 
 
 class CNN(nn.Module):
@@ -223,7 +223,7 @@ def cnn(in_channels: int = 3, image_size: int = 32, channels: tuple[int, ...] | 
     return CNN((in_channels, image_size, image_size), convs, linears, act, pool)
 
 
-# --------------------------------------------------------------------------- models by import path (issue 12)
+# --------------------------------------------------------------------------- models by import path
 
 _SHIP_HINT = ("the package must be importable on the driver and on every Ray worker: install it in the cluster's "
               "image, or ship it with the job's runtime_env (py_modules / working_dir; see deploy/README.md)")

@@ -26,7 +26,7 @@ __all__ = ["Sweep", "Curve", "QUANTITIES", "quantity", "varied_fields"]
 QUANTITIES = ("loss", "loss_recorded", "loss_test", "lambda_max", "stability_bound", "alignment",
               "first_order_error", "first_order_cos", "energy_y", "energy_f", "energy_residual", "energy_df",
               "energy_df_pred", "energy_f_test",
-              # the Hessian paper (issue 10), at the analysed steps; k: the moment order 1..4 where named
+              # the Hessian paper, at the analysed steps; k: the moment order 1..4 where named
               "hessian_H", "hessian_I", "hessian_S", "hessian_I_exact", "hessian_I_limit", "hessian_gap",
               "hessian_I_error", "hessian_S_ratio", "hessian_S_op", "hessian_S_fro", "hessian_I_fro",
               "hessian_orthogonality", "hessian_trace_S_G")

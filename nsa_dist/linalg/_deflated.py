@@ -1,7 +1,7 @@
 """Top-k of a float32 host Gram with float32 products held to float64 accuracy (private).
 
 A float32 G·X costs half a float64 one on the host (an (N, 32) block at N = 10⁴: 1.1–1.2 ms a
-column against 2.4–2.5, issue 22), but plain float32 products err by ~eps₃₂·‖G‖: 1.3e-4 for a
+column against 2.4–2.5), but plain float32 products err by ~eps₃₂·‖G‖: 1.3e-4 for a
 unit vector of the paper's Gram, 46× Lanczos's residual tolerance (1e-10·λ₁ = 2.8e-6).  The
 rounding scales with the matrix rounded, so the top directions are taken out first:
 

@@ -4,7 +4,7 @@
 SciPy wraps only its ``dstevd`` (OpenBLAS's LAPACK); torch's ``libtorch_cpu.so`` links MKL
 statically and exports ``mkl_lapack_dstedc`` (Fortran calling convention, as ``?syrdb`` in
 :mod:`nsa_dist.linalg._mkl_syrdb`), which took 5.2–5.9 s against 7.5–8.9 s at N = 10⁴ on 2 cores
-(benchmarks/README.md, issue 22).
+(benchmarks/README.md).
 
 Where S itself is not needed, :func:`rows_of_s` runs the same divide and conquer carrying only
 the rows of S that are used (S's first row, ψᵀS) through the merges, with MKL's ``dlaed4`` for the

@@ -19,7 +19,7 @@ T's eigenproblem is always float64 (MKL's ``dstedc`` or SciPy's ``dstevd``, :cla
 float32 G therefore gets float32-accurate eigenvalues (absolute errors ~ N·eps₃₂·λ_1 at worst,
 4e-7·λ_1 measured at N = 10⁴ — less than the float32 rounding of G itself moves them) where a
 float64 ``eigh`` of the same G would be exact for that G.
-Cost at N = 10⁴ float32 on 2 cores: ``benchmarks/kall.py`` and benchmarks/README.md (issue 22).
+Cost at N = 10⁴ float32 on 2 cores: ``benchmarks/kall.py`` and benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Spectra of a K-output network's full NTK and of its per-output blocks (NSA issue 11).
+"""Spectra of a K-output network's full NTK and of its per-output blocks.
 
 * :func:`full_kernel_top` — λ_1 ≥ … ≥ λ_k of the full (N·K)×(N·K) NTK Θ = J Jᵀ, the kernel that
   sets GD's stability (the output-traced Gram Σ_a J_a J_aᵀ has a λ_max up to K times larger).

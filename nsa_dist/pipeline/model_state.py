@@ -1,5 +1,5 @@
 """What the analysis copy of a user's model needs besides θ_t: its buffers and modes, and inputs
-in the dtype it takes (the Tracker's side of issue 17).
+in the dtype it takes (the Tracker's side of measuring the models people bring).
 
 θ_t alone does not fix the function a model computes: a BatchNorm in eval mode normalises by its
 running statistics (buffers that change at every train-mode forward), and in train mode by the

@@ -1,4 +1,4 @@
-"""NSA quantities of App. E (issue 19): the constant-Gram predictions.
+"""NSA quantities of App. E: the constant-Gram predictions.
 
 (Fig. 4d's reconstructions are :func:`nsa_dist.metrics.top_k_reconstructions`, App. F's dG_t is
 :func:`nsa_dist.ntk.kernel_change.gram_change`.)

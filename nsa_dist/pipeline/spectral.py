@@ -51,13 +51,13 @@ __all__ = ["SpectralAnalyzer"]
 # one φ column (the test half's f_test) Q is not formed at all (``eig_weights``), and T's S in
 # neither half.  A recorded step of examples/nsa_paper.yaml (N = 10⁴ float32, test points): 47.6–48.3 s
 # against 84–86 s with Q in both halves and S whole (one process, quiet machine, benchmarks/README.md).
-# Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md,
-# issue 22): 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
+# Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md):
+# 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
 # within 4.7e-7·λ_1 of eigh's, less than the float32 Gram's own rounding moves them (8.3e-7·λ_1).
 # Only k: all: a top-k (dense eigh or Lanczos) keeps its float64 route and its stored numbers,
 # and MKL's internal ?syrdb is called only where a step needs every eigenvalue.  False: eigh always.
 TRIDIAGONAL_K_ALL = True
-# With one φ column (the test half): no Q at all (eig_weights, issue 22).  False: Q formed for it too.
+# With one φ column (the test half): no Q at all (eig_weights).  False: Q formed for it too.
 ONE_VECTOR_K_ALL = True
 
 
@@ -83,7 +83,7 @@ class SpectralAnalyzer:
                                    self.device)  # (M, …) like X
         self.y = np.asarray(data.y, dtype=np.float64)
         # φ = y of E_t(y, k): for NCE the log-density centred over the points (its additive constant,
-        # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖², issue 19)
+        # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖²)
         self.energy_target = self.y - self.y.mean(axis=0) if is_nce(spec) else self.y
         self.K = plan.K
         self.images = eigen_images(spec, data, self.K) if plan.has("eigvec_images") else None  # the renderer

@@ -1,4 +1,4 @@
-"""Per-step quantities beyond the traced spectrum (issue 11), kept out of ``spectral.py``.
+"""Per-step quantities beyond the traced spectrum, kept out of ``spectral.py``.
 
 * :class:`StepExtras` — the step's :class:`~nsa_dist.store.records.KernelExtras`: Fig. 4a's
   projections, the test loss (:func:`nsa_dist.losses.loss_value`), the full-kernel and per-class
@@ -66,9 +66,9 @@ def predicted_update(spec: ExperimentSpec, ck: Checkpoint, residual: np.ndarray,
 
 
 class StepExtras:
-    """The issue-11 quantities of one recorded step (:class:`~nsa_dist.store.records.KernelExtras`):
-    Fig. 4a's projections always, the test loss with test points, the full-kernel and per-class
-    eigenvalues of a multi-output network."""
+    """The quantities beyond the traced spectrum of one recorded step
+    (:class:`~nsa_dist.store.records.KernelExtras`): Fig. 4a's projections always, the test loss
+    with test points, the full-kernel and per-class eigenvalues of a multi-output network."""
 
     def __init__(self, plan: RunPlan, data: Dataset) -> None:
         self.plan, self.spec, self.data, self.dtype = plan, plan.spec, data, plan.torch_dtype

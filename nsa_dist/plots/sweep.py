@@ -112,7 +112,7 @@ def scalar_figure(sweep: Sweep, name: str, x: str, line: str | None = None, k: i
     return fig
 
 
-# --------------------------------------------------------------------------- the Hessian paper (issue 10)
+# --------------------------------------------------------------------------- the Hessian paper
 
 
 def hessian_moments_figure(sweep: Sweep, part: str = "S") -> Figure:

@@ -34,15 +34,15 @@ class RunDims:
     hessian_top_k: int = 0
     hessian_rayleigh_k: int = 0
     hessian_density_bins: int = 0
-    k_full: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
-    k_class: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
+    k_full: int = 0  # full-kernel eigenvalues of a K-output network
+    k_class: int = 0  # per-class (diagonal block) eigenvalues of a K-output network
     hessian_moments: bool = True  # hessian.moments: the Hutch++ moment arrays exist
     hessian_orthogonality: bool = True
-    hessian_I_k: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
+    hessian_I_k: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko
     hessian_additivity: bool = True  # Theorem 1's gap
     hessian_trace_G: bool = True  # the per-point traces G and Tr(S) = ∇Cᵀ·G
-    k_gram_change: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
-    constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs (issue 19)
+    k_gram_change: int = 0  # App. F: eigenvectors dG_t is projected on
+    constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -88,7 +88,7 @@ class GramStep:
 
 @dataclass(frozen=True)
 class KernelExtras:
-    """Issue 11's per-step quantities: Fig. 4a's projections, the test loss, K-output kernels."""
+    """Per-step quantities beyond the traced spectrum: Fig. 4a's projections, the test loss, K-output kernels."""
 
     projections_residual: np.ndarray = _array(_K)
     loss_test: float = _array(_SCALAR, when=lambda D: D.M > 0)
@@ -121,7 +121,7 @@ class HessianStep:
     hessian_density: np.ndarray = _h(lambda D: (D.hessian_density_bins,), lambda D: D.hessian_density_bins > 0)
     hessian_additivity: np.ndarray = _h(lambda D: (2, 4), lambda D: D.hessian_additivity)  # gap, stderr
     hessian_I_limit_moments: np.ndarray = _h(lambda D: (4,), _moments)  # Tr(I^k) of the Θ∞ limit
-    hessian_S_limit: np.ndarray = _h(lambda D: (3,), _moments)  # E Tr S at init, along GD; Tr S² (issue 19)
+    hessian_S_limit: np.ndarray = _h(lambda D: (3,), _moments)  # E Tr S at init, along GD; Tr S²
     hessian_G: np.ndarray = _h(_out(_N), lambda D: D.hessian_trace_G)  # Σ_p ∂²f(x_i)/∂θ_p²
     hessian_G_stderr: np.ndarray = _h(_out(_N), lambda D: D.hessian_trace_G)
     hessian_trace_S_G: np.ndarray = _h(lambda D: (2,), lambda D: D.hessian_trace_G)  # Tr(S) = ∇Cᵀ·G, stderr

@@ -166,7 +166,7 @@ def _casts(src: np.dtype, dst: np.dtype) -> bool:
     return src.kind == dst.kind
 
 
-# --------------------------------------------------------------------------- dimension names (issue 11)
+# --------------------------------------------------------------------------- dimension names
 _OUT = ("output",)
 _DIMS: dict[str, tuple[str, ...]] = {
     "X": ("point", "input"), "y": ("point",) + _OUT, "X_test": ("test_point", "input"),
