@@ -118,10 +118,6 @@ class ForwardPlan:
     def all_factored(self) -> bool:
         return not self.coupled and not self.generic and all(lay.factored for lay in self.layers)
 
-    @property
-    def any_fast(self) -> bool:
-        return not self.coupled and bool(self.layers)
-
 
 def _standard(m: nn.Module) -> bool:
     """A layer of a kind whose per-sample gradient is a function of its own input and output gradient only."""
