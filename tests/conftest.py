@@ -193,9 +193,12 @@ def two_node_cluster(s3_server: dict) -> Iterator[tuple[str, dict]]:
     # one temp dir per node: nodes sharing one would garbage-collect each other's runtime envs
     temp_dir, temp_dir2 = (tempfile.mkdtemp(prefix="nsa-ray-", dir="/tmp") for _ in range(2))
     port, dash = free_port(), free_port()
-    ports = lambda: [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",  # noqa: E731
-                     f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-                     f"--ray-client-server-port={free_port()}"]
+
+    def ports() -> list[str]:
+        return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+                f"--ray-client-server-port={free_port()}"]
+
     # the nodes run `python` from this environment (a real cluster has nsa-dist's deps in its image)
     env = {**os.environ, **s3_server, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
