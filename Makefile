@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # enough that the second worker fills those waits (TEST_WORKERS=0: one process, as before)
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast bench bench-layouts bench-full-size clean
+.PHONY: install demo test test-fast lint format bench bench-layouts bench-full-size clean
 
 install: $(VENV)/.installed
 
@@ -23,19 +23,29 @@ $(VENV)/.installed: pyproject.toml
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "NVIDIA GPU found: installing CUDA torch and the gpu extra"; \
 	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)" && \
-	  $(PY) -m pip install -q -e ".[test,gpu]"; \
+	  $(PY) -m pip install -q -e ".[test,lint,gpu]"; \
 	else \
 	  echo "no NVIDIA GPU: installing the CPU build of torch"; \
 	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
 	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX); \
-	  $(PY) -m pip install -q -e ".[test]"; \
+	  $(PY) -m pip install -q -e ".[test,lint]"; \
 	fi
 	touch $@
 
 demo: install
 	$(PY) -m nsa_dist.demo
 
-test: install
+# ruff's rules and import-linter's contracts are in pyproject.toml; CI runs them through `make test`
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+# ruff's safe fixes (import order, pyupgrade), then the formatter
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: install lint
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 test-fast: install

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 
 def _status(key: str) -> float:

@@ -68,8 +68,8 @@ def main() -> None:
         with measured() as jac:
             Gj = gram(model, x, method="jacobian")
         rel = float((G.double() - Gj.double()).norm() / Gj.double().norm())
-        res["jacobian"] = {"s": jac["seconds"], "peak_GB": jac["peak_bytes"] / 1e9, "speedup": jac["seconds"] / ours["seconds"],
-                           "rel_diff": rel}
+        res["jacobian"] = {"s": jac["seconds"], "peak_GB": jac["peak_bytes"] / 1e9,
+                           "speedup": jac["seconds"] / ours["seconds"], "rel_diff": rel}
         print(f"torch.func Jacobian   {jac['seconds']:8.2f} s  peak {jac['peak_bytes'] / 1e9:6.3f} GB  "
               f"→ per-layer is {jac['seconds'] / ours['seconds']:.1f}× faster; |ΔG|/|G| = {rel:.1e}")
         del Gj

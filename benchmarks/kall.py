@@ -1,7 +1,8 @@
 """Issue 22 item 4: a `k: all` step's eigenvalues and projections without the N×N eigenvectors, in one process.
 
     python benchmarks/kall.py GRAM.npy [--phi PHI.npy] [--ref W.npy P.npy] [--noise W.npy P.npy]
-                              [--routes eigvalsh,mkl,eigh,lapack,weights,syrdb-v,syrdb-n:128,stedc,dstevd,rows,first-row]
+                              [--routes eigvalsh,mkl,eigh,lapack,weights,syrdb-v,syrdb-n:128,stedc,dstevd,
+                                        rows,first-row]
 
 GRAM.npy: a float32 NTK Gram (e.g. of examples/nsa_paper.yaml at t = 0, N = 10⁴).  Times, in this
 order, each once (the load average before and after is printed with each):
@@ -77,7 +78,8 @@ def main() -> None:
     for route in a.routes.split(","):
         if route == "weights":
             sp = _timed(f"eig_weights, one φ ({G.dtype})", lambda: eig_weights(G, Phi[:, 0]))
-            print(f"    {sp.reduction.value} + {sp.solver.value}, one_vector {sp.one_vector}; checks (error / tolerance): "
+            print(f"    {sp.reduction.value} + {sp.solver.value}, one_vector {sp.one_vector}; "
+                  "checks (error / tolerance): "
                   + ", ".join(f"{n} {e / t:.1e}" for n, e, t in sp.checks), flush=True)
             if ref:
                 _errors("weights", sp.evals, sp.proj, ref[0], ref[1][:, :1])
@@ -99,7 +101,8 @@ def main() -> None:
         elif route == "eigvalsh":
             _timed(f"torch eigvalsh ({G.dtype})", lambda: torch.linalg.eigvalsh(torch.from_numpy(G)))
         elif route in ("mkl", "lapack"):
-            sp = _timed(f"eig_projections, reduction={route} ({G.dtype})", lambda: eig_projections(G, Phi, reduction=route))
+            sp = _timed(f"eig_projections, reduction={route} ({G.dtype})",
+                        lambda: eig_projections(G, Phi, reduction=route))
             if ref:
                 _errors(route, sp.evals, sp.proj, *ref)
         elif route == "eigh":

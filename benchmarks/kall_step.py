@@ -47,7 +47,8 @@ def main() -> None:
     ck = list(Trainer(plan, data).train_until(2))[-1]
     print(f"N = {a.n}, step {ck.step} (index {ck.index}), k: {spec.spectrum.k}, {spec.spectrum.dtype}")
     t0 = time.perf_counter()  # the MKL routines' probes run once per process, not per step: out of the timing
-    ready = [syrdb_ready(np.dtype(np.float32)), first_column_ready(np.dtype(np.float32)), stedc_ready(), first_row_ready()]
+    ready = [syrdb_ready(np.dtype(np.float32)), first_column_ready(np.dtype(np.float32)),
+             stedc_ready(), first_row_ready()]
     print(f"probes (once per process): {time.perf_counter() - t0:.1f} s, passed {ready}", flush=True)
     out = {}
     for which in a.order.split(","):

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import scipy.linalg as sl
 import torch
-
 from _measure import best_of as _timed  # noqa: E402  (the benchmarks directory is on sys.path)
+
 from nsa_dist.linalg import top_eigenpairs
 
 

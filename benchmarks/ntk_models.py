@@ -1,7 +1,8 @@
 """NTK Gramians of the models people bring (issue 17): a torchvision-style ResNet and a token Transformer.
 
 Run: ``python benchmarks/ntk_models.py [--parts ab] [--n-resnet 2000] [--n-small 500] [--n-transformer 1000]
-[--batch 250 500] [--jacobian-cached] [--skip-jacobian] [--skip-nngeometry] [--one-group] [--threads T] [--repeat R] [--json FILE]``.
+[--batch 250 500] [--jacobian-cached] [--skip-jacobian] [--skip-nngeometry] [--one-group] [--threads T]
+[--repeat R] [--json FILE]``.
 
 (a) ResNet-20-style network on 3×32×32 inputs, float32: stem conv 3→16 + BatchNorm + ReLU, three
     stages of 3 BasicBlocks (16 / 32 / 64 channels; stride-2 downsampling by a 1×1 conv + BatchNorm
@@ -20,9 +21,11 @@ Run: ``python benchmarks/ntk_models.py [--parts ab] [--n-resnet 2000] [--n-small
     feed-forward 128, batch_first, dropout 0, eval mode), mean pool over 16 tokens, Linear 64→3;
     the traced kernel (Σ_a ∇f_a·∇f_a), int64 token ids, float32: default vs ``method="jacobian"``.
 
-Printed per method: wall time (the minimum of ``--repeat`` calls), peak resident memory above the level at entry, entries of G per
+Printed per method: wall time (the minimum of ``--repeat`` calls), peak resident memory above the level at
+entry, entries of G per
 second (N² / time), its time over the default method's, the relative Frobenius difference of G
-against the default method's, and the 1-minute load average of the machine before the call.  Exactness once more in float64
+against the default method's, and the 1-minute load average of the machine before the call.  Exactness once
+more in float64
 at N = 64: default vs jacobian.
 """
 
@@ -43,8 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _measure import measured  # noqa: E402
 
-from nsa_dist.ntk import explain_method, gram  # noqa: E402
-from nsa_dist.ntk import inputs  # noqa: E402  (the feature memory rule, for the --jacobian-cached variant)
+from nsa_dist.ntk import (  # noqa: E402
+    explain_method,
+    gram,
+    inputs,  # noqa: E402  (the feature memory rule, for the --jacobian-cached variant)
+)
 
 # torch.func has no vmap rule for CPU flash attention and falls back to a loop (both methods' Jacobians).
 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")

@@ -32,9 +32,8 @@ def _du(path: Path) -> int:
 def main() -> None:
     from nsa_dist.pipeline import prepare_run
     from nsa_dist.pipeline.checkpoint import TrainerState
-    from nsa_dist.store import StepResult
     from nsa_dist.specfile import load_spec
-    from nsa_dist.store import SpectrumStore, run_arrays
+    from nsa_dist.store import SpectrumStore, StepResult, run_arrays
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", default=str(ROOT / "examples" / "nsa_paper.yaml"))
@@ -58,7 +57,8 @@ def main() -> None:
         total = _du(url)
         ev_dir = url / "runs" / prep.run_id / "eigenvectors"
         ev_total = _du(ev_dir) if ev_dir.exists() else 0
-        res = {"spec": a.spec, "N": dims.N, "K": dims.K, "P": dims.P, "recorded_steps": S, "static_GB": static / 1e9, "eigenvectors_GB": ev_total / 1e9,
+        res = {"spec": a.spec, "N": dims.N, "K": dims.K, "P": dims.P, "recorded_steps": S, "static_GB": static / 1e9,
+               "eigenvectors_GB": ev_total / 1e9,
                "per_step_MB": (total - static - ev_total) / len(record) / 1e6, "total_GB": total / 1e9,
                "eigenvectors_every_step_GB": (total - ev_total) / 1e9 + len(record) * dims.N * dims.K * 4 / 1e9,
                "seconds": time.perf_counter() - t0}

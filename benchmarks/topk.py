@@ -18,8 +18,8 @@ import os
 import numpy as np
 import scipy.linalg as sl
 import torch
-
 from _measure import best_of as _best
+
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.linalg.tridiag import eig_projections
 
@@ -53,7 +53,8 @@ def main() -> None:
     w, Vf = w[::-1], Vf[:, ::-1]
     print(f"(b) k: all at n = {n}: eigh with vectors {t_eigh:.1f} s, eigenvalues + projections {t_proj:.1f} s "
           f"(ratio {t_eigh / t_proj:.2f}); max |Δλ|/λ_max {np.abs(sp.evals - w).max() / w[0]:.1e}, "
-          f"max |Δ E(φ, k)| {np.abs(np.cumsum(sp.proj**2, 0) - np.cumsum((Vf.T @ Phi)**2, 0)).max() / (Phi**2).sum(0).min():.1e}")
+          f"max |Δ E(φ, k)| "
+          f"{np.abs(np.cumsum(sp.proj**2, 0) - np.cumsum((Vf.T @ Phi)**2, 0)).max() / (Phi**2).sum(0).min():.1e}")
 
 
 if __name__ == "__main__":

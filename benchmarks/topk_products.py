@@ -8,7 +8,8 @@ the same float32 G twice: the route it takes now (``products == "deflated-float3
 float64 products (the route switched off by raising ``MIN_K``), and prints both times, their
 ratio, the products, the max residual, the eigenvalue difference between the routes, and the
 GEMM bound of each route's products (the time of that many columns of G·X in its precision, in
-(N, b) blocks as Lanczos applies them, b = 48 since issue 22's sixth pass).  The load average is printed with each round.
+(N, b) blocks as Lanczos applies them, b = 48 since issue 22's sixth pass).  The load average is printed
+with each round.
 """
 
 from __future__ import annotations

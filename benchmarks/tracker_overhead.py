@@ -78,8 +78,8 @@ def main() -> None:
     model, X, y = _setup(args.n)
     with tempfile.TemporaryDirectory() as d:
         tr = Tracker(f"{d}/s.zarr", "bench", model, X, y, steps=args.steps, record={"every": args.every},
-                     spectrum={"k": args.k, "dtype": "float32"}, cluster=None if args.cluster == "none" else args.cluster,
-                     workers=args.workers, max_inflight=2)
+                     spectrum={"k": args.k, "dtype": "float32"},
+                     cluster=None if args.cluster == "none" else args.cluster, workers=args.workers, max_inflight=2)
         tracked, inside = loop(model, X, y, args.steps, args.batch, tr)
         n_rec = int(tr.writer.done().sum())
     print(f"loop without tracking  {base:8.2f} s")

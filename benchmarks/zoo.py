@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -26,7 +26,7 @@ def _columns(n: int) -> list[int]:
     return list(range(n)) if n <= 3 else [0, n // 2, n - 1]
 
 
-def hessian_table(run: "Run") -> "Table | None":
+def hessian_table(run: Run) -> Table | None:
     """The Hessian quantities at (up to three of) the analysed steps: Tr(A^k) ± standard error for
     A = H, I, S (Hutch++), the exact and limiting Tr(I^k), λ_max(H), ‖S‖_op, the orthogonality,
     Tr(S) = ∇Cᵀ·G, Theorem 1's gap and the limits of S; None when the run has no Hessian step."""

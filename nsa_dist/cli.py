@@ -25,8 +25,14 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from nsa_dist.client import Client
 
 __all__ = ["main"]
 
@@ -284,7 +290,7 @@ class _LogProgress:
     def __init__(self, total: int, rid: str) -> None:
         self.total, self.rid, self.t0 = total, rid, time.perf_counter()
 
-    def __enter__(self) -> "_LogProgress":
+    def __enter__(self) -> _LogProgress:
         print(f"[nsa] run {self.rid}: {self.total} steps", flush=True)
         return self
 
@@ -302,7 +308,7 @@ class _LogProgress:
 class _RichProgress(_LogProgress):
     """A rich progress bar over training steps showing loss and λ_max."""
 
-    def __enter__(self) -> "_RichProgress":
+    def __enter__(self) -> _RichProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -367,7 +373,7 @@ def _int(value: object) -> str:
     return "-" if np.isnan(v) else (str(int(v)) if v.is_integer() else f"{v:g}")
 
 
-def _recorded_lr(client: "Client", row: dict) -> str:
+def _recorded_lr(client: Client, row: dict) -> str:
     """A Tracker run's learning rate as recorded at its last finished step (its spec holds none)."""
     try:
         lr = client.run(row["id"]).lr
@@ -383,7 +389,7 @@ def _lr(value: object) -> str:
         return "-"
 
 
-def _print_notes(con: "Console", notes: dict[object, dict[str, str]], most: int = 5) -> None:
+def _print_notes(con: Console, notes: dict[object, dict[str, str]], most: int = 5) -> None:
     """The diagnostics stored as NaN, with their reasons: one line per step and reason."""
     lines = [f"{f't = {t}' if isinstance(t, int) else t}: "
              f"{', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
@@ -533,7 +539,7 @@ class _SweepTable:
         self.name, self.plain = name, plain
         self._last: dict[str, tuple] = {}
 
-    def __enter__(self) -> "_SweepTable":
+    def __enter__(self) -> _SweepTable:
         if not self.plain:
             from rich.live import Live
 

@@ -7,8 +7,9 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 
 from __future__ import annotations
 
-__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError", "ModelFactoryError",
-           "StoreError", "ModelForwardError", "AnalysisError", "ResourceError", "OutsideError", "ServeError"]
+__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError",
+           "ModelFactoryError", "StoreError", "ModelForwardError", "AnalysisError", "ResourceError", "OutsideError",
+           "ServeError"]
 
 
 class NSAError(Exception):
@@ -51,7 +52,7 @@ class OutsideError(NSAError, OSError):
 
 
 class ModelFactoryError(NSAError, ImportError):
-    """A ``model.factory`` import path cannot be imported or called (issue 12)."""
+    """A ``model.factory`` import path cannot be imported or called."""
 
     def __reduce__(self):  # survive pickling across Ray processes with its message
         return (ModelFactoryError, (str(self),))
@@ -67,7 +68,7 @@ class ModelForwardError(NSAError, RuntimeError):
 
 class AnalysisError(NSAError, RuntimeError):
     """The analysis of a recorded step failed; the message names the run, the step and the cause,
-    and the original exception is chained as ``__cause__`` (issue 17).
+    and the original exception is chained as ``__cause__``.
 
     Attributes:
         step: t, the recorded step whose analysis failed (None when unknown).

@@ -24,9 +24,10 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -89,7 +90,7 @@ def _legacy(name: str, labels: tuple[str, ...], index: tuple[int, ...]) -> str |
     return None
 
 
-def scalar_sources(run: "Run") -> list[Source]:
+def scalar_sources(run: Run) -> list[Source]:
     """Every scalar series the run stores, named, with where each comes from.
 
     Every per-step numeric array of the store whose axes after ``step`` are not per point, pixel
@@ -145,7 +146,7 @@ def curve_sources(run: "Run") -> list[Source]:
     return out
 
 
-def _steps_of(run: "Run", name: str) -> np.ndarray:
+def _steps_of(run: Run, name: str) -> np.ndarray:
     """The finished steps array ``name`` is written at (Hessian arrays: the analysed steps, …)."""
     from nsa_dist.store import run_arrays
 
@@ -159,7 +160,7 @@ def _steps_of(run: "Run", name: str) -> np.ndarray:
     return run.steps
 
 
-def _derived(run: "Run", tag: str) -> tuple[np.ndarray, np.ndarray]:
+def _derived(run: Run, tag: str) -> tuple[np.ndarray, np.ndarray]:
     from nsa_dist.client import quantity
 
     if tag == "loss/train":
@@ -179,7 +180,7 @@ def _derived(run: "Run", tag: str) -> tuple[np.ndarray, np.ndarray]:
     return run.steps, np.linalg.norm((F - yt[None]).reshape(len(F), -1), axis=1)
 
 
-def scalar_series(run: "Run") -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+def scalar_series(run: Run) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """(tag, t, value) of every scalar series the run stores (:func:`scalar_sources`), values as
     stored (float64), at the steps each is written at."""
     cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -196,7 +197,7 @@ def scalar_series(run: "Run") -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
         yield src.tag, steps, np.asarray(rows[(slice(None),) + src.index], np.float64)
 
 
-def spectra(run: "Run") -> Iterator[tuple[str, int, np.ndarray]]:
+def spectra(run: Run) -> Iterator[tuple[str, int, np.ndarray]]:
     """(tag, t, eigenvalues) of every finished recorded step: ``spectrum/eigenvalues`` (λ_i^t of
     G_t), for K-output runs ``spectrum/eigenvalues_full`` (the full kernel's), with test points
     ``spectrum/eigenvalues_test``, and at the analysed Hessian steps ``hessian/I_eigenvalues`` and
@@ -214,7 +215,7 @@ def spectra(run: "Run") -> Iterator[tuple[str, int, np.ndarray]]:
             yield tag, int(t), np.asarray(row, np.float64)
 
 
-def export_tensorboard(run: "Run", logdir: str | Path) -> ExportSummary:
+def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
     """Write ``run``'s scalars and spectra as TensorBoard event files under ``logdir/<run id>/``.
 
     The export is atomic: the event file is written into a temporary folder beside the
@@ -286,7 +287,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         os.replace(f, out / f.name)
 
 
-def _write_events(run: "Run", folder: Path) -> ExportSummary:
+def _write_events(run: Run, folder: Path) -> ExportSummary:
     """Write every scalar series and spectrum of ``run`` as one event file in ``folder``."""
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.summary.writer.record_writer import RecordWriter

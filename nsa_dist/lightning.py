@@ -1,4 +1,4 @@
-"""An optional PyTorch Lightning callback that feeds a :class:`~nsa_dist.Tracker` (issue 12).
+"""An optional PyTorch Lightning callback that feeds a :class:`~nsa_dist.Tracker`.
 
 Lightning is not a dependency: this module defines ``SpectrumCallback`` only when ``lightning``
 (or ``pytorch_lightning``) is importable, and otherwise raises an error naming what to install.

@@ -120,14 +120,14 @@ def residual(loss: LossName | str, f: Array, y: Array, *, log_noise: np.ndarray 
     return f - y
 
 
-def training_residual(spec: ExperimentSpec, data: "Dataset", f: np.ndarray) -> np.ndarray:
+def training_residual(spec: ExperimentSpec, data: Dataset, f: np.ndarray) -> np.ndarray:
     """m_t at the training points of ``data``: :func:`residual` with the run's loss, f's shape, float64."""
     if is_nce(spec):
         return residual(LossName.NCE, f, data.extra["label"], log_noise=data.extra["log_noise"])
     return residual(spec.loss, f, data.y)
 
 
-def loss_value(spec: ExperimentSpec, data: "Dataset", f: np.ndarray, test: bool = False) -> float:
+def loss_value(spec: ExperimentSpec, data: Dataset, f: np.ndarray, test: bool = False) -> float:
     """L at the training (or test) points from the outputs f, float64; NaN with no points."""
     y = data.y_test if test else data.y
     if np.asarray(f).shape[0] == 0:

@@ -6,8 +6,8 @@ import logging
 import math
 import sys
 import weakref
-from collections.abc import Mapping
-from typing import Any, Callable, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -164,7 +164,7 @@ def _linear(spec: ModelSpec, n_in: int, n_out: int) -> nn.Linear:
     return layer
 
 
-# --------------------------------------------------------------------------- convolutional nets (issue 12)
+# --------------------------------------------------------------------------- convolutional nets
 
 
 class CNN(nn.Module):
@@ -223,7 +223,7 @@ def cnn(in_channels: int = 3, image_size: int = 32, channels: tuple[int, ...] | 
     return CNN((in_channels, image_size, image_size), convs, linears, act, pool)
 
 
-# --------------------------------------------------------------------------- models by import path (issue 12)
+# --------------------------------------------------------------------------- models by import path
 
 _SHIP_HINT = ("the package must be importable on the driver and on every Ray worker: install it in the cluster's "
               "image, or ship it with the job's runtime_env (py_modules / working_dir; see deploy/README.md)")
@@ -242,13 +242,16 @@ def resolve_factory(path: str) -> Callable[..., nn.Module]:
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as exc:
-        raise ModelFactoryError(f"model.factory={path!r}: cannot import module {module!r} ({exc}); {_SHIP_HINT}") from exc
+        raise ModelFactoryError(f"model.factory={path!r}: cannot import module {module!r} ({exc}); "
+                                f"{_SHIP_HINT}") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ModelFactoryError(f"model.factory={path!r}: module {module!r} has no attribute {attr!r}; {_SHIP_HINT}")
+            raise ModelFactoryError(f"model.factory={path!r}: module {module!r} has no attribute {attr!r}; "
+                                    f"{_SHIP_HINT}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ModelFactoryError(f"model.factory={path!r} is a {type(obj).__name__}, not a callable returning an nn.Module")
+        raise ModelFactoryError(f"model.factory={path!r} is a {type(obj).__name__}, "
+                                "not a callable returning an nn.Module")
     return obj
 
 
@@ -303,9 +306,9 @@ def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch
 # --------------------------------------------------------------------------- outputs as models return them
 
 _log = logging.getLogger("nsa_dist")
-_compiled_said: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose compiled submodules were reported
+_compiled_said: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose compiled submodules were reported
 
-OutputSelector = Union[str, int, Callable[[Any], torch.Tensor], None]
+OutputSelector = str | int | Callable[[Any], torch.Tensor] | None
 """Which output of a model to measure: None (the model returns the tensor), a key (a dict's or a
 ``ModelOutput``'s, or an attribute name), an index (a tuple's or a list's; the i-th value of a
 dict / ``ModelOutput``, as ``ModelOutput[i]``), or a callable ``output -> tensor``."""

@@ -126,7 +126,7 @@ def load_sweep(path: str | Path, max_runs: int | None = None) -> SweepSpec:
         raise SpecError(f"{path}: invalid sweep spec\n{format_validation_error(exc)}") from exc
 
 
-def check_data(specs: Iterable[ExperimentSpec], source: str | Path, *, urls: bool = True) -> dict[str, list["Location"]]:
+def check_data(specs: Iterable[ExperimentSpec], source: str | Path, *, urls: bool = True) -> dict[str, list[Location]]:
     """Cheap checks of every run's data files — each exists, is a regular file, a local one is
     readable — before anything starts (no Ray, no store); nothing is loaded.
 

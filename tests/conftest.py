@@ -133,7 +133,8 @@ def moto_server(server_env: dict | None = None) -> Iterator[tuple[dict, subproce
     reach it, the process)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(server_env or {})})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **(server_env or {})})
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     try:
@@ -144,7 +145,7 @@ def moto_server(server_env: dict | None = None) -> Iterator[tuple[dict, subproce
                 break
             except OSError:
                 if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the moto S3 server did not start")
+                    raise RuntimeError("the moto S3 server did not start") from None
                 time.sleep(0.2)
         yield env, proc
     finally:
@@ -192,9 +193,12 @@ def two_node_cluster(s3_server: dict) -> Iterator[tuple[str, dict]]:
     # one temp dir per node: nodes sharing one would garbage-collect each other's runtime envs
     temp_dir, temp_dir2 = (tempfile.mkdtemp(prefix="nsa-ray-", dir="/tmp") for _ in range(2))
     port, dash = free_port(), free_port()
-    ports = lambda: [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",  # noqa: E731
-                     f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-                     f"--ray-client-server-port={free_port()}"]
+
+    def ports() -> list[str]:
+        return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+                f"--ray-client-server-port={free_port()}"]
+
     # the nodes run `python` from this environment (a real cluster has nsa-dist's deps in its image)
     env = {**os.environ, **s3_server, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}

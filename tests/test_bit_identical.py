@@ -41,7 +41,8 @@ def _arrays(url: str, rid: str) -> dict[str, tuple[str, tuple, bytes]]:
 def test_a_sweep_stores_every_array_byte_for_byte_as_the_single_process_run(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = SweepSpec(name="bits", base=BASE, grid={"model.depth": [2, 3], "optimizer": [{"name": "gd"}, {"name": "adam"}]},
+    sweep = SweepSpec(name="bits", base=BASE,
+                      grid={"model.depth": [2, 3], "optimizer": [{"name": "gd"}, {"name": "adam"}]},
                       cluster={"spectral_workers": 2, "max_inflight": 2})
     url = str(tmp_path / "sweep.zarr")
     outcomes = SweepCoordinator(sweep, url).run()

@@ -27,8 +27,8 @@ from nsa_dist.config import MAX_RECORDED_STEPS, ExperimentSpec, ModelSpec, Recor
 from nsa_dist.data._formats import IDX_IMAGES, read_idx
 from nsa_dist.errors import ResourceError
 from nsa_dist.models import build_model
-from nsa_dist.pipeline.budget import check_fits, fc_sizes, footprint
 from nsa_dist.ntk.blocks import feature_width
+from nsa_dist.pipeline.budget import check_fits, fc_sizes, footprint
 from nsa_dist.specfile import SpecError, load_spec, load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,8 @@ def test_absurd_specs_and_inputs_are_refused_at_bounded_memory(tmp_path):
         "seed": (["run", str(_write(tmp_path / "seed.yaml", {**TINY, "seed": 10**30}))], "seed: Input should be less"),
         "laughs": (["run", str(_write_text(tmp_path / "laughs.yaml", _laughs(9) + "\nsteps: *l8"))],
                    "expands to more than 1,000,000 values"),
-        "message": (["run", str(_write_text(tmp_path / "message.yaml", big))], "steps: Input should be a valid integer"),
+        "message": (["run", str(_write_text(tmp_path / "message.yaml", big))],
+                    "steps: Input should be a valid integer"),
         "grid": (["sweep", str(_write(tmp_path / "grid.yaml", {"name": "huge", "base": TINY, "grid": {
             "seed": list(range(10)), "model.width": list(range(1, 11)), "model.depth": list(range(2, 12)),
             "schedule.lr": [0.1 * i for i in range(1, 11)], "steps": list(range(10, 20)),

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import yaml
 
+from nsa_dist.client import Client
 from nsa_dist.cluster.resources import resource_demand
 from nsa_dist.config import ClusterSpec, SweepSpec
 from nsa_dist.pipeline import run_id
-from nsa_dist.client import Client
 
 BASE = {"name": "gangs", "data": {"n": 40, "n_test": 8}, "model": {"depth": 2, "width": 8}, "steps": 2,
         "record": {"every": 2}, "spectrum": {"dtype": "float64", "k": 6}}

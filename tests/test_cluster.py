@@ -126,7 +126,8 @@ def test_diverging_run_fails_while_others_finish(local_ray, tmp_path):
     run = Client(url).run(bad.run_id)
     assert run.status == "failed" and run.failed_step is not None
     assert np.all(run.steps < run.failed_step) and np.isfinite(run.eigenvalues).all()
-    single = _reference(tmp_path, sweep.expand()[1], expect="failed").run(bad.run_id)  # fails the same way in one process
+    # fails the same way in one process
+    single = _reference(tmp_path, sweep.expand()[1], expect="failed").run(bad.run_id)
     assert single.status == "failed" and single.failed_step == run.failed_step
     assert run.steps.tolist() == single.steps.tolist(), "steps analysed before the divergence were lost"
 

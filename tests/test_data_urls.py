@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port, moto_server
 
 from nsa_dist.cli import main as nsa
-from conftest import free_port, moto_server
 
 
 def _nsa_run(data_path: str, tmp_path: Path, capsys) -> str:

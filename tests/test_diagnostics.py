@@ -81,7 +81,8 @@ def test_app_e_prediction_beyond_the_bound_is_nan_with_its_reason() -> None:
     from nsa_dist.ntk import gram
     from nsa_dist.pipeline.nsa_extras import test_point_prediction
 
-    spec = ExperimentSpec.model_validate({"name": "appe", "data": {"n": 16, "n_test": 6}, "model": {"depth": 2, "width": 8},
+    spec = ExperimentSpec.model_validate({"name": "appe", "data": {"n": 16, "n_test": 6},
+                                          "model": {"depth": 2, "width": 8},
                                           "steps": 1500, "record": {"steps": [0, 5, 1499]},
                                           "schedule": {"lr": 1.0}, "spectrum": {"k": 16}})
     torch.manual_seed(0)
@@ -109,8 +110,8 @@ def _tiny(name: str, **over) -> ExperimentSpec:
 def test_a_failing_diagnostic_is_nan_with_its_reason_and_the_run_is_done(tmp_path, monkeypatch) -> None:
     """Fault injection: the alignment, App. F's dG_t, one Hessian quantity and the post-run
     Eqs. 4–5 prediction raise at every step; every other array is computed, the run is done."""
-    import nsa_dist.pipeline.hessian_step as hs
     import nsa_dist.metrics as metrics
+    import nsa_dist.pipeline.hessian_step as hs
     import nsa_dist.pipeline.spectral as sp
 
     def boom(*a, **k):

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import assert_close_rel
+
 from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.errors import ModelFactoryError

@@ -142,7 +142,8 @@ def test_any_stored_per_step_array_is_a_sweep_quantity(store_url: str) -> None:
     assert one["value"].item() == run.eigenvalues[-1, 1]
     t, v = s.curves("gram_sq_frobenius", k=1)[0].t, s.curves("gram_sq_frobenius", k=1)[0].mean
     assert t.tolist() == [0, 2, 3] and len(v) == 3 and (v > 0).all()
-    with pytest.raises(ValueError, match="unknown quantity 'nope'.*or a stored per-step array of this run: .*eigenvalues"):
+    with pytest.raises(ValueError,
+                       match="unknown quantity 'nope'.*or a stored per-step array of this run: .*eigenvalues"):
         s.scalar("nope")
     with pytest.raises(ValueError, match="'eigenvalues' has 8 values per step: give k in 1..8, got 9"):
         s.scalar("eigenvalues", k=9)

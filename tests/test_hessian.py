@@ -114,7 +114,8 @@ def test_operators_match_dense(activation, loss, K, targets):
 
 def test_block_size_array_types_and_counters():
     model, X, Y = _problem("leaky_relu", "mse", 2)
-    H = hessian_operator(copy.deepcopy(model).float(), X.float(), Y, part="H", dtype=F64)  # float32 model, float64 products
+    # float32 model, float64 products
+    H = hessian_operator(copy.deepcopy(model).float(), X.float(), Y, part="H", dtype=F64)
     assert H.dtype == F64
     P = H.shape[0]
     V = np.random.default_rng(0).standard_normal((P, 3))

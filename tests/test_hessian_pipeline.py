@@ -211,13 +211,14 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
         np.testing.assert_allclose(run.hessian.moments("I_exact")["estimate"][j],
                                    [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-7)
         np.testing.assert_allclose(run.hessian.I_eigenvalues(limit=True)[j], lim, rtol=1e-12)
-        np.testing.assert_allclose(run.hessian.moments("I_limit")["estimate"][j], [np.sum(lim ** p) for p in range(1, 5)],
-                                   rtol=1e-12)
+        np.testing.assert_allclose(run.hessian.moments("I_limit")["estimate"][j],
+                                   [np.sum(lim ** p) for p in range(1, 5)], rtol=1e-12)
         tr = lambda A, p: np.trace(np.linalg.matrix_power(A, p))  # noqa: E731
         gap = [tr(H, p) - tr(I, p) - tr(S, p) for p in range(1, 5)]
         np.testing.assert_allclose(add["estimate"][j][1:], gap[1:], rtol=1e-7, err_msg=f"additivity gap at t={t}")
         assert abs(add["estimate"][j][0]) < 1e-12 * tr(H, 1), add["estimate"][j]
-        assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j], np.trace(S))
+        assert (abs(trS["G"][j] - np.trace(S))
+                <= 5 * trS["G_stderr"][j] + 1e-12), (trS["G"][j], trS["G_stderr"][j], np.trace(S))
         np.testing.assert_allclose(trS["hutchpp"][j], np.trace(S), rtol=1e-7, atol=1e-12)
         np.testing.assert_allclose(run.hessian.S_norms()["op"][j], np.abs(np.linalg.eigvalsh(S)).max(), rtol=1e-5)
     from nsa_dist.hessian.s_limit import limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
@@ -239,7 +240,8 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
     fig = make_figure(run, "hessian_moments")
     lines = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
     np.testing.assert_array_equal(lines[r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$"].get_ydata(), pred["trace_S2"])
-    assert np.isclose(pred["trace_S"][0], pred["trace_S_init"][0], rtol=1e-12) and pred["trace_S"][-1] != pred["trace_S"][0], pred
+    assert (np.isclose(pred["trace_S"][0], pred["trace_S_init"][0], rtol=1e-12)
+            and pred["trace_S"][-1] != pred["trace_S"][0]), pred
     from nsa_dist.cli import main
 
     assert main(["show", run.id, "--store", url]) == 0
@@ -306,10 +308,10 @@ def test_theory_spec_errors():
 
 def test_hessian_sweep_quantities_and_figures(tmp_path):
     """Moments over seeds against step and width, the width convergence to Θ∞ with its fitted slope."""
+    from nsa_dist.client import quantity
     from nsa_dist.config import SweepSpec
     from nsa_dist.pipeline import run_id
     from nsa_dist.plots.sweep import HESSIAN_SWEEP_FIGURES, fit_slope, plot_sweep
-    from nsa_dist.client import quantity
 
     url = str(tmp_path / "s.zarr")
     store = SpectrumStore(url)
@@ -335,7 +337,8 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
     ex, lim = run.hessian.moments("I_exact")["estimate"][:, 1], run.hessian.moments("I_limit")["estimate"][:, 1]
     np.testing.assert_allclose(err, np.abs(ex - lim) / lim)
     t, ratio = quantity(run, "hessian_S_ratio")
-    np.testing.assert_allclose(ratio, run.hessian.moments("S")["estimate"][:, 1] / run.hessian.moments("I")["estimate"][:, 1])
+    np.testing.assert_allclose(ratio,
+                               run.hessian.moments("S")["estimate"][:, 1] / run.hessian.moments("I")["estimate"][:, 1])
     with pytest.raises(ValueError, match="needs k, the moment order"):
         quantity(run, "hessian_S")
     out = plot_sweep(s, tmp_path / "fig", figures=list(HESSIAN_SWEEP_FIGURES))

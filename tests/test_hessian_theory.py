@@ -16,8 +16,14 @@ from conftest import flat_model
 from torch.func import hessian, jacrev
 
 from nsa_dist.config import Activation, ExperimentSpec, ModelSpec
-from nsa_dist.hessian import (additivity_gap, hessian_parts, limit_gauss_newton_eigenvalues, numerical_ranks,
-                              output_hessian_traces, trace_S_from_G)
+from nsa_dist.hessian import (
+    additivity_gap,
+    hessian_parts,
+    limit_gauss_newton_eigenvalues,
+    numerical_ranks,
+    output_hessian_traces,
+    trace_S_from_G,
+)
 from nsa_dist.hessian._probes import rademacher
 from nsa_dist.models import SOFTPLUS_SCALE, SOFTPLUS_SHIFT, build_model, normalized_softplus
 from nsa_dist.ntk import limit_ntk
@@ -188,7 +194,8 @@ def test_new_activations_derivative_and_normalisation(act):
     if act == "softplus_normalized":
         z = torch.as_tensor(np.random.default_rng(0).normal(size=2_000_000))
         v = normalized_softplus(z)
-        assert abs(float(v.mean())) < 3e-3 and abs(float((v ** 2).mean()) - 1) < 3e-3, (float(v.mean()), float((v ** 2).mean()))
+        assert abs(float(v.mean())) < 3e-3 and abs(float((v ** 2).mean()) - 1) < 3e-3, \
+            (float(v.mean()), float((v ** 2).mean()))
         assert abs(SOFTPLUS_SHIFT - 0.80606) < 1e-4 and abs(SOFTPLUS_SCALE - 0.52107) < 1e-4
 
 
@@ -209,7 +216,8 @@ def test_limit_ntk_of_new_activations_against_monte_carlo_recursion(act):
         K, Kd = s.T @ s / n + beta2, ds.T @ ds / n
         theta = theta * Kd + K
     quad = limit_ntk(X, depth=L, activation=act).numpy()
-    np.testing.assert_allclose(quad, theta, rtol=1e-2, atol=4e-3 * np.abs(theta).max(), err_msg=f"Θ∞ ({act}): quadrature vs Monte Carlo")
+    np.testing.assert_allclose(quad, theta, rtol=1e-2, atol=4e-3 * np.abs(theta).max(),
+                               err_msg=f"Θ∞ ({act}): quadrature vs Monte Carlo")
 
 
 # --------------------------------------------------------------------------- the active regime

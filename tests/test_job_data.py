@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import yaml
 from PIL import Image
+from test_data import cifar_batch, idx_bytes, mnist_images, write
 
 from nsa_dist.cli import main as nsa
 from nsa_dist.cluster.job_data import SHIPPED_DIR, prepare_job_data
 from nsa_dist.config import DataSpec, SweepSpec
 from nsa_dist.data import load_dataset
-from nsa_dist.data.registry import data_files
 from nsa_dist.data.mnist import TEST_FILES, TRAIN_FILES
+from nsa_dist.data.registry import data_files
 from nsa_dist.pipeline import run_id
 from nsa_dist.specfile import SpecError, load_sweep
-from test_data import cifar_batch, idx_bytes, mnist_images, write
 
 MODEL = {"depth": 2, "width": 8}
 

@@ -57,7 +57,8 @@ def test_multi_output_kernel_is_theta_kron_identity():
     model = build_model(ModelSpec(input_dim=3, output_dim=2, init="ntk", bias_scale=BETA, depth=3, width=2048,
                                   activation="tanh"), seed=0, dtype=F64)
     G = gram(model, x, kernel="full", dtype=F64)  # (N, 2, N, 2)
-    ref = torch.einsum("ij,ab->iajb", limit_ntk(x, depth=3, activation="tanh", bias_scale=BETA), torch.eye(2, dtype=F64))
+    ref = torch.einsum("ij,ab->iajb",
+                       limit_ntk(x, depth=3, activation="tanh", bias_scale=BETA), torch.eye(2, dtype=F64))
     assert _rel(G, ref) < 0.1
 
 

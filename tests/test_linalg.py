@@ -18,7 +18,7 @@ import torch
 from scipy.sparse.linalg import aslinearoperator
 
 from nsa_dist.errors import MissingDependencyError, NonFiniteError, ShapeError
-from nsa_dist.linalg import EigMethod, Eigenpairs, LanczosConvergenceWarning, top_eigenpairs
+from nsa_dist.linalg import Eigenpairs, EigMethod, LanczosConvergenceWarning, top_eigenpairs
 
 TOL = 1e-10  # top_eigenpairs' default residual tolerance
 RTOL_EVALS = 1e-8  # eigenvalues, relative
@@ -41,7 +41,7 @@ def repeated(N: int) -> np.ndarray:
     return np.concatenate([head, 0.5 * decaying(N - len(head))])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def psd(N: int, spectrum: str = "decaying", seed: int = 0) -> np.ndarray:
     """(N, N) float64 ``Q diag(λ) Qᵀ`` with Haar-random Q (read-only, cached)."""
     lam = {"decaying": decaying, "repeated": repeated}[spectrum](N)
@@ -53,7 +53,7 @@ def psd(N: int, spectrum: str = "decaying", seed: int = 0) -> np.ndarray:
     return G
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(N: int, spectrum: str = "decaying", seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """torch.linalg.eigh of :func:`psd`, descending: evals (N,), evecs (N, N)."""
     w, V = torch.linalg.eigh(torch.tensor(psd(N, spectrum, seed)))
@@ -471,7 +471,8 @@ def test_gated_checks_change_nothing_but_the_number_of_full_checks(monkeypatch) 
     full (n, n) eighs, and the answer still matches dense eigh."""
     import nsa_dist.linalg.lanczos as lanczos
 
-    G = torch.from_numpy(psd(2400).copy())  # a dense host G of N ≥ 2048: the torch route, block 16 (48 only from N = 4096)
+    # a dense host G of N ≥ 2048: the torch route, block 16 (48 only from N = 4096)
+    G = torch.from_numpy(psd(2400).copy())
     calls = {"full": 0}
     ritz = lanczos._ritz
 

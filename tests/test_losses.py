@@ -53,7 +53,8 @@ def test_l2_residual_is_f_minus_y(shape: tuple[int, ...]) -> None:
     assert got.dtype == np.float64 and got.shape == shape
     np.testing.assert_array_equal(got, want)
     ft = torch.as_tensor(f)
-    assert torch.equal(residual("l2", ft, torch.as_tensor(y, dtype=torch.float32)), ft - torch.as_tensor(y, dtype=torch.float32))
+    assert torch.equal(residual("l2", ft, torch.as_tensor(y, dtype=torch.float32)),
+                       ft - torch.as_tensor(y, dtype=torch.float32))
 
 
 def test_nce_residual_is_the_gradient_and_needs_log_noise() -> None:

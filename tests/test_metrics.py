@@ -11,11 +11,11 @@ import nsa_dist.metrics._validate as validate
 from nsa_dist.errors import NonFiniteError, ShapeError
 from nsa_dist.metrics import (
     FirstOrderAccuracy,
+    FrequencyGrid,
     constant_gram_dynamics,
     first_order_accuracy,
     first_order_update,
     flow_speed,
-    FrequencyGrid,
     fourier_transform,
     fourier_transform_grid,
     frequency_grid,

@@ -86,8 +86,8 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
         V, yc = run.eigenvectors(int(t)), ds.y - ds.y.mean()
         np.testing.assert_allclose(run.energy("y")[i], np.cumsum((V.T @ yc) ** 2) / (yc @ yc), rtol=1e-4, atol=1e-6)
         # the energies of the residual are of the NCE derivative
-        np.testing.assert_allclose(run.energy("residual")[i, -1], np.sum((run.eigenvectors(int(t)).T @ m) ** 2) / (m @ m),
-                                   rtol=1e-4)
+        np.testing.assert_allclose(run.energy("residual")[i, -1],
+                                   np.sum((run.eigenvectors(int(t)).T @ m) ** 2) / (m @ m), rtol=1e-4)
         ref = loss_value(spec, ds, run.g["f_test"][i].astype(np.float64), test=True)
         assert run.test_loss[i] == pytest.approx(ref, rel=1e-10)
     # every figure of an L2 run is drawn for the NCE run too, with the note on GD's bound

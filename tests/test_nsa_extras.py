@@ -14,8 +14,8 @@ from nsa_dist.config import ExperimentSpec, ModelSpec, OptimizerName
 from nsa_dist.errors import ShapeError
 from nsa_dist.metrics import reconstruction_ks, top_k_reconstructions
 from nsa_dist.models import build_model
-from nsa_dist.pipeline import run_experiment
 from nsa_dist.ntk.kernel_change import gram_change
+from nsa_dist.pipeline import run_experiment
 from nsa_dist.store import SpectrumStore
 
 
@@ -222,7 +222,8 @@ def test_eqs45_drawn(tmp_path) -> None:
     fig = make_figure(run, "eqs45_constant_gram")
     assert fig._suptitle.get_text().startswith("NSA Eqs. 4–5 — ")
     # Adam: not the paper's dynamics, nothing written, no figure
-    spec2 = spec.model_copy(update={"name": "cga", "optimizer": spec.optimizer.model_copy(update={"name": OptimizerName.ADAM})})
+    spec2 = spec.model_copy(update={"name": "cga",
+                                    "optimizer": spec.optimizer.model_copy(update={"name": OptimizerName.ADAM})})
     assert run_experiment(spec2, SpectrumStore(url)).status == "done"
     run2 = Client(url).run("cga")
     assert not run2.has("constant_gram_residual") and make_figure(run2, "eqs45_constant_gram") is None

@@ -17,10 +17,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import dense_ntk
 from torch import nn
 from torch.nn.utils import parametrize
 
-from conftest import dense_ntk
 from nsa_dist.ntk import explain_method, gram
 
 F64 = torch.float64

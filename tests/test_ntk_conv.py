@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close_rel, dense_ntk
 from torch import nn
 
-from conftest import assert_close_rel, dense_ntk
 from nsa_dist.errors import ShapeError, UnsupportedModelError
 from nsa_dist.models import cnn
 from nsa_dist.ntk import NTKMethod, gram, ntk_operator, resolve_method

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_close_rel, dense_ntk
 from torch import nn
 
-from conftest import assert_close_rel, dense_ntk
 from nsa_dist.ntk import explain_method, gram, inputs
 from nsa_dist.ntk._conv import _column_groups, per_layer_layers
 from nsa_dist.ntk._probe import plan_forward
@@ -70,8 +70,8 @@ def test_every_closed_form_takes_its_route_and_matches_jacrev():
                      "att.in_proj_weight": "linear", "att.out_proj.weight": "linear", "pos": "linear",
                      "head": "factor"}, kinds
     for full in (False, True):
-        assert_close_rel(gram(model, x, kernel="full" if full else "trace", block_size=3), dense_ntk(model, x, full=full),
-                         1e-10, f"mixed model ({'full' if full else 'trace'})")
+        assert_close_rel(gram(model, x, kernel="full" if full else "trace", block_size=3),
+                         dense_ntk(model, x, full=full), 1e-10, f"mixed model ({'full' if full else 'trace'})")
     x2 = _points(4)[1:]
     assert_close_rel(gram(model, x, x2), dense_ntk(model, x, x2), 1e-10, "mixed model, cross kernel")
 
@@ -203,4 +203,5 @@ def test_features_and_tile_keep_their_contract():
         f = _features(model, layers, jac, x, 2)
         for full in (False, True):
             G = _tile(f, f, slice(0, 6), slice(0, 6), 2, full)
-            assert_close_rel(G, dense_ntk(model, x, full=full), 1e-10, f"_features/_tile ({'full' if full else 'trace'})")
+            assert_close_rel(G, dense_ntk(model, x, full=full), 1e-10,
+                             f"_features/_tile ({'full' if full else 'trace'})")

@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_close_rel, dense_ntk
 from torch import nn
 
 from nsa_dist.errors import ModelForwardError, UnsupportedModelError
 from nsa_dist.ntk import explain_method, gram, ntk_operator
-from conftest import assert_close_rel, dense_ntk
 
 F64 = torch.float64
 
@@ -223,9 +223,11 @@ PATTERNS = {
                          lambda: torch.randn(6, 2, 8, dtype=F64), {"0.weight": "per_layer", "1.weight": "per_layer"}),
     "conv3d_rmsnorm": (lambda: nn.Sequential(nn.Conv3d(1, 2, 2, groups=1), nn.Flatten(), nn.RMSNorm(2 * 8), nn.Tanh(),
                                              nn.Linear(2 * 8, 1)),
-                       lambda: torch.randn(5, 1, 3, 3, 3, dtype=F64), {"0.weight": "per_layer", "2.weight": "per_layer"}),
+                       lambda: torch.randn(5, 1, 3, 3, 3, dtype=F64),
+                       {"0.weight": "per_layer", "2.weight": "per_layer"}),
     "layernorm_frozen": (lambda: nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(),
-                                               nn.Linear(6, 1)).requires_grad_(True), lambda: torch.randn(7, 3, dtype=F64),
+                                               nn.Linear(6, 1)).requires_grad_(True),
+                                               lambda: torch.randn(7, 3, dtype=F64),
                          {"1.weight": "per_layer", "0.weight": "structured"}),
 }
 
@@ -279,10 +281,12 @@ def test_pattern_exact_on_its_path(name):
     for full in (False, True):
         G = gram(model, x, kernel="full" if full else "trace")
         _assert_unchanged(model, before, f"{name} gram")
-        assert_close_rel(G, _reference(model, x, full), 1e-10, f"{name} ({'full' if full else 'trace'}, {method.value})")
+        assert_close_rel(G, _reference(model, x, full), 1e-10,
+                         f"{name} ({'full' if full else 'trace'}, {method.value})")
     x2 = x[:3].clone()
     if method.value != "batch":  # the cross kernel of a coupling model depends on the batch it is taken in
-        assert_close_rel(gram(model, x, x2), dense_ntk(copy.deepcopy(model), torch.cat([x, x2]))[:x.shape[0], x.shape[0]:],
+        assert_close_rel(gram(model, x, x2),
+                         dense_ntk(copy.deepcopy(model), torch.cat([x, x2]))[:x.shape[0], x.shape[0]:],
                          1e-10, f"{name} cross kernel")
 
 
@@ -375,7 +379,8 @@ def test_factory_resnet_in_a_sweep_is_exact_and_says_its_paths(tmp_path):
         run = Client(url).run(run_id(spec))
         paths = run.g.attrs["ntk_paths"]
         assert paths["method"] == "per_layer", paths
-        assert paths["routes"]["2.weight"].startswith("per_layer: BatchNorm2d used once; its output is modified in place")
+        assert paths["routes"]["2.weight"].startswith(
+            "per_layer: BatchNorm2d used once; its output is modified in place")
         model = build_model(spec.model, dtype=torch.float64)
         for i in range(run.g["theta"].shape[0]):
             torch.nn.utils.vector_to_parameters(torch.as_tensor(run.g["theta"][i], dtype=F64), model.parameters())

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close_rel, dense_jacobian, dense_ntk, flat_model
 from torch import nn
 
-from conftest import assert_close_rel, dense_jacobian, dense_ntk, flat_model
 from nsa_dist.errors import ModelFactoryError, ModelForwardError, ShapeError
 from nsa_dist.hessian import hessian_operator
 from nsa_dist.linalg import top_eigenpairs

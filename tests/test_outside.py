@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import moto_server
+from test_s3 import _bucket, s3_env  # noqa: F401  (the session's loopback moto server, its AWS_* variables set)
 
 from nsa_dist.cli import main as nsa
 from nsa_dist.client import Client
 from nsa_dist.store.keys import Keys
-from conftest import moto_server
-from test_s3 import _bucket, s3_env  # noqa: F401  (the session's loopback moto server, its AWS_* variables set)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"data": {"n": 16}, "model": {"depth": 2, "width": 8}, "steps": 4, "record": {"every": 2},
@@ -41,14 +41,15 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _clis(calls: list[tuple[list[str], dict | None]], cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+def _clis(calls: list[tuple[list[str], dict | None]],
+          cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
     """``nsa ARGS`` for every (args, env) of ``calls``, each its own process, all at once (they are
     independent, and each spends its first seconds importing on a core of its own)."""
     procs = [subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}) for args, env in calls]
     out = []
-    for (args, _), p in zip(calls, procs):
+    for p in procs:
         stdout, stderr = p.communicate(timeout=timeout)
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out
@@ -237,7 +238,8 @@ def test_a_store_path_under_a_file_is_one_line(tmp_path, capsys):
     store = tmp_path / "file" / "s.zarr"
     assert nsa(["run", str(_spec(tmp_path, TINY)), "--store", str(store), "--plain"]) == 2
     line = _error_line(capsys.readouterr().err, "run")
-    assert line == f"nsa run: error: store {store}: a parent of the path is not a directory at {store} (Not a directory)"
+    assert line == (f"nsa run: error: store {store}: a parent of the path is not a directory at {store} "
+                    "(Not a directory)")
 
 
 # --------------------------------------------------------------------------- Ray dashboards

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec
@@ -22,7 +23,6 @@ from nsa_dist.models import build_model
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.specfile import SpecError, load_spec
 from nsa_dist.store import SpectrumStore
-from torch.nn.utils import vector_to_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(name="tiny", data={"n": 48, "n_test": 24}, model={"depth": 3, "width": 24}, steps=30,

@@ -286,8 +286,16 @@ def _every_figure(tiny: Run, nce: Run, sweep_url: str):
     chosen, the NCE run's (its image figures are the 2-D run's code), a Hessian run's Hessian
     figures, and every sweep figure."""
     from nsa_dist.plots import PlotOptions
-    from nsa_dist.plots.sweep import _ALL, fig7a, fig7b, fig7c, hessian_moments_figure, regimes_figure, \
-        scalar_figure, width_convergence
+    from nsa_dist.plots.sweep import (
+        _ALL,
+        fig7a,
+        fig7b,
+        fig7c,
+        hessian_moments_figure,
+        regimes_figure,
+        scalar_figure,
+        width_convergence,
+    )
 
     sweep = Client(sweep_url).sweep("hw")
     hess = sweep.run(sweep.groups()[0][1][0])

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from nsa_dist.config import ClusterSpec
 from nsa_dist.cluster.resources import check_resources, resource_demand, threads, trainer_bundle, worker_bundle
+from nsa_dist.config import ClusterSpec
 
 
 @pytest.mark.parametrize("has_gpus", [False, True])

@@ -15,9 +15,9 @@ import time
 import urllib.request
 
 import pytest
+from conftest import BIN, free_port, kill_cluster
 
 from nsa_dist.cli import main as nsa
-from conftest import BIN, free_port, kill_cluster
 
 
 @pytest.fixture(scope="module")

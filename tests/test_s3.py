@@ -68,7 +68,8 @@ def test_a_bucket_prefix_holding_other_objects_is_refused(s3_env):
     import boto3
 
     bucket = _bucket(s3_env)
-    boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"]).put_object(Bucket=bucket, Key="data/notes.txt", Body=b"x")
+    boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"]).put_object(
+        Bucket=bucket, Key="data/notes.txt", Body=b"x")
     with pytest.raises(StoreError, match="holds objects but is not an nsa-dist spectrum store"):
         SpectrumStore(f"s3://{bucket}/data")
 
@@ -77,7 +78,6 @@ def _datasets_in_s3(env: dict, tmp_path: Path) -> tuple[dict, dict, str]:
     """A PNG, MNIST IDX files and CIFAR-10 batches written locally and uploaded to a new bucket:
     (local paths, their s3:// URLs, the bucket) by dataset name."""
     import s3fs
-
     from test_job_data import write_datasets
 
     local = write_datasets(tmp_path / "data")

@@ -138,7 +138,8 @@ def test_phi_is_the_monte_carlo_mean_of_f_times_g():
     assert z.max() < 4.5, f"depth {depth}: |MC − Φ|/se max {z.max():.2f}\nMC {mean}\nΦ {phi}\nse {se}"
     tr = np.trace(S, axis1=1, axis2=2)  # (seeds,) the part of N·Tr(S) whose mean is Tr(Φ̃)
     se_tr = tr.std(ddof=1) / np.sqrt(len(tr))
-    assert abs(tr.mean() - np.trace(phi)) < 4 * se_tr, f"Tr: MC {tr.mean():.3f} ± {se_tr:.3f}, Tr(Φ̃) {np.trace(phi):.3f}"
+    assert abs(tr.mean() - np.trace(phi)) < 4 * se_tr, \
+        f"Tr: MC {tr.mean():.3f} ± {se_tr:.3f}, Tr(Φ̃) {np.trace(phi):.3f}"
     assert abs(np.trace(phi)) > 5 * se_tr, f"the test must resolve Tr(Φ̃) = {np.trace(phi):.3f} from 0 (se {se_tr:.3f})"
 
 
@@ -149,7 +150,8 @@ def test_upsilon_and_lambda_one_hidden_layer_at_width_4096(activation):
     k = limit_S_kernels(x, depth=2, activation=activation, bias_scale=BETA)
     U, L = _empirical_upsilon_lambda(_net(4096, 0, depth=2, activation=activation), x, 8, 0)
     assert _rel(U, k.upsilon) < 0.05 and _rel(L, k.lam) < 0.12, \
-        f"{activation}: relative errors Υ {_rel(U, k.upsilon):.3f}, Λ {_rel(L, k.lam):.3f}\nΥ {U}\n{k.upsilon}\nΛ {L}\n{k.lam}"
+        f"{activation}: relative errors Υ {_rel(U, k.upsilon):.3f}, Λ {_rel(L, k.lam):.3f}\n" \
+        f"Υ {U}\n{k.upsilon}\nΛ {L}\n{k.lam}"
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_s3 import s3_env  # noqa: F401  (the moto S3 server on loopback)
 
 from nsa_dist import Client
 from nsa_dist.cli import main as nsa
@@ -22,7 +23,6 @@ from nsa_dist.errors import ServeError, StoreError
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.serve import ServeOptions, is_loopback, make_server
 from nsa_dist.store import SpectrumStore, run_summaries
-from test_s3 import s3_env  # noqa: F401  (the moto S3 server on loopback)
 
 SPEC = ExperimentSpec(name="served", data={"n": 24, "n_test": 8}, steps=8,
                       model={"depth": 2, "width": 12, "init": "ntk", "regime": "ntk", "activation": "tanh"},
@@ -58,7 +58,7 @@ class _Served:
         self.server.start()
         self.thread = threading.Thread(target=self.server.io_loop.start, daemon=True)
 
-    def __enter__(self) -> "_Served":
+    def __enter__(self) -> _Served:
         self.thread.start()
         return self
 
@@ -288,7 +288,6 @@ def test_store_strings_are_escaped_on_every_page(store, tmp_path):
     import shutil
 
     import zarr
-
     from bokeh.models import Div
 
     from nsa_dist.serve._live import Panel
@@ -501,7 +500,6 @@ def test_the_sweep_page_draws_every_sweep_figure_per_selected_grid_point(sweep_s
 # --------------------------------------------------------------------------- s3://
 def test_the_table_and_a_run_page_read_an_s3_store(store, s3_env):
     import boto3
-
     from test_s3 import _bucket
 
     bucket = _bucket(s3_env)
@@ -551,7 +549,7 @@ def test_a_flat_curve_is_served_flat() -> None:
 
 
 # --------------------------------------------------------------------------- a store is untrusted input
-def _pulled_texts(s: "_Served", path: str, **args: str) -> list[str]:
+def _pulled_texts(s: _Served, path: str, **args: str) -> list[str]:
     """The Divs' texts of page ``path`` with query ``args``, as the server builds it for a session."""
     from bokeh.client import pull_session
     from bokeh.models import Div

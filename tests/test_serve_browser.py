@@ -16,9 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import quote
 
 import numpy as np
@@ -26,10 +27,10 @@ import pytest
 import torch
 
 from nsa_dist import Tracker  # imported here, not in the writer's thread: no import race with the test's reads
+from nsa_dist.client import Client
 from nsa_dist.config import DataSpec, ModelSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.models import build_model
-from nsa_dist.client import Client
 from nsa_dist.serve.run_page import run_sections
 from nsa_dist.serve.sweep_page import sweep_panels
 from nsa_dist.store import SpectrumStore, run_summaries

@@ -28,7 +28,8 @@ def two_routes() -> tuple[dict, dict, SpectralAnalyzer]:
     assert spectral_mod.TRIDIAGONAL_K_ALL  # on by default (MKL ?syrdb: faster than eigh, issue 22)
     full, proj = _spec(True), _spec(False)
     data = load_dataset(full.data, seed=0)
-    ck = list(Trainer(plan_run(full, data), data).train_until(3))[-1]  # index 1: no App. E prediction, so no vectors needed
+    # index 1: no App. E prediction, so no vectors needed
+    ck = list(Trainer(plan_run(full, data), data).train_until(3))[-1]
     an = SpectralAnalyzer(plan_run(proj, data), data)
     ref = SpectralAnalyzer(plan_run(full, data), data)
     want, got = ref.analyze(ck).arrays(), an.analyze(ck).arrays()
@@ -77,7 +78,8 @@ def test_float32_k_all_within_the_float32_grams_own_rounding() -> None:
         rounding = float(np.nanmax(np.abs(np.asarray(eigh64[key], np.float64) - eigh32[key])))
         float32_level = 10 * 150 * np.finfo(np.float32).eps * float(np.nanmax(np.abs(eigh32[key])))
         assert ours <= max(2 * rounding, float32_level), \
-            f"{key}: float32 route off by {ours:.1e}; the float32 Gram's rounding {rounding:.1e}, 10·N·eps₃₂ {float32_level:.1e}"
+            f"{key}: float32 route off by {ours:.1e}; the float32 Gram's rounding {rounding:.1e}, " \
+            f"10·N·eps₃₂ {float32_level:.1e}"
 
 
 def test_one_vector_test_half_stores_what_the_q_route_stores(two_routes) -> None:
@@ -92,7 +94,8 @@ def test_one_vector_test_half_stores_what_the_q_route_stores(two_routes) -> None
     assert not q.one_vector
     eig = top_eigenpairs(G_t, "all")
     for name, evals, E in (("Q route", q.evals, energy_from_projections(q.proj, ck.f_test)),
-                           ("eigh", eig.evals, energy_from_projections(eig.evecs.T @ ck.f_test.reshape(-1, 1), ck.f_test))):
+                           ("eigh", eig.evals,
+                            energy_from_projections(eig.evecs.T @ ck.f_test.reshape(-1, 1), ck.f_test))):
         for key, ref in (("eigenvalues_test", evals), ("energy_f_test", E)):
             err = float(np.abs(got[key] - ref).max()) / float(np.abs(ref).max())
             assert err <= 1e-9, f"{key}: max |Δ| = {err:.2e} of max |value| against the {name}"
@@ -156,5 +159,6 @@ def test_app_e_cross_kernel_in_the_test_grams_buffer_changes_nothing() -> None:
     assert len(seen) == 1 and isinstance(seen[0], torch.Tensor) and tuple(seen[0].shape) == (60, 150)
     assert b._cross_buffer() is None
     held = a._workspace.nbytes - b._workspace.nbytes
-    assert held == 60 * 60 * 8, f"{held} bytes more: the test Gram's (M, M) float64 only, not also the (M, N) cross kernel"
+    assert held == 60 * 60 * 8, \
+        f"{held} bytes more: the test Gram's (M, M) float64 only, not also the (M, N) cross kernel"
     np.testing.assert_allclose(got["constant_gram_f_test"], want["constant_gram_f_test"], rtol=1e-12, atol=1e-14)

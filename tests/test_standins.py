@@ -15,8 +15,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.data.cifar import cifar10, load_cifar_batches
 from nsa_dist.data.mnist import TEST_FILES, TRAIN_FILES, load_idx, mnist
-from nsa_dist.data.standins import (CIFAR10_CLASSES, cifar10_standin, mnist_standin, write_cifar_batch,
-                                    write_idx)
+from nsa_dist.data.standins import CIFAR10_CLASSES, cifar10_standin, mnist_standin, write_cifar_batch, write_idx
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.specfile import load_sweep
 from nsa_dist.store import SpectrumStore

@@ -11,10 +11,10 @@ from conftest import dense_jacobian, dense_ntk
 from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec, ModelSpec
 from nsa_dist.data import load_dataset
-from nsa_dist.models import build_model
-from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment
 from nsa_dist.losses import loss_value
+from nsa_dist.models import build_model
 from nsa_dist.ntk.kernel_spectra import full_kernel_top
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment
 from nsa_dist.pipeline.step_extras import predicted_update
 from nsa_dist.store import SpectrumStore
 
@@ -236,8 +236,9 @@ def test_per_class_spectra_match_dense_diagonal_blocks(tmp_path) -> None:
         assert e < 1e-8, f"class {a}: {got[a]} vs {ref} (rel {e:.2e})"
     # stored along a one-hot run
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="pc", data={"name": "digits", "n": 20, "target": "onehot"}, model={"depth": 2, "width": 8},
-                          steps=3, record={"every": 2}, spectrum={"k": 5, "per_class_k": 3, "store_eigenvectors": False})
+    spec = ExperimentSpec(name="pc", data={"name": "digits", "n": 20, "target": "onehot"},
+                          model={"depth": 2, "width": 8}, steps=3, record={"every": 2},
+                          spectrum={"k": 5, "per_class_k": 3, "store_eigenvectors": False})
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("pc")
     assert run.kernel.per_class_eigenvalues.shape == (2, 10, 3)

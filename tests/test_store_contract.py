@@ -18,8 +18,21 @@ import pytest
 
 from nsa_dist.errors import StoreError
 from nsa_dist.pipeline.checkpoint import TrainerState
-from nsa_dist.store import (Keys, LeaseHeld, LeaseLost, RunDims, RunWriter, SpectrumStore, Status, StepResult, mark_damaged,
-                            run_arrays, run_summaries, step_specs, verify_store)
+from nsa_dist.store import (
+    Keys,
+    LeaseHeld,
+    LeaseLost,
+    RunDims,
+    RunWriter,
+    SpectrumStore,
+    Status,
+    StepResult,
+    mark_damaged,
+    run_arrays,
+    run_summaries,
+    step_specs,
+    verify_store,
+)
 
 DIMS = RunDims(N=4, M=2, d=3, Ko=1, P=5, S=4, T=40, K=2, k_test=0, n_images=0, image_size=0, fourier_size=0,
                n_slots=1, rng_bytes=2, store_eigenvectors=False)
@@ -224,9 +237,11 @@ class StoreContract:
         store.keys.set(chunk, bytes(raw))  # fails its CRC32C checksum
         store.keys.delete(f"runs/{RID}/f/c/2/0")  # a lost chunk of a done step
         r = SpectrumStore(run_url, mode="r").reader(RID)
-        with pytest.raises(StoreError, match=r"array 'eigenvalues' at step 10 \(index 1\) is damaged .*eigenvalues/c/1/0"):
+        with pytest.raises(StoreError,
+                           match=r"array 'eigenvalues' at step 10 \(index 1\) is damaged .*eigenvalues/c/1/0"):
             r.read_steps("eigenvalues", np.arange(3))
-        with pytest.raises(StoreError, match=r"array 'f' at step 20 \(index 2\) is damaged: chunk .*f/c/2/0 is missing"):
+        with pytest.raises(StoreError,
+                           match=r"array 'f' at step 20 \(index 2\) is damaged: chunk .*f/c/2/0 is missing"):
             r.read_step("f", 2)
         assert r.read_step("loss", 2) == _value(2), "the rest reads fine"
         damage = verify_store(SpectrumStore(run_url, mode="r"))

@@ -44,7 +44,8 @@ def _all_arrays(url: str, rid: str) -> dict[str, np.ndarray]:
 
 def _assert_same_arrays(a_url: str, b_url: str, rid: str) -> None:
     a, b = _all_arrays(a_url, rid), _all_arrays(b_url, rid)
-    assert sorted(a) == sorted(b), f"arrays differ: only in a {sorted(set(a) - set(b))}, only in b {sorted(set(b) - set(a))}"
+    assert sorted(a) == sorted(b), \
+        f"arrays differ: only in a {sorted(set(a) - set(b))}, only in b {sorted(set(b) - set(a))}"
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=f"array {name!r} differs from the uninterrupted run")
 
@@ -102,7 +103,8 @@ def test_step_record_refuses_absent_unexpected_and_misshaped_arrays_before_writi
     assert store.reader(run.run_id).done.tolist()[:2] == [True, False]
     # the contract is derived from run_arrays: every per-step array but the resume state and done
     # (index 0 also writes the arrays of the first recorded step: App. E's constant_gram_f_test)
-    per_step = {a.name for a in run_arrays(run.writer.dims) if a.per_step and a.at in ("every", "eigenvectors", "first")}
+    per_step = {a.name for a in run_arrays(run.writer.dims)
+                if a.per_step and a.at in ("every", "eigenvectors", "first")}
     assert set(result.arrays()) == per_step - {"theta", "opt_slots", "rng_state", "done"}
     assert set(result.arrays()) == set(step_specs(run.writer.dims, eigenvectors=True, hessian=False, first=True))
     assert "constant_gram_f_test" in result.arrays()

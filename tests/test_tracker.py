@@ -572,7 +572,8 @@ def test_analysis_error_surfaces_before_close_in_a_loop(tmp_path):
     url = str(tmp_path / "t.zarr")
     tr = Tracker(url, "f", model, X, y, steps=10, record={"every": 3}, spectrum={"k": 4, "images": []},
                  max_inflight=1)
-    with pytest.raises(AnalysisError, match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK of Flaky failed in module '<root>' \(Flaky\): ValueError: Flaky"):
+    with pytest.raises(AnalysisError, match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK "
+                                            r"of Flaky failed in module '<root>' \(Flaky\): ValueError: Flaky"):
         _loop(tr, model, X, y, 10)
     assert Client(url).run("f").status == "failed"
     tr.close()
@@ -689,11 +690,13 @@ def test_ray_tracker_analyses_step_state_and_reports_errors(local_ray, tmp_path)
 
         tr = Tracker(url, "f", Flaky(), X, y, steps=10, record={"every": 3}, spectrum={"k": 4, "images": []},
                      cluster="auto", workers=1, max_inflight=1)
-        with pytest.raises(AnalysisError, match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK of "
-                                                r"Flaky failed in module '<root>' \(Flaky\): ValueError: "
-                                                r"Flaky.forward refuses float64 inputs$") as info:
+        with pytest.raises(AnalysisError,
+                           match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK of "
+                                 r"Flaky failed in module '<root>' \(Flaky\): ValueError: "
+                                 r"Flaky.forward refuses float64 inputs$") as info:
             _loop(tr, tr.model, X, y, 10)
-        assert isinstance(info.value.__cause__, ModelForwardError) and info.value.step == 0  # its words name the ValueError
+        # its words name the ValueError
+        assert isinstance(info.value.__cause__, ModelForwardError) and info.value.step == 0
         assert Client(url).run("f").status == "failed" and Client(url).run("f").failed_step == 0
         tr.close()
     finally:

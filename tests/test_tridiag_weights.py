@@ -11,8 +11,15 @@ import pytest
 import scipy.linalg.lapack as lapack
 
 from nsa_dist.errors import NonFiniteError, ShapeError
-from nsa_dist.linalg._mkl_stedc import (first_row, first_row_errors, first_row_ready, probe_stedc, stedc, stedc_errors,
-                                        stedc_ready)
+from nsa_dist.linalg._mkl_stedc import (
+    first_row,
+    first_row_errors,
+    first_row_ready,
+    probe_stedc,
+    stedc,
+    stedc_errors,
+    stedc_ready,
+)
 from nsa_dist.linalg._mkl_syrdb import first_column_ready, probe_first_column
 from nsa_dist.linalg.tridiag import Reduction, Solver, eig_projections, eig_weights
 
@@ -150,7 +157,7 @@ def test_a_wrong_result_goes_to_the_q_route(caplog) -> None:
 def test_checks_see_wrong_weights_and_a_wrong_first_column() -> None:
     """The checks, fed a right answer, then S's first row for other eigenvalues, then a T whose first
     entries are not G''s (what a reduction moving e₁ would give)."""
-    from nsa_dist.linalg.tridiag import _Stats, _householder, _products, _reflect, _weights_checks
+    from nsa_dist.linalg.tridiag import _householder, _products, _reflect, _Stats, _weights_checks
 
     G, *_ = _geometric(80, 13)
     phi = np.random.default_rng(14).standard_normal(80)

@@ -18,6 +18,32 @@ What it owns, bottom to top (a module imports only the ones above it in this lis
 * ``_client`` — :class:`Client`: the store's runs and sweeps, ``verify``.
 
 It may import ``config``, ``errors``, ``metrics``, ``losses``, ``hessian`` and ``store``.
+
+Example — a tiny run written to a temporary store and read back; the stored energies E_t(y, k)
+are the relative energy of y in the stored eigenvectors::
+
+>>> import tempfile, numpy as np
+>>> from nsa_dist.client import Client
+>>> from nsa_dist.config import ExperimentSpec
+>>> from nsa_dist.pipeline import run_experiment
+>>> from nsa_dist.store import SpectrumStore
+>>> folder = tempfile.TemporaryDirectory()
+>>> url = f"{folder.name}/runs.zarr"
+>>> spec = ExperimentSpec.model_validate({"name": "tiny", "data": {"n": 16}, "model": {"depth": 2, "width": 8},
+...                                       "steps": 3, "record": {"every": 2},
+...                                       "spectrum": {"k": 4, "images": [], "store_eigenvectors": True}})
+>>> _ = run_experiment(spec, SpectrumStore(url))
+>>> c = Client(url)
+>>> c.runs()[["status", "steps_done"]].values.tolist()
+[['done', 2]]
+>>> run = c.run("tiny")                                   # by name, id or unique id prefix
+>>> run.steps.tolist(), run.eigenvalues.shape
+([0, 2], (2, 4))
+>>> V, y = run.eigenvectors(2), run.y.reshape(-1)         # (N, k) at t = 2, the targets
+>>> E = np.cumsum((V.T @ y) ** 2) / (y @ y)               # E_t(y, k) = Σ_{i≤k} ⟨v_i, y⟩² / ‖y‖²
+>>> bool(np.allclose(run.energy("y")[1], E, rtol=1e-5))
+True
+>>> folder.cleanup()
 """
 
 from nsa_dist.client._arrays import RunArrays

@@ -8,7 +8,6 @@ arrays at exactly those, checked (a damaged chunk is a StoreError naming it, nev
 from __future__ import annotations
 
 import json
-
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,7 @@ class RunArrays:
         self.spec = ExperimentSpec.model_validate(self._r.attrs["spec"])
         self._set_state()
 
-    def refresh(self) -> "RunArrays":
+    def refresh(self) -> RunArrays:
         """Re-read the status and the set of finished steps (for watching a live run)."""
         self._r.refresh()
         self._set_state()
@@ -148,4 +147,5 @@ class RunArrays:
         return int(self.finished[where[0]])
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.id!r}, status={self.status!r}, steps={len(self.finished)}/{len(self.schedule)})"
+        return (f"{type(self).__name__}({self.id!r}, status={self.status!r}, "
+                f"steps={len(self.finished)}/{len(self.schedule)})")

@@ -24,13 +24,13 @@ class Client:
         self.store = SpectrumStore(url, mode="r")
 
     @classmethod
-    def of(cls, store: SpectrumStore) -> "Client":
+    def of(cls, store: SpectrumStore) -> Client:
         """A client of a store opened already (``nsa serve`` holds one for all its pages)."""
         c = cls.__new__(cls)
         c.url, c.store = store.url, store
         return c
 
-    def runs(self, sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
+    def runs(self, sweep: str | None = None, **where: Any) -> pandas.DataFrame:
         """Every run (or a sweep's) as a DataFrame: id, sweep, status, reason, steps_done,
         steps_total, last_step, data_fingerprint and each spec field as a dotted column ("model.depth", …).
 

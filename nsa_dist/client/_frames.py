@@ -24,7 +24,7 @@ __all__ = ["run_to_xarray", "runs_frame", "flatten_spec"]
 _ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k")
 
 
-def run_to_xarray(run: "RunArrays", *, state: bool = False) -> "xarray.Dataset":
+def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
     """The finished recorded steps of ``run`` (a :class:`~nsa_dist.client.Run`) with named dimensions.
 
     Per-step arrays (first dim "step") keep only the finished steps; coordinate ``step`` holds
@@ -78,7 +78,7 @@ def flatten_spec(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _run_row(summary: "RunSummary", sweep: str | None) -> dict[str, Any]:
+def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
     """One run's row; a damaged run has status "damaged" and the error (naming the file) as its
     reason, so that it never hides the others."""
     row = {"id": summary.id, "sweep": sweep, "status": summary.status, "reason": summary.reason,
@@ -88,7 +88,7 @@ def _run_row(summary: "RunSummary", sweep: str | None) -> dict[str, Any]:
     return {**row, "data_fingerprint": summary.data_fingerprint, **flatten_spec(summary.spec)}
 
 
-def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -> "pandas.DataFrame":
+def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> pandas.DataFrame:
     """One row per run: id, sweep, status, reason, steps_done, steps_total, last_step,
     data_fingerprint (of the data the run was created from), then every spec field flattened to a
     dotted column ("model.depth", "schedule.lr", …).
@@ -108,7 +108,8 @@ def runs_frame(store: "SpectrumStore", sweep: str | None = None, **where: Any) -
         raise KeyError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
     member = {rid: name for name, ids in sweeps.items() for rid in ids}
     known = store.run_ids()
-    ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known  # not created yet: left out
+    # a run of the sweep not created yet is left out
+    ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known
     rows = [_run_row(s, member.get(s.id)) for s in run_summaries(store, ids)]
     df = pd.DataFrame(rows, columns=None if rows else ["id", "sweep", "status", "reason", "steps_done",
                                                        "steps_total", "last_step", "data_fingerprint"])

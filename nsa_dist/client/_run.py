@@ -253,7 +253,8 @@ class Run(RunArrays):
             return self.array("preservation"), int(a["t1"]), int(a["t2"]), list(a["rows"])
         steps = self.eigenvector_steps
         if len(steps) < 2 and (t1 is None or t2 is None):
-            raise ValueError(f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two")
+            raise ValueError(f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); "
+                             "preservation needs two")
         t1 = int(steps[1 if len(steps) > 2 and not isinstance(self.spec.spectrum.store_eigenvectors, list) else 0]) \
             if t1 is None else t1
         t2 = int(steps[-1]) if t2 is None else t2
@@ -350,7 +351,7 @@ class Run(RunArrays):
         return stability_bound(self.lambda_max, self.N)
 
     # ------------------------------------------------------------------ as data
-    def to_xarray(self, *, state: bool = False) -> "xarray.Dataset":
+    def to_xarray(self, *, state: bool = False) -> xarray.Dataset:
         """The run's finished steps as an :class:`xarray.Dataset` (dims step, k, point, output, …).
 
         ``step`` is a coordinate (the recorded t), ``k`` / ``k_full`` / ``k_test`` run from 1;

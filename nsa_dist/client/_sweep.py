@@ -26,7 +26,7 @@ __all__ = ["Sweep", "Curve", "QUANTITIES", "quantity", "varied_fields"]
 QUANTITIES = ("loss", "loss_recorded", "loss_test", "lambda_max", "stability_bound", "alignment",
               "first_order_error", "first_order_cos", "energy_y", "energy_f", "energy_residual", "energy_df",
               "energy_df_pred", "energy_f_test",
-              # the Hessian paper (issue 10), at the analysed steps; k: the moment order 1..4 where named
+              # the Hessian paper, at the analysed steps; k: the moment order 1..4 where named
               "hessian_H", "hessian_I", "hessian_S", "hessian_I_exact", "hessian_I_limit", "hessian_gap",
               "hessian_I_error", "hessian_S_ratio", "hessian_S_op", "hessian_S_fro", "hessian_I_fro",
               "hessian_orthogonality", "hessian_trace_S_G")
@@ -160,9 +160,9 @@ class Sweep:
         KeyError: no sweep ``name`` in the store (the known ones are named).
     """
 
-    def __init__(self, store: "SpectrumStore", name: str) -> None:
+    def __init__(self, store: SpectrumStore, name: str) -> None:
         self.store, self.name = store, name
-        self.runs: "pandas.DataFrame" = runs_frame(store, sweep=name)  # KeyError naming the known sweeps
+        self.runs: pandas.DataFrame = runs_frame(store, sweep=name)  # KeyError naming the known sweeps
         varied = varied_fields(store.sweep_spec(name))
         self.seeded = "seed" in varied
         self.fields = [f for f in varied if f != "seed" and f in self.runs.columns]
@@ -171,7 +171,7 @@ class Sweep:
         """One run of the sweep by its id (a value of ``runs["id"]``)."""
         return Run(self.store, run_id)
 
-    def _finished(self) -> "pandas.DataFrame":
+    def _finished(self) -> pandas.DataFrame:
         return self.runs[self.runs["steps_done"] > 0]
 
     def groups(self) -> list[tuple[dict[str, Any], list[str]]]:
@@ -205,7 +205,7 @@ class Sweep:
                                     len(ids), bracket))
         return curves
 
-    def scalar(self, name: str, k: int | None = None, step: int | None = None) -> "pandas.DataFrame":
+    def scalar(self, name: str, k: int | None = None, step: int | None = None) -> pandas.DataFrame:
         """One row per finished run: id, the grid fields, seed, ``value`` = quantity ``name`` at
         ``step`` (default: each run's last finished recorded step; "loss": last trained step)."""
         import pandas as pd

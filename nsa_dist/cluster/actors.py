@@ -13,8 +13,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nsa_dist.config import ClusterSpec
 from nsa_dist.cluster.resources import resolve_gpus, threads
+from nsa_dist.config import ClusterSpec
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.pipeline.shard import SpectralShard
 
@@ -42,7 +42,7 @@ def spectral_workers(store_url: str, cl: ClusterSpec, has_gpus: bool) -> list[An
 
 def tracked_run_workers(store_url: str, plan: Any, model_ref: Any, data_ref: Any, n: int, cpus: float = 1.0,
                         gpus: float = 0.0, max_retries: int = 3, token: str | None = None) -> list[Any]:
-    """The spectral-worker pool of a Tracker's run (issue 12): ``n`` TrackedRunService actors.
+    """The spectral-worker pool of a Tracker's run: ``n`` TrackedRunService actors.
 
     ``model_ref`` / ``data_ref`` are object refs (put once, shared by the pool); a dead worker
     restarts from them (``max_restarts=-1``) and Ray retries its step there, up to ``max_retries`` times.

@@ -14,8 +14,9 @@ import shlex
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
@@ -109,14 +110,13 @@ def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str 
     it only works when that path is shared storage, as on a one-machine cluster.  ``max_runs``
     raises the sweep's run limit here and in the job.
     """
-    import nsa_dist
     from nsa_dist.specfile import load_sweep
 
     load_sweep(sweep_file, max_runs=max_runs)  # fail here, not on the cluster, on a bad file
     limit = f" --max-runs {int(max_runs)}" if max_runs else ""
     if "://" not in store_url:
         store_url = os.path.abspath(store_url)
-    runtime_env: dict[str, Any] = {"py_modules": [str(Path(nsa_dist.__file__).parent)]}
+    runtime_env: dict[str, Any] = {"py_modules": [str(Path(__file__).parent.parent)]}  # nsa_dist/
     if pip:
         runtime_env["pip"] = pip
     if os.environ.get("NSA_DEBUG"):
@@ -151,7 +151,8 @@ def status(address: str, job_id: str | None = None) -> list[dict]:
     with _answered(address):
         client = job_client(address)
         jobs = [client.get_job_info(job_id)] if job_id else client.list_jobs()
-    return [{"id": j.submission_id or j.job_id, "status": str(j.status.value if hasattr(j.status, "value") else j.status),
+    return [{"id": j.submission_id or j.job_id,
+             "status": str(j.status.value if hasattr(j.status, "value") else j.status),
              "entrypoint": j.entrypoint, "message": j.message or ""} for j in jobs]
 
 

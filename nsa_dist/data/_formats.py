@@ -13,7 +13,8 @@ import math
 import pickle
 import struct
 import zlib
-from typing import Any, BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 import numpy as np
 

@@ -14,8 +14,8 @@ with the training data's mean and std; log p and log q are densities in those co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

@@ -17,8 +17,9 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
     """A grayscale image as float64 (H, W) in [0, 1].
 
     Args:
-        path: a PNG/JPEG file, a local path or an fsspec URL (``s3://bucket/mona_lisa.png``); None → scikit-image's bundled ``camera`` photograph (a stand-in
-            for the paper's Mona Lisa, which no package ships).
+        path: a PNG/JPEG file, a local path or an fsspec URL (``s3://bucket/mona_lisa.png``); None →
+            scikit-image's bundled ``camera`` photograph (a stand-in for the paper's Mona Lisa, which no
+            package ships).
 
     Raises:
         FileNotFoundError: ``path`` does not exist (the message names it, URL included).

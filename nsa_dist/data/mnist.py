@@ -10,8 +10,7 @@ import numpy as np
 
 from nsa_dist.data._dataset import Dataset
 from nsa_dist.data._formats import IDX_IMAGES, IDX_LABELS, find_file, read_idx
-from nsa_dist.data._paths import Location
-from nsa_dist.data._paths import directory as data_directory
+from nsa_dist.data._paths import Location, directory as data_directory
 from nsa_dist.data._targets import Target, avg_pool2, check_sizes, draw, make_targets, parse_target, split
 from nsa_dist.errors import MissingDependencyError
 

@@ -18,7 +18,7 @@ __all__ = ["load_dataset", "data_files"]
 log = logging.getLogger(__name__)
 
 
-def load_dataset(spec: "DataSpec", seed: int = 0) -> Dataset:
+def load_dataset(spec: DataSpec, seed: int = 0) -> Dataset:
     """The train/test split that ``spec`` describes, sampled with ``seed``.
 
     Raises:
@@ -31,7 +31,7 @@ def load_dataset(spec: "DataSpec", seed: int = 0) -> Dataset:
     return data
 
 
-def data_files(spec: "DataSpec") -> list[Location]:
+def data_files(spec: DataSpec) -> list[Location]:
     """The files ``load_dataset(spec)`` reads from ``spec.path``, each checked — it exists, is a
     regular file, a local one is readable — without reading any (cheap: a stat per file, or one
     request per object for a URL).  [] for data that has no path (bundled or generated).
@@ -71,7 +71,7 @@ _CIFAR_NEEDS_PATH = {"cifar10": "data.path: cifar10 needs the directory of its p
                                  "(cifar-100-python/)"}
 
 
-def _check_target(data: Dataset, spec: "DataSpec") -> None:
+def _check_target(data: Dataset, spec: DataSpec) -> None:
     """Refuse y ≡ 0: every energy E(y, k) = ‖P_k y‖² / ‖y‖² would be 0/0 (a constant image
     normalises to it); warn about another constant target (nothing to learn but an offset)."""
     y = np.asarray(data.y)
@@ -87,7 +87,7 @@ def _check_target(data: Dataset, spec: "DataSpec") -> None:
                     what, y[0].tolist())
 
 
-def _load(spec: "DataSpec", seed: int) -> Dataset:
+def _load(spec: DataSpec, seed: int) -> Dataset:
     from nsa_dist.config import DataName
 
     name = DataName(spec.name)

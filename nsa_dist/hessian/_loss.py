@@ -19,7 +19,8 @@ from nsa_dist.errors import ShapeError
 __all__ = ["prepare_targets", "loss_sum", "loss_curvature", "curvature_sqrt"]
 
 
-def prepare_targets(Y: object, loss: LossName, N: int, K: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def prepare_targets(Y: object, loss: LossName, N: int, K: int,
+                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Targets as a (N, K) float tensor: MSE values, or one-hot / probability rows for cross-entropy.
 
     Raises:

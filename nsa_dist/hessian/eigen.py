@@ -10,7 +10,7 @@ import numpy as np
 
 from nsa_dist._checks import parse_enum
 from nsa_dist.hessian._probes import check_int
-from nsa_dist.linalg import EigMethod, Eigenpairs, top_eigenpairs
+from nsa_dist.linalg import Eigenpairs, EigMethod, top_eigenpairs
 
 __all__ = ["Which", "extreme_eigenpairs", "edge_of_stability"]
 

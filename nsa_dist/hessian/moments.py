@@ -57,8 +57,8 @@ from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import curvature_sqrt
 from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, gaussian, rademacher
 from nsa_dist.hessian.operators import _setup
-from nsa_dist.ntk import gram
 from nsa_dist.losses import parse_loss
+from nsa_dist.ntk import gram
 from nsa_dist.ntk.inputs import as_2d
 
 if TYPE_CHECKING:

@@ -23,10 +23,10 @@ from nsa_dist._checks import parse_enum
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import loss_curvature, loss_sum, prepare_targets
 from nsa_dist.hessian._operator import LossCurvatureOperator
-from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
 from nsa_dist.losses import parse_loss, residual
 from nsa_dist.models import OutputSelector
+from nsa_dist.ntk.blame import blame
+from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
 from nsa_dist.ntk.state import preserved
 
 if TYPE_CHECKING:

@@ -117,7 +117,7 @@ class OutputTraces:
     per_probe: np.ndarray
 
 
-def output_hessian_traces(model: "nn.Module", X: torch.Tensor, n_probes: int = 16, *, seed: int = 0,
+def output_hessian_traces(model: nn.Module, X: torch.Tensor, n_probes: int = 16, *, seed: int = 0,
                           dtype: torch.dtype | None = torch.float64, block_size: int | None = None) -> OutputTraces:
     """The vector G of the Hessian paper (``G = Σ_p ∂²Y/∂θ_p²``) at the points X, by probes.
 
@@ -183,7 +183,8 @@ def trace_S_from_G(R: np.ndarray, traces: OutputTraces) -> tuple[float, float]:
 # --------------------------------------------------------------------------- the limit of I
 
 
-def limit_gauss_newton_eigenvalues(theta: Any, F: Any = None, Y: Any = None, *, loss: str | LossName = "mse") -> np.ndarray:
+def limit_gauss_newton_eigenvalues(theta: Any, F: Any = None, Y: Any = None, *,
+                                   loss: str | LossName = "mse") -> np.ndarray:
     """The spectrum of I predicted by a (limiting) NTK Gram ``Θ̃`` (N, N): kernel PCA weighted by HC.
 
     ``I = (1/N) Jᵀ HC J`` with ``J Jᵀ → Θ̃∞ ⊗ Id_K`` has the nonzero eigenvalues of
@@ -252,7 +253,7 @@ class Ranks:
 _MAX_DENSE_P = 4096
 
 
-def numerical_ranks(model: "nn.Module", X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
+def numerical_ranks(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
                     tol: float = 1e-9) -> Ranks:
     """Ranks of the dense I, S and H of a small network, beside ``Rank(I) ≤ N n_L`` and
     ``Rank(S) ≤ 2(L − 1) w N n_L`` (the Hessian paper; L Linear layers, hidden width w).
@@ -271,10 +272,12 @@ def numerical_ranks(model: "nn.Module", X: torch.Tensor, Y: Any, *, loss: str | 
         raise ValueError(f"tol (relative to the largest |eigenvalue|) must be a float in (0, 1), got {tol!r}")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:
-        raise ValueError(f"numerical_ranks needs a fully-connected network (nn.Linear layers); {type(model).__name__} has none")
+        raise ValueError("numerical_ranks needs a fully-connected network (nn.Linear layers); "
+                         f"{type(model).__name__} has none")
     P = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if P > _MAX_DENSE_P:
-        raise ValueError(f"numerical_ranks forms the dense P×P matrices: P = {P} > {_MAX_DENSE_P}; use a smaller network")
+        raise ValueError(f"numerical_ranks forms the dense P×P matrices: P = {P} > {_MAX_DENSE_P}; "
+                         "use a smaller network")
     H, I, S = hessian_parts(model, X, Y, loss=loss, dtype=torch.float64)
     evals, ranks = {}, {}
     for name, op in (("I", I), ("S", S), ("H", H)):

@@ -17,7 +17,8 @@ import torch
 
 from nsa_dist.errors import MissingDependencyError
 
-__all__ = ["Backend", "ArrayOps", "TorchOps", "get_cupy", "array_kind", "convert", "host_empty", "HostWorkspace", "resolve_backend"]
+__all__ = ["Backend", "ArrayOps", "TorchOps", "get_cupy", "array_kind", "convert", "host_empty",
+           "HostWorkspace", "resolve_backend"]
 
 _CUPY_HINT = "pip install 'nsa-dist[gpu]' (cupy-cuda12x)"
 _NUMPY_SAFE = (torch.float64, torch.float32, torch.float16)  # torch dtypes NumPy can view
@@ -101,7 +102,7 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float64, colum
     allocator does not, and a GEMM streaming a large matrix then spends its time in TLB misses:
     at N = 10⁴ on two cores an (N, N) @ (N, 32) product ran 66 ms against 87 ms in float64 and
     40 against 51 ms in float32, and a Lanczos re-orthogonalisation against a (10⁴, 1024) basis
-    30 against 37 ms (issue 22).  ``column_major``: Fortran order (column blocks contiguous).
+    30 against 37 ms.  ``column_major``: Fortran order (column blocks contiguous).
     """
     np_dtype = torch.empty((), dtype=dtype).numpy().dtype
     return torch.from_numpy(np.empty(shape, dtype=np_dtype, order="F" if column_major else "C"))
@@ -122,7 +123,7 @@ class HostWorkspace:
 
     A top-500 at N = 10⁴ writes ~0.6 GB of fresh blocks (Lanczos's basis and its products, the
     deflated float32 rest), and the first touch of fresh pages cost 0.02–0.24 s per 120 MB here:
-    reusing them took a top-500 from 3.6–4.4 s to 3.2–3.3 s (issue 22).  A
+    reusing them took a top-500 from 3.6–4.4 s to 3.2–3.3 s.  A
     :class:`~nsa_dist.pipeline.SpectralAnalyzer` holds one for its life, so its steps, and the
     training and test Grams of a step, solve in the same memory.  One solve at a time: a buffer is
     the solver's until it returns (the results it returns are never views of one); not for

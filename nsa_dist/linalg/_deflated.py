@@ -1,7 +1,7 @@
 """Top-k of a float32 host Gram with float32 products held to float64 accuracy (private).
 
 A float32 G·X costs half a float64 one on the host (an (N, 32) block at N = 10⁴: 1.1–1.2 ms a
-column against 2.4–2.5, issue 22), but plain float32 products err by ~eps₃₂·‖G‖: 1.3e-4 for a
+column against 2.4–2.5), but plain float32 products err by ~eps₃₂·‖G‖: 1.3e-4 for a
 unit vector of the paper's Gram, 46× Lanczos's residual tolerance (1e-10·λ₁ = 2.8e-6).  The
 rounding scales with the matrix rounded, so the top directions are taken out first:
 
@@ -32,8 +32,8 @@ when it cannot:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,8 @@ class DeflatedGram:
         n_matvec: float32 columns of G applied to build U and S.
     """
 
-    def __init__(self, G: torch.Tensor, seed: int = 0, rank: int = RANK, workspace: HostWorkspace | None = None) -> None:
+    def __init__(self, G: torch.Tensor, seed: int = 0, rank: int = RANK,
+                 workspace: HostWorkspace | None = None) -> None:
         N = G.shape[0]
         ops = TorchOps("cpu")
         g = torch.Generator().manual_seed(seed)
@@ -84,7 +85,8 @@ class DeflatedGram:
         self.n_matvec = (POWER + 1) * rank
         self.top = float(torch.linalg.eigvalsh(self.S).abs().max())
         shape = tuple(G.shape)  # the rest in huge pages: 40 against 51 ms a product
-        self.rest = workspace.empty("deflated.rest", shape, torch.float32) if workspace else host_empty(shape, torch.float32)
+        self.rest = (workspace.empty("deflated.rest", shape, torch.float32) if workspace
+                     else host_empty(shape, torch.float32))
         US, Ut = U @ self.S, U.T.contiguous()
         for i, j, b in _float64_slabs(G):
             b.addmm_(US[i:j], Ut, alpha=-1.0)
@@ -168,7 +170,8 @@ def deflated_lanczos(G: Any, k: int, *, tol: float, max_iter: int | None, seed: 
                  "product error %.2e, largest residual bound %.2e, against %.2e); float64 products",
                  res.converged, true.max(), err.max(), residuals.max(), tol * scale)
         return None
-    return LanczosResult(res.evals, res.evecs, residuals, res.n_matvec + D.n_matvec + 2 * len(idx), res.n_restarts, True)
+    return LanczosResult(res.evals, res.evecs, residuals,
+                         res.n_matvec + D.n_matvec + 2 * len(idx), res.n_restarts, True)
 
 
 def _sample(k: int) -> np.ndarray:

@@ -127,7 +127,7 @@ def _block_size(A: SymmetricMap, k: int) -> int | None:
     from memory (2.4× the time per column of an (N, 48) one at N = 10⁴ on two cores,
     ``benchmarks/topk.py``), and an (N, 48) float32 one took 0.73–0.76 ms a column against
     0.94–1.03 for (N, 32) (0.76 for 56 and 64: MKL's kernels), for ~8 % more products
-    (benchmarks/README.md, issue 22); the default (:func:`default_block_size`) otherwise."""
+    (benchmarks/README.md); the default (:func:`default_block_size`) otherwise."""
     if A.source is not None and A.N >= 4096 and k >= 64:
         return 48
     return None

@@ -16,8 +16,17 @@ import numpy as np
 import torch
 
 from nsa_dist.errors import NonFiniteError, NSAError, ShapeError
-from nsa_dist.linalg._backend import (ArrayOps, Backend, TorchOps, _on_gpu, array_kind, convert, get_cupy,
-                                      host_empty, resolve_backend)
+from nsa_dist.linalg._backend import (
+    ArrayOps,
+    Backend,
+    TorchOps,
+    _on_gpu,
+    array_kind,
+    convert,
+    get_cupy,
+    host_empty,
+    resolve_backend,
+)
 
 __all__ = ["SymmetricMap", "as_symmetric_map", "sym_rtol"]
 
@@ -144,7 +153,7 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
     host_torch = backend is Backend.AUTO and shape[0] >= _TORCH_HOST_N and not _on_gpu(G)
     ops = TorchOps("cpu") if host_torch else resolve_backend(backend, G)
     # a float G is checked as it is: its float64 copy holds the same values, and a float32 G read
-    # as it is reads half the bytes (0.09 s against 0.39–0.44 s at N = 10⁴, issue 22); the copy
+    # as it is reads half the bytes (0.09 s against 0.39–0.44 s at N = 10⁴); the copy
     # is made only if the solver needs it (SymmetricMap.dense)
     is_float = G.is_floating_point() if isinstance(G, torch.Tensor) else G.dtype.kind == "f"
     checked = G if is_float else ops.asarray(G)  # integer or bool entries: their float64 copy
@@ -171,7 +180,7 @@ def _check_symmetric(G: Any, rtol: float, backend: str, what: str) -> None:
     """Raise ValueError naming max |G − Gᵀ| if it exceeds ``rtol · max |G|``.
 
     Tiles: 256 on NumPy; 512 on torch's CPU (the transposed tile stays in cache: at N = 10⁴ float64
-    0.18 s against 0.84 s with 4096-tiles, issue 22); 4096 on a GPU (fewer kernel launches)."""
+    0.18 s against 0.84 s with 4096-tiles); 4096 on a GPU (fewer kernel launches)."""
     asym, scale = _asymmetry(G, tile=256 if backend == "numpy" else 4096 if _on_gpu(G) else 512)
     if asym > rtol * scale:
         raise ValueError(f"{what} must be symmetric; max |G - Gᵀ| = {asym:.3g} ({asym / scale:.3g} of max |G|, "

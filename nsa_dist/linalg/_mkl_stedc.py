@@ -4,7 +4,7 @@
 SciPy wraps only its ``dstevd`` (OpenBLAS's LAPACK); torch's ``libtorch_cpu.so`` links MKL
 statically and exports ``mkl_lapack_dstedc`` (Fortran calling convention, as ``?syrdb`` in
 :mod:`nsa_dist.linalg._mkl_syrdb`), which took 5.2–5.9 s against 7.5–8.9 s at N = 10⁴ on 2 cores
-(benchmarks/README.md, issue 22).
+(benchmarks/README.md).
 
 Where S itself is not needed, :func:`rows_of_s` runs the same divide and conquer carrying only
 the rows of S that are used (S's first row, ψᵀS) through the merges, with MKL's ``dlaed4`` for the
@@ -132,7 +132,8 @@ def first_row_ready() -> bool:
     tol = 50 * _PROBE_N * float(np.finfo(np.float64).eps)
     return probe_verdict({k: v * (1e-6 if "cluster" in k else 1.0) for k, v in errs.items()}, tol,
                          f"the first-row divide and conquer disagrees with SciPy's dstevd on a {_PROBE_N}-row probe "
-                         "(cluster weights scaled by 1e-6)", "T's first eigenvector row comes from a whole divide and conquer")
+                         "(cluster weights scaled by 1e-6)",
+                         "T's first eigenvector row comes from a whole divide and conquer")
 
 
 @functools.cache
@@ -144,7 +145,8 @@ def stedc_ready() -> bool:
 def probe_stedc() -> bool:
     """Solve a fixed 300-row T with ``mkl_lapack_dstedc`` and check it against SciPy's ``dstevd``.
 
-    T: the tridiagonal reduction of a matrix with a spectrum like an NTK's — a few large eigenvalues and a cluster of 10⁻¹²-scale ones, with two
+    T: the tridiagonal reduction of a matrix with a spectrum like an NTK's — a few large eigenvalues and a
+    cluster of 10⁻¹²-scale ones, with two
     zero off-diagonals that split T — so that deflation and several merges run.  Accepted when
     every :func:`stedc_errors` is within ``50·n·eps₆₄``; otherwise, or when the call fails, one
     warning names the reason and False is returned.

@@ -3,8 +3,8 @@
 ``?syrdb`` reduces a dense symmetric A to band form (bandwidth ``kd``, BLAS-3) and the band to a
 tridiagonal T, ``A = Q T Qᵀ``; with ``jobz = 'V'`` it also forms Q in A's place.  Its cost with Q
 formed is about that of ``eigvalsh`` (MKL ``?syevd`` without vectors), while the one-stage
-``?sytrd`` (SciPy's, or MKL's own) takes 3–6× that at N = 10⁴ on 2 cores (benchmarks/README.md,
-issue 22).  SciPy does not wrap it; torch's ``libtorch_cpu.so`` links MKL statically and exports
+``?sytrd`` (SciPy's, or MKL's own) takes 3–6× that at N = 10⁴ on 2 cores (benchmarks/README.md).
+SciPy does not wrap it; torch's ``libtorch_cpu.so`` links MKL statically and exports
 its internal ``mkl_lapack_?syrdb`` with the Fortran calling convention (every argument by
 reference, hidden string lengths last).
 
@@ -23,12 +23,15 @@ import os
 
 import numpy as np
 
-__all__ = ["KD_VALUES", "MIN_N", "first_column_ready", "fortran_info", "fortran_int", "mkl_function", "probe_first_column",
-           "probe_syrdb", "probe_verdict", "reduction_errors", "syrdb_explicit", "syrdb_ready", "syrdb_values"]
+__all__ = ["KD_VALUES", "MIN_N", "first_column_ready", "fortran_info", "fortran_int", "mkl_function",
+           "probe_first_column", "probe_syrdb", "probe_verdict", "reduction_errors", "syrdb_explicit", "syrdb_ready",
+           "syrdb_values"]
 
 _log = logging.getLogger(__name__)
-KD = 128  # band of the first stage: jobz = V at N = 10⁴ float32 under the same load, kd 32 137 s, 64 80 s, 128 67 s, 256 64 s
-KD_VALUES = 128  # the band for jobz = 'N' (benchmarks/README.md, issue 22)
+# band of the first stage: jobz = V at N = 10⁴ float32 under the same load, kd 32 137 s, 64 80 s, 128 67 s,
+# 256 64 s
+KD = 128
+KD_VALUES = 128  # the band for jobz = 'N' (benchmarks/README.md)
 MIN_N = 16  # smaller G: SciPy's route (instant there)
 _PROBE_N = 256
 _P = ctypes.c_void_p

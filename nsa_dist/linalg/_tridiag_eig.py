@@ -27,7 +27,7 @@ class Solver(str, Enum):
         (:mod:`nsa_dist.linalg._mkl_stedc`), else LAPACK (a probe's failure is logged once).
     MKL: ``dstedc(compz='I')`` of the MKL inside torch (S whole): at N = 10⁴ on 2 cores 5.2–5.9 s
         against 7.5–8.9 s for SciPy's in one session, 7.3–7.7 against 6.5 s in another — no
-        clear winner; ROWS took 1.7–2.1 s there (benchmarks/README.md, issue 22).
+        clear winner; ROWS took 1.7–2.1 s there (benchmarks/README.md).
     LAPACK: SciPy's ``dstevd`` (OpenBLAS's LAPACK); portable, the reference.
     ROWS: divide and conquer carrying only the rows of S that are used — S's first row for
         :func:`~nsa_dist.linalg.tridiag.eig_weights`, ψᵀS for

@@ -32,7 +32,8 @@ import torch
 
 from nsa_dist.linalg._backend import ArrayOps, HostWorkspace, TorchOps
 
-__all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos", "block_gauss_quadrature", "default_block_size"]
+__all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos",
+           "block_gauss_quadrature", "default_block_size"]
 
 _DEFLATE = 1e-13  # singular values below this (× ‖G‖) of a new block are treated as zero
 _CLEAN = 1e-3  # below this (× ‖G X‖) a new block is re-orthogonalised once more
@@ -202,7 +203,7 @@ class _State:
                  workspace: HostWorkspace | None = None):
         self.ops, self.N, self.M, self.b, self.rng, self.sym_rtol = ops, N, M, b, rng, sym_rtol
         # (N, M) each; only the first n columns are ever read, and they are written first (zeroing
-        # two (10⁴, 1500) blocks took 0.1 s each, issue 22)
+        # two (10⁴, 1500) blocks took 0.1 s each)
         if workspace is not None and isinstance(ops, TorchOps) and ops.device.type == "cpu":
             self.V = workspace.empty("lanczos.V", (N, M), column_major=True)
             self.AV = workspace.empty("lanczos.AV", (N, M), column_major=True)
@@ -300,7 +301,7 @@ def _orthogonalise(ops: ArrayOps, V: Any, W: Any, local: int = 0) -> tuple[Any, 
     where that pass took away more than half of a column's norm (Kahan–Parlett's "twice is
     enough" test, κ = 2: otherwise one more pass cannot improve orthogonality).  A full pass
     streams the (N, m) basis twice; at N = 10⁴, k = 500 the two passes were 0.6 s of a 4–5 s
-    top-500 (issue 22).
+    top-500.
     """
     m = V.shape[1]
     if local <= 0 or local >= m:
@@ -338,7 +339,7 @@ def _qr_r(ops: ArrayOps, A: Any) -> tuple[Any, np.ndarray]:
     the same for Q₁, ``R = R₂ R₁`` — four GEMMs on the product's threads and two b × b host
     Choleskys.  LAPACK's Householder QR there ran its panel loop on threads that stalled behind
     the G·V product's (on 2 shared cores a (10⁴, 32) QR took 0.23–0.4 s after a product against
-    8 ms alone; 28 % of a top-500, issue 22).  The fast path proves its result: when a Cholesky
+    8 ms alone; 28 % of a top-500).  The fast path proves its result: when a Cholesky
     fails or ``‖QᵀQ − I‖_max > 1e-12`` (A too ill-conditioned, cond ≳ 10⁸) LAPACK's QR runs instead.
     """
     if ops.name == "torch" and ops.device.type == "cpu":

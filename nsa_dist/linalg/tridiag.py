@@ -19,20 +19,20 @@ T's eigenproblem is always float64 (MKL's ``dstedc`` or SciPy's ``dstevd``, :cla
 float32 G therefore gets float32-accurate eigenvalues (absolute errors ~ N·eps₃₂·λ_1 at worst,
 4e-7·λ_1 measured at N = 10⁴ — less than the float32 rounding of G itself moves them) where a
 float64 ``eigh`` of the same G would be exact for that G.
-Cost at N = 10⁴ float32 on 2 cores: ``benchmarks/kall.py`` and benchmarks/README.md (issue 22).
+Cost at N = 10⁴ float32 on 2 cores: ``benchmarks/kall.py`` and benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import scipy.linalg.lapack as lapack
-
-import logging
 
 from nsa_dist.linalg._mkl_syrdb import MIN_N, syrdb_explicit, syrdb_ready
 from nsa_dist.linalg._tridiag_eig import Solver, lapack_ok, solve_tridiagonal
@@ -133,7 +133,8 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
         d, e, apply_qt, apply_q = _lapack(_fortran_copy(G_np, dtype))
     psi = apply_qt(Phi2)  # (N, c) = Qᵀ Φ
     cols = [N - 1 - i for i in indices]
-    w, proj, _, Sc, solver = solve_tridiagonal(d, e, psi, solver, cols)  # (N,) ascending, (N, c) = Sᵀψ, (N, m) = S[:, cols]
+    # (N,) ascending, (N, c) = Sᵀψ, (N, m) = S[:, cols]
+    w, proj, _, Sc, solver = solve_tridiagonal(d, e, psi, solver, cols)
     V = apply_q(Sc) if indices else np.empty((N, 0))  # (N, m)
     flip = V[np.abs(V).argmax(axis=0), np.arange(V.shape[1])] < 0 if V.size else np.zeros(0, bool)
     V[:, flip] *= -1
@@ -221,13 +222,13 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
 UNRESOLVED_WEIGHT = 1e-3  # largest share of ‖φ‖² below the resolution that a float32 one-vector call keeps
 
 
-def _resolution(st: "_Stats") -> float:
+def _resolution(st: _Stats) -> float:
     """δ = (max(100√N, 1000) + 4)·eps·‖G‖_F: the reduction's backward error in G's precision (see
     :func:`_weights_checks`); eigenvalues below it are not resolved by that precision."""
     return (max(100 * np.sqrt(st.N), 1000) + 4) * st.eps * float(np.sqrt(st.fro2))
 
 
-def _unresolved_weight(st: "_Stats", lam: np.ndarray, s0: np.ndarray) -> float:
+def _unresolved_weight(st: _Stats, lam: np.ndarray, s0: np.ndarray) -> float:
     """The share of ‖φ‖² on eigenvalues |λ| ≤ δ (:func:`_resolution`): there the float32 reduction's
     split of φ's weight is noise, so E(φ, k) can err by up to this share (plus O(δ/gap) above)."""
     return float((s0[np.abs(lam) <= _resolution(st)] ** 2).sum())

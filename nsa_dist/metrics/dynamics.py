@@ -122,7 +122,7 @@ class Decays(NamedTuple):
         return ~np.isfinite(self.values()).reshape(self.log_abs.shape[0], -1).all(axis=1)
 
     @classmethod
-    def of(cls, values: Any) -> "Decays":
+    def of(cls, values: Any) -> Decays:
         """The decays of finite values r (e.g. from :func:`constant_gram_decays`)."""
         r = as_real("decays", values, (1, 2)).astype(np.float64)
         with np.errstate(divide="ignore"):
@@ -190,7 +190,7 @@ def constant_gram_decays(evals: Any, lrs: Any, offsets: Any, n: int) -> np.ndarr
     return constant_gram_log_decays(evals, lrs, offsets, n).values()
 
 
-def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: "Decays | Any") -> ConstantGramResidual:
+def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: Decays | Any) -> ConstantGramResidual:
     """‖m̄_t‖ and E(m̄_t, k) under GD with G fixed at G_{t0} (NSA Eq. 5 / App. D Eq. 14), from projections.
 
     With p_i = ⟨v_i, m̄_{t0}⟩² (summed over output columns) and the decay r_i(t) = Π_{s=t0}^{t−1}
@@ -227,7 +227,7 @@ def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: "Decays 
         return ConstantGramResidual(norm, np.cumsum(kept, axis=1) / total)
 
 
-def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: "Decays | Any") -> np.ndarray:
+def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: Decays | Any) -> np.ndarray:
     """Outputs at test points under GD with a fixed Gramian, through its eigenfunctions (App. E, Eq. 22):
 
         f_t(X') = f_0(X') − Σ_i [1 − r_i(t)] ⟨v_i, m̄_0⟩ ṽ_i(X'),   ṽ_i(X') = g(X', 𝒳) v_i / λ_i (Eq. 9)
@@ -254,7 +254,8 @@ def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: "Decay
     r = np.asarray(dec.values(), np.float64)  # (S, K), ±inf where it overflows
     diverged = dec.overflows() if r.ndim == 2 else np.zeros(0, bool)
     r = np.where(diverged[:, None], 0.0, r) if r.ndim == 2 else r
-    if r.ndim != 2 or c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0] or c.ndim != f0.ndim:
+    if (r.ndim != 2 or c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0]
+            or c.ndim != f0.ndim):
         raise ShapeError(f"ext {E.shape}, coef {c.shape}, f0_test {f0.shape}, decays {r.shape} do not match "
                          "(M, K), (K[, Ko]), (M[, Ko]), (S, K)")
     C = c.reshape(c.shape[0], -1)  # (K, Ko)

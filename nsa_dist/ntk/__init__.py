@@ -13,16 +13,34 @@ May import: torch, numpy (CuPy only behind a guard), :mod:`nsa_dist.config` (enu
 :mod:`nsa_dist.models` (the NTK parametrisation's layers), :mod:`nsa_dist.linalg`
 (:class:`~nsa_dist.linalg.LinearOperator`), ``errors`` and ``_checks`` — never Ray, Zarr, the
 pipeline or the store.
+
+Example — :func:`gram` of a small two-output network against the dense float64 Jacobian of
+``torch.func.jacrev``, both kernels::
+
+>>> import torch
+>>> from torch.func import functional_call, jacrev
+>>> from nsa_dist.ntk import explain_method, gram
+>>> _ = torch.manual_seed(0)
+>>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+>>> x = torch.randn(5, 3, dtype=torch.float64)
+>>> G = gram(model, x)                      # (N, N): Σ_a ∇f_a · ∇f_a over the K = 2 outputs
+>>> full = gram(model, x, kernel="full")    # (N, K, N, K)
+>>> jac = jacrev(lambda p: functional_call(model, p, (x,)))(dict(model.named_parameters()))
+>>> J = torch.cat([j.reshape(5, 2, -1) for j in jac.values()], 2)  # (N, K, P), the dense reference
+>>> torch.allclose(G, torch.einsum("iap,jap->ij", J, J), rtol=1e-12)
+True
+>>> torch.allclose(full, torch.einsum("iap,jbp->iajb", J, J), rtol=1e-12)
+True
 """
 
 from nsa_dist.config import NTKMethod
 from nsa_dist.ntk._method import Kernel
-from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk._operator import NTKOperator, jacobian_vector_product
-from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method
 from nsa_dist.ntk._probe import couples as sample_coupling
-from nsa_dist.ntk.state import preserved
+from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method
+from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk.limit import limit_ntk
+from nsa_dist.ntk.state import preserved
 
-__all__ = ["Kernel", "NTKMethod", "NTKOperator", "explain_method", "gram", "jacobian_vector_product", "limit_ntk", "ntk_operator", "prepare_model", "preserved", "resolve_method",
-           "sample_coupling"]
+__all__ = ["Kernel", "NTKMethod", "NTKOperator", "explain_method", "gram", "jacobian_vector_product", "limit_ntk",
+           "ntk_operator", "prepare_model", "preserved", "resolve_method", "sample_coupling"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,8 @@ def _attr(m: nn.Module, dotted: str) -> torch.Tensor | None:
 def attention_ok(m: nn.Module) -> bool:
     """A standard MultiheadAttention whose forward the decomposition reproduces."""
     return (isinstance(m, nn.MultiheadAttention) and type(m).forward is nn.MultiheadAttention.forward
-            and "forward" not in m.__dict__ and m._qkv_same_embed_dim and m.in_proj_weight is not None and m.bias_k is None
+            and "forward" not in m.__dict__ and m._qkv_same_embed_dim and m.in_proj_weight is not None
+            and m.bias_k is None
             and m.bias_v is None and not m.add_zero_attn and (m.dropout == 0.0 or not m.training))
 
 

@@ -17,7 +17,8 @@ output a give, for every fast layer, its input ``A`` and its output gradient ``�
   gradients into the rows of the tokens, none into ``padding_idx``).
 - Linear on (n, …, features) inputs (applied at L positions): ``∂f_a/∂W = w·Σ_p δ_{a,p} a_pᵀ``;
   the two projections of an unmasked self-attention are two such layers (:mod:`._attention`).
-- Any other known layer (GroupNorm, RMSNorm, convolutions with other padding modes): the VJP of the layer alone at its own input,
+- Any other known layer (GroupNorm, RMSNorm, convolutions with other padding modes): the VJP of the layer
+  alone at its own input,
   ``∂f_a/∂θ_l = vjp(θ ↦ layer(A; θ))(δ_a)``, batched over samples.
 - The rest (recurrent, attention, shared weights, custom modules): per-sample Jacobians of the
   whole model with respect to those parameters only (:func:`~nsa_dist.ntk._jacobian.jacobian_fn`).
@@ -35,16 +36,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk import inputs
 from nsa_dist.ntk._attention import Projection, attention_ok, decomposed_forwards, projections
 from nsa_dist.ntk._contract import add_factors, add_formed, tile_slices
 from nsa_dist.ntk._formed import Layer as _Layer, kind as _kind, write_formed
 from nsa_dist.ntk._jacobian import jacobian_fn
-from nsa_dist.ntk._probe import ForwardPlan, plan_forward
+from nsa_dist.ntk._probe import ForwardPlan
 from nsa_dist.ntk._structured import _mirror_upper, layer_passes
 
-__all__ = ["conv_layers", "per_layer_layers", "per_layer_gram"]
+__all__ = ["per_layer_layers", "per_layer_gram"]
 
 # Points per forward/backward pass while the features are computed.
 _FEATURE_CHUNK = 128
@@ -64,17 +64,6 @@ def per_layer_layers(plan: ForwardPlan) -> list[_Layer]:
             if params:
                 out.append(_Layer(proj, params, 1.0 if w else None, 1.0 if b else None, "linear", False))
     return out
-
-
-def conv_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
-    """The model's fast layers when every trainable parameter takes a per-layer route, else
-    UnsupportedModelError naming the first that does not (see :func:`plan_forward`)."""
-    plan = plan_forward(model, x_probe)
-    if plan.coupled or plan.generic:
-        name = plan.generic[0] if plan.generic else next(iter(plan.routes))
-        raise UnsupportedModelError(f"method='per_layer' has no per-layer formula for parameter {name!r}: "
-                                    f"{plan.routes[name][1]} (use method='auto')")
-    return per_layer_layers(plan)
 
 
 def _pass(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, M: torch.Tensor | None,
@@ -104,7 +93,8 @@ def _pass(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, 
                     Ahat[:, c].fill_(lay.b)
                 n_out = Z[i].shape[1]
                 for a, d in enumerate(deltas):
-                    D[:, a * n_out:(a + 1) * n_out].copy_(d) if d is not None else D[:, a * n_out:(a + 1) * n_out].zero_()
+                    D_a = D[:, a * n_out:(a + 1) * n_out]
+                    D_a.copy_(d) if d is not None else D_a.zero_()
             else:
                 write_formed(lay, A, deltas, M[:, :, off:off + lay.n_formed])
                 off += lay.n_formed

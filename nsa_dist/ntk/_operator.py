@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 
 import torch
 from torch import nn
 from torch.func import functional_call, jvp, vjp, vmap
 
-import logging
-
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.models import OutputSelector, measured_module
+from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, trainable_params
-from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.state import exact_kernels, stateless
 
 _log = logging.getLogger("nsa_dist")

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._attention import attention_ok, attention_call_ok, decomposed, projections
+from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, trainable_params
 from nsa_dist.ntk.state import batch_stat_modules, preserved
 
@@ -118,10 +118,6 @@ class ForwardPlan:
     def all_factored(self) -> bool:
         return not self.coupled and not self.generic and all(lay.factored for lay in self.layers)
 
-    @property
-    def any_fast(self) -> bool:
-        return not self.coupled and bool(self.layers)
-
 
 def _standard(m: nn.Module) -> bool:
     """A layer of a kind whose per-sample gradient is a function of its own input and output gradient only."""
@@ -150,7 +146,8 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
             raise UnsupportedModelError("the model's forward is random (two forwards of the same points differ"
-                                        + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
+                                        + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}"
+                                           if drop else "")
                                         + "): its NTK is not defined; call model.eval() (or disable the randomness)")
         if x.shape[0] < 2:
             return None

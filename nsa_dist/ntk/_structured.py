@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk.inputs import as_2d
 from nsa_dist.ntk._probe import ForwardPlan, Route, plan_forward
+from nsa_dist.ntk.inputs import as_2d
 
 # Feature memory (Â, D for all points of one layer group) is kept under this fraction of the
 # output's bytes (or _MIN_FEATURE_BYTES): layers are split into groups, one forward/backward

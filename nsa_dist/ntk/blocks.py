@@ -14,14 +14,14 @@ from torch import nn
 from nsa_dist._checks import parse_enum
 from nsa_dist.config import NTKMethod
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk._conv import _features, per_layer_layers
-from nsa_dist.ntk.inputs import output_dim, prepare_inputs, trainable_params
 from nsa_dist.ntk._jacobian import jacobian_fn
 from nsa_dist.ntk._probe import ForwardPlan
-from nsa_dist.ntk.state import preserved
 from nsa_dist.ntk._structured import Unproven, _chunk_features, structured_layers
+from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.gram import _choose, _plan
+from nsa_dist.ntk.inputs import output_dim, prepare_inputs, trainable_params
+from nsa_dist.ntk.state import preserved
 
 __all__ = ["BlockFeatures", "block_features", "feature_width", "row_blocks"]
 
@@ -90,4 +90,5 @@ def _formed_blocks(model: nn.Module, plan: ForwardPlan | None, x: torch.Tensor, 
 
 def feature_width(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> int:
     """Numbers per point of :func:`block_features` (Σ over its pairs of the two widths), from two points."""
-    return sum(A.shape[1] + D.shape[1] for A, D in block_features(model, x[:2], [(0, min(2, len(x)))], method=method)[0])
+    features = block_features(model, x[:2], [(0, min(2, len(x)))], method=method)[0]
+    return sum(A.shape[1] + D.shape[1] for A, D in features)

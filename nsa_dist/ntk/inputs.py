@@ -16,7 +16,8 @@ from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
 # (per_layer: one forward/backward pass over the data per group).
 FEATURE_BYTES = 2 * 2**30
 
-__all__ = ["FEATURE_BYTES", "prepare_model", "trainable_params", "prepare_inputs", "output_dim", "as_2d", "default_block"]
+__all__ = ["FEATURE_BYTES", "prepare_model", "trainable_params", "prepare_inputs", "output_dim",
+           "as_2d", "default_block"]
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype | None, output: OutputSelector = None) -> nn.Module:

@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["cross_gram_times", "gram_change"]
 
 
-def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor") -> Callable:
+def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor) -> Callable:
     """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p, by one VJP and
     JVPs (differentiable in p: App. F takes its JVP along Δθ)."""
     import torch
@@ -48,7 +49,7 @@ def _gram_times(model: "nn.Module", X: "torch.Tensor", V: "torch.Tensor") -> Cal
     return GV
 
 
-def _unflat(model: "nn.Module", vec: np.ndarray, dtype: "torch.dtype") -> dict[str, "torch.Tensor"]:
+def _unflat(model: nn.Module, vec: np.ndarray, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A flat (P,) vector as the model's named parameters (in ``dtype``)."""
     import torch
 
@@ -61,9 +62,9 @@ def _unflat(model: "nn.Module", vec: np.ndarray, dtype: "torch.dtype") -> dict[s
     return out
 
 
-def cross_gram_times(model: "nn.Module", X_out: "torch.Tensor", X: "torch.Tensor", V: np.ndarray,
-                     dtype: "torch.dtype", method: str = "auto", block_size: int | None = None,
-                     out: "torch.Tensor | None" = None) -> np.ndarray:
+def cross_gram_times(model: nn.Module, X_out: torch.Tensor, X: torch.Tensor, V: np.ndarray,
+                     dtype: torch.dtype, method: str = "auto", block_size: int | None = None,
+                     out: torch.Tensor | None = None) -> np.ndarray:
     """g_θ(X_out, 𝒳) V at the model's parameters: the kernel rows between new points and the N
     training points (NSA Eq. 9's g_t(X, 𝒳) v_k), through :func:`nsa_dist.ntk.gram` (the run's own
     NTK path), a block of rows (≤ 32 Mi floats) at a time, never all M×N rows at once — unless
@@ -98,8 +99,8 @@ def cross_gram_times(model: "nn.Module", X_out: "torch.Tensor", X: "torch.Tensor
     return np.concatenate(out, axis=0)  # (M, K)
 
 
-def gram_change(model: "nn.Module", X: "torch.Tensor", theta: np.ndarray, dtheta: np.ndarray, evecs: np.ndarray,
-                dtype: "torch.dtype") -> dict[str, np.ndarray]:
+def gram_change(model: nn.Module, X: torch.Tensor, theta: np.ndarray, dtheta: np.ndarray, evecs: np.ndarray,
+                dtype: torch.dtype) -> dict[str, np.ndarray]:
     """App. F: dG_t projected on the top Kg eigenvectors V of G_t, measured and to first order.
 
     measured:    D = Vᵀ (G(θ_t + Δθ_t) − G(θ_t)) V

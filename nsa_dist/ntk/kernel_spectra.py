@@ -1,4 +1,4 @@
-"""Spectra of a K-output network's full NTK and of its per-output blocks (NSA issue 11).
+"""Spectra of a K-output network's full NTK and of its per-output blocks.
 
 * :func:`full_kernel_top` — λ_1 ≥ … ≥ λ_k of the full (N·K)×(N·K) NTK Θ = J Jᵀ, the kernel that
   sets GD's stability (the output-traced Gram Σ_a J_a J_aᵀ has a λ_max up to K times larger).
@@ -41,7 +41,7 @@ class _Block:
         return out if V.ndim == 2 else out[:, 0]
 
 
-def per_class_top(model: "nn.Module", X: "torch.Tensor", k: int, *, dtype: "torch.dtype | None" = None,
+def per_class_top(model: nn.Module, X: torch.Tensor, k: int, *, dtype: torch.dtype | None = None,
                   block_size: int | None = None, tol: float = 1e-10) -> np.ndarray:
     """Top k eigenvalues of each diagonal block Θ_aa = J_a J_aᵀ of the full NTK (per-class spectra).
 
@@ -58,7 +58,7 @@ def per_class_top(model: "nn.Module", X: "torch.Tensor", k: int, *, dtype: "torc
     return np.stack([top_eigenpairs(_Block(full, a, K), k, "auto", tol=tol).evals for a in range(K)])
 
 
-def full_kernel_top(model: "nn.Module", X: "torch.Tensor", k: int, *, dtype: "torch.dtype | None" = None,
+def full_kernel_top(model: nn.Module, X: torch.Tensor, k: int, *, dtype: torch.dtype | None = None,
                     block_size: int | None = None, tol: float = 1e-10) -> np.ndarray:
     """The k largest eigenvalues of the full NTK Θ = J Jᵀ, (N·K)×(N·K), J = ∂f(X)/∂θ (N·K, P).
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -106,7 +107,8 @@ def _gelu_prime(u: torch.Tensor) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * torch.exp(-0.5 * u * u) / math.sqrt(2 * math.pi)
 
 
-_ACTIVATIONS: dict[Activation, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+_ACTIVATIONS: dict[Activation,
+                   tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
     Activation.TANH: (torch.tanh, lambda u: 1 - torch.tanh(u) ** 2),
     Activation.SOFTPLUS: (torch.nn.functional.softplus, torch.sigmoid),
     Activation.GELU: (torch.nn.functional.gelu, _gelu_prime),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -69,7 +69,8 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
     twin = copy.deepcopy(model)
     for m in twin.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-            m.running_mean = m.running_var = m.num_batches_tracked = None  # as torch.func's replace_all_batch_norm_modules_
+            # as torch.func's replace_all_batch_norm_modules_
+            m.running_mean = m.running_var = m.num_batches_tracked = None
     return twin
 
 

@@ -45,8 +45,8 @@ class Checkpoint:
     f_test: np.ndarray
     loss_trace: np.ndarray
     trace_start: int
-    state: "TrainerState"
-    model_state: "ModelState | None" = None
+    state: TrainerState
+    model_state: ModelState | None = None
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,21 @@ import torch
 from torch import nn
 
 from nsa_dist.config import Activation, ExperimentSpec, Init, LossName, ModelSpec
-from nsa_dist.hessian import (additivity_gap, extreme_eigenpairs, gauss_newton_eigenvalues, hessian_parts,
-                              hutchpp_moments, limit_gauss_newton_eigenvalues, orthogonality, output_hessian_traces,
-                              power_moments, prepare_targets, rayleigh_quotients, slq_density, trace_S_from_G)
+from nsa_dist.hessian import (
+    additivity_gap,
+    extreme_eigenpairs,
+    gauss_newton_eigenvalues,
+    hessian_parts,
+    hutchpp_moments,
+    limit_gauss_newton_eigenvalues,
+    orthogonality,
+    output_hessian_traces,
+    power_moments,
+    prepare_targets,
+    rayleigh_quotients,
+    slq_density,
+    trace_S_from_G,
+)
 from nsa_dist.losses import parse_loss, residual as loss_gradient
 from nsa_dist.ntk import preserved
 from nsa_dist.ntk.inputs import as_2d, prepare_model
@@ -187,7 +199,7 @@ class HessianAnalysis:
 
     def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None,
                 gram: GramKnowledge | None = None, step: int | None = None,
-                notes: "StepNotes | None" = None) -> HessianStep:
+                notes: StepNotes | None = None) -> HessianStep:
         """The step's Hessian quantities on ``model`` at its θ (training step ``step``: θ_step).
 
         ``ops``: H, I, S as operators summed over a gang's data shards (distributed layouts);

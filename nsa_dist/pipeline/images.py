@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["EigenImages", "eigen_images", "unit_coordinates"]
 
 
-def unit_coordinates(data: "Dataset") -> np.ndarray:
+def unit_coordinates(data: Dataset) -> np.ndarray:
     """The training inputs in their original [0, 1]² coordinates (undoing image2d's normalisation)."""
     X = np.asarray(data.X, dtype=np.float64)
     if "x_mean" in data.meta:
@@ -66,7 +66,7 @@ class EigenImages:
                          residual_image=img[-1].astype(np.float32), residual_fourier=four[-1].astype(np.float32))
 
 
-def eigen_images(spec: "ExperimentSpec", data: "Dataset", K: int) -> EigenImages | None:
+def eigen_images(spec: ExperimentSpec, data: Dataset, K: int) -> EigenImages | None:
     """An :class:`EigenImages` for 2-D data with at least one requested index ≤ K, else None."""
     indices = [i for i in spec.spectrum.images if i <= K]
     if data.X.ndim != 2 or data.X.shape[1] != 2 or not indices:  # 2-D points only, not (N, 2, H, W) images

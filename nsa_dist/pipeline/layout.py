@@ -201,7 +201,7 @@ class ShardedCurvature:
         run_h, theta_h = pool.put(run), pool.put(theta)
         _map(pool, "curvature", [(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for r in ranges])
 
-    def part(self, name: str) -> "_Part":
+    def part(self, name: str) -> _Part:
         return _Part(self, name)
 
     def close(self) -> None:

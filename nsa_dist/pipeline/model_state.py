@@ -1,5 +1,5 @@
 """What the analysis copy of a user's model needs besides θ_t: its buffers and modes, and inputs
-in the dtype it takes (the Tracker's side of issue 17).
+in the dtype it takes (the Tracker's side of measuring the models people bring).
 
 θ_t alone does not fix the function a model computes: a BatchNorm in eval mode normalises by its
 running statistics (buffers that change at every train-mode forward), and in train mode by the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ class ModelState:
     training: dict[str, bool]
 
     @classmethod
-    def capture(cls, model: nn.Module) -> "ModelState":
+    def capture(cls, model: nn.Module) -> ModelState:
         """A copy of ``model``'s buffers and modes now (later changes to the model do not reach it)."""
         buffers = {}
         for name, b in model.named_buffers():

@@ -1,4 +1,4 @@
-"""NSA quantities of App. E (issue 19): the constant-Gram predictions.
+"""NSA quantities of App. E: the constant-Gram predictions.
 
 (Fig. 4d's reconstructions are :func:`nsa_dist.metrics.top_k_reconstructions`, App. F's dG_t is
 :func:`nsa_dist.ntk.kernel_change.gram_change`.)
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["divergence", "run_decays", "test_point_prediction", "write_constant_gram"]
 
 
-def run_decays(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", evals: np.ndarray, n: int) -> "Decays":
+def run_decays(spec: ExperimentSpec, steps: list[int] | np.ndarray, evals: np.ndarray, n: int) -> Decays:
     """r_i(t_j) = Π_{s=t_0}^{t_j−1} (1 − δ_s λ_i/N) at the recorded steps t_j, from the run's own rates.
 
     Returns:
@@ -40,8 +40,8 @@ def run_decays(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", evals: n
     return constant_gram_log_decays(evals, lrs, np.asarray(steps, np.int64) - t0, n)
 
 
-def divergence(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", lam_max: float, n: int,
-               decays: "Decays") -> dict:
+def divergence(spec: ExperimentSpec, steps: list[int] | np.ndarray, lam_max: float, n: int,
+               decays: Decays) -> dict:
     """Where the constant-Gram prediction diverges: GD on G_{t0} is stable only while δ_t < 2N/λ_max
     (NSA Sec. 5); above it the prediction grows geometrically.  Attrs for the stored prediction:
     ``stability_bound`` 2N/λ_max(G_{t0}), ``lr_max`` the largest rate it is applied with,
@@ -57,9 +57,9 @@ def divergence(spec: "ExperimentSpec", steps: "list[int] | np.ndarray", lam_max:
             "overflow_step": int(np.asarray(steps)[over[0]]) if over.size else -1}
 
 
-def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.Tensor", evals: np.ndarray,
-                          evecs: np.ndarray, residual: np.ndarray, f_test: np.ndarray, spec: "ExperimentSpec",
-                          dtype: "torch.dtype", out: "torch.Tensor | None" = None) -> tuple[np.ndarray, str | None]:
+def test_point_prediction(model: nn.Module, X: torch.Tensor, X_test: torch.Tensor, evals: np.ndarray,
+                          evecs: np.ndarray, residual: np.ndarray, f_test: np.ndarray, spec: ExperimentSpec,
+                          dtype: torch.dtype, out: torch.Tensor | None = None) -> tuple[np.ndarray, str | None]:
     """App. E, Eq. 22 at the first recorded step t0: the test outputs at every recorded step predicted
     by GD with G_{t0} fixed, through the Nyström extension ṽ_i(X') = g_{t0}(X', 𝒳) v_i / λ_i (Eq. 9).
 
@@ -99,7 +99,7 @@ def test_point_prediction(model: "nn.Module", X: "torch.Tensor", X_test: "torch.
                   f"float64 from recorded step {d['overflow_step']} on (stored as NaN there)")
 
 
-def write_constant_gram(writer: "RunWriter", spec: "ExperimentSpec") -> None:
+def write_constant_gram(writer: RunWriter, spec: ExperimentSpec) -> None:
     """After the last step: Eqs. 4–5's constant-Gram prediction of the residual beside the measured one.
 
     From the first recorded step t0 (its eigenvalues, ⟨v_i, m_{t0}⟩² and m_{t0}) and the run's

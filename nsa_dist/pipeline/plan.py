@@ -176,7 +176,7 @@ class RunPlan:
         """The analysis precision (``spectrum.dtype``)."""
         return self.spec.spectrum.torch_dtype()
 
-    def with_layout(self, layout: str, reason: str) -> "RunPlan":
+    def with_layout(self, layout: str, reason: str) -> RunPlan:
         """The plan with the layout the run was created with (``auto`` is resolved once, by whoever
         created the run, and stored), not the one this machine's memory would choose."""
         return dataclasses.replace(self, layout=LayoutChoice(Layout(layout), reason))
@@ -232,7 +232,8 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
     dims = RunDims(
         N=N, M=M, d=int(np.prod(np.asarray(data.X).shape[1:])), Ko=spec.model.output_dim, P=P, S=len(record),
         T=spec.steps, K=K, k_test=min(K, M) if spec.spectrum.test_points and M else 0,
-        n_images=nI, image_size=spec.spectrum.image_size if nI else 0, fourier_size=spec.spectrum.fourier_size if nI else 0,
+        n_images=nI, image_size=spec.spectrum.image_size if nI else 0,
+        fourier_size=spec.spectrum.fourier_size if nI else 0,
         n_slots=len(slot_names(spec)), rng_bytes=TRACKED_RNG_BYTES if _tracked(spec) else _TRAINER_RNG_BYTES,
         store_eigenvectors=bool(s.store_eigenvectors),
         k_full=min(int(s.full_k), N * Ko) if Ko > 1 else 0,  # the full NK×NK kernel's top eigenvalues

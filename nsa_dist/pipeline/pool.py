@@ -8,7 +8,8 @@ on Ray actors.  Both fail alike (:func:`raise_failure`).
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Any, Collection, NoReturn, Protocol
+from collections.abc import Collection
+from typing import Any, NoReturn, Protocol
 
 from nsa_dist.errors import AnalysisError, NSAError
 from nsa_dist.pipeline.checkpoint import Checkpoint

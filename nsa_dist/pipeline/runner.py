@@ -6,8 +6,8 @@ layer can place them on different workers; this module is the single-process com
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -17,9 +17,9 @@ from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.metrics import spectrum_preservation
 from nsa_dist.models import build_model
 from nsa_dist.pipeline.budget import check_fits
-from nsa_dist.pipeline.nsa_extras import write_constant_gram
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.diagnostics import StepNotes
+from nsa_dist.pipeline.nsa_extras import write_constant_gram
 from nsa_dist.pipeline.plan import RunPlan, plan_run, run_id
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged

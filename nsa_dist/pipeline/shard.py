@@ -19,12 +19,12 @@ from torch.nn.utils import vector_to_parameters
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.hessian import hessian_parts
-from nsa_dist.pipeline.hessian_step import hessian_loss
-from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, resolve_method
 from nsa_dist.ntk.blocks import BlockFeatures
 from nsa_dist.ntk.shards import FeatureShard, GramTiles, JacobianShard, shard_features
+from nsa_dist.pipeline.hessian_step import hessian_loss
+from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.plan import RunPlan
 
 __all__ = ["SpectralShard"]

@@ -4,36 +4,42 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-
 from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.config import Layout
 from nsa_dist.data import Dataset
+from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.linalg import HostWorkspace, top_eigenpairs
 from nsa_dist.linalg.tridiag import eig_weights
-from nsa_dist.hessian.moments import hutchpp_moments
 from nsa_dist.losses import is_nce, training_residual as loss_residual
-from nsa_dist.metrics import (alignment_from_products, centered_sq_frobenius, energy_from_projections,
-                              first_order_accuracy, reconstruction_ks, top_k_reconstructions)
+from nsa_dist.metrics import (
+    alignment_from_products,
+    centered_sq_frobenius,
+    energy_from_projections,
+    first_order_accuracy,
+    reconstruction_ks,
+    top_k_reconstructions,
+)
 from nsa_dist.models import build_model
 from nsa_dist.ntk import gram, jacobian_vector_product, prepare_model
+from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.pipeline.checkpoint import Checkpoint
-from nsa_dist.pipeline.trainer import CHUNK_POINTS
+from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.hessian_step import GramKnowledge, HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
-from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvature, ShardedGram, StepGram, TiledGram
-from nsa_dist.pipeline.plan import RunPlan
-from nsa_dist.ntk.kernel_change import gram_change
+from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
+from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.step_basis import StepSpectrum, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
-from nsa_dist.pipeline.diagnostics import StepNotes
+from nsa_dist.pipeline.trainer import CHUNK_POINTS
 from nsa_dist.store import step_specs
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult, not_computed
 
@@ -45,13 +51,13 @@ __all__ = ["SpectralAnalyzer"]
 # one φ column (the test half's f_test) Q is not formed at all (``eig_weights``), and T's S in
 # neither half.  A recorded step of examples/nsa_paper.yaml (N = 10⁴ float32, test points): 47.6–48.3 s
 # against 84–86 s with Q in both halves and S whole (one process, quiet machine, benchmarks/README.md).
-# Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md,
-# issue 22): 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
+# Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md):
+# 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
 # within 4.7e-7·λ_1 of eigh's, less than the float32 Gram's own rounding moves them (8.3e-7·λ_1).
 # Only k: all: a top-k (dense eigh or Lanczos) keeps its float64 route and its stored numbers,
 # and MKL's internal ?syrdb is called only where a step needs every eigenvalue.  False: eigh always.
 TRIDIAGONAL_K_ALL = True
-# With one φ column (the test half): no Q at all (eig_weights, issue 22).  False: Q formed for it too.
+# With one φ column (the test half): no Q at all (eig_weights).  False: Q formed for it too.
 ONE_VECTOR_K_ALL = True
 
 
@@ -77,7 +83,7 @@ class SpectralAnalyzer:
                                    self.device)  # (M, …) like X
         self.y = np.asarray(data.y, dtype=np.float64)
         # φ = y of E_t(y, k): for NCE the log-density centred over the points (its additive constant,
-        # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖², issue 19)
+        # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖²)
         self.energy_target = self.y - self.y.mean(axis=0) if is_nce(spec) else self.y
         self.K = plan.K
         self.images = eigen_images(spec, data, self.K) if plan.has("eigvec_images") else None  # the renderer
@@ -87,7 +93,8 @@ class SpectralAnalyzer:
         self._local_pool: LocalPool | None = None
         self.timings: dict[str, float] = {}  # seconds of the last analysed step, by part (gram, eigenpairs, …)
         self.n_products: dict[str, int] = {}  # the last step's eigensolver products with G ("train", "test")
-        self.eig_route: dict[str, str] = {}  # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
+        # the last step's route by Gram: "tridiagonal" | "one_vector" | "eigenpairs"
+        self.eig_route: dict[str, str] = {}
         self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
         self._notes = StepNotes(plan.run_id, None)  # why the step being analysed has NaN diagnostics
@@ -167,7 +174,8 @@ class SpectralAnalyzer:
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
         X = self.X.to(self.dtype) if self.X.is_floating_point() else self.X  # token ids stay integers
-        model = self.model if next(self.model.parameters()).dtype == self.dtype else prepare_model(self.model, self.dtype)
+        same = next(self.model.parameters()).dtype == self.dtype
+        model = self.model if same else prepare_model(self.model, self.dtype)
         dtheta = torch.as_tensor(dtheta)
         c = X.shape[0] if self.plan.coupled else CHUNK_POINTS  # coupled: one batch
         return torch.cat([jacobian_vector_product(model, X[s:s + c], dtheta)
@@ -213,7 +221,8 @@ class SpectralAnalyzer:
             sp_t = self._spectrum(G_t, self.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
         finally:
             G_t.close()
-        return {"eigenvalues_test": sp_t.evals, "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test)}
+        return {"eigenvalues_test": sp_t.evals,
+                "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test)}
 
     def _expected(self, ck: Checkpoint) -> set[str]:
         """The arrays this step must hand the writer."""

@@ -1,6 +1,6 @@
 """A recorded step's eigenbasis as the metrics use it: eigenvalues, ⟨v_i, φ⟩ of the step's few φ,
 a few eigenvectors — from top-k eigenpairs, or from one tridiagonalisation without the N×N
-eigenvectors (``k: all`` at steps that store none, issue 22)."""
+eigenvectors (``k: all`` at steps that store none)."""
 
 from __future__ import annotations
 

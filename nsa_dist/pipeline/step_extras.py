@@ -1,4 +1,4 @@
-"""Per-step quantities beyond the traced spectrum (issue 11), kept out of ``spectral.py``.
+"""Per-step quantities beyond the traced spectrum, kept out of ``spectral.py``.
 
 * :class:`StepExtras` — the step's :class:`~nsa_dist.store.records.KernelExtras`: Fig. 4a's
   projections, the test loss (:func:`nsa_dist.losses.loss_value`), the full-kernel and per-class
@@ -10,7 +10,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["predicted_update", "StepExtras"]
 
 
-def predicted_update(spec: ExperimentSpec, ck: "Checkpoint", residual: np.ndarray,
+def predicted_update(spec: ExperimentSpec, ck: Checkpoint, residual: np.ndarray,
                      G_times: Callable[[np.ndarray], np.ndarray],
                      J_times: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """First-order change df̄_t of the training outputs in update t (NSA Eq. 3, with momentum).
@@ -65,14 +66,14 @@ def predicted_update(spec: ExperimentSpec, ck: "Checkpoint", residual: np.ndarra
 
 
 class StepExtras:
-    """The issue-11 quantities of one recorded step (:class:`~nsa_dist.store.records.KernelExtras`):
-    Fig. 4a's projections always, the test loss with test points, the full-kernel and per-class
-    eigenvalues of a multi-output network."""
+    """The quantities beyond the traced spectrum of one recorded step
+    (:class:`~nsa_dist.store.records.KernelExtras`): Fig. 4a's projections always, the test loss
+    with test points, the full-kernel and per-class eigenvalues of a multi-output network."""
 
-    def __init__(self, plan: "RunPlan", data: "Dataset") -> None:
+    def __init__(self, plan: RunPlan, data: Dataset) -> None:
         self.plan, self.spec, self.data, self.dtype = plan, plan.spec, data, plan.torch_dtype
 
-    def analyze(self, model: "nn.Module", X: "torch.Tensor", ck: "Checkpoint", residual_proj: np.ndarray,
+    def analyze(self, model: nn.Module, X: torch.Tensor, ck: Checkpoint, residual_proj: np.ndarray,
                 residual: np.ndarray) -> KernelExtras:
         """``residual_proj``: (K, Ko) = Vᵀ m_t, the residual's coordinates in G_t's top-K eigenvectors
         (squared and summed over the outputs: Fig. 4a's p_i = Σ_c ⟨v_i, m_c⟩²)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -108,7 +108,8 @@ class Trainer:
                 off = 0
                 for p in params:
                     st = self.opt.state.setdefault(p, {})
-                    st[name] = torch.as_tensor(state.slots[j, off:off + p.numel()], device=self.device).view_as(p).clone()
+                    slot = state.slots[j, off:off + p.numel()]
+                    st[name] = torch.as_tensor(slot, device=self.device).view_as(p).clone()
                     off += p.numel()
                     if name == "exp_avg":
                         st["step"] = torch.tensor(float(state.step))

@@ -79,7 +79,7 @@ def _figure_class():
     return _PaperFigure
 
 
-def blank_figure(figsize: tuple[float, float], images: bool = False) -> "Figure":
+def blank_figure(figsize: tuple[float, float], images: bool = False) -> Figure:
     """An empty :class:`PaperFigure` of ``figsize`` inches on its own Agg canvas, laid out by matplotlib's
     "constrained" engine, or its "compressed" one for ``images`` (panels of a fixed aspect, whose
     labels "constrained" can push past the edge)."""
@@ -104,7 +104,7 @@ def _words(text: str) -> list[str]:
     return words + [cur]
 
 
-def _text_width(fig: "Figure", text: str, pt: float) -> float:
+def _text_width(fig: Figure, text: str, pt: float) -> float:
     """Rendered width of ``text`` at ``pt`` points on ``fig``'s canvas, in pixels."""
     from matplotlib import cbook
     from matplotlib.font_manager import FontProperties
@@ -113,7 +113,7 @@ def _text_width(fig: "Figure", text: str, pt: float) -> float:
     return renderer.get_text_width_height_descent(text, FontProperties(size=pt), ismath=cbook.is_math_text(text))[0]
 
 
-def _greedy(fig: "Figure", words: list[str], width: float, pt: float) -> list[str]:
+def _greedy(fig: Figure, words: list[str], width: float, pt: float) -> list[str]:
     """``words`` filled into lines of at most ``width`` pixels (a word wider than that stands alone)."""
     lines, cur = [], ""
     for w in words:
@@ -126,7 +126,7 @@ def _greedy(fig: "Figure", words: list[str], width: float, pt: float) -> list[st
     return lines + [cur]
 
 
-def fit_text(fig: "Figure", text: str, width: float, sizes: tuple[float, float] = TITLE_PT) -> tuple[str, float]:
+def fit_text(fig: Figure, text: str, width: float, sizes: tuple[float, float] = TITLE_PT) -> tuple[str, float]:
     """(``text`` wrapped, font size) so that every line is at most ``width`` pixels wide on ``fig``.
 
     The largest size from ``sizes[0]`` down to ``sizes[1]`` (half points) at which ``text`` fits on one
@@ -147,14 +147,14 @@ def fit_text(fig: "Figure", text: str, width: float, sizes: tuple[float, float] 
     return "\n".join(_greedy(fig, words, hi, pt)), pt
 
 
-def set_title(fig: "Figure", head: str, sub: str) -> None:
+def set_title(fig: Figure, head: str, sub: str) -> None:
     """The figure's title: ``head`` (what it shows, fitted to the width by :func:`fit_text`) over ``sub``
     (the run or sweep, one line) — every line inside the canvas; :func:`title_of` reads ``head`` back."""
     text, pt = fit_text(fig, head, 0.96 * fig.bbox.width)
     fig.suptitle(f"{text}\n{sub}", fontsize=pt)
 
 
-def title_of(fig: "Figure") -> str:
+def title_of(fig: Figure) -> str:
     """The title line of a figure of this package as set (:func:`set_title`), its wrapping undone.
 
     >>> fig = blank_figure((3, 2))
@@ -165,9 +165,9 @@ def title_of(fig: "Figure") -> str:
     return " ".join(fig.get_suptitle().split("\n")[:-1])
 
 
-def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1,
+def new_figure(run: Run, label: str, what: str, nrows: int = 1, ncols: int = 1,
                panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA",
-               images: bool = False) -> tuple["Figure", np.ndarray]:
+               images: bool = False) -> tuple[Figure, np.ndarray]:
     """A constrained-layout Agg figure and its (nrows, ncols) axes, titled "<paper> Fig. <label> — <what>"
     when ``label`` is a figure number of the paper ("2a", "3"), "<paper> App. X — <what>" /
     "<paper> Eqs. 4–5 — <what>" for an appendix or equations, else "<paper>, <label> — <what>" for the
@@ -185,7 +185,7 @@ def new_figure(run: "Run", label: str, what: str, nrows: int = 1, ncols: int = 1
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
-def ks(K: int, chosen: "tuple[int, ...] | None" = None) -> list[int]:
+def ks(K: int, chosen: tuple[int, ...] | None = None) -> list[int]:
     """The k (or eigenvector indices i) of ``chosen`` (default :data:`KS`) that are ≤ K."""
     return [k for k in (chosen or KS) if k <= K]
 
@@ -204,7 +204,7 @@ class PlotOptions:
     pair: tuple[int, int] | None = None
     ks: tuple[int, ...] | None = None
 
-    def check_steps(self, run: "Run") -> None:
+    def check_steps(self, run: Run) -> None:
         """ValueError naming the finished steps when a chosen step is not one of them."""
         have = set(int(t) for t in run.steps)
         bad = [t for t in (self.steps or ()) + (self.pair or ()) if t not in have]
@@ -213,7 +213,7 @@ class PlotOptions:
                              f"finished: {sorted(have)[:30]}{' …' if len(have) > 30 else ''}")
 
 
-def gd_note(run: "Run") -> str | None:
+def gd_note(run: Run) -> str | None:
     """A note for figures of GD formulas (s_i, δλ/N, 2N/λ_max; NSA §4) on a run that is not plain GD."""
     o = run.spec.optimizer
     name = o.name.value if hasattr(o.name, "value") else str(o.name)
@@ -229,7 +229,7 @@ def gd_note(run: "Run") -> str | None:
             f"this run uses {what}, so they are shown for reference only")
 
 
-def add_gd_note(fig: "Figure", run: "Run") -> None:
+def add_gd_note(fig: Figure, run: Run) -> None:
     """Write :func:`gd_note` at the bottom of ``fig`` when it applies."""
     note = gd_note(run)
     if note:
@@ -248,7 +248,7 @@ def colors(n: int) -> np.ndarray:
     return colormaps["viridis"](np.linspace(0.0, 0.9, max(n, 1)))
 
 
-def decay_steps(run: "Run", t_max: float) -> np.ndarray:
+def decay_steps(run: Run, t_max: float) -> np.ndarray:
     """Steps in (0, t_max] where δ_t is decayed: multiples of ``spec.schedule.every`` (none if decay = 1)."""
     s = run.spec.schedule
     if s.every is None or s.decay == 1.0:
@@ -256,14 +256,14 @@ def decay_steps(run: "Run", t_max: float) -> np.ndarray:
     return np.arange(s.every, int(t_max) + 1, s.every)
 
 
-def decay_lines(ax: "Axes", run: "Run", t_max: float, shift: int = 0) -> None:
+def decay_lines(ax: Axes, run: Run, t_max: float, shift: int = 0) -> None:
     """Dashed vertical lines at the learning-rate decays (drawn at t + shift); one legend entry."""
     for j, t in enumerate(decay_steps(run, t_max)):
         ax.axvline(t + shift, color="0.45", ls="--", lw=0.9, label="δ decay" if j == 0 else None)
 
 
-def time_axis(ax: "Axes", run: "Run", ylabel: str, *, logy: bool = False, legend: bool = True,
-              family: "tuple[str, list[str], np.ndarray] | None" = None) -> None:
+def time_axis(ax: Axes, run: Run, ylabel: str, *, logy: bool = False, legend: bool = True,
+              family: tuple[str, list[str], np.ndarray] | None = None) -> None:
     """Decay lines, "step t" and ``ylabel`` labels, optional log y, legend of a time plot (``family``:
     see :func:`legend`)."""
     decay_lines(ax, run, float(run.steps[-1]))
@@ -276,7 +276,7 @@ def time_axis(ax: "Axes", run: "Run", ylabel: str, *, logy: bool = False, legend
         _legend(ax, family=family)
 
 
-def lr_steps(run: "Run", t_end: int) -> tuple[np.ndarray, np.ndarray]:
+def lr_steps(run: Run, t_end: int) -> tuple[np.ndarray, np.ndarray]:
     """(t, δ_t) at step 0, at every decay in (0, t_end] and at ``t_end``: the schedule's learning rate,
     piecewise constant, to draw with ``drawstyle="steps-post"`` (δ_t holds from one decay to the next)."""
     t = np.unique(np.concatenate([[0], decay_steps(run, t_end), [t_end]])).astype(np.int64)
@@ -288,7 +288,7 @@ def family_label(name: str, value: object) -> str:
     return f"{name} = {value}"
 
 
-def legend(ax: "Axes", *, family: "tuple[str, list[str], np.ndarray] | None" = None, most: int = MAX_LEGEND,
+def legend(ax: Axes, *, family: tuple[str, list[str], np.ndarray] | None = None, most: int = MAX_LEGEND,
            fontsize: float = 8, **kw) -> None:
     """A legend of at most ``most`` entries (about 10), never one that buries the plot.
 
@@ -319,7 +319,7 @@ def legend(ax: "Axes", *, family: "tuple[str, list[str], np.ndarray] | None" = N
 _legend = legend  # for time_axis, whose ``legend`` argument hides the function
 
 
-def _color_key(ax: "Axes", name: str, values: list[str], cols: np.ndarray) -> None:
+def _color_key(ax: Axes, name: str, values: list[str], cols: np.ndarray) -> None:
     """A discrete colour bar beside ``ax``: one band of ``cols[j]`` per value, ticked with the values."""
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import BoundaryNorm, ListedColormap
@@ -331,7 +331,7 @@ def _color_key(ax: "Axes", name: str, values: list[str], cols: np.ndarray) -> No
     bar.set_label(name, fontsize=8)
 
 
-def symlog_y(ax: "Axes", values: np.ndarray) -> None:
+def symlog_y(ax: Axes, values: np.ndarray) -> None:
     """A symlog y axis for values of either sign: linear within ±linthresh, a power of ten three
     decades below the largest |value|, so the labels ±linthresh and 0 stand a decade apart and
     never overlap."""
@@ -341,7 +341,7 @@ def symlog_y(ax: "Axes", values: np.ndarray) -> None:
     ax.set_yscale("symlog", linthresh=10.0 ** np.floor(np.log10(top) - 3), linscale=1.0)
 
 
-def keep_flat(ax: "Axes") -> None:
+def keep_flat(ax: Axes) -> None:
     """A flat curve drawn flat: when the data on a linear, autoscaled y axis span less than
     :data:`FLAT_SPAN` of their size (E ≡ 1 ± 1e-15), the y-limits are the value ± :data:`FLAT_PAD` of
     it instead of rounding noise stretched over the whole height."""

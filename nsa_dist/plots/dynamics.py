@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 
-def fig1d(run: "Run") -> "Figure":
+def fig1d(run: Run) -> Figure:
     """error_t = ‖df̃_t − df̄_t‖ / ‖df̃_t‖ and cos α_t along t; df̄_t = −(δ_t/N) G_t m_t (NSA Eq. 3)."""
     fig, ax = new_figure(run, "1d", "accuracy of the first-order dynamics")
     ax, t, fo = ax[0, 0], run.steps, run.first_order
@@ -25,7 +25,7 @@ def fig1d(run: "Run") -> "Figure":
     return fig
 
 
-def fig1e(run: "Run") -> "Figure":
+def fig1e(run: Run) -> Figure:
     """Learning rate δ_t and its stability bound 2N / λ_max^t along t (log y).  δ_t is the schedule's,
     piecewise constant between its decays, so it is drawn as steps (markers: the recorded values)."""
     fig, ax = new_figure(run, "1e", "learning rate and its stability bound")
@@ -40,7 +40,7 @@ def fig1e(run: "Run") -> "Figure":
     return fig
 
 
-def loss(run: "Run") -> "Figure":
+def loss(run: Run) -> Figure:
     """L(θ_t) of every training step (log-log, against t + 1) with the recorded steps as markers."""
     fig, ax = new_figure(run, "7b (this run)", "training loss")
     ax, trace = ax[0, 0], run.loss_trace  # (T,), NaN where not trained yet

@@ -33,7 +33,7 @@ TITLES: dict[str, str] = {  # figure function → the paper's figure number or s
 }
 
 
-def moments(run: "Run") -> "Figure":
+def moments(run: Run) -> Figure:
     """Fig. 1: Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, the exact Tr(I^k),
     the infinite-width prediction of Tr(I^k) from Θ∞ and the limits of S: E[Tr S_t] (MSE GD) in
     the k = 1 panel, Tr(S²) = ∇CᵀΥ̃∇C in the k = 2 panel (NTK-parametrised FC runs)."""
@@ -64,7 +64,7 @@ def moments(run: "Run") -> "Figure":
     return fig
 
 
-def orthogonality(run: "Run") -> "Figure":
+def orthogonality(run: Run) -> Figure:
     """Fig. 3: ‖IS‖_F / (‖I‖_F ‖S‖_F) along t, the mutual orthogonality of I and S."""
     fig, ax = new_figure(run, TITLES["orthogonality"], "orthogonality of I and S", paper=_PAPER)
     ax, o = ax[0, 0], run.hessian.orthogonality
@@ -74,7 +74,7 @@ def orthogonality(run: "Run") -> "Figure":
     return fig
 
 
-def rayleigh(run: "Run") -> "Figure":
+def rayleigh(run: Run) -> Figure:
     """Fig. 3: vᵀIv and vᵀSv over the top eigenvectors of I (left) and of S (right), at the last analysed step."""
     step = int(run.hessian.steps[-1])
     R = run.hessian.rayleigh(step)
@@ -90,7 +90,7 @@ def rayleigh(run: "Run") -> "Figure":
     return fig
 
 
-def edge_of_stability(run: "Run") -> "Figure":
+def edge_of_stability(run: Run) -> Figure:
     """λ_max(H)·δ_t / 2 along t against 1 (GD on the local quadratic is stable below 1)."""
     fig, ax = new_figure(run, TITLES["edge_of_stability"], "edge of stability λ_max(H)·δ/2 (not a paper figure)",
                          paper=_PAPER)
@@ -101,7 +101,7 @@ def edge_of_stability(run: "Run") -> "Figure":
     return fig
 
 
-def density(run: "Run") -> "Figure":
+def density(run: Run) -> Figure:
     """SLQ spectral density of H at a few analysed steps (log y)."""
     fig, ax = new_figure(run, TITLES["density"], "spectral density of H (stochastic Lanczos quadrature)",
                          paper=_PAPER)
@@ -116,7 +116,7 @@ def density(run: "Run") -> "Figure":
     return fig
 
 
-def I_spectrum(run: "Run") -> "Figure":
+def I_spectrum(run: Run) -> Figure:
     """The spectrum of I (outside its null space) measured at a few analysed steps beside the kernel
     PCA of Θ∞ (the paper's limit, weighted by HC) on the same axes."""
     fig, ax = new_figure(run, TITLES["I_spectrum"], "eigenvalues of I: measured vs the Θ∞ limit", paper=_PAPER)
@@ -138,7 +138,7 @@ def I_spectrum(run: "Run") -> "Figure":
     return fig
 
 
-def additivity(run: "Run") -> "Figure":
+def additivity(run: Run) -> Figure:
     """Theorem 1: the gap Tr(H^k) − Tr(I^k) − Tr(S^k) relative to Tr(H^k), k = 1..4, ± its standard error."""
     fig, axes = new_figure(run, TITLES["additivity"], "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k", 1, 4,
                            panel=(4.2, 4.0),
@@ -155,7 +155,7 @@ def additivity(run: "Run") -> "Figure":
     return fig
 
 
-def trace_S(run: "Run") -> "Figure":
+def trace_S(run: Run) -> Figure:
     """Proposition 4: Tr(S) two independent ways, ∇Cᵀ·G (per-point traces of the model Hessian) and
     Hutch++ on S, with their standard errors, beside the limits: E[Tr S] at initialisation
     (MSE: K Tr(Φ̃)/N, a marker at t = 0) and E[Tr S_t] along GD (MSE, Theorem 1)."""
@@ -175,7 +175,7 @@ def trace_S(run: "Run") -> "Figure":
     return fig
 
 
-def S_norms(run: "Run") -> "Figure":
+def S_norms(run: Run) -> Figure:
     """‖S‖_op (Lanczos) beside the bounds Tr(S^k)^{1/k}, k = 2 (‖S‖_F) and 4: the paper's
     consequence 2 (‖S‖_op → 0 with width while ‖S‖_F stays finite)."""
     fig, ax = new_figure(run, TITLES["S_norms"], r"‖S‖_op ≤ Tr(S⁴)^{1/4} ≤ ‖S‖_F", paper=_PAPER)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 
-def _image(ax: "Axes", img: np.ndarray, title: str, bar: bool = True) -> None:
+def _image(ax: Axes, img: np.ndarray, title: str, bar: bool = True) -> None:
     """(R, R) values on [0, 1]² (row = x₂), diverging colours centred at 0."""
     v = float(np.nanmax(np.abs(img))) or 1.0
     im = ax.imshow(img, origin="lower", extent=(0, 1, 0, 1), cmap="RdBu_r", vmin=-v, vmax=v)
@@ -24,7 +24,7 @@ def _image(ax: "Axes", img: np.ndarray, title: str, bar: bool = True) -> None:
         ax.figure.colorbar(im, ax=ax, shrink=0.85)
 
 
-def _fourier(ax: "Axes", F: np.ndarray, limit: float, title: str, bar: bool = True) -> None:
+def _fourier(ax: Axes, F: np.ndarray, limit: float, title: str, bar: bool = True) -> None:
     """|φ̂| (F, F) with axis 0 = ξ₁, drawn with ξ₁ horizontal on [−limit, limit]²."""
     im = ax.imshow(F.T, origin="lower", extent=(-limit, limit, -limit, limit), cmap="magma")
     ax.set(title=title, xlabel=r"$\xi_1$", ylabel=r"$\xi_2$")
@@ -32,7 +32,7 @@ def _fourier(ax: "Axes", F: np.ndarray, limit: float, title: str, bar: bool = Tr
         ax.figure.colorbar(im, ax=ax, shrink=0.85)
 
 
-def fig4bc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig4bc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """The residual m_t and its |Fourier| at the chosen steps (default: the second recorded and the last)."""
     steps, limit = run.steps, run.spec.spectrum.fourier_limit
     chosen = sorted(set(opts.steps)) if opts.steps else sorted({int(steps[1 if len(steps) > 2 else 0]), int(steps[-1])})
@@ -45,7 +45,7 @@ def fig4bc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     return fig
 
 
-def fig5(run: "Run", opts: PlotOptions = PlotOptions(), *, label: str = "5", step: int | None = None) -> "Figure":
+def fig5(run: Run, opts: PlotOptions = PlotOptions(), *, label: str = "5", step: int | None = None) -> Figure:
     """Eigenvectors v_i of G_t at ``step`` (default the last) as images, each above its |Fourier|, six per line."""
     t, limit = int(run.steps[-1]) if step is None else step, run.spec.spectrum.fourier_limit
     im = run.images.at(t)
@@ -69,7 +69,7 @@ def fig5(run: "Run", opts: PlotOptions = PlotOptions(), *, label: str = "5", ste
     return fig
 
 
-def fig6(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig6(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """NSA Fig. 6: the eigenvector images and |Fourier| at an early step — the first chosen step
     (the paper: t = 20,000), default the second recorded step."""
     steps = run.steps

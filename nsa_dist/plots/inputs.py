@@ -15,14 +15,14 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 
-def _surface(ax: "Axes", X: np.ndarray, v: np.ndarray, title: str, vmin: float, vmax: float) -> None:
+def _surface(ax: Axes, X: np.ndarray, v: np.ndarray, title: str, vmin: float, vmax: float) -> None:
     """v at the N points X (N, 2), linearly interpolated on their Delaunay triangulation."""
     im = ax.tripcolor(X[:, 0], X[:, 1], v, shading="gouraud", cmap="gray", vmin=vmin, vmax=vmax)
     ax.set(title=title, xlabel="$x_1$", ylabel="$x_2$", aspect="equal")
     ax.figure.colorbar(im, ax=ax, shrink=0.8)
 
 
-def fig1abc(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig1abc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """(a) the target y at the training points, (b) the output f_t at the last chosen step
     (default the last recorded), (c) the training points; in the data's (normalised) coordinates."""
     X, y = run.X, run.y  # (N, 2), (N,)

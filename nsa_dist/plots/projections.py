@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 
-def residual_projections(run: "Run", step: int) -> np.ndarray:
+def residual_projections(run: Run, step: int) -> np.ndarray:
     """⟨v_i^t, m_t⟩² for i = 1..K (K,), summed over outputs when the network has several.
 
     Read from ``projections_residual`` when stored, else computed from the stored eigenvectors.
@@ -26,7 +26,7 @@ def residual_projections(run: "Run", step: int) -> np.ndarray:
     return ((V.T @ m) ** 2).sum(axis=1)  # (K,)
 
 
-def fig4a(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig4a(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """⟨v_i^t, m_t⟩² against i at the chosen steps (default: the first and the last recorded; log y)."""
     fig, ax = new_figure(run, "4a", "spectral projections of the residual")
     ax, steps = ax[0, 0], run.steps
@@ -41,7 +41,7 @@ def fig4a(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     return fig
 
 
-def fig7d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig7d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """E_{t1}(v_i^{t2}, k) against k (log x) for rows i: is v_i^{t2} in the top-k spectrum of G_{t1}?
 
     Default: the pair and rows stored when the run finished; ``opts.pair`` / ``opts.ks`` choose

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from nsa_dist.plots import brackets, dynamics, eigenvalues, energy, hessian, images, inputs, projections, spectral_dynamics
 from nsa_dist.plots.axes import DPI, PlotOptions
@@ -26,20 +27,20 @@ def _energy(phi: str) -> _Draw:
     return lambda run, opts: energy.energy_figure(run, phi, opts)
 
 
-def _plain(draw: Callable[["Run"], "Figure"]) -> _Draw:
+def _plain(draw: Callable[[Run], Figure]) -> _Draw:
     """A figure with no user choices."""
     return lambda run, opts: draw(run)
 
 
-def _is_2d_scalar(run: "Run") -> bool:
+def _is_2d_scalar(run: Run) -> bool:
     return run.has("eigvec_images") or (run.X.shape[1] == 2 and run.Ko == 1)
 
 
-def _preservation_ready(run: "Run") -> bool:
+def _preservation_ready(run: Run) -> bool:
     return run.has("preservation") or len(run.eigenvector_steps) >= 2
 
 
-def _projections_ready(run: "Run") -> bool:
+def _projections_ready(run: Run) -> bool:
     return run.has("projections_residual") or run.has("eigenvectors")
 
 
@@ -95,7 +96,7 @@ def _check_names(figures: Iterable[str] | str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def make_figure(run: "Run", name: str, opts: PlotOptions | None = None) -> "Figure | None":
+def make_figure(run: Run, name: str, opts: PlotOptions | None = None) -> Figure | None:
     """Figure ``name`` (one of :data:`FIGURES`) of ``run``, or None when the run did not record its data.
 
     ``opts`` chooses the steps of the at-a-step figures, the pair of Fig. 7d and the k drawn.
@@ -112,13 +113,13 @@ def make_figure(run: "Run", name: str, opts: PlotOptions | None = None) -> "Figu
     return draw(run, opts) if needs(run) else None
 
 
-def _require_steps(run: "Run") -> None:
+def _require_steps(run: Run) -> None:
     if not len(run.steps):
         raise ValueError(f"run {run.id!r} has no finished recorded step yet (status {run.status!r}, "
                          f"0/{len(run.schedule)} steps): nothing to plot; wait for a step, then run.refresh()")
 
 
-def plot_run(run: "Run", out_dir: str | Path, *, figures: Iterable[str] | str | None = None,
+def plot_run(run: Run, out_dir: str | Path, *, figures: Iterable[str] | str | None = None,
              opts: PlotOptions | None = None) -> list[Path]:
     """Write ``<out_dir>/<name>.png`` for each figure of the NSA paper the run has data for.
 

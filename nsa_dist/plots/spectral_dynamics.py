@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 
-def fig4d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig4d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """f̄_{t,k} = Σ_{i≤k} ⟨v_i, f̄_t⟩ v_i at k = 10, 100, 200, 500 (≤ K) at an eigenvector step: the
     last chosen one (``--step 20000 599999``: 599999, as the paper shows the end of training), default
     the last stored; images on [0, 1]² for 2-D data (the paper's linear interpolation), else f̄_{t,k}
@@ -42,7 +42,7 @@ def fig4d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     return fig
 
 
-def appF(run: "Run") -> "Figure":
+def appF(run: Run) -> Figure:
     """App. F: v_iᵀ(G_{t+1} − G_t)v_i measured and its first-order value (Eqs. 25–26) at each
     eigenvector step, and ‖Vᵀ dG_t V‖_F relative to ‖Vᵀ G_t V‖_F along t."""
     gc = run.kernel.gram_change()
@@ -70,7 +70,7 @@ def appF(run: "Run") -> "Figure":
     return fig
 
 
-def _say_if_diverging(ax: "Axes", attrs: dict) -> None:
+def _say_if_diverging(ax: Axes, attrs: dict) -> None:
     """Above GD's stability bound the constant-Gram prediction diverges: say so on the panel (the
     predicted norm is +inf, not drawn, where it overflows float64)."""
     if not attrs.get("diverges"):
@@ -83,7 +83,7 @@ def _say_if_diverging(ax: "Axes", attrs: dict) -> None:
             bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
 
 
-def eqs45(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def eqs45(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """Eqs. 4–5: ‖m_t‖ and E_t(m_t, k) measured beside GD's prediction with G fixed at its first
     recorded value (E of the prediction in G_{t0}'s eigenbasis, the measured one in G_t's); with test
     points, App. E's Eq. 22 (Nyström extension) for the test residual beside the measured one."""

@@ -9,13 +9,14 @@ that no number of entries covers the curves; its widgets (``controls``) redraw i
 from __future__ import annotations
 
 import html
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from bokeh.core.properties import field
 from bokeh.layouts import column, row
 from bokeh.models import ColumnDataSource, Div, Legend, LegendItem, MultiChoice, Select
-from bokeh.core.properties import field
 
 from nsa_dist.serve._live import PALETTE, Panel, Waiting, new_figure, positive
 
@@ -146,7 +147,7 @@ class Curves(Panel):
     css = ""
     ncols = 3  # figures per row
 
-    def __init__(self, run: Any = None, controls: Sequence["Model"] = (),
+    def __init__(self, run: Any = None, controls: Sequence[Model] = (),
                  plots: tuple[Plot, ...] | None = None) -> None:
         self.controls = list(controls)
         self.plots = plots if plots is not None else type(self).plots
@@ -182,7 +183,7 @@ class Curves(Panel):
         """A plain-text note shown under the title ("" for none)."""
         return ""
 
-    def choices(self, run: Any) -> list[tuple["Model", list[Any]]]:
+    def choices(self, run: Any) -> list[tuple[Model, list[Any]]]:
         """(widget, its options now) for the controls whose options follow the run (new steps)."""
         return []
 
@@ -230,7 +231,7 @@ def step_select(title: str, steps: Any, width: int = 160) -> Select:
     return Select(title=title, value=LAST, options=last_options(steps), width=width)
 
 
-def chosen(widget: "Model", steps: Any, default: Callable[[Any], list[str]] = first_middle_last) -> list[int]:
+def chosen(widget: Model, steps: Any, default: Callable[[Any], list[str]] = first_middle_last) -> list[int]:
     """The steps picked in ``widget`` (a MultiChoice or Select) that are finished, else the default."""
     have = set(step_options(steps))
     value = widget.value if isinstance(widget.value, list) else [widget.value]
@@ -259,7 +260,7 @@ class Picked(Curves):
     pick_title = "steps t"
     default_text = "first, middle and last"
 
-    def __init__(self, run: Any, before: Sequence["Model"] = (), plots: tuple[Plot, ...] | None = None) -> None:
+    def __init__(self, run: Any, before: Sequence[Model] = (), plots: tuple[Plot, ...] | None = None) -> None:
         steps = self.steps_of(run)
         self.pick = MultiChoice(title=self.pick_title, value=[], options=step_options(steps), width=330,
                                 placeholder=f"default: the {self.default_text}")
@@ -273,7 +274,7 @@ class Picked(Curves):
         """The steps drawn when none of the picked ones is finished (default: first, middle, last)."""
         return first_middle_last(steps)
 
-    def choices(self, run: Any) -> list[tuple["Model", list[Any]]]:
+    def choices(self, run: Any) -> list[tuple[Model, list[Any]]]:
         return [(self.pick, step_options(self.steps_of(run)))]
 
     def picked(self, run: Any) -> list[int]:

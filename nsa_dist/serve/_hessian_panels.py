@@ -10,8 +10,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nsa_dist.serve._curves import (Curves, Picked, Plot, Series, chosen, color, hline, last_options, need, spread,
-                                    step_options, step_select)
+from nsa_dist.serve._curves import (
+    Curves,
+    Picked,
+    Plot,
+    Series,
+    chosen,
+    color,
+    hline,
+    last_options,
+    need,
+    spread,
+    step_options,
+    step_select,
+)
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
@@ -29,7 +41,7 @@ def _finite(a: Any) -> bool:
 class _HessianCurves(Curves):
     """A Hessian figure: a note while no analysed step is finished."""
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         need(run.hessian.steps, "step with a Hessian analysis")
         return super().read(run)
 
@@ -44,7 +56,7 @@ class Moments(_HessianCurves):
     plots = tuple(Plot("step t", "trace" if k in (1, 3) else "", title=f"Tr(A^{k})", width=600, height=300)
                   for k in range(1, 5))
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         h = run.hessian
         t = h.steps
         parts = {p: h.moments(p) for p in "HIS"}
@@ -75,7 +87,7 @@ class Orthogonality(_HessianCurves):
     figures = ("hessian_orthogonality",)
     plots = (Plot("step t", "normalised ‖IS‖_F"),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         o = run.hessian.orthogonality
         return [[Series(run.hessian.steps, o["value"], "‖IS‖_F / (‖I‖_F‖S‖_F)", err=o["stderr"])]]
 
@@ -89,14 +101,14 @@ class Rayleigh(_HessianCurves):
     plots = (Plot("eigenvector i of I", "Rayleigh quotient", title="along eigenvectors of I", width=460),
              Plot("eigenvector i of S", "Rayleigh quotient", title="along eigenvectors of S", width=460))
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.step = step_select("step t", run.hessian.steps)
         super().__init__(run, [self.step])
 
-    def choices(self, run: "Run") -> list[tuple[Any, list[Any]]]:
+    def choices(self, run: Run) -> list[tuple[Any, list[Any]]]:
         return [(self.step, last_options(run.hessian.steps))]
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         (t,) = chosen(self.step, run.hessian.steps, lambda s: step_options(s)[-1:])
         R = run.hessian.rayleigh(t)
         out = []
@@ -114,7 +126,7 @@ class EdgeOfStability(_HessianCurves):
     figures = ("hessian_edge_of_stability",)
     plots = (Plot("step t", "λ_max(H) δ_t / 2"),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         t = run.hessian.steps
         return [[Series(t, run.hessian.edge_of_stability(), "λ_max(H) δ_t / 2"),
                  hline(t, 1.0, "1 (edge of stability)", _LIMIT_I)]]
@@ -123,11 +135,11 @@ class EdgeOfStability(_HessianCurves):
 class _HessianPicked(Picked):
     """A Hessian figure at analysed steps picked by the user."""
 
-    def steps_of(self, run: "Run") -> np.ndarray:
+    def steps_of(self, run: Run) -> np.ndarray:
         """The analysed steps."""
         return run.hessian.steps
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         need(run.hessian.steps, "step with a Hessian analysis")
         return super().read(run)
 
@@ -142,7 +154,7 @@ class Density(_HessianPicked):
     default = staticmethod(spread(4))
     default_text = "four spread from the first to the last"
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         out = []
         for j, t in enumerate(self.picked(run)):
             grid, dens = run.hessian.density(t)
@@ -161,7 +173,7 @@ class ISpectrum(_HessianPicked):
     default = staticmethod(spread(3))
     default_text = "first, middle and last"
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         steps = run.hessian.steps
         mu, lim = run.hessian.I_eigenvalues(), run.hessian.I_eigenvalues(limit=True)
         pos = {int(t): j for j, t in enumerate(steps)}
@@ -183,7 +195,7 @@ class Additivity(_HessianCurves):
     plots = tuple(Plot("step t", "relative gap" if k in (1, 3) else "", title=f"k = {k}", width=520, height=280)
                   for k in range(1, 5))
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         t, g = run.hessian.steps, run.hessian.additivity()
         H = np.abs(run.hessian.moments("H")["estimate"])
         out = []
@@ -202,7 +214,7 @@ class TraceS(_HessianCurves):
     figures = ("hessian_trace_S",)
     plots = (Plot("step t", "Tr(S)", width=700),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         t, tr = run.hessian.steps, run.hessian.trace_S()
         out = [Series(t, tr["G"], "∇Cᵀ·G (probes)", color(0), err=tr["G_stderr"]),
                Series(t, tr["hutchpp"], "Hutch++ on S", color(1), "dashed", err=tr["hutchpp_stderr"])]
@@ -223,7 +235,7 @@ class SNorms(_HessianCurves):
     figures = ("hessian_S_norms",)
     plots = (Plot("step t", "norm of S", y_log=True, width=700),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         t, n = run.hessian.steps, run.hessian.S_norms()
         out = [Series(t, n["op"], "‖S‖_op", color(0)), Series(t, n["k4"], "Tr(S⁴)^{1/4}", color(1), "dashed"),
                Series(t, n["k2"], "‖S‖_F = Tr(S²)^{1/2}", color(2), "dashed")]

@@ -17,12 +17,41 @@ the cluster or the client.  Inside, the modules import downwards only, never in 
 ``status``, ``keys``, ``locks`` ← ``lease`` ← ``fencing`` ← ``runs`` ← ``reader`` ← ``zarr_store`` ← ``verify``
 (``dims`` ← ``records`` ← ``schema`` beside them; ``summary`` and ``faults`` on top); only ``keys`` calls the Zarr
 store's key API, and ``fencing`` implements it (the fenced writer's local store).
+
+Example — a store round trip in a temporary folder: a tiny run written by the pipeline, listed,
+read through the checked reader and verified::
+
+>>> import tempfile
+>>> from nsa_dist.config import ExperimentSpec
+>>> from nsa_dist.pipeline import run_experiment
+>>> from nsa_dist.store import SpectrumStore, run_summaries, verify_store
+>>> folder = tempfile.TemporaryDirectory()
+>>> store = SpectrumStore(f"{folder.name}/runs.zarr")
+>>> spec = ExperimentSpec.model_validate({"name": "tiny", "data": {"n": 16}, "model": {"depth": 2, "width": 8},
+...                                       "steps": 3, "record": {"every": 2}, "spectrum": {"k": 4, "images": []}})
+>>> out = run_experiment(spec, store)                     # the writer: create, write every step, finish
+>>> [(s.id == out.run_id, s.status) for s in run_summaries(store, store.run_ids())]
+[(True, 'done')]
+>>> r = store.reader(out.run_id)                          # the checked reader
+>>> r.read("eigenvalues").shape                           # (recorded steps, k)
+(2, 4)
+>>> verify_store(store)                                   # every chunk checked: nothing damaged
+[]
+>>> folder.cleanup()
 """
 
 from nsa_dist.store.faults import describe_fault
 from nsa_dist.store.keys import Keys, open_zarr_group
-from nsa_dist.store.lease import (Lease, LeaseHeld, LeaseInfo, LeaseLost, RunRefused, check_holder, effective_status,
-                                  parse_lease)
+from nsa_dist.store.lease import (
+                                  Lease,
+                                  LeaseHeld,
+                                  LeaseInfo,
+                                  LeaseLost,
+                                  RunRefused,
+                                  check_holder,
+                                  effective_status,
+                                  parse_lease,
+)
 from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
 from nsa_dist.store.schema import PHIS, SCHEMA_VERSION, RunDims, StepRecord, run_arrays, step_specs
@@ -31,7 +60,8 @@ from nsa_dist.store.summary import RunSummary, run_summaries
 from nsa_dist.store.verify import Damage, mark_damaged, verify_store
 from nsa_dist.store.zarr_store import RunWriter, SpectrumStore
 
-__all__ = ["GramStep", "HessianStep", "ImageStep", "KernelExtras", "StepResult", "PHIS", "SCHEMA_VERSION", "Damage", "Keys", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "RunRefused", "RunDims",
+__all__ = ["GramStep", "HessianStep", "ImageStep", "KernelExtras", "StepResult", "PHIS", "SCHEMA_VERSION", "Damage",
+           "Keys", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "RunRefused", "RunDims",
            "RunReader", "RunSummary", "RunWriter", "SpectrumStore", "Status", "StepRecord", "check_holder",
            "describe_fault", "effective_status", "mark_damaged", "open_zarr_group", "parse_lease", "run_arrays",
            "run_summaries", "step_specs", "verify_store"]

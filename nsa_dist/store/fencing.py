@@ -38,7 +38,7 @@ __all__ = ["FencedLocalStore", "RunFence", "Staged"]
 class Staged:
     """A key's bytes written whole into the write folder, not yet in place (:meth:`RunFence.stage`)."""
 
-    fence: "RunFence"
+    fence: RunFence
     tmp: Path
     path: Path
     exclusive: bool = False
@@ -168,7 +168,7 @@ class FencedLocalStore(LocalStore):
     fence: RunFence | None = None
 
     @classmethod
-    def for_run(cls, root: Path, run_id: str, token: str, url: str) -> "FencedLocalStore":
+    def for_run(cls, root: Path, run_id: str, token: str, url: str) -> FencedLocalStore:
         store = cls(root)
         store.fence = RunFence(root, run_id, token, url)
         return store

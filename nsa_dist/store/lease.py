@@ -28,6 +28,7 @@ read and a rename.  Object stores have neither: there the window stays (docs/des
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,7 +38,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +48,8 @@ from nsa_dist.store.locks import file_lock
 from nsa_dist.store.status import Status
 
 __all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status",
-           "lease_lost", "lease_on_disk", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock", "write_folder",
-           "write_lease"]
+           "lease_lost", "lease_on_disk", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock",
+           "write_folder", "write_lease"]
 
 INTERRUPTED_HINT = "re-run to resume"
 
@@ -73,7 +73,7 @@ class RunRefused(StoreError):
     life" still names that writer, not the refused process."""
 
 
-def read_lease(keys: Keys, run_id: str) -> "LeaseInfo | None":
+def read_lease(keys: Keys, run_id: str) -> LeaseInfo | None:
     """The run's lease as last written, or None (absent or torn)."""
     return parse_lease(keys.get(f"leases/{run_id}/zarr.json"))
 
@@ -145,7 +145,7 @@ def revoke_others(keys: Keys, run_id: str, token: str) -> None:
             shutil.rmtree(gone, ignore_errors=True)
 
 
-def lease_on_disk(root: Path, run_id: str) -> "LeaseInfo | None":
+def lease_on_disk(root: Path, run_id: str) -> LeaseInfo | None:
     """The lease of a local store at ``root``, read straight from its file (None: absent or torn)."""
     try:
         return parse_lease((root / "leases" / run_id / "zarr.json").read_bytes())
@@ -153,7 +153,7 @@ def lease_on_disk(root: Path, run_id: str) -> "LeaseInfo | None":
         return None
 
 
-def _current(keys: Keys, run_id: str) -> "LeaseInfo | None":
+def _current(keys: Keys, run_id: str) -> LeaseInfo | None:
     """:func:`read_lease`, read straight from the file on a local store (inside the run's lock)."""
     return lease_on_disk(keys.path, run_id) if keys.local else read_lease(keys, run_id)
 
@@ -169,7 +169,7 @@ def write_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
     revoke_others(keys, run_id, token)
 
 
-def lease_lost(url: str, run_id: str, info: "LeaseInfo | None") -> LeaseLost:
+def lease_lost(url: str, run_id: str, info: LeaseInfo | None) -> LeaseLost:
     """The one-line error of a writer whose lease ``info`` (None: removed) no longer carries its token."""
     who = f"{info.who()} took the run over" if info is not None else f"its lease leases/{run_id} was removed"
     return LeaseLost(f"run {run_id!r} in {url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
@@ -202,7 +202,7 @@ class LeaseInfo:
     released: bool = False
 
     @classmethod
-    def from_attrs(cls, a: dict[str, Any]) -> "LeaseInfo":
+    def from_attrs(cls, a: dict[str, Any]) -> LeaseInfo:
         return cls(str(a.get("host", "?")), int(a.get("pid", -1)), float(a.get("since", 0.0)),
                    float(a.get("heartbeat", 0.0)), float(a.get("ttl", default_ttl())), str(a.get("token", "")),
                    bool(a.get("released", False)))
@@ -280,7 +280,7 @@ class Lease:
         self.replaced: dict[str, LeaseInfo] = {}  # the stale lease each of ours replaced, by run
 
     # ------------------------------------------------------------------ acquire / release
-    def acquire(self) -> "Lease":
+    def acquire(self) -> Lease:
         """Take every lease (refusing or waiting as asked), then start the heartbeat thread.
 
         All leases are written first and read back after one ``settle`` wait, so a sweep of many
@@ -386,7 +386,7 @@ class Lease:
         if not self.run_ids:
             self._stop.set()
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self.acquire()
 
     def hand_back(self) -> None:

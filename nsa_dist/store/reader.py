@@ -36,7 +36,7 @@ class RunReader:
         self.path = store.run_path(run_id)
         self.refresh()
 
-    def refresh(self) -> "RunReader":
+    def refresh(self) -> RunReader:
         """Re-read the attributes and the finished steps (a live run moves on)."""
         self._refuse_link(os.path.join(self.store.keys.path, "runs", self.id) if self.store.keys.local else None,
                           "the run's folder")
@@ -69,7 +69,7 @@ class RunReader:
         except METADATA_ERRORS:
             return True  # present but unreadable: reading it names the file
 
-    def array(self, name: str) -> "zarr.Array":
+    def array(self, name: str) -> zarr.Array:
         if name not in self._arrays:
             self._refuse_link(self._folder(name) if self.store.keys.local else None, f"array {name!r}'s folder")
             if not self.has(name):
@@ -253,17 +253,17 @@ class RunReader:
                           "recompute it")
 
 
-def chunk_grid(arr: "zarr.Array") -> Iterator[tuple[int, ...]]:
+def chunk_grid(arr: zarr.Array) -> Iterator[tuple[int, ...]]:
     """Every chunk coordinate of an array."""
     return itertools.product(*[range(math.ceil(s / c)) for s, c in zip(arr.shape, arr.chunks)])
 
 
-def chunk_selection(arr: "zarr.Array", coords: tuple[int, ...]) -> tuple[slice, ...]:
+def chunk_selection(arr: zarr.Array, coords: tuple[int, ...]) -> tuple[slice, ...]:
     """The index region of one chunk."""
     return tuple(slice(j * c, min((j + 1) * c, s)) for j, c, s in zip(coords, arr.chunks, arr.shape))
 
 
-def chunk_problem(arr: "zarr.Array", sel: tuple[slice, ...]) -> str | None:
+def chunk_problem(arr: zarr.Array, sel: tuple[slice, ...]) -> str | None:
     """Why the region ``sel`` of ``arr`` cannot be decoded (a checksum or frame error), or None."""
     try:
         arr[sel]

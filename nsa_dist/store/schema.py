@@ -124,7 +124,7 @@ class StepRecord:
 
     @classmethod
     def build(cls, D: RunDims, index: int, result: dict[str, Any], *, eigenvectors: bool, hessian: bool,
-              where: str = "") -> "StepRecord":
+              where: str = "") -> StepRecord:
         """Check ``result`` against the contract; ValueError naming every unknown, missing or
         mis-shaped key (``where``: the run, for the message)."""
         from nsa_dist.errors import StoreError
@@ -168,7 +168,7 @@ def _casts(src: np.dtype, dst: np.dtype) -> bool:
     return src.kind == dst.kind
 
 
-# --------------------------------------------------------------------------- dimension names (issue 11)
+# --------------------------------------------------------------------------- dimension names
 _OUT = ("output",)
 _DIMS: dict[str, tuple[str, ...]] = {
     "X": ("point", "input"), "y": ("point",) + _OUT, "X_test": ("test_point", "input"),
@@ -178,16 +178,16 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "df_pred": ("step", "point") + _OUT, "f_test": ("step", "test_point") + _OUT,
     "eigenvalues": ("step", "k"), "eigenvectors": ("step", "point", "k"),
     "eigenvalues_test": ("step", "k_test"), "energy_f_test": ("step", "k_test"),
-    "eigenvalues_full": ("step", "k_full"), "eigenvalues_per_class": ("step", "output", "k_class"), "projections_residual": ("step", "k"),
-    "eigvec_images": ("step", "image", "pixel_y", "pixel_x"),
+    "eigenvalues_full": ("step", "k_full"), "eigenvalues_per_class": ("step", "output", "k_class"),
+    "projections_residual": ("step", "k"), "eigvec_images": ("step", "image", "pixel_y", "pixel_x"),
     "eigvec_fourier": ("step", "image", "freq_y", "freq_x"),
     "residual_image": ("step", "pixel_y", "pixel_x"), "residual_fourier": ("step", "freq_y", "freq_x"),
     "preservation": ("preservation_row", "k"),
     "hessian_moments": ("step", "hessian_part", "moment"), "hessian_moments_stderr": ("step", "hessian_part", "moment"),
     "hessian_moments_I_exact": ("step", "moment"), "hessian_orthogonality": ("step", "value_stderr"),
     "gram_sq_frobenius": ("step", "value_stderr"),
-    "hessian_rayleigh": ("step", "along", "quotient", "hessian_k"), "hessian_rayleigh_evals": ("step", "along", "hessian_k"),
-    "hessian_top": ("step", "hessian_part", "hessian_top_k"),
+    "hessian_rayleigh": ("step", "along", "quotient", "hessian_k"),
+    "hessian_rayleigh_evals": ("step", "along", "hessian_k"), "hessian_top": ("step", "hessian_part", "hessian_top_k"),
     "hessian_density_grid": ("step", "density_bin"), "hessian_density": ("step", "density_bin"),
     "hessian_additivity": ("step", "value_stderr", "moment"), "hessian_I_limit_moments": ("step", "moment"),
     "hessian_G": ("step", "point") + _OUT, "hessian_G_stderr": ("step", "point") + _OUT,

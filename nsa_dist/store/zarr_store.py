@@ -23,8 +23,15 @@ from nsa_dist.store.lease import Lease, RunRefused, check_holder, write_lease
 from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import StepResult
 from nsa_dist.store.runs import RunIndex
-from nsa_dist.store.schema import (SCHEMA_VERSION, STATE_ARRAYS, ArraySpec, RunDims, StepRecord, dimension_names,
-                                   run_arrays)
+from nsa_dist.store.schema import (
+    SCHEMA_VERSION,
+    STATE_ARRAYS,
+    ArraySpec,
+    RunDims,
+    StepRecord,
+    dimension_names,
+    run_arrays,
+)
 from nsa_dist.store.status import Status
 
 __all__ = ["SpectrumStore", "RunWriter", "CODECS"]
@@ -137,7 +144,7 @@ class SpectrumStore(RunIndex):
         return RunReader(self, run_id)
 
     def writer(self, run_id: str, spec: dict, dims: RunDims, *, create: bool = True,
-               data_fingerprint: str | None = None, token: str | None = None) -> "RunWriter":
+               data_fingerprint: str | None = None, token: str | None = None) -> RunWriter:
         """Create run ``run_id``, or reopen it for resuming after checking spec, data, schema and arrays.
 
         A run half made by a killed process (``creating`` still set) is finished here.
@@ -186,7 +193,7 @@ class SpectrumStore(RunIndex):
             w.check()
         return w
 
-    def reopen(self, run_id: str, *, token: str | None = None) -> "RunWriter":
+    def reopen(self, run_id: str, *, token: str | None = None) -> RunWriter:
         """The writer of existing run ``run_id`` as it is stored (its own sizes; nothing compared),
         for repairs such as :func:`~nsa_dist.store.verify.mark_damaged`.
 
@@ -351,7 +358,7 @@ class RunWriter:
                            "hessian": read("hessian_steps"), "first": np.arange(S) == 0}
         return self._masks[at]
 
-    def _out(self, name: str) -> "zarr.Array":
+    def _out(self, name: str) -> zarr.Array:
         """Array ``name`` opened for writing with ``write_empty_chunks`` (an opened array does not
         keep the option it was created with): a step's chunk that is all fill value (NaN) is still
         written, so a missing chunk always means damage."""
