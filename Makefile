@@ -38,6 +38,7 @@ demo: install
 # ruff's rules and import-linter's contracts are in pyproject.toml; CI runs them through `make test`
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
 # ruff's safe fixes (import order, pyupgrade), then the formatter

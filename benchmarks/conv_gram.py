@@ -56,8 +56,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     model, x = net(), images(args.n)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; CNN P = "
-          f"{sum(q.numel() for q in model.parameters()):,}, N = {args.n}, float32")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; CNN P = "
+        f"{sum(q.numel() for q in model.parameters()):,}, N = {args.n}, float32"
+    )
     gram(model, x[:64], method="per_layer")  # warm up
     res: dict = {"N": args.n}
     with measured() as ours:
@@ -68,10 +70,16 @@ def main() -> None:
         with measured() as jac:
             Gj = gram(model, x, method="jacobian")
         rel = float((G.double() - Gj.double()).norm() / Gj.double().norm())
-        res["jacobian"] = {"s": jac["seconds"], "peak_GB": jac["peak_bytes"] / 1e9,
-                           "speedup": jac["seconds"] / ours["seconds"], "rel_diff": rel}
-        print(f"torch.func Jacobian   {jac['seconds']:8.2f} s  peak {jac['peak_bytes'] / 1e9:6.3f} GB  "
-              f"→ per-layer is {jac['seconds'] / ours['seconds']:.1f}× faster; |ΔG|/|G| = {rel:.1e}")
+        res["jacobian"] = {
+            "s": jac["seconds"],
+            "peak_GB": jac["peak_bytes"] / 1e9,
+            "speedup": jac["seconds"] / ours["seconds"],
+            "rel_diff": rel,
+        }
+        print(
+            f"torch.func Jacobian   {jac['seconds']:8.2f} s  peak {jac['peak_bytes'] / 1e9:6.3f} GB  "
+            f"→ per-layer is {jac['seconds'] / ours['seconds']:.1f}× faster; |ΔG|/|G| = {rel:.1e}"
+        )
         del Gj
     if not args.skip_nngeometry:
         with measured() as ng:
@@ -80,10 +88,16 @@ def main() -> None:
             print("nngeometry            skipped (pip install --no-deps nngeometry==0.4)")
         else:
             rel = float((G.double() - Gn.double()).norm() / Gn.double().norm())
-            res["nngeometry"] = {"s": ng["seconds"], "peak_GB": ng["peak_bytes"] / 1e9,
-                                 "speedup": ng["seconds"] / ours["seconds"], "rel_diff": rel}
-            print(f"nngeometry GramMatrix {ng['seconds']:8.2f} s  peak {ng['peak_bytes'] / 1e9:6.3f} GB  "
-                  f"→ per-layer is {ng['seconds'] / ours['seconds']:.1f}× faster; |ΔG|/|G| = {rel:.1e}")
+            res["nngeometry"] = {
+                "s": ng["seconds"],
+                "peak_GB": ng["peak_bytes"] / 1e9,
+                "speedup": ng["seconds"] / ours["seconds"],
+                "rel_diff": rel,
+            }
+            print(
+                f"nngeometry GramMatrix {ng['seconds']:8.2f} s  peak {ng['peak_bytes'] / 1e9:6.3f} GB  "
+                f"→ per-layer is {ng['seconds'] / ours['seconds']:.1f}× faster; |ΔG|/|G| = {rel:.1e}"
+            )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
 

@@ -69,8 +69,16 @@ def run(dataset: str, steps: int, k: int | None, workers: int, n: int | None = N
     load_s = time.perf_counter() - t0
     connect(num_cpus=workers + 1)
     gang = RayGang(workers, cpus=1, threads=1)
-    res: dict = {"dataset": dataset, "N": data.n, "d": int(data.X.shape[1]), "workers": workers,
-                 "k": spec.spectrum.k, "model": first["model"], "load_s": load_s, "steps": []}
+    res: dict = {
+        "dataset": dataset,
+        "N": data.n,
+        "d": int(data.X.shape[1]),
+        "workers": workers,
+        "k": spec.spectrum.k,
+        "model": first["model"],
+        "load_s": load_s,
+        "steps": [],
+    }
     try:
         plan = plan_run(spec, data)
         an = SpectralAnalyzer(plan, data)
@@ -78,10 +86,17 @@ def run(dataset: str, steps: int, k: int | None, workers: int, n: int | None = N
         for ck in Trainer(plan, data).train_until(steps):
             t1 = time.perf_counter()
             out = an.analyze(ck, gang.pool).arrays()
-            res["steps"].append({"t": int(ck.step), "seconds": time.perf_counter() - t1, "parts_s": dict(an.timings),
-                                 "loss": float(ck.loss), "lambda_max": float(out["eigenvalues"][0]),
-                                 "lambda_k": float(out["eigenvalues"][-1]),
-                                 "energy_y_k": float(out["energy_y"][-1])})
+            res["steps"].append(
+                {
+                    "t": int(ck.step),
+                    "seconds": time.perf_counter() - t1,
+                    "parts_s": dict(an.timings),
+                    "loss": float(ck.loss),
+                    "lambda_max": float(out["eigenvalues"][0]),
+                    "lambda_k": float(out["eigenvalues"][-1]),
+                    "energy_y_k": float(out["energy_y"][-1]),
+                }
+            )
             print(json.dumps(res["steps"][-1], default=float), flush=True)
         res["worker_peak_GB"] = [p / 1e9 for p in gang.peak_rss()]
         res["driver_peak_GB"] = peak_rss() / 1e9

@@ -84,7 +84,7 @@ def main() -> None:
 
     G, t_gram = _timed(lambda: gram(model, X, dtype=torch.float64).numpy())  # (N, N)
     mu = np.linalg.eigvalsh(G)[::-1] / N  # nonzero spectrum of I
-    tr_I, tr_I2, lam_I = float(np.trace(G)) / N, float(np.sum(G ** 2)) / N ** 2, float(mu[0])
+    tr_I, tr_I2, lam_I = float(np.trace(G)) / N, float(np.sum(G**2)) / N**2, float(mu[0])
     print(f"# exact from the NTK Gram: {t_gram:.1f} s (gram + eigvalsh)\n")
     print(f"{'estimate':34s} {'value':>13s} {'reference':>13s} {'rel.err':>9s} {'HVPs':>7s} {'seconds':>8s}")
 
@@ -97,10 +97,18 @@ def main() -> None:
     long, t_l = _timed(lambda: extreme_eigenpairs(H, 6, method="lanczos", tol=1e-10))
     lam_H = float(long.evals[0])
     _row("lambda_max(H) Lanczos k=1 tol 1e-6", float(short.evals[0]), lam_H, short.n_matvec, t_s)
-    _row("lambda_max(H) Lanczos k=6 tol 1e-10", lam_H, None, long.n_matvec, t_l,
-         f"(reference; top 6: {np.array2string(long.evals, precision=4)})")
-    print(f"{'':34s} lambda_max(H) / (2/delta) at delta = {LR}: {edge_of_stability(lam_H, LR):.4f}; "
-          f"lambda_max(I) = {lam_I:.6g}")
+    _row(
+        "lambda_max(H) Lanczos k=6 tol 1e-10",
+        lam_H,
+        None,
+        long.n_matvec,
+        t_l,
+        f"(reference; top 6: {np.array2string(long.evals, precision=4)})",
+    )
+    print(
+        f"{'':34s} lambda_max(H) / (2/delta) at delta = {LR}: {edge_of_stability(lam_H, LR):.4f}; "
+        f"lambda_max(I) = {lam_I:.6g}"
+    )
 
     for name, fn in (("Hutchinson", hutchinson_moments), ("Hutch++", hutchpp_moments)):
         m, t = _timed(lambda fn=fn: fn(I, args.probes, max_order=2, seed=1))
@@ -108,8 +116,14 @@ def main() -> None:
         _row(f"Tr(I^2) {name} m={args.probes}", m.trace(2), tr_I2, m.n_products, t, f"± {m.stderr[1]:.3g} (same run)")
     for name, fn in (("Hutchinson", hutchinson_moments), ("Hutch++", hutchpp_moments)):
         m, t = _timed(lambda fn=fn: fn(H, args.probes, max_order=1, seed=2))
-        _row(f"Tr(H) {name} m={args.probes}", m.trace(1), tr_I, m.n_products, t,
-             f"± {m.stderr[0]:.3g} (ref: Tr(I), as Tr(S) = 0)")
+        _row(
+            f"Tr(H) {name} m={args.probes}",
+            m.trace(1),
+            tr_I,
+            m.n_products,
+            t,
+            f"± {m.stderr[0]:.3g} (ref: Tr(I), as Tr(S) = 0)",
+        )
 
 
 if __name__ == "__main__":

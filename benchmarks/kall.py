@@ -51,12 +51,15 @@ def _timed(name: str, fn):
 
 
 def _errors(name: str, w: np.ndarray, P: np.ndarray, w_ref: np.ndarray, P_ref: np.ndarray) -> None:
-    n2 = (P_ref ** 2).sum(axis=0)  # ‖φ‖² (c,)
-    dE = np.abs(np.cumsum(P ** 2, 0) - np.cumsum(P_ref ** 2, 0)) / n2
-    dp = np.abs(P ** 2 - P_ref ** 2) / n2
-    print(f"    {name}: max |Δλ|/λ_1 {np.abs(w - w_ref).max() / w_ref[0]:.1e}, max |Δλ_i|/λ_i (λ_i > 1e-3 λ_1) "
-          f"{(np.abs(w - w_ref) / np.abs(w_ref))[w_ref > 1e-3 * w_ref[0]].max():.1e}, max |ΔE(φ, k)| "
-          f"{dE.max():.1e}, max |Δ⟨v_i, φ⟩²|/‖φ‖² {dp.max():.1e}", flush=True)
+    n2 = (P_ref**2).sum(axis=0)  # ‖φ‖² (c,)
+    dE = np.abs(np.cumsum(P**2, 0) - np.cumsum(P_ref**2, 0)) / n2
+    dp = np.abs(P**2 - P_ref**2) / n2
+    print(
+        f"    {name}: max |Δλ|/λ_1 {np.abs(w - w_ref).max() / w_ref[0]:.1e}, max |Δλ_i|/λ_i (λ_i > 1e-3 λ_1) "
+        f"{(np.abs(w - w_ref) / np.abs(w_ref))[w_ref > 1e-3 * w_ref[0]].max():.1e}, max |ΔE(φ, k)| "
+        f"{dE.max():.1e}, max |Δ⟨v_i, φ⟩²|/‖φ‖² {dp.max():.1e}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -78,9 +81,11 @@ def main() -> None:
     for route in a.routes.split(","):
         if route == "weights":
             sp = _timed(f"eig_weights, one φ ({G.dtype})", lambda: eig_weights(G, Phi[:, 0]))
-            print(f"    {sp.reduction.value} + {sp.solver.value}, one_vector {sp.one_vector}; "
-                  "checks (error / tolerance): "
-                  + ", ".join(f"{n} {e / t:.1e}" for n, e, t in sp.checks), flush=True)
+            print(
+                f"    {sp.reduction.value} + {sp.solver.value}, one_vector {sp.one_vector}; "
+                "checks (error / tolerance): " + ", ".join(f"{n} {e / t:.1e}" for n, e, t in sp.checks),
+                flush=True,
+            )
             if ref:
                 _errors("weights", sp.evals, sp.proj, ref[0], ref[1][:, :1])
         elif route == "syrdb-v":
@@ -95,19 +100,26 @@ def main() -> None:
         elif route in ("stedc", "dstevd", "rows", "first-row") and T is not None:
             import scipy.linalg.lapack as lapack
 
-            fn = {"stedc": lambda: stedc(*T), "dstevd": lambda: lapack.dstevd(*T, compute_v=1),
-                  "rows": lambda: rows_of_s(*T, Phi), "first-row": lambda: first_row(*T)}[route]
+            fn = {
+                "stedc": lambda: stedc(*T),
+                "dstevd": lambda: lapack.dstevd(*T, compute_v=1),
+                "rows": lambda: rows_of_s(*T, Phi),
+                "first-row": lambda: first_row(*T),
+            }[route]
             _timed(f"T's divide and conquer, {route} (c = {Phi.shape[1] if route == 'rows' else 0})", fn)
         elif route == "eigvalsh":
             _timed(f"torch eigvalsh ({G.dtype})", lambda: torch.linalg.eigvalsh(torch.from_numpy(G)))
         elif route in ("mkl", "lapack"):
-            sp = _timed(f"eig_projections, reduction={route} ({G.dtype})",
-                        lambda: eig_projections(G, Phi, reduction=route))
+            sp = _timed(
+                f"eig_projections, reduction={route} ({G.dtype})", lambda: eig_projections(G, Phi, reduction=route)
+            )
             if ref:
                 _errors(route, sp.evals, sp.proj, *ref)
         elif route == "eigh":
-            ep = _timed("top_eigenpairs(G, 'all') (float64 eigh with vectors) + Vᵀ Φ",
-                        lambda: (lambda e: (e, e.evecs.T @ Phi))(top_eigenpairs(torch.from_numpy(G), "all")))
+            ep = _timed(
+                "top_eigenpairs(G, 'all') (float64 eigh with vectors) + Vᵀ Φ",
+                lambda: (lambda e: (e, e.evecs.T @ Phi))(top_eigenpairs(torch.from_numpy(G), "all")),
+            )
             if ref:
                 _errors("eigh", ep[0].evals, ep[1], *ref)
         else:

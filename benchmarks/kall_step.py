@@ -47,8 +47,12 @@ def main() -> None:
     ck = list(Trainer(plan, data).train_until(2))[-1]
     print(f"N = {a.n}, step {ck.step} (index {ck.index}), k: {spec.spectrum.k}, {spec.spectrum.dtype}")
     t0 = time.perf_counter()  # the MKL routines' probes run once per process, not per step: out of the timing
-    ready = [syrdb_ready(np.dtype(np.float32)), first_column_ready(np.dtype(np.float32)),
-             stedc_ready(), first_row_ready()]
+    ready = [
+        syrdb_ready(np.dtype(np.float32)),
+        first_column_ready(np.dtype(np.float32)),
+        stedc_ready(),
+        first_row_ready(),
+    ]
     print(f"probes (once per process): {time.perf_counter() - t0:.1f} s, passed {ready}", flush=True)
     out = {}
     for which in a.order.split(","):
@@ -60,8 +64,11 @@ def main() -> None:
         out[which] = an.analyze(ck).arrays()
         total = time.perf_counter() - t0
         parts = " + ".join(f"{k} {v:.1f}" for k, v in an.timings.items())
-        print(f"route {which}: {total:.1f} s = {parts} (load {l0:.2f} -> {os.getloadavg()[0]:.2f}), "
-              f"routes {an.eig_route}", flush=True)
+        print(
+            f"route {which}: {total:.1f} s = {parts} (load {l0:.2f} -> {os.getloadavg()[0]:.2f}), "
+            f"routes {an.eig_route}",
+            flush=True,
+        )
         del an
     names = list(out)
     for other in names[:-1]:

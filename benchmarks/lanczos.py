@@ -66,13 +66,23 @@ def run(G: np.ndarray | None = None, k: int = 100) -> dict:
     eighs = _baselines(G)
     base = min(eighs, key=lambda name: eighs[name][0])
     t_base, ref = eighs[base]
-    out: dict[str, Any] = {"N": G.shape[0], "k": k, "baseline": base, "t_baseline_s": t_base,
-                           "t_eigh_s": {name: t for name, (t, _) in eighs.items()}}
+    out: dict[str, Any] = {
+        "N": G.shape[0],
+        "k": k,
+        "baseline": base,
+        "t_baseline_s": t_base,
+        "t_eigh_s": {name: t for name, (t, _) in eighs.items()},
+    }
     for method, repeat in (("lanczos", 3), ("arpack", 1)):
         t, ep = _timed(lambda method=method: top_eigenpairs(G, k, method), repeat)
         rel, res = _accuracy(G, ep.evals, ep.evecs, ref)
-        out[method] = {"t_s": t, "speedup": t_base / t, "max_rel_eval_err": rel, "max_residual_rel": res,
-                       "n_matvec": ep.n_matvec}
+        out[method] = {
+            "t_s": t,
+            "speedup": t_base / t,
+            "max_rel_eval_err": rel,
+            "max_residual_rel": res,
+            "n_matvec": ep.n_matvec,
+        }
     return out
 
 
@@ -82,9 +92,11 @@ def _print(r: dict) -> None:
         print(f"  full {name:34s} {t:8.2f} s{'   <- baseline (fastest)' if name == r['baseline'] else ''}")
     for method in ("lanczos", "arpack"):
         m = r[method]
-        print(f"  top-{r['k']} {method:8s} {m['t_s']:8.3f} s   speedup {m['speedup']:6.1f}x   "
-              f"max rel eval err {m['max_rel_eval_err']:.1e}   max residual/λ_max {m['max_residual_rel']:.1e}   "
-              f"matvecs {m['n_matvec']}")
+        print(
+            f"  top-{r['k']} {method:8s} {m['t_s']:8.3f} s   speedup {m['speedup']:6.1f}x   "
+            f"max rel eval err {m['max_rel_eval_err']:.1e}   max residual/λ_max {m['max_residual_rel']:.1e}   "
+            f"matvecs {m['n_matvec']}"
+        )
     lz = r["lanczos"]
     ok = lz["speedup"] >= 10 and lz["max_rel_eval_err"] <= 1e-8 and lz["max_residual_rel"] <= 1e-6
     print(f"targets (speedup ≥ 10x, eval err ≤ 1e-8, residual ≤ 1e-6): {'met' if ok else 'NOT met'}")

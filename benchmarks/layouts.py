@@ -29,13 +29,30 @@ OUT = ROOT / "bench-out"
 
 
 def _spec(n: int, k: int, layout: str, workers: int, hessian: bool = False, probes: int = 16) -> dict:
-    spec = {"name": f"bench{n}", "data": {"name": "image2d", "n": n}, "model": {"depth": 6, "width": 256},
-            "steps": 1, "record": {"steps": [0]},
-            "spectrum": {"k": k, "dtype": "float32", "layout": layout, "workers": workers, "images": [],
-                         "frobenius_probes": 16}}
+    spec = {
+        "name": f"bench{n}",
+        "data": {"name": "image2d", "n": n},
+        "model": {"depth": 6, "width": 256},
+        "steps": 1,
+        "record": {"steps": [0]},
+        "spectrum": {
+            "k": k,
+            "dtype": "float32",
+            "layout": layout,
+            "workers": workers,
+            "images": [],
+            "frobenius_probes": 16,
+        },
+    }
     if hessian:
-        spec["hessian"] = {"probes": probes, "orthogonality": False, "rayleigh_k": 0, "top_k": 1, "density": False,
-                           "eig_tol": 1e-8}
+        spec["hessian"] = {
+            "probes": probes,
+            "orthogonality": False,
+            "rayleigh_k": 0,
+            "top_k": 1,
+            "density": False,
+            "eig_tol": 1e-8,
+        }
     return spec
 
 
@@ -65,16 +82,25 @@ def _analyze(spec_dict: dict, pool=None) -> tuple[dict, float, object]:
 def _local_child(spec_json: str, out_path: str) -> None:
     """Run one local analysis in this (fresh) process; write its time, peak RSS and results."""
     out, seconds, _ = _analyze(json.loads(spec_json))
-    np.savez(out_path, seconds=seconds, peak=_rss_self(), **{k: np.asarray(v) for k, v in out.items()
-                                                            if k in ("eigenvalues", "energy_y", "gram_sq_frobenius")})
+    np.savez(
+        out_path,
+        seconds=seconds,
+        peak=_rss_self(),
+        **{k: np.asarray(v) for k, v in out.items() if k in ("eigenvalues", "energy_y", "gram_sq_frobenius")},
+    )
 
 
 def local(spec: dict) -> dict:
     path = str(OUT / "local-child.npz")
     subprocess.run([sys.executable, __file__, "_child", json.dumps(spec), path], check=True)
     r = np.load(path)
-    return {"seconds": float(r["seconds"]), "peak_GB": float(r["peak"]) / 1e9,
-            "eigenvalues": r["eigenvalues"], "energy_y": r["energy_y"], "fro": r["gram_sq_frobenius"]}
+    return {
+        "seconds": float(r["seconds"]),
+        "peak_GB": float(r["peak"]) / 1e9,
+        "eigenvalues": r["eigenvalues"],
+        "energy_y": r["energy_y"],
+        "fro": r["gram_sq_frobenius"],
+    }
 
 
 def gang(spec: dict, workers: int) -> dict:
@@ -91,10 +117,17 @@ def gang(spec: dict, workers: int) -> dict:
     finally:
         g.shutdown()
         ray.shutdown()
-    return {"seconds": seconds, "parts_s": dict(an.timings), "worker_peak_GB": [p / 1e9 for p in peaks],
-            "driver_peak_GB": _rss_self() / 1e9,
-            "layout": an.plan.layout.layout.value, "eigenvalues": out["eigenvalues"], "energy_y": out["energy_y"],
-            "fro": out["gram_sq_frobenius"], "out": out}
+    return {
+        "seconds": seconds,
+        "parts_s": dict(an.timings),
+        "worker_peak_GB": [p / 1e9 for p in peaks],
+        "driver_peak_GB": _rss_self() / 1e9,
+        "layout": an.plan.layout.layout.value,
+        "eigenvalues": out["eigenvalues"],
+        "energy_y": out["energy_y"],
+        "fro": out["gram_sq_frobenius"],
+        "out": out,
+    }
 
 
 def _rel(a, b) -> float:
@@ -107,31 +140,52 @@ def part_a(n: int, k: int) -> dict:
     res = {"N": n, "k": k, "local_s": ref["seconds"], "local_peak_GB": ref["peak_GB"]}
     for W in (2, 4):
         g = gang(_spec(n, k, "block_rows", W), W)
-        res[f"W{W}"] = {"seconds": g["seconds"], "ratio_to_local": g["seconds"] / ref["seconds"],
-                        "worker_peak_GB": g["worker_peak_GB"], "driver_peak_GB": g["driver_peak_GB"],
-                        "peak_target_GB": 0.6 / W * ref["peak_GB"] + 0.5,
-                        "eigenvalue_rel_diff": _rel(g["eigenvalues"], ref["eigenvalues"]),
-                        "energy_y_max_diff": float(np.max(np.abs(g["energy_y"] - ref["energy_y"])))}
+        res[f"W{W}"] = {
+            "seconds": g["seconds"],
+            "ratio_to_local": g["seconds"] / ref["seconds"],
+            "worker_peak_GB": g["worker_peak_GB"],
+            "driver_peak_GB": g["driver_peak_GB"],
+            "peak_target_GB": 0.6 / W * ref["peak_GB"] + 0.5,
+            "eigenvalue_rel_diff": _rel(g["eigenvalues"], ref["eigenvalues"]),
+            "energy_y_max_diff": float(np.max(np.abs(g["energy_y"] - ref["energy_y"]))),
+        }
     return res
 
 
 def part_b(n: int, k: int) -> dict:
     g = gang(_spec(n, k, "block_rows", 4), 4)
-    return {"N": n, "k": k, "G_GB_float32": n * n * 4 / 1e9, "seconds": g["seconds"], "parts_s": g["parts_s"],
-            "worker_peak_GB": g["worker_peak_GB"], "driver_peak_GB": g["driver_peak_GB"],
-            "lambda_max": float(g["eigenvalues"][0])}
+    return {
+        "N": n,
+        "k": k,
+        "G_GB_float32": n * n * 4 / 1e9,
+        "seconds": g["seconds"],
+        "parts_s": g["parts_s"],
+        "worker_peak_GB": g["worker_peak_GB"],
+        "driver_peak_GB": g["driver_peak_GB"],
+        "lambda_max": float(g["eigenvalues"][0]),
+    }
 
 
 def part_c(n: int, k: int, n_check: int) -> dict:
     g = gang(_spec(n, k, "matrix_free", 2), 2)
-    res = {"N": n, "k": k, "seconds": g["seconds"], "parts_s": g["parts_s"], "worker_peak_GB": g["worker_peak_GB"],
-           "driver_peak_GB": g["driver_peak_GB"], "fro_estimate": [float(x) for x in g["fro"]]}
+    res = {
+        "N": n,
+        "k": k,
+        "seconds": g["seconds"],
+        "parts_s": g["parts_s"],
+        "worker_peak_GB": g["worker_peak_GB"],
+        "driver_peak_GB": g["driver_peak_GB"],
+        "fro_estimate": [float(x) for x in g["fro"]],
+    }
     mf = gang(_spec(n_check, k, "matrix_free", 2), 2)
     br = gang(_spec(n_check, k, "block_rows", 2), 2)
     res["check_N"] = n_check
     res["check_eigenvalue_rel_diff_vs_block_rows"] = _rel(mf["eigenvalues"], br["eigenvalues"])
-    res["check_fro_estimate_vs_exact"] = {"estimate": float(mf["fro"][0]), "stderr": float(mf["fro"][1]),
-                                          "exact": float(br["fro"][0])}
+    res["check_fro_estimate_vs_exact"] = {
+        "estimate": float(mf["fro"][0]),
+        "stderr": float(mf["fro"][1]),
+        "exact": float(br["fro"][0]),
+    }
     return res
 
 
@@ -140,12 +194,18 @@ def part_d(n: int, probes: int) -> dict:
     spec2 = _spec(n, 10, "matrix_free", 2, hessian=True, probes=probes)
     one, two = gang(spec1, 1), gang(spec2, 2)
     h1, h2 = one["out"], two["out"]
-    return {"N": n, "probes": probes, "one_worker_s": one["seconds"], "one_worker_parts_s": one["parts_s"],
-            "two_workers_parts_s": two["parts_s"], "two_workers_s": two["seconds"],
-            "time_ratio_2_over_1": two["seconds"] / one["seconds"],
-            "lambda_max_H": float(h1["hessian_top"][0, 0]),
-            "lambda_max_rel_diff": _rel(h2["hessian_top"], h1["hessian_top"]),
-            "moments_rel_diff": _rel(h2["hessian_moments"], h1["hessian_moments"])}
+    return {
+        "N": n,
+        "probes": probes,
+        "one_worker_s": one["seconds"],
+        "one_worker_parts_s": one["parts_s"],
+        "two_workers_parts_s": two["parts_s"],
+        "two_workers_s": two["seconds"],
+        "time_ratio_2_over_1": two["seconds"] / one["seconds"],
+        "lambda_max_H": float(h1["hessian_top"][0, 0]),
+        "lambda_max_rel_diff": _rel(h2["hessian_top"], h1["hessian_top"]),
+        "moments_rel_diff": _rel(h2["hessian_moments"], h1["hessian_moments"]),
+    }
 
 
 def main() -> None:

@@ -56,9 +56,16 @@ def part_a(n: int = 1000) -> dict:
     with measured() as j:
         Gj = jacobian()
     rel = float((Gs - Gj).norm() / Gj.norm())
-    return {"N": n, "structured_s": t_s, "jacobian_s": t_j, "speedup": t_j / t_s, "rel_diff": rel,
-            "jacobian_peak_GB": j["peak_bytes"] / 1e9, "structured_peak_GB": s["peak_bytes"] / 1e9,
-            "note": "times: min of 5 structured / 2 jacobian warm calls"}
+    return {
+        "N": n,
+        "structured_s": t_s,
+        "jacobian_s": t_j,
+        "speedup": t_j / t_s,
+        "rel_diff": rel,
+        "jacobian_peak_GB": j["peak_bytes"] / 1e9,
+        "structured_peak_GB": s["peak_bytes"] / 1e9,
+        "note": "times: min of 5 structured / 2 jacobian warm calls",
+    }
 
 
 def _mm_rate(m: int, k: int, n: int, reps: int = 3) -> float:
@@ -88,11 +95,17 @@ def part_b(n: int = 10_000, repeats: int = 3) -> dict:
     assert G.shape == (n, n)
     out_bytes = n * n * 4
     s = {"seconds": min(times), "peak_bytes": m["peak_bytes"]}
-    return {"N": n, "seconds": s["seconds"], "all_seconds": times, "gflop_full_products": flops / 1e9,
-            "mm_rate_4096_gflops": rate_sq / 1e9, "mm_rate_Nx256xN_gflops": rate_nn / 1e9,
-            "ratio_vs_4096_rate": s["seconds"] / (flops / rate_sq),
-            "ratio_vs_Nx256xN_rate": s["seconds"] / (flops / rate_nn),
-            "peak_over_output": s["peak_bytes"] / out_bytes}
+    return {
+        "N": n,
+        "seconds": s["seconds"],
+        "all_seconds": times,
+        "gflop_full_products": flops / 1e9,
+        "mm_rate_4096_gflops": rate_sq / 1e9,
+        "mm_rate_Nx256xN_gflops": rate_nn / 1e9,
+        "ratio_vs_4096_rate": s["seconds"] / (flops / rate_sq),
+        "ratio_vs_Nx256xN_rate": s["seconds"] / (flops / rate_nn),
+        "peak_over_output": s["peak_bytes"] / out_bytes,
+    }
 
 
 def part_c(n: int = 5000, k: int = 100) -> dict:
@@ -119,10 +132,14 @@ def part_d(sizes: tuple[int, ...] = (4000, 10_000), batch: int = 1000) -> dict:
         with measured() as theirs:
             Gn = GramMatrix(model, loader, function=lambda xb: model(xb)).data  # (K, N, K, N)
         Gn = Gn.reshape(n, n)
-        out[n] = {"ours_s": ours["seconds"], "nngeometry_s": theirs["seconds"],
-                  "speedup": theirs["seconds"] / ours["seconds"],
-                  "ours_peak_GB": ours["peak_bytes"] / 1e9, "nngeometry_peak_GB": theirs["peak_bytes"] / 1e9,
-                  "rel_diff": float((G - Gn).norm() / Gn.norm())}
+        out[n] = {
+            "ours_s": ours["seconds"],
+            "nngeometry_s": theirs["seconds"],
+            "speedup": theirs["seconds"] / ours["seconds"],
+            "ours_peak_GB": ours["peak_bytes"] / 1e9,
+            "nngeometry_peak_GB": theirs["peak_bytes"] / 1e9,
+            "rel_diff": float((G - Gn).norm() / Gn.norm()),
+        }
         del G, Gn
     return out
 

@@ -123,12 +123,12 @@ def images(n: int) -> torch.Tensor:
 class TokenTransformer(nn.Module):
     """Embedding → TransformerEncoder layers → mean over tokens → Linear head."""
 
-    def __init__(self, vocab: int = 100, d: int = 64, heads: int = 4, ff: int = 128, depth: int = 2,
-                 outputs: int = 3):
+    def __init__(self, vocab: int = 100, d: int = 64, heads: int = 4, ff: int = 128, depth: int = 2, outputs: int = 3):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.enc = nn.ModuleList(nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
-                                 for _ in range(depth))
+        self.enc = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True) for _ in range(depth)
+        )
         self.head = nn.Linear(d, outputs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids (n, T) int64
@@ -182,8 +182,9 @@ REPEAT = 1  # calls per method; the minimum time is reported (--repeat)
 ONE_GROUP = False  # also the default method with its feature matrix in one group (--one-group)
 
 
-def _run(label: str, fn, n: int, ref: torch.Tensor | None = None, base_s: float | None = None
-         ) -> tuple[torch.Tensor, dict]:
+def _run(
+    label: str, fn, n: int, ref: torch.Tensor | None = None, base_s: float | None = None
+) -> tuple[torch.Tensor, dict]:
     load = _load()
     times, peaks = [], []
     for _ in range(REPEAT):
@@ -193,11 +194,19 @@ def _run(label: str, fn, n: int, ref: torch.Tensor | None = None, base_s: float 
         times.append(m["seconds"])
         peaks.append(m["peak_bytes"])
     best = min(times)
-    res = {"s": best, "s_all": times, "peak_GB": max(peaks) / 1e9, "entries_per_s": n * n / best,
-           "load_before": load, "load_after": _load()}
-    line = (f"  {label:24s} {best:8.2f} s  peak {res['peak_GB']:6.3f} GB  "
-            f"{res['entries_per_s']:10.3g} entries/s  load {load[0]:.1f}"
-            + (f"  (min of {', '.join(f'{t:.2f}' for t in times)})" if REPEAT > 1 else ""))
+    res = {
+        "s": best,
+        "s_all": times,
+        "peak_GB": max(peaks) / 1e9,
+        "entries_per_s": n * n / best,
+        "load_before": load,
+        "load_after": _load(),
+    }
+    line = (
+        f"  {label:24s} {best:8.2f} s  peak {res['peak_GB']:6.3f} GB  "
+        f"{res['entries_per_s']:10.3g} entries/s  load {load[0]:.1f}"
+        + (f"  (min of {', '.join(f'{t:.2f}' for t in times)})" if REPEAT > 1 else "")
+    )
     if ref is not None:
         res["rel_diff"] = _rel(G, ref)
         res["time_over_default"] = best / base_s
@@ -246,8 +255,13 @@ def exact64(model: nn.Module, x: torch.Tensor) -> float:
     return _rel(G, R)
 
 
-def compare(model: nn.Module, x: torch.Tensor, skip_jacobian: bool, nng_batches: tuple[int, ...] = (),
-            jacobian_cached: bool = False) -> dict:
+def compare(
+    model: nn.Module,
+    x: torch.Tensor,
+    skip_jacobian: bool,
+    nng_batches: tuple[int, ...] = (),
+    jacobian_cached: bool = False,
+) -> dict:
     """Default gram vs jacobian (and nngeometry at each loader batch of nng_batches; the jacobian
     method with J held in memory when jacobian_cached and J exceeds its cache limit) at the points
     x, in this process."""
@@ -262,8 +276,10 @@ def compare(model: nn.Module, x: torch.Tensor, skip_jacobian: bool, nng_batches:
         J_bytes = n * _outputs(model, x) * sum(p.numel() for p in model.parameters()) * 4
         res["J_bytes"], res["J_cache_bytes"] = J_bytes, inputs.FEATURE_BYTES
         if J_bytes > inputs.FEATURE_BYTES:
-            print(f"  (J = {J_bytes / 2**30:.3f} GiB > the feature memory rule's "
-                  f"{inputs.FEATURE_BYTES / 2**30:.0f} GiB: column blocks' Jacobians recomputed per row block)")
+            print(
+                f"  (J = {J_bytes / 2**30:.3f} GiB > the feature memory rule's "
+                f"{inputs.FEATURE_BYTES / 2**30:.0f} GiB: column blocks' Jacobians recomputed per row block)"
+            )
         Gj, res["jacobian"] = _run("torch.func Jacobian", lambda: gram(model, x, method="jacobian"), n, G, base)
         del Gj
         if jacobian_cached and J_bytes > inputs.FEATURE_BYTES:
@@ -305,8 +321,10 @@ def part_a(n: int, n_small: int, skip_jacobian: bool, nng_batches: tuple[int, ..
 def part_b(n: int, skip_jacobian: bool) -> dict:
     model = transformer()
     P = sum(p.numel() for p in model.parameters())
-    print(f"(b) Token Transformer (Embedding, 2 TransformerEncoderLayer, mean pool, Linear → 3), P = {P:,}, "
-          f"traced kernel, float32")
+    print(
+        f"(b) Token Transformer (Embedding, 2 TransformerEncoderLayer, mean pool, Linear → 3), P = {P:,}, "
+        f"traced kernel, float32"
+    )
     x = tokens(n)
     out: dict = {"P": P, "routes": routes(model, x)}
     out["exact_float64_N64"] = exact64(model, tokens(64))
@@ -323,16 +341,31 @@ def main() -> None:
     p.add_argument("--n-resnet", type=int, default=2000)
     p.add_argument("--n-small", type=int, default=500, help="(a) also at this N (0: skip)")
     p.add_argument("--n-transformer", type=int, default=1000)
-    p.add_argument("--batch", type=int, nargs="+", default=[250, 500],
-                   help="nngeometry's loader batch sizes (its time and memory trade against each other)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[250, 500],
+        help="nngeometry's loader batch sizes (its time and memory trade against each other)",
+    )
     p.add_argument("--skip-jacobian", action="store_true")
     p.add_argument("--skip-nngeometry", action="store_true")
-    p.add_argument("--jacobian-cached", action="store_true",
-                   help="(a) also the jacobian method with J held in memory where it exceeds its cache limit")
-    p.add_argument("--one-group", action="store_true",
-                   help="also the default method with the feature memory rule lifted (M in one group)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default torch's; 1 gives figures robust to other jobs on shared cores)")
+    p.add_argument(
+        "--jacobian-cached",
+        action="store_true",
+        help="(a) also the jacobian method with J held in memory where it exceeds its cache limit",
+    )
+    p.add_argument(
+        "--one-group",
+        action="store_true",
+        help="also the default method with the feature memory rule lifted (M in one group)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default torch's; 1 gives figures robust to other jobs on shared cores)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="calls per method (the minimum time is reported)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
@@ -343,8 +376,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {_load()}")
     results: dict = {}
     if "a" in args.parts:
-        results["a"] = part_a(args.n_resnet, args.n_small, args.skip_jacobian,
-                              () if args.skip_nngeometry else tuple(args.batch), args.jacobian_cached)
+        results["a"] = part_a(
+            args.n_resnet,
+            args.n_small,
+            args.skip_jacobian,
+            () if args.skip_nngeometry else tuple(args.batch),
+            args.jacobian_cached,
+        )
     if "b" in args.parts:
         results["b"] = part_b(args.n_transformer, args.skip_jacobian)
     if args.json:

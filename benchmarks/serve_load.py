@@ -60,9 +60,19 @@ def write(url: str, recorded: int, pace: float) -> None:
     steps = recorded * every
     data = load_dataset(DataSpec(n=30), seed=0)
     model = build_model(ModelSpec(depth=2, width=16), seed=0)
-    tr = Tracker(url, "live", model, data.X, data.y, steps=steps, record={"every": every},
-                 spectrum={"k": 8, "images": [1, 2], "image_size": 6, "fourier_size": 5}, optimizer="gd",
-                 hessian={"probes": 4, "rayleigh_k": 0, "top_k": 1, "density": False}, max_inflight=1)
+    tr = Tracker(
+        url,
+        "live",
+        model,
+        data.X,
+        data.y,
+        steps=steps,
+        record={"every": every},
+        spectrum={"k": 8, "images": [1, 2], "image_size": 6, "fourier_size": 5},
+        optimizer="gd",
+        hessian={"probes": 4, "rayleigh_k": 0, "top_k": 1, "density": False},
+        max_inflight=1,
+    )
     X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
     for t in range(steps):
@@ -112,8 +122,9 @@ class Rss(threading.Thread):
 
 
 # --------------------------------------------------------------------------- a viewer: a Bokeh client
-async def _bokeh_view(page: str, opens: list[float], end: float, loads: list[float], patches: list[int],
-                      errors: list[str]) -> None:
+async def _bokeh_view(
+    page: str, opens: list[float], end: float, loads: list[float], patches: list[int], errors: list[str]
+) -> None:
     """Open ``page`` as BokehJS does (GET, websocket, pull the document) at each time of ``opens``
     (``time.monotonic()``), receive its patches until the next open or ``end``, then close it
     (the server destroys the session)."""
@@ -180,8 +191,9 @@ def viewers(page: str, schedule: list[list[float]], end: float) -> tuple[list[fl
 
     async def main() -> None:
         t0 = time.monotonic()
-        await asyncio.gather(*(_bokeh_view(page, [t0 + t for t in opens], t0 + end, loads, patches, errors)
-                               for opens in schedule))
+        await asyncio.gather(
+            *(_bokeh_view(page, [t0 + t for t in opens], t0 + end, loads, patches, errors) for opens in schedule)
+        )
 
     asyncio.run(main())
     return loads, patches, errors
@@ -194,8 +206,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _summary(loads: list[float]) -> dict[str, float]:
-    return {"n": len(loads), "max_s": max(loads) if loads else float("nan"), "p95_s": _pct(loads, 0.95),
-            "median_s": statistics.median(loads) if loads else float("nan")}
+    return {
+        "n": len(loads),
+        "max_s": max(loads) if loads else float("nan"),
+        "p95_s": _pct(loads, 0.95),
+        "median_s": statistics.median(loads) if loads else float("nan"),
+    }
 
 
 def main() -> None:
@@ -218,19 +234,29 @@ def main() -> None:
     url = str(tmp / "live.zarr")
     total = a.baseline_seconds + a.seconds + 60
     recorded = int(total / a.pace) + 2
-    writer = subprocess.Popen([sys.executable, __file__, "--write", url, str(recorded), str(a.pace)],
-                              stdout=subprocess.DEVNULL, stderr=open(tmp / "writer.log", "w"), env=env)
+    writer = subprocess.Popen(
+        [sys.executable, __file__, "--write", url, str(recorded), str(a.pace)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "writer.log", "w"),
+        env=env,
+    )
     log = open(tmp / "serve.log", "w+")
     server = None
     try:
         end = time.time() + 300
         while _steps_done(url) < 1:
             if writer.poll() is not None or time.time() > end:
-                raise SystemExit(f"the writer stopped before its first step: {(tmp / 'writer.log').read_text()[-2000:]}")
+                raise SystemExit(
+                    f"the writer stopped before its first step: {(tmp / 'writer.log').read_text()[-2000:]}"
+                )
             time.sleep(0.5)
-        server = subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", "serve", url, "--port", "0",
-                                   "--refresh", str(a.refresh)], stdout=subprocess.PIPE, stderr=log, text=True,
-                                  env=env)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "nsa_dist.cli", "serve", url, "--port", "0", "--refresh", str(a.refresh)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
         line = server.stdout.readline()
         m = re.search(r"(http://127\.0\.0\.1:\d+/)", line)
         if not m:
@@ -239,8 +265,9 @@ def main() -> None:
         rss = Rss(server.pid)
         rss.start()
         steps0 = _steps_done(url)
-        base_loads, base_patches, base_err = viewers(page, [list(range(0, int(a.baseline_seconds), 5))],
-                                                     a.baseline_seconds)
+        base_loads, base_patches, base_err = viewers(
+            page, [list(range(0, int(a.baseline_seconds), 5))], a.baseline_seconds
+        )
         t_load = time.monotonic()
         rss_start = rss.now()
         half = a.seconds / 2
@@ -269,33 +296,51 @@ def main() -> None:
     log.seek(0)
     text = log.read()
     out = {
-        "viewers": a.viewers, "seconds": a.seconds, "arrive_s": a.arrive, "refresh_s": a.refresh,
+        "viewers": a.viewers,
+        "seconds": a.seconds,
+        "arrive_s": a.arrive,
+        "refresh_s": a.refresh,
         "live_steps_during": [steps0, steps1],
-        "one_viewer": _summary(base_loads), "n_viewers": _summary(loads),
+        "one_viewer": _summary(base_loads),
+        "n_viewers": _summary(loads),
         "ratio_max": (max(loads) / max(base_loads)) if loads and base_loads else None,
         "ratio_p95": (_pct(loads, 0.95) / _pct(base_loads, 0.95)) if loads and base_loads else None,
         "patches_per_viewer": {"min": min(patches) if patches else None, "max": max(patches) if patches else None},
         "last_load_returned_after_s": round(t_end - t_load, 1),
-        "rss_mib": {"start": round(rss_start, 1), "end": round(at_stop, 1), "after_last_load": round(rss_end, 1),
-                    "max": round(max(during), 1),
-                    "max_first_half": round(max(first), 1), "max_second_half": round(max(second), 1)},
+        "rss_mib": {
+            "start": round(rss_start, 1),
+            "end": round(at_stop, 1),
+            "after_last_load": round(rss_end, 1),
+            "max": round(max(during), 1),
+            "max_first_half": round(max(first), 1),
+            "max_second_half": round(max(second), 1),
+        },
         "errors": {"viewer": len(base_err) + len(errors), "first": (base_err + errors)[:3]},
-        "server_log": {"Traceback": text.count("Traceback"), "ERROR": sum("ERROR" in ln for ln in text.splitlines()),
-                       "lines": len(text.splitlines())},
+        "server_log": {
+            "Traceback": text.count("Traceback"),
+            "ERROR": sum("ERROR" in ln for ln in text.splitlines()),
+            "lines": len(text.splitlines()),
+        },
     }
     print(f"Bokeh client sessions; live run: steps done {steps0} → {steps1} during the benchmark")
     for name, s in (("1 viewer", out["one_viewer"]), (f"{a.viewers} viewers", out["n_viewers"])):
-        print(f"page load, {name}: {s['n']} loads, max {s['max_s']:.2f} s, p95 {s['p95_s']:.2f} s, "
-              f"median {s['median_s']:.2f} s")
+        print(
+            f"page load, {name}: {s['n']} loads, max {s['max_s']:.2f} s, p95 {s['p95_s']:.2f} s, "
+            f"median {s['median_s']:.2f} s"
+        )
     print(f"ratio {a.viewers} viewers / 1 viewer: max {out['ratio_max']:.2f}×, p95 {out['ratio_p95']:.2f}×")
     r = out["rss_mib"]
-    print(f"server RSS (MiB): start {r['start']}, end {r['end']} (after the last load, "
-          f"{out['last_load_returned_after_s']} s in: {r['after_last_load']}), max {r['max']} "
-          f"(max in the first half {r['max_first_half']}, in the second half {r['max_second_half']})")
+    print(
+        f"server RSS (MiB): start {r['start']}, end {r['end']} (after the last load, "
+        f"{out['last_load_returned_after_s']} s in: {r['after_last_load']}), max {r['max']} "
+        f"(max in the first half {r['max_first_half']}, in the second half {r['max_second_half']})"
+    )
     print(f"patches received per viewer: {out['patches_per_viewer']}")
     print(f"viewer errors: {out['errors']['viewer']} {out['errors']['first']}")
-    print(f"server log: {out['server_log']['Traceback']} Traceback, {out['server_log']['ERROR']} ERROR lines "
-          f"of {out['server_log']['lines']}")
+    print(
+        f"server log: {out['server_log']['Traceback']} Traceback, {out['server_log']['ERROR']} ERROR lines "
+        f"of {out['server_log']['lines']}"
+    )
     if out["server_log"]["Traceback"]:
         print(text[-3000:])
     if a.json:

@@ -30,8 +30,9 @@ from nsa_dist.store import SpectrumStore, run_summaries  # noqa: E402
 
 def _store(root: Path, runs: int, steps: int) -> str:
     url = str(root / "many.zarr")
-    spec = ExperimentSpec(name="r0", data={"n": 16}, model={"depth": 2, "width": 8}, steps=steps,
-                          record={"every": 1}, spectrum={"k": 4})
+    spec = ExperimentSpec(
+        name="r0", data={"n": 16}, model={"depth": 2, "width": 8}, steps=steps, record={"every": 1}, spectrum={"k": 4}
+    )
     rid = run_experiment(spec, SpectrumStore(url)).run_id
     for i in range(1, runs):
         shutil.copytree(Path(url) / "runs" / rid, Path(url) / "runs" / f"r{i:04d}")

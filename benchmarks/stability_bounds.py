@@ -68,8 +68,11 @@ def _cifar_standin(name: str, scratch: Path, n: int) -> Path:
         pixels = np.concatenate([load(f"data_batch_{i}") for i in range(1, 6)])
         for part, x in (("train", pixels), ("test", load("test_batch"))):
             labels = (np.arange(len(x)) % 100).tolist()
-            (c100 / part).write_bytes(pickle.dumps({b"data": x, b"fine_labels": labels, b"coarse_labels":
-                                                    [c // 5 for c in labels]}, protocol=2))
+            (c100 / part).write_bytes(
+                pickle.dumps(
+                    {b"data": x, b"fine_labels": labels, b"coarse_labels": [c // 5 for c in labels]}, protocol=2
+                )
+            )
     return c100
 
 
@@ -106,10 +109,18 @@ def main() -> None:
             l2 = spec.loss.value == "l2"
             b = bound(spec, args.points, scratch)
             lr = spec.schedule.lr
-            verdict = ("n/a (not full-batch GD)" if not gd else f"n/a ({spec.loss.value} loss)" if not l2
-                       else ("below" if lr < b["bound"] else f"ABOVE ×{lr / b['bound']:.2f}"))
-            print(f"{path.stem:28s} {spec.name[-34:]:34s} {spec.data.n:6d} {b['n']:5d} {b['lam_per_n']:9.4g} "
-                  f"{b['bound']:9.4g} {lr:7.3g}  {verdict}  {b['note']} ({time.time() - t0:.1f} s)", flush=True)
+            verdict = (
+                "n/a (not full-batch GD)"
+                if not gd
+                else f"n/a ({spec.loss.value} loss)"
+                if not l2
+                else ("below" if lr < b["bound"] else f"ABOVE ×{lr / b['bound']:.2f}")
+            )
+            print(
+                f"{path.stem:28s} {spec.name[-34:]:34s} {spec.data.n:6d} {b['n']:5d} {b['lam_per_n']:9.4g} "
+                f"{b['bound']:9.4g} {lr:7.3g}  {verdict}  {b['note']} ({time.time() - t0:.1f} s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

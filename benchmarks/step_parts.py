@@ -49,10 +49,18 @@ def main() -> None:
             t0 = time.perf_counter()
             arrays = an.analyze(ck).arrays()
             parts = " + ".join(f"{k} {v:.2f}" for k, v in an.timings.items())
-            print(f"t = {ck.step}: {time.perf_counter() - t0:.2f} s = {parts}; products {an.n_products}; "
-                  f"load {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
-        saved.update({f"t{ck.step}/{name}": np.asarray(v, dtype=np.float64) for name, v in arrays.items()
-                      if np.asarray(v).dtype.kind in "fiub"})
+            print(
+                f"t = {ck.step}: {time.perf_counter() - t0:.2f} s = {parts}; products {an.n_products}; "
+                f"load {load:.1f} -> {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        saved.update(
+            {
+                f"t{ck.step}/{name}": np.asarray(v, dtype=np.float64)
+                for name, v in arrays.items()
+                if np.asarray(v).dtype.kind in "fiub"
+            }
+        )
     if a.save:
         np.savez(a.save, **saved)
     if a.compare:

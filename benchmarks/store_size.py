@@ -51,23 +51,38 @@ def main() -> None:
         record = prep.plan.record
         S = len(record)
         for i in range(S):
-            res = {s.name: rng.standard_normal(s.shape[1:]).astype(s.dtype) for s in per_step
-                   if s.name != "eigenvectors" or spec.spectrum.eigenvectors_at(int(record[i]))}
+            res = {
+                s.name: rng.standard_normal(s.shape[1:]).astype(s.dtype)
+                for s in per_step
+                if s.name != "eigenvectors" or spec.spectrum.eigenvectors_at(int(record[i]))
+            }
             writer.write_step(i, StepResult.from_arrays(res), _state(dims, rng, TrainerState, record[i]))
         total = _du(url)
         ev_dir = url / "runs" / prep.run_id / "eigenvectors"
         ev_total = _du(ev_dir) if ev_dir.exists() else 0
-        res = {"spec": a.spec, "N": dims.N, "K": dims.K, "P": dims.P, "recorded_steps": S, "static_GB": static / 1e9,
-               "eigenvectors_GB": ev_total / 1e9,
-               "per_step_MB": (total - static - ev_total) / len(record) / 1e6, "total_GB": total / 1e9,
-               "eigenvectors_every_step_GB": (total - ev_total) / 1e9 + len(record) * dims.N * dims.K * 4 / 1e9,
-               "seconds": time.perf_counter() - t0}
+        res = {
+            "spec": a.spec,
+            "N": dims.N,
+            "K": dims.K,
+            "P": dims.P,
+            "recorded_steps": S,
+            "static_GB": static / 1e9,
+            "eigenvectors_GB": ev_total / 1e9,
+            "per_step_MB": (total - static - ev_total) / len(record) / 1e6,
+            "total_GB": total / 1e9,
+            "eigenvectors_every_step_GB": (total - ev_total) / 1e9 + len(record) * dims.N * dims.K * 4 / 1e9,
+            "seconds": time.perf_counter() - t0,
+        }
     print(json.dumps(res, indent=1))
 
 
 def _state(dims, rng, TrainerState, step):
-    return TrainerState(step=int(step), theta=rng.standard_normal(dims.P).astype(np.float32),
-                        slots=np.zeros((dims.n_slots, dims.P), np.float32), rng=np.zeros(dims.rng_bytes, np.uint8))
+    return TrainerState(
+        step=int(step),
+        theta=rng.standard_normal(dims.P).astype(np.float32),
+        slots=np.zeros((dims.n_slots, dims.P), np.float32),
+        rng=np.zeros(dims.rng_bytes, np.uint8),
+    )
 
 
 if __name__ == "__main__":

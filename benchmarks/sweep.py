@@ -30,21 +30,36 @@ def part_a(n_runs: int = 2) -> dict:
     Runs go one at a time (max_concurrent_runs=1) so on 2 cores the trainer's thread leaves room
     for the workers: the measurement is of how the pool scales, not of core oversubscription.
     """
-    base = {"data": {"n": 1500}, "model": {"depth": 4, "width": 128}, "steps": 20, "record": {"every": 2},
-            "spectrum": {"k": "all", "images": []}}
+    base = {
+        "data": {"n": 1500},
+        "model": {"depth": 4, "width": 128},
+        "steps": 20,
+        "record": {"every": 2},
+        "spectrum": {"k": "all", "images": []},
+    }
     out = {}
     for workers in (1, 2):
-        sweep = SweepSpec(name=f"tp{workers}", base=base, grid={"seed": list(range(n_runs))},
-                          cluster={"spectral_workers": workers, "max_inflight": 4, "trainer_cpus": 0.5,
-                                   "max_concurrent_runs": 1})
+        sweep = SweepSpec(
+            name=f"tp{workers}",
+            base=base,
+            grid={"seed": list(range(n_runs))},
+            cluster={"spectral_workers": workers, "max_inflight": 4, "trainer_cpus": 0.5, "max_concurrent_runs": 1},
+        )
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             outcomes = SweepCoordinator(sweep, str(Path(d) / "s.zarr")).run()
             out[workers] = time.perf_counter() - t0
             assert all(o.status == "done" for o in outcomes)
     steps = n_runs * 11
-    return {"runs": n_runs, "recorded_steps": steps, "seconds_1_worker": out[1], "seconds_2_workers": out[2],
-            "steps_per_s_1": steps / out[1], "steps_per_s_2": steps / out[2], "speedup_2_vs_1": out[1] / out[2]}
+    return {
+        "runs": n_runs,
+        "recorded_steps": steps,
+        "seconds_1_worker": out[1],
+        "seconds_2_workers": out[2],
+        "steps_per_s_1": steps / out[1],
+        "steps_per_s_2": steps / out[2],
+        "speedup_2_vs_1": out[1] / out[2],
+    }
 
 
 def part_c(reps: int = 20) -> dict:
@@ -76,8 +91,12 @@ def part_c(reps: int = 20) -> dict:
     for _ in range(reps):
         ray.get(sink.take.remote(ray.put(ck)))
     full = (time.perf_counter() - t0) / reps
-    return {"checkpoint_MB": nbytes / 1e6, "call_ms_empty": empty * 1e3, "call_ms_with_checkpoint": full * 1e3,
-            "transfer_ms_per_checkpoint": (full - empty) * 1e3}
+    return {
+        "checkpoint_MB": nbytes / 1e6,
+        "call_ms_empty": empty * 1e3,
+        "call_ms_with_checkpoint": full * 1e3,
+        "transfer_ms_per_checkpoint": (full - empty) * 1e3,
+    }
 
 
 def main() -> None:

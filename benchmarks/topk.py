@@ -39,9 +39,11 @@ def main() -> None:
     V = torch.randn(N, ep.n_matvec)
     t_bound, _ = _best(lambda: G @ V, a.repeat)
     t_736, _ = _best(lambda: G @ V[:, :736], a.repeat) if ep.n_matvec >= 736 else (float("nan"), None)
-    print(f"(a) top-{a.k}: {t_topk:.2f} s, {ep.n_matvec} products, max residual/λ_max "
-          f"{ep.max_residual / ep.evals[0]:.1e}; fp32 GEMM of those products {t_bound:.2f} s "
-          f"(ratio {t_topk / t_bound:.2f}), of 736 columns {t_736:.2f} s (ratio {t_topk / t_736:.2f})")
+    print(
+        f"(a) top-{a.k}: {t_topk:.2f} s, {ep.n_matvec} products, max residual/λ_max "
+        f"{ep.max_residual / ep.evals[0]:.1e}; fp32 GEMM of those products {t_bound:.2f} s "
+        f"(ratio {t_topk / t_bound:.2f}), of 736 columns {t_736:.2f} s (ratio {t_topk / t_736:.2f})"
+    )
     if a.ref:
         ref = np.load(a.ref)
         print(f"    max |Δλ|/λ vs reference: {np.max(np.abs(ep.evals - ref) / np.abs(ref)):.1e}")
@@ -51,10 +53,12 @@ def main() -> None:
     t_eigh, (w, Vf) = _best(lambda: sl.eigh(Gs, driver="evd", check_finite=False), 1)
     t_proj, sp = _best(lambda: eig_projections(Gs, Phi, indices=(0, 1, 2, 3, 4, 5, 9, 99, 499, 999)), 1)
     w, Vf = w[::-1], Vf[:, ::-1]
-    print(f"(b) k: all at n = {n}: eigh with vectors {t_eigh:.1f} s, eigenvalues + projections {t_proj:.1f} s "
-          f"(ratio {t_eigh / t_proj:.2f}); max |Δλ|/λ_max {np.abs(sp.evals - w).max() / w[0]:.1e}, "
-          f"max |Δ E(φ, k)| "
-          f"{np.abs(np.cumsum(sp.proj**2, 0) - np.cumsum((Vf.T @ Phi)**2, 0)).max() / (Phi**2).sum(0).min():.1e}")
+    print(
+        f"(b) k: all at n = {n}: eigh with vectors {t_eigh:.1f} s, eigenvalues + projections {t_proj:.1f} s "
+        f"(ratio {t_eigh / t_proj:.2f}); max |Δλ|/λ_max {np.abs(sp.evals - w).max() / w[0]:.1e}, "
+        f"max |Δ E(φ, k)| "
+        f"{np.abs(np.cumsum(sp.proj**2, 0) - np.cumsum((Vf.T @ Phi) ** 2, 0)).max() / (Phi**2).sum(0).min():.1e}"
+    )
 
 
 if __name__ == "__main__":

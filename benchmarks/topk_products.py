@@ -77,13 +77,18 @@ def main() -> None:
             out[name] = (time.perf_counter() - t, ep, load)
         deflated.MIN_K = min_k
         (td, d, ld), (tf, f, lf) = out["deflated"], out["float64"]
-        print(f"round {r + 1}: deflated {td:.2f} s ({d.products}, {d.n_matvec} products, max residual "
-              f"{d.max_residual / d.evals[0]:.1e}·λ₁, load {ld:.1f}) | float64 {tf:.2f} s ({f.n_matvec} products, "
-              f"{f.max_residual / f.evals[0]:.1e}·λ₁, load {lf:.1f}) | ratio {td / tf:.2f} | "
-              f"max |Δλ|/λ₁ {np.abs(d.evals - f.evals).max() / f.evals[0]:.1e}", flush=True)
+        print(
+            f"round {r + 1}: deflated {td:.2f} s ({d.products}, {d.n_matvec} products, max residual "
+            f"{d.max_residual / d.evals[0]:.1e}·λ₁, load {ld:.1f}) | float64 {tf:.2f} s ({f.n_matvec} products, "
+            f"{f.max_residual / f.evals[0]:.1e}·λ₁, load {lf:.1f}) | ratio {td / tf:.2f} | "
+            f"max |Δλ|/λ₁ {np.abs(d.evals - f.evals).max() / f.evals[0]:.1e}",
+            flush=True,
+        )
     G64 = G.double()
-    print(f"GEMM bound of the products: float32 {_gemm_bound(G, d.n_matvec):.2f} s ({d.n_matvec} columns), "
-          f"float64 {_gemm_bound(G64, f.n_matvec):.2f} s ({f.n_matvec} columns); load {os.getloadavg()[0]:.1f}")
+    print(
+        f"GEMM bound of the products: float32 {_gemm_bound(G, d.n_matvec):.2f} s ({d.n_matvec} columns), "
+        f"float64 {_gemm_bound(G64, f.n_matvec):.2f} s ({f.n_matvec} columns); load {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

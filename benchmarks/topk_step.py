@@ -26,8 +26,16 @@ from nsa_dist.data import load_dataset
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPARED = ("eigenvalues", "eigenvalues_test", "energy_y", "energy_f", "energy_residual", "energy_df",
-            "energy_df_pred", "energy_f_test")
+COMPARED = (
+    "eigenvalues",
+    "eigenvalues_test",
+    "energy_y",
+    "energy_f",
+    "energy_residual",
+    "energy_df",
+    "energy_df_pred",
+    "energy_f_test",
+)
 
 
 def main() -> None:
@@ -47,19 +55,32 @@ def main() -> None:
         out = {}
         for route in ("before", "after"):
             lanczos._cholesky_qr2 = cholesky_qr2 if route == "after" else (lambda ops, A: None)
-            inputs._asymmetry = asymmetry if route == "after" else \
-                (lambda G, tile: asymmetry(G, 4096 if tile == 512 else tile))
+            inputs._asymmetry = (
+                asymmetry if route == "after" else (lambda G, tile: asymmetry(G, 4096 if tile == 512 else tile))
+            )
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
             out[route] = an.analyze(ck).arrays()
             parts = " + ".join(f"{k} {v:.1f}" for k, v in an.timings.items())
-            print(f"t = {ck.step} {route}: {time.perf_counter() - t0:.1f} s = {parts}; products {an.n_products}; "
-                  f"load {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
-        diffs = {name: float(np.max(np.abs(out["after"][name] - out["before"][name])
-                                    / np.maximum(np.abs(out["before"][name]), 1e-300)))
-                 for name in COMPARED if name in out["before"]}
-        print(f"t = {ck.step} max relative difference after vs before: "
-              + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()), flush=True)
+            print(
+                f"t = {ck.step} {route}: {time.perf_counter() - t0:.1f} s = {parts}; products {an.n_products}; "
+                f"load {load:.1f} -> {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        diffs = {
+            name: float(
+                np.max(
+                    np.abs(out["after"][name] - out["before"][name]) / np.maximum(np.abs(out["before"][name]), 1e-300)
+                )
+            )
+            for name in COMPARED
+            if name in out["before"]
+        }
+        print(
+            f"t = {ck.step} max relative difference after vs before: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()),
+            flush=True,
+        )
     lanczos._cholesky_qr2, inputs._asymmetry = cholesky_qr2, asymmetry
 
 

@@ -69,24 +69,38 @@ def main() -> None:
     p.add_argument("--cluster", default="local", help="local (an embedded Ray) | none (a background thread)")
     p.add_argument("--workers", type=int, default=1)
     args = p.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.steps} SGD steps, batch "
-          f"{args.batch}, record every {args.every} at N = {args.n} (k = {args.k}), cluster = {args.cluster}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.steps} SGD steps, batch "
+        f"{args.batch}, record every {args.every} at N = {args.n} (k = {args.k}), cluster = {args.cluster}"
+    )
     model, X, y = _setup(args.n)
     loop(model, X, y, 20, args.batch, None)  # warm up
     model, X, y = _setup(args.n)
     base, _ = loop(model, X, y, args.steps, args.batch, None)
     model, X, y = _setup(args.n)
     with tempfile.TemporaryDirectory() as d:
-        tr = Tracker(f"{d}/s.zarr", "bench", model, X, y, steps=args.steps, record={"every": args.every},
-                     spectrum={"k": args.k, "dtype": "float32"},
-                     cluster=None if args.cluster == "none" else args.cluster, workers=args.workers, max_inflight=2)
+        tr = Tracker(
+            f"{d}/s.zarr",
+            "bench",
+            model,
+            X,
+            y,
+            steps=args.steps,
+            record={"every": args.every},
+            spectrum={"k": args.k, "dtype": "float32"},
+            cluster=None if args.cluster == "none" else args.cluster,
+            workers=args.workers,
+            max_inflight=2,
+        )
         tracked, inside = loop(model, X, y, args.steps, args.batch, tr)
         n_rec = int(tr.writer.done().sum())
     print(f"loop without tracking  {base:8.2f} s")
     print(f"loop with the Tracker  {tracked:8.2f} s  ({n_rec} steps recorded; close() included)")
     print(f"  wall-time overhead   {100 * (tracked - base) / base:7.1f} %")
-    print(f"  inside Tracker calls {inside:8.2f} s = {100 * inside / base:.1f} % of the untracked loop "
-          f"(blocked on a full queue {tr.blocked}×)")
+    print(
+        f"  inside Tracker calls {inside:8.2f} s = {100 * inside / base:.1f} % of the untracked loop "
+        f"(blocked on a full queue {tr.blocked}×)"
+    )
 
 
 if __name__ == "__main__":

@@ -54,13 +54,18 @@ def main() -> None:
             out[name] = an.analyze(ck).arrays()
             secs[name] = time.perf_counter() - t0
         cold, warm = analyzers["cold"].n_products, analyzers["warm"].n_products
-        dlam = max(float(np.max(np.abs(out["warm"][e] - out["cold"][e])) / float(out["cold"][e][0]))
-                   for e in ("eigenvalues", "eigenvalues_test"))
+        dlam = max(
+            float(np.max(np.abs(out["warm"][e] - out["cold"][e])) / float(out["cold"][e][0]))
+            for e in ("eigenvalues", "eigenvalues_test")
+        )
         saved = {g: f"{1 - warm[g] / cold[g]:.0%}" if cold[g] else "n/a" for g in cold}
         spacing = "—" if previous is None else ck.step - previous
-        print(f"t = {ck.step} (spacing {spacing}, trained in {trained:.0f} s): products cold {cold} warm {warm} "
-              f"saved {saved}; cold {secs['cold']:.1f} s, warm {secs['warm']:.1f} s; max |Δλ|/λ₁ {dlam:.1e}; "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        print(
+            f"t = {ck.step} (spacing {spacing}, trained in {trained:.0f} s): products cold {cold} warm {warm} "
+            f"saved {saved}; cold {secs['cold']:.1f} s, warm {secs['warm']:.1f} s; max |Δλ|/λ₁ {dlam:.1e}; "
+            f"load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
         previous = ck.step
         t_train = time.perf_counter()
 

@@ -53,8 +53,13 @@ def _tiny_resnet(name: str, k: int) -> nn.Module:
     from torchvision.models import resnet as R
 
     block = R.BasicBlock if name in ("resnet18", "resnet34") else R.Bottleneck
-    groups, width = {"resnext50_32x4d": (32, 4), "resnext101_32x8d": (32, 8), "resnext101_64x4d": (64, 4),
-                     "wide_resnet50_2": (1, 128), "wide_resnet101_2": (1, 128)}.get(name, (1, 64))
+    groups, width = {
+        "resnext50_32x4d": (32, 4),
+        "resnext101_32x8d": (32, 8),
+        "resnext101_64x4d": (64, 4),
+        "wide_resnet50_2": (1, 128),
+        "wide_resnet101_2": (1, 128),
+    }.get(name, (1, 64))
     return R.ResNet(block, [1, 1, 1, 1], num_classes=k, groups=groups, width_per_group=width)
 
 
@@ -62,9 +67,15 @@ def _small_classifier(m: nn.Module, width: int, k: int, features: int | None = N
     """VGG / AlexNet with their 4096-wide classifier (100M+ parameters) narrowed to ``width``
     (``features``: its input width, default the original's)."""
     first = next(mod for mod in m.classifier if isinstance(mod, nn.Linear))
-    m.classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(features or first.in_features, width),
-                                 nn.ReLU(inplace=True),
-                                 nn.Dropout(0.5), nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, k))
+    m.classifier = nn.Sequential(
+        nn.Dropout(0.5),
+        nn.Linear(features or first.in_features, width),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.5),
+        nn.Linear(width, width),
+        nn.ReLU(inplace=True),
+        nn.Linear(width, k),
+    )
     return m
 
 
@@ -92,19 +103,20 @@ def _tiny_efficientnet(name: str, k: int) -> nn.Module:
     setting, last = E._efficientnet_conf(name)
     narrow, prev = [], -(-setting[0].input_channels // 32) * 8
     for c in setting:  # a quarter of the channels (multiples of 8, as the configs round them), one layer per stage
-        narrow.append(dataclasses.replace(c, input_channels=prev, out_channels=-(-c.out_channels // 32) * 8,
-                                          num_layers=1))
+        narrow.append(
+            dataclasses.replace(c, input_channels=prev, out_channels=-(-c.out_channels // 32) * 8, num_layers=1)
+        )
         prev = narrow[-1].out_channels
     setting = narrow
-    return E.EfficientNet(setting, 0.2, last_channel=256, num_classes=k,
-                          norm_layer=partial(nn.BatchNorm2d, eps=1e-03))
+    return E.EfficientNet(setting, 0.2, last_channel=256, num_classes=k, norm_layer=partial(nn.BatchNorm2d, eps=1e-03))
 
 
 def _tiny_regnet(name: str, k: int) -> nn.Module:
     from torchvision.models import regnet as G
 
-    params = G.BlockParams.from_init_params(depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8,
-                                            se_ratio=0.25 if "_y_" in name else None)
+    params = G.BlockParams.from_init_params(
+        depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25 if "_y_" in name else None
+    )
     return G.RegNet(params, num_classes=k, norm_layer=partial(nn.BatchNorm2d, eps=1e-05, momentum=0.1))
 
 
@@ -120,33 +132,63 @@ def _tiny_swin(name: str, k: int) -> nn.Module:
 
     v2 = "_v2_" in name
     extra = {"block": S.SwinTransformerBlockV2, "downsample_layer": S.PatchMergingV2} if v2 else {}
-    return S._swin_transformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2, 2, 2], num_heads=[2, 2, 4, 4],
-                               window_size=[4, 4], stochastic_depth_prob=0.0, weights=None, progress=False,
-                               num_classes=k, **extra)
+    return S._swin_transformer(
+        patch_size=[4, 4],
+        embed_dim=16,
+        depths=[2, 2, 2, 2],
+        num_heads=[2, 2, 4, 4],
+        window_size=[4, 4],
+        stochastic_depth_prob=0.0,
+        weights=None,
+        progress=False,
+        num_classes=k,
+        **extra,
+    )
 
 
 def _tiny_maxvit(name: str, k: int) -> nn.Module:
     from torchvision.models import MaxVit
 
-    return MaxVit(input_size=(32, 32), stem_channels=8, partition_size=2, block_channels=[16, 32],
-                  block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.0, num_classes=k)
+    return MaxVit(
+        input_size=(32, 32),
+        stem_channels=8,
+        partition_size=2,
+        block_channels=[16, 32],
+        block_layers=[1, 1],
+        head_dim=8,
+        stochastic_depth_prob=0.0,
+        num_classes=k,
+    )
 
 
 def _tiny_vit(name: str, k: int) -> nn.Module:
     from torchvision.models import VisionTransformer
 
     patch = int(name.rsplit("_", 1)[1])
-    return VisionTransformer(image_size=2 * patch, patch_size=patch, num_layers=2, num_heads=2, hidden_dim=32,
-                             mlp_dim=64, num_classes=k)
+    return VisionTransformer(
+        image_size=2 * patch, patch_size=patch, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=k
+    )
 
 
-TINY = {"resnet": _tiny_resnet, "resnext": _tiny_resnet, "wide_resnet": _tiny_resnet, "vgg": _tiny_vgg,
-        "densenet": _tiny_densenet, "efficientnet": _tiny_efficientnet, "regnet": _tiny_regnet,
-        "convnext": _tiny_convnext, "swin": _tiny_swin, "maxvit": _tiny_maxvit, "vit": _tiny_vit,
-        "alexnet": lambda name, k: _small_classifier(__import__("torchvision").models.alexnet(num_classes=k), 32, k)}
+TINY = {
+    "resnet": _tiny_resnet,
+    "resnext": _tiny_resnet,
+    "wide_resnet": _tiny_resnet,
+    "vgg": _tiny_vgg,
+    "densenet": _tiny_densenet,
+    "efficientnet": _tiny_efficientnet,
+    "regnet": _tiny_regnet,
+    "convnext": _tiny_convnext,
+    "swin": _tiny_swin,
+    "maxvit": _tiny_maxvit,
+    "vit": _tiny_vit,
+    "alexnet": lambda name, k: _small_classifier(__import__("torchvision").models.alexnet(num_classes=k), 32, k),
+}
 SIZE = {"alexnet": 64, "inception_v3": 75}
-KWARGS = {"googlenet": {"aux_logits": False, "init_weights": True}, "inception_v3": {"aux_logits": False,
-                                                                                   "init_weights": True}}
+KWARGS = {
+    "googlenet": {"aux_logits": False, "init_weights": True},
+    "inception_v3": {"aux_logits": False, "init_weights": True},
+}
 
 
 def _family(name: str) -> str:
@@ -208,22 +250,57 @@ def hf_models(k: int) -> dict[str, tuple]:
     return {
         "hf_gpt2_sequence_classification": (
             lambda: T.GPT2ForSequenceClassification(T.GPT2Config(**small, num_labels=k, pad_token_id=0)),
-            ids, lambda o: o.logits, "logits"),
-        "hf_gpt2_lm_head": (lambda: T.GPT2LMHeadModel(T.GPT2Config(**small)), ids,
-                            lambda o: o.logits[:, -1, :k], f"logits[:, -1, :{k}]"),
+            ids,
+            lambda o: o.logits,
+            "logits",
+        ),
+        "hf_gpt2_lm_head": (
+            lambda: T.GPT2LMHeadModel(T.GPT2Config(**small)),
+            ids,
+            lambda o: o.logits[:, -1, :k],
+            f"logits[:, -1, :{k}]",
+        ),
         "hf_bert_sequence_classification": (
-            lambda: T.BertForSequenceClassification(T.BertConfig(
-                vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                max_position_embeddings=16, num_labels=k)), ids, lambda o: o.logits, "logits"),
+            lambda: T.BertForSequenceClassification(
+                T.BertConfig(
+                    vocab_size=50,
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    intermediate_size=64,
+                    max_position_embeddings=16,
+                    num_labels=k,
+                )
+            ),
+            ids,
+            lambda o: o.logits,
+            "logits",
+        ),
         "hf_vit_image_classification": (
-            lambda: T.ViTForImageClassification(T.ViTConfig(
-                image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                num_attention_heads=2, intermediate_size=64, num_labels=k)),
-            torch.randn(3, 3, 16, 16, dtype=F64), lambda o: o.logits, "logits"),
+            lambda: T.ViTForImageClassification(
+                T.ViTConfig(
+                    image_size=16,
+                    patch_size=8,
+                    num_channels=3,
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    intermediate_size=64,
+                    num_labels=k,
+                )
+            ),
+            torch.randn(3, 3, 16, 16, dtype=F64),
+            lambda o: o.logits,
+            "logits",
+        ),
         "hf_t5_encoder": (
-            lambda: T.T5EncoderModel(T.T5Config(vocab_size=50, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                                num_heads=2)),
-            ids, lambda o: o.last_hidden_state.mean(1)[:, :k], f"last_hidden_state.mean(1)[:, :{k}]"),
+            lambda: T.T5EncoderModel(
+                T.T5Config(vocab_size=50, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
+            ),
+            ids,
+            lambda o: o.last_hidden_state.mean(1)[:, :k],
+            f"last_hidden_state.mean(1)[:, :{k}]",
+        ),
     }
 
 
@@ -250,7 +327,7 @@ def reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _routes(routes: dict[str, tuple[str, str]]) -> str:
-    """"structured 12, per_layer 40, jacobian 3 (sample axis 2, known layer 1)": parameter tensors per route."""
+    """ "structured 12, per_layer 40, jacobian 3 (sample axis 2, known layer 1)": parameter tensors per route."""
     paths = Counter(p for p, _ in routes.values())
     why = Counter(w.split(":")[0] for p, w in routes.values() if p == "jacobian")
     text = ", ".join(f"{p} {c}" for p, c in sorted(paths.items()))
@@ -277,8 +354,7 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, config: str, selector=
     R = reference(ref_model, x)
     row["func_s"] = time.perf_counter() - t
     err = float(((G - R).abs().max() / R.abs().max()).item()) if torch.isfinite(G).all() else float("inf")
-    row.update(method=method.value, err=err, routes=_routes(routes),
-               result="exact" if err <= EXACT else "WRONG")
+    row.update(method=method.value, err=err, routes=_routes(routes), result="exact" if err <= EXACT else "WRONG")
     return row
 
 
@@ -286,8 +362,11 @@ def _print(row: dict) -> None:
     if row["result"] in ("refused", "FAILED"):
         print(f"| {row['model']} | {row['config']} | {row['P']:,} | {row['result']} | {row['why']} | | |", flush=True)
         return
-    print(f"| {row['model']} | {row['config']} | {row['P']:,} | {row['err']:.1e} {row['result']} | {row['method']}: "
-          f"{row['routes']} | {row['gram_s']:.2f} | {row['func_s']:.2f} |", flush=True)
+    print(
+        f"| {row['model']} | {row['config']} | {row['P']:,} | {row['err']:.1e} {row['result']} | {row['method']}: "
+        f"{row['routes']} | {row['gram_s']:.2f} | {row['func_s']:.2f} |",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -304,8 +383,11 @@ def main() -> None:
     names = models.list_models(module=models) + [CPB_ONLY]
     hf = {} if a.skip_hf else hf_models(a.outputs)
     todo = [n for n in names + list(hf) if a.only is None or n in a.only]
-    print("| model | config | parameters | max rel. error | method: parameter tensors per route | gram s | "
-          "torch.func s |\n|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| model | config | parameters | max rel. error | method: parameter tensors per route | gram s | "
+        "torch.func s |\n|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     for name in todo:
         torch.manual_seed(0)
         if name in hf:

@@ -31,5 +31,8 @@ for act in ["softplus", "atan", "softplus_normalized"]:
         with torch.no_grad():
             v.append(np.mean(m(X).numpy() * G))
     v = np.array(v)
-    print(f"{act}: E[fᵀG]/N = {v.mean():+.4f} ± {v.std(ddof=1) / np.sqrt(len(v)):.4f} "
-          f"(n={len(v)}, sd {v.std(ddof=1):.3f})  {time.time() - t0:.0f} s", flush=True)
+    print(
+        f"{act}: E[fᵀG]/N = {v.mean():+.4f} ± {v.std(ddof=1) / np.sqrt(len(v)):.4f} "
+        f"(n={len(v)}, sd {v.std(ddof=1):.3f})  {time.time() - t0:.0f} s",
+        flush=True,
+    )

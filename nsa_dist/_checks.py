@@ -31,5 +31,7 @@ def check_finite(name: str, x: Any) -> None:
         arr = np.asarray(x)
         n_bad = int((~np.isfinite(arr)).sum()) if arr.dtype.kind in "fc" else 0
     if n_bad:
-        raise NonFiniteError(f"{name} holds {n_bad} NaN/inf entries (of {np.prod(tuple(x.shape))}); "
-                             "clean the data or lower the learning rate")
+        raise NonFiniteError(
+            f"{name} holds {n_bad} NaN/inf entries (of {np.prod(tuple(x.shape))}); "
+            "clean the data or lower the learning rate"
+        )

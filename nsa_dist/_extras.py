@@ -18,5 +18,6 @@ def require(module: str, extra: str, what: str) -> None:
         what: who needs it, for the message (``"nsa serve"``).
     """
     if importlib.util.find_spec(module) is None:
-        raise MissingDependencyError(f"{what} needs the {module} package, which is not installed: "
-                                     f"pip install 'nsa-dist[{extra}]'")
+        raise MissingDependencyError(
+            f"{what} needs the {module} package, which is not installed: pip install 'nsa-dist[{extra}]'"
+        )

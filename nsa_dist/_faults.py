@@ -18,16 +18,30 @@ from nsa_dist._fsspec import storage_options
 
 __all__ = ["endpoint_of", "exception_chain", "outside_cause"]
 
-_DISK = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only filesystem",
-         errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-         errno.ENOTDIR: "a parent of the path is not a directory"}
-_CONNECT = ("botocore.exceptions.EndpointConnectionError", "botocore.exceptions.ConnectTimeoutError",
-            "botocore.exceptions.ReadTimeoutError", "aiohttp.client_exceptions.ClientConnectorError",
-            "aiohttp.client_exceptions.ServerDisconnectedError", "aiohttp.client_exceptions.ServerTimeoutError")
-_DENIED = {"InvalidAccessKeyId": "unknown access key (AWS_ACCESS_KEY_ID)",
-           "SignatureDoesNotMatch": "wrong secret key (AWS_SECRET_ACCESS_KEY)",
-           "AccessDenied": "access denied for these credentials", "403": "access denied (HTTP 403)",
-           "ExpiredToken": "expired session token", "InvalidToken": "invalid session token"}
+_DISK = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a parent of the path is not a directory",
+}
+_CONNECT = (
+    "botocore.exceptions.EndpointConnectionError",
+    "botocore.exceptions.ConnectTimeoutError",
+    "botocore.exceptions.ReadTimeoutError",
+    "aiohttp.client_exceptions.ClientConnectorError",
+    "aiohttp.client_exceptions.ServerDisconnectedError",
+    "aiohttp.client_exceptions.ServerTimeoutError",
+)
+_DENIED = {
+    "InvalidAccessKeyId": "unknown access key (AWS_ACCESS_KEY_ID)",
+    "SignatureDoesNotMatch": "wrong secret key (AWS_SECRET_ACCESS_KEY)",
+    "AccessDenied": "access denied for these credentials",
+    "403": "access denied (HTTP 403)",
+    "ExpiredToken": "expired session token",
+    "InvalidToken": "invalid session token",
+}
 
 
 def exception_chain(exc: BaseException, limit: int = 64) -> Iterator[BaseException]:
@@ -48,8 +62,12 @@ def endpoint_of(url: str) -> str | None:
     if "://" not in url or url.startswith("file://"):  # a local path
         return None
     protocol = url.split("://", 1)[0]
-    default = {"s3": "the AWS default endpoint", "s3a": "the AWS default endpoint", "gs": "storage.googleapis.com",
-               "gcs": "storage.googleapis.com"}.get(protocol, f"{protocol}://")
+    default = {
+        "s3": "the AWS default endpoint",
+        "s3a": "the AWS default endpoint",
+        "gs": "storage.googleapis.com",
+        "gcs": "storage.googleapis.com",
+    }.get(protocol, f"{protocol}://")
     return storage_options(protocol).get("endpoint_url") or default
 
 
@@ -88,9 +106,12 @@ def _remote_cause(e: BaseException, url: str) -> str | None:
             meta = response.get("ResponseMetadata") or {}
             status = meta.get("HTTPStatusCode", code or "?")
             server = (meta.get("HTTPHeaders") or {}).get("server")
-            return (f"the endpoint answered {op} with HTTP {status}" + (f" from {server!r}" if server else "")
-                    + " and no S3 error code: it is not an S3 API endpoint"
-                    + (f" (or bucket {bucket!r} is missing)" if str(status) == "404" else ""))
+            return (
+                f"the endpoint answered {op} with HTTP {status}"
+                + (f" from {server!r}" if server else "")
+                + " and no S3 error code: it is not an S3 API endpoint"
+                + (f" (or bucket {bucket!r} is missing)" if str(status) == "404" else "")
+            )
     return None
 
 

@@ -18,8 +18,11 @@ EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "
 # 5 attempts, exponential backoff) times s3fs's own 5 tries of a refused connection made a dead
 # endpoint cost seconds per request and a run's error path (interrupt, lease release) minutes;
 # standard mode retries throttling, 5xx and connection errors once, after at most 1 s.
-S3_CLIENT: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 15,
-                             "retries": {"mode": "standard", "total_max_attempts": 2}}
+S3_CLIENT: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 15,
+    "retries": {"mode": "standard", "total_max_attempts": 2},
+}
 
 
 def is_url(path: Any) -> bool:

@@ -15,7 +15,7 @@ __all__ = ["hessian_table"]
 
 
 def _pm(value: float, se: float) -> str:
-    """"v ± se" ("v" when se is 0 or NaN: exact, or one probe); "—" for NaN."""
+    """ "v ± se" ("v" when se is 0 or NaN: exact, or one probe); "—" for NaN."""
     if not np.isfinite(value):
         return "—"
     return f"{value:.4g}" if not np.isfinite(se) or se == 0 else f"{value:.4g} ± {se:.2g}"

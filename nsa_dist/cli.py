@@ -40,14 +40,23 @@ DEFAULT_STORE = "nsa-results.zarr"
 
 
 def _store_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default=os.environ.get("NSA_STORE", DEFAULT_STORE),
-                   help="spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)")
+    p.add_argument(
+        "--store",
+        default=os.environ.get("NSA_STORE", DEFAULT_STORE),
+        help="spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)",
+    )
 
 
 def _wait_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--wait", type=float, nargs="?", const=-1.0, default=0.0, metavar="SECONDS",
-                   help="if another live process writes the run, wait for it (for ever, or SECONDS) instead of "
-                        "refusing")
+    p.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=-1.0,
+        default=0.0,
+        metavar="SECONDS",
+        help="if another live process writes the run, wait for it (for ever, or SECONDS) instead of refusing",
+    )
 
 
 def _wait_seconds(value: float) -> float | None:
@@ -67,8 +76,13 @@ def _with_parents(common: argparse.ArgumentParser) -> type[argparse.ArgumentPars
 def _max_runs_arg(p: argparse.ArgumentParser) -> None:
     from nsa_dist.config import MAX_SWEEP_RUNS
 
-    p.add_argument("--max-runs", type=int, default=None, metavar="N",
-                   help=f"accept a sweep of up to N runs (default {MAX_SWEEP_RUNS}; counted before expanding the grid)")
+    p.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"accept a sweep of up to N runs (default {MAX_SWEEP_RUNS}; counted before expanding the grid)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,13 +105,29 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("run", nargs="?", default=None)
     pl.add_argument("--out", type=Path, required=True)
     pl.add_argument("--figures", nargs="*", default=None, help="only these figure names")
-    pl.add_argument("--step", type=int, nargs="+", default=None,
-                    help="recorded steps of Figs. 1b, 4a-c, 6 (the paper: 20000 600000)")
-    pl.add_argument("--pair", type=int, nargs=2, default=None, metavar=("T1", "T2"),
-                    help="Fig. 7d: E_T1(v_i^T2, k) (the paper: 20000 600000)")
-    pl.add_argument("--k", type=int, nargs="+", default=None,
-                    help="the k (rows i) drawn in Figs. 2b, 2d, 3, 7d; with --sweep: Fig. 7a's k (default 4%% of "
-                         "the smallest N, as the paper's 400 of 10^4, below N)")
+    pl.add_argument(
+        "--step",
+        type=int,
+        nargs="+",
+        default=None,
+        help="recorded steps of Figs. 1b, 4a-c, 6 (the paper: 20000 600000)",
+    )
+    pl.add_argument(
+        "--pair",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("T1", "T2"),
+        help="Fig. 7d: E_T1(v_i^T2, k) (the paper: 20000 600000)",
+    )
+    pl.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the k (rows i) drawn in Figs. 2b, 2d, 3, 7d; with --sweep: Fig. 7a's k (default 4%% of "
+        "the smallest N, as the paper's 400 of 10^4, below N)",
+    )
     pl.add_argument("--sweep", default=None, help="draw Fig. 7a-c across the runs of this sweep")
     pl.add_argument("--scalar", default=None, help="with --sweep: also this quantity at the last step vs --x")
     pl.add_argument("--x", default=None, help="with --scalar: the grid field on the x axis (e.g. model.depth)")
@@ -112,14 +142,21 @@ def _parser() -> argparse.ArgumentParser:
     _max_runs_arg(sw)
     sm = sub.add_parser("submit", help="submit a sweep to a Ray cluster as a Ray Job")
     sm.add_argument("sweep", type=Path)
-    sm.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), required=not os.environ.get("RAY_ADDRESS"),
-                    help="Ray dashboard address, e.g. http://HEAD:8265 (or $RAY_ADDRESS)")
+    sm.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        required=not os.environ.get("RAY_ADDRESS"),
+        help="Ray dashboard address, e.g. http://HEAD:8265 (or $RAY_ADDRESS)",
+    )
     _store_arg(sm)
     sm.add_argument("--job-id", default=None)
     sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
     _max_runs_arg(sm)
-    for name, hlp in (("status", "job status (all jobs without JOB), or the runs of --store"), ("logs", "a job's logs"),
-                      ("cancel", "stop a job")):
+    for name, hlp in (
+        ("status", "job status (all jobs without JOB), or the runs of --store"),
+        ("logs", "a job's logs"),
+        ("cancel", "stop a job"),
+    ):
         q = sub.add_parser(name, help=hlp)
         q.add_argument("job", nargs="?" if name == "status" else None)
         q.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"))
@@ -127,15 +164,23 @@ def _parser() -> argparse.ArgumentParser:
             q.add_argument("--store", default=None, help="show the runs of this store instead of Ray jobs")
     v = sub.add_parser("verify", help="check every chunk of a store; --mark forgets damaged steps for a re-run")
     v.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
-    v.add_argument("--mark", "--repair", action="store_true", dest="mark",
-                   help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)")
+    v.add_argument(
+        "--mark",
+        "--repair",
+        action="store_true",
+        dest="mark",
+        help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)",
+    )
     se = sub.add_parser("serve", help="a read-only web view of a store (runs, a run's figures, a sweep's), live")
     se.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
     se.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     se.add_argument("--port", type=int, default=5006, help="port (0: any free one; default 5006)")
     se.add_argument("--allow-remote", action="store_true", help="consent to listen on a non-loopback --host")
-    se.add_argument("--token", default=os.environ.get("NSA_SERVE_TOKEN"),
-                    help="secret every request must carry (needed with --allow-remote; or $NSA_SERVE_TOKEN)")
+    se.add_argument(
+        "--token",
+        default=os.environ.get("NSA_SERVE_TOKEN"),
+        help="secret every request must carry (needed with --allow-remote; or $NSA_SERVE_TOKEN)",
+    )
     se.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS", help="re-read the store this often")
     ex = sub.add_parser("export", help="export a run's per-step scalars and spectra (TensorBoard event files)")
     ex.add_argument("run")
@@ -161,9 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     handler = _catch_sigterm()
     _SIGTERM_SEEN.clear()
     try:
-        return {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "plot": _cmd_plot, "sweep": _cmd_sweep,
-                "submit": _cmd_submit, "status": _cmd_status, "logs": _cmd_logs, "cancel": _cmd_cancel,
-                "verify": _cmd_verify, "serve": _cmd_serve, "export": _cmd_export}[args.cmd](args)
+        return {
+            "run": _cmd_run,
+            "ls": _cmd_ls,
+            "show": _cmd_show,
+            "plot": _cmd_plot,
+            "sweep": _cmd_sweep,
+            "submit": _cmd_submit,
+            "status": _cmd_status,
+            "logs": _cmd_logs,
+            "cancel": _cmd_cancel,
+            "verify": _cmd_verify,
+            "serve": _cmd_serve,
+            "export": _cmd_export,
+        }[args.cmd](args)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every failure is reported here, once
         line, rc = _one_line(exc, args)
         if debug:
@@ -244,14 +300,15 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
         return f"error: {exc}", 2  # one line per problem in the file
     if isinstance(exc, (NSAError, OSError, KeyError, ValueError)):
         return f"error: {_flat(str(exc))}", 2
-    return (f"error: {type(exc).__name__}: {_flat(str(exc))} (unexpected; --debug or NSA_DEBUG=1 shows the "
-            "traceback)"), 1
+    return (
+        f"error: {type(exc).__name__}: {_flat(str(exc))} (unexpected; --debug or NSA_DEBUG=1 shows the traceback)"
+    ), 1
 
 
 def _flat(text: str, limit: int = 2000) -> str:
     """A message on one line, at most ``limit`` characters."""
     line = "; ".join(part.strip() for part in text.splitlines() if part.strip())
-    return line if len(line) <= limit else line[:limit - 1] + "…"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------- run
@@ -269,8 +326,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     fancy = sys.stderr.isatty() and not args.plain
     progress = _RichProgress(spec.steps, rid) if fancy else _LogProgress(spec.steps, rid)
     with progress:
-        out = run_experiment(spec, store, on_step=progress.on_step, on_update=progress.on_update,
-                             on_prepared=_print_layout, wait=_wait_seconds(args.wait))
+        out = run_experiment(
+            spec,
+            store,
+            on_step=progress.on_step,
+            on_update=progress.on_update,
+            on_prepared=_print_layout,
+            wait=_wait_seconds(args.wait),
+        )
     if out.status == Status.FAILED:
         print(f"run {rid} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)
         return 1
@@ -301,8 +364,11 @@ class _LogProgress:
         pass
 
     def on_step(self, ck, result) -> None:
-        print(f"[nsa] step {ck.step:>8}/{self.total}  loss {ck.loss:.5g}  λ_max {result.lambda_max:.5g}  "
-              f"E(y,10) {result.energy_y_at(10):.3f}  ({time.perf_counter() - self.t0:.1f} s)", flush=True)
+        print(
+            f"[nsa] step {ck.step:>8}/{self.total}  loss {ck.loss:.5g}  λ_max {result.lambda_max:.5g}  "
+            f"E(y,10) {result.energy_y_at(10):.3f}  ({time.perf_counter() - self.t0:.1f} s)",
+            flush=True,
+        )
 
 
 class _RichProgress(_LogProgress):
@@ -311,8 +377,13 @@ class _RichProgress(_LogProgress):
     def __enter__(self) -> _RichProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]}  λ_max {task.fields[lam]}"), TimeRemainingColumn())
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  λ_max {task.fields[lam]}"),
+            TimeRemainingColumn(),
+        )
         self.bar.__enter__()
         self.task = self.bar.add_task(self.rid, total=self.total, loss="-", lam="-")
         return self
@@ -342,10 +413,23 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     for r in runs.to_dict("records"):
         note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""
         lr = _recorded_lr(client, r) if r.get("data.name") == "arrays" else _lr(r.get("schedule.lr"))
-        t.add_row(*map(_esc, (r["id"], r["status"], f"{_int(r['steps_done'])}/{_int(r['steps_total'])}",
-                              _int(r["last_step"]), _text(r.get("data.name")), _int(r.get("data.n")),
-                              f"{_int(r.get('model.depth'))}×{_int(r.get('model.width'))}",
-                              _text(r.get("optimizer.name")), lr, note)))
+        t.add_row(
+            *map(
+                _esc,
+                (
+                    r["id"],
+                    r["status"],
+                    f"{_int(r['steps_done'])}/{_int(r['steps_total'])}",
+                    _int(r["last_step"]),
+                    _text(r.get("data.name")),
+                    _int(r.get("data.n")),
+                    f"{_int(r.get('model.depth'))}×{_int(r.get('model.width'))}",
+                    _text(r.get("optimizer.name")),
+                    lr,
+                    note,
+                ),
+            )
+        )
     Console().print(t if len(runs) else f"no runs in {_esc(args.store)}")
     return 0
 
@@ -391,9 +475,12 @@ def _lr(value: object) -> str:
 
 def _print_notes(con: Console, notes: dict[object, dict[str, str]], most: int = 5) -> None:
     """The diagnostics stored as NaN, with their reasons: one line per step and reason."""
-    lines = [f"{f't = {t}' if isinstance(t, int) else t}: "
-             f"{', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
-             for t, by in notes.items() for reason in dict.fromkeys(by.values())]
+    lines = [
+        f"{f't = {t}' if isinstance(t, int) else t}: "
+        f"{', '.join(sorted(n for n, r in by.items() if r == reason))} NaN — {reason}"
+        for t, by in notes.items()
+        for reason in dict.fromkeys(by.values())
+    ]
     if lines:
         con.print(f"[yellow]diagnostics not computed at {len(notes)} step(s):[/]")
         for line in lines[:most]:
@@ -410,16 +497,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     run = Client(args.store).run(args.run)
     con = Console()
-    con.print(f"[bold]{_esc(run.id)}[/]  status: {_esc(run.status)}"
-              + (f"  ({_esc(run.reason)})" if run.reason else ""))
+    con.print(
+        f"[bold]{_esc(run.id)}[/]  status: {_esc(run.status)}" + (f"  ({_esc(run.reason)})" if run.reason else "")
+    )
     s = run.spec
     if hasattr(s.model, "factory"):  # a user-defined network (factory or Tracker)
         net = f"{s.model.factory}({', '.join(f'{k}={v}' for k, v in s.model.kwargs.items())})"
     else:
         net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
     lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
-    con.print(_esc(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  "
-                   f"steps={s.steps}"))
+    con.print(
+        _esc(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
+    )
     con.print(_esc(f"data fingerprint {run.data_fingerprint or '(not recorded: a run made before fingerprints)'}"))
     if run.attrs.get("layout"):
         con.print(_esc(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})"))
@@ -451,8 +540,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     ht = hessian_table(run)
     if ht is not None:
         con.print(ht)
-    _print_notes(con, {**run.notes, **({"after the run": run.attrs["post_run_notes"]}
-                                       if run.attrs.get("post_run_notes") else {})})
+    _print_notes(
+        con,
+        {**run.notes, **({"after the run": run.attrs["post_run_notes"]} if run.attrs.get("post_run_notes") else {})},
+    )
     from nsa_dist.plots.axes import gd_note
 
     if gd_note(run):
@@ -468,8 +559,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         raise ValueError("give either a RUN or --sweep NAME")
     if args.sweep is not None:
         return _plot_sweep(args)
-    opts = PlotOptions(steps=tuple(args.step) if args.step else None, pair=tuple(args.pair) if args.pair else None,
-                       ks=tuple(args.k) if args.k else None)
+    opts = PlotOptions(
+        steps=tuple(args.step) if args.step else None,
+        pair=tuple(args.pair) if args.pair else None,
+        ks=tuple(args.k) if args.k else None,
+    )
     paths = plot_run(Client(args.store).run(args.run), args.out, figures=args.figures, opts=opts)
     for p in paths:
         print(p)
@@ -490,8 +584,9 @@ def _plot_sweep(args: argparse.Namespace) -> int:
         kk = energy_k(sweep.smallest_n(), sweep.smallest_k(), k)
         if args.scalar.startswith("hessian_"):  # k: the moment order of Tr(A^k)
             kk = args.k[0] if args.k else None
-        fig = scalar_figure(sweep, args.scalar, args.x, args.line,
-                            k=kk if args.scalar.startswith(("energy_", "hessian_")) else None)
+        fig = scalar_figure(
+            sweep, args.scalar, args.x, args.line, k=kk if args.scalar.startswith(("energy_", "hessian_")) else None
+        )
         path = args.out / f"scalar_{args.scalar}.png"
         fig.savefig(path, dpi=DPI)
         paths.append(path)
@@ -516,8 +611,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     try:  # the embedded Ray holds every actor at once, step gangs included (threads are set per actor)
         need = coordinator.demand()
         custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU") and v > 0}
-        connect(args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(need["CPU"] - 1e-9))),
-                resources=custom or None)
+        connect(
+            args.address, num_cpus=max(os.cpu_count() or 1, int(np.ceil(need["CPU"] - 1e-9))), resources=custom or None
+        )
     except BaseException:
         coordinator.close()
         raise
@@ -558,8 +654,11 @@ class _SweepTable:
                 if self._last.get(r.run_id) != key:
                     self._last[r.run_id] = key
                     lam = f"{r.lambda_max:.5g}" if r.lambda_max is not None else "-"
-                    print(f"[nsa] {r.run_id}: {r.status} {r.done}/{r.total} step {r.step} loss "
-                          f"{r.loss if r.loss is None else f'{r.loss:.5g}'} λ_max {lam}", flush=True)
+                    print(
+                        f"[nsa] {r.run_id}: {r.status} {r.done}/{r.total} step {r.step} loss "
+                        f"{r.loss if r.loss is None else f'{r.loss:.5g}'} λ_max {lam}",
+                        flush=True,
+                    )
             return
         from rich.table import Table
 
@@ -567,9 +666,14 @@ class _SweepTable:
         for col in ("run", "recorded", "step", "loss", "λ_max", "status"):
             t.add_column(col)
         for r in runs:
-            t.add_row(_esc(r.run_id), f"{r.done}/{r.total}", str(r.step if r.step is not None else "-"),
-                      f"{r.loss:.4g}" if r.loss is not None else "-",
-                      f"{r.lambda_max:.4g}" if r.lambda_max is not None else "-", _esc(r.status))
+            t.add_row(
+                _esc(r.run_id),
+                f"{r.done}/{r.total}",
+                str(r.step if r.step is not None else "-"),
+                f"{r.loss:.4g}" if r.loss is not None else "-",
+                f"{r.lambda_max:.4g}" if r.lambda_max is not None else "-",
+                _esc(r.status),
+            )
         self.live.update(t)
 
 
@@ -614,8 +718,10 @@ def _store_status(url: str) -> int:
         print(f"no runs in {url}")
     for r in runs.to_dict("records"):
         reason = _text(r.get("reason"))
-        print(f"{r['id']}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}"
-              + (f"  ({reason})" if reason else ""))
+        print(
+            f"{r['id']}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}"
+            + (f"  ({reason})" if reason else "")
+        )
     return 0
 
 
@@ -648,8 +754,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from nsa_dist.serve import ServeOptions, serve
 
-    opts = ServeOptions(args.store, host=args.host, port=args.port, token=args.token, allow_remote=args.allow_remote,
-                        refresh_s=args.refresh)
+    opts = ServeOptions(
+        args.store,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        allow_remote=args.allow_remote,
+        refresh_s=args.refresh,
+    )
     serve(opts, announce=lambda url: print(f"nsa serve: {args.store} at {url} (read-only; Ctrl-C stops)", flush=True))
     return 0
 
@@ -660,8 +772,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     run = Client(args.store).run(args.run)
     out = export_tensorboard(run, args.tensorboard)
-    print(f"{run.id}: {out.scalars} scalar points in {len(out.tags)} tags and {out.spectra} spectra written to "
-          f"{out.logdir} (tensorboard --logdir {args.tensorboard})")
+    print(
+        f"{run.id}: {out.scalars} scalar points in {len(out.tags)} tags and {out.spectra} spectra written to "
+        f"{out.logdir} (tensorboard --logdir {args.tensorboard})"
+    )
     return 0
 
 

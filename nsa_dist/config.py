@@ -10,16 +10,45 @@ import math
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Activation", "Init", "ModelSpec", "FactoryModelSpec", "DataName", "Target", "DataSpec", "OptimizerName",
-           "OptimizerSpec", "LossName", "ScheduleSpec", "RecordSpec", "NTKMethod", "EigMethod", "Layout", "EnergyRoute", "QuadratureSpec",
-           "SpectrumSpec",
-           "HessianSpec", "ExperimentSpec", "ClusterSpec", "SweepSpec"]
+__all__ = [
+    "Activation",
+    "Init",
+    "ModelSpec",
+    "FactoryModelSpec",
+    "DataName",
+    "Target",
+    "DataSpec",
+    "OptimizerName",
+    "OptimizerSpec",
+    "LossName",
+    "ScheduleSpec",
+    "RecordSpec",
+    "NTKMethod",
+    "EigMethod",
+    "Layout",
+    "EnergyRoute",
+    "QuadratureSpec",
+    "SpectrumSpec",
+    "HessianSpec",
+    "ExperimentSpec",
+    "ClusterSpec",
+    "SweepSpec",
+]
 
 
 class Activation(str, Enum):
@@ -62,26 +91,36 @@ class ModelSpec(_Strict):
 
     input_dim: int = Field(2, ge=1, description="d, the input dimension")
     output_dim: int = Field(1, ge=1, description="K, the number of outputs")
-    depth: int = Field(6, ge=1, le=10_000, description="number of Linear layers (each ~4 KB of Python objects "
-                       "and a sequential step of every pass: 10,000 at most)")
+    depth: int = Field(
+        6,
+        ge=1,
+        le=10_000,
+        description="number of Linear layers (each ~4 KB of Python objects "
+        "and a sequential step of every pass: 10,000 at most)",
+    )
     width: int = Field(256, ge=1, description="hidden-layer width")
     activation: Activation = Activation.LEAKY_RELU
     negative_slope: float = Field(0.01, ge=0.0, lt=1.0, description="leaky_relu slope for z < 0")
     init: Init = Init.XAVIER
     bias_scale: float = Field(0.1, ge=0.0, description="β of the NTK parametrisation")
     residual: bool = Field(False, description="shortcut h + σ(W h + b) between equal-width hidden layers")
-    regime: Literal["ntk", "active"] = Field("ntk", description="active: the Hessian paper's active regime — the "
-                                            "output divided by √width and the learning rate multiplied by width "
-                                            "(needs init='ntk')")
+    regime: Literal["ntk", "active"] = Field(
+        "ntk",
+        description="active: the Hessian paper's active regime — the "
+        "output divided by √width and the learning rate multiplied by width "
+        "(needs init='ntk')",
+    )
 
     @model_validator(mode="after")
-    def _residual_needs_hidden(self) -> "ModelSpec":
+    def _residual_needs_hidden(self) -> ModelSpec:
         if self.residual and self.depth < 3:
             raise ValueError(f"residual=True needs depth >= 3 (a hidden-to-hidden layer), got depth={self.depth}")
         if self.regime == "active" and (Init(self.init) is not Init.NTK or self.depth < 2):
-            raise ValueError(f"model.regime='active' (output / √width, lr · width) is the Hessian paper's NTK "
-                             f"parametrisation with hidden layers: it needs init='ntk' and depth >= 2, got "
-                             f"init={Init(self.init).value!r}, depth={self.depth}")
+            raise ValueError(
+                f"model.regime='active' (output / √width, lr · width) is the Hessian paper's NTK "
+                f"parametrisation with hidden layers: it needs init='ntk' and depth >= 2, got "
+                f"init={Init(self.init).value!r}, depth={self.depth}"
+            )
         return self
 
     @property
@@ -90,7 +129,7 @@ class ModelSpec(_Strict):
         return float(self.width) if self.regime == "active" else 1.0
 
 
-# --------------------------------------------------------------------------- user-defined networks (issue 12)
+# --------------------------------------------------------------------------- user-defined networks
 
 
 class FactoryModelSpec(_Strict):
@@ -111,8 +150,11 @@ class FactoryModelSpec(_Strict):
     input_dim: int | None = Field(None, ge=1, description="d of the (flattened) inputs")
     output_dim: int = Field(1, ge=1, description="K, the number of outputs")
     source: Literal["factory", "tracker"] = "factory"
-    output: str | int | None = Field(None, description="the output to measure when the model returns a dict, tuple "
-                                     "or ModelOutput: a key or an index (None: the model returns the tensor)")
+    output: str | int | None = Field(
+        None,
+        description="the output to measure when the model returns a dict, tuple "
+        "or ModelOutput: a key or an index (None: the model returns the tensor)",
+    )
 
     @model_serializer(mode="wrap")
     def _no_default_output(self, handler: Any) -> dict:
@@ -128,8 +170,9 @@ class FactoryModelSpec(_Strict):
         import re
 
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", v):
-            raise ValueError(f"model.factory={v!r} is not an import path 'package.module:function' "
-                             "(e.g. 'nsa_dist.models:cnn')")
+            raise ValueError(
+                f"model.factory={v!r} is not an import path 'package.module:function' (e.g. 'nsa_dist.models:cnn')"
+            )
         return v
 
 
@@ -153,7 +196,7 @@ class DataName(str, Enum):
     DIGITS = "digits"
     DENSITY2D = "density2d"
     GAUSSIAN_MIXTURE = "gaussian_mixture"
-    ARRAYS = "arrays"  # data handed to a Tracker in memory (issue 12); never loaded from a spec
+    ARRAYS = "arrays"  # data handed to a Tracker in memory; never loaded from a spec
 
 
 class Target(str, Enum):
@@ -180,10 +223,13 @@ class DataSpec(_Strict):
     target: Target = Target.LABEL
     positive_class: int = Field(0, ge=0, description="the +1 class of target=one_vs_rest")
     dim: int = Field(5, ge=1, description="gaussian_mixture: the dimension d")
-    noise: Literal["uniform", "gaussian"] = Field("uniform", description="density data (NCE): the noise q — "
-                                                  "uniform over the data's box or the data's Gaussian fit")
-    noise_ratio: int = Field(1, ge=1, description="density data (NCE): ν noise samples per data sample; "
-                             "N = n counts both")
+    noise: Literal["uniform", "gaussian"] = Field(
+        "uniform",
+        description="density data (NCE): the noise q — uniform over the data's box or the data's Gaussian fit",
+    )
+    noise_ratio: int = Field(
+        1, ge=1, description="density data (NCE): ν noise samples per data sample; N = n counts both"
+    )
 
     @property
     def input_dim(self) -> int:
@@ -210,14 +256,19 @@ class DataSpec(_Strict):
         return _N_CLASSES[name] if name in _N_CLASSES and Target(self.target) is Target.ONEHOT else 1
 
     @model_validator(mode="after")
-    def _target_fits(self) -> "DataSpec":
+    def _target_fits(self) -> DataSpec:
         name = DataName(self.name)
-        if name in (DataName.IMAGE2D, DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE) and \
-                Target(self.target) is not Target.LABEL:
-            raise ValueError(f"data.target={Target(self.target).value!r}: {name.value} has real-valued targets, only 'label' applies")
+        if (
+            name in (DataName.IMAGE2D, DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE)
+            and Target(self.target) is not Target.LABEL
+        ):
+            raise ValueError(
+                f"data.target={Target(self.target).value!r}: {name.value} has real-valued targets, only 'label' applies"
+            )
         if name in _N_CLASSES and self.positive_class >= _N_CLASSES[name]:
-            raise ValueError(f"data.positive_class={self.positive_class} but {name.value} has classes "
-                             f"0..{_N_CLASSES[name] - 1}")
+            raise ValueError(
+                f"data.positive_class={self.positive_class} but {name.value} has classes 0..{_N_CLASSES[name] - 1}"
+            )
         return self
 
 
@@ -238,7 +289,7 @@ class OptimizerSpec(_Strict):
     eps: float = Field(1e-8, gt=0.0)
 
     @model_validator(mode="after")
-    def _batch(self) -> "OptimizerSpec":
+    def _batch(self) -> OptimizerSpec:
         name = OptimizerName(self.name)
         if name is OptimizerName.SGD and self.batch_size is None:
             raise ValueError("optimizer.batch_size is required for optimizer.name='sgd' (use 'gd' for full batch)")
@@ -295,7 +346,7 @@ class RecordSpec(_Strict):
     steps: list[int] | None = None
 
     @model_validator(mode="after")
-    def _one(self) -> "RecordSpec":
+    def _one(self) -> RecordSpec:
         given = [k for k in ("every", "log_points", "steps") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"record: give exactly one of every / log_points / steps, got {given or 'none'}")
@@ -325,10 +376,17 @@ class RecordSpec(_Strict):
         last = total - 1
         n = self.count(total)
         if n > MAX_RECORDED_STEPS:
-            which = (f"record.every={self.every}" if self.every is not None else
-                     f"record.log_points={self.log_points}" if self.log_points is not None else "record.steps")
-            raise ValueError(f"{which} with steps={total} records {n:,} steps, more than {MAX_RECORDED_STEPS:,} "
-                             "(each is a full spectral analysis); record fewer steps")
+            which = (
+                f"record.every={self.every}"
+                if self.every is not None
+                else f"record.log_points={self.log_points}"
+                if self.log_points is not None
+                else "record.steps"
+            )
+            raise ValueError(
+                f"{which} with steps={total} records {n:,} steps, more than {MAX_RECORDED_STEPS:,} "
+                "(each is a full spectral analysis); record fewer steps"
+            )
         if self.every is not None:
             s = list(range(0, total, self.every))
             return s if s[-1] == last else s + [last]
@@ -447,13 +505,19 @@ class QuadratureSpec(_Strict):
     top: int = Field(100, ge=1, description="exact top eigenpairs (the curve is exact for k ≤ top)")
     lanczos_steps: int = Field(60, ge=2, description="block Lanczos steps from the φ's and the probes")
     probes: int = Field(24, ge=2, description="Rademacher probes of G's eigenvalue counting function")
-    curve_points: int = Field(100, ge=2, description="points of the log-spaced k grid from 1 to N (fewer "
-                              "after rounding to distinct integers)")
-    confidence: float = Field(0.95, gt=0, lt=1, description="pointwise confidence of the counting function's "
-                              "statistical bracket")
+    curve_points: int = Field(
+        100, ge=2, description="points of the log-spaced k grid from 1 to N (fewer after rounding to distinct integers)"
+    )
+    confidence: float = Field(
+        0.95, gt=0, lt=1, description="pointwise confidence of the counting function's statistical bracket"
+    )
     density_grid: int = Field(200, ge=10, description="points of G's SLQ spectral density")
-    block_size: int = Field(16, ge=1, description="φ columns and probes per block Lanczos run (bigger: sharper "
-                            "values and Ritz bounds, a larger basis N·lanczos_steps·block_size)")
+    block_size: int = Field(
+        16,
+        ge=1,
+        description="φ columns and probes per block Lanczos run (bigger: sharper "
+        "values and Ritz bounds, a larger basis N·lanczos_steps·block_size)",
+    )
 
 
 class SpectrumSpec(_Strict):
@@ -461,40 +525,62 @@ class SpectrumSpec(_Strict):
 
     layout: Layout = Field(Layout.LOCAL, description="local | block_rows | matrix_free | auto (see Layout)")
     workers: int = Field(1, ge=1, description="spectral workers sharing one step's G (block_rows, matrix_free)")
-    memory_budget_gb: float | None = Field(None, gt=0, description="per-worker memory for layout=auto "
-                                           "(default: half of this machine's memory)")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="per-worker memory for layout=auto (default: half of this machine's memory)"
+    )
     frobenius_probes: int = Field(32, ge=2, description="matrix_free: Hutch++ probes of ‖G‖_F²")
 
     k: int | Literal["all"] = Field(100, description="top eigenpairs of G_t, or 'all'")
     energy: EnergyRoute = Field(EnergyRoute.AUTO, description="k: all — exact | quadrature | auto (see EnergyRoute)")
     quadrature: QuadratureSpec = Field(default_factory=QuadratureSpec, description="k: all on the quadrature route")
     eig_method: EigMethod = Field(EigMethod.AUTO, description="auto | dense | lanczos | arpack (see EigMethod)")
-    ntk_method: NTKMethod = Field(NTKMethod.AUTO, description="auto | structured | per_layer | jacobian | batch "
-                                  "(see NTKMethod)")
+    ntk_method: NTKMethod = Field(
+        NTKMethod.AUTO, description="auto | structured | per_layer | jacobian | batch (see NTKMethod)"
+    )
     dtype: Literal["float64", "float32"] = "float64"
     block_size: int | None = Field(None, ge=1)
     test_points: bool = Field(False, description="also the Gram at test points and E_t(f_test, k) (Fig. 3e)")
-    warm_start: bool = Field(False, description="Lanczos starts from the previous recorded step's eigenvectors "
-                             "(saves products only when G moves little between records; results then depend on "
-                             "the steps this analyzer saw before, within the solver's tolerance)")
-    store_eigenvectors: bool | list[int] = Field(True, description="store v_i^t at every recorded step (True), "
-                                                  "none (False) or only at these recorded steps (e.g. Fig. 7d's pair)")
-    per_class_k: int = Field(0, ge=0, description="K-output networks: top eigenvalues of each diagonal block "
-                             "J_a J_aᵀ of the full kernel (per-class spectra; 0: off)")
-    full_k: int = Field(10, ge=1, description="K-output networks: top eigenvalues of the full (N·K)×(N·K) kernel "
-                        "(sets the GD stability bound and the flow speeds)")
-    gram_change_k: int = Field(0, ge=0, description="App. F: the change of G over update t projected on its top "
-                               "gram_change_k eigenvectors, measured and to first order, at the eigenvector steps "
-                               "(0: off; costs ~8 full-batch forward/backward passes per eigenvector — about 3× a "
-                               "1000-point step on CPU at 10, so best with a store_eigenvectors list)")
-    images: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
-                              description="2-D data: eigenvector indices (1-based) drawn as images + Fourier (Fig. 5)")
+    warm_start: bool = Field(
+        False,
+        description="Lanczos starts from the previous recorded step's eigenvectors "
+        "(saves products only when G moves little between records; results then depend on "
+        "the steps this analyzer saw before, within the solver's tolerance)",
+    )
+    store_eigenvectors: bool | list[int] = Field(
+        True,
+        description="store v_i^t at every recorded step (True), "
+        "none (False) or only at these recorded steps (e.g. Fig. 7d's pair)",
+    )
+    per_class_k: int = Field(
+        0,
+        ge=0,
+        description="K-output networks: top eigenvalues of each diagonal block "
+        "J_a J_aᵀ of the full kernel (per-class spectra; 0: off)",
+    )
+    full_k: int = Field(
+        10,
+        ge=1,
+        description="K-output networks: top eigenvalues of the full (N·K)×(N·K) kernel "
+        "(sets the GD stability bound and the flow speeds)",
+    )
+    gram_change_k: int = Field(
+        0,
+        ge=0,
+        description="App. F: the change of G over update t projected on its top "
+        "gram_change_k eigenvectors, measured and to first order, at the eigenvector steps "
+        "(0: off; costs ~8 full-batch forward/backward passes per eigenvector — about 3× a "
+        "1000-point step on CPU at 10, so best with a store_eigenvectors list)",
+    )
+    images: list[int] = Field(
+        default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
+        description="2-D data: eigenvector indices (1-based) drawn as images + Fourier (Fig. 5)",
+    )
     image_size: int = Field(48, ge=4)
     fourier_limit: float = Field(40.0, gt=0)
     fourier_size: int = Field(41, ge=3)
 
     @model_validator(mode="after")
-    def _methods(self) -> "SpectrumSpec":
+    def _methods(self) -> SpectrumSpec:
         if isinstance(self.k, int) and self.k < 1:
             raise ValueError(f"spectrum.k must be >= 1 or 'all', got {self.k}")
         if any(i < 1 for i in self.images):
@@ -502,20 +588,26 @@ class SpectrumSpec(_Strict):
         layout = Layout(self.layout)
         energy = EnergyRoute(self.energy)
         if self.k == "all" and energy is EnergyRoute.EXACT and layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
-            raise ValueError(f"spectrum.energy='exact' with k='all' (a full eigh of G) needs spectrum.layout='local', "
-                             f"got layout={layout.value!r}; use energy 'quadrature' (or 'auto') for every k from "
-                             "products with G")
+            raise ValueError(
+                f"spectrum.energy='exact' with k='all' (a full eigh of G) needs spectrum.layout='local', "
+                f"got layout={layout.value!r}; use energy 'quadrature' (or 'auto') for every k from "
+                "products with G"
+            )
         if self.k != "all" and energy is EnergyRoute.QUADRATURE:
-            raise ValueError(f"spectrum.energy='quadrature' is the route of k='all', got k={self.k}; set k: all "
-                             "(quadrature.top sets the exact part)")
+            raise ValueError(
+                f"spectrum.energy='quadrature' is the route of k='all', got k={self.k}; set k: all "
+                "(quadrature.top sets the exact part)"
+            )
         if EigMethod(self.eig_method) is EigMethod.DENSE and layout is not Layout.LOCAL:
-            raise ValueError(f"spectrum.eig_method='dense' needs layout='local' (G is never gathered with "
-                             f"layout={layout.value!r}); use 'auto' or 'lanczos'")
+            raise ValueError(
+                f"spectrum.eig_method='dense' needs layout='local' (G is never gathered with "
+                f"layout={layout.value!r}); use 'auto' or 'lanczos'"
+            )
         if isinstance(self.store_eigenvectors, list) and any(t < 0 for t in self.store_eigenvectors):
             raise ValueError(f"spectrum.store_eigenvectors steps must be >= 0, got {self.store_eigenvectors}")
         return self
 
-    def torch_dtype(self) -> "torch.dtype":
+    def torch_dtype(self) -> torch.dtype:
         """``dtype`` as torch's (``torch.float64`` or ``torch.float32``): G_t, its features and its
         products are computed in it.  (NumPy's is ``np.dtype(dtype)``, itemsize 8 or 4.)"""
         import torch
@@ -541,29 +633,46 @@ class HessianSpec(_Strict):
     moments: bool = Field(True, description="Tr(A^k), k = 1..4, A in H, I, S (Hutch++) and exact Tr(I^k)")
     probes: int = Field(16, ge=1, description="random probes of the moment / orthogonality estimates")
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
-    rayleigh_k: int = Field(20, ge=0, description="Hessian paper Fig. 3: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)")
+    rayleigh_k: int = Field(
+        20, ge=0, description="Hessian paper Fig. 3: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)"
+    )
     top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos, and ‖S‖_op = max |λ(S)| (0: off)")
-    eig_tol: float = Field(1e-6, gt=0, lt=1, description="Lanczos residual tolerance of those eigenpairs "
-                           "(relative to |λ|_max); S's clustered spectrum edge converges slowly below ~1e-4")
+    eig_tol: float = Field(
+        1e-6,
+        gt=0,
+        lt=1,
+        description="Lanczos residual tolerance of those eigenpairs "
+        "(relative to |λ|_max); S's clustered spectrum edge converges slowly below ~1e-4",
+    )
     density: bool = Field(True, description="spectral density of H by stochastic Lanczos quadrature")
     density_probes: int = Field(4, ge=1)
     lanczos_steps: int = Field(40, ge=2)
     density_grid: int = Field(200, ge=10)
     block_size: int | None = Field(None, ge=1)
-    additivity: bool = Field(True, description="Theorem 1: Tr(H^k) − Tr(I^k) − Tr(S^k), k = 1..4, with shared probes "
-                             "(and its standard error)")
-    trace_G: bool = Field(True, description="Tr(S) = ∇Cᵀ·G from the per-point traces G_i = Σ_p ∂²f(x_i)/∂θ_p² "
-                          "(probe estimate with standard errors)")
-    limit: bool = Field(True, description="the infinite-width prediction of I (kernel PCA of Θ∞, limit_ntk) beside "
-                        "the measured I — fully-connected init='ntk' runs in the NTK regime only (NaN otherwise)")
+    additivity: bool = Field(
+        True,
+        description="Theorem 1: Tr(H^k) − Tr(I^k) − Tr(S^k), k = 1..4, with shared probes (and its standard error)",
+    )
+    trace_G: bool = Field(
+        True,
+        description="Tr(S) = ∇Cᵀ·G from the per-point traces G_i = Σ_p ∂²f(x_i)/∂θ_p² "
+        "(probe estimate with standard errors)",
+    )
+    limit: bool = Field(
+        True,
+        description="the infinite-width prediction of I (kernel PCA of Θ∞, limit_ntk) beside "
+        "the measured I — fully-connected init='ntk' runs in the NTK regime only (NaN otherwise)",
+    )
 
     def indices(self, record: list[int]) -> list[int]:
         """Indices into the recording schedule ``record`` that are analysed."""
         if self.steps is not None:
             missing = sorted(set(self.steps) - set(record))
             if missing:
-                raise ValueError(f"hessian.steps {missing} are not recorded steps (recorded: {record[:10]}"
-                                 f"{' …' if len(record) > 10 else ''}); add them to record.steps")
+                raise ValueError(
+                    f"hessian.steps {missing} are not recorded steps (recorded: {record[:10]}"
+                    f"{' …' if len(record) > 10 else ''}); add them to record.steps"
+                )
             return [i for i, t in enumerate(record) if t in set(self.steps)]
         return sorted(set(range(0, len(record), self.every)) | {len(record) - 1})
 
@@ -577,8 +686,9 @@ class ExperimentSpec(_Strict):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", max_length=200)
     seed: int = Field(0, ge=0, lt=2**63, description="seeds the data draw, the initialisation and the probes")
     data: DataSpec = Field(default_factory=DataSpec)
-    model: Annotated[Annotated[ModelSpec, Tag("fc")] | Annotated[FactoryModelSpec, Tag("factory")],
-                     Discriminator(_model_kind)] = Field(default_factory=ModelSpec)
+    model: Annotated[
+        Annotated[ModelSpec, Tag("fc")] | Annotated[FactoryModelSpec, Tag("factory")], Discriminator(_model_kind)
+    ] = Field(default_factory=ModelSpec)
     loss: LossName = LossName.L2
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
@@ -616,11 +726,13 @@ class ExperimentSpec(_Strict):
         return {**values, "data": data, "model": model}
 
     @model_validator(mode="after")
-    def _dims_match(self) -> "ExperimentSpec":
+    def _dims_match(self) -> ExperimentSpec:
         if DataName(self.data.name) is DataName.ARRAYS:
             pass  # a Tracker's arrays: it checked the model against them
         elif self.model.input_dim != self.data.input_dim:
-            raise ValueError(f"model.input_dim={self.model.input_dim} but data {self.data.name.value} has d={self.data.input_dim}")
+            raise ValueError(
+                f"model.input_dim={self.model.input_dim} but data {self.data.name.value} has d={self.data.input_dim}"
+            )
         if DataName(self.data.name) is not DataName.ARRAYS and self.model.output_dim != self.data.output_dim:
             raise ValueError(f"model.output_dim={self.model.output_dim} but the targets have K={self.data.output_dim}")
         if self.optimizer.batch_size is not None and self.optimizer.batch_size > self.data.n:
@@ -628,18 +740,24 @@ class ExperimentSpec(_Strict):
         record = self.record.schedule(self.steps)  # raises on steps past the end
         density = DataName(self.data.name) in (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE)
         if (LossName(self.loss) is LossName.NCE) != density:
-            raise ValueError(f"loss={LossName(self.loss).value!r} with data {DataName(self.data.name).value!r}: "
-                             "loss 'nce' goes with the density datasets density2d / gaussian_mixture and only with them")
+            raise ValueError(
+                f"loss={LossName(self.loss).value!r} with data {DataName(self.data.name).value!r}: "
+                "loss 'nce' goes with the density datasets density2d / gaussian_mixture and only with them"
+            )
         if LossName(self.loss) is LossName.NCE and self.hessian is not None:
-            raise ValueError("hessian: the Hessian measurements support loss 'l2' and 'cross_entropy'; remove the "
-                             "block for loss='nce'")
+            raise ValueError(
+                "hessian: the Hessian measurements support loss 'l2' and 'cross_entropy'; remove the "
+                "block for loss='nce'"
+            )
         if LossName(self.loss) is LossName.CROSS_ENTROPY:
             self._check_cross_entropy()
         if isinstance(self.spectrum.store_eigenvectors, list):
             missing = sorted(set(self.spectrum.store_eigenvectors) - set(record))
             if missing:
-                raise ValueError(f"spectrum.store_eigenvectors {missing} are not recorded steps (recorded: "
-                                 f"{record[:10]}{' …' if len(record) > 10 else ''}); add them to record.steps")
+                raise ValueError(
+                    f"spectrum.store_eigenvectors {missing} are not recorded steps (recorded: "
+                    f"{record[:10]}{' …' if len(record) > 10 else ''}); add them to record.steps"
+                )
         if self.hessian is not None:
             self.hessian.indices(record)
         return self
@@ -647,12 +765,16 @@ class ExperimentSpec(_Strict):
     def _check_cross_entropy(self) -> None:
         K = self.model.output_dim
         if K < 2:
-            raise ValueError(f"loss='cross_entropy' needs K >= 2 outputs (logits of K classes), but the model has "
-                             f"output_dim={K}; use one-hot targets (data.target='onehot') of a classification dataset")
+            raise ValueError(
+                f"loss='cross_entropy' needs K >= 2 outputs (logits of K classes), but the model has "
+                f"output_dim={K}; use one-hot targets (data.target='onehot') of a classification dataset"
+            )
         name = DataName(self.data.name)
         if name in _N_CLASSES and Target(self.data.target) is not Target.ONEHOT:
-            raise ValueError(f"loss='cross_entropy' needs one-hot targets; set data.target='onehot' "
-                             f"(got {Target(self.data.target).value!r})")
+            raise ValueError(
+                f"loss='cross_entropy' needs one-hot targets; set data.target='onehot' "
+                f"(got {Target(self.data.target).value!r})"
+            )
 
     def record_steps(self) -> list[int]:
         return self.record.schedule(self.steps)
@@ -685,8 +807,12 @@ class ClusterSpec(_Strict):
     max_concurrent_runs: int | None = Field(None, ge=1)
     trainer_resources: dict[str, float] = Field(default_factory=dict)
     worker_resources: dict[str, float] = Field(default_factory=dict)
-    max_retries: int = Field(3, ge=0, description="retries of a (run, step) whose spectral worker or gang died, "
-                             "and restarts of a run's trainer, before the run is marked failed")
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="retries of a (run, step) whose spectral worker or gang died, "
+        "and restarts of a run's trainer, before the run is marked failed",
+    )
 
 
 MAX_SWEEP_RUNS = 1000  # runs of one sweep unless raised explicitly (validation context "max_runs")
@@ -711,17 +837,19 @@ class SweepSpec(_Strict):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
 
     @model_validator(mode="after")
-    def _valid(self, info: ValidationInfo) -> "SweepSpec":
+    def _valid(self, info: ValidationInfo) -> SweepSpec:
         for path, values in self.grid.items():
             if not values:
                 raise ValueError(f"grid.{path} is an empty list; give at least one value")
         limit = int((info.context or {}).get("max_runs") or MAX_SWEEP_RUNS)
         if self.size > limit:
             sizes = " × ".join(f"{len(v)} {k}" for k, v in self.grid.items())
-            raise ValueError(f"the sweep has {self.size:,} runs ({sizes or 'no grid'}"
-                             f"{f' × {len(self.variants)} variants' if self.variants else ''}), more than the limit "
-                             f"{limit:,}; shrink the grid, or raise the limit explicitly (nsa sweep / nsa submit "
-                             "--max-runs N)")
+            raise ValueError(
+                f"the sweep has {self.size:,} runs ({sizes or 'no grid'}"
+                f"{f' × {len(self.variants)} variants' if self.variants else ''}), more than the limit "
+                f"{limit:,}; shrink the grid, or raise the limit explicitly (nsa sweep / nsa submit "
+                "--max-runs N)"
+            )
         self.expand()  # every run must be a valid ExperimentSpec
         return self
 

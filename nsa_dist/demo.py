@@ -36,8 +36,10 @@ def sweep_table(runs) -> str:
     rows = [f"{'depth × width':16s}{'E(y, 10) last':>16s}{'alignment':>12s}{'loss last':>12s}"]
     for run in sorted(runs, key=lambda r: (r.spec.model.depth, r.spec.model.width)):
         if len(run.steps):
-            rows.append(f"{f'{run.spec.model.depth} × {run.spec.model.width}':16s}"
-                        f"{run.energy('y', 10)[0]:16.4f}{run.alignment['raw'][-1]:12.4f}{run.train_loss[-1]:12.5f}")
+            rows.append(
+                f"{f'{run.spec.model.depth} × {run.spec.model.width}':16s}"
+                f"{run.energy('y', 10)[0]:16.4f}{run.alignment['raw'][-1]:12.4f}{run.train_loss[-1]:12.5f}"
+            )
     return "\n".join(rows)
 
 

@@ -7,9 +7,20 @@ caller would catch anyway (``ValueError`` / ``TypeError``).
 
 from __future__ import annotations
 
-__all__ = ["NSAError", "ShapeError", "NonFiniteError", "UnsupportedModelError", "MissingDependencyError",
-           "ModelFactoryError", "StoreError", "ModelForwardError", "AnalysisError", "ResourceError", "OutsideError",
-           "ServeError"]
+__all__ = [
+    "NSAError",
+    "ShapeError",
+    "NonFiniteError",
+    "UnsupportedModelError",
+    "MissingDependencyError",
+    "ModelFactoryError",
+    "StoreError",
+    "ModelForwardError",
+    "AnalysisError",
+    "ResourceError",
+    "OutsideError",
+    "ServeError",
+]
 
 
 class NSAError(Exception):

@@ -36,8 +36,16 @@ from nsa_dist.errors import OutsideError, StoreError
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
-__all__ = ["export_tensorboard", "ExportSummary", "Source", "PER_ITEM_DIMS", "scalar_series", "scalar_sources",
-           "curve_sources", "spectra"]
+__all__ = [
+    "export_tensorboard",
+    "ExportSummary",
+    "Source",
+    "PER_ITEM_DIMS",
+    "scalar_series",
+    "scalar_sources",
+    "curve_sources",
+    "spectra",
+]
 
 
 @dataclass(frozen=True)
@@ -53,14 +61,38 @@ class ExportSummary:
 
 # Axes along which an array holds one value per point, pixel, parameter, … (not a handful of
 # scalars): such arrays are not scalar series.  Every other per-step numeric array is exported.
-PER_ITEM_DIMS = frozenset({"point", "test_point", "input", "param", "slot", "rng_byte", "image", "pixel_y", "pixel_x",
-                           "freq_y", "freq_x", "density_bin", "density", "reconstruction", "predicted_step",
-                           "preservation_row", "train_step", "curve"})
-_LABELS = {"value_stderr": ("value", "stderr"), "hessian_part": ("H", "I", "S"),
-           "S_prediction": ("trace_S_init", "trace_S", "trace_S2"), "predicted_measured": ("predicted", "measured"),
-           "gram_change_norm": ("measured", "first_order", "difference"),
-           "measured_first_order": ("measured", "first_order"), "along": ("along_I", "along_S"),
-           "quotient": ("vIv", "vSv")}
+PER_ITEM_DIMS = frozenset(
+    {
+        "point",
+        "test_point",
+        "input",
+        "param",
+        "slot",
+        "rng_byte",
+        "image",
+        "pixel_y",
+        "pixel_x",
+        "freq_y",
+        "freq_x",
+        "density_bin",
+        "density",
+        "reconstruction",
+        "predicted_step",
+        "preservation_row",
+        "train_step",
+        "curve",
+    }
+)
+_LABELS = {
+    "value_stderr": ("value", "stderr"),
+    "hessian_part": ("H", "I", "S"),
+    "S_prediction": ("trace_S_init", "trace_S", "trace_S2"),
+    "predicted_measured": ("predicted", "measured"),
+    "gram_change_norm": ("measured", "first_order", "difference"),
+    "measured_first_order": ("measured", "first_order"),
+    "along": ("along_I", "along_S"),
+    "quotient": ("vIv", "vSv"),
+}
 _FULL = 8  # an axis this short is exported whole; a longer one (k, i) at 1, 2, 5, 10, … (NSA Fig. 3's k)
 _ANY_STEP = ("every", "")
 
@@ -77,8 +109,14 @@ class Source:
 
 def _legacy(name: str, labels: tuple[str, ...], index: tuple[int, ...]) -> str | None:
     """The tags of the first exports, kept: loss, lr, λ_i, E_t(φ, k), alignment, first order, Tr(A^k)."""
-    plain = {"loss": "loss/recorded", "loss_test": "loss/test", "lr": "lr", "alignment": "alignment",
-             "first_order_error": "first_order/error", "first_order_cos": "first_order/cos"}
+    plain = {
+        "loss": "loss/recorded",
+        "loss_test": "loss/test",
+        "lr": "lr",
+        "alignment": "alignment",
+        "first_order_error": "first_order/error",
+        "first_order_cos": "first_order/cos",
+    }
     if not index and name in plain:
         return plain[name]
     if name == "eigenvalues":
@@ -116,8 +154,13 @@ def scalar_sources(run: Run) -> list[Source]:
         out += [Source("app_E/test_residual/predicted", None), Source("app_E/test_residual/measured", None)]
     for name in run.array_names():
         dims = run.dimension_names(name)
-        if (not dims or dims[0] != "step" or name in ("steps", "done") or PER_ITEM_DIMS & set(dims[1:])
-                or run.g[name].dtype.kind not in "fiu"):
+        if (
+            not dims
+            or dims[0] != "step"
+            or name in ("steps", "done")
+            or PER_ITEM_DIMS & set(dims[1:])
+            or run.g[name].dtype.kind not in "fiu"
+        ):
             continue
         axes = []
         for dim, n in zip(dims[1:], run.shape(name)[1:]):
@@ -131,7 +174,7 @@ def scalar_sources(run: Run) -> list[Source]:
     return out + curve_sources(run)
 
 
-def curve_sources(run: "Run") -> list[Source]:
+def curve_sources(run: Run) -> list[Source]:
     """The quadrature route's curves beyond the exact top, every point: ``curve_energy_<φ>/k_<k>``,
     ``curve_energy_<φ>_lower/k_<k>``, ``curve_energy_<φ>_upper/k_<k>`` and the same of
     ``curve_eigenvalue`` at each k of ``curve_k`` (the exact top part is ``energy_<φ>/k_<k>`` and
@@ -208,8 +251,10 @@ def spectra(run: Run) -> Iterator[tuple[str, int, np.ndarray]]:
     if run.has("eigenvalues_test"):
         arrays.append(("spectrum/eigenvalues_test", run.steps, run.per_step("eigenvalues_test")))
     if run.has("hessian_I_eigenvalues") and len(run.hessian.steps):
-        arrays += [("hessian/I_eigenvalues", run.hessian.steps, run.hessian.I_eigenvalues()),
-                   ("hessian/I_limit_eigenvalues", run.hessian.steps, run.hessian.I_eigenvalues(limit=True))]
+        arrays += [
+            ("hessian/I_eigenvalues", run.hessian.steps, run.hessian.I_eigenvalues()),
+            ("hessian/I_limit_eigenvalues", run.hessian.steps, run.hessian.I_eigenvalues(limit=True)),
+        ]
     for tag, steps, lam in arrays:
         for t, row in zip(steps, lam):
             yield tag, int(t), np.asarray(row, np.float64)
@@ -244,8 +289,10 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
 
     out = Path(logdir) / run.id
     if out.is_dir() and any(out.glob("events.out.tfevents.*")):
-        raise StoreError(f"{out} holds TensorBoard event files already: remove it (or export to another "
-                         "directory) — a second export would interleave with the first")
+        raise StoreError(
+            f"{out} holds TensorBoard event files already: remove it (or export to another "
+            "directory) — a second export would interleave with the first"
+        )
     failed = None
     try:
         Path(logdir).mkdir(parents=True, exist_ok=True)
@@ -313,9 +360,19 @@ def _write_events(run: Run, folder: Path) -> ExportSummary:
             lam = np.sort(lam[np.isfinite(lam)])
             if not len(lam):
                 continue
-            put(t, histogram_raw(tag, min=float(lam[0]), max=float(lam[-1]), num=len(lam), sum=float(lam.sum()),
-                                 sum_squares=float((lam ** 2).sum()), bucket_limits=lam.tolist(),
-                                 bucket_counts=[1] * len(lam)))
+            put(
+                t,
+                histogram_raw(
+                    tag,
+                    min=float(lam[0]),
+                    max=float(lam[-1]),
+                    num=len(lam),
+                    sum=float(lam.sum()),
+                    sum_squares=float((lam**2).sum()),
+                    bucket_limits=lam.tolist(),
+                    bucket_counts=[1] * len(lam),
+                ),
+            )
             n_spectra += 1
         f.flush()
         os.fsync(f.fileno())

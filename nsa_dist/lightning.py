@@ -45,7 +45,9 @@ else:
 
     def __getattr__(name: str) -> Any:
         if name == "SpectrumCallback":
-            raise MissingDependencyError("nsa_dist.lightning.SpectrumCallback needs PyTorch Lightning: "
-                                         "pip install lightning (it is not an nsa-dist dependency); "
-                                         "without it, call tracker.due/record in your own loop")
+            raise MissingDependencyError(
+                "nsa_dist.lightning.SpectrumCallback needs PyTorch Lightning: "
+                "pip install lightning (it is not an nsa-dist dependency); "
+                "without it, call tracker.due/record in your own loop"
+            )
         raise AttributeError(name)

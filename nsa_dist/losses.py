@@ -26,8 +26,18 @@ from nsa_dist.config import ExperimentSpec, LossName
 if TYPE_CHECKING:
     from nsa_dist.data import Dataset
 
-__all__ = ["parse_loss", "is_nce", "is_cross_entropy", "nce_loss", "nce_residual", "cross_entropy_loss", "softmax",
-           "residual", "training_residual", "loss_value"]
+__all__ = [
+    "parse_loss",
+    "is_nce",
+    "is_cross_entropy",
+    "nce_loss",
+    "nce_residual",
+    "cross_entropy_loss",
+    "softmax",
+    "residual",
+    "training_residual",
+    "loss_value",
+]
 
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
@@ -138,7 +148,10 @@ def loss_value(spec: ExperimentSpec, data: Dataset, f: np.ndarray, test: bool = 
         ln = torch.as_tensor(data.extra["log_noise" + tag], dtype=torch.float64)
         return float(nce_loss(torch.as_tensor(np.asarray(f), dtype=torch.float64), lab, ln))
     if is_cross_entropy(spec):
-        return float(cross_entropy_loss(torch.as_tensor(np.asarray(f), dtype=torch.float64),
-                                        torch.as_tensor(np.asarray(y), dtype=torch.float64)))
+        return float(
+            cross_entropy_loss(
+                torch.as_tensor(np.asarray(f), dtype=torch.float64), torch.as_tensor(np.asarray(y), dtype=torch.float64)
+            )
+        )
     r = (np.asarray(f, np.float64) - np.asarray(y, np.float64)).reshape(len(y), -1)
     return float(0.5 * np.mean(np.sum(r**2, axis=1)))

@@ -15,9 +15,22 @@ from torch import nn
 from nsa_dist.config import Activation, FactoryModelSpec, Init, ModelSpec
 from nsa_dist.errors import ModelFactoryError, ShapeError
 
-__all__ = ["CNN", "FCNet", "NTKLinear", "OutputSelector", "SelectedOutput", "normalized_softplus",
-           "build_factory_model", "build_model", "cnn", "describe_output", "measured_module", "not_a_tensor",
-           "resolve_factory", "select_output"]
+__all__ = [
+    "CNN",
+    "FCNet",
+    "NTKLinear",
+    "OutputSelector",
+    "SelectedOutput",
+    "normalized_softplus",
+    "build_factory_model",
+    "build_model",
+    "cnn",
+    "describe_output",
+    "measured_module",
+    "not_a_tensor",
+    "resolve_factory",
+    "select_output",
+]
 
 
 class NTKLinear(nn.Linear):
@@ -49,8 +62,12 @@ def _activation(spec: ModelSpec) -> nn.Module:
         return _Atan()
     if act is Activation.SOFTPLUS_NORMALIZED:
         return _NormalizedSoftplus()
-    return {Activation.RELU: nn.ReLU, Activation.TANH: nn.Tanh,
-            Activation.SOFTPLUS: nn.Softplus, Activation.GELU: nn.GELU}[act]()
+    return {
+        Activation.RELU: nn.ReLU,
+        Activation.TANH: nn.Tanh,
+        Activation.SOFTPLUS: nn.Softplus,
+        Activation.GELU: nn.GELU,
+    }[act]()
 
 
 class _Erf(nn.Module):
@@ -72,12 +89,12 @@ def _gauss_moments(phi, n: int = 200) -> tuple[float, float]:
     z, w = np.polynomial.hermite_e.hermegauss(n)
     w = w / w.sum()
     v = phi(torch.tensor(z, dtype=torch.float64)).numpy()
-    return float(w @ v), float(w @ v ** 2)
+    return float(w @ v), float(w @ v**2)
 
 
 _SP_MEAN, _SP_SQ = _gauss_moments(nn.functional.softplus)
 SOFTPLUS_SHIFT = _SP_MEAN  # a = E softplus(z) ≈ 0.8063 for z ~ N(0, 1)
-SOFTPLUS_SCALE = math.sqrt(_SP_SQ - _SP_MEAN ** 2)  # b = std softplus(z) ≈ 0.5542
+SOFTPLUS_SCALE = math.sqrt(_SP_SQ - _SP_MEAN**2)  # b = std softplus(z) ≈ 0.5542
 
 
 def normalized_softplus(z: torch.Tensor) -> torch.Tensor:
@@ -124,8 +141,9 @@ class FCNet(nn.Module):
         return out.squeeze(-1) if self.squeeze and out.shape[-1] == 1 else out
 
 
-def build_model(spec: ModelSpec | FactoryModelSpec, *, seed: int | None = None,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(
+    spec: ModelSpec | FactoryModelSpec, *, seed: int | None = None, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Build the network that ``spec`` describes (a :class:`FactoryModelSpec`: see :func:`build_factory_model`).
 
     Args:
@@ -175,8 +193,15 @@ class CNN(nn.Module):
     Inputs: (n, C, H, W) images or the same flattened to (n, C·H·W) (as the CIFAR loader yields).
     """
 
-    def __init__(self, input_shape: tuple[int, int, int], convs: list[nn.Conv2d], linears: list[nn.Linear],
-                 act: nn.Module, pool: int, squeeze: bool = True) -> None:
+    def __init__(
+        self,
+        input_shape: tuple[int, int, int],
+        convs: list[nn.Conv2d],
+        linears: list[nn.Linear],
+        act: nn.Module,
+        pool: int,
+        squeeze: bool = True,
+    ) -> None:
         super().__init__()
         self.input_shape = tuple(input_shape)
         self.convs, self.linears = nn.ModuleList(convs), nn.ModuleList(linears)
@@ -193,9 +218,16 @@ class CNN(nn.Module):
         return out.squeeze(-1) if self.squeeze and out.shape[-1] == 1 else out
 
 
-def cnn(in_channels: int = 3, image_size: int = 32, channels: tuple[int, ...] | list[int] = (16, 32),
-        hidden: tuple[int, ...] | list[int] = (128,), output_dim: int = 1, kernel_size: int = 3,
-        activation: str = "relu", pool: int = 2) -> CNN:
+def cnn(
+    in_channels: int = 3,
+    image_size: int = 32,
+    channels: tuple[int, ...] | list[int] = (16, 32),
+    hidden: tuple[int, ...] | list[int] = (128,),
+    output_dim: int = 1,
+    kernel_size: int = 3,
+    activation: str = "relu",
+    pool: int = 2,
+) -> CNN:
     """A small CNN for (n, C, H, W) images — a model factory (``model: {factory: "nsa_dist.models:cnn"}``).
 
     Args:
@@ -225,8 +257,10 @@ def cnn(in_channels: int = 3, image_size: int = 32, channels: tuple[int, ...] | 
 
 # --------------------------------------------------------------------------- models by import path
 
-_SHIP_HINT = ("the package must be importable on the driver and on every Ray worker: install it in the cluster's "
-              "image, or ship it with the job's runtime_env (py_modules / working_dir; see deploy/README.md)")
+_SHIP_HINT = (
+    "the package must be importable on the driver and on every Ray worker: install it in the cluster's "
+    "image, or ship it with the job's runtime_env (py_modules / working_dir; see deploy/README.md)"
+)
 
 
 def resolve_factory(path: str) -> Callable[..., nn.Module]:
@@ -242,21 +276,25 @@ def resolve_factory(path: str) -> Callable[..., nn.Module]:
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as exc:
-        raise ModelFactoryError(f"model.factory={path!r}: cannot import module {module!r} ({exc}); "
-                                f"{_SHIP_HINT}") from exc
+        raise ModelFactoryError(
+            f"model.factory={path!r}: cannot import module {module!r} ({exc}); {_SHIP_HINT}"
+        ) from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ModelFactoryError(f"model.factory={path!r}: module {module!r} has no attribute {attr!r}; "
-                                    f"{_SHIP_HINT}")
+            raise ModelFactoryError(
+                f"model.factory={path!r}: module {module!r} has no attribute {attr!r}; {_SHIP_HINT}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ModelFactoryError(f"model.factory={path!r} is a {type(obj).__name__}, "
-                                "not a callable returning an nn.Module")
+        raise ModelFactoryError(
+            f"model.factory={path!r} is a {type(obj).__name__}, not a callable returning an nn.Module"
+        )
     return obj
 
 
-def build_factory_model(spec: FactoryModelSpec, *, seed: int | None = None,
-                        dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_factory_model(
+    spec: FactoryModelSpec, *, seed: int | None = None, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """``factory(**kwargs)`` under a forked RNG seeded with ``seed`` (deterministic, global RNG untouched);
     with ``spec.output`` set, the :class:`SelectedOutput` of that output (a compiled model: the
     module it wraps, :func:`measured_module`).
@@ -266,8 +304,10 @@ def build_factory_model(spec: FactoryModelSpec, *, seed: int | None = None,
             or the spec is a Tracker's (its model is not rebuilt from the spec).
     """
     if spec.source == "tracker":
-        raise ModelFactoryError(f"this run's model ({spec.factory}) was handed to a Tracker; it is not rebuilt from "
-                                "the spec — pass the model to Tracker again")
+        raise ModelFactoryError(
+            f"this run's model ({spec.factory}) was handed to a Tracker; it is not rebuilt from "
+            "the spec — pass the model to Tracker again"
+        )
     fn = resolve_factory(spec.factory)
     with torch.random.fork_rng(enabled=seed is not None):
         if seed is not None:
@@ -291,16 +331,22 @@ def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch
         with torch.no_grad():
             out = model(x)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's forward on the data's shape
-        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}) fails on the data's inputs of "
-                                f"shape (n, {spec.input_dim}): {type(exc).__name__}: {exc}") from exc
+        raise ModelFactoryError(
+            f"model.factory={spec.factory!r} ({spec.kwargs}) fails on the data's inputs of "
+            f"shape (n, {spec.input_dim}): {type(exc).__name__}: {exc}"
+        ) from exc
     K = spec.output_dim
     want = (2,) if K == 1 else (2, K)
     if not isinstance(out, torch.Tensor):
-        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}): {not_a_tensor(out)} (in a spec: "
-                                "model.output, a key or an index)")
+        raise ModelFactoryError(
+            f"model.factory={spec.factory!r} ({spec.kwargs}): {not_a_tensor(out)} (in a spec: "
+            "model.output, a key or an index)"
+        )
     if tuple(out.shape) != want and not (K == 1 and tuple(out.shape) == (2, 1)):
-        raise ModelFactoryError(f"model.factory={spec.factory!r} ({spec.kwargs}) returns {tuple(out.shape)} for "
-                                f"inputs (2, {spec.input_dim}); the targets need {want} (K = {K})")
+        raise ModelFactoryError(
+            f"model.factory={spec.factory!r} ({spec.kwargs}) returns {tuple(out.shape)} for "
+            f"inputs (2, {spec.input_dim}); the targets need {want} (K = {K})"
+        )
 
 
 # --------------------------------------------------------------------------- outputs as models return them
@@ -322,16 +368,21 @@ def describe_output(out: Any) -> str:
     if isinstance(out, Mapping):
         return f"{name} with keys {list(out.keys())}"
     if isinstance(out, (tuple, list)):
-        items = ", ".join(f"Tensor {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
-                          for v in out[:6])
+        items = ", ".join(
+            f"Tensor {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__ for v in out[:6]
+        )
         return f"{name} of {len(out)} ({items}{', …' if len(out) > 6 else ''})"
     return name
 
 
 def _check_selector(output: OutputSelector) -> None:
     """TypeError unless ``output`` is a selector: None, a key, an index or a callable."""
-    if not (output is None or callable(output) or isinstance(output, str)
-            or (isinstance(output, int) and not isinstance(output, bool))):
+    if not (
+        output is None
+        or callable(output)
+        or isinstance(output, str)
+        or (isinstance(output, int) and not isinstance(output, bool))
+    ):
         raise TypeError(f"output must be None, a key (str), an index (int) or a callable, got {type(output).__name__}")
 
 
@@ -367,17 +418,26 @@ def select_output(out: Any, output: OutputSelector) -> torch.Tensor:
             raise ShapeError(f"output={output} does not index the model's output, a {describe_output(out)}")
         sel = items[output]
     if not isinstance(sel, torch.Tensor):
-        raise ShapeError(f"output={_selector_name(output)} selects a {describe_output(sel)} from the model's output "
-                         f"(a {describe_output(out)}), not a tensor")
+        raise ShapeError(
+            f"output={_selector_name(output)} selects a {describe_output(sel)} from the model's output "
+            f"(a {describe_output(out)}), not a tensor"
+        )
     return sel
 
 
 def not_a_tensor(out: Any) -> str:
     """Why a model output that is not a tensor cannot be measured as it is, and what to pass."""
-    hint = ("a key, e.g. output=" + repr(next(iter(out.keys()))) if isinstance(out, Mapping) and len(out)
-            else "an index, e.g. output=0" if isinstance(out, (tuple, list)) else "a key or an index")
-    return (f"the model returns a {describe_output(out)}, not a tensor: say which output to measure with output= "
-            f"{hint}, or a callable that returns the tensor")
+    hint = (
+        "a key, e.g. output=" + repr(next(iter(out.keys())))
+        if isinstance(out, Mapping) and len(out)
+        else "an index, e.g. output=0"
+        if isinstance(out, (tuple, list))
+        else "a key or an index"
+    )
+    return (
+        f"the model returns a {describe_output(out)}, not a tensor: say which output to measure with output= "
+        f"{hint}, or a callable that returns the tensor"
+    )
 
 
 class SelectedOutput(nn.Module):
@@ -424,11 +484,14 @@ def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Modul
         inner = [name for name, m in model.named_modules() if isinstance(m, dynamo.OptimizedModule)]
         if inner:
             _compiled_said.add(model)
-            _log.warning("submodule %s of %s is torch.compile'd: the measurements run its compiled forward under "
-                         "hooks and torch.func transforms, so Dynamo recompiles it (exact, but slow); pass the "
-                         "model with uncompiled submodules, or compile the whole model (a compiled model is "
-                         "measured through the module it wraps)", ", ".join(repr(n) for n in inner[:3]),
-                         type(model).__name__)
+            _log.warning(
+                "submodule %s of %s is torch.compile'd: the measurements run its compiled forward under "
+                "hooks and torch.func transforms, so Dynamo recompiles it (exact, but slow); pass the "
+                "model with uncompiled submodules, or compile the whole model (a compiled model is "
+                "measured through the module it wraps)",
+                ", ".join(repr(n) for n in inner[:3]),
+                type(model).__name__,
+            )
     if output is None:
         return model
     _check_selector(output)

@@ -53,7 +53,7 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[:n - 1] + "…"
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _check_expanded_size(obj: object, path: Path) -> None:
@@ -64,8 +64,10 @@ def _check_expanded_size(obj: object, path: Path) -> None:
         x = stack.pop()
         n += 1
         if n > MAX_SPEC_NODES:
-            raise SpecError(f"{path}: the YAML expands to more than {MAX_SPEC_NODES:,} values (nested aliases "
-                            "'&a' / '*a'?); a spec file lists its values")
+            raise SpecError(
+                f"{path}: the YAML expands to more than {MAX_SPEC_NODES:,} values (nested aliases "
+                "'&a' / '*a'?); a spec file lists its values"
+            )
         if isinstance(x, dict):
             stack.extend(x.keys())
             stack.extend(x.values())
@@ -78,15 +80,17 @@ def _read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise SpecError(f"spec file {str(p)!r} does not exist")
     if p.stat().st_size > MAX_SPEC_BYTES:
-        raise SpecError(f"{p}: {p.stat().st_size:,} bytes, more than a spec file's {MAX_SPEC_BYTES:,}; "
-                        "is it the right file?")
+        raise SpecError(
+            f"{p}: {p.stat().st_size:,} bytes, more than a spec file's {MAX_SPEC_BYTES:,}; is it the right file?"
+        )
     try:
         raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML ({_clip(str(exc), 500)})") from exc
     except RecursionError as exc:  # the parser recurses per level: [[[[…]]]] 50,000 deep
-        raise SpecError(f"{p}: the YAML nests too deeply to read (thousands of levels of [ or {{); "
-                        "a spec file is a few levels deep") from exc
+        raise SpecError(
+            f"{p}: the YAML nests too deeply to read (thousands of levels of [ or {{); a spec file is a few levels deep"
+        ) from exc
     _check_expanded_size(raw, p)
     if not isinstance(raw, dict):
         raise SpecError(f"{p}: expected a mapping of spec fields at the top level, got {type(raw).__name__}")

@@ -34,8 +34,8 @@ from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss, parse_loss
 from nsa_dist.models import OutputSelector, SelectedOutput, measured_module, not_a_tensor, single_column
-from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.ntk import preserved, sample_coupling
+from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
 from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES, plan_run
 from nsa_dist.pipeline.pool import ThreadAnalysisPool
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["Tracker", "couples_samples"]
 
 log = logging.getLogger("nsa_dist")
+
 
 def _as_tensor(name: str, a: Any) -> torch.Tensor:
     if isinstance(a, np.ndarray):
@@ -97,12 +98,31 @@ class Tracker:
             process was paused longer than the lease's ttl; the Tracker closes without writing more.
     """
 
-    def __init__(self, store: str | SpectrumStore, name: str, model: nn.Module, X: Any, y: Any,
-                 X_test: Any = None, y_test: Any = None, *, steps: int, record: dict | RecordSpec | None = None,
-                 spectrum: dict | None = None, hessian: dict | None = None, loss: str | LossName = "mse",
-                 optimizer: str = "custom", cluster: str | None = None, workers: int = 1, worker_cpus: float = 1.0,
-                 worker_gpus: float = 0.0, max_inflight: int = 2, seed: int = 0, device: str = "auto",
-                 output: OutputSelector = None) -> None:
+    def __init__(
+        self,
+        store: str | SpectrumStore,
+        name: str,
+        model: nn.Module,
+        X: Any,
+        y: Any,
+        X_test: Any = None,
+        y_test: Any = None,
+        *,
+        steps: int,
+        record: dict | RecordSpec | None = None,
+        spectrum: dict | None = None,
+        hessian: dict | None = None,
+        loss: str | LossName = "mse",
+        optimizer: str = "custom",
+        cluster: str | None = None,
+        workers: int = 1,
+        worker_cpus: float = 1.0,
+        worker_gpus: float = 0.0,
+        max_inflight: int = 2,
+        seed: int = 0,
+        device: str = "auto",
+        output: OutputSelector = None,
+    ) -> None:
         loss = parse_loss(loss)
         if optimizer not in ("custom", "gd"):
             raise ValueError(f"optimizer={optimizer!r} is not one of custom, gd")
@@ -117,14 +137,26 @@ class Tracker:
             model = SelectedOutput(model, single_column)
             self.model = model
         rec = record.model_dump() if isinstance(record, RecordSpec) else (record or {"log_points": 20})
-        self.spec: ExperimentSpec = tracked_spec(name, user, self.data, K, steps=steps, record=rec,
-                                                 spectrum=spectrum or {}, hessian=hessian, optimizer=optimizer,
-                                                 seed=seed, device=device, loss=loss)
+        self.spec: ExperimentSpec = tracked_spec(
+            name,
+            user,
+            self.data,
+            K,
+            steps=steps,
+            record=rec,
+            spectrum=spectrum or {},
+            hessian=hessian,
+            optimizer=optimizer,
+            seed=seed,
+            device=device,
+            loss=loss,
+        )
         p = next(model.parameters())
         self.device = p.device
         self.X = model_inputs(self.data.X, model)  # (N, …): the model's float dtype, or integer ids as given
         self.y = torch.as_tensor(self.data.y, device=self.device).to(  # (N,) or (N, K)
-            p.dtype if p.dtype == torch.float64 else torch.float32)
+            p.dtype if p.dtype == torch.float64 else torch.float32
+        )
         self.X_test = model_inputs(self.data.X_test, model)  # (M, …) like X
         self._ce = loss is LossName.CROSS_ENTROPY
         self.schedule = self.spec.record_steps()
@@ -133,8 +165,13 @@ class Tracker:
         self.plan = plan_run(self.spec, self.data, model)  # reads its sizes and NTK route, changes nothing
         self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
         try:
-            self.writer = self.store.writer(name, self.plan.spec_json, self.plan.dims,
-                                            data_fingerprint=self.data.fingerprint(), token=self._lease.token)
+            self.writer = self.store.writer(
+                name,
+                self.plan.spec_json,
+                self.plan.dims,
+                data_fingerprint=self.data.fingerprint(),
+                token=self._lease.token,
+            )
         except BaseException:
             self._lease.release()
             raise
@@ -143,13 +180,23 @@ class Tracker:
             self.writer.write_static(self.plan.static_arrays(self.data))
         self.max_inflight = max_inflight
         if cluster is None:
-            self.pool: Any = ThreadAnalysisPool(TrackedRunService(self.store.url, self.plan, _analysis_copy(model),
-                                                                 self.data, token=self._lease.token))
+            self.pool: Any = ThreadAnalysisPool(
+                TrackedRunService(self.store.url, self.plan, _analysis_copy(model), self.data, token=self._lease.token)
+            )
         else:
             from nsa_dist.cluster.tracking import RayTrackerPool
 
-            self.pool = RayTrackerPool(cluster, self.store.url, self.plan, _analysis_copy(model), self.data,
-                                       workers=workers, cpus=worker_cpus, gpus=worker_gpus, token=self._lease.token)
+            self.pool = RayTrackerPool(
+                cluster,
+                self.store.url,
+                self.plan,
+                _analysis_copy(model),
+                self.data,
+                workers=workers,
+                cpus=worker_cpus,
+                gpus=worker_gpus,
+                token=self._lease.token,
+            )
         self.writer.set_status(Status.RUNNING)
         self._pending: tuple[Checkpoint, np.ndarray, np.ndarray] | None = None  # awaiting θ_{t+1}
         self._recorded: set[int] = set()  # steps record() took in this session
@@ -179,8 +226,10 @@ class Tracker:
             raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
         if out.ndim not in (1, 2) or out.shape[0] != n:
             got = tuple(out.shape)
-            raise ShapeError(f"the model must map (n, …) inputs to (n,) or (n, K) outputs; for input "
-                             f"{tuple(X[:2].shape)} it returned {got}")
+            raise ShapeError(
+                f"the model must map (n, …) inputs to (n,) or (n, K) outputs; for input "
+                f"{tuple(X[:2].shape)} it returned {got}"
+            )
         K = 1 if out.ndim == 1 else int(out.shape[1])
         column = out.ndim == 2 and K == 1
         if column:
@@ -188,20 +237,31 @@ class Tracker:
         want = (X.shape[0],) if out.ndim == 1 or column else (X.shape[0], K)
         if tuple(y.shape) != want:
             also = f" or {(X.shape[0], 1)}" if column else ""
-            raise ShapeError(f"y must have shape {want}{also} (N = {X.shape[0]} points, the model's output per "
-                             f"point {tuple(out.shape[1:])}); got {tuple(y.shape)}")
+            raise ShapeError(
+                f"y must have shape {want}{also} (N = {X.shape[0]} points, the model's output per "
+                f"point {tuple(out.shape[1:])}); got {tuple(y.shape)}"
+            )
         if X_test is None:
             X_test, y_test = X.new_zeros((0,) + tuple(X.shape[1:])), y.new_zeros((0,) + tuple(y.shape[1:]))
         X_test = _as_tensor("X_test", X_test)
         if X_test.shape[0] and X_test.is_floating_point() != X.is_floating_point():
-            raise TypeError(f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both "
-                            "integer ids")
-        y_test = _as_tensor("y_test", y_test) if y_test is not None else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan"))
+            raise TypeError(
+                f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both integer ids"
+            )
+        y_test = (
+            _as_tensor("y_test", y_test)
+            if y_test is not None
+            else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan"))
+        )
         if column and y_test.ndim == 2 and y_test.shape[1] == 1:
             y_test = y_test.reshape(-1)
-        if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:]):
-            raise ShapeError(f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
-                             f"{tuple(y.shape[1:])}; got {tuple(X_test.shape)} and {tuple(y_test.shape)}")
+        if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(
+            y.shape[1:]
+        ):
+            raise ShapeError(
+                f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
+                f"{tuple(y.shape[1:])}; got {tuple(X_test.shape)} and {tuple(y_test.shape)}"
+            )
         f64 = lambda a: a.to(torch.float64).numpy()  # noqa: E731
         ids = lambda a: a.numpy().copy() if not a.is_floating_point() else f64(a)  # noqa: E731 - token ids stay integers
         return Dataset(ids(X), f64(y), ids(X_test), f64(y_test), {"source": "tracker"}), K, column
@@ -261,13 +321,17 @@ class Tracker:
         if self.closed:
             raise ValueError("this Tracker is closed")
         if step not in self._index:
-            raise ValueError(f"step {step} is not a recorded step of this run (schedule: {self.schedule[:8]}"
-                             f"{' …' if len(self.schedule) > 8 else ''}); test tr.due(step) first")
+            raise ValueError(
+                f"step {step} is not a recorded step of this run (schedule: {self.schedule[:8]}"
+                f"{' …' if len(self.schedule) > 8 else ''}); test tr.due(step) first"
+            )
         i = self._index[step]
         if step in self._recorded or self._done[i]:
             when = "by this Tracker" if step in self._recorded else "in the store, before this Tracker was opened"
-            raise ValueError(f"step {step} was already recorded ({when}); a step is recorded once, at θ_t before "
-                             "update t — test tr.due(step) first")
+            raise ValueError(
+                f"step {step} was already recorded ({when}); a step is recorded once, at θ_t before "
+                "update t — test tr.due(step) first"
+            )
         self._advance(step)
         self._recorded.add(step)
         mstate = ModelState.capture(self.model)  # buffers and modes of step t, with θ_t
@@ -275,16 +339,35 @@ class Tracker:
         with preserved(self.model):
             f = self.model(self.X)  # (N,) or (N, K)
             f_test = self.model(self.X_test) if self.X_test.shape[0] else f.new_zeros((0,) + tuple(f.shape[1:]))
-        L = cross_entropy_loss(f, self.y) if self._ce else 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean()
+        L = (
+            cross_entropy_loss(f, self.y)
+            if self._ce
+            else 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean()
+        )
         given = float(L) if loss is None else float(loss)
         if not (np.isfinite(given) and np.isfinite(float(L))):
             self._fail(step, f"loss is {given if not np.isfinite(given) else float(L)} at step {step}")
         self._trace[step] = given
         theta = theta_vector(self.model)  # (P,)
         fn, f_test = _outputs(f), _outputs(f_test)
-        state = TrainerState(step, theta, np.zeros((0, self.n_params), np.float32), np.zeros(TRACKED_RNG_BYTES, np.uint8))
-        ck = Checkpoint(index=i, step=step, lr=float(lr), loss=float(L), theta=theta, dtheta=theta, f=fn, df=fn,
-                        f_test=f_test, loss_trace=np.zeros(0), trace_start=step, state=state, model_state=mstate)
+        state = TrainerState(
+            step, theta, np.zeros((0, self.n_params), np.float32), np.zeros(TRACKED_RNG_BYTES, np.uint8)
+        )
+        ck = Checkpoint(
+            index=i,
+            step=step,
+            lr=float(lr),
+            loss=float(L),
+            theta=theta,
+            dtheta=theta,
+            f=fn,
+            df=fn,
+            f_test=f_test,
+            loss_trace=np.zeros(0),
+            trace_start=step,
+            state=state,
+            model_state=mstate,
+        )
         self._pending = (ck, theta, fn)
 
     def _say_coupling(self, step: int) -> None:
@@ -293,10 +376,14 @@ class Tracker:
             return
         self._coupling_said = True
         bn = _batch_stat_modules(self.model)
-        log.warning("run %r: at step %d the model couples samples — its output for one point depends on the other "
-                    "points of the batch%s; its NTK is that of the full-batch forward on the N = %d points",
-                    self.spec.name, step, f" (batch statistics in {', '.join(repr(b) for b in bn)})" if bn else "",
-                    self.data.n)
+        log.warning(
+            "run %r: at step %d the model couples samples — its output for one point depends on the other "
+            "points of the batch%s; its NTK is that of the full-batch forward on the N = %d points",
+            self.spec.name,
+            step,
+            f" (batch statistics in {', '.join(repr(b) for b in bn)})" if bn else "",
+            self.data.n,
+        )
 
     def _advance(self, step: int) -> None:
         """Submit the pending checkpoint: with its update if the model is now at its step + 1."""
@@ -386,8 +473,10 @@ class Tracker:
         self.closed = True
         self.pool.close()
         self._lease.release()
-        raise NonFiniteError(f"run {self.spec.name!r}: {why}; the run is marked failed, the "
-                             f"{int(self._done.sum())} steps recorded before it are kept")
+        raise NonFiniteError(
+            f"run {self.spec.name!r}: {why}; the run is marked failed, the "
+            f"{int(self._done.sum())} steps recorded before it are kept"
+        )
 
     def close(self) -> None:
         """Wait for every analysis; status ``done`` when every recorded step is in the store.
@@ -409,14 +498,17 @@ class Tracker:
         try:
             missing = int((~self._done).sum())
             if missing:
-                self.writer.set_status(Status.PENDING, f"closed with {missing} of {len(self._done)} recorded steps "
-                                       "missing; reopen the Tracker with this name to continue")
+                self.writer.set_status(
+                    Status.PENDING,
+                    f"closed with {missing} of {len(self._done)} recorded steps "
+                    "missing; reopen the Tracker with this name to continue",
+                )
             else:
                 finish_run(self.writer, self.spec)
         finally:
             self._lease.release()
 
-    def __enter__(self) -> "Tracker":
+    def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -457,8 +549,11 @@ def _outputs(f: torch.Tensor) -> np.ndarray:
 
 def _batch_stat_modules(model: nn.Module) -> list[str]:
     """Names of the batch-norm modules normalising by the batch's own statistics (train mode, or no running stats)."""
-    return [n for n, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
+    ]
 
 
 def couples_samples(model: nn.Module, X: torch.Tensor, points: int = 4) -> bool:
@@ -484,6 +579,8 @@ def _analysis_copy(model: nn.Module) -> nn.Module:
     try:
         return analysis_copy(model)
     except (TypeError, AttributeError, RuntimeError) as exc:
-        raise TypeError(f"the model ({type(model).__qualname__}) cannot be copied or pickled ({exc}); the Tracker "
-                        "analyses a copy of it, in a thread or pickled to the Ray spectral workers — keep "
-                        "unpicklable state (locks, open files, data loaders) outside the module") from exc
+        raise TypeError(
+            f"the model ({type(model).__qualname__}) cannot be copied or pickled ({exc}); the Tracker "
+            "analyses a copy of it, in a thread or pickled to the Ray spectral workers — keep "
+            "unpicklable state (locks, open files, data loaders) outside the module"
+        ) from exc

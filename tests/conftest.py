@@ -49,7 +49,7 @@ def flat_model(model: torch.nn.Module):
         out, o = {}, 0
         for n, s in zip(names, shapes):
             k = s.numel()
-            out[n] = v[o:o + k].view(s)
+            out[n] = v[o : o + k].view(s)
             o += k
         return out
 
@@ -99,6 +99,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     """Modules using the session's embedded Ray run after all others, then those using the two-node
     cluster: each is started when its first module starts and stopped at the end of the session, so
     neither sits idle on the cores while unrelated tests run (the order within a module is kept)."""
+
     def rank(item) -> int:
         names = modules.get(item.nodeid.split("::")[0], set())
         return 2 if _TWO_NODE in names else 1 if _LOCAL_RAY in names else 0
@@ -132,11 +133,18 @@ def moto_server(server_env: dict | None = None) -> Iterator[tuple[dict, subproce
     ``INITIAL_NO_AUTH_ACTION_COUNT=0`` to check credentials); yields (the AWS_* variables that
     reach it, the process)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **(server_env or {})})
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(server_env or {})},
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     try:
         deadline = time.time() + 60
         while True:
@@ -195,19 +203,49 @@ def two_node_cluster(s3_server: dict) -> Iterator[tuple[str, dict]]:
     port, dash = free_port(), free_port()
 
     def ports() -> list[str]:
-        return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-                f"--ray-client-server-port={free_port()}"]
+        return [
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+        ]
 
     # the nodes run `python` from this environment (a real cluster has nsa-dist's deps in its image)
-    env = {**os.environ, **s3_server, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        **s3_server,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    head = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1",
-            "--resources", json.dumps({"head_node": 4}), "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", *common, *ports()]
-    node = [str(BIN / "ray"), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1",
-            "--resources", json.dumps({"worker_node": 4}), f"--temp-dir={temp_dir2}", *common, *ports()[:4]]
+    head = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        f"--port={port}",
+        "--num-cpus=1",
+        "--resources",
+        json.dumps({"head_node": 4}),
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--temp-dir={temp_dir}",
+        *common,
+        *ports(),
+    ]
+    node = [
+        str(BIN / "ray"),
+        "start",
+        f"--address=127.0.0.1:{port}",
+        "--num-cpus=1",
+        "--resources",
+        json.dumps({"worker_node": 4}),
+        f"--temp-dir={temp_dir2}",
+        *common,
+        *ports()[:4],
+    ]
     try:
         subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
         subprocess.run(node, check=True, env=env, capture_output=True, timeout=120)

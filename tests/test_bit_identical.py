@@ -17,19 +17,35 @@ from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
 
-BASE = dict(data={"name": "image2d", "n": 24, "n_test": 6}, model={"depth": 3, "width": 8, "init": "ntk",
-                                                                    "activation": "tanh"},
-            steps=4, record={"every": 2}, schedule={"lr": 0.05},
-            spectrum={"k": 6, "dtype": "float64", "test_points": True, "store_eigenvectors": True, "images": [1, 2],
-                      "image_size": 6, "fourier_size": 4},
-            hessian={"top_k": 2, "rayleigh_k": 2, "density_grid": 10, "probes": 2})
+BASE = dict(
+    data={"name": "image2d", "n": 24, "n_test": 6},
+    model={"depth": 3, "width": 8, "init": "ntk", "activation": "tanh"},
+    steps=4,
+    record={"every": 2},
+    schedule={"lr": 0.05},
+    spectrum={
+        "k": 6,
+        "dtype": "float64",
+        "test_points": True,
+        "store_eigenvectors": True,
+        "images": [1, 2],
+        "image_size": 6,
+        "fourier_size": 4,
+    },
+    hessian={"top_k": 2, "rayleigh_k": 2, "density_grid": 10, "probes": 2},
+)
 SKIP_ATTRS = {"created", "updated"}  # wall-clock times
 # Lanczos on the P×P Hessian operators: the last bit differs between a Ray worker and the driver
 # process (measured ≤ 4.3e-16 relative, the same before issue 23's redesign, at 1 and 2 threads);
 # every other array — G_t's spectrum, energies, Hutch++ moments, images — is byte-identical.  The SLQ
 # density is Lanczos on the same operator: 1.2e-22 of its maximum apart, in its far tail, measured.
-LAST_BIT = {"hessian_top": 1e-14, "hessian_S_op": 1e-14, "hessian_rayleigh": 1e-14, "hessian_rayleigh_evals": 1e-14,
-            "hessian_density": 1e-12}
+LAST_BIT = {
+    "hessian_top": 1e-14,
+    "hessian_S_op": 1e-14,
+    "hessian_rayleigh": 1e-14,
+    "hessian_rayleigh_evals": 1e-14,
+    "hessian_density": 1e-12,
+}
 
 
 def _arrays(url: str, rid: str) -> dict[str, tuple[str, tuple, bytes]]:
@@ -41,9 +57,12 @@ def _arrays(url: str, rid: str) -> dict[str, tuple[str, tuple, bytes]]:
 def test_a_sweep_stores_every_array_byte_for_byte_as_the_single_process_run(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = SweepSpec(name="bits", base=BASE,
-                      grid={"model.depth": [2, 3], "optimizer": [{"name": "gd"}, {"name": "adam"}]},
-                      cluster={"spectral_workers": 2, "max_inflight": 2})
+    sweep = SweepSpec(
+        name="bits",
+        base=BASE,
+        grid={"model.depth": [2, 3], "optimizer": [{"name": "gd"}, {"name": "adam"}]},
+        cluster={"spectral_workers": 2, "max_inflight": 2},
+    )
     url = str(tmp_path / "sweep.zarr")
     outcomes = SweepCoordinator(sweep, url).run()
     assert [o.status for o in outcomes] == ["done"] * 4

@@ -33,8 +33,13 @@ from nsa_dist.specfile import SpecError, load_spec, load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 PEAK_MB = 1024  # what a refused spec may cost the process, torch and all (~300 MB here)
-TINY = {"data": {"n": 16}, "model": {"depth": 2, "width": 8}, "steps": 4, "record": {"every": 2},
-        "spectrum": {"k": 4, "images": []}}
+TINY = {
+    "data": {"n": 16},
+    "model": {"depth": 2, "width": 8},
+    "steps": 4,
+    "record": {"every": 2},
+    "spectrum": {"k": 4, "images": []},
+}
 
 CHILD = r"""
 import contextlib, io, json, resource, sys
@@ -88,29 +93,69 @@ def test_absurd_specs_and_inputs_are_refused_at_bounded_memory(tmp_path):
     assert (mnist / "train-images-idx3-ubyte.gz").stat().st_size < 4 << 20
     big = "\n".join([_laughs(5), "steps: *l4"])  # 9**5 values: under the alias bound, an invalid steps (and l0..l4)
     cases = {  # name: (argv, what the message must say)
-        "record": (["run", str(_write(tmp_path / "record.yaml", {**TINY, "steps": 10**12, "record": {"every": 10}}))],
-                   "record.every=10 with steps=1000000000000 records 100,000,000,001 steps"),
-        "depth": (["run", str(_write(tmp_path / "depth.yaml", {**TINY, "model": {"depth": 10**6, "width": 8}}))],
-                  "model.depth"),
-        "width": (["run", str(_write(tmp_path / "width.yaml", {**TINY, "model": {"depth": 3, "width": 10**7}}))],
-                  "parameters (P = 100,000,"),
+        "record": (
+            ["run", str(_write(tmp_path / "record.yaml", {**TINY, "steps": 10**12, "record": {"every": 10}}))],
+            "record.every=10 with steps=1000000000000 records 100,000,000,001 steps",
+        ),
+        "depth": (
+            ["run", str(_write(tmp_path / "depth.yaml", {**TINY, "model": {"depth": 10**6, "width": 8}}))],
+            "model.depth",
+        ),
+        "width": (
+            ["run", str(_write(tmp_path / "width.yaml", {**TINY, "model": {"depth": 3, "width": 10**7}}))],
+            "parameters (P = 100,000,",
+        ),
         "gram": (["run", str(_write(tmp_path / "gram.yaml", {**TINY, "data": {"n": 10**7}}))], "G (local layout)"),
         "seed": (["run", str(_write(tmp_path / "seed.yaml", {**TINY, "seed": 10**30}))], "seed: Input should be less"),
-        "laughs": (["run", str(_write_text(tmp_path / "laughs.yaml", _laughs(9) + "\nsteps: *l8"))],
-                   "expands to more than 1,000,000 values"),
-        "message": (["run", str(_write_text(tmp_path / "message.yaml", big))],
-                    "steps: Input should be a valid integer"),
-        "grid": (["sweep", str(_write(tmp_path / "grid.yaml", {"name": "huge", "base": TINY, "grid": {
-            "seed": list(range(10)), "model.width": list(range(1, 11)), "model.depth": list(range(2, 12)),
-            "schedule.lr": [0.1 * i for i in range(1, 11)], "steps": list(range(10, 20)),
-            "data.n": list(range(20, 30))}})), "--plain"], "the sweep has 1,000,000 runs"),
-        "idx": (["run", str(_write(tmp_path / "idx.yaml", {**TINY, "data": {"name": "mnist", "path": str(mnist),
-                                                                            "n": 5}}))],
-                "holds more than the 7,840 data bytes its header announces"),
+        "laughs": (
+            ["run", str(_write_text(tmp_path / "laughs.yaml", _laughs(9) + "\nsteps: *l8"))],
+            "expands to more than 1,000,000 values",
+        ),
+        "message": (
+            ["run", str(_write_text(tmp_path / "message.yaml", big))],
+            "steps: Input should be a valid integer",
+        ),
+        "grid": (
+            [
+                "sweep",
+                str(
+                    _write(
+                        tmp_path / "grid.yaml",
+                        {
+                            "name": "huge",
+                            "base": TINY,
+                            "grid": {
+                                "seed": list(range(10)),
+                                "model.width": list(range(1, 11)),
+                                "model.depth": list(range(2, 12)),
+                                "schedule.lr": [0.1 * i for i in range(1, 11)],
+                                "steps": list(range(10, 20)),
+                                "data.n": list(range(20, 30)),
+                            },
+                        },
+                    )
+                ),
+                "--plain",
+            ],
+            "the sweep has 1,000,000 runs",
+        ),
+        "idx": (
+            [
+                "run",
+                str(_write(tmp_path / "idx.yaml", {**TINY, "data": {"name": "mnist", "path": str(mnist), "n": 5}})),
+            ],
+            "holds more than the 7,840 data bytes its header announces",
+        ),
     }
     argv = [[*a, "--store", str(tmp_path / f"{name}.zarr")] for name, (a, _) in cases.items()]
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv)], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = dict(zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])))
     for name, (_, want) in cases.items():
@@ -168,8 +213,16 @@ def test_a_sweep_is_counted_before_it_is_expanded_and_the_limit_is_raised_explic
 # --------------------------------------------------------------------------- the memory estimate
 
 
-@pytest.mark.parametrize("model", [dict(depth=1, width=5), dict(depth=2, width=7), dict(depth=6, width=256),
-                                   dict(depth=4, width=9, residual=True), dict(depth=3, width=6, init="ntk")])
+@pytest.mark.parametrize(
+    "model",
+    [
+        dict(depth=1, width=5),
+        dict(depth=2, width=7),
+        dict(depth=6, width=256),
+        dict(depth=4, width=9, residual=True),
+        dict(depth=3, width=6, init="ntk"),
+    ],
+)
 def test_closed_form_parameter_count_and_feature_width_match_the_built_net(model):
     m = ModelSpec(input_dim=3, output_dim=2, **model)
     net = build_model(m)
@@ -189,8 +242,11 @@ def test_the_memory_estimate_refuses_past_the_machine_and_past_an_auto_budget(mo
     n = 2000
     G = footprint(ExperimentSpec(**{**TINY, "data": {"n": n}, "spectrum": {"k": 4, "layout": "matrix_free"}})).parts
     tight = {**TINY, "data": {"n": n}, "spectrum": {"k": 4, "layout": "auto", "memory_budget_gb": 1e-9}}
-    with pytest.raises(ResourceError, match=r"its Gram needs ~.* per worker even as matrix_free, more than "
-                                            r"spectrum.memory_budget_gb=1e-09"):
+    with pytest.raises(
+        ResourceError,
+        match=r"its Gram needs ~.* per worker even as matrix_free, more than "
+        r"spectrum.memory_budget_gb=1e-09",
+    ):
         check_fits(ExperimentSpec(**tight))
     assert G["G (matrix_free layout)"] > 1e-9 * 1e9
     roomy = {**tight, "spectrum": {**tight["spectrum"], "memory_budget_gb": 100.0}}

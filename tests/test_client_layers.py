@@ -42,8 +42,9 @@ def test_no_client_module_reads_another_objects_private_attributes() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                 owner = node.value
-                assert isinstance(owner, ast.Name) and owner.id == "self", \
+                assert isinstance(owner, ast.Name) and owner.id == "self", (
                     f"{path.name}:{node.lineno} reads .{node.attr} of {ast.unparse(owner)}"
+                )
 
 
 def test_nothing_outside_the_client_imports_its_private_modules() -> None:

@@ -15,8 +15,13 @@ from nsa_dist.pipeline import plan_run, prepare_run, run_experiment, run_id
 from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.store import SpectrumStore
 
-BASE = dict(data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"every": 6},
-            spectrum={"k": 10, "images": [1, 2], "image_size": 6, "fourier_size": 5})
+BASE = dict(
+    data={"n": 40},
+    model={"depth": 3, "width": 16},
+    steps=24,
+    record={"every": 6},
+    spectrum={"k": 10, "images": [1, 2], "image_size": 6, "fourier_size": 5},
+)
 COMPARE = ("theta", "f", "df", "eigenvalues", "energy_y", "energy_residual", "first_order_error", "loss", "loss_trace")
 
 
@@ -76,8 +81,9 @@ def _sweep(name: str, **kw) -> SweepSpec:
 def test_killed_trainer_and_worker_processes_recover(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = _sweep("faults", base={"steps": 60, "record": {"every": 4}},
-                   cluster={"spectral_workers": 2, "max_inflight": 1})
+    sweep = _sweep(
+        "faults", base={"steps": 60, "record": {"every": 4}}, cluster={"spectral_workers": 2, "max_inflight": 1}
+    )
     url = str(tmp_path / "s.zarr")
     coord = SweepCoordinator(sweep, url)
     (run,) = coord.runs.values()
@@ -117,8 +123,7 @@ def test_killed_trainer_and_worker_processes_recover(local_ray, tmp_path):
 def test_diverging_run_fails_while_others_finish(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = _sweep("mixed", variants=[{"schedule.lr": 0.1}, {"schedule.lr": 40.0}],
-                   cluster={"spectral_workers": 1})
+    sweep = _sweep("mixed", variants=[{"schedule.lr": 0.1}, {"schedule.lr": 40.0}], cluster={"spectral_workers": 1})
     url = str(tmp_path / "s.zarr")
     good, bad = SweepCoordinator(sweep, url).run()
     assert good.status == "done"
@@ -137,15 +142,20 @@ def test_hessian_measurements_through_the_ray_pipeline(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
     hess = {"every": 2, "probes": 8, "rayleigh_k": 3, "top_k": 2, "density_grid": 32, "lanczos_steps": 10}
-    sweep = _sweep("hess", base={"model": {"depth": 2, "width": 6}, "hessian": hess},
-                   cluster={"spectral_workers": 1})
+    sweep = _sweep("hess", base={"model": {"depth": 2, "width": 6}, "hessian": hess}, cluster={"spectral_workers": 1})
     url = str(tmp_path / "s.zarr")
     (outcome,) = SweepCoordinator(sweep, url).run()
     assert outcome.status == "done"
     spec = sweep.expand()[0]
     ref, got = _reference(tmp_path, spec).run(outcome.run_id), Client(url).run(outcome.run_id)
-    for name in ("hessian_moments", "hessian_moments_I_exact", "hessian_top", "hessian_orthogonality",
-                 "hessian_rayleigh", "hessian_density"):
+    for name in (
+        "hessian_moments",
+        "hessian_moments_I_exact",
+        "hessian_top",
+        "hessian_orthogonality",
+        "hessian_rayleigh",
+        "hessian_density",
+    ):
         np.testing.assert_array_equal(ref.g[name][:], got.g[name][:], err_msg=name)
     assert got.hessian.steps.tolist() == [0, 12, 23]
 
@@ -195,8 +205,12 @@ def test_actors_must_fit_on_nodes_not_only_in_cluster_totals():
 def test_trainer_crash_loop_fails_its_run_and_the_sweep_finishes(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = _sweep("crashloop", variants=[{"seed": 0}, {"seed": 1}], base={"steps": 60, "record": {"every": 4}},
-                   cluster={"spectral_workers": 1, "max_retries": 1, "max_concurrent_runs": 2})
+    sweep = _sweep(
+        "crashloop",
+        variants=[{"seed": 0}, {"seed": 1}],
+        base={"steps": 60, "record": {"every": 4}},
+        cluster={"spectral_workers": 1, "max_retries": 1, "max_concurrent_runs": 2},
+    )
     url = str(tmp_path / "s.zarr")
     coord = SweepCoordinator(sweep, url)
     victim = list(coord.runs.values())[1]
@@ -238,8 +252,9 @@ def test_a_sweep_whose_lease_is_taken_over_stops_and_writes_nothing_more(local_r
     from nsa_dist.cluster import SweepCoordinator
     from nsa_dist.store import LeaseLost
 
-    sweep = _sweep("fenced", base={"steps": 60, "record": {"every": 4}},
-                   cluster={"spectral_workers": 1, "max_inflight": 1})
+    sweep = _sweep(
+        "fenced", base={"steps": 60, "record": {"every": 4}}, cluster={"spectral_workers": 1, "max_inflight": 1}
+    )
     url = str(tmp_path / "s.zarr")
     coord = SweepCoordinator(sweep, url)
     (rid,) = coord.runs
@@ -250,8 +265,18 @@ def test_a_sweep_whose_lease_is_taken_over_stops_and_writes_nothing_more(local_r
         (p,) = progress
         if p.done >= 2 and not at_swap:
             now = time.time()
-            store.write_lease(rid, {"host": "node-7.elsewhere", "pid": 4242, "since": now, "heartbeat": now,
-                                    "ttl": 600.0, "token": "theirs", "released": False})
+            store.write_lease(
+                rid,
+                {
+                    "host": "node-7.elsewhere",
+                    "pid": 4242,
+                    "since": now,
+                    "heartbeat": now,
+                    "ttl": 600.0,
+                    "token": "theirs",
+                    "released": False,
+                },
+            )
             at_swap.append(int(store.reader(rid).done.sum()))
 
     coord.on_event = take_over

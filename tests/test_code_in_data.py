@@ -26,8 +26,12 @@ class _Payload:
 
 def _batch(labels: list[int]) -> dict:
     rng = np.random.default_rng(0)
-    return {b"batch_label": b"testing batch", b"labels": labels, b"filenames": [b"x.png"] * len(labels),
-            b"data": rng.integers(0, 256, (len(labels), 3072), dtype=np.uint8)}
+    return {
+        b"batch_label": b"testing batch",
+        b"labels": labels,
+        b"filenames": [b"x.png"] * len(labels),
+        b"data": rng.integers(0, 256, (len(labels), 3072), dtype=np.uint8),
+    }
 
 
 def _cifar_dir(tmp_path: Path, first: dict) -> Path:

@@ -66,8 +66,12 @@ def cifar_batch(labels: np.ndarray, id0: int, key: str, seed: int) -> dict:
     """The real layout: {b'data': uint8 (m, 3072), b'<key>': list of m ints, ...}; id in the first R pixel."""
     data = np.random.default_rng(seed).integers(0, 256, (len(labels), 3072), dtype=np.uint8)
     data[:, 0] = id0 + np.arange(len(labels))
-    return {b"batch_label": b"testing batch", b"data": data, key.encode(): [int(c) for c in labels],
-            b"filenames": [b"x.png"] * len(labels)}
+    return {
+        b"batch_label": b"testing batch",
+        b"data": data,
+        key.encode(): [int(c) for c in labels],
+        b"filenames": [b"x.png"] * len(labels),
+    }
 
 
 def dump(path: Path, obj: object) -> None:
@@ -86,7 +90,7 @@ def cifar10_dir(tmp_path: Path) -> Path:
     d = tmp_path / "cifar-10-batches-py"
     d.mkdir()
     for b in range(5):
-        dump(d / f"data_batch_{b + 1}", cifar_batch(C10_TRAIN[3 * b:3 * b + 3], 3 * b, "labels", b))
+        dump(d / f"data_batch_{b + 1}", cifar_batch(C10_TRAIN[3 * b : 3 * b + 3], 3 * b, "labels", b))
     dump(d / "test_batch", cifar_batch(C10_TEST, 100, "labels", 9))
     return d
 
@@ -234,7 +238,7 @@ def test_cifar10(cifar10_dir: Path, target: str) -> None:
     check_targets(ds.y_test, C10_TEST[ids_t - 100], target, 10, 2)
     for r, i in enumerate(ids):  # RGB rows are the pickled rows / 255, layout unchanged
         b = i // 3
-        assert_array_equal(ds.X[r], cifar_batch(C10_TRAIN[3 * b:3 * b + 3], 3 * b, "labels", b)[b"data"][i % 3] / 255)
+        assert_array_equal(ds.X[r], cifar_batch(C10_TRAIN[3 * b : 3 * b + 3], 3 * b, "labels", b)[b"data"][i % 3] / 255)
 
 
 def test_cifar_grayscale_luminance(cifar10_dir: Path) -> None:

@@ -21,8 +21,16 @@ from nsa_dist.cli import main as nsa
 def _nsa_run(data_path: str, tmp_path: Path, capsys) -> str:
     """``nsa run`` of a tiny image2d spec reading ``data_path``: its one stderr line (rc 2 checked)."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({"name": "urls", "data": {"name": "image2d", "path": data_path, "n": 4},
-                                    "model": {"depth": 2, "width": 4}, "steps": 2}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "urls",
+                "data": {"name": "image2d", "path": data_path, "n": 4},
+                "model": {"depth": 2, "width": 4},
+                "steps": 2,
+            }
+        )
+    )
     capsys.readouterr()
     rc = nsa(["run", str(spec), "--store", str(tmp_path / "s.zarr"), "--plain"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -32,16 +40,19 @@ def _nsa_run(data_path: str, tmp_path: Path, capsys) -> str:
 
 
 def _assert_names(line: str, url: str, cause: str) -> None:
-    assert "image2d" in line and repr(url) in line and cause in line, \
+    assert "image2d" in line and repr(url) in line and cause in line, (
         f"expected the URL {url!r} and {cause!r} in: {line}"
+    )
     assert "unexpected" not in line and "Traceback" not in line, line
 
 
 def test_local_and_file_urls_and_unknown_schemes_name_the_path(tmp_path, capsys):
     missing = str(tmp_path / "absent.png")
-    cases = {missing: "does not exist (expected a PNG or JPEG image file)",
-             f"file://{missing}": "does not exist (expected a PNG or JPEG image file)",
-             "nosuch://bucket/face.png": "unknown scheme nosuch:// (fsspec: Protocol not known: nosuch)"}
+    cases = {
+        missing: "does not exist (expected a PNG or JPEG image file)",
+        f"file://{missing}": "does not exist (expected a PNG or JPEG image file)",
+        "nosuch://bucket/face.png": "unknown scheme nosuch:// (fsspec: Protocol not known: nosuch)",
+    }
     (tmp_path / "dir.png").mkdir()
     cases[str(tmp_path / "dir.png")] = "is a directory, expected a PNG or JPEG image file"
     if importlib.util.find_spec("gcsfs") is None:
@@ -56,8 +67,12 @@ def s3(s3_server, monkeypatch):
     and s3fs's instance cache emptied around the test: a filesystem made without keys must not be
     reused by a later test that has them (the cache key is the options, not the environment)."""
     s3fs = pytest.importorskip("s3fs")
-    for k, v in {**s3_server, "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent/config",
-                 "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials"}.items():
+    for k, v in {
+        **s3_server,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": "/nonexistent/config",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
+    }.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     s3fs.S3FileSystem.clear_instance_cache()
@@ -92,13 +107,16 @@ def test_s3_data_path_with_refused_keys(tmp_path, capsys, monkeypatch):
     """A server that checks credentials (moto with INITIAL_NO_AUTH_ACTION_COUNT=0) and wrong keys."""
     s3fs = pytest.importorskip("s3fs")
     with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as (env, _):
-        for k, v in {**env, "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0", "AWS_SECRET_ACCESS_KEY": "not-the-secret",
-                     "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        for k, v in {
+            **env,
+            "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0",
+            "AWS_SECRET_ACCESS_KEY": "not-the-secret",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }.items():
             monkeypatch.setenv(k, v)
         s3fs.S3FileSystem.clear_instance_cache()
         try:
             url = "s3://some-bucket/face.png"
-            _assert_names(_nsa_run(url, tmp_path, capsys), url,
-                          f"(endpoint {env['AWS_ENDPOINT_URL']}): access denied")
+            _assert_names(_nsa_run(url, tmp_path, capsys), url, f"(endpoint {env['AWS_ENDPOINT_URL']}): access denied")
         finally:
             s3fs.S3FileSystem.clear_instance_cache()

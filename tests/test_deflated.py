@@ -70,8 +70,9 @@ def test_top_k_equals_float64_products_within_tolerance(gram):
     # a bound up to the rounding of a residual itself (√N·eps₆₄·λ₁: a sampled vector reports its
     # true residual, whose product here runs in another GEMM order)
     slack = np.sqrt(gram.shape[0]) * np.finfo(np.float64).eps * lam1
-    assert fast.max_residual >= true.max() - slack, \
+    assert fast.max_residual >= true.max() - slack, (
         f"reported {fast.max_residual:.3e} is not a bound of {true.max():.3e} (allowed rounding {slack:.1e})"
+    )
     assert orth < 1e-12, f"‖VᵀV − I‖_max = {orth:.2e}"
     cos = np.abs((fast.evecs * ref.evecs).sum(axis=0))[:50]
     assert cos.min() > 1 - 1e-8, f"a top-50 eigenvector moved: min |cos| = {cos.min():.12f}"
@@ -115,7 +116,7 @@ def test_where_the_route_applies(gram):
     assert not deflation_applies(gram, K - 1, "auto")  # too few eigenpairs for the set-up
     assert not deflation_applies(gram.double(), K, "auto")  # already float64
     assert not deflation_applies(gram, K, "numpy")  # the caller chose NumPy's products
-    assert not deflation_applies(gram[:N - 1, :N - 1], K, "auto")  # too small
+    assert not deflation_applies(gram[: N - 1, : N - 1], K, "auto")  # too small
     small = top_eigenpairs(_kernel_gram(600), 100)
     assert small.products == "float64"
 
@@ -153,6 +154,7 @@ def test_views_and_tensors_that_track_gradients_are_taken(gram):
         out = top_eigenpairs(G, K, tol=TOL)
         assert out.products == "deflated-float32"
         assert np.abs(out.evals - plain.evals).max() <= 2 * TOL * plain.evals[0]
-        small = top_eigenpairs(G[:3000, :3000] if not flip else np.ascontiguousarray(arr[:3000, :3000])[::-1, ::-1],
-                               20, tol=TOL)  # the float64 route (N < 4096)
+        small = top_eigenpairs(
+            G[:3000, :3000] if not flip else np.ascontiguousarray(arr[:3000, :3000])[::-1, ::-1], 20, tol=TOL
+        )  # the float64 route (N < 4096)
         assert small.products == "float64" and np.isfinite(small.evals).all()

@@ -29,8 +29,13 @@ def _strings(node):
 
 def test_deploy_has_the_expected_files():
     names = {p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.is_file()}
-    assert {"docker/Dockerfile", "ray-cluster.yaml", "kuberay/raycluster.yaml", "kuberay/rayjob.yaml",
-            "README.md"} <= names
+    assert {
+        "docker/Dockerfile",
+        "ray-cluster.yaml",
+        "kuberay/raycluster.yaml",
+        "kuberay/rayjob.yaml",
+        "README.md",
+    } <= names
     assert not [n for n in names if n.endswith(".py")], "deploy/ holds no Python"
 
 
@@ -72,5 +77,6 @@ def test_sweep_examples_validate():
     fig7 = load_sweep(ROOT / "examples" / "nsa_fig7_sweep.yaml")
     runs = fig7.expand()
     assert len(runs) == 12 and {(r.model.depth, r.model.width) for r in runs} == {
-        (L, W) for L in (2, 4, 6, 8) for W in (64, 256, 1024)}
+        (L, W) for L in (2, 4, 6, 8) for W in (64, 256, 1024)
+    }
     assert len(load_sweep(ROOT / "examples" / "sweep_tiny.yaml").expand()) == 4

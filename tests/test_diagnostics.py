@@ -81,10 +81,17 @@ def test_app_e_prediction_beyond_the_bound_is_nan_with_its_reason() -> None:
     from nsa_dist.ntk import gram
     from nsa_dist.pipeline.nsa_extras import test_point_prediction
 
-    spec = ExperimentSpec.model_validate({"name": "appe", "data": {"n": 16, "n_test": 6},
-                                          "model": {"depth": 2, "width": 8},
-                                          "steps": 1500, "record": {"steps": [0, 5, 1499]},
-                                          "schedule": {"lr": 1.0}, "spectrum": {"k": 16}})
+    spec = ExperimentSpec.model_validate(
+        {
+            "name": "appe",
+            "data": {"n": 16, "n_test": 6},
+            "model": {"depth": 2, "width": 8},
+            "steps": 1500,
+            "record": {"steps": [0, 5, 1499]},
+            "schedule": {"lr": 1.0},
+            "spectrum": {"k": 16},
+        }
+    )
     torch.manual_seed(0)
     model = build_model(spec.model, seed=0).double()
     X, X_test = torch.randn(16, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
@@ -100,9 +107,14 @@ def test_app_e_prediction_beyond_the_bound_is_nan_with_its_reason() -> None:
 
 
 def _tiny(name: str, **over) -> ExperimentSpec:
-    base = {"name": name, "data": {"n": 24, "n_test": 8}, "model": {"depth": 2, "width": 8}, "steps": 6,
-            "record": {"every": 2}, "spectrum": {"k": 6, "test_points": True, "store_eigenvectors": True,
-                                                         "gram_change_k": 3}}
+    base = {
+        "name": name,
+        "data": {"n": 24, "n_test": 8},
+        "model": {"depth": 2, "width": 8},
+        "steps": 6,
+        "record": {"every": 2},
+        "spectrum": {"k": 6, "test_points": True, "store_eigenvectors": True, "gram_change_k": 3},
+    }
     base.update(over)
     return ExperimentSpec.model_validate(base)
 
@@ -136,8 +148,10 @@ def test_a_failing_diagnostic_is_nan_with_its_reason_and_the_run_is_done(tmp_pat
     assert first["alignment"] == "FloatingPointError: injected" and "hessian_orthogonality" in first
     assert run.has("gram_change") and "gram_change" in first and "gram_change_fro" in first
     assert np.isnan(run.array("gram_change")[0]).all() and np.isfinite(run.array("reconstructions")[0]).all()
-    assert run.attrs["post_run_notes"] == {"constant_gram_residual": "FloatingPointError: injected",
-                                           "constant_gram_energy": "FloatingPointError: injected"}
+    assert run.attrs["post_run_notes"] == {
+        "constant_gram_residual": "FloatingPointError: injected",
+        "constant_gram_energy": "FloatingPointError: injected",
+    }
     assert not run.has("constant_gram_residual") and run.has("preservation")
 
 
@@ -167,6 +181,7 @@ def test_infrastructure_errors_are_not_swallowed() -> None:
 def _raiser(exc: BaseException):
     def f():
         raise exc
+
     return f
 
 

@@ -14,10 +14,16 @@ from nsa_dist.pipeline import run_experiment
 from nsa_dist.store import SpectrumStore
 
 N = 48
-BASE = {"data": {"n": N, "n_test": 12}, "model": {"depth": 2, "width": 24}, "steps": 6, "record": {"every": 3},
-        "seed": 3}
-EXACT = ExperimentSpec.model_validate({**BASE, "name": "exact",
-                                       "spectrum": {"k": "all", "dtype": "float64", "test_points": True}})
+BASE = {
+    "data": {"n": N, "n_test": 12},
+    "model": {"depth": 2, "width": 24},
+    "steps": 6,
+    "record": {"every": 3},
+    "seed": 3,
+}
+EXACT = ExperimentSpec.model_validate(
+    {**BASE, "name": "exact", "spectrum": {"k": "all", "dtype": "float64", "test_points": True}}
+)
 TOP = ExperimentSpec.model_validate({**BASE, "name": "top", "spectrum": {"k": 5, "dtype": "float64"}})
 PHIS = ("y", "f", "residual", "df", "df_pred", "f_test")
 
@@ -109,8 +115,19 @@ def _synthetic(increasing: bool, rng: np.random.Generator) -> tuple[BracketedCur
     pad_lo, pad_hi = rng.random(v.shape) * 0.05, rng.random(v.shape) * 0.05
     top = grid <= 10
     pad_lo[:, top] = pad_hi[:, top] = 0
-    c = BracketedCurve("energy_y" if increasing else "eigenvalue", np.arange(3), grid, v, v - pad_lo, v + pad_hi,
-                       top, n, "quadrature", "statistical", 0.95)
+    c = BracketedCurve(
+        "energy_y" if increasing else "eigenvalue",
+        np.arange(3),
+        grid,
+        v,
+        v - pad_lo,
+        v + pad_hi,
+        top,
+        n,
+        "quadrature",
+        "statistical",
+        0.95,
+    )
     return c, exact
 
 
@@ -180,18 +197,32 @@ def test_exact_route_serve_panel_draws_every_k_without_a_band(exact: Run) -> Non
     assert not p.error.visible and not any(len(v) for v in p.sources[0]["bands"].data.values())
 
 
-
 # --------------------------------------------------------------------------- the quadrature route
 NQ = 150
 # width 64: P ≈ 4,400 parameters, so G (N = 150) has full rank — beyond rank(G) the exact route's E_t(φ, k)
 # depends on the basis eigh picks in G's null space (with width 24, P < N, it lay outside the bracket there)
-QBASE = {"data": {"n": NQ, "n_test": 12}, "model": {"depth": 2, "width": 64}, "steps": 6, "record": {"every": 3},
-         "seed": 5}
-QEXACT = ExperimentSpec.model_validate({**QBASE, "name": "q-exact",
-                                        "spectrum": {"k": "all", "dtype": "float64", "energy": "exact"}})
-QUAD = ExperimentSpec.model_validate({**QBASE, "name": "q-quad", "spectrum": {
-    "k": "all", "dtype": "float64", "energy": "quadrature",
-    "quadrature": {"top": 10, "lanczos_steps": 20, "probes": 8, "curve_points": 25}}})
+QBASE = {
+    "data": {"n": NQ, "n_test": 12},
+    "model": {"depth": 2, "width": 64},
+    "steps": 6,
+    "record": {"every": 3},
+    "seed": 5,
+}
+QEXACT = ExperimentSpec.model_validate(
+    {**QBASE, "name": "q-exact", "spectrum": {"k": "all", "dtype": "float64", "energy": "exact"}}
+)
+QUAD = ExperimentSpec.model_validate(
+    {
+        **QBASE,
+        "name": "q-quad",
+        "spectrum": {
+            "k": "all",
+            "dtype": "float64",
+            "energy": "quadrature",
+            "quadrature": {"top": 10, "lanczos_steps": 20, "probes": 8, "curve_points": 25},
+        },
+    }
+)
 QPHIS = ("y", "f", "residual", "df", "df_pred")
 
 
@@ -226,8 +257,10 @@ def test_quadrature_brackets_contain_the_exact_routes_value_at_every_k(quad_pair
         for k in range(1, NQ + 1):
             v, lo, hi = c.at(k)
             out = np.flatnonzero((lo > want[:, k - 1] + slop * scale) | (hi < want[:, k - 1] - slop * scale))
-            bad += [f"{name} t={int(qu.steps[j])} k={k}: exact {want[j, k - 1]:.6g} not in [{lo[j]:.6g}, {hi[j]:.6g}]"
-                    for j in out]
+            bad += [
+                f"{name} t={int(qu.steps[j])} k={k}: exact {want[j, k - 1]:.6g} not in [{lo[j]:.6g}, {hi[j]:.6g}]"
+                for j in out
+            ]
             if k <= top:
                 assert np.all(lo == hi), f"{name} k={k} ≤ top={top} is not exact"
             w = float(np.max(hi - lo)) / scale
@@ -285,8 +318,9 @@ def test_quadrature_export_round_trips_the_curves_bitwise(quad_pair, tmp_path) -
     acc = EventAccumulator(str(tmp_path / qu.id), size_guidance={"tensors": 0})
     acc.Reload()
     ks_ = qu.array("curve_k").tolist()
-    names = [f"curve_energy_{p}{s}" for p in QPHIS for s in ("", "_lower", "_upper")] + \
-            [f"curve_eigenvalue{s}" for s in ("", "_lower", "_upper")]
+    names = [f"curve_energy_{p}{s}" for p in QPHIS for s in ("", "_lower", "_upper")] + [
+        f"curve_eigenvalue{s}" for s in ("", "_lower", "_upper")
+    ]
     for name in names:
         stored = qu.per_step(name)
         for j, k in enumerate(ks_):
@@ -298,9 +332,10 @@ def test_quadrature_export_round_trips_the_curves_bitwise(quad_pair, tmp_path) -
 
 @pytest.mark.slow  # the pair of runs: ~40 s on a free core
 def test_quadrature_runs_page_opens_and_shades_the_bracket(quad_pair) -> None:
+    from test_serve import _Served
+
     from nsa_dist.serve import ServeOptions
     from nsa_dist.serve.run_page import run_panels
-    from test_serve import _Served
 
     _, qu, url = quad_pair
     panels = {type(p).__name__: p for p in run_panels(qu)}
@@ -327,8 +362,9 @@ def test_fig7a_of_a_quadrature_sweep_hatches_the_bracket_of_the_mean(quad_pair) 
 
     ex, qu, url = quad_pair
     base = QUAD.model_dump(mode="json")
-    SpectrumStore(url).record_sweep("qs", SweepSpec(name="qs", base=base, grid={"seed": [QBASE["seed"]]})
-                                    .model_dump(mode="json"), [qu.id])
+    SpectrumStore(url).record_sweep(
+        "qs", SweepSpec(name="qs", base=base, grid={"seed": [QBASE["seed"]]}).model_dump(mode="json"), [qu.id]
+    )
     sweep = Client(url).sweep("qs")
     k = 60  # beyond top = 10, between two points of the grid
     (cv,) = sweep.curves("energy_y", k)
@@ -344,9 +380,19 @@ def test_a_block_rows_runs_curves_read_the_same_way(quad_pair) -> None:
     """k: all on layout block_rows (2 workers) takes the quadrature route; its curves read through the
     same client, and every bracket holds the exact route's value of the same seed."""
     ex, _, url = quad_pair
-    spec = ExperimentSpec.model_validate({**QBASE, "name": "q-rows", "spectrum": {
-        "k": "all", "dtype": "float64", "layout": "block_rows", "workers": 2,
-        "quadrature": {"top": 10, "lanczos_steps": 20, "probes": 8, "curve_points": 25}}})
+    spec = ExperimentSpec.model_validate(
+        {
+            **QBASE,
+            "name": "q-rows",
+            "spectrum": {
+                "k": "all",
+                "dtype": "float64",
+                "layout": "block_rows",
+                "workers": 2,
+                "quadrature": {"top": 10, "lanczos_steps": 20, "probes": 8, "curve_points": 25},
+            },
+        }
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     rows = Client(url).run("q-rows")
     assert rows.energy_route == "quadrature" and rows.attrs.get("layout") == "block_rows"

@@ -26,10 +26,18 @@ CURVES = ("curve_eigenvalue",) + tuple(f"curve_energy_{p}" for p in PHIS)
 def trained() -> dict:
     """The Gram of a trained leaky-ReLU net (the NSA paper's kind, narrower) on the 2-D image task,
     its exact spectrum and the step's φ."""
-    spec = ExperimentSpec.model_validate({
-        "name": "q", "seed": 0, "data": {"name": "image2d", "n": 500, "n_test": 10},
-        "model": {"depth": 4, "width": 64, "activation": "leaky_relu", "init": "xavier"},
-        "schedule": {"lr": 0.25}, "steps": 200, "record": {"steps": [0, 199]}, "spectrum": {"k": 10}})
+    spec = ExperimentSpec.model_validate(
+        {
+            "name": "q",
+            "seed": 0,
+            "data": {"name": "image2d", "n": 500, "n_test": 10},
+            "model": {"depth": 4, "width": 64, "activation": "leaky_relu", "init": "xavier"},
+            "schedule": {"lr": 0.25},
+            "steps": 200,
+            "record": {"steps": [0, 199]},
+            "spectrum": {"k": 10},
+        }
+    )
     data = load_dataset(spec.data, seed=0)
     ck = list(Trainer(plan_run(spec, data), data).train_until(200))[-1]
     model = build_model(spec.model, seed=0)
@@ -42,7 +50,7 @@ def trained() -> dict:
 def _exact(G: np.ndarray, phis: dict) -> tuple[np.ndarray, np.ndarray, dict]:
     w, V = np.linalg.eigh(G)
     w, V = w[::-1].copy(), V[:, ::-1].copy()
-    return w, V, {n: np.cumsum((V.T @ p) ** 2) / np.sum(p ** 2) for n, p in phis.items()}
+    return w, V, {n: np.cumsum((V.T @ p) ** 2) / np.sum(p**2) for n, p in phis.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -62,8 +70,10 @@ def test_brackets_contain_the_exact_curves_of_a_trained_gram(trained, dtype):
     for name, Ex in E.items():
         b, x = c.energy[name], Ex[ks - 1]
         out = (x < b.lower - 1e-9) | (x > b.upper + 1e-9)
-        assert not out.any(), (f"E({name}, k) outside its bracket at k = {ks[out]}: lower {b.lower[out]}, exact "
-                               f"{x[out]}, upper {b.upper[out]}")
+        assert not out.any(), (
+            f"E({name}, k) outside its bracket at k = {ks[out]}: lower {b.lower[out]}, exact "
+            f"{x[out]}, upper {b.upper[out]}"
+        )
         assert np.all(b.lower <= b.value + 1e-15) and np.all(b.value <= b.upper + 1e-15)
         top = ks <= K
         np.testing.assert_allclose(b.value[top], x[top], rtol=1e-8, atol=1e-10, err_msg=f"E({name}, k ≤ K) exact")
@@ -119,11 +129,25 @@ def test_bad_inputs_are_named():
 
 # --------------------------------------------------------------------------- the spec and the pipeline
 def _spec(layout: str, workers: int, **spectrum) -> ExperimentSpec:
-    return ExperimentSpec.model_validate({
-        "name": "curve", "seed": 0, "data": {"n": 160, "n_test": 20}, "model": {"depth": 3, "width": 32},
-        "steps": 5, "record": {"steps": [0, 4]},
-        "spectrum": {"dtype": "float64", "k": "all", "layout": layout, "workers": workers, "images": [],
-                     "quadrature": {"top": 20, "lanczos_steps": 25, "probes": 12, "curve_points": 40}, **spectrum}})
+    return ExperimentSpec.model_validate(
+        {
+            "name": "curve",
+            "seed": 0,
+            "data": {"n": 160, "n_test": 20},
+            "model": {"depth": 3, "width": 32},
+            "steps": 5,
+            "record": {"steps": [0, 4]},
+            "spectrum": {
+                "dtype": "float64",
+                "k": "all",
+                "layout": layout,
+                "workers": workers,
+                "images": [],
+                "quadrature": {"top": 20, "lanczos_steps": 25, "probes": 12, "curve_points": 40},
+                **spectrum,
+            },
+        }
+    )
 
 
 def test_spec_routes():
@@ -163,10 +187,13 @@ def _assert_same_curves(got: dict, ref: dict, what: str) -> None:
         width = np.maximum(got[name + "_upper"] - got[name + "_lower"], ref[name + "_upper"] - ref[name + "_lower"])
         scale = 1e-9 * max(np.abs(b).max(), 1e-300)
         bad = np.abs(a - b) > width + scale
-        assert not bad.any(), f"{what}: {name} differs beyond the bracket widths at {np.nonzero(bad)[0]}: " \
-                              f"{a[bad]} vs {b[bad]} (widths {width[bad]})"
-        assert np.all(got[name + "_lower"] <= ref[name + "_upper"] + scale) and \
-            np.all(ref[name + "_lower"] <= got[name + "_upper"] + scale), f"{what}: {name} brackets do not overlap"
+        assert not bad.any(), (
+            f"{what}: {name} differs beyond the bracket widths at {np.nonzero(bad)[0]}: "
+            f"{a[bad]} vs {b[bad]} (widths {width[bad]})"
+        )
+        assert np.all(got[name + "_lower"] <= ref[name + "_upper"] + scale) and np.all(
+            ref[name + "_lower"] <= got[name + "_upper"] + scale
+        ), f"{what}: {name} brackets do not overlap"
 
 
 def test_layouts_give_the_same_curves_in_process():
@@ -213,12 +240,14 @@ def test_the_budget_counts_the_quadrature_route():
     from nsa_dist.pipeline.budget import footprint
 
     base = {"data": {"n": 200_000}, "model": {"depth": 6, "width": 256}}
-    q = footprint(ExperimentSpec.model_validate({**base, "spectrum": {"k": "all", "layout": "matrix_free",
-                                                                      "workers": 2}}))
-    top = footprint(ExperimentSpec.model_validate({**base, "spectrum": {"k": 100, "layout": "matrix_free",
-                                                                        "workers": 2}}))
+    q = footprint(
+        ExperimentSpec.model_validate({**base, "spectrum": {"k": "all", "layout": "matrix_free", "workers": 2}})
+    )
+    top = footprint(
+        ExperimentSpec.model_validate({**base, "spectrum": {"k": 100, "layout": "matrix_free", "workers": 2}})
+    )
     assert q.parts["eigenvectors"] == top.parts["eigenvectors"] == 8.0 * 200_000 * 100  # top = 100: not N²
     assert q.parts["quadrature Lanczos basis"] >= 16.0 * 200_000 * 60  # one block's V and G·V at least
     assert "quadrature Lanczos basis" not in top.parts
     local = footprint(ExperimentSpec.model_validate({"data": {"n": 2000}, "spectrum": {"k": "all"}}))
-    assert local.parts["eigenvectors"] == 8.0 * 2000 ** 2 and "quadrature Lanczos basis" not in local.parts
+    assert local.parts["eigenvectors"] == 8.0 * 2000**2 and "quadrature Lanczos basis" not in local.parts

@@ -44,8 +44,16 @@ def _cifar_standin(name: str, root: Path) -> Path:
         labels = rng.integers(0, 100, m)
         labels[:2] = 0  # the one-vs-rest class is present
         with open(d / part, "wb") as f:
-            pickle.dump({b"data": rng.integers(0, 256, (m, 3072), dtype=np.uint8), b"fine_labels": labels.tolist(),
-                         b"coarse_labels": (labels // 5).tolist(), b"batch_label": part.encode()}, f, protocol=2)
+            pickle.dump(
+                {
+                    b"data": rng.integers(0, 256, (m, 3072), dtype=np.uint8),
+                    b"fine_labels": labels.tolist(),
+                    b"coarse_labels": (labels // 5).tolist(),
+                    b"batch_label": part.encode(),
+                },
+                f,
+                protocol=2,
+            )
     return d
 
 
@@ -92,8 +100,15 @@ def shrink(spec: ExperimentSpec, data_root: Path) -> ExperimentSpec:
         s["store_eigenvectors"] = [0, d["steps"] - 1]
     h = d.get("hessian")
     if h:
-        h.update(probes=min(h["probes"], 2), density_probes=1, lanczos_steps=4, density_grid=10,
-                 rayleigh_k=min(h.get("rayleigh_k", 0), 1), top_k=min(h.get("top_k", 0), 1), eig_tol=0.5)
+        h.update(
+            probes=min(h["probes"], 2),
+            density_probes=1,
+            lanczos_steps=4,
+            density_grid=10,
+            rayleigh_k=min(h.get("rayleigh_k", 0), 1),
+            top_k=min(h.get("top_k", 0), 1),
+            eig_tol=0.5,
+        )
         h.pop("every", None)
         h.pop("steps", None)
     return ExperimentSpec.model_validate(d)
@@ -114,8 +129,14 @@ def test_example_runs_to_done_at_a_reduced_size(path: Path, tmp_path: Path) -> N
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
 def test_python_example_runs(path: Path) -> None:
     """A script example with its smallest argument (e.g. 2 seeds) exits 0 and prints its result."""
-    r = subprocess.run([sys.executable, str(path), "2"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [sys.executable, str(path), "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0, f"{path.name} exited {r.returncode}:\n{r.stderr[-2000:]}"
     assert r.stdout.strip(), f"{path.name} printed nothing"
 

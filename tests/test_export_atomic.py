@@ -21,8 +21,14 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.pipeline import run_experiment
 from nsa_dist.store import SpectrumStore
 
-TINY = dict(name="exp", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
-            record={"every": 10}, spectrum={"k": 8, "test_points": True})
+TINY = dict(
+    name="exp",
+    data={"n": 32, "n_test": 8},
+    model={"depth": 2, "width": 16},
+    steps=30,
+    record={"every": 10},
+    spectrum={"k": 8, "test_points": True},
+)
 
 
 @pytest.fixture(scope="module")

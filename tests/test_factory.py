@@ -20,8 +20,14 @@ from nsa_dist.store import SpectrumStore
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CNN8 = {"factory": "nsa_dist.models:cnn", "kwargs": {"in_channels": 1, "image_size": 8, "channels": [3], "hidden": [8]}}
-BASE = dict(data={"name": "digits", "n": 30, "target": "one_vs_rest"}, model=CNN8, steps=6, record={"every": 3},
-            schedule={"lr": 0.05}, spectrum={"k": 8})
+BASE = dict(
+    data={"name": "digits", "n": 30, "target": "one_vs_rest"},
+    model=CNN8,
+    steps=6,
+    record={"every": 3},
+    schedule={"lr": 0.05},
+    spectrum={"k": 8},
+)
 
 
 def test_factory_spec_builds_the_network_deterministically():
@@ -85,8 +91,11 @@ def _cifar_standin(root: Path, n_per_batch: int = 8) -> Path:
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{b}" for b in range(1, 6)] + ["test_batch"]:
         labels = rng.integers(0, 10, n_per_batch)
-        batch = {b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
-                 b"labels": [int(c) for c in labels], b"batch_label": b"stand-in"}
+        batch = {
+            b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
+            b"labels": [int(c) for c in labels],
+            b"batch_label": b"stand-in",
+        }
         with open(d / name, "wb") as fh:
             pickle.dump(batch, fh)
     return d
@@ -112,8 +121,12 @@ def test_cifar_cnn_example_runs_on_a_stand_in(tmp_path):
 def test_factory_sweep_on_local_ray_equals_single_process_runs(local_ray, tmp_path):
     from nsa_dist.cluster import SweepCoordinator
 
-    sweep = SweepSpec(name="rnets", base=BASE, grid={"model.kwargs.hidden": [[4], [8]]},
-                      cluster={"spectral_workers": 1, "max_inflight": 1})
+    sweep = SweepSpec(
+        name="rnets",
+        base=BASE,
+        grid={"model.kwargs.hidden": [[4], [8]]},
+        cluster={"spectral_workers": 1, "max_inflight": 1},
+    )
     url = str(tmp_path / "s.zarr")
     assert [o.status for o in SweepCoordinator(sweep, url).run()] == ["done", "done"]
     threads = torch.get_num_threads()

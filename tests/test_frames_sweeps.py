@@ -24,9 +24,17 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2 depths × 2 seeds sweep, recorded as the coordinator records one, plus a run outside it."""
     url = str(tmp_path_factory.mktemp("sw") / "s.zarr")
     store = SpectrumStore(url)
-    sweep = SweepSpec(name="sw", base={"data": {"n": 32, "n_test": 16}, "model": {"width": 8}, "steps": 12,
-                                       "record": {"every": 4}, "spectrum": {"k": 12, "images": [1]}},
-                      grid={"model.depth": [2, 3], "seed": [0, 1]})
+    sweep = SweepSpec(
+        name="sw",
+        base={
+            "data": {"n": 32, "n_test": 16},
+            "model": {"width": 8},
+            "steps": 12,
+            "record": {"every": 4},
+            "spectrum": {"k": 12, "images": [1]},
+        },
+        grid={"model.depth": [2, 3], "seed": [0, 1]},
+    )
     ids = []
     for spec in sweep.expand():
         assert run_experiment(spec, store).status == "done"
@@ -34,9 +42,11 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
     lone = sweep.expand()[0].model_copy(update={"name": "lone", "steps": 5})
     assert run_experiment(lone, store).status == "done"
-    two = SweepSpec(name="sw2", base={"data": {"n": 24}, "steps": 4, "record": {"every": 2},
-                                      "spectrum": {"k": 8, "store_eigenvectors": False}},
-                    grid={"model.depth": [2, 3], "model.width": [4, 8]})
+    two = SweepSpec(
+        name="sw2",
+        base={"data": {"n": 24}, "steps": 4, "record": {"every": 2}, "spectrum": {"k": 8, "store_eigenvectors": False}},
+        grid={"model.depth": [2, 3], "model.width": [4, 8]},
+    )
     ids = []
     for spec in two.expand():
         assert run_experiment(spec, store).status == "done"
@@ -127,8 +137,9 @@ def test_scalar_against_one_field_with_a_line_per_other(store_url: str) -> None:
     lines = {cont.get_label(): cont.lines[0] for cont in ax.containers}  # one errorbar line per width
     assert sorted(lines) == ["width=4", "width=8"], sorted(lines)
     for w, ln in ((4, lines["width=4"]), (8, lines["width=8"])):
-        want = [c.run(c.runs(sweep="sw2", model__depth=d, model__width=w)["id"].item()).energy("y", 5)[0]
-                for d in (2, 3)]
+        want = [
+            c.run(c.runs(sweep="sw2", model__depth=d, model__width=w)["id"].item()).energy("y", 5)[0] for d in (2, 3)
+        ]
         np.testing.assert_array_equal(ln.get_xdata(), [2, 3])
         np.testing.assert_allclose(ln.get_ydata(), want, rtol=1e-12)
 
@@ -142,29 +153,69 @@ def test_any_stored_per_step_array_is_a_sweep_quantity(store_url: str) -> None:
     assert one["value"].item() == run.eigenvalues[-1, 1]
     t, v = s.curves("gram_sq_frobenius", k=1)[0].t, s.curves("gram_sq_frobenius", k=1)[0].mean
     assert t.tolist() == [0, 2, 3] and len(v) == 3 and (v > 0).all()
-    with pytest.raises(ValueError,
-                       match="unknown quantity 'nope'.*or a stored per-step array of this run: .*eigenvalues"):
+    with pytest.raises(
+        ValueError, match="unknown quantity 'nope'.*or a stored per-step array of this run: .*eigenvalues"
+    ):
         s.scalar("nope")
     with pytest.raises(ValueError, match="'eigenvalues' has 8 values per step: give k in 1..8, got 9"):
         s.scalar("eigenvalues", k=9)
 
 
 def test_cli_plot_sweep_and_ls(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["plot", "--sweep", "sw", "--out", str(tmp_path), "--store", store_url,
-                 "--scalar", "lambda_max", "--x", "model.depth"]) == 0
+    assert (
+        main(
+            [
+                "plot",
+                "--sweep",
+                "sw",
+                "--out",
+                str(tmp_path),
+                "--store",
+                store_url,
+                "--scalar",
+                "lambda_max",
+                "--x",
+                "model.depth",
+            ]
+        )
+        == 0
+    )
     written = capsys.readouterr().out.split()
-    assert sorted(Path(p).name for p in written) == sorted([f"{n}.png" for n in SWEEP_FIGURES]
-                                                           + ["scalar_lambda_max.png"])
+    assert sorted(Path(p).name for p in written) == sorted(
+        [f"{n}.png" for n in SWEEP_FIGURES] + ["scalar_lambda_max.png"]
+    )
     assert main(["ls", "--store", store_url]) == 0
     assert "lone" in capsys.readouterr().out
     assert main(["plot", "--sweep", "nope", "--out", str(tmp_path), "--store", store_url]) == 2
 
 
 def test_cli_plot_run_at_chosen_steps(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["plot", "lone", "--out", str(tmp_path), "--store", store_url, "--step", "0", "4", "--k", "1", "3",
-                 "--figures", "fig4a_residual_projections", "fig3a_energy_y"]) == 0
-    assert sorted(Path(p).name for p in capsys.readouterr().out.split()) == \
-        ["fig3a_energy_y.png", "fig4a_residual_projections.png"]
+    assert (
+        main(
+            [
+                "plot",
+                "lone",
+                "--out",
+                str(tmp_path),
+                "--store",
+                store_url,
+                "--step",
+                "0",
+                "4",
+                "--k",
+                "1",
+                "3",
+                "--figures",
+                "fig4a_residual_projections",
+                "fig3a_energy_y",
+            ]
+        )
+        == 0
+    )
+    assert sorted(Path(p).name for p in capsys.readouterr().out.split()) == [
+        "fig3a_energy_y.png",
+        "fig4a_residual_projections.png",
+    ]
     assert main(["plot", "lone", "--out", str(tmp_path), "--store", store_url, "--step", "3"]) == 2
     assert "step(s) [3] are not finished recorded steps" in capsys.readouterr().err
     assert main(["plot", "--out", str(tmp_path), "--store", store_url]) == 2
@@ -218,5 +269,8 @@ def test_sweep_opens_from_the_store_alone(store_url: str) -> None:
     assert s.run(rid).id == rid
     with pytest.raises(KeyError, match="no sweep 'nope'"):
         Sweep(c.store, "nope")
-    assert flatten_spec({"model": {"depth": 6}, "grid": [1, 2], "extra": {}}) == \
-        {"model.depth": 6, "grid": (1, 2), "extra": {}}
+    assert flatten_spec({"model": {"depth": 6}, "grid": [1, 2], "extra": {}}) == {
+        "model.depth": 6,
+        "grid": (1, 2),
+        "extra": {},
+    }

@@ -14,9 +14,10 @@ from nsa_dist.ntk import gram, ntk_operator
 from nsa_dist.ntk.blocks import block_features
 from nsa_dist.ntk.shards import FeatureShard, GramTiles, tile_plan
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="needs CUDA (torch.cuda.is_available() is False)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)"),
+]
 
 
 def _net():

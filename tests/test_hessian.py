@@ -35,18 +35,28 @@ from tests.conftest import assert_close_rel
 F64 = torch.float64
 N = 9
 # (activation, loss, K, targets): MSE values; CE class indices / probability rows
-CASES = [("tanh", "mse", 1, "values"), ("leaky_relu", "mse", 2, "values"),
-         ("gelu", "cross_entropy", 3, "indices"), ("softplus", "cross_entropy", 3, "probs")]
+CASES = [
+    ("tanh", "mse", 1, "values"),
+    ("leaky_relu", "mse", 2, "values"),
+    ("gelu", "cross_entropy", 3, "indices"),
+    ("softplus", "cross_entropy", 3, "probs"),
+]
 
 
 def _problem(activation="tanh", loss="mse", K=1, targets="values", seed=0, init="ntk", width=5):
     g = torch.Generator().manual_seed(seed)
-    model = build_model(ModelSpec(depth=3, width=width, activation=activation, output_dim=K, init=init,
-                                  bias_scale=0.3), seed=seed, dtype=F64)
+    model = build_model(
+        ModelSpec(depth=3, width=width, activation=activation, output_dim=K, init=init, bias_scale=0.3),
+        seed=seed,
+        dtype=F64,
+    )
     X = torch.rand(N, 2, dtype=F64, generator=g) * 2 - 1
     if targets == "values":
-        Y = torch.randn(N, K, dtype=F64, generator=g).squeeze(-1) if K == 1 else torch.randn(N, K, dtype=F64,
-                                                                                             generator=g)
+        Y = (
+            torch.randn(N, K, dtype=F64, generator=g).squeeze(-1)
+            if K == 1
+            else torch.randn(N, K, dtype=F64, generator=g)
+        )
     elif targets == "indices":
         Y = torch.randint(0, K, (N,), generator=g)
     else:
@@ -66,11 +76,14 @@ def _dense_parts(model, X, Y, loss):
         return out.reshape(X.shape[0], -1)  # (N, K)
 
     if loss == "mse":
+
         def C(t):
             return 0.5 * ((F(t) - Y.reshape(N, -1)) ** 2).sum() / N
     else:
+
         def C(t):
             return torch.nn.functional.cross_entropy(F(t), Y)  # mean over N; indices or probabilities
+
     H = hessian(C)(theta)
     f = F(theta).detach()
     K = f.shape[1]
@@ -183,10 +196,14 @@ def test_gauss_newton_moments_from_the_ntk_gram(activation, loss, K, targets):
     _, I_ref, _ = _dense_parts(model, X, Y, loss)
     mom = gauss_newton_moments(model, X, Y, loss=loss)
     assert mom.n_products == 0 and mom.method == "ntk_gram"
-    assert_close_rel(torch.from_numpy(mom.estimate), torch.from_numpy(dense_moments(I_ref).estimate), 1e-10,
-                     f"Tr(I^k) {activation} {loss}")
+    assert_close_rel(
+        torch.from_numpy(mom.estimate),
+        torch.from_numpy(dense_moments(I_ref).estimate),
+        1e-10,
+        f"Tr(I^k) {activation} {loss}",
+    )
     mu = gauss_newton_eigenvalues(model, X, Y, loss=loss)  # (N K,)
-    lam = torch.linalg.eigvalsh(I_ref).flip(0)[:N * K].numpy()
+    lam = torch.linalg.eigvalsh(I_ref).flip(0)[: N * K].numpy()
     np.testing.assert_allclose(mu, lam, atol=1e-12 * lam[0])
 
 
@@ -248,7 +265,7 @@ def test_slq_density_moments_and_histogram(tanh_mse):
     assert abs(np.trapezoid(dens.density, dens.grid) - 1) < 1e-3
     for k in range(1, 5):
         mean, se = dens.moment(k)
-        exact = float(np.sum(lam ** k)) / P
+        exact = float(np.sum(lam**k)) / P
         assert abs(mean - exact) <= 4 * se, f"k={k}: SLQ {mean:.4g} ± {se:.2g} vs Tr(H^k)/P {exact:.4g}"
     # with m = P steps every probe's nodes are exact eigenvalues: the CDFs must agree up to probe noise
     full = slq_density(H, n_probes=40, n_steps=P, seed=6, sigma=1e-3 * np.ptp(lam))

@@ -18,9 +18,15 @@ from nsa_dist.plots import plot_run
 from nsa_dist.store import SpectrumStore
 
 # P = 25 parameters: 60 probes make Hutch++'s sketch span R^P, so its moments are exact
-SPEC = dict(name="hess", data={"n": 24}, model={"depth": 2, "width": 6}, steps=16, record={"every": 5},
-            spectrum={"k": 8, "images": []},
-            hessian={"every": 2, "probes": 60, "rayleigh_k": 4, "top_k": 3, "density_grid": 64, "lanczos_steps": 24})
+SPEC = dict(
+    name="hess",
+    data={"n": 24},
+    model={"depth": 2, "width": 6},
+    steps=16,
+    record={"every": 5},
+    spectrum={"k": 8, "images": []},
+    hessian={"every": 2, "probes": 60, "rayleigh_k": 4, "top_k": 3, "density_grid": 64, "lanczos_steps": 24},
+)
 
 
 def _dense_parts(model, X, y):
@@ -55,10 +61,14 @@ def test_recorded_hessian_quantities_match_dense_references(hess_run):
         H, I, S = _dense_parts(model, X, y)
         for part, A in (("H", H), ("I", I), ("S", S)):
             ref = [np.trace(np.linalg.matrix_power(A, k)) for k in range(1, 5)]
-            np.testing.assert_allclose(run.hessian.moments(part)["estimate"][j], ref, rtol=1e-8, atol=1e-10,
-                                       err_msg=f"Tr({part}^k) at t={t}")
-        np.testing.assert_allclose(run.hessian.moments("I_exact")["estimate"][j],
-                                   [np.trace(np.linalg.matrix_power(I, k)) for k in range(1, 5)], rtol=1e-8)
+            np.testing.assert_allclose(
+                run.hessian.moments(part)["estimate"][j], ref, rtol=1e-8, atol=1e-10, err_msg=f"Tr({part}^k) at t={t}"
+            )
+        np.testing.assert_allclose(
+            run.hessian.moments("I_exact")["estimate"][j],
+            [np.trace(np.linalg.matrix_power(I, k)) for k in range(1, 5)],
+            rtol=1e-8,
+        )
         assert abs(np.trace(S)) < 1e-10 * np.abs(S).sum(), "Tr(S) = 0 for a piecewise-linear net with MSE"
         evals = {p: np.sort(np.linalg.eigvalsh(A))[::-1] for p, A in (("H", H), ("I", I), ("S", S))}
         for part in "HIS":
@@ -75,8 +85,17 @@ def test_recorded_hessian_quantities_match_dense_references(hess_run):
 
 def test_hessian_figures_and_unrecorded_steps(hess_run, tmp_path):
     run, _ = hess_run
-    names = ["hessian_moments", "hessian_orthogonality", "hessian_fig3_rayleigh", "hessian_edge_of_stability",
-             "hessian_density", "hessian_I_spectrum", "hessian_additivity", "hessian_trace_S", "hessian_S_norms"]
+    names = [
+        "hessian_moments",
+        "hessian_orthogonality",
+        "hessian_fig3_rayleigh",
+        "hessian_edge_of_stability",
+        "hessian_density",
+        "hessian_I_spectrum",
+        "hessian_additivity",
+        "hessian_trace_S",
+        "hessian_S_norms",
+    ]
     paths = plot_run(run, tmp_path, figures=names)
     assert [p.stem for p in paths] == names and all(p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(KeyError, match="not a finished recorded step"):
@@ -126,13 +145,16 @@ def test_the_limits_of_S_apply_only_where_derived():
         es = ExperimentSpec(**spec)
         return HessianAnalysis(plan_run(es, load_dataset(es.data)), X, y)
 
-    for model, why in (({"init": "xavier", "activation": "tanh"}, "init='xavier'"),
-                       ({"init": "ntk", "activation": "relu"}, "smooth σ")):
+    for model, why in (
+        ({"init": "xavier", "activation": "tanh"}, "init='xavier'"),
+        ({"init": "ntk", "activation": "relu"}, "smooth σ"),
+    ):
         h = analysis({**SPEC, "model": {"depth": 2, "width": 4, **model}})
         assert why in h.s_limit_reason(), h.s_limit_reason()
         assert np.isnan(h._limit_S(F, 3)).all()
-    h = analysis({**SPEC, "model": {"depth": 2, "width": 4, "init": "ntk", "activation": "tanh"},
-                  "optimizer": {"name": "adam"}})
+    h = analysis(
+        {**SPEC, "model": {"depth": 2, "width": 4, "init": "ntk", "activation": "tanh"}, "optimizer": {"name": "adam"}}
+    )
     out = h._limit_S(F, 3)  # the GD prediction needs plain GD; E[Tr S] at t = 0 and Tr(S²) do not
     assert h.s_limit_reason() is None and np.isnan(out[1]) and np.isfinite(out[[0, 2]]).all(), out
 
@@ -148,6 +170,7 @@ def test_hessian_spec_errors():
 
 # --------------------------------------------------------------------------- issue 10: theory beside measurement
 
+
 def _dense_loss_parts(model, X, Y, ce: bool):
     """Dense H, I, S and J of the MSE or cross-entropy loss (float64), HC = diag p − ppᵀ for CE."""
     flat, net = flat_model(model)
@@ -158,8 +181,11 @@ def _dense_loss_parts(model, X, Y, ce: bool):
 
     N = X.shape[0]
     Y2 = Y.reshape(N, -1)
-    C = (lambda v: -(Y2 * torch.log_softmax(F(v), -1)).sum() / N) if ce else \
-        (lambda v: 0.5 * ((F(v) - Y2) ** 2).sum() / N)
+    C = (
+        (lambda v: -(Y2 * torch.log_softmax(F(v), -1)).sum() / N)
+        if ce
+        else (lambda v: 0.5 * ((F(v) - Y2) ** 2).sum() / N)
+    )
     H = hessian(C)(flat)
     J = torch.func.jacrev(F)(flat).reshape(-1, flat.numel())
     if ce:
@@ -186,9 +212,16 @@ def _run(tmp_path, **spec):
     return Client(url).run(out.run_id), es
 
 
-_THEORY = dict(name="theory", data={"n": 10}, model={"depth": 2, "width": 5, "init": "ntk", "activation": "atan"},
-               steps=6, record={"every": 5}, spectrum={"k": "all", "images": []}, schedule={"lr": 0.5},
-               hessian={"probes": 48, "rayleigh_k": 0, "top_k": 2, "density": False})  # P = 21: exact Hutch++
+_THEORY = dict(
+    name="theory",
+    data={"n": 10},
+    model={"depth": 2, "width": 5, "init": "ntk", "activation": "atan"},
+    steps=6,
+    record={"every": 5},
+    spectrum={"k": "all", "images": []},
+    schedule={"lr": 0.5},
+    hessian={"probes": 48, "rayleigh_k": 0, "top_k": 2, "density": False},
+)  # P = 21: exact Hutch++
 
 
 @pytest.mark.parametrize("k", ["all", 4])
@@ -206,19 +239,27 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
     for j, t in enumerate(run.hessian.steps):
         H, I, S, F = _dense_loss_parts(_model_at(run, spec, int(t)), X, y, ce=False)
         mu = np.sort(np.linalg.eigvalsh(I))[::-1][:10]
-        np.testing.assert_allclose(run.hessian.I_eigenvalues()[j], mu, rtol=1e-7, atol=1e-12,
-                                   err_msg=f"eigenvalues of I at t={t}")
-        np.testing.assert_allclose(run.hessian.moments("I_exact")["estimate"][j],
-                                   [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-7)
+        np.testing.assert_allclose(
+            run.hessian.I_eigenvalues()[j], mu, rtol=1e-7, atol=1e-12, err_msg=f"eigenvalues of I at t={t}"
+        )
+        np.testing.assert_allclose(
+            run.hessian.moments("I_exact")["estimate"][j],
+            [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)],
+            rtol=1e-7,
+        )
         np.testing.assert_allclose(run.hessian.I_eigenvalues(limit=True)[j], lim, rtol=1e-12)
-        np.testing.assert_allclose(run.hessian.moments("I_limit")["estimate"][j],
-                                   [np.sum(lim ** p) for p in range(1, 5)], rtol=1e-12)
+        np.testing.assert_allclose(
+            run.hessian.moments("I_limit")["estimate"][j], [np.sum(lim**p) for p in range(1, 5)], rtol=1e-12
+        )
         tr = lambda A, p: np.trace(np.linalg.matrix_power(A, p))  # noqa: E731
         gap = [tr(H, p) - tr(I, p) - tr(S, p) for p in range(1, 5)]
         np.testing.assert_allclose(add["estimate"][j][1:], gap[1:], rtol=1e-7, err_msg=f"additivity gap at t={t}")
         assert abs(add["estimate"][j][0]) < 1e-12 * tr(H, 1), add["estimate"][j]
-        assert (abs(trS["G"][j] - np.trace(S))
-                <= 5 * trS["G_stderr"][j] + 1e-12), (trS["G"][j], trS["G_stderr"][j], np.trace(S))
+        assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (
+            trS["G"][j],
+            trS["G_stderr"][j],
+            np.trace(S),
+        )
         np.testing.assert_allclose(trS["hutchpp"][j], np.trace(S), rtol=1e-7, atol=1e-12)
         np.testing.assert_allclose(run.hessian.S_norms()["op"][j], np.abs(np.linalg.eigvalsh(S)).max(), rtol=1e-5)
     from nsa_dist.hessian.s_limit import limit_S_kernels, limit_trace_S2, limit_trace_S_gd, limit_trace_S_init
@@ -227,8 +268,9 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
     pred = run.hessian.S_limit()
     for j, t in enumerate(run.hessian.steps):  # the recorded limits of S are the library's at this run's data
         np.testing.assert_allclose(pred["trace_S_init"][j], limit_trace_S_init(ker), rtol=1e-10)
-        np.testing.assert_allclose(pred["trace_S"][j], limit_trace_S_gd(ker, y.numpy(), [0.5] * int(t), [int(t)])[0],
-                                   rtol=1e-10)
+        np.testing.assert_allclose(
+            pred["trace_S"][j], limit_trace_S_gd(ker, y.numpy(), [0.5] * int(t), [int(t)])[0], rtol=1e-10
+        )
         grad_C = (run.outputs(int(t)).reshape(-1).astype(np.float64) - y.numpy()) / len(y)
         np.testing.assert_allclose(pred["trace_S2"][j], limit_trace_S2(ker.upsilon, grad_C), rtol=1e-4)
     from nsa_dist.plots import make_figure
@@ -240,16 +282,23 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
     fig = make_figure(run, "hessian_moments")
     lines = {ln.get_label(): ln for ax in fig.axes for ln in ax.get_lines()}
     np.testing.assert_array_equal(lines[r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$"].get_ydata(), pred["trace_S2"])
-    assert (np.isclose(pred["trace_S"][0], pred["trace_S_init"][0], rtol=1e-12)
-            and pred["trace_S"][-1] != pred["trace_S"][0]), pred
+    assert (
+        np.isclose(pred["trace_S"][0], pred["trace_S_init"][0], rtol=1e-12)
+        and pred["trace_S"][-1] != pred["trace_S"][0]
+    ), pred
     from nsa_dist.cli import main
 
     assert main(["show", run.id, "--store", url]) == 0
     out = capsys.readouterr().out
     m, top = run.hessian.moments("S"), run.hessian.top("H")[:, 0]
     for j in range(len(run.hessian.steps)):  # every number printed is the run's (2 analysed steps: both shown)
-        for want in (f"{m['estimate'][j, 1]:.4g}", f"{top[j]:.4g}", f"{pred['trace_S2'][j]:.4g}",
-                     f"{pred['trace_S'][j]:.4g}", f"{trS['G'][j]:.4g} ± {trS['G_stderr'][j]:.2g}"):
+        for want in (
+            f"{m['estimate'][j, 1]:.4g}",
+            f"{top[j]:.4g}",
+            f"{pred['trace_S2'][j]:.4g}",
+            f"{pred['trace_S'][j]:.4g}",
+            f"{trS['G'][j]:.4g} ± {trS['G_stderr'][j]:.2g}",
+        ):
             assert want in out, f"nsa show lacks {want!r}:\n{out}"
     for label in ("Tr(S^2)", "λ_max(H)", "E[Tr S₀] limit", "E[Tr S_t] limit", "Tr(S²) limit", "Hutch++ ± s.e."):
         assert label in out, out
@@ -258,10 +307,18 @@ def test_theory_arrays_match_dense_references(tmp_path, k, capsys):
 
 
 def test_cross_entropy_run_records_I_and_S_of_its_loss(tmp_path):
-    run, spec = _run(tmp_path, name="ce", loss="cross_entropy", data={"name": "digits", "n": 6, "target": "onehot"},
-                     model={"depth": 2, "width": 2, "init": "ntk", "activation": "tanh"}, steps=4, record={"every": 3},
-                     spectrum={"k": 8, "images": []}, schedule={"lr": 1.0},
-                     hessian={"probes": 4, "rayleigh_k": 0, "top_k": 0, "density": False, "additivity": False})
+    run, spec = _run(
+        tmp_path,
+        name="ce",
+        loss="cross_entropy",
+        data={"name": "digits", "n": 6, "target": "onehot"},
+        model={"depth": 2, "width": 2, "init": "ntk", "activation": "tanh"},
+        steps=4,
+        record={"every": 3},
+        spectrum={"k": 8, "images": []},
+        schedule={"lr": 1.0},
+        hessian={"probes": 4, "rayleigh_k": 0, "top_k": 0, "density": False, "additivity": False},
+    )
     data = load_dataset(spec.data, seed=spec.seed)
     X, Y = torch.tensor(data.X, dtype=torch.float32).double(), torch.tensor(data.y, dtype=torch.float64)
     assert run.train_loss[-1] < run.train_loss[0], run.train_loss
@@ -272,15 +329,22 @@ def test_cross_entropy_run_records_I_and_S_of_its_loss(tmp_path):
     np.testing.assert_allclose(run.residual(0), p - data.y, rtol=1e-5, atol=1e-7, err_msg="m = softmax(f) − y")
     for j, t in enumerate(run.hessian.steps):
         H, I, S, F = _dense_loss_parts(_model_at(run, spec, int(t)), X, Y, ce=True)
-        np.testing.assert_allclose(run.hessian.moments("I_exact")["estimate"][j],
-                                   [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)], rtol=1e-6,
-                                   err_msg=f"CE Tr(I^k) at t={t}")
+        np.testing.assert_allclose(
+            run.hessian.moments("I_exact")["estimate"][j],
+            [np.trace(np.linalg.matrix_power(I, p)) for p in range(1, 5)],
+            rtol=1e-6,
+            err_msg=f"CE Tr(I^k) at t={t}",
+        )
         mu = np.sort(np.linalg.eigvalsh(I))[::-1][:60]
         np.testing.assert_allclose(run.hessian.I_eigenvalues()[j], mu, rtol=1e-6, atol=1e-10)
         trS = run.hessian.trace_S()  # Tr(S) = (1/N) Σ (p_i − y_i)ᵀ G_i against the dense CE S
-        assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (trS["G"][j], trS["G_stderr"][j],
-                                                                                 np.trace(S))
+        assert abs(trS["G"][j] - np.trace(S)) <= 5 * trS["G_stderr"][j] + 1e-12, (
+            trS["G"][j],
+            trS["G_stderr"][j],
+            np.trace(S),
+        )
     from nsa_dist.hessian import hessian_parts
+
     H_op, I_op, S_op = hessian_parts(_model_at(run, spec, 3), X, Y, loss="cross_entropy", dtype=torch.float64)
     np.testing.assert_allclose(S_op.to_dense().numpy(), S, rtol=1e-8, atol=1e-12, err_msg="CE S operator vs dense")
     np.testing.assert_allclose(I_op.to_dense().numpy(), I, rtol=1e-8, atol=1e-12, err_msg="CE I operator vs dense")
@@ -315,10 +379,17 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
 
     url = str(tmp_path / "s.zarr")
     store = SpectrumStore(url)
-    sweep = SweepSpec(name="hw", base={**_THEORY, "data": {"n": 6}, "steps": 1, "record": {"steps": [0]},
-                                       "hessian": {"probes": 8, "rayleigh_k": 0, "top_k": 1, "density": False,
-                                                   "additivity": False}},
-                      grid={"model.width": [3, 12], "seed": [0, 1]})
+    sweep = SweepSpec(
+        name="hw",
+        base={
+            **_THEORY,
+            "data": {"n": 6},
+            "steps": 1,
+            "record": {"steps": [0]},
+            "hessian": {"probes": 8, "rayleigh_k": 0, "top_k": 1, "density": False, "additivity": False},
+        },
+        grid={"model.width": [3, 12], "seed": [0, 1]},
+    )
     ids = []
     for spec in sweep.expand():
         assert run_experiment(spec, store).status == "done"
@@ -337,8 +408,9 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
     ex, lim = run.hessian.moments("I_exact")["estimate"][:, 1], run.hessian.moments("I_limit")["estimate"][:, 1]
     np.testing.assert_allclose(err, np.abs(ex - lim) / lim)
     t, ratio = quantity(run, "hessian_S_ratio")
-    np.testing.assert_allclose(ratio,
-                               run.hessian.moments("S")["estimate"][:, 1] / run.hessian.moments("I")["estimate"][:, 1])
+    np.testing.assert_allclose(
+        ratio, run.hessian.moments("S")["estimate"][:, 1] / run.hessian.moments("I")["estimate"][:, 1]
+    )
     with pytest.raises(ValueError, match="needs k, the moment order"):
         quantity(run, "hessian_S")
     out = plot_sweep(s, tmp_path / "fig", figures=list(HESSIAN_SWEEP_FIGURES))
@@ -349,7 +421,8 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
     assert [t.get_text() for t in ax.get_xticklabels()] == ["3", "12"]
     dots = [ln for ln in ax.lines if ln.get_marker() == "."]
     assert len(dots) == 2 and all(len(ln.get_ydata()) == 2 for ln in dots)
-    np.testing.assert_allclose(sorted(np.concatenate([ln.get_ydata() for ln in dots])),
-                               sorted(s.scalar("hessian_S", 2, step=0)["value"]))
+    np.testing.assert_allclose(
+        sorted(np.concatenate([ln.get_ydata() for ln in dots])), sorted(s.scalar("hessian_S", 2, step=0)["value"])
+    )
     w = np.array([16.0, 64.0, 256.0])
-    assert fit_slope(w, 3 * w ** -0.5) == pytest.approx(-0.5)
+    assert fit_slope(w, 3 * w**-0.5) == pytest.approx(-0.5)

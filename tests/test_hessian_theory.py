@@ -32,8 +32,9 @@ F64 = torch.float64
 
 
 def _net(depth=3, width=5, d=3, K=1, act="tanh", seed=0):
-    return build_model(ModelSpec(input_dim=d, output_dim=K, depth=depth, width=width, activation=act, init="ntk"),
-                       seed=seed, dtype=F64)
+    return build_model(
+        ModelSpec(input_dim=d, output_dim=K, depth=depth, width=width, activation=act, init="ntk"), seed=seed, dtype=F64
+    )
 
 
 _flat = flat_model
@@ -87,16 +88,18 @@ def test_additivity_gap_matches_the_dense_gap(tiny):
     P = Hd.shape[0]
     ref = _traces(Hd) - _traces(Id) - _traces(Sd)
     exact = additivity_gap(H, I, S, n_probes=2 * P + 2, seed=3)  # sketch spans R^P: exact
-    np.testing.assert_allclose(exact.estimate, ref, rtol=1e-8, atol=1e-12,
-                               err_msg=f"gap {exact.estimate} vs dense {ref}")
+    np.testing.assert_allclose(
+        exact.estimate, ref, rtol=1e-8, atol=1e-12, err_msg=f"gap {exact.estimate} vs dense {ref}"
+    )
     np.testing.assert_allclose(exact.estimate[1], 2 * np.trace(Id @ Sd), rtol=1e-8)  # k = 2: 2 Tr(IS) ≠ 0
     est = additivity_gap(H, I, S, n_probes=16, seed=4)  # a real estimate: within its standard error
     scale = _traces(Hd)
     assert abs(est.estimate[0]) < 1e-12 * scale[0], f"k = 1: H = I + S exactly, gap {est.estimate[0]}"
     assert est.stderr[0] < 1e-12 * scale[0]
     for k in range(1, 4):
-        assert abs(est.estimate[k] - ref[k]) <= 5 * est.stderr[k] + 1e-12 * scale[k], \
+        assert abs(est.estimate[k] - ref[k]) <= 5 * est.stderr[k] + 1e-12 * scale[k], (
             f"k = {k + 1}: {est.estimate[k]} ± {est.stderr[k]} vs dense {ref[k]}"
+        )
 
 
 # --------------------------------------------------------------------------- Proposition 4: Tr(S) = ∇Cᵀ G
@@ -106,14 +109,15 @@ def test_output_traces_and_trace_S_against_dense_model_hessians(tiny):
     model, X, Y = tiny
     flat, f = _flat(model)
     P = flat.numel()
-    Hf = torch.stack([hessian(lambda v, i=i: f(v, X[i:i + 1])[0])(flat) for i in range(X.shape[0])])  # (N, P, P)
+    Hf = torch.stack([hessian(lambda v, i=i: f(v, X[i : i + 1])[0])(flat) for i in range(X.shape[0])])  # (N, P, P)
     G_ref = torch.einsum("ipp->i", Hf).numpy()
     m, seed = 12, 5
     tr = output_hessian_traces(model, X, m, seed=seed, block_size=4)  # two blocks
     Z = rademacher(np.random.default_rng(seed), P, m)  # the same probes
     q_ref = np.einsum("pm,ipq,qm->mi", Z, Hf.numpy(), Z)
-    np.testing.assert_allclose(tr.per_probe[:, :, 0], q_ref, rtol=1e-9, atol=1e-12,
-                               err_msg="zᵀ ∇²f(x_i) z per probe and point")
+    np.testing.assert_allclose(
+        tr.per_probe[:, :, 0], q_ref, rtol=1e-9, atol=1e-12, err_msg="zᵀ ∇²f(x_i) z per probe and point"
+    )
     assert np.all(np.abs(tr.estimate[:, 0] - G_ref) <= 5 * tr.stderr[:, 0] + 1e-12), (tr.estimate[:, 0], G_ref)
     _, _, Sd, _, out = _dense(model, X, Y)
     R = out[:, 0] - Y.numpy()
@@ -138,7 +142,7 @@ def test_limit_eigenvalues_are_the_weighted_kernel_pca():
     p = np.exp(F) / np.exp(F).sum(1, keepdims=True)
     HC = np.zeros((15, 15))
     for i in range(5):
-        HC[3 * i:3 * i + 3, 3 * i:3 * i + 3] = np.diag(p[i]) - np.outer(p[i], p[i])
+        HC[3 * i : 3 * i + 3, 3 * i : 3 * i + 3] = np.diag(p[i]) - np.outer(p[i], p[i])
     ref = np.sort(np.linalg.eigvals(np.kron(T, np.eye(3)) @ HC / 5).real)[::-1]  # similar to HC½ Θ HC½
     np.testing.assert_allclose(ce, ref, rtol=1e-8, atol=1e-12, err_msg="CE: eig((1/N) Θ⊗Id · HC)")
     with pytest.raises(ValueError, match="needs the outputs F"):
@@ -152,8 +156,10 @@ def test_measured_I_approaches_its_limit_with_width():
 
     errs = []
     for w in (16, 1024):  # fluctuations O(1/√w): 8× smaller in expectation
-        mu = [gauss_newton_eigenvalues(_net(depth=2, width=w, act="atan", seed=s), X, torch.zeros(4, dtype=F64))
-              for s in range(3)]
+        mu = [
+            gauss_newton_eigenvalues(_net(depth=2, width=w, act="atan", seed=s), X, torch.zeros(4, dtype=F64))
+            for s in range(3)
+        ]
         errs.append(np.mean([np.abs(m - lim).max() / lim.max() for m in mu]))
     assert errs[1] < errs[0] / 3 and errs[1] < 0.1, f"relative error of I's spectrum at w = 16, 1024: {errs}"
 
@@ -194,8 +200,10 @@ def test_new_activations_derivative_and_normalisation(act):
     if act == "softplus_normalized":
         z = torch.as_tensor(np.random.default_rng(0).normal(size=2_000_000))
         v = normalized_softplus(z)
-        assert abs(float(v.mean())) < 3e-3 and abs(float((v ** 2).mean()) - 1) < 3e-3, \
-            (float(v.mean()), float((v ** 2).mean()))
+        assert abs(float(v.mean())) < 3e-3 and abs(float((v**2).mean()) - 1) < 3e-3, (
+            float(v.mean()),
+            float((v**2).mean()),
+        )
         assert abs(SOFTPLUS_SHIFT - 0.80606) < 1e-4 and abs(SOFTPLUS_SCALE - 0.52107) < 1e-4
 
 
@@ -207,7 +215,7 @@ def test_limit_ntk_of_new_activations_against_monte_carlo_recursion(act):
     phi, dphi = _ACTIVATIONS[Activation(act)]
     rng = np.random.default_rng(1)
     X = rng.normal(size=(3, 4))
-    beta2, L, n = 0.1 ** 2, 3, 400_000
+    beta2, L, n = 0.1**2, 3, 400_000
     K = X @ X.T / 4 + beta2
     theta = K.copy()
     for _ in range(L - 1):
@@ -216,16 +224,23 @@ def test_limit_ntk_of_new_activations_against_monte_carlo_recursion(act):
         K, Kd = s.T @ s / n + beta2, ds.T @ ds / n
         theta = theta * Kd + K
     quad = limit_ntk(X, depth=L, activation=act).numpy()
-    np.testing.assert_allclose(quad, theta, rtol=1e-2, atol=4e-3 * np.abs(theta).max(),
-                               err_msg=f"Θ∞ ({act}): quadrature vs Monte Carlo")
+    np.testing.assert_allclose(
+        quad, theta, rtol=1e-2, atol=4e-3 * np.abs(theta).max(), err_msg=f"Θ∞ ({act}): quadrature vs Monte Carlo"
+    )
 
 
 # --------------------------------------------------------------------------- the active regime
 
 
 def test_active_regime_divides_the_output_and_scales_the_learning_rate():
-    base = dict(data={"n": 8}, model={"depth": 3, "width": 7, "init": "ntk", "activation": "atan"}, steps=3,
-                record={"every": 1}, schedule={"lr": 0.05}, spectrum={"k": 4, "images": []})
+    base = dict(
+        data={"n": 8},
+        model={"depth": 3, "width": 7, "init": "ntk", "activation": "atan"},
+        steps=3,
+        record={"every": 1},
+        schedule={"lr": 0.05},
+        spectrum={"k": 4, "images": []},
+    )
     ntk = ExperimentSpec(**base)
     act = ExperimentSpec(**{**base, "model": {**base["model"], "regime": "active"}})
     X = torch.randn(5, 2, dtype=F64)

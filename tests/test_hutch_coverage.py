@@ -24,13 +24,15 @@ from tests.test_hessian import _problem
 
 SEEDS = 2000
 NOMINAL = {1: erf(1 / sqrt(2)), 2: erf(2 / sqrt(2))}  # 0.683, 0.954
-NETS = {"tanh_mse": (("tanh", "mse", 1, "values"), "mse"),
-        "gelu_ce": (("gelu", "cross_entropy", 3, "indices"), "cross_entropy")}
+NETS = {
+    "tanh_mse": (("tanh", "mse", 1, "values"), "mse"),
+    "gelu_ce": (("gelu", "cross_entropy", 3, "indices"), "cross_entropy"),
+}
 
 
 def _exact(A: np.ndarray) -> np.ndarray:
     lam = np.linalg.eigvalsh(A)
-    return np.array([np.sum(lam ** k) for k in range(1, 5)])
+    return np.array([np.sum(lam**k) for k in range(1, 5)])
 
 
 def _errors(estimator: Callable[[int], object], exact: np.ndarray) -> np.ndarray:

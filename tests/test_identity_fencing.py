@@ -31,8 +31,14 @@ from nsa_dist.pipeline.services import SpectralService, TrainerService
 from nsa_dist.store import LeaseLost, SpectrumStore
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(name="ident", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
-            record={"every": 10}, spectrum={"k": 8, "test_points": True})
+TINY = dict(
+    name="ident",
+    data={"n": 32, "n_test": 8},
+    model={"depth": 2, "width": 16},
+    steps=30,
+    record={"every": 10},
+    spectrum={"k": 8, "test_points": True},
+)
 SLOW = {**TINY, "name": "fenced", "steps": 90}  # 10 recorded steps
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -47,8 +53,11 @@ def _files(url: str) -> dict[str, tuple[int, str]]:
     """Every file of the store: relative path → (mtime_ns, sha1 of its bytes).  A ``.partial``
     file is not a key (a put in progress, renamed into place or removed; readers never see it)."""
     root = Path(url)
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.endswith(".partial")}
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.endswith(".partial")
+    }
 
 
 def _arrays(url: str, rid: str) -> dict[str, np.ndarray]:
@@ -117,11 +126,13 @@ def test_a_data_file_replaced_at_the_same_path_is_refused_on_resume(tmp_path, ca
     assert len(err.splitlines()) == 1, err
     assert f"data.path {str(png)!r}" in err and old in err and new in err and "change the spec's `name`" in err, err
     after = _files(url)
-    assert {k: v for k, v in after.items() if not k.startswith("leases/")} == \
-           {k: v for k, v in before.items() if not k.startswith("leases/")}, "the refused run wrote into the store"
+    assert {k: v for k, v in after.items() if not k.startswith("leases/")} == {
+        k: v for k, v in before.items() if not k.startswith("leases/")
+    }, "the refused run wrote into the store"
     lease = f"leases/{rid}/zarr.json"
-    assert lease in before and after.get(lease, (0, ""))[1] == before[lease][1], \
+    assert lease in before and after.get(lease, (0, ""))[1] == before[lease][1], (
         "the refused re-run left its own lease: the run's last sign of life would name the refused process"
+    )
     run = Client(url).run(rid)
     assert len(run.steps) == 2 and run.data_fingerprint == old
 
@@ -163,8 +174,9 @@ def _take_over_paused(tmp_path: Path, spec_d: dict, cmd: list[str], pause) -> tu
     """Writer A (``cmd``, lease ttl 1 s) paused by ``pause``; writer B (this process) takes the run
     over and finishes it; returns A (still paused) and the store."""
     url = str(tmp_path / "b.zarr")
-    proc = subprocess.Popen(cmd + [url], env={**ENV, "NSA_LEASE_TTL": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd + [url], env={**ENV, "NSA_LEASE_TTL": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         pause(proc, url)
         out = run_experiment(ExperimentSpec(**spec_d), SpectrumStore(url), wait=30)  # takes over once A's ttl is out
@@ -264,8 +276,9 @@ def test_a_put_made_before_a_takeover_never_lands_after_it(tmp_path):
         after = {k: v for k, v in _files(url).items() if not k.startswith("leases/")}
         assert after == before, f"changed after the takeover: {sorted(set(after.items()) ^ set(before.items()))}"
         assert not list(Path(url).rglob("*.partial")), "a refused put left its staged file"
-        np.testing.assert_array_equal(Client(url).run(rid).array("loss_trace")[:8],
-                                      np.r_[np.arange(5.0), np.full(3, np.nan)])
+        np.testing.assert_array_equal(
+            Client(url).run(rid).array("loss_trace")[:8], np.r_[np.arange(5.0), np.full(3, np.nan)]
+        )
         B = prepare_run(spec, store, b.token).writer  # the new holder writes as usual
         B.write_trace(5, np.full(3, 7.0))
         np.testing.assert_array_equal(Client(url).run(rid).array("loss_trace")[:8], np.r_[np.arange(5.0), [7.0] * 3])
@@ -279,10 +292,18 @@ def test_a_run_lock_held_by_a_stopped_process_is_one_error_naming_it(tmp_path):
     from nsa_dist.store.locks import LockTimeout, file_lock
 
     lock = tmp_path / "leases" / "r" / "lock"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import os, signal, sys; from pathlib import Path; from nsa_dist.store.locks import file_lock\n"
-        f"with file_lock(Path({str(lock)!r}), 5.0, 'x'):\n"
-        "    os.kill(os.getpid(), signal.SIGSTOP)\n")], env=ENV)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, signal, sys; from pathlib import Path; from nsa_dist.store.locks import file_lock\n"
+                f"with file_lock(Path({str(lock)!r}), 5.0, 'x'):\n"
+                "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            ),
+        ],
+        env=ENV,
+    )
     try:
         _wait_stopped(holder.pid, holder)
         t0 = time.time()
@@ -312,8 +333,18 @@ def test_cluster_workers_are_fenced_by_the_drivers_lease(tmp_path):
         worker.analyze_and_write(plan, ck, token=lease.token)
         assert SpectrumStore(url).reader(rid).done.tolist() == [True, False, False, False]
         now = time.time()
-        store.write_lease(rid, {"host": "node-7.elsewhere", "pid": 4242, "since": now, "heartbeat": now,
-                                "ttl": 30.0, "token": "theirs", "released": False})
+        store.write_lease(
+            rid,
+            {
+                "host": "node-7.elsewhere",
+                "pid": 4242,
+                "since": now,
+                "heartbeat": now,
+                "ttl": 30.0,
+                "token": "theirs",
+                "released": False,
+            },
+        )
         before = _files(url)
         with pytest.raises(LeaseLost, match="host node-7.elsewhere, pid 4242, since .* took the run over"):
             trainer.checkpoint(1)
@@ -332,8 +363,18 @@ def test_a_tracker_whose_lease_is_taken_over_stops_without_writing(tmp_path):
     model = build_model(spec.model, seed=spec.seed)
     url = str(tmp_path / "t.zarr")
     store = SpectrumStore(url)
-    tr = Tracker(url, "tracked", model, data.X, data.y, steps=30, record={"every": 10}, spectrum={"k": 8},
-                 optimizer="gd", max_inflight=1)
+    tr = Tracker(
+        url,
+        "tracked",
+        model,
+        data.X,
+        data.y,
+        steps=30,
+        record={"every": 10},
+        spectrum={"k": 8},
+        optimizer="gd",
+        max_inflight=1,
+    )
     X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before: dict = {}
@@ -345,9 +386,18 @@ def test_a_tracker_whose_lease_is_taken_over_stops_without_writing(tmp_path):
                     while store.reader("tracked").done.sum() < 2 and time.time() < deadline:
                         time.sleep(0.05)
                     now = time.time()
-                    store.write_lease("tracked", {"host": "node-7.elsewhere", "pid": 4242, "since": now,
-                                                  "heartbeat": now, "ttl": 600.0, "token": "theirs",
-                                                  "released": False})
+                    store.write_lease(
+                        "tracked",
+                        {
+                            "host": "node-7.elsewhere",
+                            "pid": 4242,
+                            "since": now,
+                            "heartbeat": now,
+                            "ttl": 600.0,
+                            "token": "theirs",
+                            "released": False,
+                        },
+                    )
                     before = _files(url)
                 opt.zero_grad()
                 loss = 0.5 * ((model(X) - y) ** 2).mean()

@@ -55,8 +55,11 @@ def write_datasets(root: Path, n: int = 40) -> dict[str, Path]:
 
 
 def _sweep(paths: dict[str, str], n: int = 16, n_test: int = 0) -> dict:
-    return {"name": "travel", "base": {"model": MODEL, "steps": 4, "record": {"every": 2}, "spectrum": {"k": 4}},
-            "variants": [{"data": {"name": name, "path": p, "n": n, "n_test": n_test}} for name, p in paths.items()]}
+    return {
+        "name": "travel",
+        "base": {"model": MODEL, "steps": 4, "record": {"every": 2}, "spectrum": {"k": 4}},
+        "variants": [{"data": {"name": name, "path": p, "n": n, "n_test": n_test}} for name, p in paths.items()],
+    }
 
 
 @pytest.fixture
@@ -86,10 +89,12 @@ def test_data_files_lists_what_the_loader_reads_and_nothing_else(in_tmp):
     d = write_datasets(in_tmp / "data")
     names = lambda files: sorted(Path(f).name for f in files)  # noqa: E731
     assert names(data_files(DataSpec(name="mnist", path=str(d["mnist"])))) == sorted(TRAIN_FILES)
-    assert names(data_files(DataSpec(name="mnist", path=str(d["mnist"]), n_test=2))) == \
-        sorted([*TRAIN_FILES, *(f"{t}.gz" for t in TEST_FILES)])
-    assert names(data_files(DataSpec(name="cifar10", path=str(d["cifar10"]), n_test=1))) == \
-        sorted([f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"])
+    assert names(data_files(DataSpec(name="mnist", path=str(d["mnist"]), n_test=2))) == sorted(
+        [*TRAIN_FILES, *(f"{t}.gz" for t in TEST_FILES)]
+    )
+    assert names(data_files(DataSpec(name="cifar10", path=str(d["cifar10"]), n_test=1))) == sorted(
+        [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    )
     assert data_files(DataSpec(name="image2d", path="data/face.png")) == [Path("data/face.png")]
     assert data_files(DataSpec(name="digits")) == []
     (d["cifar10"] / "test_batch").unlink()

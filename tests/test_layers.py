@@ -51,8 +51,12 @@ def test_package_imports_only_what_its_docstring_allows(package: str) -> None:
         for line, name in _imports(path):
             parts = name.split(".")
             top = parts[1] if len(parts) > 1 else ""
-            if (top and top != package and top not in ALLOWED[package]
-                    and (ROOT / top).exists() | (ROOT / f"{top}.py").exists()):
+            if (
+                top
+                and top != package
+                and top not in ALLOWED[package]
+                and (ROOT / top).exists() | (ROOT / f"{top}.py").exists()
+            ):
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
     assert not bad, f"nsa_dist.{package} may import only {sorted(ALLOWED[package])}:\n" + "\n".join(bad)
 

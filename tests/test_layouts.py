@@ -24,17 +24,33 @@ from nsa_dist.pipeline.shard import SpectralShard
 from nsa_dist.store import SpectrumStore
 
 HESS = {"probes": 8, "top_k": 2, "rayleigh_k": 2, "density_probes": 2, "lanczos_steps": 6, "density_grid": 20}
-BASE = {"name": "lay", "data": {"n": 97, "n_test": 23}, "model": {"depth": 3, "width": 16}, "steps": 4,
-        "record": {"every": 2}, "spectrum": {"dtype": "float64", "k": 12, "test_points": True, "images": [1, 2, 5],
-                                             "image_size": 6, "fourier_size": 5}}
-ONEHOT = {**BASE, "data": {"name": "digits", "n": 61, "n_test": 11, "target": "onehot"}, "spectrum": {
-    **BASE["spectrum"], "images": []}}
+BASE = {
+    "name": "lay",
+    "data": {"n": 97, "n_test": 23},
+    "model": {"depth": 3, "width": 16},
+    "steps": 4,
+    "record": {"every": 2},
+    "spectrum": {
+        "dtype": "float64",
+        "k": 12,
+        "test_points": True,
+        "images": [1, 2, 5],
+        "image_size": 6,
+        "fourier_size": 5,
+    },
+}
+ONEHOT = {
+    **BASE,
+    "data": {"name": "digits", "n": 61, "n_test": 11, "target": "onehot"},
+    "spectrum": {**BASE["spectrum"], "images": []},
+}
 EXACT = 1e-10  # relative, float64
 
 
 def _spec(base: dict, layout: str, workers: int, **extra) -> ExperimentSpec:
-    return ExperimentSpec.model_validate({**base, **extra, "spectrum": {**base["spectrum"], "layout": layout,
-                                                                        "workers": workers}})
+    return ExperimentSpec.model_validate(
+        {**base, **extra, "spectrum": {**base["spectrum"], "layout": layout, "workers": workers}}
+    )
 
 
 def _assert_results_equal(got: dict, ref: dict, what: str, estimated: tuple[str, ...] = ()) -> None:
@@ -83,8 +99,11 @@ def test_tile_plan_owns_every_pair_once_and_balances():
 @pytest.mark.slow  # five Hessian steps at N = 97 in float64: ~30 s on 2 cores
 @pytest.mark.parametrize("base", [BASE, ONEHOT], ids=["scalar", "onehot-K10"])
 def test_block_rows_and_matrix_free_equal_local_in_process(base):
-    res = _analyses(base, [("local", 1), ("block_rows", 2), ("block_rows", 3), ("matrix_free", 2),
-                           ("matrix_free", 3)], hessian=base is BASE)
+    res = _analyses(
+        base,
+        [("local", 1), ("block_rows", 2), ("block_rows", 3), ("matrix_free", 2), ("matrix_free", 3)],
+        hessian=base is BASE,
+    )
     ref = res.pop(("local", 1))
     ref_fro = ref["gram_sq_frobenius"]
     assert ref_fro[1] == 0.0
@@ -93,8 +112,18 @@ def test_block_rows_and_matrix_free_equal_local_in_process(base):
         if layout == "block_rows":
             _assert_results_equal(got, ref, what, estimated=("hessian_moments_I_exact", "hessian_I_eigenvalues"))
         else:  # ‖G‖_F² and what the centred alignment divides by are Hutch++ estimates
-            _assert_results_equal(got, ref, what, estimated=("gram_sq_frobenius", "alignment", "alignment_centered",
-                                                             "hessian_moments_I_exact", "hessian_I_eigenvalues"))
+            _assert_results_equal(
+                got,
+                ref,
+                what,
+                estimated=(
+                    "gram_sq_frobenius",
+                    "alignment",
+                    "alignment_centered",
+                    "hessian_moments_I_exact",
+                    "hessian_I_eigenvalues",
+                ),
+            )
             est, se = got["gram_sq_frobenius"]
             assert 0 < se and abs(est - ref_fro[0]) <= 4 * se + 1e-9 * ref_fro[0], (what, est, se, ref_fro[0])
             for name in ("alignment", "alignment_centered"):
@@ -119,8 +148,12 @@ def test_gang_layouts_of_a_per_layer_model_equal_local(model):
     """block_rows tiles and matrix_free shards built from per-layer features (convolutions, eval-mode
     BN, in-place ReLU, a residual sum, a weight shared by two layers: its per-sample Jacobian) give
     the local step's numbers (float64)."""
-    base = {**BASE, "data": {"name": "digits", "n": 53, "n_test": 9}, "model": model,
-            "spectrum": {**BASE["spectrum"], "images": []}}
+    base = {
+        **BASE,
+        "data": {"name": "digits", "n": 53, "n_test": 9},
+        "model": model,
+        "spectrum": {**BASE["spectrum"], "images": []},
+    }
     res = _analyses(base, [("local", 1), ("block_rows", 3), ("matrix_free", 2)], hessian=False)
     ref = res.pop(("local", 1))
     for (layout, W), got in res.items():
@@ -157,8 +190,9 @@ def test_no_process_forms_the_gram_on_a_gang(layout, monkeypatch):
 
 
 def test_matrix_free_with_jacobian_shards_equals_dense():
-    spec = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "matrix_free",
-                                                               "workers": 3, "ntk_method": "jacobian"}})
+    spec = ExperimentSpec.model_validate(
+        {**BASE, "spectrum": {**BASE["spectrum"], "layout": "matrix_free", "workers": 3, "ntk_method": "jacobian"}}
+    )
     data = load_dataset(spec.data)
     model = build_model(spec.model, seed=spec.seed)
     theta = parameters_to_vector(model.parameters()).detach().numpy()
@@ -196,20 +230,33 @@ def test_layout_validation_and_auto_choice(tmp_path):
     big = 8 * 97 * 97  # bytes of a float64 G at N = 97
     cases = [(1.0, 2, Layout.LOCAL), (1.2 * big / 1e9, 2, Layout.BLOCK_ROWS), (0.2 * big / 1e9, 2, Layout.MATRIX_FREE)]
     for budget, W, want in cases:
-        spec = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": W,
-                                                                   "memory_budget_gb": budget}})
+        spec = ExperimentSpec.model_validate(
+            {**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": W, "memory_budget_gb": budget}}
+        )
         choice = choose_layout(spec, 97, 2 * (3 + 17 + 17))
         assert choice.layout is want, (budget, choice)
         assert "budget" in choice.reason
-    tight = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": 2,
-                                                                "memory_budget_gb": 1.2 * big / 1e9}})
+    tight = ExperimentSpec.model_validate(
+        {**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": 2, "memory_budget_gb": 1.2 * big / 1e9}}
+    )
     assert choose_layout(tight, 97, 97 * 97).layout is Layout.MATRIX_FREE  # features as wide as G: no tiles
     with pytest.raises(ValueError, match="block_rows.*couples samples.*'local'"):
         choose_layout(_spec(BASE, "block_rows", 2), 97, 74, coupled="batch norm in train mode")
     # a run: its measured feature width (96 floats per point, padded) against G at N = 400
-    spec = ExperimentSpec.model_validate({**BASE, "data": {"n": 400, "n_test": 23}, "steps": 2, "record": {"every": 1},
-                                          "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": 2,
-                                                       "memory_budget_gb": 0.8 * 8 * 400 * 400 / 1e9}})
+    spec = ExperimentSpec.model_validate(
+        {
+            **BASE,
+            "data": {"n": 400, "n_test": 23},
+            "steps": 2,
+            "record": {"every": 1},
+            "spectrum": {
+                **BASE["spectrum"],
+                "layout": "auto",
+                "workers": 2,
+                "memory_budget_gb": 0.8 * 8 * 400 * 400 / 1e9,
+            },
+        }
+    )
     url = str(tmp_path / "s.zarr")
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     attrs = SpectrumStore(url).group(run_id(spec)).attrs
@@ -220,8 +267,9 @@ def test_auto_layout_is_resolved_once_and_used_by_every_worker(tmp_path, monkeyp
     import nsa_dist.pipeline.layout as layout_mod
     from nsa_dist.pipeline import prepare_run
 
-    spec = ExperimentSpec.model_validate({**BASE, "steps": 2, "record": {"every": 1}, "spectrum": {
-        **BASE["spectrum"], "layout": "auto", "workers": 2}})  # no budget: this machine's memory decides
+    spec = ExperimentSpec.model_validate(
+        {**BASE, "steps": 2, "record": {"every": 1}, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": 2}}
+    )  # no budget: this machine's memory decides
     url = str(tmp_path / "s.zarr")
     prep = prepare_run(spec, SpectrumStore(url))
     assert prep.plan.layout.layout is Layout.LOCAL, prep.plan.layout
@@ -250,8 +298,13 @@ def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):
 def _sweep(name: str, layout: str, workers: int, **cluster):
     from nsa_dist.config import SweepSpec
 
-    base = {**BASE, "steps": 7, "record": {"every": 3}, "hessian": {**HESS, "every": 2},  # steps 0, 3, 6; H at 0, 6
-            "spectrum": {**BASE["spectrum"], "layout": layout, "workers": workers}}
+    base = {
+        **BASE,
+        "steps": 7,
+        "record": {"every": 3},
+        "hessian": {**HESS, "every": 2},  # steps 0, 3, 6; H at 0, 6
+        "spectrum": {**BASE["spectrum"], "layout": layout, "workers": workers},
+    }
     return SweepSpec(name=name, base=base, cluster={"spectral_workers": 1, "worker_cpus": 1, **cluster})
 
 
@@ -262,9 +315,23 @@ def _assert_matches_single_process(tmp_path, url: str, spec: ExperimentSpec) -> 
     assert run_experiment(spec, SpectrumStore(ref_url)).status == "done"
     ra, rb = Client(ref_url).run(run_id(spec)), Client(url).run(run_id(spec))
     assert rb.status == "done" and rb.g["done"][:].all()
-    for name in ("eigenvalues", "energy_y", "energy_residual", "energy_df_pred", "df_pred", "alignment",
-                 "alignment_centered", "gram_sq_frobenius", "eigenvalues_test", "energy_f_test", "hessian_moments",
-                 "hessian_top", "hessian_density", "theta", "loss"):
+    for name in (
+        "eigenvalues",
+        "energy_y",
+        "energy_residual",
+        "energy_df_pred",
+        "df_pred",
+        "alignment",
+        "alignment_centered",
+        "gram_sq_frobenius",
+        "eigenvalues_test",
+        "energy_f_test",
+        "hessian_moments",
+        "hessian_top",
+        "hessian_density",
+        "theta",
+        "loss",
+    ):
         np.testing.assert_allclose(rb.g[name][:], ra.g[name][:], rtol=EXACT, atol=1e-13, err_msg=name)
 
 

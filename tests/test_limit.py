@@ -54,11 +54,15 @@ def test_every_activation_is_close_at_width_4096(activation):
 
 def test_multi_output_kernel_is_theta_kron_identity():
     x = _x(6)
-    model = build_model(ModelSpec(input_dim=3, output_dim=2, init="ntk", bias_scale=BETA, depth=3, width=2048,
-                                  activation="tanh"), seed=0, dtype=F64)
+    model = build_model(
+        ModelSpec(input_dim=3, output_dim=2, init="ntk", bias_scale=BETA, depth=3, width=2048, activation="tanh"),
+        seed=0,
+        dtype=F64,
+    )
     G = gram(model, x, kernel="full", dtype=F64)  # (N, 2, N, 2)
-    ref = torch.einsum("ij,ab->iajb",
-                       limit_ntk(x, depth=3, activation="tanh", bias_scale=BETA), torch.eye(2, dtype=F64))
+    ref = torch.einsum(
+        "ij,ab->iajb", limit_ntk(x, depth=3, activation="tanh", bias_scale=BETA), torch.eye(2, dtype=F64)
+    )
     assert _rel(G, ref) < 0.1
 
 
@@ -69,13 +73,13 @@ def _mc_relu_ntk(x: np.ndarray, depth: int, beta: float, M: int = 400_000, seed:
     """Θ∞ with each layer's Gaussian expectations replaced by sample means over M draws of (u(x_1..x_N))."""
     rng = np.random.default_rng(seed)
     N, d = x.shape
-    Sigma = x @ x.T / d + beta ** 2
+    Sigma = x @ x.T / d + beta**2
     Theta = Sigma.copy()
     for _ in range(depth - 1):
         L = np.linalg.cholesky(Sigma + 1e-12 * np.eye(N))
         U = rng.standard_normal((M, N)) @ L.T  # (M, N) samples u ~ N(0, Σ)
         A, D = np.maximum(U, 0), (U > 0).astype(np.float64)
-        Sigma = A.T @ A / M + beta ** 2
+        Sigma = A.T @ A / M + beta**2
         Theta = Theta * (D.T @ D / M) + Sigma
     return Theta
 
@@ -83,18 +87,22 @@ def _mc_relu_ntk(x: np.ndarray, depth: int, beta: float, M: int = 400_000, seed:
 def test_relu_closed_form_matches_monte_carlo():
     x = _x(6, 4, seed=2)
     mc = _mc_relu_ntk(x.numpy(), depth=4, beta=BETA)
-    assert_close_rel(limit_ntk(x, depth=4, activation="relu", bias_scale=BETA), torch.from_numpy(mc), 1e-2,
-                     "relu Θ∞ vs Monte-Carlo")
+    assert_close_rel(
+        limit_ntk(x, depth=4, activation="relu", bias_scale=BETA), torch.from_numpy(mc), 1e-2, "relu Θ∞ vs Monte-Carlo"
+    )
 
 
 # ---------------------------------------------------------------- (c) quadrature vs closed forms, structure
 
 
-@pytest.mark.parametrize("name, phi, rtol", [
-    ("erf", torch.erf, 1e-10),
-    ("relu", torch.relu, 1.5e-2),  # the kink: Gauss–Hermite converges like ~1/n
-    ("leaky_relu", lambda u: torch.nn.functional.leaky_relu(u, 0.2), 1.5e-2),
-])
+@pytest.mark.parametrize(
+    "name, phi, rtol",
+    [
+        ("erf", torch.erf, 1e-10),
+        ("relu", torch.relu, 1.5e-2),  # the kink: Gauss–Hermite converges like ~1/n
+        ("leaky_relu", lambda u: torch.nn.functional.leaky_relu(u, 0.2), 1.5e-2),
+    ],
+)
 def test_quadrature_matches_closed_forms(name, phi, rtol):
     x = _x(7, seed=3)
     closed = limit_ntk(x, depth=4, activation=name, negative_slope=0.2, bias_scale=BETA)
@@ -104,7 +112,7 @@ def test_quadrature_matches_closed_forms(name, phi, rtol):
 
 def test_depth_one_is_the_input_kernel_and_cross_blocks_agree():
     x1, x2 = _x(5, seed=4), _x(4, seed=5)
-    assert_close_rel(limit_ntk(x1, depth=1, bias_scale=BETA), x1 @ x1.T / 3 + BETA ** 2, 1e-15, "depth 1")
+    assert_close_rel(limit_ntk(x1, depth=1, bias_scale=BETA), x1 @ x1.T / 3 + BETA**2, 1e-15, "depth 1")
     for act in ("relu", "tanh"):
         full = limit_ntk(torch.cat([x1, x2]), depth=3, activation=act)
         assert_close_rel(limit_ntk(x1, x2, depth=3, activation=act), full[:5, 5:], 1e-12, f"{act} cross block")
@@ -113,10 +121,11 @@ def test_depth_one_is_the_input_kernel_and_cross_blocks_agree():
 
 def test_leaky_relu_with_slope_one_is_linear():
     x = _x(5, seed=6)
-    lin = x @ x.T / 3 + BETA ** 2  # Σ⁽¹⁾; identity σ: Σ⁽ℓ⁺¹⁾ = Σ⁽ℓ⁾ + β², Σ̇ = 1
-    theta = sum(lin + ell * BETA ** 2 for ell in range(3))
-    assert_close_rel(limit_ntk(x, depth=3, activation="leaky_relu", negative_slope=1.0, bias_scale=BETA), theta,
-                     1e-12, "slope 1")
+    lin = x @ x.T / 3 + BETA**2  # Σ⁽¹⁾; identity σ: Σ⁽ℓ⁺¹⁾ = Σ⁽ℓ⁾ + β², Σ̇ = 1
+    theta = sum(lin + ell * BETA**2 for ell in range(3))
+    assert_close_rel(
+        limit_ntk(x, depth=3, activation="leaky_relu", negative_slope=1.0, bias_scale=BETA), theta, 1e-12, "slope 1"
+    )
 
 
 # ---------------------------------------------------------------- (d) bad input

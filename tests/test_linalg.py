@@ -81,8 +81,10 @@ def assert_evals_close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL_EVA
     floor = 1e-4 * np.abs(want).max()  # below 1e-4·λ_max the test is absolute, 1e-12·λ_max: rounding
     err = np.abs(got - want) / np.maximum(np.abs(want), floor)
     bad = np.nonzero(err > rtol)[0]
-    assert bad.size == 0, (f"{bad.size} eigenvalues differ (rel. err > {rtol:g}) at indices {bad[:10].tolist()}: "
-                           f"got {got[bad[:10]]}, want {want[bad[:10]]}, rel. err {err[bad[:10]]}")
+    assert bad.size == 0, (
+        f"{bad.size} eigenvalues differ (rel. err > {rtol:g}) at indices {bad[:10].tolist()}: "
+        f"got {got[bad[:10]]}, want {want[bad[:10]]}, rel. err {err[bad[:10]]}"
+    )
 
 
 def residuals(G: np.ndarray, ep: Eigenpairs) -> np.ndarray:
@@ -93,8 +95,9 @@ def residuals(G: np.ndarray, ep: Eigenpairs) -> np.ndarray:
 def assert_residuals_small(G: np.ndarray, ep: Eigenpairs, rtol: float = RTOL_RESIDUAL) -> None:
     res = residuals(G, ep) / np.abs(ep.evals).max()
     bad = np.nonzero(res > rtol)[0]
-    assert bad.size == 0, (f"{bad.size} residuals ‖Gv − λv‖/λ_max > {rtol:g} at columns {bad[:10].tolist()}: "
-                           f"{res[bad[:10]]}")
+    assert bad.size == 0, (
+        f"{bad.size} residuals ‖Gv − λv‖/λ_max > {rtol:g} at columns {bad[:10].tolist()}: {res[bad[:10]]}"
+    )
 
 
 def assert_orthonormal(V: np.ndarray, atol: float = 1e-10) -> None:
@@ -117,8 +120,10 @@ def assert_subspaces_close(G: np.ndarray, ep: Eigenpairs, ref_evals: np.ndarray,
         bound = 10 * TOL * lam_max * np.sqrt(c.stop - c.start) / gap + 1e-9
         V, U = ep.evecs[:, c], ref_evecs[:, c]  # (N, c) each
         dist = np.linalg.norm(V - U @ (U.T @ V), 2)  # = ‖VVᵀ − UUᵀ‖₂ = sin of the largest principal angle
-        assert dist <= bound, (f"eigenvectors {c.start}..{c.stop - 1} (λ ≈ {ref_evals[c.start]:.4g}) span a "
-                               f"different subspace: sin∠(V, U) = {dist:.2e} > bound {bound:.2e} (gap {gap:.2e})")
+        assert dist <= bound, (
+            f"eigenvectors {c.start}..{c.stop - 1} (λ ≈ {ref_evals[c.start]:.4g}) span a "
+            f"different subspace: sin∠(V, U) = {dist:.2e} > bound {bound:.2e} (gap {gap:.2e})"
+        )
 
 
 def assert_matches_reference(G: np.ndarray, ep: Eigenpairs, ref: tuple[np.ndarray, np.ndarray]) -> None:
@@ -236,10 +241,12 @@ class EigenSuite:
     @pytest.mark.parametrize("method", ["dense", "lanczos", "arpack"])
     def test_operator_inputs(self, kind: str, method: str) -> None:
         G = psd(240)
-        op = {"scipy": lambda: aslinearoperator(G),
-              "torch": lambda: TorchOperator(torch.tensor(G, device=self.torch_device)),
-              "matvec": lambda: MatvecOnly(G),
-              "native": lambda: NativeOperator(self.native(G))}[kind]()
+        op = {
+            "scipy": lambda: aslinearoperator(G),
+            "torch": lambda: TorchOperator(torch.tensor(G, device=self.torch_device)),
+            "matvec": lambda: MatvecOnly(G),
+            "native": lambda: NativeOperator(self.native(G)),
+        }[kind]()
         ep = self.solve(op, 9, method)
         assert_matches_reference(G, ep, reference(240))
         assert ep.n_matvec >= (240 if method == "dense" else 9)
@@ -335,8 +342,10 @@ class EigenSuite:
         with pytest.raises(ValueError, match="symmetric"):
             self.solve(aslinearoperator(A @ A.T + np.triu(A)), 4, method)
 
-    @pytest.mark.parametrize(("kw", "match"), [({"tol": 0.0}, "tol"), ({"tol": float("nan")}, "tol"),
-                                               ({"max_iter": 0}, "max_iter"), ({"seed": 1.5}, "seed")])
+    @pytest.mark.parametrize(
+        ("kw", "match"),
+        [({"tol": 0.0}, "tol"), ({"tol": float("nan")}, "tol"), ({"max_iter": 0}, "max_iter"), ({"seed": 1.5}, "seed")],
+    )
     def test_bad_options(self, kw: dict, match: str) -> None:
         with pytest.raises(ValueError, match=match):
             self.solve(self.native(psd(30)), 2, "lanczos", **kw)
@@ -382,6 +391,7 @@ class TestCuPy(EigenSuite):
 
     def native(self, G: np.ndarray) -> Any:
         import cupy
+
         return cupy.asarray(G)
 
 
@@ -591,9 +601,11 @@ def test_orthogonalise_local_first_then_one_pass_or_two() -> None:
     V = torch.from_numpy(np.linalg.qr(rng.standard_normal((3000, 256)))[0])
     local_part = V[:, -64:] @ torch.from_numpy(rng.standard_normal((64, 16))) * 1e3
     small_new = torch.from_numpy(rng.standard_normal((3000, 16)))
-    cases = {"recurrence-like: W in the last blocks plus new directions": local_part + small_new,
-             "after a restart: W mostly along old columns": V[:, :64] @ torch.from_numpy(rng.standard_normal((64, 16)))
-             * 1e6 + small_new}
+    cases = {
+        "recurrence-like: W in the last blocks plus new directions": local_part + small_new,
+        "after a restart: W mostly along old columns": V[:, :64] @ torch.from_numpy(rng.standard_normal((64, 16))) * 1e6
+        + small_new,
+    }
     for name, W in cases.items():
         out, C = _orthogonalise(ops, V, W, local=64)
         orth = float((V.T @ out).abs().max() / out.abs().max())

@@ -23,9 +23,11 @@ def _autograd_residual(loss_fn, f: torch.Tensor, *args: torch.Tensor) -> np.ndar
 def test_cross_entropy_residual_is_the_gradient(rows: str) -> None:
     g = torch.Generator().manual_seed(0)
     f = torch.randn(7, 4, generator=g, dtype=F64) * 3
-    y = {"onehot": torch.nn.functional.one_hot(torch.arange(7) % 4, 4).to(F64),
-         "probability": torch.softmax(torch.randn(7, 4, generator=g, dtype=F64), -1),
-         "unnormalised": torch.rand(7, 4, generator=g, dtype=F64) * 2}[rows]
+    y = {
+        "onehot": torch.nn.functional.one_hot(torch.arange(7) % 4, 4).to(F64),
+        "probability": torch.softmax(torch.randn(7, 4, generator=g, dtype=F64), -1),
+        "unnormalised": torch.rand(7, 4, generator=g, dtype=F64) * 2,
+    }[rows]
     want = _autograd_residual(cross_entropy_loss, f, y)
     got_np = residual(LossName.CROSS_ENTROPY, f.numpy(), y.numpy())
     got_t = residual("cross_entropy", f, y)
@@ -47,14 +49,18 @@ def test_cross_entropy_residual_on_one_hot_rows_is_softmax_minus_y() -> None:
 def test_l2_residual_is_f_minus_y(shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(2)
     f, y = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape)
-    want = _autograd_residual(lambda a, b: 0.5 * ((a - b) ** 2).reshape(len(a), -1).sum(1).mean(),
-                              torch.as_tensor(f, dtype=F64), torch.as_tensor(y))
+    want = _autograd_residual(
+        lambda a, b: 0.5 * ((a - b) ** 2).reshape(len(a), -1).sum(1).mean(),
+        torch.as_tensor(f, dtype=F64),
+        torch.as_tensor(y),
+    )
     got = residual(LossName.L2, f, y)
     assert got.dtype == np.float64 and got.shape == shape
     np.testing.assert_array_equal(got, want)
     ft = torch.as_tensor(f)
-    assert torch.equal(residual("l2", ft, torch.as_tensor(y, dtype=torch.float32)),
-                       ft - torch.as_tensor(y, dtype=torch.float32))
+    assert torch.equal(
+        residual("l2", ft, torch.as_tensor(y, dtype=torch.float32)), ft - torch.as_tensor(y, dtype=torch.float32)
+    )
 
 
 def test_nce_residual_is_the_gradient_and_needs_log_noise() -> None:

@@ -83,8 +83,11 @@ def test_an_embedded_ray_that_times_out_starting_is_started_again_then_named(mon
     runtime._start_embedded({"num_cpus": 1}, tries=3, pause=0.0)
     assert len(calls) == 3
     calls.clear()
-    monkeypatch.setattr(ray, "init", lambda **kw: timing_out(**kw) or (_ for _ in ()).throw(
-        Exception("The current node timed out during startup.")))
+    monkeypatch.setattr(
+        ray,
+        "init",
+        lambda **kw: timing_out(**kw) or (_ for _ in ()).throw(Exception("The current node timed out during startup.")),
+    )
     with pytest.raises(OutsideError, match=r"did not start in 2 tries: .*load average .*ray start --head") as e:
         runtime._start_embedded({"num_cpus": 1}, tries=2, pause=0.0)
     assert "\n" not in str(e.value) and len(calls) == 2

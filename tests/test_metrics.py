@@ -119,7 +119,7 @@ class TestRelativeEnergy:
         V, M = random_basis(12, seed=3)[:, :5], 3
         Phi = np.random.default_rng(4).standard_normal((12, M))
         basis = np.stack([np.kron(V[:, i], np.eye(M)[c]) for i in range(5) for c in range(M)], axis=1)  # (N·M, 5·M)
-        stacked = relative_energy(basis, Phi.reshape(-1))[M - 1::M]  # after each i's M directions
+        stacked = relative_energy(basis, Phi.reshape(-1))[M - 1 :: M]  # after each i's M directions
         assert_allclose(relative_energy(V, Phi, pooled=True), stacked, rtol=1e-12)
 
     def test_undefined_nan(self):
@@ -356,8 +356,9 @@ class TestNystrom:
         rng = np.random.default_rng(9)
         evals, evecs = descending_eigh(random_psd(6, 6))
         g = rng.standard_normal((3, 6))
-        direct = np.array([[sum(g[p, j] * evecs[j, k] for j in range(6)) / evals[k] for k in range(6)]
-                           for p in range(3)])
+        direct = np.array(
+            [[sum(g[p, j] * evecs[j, k] for j in range(6)) / evals[k] for k in range(6)] for p in range(3)]
+        )
         assert_allclose(nystrom_extension(g, evals, evecs), direct, rtol=1e-10)
 
     def test_bad_input(self):
@@ -401,8 +402,12 @@ class TestFourier:
         monkeypatch.setattr(validate, "_BUDGET_ELEMENTS", budget)
         rng = np.random.default_rng(10)
         X, Phi, xi = rng.uniform(size=(30, 2)), rng.standard_normal((30, 2)), rng.uniform(-4, 4, (7, 2))
-        direct = np.array([[sum(Phi[k, c] * np.exp(-2j * np.pi * (xi[f] @ X[k])) for k in range(30)) / 30
-                            for c in range(2)] for f in range(7)])
+        direct = np.array(
+            [
+                [sum(Phi[k, c] * np.exp(-2j * np.pi * (xi[f] @ X[k])) for k in range(30)) / 30 for c in range(2)]
+                for f in range(7)
+            ]
+        )
         out = fourier_transform(Phi, X, xi)
         assert out.shape == (7, 2) and out.dtype == np.complex128
         assert_allclose(out, direct, rtol=1e-10, atol=1e-13)
@@ -433,8 +438,9 @@ class TestFourier:
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err < 1e-12, f"factored transform off by {err:.2e} (relative to max |φ̂|)"
         shuffled = FrequencyGrid(grid.points[rng.permutation(len(grid.points))], grid.shape)
-        assert_allclose(fourier_transform_grid(phi, X, shuffled), fourier_transform(phi, X, shuffled.points),
-                        rtol=0, atol=1e-15)
+        assert_allclose(
+            fourier_transform_grid(phi, X, shuffled), fourier_transform(phi, X, shuffled.points), rtol=0, atol=1e-15
+        )
 
     def test_bad_input(self):
         X = regular_grid(4)

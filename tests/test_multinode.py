@@ -40,26 +40,61 @@ def test_submit_sweep_to_two_node_cluster_whose_nodes_meet_only_in_s3(two_node_c
     bucket = f"nsa-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket=bucket)
     local = write_datasets(tmp_path / "data", n=40)
-    base = {"model": {"depth": 2, "width": 8}, "steps": 12, "record": {"every": 4}, "spectrum": {"k": 6, "images": []},
-            "schedule": {"lr": 1e-4}}  # λ_max(NTK) of raw 784 / 1024-pixel inputs is in the thousands
+    base = {
+        "model": {"depth": 2, "width": 8},
+        "steps": 12,
+        "record": {"every": 4},
+        "spectrum": {"k": 6, "images": []},
+        "schedule": {"lr": 1e-4},
+    }  # λ_max(NTK) of raw 784 / 1024-pixel inputs is in the thousands
     sweep = {
         "name": "multinode",
         "base": {**base, "data": {"n": 32}},
-        "variants": [{"data": {"name": "image2d", "path": "data/face.png", "n": 32}},
-                     {"data": {"name": "mnist", "path": "data/mnist", "n": 32, "n_test": 4, "pool": True,
-                                   "target": "one_vs_rest"}},
-                     {"data": {"name": "cifar10", "path": str(local["cifar10"]), "n": 32, "n_test": 4,
-                                   "target": "one_vs_rest"}}],
-        "cluster": {"spectral_workers": 2, "worker_cpus": 0.5, "trainer_cpus": 0.3,  # 3 trainers on a 1-CPU head
-                    "trainer_resources": {"head_node": 1}, "worker_resources": {"worker_node": 1}},
+        "variants": [
+            {"data": {"name": "image2d", "path": "data/face.png", "n": 32}},
+            {
+                "data": {
+                    "name": "mnist",
+                    "path": "data/mnist",
+                    "n": 32,
+                    "n_test": 4,
+                    "pool": True,
+                    "target": "one_vs_rest",
+                }
+            },
+            {"data": {"name": "cifar10", "path": str(local["cifar10"]), "n": 32, "n_test": 4, "target": "one_vs_rest"}},
+        ],
+        "cluster": {
+            "spectral_workers": 2,
+            "worker_cpus": 0.5,
+            "trainer_cpus": 0.3,  # 3 trainers on a 1-CPU head
+            "trainer_resources": {"head_node": 1},
+            "worker_resources": {"worker_node": 1},
+        },
     }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     store = f"s3://{bucket}/sweeps/s.zarr"
     nsa = [str(BIN / "nsa")]
-    out = subprocess.run(nsa + ["submit", "sweep.yaml", "--address", address, "--store", str(store), "--wait",
-                                "--job-id", "nsa-multinode-test"], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        nsa
+        + [
+            "submit",
+            "sweep.yaml",
+            "--address",
+            address,
+            "--store",
+            str(store),
+            "--wait",
+            "--job-id",
+            "nsa-multinode-test",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SUCCEEDED" in out.stdout and "3/3 runs done" in out.stdout
     runs = Client(str(store)).runs()
@@ -70,21 +105,47 @@ def test_submit_sweep_to_two_node_cluster_whose_nodes_meet_only_in_s3(two_node_c
         assert np.isfinite(run.eigenvalues).all()
         paths[run.spec.data.name.value] = run.spec.data.path
     assert paths == {"image2d": "data/face.png", "mnist": "data/mnist", "cifar10": "_nsa_data/2/cifar-10-batches-py"}
-    st = subprocess.run(nsa + ["status", "nsa-multinode-test", "--address", address], env=env,
-                        capture_output=True, text=True, timeout=60)
+    st = subprocess.run(
+        nsa + ["status", "nsa-multinode-test", "--address", address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert st.returncode == 0 and "SUCCEEDED" in st.stdout
-    lg = subprocess.run(nsa + ["logs", "nsa-multinode-test", "--address", address], env=env,
-                        capture_output=True, text=True, timeout=60)
+    lg = subprocess.run(
+        nsa + ["logs", "nsa-multinode-test", "--address", address], env=env, capture_output=True, text=True, timeout=60
+    )
     assert "runs done" in lg.stdout
     # a long sweep, cancelled while it runs
-    long = {"name": "tocancel", "base": {**base, "data": {"n": 32}, "steps": 100000, "record": {"every": 50000}},
-            "grid": {"model.width": [8, 16]}, "cluster": sweep["cluster"]}
+    long = {
+        "name": "tocancel",
+        "base": {**base, "data": {"n": 32}, "steps": 100000, "record": {"every": 50000}},
+        "grid": {"model.width": [8, 16]},
+        "cluster": sweep["cluster"],
+    }
     path.write_text(yaml.safe_dump(long))
-    sub = subprocess.run(nsa + ["submit", str(path), "--address", address, "--store", str(tmp_path / "c.zarr"),
-                                "--job-id", "nsa-cancel-test"], env=env, capture_output=True, text=True, timeout=120)
+    sub = subprocess.run(
+        nsa
+        + [
+            "submit",
+            str(path),
+            "--address",
+            address,
+            "--store",
+            str(tmp_path / "c.zarr"),
+            "--job-id",
+            "nsa-cancel-test",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sub.returncode == 0, sub.stderr[-2000:]
-    cancel = subprocess.run(nsa + ["cancel", "nsa-cancel-test", "--address", address], env=env,
-                            capture_output=True, text=True, timeout=60)
+    cancel = subprocess.run(
+        nsa + ["cancel", "nsa-cancel-test", "--address", address], env=env, capture_output=True, text=True, timeout=60
+    )
     assert cancel.returncode == 0 and "stopping" in cancel.stdout, cancel.stdout + cancel.stderr
     from nsa_dist.cluster import jobs
 

@@ -33,9 +33,14 @@ def test_nce_residual_is_the_functional_derivative() -> None:
     assert float(nce_loss(f.detach(), label, log_noise)) == pytest.approx(ref, rel=1e-12)
 
 
-@pytest.mark.parametrize("data", [{"name": "density2d", "n": 6000, "noise": "uniform", "noise_ratio": 2},
-                                  {"name": "gaussian_mixture", "dim": 3, "n": 6000, "noise": "uniform"},
-                                  {"name": "gaussian_mixture", "dim": 3, "n": 6000, "noise": "gaussian"}])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"name": "density2d", "n": 6000, "noise": "uniform", "noise_ratio": 2},
+        {"name": "gaussian_mixture", "dim": 3, "n": 6000, "noise": "uniform"},
+        {"name": "gaussian_mixture", "dim": 3, "n": 6000, "noise": "gaussian"},
+    ],
+)
 def test_density_data_true_log_density_is_normalised(data: dict) -> None:
     """E_q[p/q] = ∫ p = 1: the mean of exp(log p − log q) over the noise points is 1 (Monte Carlo)."""
     ds = load_dataset(DataSpec(**data))
@@ -62,9 +67,16 @@ def test_nce_config_errors() -> None:
 
 def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="nce", loss="nce", data={"name": "density2d", "n": 120, "n_test": 40},
-                          model={"depth": 3, "width": 32}, steps=60, record={"every": 20}, schedule={"lr": 1.0},
-                          spectrum={"k": 30, "images": [1, 2], "test_points": True})
+    spec = ExperimentSpec(
+        name="nce",
+        loss="nce",
+        data={"name": "density2d", "n": 120, "n_test": 40},
+        model={"depth": 3, "width": 32},
+        steps=60,
+        record={"every": 20},
+        schedule={"lr": 1.0},
+        spectrum={"k": 30, "images": [1, 2], "test_points": True},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("nce")
     ds = load_dataset(spec.data, seed=spec.seed)
@@ -86,8 +98,9 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
         V, yc = run.eigenvectors(int(t)), ds.y - ds.y.mean()
         np.testing.assert_allclose(run.energy("y")[i], np.cumsum((V.T @ yc) ** 2) / (yc @ yc), rtol=1e-4, atol=1e-6)
         # the energies of the residual are of the NCE derivative
-        np.testing.assert_allclose(run.energy("residual")[i, -1],
-                                   np.sum((run.eigenvectors(int(t)).T @ m) ** 2) / (m @ m), rtol=1e-4)
+        np.testing.assert_allclose(
+            run.energy("residual")[i, -1], np.sum((run.eigenvectors(int(t)).T @ m) ** 2) / (m @ m), rtol=1e-4
+        )
         ref = loss_value(spec, ds, run.g["f_test"][i].astype(np.float64), test=True)
         assert run.test_loss[i] == pytest.approx(ref, rel=1e-10)
     # every figure of an L2 run is drawn for the NCE run too, with the note on GD's bound

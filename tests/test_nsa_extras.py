@@ -60,8 +60,9 @@ def test_gram_change_measured_is_the_dense_difference(K: int) -> None:
     np.testing.assert_allclose(got["gram_change"][0], np.diag(D), rtol=1e-9, atol=1e-12 * np.abs(D).max())
     assert got["gram_change_fro"][0] == pytest.approx(np.linalg.norm(D), rel=1e-9)
     # the parameters are left as they were
-    np.testing.assert_array_equal(torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy(),
-                                  theta.numpy())
+    np.testing.assert_array_equal(
+        torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy(), theta.numpy()
+    )
 
 
 def test_gram_change_first_order_is_eq26() -> None:
@@ -74,7 +75,7 @@ def test_gram_change_first_order_is_eq26() -> None:
     J = dense_jacobian(model, X)  # (N, P) = Aᵀ
     m = f(theta, X).reshape(N) - y  # (N,)
     u = J.T @ m  # A m, (P,)
-    H = [torch.func.hessian(lambda v, i=i: f(v, X[i:i + 1]).reshape(()))(theta) for i in range(N)]  # ℋ(X^i), (P, P)
+    H = [torch.func.hessian(lambda v, i=i: f(v, X[i : i + 1]).reshape(()))(theta) for i in range(N)]  # ℋ(X^i), (P, P)
     Q = torch.stack([J @ (H[i] @ u) for i in range(N)], dim=1)  # (N, N), column i
     dG = (-(lr / N) * (Q + Q.T)).numpy()
     V = np.linalg.eigh((J @ J.T).numpy())[1][:, ::-1][:, :3]
@@ -98,9 +99,14 @@ def test_gram_change_unknown_update_is_nan() -> None:
 @pytest.fixture(scope="module")
 def recon_run(tmp_path_factory: pytest.TempPathFactory):
     url = str(tmp_path_factory.mktemp("recon") / "s.zarr")
-    spec = ExperimentSpec(name="recon", data={"n": 40}, model={"depth": 2, "width": 12}, steps=3,
-                          record={"every": 1}, spectrum={"k": "all", "images": [1], "store_eigenvectors": [0, 1],
-                                                         "gram_change_k": 3})
+    spec = ExperimentSpec(
+        name="recon",
+        data={"n": 40},
+        model={"depth": 2, "width": 12},
+        steps=3,
+        record={"every": 1},
+        spectrum={"k": "all", "images": [1], "store_eigenvectors": [0, 1], "gram_change_k": 3},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     return spec, Client(url).run("recon")
 
@@ -131,8 +137,9 @@ def test_stored_reconstructions_and_gram_change(recon_run) -> None:
     from nsa_dist.data import load_dataset
     from nsa_dist.pipeline.images import EigenImages, unit_coordinates
 
-    ref = EigenImages(unit_coordinates(load_dataset(spec.data)), [1], spec.spectrum.image_size, 1.0, 3
-                      ).image(run.outputs(0)[:, None])[0]
+    ref = EigenImages(unit_coordinates(load_dataset(spec.data)), [1], spec.spectrum.image_size, 1.0, 3).image(
+        run.outputs(0)[:, None]
+    )[0]
     np.testing.assert_allclose(img[0, 1], ref, atol=2e-4 * np.abs(ref).max())
 
 
@@ -181,17 +188,24 @@ def test_constant_gram_residual_is_gd_on_a_fixed_gram() -> None:
         constant_gram_decays(w, [0.1, 0.1, 0.1], [0, 4], N)
     # a constant rate agrees with the library's closed form (Eq. 5)
     traj = constant_gram_dynamics(w, V, m0, np.zeros(N), 0.3, np.array(record))
-    const = constant_gram_residual(w, (V.T @ m0) ** 2, float(m0 @ m0),
-                                   constant_gram_decays(w, np.full(record[-1], 0.3), record, N))
+    const = constant_gram_residual(
+        w, (V.T @ m0) ** 2, float(m0 @ m0), constant_gram_decays(w, np.full(record[-1], 0.3), record, N)
+    )
     np.testing.assert_allclose(const.norm, np.linalg.norm(traj.m, axis=1), rtol=1e-10)
 
 
 def test_stored_constant_gram_prediction(tmp_path) -> None:
     """The stored Eqs. 4–5 prediction against G_{t0} rebuilt densely from the stored θ_{t0}."""
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="cg", data={"n": 30}, model={"depth": 2, "width": 12}, steps=12, record={"every": 4},
-                          spectrum={"k": "all", "images": [1], "store_eigenvectors": False},
-                          schedule={"lr": 0.2, "decay": 0.5, "every": 6})
+    spec = ExperimentSpec(
+        name="cg",
+        data={"n": 30},
+        model={"depth": 2, "width": 12},
+        steps=12,
+        record={"every": 4},
+        spectrum={"k": "all", "images": [1], "store_eigenvectors": False},
+        schedule={"lr": 0.2, "decay": 0.5, "every": 6},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("cg")
     G = _dense_gram(spec, run, 0)
@@ -214,16 +228,23 @@ def test_eqs45_drawn(tmp_path) -> None:
     from nsa_dist.plots.registry import make_figure
 
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="cgp", data={"n": 24}, model={"depth": 2, "width": 8}, steps=4, record={"every": 2},
-                          spectrum={"k": 12, "images": [1], "store_eigenvectors": False})
+    spec = ExperimentSpec(
+        name="cgp",
+        data={"n": 24},
+        model={"depth": 2, "width": 8},
+        steps=4,
+        record={"every": 2},
+        spectrum={"k": 12, "images": [1], "store_eigenvectors": False},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("cgp")
     assert run.g["constant_gram_residual"].attrs["truncated"] is True  # K = 12 < N = 24
     fig = make_figure(run, "eqs45_constant_gram")
     assert fig._suptitle.get_text().startswith("NSA Eqs. 4–5 — ")
     # Adam: not the paper's dynamics, nothing written, no figure
-    spec2 = spec.model_copy(update={"name": "cga",
-                                    "optimizer": spec.optimizer.model_copy(update={"name": OptimizerName.ADAM})})
+    spec2 = spec.model_copy(
+        update={"name": "cga", "optimizer": spec.optimizer.model_copy(update={"name": OptimizerName.ADAM})}
+    )
     assert run_experiment(spec2, SpectrumStore(url)).status == "done"
     run2 = Client(url).run("cga")
     assert not run2.has("constant_gram_residual") and make_figure(run2, "eqs45_constant_gram") is None
@@ -243,7 +264,7 @@ _NSA_TITLES = {
     "fig3c_energy_residual": r"NSA Fig. 3c — relative energy of the residual $\bar m_t$",
     "fig3d_energy_df": r"NSA Fig. 3d — relative energy of the differential $d\bar f_t = -(\delta_t/N) G_t \bar m_t$",
     "fig3e_energy_f_test": "NSA Fig. 3e — relative energy of the network output at the test points "
-                           "(Gramian at the test points)",
+    "(Gramian at the test points)",
     "fig4a_residual_projections": "NSA Fig. 4a — spectral projections of the residual",
     "fig4bc_residual_fourier": "NSA Fig. 4b–c — residual and its Fourier transform",
     "fig4d_reconstructions": r"NSA Fig. 4d — $\bar f_{t,k}$ from the top $k$ eigenvectors of $G_t$, t = 4",
@@ -252,7 +273,7 @@ _NSA_TITLES = {
     "fig5_eigenvectors": "NSA Fig. 5 — eigenvectors of $G_t$ and their Fourier transforms, t = 4",
     "fig6_eigenvectors_early": "NSA Fig. 6 — eigenvectors of $G_t$ and their Fourier transforms, t = 2",
     "fig7d_preservation": r"NSA Fig. 7d — spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum "
-                          r"of $G_{t_1}$",
+    r"of $G_{t_1}$",
     "loss": "NSA Fig. 7b (this run) — training loss",
 }
 
@@ -264,9 +285,14 @@ def test_every_nsa_figure_title(tmp_path) -> None:
     from nsa_dist.plots.registry import FIGURES, make_figure
 
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="titles", data={"n": 30, "n_test": 8}, model={"depth": 2, "width": 8}, steps=5,
-                          record={"every": 2}, spectrum={"k": "all", "images": [1, 2], "test_points": True,
-                                                                 "gram_change_k": 2})
+    spec = ExperimentSpec(
+        name="titles",
+        data={"n": 30, "n_test": 8},
+        model={"depth": 2, "width": 8},
+        steps=5,
+        record={"every": 2},
+        spectrum={"k": "all", "images": [1, 2], "test_points": True, "gram_change_k": 2},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("titles")
     nsa = [f for f in FIGURES if not f.startswith("hessian_")]
@@ -302,8 +328,9 @@ def test_eq22_nystrom_equals_exact_test_dynamics() -> None:
         f, m = f - lr_of(t) / N * (g @ m), m - lr_of(t) / N * (G @ m)  # Eq. 17 and Eq. 14's step
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
     # two outputs at once: the columns are independent
-    two = constant_gram_test_outputs(nystrom_extension(g, w, V), V.T @ np.stack([m0, -m0], 1),
-                                     np.stack([f0, f0], 1), decays)
+    two = constant_gram_test_outputs(
+        nystrom_extension(g, w, V), V.T @ np.stack([m0, -m0], 1), np.stack([f0, f0], 1), decays
+    )
     np.testing.assert_allclose(two[..., 0], ref, rtol=1e-10)
     np.testing.assert_allclose(two[..., 1] - f0, -(np.asarray(ref) - f0), rtol=1e-10, atol=1e-12)
 
@@ -312,9 +339,15 @@ def test_stored_test_point_prediction_against_exact(tmp_path) -> None:
     """The stored App. E prediction (Nyström from JVP products at θ_{t0}) against Eq. 18 with the
     dense g(X', 𝒳) and G at the stored θ_{t0}, iterated over the run's learning rates."""
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="eq22", data={"n": 24, "n_test": 6}, model={"depth": 2, "width": 6}, steps=8,
-                          record={"every": 4}, spectrum={"k": "all", "images": [1], "store_eigenvectors": False},
-                          schedule={"lr": 0.3, "decay": 0.5, "every": 3})
+    spec = ExperimentSpec(
+        name="eq22",
+        data={"n": 24, "n_test": 6},
+        model={"depth": 2, "width": 6},
+        steps=8,
+        record={"every": 4},
+        spectrum={"k": "all", "images": [1], "store_eigenvectors": False},
+        schedule={"lr": 0.3, "decay": 0.5, "every": 3},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("eq22")
     model = build_model(spec.model, seed=0).double()

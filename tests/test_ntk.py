@@ -54,8 +54,9 @@ def test_multi_output_full_and_traced(method):
     model, x = _net(output_dim=3, activation="gelu"), _x(17, d=4 if False else 2)
     full_ref = dense_ntk(model, x, full=True)
     assert_close_rel(gram(model, x, method=method, kernel="full", block_size=5), full_ref, 1e-10, "full")
-    assert_close_rel(gram(model, x, method=method, block_size=5), full_ref.diagonal(dim1=1, dim2=3).sum(-1),
-                     1e-10, "trace")
+    assert_close_rel(
+        gram(model, x, method=method, block_size=5), full_ref.diagonal(dim1=1, dim2=3).sum(-1), 1e-10, "trace"
+    )
 
 
 @pytest.mark.parametrize("method", ["structured", "jacobian"])

@@ -224,50 +224,116 @@ def _ids(n, T, g):
 
 # name → (model, points (generator ↦ x), {parameter: (route, reason starts with)}, a parameter that stays fast)
 CASES = {
-    "sample_axis/table_broadcast": (lambda: TableBias(T=5), lambda g: _flat(6, 15, g),
-                                     {"cpb.0.weight": ("jacobian", "sample axis"),
-                                      "cpb.2.weight": ("jacobian", "sample axis")}, "inp.weight"),
-    "sample_axis/table_with_the_batch_length": (lambda: TableBias(T=4), lambda g: _flat(4, 12, g),
-                                                 {"cpb.0.weight": ("jacobian", "sample axis"),
-                                                  "cpb.2.weight": ("jacobian", "sample axis")}, "inp.weight"),
-    "sample_axis/leading_one": (LeadingOne, lambda g: _flat(6, 12, g),
-                                {"pos_proj.weight": ("jacobian", "sample axis")}, "inp.weight"),
-    "sample_axis/position_ids": (PositionIds, lambda g: _ids(6, 5, g),
-                                 {"pos.weight": ("jacobian", "sample axis")}, "tok.weight"),
-    "sample_axis/position_ids_leading_one": (lambda: PositionIds(leading_one=True), lambda g: _ids(6, 5, g),
-                                             {"pos.weight": ("jacobian", "sample axis")}, "tok.weight"),
-    "sample_axis/transposed_axis_of_batch_length": (TransposedAxis, lambda g: _flat(4, 12, g),
-                                                    {"mix.weight": ("jacobian", "sample axis")}, "inp.weight"),
-    "reads_its_parameters/parametrization": (_parametrized, lambda g: _flat(6, 4, g),
-                                             {"a.parametrizations.weight.original": ("jacobian", "reads its"),
-                                              "a.bias": ("jacobian", "reads its")}, "b.weight"),
-    "reads_its_parameters/weight_norm": (_weight_norm_new, lambda g: _flat(6, 4, g),
-                                         {"a.parametrizations.weight.original0": ("jacobian", "reads its"),
-                                          "a.bias": ("jacobian", "reads its")}, "b.weight"),
-    "reads_its_parameters/weight_norm_hook_conv": (_weight_norm_old_conv, lambda g: _flat(6, 32, g),
-                                                   {"a.weight_g": ("jacobian", "reads its"),
-                                                    "a.weight_v": ("jacobian", "reads its")}, "b.weight"),
-    "reads_its_parameters/instance_forward": (_instance_forward, lambda g: _flat(6, 4, g),
-                                              {"a.weight": ("jacobian", "reads its")}, "b.weight"),
-    "reads_its_parameters/pre_hook_uses_own_parameter": (_pre_hook_own_parameter, lambda g: _flat(6, 4, g),
-                                                         {"a.bias": ("jacobian", "called once")}, "b.weight"),
-    "returns_its_output/forward_hook_replaces_output": (_output_hook, lambda g: _flat(6, 4, g),
-                                                        {"a.weight": ("jacobian", "returns its output")}, "b.weight"),
+    "sample_axis/table_broadcast": (
+        lambda: TableBias(T=5),
+        lambda g: _flat(6, 15, g),
+        {"cpb.0.weight": ("jacobian", "sample axis"), "cpb.2.weight": ("jacobian", "sample axis")},
+        "inp.weight",
+    ),
+    "sample_axis/table_with_the_batch_length": (
+        lambda: TableBias(T=4),
+        lambda g: _flat(4, 12, g),
+        {"cpb.0.weight": ("jacobian", "sample axis"), "cpb.2.weight": ("jacobian", "sample axis")},
+        "inp.weight",
+    ),
+    "sample_axis/leading_one": (
+        LeadingOne,
+        lambda g: _flat(6, 12, g),
+        {"pos_proj.weight": ("jacobian", "sample axis")},
+        "inp.weight",
+    ),
+    "sample_axis/position_ids": (
+        PositionIds,
+        lambda g: _ids(6, 5, g),
+        {"pos.weight": ("jacobian", "sample axis")},
+        "tok.weight",
+    ),
+    "sample_axis/position_ids_leading_one": (
+        lambda: PositionIds(leading_one=True),
+        lambda g: _ids(6, 5, g),
+        {"pos.weight": ("jacobian", "sample axis")},
+        "tok.weight",
+    ),
+    "sample_axis/transposed_axis_of_batch_length": (
+        TransposedAxis,
+        lambda g: _flat(4, 12, g),
+        {"mix.weight": ("jacobian", "sample axis")},
+        "inp.weight",
+    ),
+    "reads_its_parameters/parametrization": (
+        _parametrized,
+        lambda g: _flat(6, 4, g),
+        {"a.parametrizations.weight.original": ("jacobian", "reads its"), "a.bias": ("jacobian", "reads its")},
+        "b.weight",
+    ),
+    "reads_its_parameters/weight_norm": (
+        _weight_norm_new,
+        lambda g: _flat(6, 4, g),
+        {"a.parametrizations.weight.original0": ("jacobian", "reads its"), "a.bias": ("jacobian", "reads its")},
+        "b.weight",
+    ),
+    "reads_its_parameters/weight_norm_hook_conv": (
+        _weight_norm_old_conv,
+        lambda g: _flat(6, 32, g),
+        {"a.weight_g": ("jacobian", "reads its"), "a.weight_v": ("jacobian", "reads its")},
+        "b.weight",
+    ),
+    "reads_its_parameters/instance_forward": (
+        _instance_forward,
+        lambda g: _flat(6, 4, g),
+        {"a.weight": ("jacobian", "reads its")},
+        "b.weight",
+    ),
+    "reads_its_parameters/pre_hook_uses_own_parameter": (
+        _pre_hook_own_parameter,
+        lambda g: _flat(6, 4, g),
+        {"a.bias": ("jacobian", "called once")},
+        "b.weight",
+    ),
+    "returns_its_output/forward_hook_replaces_output": (
+        _output_hook,
+        lambda g: _flat(6, 4, g),
+        {"a.weight": ("jacobian", "returns its output")},
+        "b.weight",
+    ),
     "returns_its_output/forward_hook_same_value_other_gradient": (
-        _output_hook_same_value, lambda g: _flat(6, 4, g), {"a.weight": ("jacobian", "returns its output")},
-        "b.weight"),
-    "called_once/twice_with_different_shapes": (CalledTwice, lambda g: _flat(6, 4, g),
-                                                {"a.weight": ("jacobian", "called once")}, "b.weight"),
-    "called_once/tied_through_a_module_not_called": (SharedTable, lambda g: _ids(6, 5, g),
-                                                     {"shared.weight": ("jacobian", "called once")}, "head.weight"),
-    "called_once/weight_reused_functionally": (FunctionalReuse, lambda g: _flat(6, 4, g),
-                                               {"a.weight": ("jacobian", "called once")}, "b.weight"),
+        _output_hook_same_value,
+        lambda g: _flat(6, 4, g),
+        {"a.weight": ("jacobian", "returns its output")},
+        "b.weight",
+    ),
+    "called_once/twice_with_different_shapes": (
+        CalledTwice,
+        lambda g: _flat(6, 4, g),
+        {"a.weight": ("jacobian", "called once")},
+        "b.weight",
+    ),
+    "called_once/tied_through_a_module_not_called": (
+        SharedTable,
+        lambda g: _ids(6, 5, g),
+        {"shared.weight": ("jacobian", "called once")},
+        "head.weight",
+    ),
+    "called_once/weight_reused_functionally": (
+        FunctionalReuse,
+        lambda g: _flat(6, 4, g),
+        {"a.weight": ("jacobian", "called once")},
+        "b.weight",
+    ),
     # proven and kept fast: the formula reads the input the forward saw (after the pre-hook) and
     # differentiates the output before the in-place changes (the network gets a copy)
-    "proven/pre_hook_changes_input": (_pre_hook_input, lambda g: _flat(6, 4, g),
-                                      {"a.weight": ("structured", "")}, "b.weight"),
-    "proven/output_changed_in_place": (InPlaceAfter, lambda g: _flat(6, 4, g),
-                                       {"a.weight": ("structured", "")}, "b.weight"),
+    "proven/pre_hook_changes_input": (
+        _pre_hook_input,
+        lambda g: _flat(6, 4, g),
+        {"a.weight": ("structured", "")},
+        "b.weight",
+    ),
+    "proven/output_changed_in_place": (
+        InPlaceAfter,
+        lambda g: _flat(6, 4, g),
+        {"a.weight": ("structured", "")},
+        "b.weight",
+    ),
 }
 
 
@@ -288,8 +354,9 @@ def test_broken_assumption_takes_the_exact_route(name):
     assert err <= 1e-12, f"{name}: gram is off by {err:.3e} (max relative to max |G|); routes:\n{_routes_text(routes)}"
     for pname, (path, why) in want.items():
         got_path, got_why = routes[pname]
-        assert got_path == path and got_why.startswith(why), \
+        assert got_path == path and got_why.startswith(why), (
             f"{name}: {pname} took {got_path} ({got_why}), expected {path} ({why}…); routes:\n{_routes_text(routes)}"
+        )
     assert routes[fast][0] in FAST, f"{name}: {fast} should stay fast; routes:\n{_routes_text(routes)}"
 
 

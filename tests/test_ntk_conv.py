@@ -43,10 +43,18 @@ def test_per_layer_cnn_matches_jacrev(K, kernel):
     assert resolve_method(model, x1) is NTKMethod.PER_LAYER
     full = kernel == "full"
     for block in (2, 3, 64):
-        assert_close_rel(gram(model, x1, kernel=kernel, block_size=block), dense_ntk(model, x1, full=full), 1e-12,
-                         f"G(x1) K={K} {kernel} block={block}")
-        assert_close_rel(gram(model, x1, x2, kernel=kernel, block_size=block), dense_ntk(model, x1, x2, full=full),
-                         1e-12, f"G(x1, x2) K={K} {kernel} block={block}")
+        assert_close_rel(
+            gram(model, x1, kernel=kernel, block_size=block),
+            dense_ntk(model, x1, full=full),
+            1e-12,
+            f"G(x1) K={K} {kernel} block={block}",
+        )
+        assert_close_rel(
+            gram(model, x1, x2, kernel=kernel, block_size=block),
+            dense_ntk(model, x1, x2, full=full),
+            1e-12,
+            f"G(x1, x2) K={K} {kernel} block={block}",
+        )
 
 
 def test_per_layer_odd_convolutions_and_frozen_layers_match_jacrev():
@@ -55,8 +63,9 @@ def test_per_layer_odd_convolutions_and_frozen_layers_match_jacrev():
     x = torch.randn(6, 2, 9, 7, dtype=torch.float64)
     assert resolve_method(model, x) is NTKMethod.PER_LAYER
     assert_close_rel(gram(model, x, method="per_layer", block_size=4), dense_ntk(model, x), 1e-12, "odd conv net")
-    assert_close_rel(gram(model, x, method="per_layer", kernel="full"), dense_ntk(model, x, full=True), 1e-12,
-                     "odd conv net, full")
+    assert_close_rel(
+        gram(model, x, method="per_layer", kernel="full"), dense_ntk(model, x, full=True), 1e-12, "odd conv net, full"
+    )
 
 
 def test_flat_inputs_and_float32_dtype_argument():
@@ -88,8 +97,9 @@ def test_shape_errors_and_unsupported_models():
         gram(bn, torch.randn(3, 1, 4, 4, dtype=torch.float64), method="per_layer")
     x = torch.randn(3, 1, 4, 4, dtype=torch.float64)
     assert resolve_method(bn, x) is NTKMethod.BATCH  # train-mode batch norm couples the samples
-    grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2, padding=1, padding_mode="reflect"), nn.Flatten(),
-                            nn.Linear(32, 1)).double()
+    grouped = nn.Sequential(
+        nn.Conv2d(2, 2, 3, groups=2, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(32, 1)
+    ).double()
     xg = torch.randn(3, 2, 4, 4, dtype=torch.float64)
     assert resolve_method(grouped, xg) is NTKMethod.PER_LAYER  # the layer's own VJP per sample
     assert_close_rel(gram(grouped, xg, method="per_layer"), dense_ntk(grouped, xg), 1e-12, "grouped, reflect-padded")

@@ -64,14 +64,29 @@ def test_every_closed_form_takes_its_route_and_matches_jacrev():
     method, routes = explain_method(model, x)
     assert method.value == "per_layer" and {p for p, _ in routes.values()} == {"per_layer", "structured"}, routes
     names = {m: n for n, m in model.named_modules()}
-    kinds = {names[lay.module] if lay.module in names else "att." + lay.module.names[0]: lay.kind
-             for lay in per_layer_layers(plan_forward(model, x))}
-    assert kinds == {"conv": "conv", "bn": "bn", "conv1d": "conv", "bn1d": "bn", "emb": "emb", "ln": "ln",
-                     "att.in_proj_weight": "linear", "att.out_proj.weight": "linear", "pos": "linear",
-                     "head": "factor"}, kinds
+    kinds = {
+        names[lay.module] if lay.module in names else "att." + lay.module.names[0]: lay.kind
+        for lay in per_layer_layers(plan_forward(model, x))
+    }
+    assert kinds == {
+        "conv": "conv",
+        "bn": "bn",
+        "conv1d": "conv",
+        "bn1d": "bn",
+        "emb": "emb",
+        "ln": "ln",
+        "att.in_proj_weight": "linear",
+        "att.out_proj.weight": "linear",
+        "pos": "linear",
+        "head": "factor",
+    }, kinds
     for full in (False, True):
-        assert_close_rel(gram(model, x, kernel="full" if full else "trace", block_size=3),
-                         dense_ntk(model, x, full=full), 1e-10, f"mixed model ({'full' if full else 'trace'})")
+        assert_close_rel(
+            gram(model, x, kernel="full" if full else "trace", block_size=3),
+            dense_ntk(model, x, full=full),
+            1e-10,
+            f"mixed model ({'full' if full else 'trace'})",
+        )
     x2 = _points(4)[1:]
     assert_close_rel(gram(model, x, x2), dense_ntk(model, x, x2), 1e-10, "mixed model, cross kernel")
 
@@ -88,11 +103,16 @@ def test_column_groups_give_the_same_kernel(monkeypatch, kernel):
     assert len(groups) >= 3, groups
     assert sorted((id(lay) for ls, _ in groups for lay in ls)) == sorted(id(lay) for lay in formed)  # each once
     full = kernel == "full"
-    assert_close_rel(gram(model, x, kernel=kernel, block_size=4), dense_ntk(model, x, full=full), 1e-10,
-                     f"column groups, symmetric {kernel}")
+    assert_close_rel(
+        gram(model, x, kernel=kernel, block_size=4),
+        dense_ntk(model, x, full=full),
+        1e-10,
+        f"column groups, symmetric {kernel}",
+    )
     x2 = _points(3)
-    assert_close_rel(gram(model, x, x2, kernel=kernel), dense_ntk(model, x, x2, full=full), 1e-10,
-                     f"column groups, cross {kernel}")
+    assert_close_rel(
+        gram(model, x, x2, kernel=kernel), dense_ntk(model, x, x2, full=full), 1e-10, f"column groups, cross {kernel}"
+    )
 
 
 def test_generic_parameters_in_their_own_group(monkeypatch):
@@ -117,20 +137,33 @@ def test_generic_parameters_in_their_own_group(monkeypatch):
     groups = _column_groups(formed, gen, 5, 8)
     assert [(len(ls), names) for ls, names in groups] == [(0, ("c.weight",)), (0, ("c.bias",)), (1, ())], groups
     assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-10, "tied conv, column groups")
-    assert_close_rel(gram(model, x, x[:2] + 1, kernel="full"), dense_ntk(model, x, x[:2] + 1, full=True), 1e-10,
-                     "tied conv, column groups, cross full")
+    assert_close_rel(
+        gram(model, x, x[:2] + 1, kernel="full"),
+        dense_ntk(model, x, x[:2] + 1, full=True),
+        1e-10,
+        "tied conv, column groups, cross full",
+    )
 
 
 def test_wide_strided_convolution_matches_jacrev():
     """The grouped convolution_backward with many channels per sample, stride and padding."""
     torch.manual_seed(4)
-    model = nn.Sequential(nn.Conv2d(64, 3, 3, stride=2, padding=1), nn.ReLU(inplace=True), nn.Conv2d(3, 2, 2),
-                          nn.Flatten(), nn.Linear(2, 2)).double()
+    model = nn.Sequential(
+        nn.Conv2d(64, 3, 3, stride=2, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(3, 2, 2),
+        nn.Flatten(),
+        nn.Linear(2, 2),
+    ).double()
     x = torch.randn(4, 64, 4, 4, dtype=F64)
     assert [lay.kind for lay in per_layer_layers(plan_forward(model, x))] == ["conv", "conv", "factor"]
     for full in (False, True):
-        assert_close_rel(gram(model, x, kernel="full" if full else "trace"), dense_ntk(model, x, full=full), 1e-10,
-                         f"wide conv ({'full' if full else 'trace'})")
+        assert_close_rel(
+            gram(model, x, kernel="full" if full else "trace"),
+            dense_ntk(model, x, full=full),
+            1e-10,
+            f"wide conv ({'full' if full else 'trace'})",
+        )
 
 
 @pytest.mark.parametrize("kernel", ["trace", "full"])
@@ -145,11 +178,19 @@ def test_contraction_in_column_chunks_and_uneven_tiles(monkeypatch, kernel):
     model, x = Mixed(K=2).double(), _points(9)
     full = kernel == "full"
     for block in (1, 2, 5, 9):
-        assert_close_rel(gram(model, x, kernel=kernel, block_size=block), dense_ntk(model, x, full=full), 1e-10,
-                         f"column chunks of 7, block {block}, {kernel}")
+        assert_close_rel(
+            gram(model, x, kernel=kernel, block_size=block),
+            dense_ntk(model, x, full=full),
+            1e-10,
+            f"column chunks of 7, block {block}, {kernel}",
+        )
     x2 = _points(4)
-    assert_close_rel(gram(model, x, x2, kernel=kernel, block_size=2), dense_ntk(model, x, x2, full=full), 1e-10,
-                     f"column chunks of 7, cross {kernel}")
+    assert_close_rel(
+        gram(model, x, x2, kernel=kernel, block_size=2),
+        dense_ntk(model, x, x2, full=full),
+        1e-10,
+        f"column chunks of 7, cross {kernel}",
+    )
 
 
 def test_attention_with_an_instance_forward_is_left_alone():
@@ -203,5 +244,6 @@ def test_features_and_tile_keep_their_contract():
         f = _features(model, layers, jac, x, 2)
         for full in (False, True):
             G = _tile(f, f, slice(0, 6), slice(0, 6), 2, full)
-            assert_close_rel(G, dense_ntk(model, x, full=full), 1e-10,
-                             f"_features/_tile ({'full' if full else 'trace'})")
+            assert_close_rel(
+                G, dense_ntk(model, x, full=full), 1e-10, f"_features/_tile ({'full' if full else 'trace'})"
+            )

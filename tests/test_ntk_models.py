@@ -21,8 +21,9 @@ F64 = torch.float64
 class InplaceMLP(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(3, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
-                                 nn.Linear(16, 1))
+        self.net = nn.Sequential(
+            nn.Linear(3, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 1)
+        )
 
     def forward(self, x):
         return self.net(x).squeeze(-1)
@@ -74,8 +75,13 @@ class TiedConv(nn.Module):
 
 
 def bn_cnn(track=True, train=False):
-    m = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3, track_running_stats=track), nn.Tanh(),
-                      nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    m = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3, track_running_stats=track),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 2),
+    )
     with torch.no_grad():  # non-trivial running statistics
         m[1].weight.uniform_(0.5, 1.5)
         m[1].bias.uniform_(-0.5, 0.5)
@@ -105,8 +111,16 @@ class BasicBlock(nn.Module):
 
 
 def resnet(k=1):
-    m = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
-                      BasicBlock(4), BasicBlock(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, k))
+    m = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        BasicBlock(4),
+        BasicBlock(4),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, k),
+    )
     for mod in m.modules():
         if isinstance(mod, nn.BatchNorm2d):
             with torch.no_grad():
@@ -185,50 +199,94 @@ def _img(n, c=2, s=4):
 PATTERNS = {
     "mlp_inplace_relu": (InplaceMLP, lambda: torch.randn(9, 3, dtype=F64), "structured"),
     "cnn_inplace_relu": (lambda: InplaceCNN(2), lambda: _img(7), "per_layer_or_structured"),
-    "tied_transpose": (TiedLinear, lambda: torch.randn(8, 4, dtype=F64),
-                       {"enc.weight": "jacobian", "enc.bias": "jacobian", "mid.weight": "structured",
-                        "head.weight": "structured"}),
-    "tied_modules": (TiedModules, lambda: torch.randn(8, 5, dtype=F64),
-                     {"a.weight": "jacobian", "a.bias": "jacobian", "b.bias": "jacobian", "head.weight": "structured"}),
+    "tied_transpose": (
+        TiedLinear,
+        lambda: torch.randn(8, 4, dtype=F64),
+        {"enc.weight": "jacobian", "enc.bias": "jacobian", "mid.weight": "structured", "head.weight": "structured"},
+    ),
+    "tied_modules": (
+        TiedModules,
+        lambda: torch.randn(8, 5, dtype=F64),
+        {"a.weight": "jacobian", "a.bias": "jacobian", "b.bias": "jacobian", "head.weight": "structured"},
+    ),
     "tied_conv": (TiedConv, lambda: _img(6), {"c.weight": "jacobian", "fc.weight": "structured"}),
     "bn_no_running_stats": (lambda: bn_cnn(track=False), lambda: _img(6), "batch"),
     "bn_train": (lambda: bn_cnn(train=True), lambda: _img(6), "batch"),
-    "bn_eval": (lambda: bn_cnn(), lambda: _img(6), {"1.weight": "per_layer", "0.weight": "per_layer",
-                                                    "4.weight": "structured"}),
+    "bn_eval": (
+        lambda: bn_cnn(),
+        lambda: _img(6),
+        {"1.weight": "per_layer", "0.weight": "per_layer", "4.weight": "structured"},
+    ),
     "resnet_block": (lambda: resnet(2), lambda: _img(5), "per_layer_or_structured"),
     "resnet_train": (lambda: resnet(1).train(), lambda: _img(5), "batch"),
-    "lstm": (lambda: Recurrent("LSTM"), lambda: torch.randn(6, 4, 3, dtype=F64),
-             {"rnn.weight_ih_l0": "jacobian", "head.weight": "structured"}),
+    "lstm": (
+        lambda: Recurrent("LSTM"),
+        lambda: torch.randn(6, 4, 3, dtype=F64),
+        {"rnn.weight_ih_l0": "jacobian", "head.weight": "structured"},
+    ),
     "gru": (lambda: Recurrent("GRU"), lambda: torch.randn(6, 4, 3, dtype=F64), {"rnn.weight_hh_l0": "jacobian"}),
     "rnn": (lambda: Recurrent("RNN"), lambda: torch.randn(6, 4, 3, dtype=F64), {"rnn.bias_hh_l0": "jacobian"}),
-    "embedding_tokens": (TokenBag, lambda: torch.randint(0, 11, (7, 5)), {"emb.weight": "per_layer",
-                                                                          "fc.weight": "structured"}),
-    "transformer_tokens": (lambda: TinyTransformer().eval(), lambda: torch.randint(0, 13, (5, 6)),
-                           {"emb.weight": "per_layer", "enc.self_attn.in_proj_weight": "per_layer",
-                            "enc.self_attn.out_proj.weight": "per_layer",
-                            "enc.linear1.weight": "per_layer", "enc.norm1.weight": "per_layer",
-                            "head.weight": "structured"}),
+    "embedding_tokens": (
+        TokenBag,
+        lambda: torch.randint(0, 11, (7, 5)),
+        {"emb.weight": "per_layer", "fc.weight": "structured"},
+    ),
+    "transformer_tokens": (
+        lambda: TinyTransformer().eval(),
+        lambda: torch.randint(0, 13, (5, 6)),
+        {
+            "emb.weight": "per_layer",
+            "enc.self_attn.in_proj_weight": "per_layer",
+            "enc.self_attn.out_proj.weight": "per_layer",
+            "enc.linear1.weight": "per_layer",
+            "enc.norm1.weight": "per_layer",
+            "head.weight": "structured",
+        },
+    ),
     "multihead_attention": (Attention, lambda: torch.randn(5, 3, 4, dtype=F64), "per_layer_or_structured"),
-    "attention_seq_first": (lambda: Attention("seq_first"), lambda: torch.randn(5, 3, 4, dtype=F64),
-                            "per_layer_or_structured"),
-    "attention_weights_used": (lambda: Attention("weights"), lambda: torch.randn(5, 3, 4, dtype=F64),
-                               "per_layer_or_structured"),
-    "attention_causal_mask": (lambda: Attention("causal"), lambda: torch.randn(5, 3, 4, dtype=F64),
-                              {"att.in_proj_weight": "jacobian", "att.out_proj.weight": "jacobian",
-                               "head.weight": "structured"}),
-    "cross_attention": (lambda: Attention("cross"), lambda: torch.randn(5, 3, 4, dtype=F64),
-                        {"att.in_proj_bias": "jacobian", "att.out_proj.bias": "jacobian"}),
-    "conv1d_groupnorm": (lambda: nn.Sequential(nn.Conv1d(2, 4, 3, stride=2, dilation=1, padding=1), nn.GroupNorm(2, 4),
-                                               nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4, 1)),
-                         lambda: torch.randn(6, 2, 8, dtype=F64), {"0.weight": "per_layer", "1.weight": "per_layer"}),
-    "conv3d_rmsnorm": (lambda: nn.Sequential(nn.Conv3d(1, 2, 2, groups=1), nn.Flatten(), nn.RMSNorm(2 * 8), nn.Tanh(),
-                                             nn.Linear(2 * 8, 1)),
-                       lambda: torch.randn(5, 1, 3, 3, 3, dtype=F64),
-                       {"0.weight": "per_layer", "2.weight": "per_layer"}),
-    "layernorm_frozen": (lambda: nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(),
-                                               nn.Linear(6, 1)).requires_grad_(True),
-                                               lambda: torch.randn(7, 3, dtype=F64),
-                         {"1.weight": "per_layer", "0.weight": "structured"}),
+    "attention_seq_first": (
+        lambda: Attention("seq_first"),
+        lambda: torch.randn(5, 3, 4, dtype=F64),
+        "per_layer_or_structured",
+    ),
+    "attention_weights_used": (
+        lambda: Attention("weights"),
+        lambda: torch.randn(5, 3, 4, dtype=F64),
+        "per_layer_or_structured",
+    ),
+    "attention_causal_mask": (
+        lambda: Attention("causal"),
+        lambda: torch.randn(5, 3, 4, dtype=F64),
+        {"att.in_proj_weight": "jacobian", "att.out_proj.weight": "jacobian", "head.weight": "structured"},
+    ),
+    "cross_attention": (
+        lambda: Attention("cross"),
+        lambda: torch.randn(5, 3, 4, dtype=F64),
+        {"att.in_proj_bias": "jacobian", "att.out_proj.bias": "jacobian"},
+    ),
+    "conv1d_groupnorm": (
+        lambda: nn.Sequential(
+            nn.Conv1d(2, 4, 3, stride=2, dilation=1, padding=1),
+            nn.GroupNorm(2, 4),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(4 * 4, 1),
+        ),
+        lambda: torch.randn(6, 2, 8, dtype=F64),
+        {"0.weight": "per_layer", "1.weight": "per_layer"},
+    ),
+    "conv3d_rmsnorm": (
+        lambda: nn.Sequential(
+            nn.Conv3d(1, 2, 2, groups=1), nn.Flatten(), nn.RMSNorm(2 * 8), nn.Tanh(), nn.Linear(2 * 8, 1)
+        ),
+        lambda: torch.randn(5, 1, 3, 3, 3, dtype=F64),
+        {"0.weight": "per_layer", "2.weight": "per_layer"},
+    ),
+    "layernorm_frozen": (
+        lambda: nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 1)).requires_grad_(True),
+        lambda: torch.randn(7, 3, dtype=F64),
+        {"1.weight": "per_layer", "0.weight": "structured"},
+    ),
 }
 
 
@@ -250,8 +308,11 @@ def _autograd_ntk(model, x, full=False):
     out = model(x)
     out = out.unsqueeze(-1) if out.ndim == 1 else out  # (n, K)
     n, K = out.shape
-    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], params, retain_graph=True)])
-            for i in range(n) for a in range(K)]
+    rows = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], params, retain_graph=True)])
+        for i in range(n)
+        for a in range(K)
+    ]
     J = torch.stack(rows)  # (n K, P)
     Gf = (J @ J.T).reshape(n, K, n, K)
     return Gf if full else Gf.diagonal(dim1=1, dim2=3).sum(-1)
@@ -281,17 +342,32 @@ def test_pattern_exact_on_its_path(name):
     for full in (False, True):
         G = gram(model, x, kernel="full" if full else "trace")
         _assert_unchanged(model, before, f"{name} gram")
-        assert_close_rel(G, _reference(model, x, full), 1e-10,
-                         f"{name} ({'full' if full else 'trace'}, {method.value})")
+        assert_close_rel(
+            G, _reference(model, x, full), 1e-10, f"{name} ({'full' if full else 'trace'}, {method.value})"
+        )
     x2 = x[:3].clone()
     if method.value != "batch":  # the cross kernel of a coupling model depends on the batch it is taken in
-        assert_close_rel(gram(model, x, x2),
-                         dense_ntk(copy.deepcopy(model), torch.cat([x, x2]))[:x.shape[0], x.shape[0]:],
-                         1e-10, f"{name} cross kernel")
+        assert_close_rel(
+            gram(model, x, x2),
+            dense_ntk(copy.deepcopy(model), torch.cat([x, x2]))[: x.shape[0], x.shape[0] :],
+            1e-10,
+            f"{name} cross kernel",
+        )
 
 
-@pytest.mark.parametrize("name", ["mlp_inplace_relu", "cnn_inplace_relu", "tied_modules", "bn_train", "lstm",
-                                  "embedding_tokens", "transformer_tokens", "resnet_block"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mlp_inplace_relu",
+        "cnn_inplace_relu",
+        "tied_modules",
+        "bn_train",
+        "lstm",
+        "embedding_tokens",
+        "transformer_tokens",
+        "resnet_block",
+    ],
+)
 def test_pattern_operator_exact(name):
     make, inputs, _ = PATTERNS[name]
     model, x = make().double(), inputs()
@@ -347,8 +423,13 @@ def test_pattern_hessian_operators(name):
     out = out.unsqueeze(-1) if out.ndim == 1 else out
     Y = torch.randn_like(out.detach())
     params = [p for p in twin.parameters() if p.requires_grad]
-    J = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], params, retain_graph=True)])
-                     for i in range(out.shape[0]) for a in range(out.shape[1])])  # (N K, P)
+    J = torch.stack(
+        [
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], params, retain_graph=True)])
+            for i in range(out.shape[0])
+            for a in range(out.shape[1])
+        ]
+    )  # (N K, P)
     H, I, S = hessian_parts(model, x, Y.squeeze(-1) if Y.shape[1] == 1 else Y, loss="mse", block_size=2)
     V = torch.randn(J.shape[1], 3, dtype=F64)
     IV, HV, SV = I.matmat(V), H.matmat(V), S.matmat(V)
@@ -369,9 +450,14 @@ def test_factory_resnet_in_a_sweep_is_exact_and_says_its_paths(tmp_path):
     from nsa_dist.pipeline import run_experiment, run_id
     from nsa_dist.store import SpectrumStore
 
-    base = dict(data={"name": "digits", "n": 24, "target": "one_vs_rest"}, steps=4, record={"every": 3},
-                schedule={"lr": 0.05}, spectrum={"k": 6, "dtype": "float64"},
-                model={"factory": "user_models:inplace_resnet", "kwargs": {"channels": 2}})
+    base = dict(
+        data={"name": "digits", "n": 24, "target": "one_vs_rest"},
+        steps=4,
+        record={"every": 3},
+        schedule={"lr": 0.05},
+        spectrum={"k": 6, "dtype": "float64"},
+        model={"factory": "user_models:inplace_resnet", "kwargs": {"channels": 2}},
+    )
     sweep = SweepSpec(name="userres", base=base, grid={"model.kwargs.channels": [2, 3]})
     url = str(tmp_path / "s.zarr")
     for spec in sweep.expand():
@@ -380,14 +466,19 @@ def test_factory_resnet_in_a_sweep_is_exact_and_says_its_paths(tmp_path):
         paths = run.g.attrs["ntk_paths"]
         assert paths["method"] == "per_layer", paths
         assert paths["routes"]["2.weight"].startswith(
-            "per_layer: BatchNorm2d used once; its output is modified in place")
+            "per_layer: BatchNorm2d used once; its output is modified in place"
+        )
         model = build_model(spec.model, dtype=torch.float64)
         for i in range(run.g["theta"].shape[0]):
             torch.nn.utils.vector_to_parameters(torch.as_tensor(run.g["theta"][i], dtype=F64), model.parameters())
             X = torch.as_tensor(run.g["X"][:])
             ref = torch.linalg.eigvalsh(_reference(model, X)).flip(0)[:6]
-            assert_close_rel(torch.as_tensor(np.asarray(run.g["eigenvalues"][i])), ref, 1e-8,
-                             f"{spec.name} eigenvalues at record {i}")
+            assert_close_rel(
+                torch.as_tensor(np.asarray(run.g["eigenvalues"][i])),
+                ref,
+                1e-8,
+                f"{spec.name} eigenvalues at record {i}",
+            )
 
 
 def test_a_coupling_model_is_refused_by_distributed_layouts_and_local_under_auto():
@@ -396,12 +487,18 @@ def test_a_coupling_model_is_refused_by_distributed_layouts_and_local_under_auto
 
     why = "batch statistics in '1' (BatchNorm2d, train mode)"
     for layout in ("block_rows", "matrix_free"):
-        spec = ExperimentSpec.model_validate({"data": {"n": 20}, "model": {"depth": 2, "width": 4},
-                                              "spectrum": {"layout": layout, "workers": 2}})
+        spec = ExperimentSpec.model_validate(
+            {"data": {"n": 20}, "model": {"depth": 2, "width": 4}, "spectrum": {"layout": layout, "workers": 2}}
+        )
         with pytest.raises(ValueError, match=r"couples samples.*use layout 'local'"):
             choose_layout(spec, 20, 10, coupled=why)
-    auto = ExperimentSpec.model_validate({"data": {"n": 20}, "model": {"depth": 2, "width": 4},
-                                          "spectrum": {"layout": "auto", "workers": 2, "memory_budget_gb": 1e-9}})
+    auto = ExperimentSpec.model_validate(
+        {
+            "data": {"n": 20},
+            "model": {"depth": 2, "width": 4},
+            "spectrum": {"layout": "auto", "workers": 2, "memory_budget_gb": 1e-9},
+        }
+    )
     assert choose_layout(auto, 20, 10, coupled=why).layout.value == "local"
 
 

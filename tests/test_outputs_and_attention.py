@@ -236,15 +236,21 @@ def test_composite_attention_is_thread_local_and_sets_no_process_switch():
     from nsa_dist.ntk.state import exact_kernels
 
     seen = {}
-    flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-             torch.backends.mha.get_fastpath_enabled())
+    flags = (
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.mha.get_fastpath_enabled(),
+    )
     with exact_kernels(nn.Linear(1, 1)):
         t = threading.Thread(target=lambda: seen.update(mode=torch._C._is_torch_function_mode_enabled()))
         t.start()
         t.join()
         here = torch._C._is_torch_function_mode_enabled()
-        inside = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-                  torch.backends.mha.get_fastpath_enabled())
+        inside = (
+            torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.mha.get_fastpath_enabled(),
+        )
     assert here and not seen["mode"], f"mode here {here}, in another thread {seen['mode']}"
     assert inside == flags, f"process-wide flags changed inside the block: {flags} -> {inside}"
 
@@ -295,23 +301,34 @@ def test_selected_output_is_exact_through_gram_operator_and_hessian(kind):
     _, routes = explain_method(model, X, output=sel)
     assert set(routes) == {f"model.{k}" for k, _ in model.named_parameters()}, routes
     dtheta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=F64)
-    assert_close_rel(jacobian_vector_product(model, X, dtheta, output=sel).reshape(-1),
-                     dense_jacobian(ref_model, X) @ dtheta, 1e-12, f"J·dθ ({kind})")
+    assert_close_rel(
+        jacobian_vector_product(model, X, dtheta, output=sel).reshape(-1),
+        dense_jacobian(ref_model, X) @ dtheta,
+        1e-12,
+        f"J·dθ ({kind})",
+    )
     Y = torch.randn(7, 2, dtype=F64)
     V = torch.randn(sum(p.numel() for p in model.parameters()), 2, dtype=F64)
-    assert_close_rel(hessian_operator(model, X, Y, output=sel).matmat(V), _hessian_times(ref_model, X, Y, V),
-                     1e-11, f"H·V ({kind})")
+    assert_close_rel(
+        hessian_operator(model, X, Y, output=sel).matmat(V), _hessian_times(ref_model, X, Y, V), 1e-11, f"H·V ({kind})"
+    )
 
 
 def test_an_unselected_output_names_its_type_and_keys():
     X = torch.randn(4, 3, dtype=F64)
-    with pytest.raises(ShapeError, match=r"returns a dict with keys \['hidden', 'logits'\], not a tensor.*"
-                                         r"output='hidden'"):
+    with pytest.raises(
+        ShapeError,
+        match=r"returns a dict with keys \['hidden', 'logits'\], not a tensor.*"
+        r"output='hidden'",
+    ):
         gram(MultiOut("dict").double(), X)
     with pytest.raises(ShapeError, match=r"returns a tuple of 2 \(Tensor \(2, 6\), Tensor \(2, 2\)\).*output=0"):
         ntk_operator(MultiOut("tuple").double(), X)
-    with pytest.raises(ShapeError, match=r"output='scores' is not a key of the model's output, a dict with keys "
-                                         r"\['hidden', 'logits'\]"):
+    with pytest.raises(
+        ShapeError,
+        match=r"output='scores' is not a key of the model's output, a dict with keys "
+        r"\['hidden', 'logits'\]",
+    ):
         gram(MultiOut("dict").double(), X, output="scores")
     with pytest.raises(ShapeError, match=r"output=2 does not index the model's output, a tuple of 2"):
         hessian_operator(MultiOut("tuple").double(), X, torch.zeros(4, 2), output=2)
@@ -333,8 +350,18 @@ def _train(tr, model, X, y, steps, lr=0.05, pick=lambda out: out):
     return thetas
 
 
-_HESSIAN = {"probes": 2, "moments": False, "orthogonality": False, "rayleigh_k": 0, "top_k": 3, "density": False,
-            "additivity": False, "trace_G": False, "limit": False, "eig_tol": 1e-10}
+_HESSIAN = {
+    "probes": 2,
+    "moments": False,
+    "orthogonality": False,
+    "rayleigh_k": 0,
+    "top_k": 3,
+    "density": False,
+    "additivity": False,
+    "trace_G": False,
+    "limit": False,
+    "eig_tol": 1e-10,
+}
 
 
 @pytest.mark.parametrize("hessian", [False, True])
@@ -348,8 +375,17 @@ def test_tracker_on_a_models_own_sdpa_is_exact(tmp_path, hessian):
     torch.manual_seed(0)
     model, X, y = SelfAttention(E=4, causal=True).double(), _tokens(8, 4, 4), torch.randn(8, 2, dtype=F64)
     url = str(tmp_path / "t.zarr")
-    tr = Tracker(url, "sdpa", model, X, y, steps=3, record={"every": 2},
-                 spectrum={"k": 3, "images": [], "eig_method": "lanczos"}, hessian=_HESSIAN if hessian else None)
+    tr = Tracker(
+        url,
+        "sdpa",
+        model,
+        X,
+        y,
+        steps=3,
+        record={"every": 2},
+        spectrum={"k": 3, "images": [], "eig_method": "lanczos"},
+        hessian=_HESSIAN if hessian else None,
+    )
     thetas = _train(tr, model, X, y, 3)
     run = Client(url).run("sdpa")
     assert run.status == "done", run.status
@@ -375,8 +411,18 @@ def test_tracker_measures_the_selected_output(tmp_path, kind):
     torch.manual_seed(0)
     model, X, y = MultiOut(kind).double(), torch.randn(10, 3, dtype=F64), torch.randn(10, 2, dtype=F64)
     url = str(tmp_path / "t.zarr")
-    tr = Tracker(url, "out", model, X, y, steps=3, record={"every": 2}, spectrum={"k": 3, "images": []},
-                 hessian=_HESSIAN, output=SELECT[kind])
+    tr = Tracker(
+        url,
+        "out",
+        model,
+        X,
+        y,
+        steps=3,
+        record={"every": 2},
+        spectrum={"k": 3, "images": []},
+        hessian=_HESSIAN,
+        output=SELECT[kind],
+    )
     thetas = _train(tr, model, X, y, 3, pick=lambda o: o["logits"])
     run = Client(url).run("out")
     assert run.status == "done", run.status
@@ -401,11 +447,21 @@ def test_a_spec_factory_model_with_an_output_key_is_exact(tmp_path):
     from nsa_dist.pipeline import run_experiment, run_id
     from nsa_dist.store import SpectrumStore
 
-    spec = ExperimentSpec.model_validate(dict(
-        name="sel", data={"name": "image2d", "n": 12},
-        steps=3, record={"every": 2}, schedule={"lr": 0.05}, spectrum={"k": 4, "dtype": "float64", "images": []},
-        model={"factory": "test_outputs_and_attention:multi_out", "kwargs": {"kind": "model_output", "d": 2, "K": 1},
-               "output": "logits"}))
+    spec = ExperimentSpec.model_validate(
+        dict(
+            name="sel",
+            data={"name": "image2d", "n": 12},
+            steps=3,
+            record={"every": 2},
+            schedule={"lr": 0.05},
+            spectrum={"k": 4, "dtype": "float64", "images": []},
+            model={
+                "factory": "test_outputs_and_attention:multi_out",
+                "kwargs": {"kind": "model_output", "d": 2, "K": 1},
+                "output": "logits",
+            },
+        )
+    )
     url = str(tmp_path / "s.zarr")
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run(run_id(spec))
@@ -419,8 +475,9 @@ def test_a_spec_factory_model_with_an_output_key_is_exact(tmp_path):
     bare = spec.model.model_copy(update={"output": None})
     with pytest.raises(ModelFactoryError, match=r"returns a TinyOutput|returns a SequenceClassifierOutput"):
         build_model(bare)
-    assert "output" not in spec.model.model_copy(update={"output": None}).model_dump(), \
+    assert "output" not in spec.model.model_copy(update={"output": None}).model_dump(), (
         "a factory block without output must keep the JSON (and run id) it had"
+    )
 
 
 # ---------------------------------------------------------------------- torch.compile'd models
@@ -473,8 +530,9 @@ def test_a_compiled_model_is_measured_through_its_module_without_recompiling(tmp
     assert Client(url).run("compiled").status == "done"
     after = dict(counters["frames"])
     assert after == frames, f"the measurements compiled frames: Dynamo's frame counters {frames} -> {after}"
-    limit = [str(w.message) for w in caught if "recompile" in str(w.message).lower() or "cache_size_limit" in
-             str(w.message)]
+    limit = [
+        str(w.message) for w in caught if "recompile" in str(w.message).lower() or "cache_size_limit" in str(w.message)
+    ]
     assert not limit, limit
 
 

@@ -30,8 +30,13 @@ from nsa_dist.client import Client
 from nsa_dist.store.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = {"data": {"n": 16}, "model": {"depth": 2, "width": 8}, "steps": 4, "record": {"every": 2},
-        "spectrum": {"k": 4, "images": []}}
+TINY = {
+    "data": {"n": 16},
+    "model": {"depth": 2, "width": 8},
+    "steps": 4,
+    "record": {"every": 2},
+    "spectrum": {"k": 4, "images": []},
+}
 LONG = {**TINY, "data": {"n": 48}, "steps": 200_000, "record": {"every": 2_000}}  # ~1 s between its 101 steps
 
 
@@ -41,13 +46,22 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _clis(calls: list[tuple[list[str], dict | None]],
-          cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+def _clis(
+    calls: list[tuple[list[str], dict | None]], cwd: Path, timeout: float = 180
+) -> list[subprocess.CompletedProcess]:
     """``nsa ARGS`` for every (args, env) of ``calls``, each its own process, all at once (they are
     independent, and each spends its first seconds importing on a core of its own)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}) for args, env in calls]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "nsa_dist.cli", *args],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        )
+        for args, env in calls
+    ]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=timeout)
@@ -91,8 +105,13 @@ class _Recorder(BaseHTTPRequestHandler):
         elif self.path == "/api/version":
             import ray
 
-            self._send(200, "application/json", json.dumps({"version": "4", "ray_version": ray.__version__,
-                                                            "ray_commit": "x", "session_name": "s"}).encode())
+            self._send(
+                200,
+                "application/json",
+                json.dumps(
+                    {"version": "4", "ray_version": ray.__version__, "ray_commit": "x", "session_name": "s"}
+                ).encode(),
+            )
         else:
             self._send(200, "application/json", b"[]")
 
@@ -180,15 +199,23 @@ def test_a_failing_s3_endpoint_is_tried_twice_per_request_unless_the_user_set_re
 
     web.status = 500
     endpoint = f"http://127.0.0.1:{web.server_address[1]}"
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(tmp_path / "absent")}.items():
+    for k, v in {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp_path / "absent"),
+    }.items():
         monkeypatch.setenv(k, v)
     for k in ("AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS", "AWS_PROFILE"):
         monkeypatch.delenv(k, raising=False)
     (tmp_path / "aws-config").write_text("[default]\nmax_attempts = 3\n")
     url = f"s3://nsa-{uuid.uuid4().hex[:8]}/s.zarr"
-    for attempts, setting in ((2, None), (3, ("AWS_MAX_ATTEMPTS", "3")),
-                              (3, ("AWS_CONFIG_FILE", str(tmp_path / "aws-config")))):
+    for attempts, setting in (
+        (2, None),
+        (3, ("AWS_MAX_ATTEMPTS", "3")),
+        (3, ("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))),
+    ):
         monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
         if setting:
             monkeypatch.setenv(*setting)
@@ -225,8 +252,9 @@ def tmpfs(tmp_path):
 def test_a_full_or_read_only_disk_is_one_line_naming_the_store(tmpfs, tmp_path):
     spec = _spec(tmp_path, {**TINY, "data": {"n": 64}, "spectrum": {"k": 32, "images": []}})
     full, ro = tmpfs("full") / "s.zarr", tmpfs("ro", ro=True) / "s.zarr"
-    on_full, on_ro = _clis([(["run", str(spec), "--store", str(store), "--plain"], None) for store in (full, ro)],
-                           tmp_path)
+    on_full, on_ro = _clis(
+        [(["run", str(spec), "--store", str(store), "--plain"], None) for store in (full, ro)], tmp_path
+    )
     line = _error_line(on_full, "run")
     assert line.startswith(f"nsa run: error: store {full}: disk full") and "No space left on device" in line, line
     line = _error_line(on_ro, "run")
@@ -238,8 +266,9 @@ def test_a_store_path_under_a_file_is_one_line(tmp_path, capsys):
     store = tmp_path / "file" / "s.zarr"
     assert nsa(["run", str(_spec(tmp_path, TINY)), "--store", str(store), "--plain"]) == 2
     line = _error_line(capsys.readouterr().err, "run")
-    assert line == (f"nsa run: error: store {store}: a parent of the path is not a directory at {store} "
-                    "(Not a directory)")
+    assert line == (
+        f"nsa run: error: store {store}: a parent of the path is not a directory at {store} (Not a directory)"
+    )
 
 
 # --------------------------------------------------------------------------- Ray dashboards
@@ -250,8 +279,10 @@ def test_a_non_ray_server_gets_one_line_and_never_the_token(web, tmp_path):
     address = f"http://127.0.0.1:{web.server_address[1]}"
     token = {"RAY_AUTH_TOKEN": "the-secret-token"}
     sweep = _spec(tmp_path, {"name": "s", "base": TINY})
-    calls = [(["status", "--address", address], token),
-             (["submit", str(sweep), "--address", address, "--store", str(tmp_path / "s.zarr")], token)]
+    calls = [
+        (["status", "--address", address], token),
+        (["submit", str(sweep), "--address", address, "--store", str(tmp_path / "s.zarr")], token),
+    ]
     for (args, _), result in zip(calls, _clis(calls, tmp_path, timeout=120)):
         line = _error_line(result, args[0])
         assert f"{address} is not a Ray dashboard: GET /api/authentication_mode answered HTTP 404" in line, line
@@ -303,9 +334,14 @@ def test_debug_shows_the_traceback_and_otherwise_one_line(tmp_path, capsys, monk
 
 def _start(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
     """``nsa ARGS`` started as its own process, stdout and stderr piped."""
-    return subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "nsa_dist.cli", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen, pattern: str) -> None:
@@ -343,8 +379,7 @@ def test_sigterm_of_nsa_run_ends_like_ctrl_c(tmp_path):
 @pytest.mark.slow
 def test_sigterm_of_nsa_sweep_ends_like_ctrl_c_without_a_ray_dump(tmp_path):
     url = str(tmp_path / "s.zarr")
-    sweep = _spec(tmp_path, {"name": "sig", "base": LONG, "grid": {"seed": [0, 1]},
-                             "cluster": {"spectral_workers": 1}})
+    sweep = _spec(tmp_path, {"name": "sig", "base": LONG, "grid": {"seed": [0, 1]}, "cluster": {"spectral_workers": 1}})
     proc = _start(["sweep", str(sweep), "--store", url, "--plain"], tmp_path)
     _wait_for_line(proc, r": running [1-9][0-9]*/")  # a run has recorded a step
     proc.send_signal(signal.SIGTERM)

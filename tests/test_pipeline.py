@@ -25,9 +25,14 @@ from nsa_dist.specfile import SpecError, load_spec
 from nsa_dist.store import SpectrumStore
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(name="tiny", data={"n": 48, "n_test": 24}, model={"depth": 3, "width": 24}, steps=30,
-            record={"every": 10}, spectrum={"k": 12, "test_points": True, "images": [1, 2, 5], "image_size": 8,
-                                            "fourier_size": 5})
+TINY = dict(
+    name="tiny",
+    data={"n": 48, "n_test": 24},
+    model={"depth": 3, "width": 24},
+    steps=30,
+    record={"every": 10},
+    spectrum={"k": 12, "test_points": True, "images": [1, 2, 5], "image_size": 8, "fourier_size": 5},
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +64,9 @@ def test_stored_spectra_equal_recomputation_from_stored_checkpoint(tiny_run):
         f = model(X).detach().numpy()
         np.testing.assert_allclose(run.outputs(int(t)), f, rtol=1e-5, atol=1e-5)
         m = f - data.y
-        np.testing.assert_allclose(run.energy("residual")[i], np.cumsum((evecs.T @ m) ** 2) / np.sum(m**2),
-                                   rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            run.energy("residual")[i], np.cumsum((evecs.T @ m) ** 2) / np.sum(m**2), rtol=1e-4, atol=1e-6
+        )
         df_pred = -(spec.schedule.lr / 48) * (J @ J.T).numpy() @ m
         np.testing.assert_allclose(run.outputs(int(t), "df_pred"), df_pred, rtol=1e-4, atol=1e-6)
     fo = run.first_order
@@ -82,8 +88,9 @@ def test_rerun_skips_finished_work(tiny_run):
 
 
 def test_diverging_run_is_marked_failed_and_keeps_earlier_steps(tmp_path):
-    spec = ExperimentSpec(**{**TINY, "name": "boom", "schedule": {"lr": 30.0}, "steps": 60,
-                             "record": {"steps": [0, 1, 2, 40]}})
+    spec = ExperimentSpec(
+        **{**TINY, "name": "boom", "schedule": {"lr": 30.0}, "steps": 60, "record": {"steps": [0, 1, 2, 40]}}
+    )
     out = run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
     assert out.status == "failed" and "diverged at step" in out.reason
     run = Client(str(tmp_path / "s.zarr")).run(out.run_id)
@@ -121,8 +128,9 @@ def test_killed_process_resumes_to_the_same_arrays(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "nsa_dist.cli", "run", str(path), "--plain"]
     assert run_experiment(ExperimentSpec(**spec), SpectrumStore(str(tmp_path / "a.zarr"))).status == "done"
-    proc = subprocess.Popen(cmd + ["--store", str(tmp_path / "b.zarr")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd + ["--store", str(tmp_path / "b.zarr")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     rid = run_id(ExperimentSpec(**spec))
     deadline = time.time() + 120
     n_done = 0
@@ -211,8 +219,12 @@ def test_cli_smoke(tmp_path, tiny_run, capsys):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({**TINY, "name": "cli", "steps": 6, "record": {"steps": [0, 3]}}))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "nsa_dist.cli", "run", str(path), "--store", str(tmp_path / "c.zarr")],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "nsa_dist.cli", "run", str(path), "--store", str(tmp_path / "c.zarr")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert "[nsa] step        3/6" in r.stdout and "done" in r.stdout
     path.write_text("steps: -1\n")
@@ -231,8 +243,12 @@ def test_client_reads_a_run_while_it_is_writing(tmp_path):
         seen.append((run.status, run.steps.tolist(), run.eigenvalues.shape[0]))
 
     run_experiment(spec, SpectrumStore(url), on_step=watch)
-    assert seen == [("running", [0], 1), ("running", [0, 10], 2), ("running", [0, 10, 20], 3),
-                    ("running", [0, 10, 20, 29], 4)]
+    assert seen == [
+        ("running", [0], 1),
+        ("running", [0, 10], 2),
+        ("running", [0, 10, 20], 3),
+        ("running", [0, 10, 20, 29], 4),
+    ]
     run = Client(url).run(run_id(spec))
     assert run.status == "done" and len(run.steps) == 4
 

@@ -13,14 +13,23 @@ from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.pipeline import RunPlan, SpectralAnalyzer, Trainer, plan_run, prepare_run, run_id
 from nsa_dist.store import SpectrumStore
 
-SPEC = dict(name="plan", seed=3, data={"name": "image2d", "n": 48, "n_test": 12}, model={"depth": 3, "width": 16},
-            steps=6, record={"every": 2}, optimizer={"name": "adam"}, schedule={"lr": 0.01},
-            spectrum={"k": 8, "dtype": "float64", "test_points": True, "store_eigenvectors": True, "images": [1, 2]},
-            hessian={"top_k": 3, "rayleigh_k": 2, "density": False})
+SPEC = dict(
+    name="plan",
+    seed=3,
+    data={"name": "image2d", "n": 48, "n_test": 12},
+    model={"depth": 3, "width": 16},
+    steps=6,
+    record={"every": 2},
+    optimizer={"name": "adam"},
+    schedule={"lr": 0.01},
+    spectrum={"k": 8, "dtype": "float64", "test_points": True, "store_eigenvectors": True, "images": [1, 2]},
+    hessian={"top_k": 3, "rayleigh_k": 2, "density": False},
+)
 
 
 def test_preparing_a_run_builds_no_trainer_and_no_analyzer(tmp_path, monkeypatch):
     """The store is sized from the plan alone (the sweep driver used to build both per run)."""
+
     def refuse(self, *a, **k):
         raise AssertionError(f"{type(self).__name__} was built to prepare a run")
 
@@ -73,8 +82,19 @@ def test_a_tracked_run_is_planned_from_the_users_network():
     net = torch.nn.Sequential(torch.nn.Linear(3, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
     X = np.random.default_rng(0).standard_normal((20, 3))
     data = Dataset(X, X[:, :2], X[5:10], X[5:10, :2])
-    spec = tracked_spec("mine", net, data, 2, steps=4, record={"every": 1}, spectrum={"k": 5}, hessian=None,
-                        optimizer="custom", seed=0, device="cpu")
+    spec = tracked_spec(
+        "mine",
+        net,
+        data,
+        2,
+        steps=4,
+        record={"every": 1},
+        spectrum={"k": 5},
+        hessian=None,
+        optimizer="custom",
+        seed=0,
+        device="cpu",
+    )
     plan = plan_run(spec, data, net)
     assert plan.run_id == "mine" and plan.dims.n_slots == 0 and plan.dims.rng_bytes == 1
     assert plan.dims.P == sum(p.numel() for p in net.parameters()) and plan.dims.Ko == 2
@@ -91,8 +111,27 @@ def test_step_results_and_sizes_read_back_by_their_stored_names():
     assert set(r.arrays()) == {"eigenvalues", "loss_test", "hessian_products"}
     with pytest.raises(ValueError, match="not arrays of a step result: energy_yy"):
         StepResult.from_arrays({"energy_yy": np.ones(3)})
-    old = dict(N=4, M=0, d=2, Ko=1, P=9, S=2, T=4, K=3, Kt=0, nI=0, R=0, F=0, n_slots=0, L=1,
-               store_eigenvectors=False, hessian=True, Hk=2, Hm=False, Cg=True)
+    old = dict(
+        N=4,
+        M=0,
+        d=2,
+        Ko=1,
+        P=9,
+        S=2,
+        T=4,
+        K=3,
+        Kt=0,
+        nI=0,
+        R=0,
+        F=0,
+        n_slots=0,
+        L=1,
+        store_eigenvectors=False,
+        hessian=True,
+        Hk=2,
+        Hm=False,
+        Cg=True,
+    )
     D = RunDims.from_json(old)
     assert (D.hessian_top_k, D.hessian_moments, D.constant_gram, D.rng_bytes) == (2, False, True, 1)
     assert RunDims.from_json(D.to_json()) == D

@@ -18,9 +18,16 @@ from nsa_dist.plots import FIGURES, make_figure, plot_run, residual_projections
 from nsa_dist.store import SpectrumStore
 
 # figures a 2-D run with test points, images and eigenvectors has, and those a digits run lacks
-NEEDS_EXTRAS = ("fig1abc_target_output_points", "fig3e_energy_f_test",
-                "fig4bc_residual_fourier", "fig6_eigenvectors_early",
-                "fig5_eigenvectors", "fig7d_preservation", "fig4d_reconstructions", "appF_gram_change")
+NEEDS_EXTRAS = (
+    "fig1abc_target_output_points",
+    "fig3e_energy_f_test",
+    "fig4bc_residual_fourier",
+    "fig6_eigenvectors_early",
+    "fig5_eigenvectors",
+    "fig7d_preservation",
+    "fig4d_reconstructions",
+    "appF_gram_change",
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +35,23 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One store with a 2-D run (test points, lr halved at t = 20) and a digits run (d = 64, no eigenvectors)."""
     url = str(tmp_path_factory.mktemp("plots") / "s.zarr")
     store = SpectrumStore(url)
-    tiny = ExperimentSpec(name="tiny", data={"n": 64, "n_test": 32}, model={"depth": 3, "width": 32}, steps=40,
-                          record={"every": 10}, schedule={"decay": 0.5, "every": 20},
-                          spectrum={"k": 20, "test_points": True, "gram_change_k": 3})
-    digits = ExperimentSpec(name="digits", data={"name": "digits", "n": 32}, model={"depth": 2, "width": 16},
-                            steps=6, record={"every": 5}, spectrum={"k": 10, "store_eigenvectors": False})
+    tiny = ExperimentSpec(
+        name="tiny",
+        data={"n": 64, "n_test": 32},
+        model={"depth": 3, "width": 32},
+        steps=40,
+        record={"every": 10},
+        schedule={"decay": 0.5, "every": 20},
+        spectrum={"k": 20, "test_points": True, "gram_change_k": 3},
+    )
+    digits = ExperimentSpec(
+        name="digits",
+        data={"name": "digits", "n": 32},
+        model={"depth": 2, "width": 16},
+        steps=6,
+        record={"every": 5},
+        spectrum={"k": 10, "store_eigenvectors": False},
+    )
     for spec in (tiny, digits):
         assert run_experiment(spec, store).status == "done"
     return url
@@ -133,8 +152,10 @@ def test_chosen_steps_pair_and_k(tiny: Run, tmp_path: Path) -> None:
     labels = make_figure(tiny, "fig4a_residual_projections", opts).axes[0].get_legend_handles_labels()[1]
     assert labels == ["t = 10", "t = 30"]
     fig = make_figure(tiny, "fig4bc_residual_fourier", opts)
-    assert [a.get_title() for a in fig.axes if a.get_title().startswith("residual")] == \
-        ["residual $m_t$, t = 10", "residual $m_t$, t = 30"]
+    assert [a.get_title() for a in fig.axes if a.get_title().startswith("residual")] == [
+        "residual $m_t$, t = 10",
+        "residual $m_t$, t = 30",
+    ]
     labels = make_figure(tiny, "fig3a_energy_y", opts).axes[0].get_legend_handles_labels()[1]
     assert [lb for lb in labels if lb.startswith("k =")] == ["k = 1", "k = 3", "k = 7"]
     ax = make_figure(tiny, "fig7d_preservation", opts).axes[0]
@@ -144,8 +165,9 @@ def test_chosen_steps_pair_and_k(tiny: Run, tmp_path: Path) -> None:
     np.testing.assert_allclose(ax.get_lines()[1].get_ydata(), P[0])
     assert "t = 10" in make_figure(tiny, "fig6_eigenvectors_early", opts).get_suptitle()
     assert "t = 30" in make_figure(tiny, "fig1abc_target_output_points", opts).axes[1].get_title()
-    with pytest.raises(ValueError,
-                       match=r"step\(s\) \[11\] are not finished recorded steps.*finished: \[0, 10, 20, 30, 39\]"):
+    with pytest.raises(
+        ValueError, match=r"step\(s\) \[11\] are not finished recorded steps.*finished: \[0, 10, 20, 30, 39\]"
+    ):
         plot_run(tiny, tmp_path, opts=PlotOptions(steps=(11,)))
 
 
@@ -184,12 +206,19 @@ def sweep_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     url = str(tmp_path_factory.mktemp("sweep") / "s.zarr")
     store = SpectrumStore(url)
-    sweep = SweepSpec(name="hw", base={"data": {"n": 10, "n_test": 4}, "steps": 4, "record": {"every": 2},
-                                       "model": {"depth": 2, "init": "ntk", "activation": "atan"},
-                                       "schedule": {"lr": 0.5}, "spectrum": {"k": "all", "images": []},
-                                       "hessian": {"every": 2, "probes": 8, "rayleigh_k": 3, "top_k": 1,
-                                                   "density_grid": 32, "lanczos_steps": 8}},
-                      grid={"model.width": [3, 6], "seed": [0, 1]})
+    sweep = SweepSpec(
+        name="hw",
+        base={
+            "data": {"n": 10, "n_test": 4},
+            "steps": 4,
+            "record": {"every": 2},
+            "model": {"depth": 2, "init": "ntk", "activation": "atan"},
+            "schedule": {"lr": 0.5},
+            "spectrum": {"k": "all", "images": []},
+            "hessian": {"every": 2, "probes": 8, "rayleigh_k": 3, "top_k": 1, "density_grid": 32, "lanczos_steps": 8},
+        },
+        grid={"model.width": [3, 6], "seed": [0, 1]},
+    )
     ids = []
     for spec in sweep.expand():
         assert run_experiment(spec, store).status == "done"
@@ -202,9 +231,16 @@ def sweep_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 def nce_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """A small NCE run on 2-D density data with test points and eigenvector images."""
     url = str(tmp_path_factory.mktemp("nce") / "s.zarr")
-    spec = ExperimentSpec(name="nce", loss="nce", data={"name": "density2d", "n": 40, "n_test": 12},
-                          model={"depth": 2, "width": 16}, steps=10, record={"every": 5}, schedule={"lr": 1.0},
-                          spectrum={"k": 12, "images": [1, 2], "test_points": True})
+    spec = ExperimentSpec(
+        name="nce",
+        loss="nce",
+        data={"name": "density2d", "n": 40, "n_test": 12},
+        model={"depth": 2, "width": 16},
+        steps=10,
+        record={"every": 5},
+        schedule={"lr": 1.0},
+        spectrum={"k": 12, "images": [1, 2], "test_points": True},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     return Client(url).run("nce")
 
@@ -212,8 +248,11 @@ def nce_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def _drawn_ticklabels(axis) -> list:
     """The major tick labels an axis draws (its locator's ticks inside the view, with text)."""
     lo, hi = sorted(axis.get_view_interval())
-    return [lb for loc, lb in zip(axis.get_majorticklocs(), axis.get_majorticklabels())
-            if lo - 1e-12 * (abs(lo) + abs(hi)) <= loc <= hi + 1e-12 * (abs(lo) + abs(hi)) and lb.get_text()]
+    return [
+        lb
+        for loc, lb in zip(axis.get_majorticklocs(), axis.get_majorticklabels())
+        if lo - 1e-12 * (abs(lo) + abs(hi)) <= loc <= hi + 1e-12 * (abs(lo) + abs(hi)) and lb.get_text()
+    ]
 
 
 def layout_problems(fig) -> list[str]:
@@ -230,8 +269,9 @@ def layout_problems(fig) -> list[str]:
         if not ax.axison:
             continue
         items += [(f"axes {i} title {t.get_text()[:40]!r}", t) for t in (ax.title, ax._left_title, ax._right_title)]
-        items += [(f"axes {i} {n} axis (label {a.label.get_text()[:30]!r})", a)
-                  for n, a in (("x", ax.xaxis), ("y", ax.yaxis))]
+        items += [
+            (f"axes {i} {n} axis (label {a.label.get_text()[:30]!r})", a) for n, a in (("x", ax.xaxis), ("y", ax.yaxis))
+        ]
         if ax.get_legend() is not None:
             items.append((f"axes {i} legend", ax.get_legend()))
     out = []
@@ -276,8 +316,16 @@ def test_layout_problems_sees_what_is_outside() -> None:
 
 
 _IMAGES = ("fig1abc_target_output_points", "fig4bc_residual_fourier", "fig5_eigenvectors", "fig6_eigenvectors_early")
-_OPTS = ("fig2b_eigenvalues_t", "fig2d_lr_eigen", "fig3a_energy_y", "fig3d_energy_df", "fig4a_residual_projections",
-         "fig4bc_residual_fourier", "eqs45_constant_gram", "fig7d_preservation")  # what follows --k / --step
+_OPTS = (
+    "fig2b_eigenvalues_t",
+    "fig2d_lr_eigen",
+    "fig3a_energy_y",
+    "fig3d_energy_df",
+    "fig4a_residual_projections",
+    "fig4bc_residual_fourier",
+    "eqs45_constant_gram",
+    "fig7d_preservation",
+)  # what follows --k / --step
 
 
 def _every_figure(tiny: Run, nce: Run, sweep_url: str):
@@ -300,16 +348,24 @@ def _every_figure(tiny: Run, nce: Run, sweep_url: str):
     sweep = Client(sweep_url).sweep("hw")
     hess = sweep.run(sweep.groups()[0][1][0])
     many = PlotOptions(steps=tuple(int(t) for t in tiny.steps), ks=tuple(range(1, 21)))
-    for where, run, names, opts in (("2-D run", tiny, FIGURES, None), ("2-D run, 20 k", tiny, _OPTS, many),
-                                    ("NCE run", nce, [n for n in FIGURES if n not in _IMAGES], None),
-                                    ("Hessian run", hess, [n for n in FIGURES if n.startswith("hessian_")], None)):
+    for where, run, names, opts in (
+        ("2-D run", tiny, FIGURES, None),
+        ("2-D run, 20 k", tiny, _OPTS, many),
+        ("NCE run", nce, [n for n in FIGURES if n not in _IMAGES], None),
+        ("Hessian run", hess, [n for n in FIGURES if n.startswith("hessian_")], None),
+    ):
         for name in names:
             fig = make_figure(run, name, opts)
             if fig is not None:
                 yield where, name, fig
-    sweep_figs = {"fig7a_energy_y": fig7a(sweep), "fig7b_train_loss": fig7b(sweep), "fig7c_test_loss": fig7c(sweep),
-                  "scalar_energy_y_10": scalar_figure(sweep, "energy_y", "model.width", k=2),
-                  "hessian_width_convergence": width_convergence(sweep), "hessian_regimes": regimes_figure(sweep)}
+    sweep_figs = {
+        "fig7a_energy_y": fig7a(sweep),
+        "fig7b_train_loss": fig7b(sweep),
+        "fig7c_test_loss": fig7c(sweep),
+        "scalar_energy_y_10": scalar_figure(sweep, "energy_y", "model.width", k=2),
+        "hessian_width_convergence": width_convergence(sweep),
+        "hessian_regimes": regimes_figure(sweep),
+    }
     sweep_figs.update({f"hessian_moments_{p}": hessian_moments_figure(sweep, p) for p in "HIS"})
     assert set(sweep_figs) == set(_ALL), set(_ALL) ^ set(sweep_figs)
     for name, fig in sweep_figs.items():
@@ -349,8 +405,26 @@ def test_fig7a_default_k_is_the_papers_fraction_of_n_below_n(sweep_url: str, tmp
     assert curve.mean.max() < 1 - 1e-3, f"E_t(y, {k}) is {curve.mean}: the default k draws a saturated curve"
     assert f"E_t(y, {n - 1})" in title_of(fig7a(sweep, n - 1))
     assert [p.stem for p in plot_sweep(sweep, tmp_path / "a", figures=["fig7a_energy_y"])] == ["fig7a_energy_y"]
-    assert main(["plot", "--sweep", "hw", "--out", str(tmp_path / "b"), "--store", sweep_url, "--figures",
-                 "fig7a_energy_y", "--scalar", "energy_y", "--x", "model.width"]) == 0
+    assert (
+        main(
+            [
+                "plot",
+                "--sweep",
+                "hw",
+                "--out",
+                str(tmp_path / "b"),
+                "--store",
+                sweep_url,
+                "--figures",
+                "fig7a_energy_y",
+                "--scalar",
+                "energy_y",
+                "--x",
+                "model.width",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "b" / "fig7a_energy_y.png").stat().st_size > 1000  # --scalar energy_y: k by default too
     assert (tmp_path / "b" / "scalar_energy_y.png").stat().st_size > 1000
 

@@ -16,8 +16,13 @@ from nsa_dist.config import ClusterSpec
 @pytest.mark.parametrize("has_gpus", [False, True])
 def test_the_demand_is_the_sum_of_the_actors_bundles(has_gpus):
     """One sum: what the embedded Ray is sized with equals the bundles the actors are placed with."""
-    cl = ClusterSpec(spectral_workers=3, worker_cpus=0.5, trainer_cpus=2.0, worker_resources={"big": 1.0},
-                     trainer_resources={"head": 0.5})
+    cl = ClusterSpec(
+        spectral_workers=3,
+        worker_cpus=0.5,
+        trainer_cpus=2.0,
+        worker_resources={"big": 1.0},
+        trainer_resources={"head": 0.5},
+    )
     need = resource_demand(cl, has_gpus, gang_members=2, trainers=2)
     actors = [worker_bundle(cl, has_gpus)] * (3 + 2) + [trainer_bundle(cl, has_gpus)] * 2
     total = {k: sum(b.get(k, 0.0) for b in actors) for k in need}

@@ -26,15 +26,37 @@ def token_head():
     pytest.importorskip("ray")
     temp_dir = tempfile.mkdtemp(prefix="nsa-raytok-", dir="/tmp")
     port, dash, token = free_port(), free_port(), secrets.token_hex(16)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     env.pop("RAY_AUTH_TOKEN_PATH", None)
-    head = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
-            "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-            *(f"--{flag}={free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                     "runtime-env-agent-port", "metrics-export-port",
-                                                     "ray-client-server-port"))]
+    head = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        f"--port={port}",
+        "--num-cpus=1",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--temp-dir={temp_dir}",
+        "--node-ip-address=127.0.0.1",
+        "--disable-usage-stats",
+        *(
+            f"--{flag}={free_port()}"
+            for flag in (
+                "dashboard-agent-listen-port",
+                "dashboard-agent-grpc-port",
+                "runtime-env-agent-port",
+                "metrics-export-port",
+                "ray-client-server-port",
+            )
+        ),
+    ]
     address = f"http://127.0.0.1:{dash}"
     try:
         subprocess.run(head, check=True, env=env, capture_output=True, timeout=180)
@@ -63,13 +85,18 @@ def test_nsa_status_against_a_token_head(token_head, tmp_path, capsys, monkeypat
         return rc, capsys.readouterr().err.strip()
 
     rc, err = status()
-    assert rc == 2 and err == (f"nsa status: error: the Ray dashboard at {address} wants a token (its token "
-                               "authentication is on) and got none: set RAY_AUTH_TOKEN to the cluster's token, or "
-                               "RAY_AUTH_TOKEN_PATH to a file holding it"), (rc, err)
+    assert rc == 2 and err == (
+        f"nsa status: error: the Ray dashboard at {address} wants a token (its token "
+        "authentication is on) and got none: set RAY_AUTH_TOKEN to the cluster's token, or "
+        "RAY_AUTH_TOKEN_PATH to a file holding it"
+    ), (rc, err)
     monkeypatch.setenv("RAY_AUTH_TOKEN", "not-" + token)
     rc, err = status()
-    assert rc == 2 and err.startswith(f"nsa status: error: the Ray dashboard at {address} refused the token "
-                                      "(HTTP 403)") and len(err.splitlines()) == 1, (rc, err)
+    assert (
+        rc == 2
+        and err.startswith(f"nsa status: error: the Ray dashboard at {address} refused the token (HTTP 403)")
+        and len(err.splitlines()) == 1
+    ), (rc, err)
     monkeypatch.setenv("RAY_AUTH_TOKEN", token)
     assert status() == (0, ""), "the right token in RAY_AUTH_TOKEN"
     monkeypatch.delenv("RAY_AUTH_TOKEN")

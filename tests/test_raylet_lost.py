@@ -27,9 +27,17 @@ from nsa_dist.store import SpectrumStore
 
 # parameters of 40 kB+ (a checkpoint Ray keeps in the raylet's object store, not inline), and
 # enough recorded steps that the raylet is killed with most of the run still ahead
-SWEEP = {"name": "raylet", "base": {"data": {"n": 40}, "model": {"depth": 3, "width": 96}, "steps": 160,
-                                    "record": {"every": 10}, "spectrum": {"k": 10}},
-         "cluster": {"spectral_workers": 1, "max_inflight": 1}}
+SWEEP = {
+    "name": "raylet",
+    "base": {
+        "data": {"n": 40},
+        "model": {"depth": 3, "width": 96},
+        "steps": 160,
+        "record": {"every": 10},
+        "spectrum": {"k": 10},
+    },
+    "cluster": {"spectral_workers": 1, "max_inflight": 1},
+}
 COMPARE = ("theta", "f", "df", "eigenvalues", "energy_y", "energy_residual", "first_order_error", "loss", "loss_trace")
 
 
@@ -77,8 +85,9 @@ def test_a_killed_raylet_interrupts_the_sweep_in_one_line_and_a_rerun_resumes_bi
             if raylet is not None and before >= 3:
                 break
             time.sleep(0.5)
-        assert proc.poll() is None and raylet is not None and before >= 3, \
+        assert proc.poll() is None and raylet is not None and before >= 3, (
             f"the sweep never got 3 steps done with its raylet up (rc {proc.poll()}, {before} done)"
+        )
         os.kill(raylet.pid, signal.SIGKILL)  # this sweep's raylet only
         out, err = proc.communicate(timeout=300)
     finally:
@@ -88,10 +97,16 @@ def test_a_killed_raylet_interrupts_the_sweep_in_one_line_and_a_rerun_resumes_bi
 
     said = [line for line in err.splitlines() if line.startswith("nsa sweep:")]
     assert proc.returncode == 75, f"rc {proc.returncode}\nstderr:\n{err[-3000:]}\nstdout:\n{out[-3000:]}"
-    assert len(said) == 1 and "interrupted" in said[0] and "raylet" in said[0] and f"pid {raylet.pid}" in said[0] \
-        and f"`nsa sweep {path} --store {store} --plain`" in said[0], err
-    assert "Raylet is terminated" not in out + err and "marked dead" not in out + err, \
+    assert (
+        len(said) == 1
+        and "interrupted" in said[0]
+        and "raylet" in said[0]
+        and f"pid {raylet.pid}" in said[0]
+        and f"`nsa sweep {path} --store {store} --plain`" in said[0]
+    ), err
+    assert "Raylet is terminated" not in out + err and "marked dead" not in out + err, (
         f"Ray's dump reached the console:\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    )
     assert "Traceback" not in err, err
     ray_logs = [line for line in err.splitlines() if re.match(r"\[\d{4}-\d\d-\d\d [^]]*\] \S+\.cc:\d+:", line)]
     assert not ray_logs, f"Ray's C++ log lines reached the console: {ray_logs}"
@@ -103,14 +118,20 @@ def test_a_killed_raylet_interrupts_the_sweep_in_one_line_and_a_rerun_resumes_bi
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, f"the re-run failed (rc {again.returncode}):\n{again.stderr[-3000:]}"
     run = Client(store).run(rid)
-    assert run.status == "done" and np.all(run.g["done"][:]), \
-        (run.status, run.reason, run.attrs.get("status"), int(np.sum(run.g["done"][:])), again.stdout[-2000:],
-         again.stderr[-2000:])
+    assert run.status == "done" and np.all(run.g["done"][:]), (
+        run.status,
+        run.reason,
+        run.attrs.get("status"),
+        int(np.sum(run.g["done"][:])),
+        again.stdout[-2000:],
+        again.stderr[-2000:],
+    )
 
     ref_url = str(tmp_path / "ref.zarr")
     assert run_experiment(spec, SpectrumStore(ref_url)).status == "done"
     ref = Client(ref_url).run(rid)
     for name in COMPARE:
         a, b = ref.g[name][:], run.g[name][:]
-        assert np.array_equal(a, b, equal_nan=True), \
+        assert np.array_equal(a, b, equal_nan=True), (
             f"{name}: the resumed run differs from the uninterrupted one by up to {np.nanmax(np.abs(a - b)):.3e}"
+        )

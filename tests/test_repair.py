@@ -27,8 +27,14 @@ from nsa_dist.errors import StoreError
 from nsa_dist.pipeline import run_experiment
 from nsa_dist.store import SpectrumStore
 
-TINY = dict(name="repair", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
-            record={"every": 10}, spectrum={"k": 8, "test_points": True})
+TINY = dict(
+    name="repair",
+    data={"n": 32, "n_test": 8},
+    model={"depth": 2, "width": 16},
+    steps=30,
+    record={"every": 10},
+    spectrum={"k": 8, "test_points": True},
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,11 @@ def undamaged(tmp_path_factory) -> tuple[str, str]:
 
 def _tree(root: Path) -> dict[str, str]:
     """Every file under ``root`` (links not followed): its content hash."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def _dir_chunk(run: Path, outside: Path) -> tuple[Path, str]:
@@ -104,15 +113,19 @@ def _damaged_copy(undamaged: tuple[str, str], tmp_path: Path, damage) -> tuple[s
     return b, outside, damage(Path(b) / "runs" / rid, outside)
 
 
-@pytest.mark.parametrize("damage", [_dir_chunk, _static_dir_chunk, _linked_folder, _linked_file, _fifo, _device],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage",
+    [_dir_chunk, _static_dir_chunk, _linked_folder, _linked_file, _fifo, _device],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_a_chunk_of_the_wrong_kind_is_seen_removed_and_recomputed_bit_identical(undamaged, tmp_path, damage, capsys):
     (a, rid), b, outside, (entry, kind) = undamaged, *_damaged_copy(undamaged, tmp_path, damage)
     before_outside = _tree(outside)
 
     damage_found = Client(b).verify()
     assert [d.path for d in damage_found if not d.unfinished] and all(
-        d.path == str(entry) and kind in d.problem for d in damage_found), [str(d) for d in damage_found]
+        d.path == str(entry) and kind in d.problem for d in damage_found
+    ), [str(d) for d in damage_found]
     run = Client(b).run(rid)
     name = entry.relative_to(Path(b) / "runs" / rid).parts[0]
     with pytest.raises(StoreError) as e:  # the readers refuse what verify names, never read through it
@@ -123,8 +136,9 @@ def test_a_chunk_of_the_wrong_kind_is_seen_removed_and_recomputed_bit_identical(
     assert str(entry) in capsys.readouterr().out
     assert nsa(["verify", b, "--mark"]) == 0, capsys.readouterr().err
     capsys.readouterr()
-    assert not os.path.lexists(entry) or (entry.is_dir() and not entry.is_symlink() and name == "f"), \
+    assert not os.path.lexists(entry) or (entry.is_dir() and not entry.is_symlink() and name == "f"), (
         f"--mark left {entry} ({os.lstat(entry)})"
+    )
     out = run_experiment(ExperimentSpec(**TINY), SpectrumStore(b))
     assert out.status == "done", out
     assert nsa(["verify", b]) == 0, capsys.readouterr().out
@@ -174,12 +188,21 @@ def _link_folder(store: Path, rid: str, folder: str, where: str, tmp_path: Path)
     return link, target
 
 
-@pytest.mark.parametrize(("folder", "where"), [("", "outside"), ("eigenvalues", "outside-damaged"),
-                                               ("eigenvalues", "inside"), ("", "dangling"),
-                                               ("eigenvalues", "dangling"), ("loss_trace", "dangling")],
-                         ids=lambda v: v or "run")
+@pytest.mark.parametrize(
+    ("folder", "where"),
+    [
+        ("", "outside"),
+        ("eigenvalues", "outside-damaged"),
+        ("eigenvalues", "inside"),
+        ("", "dangling"),
+        ("eigenvalues", "dangling"),
+        ("loss_trace", "dangling"),
+    ],
+    ids=lambda v: v or "run",
+)
 def test_a_linked_run_or_array_folder_is_replaced_by_a_copy_and_recomputed_bit_identical(
-        undamaged, tmp_path, folder, where, capsys):
+    undamaged, tmp_path, folder, where, capsys
+):
     """A run's or an array's folder that is a symbolic link holds metadata: readers refuse it,
     ``verify`` names it, ``--mark`` replaces it by a real folder holding a copy of the target
     (never written through: the target is untouched) — or, linked to nothing, removes the run /
@@ -198,8 +221,11 @@ def test_a_linked_run_or_array_folder_is_replaced_by_a_copy_and_recomputed_bit_i
     assert nsa(["verify", str(b), "--mark"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     steps = len(Client(a).run(rid).g["done"][:])
-    want = ("removed" if not folder else f"step indices {list(range(steps))}") if where == "dangling" else \
-        f"step indices {[1, 2] if where == 'outside-damaged' else []}"  # a copy recovers all it holds
+    want = (
+        ("removed" if not folder else f"step indices {list(range(steps))}")
+        if where == "dangling"
+        else f"step indices {[1, 2] if where == 'outside-damaged' else []}"
+    )  # a copy recovers all it holds
     assert f"{rid}: {want} " in out, out
     assert not link.is_symlink() and (link.is_dir() or (where, folder) == ("dangling", "")), f"--mark left {link}"
     assert _tree(target) == before, "the link's target changed"
@@ -214,5 +240,6 @@ def test_a_linked_run_or_array_folder_is_replaced_by_a_copy_and_recomputed_bit_i
     ref, got = Client(a).run(rid), Client(str(b)).run(rid)
     assert ref.array_names() == got.array_names()
     for arr in ref.array_names():
-        np.testing.assert_array_equal(got.array(arr), ref.array(arr),
-                                      err_msg=f"array {arr!r} differs from the undamaged run after the repair")
+        np.testing.assert_array_equal(
+            got.array(arr), ref.array(arr), err_msg=f"array {arr!r} differs from the undamaged run after the repair"
+        )

@@ -30,8 +30,14 @@ from nsa_dist.pipeline import run_experiment, run_id  # noqa: E402
 from nsa_dist.store import SpectrumStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC = dict(name="s3run", data={"n": 24, "n_test": 8}, model={"depth": 2, "width": 8}, steps=40,
-            record={"every": 10}, spectrum={"k": 6, "test_points": True})
+SPEC = dict(
+    name="s3run",
+    data={"n": 24, "n_test": 8},
+    model={"depth": 2, "width": 8},
+    steps=40,
+    record={"every": 10},
+    spectrum={"k": 6, "test_points": True},
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +75,8 @@ def test_a_bucket_prefix_holding_other_objects_is_refused(s3_env):
 
     bucket = _bucket(s3_env)
     boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"]).put_object(
-        Bucket=bucket, Key="data/notes.txt", Body=b"x")
+        Bucket=bucket, Key="data/notes.txt", Body=b"x"
+    )
     with pytest.raises(StoreError, match="holds objects but is not an nsa-dist spectrum store"):
         SpectrumStore(f"s3://{bucket}/data")
 
@@ -82,8 +89,9 @@ def _datasets_in_s3(env: dict, tmp_path: Path) -> tuple[dict, dict, str]:
 
     local = write_datasets(tmp_path / "data")
     bucket = _bucket(env)
-    s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"]).put(str(tmp_path / "data") + "/", f"{bucket}/sets/",
-                                                                 recursive=True)
+    s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"]).put(
+        str(tmp_path / "data") + "/", f"{bucket}/sets/", recursive=True
+    )
     return local, {name: f"s3://{bucket}/sets/{p.name}" for name, p in local.items()}, bucket
 
 
@@ -130,8 +138,14 @@ def test_data_in_s3_load_as_the_local_files_do(s3_env, tmp_path):
 def test_a_run_trains_on_data_read_from_s3(s3_env, tmp_path):
     """A plain ``run_experiment`` whose ``data.path`` is an s3:// URL; the store records the URL."""
     _, remote, _ = _datasets_in_s3(s3_env, tmp_path)
-    spec = ExperimentSpec(name="s3data", data={"name": "image2d", "path": remote["image2d"], "n": 16},
-                          model={"depth": 2, "width": 8}, steps=4, record={"every": 2}, spectrum={"k": 4})
+    spec = ExperimentSpec(
+        name="s3data",
+        data={"name": "image2d", "path": remote["image2d"], "n": 16},
+        model={"depth": 2, "width": 8},
+        steps=4,
+        record={"every": 2},
+        spectrum={"k": 4},
+    )
     out = run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
     assert out.status == "done"
     run = Client(str(tmp_path / "s.zarr")).run(run_id(spec))

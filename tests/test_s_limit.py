@@ -40,16 +40,21 @@ def _ensemble_probes(params: dict[str, torch.Tensor], seeds: range, m: int) -> d
     """(E, m, ...) per parameter: net s gets the m Rademacher probes that
     ``output_hessian_traces(net, X, m, seed=s)`` draws for it (one (P, m) draw, ``named_parameters`` order)."""
     sizes = [p[0].numel() for p in params.values()]
-    Z = torch.stack([torch.as_tensor(rademacher(np.random.default_rng(s), sum(sizes), m), dtype=F64)
-                     for s in seeds])  # (E, P, m)
-    return {k: z.transpose(1, 2).reshape((len(seeds), m) + p.shape[1:])
-            for (k, p), z in zip(params.items(), Z.split(sizes, dim=1))}
+    Z = torch.stack(
+        [torch.as_tensor(rademacher(np.random.default_rng(s), sum(sizes), m), dtype=F64) for s in seeds]
+    )  # (E, P, m)
+    return {
+        k: z.transpose(1, 2).reshape((len(seeds), m) + p.shape[1:])
+        for (k, p), z in zip(params.items(), Z.split(sizes, dim=1))
+    }
 
 
-def _ensemble_f_and_probes(model: torch.nn.Module, params: dict[str, torch.Tensor], U: dict[str, torch.Tensor],
-                           X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ensemble_f_and_probes(
+    model: torch.nn.Module, params: dict[str, torch.Tensor], U: dict[str, torch.Tensor], X: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """f (E, N) and ``zᵀ ∇²_θ f z`` (E, m, N) of every net of a one-output ensemble: the forward-over-
     forward pass of :func:`output_hessian_traces`, vmapped over the nets and their probes."""
+
     def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return functional_call(model, p, (X,)).reshape(-1)
 
@@ -72,6 +77,7 @@ def _flat(model: torch.nn.Module, X: torch.Tensor):
     def f(th: torch.Tensor) -> torch.Tensor:
         ps = {n: t.reshape(s) for n, t, s in zip(names, th.split(sizes), shapes)}
         return functional_call(model, ps, (X,)).reshape(-1)
+
     return theta, f
 
 
@@ -130,16 +136,18 @@ def test_phi_is_the_monte_carlo_mean_of_f_times_g():
         m = _net(128, s, depth)
         with torch.no_grad():
             torch.testing.assert_close(F[s], m(x).reshape(-1), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(Q[s].numpy(), output_hessian_traces(m, x, 2, seed=s).per_probe[..., 0],
-                                   rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(
+            Q[s].numpy(), output_hessian_traces(m, x, 2, seed=s).per_probe[..., 0], rtol=1e-10, atol=1e-12
+        )
     S = np.einsum("ei,ej->eij", F.numpy(), Q.mean(1).numpy())  # (seeds, N, N) f(x_i) g(x_j), g by 2 probes
     mean, se = S.mean(0), S.std(0, ddof=1) / np.sqrt(len(S))
     z = np.abs(mean - phi) / se
     assert z.max() < 4.5, f"depth {depth}: |MC − Φ|/se max {z.max():.2f}\nMC {mean}\nΦ {phi}\nse {se}"
     tr = np.trace(S, axis1=1, axis2=2)  # (seeds,) the part of N·Tr(S) whose mean is Tr(Φ̃)
     se_tr = tr.std(ddof=1) / np.sqrt(len(tr))
-    assert abs(tr.mean() - np.trace(phi)) < 4 * se_tr, \
+    assert abs(tr.mean() - np.trace(phi)) < 4 * se_tr, (
         f"Tr: MC {tr.mean():.3f} ± {se_tr:.3f}, Tr(Φ̃) {np.trace(phi):.3f}"
+    )
     assert abs(np.trace(phi)) > 5 * se_tr, f"the test must resolve Tr(Φ̃) = {np.trace(phi):.3f} from 0 (se {se_tr:.3f})"
 
 
@@ -149,9 +157,10 @@ def test_upsilon_and_lambda_one_hidden_layer_at_width_4096(activation):
     x = _x()
     k = limit_S_kernels(x, depth=2, activation=activation, bias_scale=BETA)
     U, L = _empirical_upsilon_lambda(_net(4096, 0, depth=2, activation=activation), x, 8, 0)
-    assert _rel(U, k.upsilon) < 0.05 and _rel(L, k.lam) < 0.12, \
-        f"{activation}: relative errors Υ {_rel(U, k.upsilon):.3f}, Λ {_rel(L, k.lam):.3f}\n" \
+    assert _rel(U, k.upsilon) < 0.05 and _rel(L, k.lam) < 0.12, (
+        f"{activation}: relative errors Υ {_rel(U, k.upsilon):.3f}, Λ {_rel(L, k.lam):.3f}\n"
         f"Υ {U}\n{k.upsilon}\nΛ {L}\n{k.lam}"
+    )
 
 
 @pytest.mark.slow

@@ -24,11 +24,15 @@ from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.serve import ServeOptions, is_loopback, make_server
 from nsa_dist.store import SpectrumStore, run_summaries
 
-SPEC = ExperimentSpec(name="served", data={"n": 24, "n_test": 8}, steps=8,
-                      model={"depth": 2, "width": 12, "init": "ntk", "regime": "ntk", "activation": "tanh"},
-                      record={"every": 4}, spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4,
-                                                     "test_points": True, "gram_change_k": 3},
-                      hessian={"probes": 4, "rayleigh_k": 3, "top_k": 1, "density": True})
+SPEC = ExperimentSpec(
+    name="served",
+    data={"n": 24, "n_test": 8},
+    steps=8,
+    model={"depth": 2, "width": 12, "init": "ntk", "regime": "ntk", "activation": "tanh"},
+    record={"every": 4},
+    spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4, "test_points": True, "gram_change_k": 3},
+    hessian={"probes": 4, "rayleigh_k": 3, "top_k": 1, "density": True},
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +45,11 @@ def store(tmp_path_factory) -> str:
 
 def _tree(url: str) -> dict[str, tuple[str, int]]:
     """Every file of a local store: its content hash and mtime."""
-    return {str(p.relative_to(url)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(Path(url).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(url)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(Path(url).rglob("*"))
+        if p.is_file()
+    }
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -182,8 +189,9 @@ def test_the_run_page_draws_what_nsa_plot_draws_with_the_predictions(store):
     assert "k = 1, real df̃" in _series(energy, 0)  # Fig. 3d: the real update dashed beside the first-order one
     eqs = _series(panels["eqs45_constant_gram"])
     pred = run.array("constant_gram_residual")
-    np.testing.assert_array_equal(eqs["Eq. 5 with G_0 fixed"], pred[[int(np.flatnonzero(run.schedule == s)[0])
-                                                                      for s in steps], 0])
+    np.testing.assert_array_equal(
+        eqs["Eq. 5 with G_0 fixed"], pred[[int(np.flatnonzero(run.schedule == s)[0]) for s in steps], 0]
+    )
     lr = panels["fig1e_lr_stability"].sources[0]["lines"].data["xs"][0]
     assert len(lr) == 2 * len(steps) - 1  # δ_t held between recorded steps: a staircase
 
@@ -195,9 +203,15 @@ def test_an_nce_runs_page_draws_what_nsa_plot_draws(tmp_path):
     from nsa_dist.serve.run_page import run_sections
 
     url = str(tmp_path / "nce.zarr")
-    spec = ExperimentSpec(name="nce", loss="nce", data={"name": "density2d", "n": 40, "n_test": 12},
-                          model={"depth": 2, "width": 12}, steps=8, record={"every": 4},
-                          spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4, "test_points": True})
+    spec = ExperimentSpec(
+        name="nce",
+        loss="nce",
+        data={"name": "density2d", "n": 40, "n_test": 12},
+        model={"depth": 2, "width": 12},
+        steps=8,
+        record={"every": 4},
+        spectrum={"k": 6, "images": [1, 2], "image_size": 5, "fourier_size": 4, "test_points": True},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("nce")
     sections = run_sections(run)
@@ -309,7 +323,8 @@ def test_store_strings_are_escaped_on_every_page(store, tmp_path):
     url = str(tmp_path / "noted.zarr")  # a diagnostic's reason, as the store keeps it for a NaN
     shutil.copytree(store, url)
     zarr.open_group(str(Path(url) / "runs" / run_id(SPEC)), mode="r+")["step_notes"][0] = json.dumps(
-        {"constant_gram_residual": evil})
+        {"constant_gram_residual": evil}
+    )
     noted = Client(url).run("served")
     assert noted.notes == {0: {"constant_gram_residual": evil}}
     text = header_text(noted)
@@ -337,8 +352,10 @@ def test_every_request_must_carry_the_token(store):
     with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
         assert s.get("/")[0] == 403
         assert s.get("/?token=wrong")[0] == 403
-        for path, to in (("/?token=s3cret", "/"), (f"/run?id={run_id(SPEC)}&token=s3cret&x=1",
-                                                   f"/run?id={run_id(SPEC)}&x=1")):
+        for path, to in (
+            ("/?token=s3cret", "/"),
+            (f"/run?id={run_id(SPEC)}&token=s3cret&x=1", f"/run?id={run_id(SPEC)}&x=1"),
+        ):
             # the token goes into an HttpOnly cookie and out of the address: a redirect to the page without it
             status, body, headers = s.get(path, follow=False)
             assert status == 302 and headers.get("Location") == to, (path, status, headers)
@@ -384,11 +401,24 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
     series = list(scalar_series(run))
     tags = [t for t, _, _ in series]
     assert len(tags) == len(set(tags)), sorted(t for t in tags if tags.count(t) > 1)
-    predictions = {"loss/train", "spectrum/lambda_max", "energy_y/k_5", "hessian/Tr(S^2)_stderr",
-                   "first_order/error", "constant_gram_residual/predicted", "constant_gram_energy/k_1",
-                   "app_E/test_residual/predicted", "gram_change_fro/first_order", "hessian_S_limit/trace_S2",
-                   "hessian_S_limit/trace_S_init", "hessian_I_limit_moments/moment_2", "hessian_orthogonality/value",
-                   "hessian_additivity/value/moment_2", "hessian_trace_S_G/value", "hessian_moments_I_exact/moment_1"}
+    predictions = {
+        "loss/train",
+        "spectrum/lambda_max",
+        "energy_y/k_5",
+        "hessian/Tr(S^2)_stderr",
+        "first_order/error",
+        "constant_gram_residual/predicted",
+        "constant_gram_energy/k_1",
+        "app_E/test_residual/predicted",
+        "gram_change_fro/first_order",
+        "hessian_S_limit/trace_S2",
+        "hessian_S_limit/trace_S_init",
+        "hessian_I_limit_moments/moment_2",
+        "hessian_orthogonality/value",
+        "hessian_additivity/value/moment_2",
+        "hessian_trace_S_G/value",
+        "hessian_moments_I_exact/moment_1",
+    }
     assert predictions <= set(tags), predictions - set(tags)
     # every per-step numeric array of the store is exported, unless it holds one value per point /
     # pixel / parameter — the list comes from the store, so that a new array cannot be missed
@@ -424,9 +454,10 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
         np.testing.assert_array_equal(got, v[ok], err_msg=tag)  # float64, exact
         assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars", tag
     np.testing.assert_array_equal([e.step for e in acc.Tensors("loss/train")], np.arange(SPEC.steps))
-    for tag, steps, spectra in (("spectrum/eigenvalues", run.steps, run.eigenvalues),
-                                ("hessian/I_limit_eigenvalues", run.hessian.steps,
-                                 run.hessian.I_eigenvalues(limit=True))):
+    for tag, steps, spectra in (
+        ("spectrum/eigenvalues", run.steps, run.eigenvalues),
+        ("hessian/I_limit_eigenvalues", run.hessian.steps, run.hessian.I_eigenvalues(limit=True)),
+    ):
         hist = acc.Histograms(tag)
         assert [h.step for h in hist] == steps.tolist(), tag
         for h, lam in zip(hist, spectra):
@@ -587,8 +618,10 @@ def test_a_pages_session_token_never_carries_the_serve_token(store):
     from bokeh.util.token import get_token_payload
 
     with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
-        pages = [s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret; other=1"}),
-                 s.get("/?token=s3cret&x=1", {"Cookie": "nsa_serve_token=s3cret"})]
+        pages = [
+            s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret; other=1"}),
+            s.get("/?token=s3cret&x=1", {"Cookie": "nsa_serve_token=s3cret"}),
+        ]
     for status, body, _ in pages:
         tokens = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
         assert status == 200 and len(tokens) == 1, (status, body[:2000])
@@ -603,9 +636,12 @@ def _upgrade(port: int, path: str, headers: str = "") -> str:
     import socket
 
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall((f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                      f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{headers}\r\n"
-                      ).encode())
+        sock.sendall(
+            (
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{headers}\r\n"
+            ).encode()
+        )
         return sock.recv(4096).decode(errors="replace").split("\r\n")[0]
 
 
@@ -616,19 +652,30 @@ def test_a_websocket_without_the_token_is_refused_quietly(store, caplog):
     caplog.set_level(logging.INFO)
     with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
         caplog.clear()
-        got = [_upgrade(s.server.port, path, h) for path, h in
-               (("/ws", ""), ("/run/ws", "Sec-WebSocket-Protocol: bokeh, x\r\n"),
-                ("/ws", "Cookie: nsa_serve_token=nope\r\n"))]
+        got = [
+            _upgrade(s.server.port, path, h)
+            for path, h in (
+                ("/ws", ""),
+                ("/run/ws", "Sec-WebSocket-Protocol: bokeh, x\r\n"),
+                ("/ws", "Cookie: nsa_serve_token=nope\r\n"),
+            )
+        ]
         threading.Event().wait(0.3)  # the server logs after it answers
         body = s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret"})[1]
         (session_token,) = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
-        admitted = _upgrade(s.server.port, "/run/ws", f"Cookie: nsa_serve_token=s3cret\r\nSec-WebSocket-Protocol: bokeh, "
-                                                      f"{session_token}\r\n")
+        admitted = _upgrade(
+            s.server.port,
+            "/run/ws",
+            f"Cookie: nsa_serve_token=s3cret\r\nSec-WebSocket-Protocol: bokeh, {session_token}\r\n",
+        )
     assert got == ["HTTP/1.1 403 Forbidden"] * 3 and admitted == "HTTP/1.1 101 Switching Protocols", (got, admitted)
     logged = [r for r in caplog.records if "/ws" in r.getMessage() or r.exc_info]
     refused = logged[:3]
-    assert [r.getMessage().split()[:3] for r in refused] == [["403", "GET", "/ws"], ["403", "GET", "/run/ws"],
-                                                             ["403", "GET", "/ws"]], [r.getMessage() for r in logged]
+    assert [r.getMessage().split()[:3] for r in refused] == [
+        ["403", "GET", "/ws"],
+        ["403", "GET", "/run/ws"],
+        ["403", "GET", "/ws"],
+    ], [r.getMessage() for r in logged]
     assert not any(r.exc_info for r in refused), [r.getMessage() for r in refused]  # one line each, no traceback
 
 
@@ -643,15 +690,22 @@ def test_a_malformed_bokeh_websocket_is_refused_quietly(store, caplog):
         status, body, _ = s.get(f"/run?id={run_id(SPEC)}")
         (session_token,) = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
         caplog.clear()
-        bad = ["Sec-WebSocket-Protocol: bokeh, garbage\r\n", "Sec-WebSocket-Protocol: nope\r\n",
-               "Sec-WebSocket-Protocol: bokeh\r\n", "", "Sec-WebSocket-Protocol: other, " + session_token + "\r\n",
-               "Sec-WebSocket-Protocol: bokeh, e30.e30.x\r\n"]  # a readable token without a session id
+        bad = [
+            "Sec-WebSocket-Protocol: bokeh, garbage\r\n",
+            "Sec-WebSocket-Protocol: nope\r\n",
+            "Sec-WebSocket-Protocol: bokeh\r\n",
+            "",
+            "Sec-WebSocket-Protocol: other, " + session_token + "\r\n",
+            "Sec-WebSocket-Protocol: bokeh, e30.e30.x\r\n",
+        ]  # a readable token without a session id
         got = [_upgrade(s.server.port, "/run/ws", h) for h in bad]
         threading.Event().wait(0.3)  # the server logs after it answers
         admitted = _upgrade(s.server.port, "/run/ws", f"Sec-WebSocket-Protocol: bokeh, {session_token}\r\n")
         threading.Event().wait(0.3)
-    assert [g.split()[1] for g in got] == ["400"] * len(bad) and admitted == "HTTP/1.1 101 Switching Protocols", \
-        (got, admitted)
+    assert [g.split()[1] for g in got] == ["400"] * len(bad) and admitted == "HTTP/1.1 101 Switching Protocols", (
+        got,
+        admitted,
+    )
     refused = [r for r in caplog.records if "/run/ws" in r.getMessage() and "400" in r.getMessage()]
     assert len(refused) == len(bad), [r.getMessage() for r in caplog.records]
     tracebacks = [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
@@ -692,9 +746,17 @@ def test_sessions_come_and_go_without_a_traceback(store, caplog):
     from concurrent.futures import ThreadPoolExecutor
 
     caplog.set_level(logging.INFO)
-    with _Served(ServeOptions(store, port=0, refresh_s=0.2), unused_session_lifetime_milliseconds=500,
-                 check_unused_sessions_milliseconds=200) as s:
-        pages = [("/run", {"id": run_id(SPEC)}), ("/", {}), ("/run", {"id": "nosuchrun"}), ("/run", {"id": run_id(SPEC)})]
+    with _Served(
+        ServeOptions(store, port=0, refresh_s=0.2),
+        unused_session_lifetime_milliseconds=500,
+        check_unused_sessions_milliseconds=200,
+    ) as s:
+        pages = [
+            ("/run", {"id": run_id(SPEC)}),
+            ("/", {}),
+            ("/run", {"id": "nosuchrun"}),
+            ("/run", {"id": run_id(SPEC)}),
+        ]
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda pa: _pull(s.server.port, pa[0], **pa[1]), pages))
         made = s.server.nsa_shared.reads.get("run", 0)

@@ -36,11 +36,23 @@ from nsa_dist.serve.sweep_page import sweep_panels
 from nsa_dist.store import SpectrumStore, run_summaries
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium): the "
-                                                          "browser test of nsa serve needs one")]
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no chromium binary (apt-get install chromium): the browser test of nsa serve needs one",
+    ),
+]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 STEPS, EVERY = 30, 5  # recorded: 0, 5, …, 25 and the last, 29
 
 
@@ -61,9 +73,19 @@ class _Writer(threading.Thread):
     def _loop(self) -> None:
         data = load_dataset(DataSpec(n=30), seed=0)
         model = build_model(ModelSpec(depth=2, width=16), seed=0)
-        tr = Tracker(self.url, "watched", model, data.X, data.y, steps=STEPS, record={"every": EVERY},
-                     spectrum={"k": 8, "images": [1, 2], "image_size": 6, "fourier_size": 5}, optimizer="gd",
-                     hessian={"probes": 4, "rayleigh_k": 0, "top_k": 1, "density": False}, max_inflight=1)
+        tr = Tracker(
+            self.url,
+            "watched",
+            model,
+            data.X,
+            data.y,
+            steps=STEPS,
+            record={"every": EVERY},
+            spectrum={"k": 8, "images": [1, 2], "image_size": 6, "fourier_size": 5},
+            optimizer="gd",
+            hessian={"probes": 4, "rayleigh_k": 0, "top_k": 1, "density": False},
+            max_inflight=1,
+        )
         X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
         opt, recorded = torch.optim.SGD(model.parameters(), lr=0.25), 0
         for t in range(STEPS):
@@ -161,17 +183,26 @@ def _browsing(url: str, tmp_path: Path, *serve_args: str) -> Iterator[tuple[Any,
     from playwright.sync_api import sync_playwright
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    server = subprocess.Popen([sys.executable, "-m", "nsa_dist.cli", "serve", url, "--port", "0", *serve_args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "nsa_dist.cli", "serve", url, "--port", "0", *serve_args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     out: list[str] = []
     try:
         line = server.stdout.readline()
         m = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
         assert m, f"nsa serve printed {line!r}"
         with sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
-                                                        args=ARGS, headless=True,
-                                                        viewport={"width": 1400, "height": 1000})
+            ctx = pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"),
+                executable_path=CHROMIUM,
+                args=ARGS,
+                headless=True,
+                viewport={"width": 1400, "height": 1000},
+            )
             try:
                 yield ctx.new_page(), m.group(1), out
             finally:
@@ -199,8 +230,9 @@ def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
             before = _wait(lambda: _steps_done(page) if _steps_done(page) >= 1 else None, "the run page")
             assert before <= 3  # the writer is paused after its second step (one may still be finishing)
             writer.go.set()
-            after = _wait(lambda: _steps_done(page) if _steps_done(page) > before else None,
-                          "the step count to grow on the page")
+            after = _wait(
+                lambda: _steps_done(page) if _steps_done(page) > before else None, "the step count to grow on the page"
+            )
             assert after > before
             _wait(lambda: _steps_done(page) == S, "every step on the page", timeout=180)
             page.wait_for_timeout(1000)  # the redraw after the last step
@@ -211,15 +243,17 @@ def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
             keep = os.environ.get("NSA_SERVE_SCREENSHOT")
             if keep:
                 page.screenshot(path=keep, clip={"x": 0, "y": 0, "width": 1400, "height": 1500}, full_page=True)
-            sections = {paper: [p.title for p in ps]
-                        for paper, ps in run_sections(Client(url).run("watched")).items()}
+            sections = {paper: [p.title for p in ps] for paper, ps in run_sections(Client(url).run("watched")).items()}
             assert list(sections) == ["NSA paper", "Hessian paper"], list(sections)
             for paper, titles in sections.items():
                 page.get_by_text(paper, exact=True).first.click()
                 _check_panels(page, titles, f"the run page's {paper} tab")
             run = Client(url).run("watched")
-            spec = {"name": "one_width", "base": run.spec.model_dump(mode="json"),
-                    "grid": {"steps": [run.spec.steps]}}  # a sweep of this one run: the page's panels
+            spec = {
+                "name": "one_width",
+                "base": run.spec.model_dump(mode="json"),
+                "grid": {"steps": [run.spec.steps]},
+            }  # a sweep of this one run: the page's panels
             SpectrumStore(url).record_sweep("one_width", spec, ["watched"])
             page.goto(f"{base}sweep?name=one_width")
             _check_panels(page, [p.title for p in sweep_panels(Client(url).sweep("one_width"))], "the sweep page")
@@ -250,35 +284,53 @@ def test_store_strings_never_run_as_script_on_any_page(tmp_path):
     from nsa_dist.pipeline import run_experiment
 
     url = tmp_path / "evil.zarr"
-    spec = ExperimentSpec(name="plain", data={"n": 12, "n_test": 4}, steps=4, record={"every": 2},
-                          model={"depth": 2, "width": 8}, spectrum={"k": 3})
+    spec = ExperimentSpec(
+        name="plain",
+        data={"n": 12, "n_test": 4},
+        steps=4,
+        record={"every": 2},
+        model={"depth": 2, "width": 8},
+        spectrum={"k": 3},
+    )
     made = run_experiment(spec, SpectrumStore(str(url))).run_id
     rid = XSS_ATTR + XSS_TAG  # a folder name: no '/'
     (url / "runs" / made).rename(url / "runs" / rid)
     group = zarr.open_group(str(url / "runs" / rid), mode="r+")
     attrs = group.attrs.asdict()
     evil_spec = {**attrs["spec"], "data": {**attrs["spec"]["data"], "path": XSS_SCRIPT + XSS_TAG}}  # a free string
-    group.attrs.update({"spec": evil_spec, "status": "failed",
-                        "reason": f"{XSS_SCRIPT} {XSS_TAG} {XSS_ATTR}"})
+    group.attrs.update({"spec": evil_spec, "status": "failed", "reason": f"{XSS_SCRIPT} {XSS_TAG} {XSS_ATTR}"})
     group["step_notes"][0] = json.dumps({"constant_gram_residual": XSS_SCRIPT + XSS_TAG})
     sweep = XSS_TAG + XSS_ATTR
-    SpectrumStore(str(url)).record_sweep(sweep, {"name": "evil", "base": evil_spec,
-                                                 "grid": {"data.path": [XSS_SCRIPT + XSS_TAG]}}, [rid])
-    SpectrumStore(str(url)).record_sweep("keys", {"name": "keys", "base": evil_spec,  # a grid field: a table column
-                                                  "grid": {XSS_ATTR: ["a", "b"]}}, [rid])
+    SpectrumStore(str(url)).record_sweep(
+        sweep, {"name": "evil", "base": evil_spec, "grid": {"data.path": [XSS_SCRIPT + XSS_TAG]}}, [rid]
+    )
+    SpectrumStore(str(url)).record_sweep(
+        "keys",
+        {
+            "name": "keys",
+            "base": evil_spec,  # a grid field: a table column
+            "grid": {XSS_ATTR: ["a", "b"]},
+        },
+        [rid],
+    )
     seen: dict[str, str] = {}
     with _browsing(str(url), tmp_path) as (page, base, out):
-        for path, ready in (("", ".slick-cell"), (f"run?id={quote(rid, safe='')}", ".nsa-header"),
-                            (f"sweep?name={quote(sweep, safe='')}", ".bk-Div")):
+        for path, ready in (
+            ("", ".slick-cell"),
+            (f"run?id={quote(rid, safe='')}", ".nsa-header"),
+            (f"sweep?name={quote(sweep, safe='')}", ".bk-Div"),
+        ):
             page.goto(base + path)
             page.locator(ready).first.wait_for(timeout=60000)
             page.wait_for_timeout(1500)  # the periodic refresh redraws once
             seen[path] = page.evaluate("document.title") + " " + _all_text(page)
             assert page.evaluate("window.__xss") is None, f"a payload ran as script on /{path}"
     table, run, sw = seen.values()
-    for where, text, shown in (("the table", table, (XSS_ATTR + XSS_TAG, XSS_SCRIPT + XSS_TAG, sweep)),
-                               ("the run page", run, (XSS_ATTR + XSS_TAG, XSS_SCRIPT)),
-                               ("the sweep page", sw, (sweep, XSS_SCRIPT + XSS_TAG))):
+    for where, text, shown in (
+        ("the table", table, (XSS_ATTR + XSS_TAG, XSS_SCRIPT + XSS_TAG, sweep)),
+        ("the run page", run, (XSS_ATTR + XSS_TAG, XSS_SCRIPT)),
+        ("the sweep page", sw, (sweep, XSS_SCRIPT + XSS_TAG)),
+    ):
         missing = [p for p in shown if p not in text]
         assert not missing, f"{where} does not show {missing} as text: {text[:3000]}"
     assert "Traceback" not in out[0], out[0][-3000:]
@@ -300,14 +352,21 @@ def test_the_token_leaves_the_address_bar_and_the_page_works(tmp_path):
     from nsa_dist.pipeline import run_experiment
 
     url = tmp_path / "s.zarr"
-    spec = ExperimentSpec(name="guarded", data={"n": 12, "n_test": 4}, steps=4, record={"every": 2},
-                          model={"depth": 2, "width": 8}, spectrum={"k": 3})
+    spec = ExperimentSpec(
+        name="guarded",
+        data={"n": 12, "n_test": 4},
+        steps=4,
+        record={"every": 2},
+        model={"depth": 2, "width": 8},
+        spectrum={"k": 3},
+    )
     rid = run_experiment(spec, SpectrumStore(str(url))).run_id
     secret = "s3cret-in-the-url"
     with _browsing(str(url), tmp_path, "--token", secret) as (page, base, out):
-        for path, ready, want in (("", ".slick-cell", lambda: rid in " ".join(
-                page.locator(".slick-cell").all_inner_texts())),
-                                  (f"run?id={rid}&", ".nsa-header", lambda: _steps_done(page) >= 1)):
+        for path, ready, want in (
+            ("", ".slick-cell", lambda: rid in " ".join(page.locator(".slick-cell").all_inner_texts())),
+            (f"run?id={rid}&", ".nsa-header", lambda: _steps_done(page) >= 1),
+        ):
             page.goto(f"{base}{path}{'' if path else '?'}token={secret}")
             page.locator(ready).first.wait_for(timeout=60000)
             _wait(want, f"the page {path or '/'} to show the run")

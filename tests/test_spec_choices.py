@@ -21,10 +21,13 @@ def test_method_fields_are_the_numerics_enums() -> None:
     assert (stored["eig_method"], stored["ntk_method"]) == ("auto", "per_layer")  # the stored spec keeps the strings
 
 
-@pytest.mark.parametrize("field, bad, allowed", [
-    ("eig_method", "qr", "'auto', 'dense', 'lanczos' or 'arpack'"),
-    ("ntk_method", "fast", "'auto', 'structured', 'jacobian', 'per_layer' or 'batch'"),
-])
+@pytest.mark.parametrize(
+    "field, bad, allowed",
+    [
+        ("eig_method", "qr", "'auto', 'dense', 'lanczos' or 'arpack'"),
+        ("ntk_method", "fast", "'auto', 'structured', 'jacobian', 'per_layer' or 'batch'"),
+    ],
+)
 def test_a_bad_method_is_one_line_naming_the_allowed_values(tmp_path, field: str, bad: str, allowed: str) -> None:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({"name": "x", "spectrum": {field: bad}}))

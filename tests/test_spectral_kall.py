@@ -14,11 +14,26 @@ from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
 
 def _spec(store: bool, **spectrum) -> ExperimentSpec:
-    return ExperimentSpec.model_validate({
-        "name": "kall", "seed": 0, "data": {"name": "image2d", "n": 150, "n_test": 60},
-        "model": {"depth": 2, "width": 128}, "steps": 3, "record": {"steps": [0, 2]},
-        "spectrum": {"k": "all", "dtype": "float64", "test_points": True, "store_eigenvectors": store,
-                     "images": [1, 2, 10], "image_size": 8, "fourier_size": 5, **spectrum}})
+    return ExperimentSpec.model_validate(
+        {
+            "name": "kall",
+            "seed": 0,
+            "data": {"name": "image2d", "n": 150, "n_test": 60},
+            "model": {"depth": 2, "width": 128},
+            "steps": 3,
+            "record": {"steps": [0, 2]},
+            "spectrum": {
+                "k": "all",
+                "dtype": "float64",
+                "test_points": True,
+                "store_eigenvectors": store,
+                "images": [1, 2, 10],
+                "image_size": 8,
+                "fourier_size": 5,
+                **spectrum,
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +87,23 @@ def test_float32_k_all_within_the_float32_grams_own_rounding() -> None:
     lam1 = float(eigh32["eigenvalues"][0])
     dlam = np.abs(got["eigenvalues"] - eigh32["eigenvalues"]).max()
     assert dlam <= 50 * 150 * np.finfo(np.float32).eps * lam1, f"eigenvalues off by {dlam / lam1:.1e}·λ_1"
-    for key in ("eigenvalues", "eigenvalues_test", "energy_y", "energy_f", "energy_residual", "energy_df",
-                "energy_f_test", "projections_residual"):
+    for key in (
+        "eigenvalues",
+        "eigenvalues_test",
+        "energy_y",
+        "energy_f",
+        "energy_residual",
+        "energy_df",
+        "energy_f_test",
+        "projections_residual",
+    ):
         ours = float(np.nanmax(np.abs(np.asarray(got[key], np.float64) - eigh32[key])))
         rounding = float(np.nanmax(np.abs(np.asarray(eigh64[key], np.float64) - eigh32[key])))
         float32_level = 10 * 150 * np.finfo(np.float32).eps * float(np.nanmax(np.abs(eigh32[key])))
-        assert ours <= max(2 * rounding, float32_level), \
-            f"{key}: float32 route off by {ours:.1e}; the float32 Gram's rounding {rounding:.1e}, " \
+        assert ours <= max(2 * rounding, float32_level), (
+            f"{key}: float32 route off by {ours:.1e}; the float32 Gram's rounding {rounding:.1e}, "
             f"10·N·eps₃₂ {float32_level:.1e}"
+        )
 
 
 def test_one_vector_test_half_stores_what_the_q_route_stores(two_routes) -> None:
@@ -93,9 +117,10 @@ def test_one_vector_test_half_stores_what_the_q_route_stores(two_routes) -> None
     q = eig_projections(G_t, ck.f_test)
     assert not q.one_vector
     eig = top_eigenpairs(G_t, "all")
-    for name, evals, E in (("Q route", q.evals, energy_from_projections(q.proj, ck.f_test)),
-                           ("eigh", eig.evals,
-                            energy_from_projections(eig.evecs.T @ ck.f_test.reshape(-1, 1), ck.f_test))):
+    for name, evals, E in (
+        ("Q route", q.evals, energy_from_projections(q.proj, ck.f_test)),
+        ("eigh", eig.evals, energy_from_projections(eig.evecs.T @ ck.f_test.reshape(-1, 1), ck.f_test)),
+    ):
         for key, ref in (("eigenvalues_test", evals), ("energy_f_test", E)):
             err = float(np.abs(got[key] - ref).max()) / float(np.abs(ref).max())
             assert err <= 1e-9, f"{key}: max |Δ| = {err:.2e} of max |value| against the {name}"
@@ -137,8 +162,12 @@ def test_only_one_phi_column_skips_q(two_routes) -> None:
     one = an._spectrum(G, M, "test", {"f_test": F[:, :1]}, False)
     assert an.eig_route["test"] == "one_vector" and one.proj["f_test"].shape == (M, 1)
     np.testing.assert_allclose(one.evals, two.evals, rtol=0, atol=1e-12 * two.evals[0])
-    np.testing.assert_allclose(np.cumsum(one.proj["f_test"][:, 0] ** 2), np.cumsum(two.proj["f_test"][:, 0] ** 2),
-                               rtol=0, atol=1e-10 * float(F[:, 0] @ F[:, 0]))
+    np.testing.assert_allclose(
+        np.cumsum(one.proj["f_test"][:, 0] ** 2),
+        np.cumsum(two.proj["f_test"][:, 0] ** 2),
+        rtol=0,
+        atol=1e-10 * float(F[:, 0] @ F[:, 0]),
+    )
 
 
 def test_app_e_cross_kernel_in_the_test_grams_buffer_changes_nothing() -> None:
@@ -159,6 +188,7 @@ def test_app_e_cross_kernel_in_the_test_grams_buffer_changes_nothing() -> None:
     assert len(seen) == 1 and isinstance(seen[0], torch.Tensor) and tuple(seen[0].shape) == (60, 150)
     assert b._cross_buffer() is None
     held = a._workspace.nbytes - b._workspace.nbytes
-    assert held == 60 * 60 * 8, \
+    assert held == 60 * 60 * 8, (
         f"{held} bytes more: the test Gram's (M, M) float64 only, not also the (M, N) cross kernel"
+    )
     np.testing.assert_allclose(got["constant_gram_f_test"], want["constant_gram_f_test"], rtol=1e-12, atol=1e-14)

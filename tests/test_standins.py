@@ -80,8 +80,15 @@ def test_full_size_standins_have_the_real_sizes(tmp_path):
     assert d.X.shape == (60_000, 784) and d.X_test.shape == (10_000, 784)
     assert 0.08 < (d.y > 0).mean() < 0.12  # digit 0 is about a tenth
     cf = cifar10_standin(tmp_path / "cifar-10-batches-py")
-    assert sorted(p.name for p in cf.iterdir()) == ["batches.meta", "data_batch_1", "data_batch_2", "data_batch_3",
-                                                    "data_batch_4", "data_batch_5", "test_batch"]
+    assert sorted(p.name for p in cf.iterdir()) == [
+        "batches.meta",
+        "data_batch_1",
+        "data_batch_2",
+        "data_batch_3",
+        "data_batch_4",
+        "data_batch_5",
+        "test_batch",
+    ]
     c = cifar10(50_000, n_test=10_000, path=cf, grayscale=False, target="label")
     assert c.X.shape == (50_000, 3072) and c.X_test.shape == (10_000, 3072)
 

@@ -52,14 +52,23 @@ def test_held_out_loss_is_the_l2_loss_at_the_test_points() -> None:
     f, y = np.array([[1.0, 2.0], [0.0, 0.0]]), np.array([[0.0, 0.0], [1.0, 1.0]])
     data = Dataset(np.zeros((2, 2)), np.zeros((2, 2)), np.zeros((2, 2)), y)
     assert loss_value(spec, data, f, test=True) == pytest.approx(0.5 * (5.0 + 2.0) / 2)
-    assert np.isnan(loss_value(spec, Dataset(data.X, data.y, np.zeros((0, 2)), np.zeros((0, 2))), np.zeros((0, 2)),
-                               test=True))
+    assert np.isnan(
+        loss_value(spec, Dataset(data.X, data.y, np.zeros((0, 2)), np.zeros((0, 2))), np.zeros((0, 2)), test=True)
+    )
 
 
 @pytest.fixture(scope="module")
 def momentum_run():
-    spec = ExperimentSpec(name="mom", data={"n": 40}, model={"depth": 3, "width": 16}, steps=8, record={"every": 1},
-                          optimizer={"name": "gd", "momentum": 0.9}, schedule={"lr": 0.02}, spectrum={"k": 10})
+    spec = ExperimentSpec(
+        name="mom",
+        data={"n": 40},
+        model={"depth": 3, "width": 16},
+        steps=8,
+        record={"every": 1},
+        optimizer={"name": "gd", "momentum": 0.9},
+        schedule={"lr": 0.02},
+        spectrum={"k": 10},
+    )
     data = load_dataset(spec.data)
     trainer = Trainer(plan_run(spec, data), data)
     cks = list(trainer.train_until(spec.steps))
@@ -101,9 +110,14 @@ def test_predicted_update_without_momentum_is_the_paper_formula(momentum_run) ->
 @pytest.fixture(scope="module")
 def onehot_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = str(tmp_path_factory.mktemp("x") / "s.zarr")
-    spec = ExperimentSpec(name="oh", data={"name": "digits", "n": 24, "n_test": 10, "target": "onehot"},
-                          model={"depth": 2, "width": 8}, steps=4, record={"every": 2},
-                          spectrum={"k": 10, "full_k": 6})
+    spec = ExperimentSpec(
+        name="oh",
+        data={"name": "digits", "n": 24, "n_test": 10, "target": "onehot"},
+        model={"depth": 2, "width": 8},
+        steps=4,
+        record={"every": 2},
+        spectrum={"k": 10, "full_k": 6},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     return url
 
@@ -126,8 +140,10 @@ def test_onehot_run_figures_show_and_plain_xarray(onehot_url, onehot_run, tmp_pa
         img = imread(p)
         assert img.ndim == 3 and img[..., :3].std() > 0.01, p
     fig = make_figure(onehot_run, "fig1e_lr_stability")
-    texts = " ".join([fig.get_suptitle()] + [t for ax in fig.axes for t in
-                                             (ax.get_title(), ax.get_ylabel(), *ax.get_legend_handles_labels()[1])])
+    texts = " ".join(
+        [fig.get_suptitle()]
+        + [t for ax in fig.axes for t in (ax.get_title(), ax.get_ylabel(), *ax.get_legend_handles_labels()[1])]
+    )
     assert "full" in texts and "kernel" in texts, texts
     assert main(["show", "oh", "--store", onehot_url]) == 0
     out = capsys.readouterr().out
@@ -144,8 +160,16 @@ def test_nsa_show_notes_gd_formulas_for_sgd_and_adam(tmp_path, capsys) -> None:
 
     url = str(tmp_path / "s.zarr")
     for name, opt in (("sgd", {"name": "sgd", "batch_size": 8}), ("adam", {"name": "adam"})):
-        spec = ExperimentSpec(name=name, data={"n": 24}, model={"depth": 2, "width": 8}, steps=3,
-                              record={"every": 2}, optimizer=opt, schedule={"lr": 0.01}, spectrum={"k": 5})
+        spec = ExperimentSpec(
+            name=name,
+            data={"n": 24},
+            model={"depth": 2, "width": 8},
+            steps=3,
+            record={"every": 2},
+            optimizer=opt,
+            schedule={"lr": 0.01},
+            spectrum={"k": 5},
+        )
         assert run_experiment(spec, SpectrumStore(url)).status == "done"
         assert main(["show", name, "--store", url]) == 0
         out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
@@ -190,8 +214,14 @@ def test_test_loss_recomputed_from_the_model(onehot_run) -> None:
 def test_eigenvector_schedule_and_stored_projections(tmp_path) -> None:
     """Eigenvectors only at the listed steps; Fig. 4a projections and every-k energies at all steps."""
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="sched", data={"n": 48, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
-                          record={"every": 10}, spectrum={"k": "all", "store_eigenvectors": [10, 29], "images": [1]})
+    spec = ExperimentSpec(
+        name="sched",
+        data={"n": 48, "n_test": 8},
+        model={"depth": 2, "width": 16},
+        steps=30,
+        record={"every": 10},
+        spectrum={"k": "all", "store_eigenvectors": [10, 29], "images": [1]},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("sched")
     assert run.eigenvector_steps.tolist() == [10, 29]
@@ -206,7 +236,7 @@ def test_eigenvector_schedule_and_stored_projections(tmp_path) -> None:
         J = dense_jacobian(model, torch.as_tensor(run.X, dtype=torch.float64)).numpy()
         w, V = np.linalg.eigh(J @ J.T)
         m = run.residual(int(t))
-        p_ref = ((V[:, ::-1].T @ m) ** 2)
+        p_ref = (V[:, ::-1].T @ m) ** 2
         p = run.kernel.residual_projections(int(t))
         assert p.shape == (48,)
         # G_t has a null space (rank ≤ P): any basis of it is right, so compare the partial sums
@@ -236,9 +266,14 @@ def test_per_class_spectra_match_dense_diagonal_blocks(tmp_path) -> None:
         assert e < 1e-8, f"class {a}: {got[a]} vs {ref} (rel {e:.2e})"
     # stored along a one-hot run
     url = str(tmp_path / "s.zarr")
-    spec = ExperimentSpec(name="pc", data={"name": "digits", "n": 20, "target": "onehot"},
-                          model={"depth": 2, "width": 8}, steps=3, record={"every": 2},
-                          spectrum={"k": 5, "per_class_k": 3, "store_eigenvectors": False})
+    spec = ExperimentSpec(
+        name="pc",
+        data={"name": "digits", "n": 20, "target": "onehot"},
+        model={"depth": 2, "width": 8},
+        steps=3,
+        record={"every": 2},
+        spectrum={"k": 5, "per_class_k": 3, "store_eigenvectors": False},
+    )
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     run = Client(url).run("pc")
     assert run.kernel.per_class_eigenvalues.shape == (2, 10, 3)

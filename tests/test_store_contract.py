@@ -34,8 +34,23 @@ from nsa_dist.store import (
     verify_store,
 )
 
-DIMS = RunDims(N=4, M=2, d=3, Ko=1, P=5, S=4, T=40, K=2, k_test=0, n_images=0, image_size=0, fourier_size=0,
-               n_slots=1, rng_bytes=2, store_eigenvectors=False)
+DIMS = RunDims(
+    N=4,
+    M=2,
+    d=3,
+    Ko=1,
+    P=5,
+    S=4,
+    T=40,
+    K=2,
+    k_test=0,
+    n_images=0,
+    image_size=0,
+    fourier_size=0,
+    n_slots=1,
+    rng_bytes=2,
+    store_eigenvectors=False,
+)
 SPEC = {"name": "contract", "steps": 40}
 RID = "contract-0001"
 STEPS = np.arange(DIMS.S) * 10  # the recorded training steps t
@@ -49,9 +64,12 @@ def _write_step(w: RunWriter, index: int) -> None:
     """Recorded step ``index``: every array the schema asks of it, filled with :func:`_value`."""
     specs = step_specs(w.dims, eigenvectors=False, hessian=False, first=index == 0)
     result = {n: np.full(a.shape[1:], _value(index)).astype(a.dtype) for n, a in specs.items()}
-    state = TrainerState(int(STEPS[index]), np.full(w.dims.P, _value(index), np.float32),
-                         np.full((w.dims.n_slots, w.dims.P), -_value(index), np.float32),
-                         np.full(w.dims.rng_bytes, index, np.uint8))
+    state = TrainerState(
+        int(STEPS[index]),
+        np.full(w.dims.P, _value(index), np.float32),
+        np.full((w.dims.n_slots, w.dims.P), -_value(index), np.float32),
+        np.full(w.dims.rng_bytes, index, np.uint8),
+    )
     w.write_step(index, StepResult.from_arrays(result), state)
 
 
@@ -82,8 +100,18 @@ def _copy(src: str, dst: str) -> None:
 def _other_writer_takes_over(store: SpectrumStore) -> None:
     """Another host's writer holds the run's lease now (fresh, another token)."""
     now = time.time()
-    store.write_lease(RID, {"host": "node-7.elsewhere", "pid": 4242, "since": now, "heartbeat": now, "ttl": 30.0,
-                            "token": "theirs", "released": False})
+    store.write_lease(
+        RID,
+        {
+            "host": "node-7.elsewhere",
+            "pid": 4242,
+            "since": now,
+            "heartbeat": now,
+            "ttl": 30.0,
+            "token": "theirs",
+            "released": False,
+        },
+    )
 
 
 class StoreContract:
@@ -237,11 +265,13 @@ class StoreContract:
         store.keys.set(chunk, bytes(raw))  # fails its CRC32C checksum
         store.keys.delete(f"runs/{RID}/f/c/2/0")  # a lost chunk of a done step
         r = SpectrumStore(run_url, mode="r").reader(RID)
-        with pytest.raises(StoreError,
-                           match=r"array 'eigenvalues' at step 10 \(index 1\) is damaged .*eigenvalues/c/1/0"):
+        with pytest.raises(
+            StoreError, match=r"array 'eigenvalues' at step 10 \(index 1\) is damaged .*eigenvalues/c/1/0"
+        ):
             r.read_steps("eigenvalues", np.arange(3))
-        with pytest.raises(StoreError,
-                           match=r"array 'f' at step 20 \(index 2\) is damaged: chunk .*f/c/2/0 is missing"):
+        with pytest.raises(
+            StoreError, match=r"array 'f' at step 20 \(index 2\) is damaged: chunk .*f/c/2/0 is missing"
+        ):
             r.read_step("f", 2)
         assert r.read_step("loss", 2) == _value(2), "the rest reads fine"
         damage = verify_store(SpectrumStore(run_url, mode="r"))
@@ -277,8 +307,9 @@ class StoreContract:
             with pytest.raises(LeaseLost):
                 w.forget_steps([1], [], static_damaged=False, reason="x")
         assert store.reader(RID).done.tolist()[:2] == [True, True]
-        store.write_lease(RID, {"host": "h", "pid": 1, "since": 0.0, "heartbeat": 0.0, "ttl": 1.0, "token": "old",
-                                "released": True})
+        store.write_lease(
+            RID, {"host": "h", "pid": 1, "since": 0.0, "heartbeat": 0.0, "ttl": 1.0, "token": "old", "released": True}
+        )
         assert mark_damaged(store, damage) == {RID: [1]}
 
     def test_damaged_metadata_is_named_and_not_repaired(self, run_url):

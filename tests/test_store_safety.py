@@ -30,8 +30,14 @@ from nsa_dist.pipeline import SpectralAnalyzer, Trainer, prepare_run, run_experi
 from nsa_dist.store import HessianStep, LeaseHeld, SpectrumStore, StepResult, run_arrays, step_specs
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(name="safe", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
-            record={"every": 10}, spectrum={"k": 8, "test_points": True})
+TINY = dict(
+    name="safe",
+    data={"n": 32, "n_test": 8},
+    model={"depth": 2, "width": 16},
+    steps=30,
+    record={"every": 10},
+    spectrum={"k": 8, "test_points": True},
+)
 SLOW = {**TINY, "name": "slowsafe", "steps": 90, "record": {"every": 10}}  # 10 recorded steps
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 CMD = [sys.executable, "-m", "nsa_dist.cli", "run", "--plain"]
@@ -44,8 +50,9 @@ def _all_arrays(url: str, rid: str) -> dict[str, np.ndarray]:
 
 def _assert_same_arrays(a_url: str, b_url: str, rid: str) -> None:
     a, b = _all_arrays(a_url, rid), _all_arrays(b_url, rid)
-    assert sorted(a) == sorted(b), \
+    assert sorted(a) == sorted(b), (
         f"arrays differ: only in a {sorted(set(a) - set(b))}, only in b {sorted(set(b) - set(a))}"
+    )
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=f"array {name!r} differs from the uninterrupted run")
 
@@ -83,8 +90,11 @@ def test_step_record_refuses_absent_unexpected_and_misshaped_arrays_before_writi
     ck = next(iter(Trainer(run.plan, run.data).train_until(1)))
     result = SpectralAnalyzer(run.plan, run.data).analyze(ck)
     assert not run.plan.has("hessian_products")
-    bad = dataclasses.replace(result, gram=dataclasses.replace(result.gram, energy_y=None),  # not computed
-                              hessian=HessianStep(hessian_products=3))  # a part this run does not have
+    bad = dataclasses.replace(
+        result,
+        gram=dataclasses.replace(result.gram, energy_y=None),  # not computed
+        hessian=HessianStep(hessian_products=3),
+    )  # a part this run does not have
     with pytest.raises(StoreError) as e:
         run.writer.write_step(0, bad, ck.state)
     msg = str(e.value)
@@ -93,18 +103,23 @@ def test_step_record_refuses_absent_unexpected_and_misshaped_arrays_before_writi
     with pytest.raises(StoreError, match=r"eigenvalues has shape \(3,\), the store holds \(8,\)"):
         run.writer.write_step(0, short, ck.state)
     with pytest.raises(StoreError, match="eigenvalues has dtype <U1"):
-        run.writer.write_step(0, StepResult.from_arrays({**result.arrays(), "eigenvalues": np.array(["x"] * 8)}),
-                              ck.state)
+        run.writer.write_step(
+            0, StepResult.from_arrays({**result.arrays(), "eigenvalues": np.array(["x"] * 8)}), ck.state
+        )
     reader = store.reader(run.run_id)
-    written = {n: sorted(reader.present_chunks(n)) for n in reader.names()
-               if reader.specs[n].per_step and reader.present_chunks(n)}
+    written = {
+        n: sorted(reader.present_chunks(n))
+        for n in reader.names()
+        if reader.specs[n].per_step and reader.present_chunks(n)
+    }
     assert written == {}, f"a refused step wrote chunks: {written}"
     run.writer.write_step(0, result, ck.state)
     assert store.reader(run.run_id).done.tolist()[:2] == [True, False]
     # the contract is derived from run_arrays: every per-step array but the resume state and done
     # (index 0 also writes the arrays of the first recorded step: App. E's constant_gram_f_test)
-    per_step = {a.name for a in run_arrays(run.writer.dims)
-                if a.per_step and a.at in ("every", "eigenvectors", "first")}
+    per_step = {
+        a.name for a in run_arrays(run.writer.dims) if a.per_step and a.at in ("every", "eigenvectors", "first")
+    }
     assert set(result.arrays()) == per_step - {"theta", "opt_slots", "rng_state", "done"}
     assert set(result.arrays()) == set(step_specs(run.writer.dims, eigenvectors=True, hessian=False, first=True))
     assert "constant_gram_f_test" in result.arrays()
@@ -158,8 +173,15 @@ def test_a_fresh_lease_refuses_a_second_writer_and_an_expired_one_is_taken_over(
     rid = run_id(spec)
     store = SpectrumStore(url)
     now = time.time()
-    other = {"host": "node-7.elsewhere", "pid": 4242, "since": now - 60, "heartbeat": now, "ttl": 30.0,
-             "token": "theirs", "released": False}
+    other = {
+        "host": "node-7.elsewhere",
+        "pid": 4242,
+        "since": now - 60,
+        "heartbeat": now,
+        "ttl": 30.0,
+        "token": "theirs",
+        "released": False,
+    }
     store.write_lease(rid, other)
     with pytest.raises(LeaseHeld) as e:
         run_experiment(spec, store)
@@ -179,8 +201,15 @@ def test_a_running_status_under_an_expired_lease_reads_interrupted(tmp_path, cap
     w = store.writer(out.run_id, store.run_attrs(out.run_id)["spec"], store.dims(out.run_id))
     w.set_status("running")
     now = time.time()
-    lease = {"host": "node-7.elsewhere", "pid": 4242, "since": now - 600, "heartbeat": now, "ttl": 30.0,
-             "token": "t", "released": False}
+    lease = {
+        "host": "node-7.elsewhere",
+        "pid": 4242,
+        "since": now - 600,
+        "heartbeat": now,
+        "ttl": 30.0,
+        "token": "t",
+        "released": False,
+    }
     store.write_lease(out.run_id, lease)
     assert Client(url).run(out.run_id).status == "running"
     store.write_lease(out.run_id, {**lease, "heartbeat": now - 120})
@@ -195,8 +224,12 @@ def test_a_running_status_under_an_expired_lease_reads_interrupted(tmp_path, cap
 def test_two_concurrent_writers_one_computes_the_other_refuses(tmp_path):
     path = _spec_file(tmp_path, TINY)
     url = str(tmp_path / "s.zarr")
-    procs = [subprocess.Popen(CMD + [str(path), "--store", url], env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            CMD + [str(path), "--store", url], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     rcs = sorted(o[0] for o in outs)
     assert rcs == [0, 2], f"expected one writer to finish and one to refuse: {outs}"
@@ -209,8 +242,13 @@ def test_two_concurrent_writers_one_computes_the_other_refuses(tmp_path):
     # a writer asked to wait starts once the lease is released
     store = SpectrumStore(url)
     lease = store.lease([rid]).acquire()
-    proc = subprocess.Popen(CMD + [str(path), "--store", url, "--wait"], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        CMD + [str(path), "--store", url, "--wait"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     time.sleep(3)
     assert proc.poll() is None, f"the waiting writer did not wait: {proc.stdout.read()}"
     lease.release()
@@ -226,13 +264,16 @@ def test_kill_at_many_instants_including_creation_resumes_bit_identical(tmp_path
     run_experiment(spec, SpectrumStore(a))
     path = _spec_file(tmp_path, SLOW)
     group = Path(b) / "runs" / rid / "zarr.json"
-    kills = [("the run's group appears (inside run creation)", lambda: group.exists()),
-             ("two steps are done", lambda: _n_done(b, rid) >= 2),
-             ("six steps are done", lambda: _n_done(b, rid) >= 6),
-             ("the last step is done (before preservation)", lambda: _n_done(b, rid) >= 10)]
+    kills = [
+        ("the run's group appears (inside run creation)", lambda: group.exists()),
+        ("two steps are done", lambda: _n_done(b, rid) >= 2),
+        ("six steps are done", lambda: _n_done(b, rid) >= 6),
+        ("the last step is done (before preservation)", lambda: _n_done(b, rid) >= 10),
+    ]
     for i, (what, cond) in enumerate(kills):
-        proc = subprocess.Popen(CMD + [str(path), "--store", b], env=ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            CMD + [str(path), "--store", b], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         _wait_for(cond, what, proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -335,8 +376,24 @@ def test_no_chunk_exceeds_the_object_store_bound_at_mnist_scale():
     from nsa_dist.store import RunDims
     from nsa_dist.store.schema import CHUNK_BYTES
 
-    D = RunDims(N=60000, M=10000, d=784, Ko=10, P=10_000_000, S=50, T=600000, K=1000, k_test=1000, n_images=0,
-                image_size=0, fourier_size=0, n_slots=2, rng_bytes=16, store_eigenvectors=True, k_full=500)
+    D = RunDims(
+        N=60000,
+        M=10000,
+        d=784,
+        Ko=10,
+        P=10_000_000,
+        S=50,
+        T=600000,
+        K=1000,
+        k_test=1000,
+        n_images=0,
+        image_size=0,
+        fourier_size=0,
+        n_slots=2,
+        rng_bytes=16,
+        store_eigenvectors=True,
+        k_full=500,
+    )
     too_big = {}
     for a in run_arrays(D):
         if a.per_step:
@@ -359,8 +416,12 @@ def test_a_killed_sweep_driver_leaves_nothing_a_resubmission_cannot_resume(tmp_p
     from nsa_dist.config import SweepSpec
 
     base = {**{k: v for k, v in SLOW.items() if k != "name"}, "steps": 50}  # 6 recorded steps a run
-    sweep = {"name": "killsweep", "base": base,
-             "grid": {"model.width": [8, 16]}, "cluster": {"spectral_workers": 1, "max_inflight": 1}}
+    sweep = {
+        "name": "killsweep",
+        "base": base,
+        "grid": {"model.width": [8, 16]},
+        "cluster": {"spectral_workers": 1, "max_inflight": 1},
+    }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     url = str(tmp_path / "s.zarr")

@@ -20,11 +20,29 @@ from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
 
 SPECTRUM = {"k": 10, "images": [1, 2], "image_size": 6, "fourier_size": 5}
-SPEC = ExperimentSpec(name="eq", data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"every": 6},
-                      spectrum=SPECTRUM)
-COMPARE = ("theta", "f", "df", "df_pred", "f_test", "eigenvalues", "eigenvectors", "energy_y", "energy_f",
-           "energy_residual", "energy_df", "energy_df_pred", "first_order_error", "first_order_cos", "alignment",
-           "loss", "lr", "done")
+SPEC = ExperimentSpec(
+    name="eq", data={"n": 40}, model={"depth": 3, "width": 16}, steps=24, record={"every": 6}, spectrum=SPECTRUM
+)
+COMPARE = (
+    "theta",
+    "f",
+    "df",
+    "df_pred",
+    "f_test",
+    "eigenvalues",
+    "eigenvectors",
+    "energy_y",
+    "energy_f",
+    "energy_residual",
+    "energy_df",
+    "energy_df_pred",
+    "first_order_error",
+    "first_order_cos",
+    "alignment",
+    "loss",
+    "lr",
+    "done",
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +103,18 @@ def test_one_column_output_records_what_nsa_run_records(tmp_path, reference):
     data = load_dataset(SPEC.data, seed=SPEC.seed)
     model = _Column(build_model(SPEC.model, seed=SPEC.seed))
     y = data.y.reshape(-1, 1)
-    tr = Tracker(url, "eq", model, data.X, y, steps=SPEC.steps, record={"every": 6}, spectrum=SPECTRUM,
-                 optimizer="gd", max_inflight=1)
+    tr = Tracker(
+        url,
+        "eq",
+        model,
+        data.X,
+        y,
+        steps=SPEC.steps,
+        record={"every": 6},
+        spectrum=SPECTRUM,
+        optimizer="gd",
+        max_inflight=1,
+    )
     _gd_loop(tr, model, data.X, y, SPEC.steps, SPEC.schedule.lr)
     tr.close()
     run = Client(url).run("eq")
@@ -160,8 +188,9 @@ def test_clear_errors(tmp_path):
     with pytest.raises(ShapeError, match=r"X must have shape"):
         Tracker(url, "e", model, data.X[:, 0], data.y, **kw)
     with pytest.raises(ShapeError, match=r"must map \(n, …\) inputs to \(n,\) or \(n, K\)"):
-        Tracker(url, "e", torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Unflatten(1, (3, 1))),
-                data.X, data.y, **kw)
+        Tracker(
+            url, "e", torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Unflatten(1, (3, 1))), data.X, data.y, **kw
+        )
     with pytest.raises(ShapeError, match="X_test, y_test"):
         Tracker(url, "e", model, data.X, data.y, np.zeros((3, 5)), np.zeros(3), **kw)
     Tracker(url, "e", model, data.X, data.y, **kw).close()
@@ -322,17 +351,35 @@ def test_unpicklable_model_is_refused_with_a_clear_error(tmp_path):
 
 def test_cross_entropy_tracker_records_what_nsa_run_records(tmp_path):
     """loss='cross_entropy': the user's CE loop records nsa run's arrays (loss, m_t, the Hessian of CE)."""
-    spec = ExperimentSpec(name="ce", loss="cross_entropy", data={"name": "digits", "n": 10, "target": "onehot"},
-                          model={"depth": 2, "width": 4}, steps=7, record={"every": 3}, schedule={"lr": 0.5},
-                          spectrum={"k": 6, "images": []},
-                          hessian={"probes": 4, "rayleigh_k": 0, "top_k": 0, "density": False, "additivity": False})
+    spec = ExperimentSpec(
+        name="ce",
+        loss="cross_entropy",
+        data={"name": "digits", "n": 10, "target": "onehot"},
+        model={"depth": 2, "width": 4},
+        steps=7,
+        record={"every": 3},
+        schedule={"lr": 0.5},
+        spectrum={"k": 6, "images": []},
+        hessian={"probes": 4, "rayleigh_k": 0, "top_k": 0, "density": False, "additivity": False},
+    )
     ref_url, url = str(tmp_path / "ref.zarr"), str(tmp_path / "t.zarr")
     assert run_experiment(spec, SpectrumStore(ref_url)).status == "done"
     ref = Client(ref_url).run(run_id(spec))
     data = load_dataset(spec.data, seed=spec.seed)
     model = build_model(spec.model, seed=spec.seed)
-    tr = Tracker(url, "ce", model, data.X, data.y, steps=7, record={"every": 3}, spectrum={"k": 6, "images": []},
-                 hessian=spec.hessian.model_dump(), optimizer="gd", loss="cross_entropy")
+    tr = Tracker(
+        url,
+        "ce",
+        model,
+        data.X,
+        data.y,
+        steps=7,
+        record={"every": 3},
+        spectrum={"k": 6, "images": []},
+        hessian=spec.hessian.model_dump(),
+        optimizer="gd",
+        loss="cross_entropy",
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
     for t in range(7):
@@ -398,8 +445,14 @@ class TokenNet(torch.nn.Module):
 
 
 def _bn_cnn(**bn) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3, **bn), torch.nn.ReLU(),
-                               torch.nn.Flatten(), torch.nn.Linear(3 * 16, 1), torch.nn.Flatten(0))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3),
+        torch.nn.BatchNorm2d(3, **bn),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(3 * 16, 1),
+        torch.nn.Flatten(0),
+    )
 
 
 def _state(model) -> tuple[dict, dict]:
@@ -413,8 +466,18 @@ def _assert_state(model, state, what: str) -> None:
     assert {k: m.training for k, m in model.named_modules()} == modes, f"{what} changed the user's modes"
 
 
-def _loop(tr: Tracker, model, X, y, steps: int, *, lr: float = 0.05, train: bool = True, record_eval: bool = False,
-          after_step=None) -> dict[int, torch.nn.Module]:
+def _loop(
+    tr: Tracker,
+    model,
+    X,
+    y,
+    steps: int,
+    *,
+    lr: float = 0.05,
+    train: bool = True,
+    record_eval: bool = False,
+    after_step=None,
+) -> dict[int, torch.nn.Module]:
     """A user's SGD loop (the model in train mode unless ``train`` is False); at each recorded step t
     the Tracker gets the model as it is — optionally switched to eval mode around record(t) — and a
     copy of it (θ_t, buffers_t, mode_t) is kept as the reference.  record() must leave the model as it was."""
@@ -449,8 +512,10 @@ def _assert_spectra(run, copies: dict, X, rtol: float) -> None:
         ref = np.linalg.eigvalsh(gram(copies[t], X, dtype=torch.float64).numpy())[::-1]
         got = run.g["eigenvalues"][i]
         err = np.abs(got - ref).max() / ref[0]
-        assert err <= rtol, f"step {t}: stored λ differ from gram() at θ_t, buffers_t, mode_t by {err:.2e} (λ₁ " \
-                            f"{got[0]:.6g} vs {ref[0]:.6g})"
+        assert err <= rtol, (
+            f"step {t}: stored λ differ from gram() at θ_t, buffers_t, mode_t by {err:.2e} (λ₁ "
+            f"{got[0]:.6g} vs {ref[0]:.6g})"
+        )
 
 
 def test_buffers_and_modes_of_step_t_are_analysed(tmp_path):
@@ -493,8 +558,7 @@ def test_batchnorm_in_train_mode_is_analysed_in_train_mode(tmp_path):
     X, y = torch.randn(16, 2, 6, 6), torch.randn(16)
     model = _bn_cnn().eval()
     url = str(tmp_path / "t.zarr")
-    tr = Tracker(url, "bnt", model, X, y, steps=20, record={"steps": [0, 10, 19]},
-                 spectrum={"k": "all", "images": []})
+    tr = Tracker(url, "bnt", model, X, y, steps=20, record={"steps": [0, 10, 19]}, spectrum={"k": "all", "images": []})
     copies = _loop(tr, model, X, y, 20)
     tr.close()
     assert int(model[1].num_batches_tracked) == 20
@@ -549,8 +613,14 @@ def test_analysis_error_surfaces_at_the_next_call(tmp_path):
     with pytest.raises(AnalysisError) as info:
         tr.log(1, 0.5)
     err = info.value
-    assert str(err) == ("run 'f': the analysis of recorded step 0 failed: computing the NTK of Flaky failed in "
-                        "module '<root>' (Flaky): ValueError: Flaky.forward refuses float64 inputs") and err.step == 0
+    assert (
+        str(err)
+        == (
+            "run 'f': the analysis of recorded step 0 failed: computing the NTK of Flaky failed in "
+            "module '<root>' (Flaky): ValueError: Flaky.forward refuses float64 inputs"
+        )
+        and err.step == 0
+    )
     root = err.__cause__
     while root.__cause__ is not None:
         root = root.__cause__
@@ -570,10 +640,12 @@ def test_analysis_error_surfaces_before_close_in_a_loop(tmp_path):
     X, y = torch.randn(12, 3), torch.randn(12)
     model = Flaky()
     url = str(tmp_path / "t.zarr")
-    tr = Tracker(url, "f", model, X, y, steps=10, record={"every": 3}, spectrum={"k": 4, "images": []},
-                 max_inflight=1)
-    with pytest.raises(AnalysisError, match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK "
-                                            r"of Flaky failed in module '<root>' \(Flaky\): ValueError: Flaky"):
+    tr = Tracker(url, "f", model, X, y, steps=10, record={"every": 3}, spectrum={"k": 4, "images": []}, max_inflight=1)
+    with pytest.raises(
+        AnalysisError,
+        match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK "
+        r"of Flaky failed in module '<root>' \(Flaky\): ValueError: Flaky",
+    ):
         _loop(tr, model, X, y, 10)
     assert Client(url).run("f").status == "failed"
     tr.close()
@@ -603,8 +675,9 @@ def test_integer_token_ids_reach_the_model_as_integers(tmp_path):
     model = TokenNet()
     url = str(tmp_path / "t.zarr")
     with pytest.raises(KeyboardInterrupt):  # leave before the analysis (the NTK core's part) runs
-        with Tracker(url, "tok", model, ids, y, ids[:3], y[:3], steps=4, record={"every": 2},
-                     spectrum={"k": 4, "images": []}) as tr:
+        with Tracker(
+            url, "tok", model, ids, y, ids[:3], y[:3], steps=4, record={"every": 2}, spectrum={"k": 4, "images": []}
+        ) as tr:
             tr.record(0, lr=0.1)
             assert tr.pool.service.analyzer.X.dtype == torch.int64
             assert tr.pool.service.analyzer.X_test.dtype == torch.int64
@@ -659,8 +732,11 @@ def test_tracker_logs_once_that_the_model_couples_samples(tmp_path, caplog):
         with caplog.at_level("INFO", logger="nsa_dist"):
             _loop(tr, model, X, y, 6, train=False)
             tr.close()
-        lines = [r.getMessage() for r in caplog.records
-                 if "couples samples" in r.getMessage() and r.getMessage().startswith("run '")]
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if "couples samples" in r.getMessage() and r.getMessage().startswith("run '")
+        ]
         assert len(lines) == said, lines
         if said:
             assert f"run '{name}': at step 0" in lines[0] and "batch statistics in '1'" in lines[0]
@@ -680,20 +756,43 @@ def test_ray_tracker_analyses_step_state_and_reports_errors(local_ray, tmp_path)
         X, y = torch.randn(16, 3), torch.randn(16)
         model = Scaled().eval()
         url = str(tmp_path / "t.zarr")
-        tr = Tracker(url, "s", model, X, y, steps=12, record={"steps": [0, 6, 11]},
-                     spectrum={"k": "all", "images": []}, cluster="auto", workers=1)
+        tr = Tracker(
+            url,
+            "s",
+            model,
+            X,
+            y,
+            steps=12,
+            record={"steps": [0, 6, 11]},
+            spectrum={"k": "all", "images": []},
+            cluster="auto",
+            workers=1,
+        )
         copies = _loop(tr, model, X, y, 12, after_step=lambda m: m.scale.mul_(1.1))
         tr.close()
         run = Client(url).run("s")
         assert run.status == "done"
         _assert_spectra(run, copies, X, rtol=1e-9)
 
-        tr = Tracker(url, "f", Flaky(), X, y, steps=10, record={"every": 3}, spectrum={"k": 4, "images": []},
-                     cluster="auto", workers=1, max_inflight=1)
-        with pytest.raises(AnalysisError,
-                           match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK of "
-                                 r"Flaky failed in module '<root>' \(Flaky\): ValueError: "
-                                 r"Flaky.forward refuses float64 inputs$") as info:
+        tr = Tracker(
+            url,
+            "f",
+            Flaky(),
+            X,
+            y,
+            steps=10,
+            record={"every": 3},
+            spectrum={"k": 4, "images": []},
+            cluster="auto",
+            workers=1,
+            max_inflight=1,
+        )
+        with pytest.raises(
+            AnalysisError,
+            match=r"^run 'f': the analysis of recorded step 0 failed: computing the NTK of "
+            r"Flaky failed in module '<root>' \(Flaky\): ValueError: "
+            r"Flaky.forward refuses float64 inputs$",
+        ) as info:
             _loop(tr, tr.model, X, y, 10)
         # its words name the ValueError
         assert isinstance(info.value.__cause__, ModelForwardError) and info.value.step == 0

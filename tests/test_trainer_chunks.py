@@ -12,14 +12,25 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
-BASE = {"name": "pieces", "data": {"n": 50, "n_test": 6}, "model": {"depth": 3, "width": 12}, "steps": 5,
-        "record": {"steps": [0, 2, 4]}, "spectrum": {"k": 6, "images": [], "dtype": "float64"}}
+BASE = {
+    "name": "pieces",
+    "data": {"n": 50, "n_test": 6},
+    "model": {"depth": 3, "width": 12},
+    "steps": 5,
+    "record": {"steps": [0, 2, 4]},
+    "spectrum": {"k": 6, "images": [], "dtype": "float64"},
+}
 CASES = {
     "gd-mse": BASE,
     "sgd-batch-45": {**BASE, "optimizer": {"name": "sgd", "batch_size": 45, "momentum": 0.9}},
-    "adam-cross-entropy": {**BASE, "data": {"name": "digits", "n": 50, "target": "onehot"},
-                           "model": {"depth": 2, "width": 12, "output_dim": 10}, "loss": "cross_entropy",
-                           "optimizer": {"name": "adam"}, "schedule": {"lr": 0.01}},
+    "adam-cross-entropy": {
+        **BASE,
+        "data": {"name": "digits", "n": 50, "target": "onehot"},
+        "model": {"depth": 2, "width": 12, "output_dim": 10},
+        "loss": "cross_entropy",
+        "optimizer": {"name": "adam"},
+        "schedule": {"lr": 0.01},
+    },
     "nce": {**BASE, "data": {"name": "gaussian_mixture", "n": 50}, "loss": "nce"},
 }
 
@@ -57,10 +68,14 @@ def test_pieces_take_the_same_steps_as_the_whole_batch(case, monkeypatch):
 
 def test_a_model_that_couples_samples_takes_its_batch_whole(monkeypatch):
     monkeypatch.setattr(trainer_mod, "CHUNK_POINTS", 16)
-    spec = ExperimentSpec.model_validate({**BASE, "data": {"name": "digits", "n": 40},
-                                          "model": {"factory": "user_models:inplace_resnet",
-                                                    "kwargs": {"channels": 2, "eval_bn": False}},
-                                          "spectrum": {**BASE["spectrum"], "k": 4}})
+    spec = ExperimentSpec.model_validate(
+        {
+            **BASE,
+            "data": {"name": "digits", "n": 40},
+            "model": {"factory": "user_models:inplace_resnet", "kwargs": {"channels": 2, "eval_bn": False}},
+            "spectrum": {**BASE["spectrum"], "k": 4},
+        }
+    )
     data = load_dataset(spec.data, seed=spec.seed)
     trainer = Trainer(plan_run(spec, data), data)
     assert trainer._chunk is None and trainer._pieces(None) == [(None, 1.0)]

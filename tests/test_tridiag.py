@@ -120,8 +120,8 @@ def test_small_and_band_wide_sizes(n: int, dtype: type) -> None:
     sp = eig_projections(G.astype(dtype), Phi)
     eps = float(np.finfo(dtype).eps)
     np.testing.assert_allclose(sp.evals, w[::-1], rtol=0, atol=100 * n * eps * w[-1])
-    E, E_ref = np.cumsum(sp.proj ** 2, 0), np.cumsum((V[:, ::-1].T @ Phi) ** 2, 0)  # energies: sign-free
-    np.testing.assert_allclose(E, E_ref, rtol=0, atol=1e3 * n * eps * (Phi ** 2).sum(0).max())
+    E, E_ref = np.cumsum(sp.proj**2, 0), np.cumsum((V[:, ::-1].T @ Phi) ** 2, 0)  # energies: sign-free
+    np.testing.assert_allclose(E, E_ref, rtol=0, atol=1e3 * n * eps * (Phi**2).sum(0).max())
 
 
 def test_residual_check_sees_a_wrong_reduction() -> None:

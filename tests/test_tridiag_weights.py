@@ -32,8 +32,9 @@ def _ntk_like(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     (descending) and V."""
     rng = np.random.default_rng(seed)
     m = n // 4
-    mu = np.concatenate([1e4 / np.arange(1, m + 1) ** 1.5, 1e-2 * (1 + 1e-4 * np.arange(n // 2)),
-                         np.zeros(n - m - n // 2)])
+    mu = np.concatenate(
+        [1e4 / np.arange(1, m + 1) ** 1.5, 1e-2 * (1 + 1e-4 * np.arange(n // 2)), np.zeros(n - m - n // 2)]
+    )
     U, _ = np.linalg.qr(rng.standard_normal((n, n)))
     G = (U * mu) @ U.T
     G = (G + G.T) / 2
@@ -165,8 +166,16 @@ def test_checks_see_wrong_weights_and_a_wrong_first_column() -> None:
     u = _householder(phi / np.linalg.norm(phi))
     GX, fro2 = _products(G, np.column_stack([phi, u]))
     _reflect(A, u, GX[:, 1])
-    st = _Stats(80, float(np.finfo(np.float64).eps), float(np.trace(G)), fro2, A[:, 0].copy(), phi, GX[:, 0],
-                _products(G, GX[:, :1])[0][:, 0])
+    st = _Stats(
+        80,
+        float(np.finfo(np.float64).eps),
+        float(np.trace(G)),
+        fro2,
+        A[:, 0].copy(),
+        phi,
+        GX[:, 0],
+        _products(G, GX[:, :1])[0][:, 0],
+    )
     _, d, e, _, _ = lapack.dsytrd(A.copy(order="F"), lower=1)
     lam, S, _ = lapack.dstevd(d, e, compute_v=1)
 
@@ -255,7 +264,7 @@ def _split_clustered(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     U, _ = np.linalg.qr(rng.standard_normal((n, n)))
     _, d, e, _, _ = lapack.dsytrd(np.asfortranarray((U * mu) @ U.T), lower=1)
     e = e.copy()
-    e[n // 3:n // 3 + 1] = 0.0
+    e[n // 3 : n // 3 + 1] = 0.0
     return d.copy(), e
 
 
@@ -279,7 +288,6 @@ def test_first_row_errors_see_a_wrong_row_and_the_solver_is_checked() -> None:
     assert max(first_row_errors(d, e, w, S[0]).values()) < 1e-13
     assert first_row_errors(d, e, w, S[0, ::-1])["|cluster weights - dstevd's|"] > 1e-3
     assert first_row_errors(d, e, w, S[-1])["|cluster weights - dstevd's|"] > 1e-3  # the last row is not the first
-
 
 
 @pytest.mark.parametrize("solver", [Solver.MKL, Solver.LAPACK])
@@ -310,9 +318,9 @@ def test_q_route_without_eigenvectors_carries_only_psi_rows(dtype: type) -> None
     eps = float(np.finfo(dtype).eps)
     np.testing.assert_allclose(rows.evals, whole.evals, rtol=0, atol=100 * N * 2.2e-16 * w[0])
     np.testing.assert_allclose(rows.evals, w, rtol=0, atol=50 * N * eps * w[0])
-    n2 = (Phi ** 2).sum(axis=0)
+    n2 = (Phi**2).sum(axis=0)
     edges = [0, 10, N // 4 - 1, N - 1] + ([N // 4 + N // 2 - 1] if dtype == np.float64 else [])
-    E, E_whole = np.cumsum(rows.proj ** 2, 0) / n2, np.cumsum(whole.proj ** 2, 0) / n2
+    E, E_whole = np.cumsum(rows.proj**2, 0) / n2, np.cumsum(whole.proj**2, 0) / n2
     E_ref = np.cumsum((V.T @ Phi) ** 2, 0) / n2
     np.testing.assert_allclose(E[edges], E_whole[edges], rtol=0, atol=1e-10)
     np.testing.assert_allclose(E[edges], E_ref[edges], rtol=0, atol=1e-10 if dtype == np.float64 else 1e-3)

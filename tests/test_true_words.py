@@ -30,8 +30,14 @@ from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(name="words", data={"n": 32, "n_test": 8}, model={"depth": 2, "width": 16}, steps=30,
-            record={"every": 10}, spectrum={"k": 8, "test_points": True})
+TINY = dict(
+    name="words",
+    data={"n": 32, "n_test": 8},
+    model={"depth": 2, "width": 16},
+    steps=30,
+    record={"every": 10},
+    spectrum={"k": 8, "test_points": True},
+)
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 

@@ -24,17 +24,29 @@ class _Block(nn.Module):
 def inplace_resnet(channels: int = 3, eval_bn: bool = True) -> nn.Module:
     """A torchvision-style residual CNN on (n, 64) digits as 1×8×8 images: in-place ReLUs,
     ``out += identity``, BatchNorm (eval mode unless ``eval_bn=False``)."""
-    m = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, channels, 3, padding=1, bias=False),
-                      nn.BatchNorm2d(channels), nn.ReLU(inplace=True), _Block(channels), nn.AdaptiveAvgPool2d(2),
-                      nn.Flatten(), nn.Linear(4 * channels, 1), nn.Flatten(0))
+    m = nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(inplace=True),
+        _Block(channels),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * channels, 1),
+        nn.Flatten(0),
+    )
     return m.eval() if eval_bn else m
 
 
 class _Tied(nn.Module):
     def __init__(self, d: int, width: int) -> None:
         super().__init__()
-        self.inp, self.a, self.b, self.head = nn.Linear(d, width), nn.Linear(width, width), nn.Linear(width, width), \
-            nn.Linear(width, 1)
+        self.inp, self.a, self.b, self.head = (
+            nn.Linear(d, width),
+            nn.Linear(width, width),
+            nn.Linear(width, width),
+            nn.Linear(width, 1),
+        )
         self.b.weight = self.a.weight  # weight tying: one Parameter in two modules
         self.relu = nn.ReLU(inplace=True)
 

@@ -56,5 +56,21 @@ from nsa_dist.client._kernel import KernelView
 from nsa_dist.client._run import PHI_NAMES, Run
 from nsa_dist.client._sweep import QUANTITIES, Curve, Sweep, quantity, varied_fields
 
-__all__ = ["Client", "Run", "BracketedCurve", "RunArrays", "HessianView", "KernelView", "ImagesView", "Sweep", "Curve", "QUANTITIES",
-           "quantity", "varied_fields", "run_to_xarray", "runs_frame", "flatten_spec", "PHI_NAMES"]
+__all__ = [
+    "Client",
+    "Run",
+    "BracketedCurve",
+    "RunArrays",
+    "HessianView",
+    "KernelView",
+    "ImagesView",
+    "Sweep",
+    "Curve",
+    "QUANTITIES",
+    "quantity",
+    "varied_fields",
+    "run_to_xarray",
+    "runs_frame",
+    "flatten_spec",
+    "PHI_NAMES",
+]

@@ -142,10 +142,14 @@ class RunArrays:
         steps = self.steps
         where = np.flatnonzero(steps == step)
         if not len(where):
-            raise KeyError(f"step {step} is not a finished recorded step of run {self.id!r}; "
-                           f"finished: {steps.tolist()[:20]}{' …' if len(steps) > 20 else ''}")
+            raise KeyError(
+                f"step {step} is not a finished recorded step of run {self.id!r}; "
+                f"finished: {steps.tolist()[:20]}{' …' if len(steps) > 20 else ''}"
+            )
         return int(self.finished[where[0]])
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.id!r}, status={self.status!r}, "
-                f"steps={len(self.finished)}/{len(self.schedule)})")
+        return (
+            f"{type(self).__name__}({self.id!r}, status={self.status!r}, "
+            f"steps={len(self.finished)}/{len(self.schedule)})"
+        )

@@ -35,8 +35,8 @@ __all__ = ["BracketedCurve", "read_curve", "energy_route", "EXACT_BRACKET"]
 EXACT_BRACKET = "exact: from the eigendecomposition of G_t (lower = upper = value)"
 
 
-def energy_route(run: "RunArrays") -> str:
-    """"exact" or "quadrature": the route that measured the run's curves (the ``energy_route``
+def energy_route(run: RunArrays) -> str:
+    """ "exact" or "quadrature": the route that measured the run's curves (the ``energy_route``
     attribute; runs written before it existed are exact)."""
     route = run.attrs.get("energy_route")
     if route is None:
@@ -94,13 +94,17 @@ class BracketedCurve:
             raise ValueError(f"k={k!r} is not an integer index 1..{self.n_points}")
         k = int(k)
         if not 1 <= k <= self.n_points:
-            what = "M, the number of test points" if self.name == "energy_f_test" else "N, the number of training points"
+            what = (
+                "M, the number of test points" if self.name == "energy_f_test" else "N, the number of training points"
+            )
             raise ValueError(f"k={k} outside 1..{self.n_points} ({what})")
         top = int(self.k[-1]) if len(self.k) else 0
         if k > top:
-            raise ValueError(f"k={k}: this run measured {self.name} only for k ≤ {top} (the eigenpairs it kept, "
-                             f"spectrum.k); spectrum.k: all (layout local) or spectrum.energy: quadrature "
-                             f"measures every k up to N = {self.n_points}")
+            raise ValueError(
+                f"k={k}: this run measured {self.name} only for k ≤ {top} (the eigenpairs it kept, "
+                f"spectrum.k); spectrum.k: all (layout local) or spectrum.energy: quadrature "
+                f"measures every k up to N = {self.n_points}"
+            )
         return k
 
     def at(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,24 +130,30 @@ class BracketedCurve:
             value = np.minimum(np.maximum(value, lower), upper)
         return value, lower.copy(), upper.copy()
 
-    def to_xarray(self, phi: str | None = None) -> "xarray.Dataset":
+    def to_xarray(self, phi: str | None = None) -> xarray.Dataset:
         """``value``, ``lower``, ``upper`` with dims (step, k), coordinates step, k and ``exact`` (k);
         attributes: route, bracket, confidence (statistical brackets), N, phi (energies)."""
         import xarray as xr
 
-        attrs: dict[str, Any] = {"route": self.route, "bracket": self.bracket, "N": self.n_points,
-                                 "quantity": self.name}
+        attrs: dict[str, Any] = {
+            "route": self.route,
+            "bracket": self.bracket,
+            "N": self.n_points,
+            "quantity": self.name,
+        }
         if self.confidence is not None:
             attrs["confidence"] = self.confidence
         if phi is not None:
             attrs["phi"] = phi
         dims = ("step", "k")
-        return xr.Dataset({"value": (dims, self.value), "lower": (dims, self.lower), "upper": (dims, self.upper)},
-                          coords={"step": ("step", self.steps), "k": ("k", self.k), "exact": ("k", self.exact)},
-                          attrs=attrs)
+        return xr.Dataset(
+            {"value": (dims, self.value), "lower": (dims, self.lower), "upper": (dims, self.upper)},
+            coords={"step": ("step", self.steps), "k": ("k", self.k), "exact": ("k", self.exact)},
+            attrs=attrs,
+        )
 
 
-def read_curve(run: "RunArrays", name: str, n_points: int) -> BracketedCurve:
+def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
     """The curve ``name`` ("eigenvalue" or "energy_<φ>") of ``run`` along its finished steps.
 
     Raises:
@@ -167,11 +177,34 @@ def read_curve(run: "RunArrays", name: str, n_points: int) -> BracketedCurve:
         value = np.concatenate([top, parts[0]], axis=1)
         lower = np.concatenate([top, parts[1]], axis=1)
         upper = np.concatenate([top, parts[2]], axis=1)
-        exact = np.concatenate([np.ones(K, bool), np.all(parts[1] == parts[2], axis=0) if S
-                                else np.zeros(int(beyond.sum()), bool)])
+        exact = np.concatenate(
+            [np.ones(K, bool), np.all(parts[1] == parts[2], axis=0) if S else np.zeros(int(beyond.sum()), bool)]
+        )
         bracket = str(run.attrs.get("curve_bracket", "quadrature bounds (the run names no bracket kind)"))
-        return BracketedCurve(name, np.asarray(run.steps), kk, value, lower, upper, exact, n_points, "quadrature",
-                              bracket, None if conf is None else float(conf))
+        return BracketedCurve(
+            name,
+            np.asarray(run.steps),
+            kk,
+            value,
+            lower,
+            upper,
+            exact,
+            n_points,
+            "quadrature",
+            bracket,
+            None if conf is None else float(conf),
+        )
     top.flags.writeable = False
-    return BracketedCurve(name, np.asarray(run.steps), np.arange(1, K + 1, dtype=np.int64), top, top, top,
-                          np.ones(K, bool), n_points, "exact", EXACT_BRACKET, None)
+    return BracketedCurve(
+        name,
+        np.asarray(run.steps),
+        np.arange(1, K + 1, dtype=np.int64),
+        top,
+        top,
+        top,
+        np.ones(K, bool),
+        n_points,
+        "exact",
+        EXACT_BRACKET,
+        None,
+    )

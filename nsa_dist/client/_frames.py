@@ -81,8 +81,15 @@ def flatten_spec(d: dict, prefix: str = "") -> dict[str, Any]:
 def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
     """One run's row; a damaged run has status "damaged" and the error (naming the file) as its
     reason, so that it never hides the others."""
-    row = {"id": summary.id, "sweep": sweep, "status": summary.status, "reason": summary.reason,
-           "steps_done": summary.steps_done, "steps_total": summary.steps_total, "last_step": summary.last_step}
+    row = {
+        "id": summary.id,
+        "sweep": sweep,
+        "status": summary.status,
+        "reason": summary.reason,
+        "steps_done": summary.steps_done,
+        "steps_total": summary.steps_total,
+        "last_step": summary.last_step,
+    }
     if summary.status == "damaged":
         return row
     return {**row, "data_fingerprint": summary.data_fingerprint, **flatten_spec(summary.spec)}
@@ -111,8 +118,12 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
     # a run of the sweep not created yet is left out
     ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known
     rows = [_run_row(s, member.get(s.id)) for s in run_summaries(store, ids)]
-    df = pd.DataFrame(rows, columns=None if rows else ["id", "sweep", "status", "reason", "steps_done",
-                                                       "steps_total", "last_step", "data_fingerprint"])
+    df = pd.DataFrame(
+        rows,
+        columns=None
+        if rows
+        else ["id", "sweep", "status", "reason", "steps_done", "steps_total", "last_step", "data_fingerprint"],
+    )
     for key, value in where.items():
         col = key.replace("__", ".")
         if col not in df.columns:

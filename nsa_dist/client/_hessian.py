@@ -128,8 +128,11 @@ class HessianView:
         and k = 4 ("k4"), from the Hutch++ moments: (Sh,) each; ‖S‖_op ≤ k4 ≤ k2."""
         m = self.moments("S")["estimate"]
         with np.errstate(invalid="ignore"):
-            return {"op": self._along("hessian_S_op"), "k2": np.sqrt(np.clip(m[:, 1], 0, None)),
-                    "k4": np.clip(m[:, 3], 0, None) ** 0.25}
+            return {
+                "op": self._along("hessian_S_op"),
+                "k2": np.sqrt(np.clip(m[:, 1], 0, None)),
+                "k4": np.clip(m[:, 3], 0, None) ** 0.25,
+            }
 
     def __repr__(self) -> str:
         return f"HessianView({self._a.id!r})"

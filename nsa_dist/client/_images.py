@@ -30,9 +30,13 @@ class ImagesView:
         """
         a = self._a
         i = a.index_of(step)
-        return {"indices": self.indices, "eigvec_images": a.row("eigvec_images", i),
-                "eigvec_fourier": a.row("eigvec_fourier", i), "residual_image": a.row("residual_image", i),
-                "residual_fourier": a.row("residual_fourier", i)}
+        return {
+            "indices": self.indices,
+            "eigvec_images": a.row("eigvec_images", i),
+            "eigvec_fourier": a.row("eigvec_fourier", i),
+            "residual_image": a.row("residual_image", i),
+            "residual_fourier": a.row("residual_fourier", i),
+        }
 
     def __repr__(self) -> str:
         return f"ImagesView({self._a.id!r})"

@@ -37,8 +37,10 @@ class KernelView:
         a = self._a
         i = a.index_of(step)
         if not a.has("reconstructions") or not a.spec.spectrum.eigenvectors_at(int(step)):
-            raise KeyError(f"run {a.id!r} stores reconstructions only at its eigenvector steps "
-                           f"{a.eigenvector_steps.tolist()}, not at {step}")
+            raise KeyError(
+                f"run {a.id!r} stores reconstructions only at its eigenvector steps "
+                f"{a.eigenvector_steps.tolist()}, not at {step}"
+            )
         out = {"k": a.array("reconstruction_k"), "f": a.row("reconstructions", i)}
         if a.has("reconstruction_images"):
             out["images"] = a.row("reconstruction_images", i)

@@ -100,8 +100,10 @@ class Run(RunArrays):
         """
         i = self.index_of(step)
         if self.has("eigenvectors") and not self.spec.spectrum.eigenvectors_at(int(step)):
-            raise KeyError(f"run {self.id!r} stores eigenvectors only at steps {self.eigenvector_steps.tolist()}, "
-                           f"not at {step} (spectrum.store_eigenvectors)")
+            raise KeyError(
+                f"run {self.id!r} stores eigenvectors only at steps {self.eigenvector_steps.tolist()}, "
+                f"not at {step} (spectrum.store_eigenvectors)"
+            )
         return np.asarray(self.row("eigenvectors", i), dtype=np.float64)
 
     def energy(self, phi: str = "y", k: int | None = None, step: int | None = -1) -> Any:
@@ -138,7 +140,7 @@ class Run(RunArrays):
         """
         return self._at(self.curve("eigenvalue"), i, step)
 
-    def energy_curve(self, phi: str = "y") -> "xarray.Dataset":
+    def energy_curve(self, phi: str = "y") -> xarray.Dataset:
         """E_t(φ, k) at every k the run measured, along the finished steps: an
         :class:`xarray.Dataset` with variables ``value``, ``lower``, ``upper`` (dims step, k),
         coordinates ``step``, ``k`` and ``exact`` (k: True where the value is exact), attributes
@@ -154,7 +156,7 @@ class Run(RunArrays):
         self._check_phi(phi)
         return self.curve(f"energy_{phi}").to_xarray(phi)
 
-    def eigenvalue_curve(self) -> "xarray.Dataset":
+    def eigenvalue_curve(self) -> xarray.Dataset:
         """λ_k^t (the k-th eigenvalue of G_t, descending) at every k the run measured, as
         :meth:`energy_curve` (variables value, lower, upper; dims step, k)."""
         return self.curve("eigenvalue").to_xarray()
@@ -187,7 +189,7 @@ class Run(RunArrays):
 
     @property
     def energy_route(self) -> str:
-        """"exact" or "quadrature": how the run measured E_t(φ, k) and λ_i beyond its top eigenpairs."""
+        """ "exact" or "quadrature": how the run measured E_t(φ, k) and λ_i beyond its top eigenpairs."""
         return energy_route(self)
 
     @property
@@ -207,13 +209,17 @@ class Run(RunArrays):
                 instead: :meth:`eigenvalue_curve`), or an unfinished step.
         """
         if not self.has("gram_density"):
-            raise KeyError(f"run {self.id!r} stores no gram_density (the quadrature route stores it; this run's "
-                           f"route is {self.energy_route!r}: its eigenvalues are eigenvalue_curve())")
+            raise KeyError(
+                f"run {self.id!r} stores no gram_density (the quadrature route stores it; this run's "
+                f"route is {self.energy_route!r}: its eigenvalues are eigenvalue_curve())"
+            )
         if step is None:
             return self.per_step("gram_density_grid"), self.per_step("gram_density")
         i = self.index_of(self._step(step))
-        return (np.asarray(self.row("gram_density_grid", i), np.float64),
-                np.asarray(self.row("gram_density", i), np.float64))
+        return (
+            np.asarray(self.row("gram_density_grid", i), np.float64),
+            np.asarray(self.row("gram_density", i), np.float64),
+        )
 
     def _check_phi(self, phi: str) -> None:
         if phi not in PHI_NAMES:
@@ -238,8 +244,9 @@ class Run(RunArrays):
         j = int(np.flatnonzero(curve.steps == self._step(step))[0])
         return float(value[j]), float(lower[j]), float(upper[j])
 
-    def spectrum_preservation(self, t1: int | None = None, t2: int | None = None,
-                              i: list[int] | None = None) -> tuple[np.ndarray, int, int, list[int]]:
+    def spectrum_preservation(
+        self, t1: int | None = None, t2: int | None = None, i: list[int] | None = None
+    ) -> tuple[np.ndarray, int, int, list[int]]:
         """E_{t1}(v_i^{t2}, k) for every k (NSA Fig. 7d): (rows, K) with t1, t2 and the rows i.
 
         Default: what the run stored when it finished (second vs last recorded step), else
@@ -253,10 +260,14 @@ class Run(RunArrays):
             return self.array("preservation"), int(a["t1"]), int(a["t2"]), list(a["rows"])
         steps = self.eigenvector_steps
         if len(steps) < 2 and (t1 is None or t2 is None):
-            raise ValueError(f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); "
-                             "preservation needs two")
-        t1 = int(steps[1 if len(steps) > 2 and not isinstance(self.spec.spectrum.store_eigenvectors, list) else 0]) \
-            if t1 is None else t1
+            raise ValueError(
+                f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two"
+            )
+        t1 = (
+            int(steps[1 if len(steps) > 2 and not isinstance(self.spec.spectrum.store_eigenvectors, list) else 0])
+            if t1 is None
+            else t1
+        )
         t2 = int(steps[-1]) if t2 is None else t2
         V1, V2 = self.eigenvectors(t1), self.eigenvectors(t2)
         rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
@@ -329,8 +340,10 @@ class Run(RunArrays):
         if self.has("eigenvalues_full"):
             return self.per_step("eigenvalues_full")
         if self.Ko > 1:
-            raise StoreError(f"run {self.id!r} has Ko={self.Ko} outputs but no 'eigenvalues_full' (written by an "
-                             "older nsa-dist): its stability quantities would use the traced Gram; re-run it")
+            raise StoreError(
+                f"run {self.id!r} has Ko={self.Ko} outputs but no 'eigenvalues_full' (written by an "
+                "older nsa-dist): its stability quantities would use the traced Gram; re-run it"
+            )
         return self.eigenvalues
 
     @property

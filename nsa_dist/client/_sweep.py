@@ -23,15 +23,45 @@ if TYPE_CHECKING:
 
 __all__ = ["Sweep", "Curve", "QUANTITIES", "quantity", "varied_fields"]
 
-QUANTITIES = ("loss", "loss_recorded", "loss_test", "lambda_max", "stability_bound", "alignment",
-              "first_order_error", "first_order_cos", "energy_y", "energy_f", "energy_residual", "energy_df",
-              "energy_df_pred", "energy_f_test",
-              # the Hessian paper, at the analysed steps; k: the moment order 1..4 where named
-              "hessian_H", "hessian_I", "hessian_S", "hessian_I_exact", "hessian_I_limit", "hessian_gap",
-              "hessian_I_error", "hessian_S_ratio", "hessian_S_op", "hessian_S_fro", "hessian_I_fro",
-              "hessian_orthogonality", "hessian_trace_S_G")
-_HESSIAN_K = ("hessian_H", "hessian_I", "hessian_S", "hessian_I_exact", "hessian_I_limit", "hessian_gap",
-              "hessian_I_error")  # Tr(A^k): need k
+QUANTITIES = (
+    "loss",
+    "loss_recorded",
+    "loss_test",
+    "lambda_max",
+    "stability_bound",
+    "alignment",
+    "first_order_error",
+    "first_order_cos",
+    "energy_y",
+    "energy_f",
+    "energy_residual",
+    "energy_df",
+    "energy_df_pred",
+    "energy_f_test",
+    # the Hessian paper, at the analysed steps; k: the moment order 1..4 where named
+    "hessian_H",
+    "hessian_I",
+    "hessian_S",
+    "hessian_I_exact",
+    "hessian_I_limit",
+    "hessian_gap",
+    "hessian_I_error",
+    "hessian_S_ratio",
+    "hessian_S_op",
+    "hessian_S_fro",
+    "hessian_I_fro",
+    "hessian_orthogonality",
+    "hessian_trace_S_G",
+)
+_HESSIAN_K = (
+    "hessian_H",
+    "hessian_I",
+    "hessian_S",
+    "hessian_I_exact",
+    "hessian_I_limit",
+    "hessian_gap",
+    "hessian_I_error",
+)  # Tr(A^k): need k
 
 
 def _hessian_quantity(run: Run, name: str, k: int | None) -> np.ndarray:
@@ -87,10 +117,15 @@ def quantity(run: Run, name: str, k: int | None = None) -> tuple[np.ndarray, np.
         if k is None:
             raise ValueError(f"quantity {name!r} needs k (E_t(φ, k))")
         return t, run.energy(name.removeprefix("energy_"), k, step=None)[0]
-    values = {"loss_recorded": lambda: run.train_loss, "loss_test": lambda: run.test_loss,
-              "lambda_max": lambda: run.lambda_max, "stability_bound": lambda: run.stability_bound(),
-              "alignment": lambda: run.alignment["raw"], "first_order_error": lambda: run.first_order["error"],
-              "first_order_cos": lambda: run.first_order["cos"]}[name]()
+    values = {
+        "loss_recorded": lambda: run.train_loss,
+        "loss_test": lambda: run.test_loss,
+        "lambda_max": lambda: run.lambda_max,
+        "stability_bound": lambda: run.stability_bound(),
+        "alignment": lambda: run.alignment["raw"],
+        "first_order_error": lambda: run.first_order["error"],
+        "first_order_cos": lambda: run.first_order["cos"],
+    }[name]()
     return t, np.asarray(values, np.float64)
 
 
@@ -101,8 +136,10 @@ def _stored_scalar(run: Run, name: str, k: int | None) -> np.ndarray:
     spec = per_step.get(name)
     if spec is None or len(spec.shape) > 2:
         scalars = sorted(n for n, a in per_step.items() if len(a.shape) <= 2)
-        raise ValueError(f"unknown quantity {name!r}; allowed: {', '.join(QUANTITIES)}, or a stored per-step "
-                         f"array of this run: {', '.join(scalars)}")
+        raise ValueError(
+            f"unknown quantity {name!r}; allowed: {', '.join(QUANTITIES)}, or a stored per-step "
+            f"array of this run: {', '.join(scalars)}"
+        )
     values = run.per_step(name).astype(np.float64)
     if values.ndim == 1:
         return values
@@ -201,8 +238,11 @@ class Sweep:
                 hi = np.stack([bi[2][j] for j, bi in zip(at, b)])
                 bracket = (lo.mean(0), hi.mean(0))  # the mean of exact values lies between the means of the bounds
             with np.errstate(all="ignore"):
-                curves.append(Curve(key, t, np.nanmean(V, 0), np.nanstd(V, 0), np.nanmin(V, 0), np.nanmax(V, 0),
-                                    len(ids), bracket))
+                curves.append(
+                    Curve(
+                        key, t, np.nanmean(V, 0), np.nanstd(V, 0), np.nanmin(V, 0), np.nanmax(V, 0), len(ids), bracket
+                    )
+                )
         return curves
 
     def scalar(self, name: str, k: int | None = None, step: int | None = None) -> pandas.DataFrame:

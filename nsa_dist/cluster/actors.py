@@ -26,8 +26,13 @@ def trainer_actor(plan: Any, store_url: str, cl: ClusterSpec, has_gpus: bool, to
     after ``cluster.max_retries`` restarts it stays dead and its run fails with the reason.
     ``token``: the driver's lease token, fencing the trainer's writes (the loss trace)."""
     gpus = resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)
-    cls = ray.remote(TrainerService).options(num_cpus=cl.trainer_cpus, num_gpus=gpus, resources=cl.trainer_resources,
-                                            max_restarts=cl.max_retries, max_task_retries=-1)
+    cls = ray.remote(TrainerService).options(
+        num_cpus=cl.trainer_cpus,
+        num_gpus=gpus,
+        resources=cl.trainer_resources,
+        max_restarts=cl.max_retries,
+        max_task_retries=-1,
+    )
     return cls.remote(plan, store_url, threads=threads(cl.trainer_cpus), token=token)
 
 
@@ -35,13 +40,27 @@ def spectral_workers(store_url: str, cl: ClusterSpec, has_gpus: bool) -> list[An
     """The spectral-worker pool; a dead worker restarts and Ray retries its (idempotent) task there,
     up to ``cluster.max_retries`` times per task — a step that keeps killing its worker fails its run."""
     gpus = resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
-    cls = ray.remote(SpectralService).options(num_cpus=cl.worker_cpus, num_gpus=gpus, resources=cl.worker_resources,
-                                             max_restarts=-1, max_task_retries=cl.max_retries)
+    cls = ray.remote(SpectralService).options(
+        num_cpus=cl.worker_cpus,
+        num_gpus=gpus,
+        resources=cl.worker_resources,
+        max_restarts=-1,
+        max_task_retries=cl.max_retries,
+    )
     return [cls.remote(store_url, threads=threads(cl.worker_cpus)) for _ in range(cl.spectral_workers)]
 
 
-def tracked_run_workers(store_url: str, plan: Any, model_ref: Any, data_ref: Any, n: int, cpus: float = 1.0,
-                        gpus: float = 0.0, max_retries: int = 3, token: str | None = None) -> list[Any]:
+def tracked_run_workers(
+    store_url: str,
+    plan: Any,
+    model_ref: Any,
+    data_ref: Any,
+    n: int,
+    cpus: float = 1.0,
+    gpus: float = 0.0,
+    max_retries: int = 3,
+    token: str | None = None,
+) -> list[Any]:
     """The spectral-worker pool of a Tracker's run: ``n`` TrackedRunService actors.
 
     ``model_ref`` / ``data_ref`` are object refs (put once, shared by the pool); a dead worker
@@ -49,8 +68,9 @@ def tracked_run_workers(store_url: str, plan: Any, model_ref: Any, data_ref: Any
     """
     from nsa_dist.pipeline.tracked import TrackedRunService
 
-    cls = ray.remote(TrackedRunService).options(num_cpus=cpus, num_gpus=gpus, max_restarts=-1,
-                                               max_task_retries=max_retries)
+    cls = ray.remote(TrackedRunService).options(
+        num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=max_retries
+    )
     return [cls.remote(store_url, plan, model_ref, data_ref, threads=threads(cpus), token=token) for _ in range(n)]
 
 
@@ -62,10 +82,18 @@ class _ShardFromRefs(SpectralShard):
         return super().build_tiles(key, ranges, pairs, fetched)
 
 
-def gang_members(pg: Any, size: int, cpus: float, gpus: float, resources: dict | None,
-                 n_threads: int | None) -> list[Any]:
+def gang_members(
+    pg: Any, size: int, cpus: float, gpus: float, resources: dict | None, n_threads: int | None
+) -> list[Any]:
     """``size`` SpectralShard actors, member i in bundle i of placement group ``pg``; never restarted."""
     cls = ray.remote(_ShardFromRefs)
-    return [cls.options(num_cpus=cpus, num_gpus=gpus, resources=resources or {}, max_restarts=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                        ).remote(n_threads) for i in range(size)]
+    return [
+        cls.options(
+            num_cpus=cpus,
+            num_gpus=gpus,
+            resources=resources or {},
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(n_threads)
+        for i in range(size)
+    ]

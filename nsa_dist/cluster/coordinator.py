@@ -15,19 +15,20 @@ actors died with the raylet, not of anything in the runs), and a re-run resumes 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.cluster.actors import spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang
 from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
 from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
 from nsa_dist.cluster.runtime import RayletLost, alive_nodes, cluster_has_gpus, quiet_ray_at_exit, raylet_lost
+from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import RunOutcome, RunPlan, TrainingDiverged, finish_run, prepare_run, run_id
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
@@ -82,8 +83,9 @@ def _where(active: list[_Run]) -> str:
         except Exception:  # noqa: BLE001 - the count the driver saw will do
             kept = r.progress.done
         step = r.progress.step if r.progress.step is not None else 0
-        parts.append(f"run {r.progress.run_id} is interrupted at step {step} ({kept} of {r.progress.total} "
-                     "recorded steps kept)")
+        parts.append(
+            f"run {r.progress.run_id} is interrupted at step {step} ({kept} of {r.progress.total} recorded steps kept)"
+        )
     return "; ".join(parts)
 
 
@@ -108,8 +110,14 @@ class SweepCoordinator:
         on_event: called with the list of RunProgress after every change (progress display).
     """
 
-    def __init__(self, sweep: SweepSpec, store_url: str,
-                 on_event: Callable[[list[RunProgress]], None] | None = None, *, wait: float | None = 0.0) -> None:
+    def __init__(
+        self,
+        sweep: SweepSpec,
+        store_url: str,
+        on_event: Callable[[list[RunProgress]], None] | None = None,
+        *,
+        wait: float | None = 0.0,
+    ) -> None:
         self.sweep, self.store_url, self.cl = sweep, store_url, sweep.cluster
         self.on_event = on_event or (lambda runs: None)
         specs = sweep.expand()
@@ -143,8 +151,14 @@ class SweepCoordinator:
         todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
         if todo:
             sizes = _gang_sizes(todo)
-            check_resources(self.cl, has_gpus, ray.cluster_resources(), sum(sizes),
-                            min(len(todo), self.cl.max_concurrent_runs or len(todo)), alive_nodes())
+            check_resources(
+                self.cl,
+                has_gpus,
+                ray.cluster_resources(),
+                sum(sizes),
+                min(len(todo), self.cl.max_concurrent_runs or len(todo)),
+                alive_nodes(),
+            )
             self.pool = RayAnalysisPool(spectral_workers(self.store_url, self.cl, has_gpus))
             for size in sizes:
                 self.gangs[size] = [self._new_gang(size, has_gpus)]
@@ -193,7 +207,7 @@ class SweepCoordinator:
                     pass  # another driver has the run: it says how it stands
             if self.pool is not None and not lost:
                 self.pool.close()
-            for g in ([] if lost else [g for gs in self.gangs.values() for g in gs] + self._gangs_out):
+            for g in [] if lost else [g for gs in self.gangs.values() for g in gs] + self._gangs_out:
                 g.shutdown()
             self.lease.release()
         return [RunOutcome(r.progress.run_id, r.progress.status, r.progress.reason) for r in self.runs.values()]
@@ -217,8 +231,13 @@ class SweepCoordinator:
         return [r.progress for r in self.runs.values()]
 
     def _new_gang(self, size: int, has_gpus: bool) -> RayGang:
-        return RayGang(size, self.cl.worker_cpus, resolve_gpus(self.cl.worker_gpus, has_gpus, 0.5),
-                       self.cl.worker_resources, threads=threads(self.cl.worker_cpus))
+        return RayGang(
+            size,
+            self.cl.worker_cpus,
+            resolve_gpus(self.cl.worker_gpus, has_gpus, 0.5),
+            self.cl.worker_resources,
+            threads=threads(self.cl.worker_cpus),
+        )
 
     def _skip_if_finished(self, r: _Run) -> bool:
         if r.done.all():
@@ -229,8 +248,12 @@ class SweepCoordinator:
         return False
 
     def _request_checkpoints(self, r: _Run) -> None:
-        while (r.pending is None and len(r.inflight) + len(r.queued) < self.cl.max_inflight
-               and r.progress.status == Status.RUNNING and r.diverged is None):
+        while (
+            r.pending is None
+            and len(r.inflight) + len(r.queued) < self.cl.max_inflight
+            and r.progress.status == Status.RUNNING
+            and r.diverged is None
+        ):
             while r.next_index < len(r.done) and r.done[r.next_index]:
                 r.next_index += 1
             if r.next_index >= len(r.done):
@@ -325,8 +348,13 @@ class SweepCoordinator:
             self._check_raylet([x for x in self.runs.values() if x.progress.status == Status.RUNNING], True)
             self._return(a, broken=a.gang is not None)
             who = "its trainer" if self._trainer_dead(r) else "the spectral worker"
-            self._fail(r, RuntimeError(f"step index {a.index}: {who} kept dying (after cluster.max_retries="
-                                       f"{self.cl.max_retries} restarts): {type(exc).__name__}"))
+            self._fail(
+                r,
+                RuntimeError(
+                    f"step index {a.index}: {who} kept dying (after cluster.max_retries="
+                    f"{self.cl.max_retries} restarts): {type(exc).__name__}"
+                ),
+            )
             return
         self._return(a)
         r.done[a.index] = True

@@ -51,16 +51,25 @@ class RayGang:
         GangUnplaceable: the cluster can never host the gang, or not within ``timeout``.
     """
 
-    def __init__(self, size: int, cpus: float = 1.0, gpus: float = 0.0, resources: dict | None = None,
-                 threads: int | None = None, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        size: int,
+        cpus: float = 1.0,
+        gpus: float = 0.0,
+        resources: dict | None = None,
+        threads: int | None = None,
+        timeout: float = 120.0,
+    ) -> None:
         bundle = gang_bundle(cpus, gpus, resources)
         check_gang_fits(size, bundle, alive_nodes())
         self.pg = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
         if not ready:
             remove_placement_group(self.pg)
-            raise GangUnplaceable(f"a gang of {size} spectral workers ({bundle} each) could not be placed within "
-                                  f"{timeout:.0f} s: the cluster's free resources are {ray.available_resources()}")
+            raise GangUnplaceable(
+                f"a gang of {size} spectral workers ({bundle} each) could not be placed within "
+                f"{timeout:.0f} s: the cluster's free resources are {ray.available_resources()}"
+            )
         self.actors = gang_members(self.pg, size, cpus, gpus, resources, threads)
         self.pool = GangPool(self.actors)
         self.member_pids = ray.get([a.pid.remote() for a in self.actors])  # members are up before use

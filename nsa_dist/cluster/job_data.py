@@ -57,8 +57,10 @@ def _check_only_paths_moved(old: Any, new: Any, moved: dict[str, str]) -> None:
     for a, b in zip(old.expand(), new.expand(), strict=True):
         want = a.model_copy(update={"data": a.data.model_copy(update={"path": moved.get(a.data.path, a.data.path)})})
         if want.model_dump(exclude={"name"}) != b.model_dump(exclude={"name"}):
-            raise RuntimeError(f"shipping the data of run {a.name!r} changed more than data.path; submit with the "
-                               "data in a bucket (data.path: s3://…) instead")
+            raise RuntimeError(
+                f"shipping the data of run {a.name!r} changed more than data.path; submit with the "
+                "data in a bucket (data.path: s3://…) instead"
+            )
 
 
 def prepare_job_data(sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT_BYTES) -> dict[str, Any]:
@@ -87,10 +89,12 @@ def prepare_job_data(sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT
     total = sum(sizes.values())
     if total > limit:
         big = max(sizes, key=sizes.__getitem__)
-        raise SpecError(f"{sweep_file}: the data files come to {total / 2**20:.1f} MiB, over the "
-                        f"{limit / 2**20:.0f} MiB that travel with a job (largest {big!r}, {sizes[big] / 2**20:.1f} "
-                        "MiB); put the data in a bucket and set data.path: s3://BUCKET/PREFIX (or a file:// path "
-                        "every node mounts)")
+        raise SpecError(
+            f"{sweep_file}: the data files come to {total / 2**20:.1f} MiB, over the "
+            f"{limit / 2**20:.0f} MiB that travel with a job (largest {big!r}, {sizes[big] / 2**20:.1f} "
+            "MiB); put the data in a bucket and set data.path: s3://BUCKET/PREFIX (or a file:// path "
+            "every node mounts)"
+        )
     moved: dict[str, str] = {}
     for i, (path, found) in enumerate(files.items()):
         target = _target(path, i)

@@ -53,8 +53,10 @@ def probe(address: str) -> str:
             is not a Ray dashboard — the line names the address and what answered.
     """
     if address.split("://", 1)[0] not in ("http", "https") or "://" not in address:
-        raise OutsideError(f"address {address!r} is not a Ray dashboard URL: nsa submit / status / logs / cancel "
-                           "talk to the dashboard over HTTP — give http://HOST:8265 (--address or $RAY_ADDRESS)")
+        raise OutsideError(
+            f"address {address!r} is not a Ray dashboard URL: nsa submit / status / logs / cancel "
+            "talk to the dashboard over HTTP — give http://HOST:8265 (--address or $RAY_ADDRESS)"
+        )
     base = address.rstrip("/")
     status, server, body = _ask(base, "/api/authentication_mode")
     found = _json(body) if status == 200 else None
@@ -67,8 +69,10 @@ def probe(address: str) -> str:
     if v_status in (401, 403) and v_body.startswith((b"Unauthorized", b"Forbidden")) and status == 404:
         return "token"
     what = f"HTTP {status}" + (f" from {server}" if server else "") + (f": {_snippet(body)}" if body else "")
-    raise OutsideError(f"{address} is not a Ray dashboard: GET /api/authentication_mode answered {what} (check "
-                       "--address / $RAY_ADDRESS: the dashboard listens on port 8265 of the head node)")
+    raise OutsideError(
+        f"{address} is not a Ray dashboard: GET /api/authentication_mode answered {what} (check "
+        "--address / $RAY_ADDRESS: the dashboard listens on port 8265 of the head node)"
+    )
 
 
 def _ask(base: str, path: str) -> tuple[int, str, bytes]:
@@ -84,8 +88,10 @@ def _ask(base: str, path: str) -> tuple[int, str, bytes]:
         return exc.code, exc.headers.get("Server", "") if exc.headers else "", exc.read(1 << 16)
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise OutsideError(f"no Ray cluster answers at {base} ({reason}); start one, or pass --address / "
-                           "$RAY_ADDRESS (`nsa status --store PATH` shows a store's runs without a cluster)") from None
+        raise OutsideError(
+            f"no Ray cluster answers at {base} ({reason}); start one, or pass --address / "
+            "$RAY_ADDRESS (`nsa status --store PATH` shows a store's runs without a cluster)"
+        ) from None
 
 
 def _json(body: bytes) -> Any:
@@ -102,8 +108,15 @@ def _snippet(body: bytes) -> str:
     return repr(text[:80] + ("…" if len(text) > 80 else ""))
 
 
-def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str | None = None,
-           pip: list[str] | None = None, max_runs: int | None = None) -> str:
+def submit(
+    sweep_file: str | Path,
+    address: str,
+    store_url: str,
+    *,
+    job_id: str | None = None,
+    pip: list[str] | None = None,
+    max_runs: int | None = None,
+) -> str:
     """Submit a sweep; returns the job id.  ``store_url`` must be reachable from every node.
 
     A local store path is made absolute (the job runs in a temporary directory of the cluster):
@@ -129,8 +142,10 @@ def submit(sweep_file: str | Path, address: str, store_url: str, *, job_id: str 
             shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
             entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}{limit}"
         else:  # an installed package: the same command without the wrapper
-            entry = (f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain "
-                     f"--store {shlex.quote(store_url)}{limit}")
+            entry = (
+                f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain "
+                f"--store {shlex.quote(store_url)}{limit}"
+            )
         runtime_env["working_dir"] = str(work)
         with _answered(address):
             client = job_client(address)
@@ -151,9 +166,15 @@ def status(address: str, job_id: str | None = None) -> list[dict]:
     with _answered(address):
         client = job_client(address)
         jobs = [client.get_job_info(job_id)] if job_id else client.list_jobs()
-    return [{"id": j.submission_id or j.job_id,
-             "status": str(j.status.value if hasattr(j.status, "value") else j.status),
-             "entrypoint": j.entrypoint, "message": j.message or ""} for j in jobs]
+    return [
+        {
+            "id": j.submission_id or j.job_id,
+            "status": str(j.status.value if hasattr(j.status, "value") else j.status),
+            "entrypoint": j.entrypoint,
+            "message": j.message or "",
+        }
+        for j in jobs
+    ]
 
 
 def logs(address: str, job_id: str) -> str:
@@ -179,11 +200,15 @@ def _answered(address: str) -> Iterator[None]:
         raise
     except AuthenticationError as exc:
         if str(getattr(exc, "message", "")).startswith("Authentication failed"):  # HTTP 403
-            raise OutsideError(f"the Ray dashboard at {address} refused the token (HTTP 403): RAY_AUTH_TOKEN (or the "
-                               "file named by RAY_AUTH_TOKEN_PATH) does not hold the cluster's token") from exc
-        raise OutsideError(f"the Ray dashboard at {address} wants a token (its token authentication is on) and got "
-                           "none: set RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file "
-                           "holding it") from exc
+            raise OutsideError(
+                f"the Ray dashboard at {address} refused the token (HTTP 403): RAY_AUTH_TOKEN (or the "
+                "file named by RAY_AUTH_TOKEN_PATH) does not hold the cluster's token"
+            ) from exc
+        raise OutsideError(
+            f"the Ray dashboard at {address} wants a token (its token authentication is on) and got "
+            "none: set RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file "
+            "holding it"
+        ) from exc
     except (RuntimeError, OSError) as exc:
         text = " ".join(str(exc).split())
         raise OutsideError(f"the Ray dashboard at {address} answered: {text[:500]}") from exc

@@ -11,8 +11,18 @@ import math
 
 from nsa_dist.config import ClusterSpec
 
-__all__ = ["GangUnplaceable", "resolve_gpus", "threads", "gang_bundle", "worker_bundle", "trainer_bundle",
-           "resource_demand", "check_resources", "check_bundles_fit", "check_gang_fits"]
+__all__ = [
+    "GangUnplaceable",
+    "resolve_gpus",
+    "threads",
+    "gang_bundle",
+    "worker_bundle",
+    "trainer_bundle",
+    "resource_demand",
+    "check_resources",
+    "check_bundles_fit",
+    "check_gang_fits",
+]
 
 
 class GangUnplaceable(RuntimeError):
@@ -52,17 +62,25 @@ def resource_demand(cl: ClusterSpec, has_gpus: bool, gang_members: int = 0, trai
     The one sum both the embedded Ray's size (``nsa sweep``) and the fit check use.
     """
     workers = cl.spectral_workers + gang_members
-    need: dict[str, float] = {"CPU": workers * cl.worker_cpus + trainers * cl.trainer_cpus,
-                              "GPU": workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
-                              + trainers * resolve_gpus(cl.trainer_gpus, has_gpus, 1.0)}
+    need: dict[str, float] = {
+        "CPU": workers * cl.worker_cpus + trainers * cl.trainer_cpus,
+        "GPU": workers * resolve_gpus(cl.worker_gpus, has_gpus, 0.5)
+        + trainers * resolve_gpus(cl.trainer_gpus, has_gpus, 1.0),
+    }
     for n, extra in ((workers, cl.worker_resources), (trainers, cl.trainer_resources)):
         for key, v in extra.items():
             need[key] = need.get(key, 0.0) + n * v
     return need
 
 
-def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float], gang_members: int = 0,
-                    trainers: int = 1, nodes: list[dict[str, float]] | None = None) -> None:
+def check_resources(
+    cl: ClusterSpec,
+    has_gpus: bool,
+    available: dict[str, float],
+    gang_members: int = 0,
+    trainers: int = 1,
+    nodes: list[dict[str, float]] | None = None,
+) -> None:
     """Raise ValueError unless the cluster holds the worker pool, one trainer and the step gangs.
 
     Ray would otherwise queue the actors forever (e.g. two 0.5-GPU workers and a 1-GPU trainer
@@ -74,13 +92,18 @@ def check_resources(cl: ClusterSpec, has_gpus: bool, available: dict[str, float]
     short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
     if short:
         what = "; ".join(f"{k}: needs {v:g}, cluster has {a:g}" for k, (v, a) in short.items())
-        raise ValueError(f"the sweep's cluster block does not fit this Ray cluster ({what}); lower "
-                         "cluster.spectral_workers / worker_cpus / worker_gpus / trainer_cpus / trainer_gpus or "
-                         "the *_resources, or add nodes")
+        raise ValueError(
+            f"the sweep's cluster block does not fit this Ray cluster ({what}); lower "
+            "cluster.spectral_workers / worker_cpus / worker_gpus / trainer_cpus / trainer_gpus or "
+            "the *_resources, or add nodes"
+        )
     if nodes is not None:
-        check_bundles_fit([worker_bundle(cl, has_gpus)] * (cl.spectral_workers + gang_members)
-                          + [trainer_bundle(cl, has_gpus)] * max(1, trainers), nodes,
-                          "the sweep's cluster block does not fit this Ray cluster's nodes")
+        check_bundles_fit(
+            [worker_bundle(cl, has_gpus)] * (cl.spectral_workers + gang_members)
+            + [trainer_bundle(cl, has_gpus)] * max(1, trainers),
+            nodes,
+            "the sweep's cluster block does not fit this Ray cluster's nodes",
+        )
 
 
 def check_bundles_fit(bundles: list[dict[str, float]], nodes: list[dict[str, float]], what: str) -> None:
@@ -92,8 +115,10 @@ def check_bundles_fit(bundles: list[dict[str, float]], nodes: list[dict[str, flo
     for b in sorted(bundles, key=lambda b: sorted(b.items()), reverse=True):
         node = next((n for n in free if all(n.get(k, 0.0) + 1e-9 >= v for k, v in b.items())), None)
         if node is None:
-            raise ValueError(f"{what}: an actor needing {b} fits on no node once the others are placed (nodes: "
-                             f"{nodes}); lower the per-actor resources or add nodes")
+            raise ValueError(
+                f"{what}: an actor needing {b} fits on no node once the others are placed (nodes: "
+                f"{nodes}); lower the per-actor resources or add nodes"
+            )
         for k, v in b.items():
             node[k] -= v
 
@@ -106,12 +131,16 @@ def check_gang_fits(size: int, bundle: dict[str, float], nodes: list[dict[str, f
     too_big = [k for k, v in bundle.items() if all(n.get(k, 0.0) + 1e-9 < v for n in nodes)]
     if too_big:
         best = {k: max(n.get(k, 0.0) for n in nodes) for k in too_big}
-        raise GangUnplaceable(f"a spectral-gang member needs {bundle}, but no node has that much "
-                              f"{', '.join(too_big)} (largest node: {best}); lower cluster.worker_cpus / worker_gpus "
-                              "/ worker_resources")
+        raise GangUnplaceable(
+            f"a spectral-gang member needs {bundle}, but no node has that much "
+            f"{', '.join(too_big)} (largest node: {best}); lower cluster.worker_cpus / worker_gpus "
+            "/ worker_resources"
+        )
     fits = sum(min(math.floor((n.get(k, 0.0) + 1e-9) / v) for k, v in bundle.items()) for n in nodes)
     if fits < size:
         total = {k: sum(n.get(k, 0.0) for n in nodes) for k in bundle}
-        raise GangUnplaceable(f"spectrum.workers={size} gang members of {bundle} each do not fit this Ray cluster "
-                              f"(room for {fits}; cluster totals {total}); lower spectrum.workers or the per-worker "
-                              "resources, or add nodes")
+        raise GangUnplaceable(
+            f"spectrum.workers={size} gang members of {bundle} each do not fit this Ray cluster "
+            f"(room for {fits}; cluster totals {total}); lower spectrum.workers or the per-worker "
+            "resources, or add nodes"
+        )

@@ -28,8 +28,13 @@ class RayletLost(OutsideError):
         super().__init__(f"Ray's {cause}" + (f"; {runs}" if runs else ""))
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None, resources: dict[str, float] | None = None,
-            namespace: str = "nsa-dist") -> dict:
+def connect(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
+    namespace: str = "nsa-dist",
+) -> dict:
     """Start or join Ray.  ``address=None`` → an embedded local Ray; "auto" or "HOST:PORT" → join.
 
     ``num_cpus`` and ``resources`` (custom resources) size only an embedded Ray: on one machine
@@ -85,7 +90,8 @@ def _start_embedded(kw: dict[str, Any], tries: int = EMBEDDED_TRIES, pause: floa
                 raise OutsideError(
                     f"the embedded Ray did not start in {tries} tries: its raylet did not register within Ray's "
                     f"30 s (load average {load} on {os.cpu_count()} cores); run again when the machine is "
-                    "quieter, or start Ray yourself (`ray start --head`) and pass --address auto") from exc
+                    "quieter, or start Ray yourself (`ray start --head`) and pass --address auto"
+                ) from exc
             time.sleep(pause * attempt)
 
 
@@ -99,8 +105,10 @@ def raylet_lost(ask_cluster: bool = False) -> str | None:
     one round trip)."""
     node = getattr(ray._private.worker, "_global_node", None)
     procs = getattr(node, "all_processes", None) or {}
-    for kind, name in ((ray._private.ray_constants.PROCESS_TYPE_RAYLET, "raylet"),
-                       (ray._private.ray_constants.PROCESS_TYPE_GCS_SERVER, "GCS server")):
+    for kind, name in (
+        (ray._private.ray_constants.PROCESS_TYPE_RAYLET, "raylet"),
+        (ray._private.ray_constants.PROCESS_TYPE_GCS_SERVER, "GCS server"),
+    ):
         info = procs.get(kind)
         rc = info[0].process.poll() if info else None
         if rc is None:

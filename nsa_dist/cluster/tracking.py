@@ -37,24 +37,40 @@ class RayTrackerPool(RayAnalysisPool):
         RuntimeError: the workers could not start (the model's class not importable there).
     """
 
-    def __init__(self, address: str, store_url: str, plan: Any, model: Any, data: Any, *, workers: int = 1,
-                 cpus: float = 1.0, gpus: float = 0.0, max_retries: int = 3, token: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        store_url: str,
+        plan: Any,
+        model: Any,
+        data: Any,
+        *,
+        workers: int = 1,
+        cpus: float = 1.0,
+        gpus: float = 0.0,
+        max_retries: int = 3,
+        token: str | None = None,
+    ) -> None:
         if not ray.is_initialized():
             connect(None if address == "local" else address)
         try:
             model_ref = ray.put(model)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise TypeError(f"the model ({type(model).__qualname__}) cannot be pickled for the Ray spectral workers "
-                            f"({exc}); define its class in an importable module (shipped to the workers with the "
-                            "job's runtime_env) or analyse in this process with cluster=None") from exc
+            raise TypeError(
+                f"the model ({type(model).__qualname__}) cannot be pickled for the Ray spectral workers "
+                f"({exc}); define its class in an importable module (shipped to the workers with the "
+                "job's runtime_env) or analyse in this process with cluster=None"
+            ) from exc
         data_ref = ray.put(data)
         actors = tracked_run_workers(store_url, plan, model_ref, data_ref, workers, cpus, gpus, max_retries, token)
         try:
             self.pids = ray.get([w.pid.remote() for w in actors])
         except RayActorError as exc:
-            raise RuntimeError(f"the Ray spectral workers could not start: {task_cause(exc)} — the model's class and "
-                               "nsa_dist must be importable on every worker (runtime_env py_modules / working_dir, "
-                               "see deploy/README.md)") from exc
+            raise RuntimeError(
+                f"the Ray spectral workers could not start: {task_cause(exc)} — the model's class and "
+                "nsa_dist must be importable on every worker (runtime_env py_modules / working_dir, "
+                "see deploy/README.md)"
+            ) from exc
         super().__init__(actors, self.pids)
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
         self.max_retries, self.run = max_retries, plan.run_id
@@ -87,16 +103,20 @@ class RayTrackerPool(RayAnalysisPool):
         """
         if not self.running:
             return []
-        ready, _ = ray.wait(list(self.running), num_returns=1 if block else len(self.running),
-                            timeout=None if block else 0)
+        ready, _ = ray.wait(
+            list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0
+        )
         out = []
         for ref in ready:
             a = self.running.pop(ref)
             try:
                 out.append(ray.get(ref))
             except RayActorError as exc:
-                raise AnalysisError(f"run {self.run!r}: the analysis of recorded step {a.step} failed: its spectral "
-                                    f"worker died {self.max_retries + 1} times", a.step) from exc
+                raise AnalysisError(
+                    f"run {self.run!r}: the analysis of recorded step {a.step} failed: its spectral "
+                    f"worker died {self.max_retries + 1} times",
+                    a.step,
+                ) from exc
             except Exception as exc:  # noqa: BLE001 - the analysis's own error, unwrapped from Ray's wrapper
                 raise_failure(self.run, a.step, task_cause(exc))
             self.resubmitted += self.release(a)

@@ -15,5 +15,16 @@ from nsa_dist.data.image2d import image2d, image_function, load_image
 from nsa_dist.data.mnist import mnist
 from nsa_dist.data.registry import load_dataset
 
-__all__ = ["Dataset", "Location", "cifar10", "cifar100", "digits", "image2d", "image_function", "is_url",
-           "load_dataset", "load_image", "mnist"]
+__all__ = [
+    "Dataset",
+    "Location",
+    "cifar10",
+    "cifar100",
+    "digits",
+    "image2d",
+    "image_function",
+    "is_url",
+    "load_dataset",
+    "load_image",
+    "mnist",
+]

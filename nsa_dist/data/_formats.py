@@ -26,8 +26,15 @@ __all__ = ["find_file", "read_idx", "read_pickle_batch"]
 # spell the module differently) and the bytes encoder of pickles written by Python 3 at protocol 2.
 # Dicts, lists, bytes, str and ints need no name.  Anything else (os.system, builtins.eval, …)
 # could run code while unpickling, and is refused before it is looked up.
-_CIFAR_GLOBALS = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                            ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")})
+_CIFAR_GLOBALS = frozenset(
+    {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+)
 
 IDX_IMAGES = 2051  # 0x00000803: unsigned bytes, 3 dims (N, rows, cols)
 IDX_LABELS = 2049  # 0x00000801: unsigned bytes, 1 dim (N,)
@@ -71,14 +78,18 @@ def _read_exact(f: BinaryIO, path: Location, size: int, expected: str) -> np.nda
     out = np.empty(size, dtype=np.uint8)  # (size,)
     view, got = memoryview(out), 0
     while got < size:
-        n = f.readinto(view[got:got + _READ_CHUNK])
+        n = f.readinto(view[got : got + _READ_CHUNK])
         if not n:
-            raise ValueError(f"{str(path)!r}: the header announces {size:,} data bytes, the file holds {got:,} "
-                             f"(truncated or not {expected})")
+            raise ValueError(
+                f"{str(path)!r}: the header announces {size:,} data bytes, the file holds {got:,} "
+                f"(truncated or not {expected})"
+            )
         got += n
     if f.read(1):
-        raise ValueError(f"{str(path)!r}: holds more than the {size:,} data bytes its header announces "
-                         f"(not {expected}); refused without reading the rest")
+        raise ValueError(
+            f"{str(path)!r}: holds more than the {size:,} data bytes its header announces "
+            f"(not {expected}); refused without reading the rest"
+        )
     return out
 
 
@@ -117,8 +128,7 @@ def read_idx(path: Location, magic: int) -> np.ndarray:
             _check_claim(path, 4 + 4 * ndim, dims, size, expected)
             data = _read_exact(f, path, size, expected)
     except (OSError, EOFError, zlib.error) as exc:  # BadGzipFile is an OSError; a cut-off stream is EOFError
-        raise ValueError(f"{str(path)!r} is not a readable {'gzip ' if _gz(path) else ''}file "
-                         f"({exc})") from exc
+        raise ValueError(f"{str(path)!r} is not a readable {'gzip ' if _gz(path) else ''}file ({exc})") from exc
     return data.reshape(dims)
 
 
@@ -128,11 +138,15 @@ def _check_claim(path: Location, head: int, dims: tuple[int, ...], size: int, ex
     on_disk = file_size(path)
     if not _gz(path):
         if on_disk - head != size:
-            raise ValueError(f"{str(path)!r}: header dims {dims} need {size:,} data bytes, the file holds "
-                             f"{on_disk - head:,} (truncated or not {expected})")
+            raise ValueError(
+                f"{str(path)!r}: header dims {dims} need {size:,} data bytes, the file holds "
+                f"{on_disk - head:,} (truncated or not {expected})"
+            )
     elif size > _DEFLATE_MAX_RATIO * on_disk:
-        raise ValueError(f"{str(path)!r}: header dims {dims} need {size:,} data bytes, more than a "
-                         f"{on_disk:,}-byte gzip file can inflate to (truncated or not {expected})")
+        raise ValueError(
+            f"{str(path)!r}: header dims {dims} need {size:,} data bytes, more than a "
+            f"{on_disk:,}-byte gzip file can inflate to (truncated or not {expected})"
+        )
 
 
 class _BatchUnpickler(pickle.Unpickler):
@@ -140,9 +154,11 @@ class _BatchUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _CIFAR_GLOBALS:
-            raise pickle.UnpicklingError(f"refused {module}.{name} — a CIFAR batch holds only dicts, lists, strings, "
-                                         "numbers and NumPy arrays, and a pickle naming anything else can run code "
-                                         "(nothing of it was run)")
+            raise pickle.UnpicklingError(
+                f"refused {module}.{name} — a CIFAR batch holds only dicts, lists, strings, "
+                "numbers and NumPy arrays, and a pickle naming anything else can run code "
+                "(nothing of it was run)"
+            )
         return super().find_class(module, name)
 
 

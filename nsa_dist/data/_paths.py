@@ -27,8 +27,12 @@ __all__ = ["Location", "regular_file", "directory", "join", "exists", "open_bina
 
 Location = Path | str  # a local path, or an fsspec URL kept as a string
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _stat(path: Path, who: str, expected: str) -> os.stat_result:
@@ -47,8 +51,9 @@ def _is_outside(exc: BaseException) -> bool:
     the object-store client packages (botocore's NoCredentialsError is not an OSError)."""
     from nsa_dist._faults import exception_chain
 
-    return any(isinstance(e, OSError) or type(e).__module__.split(".")[0] in _REMOTE_PACKAGES
-               for e in exception_chain(exc))
+    return any(
+        isinstance(e, OSError) or type(e).__module__.split(".")[0] in _REMOTE_PACKAGES for e in exception_chain(exc)
+    )
 
 
 def _failure(exc: BaseException, url: str, who: str, expected: str | None = None) -> Exception:

@@ -75,10 +75,9 @@ def split(rng: np.random.Generator, available: int, n: int, n_test: int, who: st
         ValueError: n + n_test > available, naming the numbers.
     """
     if n + n_test > available:
-        raise ValueError(f"{who}: n={n} + n_test={n_test} = {n + n_test} exceeds the {available} "
-                         f"images available")
+        raise ValueError(f"{who}: n={n} + n_test={n_test} = {n + n_test} exceeds the {available} images available")
     perm = rng.permutation(available)
-    return perm[:n], perm[available - n_test:]
+    return perm[:n], perm[available - n_test :]
 
 
 def avg_pool2(x: np.ndarray) -> np.ndarray:

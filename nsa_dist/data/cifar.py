@@ -31,12 +31,15 @@ class _Layout:
 
     @property
     def expected(self) -> str:
-        return (f"expected the '{self.folder}' directory with {list(self.train)} and {self.test!r} "
-                "(the CIFAR python pickle format)")
+        return (
+            f"expected the '{self.folder}' directory with {list(self.train)} and {self.test!r} "
+            "(the CIFAR python pickle format)"
+        )
 
 
-_CIFAR10 = _Layout("cifar10", "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)),
-                   "test_batch", "labels", 10)
+_CIFAR10 = _Layout(
+    "cifar10", "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "labels", 10
+)
 _CIFAR100 = _Layout("cifar100", "cifar-100-python", ("train",), "test", "fine_labels", 100)
 
 
@@ -52,8 +55,10 @@ def load_cifar_batches(paths: list[Location], label_key: str, K: int) -> tuple[n
         batch = read_pickle_batch(p, ("data", label_key))
         x, c = np.asarray(batch["data"]), np.asarray(batch[label_key])
         if x.ndim != 2 or x.shape[1] != D_RGB or x.dtype != np.uint8 or c.shape != (len(x),):
-            raise ValueError(f"{str(p)!r}: expected 'data' uint8 (m, {D_RGB}) and {label_key!r} (m,), got "
-                             f"data {x.dtype} {x.shape} and labels {c.shape}")
+            raise ValueError(
+                f"{str(p)!r}: expected 'data' uint8 (m, {D_RGB}) and {label_key!r} (m,), got "
+                f"data {x.dtype} {x.shape} and labels {c.shape}"
+            )
         if c.size and not (c.min() >= 0 and c.max() < K):
             raise ValueError(f"{str(p)!r}: {label_key!r} holds values outside 0..{K - 1}")
         data.append(x)
@@ -73,8 +78,7 @@ def _files(folder: Location, names: tuple[str, ...], layout: _Layout, why: str) 
     naming one that is a directory or not a regular file."""
     missing = [name for name in names if not exists(join(folder, name))]
     if missing:
-        raise FileNotFoundError(f"{layout.name}: {missing} not found in {str(folder)!r} ({why}); "
-                                f"{layout.expected}")
+        raise FileNotFoundError(f"{layout.name}: {missing} not found in {str(folder)!r} ({why}); {layout.expected}")
     return [regular_file(join(folder, name), layout.name, "a CIFAR python batch file") for name in names]
 
 
@@ -93,8 +97,16 @@ def batch_files(name: str, path: Location, n_test: int) -> list[Location]:
     return _files(d, layout.train, layout, "training batches") + test
 
 
-def _cifar(layout: _Layout, path: str | Path, n: int, n_test: int, grayscale: bool,
-           target: str | Target, positive_class: int, seed: int) -> Dataset:
+def _cifar(
+    layout: _Layout,
+    path: str | Path,
+    n: int,
+    n_test: int,
+    grayscale: bool,
+    target: str | Target,
+    positive_class: int,
+    seed: int,
+) -> Dataset:
     """A seeded subset of one CIFAR variant; train and test drawn from independent streams."""
     check_sizes(n, n_test, layout.name)
     t = parse_target(target, layout.K, positive_class, layout.name)
@@ -103,24 +115,47 @@ def _cifar(layout: _Layout, path: str | Path, n: int, n_test: int, grayscale: bo
     pixels, labels = load_cifar_batches(_files(d, layout.train, layout, "training batches"), layout.label_key, layout.K)
     tr = draw(rng_train, len(labels), n, layout.name, "training images (n)")
     if n_test > 0:
-        pixels_t, labels_t = load_cifar_batches(_files(d, (layout.test,), layout, f"n_test={n_test} needs the "
-                                                       "test batch"), layout.label_key, layout.K)
+        pixels_t, labels_t = load_cifar_batches(
+            _files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch"), layout.label_key, layout.K
+        )
         te = draw(rng_test, len(labels_t), n_test, layout.name, "test images (n_test)")
     else:
         pixels_t, labels_t, te = pixels, labels, np.arange(0)
     X, X_test = _features(pixels[tr], grayscale), _features(pixels_t[te], grayscale)
-    meta = {"source": layout.name, "path": str(d), "n": n, "n_test": n_test, "seed": seed,
-            "grayscale": grayscale, "d": int(X.shape[1]), "image_shape": [32, 32] if grayscale else [3, 32, 32],
-            "scale": "pixel / 255" + (", luminance 0.2125 R + 0.7154 G + 0.0721 B" if grayscale else ""),
-            "target": t.value, "classes": layout.K}
+    meta = {
+        "source": layout.name,
+        "path": str(d),
+        "n": n,
+        "n_test": n_test,
+        "seed": seed,
+        "grayscale": grayscale,
+        "d": int(X.shape[1]),
+        "image_shape": [32, 32] if grayscale else [3, 32, 32],
+        "scale": "pixel / 255" + (", luminance 0.2125 R + 0.7154 G + 0.0721 B" if grayscale else ""),
+        "target": t.value,
+        "classes": layout.K,
+    }
     if t is Target.ONE_VS_REST:
         meta["positive_class"] = positive_class
-    return Dataset(X, make_targets(labels[tr], t, layout.K, positive_class), X_test,
-                   make_targets(labels_t[te], t, layout.K, positive_class), meta)
+    return Dataset(
+        X,
+        make_targets(labels[tr], t, layout.K, positive_class),
+        X_test,
+        make_targets(labels_t[te], t, layout.K, positive_class),
+        meta,
+    )
 
 
-def cifar10(n: int = 1000, *, path: str | Path, n_test: int = 0, grayscale: bool = True,
-            target: str | Target = "label", positive_class: int = 0, seed: int = 0) -> Dataset:
+def cifar10(
+    n: int = 1000,
+    *,
+    path: str | Path,
+    n_test: int = 0,
+    grayscale: bool = True,
+    target: str | Target = "label",
+    positive_class: int = 0,
+    seed: int = 0,
+) -> Dataset:
     """N CIFAR-10 images as flat vectors in [0, 1]: luminance (d = 1024) or RGB (d = 3072).
 
     Train is a seeded subset of the 50,000 images in ``data_batch_1..5``, test of the 10,000 in
@@ -146,8 +181,16 @@ def cifar10(n: int = 1000, *, path: str | Path, n_test: int = 0, grayscale: bool
     return _cifar(_CIFAR10, path, n, n_test, grayscale, target, positive_class, seed)
 
 
-def cifar100(n: int = 1000, *, path: str | Path, n_test: int = 0, grayscale: bool = True,
-             target: str | Target = "label", positive_class: int = 0, seed: int = 0) -> Dataset:
+def cifar100(
+    n: int = 1000,
+    *,
+    path: str | Path,
+    n_test: int = 0,
+    grayscale: bool = True,
+    target: str | Target = "label",
+    positive_class: int = 0,
+    seed: int = 0,
+) -> Dataset:
     """N CIFAR-100 images with their 100 fine labels; as :func:`cifar10` (files ``train``, ``test``).
 
     Args:

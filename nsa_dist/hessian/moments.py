@@ -64,8 +64,14 @@ from nsa_dist.ntk.inputs import as_2d
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["Moments", "hutchinson_moments", "hutchpp_moments", "dense_moments", "gauss_newton_eigenvalues",
-           "gauss_newton_moments"]
+__all__ = [
+    "Moments",
+    "hutchinson_moments",
+    "hutchpp_moments",
+    "dense_moments",
+    "gauss_newton_eigenvalues",
+    "gauss_newton_moments",
+]
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,9 @@ def _quadratic_forms(pw: list[np.ndarray], max_order: int) -> np.ndarray:
     return np.stack([np.einsum("pm,pm->m", pw[k // 2], pw[k - k // 2]) for k in range(1, max_order + 1)])
 
 
-def _remainder(terms: list[tuple[float, list[np.ndarray]]], Q: np.ndarray,
-               max_order: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _remainder(
+    terms: list[tuple[float, list[np.ndarray]]], Q: np.ndarray, max_order: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Hutchinson's mean and standard error for ``B_k = Σ_t c_t P⊥ A_t^k P⊥``, k = 1 … max_order.
 
     ``terms`` holds (c_t, [Z, A_t Z, …, A_t^max_order Z]) for the same g ≥ 1 Gaussian probes Z
@@ -177,8 +184,9 @@ def hutchinson_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, seed: 
     return Moments(est, _with_rounding(se, scale, Amap.P), Amap.n_products, "hutchinson")
 
 
-def hutchpp_moments(A: Any, n_probes: int = 32, *, max_order: int = 4, sketch: int | None = None,
-                    seed: int = 0) -> Moments:
+def hutchpp_moments(
+    A: Any, n_probes: int = 32, *, max_order: int = 4, sketch: int | None = None, seed: int = 0
+) -> Moments:
     """Hutch++ (Meyer et al. 2021) for every power: ``Tr(A^k) = Tr(Qᵀ A^k Q) + Tr(P⊥ A^k P⊥)``.
 
     Q (P, s) is an orthonormal basis of ``A² Ω`` (Ω Rademacher, s sketch columns): it captures
@@ -233,7 +241,7 @@ def dense_moments(A: Any, max_order: int = 4) -> Moments:
     Amap = as_linear_map(A)
     M = Amap(np.eye(Amap.P))  # (P, P)
     lam = np.linalg.eigvalsh((M + M.T) / 2)
-    est = np.array([np.sum(lam ** k) for k in range(1, kmax + 1)])
+    est = np.array([np.sum(lam**k) for k in range(1, kmax + 1)])
     return Moments(est, np.zeros(kmax), Amap.n_products, "dense")
 
 
@@ -267,10 +275,11 @@ def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss:
     return np.linalg.eigvalsh((M + M.T) / 2)[::-1].copy()
 
 
-def gauss_newton_moments(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
-                         max_order: int = 4) -> Moments:
+def gauss_newton_moments(
+    model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse", max_order: int = 4
+) -> Moments:
     """Exact ``Tr(I^k) = Σ_i μ_i^k`` over :func:`gauss_newton_eigenvalues` μ (method "ntk_gram")."""
     kmax = check_int("max_order", max_order, 1)
     mu = gauss_newton_eigenvalues(model, X, Y, loss=loss)
-    est = np.array([np.sum(mu ** k) for k in range(1, kmax + 1)])
+    est = np.array([np.sum(mu**k) for k in range(1, kmax + 1)])
     return Moments(est, np.zeros(kmax), 0, "ntk_gram")

@@ -32,8 +32,14 @@ from nsa_dist.ntk.state import preserved
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["HessianPart", "HessianOperator", "GaussNewtonOperator", "ResidualOperator", "hessian_operator",
-           "hessian_parts"]
+__all__ = [
+    "HessianPart",
+    "HessianOperator",
+    "GaussNewtonOperator",
+    "ResidualOperator",
+    "hessian_operator",
+    "hessian_parts",
+]
 
 
 class HessianPart(str, Enum):
@@ -113,8 +119,14 @@ class ResidualOperator(LossCurvatureOperator):
 _CLASSES = {HessianPart.H: HessianOperator, HessianPart.I: GaussNewtonOperator, HessianPart.S: ResidualOperator}
 
 
-def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss: LossName, dtype: torch.dtype | None,
-           output: OutputSelector = None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def _setup(
+    model: nn.Module,
+    X: torch.Tensor,
+    Y: torch.Tensor | np.ndarray,
+    loss: LossName,
+    dtype: torch.dtype | None,
+    output: OutputSelector = None,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = prepare_model(model, dtype, output)
     X = prepare_inputs(model, X, "X", dtype)
     with preserved(model), blame(model):
@@ -123,9 +135,16 @@ def _setup(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, loss
     return model, X, prepare_targets(Y, loss, X.shape[0], K, cdt, X.device)
 
 
-def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *, loss: str | LossName = "mse",
-                  block_size: int | None = None, dtype: torch.dtype | None = None, output: OutputSelector = None,
-                  ) -> tuple[HessianOperator, GaussNewtonOperator, ResidualOperator]:
+def hessian_parts(
+    model: nn.Module,
+    X: torch.Tensor,
+    Y: torch.Tensor | np.ndarray,
+    *,
+    loss: str | LossName = "mse",
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    output: OutputSelector = None,
+) -> tuple[HessianOperator, GaussNewtonOperator, ResidualOperator]:
     """The three operators ``(H, I, S)`` of one model, dataset and loss (validated once).
 
     Args and Raises: as :func:`hessian_operator`.
@@ -137,9 +156,17 @@ def hessian_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarra
     return tuple(_CLASSES[part](model, X, Yt, loss_, block_size) for part in HessianPart)  # type: ignore[return-value]
 
 
-def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.ndarray, *,
-                     part: str | HessianPart = "H", loss: str | LossName = "mse", block_size: int | None = None,
-                     dtype: torch.dtype | None = None, output: OutputSelector = None) -> LossCurvatureOperator:
+def hessian_operator(
+    model: nn.Module,
+    X: torch.Tensor,
+    Y: torch.Tensor | np.ndarray,
+    *,
+    part: str | HessianPart = "H",
+    loss: str | LossName = "mse",
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    output: OutputSelector = None,
+) -> LossCurvatureOperator:
     """The matrix-free P×P operator ``H``, ``I`` or ``S`` of ``C(θ) = (1/N) Σ_i c(f(x_i; θ), y_i)``.
 
     ``H = I + S`` with ``I = (1/N) Jᵀ HC J`` and ``S = (1/N) Σ_i ∇_f c_i · ∇²_θ f(x_i)`` (the
@@ -178,4 +205,3 @@ def hessian_operator(model: nn.Module, X: torch.Tensor, Y: torch.Tensor | np.nda
         raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
     model, X, Yt = _setup(model, X, Y, loss_, dtype, output)
     return _CLASSES[part_](model, X, Yt, loss_, block_size)
-

@@ -78,13 +78,20 @@ def orthogonality(I: Any, S: Any, *, n_probes: int = 32, seed: int = 0, exact: b
     Z = rademacher(np.random.default_rng(seed), Imap.P, m)  # (P, m)
     SZ = Smap(Z)
     IZ_ISZ = Imap(np.concatenate([Z, SZ], axis=1))  # (P, 2m): [I Z, I S Z]
-    q = np.stack([np.sum(IZ_ISZ[:, m:] ** 2, 0), np.sum(IZ_ISZ[:, :m] ** 2, 0), np.sum(SZ ** 2, 0)])  # (3, m)
+    q = np.stack([np.sum(IZ_ISZ[:, m:] ** 2, 0), np.sum(IZ_ISZ[:, :m] ** 2, 0), np.sum(SZ**2, 0)])  # (3, m)
     a, b, c = q.mean(axis=1)
     value = float(np.sqrt(a / (b * c)))
     grad = 0.5 * np.array([1 / a, -1 / b, -1 / c])  # d log ρ / d (a, b, c)
     var_log = float(grad @ np.cov(q) @ grad) / m
-    return Orthogonality(value, value * np.sqrt(max(var_log, 0.0)), float(np.sqrt(a)), float(np.sqrt(b)),
-                         float(np.sqrt(c)), Imap.n_products + Smap.n_products, "probes")
+    return Orthogonality(
+        value,
+        value * np.sqrt(max(var_log, 0.0)),
+        float(np.sqrt(a)),
+        float(np.sqrt(b)),
+        float(np.sqrt(c)),
+        Imap.n_products + Smap.n_products,
+        "probes",
+    )
 
 
 @dataclass(frozen=True)
@@ -112,9 +119,17 @@ def _quotients(Imap: LinearMap, Smap: LinearMap, evals: np.ndarray, V: np.ndarra
     return RayleighQuotients(evals, vIv, vSv, V, n_eig + Imap.n_products + Smap.n_products - n0)
 
 
-def rayleigh_quotients(I: Any, S: Any, k: int = 20, *, which_S: str | Which = "magnitude",
-                       method: str = "auto", tol: float = 1e-10, max_iter: int | None = None,
-                       seed: int = 0) -> tuple[RayleighQuotients, RayleighQuotients]:
+def rayleigh_quotients(
+    I: Any,
+    S: Any,
+    k: int = 20,
+    *,
+    which_S: str | Which = "magnitude",
+    method: str = "auto",
+    tol: float = 1e-10,
+    max_iter: int | None = None,
+    seed: int = 0,
+) -> tuple[RayleighQuotients, RayleighQuotients]:
     """The Hessian paper's Fig. 3: ``vᵀIv`` and ``vᵀSv`` over the top-k eigenvectors of I and of S.
 
     I is PSD, so its "top" is its largest eigenvalues.  S is indefinite and not symmetric
@@ -138,5 +153,7 @@ def rayleigh_quotients(I: Any, S: Any, k: int = 20, *, which_S: str | Which = "m
     Imap, Smap = _maps(I, S)
     eI = extreme_eigenpairs(I, k, which="largest", method=method, tol=tol, max_iter=max_iter, seed=seed)
     eS = extreme_eigenpairs(S, k, which=which_S, method=method, tol=tol, max_iter=max_iter, seed=seed)
-    return (_quotients(Imap, Smap, eI.evals, eI.evecs, eI.n_matvec),
-            _quotients(Imap, Smap, eS.evals, eS.evecs, eS.n_matvec))
+    return (
+        _quotients(Imap, Smap, eI.evals, eI.evecs, eI.n_matvec),
+        _quotients(Imap, Smap, eS.evals, eS.evecs, eS.n_matvec),
+    )

@@ -63,7 +63,7 @@ from nsa_dist.ntk.limit import as_points, check_options, cos_angle
 __all__ = ["SKernels", "limit_S_kernels", "limit_trace_S_init", "limit_trace_S2", "limit_trace_S_gd"]
 
 _F64 = torch.float64
-_QUAD_ELEMS = 2 ** 21
+_QUAD_ELEMS = 2**21
 _PAIRS = ((0, 0), (1, 1), (0, 2), (2, 0), (2, 2), (3, 1), (1, 3))  # (a, b) of 𝕃^{σ^(a), σ^(b)} on i ≤ j
 
 
@@ -97,7 +97,7 @@ def _tanh(u: torch.Tensor) -> list[torch.Tensor]:
 
 def _atan(u: torch.Tensor) -> list[torch.Tensor]:
     r = 1 / (1 + u * u)
-    return [torch.atan(u), r, -2 * u * r * r, (6 * u * u - 2) * r ** 3]
+    return [torch.atan(u), r, -2 * u * r * r, (6 * u * u - 2) * r**3]
 
 
 def _softplus(u: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> list[torch.Tensor]:
@@ -114,11 +114,14 @@ def _erf(u: torch.Tensor) -> list[torch.Tensor]:
 def _gelu(u: torch.Tensor) -> list[torch.Tensor]:
     pdf = torch.exp(-0.5 * u * u) / math.sqrt(2 * math.pi)
     cdf = 0.5 * (1 + torch.erf(u / math.sqrt(2)))
-    return [u * cdf, cdf + u * pdf, pdf * (2 - u * u), pdf * (u ** 3 - 4 * u)]
+    return [u * cdf, cdf + u * pdf, pdf * (2 - u * u), pdf * (u**3 - 4 * u)]
 
 
 _CLOSED: dict[Activation, _Derivs] = {
-    Activation.TANH: _tanh, Activation.ATAN: _atan, Activation.SOFTPLUS: _softplus, Activation.ERF: _erf,
+    Activation.TANH: _tanh,
+    Activation.ATAN: _atan,
+    Activation.SOFTPLUS: _softplus,
+    Activation.ERF: _erf,
     Activation.GELU: _gelu,
     Activation.SOFTPLUS_NORMALIZED: lambda u: _softplus(u, SOFTPLUS_SCALE, SOFTPLUS_SHIFT),
 }  # [σ, σ̇, σ̈, σ⃛] in closed form (a callable σ gets them by autograd)
@@ -139,8 +142,9 @@ def _autograd_derivatives(phi: Callable[[torch.Tensor], torch.Tensor], u: torch.
     return [t.detach() for t in out]
 
 
-def _expectations(derivs: _Derivs, n: int, k11: torch.Tensor, k22: torch.Tensor,
-                  k12: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
+def _expectations(
+    derivs: _Derivs, n: int, k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor
+) -> dict[tuple[int, int], torch.Tensor]:
     """``𝕃^{σ^(a), σ^(b)}`` for the (a, b) of ``_PAIRS`` on broadcast (k11, k22, k12), by n×n
     Gauss–Hermite quadrature: u = √k11 z₁, u′ = √k22 (ρ z₁ + √(1 − ρ²) z₂)."""
     z, w = np.polynomial.hermite_e.hermegauss(n)
@@ -155,8 +159,11 @@ def _expectations(derivs: _Derivs, n: int, k11: torch.Tensor, k22: torch.Tensor,
     for s in range(0, k12.numel(), chunk):
         c = slice(s, s + chunk)
         du = derivs(s1[c, None] * z)  # 4 × (c, n)
-        v = torch.addcmul((s2[c] * rho[c])[:, None, None] * z[:, None],
-                          (s2[c] * (1 - rho[c] ** 2).clamp_min(0).sqrt())[:, None, None], z)  # (c, n, n)
+        v = torch.addcmul(
+            (s2[c] * rho[c])[:, None, None] * z[:, None],
+            (s2[c] * (1 - rho[c] ** 2).clamp_min(0).sqrt())[:, None, None],
+            z,
+        )  # (c, n, n)
         dv = [d @ w for d in derivs(v)]  # 4 × (c, n): E over z₂ given z₁
         for a, b in _PAIRS:
             out[(a, b)][c] = (du[a] * dv[b]) @ w
@@ -187,14 +194,21 @@ def _smooth_activation(activation: str | Activation | Callable) -> _Derivs:
         allowed = ", ".join(repr(a.value) for a in Activation)
         raise ValueError(f"activation={activation!r} is not one of {allowed} (or a callable σ)") from None
     if act not in _CLOSED:
-        raise ValueError(f"activation={act.value!r}: the limits of S need a smooth σ (σ̈ and σ⃛ enter Φ, Υ, Λ); "
-                         "use tanh, erf, softplus, softplus_normalized, atan or gelu")
+        raise ValueError(
+            f"activation={act.value!r}: the limits of S need a smooth σ (σ̈ and σ⃛ enter Φ, Υ, Λ); "
+            "use tanh, erf, softplus, softplus_normalized, atan or gelu"
+        )
     return _CLOSED[act]
 
 
-def limit_S_kernels(x: torch.Tensor | np.ndarray, *, depth: int,
-                    activation: str | Activation | Callable[[torch.Tensor], torch.Tensor] = "tanh",
-                    bias_scale: float = 0.1, quadrature: int = 64) -> SKernels:
+def limit_S_kernels(
+    x: torch.Tensor | np.ndarray,
+    *,
+    depth: int,
+    activation: str | Activation | Callable[[torch.Tensor], torch.Tensor] = "tanh",
+    bias_scale: float = 0.1,
+    quadrature: int = 64,
+) -> SKernels:
     """Σ̃, Θ̃∞, Φ̃, Υ̃, Λ̃ at the points x, by the recursions of the module docstring.
 
     Cost: ``(depth − 1) · N(N + 1)/2 · quadrature²`` evaluations of σ and its first three
@@ -227,9 +241,14 @@ def limit_S_kernels(x: torch.Tensor | np.ndarray, *, depth: int,
         sdot = E[(1, 1)]  # Σ̇⁽ᴸ⁾
         D = theta.diagonal() + phi.diagonal()  # (N,) Θ(x, x) + Φ(x, x)
         phi_new = phi * sdot + D[None, :] * E[(0, 2)]
-        ups_new = 2 * sdot * theta + E[(2, 2)] * theta ** 2 + sdot * ups
-        lam_new = (D[:, None] * E[(2, 0)] + phi.T * sdot + theta * D[:, None] * E[(3, 1)]
-                   + theta * phi.T * E[(2, 2)] + lam * sdot)
+        ups_new = 2 * sdot * theta + E[(2, 2)] * theta**2 + sdot * ups
+        lam_new = (
+            D[:, None] * E[(2, 0)]
+            + phi.T * sdot
+            + theta * D[:, None] * E[(3, 1)]
+            + theta * phi.T * E[(2, 2)]
+            + lam * sdot
+        )
         sigma = E[(0, 0)] + beta2
         theta = theta * sdot + sigma
         phi, ups, lam = phi_new, ups_new, lam_new

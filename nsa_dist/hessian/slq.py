@@ -54,14 +54,22 @@ class SpectralDensity:
     def moment(self, k: int) -> tuple[float, float]:
         """``(Tr(A^k) / P`` estimate, its standard error over probes) from the unbroadened nodes;
         exact per probe while ``k ≤ 2·n_steps − 1``."""
-        per_probe = np.sum(self.weights * self.nodes ** k, axis=1)  # (n_probes,)
+        per_probe = np.sum(self.weights * self.nodes**k, axis=1)  # (n_probes,)
         n = per_probe.size
         return float(per_probe.mean()), float(per_probe.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
 
 
-def slq_density(A: Any, *, n_probes: int = 10, n_steps: int = 80, sigma: float | None = None,
-                grid: np.ndarray | None = None, n_grid: int = 1000, seed: int = 0,
-                probe_block: int | None = None) -> SpectralDensity:
+def slq_density(
+    A: Any,
+    *,
+    n_probes: int = 10,
+    n_steps: int = 80,
+    sigma: float | None = None,
+    grid: np.ndarray | None = None,
+    n_grid: int = 1000,
+    seed: int = 0,
+    probe_block: int | None = None,
+) -> SpectralDensity:
     """The spectral density of a symmetric (P, P) A (e.g. the loss Hessian H) by SLQ.
 
     Args:
@@ -107,8 +115,8 @@ def slq_density(A: Any, *, n_probes: int = 10, n_steps: int = 80, sigma: float |
     nodes, weights = np.zeros((nv, width)), np.zeros((nv, width))
     row = 0
     for theta, W in per_block:
-        nodes[row:row + W.shape[0], :theta.size] = theta
-        weights[row:row + W.shape[0], :theta.size] = W
+        nodes[row : row + W.shape[0], : theta.size] = theta
+        weights[row : row + W.shape[0], : theta.size] = W
         row += W.shape[0]
     live = weights > 0
     lo, hi = float(nodes[live].min()), float(nodes[live].max())

@@ -27,8 +27,15 @@ from torch.func import functional_call, jvp, vmap
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import curvature_sqrt
 from nsa_dist.hessian._probes import as_linear_map, check_int, gaussian, rademacher
-from nsa_dist.hessian.moments import (Moments, _form_scale, _powers, _quadratic_forms, _remainder, _sketch,
-                                      _with_rounding)
+from nsa_dist.hessian.moments import (
+    Moments,
+    _form_scale,
+    _powers,
+    _quadratic_forms,
+    _remainder,
+    _sketch,
+    _with_rounding,
+)
 from nsa_dist.hessian.operators import hessian_parts
 from nsa_dist.losses import parse_loss
 from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
@@ -37,21 +44,30 @@ from nsa_dist.ntk.state import exact_kernels
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["additivity_gap", "OutputTraces", "output_hessian_traces", "trace_S_from_G",
-           "limit_gauss_newton_eigenvalues", "Ranks", "numerical_ranks", "power_moments"]
+__all__ = [
+    "additivity_gap",
+    "OutputTraces",
+    "output_hessian_traces",
+    "trace_S_from_G",
+    "limit_gauss_newton_eigenvalues",
+    "Ranks",
+    "numerical_ranks",
+    "power_moments",
+]
 
 
 def power_moments(evals: np.ndarray, max_order: int = 4) -> np.ndarray:
     """``Σ_i λ_i^k`` for k = 1..max_order, (max_order,) float64 (NaN where λ is NaN)."""
     lam = np.asarray(evals, np.float64)
-    return np.array([np.sum(lam ** k) for k in range(1, max_order + 1)])
+    return np.array([np.sum(lam**k) for k in range(1, max_order + 1)])
 
 
 # --------------------------------------------------------------------------- Theorem 1: additivity
 
 
-def additivity_gap(H: Any, I: Any, S: Any, n_probes: int = 32, *, max_order: int = 4, sketch: int | None = None,
-                   seed: int = 0) -> Moments:
+def additivity_gap(
+    H: Any, I: Any, S: Any, n_probes: int = 32, *, max_order: int = 4, sketch: int | None = None, seed: int = 0
+) -> Moments:
     """``Tr(H^k) − Tr(I^k) − Tr(S^k)`` for k = 1..max_order with probes shared by H, I and S.
 
     Hutch++ with one sketch for the three: Q (P, s) an orthonormal basis of ``H² Ω`` (s
@@ -117,8 +133,15 @@ class OutputTraces:
     per_probe: np.ndarray
 
 
-def output_hessian_traces(model: nn.Module, X: torch.Tensor, n_probes: int = 16, *, seed: int = 0,
-                          dtype: torch.dtype | None = torch.float64, block_size: int | None = None) -> OutputTraces:
+def output_hessian_traces(
+    model: nn.Module,
+    X: torch.Tensor,
+    n_probes: int = 16,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype | None = torch.float64,
+    block_size: int | None = None,
+) -> OutputTraces:
     """The vector G of the Hessian paper (``G = Σ_p ∂²Y/∂θ_p²``) at the points X, by probes.
 
     For a Rademacher z (``E zzᵀ = Id``), ``E[zᵀ ∇²_θ f(x_i) z] = Tr ∇²_θ f(x_i) = G_i``;
@@ -150,11 +173,12 @@ def output_hessian_traces(model: nn.Module, X: torch.Tensor, n_probes: int = 16,
     Z = torch.as_tensor(rademacher(np.random.default_rng(seed), P, m), dtype=X.dtype, device=X.device)  # (P, m)
     U = {k: u.T.reshape((m,) + p.shape) for (k, p), u in zip(params.items(), Z.split(sizes))}
     N = X.shape[0]
-    b = block_size or default_block(N, m * max(p.shape[0] for p in params.values()) * len(sizes) * 8,
-                                    X.element_size(), 256e6)
+    b = block_size or default_block(
+        N, m * max(p.shape[0] for p in params.values()) * len(sizes) * 8, X.element_size(), 256e6
+    )
     out = []
     for s in range(0, N, b):
-        xb = X[s:s + b]
+        xb = X[s : s + b]
 
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return as_2d(functional_call(model, ({**p, **rest}, buffers), (xb,)))
@@ -183,8 +207,9 @@ def trace_S_from_G(R: np.ndarray, traces: OutputTraces) -> tuple[float, float]:
 # --------------------------------------------------------------------------- the limit of I
 
 
-def limit_gauss_newton_eigenvalues(theta: Any, F: Any = None, Y: Any = None, *,
-                                   loss: str | LossName = "mse") -> np.ndarray:
+def limit_gauss_newton_eigenvalues(
+    theta: Any, F: Any = None, Y: Any = None, *, loss: str | LossName = "mse"
+) -> np.ndarray:
     """The spectrum of I predicted by a (limiting) NTK Gram ``Θ̃`` (N, N): kernel PCA weighted by HC.
 
     ``I = (1/N) Jᵀ HC J`` with ``J Jᵀ → Θ̃∞ ⊗ Id_K`` has the nonzero eigenvalues of
@@ -253,8 +278,9 @@ class Ranks:
 _MAX_DENSE_P = 4096
 
 
-def numerical_ranks(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse",
-                    tol: float = 1e-9) -> Ranks:
+def numerical_ranks(
+    model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse", tol: float = 1e-9
+) -> Ranks:
     """Ranks of the dense I, S and H of a small network, beside ``Rank(I) ≤ N n_L`` and
     ``Rank(S) ≤ 2(L − 1) w N n_L`` (the Hessian paper; L Linear layers, hidden width w).
 
@@ -272,12 +298,14 @@ def numerical_ranks(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | Lo
         raise ValueError(f"tol (relative to the largest |eigenvalue|) must be a float in (0, 1), got {tol!r}")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:
-        raise ValueError("numerical_ranks needs a fully-connected network (nn.Linear layers); "
-                         f"{type(model).__name__} has none")
+        raise ValueError(
+            f"numerical_ranks needs a fully-connected network (nn.Linear layers); {type(model).__name__} has none"
+        )
     P = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if P > _MAX_DENSE_P:
-        raise ValueError(f"numerical_ranks forms the dense P×P matrices: P = {P} > {_MAX_DENSE_P}; "
-                         "use a smaller network")
+        raise ValueError(
+            f"numerical_ranks forms the dense P×P matrices: P = {P} > {_MAX_DENSE_P}; use a smaller network"
+        )
     H, I, S = hessian_parts(model, X, Y, loss=loss, dtype=torch.float64)
     evals, ranks = {}, {}
     for name, op in (("I", I), ("S", S), ("H", H)):

@@ -20,17 +20,45 @@ Owns: symmetric eigensolvers and the operator protocol; knows nothing of network
 May import: NumPy, SciPy, torch, CuPy (behind a guard), :mod:`nsa_dist.config` (the
 :class:`EigMethod` enum, defined with the spec), ``errors`` and ``_checks`` — nothing else of
 nsa_dist.
+
+Example — the top 3 eigenpairs of a 60×60 Gram by LAPACK and by block Lanczos, against NumPy's
+``eigh`` (eigenvectors up to sign)::
+
+>>> import numpy as np
+>>> from nsa_dist.linalg import top_eigenpairs
+>>> A = np.random.default_rng(0).standard_normal((60, 60))
+>>> G = A @ A.T                                          # symmetric positive semi-definite, float64
+>>> w, V = np.linalg.eigh(G)                             # the dense reference, ascending
+>>> for method in ("dense", "lanczos"):
+...     ep = top_eigenpairs(G, 3, method=method)         # descending: G V = V diag(λ)
+...     print(method, np.allclose(ep.evals, w[::-1][:3], rtol=1e-8),
+...           np.allclose(np.abs(ep.evecs.T @ V[:, ::-1][:, :3]), np.eye(3), atol=1e-6))
+dense True True
+lanczos True True
 """
 
 from __future__ import annotations
 
-from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
 from nsa_dist.config import EigMethod
+from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
 from nsa_dist.linalg._eigen import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.linalg.quadrature import SpectralCurves, curve_ks, spectral_curves
 
-__all__ = ["ArrayOps", "Backend", "EigMethod", "Eigenpairs", "HostWorkspace", "top_eigenpairs", "LanczosConvergenceWarning", "LinearOperator",
-           "SymmetricMap", "as_symmetric_map", "SpectralCurves", "curve_ks", "spectral_curves"]
+__all__ = [
+    "ArrayOps",
+    "Backend",
+    "EigMethod",
+    "Eigenpairs",
+    "HostWorkspace",
+    "top_eigenpairs",
+    "LanczosConvergenceWarning",
+    "LinearOperator",
+    "SymmetricMap",
+    "as_symmetric_map",
+    "SpectralCurves",
+    "curve_ks",
+    "spectral_curves",
+]

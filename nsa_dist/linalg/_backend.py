@@ -17,8 +17,17 @@ import torch
 
 from nsa_dist.errors import MissingDependencyError
 
-__all__ = ["Backend", "ArrayOps", "TorchOps", "get_cupy", "array_kind", "convert", "host_empty",
-           "HostWorkspace", "resolve_backend"]
+__all__ = [
+    "Backend",
+    "ArrayOps",
+    "TorchOps",
+    "get_cupy",
+    "array_kind",
+    "convert",
+    "host_empty",
+    "HostWorkspace",
+    "resolve_backend",
+]
 
 _CUPY_HINT = "pip install 'nsa-dist[gpu]' (cupy-cuda12x)"
 _NUMPY_SAFE = (torch.float64, torch.float32, torch.float16)  # torch dtypes NumPy can view
@@ -51,7 +60,7 @@ class Backend(str, Enum):
 
 
 def array_kind(x: Any) -> str | None:
-    """"numpy" | "torch" | "cupy" for an array of that library, else None (no CuPy import)."""
+    """ "numpy" | "torch" | "cupy" for an array of that library, else None (no CuPy import)."""
     if isinstance(x, torch.Tensor):
         return "torch"
     if isinstance(x, np.ndarray):
@@ -134,13 +143,18 @@ class HostWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float64,
-              column_major: bool = False) -> torch.Tensor:
+    def empty(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float64, column_major: bool = False
+    ) -> torch.Tensor:
         """The buffer ``name`` (uninitialised contents), reallocated by :func:`host_empty` when its
         shape, dtype or order differ from what is asked."""
         buf = self._buffers.get(name)
-        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or \
-                buf.stride() != _strides(tuple(shape), column_major):
+        if (
+            buf is None
+            or tuple(buf.shape) != tuple(shape)
+            or buf.dtype != dtype
+            or buf.stride() != _strides(tuple(shape), column_major)
+        ):
             self._buffers.pop(name, None)  # freed before the new one is allocated
             buf = self._buffers[name] = host_empty(shape, dtype, column_major)
         return buf

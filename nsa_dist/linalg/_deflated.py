@@ -70,8 +70,9 @@ class DeflatedGram:
         n_matvec: float32 columns of G applied to build U and S.
     """
 
-    def __init__(self, G: torch.Tensor, seed: int = 0, rank: int = RANK,
-                 workspace: HostWorkspace | None = None) -> None:
+    def __init__(
+        self, G: torch.Tensor, seed: int = 0, rank: int = RANK, workspace: HostWorkspace | None = None
+    ) -> None:
         N = G.shape[0]
         ops = TorchOps("cpu")
         g = torch.Generator().manual_seed(seed)
@@ -85,8 +86,9 @@ class DeflatedGram:
         self.n_matvec = (POWER + 1) * rank
         self.top = float(torch.linalg.eigvalsh(self.S).abs().max())
         shape = tuple(G.shape)  # the rest in huge pages: 40 against 51 ms a product
-        self.rest = (workspace.empty("deflated.rest", shape, torch.float32) if workspace
-                     else host_empty(shape, torch.float32))
+        self.rest = (
+            workspace.empty("deflated.rest", shape, torch.float32) if workspace else host_empty(shape, torch.float32)
+        )
         US, Ut = U @ self.S, U.T.contiguous()
         for i, j, b in _float64_slabs(G):
             b.addmm_(US[i:j], Ut, alpha=-1.0)
@@ -117,7 +119,7 @@ def _float64_slabs(G: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
     buf = torch.empty((min(SLAB, N), N), dtype=torch.float64)
     for i in range(0, N, SLAB):
         j = min(i + SLAB, N)
-        b = buf[:j - i]
+        b = buf[: j - i]
         b.copy_(G[i:j])
         yield i, j, b
 
@@ -132,8 +134,17 @@ def deflation_applies(G: Any, k: int, backend: str) -> bool:
     return isinstance(G, np.ndarray) and G.dtype == np.float32
 
 
-def deflated_lanczos(G: Any, k: int, *, tol: float, max_iter: int | None, seed: int, start: Any,
-                     block_size: int | None, workspace: HostWorkspace | None = None) -> LanczosResult | None:
+def deflated_lanczos(
+    G: Any,
+    k: int,
+    *,
+    tol: float,
+    max_iter: int | None,
+    seed: int,
+    start: Any,
+    block_size: int | None,
+    workspace: HostWorkspace | None = None,
+) -> LanczosResult | None:
     """Top-k of a validated float32 host G by block Lanczos on :class:`DeflatedGram` products
     (``workspace``: where the rest and Lanczos's blocks live, see :class:`HostWorkspace`).
 
@@ -147,16 +158,32 @@ def deflated_lanczos(G: Any, k: int, *, tol: float, max_iter: int | None, seed: 
     D = DeflatedGram(G, seed, workspace=workspace)
     budget = tol * D.top
     if D.predicted_error > budget / 2:
-        log.info("deflated float32 products not tried: predicted error %.2e > half the tolerance %.2e "
-                 "(‖G − U S Uᵀ‖_F = %.3g at r = %d); float64 products", D.predicted_error, budget / 2,
-                 D.rest_fro, RANK)
+        log.info(
+            "deflated float32 products not tried: predicted error %.2e > half the tolerance %.2e "
+            "(‖G − U S Uᵀ‖_F = %.3g at r = %d); float64 products",
+            D.predicted_error,
+            budget / 2,
+            D.rest_fro,
+            RANK,
+        )
         return None
     # symmetry: G was checked on entry, and D.matmat is symmetric up to its float32 rounding, which
     # the check below measures (Lanczos's own test would report a rounding error as a non-symmetric G)
     with warnings.catch_warnings():  # not converged: the float64 products run and warn
         warnings.simplefilter("ignore", LanczosConvergenceWarning)
-        res = block_lanczos(D.matmat, G.shape[0], k, TorchOps("cpu"), tol=tol / 2, max_iter=max_iter, seed=seed,
-                            start=start, block_size=block_size, sym_rtol=float("inf"), workspace=workspace)
+        res = block_lanczos(
+            D.matmat,
+            G.shape[0],
+            k,
+            TorchOps("cpu"),
+            tol=tol / 2,
+            max_iter=max_iter,
+            seed=seed,
+            start=start,
+            block_size=block_size,
+            sym_rtol=float("inf"),
+            workspace=workspace,
+        )
     scale = float(np.abs(res.evals).max())
     idx = _sample(k)
     X = res.evecs[:, idx]  # (N, m)
@@ -166,12 +193,19 @@ def deflated_lanczos(G: Any, k: int, *, tol: float, max_iter: int | None, seed: 
     residuals = res.residuals + err.max()  # every vector: its explicit residual plus the sampled product error
     residuals[idx] = true
     if not res.converged or err.max() > tol * scale / 2 or residuals.max() > tol * scale:
-        log.info("deflated float32 products failed their check (converged %s, sampled true residual %.2e, "
-                 "product error %.2e, largest residual bound %.2e, against %.2e); float64 products",
-                 res.converged, true.max(), err.max(), residuals.max(), tol * scale)
+        log.info(
+            "deflated float32 products failed their check (converged %s, sampled true residual %.2e, "
+            "product error %.2e, largest residual bound %.2e, against %.2e); float64 products",
+            res.converged,
+            true.max(),
+            err.max(),
+            residuals.max(),
+            tol * scale,
+        )
         return None
-    return LanczosResult(res.evals, res.evecs, residuals,
-                         res.n_matvec + D.n_matvec + 2 * len(idx), res.n_restarts, True)
+    return LanczosResult(
+        res.evals, res.evecs, residuals, res.n_matvec + D.n_matvec + 2 * len(idx), res.n_restarts, True
+    )
 
 
 def _sample(k: int) -> np.ndarray:

@@ -54,10 +54,18 @@ class Eigenpairs:
     products: str = "float64"
 
 
-def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Literal["all"],
-                   method: str | EigMethod = "auto", *, tol: float = 1e-10, max_iter: int | None = None,
-                   seed: int = 0, backend: str = "auto", start: np.ndarray | None = None,
-                   workspace: HostWorkspace | None = None) -> Eigenpairs:
+def top_eigenpairs(
+    G_or_operator: np.ndarray | torch.Tensor | Any,
+    k: int | Literal["all"],
+    method: str | EigMethod = "auto",
+    *,
+    tol: float = 1e-10,
+    max_iter: int | None = None,
+    seed: int = 0,
+    backend: str = "auto",
+    start: np.ndarray | None = None,
+    workspace: HostWorkspace | None = None,
+) -> Eigenpairs:
     """The k largest eigenvalues of a symmetric G and their eigenvectors, ``G V = V diag(λ)``.
 
     Args:
@@ -97,8 +105,10 @@ def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Lite
     backend_ = parse_enum(Backend, backend, "backend")
     _check_options(tol, max_iter, seed)
     if method is EigMethod.ARPACK and backend_ not in (Backend.AUTO, Backend.NUMPY):
-        raise ValueError(f"method='arpack' runs on the host only (SciPy); got backend={backend!r}, allowed "
-                         "'auto' or 'numpy' (use method='lanczos' on the GPU)")
+        raise ValueError(
+            f"method='arpack' runs on the host only (SciPy); got backend={backend!r}, allowed "
+            "'auto' or 'numpy' (use method='lanczos' on the GPU)"
+        )
     A = as_symmetric_map(G_or_operator, Backend.NUMPY if method is EigMethod.ARPACK else backend_)
     k = _parse_k(k, A.N)
     if method is EigMethod.AUTO:
@@ -111,15 +121,49 @@ def top_eigenpairs(G_or_operator: np.ndarray | torch.Tensor | Any, k: int | Lite
         return Eigenpairs(evals, _fix_signs(evecs), method, "numpy", A.n_matvec)
     tol = max(tol, 100 * A.eps)
     if A.source is not None and deflation_applies(A.source, k, backend_.value):
-        res = deflated_lanczos(A.source, k, tol=tol, max_iter=max_iter, seed=seed, start=start,
-                               block_size=_block_size(A, k), workspace=workspace)
+        res = deflated_lanczos(
+            A.source,
+            k,
+            tol=tol,
+            max_iter=max_iter,
+            seed=seed,
+            start=start,
+            block_size=_block_size(A, k),
+            workspace=workspace,
+        )
         if res is not None:
-            return Eigenpairs(res.evals, _fix_signs(res.evecs.numpy(), owned=True), method, "torch", res.n_matvec,
-                              float(res.residuals.max()), res.converged, products="deflated-float32")
-    res = block_lanczos(A.matmat, A.N, k, A.ops, tol=tol, max_iter=max_iter, seed=seed,
-                        sym_rtol=A.sym_rtol, start=start, block_size=_block_size(A, k), workspace=workspace)
-    return Eigenpairs(res.evals, _fix_signs(A.ops.to_numpy(res.evecs), owned=True), method, A.ops.name, A.n_matvec,
-                      float(res.residuals.max()), res.converged)
+            return Eigenpairs(
+                res.evals,
+                _fix_signs(res.evecs.numpy(), owned=True),
+                method,
+                "torch",
+                res.n_matvec,
+                float(res.residuals.max()),
+                res.converged,
+                products="deflated-float32",
+            )
+    res = block_lanczos(
+        A.matmat,
+        A.N,
+        k,
+        A.ops,
+        tol=tol,
+        max_iter=max_iter,
+        seed=seed,
+        sym_rtol=A.sym_rtol,
+        start=start,
+        block_size=_block_size(A, k),
+        workspace=workspace,
+    )
+    return Eigenpairs(
+        res.evals,
+        _fix_signs(A.ops.to_numpy(res.evecs), owned=True),
+        method,
+        A.ops.name,
+        A.n_matvec,
+        float(res.residuals.max()),
+        res.converged,
+    )
 
 
 def _block_size(A: SymmetricMap, k: int) -> int | None:
@@ -138,8 +182,12 @@ def _dense_top(A: SymmetricMap, k: int) -> tuple[np.ndarray, np.ndarray]:
     G = A.to_dense()  # (N, N)
     if A.ops.name == "numpy":
         import scipy.linalg as sl
-        sub = {"subset_by_index": [A.N - k, A.N - 1], "driver": "evr"} if k <= _SUBSET_FRACTION * A.N \
+
+        sub = (
+            {"subset_by_index": [A.N - k, A.N - 1], "driver": "evr"}
+            if k <= _SUBSET_FRACTION * A.N
             else {"driver": "evd"}
+        )
         w, V = sl.eigh(G, check_finite=False, **sub)
     else:
         w, V = A.ops.eigh(G)
@@ -149,18 +197,22 @@ def _dense_top(A: SymmetricMap, k: int) -> tuple[np.ndarray, np.ndarray]:
 def _arpack_top(A: SymmetricMap, k: int, tol: float, max_iter: int | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """SciPy ``eigsh(which="LA")`` on the host: evals (k,) descending, evecs (N, k)."""
     from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+
     if k >= A.N:
         raise ValueError(f"method='arpack' needs k < N; got k={k}, N={A.N} (use method='dense' for all eigenpairs)")
     if A.source is None:
         A.check_symmetric(seed)  # a dense G was checked on entry; Lanczos checks as it goes
-    lo = LinearOperator((A.N, A.N), matvec=lambda v: A.matmat(v.reshape(-1, 1)).ravel(), matmat=A.matmat,
-                        dtype=np.float64)
+    lo = LinearOperator(
+        (A.N, A.N), matvec=lambda v: A.matmat(v.reshape(-1, 1)).ravel(), matmat=A.matmat, dtype=np.float64
+    )
     v0 = np.random.default_rng(seed).standard_normal(A.N)
     try:
         w, V = eigsh(lo, k=k, which="LA", tol=tol, maxiter=max_iter, v0=v0)
     except ArpackNoConvergence as err:
-        raise RuntimeError(f"ARPACK found {len(err.eigenvalues)} of k={k} eigenpairs within max_iter={max_iter}; "
-                           "raise max_iter or use method='lanczos'") from err
+        raise RuntimeError(
+            f"ARPACK found {len(err.eigenvalues)} of k={k} eigenpairs within max_iter={max_iter}; "
+            "raise max_iter or use method='lanczos'"
+        ) from err
     order = np.argsort(w)[::-1]
     return w[order], V[:, order]
 
@@ -174,8 +226,13 @@ def _fix_signs(V: np.ndarray, owned: bool = False) -> np.ndarray:
     min is larger in size; only a tie needs argmax.  At N = 10⁴, k = 500: ~0.01 s, against
     0.06–0.16 s for the float64 column-major copy and NumPy's |V| temporary that a view (dense
     eigh's columns of its (N, N) V) still gets."""
-    if not (owned and isinstance(V, np.ndarray) and V.dtype == np.float64
-            and (V.flags.c_contiguous or V.flags.f_contiguous) and V.size):
+    if not (
+        owned
+        and isinstance(V, np.ndarray)
+        and V.dtype == np.float64
+        and (V.flags.c_contiguous or V.flags.f_contiguous)
+        and V.size
+    ):
         V = np.array(V, dtype=np.float64, order="F")
         cols = np.arange(V.shape[1])
         flip = V[np.abs(V).argmax(axis=0), cols] < 0
@@ -211,8 +268,9 @@ def _parse_k(k: object, N: int) -> int:
 def _check_options(tol: float, max_iter: int | None, seed: int) -> None:
     if not (isinstance(tol, (int, float)) and np.isfinite(tol) and tol > 0):
         raise ValueError(f"tol must be a finite float > 0, got {tol!r}")
-    if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer))
-                                 or max_iter < 1):
+    if max_iter is not None and (
+        isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)) or max_iter < 1
+    ):
         raise ValueError(f"max_iter must be None or an int >= 1, got {max_iter!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an int, got {seed!r}")

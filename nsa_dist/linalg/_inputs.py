@@ -101,8 +101,10 @@ class SymmetricMap:
         C = self.ops.to_numpy(X.T @ GX)  # (2, 2)
         asym, scale = abs(C[0, 1] - C[1, 0]), float(self.ops.colnorms(GX).max())
         if asym > self.sym_rtol * scale:
-            raise ValueError(f"G_or_operator is not symmetric: |xᵀ(G y) − yᵀ(G x)| = {asym:.3g} for orthonormal "
-                             f"x, y ({asym / scale:.3g} of ‖G x‖, allowed ≤ {self.sym_rtol:.1e})")
+            raise ValueError(
+                f"G_or_operator is not symmetric: |xᵀ(G y) − yᵀ(G x)| = {asym:.3g} for orthonormal "
+                f"x, y ({asym / scale:.3g} of ‖G x‖, allowed ≤ {self.sym_rtol:.1e})"
+            )
 
 
 def sym_rtol(eps: float) -> float:
@@ -131,11 +133,14 @@ def as_symmetric_map(G: Any, backend: Backend, name: str = "G_or_operator") -> S
         return _dense_map(G, backend, name)
     import scipy.sparse as sp
     from scipy.sparse.linalg import LinearOperator, aslinearoperator
+
     if sp.issparse(G):
         G = aslinearoperator(G)
     if not (hasattr(G, "matmat") or hasattr(G, "matvec")) or not hasattr(G, "shape"):
-        raise TypeError(f"{name} must be an (N, N) array (NumPy, torch, CuPy) or an operator with "
-                        f"`shape` and `matmat(V)` or `matvec(v)`; got {type(G).__name__}")
+        raise TypeError(
+            f"{name} must be an (N, N) array (NumPy, torch, CuPy) or an operator with "
+            f"`shape` and `matmat(V)` or `matvec(v)`; got {type(G).__name__}"
+        )
     shape = tuple(G.shape)
     if len(shape) != 2 or shape[0] != shape[1]:
         raise ShapeError(f"{name} must be square (N, N); the operator has shape {shape}")
@@ -159,8 +164,10 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
     checked = G if is_float else ops.asarray(G)  # integer or bool entries: their float64 copy
     n_bad = _non_finite(checked)
     if n_bad:
-        raise NonFiniteError(f"{name} holds {n_bad} NaN/inf entries (of {shape[0] * shape[1]}); "
-                             "only finite matrices have an eigendecomposition")
+        raise NonFiniteError(
+            f"{name} holds {n_bad} NaN/inf entries (of {shape[0] * shape[1]}); "
+            "only finite matrices have an eigendecomposition"
+        )
     _check_symmetric(checked, sym_rtol(_eps_of(G)), ops.name, name)
     A = SymmetricMap(shape[0], ops, lambda X: A.dense @ X, source=checked)
     return A
@@ -183,8 +190,10 @@ def _check_symmetric(G: Any, rtol: float, backend: str, what: str) -> None:
     0.18 s against 0.84 s with 4096-tiles); 4096 on a GPU (fewer kernel launches)."""
     asym, scale = _asymmetry(G, tile=256 if backend == "numpy" else 4096 if _on_gpu(G) else 512)
     if asym > rtol * scale:
-        raise ValueError(f"{what} must be symmetric; max |G - Gᵀ| = {asym:.3g} ({asym / scale:.3g} of max |G|, "
-                         f"allowed ≤ {rtol:.1e}); symmetrise with (G + G.T) / 2 if this is rounding")
+        raise ValueError(
+            f"{what} must be symmetric; max |G - Gᵀ| = {asym:.3g} ({asym / scale:.3g} of max |G|, "
+            f"allowed ≤ {rtol:.1e}); symmetrise with (G + G.T) / 2 if this is rounding"
+        )
 
 
 def _asymmetry(G: Any, tile: int) -> tuple[float, float]:
@@ -192,8 +201,8 @@ def _asymmetry(G: Any, tile: int) -> tuple[float, float]:
     N, asym, scale = G.shape[0], 0.0, 0.0
     for i in range(0, N, tile):
         for j in range(i, N, tile):
-            A = G[i:i + tile, j:j + tile]
-            asym = max(asym, float(abs(A - G[j:j + tile, i:i + tile].T).max()))
+            A = G[i : i + tile, j : j + tile]
+            asym = max(asym, float(abs(A - G[j : j + tile, i : i + tile].T).max()))
             scale = max(scale, float(abs(A).max()))
     return asym, scale
 
@@ -201,19 +210,24 @@ def _asymmetry(G: Any, tile: int) -> tuple[float, float]:
 def _operator_map(op: Any, N: int, backend: Backend, numpy_only: bool) -> SymmetricMap:
     feed, out = _probe(op, N, backend, numpy_only)
     if tuple(out.shape) not in ((N, 1), (N,)):
-        raise ShapeError(f"the operator's matmat returned shape {tuple(out.shape)} for a block of shape "
-                         f"({N}, 1); it must map (N, b) to (N, b) with N = {N}")
+        raise ShapeError(
+            f"the operator's matmat returned shape {tuple(out.shape)} for a block of shape "
+            f"({N}, 1); it must map (N, b) to (N, b) with N = {N}"
+        )
     ops = resolve_backend(backend, out)
 
     def apply(X: Any) -> Any:
         Y = _apply(op, feed(X))
         if tuple(Y.shape) != tuple(X.shape):
-            raise ShapeError(f"the operator's matmat returned shape {tuple(Y.shape)} for a block of shape "
-                             f"{tuple(X.shape)}; it must map (N, b) to (N, b) with N = {N}")
+            raise ShapeError(
+                f"the operator's matmat returned shape {tuple(Y.shape)} for a block of shape "
+                f"{tuple(X.shape)}; it must map (N, b) to (N, b) with N = {N}"
+            )
         Y = ops.asarray(Y)
         if not ops.all_finite(Y):
-            raise NonFiniteError(f"the operator returned NaN/inf for a block of {X.shape[1]} vectors; "
-                                 "check the model/data it wraps")
+            raise NonFiniteError(
+                f"the operator returned NaN/inf for a block of {X.shape[1]} vectors; check the model/data it wraps"
+            )
         return Y
 
     return SymmetricMap(N, ops, apply, eps=_eps_of(out), sym_rtol=sym_rtol(_eps_of(out)), n_matvec=1)
@@ -252,8 +266,9 @@ def _probe(op: Any, N: int, backend: Backend, numpy_only: bool) -> tuple[Callabl
             out = np.asarray(out)
         return (lambda X, kind=kind, dtype=dtype, device=device: _contiguous(convert(X, kind, dtype, device))), out
     tried = ", ".join(f"{kind} {dtype}" + (f" on {device}" if device else "") for kind, dtype, device in candidates)
-    raise TypeError(f"the operator's matmat/matvec failed on every array type tried ({tried}): {first_err!r}") \
-        from first_err
+    raise TypeError(
+        f"the operator's matmat/matvec failed on every array type tried ({tried}): {first_err!r}"
+    ) from first_err
 
 
 def _contiguous(X: Any) -> Any:

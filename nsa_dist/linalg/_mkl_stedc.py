@@ -27,8 +27,16 @@ import numpy as np
 
 from nsa_dist.linalg._mkl_syrdb import fortran_info, fortran_int, mkl_function, probe_verdict
 
-__all__ = ["first_row", "first_row_errors", "first_row_ready", "probe_stedc", "rows_of_s", "stedc", "stedc_errors",
-           "stedc_ready"]
+__all__ = [
+    "first_row",
+    "first_row_errors",
+    "first_row_ready",
+    "probe_stedc",
+    "rows_of_s",
+    "stedc",
+    "stedc_errors",
+    "stedc_ready",
+]
 
 _log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
@@ -53,15 +61,25 @@ def stedc(d: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = int(np.shape(d)[0])
     w = np.array(d, dtype=np.float64)  # (N,) overwritten by λ
     off = np.zeros(max(n, 1))
-    off[:n - 1] = e
+    off[: n - 1] = e
     S = np.zeros((n, n), order="F")
     info = fortran_int(0)
 
     def call(work: np.ndarray, lwork: int, iwork: np.ndarray, liwork: int) -> None:
-        fn(ctypes.c_char_p(b"I"), ctypes.byref(fortran_int(n)), w.ctypes.data_as(_P), off.ctypes.data_as(_P),
-           S.ctypes.data_as(_P), ctypes.byref(fortran_int(max(n, 1))), work.ctypes.data_as(_P),
-           ctypes.byref(fortran_int(lwork)), iwork.ctypes.data_as(_P), ctypes.byref(fortran_int(liwork)),
-           ctypes.byref(info), ctypes.c_size_t(1))
+        fn(
+            ctypes.c_char_p(b"I"),
+            ctypes.byref(fortran_int(n)),
+            w.ctypes.data_as(_P),
+            off.ctypes.data_as(_P),
+            S.ctypes.data_as(_P),
+            ctypes.byref(fortran_int(max(n, 1))),
+            work.ctypes.data_as(_P),
+            ctypes.byref(fortran_int(lwork)),
+            iwork.ctypes.data_as(_P),
+            ctypes.byref(fortran_int(liwork)),
+            ctypes.byref(info),
+            ctypes.c_size_t(1),
+        )
         if fortran_info(info) != 0:
             raise RuntimeError(f"MKL dstedc failed with info = {fortran_info(info)} (N = {n})")
 
@@ -94,12 +112,21 @@ def stedc_errors(d: np.ndarray, e: np.ndarray, w: np.ndarray, S: np.ndarray) -> 
     TS = d[:, None] * S
     TS[:-1] += e[:, None] * S[1:]
     TS[1:] += e[:, None] * S[:-1]
-    return dict(zip(names, (float(np.abs(w - ref).max()) / scale, float(np.abs(TS - S * w).max()) / scale,
-                            float(np.abs(S.T @ S - np.eye(S.shape[0])).max()))))
+    return dict(
+        zip(
+            names,
+            (
+                float(np.abs(w - ref).max()) / scale,
+                float(np.abs(TS - S * w).max()) / scale,
+                float(np.abs(S.T @ S - np.eye(S.shape[0])).max()),
+            ),
+        )
+    )
 
 
-def first_row_errors(d: np.ndarray, e: np.ndarray, w: np.ndarray, s0: np.ndarray, gap: float = 1e-6
-                     ) -> dict[str, float]:
+def first_row_errors(
+    d: np.ndarray, e: np.ndarray, w: np.ndarray, s0: np.ndarray, gap: float = 1e-6
+) -> dict[str, float]:
     """How far (w, s0) is from T's eigenvalues and first eigenvector row, against SciPy's ``dstevd``,
     relative to ‖T‖₂: ``max|w − λ(T)|`` and ``max|Σ_{i∈g} s0_i² − Σ_{i∈g} S[0, i]²|`` over the groups g
     of eigenvalues closer than ``gap``·‖T‖ (inside a cluster S[0, i] is not unique, its sum is);
@@ -112,7 +139,7 @@ def first_row_errors(d: np.ndarray, e: np.ndarray, w: np.ndarray, s0: np.ndarray
     ref, S, _ = lapack.dstevd(np.asarray(d, np.float64), np.asarray(e, np.float64), compute_v=1)
     scale = max(float(np.abs(ref).max()), np.finfo(np.float64).tiny)
     group = np.concatenate([[0], np.cumsum(np.diff(ref) > gap * scale)])  # (n,) cluster ids, ascending
-    dW = np.bincount(group, s0 ** 2) - np.bincount(group, S[0] ** 2)
+    dW = np.bincount(group, s0**2) - np.bincount(group, S[0] ** 2)
     return dict(zip(names, (float(np.abs(w - ref).max()) / scale, float(np.abs(dW).max()))))
 
 
@@ -130,10 +157,13 @@ def first_row_ready() -> bool:
         return False
     errs = first_row_errors(d, e, w, s0)
     tol = 50 * _PROBE_N * float(np.finfo(np.float64).eps)
-    return probe_verdict({k: v * (1e-6 if "cluster" in k else 1.0) for k, v in errs.items()}, tol,
-                         f"the first-row divide and conquer disagrees with SciPy's dstevd on a {_PROBE_N}-row probe "
-                         "(cluster weights scaled by 1e-6)",
-                         "T's first eigenvector row comes from a whole divide and conquer")
+    return probe_verdict(
+        {k: v * (1e-6 if "cluster" in k else 1.0) for k, v in errs.items()},
+        tol,
+        f"the first-row divide and conquer disagrees with SciPy's dstevd on a {_PROBE_N}-row probe "
+        "(cluster weights scaled by 1e-6)",
+        "T's first eigenvector row comes from a whole divide and conquer",
+    )
 
 
 @functools.cache
@@ -157,9 +187,12 @@ def probe_stedc() -> bool:
     except RuntimeError as err:
         _log.warning("MKL dstedc unusable (%s); T's eigenproblem takes SciPy's dstevd", err)
         return False
-    return probe_verdict(stedc_errors(d, e, w, S), 50 * _PROBE_N * float(np.finfo(np.float64).eps),
-                         f"MKL dstedc disagrees with SciPy's dstevd on a {_PROBE_N}-row probe",
-                         "T's eigenproblem takes SciPy's dstevd")
+    return probe_verdict(
+        stedc_errors(d, e, w, S),
+        50 * _PROBE_N * float(np.finfo(np.float64).eps),
+        f"MKL dstedc disagrees with SciPy's dstevd on a {_PROBE_N}-row probe",
+        "T's eigenproblem takes SciPy's dstevd",
+    )
 
 
 def _probe_tridiagonal(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -184,8 +217,9 @@ def first_row(d: np.ndarray, e: np.ndarray, leaf: int = 32) -> tuple[np.ndarray,
     return w, M[0]
 
 
-def rows_of_s(d: np.ndarray, e: np.ndarray, X: np.ndarray | None = None, leaf: int = 32
-              ) -> tuple[np.ndarray, np.ndarray]:
+def rows_of_s(
+    d: np.ndarray, e: np.ndarray, X: np.ndarray | None = None, leaf: int = 32
+) -> tuple[np.ndarray, np.ndarray]:
     """Eigenvalues of T = tridiag(e, d, e) and the rows e₁ᵀS, e_Nᵀ S and XᵀS of its eigenvector matrix S,
     by divide and conquer carrying only those rows of each block's S (Cuppen's method with LAPACK's
     deflation, ``dlaed2``, and Gu–Eisenstat eigenvectors, ``dlaed3``; the secular equations by MKL's
@@ -230,12 +264,16 @@ def _rows(d: np.ndarray, e: np.ndarray, X: np.ndarray, leaf: int) -> tuple[np.nd
     d1, d2 = d[:m].copy(), d[m:].copy()
     d1[-1] -= abs(b)  # T = diag(T1, T2) − |b|(e_m e_mᵀ + e_{m+1}e_{m+1}ᵀ) + |b| v vᵀ, v = e_m + sign(b) e_{m+1}
     d2[0] -= abs(b)
-    w1, M1 = _rows(d1, e[:m - 1], X[:m], leaf)
+    w1, M1 = _rows(d1, e[: m - 1], X[:m], leaf)
     w2, M2 = _rows(d2, e[m:], X[m:], leaf)
     z = np.concatenate([M1[1], np.copysign(1.0, b) * M2[0]]) / np.sqrt(2.0)  # ‖z‖ = 1
-    M = np.block([[M1[:1], np.zeros_like(M2[:1])],  # first row: block 1's
-                  [np.zeros_like(M1[:1]), M2[1:2]],  # last row: block 2's
-                  [M1[2:], M2[2:]]])  # XᵀS: each block its own part of X
+    M = np.block(
+        [
+            [M1[:1], np.zeros_like(M2[:1])],  # first row: block 1's
+            [np.zeros_like(M1[:1]), M2[1:2]],  # last row: block 2's
+            [M1[2:], M2[2:]],
+        ]
+    )  # XᵀS: each block its own part of X
     return _merge(np.concatenate([w1, w2]), z, 2.0 * abs(b), M)
 
 
@@ -269,8 +307,7 @@ def _merge(D: np.ndarray, z: np.ndarray, rho: float, M: np.ndarray) -> tuple[np.
     return D[order], M[:, order]
 
 
-def _secular(dl: np.ndarray, w: np.ndarray, rho: float, M: np.ndarray, rows: int = 64
-             ) -> tuple[np.ndarray, np.ndarray]:
+def _secular(dl: np.ndarray, w: np.ndarray, rho: float, M: np.ndarray, rows: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """Roots λ_j of 1 + ρ Σ w_i² / (dl_i − λ) (MKL ``dlaed4``, one call a root) and the rows M (r, k)
     carried into the eigenvectors u_j ∝ ŵ / (dl − λ_j), ŵ the Gu–Eisenstat vector recomputed from the
     roots (``dlaed3``).
@@ -327,8 +364,16 @@ def _dlaed4_rows(dl: np.ndarray, w: np.ndarray, rho: float, lo: int, hi: int, la
     dlam, info, kk, r = ctypes.c_double(0.0), fortran_int(0), fortran_int(k), ctypes.c_double(rho)
     pd, pw = dl.ctypes.data_as(_P), w.ctypes.data_as(_P)
     for j in range(lo, hi):
-        fn(ctypes.byref(kk), ctypes.byref(fortran_int(j + 1)), pd, pw, out[j - lo].ctypes.data_as(_P), ctypes.byref(r),
-           ctypes.byref(dlam), ctypes.byref(info))
+        fn(
+            ctypes.byref(kk),
+            ctypes.byref(fortran_int(j + 1)),
+            pd,
+            pw,
+            out[j - lo].ctypes.data_as(_P),
+            ctypes.byref(r),
+            ctypes.byref(dlam),
+            ctypes.byref(info),
+        )
         if fortran_info(info) != 0:
             raise RuntimeError(f"MKL dlaed4 failed with info = {fortran_info(info)} (root {j + 1} of {k})")
         lam[j] = dlam.value

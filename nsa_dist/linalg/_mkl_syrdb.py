@@ -23,9 +23,21 @@ import os
 
 import numpy as np
 
-__all__ = ["KD_VALUES", "MIN_N", "first_column_ready", "fortran_info", "fortran_int", "mkl_function",
-           "probe_first_column", "probe_syrdb", "probe_verdict", "reduction_errors", "syrdb_explicit", "syrdb_ready",
-           "syrdb_values"]
+__all__ = [
+    "KD_VALUES",
+    "MIN_N",
+    "first_column_ready",
+    "fortran_info",
+    "fortran_int",
+    "mkl_function",
+    "probe_first_column",
+    "probe_syrdb",
+    "probe_verdict",
+    "reduction_errors",
+    "syrdb_explicit",
+    "syrdb_ready",
+    "syrdb_values",
+]
 
 _log = logging.getLogger(__name__)
 # band of the first stage: jobz = V at N = 10⁴ float32 under the same load, kd 32 137 s, 64 80 s, 128 67 s,
@@ -129,17 +141,31 @@ def _syrdb(A: np.ndarray, kd: int, jobz: bytes) -> tuple[np.ndarray, np.ndarray]
     info = fortran_int(0)
 
     def call(work: np.ndarray, lwork: int) -> None:
-        fn(ctypes.c_char_p(jobz), ctypes.c_char_p(b"L"), ctypes.byref(fortran_int(n)), ctypes.byref(fortran_int(kd)),
-           A.ctypes.data_as(_P), ctypes.byref(fortran_int(n)), d.ctypes.data_as(_P), e.ctypes.data_as(_P),
-           tau.ctypes.data_as(_P), Z.ctypes.data_as(_P), ctypes.byref(fortran_int(1)), work.ctypes.data_as(_P),
-           ctypes.byref(fortran_int(lwork)), ctypes.byref(info), ctypes.c_size_t(1), ctypes.c_size_t(1))
+        fn(
+            ctypes.c_char_p(jobz),
+            ctypes.c_char_p(b"L"),
+            ctypes.byref(fortran_int(n)),
+            ctypes.byref(fortran_int(kd)),
+            A.ctypes.data_as(_P),
+            ctypes.byref(fortran_int(n)),
+            d.ctypes.data_as(_P),
+            e.ctypes.data_as(_P),
+            tau.ctypes.data_as(_P),
+            Z.ctypes.data_as(_P),
+            ctypes.byref(fortran_int(1)),
+            work.ctypes.data_as(_P),
+            ctypes.byref(fortran_int(lwork)),
+            ctypes.byref(info),
+            ctypes.c_size_t(1),
+            ctypes.c_size_t(1),
+        )
         if fortran_info(info) != 0:
             raise RuntimeError(f"MKL {prefix}syrdb failed with info = {fortran_info(info)} (N = {n}, kd = {kd})")
 
     call(query, -1)  # workspace query; never below (2kd + 1)·N + kd: MKL writes past a short workspace
     lwork = max(int(query[0]), (2 * kd + 1) * n + kd)
     call(np.empty(lwork, A.dtype), lwork)
-    return d, e[:n - 1]
+    return d, e[: n - 1]
 
 
 @functools.cache
@@ -165,9 +191,12 @@ def probe_syrdb(dtype: np.dtype) -> bool:
     except RuntimeError as err:
         _log.warning("MKL ?syrdb unusable (%s); k: all reductions take SciPy's ?sytrd (several times slower)", err)
         return False
-    return probe_verdict(reduction_errors(A, Q, d, e), tol,
-                         f"MKL {_prefix(dtype)}syrdb disagrees with SciPy on a {_PROBE_N}×{_PROBE_N} {dtype} probe",
-                         "k: all reductions take SciPy's ?sytrd (several times slower)")
+    return probe_verdict(
+        reduction_errors(A, Q, d, e),
+        tol,
+        f"MKL {_prefix(dtype)}syrdb disagrees with SciPy on a {_PROBE_N}×{_PROBE_N} {dtype} probe",
+        "k: all reductions take SciPy's ?sytrd (several times slower)",
+    )
 
 
 def probe_verdict(errs: dict[str, float], tol: float, what: str, instead: str) -> bool:
@@ -217,12 +246,19 @@ def probe_first_column(dtype: np.dtype) -> bool:
         return False
     Q = Q.astype(np.float64)
     e1 = np.eye(n)[0]
-    errs = {**{k: v / scale for k, v in reduction_errors(A, Q, d, e).items()},
-            "|Q[:, 0] - e1|": float(np.abs(Q[:, 0] - e1).max()), "|Q[0, :] - e1|": float(np.abs(Q[0] - e1).max()),
-            "|d(N) - d(V)|/|A|": float(np.abs(d_n.astype(np.float64) - d).max()) / scale,
-            "||e(N)| - |e(V)||/|A|": float(np.abs(np.abs(e_n.astype(np.float64)) - np.abs(e)).max()) / scale}
-    return probe_verdict(errs, 50 * n * eps, f"MKL {_prefix(dtype)}syrdb does not keep e1 fixed on a {n}×{n} {dtype} "
-                         "probe", "the one-vector k: all route takes SciPy's ?sytrd")
+    errs = {
+        **{k: v / scale for k, v in reduction_errors(A, Q, d, e).items()},
+        "|Q[:, 0] - e1|": float(np.abs(Q[:, 0] - e1).max()),
+        "|Q[0, :] - e1|": float(np.abs(Q[0] - e1).max()),
+        "|d(N) - d(V)|/|A|": float(np.abs(d_n.astype(np.float64) - d).max()) / scale,
+        "||e(N)| - |e(V)||/|A|": float(np.abs(np.abs(e_n.astype(np.float64)) - np.abs(e)).max()) / scale,
+    }
+    return probe_verdict(
+        errs,
+        50 * n * eps,
+        f"MKL {_prefix(dtype)}syrdb does not keep e1 fixed on a {n}×{n} {dtype} probe",
+        "the one-vector k: all route takes SciPy's ?sytrd",
+    )
 
 
 def reduction_errors(A: np.ndarray, Q: np.ndarray, d: np.ndarray, e: np.ndarray) -> dict[str, float]:
@@ -243,6 +279,8 @@ def reduction_errors(A: np.ndarray, Q: np.ndarray, d: np.ndarray, e: np.ndarray)
         return {"|QTQ' - A|": float("inf"), "|Q'Q - I|·|A|": float("inf"), "|λ(T) - λ(A)|": float("inf")}
     w = sl.eigvalsh(A)
     T = np.diag(d) + np.diag(e, -1) + np.diag(e, 1)
-    return {"|QTQ' - A|": float(np.abs(Q @ T @ Q.T - A).max()),
-            "|Q'Q - I|·|A|": float(np.abs(Q.T @ Q - np.eye(n)).max() * np.abs(w).max()),
-            "|λ(T) - λ(A)|": float(np.abs(sl.eigvalsh_tridiagonal(d, e) - w).max())}
+    return {
+        "|QTQ' - A|": float(np.abs(Q @ T @ Q.T - A).max()),
+        "|Q'Q - I|·|A|": float(np.abs(Q.T @ Q - np.eye(n)).max() * np.abs(w).max()),
+        "|λ(T) - λ(A)|": float(np.abs(sl.eigvalsh_tridiagonal(d, e) - w).max()),
+    }

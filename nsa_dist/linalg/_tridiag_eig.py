@@ -47,8 +47,9 @@ def lapack_ok(name: str, info: int) -> None:
         raise RuntimeError(f"LAPACK {name} failed with info = {info}")
 
 
-def solve_tridiagonal(d: np.ndarray, e: np.ndarray, X: np.ndarray, solver: str | Solver, cols: list[int]
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Solver]:
+def solve_tridiagonal(
+    d: np.ndarray, e: np.ndarray, X: np.ndarray, solver: str | Solver, cols: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Solver]:
     """T = tridiag(e, d, e) = S diag(λ) Sᵀ as far as it is used: λ (N,) ascending, Sᵀ X (N, c), S[0, :] (N,),
     the columns S[:, cols] (N, m, 0-based ascending positions), and the :class:`Solver` that ran.
 
@@ -65,8 +66,9 @@ def solve_tridiagonal(d: np.ndarray, e: np.ndarray, X: np.ndarray, solver: str |
 
     route = parse_enum(Solver, solver, "solver")
     if route is Solver.ROWS and not first_row_ready():
-        raise ValueError("solver='rows' needs MKL dlaed4 present and passing its probe (see the log); "
-                         "use 'auto', 'mkl' or 'lapack'")
+        raise ValueError(
+            "solver='rows' needs MKL dlaed4 present and passing its probe (see the log); use 'auto', 'mkl' or 'lapack'"
+        )
     if route is Solver.ROWS or route is Solver.AUTO and MKL_STEDC and first_row_ready():
         lam, M = rows_of_s(d, e, X)  # (2 + c, N): S[0], S[−1], XᵀS
         Sc, bad = _columns(d, e, lam, cols)
@@ -115,13 +117,17 @@ def _rows_errors(d: np.ndarray, e: np.ndarray, X: np.ndarray, lam: np.ndarray, P
     norm = max(float(np.abs(lam).max()), np.finfo(np.float64).tiny)
     tol = 100 * N * float(np.finfo(np.float64).eps) * (X * X).sum(axis=0)  # (c,)
     refs = ((X * X).sum(axis=0), (X * TX).sum(axis=0), (TX * TX).sum(axis=0))
-    bad = [f"m = {m}: {float(np.max(np.abs((P ** 2) @ lam ** m - ref) / (tol * norm ** m))):.1e} × allowed"
-           for m, ref in enumerate(refs) if not np.all(np.abs((P ** 2) @ lam ** m - ref) <= tol * norm ** m)]
+    bad = [
+        f"m = {m}: {float(np.max(np.abs((P**2) @ lam**m - ref) / (tol * norm**m))):.1e} × allowed"
+        for m, ref in enumerate(refs)
+        if not np.all(np.abs((P**2) @ lam**m - ref) <= tol * norm**m)
+    ]
     return "; ".join(bad) if bad else None
 
 
-def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto"
-                      ) -> tuple[np.ndarray, np.ndarray, Solver]:
+def _tridiagonal_eigh(
+    d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto"
+) -> tuple[np.ndarray, np.ndarray, Solver]:
     """Eigenvalues (N,) ascending and eigenvectors S (N, N) of T = tridiag(e, d, e), float64, by
     divide and conquer (its merges are GEMMs, and an NTK's many near-zero eigenvalues deflate;
     13 s at N = 10⁴ by SciPy's where chunked MRRR took ~30 s), and the :class:`Solver` that ran.
@@ -137,8 +143,9 @@ def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray, solver: str | Solver = "auto
     if (route is Solver.MKL or route is Solver.AUTO and MKL_STEDC) and d.shape[0] > 1 and stedc_ready():
         return (*stedc(d, e), Solver.MKL)
     if route is Solver.MKL and d.shape[0] > 1:
-        raise ValueError("solver='mkl' needs MKL dstedc present and passing its probe (see the log); "
-                         "use 'auto' or 'lapack'")
+        raise ValueError(
+            "solver='mkl' needs MKL dstedc present and passing its probe (see the log); use 'auto' or 'lapack'"
+        )
     if d.shape[0] == 1:
         return d.copy(), np.ones((1, 1)), Solver.LAPACK
     w, S, info = lapack.dstevd(d, e, compute_v=1)

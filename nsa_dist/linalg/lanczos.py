@@ -32,8 +32,13 @@ import torch
 
 from nsa_dist.linalg._backend import ArrayOps, HostWorkspace, TorchOps
 
-__all__ = ["LanczosConvergenceWarning", "LanczosResult", "block_lanczos",
-           "block_gauss_quadrature", "default_block_size"]
+__all__ = [
+    "LanczosConvergenceWarning",
+    "LanczosResult",
+    "block_lanczos",
+    "block_gauss_quadrature",
+    "default_block_size",
+]
 
 _DEFLATE = 1e-13  # singular values below this (× ‖G‖) of a new block are treated as zero
 _CLEAN = 1e-3  # below this (× ‖G X‖) a new block is re-orthogonalised once more
@@ -70,10 +75,21 @@ def default_block_size(N: int, k: int) -> int:
     return max(1, min(16, N // 4, k))
 
 
-def block_lanczos(matmat: Callable[[Any], Any], N: int, k: int, ops: ArrayOps, *, tol: float = 1e-10,
-                  max_iter: int | None = None, seed: int = 0, block_size: int | None = None,
-                  max_basis: int | None = None, sym_rtol: float = 1.5e-8, start: Any = None,
-                  workspace: HostWorkspace | None = None) -> LanczosResult:
+def block_lanczos(
+    matmat: Callable[[Any], Any],
+    N: int,
+    k: int,
+    ops: ArrayOps,
+    *,
+    tol: float = 1e-10,
+    max_iter: int | None = None,
+    seed: int = 0,
+    block_size: int | None = None,
+    max_basis: int | None = None,
+    sym_rtol: float = 1.5e-8,
+    start: Any = None,
+    workspace: HostWorkspace | None = None,
+) -> LanczosResult:
     """Top-k (largest algebraic) eigenpairs of a symmetric operator by thick-restart block Lanczos.
 
     Stops when every Ritz residual satisfies ``‖G v_i − θ_i v_i‖ ≤ tol · max|θ|``; by the
@@ -126,11 +142,11 @@ def block_lanczos(matmat: Callable[[Any], Any], N: int, k: int, ops: ArrayOps, *
             since_check = 0
             if not full and st.steps < max_iter and B is not None and _surely_unconverged(st.H[:n, :n], B, bp, k, tol):
                 Bc = np.zeros((B.shape[0], n))
-                Bc[:, n - bp:] = B
+                Bc[:, n - bp :] = B
                 P = P_next
                 continue
             theta, Y = _ritz(st.H[:n, :n])
-            res = np.zeros(k) if B is None else np.linalg.norm(B @ Y[n - bp:, :k], axis=0)
+            res = np.zeros(k) if B is None else np.linalg.norm(B @ Y[n - bp :, :k], axis=0)
             scale = float(np.abs(theta).max())
             if res.max() <= tol * scale or P_next is None or st.steps >= max_iter:
                 return st.finish(theta, Y, k, tol, P_next is None or res.max() <= tol * scale, restarts)
@@ -140,7 +156,7 @@ def block_lanczos(matmat: Callable[[Any], Any], N: int, k: int, ops: ArrayOps, *
                 P = P_next
                 continue
         Bc = np.zeros((B.shape[0], n))
-        Bc[:, n - bp:] = B
+        Bc[:, n - bp :] = B
         P = P_next
 
 
@@ -157,8 +173,9 @@ def _start_block(ops: ArrayOps, N: int, b: int, rng: np.random.Generator, start:
     return _qr(ops, ops.hstack(S, ops.from_numpy(rng.standard_normal((N, b - s)))))
 
 
-def block_gauss_quadrature(matmat: Callable[[Any], Any], Z: Any, n_steps: int, ops: ArrayOps, *,
-                           sym_rtol: float = 1.5e-8, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+def block_gauss_quadrature(
+    matmat: Callable[[Any], Any], Z: Any, n_steps: int, ops: ArrayOps, *, sym_rtol: float = 1.5e-8, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Block Gauss quadrature of ``zᵀ f(A) z`` for the columns z of Z, from the same Krylov machinery.
 
     ``n_steps`` block steps from Z = Q R (no restart) give the block-tridiagonal
@@ -189,18 +206,26 @@ def block_gauss_quadrature(matmat: Callable[[Any], Any], Z: Any, n_steps: int, o
         if P_next is None or n + P_next.shape[1] > st.M:
             break
         Bc = np.zeros((B.shape[0], n))
-        Bc[:, n - P.shape[1]:] = B
+        Bc[:, n - P.shape[1] :] = B
         P = P_next
-    theta, Y = np.linalg.eigh((st.H[:st.n, :st.n] + st.H[:st.n, :st.n].T) / 2)
-    W = (R.T @ Y[:Q.shape[1]]) ** 2  # (b, n)
+    theta, Y = np.linalg.eigh((st.H[: st.n, : st.n] + st.H[: st.n, : st.n].T) / 2)
+    W = (R.T @ Y[: Q.shape[1]]) ** 2  # (b, n)
     return theta, W, st.n_matvec
 
 
 class _State:
     """Basis V (N, M), products AV = G V, projected H (host), counters."""
 
-    def __init__(self, ops: ArrayOps, N: int, M: int, b: int, rng: np.random.Generator, sym_rtol: float,
-                 workspace: HostWorkspace | None = None):
+    def __init__(
+        self,
+        ops: ArrayOps,
+        N: int,
+        M: int,
+        b: int,
+        rng: np.random.Generator,
+        sym_rtol: float,
+        workspace: HostWorkspace | None = None,
+    ):
         self.ops, self.N, self.M, self.b, self.rng, self.sym_rtol = ops, N, M, b, rng, sym_rtol
         # (N, M) each; only the first n columns are ever read, and they are written first (zeroing
         # two (10⁴, 1500) blocks took 0.1 s each)
@@ -253,7 +278,7 @@ class _State:
         if r < b_next:
             P[:, r:] = ops.from_numpy(self.rng.standard_normal((self.N, b_next - r)))
         if r < b_next or S[:r].min(initial=np.inf) < _CLEAN * w_scale:
-            P = _qr(ops, _orthogonalise(ops, self.V[:, :self.n], P)[0])
+            P = _qr(ops, _orthogonalise(ops, self.V[:, : self.n], P)[0])
         return ops.to_numpy(P.T @ W), P  # (b', bp), (N, b')
 
     def _check_symmetric(self, C_old: np.ndarray, Bc_T: np.ndarray, w_scale: float) -> None:
@@ -262,9 +287,11 @@ class _State:
         asym = float(np.abs(C_old - Bc_T).max())
         scale = max(self.anorm, w_scale)
         if asym > self.sym_rtol * scale:
-            raise ValueError(f"G_or_operator is not symmetric: |xᵀ(G y) − yᵀ(G x)| = {asym:.3g} for orthonormal "
-                             f"x, y, i.e. {asym / scale:.3g} relative to ‖G‖ (allowed ≤ {self.sym_rtol:.1e}); "
-                             "top_eigenpairs needs a symmetric G")
+            raise ValueError(
+                f"G_or_operator is not symmetric: |xᵀ(G y) − yᵀ(G x)| = {asym:.3g} for orthonormal "
+                f"x, y, i.e. {asym / scale:.3g} relative to ‖G‖ (allowed ≤ {self.sym_rtol:.1e}); "
+                "top_eigenpairs needs a symmetric G"
+            )
 
     def restart(self, theta: np.ndarray, Y: np.ndarray, B: np.ndarray, bp: int, l: int) -> np.ndarray:
         """Keep the top-l Ritz vectors; return the coupling rows (b', l) of the pending block."""
@@ -275,10 +302,11 @@ class _State:
         self.H[:] = 0.0
         self.H[:l, :l] = np.diag(theta[:l])
         self.n = l
-        return B @ Y[n - bp:, :l]
+        return B @ Y[n - bp :, :l]
 
-    def finish(self, theta: np.ndarray, Y: np.ndarray, k: int, tol: float, converged: bool,
-               restarts: int) -> LanczosResult:
+    def finish(
+        self, theta: np.ndarray, Y: np.ndarray, k: int, tol: float, converged: bool, restarts: int
+    ) -> LanczosResult:
         ops, n = self.ops, self.n
         Yk = ops.from_numpy(Y[:, :k])  # (n, k)
         X = self.V[:, :n] @ Yk  # (N, k)
@@ -286,9 +314,13 @@ class _State:
         res = ops.to_numpy(ops.colnorms(R))
         if not converged:
             scale = float(np.abs(theta).max()) or 1.0
-            warnings.warn(f"Lanczos stopped after max_iter={self.steps} block products ({self.n_matvec} "
-                          f"matvecs) with max residual {res.max() / scale:.2e}·|λ|_max > tol={tol:.1e}; "
-                          "raise max_iter or use method='dense'", LanczosConvergenceWarning, stacklevel=4)
+            warnings.warn(
+                f"Lanczos stopped after max_iter={self.steps} block products ({self.n_matvec} "
+                f"matvecs) with max residual {res.max() / scale:.2e}·|λ|_max > tol={tol:.1e}; "
+                "raise max_iter or use method='dense'",
+                LanczosConvergenceWarning,
+                stacklevel=4,
+            )
         return LanczosResult(theta[:k].copy(), X, res, self.n_matvec, restarts, converged)
 
 
@@ -310,7 +342,7 @@ def _orthogonalise(ops: ArrayOps, V: Any, W: Any, local: int = 0) -> tuple[Any, 
         C2 = V.T @ W
         W = W - V @ C2
         return W, ops.to_numpy(C + C2)
-    L = V[:, m - local:]
+    L = V[:, m - local :]
     C_loc = L.T @ W  # (local, b)
     W = W - L @ C_loc
     C_loc2 = L.T @ W
@@ -319,7 +351,7 @@ def _orthogonalise(ops: ArrayOps, V: Any, W: Any, local: int = 0) -> tuple[Any, 
     C = V.T @ W  # (m, b)
     W = W - V @ C
     C = ops.to_numpy(C)
-    C[m - local:] += ops.to_numpy(C_loc + C_loc2)
+    C[m - local :] += ops.to_numpy(C_loc + C_loc2)
     if bool((ops.colnorms(W) < 0.5 * before).any()):
         C2 = V.T @ W
         W = W - V @ C2
@@ -404,7 +436,7 @@ def _surely_unconverged(H: np.ndarray, B: np.ndarray, bp: int, k: int, tol: floa
 
     with _one_blas_thread():
         _, Y = sl.eigh(Hs, subset_by_index=[n - k, n - k + m - 1], driver="evr", check_finite=False)
-    res = np.linalg.norm(B @ Y[n - bp:], axis=0)
+    res = np.linalg.norm(B @ Y[n - bp :], axis=0)
     return bool(res.max() > tol * np.abs(Hs).sum(axis=1).max())
 
 

@@ -59,8 +59,10 @@ class LinearOperator:
         shape = tuple(V.shape) if hasattr(V, "shape") else np.shape(V)
         if len(shape) not in (1, 2) or shape[0] != self.shape[0]:
             n = self.dim_name
-            raise ShapeError(f"operator of shape {self.shape} got a block of shape {shape}; expected ({n},) or "
-                             f"({n}, m) with {n} = {self.shape[0]}")
+            raise ShapeError(
+                f"operator of shape {self.shape} got a block of shape {shape}; expected ({n},) or "
+                f"({n}, m) with {n} = {self.shape[0]}"
+            )
         vec = len(shape) == 1
         if self.native == "torch":
             Vn = torch.as_tensor(V if is_torch else np.asarray(V)).to(dtype=self.dtype, device=self.device)

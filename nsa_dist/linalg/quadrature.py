@@ -50,14 +50,23 @@ from nsa_dist.linalg._backend import ArrayOps, Backend
 from nsa_dist.linalg._inputs import as_symmetric_map
 from nsa_dist.linalg.lanczos import _qr_r, _ritz, _State
 
-__all__ = ["CurveBracket", "SpectralCurves", "curve_ks", "spectral_curves", "quadrature_basis_bytes",
-           "BRACKET_SENTENCE", "atoms_density"]
+__all__ = [
+    "CurveBracket",
+    "SpectralCurves",
+    "curve_ks",
+    "spectral_curves",
+    "quadrature_basis_bytes",
+    "BRACKET_SENTENCE",
+    "atoms_density",
+]
 
-BRACKET_SENTENCE = ("λ_k for k ≤ top and E(φ, k) for k ≤ top are exact; beyond, λ_k's bracket is statistical "
-                    "(stochastic Lanczos quadrature of G's counting function, Rademacher probes, normal "
-                    "approximation with the variance bound 2·n(t), pointwise confidence {c:g}) tightened by "
-                    "Cauchy interlacing of Ritz values (provable), and E(φ, k)'s bracket is provable "
-                    "(Chebyshev–Markov–Stieltjes bounds of φ's spectral measure) given λ_k's bracket")
+BRACKET_SENTENCE = (
+    "λ_k for k ≤ top and E(φ, k) for k ≤ top are exact; beyond, λ_k's bracket is statistical "
+    "(stochastic Lanczos quadrature of G's counting function, Rademacher probes, normal "
+    "approximation with the variance bound 2·n(t), pointwise confidence {c:g}) tightened by "
+    "Cauchy interlacing of Ritz values (provable), and E(φ, k)'s bracket is provable "
+    "(Chebyshev–Markov–Stieltjes bounds of φ's spectral measure) given λ_k's bracket"
+)
 
 _BASIS_BYTES = 1 << 30  # default cap of one group's Lanczos basis and products (two (N, b·m) float64 blocks)
 
@@ -110,9 +119,21 @@ class SpectralCurves:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np.ndarray | None], ks: np.ndarray, *,
-                    lanczos_steps: int = 60, probes: int = 24, confidence: float = 0.95, density_grid: int = 200,
-                    seed: int = 0, block_size: int = 12, basis_bytes: float = _BASIS_BYTES) -> SpectralCurves:
+def spectral_curves(
+    G: Any,
+    evals: np.ndarray,
+    evecs: Any,
+    phis: Mapping[str, np.ndarray | None],
+    ks: np.ndarray,
+    *,
+    lanczos_steps: int = 60,
+    probes: int = 24,
+    confidence: float = 0.95,
+    density_grid: int = 200,
+    seed: int = 0,
+    block_size: int = 12,
+    basis_bytes: float = _BASIS_BYTES,
+) -> SpectralCurves:
     """λ_k and E(φ, k) at every ``ks`` from the top eigenpairs and products with G (see the module docstring).
 
     Args:
@@ -162,7 +183,7 @@ def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np
     rules, ritz, steps_done = [], [], m
     per_group = max(1, min(int(block_size), int(basis_bytes // (16.0 * N * m))))
     for s in range(0, len(Z), per_group):
-        block = np.column_stack(Z[s:s + per_group]) if Z else np.zeros((N, 0))
+        block = np.column_stack(Z[s : s + per_group]) if Z else np.zeros((N, 0))
         if block.shape[1] == 0:
             continue
         theta, W, steps, exhausted = _block_rule(deflated, ops.from_numpy(block), m, ops, A.sym_rtol, seed + s)
@@ -176,8 +197,9 @@ def spectral_curves(G: Any, evals: np.ndarray, evecs: Any, phis: Mapping[str, np
     energy = {}
     for name in phis:
         idx = [j for j, o in enumerate(owners) if o == name]
-        energy[name] = _energy_curve(lam, N, ks, eig, [phi_rules[j] for j in idx], norms2.get(name, np.nan),
-                                     top2.get(name), 16.0 * A.eps)
+        energy[name] = _energy_curve(
+            lam, N, ks, eig, [phi_rules[j] for j in idx], norms2.get(name, np.nan), top2.get(name), 16.0 * A.eps
+        )
     grid, dens = _density(lam, N, probe_rules, density_grid)
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N)
 
@@ -207,7 +229,7 @@ class _DenseProducts:
             return self.G @ X
         out = torch.empty((self.N, X.shape[1]), dtype=torch.float64, device=X.device)
         for a in range(0, self.N, self.rows):
-            out[a:a + self.rows] = self.G[a:a + self.rows].to(torch.float64) @ X
+            out[a : a + self.rows] = self.G[a : a + self.rows].to(torch.float64) @ X
         return out
 
 
@@ -260,7 +282,7 @@ class _Rule:
         lo, hi = np.empty(t.size), np.empty(t.size)
         for i, ti in enumerate(t):
             ab = np.zeros((3, n))
-            ab[0, 1:], ab[1], ab[2, :-1] = b[:n - 1], a - ti, b[:n - 1]
+            ab[0, 1:], ab[1], ab[2, :-1] = b[: n - 1], a - ti, b[: n - 1]
             rhs = np.zeros(n)
             rhs[-1] = b[n - 1] ** 2
             try:
@@ -309,8 +331,9 @@ class _Rule:
         return c[-1] - c[np.searchsorted(x, t, side="right")]
 
 
-def _block_rule(matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: float,
-                seed: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
+def _block_rule(
+    matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, int, bool]:
     """:func:`~nsa_dist.linalg.lanczos.block_gauss_quadrature`'s rule on the same Krylov machinery,
     also returning the block steps taken and whether the basis became invariant (then the rule is
     exact for every f)."""
@@ -327,17 +350,19 @@ def _block_rule(matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: floa
         if n + P_next.shape[1] > st.M:
             break
         Bc = np.zeros((B.shape[0], n))
-        Bc[:, n - P.shape[1]:] = B
+        Bc[:, n - P.shape[1] :] = B
         P = P_next
-    H = st.H[:st.n, :st.n]
+    H = st.H[: st.n, : st.n]
     theta, Y = _ritz(H)  # descending, MKL's eigh on the products' threads
-    W = (R.T @ Y[:Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
+    W = (R.T @ Y[: Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
     steps = st.steps
     del st
     return theta, W, steps, exhausted
 
 
-def _gauss_from_discrete(theta: np.ndarray, w: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _gauss_from_discrete(
+    theta: np.ndarray, w: np.ndarray, m: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The m-point Gauss rule (nodes ascending, weights) of the discrete measure Σ w_j δ_θj's moments
     0 … 2m − 1 (Lanczos on diag(θ) with full reorthogonalisation; fewer nodes when ν has fewer atoms,
     and then it is ν itself)."""
@@ -356,8 +381,8 @@ def _gauss_from_discrete(theta: np.ndarray, w: np.ndarray, m: int) -> tuple[np.n
         u = theta * v
         alpha[j] = u @ v
         u = u - alpha[j] * v - (beta[j - 1] * V[j - 1] if j else 0.0)
-        u -= V[:j + 1].T @ (V[:j + 1] @ u)  # full reorthogonalisation, twice
-        u -= V[:j + 1].T @ (V[:j + 1] @ u)
+        u -= V[: j + 1].T @ (V[: j + 1] @ u)  # full reorthogonalisation, twice
+        u -= V[: j + 1].T @ (V[: j + 1] @ u)
         r = j + 1
         b = float(np.linalg.norm(u))
         if j + 1 == m or b <= 1e-13 * scale:
@@ -366,15 +391,16 @@ def _gauss_from_discrete(theta: np.ndarray, w: np.ndarray, m: int) -> tuple[np.n
         v = u / b
     from scipy.linalg import eigh_tridiagonal
 
-    x, Y = eigh_tridiagonal(alpha[:r], beta[:r - 1]) if r > 1 else (alpha[:1].copy(), np.ones((1, 1)))
-    return x, mass * Y[0] ** 2, alpha[:r].copy(), beta[:r - 1].copy()
+    x, Y = eigh_tridiagonal(alpha[:r], beta[: r - 1]) if r > 1 else (alpha[:1].copy(), np.ones((1, 1)))
+    return x, mass * Y[0] ** 2, alpha[:r].copy(), beta[: r - 1].copy()
 
 
 # --------------------------------------------------------------------------- the curves
 
 
-def _phi_columns(phis: Mapping[str, np.ndarray | None],
-                 U: np.ndarray) -> tuple[np.ndarray, list[str], dict[str, float], dict[str, np.ndarray]]:
+def _phi_columns(
+    phis: Mapping[str, np.ndarray | None], U: np.ndarray
+) -> tuple[np.ndarray, list[str], dict[str, float], dict[str, np.ndarray]]:
     """The finite non-zero φ columns (N, c), their owners, ‖φ‖² and the cumulative top energies Σ_{i≤k}⟨v_i, φ⟩²."""
     N = U.shape[0]
     cols, owners, norms2, top2 = [], [], {}, {}
@@ -395,8 +421,15 @@ def _phi_columns(phis: Mapping[str, np.ndarray | None],
     return (np.column_stack(cols) if cols else np.zeros((N, 0))), owners, norms2, top2
 
 
-def _eigenvalue_curve(lam: np.ndarray, N: int, ks: np.ndarray, probes: list[_Rule], ritz: list[np.ndarray],
-                      confidence: float, slack: float = 0.0) -> CurveBracket:
+def _eigenvalue_curve(
+    lam: np.ndarray,
+    N: int,
+    ks: np.ndarray,
+    probes: list[_Rule],
+    ritz: list[np.ndarray],
+    confidence: float,
+    slack: float = 0.0,
+) -> CurveBracket:
     """λ_k: exact for k ≤ K, else the inverted bracket of the counting function (module docstring);
     ``slack``: the products' rounding (‖δG‖ ≲ 8·eps·λ_1), added to each side."""
     K = lam.size
@@ -446,8 +479,16 @@ def _last_at_least(t: np.ndarray, n: np.ndarray, k: int, default: float) -> floa
     return float(t[j]) if j >= 0 else default
 
 
-def _energy_curve(lam: np.ndarray, N: int, ks: np.ndarray, eig: CurveBracket, rules: list[_Rule], norm2: float,
-                  top2: np.ndarray | None, slack: float = 0.0) -> CurveBracket:
+def _energy_curve(
+    lam: np.ndarray,
+    N: int,
+    ks: np.ndarray,
+    eig: CurveBracket,
+    rules: list[_Rule],
+    norm2: float,
+    top2: np.ndarray | None,
+    slack: float = 0.0,
+) -> CurveBracket:
     """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond;
     ``slack`` (16·eps of the products) widens each side for the products' rounding (float32: the
     bound holds for the rounded products' moments, which differ from G's by about eps)."""

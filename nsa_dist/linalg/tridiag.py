@@ -84,8 +84,13 @@ class SpectralProjections:
     checks: tuple[tuple[str, float, float], ...] = ()
 
 
-def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
-                    reduction: str | Reduction = "auto", solver: str | Solver = "auto") -> SpectralProjections:
+def eig_projections(
+    G: Any,
+    Phi: np.ndarray,
+    indices: tuple[int, ...] = (),
+    reduction: str | Reduction = "auto",
+    solver: str | Solver = "auto",
+) -> SpectralProjections:
     """λ_1 ≥ … ≥ λ_N of G and ``Vᵀ Φ``, plus the eigenvectors ``indices`` (see module docstring).
 
     Args:
@@ -120,8 +125,10 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
     if route is Reduction.AUTO:
         route = Reduction.MKL if N >= MIN_N and syrdb_ready(dtype) else Reduction.LAPACK
     elif route is Reduction.MKL and (N < MIN_N or not syrdb_ready(dtype)):
-        raise ValueError(f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
-                         f"probe in {dtype} (see the log); use 'auto' or 'lapack'")
+        raise ValueError(
+            f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
+            f"probe in {dtype} (see the log); use 'auto' or 'lapack'"
+        )
     d = e = apply_qt = apply_q = None
     if route is Reduction.MKL:
         d, e, apply_qt, apply_q = _mkl(_fortran_copy(G_np, dtype))
@@ -141,8 +148,9 @@ def eig_projections(G: Any, Phi: np.ndarray, indices: tuple[int, ...] = (),
     return SpectralProjections(w[::-1].copy(), proj[::-1].copy(), V, tuple(indices), route, solver)
 
 
-def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
-                solver: str | Solver = "auto") -> SpectralProjections:
+def eig_weights(
+    G: Any, phi: np.ndarray, reduction: str | Reduction = "auto", solver: str | Solver = "auto"
+) -> SpectralProjections:
     """λ_1 ≥ … ≥ λ_N of G and ⟨v_i, φ⟩ of ONE vector φ, with Q neither formed nor applied.
 
     The Householder reflector H = I − β u uᵀ with H x = σ e₁ (x = φ/‖φ‖, σ = ±1) gives
@@ -191,8 +199,10 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
     x = np.asarray(phi, dtype=np.float64).reshape(N)  # (N,)
     mkl_ok = N >= MIN_N and first_column_ready(dtype)
     if route is Reduction.MKL and not mkl_ok:
-        raise ValueError(f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
-                         f"probes in {dtype} (see the log); use 'auto' or 'lapack'")
+        raise ValueError(
+            f"reduction='mkl' needs N >= {MIN_N} (got {N}) and MKL ?syrdb present and passing its "
+            f"probes in {dtype} (see the log); use 'auto' or 'lapack'"
+        )
     asked = route
     route = Reduction.MKL if route is not Reduction.LAPACK and mkl_ok else Reduction.LAPACK
     d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
@@ -203,16 +213,20 @@ def eig_weights(G: Any, phi: np.ndarray, reduction: str | Reduction = "auto",
         # reduction splits it less faithfully than Q does (E(φ, k) off by up to 0.14 for a Gaussian
         # φ at N = 10⁴ float32): the same route in float64 (exact to ~1e-6 there; 1.7× the time)
         _log.info("one-vector route: %.1e of φ's weight below float32 resolution; reduced in float64", unresolved)
-        route = Reduction.MKL if asked is not Reduction.LAPACK and N >= MIN_N and first_column_ready(np.float64) \
+        route = (
+            Reduction.MKL
+            if asked is not Reduction.LAPACK and N >= MIN_N and first_column_ready(np.float64)
             else Reduction.LAPACK
+        )
         dtype = np.dtype(np.float64)
         d, e, stats = _reflected_tridiagonal(G_np, x, dtype, route)
         lam, _, s0, _, used = solve_tridiagonal(d, e, np.zeros((N, 0)), solver, [])
     checks = tuple(_weights_checks(stats, d, e, lam, s0))
     bad = [f"{name} = {err:.2e} > {tol:.2e}" for name, err, tol in checks if not err <= tol]
     if bad:
-        _log.warning("the one-vector route's result for this %d×%d G is off (%s); redone with Q formed", N, N,
-                     "; ".join(bad))
+        _log.warning(
+            "the one-vector route's result for this %d×%d G is off (%s); redone with Q formed", N, N, "; ".join(bad)
+        )
         whole = "auto" if used is Solver.ROWS else used
         return dataclasses.replace(eig_projections(G, x, reduction=reduction, solver=whole), checks=checks)
     proj = (np.linalg.norm(x) * s0)[::-1, None].copy()  # (N, 1) descending
@@ -234,8 +248,9 @@ def _unresolved_weight(st: _Stats, lam: np.ndarray, s0: np.ndarray) -> float:
     return float((s0[np.abs(lam) <= _resolution(st)] ** 2).sum())
 
 
-def _reflected_tridiagonal(G: np.ndarray, x: np.ndarray, dtype: np.dtype, route: Reduction
-                           ) -> tuple[np.ndarray, np.ndarray, _Stats]:
+def _reflected_tridiagonal(
+    G: np.ndarray, x: np.ndarray, dtype: np.dtype, route: Reduction
+) -> tuple[np.ndarray, np.ndarray, _Stats]:
     """T (d, e float64) of G' = H G H (H e₁ ∝ x; H = I for x = 0) reduced in ``dtype`` by ``route`` with
     Q discarded, and what :func:`_weights_checks` compares it with (three products with G in all)."""
     N, nrm = G.shape[0], float(np.linalg.norm(x))
@@ -247,8 +262,16 @@ def _reflected_tridiagonal(G: np.ndarray, x: np.ndarray, dtype: np.dtype, route:
     col0 = A[:, 0].astype(np.float64)  # G' e₁ (lower part)
     d, e = _reduce_values(A, route)
     del A
-    stats = _Stats(N, float(np.finfo(dtype).eps), float(np.trace(G, dtype=np.float64)), fro2, col0, x, GX[:, 0],
-                   _products(G, GX[:, :1])[0][:, 0])
+    stats = _Stats(
+        N,
+        float(np.finfo(dtype).eps),
+        float(np.trace(G, dtype=np.float64)),
+        fro2,
+        col0,
+        x,
+        GX[:, 0],
+        _products(G, GX[:, :1])[0][:, 0],
+    )
     return d.astype(np.float64), e.astype(np.float64), stats
 
 
@@ -278,8 +301,8 @@ def _products(G: np.ndarray, X: np.ndarray, rows: int = 1024) -> tuple[np.ndarra
     """G X (N, c) in float64 from G of any float dtype and ‖G‖_F², one sweep of ``rows`` rows at a time."""
     out, fro2 = np.zeros((G.shape[0], X.shape[1])), 0.0
     for lo in range(0, G.shape[0], rows):
-        Gb = G[lo:lo + rows].astype(np.float64)  # (rows, N)
-        out[lo:lo + rows] = Gb @ X
+        Gb = G[lo : lo + rows].astype(np.float64)  # (rows, N)
+        out[lo : lo + rows] = Gb @ X
         fro2 += float(np.einsum("ij,ij->", Gb, Gb))
     return out, fro2
 
@@ -311,8 +334,9 @@ class _Stats:
     G2phi: np.ndarray
 
 
-def _weights_checks(st: _Stats, d: np.ndarray, e: np.ndarray, lam: np.ndarray, s0: np.ndarray
-                    ) -> list[tuple[str, float, float]]:
+def _weights_checks(
+    st: _Stats, d: np.ndarray, e: np.ndarray, lam: np.ndarray, s0: np.ndarray
+) -> list[tuple[str, float, float]]:
     """Whether T (d, e) belongs to G' = H G H and the weights w_i = ‖φ‖² S[0, i]² are right, as
     (name, error, tolerance) triples.
 
@@ -333,16 +357,18 @@ def _weights_checks(st: _Stats, d: np.ndarray, e: np.ndarray, lam: np.ndarray, s
     delta = _resolution(st)
     c = 100 * N * float(np.finfo(np.float64).eps)
     n2 = float(st.phi @ st.phi)
-    w = n2 * s0 ** 2  # (N,)
-    checks = [("|tr T - tr G|", abs(float(d.sum()) - st.trace), np.sqrt(N) * delta),
-              ("||T|_F - |G|_F|", abs(float(np.sqrt(d @ d + 2 * e @ e)) - F), delta),
-              ("|d0 - G'00|", abs(float(d[0]) - st.col0[0]), delta),
-              ("||e0| - |G'[1:, 0]||", abs(abs(float(e[0]) if N > 1 else 0.0) - float(np.linalg.norm(st.col0[1:]))),
-               delta)]
+    w = n2 * s0**2  # (N,)
+    checks = [
+        ("|tr T - tr G|", abs(float(d.sum()) - st.trace), np.sqrt(N) * delta),
+        ("||T|_F - |G|_F|", abs(float(np.sqrt(d @ d + 2 * e @ e)) - F), delta),
+        ("|d0 - G'00|", abs(float(d[0]) - st.col0[0]), delta),
+        ("||e0| - |G'[1:, 0]||", abs(abs(float(e[0]) if N > 1 else 0.0) - float(np.linalg.norm(st.col0[1:]))), delta),
+    ]
     moments = (n2, float(st.phi @ st.Gphi), float(st.Gphi @ st.Gphi), float(st.Gphi @ st.G2phi))  # φᵀG^mφ
     for m, ref in enumerate(moments):
-        checks.append((f"|Σ w λ^{m} - φ'G^{m}φ|", abs(float(w @ lam ** m) - ref),
-                       n2 * ((F + delta) ** m - F ** m + c * F ** m)))
+        checks.append(
+            (f"|Σ w λ^{m} - φ'G^{m}φ|", abs(float(w @ lam**m) - ref), n2 * ((F + delta) ** m - F**m + c * F**m))
+        )
     return checks
 
 
@@ -402,11 +428,11 @@ def _blocked(Q: np.ndarray, X: np.ndarray, transpose: bool, rows: int = 1024) ->
     N = Q.shape[0]
     out = np.zeros((N, X.shape[1]))
     for lo in range(0, N, rows):
-        Qb = Q[lo:lo + rows].astype(np.float64)  # (rows, N)
+        Qb = Q[lo : lo + rows].astype(np.float64)  # (rows, N)
         if transpose:
-            out += Qb.T @ X[lo:lo + rows]
+            out += Qb.T @ X[lo : lo + rows]
         else:
-            out[lo:lo + rows] = Qb @ X
+            out[lo : lo + rows] = Qb @ X
     return out
 
 
@@ -418,13 +444,14 @@ def _lapack(A: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Apply, _Apply]:
     c, d, e, tau, info = getattr(lapack, f"{s}sytrd")(A, lower=1, overwrite_a=1)
     lapack_ok(f"{s}sytrd", info)
     N = A.shape[0]
-    U = np.asfortranarray(c[1:, :N - 1])  # (N − 1, N − 1) reflectors below the diagonal
+    U = np.asfortranarray(c[1:, : N - 1])  # (N − 1, N − 1) reflectors below the diagonal
 
     def apply(X: np.ndarray, trans: str) -> np.ndarray:
         X = np.array(X, dtype=A.dtype, order="F")  # (N, m)
         if N > 1 and X.shape[1]:
-            out, _, info = getattr(lapack, f"{s}ormqr")("L", trans, U, tau[:N - 1], X[1:], max(1, 64 * X.shape[1]),
-                                                         overwrite_c=1)
+            out, _, info = getattr(lapack, f"{s}ormqr")(
+                "L", trans, U, tau[: N - 1], X[1:], max(1, 64 * X.shape[1]), overwrite_c=1
+            )
             lapack_ok(f"{s}ormqr", info)
             X[1:] = out
         return X.astype(np.float64)

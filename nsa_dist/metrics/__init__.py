@@ -25,15 +25,15 @@ from __future__ import annotations
 
 from nsa_dist.metrics.alignment import alignment_from_products, centered_sq_frobenius, kernel_target_alignment
 from nsa_dist.metrics.dynamics import (
-                                       ConstantGramResidual,
-                                       ConstantGramTrajectory,
-                                       Decays,
-                                       constant_gram_decay,
-                                       constant_gram_decays,
-                                       constant_gram_dynamics,
-                                       constant_gram_log_decays,
-                                       constant_gram_residual,
-                                       constant_gram_test_outputs,
+    ConstantGramResidual,
+    ConstantGramTrajectory,
+    Decays,
+    constant_gram_decay,
+    constant_gram_decays,
+    constant_gram_dynamics,
+    constant_gram_log_decays,
+    constant_gram_residual,
+    constant_gram_test_outputs,
 )
 from nsa_dist.metrics.energy import energy_from_projections, relative_energy, spectral_projections
 from nsa_dist.metrics.first_order import FirstOrderAccuracy, first_order_accuracy, first_order_update

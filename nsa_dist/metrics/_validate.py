@@ -50,8 +50,10 @@ def work_dtype(*arrays: np.ndarray) -> np.dtype:
 def check_rows(name_a: str, a: np.ndarray, name_b: str, b: np.ndarray, axis_b: int = 0) -> None:
     """Raise :class:`ShapeError` unless ``a.shape[0] == b.shape[axis_b]`` (the same N points)."""
     if a.shape[0] != b.shape[axis_b]:
-        raise ShapeError(f"{name_a} has shape {a.shape} and {name_b} has shape {b.shape}: "
-                         f"{name_a}.shape[0] must equal {name_b}.shape[{axis_b}] (the same N points)")
+        raise ShapeError(
+            f"{name_a} has shape {a.shape} and {name_b} has shape {b.shape}: "
+            f"{name_a}.shape[0] must equal {name_b}.shape[{axis_b}] (the same N points)"
+        )
 
 
 def positive_scalar(name: str, x: Any) -> float:

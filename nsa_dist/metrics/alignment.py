@@ -19,7 +19,7 @@ def _centered_frobenius2(G: np.ndarray) -> float:
     grand = col_mean.mean()
     total, B = 0.0, block_size(G.shape[1])
     for a in range(0, G.shape[0], B):
-        Gc = G[a:a + B].astype(np.float64) - row_mean[a:a + B, None] - col_mean[None, :] + grand  # (B, N)
+        Gc = G[a : a + B].astype(np.float64) - row_mean[a : a + B, None] - col_mean[None, :] + grand  # (B, N)
         total += float(np.sum(Gc * Gc))
     return total
 
@@ -27,7 +27,7 @@ def _centered_frobenius2(G: np.ndarray) -> float:
 def _frobenius2(G: np.ndarray) -> float:
     """‖G‖_F² accumulated in float64, row block by row block."""
     B = block_size(G.shape[1])
-    return float(sum(np.sum(np.square(G[a:a + B].astype(np.float64))) for a in range(0, G.shape[0], B)))
+    return float(sum(np.sum(np.square(G[a : a + B].astype(np.float64))) for a in range(0, G.shape[0], B)))
 
 
 def kernel_target_alignment(G: Any, y: Any, centered: bool = False) -> float:
@@ -79,8 +79,7 @@ def centered_sq_frobenius(sq_frobenius: float, G1: Any) -> float:
     return float(sq_frobenius) - 2 * float(g @ g) / N + float(g.sum()) ** 2 / N**2
 
 
-def alignment_from_products(y: Any, GY: Any, sq_frobenius: float, centered: bool = False,
-                            G1: Any = None) -> float:
+def alignment_from_products(y: Any, GY: Any, sq_frobenius: float, centered: bool = False, G1: Any = None) -> float:
     """The alignment of :func:`kernel_target_alignment` from products only (G never gathered).
 
     Raw: ``A = tr(Yᵀ G Y) / (‖G‖_F ‖YᵀY‖_F)``.  Centred, with ``g = G 1`` and ``Y_c = Y − 1ȳᵀ``

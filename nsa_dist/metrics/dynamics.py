@@ -9,9 +9,17 @@ import numpy as np
 from nsa_dist.errors import ShapeError
 from nsa_dist.metrics._validate import as_real, check_rows, positive_scalar, work_dtype
 
-__all__ = ["constant_gram_dynamics", "ConstantGramTrajectory", "constant_gram_decay", "constant_gram_residual",
-           "ConstantGramResidual", "constant_gram_test_outputs", "constant_gram_decays", "constant_gram_log_decays",
-           "Decays"]
+__all__ = [
+    "constant_gram_dynamics",
+    "ConstantGramTrajectory",
+    "constant_gram_decay",
+    "constant_gram_residual",
+    "ConstantGramResidual",
+    "constant_gram_test_outputs",
+    "constant_gram_decays",
+    "constant_gram_log_decays",
+    "Decays",
+]
 
 
 class ConstantGramTrajectory(NamedTuple):
@@ -33,8 +41,9 @@ def _steps(steps: Any) -> np.ndarray:
     return t.astype(np.int64)
 
 
-def constant_gram_dynamics(evals: Any, evecs: Any, f0: Any, y: Any, lr: float,
-                           steps: int | Any) -> ConstantGramTrajectory:
+def constant_gram_dynamics(
+    evals: Any, evecs: Any, f0: Any, y: Any, lr: float, steps: int | Any
+) -> ConstantGramTrajectory:
     """GD on the L2 loss with a fixed Gramian, in closed form (NSA Eqs. 4–5; App. D Eqs. 14, 16).
 
     With c_i = ⟨v_i, m̄_0⟩, m̄_0 = f̄_0 − ȳ and r_i = 1 − δλ_i/N:
@@ -71,8 +80,7 @@ def constant_gram_dynamics(evals: Any, evecs: Any, f0: Any, y: Any, lr: float,
     f0 = as_real("f0", f0, (1, 2))  # (N,) or (N, M)
     y = as_real("y", y, (1, 2))
     if V.shape[1] > V.shape[0] or lam.shape[0] != V.shape[1]:
-        raise ShapeError(f"evecs must be (N, K) with K <= N and evals (K,), got evecs {V.shape}, "
-                         f"evals {lam.shape}")
+        raise ShapeError(f"evecs must be (N, K) with K <= N and evals (K,), got evecs {V.shape}, evals {lam.shape}")
     check_rows("f0", f0, "evecs", V)
     if y.shape != f0.shape:
         raise ShapeError(f"y has shape {y.shape} and f0 has shape {f0.shape}; they must be equal")
@@ -254,10 +262,17 @@ def constant_gram_test_outputs(ext: Any, coef: Any, f0_test: Any, decays: Decays
     r = np.asarray(dec.values(), np.float64)  # (S, K), ±inf where it overflows
     diverged = dec.overflows() if r.ndim == 2 else np.zeros(0, bool)
     r = np.where(diverged[:, None], 0.0, r) if r.ndim == 2 else r
-    if (r.ndim != 2 or c.shape[0] != E.shape[1] or r.shape[1] != E.shape[1] or f0.shape[0] != E.shape[0]
-            or c.ndim != f0.ndim):
-        raise ShapeError(f"ext {E.shape}, coef {c.shape}, f0_test {f0.shape}, decays {r.shape} do not match "
-                         "(M, K), (K[, Ko]), (M[, Ko]), (S, K)")
+    if (
+        r.ndim != 2
+        or c.shape[0] != E.shape[1]
+        or r.shape[1] != E.shape[1]
+        or f0.shape[0] != E.shape[0]
+        or c.ndim != f0.ndim
+    ):
+        raise ShapeError(
+            f"ext {E.shape}, coef {c.shape}, f0_test {f0.shape}, decays {r.shape} do not match "
+            "(M, K), (K[, Ko]), (M[, Ko]), (S, K)"
+        )
     C = c.reshape(c.shape[0], -1)  # (K, Ko)
     learned = np.einsum("mk,sk,ko->smo", E, 1.0 - r, C)  # (S, M, Ko)
     out = f0.reshape(f0.shape[0], -1)[None] - learned

@@ -17,8 +17,10 @@ def _validated(evecs: Any, phi: Any) -> tuple[np.ndarray, np.ndarray]:
     V = as_real("evecs", evecs, (2,))  # (N, K)
     phi = as_real("phi", phi, (1, 2))  # (N,) or (N, M)
     if V.shape[1] > V.shape[0]:
-        raise ShapeError(f"evecs must be (N, K) with K <= N orthonormal columns, got shape {V.shape}; "
-                         "eigenvectors go in columns (transpose a (K, N) array)")
+        raise ShapeError(
+            f"evecs must be (N, K) with K <= N orthonormal columns, got shape {V.shape}; "
+            "eigenvectors go in columns (transpose a (K, N) array)"
+        )
     check_rows("phi", phi, "evecs", V)
     return V, phi
 
@@ -48,8 +50,9 @@ def spectral_projections(evecs: Any, phi: Any) -> np.ndarray:
     return _projections2(*_validated(evecs, phi))
 
 
-def relative_energy(evecs: Any, phi: Any, k: int | None = None, *, pooled: bool = False,
-                    undefined: Literal["raise", "nan"] = "raise") -> np.ndarray | float:
+def relative_energy(
+    evecs: Any, phi: Any, k: int | None = None, *, pooled: bool = False, undefined: Literal["raise", "nan"] = "raise"
+) -> np.ndarray | float:
     """Relative energy E_t(φ, k) of ``phi`` in the top-k eigenvectors, for every k <= K (NSA §6).
 
     E_t(φ, k) = Σ_{i≤k} ⟨v_i, φ⟩² / ‖φ‖² = cos²α_t(φ, k), the share of ‖φ‖² inside

@@ -71,8 +71,7 @@ def first_order_accuracy(df_real: Any, df_pred: Any) -> FirstOrderAccuracy:
     real = as_real("df_real", df_real, (1, 2)).astype(np.float64)  # (N,) or (N, M)
     pred = as_real("df_pred", df_pred, (1, 2)).astype(np.float64)
     if real.shape != pred.shape:
-        raise ShapeError(f"df_real has shape {real.shape} and df_pred has shape {pred.shape}; "
-                         "they must be equal")
+        raise ShapeError(f"df_real has shape {real.shape} and df_pred has shape {pred.shape}; they must be equal")
     real, pred = real.ravel(), pred.ravel()
     norm_real, norm_pred = np.linalg.norm(real), np.linalg.norm(pred)
     nonzero_norms("df_real", np.asarray(norm_real), "the relative error ‖df̃ − df‖/‖df̃‖")

@@ -20,8 +20,10 @@ def _lr_array(lr: Any, evals: np.ndarray) -> np.ndarray:
     try:
         np.broadcast_shapes(lr.shape, evals.shape)
     except ValueError:
-        raise ShapeError(f"lr of shape {lr.shape} does not broadcast against evals of shape "
-                         f"{evals.shape}; pass a scalar, or e.g. lr[:, None] for evals (T, K)") from None
+        raise ShapeError(
+            f"lr of shape {lr.shape} does not broadcast against evals of shape "
+            f"{evals.shape}; pass a scalar, or e.g. lr[:, None] for evals (T, K)"
+        ) from None
     return lr
 
 

@@ -73,13 +73,15 @@ def fourier_transform(phi: Any, X: Any, freqs: Any) -> np.ndarray:
     if xi.ndim == 1:
         xi = xi[:, None] if X.shape[1] == 1 else xi[None, :]  # (F, d)
     if xi.shape[1] != X.shape[1]:
-        raise ShapeError(f"freqs has shape {np.shape(freqs)} but X has shape {X.shape}: "
-                         f"each frequency must have d = {X.shape[1]} entries")
+        raise ShapeError(
+            f"freqs has shape {np.shape(freqs)} but X has shape {X.shape}: "
+            f"each frequency must have d = {X.shape[1]} entries"
+        )
     N, B = X.shape[0], block_size(X.shape[0])
     out = np.empty((xi.shape[0],) + phi.shape[1:], dtype=np.complex128)  # (F,) or (F, M)
     for a in range(0, xi.shape[0], B):
-        phase = 2.0 * np.pi * (xi[a:a + B] @ X.T)  # (B, N): 2π⟨ξ, X^k⟩
-        out[a:a + B] = (np.cos(phase) @ phi - 1j * (np.sin(phase) @ phi)) / N  # exp(−iθ) = cos θ − i sin θ
+        phase = 2.0 * np.pi * (xi[a : a + B] @ X.T)  # (B, N): 2π⟨ξ, X^k⟩
+        out[a : a + B] = (np.cos(phase) @ phi - 1j * (np.sin(phase) @ phi)) / N  # exp(−iθ) = cos θ − i sin θ
     return out
 
 

@@ -40,8 +40,9 @@ def nystrom_extension(g_test: Any, evals: Any, evecs: Any) -> np.ndarray:
     check_rows("evecs", V, "g_test", g, axis_b=1)
     lam = as_real("evals", evals, (1,))  # (K,)
     if lam.shape[0] != V.shape[1]:
-        raise ShapeError(f"evals has shape {lam.shape} but evecs has {V.shape[1]} columns {V.shape}; "
-                         "they must match (K,) and (N, K)")
+        raise ShapeError(
+            f"evals has shape {lam.shape} but evecs has {V.shape[1]} columns {V.shape}; they must match (K,) and (N, K)"
+        )
     dtype = work_dtype(g, lam, V)
     return nystrom_from_products(g.astype(dtype, copy=False) @ V.astype(dtype, copy=False), evals)
 
@@ -65,15 +66,20 @@ def nystrom_from_products(gV: Any, evals: Any) -> np.ndarray:
     P = as_real("gV", gV, (2,))  # (M, K)
     lam = as_real("evals", evals, (1,))  # (K,)
     if lam.shape[0] != P.shape[1]:
-        raise ShapeError(f"evals has shape {lam.shape} but the products have {P.shape[1]} columns {P.shape}; "
-                         "they must match (K,) and (M, K)")
+        raise ShapeError(
+            f"evals has shape {lam.shape} but the products have {P.shape[1]} columns {P.shape}; "
+            "they must match (K,) and (M, K)"
+        )
     if np.any(lam < 0):
         bad = np.flatnonzero(lam < 0)[:10].tolist()
-        raise ValueError(f"evals must be > 0, got negative values at indices {bad} "
-                         f"(min {lam.min()}); a Gramian is PSD: drop round-off eigenvalues")
+        raise ValueError(
+            f"evals must be > 0, got negative values at indices {bad} "
+            f"(min {lam.min()}); a Gramian is PSD: drop round-off eigenvalues"
+        )
     if np.any(lam == 0):
         bad = np.flatnonzero(lam == 0)[:10].tolist()
-        raise NonFiniteError(f"evals holds zeros at indices {bad}: g v_k / λ_k is x/0; "
-                             "pass only eigenpairs with λ_k > 0")
+        raise NonFiniteError(
+            f"evals holds zeros at indices {bad}: g v_k / λ_k is x/0; pass only eigenpairs with λ_k > 0"
+        )
     dtype = work_dtype(P, lam)
     return P.astype(dtype, copy=False) / lam.astype(dtype)  # (M, K)

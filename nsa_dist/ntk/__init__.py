@@ -42,5 +42,17 @@ from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk.limit import limit_ntk
 from nsa_dist.ntk.state import preserved
 
-__all__ = ["Kernel", "NTKMethod", "NTKOperator", "explain_method", "gram", "jacobian_vector_product", "limit_ntk",
-           "ntk_operator", "prepare_model", "preserved", "resolve_method", "sample_coupling"]
+__all__ = [
+    "Kernel",
+    "NTKMethod",
+    "NTKOperator",
+    "explain_method",
+    "gram",
+    "jacobian_vector_product",
+    "limit_ntk",
+    "ntk_operator",
+    "prepare_model",
+    "preserved",
+    "resolve_method",
+    "sample_coupling",
+]

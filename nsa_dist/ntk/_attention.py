@@ -29,8 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Projection", "attention_ok", "attention_call_ok", "composite_attention", "decomposed",
-           "decomposed_forwards", "projections"]
+__all__ = [
+    "Projection",
+    "attention_ok",
+    "attention_call_ok",
+    "composite_attention",
+    "decomposed",
+    "decomposed_forwards",
+    "projections",
+]
 
 
 class Projection(nn.Module):
@@ -63,17 +70,37 @@ def _attr(m: nn.Module, dotted: str) -> torch.Tensor | None:
 
 def attention_ok(m: nn.Module) -> bool:
     """A standard MultiheadAttention whose forward the decomposition reproduces."""
-    return (isinstance(m, nn.MultiheadAttention) and type(m).forward is nn.MultiheadAttention.forward
-            and "forward" not in m.__dict__ and m._qkv_same_embed_dim and m.in_proj_weight is not None
-            and m.bias_k is None
-            and m.bias_v is None and not m.add_zero_attn and (m.dropout == 0.0 or not m.training))
+    return (
+        isinstance(m, nn.MultiheadAttention)
+        and type(m).forward is nn.MultiheadAttention.forward
+        and "forward" not in m.__dict__
+        and m._qkv_same_embed_dim
+        and m.in_proj_weight is not None
+        and m.bias_k is None
+        and m.bias_v is None
+        and not m.add_zero_attn
+        and (m.dropout == 0.0 or not m.training)
+    )
 
 
 def _call(args: tuple, kwargs: dict) -> dict:
-    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
-             "is_causal")
-    call = {"key_padding_mask": None, "need_weights": True, "attn_mask": None, "average_attn_weights": True,
-            "is_causal": False}
+    names = (
+        "query",
+        "key",
+        "value",
+        "key_padding_mask",
+        "need_weights",
+        "attn_mask",
+        "average_attn_weights",
+        "is_causal",
+    )
+    call = {
+        "key_padding_mask": None,
+        "need_weights": True,
+        "attn_mask": None,
+        "average_attn_weights": True,
+        "is_causal": False,
+    }
     call.update(dict(zip(names, args)))
     call.update(kwargs)
     return call
@@ -92,14 +119,18 @@ def attention_call_ok(m: nn.MultiheadAttention, args: tuple, kwargs: dict, out: 
         mine = decomposed(m, *projections(m), *args, **kwargs)
     ref = out[0] if isinstance(out, tuple) else out
     tol = 1e-9 if q.dtype == torch.float64 else 1e-4
-    if not isinstance(ref, torch.Tensor) or mine[0].shape != ref.shape or \
-            (mine[0] - ref).abs().max() > tol * ref.abs().max().clamp_min(1.0):
+    if (
+        not isinstance(ref, torch.Tensor)
+        or mine[0].shape != ref.shape
+        or (mine[0] - ref).abs().max() > tol * ref.abs().max().clamp_min(1.0)
+    ):
         return "its output differs from the decomposition into projections"
     return None
 
 
-def decomposed(m: nn.MultiheadAttention, p_in: Projection, p_out: Projection, query: torch.Tensor,
-               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decomposed(
+    m: nn.MultiheadAttention, p_in: Projection, p_out: Projection, query: torch.Tensor, *args: object, **kwargs: object
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The module's forward for an unmasked self-attention call, through the projections."""
     c = _call((query,) + args, kwargs)
     x = query if m.batch_first else query.transpose(0, 1)  # (n, T, E)
@@ -137,14 +168,22 @@ def decomposed_forwards(pairs: list[tuple[nn.MultiheadAttention, Projection, Pro
             del m.forward
 
 
-def _math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                    enable_gqa: bool = False) -> torch.Tensor:
+def _math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` by its math backend: the composite of matmuls and a
     softmax that every AD mode differentiates (the fused CPU flash and CUDA kernels have no
     forward-mode rule)."""
-    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
-                                                             scale=scale, enable_gqa=enable_gqa)[0]
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
 
 
 class _CompositeAttention(TorchFunctionMode):

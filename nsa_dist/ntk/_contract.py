@@ -29,7 +29,7 @@ def tile_slices(n1: int, n2: int, block: int, sym: bool) -> list[tuple[slice, sl
     """The (point) tiles of G to compute: all of them, or I ≤ J when symmetric."""
     tiles = []
     for s in range(0, n1, block):
-        for t in (range(s, n2, block) if sym else range(0, n2, block)):
+        for t in range(s, n2, block) if sym else range(0, n2, block):
             tiles.append((slice(s, min(s + block, n1)), slice(t, min(t + block, n2))))
     return tiles
 
@@ -50,8 +50,9 @@ def _halves(i: slice) -> list[tuple[slice, slice]]:
     return [(lo, lo), (lo, hi), (hi, hi)]
 
 
-def add_formed(G2: torch.Tensor, M1: torch.Tensor, M2: torch.Tensor, tiles: list[tuple[slice, slice]],
-               rows: int, sym: bool) -> None:
+def add_formed(
+    G2: torch.Tensor, M1: torch.Tensor, M2: torch.Tensor, tiles: list[tuple[slice, slice]], rows: int, sym: bool
+) -> None:
     """``G2[I, J] += M1[I] M2[J]ᵀ`` on the given tiles, column chunk by column chunk.
 
     Args:
@@ -59,11 +60,14 @@ def add_formed(G2: torch.Tensor, M1: torch.Tensor, M2: torch.Tensor, tiles: list
         M1: (N1·r, C) and M2: (N2·r, C) formed features (M2 is M1 when symmetric).
         tiles: point tiles from :func:`tile_slices`; sym: split diagonal tiles (upper parts only).
     """
-    parts = [(slice(a.start * rows, a.stop * rows), slice(b.start * rows, b.stop * rows))
-             for i, j in tiles for a, b in _sub_tiles(i, j, sym)]
+    parts = [
+        (slice(a.start * rows, a.stop * rows), slice(b.start * rows, b.stop * rows))
+        for i, j in tiles
+        for a, b in _sub_tiles(i, j, sym)
+    ]
     C = M1.shape[1]
     for c in range(0, C, _COLUMNS):
-        A1, A2 = M1[:, c:c + _COLUMNS], M2[:, c:c + _COLUMNS]  # (R1, kc), (R2, kc)
+        A1, A2 = M1[:, c : c + _COLUMNS], M2[:, c : c + _COLUMNS]  # (R1, kc), (R2, kc)
         for a, b in parts:
             G2[a, b].addmm_(A1[a], A2[b].T)
 

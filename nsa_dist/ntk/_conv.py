@@ -66,19 +66,30 @@ def per_layer_layers(plan: ForwardPlan) -> list[_Layer]:
     return out
 
 
-def _pass(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, M: torch.Tensor | None,
-          factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _pass(
+    model: nn.Module,
+    layers: list[_Layer],
+    jac,
+    x: torch.Tensor,
+    K: int,
+    M: torch.Tensor | None,
+    factors: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
     """One forward and backward pass over a chunk of points x (b, …): the formed gradients of
     ``layers`` and, from ``jac`` (x ↦ (b, K, P_g)), the per-sample Jacobians of the generic
     parameters, written into M (b, K, P_group) in that order; the factors (Â (b, n_in+1),
     D (b, K·n_out)) of the factored layers among ``layers`` into ``factors``, in order."""
     off, f = 0, 0
     if layers:
-        pairs = {id(lay.module.owner): (lay.module.owner,) + lay.module.pair for lay in layers
-                 if isinstance(lay.module, Projection)}
+        pairs = {
+            id(lay.module.owner): (lay.module.owner,) + lay.module.pair
+            for lay in layers
+            if isinstance(lay.module, Projection)
+        }
         with decomposed_forwards(list(pairs.values())):
-            acts, Z, grads = layer_passes(model, [lay.module for lay in layers], x, K,
-                                          [lay.clone_out for lay in layers])
+            acts, Z, grads = layer_passes(
+                model, [lay.module for lay in layers], x, K, [lay.clone_out for lay in layers]
+            )
         for i, lay in enumerate(layers):
             A = acts[i]
             deltas = [g[i] for g in grads]  # K × (b, …) or None
@@ -87,16 +98,16 @@ def _pass(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, 
                 f += 1
                 c = 0
                 if lay.w is not None:
-                    torch.mul(A, lay.w, out=Ahat[:, :A.shape[1]])
+                    torch.mul(A, lay.w, out=Ahat[:, : A.shape[1]])
                     c = A.shape[1]
                 if lay.b is not None:
                     Ahat[:, c].fill_(lay.b)
                 n_out = Z[i].shape[1]
                 for a, d in enumerate(deltas):
-                    D_a = D[:, a * n_out:(a + 1) * n_out]
+                    D_a = D[:, a * n_out : (a + 1) * n_out]
                     D_a.copy_(d) if d is not None else D_a.zero_()
             else:
-                write_formed(lay, A, deltas, M[:, :, off:off + lay.n_formed])
+                write_formed(lay, A, deltas, M[:, :, off : off + lay.n_formed])
                 off += lay.n_formed
     if jac is not None:
         M[:, :, off:].copy_(jac(x))  # (b, K, P_generic)
@@ -113,8 +124,15 @@ def _factor_arrays(layers: list[_Layer], n: int, K: int, like: torch.Tensor) -> 
     return out
 
 
-def _fill(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, M: torch.Tensor | None,
-          factors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _fill(
+    model: nn.Module,
+    layers: list[_Layer],
+    jac,
+    x: torch.Tensor,
+    K: int,
+    M: torch.Tensor | None,
+    factors: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
     """:func:`_pass` over all points of x, ``_FEATURE_CHUNK`` at a time, into M (N, K, P_group) and
     the factor arrays (N, ·)."""
     for s in range(0, x.shape[0], _FEATURE_CHUNK):
@@ -122,8 +140,9 @@ def _fill(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int, 
         _pass(model, layers, jac, x[s:e], K, None if M is None else M[s:e], [(A[s:e], D[s:e]) for A, D in factors])
 
 
-def _features(model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int
-              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+def _features(
+    model: nn.Module, layers: list[_Layer], jac, x: torch.Tensor, K: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
     """All features of the points x (N, …): the factors (Â (N, n_in+1), D (N, K·n_out)) of each
     factored layer and the formed gradients M (N, K·P_formed) of the other layers then of the
     generic parameters (``jac``: x ↦ (b, K, P_generic), or None)."""
@@ -158,8 +177,9 @@ def _tile(fi: tuple, fj: tuple, i: slice, j: slice, K: int, full: bool) -> torch
     return out
 
 
-def _column_groups(formed: list[_Layer], generic: dict[str, int], rows: int, itemsize: int
-                   ) -> list[tuple[list[_Layer], tuple[str, ...]]]:
+def _column_groups(
+    formed: list[_Layer], generic: dict[str, int], rows: int, itemsize: int
+) -> list[tuple[list[_Layer], tuple[str, ...]]]:
     """The formed columns in g = ⌈rows·P_formed·itemsize / FEATURE_BYTES⌉ groups of about equal
     width (``rows`` = N·K rows each): (layers, generic parameter names) per group.  The generic
     parameters (name → size) come first, then the layers latest first (a group of late layers
@@ -179,8 +199,16 @@ def _column_groups(formed: list[_Layer], generic: dict[str, int], rows: int, ite
     return [(sorted(ls, key=formed.index), tuple(names)) for ls, names in groups]
 
 
-def per_layer_gram(model: nn.Module, layers: list[_Layer], generic: tuple[str, ...], x1: torch.Tensor,
-                   x2: torch.Tensor | None, K: int, full: bool, block: int) -> torch.Tensor:
+def per_layer_gram(
+    model: nn.Module,
+    layers: list[_Layer],
+    generic: tuple[str, ...],
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    K: int,
+    full: bool,
+    block: int,
+) -> torch.Tensor:
     """Exact NTK Gramian from per-layer features plus per-sample Jacobians, in (block × block) tiles.
 
     ``G = Σ_l (Â_l Â_lᵀ) ⊙ (D_l D_lᵀ) + M Mᵀ`` (factored layers; formed gradients and generic
@@ -215,11 +243,11 @@ def per_layer_gram(model: nn.Module, layers: list[_Layer], generic: tuple[str, .
         pass_layers = sorted(ls + (factored if g == 0 else []), key=layers.index)
         jac = jacobian_fn(model, K, names) if names else None
         cols = sum(lay.n_formed for lay in ls) + sum(gen[n] for n in names)
-        M1 = buf1[:n1 * K * cols].view(n1, K, cols)
+        M1 = buf1[: n1 * K * cols].view(n1, K, cols)
         _fill(model, pass_layers, jac, x1, K, M1, F1 if g == 0 else [])
         M2 = M1
         if not sym:
-            M2 = buf2[:n2 * K * cols].view(n2, K, cols)
+            M2 = buf2[: n2 * K * cols].view(n2, K, cols)
             _fill(model, pass_layers, jac, x2, K, M2, F2 if g == 0 else [])
         if cols:
             add_formed(G.view(n1 * r, n2 * r), M1.view(n1 * r, -1), M2.view(n2 * r, -1), tiles, r, sym)

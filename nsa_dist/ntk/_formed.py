@@ -51,8 +51,11 @@ def kind(lay: FastLayer) -> str:
     m = lay.module
     if lay.factored:
         return "factor"
-    if any(type(m).forward is c.forward for c in _CONVS) and m.padding_mode == "zeros" \
-            and not isinstance(m.padding, str):
+    if (
+        any(type(m).forward is c.forward for c in _CONVS)
+        and m.padding_mode == "zeros"
+        and not isinstance(m.padding, str)
+    ):
         return "conv"
     if any(type(m).forward is c.forward for c in _NORMS) and not m.training and m.running_mean is not None:
         return "bn"
@@ -77,9 +80,18 @@ def _conv_weight_grad(m: nn.Module, A: torch.Tensor, dz: torch.Tensor) -> torch.
     b, C, O = A.shape[0], A.shape[1], dz.shape[1]
     w_shape = (b * O, C // m.groups) + tuple(m.kernel_size)
     _, gw, _ = torch.ops.aten.convolution_backward(
-        dz.reshape((1, b * O) + dz.shape[2:]), A.reshape((1, b * C) + A.shape[2:]), A.new_empty(w_shape), None,
-        list(m.stride), list(m.padding), list(m.dilation), False, [0] * len(m.stride), b * m.groups,
-        [False, True, False])
+        dz.reshape((1, b * O) + dz.shape[2:]),
+        A.reshape((1, b * C) + A.shape[2:]),
+        A.new_empty(w_shape),
+        None,
+        list(m.stride),
+        list(m.padding),
+        list(m.dilation),
+        False,
+        [0] * len(m.stride),
+        b * m.groups,
+        [False, True, False],
+    )
     return gw.view(b, -1)
 
 
@@ -155,5 +167,3 @@ def write_formed(lay: Layer, A: torch.Tensor, deltas: list[torch.Tensor | None],
             bias = dz.sum(-1)  # (b, n_out)
         if lay.b is not None:
             _scaled_into(dst[:, c:], bias, lay.b)
-
-

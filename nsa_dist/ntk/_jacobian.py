@@ -28,8 +28,9 @@ __all__ = ["jacobian_fn", "jacobian_gram", "batch_jacobian_gram"]
 # (memory stays at two blocks).
 
 
-def jacobian_fn(model: nn.Module, K: int, names: tuple[str, ...] | None = None
-                ) -> Callable[[torch.Tensor], torch.Tensor]:
+def jacobian_fn(
+    model: nn.Module, K: int, names: tuple[str, ...] | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """x (b, …) ↦ J (b, K, P_names): per-sample Jacobians of the outputs w.r.t. the trainable
     parameters ``names`` (default all), every other parameter held fixed; P_names is the
     function's ``n_params`` attribute."""
@@ -51,11 +52,17 @@ def jacobian_fn(model: nn.Module, K: int, names: tuple[str, ...] | None = None
         rows = []
         for i in range(xb.shape[0]):
             with torch.enable_grad():
-                out = as_2d(functional_call(model, ({**live, **frozen}, buffers), (xb[i:i + 1],)))[0]  # (K,)
+                out = as_2d(functional_call(model, ({**live, **frozen}, buffers), (xb[i : i + 1],)))[0]  # (K,)
                 for a in range(K):
                     g = torch.autograd.grad(out[a], list(live.values()), retain_graph=a < K - 1, allow_unused=True)
-                    rows.append(torch.cat([(gi if gi is not None else torch.zeros_like(v)).reshape(-1)
-                                           for gi, v in zip(g, live.values())]))
+                    rows.append(
+                        torch.cat(
+                            [
+                                (gi if gi is not None else torch.zeros_like(v)).reshape(-1)
+                                for gi, v in zip(g, live.values())
+                            ]
+                        )
+                    )
         return torch.stack(rows).view(xb.shape[0], K, -1)
 
     def J(xb: torch.Tensor) -> torch.Tensor:
@@ -81,14 +88,14 @@ def _contract(G: torch.Tensor, J1, J2, n1: int, n2: int, block: int, sym: bool, 
             bj = Jt.shape[0]
             if full:
                 tile = (Ji.reshape(bi * K, P) @ Jt.reshape(bj * K, P).T).view(bi, K, bj, K)
-                G[s:s + bi, :, t:t + bj, :] = tile
+                G[s : s + bi, :, t : t + bj, :] = tile
                 if sym and t != s:
-                    G[t:t + bj, :, s:s + bi, :] = tile.permute(2, 3, 0, 1)
+                    G[t : t + bj, :, s : s + bi, :] = tile.permute(2, 3, 0, 1)
             else:
                 tile = Ji.reshape(bi, K * P) @ Jt.reshape(bj, K * P).T  # Σ_a J_a J_aᵀ
-                G[s:s + bi, t:t + bj] = tile
+                G[s : s + bi, t : t + bj] = tile
                 if sym and t != s:
-                    G[t:t + bj, s:s + bi] = tile.T
+                    G[t : t + bj, s : s + bi] = tile.T
     return G
 
 
@@ -110,8 +117,9 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next(iter(trainable_params(model).values())).dtype
 
 
-def jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool,
-                  block: int) -> torch.Tensor:
+def jacobian_gram(
+    model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool, block: int
+) -> torch.Tensor:
     """``G_IJ = J_I J_Jᵀ`` from per-sample Jacobians, block by block; (N1, N2) or (N1, K, N2, K)."""
     J = jacobian_fn(model, K)
     sym = x2 is None
@@ -119,8 +127,8 @@ def jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K
     n1, n2 = x1.shape[0], xs2.shape[0]
     G = torch.zeros((n1, K, n2, K) if full else (n1, n2), dtype=_dtype(model), device=x1.device)
     P = sum(p.numel() for p in trainable_params(model).values())
-    J2 = _cached(lambda t: J(xs2[t:t + block]), n2 * K * P * G.element_size() <= inputs.FEATURE_BYTES)
-    J1 = J2 if sym else (lambda s: J(x1[s:s + block]))
+    J2 = _cached(lambda t: J(xs2[t : t + block]), n2 * K * P * G.element_size() <= inputs.FEATURE_BYTES)
+    J1 = J2 if sym else (lambda s: J(x1[s : s + block]))
     return _contract(G, J1, J2, n1, n2, block, sym, full, K)
 
 
@@ -147,8 +155,9 @@ def _batch_rows(model: nn.Module, x: torch.Tensor, K: int) -> Callable[[int, int
     return rows
 
 
-def batch_jacobian_gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool,
-                        block: int) -> torch.Tensor:
+def batch_jacobian_gram(
+    model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool, block: int
+) -> torch.Tensor:
     """The kernel of the batch forward of a sample-coupling model: ``G = J Jᵀ`` with J the Jacobian
     of f(X) (all points in one forward), in row chunks of ``block`` points; x2 (when given) is
     forwarded as its own batch.  (N1, N2) traced or (N1, K, N2, K) full."""

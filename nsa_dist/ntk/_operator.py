@@ -53,6 +53,7 @@ class NTKOperator(LinearOperator):
     def _f(self, xb: torch.Tensor):
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return as_2d(functional_call(self.model, ({**p, **self._rest}, self._buffers), (xb,)))  # (b, K)
+
         return f
 
     def _cotangents(self, Vb: torch.Tensor) -> torch.Tensor:
@@ -80,8 +81,8 @@ class NTKOperator(LinearOperator):
 
     def _jt_into(self, U: dict[str, torch.Tensor], Vr: torch.Tensor) -> None:
         for s in range(0, self.x.shape[0], self.block):
-            _, pull = vjp(self._f(self.x[s:s + self.block]), self._params)
-            (g,) = vmap(pull)(self._cotangents(Vr[s:s + self.block]))
+            _, pull = vjp(self._f(self.x[s : s + self.block]), self._params)
+            (g,) = vmap(pull)(self._cotangents(Vr[s : s + self.block]))
             for k in U:
                 U[k] += g[k]
 
@@ -96,13 +97,13 @@ class NTKOperator(LinearOperator):
     def _j_into(self, out: torch.Tensor, U: dict[str, torch.Tensor], m: int) -> None:
         N, K = self.x.shape[0], self.K
         for s in range(0, N, self.block):
-            f = self._f(self.x[s:s + self.block])
+            f = self._f(self.x[s : s + self.block])
             JU = vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U)  # (n_cot, b, K)
             if self.full:
-                out[s:s + self.block] = JU.permute(1, 2, 0)
+                out[s : s + self.block] = JU.permute(1, 2, 0)
             else:
                 b = JU.shape[1]
-                out[s:s + self.block] = JU.view(m, K, b, K).diagonal(dim1=1, dim2=3).sum(-1).T  # (b, m)
+                out[s : s + self.block] = JU.view(m, K, b, K).diagonal(dim1=1, dim2=3).sum(-1).T  # (b, m)
 
     def to_dense(self, block: int = 1 << 30) -> torch.Tensor:
         """Materialise G by applying the operator to the identity (for checks on small N)."""
@@ -112,8 +113,9 @@ class NTKOperator(LinearOperator):
         return f"NTKOperator(shape={self.shape}, dtype={self.dtype}, kernel={'full' if self.full else 'trace'})"
 
 
-def jacobian_vector_product(model: nn.Module, x: torch.Tensor, dtheta: torch.Tensor, *,
-                            output: OutputSelector = None) -> torch.Tensor:
+def jacobian_vector_product(
+    model: nn.Module, x: torch.Tensor, dtheta: torch.Tensor, *, output: OutputSelector = None
+) -> torch.Tensor:
     """``J · dθ`` at the points x: the first-order change of the outputs, (n,) or (n, K) like the model's.
 
     ``dθ`` is a (P,) vector over *all* parameters in ``named_parameters`` order (a training step's
@@ -136,7 +138,7 @@ def jacobian_vector_product(model: nn.Module, x: torch.Tensor, dtheta: torch.Ten
     dtype = next(iter(params.values())).dtype
     tangents, off = {}, 0
     for k, p in params.items():
-        tangents[k] = dtheta[off:off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
+        tangents[k] = dtheta[off : off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
         off += p.numel()
     with blame(model):
         twin = stateless(model, x[:2])

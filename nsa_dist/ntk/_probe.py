@@ -123,8 +123,18 @@ def _standard(m: nn.Module) -> bool:
     """A layer of a kind whose per-sample gradient is a function of its own input and output gradient only."""
     from nsa_dist.models import NTKLinear
 
-    kinds = [nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm,
-             nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d] + ([nn.RMSNorm] if hasattr(nn, "RMSNorm") else [])
+    kinds = [
+        nn.Linear,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.Embedding,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+    ] + ([nn.RMSNorm] if hasattr(nn, "RMSNorm") else [])
     if type(m).forward is NTKLinear.forward:
         return True
     if isinstance(m, nn.Embedding) and m.max_norm is not None:
@@ -145,10 +155,11 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
         again = as_2d(model(x)) if again is None else again.detach()
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
-            raise UnsupportedModelError("the model's forward is random (two forwards of the same points differ"
-                                        + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}"
-                                           if drop else "")
-                                        + "): its NTK is not defined; call model.eval() (or disable the randomness)")
+            raise UnsupportedModelError(
+                "the model's forward is random (two forwards of the same points differ"
+                + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
+                + "): its NTK is not defined; call model.eval() (or disable the randomness)"
+            )
         if x.shape[0] < 2:
             return None
         h = x.shape[0] // 2
@@ -159,8 +170,11 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
     if _close(whole, parts):
         return None
     bn = batch_stat_modules(model)
-    return ("batch statistics in " + ", ".join(bn) if bn else
-            "its outputs for half a batch differ from those of the whole batch")
+    return (
+        "batch statistics in " + ", ".join(bn)
+        if bn
+        else "its outputs for half a batch differ from those of the whole batch"
+    )
 
 
 def couples(model: nn.Module, x: torch.Tensor) -> str | None:
@@ -226,8 +240,10 @@ def _not_own(m: nn.Module, local: tuple[str, ...], attention: bool) -> str | Non
     own = _ATTENTION_OWN if attention else ("weight", "bias")
     extra = [pn for pn in local if pn not in own]
     if extra:
-        return (f"it has trainable parameters {', '.join(extra)} besides its own weight and bias "
-                "(a reparametrised weight, e.g. weight_norm)")
+        return (
+            f"it has trainable parameters {', '.join(extra)} besides its own weight and bias "
+            "(a reparametrised weight, e.g. weight_norm)"
+        )
     for pn in own:
         sub, _, leaf = pn.rpartition(".")
         holder = m.get_submodule(sub) if sub else m
@@ -291,27 +307,39 @@ def _own_output(m: nn.Module, call: _Call, attention: bool, params: list[torch.T
     except Exception as e:  # noqa: BLE001 — then the output cannot be proven to be the layer's own
         return f"{RETURNS}: {type(m).__name__}.forward fails on the recorded input of {label} ({type(e).__name__})"
     if ref.shape != z.shape or not (torch.equal(ref, z) or _close(ref, z)):
-        err = (f" (by {_rel(ref, z):.1e} relative)" if ref.shape == z.shape
-               else f" ({tuple(z.shape)} vs {tuple(ref.shape)})")
-        return (f"{RETURNS}: the output of {label} differs from {type(m).__name__}.forward on its input with its "
-                f"registered parameters{err}: a forward hook or another forward replaces it")
+        err = (
+            f" (by {_rel(ref, z):.1e} relative)"
+            if ref.shape == z.shape
+            else f" ({tuple(z.shape)} vs {tuple(ref.shape)})"
+        )
+        return (
+            f"{RETURNS}: the output of {label} differs from {type(m).__name__}.forward on its input with its "
+            f"registered parameters{err}: a forward hook or another forward replaces it"
+        )
     if not attention:
         if _graph(z, call.a) != _graph(ref, a):
-            return (f"{RETURNS}: the output of {label} is not computed by {type(m).__name__}.forward from its input "
-                    "and registered parameters alone (its autograd graph differs): a forward hook or another forward "
-                    "replaces it")
+            return (
+                f"{RETURNS}: the output of {label} is not computed by {type(m).__name__}.forward from its input "
+                "and registered parameters alone (its autograd graph differs): a forward hook or another forward "
+                "replaces it"
+            )
         return None
     g = torch.Generator(device=z.device).manual_seed(7)
     v = torch.randn(z.shape, generator=g, dtype=z.dtype, device=z.device)
-    got = (torch.autograd.grad(z, params, v, retain_graph=True, allow_unused=True) if z.requires_grad
-           else [None] * len(params))
+    got = (
+        torch.autograd.grad(z, params, v, retain_graph=True, allow_unused=True)
+        if z.requires_grad
+        else [None] * len(params)
+    )
     want = torch.autograd.grad(ref, params, v, allow_unused=True)
     for p, gz, gr in zip(params, got, want):
         gz = torch.zeros_like(p) if gz is None else gz
         gr = torch.zeros_like(p) if gr is None else gr
         if not _close(gr, gz):
-            return (f"{RETURNS}: the gradient of {label}'s output w.r.t. its parameters is not the layer's own "
-                    f"(by {_rel(gr, gz):.1e} relative): a forward hook or another forward replaces it")
+            return (
+                f"{RETURNS}: the gradient of {label}'s output w.r.t. its parameters is not the layer's own "
+                f"(by {_rel(gr, gz):.1e} relative): a forward hook or another forward replaces it"
+            )
     return None
 
 
@@ -367,9 +395,11 @@ def _own_rows(out: torch.Tensor, outputs: dict[str, tuple[torch.Tensor, int, str
         leak = d * (1 - eye)
         if scale > 0 and float(leak.max()) > _tol(z) * scale:
             k, r = divmod(int(leak.argmax()), b)
-            bad[n] = (f"{AXIS}: row {r} of the output of {label} (shape {tuple(z.shape)}) reaches point {k}'s "
-                      "output: its rows are not one per point (an axis of the batch's length that is not "
-                      "the sample axis, or a broadcast)")
+            bad[n] = (
+                f"{AXIS}: row {r} of the output of {label} (shape {tuple(z.shape)}) reaches point {k}'s "
+                "output: its rows are not one per point (an axis of the batch's length that is not "
+                "the sample axis, or a broadcast)"
+            )
     return bad
 
 
@@ -379,10 +409,16 @@ class _Trace:
     stays as it was, whatever the network does to its copy)."""
 
     def __init__(self, model: nn.Module, xs: torch.Tensor) -> None:
-        self.attention = {mname for mname, m in model.named_modules()
-                          if attention_ok(m) and any(p.requires_grad for p in m.parameters())}
-        cands = {mname: m for mname, m in model.named_modules() if mname in self.attention
-                 or (any(p.requires_grad for p in m.parameters(recurse=False)) and _standard(m))}
+        self.attention = {
+            mname
+            for mname, m in model.named_modules()
+            if attention_ok(m) and any(p.requires_grad for p in m.parameters())
+        }
+        cands = {
+            mname: m
+            for mname, m in model.named_modules()
+            if mname in self.attention or (any(p.requires_grad for p in m.parameters(recurse=False)) and _standard(m))
+        }
         # an attention's out_proj goes with its attention
         self.cands = {n: m for n, m in cands.items() if n.rpartition(".")[0] not in self.attention}
         self.calls: dict[str, list[_Call]] = {n: [] for n in self.cands}
@@ -403,11 +439,22 @@ class _Trace:
             z = out[0] if att and isinstance(out, tuple) else out
             why = attention_call_ok(mod, args, kwargs, out) if att else None
             given = z.clone() if isinstance(z, torch.Tensor) else z
-            self.calls[name].append(_Call(args, kwargs, a, a._version if isinstance(a, torch.Tensor) else None, z,
-                                          given, given._version if isinstance(given, torch.Tensor) else None, why))
+            self.calls[name].append(
+                _Call(
+                    args,
+                    kwargs,
+                    a,
+                    a._version if isinstance(a, torch.Tensor) else None,
+                    z,
+                    given,
+                    given._version if isinstance(given, torch.Tensor) else None,
+                    why,
+                )
+            )
             if not isinstance(z, torch.Tensor):
                 return None
             return (given,) + tuple(out[1:]) if isinstance(out, tuple) else given
+
         return f
 
 
@@ -435,8 +482,10 @@ def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor
             why = f"{ONCE}: {label} is called {len(seen)} times per forward"
         tied = [pn for pn in local if homes[id(m.get_parameter(pn))] > 1]
         if why is None and tied:
-            why = (f"{ONCE}: parameter {mname}.{tied[0]} is also registered in another module (tied), which the "
-                   "forward may use too")
+            why = (
+                f"{ONCE}: parameter {mname}.{tied[0]} is also registered in another module (tied), which the "
+                "forward may use too"
+            )
         if why is None:
             c = seen[0]
             shared = [pn for pn in local if uses.get(id(m.get_parameter(pn)), 0) != 1]
@@ -444,22 +493,26 @@ def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor
                 why = f"{KNOWN}: {label}: {c.why}"
             elif shared:
                 pn = shared[0]
-                why = (f"{ONCE}: parameter {mname}.{pn} is used {uses.get(id(m.get_parameter(pn)), 0)} times per "
-                       "forward (shared or tied)")
+                why = (
+                    f"{ONCE}: parameter {mname}.{pn} is used {uses.get(id(m.get_parameter(pn)), 0)} times per "
+                    "forward (shared or tied)"
+                )
             elif not isinstance(c.a, torch.Tensor) or not isinstance(c.z, torch.Tensor):
                 why = f"{KNOWN}: {label} does not map one tensor to one tensor"
             elif c.a._version != c.va:
                 why = f"{KEPT}: the input of {label} is modified in place after the call"
             else:
-                why = _sample_axis(m, c, att, b, label) or _own_output(m, c, att, [m.get_parameter(pn) for pn in local],
-                                                                      label)
+                why = _sample_axis(m, c, att, b, label) or _own_output(
+                    m, c, att, [m.get_parameter(pn) for pn in local], label
+                )
         if why is not None:
             for pn in local:
                 routes[canonical.get(id(m.get_parameter(pn)), f"{mname}.{pn}")] = (Route.JACOBIAN, why)
             continue
         proven[mname] = (m, local, seen[0])
-    rows = _own_rows(out, {n: (c.z, _batch_dim(m, n in attention), f"{_kind(m)} {n!r}")
-                           for n, (m, _, c) in proven.items()})
+    rows = _own_rows(
+        out, {n: (c.z, _batch_dim(m, n in attention), f"{_kind(m)} {n!r}") for n, (m, _, c) in proven.items()}
+    )
     for mname, (m, local, c) in proven.items():
         names = [canonical.get(id(m.get_parameter(pn)), f"{mname}.{pn}") for pn in local]
         if mname in rows:
@@ -497,8 +550,10 @@ def _sample_axis(m: nn.Module, c: _Call, attention: bool, b: int, label: str) ->
     dim = _batch_dim(m, attention)
     for what, t in (("input", c.a), ("output", c.z)):
         if t.ndim <= dim or t.shape[dim] != b:
-            return (f"{AXIS}: the {what} of {label} has shape {tuple(t.shape)}, not one row per point of the "
-                    f"probe's {b} (a table or a tensor broadcast over the points)")
+            return (
+                f"{AXIS}: the {what} of {label} has shape {tuple(t.shape)}, not one row per point of the "
+                f"probe's {b} (a table or a tensor broadcast over the points)"
+            )
     return None
 
 
@@ -507,6 +562,8 @@ def _unowned(model: nn.Module, name: str, mname: str, m: nn.Module, pname: str) 
     if ".parametrizations." in f".{name}":
         layer = f".{name}".split(".parametrizations.")[0][1:]
         host = model.get_submodule(layer)
-        return Route.JACOBIAN, (f"{READS}: {_kind(host)} {layer!r}: its weight is computed by a parametrization "
-                                "(torch.nn.utils.parametrize)")
+        return Route.JACOBIAN, (
+            f"{READS}: {_kind(host)} {layer!r}: its weight is computed by a parametrization "
+            "(torch.nn.utils.parametrize)"
+        )
     return Route.JACOBIAN, f"{KNOWN}: {type(m).__name__} ({mname!r}) has no per-layer formula"

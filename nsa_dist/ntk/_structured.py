@@ -26,7 +26,6 @@ _MIN_FEATURE_BYTES = 64e6
 _FEATURE_CHUNK = 2048
 
 
-
 @dataclass(frozen=True)
 class _Layer:
     """A Linear layer with the scales of its trainable parameters (None: frozen/absent)."""
@@ -82,9 +81,9 @@ def linear_layers(model: nn.Module, x_probe: torch.Tensor) -> list[_Layer]:
     return structured_layers(plan)
 
 
-def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K: int,
-                 clone: list[bool] | None = None
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor | None, ...]]]:
+def layer_passes(
+    model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K: int, clone: list[bool] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor | None, ...]]]:
     """One forward and K backward passes over a chunk x: each module's input ``A_l`` (detached),
     its output ``z_l`` and, per model output a, ``δ_{a,l} = ∂f_a/∂z_l`` (None where f_a does not
     depend on z_l).  What the per-layer NTK paths (structured, conv) build their features from.
@@ -101,8 +100,10 @@ def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K:
 
     def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
         if inp[0].shape[:1] != x.shape[:1] or out.shape[:1] != x.shape[:1]:  # the probe proved one row per point
-            raise Unproven(f"{type(mod).__name__} saw {tuple(inp[0].shape)} → {tuple(out.shape)} in a feature pass "
-                           f"of {x.shape[0]} points")
+            raise Unproven(
+                f"{type(mod).__name__} saw {tuple(inp[0].shape)} → {tuple(out.shape)} in a feature pass "
+                f"of {x.shape[0]} points"
+            )
         acts[id(mod)], zs[id(mod)] = inp[0].detach(), out
         seen.setdefault(id(mod), []).append((inp[0], inp[0]._version, out, out._version))
         return out.clone() if copy_out[id(mod)] else None
@@ -119,16 +120,18 @@ def layer_passes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor, K:
                 if a._version != va or (not copy_out[id(m)] and z._version != vz):
                     raise Unproven(f"a saved tensor of {type(m).__name__} was modified in place")
             Z = [zs[id(m)] for m in modules]
-            grads = [torch.autograd.grad(out[:, a].sum(), Z, retain_graph=a < K - 1, allow_unused=True)
-                     for a in range(K)]  # K × modules × δ (b, …)
+            grads = [
+                torch.autograd.grad(out[:, a].sum(), Z, retain_graph=a < K - 1, allow_unused=True) for a in range(K)
+            ]  # K × modules × δ (b, …)
     finally:
         for h in handles:
             h.remove()
     return [acts[id(m)] for m in modules], Z, grads
 
 
-def _chunk_features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _chunk_features(
+    model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(Â (b, n_cols), D (b, K, n_out)) per layer for one chunk of points x (b, d)."""
     acts, _, grads = layer_passes(model, [lay.module for lay in layers], x, K, [lay.clone_out for lay in layers])
     feats = []
@@ -137,28 +140,29 @@ def _chunk_features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: 
         Ahat = A.new_zeros(A.shape[0], lay.n_cols)  # (b, n_cols) = [w·A, β·1, 0…]
         c = 0
         if lay.w is not None:
-            torch.mul(A, lay.w, out=Ahat[:, :A.shape[1]])
+            torch.mul(A, lay.w, out=Ahat[:, : A.shape[1]])
             c = A.shape[1]
         if lay.b is not None:
             Ahat[:, c] = lay.b
         D = A.new_zeros(A.shape[0], K, lay.n_out)  # (b, K, n_out), zero-padded
         for a, g in enumerate(grads):
             if g[i] is not None:
-                D[:, a, :g[i].shape[1]] = g[i]
+                D[:, a, : g[i].shape[1]] = g[i]
         feats.append((Ahat, D))
     return feats
 
 
-def _features(model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int, chunk: int
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _features(
+    model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int, chunk: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Features of every point of x, computed ``chunk`` points at a time."""
     n = x.shape[0]
     A_all = [torch.empty(n, lay.n_cols, dtype=x.dtype, device=x.device) for lay in layers]
     D_all = [torch.empty(n, K, lay.n_out, dtype=x.dtype, device=x.device) for lay in layers]
     for s in range(0, n, chunk):
-        for l, (A, D) in enumerate(_chunk_features(model, layers, x[s:s + chunk], K)):
-            A_all[l][s:s + chunk] = A
-            D_all[l][s:s + chunk] = D
+        for l, (A, D) in enumerate(_chunk_features(model, layers, x[s : s + chunk], K)):
+            A_all[l][s : s + chunk] = A
+            D_all[l][s : s + chunk] = D
     return list(zip(A_all, D_all))
 
 
@@ -186,8 +190,10 @@ class _Buffers:
     def get(self, shape_a: tuple[int, int], shape_d: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         key = shape_a + shape_d
         if key not in self._bufs:
-            self._bufs[key] = (torch.empty(shape_a, dtype=self.dtype, device=self.device),
-                               torch.empty(shape_d, dtype=self.dtype, device=self.device))
+            self._bufs[key] = (
+                torch.empty(shape_a, dtype=self.dtype, device=self.device),
+                torch.empty(shape_d, dtype=self.dtype, device=self.device),
+            )
         return self._bufs[key]
 
 
@@ -208,8 +214,16 @@ def _add_tile(out: torch.Tensor, F1: list, F2: list, i: slice, j: slice, full: b
             out[i, j].addcmul_(AA, DD)
 
 
-def structured_gram(model: nn.Module, layers: list[_Layer], x1: torch.Tensor, x2: torch.Tensor | None, K: int,
-                    full: bool, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def structured_gram(
+    model: nn.Module,
+    layers: list[_Layer],
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    K: int,
+    full: bool,
+    block: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Exact NTK Gramian by the per-layer formula, assembled in (block × block) tiles.
 
     ``layers``: from :func:`structured_layers` of the model's plan.  ``out``: the tensor to
@@ -234,14 +248,16 @@ def structured_gram(model: nn.Module, layers: list[_Layer], x1: torch.Tensor, x2
     for group in _layer_groups(layers, n1 + (0 if sym else n2), K, itemsize, G.numel() * itemsize):
         F1 = _features(model, group, x1, K, max(block, _FEATURE_CHUNK))
         if sym and not full:
-            blocks = [[(A[s:s + block], D[s:s + block].reshape(-1, K * D.shape[2])) for A, D in F1] for s in starts1]
+            blocks = [
+                [(A[s : s + block], D[s : s + block].reshape(-1, K * D.shape[2])) for A, D in F1] for s in starts1
+            ]
             _sym_upper(G, blocks, block, bufs, accumulate=True)
             del F1, blocks
             continue
         F2 = F1 if sym else _features(model, group, x2, K, max(block, _FEATURE_CHUNK))
         for s in starts1:
             i = slice(s, min(s + block, n1))
-            for t in (range(s, n2, block) if sym else range(0, n2, block)):
+            for t in range(s, n2, block) if sym else range(0, n2, block):
                 _add_tile(G, F1, F2, i, slice(t, min(t + block, n2)), full, bufs)
         del F1, F2
     if sym:
@@ -298,8 +314,16 @@ def _lower_slots(n: int, block: int, width: int) -> list[tuple[int, int]] | None
     return plan  # type: ignore[return-value]
 
 
-def _sym_traced_in_place(G: torch.Tensor, model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int,
-                         block: int, plan: list[tuple[int, int]], bufs: _Buffers) -> None:
+def _sym_traced_in_place(
+    G: torch.Tensor,
+    model: nn.Module,
+    layers: list[_Layer],
+    x: torch.Tensor,
+    K: int,
+    block: int,
+    plan: list[tuple[int, int]],
+    bufs: _Buffers,
+) -> None:
     """Upper tiles of the traced symmetric Gram, features stored in G's lower tiles."""
     n = x.shape[0]
     feats: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -307,9 +331,12 @@ def _sym_traced_in_place(G: torch.Tensor, model: nn.Module, layers: list[_Layer]
         s = I * block
         b = min(block, n - s)
         off, views = c0, []
-        for A, D in _chunk_features(model, layers, x[s:s + b], K):
+        for A, D in _chunk_features(model, layers, x[s : s + b], K):
             D = D.reshape(b, -1)  # (b, K·n_out)
-            Av, Dv = G[r0:r0 + b, off:off + A.shape[1]], G[r0:r0 + b, off + A.shape[1]:off + A.shape[1] + D.shape[1]]
+            Av, Dv = (
+                G[r0 : r0 + b, off : off + A.shape[1]],
+                G[r0 : r0 + b, off + A.shape[1] : off + A.shape[1] + D.shape[1]],
+            )
             Av.copy_(A)
             Dv.copy_(D)
             off += A.shape[1] + D.shape[1]
@@ -318,8 +345,9 @@ def _sym_traced_in_place(G: torch.Tensor, model: nn.Module, layers: list[_Layer]
     _sym_upper(G, feats, block, bufs, accumulate=False)
 
 
-def _sym_upper(G: torch.Tensor, feats: list[list[tuple[torch.Tensor, torch.Tensor]]], block: int, bufs: _Buffers,
-               accumulate: bool) -> None:
+def _sym_upper(
+    G: torch.Tensor, feats: list[list[tuple[torch.Tensor, torch.Tensor]]], block: int, bufs: _Buffers, accumulate: bool
+) -> None:
     """The upper tiles (I ≤ J) of the traced symmetric Gram from per-block features.
 
     A diagonal tile is done as three of its 2×2 sub-tiles (the fourth mirrors one), so the
@@ -331,12 +359,17 @@ def _sym_upper(G: torch.Tensor, feats: list[list[tuple[torch.Tensor, torch.Tenso
         h = bi // 2
         for a, b in ((slice(0, h), slice(0, h)), (slice(0, h), slice(h, bi)), (slice(h, bi), slice(h, bi))):
             if a.stop > a.start and b.stop > b.start:
-                _tile(G[si + a.start:si + a.stop, si + b.start:si + b.stop],
-                      [(A[a], D[a]) for A, D in fi], [(A[b], D[b]) for A, D in fi], bufs, accumulate)
+                _tile(
+                    G[si + a.start : si + a.stop, si + b.start : si + b.stop],
+                    [(A[a], D[a]) for A, D in fi],
+                    [(A[b], D[b]) for A, D in fi],
+                    bufs,
+                    accumulate,
+                )
         for J in range(I + 1, len(feats)):
             sj = J * block
             fj = feats[J]
-            _tile(G[si:si + bi, sj:sj + fj[0][0].shape[0]], fi, fj, bufs, accumulate)
+            _tile(G[si : si + bi, sj : sj + fj[0][0].shape[0]], fi, fj, bufs, accumulate)
 
 
 def _tile(out: torch.Tensor, fi: list, fj: list, bufs: _Buffers, accumulate: bool) -> None:

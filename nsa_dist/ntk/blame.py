@@ -45,6 +45,7 @@ def blame(model: nn.Module) -> Iterator[None]:
         def f(mod, args):
             if threading.get_ident() == me:
                 stack.append((name, type(mod).__name__))
+
         return f
 
     def post(name: str):
@@ -52,6 +53,7 @@ def blame(model: nn.Module) -> Iterator[None]:
             if threading.get_ident() == me:
                 while stack and stack.pop()[0] != name:
                     pass
+
         return f
 
     handles = []

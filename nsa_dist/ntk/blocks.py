@@ -36,8 +36,13 @@ def row_blocks(n: int, n_parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def block_features(model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]],
-                   dtype: torch.dtype | None = None, method: str | NTKMethod = "auto") -> list[BlockFeatures]:
+def block_features(
+    model: nn.Module,
+    x: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    dtype: torch.dtype | None = None,
+    method: str | NTKMethod = "auto",
+) -> list[BlockFeatures]:
     """Per-layer features of each range of points, as numpy arrays (traced kernel).
 
     For every model whose points do not interact, ``G_IJ = Σ_l (Â_{l,I} Â_{l,J}ᵀ) ⊙ (D_{l,I} D_{l,J}ᵀ)``
@@ -59,20 +64,27 @@ def block_features(model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, in
         plan = _plan(model, x)
         m = _choose(plan, parse_enum(NTKMethod, method, "method"))
         if m is NTKMethod.BATCH:
-            raise UnsupportedModelError("block features split the points, but " + next(iter(plan.routes.values()))[1]
-                                        + "; use layout 'local'")
+            raise UnsupportedModelError(
+                "block features split the points, but " + next(iter(plan.routes.values()))[1] + "; use layout 'local'"
+            )
         try:
             if m is NTKMethod.STRUCTURED:
                 layers = structured_layers(plan)
-                return [[(A.cpu().numpy(), D.reshape(b - a, -1).cpu().numpy())
-                         for A, D in _chunk_features(model, layers, x[a:b], K)] for a, b in ranges]
+                return [
+                    [
+                        (A.cpu().numpy(), D.reshape(b - a, -1).cpu().numpy())
+                        for A, D in _chunk_features(model, layers, x[a:b], K)
+                    ]
+                    for a, b in ranges
+                ]
             return _formed_blocks(model, plan if m is NTKMethod.PER_LAYER else None, x, ranges, K)
         except Unproven:  # a feature pass saw an in-place change the probe did not: per-sample Jacobians
             return _formed_blocks(model, None, x, ranges, K)
 
 
-def _formed_blocks(model: nn.Module, plan: ForwardPlan | None, x: torch.Tensor, ranges: list[tuple[int, int]],
-                   K: int) -> list[BlockFeatures]:
+def _formed_blocks(
+    model: nn.Module, plan: ForwardPlan | None, x: torch.Tensor, ranges: list[tuple[int, int]], K: int
+) -> list[BlockFeatures]:
     """Per-layer features (``plan``) or, with None, every parameter's per-sample Jacobian as ``(M, 1)``."""
     layers = per_layer_layers(plan) if plan is not None else []
     generic = plan.generic if plan is not None else tuple(trainable_params(model))

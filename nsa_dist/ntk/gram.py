@@ -35,6 +35,7 @@ def _first_time(model: nn.Module) -> bool:
     _told.add(model)
     return True
 
+
 _STRUCTURED_TILE = 768
 
 
@@ -43,8 +44,9 @@ def _structured_tile(n: int) -> int:
     return min(_STRUCTURED_TILE, max(64, -(-n // 4 // 64) * 64))
 
 
-def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *,
-                   output: OutputSelector = None) -> NTKMethod:
+def resolve_method(
+    model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *, output: OutputSelector = None
+) -> NTKMethod:
     """The concrete method ``gram`` would use for ``model`` at points x (AUTO resolved).
 
     Decided from probe forwards on the first points of x (:func:`explain_method` says, per
@@ -56,8 +58,9 @@ def resolve_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = 
     return explain_method(model, x, method, output=output)[0]
 
 
-def explain_method(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *,
-                   output: OutputSelector = None) -> tuple[NTKMethod, dict[str, tuple[str, str]]]:
+def explain_method(
+    model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *, output: OutputSelector = None
+) -> tuple[NTKMethod, dict[str, tuple[str, str]]]:
     """``(method, routes)``: the method ``gram`` uses and, per trainable parameter, its path
     ("structured" | "per_layer" | "jacobian" | "batch") and the reason, e.g.
     ``{"0.weight": ("jacobian", "parameter 0.weight is used 2 times per forward (shared or tied)")}``.
@@ -82,8 +85,10 @@ def _choose(plan: ForwardPlan, m: NTKMethod) -> NTKMethod:
     """The method for a plan: AUTO → the fastest exact one; a forced one checked against the plan."""
     if plan.coupled:
         if m in (NTKMethod.STRUCTURED, NTKMethod.PER_LAYER):
-            raise UnsupportedModelError(f"method={m.value!r} needs samples that do not interact, but "
-                                        f"{next(iter(plan.routes.values()))[1]}; use method='auto'")
+            raise UnsupportedModelError(
+                f"method={m.value!r} needs samples that do not interact, but "
+                f"{next(iter(plan.routes.values()))[1]}; use method='auto'"
+            )
         return NTKMethod.BATCH
     if m is NTKMethod.BATCH:
         return m
@@ -96,31 +101,48 @@ def _choose(plan: ForwardPlan, m: NTKMethod) -> NTKMethod:
         return m
     if m is NTKMethod.PER_LAYER:
         if not plan.layers:
-            raise UnsupportedModelError("method='per_layer' found no layer with a per-layer formula; routes: "
-                                        + "; ".join(f"{k}: {w}" for k, (_, w) in list(plan.routes.items())[:3]))
+            raise UnsupportedModelError(
+                "method='per_layer' found no layer with a per-layer formula; routes: "
+                + "; ".join(f"{k}: {w}" for k, (_, w) in list(plan.routes.items())[:3])
+            )
         return m
     if plan.all_factored:
         return NTKMethod.STRUCTURED
     return NTKMethod.PER_LAYER if plan.layers else NTKMethod.JACOBIAN
 
 
-def _setup(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, dtype: torch.dtype | None,
-           output: OutputSelector = None):
+def _setup(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    dtype: torch.dtype | None,
+    output: OutputSelector = None,
+):
     model = prepare_model(model, dtype, output)
     x1 = prepare_inputs(model, x1, "x1", dtype)
     if x2 is not None:
         x2 = prepare_inputs(model, x2, "x2", dtype)
         if x2.shape[1:] != x1.shape[1:]:
-            raise ShapeError(f"x1 and x2 must have the same input dimension d (point shape); got x1 {tuple(x1.shape)} "
-                             f"and x2 {tuple(x2.shape)}")
+            raise ShapeError(
+                f"x1 and x2 must have the same input dimension d (point shape); got x1 {tuple(x1.shape)} "
+                f"and x2 {tuple(x2.shape)}"
+            )
     with preserved(model), blame(model):
         return model, x1, x2, output_dim(model, x1)
 
 
-def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
-         method: str | NTKMethod = "auto", kernel: str | Kernel = "trace",
-         block_size: int | None = None, dtype: torch.dtype | None = None,
-         out: torch.Tensor | None = None, output: OutputSelector = None) -> torch.Tensor:
+def gram(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    *,
+    method: str | NTKMethod = "auto",
+    kernel: str | Kernel = "trace",
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    output: OutputSelector = None,
+) -> torch.Tensor:
     """The empirical NTK Gramian ``G(i, j) = ∇_θ f(x1_i) · ∇_θ f(x2_j)`` (NSA Eq. 3, G_t = A_tᵀ A_t).
 
     Args:
@@ -166,8 +188,11 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
         plan = _plan(model, x1)
         m = _choose(plan, m)
         if m is NTKMethod.BATCH and _first_time(model):
-            _log.info("the model couples samples (%s): computing the kernel of the batch forward exactly "
-                      "(full-batch Jacobian)", next(iter(plan.routes.values()))[1])
+            _log.info(
+                "the model couples samples (%s): computing the kernel of the batch forward exactly "
+                "(full-batch Jacobian)",
+                next(iter(plan.routes.values()))[1],
+            )
         try:
             with blame(model):
                 G = _gram(model, plan, m, x1, x2, K, full, block_size, out)
@@ -178,28 +203,42 @@ def gram(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None = None, *,
     return out.copy_(G) if out is not None and G is not out else G
 
 
-def _check_out(out: torch.Tensor, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int,
-               full: bool) -> None:
+def _check_out(
+    out: torch.Tensor, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, K: int, full: bool
+) -> None:
     """ValueError unless ``out`` can hold the Gramian as the computation makes it (the prepared
     model's dtype, the points' device)."""
     n1, n2 = x1.shape[0], (x1 if x2 is None else x2).shape[0]
     shape = (n1, K, n2, K) if full else (n1, n2)
     dtype = next(model.parameters()).dtype
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != x1.device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor of shape {shape}, dtype {dtype} on {x1.device}; got "
-                         f"shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
-                         + ("" if out.is_contiguous() else ", not contiguous"))
+        raise ValueError(
+            f"out must be a contiguous tensor of shape {shape}, dtype {dtype} on {x1.device}; got "
+            f"shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+            + ("" if out.is_contiguous() else ", not contiguous")
+        )
 
 
-def _gram(model: nn.Module, plan: ForwardPlan, m: NTKMethod, x1: torch.Tensor, x2: torch.Tensor | None, K: int,
-          full: bool, block_size: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+def _gram(
+    model: nn.Module,
+    plan: ForwardPlan,
+    m: NTKMethod,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    K: int,
+    full: bool,
+    block_size: int | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     n = x1.shape[0]
     if m is NTKMethod.STRUCTURED:
-        return structured_gram(model, structured_layers(plan), x1, x2, K, full, block_size or _structured_tile(n),
-                               out=out)
+        return structured_gram(
+            model, structured_layers(plan), x1, x2, K, full, block_size or _structured_tile(n), out=out
+        )
     if m is NTKMethod.PER_LAYER:
-        return per_layer_gram(model, per_layer_layers(plan), plan.generic, x1, x2, K, full,
-                              block_size or _structured_tile(n))
+        return per_layer_gram(
+            model, per_layer_layers(plan), plan.generic, x1, x2, K, full, block_size or _structured_tile(n)
+        )
     P = sum(p.numel() for p in trainable_params(model).values())
     block = block_size or default_block(n, K * P, x1.element_size() if x1.is_floating_point() else 4, 256e6)
     if m is NTKMethod.BATCH:
@@ -207,9 +246,15 @@ def _gram(model: nn.Module, plan: ForwardPlan, m: NTKMethod, x1: torch.Tensor, x
     return jacobian_gram(model, x1, x2, K, full, block)
 
 
-def ntk_operator(model: nn.Module, x: torch.Tensor, *, kernel: str | Kernel = "trace",
-                 block_size: int | None = None, dtype: torch.dtype | None = None,
-                 output: OutputSelector = None) -> NTKOperator:
+def ntk_operator(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    kernel: str | Kernel = "trace",
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    output: OutputSelector = None,
+) -> NTKOperator:
     """Matrix-free NTK Gramian at x: ``v ↦ G v`` via one VJP and one JVP pass over the data.
 
     For Lanczos when G (N×N) does not fit in memory.  The operator's ``matmat`` takes (N, m)

@@ -16,8 +16,15 @@ from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
 # (per_layer: one forward/backward pass over the data per group).
 FEATURE_BYTES = 2 * 2**30
 
-__all__ = ["FEATURE_BYTES", "prepare_model", "trainable_params", "prepare_inputs", "output_dim",
-           "as_2d", "default_block"]
+__all__ = [
+    "FEATURE_BYTES",
+    "prepare_model",
+    "trainable_params",
+    "prepare_inputs",
+    "output_dim",
+    "as_2d",
+    "default_block",
+]
 
 
 def prepare_model(model: nn.Module, dtype: torch.dtype | None, output: OutputSelector = None) -> nn.Module:
@@ -47,8 +54,10 @@ def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dt
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (n, d) or (n, …), got {type(x).__name__}")
     if x.ndim < 2 or x.shape[0] == 0 or any(s == 0 for s in x.shape[1:]):
-        raise ShapeError(f"{name} must have shape (n, d) — or (n, …) such as images (n, C, H, W) — with n >= 1 "
-                         f"and no empty axis, got {tuple(x.shape)}")
+        raise ShapeError(
+            f"{name} must have shape (n, d) — or (n, …) such as images (n, C, H, W) — with n >= 1 "
+            f"and no empty axis, got {tuple(x.shape)}"
+        )
     check_finite(name, x)
     p = next(iter(model.parameters()))
     if not (x.is_floating_point() or x.is_complex()):  # token ids, class indices: as the model takes them
@@ -67,8 +76,9 @@ def output_dim(model: nn.Module, x: torch.Tensor) -> int:
         return 1
     if out.ndim == 2 and out.shape[0] == n:
         return int(out.shape[1])
-    raise ShapeError(f"model output must have shape (n,) or (n, K); for input {tuple(x[:2].shape)} "
-                     f"it returned {tuple(out.shape)}")
+    raise ShapeError(
+        f"model output must have shape (n,) or (n, K); for input {tuple(x[:2].shape)} it returned {tuple(out.shape)}"
+    )
 
 
 def as_2d(out: torch.Tensor) -> torch.Tensor:

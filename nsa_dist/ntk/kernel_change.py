@@ -57,14 +57,21 @@ def _unflat(model: nn.Module, vec: np.ndarray, dtype: torch.dtype) -> dict[str, 
     t = torch.as_tensor(np.ascontiguousarray(vec, np.float64), device=dev).to(dtype)
     out, o = {}, 0
     for n, p in model.named_parameters():
-        out[n] = t[o:o + p.numel()].view(p.shape)
+        out[n] = t[o : o + p.numel()].view(p.shape)
         o += p.numel()
     return out
 
 
-def cross_gram_times(model: nn.Module, X_out: torch.Tensor, X: torch.Tensor, V: np.ndarray,
-                     dtype: torch.dtype, method: str = "auto", block_size: int | None = None,
-                     out: torch.Tensor | None = None) -> np.ndarray:
+def cross_gram_times(
+    model: nn.Module,
+    X_out: torch.Tensor,
+    X: torch.Tensor,
+    V: np.ndarray,
+    dtype: torch.dtype,
+    method: str = "auto",
+    block_size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> np.ndarray:
     """g_θ(X_out, 𝒳) V at the model's parameters: the kernel rows between new points and the N
     training points (NSA Eq. 9's g_t(X, 𝒳) v_k), through :func:`nsa_dist.ntk.gram` (the run's own
     NTK path), a block of rows (≤ 32 Mi floats) at a time, never all M×N rows at once — unless
@@ -91,16 +98,28 @@ def cross_gram_times(model: nn.Module, X_out: torch.Tensor, X: torch.Tensor, V: 
     N, M = X.shape[0], X_out.shape[0]
     Vt = torch.as_tensor(np.ascontiguousarray(V, np.float64), device=X.device).to(dtype)  # (N, K)
     if out is not None:
-        return (gram(model, X_out, X, method=method, block_size=block_size, dtype=dtype, out=out) @ Vt
-                ).detach().cpu().double().numpy()
+        return (
+            (gram(model, X_out, X, method=method, block_size=block_size, dtype=dtype, out=out) @ Vt)
+            .detach()
+            .cpu()
+            .double()
+            .numpy()
+        )
     rows = max(1, (32 << 20) // max(N, 1))
-    out = [(gram(model, X_out[i:i + rows], X, method=method, block_size=block_size, dtype=dtype) @ Vt)
-           .detach().cpu().double().numpy() for i in range(0, M, rows)]  # (b, N) @ (N, K) each
+    out = [
+        (gram(model, X_out[i : i + rows], X, method=method, block_size=block_size, dtype=dtype) @ Vt)
+        .detach()
+        .cpu()
+        .double()
+        .numpy()
+        for i in range(0, M, rows)
+    ]  # (b, N) @ (N, K) each
     return np.concatenate(out, axis=0)  # (M, K)
 
 
-def gram_change(model: nn.Module, X: torch.Tensor, theta: np.ndarray, dtheta: np.ndarray, evecs: np.ndarray,
-                dtype: torch.dtype) -> dict[str, np.ndarray]:
+def gram_change(
+    model: nn.Module, X: torch.Tensor, theta: np.ndarray, dtheta: np.ndarray, evecs: np.ndarray, dtype: torch.dtype
+) -> dict[str, np.ndarray]:
     """App. F: dG_t projected on the top Kg eigenvectors V of G_t, measured and to first order.
 
     measured:    D = Vᵀ (G(θ_t + Δθ_t) − G(θ_t)) V
@@ -149,5 +168,7 @@ def gram_change(model: nn.Module, X: torch.Tensor, theta: np.ndarray, dtheta: np
     finally:
         model.to(orig)
     fro = np.linalg.norm
-    return {"gram_change": np.stack([np.diag(D), np.diag(Dbar)]),
-            "gram_change_fro": np.array([fro(D), fro(Dbar), fro(D - Dbar)])}
+    return {
+        "gram_change": np.stack([np.diag(D), np.diag(Dbar)]),
+        "gram_change_fro": np.array([fro(D), fro(Dbar), fro(D - Dbar)]),
+    }

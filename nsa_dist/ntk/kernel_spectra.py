@@ -41,8 +41,15 @@ class _Block:
         return out if V.ndim == 2 else out[:, 0]
 
 
-def per_class_top(model: nn.Module, X: torch.Tensor, k: int, *, dtype: torch.dtype | None = None,
-                  block_size: int | None = None, tol: float = 1e-10) -> np.ndarray:
+def per_class_top(
+    model: nn.Module,
+    X: torch.Tensor,
+    k: int,
+    *,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+    tol: float = 1e-10,
+) -> np.ndarray:
     """Top k eigenvalues of each diagonal block Θ_aa = J_a J_aᵀ of the full NTK (per-class spectra).
 
     Θ_aa is the kernel of output a alone (class a for one-hot targets); Σ_a Θ_aa is the traced
@@ -58,8 +65,15 @@ def per_class_top(model: nn.Module, X: torch.Tensor, k: int, *, dtype: torch.dty
     return np.stack([top_eigenpairs(_Block(full, a, K), k, "auto", tol=tol).evals for a in range(K)])
 
 
-def full_kernel_top(model: nn.Module, X: torch.Tensor, k: int, *, dtype: torch.dtype | None = None,
-                    block_size: int | None = None, tol: float = 1e-10) -> np.ndarray:
+def full_kernel_top(
+    model: nn.Module,
+    X: torch.Tensor,
+    k: int,
+    *,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+    tol: float = 1e-10,
+) -> np.ndarray:
     """The k largest eigenvalues of the full NTK Θ = J Jᵀ, (N·K)×(N·K), J = ∂f(X)/∂θ (N·K, P).
 
     GD on L = (1/N) Σ ½‖f_i − y_i‖² moves the stacked residual as m ← (I − (δ/N) Θ) m to first

@@ -29,7 +29,7 @@ from nsa_dist.models import SOFTPLUS_SCALE, normalized_softplus
 __all__ = ["limit_ntk", "as_points", "check_options", "cos_angle"]  # the last three shared with hessian.s_limit
 
 _F64 = torch.float64
-_QUAD_ELEMS = 2 ** 22  # rows of the quadrature are chunked to about this many evaluations
+_QUAD_ELEMS = 2**22  # rows of the quadrature are chunked to about this many evaluations
 _Pair = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -46,13 +46,15 @@ def _leaky_relu_pair(a: float) -> _Pair:
     E[σσ′] = √(k11k22)/(2π) [(1 + a²)(sin θ + (π − θ) cos θ) − 2a (sin θ − θ cos θ)],
     E[σ̇σ̇′] = (1 + a²)(π − θ)/(2π) + a θ/π.
     """
+
     def pair(k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, rho = cos_angle(k11, k22, k12)
         th = torch.arccos(rho)
-        sin = (1 - rho ** 2).clamp_min(0).sqrt()
+        sin = (1 - rho**2).clamp_min(0).sqrt()
         E = s / (2 * math.pi) * ((1 + a * a) * (sin + (math.pi - th) * rho) - 2 * a * (sin - th * rho))
         Ed = (1 + a * a) * (math.pi - th) / (2 * math.pi) + a * th / math.pi
         return E, Ed
+
     return pair
 
 
@@ -61,22 +63,25 @@ def _erf_pair(k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor) -> tuple[
     E[erf′ u erf′ u′] = (4/π) / √((1+2k11)(1+2k22) − 4k12²)."""
     d = (1 + 2 * k11) * (1 + 2 * k22)
     E = 2 / math.pi * torch.arcsin((2 * k12 / d.sqrt()).clamp(-1.0, 1.0))
-    Ed = 4 / math.pi / (d - 4 * k12 ** 2).clamp_min(1e-300).sqrt()
+    Ed = 4 / math.pi / (d - 4 * k12**2).clamp_min(1e-300).sqrt()
     return E, Ed
 
 
 def _derivative(phi: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """σ′ of an elementwise σ by autograd."""
+
     def dphi(u: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             u = u.detach().requires_grad_(True)
             (g,) = torch.autograd.grad(phi(u).sum(), u)
         return g
+
     return dphi
 
 
-def _quadrature_pair(phi: Callable[[torch.Tensor], torch.Tensor], n: int,
-                     dphi: Callable[[torch.Tensor], torch.Tensor] | None = None) -> _Pair:
+def _quadrature_pair(
+    phi: Callable[[torch.Tensor], torch.Tensor], n: int, dphi: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> _Pair:
     """E[σσ′] and E[σ̇σ̇′] by n×n Gauss–Hermite quadrature:
     u = √k11 z₁, u′ = √k22 (ρ z₁ + √(1−ρ²) z₂), z₁, z₂ iid N(0, 1).  σ̇ by autograd unless given."""
     z, w = np.polynomial.hermite_e.hermegauss(n)  # probabilists' nodes, Σ w = √(2π)
@@ -94,11 +99,15 @@ def _quadrature_pair(phi: Callable[[torch.Tensor], torch.Tensor], n: int,
         for s in range(0, k12.numel(), chunk):
             c = slice(s, s + chunk)
             u = s1[c, None] * z  # (c, n)
-            v = torch.addcmul((s2[c] * rho[c])[:, None, None] * z[:, None],  # (c, n, n): u′ at (z₁, z₂)
-                              (s2[c] * (1 - rho[c] ** 2).clamp_min(0).sqrt())[:, None, None], z)
+            v = torch.addcmul(
+                (s2[c] * rho[c])[:, None, None] * z[:, None],  # (c, n, n): u′ at (z₁, z₂)
+                (s2[c] * (1 - rho[c] ** 2).clamp_min(0).sqrt())[:, None, None],
+                z,
+            )
             E[c] = (phi(u) * (phi(v) @ w)) @ w
             Ed[c] = (dphi(u) * (dphi(v) @ w)) @ w
         return E.reshape(shape), Ed.reshape(shape)
+
     return pair
 
 
@@ -107,8 +116,9 @@ def _gelu_prime(u: torch.Tensor) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * torch.exp(-0.5 * u * u) / math.sqrt(2 * math.pi)
 
 
-_ACTIVATIONS: dict[Activation,
-                   tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+_ACTIVATIONS: dict[
+    Activation, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+] = {
     Activation.TANH: (torch.tanh, lambda u: 1 - torch.tanh(u) ** 2),
     Activation.SOFTPLUS: (torch.nn.functional.softplus, torch.sigmoid),
     Activation.GELU: (torch.nn.functional.gelu, _gelu_prime),
@@ -163,9 +173,16 @@ def check_options(depth: int, negative_slope: float, bias_scale: float, quadratu
         raise ValueError(f"negative_slope must be a finite float, got {negative_slope!r}")
 
 
-def limit_ntk(x1: torch.Tensor | np.ndarray, x2: torch.Tensor | np.ndarray | None = None, *, depth: int,
-              activation: str | Activation | Callable[[torch.Tensor], torch.Tensor] = "relu",
-              negative_slope: float = 0.01, bias_scale: float = 0.1, quadrature: int = 64) -> torch.Tensor:
+def limit_ntk(
+    x1: torch.Tensor | np.ndarray,
+    x2: torch.Tensor | np.ndarray | None = None,
+    *,
+    depth: int,
+    activation: str | Activation | Callable[[torch.Tensor], torch.Tensor] = "relu",
+    negative_slope: float = 0.01,
+    bias_scale: float = 0.1,
+    quadrature: int = 64,
+) -> torch.Tensor:
     """The limiting NTK ``Θ∞(x1_i, x2_j)`` of a depth-L net in the NTK parametrisation.
 
     ``Σ⁽¹⁾ = xᵀx′/n₀ + β²``, ``Σ⁽ℓ⁺¹⁾ = 𝕃^σ_{Σ⁽ℓ⁾} + β²``, ``Σ̇⁽ℓ⁺¹⁾ = 𝕃^σ̇_{Σ⁽ℓ⁾}``,
@@ -218,8 +235,9 @@ def limit_ntk(x1: torch.Tensor | np.ndarray, x2: torch.Tensor | np.ndarray | Non
     return theta
 
 
-def _pair_matrix(pair: _Pair, k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor,
-                 symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_matrix(
+    pair: _Pair, k11: torch.Tensor, k22: torch.Tensor, k12: torch.Tensor, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """𝕃^σ and 𝕃^σ̇ on all (i, j); for a symmetric kernel only i ≤ j are evaluated."""
     if not symmetric:
         return pair(k11[:, None], k22[None, :], k12)

@@ -84,8 +84,9 @@ def tile_plan(n: int, n_workers: int, blocks_per_worker: int = 4) -> TilePlan:
     return TilePlan(ranges, [sorted(p) for p in pairs], owners)
 
 
-def shard_features(model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]], dtype: torch.dtype,
-                   method: str = "auto") -> list[BlockFeatures]:
+def shard_features(
+    model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]], dtype: torch.dtype, method: str = "auto"
+) -> list[BlockFeatures]:
     """Per-layer features (Â_l, D_l) of each range of points, as NumPy (see :func:`block_features`)."""
     return block_features(prepare_model(model, dtype), x, ranges, dtype=dtype, method=method)
 
@@ -100,12 +101,19 @@ class GramTiles:
         device: "cpu" or "cuda".
     """
 
-    def __init__(self, features: dict[int, BlockFeatures], ranges: list[tuple[int, int]],
-                 pairs: list[tuple[int, int]], device: str = "cpu") -> None:
+    def __init__(
+        self,
+        features: dict[int, BlockFeatures],
+        ranges: list[tuple[int, int]],
+        pairs: list[tuple[int, int]],
+        device: str = "cpu",
+    ) -> None:
         dev = torch.device(device)
         self.ranges, self.pairs, self.N = ranges, pairs, ranges[-1][1]
-        feats = {b: [(torch.as_tensor(A, device=dev), torch.as_tensor(D, device=dev)) for A, D in f]
-                 for b, f in features.items()}
+        feats = {
+            b: [(torch.as_tensor(A, device=dev), torch.as_tensor(D, device=dev)) for A, D in f]
+            for b, f in features.items()
+        }
         missing = sorted({b for p in pairs for b in p} - set(feats))
         if missing:
             raise ValueError(f"GramTiles: features of blocks {missing} were not given")
@@ -223,8 +231,8 @@ class FeatureShard:
         for A, D in self.feats:
             U = torch.zeros(m * D.shape[1], A.shape[1], dtype=A.dtype, device=A.device)  # (m·q, c)
             for s in range(0, self.n, _CHUNK):
-                VD = Vt[s:s + _CHUNK, :, None] * D[s:s + _CHUNK, None, :]  # (b, m, q)
-                U += VD.reshape(VD.shape[0], -1).T @ A[s:s + _CHUNK]
+                VD = Vt[s : s + _CHUNK, :, None] * D[s : s + _CHUNK, None, :]  # (b, m, q)
+                U += VD.reshape(VD.shape[0], -1).T @ A[s : s + _CHUNK]
             parts.append(U.reshape(m, -1).double())
         return torch.cat(parts, dim=1).cpu().numpy()
 
@@ -237,11 +245,11 @@ class FeatureShard:
         off = 0
         for (A, D), w in zip(self.feats, self.widths):
             q = D.shape[1]
-            Ul = Ut[:, off:off + w].reshape(m * q, A.shape[1])  # (m·q, c)
+            Ul = Ut[:, off : off + w].reshape(m * q, A.shape[1])  # (m·q, c)
             off += w
             for s in range(0, self.n, _CHUNK):
-                T = A[s:s + _CHUNK] @ Ul.T  # (b, m·q)
-                out[s:s + _CHUNK] += (T.view(T.shape[0], m, q) * D[s:s + _CHUNK, None, :]).sum(-1)
+                T = A[s : s + _CHUNK] @ Ul.T  # (b, m·q)
+                out[s : s + _CHUNK] += (T.view(T.shape[0], m, q) * D[s : s + _CHUNK, None, :]).sum(-1)
         return out.double().cpu().numpy()
 
 
@@ -274,6 +282,6 @@ class JacobianShard:
         rows = Ut.reshape(m * self.K, -1)
         Ud, off = {}, 0
         for k, p in self.op._params.items():
-            Ud[k] = rows[:, off:off + p.numel()].reshape((m * self.K,) + p.shape)
+            Ud[k] = rows[:, off : off + p.numel()].reshape((m * self.K,) + p.shape)
             off += p.numel()
         return self.op.j(Ud, m).double().cpu().numpy()

@@ -41,9 +41,11 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
 def batch_stat_modules(model: nn.Module) -> list[str]:
     """The batch-norm modules whose forward uses the batch's own statistics (train mode, or no
     running statistics) — they couple the samples of a batch — as "'name' (Type, why)"."""
-    return [f"{name!r} ({type(m).__name__}, {'train mode' if m.training else 'no running statistics'})"
-            for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-            and (m.training or m.running_mean is None)]
+    return [
+        f"{name!r} ({type(m).__name__}, {'train mode' if m.training else 'no running statistics'})"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
+    ]
 
 
 def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
@@ -63,9 +65,11 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
     other = [name for name in changed if not isinstance(owners[name], nn.modules.batchnorm._BatchNorm)]
     if other:
         mod = owners[other[0]]
-        raise UnsupportedModelError(f"the model's forward modifies its buffer {other[0]!r} ({type(mod).__name__}) in "
-                                    "place; nsa-dist computes kernels only of forwards that change no state "
-                                    "besides batch-norm running statistics")
+        raise UnsupportedModelError(
+            f"the model's forward modifies its buffer {other[0]!r} ({type(mod).__name__}) in "
+            "place; nsa-dist computes kernels only of forwards that change no state "
+            "besides batch-norm running statistics"
+        )
     twin = copy.deepcopy(model)
     for m in twin.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:

@@ -17,6 +17,20 @@ from nsa_dist.pipeline.runner import PreparedRun, RunOutcome, finish_run, prepar
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
 
-__all__ = ["Checkpoint", "TrainerState", "ModelState", "PreparedRun", "RunOutcome", "finish_run", "prepare_run",
-           "run_experiment", "RunPlan", "plan_run", "run_id", "spec_json",
-           "SpectralAnalyzer", "Trainer", "TrainingDiverged"]
+__all__ = [
+    "Checkpoint",
+    "TrainerState",
+    "ModelState",
+    "PreparedRun",
+    "RunOutcome",
+    "finish_run",
+    "prepare_run",
+    "run_experiment",
+    "RunPlan",
+    "plan_run",
+    "run_id",
+    "spec_json",
+    "SpectralAnalyzer",
+    "Trainer",
+    "TrainingDiverged",
+]

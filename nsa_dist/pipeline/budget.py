@@ -71,8 +71,11 @@ def footprint(spec: ExperimentSpec) -> Footprint:
     quadrature = energy_route(spec, lay) == "quadrature"
     q = s.quadrature
     k = (min(q.top, N) if quadrature else N) if s.k == "all" else min(int(s.k), N)
-    parts = {f"G ({lay.value} layout)": _layout.layout_bytes(spec, N, width)[lay], "eigenvectors": 8.0 * N * k,
-             "data": 16.0 * N * spec.data.input_dim}
+    parts = {
+        f"G ({lay.value} layout)": _layout.layout_bytes(spec, N, width)[lay],
+        "eigenvectors": 8.0 * N * k,
+        "data": 16.0 * N * spec.data.input_dim,
+    }
     if quadrature:
         parts["quadrature Lanczos basis"] = quadrature_basis_bytes(N, q.lanczos_steps, q.block_size)
     if P is not None:
@@ -81,7 +84,7 @@ def footprint(spec: ExperimentSpec) -> Footprint:
         if spec.hessian is not None:
             parts["Hessian probes"] = 8.0 * P * (spec.hessian.probes + spec.hessian.lanczos_steps)
     if DataName(spec.data.name) in (DataName.IMAGE2D, DataName.DENSITY2D):
-        parts["eigenvector images"] = 8.0 * len(s.images) * (s.image_size ** 2 + s.fourier_size ** 2)
+        parts["eigenvector images"] = 8.0 * len(s.images) * (s.image_size**2 + s.fourier_size**2)
     return Footprint(lay, parts, P)
 
 
@@ -96,22 +99,30 @@ def check_fits(spec: ExperimentSpec) -> Footprint:
     machine = _layout._machine_bytes()
     if fp.total > machine:
         largest = max(fp.parts, key=fp.parts.get).split(" ")[0]
-        raise ResourceError(f"run {spec.name!r} needs ~{_gb(fp.total)} on one worker ({fp.describe()}), more than "
-                            f"this machine's {_gb(machine)}; {_FIX[largest]}")
+        raise ResourceError(
+            f"run {spec.name!r} needs ~{_gb(fp.total)} on one worker ({fp.describe()}), more than "
+            f"this machine's {_gb(machine)}; {_FIX[largest]}"
+        )
     budget = spec.spectrum.memory_budget_gb
     G = next(v for key, v in fp.parts.items() if key.startswith("G "))
     if Layout(spec.spectrum.layout) is Layout.AUTO and budget and G > budget * 1e9:
-        raise ResourceError(f"run {spec.name!r}: its Gram needs ~{_gb(G)} per worker even as {fp.layout.value}, more "
-                            f"than spectrum.memory_budget_gb={budget:g}; lower data.n, or raise spectrum.workers "
-                            "or the budget")
+        raise ResourceError(
+            f"run {spec.name!r}: its Gram needs ~{_gb(G)} per worker even as {fp.layout.value}, more "
+            f"than spectrum.memory_budget_gb={budget:g}; lower data.n, or raise spectrum.workers "
+            "or the budget"
+        )
     return fp
 
 
-_FIX = {"G": "lower data.n, or use spectrum.layout 'matrix_free' (or 'auto') with more spectrum.workers",
-        "eigenvectors": "lower spectrum.k (or quadrature.top)", "quadrature": "lower spectrum.quadrature.lanczos_steps "
-        "or block_size", "data": "lower data.n", "parameters": "lower model.width / model.depth",
-        "Hessian": "lower hessian.probes / hessian.lanczos_steps",
-        "eigenvector": "lower spectrum.image_size / spectrum.fourier_size"}
+_FIX = {
+    "G": "lower data.n, or use spectrum.layout 'matrix_free' (or 'auto') with more spectrum.workers",
+    "eigenvectors": "lower spectrum.k (or quadrature.top)",
+    "quadrature": "lower spectrum.quadrature.lanczos_steps or block_size",
+    "data": "lower data.n",
+    "parameters": "lower model.width / model.depth",
+    "Hessian": "lower hessian.probes / hessian.lanczos_steps",
+    "eigenvector": "lower spectrum.image_size / spectrum.fourier_size",
+}
 
 
 def _gb(b: float) -> str:

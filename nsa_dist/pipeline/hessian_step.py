@@ -120,9 +120,13 @@ class HessianAnalysis:
             from nsa_dist.ntk import limit_ntk
 
             m = self.spec.model
-            self._theta_inf = limit_ntk(self.X.detach().cpu().double().reshape(self.X.shape[0], -1), depth=m.depth,
-                                        activation=m.activation, negative_slope=m.negative_slope,
-                                        bias_scale=m.bias_scale)
+            self._theta_inf = limit_ntk(
+                self.X.detach().cpu().double().reshape(self.X.shape[0], -1),
+                depth=m.depth,
+                activation=m.activation,
+                negative_slope=m.negative_slope,
+                bias_scale=m.bias_scale,
+            )
         return self._theta_inf
 
     def s_limit_reason(self) -> str | None:
@@ -146,8 +150,12 @@ class HessianAnalysis:
 
         m, N, K = self.spec.model, F.shape[0], F.shape[1]
         if self._s_kernels is None:
-            self._s_kernels = limit_S_kernels(self.X.detach().cpu().double().reshape(N, -1), depth=m.depth,
-                                              activation=m.activation, bias_scale=m.bias_scale)
+            self._s_kernels = limit_S_kernels(
+                self.X.detach().cpu().double().reshape(N, -1),
+                depth=m.depth,
+                activation=m.activation,
+                bias_scale=m.bias_scale,
+            )
         k = self._s_kernels
         Y = prepare_targets(self.y, self.loss, N, K, torch.float64, torch.device("cpu"))
         out[2] = limit_trace_S2(k.upsilon, loss_gradient(self.loss, F.cpu(), Y).numpy() / N)
@@ -181,7 +189,7 @@ class HessianAnalysis:
             mu = np.sort(np.asarray(gram.evals, np.float64))[::-1] / N
             return mu, power_moments(mu)
         if gram is not None and self.gram_reusable and gram.trace is not None:
-            moments = np.array([gram.trace / N, gram.sq_frobenius / N ** 2, np.nan, np.nan])
+            moments = np.array([gram.trace / N, gram.sq_frobenius / N**2, np.nan, np.nan])
             return np.full(nk, np.nan), moments
         if gram is not None and gram.distributed:
             return np.full(nk, np.nan), np.full(4, np.nan)
@@ -197,9 +205,14 @@ class HessianAnalysis:
         mu = limit_gauss_newton_eigenvalues(self.limit_gram(), F.detach().cpu(), Y.numpy(), loss=self.loss)
         return mu, power_moments(mu)
 
-    def analyze(self, model: nn.Module, ops: dict[str, Any] | None = None,
-                gram: GramKnowledge | None = None, step: int | None = None,
-                notes: StepNotes | None = None) -> HessianStep:
+    def analyze(
+        self,
+        model: nn.Module,
+        ops: dict[str, Any] | None = None,
+        gram: GramKnowledge | None = None,
+        step: int | None = None,
+        notes: StepNotes | None = None,
+    ) -> HessianStep:
         """The step's Hessian quantities on ``model`` at its θ (training step ``step``: θ_step).
 
         ``ops``: H, I, S as operators summed over a gang's data shards (distributed layouts);
@@ -228,8 +241,10 @@ class HessianAnalysis:
 
         def moments() -> dict[str, Any]:
             est = [hutchpp_moments(ops[p], h.probes, max_order=4, seed=self.seed) for p in PARTS]
-            return {"hessian_moments": np.stack([m.estimate for m in est]),  # (3, 4)
-                    "hessian_moments_stderr": np.stack([m.stderr for m in est])}  # (3, 4)
+            return {
+                "hessian_moments": np.stack([m.estimate for m in est]),  # (3, 4)
+                "hessian_moments_stderr": np.stack([m.stderr for m in est]),
+            }  # (3, 4)
 
         def exact_I() -> dict[str, Any]:
             mu, exact = self._exact_I(model, gram)
@@ -244,8 +259,11 @@ class HessianAnalysis:
             R = loss_gradient(self.loss, F, Y).cpu().numpy()  # (N, K) ∇_f c_i
             tr = output_hessian_traces(m64, X64, h.probes, seed=self.seed + 2, block_size=h.block_size)
             shape = (F.shape[0],) if F.shape[1] == 1 else tuple(F.shape)
-            return {"hessian_G": tr.estimate.reshape(shape), "hessian_G_stderr": tr.stderr.reshape(shape),
-                    "hessian_trace_S_G": np.array(trace_S_from_G(R, tr))}
+            return {
+                "hessian_G": tr.estimate.reshape(shape),
+                "hessian_G_stderr": tr.stderr.reshape(shape),
+                "hessian_trace_S_G": np.array(trace_S_from_G(R, tr)),
+            }
 
         def additivity() -> dict[str, Any]:
             g = additivity_gap(H, I, S, h.probes, max_order=4, seed=self.seed + 1)
@@ -257,12 +275,18 @@ class HessianAnalysis:
 
         def rayleigh() -> dict[str, Any]:
             along_I, along_S = rayleigh_quotients(I, S, self.rayleigh_k, tol=h.eig_tol, seed=self.seed)
-            return {"hessian_rayleigh": np.array([[along_I.vIv, along_I.vSv], [along_S.vIv, along_S.vSv]]),
-                    "hessian_rayleigh_evals": np.stack([along_I.evals, along_S.evals])}  # (2, 2, k), (2, k)
+            return {
+                "hessian_rayleigh": np.array([[along_I.vIv, along_I.vSv], [along_S.vIv, along_S.vSv]]),
+                "hessian_rayleigh_evals": np.stack([along_I.evals, along_S.evals]),
+            }  # (2, 2, k), (2, k)
 
         def top() -> dict[str, Any]:
-            top = np.stack([extreme_eigenpairs(ops[p], self.top_k, which="largest", tol=h.eig_tol,
-                                               seed=self.seed).evals for p in PARTS])  # (3, k)
+            top = np.stack(
+                [
+                    extreme_eigenpairs(ops[p], self.top_k, which="largest", tol=h.eig_tol, seed=self.seed).evals
+                    for p in PARTS
+                ]
+            )  # (3, k)
             s_op = float(abs(extreme_eigenpairs(S, 1, which="magnitude", tol=h.eig_tol, seed=self.seed).evals[0]))
             return {"hessian_top": top, "hessian_S_op": s_op}  # ‖S‖_op
 

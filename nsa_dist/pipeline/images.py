@@ -62,8 +62,12 @@ class EigenImages:
         """V (N, nI): the eigenvectors of ``indices``, in that order; residual (N,)."""
         both = np.concatenate([V, residual[:, None]], axis=1)  # (N, nI + 1)
         img, four = self.image(both), self.fourier(both)
-        return ImageStep(eigvec_images=img[:-1].astype(np.float32), eigvec_fourier=four[:-1].astype(np.float32),
-                         residual_image=img[-1].astype(np.float32), residual_fourier=four[-1].astype(np.float32))
+        return ImageStep(
+            eigvec_images=img[:-1].astype(np.float32),
+            eigvec_fourier=four[:-1].astype(np.float32),
+            residual_image=img[-1].astype(np.float32),
+            residual_fourier=four[-1].astype(np.float32),
+        )
 
 
 def eigen_images(spec: ExperimentSpec, data: Dataset, K: int) -> EigenImages | None:

@@ -30,8 +30,19 @@ from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk.blocks import row_blocks
 from nsa_dist.ntk.shards import tile_plan
 
-__all__ = ["Pool", "LocalPool", "StepGram", "DenseGram", "TiledGram", "ShardedGram", "ShardedCurvature",
-           "LayoutChoice", "choose_layout", "layout_bytes", "layout_budget"]
+__all__ = [
+    "Pool",
+    "LocalPool",
+    "StepGram",
+    "DenseGram",
+    "TiledGram",
+    "ShardedGram",
+    "ShardedCurvature",
+    "LayoutChoice",
+    "choose_layout",
+    "layout_bytes",
+    "layout_budget",
+]
 
 _keys = itertools.count()
 
@@ -100,8 +111,12 @@ class DenseGram(LinearOperator):
         N = 10⁴).  The copy is explicit: ``.double()`` of a float64 G is G itself."""
         import torch
 
-        return float(sum(torch.sum(self.G[a:a + 512].to(torch.float64, copy=True).pow_(2))
-                         for a in range(0, self.shape[0], 512))), 0.0
+        return float(
+            sum(
+                torch.sum(self.G[a : a + 512].to(torch.float64, copy=True).pow_(2))
+                for a in range(0, self.shape[0], 512)
+            )
+        ), 0.0
 
     def close(self) -> None:
         self.G = None
@@ -137,8 +152,11 @@ class TiledGram(_GangGram):
             h = pool.submit(i, "features", run_h, theta_h, which, ranges, num_returns=len(owned))
             feats.update(zip(owned, h if len(owned) > 1 else [h]))
         need = [sorted({b for p in pairs for b in p}) for pairs in plan.pairs]
-        self.nbytes = _map(pool, "build_tiles", [(self.key, plan.ranges, plan.pairs[i], {b: feats[b] for b in need[i]})
-                                                 for i in range(pool.size)])
+        self.nbytes = _map(
+            pool,
+            "build_tiles",
+            [(self.key, plan.ranges, plan.pairs[i], {b: feats[b] for b in need[i]}) for i in range(pool.size)],
+        )
         del feats
         self.plan = plan
 
@@ -163,8 +181,17 @@ class ShardedGram(_GangGram):
     through Ray), broadcasts the sum and concatenates the members' ``J_s U``.
     """
 
-    def __init__(self, pool: Pool, run: Any, theta: np.ndarray, which: str, N: int, dtype: np.dtype,
-                 frobenius_probes: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        run: Any,
+        theta: np.ndarray,
+        which: str,
+        N: int,
+        dtype: np.dtype,
+        frobenius_probes: int = 32,
+        seed: int = 0,
+    ) -> None:
         super().__init__(pool, N, dtype)
         self.ranges = row_blocks(N, pool.size)
         run_h, theta_h = pool.put(run), pool.put(theta)
@@ -173,8 +200,9 @@ class ShardedGram(_GangGram):
         self._fro: tuple[float, float] | None = None
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
-        U = np.sum(_map(self.pool, "shard_jt", [(self.key, np.ascontiguousarray(V[a:b])) for a, b in self.ranges]),
-                   axis=0)  # (m, dim)
+        U = np.sum(
+            _map(self.pool, "shard_jt", [(self.key, np.ascontiguousarray(V[a:b])) for a, b in self.ranges]), axis=0
+        )  # (m, dim)
         h = self.pool.put(U)
         out = np.concatenate(_map(self.pool, "shard_j", [(self.key, h)] * self.pool.size), axis=0)  # (N, m)
         return out.astype(self.dtype, copy=False)
@@ -244,9 +272,11 @@ def layout_bytes(spec: ExperimentSpec, N: int, feature_width: int) -> dict[Layou
     s = spec.spectrum
     item = np.dtype(s.dtype).itemsize
     W, B = s.workers, 4 * s.workers
-    return {Layout.LOCAL: N * N * (item + 8) * 1.1,
-            Layout.BLOCK_ROWS: (B + 1) / (2 * B * W) * N * N * item + N * feature_width * item,
-            Layout.MATRIX_FREE: N / W * feature_width * item}
+    return {
+        Layout.LOCAL: N * N * (item + 8) * 1.1,
+        Layout.BLOCK_ROWS: (B + 1) / (2 * B * W) * N * N * item + N * feature_width * item,
+        Layout.MATRIX_FREE: N / W * feature_width * item,
+    }
 
 
 def layout_budget(spec: ExperimentSpec) -> float:
@@ -273,9 +303,11 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
     layout = Layout(s.layout)
     if coupled is not None:
         if layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
-            raise ValueError(f"spectrum.layout={layout.value!r} splits the points over workers, but the model couples "
-                             f"samples ({coupled}): its kernel is that of the whole batch's forward; use layout "
-                             "'local' (or put batch norm in eval mode)")
+            raise ValueError(
+                f"spectrum.layout={layout.value!r} splits the points over workers, but the model couples "
+                f"samples ({coupled}): its kernel is that of the whole batch's forward; use layout "
+                "'local' (or put batch norm in eval mode)"
+            )
         return LayoutChoice(Layout.LOCAL, f"the model couples samples ({coupled}): the whole batch on one worker")
     if layout is not Layout.AUTO:
         return LayoutChoice(layout, "set in the spec")
@@ -287,12 +319,19 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
     if s.k == "all" and s.energy.value == "exact":
         return LayoutChoice(Layout.LOCAL, "k: all with energy: exact needs the whole G")
     if s.k == "all" and local <= budget:
-        return LayoutChoice(Layout.LOCAL, f"k: all: G needs ~{gb(local)} on one worker, within the budget "
-                                          f"{gb(budget)}: every eigenpair exactly")
+        return LayoutChoice(
+            Layout.LOCAL,
+            f"k: all: G needs ~{gb(local)} on one worker, within the budget {gb(budget)}: every eigenpair exactly",
+        )
     if local <= budget:
         return LayoutChoice(Layout.LOCAL, f"G needs ~{gb(local)} on one worker, within the budget {gb(budget)}")
     if W > 1 and tiles <= budget:
-        return LayoutChoice(Layout.BLOCK_ROWS, f"G needs ~{gb(local)} whole (budget {gb(budget)}); "
-                                               f"~{gb(tiles)} per worker as tiles on {W} workers")
-    return LayoutChoice(Layout.MATRIX_FREE, f"G needs ~{gb(local)} whole and ~{gb(tiles)} per worker as tiles on "
-                                            f"{W} workers, over the budget {gb(budget)}: products J(JᵀV) only")
+        return LayoutChoice(
+            Layout.BLOCK_ROWS,
+            f"G needs ~{gb(local)} whole (budget {gb(budget)}); ~{gb(tiles)} per worker as tiles on {W} workers",
+        )
+    return LayoutChoice(
+        Layout.MATRIX_FREE,
+        f"G needs ~{gb(local)} whole and ~{gb(tiles)} per worker as tiles on "
+        f"{W} workers, over the budget {gb(budget)}: products J(JᵀV) only",
+    )

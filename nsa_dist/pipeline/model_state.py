@@ -87,8 +87,9 @@ def analysis_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).cpu().to(_float_dtype(model))
 
 
-def model_inputs(X: np.ndarray | torch.Tensor, model: nn.Module, device: torch.device | str | None = None
-                 ) -> torch.Tensor:
+def model_inputs(
+    X: np.ndarray | torch.Tensor, model: nn.Module, device: torch.device | str | None = None
+) -> torch.Tensor:
     """``X`` as the model takes it: floating inputs in the model's floating dtype, integer inputs
     (token ids, class indices) unchanged; on ``device`` (default the model's).
 

@@ -40,8 +40,7 @@ def run_decays(spec: ExperimentSpec, steps: list[int] | np.ndarray, evals: np.nd
     return constant_gram_log_decays(evals, lrs, np.asarray(steps, np.int64) - t0, n)
 
 
-def divergence(spec: ExperimentSpec, steps: list[int] | np.ndarray, lam_max: float, n: int,
-               decays: Decays) -> dict:
+def divergence(spec: ExperimentSpec, steps: list[int] | np.ndarray, lam_max: float, n: int, decays: Decays) -> dict:
     """Where the constant-Gram prediction diverges: GD on G_{t0} is stable only while δ_t < 2N/λ_max
     (NSA Sec. 5); above it the prediction grows geometrically.  Attrs for the stored prediction:
     ``stability_bound`` 2N/λ_max(G_{t0}), ``lr_max`` the largest rate it is applied with,
@@ -52,14 +51,27 @@ def divergence(spec: ExperimentSpec, steps: list[int] | np.ndarray, lam_max: flo
     bound = 2.0 * n / lam_max if lam_max > 0 else float("inf")
     unstable = np.flatnonzero(lrs > bound)
     over = np.flatnonzero(decays.overflows())
-    return {"stability_bound": float(bound), "lr_max": float(lrs.max()), "diverges": bool(unstable.size),
-            "first_unstable_step": int(t0 + unstable[0]) if unstable.size else -1,
-            "overflow_step": int(np.asarray(steps)[over[0]]) if over.size else -1}
+    return {
+        "stability_bound": float(bound),
+        "lr_max": float(lrs.max()),
+        "diverges": bool(unstable.size),
+        "first_unstable_step": int(t0 + unstable[0]) if unstable.size else -1,
+        "overflow_step": int(np.asarray(steps)[over[0]]) if over.size else -1,
+    }
 
 
-def test_point_prediction(model: nn.Module, X: torch.Tensor, X_test: torch.Tensor, evals: np.ndarray,
-                          evecs: np.ndarray, residual: np.ndarray, f_test: np.ndarray, spec: ExperimentSpec,
-                          dtype: torch.dtype, out: torch.Tensor | None = None) -> tuple[np.ndarray, str | None]:
+def test_point_prediction(
+    model: nn.Module,
+    X: torch.Tensor,
+    X_test: torch.Tensor,
+    evals: np.ndarray,
+    evecs: np.ndarray,
+    residual: np.ndarray,
+    f_test: np.ndarray,
+    spec: ExperimentSpec,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> tuple[np.ndarray, str | None]:
     """App. E, Eq. 22 at the first recorded step t0: the test outputs at every recorded step predicted
     by GD with G_{t0} fixed, through the Nyström extension ṽ_i(X') = g_{t0}(X', 𝒳) v_i / λ_i (Eq. 9).
 
@@ -94,9 +106,11 @@ def test_point_prediction(model: nn.Module, X: torch.Tensor, X_test: torch.Tenso
     d = divergence(spec, steps, float(lam[0]), N, decays)
     if d["overflow_step"] < 0:
         return pred, None
-    return pred, (f"diverges: the rate {d['lr_max']:.4g} exceeds GD's stability bound 2N/λ_max(G_t0) = "
-                  f"{d['stability_bound']:.4g} from step {d['first_unstable_step']} on; the prediction overflows "
-                  f"float64 from recorded step {d['overflow_step']} on (stored as NaN there)")
+    return pred, (
+        f"diverges: the rate {d['lr_max']:.4g} exceeds GD's stability bound 2N/λ_max(G_t0) = "
+        f"{d['stability_bound']:.4g} from step {d['first_unstable_step']} on; the prediction overflows "
+        f"float64 from recorded step {d['overflow_step']} on (stored as NaN there)"
+    )
 
 
 def write_constant_gram(writer: RunWriter, spec: ExperimentSpec) -> None:
@@ -124,6 +138,9 @@ def write_constant_gram(writer: RunWriter, spec: ExperimentSpec) -> None:
     decays = run_decays(spec, steps, lam, N)
     pred = constant_gram_residual(lam, p, float(m[0] @ m[0]), decays)
     d = divergence(spec, steps, float(lam[0]), N, decays)
-    writer.write_array("constant_gram_residual", np.stack([pred.norm, np.linalg.norm(m, axis=1)], axis=1),
-                       {"t0": t0, "truncated": bool(writer.dims.K < writer.dims.N), **d})
+    writer.write_array(
+        "constant_gram_residual",
+        np.stack([pred.norm, np.linalg.norm(m, axis=1)], axis=1),
+        {"t0": t0, "truncated": bool(writer.dims.K < writer.dims.N), **d},
+    )
     writer.write_array("constant_gram_energy", pred.energy, {"t0": t0, **d})

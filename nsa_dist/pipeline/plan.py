@@ -31,8 +31,16 @@ from nsa_dist.pipeline.layout import LayoutChoice, choose_layout
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.store import RunDims, run_arrays
 
-__all__ = ["RunPlan", "plan_run", "run_id", "spec_json", "spectrum_size", "slot_names", "energy_route",
-           "TRACKED_RNG_BYTES"]
+__all__ = [
+    "RunPlan",
+    "plan_run",
+    "run_id",
+    "spec_json",
+    "spectrum_size",
+    "slot_names",
+    "energy_route",
+    "TRACKED_RNG_BYTES",
+]
 
 TRACKED_RNG_BYTES = 1  # a tracked run has no trainer RNG; its resume state is θ alone
 _TRAINER_RNG_BYTES = int(torch.Generator().get_state().numel())  # the trainer's minibatch RNG state
@@ -79,8 +87,13 @@ def spectrum_size(spec: ExperimentSpec, n: int, layout: Layout = Layout.LOCAL) -
         _WARNED.add((spec.name, k, n))
         import logging
 
-        logging.getLogger("nsa_dist").warning("run %r: spectrum.k=%d is larger than the %d training points; keeping "
-                                              "all K=%d eigenpairs", spec.name, k, n, n)
+        logging.getLogger("nsa_dist").warning(
+            "run %r: spectrum.k=%d is larger than the %d training points; keeping all K=%d eigenpairs",
+            spec.name,
+            k,
+            n,
+            n,
+        )
     return min(k, n)
 
 
@@ -139,7 +152,7 @@ class RunPlan:
 
     @property
     def energy_route(self) -> str:
-        """"exact" | "quadrature" (:func:`energy_route` of the run's layout)."""
+        """ "exact" | "quadrature" (:func:`energy_route` of the run's layout)."""
         return energy_route(self.spec, self.layout.layout)
 
     def curve_k(self) -> np.ndarray:
@@ -153,13 +166,18 @@ class RunPlan:
     def energy_attrs(self) -> dict:
         """The run attributes saying how E_t(φ, k) was measured and how its brackets are guaranteed."""
         if self.energy_route != "quadrature":
-            return {"energy_route": "exact", "curve_bracket": "exact: every eigenvalue and projection of the whole "
-                    "G (lower = upper = value)"}
+            return {
+                "energy_route": "exact",
+                "curve_bracket": "exact: every eigenvalue and projection of the whole G (lower = upper = value)",
+            }
         from nsa_dist.linalg.quadrature import BRACKET_SENTENCE
 
         q = self.spec.spectrum.quadrature
-        return {"energy_route": "quadrature", "curve_bracket": BRACKET_SENTENCE.format(c=q.confidence),
-                "curve_confidence": float(q.confidence)}
+        return {
+            "energy_route": "quadrature",
+            "curve_bracket": BRACKET_SENTENCE.format(c=q.confidence),
+            "curve_confidence": float(q.confidence),
+        }
 
     @property
     def distributed(self) -> bool:
@@ -186,9 +204,14 @@ class RunPlan:
         which recorded steps write what (steps, eigenvector_steps with Fig. 4d's reconstruction_k,
         hessian_steps)."""
         N, M, d = self.dims.N, self.dims.M, self.dims.d
-        out = {"X": np.asarray(data.X).reshape(N, d), "y": data.y, "X_test": np.asarray(data.X_test).reshape(M, d),
-               "y_test": data.y_test, "image_indices": np.asarray(self.image_indices, dtype=np.int64),
-               "steps": np.asarray(self.record, dtype=np.int64)}
+        out = {
+            "X": np.asarray(data.X).reshape(N, d),
+            "y": data.y,
+            "X_test": np.asarray(data.X_test).reshape(M, d),
+            "y_test": data.y_test,
+            "image_indices": np.asarray(self.image_indices, dtype=np.int64),
+            "steps": np.asarray(self.record, dtype=np.int64),
+        }
         s = self.spec.spectrum
         if self.has("eigenvector_steps"):
             out["eigenvector_steps"] = np.array([s.eigenvectors_at(int(t)) for t in self.record], dtype=bool)
@@ -230,28 +253,50 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
     if curve:
         from nsa_dist.linalg.quadrature import curve_ks
     dims = RunDims(
-        N=N, M=M, d=int(np.prod(np.asarray(data.X).shape[1:])), Ko=spec.model.output_dim, P=P, S=len(record),
-        T=spec.steps, K=K, k_test=min(K, M) if spec.spectrum.test_points and M else 0,
-        n_images=nI, image_size=spec.spectrum.image_size if nI else 0,
+        N=N,
+        M=M,
+        d=int(np.prod(np.asarray(data.X).shape[1:])),
+        Ko=spec.model.output_dim,
+        P=P,
+        S=len(record),
+        T=spec.steps,
+        K=K,
+        k_test=min(K, M) if spec.spectrum.test_points and M else 0,
+        n_images=nI,
+        image_size=spec.spectrum.image_size if nI else 0,
         fourier_size=spec.spectrum.fourier_size if nI else 0,
-        n_slots=len(slot_names(spec)), rng_bytes=TRACKED_RNG_BYTES if _tracked(spec) else _TRAINER_RNG_BYTES,
+        n_slots=len(slot_names(spec)),
+        rng_bytes=TRACKED_RNG_BYTES if _tracked(spec) else _TRAINER_RNG_BYTES,
         store_eigenvectors=bool(s.store_eigenvectors),
         k_full=min(int(s.full_k), N * Ko) if Ko > 1 else 0,  # the full NK×NK kernel's top eigenvalues
         k_class=min(int(s.per_class_k), N) if Ko > 1 else 0,  # per diagonal block Θ_aa
         k_gram_change=min(int(s.gram_change_k), K),  # App. F: dG_t on the top eigenvectors
         # App. E / Eqs. 4–5 describe the run: full-batch GD without momentum on the L2 loss
-        constant_gram=LossName(spec.loss) is LossName.L2 and OptimizerName(opt.name) is OptimizerName.GD
+        constant_gram=LossName(spec.loss) is LossName.L2
+        and OptimizerName(opt.name) is OptimizerName.GD
         and opt.momentum == 0,
-        hessian=h is not None, hessian_I_k=N * Ko if h else 0,  # eigenvalues of I: measured and limit
-        hessian_top_k=min(h.top_k, P - 1) if h else 0, hessian_rayleigh_k=min(h.rayleigh_k, P - 1) if h else 0,
+        hessian=h is not None,
+        hessian_I_k=N * Ko if h else 0,  # eigenvalues of I: measured and limit
+        hessian_top_k=min(h.top_k, P - 1) if h else 0,
+        hessian_rayleigh_k=min(h.rayleigh_k, P - 1) if h else 0,
         hessian_density_bins=h.density_grid if h and h.density else 0,
-        hessian_moments=h is None or bool(h.moments), hessian_orthogonality=h is None or bool(h.orthogonality),
-        hessian_additivity=h is None or bool(h.additivity), hessian_trace_G=h is None or bool(h.trace_G),
+        hessian_moments=h is None or bool(h.moments),
+        hessian_orthogonality=h is None or bool(h.orthogonality),
+        hessian_additivity=h is None or bool(h.additivity),
+        hessian_trace_G=h is None or bool(h.trace_G),
         curve_points=len(curve_ks(N, s.quadrature.curve_points)) if curve else 0,
-        gram_density_bins=s.quadrature.density_grid if curve else 0)
+        gram_density_bins=s.quadrature.density_grid if curve else 0,
+    )
     return RunPlan(
-        run_id=run_id(spec), spec=spec, spec_json=spec_json(spec), dims=dims, record=record,
-        hessian_indices=frozenset(h.indices(list(record))) if h else frozenset(), K=K,
-        image_indices=tuple(images.indices) if images else (), layout=layout,
+        run_id=run_id(spec),
+        spec=spec,
+        spec_json=spec_json(spec),
+        dims=dims,
+        record=record,
+        hessian_indices=frozenset(h.indices(list(record))) if h else frozenset(),
+        K=K,
+        image_indices=tuple(images.indices) if images else (),
+        layout=layout,
         ntk_method=method.value,
-        ntk_paths={"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}})
+        ntk_paths={"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}},
+    )

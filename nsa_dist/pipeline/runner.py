@@ -50,8 +50,9 @@ class PreparedRun:
         return self.plan.run_id
 
 
-def prepare_run(spec: ExperimentSpec, store: SpectrumStore, token: str | None = None,
-                model: torch.nn.Module | None = None) -> PreparedRun:
+def prepare_run(
+    spec: ExperimentSpec, store: SpectrumStore, token: str | None = None, model: torch.nn.Module | None = None
+) -> PreparedRun:
     """Load the data, plan the run, create (or reopen and check) the run's group.
 
     The run records its data's fingerprint when created; reopened with other data (a file
@@ -80,11 +81,15 @@ def pin_layout(writer: RunWriter, plan: RunPlan) -> RunPlan:
     return plan
 
 
-def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
-                   on_step: Callable[[Checkpoint, dict], None] | None = None,
-                   on_update: Callable[[int, float], None] | None = None,
-                   on_prepared: Callable[[PreparedRun], None] | None = None,
-                   wait: float | None = 0.0) -> RunOutcome:
+def run_experiment(
+    spec: ExperimentSpec,
+    store: SpectrumStore,
+    *,
+    on_step: Callable[[Checkpoint, dict], None] | None = None,
+    on_update: Callable[[int, float], None] | None = None,
+    on_prepared: Callable[[PreparedRun], None] | None = None,
+    wait: float | None = 0.0,
+) -> RunOutcome:
     """Train ``spec`` and record its spectra in ``store``; resumes a run already there.
 
     Holds the run's writer lease throughout (taken before the run is created): a run another
@@ -104,8 +109,7 @@ def run_experiment(spec: ExperimentSpec, store: SpectrumStore, *,
         return _run_leased(spec, store, on_step, on_update, on_prepared, lease.token)
 
 
-def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, on_prepared,
-                token: str) -> RunOutcome:
+def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, on_prepared, token: str) -> RunOutcome:
     torch.manual_seed(spec.seed)
     model = build_model(spec.model, seed=spec.seed)  # the analyzer's network, planned with
     run = prepare_run(spec, store, token, model)
@@ -177,5 +181,6 @@ def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
     V1, V2 = reader.read_step("eigenvectors", i1), reader.read_step("eigenvectors", S - 1)
     rows = sorted({i for i in spec.spectrum.images if i <= V2.shape[1]} | {1})
     P = spectrum_preservation(V1.astype(np.float64), V2.astype(np.float64), i=rows)
-    writer.write_array("preservation", np.asarray(P, dtype=np.float64),
-                       {"t1": int(steps[i1]), "t2": int(steps[S - 1]), "rows": rows})
+    writer.write_array(
+        "preservation", np.asarray(P, dtype=np.float64), {"t1": int(steps[i1]), "t2": int(steps[S - 1]), "rows": rows}
+    )

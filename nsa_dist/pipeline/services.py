@@ -28,8 +28,14 @@ __all__ = ["TrainerService", "SpectralService", "open_writer"]
 def open_writer(store_url: str, plan: RunPlan, data: Dataset | None = None, token: str | None = None) -> RunWriter:
     """The writer of an existing run (created by the coordinator), checked against the plan's spec
     and against ``data`` (this node's copy must be the run's), fenced by the driver's lease ``token``."""
-    return SpectrumStore(store_url).writer(plan.run_id, plan.spec_json, plan.dims, create=False, token=token,
-                                           data_fingerprint=data.fingerprint() if data is not None else None)
+    return SpectrumStore(store_url).writer(
+        plan.run_id,
+        plan.spec_json,
+        plan.dims,
+        create=False,
+        token=token,
+        data_fingerprint=data.fingerprint() if data is not None else None,
+    )
 
 
 class TrainerService:
@@ -94,8 +100,9 @@ class SpectralService:
         self._runs.move_to_end(plan.run_id)
         return self._runs[plan.run_id]
 
-    def analyze_and_write(self, plan: RunPlan, ck: Checkpoint, pool: Any = None,
-                          token: str | None = None) -> dict[str, Any]:
+    def analyze_and_write(
+        self, plan: RunPlan, ck: Checkpoint, pool: Any = None, token: str | None = None
+    ) -> dict[str, Any]:
         """Compute recorded step ``ck.index`` of the planned run and write it; returns a short summary.
 
         ``pool``: the step's gang (a :class:`~nsa_dist.pipeline.layout.Pool`) when the run's layout
@@ -106,5 +113,11 @@ class SpectralService:
         writer.token = token
         result = analyzer.analyze(ck, pool)
         writer.write_step(ck.index, result, ck.state)
-        return {"run_id": plan.run_id, "index": ck.index, "step": ck.step, "loss": ck.loss,
-                "lambda_max": result.lambda_max, "energy_y_10": result.energy_y_at(10)}
+        return {
+            "run_id": plan.run_id,
+            "index": ck.index,
+            "step": ck.step,
+            "loss": ck.loss,
+            "lambda_max": result.lambda_max,
+            "energy_y_10": result.energy_y_at(10),
+        }

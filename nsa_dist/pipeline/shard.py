@@ -38,8 +38,13 @@ class SpectralShard:
     in-memory arrays cannot be rebuilt from it.
     """
 
-    def __init__(self, threads: int | None = None, cache: int = 2, model: torch.nn.Module | None = None,
-                 data: Dataset | None = None) -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        cache: int = 2,
+        model: torch.nn.Module | None = None,
+        data: Dataset | None = None,
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.cache = cache
@@ -67,15 +72,17 @@ class SpectralShard:
         return es, data, model
 
     @staticmethod
-    def _points(es: ExperimentSpec, data: Dataset, model: torch.nn.Module, which: str,
-                rng: tuple[int, int] | None = None) -> torch.Tensor:
+    def _points(
+        es: ExperimentSpec, data: Dataset, model: torch.nn.Module, which: str, rng: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         X = data.X if which == "train" else np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:]))
-        X = X if rng is None else X[rng[0]:rng[1]]
+        X = X if rng is None else X[rng[0] : rng[1]]
         return model_inputs(np.asarray(X), model, es.torch_device())
 
     # ------------------------------------------------------------------ block_rows
-    def features(self, plan: RunPlan, theta: np.ndarray, which: str,
-                 ranges: list[tuple[int, int]]) -> BlockFeatures | list[BlockFeatures]:
+    def features(
+        self, plan: RunPlan, theta: np.ndarray, which: str, ranges: list[tuple[int, int]]
+    ) -> BlockFeatures | list[BlockFeatures]:
         """Per-layer features of the given ranges of points (one result per range; a single
         range gives its features unwrapped, as one object-store return)."""
         es, data, model = self._model(plan, theta)
@@ -83,8 +90,9 @@ class SpectralShard:
         feats = shard_features(model, X, ranges, plan.torch_dtype, es.spectrum.ntk_method)
         return feats[0] if len(ranges) == 1 else feats
 
-    def build_tiles(self, key: str, ranges: list[tuple[int, int]], pairs: list[tuple[int, int]],
-                    features: dict[int, BlockFeatures]) -> int:
+    def build_tiles(
+        self, key: str, ranges: list[tuple[int, int]], pairs: list[tuple[int, int]], features: dict[int, BlockFeatures]
+    ) -> int:
         """Build and hold this member's tiles; returns their bytes."""
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         self._held[key] = GramTiles(features, ranges, pairs, device=dev)
@@ -108,7 +116,7 @@ class SpectralShard:
             held: Any = FeatureShard(feats, es.model.output_dim, device=es.torch_device())
             nbytes = sum(A.nbytes + D.nbytes for A, D in feats)
         else:
-            held = JacobianShard(model, X[rng[0]:rng[1]], dtype)
+            held = JacobianShard(model, X[rng[0] : rng[1]], dtype)
             nbytes = 0
         self._held[key] = held
         return nbytes
@@ -124,7 +132,7 @@ class SpectralShard:
         """Hold H_s, I_s, S_s of the loss on points ``rng`` (float64), products scaled by ``weight`` = n_s/N."""
         es, data, model = self._model(plan, theta)
         X = self._points(es, data, model, "train", rng)
-        y = np.asarray(data.y, dtype=np.float64)[rng[0]:rng[1]]
+        y = np.asarray(data.y, dtype=np.float64)[rng[0] : rng[1]]
         block = es.hessian.block_size if es.hessian else None
         H, I, S = hessian_parts(model, X, y, loss=hessian_loss(es), block_size=block, dtype=torch.float64)
         self._held[key] = ({"H": H, "I": I, "S": S}, weight)
@@ -138,8 +146,10 @@ class SpectralShard:
         try:
             return self._held[key]
         except KeyError:
-            raise KeyError(f"this spectral shard (pid {os.getpid()}) holds nothing under {key!r}: it was "
-                           "released, or the member restarted and lost it") from None
+            raise KeyError(
+                f"this spectral shard (pid {os.getpid()}) holds nothing under {key!r}: it was "
+                "released, or the member restarted and lost it"
+            ) from None
 
     def release(self, key: str) -> None:
         self._held.pop(key, None)

@@ -79,8 +79,9 @@ class SpectralAnalyzer:
         self.model = (model if model is not None else build_model(spec.model, seed=spec.seed)).to(self.device)
         self.dtype = plan.torch_dtype
         self.X = model_inputs(data.X, self.model, self.device)  # (N, …): the model's float dtype, or integer ids
-        self.X_test = model_inputs(np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:])), self.model,
-                                   self.device)  # (M, …) like X
+        self.X_test = model_inputs(
+            np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:])), self.model, self.device
+        )  # (M, …) like X
         self.y = np.asarray(data.y, dtype=np.float64)
         # φ = y of E_t(y, k): for NCE the log-density centred over the points (its additive constant,
         # arbitrary for an unnormalised density, would otherwise carry most of ‖y‖²)
@@ -131,8 +132,9 @@ class SpectralAnalyzer:
         if self._local_pool is None:
             from nsa_dist.pipeline.shard import SpectralShard
 
-            self._local_pool = LocalPool([SpectralShard(model=self.model, data=self.data)
-                                          for _ in range(self.spec.spectrum.workers)])
+            self._local_pool = LocalPool(
+                [SpectralShard(model=self.model, data=self.data) for _ in range(self.spec.spectrum.workers)]
+            )
         return self._local_pool
 
     def _eig(self, G: StepGram, k: int, which: str = "train"):
@@ -141,9 +143,13 @@ class SpectralAnalyzer:
         if not isinstance(G, DenseGram):
             method = "lanczos" if method in ("auto", "dense") else method
         start = self._warm.get(which) if self.spec.spectrum.warm_start else None
-        eig = top_eigenpairs(G.G if isinstance(G, DenseGram) else G, k, method,
-                             start=start if start is not None and start.shape[0] == G.shape[0] else None,
-                             workspace=self._workspace)
+        eig = top_eigenpairs(
+            G.G if isinstance(G, DenseGram) else G,
+            k,
+            method,
+            start=start if start is not None and start.shape[0] == G.shape[0] else None,
+            workspace=self._workspace,
+        )
         if self.spec.spectrum.warm_start and eig.method is not None and eig.method.value == "lanczos":
             self._warm[which] = eig.evecs
         self.n_products[which] = eig.n_matvec
@@ -178,8 +184,11 @@ class SpectralAnalyzer:
         model = self.model if same else prepare_model(self.model, self.dtype)
         dtheta = torch.as_tensor(dtheta)
         c = X.shape[0] if self.plan.coupled else CHUNK_POINTS  # coupled: one batch
-        return torch.cat([jacobian_vector_product(model, X[s:s + c], dtheta)
-                          for s in range(0, X.shape[0], c)]).cpu().numpy()
+        return (
+            torch.cat([jacobian_vector_product(model, X[s : s + c], dtheta) for s in range(0, X.shape[0], c)])
+            .cpu()
+            .numpy()
+        )
 
     def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> StepResult:
         """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout.
@@ -199,8 +208,7 @@ class SpectralAnalyzer:
         try:
             gram_step, extras, images = self._gram_metrics(G, ck, self.data.n)
             if self.hessian.wanted(ck.index):
-                known = notes.guard(self._part_names(ck, HessianStep), self._gram_for_hessian, G,
-                                    gram_step.eigenvalues)
+                known = notes.guard(self._part_names(ck, HessianStep), self._gram_for_hessian, G, gram_step.eigenvalues)
         finally:
             G.close()
         if self.plan.has("eigenvalues_test"):
@@ -221,13 +229,21 @@ class SpectralAnalyzer:
             sp_t = self._spectrum(G_t, self.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
         finally:
             G_t.close()
-        return {"eigenvalues_test": sp_t.evals,
-                "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test)}
+        return {
+            "eigenvalues_test": sp_t.evals,
+            "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test),
+        }
 
     def _expected(self, ck: Checkpoint) -> set[str]:
         """The arrays this step must hand the writer."""
-        return set(step_specs(self.plan.dims, eigenvectors=self.spec.spectrum.eigenvectors_at(ck.step),
-                              hessian=self.hessian.wanted(ck.index), first=ck.index == 0))
+        return set(
+            step_specs(
+                self.plan.dims,
+                eigenvectors=self.spec.spectrum.eigenvectors_at(ck.step),
+                hessian=self.hessian.wanted(ck.index),
+                first=ck.index == 0,
+            )
+        )
 
     def _part_names(self, ck: Checkpoint, part: type) -> tuple[str, ...]:
         """The arrays of record type ``part`` that this step writes."""
@@ -280,13 +296,20 @@ class SpectralAnalyzer:
             probes = np.column_stack([Y, np.ones(N)] + ([residual] if residual.ndim == 1 else []))  # (N, C + 1 [+ 1])
             GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one (distributed) product for all of them
             C = Y.shape[1]
-            df_pred = self._notes.guard(("df_pred", "energy_df_pred", "first_order_error", "first_order_cos"),
-                                        predicted_update, self.spec, ck, residual, lambda v: GP[:, C + 1],
-                                        self._jvp_outputs)  # NSA Eq. 3
+            df_pred = self._notes.guard(
+                ("df_pred", "energy_df_pred", "first_order_error", "first_order_cos"),
+                predicted_update,
+                self.spec,
+                ck,
+                residual,
+                lambda v: GP[:, C + 1],
+                self._jvp_outputs,
+            )  # NSA Eq. 3
             phis = {"y": self.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
         with self._timed("eigenpairs"):
-            sp = self._spectrum(G, self.K, "train", {k: v for k, v in phis.items() if v is not None},
-                                self._needs_vectors(ck))
+            sp = self._spectrum(
+                G, self.K, "train", {k: v for k, v in phis.items() if v is not None}, self._needs_vectors(ck)
+            )
         curves = {}
         if self.plan.has("curve_k"):
             with self._timed("quadrature"):
@@ -303,46 +326,98 @@ class SpectralAnalyzer:
         q = self.spec.spectrum.quadrature
         if sp.evecs is None:  # K = N (quadrature.top ≥ N): every eigenpair is exact
             return _exact_curves(sp, phis, self.plan.curve_k(), q.density_grid)
-        c = spectral_curves(G.G if isinstance(G, DenseGram) else G, sp.evals, sp.evecs, phis, self.plan.curve_k(),
-                            lanczos_steps=q.lanczos_steps, probes=q.probes, confidence=q.confidence,
-                            density_grid=q.density_grid, seed=self.spec.seed, block_size=q.block_size)
+        c = spectral_curves(
+            G.G if isinstance(G, DenseGram) else G,
+            sp.evals,
+            sp.evecs,
+            phis,
+            self.plan.curve_k(),
+            lanczos_steps=q.lanczos_steps,
+            probes=q.probes,
+            confidence=q.confidence,
+            density_grid=q.density_grid,
+            seed=self.spec.seed,
+            block_size=q.block_size,
+        )
         self.n_products["quadrature"] = c.n_products
-        out = {"curve_eigenvalue": c.eigenvalue.value, "curve_eigenvalue_lower": c.eigenvalue.lower,
-               "curve_eigenvalue_upper": c.eigenvalue.upper, "gram_density_grid": c.density_grid,
-               "gram_density": c.density}
+        out = {
+            "curve_eigenvalue": c.eigenvalue.value,
+            "curve_eigenvalue_lower": c.eigenvalue.lower,
+            "curve_eigenvalue_upper": c.eigenvalue.upper,
+            "gram_density_grid": c.density_grid,
+            "gram_density": c.density,
+        }
         for name in ("y", "f", "residual", "df", "df_pred"):
             b = c.energy[name]
-            out.update({f"curve_energy_{name}": b.value, f"curve_energy_{name}_lower": b.lower,
-                        f"curve_energy_{name}_upper": b.upper})
+            out.update(
+                {
+                    f"curve_energy_{name}": b.value,
+                    f"curve_energy_{name}_lower": b.lower,
+                    f"curve_energy_{name}_upper": b.upper,
+                }
+            )
         return out
 
-    def _metrics(self, G: StepGram, ck: Checkpoint, N: int, sp: StepSpectrum, phis: dict[str, np.ndarray],
-                 GY: np.ndarray, G1: np.ndarray) -> tuple[GramStep, KernelExtras, ImageStep | None]:
+    def _metrics(
+        self,
+        G: StepGram,
+        ck: Checkpoint,
+        N: int,
+        sp: StepSpectrum,
+        phis: dict[str, np.ndarray],
+        GY: np.ndarray,
+        G1: np.ndarray,
+    ) -> tuple[GramStep, KernelExtras, ImageStep | None]:
         residual, df_pred, notes = phis["residual"], phis["df_pred"], self._notes
         fro2, fro2_se = G.sq_frobenius()
         out: dict[str, Any] = {
-            "loss": ck.loss, "lr": ck.lr, "f": ck.f, "df": ck.df, "f_test": ck.f_test,
-            "eigenvalues": sp.evals, "gram_sq_frobenius": np.array([fro2, fro2_se]),
-            **{f"energy_{name}": energy_from_projections(sp.proj[name], phi) for name, phi in phis.items()
-               if phi is not None},
+            "loss": ck.loss,
+            "lr": ck.lr,
+            "f": ck.f,
+            "df": ck.df,
+            "f_test": ck.f_test,
+            "eigenvalues": sp.evals,
+            "gram_sq_frobenius": np.array([fro2, fro2_se]),
+            **{
+                f"energy_{name}": energy_from_projections(sp.proj[name], phi)
+                for name, phi in phis.items()
+                if phi is not None
+            },
         }
         if df_pred is not None:
             out["df_pred"] = df_pred
             finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
-            acc = notes.guard(("first_order_error", "first_order_cos"), first_order_accuracy, ck.df.reshape(-1),
-                              np.asarray(df_pred).reshape(-1)) if finite else None
+            acc = (
+                notes.guard(
+                    ("first_order_error", "first_order_cos"),
+                    first_order_accuracy,
+                    ck.df.reshape(-1),
+                    np.asarray(df_pred).reshape(-1),
+                )
+                if finite
+                else None
+            )
             out.update(first_order_error=acc.error if acc else np.nan, first_order_cos=acc.cos_alpha if acc else np.nan)
         out["alignment"] = notes.guard(("alignment",), alignment_from_products, self.y, GY, fro2)
-        out["alignment_centered"] = notes.guard(("alignment_centered",), self._centered_alignment, G, GY, G1, fro2,
-                                                fro2_se)
+        out["alignment_centered"] = notes.guard(
+            ("alignment_centered",), self._centered_alignment, G, GY, G1, fro2, fro2_se
+        )
         if self.spec.spectrum.eigenvectors_at(ck.step):
             out["eigenvectors"] = sp.evecs.astype(np.float32)
             out.update(self._at_eigenvector_step(ck, sp.evecs))
         if ck.index == 0 and self.plan.has("constant_gram_f_test"):  # App. E, Eq. 22
-            out["constant_gram_f_test"] = notes.guard(("constant_gram_f_test",), self._test_point_prediction, sp,
-                                                      residual, ck)
-        extras = notes.guard(self._part_names(ck, KernelExtras), self.extras.analyze, self.model, self.X, ck,
-                             sp.proj["residual"], residual)
+            out["constant_gram_f_test"] = notes.guard(
+                ("constant_gram_f_test",), self._test_point_prediction, sp, residual, ck
+            )
+        extras = notes.guard(
+            self._part_names(ck, KernelExtras),
+            self.extras.analyze,
+            self.model,
+            self.X,
+            ck,
+            sp.proj["residual"],
+            residual,
+        )
         images = None
         if self.images is not None:
             V = np.column_stack([sp.columns[i - 1] for i in self.images.indices])  # (N, nI)
@@ -353,8 +428,18 @@ class SpectralAnalyzer:
     def _test_point_prediction(self, sp: StepSpectrum, residual: np.ndarray, ck: Checkpoint) -> np.ndarray:
         """App. E's Eq. 22 at t0; the steps where it diverges (δλ_i/N > 2 long enough to overflow
         float64) are NaN, and the step's notes say from which step on."""
-        pred, diverged = test_point_prediction(self.model, self.X, self.X_test, sp.evals, sp.evecs, residual,
-                                               ck.f_test, self.spec, self.dtype, out=self._cross_buffer())
+        pred, diverged = test_point_prediction(
+            self.model,
+            self.X,
+            self.X_test,
+            sp.evals,
+            sp.evecs,
+            residual,
+            ck.f_test,
+            self.spec,
+            self.dtype,
+            out=self._cross_buffer(),
+        )
         if diverged is not None:
             self._notes.note(("constant_gram_f_test",), diverged)
         return pred
@@ -375,11 +460,23 @@ class SpectralAnalyzer:
         R = top_k_reconstructions(evecs, ck.f, reconstruction_ks(self.K))  # (nR, N[, Ko])
         out: dict[str, Any] = {"reconstructions": R.astype(np.float32)}
         if self.plan.has("reconstruction_images"):
-            out["reconstruction_images"] = self.images.image(R.reshape(R.shape[0], self.data.n, -1)[..., 0].T
-                                                             ).astype(np.float32)  # (nR, R, R)
+            out["reconstruction_images"] = self.images.image(R.reshape(R.shape[0], self.data.n, -1)[..., 0].T).astype(
+                np.float32
+            )  # (nR, R, R)
         if self.plan.has("gram_change"):
-            out.update(self._notes.guard(("gram_change", "gram_change_fro"), gram_change, self.model, self.X, ck.theta,
-                                         ck.dtheta, evecs[:, :self.plan.dims.k_gram_change], self.dtype) or {})
+            out.update(
+                self._notes.guard(
+                    ("gram_change", "gram_change_fro"),
+                    gram_change,
+                    self.model,
+                    self.X,
+                    ck.theta,
+                    ck.dtheta,
+                    evecs[:, : self.plan.dims.k_gram_change],
+                    self.dtype,
+                )
+                or {}
+            )
         return out
 
     def _centered_alignment(self, G: StepGram, GY: np.ndarray, G1: np.ndarray, fro2: float, fro2_se: float) -> float:
@@ -388,8 +485,11 @@ class SpectralAnalyzer:
         if fro2_se == 0.0:
             hgh2 = centered_sq_frobenius(fro2, G1)
         else:
-            hgh2 = float(hutchpp_moments(_Centered(G), self.spec.spectrum.frobenius_probes, max_order=2,
-                                         seed=self.spec.seed).estimate[1])
+            hgh2 = float(
+                hutchpp_moments(
+                    _Centered(G), self.spec.spectrum.frobenius_probes, max_order=2, seed=self.spec.seed
+                ).estimate[1]
+            )
         return alignment_from_products(self.y, GY, hgh2, centered=True, G1=G1)
 
     def _hessian(self, ck: Checkpoint, pool: Pool | None, gram: GramKnowledge | None = None) -> HessianStep:
@@ -398,15 +498,20 @@ class SpectralAnalyzer:
             return self.hessian.analyze(self.model, gram=gram, step=ck.step, notes=self._notes)
         curv = ShardedCurvature(self._pool(pool, self.data.n), self.plan, ck.theta, self.data.n, self.n_params)
         try:
-            return self.hessian.analyze(self.model, ops={p: curv.part(p) for p in ("H", "I", "S")},
-                                        gram=gram or GramKnowledge(distributed=True), step=ck.step,
-                                        notes=self._notes)
+            return self.hessian.analyze(
+                self.model,
+                ops={p: curv.part(p) for p in ("H", "I", "S")},
+                gram=gram or GramKnowledge(distributed=True),
+                step=ck.step,
+                notes=self._notes,
+            )
         finally:
             curv.close()
 
 
-def _exact_curves(sp: StepSpectrum, phis: dict[str, np.ndarray | None], ks: np.ndarray,
-                  n_grid: int) -> dict[str, np.ndarray]:
+def _exact_curves(
+    sp: StepSpectrum, phis: dict[str, np.ndarray | None], ks: np.ndarray, n_grid: int
+) -> dict[str, np.ndarray]:
     """The curve arrays when every eigenpair is known (lower = upper = value), the density of the eigenvalues."""
     from nsa_dist.linalg.quadrature import atoms_density
 
@@ -414,8 +519,11 @@ def _exact_curves(sp: StepSpectrum, phis: dict[str, np.ndarray | None], ks: np.n
     out = {"curve_eigenvalue": lam, "curve_eigenvalue_lower": lam, "curve_eigenvalue_upper": lam}
     for name in ("y", "f", "residual", "df", "df_pred"):
         phi = phis.get(name)
-        E = energy_from_projections(sp.proj[name], phi)[ks - 1] if phi is not None and name in sp.proj else \
-            np.full(ks.size, np.nan)
+        E = (
+            energy_from_projections(sp.proj[name], phi)[ks - 1]
+            if phi is not None and name in sp.proj
+            else np.full(ks.size, np.nan)
+        )
         out.update({f"curve_energy_{name}": E, f"curve_energy_{name}_lower": E, f"curve_energy_{name}_upper": E})
     out["gram_density_grid"], out["gram_density"] = atoms_density(sp.evals, np.ones(sp.evals.size), n_grid)
     return out

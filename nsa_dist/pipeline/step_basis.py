@@ -46,14 +46,20 @@ def _matrix(phis: dict[str, np.ndarray], N: int) -> tuple[np.ndarray, dict[str, 
     return np.concatenate(cols, axis=1), where
 
 
-def from_eigenpairs(evals: np.ndarray, evecs: np.ndarray, phis: dict[str, np.ndarray], indices: tuple[int, ...],
-                    n_matvec: int = 0) -> StepSpectrum:
+def from_eigenpairs(
+    evals: np.ndarray, evecs: np.ndarray, phis: dict[str, np.ndarray], indices: tuple[int, ...], n_matvec: int = 0
+) -> StepSpectrum:
     """:class:`StepSpectrum` of computed eigenpairs (evals (K,), evecs (N, K)): ``proj = Vᵀ Φ``."""
     N = evecs.shape[0]
     Phi, where = _matrix(phis, N)
     P = evecs.T @ Phi  # (K, C)
-    return StepSpectrum(np.asarray(evals, np.float64), {n: P[:, s] for n, s in where.items()},
-                        {i: evecs[:, i] for i in indices if i < evecs.shape[1]}, evecs, n_matvec)
+    return StepSpectrum(
+        np.asarray(evals, np.float64),
+        {n: P[:, s] for n, s in where.items()},
+        {i: evecs[:, i] for i in indices if i < evecs.shape[1]},
+        evecs,
+        n_matvec,
+    )
 
 
 def from_tridiagonal(G: Any, k: int, phis: dict[str, np.ndarray], indices: tuple[int, ...]) -> StepSpectrum:
@@ -63,5 +69,8 @@ def from_tridiagonal(G: Any, k: int, phis: dict[str, np.ndarray], indices: tuple
     Phi, where = _matrix(phis, N)
     idx = tuple(i for i in indices if i < k)
     sp = eig_projections(G, Phi, idx)
-    return StepSpectrum(sp.evals[:k].copy(), {n: sp.proj[:k, s] for n, s in where.items()},
-                        {i: sp.vectors[:, j] for j, i in enumerate(idx)})
+    return StepSpectrum(
+        sp.evals[:k].copy(),
+        {n: sp.proj[:k, s] for n, s in where.items()},
+        {i: sp.vectors[:, j] for j, i in enumerate(idx)},
+    )

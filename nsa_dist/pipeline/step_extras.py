@@ -31,9 +31,13 @@ if TYPE_CHECKING:
 __all__ = ["predicted_update", "StepExtras"]
 
 
-def predicted_update(spec: ExperimentSpec, ck: Checkpoint, residual: np.ndarray,
-                     G_times: Callable[[np.ndarray], np.ndarray],
-                     J_times: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def predicted_update(
+    spec: ExperimentSpec,
+    ck: Checkpoint,
+    residual: np.ndarray,
+    G_times: Callable[[np.ndarray], np.ndarray],
+    J_times: Callable[[np.ndarray], np.ndarray],
+) -> np.ndarray:
     """First-order change df̄_t of the training outputs in update t (NSA Eq. 3, with momentum).
 
     GD (full batch, one output): Δθ_t = −δ (μ b_{t−1} + g_t) with g_t = (1/N) Jᵀ m_t and the
@@ -73,8 +77,9 @@ class StepExtras:
     def __init__(self, plan: RunPlan, data: Dataset) -> None:
         self.plan, self.spec, self.data, self.dtype = plan, plan.spec, data, plan.torch_dtype
 
-    def analyze(self, model: nn.Module, X: torch.Tensor, ck: Checkpoint, residual_proj: np.ndarray,
-                residual: np.ndarray) -> KernelExtras:
+    def analyze(
+        self, model: nn.Module, X: torch.Tensor, ck: Checkpoint, residual_proj: np.ndarray, residual: np.ndarray
+    ) -> KernelExtras:
         """``residual_proj``: (K, Ko) = Vᵀ m_t, the residual's coordinates in G_t's top-K eigenvectors
         (squared and summed over the outputs: Fig. 4a's p_i = Σ_c ⟨v_i, m_c⟩²)."""
         out: dict[str, Any] = {"projections_residual": np.sum(np.asarray(residual_proj, np.float64) ** 2, axis=1)}

@@ -36,9 +36,21 @@ def _digest(*arrays: np.ndarray) -> str:
     return h.hexdigest()[:16]
 
 
-def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: int, record: dict,
-                 spectrum: dict, hessian: dict | None, optimizer: str, seed: int, device: str,
-                 loss: str = "l2") -> ExperimentSpec:
+def tracked_spec(
+    name: str,
+    model: nn.Module,
+    data: Dataset,
+    K: int,
+    *,
+    steps: int,
+    record: dict,
+    spectrum: dict,
+    hessian: dict | None,
+    optimizer: str,
+    seed: int,
+    device: str,
+    loss: str = "l2",
+) -> ExperimentSpec:
     """The ExperimentSpec stored with a tracked run.
 
     ``data`` is ``{name: arrays, path: "sha1:<digest of X, y, X_test, y_test>"}`` and ``model`` a
@@ -49,17 +61,32 @@ def tracked_spec(name: str, model: nn.Module, data: Dataset, K: int, *, steps: i
     path = f"{re.sub(r'[^A-Za-z0-9_.]', '_', cls.__module__)}:{re.sub(r'[^A-Za-z0-9_.]', '_', cls.__qualname__)}"
     shapes = [(k, tuple(p.shape), p.requires_grad) for k, p in model.named_parameters()]
     P = sum(p.numel() for p in model.parameters())
-    return ExperimentSpec.model_validate({
-        "name": name, "seed": seed, "steps": steps, "record": record, "spectrum": spectrum, "hessian": hessian,
-        "loss": loss,
-        "device": device, "optimizer": {"name": optimizer},
-        "data": {"name": "arrays", "n": data.n, "n_test": int(data.X_test.shape[0]),
-                 "path": "sha1:" + _digest(data.X, data.y, data.X_test, data.y_test)},
-        "model": {"factory": path, "source": "tracker", "input_dim": int(np.prod(data.X.shape[1:])), "output_dim": K,
-                  "kwargs": {"n_params": P, "parameters_sha1": hashlib.sha1(repr(shapes).encode()).hexdigest()[:16]}},
-    })
-
-
+    return ExperimentSpec.model_validate(
+        {
+            "name": name,
+            "seed": seed,
+            "steps": steps,
+            "record": record,
+            "spectrum": spectrum,
+            "hessian": hessian,
+            "loss": loss,
+            "device": device,
+            "optimizer": {"name": optimizer},
+            "data": {
+                "name": "arrays",
+                "n": data.n,
+                "n_test": int(data.X_test.shape[0]),
+                "path": "sha1:" + _digest(data.X, data.y, data.X_test, data.y_test),
+            },
+            "model": {
+                "factory": path,
+                "source": "tracker",
+                "input_dim": int(np.prod(data.X.shape[1:])),
+                "output_dim": K,
+                "kwargs": {"n_params": P, "parameters_sha1": hashlib.sha1(repr(shapes).encode()).hexdigest()[:16]},
+            },
+        }
+    )
 
 
 class TrackedRunService:
@@ -75,14 +102,22 @@ class TrackedRunService:
         token: the Tracker's lease token, fencing every write (LeaseLost once another took the run).
     """
 
-    def __init__(self, store_url: str, plan: RunPlan, model: nn.Module, data: Dataset, threads: int | None = None,
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        store_url: str,
+        plan: RunPlan,
+        model: nn.Module,
+        data: Dataset,
+        threads: int | None = None,
+        token: str | None = None,
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.spec = plan.spec
         self.analyzer = SpectralAnalyzer(plan, data, model=analysis_copy(model))
-        self.writer: RunWriter = SpectrumStore(store_url).writer(plan.run_id, plan.spec_json, plan.dims, create=False,
-                                                                 token=token)
+        self.writer: RunWriter = SpectrumStore(store_url).writer(
+            plan.run_id, plan.spec_json, plan.dims, create=False, token=token
+        )
 
     def pid(self) -> int:
         import os

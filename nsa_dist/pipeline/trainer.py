@@ -56,8 +56,13 @@ class Trainer:
         self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)  # (N, d)
         self.y = _as_target(data.y).to(self.device)  # (N,) or (N, K)
         self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(-1, data.X.shape[1])
-        self._nce = None if not is_nce(spec) else tuple(  # (label, log(ν q)) at the training points
-            torch.as_tensor(data.extra[k], dtype=torch.float32, device=self.device) for k in ("label", "log_noise"))
+        self._nce = (
+            None
+            if not is_nce(spec)
+            else tuple(  # (label, log(ν q)) at the training points
+                torch.as_tensor(data.extra[k], dtype=torch.float32, device=self.device) for k in ("label", "log_noise")
+            )
+        )
         self._ce = is_cross_entropy(spec)
         self.record = list(plan.record)
         self._index = {t: i for i, t in enumerate(self.record)}
@@ -74,8 +79,9 @@ class Trainer:
         o = self.spec.optimizer
         params = self.model.parameters()
         if OptimizerName(o.name) is OptimizerName.CUSTOM:
-            raise ValueError("optimizer.name='custom' is a user's own update recorded by a Tracker; "
-                             "a spec run needs gd, sgd or adam")
+            raise ValueError(
+                "optimizer.name='custom' is a user's own update recorded by a Tracker; a spec run needs gd, sgd or adam"
+            )
         if OptimizerName(o.name) is OptimizerName.ADAM:
             return torch.optim.Adam(params, lr=self.spec.lr_at(0), betas=o.betas, eps=o.eps)
         return torch.optim.SGD(params, lr=self.spec.lr_at(0), momentum=o.momentum)
@@ -108,7 +114,7 @@ class Trainer:
                 off = 0
                 for p in params:
                     st = self.opt.state.setdefault(p, {})
-                    slot = state.slots[j, off:off + p.numel()]
+                    slot = state.slots[j, off : off + p.numel()]
                     st[name] = torch.as_tensor(slot, device=self.device).view_as(p).clone()
                     off += p.numel()
                     if name == "exp_avg":
@@ -145,7 +151,7 @@ class Trainer:
         c = self._chunk
         if c is None or n <= c:
             return [(idx, 1.0)]
-        return [(slice(s, min(s + c, n)) if idx is None else idx[s:s + c], min(c, n - s) / n) for s in range(0, n, c)]
+        return [(slice(s, min(s + c, n)) if idx is None else idx[s : s + c], min(c, n - s) / n) for s in range(0, n, c)]
 
     def _update(self) -> float:
         """One update θ_t → θ_{t+1}; returns the full-data loss L(θ_t) for GD, the batch loss otherwise."""
@@ -175,7 +181,7 @@ class Trainer:
             return np.zeros((0,) + tuple(self.y.shape[1:]), np.float32)
         if self._chunk is None or X.shape[0] <= self._chunk:
             return self.model(X).cpu().numpy().copy()
-        return torch.cat([self.model(X[s:s + self._chunk]) for s in range(0, X.shape[0], self._chunk)]).cpu().numpy()
+        return torch.cat([self.model(X[s : s + self._chunk]) for s in range(0, X.shape[0], self._chunk)]).cpu().numpy()
 
     @torch.no_grad()
     def full_loss(self) -> float:
@@ -199,9 +205,20 @@ class Trainer:
             f_next = self.outputs(self.X)
             trace, start = np.asarray(self._trace, np.float64), self._trace_start
             self._trace, self._trace_start = [], self.step
-            yield Checkpoint(index=self._index[t], step=t, lr=lr, loss=loss, theta=theta,
-                             dtheta=self.theta() - theta, f=f, df=f_next - f, f_test=f_test,
-                             loss_trace=trace, trace_start=start, state=state)
+            yield Checkpoint(
+                index=self._index[t],
+                step=t,
+                lr=lr,
+                loss=loss,
+                theta=theta,
+                dtheta=self.theta() - theta,
+                f=f,
+                df=f_next - f,
+                f_test=f_test,
+                loss_trace=trace,
+                trace_start=start,
+                state=state,
+            )
             if not np.isfinite(f_next).all():  # θ_t was fine (recorded above), θ_{t+1} is not
                 raise TrainingDiverged(self.step, float("nan"))
 

@@ -13,5 +13,13 @@ from nsa_dist.plots.projections import residual_projections
 from nsa_dist.plots.registry import FIGURES, make_figure, plot_run
 from nsa_dist.plots.sweep import SWEEP_FIGURES, plot_sweep, scalar_figure
 
-__all__ = ["FIGURES", "SWEEP_FIGURES", "PlotOptions", "make_figure", "plot_run", "plot_sweep", "residual_projections",
-           "scalar_figure"]
+__all__ = [
+    "FIGURES",
+    "SWEEP_FIGURES",
+    "PlotOptions",
+    "make_figure",
+    "plot_run",
+    "plot_sweep",
+    "residual_projections",
+    "scalar_figure",
+]

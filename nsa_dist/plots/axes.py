@@ -29,10 +29,36 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Run
 
-__all__ = ["KS", "DPI", "PAPER_K_FRACTION", "MAX_LEGEND", "TITLE_PT", "FLAT_SPAN", "FLAT_PAD", "energy_k",
-           "PlotOptions", "PaperFigure", "blank_figure", "new_figure", "fit_text", "set_title", "title_of", "ks",
-           "gd_note", "add_gd_note", "some_steps", "colors", "decay_steps", "decay_lines", "time_axis", "lr_steps",
-           "legend", "family_label", "symlog_y", "keep_flat"]
+__all__ = [
+    "KS",
+    "DPI",
+    "PAPER_K_FRACTION",
+    "MAX_LEGEND",
+    "TITLE_PT",
+    "FLAT_SPAN",
+    "FLAT_PAD",
+    "energy_k",
+    "PlotOptions",
+    "PaperFigure",
+    "blank_figure",
+    "new_figure",
+    "fit_text",
+    "set_title",
+    "title_of",
+    "ks",
+    "gd_note",
+    "add_gd_note",
+    "some_steps",
+    "colors",
+    "decay_steps",
+    "decay_lines",
+    "time_axis",
+    "lr_steps",
+    "legend",
+    "family_label",
+    "symlog_y",
+    "keep_flat",
+]
 
 KS = (1, 2, 5, 10, 20, 50, 100, 200, 400, 1000, 2000, 4000, 10000)  # k (or i) drawn, as in NSA Fig. 3
 DPI = 110
@@ -165,9 +191,16 @@ def title_of(fig: Figure) -> str:
     return " ".join(fig.get_suptitle().split("\n")[:-1])
 
 
-def new_figure(run: Run, label: str, what: str, nrows: int = 1, ncols: int = 1,
-               panel: tuple[float, float] = (6.4, 4.4), paper: str = "NSA",
-               images: bool = False) -> tuple[Figure, np.ndarray]:
+def new_figure(
+    run: Run,
+    label: str,
+    what: str,
+    nrows: int = 1,
+    ncols: int = 1,
+    panel: tuple[float, float] = (6.4, 4.4),
+    paper: str = "NSA",
+    images: bool = False,
+) -> tuple[Figure, np.ndarray]:
     """A constrained-layout Agg figure and its (nrows, ncols) axes, titled "<paper> Fig. <label> — <what>"
     when ``label`` is a figure number of the paper ("2a", "3"), "<paper> App. X — <what>" /
     "<paper> Eqs. 4–5 — <what>" for an appendix or equations, else "<paper>, <label> — <what>" for the
@@ -209,8 +242,10 @@ class PlotOptions:
         have = set(int(t) for t in run.steps)
         bad = [t for t in (self.steps or ()) + (self.pair or ()) if t not in have]
         if bad:
-            raise ValueError(f"step(s) {bad} are not finished recorded steps of run {run.id!r}; "
-                             f"finished: {sorted(have)[:30]}{' …' if len(have) > 30 else ''}")
+            raise ValueError(
+                f"step(s) {bad} are not finished recorded steps of run {run.id!r}; "
+                f"finished: {sorted(have)[:30]}{' …' if len(have) > 30 else ''}"
+            )
 
 
 def gd_note(run: Run) -> str | None:
@@ -218,15 +253,19 @@ def gd_note(run: Run) -> str | None:
     o = run.spec.optimizer
     name = o.name.value if hasattr(o.name, "value") else str(o.name)
     if LossName(run.spec.loss) is LossName.NCE and name == "gd" and o.momentum == 0:
-        return ("note: 2N/λ_max, s_i and δλ/N are formulas of GD on the L2 loss (NSA §4); for NCE the "
-                "residual's Jacobian is diag(σ'(h)) ≤ 1/4, so GD's bound is 2N/(λ_max·max σ') ≥ 8N/λ_max")
+        return (
+            "note: 2N/λ_max, s_i and δλ/N are formulas of GD on the L2 loss (NSA §4); for NCE the "
+            "residual's Jacobian is diag(σ'(h)) ≤ 1/4, so GD's bound is 2N/(λ_max·max σ') ≥ 8N/λ_max"
+        )
     if name == "gd" and o.momentum == 0:
         return None
     what = {"sgd": f"minibatch SGD (batch {o.batch_size})", "adam": "Adam"}.get(name, "GD")
     if o.momentum > 0:
         what += f" with momentum {o.momentum:g}"
-    return (f"note: δλ/N, s_i and 2N/λ_max are formulas of full-batch GD without momentum (NSA §4); "
-            f"this run uses {what}, so they are shown for reference only")
+    return (
+        f"note: δλ/N, s_i and 2N/λ_max are formulas of full-batch GD without momentum (NSA §4); "
+        f"this run uses {what}, so they are shown for reference only"
+    )
 
 
 def add_gd_note(fig: Figure, run: Run) -> None:
@@ -262,8 +301,15 @@ def decay_lines(ax: Axes, run: Run, t_max: float, shift: int = 0) -> None:
         ax.axvline(t + shift, color="0.45", ls="--", lw=0.9, label="δ decay" if j == 0 else None)
 
 
-def time_axis(ax: Axes, run: Run, ylabel: str, *, logy: bool = False, legend: bool = True,
-              family: tuple[str, list[str], np.ndarray] | None = None) -> None:
+def time_axis(
+    ax: Axes,
+    run: Run,
+    ylabel: str,
+    *,
+    logy: bool = False,
+    legend: bool = True,
+    family: tuple[str, list[str], np.ndarray] | None = None,
+) -> None:
     """Decay lines, "step t" and ``ylabel`` labels, optional log y, legend of a time plot (``family``:
     see :func:`legend`)."""
     decay_lines(ax, run, float(run.steps[-1]))
@@ -288,8 +334,14 @@ def family_label(name: str, value: object) -> str:
     return f"{name} = {value}"
 
 
-def legend(ax: Axes, *, family: tuple[str, list[str], np.ndarray] | None = None, most: int = MAX_LEGEND,
-           fontsize: float = 8, **kw) -> None:
+def legend(
+    ax: Axes,
+    *,
+    family: tuple[str, list[str], np.ndarray] | None = None,
+    most: int = MAX_LEGEND,
+    fontsize: float = 8,
+    **kw,
+) -> None:
     """A legend of at most ``most`` entries (about 10), never one that buries the plot.
 
     ``family`` = (name, labels, colours) names a family of lines (the k of Fig. 3, the steps of App. F,
@@ -312,8 +364,15 @@ def legend(ax: Axes, *, family: tuple[str, list[str], np.ndarray] | None = None,
         title = f"{len(pick)} of {len(labels)} entries shown"
         handles, labels = [handles[j] for j in pick], [labels[j] for j in pick]
     if labels:
-        ax.legend(handles, labels, fontsize=fontsize, title=title, title_fontsize=fontsize,
-                  ncol=2 if len(labels) > 6 else 1, **kw)
+        ax.legend(
+            handles,
+            labels,
+            fontsize=fontsize,
+            title=title,
+            title_fontsize=fontsize,
+            ncol=2 if len(labels) > 6 else 1,
+            **kw,
+        )
 
 
 _legend = legend  # for time_axis, whose ``legend`` argument hides the function

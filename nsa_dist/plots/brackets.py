@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import BracketedCurve, Run
 
-__all__ = ["band_polygon", "draw_bracketed", "bracket_caption", "add_bracket_caption", "energy_against_k",
-           "BAND_ALPHA"]
+__all__ = ["band_polygon", "draw_bracketed", "bracket_caption", "add_bracket_caption", "energy_against_k", "BAND_ALPHA"]
 
 BAND_ALPHA = 0.22
 
 
-def band_polygon(k: np.ndarray, lower: np.ndarray, upper: np.ndarray,
-                 increasing: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def band_polygon(
+    k: np.ndarray, lower: np.ndarray, upper: np.ndarray, increasing: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x, lo, hi) of the band of a curve measured at the integers ``k`` (ascending) with bounds
     ``lower`` ≤ ``upper``, for ``fill_between``.
 
@@ -53,9 +53,9 @@ def band_polygon(k: np.ndarray, lower: np.ndarray, upper: np.ndarray,
             xs.append(k[[j - 1, j]])
             los.append(np.array([lo, lo]))
             his.append(np.array([hi, hi]))
-        xs.append(k[j:j + 1])
-        los.append(lower[j:j + 1])
-        his.append(upper[j:j + 1])
+        xs.append(k[j : j + 1])
+        los.append(lower[j : j + 1])
+        his.append(upper[j : j + 1])
     return np.concatenate(xs), np.concatenate(los), np.concatenate(his)
 
 
@@ -66,8 +66,7 @@ def _positive_floor(*arrays: np.ndarray) -> float:
     return float(v.min()) / 2 if len(v) else 1e-300
 
 
-def draw_bracketed(ax: "Axes", curve: "BracketedCurve", j: int, color, label: str | None,
-                   logy: bool = False) -> bool:
+def draw_bracketed(ax: Axes, curve: BracketedCurve, j: int, color, label: str | None, logy: bool = False) -> bool:
     """Draw row ``j`` (a step) of ``curve`` against k: the value as a line (markers at the k beyond
     the exact part) and, where the bracket is not a point, its band.  On a log y axis a lower bound
     ≤ 0 is drawn at the axis floor (the band runs off the bottom, never cut short).  Returns whether
@@ -93,8 +92,16 @@ def draw_bracketed(ax: "Axes", curve: "BracketedCurve", j: int, color, label: st
     return True
 
 
-def draw_bracketed_along_t(ax: "Axes", steps: np.ndarray, value: np.ndarray, lower: np.ndarray, upper: np.ndarray,
-                           color, label: str | None, ls: str = "o-") -> bool:
+def draw_bracketed_along_t(
+    ax: Axes,
+    steps: np.ndarray,
+    value: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    color,
+    label: str | None,
+    ls: str = "o-",
+) -> bool:
     """E_t(φ, k) (or λ_k^t) along t at one k with its bracket as a band where it is not a point;
     returns whether a band was drawn."""
     ax.plot(steps, value, ls, ms=3, color=color, label=label)
@@ -105,19 +112,21 @@ def draw_bracketed_along_t(ax: "Axes", steps: np.ndarray, value: np.ndarray, low
     return True
 
 
-def bracket_caption(run: "Run", drawn: bool = True) -> str:
+def bracket_caption(run: Run, drawn: bool = True) -> str:
     """The caption under a figure of bracketed curves: the route and how the band is guaranteed."""
     if run.energy_route == "exact":
         return "exact route: every k from the eigendecomposition of G_t (no bracket to draw)"
     conf = run.attrs.get("curve_confidence")
     top = int(run.shape("eigenvalues")[1])
-    head = (f"quadrature route: k ≤ {top} exact; shaded band = bracket"
-            + (f" at confidence {float(conf):g}" if conf is not None else "")
-            + ("" if drawn else " (every bracket drawn here is a point)"))
+    head = (
+        f"quadrature route: k ≤ {top} exact; shaded band = bracket"
+        + (f" at confidence {float(conf):g}" if conf is not None else "")
+        + ("" if drawn else " (every bracket drawn here is a point)")
+    )
     return f"{head} — {run.curve_bracket}"
 
 
-def add_bracket_caption(fig: "Figure", run: "Run", drawn: bool = True) -> None:
+def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True) -> None:
     """Write :func:`bracket_caption` under the axes of ``fig`` (laid out with them, wrapped to the width)."""
     import textwrap
 
@@ -135,11 +144,17 @@ def add_bracket_caption(fig: "Figure", run: "Run", drawn: bool = True) -> None:
     fig.supxlabel("\n".join(lines), fontsize=pt, color="0.25")
 
 
-_PHI_TEX = {"y": r"\bar y", "f": r"\bar f_t", "residual": r"\bar m_t", "df_pred": r"d\bar f_t",
-            "df": r"d\tilde f_t", "f_test": r"\bar f_t^{test}"}
+_PHI_TEX = {
+    "y": r"\bar y",
+    "f": r"\bar f_t",
+    "residual": r"\bar m_t",
+    "df_pred": r"d\bar f_t",
+    "df": r"d\tilde f_t",
+    "f_test": r"\bar f_t^{test}",
+}
 
 
-def energy_against_k(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def energy_against_k(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """E_t(φ, k) against k (log x) at up to four recorded steps (``opts.steps`` choose), one panel
     per φ the run stores (y, f, residual, df_pred), the bracket as a band; the k the run measured:
     1..K on the exact route (every k with ``spectrum.k: all``), the exact top part and the log grid
@@ -147,8 +162,14 @@ def energy_against_k(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     phis = [p for p in ("y", "f", "residual", "df_pred") if run.has(f"energy_{p}")]
     ncols = 2 if len(phis) > 1 else 1
     nrows = (len(phis) + ncols - 1) // ncols
-    fig, axes = new_figure(run, "", "relative energy $E_t(\\phi, k)$ against k, with its bracket",
-                           nrows=nrows, ncols=ncols, panel=(5.2, 3.8))
+    fig, axes = new_figure(
+        run,
+        "",
+        "relative energy $E_t(\\phi, k)$ against k, with its bracket",
+        nrows=nrows,
+        ncols=ncols,
+        panel=(5.2, 3.8),
+    )
     steps = run.steps
     chosen = sorted(set(opts.steps)) if opts.steps else [int(steps[j]) for j in some_steps(len(steps), 4)]
     cols, labels = colors(len(chosen)), [family_label("t", t) for t in chosen]

@@ -18,8 +18,9 @@ def fig1d(run: Run) -> Figure:
     """error_t = ‖df̃_t − df̄_t‖ / ‖df̃_t‖ and cos α_t along t; df̄_t = −(δ_t/N) G_t m_t (NSA Eq. 3)."""
     fig, ax = new_figure(run, "1d", "accuracy of the first-order dynamics")
     ax, t, fo = ax[0, 0], run.steps, run.first_order
-    ax.plot(t, fo["error"], "o-", ms=3,
-            label=r"$error_t = \Vert d\tilde f_t - d\bar f_t\Vert \,/\, \Vert d\tilde f_t\Vert$")
+    ax.plot(
+        t, fo["error"], "o-", ms=3, label=r"$error_t = \Vert d\tilde f_t - d\bar f_t\Vert \,/\, \Vert d\tilde f_t\Vert$"
+    )
     ax.plot(t, fo["cos"], "s-", ms=3, label=r"$\cos\alpha_t$ (angle of $d\tilde f_t$, $d\bar f_t$)")
     time_axis(ax, run, "value")
     return fig
@@ -31,7 +32,7 @@ def fig1e(run: Run) -> Figure:
     fig, ax = new_figure(run, "1e", "learning rate and its stability bound")
     ax, t = ax[0, 0], run.steps
     ts, lr = lr_steps(run, int(t[-1]))
-    line, = ax.plot(ts, lr, "-", drawstyle="steps-post", label=r"$\delta_t$")
+    (line,) = ax.plot(ts, lr, "-", drawstyle="steps-post", label=r"$\delta_t$")
     ax.plot(t, run.lr, "o", ms=3, color=line.get_color())
     kernel = " (full $NK{\times}NK$ kernel)" if run.Ko > 1 else ""
     ax.plot(t, run.stability_bound(), "s-", ms=3, label=r"$2N / \lambda_{max}^t$" + kernel)

@@ -6,8 +6,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import (PlotOptions, add_gd_note, colors, family_label, ks, legend, new_figure, some_steps,
-                                 time_axis)
+from nsa_dist.plots.axes import (
+    PlotOptions,
+    add_gd_note,
+    colors,
+    family_label,
+    ks,
+    legend,
+    new_figure,
+    some_steps,
+    time_axis,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -15,7 +24,7 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 
-def fig2a(run: "Run") -> "Figure":
+def fig2a(run: Run) -> Figure:
     """λ_i^t against i for up to six recorded t (log-log; λ ≤ 0 are left out): every i the run
     measured, the bracket as a band where it is not a point (the quadrature route beyond its top)."""
     from nsa_dist.plots.brackets import add_bracket_caption, draw_bracketed
@@ -34,7 +43,7 @@ def fig2a(run: "Run") -> "Figure":
     return fig
 
 
-def fig2b(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """Individual eigenvalues λ_i^t along t for i in 1, 2, 5, 10, … ≤ the largest i measured (log y),
     each with its bracket as a band where it is not a point."""
     from nsa_dist.plots.brackets import add_bracket_caption, draw_bracketed_along_t
@@ -56,7 +65,7 @@ def fig2b(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
     return fig
 
 
-def fig2c(run: "Run") -> "Figure":
+def fig2c(run: Run) -> Figure:
     """Information-flow speed s_i^t = 1 − |1 − δ_t λ_i^t / N| along t for the top 8 eigenvectors."""
     fig, ax = new_figure(run, "2c", "information flow speed of the top eigenvectors")
     ax, s = ax[0, 0], run.flow_speed()  # (S, K)
@@ -68,7 +77,7 @@ def fig2c(run: "Run") -> "Figure":
     return fig
 
 
-def fig2d(run: "Run", opts: PlotOptions = PlotOptions()) -> "Figure":
+def fig2d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """δ_t λ_i^t / N along t for i in 1, 2, 5, 10, … ≤ K, with the stability limit 2 (log y)."""
     fig, ax = new_figure(run, "2d", r"$\delta_t \lambda_i^t / N$ along t")
     ax, p = ax[0, 0], run.lr_eigen_product()  # (S, K)

@@ -14,18 +14,27 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Run
 
-_PHI_TEX = {"y": r"\bar y", "f": r"\bar f_t", "residual": r"\bar m_t", "df_pred": r"d\bar f_t",
-            "df": r"d\tilde f_t", "f_test": r"\bar f_t^{test}"}
-_WHAT = {"y": r"relative energy of the labels $\bar y$ in the top k eigenvectors of $G_t$",
-         "f": r"relative energy of the network output $\bar f_t$",
-         "residual": r"relative energy of the residual $\bar m_t$",
-         "df_pred": r"relative energy of the differential $d\bar f_t = -(\delta_t/N) G_t \bar m_t$",
-         "f_test": r"relative energy of the network output at the test points (Gramian at the test points)"}
+_PHI_TEX = {
+    "y": r"\bar y",
+    "f": r"\bar f_t",
+    "residual": r"\bar m_t",
+    "df_pred": r"d\bar f_t",
+    "df": r"d\tilde f_t",
+    "f_test": r"\bar f_t^{test}",
+}
+_WHAT = {
+    "y": r"relative energy of the labels $\bar y$ in the top k eigenvectors of $G_t$",
+    "f": r"relative energy of the network output $\bar f_t$",
+    "residual": r"relative energy of the residual $\bar m_t$",
+    "df_pred": r"relative energy of the differential $d\bar f_t = -(\delta_t/N) G_t \bar m_t$",
+    "f_test": r"relative energy of the network output at the test points (Gramian at the test points)",
+}
 _LABEL = {"y": "3a", "f": "3b", "residual": "3c", "df_pred": "3d", "f_test": "3e"}
 
 
-def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = True,
-            chosen: tuple[int, ...] | None = None) -> tuple[str, list[str], "np.ndarray", bool]:
+def _curves(
+    ax: Axes, run: Run, phi: str, ls: str = "o-", labels: bool = True, chosen: tuple[int, ...] | None = None
+) -> tuple[str, list[str], np.ndarray, bool]:
     """One line per k in ``chosen`` (default 1, 2, 5, 10, …) ≤ the largest k the run measured for
     this φ (its K, or N with every k measured), each with its bracket as a band where the bracket is
     not a point; returns the family (name, labels, colours) for :func:`axes.legend` and whether a
@@ -38,18 +47,21 @@ def _curves(ax: "Axes", run: "Run", phi: str, ls: str = "o-", labels: bool = Tru
     drawn = False
     for c, k in zip(cols, rows):
         value, lower, upper = curve.at(k)
-        drawn |= draw_bracketed_along_t(ax, run.steps, value, lower, upper, c,
-                                        family_label("k", k) if labels else None, ls)
+        drawn |= draw_bracketed_along_t(
+            ax, run.steps, value, lower, upper, c, family_label("k", k) if labels else None, ls
+        )
     return "k", [family_label("k", k) for k in rows], cols, drawn
 
 
-def energy_figure(run: "Run", phi: str, opts: PlotOptions = PlotOptions()) -> "Figure":
+def energy_figure(run: Run, phi: str, opts: PlotOptions = PlotOptions()) -> Figure:
     """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
     what = _WHAT[phi]
     if phi == "y" and LossName(run.spec.loss) is LossName.NCE:  # the energy of the centred log-density (spectral.py)
-        what = (r"relative energy of the centred log-density $\bar y - \mathrm{mean}(\bar y)$ (NCE) in the top k "
-                r"eigenvectors of $G_t$")
+        what = (
+            r"relative energy of the centred log-density $\bar y - \mathrm{mean}(\bar y)$ (NCE) in the top k "
+            r"eigenvectors of $G_t$"
+        )
     fig, ax = new_figure(run, _LABEL[phi], what)
     ax = ax[0, 0]
     *family, drawn = _curves(ax, run, phi, chosen=opts.ks)

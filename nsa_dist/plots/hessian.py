@@ -37,16 +37,23 @@ def moments(run: Run) -> Figure:
     """Fig. 1: Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, the exact Tr(I^k),
     the infinite-width prediction of Tr(I^k) from Θ∞ and the limits of S: E[Tr S_t] (MSE GD) in
     the k = 1 panel, Tr(S²) = ∇CᵀΥ̃∇C in the k = 2 panel (NTK-parametrised FC runs)."""
-    fig, axes = new_figure(run, TITLES["moments"], "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0),
-                           paper=_PAPER)
+    fig, axes = new_figure(run, TITLES["moments"], "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0), paper=_PAPER)
     S_lim = run.hessian.S_limit() if run.has("hessian_S_limit") else None
     t = run.hessian.steps
     exact = run.hessian.moments("I_exact")["estimate"]
     for k, ax in enumerate(axes[0]):
         for part, c in zip("HIS", colors(3)):
             m = run.hessian.moments(part)
-            ax.errorbar(t, m["estimate"][:, k], yerr=m["stderr"][:, k], fmt="o-", ms=3, color=c, capsize=2,
-                        label=f"{part} (Hutch++)")
+            ax.errorbar(
+                t,
+                m["estimate"][:, k],
+                yerr=m["stderr"][:, k],
+                fmt="o-",
+                ms=3,
+                color=c,
+                capsize=2,
+                label=f"{part} (Hutch++)",
+            )
         ax.plot(t, exact[:, k], "k--", lw=1, label="I exact (NTK Gram)")
         if run.has("hessian_I_limit_moments"):
             lim = run.hessian.moments("I_limit")["estimate"][:, k]
@@ -68,8 +75,15 @@ def orthogonality(run: Run) -> Figure:
     """Fig. 3: ‖IS‖_F / (‖I‖_F ‖S‖_F) along t, the mutual orthogonality of I and S."""
     fig, ax = new_figure(run, TITLES["orthogonality"], "orthogonality of I and S", paper=_PAPER)
     ax, o = ax[0, 0], run.hessian.orthogonality
-    ax.errorbar(run.hessian.steps, o["value"], yerr=o["stderr"], fmt="o-", ms=3, capsize=2,
-                label=r"$\Vert IS\Vert_F / (\Vert I\Vert_F\Vert S\Vert_F)$")
+    ax.errorbar(
+        run.hessian.steps,
+        o["value"],
+        yerr=o["stderr"],
+        fmt="o-",
+        ms=3,
+        capsize=2,
+        label=r"$\Vert IS\Vert_F / (\Vert I\Vert_F\Vert S\Vert_F)$",
+    )
     time_axis(ax, run, "normalised ‖IS‖_F")
     return fig
 
@@ -92,8 +106,9 @@ def rayleigh(run: Run) -> Figure:
 
 def edge_of_stability(run: Run) -> Figure:
     """λ_max(H)·δ_t / 2 along t against 1 (GD on the local quadratic is stable below 1)."""
-    fig, ax = new_figure(run, TITLES["edge_of_stability"], "edge of stability λ_max(H)·δ/2 (not a paper figure)",
-                         paper=_PAPER)
+    fig, ax = new_figure(
+        run, TITLES["edge_of_stability"], "edge of stability λ_max(H)·δ/2 (not a paper figure)", paper=_PAPER
+    )
     ax = ax[0, 0]
     ax.plot(run.hessian.steps, run.hessian.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t / 2$")
     ax.axhline(1.0, color="C3", ls="--", label="1 (edge of stability)")
@@ -103,8 +118,7 @@ def edge_of_stability(run: Run) -> Figure:
 
 def density(run: Run) -> Figure:
     """SLQ spectral density of H at a few analysed steps (log y)."""
-    fig, ax = new_figure(run, TITLES["density"], "spectral density of H (stochastic Lanczos quadrature)",
-                         paper=_PAPER)
+    fig, ax = new_figure(run, TITLES["density"], "spectral density of H (stochastic Lanczos quadrature)", paper=_PAPER)
     ax, steps = ax[0, 0], run.hessian.steps
     pick = some_steps(len(steps), 4)
     for j, c in zip(pick, colors(len(pick))):
@@ -129,8 +143,14 @@ def I_spectrum(run: Run) -> Figure:
         ax.plot(i, np.clip(mu[j], 1e-16, None), "o-", ms=2.5, lw=1, color=c, label=f"measured, t = {steps[j]}")
         if np.isfinite(lim[j]).any() and (drawn is None or not np.allclose(lim[j], drawn)):  # MSE: one limit for all t
             same = np.allclose(lim[pick], lim[j])
-            ax.plot(i, np.clip(lim[j], 1e-16, None), "--", lw=1.2, color="k" if same else c,
-                    label="limit (Θ∞ kernel PCA)" if same else f"limit (Θ∞), t = {steps[j]}")
+            ax.plot(
+                i,
+                np.clip(lim[j], 1e-16, None),
+                "--",
+                lw=1.2,
+                color="k" if same else c,
+                label="limit (Θ∞ kernel PCA)" if same else f"limit (Θ∞), t = {steps[j]}",
+            )
             drawn = lim[j]
     ax.set(xlabel="index i", ylabel=r"$\lambda_i(I)$", xscale="log", yscale="log")
     ax.grid(alpha=0.3, which="both")
@@ -140,9 +160,15 @@ def I_spectrum(run: Run) -> Figure:
 
 def additivity(run: Run) -> Figure:
     """Theorem 1: the gap Tr(H^k) − Tr(I^k) − Tr(S^k) relative to Tr(H^k), k = 1..4, ± its standard error."""
-    fig, axes = new_figure(run, TITLES["additivity"], "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k", 1, 4,
-                           panel=(4.2, 4.0),
-                           paper=_PAPER)
+    fig, axes = new_figure(
+        run,
+        TITLES["additivity"],
+        "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k",
+        1,
+        4,
+        panel=(4.2, 4.0),
+        paper=_PAPER,
+    )
     t, g = run.hessian.steps, run.hessian.additivity()
     H = run.hessian.moments("H")["estimate"]
     for k, ax in enumerate(axes[0]):
@@ -168,8 +194,14 @@ def trace_S(run: Run) -> Figure:
         if np.isfinite(lim["trace_S"]).any():
             ax.plot(t, lim["trace_S"], "-.", color="C2", lw=1.6, label=r"limit E[Tr $S_t$] (MSE GD)")
         if np.isfinite(lim["trace_S_init"]).any():
-            ax.plot([t[0]], [lim["trace_S_init"][0]], "*", color="C3", ms=11,
-                    label=r"limit E[Tr S] at init = K Tr$(\tilde\Phi)$/N")
+            ax.plot(
+                [t[0]],
+                [lim["trace_S_init"][0]],
+                "*",
+                color="C3",
+                ms=11,
+                label=r"limit E[Tr S] at init = K Tr$(\tilde\Phi)$/N",
+            )
     ax.axhline(0, color="0.5", lw=0.8)
     time_axis(ax, run, "Tr(S)")
     return fig
@@ -184,8 +216,14 @@ def S_norms(run: Run) -> Figure:
     ax.plot(t, n["k4"], "s--", ms=3, label=r"Tr$(S^4)^{1/4}$")
     ax.plot(t, n["k2"], "^--", ms=3, label=r"$\Vert S\Vert_F$ = Tr$(S^2)^{1/2}$")
     if run.has("hessian_S_limit") and np.isfinite(run.hessian.S_limit()["trace_S2"]).any():
-        ax.plot(t, np.sqrt(np.clip(run.hessian.S_limit()["trace_S2"], 0, None)), ":", color="C2", lw=1.6,
-                label=r"limit $(\nabla C^T\tilde\Upsilon\nabla C)^{1/2}$")
+        ax.plot(
+            t,
+            np.sqrt(np.clip(run.hessian.S_limit()["trace_S2"], 0, None)),
+            ":",
+            color="C2",
+            lw=1.6,
+            label=r"limit $(\nabla C^T\tilde\Upsilon\nabla C)^{1/2}$",
+        )
     ax.set_yscale("log")
     time_axis(ax, run, "norm of S")
     return fig

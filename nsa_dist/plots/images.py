@@ -36,8 +36,9 @@ def fig4bc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """The residual m_t and its |Fourier| at the chosen steps (default: the second recorded and the last)."""
     steps, limit = run.steps, run.spec.spectrum.fourier_limit
     chosen = sorted(set(opts.steps)) if opts.steps else sorted({int(steps[1 if len(steps) > 2 else 0]), int(steps[-1])})
-    fig, ax = new_figure(run, "4b–c", "residual and its Fourier transform", nrows=len(chosen), ncols=2,
-                         panel=(4.4, 3.8), images=True)
+    fig, ax = new_figure(
+        run, "4b–c", "residual and its Fourier transform", nrows=len(chosen), ncols=2, panel=(4.4, 3.8), images=True
+    )
     for row, t in zip(ax, chosen):
         im = run.images.at(t)
         _image(row[0], im["residual_image"], f"residual $m_t$, t = {t}")
@@ -52,8 +53,15 @@ def fig5(run: Run, opts: PlotOptions = PlotOptions(), *, label: str = "5", step:
     idx = [int(i) for i in im["indices"]]
     ncols = min(6, len(idx))
     lines = -(-len(idx) // ncols)
-    fig, ax = new_figure(run, label, f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}",
-                         nrows=2 * lines, ncols=ncols, panel=(2.3, 2.3), images=True)
+    fig, ax = new_figure(
+        run,
+        label,
+        f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}",
+        nrows=2 * lines,
+        ncols=ncols,
+        panel=(2.3, 2.3),
+        images=True,
+    )
     for a in ax.ravel():
         a.set_axis_off()
     for j, i in enumerate(idx):

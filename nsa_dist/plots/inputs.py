@@ -29,8 +29,9 @@ def fig1abc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     t = int(opts.steps[-1]) if opts.steps else int(run.steps[-1])
     f = run.outputs(t)  # (N,)
     lo, hi = float(np.min(y)), float(np.max(y))
-    fig, ax = new_figure(run, "1a–c", "target, network output and training points", ncols=3, panel=(4.4, 4.0),
-                         images=True)
+    fig, ax = new_figure(
+        run, "1a–c", "target, network output and training points", ncols=3, panel=(4.4, 4.0), images=True
+    )
     _surface(ax[0, 0], X, y, "(a) target $y$", lo, hi)
     _surface(ax[0, 1], X, f, f"(b) output $f_t$, t = {t}", lo, hi)
     a = ax[0, 2]

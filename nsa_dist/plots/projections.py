@@ -53,15 +53,20 @@ def fig7d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
         P, t1, t2, rows = run.spectrum_preservation(t1, t2, rows)
     else:
         P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)
-    fig, ax = new_figure(run, "7d",
-                         r"spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum of $G_{t_1}$")
+    fig, ax = new_figure(
+        run, "7d", r"spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum of $G_{t_1}$"
+    )
     ax = ax[0, 0]
     k = np.arange(1, P.shape[1] + 1)
     cols = colors(len(rows))
     for c, i, E in zip(cols, rows, P):
         ax.plot(k, E, "o-", ms=2.5, color=c, label=family_label("i", i))
-    ax.set(xscale="log", xlabel="k (top eigenvectors of $G_{t_1}$)", ylim=(-0.02, 1.02),
-           ylabel=rf"$E_{{{t1}}}(v_i^{{{t2}}}, k)$")
+    ax.set(
+        xscale="log",
+        xlabel="k (top eigenvectors of $G_{t_1}$)",
+        ylim=(-0.02, 1.02),
+        ylabel=rf"$E_{{{t1}}}(v_i^{{{t2}}}, k)$",
+    )
     ax.set_title(f"$t_1$ = {t1}, $t_2$ = {t2}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     legend(ax, family=("i", [family_label("i", i) for i in rows], cols))

@@ -6,7 +6,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nsa_dist.plots import brackets, dynamics, eigenvalues, energy, hessian, images, inputs, projections, spectral_dynamics
+from nsa_dist.plots import (
+    brackets,
+    dynamics,
+    eigenvalues,
+    energy,
+    hessian,
+    images,
+    inputs,
+    projections,
+    spectral_dynamics,
+)
 from nsa_dist.plots.axes import DPI, PlotOptions
 
 if TYPE_CHECKING:
@@ -115,12 +125,15 @@ def make_figure(run: Run, name: str, opts: PlotOptions | None = None) -> Figure 
 
 def _require_steps(run: Run) -> None:
     if not len(run.steps):
-        raise ValueError(f"run {run.id!r} has no finished recorded step yet (status {run.status!r}, "
-                         f"0/{len(run.schedule)} steps): nothing to plot; wait for a step, then run.refresh()")
+        raise ValueError(
+            f"run {run.id!r} has no finished recorded step yet (status {run.status!r}, "
+            f"0/{len(run.schedule)} steps): nothing to plot; wait for a step, then run.refresh()"
+        )
 
 
-def plot_run(run: Run, out_dir: str | Path, *, figures: Iterable[str] | str | None = None,
-             opts: PlotOptions | None = None) -> list[Path]:
+def plot_run(
+    run: Run, out_dir: str | Path, *, figures: Iterable[str] | str | None = None, opts: PlotOptions | None = None
+) -> list[Path]:
     """Write ``<out_dir>/<name>.png`` for each figure of the NSA paper the run has data for.
 
     Args:

@@ -27,8 +27,14 @@ def fig4d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     t = int(chosen[-1] if chosen else steps[-1])
     rec = run.kernel.reconstructions(t)
     ks = [int(k) for k in rec["k"]]
-    fig, ax = new_figure(run, "4d", rf"$\bar f_{{t,k}}$ from the top $k$ eigenvectors of $G_t$, t = {t}",
-                         ncols=len(ks), panel=(3.9, 3.3), images="images" in rec)
+    fig, ax = new_figure(
+        run,
+        "4d",
+        rf"$\bar f_{{t,k}}$ from the top $k$ eigenvectors of $G_t$, t = {t}",
+        ncols=len(ks),
+        panel=(3.9, 3.3),
+        images="images" in rec,
+    )
     f = run.outputs(t)
     for a, j, k in zip(ax[0], range(len(ks)), ks):
         if "images" in rec:
@@ -59,7 +65,7 @@ def appF(run: Run) -> Figure:
     left.xaxis.get_major_locator().set_params(integer=True)
     left.axhline(0.0, color="k", lw=0.5)
     legend(left, family=("t", labels, cols), fontsize=7)
-    evals = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, :len(i)]
+    evals = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, : len(i)]
     scale = np.linalg.norm(evals, axis=1)  # ‖Vᵀ G_t V‖_F = ‖λ_{1..Kg}‖
     right.plot(gc["steps"], gc["fro"][:, 0] / scale, "o-", ms=3, label=r"$\Vert V^T(G_{t+1}-G_t)V\Vert_F$")
     right.plot(gc["steps"], gc["fro"][:, 1] / scale, "s--", ms=3, label=r"$\Vert V^T dG_t V\Vert_F$ (Eq. 26)")
@@ -75,12 +81,19 @@ def _say_if_diverging(ax: Axes, attrs: dict) -> None:
     predicted norm is +inf, not drawn, where it overflows float64)."""
     if not attrs.get("diverges"):
         return
-    note = (f"δ = {attrs['lr_max']:.3g} > 2N/λ_max(G_t0) = {attrs['stability_bound']:.3g}:\n"
-            "the prediction diverges")
+    note = f"δ = {attrs['lr_max']:.3g} > 2N/λ_max(G_t0) = {attrs['stability_bound']:.3g}:\nthe prediction diverges"
     if attrs.get("overflow_step", -1) >= 0:
         note += f"\n(beyond float64 from t = {attrs['overflow_step']})"
-    ax.text(0.02, 0.03, note, transform=ax.transAxes, fontsize=7, color="C3", va="bottom",
-            bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+    ax.text(
+        0.02,
+        0.03,
+        note,
+        transform=ax.transAxes,
+        fontsize=7,
+        color="C3",
+        va="bottom",
+        bbox={"facecolor": "white", "alpha": 0.8, "lw": 0},
+    )
 
 
 def eqs45(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
@@ -93,8 +106,9 @@ def eqs45(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]
     t0 = int(run.schedule[0])
     test = run.has("constant_gram_f_test")
-    fig, ax = new_figure(run, "Eqs. 4–5", rf"residual under a constant Gramian $G_{{{t0}}}$ vs measured",
-                         ncols=3 if test else 2)
+    fig, ax = new_figure(
+        run, "Eqs. 4–5", rf"residual under a constant Gramian $G_{{{t0}}}$ vs measured", ncols=3 if test else 2
+    )
     left, right = ax[0][:2]
     if test:  # App. E, Eq. 22 with the Nyström extension
         pred_test, yt = run.kernel.constant_gram_test()[idx], run.array("y_test")  # (S', M[, Ko])

@@ -6,8 +6,9 @@ and a shaded band of ± one standard deviation.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,25 +20,41 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Curve, Sweep
 
-__all__ = ["SWEEP_FIGURES", "HESSIAN_SWEEP_FIGURES", "fig7a", "fig7b", "fig7c", "scalar_figure", "plot_sweep",
-           "hessian_moments_figure", "width_convergence", "regimes_figure", "fit_slope", "summary_k"]
+__all__ = [
+    "SWEEP_FIGURES",
+    "HESSIAN_SWEEP_FIGURES",
+    "fig7a",
+    "fig7b",
+    "fig7c",
+    "scalar_figure",
+    "plot_sweep",
+    "hessian_moments_figure",
+    "width_convergence",
+    "regimes_figure",
+    "fit_slope",
+    "summary_k",
+]
 
 SWEEP_FIGURES = ("fig7a_energy_y", "fig7b_train_loss", "fig7c_test_loss", "scalar_energy_y_10")
-HESSIAN_SWEEP_FIGURES = ("hessian_moments_H", "hessian_moments_I", "hessian_moments_S", "hessian_width_convergence",
-                         "hessian_regimes")  # drawn for sweeps with a hessian block (width figures: a width axis)
+HESSIAN_SWEEP_FIGURES = (
+    "hessian_moments_H",
+    "hessian_moments_I",
+    "hessian_moments_S",
+    "hessian_width_convergence",
+    "hessian_regimes",
+)  # drawn for sweeps with a hessian block (width figures: a width axis)
 _ALL = SWEEP_FIGURES + HESSIAN_SWEEP_FIGURES
 _WIDTH = "model.width"
 
 
-def _figure(sweep: "Sweep", label: str, what: str, ncols: int = 0,
-            paper: str = "NSA") -> tuple["Figure", "Axes"]:
+def _figure(sweep: Sweep, label: str, what: str, ncols: int = 0, paper: str = "NSA") -> tuple[Figure, Axes]:
     fig = blank_figure((7.0 if not ncols else 4.4 * ncols, 4.6))
     seeds = "; mean ± std over seeds" if sweep.seeded else ""
     set_title(fig, f"{paper}{f' Fig. {label}' if label else ''} — {what}", f"sweep {sweep.name}{seeds}")
     return fig, (fig.subplots() if not ncols else fig.subplots(1, ncols, squeeze=False)[0])
 
 
-def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0, key: bool = True) -> None:
+def _lines(ax: Axes, curves: list[Curve], shift: int = 0, key: bool = True) -> None:
     """One line per grid point (mean over seeds, ± std shaded; an energy measured beyond the exact top
     with its bracket hatched) and, with ``key``, their legend (more than ~10: a colour key)."""
     cols, bracketed = colors(len(curves)), False
@@ -46,21 +63,30 @@ def _lines(ax: "Axes", curves: list["Curve"], shift: int = 0, key: bool = True) 
         if cv.n > 1:
             ax.fill_between(cv.t + shift, cv.mean - cv.std, cv.mean + cv.std, color=c, alpha=0.2, lw=0)
         if cv.bracket is not None and np.any(cv.bracket[1] > cv.bracket[0]):  # measured beyond the exact top
-            ax.fill_between(cv.t + shift, cv.bracket[0], cv.bracket[1], facecolor="none", edgecolor=c, hatch="////",
-                            lw=0, alpha=0.6, label="bracket (quadrature)" if not bracketed else None)
+            ax.fill_between(
+                cv.t + shift,
+                cv.bracket[0],
+                cv.bracket[1],
+                facecolor="none",
+                edgecolor=c,
+                hatch="////",
+                lw=0,
+                alpha=0.6,
+                label="bracket (quadrature)" if not bracketed else None,
+            )
             bracketed = True
     ax.grid(alpha=0.3, which="both")
     if key:
         legend(ax, family=("grid point", [cv.label for cv in curves], cols))
 
 
-def summary_k(sweep: "Sweep", k: int = 10) -> int:
+def summary_k(sweep: Sweep, k: int = 10) -> int:
     """The k of the summary E(φ, k) across a sweep: ``k`` capped by the eigenpairs every run stores
     and kept below every run's N (at k = N every E is 1)."""
     return max(1, min(k, sweep.smallest_k(), sweep.smallest_n() - 1))
 
 
-def fig7a(sweep: "Sweep", k: int | None = None) -> "Figure":
+def fig7a(sweep: Sweep, k: int | None = None) -> Figure:
     """E_t(y, k) along t per grid point.  Default k: the paper's fraction of N (k = 400 of N = 10⁴)
     of the smallest N of the sweep, below it and capped at the smallest K (:func:`axes.energy_k`);
     a given ``k`` is capped at the smallest K."""
@@ -71,7 +97,7 @@ def fig7a(sweep: "Sweep", k: int | None = None) -> "Figure":
     return fig
 
 
-def fig7b(sweep: "Sweep") -> "Figure":
+def fig7b(sweep: Sweep) -> Figure:
     """Training loss L(θ_t) of every step per grid point (log-log against t + 1)."""
     fig, ax = _figure(sweep, "7b", "training loss")
     _lines(ax, sweep.curves("loss"), shift=1)
@@ -79,7 +105,7 @@ def fig7b(sweep: "Sweep") -> "Figure":
     return fig
 
 
-def fig7c(sweep: "Sweep") -> "Figure":
+def fig7c(sweep: Sweep) -> Figure:
     """Test loss (the run's loss at the test points: (1/M) Σ ½‖f_t(x_j) − y_j‖² for L2) at the recorded
     steps per grid point (log-log against t + 1)."""
     fig, ax = _figure(sweep, "7c", "test loss")
@@ -88,8 +114,9 @@ def fig7c(sweep: "Sweep") -> "Figure":
     return fig
 
 
-def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k: int | None = None,
-                  step: int | None = None) -> "Figure":
+def scalar_figure(
+    sweep: Sweep, name: str, x: str, line: str | None = None, k: int | None = None, step: int | None = None
+) -> Figure:
     """Quantity ``name`` at ``step`` (default the last) against grid field ``x``, one line per
     value of field ``line``; error bars ± std over seeds.
 
@@ -104,26 +131,28 @@ def scalar_figure(sweep: "Sweep", name: str, x: str, line: str | None = None, k:
     fig, ax = _figure(sweep, "", what + " across the sweep (a summary, no figure of the paper)")
     groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
     cols, labels = colors(len(groups)), [f"{line.split('.')[-1]}={lv}" if line else name for lv, _ in groups]
-    for c, label, (lv, sub) in zip(cols, labels, groups):
+    for c, label, (_, sub) in zip(cols, labels, groups):
         g = sub.groupby(x, sort=True)["value"]
         mean, std = g.mean(), g.std(ddof=0).fillna(0.0)
-        ax.errorbar(mean.index.to_numpy(), mean.to_numpy(), yerr=std.to_numpy(), fmt="o-", ms=4, capsize=3, color=c,
-                    label=label)
+        ax.errorbar(
+            mean.index.to_numpy(), mean.to_numpy(), yerr=std.to_numpy(), fmt="o-", ms=4, capsize=3, color=c, label=label
+        )
     ax.set(xlabel=x, ylabel=what)
     ax.grid(alpha=0.3)
     legend(ax, family=(line or name, labels, cols))
     return fig
 
 
-# --------------------------------------------------------------------------- the Hessian paper (issue 10)
+# --------------------------------------------------------------------------- the Hessian paper
 
 
-def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
+def hessian_moments_figure(sweep: Sweep, part: str = "S") -> Figure:
     """Tr(A^k), k = 1..4, of A = ``part`` ("H", "I", "S", "I_exact", "I_limit") along t per grid
     point: mean ± std over the seeds (symlog y: Tr(S^k) changes sign)."""
     one_step = all(len(c.t) == 1 for c in sweep.curves(f"hessian_{part}", 1))
-    what = f"moments Tr({part}^k)" + (" at t = %d, per grid point" % sweep.curves(f"hessian_{part}", 1)[0].t[0]
-                                      if one_step else " along training")
+    what = f"moments Tr({part}^k)" + (
+        f" at t = {sweep.curves(f'hessian_{part}', 1)[0].t[0]:d}, per grid point" if one_step else " along training"
+    )
     fig, axes = _figure(sweep, "1", what, ncols=4, paper="Hessian paper")
     for k, ax in enumerate(axes, start=1):
         curves = sweep.curves(f"hessian_{part}", k)
@@ -143,7 +172,7 @@ def hessian_moments_figure(sweep: "Sweep", part: str = "S") -> "Figure":
     return fig
 
 
-def _points(ax: "Axes", sweep: "Sweep", curves: list["Curve"], name: str, k: int) -> None:
+def _points(ax: Axes, sweep: Sweep, curves: list[Curve], name: str, k: int) -> None:
     """One column per grid point: every seed's value (dots) and the mean ± std (error bar)."""
     df = sweep.scalar(name, k, step=int(curves[0].t[0]))
     for x, (c, cv) in enumerate(zip(colors(len(curves)), curves)):
@@ -152,8 +181,9 @@ def _points(ax: "Axes", sweep: "Sweep", curves: list["Curve"], name: str, k: int
             sub = sub[sub[f] == v]
         ax.plot(np.full(len(sub), x) + np.linspace(-0.15, 0.15, len(sub)), sub["value"], ".", color=c, alpha=0.6)
         ax.errorbar([x], cv.mean, yerr=cv.std, fmt="o", ms=6, capsize=4, color=c, label=cv.label)
-    ax.set_xticks(range(len(curves)), [", ".join(str(v) for v in cv.key.values()) for cv in curves],
-                  rotation=20, fontsize=8)
+    ax.set_xticks(
+        range(len(curves)), [", ".join(str(v) for v in cv.key.values()) for cv in curves], rotation=20, fontsize=8
+    )
     ax.grid(alpha=0.3)
     legend(ax)
 
@@ -165,7 +195,7 @@ def fit_slope(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.polyfit(np.log(x[ok]), np.log(y[ok]), 1)[0]) if ok.sum() >= 2 else float("nan")
 
 
-def _by_width(sweep: "Sweep", name: str, k: int | None, step: int | None, line: str | None):
+def _by_width(sweep: Sweep, name: str, k: int | None, step: int | None, line: str | None):
     """[(line value, widths, mean, std)] of quantity ``name`` over ``model.width`` (seeds pooled)."""
     df = sweep.scalar(name, k, step)
     groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
@@ -176,7 +206,7 @@ def _by_width(sweep: "Sweep", name: str, k: int | None, step: int | None, line: 
     return out
 
 
-def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (1, 2)) -> "Figure":
+def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1, 2)) -> Figure:
     """Relative error of the measured Tr(I^k) against its Θ∞ limit over ``model.width`` at ``step``
     (default initialisation), log-log, mean ± std over seeds, with the fitted slope (the
     fluctuations of the NTK are O(1/√w): slope ≈ −1/2)."""
@@ -186,8 +216,16 @@ def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (
     for c, k in zip(colors(len(orders)), orders):
         for _, w, mean, std in _by_width(sweep, "hessian_I_error", k, step, None):
             slope = fit_slope(w, mean)
-            ax.errorbar(w, mean, yerr=std, fmt="o-", ms=4, capsize=3, color=c,
-                        label=f"|Tr(I^{k}) − limit| / limit: slope {slope:+.2f}")
+            ax.errorbar(
+                w,
+                mean,
+                yerr=std,
+                fmt="o-",
+                ms=4,
+                capsize=3,
+                color=c,
+                label=f"|Tr(I^{k}) − limit| / limit: slope {slope:+.2f}",
+            )
     if len(ax.lines):
         w = np.asarray(sorted(sweep.runs[_WIDTH].unique()), np.float64)
         y0 = ax.lines[0].get_ydata()[0]
@@ -198,7 +236,7 @@ def width_convergence(sweep: "Sweep", step: int = 0, orders: tuple[int, ...] = (
     return fig
 
 
-def regimes_figure(sweep: "Sweep", step: int = 0) -> "Figure":
+def regimes_figure(sweep: Sweep, step: int = 0) -> Figure:
     """The consequences of Proposition 4 over ``model.width`` at ``step``: Tr(S²)/Tr(I²) (grows ~w
     in the active regime, bounded in the NTK regime), ‖S‖_op (→ 0 in the NTK regime) and ‖S‖_F
     (finite at initialisation); one line per ``model.regime`` when the sweep varies it."""
@@ -206,21 +244,33 @@ def regimes_figure(sweep: "Sweep", step: int = 0) -> "Figure":
         raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
     line = "model.regime" if "model.regime" in sweep.fields else None
     fig, axes = _figure(sweep, "", f"NTK vs active regime over width at t = {step}", ncols=3, paper="Hessian paper")
-    panels = (("hessian_S_ratio", "Tr(S²) / Tr(I²)"), ("hessian_S_op", r"$\Vert S\Vert_{op}$"),
-              ("hessian_S_fro", r"$\Vert S\Vert_F$"))
+    panels = (
+        ("hessian_S_ratio", "Tr(S²) / Tr(I²)"),
+        ("hessian_S_op", r"$\Vert S\Vert_{op}$"),
+        ("hessian_S_fro", r"$\Vert S\Vert_F$"),
+    )
     for ax, (name, label) in zip(axes, panels):
         series = _by_width(sweep, name, None, step, line)
         for c, (lv, w, mean, std) in zip(colors(len(series)), series):
-            ax.errorbar(w, mean, yerr=std, fmt="o-", ms=4, capsize=3, color=c,
-                        label=f"{lv or 'all'}: slope {fit_slope(w, mean):+.2f}")
+            ax.errorbar(
+                w,
+                mean,
+                yerr=std,
+                fmt="o-",
+                ms=4,
+                capsize=3,
+                color=c,
+                label=f"{lv or 'all'}: slope {fit_slope(w, mean):+.2f}",
+            )
         ax.set(xlabel="width w", title=label, xscale="log", yscale="log")
         ax.grid(alpha=0.3, which="both")
         legend(ax)
     return fig
 
 
-def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | None = None,
-               k: int | None = None) -> list[Path]:
+def plot_sweep(
+    sweep: Sweep, out_dir: str | Path, *, figures: Iterable[str] | None = None, k: int | None = None
+) -> list[Path]:
     """Write ``<out_dir>/<name>.png`` for the sweep figures (default all of :data:`SWEEP_FIGURES` and
     :data:`HESSIAN_SWEEP_FIGURES`).
 
@@ -241,17 +291,31 @@ def plot_sweep(sweep: "Sweep", out_dir: str | Path, *, figures: Iterable[str] | 
     first = sweep.run(sweep.groups()[0][1][0])
     hess = first.has("hessian_moments")
     wide = hess and _WIDTH in sweep.fields
-    draw = {"hessian_moments_H": lambda: hessian_moments_figure(sweep, "H") if hess else None,
-            "hessian_moments_I": lambda: hessian_moments_figure(sweep, "I") if hess else None,
-            "hessian_moments_S": lambda: hessian_moments_figure(sweep, "S") if hess else None,
-            "hessian_width_convergence": lambda: width_convergence(sweep) if wide and np.isfinite(
-                first.hessian.moments("I_limit")["estimate"]).any() else None,
-            "hessian_regimes": lambda: regimes_figure(sweep) if wide and first.has("hessian_S_op") else None,
-            "fig7a_energy_y": lambda: fig7a(sweep, k), "fig7b_train_loss": lambda: fig7b(sweep),
-            "fig7c_test_loss": lambda: fig7c(sweep) if first.has("loss_test") else None,
-            "scalar_energy_y_10": lambda: scalar_figure(sweep, "energy_y", sweep.fields[0],
-                                                        sweep.fields[1] if len(sweep.fields) > 1 else None,
-                                                        k=summary_k(sweep)) if sweep.fields else None}
+    draw = {
+        "hessian_moments_H": lambda: hessian_moments_figure(sweep, "H") if hess else None,
+        "hessian_moments_I": lambda: hessian_moments_figure(sweep, "I") if hess else None,
+        "hessian_moments_S": lambda: hessian_moments_figure(sweep, "S") if hess else None,
+        "hessian_width_convergence": lambda: (
+            width_convergence(sweep)
+            if wide and np.isfinite(first.hessian.moments("I_limit")["estimate"]).any()
+            else None
+        ),
+        "hessian_regimes": lambda: regimes_figure(sweep) if wide and first.has("hessian_S_op") else None,
+        "fig7a_energy_y": lambda: fig7a(sweep, k),
+        "fig7b_train_loss": lambda: fig7b(sweep),
+        "fig7c_test_loss": lambda: fig7c(sweep) if first.has("loss_test") else None,
+        "scalar_energy_y_10": lambda: (
+            scalar_figure(
+                sweep,
+                "energy_y",
+                sweep.fields[0],
+                sweep.fields[1] if len(sweep.fields) > 1 else None,
+                k=summary_k(sweep),
+            )
+            if sweep.fields
+            else None
+        ),
+    }
     written = []
     for name in names:
         fig = draw[name]()

@@ -23,8 +23,23 @@ from nsa_dist.serve._live import PALETTE, Panel, Waiting, new_figure, positive
 if TYPE_CHECKING:
     from bokeh.model import Model
 
-__all__ = ["Series", "Plot", "Curves", "Picked", "stairs", "hline", "color", "step_options", "first_middle_last",
-           "spread", "chosen", "need", "LAST", "step_select", "last_options"]
+__all__ = [
+    "Series",
+    "Plot",
+    "Curves",
+    "Picked",
+    "stairs",
+    "hline",
+    "color",
+    "step_options",
+    "first_middle_last",
+    "spread",
+    "chosen",
+    "need",
+    "LAST",
+    "step_select",
+    "last_options",
+]
 
 
 @dataclass(frozen=True)
@@ -147,31 +162,48 @@ class Curves(Panel):
     css = ""
     ncols = 3  # figures per row
 
-    def __init__(self, run: Any = None, controls: Sequence[Model] = (),
-                 plots: tuple[Plot, ...] | None = None) -> None:
+    def __init__(self, run: Any = None, controls: Sequence[Model] = (), plots: tuple[Plot, ...] | None = None) -> None:
         self.controls = list(controls)
         self.plots = plots if plots is not None else type(self).plots
         self.note = Div(text="", visible=False, styles={"color": "#b00020", "max-width": "900px"})
         self.sources: list[dict[str, ColumnDataSource]] = []
         figs = []
         for p in self.plots:
-            src = {"lines": ColumnDataSource({"xs": [], "ys": [], "color": [], "dash": [], "label": []}),
-                   "dots": ColumnDataSource({"x": [], "y": [], "color": []}),
-                   "bars": ColumnDataSource({"x0": [], "y0": [], "x1": [], "y1": [], "color": []}),
-                   "bands": ColumnDataSource({"xs": [], "ys": [], "color": []})}
-            fig = new_figure(p.title, p.x, p.y, x_log=p.x_log, y_log=p.y_log, width=p.width, height=p.height,
-                             css_classes=["nsa-plot"] + ([self.css] if self.css else []))
+            src = {
+                "lines": ColumnDataSource({"xs": [], "ys": [], "color": [], "dash": [], "label": []}),
+                "dots": ColumnDataSource({"x": [], "y": [], "color": []}),
+                "bars": ColumnDataSource({"x0": [], "y0": [], "x1": [], "y1": [], "color": []}),
+                "bands": ColumnDataSource({"xs": [], "ys": [], "color": []}),
+            }
+            fig = new_figure(
+                p.title,
+                p.x,
+                p.y,
+                x_log=p.x_log,
+                y_log=p.y_log,
+                width=p.width,
+                height=p.height,
+                css_classes=["nsa-plot"] + ([self.css] if self.css else []),
+            )
             fig.patches("xs", "ys", source=src["bands"], fill_color="color", fill_alpha=0.2, line_alpha=0)
-            lines = fig.multi_line("xs", "ys", source=src["lines"], line_color="color", line_dash="dash",
-                                   line_width=1.6)
+            lines = fig.multi_line(
+                "xs", "ys", source=src["lines"], line_color="color", line_dash="dash", line_width=1.6
+            )
             fig.segment("x0", "y0", "x1", "y1", source=src["bars"], line_color="color", line_width=1.2)
             fig.scatter("x", "y", source=src["dots"], color="color", size=4)
-            fig.add_layout(Legend(items=[LegendItem(label=field("label"), renderers=[lines])],
-                                  label_text_font_size="8pt", spacing=0, padding=4), "right")
+            fig.add_layout(
+                Legend(
+                    items=[LegendItem(label=field("label"), renderers=[lines])],
+                    label_text_font_size="8pt",
+                    spacing=0,
+                    padding=4,
+                ),
+                "right",
+            )
             self.sources.append(src)
             figs.append(fig)
         self.figs = figs
-        rows = [row(*figs[i:i + self.ncols]) for i in range(0, len(figs), self.ncols)]
+        rows = [row(*figs[i : i + self.ncols]) for i in range(0, len(figs), self.ncols)]
         body = column(*([row(*self.controls)] if self.controls else []), self.note, *rows)
         super().__init__(body)
 
@@ -189,9 +221,12 @@ class Curves(Panel):
 
     def read(self, run: Any) -> dict[str, Any]:
         curves = self.series(run)
-        return {"note": self.note_text(run), "choices": self.choices(run),
-                "plots": [_columns(s, p) for s, p in zip(curves, self.plots)],
-                "flat": [flat_interval(s, p) for s, p in zip(curves, self.plots)]}
+        return {
+            "note": self.note_text(run),
+            "choices": self.choices(run),
+            "plots": [_columns(s, p) for s, p in zip(curves, self.plots)],
+            "flat": [flat_interval(s, p) for s, p in zip(curves, self.plots)],
+        }
 
     def show(self, data: dict[str, Any]) -> None:
         self.note.text, self.note.visible = html.escape(data["note"]), bool(data["note"])
@@ -262,8 +297,13 @@ class Picked(Curves):
 
     def __init__(self, run: Any, before: Sequence[Model] = (), plots: tuple[Plot, ...] | None = None) -> None:
         steps = self.steps_of(run)
-        self.pick = MultiChoice(title=self.pick_title, value=[], options=step_options(steps), width=330,
-                                placeholder=f"default: the {self.default_text}")
+        self.pick = MultiChoice(
+            title=self.pick_title,
+            value=[],
+            options=step_options(steps),
+            width=330,
+            placeholder=f"default: the {self.default_text}",
+        )
         super().__init__(run, [*before, self.pick], plots)
 
     def steps_of(self, run: Any) -> Any:

@@ -29,8 +29,15 @@ _MAX_IMAGES = 6
 class _Image:
     """One image figure: its source, colour mapper (symmetric about 0, or 0..max) and title."""
 
-    def __init__(self, size: int, palette: str = "RdBu11", symmetric: bool = True, x: str = "", y: str = "",
-                 height: int | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        palette: str = "RdBu11",
+        symmetric: bool = True,
+        x: str = "",
+        y: str = "",
+        height: int | None = None,
+    ) -> None:
         self.source = ColumnDataSource({"image": [], "dw": [], "dh": [], "x": [], "y": []})
         self.fig = new_figure("", x, y, width=size, height=height or size)
         self.mapper = LinearColorMapper(palette=palette)
@@ -56,7 +63,7 @@ class Eigenvectors(Panel):
     title = "NSA Figs. 4b–c, 5 and 6 — the residual and the eigenvectors of G_t at a step (and |Fourier|)"
     figures = ("fig4bc_residual_fourier", "fig5_eigenvectors", "fig6_eigenvectors_early")
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.images = run.has("eigvec_images")
         self.has_residual = run.has("residual_image")
         self.steps: list[int] = []
@@ -69,7 +76,9 @@ class Eigenvectors(Panel):
             self.ffts = [_Image(190, "Magma256", symmetric=False) for _ in range(n)]
             self.residual = [_Image(260), _Image(260, "Magma256", symmetric=False)] if self.has_residual else []
             rows = ([row(*(i.fig for i in self.residual))] if self.residual else []) + [
-                row(*(i.fig for i in self.vecs)), row(*(i.fig for i in self.ffts))]
+                row(*(i.fig for i in self.vecs)),
+                row(*(i.fig for i in self.ffts)),
+            ]
         else:
             self.vecs, self.ffts, self.residual = [_Image(700, x="index i", y="point", height=300)], [], []
             rows = [row(self.vecs[0].fig)]
@@ -86,17 +95,17 @@ class Eigenvectors(Panel):
         while the slider is at the end)."""
         return (*super().state(), int(self.slider.value), len(self.steps))
 
-    def stored_steps(self, run: "Run") -> list[int]:
+    def stored_steps(self, run: Run) -> list[int]:
         """The finished steps whose eigenvectors (or their images) are stored."""
         return [int(t) for t in (run.steps if self.images else run.eigenvector_steps)]
 
-    def at(self, run: "Run", step: int) -> dict[str, Any]:
+    def at(self, run: Run, step: int) -> dict[str, Any]:
         """What the panel draws at ``step`` (worker thread)."""
         if self.images:
             return {"step": step, **run.images.at(step)}
         return {"step": step, "eigvec_images": run.eigenvectors(step)[None], "indices": None}
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         steps = self.stored_steps(run)
         follow = not self.steps or self.slider.value >= len(self.steps) - 1  # at the newest: follow new steps
         i = len(steps) - 1 if follow else min(self.slider.value, len(steps) - 1)
@@ -121,8 +130,9 @@ class Eigenvectors(Panel):
             return
         if self.residual:
             self.residual[0].draw(data["residual_image"], f"Fig. 4b: residual m_t, t = {t}", (0, 0, 1, 1))
-            self.residual[1].draw(np.asarray(data["residual_fourier"]).T, f"Fig. 4c: |m̂_t|, t = {t}",
-                                  (-L, -L, 2 * L, 2 * L))
+            self.residual[1].draw(
+                np.asarray(data["residual_fourier"]).T, f"Fig. 4c: |m̂_t|, t = {t}", (-L, -L, 2 * L, 2 * L)
+            )
         for j, (v, f) in enumerate(zip(self.vecs, self.ffts)):
             i = int(data["indices"][j])
             v.draw(data["eigvec_images"][j], f"v_{i}", (0, 0, 1, 1))
@@ -136,7 +146,7 @@ class Fig1abc(Panel):
     title = "NSA Figs. 1a–c — target, network output and training points"
     figures = ("fig1abc_target_output_points",)
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.step = step_select("step t of (b)", run.steps)
         self.controls = [self.step]
         self.mapper = LinearColorMapper(palette="Greys256")
@@ -147,21 +157,27 @@ class Fig1abc(Panel):
             if title.startswith("(c)"):
                 fig.scatter("x", "y", source=src, size=3, color="#000000")
             else:
-                fig.scatter("x", "y", source=src, size=7, fill_color={"field": "v", "transform": self.mapper},
-                            line_color=None)
+                fig.scatter(
+                    "x", "y", source=src, size=7, fill_color={"field": "v", "transform": self.mapper}, line_color=None
+                )
             self.sources.append(src)
             figs.append(fig)
         self.figs = figs
         figs[1].add_layout(ColorBar(color_mapper=self.mapper, width=8), "right")
         super().__init__(column(self.step, row(*figs)))
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         have = step_options(run.steps)
         need(have, "recorded step")
         t = int(self.step.value if self.step.value in have else have[-1])
         X, y = np.asarray(run.X, np.float64), np.asarray(run.y, np.float64).reshape(-1)
-        return {"X": X, "y": y, "f": np.asarray(run.outputs(t), np.float64).reshape(-1), "t": t,
-                "options": last_options(have)}
+        return {
+            "X": X,
+            "y": y,
+            "f": np.asarray(run.outputs(t), np.float64).reshape(-1),
+            "t": t,
+            "options": last_options(have),
+        }
 
     def show(self, data: dict[str, Any]) -> None:
         X = data["X"]
@@ -181,7 +197,7 @@ class Fig4d(Panel):
     title = "NSA Fig. 4d — the output from the top-k eigenvectors of G_t"
     figures = ("fig4d_reconstructions",)
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.step = step_select("eigenvector step t", run.eigenvector_steps, width=180)
         self.controls = [self.step]
         self.images = run.has("reconstruction_images")
@@ -201,19 +217,24 @@ class Fig4d(Panel):
             figs = [p[0] for p in self.panels]
         super().__init__(column(self.step, row(*figs)))
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         have = step_options(run.eigenvector_steps)
         need(have, "step with stored eigenvectors")
         t = int(self.step.value if self.step.value in have else have[-1])
         rec = run.kernel.reconstructions(t)
-        return {"t": t, "options": last_options(have), "k": [int(k) for k in rec["k"]], "images": rec.get("images"),
-                "f": np.asarray(run.outputs(t), np.float64).reshape(-1),
-                "fk": np.asarray(rec["f"], np.float64).reshape(len(rec["k"]), -1)}
+        return {
+            "t": t,
+            "options": last_options(have),
+            "k": [int(k) for k in rec["k"]],
+            "images": rec.get("images"),
+            "f": np.asarray(run.outputs(t), np.float64).reshape(-1),
+            "fk": np.asarray(rec["f"], np.float64).reshape(len(rec["k"]), -1),
+        }
 
     def show(self, data: dict[str, Any]) -> None:
         if list(self.step.options) != data["options"]:
             self.step.options = data["options"]
-        for j, k in enumerate(data["k"][:len(self.panels)]):
+        for j, k in enumerate(data["k"][: len(self.panels)]):
             title = f"k = {k}, t = {data['t']}"
             if self.images:
                 self.panels[j].draw(data["images"][j], title, (0, 0, 1, 1))

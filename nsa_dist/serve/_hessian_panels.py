@@ -28,8 +28,17 @@ from nsa_dist.serve._curves import (
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
-__all__ = ["Moments", "Orthogonality", "Rayleigh", "EdgeOfStability", "Density", "ISpectrum", "Additivity",
-           "TraceS", "SNorms"]
+__all__ = [
+    "Moments",
+    "Orthogonality",
+    "Rayleigh",
+    "EdgeOfStability",
+    "Density",
+    "ISpectrum",
+    "Additivity",
+    "TraceS",
+    "SNorms",
+]
 
 _BLACK, _LIMIT_I, _LIMIT_S = "#000000", "#d62728", "#8c564b"  # S's limits: not the green of S itself
 
@@ -53,8 +62,9 @@ class Moments(_HessianCurves):
     title = "Hessian paper Fig. 1 — moments Tr(A^k) of H = I + S, measured and predicted"
     figures = ("hessian_moments",)
     ncols = 2
-    plots = tuple(Plot("step t", "trace" if k in (1, 3) else "", title=f"Tr(A^{k})", width=600, height=300)
-                  for k in range(1, 5))
+    plots = tuple(
+        Plot("step t", "trace" if k in (1, 3) else "", title=f"Tr(A^{k})", width=600, height=300) for k in range(1, 5)
+    )
 
     def series(self, run: Run) -> list[list[Series]]:
         h = run.hessian
@@ -65,8 +75,10 @@ class Moments(_HessianCurves):
         S_lim = h.S_limit() if run.has("hessian_S_limit") else None
         out = []
         for k in range(4):
-            s = [Series(t, m["estimate"][:, k], f"{p} (Hutch++)", color(j), err=m["stderr"][:, k])
-                 for j, (p, m) in enumerate(parts.items())]
+            s = [
+                Series(t, m["estimate"][:, k], f"{p} (Hutch++)", color(j), err=m["stderr"][:, k])
+                for j, (p, m) in enumerate(parts.items())
+            ]
             if _finite(exact[:, k]):
                 s.append(Series(t, exact[:, k], "I exact (NTK Gram)", _BLACK, "dashed", markers=False))
             if limit is not None and _finite(limit[:, k]):
@@ -74,8 +86,16 @@ class Moments(_HessianCurves):
             if S_lim is not None and k < 2:
                 pred = S_lim["trace_S" if k == 0 else "trace_S2"]
                 if _finite(pred):
-                    s.append(Series(t, pred, "S limit: E[Tr S_t] (MSE GD)" if k == 0 else "S limit: ∇CᵀΥ̃∇C",
-                                    _LIMIT_S, "dashdot", markers=False))
+                    s.append(
+                        Series(
+                            t,
+                            pred,
+                            "S limit: E[Tr S_t] (MSE GD)" if k == 0 else "S limit: ∇CᵀΥ̃∇C",
+                            _LIMIT_S,
+                            "dashdot",
+                            markers=False,
+                        )
+                    )
             out.append(s)
         return out
 
@@ -98,8 +118,10 @@ class Rayleigh(_HessianCurves):
 
     title = "Hessian paper Fig. 3 — Rayleigh quotients along the eigenvectors of I and of S"
     figures = ("hessian_fig3_rayleigh",)
-    plots = (Plot("eigenvector i of I", "Rayleigh quotient", title="along eigenvectors of I", width=460),
-             Plot("eigenvector i of S", "Rayleigh quotient", title="along eigenvectors of S", width=460))
+    plots = (
+        Plot("eigenvector i of I", "Rayleigh quotient", title="along eigenvectors of I", width=460),
+        Plot("eigenvector i of S", "Rayleigh quotient", title="along eigenvectors of S", width=460),
+    )
 
     def __init__(self, run: Run) -> None:
         self.step = step_select("step t", run.hessian.steps)
@@ -114,8 +136,13 @@ class Rayleigh(_HessianCurves):
         out = []
         for key in ("I", "S"):
             i = np.arange(1, R[key].shape[1] + 1)
-            out.append([Series(i, R[key][0], f"vᵀIv, t = {t}", color(0)), Series(i, R[key][1], "vᵀSv", color(1)),
-                        hline(i, 0.0, "0")])
+            out.append(
+                [
+                    Series(i, R[key][0], f"vᵀIv, t = {t}", color(0)),
+                    Series(i, R[key][1], "vᵀSv", color(1)),
+                    hline(i, 0.0, "0"),
+                ]
+            )
         return out
 
 
@@ -128,8 +155,12 @@ class EdgeOfStability(_HessianCurves):
 
     def series(self, run: Run) -> list[list[Series]]:
         t = run.hessian.steps
-        return [[Series(t, run.hessian.edge_of_stability(), "λ_max(H) δ_t / 2"),
-                 hline(t, 1.0, "1 (edge of stability)", _LIMIT_I)]]
+        return [
+            [
+                Series(t, run.hessian.edge_of_stability(), "λ_max(H) δ_t / 2"),
+                hline(t, 1.0, "1 (edge of stability)", _LIMIT_I),
+            ]
+        ]
 
 
 class _HessianPicked(Picked):
@@ -192,8 +223,10 @@ class Additivity(_HessianCurves):
     title = "Hessian paper, Theorem 1 — additivity: (Tr H^k − Tr I^k − Tr S^k) / |Tr H^k|"
     figures = ("hessian_additivity",)
     ncols = 2
-    plots = tuple(Plot("step t", "relative gap" if k in (1, 3) else "", title=f"k = {k}", width=520, height=280)
-                  for k in range(1, 5))
+    plots = tuple(
+        Plot("step t", "relative gap" if k in (1, 3) else "", title=f"k = {k}", width=520, height=280)
+        for k in range(1, 5)
+    )
 
     def series(self, run: Run) -> list[list[Series]]:
         t, g = run.hessian.steps, run.hessian.additivity()
@@ -216,8 +249,10 @@ class TraceS(_HessianCurves):
 
     def series(self, run: Run) -> list[list[Series]]:
         t, tr = run.hessian.steps, run.hessian.trace_S()
-        out = [Series(t, tr["G"], "∇Cᵀ·G (probes)", color(0), err=tr["G_stderr"]),
-               Series(t, tr["hutchpp"], "Hutch++ on S", color(1), "dashed", err=tr["hutchpp_stderr"])]
+        out = [
+            Series(t, tr["G"], "∇Cᵀ·G (probes)", color(0), err=tr["G_stderr"]),
+            Series(t, tr["hutchpp"], "Hutch++ on S", color(1), "dashed", err=tr["hutchpp_stderr"]),
+        ]
         if run.has("hessian_S_limit"):
             lim = run.hessian.S_limit()
             if _finite(lim["trace_S"]):
@@ -237,12 +272,15 @@ class SNorms(_HessianCurves):
 
     def series(self, run: Run) -> list[list[Series]]:
         t, n = run.hessian.steps, run.hessian.S_norms()
-        out = [Series(t, n["op"], "‖S‖_op", color(0)), Series(t, n["k4"], "Tr(S⁴)^{1/4}", color(1), "dashed"),
-               Series(t, n["k2"], "‖S‖_F = Tr(S²)^{1/2}", color(2), "dashed")]
+        out = [
+            Series(t, n["op"], "‖S‖_op", color(0)),
+            Series(t, n["k4"], "Tr(S⁴)^{1/4}", color(1), "dashed"),
+            Series(t, n["k2"], "‖S‖_F = Tr(S²)^{1/2}", color(2), "dashed"),
+        ]
         if run.has("hessian_S_limit"):
             lim = run.hessian.S_limit()["trace_S2"]
             if _finite(lim):
-                out.append(Series(t, np.sqrt(np.clip(lim, 0, None)), "limit (∇CᵀΥ̃∇C)^{1/2}", _LIMIT_S,
-                                  "dotted",
-                                  markers=False))
+                out.append(
+                    Series(t, np.sqrt(np.clip(lim, 0, None)), "limit (∇CᵀΥ̃∇C)^{1/2}", _LIMIT_S, "dotted", markers=False)
+                )
         return [out]

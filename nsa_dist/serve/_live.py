@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from bokeh.document import without_document_lock
@@ -32,12 +33,23 @@ if TYPE_CHECKING:
     from bokeh.document import Document
     from bokeh.model import Model
 
-__all__ = ["Panel", "Shared", "Waiting", "alive", "every", "new_figure", "off_loop", "positive", "prepared",
-           "query_arg", "request_args", "PALETTE"]
+__all__ = [
+    "Panel",
+    "Shared",
+    "Waiting",
+    "alive",
+    "every",
+    "new_figure",
+    "off_loop",
+    "positive",
+    "prepared",
+    "query_arg",
+    "request_args",
+    "PALETTE",
+]
 
 # Category10, written out: bokeh.palettes builds every palette at import
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf")
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
 class Shared:
@@ -63,8 +75,7 @@ class Shared:
             now = time.monotonic()
             if now - self._pruned > self.keep_s / 4:
                 self._pruned = now
-                self._entries = {k: e for k, e in self._entries.items()
-                                 if not e[2].done() or now - e[1] < self.keep_s}
+                self._entries = {k: e for k, e in self._entries.items() if not e[2].done() or now - e[1] < self.keep_s}
             entry = self._entries.get(key)
             mine = entry is None or (entry[2].done() and now - entry[0] >= max_age)
             if mine:
@@ -90,13 +101,13 @@ class Shared:
         return entry[2].result()
 
 
-def alive(doc: "Document") -> bool:
+def alive(doc: Document) -> bool:
     """Whether ``doc``'s session still lives (Bokeh destroys a closed page's document: a change to
     it after that raises, so a read that comes back late is dropped)."""
     return getattr(doc, "_session_context", None) is not None
 
 
-def prepared(build: Callable[[dict[str, str]], Callable[["Document"], None]]) -> Callable[["Document"], None]:
+def prepared(build: Callable[[dict[str, str]], Callable[[Document], None]]) -> Callable[[Document], None]:
     """A Bokeh app function for a page whose ``build(args)`` (a worker thread: the store reads and
     the models) returns what attaches it to a session's document (the event loop: no reads).
 
@@ -105,7 +116,7 @@ def prepared(build: Callable[[dict[str, str]], Callable[["Document"], None]]) ->
     the session context; without it (an app run directly), ``build`` runs here.
     """
 
-    def app(doc: "Document") -> None:
+    def app(doc: Document) -> None:
         ctx = doc.session_context
         attach = getattr(ctx, "_nsa_attach", None) if ctx is not None else None
         if attach is None:
@@ -121,15 +132,16 @@ def request_args(doc_or_ctx: Any) -> dict[str, str]:
     ctx = getattr(doc_or_ctx, "session_context", doc_or_ctx)
     request = getattr(ctx, "request", None) if ctx is not None else None
     out = {}
-    for name, values in ((request.arguments or {}).items() if request is not None else ()):
+    for name, values in (request.arguments or {}).items() if request is not None else ():
         if values:
             v = values[0]
             out[name] = v.decode() if isinstance(v, bytes) else str(v)
     return out
 
 
-def off_loop(doc: "Document", read: Callable[[], Any], apply: Callable[[Any], None],
-             lock: threading.Lock | None = None) -> None:
+def off_loop(
+    doc: Document, read: Callable[[], Any], apply: Callable[[Any], None], lock: threading.Lock | None = None
+) -> None:
     """Once, soon: ``read()`` in a worker thread (under ``lock``), then ``apply(result)`` on the
     document — a widget's redraw, without blocking the event loop on its read."""
 
@@ -158,8 +170,13 @@ def off_loop(doc: "Document", read: Callable[[], Any], apply: Callable[[Any], No
         doc.add_next_tick_callback(go)
 
 
-def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Callable[[Any], None],
-          lock: threading.Lock | None = None) -> None:
+def every(
+    doc: Document,
+    period_s: float,
+    read: Callable[[], Any],
+    apply: Callable[[Any], None],
+    lock: threading.Lock | None = None,
+) -> None:
     """Every ``period_s``: ``read()`` in a worker thread, then ``apply(result)`` on the document.
 
     A tick is skipped while the previous read is still running; ``lock`` serialises the reads
@@ -198,7 +215,7 @@ def every(doc: "Document", period_s: float, read: Callable[[], Any], apply: Call
     doc.add_periodic_callback(tick, int(period_s * 1000))
 
 
-def query_arg(doc: "Document", name: str) -> str | None:
+def query_arg(doc: Document, name: str) -> str | None:
     """The page's query argument ``name`` (``/run?id=…``), or None."""
     values = doc.session_context.request.arguments.get(name) if doc.session_context else None
     if not values:
@@ -207,11 +224,27 @@ def query_arg(doc: "Document", name: str) -> str | None:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def new_figure(title: str, x: str, y: str, *, x_log: bool = False, y_log: bool = False, width: int = 520,
-               height: int = 300, **kw: Any) -> figure:
+def new_figure(
+    title: str,
+    x: str,
+    y: str,
+    *,
+    x_log: bool = False,
+    y_log: bool = False,
+    width: int = 520,
+    height: int = 300,
+    **kw: Any,
+) -> figure:
     """A figure with the pages' sizes and tools (pan, box zoom, wheel zoom, reset, save, hover)."""
-    fig = figure(title=title, width=width, height=height, x_axis_type="log" if x_log else "linear",
-                 y_axis_type="log" if y_log else "linear", tools="pan,box_zoom,wheel_zoom,reset,save", **kw)
+    fig = figure(
+        title=title,
+        width=width,
+        height=height,
+        x_axis_type="log" if x_log else "linear",
+        y_axis_type="log" if y_log else "linear",
+        tools="pan,box_zoom,wheel_zoom,reset,save",
+        **kw,
+    )
     fig.xaxis.axis_label, fig.yaxis.axis_label = x, y
     return fig
 
@@ -237,13 +270,18 @@ class Panel:
 
     title = ""
 
-    def __init__(self, body: "Model") -> None:
+    def __init__(self, body: Model) -> None:
         self.body = body
-        self.error = Div(text="", visible=False, css_classes=["nsa-damaged"],
-                         styles={"color": "#b00020", "max-width": "1000px", "white-space": "normal"})
+        self.error = Div(
+            text="",
+            visible=False,
+            css_classes=["nsa-damaged"],
+            styles={"color": "#b00020", "max-width": "1000px", "white-space": "normal"},
+        )
         self.waiting = Div(text="", visible=False, css_classes=["nsa-waiting"], styles={"color": "#555555"})
-        self.layout = column(Div(text=f"<h3>{_escape(self.title)}</h3>"), self.error, self.waiting, body,
-                             css_classes=["nsa-panel"])
+        self.layout = column(
+            Div(text=f"<h3>{_escape(self.title)}</h3>"), self.error, self.waiting, body, css_classes=["nsa-panel"]
+        )
 
     # attributes :meth:`read` sets for :meth:`show` (its output, not what it depends on)
     outputs: tuple[str, ...] = ("pair", "k")
@@ -255,8 +293,13 @@ class Panel:
         """What :meth:`read` depends on besides the run: the panel's class, its plain attributes
         (set from the run when it was made) and its widgets' values — two panels with the same
         state read the same data from the same run, so the sessions share one read."""
-        plain = tuple(sorted((k, v) for k, v in vars(self).items()
-                             if isinstance(v, (bool, int, float, str)) and k not in self.outputs))
+        plain = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(self).items()
+                if isinstance(v, (bool, int, float, str)) and k not in self.outputs
+            )
+        )
         widgets = tuple(_frozen(w.value) for w in getattr(self, "controls", []))
         return (type(self).__name__, plain, widgets)
 
@@ -276,8 +319,10 @@ class Panel:
     def own(self, data: Any) -> Any:
         """``data`` from :meth:`shareable` (of any panel of the same state), with this panel's widgets."""
         if isinstance(data, dict) and data.get("choices"):
-            data = {**data, "choices": [(getattr(self, w) if isinstance(w, str) else w, options)
-                                        for w, options in data["choices"]]}
+            data = {
+                **data,
+                "choices": [(getattr(self, w) if isinstance(w, str) else w, options) for w, options in data["choices"]],
+            }
         return data
 
     def guarded(self, run: Any) -> Any:

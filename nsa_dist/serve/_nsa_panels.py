@@ -12,14 +12,27 @@ from bokeh.models import Select
 
 from nsa_dist.plots import residual_projections
 from nsa_dist.plots.axes import gd_note, ks
-from nsa_dist.serve._live import Waiting
 from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, need, spread, stairs, step_options
+from nsa_dist.serve._live import Waiting
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
 
-__all__ = ["bracket_note", "Fig1d", "Fig1e", "Fig2a", "Fig2b", "Fig2c", "Fig2d", "Energy", "Fig4a",
-           "Fig7d", "Eqs45", "AppF", "Loss"]
+__all__ = [
+    "bracket_note",
+    "Fig1d",
+    "Fig1e",
+    "Fig2a",
+    "Fig2b",
+    "Fig2c",
+    "Fig2d",
+    "Energy",
+    "Fig4a",
+    "Fig7d",
+    "Eqs45",
+    "AppF",
+    "Loss",
+]
 
 
 class Fig1d(Curves):
@@ -27,10 +40,12 @@ class Fig1d(Curves):
 
     title = "NSA Fig. 1d — accuracy of the first-order dynamics"
     figures = ("fig1d_first_order",)
-    plots = (Plot("step t", "‖df − df_pred‖ / ‖df‖", y_log=True, width=460),
-             Plot("step t", "cos α_t (df, df_pred)", width=460))
+    plots = (
+        Plot("step t", "‖df − df_pred‖ / ‖df‖", y_log=True, width=460),
+        Plot("step t", "cos α_t (df, df_pred)", width=460),
+    )
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         fo = run.first_order
         return [[Series(run.steps, fo["error"], "error_t", color(3))], [Series(run.steps, fo["cos"], "cos α_t")]]
 
@@ -42,13 +57,18 @@ class Fig1e(Curves):
     figures = ("fig1e_lr_stability",)
     plots = (Plot("step t", "learning rate", y_log=True),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         x, y = stairs(run.steps, run.lr)
         full = " (full NK×NK kernel)" if run.Ko > 1 else ""
-        return [[Series(x, y, "δ_t", color(0), markers=False), Series(run.steps, run.lr, "δ_t", color(0)),
-                 Series(run.steps, run.stability_bound(), "2N/λ_max^t" + full, color(1))]]
+        return [
+            [
+                Series(x, y, "δ_t", color(0), markers=False),
+                Series(run.steps, run.lr, "δ_t", color(0)),
+                Series(run.steps, run.stability_bound(), "2N/λ_max^t" + full, color(1)),
+            ]
+        ]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return gd_note(run) or ""
 
 
@@ -63,12 +83,12 @@ class Fig2a(Picked):
     default = staticmethod(spread(6))
     default_text = "six spread from the first to the last"
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         curve = run.curve("eigenvalue")
         pos = {int(t): j for j, t in enumerate(run.steps)}
         return [[_against_k(curve, pos[t], f"t = {t}", color(j), log=True) for j, t in enumerate(self.picked(run))]]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return bracket_note(run)
 
 
@@ -81,11 +101,11 @@ class Fig2b(Curves):
     css = "nsa-plot-eigenvalues"
     plots = (Plot("step t", "eigenvalue λ_i^t", y_log=True, width=700),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         curve = run.curve("eigenvalue")
         return [[_along_t(curve, i, f"i = {i}", color(j), log=True) for j, i in enumerate(ks(int(curve.k[-1])))]]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return bracket_note(run)
 
 
@@ -96,11 +116,11 @@ class Fig2c(Curves):
     figures = ("fig2c_flow_speed",)
     plots = (Plot("step t", "s_i^t"),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         s = run.flow_speed()
         return [[Series(run.steps, s[:, i], f"i = {i + 1}", color(i)) for i in range(min(8, s.shape[1]))]]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return gd_note(run) or ""
 
 
@@ -111,12 +131,12 @@ class Fig2d(Curves):
     figures = ("fig2d_lr_eigen",)
     plots = (Plot("step t", "δ_t λ_i^t / N", y_log=True),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         p = run.lr_eigen_product()
         out = [Series(run.steps, p[:, i - 1], f"i = {i}", color(j)) for j, i in enumerate(ks(p.shape[1]))]
         return [out + [hline(run.steps, 2.0, "2 (stability limit)", "#d62728", "dotted")]]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return gd_note(run) or ""
 
 
@@ -127,23 +147,36 @@ class Energy(Picked):
     is drawn dashed."""
 
     title = "NSA Fig. 3a–e — relative energy E_t(φ, k) = Σ_{i≤k} ⟨v_i^t, φ⟩² / ‖φ‖²"
-    figures = ("fig3a_energy_y", "fig3b_energy_f", "fig3c_energy_residual", "fig3d_energy_df", "fig3e_energy_f_test",
-               "energy_against_k")
-    PHIS = {"y": "3a: labels y", "f": "3b: outputs f_t", "residual": "3c: residual m_t",
-            "df_pred": "3d: first-order update df_t (real df̃_t dashed)", "f_test": "3e: test outputs f_t(X')",
-            "df": "real update df̃_t = f_{t+1} − f_t"}
+    figures = (
+        "fig3a_energy_y",
+        "fig3b_energy_f",
+        "fig3c_energy_residual",
+        "fig3d_energy_df",
+        "fig3e_energy_f_test",
+        "energy_against_k",
+    )
+    PHIS = {
+        "y": "3a: labels y",
+        "f": "3b: outputs f_t",
+        "residual": "3c: residual m_t",
+        "df_pred": "3d: first-order update df_t (real df̃_t dashed)",
+        "f_test": "3e: test outputs f_t(X')",
+        "df": "real update df̃_t = f_{t+1} − f_t",
+    }
     pick_title = "steps t (curves against k)"
-    plots = (Plot("step t", "E_t(φ, k)", title="along t, one line per k", width=560),
-             Plot("k", "E_t(φ, k)", x_log=True, title="against k at the chosen steps", width=560))
+    plots = (
+        Plot("step t", "E_t(φ, k)", title="along t, one line per k", width=560),
+        Plot("k", "E_t(φ, k)", x_log=True, title="against k at the chosen steps", width=560),
+    )
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         options = [(p, f"Fig. {w}" if w[0].isdigit() else w) for p, w in self.PHIS.items() if run.has(f"energy_{p}")]
         self.phi = Select(title="φ", value=options[0][0], options=options, width=330)
         super().__init__(run, [self.phi])
         self.map = _EnergyMap()
         self.body.children.append(self.map.layout)
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         data = super().read(run)
         data["map"] = _EnergyMap.read(run.curve(f"energy_{self.phi.value}"))
         return data
@@ -152,24 +185,27 @@ class Energy(Picked):
         super().show(data)
         self.map.show(data["map"])
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         phi = self.phi.value
         curve, steps = run.curve(f"energy_{phi}"), run.steps
         rows = ks(int(curve.k[-1]))
         along = [_along_t(curve, k, f"k = {k}", color(j)) for j, k in enumerate(rows)]
         if phi == "df_pred" and run.has("energy_df"):
             real = run.curve("energy_df")
-            along += [Series(steps, real.at(k)[0], f"k = {k}, real df̃", color(j), "dashed", markers=False)
-                      for j, k in enumerate(rows) if k <= real.k[-1]]
+            along += [
+                Series(steps, real.at(k)[0], f"k = {k}, real df̃", color(j), "dashed", markers=False)
+                for j, k in enumerate(rows)
+                if k <= real.k[-1]
+            ]
         pos = {int(t): j for j, t in enumerate(steps)}
         against = [_against_k(curve, pos[t], f"t = {t}", color(j)) for j, t in enumerate(self.picked(run))]
         return [along, against]
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         return bracket_note(run)
 
 
-def bracket_note(run: "Run") -> str:
+def bracket_note(run: Run) -> str:
     """The note of a panel of bracketed curves: on the quadrature route, where k is exact and how
     the shaded brackets are guaranteed (:func:`nsa_dist.plots.brackets.bracket_caption`); "" on the
     exact route (no bracket)."""
@@ -221,11 +257,11 @@ class Fig4a(Picked):
     default = staticmethod(spread(2))  # the first and the last, as nsa plot
     default_text = "first and last"
 
-    def steps_of(self, run: "Run") -> np.ndarray:
+    def steps_of(self, run: Run) -> np.ndarray:
         """The steps with projections: every finished step when stored, else the eigenvector steps."""
         return run.steps if run.has("projections_residual") else run.eigenvector_steps
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         need(self.steps_of(run), "step with stored projections (or eigenvectors)")
         out = []
         for j, t in enumerate(self.picked(run)):
@@ -243,18 +279,18 @@ class Fig7d(Curves):
     plots = (Plot("k (top eigenvectors of G_t1)", "E_t1(v_i^t2, k)", x_log=True, width=700),)
     STORED = "stored"
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         opts = [self.STORED] + step_options(run.eigenvector_steps)
         self.t1 = Select(title="t1", value=self.STORED, options=opts, width=150)
         self.t2 = Select(title="t2", value=self.STORED, options=opts, width=150)
         self.pair = ""
         super().__init__(run, [self.t1, self.t2])
 
-    def choices(self, run: "Run") -> list[tuple[Any, list[str]]]:
+    def choices(self, run: Run) -> list[tuple[Any, list[str]]]:
         opts = [self.STORED] + step_options(run.eigenvector_steps)
         return [(self.t1, opts), (self.t2, opts)]
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         a, b = self.t1.value, self.t2.value
         if not run.has("preservation") and len(run.eigenvector_steps) < 2:
             need([], "two steps with stored eigenvectors (or the pair stored at the end)")
@@ -266,7 +302,7 @@ class Fig7d(Curves):
         k = np.arange(1, P.shape[1] + 1)
         return [[Series(k, E, f"i = {i}", color(j), markers=len(k) <= 60) for j, (i, E) in enumerate(zip(rows, P))]]
 
-    def read(self, run: "Run") -> dict[str, Any]:
+    def read(self, run: Run) -> dict[str, Any]:
         data = super().read(run)
         data["pair"] = self.pair
         return data
@@ -283,44 +319,54 @@ class Eqs45(Curves):
     title = "NSA Eqs. 4–5 (and App. E, Eq. 22) — the residual under a constant Gramian G_t0 vs measured"
     figures = ("eqs45_constant_gram",)
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self.test = run.has("constant_gram_f_test")
         plots = (Plot("step t", "‖m_t‖", y_log=True, width=420), Plot("step t", "E_t(m_t, k)", width=420))
         if self.test:
             plots += (Plot("step t", "test residual ‖f_t(X') − y'‖", y_log=True, width=420, title="App. E"),)
         super().__init__(run, plots=plots)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         if not run.has("constant_gram_residual"):
             raise Waiting("Eqs. 4–5's prediction is written when the run finishes")
         pred, E = run.array("constant_gram_residual"), run.array("constant_gram_energy")  # (S_all, 2), (S_all, K)
         idx = [int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps]
         t, t0 = run.steps, int(run.schedule[0])
-        norms = [Series(t, pred[idx, 1], "measured ‖m_t‖", color(0)),
-                 Series(t, pred[idx, 0], f"Eq. 5 with G_{t0} fixed", color(1), "dashed")]
+        norms = [
+            Series(t, pred[idx, 1], "measured ‖m_t‖", color(0)),
+            Series(t, pred[idx, 0], f"Eq. 5 with G_{t0} fixed", color(1), "dashed"),
+        ]
         measured = run.energy("residual")
         energy = []
         for j, k in enumerate(ks(E.shape[1], (1, 10, 100, 500))):
-            energy += [Series(t, measured[:, k - 1], f"k = {k}, measured", color(j)),
-                       Series(t, E[idx, k - 1], f"k = {k}, Eq. 5", color(j), "dashed", markers=False)]
+            energy += [
+                Series(t, measured[:, k - 1], f"k = {k}, measured", color(j)),
+                Series(t, E[idx, k - 1], f"k = {k}, Eq. 5", color(j), "dashed", markers=False),
+            ]
         out = [norms, energy]
         if self.test:
             pred_test, yt = run.kernel.constant_gram_test()[idx], run.array("y_test")
             meas = np.stack([run.outputs(int(s), "f_test") for s in t])
             norm = lambda F: np.linalg.norm((F - yt[None]).reshape(len(F), -1), axis=1)  # noqa: E731
-            out.append([Series(t, norm(meas), "measured", color(0)),
-                        Series(t, norm(pred_test), "Eq. 22 (Nyström, App. E)", color(1), "dashed")])
+            out.append(
+                [
+                    Series(t, norm(meas), "measured", color(0)),
+                    Series(t, norm(pred_test), "Eq. 22 (Nyström, App. E)", color(1), "dashed"),
+                ]
+            )
         return out
 
-    def note_text(self, run: "Run") -> str:
+    def note_text(self, run: Run) -> str:
         if not run.has("constant_gram_residual") or not len(run.steps):
             return ""
         pred = run.array("constant_gram_residual")[[int(np.flatnonzero(run.schedule == t)[0]) for t in run.steps], 0]
         bad = run.steps[~np.isfinite(pred) | (pred > 1e300)]
         if not len(bad):
             return ""
-        return (f"Eq. 5's prediction is not finite from t = {int(bad[0])} (not drawn there): with G fixed, GD "
-                "diverges when δ > 2N/λ_max(G_t0)" + ("; see the notes above" if run.notes else ""))
+        return (
+            f"Eq. 5's prediction is not finite from t = {int(bad[0])} (not drawn there): with G fixed, GD "
+            "diverges when δ > 2N/λ_max(G_t0)" + ("; see the notes above" if run.notes else "")
+        )
 
 
 class AppF(Picked):
@@ -329,29 +375,35 @@ class AppF(Picked):
 
     title = "NSA App. F — the first-order change dG_t of the Gramian"
     figures = ("appF_gram_change",)
-    plots = (Plot("i", "v_iᵀ dG_t v_i (≈ dλ_i)", width=560),
-             Plot("step t", "relative to ‖λ_1..k‖", y_log=True, width=480))
+    plots = (
+        Plot("i", "v_iᵀ dG_t v_i (≈ dλ_i)", width=560),
+        Plot("step t", "relative to ‖λ_1..k‖", y_log=True, width=480),
+    )
 
     pick_title = "steps t (left)"
 
-    def steps_of(self, run: "Run") -> np.ndarray:
+    def steps_of(self, run: Run) -> np.ndarray:
         """The eigenvector steps (App. F's dG_t is stored at them)."""
         return run.eigenvector_steps
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         need(run.eigenvector_steps, "step with stored eigenvectors")
         gc = run.kernel.gram_change()
         i = np.arange(1, gc["measured"].shape[1] + 1)
         pos = {int(t): j for j, t in enumerate(gc["steps"])}
         left = []
         for j, t in enumerate(self.picked(run)):
-            left += [Series(i, gc["measured"][pos[t]], f"measured, t = {t}", color(j)),
-                     Series(i, gc["first_order"][pos[t]], f"first order, t = {t}", color(j), "dashed")]
-        lam = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, :len(i)]
+            left += [
+                Series(i, gc["measured"][pos[t]], f"measured, t = {t}", color(j)),
+                Series(i, gc["first_order"][pos[t]], f"first order, t = {t}", color(j), "dashed"),
+            ]
+        lam = run.eigenvalues[[int(np.flatnonzero(run.steps == t)[0]) for t in gc["steps"]]][:, : len(i)]
         scale = np.linalg.norm(lam, axis=1)  # ‖Vᵀ G_t V‖_F = ‖λ_{1..Kg}‖
         names = ("‖Vᵀ(G_{t+1} − G_t)V‖_F", "‖Vᵀ dG_t V‖_F (Eq. 26)", "difference")
-        right = [Series(gc["steps"], gc["fro"][:, c] / scale, n, color(c), ("solid", "dashed", "dotted")[c])
-                 for c, n in enumerate(names)]
+        right = [
+            Series(gc["steps"], gc["fro"][:, c] / scale, n, color(c), ("solid", "dashed", "dotted")[c])
+            for c, n in enumerate(names)
+        ]
         return [left, right]
 
 
@@ -362,11 +414,13 @@ class Loss(Curves):
     figures = ("loss",)
     plots = (Plot("step t + 1", "L(θ_t)", x_log=True, y_log=True, width=700),)
 
-    def series(self, run: "Run") -> list[list[Series]]:
+    def series(self, run: Run) -> list[list[Series]]:
         trace = np.asarray(run.loss_trace, np.float64)
         ok = np.flatnonzero(np.isfinite(trace))
-        out = [Series(ok + 1.0, trace[ok], "training loss, every step", color(0), markers=False),
-               Series(run.steps + 1.0, run.train_loss, "recorded steps", color(0))]
+        out = [
+            Series(ok + 1.0, trace[ok], "training loss, every step", color(0), markers=False),
+            Series(run.steps + 1.0, run.train_loss, "recorded steps", color(0)),
+        ]
         if run.has("loss_test"):
             out.append(Series(run.steps + 1.0, run.test_loss, "test loss", color(1)))
         return [out]
@@ -397,14 +451,24 @@ class _EnergyMap:
         from nsa_dist.serve._live import new_figure
 
         self.sources, self.mappers, figs = [], [], []
-        for title, palette in (("E_t(φ, k) over t and k", "Viridis256"),
-                               ("its bracket's width, upper − lower", "Magma256")):
+        for title, palette in (
+            ("E_t(φ, k) over t and k", "Viridis256"),
+            ("its bracket's width, upper − lower", "Magma256"),
+        ):
             src = ColumnDataSource({"left": [], "right": [], "bottom": [], "top": [], "v": []})
             mapper = LinearColorMapper(palette=palette, low=0.0, high=1.0)
-            fig = new_figure(title, "step t", "k", y_log=True, width=500, height=320,
-                             css_classes=["nsa-plot", "nsa-energy-map"])
-            fig.quad(left="left", right="right", bottom="bottom", top="top", source=src,
-                     fill_color={"field": "v", "transform": mapper}, line_alpha=0)
+            fig = new_figure(
+                title, "step t", "k", y_log=True, width=500, height=320, css_classes=["nsa-plot", "nsa-energy-map"]
+            )
+            fig.quad(
+                left="left",
+                right="right",
+                bottom="bottom",
+                top="top",
+                source=src,
+                fill_color={"field": "v", "transform": mapper},
+                line_alpha=0,
+            )
             fig.add_layout(ColorBar(color_mapper=mapper, width=10), "right")
             self.sources.append(src)
             self.mappers.append(mapper)
@@ -420,8 +484,12 @@ class _EnergyMap:
         k, value, width = k[pick], curve.value[:, pick], curve.width[:, pick]
         xe, ye = _edges(np.asarray(curve.steps, np.float64), False), _edges(k, True)
         S, n = value.shape
-        cells = {"left": np.repeat(xe[:-1], n), "right": np.repeat(xe[1:], n),
-                 "bottom": np.tile(ye[:-1], S), "top": np.tile(ye[1:], S)}
+        cells = {
+            "left": np.repeat(xe[:-1], n),
+            "right": np.repeat(xe[1:], n),
+            "bottom": np.tile(ye[:-1], S),
+            "top": np.tile(ye[1:], S),
+        }
         w = np.nan_to_num(width.ravel(), nan=0.0)
         return {"maps": [{**cells, "v": value.ravel()}, {**cells, "v": w}], "wide": float(w.max()) if w.size else 0.0}
 

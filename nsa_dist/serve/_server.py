@@ -17,8 +17,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from nsa_dist.errors import ServeError
 
@@ -58,11 +59,14 @@ class ServeOptions:
         if is_loopback(self.host):
             return
         if not self.allow_remote:
-            raise ServeError(f"refusing to listen on {self.host!r}, which is not a loopback address: pass "
-                             f"--allow-remote and a --token (or ${TOKEN_ENV}) to serve the store to other machines")
+            raise ServeError(
+                f"refusing to listen on {self.host!r}, which is not a loopback address: pass "
+                f"--allow-remote and a --token (or ${TOKEN_ENV}) to serve the store to other machines"
+            )
         if not self.token:
-            raise ServeError(f"--allow-remote on {self.host!r} needs a --token (or ${TOKEN_ENV}): every request "
-                             "must carry it")
+            raise ServeError(
+                f"--allow-remote on {self.host!r} needs a --token (or ${TOKEN_ENV}): every request must carry it"
+            )
 
 
 def is_loopback(host: str) -> bool:
@@ -223,7 +227,7 @@ def _quiet_closed_pages() -> None:
         log.addFilter(_ClosedPageFilter())
 
 
-def make_server(opts: ServeOptions, **server_kw: Any) -> "Server":
+def make_server(opts: ServeOptions, **server_kw: Any) -> Server:
     """The Bokeh server of ``opts`` (bound, not started): ``/`` the run table, ``/run?id=RUN`` a
     run's page, ``/sweep?name=NAME`` a sweep's figures.  ``server_kw``: more arguments of Bokeh's
     ``Server`` (e.g. ``unused_session_lifetime_milliseconds``: how long a closed page's session
@@ -242,17 +246,19 @@ def make_server(opts: ServeOptions, **server_kw: Any) -> "Server":
     from bokeh.application.handlers.function import FunctionHandler
     from bokeh.server.server import Server
 
+    from nsa_dist.serve._live import Shared
     from nsa_dist.serve.run_page import run_page
     from nsa_dist.serve.sweep_page import sweep_page
     from nsa_dist.serve.table import table_page
     from nsa_dist.store import SpectrumStore
 
-    from nsa_dist.serve._live import Shared
-
     store = SpectrumStore(opts.store, mode="r")
     shared = Shared()  # one read per refresh for every session (see nsa_dist.serve._live)
-    apps = {"/": table_page(store, opts.refresh_s, shared), "/run": run_page(store, opts.refresh_s, shared),
-            "/sweep": sweep_page(store, opts.refresh_s, shared)}
+    apps = {
+        "/": table_page(store, opts.refresh_s, shared),
+        "/run": run_page(store, opts.refresh_s, shared),
+        "/sweep": sweep_page(store, opts.refresh_s, shared),
+    }
     # A page's script sees its Bokeh session token, and the token carries the request's headers,
     # cookies and query arguments: none of them may carry the serve token (the cookie is HttpOnly).
     kw: dict[str, Any] = {"include_cookies": [], "exclude_headers": ["Cookie", "Authorization"], **server_kw}
@@ -260,8 +266,13 @@ def make_server(opts: ServeOptions, **server_kw: Any) -> "Server":
     if not is_loopback(opts.host):
         kw["allow_websocket_origin"] = ["*"]  # any name of this host; the token (same-site cookie) admits
     try:
-        server = Server({path: _application(Application)(FunctionHandler(fn), fn.build) for path, fn in apps.items()},
-                        address=opts.host, port=opts.port, num_procs=1, **kw)
+        server = Server(
+            {path: _application(Application)(FunctionHandler(fn), fn.build) for path, fn in apps.items()},
+            address=opts.host,
+            port=opts.port,
+            num_procs=1,
+            **kw,
+        )
     except OSError as exc:
         raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc.strerror or exc})") from exc
     _quiet_closed_pages()

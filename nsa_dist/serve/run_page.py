@@ -13,7 +13,8 @@ from __future__ import annotations
 import html
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from nsa_dist.client import Run
 
@@ -40,31 +41,39 @@ def _has(*names: str) -> _Needs:
 def _sections() -> dict[str, list[tuple[Any, _Needs]]]:
     """Each paper's panels in page order, with what a run must store for each (as ``nsa plot``'s
     registry asks; a panel whose step has not come yet says so)."""
-    from nsa_dist.serve import _eigvec_panel as im
-    from nsa_dist.serve import _hessian_panels as h
-    from nsa_dist.serve import _nsa_panels as n
+    from nsa_dist.serve import _eigvec_panel as im, _hessian_panels as h, _nsa_panels as n
 
     evals = _has("eigenvalues", "lr")
     two_d = lambda run: run.has("eigvec_images") or (run.shape("X")[1] == 2 and run.Ko == 1)  # noqa: E731
     return {
         "NSA paper": [
-            (im.Fig1abc, two_d), (n.Fig1d, _has("first_order_error", "first_order_cos")), (n.Fig1e, evals),
-            (n.Fig2a, _has("eigenvalues")), (n.Fig2b, _has("eigenvalues")), (n.Fig2c, evals), (n.Fig2d, evals),
+            (im.Fig1abc, two_d),
+            (n.Fig1d, _has("first_order_error", "first_order_cos")),
+            (n.Fig1e, evals),
+            (n.Fig2a, _has("eigenvalues")),
+            (n.Fig2b, _has("eigenvalues")),
+            (n.Fig2c, evals),
+            (n.Fig2d, evals),
             (n.Energy, lambda run: any(run.has(f"energy_{p}") for p in n.Energy.PHIS)),
             (n.Fig4a, lambda run: run.has("projections_residual") or run.has("eigenvectors")),
             (im.Eigenvectors, lambda run: run.has("eigvec_images") or run.has("eigenvectors")),
-            (im.Fig4d, _has("reconstructions")), (n.Fig7d, lambda run: run.has("preservation") or
-                                                 run.has("eigenvectors")),
+            (im.Fig4d, _has("reconstructions")),
+            (n.Fig7d, lambda run: run.has("preservation") or run.has("eigenvectors")),
             (n.Eqs45, lambda run: run.has("constant_gram_residual") or bool(run.dims.constant_gram)),
             (n.AppF, _has("gram_change")),
-            (n.Loss, _has("loss_trace"))],
+            (n.Loss, _has("loss_trace")),
+        ],
         "Hessian paper": [
-            (h.Moments, _has("hessian_moments")), (h.Orthogonality, _has("hessian_orthogonality")),
-            (h.Rayleigh, _has("hessian_rayleigh")), (h.Additivity, _has("hessian_additivity", "hessian_moments")),
-            (h.TraceS, _has("hessian_trace_S_G", "hessian_moments")), (h.SNorms, _has("hessian_S_op",
-                                                                                   "hessian_moments")),
+            (h.Moments, _has("hessian_moments")),
+            (h.Orthogonality, _has("hessian_orthogonality")),
+            (h.Rayleigh, _has("hessian_rayleigh")),
+            (h.Additivity, _has("hessian_additivity", "hessian_moments")),
+            (h.TraceS, _has("hessian_trace_S_G", "hessian_moments")),
+            (h.SNorms, _has("hessian_S_op", "hessian_moments")),
             (h.ISpectrum, _has("hessian_I_eigenvalues", "hessian_I_limit_eigenvalues")),
-            (h.Density, _has("hessian_density")), (h.EdgeOfStability, _has("hessian_top"))],
+            (h.Density, _has("hessian_density")),
+            (h.EdgeOfStability, _has("hessian_top")),
+        ],
     }
 
 
@@ -74,14 +83,14 @@ def _section_classes(run: Run) -> dict[str, list[Any]]:
     return {paper: classes for paper, classes in out.items() if classes}
 
 
-def run_sections(run: Run) -> dict[str, list["Panel"]]:
+def run_sections(run: Run) -> dict[str, list[Panel]]:
     """The panels run ``run`` has data for, by paper (a tab each), in page order; papers without
     a panel are left out."""
     out = {paper: [cls(run) for cls, needs in panels if needs(run)] for paper, panels in _sections().items()}
     return {paper: panels for paper, panels in out.items() if panels}
 
 
-def run_panels(run: Run) -> list["Panel"]:
+def run_panels(run: Run) -> list[Panel]:
     """Every panel of :func:`run_sections`, in page order."""
     return [p for panels in run_sections(run).values() for p in panels]
 
@@ -97,9 +106,11 @@ def header_text(run: Run) -> str:
     t = run.steps
     last = f", last t = {int(t[-1])}" if len(t) else ""
     why = f" — {html.escape(str(run.reason))}" if run.reason else ""
-    return (f'<a href="./">all runs</a><h2>run {html.escape(run.id)}</h2>'
-            f'<p>status <b>{html.escape(str(run.status))}</b>{why}<br>'
-            f'<span class="nsa-steps">steps done: {len(t)}/{len(run.schedule)}</span>{last}</p>' + _notes(run))
+    return (
+        f'<a href="./">all runs</a><h2>run {html.escape(run.id)}</h2>'
+        f"<p>status <b>{html.escape(str(run.status))}</b>{why}<br>"
+        f'<span class="nsa-steps">steps done: {len(t)}/{len(run.schedule)}</span>{last}</p>' + _notes(run)
+    )
 
 
 _MAX_NOTES = 20
@@ -110,17 +121,21 @@ def _notes(run: Run) -> str:
     rows = [(t, name, reason) for t, notes in sorted(run.notes.items()) for name, reason in sorted(notes.items())]
     if not rows:
         return ""
-    items = "".join(f"<li>t = {t}, {html.escape(str(name))}: {html.escape(str(reason))}</li>"
-                    for t, name, reason in rows[:_MAX_NOTES])
+    items = "".join(
+        f"<li>t = {t}, {html.escape(str(name))}: {html.escape(str(reason))}</li>"
+        for t, name, reason in rows[:_MAX_NOTES]
+    )
     more = f"<li>… and {len(rows) - _MAX_NOTES} more (Run.notes)</li>" if len(rows) > _MAX_NOTES else ""
-    return (f'<details class="nsa-notes"><summary>{len(rows)} diagnostic value(s) stored as NaN, and why'
-            f'</summary><ul>{items}{more}</ul></details>')
+    return (
+        f'<details class="nsa-notes"><summary>{len(rows)} diagnostic value(s) stored as NaN, and why'
+        f"</summary><ul>{items}{more}</ul></details>"
+    )
 
 
 UNKNOWN_RUN = "no run with this id in the store"
 
 
-def open_run(store: "SpectrumStore", rid: str) -> Run:
+def open_run(store: SpectrumStore, rid: str) -> Run:
     """The run ``?id=`` names, looked up among the runs the store lists only — its id, a unique id
     prefix, or its name when one run has it — never as a path (``..`` names no listed run).
 
@@ -139,7 +154,7 @@ def open_run(store: "SpectrumStore", rid: str) -> Run:
     return Run(store, hits[0])
 
 
-def _spec_name(store: "SpectrumStore", rid: str) -> str | None:
+def _spec_name(store: SpectrumStore, rid: str) -> str | None:
     """Run ``rid``'s spec name, or None for a run whose attributes cannot be read."""
     try:
         return store.run_attrs(rid).get("spec", {}).get("name")
@@ -155,7 +170,7 @@ class _Snapshot:
         self.run, self.seen, self.header = run, _seen(run), header_text(run)
 
 
-def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" = None) -> Any:
+def run_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = None) -> Any:
     """The Bokeh app function of ``/run``: its reads go through ``shared`` — one read of a run's
     state per refresh interval, and one of each panel's data per new state and choice of the
     panel, for every session watching the run."""
@@ -167,9 +182,10 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
     def snapshot(rid: str) -> _Snapshot:
         return shared.get(("run", rid), lambda: _Snapshot(Run(store, rid)), refresh_s)
 
-    def data(p: "Panel", snap: _Snapshot) -> Any:
-        return p.own(shared.get(("panel", snap.run.id, snap.seen, p.state()), lambda: _read(p, snap.run, True),
-                                refresh_s))
+    def data(p: Panel, snap: _Snapshot) -> Any:
+        return p.own(
+            shared.get(("panel", snap.run.id, snap.seen, p.state()), lambda: _read(p, snap.run, True), refresh_s)
+        )
 
     def build(args: dict[str, str]) -> Any:
         from bokeh.layouts import column
@@ -182,8 +198,10 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
         except LookupError as exc:  # an id the store does not list: a fixed message, nothing of the filesystem
             return _message(f'<a href="./">all runs</a><p class="nsa-damaged"><b>{html.escape(str(exc))}</b></p>')
         except Exception as exc:  # noqa: BLE001 — a listed run that cannot be read: the page's message
-            return _message(f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open this run:</b> '
-                            f'{html.escape(str(exc))}</p>')
+            return _message(
+                f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open this run:</b> '
+                f"{html.escape(str(exc))}</p>"
+            )
         run = snap.run
         lock = threading.Lock()
         header = Div(text=snap.header, css_classes=["nsa-header"])
@@ -194,12 +212,20 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
         groups: list[list[Panel] | None] = [None] * len(classes)
         if classes:
             groups[0] = [cls(run) for cls in list(classes.values())[0]]
-        bodies = [column(*(p.layout for p in groups[0])) if j == 0 else column(Div(text="<i>loading…</i>"))
-                  for j in range(len(classes))]  # a column's children change is redrawn (a TabPanel's child is not)
-        tabs = Tabs(tabs=[TabPanel(child=body, title=paper) for body, paper in zip(bodies, classes)],
-                    css_classes=["nsa-tabs"])
-        state: dict[str, Any] = {"snap": snap, "seen": snap.seen, "head": snap.seen, "stale": set(range(1, len(groups))),
-                                 "next": 0.0}
+        bodies = [
+            column(*(p.layout for p in groups[0])) if j == 0 else column(Div(text="<i>loading…</i>"))
+            for j in range(len(classes))
+        ]  # a column's children change is redrawn (a TabPanel's child is not)
+        tabs = Tabs(
+            tabs=[TabPanel(child=body, title=paper) for body, paper in zip(bodies, classes)], css_classes=["nsa-tabs"]
+        )
+        state: dict[str, Any] = {
+            "snap": snap,
+            "seen": snap.seen,
+            "head": snap.seen,
+            "stale": set(range(1, len(groups))),
+            "next": 0.0,
+        }
         for p in groups[0] if groups else []:
             p.update(data(p, snap))
         root = column(header, tabs)
@@ -225,8 +251,9 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
             if got is None:
                 return
             if isinstance(got, BaseException):
-                header.text = (f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(rid)}:</b> "
-                               f"{html.escape(str(got))}</p>")
+                header.text = (
+                    f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(rid)}:</b> {html.escape(str(got))}</p>"
+                )
                 state["seen"] = state["head"] = None
                 return
             if got[0] is not None:
@@ -234,7 +261,7 @@ def run_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" =
             for p, d in got[1]:
                 p.update(d)
 
-        def attach(doc: "Document") -> None:
+        def attach(doc: Document) -> None:
             from nsa_dist.serve._live import every
 
             doc.title = f"nsa — {rid}"
@@ -289,7 +316,7 @@ def _seen(run: Run) -> tuple[bytes, str, str]:
     return run.finished.tobytes(), str(run.status), str(run.reason)
 
 
-def _read(p: "Panel", run: Run, shareable: bool = False) -> Any:
+def _read(p: Panel, run: Run, shareable: bool = False) -> Any:
     """The panel's data, or what it shows instead (an error, or a note while no step is finished);
     ``shareable``: as :meth:`Panel.shareable` gives it."""
     from nsa_dist.serve._live import Waiting
@@ -299,20 +326,23 @@ def _read(p: "Panel", run: Run, shareable: bool = False) -> Any:
     return p.shareable(run) if shareable else p.guarded(run)
 
 
-def _wire_choices(doc: "Document", panels: list["Panel"], state: dict[str, Any],
-                  data: Callable[["Panel", Any], Any], lock: threading.Lock) -> None:
+def _wire_choices(
+    doc: Document, panels: list[Panel], state: dict[str, Any], data: Callable[[Panel, Any], Any], lock: threading.Lock
+) -> None:
     """A chooser (φ, steps, the step slider) redraws its panel (a small read, off the event loop,
     under ``lock``, from the session's latest snapshot of the run)."""
     from nsa_dist.serve._eigvec_panel import Eigenvectors
     from nsa_dist.serve._live import off_loop
 
     for p in panels:
-        def redraw(attr: str, old: Any, new: Any, p: "Panel" = p) -> None:
+
+        def redraw(attr: str, old: Any, new: Any, p: Panel = p) -> None:
             off_loop(doc, lambda: data(p, state["snap"]), p.update, lock)
 
         for w in getattr(p, "controls", []):
             w.on_change("value", redraw)
         if isinstance(p, Eigenvectors):
+
             def slide(attr: str, old: Any, new: Any, p: Eigenvectors = p) -> None:
                 if not p.steps:
                     return

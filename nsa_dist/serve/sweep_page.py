@@ -27,14 +27,15 @@ if TYPE_CHECKING:
     from nsa_dist.serve._live import Shared
     from nsa_dist.store import SpectrumStore
 
-__all__ = ["sweep_page", "SweepFigure", "ScalarFigure", "HessianMoments", "WidthConvergence", "Regimes",
-           "sweep_panels"]
+__all__ = ["sweep_page", "SweepFigure", "ScalarFigure", "HessianMoments", "WidthConvergence", "Regimes", "sweep_panels"]
 
 _WIDTH = "model.width"
 # name, title, Sweep.curves quantity, x shift (log x of t + 1), log axes
-_FIGURES = (("7a", "NSA Fig. 7a — label energy E_t(y, k)", "energy_y", 0, False),
-            ("7b", "NSA Fig. 7b — training loss L(θ_t)", "loss", 1, True),
-            ("7c", "NSA Fig. 7c — test loss", "loss_test", 1, True))
+_FIGURES = (
+    ("7a", "NSA Fig. 7a — label energy E_t(y, k)", "energy_y", 0, False),
+    ("7b", "NSA Fig. 7b — training loss L(θ_t)", "loss", 1, True),
+    ("7c", "NSA Fig. 7c — test loss", "loss_test", 1, True),
+)
 _NAMES = {"7a": "fig7a_energy_y", "7b": "fig7b_train_loss", "7c": "fig7c_test_loss"}
 
 Args = tuple["Sweep", int, dict[str, list[str]]]  # the sweep, Fig. 7a's k, the chosen value(s) of each field
@@ -45,7 +46,7 @@ def _keep(args: Args, key: dict[str, Any]) -> bool:
     return all(str(key[f]) in args[2].get(f, [str(key[f])]) for f in key)
 
 
-def _lines(curves: list["Curve"], args: Args, shift: float = 0.0) -> list[Series]:
+def _lines(curves: list[Curve], args: Args, shift: float = 0.0) -> list[Series]:
     """One series per chosen grid point: the mean over its seeds with a ± std band."""
     out = []
     for j, c in enumerate(x for x in curves if _keep(args, x.key)):
@@ -60,8 +61,9 @@ class SweepFigure(Curves):
     def __init__(self, label: str, title: str, quantity: str, shift: int, log: bool) -> None:
         self.title, self.quantity, self.shift, self.figures = title, quantity, shift, (_NAMES[label],)
         y = title.split("—")[-1].strip()
-        super().__init__(plots=(Plot("step t + 1" if shift else "step t", y, x_log=log, y_log=log, width=760,
-                                     height=380),))
+        super().__init__(
+            plots=(Plot("step t + 1" if shift else "step t", y, x_log=log, y_log=log, width=760, height=380),)
+        )
 
     def series(self, args: Args) -> list[list[Series]]:
         sweep, k, _ = args
@@ -93,7 +95,7 @@ def _by(df: Any, x: str, line: str | None, args: Args) -> list[Series]:
     return out
 
 
-def _numeric(sweep: "Sweep", field: str) -> bool:
+def _numeric(sweep: Sweep, field: str) -> bool:
     try:
         np.asarray(sweep.runs[field].to_numpy(), np.float64)
     except (TypeError, ValueError):
@@ -108,7 +110,7 @@ class ScalarFigure(Curves):
     title = "E(y, k = 10, at most K) at the last step across the sweep (a summary, no figure of the paper)"
     figures = ("scalar_energy_y_10",)
 
-    def __init__(self, sweep: "Sweep") -> None:
+    def __init__(self, sweep: Sweep) -> None:
         self.x = sweep.fields[0]
         self.line = sweep.fields[1] if len(sweep.fields) > 1 else None
         super().__init__(plots=(Plot(self.x, "E(y, 10) at the last step", width=620),))
@@ -142,10 +144,15 @@ class HessianMoments(Curves):
     def __init__(self) -> None:
         from bokeh.models import Select
 
-        self.part = Select(title="A", value="S", options=[("H", "H (loss Hessian)"), ("I", "I (Gauss-Newton)"),
-                                                         ("S", "S (residual part)")], width=200)
-        super().__init__(None, [self.part], tuple(Plot("step t", "", title=f"Tr(A^{k})", width=560, height=300)
-                                                  for k in range(1, 5)))
+        self.part = Select(
+            title="A",
+            value="S",
+            options=[("H", "H (loss Hessian)"), ("I", "I (Gauss-Newton)"), ("S", "S (residual part)")],
+            width=200,
+        )
+        super().__init__(
+            None, [self.part], tuple(Plot("step t", "", title=f"Tr(A^{k})", width=560, height=300) for k in range(1, 5))
+        )
 
     def series(self, args: Args) -> list[list[Series]]:
         out = []
@@ -153,8 +160,9 @@ class HessianMoments(Curves):
             curves = args[0].curves(f"hessian_{self.part.value}", k)
             if all(len(c.t) == 1 for c in curves):  # one analysed step: the grid points side by side
                 kept = [c for c in curves if _keep(args, c.key)]
-                out.append([Series(np.array([float(j)]), c.mean, c.label, color(j), err=c.std)
-                            for j, c in enumerate(kept)])
+                out.append(
+                    [Series(np.array([float(j)]), c.mean, c.label, color(j), err=c.std) for j, c in enumerate(kept)]
+                )
             else:
                 out.append(_lines(curves, args))
         return out
@@ -173,12 +181,17 @@ class WidthConvergence(Curves):
 
         out = []
         if len(args[0].groups()) and not any(np.isfinite(c.mean).any() for c in args[0].curves("hessian_I_limit", 1)):
-            raise Waiting("no Θ∞ limit of I in these runs (it applies to fully-connected init: ntk runs in the NTK "
-                          "regime, at their analysed steps)")
+            raise Waiting(
+                "no Θ∞ limit of I in these runs (it applies to fully-connected init: ntk runs in the NTK "
+                "regime, at their analysed steps)"
+            )
         for j, k in enumerate((1, 2)):
             for s in _by(args[0].scalar("hessian_I_error", k, 0), _WIDTH, None, args):
-                out.append(Series(s.x, s.y, f"|Tr(I^{k}) − limit| / limit: slope {fit_slope(s.x, s.y):+.2f}",
-                                  color(j), err=s.err))
+                out.append(
+                    Series(
+                        s.x, s.y, f"|Tr(I^{k}) − limit| / limit: slope {fit_slope(s.x, s.y):+.2f}", color(j), err=s.err
+                    )
+                )
         if out and len(out[0].x):
             w = np.sort(np.asarray(out[0].x, np.float64))
             y0 = float(np.asarray(out[0].y)[np.argsort(out[0].x)][0])
@@ -192,8 +205,10 @@ class Regimes(Curves):
 
     title = "Hessian paper, Proposition 4 — NTK vs active regime over width at t = 0"
     figures = ("hessian_regimes",)
-    plots = tuple(Plot("width w", "", title=t, x_log=True, y_log=True, width=400, height=320)
-                  for t in ("Tr(S²) / Tr(I²)", "‖S‖_op", "‖S‖_F"))
+    plots = tuple(
+        Plot("width w", "", title=t, x_log=True, y_log=True, width=400, height=320)
+        for t in ("Tr(S²) / Tr(I²)", "‖S‖_op", "‖S‖_F")
+    )
 
     def series(self, args: Args) -> list[list[Series]]:
         sweep = args[0]
@@ -201,12 +216,13 @@ class Regimes(Curves):
         out = []
         for name in ("hessian_S_ratio", "hessian_S_op", "hessian_S_fro"):
             series = _by(sweep.scalar(name, None, 0), _WIDTH, line, args)
-            out.append([Series(s.x, s.y, f"{s.label}: slope {fit_slope(s.x, s.y):+.2f}", s.color, err=s.err)
-                        for s in series])
+            out.append(
+                [Series(s.x, s.y, f"{s.label}: slope {fit_slope(s.x, s.y):+.2f}", s.color, err=s.err) for s in series]
+            )
         return out
 
 
-def sweep_panels(sweep: "Sweep") -> list[Curves]:
+def sweep_panels(sweep: Sweep) -> list[Curves]:
     """The figures sweep ``sweep`` can draw, as ``nsa plot --sweep`` decides: Fig. 7c with test
     points, the summary with a varied field, the Hessian figures with a ``hessian:`` block (the
     width figures with a width axis)."""
@@ -214,7 +230,10 @@ def sweep_panels(sweep: "Sweep") -> list[Curves]:
 
     ids = list(sweep.runs["id"]) if len(sweep.runs) else []
     first = Run(sweep.store, ids[0]) if ids else None
-    has = (lambda name: first is not None and first.has(name))
+
+    def has(name: str) -> bool:
+        return first is not None and first.has(name)
+
     out: list[Curves] = [SweepFigure(*spec) for spec in _FIGURES if spec[2] != "loss_test" or has("loss_test")]
     if sweep.fields:
         out.append(ScalarFigure(sweep))
@@ -233,16 +252,18 @@ class _Snapshot:
 
     _made = 0
 
-    def __init__(self, sweep: "Sweep", name: str) -> None:
+    def __init__(self, sweep: Sweep, name: str) -> None:
         _Snapshot._made += 1
         self.version, self.sweep = _Snapshot._made, sweep
         done = int((sweep.runs["steps_done"] > 0).sum()) if len(sweep.runs) else 0
-        self.header = (f'<a href="./">all runs</a><h2>sweep {html.escape(name)}</h2><p>{len(sweep.runs)} runs, '
-                       f'{done} with a finished step; grid fields: {html.escape(", ".join(sweep.fields) or "none")}'
-                       f'{"; mean ± std over seeds" if sweep.seeded else ""}</p>')
+        self.header = (
+            f'<a href="./">all runs</a><h2>sweep {html.escape(name)}</h2><p>{len(sweep.runs)} runs, '
+            f"{done} with a finished step; grid fields: {html.escape(', '.join(sweep.fields) or 'none')}"
+            f"{'; mean ± std over seeds' if sweep.seeded else ''}</p>"
+        )
 
 
-def sweep_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" = None) -> Any:
+def sweep_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = None) -> Any:
     """The Bokeh app function of ``/sweep``: its reads go through ``shared`` — one read of the
     sweep per refresh interval, and one of each figure per state of the sweep and choice of the
     grid values and k, for every session showing it."""
@@ -263,14 +284,18 @@ def sweep_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None"
         try:
             snap = snapshot(name)
         except Exception as exc:  # noqa: BLE001
-            div = Div(text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open sweep '
-                           f'{html.escape(name)}:</b> {html.escape(str(exc))}</p>')
+            div = Div(
+                text=f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open sweep '
+                f"{html.escape(name)}:</b> {html.escape(str(exc))}</p>"
+            )
             return lambda doc: doc.add_root(div)
         sweep = snap.sweep
         lock = threading.Lock()
         values = {f: sorted({str(v) for v in sweep.runs[f]}, key=_order) for f in sweep.fields}
-        pickers = {f: MultiChoice(title=f, value=list(v), options=[(x, html.escape(x)) for x in v], width=260)
-                   for f, v in values.items()}  # MultiChoice draws its labels as HTML: escaped
+        pickers = {
+            f: MultiChoice(title=f, value=list(v), options=[(x, html.escape(x)) for x in v], width=260)
+            for f, v in values.items()
+        }  # MultiChoice draws its labels as HTML: escaped
         state: dict[str, Any] = {"snap": snap, "auto": True, "shown": None}
         k = Spinner(title="k of Fig. 7a", low=1, step=1, width=140, value=default_k(sweep) or 1)
         header = Div(text="")
@@ -285,8 +310,11 @@ def sweep_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None"
 
         def data(f: Curves, a: Args) -> Any:
             chosen = (a[1], tuple(sorted((field, tuple(v)) for field, v in a[2].items())))
-            return f.own(shared.get(("sweep-figure", name, state["snap"].version, f.state(), chosen),
-                                    lambda: f.shareable(a), refresh_s))
+            return f.own(
+                shared.get(
+                    ("sweep-figure", name, state["snap"].version, f.state(), chosen), lambda: f.shareable(a), refresh_s
+                )
+            )
 
         def read_all() -> tuple[str, int, list[Any]]:
             state["snap"] = snapshot(name)
@@ -304,7 +332,7 @@ def sweep_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None"
         apply(read_all())
         root = column(header, row(*pickers.values(), k), *(f.layout for f in figures))
 
-        def attach(doc: "Document") -> None:
+        def attach(doc: Document) -> None:
             from nsa_dist.serve._live import every
 
             def redraw(attr: str, old: Any, new: Any) -> None:
@@ -328,15 +356,20 @@ def sweep_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None"
                     w.on_change("value", redraw)
             doc.title = f"nsa — sweep {name}"
             doc.add_root(root)
-            every(doc, refresh_s, _guard(read_all),
-                  lambda got: apply(got) if not isinstance(got, BaseException) else None, lock)
+            every(
+                doc,
+                refresh_s,
+                _guard(read_all),
+                lambda got: apply(got) if not isinstance(got, BaseException) else None,
+                lock,
+            )
 
         return attach
 
     return prepared(build)
 
 
-def default_k(sweep: "Sweep") -> int | None:
+def default_k(sweep: Sweep) -> int | None:
     """Fig. 7a's default k for ``sweep`` (:func:`~nsa_dist.plots.axes.energy_k` of its smallest N and
     K), or None before any run has a finished step."""
     return energy_k(sweep.smallest_n(), sweep.smallest_k()) if len(sweep.groups()) else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 from typing import TYPE_CHECKING, Any
-
 from urllib.parse import quote
 
 import numpy as np
@@ -36,7 +35,7 @@ class RunTable:
         store: the spectrum store (read only).
     """
 
-    def __init__(self, store: "SpectrumStore") -> None:
+    def __init__(self, store: SpectrumStore) -> None:
         self.store = store
         self._full: dict[str, RunSummary] = {}  # run → its last read with the step columns
 
@@ -68,19 +67,22 @@ class RunTable:
         member = {rid: name for name, ids in self.store.sweeps().items() for rid in ids}
         flat = [flatten_spec(s.spec) for s in rows]
         cols: dict[str, list[Any]] = {
-            "id": [s.id for s in rows], "href": [f"run?id={quote(s.id, safe='')}" for s in rows],
+            "id": [s.id for s in rows],
+            "href": [f"run?id={quote(s.id, safe='')}" for s in rows],
             "sweep": [member.get(s.id, "") for s in rows],
             "status": [s.status or "" for s in rows],
             "progress": [f"{'…' if s.steps_done is None else s.steps_done}/{s.steps_total}" for s in rows],
             "last_step": [np.nan if s.last_step is None else s.last_step for s in rows],
-            "loss": [s.loss for s in rows], "lambda_max": [s.lambda_max for s in rows],
-            "reason": [s.reason or "" for s in rows]}
+            "loss": [s.loss for s in rows],
+            "lambda_max": [s.lambda_max for s in rows],
+            "reason": [s.reason or "" for s in rows],
+        }
         for f in fields:
             cols[f] = [str(fl.get(f, "")) for fl in flat]
         return cols
 
 
-def table_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None" = None) -> Any:
+def table_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = None) -> Any:
     """The Bokeh app function of ``/``: one :class:`RunTable` for every session, its reads shared
     (``shared``: one listing per refresh interval, whatever the number of viewers)."""
     from nsa_dist.serve._live import Shared, prepared
@@ -95,28 +97,45 @@ def table_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None"
 
     def build(args: dict[str, str]) -> Any:
         from bokeh.layouts import column
-        from bokeh.models import (ColumnDataSource, DataTable, Div, HTMLTemplateFormatter, NumberFormatter,
-                                  ScientificFormatter, TableColumn)
+        from bokeh.models import (
+            ColumnDataSource,
+            DataTable,
+            Div,
+            HTMLTemplateFormatter,
+            NumberFormatter,
+            ScientificFormatter,
+            TableColumn,
+        )
 
         # the last full listing when there is one; else the quick one (metadata only: hundreds of
         # runs appear at once), the step columns following at the first refresh
-        rows, fields, cols, links = (shared.latest(("table",))
-                                     or shared.get(("table-quick",), lambda: listing(False), refresh_s))
+        rows, fields, cols, links = shared.latest(("table",)) or shared.get(
+            ("table-quick",), lambda: listing(False), refresh_s
+        )
         source = ColumnDataSource(cols)
         link = HTMLTemplateFormatter(template='<a href="<%- href %>"><%- value %></a>')  # <%- %>: HTML-escaped
         num = ScientificFormatter(precision=4, nan_format="—")
-        columns = [TableColumn(field="id", title="run", formatter=link, width=220),
-                   TableColumn(field="sweep", title="sweep", width=100),
-                   TableColumn(field="status", title="status", width=90),
-                   TableColumn(field="progress", title="steps done", width=80),
-                   TableColumn(field="last_step", title="last t",
-                               formatter=NumberFormatter(format="0", nan_format="—"), width=70),
-                   TableColumn(field="loss", title="loss", formatter=num, width=100),
-                   TableColumn(field="lambda_max", title="λ_max", formatter=num, width=100)]
+        columns = [
+            TableColumn(field="id", title="run", formatter=link, width=220),
+            TableColumn(field="sweep", title="sweep", width=100),
+            TableColumn(field="status", title="status", width=90),
+            TableColumn(field="progress", title="steps done", width=80),
+            TableColumn(
+                field="last_step", title="last t", formatter=NumberFormatter(format="0", nan_format="—"), width=70
+            ),
+            TableColumn(field="loss", title="loss", formatter=num, width=100),
+            TableColumn(field="lambda_max", title="λ_max", formatter=num, width=100),
+        ]
         columns += [TableColumn(field=f, title=f, width=90) for f in fields]
         columns.append(TableColumn(field="reason", title="reason", width=400))
-        grid = DataTable(source=source, columns=columns, width=1300, height=min(800, 60 + 28 * max(len(rows), 3)),
-                         index_position=None, css_classes=["nsa-runs"])
+        grid = DataTable(
+            source=source,
+            columns=columns,
+            width=1300,
+            height=min(800, 60 + 28 * max(len(rows), 3)),
+            index_position=None,
+            css_classes=["nsa-runs"],
+        )
         count = Div(text=_count_text(rows), css_classes=["nsa-count"])
         sweeps = Div(text=links)
         root = column(Div(text=f"<h2>nsa-dist store {html.escape(store.url)}</h2>"), count, sweeps, grid)
@@ -136,7 +155,7 @@ def table_page(store: "SpectrumStore", refresh_s: float, shared: "Shared | None"
             except Exception as exc:  # noqa: BLE001 — an outage of the store is shown, and retried next tick
                 return exc
 
-        def attach(doc: "Document") -> None:
+        def attach(doc: Document) -> None:
             from nsa_dist.serve._live import every
 
             doc.title = f"nsa serve — {store.url}"
@@ -159,6 +178,8 @@ def _count_text(rows: list[RunSummary]) -> str:
 def _sweep_links(sweeps: dict[str, list[str]]) -> str:
     if not sweeps:
         return ""
-    links = " · ".join(f'<a href="sweep?name={html.escape(quote(n, safe=""))}">{html.escape(n)}</a> ({len(ids)} runs)'
-                       for n, ids in sorted(sweeps.items()))
+    links = " · ".join(
+        f'<a href="sweep?name={html.escape(quote(n, safe=""))}">{html.escape(n)}</a> ({len(ids)} runs)'
+        for n, ids in sorted(sweeps.items())
+    )
     return f"sweeps: {links}"

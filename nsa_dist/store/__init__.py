@@ -43,14 +43,14 @@ read through the checked reader and verified::
 from nsa_dist.store.faults import describe_fault
 from nsa_dist.store.keys import Keys, open_zarr_group
 from nsa_dist.store.lease import (
-                                  Lease,
-                                  LeaseHeld,
-                                  LeaseInfo,
-                                  LeaseLost,
-                                  RunRefused,
-                                  check_holder,
-                                  effective_status,
-                                  parse_lease,
+    Lease,
+    LeaseHeld,
+    LeaseInfo,
+    LeaseLost,
+    RunRefused,
+    check_holder,
+    effective_status,
+    parse_lease,
 )
 from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
@@ -60,8 +60,36 @@ from nsa_dist.store.summary import RunSummary, run_summaries
 from nsa_dist.store.verify import Damage, mark_damaged, verify_store
 from nsa_dist.store.zarr_store import RunWriter, SpectrumStore
 
-__all__ = ["GramStep", "HessianStep", "ImageStep", "KernelExtras", "StepResult", "PHIS", "SCHEMA_VERSION", "Damage",
-           "Keys", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "RunRefused", "RunDims",
-           "RunReader", "RunSummary", "RunWriter", "SpectrumStore", "Status", "StepRecord", "check_holder",
-           "describe_fault", "effective_status", "mark_damaged", "open_zarr_group", "parse_lease", "run_arrays",
-           "run_summaries", "step_specs", "verify_store"]
+__all__ = [
+    "GramStep",
+    "HessianStep",
+    "ImageStep",
+    "KernelExtras",
+    "StepResult",
+    "PHIS",
+    "SCHEMA_VERSION",
+    "Damage",
+    "Keys",
+    "Lease",
+    "LeaseHeld",
+    "LeaseInfo",
+    "LeaseLost",
+    "RunRefused",
+    "RunDims",
+    "RunReader",
+    "RunSummary",
+    "RunWriter",
+    "SpectrumStore",
+    "Status",
+    "StepRecord",
+    "check_holder",
+    "describe_fault",
+    "effective_status",
+    "mark_damaged",
+    "open_zarr_group",
+    "parse_lease",
+    "run_arrays",
+    "run_summaries",
+    "step_specs",
+    "verify_store",
+]

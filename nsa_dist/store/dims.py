@@ -34,15 +34,15 @@ class RunDims:
     hessian_top_k: int = 0
     hessian_rayleigh_k: int = 0
     hessian_density_bins: int = 0
-    k_full: int = 0  # full-kernel eigenvalues of a K-output network (issue 11)
-    k_class: int = 0  # per-class (diagonal block) eigenvalues of a K-output network (issue 11)
+    k_full: int = 0  # full-kernel eigenvalues of a K-output network
+    k_class: int = 0  # per-class (diagonal block) eigenvalues of a K-output network
     hessian_moments: bool = True  # hessian.moments: the Hutch++ moment arrays exist
     hessian_orthogonality: bool = True
-    hessian_I_k: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko (issue 10)
+    hessian_I_k: int = 0  # eigenvalues of I stored per analysed step, measured and limit: N·Ko
     hessian_additivity: bool = True  # Theorem 1's gap
     hessian_trace_G: bool = True  # the per-point traces G and Tr(S) = ∇Cᵀ·G
-    k_gram_change: int = 0  # App. F: eigenvectors dG_t is projected on (issue 19)
-    constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs (issue 19)
+    k_gram_change: int = 0  # App. F: eigenvectors dG_t is projected on
+    constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs
     curve_points: int = 0  # k: all on the quadrature route: the reported k of the curves (0: exact route / top-k)
     gram_density_bins: int = 0  # … and the grid of G's SLQ spectral density
 
@@ -50,12 +50,27 @@ class RunDims:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RunDims":
+    def from_json(cls, d: dict) -> RunDims:
         """The sizes as stored; a run written before the fields were named (``Hm``, ``Kt``, …) reads too."""
         return cls(**{_OLD_NAMES.get(k, k): v for k, v in d.items()})
 
 
-_OLD_NAMES = {"Kt": "k_test", "nI": "n_images", "R": "image_size", "F": "fourier_size", "L": "rng_bytes",
-              "Hk": "hessian_top_k", "Hr": "hessian_rayleigh_k", "Hg": "hessian_density_bins", "Kf": "k_full",
-              "Kc": "k_class", "Hm": "hessian_moments", "Ho": "hessian_orthogonality", "HI": "hessian_I_k",
-              "Ha": "hessian_additivity", "Ht": "hessian_trace_G", "Kg": "k_gram_change", "Cg": "constant_gram"}
+_OLD_NAMES = {
+    "Kt": "k_test",
+    "nI": "n_images",
+    "R": "image_size",
+    "F": "fourier_size",
+    "L": "rng_bytes",
+    "Hk": "hessian_top_k",
+    "Hr": "hessian_rayleigh_k",
+    "Hg": "hessian_density_bins",
+    "Kf": "k_full",
+    "Kc": "k_class",
+    "Hm": "hessian_moments",
+    "Ho": "hessian_orthogonality",
+    "HI": "hessian_I_k",
+    "Ha": "hessian_additivity",
+    "Ht": "hessian_trace_G",
+    "Kg": "k_gram_change",
+    "Cg": "constant_gram",
+}

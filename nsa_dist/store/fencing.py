@@ -90,9 +90,11 @@ class RunFence:
         """The LeaseLost of this writer, naming whoever holds the run now."""
         info = lease_on_disk(self.root, self.run_id)
         if info is not None and info.token == self.token:  # ours, yet the folder is gone: removed by hand
-            return LeaseLost(f"run {self.run_id!r} in {self.url!r}: this writer's write folder {self.folder} is "
-                             "gone although its lease is still held (removed from outside?); stopped without "
-                             "writing anything more — re-run to resume")
+            return LeaseLost(
+                f"run {self.run_id!r} in {self.url!r}: this writer's write folder {self.folder} is "
+                "gone although its lease is still held (removed from outside?); stopped without "
+                "writing anything more — re-run to resume"
+            )
         return lease_lost(self.url, self.run_id, info)
 
     def stage(self, path: Path, data: bytes | memoryview, exclusive: bool = False) -> Staged:
@@ -116,8 +118,14 @@ class RunFence:
     def linked_folder(self, path: Path) -> Path | None:
         """The first folder between the store's directory and ``path`` that is a symbolic link, or None."""
         rel = path.relative_to(self.root)
-        return next((above for above in (self.root.joinpath(*rel.parts[:n]) for n in range(1, len(rel.parts)))
-                     if above.is_symlink()), None)
+        return next(
+            (
+                above
+                for above in (self.root.joinpath(*rel.parts[:n]) for n in range(1, len(rel.parts)))
+                if above.is_symlink()
+            ),
+            None,
+        )
 
     def check_inside(self, path: Path) -> None:
         """Refuse a key whose folders within the store include a symbolic link or whose place is a
@@ -128,11 +136,15 @@ class RunFence:
         """
         above = self.linked_folder(path)
         if above is not None:
-            raise StoreError(f"refusing to write {path}: {above} is a symbolic link (to {os.readlink(above)}) "
-                             f"and would be written through; run `nsa verify {self.url} --mark` to remove it")
+            raise StoreError(
+                f"refusing to write {path}: {above} is a symbolic link (to {os.readlink(above)}) "
+                f"and would be written through; run `nsa verify {self.url} --mark` to remove it"
+            )
         if path.is_dir() and not path.is_symlink():
-            raise StoreError(f"refusing to write {path}: it is a directory where a chunk file belongs; run "
-                             f"`nsa verify {self.url} --mark` to remove it")
+            raise StoreError(
+                f"refusing to write {path}: it is a directory where a chunk file belongs; run "
+                f"`nsa verify {self.url} --mark` to remove it"
+            )
 
     def delete(self, path: Path) -> None:
         """Remove the file, folder or symbolic link ``path`` by moving it into the write folder

@@ -61,8 +61,9 @@ class Keys:
         from zarr.storage import FsspecStore
 
         try:
-            self.zarr = FsspecStore.from_url(url, read_only=read_only,
-                                             storage_options=storage_options(protocol) or None)
+            self.zarr = FsspecStore.from_url(
+                url, read_only=read_only, storage_options=storage_options(protocol) or None
+            )
         except (ValueError, ImportError) as exc:
             raise StoreError(f"cannot open the store {url!r}: {exc}") from exc
 

@@ -47,9 +47,24 @@ from nsa_dist.store.keys import Keys
 from nsa_dist.store.locks import file_lock
 from nsa_dist.store.status import Status
 
-__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "check_holder", "default_ttl", "effective_status",
-           "lease_lost", "lease_on_disk", "lock_timeout", "parse_lease", "read_lease", "revoke_others", "run_lock",
-           "write_folder", "write_lease"]
+__all__ = [
+    "Lease",
+    "LeaseHeld",
+    "LeaseInfo",
+    "LeaseLost",
+    "check_holder",
+    "default_ttl",
+    "effective_status",
+    "lease_lost",
+    "lease_on_disk",
+    "lock_timeout",
+    "parse_lease",
+    "read_lease",
+    "revoke_others",
+    "run_lock",
+    "write_folder",
+    "write_lease",
+]
 
 INTERRUPTED_HINT = "re-run to resume"
 
@@ -172,9 +187,11 @@ def write_lease(keys: Keys, run_id: str, attrs: dict[str, Any]) -> None:
 def lease_lost(url: str, run_id: str, info: LeaseInfo | None) -> LeaseLost:
     """The one-line error of a writer whose lease ``info`` (None: removed) no longer carries its token."""
     who = f"{info.who()} took the run over" if info is not None else f"its lease leases/{run_id} was removed"
-    return LeaseLost(f"run {run_id!r} in {url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
-                     f"lost its lease — {who} (this writer was paused or cut off longer than the lease's ttl); "
-                     "stopped without writing anything more, the other writer finishes the run")
+    return LeaseLost(
+        f"run {run_id!r} in {url!r}: this writer (host {socket.gethostname()}, pid {os.getpid()}) "
+        f"lost its lease — {who} (this writer was paused or cut off longer than the lease's ttl); "
+        "stopped without writing anything more, the other writer finishes the run"
+    )
 
 
 def check_holder(keys: Keys, run_id: str, token: str) -> None:
@@ -203,9 +220,15 @@ class LeaseInfo:
 
     @classmethod
     def from_attrs(cls, a: dict[str, Any]) -> LeaseInfo:
-        return cls(str(a.get("host", "?")), int(a.get("pid", -1)), float(a.get("since", 0.0)),
-                   float(a.get("heartbeat", 0.0)), float(a.get("ttl", default_ttl())), str(a.get("token", "")),
-                   bool(a.get("released", False)))
+        return cls(
+            str(a.get("host", "?")),
+            int(a.get("pid", -1)),
+            float(a.get("since", 0.0)),
+            float(a.get("heartbeat", 0.0)),
+            float(a.get("ttl", default_ttl())),
+            str(a.get("token", "")),
+            bool(a.get("released", False)),
+        )
 
     def fresh(self, now: float | None = None) -> bool:
         """Held and heard from within its ttl — and, when the writer is on this host, alive (a
@@ -242,16 +265,18 @@ def parse_lease(raw: bytes | None) -> LeaseInfo | None:
         return None
 
 
-def effective_status(status: str | None, reason: str | None, lease: LeaseInfo | None,
-                     now: float | None = None) -> tuple[str | None, str | None]:
+def effective_status(
+    status: str | None, reason: str | None, lease: LeaseInfo | None, now: float | None = None
+) -> tuple[str | None, str | None]:
     """(status, reason) as it is: ``running`` only while its writer's lease is fresh, else
     ``interrupted`` with the last sign of life."""
     if status != Status.RUNNING or (lease is not None and lease.fresh(now)):
         return status, reason
     if lease is None:
         return Status.INTERRUPTED, f"no writer holds this run; {INTERRUPTED_HINT}"
-    return Status.INTERRUPTED, (f"last sign of life {_iso(lease.heartbeat)} from host {lease.host} pid {lease.pid}; "
-                           f"{INTERRUPTED_HINT}")
+    return Status.INTERRUPTED, (
+        f"last sign of life {_iso(lease.heartbeat)} from host {lease.host} pid {lease.pid}; {INTERRUPTED_HINT}"
+    )
 
 
 class Lease:
@@ -265,8 +290,15 @@ class Lease:
         ttl: lease lifetime without a heartbeat (default $NSA_LEASE_TTL or 30 s).
     """
 
-    def __init__(self, keys: Keys, run_ids: list[str], *, wait: float | None = 0.0,
-                 ttl: float | None = None, settle: float | None = None) -> None:
+    def __init__(
+        self,
+        keys: Keys,
+        run_ids: list[str],
+        *,
+        wait: float | None = 0.0,
+        ttl: float | None = None,
+        settle: float | None = None,
+    ) -> None:
         self.keys, self.run_ids = keys, list(run_ids)
         self.ttl = float(ttl if ttl is not None else default_ttl())
         self.settle = settle if settle is not None else min(0.5, self.ttl / 10)
@@ -337,14 +369,23 @@ class Lease:
     def _refusal(self, rid: str, other: LeaseInfo | None) -> LeaseHeld:
         if other is None:
             return LeaseHeld(f"run {rid!r} in {self.keys.url!r}: its lease vanished while taking it; retry")
-        return LeaseHeld(f"run {rid!r} in {self.keys.url!r} is being written by another process ({other.who()}; "
-                         f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
-                         "wait for it (--wait) or use another store")
+        return LeaseHeld(
+            f"run {rid!r} in {self.keys.url!r} is being written by another process ({other.who()}; "
+            f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
+            "wait for it (--wait) or use another store"
+        )
 
     def _attrs(self, released: bool = False) -> dict[str, Any]:
         """Our lease, heard from now."""
-        return {"host": self.host, "pid": self.pid, "since": self.since, "heartbeat": time.time(),
-                "ttl": self.ttl, "token": self.token, "released": released}
+        return {
+            "host": self.host,
+            "pid": self.pid,
+            "since": self.since,
+            "heartbeat": time.time(),
+            "ttl": self.ttl,
+            "token": self.token,
+            "released": released,
+        }
 
     def _put_if_ours(self, rid: str, released: bool = False) -> None:
         """Renew (or release) our lease of ``rid`` unless another writer took it over: the check

@@ -60,8 +60,10 @@ def file_lock(path: Path, timeout: float, what: str) -> Iterator[None]:
     deadline = time.monotonic() + timeout
 
     def timed_out(who: str) -> LockTimeout:
-        return LockTimeout(f"{what}: its lock {path} has been held by {who} for over {timeout:.0f} s — a writer "
-                           "stopped (Ctrl-Z, SIGSTOP) or hung inside a write; resume or end it, then retry")
+        return LockTimeout(
+            f"{what}: its lock {path} has been held by {who} for over {timeout:.0f} s — a writer "
+            "stopped (Ctrl-Z, SIGSTOP) or hung inside a write; resume or end it, then retry"
+        )
 
     with _LOCAL_GUARD:
         local = _LOCAL.setdefault(str(path), threading.Lock())

@@ -38,8 +38,9 @@ class RunReader:
 
     def refresh(self) -> RunReader:
         """Re-read the attributes and the finished steps (a live run moves on)."""
-        self._refuse_link(os.path.join(self.store.keys.path, "runs", self.id) if self.store.keys.local else None,
-                          "the run's folder")
+        self._refuse_link(
+            os.path.join(self.store.keys.path, "runs", self.id) if self.store.keys.local else None, "the run's folder"
+        )
         self.g = self.store.group(self.id)
         self.attrs: dict[str, Any] = self.g.attrs.asdict()
         self._arrays: dict[str, Any] = {}
@@ -77,31 +78,40 @@ class RunReader:
             try:
                 self._arrays[name] = self.g[name]
             except METADATA_ERRORS as exc:
-                raise StoreError(f"run {self.id!r}: {self.path}/{name}/zarr.json is unreadable "
-                                 f"({type(exc).__name__}: {exc})") from exc
+                raise StoreError(
+                    f"run {self.id!r}: {self.path}/{name}/zarr.json is unreadable ({type(exc).__name__}: {exc})"
+                ) from exc
         return self._arrays[name]
 
     def _refuse_link(self, folder: str | None, what: str) -> None:
         """StoreError when ``folder`` (a local run's or array's folder) is a symbolic link: it holds
         metadata that readers do not follow; ``nsa verify --mark`` replaces it by a copy."""
         if folder is not None and os.path.islink(folder):
-            raise StoreError(f"run {self.id!r}: {folder} is a symbolic link (to {os.readlink(folder)}), not "
-                             f"{what}: readers do not follow it; `nsa verify --mark` replaces it by a real folder "
-                             "holding a copy of what it points to (never written through), and a re-run recomputes "
-                             "what the copy lacks")
+            raise StoreError(
+                f"run {self.id!r}: {folder} is a symbolic link (to {os.readlink(folder)}), not "
+                f"{what}: readers do not follow it; `nsa verify --mark` replaces it by a real folder "
+                "holding a copy of what it points to (never written through), and a re-run recomputes "
+                "what the copy lacks"
+            )
 
     def _absent(self, name: str) -> str:
         """Why array ``name`` is not there, truly: still being made, creation interrupted, not part
         of this run, or missing (damage)."""
         if self.attrs.get("creating"):
             if self.store.creation_live(self.id):
-                return (f"run {self.id!r} is still being created (array {name!r} is not made yet); read it again "
-                        "in a moment")
-            return (f"run {self.id!r}: its creation was interrupted before array {name!r} was made; re-run it "
-                    "(nsa run / nsa sweep) to finish creating it")
+                return (
+                    f"run {self.id!r} is still being created (array {name!r} is not made yet); read it again "
+                    "in a moment"
+                )
+            return (
+                f"run {self.id!r}: its creation was interrupted before array {name!r} was made; re-run it "
+                "(nsa run / nsa sweep) to finish creating it"
+            )
         if name in self.specs:
-            return (f"run {self.id!r}: array {name!r} is missing ({self.path}/{name}/zarr.json); run `nsa verify "
-                    f"{self.store.url}`")
+            return (
+                f"run {self.id!r}: array {name!r} is missing ({self.path}/{name}/zarr.json); run `nsa verify "
+                f"{self.store.url}`"
+            )
         return f"run {self.id!r} has no array {name!r} (not recorded for this spec)"
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -229,28 +239,37 @@ class RunReader:
         if miss:
             i, keys = next(iter(miss.items()))
             hit = covering(self.wrong_kinds(name), keys[0])
-            what = (f"{self.path}/{name}/{hit} is {self.wrong_kinds(name)[hit]}" if hit is not None
-                    else f"chunk {self.path}/{name}/{keys[0]} is missing though the step is marked done")
-            raise StoreError(f"run {self.id!r}: array {name!r} at {self.step_of(i)} is damaged: {what}"
-                             f"{f' ({len(miss)} steps affected)' if len(miss) > 1 else ''}; run `nsa verify "
-                             f"{self.store.url} --mark` and re-run to recompute it")
+            what = (
+                f"{self.path}/{name}/{hit} is {self.wrong_kinds(name)[hit]}"
+                if hit is not None
+                else f"chunk {self.path}/{name}/{keys[0]} is missing though the step is marked done"
+            )
+            raise StoreError(
+                f"run {self.id!r}: array {name!r} at {self.step_of(i)} is damaged: {what}"
+                f"{f' ({len(miss)} steps affected)' if len(miss) > 1 else ''}; run `nsa verify "
+                f"{self.store.url} --mark` and re-run to recompute it"
+            )
 
     def _check_kinds(self, name: str) -> None:
         """StoreError naming the first entry of the wrong kind in array ``name``'s folder."""
         wrong = self.wrong_kinds(name)
         if wrong:
             key = min(wrong)
-            raise StoreError(f"run {self.id!r}: array {name!r} is damaged: {self.path}/{name}/{key} is {wrong[key]}; "
-                             f"run `nsa verify {self.store.url} --mark` and re-run to recompute it")
+            raise StoreError(
+                f"run {self.id!r}: array {name!r} is damaged: {self.path}/{name}/{key} is {wrong[key]}; "
+                f"run `nsa verify {self.store.url} --mark` and re-run to recompute it"
+            )
 
     def _damage_error(self, name: str, i: int | None, exc: BaseException) -> StoreError:
         arr = self.array(name)
         chunks = self.step_chunks(name, i) if i is not None else list(chunk_grid(arr))
         bad = next((c for c in chunks if chunk_problem(arr, chunk_selection(arr, c))), chunks[0] if chunks else ())
         where = f" at {self.step_of(i)}" if i is not None else ""
-        return StoreError(f"run {self.id!r}: array {name!r}{where} is damaged ({self.chunk_path(name, bad)}: "
-                          f"{type(exc).__name__}: {exc}); run `nsa verify {self.store.url} --mark` and re-run to "
-                          "recompute it")
+        return StoreError(
+            f"run {self.id!r}: array {name!r}{where} is damaged ({self.chunk_path(name, bad)}: "
+            f"{type(exc).__name__}: {exc}); run `nsa verify {self.store.url} --mark` and re-run to "
+            "recompute it"
+        )
 
 
 def chunk_grid(arr: zarr.Array) -> Iterator[tuple[int, ...]]:
@@ -279,8 +298,12 @@ def covering(wrong: dict[str, str], key: str) -> str | None:
 
 
 def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return what
     return "not a regular file"

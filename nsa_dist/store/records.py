@@ -13,23 +13,38 @@ the step does not have that array.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from nsa_dist.metrics.reconstruction import reconstruction_ks
 from nsa_dist.store.dims import RunDims
 
-__all__ = ["CURVE_ARRAYS", "GramStep", "KernelExtras", "HessianStep", "ImageStep", "StepResult", "PHIS", "NOTES_DTYPE", "step_array_specs",
-           "not_computed"]
+__all__ = [
+    "CURVE_ARRAYS",
+    "GramStep",
+    "KernelExtras",
+    "HessianStep",
+    "ImageStep",
+    "StepResult",
+    "PHIS",
+    "NOTES_DTYPE",
+    "step_array_specs",
+    "not_computed",
+]
 
 PHIS = ("y", "f", "residual", "df", "df_pred")  # the φ of E_t(φ, k) stored every step
 NOTES_DTYPE = "T"  # numpy's variable-length UTF-8 strings (np.dtype("T")); Zarr's vlen-utf8
 
 
-def _array(shape: Callable[[RunDims], tuple[int, ...]], dtype: str = "float64",
-           when: Callable[[RunDims], bool] | None = None, at: str = "every") -> Any:
+def _array(
+    shape: Callable[[RunDims], tuple[int, ...]],
+    dtype: str = "float64",
+    when: Callable[[RunDims], bool] | None = None,
+    at: str = "every",
+) -> Any:
     """A record field that is a stored per-step array (None when absent)."""
     return field(default=None, metadata={"shape": shape, "dtype": dtype, "when": when, "at": at})
 
@@ -75,15 +90,26 @@ class GramStep:
     energy_f_test: np.ndarray = _array(lambda D: (D.k_test,), when=lambda D: D.k_test > 0)
     # Fig. 4d's f̄_{t,k} and App. F's dG_t, at the eigenvector steps
     reconstructions: np.ndarray = _array(lambda D: (_n_rec(D),) + _out(_N)(D), "float32", _evecs, "eigenvectors")
-    reconstruction_images: np.ndarray = _array(lambda D: (_n_rec(D), D.image_size, D.image_size), "float32",
-                                               lambda D: D.store_eigenvectors and D.n_images > 0, "eigenvectors")
-    gram_change: np.ndarray = _array(lambda D: (2, D.k_gram_change),  # v_iᵀ dG v_i: measured, first order
-                                     when=lambda D: D.store_eigenvectors and D.k_gram_change > 0, at="eigenvectors")
-    gram_change_fro: np.ndarray = _array(lambda D: (3,),  # ‖VᵀdGV‖_F: measured, predicted, difference
-                                         when=lambda D: D.store_eigenvectors and D.k_gram_change > 0, at="eigenvectors")
+    reconstruction_images: np.ndarray = _array(
+        lambda D: (_n_rec(D), D.image_size, D.image_size),
+        "float32",
+        lambda D: D.store_eigenvectors and D.n_images > 0,
+        "eigenvectors",
+    )
+    gram_change: np.ndarray = _array(
+        lambda D: (2, D.k_gram_change),  # v_iᵀ dG v_i: measured, first order
+        when=lambda D: D.store_eigenvectors and D.k_gram_change > 0,
+        at="eigenvectors",
+    )
+    gram_change_fro: np.ndarray = _array(
+        lambda D: (3,),  # ‖VᵀdGV‖_F: measured, predicted, difference
+        when=lambda D: D.store_eigenvectors and D.k_gram_change > 0,
+        at="eigenvectors",
+    )
     # App. E, Eq. 22 (Nyström): f_test of every recorded step predicted at the first
-    constant_gram_f_test: np.ndarray = _array(lambda D: (D.S,) + _out(_M)(D),
-                                              when=lambda D: D.constant_gram and D.M > 0, at="first")
+    constant_gram_f_test: np.ndarray = _array(
+        lambda D: (D.S,) + _out(_M)(D), when=lambda D: D.constant_gram and D.M > 0, at="first"
+    )
     # k: all on the quadrature route: λ_k and E_t(φ, k) at the reported k (static curve_k), each
     # with its bracket (lower ≤ value ≤ upper, equal for k ≤ K), and G_t's SLQ spectral density
     curve_eigenvalue: np.ndarray = _array(_CURVE, when=_curve)
@@ -112,7 +138,7 @@ class GramStep:
 
 @dataclass(frozen=True)
 class KernelExtras:
-    """Issue 11's per-step quantities: Fig. 4a's projections, the test loss, K-output kernels."""
+    """Per-step quantities of the NSA paper's later figures: Fig. 4a's projections, the test loss, K-output kernels."""
 
     projections_residual: np.ndarray = _array(_K)
     loss_test: float = _array(_SCALAR, when=lambda D: D.M > 0)
@@ -120,8 +146,9 @@ class KernelExtras:
     eigenvalues_per_class: np.ndarray = _array(lambda D: (D.Ko, D.k_class), when=lambda D: D.k_class > 0)
 
 
-def _h(shape: Callable[[RunDims], tuple[int, ...]], when: Callable[[RunDims], bool] | None = None,
-       dtype: str = "float64") -> Any:
+def _h(
+    shape: Callable[[RunDims], tuple[int, ...]], when: Callable[[RunDims], bool] | None = None, dtype: str = "float64"
+) -> Any:
     """A Hessian array: only in runs with a hessian block, written at its analysed steps."""
     return _array(shape, dtype, lambda D: D.hessian and (when is None or when(D)), "hessian")
 
@@ -145,13 +172,14 @@ class HessianStep:
     hessian_density: np.ndarray = _h(lambda D: (D.hessian_density_bins,), lambda D: D.hessian_density_bins > 0)
     hessian_additivity: np.ndarray = _h(lambda D: (2, 4), lambda D: D.hessian_additivity)  # gap, stderr
     hessian_I_limit_moments: np.ndarray = _h(lambda D: (4,), _moments)  # Tr(I^k) of the Θ∞ limit
-    hessian_S_limit: np.ndarray = _h(lambda D: (3,), _moments)  # E Tr S at init, along GD; Tr S² (issue 19)
+    hessian_S_limit: np.ndarray = _h(lambda D: (3,), _moments)  # E Tr S at init, along GD; Tr S²
     hessian_G: np.ndarray = _h(_out(_N), lambda D: D.hessian_trace_G)  # Σ_p ∂²f(x_i)/∂θ_p²
     hessian_G_stderr: np.ndarray = _h(_out(_N), lambda D: D.hessian_trace_G)
     hessian_trace_S_G: np.ndarray = _h(lambda D: (2,), lambda D: D.hessian_trace_G)  # Tr(S) = ∇Cᵀ·G, stderr
     hessian_I_eigenvalues: np.ndarray = _h(lambda D: (D.hessian_I_k,), lambda D: D.hessian_I_k > 0 and _moments(D))
-    hessian_I_limit_eigenvalues: np.ndarray = _h(lambda D: (D.hessian_I_k,),
-                                                 lambda D: D.hessian_I_k > 0 and _moments(D))
+    hessian_I_limit_eigenvalues: np.ndarray = _h(
+        lambda D: (D.hessian_I_k,), lambda D: D.hessian_I_k > 0 and _moments(D)
+    )
     hessian_S_op: float = _h(_SCALAR, lambda D: D.hessian_top_k > 0)  # ‖S‖_op = max |λ(S)|
 
 
@@ -159,13 +187,16 @@ class HessianStep:
 class ImageStep:
     """NSA Fig. 4–5: eigenvectors and the residual drawn over 2-D inputs, with their Fourier moduli."""
 
-    eigvec_images: np.ndarray = _array(lambda D: (D.n_images, D.image_size, D.image_size), "float32",
-                                       lambda D: D.n_images > 0)
-    eigvec_fourier: np.ndarray = _array(lambda D: (D.n_images, D.fourier_size, D.fourier_size), "float32",
-                                        lambda D: D.n_images > 0)
+    eigvec_images: np.ndarray = _array(
+        lambda D: (D.n_images, D.image_size, D.image_size), "float32", lambda D: D.n_images > 0
+    )
+    eigvec_fourier: np.ndarray = _array(
+        lambda D: (D.n_images, D.fourier_size, D.fourier_size), "float32", lambda D: D.n_images > 0
+    )
     residual_image: np.ndarray = _array(lambda D: (D.image_size, D.image_size), "float32", lambda D: D.n_images > 0)
-    residual_fourier: np.ndarray = _array(lambda D: (D.fourier_size, D.fourier_size), "float32",
-                                          lambda D: D.n_images > 0)
+    residual_fourier: np.ndarray = _array(
+        lambda D: (D.fourier_size, D.fourier_size), "float32", lambda D: D.n_images > 0
+    )
 
 
 _PARTS = (GramStep, KernelExtras, HessianStep, ImageStep)
@@ -182,11 +213,16 @@ class StepResult:
 
     def arrays(self) -> dict[str, Any]:
         """The arrays present, by stored name."""
-        return {f.name: getattr(part, f.name) for part in (self.gram, self.extras, self.hessian, self.images)
-                if part is not None for f in fields(part) if getattr(part, f.name) is not None}
+        return {
+            f.name: getattr(part, f.name)
+            for part in (self.gram, self.extras, self.hessian, self.images)
+            if part is not None
+            for f in fields(part)
+            if getattr(part, f.name) is not None
+        }
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, Any]) -> "StepResult":
+    def from_arrays(cls, arrays: dict[str, Any]) -> StepResult:
         """The result holding ``arrays`` (stored names; e.g. a step read back from the store).
 
         Raises:

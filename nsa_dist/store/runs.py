@@ -31,8 +31,9 @@ class RunIndex:
 
     def run_ids(self) -> list[str]:
         """Every run (a group with a zarr.json under ``runs/``), without opening any of them."""
-        return sorted(k for k in self.keys.list_dir("runs")
-                      if k != "zarr.json" and self.keys.exists(f"runs/{k}/zarr.json"))
+        return sorted(
+            k for k in self.keys.list_dir("runs") if k != "zarr.json" and self.keys.exists(f"runs/{k}/zarr.json")
+        )
 
     def has_run(self, run_id: str) -> bool:
         return self.keys.exists(f"runs/{run_id}/zarr.json")
@@ -52,8 +53,9 @@ class RunIndex:
         try:
             return zarr.open_group(store=self.keys.zarr, path=f"runs/{run_id}", mode="r" if self.read_only else "r+")
         except METADATA_ERRORS as exc:
-            raise StoreError(f"run {run_id!r}: {self.run_path(run_id)}/zarr.json is unreadable "
-                             f"({type(exc).__name__}: {exc})") from exc
+            raise StoreError(
+                f"run {run_id!r}: {self.run_path(run_id)}/zarr.json is unreadable ({type(exc).__name__}: {exc})"
+            ) from exc
 
     def run_attrs(self, run_id: str) -> dict[str, Any]:
         """The run's attributes, read afresh."""

@@ -18,8 +18,18 @@ from nsa_dist.metrics.reconstruction import reconstruction_ks
 from nsa_dist.store.dims import RunDims
 from nsa_dist.store.records import PHIS, step_array_specs
 
-__all__ = ["SCHEMA_VERSION", "CHUNK_BYTES", "ArraySpec", "RunDims", "StepRecord", "run_arrays", "PHIS",
-           "STATE_ARRAYS", "dimension_names", "step_specs"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "CHUNK_BYTES",
+    "ArraySpec",
+    "RunDims",
+    "StepRecord",
+    "run_arrays",
+    "PHIS",
+    "STATE_ARRAYS",
+    "dimension_names",
+    "step_specs",
+]
 
 SCHEMA_VERSION = 1
 CHUNK_BYTES = 8 << 20  # the largest chunk written (8 MiB before compression): cheap to fetch from s3://
@@ -62,7 +72,7 @@ def _split(chunk: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     """Shrink the chunk's trailing axes (the last first) until it holds at most CHUNK_BYTES."""
     c = list(chunk)
     for ax in range(len(c) - 1, 0, -1):
-        rest = itemsize * int(np.prod(c[:ax] + c[ax + 1:]))
+        rest = itemsize * int(np.prod(c[:ax] + c[ax + 1 :]))
         if rest * c[ax] <= CHUNK_BYTES:
             break
         c[ax] = max(1, CHUNK_BYTES // rest)
@@ -95,8 +105,10 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         ArraySpec("rng_state", (D.S, D.rng_bytes), "uint8", True),
     ]
     if D.store_eigenvectors:
-        a += [ArraySpec("eigenvector_steps", (D.S,), "bool", False),
-              ArraySpec("reconstruction_k", (len(reconstruction_ks(D.K)),), "int64", False)]
+        a += [
+            ArraySpec("eigenvector_steps", (D.S,), "bool", False),
+            ArraySpec("reconstruction_k", (len(reconstruction_ks(D.K)),), "int64", False),
+        ]
     if D.hessian:
         a.append(ArraySpec("hessian_steps", (D.S,), "bool", False))
     if D.curve_points:
@@ -108,10 +120,17 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
 def step_specs(D: RunDims, *, eigenvectors: bool, hessian: bool, first: bool = False) -> dict[str, ArraySpec]:
     """The arrays a step's analysis must hand over (the resume state and ``done`` excluded);
     ``first``: the first recorded step (index 0)."""
-    want = ({"every"} | ({"eigenvectors"} if eigenvectors else set()) | ({"hessian"} if hessian else set())
-            | ({"first"} if first else set()))
-    return {a.name: a for a in run_arrays(D)
-            if a.per_step and a.at in want and a.name not in STATE_ARRAYS and a.name != "done"}
+    want = (
+        {"every"}
+        | ({"eigenvectors"} if eigenvectors else set())
+        | ({"hessian"} if hessian else set())
+        | ({"first"} if first else set())
+    )
+    return {
+        a.name: a
+        for a in run_arrays(D)
+        if a.per_step and a.at in want and a.name not in STATE_ARRAYS and a.name != "done"
+    }
 
 
 @dataclass(frozen=True)
@@ -123,8 +142,9 @@ class StepRecord:
     values: dict[str, np.ndarray]
 
     @classmethod
-    def build(cls, D: RunDims, index: int, result: dict[str, Any], *, eigenvectors: bool, hessian: bool,
-              where: str = "") -> StepRecord:
+    def build(
+        cls, D: RunDims, index: int, result: dict[str, Any], *, eigenvectors: bool, hessian: bool, where: str = ""
+    ) -> StepRecord:
         """Check ``result`` against the contract; ValueError naming every unknown, missing or
         mis-shaped key (``where``: the run, for the message)."""
         from nsa_dist.errors import StoreError
@@ -147,8 +167,11 @@ class StepRecord:
             else:
                 values[name] = v.astype(a.dtype, copy=False)
         if problems:
-            raise StoreError(f"{where}step index {index}: the analysis result does not match the store schema: "
-                             + "; ".join(problems) + " (nothing of this step was written)")
+            raise StoreError(
+                f"{where}step index {index}: the analysis result does not match the store schema: "
+                + "; ".join(problems)
+                + " (nothing of this step was written)"
+            )
         return cls(index, values)
 
 
@@ -171,35 +194,62 @@ def _casts(src: np.dtype, dst: np.dtype) -> bool:
 # --------------------------------------------------------------------------- dimension names
 _OUT = ("output",)
 _DIMS: dict[str, tuple[str, ...]] = {
-    "X": ("point", "input"), "y": ("point",) + _OUT, "X_test": ("test_point", "input"),
-    "y_test": ("test_point",) + _OUT, "steps": ("step",), "image_indices": ("image",),
-    "loss_trace": ("train_step",), "theta": ("step", "param"), "opt_slots": ("step", "slot", "param"),
-    "rng_state": ("step", "rng_byte"), "f": ("step", "point") + _OUT, "df": ("step", "point") + _OUT,
-    "df_pred": ("step", "point") + _OUT, "f_test": ("step", "test_point") + _OUT,
-    "eigenvalues": ("step", "k"), "eigenvectors": ("step", "point", "k"),
-    "eigenvalues_test": ("step", "k_test"), "energy_f_test": ("step", "k_test"),
-    "eigenvalues_full": ("step", "k_full"), "eigenvalues_per_class": ("step", "output", "k_class"),
-    "projections_residual": ("step", "k"), "eigvec_images": ("step", "image", "pixel_y", "pixel_x"),
+    "X": ("point", "input"),
+    "y": ("point",) + _OUT,
+    "X_test": ("test_point", "input"),
+    "y_test": ("test_point",) + _OUT,
+    "steps": ("step",),
+    "image_indices": ("image",),
+    "loss_trace": ("train_step",),
+    "theta": ("step", "param"),
+    "opt_slots": ("step", "slot", "param"),
+    "rng_state": ("step", "rng_byte"),
+    "f": ("step", "point") + _OUT,
+    "df": ("step", "point") + _OUT,
+    "df_pred": ("step", "point") + _OUT,
+    "f_test": ("step", "test_point") + _OUT,
+    "eigenvalues": ("step", "k"),
+    "eigenvectors": ("step", "point", "k"),
+    "eigenvalues_test": ("step", "k_test"),
+    "energy_f_test": ("step", "k_test"),
+    "eigenvalues_full": ("step", "k_full"),
+    "eigenvalues_per_class": ("step", "output", "k_class"),
+    "projections_residual": ("step", "k"),
+    "eigvec_images": ("step", "image", "pixel_y", "pixel_x"),
     "eigvec_fourier": ("step", "image", "freq_y", "freq_x"),
-    "residual_image": ("step", "pixel_y", "pixel_x"), "residual_fourier": ("step", "freq_y", "freq_x"),
+    "residual_image": ("step", "pixel_y", "pixel_x"),
+    "residual_fourier": ("step", "freq_y", "freq_x"),
     "preservation": ("preservation_row", "k"),
-    "hessian_moments": ("step", "hessian_part", "moment"), "hessian_moments_stderr": ("step", "hessian_part", "moment"),
-    "hessian_moments_I_exact": ("step", "moment"), "hessian_orthogonality": ("step", "value_stderr"),
+    "hessian_moments": ("step", "hessian_part", "moment"),
+    "hessian_moments_stderr": ("step", "hessian_part", "moment"),
+    "hessian_moments_I_exact": ("step", "moment"),
+    "hessian_orthogonality": ("step", "value_stderr"),
     "gram_sq_frobenius": ("step", "value_stderr"),
     "hessian_rayleigh": ("step", "along", "quotient", "hessian_k"),
-    "hessian_rayleigh_evals": ("step", "along", "hessian_k"), "hessian_top": ("step", "hessian_part", "hessian_top_k"),
-    "hessian_density_grid": ("step", "density_bin"), "hessian_density": ("step", "density_bin"),
-    "hessian_additivity": ("step", "value_stderr", "moment"), "hessian_I_limit_moments": ("step", "moment"),
-    "hessian_G": ("step", "point") + _OUT, "hessian_G_stderr": ("step", "point") + _OUT,
-    "hessian_trace_S_G": ("step", "value_stderr"), "hessian_I_eigenvalues": ("step", "hessian_I_k"),
-    "hessian_I_limit_eigenvalues": ("step", "hessian_I_k"), "hessian_S_op": ("step",),
+    "hessian_rayleigh_evals": ("step", "along", "hessian_k"),
+    "hessian_top": ("step", "hessian_part", "hessian_top_k"),
+    "hessian_density_grid": ("step", "density_bin"),
+    "hessian_density": ("step", "density_bin"),
+    "hessian_additivity": ("step", "value_stderr", "moment"),
+    "hessian_I_limit_moments": ("step", "moment"),
+    "hessian_G": ("step", "point") + _OUT,
+    "hessian_G_stderr": ("step", "point") + _OUT,
+    "hessian_trace_S_G": ("step", "value_stderr"),
+    "hessian_I_eigenvalues": ("step", "hessian_I_k"),
+    "hessian_I_limit_eigenvalues": ("step", "hessian_I_k"),
+    "hessian_S_op": ("step",),
     "hessian_S_limit": ("step", "S_prediction"),
-    "reconstruction_k": ("reconstruction",), "reconstructions": ("step", "reconstruction", "point") + _OUT,
+    "reconstruction_k": ("reconstruction",),
+    "reconstructions": ("step", "reconstruction", "point") + _OUT,
     "reconstruction_images": ("step", "reconstruction", "pixel_y", "pixel_x"),
-    "gram_change": ("step", "measured_first_order", "k_gram_change"), "gram_change_fro": ("step", "gram_change_norm"),
+    "gram_change": ("step", "measured_first_order", "k_gram_change"),
+    "gram_change_fro": ("step", "gram_change_norm"),
     "constant_gram_f_test": ("step", "predicted_step", "test_point") + _OUT,
-    "constant_gram_residual": ("step", "predicted_measured"), "constant_gram_energy": ("step", "k"),
-    "curve_k": ("curve",), "gram_density_grid": ("step", "density"), "gram_density": ("step", "density"),
+    "constant_gram_residual": ("step", "predicted_measured"),
+    "constant_gram_energy": ("step", "k"),
+    "curve_k": ("curve",),
+    "gram_density_grid": ("step", "density"),
+    "gram_density": ("step", "density"),
 }
 
 
@@ -210,7 +260,8 @@ def dimension_names(name: str, ndim: int) -> tuple[str, ...]:
     "output" (Ko, present only when Ko > 1); energies are ("step", "k"); any other array is
     ("step",) + ("<name>_dim<j>", …).
     """
-    dims = _DIMS.get(name) or (("step", "k") if name.startswith("energy_") else
-                               ("step", "curve") if name.startswith("curve_") else ("step",))
+    dims = _DIMS.get(name) or (
+        ("step", "k") if name.startswith("energy_") else ("step", "curve") if name.startswith("curve_") else ("step",)
+    )
     dims = dims[:ndim]
     return dims + tuple(f"{name}_dim{j}" for j in range(len(dims), ndim))

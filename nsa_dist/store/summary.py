@@ -59,8 +59,7 @@ class RunSummary:
     data_fingerprint: str | None = None
 
 
-def run_summaries(store: RunIndex, run_ids: list[str] | None = None, *,
-                  steps: bool = True) -> list[RunSummary]:
+def run_summaries(store: RunIndex, run_ids: list[str] | None = None, *, steps: bool = True) -> list[RunSummary]:
     """A :class:`RunSummary` of each run (default: every run of the store), in the order given.
 
     Args:
@@ -86,14 +85,20 @@ def run_summaries(store: RunIndex, run_ids: list[str] | None = None, *,
 
 async def _quick(store: RunIndex, rid: str, steps_too: bool) -> RunSummary:
     """The unchecked concurrent read; any failure is re-read by :func:`_checked`."""
-    meta, lease = await asyncio.gather(store.keys.get_async(f"runs/{rid}/zarr.json"),
-                                       store.keys.get_async(f"leases/{rid}/zarr.json"))
+    meta, lease = await asyncio.gather(
+        store.keys.get_async(f"runs/{rid}/zarr.json"), store.keys.get_async(f"leases/{rid}/zarr.json")
+    )
     if meta is None:
         raise StoreError(f"no run {rid!r} in {store.url!r}")
     attrs = json.loads(meta).get("attributes", {})
     status, reason = effective_status(attrs.get("status"), attrs.get("reason"), parse_lease(lease))
-    base = dict(id=rid, status=status, reason=reason, spec=attrs.get("spec") or {},
-                data_fingerprint=attrs.get("data_fingerprint"))
+    base = dict(
+        id=rid,
+        status=status,
+        reason=reason,
+        spec=attrs.get("spec") or {},
+        data_fingerprint=attrs.get("data_fingerprint"),
+    )
     if attrs.get("creating"):
         return RunSummary(**base)  # no array need exist yet
     dims = RunDims.from_json(attrs["dims"])
@@ -114,8 +119,14 @@ async def _quick(store: RunIndex, rid: str, steps_too: bool) -> RunSummary:
     lam = np.nan
     if lam_name is not None:
         lam = await (await open_(lam_name)).getitem((last, 0))
-    return RunSummary(**base, steps_done=len(idx), steps_total=len(steps), last_step=int(steps[last]),
-                      loss=float(loss), lambda_max=float(lam))
+    return RunSummary(
+        **base,
+        steps_done=len(idx),
+        steps_total=len(steps),
+        last_step=int(steps[last]),
+        loss=float(loss),
+        lambda_max=float(lam),
+    )
 
 
 def _lambda_array(dims: RunDims) -> str | None:
@@ -133,19 +144,42 @@ def _checked(store: RunIndex, rid: str, quick_error: BaseException, steps_too: b
         r = RunReader(store, rid)
         status, reason = r.status()
         if not steps_too:
-            return RunSummary(rid, status, reason, None, r.dims.S if r.dims else 0, spec=r.attrs.get("spec") or {},
-                              data_fingerprint=r.attrs.get("data_fingerprint"))
+            return RunSummary(
+                rid,
+                status,
+                reason,
+                None,
+                r.dims.S if r.dims else 0,
+                spec=r.attrs.get("spec") or {},
+                data_fingerprint=r.attrs.get("data_fingerprint"),
+            )
         steps = r.read("steps")
         idx = np.flatnonzero(r.done)
         if not len(idx):
-            return RunSummary(rid, status, reason, steps_total=len(steps), spec=r.attrs.get("spec") or {},
-                              data_fingerprint=r.attrs.get("data_fingerprint"))
+            return RunSummary(
+                rid,
+                status,
+                reason,
+                steps_total=len(steps),
+                spec=r.attrs.get("spec") or {},
+                data_fingerprint=r.attrs.get("data_fingerprint"),
+            )
         last = int(idx[-1])
         loss = float(r.read_step("loss", last))
         lam_name = _lambda_array(r.dims) if r.dims else None
         lam = float(r.read_step(lam_name, last)[0]) if lam_name else float("nan")
-        return RunSummary(rid, status, reason, len(idx), len(steps), int(steps[last]), loss, lam,
-                          r.attrs.get("spec") or {}, r.attrs.get("data_fingerprint"))
+        return RunSummary(
+            rid,
+            status,
+            reason,
+            len(idx),
+            len(steps),
+            int(steps[last]),
+            loss,
+            lam,
+            r.attrs.get("spec") or {},
+            r.attrs.get("data_fingerprint"),
+        )
     except StoreError as exc:
         return RunSummary(rid, Status.DAMAGED, str(exc))
     except Exception:  # noqa: BLE001 — the checked reader found nothing: report what the quick read met

@@ -60,14 +60,32 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
         r = RunReader(store, run_id)
     except StoreError as exc:
         folder = _linked(store, run_id)
-        return [Damage(run_id, "", None, None, folder or f"{store.run_path(run_id)}/zarr.json", str(exc),
-                       link=folder is not None)]
+        return [
+            Damage(
+                run_id,
+                "",
+                None,
+                None,
+                folder or f"{store.run_path(run_id)}/zarr.json",
+                str(exc),
+                link=folder is not None,
+            )
+        ]
     if r.attrs.get("creating"):  # no step can be recorded yet: nothing to check, nothing damaged
         if store.creation_live(run_id):
             return []
-        return [Damage(run_id, "", None, None, f"{r.path}/zarr.json", "its creation was interrupted (its writer "
-                       "stopped before making every array); re-run it (nsa run / nsa sweep) to finish creating it",
-                       unfinished=True)]
+        return [
+            Damage(
+                run_id,
+                "",
+                None,
+                None,
+                f"{r.path}/zarr.json",
+                "its creation was interrupted (its writer "
+                "stopped before making every array); re-run it (nsa run / nsa sweep) to finish creating it",
+                unfinished=True,
+            )
+        ]
     out: list[Damage] = []
     steps = None
     for name, a in r.specs.items():
@@ -75,8 +93,11 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
             arr = r.array(name)
         except StoreError as exc:
             folder = _linked(store, run_id, name)
-            out.append(Damage(run_id, name, None, None, folder or f"{r.path}/{name}/zarr.json", str(exc),
-                              link=folder is not None))
+            out.append(
+                Damage(
+                    run_id, name, None, None, folder or f"{r.path}/{name}/zarr.json", str(exc), link=folder is not None
+                )
+            )
             continue
         wrong, used = r.wrong_kinds(name), set()
 
@@ -84,8 +105,9 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
             hit = covering(wrong, key)
             if hit is not None and (hit, i) not in used:
                 used.add((hit, i))
-                out.append(Damage(run_id, name, i, None, f"{r.path}/{name}/{hit}", wrong[hit],
-                                  f"runs/{run_id}/{name}/{hit}"))
+                out.append(
+                    Damage(run_id, name, i, None, f"{r.path}/{name}/{hit}", wrong[hit], f"runs/{run_id}/{name}/{hit}")
+                )
             return hit is not None
 
         if not a.per_step:
@@ -95,8 +117,11 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                     continue
                 problem = chunk_problem(arr, chunk_selection(arr, c))
                 if problem:
-                    out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/{key}", problem,
-                                      f"runs/{run_id}/{name}/{key}"))
+                    out.append(
+                        Damage(
+                            run_id, name, None, None, f"{r.path}/{name}/{key}", problem, f"runs/{run_id}/{name}/{key}"
+                        )
+                    )
             if name == "steps" and not any(d.array == "steps" for d in out):
                 steps = r.read("steps")
         else:
@@ -109,16 +134,44 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                         continue
                     if key not in present:
                         if name != "done":
-                            out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}",
-                                              "chunk missing (the step is marked done)", None))
+                            out.append(
+                                Damage(
+                                    run_id,
+                                    name,
+                                    int(i),
+                                    None,
+                                    f"{r.path}/{name}/{key}",
+                                    "chunk missing (the step is marked done)",
+                                    None,
+                                )
+                            )
                         continue
                     problem = chunk_problem(arr, chunk_selection(arr, c))
                     if problem:
-                        out.append(Damage(run_id, name, int(i), None, f"{r.path}/{name}/{key}", problem,
-                                          f"runs/{run_id}/{name}/{key}"))
+                        out.append(
+                            Damage(
+                                run_id,
+                                name,
+                                int(i),
+                                None,
+                                f"{r.path}/{name}/{key}",
+                                problem,
+                                f"runs/{run_id}/{name}/{key}",
+                            )
+                        )
         for hit in sorted(set(wrong) - {h for h, _ in used}):  # at a step not done, or stray: removed only
-            out.append(Damage(run_id, name, None, None, f"{r.path}/{name}/{hit}", wrong[hit],
-                              f"runs/{run_id}/{name}/{hit}", stray=True))
+            out.append(
+                Damage(
+                    run_id,
+                    name,
+                    None,
+                    None,
+                    f"{r.path}/{name}/{hit}",
+                    wrong[hit],
+                    f"runs/{run_id}/{name}/{hit}",
+                    stray=True,
+                )
+            )
     if steps is not None:
         out = [replace(d, step=int(steps[d.index]) if d.index is not None else None) for d in out]
     return out
@@ -142,14 +195,25 @@ def verify_store(store: RunIndex, run_ids: list[str] | None = None) -> list[Dama
     if run_ids is None and runs is not None and os.path.isdir(runs):
         for e in sorted(os.scandir(runs), key=lambda e: e.name):
             if e.is_symlink() and e.name not in ids:
-                out.append(Damage(e.name, "", None, None, e.path, f"the run's folder is a symbolic link (to "
-                                  f"{os.readlink(e.path)}) to no run's folder; --mark removes the link and a re-run "
-                                  "creates the run anew", link=True))
+                out.append(
+                    Damage(
+                        e.name,
+                        "",
+                        None,
+                        None,
+                        e.path,
+                        f"the run's folder is a symbolic link (to "
+                        f"{os.readlink(e.path)}) to no run's folder; --mark removes the link and a re-run "
+                        "creates the run anew",
+                        link=True,
+                    )
+                )
     return out
 
 
-def mark_damaged(store: SpectrumStore, damage: list[Damage], *,
-                 wait: float | None = 0.0) -> dict[str, list[int] | None]:
+def mark_damaged(
+    store: SpectrumStore, damage: list[Damage], *, wait: float | None = 0.0
+) -> dict[str, list[int] | None]:
     """Have each damaged run's writer forget its damaged steps, so that a re-run recomputes them.
 
     The runs' leases are taken first (a run a live writer holds is refused: :class:`LeaseHeld`),
@@ -182,8 +246,10 @@ def mark_damaged(store: SpectrumStore, damage: list[Damage], *,
     damage = [d for d in damage if not d.unfinished]
     meta = [d for d in damage if d.key is None and d.index is None and not d.link]
     if meta:
-        raise StoreError("cannot repair damaged metadata (restore it, or delete the run and re-run): "
-                         + "; ".join(f"{d.path}" for d in meta))
+        raise StoreError(
+            "cannot repair damaged metadata (restore it, or delete the run and re-run): "
+            + "; ".join(f"{d.path}" for d in meta)
+        )
     rids = sorted({d.run_id for d in damage})
     if not rids:
         return {}
@@ -206,18 +272,21 @@ def mark_damaged(store: SpectrumStore, damage: list[Damage], *,
                 ds = [d for d in verify_run(store, rid) if not d.unfinished]
                 meta = [d for d in ds if d.key is None and d.index is None and not d.link]
                 if meta:
-                    raise StoreError(f"run {rid!r}: the copy that replaced its linked folder has damaged metadata "
-                                     "(restore it, or delete the run and re-run): " + "; ".join(d.path for d in meta))
+                    raise StoreError(
+                        f"run {rid!r}: the copy that replaced its linked folder has damaged metadata "
+                        "(restore it, or delete the run and re-run): " + "; ".join(d.path for d in meta)
+                    )
             if not store.has_run(rid):
                 marked[rid] = None
                 continue
             r = RunReader(store, rid)
             idx = list(range(len(r.done))) if scratch else _steps_to_recompute(r, ds)
             store.reopen(rid, token=lease.token).forget_steps(
-                idx, list(dict.fromkeys(d.key for d in ds if d.key is not None)),
-                static_damaged=scratch or any(d.index is None and d.array != "loss_trace" and not d.stray
-                                              for d in ds),
-                reason=f"{len(idx)} damaged step(s) marked for recompute by nsa verify; re-run to resume")
+                idx,
+                list(dict.fromkeys(d.key for d in ds if d.key is not None)),
+                static_damaged=scratch or any(d.index is None and d.array != "loss_trace" and not d.stray for d in ds),
+                reason=f"{len(idx)} damaged step(s) marked for recompute by nsa verify; re-run to resume",
+            )
             marked[rid] = idx
     return marked
 

@@ -74,12 +74,16 @@ class SpectrumStore(RunIndex):
             return
         path = self.keys.path
         if self.keys.local and path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise StoreError(f"{self.url!r} is a non-empty {'directory' if path.is_dir() else 'file'} that is not an "
-                             "nsa-dist spectrum store (it has no zarr.json): refusing to write into it — give a new or "
-                             "an existing store path")
+            raise StoreError(
+                f"{self.url!r} is a non-empty {'directory' if path.is_dir() else 'file'} that is not an "
+                "nsa-dist spectrum store (it has no zarr.json): refusing to write into it — give a new or "
+                "an existing store path"
+            )
         if not self.keys.local and self.keys.list_prefix(""):
-            raise StoreError(f"{self.url!r} holds objects but is not an nsa-dist spectrum store (no zarr.json): "
-                             "refusing to write into it")
+            raise StoreError(
+                f"{self.url!r} holds objects but is not an nsa-dist spectrum store (no zarr.json): "
+                "refusing to write into it"
+            )
         try:
             zarr.create_group(store=self.keys.zarr, attributes={"nsa_dist_schema": SCHEMA_VERSION})
         except zarr.errors.ContainsGroupError:  # a second writer opening the new store made it first
@@ -92,11 +96,15 @@ class SpectrumStore(RunIndex):
         if version is None and not has_runs:
             foreign = [k for k in self.keys.list_dir("") if k != "zarr.json"]
             if self.read_only or foreign or attrs:
-                raise StoreError(f"{self.url!r} is not an nsa-dist spectrum store (its zarr.json has no "
-                                 "'nsa_dist_schema' and it has no 'runs' group)")
+                raise StoreError(
+                    f"{self.url!r} is not an nsa-dist spectrum store (its zarr.json has no "
+                    "'nsa_dist_schema' and it has no 'runs' group)"
+                )
         if version is not None and version != SCHEMA_VERSION:
-            raise StoreError(f"{self.url!r} is an nsa-dist store of schema {version}; this nsa-dist reads and writes "
-                             f"schema {SCHEMA_VERSION}")
+            raise StoreError(
+                f"{self.url!r} is an nsa-dist store of schema {version}; this nsa-dist reads and writes "
+                f"schema {SCHEMA_VERSION}"
+            )
         if self.read_only:
             if not has_runs:
                 raise StoreError(f"{self.url!r} is not an nsa-dist spectrum store (it has no 'runs' group)")
@@ -143,8 +151,16 @@ class SpectrumStore(RunIndex):
         """The run's checked reader."""
         return RunReader(self, run_id)
 
-    def writer(self, run_id: str, spec: dict, dims: RunDims, *, create: bool = True,
-               data_fingerprint: str | None = None, token: str | None = None) -> RunWriter:
+    def writer(
+        self,
+        run_id: str,
+        spec: dict,
+        dims: RunDims,
+        *,
+        create: bool = True,
+        data_fingerprint: str | None = None,
+        token: str | None = None,
+    ) -> RunWriter:
         """Create run ``run_id``, or reopen it for resuming after checking spec, data, schema and arrays.
 
         A run half made by a killed process (``creating`` still set) is finished here.
@@ -163,13 +179,26 @@ class SpectrumStore(RunIndex):
         """
         if not self.has_run(run_id):
             if not create:
-                raise StoreError(f"run {run_id!r} is not in {self.url!r} as seen from this node: the store must be "
-                                 "shared storage that every node reaches (s3://…, gs://…, a shared filesystem path)")
+                raise StoreError(
+                    f"run {run_id!r} is not in {self.url!r} as seen from this node: the store must be "
+                    "shared storage that every node reaches (s3://…, gs://…, a shared filesystem path)"
+                )
             now = time.time()
-            g = self.runs.create_group(run_id, attributes={
-                "schema_version": SCHEMA_VERSION, "spec": spec, "dims": dims.to_json(), "status": Status.PENDING,
-                "reason": None, "failed_step": None, "created": now, "updated": now, "creating": True,
-                "data_fingerprint": data_fingerprint})
+            g = self.runs.create_group(
+                run_id,
+                attributes={
+                    "schema_version": SCHEMA_VERSION,
+                    "spec": spec,
+                    "dims": dims.to_json(),
+                    "status": Status.PENDING,
+                    "reason": None,
+                    "failed_step": None,
+                    "created": now,
+                    "updated": now,
+                    "creating": True,
+                    "data_fingerprint": data_fingerprint,
+                },
+            )
             w = RunWriter(self, run_id, g, dims, token=token)
             w.finish_creation()
             return w
@@ -177,12 +206,17 @@ class SpectrumStore(RunIndex):
         attrs = g.attrs.asdict()
         version = attrs.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise RunRefused(f"run {run_id!r} in {self.url!r} has store schema {version}, this nsa-dist "
-                             f"writes {SCHEMA_VERSION}; use a new store or run name")
+            raise RunRefused(
+                f"run {run_id!r} in {self.url!r} has store schema {version}, this nsa-dist "
+                f"writes {SCHEMA_VERSION}; use a new store or run name"
+            )
         diff = _diff(attrs.get("spec"), spec)
         if diff:
-            raise RunRefused(f"run {run_id!r} exists in {self.url!r} with a different spec ("
-                             + "; ".join(diff[:5]) + "); refusing to overwrite — use another name")
+            raise RunRefused(
+                f"run {run_id!r} exists in {self.url!r} with a different spec ("
+                + "; ".join(diff[:5])
+                + "); refusing to overwrite — use another name"
+            )
         self._check_data(run_id, spec, attrs.get("data_fingerprint"), data_fingerprint)
         w = RunWriter(self, run_id, g, dims, token=token)
         if data_fingerprint and not attrs.get("data_fingerprint"):  # a run made before fingerprints
@@ -211,9 +245,11 @@ class SpectrumStore(RunIndex):
             return
         data = (spec or {}).get("data") or {}
         what = f"data.path {data['path']!r}" if data.get("path") else f"the {data.get('name', '?')} data"
-        raise RunRefused(f"run {run_id!r} in {self.url!r} was created from other data: {what} now loads as "
-                         f"{loaded}, the run holds {stored}; refusing to mix them — start a new run (change the "
-                         f"spec's `name`) or delete this one ({self.run_path(run_id)})")
+        raise RunRefused(
+            f"run {run_id!r} in {self.url!r} was created from other data: {what} now loads as "
+            f"{loaded}, the run holds {stored}; refusing to mix them — start a new run (change the "
+            f"spec's `name`) or delete this one ({self.run_path(run_id)})"
+        )
 
     # ------------------------------------------------------------------ leases
     def lease(self, run_ids: list[str], *, wait: float | None = 0.0, ttl: float | None = None) -> Lease:
@@ -238,8 +274,9 @@ class RunWriter:
     writer paused between a check and its put cannot land a stale chunk over its successor's.
     """
 
-    def __init__(self, store: SpectrumStore, run_id: str, group: zarr.Group, dims: RunDims,
-                 token: str | None = None) -> None:
+    def __init__(
+        self, store: SpectrumStore, run_id: str, group: zarr.Group, dims: RunDims, token: str | None = None
+    ) -> None:
         self._fence: RunFence | None = None
         if token is not None and store.keys.local and not store.keys.read_only:
             fenced = FencedLocalStore.for_run(store.keys.path, run_id, token, store.url)
@@ -254,9 +291,17 @@ class RunWriter:
         return self.store.run_path(self.run_id)
 
     def _create(self, a: ArraySpec, overwrite: bool = False) -> None:
-        self.g.create_array(a.name, shape=a.shape, chunks=a.chunks, dtype=a.dtype, fill_value=a.fill,
-                            dimension_names=a.dims, compressors=CODECS(), config={"write_empty_chunks": True},
-                            overwrite=overwrite)
+        self.g.create_array(
+            a.name,
+            shape=a.shape,
+            chunks=a.chunks,
+            dtype=a.dtype,
+            fill_value=a.fill,
+            dimension_names=a.dims,
+            compressors=CODECS(),
+            config={"write_empty_chunks": True},
+            overwrite=overwrite,
+        )
 
     def _array_ok(self, a: ArraySpec) -> bool:
         try:
@@ -286,8 +331,10 @@ class RunWriter:
                 present = name in self.g
                 arr = self.g[name] if present else None
             except METADATA_ERRORS as exc:
-                raise StoreError(f"corrupt run {self.run_id!r}: {self.path}/{name}/zarr.json is unreadable "
-                                 f"({type(exc).__name__}: {exc})") from exc
+                raise StoreError(
+                    f"corrupt run {self.run_id!r}: {self.path}/{name}/zarr.json is unreadable "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
             if arr is None:
                 if name in _ADDED:
                     self._create(a)
@@ -299,8 +346,10 @@ class RunWriter:
                     continue
                 raise StoreError(f"corrupt run {self.run_id!r}: array {name!r} is missing")
             if tuple(arr.shape) != a.shape or np.dtype(arr.dtype) != np.dtype(a.dtype):
-                raise StoreError(f"corrupt run {self.run_id!r}: array {name!r} is {arr.dtype}{tuple(arr.shape)}, "
-                                 f"expected {a.dtype}{a.shape}")
+                raise StoreError(
+                    f"corrupt run {self.run_id!r}: array {name!r} is {arr.dtype}{tuple(arr.shape)}, "
+                    f"expected {a.dtype}{a.shape}"
+                )
 
     # ------------------------------------------------------------------ attributes
     def attrs(self) -> dict[str, Any]:
@@ -336,15 +385,23 @@ class RunWriter:
         unknown = sorted(set(arrays) - set(self.static_names()))
         missing = sorted(set(self.static_names()) - set(arrays))
         if unknown or missing:
-            raise StoreError(f"run {self.run_id!r}: static arrays do not match the store schema ("
-                             + "; ".join(p for p in (unknown and f"unknown {', '.join(unknown)}",
-                                                     missing and f"missing {', '.join(missing)}") if p) + ")")
+            raise StoreError(
+                f"run {self.run_id!r}: static arrays do not match the store schema ("
+                + "; ".join(
+                    p
+                    for p in (unknown and f"unknown {', '.join(unknown)}", missing and f"missing {', '.join(missing)}")
+                    if p
+                )
+                + ")"
+            )
         self.fence()
         for name, value in arrays.items():
             v = np.asarray(value)
             if tuple(v.shape) != self.specs[name].shape:
-                raise StoreError(f"run {self.run_id!r}: static array {name!r} has shape {v.shape}, the store holds "
-                                 f"{self.specs[name].shape}")
+                raise StoreError(
+                    f"run {self.run_id!r}: static array {name!r} has shape {v.shape}, the store holds "
+                    f"{self.specs[name].shape}"
+                )
             if v.size:
                 self._out(name)[...] = v
         self._masks = None
@@ -354,8 +411,12 @@ class RunWriter:
         if self._masks is None:
             S = self.dims.S
             read = lambda n: np.asarray(self.g[n][:], bool) if n in self.specs else np.zeros(S, bool)  # noqa: E731
-            self._masks = {"every": np.ones(S, bool), "eigenvectors": read("eigenvector_steps"),
-                           "hessian": read("hessian_steps"), "first": np.arange(S) == 0}
+            self._masks = {
+                "every": np.ones(S, bool),
+                "eigenvectors": read("eigenvector_steps"),
+                "hessian": read("hessian_steps"),
+                "first": np.arange(S) == 0,
+            }
         return self._masks[at]
 
     def _out(self, name: str) -> zarr.Array:
@@ -375,12 +436,20 @@ class RunWriter:
         present though this step does not write it, or mis-shaped is a StoreError naming it, and
         nothing of the step is written.
         """
-        rec = StepRecord.build(self.dims, index, result.arrays(), eigenvectors=bool(self._mask("eigenvectors")[index]),
-                               hessian=bool(self._mask("hessian")[index]), where=f"run {self.run_id!r} ")
+        rec = StepRecord.build(
+            self.dims,
+            index,
+            result.arrays(),
+            eigenvectors=bool(self._mask("eigenvectors")[index]),
+            hessian=bool(self._mask("hessian")[index]),
+            where=f"run {self.run_id!r} ",
+        )
         theta = np.asarray(state.theta)
         if theta.shape != (self.dims.P,):
-            raise StoreError(f"run {self.run_id!r} step index {index}: theta has shape {theta.shape}, the store "
-                             f"holds ({self.dims.P},) (nothing of this step was written)")
+            raise StoreError(
+                f"run {self.run_id!r} step index {index}: theta has shape {theta.shape}, the store "
+                f"holds ({self.dims.P},) (nothing of this step was written)"
+            )
         self.fence()
         for name, value in rec.values.items():
             self._out(name)[index] = value
@@ -432,7 +501,7 @@ class RunWriter:
             c = arr.chunks[0]
             lo, hi = start // c * c, min(arr.shape[0], -(-(start + len(values)) // c) * c)
             block = arr[lo:hi]  # (hi − lo,) the chunks the values fall in
-            block[start - lo:start - lo + len(values)] = values
+            block[start - lo : start - lo + len(values)] = values
             self.fence()
             arr[lo:hi] = block
 
@@ -454,8 +523,12 @@ class RunWriter:
         """The resume state stored with recorded step ``i``: step, theta, slots, rng."""
         r = self.store.reader(self.run_id)
         slots = r.read_step("opt_slots", i) if self.dims.n_slots else np.zeros((0, self.dims.P), np.float32)
-        return {"step": int(r.read("steps")[i]), "theta": r.read_step("theta", i), "slots": slots,
-                "rng": r.read_step("rng_state", i)}
+        return {
+            "step": int(r.read("steps")[i]),
+            "theta": r.read_step("theta", i),
+            "slots": slots,
+            "rng": r.read_step("rng_state", i),
+        }
 
     def has(self, name: str) -> bool:
         return name in self.g
@@ -465,6 +538,12 @@ class RunWriter:
         if name in self.specs or name in STATE_ARRAYS:
             raise StoreError(f"run {self.run_id!r}: {name!r} is a schema array; write it with write_step/write_static")
         self.fence()
-        self.g.create_array(name, shape=value.shape, dtype=value.dtype, overwrite=True, compressors=CODECS(),
-                            dimension_names=dimension_names(name, value.ndim),
-                            attributes=dict(attrs or {}))[...] = value
+        self.g.create_array(
+            name,
+            shape=value.shape,
+            dtype=value.dtype,
+            overwrite=True,
+            compressors=CODECS(),
+            dimension_names=dimension_names(name, value.ndim),
+            attributes=dict(attrs or {}),
+        )[...] = value
