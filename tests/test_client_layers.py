@@ -12,7 +12,14 @@ import nsa_dist.client
 ROOT = Path(nsa_dist.__file__).parent
 CLIENT = ROOT / "client"
 # bottom to top; modules on one row do not import each other
-LAYERS = [("_arrays",), ("_frames",), ("_hessian", "_kernel", "_images"), ("_run",), ("_sweep",), ("_client",)]
+LAYERS = [
+    ("_arrays",),
+    ("_frames", "_curves"),
+    ("_hessian", "_kernel", "_images"),
+    ("_run",),
+    ("_sweep",),
+    ("_client",),
+]
 
 
 def _imported(path: Path) -> set[str]:

@@ -275,6 +275,7 @@ _NSA_TITLES = {
     "fig7d_preservation": r"NSA Fig. 7d — spectrum preservation: relative energy of $v_i^{t_2}$ in the spectrum "
     r"of $G_{t_1}$",
     "loss": "NSA Fig. 7b (this run) — training loss",
+    "energy_against_k": r"NSA — relative energy $E_t(\phi, k)$ against k, with its bracket",
 }
 
 
