@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import signal
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -287,7 +289,33 @@ def serve(opts: ServeOptions, announce: Callable[[str], None] = print) -> None:
     url = f"http://{host}:{server.port}/" + (f"?token={opts.token}" if opts.token else "")
     server.start()
     announce(url)
+    caught: list[int] = []
+    restore = _stop_on_signals(server.io_loop, caught)
     try:
         server.io_loop.start()
     finally:
+        restore()
         server.stop()
+    for signum in caught[:1]:  # the caller's own handling (Ctrl-C, SIGTERM), now outside the loop
+        signal.raise_signal(signum)
+
+
+def _stop_on_signals(io_loop: Any, caught: list[int]) -> Callable[[], None]:
+    """SIGINT and SIGTERM stop ``io_loop`` from the loop itself (an exception raised by a signal
+    handler can land in a callback whose errors are ignored — a weakref's — and leave the server
+    running); they are noted in ``caught`` and the previous handlers come back with the returned call.
+    Outside the main thread nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: object) -> None:
+        caught.append(signum)
+        io_loop.asyncio_loop.call_soon_threadsafe(io_loop.stop)  # wakes the loop through its self-pipe
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, signal.SIG_DFL if h is None else h)
+
+    return restore
