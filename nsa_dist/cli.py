@@ -598,6 +598,7 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- Ray
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import SweepCoordinator, connect
+    from nsa_dist.cluster.runtime import RayletLost, core_worker_console_to_log
     from nsa_dist.pipeline.budget import check_fits
     from nsa_dist.specfile import check_data, load_sweep
 
@@ -617,10 +618,18 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except BaseException:
         coordinator.close()
         raise
-    for rid, (layout, reason) in coordinator.layouts().items():
-        print(f"[nsa] {rid}: spectrum layout {layout} ({reason})", file=sys.stderr, flush=True)
-    with table:
-        outcomes = coordinator.run()
+    restore = core_worker_console_to_log()  # Ray's C++ lines to its log folder, ours to the console
+    try:
+        for rid, (layout, reason) in coordinator.layouts().items():
+            print(f"[nsa] {rid}: spectrum layout {layout} ({reason})", file=sys.stderr, flush=True)
+        with table:
+            outcomes = coordinator.run()
+    except RayletLost:
+        raise  # Ray's shutdown at exit writes more C++ lines about the lost node: they stay in the log
+    except BaseException:
+        restore()
+        raise
+    restore()
     failed = [o for o in outcomes if o.status != "done"]
     for o in outcomes:
         print(f"{o.run_id}: {o.status}" + (f" ({o.reason})" if o.reason else ""))

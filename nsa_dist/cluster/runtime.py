@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import signal
 import sys
@@ -14,7 +15,15 @@ import ray
 
 from nsa_dist.errors import OutsideError
 
-__all__ = ["RayletLost", "connect", "cluster_has_gpus", "alive_nodes", "auth_headers", "raylet_lost"]
+__all__ = [
+    "RayletLost",
+    "connect",
+    "core_worker_console_to_log",
+    "cluster_has_gpus",
+    "alive_nodes",
+    "auth_headers",
+    "raylet_lost",
+]
 
 
 class RayletLost(OutsideError):
@@ -186,6 +195,46 @@ def quiet_ray_at_exit() -> None:
             pass
 
     atexit.register(redirect)
+
+
+def core_worker_console_to_log():
+    """For a command-line process on Ray: from now on, what Ray's C++ core worker writes to this
+    process's stderr (file descriptor 2: its ERROR lines such as "Failed to push error to driver",
+    printed from its own threads whenever a node it talks to dies) goes to ``nsa-driver-reports.log``
+    in Ray's session log folder, while Python's ``sys.stderr`` — the command's own lines, warnings,
+    progress — stays on the console (a duplicate of the original descriptor).  Without it such a
+    line could reach the console between a raylet's death and the command noticing it, around the
+    one line that names the cause.
+
+    Returns the function that puts fd 2 and ``sys.stderr`` back (call it unless the raylet is
+    lost: then Ray's shutdown at exit writes more of the same).  Does nothing (returns a no-op)
+    when ``sys.stderr`` is not file descriptor 2 (captured, a notebook) or Ray has no log folder.
+    """
+    try:
+        if sys.stderr.fileno() != 2:
+            return lambda: None
+        path = os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "nsa-driver-reports.log")
+        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return lambda: None
+    original = sys.stderr
+    original.flush()
+    console = os.dup(2)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stderr = open(  # noqa: SIM115 - lives until restore()
+        console, "w", buffering=1, encoding=original.encoding, errors=original.errors or "backslashreplace"
+    )
+
+    def restore() -> None:
+        if sys.stderr.closed:
+            return
+        sys.stderr.flush()
+        os.dup2(console, 2)
+        sys.stderr.close()
+        sys.stderr = original
+
+    return restore
 
 
 def cluster_has_gpus() -> bool:
