@@ -3,7 +3,8 @@
 Owns: planning a run (:mod:`~nsa_dist.pipeline.plan`), training, one recorded step's analysis
 (the Gram's spectrum and metrics, kernel extras, the Hessian step, images), the gang layouts'
 operators and shards, the per-run roles as idempotent plain classes (``services``, ``tracked``)
-and the single-process composition (``runner``).
+a run's life as its writer (``session``: lease, create or reopen, statuses, post-run arrays) and
+the single-process composition (``runner``).
 
 May import: config, errors, losses, models, data, ntk, linalg, metrics, hessian and store (their
 public names).  Never Ray — the cluster layer wraps these classes as actors — and never the
@@ -13,7 +14,8 @@ client, cluster, plots or serve packages.
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.model_state import ModelState
 from nsa_dist.pipeline.plan import RunPlan, plan_run, run_id, spec_json
-from nsa_dist.pipeline.runner import PreparedRun, RunOutcome, finish_run, prepare_run, run_experiment
+from nsa_dist.pipeline.runner import RunOutcome, run_experiment
+from nsa_dist.pipeline.session import PreparedRun, RunSession, finish_run, prepare_run
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
 
@@ -23,6 +25,7 @@ __all__ = [
     "ModelState",
     "PreparedRun",
     "RunOutcome",
+    "RunSession",
     "finish_run",
     "prepare_run",
     "run_experiment",

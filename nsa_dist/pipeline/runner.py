@@ -9,23 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from nsa_dist.config import ExperimentSpec
-from nsa_dist.data import Dataset, load_dataset
-from nsa_dist.metrics import spectrum_preservation
 from nsa_dist.models import build_model
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
-from nsa_dist.pipeline.diagnostics import StepNotes
-from nsa_dist.pipeline.nsa_extras import write_constant_gram
-from nsa_dist.pipeline.plan import RunPlan, plan_run, run_id
+from nsa_dist.pipeline.session import PreparedRun, RunSession, finish_run, pin_layout, prepare_run
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
-from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
+from nsa_dist.store import SpectrumStore, Status
 
-__all__ = ["PreparedRun", "RunOutcome", "finish_run", "prepare_run", "run_experiment"]
+__all__ = ["PreparedRun", "RunOutcome", "finish_run", "pin_layout", "prepare_run", "run_experiment"]
 
 
 @dataclass(frozen=True)
@@ -34,51 +29,6 @@ class RunOutcome:
     status: str
     reason: str | None = None
     steps_computed: int = 0
-
-
-@dataclass
-class PreparedRun:
-    """A run whose store group exists with its static arrays written, and its plan (with the layout
-    the run was created with)."""
-
-    plan: RunPlan
-    data: Dataset
-    writer: RunWriter
-
-    @property
-    def run_id(self) -> str:
-        return self.plan.run_id
-
-
-def prepare_run(
-    spec: ExperimentSpec, store: SpectrumStore, token: str | None = None, model: torch.nn.Module | None = None
-) -> PreparedRun:
-    """Load the data, plan the run, create (or reopen and check) the run's group.
-
-    The run records its data's fingerprint when created; reopened with other data (a file
-    replaced at the same path) it is refused (StoreError naming the data and both
-    fingerprints).  The first to open the run records its layout (and why); everyone after — a
-    resumed run, every Ray worker given the plan — uses the recorded one.  ``token``: the writer
-    lease's token, fencing every write of the run.  ``model``: a network built from the spec that
-    the caller keeps (the plan reads its sizes), else one is built for planning.
-    """
-    data = load_dataset(spec.data, seed=spec.seed)
-    plan = plan_run(spec, data, model)
-    writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
-    plan = pin_layout(writer, plan)
-    if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
-        writer.write_static(plan.static_arrays(data))
-    return PreparedRun(plan, data, writer)
-
-
-def pin_layout(writer: RunWriter, plan: RunPlan) -> RunPlan:
-    """The plan with the run's recorded layout; the first to open the run records its own."""
-    writer.set_attrs(ntk_paths=plan.ntk_paths)  # which parameter took which NTK path, and why
-    stored = writer.attr("layout")
-    if stored:
-        return plan.with_layout(stored, writer.attr("layout_reason") or "recorded with the run")
-    writer.set_attrs(layout=plan.layout.layout.value, layout_reason=plan.layout.reason, **plan.energy_attrs())
-    return plan
 
 
 def run_experiment(
@@ -105,82 +55,41 @@ def run_experiment(
             refused before its data is loaded or its model built.
     """
     check_fits(spec)  # before the data is loaded or the model built
-    with store.lease([run_id(spec)], wait=wait) as lease:
-        return _run_leased(spec, store, on_step, on_update, on_prepared, lease.token)
+    with RunSession.open(spec, store, wait=wait, model=lambda: _seeded_model(spec)) as session:
+        return _run(session, on_step, on_update, on_prepared)
 
 
-def _run_leased(spec: ExperimentSpec, store: SpectrumStore, on_step, on_update, on_prepared, token: str) -> RunOutcome:
+def _seeded_model(spec: ExperimentSpec) -> torch.nn.Module:
+    """The analyzer's network, planned with (built once the run's lease is taken)."""
     torch.manual_seed(spec.seed)
-    model = build_model(spec.model, seed=spec.seed)  # the analyzer's network, planned with
-    run = prepare_run(spec, store, token, model)
+    return build_model(spec.model, seed=spec.seed)
+
+
+def _run(session: RunSession, on_step, on_update, on_prepared) -> RunOutcome:
+    """Train and analyse the steps still to do; the session's end sets the status (done, or how
+    the run stopped)."""
     if on_prepared:
-        on_prepared(run)
-    rid, writer = run.run_id, run.writer
-    trainer, analyzer = Trainer(run.plan, run.data), SpectralAnalyzer(run.plan, run.data, model)
-    done = writer.done()
-    if done.all():  # also a run killed between its last step and its preservation array
-        finish_run(writer, spec)
+        on_prepared(session.prepared)
+    plan, data, rid = session.plan, session.data, session.run_id
+    trainer, analyzer = Trainer(plan, data), SpectralAnalyzer(plan, data, session.prepared.model)
+    if session.complete():  # also a run killed between its last step and its preservation array
         return RunOutcome(rid, Status.DONE)
-    resume = writer.resume_index()
+    resume = session.writer.resume_index()
     if resume is not None:
-        trainer.load_state(TrainerState(**writer.state_at(resume)))
+        trainer.load_state(TrainerState(**session.writer.state_at(resume)))
     trainer.on_update = on_update
-    writer.set_status(Status.RUNNING)
+    session.start()
     computed = 0
     try:
-        for ck in trainer.train_until(spec.steps):
-            writer.write_trace(ck.trace_start, ck.loss_trace)
-            if done[ck.index]:
+        for ck in trainer.train_until(plan.spec.steps):
+            session.writer.write_trace(ck.trace_start, ck.loss_trace)
+            if session.done[ck.index]:
                 continue
             result = analyzer.analyze(ck)
-            writer.write_step(ck.index, result, ck.state)
+            session.commit(ck, result)
             computed += 1
             if on_step:
                 on_step(ck, result)
-    except TrainingDiverged as exc:
-        writer.set_status(Status.FAILED, str(exc), exc.step)
-        return RunOutcome(rid, Status.FAILED, str(exc), computed)
-    except LeaseLost:  # the run is another writer's now: not a word more from this one
-        raise
-    except (KeyboardInterrupt, SystemExit) as exc:
-        writer.set_status(Status.INTERRUPTED, f"interrupted ({type(exc).__name__}); re-run to resume")
-        raise
-    except Exception as exc:  # a bug or bad input that would recur: failed, finished steps kept
-        writer.set_status(Status.FAILED, f"{type(exc).__name__}: {exc}")
-        raise
-    finish_run(writer, spec)
+    except TrainingDiverged as exc:  # failed at its step, every earlier step kept
+        return RunOutcome(rid, Status.FAILED, session.fail(exc), computed)
     return RunOutcome(rid, Status.DONE, None, computed)
-
-
-def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
-    """After the last step: spectrum preservation and Eqs. 4–5's prediction, status done.
-
-    Both are diagnostics: one that cannot be computed is left out, its reason in the run's
-    ``post_run_notes`` attribute (``{array: reason}``, one log line), and the run is still done."""
-    notes = StepNotes(writer.run_id, None)
-    notes.guard(("preservation",), _write_preservation, writer, spec)
-    notes.guard(("constant_gram_residual", "constant_gram_energy"), write_constant_gram, writer, spec)
-    writer.set_attrs(post_run_notes=notes.reasons)
-    writer.set_status(Status.DONE)
-
-
-def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
-    """E_{t1}(v_i^{t2}, k) between the second and the last recorded step (NSA Fig. 7d); with a
-    ``store_eigenvectors`` list, between its first and last step."""
-    S = writer.dims.S
-    if not spec.spectrum.store_eigenvectors or S < 2:
-        return
-    reader = writer.store.reader(writer.run_id)
-    steps = reader.read("steps")
-    i1 = 1 if S > 2 else 0
-    if isinstance(spec.spectrum.store_eigenvectors, list):
-        at = [i for i, t in enumerate(steps) if spec.spectrum.eigenvectors_at(int(t))]
-        if len(at) < 2:
-            return
-        i1, S = at[0], at[-1] + 1
-    V1, V2 = reader.read_step("eigenvectors", i1), reader.read_step("eigenvectors", S - 1)
-    rows = sorted({i for i in spec.spectrum.images if i <= V2.shape[1]} | {1})
-    P = spectrum_preservation(V1.astype(np.float64), V2.astype(np.float64), i=rows)
-    writer.write_array(
-        "preservation", np.asarray(P, dtype=np.float64), {"t1": int(steps[i1]), "t2": int(steps[S - 1]), "rows": rows}
-    )

@@ -1,0 +1,315 @@
+"""One run's life as its writer, from the lease to ``done``: the run lifecycle every role shares.
+
+The single-process runner, the Tracker and the sweep coordinator all open a run the same way and
+end it the same way; only where the checkpoints come from and where they are analysed differ:
+
+1. :meth:`RunSession.open` takes (or waits for) the run's writer lease — unless the caller holds
+   one over several runs (a sweep) and passes its token — then :func:`prepare_run`: plans the
+   run on its data, creates the run or reopens it (refusing other data: the fingerprint check),
+   pins the layout the run was created with and writes the static arrays.
+2. :meth:`RunSession.start` sets ``running`` once the caller's workers are ready;
+   :meth:`RunSession.todo` / :attr:`RunSession.done` say which recorded steps are still to do,
+   :meth:`RunSession.commit` writes one step's result (or :meth:`RunSession.mark_done` notes one a
+   worker wrote).
+3. The end: :meth:`RunSession.end` maps how the run stopped to its status — success → ``done`` with
+   the post-run arrays (:func:`finish_run`), Ctrl-C / SIGTERM → ``interrupted``, a lost lease →
+   nothing (the run is another writer's now), an error → ``failed`` with its cause (and the
+   step, for a diverged run) — and gives the lease back if the session took it.  Used as a
+   context manager, the session ends itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.data import Dataset, load_dataset
+from nsa_dist.errors import AnalysisError
+from nsa_dist.metrics import spectrum_preservation
+from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.diagnostics import StepNotes
+from nsa_dist.pipeline.nsa_extras import write_constant_gram
+from nsa_dist.pipeline.plan import RunPlan, plan_run, run_id
+from nsa_dist.pipeline.trainer import TrainingDiverged
+from nsa_dist.store import Lease, LeaseLost, RunRefused, RunWriter, SpectrumStore, Status, StepResult
+
+__all__ = ["PreparedRun", "RunSession", "failure_reason", "finish_run", "pin_layout", "prepare_run"]
+
+
+@dataclass
+class PreparedRun:
+    """A run whose store group exists with its static arrays written, and its plan (with the layout
+    the run was created with)."""
+
+    plan: RunPlan
+    data: Dataset
+    writer: RunWriter
+    model: torch.nn.Module | None = None  # the network planned with, when the caller gave one
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+
+def prepare_run(
+    spec: ExperimentSpec,
+    store: SpectrumStore,
+    token: str | None = None,
+    model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+    *,
+    data: Dataset | None = None,
+) -> PreparedRun:
+    """Plan the run on its data, create (or reopen and check) the run's group.
+
+    The run records its data's fingerprint when created; reopened with other data (a file
+    replaced at the same path) it is refused (StoreError naming the data and both
+    fingerprints).  The first to open the run records its layout (and why); everyone after — a
+    resumed run, every Ray worker given the plan — uses the recorded one.  ``token``: the writer
+    lease's token, fencing every write of the run.  ``model``: a network built from the spec that
+    the caller keeps (the plan reads its sizes; a callable is called first thing, to build it),
+    else one is built for planning.  ``data``: the run's points when the caller has them (a
+    Tracker's arrays), else loaded from ``spec.data``.
+    """
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = model()
+    if data is None:
+        data = load_dataset(spec.data, seed=spec.seed)
+    plan = plan_run(spec, data, model)
+    writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
+    plan = pin_layout(writer, plan)
+    if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
+        writer.write_static(plan.static_arrays(data))
+    return PreparedRun(plan, data, writer, model)
+
+
+def pin_layout(writer: RunWriter, plan: RunPlan) -> RunPlan:
+    """The plan with the run's recorded layout; the first to open the run records its own."""
+    writer.set_attrs(ntk_paths=plan.ntk_paths)  # which parameter took which NTK path, and why
+    stored = writer.attr("layout")
+    if stored:
+        return plan.with_layout(stored, writer.attr("layout_reason") or "recorded with the run")
+    writer.set_attrs(layout=plan.layout.layout.value, layout_reason=plan.layout.reason, **plan.energy_attrs())
+    return plan
+
+
+def failure_reason(exc: BaseException) -> tuple[str, int | None]:
+    """The ``failed`` status's reason and step for ``exc``: a diverged run's or a step analysis's
+    own message and step; any other error as ``Type: message``."""
+    if isinstance(exc, (TrainingDiverged, AnalysisError)):
+        return str(exc), exc.step
+    return f"{type(exc).__name__}: {exc}", None
+
+
+@dataclass
+class RunSession:
+    """One run opened for writing: its plan, data and writer, the steps still to do, and its end.
+
+    Attributes:
+        prepared: the plan (with the pinned layout), the data and the writer.
+        lease: the writer lease this session took (given back when it ends); None when the caller
+            holds the run's lease (a sweep's driver holds all of its runs').
+        hint: how to continue an unfinished run, appended to an ``interrupted`` reason.
+        done: which recorded steps are in the store (kept up to date by commit / mark_done).
+    """
+
+    prepared: PreparedRun
+    lease: Lease | None = None
+    hint: str = "re-run to resume"
+    done: np.ndarray = field(init=False)
+    started: bool = field(default=False, init=False)
+    ended: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.done = self.writer.done()
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(
+        cls,
+        spec: ExperimentSpec,
+        store: SpectrumStore,
+        *,
+        token: str | None = None,
+        wait: float | None = 0.0,
+        data: Dataset | None = None,
+        model: torch.nn.Module | None = None,
+        hint: str = "re-run to resume",
+    ) -> RunSession:
+        """Take the run's lease (unless ``token``, the caller's lease, is given) and prepare the run.
+
+        Args:
+            wait: seconds to wait for another writer's lease (0: refuse at once with
+                :class:`~nsa_dist.store.LeaseHeld`; None: for ever).
+            data, model: as :func:`prepare_run` (a callable ``model`` is built once the lease is taken).
+            hint: how to continue the run after an interruption (the ``interrupted`` reason's tail).
+
+        Raises:
+            LeaseHeld: another live process writes the run.
+            StoreError: the store holds the run with another spec, schema or data (the lease taken
+                is handed back as it was).
+        """
+        lease = None if token is not None else store.lease([run_id(spec)], wait=wait).acquire()
+        try:
+            prepared = prepare_run(spec, store, lease.token if lease else token, model, data=data)
+        except BaseException as exc:
+            if lease is not None:
+                lease.hand_back() if isinstance(exc, RunRefused) else lease.release()
+            raise
+        return cls(prepared, lease, hint)
+
+    @classmethod
+    def open_all(
+        cls, specs: list[ExperimentSpec], store: SpectrumStore, *, wait: float | None = 0.0
+    ) -> tuple[Lease, list[RunSession]]:
+        """Take one lease over every run of ``specs`` (a sweep's driver holds them all; its workers
+        write with its token), then open each run under it; the caller releases the lease.
+
+        Raises:
+            LeaseHeld, StoreError: as :meth:`open` (the lease is released).
+        """
+        lease = store.lease(list(dict.fromkeys(run_id(s) for s in specs)), wait=wait).acquire()
+        try:
+            return lease, [cls.open(spec, store, token=lease.token) for spec in specs]
+        except BaseException:
+            lease.release()
+            raise
+
+    @property
+    def plan(self) -> RunPlan:
+        return self.prepared.plan
+
+    @property
+    def data(self) -> Dataset:
+        return self.prepared.data
+
+    @property
+    def writer(self) -> RunWriter:
+        return self.prepared.writer
+
+    @property
+    def spec(self) -> ExperimentSpec:
+        return self.prepared.plan.spec
+
+    @property
+    def run_id(self) -> str:
+        return self.prepared.run_id
+
+    @property
+    def token(self) -> str | None:
+        return self.writer.token
+
+    # ------------------------------------------------------------------ the steps
+    def todo(self) -> list[int]:
+        """The recorded steps' indices not in the store yet."""
+        return [int(i) for i in np.flatnonzero(~self.done)]
+
+    def complete(self) -> bool:
+        """Whether every recorded step is in the store."""
+        return bool(self.done.all())
+
+    def start(self) -> None:
+        """Status ``running`` (once the caller's trainer and workers are ready)."""
+        self.writer.set_status(Status.RUNNING)
+        self.started = True
+
+    def commit(self, ck: Checkpoint, result: StepResult) -> None:
+        """Write recorded step ``ck.index``'s result with its trainer state."""
+        self.writer.write_step(ck.index, result, ck.state)
+        self.done[ck.index] = True
+
+    def mark_done(self, index: int) -> None:
+        """Note recorded step ``index`` as written (by a worker, with this session's token)."""
+        self.done[index] = True
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Status ``done`` with the post-run arrays (:func:`finish_run`)."""
+        finish_run(self.writer, self.spec)
+        self.ended = True
+
+    def fail(self, cause: BaseException | str, step: int | None = None) -> str:
+        """Status ``failed`` with ``cause`` (a reason, or an exception as :func:`failure_reason`
+        words it) and the step it happened at; returns the reason."""
+        reason, at = (cause, step) if isinstance(cause, str) else failure_reason(cause)
+        self.writer.set_status(Status.FAILED, reason, at if step is None else step)
+        self.ended = True
+        return reason
+
+    def interrupt(self, reason: str | None = None, cause: type[BaseException] | None = None) -> None:
+        """Status ``interrupted``: ``reason``, or "interrupted (Cause); " and the session's hint."""
+        self.writer.set_status(Status.INTERRUPTED, reason or f"interrupted ({cause.__name__}); {self.hint}")
+        self.ended = True
+
+    def pause(self, reason: str) -> None:
+        """Status ``pending`` with ``reason`` (closed before every recorded step was given)."""
+        self.writer.set_status(Status.PENDING, reason)
+        self.ended = True
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """Set the status of how the run stopped (unless already set): None → ``done`` with the
+        post-run arrays; KeyboardInterrupt / SystemExit (SIGTERM) → ``interrupted``; LeaseLost →
+        nothing (another writer has the run); any other error → ``failed`` with its cause.  An
+        error before :meth:`start` leaves the status as it was (nothing ran).  Then give the lease
+        back if this session took it."""
+        try:
+            if self.ended or isinstance(exc, LeaseLost) or (exc is not None and not self.started):
+                return
+            if exc is None:
+                self.finish()
+            elif isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                self.interrupt(cause=type(exc))
+            else:
+                self.fail(exc)
+        finally:
+            self.ended = True
+            self.release()
+
+    def release(self) -> None:
+        """Give back the lease this session took (no-op when the caller holds it)."""
+        if self.lease is not None:
+            self.lease.release()
+
+    def __enter__(self) -> RunSession:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.end(exc)
+
+
+def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
+    """After the last step: spectrum preservation and Eqs. 4–5's prediction, status done.
+
+    Both are diagnostics: one that cannot be computed is left out, its reason in the run's
+    ``post_run_notes`` attribute (``{array: reason}``, one log line), and the run is still done."""
+    notes = StepNotes(writer.run_id, None)
+    notes.guard(("preservation",), _write_preservation, writer, spec)
+    notes.guard(("constant_gram_residual", "constant_gram_energy"), write_constant_gram, writer, spec)
+    writer.set_attrs(post_run_notes=notes.reasons)
+    writer.set_status(Status.DONE)
+
+
+def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
+    """E_{t1}(v_i^{t2}, k) between the second and the last recorded step (NSA Fig. 7d); with a
+    ``store_eigenvectors`` list, between its first and last step."""
+    S = writer.dims.S
+    if not spec.spectrum.store_eigenvectors or S < 2:
+        return
+    reader = writer.store.reader(writer.run_id)
+    steps = reader.read("steps")
+    i1 = 1 if S > 2 else 0
+    if isinstance(spec.spectrum.store_eigenvectors, list):
+        at = [i for i, t in enumerate(steps) if spec.spectrum.eigenvectors_at(int(t))]
+        if len(at) < 2:
+            return
+        i1, S = at[0], at[-1] + 1
+    V1, V2 = reader.read_step("eigenvectors", i1), reader.read_step("eigenvectors", S - 1)
+    rows = sorted({i for i in spec.spectrum.images if i <= V2.shape[1]} | {1})
+    P = spectrum_preservation(V1.astype(np.float64), V2.astype(np.float64), i=rows)
+    writer.write_array(
+        "preservation", np.asarray(P, dtype=np.float64), {"t1": int(steps[i1]), "t2": int(steps[S - 1]), "rows": rows}
+    )
