@@ -14,16 +14,17 @@ process:
   arrival order, ``--arrive`` apart: page loads while every other viewer is watching; the old
   session is closed and the server destroys it).
 
-A viewer is a real Bokeh client session, not a browser (30 Chromium pages drawing ~25 canvases
-each would take this 2-core machine's CPU from the server they measure): the page's GET (the
-server builds the session's document), its websocket with the page's session token, the
-document pulled (``PULL-DOC-REQ`` → ``PULL-DOC-REPLY``) and every ``PATCH-DOC`` received, as
-BokehJS does it, without drawing.  A page load is the time from the GET to the pulled document.
+A viewer makes the requests a browser makes for the page, without drawing (30 Chromium pages
+drawing ~25 canvases each would take this 2-core machine's CPU from the server they measure): the
+page's GET, its scripts (BokehJS, fetched at every open as if no browser cached them), then the
+figures' JSON from ``run/data`` — the page load is the time from the GET to that answer — and
+then, as the page's script does, ``run/data`` every ``--refresh`` seconds saying which state it
+shows (an answer with new figures is a redraw).
 
 Printed: page load max / p95 / median with 1 and with N viewers and their ratio; the server's
 resident memory (VmRSS, sampled every second) when the load starts, when it ends, its maximum,
-and the maxima of the first and second half (flat: about equal); the patches (live updates)
-each viewer received; and the count of ``Traceback`` and ``ERROR`` lines in the server's log.
+and the maxima of the first and second half (flat: about equal); the redraws (live updates)
+each viewer received; the load average; and the count of ``Traceback`` and ``ERROR`` lines in the server's log.
 """
 
 from __future__ import annotations
@@ -121,70 +122,65 @@ class Rss(threading.Thread):
                 return
 
 
-# --------------------------------------------------------------------------- a viewer: a Bokeh client
-async def _bokeh_view(
-    page: str, opens: list[float], end: float, loads: list[float], patches: list[int], errors: list[str]
+# --------------------------------------------------------------------------- a viewer: the page's requests
+async def _page_view(
+    page: str,
+    opens: list[float],
+    end: float,
+    refresh: float,
+    loads: list[float],
+    patches: list[int],
+    errors: list[str],
 ) -> None:
-    """Open ``page`` as BokehJS does (GET, websocket, pull the document) at each time of ``opens``
-    (``time.monotonic()``), receive its patches until the next open or ``end``, then close it
-    (the server destroys the session)."""
-    from bokeh.client.websocket import WebSocketClientConnectionWrapper
-    from bokeh.protocol import Protocol
-    from bokeh.protocol.receiver import Receiver
-    from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-    from tornado.websocket import websocket_connect
+    """Open ``page`` as a browser does (GET the HTML, its scripts, then the figures' JSON from
+    ``run/data``) at each time of ``opens`` (``time.monotonic()``), then poll ``run/data`` every
+    ``refresh`` seconds as the page's script does (saying which state it shows; an answer with
+    figures is a redraw) until the next open or ``end``."""
+    from urllib.parse import urlencode, urljoin
 
-    protocol = Protocol()
+    from tornado.httpclient import AsyncHTTPClient
+
     http = AsyncHTTPClient(force_instance=True, max_clients=2)
+    rid = page.split("id=", 1)[1]
     n = 0
+
+    async def data(have: str) -> dict:
+        url = urljoin(page, "run/data?" + urlencode({"id": rid, "tab": "0", "c": "{}", "have": have}))
+        return json.loads((await http.fetch(url, request_timeout=300)).body)
+
     for j, at in enumerate(opens):
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         until = opens[j + 1] if j + 1 < len(opens) else end
         t0 = time.perf_counter()
-        ws = None
         try:
-            resp = await http.fetch(page, request_timeout=300)
-            body = resp.body.decode()
-            m = re.search(r'"token":"([^"]+)"', body.replace('\\"', '"'))
-            if not m:
-                raise RuntimeError(f"no session token in the page ({body[:200]!r})")
-            ws_url = re.sub(r"^http", "ws", page.split("?")[0].rstrip("/")) + "/ws"
-            ws = await websocket_connect(HTTPRequest(ws_url, request_timeout=300), subprotocols=["bokeh", m.group(1)])
-            receiver = Receiver(protocol)
-
-            async def message(timeout: float) -> object:
-                while True:
-                    frame = await asyncio.wait_for(ws.read_message(), timeout)
-                    if frame is None:
-                        raise RuntimeError("the server closed the websocket")
-                    msg = await receiver.consume(frame)
-                    if msg is not None:
-                        return msg
-
-            while (await message(300)).msgtype != "ACK":
-                pass
-            await protocol.create("PULL-DOC-REQ").send(WebSocketClientConnectionWrapper(ws))
-            while (await message(300)).msgtype != "PULL-DOC-REPLY":
-                pass
+            body = (await http.fetch(page, request_timeout=300)).body.decode()
+            scripts = re.findall(r'<script src="([^"]+)"', body)
+            if not scripts or "run/data" not in body:
+                raise RuntimeError(f"not a run page ({body[:200]!r})")
+            for src in scripts:  # BokehJS (a browser may have it cached: this counts it every time)
+                await http.fetch(urljoin(page, src), request_timeout=300)
+            got = await data("")
+            if not (got.get("page") or {}).get("item"):
+                raise RuntimeError(f"no figures in the answer ({str(got)[:200]})")
             loads.append(time.perf_counter() - t0)
-            while time.monotonic() < until:
-                try:
-                    if (await message(max(0.05, until - time.monotonic()))).msgtype == "PATCH-DOC":
-                        n += 1
-                except asyncio.TimeoutError:
-                    break
+            have = got["page"]["seen"]
+            while time.monotonic() + refresh < until:
+                await asyncio.sleep(refresh)
+                got = await data(have)
+                if got["page"]["item"]:
+                    n += 1
+                    have = got["page"]["seen"]
         except Exception as exc:  # noqa: BLE001 — counted and reported
             errors.append(f"{type(exc).__name__}: {exc}")
-        finally:
-            if ws is not None:
-                ws.close()
     patches.append(n)
     http.close()
 
 
-def viewers(page: str, schedule: list[list[float]], end: float) -> tuple[list[float], list[int], list[str]]:
-    """One Bokeh client per entry of ``schedule`` (its open times, seconds from now), all watching
-    until ``end`` seconds from now: (page load times, patches received per viewer, errors)."""
+def viewers(
+    page: str, schedule: list[list[float]], end: float, refresh: float
+) -> tuple[list[float], list[int], list[str]]:
+    """One viewer per entry of ``schedule`` (its open times, seconds from now), all watching
+    until ``end`` seconds from now: (page load times, redraws received per viewer, errors)."""
     loads: list[float] = []
     patches: list[int] = []
     errors: list[str] = []
@@ -192,7 +188,10 @@ def viewers(page: str, schedule: list[list[float]], end: float) -> tuple[list[fl
     async def main() -> None:
         t0 = time.monotonic()
         await asyncio.gather(
-            *(_bokeh_view(page, [t0 + t for t in opens], t0 + end, loads, patches, errors) for opens in schedule)
+            *(
+                _page_view(page, [t0 + t for t in opens], t0 + end, refresh, loads, patches, errors)
+                for opens in schedule
+            )
         )
 
     asyncio.run(main())
@@ -266,13 +265,13 @@ def main() -> None:
         rss.start()
         steps0 = _steps_done(url)
         base_loads, base_patches, base_err = viewers(
-            page, [list(range(0, int(a.baseline_seconds), 5))], a.baseline_seconds
+            page, [list(range(0, int(a.baseline_seconds), 5))], a.baseline_seconds, a.refresh
         )
         t_load = time.monotonic()
         rss_start = rss.now()
         half = a.seconds / 2
         schedule = [[i * a.arrive, half + i * a.arrive] for i in range(a.viewers)]
-        loads, patches, errors = viewers(page, schedule, a.seconds)
+        loads, patches, errors = viewers(page, schedule, a.seconds, a.refresh)
         t_end = time.monotonic()
         rss_end = rss.now()
         steps1 = _steps_done(url)
@@ -305,7 +304,7 @@ def main() -> None:
         "n_viewers": _summary(loads),
         "ratio_max": (max(loads) / max(base_loads)) if loads and base_loads else None,
         "ratio_p95": (_pct(loads, 0.95) / _pct(base_loads, 0.95)) if loads and base_loads else None,
-        "patches_per_viewer": {"min": min(patches) if patches else None, "max": max(patches) if patches else None},
+        "redraws_per_viewer": {"min": min(patches) if patches else None, "max": max(patches) if patches else None},
         "last_load_returned_after_s": round(t_end - t_load, 1),
         "rss_mib": {
             "start": round(rss_start, 1),
@@ -322,7 +321,9 @@ def main() -> None:
             "lines": len(text.splitlines()),
         },
     }
-    print(f"Bokeh client sessions; live run: steps done {steps0} → {steps1} during the benchmark")
+    uptime = os.getloadavg()
+    out["load_average_at_end"] = [round(x, 2) for x in uptime]
+    print(f"viewers as the page's requests; live run: steps done {steps0} → {steps1} during the benchmark")
     for name, s in (("1 viewer", out["one_viewer"]), (f"{a.viewers} viewers", out["n_viewers"])):
         print(
             f"page load, {name}: {s['n']} loads, max {s['max_s']:.2f} s, p95 {s['p95_s']:.2f} s, "
@@ -335,7 +336,8 @@ def main() -> None:
         f"{out['last_load_returned_after_s']} s in: {r['after_last_load']}), max {r['max']} "
         f"(max in the first half {r['max_first_half']}, in the second half {r['max_second_half']})"
     )
-    print(f"patches received per viewer: {out['patches_per_viewer']}")
+    print(f"redraws (answers with new figures) per viewer: {out['redraws_per_viewer']}")
+    print(f"load average at the end (1, 5, 15 min): {out['load_average_at_end']}")
     print(f"viewer errors: {out['errors']['viewer']} {out['errors']['first']}")
     print(
         f"server log: {out['server_log']['Traceback']} Traceback, {out['server_log']['ERROR']} ERROR lines "

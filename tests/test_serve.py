@@ -129,6 +129,27 @@ def test_a_damaged_chunk_is_a_row_and_a_panel_message_not_a_crash(store, tmp_pat
     assert not panels["Loss"].error.visible and panels["Loss"].body.visible  # the others go on
     with _Served(ServeOptions(url, port=0)) as s:
         assert s.get(f"/run?id={rid}")[0] == 200 and s.get("/")[0] == 200
+        shown = _item_texts(_run_data(s, rid))
+    assert str(chunk) in html.unescape(shown), shown[:3000]  # the page's panel names the file
+
+
+def _run_data(s: _Served, rid: str, tab: int = 0, **args: str) -> dict:
+    """The answer of ``/run/data`` (what a run's page asks for its header and figures) as JSON."""
+    import json
+    from urllib.parse import urlencode
+
+    status, body, _ = s.get("/run/data?" + urlencode({"id": rid, "tab": tab, **args}))
+    assert status == 200, (status, body[:2000])
+    return json.loads(body)
+
+
+def _item_texts(answer: dict) -> str:
+    """Every Div's text of the figures a ``/run/data`` answer carries (a Bokeh document's JSON)."""
+    from bokeh.document import Document
+    from bokeh.models import Div
+
+    doc = Document.from_json(answer["page"]["item"]["doc"])
+    return " ".join(m.text for m in doc.select({"type": Div}))
 
 
 # --------------------------------------------------------------------------- a run's page: both papers
@@ -263,35 +284,20 @@ def test_a_run_page_waits_for_its_first_step_and_for_data_written_at_the_end(sto
         assert p.waiting.visible and not p.error.visible and not p.body.visible
 
 
-@pytest.mark.slow  # the whole page built by the server and pulled over its websocket
 def test_the_run_page_is_a_document_with_a_tab_per_paper(store):
     """A tab per paper; the open tab's panels come with the page, another's when it is opened."""
-    import time
-
-    from bokeh.client import pull_session
-    from bokeh.models import Div, Tabs
-
-    def texts(doc) -> str:
-        return " ".join(m.text for m in doc.select({"type": Div}))
-
     nsa_numbers = ("NSA Fig. 1e", "NSA Fig. 3a–e", "NSA Fig. 4a", "NSA Fig. 7d", "NSA Eqs. 4–5", "NSA App. F")
     hessian_numbers = ("Hessian paper Fig. 1", "Hessian paper Fig. 3", "Theorem 1", "Proposition 4")
     with _Served(ServeOptions(store, port=0)) as s:
-        with pull_session(url=f"http://127.0.0.1:{s.server.port}/run", arguments={"id": "served"}) as session:
-            (tab_row,) = session.document.select({"type": Tabs})
-            tabs = [t.title for t in tab_row.tabs]
-            first = texts(session.document)
-            (served,) = s.server.get_sessions("/run")  # the server's side of this page: open the Hessian tab
-            (server_tabs,) = served.document.select({"type": Tabs})
-            s.server.io_loop.add_callback(served.with_document_locked, setattr, server_tabs, "active", 1)
-            end = time.monotonic() + 120
-            while not all(n in texts(served.document) for n in hessian_numbers) and time.monotonic() < end:
-                time.sleep(0.2)
-            opened = texts(served.document)
+        answer = _run_data(s, "served")
+        tabs, first = answer["tabs"], _item_texts(answer)
+        builds = s.server.nsa_shared.reads["build"]
+        opened = _item_texts(_run_data(s, "served", tab=1))
     assert tabs == ["NSA paper", "Hessian paper"], tabs
     for number in nsa_numbers:
         assert number in first, number
     assert not any(n in first for n in hessian_numbers), first  # built when opened
+    assert builds == 1, builds
     for number in hessian_numbers:
         assert number in opened, (number, opened[:2000])
 
@@ -362,13 +368,23 @@ def test_every_request_must_carry_the_token(store):
             cookie = headers.get("Set-Cookie", "")
             assert "nsa_serve_token=s3cret" in cookie and "httponly" in cookie.lower(), headers
         assert s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret"})[0] == 200
+        assert s.get(f"/run/data?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret"})[0] == 200
         assert s.get("/run?id=x", {"Cookie": "nsa_serve_token=nope"})[0] == 403
+        for path in (f"/run/data?id={run_id(SPEC)}", "/run/data?id=x&token=wrong"):
+            assert s.get(path)[0] == 403 and s.get(path, {"Cookie": "nsa_serve_token=nope"})[0] == 403
 
 
 def test_serving_never_writes_to_the_store(store):
     before = _tree(store)
     with _Served(ServeOptions(store, port=0, refresh_s=0.2)) as s:
-        for path in ("/", f"/run?id={run_id(SPEC)}", "/run?id=nosuchrun", "/sweep?name=nosuchsweep"):
+        for path in (
+            "/",
+            f"/run?id={run_id(SPEC)}",
+            f"/run/data?id={run_id(SPEC)}",
+            f"/run/data?id={run_id(SPEC)}&tab=1",
+            "/run/data?id=nosuchrun",
+            "/sweep?name=nosuchsweep",
+        ):
             assert s.get(path)[0] == 200
         threading.Event().wait(1.0)  # the pages' periodic re-reads run meanwhile
     assert _tree(store) == before
@@ -549,6 +565,7 @@ def test_the_table_and_a_run_page_read_an_s3_store(store, s3_env):
         assert not p.error.visible, p.error.text
     with _Served(ServeOptions(url, port=0)) as s:
         assert s.get("/")[0] == 200 and s.get(f"/run?id={run_id(SPEC)}")[0] == 200
+        assert "NSA" in _item_texts(_run_data(s, run_id(SPEC)))
 
 
 def test_a_flat_curve_is_served_flat() -> None:
@@ -580,15 +597,6 @@ def test_a_flat_curve_is_served_flat() -> None:
 
 
 # --------------------------------------------------------------------------- a store is untrusted input
-def _pulled_texts(s: _Served, path: str, **args: str) -> list[str]:
-    """The Divs' texts of page ``path`` with query ``args``, as the server builds it for a session."""
-    from bokeh.client import pull_session
-    from bokeh.models import Div
-
-    with pull_session(url=f"http://127.0.0.1:{s.server.port}{path}", arguments=args) as session:
-        return [m.text for m in session.document.select({"type": Div})]
-
-
 def test_a_run_id_is_looked_up_among_the_listed_runs_never_as_a_path(store, tmp_path):
     import shutil
 
@@ -607,9 +615,10 @@ def test_a_run_id_is_looked_up_among_the_listed_runs_never_as_a_path(store, tmp_
             open_run(opened, rid)
         assert str(got.value) == UNKNOWN_RUN, (rid, str(got.value))
     with _Served(ServeOptions(str(url), port=0)) as s:
-        pages = {rid: _pulled_texts(s, "/run", id=rid) for rid in (sneaky, "../../nothing")}
+        pages = {rid: _run_data(s, rid) for rid in (sneaky, "../../nothing")}
     assert pages[sneaky] == pages["../../nothing"], pages  # one fixed message: nothing told of the filesystem
-    assert UNKNOWN_RUN in pages[sneaky][0] and str(tmp_path) not in pages[sneaky][0], pages[sneaky]
+    message = pages[sneaky]["message"]
+    assert UNKNOWN_RUN in message and str(tmp_path) not in message and set(pages[sneaky]) == {"message"}, message
 
 
 def test_a_pages_session_token_never_carries_the_serve_token(store):
@@ -619,9 +628,16 @@ def test_a_pages_session_token_never_carries_the_serve_token(store):
 
     with _Served(ServeOptions(store, port=0, token="s3cret")) as s:
         pages = [
-            s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret; other=1"}),
+            s.get("/sweep?name=x", {"Cookie": "nsa_serve_token=s3cret; other=1"}),
             s.get("/?token=s3cret&x=1", {"Cookie": "nsa_serve_token=s3cret"}),
         ]
+        run_pages = [
+            s.get(f"/run?id={run_id(SPEC)}&x=1", {"Cookie": "nsa_serve_token=s3cret; other=1"}),
+            s.get(f"/run/data?id={run_id(SPEC)}&x=1", {"Cookie": "nsa_serve_token=s3cret; other=1"}),
+        ]
+    for status, body, headers in run_pages:  # a run's page: static HTML and JSON, no session token at all
+        assert status == 200 and "s3cret" not in body and '"token"' not in body, body[:2000]
+        assert "s3cret" not in str(headers), headers
     for status, body, _ in pages:
         tokens = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
         assert status == 200 and len(tokens) == 1, (status, body[:2000])
@@ -656,16 +672,16 @@ def test_a_websocket_without_the_token_is_refused_quietly(store, caplog):
             _upgrade(s.server.port, path, h)
             for path, h in (
                 ("/ws", ""),
-                ("/run/ws", "Sec-WebSocket-Protocol: bokeh, x\r\n"),
+                ("/sweep/ws", "Sec-WebSocket-Protocol: bokeh, x\r\n"),
                 ("/ws", "Cookie: nsa_serve_token=nope\r\n"),
             )
         ]
         threading.Event().wait(0.3)  # the server logs after it answers
-        body = s.get(f"/run?id={run_id(SPEC)}", {"Cookie": "nsa_serve_token=s3cret"})[1]
+        body = s.get("/sweep?name=x", {"Cookie": "nsa_serve_token=s3cret"})[1]
         (session_token,) = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
         admitted = _upgrade(
             s.server.port,
-            "/run/ws",
+            "/sweep/ws",
             f"Cookie: nsa_serve_token=s3cret\r\nSec-WebSocket-Protocol: bokeh, {session_token}\r\n",
         )
     assert got == ["HTTP/1.1 403 Forbidden"] * 3 and admitted == "HTTP/1.1 101 Switching Protocols", (got, admitted)
@@ -673,7 +689,7 @@ def test_a_websocket_without_the_token_is_refused_quietly(store, caplog):
     refused = logged[:3]
     assert [r.getMessage().split()[:3] for r in refused] == [
         ["403", "GET", "/ws"],
-        ["403", "GET", "/run/ws"],
+        ["403", "GET", "/sweep/ws"],
         ["403", "GET", "/ws"],
     ], [r.getMessage() for r in logged]
     assert not any(r.exc_info for r in refused), [r.getMessage() for r in refused]  # one line each, no traceback
@@ -687,7 +703,7 @@ def test_a_malformed_bokeh_websocket_is_refused_quietly(store, caplog):
 
     caplog.set_level(logging.INFO)
     with _Served(ServeOptions(store, port=0)) as s:
-        status, body, _ = s.get(f"/run?id={run_id(SPEC)}")
+        status, body, _ = s.get("/sweep?name=x")
         (session_token,) = re.findall(r'"token":"([^"]+)"', body.replace('\\"', '"'))
         caplog.clear()
         bad = [
@@ -698,15 +714,15 @@ def test_a_malformed_bokeh_websocket_is_refused_quietly(store, caplog):
             "Sec-WebSocket-Protocol: other, " + session_token + "\r\n",
             "Sec-WebSocket-Protocol: bokeh, e30.e30.x\r\n",
         ]  # a readable token without a session id
-        got = [_upgrade(s.server.port, "/run/ws", h) for h in bad]
+        got = [_upgrade(s.server.port, "/sweep/ws", h) for h in bad]
         threading.Event().wait(0.3)  # the server logs after it answers
-        admitted = _upgrade(s.server.port, "/run/ws", f"Sec-WebSocket-Protocol: bokeh, {session_token}\r\n")
+        admitted = _upgrade(s.server.port, "/sweep/ws", f"Sec-WebSocket-Protocol: bokeh, {session_token}\r\n")
         threading.Event().wait(0.3)
     assert [g.split()[1] for g in got] == ["400"] * len(bad) and admitted == "HTTP/1.1 101 Switching Protocols", (
         got,
         admitted,
     )
-    refused = [r for r in caplog.records if "/run/ws" in r.getMessage() and "400" in r.getMessage()]
+    refused = [r for r in caplog.records if "/sweep/ws" in r.getMessage() and "400" in r.getMessage()]
     assert len(refused) == len(bad), [r.getMessage() for r in caplog.records]
     tracebacks = [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not tracebacks, tracebacks
@@ -721,21 +737,35 @@ def _pull(port: int, path: str, **args: str) -> int:
         return len(session.document.roots)
 
 
-def test_sessions_share_the_store_reads(store):
-    """Three viewers opened at once of a run's page and of the table cost one read of the run, one
-    of each panel the open tab shows and one listing — not three of each."""
+def test_viewers_share_the_store_reads_and_the_page_builds(store):
+    """Six viewers opened at once of a run's page cost one read of the run, one of each panel the
+    open tab shows and one build of the tab's figures — not six of each; three of the table one
+    listing.  A viewer that has the newest build gets no figures again; another choice of a
+    widget is one more build, shared in turn."""
+    import json
     from concurrent.futures import ThreadPoolExecutor
 
     from nsa_dist.serve.run_page import run_sections
 
-    first_tab = list(run_sections(Client(store).run(run_id(SPEC))).values())[0]
+    run = Client(store).run(run_id(SPEC))
+    first_tab = list(run_sections(run).values())[0]
+    i = [type(p).__name__ for p in first_tab].index("Fig2a")
+    choice = json.dumps({f"{i}.{first_tab[i].controls.index(first_tab[i].pick)}": [str(int(run.steps[1]))]})
     with _Served(ServeOptions(store, port=0, refresh_s=600)) as s:  # no refresh within the test
-        with ThreadPoolExecutor(3) as pool:
-            roots = list(pool.map(lambda _: _pull(s.server.port, "/run", id=run_id(SPEC)), range(3)))
-            roots += list(pool.map(lambda _: _pull(s.server.port, "/"), range(3)))
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: _run_data(s, run_id(SPEC)), range(6)))
+            roots = list(pool.map(lambda _: _pull(s.server.port, "/"), range(3)))
         reads = dict(s.server.nsa_shared.reads)
-    assert roots == [1] * 6, roots
-    assert reads == {"open": 1, "run": 1, "panel": len(first_tab), "table-quick": 1}, reads
+        seen = answers[0]["page"]["seen"]
+        again = _run_data(s, run_id(SPEC), have=seen)
+        picked = [_run_data(s, run_id(SPEC), c=choice) for _ in range(3)]  # Fig. 2a at the second step
+        after = dict(s.server.nsa_shared.reads)
+    assert roots == [1] * 3, roots
+    assert reads == {"open": 1, "run": 1, "panel": len(first_tab), "build": 1, "table-quick": 1}, reads
+    assert all(a == answers[0] for a in answers), "the viewers got different pages"
+    assert again["page"]["item"] is None and again["page"]["seen"] == seen and again["header"], again
+    assert after["build"] == 2 and after["panel"] == len(first_tab) + 1, after
+    assert picked[0] == picked[1] == picked[2] and picked[0]["page"]["item"] != answers[0]["page"]["item"]
 
 
 def test_sessions_come_and_go_without_a_traceback(store, caplog):
@@ -752,13 +782,14 @@ def test_sessions_come_and_go_without_a_traceback(store, caplog):
         check_unused_sessions_milliseconds=200,
     ) as s:
         pages = [
-            ("/run", {"id": run_id(SPEC)}),
+            ("/sweep", {"name": "nosuchsweep"}),
             ("/", {}),
-            ("/run", {"id": "nosuchrun"}),
-            ("/run", {"id": run_id(SPEC)}),
+            ("/sweep", {"name": "x"}),
+            ("/", {}),
         ]
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda pa: _pull(s.server.port, pa[0], **pa[1]), pages))
+            list(pool.map(lambda rid: _run_data(s, rid), [run_id(SPEC), "nosuchrun", run_id(SPEC)]))
         made = s.server.nsa_shared.reads.get("run", 0)
         end = threading.Event()
         for _ in range(100):  # every session destroyed, within 10 s

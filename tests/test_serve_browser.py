@@ -317,7 +317,7 @@ def test_store_strings_never_run_as_script_on_any_page(tmp_path):
     with _browsing(str(url), tmp_path) as (page, base, out):
         for path, ready in (
             ("", ".slick-cell"),
-            (f"run?id={quote(rid, safe='')}", ".nsa-header"),
+            (f"run?id={quote(rid, safe='')}", ".nsa-header h2"),  # the run's header has come
             (f"sweep?name={quote(sweep, safe='')}", ".bk-Div"),
         ):
             page.goto(base + path)

@@ -1,8 +1,10 @@
 """``nsa serve STORE``: a read-only web view of a spectrum store, live while writers add steps.
 
-Pages (Bokeh server): ``/`` every run as a table, ``/run?id=RUN`` one run's figures — every one
-``nsa plot`` draws, a tab per paper (NSA, Hessian), titled with the papers' figure numbers —,
-``/sweep?name=NAME`` every figure of ``nsa plot --sweep``.  It reads the store only — never the
+Pages: ``/`` every run as a table and ``/sweep?name=NAME`` every figure of ``nsa plot --sweep``
+(Bokeh server sessions); ``/run?id=RUN`` one run's figures — every one ``nsa plot`` draws, a tab
+per paper (NSA, Hessian), titled with the papers' figure numbers — as a static page whose script
+embeds the open tab's figures, built once per state of the run and shared by its viewers
+(``/run/data``, see :class:`~nsa_dist.serve.run_page.RunPages`).  It reads the store only — never the
 actors — and never writes to it; every string read from the store is HTML-escaped before it
 reaches a page.  Needs the ``serve`` extra (bokeh); bokeh is imported when a server is made.
 

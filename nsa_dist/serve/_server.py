@@ -84,20 +84,13 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def _auth(token: str | None) -> Any:
-    """A Bokeh AuthProvider admitting requests that carry ``token`` (query argument or cookie; every
-    request when None), and refusing before its handshake a websocket whose Bokeh subprotocol
-    header is not ``bokeh, <a valid session token>``."""
-    from bokeh.server.auth_provider import AuthProvider
-    from tornado.web import HTTPError, RequestHandler
+def _user_of(token: str | None) -> Callable[[Any], str | None]:
+    """Who a request is (``"token"``, ``"viewer"`` when no token is needed), or None: not admitted.
+    A request carrying ``?token=`` gets it as an HttpOnly, same-site cookie and a redirect to its
+    address less the token."""
     from tornado.websocket import WebSocketHandler
 
-    class Refused(RequestHandler):
-        def get(self) -> None:
-            self.set_status(403)
-            self.write("nsa serve: this server needs its token: open the page with ?token=TOKEN")
-
-    def get_user(handler: RequestHandler) -> str | None:
+    def get_user(handler: Any) -> str | None:
         if token is None:
             return "viewer"
         given = handler.get_argument("token", None)
@@ -114,6 +107,27 @@ def _auth(token: str | None) -> Any:
         if cookie is not None and hmac.compare_digest(cookie.encode(), token.encode()):
             return "token"
         return None
+
+    return get_user
+
+
+_REFUSED = "nsa serve: this server needs its token: open the page with ?token=TOKEN"
+
+
+def _auth(token: str | None) -> Any:
+    """A Bokeh AuthProvider admitting requests that carry ``token`` (query argument or cookie; every
+    request when None), and refusing before its handshake a websocket whose Bokeh subprotocol
+    header is not ``bokeh, <a valid session token>``."""
+    from bokeh.server.auth_provider import AuthProvider
+    from tornado.web import HTTPError, RequestHandler
+    from tornado.websocket import WebSocketHandler
+
+    class Refused(RequestHandler):
+        def get(self) -> None:
+            self.set_status(403)
+            self.write(_REFUSED)
+
+    get_user = _user_of(token)
 
     async def get_user_async(handler: RequestHandler) -> str | None:
         # Called before the handler's method, so before a websocket's handshake: a websocket without
@@ -213,6 +227,49 @@ def _application(application: type) -> type:
     return App
 
 
+def _run_handlers(pages: Any, token: str | None, refresh_s: float) -> list[tuple[str, type]]:
+    """The Tornado handlers of ``/run`` (the page) and ``/run/data`` (its figures and header, as
+    JSON, read and built in a worker thread), admitting what the Bokeh pages admit."""
+    import asyncio
+
+    from tornado.web import RequestHandler
+
+    from nsa_dist.serve.run_page import page_html, parse_choices
+
+    get_user = _user_of(token)
+    page = page_html(refresh_s)
+
+    class Guarded(RequestHandler):
+        def set_default_headers(self) -> None:
+            self.set_header("Cache-Control", "no-store")
+            self.set_header("X-Content-Type-Options", "nosniff")
+
+        def prepare(self) -> None:
+            if get_user(self) is None:
+                self.set_status(403)
+                self.finish(_REFUSED)
+
+    class RunPage(Guarded):
+        def get(self) -> None:
+            self.set_header("Content-Type", "text/html; charset=utf-8")
+            self.finish(page)
+
+    class RunData(Guarded):
+        async def get(self) -> None:
+            arg = self.get_argument("id", "")
+            try:
+                tab = int(self.get_argument("tab", "0"))
+            except ValueError:
+                tab = 0
+            choices = parse_choices(self.get_argument("c", ""))
+            have = self.get_argument("have", "")[:64]
+            body = await asyncio.get_running_loop().run_in_executor(None, pages.answer, arg, tab, choices, have)
+            self.set_header("Content-Type", "application/json; charset=utf-8")
+            self.finish(body)
+
+    return [(r"/run", RunPage), (r"/run/data", RunData)]
+
+
 class _ClosedPageFilter:
     """Drops Bokeh's warning for an update sent to a page that had just been closed (one line per
     websocket frame in flight when a viewer leaves: noise, not a fault)."""
@@ -249,7 +306,7 @@ def make_server(opts: ServeOptions, **server_kw: Any) -> Server:
     from bokeh.server.server import Server
 
     from nsa_dist.serve._live import Shared
-    from nsa_dist.serve.run_page import run_page
+    from nsa_dist.serve.run_page import RunPages
     from nsa_dist.serve.sweep_page import sweep_page
     from nsa_dist.serve.table import table_page
     from nsa_dist.store import SpectrumStore
@@ -258,13 +315,18 @@ def make_server(opts: ServeOptions, **server_kw: Any) -> Server:
     shared = Shared()  # one read per refresh for every session (see nsa_dist.serve._live)
     apps = {
         "/": table_page(store, opts.refresh_s, shared),
-        "/run": run_page(store, opts.refresh_s, shared),
         "/sweep": sweep_page(store, opts.refresh_s, shared),
     }
     # A page's script sees its Bokeh session token, and the token carries the request's headers,
     # cookies and query arguments: none of them may carry the serve token (the cookie is HttpOnly).
     kw: dict[str, Any] = {"include_cookies": [], "exclude_headers": ["Cookie", "Authorization"], **server_kw}
     kw["auth_provider"] = _auth(opts.token)
+    # A run's page is static HTML and its figures one JSON per state of the run, shared by its
+    # viewers (see nsa_dist.serve.run_page.RunPages), not a Bokeh session per viewer.
+    kw["extra_patterns"] = [
+        *kw.get("extra_patterns", []),
+        *_run_handlers(RunPages(store, opts.refresh_s, shared), opts.token, opts.refresh_s),
+    ]
     if not is_loopback(opts.host):
         kw["allow_websocket_origin"] = ["*"]  # any name of this host; the token (same-site cookie) admits
     try:

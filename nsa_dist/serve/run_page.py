@@ -10,28 +10,26 @@ reads as ``nsa plot`` draws it, the predictions beside the measurements.  A pane
 
 from __future__ import annotations
 
+import hashlib
 import html
+import json
+import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from nsa_dist.client import Run
 
 if TYPE_CHECKING:
-    from bokeh.document import Document
-
     from nsa_dist.serve._live import Panel, Shared
     from nsa_dist.store import SpectrumStore
 
-__all__ = ["UNKNOWN_RUN", "open_run", "run_page", "run_panels", "run_sections"]
+__all__ = ["UNKNOWN_RUN", "RunPages", "open_run", "page_html", "parse_choices", "run_panels", "run_sections"]
 
 _Needs = Callable[[Run], bool]
-_REDRAW_S = 2.0  # a live run's page redraws its figures at most this often (a browser draws ~40 of them)
-# … and, with many viewers of the run, at most every _PER_VIEWER_S × viewers seconds: a redraw
-# re-sends every figure's data to each session, so that the server's work per step grows with the
-# viewers, and this bounds it (the header — status, steps done — still follows every refresh)
-_PER_VIEWER_S = 0.25
+_REDRAW_S = 2.0  # a live run's tab is rebuilt at most this often (a browser redraws ~25 figures)
 
 
 def _has(*names: str) -> _Needs:
@@ -163,152 +161,282 @@ def _spec_name(store: SpectrumStore, rid: str) -> str | None:
 
 
 class _Snapshot:
-    """A run as of one refresh, shared by every session watching it (never refreshed: the next
-    refresh is a new snapshot): the run, what a redraw depends on, and the header's text."""
+    """A run as of one refresh, shared by every viewer of it (never refreshed: the next refresh is
+    a new snapshot): the run, what a redraw depends on (and its short token), and the header's text."""
 
     def __init__(self, run: Run) -> None:
         self.run, self.seen, self.header = run, _seen(run), header_text(run)
+        self.token = hashlib.sha1(repr(self.seen).encode()).hexdigest()[:16]
 
 
-def run_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = None) -> Any:
-    """The Bokeh app function of ``/run``: its reads go through ``shared`` — one read of a run's
-    state per refresh interval, and one of each panel's data per new state and choice of the
-    panel, for every session watching the run."""
-    from nsa_dist.serve._live import Shared, off_loop, prepared
+class _Built:
+    """One tab of a run's page at one state of the run, for one choice of its widgets: its JSON
+    answer, serialized once and sent as is to every viewer of that tab."""
 
-    shared = shared if shared is not None else Shared()
-    viewers: dict[str, int] = {}  # run → its sessions now (event loop only)
+    def __init__(self, token: str, body: bytes, began: float, took: float) -> None:
+        self.token, self.body, self.began, self.took = token, body, began, took
 
-    def snapshot(rid: str) -> _Snapshot:
-        return shared.get(("run", rid), lambda: _Snapshot(Run(store, rid)), refresh_s)
 
-    def data(p: Panel, snap: _Snapshot) -> Any:
-        return p.own(
-            shared.get(("panel", snap.run.id, snap.seen, p.state()), lambda: _read(p, snap.run, True), refresh_s)
-        )
+_ALL_RUNS = '<a href="./">all runs</a>'
+_MAX_CHOICES = 4096  # characters of a request's widget choices (JSON); longer: ignored
+_CHOICE_KEY = re.compile(r"\d{1,3}\.(\d{1,3}|s)")
 
-    def build(args: dict[str, str]) -> Any:
-        from bokeh.layouts import column
-        from bokeh.models import Div, TabPanel, Tabs
 
-        arg = args.get("id") or ""
+def parse_choices(text: str | None) -> dict[str, Any]:
+    """The widget choices of a request (``{"PANEL.WIDGET": value}``, ``PANEL.s``: the eigenvector
+    slider), canonical; anything else (not JSON, other keys, other value types) is dropped — a
+    page built for them is the page without them."""
+    if not text or len(text) > _MAX_CHOICES:
+        return {}
+    try:
+        got = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(got, dict):
+        return {}
+    ok = lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool)  # noqa: E731
+    return {
+        k: v
+        for k, v in sorted(got.items())
+        if isinstance(k, str)
+        and _CHOICE_KEY.fullmatch(k)
+        and (ok(v) or (isinstance(v, list) and len(v) <= 1000 and all(isinstance(x, str) for x in v)))
+    }
+
+
+class RunPages:
+    """The figures of ``/run?id=RUN``, built once per state of the run and shared by its viewers.
+
+    A run's page is a static HTML page (:func:`page_html`) whose script asks :meth:`answer` (the
+    ``/run/data`` request) for the open tab, every refresh interval, saying which state it shows.
+    The answer is the run's header (every refresh) and, when the run's finished steps or status
+    changed, the tab's Bokeh models as a ``json_item`` — built, serialized and cached once per
+    (run, tab, widget choices) and state, whatever the number of viewers: thirty viewers of a live
+    run cost one build per state, not thirty (a Bokeh server session per viewer built its own
+    ~1,400 models, 1.3 s of CPU each, and serialized them again for each).
+
+    A viewer never waits for a rebuild while a tab was built before: it gets the last build at
+    once, and the rebuild of the new state runs in the background (one at a time per tab, at most
+    every :data:`_REDRAW_S` and never more than half the time: a build waits twice the last one's
+    duration after it); the next poll brings it.  Builds not asked for in ``keep_s`` are dropped.
+    """
+
+    def __init__(self, store: SpectrumStore, refresh_s: float, shared: Shared, keep_s: float = 60.0) -> None:
+        self.store, self.refresh_s, self.shared, self.keep_s = store, refresh_s, shared, keep_s
+        self._lock = threading.Lock()
+        self._built: dict[tuple[Any, ...], tuple[_Built, float]] = {}  # key → (its last build, last asked)
+        self._building: dict[tuple[Any, ...], Future] = {}
+        self._pruned = time.monotonic()
+
+    def snapshot(self, rid: str) -> _Snapshot:
+        return self.shared.get(("run", rid), lambda: _Snapshot(Run(self.store, rid)), self.refresh_s)
+
+    def answer(self, arg: str, tab: int, choices: dict[str, Any], have: str = "") -> bytes:
+        """The JSON answer of ``/run/data`` (worker thread): ``{"message": HTML}`` for an id the
+        store does not list, else ``{"page": {"seen", "item"}, "id", "header", "tabs", "tab"}`` —
+        ``item`` null when the viewer's ``have`` is already the newest build's ``seen``."""
         try:
-            rid = shared.get(("open", arg), lambda: open_run(store, arg).id, refresh_s)
-            snap = snapshot(rid)
+            rid = self.shared.get(("open", arg), lambda: open_run(self.store, arg).id, self.refresh_s)
+            snap = self.snapshot(rid)
         except LookupError as exc:  # an id the store does not list: a fixed message, nothing of the filesystem
-            return _message(f'<a href="./">all runs</a><p class="nsa-damaged"><b>{html.escape(str(exc))}</b></p>')
+            return _json({"message": f'{_ALL_RUNS}<p class="nsa-damaged"><b>{html.escape(str(exc))}</b></p>'})
         except Exception as exc:  # noqa: BLE001 — a listed run that cannot be read: the page's message
-            return _message(
-                f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot open this run:</b> '
-                f"{html.escape(str(exc))}</p>"
-            )
+            why = html.escape(str(exc))
+            return _json({"message": f'{_ALL_RUNS}<p class="nsa-damaged"><b>cannot open this run:</b> {why}</p>'})
+        papers = list(_section_classes(snap.run))
+        tab = min(max(int(tab), 0), max(len(papers) - 1, 0))
+        head = {"id": rid, "header": snap.header, "tabs": papers, "tab": tab}
+        if not papers:
+            return _json({"page": {"seen": snap.token, "item": None}, **head})
+        built = self.built((rid, tab, json.dumps(choices, sort_keys=True)), snap, choices)
+        if built.token == have:
+            return _json({"page": {"seen": have, "item": None}, **head})
+        return b'{"page": ' + built.body + b", " + _json(head)[1:]
+
+    def built(self, key: tuple[Any, ...], snap: _Snapshot, choices: dict[str, Any]) -> _Built:
+        """The newest build of ``key`` (waiting for one only when there is none), a rebuild of
+        ``snap``'s state started in the background when it is newer and due."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._pruned > self.keep_s / 4:
+                self._pruned = now
+                self._built = {k: e for k, e in self._built.items() if now - e[1] < self.keep_s}
+            last = self._built.get(key)
+            if last is not None:
+                self._built[key] = (last[0], now)
+            running = self._building.get(key)
+            stale = last is None or last[0].token != snap.token
+            due = last is None or now >= last[0].began + max(self.refresh_s, _REDRAW_S, 2 * last[0].took)
+            if running is None and stale and due:
+                running = self._building[key] = Future()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            if last is None:
+                self._build(key, snap, choices, running)  # the first viewer of this tab: built here
+            else:
+                threading.Thread(target=self._build, args=(key, snap, choices, running), daemon=True).start()
+        if last is None:
+            assert running is not None
+            return running.result()
+        return last[0]
+
+    def _build(self, key: tuple[Any, ...], snap: _Snapshot, choices: dict[str, Any], done: Future) -> None:
+        began = time.monotonic()
+        try:
+            body = _json(self._item(snap, key[1], choices))
+            built = _Built(snap.token, body, began, time.monotonic() - began)
+            with self._lock:
+                self._built[key] = (built, time.monotonic())
+            done.set_result(built)
+        except BaseException as exc:  # noqa: BLE001 — every waiter gets it, raised
+            done.set_exception(exc)
+        finally:
+            with self._lock:
+                self._building.pop(key, None)
+
+    def _item(self, snap: _Snapshot, tab: int, choices: dict[str, Any]) -> dict[str, Any]:
+        """Tab ``tab``'s panels at ``snap`` with ``choices`` applied, as a ``json_item`` and the
+        state it shows."""
+        from bokeh.embed import json_item
+        from bokeh.layouts import column
+        from bokeh.models import CustomJS
+
+        from nsa_dist.serve._eigvec_panel import Eigenvectors
+
+        self.shared.reads["build"] = self.shared.reads.get("build", 0) + 1  # (the tests count the builds)
         run = snap.run
-        lock = threading.Lock()
-        header = Div(text=snap.header, css_classes=["nsa-header"])
-        # Only the open tab is built, read and redrawn (a figure is ~50 Bokeh models: building them
-        # is most of a page's cost); another is built and brought up to date when opened, and
-        # nothing is re-sent while the run's finished steps and status stay the same.
-        classes = _section_classes(run)
-        groups: list[list[Panel] | None] = [None] * len(classes)
-        if classes:
-            groups[0] = [cls(run) for cls in list(classes.values())[0]]
-        bodies = [
-            column(*(p.layout for p in groups[0])) if j == 0 else column(Div(text="<i>loading…</i>"))
-            for j in range(len(classes))
-        ]  # a column's children change is redrawn (a TabPanel's child is not)
-        tabs = Tabs(
-            tabs=[TabPanel(child=body, title=paper) for body, paper in zip(bodies, classes)], css_classes=["nsa-tabs"]
-        )
-        state: dict[str, Any] = {
-            "snap": snap,
-            "seen": snap.seen,
-            "head": snap.seen,
-            "stale": set(range(1, len(groups))),
-            "next": 0.0,
-        }
-        for p in groups[0] if groups else []:
-            p.update(data(p, snap))
-        root = column(header, tabs)
+        panels = [cls(run) for cls in list(_section_classes(run).values())[tab]]
+        for i, p in enumerate(panels):
+            for j, w in enumerate(getattr(p, "controls", [])):
+                if f"{i}.{j}" in choices:
+                    try:
+                        w.value = choices[f"{i}.{j}"]
+                    except (ValueError, TypeError):
+                        pass  # not a value of this widget: its default
+                w.js_on_change("value", CustomJS(code=f"window.nsaChoose('{i}.{j}', cb_obj.value)"))
+            p.update(self._data(p, snap))
+            if isinstance(p, Eigenvectors):
+                _slide(p, run, choices.get(f"{i}.s"))
+                p.slider.js_on_change("value", CustomJS(code=f"window.nsaChoose('{i}.s', cb_obj.value)"))
+        return {"seen": snap.token, "item": json_item(column(*(p.layout for p in panels)))}
 
-        def read() -> tuple[str, list[tuple[Any, Any]]] | None | BaseException:
-            try:
-                now = snapshot(rid)
-            except Exception as exc:  # noqa: BLE001
-                return exc
-            state["snap"] = now
-            head = now.header if now.seen != state["head"] else None
-            state["head"] = now.seen
-            if now.seen == state["seen"] or time.monotonic() < state["next"]:
-                # nothing new, or redrawn less than the redraw interval ago: the next tick brings it
-                return None if head is None else (head, [])
-            every_s = max(refresh_s, _REDRAW_S, _PER_VIEWER_S * viewers.get(rid, 1))
-            state["seen"], state["next"] = now.seen, time.monotonic() + every_s
-            active = int(tabs.active or 0)
-            state["stale"] = set(range(len(groups))) - {active}
-            return now.header, [(p, data(p, now)) for p in (groups[active] or [] if groups else [])]
-
-        def apply(got: tuple[str, list[tuple[Any, Any]]] | None | BaseException) -> None:
-            if got is None:
-                return
-            if isinstance(got, BaseException):
-                header.text = (
-                    f"<p class='nsa-damaged'><b>cannot re-read run {html.escape(rid)}:</b> {html.escape(str(got))}</p>"
-                )
-                state["seen"] = state["head"] = None
-                return
-            if got[0] is not None:
-                header.text = got[0]
-            for p, d in got[1]:
-                p.update(d)
-
-        def attach(doc: Document) -> None:
-            from nsa_dist.serve._live import every
-
-            doc.title = f"nsa — {rid}"
-            doc.add_root(root)
-            viewers[rid] = viewers.get(rid, 0) + 1
-
-            def left(ctx: Any) -> None:
-                viewers[rid] -= 1
-
-            doc.on_session_destroyed(left)
-
-            def switch(attr: str, old: Any, new: Any) -> None:
-                def read_tab() -> tuple[list[Panel] | None, list[tuple[Any, Any]]]:
-                    if new not in state["stale"]:
-                        return None, []
-                    state["stale"].discard(new)
-                    made = None
-                    if groups[new] is None:
-                        made = [cls(state["snap"].run) for cls in list(classes.values())[new]]
-                    return made, [(p, data(p, state["snap"])) for p in (made or groups[new])]
-
-                def show_tab(got: tuple[list[Panel] | None, list[tuple[Any, Any]]]) -> None:
-                    made, read = got
-                    for p, d in read:
-                        p.update(d)
-                    if made is not None:
-                        groups[new] = made
-                        bodies[new].children = [p.layout for p in made]
-                        _wire_choices(doc, made, state, data, lock)
-
-                off_loop(doc, read_tab, show_tab, lock)
-
-            tabs.on_change("active", switch)
-            _wire_choices(doc, groups[0] or [] if groups else [], state, data, lock)
-            every(doc, refresh_s, read, apply, lock)
-
-        return attach
-
-    return prepared(build)
+    def _data(self, p: Panel, snap: _Snapshot) -> Any:
+        key = ("panel", snap.run.id, snap.seen, p.state())
+        return p.own(self.shared.get(key, lambda: _read(p, snap.run, True), self.refresh_s))
 
 
-def _message(text: str) -> Any:
-    """A page that is only ``text`` (HTML)."""
-    from bokeh.models import Div
+def _slide(p: Any, run: Run, index: Any) -> None:
+    """Eigenvector panel ``p`` at the stored step of slider position ``index`` (an earlier one
+    than the newest it shows by default)."""
+    if not isinstance(index, int) or not p.steps or not 0 <= index < len(p.steps) - 1:
+        return
+    try:
+        got = p.at(run, p.steps[index])
+    except Exception as exc:  # noqa: BLE001 — shown on the page
+        p.update(exc)
+        return
+    p.slider.value = index
+    p.draw(got)
 
-    div = Div(text=text)
-    return lambda doc: doc.add_root(div)
+
+def _json(obj: Any) -> bytes:
+    """``obj`` as compact JSON, ``<``, ``>`` and ``&`` written as escapes (inert in any HTML context)."""
+    text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
+
+
+def page_html(refresh_s: float, title: str = "nsa — run") -> str:
+    """The HTML of ``/run``: BokehJS from the server, a header, the tab buttons and the figures'
+    box, and the script that fills them from ``/run/data`` — no store string in it (the run's id
+    is read from the page's own address; the answers' HTML is escaped by the server, and the
+    figures are data)."""
+    from bokeh.resources import Resources
+
+    scripts = "".join(
+        f'<script src="{html.escape(src)}"></script>'
+        for src in Resources(mode="server", root_url="./", components=["bokeh", "bokeh-widgets"]).js_files
+    )
+    page = _PAGE.replace("{title}", html.escape(title)).replace("{scripts}", scripts)
+    return page.replace("REFRESH_MS", str(max(100, int(refresh_s * 1000))))
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>{scripts}
+<style>
+body { font-family: sans-serif; margin: 8px 16px; }
+.nsa-tabs button { font-size: 14px; padding: 6px 14px; margin-right: 4px; border: 1px solid #ccc;
+  background: #f4f4f4; cursor: pointer; }
+.nsa-tabs button.nsa-active { background: #fff; border-bottom-color: #fff; font-weight: bold; }
+</style></head>
+<body><div class="nsa-header" id="nsa-header"><i>loading…</i></div>
+<div class="nsa-tabs" id="nsa-tabs"></div><div id="nsa-box"></div>
+<script>
+(function () {
+  "use strict";
+  const q = new URLSearchParams(location.search);
+  const id = q.get("id") || "";
+  const head = document.getElementById("nsa-header");
+  const tabsEl = document.getElementById("nsa-tabs");
+  const box = document.getElementById("nsa-box");
+  let tab = 0, choices = {}, have = "", views = null, busy = false, again = false, gen = 0, names = "";
+  function showTabs(papers) {
+    const key = JSON.stringify([papers, tab]);
+    if (key === names) return;
+    names = key;
+    tabsEl.textContent = "";
+    papers.forEach(function (paper, i) {
+      const b = document.createElement("button");
+      b.textContent = paper;
+      if (i === tab) b.className = "nsa-active";
+      b.onclick = function () { if (i !== tab) { tab = i; choices = {}; changed(); } };
+      tabsEl.appendChild(b);
+    });
+  }
+  function changed() { gen += 1; have = ""; names = ""; poll(); }
+  window.nsaChoose = function (key, value) { choices[key] = value; gen += 1; have = ""; poll(); };
+  async function poll() {
+    if (busy) { again = true; return; }
+    busy = true;
+    const my = gen;
+    try {
+      const u = "run/data?" + new URLSearchParams({id: id, tab: String(tab), c: JSON.stringify(choices), have: have});
+      const r = await fetch(u, {credentials: "same-origin", cache: "no-store"});
+      if (!r.ok) { head.textContent = "nsa serve answered " + r.status + " " + r.statusText; return; }
+      const got = await r.json();
+      if (my !== gen) return;
+      if (got.message !== undefined) {
+        head.innerHTML = got.message;  // escaped by the server
+        tabsEl.textContent = ""; box.textContent = ""; return;
+      }
+      document.title = "nsa — " + got.id;
+      head.innerHTML = got.header;  // every store string escaped by the server
+      tab = got.tab;
+      showTabs(got.tabs);
+      if (got.page && got.page.item && got.page.seen !== have) {
+        const old = views;
+        box.style.minHeight = box.offsetHeight + "px";  // no jump while the new figures replace the old
+        if (old !== null) old.clear();
+        box.textContent = "";
+        const el = document.createElement("div");
+        box.appendChild(el);
+        views = await Bokeh.embed.embed_item(got.page.item, el);
+        have = got.page.seen;
+        box.style.minHeight = "";
+      }
+    } catch (e) {
+      head.textContent = "nsa serve: " + e;
+    } finally {
+      busy = false;
+      if (again) { again = false; poll(); }
+    }
+  }
+  poll();
+  setInterval(poll, REFRESH_MS);
+})();
+</script></body></html>
+"""
 
 
 def _seen(run: Run) -> tuple[bytes, str, str]:
@@ -324,36 +452,3 @@ def _read(p: Panel, run: Run, shareable: bool = False) -> Any:
     if not len(run.steps):
         return Waiting("waiting for the run's first finished recorded step")
     return p.shareable(run) if shareable else p.guarded(run)
-
-
-def _wire_choices(
-    doc: Document, panels: list[Panel], state: dict[str, Any], data: Callable[[Panel, Any], Any], lock: threading.Lock
-) -> None:
-    """A chooser (φ, steps, the step slider) redraws its panel (a small read, off the event loop,
-    under ``lock``, from the session's latest snapshot of the run)."""
-    from nsa_dist.serve._eigvec_panel import Eigenvectors
-    from nsa_dist.serve._live import off_loop
-
-    for p in panels:
-
-        def redraw(attr: str, old: Any, new: Any, p: Panel = p) -> None:
-            off_loop(doc, lambda: data(p, state["snap"]), p.update, lock)
-
-        for w in getattr(p, "controls", []):
-            w.on_change("value", redraw)
-        if isinstance(p, Eigenvectors):
-
-            def slide(attr: str, old: Any, new: Any, p: Eigenvectors = p) -> None:
-                if not p.steps:
-                    return
-                step = p.steps[min(int(new), len(p.steps) - 1)]
-
-                def at() -> Any:
-                    try:
-                        return p.at(state["snap"].run, step)
-                    except Exception as exc:  # noqa: BLE001
-                        return exc
-
-                off_loop(doc, at, lambda got: p.update(got) if isinstance(got, BaseException) else p.draw(got), lock)
-
-            p.slider.on_change("value", slide)
