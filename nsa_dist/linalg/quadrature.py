@@ -35,6 +35,20 @@ The top K eigenpairs (λ_i, v_i) of G are known exactly (a top-k solve).  Beyond
 
 So the energy bracket is provable given λ_k's bracket, which is statistical at the stated
 (pointwise) confidence beyond the top K.
+
+* **Rounding, and a rank-deficient G.**  The brackets are for every value the exact route (a dense
+  float64 eigh of the stored G) can return, not only for G's exact spectrum.  That route's
+  eigenvalues are G's within its backward error ``δ = max(N·eps₆₄, 8·eps_products)·λ_1``, and
+  among eigenvalues within ~δ of each other its eigenvectors are an arbitrary basis in an arbitrary
+  order — above all in the null space of a G of rank r < N (fewer parameters than points, repeated
+  inputs, dead units), whose eigenvalues are rounding of either sign.  There E(φ, k), r < k < N,
+  can be anything from E(φ, r) to 1.  So λ_k's bracket is widened by δ on each side, its lower end
+  where the counting function says nothing is ``bottom`` (the smallest Ritz value, ≤ 0, less
+  ``4·eps_G·‖G‖_F`` for the storage rounding, less δ; below G's smallest eigenvalue under that
+  rounding model, not a proof), E's thresholds are moved out by δ (so the whole null cluster
+  counts on the upper side: upper = 1), the top part enters each threshold only with the
+  eigenvalues above / at it, and top eigenpairs within 2δ of a neighbour (the top K reaching into
+  the null space when K > r) get the bracket of their cluster instead of the solver's value.
 """
 
 from __future__ import annotations
@@ -186,22 +200,68 @@ def spectral_curves(
         block = np.column_stack(Z[s : s + per_group]) if Z else np.zeros((N, 0))
         if block.shape[1] == 0:
             continue
-        theta, W, steps, exhausted = _block_rule(deflated, ops.from_numpy(block), m, ops, A.sym_rtol, seed + s)
+        theta, W, steps, exhausted = _block_rule(
+            deflated, ops.from_numpy(block), m, ops, A.sym_rtol, seed + s, float(lam[0])
+        )
         steps_done = min(steps_done, steps)
         ritz.append(theta)
         for i in range(block.shape[1]):
             rules.append(_Rule(theta, W[i], steps, exhausted))
     n_phi_cols = cols.shape[1]
     phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
-    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, 8.0 * A.eps * float(lam[0]))
+    floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
+    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom)
     energy = {}
     for name in phis:
         idx = [j for j, o in enumerate(owners) if o == name]
         energy[name] = _energy_curve(
-            lam, N, ks, eig, [phi_rules[j] for j in idx], norms2.get(name, np.nan), top2.get(name), 16.0 * A.eps
+            lam,
+            N,
+            ks,
+            eig,
+            [phi_rules[j] for j in idx],
+            norms2.get(name, np.nan),
+            top2.get(name),
+            16.0 * A.eps,
+            floor.delta,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
-    return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N)
+    notes = {"rounding_delta": floor.delta, "spectrum_bottom": floor.bottom}
+    return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
+
+
+@dataclass(frozen=True)
+class _Floor:
+    """The rounding scale of the brackets: ``delta`` bounds how far the exact route's eigenvalues of the
+    stored G lie from G's (its backward error, N·eps·λ_1 in float64, or the products' 8·eps·λ_1 when
+    larger); ``bottom`` is below G's smallest eigenvalue (0 for a PSD G in exact arithmetic, a rounding
+    level below 0 for the stored one)."""
+
+    delta: float
+    bottom: float
+
+
+def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule], ritz: list[np.ndarray]) -> _Floor:
+    """:class:`_Floor` of this G: the smallest Ritz value of the deflated operator (an upper bound of its
+    smallest eigenvalue; negative when the stored G is indefinite by rounding), minus ``4·eps_G·‖G‖_F``
+    (the storage rounding of a PSD G moves its eigenvalues by at most ‖δG‖_2 ≲ eps_G·‖G‖_F for
+    independent roundings; ‖G‖_F² from the top eigenvalues and the probes' tail moment
+    ``mean zᵀA²z``) and ``delta``."""
+    eps64 = float(np.finfo(np.float64).eps)
+    lam1 = float(lam[0])
+    delta = max(8.0 * A.eps, N * eps64) * lam1
+    dt = getattr(G, "dtype", None)
+    try:
+        import torch
+
+        eps_g = float(torch.finfo(dt).eps) if isinstance(dt, torch.dtype) else float(np.finfo(dt).eps)
+    except (TypeError, ValueError):
+        eps_g = float(A.eps)
+    eps_g = max(eps_g, float(A.eps))
+    tail2 = float(np.mean([np.sum(r.theta**2 * r.nu) for r in probes])) if probes else 0.0
+    fro = math.sqrt(float(np.sum(lam**2)) + max(tail2, 0.0))
+    low_ritz = min([0.0] + [float(np.min(r)) for r in ritz if r.size])
+    return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta)
 
 
 # --------------------------------------------------------------------------- the quadrature rules
@@ -332,7 +392,7 @@ class _Rule:
 
 
 def _block_rule(
-    matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: float, seed: int
+    matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: float, seed: int, scale: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray, int, bool]:
     """:func:`~nsa_dist.linalg.lanczos.block_gauss_quadrature`'s rule on the same Krylov machinery,
     also returning the block steps taken and whether the basis became invariant (then the rule is
@@ -340,6 +400,7 @@ def _block_rule(
     N, b = Z.shape
     Q, R = _qr_r(ops, Z)
     st = _State(ops, N, min(N, n_steps * b), b, np.random.default_rng(seed), sym_rtol)
+    st.anorm = scale  # ‖G‖: the deflated operator's rounding is G's, whatever the size of its tail
     P, Bc, exhausted = Q, np.zeros((b, 0)), False
     for _ in range(n_steps):
         B, P_next = st.extend(P, Bc, matmat)
@@ -429,13 +490,19 @@ def _eigenvalue_curve(
     ritz: list[np.ndarray],
     confidence: float,
     slack: float = 0.0,
+    bottom: float = 0.0,
 ) -> CurveBracket:
     """λ_k: exact for k ≤ K, else the inverted bracket of the counting function (module docstring);
-    ``slack``: the products' rounding (‖δG‖ ≲ 8·eps·λ_1), added to each side."""
+    ``slack``: the rounding of the products and of the exact route's eigenvalues, added to each
+    side; ``bottom``: below G's smallest eigenvalue (:class:`_Floor`), the lower bound where the
+    counting function does not reach k (G's numerical null space, whose rounded eigenvalues can be
+    slightly negative)."""
     K = lam.size
     value, lower, upper = np.full(ks.size, np.nan), np.full(ks.size, np.nan), np.full(ks.size, np.nan)
     top = ks <= K
     value[top] = lower[top] = upper[top] = lam[ks[top] - 1]
+    null = top & (np.abs(value) <= slack)  # top eigenvalues at G's rounding level: any such value
+    lower[null], upper[null] = value[null] - slack, value[null] + slack
     tail = ~top
     if not tail.any():
         return CurveBracket(value, lower, upper)
@@ -445,9 +512,9 @@ def _eigenvalue_curve(
 
     q = float(norm.ppf(0.5 + confidence / 2))
     p = len(probes)
-    # breakpoints: every Gauss node and every block-rule node of the probes, the top eigenvalues
+    # breakpoints: every Gauss node and every block-rule node of the probes, the top eigenvalues (of
+    # either sign: a rank-deficient G's null space holds rounded eigenvalues around 0)
     bps = np.unique(np.concatenate([lam] + [r.x for r in probes] + [np.sort(r.theta) for r in probes]))
-    bps = bps[bps > 0]
     n_top = lambda t: np.searchsorted(-lam, -t, side="right")  # noqa: E731  #{i ≤ K: λ_i ≥ t}
     L = np.mean([r.tail_lower(bps) for r in probes], axis=0)  # ≤ mean of μ_z((t, ∞))
     Uu = np.mean([r.tail_upper(bps) for r in probes], axis=0)  # ≥ mean of μ_z([t, ∞))
@@ -460,14 +527,15 @@ def _eigenvalue_curve(
     # n_lo, n_hi, est are non-increasing step functions of t, left-continuous at the breakpoints
     n_lo, n_hi, est = (np.minimum.accumulate(a) for a in (n_lo, n_hi, est))
     ritz_desc = [np.sort(r)[::-1] for r in ritz]
+    floor = min(bottom, 0.0)
     for i in np.nonzero(tail)[0]:
         k = int(ks[i])
-        lo = _last_at_least(bps, n_lo, k, 0.0)
+        lo = _last_at_least(bps, n_lo, k, floor)
         j = k - K - 1  # Cauchy interlacing: λ_{K+j+1} ≥ the (j+1)-th Ritz value of PGP on any subspace
-        lo = max([lo] + [float(r[j]) - slack for r in ritz_desc if j < r.size])
+        lo = max([lo] + [float(r[j]) for r in ritz_desc if j < r.size])
         hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1])
         v = _last_at_least(bps, est, k, 0.0)
-        lower[i], upper[i] = max(lo - slack, 0.0), hi + slack
+        lower[i], upper[i] = max(lo - slack, floor), hi + slack
         lower[i] = min(lower[i], upper[i])
         value[i] = min(max(v, lower[i]), upper[i])
     return CurveBracket(value, lower, upper)
@@ -488,10 +556,14 @@ def _energy_curve(
     norm2: float,
     top2: np.ndarray | None,
     slack: float = 0.0,
+    shift: float = 0.0,
 ) -> CurveBracket:
     """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond;
     ``slack`` (16·eps of the products) widens each side for the products' rounding (float32: the
-    bound holds for the rounded products' moments, which differ from G's by about eps)."""
+    bound holds for the rounded products' moments, which differ from G's by about eps); ``shift``
+    (the exact route's eigenvalue rounding, :class:`_Floor`) moves the thresholds outwards, so that
+    eigenvalues the rounding may reorder around λ_k — the whole null space of a rank-deficient G,
+    whose eigenvectors the exact route orders arbitrarily — count on both sides."""
     nk = ks.size
     if top2 is None or not np.isfinite(norm2):
         nan = np.full(nk, np.nan)
@@ -500,17 +572,36 @@ def _energy_curve(
     value, lower, upper = np.zeros(nk), np.zeros(nk), np.zeros(nk)
     top = ks <= K
     value[top] = lower[top] = upper[top] = top2[ks[top] - 1] / norm2
+    desc = -lam  # ascending, for searchsorted
+    top2_at = lambda n: np.where(n > 0, top2[np.maximum(n, 1) - 1], 0.0)  # noqa: E731  Σ_{i≤n}⟨v_i, φ⟩²
+    if shift > 0 and top.any():
+        # top eigenvalues within the rounding 2·shift of a neighbour (G's null space above all): the
+        # exact route may rotate and reorder their eigenvectors, so E(k) is only known between the
+        # energies before and after the cluster
+        kt = ks[top]
+        a = np.searchsorted(desc, -(lam[kt - 1] + 2 * shift), side="left")  # #{λ_i > λ_k + 2·shift}
+        b = np.searchsorted(desc, -(lam[kt - 1] - 2 * shift), side="right")  # #{λ_i ≥ λ_k − 2·shift}
+        cl = (a + 1 < kt) | (b > kt)
+        if cl.any():
+            hi = top2_at(b[cl]) + np.where(
+                b[cl] == K, sum(r.radau(lam[kt[cl] - 1] - 2 * shift)[1] for r in rules) if rules else 0.0, 0.0
+            )
+            idx = np.nonzero(top)[0][cl]
+            lower[idx] = top2_at(a[cl]) / norm2
+            upper[idx] = np.minimum(hi / norm2 + slack, 1.0)
     tail = ~top
     if tail.any():
-        base = top2[-1]
-        lo_t, hi_t, v_t = eig.upper[tail], eig.lower[tail], eig.value[tail]
-        low = base + sum(r.radau(lo_t)[0] for r in rules)
-        high = base + sum(r.radau(hi_t)[1] for r in rules)
-        val = base + sum(r.tail_closed(v_t) for r in rules)
+        lo_t, hi_t, v_t = eig.upper[tail] + shift, eig.lower[tail] - shift, eig.value[tail]
+        # the top part above each threshold (all of it unless the threshold reaches the top's eigenvalues)
+        base_lo = top2_at(np.searchsorted(desc, -lo_t, side="left"))  # Σ over λ_i > lo_t
+        base_hi = top2_at(np.searchsorted(desc, -hi_t, side="right"))  # Σ over λ_i ≥ hi_t
+        low = base_lo + sum(r.radau(lo_t)[0] for r in rules)
+        high = base_hi + sum(r.radau(hi_t)[1] for r in rules)
+        val = top2[-1] + sum(r.tail_closed(v_t) for r in rules)
         lower[tail], upper[tail] = np.maximum(low / norm2 - slack, 0.0), np.minimum(high / norm2 + slack, 1.0)
         lower[tail] = np.minimum(lower[tail], upper[tail])
         # E is non-decreasing in k: carry the bounds along the reported k
-        lower[tail] = np.maximum.accumulate(np.maximum(lower[tail], value[top].max(initial=0.0)))
+        lower[tail] = np.maximum.accumulate(np.maximum(lower[tail], lower[top].max(initial=0.0)))
         upper[tail] = np.minimum.accumulate(upper[tail][::-1])[::-1]
         value[tail] = np.clip(val / norm2, lower[tail], upper[tail])
         value[tail] = np.clip(np.maximum.accumulate(value[tail]), lower[tail], upper[tail])
