@@ -35,12 +35,12 @@ from nsa_dist.errors import AnalysisError, NonFiniteError, ShapeError, Unsupport
 from nsa_dist.losses import cross_entropy_loss, parse_loss
 from nsa_dist.models import OutputSelector, SelectedOutput, measured_module, not_a_tensor, single_column
 from nsa_dist.ntk import preserved, sample_coupling
-from nsa_dist.pipeline import Checkpoint, TrainerState, finish_run
+from nsa_dist.pipeline import Checkpoint, RunSession, TrainerState
 from nsa_dist.pipeline.model_state import ModelState, analysis_copy, model_inputs, theta_vector
-from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES, plan_run
+from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES
 from nsa_dist.pipeline.pool import ThreadAnalysisPool
 from nsa_dist.pipeline.tracked import TrackedRunService, tracked_spec
-from nsa_dist.store import LeaseLost, SpectrumStore, Status
+from nsa_dist.store import LeaseLost, SpectrumStore
 
 if TYPE_CHECKING:
     from nsa_dist.pipeline.tracked import ExperimentSpec
@@ -132,7 +132,7 @@ class Tracker:
         model = measured_module(user, output)  # the user's module, or its selected output
         self.model = model
         self.store = store if isinstance(store, SpectrumStore) else SpectrumStore(store)
-        self.data, K, column = self._check_data(model, X, y, X_test, y_test)
+        self.data, K, column = _checked_data(model, X, y, X_test, y_test)
         if column:  # an (n, 1) output (a final nn.Linear(…, 1)) is measured as the (n,) it means
             model = SelectedOutput(model, single_column)
             self.model = model
@@ -162,42 +162,16 @@ class Tracker:
         self.schedule = self.spec.record_steps()
         self._index = {t: i for i, t in enumerate(self.schedule)}
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.plan = plan_run(self.spec, self.data, model)  # reads its sizes and NTK route, changes nothing
-        self._lease = self.store.lease([name]).acquire()  # one writer of this run at a time
-        try:
-            self.writer = self.store.writer(
-                name,
-                self.plan.spec_json,
-                self.plan.dims,
-                data_fingerprint=self.data.fingerprint(),
-                token=self._lease.token,
-            )
-        except BaseException:
-            self._lease.release()
-            raise
-        self._done = self.writer.done()
-        if not self.writer.static_complete():
-            self.writer.write_static(self.plan.static_arrays(self.data))
+        # one writer of this run at a time: the lease, the run created or reopened as `nsa run` does
+        self.session = RunSession.open(self.spec, self.store, data=self.data, model=model, hint="reopen to continue")
+        self.plan, self.writer, self._done = self.session.plan, self.session.writer, self.session.done
         self.max_inflight = max_inflight
-        if cluster is None:
-            self.pool: Any = ThreadAnalysisPool(
-                TrackedRunService(self.store.url, self.plan, _analysis_copy(model), self.data, token=self._lease.token)
-            )
-        else:
-            from nsa_dist.cluster.tracking import RayTrackerPool
-
-            self.pool = RayTrackerPool(
-                cluster,
-                self.store.url,
-                self.plan,
-                _analysis_copy(model),
-                self.data,
-                workers=workers,
-                cpus=worker_cpus,
-                gpus=worker_gpus,
-                token=self._lease.token,
-            )
-        self.writer.set_status(Status.RUNNING)
+        try:
+            self.pool: Any = self._pool(cluster, _analysis_copy(model), workers, worker_cpus, worker_gpus)
+        except BaseException as exc:
+            self.session.end(exc)  # not started: the status stays, the lease is given back
+            raise
+        self.session.start()
         self._pending: tuple[Checkpoint, np.ndarray, np.ndarray] | None = None  # awaiting θ_{t+1}
         self._recorded: set[int] = set()  # steps record() took in this session
         self._failure: AnalysisError | None = None
@@ -208,63 +182,25 @@ class Tracker:
         self.finished: list[dict] = []
         self.closed = False
 
-    # ------------------------------------------------------------------ inputs
-    @staticmethod
-    def _check_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> tuple[Dataset, int, bool]:
-        """The checked data, the outputs per point K and whether the model's output is one
-        column, (n, 1) — then measured as (n,), with y and y_test accepted as (N,) or (N, 1)."""
-        X, y = _as_tensor("X", X), _as_tensor("y", y)
-        if X.ndim < 2 or X.shape[0] == 0:
-            raise ShapeError(f"X must have shape (N, d) or (N, …) with N >= 1, got {tuple(X.shape)}")
-        for nm, a in (("X", X), ("y", y)):
-            if not torch.isfinite(a.double()).all():
-                raise NonFiniteError(f"{nm} holds NaN or inf")
-        with torch.no_grad(), preserved(model):
-            out = model(model_inputs(X[:2], model))
-        n = min(2, X.shape[0])
-        if not isinstance(out, torch.Tensor):
-            raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
-        if out.ndim not in (1, 2) or out.shape[0] != n:
-            got = tuple(out.shape)
-            raise ShapeError(
-                f"the model must map (n, …) inputs to (n,) or (n, K) outputs; for input "
-                f"{tuple(X[:2].shape)} it returned {got}"
+    def _pool(self, cluster: str | None, model: nn.Module, workers: int, cpus: float, gpus: float) -> Any:
+        """The run's analysis pool: a background thread, or Ray spectral workers on ``cluster``."""
+        if cluster is None:
+            return ThreadAnalysisPool(
+                TrackedRunService(self.store.url, self.plan, model, self.data, token=self.session.token)
             )
-        K = 1 if out.ndim == 1 else int(out.shape[1])
-        column = out.ndim == 2 and K == 1
-        if column:
-            y = y.reshape(-1) if tuple(y.shape) == (X.shape[0], 1) else y
-        want = (X.shape[0],) if out.ndim == 1 or column else (X.shape[0], K)
-        if tuple(y.shape) != want:
-            also = f" or {(X.shape[0], 1)}" if column else ""
-            raise ShapeError(
-                f"y must have shape {want}{also} (N = {X.shape[0]} points, the model's output per "
-                f"point {tuple(out.shape[1:])}); got {tuple(y.shape)}"
-            )
-        if X_test is None:
-            X_test, y_test = X.new_zeros((0,) + tuple(X.shape[1:])), y.new_zeros((0,) + tuple(y.shape[1:]))
-        X_test = _as_tensor("X_test", X_test)
-        if X_test.shape[0] and X_test.is_floating_point() != X.is_floating_point():
-            raise TypeError(
-                f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both integer ids"
-            )
-        y_test = (
-            _as_tensor("y_test", y_test)
-            if y_test is not None
-            else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan"))
+        from nsa_dist.cluster.tracking import RayTrackerPool
+
+        return RayTrackerPool(
+            cluster,
+            self.store.url,
+            self.plan,
+            model,
+            self.data,
+            workers=workers,
+            cpus=cpus,
+            gpus=gpus,
+            token=self.session.token,
         )
-        if column and y_test.ndim == 2 and y_test.shape[1] == 1:
-            y_test = y_test.reshape(-1)
-        if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(
-            y.shape[1:]
-        ):
-            raise ShapeError(
-                f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
-                f"{tuple(y.shape[1:])}; got {tuple(X_test.shape)} and {tuple(y_test.shape)}"
-            )
-        f64 = lambda a: a.to(torch.float64).numpy()  # noqa: E731
-        ids = lambda a: a.numpy().copy() if not a.is_floating_point() else f64(a)  # noqa: E731 - token ids stay integers
-        return Dataset(ids(X), f64(y), ids(X_test), f64(y_test), {"source": "tracker"}), K, column
 
     # ------------------------------------------------------------------ the loop's calls
     @property
@@ -426,14 +362,14 @@ class Tracker:
             self._abort(exc)
             raise
         except Exception as exc:
-            self.writer.set_status(Status.FAILED, f"{type(exc).__name__}: {exc}")
+            self.session.fail(exc)
             self.closed = True
-            self._lease.release()
+            self.session.release()
             raise
 
     def _take(self, summaries: list[dict]) -> None:
         for s in summaries:
-            self._done[s["index"]] = True
+            self.session.mark_done(s["index"])
             self.finished.append(s)
 
     def _abort(self, exc: AnalysisError) -> None:
@@ -446,16 +382,16 @@ class Tracker:
             except Exception:  # noqa: BLE001 - the first failure is the one reported
                 pass
         self._flush_trace()
-        self.writer.set_status(Status.FAILED, str(exc), exc.step)
+        self.session.fail(exc)  # its message and step
         self.closed = True
         self.pool.close()
-        self._lease.release()
+        self.session.release()
 
     def _stop_lost(self) -> None:
         """This Tracker's lease was taken over: close without writing (no status, no released lease)."""
         self.closed = True
         self._pending = None
-        self._lease.release()
+        self.session.release()
 
     def _flush_trace(self) -> None:
         for t, v in sorted(self._trace.items()):
@@ -469,10 +405,10 @@ class Tracker:
         while self.inflight:
             self._collect(block=True)
         self._flush_trace()
-        self.writer.set_status(Status.FAILED, f"training diverged: {why}", step)
+        self.session.fail(f"training diverged: {why}", step)
         self.closed = True
         self.pool.close()
-        self._lease.release()
+        self.session.release()
         raise NonFiniteError(
             f"run {self.spec.name!r}: {why}; the run is marked failed, the "
             f"{int(self._done.sum())} steps recorded before it are kept"
@@ -498,15 +434,14 @@ class Tracker:
         try:
             missing = int((~self._done).sum())
             if missing:
-                self.writer.set_status(
-                    Status.PENDING,
+                self.session.pause(
                     f"closed with {missing} of {len(self._done)} recorded steps "
                     "missing; reopen the Tracker with this name to continue",
                 )
             else:
-                finish_run(self.writer, self.spec)
+                self.session.finish()
         finally:
-            self._lease.release()
+            self.session.release()
 
     def __enter__(self) -> Tracker:
         return self
@@ -524,8 +459,8 @@ class Tracker:
             finally:
                 self.closed = True
                 self.pool.close()
-                self.writer.set_status(Status.INTERRUPTED, f"interrupted ({exc_type.__name__}); reopen to continue")
-                self._lease.release()
+                self.session.interrupt(cause=exc_type)
+                self.session.release()
 
     # ------------------------------------------------------------------ resume
     @property
@@ -540,6 +475,59 @@ class Tracker:
         if not self._done[i]:
             raise ValueError(f"step {step} is not recorded yet")
         return np.asarray(self.writer.read_step("theta", i))
+
+
+def _checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> tuple[Dataset, int, bool]:
+    """The checked data, the outputs per point K and whether the model's output is one
+    column, (n, 1) — then measured as (n,), with y and y_test accepted as (N,) or (N, 1)."""
+    X, y = _as_tensor("X", X), _as_tensor("y", y)
+    if X.ndim < 2 or X.shape[0] == 0:
+        raise ShapeError(f"X must have shape (N, d) or (N, …) with N >= 1, got {tuple(X.shape)}")
+    for nm, a in (("X", X), ("y", y)):
+        if not torch.isfinite(a.double()).all():
+            raise NonFiniteError(f"{nm} holds NaN or inf")
+    with torch.no_grad(), preserved(model):
+        out = model(model_inputs(X[:2], model))
+    n = min(2, X.shape[0])
+    if not isinstance(out, torch.Tensor):
+        raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
+    if out.ndim not in (1, 2) or out.shape[0] != n:
+        got = tuple(out.shape)
+        raise ShapeError(
+            f"the model must map (n, …) inputs to (n,) or (n, K) outputs; for input "
+            f"{tuple(X[:2].shape)} it returned {got}"
+        )
+    K = 1 if out.ndim == 1 else int(out.shape[1])
+    column = out.ndim == 2 and K == 1
+    if column:
+        y = y.reshape(-1) if tuple(y.shape) == (X.shape[0], 1) else y
+    want = (X.shape[0],) if out.ndim == 1 or column else (X.shape[0], K)
+    if tuple(y.shape) != want:
+        also = f" or {(X.shape[0], 1)}" if column else ""
+        raise ShapeError(
+            f"y must have shape {want}{also} (N = {X.shape[0]} points, the model's output per "
+            f"point {tuple(out.shape[1:])}); got {tuple(y.shape)}"
+        )
+    if X_test is None:
+        X_test, y_test = X.new_zeros((0,) + tuple(X.shape[1:])), y.new_zeros((0,) + tuple(y.shape[1:]))
+    X_test = _as_tensor("X_test", X_test)
+    if X_test.shape[0] and X_test.is_floating_point() != X.is_floating_point():
+        raise TypeError(f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both integer ids")
+    y_test = (
+        _as_tensor("y_test", y_test)
+        if y_test is not None
+        else y.new_full((X_test.shape[0],) + tuple(y.shape[1:]), float("nan"))
+    )
+    if column and y_test.ndim == 2 and y_test.shape[1] == 1:
+        y_test = y_test.reshape(-1)
+    if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:]):
+        raise ShapeError(
+            f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
+            f"{tuple(y.shape[1:])}; got {tuple(X_test.shape)} and {tuple(y_test.shape)}"
+        )
+    f64 = lambda a: a.to(torch.float64).numpy()  # noqa: E731
+    ids = lambda a: a.numpy().copy() if not a.is_floating_point() else f64(a)  # noqa: E731 - token ids stay integers
+    return Dataset(ids(X), f64(y), ids(X_test), f64(y_test), {"source": "tracker"}), K, column
 
 
 def _outputs(f: torch.Tensor) -> np.ndarray:
