@@ -102,11 +102,26 @@ class RunArrays:
         return self.schedule[self.finished]
 
     @property
-    def eigenvector_steps(self) -> np.ndarray:
-        """(Se,) the finished steps whose eigenvectors are stored (``spectrum.store_eigenvectors``)."""
+    def eigenvector_mask(self) -> np.ndarray:
+        """(S,) bool along :attr:`steps`: which finished steps hold eigenvectors, as the run stored
+        it (its ``eigenvector_steps`` array, written from the run's plan when it was created).
+
+        Every reader asks this, never the spec's schedule.  Only a run written before that array
+        existed falls back to the spec's ``spectrum.store_eigenvectors`` (the rule it was written by)."""
         if not self.has("eigenvectors"):
-            return np.zeros(0, dtype=np.int64)
-        return np.array([t for t in self.steps if self.spec.spectrum.eigenvectors_at(int(t))], dtype=np.int64)
+            return np.zeros(len(self.finished), dtype=bool)
+        if self.has("eigenvector_steps"):
+            return np.asarray(self.array("eigenvector_steps"), dtype=bool)[self.finished]
+        return np.array([self.spec.spectrum.eigenvectors_at(int(t)) for t in self.steps], dtype=bool)
+
+    @property
+    def eigenvector_steps(self) -> np.ndarray:
+        """(Se,) the finished steps whose eigenvectors are stored (:attr:`eigenvector_mask`)."""
+        return np.asarray(self.steps[self.eigenvector_mask], dtype=np.int64)
+
+    def stores_eigenvectors(self, step: int) -> bool:
+        """Whether finished recorded step ``step`` holds eigenvectors (:attr:`eigenvector_mask`)."""
+        return bool(np.any(self.eigenvector_steps == int(step)))
 
     def per_step(self, name: str) -> np.ndarray:
         """(S, …) per-step array ``name`` at the finished steps (rows in the order of :attr:`steps`)."""

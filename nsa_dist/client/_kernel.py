@@ -36,7 +36,7 @@ class KernelView:
         """
         a = self._a
         i = a.index_of(step)
-        if not a.has("reconstructions") or not a.spec.spectrum.eigenvectors_at(int(step)):
+        if not a.has("reconstructions") or not a.stores_eigenvectors(step):
             raise KeyError(
                 f"run {a.id!r} stores reconstructions only at its eigenvector steps "
                 f"{a.eigenvector_steps.tolist()}, not at {step}"

@@ -17,6 +17,7 @@ from nsa_dist.client._images import ImagesView
 from nsa_dist.client._kernel import KernelView
 from nsa_dist.errors import StoreError
 from nsa_dist.metrics import flow_speed, lr_eigen_product, spectrum_preservation, stability_bound
+from nsa_dist.metrics.preservation import preservation_pair
 from nsa_dist.store import PHIS
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class Run(RunArrays):
             KeyError: ``step`` is not finished, or its eigenvectors were not stored.
         """
         i = self.index_of(step)
-        if self.has("eigenvectors") and not self.spec.spectrum.eigenvectors_at(int(step)):
+        if self.has("eigenvectors") and not self.stores_eigenvectors(step):
             raise KeyError(
                 f"run {self.id!r} stores eigenvectors only at steps {self.eigenvector_steps.tolist()}, "
                 f"not at {step} (spectrum.store_eigenvectors)"
@@ -249,26 +250,26 @@ class Run(RunArrays):
     ) -> tuple[np.ndarray, int, int, list[int]]:
         """E_{t1}(v_i^{t2}, k) for every k (NSA Fig. 7d): (rows, K) with t1, t2 and the rows i.
 
-        Default: what the run stored when it finished (second vs last recorded step), else
-        computed from the stored eigenvectors.
+        Default: what the run stored when it finished, else computed from the stored eigenvectors;
+        an omitted t1 or t2 is the writer's choice among the finished eigenvector steps
+        (:func:`~nsa_dist.metrics.preservation.preservation_pair`: the second, or with a
+        ``store_eigenvectors`` list the first, against the last).
 
         Raises:
-            ValueError: fewer than two eigenvector steps are finished.
+            ValueError: t1 or t2 omitted and fewer than two eigenvector steps are finished.
         """
         if t1 is None and t2 is None and i is None and self.has("preservation"):
             a = self.array_attrs("preservation")
             return self.array("preservation"), int(a["t1"]), int(a["t2"]), list(a["rows"])
-        steps = self.eigenvector_steps
-        if len(steps) < 2 and (t1 is None or t2 is None):
-            raise ValueError(
-                f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two"
-            )
-        t1 = (
-            int(steps[1 if len(steps) > 2 and not isinstance(self.spec.spectrum.store_eigenvectors, list) else 0])
-            if t1 is None
-            else t1
-        )
-        t2 = int(steps[-1]) if t2 is None else t2
+        if t1 is None or t2 is None:
+            steps = self.eigenvector_steps
+            pair = preservation_pair(steps, listed=isinstance(self.spec.spectrum.store_eigenvectors, list))
+            if pair is None:
+                raise ValueError(
+                    f"run {self.id!r} has eigenvectors at {len(steps)} finished step(s); preservation needs two"
+                )
+            t1 = int(pair[0]) if t1 is None else t1
+            t2 = int(pair[1]) if t2 is None else t2
         V1, V2 = self.eigenvectors(t1), self.eigenvectors(t2)
         rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
         return spectrum_preservation(V1, V2, i=rows), t1, t2, rows

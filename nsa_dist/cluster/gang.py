@@ -2,14 +2,16 @@
 
 :class:`RayGang` owns the placement group and the actors (the coordinator creates and replaces
 gangs); :class:`GangPool` is the picklable view of a gang that the step's driver — the spectral
-worker analysing the step — uses as its :class:`~nsa_dist.pipeline.layout.Pool`: member calls are
-actor tasks, broadcast blocks go through the object store once (``ray.put``), and the per-block
-features travel between members as object refs the driver never fetches.
+worker analysing the step — uses as its :class:`~nsa_dist.pipeline.layout.Pool`: member calls
+(typed method calls, :class:`~nsa_dist.pipeline.layout.Member`) are actor tasks, broadcast blocks
+go through the object store once (``ray.put``), and the per-block features travel between members
+as object refs the driver never fetches.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -17,24 +19,40 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from nsa_dist.cluster.actors import gang_members
 from nsa_dist.cluster.resources import GangUnplaceable, check_gang_fits, gang_bundle
 from nsa_dist.cluster.runtime import alive_nodes
+from nsa_dist.pipeline.layout import Handle, Member, ShardCalls, each
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 __all__ = ["GangUnplaceable", "GangPool", "RayGang"]
 
 
+class _ActorCalls(ShardCalls):
+    """A member that is a SpectralShard actor: a call is an actor task; its handle is the task's ObjectRef."""
+
+    def _start(self, method: Callable[..., R], *args: Any) -> Handle[R]:
+        return cast(Any, method).remote(*args)
+
+    def _start_each(self, n: int, method: Callable[..., Any], *args: Any) -> list[Handle[Any]]:
+        m = cast(Any, method)
+        if n == 1:
+            return [m.remote(*args)]
+        return list(m.options(num_returns=n).remote(*args) or [])  # a ref per result (none for n = 0)
+
+
 class GangPool:
-    """The members of a gang as a Pool (picklable: it holds actor handles only)."""
+    """The members of a gang as a :class:`~nsa_dist.pipeline.layout.Pool` (picklable: it holds actor handles only)."""
 
     def __init__(self, actors: list[Any]) -> None:
         self.actors, self.size = actors, len(actors)
 
-    def submit(self, i: int, method: str, *args: Any, num_returns: int = 1) -> Any:
-        m = getattr(self.actors[i], method)
-        return (m.options(num_returns=num_returns) if num_returns != 1 else m).remote(*args)
+    def member(self, i: int) -> Member:
+        return _ActorCalls(self.actors[i])
 
-    def get(self, handles: list[Any]) -> list[Any]:
-        return ray.get(list(handles))
+    def get(self, handles: Iterable[Handle[T]]) -> list[T]:
+        return ray.get(cast("list[ray.ObjectRef[T]]", list(handles)))
 
-    def put(self, value: Any) -> Any:
+    def put(self, value: T) -> Handle[T]:
         return ray.put(value)
 
 
@@ -72,10 +90,10 @@ class RayGang:
             )
         self.actors = gang_members(self.pg, size, cpus, gpus, resources, threads)
         self.pool = GangPool(self.actors)
-        self.member_pids = ray.get([a.pid.remote() for a in self.actors])  # members are up before use
+        self.member_pids = self.pool.get([m.pid() for m in each(self.pool)])  # members are up before use
 
     def peak_rss(self) -> list[int]:
-        return ray.get([a.peak_rss.remote() for a in self.actors])
+        return self.pool.get([m.peak_rss() for m in each(self.pool)])
 
     def shutdown(self) -> None:
         for a in self.actors:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -11,7 +11,9 @@ from nsa_dist.errors import ShapeError
 from nsa_dist.metrics._validate import as_real, check_rows, count
 from nsa_dist.metrics.energy import relative_energy
 
-__all__ = ["spectrum_preservation"]
+__all__ = ["spectrum_preservation", "preservation_pair"]
+
+T = TypeVar("T")
 
 
 def spectrum_preservation(evecs_t1: Any, evecs_t2: Any, i: int | Sequence[int] | None = None) -> np.ndarray:
@@ -47,3 +49,32 @@ def spectrum_preservation(evecs_t1: Any, evecs_t2: Any, i: int | Sequence[int] |
         if rows.size == 0:
             raise ShapeError(f"i must name at least one eigenvector number in [1, {K2}], got {i!r}")
     return relative_energy(V1, V2[:, rows])  # (len(rows), K1)
+
+
+def preservation_pair(eigenvector_steps: Sequence[T], *, listed: bool) -> tuple[T, T] | None:
+    """The steps (t1, t2) that spectrum preservation compares by default (Fig. 7d: an early step
+    against the last one), picked from a run's steps that hold eigenvectors.
+
+    t2 is the last of them.  t1 is the first when the steps were listed by hand (``listed``:
+    ``spectrum.store_eigenvectors`` is a list, so every one was asked for), else the second when
+    there are more than two (the paper compares an early step after the start with the final one),
+    else the first.  The rule only picks positions, so the items may equally be the steps'
+    storage indices; the writer of the stored ``preservation`` array and ``Run.spectrum_preservation``
+    both use it.
+
+    Args:
+        eigenvector_steps: the recorded steps (or their storage indices) holding eigenvectors, ascending.
+        listed: whether the run's ``spectrum.store_eigenvectors`` is a list of steps.
+
+    Returns:
+        (t1, t2), two items of ``eigenvector_steps``; None when it has fewer than two.
+
+    >>> preservation_pair([0, 10, 20, 30], listed=False), preservation_pair([0, 10, 20, 30], listed=True)
+    ((10, 30), (0, 30))
+    >>> preservation_pair([0, 30], listed=False), preservation_pair([30], listed=False)
+    ((0, 30), None)
+    """
+    n = len(eigenvector_steps)
+    if n < 2:
+        return None
+    return eigenvector_steps[1 if n > 2 and not listed else 0], eigenvector_steps[-1]

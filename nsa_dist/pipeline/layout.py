@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 import numpy as np
 
@@ -30,8 +31,17 @@ from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk.blocks import row_blocks
 from nsa_dist.ntk.shards import tile_plan
 
+if TYPE_CHECKING:
+    from nsa_dist.ntk.blocks import BlockFeatures
+    from nsa_dist.pipeline.plan import RunPlan
+    from nsa_dist.pipeline.shard import SpectralShard
+
 __all__ = [
+    "Handle",
+    "Member",
+    "ShardCalls",
     "Pool",
+    "each",
     "LocalPool",
     "StepGram",
     "DenseGram",
@@ -46,40 +56,202 @@ __all__ = [
 
 _keys = itertools.count()
 
+T = TypeVar("T")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Handle(Protocol[R_co]):
+    """A member call's result to come, of type ``R_co``: the value itself in process, an ObjectRef
+    on Ray.  :meth:`Pool.get` fetches it; handed to another member call as an argument it arrives
+    there as the value."""
+
+
+Sent: TypeAlias = T | Handle[T]
+"""An argument of a member call: the value, or a handle of it (:meth:`Pool.put`, or another call's result)."""
+
+
+class Member(Protocol):
+    """The calls one gang member answers: the methods of
+    :class:`~nsa_dist.pipeline.shard.SpectralShard` (same names and arguments), each started at
+    once and answered by a :class:`Handle` of the shard method's result: a gang's partial
+    products are ``pool.get([m.tiles_matmat(key, h) for m in each(pool)])``.
+    """
+
+    def features(
+        self, plan: Sent[RunPlan], theta: Sent[np.ndarray], which: str, ranges: list[tuple[int, int]]
+    ) -> list[Handle[BlockFeatures]]:
+        """The per-layer features of each range of points: one handle per range (block_rows)."""
+        ...
+
+    def build_tiles(
+        self,
+        key: str,
+        ranges: list[tuple[int, int]],
+        pairs: list[tuple[int, int]],
+        features: dict[int, Handle[BlockFeatures]],
+    ) -> Handle[int]:
+        """Build and hold the member's tiles of G from the blocks' features; their bytes."""
+        ...
+
+    def tiles_matmat(self, key: str, V: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        """The member's partial product of its tiles with V (N, k)."""
+        ...
+
+    def tiles_stats(self, key: str) -> Handle[dict[str, float]]:
+        """The member's part of ‖G‖_F² and Tr(G) (``sq_frobenius``, ``trace``)."""
+        ...
+
+    def shard(
+        self, key: str, plan: Sent[RunPlan], theta: Sent[np.ndarray], which: str, rng: tuple[int, int]
+    ) -> Handle[int]:
+        """Hold the features (or the Jacobian map) of the points ``rng`` (matrix_free); bytes held."""
+        ...
+
+    def shard_jt(self, key: str, V: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        """J_sᵀ V_s of the member's shard."""
+        ...
+
+    def shard_j(self, key: str, U: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        """J_s U of the member's shard."""
+        ...
+
+    def curvature(
+        self, key: str, plan: Sent[RunPlan], theta: Sent[np.ndarray], rng: tuple[int, int], weight: float
+    ) -> Handle[None]:
+        """Hold H_s, I_s, S_s of the loss on the points ``rng``, products scaled by ``weight``."""
+        ...
+
+    def curvature_matmat(self, key: str, part: str, V: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        """``weight`` · A_s V for A = ``part`` ("H", "I" or "S")."""
+        ...
+
+    def release(self, key: str) -> Handle[None]:
+        """Drop what the member holds under ``key``."""
+        ...
+
+    def pid(self) -> Handle[int]:
+        """The member's process id."""
+        ...
+
+    def peak_rss(self) -> Handle[int]:
+        """The member's peak resident memory (bytes)."""
+        ...
+
+
+class ShardCalls(Member):
+    """A :class:`Member` that starts each call on ``target`` (a SpectralShard, or an actor of one):
+    subclasses say how a call starts (:meth:`_start`, :meth:`_start_each`)."""
+
+    def __init__(self, target: SpectralShard) -> None:
+        self.target = target
+
+    def _start(self, method: Callable[..., R], *args: Any) -> Handle[R]:
+        """Start ``method(*args)`` (a method of :attr:`target`); its result's handle."""
+        raise NotImplementedError
+
+    def _start_each(self, n: int, method: Callable[..., Any], *args: Any) -> list[Handle[Any]]:
+        """Start ``method(*args)``, which returns ``n`` results (one unwrapped when ``n`` = 1); a handle each."""
+        raise NotImplementedError
+
+    def features(
+        self, plan: Sent[RunPlan], theta: Sent[np.ndarray], which: str, ranges: list[tuple[int, int]]
+    ) -> list[Handle[BlockFeatures]]:
+        return self._start_each(len(ranges), self.target.features, plan, theta, which, ranges)
+
+    def build_tiles(
+        self,
+        key: str,
+        ranges: list[tuple[int, int]],
+        pairs: list[tuple[int, int]],
+        features: dict[int, Handle[BlockFeatures]],
+    ) -> Handle[int]:
+        return self._start(self.target.build_tiles, key, ranges, pairs, features)
+
+    def tiles_matmat(self, key: str, V: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        return self._start(self.target.tiles_matmat, key, V)
+
+    def tiles_stats(self, key: str) -> Handle[dict[str, float]]:
+        return self._start(self.target.tiles_stats, key)
+
+    def shard(
+        self, key: str, plan: Sent[RunPlan], theta: Sent[np.ndarray], which: str, rng: tuple[int, int]
+    ) -> Handle[int]:
+        return self._start(self.target.shard, key, plan, theta, which, rng)
+
+    def shard_jt(self, key: str, V: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        return self._start(self.target.shard_jt, key, V)
+
+    def shard_j(self, key: str, U: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        return self._start(self.target.shard_j, key, U)
+
+    def curvature(
+        self, key: str, plan: Sent[RunPlan], theta: Sent[np.ndarray], rng: tuple[int, int], weight: float
+    ) -> Handle[None]:
+        return self._start(self.target.curvature, key, plan, theta, rng, weight)
+
+    def curvature_matmat(self, key: str, part: str, V: Sent[np.ndarray]) -> Handle[np.ndarray]:
+        return self._start(self.target.curvature_matmat, key, part, V)
+
+    def release(self, key: str) -> Handle[None]:
+        return self._start(self.target.release, key)
+
+    def pid(self) -> Handle[int]:
+        return self._start(self.target.pid)
+
+    def peak_rss(self) -> Handle[int]:
+        return self._start(self.target.peak_rss)
+
 
 class Pool(Protocol):
-    """The members of a gang, addressed by index; results are fetched with :meth:`get`."""
+    """A gang: ``size`` members addressed by index, whose calls are typed method calls
+    (:meth:`member`); results are fetched with :meth:`get`."""
 
     size: int
 
-    def submit(self, i: int, method: str, *args: Any, num_returns: int = 1) -> Any:
-        """Start ``member[i].method(*args)``; a handle (a list of ``num_returns`` handles if > 1)."""
+    def member(self, i: int) -> Member:
+        """Member ``i``'s calls."""
+        ...
 
-    def get(self, handles: list[Any]) -> list[Any]:
+    def get(self, handles: Iterable[Handle[T]]) -> list[T]:
         """The results behind handles, in order (raises the member's error)."""
+        ...
 
-    def put(self, value: Any) -> Any:
+    def put(self, value: T) -> Handle[T]:
         """A handle for a value sent to several members (an object-store ref on Ray)."""
+        ...
+
+
+def each(pool: Pool) -> list[Member]:
+    """Every member of ``pool``, in index order."""
+    return [pool.member(i) for i in range(pool.size)]
+
+
+class _InProcess(ShardCalls):
+    """A member in this process: a call runs at once; its handle is its result."""
+
+    def _start(self, method: Callable[..., R], *args: Any) -> Handle[R]:
+        return method(*args)
+
+    def _start_each(self, n: int, method: Callable[..., Any], *args: Any) -> list[Handle[Any]]:
+        out = method(*args)
+        return [out] if n == 1 else list(out)
 
 
 class LocalPool:
     """A gang of plain members in this process (the same code path as Ray, without Ray)."""
 
-    def __init__(self, members: list[Any]) -> None:
+    def __init__(self, members: list[SpectralShard]) -> None:
         self.members, self.size = members, len(members)
 
-    def submit(self, i: int, method: str, *args: Any, num_returns: int = 1) -> Any:
-        return getattr(self.members[i], method)(*args)
+    def member(self, i: int) -> Member:
+        return _InProcess(self.members[i])
 
-    def get(self, handles: list[Any]) -> list[Any]:
-        return list(handles)
+    def get(self, handles: Iterable[Handle[T]]) -> list[T]:
+        return cast("list[T]", list(handles))
 
-    def put(self, value: Any) -> Any:
+    def put(self, value: T) -> Handle[T]:
         return value
-
-
-def _map(pool: Pool, method: str, args: list[tuple]) -> list[Any]:
-    return pool.get([pool.submit(i, method, *a) for i, a in enumerate(args)])
 
 
 class StepGram(Protocol):
@@ -131,7 +303,7 @@ class _GangGram(LinearOperator):
         self.key = f"g{os.getpid()}-{next(_keys)}"
 
     def close(self) -> None:
-        _map(self.pool, "release", [(self.key,)] * self.pool.size)
+        self.pool.get([m.release(self.key) for m in each(self.pool)])
 
 
 class TiledGram(_GangGram):
@@ -142,27 +314,27 @@ class TiledGram(_GangGram):
     store on one node) and builds its tiles.  ``G V`` = the sum of the members' partial products.
     """
 
-    def __init__(self, pool: Pool, run: Any, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
+    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
         super().__init__(pool, N, dtype)
         plan = tile_plan(N, pool.size)
         run_h, theta_h = pool.put(run), pool.put(theta)
-        feats: dict[int, Any] = {}
-        for i, owned in enumerate(plan.owners):
-            ranges = [plan.ranges[b] for b in owned]
-            h = pool.submit(i, "features", run_h, theta_h, which, ranges, num_returns=len(owned))
-            feats.update(zip(owned, h if len(owned) > 1 else [h]))
+        members = each(pool)
+        feats: dict[int, Handle[BlockFeatures]] = {}
+        for m, owned in zip(members, plan.owners):
+            feats.update(zip(owned, m.features(run_h, theta_h, which, [plan.ranges[b] for b in owned])))
         need = [sorted({b for p in pairs for b in p}) for pairs in plan.pairs]
-        self.nbytes = _map(
-            pool,
-            "build_tiles",
-            [(self.key, plan.ranges, plan.pairs[i], {b: feats[b] for b in need[i]}) for i in range(pool.size)],
+        self.nbytes = pool.get(
+            [
+                m.build_tiles(self.key, plan.ranges, plan.pairs[i], {b: feats[b] for b in need[i]})
+                for i, m in enumerate(members)
+            ]
         )
         del feats
         self.plan = plan
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
         h = self.pool.put(np.ascontiguousarray(V))
-        parts = _map(self.pool, "tiles_matmat", [(self.key, h)] * self.pool.size)
+        parts = self.pool.get([m.tiles_matmat(self.key, h) for m in each(self.pool)])
         return np.sum(parts, axis=0).astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
@@ -170,7 +342,7 @@ class TiledGram(_GangGram):
 
     def trace_stats(self) -> dict[str, float]:
         """Exact ``sq_frobenius`` = ‖G‖_F² and ``trace`` = Tr(G), summed over the members' tiles."""
-        stats = _map(self.pool, "tiles_stats", [(self.key,)] * self.pool.size)
+        stats = self.pool.get([m.tiles_stats(self.key) for m in each(self.pool)])
         return {k: float(sum(s[k] for s in stats)) for k in ("sq_frobenius", "trace")}
 
 
@@ -184,7 +356,7 @@ class ShardedGram(_GangGram):
     def __init__(
         self,
         pool: Pool,
-        run: Any,
+        run: RunPlan,
         theta: np.ndarray,
         which: str,
         N: int,
@@ -195,16 +367,20 @@ class ShardedGram(_GangGram):
         super().__init__(pool, N, dtype)
         self.ranges = row_blocks(N, pool.size)
         run_h, theta_h = pool.put(run), pool.put(theta)
-        self.nbytes = _map(pool, "shard", [(self.key, run_h, theta_h, which, r) for r in self.ranges])
+        self.nbytes = pool.get([m.shard(self.key, run_h, theta_h, which, r) for m, r in zip(each(pool), self.ranges)])
         self.probes, self.seed = frobenius_probes, seed
         self._fro: tuple[float, float] | None = None
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
+        members = each(self.pool)
         U = np.sum(
-            _map(self.pool, "shard_jt", [(self.key, np.ascontiguousarray(V[a:b])) for a, b in self.ranges]), axis=0
+            self.pool.get(
+                [m.shard_jt(self.key, np.ascontiguousarray(V[a:b])) for m, (a, b) in zip(members, self.ranges)]
+            ),
+            axis=0,
         )  # (m, dim)
         h = self.pool.put(U)
-        out = np.concatenate(_map(self.pool, "shard_j", [(self.key, h)] * self.pool.size), axis=0)  # (N, m)
+        out = np.concatenate(self.pool.get([m.shard_j(self.key, h) for m in members]), axis=0)  # (N, m)
         return out.astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
@@ -222,18 +398,18 @@ class ShardedCurvature:
     sum the Hessian of ``C = (1/N) Σ_i c_i``.  ``shape`` is (P, P).
     """
 
-    def __init__(self, pool: Pool, run: Any, theta: np.ndarray, N: int, P: int) -> None:
+    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, N: int, P: int) -> None:
         self.pool, self.shape = pool, (P, P)
         self.key = f"h{os.getpid()}-{next(_keys)}"
         ranges = row_blocks(N, pool.size)
         run_h, theta_h = pool.put(run), pool.put(theta)
-        _map(pool, "curvature", [(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for r in ranges])
+        pool.get([m.curvature(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for m, r in zip(each(pool), ranges)])
 
     def part(self, name: str) -> _Part:
         return _Part(self, name)
 
     def close(self) -> None:
-        _map(self.pool, "release", [(self.key,)] * self.pool.size)
+        self.pool.get([m.release(self.key) for m in each(self.pool)])
 
 
 class _Part(LinearOperator):
@@ -246,7 +422,7 @@ class _Part(LinearOperator):
     def _matmat(self, V: np.ndarray) -> np.ndarray:
         pool = self.owner.pool
         h = pool.put(np.ascontiguousarray(V))
-        return np.sum(_map(pool, "curvature_matmat", [(self.owner.key, self.name, h)] * pool.size), axis=0)
+        return np.sum(pool.get([m.curvature_matmat(self.owner.key, self.name, h) for m in each(pool)]), axis=0)
 
 
 # --------------------------------------------------------------------------- choosing a layout
