@@ -227,6 +227,10 @@ class RunPages:
         self._built: dict[tuple[Any, ...], tuple[_Built, float]] = {}  # key → (its last build, last asked)
         self._building: dict[tuple[Any, ...], Future] = {}
         self._pruned = time.monotonic()
+        # the panels' modules and Bokeh's embedding, imported now: not in the first viewer's wait
+        import bokeh.embed  # noqa: F401
+
+        _sections()
 
     def snapshot(self, rid: str) -> _Snapshot:
         return self.shared.get(("run", rid), lambda: _Snapshot(Run(self.store, rid)), self.refresh_s)
