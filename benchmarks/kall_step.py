@@ -1,10 +1,13 @@
 """Issue 22 item 4: one recorded `k: all` step of examples/nsa_paper.yaml (N = 10⁴, float32, test points,
 no stored eigenvectors) by several routes in one process, ``SpectralAnalyzer.timings`` of each:
 
-- ``off``: the tridiagonal route off (two float64 eighs with vectors);
-- ``q``: both halves with Q formed (MKL ``?syrdb``) and SciPy's ``dstevd`` on T (main before the
-  one-vector route);
-- ``on``: as configured — the test half's one φ without Q (``eig_weights``), MKL ``dstedc``.
+- ``off``: ``route="eigenpairs"`` (two float64 eighs with vectors);
+- ``q``: ``route="tridiagonal", solver="lapack"``: both halves with Q formed (MKL ``?syrdb``) and
+  SciPy's ``dstevd`` on T (main before the one-vector route);
+- ``on``: the defaults (``"auto"``) — the test half's one φ without Q (``eig_weights``), MKL ``dstedc``.
+
+(the routes are :class:`~nsa_dist.pipeline.SpectralAnalyzer`'s ``route`` and ``solver`` arguments,
+passed to :func:`nsa_dist.linalg.step_spectrum`.)
 
     python benchmarks/kall_step.py [--n 10000] [--order q,on]
 
@@ -23,8 +26,6 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-import nsa_dist.linalg._tridiag_eig as tridiag_eig
-import nsa_dist.pipeline.spectral as spectral_mod
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.linalg._mkl_stedc import first_row_ready, stedc_ready
@@ -55,10 +56,13 @@ def main() -> None:
     ]
     print(f"probes (once per process): {time.perf_counter() - t0:.1f} s, passed {ready}", flush=True)
     out = {}
+    routes = {  # the analyzer's spectrum route and T's divide and conquer (linalg.step_spectrum)
+        "off": {"route": "eigenpairs"},
+        "q": {"route": "tridiagonal", "solver": "lapack"},
+        "on": {"route": "auto", "solver": "auto"},
+    }
     for which in a.order.split(","):
-        spectral_mod.TRIDIAGONAL_K_ALL = which != "off"
-        spectral_mod.ONE_VECTOR_K_ALL = tridiag_eig.MKL_STEDC = which == "on"
-        an = SpectralAnalyzer(plan, data)
+        an = SpectralAnalyzer(plan, data, **routes[which])
         l0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         out[which] = an.analyze(ck).arrays()

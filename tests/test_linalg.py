@@ -636,3 +636,75 @@ def test_sign_fix_in_place_equals_the_copying_one(order: str) -> None:
     np.testing.assert_array_equal(fixed, copied)
     assert fixed[5, 3] == 1.0 and fixed[5, 4] == 1.0 and fixed[7, 3] == -1.0
     assert copied is not V and copied.flags.f_contiguous
+
+
+# ---------------------------------------------------------------- a step's spectrum: the one front door
+def _step_problem(N: int = 120, seed: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((N, 30))
+    G = A @ A.T + np.diag(np.linspace(0.0, 1.0, N))  # distinct eigenvalues
+    return G, {"y": rng.standard_normal(N), "F": rng.standard_normal((N, 2))}
+
+
+@pytest.mark.parametrize(
+    "route, k, vectors, names, ran",
+    [
+        ("auto", "all", False, ("y",), "one_vector"),
+        ("auto", "all", False, ("y", "F"), "tridiagonal"),
+        ("tridiagonal", "all", False, ("y",), "tridiagonal"),
+        ("eigenpairs", "all", False, ("y",), "eigenpairs"),
+        ("auto", "all", True, ("y",), "eigenpairs"),  # the step needs V
+        ("auto", 10, False, ("y",), "eigenpairs"),  # top-k
+    ],
+)
+def test_step_spectrum_routes_against_eigh(route: str, k: Any, vectors: bool, names: tuple, ran: str) -> None:
+    """step_spectrum takes the route its argument allows and the step admits; every route gives the
+    float64 eigh's eigenvalues and |⟨v_i, φ⟩| (eigenvectors up to sign)."""
+    from nsa_dist.linalg import step_spectrum
+
+    G, phis = _step_problem()
+    N = G.shape[0]
+    kk = N if k == "all" else k
+    sp = step_spectrum(G, kk, {n: phis[n] for n in names}, vectors=vectors, route=route)
+    assert sp.route == ran, f"route {sp.route!r}, expected {ran!r}"
+    assert (sp.evecs is not None) == (ran == "eigenpairs")
+    w, V = np.linalg.eigh(G)
+    w, V = w[::-1][:kk], V[:, ::-1][:, :kk]
+    np.testing.assert_allclose(sp.evals, w, rtol=0, atol=1e-11 * w[0])
+    for n in names:
+        ref = V.T @ phis[n].reshape(N, -1)
+        got = sp.proj[n]
+        err = float(np.abs(np.abs(got) - np.abs(ref)).max())
+        assert err <= 1e-8 * np.abs(phis[n]).max(), f"{n}: max ||⟨v, φ⟩| − ref| = {err:.2e}"
+
+
+def test_step_spectrum_operator_solver_and_columns() -> None:
+    """An operator takes Lanczos (method "auto" or "dense"); the tridiagonal routes with SciPy's
+    dstevd (solver "lapack") give what the default solver gives; ``indices`` are eigenvector columns."""
+    from nsa_dist.linalg import step_spectrum
+
+    G, phis = _step_problem()
+    N = G.shape[0]
+    op = aslinearoperator(G)
+    sp = step_spectrum(op, 5, {"y": phis["y"]}, method="dense")
+    assert sp.route == "eigenpairs" and sp.method is EigMethod.LANCZOS and sp.n_matvec > 0
+    np.testing.assert_allclose(sp.evals, np.linalg.eigvalsh(G)[::-1][:5], rtol=1e-9)
+    for route in ("auto", "tridiagonal"):
+        a = step_spectrum(G, N, {"y": phis["y"]}, route=route)
+        b = step_spectrum(G, N, {"y": phis["y"]}, route=route, solver="lapack")
+        np.testing.assert_allclose(a.evals, b.evals, rtol=0, atol=1e-12 * a.evals[0])
+        np.testing.assert_allclose(np.abs(a.proj["y"]), np.abs(b.proj["y"]), rtol=0, atol=1e-9)
+    cols = step_spectrum(G, N, phis, indices=(0, 3))
+    w, V = np.linalg.eigh(G)
+    for i in (0, 3):
+        np.testing.assert_allclose(np.abs(cols.columns[i]), np.abs(V[:, ::-1][:, i]), rtol=0, atol=1e-9)
+
+
+def test_step_spectrum_bad_route_named() -> None:
+    from nsa_dist.linalg import step_spectrum
+
+    G, phis = _step_problem(20)
+    with pytest.raises(ValueError, match="route"):
+        step_spectrum(G, 20, phis, route="qr")
+    with pytest.raises(ValueError, match="solver"):
+        step_spectrum(G, 20, phis, solver="qr")

@@ -38,15 +38,13 @@ def _spec(store: bool, **spectrum) -> ExperimentSpec:
 
 @pytest.fixture(scope="module")
 def two_routes() -> tuple[dict, dict, SpectralAnalyzer]:
-    import nsa_dist.pipeline.spectral as spectral_mod
-
-    assert spectral_mod.TRIDIAGONAL_K_ALL  # on by default (MKL ?syrdb: faster than eigh, issue 22)
     full, proj = _spec(True), _spec(False)
     data = load_dataset(full.data, seed=0)
     # index 1: no App. E prediction, so no vectors needed
     ck = list(Trainer(plan_run(full, data), data).train_until(3))[-1]
     an = SpectralAnalyzer(plan_run(proj, data), data)
     ref = SpectralAnalyzer(plan_run(full, data), data)
+    assert an.route.value == "auto"  # the tridiagonal routes on by default (MKL ?syrdb: faster than eigh)
     want, got = ref.analyze(ck).arrays(), an.analyze(ck).arrays()
     assert ref.eig_route == {"train": "eigenpairs", "test": "one_vector"}  # stored vectors need eigh
     return want, got, an, ck
@@ -70,20 +68,14 @@ def test_float32_k_all_within_the_float32_grams_own_rounding() -> None:
     the same G by float32 rounding — key by key within 10·N·eps₃₂ of the key's scale, or within
     twice what the float32 rounding of G itself does to that eigh (the float64 Gram's: clustered
     small eigenvalues make ⟨v_i, φ⟩² ill-conditioned for both); the eigenvalues within 50·N·eps₃₂·λ_1."""
-    import nsa_dist.pipeline.spectral as spectral_mod
-
     spec32, spec64 = _spec(False, dtype="float32"), _spec(False)
     data = load_dataset(spec32.data, seed=0)
     ck = list(Trainer(plan_run(spec32, data), data).train_until(3))[-1]
     an = SpectralAnalyzer(plan_run(spec32, data), data)
     got = an.analyze(ck).arrays()
     assert an.eig_route == {"train": "tridiagonal", "test": "one_vector"}
-    spectral_mod.TRIDIAGONAL_K_ALL = False
-    try:
-        eigh32 = SpectralAnalyzer(plan_run(spec32, data), data).analyze(ck).arrays()
-        eigh64 = SpectralAnalyzer(plan_run(spec64, data), data).analyze(ck).arrays()
-    finally:
-        spectral_mod.TRIDIAGONAL_K_ALL = True
+    eigh32 = SpectralAnalyzer(plan_run(spec32, data), data, route="eigenpairs").analyze(ck).arrays()
+    eigh64 = SpectralAnalyzer(plan_run(spec64, data), data, route="eigenpairs").analyze(ck).arrays()
     lam1 = float(eigh32["eigenvalues"][0])
     dlam = np.abs(got["eigenvalues"] - eigh32["eigenvalues"]).max()
     assert dlam <= 50 * 150 * np.finfo(np.float32).eps * lam1, f"eigenvalues off by {dlam / lam1:.1e}·λ_1"

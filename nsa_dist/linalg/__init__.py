@@ -6,6 +6,10 @@
 * :class:`Backend` — "auto" | "numpy" | "torch" | "cupy": where the work runs.
 * :class:`LanczosConvergenceWarning` — issued when Lanczos stops at ``max_iter``.
 * :class:`HostWorkspace` — big CPU buffers a caller keeps between solves of the same size.
+* :func:`step_spectrum` — a recorded step's spectrum for top-k and ``k: all`` alike: eigenvalues
+  and ⟨v_i, φ⟩ of a few φ as a :class:`StepSpectrum`, by the route a :class:`SpectrumRoute`
+  argument allows (eigenpairs; one tridiagonalisation without the N×N eigenvectors; one φ
+  without Q) and T's divide and conquer its ``solver`` names (:mod:`nsa_dist.linalg.tridiag`).
 * :func:`spectral_curves` — λ_k and E(φ, k) = Σ_{i≤k}⟨v_i, φ⟩²/‖φ‖² for every k from the top
   eigenpairs and products with G, with brackets (Gauss quadrature bounds, stochastic Lanczos
   quadrature of the counting function); :func:`curve_ks` the log grid of reported k.
@@ -45,7 +49,8 @@ from nsa_dist.linalg._eigen import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
-from nsa_dist.linalg.quadrature import SpectralCurves, curve_ks, spectral_curves
+from nsa_dist.linalg.quadrature import SpectralCurves, atoms_density, curve_ks, spectral_curves
+from nsa_dist.linalg.spectrum import SpectrumRoute, StepSpectrum, step_spectrum
 
 __all__ = [
     "ArrayOps",
@@ -59,6 +64,10 @@ __all__ = [
     "SymmetricMap",
     "as_symmetric_map",
     "SpectralCurves",
+    "atoms_density",
     "curve_ks",
     "spectral_curves",
+    "SpectrumRoute",
+    "StepSpectrum",
+    "step_spectrum",
 ]

@@ -11,13 +11,9 @@ from enum import Enum
 import numpy as np
 import scipy.linalg.lapack as lapack
 
-__all__ = ["MKL_STEDC", "Solver", "lapack_ok", "solve_tridiagonal"]
+__all__ = ["Solver", "lapack_ok", "solve_tridiagonal"]
 
 _log = logging.getLogger(__name__)
-
-# Solver.AUTO takes the rows-only divide and conquer (no eigenvector asked for) or MKL's dstedc where their
-# probes passed.  False: SciPy's dstevd, S whole (the route before, for benchmarks).
-MKL_STEDC = True
 
 
 class Solver(str, Enum):
@@ -28,7 +24,8 @@ class Solver(str, Enum):
     MKL: ``dstedc(compz='I')`` of the MKL inside torch (S whole): at N = 10⁴ on 2 cores 5.2–5.9 s
         against 7.5–8.9 s for SciPy's in one session, 7.3–7.7 against 6.5 s in another — no
         clear winner; ROWS took 1.7–2.1 s there (benchmarks/README.md).
-    LAPACK: SciPy's ``dstevd`` (OpenBLAS's LAPACK); portable, the reference.
+    LAPACK: SciPy's ``dstevd`` (OpenBLAS's LAPACK), S whole; portable, the reference (and the
+        route before the MKL ones, which benchmarks compare against by asking for it).
     ROWS: divide and conquer carrying only the rows of S that are used — S's first row for
         :func:`~nsa_dist.linalg.tridiag.eig_weights`, ψᵀS for
         :func:`~nsa_dist.linalg.tridiag.eig_projections` — with MKL's ``dlaed4`` for the
@@ -53,7 +50,7 @@ def solve_tridiagonal(
     """T = tridiag(e, d, e) = S diag(λ) Sᵀ as far as it is used: λ (N,) ascending, Sᵀ X (N, c), S[0, :] (N,),
     the columns S[:, cols] (N, m, 0-based ascending positions), and the :class:`Solver` that ran.
 
-    ROWS (where asked for, or AUTO with ``MKL_STEDC`` and its probe passed) carries the rows, and the
+    ROWS (where asked for, or AUTO with its probe passed) carries the rows, and the
     few columns come from bisection and inverse iteration on T (LAPACK ``dstebz`` + ``dstein``,
     O(N) each); both are checked per call (:func:`_rows_errors`, :func:`_columns_errors`); on a failure
     (a warning) and otherwise S is formed whole by :func:`_tridiagonal_eigh`.
@@ -69,7 +66,7 @@ def solve_tridiagonal(
         raise ValueError(
             "solver='rows' needs MKL dlaed4 present and passing its probe (see the log); use 'auto', 'mkl' or 'lapack'"
         )
-    if route is Solver.ROWS or route is Solver.AUTO and MKL_STEDC and first_row_ready():
+    if route is Solver.ROWS or route is Solver.AUTO and first_row_ready():
         lam, M = rows_of_s(d, e, X)  # (2 + c, N): S[0], S[−1], XᵀS
         Sc, bad = _columns(d, e, lam, cols)
         bad = bad or _rows_errors(d, e, X, lam, M[2:])
@@ -140,7 +137,7 @@ def _tridiagonal_eigh(
     from nsa_dist.linalg._mkl_stedc import stedc, stedc_ready
 
     route = parse_enum(Solver, solver, "solver")
-    if (route is Solver.MKL or route is Solver.AUTO and MKL_STEDC) and d.shape[0] > 1 and stedc_ready():
+    if route in (Solver.MKL, Solver.AUTO) and d.shape[0] > 1 and stedc_ready():
         return (*stedc(d, e), Solver.MKL)
     if route is Solver.MKL and d.shape[0] > 1:
         raise ValueError(

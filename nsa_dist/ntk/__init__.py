@@ -4,10 +4,11 @@ and the infinite-width limit Θ∞ (:func:`limit_ntk`).
 Owns: every way of computing G = J Jᵀ of a torch model (:func:`gram`, :func:`ntk_operator`, the
 block and shard features of :mod:`.blocks` / :mod:`.shards` that the gang layouts assemble), the
 choice among them (:class:`NTKMethod`, defined with the spec in :mod:`nsa_dist.config`; the
-routes of :func:`explain_method`), and the model hygiene every measurement of a user's model
-shares — the public modules :mod:`.inputs` (validation, feature memory rule), :mod:`.state`
-(buffers and modes restored) and :mod:`.blame` (one error naming the failing module), which
-:mod:`nsa_dist.hessian` uses too.
+routes of :func:`explain_method`; :func:`resolve_route`'s :class:`NTKRoute`, the probe's result
+that a run decides once and hands to every :func:`gram` call, which then never probes again),
+and the model hygiene every measurement of a user's model shares — the public modules
+:mod:`.inputs` (validation, feature memory rule), :mod:`.state` (buffers and modes restored)
+and :mod:`.blame` (one error naming the failing module), which :mod:`nsa_dist.hessian` uses too.
 
 May import: torch, numpy (CuPy only behind a guard), :mod:`nsa_dist.config` (enums),
 :mod:`nsa_dist.models` (the NTK parametrisation's layers), :mod:`nsa_dist.linalg`
@@ -37,15 +38,17 @@ from nsa_dist.config import NTKMethod
 from nsa_dist.ntk._method import Kernel
 from nsa_dist.ntk._operator import NTKOperator, jacobian_vector_product
 from nsa_dist.ntk._probe import couples as sample_coupling
-from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method
+from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method, resolve_route
 from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk.limit import limit_ntk
+from nsa_dist.ntk.route import NTKRoute
 from nsa_dist.ntk.state import preserved
 
 __all__ = [
     "Kernel",
     "NTKMethod",
     "NTKOperator",
+    "NTKRoute",
     "explain_method",
     "gram",
     "jacobian_vector_product",
@@ -54,5 +57,6 @@ __all__ = [
     "prepare_model",
     "preserved",
     "resolve_method",
+    "resolve_route",
     "sample_coupling",
 ]

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from nsa_dist._checks import parse_enum
 from nsa_dist.config import NTKMethod
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk._conv import _features, per_layer_layers
@@ -19,8 +18,9 @@ from nsa_dist.ntk._jacobian import jacobian_fn
 from nsa_dist.ntk._probe import ForwardPlan
 from nsa_dist.ntk._structured import Unproven, _chunk_features, structured_layers
 from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.gram import _choose, _plan
+from nsa_dist.ntk.gram import route_of
 from nsa_dist.ntk.inputs import output_dim, prepare_inputs, trainable_params
+from nsa_dist.ntk.route import NTKRoute
 from nsa_dist.ntk.state import preserved
 
 __all__ = ["BlockFeatures", "block_features", "feature_width", "row_blocks"]
@@ -41,7 +41,7 @@ def block_features(
     x: torch.Tensor,
     ranges: list[tuple[int, int]],
     dtype: torch.dtype | None = None,
-    method: str | NTKMethod = "auto",
+    method: str | NTKMethod | NTKRoute = "auto",
 ) -> list[BlockFeatures]:
     """Per-layer features of each range of points, as numpy arrays (traced kernel).
 
@@ -49,7 +49,8 @@ def block_features(
     over the returned pairs: the structured factors of the factored Linear layers and, for every
     other parameter (convolutions, norms, attention, …: the per-layer formed gradients or
     per-sample Jacobians, :mod:`._conv`), one pair ``(M, 1)`` with M (b, K·P_formed) — so tiles and
-    data shards built from factors serve any such model, exactly (``method`` as in ``gram``).
+    data shards built from factors serve any such model, exactly (``method`` as in ``gram``: a
+    resolved :class:`~nsa_dist.ntk.NTKRoute` is taken without probing the forward pass).
 
     Raises:
         UnsupportedModelError: the model couples samples (batch norm in train mode, …): its kernel
@@ -61,8 +62,7 @@ def block_features(
     x = prepare_inputs(model, x, "x", dtype)
     K = output_dim(model, x)
     with preserved(model), blame(model):
-        plan = _plan(model, x)
-        m = _choose(plan, parse_enum(NTKMethod, method, "method"))
+        plan, m = route_of(model, x, method)
         if m is NTKMethod.BATCH:
             raise UnsupportedModelError(
                 "block features split the points, but " + next(iter(plan.routes.values()))[1] + "; use layout 'local'"
@@ -100,7 +100,7 @@ def _formed_blocks(
     return out
 
 
-def feature_width(model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto") -> int:
+def feature_width(model: nn.Module, x: torch.Tensor, method: str | NTKMethod | NTKRoute = "auto") -> int:
     """Numbers per point of :func:`block_features` (Σ over its pairs of the two widths), from two points."""
     features = block_features(model, x[:2], [(0, min(2, len(x)))], method=method)[0]
     return sum(A.shape[1] + D.shape[1] for A, D in features)

@@ -20,9 +20,10 @@ from nsa_dist.ntk._probe import ForwardPlan, plan_forward
 from nsa_dist.ntk._structured import Unproven, not_structured_reason, structured_gram, structured_layers
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import default_block, output_dim, prepare_inputs, prepare_model, trainable_params
+from nsa_dist.ntk.route import NTKRoute
 from nsa_dist.ntk.state import preserved, stateless
 
-__all__ = ["gram", "ntk_operator", "resolve_method", "explain_method"]
+__all__ = ["gram", "ntk_operator", "resolve_method", "resolve_route", "explain_method", "route_of"]
 
 _log = logging.getLogger("nsa_dist")
 _told: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -70,10 +71,34 @@ def explain_method(
         UnsupportedModelError: ``structured`` / ``per_layer`` forced on a model they cannot handle,
             or a random forward (dropout in train mode).
     """
+    route = resolve_route(model, x, method, output=output)
+    return route.method, route.routes
+
+
+def resolve_route(
+    model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *, output: OutputSelector = None
+) -> NTKRoute:
+    """The :class:`NTKRoute` of ``model``: one probe of its forward pass on the first points of x
+    (as :func:`explain_method`), kept so that :func:`gram` and the block features given it as
+    ``method`` never probe again.  ``output`` as in :func:`gram` (pass the same one to both).
+
+    Raises:
+        UnsupportedModelError: as :func:`explain_method`.
+    """
     m = parse_enum(NTKMethod, method, "method")
     model = prepare_model(model, None, output)
     plan = _plan(model, prepare_inputs(model, x, "x", None))
-    return _choose(plan, m), plan.routes
+    return NTKRoute.of(_choose(plan, m), plan)
+
+
+def route_of(model: nn.Module, x: torch.Tensor, method: str | NTKMethod | NTKRoute) -> tuple[ForwardPlan, NTKMethod]:
+    """The probe's plan of the measured ``model`` at points x and the method to take: a resolved
+    :class:`NTKRoute` bound to the model by name (no forward pass), else a probe on x and the
+    method chosen from it (:func:`explain_method`'s rule).  Call it inside ``preserved(model)``."""
+    if isinstance(method, NTKRoute):
+        return method.bind(model), method.method
+    plan = _plan(model, x)
+    return plan, _choose(plan, parse_enum(NTKMethod, method, "method"))
 
 
 def _plan(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
@@ -136,7 +161,7 @@ def gram(
     x1: torch.Tensor,
     x2: torch.Tensor | None = None,
     *,
-    method: str | NTKMethod = "auto",
+    method: str | NTKMethod | NTKRoute = "auto",
     kernel: str | Kernel = "trace",
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
@@ -151,7 +176,9 @@ def gram(
         x1: (N1, d) points, or (N1, …) such as images (N1, C, H, W).
         x2: (N2, …) points of the same point shape, or None for the symmetric Gramian at x1
             (upper tiles computed once).
-        method: "auto" | "structured" | "per_layer" | "jacobian" (see :class:`NTKMethod`).
+        method: "auto" | "structured" | "per_layer" | "jacobian" (see :class:`NTKMethod`), probed
+            on x1's first points at every call; or an :class:`NTKRoute` of this network
+            (:func:`resolve_route`), taken as it is: no probe.
         kernel: "trace" → (N1, N2), Σ_a ∇f_a·∇f_a (the Gramian itself when K = 1);
             "full" → (N1, K, N2, K).
         block_size: points per block (bounds memory); the result does not depend on it.
@@ -174,19 +201,20 @@ def gram(
         ShapeError: x1/x2 not (n, …), differing point shapes, or a model output not (n,) / (n, K).
         NonFiniteError: NaN/inf in x1 or x2.
         UnsupportedModelError: ``method="structured"`` / ``"per_layer"`` on a model outside its reach.
-        ValueError: an unknown method or kernel, a block_size < 1, an ``out`` of the wrong shape,
+        ValueError: an unknown method or kernel, an :class:`NTKRoute` of another network, a block_size < 1,
+            an ``out`` of the wrong shape,
             dtype or device, or not contiguous.
     """
     full = parse_enum(Kernel, kernel, "kernel") is Kernel.FULL
-    m = parse_enum(NTKMethod, method, "method")
+    if not isinstance(method, NTKRoute):
+        parse_enum(NTKMethod, method, "method")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     model, x1, x2, K = _setup(model, x1, x2, dtype, output)
     if out is not None:
         _check_out(out, model, x1, x2, K, full)
     with preserved(model):
-        plan = _plan(model, x1)
-        m = _choose(plan, m)
+        plan, m = route_of(model, x1, method)
         if m is NTKMethod.BATCH and _first_time(model):
             _log.info(
                 "the model couples samples (%s): computing the kernel of the batch forward exactly "

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from nsa_dist.ntk.route import NTKRoute
+
 __all__ = ["cross_gram_times", "gram_change"]
 
 
@@ -68,7 +70,7 @@ def cross_gram_times(
     X: torch.Tensor,
     V: np.ndarray,
     dtype: torch.dtype,
-    method: str = "auto",
+    method: str | NTKRoute = "auto",
     block_size: int | None = None,
     out: torch.Tensor | None = None,
 ) -> np.ndarray:
@@ -79,7 +81,8 @@ def cross_gram_times(
 
     Args:
         X_out: (M, …) new points; X: (N, …) training points; V: (N, K) columns.
-        dtype: the kernel's dtype; method, block_size: as ``spectrum.ntk_method`` / ``block_size``.
+        dtype: the kernel's dtype; method, block_size: as ``spectrum.ntk_method`` / ``block_size``, or
+            the run's resolved :class:`~nsa_dist.ntk.NTKRoute` (no probe of the forward pass).
         out: a contiguous (M, N) tensor of ``dtype`` on the points' device to assemble all the
             rows in, in one call (its contents are overwritten): the training points' features
             are then computed once instead of once per block of rows (at N = M = 10⁴ the blocks

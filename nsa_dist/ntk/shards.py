@@ -29,6 +29,7 @@ from nsa_dist.ntk._operator import NTKOperator
 from nsa_dist.ntk._structured import _Buffers, _sym_upper, _tile
 from nsa_dist.ntk.blocks import BlockFeatures, block_features, row_blocks
 from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
+from nsa_dist.ntk.route import NTKRoute
 
 __all__ = ["TilePlan", "tile_plan", "GramTiles", "FeatureShard", "JacobianShard", "shard_features"]
 
@@ -85,9 +86,14 @@ def tile_plan(n: int, n_workers: int, blocks_per_worker: int = 4) -> TilePlan:
 
 
 def shard_features(
-    model: nn.Module, x: torch.Tensor, ranges: list[tuple[int, int]], dtype: torch.dtype, method: str = "auto"
+    model: nn.Module,
+    x: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    dtype: torch.dtype,
+    method: str | NTKRoute = "auto",
 ) -> list[BlockFeatures]:
-    """Per-layer features (Â_l, D_l) of each range of points, as NumPy (see :func:`block_features`)."""
+    """Per-layer features (Â_l, D_l) of each range of points, as NumPy (see :func:`block_features`;
+    ``method`` a method name or the run's resolved :class:`~nsa_dist.ntk.NTKRoute`)."""
     return block_features(prepare_model(model, dtype), x, ranges, dtype=dtype, method=method)
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.metrics import Decays
+    from nsa_dist.ntk import NTKRoute
     from nsa_dist.store import RunWriter
 
 __all__ = ["divergence", "run_decays", "test_point_prediction", "write_constant_gram"]
@@ -71,6 +72,7 @@ def test_point_prediction(
     spec: ExperimentSpec,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    route: NTKRoute | None = None,
 ) -> tuple[np.ndarray, str | None]:
     """App. E, Eq. 22 at the first recorded step t0: the test outputs at every recorded step predicted
     by GD with G_{t0} fixed, through the Nyström extension ṽ_i(X') = g_{t0}(X', 𝒳) v_i / λ_i (Eq. 9).
@@ -85,6 +87,9 @@ def test_point_prediction(
         spec: the run's spec (its recorded steps and learning rates); dtype: the products' dtype.
         out: an (M, N) buffer of ``dtype`` for the cross kernel g_{t0}(X', 𝒳) whole (see
             :func:`~nsa_dist.ntk.kernel_change.cross_gram_times`); None: blocks of rows.
+        route: the run's resolved NTK route (:attr:`RunPlan.ntk_route
+            <nsa_dist.pipeline.plan.RunPlan.ntk_route>`: no probe of the forward pass); None:
+            ``spectrum.ntk_method``, resolved by each block of rows.
 
     Returns:
         (S, M) or (S, M, Ko) float64 — NaN at the steps where the prediction overflows (beyond the
@@ -96,7 +101,8 @@ def test_point_prediction(
     keep = lam > 1e-10 * lam[0]
     V = np.asarray(evecs, np.float64)[:, keep]  # (N, K')
     sp = spec.spectrum
-    gV = cross_gram_times(model, X_test, X, V, dtype, sp.ntk_method, sp.block_size, out=out)  # (M, K')
+    method = sp.ntk_method if route is None else route
+    gV = cross_gram_times(model, X_test, X, V, dtype, method, sp.block_size, out=out)  # (M, K')
     ext = nystrom_from_products(gV, lam[keep])  # (M, K')
     coef = V.T @ np.asarray(residual, np.float64)  # (K',) or (K', Ko)
     N = V.shape[0]

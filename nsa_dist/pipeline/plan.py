@@ -3,10 +3,11 @@
 A :class:`RunPlan` is what every role of a run receives — the trainer, the analyzer, a gang's
 shards, the writer, the sweep coordinator and the Tracker — instead of each rebuilding the run
 from its spec: the run id, the spec (validated once), every array size (:class:`RunDims`), the
-recording schedule, the Hessian steps, the eigenpair count, the eigenvector images and the
-analysis layout with its reason.  It is frozen and small (no arrays, no network), so it crosses
-Ray by value.  Building it needs the data's shapes and one network (for the parameter count and
-the NTK route that decides the layout), never a Trainer or an analyzer.
+recording schedule, the Hessian steps, the eigenpair count, the eigenvector images, the
+analysis layout with its reason, and the NTK route (the forward-pass probe's result).  It is
+frozen and small (no arrays, no network), so it crosses Ray by value.  Building it needs the
+data's shapes and one network (for the parameter count and the NTK route that decides the
+layout), never a Trainer or an analyzer.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nsa_dist.config import EnergyRoute, ExperimentSpec, Layout, LossName, Optim
 from nsa_dist.data import Dataset
 from nsa_dist.metrics import reconstruction_ks
 from nsa_dist.models import build_model
-from nsa_dist.ntk import NTKMethod, explain_method
+from nsa_dist.ntk import NTKMethod, NTKRoute, resolve_route
 from nsa_dist.ntk.blocks import feature_width
 from nsa_dist.pipeline.images import eigen_images
 from nsa_dist.pipeline.layout import LayoutChoice, choose_layout
@@ -124,8 +125,9 @@ class RunPlan:
         K: eigenpairs kept per step.
         image_indices: the eigenvectors drawn as images (1-based; empty without 2-D data).
         layout: where G_t lives (local, block_rows, matrix_free) and why.
-        ntk_method: the NTK route the network takes (``NTKMethod`` value).
-        ntk_paths: which parameter took which NTK path, and why (recorded with the run).
+        ntk_route: the NTK route the network takes, resolved once by the forward-pass probe
+            (:func:`~nsa_dist.ntk.resolve_route`): every Gram of the run — training, test and
+            cross kernels, on any process — is computed on it, never probing again.
     """
 
     run_id: str
@@ -137,8 +139,29 @@ class RunPlan:
     K: int
     image_indices: tuple[int, ...]
     layout: LayoutChoice
-    ntk_method: str
-    ntk_paths: dict
+    ntk_route: NTKRoute
+
+    @property
+    def ntk_method(self) -> str:
+        """The NTK method the network takes (an ``NTKMethod`` value)."""
+        return self.ntk_route.method.value
+
+    @property
+    def ntk_paths(self) -> dict:
+        """Which parameter took which NTK path, and why (recorded with the run)."""
+        r = self.ntk_route
+        return {"method": r.method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in r.routes.items()}}
+
+    @functools.cached_property
+    def eigenvector_steps(self) -> tuple[bool, ...]:
+        """Per recorded step (``record``'s order), whether it stores its eigenvectors: the mask the
+        store keeps as ``eigenvector_steps``, and the analyzer's one answer to "does step t store them"."""
+        s = self.spec.spectrum
+        return tuple(bool(s.eigenvectors_at(int(t))) for t in self.record)
+
+    def stores_eigenvectors(self, index: int) -> bool:
+        """Whether recorded step ``index`` (0-based, into ``record``) stores its eigenvectors."""
+        return self.eigenvector_steps[index]
 
     @functools.cached_property
     def arrays(self) -> frozenset[str]:
@@ -212,9 +235,8 @@ class RunPlan:
             "image_indices": np.asarray(self.image_indices, dtype=np.int64),
             "steps": np.asarray(self.record, dtype=np.int64),
         }
-        s = self.spec.spectrum
         if self.has("eigenvector_steps"):
-            out["eigenvector_steps"] = np.array([s.eigenvectors_at(int(t)) for t in self.record], dtype=bool)
+            out["eigenvector_steps"] = np.array(self.eigenvector_steps, dtype=bool)
             out["reconstruction_k"] = np.asarray(reconstruction_ks(self.K), dtype=np.int64)
         if self.has("hessian_steps"):
             out["hessian_steps"] = np.isin(np.arange(len(self.record)), sorted(self.hessian_indices))
@@ -241,9 +263,9 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
     P = sum(p.numel() for p in model.parameters())
     record = tuple(spec.record_steps())
     X4 = model_inputs(np.asarray(data.X[:4]), model)  # on the network's device, as it is
-    method, routes = explain_method(model, X4, spec.spectrum.ntk_method)
-    coupled = next(iter(routes.values()))[1] if method is NTKMethod.BATCH else None
-    width = 0 if coupled else feature_width(model, X4[:2], method)
+    route = resolve_route(model, X4, spec.spectrum.ntk_method)  # the run's one probe of the forward pass
+    coupled = next(iter(route.routes.values()))[1] if route.method is NTKMethod.BATCH else None
+    width = 0 if coupled else feature_width(model, X4[:2], route)
     layout = choose_layout(spec, N, width, coupled)
     K = spectrum_size(spec, N, layout.layout)
     images = eigen_images(spec, data, K)
@@ -297,6 +319,5 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
         K=K,
         image_indices=tuple(images.indices) if images else (),
         layout=layout,
-        ntk_method=method.value,
-        ntk_paths={"method": method.value, "routes": {k: f"{p}: {why}" for k, (p, why) in routes.items()}},
+        ntk_route=route,
     )

@@ -20,7 +20,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.hessian import hessian_parts
 from nsa_dist.models import build_model
-from nsa_dist.ntk import NTKMethod, resolve_method
+from nsa_dist.ntk import NTKMethod
 from nsa_dist.ntk.blocks import BlockFeatures
 from nsa_dist.ntk.shards import FeatureShard, GramTiles, JacobianShard, shard_features
 from nsa_dist.pipeline.hessian_step import hessian_loss
@@ -87,7 +87,7 @@ class SpectralShard:
         range gives its features unwrapped, as one object-store return)."""
         es, data, model = self._model(plan, theta)
         X = self._points(es, data, model, which)
-        feats = shard_features(model, X, ranges, plan.torch_dtype, es.spectrum.ntk_method)
+        feats = shard_features(model, X, ranges, plan.torch_dtype, plan.ntk_route)
         return feats[0] if len(ranges) == 1 else feats
 
     def build_tiles(
@@ -111,8 +111,8 @@ class SpectralShard:
         es, data, model = self._model(plan, theta)
         X = self._points(es, data, model, which)
         dtype = plan.torch_dtype
-        if resolve_method(model, X[:2], es.spectrum.ntk_method) in (NTKMethod.STRUCTURED, NTKMethod.PER_LAYER):
-            feats = shard_features(model, X, [rng], dtype, es.spectrum.ntk_method)[0]
+        if plan.ntk_route.method in (NTKMethod.STRUCTURED, NTKMethod.PER_LAYER):
+            feats = shard_features(model, X, [rng], dtype, plan.ntk_route)[0]
             held: Any = FeatureShard(feats, es.model.output_dim, device=es.torch_device())
             nbytes = sum(A.nbytes + D.nbytes for A, D in feats)
         else:

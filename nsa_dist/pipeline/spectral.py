@@ -15,8 +15,7 @@ from torch.nn.utils import vector_to_parameters
 from nsa_dist.config import Layout
 from nsa_dist.data import Dataset
 from nsa_dist.hessian.moments import hutchpp_moments
-from nsa_dist.linalg import HostWorkspace, top_eigenpairs
-from nsa_dist.linalg.tridiag import eig_weights
+from nsa_dist.linalg import HostWorkspace, SpectrumRoute, StepSpectrum, atoms_density, spectral_curves, step_spectrum
 from nsa_dist.losses import is_nce, training_residual as loss_residual
 from nsa_dist.metrics import (
     alignment_from_products,
@@ -37,28 +36,12 @@ from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedCurvatur
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
 from nsa_dist.pipeline.plan import RunPlan
-from nsa_dist.pipeline.step_basis import StepSpectrum, from_eigenpairs, from_tridiagonal
 from nsa_dist.pipeline.step_extras import StepExtras, predicted_update
 from nsa_dist.pipeline.trainer import CHUNK_POINTS
 from nsa_dist.store import step_specs
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult, not_computed
 
 __all__ = ["SpectralAnalyzer"]
-
-# A `k: all` step that needs no eigenvectors takes every eigenvalue and
-# ⟨v_i, φ⟩ from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`) instead of eigh with
-# vectors: MKL ?syrdb with Q formed, in the Gram's precision, then divide and conquer on T; with
-# one φ column (the test half's f_test) Q is not formed at all (``eig_weights``), and T's S in
-# neither half.  A recorded step of examples/nsa_paper.yaml (N = 10⁴ float32, test points): 47.6–48.3 s
-# against 84–86 s with Q in both halves and S whole (one process, quiet machine, benchmarks/README.md).
-# Measured on 2 cores at N = 10⁴ float32, in one process under load ~3 (benchmarks/README.md):
-# 39 s per Gram against 120 s for the float64 eigh with vectors (3.0×); eigenvalues
-# within 4.7e-7·λ_1 of eigh's, less than the float32 Gram's own rounding moves them (8.3e-7·λ_1).
-# Only k: all: a top-k (dense eigh or Lanczos) keeps its float64 route and its stored numbers,
-# and MKL's internal ?syrdb is called only where a step needs every eigenvalue.  False: eigh always.
-TRIDIAGONAL_K_ALL = True
-# With one φ column (the test half): no Q at all (eig_weights).  False: Q formed for it too.
-ONE_VECTOR_K_ALL = True
 
 
 class SpectralAnalyzer:
@@ -69,9 +52,22 @@ class SpectralAnalyzer:
     With ``spectrum.layout`` ``block_rows`` or ``matrix_free`` (or ``auto`` resolving to one)
     G_t lives on a gang of :class:`~nsa_dist.pipeline.shard.SpectralShard` members (``pool``;
     in-process when none is given) and every metric is computed from products, never from G.
+
+    ``route`` and ``solver``: the routes a step's spectrum may take and T's divide and conquer
+    (:func:`~nsa_dist.linalg.step_spectrum`; "auto": the fastest that applies — at a ``k: all``
+    step that needs no eigenvectors, one tridiagonalisation, without Q for one φ — which is what
+    a run uses; benchmarks compare the others).
     """
 
-    def __init__(self, plan: RunPlan, data: Dataset, model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        plan: RunPlan,
+        data: Dataset,
+        model: torch.nn.Module | None = None,
+        *,
+        route: str | SpectrumRoute = "auto",
+        solver: str = "auto",
+    ) -> None:
         spec = plan.spec
         self.plan, self.spec, self.data = plan, spec, data
         self.device = torch.device(spec.torch_device())
@@ -99,6 +95,7 @@ class SpectralAnalyzer:
         self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
         self._notes = StepNotes(plan.run_id, None)  # why the step being analysed has NaN diagnostics
+        self.route, self.solver = SpectrumRoute(route), solver
 
     @property
     def distributed(self) -> bool:
@@ -113,7 +110,7 @@ class SpectralAnalyzer:
         n = X.shape[0]
         on_host = which is not None and self.device.type == "cpu"
         out = self._workspace.empty(f"gram.{which}", (n, n), self.dtype) if on_host else None
-        return gram(self.model, X, method=s.ntk_method, block_size=s.block_size, dtype=self.dtype, out=out)
+        return gram(self.model, X, method=self.plan.ntk_route, block_size=s.block_size, dtype=self.dtype, out=out)
 
     def _step_gram(self, which: str, theta: np.ndarray, pool: Pool | None) -> StepGram:
         """G at the training (or test) points in the run's layout: whole here, or on the gang."""
@@ -137,45 +134,34 @@ class SpectralAnalyzer:
             )
         return self._local_pool
 
-    def _eig(self, G: StepGram, k: int, which: str = "train"):
-        """Top-k eigenpairs; with ``spectrum.warm_start`` Lanczos starts from the last ones of this Gram."""
-        method = self.spec.spectrum.eig_method
-        if not isinstance(G, DenseGram):
-            method = "lanczos" if method in ("auto", "dense") else method
-        start = self._warm.get(which) if self.spec.spectrum.warm_start else None
-        eig = top_eigenpairs(
+    def _spectrum(self, G: StepGram, k: int, which: str, phis: dict[str, np.ndarray], vectors: bool) -> StepSpectrum:
+        """Eigenvalues and ⟨v_i, φ⟩ of the step's φ by :func:`~nsa_dist.linalg.step_spectrum`: at a
+        `k: all` step that needs no eigenvectors from one tridiagonalisation (the cost of eigvalsh),
+        else from the eigenpairs, where Lanczos starts from this Gram's last eigenvectors with
+        ``spectrum.warm_start``.  ``vectors``: the step needs all of V."""
+        s = self.spec.spectrum
+        idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
+        sp = step_spectrum(
             G.G if isinstance(G, DenseGram) else G,
             k,
-            method,
-            start=start if start is not None and start.shape[0] == G.shape[0] else None,
+            phis,
+            vectors=vectors,
+            indices=idx,
+            route=self.route,
+            solver=self.solver,
+            method=s.eig_method,
+            start=self._warm.get(which) if s.warm_start else None,
             workspace=self._workspace,
         )
-        if self.spec.spectrum.warm_start and eig.method is not None and eig.method.value == "lanczos":
-            self._warm[which] = eig.evecs
-        self.n_products[which] = eig.n_matvec
-        return eig
-
-    def _spectrum(self, G: StepGram, k: int, which: str, phis: dict[str, np.ndarray], vectors: bool) -> StepSpectrum:
-        """Eigenvalues and ⟨v_i, φ⟩ of the step's φ: at a `k: all` step that needs no
-        eigenvectors, from one tridiagonalisation (:mod:`nsa_dist.linalg.tridiag`, the
-        cost of eigvalsh); else from the eigenpairs.  ``vectors``: the step needs all of V."""
-        idx = tuple(i - 1 for i in self.images.indices) if self.images is not None and which == "train" else ()
-        if TRIDIAGONAL_K_ALL and isinstance(G, DenseGram) and not vectors and k >= G.shape[0]:  # k: all
-            self.n_products[which], self.eig_route[which] = 0, "tridiagonal"
-            one_column = len(phis) == 1 and np.size(next(iter(phis.values()))) == G.shape[0]
-            if ONE_VECTOR_K_ALL and one_column and not idx:  # no Q
-                sp, one = _one_vector(G.G, k, *next(iter(phis.items())))
-                self.eig_route[which] = "one_vector" if one else "tridiagonal"
-                return sp
-            return from_tridiagonal(G.G, k, phis, idx)
-        self.eig_route[which] = "eigenpairs"
-        eig = self._eig(G, k, which)
-        return from_eigenpairs(eig.evals, eig.evecs, phis, idx, eig.n_matvec)
+        if s.warm_start and sp.method is not None and sp.method.value == "lanczos":
+            self._warm[which] = sp.evecs
+        self.n_products[which], self.eig_route[which] = sp.n_matvec, sp.route
+        return sp
 
     def _needs_vectors(self, ck: Checkpoint) -> bool:
-        """Whether this step uses all K training eigenvectors: it stores them, or App. E's
-        constant-Gram prediction at t = 0."""
-        return self.spec.spectrum.eigenvectors_at(ck.step) or (ck.index == 0 and self.plan.has("constant_gram_f_test"))
+        """Whether this step uses all K training eigenvectors: it stores them (the plan's
+        eigenvector steps), or App. E's constant-Gram prediction at t = 0."""
+        return self.plan.stores_eigenvectors(ck.index) or (ck.index == 0 and self.plan.has("constant_gram_f_test"))
 
     def _jvp_outputs(self, dtheta: np.ndarray) -> np.ndarray:
         """J_t · dθ at the training points (first-order change of f for any optimizer)."""
@@ -239,7 +225,7 @@ class SpectralAnalyzer:
         return set(
             step_specs(
                 self.plan.dims,
-                eigenvectors=self.spec.spectrum.eigenvectors_at(ck.step),
+                eigenvectors=self.plan.stores_eigenvectors(ck.index),
                 hessian=self.hessian.wanted(ck.index),
                 first=ck.index == 0,
             )
@@ -321,8 +307,6 @@ class SpectralAnalyzer:
     def _curves(self, G: StepGram, sp: StepSpectrum, phis: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         """The quadrature route of ``k: all``: λ_k and E_t(φ, k) at every reported k with their brackets,
         and G's SLQ density, from the exact top K and products with G (:mod:`nsa_dist.linalg.quadrature`)."""
-        from nsa_dist.linalg.quadrature import spectral_curves
-
         q = self.spec.spectrum.quadrature
         if sp.evecs is None:  # K = N (quadrature.top ≥ N): every eigenpair is exact
             return _exact_curves(sp, phis, self.plan.curve_k(), q.density_grid)
@@ -402,7 +386,7 @@ class SpectralAnalyzer:
         out["alignment_centered"] = notes.guard(
             ("alignment_centered",), self._centered_alignment, G, GY, G1, fro2, fro2_se
         )
-        if self.spec.spectrum.eigenvectors_at(ck.step):
+        if self.plan.stores_eigenvectors(ck.index):
             out["eigenvectors"] = sp.evecs.astype(np.float32)
             out.update(self._at_eigenvector_step(ck, sp.evecs))
         if ck.index == 0 and self.plan.has("constant_gram_f_test"):  # App. E, Eq. 22
@@ -439,6 +423,7 @@ class SpectralAnalyzer:
             self.spec,
             self.dtype,
             out=self._cross_buffer(),
+            route=self.plan.ntk_route,
         )
         if diverged is not None:
             self._notes.note(("constant_gram_f_test",), diverged)
@@ -513,8 +498,6 @@ def _exact_curves(
     sp: StepSpectrum, phis: dict[str, np.ndarray | None], ks: np.ndarray, n_grid: int
 ) -> dict[str, np.ndarray]:
     """The curve arrays when every eigenpair is known (lower = upper = value), the density of the eigenvalues."""
-    from nsa_dist.linalg.quadrature import atoms_density
-
     lam = sp.evals[ks - 1]
     out = {"curve_eigenvalue": lam, "curve_eigenvalue_lower": lam, "curve_eigenvalue_upper": lam}
     for name in ("y", "f", "residual", "df", "df_pred"):
@@ -527,14 +510,6 @@ def _exact_curves(
         out.update({f"curve_energy_{name}": E, f"curve_energy_{name}_lower": E, f"curve_energy_{name}_upper": E})
     out["gram_density_grid"], out["gram_density"] = atoms_density(sp.evals, np.ones(sp.evals.size), n_grid)
     return out
-
-
-def _one_vector(G: torch.Tensor, k: int, name: str, phi: np.ndarray) -> tuple[StepSpectrum, bool]:
-    """The top k of G (N, N) and ⟨v_i, φ⟩ of one φ column by :func:`~nsa_dist.linalg.tridiag.eig_weights`
-    (no Q; whether its checks passed); a non-finite φ is zeroed (its energy is NaN anyway)."""
-    p = np.asarray(phi, dtype=np.float64).reshape(-1)  # (N,)
-    sp = eig_weights(G, p if np.isfinite(p).all() else np.zeros_like(p))
-    return StepSpectrum(sp.evals[:k].copy(), {name: sp.proj[:k]}), sp.one_vector
 
 
 class _Centered:
