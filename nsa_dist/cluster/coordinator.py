@@ -29,7 +29,7 @@ from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
 from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
 from nsa_dist.cluster.runtime import RayletLost, alive_nodes, cluster_has_gpus, quiet_ray_at_exit, raylet_lost
 from nsa_dist.config import ExperimentSpec, SweepSpec
-from nsa_dist.pipeline import RunOutcome, RunPlan, TrainingDiverged, finish_run, prepare_run, run_id
+from nsa_dist.pipeline import RunOutcome, RunPlan, RunSession, TrainingDiverged
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
@@ -52,10 +52,7 @@ class RunProgress:
 
 @dataclass
 class _Run:
-    spec: ExperimentSpec
-    plan: RunPlan
-    writer: RunWriter
-    done: np.ndarray
+    session: RunSession  # the run opened under the driver's lease: plan, writer, steps done, statuses
     progress: RunProgress
     gang_size: int = 0  # members of this run's step gang (0: layout local, one worker holds G)
     trainer: Any = None
@@ -65,6 +62,22 @@ class _Run:
     queued: list[Analysis] = field(default_factory=list)  # waiting for a worker / gang
     inflight: dict[Any, Analysis] = field(default_factory=dict)  # analysis ref -> its record
     diverged: TrainingDiverged | None = None  # set once training diverged: drain, then fail
+
+    @property
+    def spec(self) -> ExperimentSpec:
+        return self.session.spec
+
+    @property
+    def plan(self) -> RunPlan:
+        return self.session.plan
+
+    @property
+    def writer(self) -> RunWriter:
+        return self.session.writer
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.session.done
 
 
 def _from_ray(exc: BaseException) -> bool:
@@ -126,14 +139,12 @@ class SweepCoordinator:
         self.store = SpectrumStore(store_url)
         self.runs: dict[str, _Run] = {}
         # this driver holds every run's writer lease (its workers write for it) until run() ends
-        self.lease = self.store.lease(list(dict.fromkeys(run_id(s) for s in specs)), wait=wait).acquire()
+        self.lease, sessions = RunSession.open_all(specs, self.store, wait=wait)
         try:
-            for spec in specs:
-                prep = prepare_run(spec, self.store, self.lease.token)
-                done = prep.writer.done()
-                prog = RunProgress(prep.run_id, len(done), int(done.sum()))
-                gang = spec.spectrum.workers if prep.plan.distributed else 0
-                self.runs[prep.run_id] = _Run(spec, prep.plan, prep.writer, done, prog, gang)
+            for s in sessions:
+                prog = RunProgress(s.run_id, len(s.done), int(s.done.sum()))
+                gang = s.spec.spectrum.workers if s.plan.distributed else 0
+                self.runs[s.run_id] = _Run(s, prog, gang)
             self.store.record_sweep(sweep.name, sweep.model_dump(mode="json"), list(self.runs))
         except BaseException:
             self.lease.release()
@@ -172,7 +183,7 @@ class SweepCoordinator:
                 while todo and len(active) < limit:
                     r = todo.pop(0)
                     r.trainer = trainer_actor(r.plan, self.store_url, self.cl, has_gpus, self.lease.token)
-                    r.writer.set_status(Status.RUNNING)
+                    r.session.start()
                     r.progress.status = Status.RUNNING
                     active.append(r)
                 for r in active:
@@ -202,7 +213,7 @@ class SweepCoordinator:
                 if r.trainer is not None and not lost:
                     ray.kill(r.trainer, no_restart=True)
                 try:
-                    r.writer.set_status(Status.INTERRUPTED, interrupted)
+                    r.session.interrupt(interrupted)
                 except LeaseLost:
                     pass  # another driver has the run: it says how it stands
             if self.pool is not None and not lost:
@@ -242,7 +253,7 @@ class SweepCoordinator:
     def _skip_if_finished(self, r: _Run) -> bool:
         if r.done.all():
             if r.writer.attrs().get("status") != Status.DONE or not r.writer.has("preservation"):
-                finish_run(r.writer, r.spec)  # also a run whose driver died between its last step and this
+                r.session.finish()  # also a run whose driver died between its last step and this
             r.progress.status = Status.DONE
             return True
         return False
@@ -357,7 +368,7 @@ class SweepCoordinator:
             )
             return
         self._return(a)
-        r.done[a.index] = True
+        r.session.mark_done(a.index)
         p = r.progress
         p.done = int(r.done.sum())
         if p.step is None or summary["step"] >= p.step:  # analyses may finish out of order
@@ -365,7 +376,7 @@ class SweepCoordinator:
         if r.diverged is not None:
             self._finish_diverged(r)
         elif r.done.all() and not r.inflight and not r.queued:
-            finish_run(r.writer, r.spec)
+            r.session.finish()
             p.status = Status.DONE
 
     @staticmethod
@@ -385,9 +396,7 @@ class SweepCoordinator:
             self._fail(r, r.diverged)
 
     def _fail(self, r: _Run, exc: BaseException) -> None:
-        step = exc.step if isinstance(exc, TrainingDiverged) else None
-        reason = str(exc) if isinstance(exc, TrainingDiverged) else f"{type(exc).__name__}: {exc}"
-        r.writer.set_status(Status.FAILED, reason, step)
+        reason = r.session.fail(exc)  # a diverged run: its message and step; else "Type: message"
         r.progress.status, r.progress.reason = Status.FAILED, reason
         for ref, a in list(r.inflight.items()):
             ray.cancel(ref)
