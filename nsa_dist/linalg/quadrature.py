@@ -82,6 +82,7 @@ BRACKET_SENTENCE = (
     "(Chebyshev–Markov–Stieltjes bounds of φ's spectral measure) given λ_k's bracket"
 )
 
+_RADAU_POINTS = 400  # breakpoints of the counting function where the probes' Gauss–Radau bounds are taken
 _BASIS_BYTES = 1 << 30  # default cap of one group's Lanczos basis and products (two (N, b·m) float64 blocks)
 
 
@@ -147,6 +148,7 @@ def spectral_curves(
     seed: int = 0,
     block_size: int = 12,
     basis_bytes: float = _BASIS_BYTES,
+    phi_steps: int | None = None,
 ) -> SpectralCurves:
     """λ_k and E(φ, k) at every ``ks`` from the top eigenpairs and products with G (see the module docstring).
 
@@ -164,6 +166,8 @@ def spectral_curves(
             spectrum better (sharper values, tighter Ritz bounds) at a (b·m)² eigh and a
             b·m-column basis per run; the Gauss-rule brackets do not depend on it.
         basis_bytes: columns are run in groups whose Lanczos bases stay under this.
+        phi_steps: block steps of the φ columns' own run (None: as many as keep its basis at one
+            probe group's ``block_size · lanczos_steps`` columns, at most ``4 · lanczos_steps``).
 
     Raises:
         ValueError: sizes that do not match, ks outside 1 … N, a non-PSD top eigenvalue.
@@ -194,20 +198,24 @@ def spectral_curves(
         W = A.matmat(X)
         return W - Ub @ (Ub.T @ W)
 
-    rules, ritz, steps_done = [], [], m
-    per_group = max(1, min(int(block_size), int(basis_bytes // (16.0 * N * m))))
-    for s in range(0, len(Z), per_group):
-        block = np.column_stack(Z[s : s + per_group]) if Z else np.zeros((N, 0))
-        if block.shape[1] == 0:
-            continue
-        theta, W, steps, exhausted = _block_rule(
-            deflated, ops.from_numpy(block), m, ops, A.sym_rtol, seed + s, float(lam[0])
-        )
-        steps_done = min(steps_done, steps)
-        ritz.append(theta)
-        for i in range(block.shape[1]):
-            rules.append(_Rule(theta, W[i], steps, exhausted))
     n_phi_cols = cols.shape[1]
+    # φ's own block runs longer: its Gauss rule's m nodes set E's bracket width (the Christoffel
+    # weight at λ_k), at the cost of one probe group (the same b·m basis columns)
+    m_phi = _phi_steps(phi_steps, m, block_size, n_phi_cols, N)
+    rules, ritz, steps_done = [], [], m
+    groups = [(Z[:n_phi_cols], m_phi, 0), (Z[n_phi_cols:], m, n_phi_cols)]
+    for vectors, steps_g, offset in groups:
+        per_group = max(1, min(int(block_size), int(basis_bytes // (16.0 * N * steps_g))))
+        for s in range(0, len(vectors), per_group):
+            block = np.column_stack(vectors[s : s + per_group])
+            theta, W, steps, exhausted = _block_rule(
+                deflated, ops.from_numpy(block), steps_g, ops, A.sym_rtol, seed + offset + s, float(lam[0])
+            )
+            if offset:
+                steps_done = min(steps_done, steps)
+            ritz.append(theta)
+            for i in range(block.shape[1]):
+                rules.append(_Rule(theta, W[i], steps, exhausted))
     phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
     floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
     eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom)
@@ -226,8 +234,15 @@ def spectral_curves(
             floor.delta,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
-    notes = {"rounding_delta": floor.delta, "spectrum_bottom": floor.bottom}
+    notes = {"rounding_delta": floor.delta, "spectrum_bottom": floor.bottom, "phi_lanczos_steps": m_phi}
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
+
+
+def _phi_steps(phi_steps: int | None, m: int, block_size: int, n_phi: int, N: int) -> int:
+    """Block steps of the φ columns' run (see :func:`spectral_curves`)."""
+    if phi_steps is not None:
+        return max(2, min(int(phi_steps), N))
+    return max(m, min(4 * m, (max(1, int(block_size)) * m) // max(n_phi, 1), N))
 
 
 @dataclass(frozen=True)
@@ -518,6 +533,7 @@ def _eigenvalue_curve(
     n_top = lambda t: np.searchsorted(-lam, -t, side="right")  # noqa: E731  #{i ≤ K: λ_i ≥ t}
     L = np.mean([r.tail_lower(bps) for r in probes], axis=0)  # ≤ mean of μ_z((t, ∞))
     Uu = np.mean([r.tail_upper(bps) for r in probes], axis=0)  # ≥ mean of μ_z([t, ∞))
+    L, Uu = _with_radau(bps, L, Uu, probes)
     c = q * math.sqrt(2.0 / p)
     root_hi = (c + np.sqrt(c * c + 4 * np.maximum(Uu, 0))) / 2  # √n_tail ≤ this (n ≤ Ū + c√n)
     margin = c * root_hi
@@ -539,6 +555,29 @@ def _eigenvalue_curve(
         lower[i] = min(lower[i], upper[i])
         value[i] = min(max(v, lower[i]), upper[i])
     return CurveBracket(value, lower, upper)
+
+
+def _with_radau(
+    bps: np.ndarray, L: np.ndarray, U: np.ndarray, probes: list[_Rule], points: int = _RADAU_POINTS
+) -> tuple[np.ndarray, np.ndarray]:
+    """The probes' mean tail bounds at the breakpoints tightened by their Gauss–Radau bounds (about half
+    the Gauss ones' gap) at up to ``points`` of them (Radau costs a tridiagonal eigh per point): a
+    tail bound at t' carries to every t on its side by monotonicity — μ((t, ∞)) ≥ μ((t', ∞)) for
+    t ≤ t', μ([t, ∞)) ≤ μ([t', ∞)) for t ≥ t'."""
+    if bps.size == 0:
+        return L, U
+    T = bps[np.unique(np.linspace(0, bps.size - 1, min(points, bps.size)).round().astype(int))]
+    rad = [r.radau(T) for r in probes]
+    Lr, Ur = np.mean([a for a, _ in rad], axis=0), np.mean([b for _, b in rad], axis=0)
+    j = np.searchsorted(T, bps, side="left")  # the smallest T ≥ t
+    ok = j < T.size
+    L = L.copy()
+    L[ok] = np.maximum(L[ok], Lr[j[ok]])
+    j = np.searchsorted(T, bps, side="right") - 1  # the largest T ≤ t
+    ok = j >= 0
+    U = U.copy()
+    U[ok] = np.minimum(U[ok], Ur[j[ok]])
+    return L, U
 
 
 def _last_at_least(t: np.ndarray, n: np.ndarray, k: int, default: float) -> float:
