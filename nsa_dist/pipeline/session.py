@@ -31,6 +31,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.errors import AnalysisError
 from nsa_dist.metrics import spectrum_preservation
+from nsa_dist.metrics.preservation import preservation_pair
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.nsa_extras import write_constant_gram
@@ -294,22 +295,22 @@ def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
 
 
 def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
-    """E_{t1}(v_i^{t2}, k) between the second and the last recorded step (NSA Fig. 7d); with a
-    ``store_eigenvectors`` list, between its first and last step."""
-    S = writer.dims.S
-    if not spec.spectrum.store_eigenvectors or S < 2:
+    """E_{t1}(v_i^{t2}, k) between the steps :func:`~nsa_dist.metrics.preservation.preservation_pair`
+    picks among those the run's stored ``eigenvector_steps`` mask marks (NSA Fig. 7d: the second
+    and the last recorded step; with a ``store_eigenvectors`` list, its first and last step) — the
+    rule ``Run.spectrum_preservation`` reads with."""
+    if not spec.spectrum.store_eigenvectors or writer.dims.S < 2:
         return
     reader = writer.store.reader(writer.run_id)
     steps = reader.read("steps")
-    i1 = 1 if S > 2 else 0
-    if isinstance(spec.spectrum.store_eigenvectors, list):
-        at = [i for i, t in enumerate(steps) if spec.spectrum.eigenvectors_at(int(t))]
-        if len(at) < 2:
-            return
-        i1, S = at[0], at[-1] + 1
-    V1, V2 = reader.read_step("eigenvectors", i1), reader.read_step("eigenvectors", S - 1)
+    at = [int(i) for i in np.flatnonzero(reader.read("eigenvector_steps"))]
+    pair = preservation_pair(at, listed=isinstance(spec.spectrum.store_eigenvectors, list))
+    if pair is None:
+        return
+    i1, i2 = pair
+    V1, V2 = reader.read_step("eigenvectors", i1), reader.read_step("eigenvectors", i2)
     rows = sorted({i for i in spec.spectrum.images if i <= V2.shape[1]} | {1})
     P = spectrum_preservation(V1.astype(np.float64), V2.astype(np.float64), i=rows)
     writer.write_array(
-        "preservation", np.asarray(P, dtype=np.float64), {"t1": int(steps[i1]), "t2": int(steps[S - 1]), "rows": rows}
+        "preservation", np.asarray(P, dtype=np.float64), {"t1": int(steps[i1]), "t2": int(steps[i2]), "rows": rows}
     )
