@@ -160,14 +160,14 @@ async def _page_view(
             for src in scripts:  # BokehJS (a browser may have it cached: this counts it every time)
                 await http.fetch(urljoin(page, src), request_timeout=300)
             got = await data("")
-            if not (got.get("page") or {}).get("item"):
+            if not (got.get("page") or {}).get("items"):
                 raise RuntimeError(f"no figures in the answer ({str(got)[:200]})")
             loads.append(time.perf_counter() - t0)
             have = got["page"]["seen"]
             while time.monotonic() + refresh < until:
                 await asyncio.sleep(refresh)
                 got = await data(have)
-                if got["page"]["item"]:
+                if got["page"]["items"]:
                     n += 1
                     have = got["page"]["seen"]
         except Exception as exc:  # noqa: BLE001 — counted and reported

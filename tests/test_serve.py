@@ -144,12 +144,12 @@ def _run_data(s: _Served, rid: str, tab: int = 0, **args: str) -> dict:
 
 
 def _item_texts(answer: dict) -> str:
-    """Every Div's text of the figures a ``/run/data`` answer carries (a Bokeh document's JSON)."""
+    """Every Div's text of the figures a ``/run/data`` answer carries (a Bokeh document's JSON per panel)."""
     from bokeh.document import Document
     from bokeh.models import Div
 
-    doc = Document.from_json(answer["page"]["item"]["doc"])
-    return " ".join(m.text for m in doc.select({"type": Div}))
+    docs = [Document.from_json(item["doc"]) for item in answer["page"]["items"]]
+    return " ".join(m.text for doc in docs for m in doc.select({"type": Div}))
 
 
 # --------------------------------------------------------------------------- a run's page: both papers
@@ -739,9 +739,9 @@ def _pull(port: int, path: str, **args: str) -> int:
 
 def test_viewers_share_the_store_reads_and_the_page_builds(store):
     """Six viewers opened at once of a run's page cost one read of the run, one of each panel the
-    open tab shows and one build of the tab's figures — not six of each; three of the table one
+    open tab shows and one build of each panel's figures — not six of each; three of the table one
     listing.  A viewer that has the newest build gets no figures again; another choice of a
-    widget is one more build, shared in turn."""
+    widget is one more build of that panel only, shared in turn."""
     import json
     from concurrent.futures import ThreadPoolExecutor
 
@@ -761,11 +761,15 @@ def test_viewers_share_the_store_reads_and_the_page_builds(store):
         picked = [_run_data(s, run_id(SPEC), c=choice) for _ in range(3)]  # Fig. 2a at the second step
         after = dict(s.server.nsa_shared.reads)
     assert roots == [1] * 3, roots
-    assert reads == {"open": 1, "run": 1, "panel": len(first_tab), "build": 1, "table-quick": 1}, reads
+    n = len(first_tab)
+    assert reads == {"open": 1, "run": 1, "panel": n, "item": n, "build": 1, "table-quick": 1}, reads
     assert all(a == answers[0] for a in answers), "the viewers got different pages"
-    assert again["page"]["item"] is None and again["page"]["seen"] == seen and again["header"], again
-    assert after["build"] == 2 and after["panel"] == len(first_tab) + 1, after
-    assert picked[0] == picked[1] == picked[2] and picked[0]["page"]["item"] != answers[0]["page"]["item"]
+    assert again["page"]["items"] is None and again["page"]["seen"] == seen and again["header"], again
+    assert after["build"] == 2 and after["panel"] == n + 1 and after["item"] == n + 1, after  # Fig. 2a's only
+    items, before = picked[0]["page"]["items"], answers[0]["page"]["items"]
+    assert picked[0] == picked[1] == picked[2] and len(items) == len(before) == n, (len(items), len(before), n)
+    changed = [k for k in range(n) if items[k] != before[k]]
+    assert changed == [i], changed
 
 
 def test_sessions_come_and_go_without_a_traceback(store, caplog):

@@ -210,8 +210,9 @@ class RunPages:
     A run's page is a static HTML page (:func:`page_html`) whose script asks :meth:`answer` (the
     ``/run/data`` request) for the open tab, every refresh interval, saying which state it shows.
     The answer is the run's header (every refresh) and, when the run's finished steps or status
-    changed, the tab's Bokeh models as a ``json_item`` — built, serialized and cached once per
-    (run, tab, widget choices) and state, whatever the number of viewers: thirty viewers of a live
+    changed, the tab's Bokeh models as a ``json_item`` per panel — built, serialized and cached
+    once per state and (run, tab, widget choices), each panel once per state and choice of its
+    own widgets, whatever the number of viewers: thirty viewers of a live
     run cost one build per state, not thirty (a Bokeh server session per viewer built its own
     ~1,400 models, 1.3 s of CPU each, and serialized them again for each).
 
@@ -237,8 +238,8 @@ class RunPages:
 
     def answer(self, arg: str, tab: int, choices: dict[str, Any], have: str = "") -> bytes:
         """The JSON answer of ``/run/data`` (worker thread): ``{"message": HTML}`` for an id the
-        store does not list, else ``{"page": {"seen", "item"}, "id", "header", "tabs", "tab"}`` —
-        ``item`` null when the viewer's ``have`` is already the newest build's ``seen``."""
+        store does not list, else ``{"page": {"seen", "items"}, "id", "header", "tabs", "tab"}`` —
+        ``items`` (a ``json_item`` per panel) null when the viewer's ``have`` is already the newest build's ``seen``."""
         try:
             rid = self.shared.get(("open", arg), lambda: open_run(self.store, arg).id, self.refresh_s)
             snap = self.snapshot(rid)
@@ -251,10 +252,10 @@ class RunPages:
         tab = min(max(int(tab), 0), max(len(papers) - 1, 0))
         head = {"id": rid, "header": snap.header, "tabs": papers, "tab": tab}
         if not papers:
-            return _json({"page": {"seen": snap.token, "item": None}, **head})
+            return _json({"page": {"seen": snap.token, "items": None}, **head})
         built = self.built((rid, tab, json.dumps(choices, sort_keys=True)), snap, choices)
         if built.token == have:
-            return _json({"page": {"seen": have, "item": None}, **head})
+            return _json({"page": {"seen": have, "items": None}, **head})
         return b'{"page": ' + built.body + b", " + _json(head)[1:]
 
     def built(self, key: tuple[Any, ...], snap: _Snapshot, choices: dict[str, Any]) -> _Built:
@@ -289,7 +290,7 @@ class RunPages:
     def _build(self, key: tuple[Any, ...], snap: _Snapshot, choices: dict[str, Any], done: Future) -> None:
         began = time.monotonic()
         try:
-            body = _json(self._item(snap, key[1], choices))
+            body = self._item(snap, key[1], choices)
             built = _Built(snap.token, body, began, time.monotonic() - began)
             with self._lock:
                 self._built[key] = (built, time.monotonic())
@@ -300,31 +301,39 @@ class RunPages:
             with self._lock:
                 self._building.pop(key, None)
 
-    def _item(self, snap: _Snapshot, tab: int, choices: dict[str, Any]) -> dict[str, Any]:
-        """Tab ``tab``'s panels at ``snap`` with ``choices`` applied, as a ``json_item`` and the
-        state it shows."""
+    def _item(self, snap: _Snapshot, tab: int, choices: dict[str, Any]) -> bytes:
+        """Tab ``tab``'s panels at ``snap`` with ``choices`` applied: the state it shows and a
+        ``json_item`` per panel, each built once per state and choice of its own widgets (another
+        value of one panel's widget rebuilds that panel only)."""
+        self.shared.reads["build"] = self.shared.reads.get("build", 0) + 1  # (the tests count the builds)
+        parts = []
+        for i, cls in enumerate(list(_section_classes(snap.run).values())[tab]):
+            mine = {k.split(".", 1)[1]: v for k, v in choices.items() if k.split(".", 1)[0] == str(i)}
+            key = ("item", snap.run.id, snap.seen, tab, i, json.dumps(mine, sort_keys=True))
+            parts.append(self.shared.get(key, lambda c=cls, i=i, m=mine: self._panel(c, i, snap, m), float("inf")))
+        return b'{"seen":' + _json(snap.token) + b',"items":[' + b",".join(parts) + b"]}"
+
+    def _panel(self, cls: Any, i: int, snap: _Snapshot, mine: dict[str, Any]) -> bytes:
+        """Panel ``cls`` (the ``i``-th of its tab) at ``snap`` with its widgets' values ``mine``, as
+        a serialized ``json_item``; its widgets send their new values to the page's script."""
         from bokeh.embed import json_item
-        from bokeh.layouts import column
         from bokeh.models import CustomJS
 
         from nsa_dist.serve._eigvec_panel import Eigenvectors
 
-        self.shared.reads["build"] = self.shared.reads.get("build", 0) + 1  # (the tests count the builds)
-        run = snap.run
-        panels = [cls(run) for cls in list(_section_classes(run).values())[tab]]
-        for i, p in enumerate(panels):
-            for j, w in enumerate(getattr(p, "controls", [])):
-                if f"{i}.{j}" in choices:
-                    try:
-                        w.value = choices[f"{i}.{j}"]
-                    except (ValueError, TypeError):
-                        pass  # not a value of this widget: its default
-                w.js_on_change("value", CustomJS(code=f"window.nsaChoose('{i}.{j}', cb_obj.value)"))
-            p.update(self._data(p, snap))
-            if isinstance(p, Eigenvectors):
-                _slide(p, run, choices.get(f"{i}.s"))
-                p.slider.js_on_change("value", CustomJS(code=f"window.nsaChoose('{i}.s', cb_obj.value)"))
-        return {"seen": snap.token, "item": json_item(column(*(p.layout for p in panels)))}
+        p = cls(snap.run)
+        for j, w in enumerate(getattr(p, "controls", [])):
+            if str(j) in mine:
+                try:
+                    w.value = mine[str(j)]
+                except (ValueError, TypeError):
+                    pass  # not a value of this widget: its default
+            w.js_on_change("value", CustomJS(code=f"window.nsaChoose('{i}.{j}', cb_obj.value)"))
+        p.update(self._data(p, snap))
+        if isinstance(p, Eigenvectors):
+            _slide(p, snap.run, mine.get("s"))
+            p.slider.js_on_change("value", CustomJS(code=f"window.nsaChoose('{i}.s', cb_obj.value)"))
+        return _json(json_item(p.layout))
 
     def _data(self, p: Panel, snap: _Snapshot) -> Any:
         key = ("panel", snap.run.id, snap.seen, p.state())
@@ -384,7 +393,7 @@ body { font-family: sans-serif; margin: 8px 16px; }
   const head = document.getElementById("nsa-header");
   const tabsEl = document.getElementById("nsa-tabs");
   const box = document.getElementById("nsa-box");
-  let tab = 0, choices = {}, have = "", views = null, busy = false, again = false, gen = 0, names = "";
+  let tab = 0, choices = {}, have = "", views = [], busy = false, again = false, gen = 0, names = "";
   function showTabs(papers) {
     const key = JSON.stringify([papers, tab]);
     if (key === names) return;
@@ -418,16 +427,24 @@ body { font-family: sans-serif; margin: 8px 16px; }
       head.innerHTML = got.header;  // every store string escaped by the server
       tab = got.tab;
       showTabs(got.tabs);
-      if (got.page && got.page.item && got.page.seen !== have) {
-        const old = views;
-        box.style.minHeight = box.offsetHeight + "px";  // no jump while the new figures replace the old
-        if (old !== null) old.clear();
+      if (got.page && got.page.items && got.page.seen !== have) {
+        // the new figures are drawn out of sight and then take the old ones' place, all at once
+        const fresh = document.createElement("div"), made = [];
+        fresh.style.cssText = "position: absolute; left: -30000px; top: 0; visibility: hidden; width: " +
+          box.clientWidth + "px";
+        document.body.appendChild(fresh);
+        for (const item of got.page.items) {
+          const el = document.createElement("div");
+          fresh.appendChild(el);
+          made.push(await Bokeh.embed.embed_item(item, el));
+        }
+        if (my !== gen) { for (const v of made) v.clear(); fresh.remove(); return; }  // another tab or choice since
+        for (const v of views) v.clear();
         box.textContent = "";
-        const el = document.createElement("div");
-        box.appendChild(el);
-        views = await Bokeh.embed.embed_item(got.page.item, el);
+        fresh.style.cssText = "";
+        box.appendChild(fresh);
+        views = made;
         have = got.page.seen;
-        box.style.minHeight = "";
       }
     } catch (e) {
       head.textContent = "nsa serve: " + e;
