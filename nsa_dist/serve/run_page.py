@@ -212,9 +212,9 @@ class RunPages:
     The answer is the run's header (every refresh) and, when the run's finished steps or status
     changed, the tab's Bokeh models as a ``json_item`` per panel — built, serialized and cached
     once per state and (run, tab, widget choices), each panel once per state and choice of its
-    own widgets, whatever the number of viewers: thirty viewers of a live
-    run cost one build per state, not thirty (a Bokeh server session per viewer built its own
-    ~1,400 models, 1.3 s of CPU each, and serialized them again for each).
+    own widgets, whatever the number of viewers: thirty viewers of a live run cost one build per
+    state, not thirty (a Bokeh server session per viewer built its own ~1,400 models, 1.3 s of
+    CPU each, and serialized them again for each).
 
     A viewer never waits for a rebuild while a tab was built before: it gets the last build at
     once, and the rebuild of the new state runs in the background (one at a time per tab, at most
@@ -239,7 +239,8 @@ class RunPages:
     def answer(self, arg: str, tab: int, choices: dict[str, Any], have: str = "") -> bytes:
         """The JSON answer of ``/run/data`` (worker thread): ``{"message": HTML}`` for an id the
         store does not list, else ``{"page": {"seen", "items"}, "id", "header", "tabs", "tab"}`` —
-        ``items`` (a ``json_item`` per panel) null when the viewer's ``have`` is already the newest build's ``seen``."""
+        ``items`` (a ``json_item`` per panel) null when the viewer's ``have`` is already the
+        newest build's ``seen``."""
         try:
             rid = self.shared.get(("open", arg), lambda: open_run(self.store, arg).id, self.refresh_s)
             snap = self.snapshot(rid)
