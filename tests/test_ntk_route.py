@@ -69,7 +69,9 @@ def test_one_probe_per_run(layout: str, probes: list[int]) -> None:
     an = SpectralAnalyzer(plan, data)
     results = [an.analyze(ck).arrays() for ck in Trainer(plan, data).train_until(spec.steps)]
     assert len(results) == 4 and "eigenvalues_test" in results[0] and "constant_gram_f_test" in results[0]
-    assert [("eigenvectors" in r) for r in results] == [True, False, True, False]
+    assert plan.eigenvector_steps == (True, False, True, False)  # the plan's mask, as the store keeps it
+    assert plan.static_arrays(data)["eigenvector_steps"].tolist() == list(plan.eigenvector_steps)
+    assert [("eigenvectors" in r) for r in results] == list(plan.eigenvector_steps)
     assert len(probes) == 1, f"{len(probes) - 1} more probes over the run's 4 recorded steps (one per run expected)"
 
 
@@ -147,3 +149,26 @@ def test_route_of_another_network_is_refused() -> None:
     with pytest.raises(ValueError, match=r"module '2' is a _OwnLinear, the route's a Linear"):
         gram(renamed, x, method=route)
     np.testing.assert_array_equal(gram(other, x, method=route).numpy(), gram(other, x).numpy())
+
+
+def test_route_probed_in_other_modes_is_not_taken(probes: list[int]) -> None:
+    """A route resolved with batch norm in eval mode (per-sample paths) handed a network since put in
+    train mode (batch statistics couple the samples): gram probes again with the asked-for method
+    and computes the batch kernel, the probing gram's numbers; back in eval mode the route holds."""
+    torch.manual_seed(0)
+    bn = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)).eval()
+    x = torch.randn(10, 3)
+    route = resolve_route(bn, x[:4])
+    assert route.method is not NTKMethod.BATCH and route.asked is NTKMethod.AUTO
+    bn.train()
+    probes.clear()
+    got = gram(bn, x, method=route, dtype=torch.float64)
+    assert len(probes) == 1, "a route probed in eval mode was taken in train mode"
+    np.testing.assert_array_equal(got.numpy(), gram(bn, x, dtype=torch.float64).numpy())
+    assert resolve_route(bn, x[:4]).method is NTKMethod.BATCH
+    bn.eval()
+    probes.clear()
+    np.testing.assert_array_equal(
+        gram(bn, x, method=route, dtype=torch.float64).numpy(), gram(bn, x, dtype=torch.float64).numpy()
+    )
+    assert len(probes) == 1  # the probing call's only

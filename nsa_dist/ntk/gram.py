@@ -88,15 +88,23 @@ def resolve_route(
     m = parse_enum(NTKMethod, method, "method")
     model = prepare_model(model, None, output)
     plan = _plan(model, prepare_inputs(model, x, "x", None))
-    return NTKRoute.of(_choose(plan, m), plan)
+    return NTKRoute.of(_choose(plan, m), plan, m, model)
 
 
 def route_of(model: nn.Module, x: torch.Tensor, method: str | NTKMethod | NTKRoute) -> tuple[ForwardPlan, NTKMethod]:
     """The probe's plan of the measured ``model`` at points x and the method to take: a resolved
-    :class:`NTKRoute` bound to the model by name (no forward pass), else a probe on x and the
-    method chosen from it (:func:`explain_method`'s rule).  Call it inside ``preserved(model)``."""
+    :class:`NTKRoute` bound to the model by name (no forward pass) while the model is in the
+    training modes it was probed in, else a probe on x and the method chosen from it — the route's
+    asked-for one — by :func:`explain_method`'s rule.  Call it inside ``preserved(model)``.
+
+    Raises:
+        ValueError: an :class:`NTKRoute` resolved for another network.
+    """
     if isinstance(method, NTKRoute):
-        return method.bind(model), method.method
+        bound = method.bind(model)
+        if method.holds_for(model):
+            return bound, method.method
+        method = method.asked  # modes switched since the probe (e.g. train-mode batch norm): probe again
     plan = _plan(model, x)
     return plan, _choose(plan, parse_enum(NTKMethod, method, "method"))
 

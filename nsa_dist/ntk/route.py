@@ -4,7 +4,10 @@
 an :class:`NTKRoute`: the method :func:`~nsa_dist.ntk.gram` takes and, per layer, what the probe
 proved — by module name, without the modules, so a run's plan carries it to every process by
 value.  Handed to :func:`~nsa_dist.ntk.gram` (or the block and shard features) as ``method``, it
-is bound to the network by those names and the forward pass is not probed again.
+is bound to the network by those names and the forward pass is not probed again — while the
+network's modules are in the training modes the probe saw: a Tracker's network switched between
+``train()`` and ``eval()`` since (batch norm couples samples in one mode only) is probed again,
+with the method first asked for, as a call without a route would.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class NTKRoute:
         layers: the per-layer (fast) layers, in module order.
         generic: the parameters taken by per-sample Jacobians.
         routes: every trainable parameter → (path, reason), in parameter order.
+        asked: the method asked for (AUTO, or a forced one) when the route was resolved.
+        modes: each module's ``training`` flag (``model.modules()`` order) when it was probed.
     """
 
     method: NTKMethod
@@ -57,15 +62,23 @@ class NTKRoute:
     layers: tuple[LayerRoute, ...]
     generic: tuple[str, ...]
     routes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    asked: NTKMethod = NTKMethod.AUTO
+    modes: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, method: NTKMethod, plan: ForwardPlan) -> NTKRoute:
-        """The route of a probe's ``plan`` with ``method`` chosen from it."""
+    def of(cls, method: NTKMethod, plan: ForwardPlan, asked: NTKMethod, model: nn.Module) -> NTKRoute:
+        """The route of a probe's ``plan`` of ``model`` with ``method`` chosen from it for ``asked``."""
         layers = tuple(
             LayerRoute(lay.name, type(lay.module).__qualname__, lay.params, lay.factored, lay.clone_out)
             for lay in plan.layers
         )
-        return cls(NTKMethod(method), plan.coupled, layers, plan.generic, dict(plan.routes))
+        return cls(
+            NTKMethod(method), plan.coupled, layers, plan.generic, dict(plan.routes), NTKMethod(asked), modes_of(model)
+        )
+
+    def holds_for(self, model: nn.Module) -> bool:
+        """Whether ``model``'s modules are in the training modes the route was probed in."""
+        return modes_of(model) == self.modes
 
     def bind(self, model: nn.Module) -> ForwardPlan:
         """The probe's plan for ``model`` (the measured module, as :func:`~nsa_dist.ntk.inputs.prepare_model`
@@ -96,6 +109,11 @@ class NTKRoute:
                 )
             layers.append(FastLayer(lay.name, m, lay.params, lay.factored, lay.clone_out))
         return ForwardPlan(self.coupled, tuple(layers), self.generic, dict(self.routes))
+
+
+def modes_of(model: nn.Module) -> tuple[bool, ...]:
+    """Each module's ``training`` flag, in ``model.modules()`` order."""
+    return tuple(m.training for m in model.modules())
 
 
 def _few(names: tuple[str, ...]) -> str:
