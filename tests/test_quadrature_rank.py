@@ -61,13 +61,14 @@ def case(request) -> dict:
     return c
 
 
-def test_brackets_contain_every_value_the_exact_route_can_return(case):
+@pytest.mark.parametrize("phi_steps", [None, 0], ids=["shared-blocks", "phi-own-block"])
+def test_brackets_contain_every_value_the_exact_route_can_return(case, phi_steps):
     G, w, V, phis = case["G"], case["w"], case["V"], case["phis"]
     r = int((w > N * np.finfo(np.float64).eps * w[0]).sum())  # numerical rank
     assert r <= case["bound"], f"{case['name']}: numerical rank {r} above the known bound {case['bound']}"
     assert w[-1] < 0, f"{case['name']}: the null space's rounding should show negative eigenvalues (min {w[-1]})"
     ks = np.unique(np.concatenate([curve_ks(N, 60), np.arange(max(1, r - 4), min(N, r + 6))]))
-    c = spectral_curves(G, w[:K], V[:, :K], phis, ks, lanczos_steps=30, probes=16, block_size=16)
+    c = spectral_curves(G, w[:K], V[:, :K], phis, ks, lanczos_steps=30, probes=16, block_size=16, phi_steps=phi_steps)
     lam, e = w[ks - 1], c.eigenvalue
     out = (lam < e.lower) | (lam > e.upper)
     assert not out.any(), (
