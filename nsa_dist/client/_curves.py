@@ -153,6 +153,52 @@ class BracketedCurve:
         )
 
 
+def _widen_top(
+    run: RunArrays,
+    curve_name: str,
+    grid: np.ndarray,
+    K: int,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    exact: np.ndarray,
+    increasing: bool,
+) -> None:
+    """The top part's brackets where the quadrature route widened them, in place: top eigenpairs
+    within the rounding of a neighbour (a rank-deficient G's null space reaching into the top K)
+    have eigenvectors an eigensolver orders and rotates arbitrarily, so ``energy_<φ>`` there is one
+    basis's value, not *the* value; the route stores the cluster's bracket at the grid's k ≤ K.
+    A top k between two grid points takes the monotone bracket of its neighbours when either of
+    them is widened; such k are not ``exact``."""
+    if grid.size == 0 or lower.shape[0] == 0:
+        return
+    where = np.isin(np.asarray(run.array("curve_k"), np.int64), grid)
+    lo = np.asarray(run.per_step(f"{curve_name}_lower"), np.float64)[:, where]
+    hi = np.asarray(run.per_step(f"{curve_name}_upper"), np.float64)[:, where]
+    with np.errstate(invalid="ignore"):  # a point bracket (to the two routes' rounding) is no cluster
+        wide = np.any(hi - lo > 64 * np.finfo(np.float64).eps * np.fmax(np.abs(hi), 1.0), axis=0)
+    if not wide.any():
+        return
+    cols = grid[wide] - 1
+    lower[:, cols] = np.fmin(lower[:, cols], lo[:, wide])
+    upper[:, cols] = np.fmax(upper[:, cols], hi[:, wide])
+    exact[cols] = False
+    cols = grid - 1
+    # neighbours along the merged axis: the grid's top columns, then the tail's (a cluster at the
+    # top's end is bounded by the first tail column)
+    at = np.concatenate([cols, np.arange(K, lower.shape[1])])
+    flag = np.concatenate([wide, np.zeros(lower.shape[1] - K, bool)])
+    for a in range(len(at) - 1):
+        if not (flag[a] or flag[a + 1]):
+            continue
+        inner = np.arange(at[a] + 1, min(at[a + 1], K))
+        if inner.size == 0:
+            continue
+        first, last = (at[a], at[a + 1]) if increasing else (at[a + 1], at[a])
+        lower[:, inner] = np.fmin(lower[:, inner], lower[:, [first]])
+        upper[:, inner] = np.fmax(upper[:, inner], upper[:, [last]])
+        exact[inner] = False
+
+
 def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
     """The curve ``name`` ("eigenvalue" or "energy_<φ>") of ``run`` along its finished steps.
 
@@ -180,6 +226,7 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
         exact = np.concatenate(
             [np.ones(K, bool), np.all(parts[1] == parts[2], axis=0) if S else np.zeros(int(beyond.sum()), bool)]
         )
+        _widen_top(run, curve_name, ck[~beyond], K, lower, upper, exact, increasing=name != "eigenvalue")
         bracket = str(run.attrs.get("curve_bracket", "quadrature bounds (the run names no bracket kind)"))
         return BracketedCurve(
             name,
