@@ -314,21 +314,18 @@ def _flat(text: str, limit: int = 2000) -> str:
 # ---------------------------------------------------------------------------- run
 def _cmd_run(args: argparse.Namespace) -> int:
     from nsa_dist.pipeline import run_experiment, run_id
-    from nsa_dist.pipeline.budget import check_fits
     from nsa_dist.specfile import check_data, load_spec
-    from nsa_dist.store import SpectrumStore, Status
+    from nsa_dist.store import Status
 
     spec = load_spec(args.spec)
     check_data([spec], args.spec)  # a missing data file is said now, not after the store and the model
-    check_fits(spec)  # before the store is touched
-    store = SpectrumStore(args.store)
     rid = run_id(spec)
     fancy = sys.stderr.isatty() and not args.plain
     progress = _RichProgress(spec.steps, rid) if fancy else _LogProgress(spec.steps, rid)
     with progress:
-        out = run_experiment(
+        out = run_experiment(  # its memory check comes before the store (a URL here) is opened
             spec,
-            store,
+            args.store,
             on_step=progress.on_step,
             on_update=progress.on_update,
             on_prepared=_print_layout,
@@ -599,14 +596,11 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import SweepCoordinator, connect
     from nsa_dist.cluster.runtime import RayletLost, core_worker_console_to_log
-    from nsa_dist.pipeline.budget import check_fits
     from nsa_dist.specfile import check_data, load_sweep
 
     sweep = load_sweep(args.sweep, max_runs=args.max_runs)
     specs = sweep.expand()
     check_data(specs, args.sweep)  # before Ray starts (≈ 9 s for the embedded one)
-    for spec in specs:  # before Ray starts or the store is touched
-        check_fits(spec)
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
     coordinator = SweepCoordinator(sweep, args.store, on_event=table.update, wait=_wait_seconds(args.wait))
     try:  # the embedded Ray holds every actor at once, step gangs included (threads are set per actor)

@@ -106,6 +106,14 @@ def test_absurd_specs_and_inputs_are_refused_at_bounded_memory(tmp_path):
             "parameters (P = 100,000,",
         ),
         "gram": (["run", str(_write(tmp_path / "gram.yaml", {**TINY, "data": {"n": 10**7}}))], "G (local layout)"),
+        "sweep_gram": (  # the sweep's memory check: before the store, Ray or any model
+            [
+                "sweep",
+                str(_write(tmp_path / "sweep_gram.yaml", {"name": "big", "base": {**TINY, "data": {"n": 10**7}}})),
+                "--plain",
+            ],
+            "G (local layout)",
+        ),
         "seed": (["run", str(_write(tmp_path / "seed.yaml", {**TINY, "seed": 10**30}))], "seed: Input should be less"),
         "laughs": (
             ["run", str(_write_text(tmp_path / "laughs.yaml", _laughs(9) + "\nsteps: *l8"))],

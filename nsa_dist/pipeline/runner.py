@@ -33,14 +33,15 @@ class RunOutcome:
 
 def run_experiment(
     spec: ExperimentSpec,
-    store: SpectrumStore,
+    store: SpectrumStore | str,
     *,
     on_step: Callable[[Checkpoint, dict], None] | None = None,
     on_update: Callable[[int, float], None] | None = None,
     on_prepared: Callable[[PreparedRun], None] | None = None,
     wait: float | None = 0.0,
 ) -> RunOutcome:
-    """Train ``spec`` and record its spectra in ``store``; resumes a run already there.
+    """Train ``spec`` and record its spectra in ``store`` (a :class:`SpectrumStore`, or its URL,
+    opened once the run's memory estimate passed); resumes a run already there.
 
     Holds the run's writer lease throughout (taken before the run is created): a run another
     live process writes is refused at once (``wait=0``, :class:`~nsa_dist.store.LeaseHeld`
@@ -54,7 +55,8 @@ def run_experiment(
         ResourceError: the run's estimated memory exceeds this machine (:func:`check_fits`),
             refused before its data is loaded or its model built.
     """
-    check_fits(spec)  # before the data is loaded or the model built
+    check_fits(spec)  # before the data is loaded, the model built or (a URL) the store opened
+    store = SpectrumStore(store) if isinstance(store, str) else store
     with RunSession.open(spec, store, wait=wait, model=lambda: _seeded_model(spec)) as session:
         return _run(session, on_step, on_update, on_prepared)
 
