@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import vjp, vmap
 
 from nsa_dist.ntk._probe import FastLayer
+from nsa_dist.ntk.state import call
 
 __all__ = ["Layer", "kind", "write_formed"]
 
@@ -102,7 +103,7 @@ def _local_grad(lay: Layer, A: torch.Tensor, delta: torch.Tensor) -> torch.Tenso
     p0 = {n: getattr(m, n).detach() for n in lay.params}
 
     def one(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        _, pull = vjp(lambda p: functional_call(m, p, (a[None],)), p0)
+        _, pull = vjp(lambda p: call(m, p, (a[None],)), p0)
         (g,) = pull(d[None])
         return torch.cat([g[n].reshape(-1) for n in lay.params])  # (P_l,)
 

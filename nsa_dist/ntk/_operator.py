@@ -6,14 +6,14 @@ import logging
 
 import torch
 from torch import nn
-from torch.func import functional_call, jvp, vjp, vmap
+from torch.func import jvp, vjp, vmap
 
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.models import OutputSelector, measured_module
 from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, trainable_params
-from nsa_dist.ntk.state import exact_kernels, stateless
+from nsa_dist.ntk.state import call, exact_kernels, stateless
 
 _log = logging.getLogger("nsa_dist")
 
@@ -52,7 +52,7 @@ class NTKOperator(LinearOperator):
 
     def _f(self, xb: torch.Tensor):
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return as_2d(functional_call(self.model, ({**p, **self._rest}, self._buffers), (xb,)))  # (b, K)
+            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb,)))  # (b, K)
 
         return f
 
@@ -145,5 +145,5 @@ def jacobian_vector_product(
         primals = {k: p.detach() for k, p in twin.named_parameters()}
         buffers = dict(twin.named_buffers())
         with exact_kernels(twin):
-            _, out = jvp(lambda p: functional_call(twin, (p, buffers), (x,)), (primals,), (tangents,))
+            _, out = jvp(lambda p: call(twin, {**p, **buffers}, (x,)), (primals,), (tangents,))
     return out.detach()

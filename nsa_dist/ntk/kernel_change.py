@@ -29,10 +29,12 @@ def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor) -> Callable:
     """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p, by one VJP and
     JVPs (differentiable in p: App. F takes its JVP along Δθ)."""
     import torch
-    from torch.func import functional_call, jvp, vjp
+    from torch.func import jvp, vjp
+
+    from nsa_dist.ntk.state import call
 
     def f(p, Z):
-        out = functional_call(model, p, (Z,))
+        out = call(model, p, (Z,))
         return out.reshape(out.shape[0], -1)  # (n, Ko)
 
     def GV(p):

@@ -4,7 +4,8 @@ NTK, operator and Hessian calls run forwards of the user's model: a BatchNorm in
 updates its running statistics and ``num_batches_tracked`` on every forward.  ``preserved``
 puts buffers and training modes back afterwards; ``stateless`` gives a model whose forwards
 change no buffer at all (needed inside ``torch.func`` transforms, which refuse to mutate a
-captured tensor), computing the same function.
+captured tensor), computing the same function.  ``call`` is ``torch.func.functional_call``
+that leaves a module called twice, or a parameter tied into two modules, as it was.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from nsa_dist.errors import UnsupportedModelError
 
-__all__ = ["preserved", "stateless", "batch_stat_modules", "exact_kernels"]
+__all__ = ["preserved", "stateless", "batch_stat_modules", "exact_kernels", "call"]
 
 
 @contextlib.contextmanager
@@ -90,3 +93,35 @@ def exact_kernels(model: nn.Module) -> Iterator[None]:
 
     with composite_attention():
         yield
+
+
+def call(model: nn.Module, tensors: dict[str, torch.Tensor], args: tuple[Any, ...]) -> Any:
+    """``model(*args)`` with its parameters and buffers replaced by ``tensors`` (keyed by the names
+    of ``named_parameters()`` / ``named_buffers()``), differentiable in them as
+    ``torch.func.functional_call``, for any sharing in the model.
+
+    ``functional_call`` (tie_weights=True) swaps every name of a tied tensor in turn: a module
+    registered twice (``Sequential(lin, act, lin)``) has two names for one attribute, the second
+    swap saves the first's replacement as the "original", and the restore leaves that plain tensor
+    in the user's module in place of its Parameter.  Here every attribute slot is swapped once,
+    under its first name, and a Parameter tied into two modules (an embedding's weight reused by
+    the output head) gets the same replacement in both, so the forward sees the tying and the
+    derivative in the one entry sums both uses."""
+    canon: dict[int, str] = {}  # tensor → its first name (the one named_parameters() keeps)
+    slots: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    seen: set[int] = set()
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        if id(mod) in seen:  # the same module under a second name: its attributes are swapped already
+            continue
+        seen.add(id(mod))
+        for attr, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            if t is None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            first = canon.setdefault(id(t), name)
+            if first in tensors:
+                slots[name] = tensors[first]
+                used.add(first)
+    slots.update({k: v for k, v in tensors.items() if k not in used})
+    return functional_call(model, slots, args, tie_weights=False)
