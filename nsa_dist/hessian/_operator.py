@@ -12,14 +12,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from nsa_dist.config import LossName
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, default_block, trainable_params
-from nsa_dist.ntk.state import exact_kernels, stateless
+from nsa_dist.ntk.state import call, exact_kernels, stateless
 
 _log = logging.getLogger("nsa_dist")
 
@@ -74,7 +73,7 @@ class LossCurvatureOperator(LinearOperator):
         """θ ↦ f(xb; θ), (b, K)."""
 
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return as_2d(functional_call(self.model, ({**p, **self._rest}, self._buffers), (xb,)))
+            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb,)))
 
         return f
 

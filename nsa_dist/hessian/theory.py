@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.func import functional_call, jvp, vmap
+from torch.func import jvp, vmap
 
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import curvature_sqrt
@@ -39,7 +39,7 @@ from nsa_dist.hessian.moments import (
 from nsa_dist.hessian.operators import hessian_parts
 from nsa_dist.losses import parse_loss
 from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
-from nsa_dist.ntk.state import exact_kernels
+from nsa_dist.ntk.state import call, exact_kernels
 
 if TYPE_CHECKING:
     from torch import nn
@@ -181,7 +181,7 @@ def output_hessian_traces(
         xb = X[s : s + b]
 
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return as_2d(functional_call(model, ({**p, **rest}, buffers), (xb,)))
+            return as_2d(call(model, {**p, **rest, **buffers}, (xb,)))
 
         def second(u: dict[str, torch.Tensor]) -> torch.Tensor:
             first = lambda p: jvp(f, (p,), (u,))[1]  # noqa: E731 - ∇f·u at p
