@@ -805,3 +805,122 @@ def test_sessions_come_and_go_without_a_traceback(store, caplog):
     assert made >= 1 and left == 0, (made, left)
     bad = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not bad, bad
+
+
+# --------------------------------------------------------------------------- hostile requests
+def _damaged_copy(store: str, tmp_path: Path) -> tuple[str, str]:
+    import shutil
+
+    url = str(tmp_path / "c.zarr")
+    shutil.copytree(store, url)
+    return url, run_id(SPEC)
+
+
+def test_made_up_widget_choices_reuse_the_default_build(store):
+    """Two hundred requests with choices of panels and widgets the tab lacks, or values no widget
+    offers, are each answered with the default build: no build is stored per made-up choice."""
+    import json
+    from urllib.parse import urlencode
+
+    from nsa_dist.serve.run_page import _MAX_BUILT
+
+    rid = run_id(SPEC)
+    with _Served(ServeOptions(store, port=0, refresh_s=60)) as s:
+        default = _run_data(s, rid)
+        n = len(default["page"]["items"])
+        builds = s.server.nsa_shared.reads["build"]
+        for k in range(200):
+            c = [{f"{900 + k % 99}.0": k}, {"0.0": f"bogus{k}"}, {f"{n}.s": k}, {"0.97": k}][k % 4]
+            if k % 50 == 0:  # the whole answer now and then: the default page
+                got = _run_data(s, rid, c=json.dumps(c))
+                assert got["page"] == default["page"], f"choices {c} changed the page"
+            else:
+                args = {"id": rid, "c": json.dumps(c), "have": default["page"]["seen"]}
+                status, _, _ = s.get("/run/data?" + urlencode(args))
+                assert status == 200
+        held = len(s.server.nsa_pages)
+        assert held == 1 <= _MAX_BUILT, f"{held} tab builds held after 200 made-up choices (one expected)"
+        assert s.server.nsa_shared.reads["build"] == builds, s.server.nsa_shared.reads
+        assert len(s.server.nsa_shared) <= s.server.nsa_shared.max_entries
+
+
+def test_a_foreign_host_name_is_refused_without_a_token(store, caplog):
+    """DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its own Host."""
+    import logging
+
+    rid = run_id(SPEC)
+    caplog.set_level(logging.INFO)
+    with _Served(ServeOptions(store, port=0)) as s:
+        port = s.server.port
+        for path in (f"/run?id={rid}", f"/run/data?id={rid}&tab=1", "/"):
+            status, body, _ = s.get(path, headers={"Host": f"attacker.example:{port}"})
+            assert status == 403, (path, status, body[:300])
+            assert rid not in body
+            assert s.get(path, headers={"Host": f"localhost:{port}"})[0] == 200, path
+            assert s.get(path, headers={"Host": f"127.0.0.1:{port + 1}"})[0] == 403, path
+        assert s.get(f"/run/data?id={rid}")[0] == 200
+    refused = [r for r in caplog.records if "attacker.example" in r.getMessage() and r.name == "nsa_dist.serve"]
+    assert refused and all("\n" not in r.getMessage() for r in refused), [r.getMessage() for r in refused]
+
+
+def test_damaged_metadata_is_a_panel_message_not_a_500(store, tmp_path, caplog):
+    import logging
+
+    url, rid = _damaged_copy(store, tmp_path)
+    meta = Path(url) / "runs" / rid / "eigenvector_steps" / "zarr.json"
+    meta.write_text("{bad")
+    caplog.set_level(logging.INFO)
+    with _Served(ServeOptions(url, port=0)) as s:
+        for _ in range(3):
+            got = _run_data(s, rid)
+        assert len(got["page"]["items"]) > 1
+        shown = html.unescape(_item_texts(got))
+    assert "cannot show this" in shown, shown[:2000]
+    assert "Traceback" not in caplog.text, caplog.text[-3000:]
+
+
+def test_deeply_nested_choices_are_refused_in_one_line(store, caplog):
+    import logging
+
+    rid = run_id(SPEC)
+    caplog.set_level(logging.INFO)
+    with _Served(ServeOptions(store, port=0)) as s:
+        status, body, _ = s.get(f"/run/data?id={rid}&c=" + "%5B" * 4000)
+        assert status == 400, (status, body[:300])
+        assert s.get(f"/run/data?id={rid}&c=" + "%7B%22a%22%3A" * 3 + "1" + "%7D" * 3)[0] == 400
+        assert s.get(f"/run/data?id={rid}&c=%7B%220.0%22%3A%5B%22x%22%5D%7D")[0] == 200  # {"0.0": ["x"]}
+    assert "Traceback" not in caplog.text and "RecursionError" not in caplog.text, caplog.text[-3000:]
+
+
+def test_a_repaired_chunk_shows_at_the_next_refresh(store, tmp_path):
+    url, rid = _damaged_copy(store, tmp_path)
+    chunk = Path(url) / "runs" / rid / "eigenvalues" / "c" / "2" / "0"
+    good = chunk.read_bytes()
+    raw = bytearray(good)
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    with _Served(ServeOptions(url, port=0, refresh_s=0.2)) as s:
+        bad = _run_data(s, rid)
+        assert "cannot show this" in _item_texts(bad)
+        chunk.write_bytes(good)
+        have, shown = bad["page"]["seen"], _item_texts(bad)
+        for _ in range(100):  # a page polling as the browser's does
+            threading.Event().wait(0.2)
+            got = _run_data(s, rid, have=have)
+            if got["page"]["items"] is not None:
+                have, shown = got["page"]["seen"], _item_texts(got)
+            if "cannot show this" not in shown:
+                break
+    assert "cannot show this" not in shown, shown[:2000]
+
+
+def test_the_token_is_not_written_to_the_access_log(store, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    secret = "SECRETTOKEN123"
+    with _Served(ServeOptions(store, port=0, token=secret)) as s:
+        assert s.get(f"/nope?token={secret}")[0] == 404
+        assert s.get(f"/run/data/x?token={secret}&id=1")[0] == 404
+        assert s.get("/run/data?token=wrong")[0] == 403
+    assert "token=" in caplog.text and secret not in caplog.text, caplog.text[-2000:]

@@ -63,8 +63,8 @@ class Shared:
     blocks).
     """
 
-    def __init__(self, keep_s: float = 60.0) -> None:
-        self.keep_s = keep_s
+    def __init__(self, keep_s: float = 60.0, max_entries: int = 2048) -> None:
+        self.keep_s, self.max_entries = keep_s, max_entries
         self.reads: dict[str, int] = {}
         self._lock = threading.Lock()
         self._entries: dict[Any, tuple[float, float, Future]] = {}  # key → (begun, last asked, result)
@@ -84,6 +84,10 @@ class Shared:
             else:
                 entry = (entry[0], now, entry[2])
             self._entries[key] = entry
+            if len(self._entries) > self.max_entries:  # a hard bound: the least recently asked go first
+                done = sorted((e[1], i, k) for i, (k, e) in enumerate(self._entries.items()) if e[2].done())
+                for _, _, k in done[: len(self._entries) - self.max_entries * 3 // 4]:
+                    del self._entries[k]
         future = entry[2]
         if mine:
             try:
@@ -91,6 +95,14 @@ class Shared:
             except BaseException as exc:  # noqa: BLE001 — every caller gets it, raised
                 future.set_exception(exc)
         return future.result()
+
+    def drop(self, key: tuple[Any, ...]) -> None:
+        """Forget ``key``'s result (the next :meth:`get` reads it again)."""
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def latest(self, key: tuple[Any, ...]) -> Any:
         """The result of the last finished read of ``key`` (None: none, or it raised)."""

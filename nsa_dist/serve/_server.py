@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 import signal
 import socket
 import threading
@@ -111,10 +112,39 @@ def _user_of(token: str | None) -> Callable[[Any], str | None]:
     return get_user
 
 
+_LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def _host_ok(handler: Any, bound: str) -> bool:
+    """Whether a request's Host header names this server (localhost, 127.0.0.1, [::1] or the bound
+    host, at the server's port): with no token, a page of another site whose name was made to
+    resolve to this machine (DNS rebinding) sends its own Host, and is refused."""
+    host = (handler.request.headers.get("Host") or "").lower()
+    try:
+        port = handler.request.connection.stream.socket.getsockname()[1]
+    except Exception:  # noqa: BLE001 — no socket to ask: the name alone
+        port = None
+    name, _, given = host.rpartition(":") if not host.endswith("]") else (host, "", "")
+    if not name:
+        name, given = host, ""
+    names = {*_LOCAL_NAMES, bound.lower(), f"[{bound.lower()}]"}
+    return name in names and (port is None or given in (str(port), "" if port == 80 else str(port)))
+
+
+def _log_refused_host(handler: Any) -> None:
+    import logging
+
+    logging.getLogger("nsa_dist.serve").warning(
+        "refused a request for %s with Host %r (not this server's name)",
+        handler.request.path,
+        handler.request.headers.get("Host", "")[:100],
+    )
+
+
 _REFUSED = "nsa serve: this server needs its token: open the page with ?token=TOKEN"
 
 
-def _auth(token: str | None) -> Any:
+def _auth(token: str | None, bound: str = "127.0.0.1") -> Any:
     """A Bokeh AuthProvider admitting requests that carry ``token`` (query argument or cookie; every
     request when None), and refusing before its handshake a websocket whose Bokeh subprotocol
     header is not ``bokeh, <a valid session token>``."""
@@ -134,6 +164,9 @@ def _auth(token: str | None) -> Any:
         # the token is refused there with a 403, one with a malformed Bokeh subprotocol with a 400
         # (one access-log line each); refused after the upgrade, it was a failed handshake and a
         # traceback in the log per attempt.
+        if token is None and not _host_ok(handler, bound):
+            _log_refused_host(handler)
+            raise HTTPError(403)
         user = get_user(handler)
         if isinstance(handler, WebSocketHandler):
             if user is None:
@@ -227,12 +260,15 @@ def _application(application: type) -> type:
     return App
 
 
-def _run_handlers(pages: Any, token: str | None, refresh_s: float) -> list[tuple[str, type]]:
+def _run_handlers(pages: Any, token: str | None, refresh_s: float, bound: str = "127.0.0.1") -> list[tuple[str, type]]:
     """The Tornado handlers of ``/run`` (the page) and ``/run/data`` (its figures and header, as
     JSON, read and built in a worker thread), admitting what the Bokeh pages admit."""
     import asyncio
+    import html
+    import json
+    import logging
 
-    from tornado.web import RequestHandler
+    from tornado.web import HTTPError, RequestHandler
 
     from nsa_dist.serve.run_page import page_html, parse_choices
 
@@ -245,6 +281,11 @@ def _run_handlers(pages: Any, token: str | None, refresh_s: float) -> list[tuple
             self.set_header("X-Content-Type-Options", "nosniff")
 
         def prepare(self) -> None:
+            if token is None and not _host_ok(self, bound):
+                _log_refused_host(self)
+                self.set_status(403)
+                self.finish("nsa serve: refused: this server is not reached by that name")
+                return
             if get_user(self) is None:
                 self.set_status(403)
                 self.finish(_REFUSED)
@@ -261,9 +302,18 @@ def _run_handlers(pages: Any, token: str | None, refresh_s: float) -> list[tuple
                 tab = int(self.get_argument("tab", "0"))
             except ValueError:
                 tab = 0
-            choices = parse_choices(self.get_argument("c", ""))
+            try:
+                choices = parse_choices(self.get_argument("c", ""))
+            except ValueError as exc:
+                raise HTTPError(400, reason="Bad widget choices") from exc
             have = self.get_argument("have", "")[:64]
-            body = await asyncio.get_running_loop().run_in_executor(None, pages.answer, arg, tab, choices, have)
+            try:
+                body = await asyncio.get_running_loop().run_in_executor(None, pages.answer, arg, tab, choices, have)
+            except Exception as exc:  # noqa: BLE001 — one line in the log, a message on the page
+                log = logging.getLogger("nsa_dist.serve")
+                log.warning("/run/data?id=%.80s: %s: %.300s", arg, type(exc).__name__, exc)
+                why = html.escape(f"{type(exc).__name__}: {exc}")
+                body = json.dumps({"message": f"<p><b>nsa serve cannot show this page:</b> {why}</p>"}).encode()
             self.set_header("Content-Type", "application/json; charset=utf-8")
             self.finish(body)
 
@@ -278,12 +328,29 @@ class _ClosedPageFilter:
         return "connection was closed" not in record.getMessage()
 
 
+class _TokenLogFilter:
+    """Writes ``token=…`` in access-log lines (a refused or mistyped URL's) as ``token=…``."""
+
+    def filter(self, record: Any) -> bool:
+        if isinstance(record.args, tuple) and any("token=" in str(a) for a in record.args):
+            record.args = tuple(_TOKEN_ARG.sub(r"\1…", a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.msg, str) and "token=" in record.msg:
+            record.msg = _TOKEN_ARG.sub(r"\1…", record.msg)
+        return True
+
+
+_TOKEN_ARG = re.compile(r"(token=)[^&\s#]*")
+
+
 def _quiet_closed_pages() -> None:
     import logging
 
     log = logging.getLogger("bokeh.server.views.ws")
     if not any(isinstance(f, _ClosedPageFilter) for f in log.filters):
         log.addFilter(_ClosedPageFilter())
+    access = logging.getLogger("tornado.access")
+    if not any(isinstance(f, _TokenLogFilter) for f in access.filters):
+        access.addFilter(_TokenLogFilter())
 
 
 def make_server(opts: ServeOptions, **server_kw: Any) -> Server:
@@ -320,12 +387,12 @@ def make_server(opts: ServeOptions, **server_kw: Any) -> Server:
     # A page's script sees its Bokeh session token, and the token carries the request's headers,
     # cookies and query arguments: none of them may carry the serve token (the cookie is HttpOnly).
     kw: dict[str, Any] = {"include_cookies": [], "exclude_headers": ["Cookie", "Authorization"], **server_kw}
-    kw["auth_provider"] = _auth(opts.token)
+    kw["auth_provider"] = _auth(opts.token, opts.host)
     # A run's page is static HTML and its figures one JSON per state of the run, shared by its
     # viewers (see nsa_dist.serve.run_page.RunPages), not a Bokeh session per viewer.
     kw["extra_patterns"] = [
         *kw.get("extra_patterns", []),
-        *_run_handlers(RunPages(store, opts.refresh_s, shared), opts.token, opts.refresh_s),
+        *_run_handlers(pages := RunPages(store, opts.refresh_s, shared), opts.token, opts.refresh_s, opts.host),
     ]
     if not is_loopback(opts.host):
         kw["allow_websocket_origin"] = ["*"]  # any name of this host; the token (same-site cookie) admits
@@ -341,6 +408,7 @@ def make_server(opts: ServeOptions, **server_kw: Any) -> Server:
         raise ServeError(f"cannot listen on {opts.host}:{opts.port} ({exc.strerror or exc})") from exc
     _quiet_closed_pages()
     server.nsa_shared = shared  # type: ignore[attr-defined]  (the tests count its reads)
+    server.nsa_pages = pages  # type: ignore[attr-defined]  (the tests count its builds)
     return server
 
 

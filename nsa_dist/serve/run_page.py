@@ -188,6 +188,8 @@ def parse_choices(text: str | None) -> dict[str, Any]:
     page built for them is the page without them."""
     if not text or len(text) > _MAX_CHOICES:
         return {}
+    if _depth(text) > 2:
+        raise ValueError("c: widget choices are a flat JSON object (of strings, numbers, lists of strings)")
     try:
         got = json.loads(text)
     except ValueError:
@@ -202,6 +204,22 @@ def parse_choices(text: str | None) -> dict[str, Any]:
         and _CHOICE_KEY.fullmatch(k)
         and (ok(v) or (isinstance(v, list) and len(v) <= 1000 and all(isinstance(x, str) for x in v)))
     }
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON ``text`` (its strings skipped), read without parsing."""
+    deepest = depth = 0
+    for ch in re.sub(r'"(?:[^"\\]|\\.)*"', '""', text):
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+_MAX_BUILT = 64  # tab builds kept (each a whole tab's JSON) ...
+_MAX_BUILT_BYTES = 64 << 20  # ... and their bytes in all: the least recently asked go first
 
 
 class RunPages:
@@ -228,6 +246,8 @@ class RunPages:
         self._built: dict[tuple[Any, ...], tuple[_Built, float]] = {}  # key → (its last build, last asked)
         self._building: dict[tuple[Any, ...], Future] = {}
         self._pruned = time.monotonic()
+        # (run, tab, panel) → its widgets' options and its eigenvector slider's positions (0: none)
+        self._widgets: dict[tuple[Any, ...], tuple[list[Any], int]] = {}
         # the panels' modules and Bokeh's embedding, imported now: not in the first viewer's wait
         import bokeh.embed  # noqa: F401
 
@@ -249,15 +269,50 @@ class RunPages:
         except Exception as exc:  # noqa: BLE001 — a listed run that cannot be read: the page's message
             why = html.escape(str(exc))
             return _json({"message": f'{_ALL_RUNS}<p class="nsa-damaged"><b>cannot open this run:</b> {why}</p>'})
-        papers = list(_section_classes(snap.run))
+        try:
+            sections = _section_classes(snap.run)
+        except Exception as exc:  # noqa: BLE001 — metadata that cannot be read: the page's message
+            why = html.escape(f"{type(exc).__name__}: {exc}")
+            return _json({"message": f'{_ALL_RUNS}<p class="nsa-damaged"><b>cannot show this run:</b> {why}</p>'})
+        papers = list(sections)
         tab = min(max(int(tab), 0), max(len(papers) - 1, 0))
         head = {"id": rid, "header": snap.header, "tabs": papers, "tab": tab}
         if not papers:
             return _json({"page": {"seen": snap.token, "items": None}, **head})
+        choices = self.valid(rid, tab, len(list(sections.values())[tab]), choices)
         built = self.built((rid, tab, json.dumps(choices, sort_keys=True)), snap, choices)
         if built.token == have:
             return _json({"page": {"seen": have, "items": None}, **head})
         return b'{"page": ' + built.body + b", " + _json(head)[1:]
+
+    def valid(self, rid: str, tab: int, panels: int, choices: dict[str, Any]) -> dict[str, Any]:
+        """``choices`` less those of panels or widgets the tab does not have and values not among a
+        widget's options (as its last build had them): a build is keyed by what it shows, so that
+        made-up choices reuse the default build instead of each storing one of their own."""
+        out = {}
+        for k, v in choices.items():
+            i, j = k.split(".", 1)
+            if int(i) >= panels:
+                continue
+            known = self._widgets.get((rid, tab, int(i)))
+            if known is not None:
+                options, slider = known
+                if j == "s":
+                    if not isinstance(v, int) or not 0 <= v < slider - 1:
+                        continue
+                elif int(j) >= len(options):
+                    continue
+                elif options[int(j)] is not None:
+                    allowed = options[int(j)]
+                    if not all(x in allowed for x in (v if isinstance(v, list) else [v])):
+                        continue
+            out[k] = v
+        return out
+
+    def __len__(self) -> int:
+        """The tab builds held."""
+        with self._lock:
+            return len(self._built)
 
     def built(self, key: tuple[Any, ...], snap: _Snapshot, choices: dict[str, Any]) -> _Built:
         """The newest build of ``key`` (waiting for one only when there is none), a rebuild of
@@ -291,10 +346,16 @@ class RunPages:
     def _build(self, key: tuple[Any, ...], snap: _Snapshot, choices: dict[str, Any], done: Future) -> None:
         began = time.monotonic()
         try:
-            body = self._item(snap, key[1], choices)
-            built = _Built(snap.token, body, began, time.monotonic() - began)
+            body, token = self._item(snap, key[1], choices)
+            built = _Built(token, body, began, time.monotonic() - began)
             with self._lock:
                 self._built[key] = (built, time.monotonic())
+                order = sorted(self._built, key=lambda k: self._built[k][1])
+                size = sum(len(e[0].body) for e in self._built.values())
+                while order and (len(self._built) > _MAX_BUILT or size > _MAX_BUILT_BYTES):
+                    k = order.pop(0)
+                    if k != key:
+                        size -= len(self._built.pop(k)[0].body)
             done.set_result(built)
         except BaseException as exc:  # noqa: BLE001 — every waiter gets it, raised
             done.set_exception(exc)
@@ -302,27 +363,51 @@ class RunPages:
             with self._lock:
                 self._building.pop(key, None)
 
-    def _item(self, snap: _Snapshot, tab: int, choices: dict[str, Any]) -> bytes:
+    def _item(self, snap: _Snapshot, tab: int, choices: dict[str, Any]) -> tuple[bytes, str]:
         """Tab ``tab``'s panels at ``snap`` with ``choices`` applied: the state it shows and a
         ``json_item`` per panel, each built once per state and choice of its own widgets (another
         value of one panel's widget rebuilds that panel only)."""
         self.shared.reads["build"] = self.shared.reads.get("build", 0) + 1  # (the tests count the builds)
-        parts = []
+        parts, whole = [], True
         for i, cls in enumerate(list(_section_classes(snap.run).values())[tab]):
             mine = {k.split(".", 1)[1]: v for k, v in choices.items() if k.split(".", 1)[0] == str(i)}
             key = ("item", snap.run.id, snap.seen, tab, i, json.dumps(mine, sort_keys=True))
-            parts.append(self.shared.get(key, lambda c=cls, i=i, m=mine: self._panel(c, i, snap, m), float("inf")))
-        return b'{"seen":' + _json(snap.token) + b',"items":[' + b",".join(parts) + b"]}"
+            got, ok = self.shared.get(key, lambda c=cls, i=i, m=mine: self._panel(c, tab, i, snap, m), float("inf"))
+            if not ok:  # a panel showing an error is read again at the next build (a repair shows)
+                self.shared.drop(key)
+                whole = False
+            parts.append(got)
+        token = snap.token if whole else snap.token + "!"  # another token: the page takes the repaired build
+        return b'{"seen":' + _json(token) + b',"items":[' + b",".join(parts) + b"]}", token
 
-    def _panel(self, cls: Any, i: int, snap: _Snapshot, mine: dict[str, Any]) -> bytes:
-        """Panel ``cls`` (the ``i``-th of its tab) at ``snap`` with its widgets' values ``mine``, as
-        a serialized ``json_item``; its widgets send their new values to the page's script."""
+    def _panel(self, cls: Any, tab: int, i: int, snap: _Snapshot, mine: dict[str, Any]) -> tuple[bytes, bool]:
+        """Panel ``cls`` (the ``i``-th of tab ``tab``) at ``snap`` with its widgets' values ``mine``,
+        as a serialized ``json_item``, and whether it shows its data (not an error); its widgets
+        send their new values to the page's script.  A panel that cannot even be made (damaged
+        metadata) is a box with the error, the tab's other panels go on."""
+        from bokeh.embed import json_item
+        from bokeh.models import Div
+
+        try:
+            return self._made(cls, tab, i, snap, mine)
+        except Exception as exc:  # noqa: BLE001 — shown in the panel's place
+            why = html.escape(f"{type(exc).__name__}: {exc}")
+            name = html.escape(getattr(cls, "title", cls.__name__))
+            div = Div(text=f'<h3>{name}</h3><p class="nsa-damaged"><b>cannot show this:</b> {why}</p>')
+            return _json(json_item(div)), False
+
+    def _made(self, cls: Any, tab: int, i: int, snap: _Snapshot, mine: dict[str, Any]) -> tuple[bytes, bool]:
         from bokeh.embed import json_item
         from bokeh.models import CustomJS
 
         from nsa_dist.serve._eigvec_panel import Eigenvectors
 
         p = cls(snap.run)
+        controls = list(getattr(p, "controls", []))
+        self._widgets[(snap.run.id, tab, i)] = (
+            [_options(w) for w in controls],
+            len(p.steps) if isinstance(p, Eigenvectors) else 0,
+        )
         for j, w in enumerate(getattr(p, "controls", [])):
             if str(j) in mine:
                 try:
@@ -334,11 +419,19 @@ class RunPages:
         if isinstance(p, Eigenvectors):
             _slide(p, snap.run, mine.get("s"))
             p.slider.js_on_change("value", CustomJS(code=f"window.nsaChoose('{i}.s', cb_obj.value)"))
-        return _json(json_item(p.layout))
+        return _json(json_item(p.layout)), not getattr(getattr(p, "error", None), "visible", False)
 
     def _data(self, p: Panel, snap: _Snapshot) -> Any:
         key = ("panel", snap.run.id, snap.seen, p.state())
         return p.own(self.shared.get(key, lambda: _read(p, snap.run, True), self.refresh_s))
+
+
+def _options(w: Any) -> list[Any] | None:
+    """The values widget ``w`` takes (its options' values), None: any (numbers, free text)."""
+    opts = getattr(w, "options", None)
+    if not isinstance(opts, (list, tuple)):
+        return None
+    return [o[0] if isinstance(o, (list, tuple)) else o for o in opts]
 
 
 def _slide(p: Any, run: Run, index: Any) -> None:
