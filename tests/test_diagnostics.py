@@ -124,7 +124,7 @@ def test_a_failing_diagnostic_is_nan_with_its_reason_and_the_run_is_done(tmp_pat
     Eqs. 4–5 prediction raise at every step; every other array is computed, the run is done."""
     import nsa_dist.metrics as metrics
     import nsa_dist.pipeline.hessian_step as hs
-    import nsa_dist.pipeline.spectral as sp
+    import nsa_dist.pipeline.producers as sp
 
     def boom(*a, **k):
         raise FloatingPointError("injected")

@@ -1,0 +1,465 @@
+"""One producer per per-step quantity, composed by :class:`~nsa_dist.pipeline.spectral.SpectralAnalyzer`.
+
+:func:`step_context` builds a step's :class:`StepContext` once (G, the checkpoint, the residual,
+G times the probes, the φ and the spectrum); each producer below takes it and returns its record
+(or the arrays of its part of :class:`~nsa_dist.store.records.GramStep`):
+
+* :func:`gram_spectrum` — the eigenvalues, ‖G‖_F² and the energies E_t(φ, k);
+* :func:`first_order` — df̄_t and its accuracy against df_t;
+* :func:`kernel_alignment` — the plain and centred kernel–target alignment;
+* :func:`quadrature_curves` — the ``k: all`` quadrature route's curves and density;
+* :func:`stored_eigenvectors`, :func:`reconstructions` (Fig. 4d), :func:`eigenbasis_gram_change` (App. F);
+* :func:`constant_gram_prediction` — App. E's Eq. 22 at t0;
+* :func:`kernel_extras` — :class:`~nsa_dist.store.records.KernelExtras`;
+* :func:`eigenvector_images` — :class:`~nsa_dist.store.records.ImageStep`;
+* :func:`test_spectrum`, :func:`gram_knowledge` and :func:`hessian` — the test Gram, what the
+  Hessian reuses of G, and :class:`~nsa_dist.store.records.HessianStep`.
+
+:class:`StepCost` is the diagnostics record of a step's cost (wall time by part, products, route).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from nsa_dist.hessian.moments import hutchpp_moments
+from nsa_dist.linalg import StepSpectrum, atoms_density, spectral_curves
+from nsa_dist.losses import training_residual as loss_residual
+from nsa_dist.metrics import (
+    alignment_from_products,
+    centered_sq_frobenius,
+    energy_from_projections,
+    first_order_accuracy,
+    reconstruction_ks,
+    top_k_reconstructions,
+)
+from nsa_dist.ntk import jacobian_vector_product, prepare_model
+from nsa_dist.ntk.kernel_change import gram_change
+from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.diagnostics import StepNotes
+from nsa_dist.pipeline.hessian_step import GramKnowledge
+from nsa_dist.pipeline.layout import DenseGram, Pool, ShardedCurvature, StepGram, TiledGram
+from nsa_dist.pipeline.nsa_extras import test_point_prediction
+from nsa_dist.pipeline.step_extras import predicted_update
+from nsa_dist.pipeline.trainer import CHUNK_POINTS
+from nsa_dist.store import step_specs
+from nsa_dist.store.records import HessianStep, ImageStep, KernelExtras, StepResult, not_computed
+
+if TYPE_CHECKING:
+    from nsa_dist.pipeline.spectral import SpectralAnalyzer
+
+__all__ = [
+    "StepContext",
+    "StepCost",
+    "constant_gram_prediction",
+    "eigenvector_images",
+    "first_order",
+    "eigenbasis_gram_change",
+    "gram_knowledge",
+    "gram_spectrum",
+    "hessian",
+    "kernel_alignment",
+    "kernel_extras",
+    "part_names",
+    "quadrature_curves",
+    "reconstructions",
+    "step_context",
+    "stored_eigenvectors",
+    "test_spectrum",
+    "with_notes",
+]
+
+
+@dataclasses.dataclass
+class StepCost:
+    """A step's cost diagnostics: ``timings`` (seconds of the last analysed step, by part: gram,
+    eigenpairs, …), ``n_products`` (eigensolver products with G by Gram, "train" / "test", and
+    the quadrature's) and ``eig_route`` (the spectrum's route by Gram: "tridiagonal" |
+    "one_vector" | "eigenpairs"); the last two keep earlier steps' entries."""
+
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    n_products: dict[str, int] = dataclasses.field(default_factory=dict)
+    eig_route: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the wall time of the block to ``timings[part]``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[part] = self.timings.get(part, 0.0) + time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What every producer of a step reads, built once by :func:`step_context`."""
+
+    run: SpectralAnalyzer  # the run's materials (model, inputs, plan, renderer, workspace)
+    ck: Checkpoint
+    G: StepGram
+    notes: StepNotes
+    residual: np.ndarray  # m_t = ∂ℓ/∂f (f_t − y for L2)
+    GP: np.ndarray  # G · [Y, 1 (, residual)], one product
+    C: int  # output columns of Y
+    phis: dict[str, np.ndarray | None]
+    sp: StepSpectrum
+
+    @property
+    def N(self) -> int:
+        return self.run.data.n
+
+    @cached_property
+    def sq_frobenius(self) -> tuple[float, float]:
+        """‖G‖_F² and its standard error (0 when exact), computed at first use."""
+        return self.G.sq_frobenius()
+
+
+def _jvp_outputs(run: SpectralAnalyzer, dtheta: np.ndarray) -> np.ndarray:
+    """J_t · dθ at the training points (first-order change of f for any optimizer)."""
+    X = run.X.to(run.dtype) if run.X.is_floating_point() else run.X  # token ids stay integers
+    same = next(run.model.parameters()).dtype == run.dtype
+    model = run.model if same else prepare_model(run.model, run.dtype)
+    dtheta = torch.as_tensor(dtheta)
+    c = X.shape[0] if run.plan.coupled else CHUNK_POINTS  # coupled: one batch
+    return (
+        torch.cat([jacobian_vector_product(model, X[s : s + c], dtheta) for s in range(0, X.shape[0], c)]).cpu().numpy()
+    )
+
+
+def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: StepNotes) -> StepContext:
+    """The residual, one product of G with all probes, df̄_t (NSA Eq. 3) and the spectrum.  The
+    step's φ come first, so that a ``k: all`` step without stored eigenvectors projects them
+    during the factorisation instead of forming V."""
+    N = run.data.n
+    with run.cost.timed("metrics"):
+        residual = loss_residual(run.spec, run.data, ck.f)
+        Y = run.y.reshape(N, -1)
+        probes = np.column_stack([Y, np.ones(N)] + ([residual] if residual.ndim == 1 else []))  # (N, C + 1 [+ 1])
+        GP = np.asarray(G.matmat(probes), dtype=np.float64)  # one (distributed) product for all of them
+        C = Y.shape[1]
+        df_pred = notes.guard(
+            ("df_pred", "energy_df_pred", "first_order_error", "first_order_cos"),
+            predicted_update,
+            run.spec,
+            ck,
+            residual,
+            lambda v: GP[:, C + 1],
+            lambda d: _jvp_outputs(run, d),
+        )
+        phis = {"y": run.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
+    with run.cost.timed("eigenpairs"):
+        sp = run._spectrum(G, run.K, "train", {k: v for k, v in phis.items() if v is not None}, run.needs_vectors(ck))
+    return StepContext(run, ck, G, notes, residual, GP, C, phis, sp)
+
+
+def gram_spectrum(ctx: StepContext) -> dict[str, Any]:
+    """The step's record values, G's eigenvalues, ‖G‖_F² and E_t(φ, k) of every φ."""
+    ck, sp = ctx.ck, ctx.sp
+    fro2, fro2_se = ctx.sq_frobenius
+    return {
+        "loss": ck.loss,
+        "lr": ck.lr,
+        "f": ck.f,
+        "df": ck.df,
+        "f_test": ck.f_test,
+        "eigenvalues": sp.evals,
+        "gram_sq_frobenius": np.array([fro2, fro2_se]),
+        **{
+            f"energy_{name}": energy_from_projections(sp.proj[name], phi)
+            for name, phi in ctx.phis.items()
+            if phi is not None
+        },
+    }
+
+
+def first_order(ctx: StepContext) -> dict[str, Any]:
+    """df̄_t and its error and cos α against df_t (NaN when update t diverged)."""
+    df_pred, ck = ctx.phis["df_pred"], ctx.ck
+    if df_pred is None:
+        return {}
+    finite = np.isfinite(ck.df).all() and np.any(ck.df)  # df is NaN when update t diverged
+    acc = (
+        ctx.notes.guard(
+            ("first_order_error", "first_order_cos"),
+            first_order_accuracy,
+            ck.df.reshape(-1),
+            np.asarray(df_pred).reshape(-1),
+        )
+        if finite
+        else None
+    )
+    return {
+        "df_pred": df_pred,
+        "first_order_error": acc.error if acc else np.nan,
+        "first_order_cos": acc.cos_alpha if acc else np.nan,
+    }
+
+
+def kernel_alignment(ctx: StepContext) -> dict[str, Any]:
+    """Kernel–target alignment, plain and centred, from G·Y and G·1."""
+    y, GY, G1 = ctx.run.y, ctx.GP[:, : ctx.C], ctx.GP[:, ctx.C]
+    fro2, fro2_se = ctx.sq_frobenius
+    return {
+        "alignment": ctx.notes.guard(("alignment",), alignment_from_products, y, GY, fro2),
+        "alignment_centered": ctx.notes.guard(("alignment_centered",), _centered_alignment, ctx, GY, G1, fro2, fro2_se),
+    }
+
+
+def _centered_alignment(ctx: StepContext, GY: np.ndarray, G1: np.ndarray, fro2: float, fro2_se: float) -> float:
+    """Centred alignment.  With an estimated ‖G‖_F (matrix_free: ``fro2_se`` > 0) ‖HGH‖_F² is
+    estimated directly: ‖G‖_F² − 2‖G1‖²/N + (1ᵀG1)²/N² would cancel the estimate's error into it."""
+    spec = ctx.run.spec
+    if fro2_se == 0.0:
+        hgh2 = centered_sq_frobenius(fro2, G1)
+    else:
+        hgh2 = float(
+            hutchpp_moments(_Centered(ctx.G), spec.spectrum.frobenius_probes, max_order=2, seed=spec.seed).estimate[1]
+        )
+    return alignment_from_products(ctx.run.y, GY, hgh2, centered=True, G1=G1)
+
+
+def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
+    """The quadrature route of ``k: all``: λ_k and E_t(φ, k) at every reported k with their brackets,
+    and G's SLQ density, from the exact top K and products with G (:mod:`nsa_dist.linalg.quadrature`)."""
+    run, sp, phis, G = ctx.run, ctx.sp, ctx.phis, ctx.G
+    q = run.spec.spectrum.quadrature
+    if sp.evecs is None:  # K = N (quadrature.top ≥ N): every eigenpair is exact
+        return _exact_curves(sp, phis, run.plan.curve_k(), q.density_grid)
+    c = spectral_curves(
+        G.G if isinstance(G, DenseGram) else G,
+        sp.evals,
+        sp.evecs,
+        phis,
+        run.plan.curve_k(),
+        lanczos_steps=q.lanczos_steps,
+        probes=q.probes,
+        confidence=q.confidence,
+        density_grid=q.density_grid,
+        seed=run.spec.seed,
+        block_size=q.block_size,
+    )
+    run.cost.n_products["quadrature"] = c.n_products
+    out = {
+        "curve_eigenvalue": c.eigenvalue.value,
+        "curve_eigenvalue_lower": c.eigenvalue.lower,
+        "curve_eigenvalue_upper": c.eigenvalue.upper,
+        "gram_density_grid": c.density_grid,
+        "gram_density": c.density,
+    }
+    for name in ("y", "f", "residual", "df", "df_pred"):
+        b = c.energy[name]
+        out.update(
+            {
+                f"curve_energy_{name}": b.value,
+                f"curve_energy_{name}_lower": b.lower,
+                f"curve_energy_{name}_upper": b.upper,
+            }
+        )
+    return out
+
+
+def stored_eigenvectors(ctx: StepContext) -> dict[str, Any]:
+    """The top K training eigenvectors, as stored (float32)."""
+    return {"eigenvectors": ctx.sp.evecs.astype(np.float32)}
+
+
+def reconstructions(ctx: StepContext) -> dict[str, Any]:
+    """Fig. 4d's f̄_{t,k} (and their images on 2-D data)."""
+    run = ctx.run
+    R = top_k_reconstructions(ctx.sp.evecs, ctx.ck.f, reconstruction_ks(run.K))  # (nR, N[, Ko])
+    out: dict[str, Any] = {"reconstructions": R.astype(np.float32)}
+    if run.plan.has("reconstruction_images"):
+        out["reconstruction_images"] = run.images.image(R.reshape(R.shape[0], ctx.N, -1)[..., 0].T).astype(
+            np.float32
+        )  # (nR, R, R)
+    return out
+
+
+def eigenbasis_gram_change(ctx: StepContext) -> dict[str, Any]:
+    """App. F's dG_t on the top Kg eigenvectors."""
+    run, ck = ctx.run, ctx.ck
+    if not run.plan.has("gram_change"):
+        return {}
+    return (
+        ctx.notes.guard(
+            ("gram_change", "gram_change_fro"),
+            gram_change,
+            run.model,
+            run.X,
+            ck.theta,
+            ck.dtheta,
+            ctx.sp.evecs[:, : run.plan.dims.k_gram_change],
+            run.dtype,
+        )
+        or {}
+    )
+
+
+def constant_gram_prediction(ctx: StepContext) -> np.ndarray | None:
+    """App. E's Eq. 22 at t0; the steps where it diverges (δλ_i/N > 2 long enough to overflow
+    float64) are NaN, and the step's notes say from which step on."""
+    return ctx.notes.guard(("constant_gram_f_test",), _test_point_prediction, ctx)
+
+
+def _test_point_prediction(ctx: StepContext) -> np.ndarray:
+    run, sp = ctx.run, ctx.sp
+    pred, diverged = test_point_prediction(
+        run.model,
+        run.X,
+        run.X_test,
+        sp.evals,
+        sp.evecs,
+        ctx.residual,
+        ctx.ck.f_test,
+        run.spec,
+        run.dtype,
+        out=run._cross_buffer(),
+        route=run.plan.ntk_route,
+    )
+    if diverged is not None:
+        ctx.notes.note(("constant_gram_f_test",), diverged)
+    return pred
+
+
+def kernel_extras(ctx: StepContext) -> KernelExtras:
+    """Fig. 4a's projections, the test loss, the full-kernel and per-class eigenvalues."""
+    run, ck = ctx.run, ctx.ck
+    extras = ctx.notes.guard(
+        part_names(run, ck, KernelExtras),
+        run.extras.analyze,
+        run.model,
+        run.X,
+        ck,
+        ctx.sp.proj["residual"],
+        ctx.residual,
+    )
+    return extras or KernelExtras()
+
+
+def eigenvector_images(ctx: StepContext) -> ImageStep | None:
+    """The rendered eigenvectors and residual on 2-D data; None without a renderer."""
+    run = ctx.run
+    if run.images is None:
+        return None
+    V = np.column_stack([ctx.sp.columns[i - 1] for i in run.images.indices])  # (N, nI)
+    return ctx.notes.guard(
+        part_names(run, ctx.ck, ImageStep), run.images.render, V, ctx.residual.reshape(ctx.N, -1)[:, 0]
+    )
+
+
+def test_spectrum(run: SpectralAnalyzer, ck: Checkpoint, pool: Pool | None) -> dict[str, np.ndarray]:
+    """The test Gram's eigenvalues and E(f_test, k) (NSA Fig. 3e)."""
+    G_t = run._step_gram("test", ck.theta, pool)
+    try:
+        sp_t = run._spectrum(G_t, run.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
+    finally:
+        G_t.close()
+    return {
+        "eigenvalues_test": sp_t.evals,
+        "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test),
+    }
+
+
+def gram_knowledge(run: SpectralAnalyzer, G: StepGram, evals: np.ndarray) -> GramKnowledge | None:
+    """What the Hessian step can reuse of G for the exact Tr(I^k) (one output, MSE, float64 G):
+    its whole spectrum (k: all — the eigenvalues just computed — or one eigvalsh of the
+    dense G), or with block_rows the exact tile trace and ‖G‖_F²; None otherwise."""
+    if not run.hessian.gram_reusable:
+        return GramKnowledge(distributed=True) if run.distributed else None
+    if isinstance(G, DenseGram):
+        if run.dtype != torch.float64:
+            return None
+        if run.spec.spectrum.k == "all" and run.plan.energy_route == "exact":
+            return GramKnowledge(evals=np.asarray(evals, np.float64))
+        return GramKnowledge(evals=torch.linalg.eigvalsh(G.G).detach().cpu().numpy().astype(np.float64))
+    if isinstance(G, TiledGram):
+        stats = G.trace_stats()
+        return GramKnowledge(trace=stats["trace"], sq_frobenius=stats["sq_frobenius"], distributed=True)
+    return GramKnowledge(distributed=True)
+
+
+def hessian(
+    run: SpectralAnalyzer, ck: Checkpoint, pool: Pool | None, notes: StepNotes, gram: GramKnowledge | None = None
+) -> HessianStep:
+    """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
+    if not run.distributed:
+        return run.hessian.analyze(run.model, gram=gram, step=ck.step, notes=notes)
+    curv = ShardedCurvature(run._pool(pool, run.data.n), run.plan, ck.theta, run.data.n, run.n_params)
+    try:
+        return run.hessian.analyze(
+            run.model,
+            ops={p: curv.part(p) for p in ("H", "I", "S")},
+            gram=gram or GramKnowledge(distributed=True),
+            step=ck.step,
+            notes=notes,
+        )
+    finally:
+        curv.close()
+
+
+def expected_arrays(run: SpectralAnalyzer, ck: Checkpoint) -> set[str]:
+    """The arrays this step must hand the writer."""
+    return set(
+        step_specs(
+            run.plan.dims,
+            eigenvectors=run.plan.stores_eigenvectors(ck.index),
+            hessian=run.hessian.wanted(ck.index),
+            first=ck.index == 0,
+        )
+    )
+
+
+def part_names(run: SpectralAnalyzer, ck: Checkpoint, part: type) -> tuple[str, ...]:
+    """The arrays of record type ``part`` that this step writes."""
+    expected = expected_arrays(run, ck)
+    return tuple(f.name for f in dataclasses.fields(part) if f.name in expected)
+
+
+def with_notes(run: SpectralAnalyzer, result: StepResult, ck: Checkpoint, notes: StepNotes) -> StepResult:
+    """``result`` with every noted array that this step writes as NaN, and ``step_notes``."""
+    if not notes.reasons:
+        return dataclasses.replace(result, gram=dataclasses.replace(result.gram, step_notes=""))
+    expected = expected_arrays(run, ck)
+    arrays = result.arrays()
+    arrays.update({n: not_computed(n, run.plan.dims) for n in notes.reasons if n in expected})
+    arrays["step_notes"] = notes.json()
+    return StepResult.from_arrays(arrays)
+
+
+def _exact_curves(
+    sp: StepSpectrum, phis: dict[str, np.ndarray | None], ks: np.ndarray, n_grid: int
+) -> dict[str, np.ndarray]:
+    """The curve arrays when every eigenpair is known (lower = upper = value), the density of the eigenvalues."""
+    lam = sp.evals[ks - 1]
+    out = {"curve_eigenvalue": lam, "curve_eigenvalue_lower": lam, "curve_eigenvalue_upper": lam}
+    for name in ("y", "f", "residual", "df", "df_pred"):
+        phi = phis.get(name)
+        E = (
+            energy_from_projections(sp.proj[name], phi)[ks - 1]
+            if phi is not None and name in sp.proj
+            else np.full(ks.size, np.nan)
+        )
+        out.update({f"curve_energy_{name}": E, f"curve_energy_{name}_lower": E, f"curve_energy_{name}_upper": E})
+    out["gram_density_grid"], out["gram_density"] = atoms_density(sp.evals, np.ones(sp.evals.size), n_grid)
+    return out
+
+
+class _Centered:
+    """HGH with H = 1 − 11ᵀ/N, as an operator (for the Hutch++ estimate of ‖HGH‖_F²)."""
+
+    def __init__(self, G: StepGram) -> None:
+        self.G, self.shape = G, G.shape
+
+    def matmat(self, V: np.ndarray) -> np.ndarray:
+        V = V - V.mean(axis=0, keepdims=True)
+        W = np.asarray(self.G.matmat(V), dtype=np.float64)
+        return W - W.mean(axis=0, keepdims=True)
