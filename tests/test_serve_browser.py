@@ -212,6 +212,20 @@ def _browsing(url: str, tmp_path: Path, *serve_args: str) -> Iterator[tuple[Any,
         out.append(server.communicate(timeout=30)[0])
 
 
+def _shot(page, selector: str, tries: int = 20) -> bytes:
+    """A screenshot of the first ``selector``, taken again when a redraw replaced it meanwhile (a
+    panel that showed a transient read error is rebuilt at the next refresh, and the page swaps
+    the whole box of figures)."""
+    from playwright.sync_api import Error
+
+    for _ in range(tries - 1):
+        try:
+            return page.locator(selector).first.screenshot(timeout=5000)
+        except Error:
+            page.wait_for_timeout(500)
+    return page.locator(selector).first.screenshot()
+
+
 def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
     url = str(tmp_path / "live.zarr")
     writer = _Writer(url, pause_after=2)
@@ -236,7 +250,7 @@ def test_the_browser_watches_a_store_a_tracker_is_filling(tmp_path):
             assert after > before
             _wait(lambda: _steps_done(page) == S, "every step on the page", timeout=180)
             page.wait_for_timeout(1000)  # the redraw after the last step
-            shot = page.locator(".nsa-plot-eigenvalues").first.screenshot()
+            shot = _shot(page, ".nsa-plot-eigenvalues")
             assert _line_pixels(shot, (0x1F, 0x77, 0xB4)) > 200  # λ_1's line (PALETTE[0]) is drawn
             assert _line_pixels(shot, (0xFF, 0x7F, 0x0E)) > 200  # λ_2's
             assert "damaged" not in _shadow_text(page, ".nsa-header")
