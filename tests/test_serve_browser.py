@@ -171,8 +171,8 @@ def _check_panels(page, expected: list[str], where: str) -> None:
             bad.append(f"{title}: still waiting ({note.inner_text()!r})")
         elif not p.locator("canvas").count():
             bad.append(f"{title}: no canvas")
-        elif p.locator(".nsa-plot").count() and _saturated(p.screenshot()) < 100:
-            bad.append(f"{title}: nothing coloured drawn ({_saturated(p.screenshot())} px)")
+        elif p.locator(".nsa-plot").count() and _saturated(shot := _shot_of(page, p)) < 100:
+            bad.append(f"{title}: nothing coloured drawn ({_saturated(shot)} px)")
     assert not bad, f"{where}:\n" + "\n".join(bad)
 
 
@@ -210,6 +210,18 @@ def _browsing(url: str, tmp_path: Path, *serve_args: str) -> Iterator[tuple[Any,
     finally:
         server.terminate()
         out.append(server.communicate(timeout=30)[0])
+
+
+def _shot_of(page, locator, tries: int = 20) -> bytes:
+    """``locator``'s screenshot, taken again when a redraw replaced its element meanwhile."""
+    from playwright.sync_api import Error
+
+    for _ in range(tries - 1):
+        try:
+            return locator.screenshot(timeout=5000)
+        except Error:
+            page.wait_for_timeout(500)
+    return locator.screenshot()
 
 
 def _shot(page, selector: str, tries: int = 20) -> bytes:
