@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import nsa_dist.pipeline.spectral as spectral_mod
+import nsa_dist.pipeline.producers as spectral_mod
 import nsa_dist.pipeline.trainer as trainer_mod
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
