@@ -85,7 +85,7 @@ def run(dataset: str, steps: int, k: int | None, workers: int, n: int | None = N
         res["layout"], res["ntk_method"] = an.plan.layout.layout.value, an.plan.ntk_method
         for ck in Trainer(plan, data).train_until(steps):
             t1 = time.perf_counter()
-            out = an.analyze(ck, gang.pool).arrays()
+            out = an.analyze(ck, gang.members).arrays()
             res["steps"].append(
                 {
                     "t": int(ck.step),

@@ -112,7 +112,7 @@ def gang(spec: dict, workers: int) -> dict:
     connect(num_cpus=workers + 1)
     g = RayGang(workers, cpus=1, threads=1)
     try:
-        out, seconds, an = _analyze(spec, g.pool)
+        out, seconds, an = _analyze(spec, g.members)
         peaks = g.peak_rss()
     finally:
         g.shutdown()

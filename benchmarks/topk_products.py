@@ -25,7 +25,7 @@ import nsa_dist.linalg._deflated as deflated
 from nsa_dist.linalg import top_eigenpairs
 from nsa_dist.linalg._backend import host_empty
 
-BLOCK = 48  # Lanczos's block for a large dense G (nsa_dist.linalg._eigen._block_size)
+BLOCK = 48  # Lanczos's block for a large dense G (nsa_dist.linalg.eigenpairs._block_size)
 
 
 def _paper_gram() -> torch.Tensor:

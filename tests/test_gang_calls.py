@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from conftest import dense_ntk
 
-from nsa_dist.cluster.gang import GangPool
+from nsa_dist.cluster.gang import GangMembers
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.models import build_model
 from nsa_dist.pipeline import plan_run
-from nsa_dist.pipeline.layout import LocalPool, Member, ShardCalls, TiledGram, each
-from nsa_dist.pipeline.shard import SpectralShard
+from nsa_dist.pipeline.layout import LocalGang, Member, ShardCalls, TiledGram, each
+from nsa_dist.pipeline.member import SpectralShard
 
 
 def _methods(cls: type) -> dict[str, list[str]]:
@@ -42,7 +42,7 @@ def test_member_protocol_is_the_shards_methods():
 def test_both_gangs_answer_every_member_call_through_one_implementation():
     missing = [n for n in _methods(Member) if n not in vars(ShardCalls)]
     assert not missing, f"ShardCalls does not implement {missing}"
-    local, ray_member = type(LocalPool([SpectralShard()]).member(0)), type(GangPool([object()]).member(0))
+    local, ray_member = type(LocalGang([SpectralShard()]).member(0)), type(GangMembers([object()]).member(0))
     for cls in (local, ray_member):
         assert issubclass(cls, ShardCalls)
         own = {n for n, v in vars(cls).items() if inspect.isfunction(v) and not n.startswith("__")}
@@ -51,15 +51,15 @@ def test_both_gangs_answer_every_member_call_through_one_implementation():
 
 def test_in_process_member_calls_give_the_shards_results():
     """pid, and G V from tiles built through member calls, against a float64 dense Gram."""
-    pool = LocalPool([SpectralShard() for _ in range(3)])
-    assert pool.get([m.pid() for m in each(pool)]) == [os.getpid()] * 3
+    gang = LocalGang([SpectralShard() for _ in range(3)])
+    assert gang.get([m.pid() for m in each(gang)]) == [os.getpid()] * 3
     spec = ExperimentSpec(
         name="calls", data={"n": 23, "n_test": 5}, model={"depth": 2, "width": 8}, spectrum={"dtype": "float64", "k": 4}
     )
     data = load_dataset(spec.data, seed=spec.seed)
     model = build_model(spec.model, seed=spec.seed)  # float32, as a member builds it
     theta = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]).astype(np.float64)
-    G = TiledGram(pool, plan_run(spec, data), theta, "train", data.n, np.dtype(np.float64))
+    G = TiledGram(gang, plan_run(spec, data), theta, "train", data.n, np.dtype(np.float64))
     X = torch.as_tensor(np.asarray(data.X, dtype=np.float32), dtype=torch.float64)  # as a member feeds its net
     ref = dense_ntk(model.double(), X).numpy()
     V = np.random.default_rng(0).standard_normal((data.n, 3))
@@ -69,4 +69,4 @@ def test_in_process_member_calls_give_the_shards_results():
     tr = np.trace(ref)
     assert abs(stats["trace"] - tr) <= 1e-10 * abs(tr), f"Tr G {stats['trace']} through member calls != {tr}"
     G.close()
-    assert not any(s._held for s in pool.members), "release left state on a member"
+    assert not any(s._held for s in gang.members), "release left state on a member"

@@ -18,9 +18,9 @@ from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.ntk.shards import tile_plan
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment, run_id
-from nsa_dist.pipeline.layout import LocalPool, ShardedCurvature, ShardedGram, choose_layout
+from nsa_dist.pipeline.layout import LocalGang, ShardedCurvature, ShardedGram, choose_layout
+from nsa_dist.pipeline.member import SpectralShard
 from nsa_dist.pipeline.services import SpectralService
-from nsa_dist.pipeline.shard import SpectralShard
 from nsa_dist.store import SpectrumStore
 
 HESS = {"probes": 8, "top_k": 2, "rayleigh_k": 2, "density_probes": 2, "lanczos_steps": 6, "density_grid": 20}
@@ -163,9 +163,9 @@ def test_gang_layouts_of_a_per_layer_model_equal_local(model):
     data = load_dataset(spec.data, seed=spec.seed)
     model_ = build_model(spec.model, seed=spec.seed)
     theta = parameters_to_vector(model_.parameters()).detach().numpy()
-    pool = LocalPool([SpectralShard() for _ in range(2)])
-    op = ShardedGram(pool, plan_run(spec, data), theta, "train", data.n, np.float64)
-    assert type(pool.members[0]._held[op.key]).__name__ == "FeatureShard"  # not the per-product Jacobian map
+    gang = LocalGang([SpectralShard() for _ in range(2)])
+    op = ShardedGram(gang, plan_run(spec, data), theta, "train", data.n, np.float64)
+    assert type(gang.members[0]._held[op.key]).__name__ == "FeatureShard"  # not the per-product Jacobian map
     op.close()
 
 
@@ -198,13 +198,13 @@ def test_matrix_free_with_jacobian_shards_equals_dense():
     theta = parameters_to_vector(model.parameters()).detach().numpy()
     G = gram(model, torch.as_tensor(data.X, dtype=torch.float32), dtype=torch.float64).numpy()
     V = np.random.default_rng(1).standard_normal((G.shape[0], 4))
-    pool = LocalPool([SpectralShard() for _ in range(3)])
-    op = ShardedGram(pool, plan_run(spec, data), theta, "train", G.shape[0], np.float64)
-    assert type(pool.members[0]._held[op.key]).__name__ == "JacobianShard"
+    gang = LocalGang([SpectralShard() for _ in range(3)])
+    op = ShardedGram(gang, plan_run(spec, data), theta, "train", G.shape[0], np.float64)
+    assert type(gang.members[0]._held[op.key]).__name__ == "JacobianShard"
     err = np.abs(op.matmat(V) - G @ V).max() / np.abs(G @ V).max()
     assert err <= EXACT, f"J(JᵀV) over Jacobian shards differs from G V by {err:.3e}"
     op.close()
-    assert not pool.members[0]._held
+    assert not gang.members[0]._held
 
 
 def test_sharded_hessian_products_equal_local():
@@ -214,7 +214,7 @@ def test_sharded_hessian_products_equal_local():
     theta = parameters_to_vector(model.parameters()).detach().numpy()
     P = theta.size
     local = hessian_parts(model, torch.as_tensor(data.X, dtype=torch.float32), data.y, dtype=torch.float64)
-    curv = ShardedCurvature(LocalPool([SpectralShard() for _ in range(3)]), plan_run(spec, data), theta, data.n, P)
+    curv = ShardedCurvature(LocalGang([SpectralShard() for _ in range(3)]), plan_run(spec, data), theta, data.n, P)
     V = np.random.default_rng(2).standard_normal((P, 3))
     for name, ref in zip("HIS", local):
         want = ref.matmat(V)

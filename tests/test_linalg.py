@@ -619,7 +619,7 @@ def test_sign_fix_in_place_equals_the_copying_one(order: str) -> None:
     """The in-place sign fix of a solver's own V (max/min per column, argmax only on ties) flips
     exactly the columns the copying one (NumPy argmax of |V|) flips: ties go to the first entry,
     a zero column and a NaN column stay as they are."""
-    from nsa_dist.linalg._eigen import _fix_signs
+    from nsa_dist.linalg.eigenpairs import _fix_signs
 
     V = np.random.default_rng(0).standard_normal((300, 12))
     V[:, 3] = 0.0

@@ -10,8 +10,8 @@ from conftest import assert_close_rel, dense_ntk
 from torch import nn
 
 from nsa_dist.ntk import explain_method, gram, inputs
-from nsa_dist.ntk._conv import _column_groups, per_layer_layers
 from nsa_dist.ntk._probe import plan_forward
+from nsa_dist.ntk.layer_features import _column_groups, per_layer_layers
 
 F64 = torch.float64
 
@@ -229,8 +229,8 @@ def test_attention_with_an_instance_forward_is_left_alone():
 def test_features_and_tile_keep_their_contract():
     """``_features`` / ``_tile`` (used by the distributed layouts): Σ of tiles = the kernel, with
     jacobian_fn's Jacobians or any plain x ↦ (b, K, P) callable for the generic parameters."""
-    from nsa_dist.ntk._conv import _features, _tile
     from nsa_dist.ntk._jacobian import jacobian_fn
+    from nsa_dist.ntk.layer_features import _features, _tile
 
     torch.manual_seed(7)
     model, x = Mixed(K=2).double(), _points(6)

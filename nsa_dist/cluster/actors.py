@@ -15,8 +15,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nsa_dist.cluster.resources import resolve_gpus, threads
 from nsa_dist.config import ClusterSpec
+from nsa_dist.pipeline.member import SpectralShard
 from nsa_dist.pipeline.services import SpectralService, TrainerService
-from nsa_dist.pipeline.shard import SpectralShard
 
 __all__ = ["trainer_actor", "spectral_workers", "tracked_run_workers", "gang_members"]
 

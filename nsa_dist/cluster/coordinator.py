@@ -284,7 +284,7 @@ class SweepCoordinator:
                 self._gangs_out.append(gang)
             a = r.queued.pop(0)
             a.gang = gang
-            r.inflight[self.pool.send(a, r.plan, a.ckpt, gang.pool if gang else None, self.lease.token)] = a
+            r.inflight[self.pool.send(a, r.plan, a.ckpt, gang.members if gang else None, self.lease.token)] = a
 
     def _wait_and_handle(self, active: list[_Run], poll: float) -> None:
         owner: dict[Any, tuple[_Run, str]] = {}
@@ -314,11 +314,11 @@ class SweepCoordinator:
             return
         self._gangs_out.remove(gang)
         if broken:  # a member died mid-step: the gang's state is gone; a fresh gang takes its place
-            size = gang.pool.size
+            size = gang.members.size
             gang.shutdown()
             gang = self._new_gang(size, self._has_gpus)
             self.replaced_gangs += 1
-        self.gangs.setdefault(gang.pool.size, []).append(gang)
+        self.gangs.setdefault(gang.members.size, []).append(gang)
 
     def _check_raylet(self, active: list[_Run], ask_cluster: bool = False) -> None:
         """Raise :class:`RayletLost` when this machine's raylet stopped (before any of its actors'

@@ -1,7 +1,7 @@
 """A step's gang on Ray: SpectralShard actors co-scheduled in one placement group.
 
 :class:`RayGang` owns the placement group and the actors (the coordinator creates and replaces
-gangs); :class:`GangPool` is the picklable view of a gang that the step's driver — the spectral
+gangs); :class:`GangMembers` is the picklable view of a gang that the step's driver — the spectral
 worker analysing the step — uses as its :class:`~nsa_dist.pipeline.layout.Pool`: member calls
 (typed method calls, :class:`~nsa_dist.pipeline.layout.Member`) are actor tasks, broadcast blocks
 go through the object store once (``ray.put``), and the per-block features travel between members
@@ -24,7 +24,7 @@ from nsa_dist.pipeline.layout import Handle, Member, ShardCalls, each
 T = TypeVar("T")
 R = TypeVar("R")
 
-__all__ = ["GangUnplaceable", "GangPool", "RayGang"]
+__all__ = ["GangUnplaceable", "GangMembers", "RayGang"]
 
 
 class _ActorCalls(ShardCalls):
@@ -40,7 +40,7 @@ class _ActorCalls(ShardCalls):
         return list(m.options(num_returns=n).remote(*args) or [])  # a ref per result (none for n = 0)
 
 
-class GangPool:
+class GangMembers:
     """The members of a gang as a :class:`~nsa_dist.pipeline.layout.Pool` (picklable: it holds actor handles only)."""
 
     def __init__(self, actors: list[Any]) -> None:
@@ -89,11 +89,11 @@ class RayGang:
                 f"{timeout:.0f} s: the cluster's free resources are {ray.available_resources()}"
             )
         self.actors = gang_members(self.pg, size, cpus, gpus, resources, threads)
-        self.pool = GangPool(self.actors)
-        self.member_pids = self.pool.get([m.pid() for m in each(self.pool)])  # members are up before use
+        self.members = GangMembers(self.actors)
+        self.member_pids = self.members.get([m.pid() for m in each(self.members)])  # members are up before use
 
     def peak_rss(self) -> list[int]:
-        return self.pool.get([m.peak_rss() for m in each(self.pool)])
+        return self.members.get([m.peak_rss() for m in each(self.members)])
 
     def shutdown(self) -> None:
         for a in self.actors:

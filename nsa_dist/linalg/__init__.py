@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from nsa_dist.config import EigMethod
 from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
-from nsa_dist.linalg._eigen import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
+from nsa_dist.linalg.eigenpairs import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.linalg.quadrature import SpectralCurves, atoms_density, curve_ks, spectral_curves

@@ -37,7 +37,7 @@ import numpy as np
 from nsa_dist._checks import parse_enum
 from nsa_dist.config import EigMethod
 from nsa_dist.linalg._backend import HostWorkspace
-from nsa_dist.linalg._eigen import top_eigenpairs
+from nsa_dist.linalg.eigenpairs import top_eigenpairs
 from nsa_dist.linalg.tridiag import Solver, eig_projections, eig_weights
 
 __all__ = ["SpectrumRoute", "StepSpectrum", "step_spectrum", "from_eigenpairs", "from_tridiagonal"]

@@ -36,11 +36,11 @@ True
 
 from nsa_dist.config import NTKMethod
 from nsa_dist.ntk._method import Kernel
-from nsa_dist.ntk._operator import NTKOperator, jacobian_vector_product
 from nsa_dist.ntk._probe import couples as sample_coupling
 from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method, resolve_route
 from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk.limit import limit_ntk
+from nsa_dist.ntk.operator import NTKOperator, jacobian_vector_product
 from nsa_dist.ntk.route import NTKRoute
 from nsa_dist.ntk.state import preserved
 

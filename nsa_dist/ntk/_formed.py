@@ -1,6 +1,6 @@
 """Per-sample gradients of one layer from its input and output gradient, in closed form (private).
 
-The formulas of :mod:`nsa_dist.ntk._conv`'s docstring; every route writes the gradients of all
+The formulas of :mod:`nsa_dist.ntk.layer_features`'s docstring; every route writes the gradients of all
 samples of a chunk and every model output into its columns of the feature matrix M at once.
 """
 
@@ -28,7 +28,7 @@ class Layer:
 
     ``kind``: "factor" (Linear on 2-D inputs: factors Â, D), "conv" (Conv1d/2d/3d), "bn" (eval
     BatchNorm), "ln" (LayerNorm), "emb" (Embedding), "linear" (Linear at L positions) — formed by
-    the closed forms of :mod:`._conv` — or "local" (formed by the VJP of the layer alone).
+    the closed forms of :mod:`.layer_features` — or "local" (formed by the VJP of the layer alone).
     """
 
     module: nn.Module

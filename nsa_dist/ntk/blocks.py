@@ -13,13 +13,13 @@ from torch import nn
 
 from nsa_dist.config import NTKMethod
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._conv import _features, per_layer_layers
 from nsa_dist.ntk._jacobian import jacobian_fn
 from nsa_dist.ntk._probe import ForwardPlan
 from nsa_dist.ntk._structured import Unproven, _chunk_features, structured_layers
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.gram import route_of
 from nsa_dist.ntk.inputs import output_dim, prepare_inputs, trainable_params
+from nsa_dist.ntk.layer_features import _features, per_layer_layers
 from nsa_dist.ntk.route import NTKRoute
 from nsa_dist.ntk.state import preserved
 
@@ -48,7 +48,7 @@ def block_features(
     For every model whose points do not interact, ``G_IJ = Σ_l (Â_{l,I} Â_{l,J}ᵀ) ⊙ (D_{l,I} D_{l,J}ᵀ)``
     over the returned pairs: the structured factors of the factored Linear layers and, for every
     other parameter (convolutions, norms, attention, …: the per-layer formed gradients or
-    per-sample Jacobians, :mod:`._conv`), one pair ``(M, 1)`` with M (b, K·P_formed) — so tiles and
+    per-sample Jacobians, :mod:`.layer_features`), one pair ``(M, 1)`` with M (b, K·P_formed) — so tiles and
     data shards built from factors serve any such model, exactly (``method`` as in ``gram``: a
     resolved :class:`~nsa_dist.ntk.NTKRoute` is taken without probing the forward pass).
 

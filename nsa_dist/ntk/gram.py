@@ -12,14 +12,14 @@ from nsa_dist._checks import parse_enum
 from nsa_dist.config import NTKMethod
 from nsa_dist.errors import ShapeError, UnsupportedModelError
 from nsa_dist.models import OutputSelector
-from nsa_dist.ntk._conv import per_layer_gram, per_layer_layers
 from nsa_dist.ntk._jacobian import batch_jacobian_gram, jacobian_gram
 from nsa_dist.ntk._method import Kernel
-from nsa_dist.ntk._operator import NTKOperator
 from nsa_dist.ntk._probe import ForwardPlan, plan_forward
 from nsa_dist.ntk._structured import Unproven, not_structured_reason, structured_gram, structured_layers
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import default_block, output_dim, prepare_inputs, prepare_model, trainable_params
+from nsa_dist.ntk.layer_features import per_layer_gram, per_layer_layers
+from nsa_dist.ntk.operator import NTKOperator
 from nsa_dist.ntk.route import NTKRoute
 from nsa_dist.ntk.state import preserved, stateless
 

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from nsa_dist.ntk._operator import NTKOperator
 from nsa_dist.ntk._structured import _Buffers, _sym_upper, _tile
 from nsa_dist.ntk.blocks import BlockFeatures, block_features, row_blocks
 from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
+from nsa_dist.ntk.operator import NTKOperator
 from nsa_dist.ntk.route import NTKRoute
 
 __all__ = ["TilePlan", "tile_plan", "GramTiles", "FeatureShard", "JacobianShard", "shard_features"]

@@ -1,7 +1,7 @@
 """One recorded step's Gram on a gang of spectral workers, as operators the solvers consume (no Ray).
 
-A *gang* is a :class:`Pool` of :class:`~nsa_dist.pipeline.shard.SpectralShard` members: in one
-process (:class:`LocalPool`, used by ``nsa run`` and the tests) or Ray actors in a placement
+A *gang* is a :class:`Gang` of :class:`~nsa_dist.pipeline.member.SpectralShard` members: in one
+process (:class:`LocalGang`, used by ``nsa run`` and the tests) or Ray actors in a placement
 group (``nsa_dist.cluster.gang.RayGang``).  The step's driver (the spectral worker analysing the
 step) only ever holds vectors: ``G V``, ``‖G‖_F²`` and the Hessian products come back from the
 gang as partial sums.
@@ -33,16 +33,16 @@ from nsa_dist.ntk.shards import tile_plan
 
 if TYPE_CHECKING:
     from nsa_dist.ntk.blocks import BlockFeatures
+    from nsa_dist.pipeline.member import SpectralShard
     from nsa_dist.pipeline.plan import RunPlan
-    from nsa_dist.pipeline.shard import SpectralShard
 
 __all__ = [
     "Handle",
     "Member",
     "ShardCalls",
-    "Pool",
+    "Gang",
     "each",
-    "LocalPool",
+    "LocalGang",
     "StepGram",
     "DenseGram",
     "TiledGram",
@@ -63,19 +63,19 @@ R_co = TypeVar("R_co", covariant=True)
 
 class Handle(Protocol[R_co]):
     """A member call's result to come, of type ``R_co``: the value itself in process, an ObjectRef
-    on Ray.  :meth:`Pool.get` fetches it; handed to another member call as an argument it arrives
+    on Ray.  :meth:`Gang.get` fetches it; handed to another member call as an argument it arrives
     there as the value."""
 
 
 Sent: TypeAlias = T | Handle[T]
-"""An argument of a member call: the value, or a handle of it (:meth:`Pool.put`, or another call's result)."""
+"""An argument of a member call: the value, or a handle of it (:meth:`Gang.put`, or another call's result)."""
 
 
 class Member(Protocol):
     """The calls one gang member answers: the methods of
-    :class:`~nsa_dist.pipeline.shard.SpectralShard` (same names and arguments), each started at
+    :class:`~nsa_dist.pipeline.member.SpectralShard` (same names and arguments), each started at
     once and answered by a :class:`Handle` of the shard method's result: a gang's partial
-    products are ``pool.get([m.tiles_matmat(key, h) for m in each(pool)])``.
+    products are ``gang.get([m.tiles_matmat(key, h) for m in each(gang)])``.
     """
 
     def features(
@@ -203,7 +203,7 @@ class ShardCalls(Member):
         return self._start(self.target.peak_rss)
 
 
-class Pool(Protocol):
+class Gang(Protocol):
     """A gang: ``size`` members addressed by index, whose calls are typed method calls
     (:meth:`member`); results are fetched with :meth:`get`."""
 
@@ -222,9 +222,9 @@ class Pool(Protocol):
         ...
 
 
-def each(pool: Pool) -> list[Member]:
-    """Every member of ``pool``, in index order."""
-    return [pool.member(i) for i in range(pool.size)]
+def each(gang: Gang) -> list[Member]:
+    """Every member of ``gang``, in index order."""
+    return [gang.member(i) for i in range(gang.size)]
 
 
 class _InProcess(ShardCalls):
@@ -238,7 +238,7 @@ class _InProcess(ShardCalls):
         return [out] if n == 1 else list(out)
 
 
-class LocalPool:
+class LocalGang:
     """A gang of plain members in this process (the same code path as Ray, without Ray)."""
 
     def __init__(self, members: list[SpectralShard]) -> None:
@@ -297,13 +297,13 @@ class DenseGram(LinearOperator):
 class _GangGram(LinearOperator):
     """Common part of the gang layouts: a key naming the step's state on every member, release."""
 
-    def __init__(self, pool: Pool, N: int, dtype: np.dtype) -> None:
+    def __init__(self, gang: Gang, N: int, dtype: np.dtype) -> None:
         super().__init__(N, np.dtype(dtype))
-        self.pool = pool
+        self.gang = gang
         self.key = f"g{os.getpid()}-{next(_keys)}"
 
     def close(self) -> None:
-        self.pool.get([m.release(self.key) for m in each(self.pool)])
+        self.gang.get([m.release(self.key) for m in each(self.gang)])
 
 
 class TiledGram(_GangGram):
@@ -314,16 +314,16 @@ class TiledGram(_GangGram):
     store on one node) and builds its tiles.  ``G V`` = the sum of the members' partial products.
     """
 
-    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
-        super().__init__(pool, N, dtype)
-        plan = tile_plan(N, pool.size)
-        run_h, theta_h = pool.put(run), pool.put(theta)
-        members = each(pool)
+    def __init__(self, gang: Gang, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
+        super().__init__(gang, N, dtype)
+        plan = tile_plan(N, gang.size)
+        run_h, theta_h = gang.put(run), gang.put(theta)
+        members = each(gang)
         feats: dict[int, Handle[BlockFeatures]] = {}
         for m, owned in zip(members, plan.owners):
             feats.update(zip(owned, m.features(run_h, theta_h, which, [plan.ranges[b] for b in owned])))
         need = [sorted({b for p in pairs for b in p}) for pairs in plan.pairs]
-        self.nbytes = pool.get(
+        self.nbytes = gang.get(
             [
                 m.build_tiles(self.key, plan.ranges, plan.pairs[i], {b: feats[b] for b in need[i]})
                 for i, m in enumerate(members)
@@ -333,8 +333,8 @@ class TiledGram(_GangGram):
         self.plan = plan
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
-        h = self.pool.put(np.ascontiguousarray(V))
-        parts = self.pool.get([m.tiles_matmat(self.key, h) for m in each(self.pool)])
+        h = self.gang.put(np.ascontiguousarray(V))
+        parts = self.gang.get([m.tiles_matmat(self.key, h) for m in each(self.gang)])
         return np.sum(parts, axis=0).astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
@@ -342,7 +342,7 @@ class TiledGram(_GangGram):
 
     def trace_stats(self) -> dict[str, float]:
         """Exact ``sq_frobenius`` = ‖G‖_F² and ``trace`` = Tr(G), summed over the members' tiles."""
-        stats = self.pool.get([m.tiles_stats(self.key) for m in each(self.pool)])
+        stats = self.gang.get([m.tiles_stats(self.key) for m in each(self.gang)])
         return {k: float(sum(s[k] for s in stats)) for k in ("sq_frobenius", "trace")}
 
 
@@ -355,7 +355,7 @@ class ShardedGram(_GangGram):
 
     def __init__(
         self,
-        pool: Pool,
+        gang: Gang,
         run: RunPlan,
         theta: np.ndarray,
         which: str,
@@ -364,23 +364,23 @@ class ShardedGram(_GangGram):
         frobenius_probes: int = 32,
         seed: int = 0,
     ) -> None:
-        super().__init__(pool, N, dtype)
-        self.ranges = row_blocks(N, pool.size)
-        run_h, theta_h = pool.put(run), pool.put(theta)
-        self.nbytes = pool.get([m.shard(self.key, run_h, theta_h, which, r) for m, r in zip(each(pool), self.ranges)])
+        super().__init__(gang, N, dtype)
+        self.ranges = row_blocks(N, gang.size)
+        run_h, theta_h = gang.put(run), gang.put(theta)
+        self.nbytes = gang.get([m.shard(self.key, run_h, theta_h, which, r) for m, r in zip(each(gang), self.ranges)])
         self.probes, self.seed = frobenius_probes, seed
         self._fro: tuple[float, float] | None = None
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
-        members = each(self.pool)
+        members = each(self.gang)
         U = np.sum(
-            self.pool.get(
+            self.gang.get(
                 [m.shard_jt(self.key, np.ascontiguousarray(V[a:b])) for m, (a, b) in zip(members, self.ranges)]
             ),
             axis=0,
         )  # (m, dim)
-        h = self.pool.put(U)
-        out = np.concatenate(self.pool.get([m.shard_j(self.key, h) for m in members]), axis=0)  # (N, m)
+        h = self.gang.put(U)
+        out = np.concatenate(self.gang.get([m.shard_j(self.key, h) for m in members]), axis=0)  # (N, m)
         return out.astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
@@ -398,18 +398,18 @@ class ShardedCurvature:
     sum the Hessian of ``C = (1/N) Σ_i c_i``.  ``shape`` is (P, P).
     """
 
-    def __init__(self, pool: Pool, run: RunPlan, theta: np.ndarray, N: int, P: int) -> None:
-        self.pool, self.shape = pool, (P, P)
+    def __init__(self, gang: Gang, run: RunPlan, theta: np.ndarray, N: int, P: int) -> None:
+        self.gang, self.shape = gang, (P, P)
         self.key = f"h{os.getpid()}-{next(_keys)}"
-        ranges = row_blocks(N, pool.size)
-        run_h, theta_h = pool.put(run), pool.put(theta)
-        pool.get([m.curvature(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for m, r in zip(each(pool), ranges)])
+        ranges = row_blocks(N, gang.size)
+        run_h, theta_h = gang.put(run), gang.put(theta)
+        gang.get([m.curvature(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for m, r in zip(each(gang), ranges)])
 
     def part(self, name: str) -> _Part:
         return _Part(self, name)
 
     def close(self) -> None:
-        self.pool.get([m.release(self.key) for m in each(self.pool)])
+        self.gang.get([m.release(self.key) for m in each(self.gang)])
 
 
 class _Part(LinearOperator):
@@ -420,9 +420,9 @@ class _Part(LinearOperator):
         self.owner, self.name = owner, name
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
-        pool = self.owner.pool
-        h = pool.put(np.ascontiguousarray(V))
-        return np.sum(pool.get([m.curvature_matmat(self.owner.key, self.name, h) for m in each(pool)]), axis=0)
+        gang = self.owner.gang
+        h = gang.put(np.ascontiguousarray(V))
+        return np.sum(gang.get([m.curvature_matmat(self.owner.key, self.name, h) for m in each(gang)]), axis=0)
 
 
 # --------------------------------------------------------------------------- choosing a layout

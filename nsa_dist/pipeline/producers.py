@@ -46,7 +46,7 @@ from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.hessian_step import GramKnowledge
-from nsa_dist.pipeline.layout import DenseGram, Pool, ShardedCurvature, StepGram, TiledGram
+from nsa_dist.pipeline.layout import DenseGram, Gang, ShardedCurvature, StepGram, TiledGram
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
 from nsa_dist.pipeline.step_extras import predicted_update
 from nsa_dist.pipeline.trainer import CHUNK_POINTS
@@ -356,9 +356,9 @@ def eigenvector_images(ctx: StepContext) -> ImageStep | None:
     )
 
 
-def test_spectrum(run: SpectralAnalyzer, ck: Checkpoint, pool: Pool | None) -> dict[str, np.ndarray]:
+def test_spectrum(run: SpectralAnalyzer, ck: Checkpoint, gang: Gang | None) -> dict[str, np.ndarray]:
     """The test Gram's eigenvalues and E(f_test, k) (NSA Fig. 3e)."""
-    G_t = run._step_gram("test", ck.theta, pool)
+    G_t = run._step_gram("test", ck.theta, gang)
     try:
         sp_t = run._spectrum(G_t, run.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
     finally:
@@ -388,12 +388,12 @@ def gram_knowledge(run: SpectralAnalyzer, G: StepGram, evals: np.ndarray) -> Gra
 
 
 def hessian(
-    run: SpectralAnalyzer, ck: Checkpoint, pool: Pool | None, notes: StepNotes, gram: GramKnowledge | None = None
+    run: SpectralAnalyzer, ck: Checkpoint, gang: Gang | None, notes: StepNotes, gram: GramKnowledge | None = None
 ) -> HessianStep:
     """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
     if not run.distributed:
         return run.hessian.analyze(run.model, gram=gram, step=ck.step, notes=notes)
-    curv = ShardedCurvature(run._pool(pool, run.data.n), run.plan, ck.theta, run.data.n, run.n_params)
+    curv = ShardedCurvature(run._gang(gang, run.data.n), run.plan, ck.theta, run.data.n, run.n_params)
     try:
         return run.hessian.analyze(
             run.model,

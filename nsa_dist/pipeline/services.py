@@ -101,17 +101,17 @@ class SpectralService:
         return self._runs[plan.run_id]
 
     def analyze_and_write(
-        self, plan: RunPlan, ck: Checkpoint, pool: Any = None, token: str | None = None
+        self, plan: RunPlan, ck: Checkpoint, gang: Any = None, token: str | None = None
     ) -> dict[str, Any]:
         """Compute recorded step ``ck.index`` of the planned run and write it; returns a short summary.
 
-        ``pool``: the step's gang (a :class:`~nsa_dist.pipeline.layout.Pool`) when the run's layout
+        ``gang``: the step's gang (a :class:`~nsa_dist.pipeline.layout.Gang`) when the run's layout
         is distributed; this worker then drives Lanczos and the metrics on the gang's products.
         ``token``: the driver's lease token, fencing the write (LeaseLost once it lost the run).
         """
         analyzer, writer = self._run(plan)
         writer.token = token
-        result = analyzer.analyze(ck, pool)
+        result = analyzer.analyze(ck, gang)
         writer.write_step(ck.index, result, ck.state)
         return {
             "run_id": plan.run_id,

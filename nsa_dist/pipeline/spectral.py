@@ -23,7 +23,7 @@ from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.hessian_step import HessianAnalysis
 from nsa_dist.pipeline.images import eigen_images
-from nsa_dist.pipeline.layout import DenseGram, LocalPool, Pool, ShardedGram, StepGram, TiledGram
+from nsa_dist.pipeline.layout import DenseGram, Gang, LocalGang, ShardedGram, StepGram, TiledGram
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.step_extras import StepExtras
@@ -35,10 +35,10 @@ __all__ = ["SpectralAnalyzer"]
 class SpectralAnalyzer:
     """Computes every per-step quantity of a run from a :class:`Checkpoint`.
 
-    ``analyze(ck, pool)`` returns a dict of numpy arrays keyed by store array name (see
+    ``analyze(ck, gang)`` returns a dict of numpy arrays keyed by store array name (see
     :mod:`nsa_dist.store.schema`); it holds a model whose parameters it overwrites with θ_t.
     With ``spectrum.layout`` ``block_rows`` or ``matrix_free`` (or ``auto`` resolving to one)
-    G_t lives on a gang of :class:`~nsa_dist.pipeline.shard.SpectralShard` members (``pool``;
+    G_t lives on a gang of :class:`~nsa_dist.pipeline.member.SpectralShard` members (``gang``;
     in-process when none is given) and every metric is computed from products, never from G.
 
     ``route`` and ``solver``: the routes a step's spectrum may take and T's divide and conquer
@@ -75,7 +75,7 @@ class SpectralAnalyzer:
         self.n_params = plan.dims.P
         self.hessian = HessianAnalysis(plan, self.X, self.y)
         self.extras = StepExtras(plan, data)
-        self._local_pool: LocalPool | None = None
+        self._local_gang: LocalGang | None = None
         self.cost = P.StepCost()  # the last step's timings, eigensolver products and routes
         self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
@@ -101,27 +101,27 @@ class SpectralAnalyzer:
         out = self._workspace.empty(f"gram.{which}", (n, n), self.dtype) if on_host else None
         return gram(self.model, X, method=self.plan.ntk_route, block_size=s.block_size, dtype=self.dtype, out=out)
 
-    def _step_gram(self, which: str, theta: np.ndarray, pool: Pool | None) -> StepGram:
+    def _step_gram(self, which: str, theta: np.ndarray, gang: Gang | None) -> StepGram:
         """G at the training (or test) points in the run's layout: whole here, or on the gang."""
         if not self.distributed:
             return DenseGram(self._gram(self.X if which == "train" else self.X_test, which))
         n, s = (self.data.n if which == "train" else self.X_test.shape[0]), self.spec.spectrum
-        gang, dtype = self._pool(pool, n), np.dtype(s.dtype)
+        gang, dtype = self._gang(gang, n), np.dtype(s.dtype)
         if self.plan.layout.layout is Layout.BLOCK_ROWS:
             return TiledGram(gang, self.plan, theta, which, n, dtype)
         return ShardedGram(gang, self.plan, theta, which, n, dtype, s.frobenius_probes, self.spec.seed)
 
-    def _pool(self, pool: Pool | None, n: int) -> Pool:
+    def _gang(self, gang: Gang | None, n: int) -> Gang:
         """The gang to use: the caller's, else an in-process one of ``spectrum.workers`` members."""
-        if pool is not None:
-            return pool
-        if self._local_pool is None:
-            from nsa_dist.pipeline.shard import SpectralShard
+        if gang is not None:
+            return gang
+        if self._local_gang is None:
+            from nsa_dist.pipeline.member import SpectralShard
 
-            self._local_pool = LocalPool(
+            self._local_gang = LocalGang(
                 [SpectralShard(model=self.model, data=self.data) for _ in range(self.spec.spectrum.workers)]
             )
-        return self._local_pool
+        return self._local_gang
 
     def _spectrum(self, G: StepGram, k: int, which: str, phis: dict[str, np.ndarray], vectors: bool) -> StepSpectrum:
         """Eigenvalues and ⟨v_i, φ⟩ of the step's φ by :func:`~nsa_dist.linalg.step_spectrum`: at a
@@ -152,8 +152,8 @@ class SpectralAnalyzer:
         eigenvector steps), or App. E's constant-Gram prediction at t = 0."""
         return self.plan.stores_eigenvectors(ck.index) or (ck.index == 0 and self.plan.has("constant_gram_f_test"))
 
-    def analyze(self, ck: Checkpoint, pool: Pool | None = None) -> StepResult:
-        """Every quantity of recorded step ``ck.index``; ``pool``: the gang of a distributed layout.
+    def analyze(self, ck: Checkpoint, gang: Gang | None = None) -> StepResult:
+        """Every quantity of recorded step ``ck.index``; ``gang``: the gang of a distributed layout.
 
         G_t, its spectrum and the energies are the measurement; everything else is a diagnostic
         (:mod:`~nsa_dist.pipeline.diagnostics`): one that cannot be computed at this step is
@@ -166,7 +166,7 @@ class SpectralAnalyzer:
         notes = self._notes = StepNotes(self.plan.run_id, ck.step)
         hessian_names = P.part_names(self, ck, HessianStep)
         with self.cost.timed("gram"):
-            G = self._step_gram("train", ck.theta, pool)
+            G = self._step_gram("train", ck.theta, gang)
         known = None
         try:
             gram_step, extras, images = self._compose(P.step_context(self, ck, G, notes))
@@ -176,13 +176,13 @@ class SpectralAnalyzer:
             G.close()
         if self.plan.has("eigenvalues_test"):
             with self.cost.timed("test_points"):
-                test = notes.guard(("eigenvalues_test", "energy_f_test"), P.test_spectrum, self, ck, pool)
+                test = notes.guard(("eigenvalues_test", "energy_f_test"), P.test_spectrum, self, ck, gang)
             if test is not None:
                 gram_step = dataclasses.replace(gram_step, **test)
         hessian = None
         if self.hessian.wanted(ck.index):
             with self.cost.timed("hessian"):
-                hessian = notes.guard(hessian_names, P.hessian, self, ck, pool, notes, known)
+                hessian = notes.guard(hessian_names, P.hessian, self, ck, gang, notes, known)
         return P.with_notes(self, StepResult(gram_step, extras, hessian, images), ck, notes)
 
     def _compose(self, ctx: P.StepContext) -> tuple[GramStep, KernelExtras, ImageStep | None]:

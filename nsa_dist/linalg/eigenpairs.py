@@ -1,4 +1,4 @@
-"""The front door of the eigensolvers: :func:`top_eigenpairs` and its method choice (private)."""
+"""The front door of the eigensolvers: :func:`top_eigenpairs` and its method choice."""
 
 from __future__ import annotations
 

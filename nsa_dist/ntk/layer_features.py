@@ -1,5 +1,5 @@
 """Per-layer NTK: fast per-layer features where the forward proves them valid, per-sample
-Jacobians for every other parameter (private).
+Jacobians for every other parameter.
 
 ``G = Σ_g J_g J_gᵀ`` over any partition of the parameters, so each group takes its own route
 (:func:`~nsa_dist.ntk._probe.plan_forward` decides which).  One forward and one backward pass per

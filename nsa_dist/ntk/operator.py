@@ -1,4 +1,4 @@
-"""Matrix-free NTK products v ↦ G v (private; re-exported from :mod:`nsa_dist.ntk`)."""
+"""Matrix-free NTK products v ↦ G v (re-exported from :mod:`nsa_dist.ntk`)."""
 
 from __future__ import annotations
 

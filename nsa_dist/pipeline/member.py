@@ -1,7 +1,7 @@
 """A member of a spectral gang: holds its share of one step's G (tiles or a data shard) or of H.
 
 A plain class with idempotent methods keyed by the step's key (the Ray layer makes it an actor
-in a placement group; :class:`~nsa_dist.pipeline.layout.LocalPool` runs it in-process).  It
+in a placement group; :class:`~nsa_dist.pipeline.layout.LocalGang` runs it in-process).  It
 is handed the run's :class:`~nsa_dist.pipeline.plan.RunPlan`, loads the run's data and builds its
 network once per run, and sets θ_t per step.
 """
