@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ID_NEUTRAL",
+    "is_id_neutral",
     "Activation",
     "Init",
     "ModelSpec",
@@ -75,6 +77,18 @@ class Init(str, Enum):
 
     XAVIER = "xavier"
     NTK = "ntk"
+
+
+ID_NEUTRAL: dict[str, Any] = {"id_neutral": True}
+"""``json_schema_extra`` of a field added after runs were stored: at its default it is left out of
+the run id's hash (:func:`nsa_dist.pipeline.plan.id_json`), so every stored run keeps its id.  Mark
+every new field so; the ids of specs written before it then never change."""
+
+
+def is_id_neutral(field: Any) -> bool:
+    """Whether a pydantic ``FieldInfo`` carries :data:`ID_NEUTRAL`."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("id_neutral"))
 
 
 class _Strict(BaseModel):

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 
-from nsa_dist.config import EnergyRoute, ExperimentSpec, Layout, LossName, OptimizerName
+from nsa_dist.config import EnergyRoute, ExperimentSpec, Layout, LossName, OptimizerName, is_id_neutral
 from nsa_dist.data import Dataset
 from nsa_dist.metrics import reconstruction_ks
 from nsa_dist.models import build_model
@@ -36,6 +37,7 @@ __all__ = [
     "RunPlan",
     "plan_run",
     "run_id",
+    "id_json",
     "spec_json",
     "spectrum_size",
     "slot_names",
@@ -57,12 +59,34 @@ def spec_json(spec: ExperimentSpec) -> dict:
     return json.loads(spec.model_dump_json())
 
 
+def id_json(spec: BaseModel) -> dict:
+    """The spec as hashed by :func:`run_id`: :func:`spec_json` less every field marked
+    :data:`~nsa_dist.config.ID_NEUTRAL` that holds its default.
+
+    A field added after runs were stored is marked so: a spec that leaves it at its default keeps
+    the id it had before the field existed (its stored runs are found and resumed), and a spec that
+    sets it gets a new id, as any change of what is measured must."""
+    out = json.loads(spec.model_dump_json())
+    _prune_neutral(spec, out)
+    return out
+
+
+def _prune_neutral(m: BaseModel, out: dict) -> None:
+    for name, field in type(m).model_fields.items():
+        value = getattr(m, name)
+        if isinstance(value, BaseModel) and isinstance(out.get(name), dict):
+            _prune_neutral(value, out[name])
+        elif is_id_neutral(field) and value == field.get_default(call_default_factory=True):
+            out.pop(name, None)
+
+
 def run_id(spec: ExperimentSpec) -> str:
-    """Stable id: the run name and a hash of the whole spec (same spec → same id).  A tracked run
-    (``model.source: tracker``) is named by its user: its id is its name (reopening continues)."""
+    """Stable id: the run name and a hash of the spec (same spec → same id; :func:`id_json`).  A
+    tracked run (``model.source: tracker``) is named by its user: its id is its name (reopening
+    continues)."""
     if _tracked(spec):
         return spec.name
-    digest = hashlib.sha1(json.dumps(spec_json(spec), sort_keys=True).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(json.dumps(id_json(spec), sort_keys=True).encode()).hexdigest()[:10]
     return f"{spec.name}-{digest}"
 
 
