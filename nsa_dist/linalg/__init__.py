@@ -39,6 +39,20 @@ Example — the top 3 eigenpairs of a 60×60 Gram by LAPACK and by block Lanczos
 ...           np.allclose(np.abs(ep.evecs.T @ V[:, ::-1][:, :3]), np.eye(3), atol=1e-6))
 dense True True
 lanczos True True
+
+A step's whole spectrum (``k: all``) and the energies E(y, k) = Σ_{i≤k}⟨v_i, y⟩²/‖y‖² by each route
+of :func:`step_spectrum`, against the same ``eigh`` (the one-vector route forms neither Q nor V)::
+
+>>> from nsa_dist.linalg import step_spectrum
+>>> y = np.sin(np.arange(60.0))
+>>> E_ref = np.cumsum((V[:, ::-1].T @ y) ** 2) / (y @ y)
+>>> for route in ("auto", "tridiagonal", "eigenpairs"):
+...     sp = step_spectrum(G, 60, {"y": y}, route=route)
+...     E = np.cumsum(sp.proj["y"][:, 0] ** 2) / (y @ y)
+...     print(sp.route, np.allclose(sp.evals, w[::-1], rtol=1e-9), np.allclose(E, E_ref, atol=1e-9))
+one_vector True True
+tridiagonal True True
+eigenpairs True True
 """
 
 from __future__ import annotations
