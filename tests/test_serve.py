@@ -844,6 +844,58 @@ def test_made_up_widget_choices_reuse_the_default_build(store):
         assert len(s.server.nsa_shared) <= s.server.nsa_shared.max_entries
 
 
+def test_made_up_run_ids_hold_no_cache_entry(store):
+    """Two hundred ids the store does not list each get the fixed message, and none of them keeps
+    an entry in the shared cache (where it would push the watched runs' reads out)."""
+    import json
+    from urllib.parse import urlencode
+
+    rid = run_id(SPEC)
+    with _Served(ServeOptions(store, port=0, refresh_s=60)) as s:
+        _run_data(s, rid)
+        before = len(s.server.nsa_shared)
+        for k in range(200):
+            status, body, _ = s.get("/run/data?" + urlencode({"id": f"no-such-run-{k}"}))
+            assert status == 200 and "message" in json.loads(body), (status, body[:300])
+        held = len(s.server.nsa_shared)
+        assert held == before, f"{held - before} cache entries left by 200 made-up ids (none expected)"
+        assert _run_data(s, rid)["id"] == rid
+
+
+def test_cross_site_requests_for_a_runs_data_are_refused(store):
+    """A page of another site may link to a run's page (a navigation), never fetch its data."""
+    rid = run_id(SPEC)
+    with _Served(ServeOptions(store, port=0)) as s:
+        builds = s.server.nsa_shared.reads.get("build", 0)
+        status, body, _ = s.get(f"/run/data?id={rid}", headers={"Sec-Fetch-Site": "cross-site"})
+        assert status == 403 and rid not in body, (status, body[:300])
+        assert s.server.nsa_shared.reads.get("build", 0) == builds, "a refused request built the tab"
+        for same in ("same-origin", "none"):
+            assert s.get(f"/run/data?id={rid}", headers={"Sec-Fetch-Site": same})[0] == 200, same
+        assert s.get(f"/run?id={rid}", headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"})[0] == 200
+
+
+def test_tab_builds_past_the_limit_evict_the_least_recently_asked(store, monkeypatch):
+    """With room for one tab build, opening the second tab drops the first one's build, and asking
+    for the first tab again builds it again (the bound holds; nothing stale is served)."""
+    from nsa_dist.serve import run_page
+
+    monkeypatch.setattr(run_page, "_MAX_BUILT", 1)
+    rid = run_id(SPEC)
+    with _Served(ServeOptions(store, port=0, refresh_s=60)) as s:
+        first = _run_data(s, rid, tab=0)
+        assert len(first["tabs"]) >= 2, first["tabs"]
+        b0 = s.server.nsa_shared.reads["build"]
+        second = _run_data(s, rid, tab=1)
+        assert second["tab"] == 1 and len(s.server.nsa_pages) == 1
+        assert s.server.nsa_shared.reads["build"] == b0 + 1
+        again = _run_data(s, rid, tab=0)
+        assert s.server.nsa_shared.reads["build"] == b0 + 2, "the evicted tab was served without a build"
+        assert len(s.server.nsa_pages) == 1
+        assert again["page"]["seen"] == first["page"]["seen"]
+        assert len(again["page"]["items"]) == len(first["page"]["items"])
+
+
 def test_a_foreign_host_name_is_refused_without_a_token(store, caplog):
     """DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its own Host."""
     import logging

@@ -296,6 +296,14 @@ def _run_handlers(pages: Any, token: str | None, refresh_s: float, bound: str = 
             self.finish(page)
 
     class RunData(Guarded):
+        def prepare(self) -> None:
+            super().prepare()
+            if not self._finished and self.request.headers.get("Sec-Fetch-Site", "") == "cross-site":
+                # a page of another site may link to a run's page, never read its data (the
+                # browser's own CORS rules hold too; this refuses before any store read)
+                self.set_status(403)
+                self.finish("nsa serve: refused: a cross-site request for a run's data")
+
         async def get(self) -> None:
             arg = self.get_argument("id", "")
             try:

@@ -265,6 +265,7 @@ class RunPages:
             rid = self.shared.get(("open", arg), lambda: open_run(self.store, arg).id, self.refresh_s)
             snap = self.snapshot(rid)
         except LookupError as exc:  # an id the store does not list: a fixed message, nothing of the filesystem
+            self.shared.drop(("open", arg))  # made-up ids hold no cache entry (nor push real ones out)
             return _json({"message": f'{_ALL_RUNS}<p class="nsa-damaged"><b>{html.escape(str(exc))}</b></p>'})
         except Exception as exc:  # noqa: BLE001 — a listed run that cannot be read: the page's message
             why = html.escape(str(exc))
