@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     field_validator,
@@ -849,6 +850,8 @@ class SweepSpec(_Strict):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     variants: list[dict[str, Any]] = Field(default_factory=list)
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    # the expansion, made once when the sweep is validated (keyed by the fields it was made of)
+    _runs: tuple[str, tuple[ExperimentSpec, ...]] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _valid(self, info: ValidationInfo) -> SweepSpec:
@@ -864,8 +867,11 @@ class SweepSpec(_Strict):
                 f"{limit:,}; shrink the grid, or raise the limit explicitly (nsa sweep / nsa submit "
                 "--max-runs N)"
             )
-        self.expand()  # every run must be a valid ExperimentSpec
+        self._runs = (self._key(), tuple(self._expand()))  # every run must be a valid ExperimentSpec
         return self
+
+    def _key(self) -> str:
+        return self.model_dump_json(exclude={"cluster"})
 
     @property
     def size(self) -> int:
@@ -873,7 +879,15 @@ class SweepSpec(_Strict):
         return math.prod(len(v) for v in self.grid.values()) * max(1, len(self.variants))
 
     def expand(self) -> list[ExperimentSpec]:
-        """The sweep's runs, in a stable order (grid in the order given, then variants)."""
+        """The sweep's runs, in a stable order (grid in the order given, then variants).
+
+        Expanded and validated once, when the sweep is; every later call returns those runs (a
+        copy of the sweep with other fields is expanded again)."""
+        if self._runs is None or self._runs[0] != self._key():
+            self._runs = (self._key(), tuple(self._expand()))
+        return list(self._runs[1])
+
+    def _expand(self) -> list[ExperimentSpec]:
         import itertools
 
         keys = list(self.grid)

@@ -65,3 +65,23 @@ def test_a_neutral_field_at_its_default_is_not_hashed() -> None:
 def test_a_neutral_field_set_is_hashed() -> None:
     got = id_json(_Outer(inner=_Inner(added_later=2), added_later_too=[3]))
     assert got == {"inner": {"a": 1, "added_later": 2}, "b": "x", "added_later_too": [3]}
+
+
+def test_a_sweep_is_expanded_once(monkeypatch) -> None:
+    """Validating a sweep expands it; later ``expand()`` calls (the CLI, the coordinator, the data
+    check) return those runs without validating each run again; a copy with other fields does."""
+    calls = []
+    real = ExperimentSpec.model_validate.__func__
+
+    def counting(cls, *a, **kw):
+        calls.append(1)
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(ExperimentSpec, "model_validate", classmethod(counting))
+    sweep = load_sweep(EXAMPLES / "hessian_fig1.yaml")
+    n = len(calls)
+    assert n == 18, n
+    runs = [sweep.expand() for _ in range(3)]
+    assert len(calls) == n and runs[0] == runs[2]
+    other = sweep.model_copy(update={"name": "other"})
+    assert other.expand()[0].name.startswith("other__") and len(calls) == 2 * n
