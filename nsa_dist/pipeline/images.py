@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from nsa_dist.config import ExperimentSpec
     from nsa_dist.data import Dataset
 
-__all__ = ["EigenImages", "eigen_images", "unit_coordinates"]
+__all__ = ["EigenImages", "image_indices", "unit_coordinates"]
 
 
 def unit_coordinates(data: Dataset) -> np.ndarray:
@@ -70,10 +70,9 @@ class EigenImages:
         )
 
 
-def eigen_images(spec: ExperimentSpec, data: Dataset, K: int) -> EigenImages | None:
-    """An :class:`EigenImages` for 2-D data with at least one requested index ≤ K, else None."""
-    indices = [i for i in spec.spectrum.images if i <= K]
-    if data.X.ndim != 2 or data.X.shape[1] != 2 or not indices:  # 2-D points only, not (N, 2, H, W) images
-        return None
-    s = spec.spectrum
-    return EigenImages(unit_coordinates(data), indices, s.image_size, s.fourier_limit, s.fourier_size)
+def image_indices(spec: ExperimentSpec, data: Dataset, K: int) -> tuple[int, ...]:
+    """The eigenvectors drawn as images (1-based): the requested ones ≤ K, on 2-D points only (not
+    (N, 2, H, W) images); empty otherwise.  Decided without building the renderer."""
+    if data.X.ndim != 2 or data.X.shape[1] != 2:
+        return ()
+    return tuple(i for i in spec.spectrum.images if i <= K)

@@ -2,29 +2,26 @@
 
 A plain class with idempotent methods keyed by the step's key (the Ray layer makes it an actor
 in a placement group; :class:`~nsa_dist.pipeline.layout.LocalGang` runs it in-process).  It
-is handed the run's :class:`~nsa_dist.pipeline.plan.RunPlan`, loads the run's data and builds its
-network once per run, and sets θ_t per step.
+is handed the run's :class:`~nsa_dist.pipeline.plan.RunPlan`, takes the run's data and a network
+of its own from :class:`~nsa_dist.pipeline.materials.RunMaterials` (loaded and built once per
+process), and sets θ_t per step.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 from torch.nn.utils import vector_to_parameters
 
-from nsa_dist.config import ExperimentSpec
-from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.hessian import hessian_parts
-from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod
 from nsa_dist.ntk.blocks import BlockFeatures
 from nsa_dist.ntk.shards import FeatureShard, GramTiles, JacobianShard, shard_features
 from nsa_dist.pipeline.hessian_step import hessian_loss
-from nsa_dist.pipeline.model_state import model_inputs
+from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.plan import RunPlan
 
 __all__ = ["SpectralShard"]
@@ -33,51 +30,43 @@ __all__ = ["SpectralShard"]
 class SpectralShard:
     """One gang member.  ``threads``: torch threads of this process (None: leave as is).
 
-    ``model`` / ``data``: an in-process member (``nsa run``, a Tracker) is handed the analyzer's
-    built network and data instead of rebuilding them from the spec — a Tracker's network and
-    in-memory arrays cannot be rebuilt from it.
+    ``materials`` / ``model``: an in-process member (``nsa run``, a Tracker) is handed the
+    analyzer's materials and network instead of taking them from this process's
+    :class:`~nsa_dist.pipeline.materials.RunMaterials` — a Tracker's network and in-memory arrays
+    cannot be rebuilt from its spec.  Otherwise the member's network for a run is a copy of the
+    run's own, kept with the run's materials (dropped with them).
     """
 
     def __init__(
         self,
         threads: int | None = None,
-        cache: int = 2,
+        *,
+        materials: RunMaterials | None = None,
         model: torch.nn.Module | None = None,
-        data: Dataset | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.cache = cache
-        self._runs: OrderedDict[str, tuple[Dataset, torch.nn.Module]] = OrderedDict()
         self._held: dict[str, Any] = {}
-        self._given = (model, data) if model is not None and data is not None else None
+        self._given = (materials, model) if materials is not None and model is not None else None
 
     # ------------------------------------------------------------------ run state
-    def _model(self, plan: RunPlan, theta: np.ndarray) -> tuple[ExperimentSpec, Dataset, torch.nn.Module]:
-        """The run's data and network (loaded and built once per run in this process) at θ_t."""
-        es = plan.spec
-        if plan.run_id not in self._runs:
-            if self._given is not None:
-                model, data = self._given
-            else:
-                data = load_dataset(es.data, seed=es.seed)
-                model = build_model(es.model, seed=es.seed).to(es.torch_device())
-            self._runs[plan.run_id] = (data, model)
-            while len(self._runs) > self.cache:
-                self._runs.popitem(last=False)
-        self._runs.move_to_end(plan.run_id)
-        data, model = self._runs[plan.run_id]
+    def _model(self, plan: RunPlan, theta: np.ndarray) -> tuple[RunMaterials, torch.nn.Module]:
+        """The run's materials and this member's network (taken once per run in this process) at θ_t."""
+        if self._given is not None:
+            m, model = self._given
+        else:
+            m = RunMaterials.load(plan)
+            model = m.hold(("member", id(self)), lambda: m.network(plan.device))
         p = next(model.parameters())  # float32, or a Tracker's float64 model
         vector_to_parameters(torch.as_tensor(np.asarray(theta), dtype=p.dtype, device=p.device), model.parameters())
-        return es, data, model
+        return m, model
 
     @staticmethod
     def _points(
-        es: ExperimentSpec, data: Dataset, model: torch.nn.Module, which: str, rng: tuple[int, int] | None = None
+        plan: RunPlan, m: RunMaterials, model: torch.nn.Module, which: str, rng: tuple[int, int] | None = None
     ) -> torch.Tensor:
-        X = data.X if which == "train" else np.asarray(data.X_test).reshape((-1,) + tuple(data.X.shape[1:]))
-        X = X if rng is None else X[rng[0] : rng[1]]
-        return model_inputs(np.asarray(X), model, es.torch_device())
+        X = m.inputs(which, model, plan.device)
+        return X if rng is None else X[rng[0] : rng[1]]
 
     # ------------------------------------------------------------------ block_rows
     def features(
@@ -85,8 +74,8 @@ class SpectralShard:
     ) -> BlockFeatures | list[BlockFeatures]:
         """Per-layer features of the given ranges of points (one result per range; a single
         range gives its features unwrapped, as one object-store return)."""
-        es, data, model = self._model(plan, theta)
-        X = self._points(es, data, model, which)
+        m, model = self._model(plan, theta)
+        X = self._points(plan, m, model, which)
         feats = shard_features(model, X, ranges, plan.torch_dtype, plan.ntk_route)
         return feats[0] if len(ranges) == 1 else feats
 
@@ -108,12 +97,12 @@ class SpectralShard:
     def shard(self, key: str, plan: RunPlan, theta: np.ndarray, which: str, rng: tuple[int, int]) -> int:
         """Hold the per-layer features (structured or per-layer NTK) or, for models with neither,
         the Jacobian map of points ``rng``; returns bytes held."""
-        es, data, model = self._model(plan, theta)
-        X = self._points(es, data, model, which)
+        m, model = self._model(plan, theta)
+        X, es = self._points(plan, m, model, which), plan.spec
         dtype = plan.torch_dtype
         if plan.ntk_route.method in (NTKMethod.STRUCTURED, NTKMethod.PER_LAYER):
             feats = shard_features(model, X, [rng], dtype, plan.ntk_route)[0]
-            held: Any = FeatureShard(feats, es.model.output_dim, device=es.torch_device())
+            held: Any = FeatureShard(feats, es.model.output_dim, device=plan.device)
             nbytes = sum(A.nbytes + D.nbytes for A, D in feats)
         else:
             held = JacobianShard(model, X[rng[0] : rng[1]], dtype)
@@ -130,9 +119,9 @@ class SpectralShard:
     # ------------------------------------------------------------------ loss curvature
     def curvature(self, key: str, plan: RunPlan, theta: np.ndarray, rng: tuple[int, int], weight: float) -> None:
         """Hold H_s, I_s, S_s of the loss on points ``rng`` (float64), products scaled by ``weight`` = n_s/N."""
-        es, data, model = self._model(plan, theta)
-        X = self._points(es, data, model, "train", rng)
-        y = np.asarray(data.y, dtype=np.float64)[rng[0] : rng[1]]
+        m, model = self._model(plan, theta)
+        X, es = self._points(plan, m, model, "train", rng), plan.spec
+        y = np.asarray(m.data.y, dtype=np.float64)[rng[0] : rng[1]]
         block = es.hessian.block_size if es.hessian else None
         H, I, S = hessian_parts(model, X, y, loss=hessian_loss(es), block_size=block, dtype=torch.float64)
         self._held[key] = ({"H": H, "I": I, "S": S}, weight)

@@ -25,11 +25,11 @@ from pydantic import BaseModel
 from nsa_dist.config import EnergyRoute, ExperimentSpec, Layout, LossName, OptimizerName, is_id_neutral
 from nsa_dist.data import Dataset
 from nsa_dist.metrics import reconstruction_ks
-from nsa_dist.models import build_model
 from nsa_dist.ntk import NTKMethod, NTKRoute, resolve_route
 from nsa_dist.ntk.blocks import feature_width
-from nsa_dist.pipeline.images import eigen_images
+from nsa_dist.pipeline.images import image_indices
 from nsa_dist.pipeline.layout import LayoutChoice, choose_layout
+from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.store import RunDims, run_arrays
 
@@ -187,6 +187,21 @@ class RunPlan:
         """Whether recorded step ``index`` (0-based, into ``record``) stores its eigenvectors."""
         return self.eigenvector_steps[index]
 
+    def needs_eigenvectors(self, index: int) -> bool:
+        """Whether recorded step ``index`` uses all K training eigenvectors: it stores them, or it
+        is t0 with App. E's constant-Gram prediction."""
+        return self.stores_eigenvectors(index) or (index == 0 and self.has("constant_gram_f_test"))
+
+    @property
+    def device(self) -> str:
+        """Where the run trains and is analysed ("cuda" only when torch sees a GPU)."""
+        return self.spec.torch_device()
+
+    @property
+    def whole_spectrum(self) -> bool:
+        """Whether every step computes all N eigenvalues of the dense G (``k: all`` on the exact route)."""
+        return self.spec.spectrum.k == "all" and self.energy_route == "exact"
+
     @functools.cached_property
     def arrays(self) -> frozenset[str]:
         """The names of the run's arrays (:func:`~nsa_dist.store.run_arrays` of its sizes)."""
@@ -269,20 +284,29 @@ class RunPlan:
         return out
 
 
-def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None = None) -> RunPlan:
+def plan_run(
+    spec: ExperimentSpec,
+    data: Dataset | None = None,
+    model: torch.nn.Module | None = None,
+    *,
+    materials: RunMaterials | None = None,
+) -> RunPlan:
     """The plan of ``spec`` on ``data``.
 
     Args:
         spec: a validated spec (a Tracker's ``model.source: tracker`` spec for a tracked run).
         data: the run's points (only shapes and, for eigenvector images, the 2-D coordinates are read).
-        model: the run's network (a Tracker's, or one the caller built and keeps); built from the
-            spec when None.  Only its parameter count and NTK route are read.
+        model: the run's network (a Tracker's, or one the caller built and keeps); else the run's
+            prototype from :class:`~nsa_dist.pipeline.materials.RunMaterials` (built once per
+            process).  Only its parameter count and NTK route are read.
+        materials: the run's materials already loaded (they give ``data``, ``model`` and the id).
 
     Raises:
         ValueError: ``spectrum.layout`` names a distributed layout for a network that couples samples.
     """
-    if model is None:
-        model = build_model(spec.model, seed=spec.seed)
+    if materials is None:
+        materials = RunMaterials.load(spec, data=data, model=model)
+    data, model = materials.data, materials.prototype
     N, M = data.n, int(np.asarray(data.X_test).shape[0])
     P = sum(p.numel() for p in model.parameters())
     record = tuple(spec.record_steps())
@@ -292,8 +316,8 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
     width = 0 if coupled else feature_width(model, X4[:2], route)
     layout = choose_layout(spec, N, width, coupled)
     K = spectrum_size(spec, N, layout.layout)
-    images = eigen_images(spec, data, K)
-    nI = len(images.indices) if images else 0
+    images = image_indices(spec, data, K)
+    nI = len(images)
     s, h, Ko, opt = spec.spectrum, spec.hessian, spec.model.output_dim, spec.optimizer
     curve = energy_route(spec, layout.layout) == "quadrature"
     if curve:
@@ -334,14 +358,14 @@ def plan_run(spec: ExperimentSpec, data: Dataset, model: torch.nn.Module | None 
         gram_density_bins=s.quadrature.density_grid if curve else 0,
     )
     return RunPlan(
-        run_id=run_id(spec),
+        run_id=materials.run_id,
         spec=spec,
         spec_json=spec_json(spec),
         dims=dims,
         record=record,
         hessian_indices=frozenset(h.indices(list(record))) if h else frozenset(),
         K=K,
-        image_indices=tuple(images.indices) if images else (),
+        image_indices=images,
         layout=layout,
         ntk_route=route,
     )

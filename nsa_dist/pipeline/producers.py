@@ -1,5 +1,7 @@
 """One producer per per-step quantity, composed by :class:`~nsa_dist.pipeline.spectral.SpectralAnalyzer`.
 
+:func:`step_gram` makes a step's G in the plan's layout (whole, by the analyzer, or on the gang
+of :func:`step_gang`), :func:`spectrum` its eigenvalues and projections;
 :func:`step_context` builds a step's :class:`StepContext` once (G, the checkpoint, the residual,
 G times the probes, the φ and the spectrum); each producer below takes it and returns its record
 (or the arrays of its part of :class:`~nsa_dist.store.records.GramStep`):
@@ -30,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from nsa_dist.config import Layout
 from nsa_dist.hessian.moments import hutchpp_moments
-from nsa_dist.linalg import StepSpectrum, atoms_density, spectral_curves
+from nsa_dist.linalg import StepSpectrum, atoms_density, spectral_curves, step_spectrum
 from nsa_dist.losses import training_residual as loss_residual
 from nsa_dist.metrics import (
     alignment_from_products,
@@ -46,7 +49,7 @@ from nsa_dist.ntk.kernel_change import gram_change
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.hessian_step import GramKnowledge
-from nsa_dist.pipeline.layout import DenseGram, Gang, ShardedCurvature, StepGram, TiledGram
+from nsa_dist.pipeline.layout import DenseGram, Gang, LocalGang, ShardedCurvature, ShardedGram, StepGram, TiledGram
 from nsa_dist.pipeline.nsa_extras import test_point_prediction
 from nsa_dist.pipeline.step_extras import predicted_update
 from nsa_dist.pipeline.trainer import CHUNK_POINTS
@@ -60,6 +63,7 @@ __all__ = [
     "StepContext",
     "StepCost",
     "constant_gram_prediction",
+    "cross_buffer",
     "eigenvector_images",
     "first_order",
     "eigenbasis_gram_change",
@@ -71,7 +75,10 @@ __all__ = [
     "part_names",
     "quadrature_curves",
     "reconstructions",
+    "spectrum",
     "step_context",
+    "step_gang",
+    "step_gram",
     "stored_eigenvectors",
     "test_spectrum",
     "with_notes",
@@ -123,6 +130,70 @@ class StepContext:
         return self.G.sq_frobenius()
 
 
+def step_gram(run: SpectralAnalyzer, which: str, theta: np.ndarray, gang: Gang | None) -> StepGram:
+    """G at the training (or test) points in the plan's layout: whole here, or on the gang."""
+    plan = run.plan
+    if not plan.distributed:
+        return DenseGram(run._gram(run.X if which == "train" else run.X_test, which))
+    n, s = (run.data.n if which == "train" else run.X_test.shape[0]), run.spec.spectrum
+    gang, dtype = step_gang(run, gang), np.dtype(s.dtype)
+    if plan.layout.layout is Layout.BLOCK_ROWS:
+        return TiledGram(gang, plan, theta, which, n, dtype)
+    return ShardedGram(gang, plan, theta, which, n, dtype, s.frobenius_probes, run.spec.seed)
+
+
+def step_gang(run: SpectralAnalyzer, gang: Gang | None) -> Gang:
+    """The gang to use: the caller's, else the analyzer's in-process one of ``spectrum.workers``
+    members, each handed the analyzer's materials and network."""
+    if gang is not None:
+        return gang
+    if run._local_gang is None:
+        from nsa_dist.pipeline.member import SpectralShard
+
+        members = [SpectralShard(materials=run.materials, model=run.model) for _ in range(run.spec.spectrum.workers)]
+        run._local_gang = LocalGang(members)
+    return run._local_gang
+
+
+def spectrum(
+    run: SpectralAnalyzer, G: StepGram, k: int, which: str, phis: dict[str, np.ndarray], vectors: bool
+) -> StepSpectrum:
+    """Eigenvalues and ⟨v_i, φ⟩ of the step's φ by :func:`~nsa_dist.linalg.step_spectrum`: at a
+    `k: all` step that needs no eigenvectors from one tridiagonalisation (the cost of eigvalsh),
+    else from the eigenpairs, where Lanczos starts from this Gram's last eigenvectors with
+    ``spectrum.warm_start``.  ``vectors``: the step needs all of V."""
+    s = run.spec.spectrum
+    idx = tuple(i - 1 for i in run.images.indices) if run.images is not None and which == "train" else ()
+    sp = step_spectrum(
+        G.G if isinstance(G, DenseGram) else G,
+        k,
+        phis,
+        vectors=vectors,
+        indices=idx,
+        route=run.route,
+        solver=run.solver,
+        method=s.eig_method,
+        start=run._warm.get(which) if s.warm_start else None,
+        workspace=run._workspace,
+    )
+    if s.warm_start and sp.method is not None and sp.method.value == "lanczos":
+        run._warm[which] = sp.evecs
+    run.cost.n_products[which], run.cost.eig_route[which] = sp.n_matvec, sp.route
+    return sp
+
+
+def cross_buffer(run: SpectralAnalyzer) -> torch.Tensor | None:
+    """Where App. E's cross kernel g(X_test, 𝒳) (M, N) is assembled whole: on the host with G
+    held whole and the test Gram measured, that Gram's workspace buffer — free until the test
+    half, which overwrites it later in the step (reallocated there when M ≠ N, once per run:
+    App. E runs at t0 only), so the training points' features are computed once and no fresh
+    pages are touched; None (blocks of rows, transient) without test Grams (a buffer would stay
+    held for nothing), on a gang, where G is too large to hold, or on a GPU."""
+    if run.plan.distributed or run.device.type != "cpu" or not run.plan.has("eigenvalues_test"):
+        return None
+    return run._workspace.empty("gram.test", (run.X_test.shape[0], run.data.n), run.dtype)
+
+
 def _jvp_outputs(run: SpectralAnalyzer, dtheta: np.ndarray) -> np.ndarray:
     """J_t · dθ at the training points (first-order change of f for any optimizer)."""
     X = run.X.to(run.dtype) if run.X.is_floating_point() else run.X  # token ids stay integers
@@ -157,7 +228,8 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
         )
         phis = {"y": run.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
     with run.cost.timed("eigenpairs"):
-        sp = run._spectrum(G, run.K, "train", {k: v for k, v in phis.items() if v is not None}, run.needs_vectors(ck))
+        given = {k: v for k, v in phis.items() if v is not None}
+        sp = run._spectrum(G, run.plan.K, "train", given, run.plan.needs_eigenvectors(ck.index))
     return StepContext(run, ck, G, notes, residual, GP, C, phis, sp)
 
 
@@ -275,7 +347,7 @@ def stored_eigenvectors(ctx: StepContext) -> dict[str, Any]:
 def reconstructions(ctx: StepContext) -> dict[str, Any]:
     """Fig. 4d's f̄_{t,k} (and their images on 2-D data)."""
     run = ctx.run
-    R = top_k_reconstructions(ctx.sp.evecs, ctx.ck.f, reconstruction_ks(run.K))  # (nR, N[, Ko])
+    R = top_k_reconstructions(ctx.sp.evecs, ctx.ck.f, reconstruction_ks(run.plan.K))  # (nR, N[, Ko])
     out: dict[str, Any] = {"reconstructions": R.astype(np.float32)}
     if run.plan.has("reconstruction_images"):
         out["reconstruction_images"] = run.images.image(R.reshape(R.shape[0], ctx.N, -1)[..., 0].T).astype(
@@ -358,7 +430,7 @@ def eigenvector_images(ctx: StepContext) -> ImageStep | None:
 
 def test_spectrum(run: SpectralAnalyzer, ck: Checkpoint, gang: Gang | None) -> dict[str, np.ndarray]:
     """The test Gram's eigenvalues and E(f_test, k) (NSA Fig. 3e)."""
-    G_t = run._step_gram("test", ck.theta, gang)
+    G_t = step_gram(run, "test", ck.theta, gang)
     try:
         sp_t = run._spectrum(G_t, run.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
     finally:
@@ -374,11 +446,11 @@ def gram_knowledge(run: SpectralAnalyzer, G: StepGram, evals: np.ndarray) -> Gra
     its whole spectrum (k: all — the eigenvalues just computed — or one eigvalsh of the
     dense G), or with block_rows the exact tile trace and ‖G‖_F²; None otherwise."""
     if not run.hessian.gram_reusable:
-        return GramKnowledge(distributed=True) if run.distributed else None
+        return GramKnowledge(distributed=True) if run.plan.distributed else None
     if isinstance(G, DenseGram):
         if run.dtype != torch.float64:
             return None
-        if run.spec.spectrum.k == "all" and run.plan.energy_route == "exact":
+        if run.plan.whole_spectrum:
             return GramKnowledge(evals=np.asarray(evals, np.float64))
         return GramKnowledge(evals=torch.linalg.eigvalsh(G.G).detach().cpu().numpy().astype(np.float64))
     if isinstance(G, TiledGram):
@@ -391,9 +463,9 @@ def hessian(
     run: SpectralAnalyzer, ck: Checkpoint, gang: Gang | None, notes: StepNotes, gram: GramKnowledge | None = None
 ) -> HessianStep:
     """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
-    if not run.distributed:
+    if not run.plan.distributed:
         return run.hessian.analyze(run.model, gram=gram, step=ck.step, notes=notes)
-    curv = ShardedCurvature(run._gang(gang, run.data.n), run.plan, ck.theta, run.data.n, run.n_params)
+    curv = ShardedCurvature(step_gang(run, gang), run.plan, ck.theta, run.data.n, run.plan.dims.P)
     try:
         return run.hessian.analyze(
             run.model,

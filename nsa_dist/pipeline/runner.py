@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from nsa_dist.config import ExperimentSpec
-from nsa_dist.models import build_model
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.session import PreparedRun, RunSession, finish_run, pin_layout, prepare_run
@@ -57,14 +56,9 @@ def run_experiment(
     """
     check_fits(spec)  # before the data is loaded, the model built or (a URL) the store opened
     store = SpectrumStore(store) if isinstance(store, str) else store
-    with RunSession.open(spec, store, wait=wait, model=lambda: _seeded_model(spec)) as session:
+    torch.manual_seed(spec.seed)  # the global RNG a factory network's own randomness (dropout) draws from
+    with RunSession.open(spec, store, wait=wait) as session:
         return _run(session, on_step, on_update, on_prepared)
-
-
-def _seeded_model(spec: ExperimentSpec) -> torch.nn.Module:
-    """The analyzer's network, planned with (built once the run's lease is taken)."""
-    torch.manual_seed(spec.seed)
-    return build_model(spec.model, seed=spec.seed)
 
 
 def _run(session: RunSession, on_step, on_update, on_prepared) -> RunOutcome:
@@ -73,7 +67,7 @@ def _run(session: RunSession, on_step, on_update, on_prepared) -> RunOutcome:
     if on_prepared:
         on_prepared(session.prepared)
     plan, data, rid = session.plan, session.data, session.run_id
-    trainer, analyzer = Trainer(plan, data), SpectralAnalyzer(plan, data, session.prepared.model)
+    trainer, analyzer = Trainer(plan, data), SpectralAnalyzer(plan, data)  # each a copy of the run's network
     if session.complete():  # also a run killed between its last step and its preservation array
         return RunOutcome(rid, Status.DONE)
     resume = session.writer.resume_index()

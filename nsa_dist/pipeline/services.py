@@ -5,18 +5,19 @@ called again after a restart it resumes from the last stored checkpoint, never f
 steps.  ``SpectralService.analyze_and_write(...)`` computes one (run, step) and writes it to
 the store; doing it twice writes the same chunks twice.  Both write on behalf of the driver that
 holds the run's lease: given its token, every write is fenced by it (``LeaseLost`` once another
-driver took the run over), and each checks that the data it loaded is the run's.
+driver took the run over), and each checks that the data it loaded is the run's.  Both take the
+run's data and network from :class:`~nsa_dist.pipeline.materials.RunMaterials` (once per process).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from nsa_dist.data import Dataset, load_dataset
+from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
+from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer
@@ -39,14 +40,15 @@ def open_writer(store_url: str, plan: RunPlan, data: Dataset | None = None, toke
 
 
 class TrainerService:
-    """Trains one run; restarts resume from the store's last finished checkpoint."""
+    """Trains one run; restarts resume from the store's last finished checkpoint.  Its data is
+    loaded when it starts (checked against the run's fingerprint: what is on disk now)."""
 
     def __init__(self, plan: RunPlan, store_url: str, threads: int | None = None, token: str | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.plan, self.spec = plan, plan.spec
         self.run_id, self.store_url = plan.run_id, store_url
-        self.data = load_dataset(self.spec.data, seed=self.spec.seed)
+        self.data = RunMaterials.load(plan, fresh=True).data
         self.writer = open_writer(store_url, plan, self.data, token)
         self._reset()
 
@@ -78,13 +80,14 @@ class TrainerService:
 
 
 class SpectralService:
-    """Analyses (run, step) checkpoints and writes them; keeps the analyzers of recent runs."""
+    """Analyses (run, step) checkpoints and writes them.  Its analyzer and writer of a run are kept
+    with the run's :class:`~nsa_dist.pipeline.materials.RunMaterials` (at most
+    :data:`~nsa_dist.pipeline.materials.MAX_RUNS` runs per process, least recently used dropped)."""
 
-    def __init__(self, store_url: str, threads: int | None = None, cache: int = 2) -> None:
+    def __init__(self, store_url: str, threads: int | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.store_url, self.cache = store_url, cache
-        self._runs: OrderedDict[str, tuple[SpectralAnalyzer, RunWriter]] = OrderedDict()  # by run id
+        self.store_url = store_url
 
     def pid(self) -> int:
         import os
@@ -92,13 +95,11 @@ class SpectralService:
         return os.getpid()
 
     def _run(self, plan: RunPlan) -> tuple[SpectralAnalyzer, RunWriter]:
-        if plan.run_id not in self._runs:
-            data = load_dataset(plan.spec.data, seed=plan.spec.seed)
-            self._runs[plan.run_id] = (SpectralAnalyzer(plan, data), open_writer(self.store_url, plan, data))
-            while len(self._runs) > self.cache:
-                self._runs.popitem(last=False)
-        self._runs.move_to_end(plan.run_id)
-        return self._runs[plan.run_id]
+        m = RunMaterials.load(plan)
+        return m.hold(
+            ("spectral_service", id(self)),
+            lambda: (SpectralAnalyzer(plan, m.data), open_writer(self.store_url, plan, m.data)),
+        )
 
     def analyze_and_write(
         self, plan: RunPlan, ck: Checkpoint, gang: Any = None, token: str | None = None

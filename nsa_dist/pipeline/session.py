@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 from nsa_dist.config import ExperimentSpec
-from nsa_dist.data import Dataset, load_dataset
+from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError
 from nsa_dist.metrics import spectrum_preservation
 from nsa_dist.metrics.preservation import preservation_pair
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
+from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.nsa_extras import write_constant_gram
 from nsa_dist.pipeline.plan import RunPlan, plan_run, run_id
 from nsa_dist.pipeline.trainer import TrainingDiverged
@@ -50,7 +51,7 @@ class PreparedRun:
     plan: RunPlan
     data: Dataset
     writer: RunWriter
-    model: torch.nn.Module | None = None  # the network planned with, when the caller gave one
+    materials: RunMaterials  # the run's data and network in this process (the roles' copies come from it)
 
     @property
     def run_id(self) -> str:
@@ -71,21 +72,21 @@ def prepare_run(
     replaced at the same path) it is refused (StoreError naming the data and both
     fingerprints).  The first to open the run records its layout (and why); everyone after — a
     resumed run, every Ray worker given the plan — uses the recorded one.  ``token``: the writer
-    lease's token, fencing every write of the run.  ``model``: a network built from the spec that
-    the caller keeps (the plan reads its sizes; a callable is called first thing, to build it),
-    else one is built for planning.  ``data``: the run's points when the caller has them (a
-    Tracker's arrays), else loaded from ``spec.data``.
+    lease's token, fencing every write of the run.  ``model``: the caller's network (a Tracker's;
+    a callable is called first thing, to build it), else the run's prototype is built once
+    (:class:`~nsa_dist.pipeline.materials.RunMaterials`).  ``data``: the run's points when the
+    caller has them (a Tracker's arrays), else loaded from ``spec.data`` — again, even if this
+    process loaded them before: the run is checked against what is there now.
     """
     if callable(model) and not isinstance(model, torch.nn.Module):
         model = model()
-    if data is None:
-        data = load_dataset(spec.data, seed=spec.seed)
-    plan = plan_run(spec, data, model)
+    materials = RunMaterials.load(spec, data=data, model=model, fresh=data is None)
+    plan, data = plan_run(spec, materials=materials), materials.data
     writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
     plan = pin_layout(writer, plan)
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         writer.write_static(plan.static_arrays(data))
-    return PreparedRun(plan, data, writer, model)
+    return PreparedRun(plan, data, writer, materials)
 
 
 def pin_layout(writer: RunWriter, plan: RunPlan) -> RunPlan:

@@ -11,9 +11,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from nsa_dist.config import OptimizerName
 from nsa_dist.data import Dataset
 from nsa_dist.losses import cross_entropy_loss, is_cross_entropy, is_nce, nce_loss
-from nsa_dist.models import build_model
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
+from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.plan import RunPlan, slot_names
 
 __all__ = ["Trainer", "TrainingDiverged"]
@@ -45,14 +45,15 @@ class Trainer:
     cross-entropy), deterministically for a seed; the learning rate is :meth:`ExperimentSpec.lr_at`.
 
     ``train_until(stop)`` is idempotent in its target: it runs updates from the current step up
-    to ``stop`` and yields a :class:`Checkpoint` at every recorded step passed on the way.
+    to ``stop`` and yields a :class:`Checkpoint` at every recorded step passed on the way.  Its
+    network is a copy of the run's of its own (:meth:`RunMaterials.network`, built once per process).
     """
 
     def __init__(self, plan: RunPlan, data: Dataset) -> None:
         spec = plan.spec
         self.plan, self.spec = plan, spec
-        self.device = torch.device(spec.torch_device())
-        self.model = build_model(spec.model, seed=spec.seed).to(self.device)
+        self.device = torch.device(plan.device)
+        self.model = RunMaterials.load(plan, data=data).network(self.device)
         self.X = torch.as_tensor(data.X, dtype=torch.float32, device=self.device)  # (N, d)
         self.y = _as_target(data.y).to(self.device)  # (N,) or (N, K)
         self.X_test = torch.as_tensor(data.X_test, dtype=torch.float32, device=self.device).reshape(-1, data.X.shape[1])
