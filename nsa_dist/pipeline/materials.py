@@ -34,7 +34,7 @@ from nsa_dist.pipeline.model_state import model_inputs
 
 if TYPE_CHECKING:
     from nsa_dist.config import ExperimentSpec
-    from nsa_dist.pipeline.plan import RunPlan
+    from nsa_dist.pipeline.plan import RunPlan  # noqa: F401 (also imported in load)
 
 __all__ = ["MAX_RUNS", "RunMaterials"]
 
@@ -82,23 +82,22 @@ class RunMaterials:
         Raises:
             as :func:`~nsa_dist.data.load_dataset` (a missing or changed data file).
         """
-        spec = getattr(run, "spec", run)
-        if hasattr(run, "run_id"):
-            rid = run.run_id
-        else:
-            from nsa_dist.pipeline.plan import run_id
+        from nsa_dist.pipeline.plan import RunPlan, run_id  # here: the plan is made from materials
 
-            rid = run_id(spec)
-        if model is not None:
-            return cls(rid, spec, data if data is not None else load_dataset(spec.data, seed=spec.seed), model)
-        kept = _KEPT.get(rid)
-        if kept is None or fresh or (data is not None and data is not kept.data):
-            kept = cls(rid, spec, data if data is not None and not fresh else load_dataset(spec.data, seed=spec.seed))
-            _KEPT[rid] = kept
+        spec, rid = (run.spec, run.run_id) if isinstance(run, RunPlan) else (run, run_id(run))
+        kept = _KEPT.get(rid) if model is None else None
+        if kept is not None and not fresh and (data is None or data is kept.data):
+            _KEPT.move_to_end(rid)
+            return kept
+        if data is None or fresh:
+            data = load_dataset(spec.data, seed=spec.seed)
+        made = cls(rid, spec, data, model)
+        if model is None:  # what the loader loaded or built is kept; a caller's network is the caller's
+            _KEPT[rid] = made
+            _KEPT.move_to_end(rid)
             while len(_KEPT) > MAX_RUNS:
                 _KEPT.popitem(last=False)
-        _KEPT.move_to_end(rid)
-        return kept
+        return made
 
     @property
     def prototype(self) -> nn.Module:
