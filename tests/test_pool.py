@@ -80,3 +80,78 @@ def test_ray_pool_gives_one_analysis_per_worker_and_ray_retries_a_killed_one(loc
         pool.close()
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+class Refusing:
+    """A worker whose analysis raises while a file exists (the state it borrowed is broken)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def analyze_and_write(self, gate: str, broken: str) -> int:
+        while not os.path.exists(gate):
+            time.sleep(0.02)
+        if os.path.exists(broken):
+            raise RuntimeError("the borrowed state is broken")
+        return os.getpid()
+
+
+@pytest.mark.slow
+def test_dispatch_queue_recomputes_a_killed_workers_step_and_retries_a_broken_one(local_ray, tmp_path):
+    """The one queue of the sweep coordinator and the Tracker's Ray pool: steps go out in order while
+    a worker is idle and ``lend`` agrees; a worker killed mid-step is restarted by Ray and the step
+    handed back from the new process (counted as resubmitted, seen by the probe); a step whose
+    borrowed state broke is put back first at most ``max_retries`` times, the state given back broken."""
+    from ray import cloudpickle
+
+    from nsa_dist.cluster.pool import Analysis, DispatchQueue, RayAnalysisPool
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        worker = local_ray.remote(Refusing).options(num_cpus=0.5, max_restarts=-1, max_task_retries=1).remote()
+        before = local_ray.get(worker.pid.remote())
+        gate, broken = tmp_path / "gate", tmp_path / "broken"
+        free, returned = ["state"], []  # what lend hands out (a gang, in the coordinator)
+
+        def lend(a: Analysis) -> bool:
+            if not free:
+                return False
+            a.gang = free.pop()
+            return True
+
+        def give_back(a: Analysis, is_broken: bool) -> None:
+            returned.append((a.index, is_broken))
+            free.append(a.gang)
+            a.gang = None
+
+        q = DispatchQueue(
+            RayAnalysisPool([worker], [before]),
+            lambda a: (str(gate), str(broken)),
+            lend=lend,
+            give_back=give_back,
+            max_retries=1,
+            probe=True,
+        )
+        for i in range(2):
+            q.put(Analysis("r", i, None))
+        assert [a.index for a in q.running.values()] == [0] and [a.index for a in q.queued] == [1] and len(q) == 2
+        os.kill(before, signal.SIGKILL)  # mid-step 0: Ray restarts the worker and runs step 0 again there
+        gate.touch()
+        (ref,) = q.ready(block=True)
+        a, ran_in, exc = q.take(ref)
+        assert (a.index, exc) == (0, None) and ran_in != before, (a.index, exc, ran_in, before)
+        assert q.resubmitted == 1 and returned == [(0, False)] and a.worker is None
+        q.dispatch()
+        broken.touch()
+        (ref,) = q.ready(block=True)
+        a, summary, exc = q.take(ref)
+        assert a.index == 1 and summary is None and "the borrowed state is broken" in str(exc), exc
+        assert q.retry(a) is True and a.attempts == 1 and q.resubmitted == 2  # sent again at once
+        assert [x.index for x in q.running.values()] == [1] and returned[-1] == (1, True)
+        (ref,) = q.ready(block=True)
+        a, _, exc = q.take(ref)
+        assert exc is not None and q.retry(a) is False, exc  # max_retries spent: the caller fails the step
+        assert returned[-1] == (1, True) and len(q) == 0 and q.resubmitted == 2 and free == ["state"]
+        q.pool.close()
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

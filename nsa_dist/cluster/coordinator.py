@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from nsa_dist.cluster.actors import spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang
-from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
+from nsa_dist.cluster.pool import Analysis, DispatchQueue, RayAnalysisPool, task_cause
 from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
 from nsa_dist.cluster.runtime import RayletLost, alive_nodes, cluster_has_gpus, quiet_ray_at_exit, raylet_lost
 from nsa_dist.config import ExperimentSpec, SweepSpec
@@ -59,8 +59,7 @@ class _Run:
     next_index: int = 0
     pending: Any = None  # ObjectRef of the checkpoint being trained towards
     pending_index: int = -1
-    queued: list[Analysis] = field(default_factory=list)  # waiting for a worker / gang
-    inflight: dict[Any, Analysis] = field(default_factory=dict)  # analysis ref -> its record
+    analyses: DispatchQueue | None = None  # its checkpoints queued for / sent to a worker, once it runs
     diverged: TrainingDiverged | None = None  # set once training diverged: drain, then fail
 
     @property
@@ -78,6 +77,11 @@ class _Run:
     @property
     def done(self) -> np.ndarray:
         return self.session.done
+
+    @property
+    def inflight(self) -> dict[Any, Analysis]:
+        """The analyses sent and not yet handed back (ref -> record)."""
+        return self.analyses.running if self.analyses is not None else {}
 
 
 def _from_ray(exc: BaseException) -> bool:
@@ -152,8 +156,12 @@ class SweepCoordinator:
         self.pool: RayAnalysisPool | None = None  # the spectral workers, once run() needs them
         self.gangs: dict[int, list[RayGang]] = {}  # free gangs by size
         self._gangs_out: list[RayGang] = []  # gangs lent to an analysis
-        self.resubmitted = 0  # (run, step) analyses recomputed after a gang member died
         self.replaced_gangs = 0
+
+    @property
+    def resubmitted(self) -> int:
+        """(run, step) analyses recomputed after a gang member died."""
+        return sum(r.analyses.resubmitted for r in self.runs.values() if r.analyses is not None)
 
     # ------------------------------------------------------------------ main loop
     def run(self, poll: float = 0.5) -> list[RunOutcome]:
@@ -183,12 +191,13 @@ class SweepCoordinator:
                 while todo and len(active) < limit:
                     r = todo.pop(0)
                     r.trainer = trainer_actor(r.plan, self.store_url, self.cl, has_gpus, self.lease.token)
+                    r.analyses = self._queue(r)
                     r.session.start()
                     r.progress.status = Status.RUNNING
                     active.append(r)
                 for r in active:
                     self._request_checkpoints(r)
-                    self._dispatch(r)
+                    r.analyses.dispatch()
                 self._wait_and_handle(active, poll)
                 for r in [r for r in active if r.progress.status in (Status.DONE, Status.FAILED)]:
                     active.remove(r)
@@ -261,7 +270,7 @@ class SweepCoordinator:
     def _request_checkpoints(self, r: _Run) -> None:
         while (
             r.pending is None
-            and len(r.inflight) + len(r.queued) < self.cl.max_inflight
+            and len(r.analyses) < self.cl.max_inflight
             and r.progress.status == Status.RUNNING
             and r.diverged is None
         ):
@@ -272,19 +281,25 @@ class SweepCoordinator:
             r.pending, r.pending_index = r.trainer.checkpoint.remote(r.next_index), r.next_index
             r.next_index += 1
 
-    def _dispatch(self, r: _Run) -> None:
-        """Hand queued checkpoints to idle workers (and a free gang when the layout needs one)."""
-        while r.queued and self.pool is not None and self.pool.has_free():
-            gang = None
-            if r.gang_size:
-                free = self.gangs.get(r.gang_size, [])
-                if not free:
-                    return
-                gang = free.pop()
-                self._gangs_out.append(gang)
-            a = r.queued.pop(0)
-            a.gang = gang
-            r.inflight[self.pool.send(a, r.plan, a.ckpt, gang.members if gang else None, self.lease.token)] = a
+    def _queue(self, r: _Run) -> DispatchQueue:
+        """Run ``r``'s queue to the spectral workers: each step with the run's plan, a free gang
+        of the run's size when its layout needs one, and the driver's lease token."""
+
+        def lend(a: Analysis) -> bool:  # a free gang of the run's size, or wait for one
+            if not r.gang_size:
+                return True
+            free = self.gangs.get(r.gang_size, [])
+            if not free:
+                return False
+            a.gang = free.pop()
+            self._gangs_out.append(a.gang)
+            return True
+
+        def args(a: Analysis) -> tuple:
+            return r.plan, a.ckpt, a.gang.members if a.gang else None, self.lease.token
+
+        retries = self.cl.max_retries
+        return DispatchQueue(self.pool, args, lend=lend, give_back=self._give_gang_back, max_retries=retries)
 
     def _wait_and_handle(self, active: list[_Run], poll: float) -> None:
         owner: dict[Any, tuple[_Run, str]] = {}
@@ -301,19 +316,18 @@ class SweepCoordinator:
             r, kind = owner[ref]
             if kind == "ckpt":  # hand the ref on without fetching the data here
                 index, r.pending = r.pending_index, None
-                r.queued.append(Analysis(r.progress.run_id, index, ref))
-                self._dispatch(r)
+                r.analyses.put(Analysis(r.progress.run_id, index, ref))
             else:
                 self._analysis_done(r, ref)
 
-    def _return(self, a: Analysis, broken: bool = False) -> None:
-        """Give ``a``'s worker back to the idle set, its gang back to the free list (or replace it)."""
-        self.pool.release(a)
+    def _give_gang_back(self, a: Analysis, broken: bool) -> None:
+        """``a``'s gang back to the free list (``broken``: a member died mid-step, so the gang's
+        state is gone and a fresh gang takes its place)."""
         gang, a.gang = a.gang, None
         if gang is None:
             return
         self._gangs_out.remove(gang)
-        if broken:  # a member died mid-step: the gang's state is gone; a fresh gang takes its place
+        if broken:
             size = gang.members.size
             gang.shutdown()
             gang = self._new_gang(size, self._has_gpus)
@@ -328,36 +342,45 @@ class SweepCoordinator:
             raise RayletLost(cause, _where(active))
 
     def _analysis_done(self, r: _Run, ref: Any) -> None:
-        a = r.inflight.pop(ref)
-        try:
-            summary = ray.get(ref)
-        except RayTaskError as exc:  # the checkpoint or the analysis raised
+        a, summary, exc = r.analyses.take(ref)
+        if exc is not None:
+            self._analysis_failed(r, a, exc)
+            return
+        r.session.mark_done(a.index)
+        p = r.progress
+        p.done = int(r.done.sum())
+        if p.step is None or summary["step"] >= p.step:  # analyses may finish out of order
+            p.step, p.loss, p.lambda_max = summary["step"], summary["loss"], summary["lambda_max"]
+        if r.diverged is not None:
+            self._finish_diverged(r)
+        elif r.done.all() and not r.analyses:
+            r.session.finish()
+            p.status = Status.DONE
+
+    def _analysis_failed(self, r: _Run, a: Analysis, exc: Exception) -> None:
+        """Judge the error ``ray.get`` raised for ``a`` (whose worker and gang are still held)."""
+        running = [x for x in self.runs.values() if x.progress.status == Status.RUNNING]
+        if isinstance(exc, RayTaskError):  # the checkpoint or the analysis raised
             cause = task_cause(exc)
             if _from_ray(cause):
-                self._check_raylet([x for x in self.runs.values() if x.progress.status == Status.RUNNING], True)
+                self._check_raylet(running, True)
             if isinstance(cause, LeaseLost):  # another driver took the run over: stop, write nothing
-                self._return(a)
+                r.analyses.release(a)
                 raise cause from None
             if isinstance(cause, RayActorError) and a.gang is not None:  # a gang member died mid-step
-                self._return(a, broken=True)  # the one retry Ray has no primitive for: a fresh gang recomputes
-                if a.attempts < self.cl.max_retries:
-                    a.attempts += 1
-                    r.queued.insert(0, a)
-                    self.resubmitted += 1
-                    self._dispatch(r)
-                    return
-                self._fail(r, RuntimeError(f"step index {a.index}: a spectral-gang member died {a.attempts + 1} times"))
+                if not r.analyses.retry(a):  # the one retry Ray has no primitive for: a fresh gang recomputes
+                    died = f"a spectral-gang member died {a.attempts + 1} times"
+                    self._fail(r, RuntimeError(f"step index {a.index}: {died}"))
                 return
-            self._return(a)
+            r.analyses.release(a)
             if isinstance(cause, TrainingDiverged):  # keep the earlier steps still being analysed
                 r.diverged, r.pending = cause, None
                 self._finish_diverged(r)
             else:  # incl. a trainer that cannot be restarted (its constructor raised)
                 self._fail(r, cause)
-            return
-        except RayActorError as exc:  # Ray's restarts and task retries are spent: the run fails
-            self._check_raylet([x for x in self.runs.values() if x.progress.status == Status.RUNNING], True)
-            self._return(a, broken=a.gang is not None)
+        elif isinstance(exc, RayActorError):  # Ray's restarts and task retries are spent: the run fails
+            self._check_raylet(running, True)
+            r.analyses.release(a, broken=a.gang is not None)
             who = "its trainer" if self._trainer_dead(r) else "the spectral worker"
             self._fail(
                 r,
@@ -366,18 +389,8 @@ class SweepCoordinator:
                     f"{self.cl.max_retries} restarts): {type(exc).__name__}"
                 ),
             )
-            return
-        self._return(a)
-        r.session.mark_done(a.index)
-        p = r.progress
-        p.done = int(r.done.sum())
-        if p.step is None or summary["step"] >= p.step:  # analyses may finish out of order
-            p.step, p.loss, p.lambda_max = summary["step"], summary["loss"], summary["lambda_max"]
-        if r.diverged is not None:
-            self._finish_diverged(r)
-        elif r.done.all() and not r.inflight and not r.queued:
-            r.session.finish()
-            p.status = Status.DONE
+        else:  # another of Ray's errors: the main loop asks whether the raylet is gone
+            raise exc
 
     @staticmethod
     def _trainer_dead(r: _Run) -> bool:
@@ -391,16 +404,12 @@ class SweepCoordinator:
 
     def _finish_diverged(self, r: _Run) -> None:
         """Once the analyses in flight before the divergence are written, mark the run failed."""
-        if not r.inflight:
-            r.queued.clear()
+        if not r.analyses.running:
+            r.analyses.queued.clear()
             self._fail(r, r.diverged)
 
     def _fail(self, r: _Run, exc: BaseException) -> None:
         reason = r.session.fail(exc)  # a diverged run: its message and step; else "Type: message"
         r.progress.status, r.progress.reason = Status.FAILED, reason
-        for ref, a in list(r.inflight.items()):
-            ray.cancel(ref)
-            self._return(a)
-        r.inflight.clear()
-        r.queued.clear()
+        r.analyses.cancel()
         r.pending = None

@@ -1,6 +1,7 @@
 """The Tracker's :class:`~nsa_dist.pipeline.pool.AnalysisPool` on Ray actors.
 
-Checkpoints go to the object store once (``ray.put``), their refs to idle workers (the rest wait
+Checkpoints go to the object store once (``ray.put``), their refs to idle workers through the
+:class:`~nsa_dist.cluster.pool.DispatchQueue` the sweep coordinator's runs use too (the rest wait
 in order); the driver fetches only the short summaries.  Ray restarts a dead worker and retries its step.
 """
 
@@ -13,7 +14,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from nsa_dist.cluster.actors import tracked_run_workers
-from nsa_dist.cluster.pool import Analysis, RayAnalysisPool, task_cause
+from nsa_dist.cluster.pool import Analysis, DispatchQueue, RayAnalysisPool, task_cause
 from nsa_dist.cluster.runtime import connect
 from nsa_dist.errors import AnalysisError
 from nsa_dist.pipeline.pool import raise_failure
@@ -21,7 +22,7 @@ from nsa_dist.pipeline.pool import raise_failure
 __all__ = ["RayTrackerPool"]
 
 
-class RayTrackerPool(RayAnalysisPool):
+class RayTrackerPool:
     """``workers`` TrackedRunService actors analysing one tracked run.
 
     Args:
@@ -71,27 +72,28 @@ class RayTrackerPool(RayAnalysisPool):
                 "nsa_dist must be importable on every worker (runtime_env py_modules / working_dir, "
                 "see deploy/README.md)"
             ) from exc
-        super().__init__(actors, self.pids)
+        self.queue = DispatchQueue(RayAnalysisPool(actors, self.pids), _checkpoint, probe=True)
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
         self.max_retries, self.run = max_retries, plan.run_id
-        self.running: dict[Any, Analysis] = {}  # task ref -> its analysis
-        self.queued: list[Analysis] = []
-        self.resubmitted = 0
+
+    @property
+    def running(self) -> dict[Any, Analysis]:
+        """The steps sent to a worker (task ref -> its analysis)."""
+        return self.queue.running
 
     @property
     def inflight(self) -> list[Analysis]:
         """The steps handed over and not yet returned: running and queued."""
-        return [*self.running.values(), *self.queued]
+        return [*self.queue.running.values(), *self.queue.queued]
+
+    @property
+    def resubmitted(self) -> int:
+        """Steps Ray ran again on a restarted worker."""
+        return self.queue.resubmitted
 
     def submit(self, ck: Any) -> None:
         """Hand checkpoint ``ck`` to an idle worker, or queue it; returns at once."""
-        self.queued.append(Analysis(self.run, ck.index, ray.put(ck), ck.step))
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        while self.queued and self.has_free():
-            a = self.queued.pop(0)
-            self.running[self.send(a, a.ckpt, probe=True)] = a
+        self.queue.put(Analysis(self.run, ck.index, ray.put(ck), ck.step))
 
     def wait(self, block: bool) -> list[dict]:
         """Summaries of finished steps (at least one if ``block`` and any is in flight).
@@ -101,28 +103,29 @@ class RayTrackerPool(RayAnalysisPool):
                 or its worker died more than ``max_retries`` times.
             LeaseLost: another writer took the run over.
         """
-        if not self.running:
+        if not self.queue.running:
             return []
-        ready, _ = ray.wait(
-            list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0
-        )
         out = []
-        for ref in ready:
-            a = self.running.pop(ref)
-            try:
-                out.append(ray.get(ref))
-            except RayActorError as exc:
+        for ref in self.queue.ready(block):
+            a, summary, exc = self.queue.take(ref)
+            if isinstance(exc, RayActorError):
                 raise AnalysisError(
                     f"run {self.run!r}: the analysis of recorded step {a.step} failed: its spectral "
                     f"worker died {self.max_retries + 1} times",
                     a.step,
                 ) from exc
-            except Exception as exc:  # noqa: BLE001 - the analysis's own error, unwrapped from Ray's wrapper
+            if exc is not None:  # the analysis's own error, unwrapped from Ray's wrapper
                 raise_failure(self.run, a.step, task_cause(exc))
-            self.resubmitted += self.release(a)
-        self._dispatch()
+            out.append(summary)
+        self.queue.dispatch()
         return out
 
     def close(self) -> None:
-        super().close()
-        self.running, self.queued = {}, []
+        self.queue.pool.close()
+        self.queue.running.clear()
+        self.queue.queued.clear()
+
+
+def _checkpoint(a: Analysis) -> tuple:
+    """A tracked step's ``analyze_and_write`` arguments: its checkpoint (the workers hold the rest)."""
+    return (a.ckpt,)
