@@ -1,0 +1,286 @@
+"""A tracked run as its writer sees it: the steps to record, the checkpoints out for analysis, the
+loss trace, the end.
+
+The Tracker makes the checkpoints (:mod:`~nsa_dist.pipeline.snapshot`); :class:`TrackedRun` opens
+the run, says which steps are still to record, hands the checkpoints to the run's
+:class:`~nsa_dist.pipeline.pool.AnalysisPool` — at most ``max_inflight`` out, so the user's loop
+waits only when the analysis falls behind — notes each finished step in the
+run's :class:`~nsa_dist.pipeline.session.RunSession`, writes the loop's losses, and ends the run
+through the session: ``done`` (or ``pending`` with steps missing) at close, ``failed`` with the
+first failed analysis or a non-finite loss, ``interrupted`` by an exception in the loop, and
+nothing at all once the lease was lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from torch import nn
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.data import Dataset
+from nsa_dist.errors import AnalysisError, NonFiniteError
+from nsa_dist.pipeline.checkpoint import Checkpoint
+from nsa_dist.pipeline.pool import AnalysisPool
+from nsa_dist.pipeline.session import RunSession
+from nsa_dist.store import LeaseLost, SpectrumStore
+
+__all__ = ["TrackedRun"]
+
+
+class TrackedRun:
+    """One tracked run's steps to record, its analyses in flight and its end.
+
+    Args:
+        session: the run, opened (and started) under the Tracker's lease.
+        pool: where its checkpoints are analysed.
+        max_inflight: checkpoints out for analysis before :meth:`submit` waits.
+        update: ``(ck, step)`` → checkpoint ``ck`` with its update, the model being at ``step`` now
+            (:meth:`~nsa_dist.pipeline.snapshot.StepSnapshots.with_update`).
+
+    Attributes:
+        schedule, index: the recorded steps, and each one's recorded-step index.
+        recorded: the steps this Tracker took (a step is recorded once).
+        pending: the last checkpoint taken, held until the model's next step gives its update.
+        trace: losses of the loop's updates not yet written (step -> loss).
+        failure: the first failed analysis, raised again at every later call.
+        closed: no more checkpoints are taken (closed, failed or the lease lost).
+        finished: the summaries of the steps analysed, in the order they came back.
+        blocked, max_seen_inflight: how often :meth:`submit` waited for a free slot; the most steps out at once.
+    """
+
+    def __init__(
+        self,
+        session: RunSession,
+        pool: AnalysisPool,
+        max_inflight: int,
+        update: Callable[[Checkpoint, int], Checkpoint],
+    ) -> None:
+        self.session, self.pool, self.max_inflight, self.update = session, pool, max_inflight, update
+        self.schedule = session.spec.record_steps()
+        self.index = {t: i for i, t in enumerate(self.schedule)}  # step -> recorded-step index
+        self.recorded: set[int] = set()  # steps taken by this Tracker
+        self.pending: Checkpoint | None = None
+        self.trace: dict[int, float] = {}
+        self.failure: AnalysisError | None = None
+        self.closed = False
+        self.finished: list[dict] = []
+        self.blocked = 0
+        self.max_seen_inflight = 0
+
+    @classmethod
+    def open(
+        cls,
+        spec: ExperimentSpec,
+        store: SpectrumStore,
+        data: Dataset,
+        model: nn.Module,
+        pool: Callable[[RunSession], AnalysisPool],
+        max_inflight: int,
+        update: Callable[[Checkpoint, int], Checkpoint],
+    ) -> TrackedRun:
+        """Open the run on the caller's data and network (its lease taken, the run created or
+        reopened as ``nsa run`` does), start its analysis ``pool(session)``, status ``running``;
+        the other arguments as the class's.
+
+        Raises:
+            LeaseHeld, StoreError: as :meth:`RunSession.open`.
+            whatever ``pool`` raises (the status stays as it was, the lease is given back).
+        """
+        session = RunSession.open(spec, store, data=data, model=model, hint="reopen to continue")
+        try:
+            workers = pool(session)
+        except BaseException as exc:
+            session.end(exc)  # not started: the status stays, the lease is given back
+            raise
+        session.start()
+        return cls(session, workers, max_inflight, update)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a recorded step neither in the store nor taken by this Tracker."""
+        i = self.index.get(step)
+        return i is not None and not self.session.done[i] and step not in self.recorded
+
+    def recordable(self, step: int) -> int:
+        """The recorded-step index of ``step``, which this Tracker may record now.
+
+        Raises:
+            ValueError: closed, ``step`` not in the schedule, or recorded before (by this Tracker or
+                in the store).
+        """
+        if self.closed:
+            raise ValueError("this Tracker is closed")
+        if step not in self.index:
+            raise ValueError(
+                f"step {step} is not a recorded step of this run (schedule: {self.schedule[:8]}"
+                f"{' …' if len(self.schedule) > 8 else ''}); test tr.due(step) first"
+            )
+        if step in self.recorded or self.session.done[self.index[step]]:
+            when = "by this Tracker" if step in self.recorded else "in the store, before this Tracker was opened"
+            raise ValueError(
+                f"step {step} was already recorded ({when}); a step is recorded once, at θ_t before "
+                "update t — test tr.due(step) first"
+            )
+        return self.index[step]
+
+    @property
+    def inflight(self) -> int:
+        return len(self.pool.inflight)
+
+    def check(self) -> None:
+        """Raise a failed analysis at the call after it happened (not only at close), and take
+        the summaries of steps finished meanwhile."""
+        if self.failure is not None:
+            raise AnalysisError(str(self.failure), self.failure.step) from self.failure.__cause__
+        if not self.closed and self.inflight:
+            self.collect(block=False)
+
+    def advance(self, step: int) -> None:
+        """The loop is at ``step``: once past the pending checkpoint's step, submit it — with its
+        update if the model is at its step + 1, else with NaN ones."""
+        ck = self.pending
+        if ck is None or step == ck.step:
+            return
+        ck = self.update(ck, step)
+        self.pending = None
+        self.submit(ck)
+
+    def submit(self, ck: Checkpoint) -> None:
+        """Hand ``ck`` to the pool once fewer than ``max_inflight`` steps are out (the losses noted
+        so far are written first)."""
+        self.collect(block=False)
+        while self.inflight >= self.max_inflight:
+            self.blocked += 1
+            self.collect(block=True)
+        self.flush_trace()
+        self.pool.submit(ck)
+        self.max_seen_inflight = max(self.max_seen_inflight, self.inflight)
+
+    def collect(self, block: bool) -> None:
+        """Note the steps the pool finished (wait for one if ``block``); a failure ends the run.
+
+        Raises:
+            AnalysisError: a step's analysis failed (the run is marked failed, see :meth:`abort`).
+            LeaseLost: another writer took the run over (nothing more is written).
+        """
+        try:
+            self._take(self.pool.wait(block))
+        except LeaseLost:  # another writer has the run: not a word more from this one
+            self.stop_lost()
+            raise
+        except AnalysisError as exc:
+            self.abort(exc)
+            raise
+        except Exception as exc:
+            self.session.fail(exc)
+            self.closed = True
+            self.session.release()
+            raise
+
+    def _take(self, summaries: list[dict]) -> None:
+        for s in summaries:
+            self.session.mark_done(s["index"])
+            self.finished.append(s)
+
+    def drain(self) -> None:
+        """Wait for every step out for analysis."""
+        while self.inflight:
+            self.collect(block=True)
+
+    def abort(self, exc: AnalysisError) -> None:
+        """After a failed analysis: let the other queued steps finish (what they store is kept), mark
+        the run failed with the error's message and step, and close; later calls raise it again."""
+        self.failure, self.pending = exc, None
+        while self.inflight:
+            try:
+                self._take(self.pool.wait(True))
+            except Exception:  # noqa: BLE001 - the first failure is the one reported
+                pass
+        self.flush_trace()
+        self.session.fail(exc)  # its message and step
+        self._end()
+
+    def stop_lost(self) -> None:
+        """The lease was taken over: close without writing (no status, no released lease)."""
+        self.closed = True
+        self.pending = None
+        self.session.release()
+
+    def flush_trace(self) -> None:
+        """Write the losses noted so far (those of steps 0 … T − 1)."""
+        for t, v in sorted(self.trace.items()):
+            if 0 <= t < self.session.spec.steps:
+                self.session.writer.write_trace(t, np.asarray([v], np.float64))
+        self.trace.clear()
+
+    def diverged(self, step: int, why: str) -> NonFiniteError:
+        """The loop's loss is not finite at ``step``: wait for every queued step (nothing recorded is
+        lost), mark the run failed and close; the error to raise."""
+        self.pending = None
+        self.drain()
+        self.flush_trace()
+        self.session.fail(f"training diverged: {why}", step)
+        self._end()
+        return NonFiniteError(
+            f"run {self.session.spec.name!r}: {why}; the run is marked failed, the "
+            f"{int(self.session.done.sum())} steps recorded before it are kept"
+        )
+
+    def close(self) -> None:
+        """Submit the pending checkpoint (with its update if it is of the last step T − 1), wait for
+        every analysis; status ``done`` when every recorded step is in the store, else ``pending``
+        saying how many are missing.  Nothing once closed.
+
+        Raises:
+            AnalysisError: a recorded step's analysis failed (the run is marked failed).
+        """
+        if self.closed:
+            return
+        if self.pending is not None:
+            T = self.session.spec.steps
+            self.advance(T if self.pending.step == T - 1 else -1)
+        try:
+            self.drain()
+            self.flush_trace()
+        finally:
+            self.closed = True
+            self.pool.close()
+        try:
+            done = self.session.done
+            missing = int((~done).sum())
+            if missing:
+                self.session.pause(
+                    f"closed with {missing} of {len(done)} recorded steps "
+                    "missing; reopen the Tracker with this name to continue",
+                )
+            else:
+                self.session.finish()
+        finally:
+            self.session.release()
+
+    def exit(self, exc_type: type[BaseException] | None) -> None:
+        """The Tracker's ``with`` block ended: normally (:meth:`close`), by a lost lease
+        (:meth:`stop_lost`) or by another exception (:meth:`interrupt`, unless closed)."""
+        if exc_type is None:
+            self.close()
+        elif issubclass(exc_type, LeaseLost):
+            self.stop_lost()
+        elif not self.closed:
+            self.interrupt(exc_type)
+
+    def interrupt(self, cause: type[BaseException]) -> None:
+        """The loop raised ``cause``: wait for the steps out, then status ``interrupted``."""
+        self.pending = None
+        try:
+            self.drain()
+        finally:
+            self.closed = True
+            self.pool.close()
+            self.session.interrupt(cause=cause)
+            self.session.release()
+
+    def _end(self) -> None:
+        self.closed = True
+        self.pool.close()
+        self.session.release()
