@@ -68,6 +68,7 @@ class RunMaterials:
         data: Dataset | None = None,
         model: nn.Module | None = None,
         fresh: bool = False,
+        key: str | None = None,
     ) -> RunMaterials:
         """The materials of ``run`` (a plan, or a spec before it is planned) in this process.
 
@@ -78,13 +79,14 @@ class RunMaterials:
                 not kept, and nothing is built.
             fresh: load the data from its source again even if kept (a run being opened or a
                 trainer starting checks what is on disk now against the store's fingerprint).
+            key: the spec's run id when the caller has it (the lease was taken under it).
 
         Raises:
             as :func:`~nsa_dist.data.load_dataset` (a missing or changed data file).
         """
         from nsa_dist.pipeline.plan import RunPlan, run_id  # here: the plan is made from materials
 
-        spec, rid = (run.spec, run.run_id) if isinstance(run, RunPlan) else (run, run_id(run))
+        spec, rid = (run.spec, run.run_id) if isinstance(run, RunPlan) else (run, key or run_id(run))
         kept = _KEPT.get(rid) if model is None else None
         if kept is not None and not fresh and (data is None or data is kept.data):
             _KEPT.move_to_end(rid)

@@ -65,6 +65,7 @@ def prepare_run(
     model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
     *,
     data: Dataset | None = None,
+    key: str | None = None,
 ) -> PreparedRun:
     """Plan the run on its data, create (or reopen and check) the run's group.
 
@@ -76,11 +77,12 @@ def prepare_run(
     a callable is called first thing, to build it), else the run's prototype is built once
     (:class:`~nsa_dist.pipeline.materials.RunMaterials`).  ``data``: the run's points when the
     caller has them (a Tracker's arrays), else loaded from ``spec.data`` — again, even if this
-    process loaded them before: the run is checked against what is there now.
+    process loaded them before: the run is checked against what is there now.  ``key``: the
+    spec's run id when the caller computed it (for the lease).
     """
     if callable(model) and not isinstance(model, torch.nn.Module):
         model = model()
-    materials = RunMaterials.load(spec, data=data, model=model, fresh=data is None)
+    materials = RunMaterials.load(spec, data=data, model=model, fresh=data is None, key=key)
     plan, data = plan_run(spec, materials=materials), materials.data
     writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
     plan = pin_layout(writer, plan)
@@ -141,6 +143,7 @@ class RunSession:
         data: Dataset | None = None,
         model: torch.nn.Module | None = None,
         hint: str = "re-run to resume",
+        key: str | None = None,
     ) -> RunSession:
         """Take the run's lease (unless ``token``, the caller's lease, is given) and prepare the run.
 
@@ -149,15 +152,17 @@ class RunSession:
                 :class:`~nsa_dist.store.LeaseHeld`; None: for ever).
             data, model: as :func:`prepare_run` (a callable ``model`` is built once the lease is taken).
             hint: how to continue the run after an interruption (the ``interrupted`` reason's tail).
+            key: the spec's run id when the caller computed it (a sweep's driver, for its lease).
 
         Raises:
             LeaseHeld: another live process writes the run.
             StoreError: the store holds the run with another spec, schema or data (the lease taken
                 is handed back as it was).
         """
-        lease = None if token is not None else store.lease([run_id(spec)], wait=wait).acquire()
+        key = key or run_id(spec)
+        lease = None if token is not None else store.lease([key], wait=wait).acquire()
         try:
-            prepared = prepare_run(spec, store, lease.token if lease else token, model, data=data)
+            prepared = prepare_run(spec, store, lease.token if lease else token, model, data=data, key=key)
         except BaseException as exc:
             if lease is not None:
                 lease.hand_back() if isinstance(exc, RunRefused) else lease.release()
@@ -174,9 +179,10 @@ class RunSession:
         Raises:
             LeaseHeld, StoreError: as :meth:`open` (the lease is released).
         """
-        lease = store.lease(list(dict.fromkeys(run_id(s) for s in specs)), wait=wait).acquire()
+        keys = [run_id(s) for s in specs]
+        lease = store.lease(list(dict.fromkeys(keys)), wait=wait).acquire()
         try:
-            return lease, [cls.open(spec, store, token=lease.token) for spec in specs]
+            return lease, [cls.open(spec, store, token=lease.token, key=k) for spec, k in zip(specs, keys)]
         except BaseException:
             lease.release()
             raise
