@@ -533,6 +533,24 @@ class QuadratureSpec(_Strict):
         description="φ columns and probes per block Lanczos run (bigger: sharper "
         "values and Ritz bounds, a larger basis N·lanczos_steps·block_size)",
     )
+    phi_steps: int | None = Field(
+        None,
+        ge=0,
+        description="block Lanczos steps of a separate run of the step's φ columns after the probes' "
+        "(null: the φ's share the probes' blocks and lanczos_steps; 0: up to min(4·lanczos_steps, "
+        "block_size·lanczos_steps / the φ columns); n: up to n); longer runs narrow E(φ, k)'s bracket "
+        "where φ's energy lies deep in the tail",
+        json_schema_extra=ID_NEUTRAL,
+    )
+    phi_width: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="with phi_steps: φ's run stops (checked every 20 steps) once its own (Gauss–Radau) "
+        "part of E(φ, k)'s bracket is at most this at every reported k beyond the top; 0: always "
+        "phi_steps. The rest of the width is λ_k's bracket",
+        json_schema_extra=ID_NEUTRAL,
+    )
 
 
 class SpectrumSpec(_Strict):

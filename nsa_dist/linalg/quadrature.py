@@ -54,7 +54,7 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,10 +97,23 @@ def curve_ks(N: int, points: int) -> np.ndarray:
     return np.unique(np.concatenate([[1], k, [N]])).astype(np.int64)
 
 
-def quadrature_basis_bytes(N: int, lanczos_steps: int, block_size: int = 12, cap: float = _BASIS_BYTES) -> float:
-    """Bytes of the Lanczos basis the route holds at once (V and G·V, float64, one column group)."""
+def quadrature_basis_bytes(
+    N: int,
+    lanczos_steps: int,
+    block_size: int = 12,
+    cap: float = _BASIS_BYTES,
+    phi_steps: int | None = None,
+    phi_columns: int = 5,
+) -> float:
+    """Bytes of the Lanczos basis the route holds at once (V and G·V, float64, one column group): the
+    probes' group, or with ``phi_steps`` the larger of it and the φ columns' own group (run after)."""
     per_col = 16.0 * N * lanczos_steps
-    return per_col * max(1, min(block_size, int(cap // per_col)))
+    out = per_col * max(1, min(block_size, int(cap // per_col)))
+    if phi_steps is not None:
+        m = max(2, min(int(lanczos_steps), N))
+        per_phi = 16.0 * N * _phi_steps(phi_steps, m, block_size, phi_columns, N)
+        out = max(out, per_phi * max(1, min(phi_columns, int(cap // per_phi))))
+    return out
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,7 @@ def spectral_curves(
     block_size: int = 12,
     basis_bytes: float = _BASIS_BYTES,
     phi_steps: int | None = None,
+    phi_width: float = 0.0,
 ) -> SpectralCurves:
     """λ_k and E(φ, k) at every ``ks`` from the top eigenpairs and products with G (see the module docstring).
 
@@ -171,9 +185,13 @@ def spectral_curves(
         basis_bytes: columns are run in groups whose Lanczos bases stay under this.
         phi_steps: block steps of a separate run of the φ columns (None: φ's share the probes'
             blocks and their ``lanczos_steps``; 0: as many as keep its basis at one probe group's
-            ``block_size · lanczos_steps`` columns, at most ``4 · lanczos_steps``).  Longer runs
-            narrow E's brackets where φ's energy is deep in the tail, at one more pass over G per
-            step (N = 2,000: largest residual width 0.214 → 0.166 for 1.6–3× the time, noisy).
+            ``block_size · lanczos_steps`` columns, at most ``4 · lanczos_steps``; n: at most n).
+            Longer runs narrow E's brackets where φ's energy is deep in the tail, at one more pass
+            over G per step.  The probes run first, then φ's block.
+        phi_width: with ``phi_steps``, φ's run stops early (checked every 20 steps) once, for each
+            φ column, the Gauss–Radau part of E's bracket (the φ measure's bounds at λ_k's
+            estimate, relative to ‖φ‖²) is at most this at every reported k beyond the top; 0:
+            always ``phi_steps``.  What is left of the width is then λ_k's bracket.
 
     Raises:
         ValueError: sizes that do not match, ks outside 1 … N, a non-PSD top eigenvalue.
@@ -207,25 +225,71 @@ def spectral_curves(
     n_phi_cols = cols.shape[1]
     # with phi_steps, φ's own block runs longer: its Gauss rule's nodes set E's bracket width (the
     # Christoffel weight at λ_k), at the cost of one more group's products; else φ's and probes share
-    # blocks of lanczos_steps
-    m_phi = _phi_steps(phi_steps, m, block_size, n_phi_cols, N) if phi_steps is not None else m
-    rules, ritz, steps_done = [], [], m
-    groups = [(Z[:n_phi_cols], m_phi, 0), (Z[n_phi_cols:], m, n_phi_cols)] if phi_steps is not None else [(Z, m, 0)]
-    for vectors, steps_g, offset in groups:
+    # blocks of lanczos_steps.  The probes run first: λ_k's bracket is where φ's rule is read, and
+    # with phi_width φ's run stops once its own part of E's bracket there is below it.
+    own = phi_steps is not None
+    m_phi = _phi_steps(phi_steps, m, block_size, n_phi_cols, N) if own else m
+    runs: dict[int, tuple[np.ndarray, np.ndarray, int, bool]] = {}
+    ritz: list[np.ndarray] = []
+
+    def run(vectors: list[np.ndarray], steps_g: int, offset: int, done: Any = None) -> None:
         per_group = max(1, min(int(block_size), int(basis_bytes // (16.0 * N * steps_g))))
         for s in range(0, len(vectors), per_group):
             block = np.column_stack(vectors[s : s + per_group])
-            theta, W, steps, exhausted = _block_rule(
-                deflated, ops.from_numpy(block), steps_g, ops, A.sym_rtol, seed + offset + s, float(lam[0])
+            out = _block_rule(
+                deflated,
+                ops.from_numpy(block),
+                steps_g,
+                ops,
+                A.sym_rtol,
+                seed + offset + s,
+                float(lam[0]),
+                done=None if done is None else done(offset + s, block.shape[1]),
             )
-            if offset or phi_steps is None:
-                steps_done = min(steps_done, steps)
-            ritz.append(theta)
-            for i in range(block.shape[1]):
-                rules.append(_Rule(theta, W[i], steps, exhausted))
-    phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
+            runs[offset + s] = out
+            ritz.append(out[0])
+
+    def rules_of(starts: list[int]) -> list[_Rule]:
+        out = []
+        for start in sorted(starts):
+            theta, W, steps, exhausted = runs[start]
+            out += [_Rule(theta, W[i], steps, exhausted) for i in range(W.shape[0])]
+        return out
+
+    if own:
+        run(Z[n_phi_cols:], m, n_phi_cols)
+        probe_rules = rules_of(list(runs))
+    else:
+        run(Z, m, 0)
+        rules = rules_of(list(runs))
+        phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
     floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
     eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom)
+    if own:
+        done = None
+        if phi_width > 0 and (ks > K).any():
+            t = eig.value[ks > K]
+
+            def done(start: int, width: int) -> Any:
+                n2 = np.array([norms2[owners[j]] for j in range(start, start + width)])
+
+                def check(theta: np.ndarray, W: np.ndarray, steps: int) -> bool:
+                    # φ's part of E's bracket at λ_k's estimate, per column relative to its φ's ‖φ‖²
+                    for i in range(W.shape[0]):
+                        lo, hi = _Rule(theta, W[i], steps, False).radau(t)
+                        if np.max(hi - lo) > phi_width * n2[i]:
+                            return False
+                    return True
+
+                return check
+
+        run(Z[:n_phi_cols], m_phi, 0, done)
+        phi_rules = rules_of([r for r in runs if r < n_phi_cols])
+        # φ's Ritz values interlace too (a lower bound of λ_k), and their smallest moves the floor
+        floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
+        eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom)
+    steps_done = min([m] + [runs[r][2] for r in runs if r >= n_phi_cols or not own])
+    phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
     energy = {}
     for name in phis:
         idx = [j for j, o in enumerate(owners) if o == name]
@@ -241,7 +305,7 @@ def spectral_curves(
             floor.delta,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
-    notes = {"rounding_delta": floor.delta, "spectrum_bottom": floor.bottom, "phi_lanczos_steps": m_phi}
+    notes = {"rounding_delta": floor.delta, "spectrum_bottom": floor.bottom, "phi_lanczos_steps": phi_done}
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
 
 
@@ -268,7 +332,8 @@ def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule]
     smallest eigenvalue; negative when the stored G is indefinite by rounding), minus ``4·eps_G·‖G‖_F``
     (the storage rounding of a PSD G moves its eigenvalues by at most ‖δG‖_2 ≲ eps_G·‖G‖_F for
     independent roundings; ‖G‖_F² from the top eigenvalues and the probes' tail moment
-    ``mean zᵀA²z``) and ``delta``."""
+    ``mean zᵀA²z``) and ``delta``; ``delta`` is at least ``4·eps_G·‖G‖_F`` too (the exact route of a
+    float32 G reduces it in float32 — a rounding model, not a proof)."""
     eps64 = float(np.finfo(np.float64).eps)
     lam1 = float(lam[0])
     delta = max(8.0 * A.eps, N * eps64) * lam1
@@ -283,6 +348,9 @@ def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule]
     tail2 = float(np.mean([np.sum(r.theta**2 * r.nu) for r in probes])) if probes else 0.0
     fro = math.sqrt(float(np.sum(lam**2)) + max(tail2, 0.0))
     low_ritz = min([0.0] + [float(np.min(r)) for r in ritz if r.size])
+    # a float32 G's exact route reduces it in float32: its eigenvalues carry that rounding too (the
+    # top one 0.6·eps₃₂·λ_1 and the null space's ±1.2·eps₃₂·λ_1 off a float64 eigh's at N = 2,000)
+    delta = max(delta, 4.0 * eps_g * fro)
     return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta)
 
 
@@ -446,16 +514,29 @@ def _jacobi_rule(d: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _block_rule(
-    matmat: Any, Z: Any, n_steps: int, ops: ArrayOps, sym_rtol: float, seed: int, scale: float = 0.0
+    matmat: Any,
+    Z: Any,
+    n_steps: int,
+    ops: ArrayOps,
+    sym_rtol: float,
+    seed: int,
+    scale: float = 0.0,
+    done: Callable[[np.ndarray, np.ndarray, int], bool] | None = None,
+    every: int = 20,
 ) -> tuple[np.ndarray, np.ndarray, int, bool]:
     """:func:`~nsa_dist.linalg.lanczos.block_gauss_quadrature`'s rule on the same Krylov machinery,
     also returning the block steps taken and whether the basis became invariant (then the rule is
-    exact for every f)."""
+    exact for every f).  ``done(theta, W, steps)``, asked every ``every`` steps, ends the run early."""
     N, b = Z.shape
     Q, R = _qr_r(ops, Z)
     st = _State(ops, N, min(N, n_steps * b), b, np.random.default_rng(seed), sym_rtol)
     st.anorm = scale  # ‖G‖: the deflated operator's rounding is G's, whatever the size of its tail
     P, Bc, exhausted = Q, np.zeros((b, 0)), False
+
+    def rule() -> tuple[np.ndarray, np.ndarray]:
+        theta, Y = _ritz(st.H[: st.n, : st.n])  # descending, MKL's eigh on the products' threads
+        return theta, (R.T @ Y[: Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
+
     for _ in range(n_steps):
         B, P_next = st.extend(P, Bc, matmat)
         n = st.n
@@ -464,15 +545,13 @@ def _block_rule(
             break
         if n + P_next.shape[1] > st.M:
             break
+        if done is not None and st.steps % every == 0 and st.steps < n_steps and done(*rule(), st.steps):
+            break
         Bc = np.zeros((B.shape[0], n))
         Bc[:, n - P.shape[1] :] = B
         P = P_next
-    H = st.H[: st.n, : st.n]
-    theta, Y = _ritz(H)  # descending, MKL's eigh on the products' threads
-    W = (R.T @ Y[: Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
-    steps = st.steps
-    del st
-    return theta, W, steps, exhausted
+    theta, W = rule()
+    return theta, W, st.steps, exhausted
 
 
 def _gauss_from_discrete(

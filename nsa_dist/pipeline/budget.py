@@ -8,7 +8,8 @@ Parts (bytes, lower estimates — a run refused here would certainly not fit):
 
 * the Gram of the run's layout, per worker — :func:`~nsa_dist.pipeline.layout.layout_bytes`;
 * the top-k eigenvectors, N·k·8 (``k: all``: N² on the exact route, N·quadrature.top on the
-  quadrature route, which also holds one column group's Lanczos basis and products,
+  quadrature route, which also holds one column group's Lanczos basis and products (the probes', or φ's own
+  longer run with ``quadrature.phi_steps``),
   2·N·lanczos_steps·block_size·8 — :func:`~nsa_dist.linalg.quadrature.quadrature_basis_bytes`);
 * the data, N·d·16 (float64 as loaded, float32 copies in the trainer and the analyzer);
 * the parameters, P·4·(4 + slots) (trainer and analyzer copies, gradients, θ_t, optimizer slots);
@@ -77,7 +78,10 @@ def footprint(spec: ExperimentSpec) -> Footprint:
         "data": 16.0 * N * spec.data.input_dim,
     }
     if quadrature:
-        parts["quadrature Lanczos basis"] = quadrature_basis_bytes(N, q.lanczos_steps, q.block_size)
+        outputs = max(1, int(getattr(spec.model, "output_dim", 1)))
+        parts["quadrature Lanczos basis"] = quadrature_basis_bytes(
+            N, q.lanczos_steps, q.block_size, phi_steps=q.phi_steps, phi_columns=5 * outputs
+        )
     if P is not None:
         slots = {OptimizerName.ADAM: 2, OptimizerName.SGD: 1}.get(OptimizerName(spec.optimizer.name), 0)
         parts[f"parameters (P = {P:,})"] = 4.0 * P * (4 + slots)
@@ -117,7 +121,7 @@ def check_fits(spec: ExperimentSpec) -> Footprint:
 _FIX = {
     "G": "lower data.n, or use spectrum.layout 'matrix_free' (or 'auto') with more spectrum.workers",
     "eigenvectors": "lower spectrum.k (or quadrature.top)",
-    "quadrature": "lower spectrum.quadrature.lanczos_steps or block_size",
+    "quadrature": "lower spectrum.quadrature.lanczos_steps, block_size or phi_steps",
     "data": "lower data.n",
     "parameters": "lower model.width / model.depth",
     "Hessian": "lower hessian.probes / hessian.lanczos_steps",

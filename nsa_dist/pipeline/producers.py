@@ -318,6 +318,8 @@ def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
         density_grid=q.density_grid,
         seed=run.spec.seed,
         block_size=q.block_size,
+        phi_steps=q.phi_steps,
+        phi_width=q.phi_width,
     )
     run.cost.n_products["quadrature"] = c.n_products
     out = {
