@@ -3,8 +3,10 @@
 Owns: planning a run (:mod:`~nsa_dist.pipeline.plan`), training, one recorded step's analysis
 (the Gram's spectrum and metrics, kernel extras, the Hessian step, images), the gang layouts'
 operators and shards, the per-run roles as idempotent plain classes (``services``, ``tracked``)
-a run's life as its writer (``session``: lease, create or reopen, statuses, post-run arrays) and
-the single-process composition (``runner``).
+a run's life as its writer (``session``: lease, create or reopen, statuses, post-run arrays), a
+run's materials loaded once per process (``materials``: its data, its network, the inputs and the
+eigenvector renderer), a tracked run's model side and driver side (``snapshot``, ``tracked_run``)
+and the single-process composition (``runner``).
 
 May import: config, errors, losses, models, data, ntk, linalg, metrics, hessian and store (their
 public names).  Never Ray — the cluster layer wraps these classes as actors — and never the
