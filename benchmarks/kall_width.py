@@ -149,7 +149,14 @@ def widths(a: argparse.Namespace) -> None:
         f"N {N} step {a.step} {a.dtype} top {K} m {a.lanczos_steps} probes {a.probes} b {a.block_size} "
         f"{kw}: {sec:.1f} s, {c.n_products} products, load {os.getloadavg()[0]:.1f}; notes {c.notes}"
     )
-    print(f"  λ_k inside {ok_l}/{ks.size}")
+    out = (lam < e.lower - tol) | (lam > e.upper + tol)
+    print(
+        f"  λ_k inside {ok_l}/{ks.size} (a statistical bracket, pointwise confidence 0.95)"
+        + "".join(
+            f"; k = {k}: {lo:.4g} ≤ {x:.4g} ≤ {hi:.4g}?"
+            for k, lo, x, hi in zip(ks[out], e.lower[out], lam[out], e.upper[out], strict=True)
+        )
+    )
     for n in PHIS:
         b, x = c.energy[n], z[f"E_{n}"][ks - 1]
         wd = b.upper - b.lower
