@@ -38,7 +38,8 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
 
 * **Rounding, and a rank-deficient G.**  The brackets are for every value the exact route (a dense
   float64 eigh of the stored G) can return, not only for G's exact spectrum.  That route's
-  eigenvalues are G's within its backward error ``δ = max(N·eps₆₄, 8·eps_products)·λ_1``, and
+  eigenvalues are G's within its backward error ``δ = max(N·eps₆₄, 8·eps_products)·λ_1`` — or
+  ``4·eps_G·‖G‖_F`` when larger: a float32 G's exact route reduces it in float32 — and
   among eigenvalues within ~δ of each other its eigenvectors are an arbitrary basis in an arbitrary
   order — above all in the null space of a G of rank r < N (fewer parameters than points, repeated
   inputs, dead units), whose eigenvalues are rounding of either sign.  There E(φ, k), r < k < N,
@@ -80,7 +81,8 @@ BRACKET_SENTENCE = (
     "approximation with the variance bound 2·n(t), pointwise confidence {c:g}) tightened by "
     "Cauchy interlacing of Ritz values (provable), and E(φ, k)'s bracket is provable "
     "(Chebyshev–Markov–Stieltjes bounds of φ's spectral measure) given λ_k's bracket; both widened by "
-    "the exact route's rounding δ = N·eps·λ_1, and where eigenvalues lie within it of each other (a "
+    "the exact route's rounding δ = max(N·eps₆₄·λ_1, 4·eps_G·‖G‖_F) (eps_G: the stored G's precision, "
+    "in which the exact route reduces it), and where eigenvalues lie within it of each other (a "
     "rank-deficient G's null space, in the top part too) the bracket spans every value an eigensolver's "
     "choice of basis gives (E up to 1 beyond the rank)"
 )
