@@ -22,7 +22,9 @@ Results: bench-out/kall-scale-<layout>-<N>.json.
 ``--until eigenpairs`` stops after the exact top (the analyzer's quadrature and metrics not run);
 ``--until products`` builds G (features / tiles) and times ``--reps`` products of one
 (N, ``--block-size``) block, the quadrature's unit of work: cheaper memory and cost runs at a size
-whose whole step does not fit the time at hand.
+whose whole step does not fit the time at hand.  ``--in-process``: no Ray; the members run in the
+driver's process (the analyzer's LocalGang, as ``nsa run`` runs a gang layout), so its one RSS
+holds every member's share.
 """
 
 from __future__ import annotations
@@ -79,21 +81,28 @@ class _PhasedCost(StepCost):
             yield
 
 
-def _rss(pid: int) -> int:
+_KEYS = ("VmRSS", "RssAnon", "RssShmem")  # resident: all, private (heap), shared memory (Ray's object store)
+
+
+def _rss(pid: int) -> dict[str, int]:
     try:
         with open(f"/proc/{pid}/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
+            return {k: int(v.split()[0]) * 1024 for k, v in (ln.split(":", 1) for ln in fh) if k in _KEYS}
+    except OSError:
+        return {}
 
 
 class _Sampler(threading.Thread):
-    """Every ``dt`` s: each named process's RSS, kept as the maximum per (process, phase)."""
+    """Every ``dt`` s: each named process's RSS (all, anonymous, shared memory), kept as the maximum
+    per (process, phase) — ``peak``, ``anon`` and ``shmem``.  A Ray process's RSS counts the pages of
+    the object store (shared memory) it has mapped, which a process's private memory does not."""
 
     def __init__(self, phases: _Phases, dt: float) -> None:
         super().__init__(daemon=True)
         self.phases, self.dt, self.pids = phases, dt, {"driver": os.getpid()}
         self.peak: dict[str, dict[str, int]] = {}
+        self.anon: dict[str, dict[str, int]] = {}
+        self.shmem: dict[str, dict[str, int]] = {}
         self.load: dict[str, float] = {}
         self._halt = threading.Event()
 
@@ -102,8 +111,9 @@ class _Sampler(threading.Thread):
             ph = self.phases.now
             for name, pid in list(self.pids.items()):
                 r = _rss(pid)
-                d = self.peak.setdefault(name, {})
-                d[ph] = max(d.get(ph, 0), r)
+                for key, table in (("VmRSS", self.peak), ("RssAnon", self.anon), ("RssShmem", self.shmem)):
+                    d = table.setdefault(name, {})
+                    d[ph] = max(d.get(ph, 0), r.get(key, 0))
             self.load[ph] = max(self.load.get(ph, 0.0), os.getloadavg()[0])
             self._halt.wait(self.dt)
 
@@ -204,10 +214,13 @@ def run(layout: str, a: argparse.Namespace) -> dict:
         "load_start": os.getloadavg(),
     }
     print(f"check_fits: {fp.layout.value}, ~{fp.total / 1e9:.2f} GB per worker ({fp.describe()})", flush=True)
-    connect(num_cpus=a.workers + 1)
-    gang = RayGang(a.workers, cpus=1, threads=1)
-    for i, pid in enumerate(gang.member_pids):
-        sampler.pids[f"member{i}"] = pid
+    gang = None
+    if not a.in_process:
+        connect(num_cpus=a.workers + 1)
+        gang = RayGang(a.workers, cpus=1, threads=1)
+        for i, pid in enumerate(gang.member_pids):
+            sampler.pids[f"member{i}"] = pid
+    members = gang.members if gang is not None else None  # None: the analyzer's in-process LocalGang
     try:
         with phases.phase("load"):
             t0 = time.perf_counter()
@@ -226,28 +239,33 @@ def run(layout: str, a: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         with phases.phase("analysis"):
             if a.until == "eigenpairs":
-                _until_eigenpairs(an, ck, gang.members)
+                _until_eigenpairs(an, ck, members)
                 out = None
             elif a.until == "products":
-                res["products"] = _products(an, ck, gang.members, a.block_size, a.reps)
+                res["products"] = _products(an, ck, members, a.block_size, a.reps, sampler.pids)
                 out = None
             else:
-                out = an.analyze(ck, gang.members).arrays()
+                out = an.analyze(ck, members).arrays()
         res["step_s"] = time.perf_counter() - t0
         res["parts_s"] = dict(an.timings)
         res["n_products"] = dict(an.cost.n_products)
-        res["member_peak_GB"] = [p / 1e9 for p in gang.peak_rss()]
+        res["member_peak_GB"] = [p / 1e9 for p in gang.peak_rss()] if gang is not None else []
     finally:
         sampler.stop()
-        gang.shutdown()
-        ray.shutdown()
+        if gang is not None:
+            gang.shutdown()
+            ray.shutdown()
     res["driver_peak_GB"] = peak_rss() / 1e9
     res["load_end"] = os.getloadavg()
     res["sampled_peak_GB_by_phase"] = {
         proc: {ph: v / 1e9 for ph, v in d.items()} for proc, d in sorted(sampler.peak.items())
     }
+    for key, table in (("anon", sampler.anon), ("shmem", sampler.shmem)):
+        res[f"sampled_{key}_GB_by_phase"] = {
+            proc: {ph: v / 1e9 for ph, v in d.items()} for proc, d in sorted(table.items())
+        }
     res["load_max_by_phase"] = sampler.load
-    res["until"] = a.until
+    res["until"], res["in_process"] = a.until, a.in_process
     if out is not None:
         res["curves"] = _curves(out, plan.curve_k(), spec.spectrum.quadrature.top)
     budget = res["layout_budget_GB"]
@@ -279,8 +297,9 @@ def _until_eigenpairs(an, ck, gang) -> None:
         G.close()
 
 
-def _products(an, ck, gang, width: int, reps: int) -> dict:
-    """G's features (tiles) and ``reps`` products of an (N, ``width``) float64 block, timed one by one."""
+def _products(an, ck, gang, width: int, reps: int, pids: dict[str, int]) -> dict:
+    """G's features (tiles) and ``reps`` products of an (N, ``width``) float64 block, timed one by one;
+    after each, every process's resident memory (GB: all, anonymous, shared), to see it grow or not."""
     import torch
     from torch.nn.utils import vector_to_parameters
 
@@ -290,7 +309,7 @@ def _products(an, ck, gang, width: int, reps: int) -> dict:
     with an.cost.timed("gram"):
         G = an._step_gram("train", ck.theta, gang)
     rng = np.random.default_rng(0)
-    seconds = []
+    seconds, after = [], []
     try:
         with an.cost.timed("products"):
             for _ in range(reps):
@@ -298,9 +317,16 @@ def _products(an, ck, gang, width: int, reps: int) -> dict:
                 t0 = time.perf_counter()
                 G.matmat(X)
                 seconds.append(time.perf_counter() - t0)
+                snap = {name: _rss(pid) for name, pid in pids.items()}
+                after.append({name: [round(r.get(k, 0) / 1e9, 3) for k in _KEYS] for name, r in snap.items()})
     finally:
         G.close()
-    return {"width": width, "seconds": seconds, "per_column_s": float(np.median(seconds)) / width}
+    return {
+        "width": width,
+        "seconds": seconds,
+        "per_column_s": float(np.median(seconds)) / width,
+        "rss_after_each_GB [VmRSS, RssAnon, RssShmem]": after,
+    }
 
 
 def main() -> None:
@@ -315,6 +341,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the driver (trainer + analyzer)")
     ap.add_argument("--sample", type=float, default=0.5, help="seconds between RSS samples")
     ap.add_argument("--until", choices=("all", "eigenpairs", "products"), default="all")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no Ray: the gang's members run in this process (the analyzer's LocalGang, as `nsa run` has them)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="--until products: products of one (N, block-size) block")
     a = ap.parse_args()
     a.n = a.n or (60_000 if a.layout == "block_rows" else 200_000)
@@ -323,7 +354,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     res = run(a.layout, a)
     text = json.dumps(res, indent=1, default=float)
-    suffix = "" if a.until == "all" else f"-{a.until}"
+    suffix = ("" if a.until == "all" else f"-{a.until}") + ("-in-process" if a.in_process else "")
     (OUT / f"kall-scale-{a.layout}-{a.n}{suffix}.json").write_text(text)
     print(text)
 
