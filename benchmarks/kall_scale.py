@@ -24,7 +24,8 @@ Results: bench-out/kall-scale-<layout>-<N>.json.
 (N, ``--block-size``) block, the quadrature's unit of work: cheaper memory and cost runs at a size
 whose whole step does not fit the time at hand.  ``--in-process``: no Ray; the members run in the
 driver's process (the analyzer's LocalGang, as ``nsa run`` runs a gang layout), so its one RSS
-holds every member's share.
+holds every member's share.  ``--k K``: the top-K route instead of ``k: all`` (the step of
+``benchmarks/layouts.py`` c, for comparison).
 """
 
 from __future__ import annotations
@@ -138,10 +139,9 @@ def _spec(layout: str, a: argparse.Namespace) -> dict:
             "model": {"depth": 6, "width": 256},
         }
     spec.update(steps=1, record={"steps": [0]})
+    route = {"k": "all", "energy": "quadrature", "quadrature": q} if a.k is None else {"k": a.k}
     spec.setdefault("spectrum", {}).update(
-        k="all",
-        energy="quadrature",
-        quadrature=q,
+        **route,
         dtype="float32",
         layout=layout,
         workers=a.workers,
@@ -266,7 +266,7 @@ def run(layout: str, a: argparse.Namespace) -> dict:
         }
     res["load_max_by_phase"] = sampler.load
     res["until"], res["in_process"] = a.until, a.in_process
-    if out is not None:
+    if out is not None and "curve_eigenvalue" in out:
         res["curves"] = _curves(out, plan.curve_k(), spec.spectrum.quadrature.top)
     budget = res["layout_budget_GB"]
     res["over_layout_budget"] = [
@@ -334,6 +334,7 @@ def main() -> None:
     ap.add_argument("layout", choices=("block_rows", "matrix_free"))
     ap.add_argument("--n", type=int)
     ap.add_argument("--workers", type=int)
+    ap.add_argument("--k", type=int, help="the top-k route instead of k: all (layouts.py's step, for comparison)")
     ap.add_argument("--top", type=int, default=100, help="quadrature.top: exact top eigenpairs")
     ap.add_argument("--lanczos-steps", type=int, default=60)
     ap.add_argument("--probes", type=int, default=24)
@@ -354,7 +355,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     res = run(a.layout, a)
     text = json.dumps(res, indent=1, default=float)
-    suffix = ("" if a.until == "all" else f"-{a.until}") + ("-in-process" if a.in_process else "")
+    suffix = f"-k{a.k}" if a.k else ""
+    suffix += ("" if a.until == "all" else f"-{a.until}") + ("-in-process" if a.in_process else "")
     (OUT / f"kall-scale-{a.layout}-{a.n}{suffix}.json").write_text(text)
     print(text)
 
