@@ -182,3 +182,52 @@ def test_the_loader_is_the_pipelines_one_call_site_of_each():
                     sites[name].append(f"{path.name}:{node.lineno}")
     for name, where in sites.items():
         assert len(where) == 1 and where[0].startswith("materials.py:"), f"{name} called at {where}"
+
+
+def test_services_in_turn_write_each_to_its_own_store(calls, tmp_path):
+    """A SpectralService made after another was freed (Python reuses the id of a freed object)
+    writes to its own store, not to the freed service's writer kept with the run."""
+    from nsa_dist.pipeline.services import SpectralService
+
+    spec = ExperimentSpec(**TINY)
+    urls = [str(tmp_path / f"s{i}.zarr") for i in range(2)]
+    plans = [prepare_run(spec, SpectrumStore(u)).plan for u in urls]
+    cks = [TrainerService(plans[0], urls[0]).checkpoint(i) for i in range(2)]
+    for url, plan, ck in zip(urls, plans, cks):
+        svc = SpectralService(url)
+        svc.analyze_and_write(plan, ck)
+        del svc
+    for i, url in enumerate(urls):
+        got = np.flatnonzero(SpectrumStore(url).reader(plans[0].run_id).read("done"))
+        assert list(got) == [i], f"{url}: recorded steps written {list(got)}, expected [{i}]"
+
+
+def test_an_evicted_runs_analyzer_is_freed_without_the_cyclic_collector(calls, tmp_path):
+    """A worker that serves more runs than it keeps lets go of the evicted run's analyzer (its
+    N×N buffers, device inputs) at once — not only when the cyclic collector happens to run."""
+    import gc
+    import weakref
+
+    from nsa_dist.pipeline.services import SpectralService
+
+    url = str(tmp_path / "s.zarr")
+    specs = [ExperimentSpec(**{**TINY, "name": f"r{i}", "seed": i}) for i in range(MAX_RUNS + 1)]
+    plans = [prepare_run(s, SpectrumStore(url)).plan for s in specs]
+    svc = SpectralService(url)
+    gc.collect()
+    gc.disable()
+    try:
+        analyzer, _ = svc._run(plans[0])
+        alive = weakref.ref(analyzer)
+        del analyzer, _
+        for plan in plans[1:]:
+            svc._run(plan)
+        assert plans[0].run_id not in RunMaterials.kept()
+        assert alive() is None, "the evicted run's analyzer is still alive (a reference cycle holds it)"
+    finally:
+        gc.enable()
+
+
+def test_run_experiment_keeps_no_materials_after_it_returns(calls, tmp_path):
+    out = run_experiment(ExperimentSpec(**TINY), SpectrumStore(str(tmp_path / "s.zarr")))
+    assert out.status == "done" and RunMaterials.kept() == [], RunMaterials.kept()

@@ -798,5 +798,25 @@ def test_ray_tracker_analyses_step_state_and_reports_errors(local_ray, tmp_path)
         assert isinstance(info.value.__cause__, ModelForwardError) and info.value.step == 0
         assert Client(url).run("f").status == "failed" and Client(url).run("f").failed_step == 0
         tr.close()
+
+        # a failed step with another queued behind it on the one worker: the error, not a hang
+        # (the failed step's worker was never handed back, so the queued step waited for ever)
+        tr = Tracker(
+            url,
+            "g",
+            Flaky(),
+            X,
+            y,
+            steps=10,
+            record={"every": 3},
+            spectrum={"k": 4, "images": []},
+            cluster="auto",
+            workers=1,
+            max_inflight=3,
+        )
+        with pytest.raises(AnalysisError, match=r"^run 'g': the analysis of recorded step 0 failed"):
+            _loop(tr, tr.model, X, y, 10)
+        assert Client(url).run("g").status == "failed" and Client(url).run("g").failed_step == 0
+        tr.close()
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

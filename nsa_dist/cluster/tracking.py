@@ -103,11 +103,14 @@ class RayTrackerPool:
                 or its worker died more than ``max_retries`` times.
             LeaseLost: another writer took the run over.
         """
+        self.queue.dispatch()  # a worker freed by a failed step takes the next queued one
         if not self.queue.running:
             return []
         out = []
         for ref in self.queue.ready(block):
             a, summary, exc = self.queue.take(ref)
+            if exc is not None:  # its worker idle again: the steps queued behind it still run (or fail)
+                self.queue.release(a)
             if isinstance(exc, RayActorError):
                 raise AnalysisError(
                     f"run {self.run!r}: the analysis of recorded step {a.step} failed: its spectral "

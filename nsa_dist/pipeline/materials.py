@@ -19,6 +19,7 @@ the caller's and are not kept.
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ __all__ = ["MAX_RUNS", "RunMaterials"]
 
 MAX_RUNS = 2  # runs whose materials one process keeps (a spectral worker alternates between runs)
 _KEPT: OrderedDict[str, RunMaterials] = OrderedDict()  # by run id, least recently used first
+_LOCK = threading.Lock()
 
 
 class RunMaterials:
@@ -87,19 +89,30 @@ class RunMaterials:
         from nsa_dist.pipeline.plan import RunPlan, run_id  # here: the plan is made from materials
 
         spec, rid = (run.spec, run.run_id) if isinstance(run, RunPlan) else (run, key or run_id(run))
-        kept = _KEPT.get(rid) if model is None else None
-        if kept is not None and not fresh and (data is None or data is kept.data):
-            _KEPT.move_to_end(rid)
-            return kept
+        with _LOCK:  # the cache is the process's: threads (a notebook's, a Tracker's pool) share it
+            kept = _KEPT.get(rid) if model is None else None
+            if kept is not None and not fresh and (data is None or data is kept.data):
+                _KEPT.move_to_end(rid)
+                return kept
         if data is None or fresh:
             data = load_dataset(spec.data, seed=spec.seed)
         made = cls(rid, spec, data, model)
         if model is None:  # what the loader loaded or built is kept; a caller's network is the caller's
-            _KEPT[rid] = made
-            _KEPT.move_to_end(rid)
-            while len(_KEPT) > MAX_RUNS:
-                _KEPT.popitem(last=False)
+            with _LOCK:
+                old = _KEPT.pop(rid, None)
+                _KEPT[rid] = made
+                dropped = [old] if old is not None else []
+                while len(_KEPT) > MAX_RUNS:
+                    dropped.append(_KEPT.popitem(last=False)[1])
+            for d in dropped:
+                d._release()
         return made
+
+    def _release(self) -> None:
+        """Let go of what roles kept with this run (an analyzer holds its materials: without this
+        the pair is a cycle that only the cyclic collector frees, N×N buffers and device tensors
+        included)."""
+        self._held.clear()
 
     @property
     def prototype(self) -> nn.Module:
@@ -147,6 +160,17 @@ class RunMaterials:
         return list(_KEPT)
 
     @staticmethod
-    def forget() -> None:
-        """Drop every kept run's materials (the roles holding them keep theirs)."""
-        _KEPT.clear()
+    def forget(run_id: str | None = None) -> None:
+        """Drop the kept materials of ``run_id`` (None: of every run); the roles holding them keep theirs."""
+        with _LOCK:
+            dropped = list(_KEPT.values()) if run_id is None else [m for m in [_KEPT.pop(run_id, None)] if m]
+            if run_id is None:
+                _KEPT.clear()
+        for d in dropped:
+            d._release()
+
+    def drop_network(self) -> None:
+        """Forget the built prototype (a sweep's driver plans every run but trains none: it keeps no
+        network per run); it is built again if asked for.  A caller's network is kept."""
+        if not self.given:
+            self._prototype = None

@@ -9,6 +9,7 @@ process), and sets θ_t per step.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -25,6 +26,8 @@ from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.plan import RunPlan
 
 __all__ = ["SpectralShard"]
+
+_SERIAL = itertools.count()
 
 
 class SpectralShard:
@@ -48,6 +51,7 @@ class SpectralShard:
             torch.set_num_threads(threads)
         self._held: dict[str, Any] = {}
         self._given = (materials, model) if materials is not None and model is not None else None
+        self._serial = next(_SERIAL)  # this member's network is its own (id() is reused)
 
     # ------------------------------------------------------------------ run state
     def _model(self, plan: RunPlan, theta: np.ndarray) -> tuple[RunMaterials, torch.nn.Module]:
@@ -56,7 +60,7 @@ class SpectralShard:
             m, model = self._given
         else:
             m = RunMaterials.load(plan)
-            model = m.hold(("member", id(self)), lambda: m.network(plan.device))
+            model = m.hold(("member", self._serial), lambda: m.network(plan.device))
         p = next(model.parameters())  # float32, or a Tracker's float64 model
         vector_to_parameters(torch.as_tensor(np.asarray(theta), dtype=p.dtype, device=p.device), model.parameters())
         return m, model

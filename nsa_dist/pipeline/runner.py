@@ -14,6 +14,7 @@ import torch
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
+from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.session import PreparedRun, RunSession, finish_run, pin_layout, prepare_run
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
@@ -58,7 +59,10 @@ def run_experiment(
     store = SpectrumStore(store) if isinstance(store, str) else store
     torch.manual_seed(spec.seed)  # the global RNG a factory network's own randomness (dropout) draws from
     with RunSession.open(spec, store, wait=wait) as session:
-        return _run(session, on_step, on_update, on_prepared)
+        try:
+            return _run(session, on_step, on_update, on_prepared)
+        finally:  # a notebook looping over specs holds no finished run's data or network
+            RunMaterials.forget(session.run_id)
 
 
 def _run(session: RunSession, on_step, on_update, on_prepared) -> RunOutcome:

@@ -11,6 +11,7 @@ run's data and network from :class:`~nsa_dist.pipeline.materials.RunMaterials` (
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from nsa_dist.pipeline.trainer import Trainer
 from nsa_dist.store import RunWriter, SpectrumStore
 
 __all__ = ["TrainerService", "SpectralService", "open_writer"]
+
+_SERIAL = itertools.count()
 
 
 def open_writer(store_url: str, plan: RunPlan, data: Dataset | None = None, token: str | None = None) -> RunWriter:
@@ -88,6 +91,7 @@ class SpectralService:
         if threads:
             torch.set_num_threads(threads)
         self.store_url = store_url
+        self._serial = next(_SERIAL)  # what this service keeps with a run is its own (id() is reused)
 
     def pid(self) -> int:
         import os
@@ -97,7 +101,7 @@ class SpectralService:
     def _run(self, plan: RunPlan) -> tuple[SpectralAnalyzer, RunWriter]:
         m = RunMaterials.load(plan)
         return m.hold(
-            ("spectral_service", id(self)),
+            ("spectral_service", self._serial),
             lambda: (SpectralAnalyzer(plan, m.data), open_writer(self.store_url, plan, m.data)),
         )
 

@@ -182,7 +182,10 @@ class RunSession:
         keys = [run_id(s) for s in specs]
         lease = store.lease(list(dict.fromkeys(keys)), wait=wait).acquire()
         try:
-            return lease, [cls.open(spec, store, token=lease.token, key=k) for spec, k in zip(specs, keys)]
+            sessions = [cls.open(spec, store, token=lease.token, key=k) for spec, k in zip(specs, keys)]
+            for s in sessions:  # the driver trains none of them: no network per run held for the sweep
+                s.prepared.materials.drop_network()
+            return lease, sessions
         except BaseException:
             lease.release()
             raise
