@@ -330,6 +330,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             on_update=progress.on_update,
             on_prepared=_print_layout,
             wait=_wait_seconds(args.wait),
+            key=rid,  # the run id is computed once per command
         )
     if out.status == Status.FAILED:
         print(f"run {rid} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)

@@ -39,6 +39,7 @@ def run_experiment(
     on_update: Callable[[int, float], None] | None = None,
     on_prepared: Callable[[PreparedRun], None] | None = None,
     wait: float | None = 0.0,
+    key: str | None = None,
 ) -> RunOutcome:
     """Train ``spec`` and record its spectra in ``store`` (a :class:`SpectrumStore`, or its URL,
     opened once the run's memory estimate passed); resumes a run already there.
@@ -58,7 +59,7 @@ def run_experiment(
     check_fits(spec)  # before the data is loaded, the model built or (a URL) the store opened
     store = SpectrumStore(store) if isinstance(store, str) else store
     torch.manual_seed(spec.seed)  # the global RNG a factory network's own randomness (dropout) draws from
-    with RunSession.open(spec, store, wait=wait) as session:
+    with RunSession.open(spec, store, wait=wait, key=key) as session:  # key: run_id(spec) if the caller has it
         try:
             return _run(session, on_step, on_update, on_prepared)
         finally:  # a notebook looping over specs holds no finished run's data or network
