@@ -141,8 +141,8 @@ def test_dispatch_queue_recomputes_a_killed_workers_step_and_retries_a_broken_on
         a, ran_in, exc = q.take(ref)
         assert (a.index, exc) == (0, None) and ran_in != before, (a.index, exc, ran_in, before)
         assert q.resubmitted == 1 and returned == [(0, False)] and a.worker is None
+        broken.touch()  # before step 1 is sent: the gate is open, so it may run at once
         q.dispatch()
-        broken.touch()
         (ref,) = q.ready(block=True)
         a, summary, exc = q.take(ref)
         assert a.index == 1 and summary is None and "the borrowed state is broken" in str(exc), exc
