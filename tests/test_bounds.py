@@ -261,6 +261,87 @@ def test_the_memory_estimate_refuses_past_the_machine_and_past_an_auto_budget(mo
     assert check_fits(ExperimentSpec(**roomy)).layout.value == "local"
 
 
+def test_nsa_run_counts_every_gang_member_it_holds_and_the_feature_pass(monkeypatch, tmp_path):
+    """``nsa run`` on a distributed layout keeps the W members of its in-process gang in one process:
+    the estimate counts W parts of G there (one per process on a Ray gang), and the feature pass's
+    transient chunk.  A run that fits one member per process but not W in one is refused by
+    run_experiment before its data is loaded, naming the gang and the way out."""
+    import nsa_dist.pipeline.layout as layout_mod
+    from nsa_dist.pipeline import run_experiment
+
+    spec = ExperimentSpec(
+        **{
+            **TINY,
+            "data": {"n": 6000},
+            "model": {"depth": 3, "width": 64},
+            "spectrum": {"k": 4, "layout": "matrix_free", "workers": 3, "images": []},
+        }
+    )
+    one, here = footprint(spec), footprint(spec, gang_in_process=True)
+    G = one.parts["G (matrix_free layout)"]
+    assert here.parts["gang members in this process (W = 3: 2 × G more)"] == 2 * G, here.parts
+    assert here.total - one.total == pytest.approx(2 * G)
+    # the feature pass: one range of N/W = 2000 points, its features and the forward activations
+    P, width = fc_sizes(spec.model)
+    outs = (spec.model.depth - 1) * spec.model.width + spec.model.output_dim
+    assert one.parts["feature pass (transient)"] == 2000 * (width + outs) * 8
+    assert "gang" not in " ".join(footprint(ExperimentSpec(**TINY), gang_in_process=True).parts)  # local: no gang
+
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: (one.total + here.total) / 2)
+    check_fits(spec)  # one member per process (a Ray gang) fits
+    with pytest.raises(
+        ResourceError,
+        match=r"^run 'run' needs ~.* GB in this process \(.*gang members in this process \(W = 3: 2 × G more\).*\), "
+        r"more than this machine's .*; run it as a sweep on Ray \(`nsa sweep`: one process per gang member\)",
+    ):
+        run_experiment(spec, str(tmp_path / "s.zarr"))
+    assert not (tmp_path / "s.zarr").exists()  # refused before the store was opened
+
+
+FEATURE_PASS = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from _measure import measured
+from nsa_dist.config import ModelSpec
+from nsa_dist.models import build_model
+from nsa_dist.ntk.blocks import block_features
+torch.set_num_threads(1)
+m = ModelSpec(**json.loads(sys.argv[1]))
+net, x = build_model(m, seed=0), torch.randn(20000, m.input_dim)
+with measured() as r:
+    f = block_features(net, x, [(0, 20000)], dtype=torch.float32)
+print(json.dumps({"peak": r["peak_bytes"], "kept": sum(A.nbytes + D.nbytes for A, D in f[0])}))
+"""
+
+
+@pytest.mark.parametrize("model", [dict(depth=4, width=128), dict(depth=3, width=200, activation="tanh")])
+def test_the_feature_pass_estimate_is_below_what_the_pass_takes(model):
+    """The module's estimates are lower ones (a refused run would certainly not fit): a 20,000-point
+    range passed in chunks of ROW_CHUNK = 16,384 takes more above its kept features than the
+    transient part counts (measured: 1.6–4.4×), and the kept features are the matrix_free G part."""
+    spec = ExperimentSpec(
+        **{
+            **TINY,
+            "data": {"n": 20000},
+            "model": {"activation": "leaky_relu", **model},
+            "spectrum": {"k": 4, "layout": "matrix_free", "workers": 1, "dtype": "float32", "images": []},
+        }
+    )
+    m, parts = spec.model, footprint(spec).parts
+    out = subprocess.run(
+        [sys.executable, "-c", FEATURE_PASS, json.dumps(m.model_dump(mode="json")), str(REPO / "benchmarks")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["kept"] == parts["G (matrix_free layout)"], (got, parts)
+    transient = got["peak"] - got["kept"]
+    assert parts["feature pass (transient)"] <= transient, (parts["feature pass (transient)"], transient)
+    print(f"feature pass: estimated {parts['feature pass (transient)'] / 1e6:.1f} MB, took {transient / 1e6:.1f} MB")
+
+
 # --------------------------------------------------------------------------- inputs
 
 

@@ -7,6 +7,12 @@ built: ``model.width: 10**9`` or ``data.n: 10**8`` must not be found out by the 
 Parts (bytes, lower estimates — a run refused here would certainly not fit):
 
 * the Gram of the run's layout, per worker — :func:`~nsa_dist.pipeline.layout.layout_bytes`;
+  where the gang's W members share one process (``nsa run`` on a ``block_rows`` / ``matrix_free``
+  layout: :class:`~nsa_dist.pipeline.layout.LocalGang`), the other W − 1 members' parts too;
+* a distributed layout's feature pass, transient: one chunk's features before they are copied
+  into the range's arrays and its forward activations, c·(width + Σ n_out)·itemsize for
+  c = min(:data:`~nsa_dist.ntk.blocks.ROW_CHUNK`, points per range) points (measured on the
+  6×256 and 3×512 nets: 1.6–4.4× the chunk's features above what is kept);
 * the top-k eigenvectors, N·k·8 (``k: all``: N² on the exact route, N·quadrature.top on the
   quadrature route, which also holds one column group's Lanczos basis and products (the probes', or φ's own
   longer run with ``quadrature.phi_steps``),
@@ -24,9 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from nsa_dist.config import DataName, ExperimentSpec, Layout, ModelSpec, OptimizerName
 from nsa_dist.errors import ResourceError
 from nsa_dist.linalg.quadrature import quadrature_basis_bytes
+from nsa_dist.ntk.blocks import ROW_CHUNK
 from nsa_dist.pipeline import layout as _layout
 from nsa_dist.pipeline.plan import energy_route
 
@@ -64,19 +73,30 @@ class Footprint:
         return ", ".join(f"{k} {_gb(v)}" for v, k in big) or "under 1 MB"
 
 
-def footprint(spec: ExperimentSpec) -> Footprint:
-    """The estimate of one worker's bytes for ``spec`` (see the module docstring)."""
+def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
+    """The estimate of one worker's bytes for ``spec`` (see the module docstring).
+
+    ``gang_in_process``: a distributed layout's members all live in this process (``nsa run``),
+    so its W members' parts of G are counted, not one."""
     N, s = spec.data.n, spec.spectrum
     P, width = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (None, 0)
     lay = _layout.choose_layout(spec, N, width).layout
     quadrature = energy_route(spec, lay) == "quadrature"
     q = s.quadrature
     k = (min(q.top, N) if quadrature else N) if s.k == "all" else min(int(s.k), N)
-    parts = {
-        f"G ({lay.value} layout)": _layout.layout_bytes(spec, N, width)[lay],
-        "eigenvectors": 8.0 * N * k,
-        "data": 16.0 * N * spec.data.input_dim,
-    }
+    G = _layout.layout_bytes(spec, N, width)[lay]
+    parts = {f"G ({lay.value} layout)": G}
+    W = s.workers
+    if lay is not Layout.LOCAL:
+        if gang_in_process and W > 1:
+            parts[f"gang members in this process (W = {W}: {W - 1} × G more)"] = (W - 1) * G
+        if isinstance(spec.model, ModelSpec):
+            per_range = -(-N // (W if lay is Layout.MATRIX_FREE else 4 * W))  # matrix_free: N/W, tiles: N/(4W)
+            outs = (spec.model.depth - 1) * spec.model.width + spec.model.output_dim
+            item = np.dtype(s.dtype).itemsize
+            parts["feature pass (transient)"] = float(min(ROW_CHUNK, per_range) * (width + outs) * item)
+    parts["eigenvectors"] = 8.0 * N * k
+    parts["data"] = 16.0 * N * spec.data.input_dim
     if quadrature:
         outputs = max(1, int(getattr(spec.model, "output_dim", 1)))
         parts["quadrature Lanczos basis"] = quadrature_basis_bytes(
@@ -92,19 +112,22 @@ def footprint(spec: ExperimentSpec) -> Footprint:
     return Footprint(lay, parts, P)
 
 
-def check_fits(spec: ExperimentSpec) -> Footprint:
+def check_fits(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
     """Refuse a run that cannot fit before anything of it is allocated; its :class:`Footprint` otherwise.
+    ``gang_in_process``: as in :func:`footprint` (``nsa run``: True; a Ray sweep's members each
+    have a process of their own).
 
     Raises:
         ResourceError: the estimate exceeds this machine's memory, or (``layout: auto`` with
             ``memory_budget_gb``) the Gram exceeds the per-worker budget in every layout.
     """
-    fp = footprint(spec)
+    fp = footprint(spec, gang_in_process)
     machine = _layout._machine_bytes()
     if fp.total > machine:
         largest = max(fp.parts, key=fp.parts.get).split(" ")[0]
+        where = "in this process" if any(k.startswith("gang ") for k in fp.parts) else "on one worker"
         raise ResourceError(
-            f"run {spec.name!r} needs ~{_gb(fp.total)} on one worker ({fp.describe()}), more than "
+            f"run {spec.name!r} needs ~{_gb(fp.total)} {where} ({fp.describe()}), more than "
             f"this machine's {_gb(machine)}; {_FIX[largest]}"
         )
     budget = spec.spectrum.memory_budget_gb
@@ -120,6 +143,8 @@ def check_fits(spec: ExperimentSpec) -> Footprint:
 
 _FIX = {
     "G": "lower data.n, or use spectrum.layout 'matrix_free' (or 'auto') with more spectrum.workers",
+    "gang": "run it as a sweep on Ray (`nsa sweep`: one process per gang member), or lower data.n",
+    "feature": "raise spectrum.workers (smaller ranges per feature pass), or lower model.width",
     "eigenvectors": "lower spectrum.k (or quadrature.top)",
     "quadrature": "lower spectrum.quadrature.lanczos_steps, block_size or phi_steps",
     "data": "lower data.n",

@@ -56,7 +56,7 @@ def run_experiment(
         ResourceError: the run's estimated memory exceeds this machine (:func:`check_fits`),
             refused before its data is loaded or its model built.
     """
-    check_fits(spec)  # before the data is loaded, the model built or (a URL) the store opened
+    check_fits(spec, gang_in_process=True)  # before the data is loaded, the model built or the store opened
     store = SpectrumStore(store) if isinstance(store, str) else store
     torch.manual_seed(spec.seed)  # the global RNG a factory network's own randomness (dropout) draws from
     with RunSession.open(spec, store, wait=wait, key=key) as session:  # key: run_id(spec) if the caller has it
