@@ -20,6 +20,7 @@ from nsa_dist.errors import StoreError
 from nsa_dist.pipeline.checkpoint import TrainerState
 from nsa_dist.store import (
     Keys,
+    Lease,
     LeaseHeld,
     LeaseLost,
     RunDims,
@@ -97,8 +98,15 @@ def _copy(src: str, dst: str) -> None:
         b.set(key, a.get(key))
 
 
-def _other_writer_takes_over(store: SpectrumStore) -> None:
-    """Another host's writer holds the run's lease now (fresh, another token)."""
+def _other_writer_takes_over(store: SpectrumStore, ours: Lease) -> None:
+    """Another host's writer holds the run's lease now (fresh, another token), as after this
+    writer (holding ``ours``) was paused beyond its ttl: ours beats no more first.  A beat still
+    running would put our lease back over theirs on an object store, which has no lock around a
+    beat's read-then-put (against moto a beat's read-to-put takes ~28 ms: a takeover lands inside
+    one of ttl=3's 1 s beats about once in 35, and was put back 4 times in 30 under 0.1 s beats)."""
+    ours._stop.set()
+    if ours._thread is not None:
+        ours._thread.join()
     now = time.time()
     store.write_lease(
         RID,
@@ -245,7 +253,7 @@ class StoreContract:
         store = SpectrumStore(run_url)
         with store.lease([RID], ttl=3.0) as lease:
             w = _run(store, token=lease.token, steps=(0,))
-            _other_writer_takes_over(store)
+            _other_writer_takes_over(store, lease)
             with pytest.raises(LeaseLost, match="host node-7.elsewhere, pid 4242, since .* took the run over"):
                 _write_step(w, 1)
             with pytest.raises(LeaseLost):
@@ -303,7 +311,7 @@ class StoreContract:
             w = store.reopen(RID, token=lease.token)
             with pytest.raises(StoreError, match="refusing to delete keys of another run: runs/other/loss/c/1"):
                 w.forget_steps([1], ["runs/other/loss/c/1"], static_damaged=False, reason="x")
-            _other_writer_takes_over(store)
+            _other_writer_takes_over(store, lease)
             with pytest.raises(LeaseLost):
                 w.forget_steps([1], [], static_damaged=False, reason="x")
         assert store.reader(RID).done.tolist()[:2] == [True, True]
