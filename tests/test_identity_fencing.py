@@ -263,6 +263,7 @@ def test_a_put_made_before_a_takeover_never_lands_after_it(tmp_path):
     fence = RunFence(Path(url), rid, a.token, url)
     staged = fence.stage(chunk, b"stale bytes")  # A's put, past every check, not yet in place
     a._stop.set()  # A's heartbeat stops, as in a paused process; its lease expires
+    a._thread.join()  # a beat already past its wait may still stamp a heartbeat later than the set
     time.sleep(1.1)
     b = store.lease([rid], wait=0).acquire()  # B takes the run over (and revokes A's write folder)
     try:
