@@ -267,8 +267,10 @@ def test_ray_tracker_records_what_nsa_run_records_and_does_not_block(local_ray, 
 
 
 @pytest.mark.slow
-def _until_analysing(tr, timeout: float = 30.0) -> None:
-    """Return once the Tracker's Ray worker is running an analysis (sent, not finished)."""
+def _until_analysing(tr, timeout: float = 120.0) -> bool:
+    """True once the Tracker's Ray worker is running an analysis (sent, not finished); False when
+    every step handed over came back first (a test process descheduled for as long as an analysis
+    takes sees none running)."""
     import ray
 
     deadline = time.time() + timeout
@@ -276,9 +278,11 @@ def _until_analysing(tr, timeout: float = 30.0) -> None:
         tr._collect(False)  # takes finished summaries; the pool hands queued steps to its idle worker
         refs = list(tr.pool.running)
         if refs and not ray.wait(refs, timeout=0)[0]:
-            return
+            return True
+        if not tr.inflight:
+            return False
         time.sleep(0.005)
-    raise AssertionError("no analysis was running on the Ray worker")
+    raise AssertionError(f"the analyses handed over neither ran nor came back in {timeout:.0f} s")
 
 
 def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
@@ -295,12 +299,13 @@ def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
             tr.record(t, lr=SPEC.schedule.lr)
         loss.backward()
         opt.step()
-        if t == 7 and not killed:  # step 6 was just handed over on due(7)
+        if t in (7, 13, 19) and not killed:  # step t − 1 was just handed over on due(t)
             assert tr.inflight >= 1
-            _until_analysing(tr)  # the kill must land mid-analysis, not on an idle worker
-            os.kill(pid, signal.SIGKILL)
-            killed = True
+            if _until_analysing(tr):  # the kill must land mid-analysis, not on an idle worker
+                os.kill(pid, signal.SIGKILL)
+                killed = True
     tr.close()
+    assert killed, "no analysis of steps 6, 12, 18 was caught running on the Ray worker: none killed"
     assert tr.resubmitted >= 1, "the dead worker's step was not re-sent"
     run = Client(url).run("eq")
     assert run.status == "done"
