@@ -271,16 +271,23 @@ def test_kill_at_many_instants_including_creation_resumes_bit_identical(tmp_path
         ("the last step is done (before preservation)", lambda: _n_done(b, rid) >= 10),
     ]
     for i, (what, cond) in enumerate(kills):
-        proc = subprocess.Popen(
-            CMD + [str(path), "--store", b], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        _wait_for(cond, what, proc)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL, f"not killed when {what}"
-        attrs = SpectrumStore(b).run_attrs(rid)
+        # run creation lasts ~0.15 s: a poller descheduled that long kills after it, so the first
+        # kill is tried again (on an empty store) up to 5 times, as test_true_words stops one
+        for _ in range(5 if i == 0 else 1):
+            if i == 0:
+                shutil.rmtree(b, ignore_errors=True)
+            proc = subprocess.Popen(
+                CMD + [str(path), "--store", b], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            _wait_for(cond, what, proc)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            assert proc.returncode == -signal.SIGKILL, f"not killed when {what}"
+            attrs = SpectrumStore(b).run_attrs(rid)
+            if attrs.get("creating") is True:
+                break
         if i == 0:
-            assert attrs.get("creating") is True, "the kill landed after run creation, not inside it"
+            assert attrs.get("creating") is True, "the kill landed after run creation, not inside it, 5 times"
         elif Client(b).run(rid).status != "done":
             run = Client(b).run(rid)  # its writer is dead: the run shows interrupted, not running
             assert run.status == "interrupted" and "re-run to resume" in run.reason, (run.status, run.reason)
