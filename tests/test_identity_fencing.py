@@ -83,6 +83,30 @@ def _wait_stopped(pid: int, proc: subprocess.Popen, timeout: float = 120.0) -> N
     raise AssertionError("the writer did not pause")
 
 
+def _stopped_outside_the_run_lock(proc: subprocess.Popen, url: str, rid: str) -> None:
+    """``proc``, stopped, is stopped again where need be until it is stopped at an instant its lease
+    heartbeat does not hold the run's lock (``leases/<run id>/lock``).  A writer stopped inside it
+    blocks every takeover (test_a_run_lock_held_by_a_stopped_process), and its heartbeat holds it
+    for milliseconds, not microseconds, while the main thread keeps the GIL: 15 of 300 random
+    SIGSTOPs of a process whose main thread ran Python landed inside (ttl 1 s, beats every 0.33 s)."""
+    import fcntl
+
+    for _ in range(100):
+        _wait_stopped(proc.pid, proc)
+        fd = os.open(Path(url) / "leases" / rid / "lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+        except BlockingIOError:  # stopped inside: let the beat finish, stop again
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.01)
+            os.kill(proc.pid, signal.SIGSTOP)
+        finally:
+            os.close(fd)
+    raise AssertionError("the writer was stopped holding its run's lock 100 times")
+
+
 # --------------------------------------------------------------------------- data identity
 def test_a_run_records_its_data_fingerprint_and_shows_it(tmp_path, capsys):
     url = str(tmp_path / "s.zarr")
@@ -179,6 +203,7 @@ def _take_over_paused(tmp_path: Path, spec_d: dict, cmd: list[str], pause) -> tu
     )
     try:
         pause(proc, url)
+        _stopped_outside_the_run_lock(proc, url, run_id(ExperimentSpec(**spec_d)))
         out = run_experiment(ExperimentSpec(**spec_d), SpectrumStore(url), wait=30)  # takes over once A's ttl is out
         assert out.status == "done" and out.steps_computed < 10, out
     except BaseException:
