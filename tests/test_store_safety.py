@@ -448,3 +448,35 @@ def test_a_killed_sweep_driver_leaves_nothing_a_resubmission_cannot_resume(tmp_p
         run_experiment(spec, SpectrumStore(ref))
         assert Client(url).run(run_id(spec)).status == "done"
         _assert_same_arrays(ref, url, run_id(spec))
+
+
+def test_writers_opening_one_new_store_at_once_all_open_it(tmp_path):
+    """Six writers (threads) opening the same new local store together: each opens it.  One's
+    zarr.json being written made another's "non-empty directory that is not a store" check refuse
+    (21 of 600 opens before); a foreign non-empty directory is still refused."""
+    import threading
+
+    from nsa_dist.store import SpectrumStore
+
+    errors: list[str] = []
+    for r in range(30):
+        url = str(tmp_path / f"s{r}.zarr")
+        start = threading.Barrier(6)
+
+        def open_it(url: str, start: threading.Barrier, r: int) -> None:
+            start.wait()
+            try:
+                SpectrumStore(url)
+            except Exception as exc:  # noqa: BLE001 - every refusal is collected and shown
+                errors.append(f"round {r}: {exc!r}")
+
+        threads = [threading.Thread(target=open_it, args=(url, start, r)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, f"{len(errors)} of 180 opens refused: {errors[:3]}"
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match=r"is a non-empty directory that is not an nsa-dist spectrum store"):
+        SpectrumStore(str(tmp_path / "foreign"))
