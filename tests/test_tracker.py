@@ -266,7 +266,6 @@ def test_ray_tracker_records_what_nsa_run_records_and_does_not_block(local_ray, 
     assert max(queued_after_return) >= 1, "training never ran while an analysis was in flight"
 
 
-@pytest.mark.slow
 def _until_analysing(tr, timeout: float = 120.0) -> bool:
     """True once the Tracker's Ray worker is running an analysis (sent, not finished); False when
     every step handed over came back first (a test process descheduled for as long as an analysis
@@ -285,6 +284,7 @@ def _until_analysing(tr, timeout: float = 120.0) -> bool:
     raise AssertionError(f"the analyses handed over neither ran nor came back in {timeout:.0f} s")
 
 
+@pytest.mark.slow
 def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
     url = str(tmp_path / "t.zarr")
     tr, model, data = _tracker(url, cluster="auto", workers=1, max_inflight=2)
