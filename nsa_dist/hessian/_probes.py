@@ -50,7 +50,7 @@ def as_linear_map(A: Any, name: str = "A") -> LinearMap:
             raise ShapeError(f"{name} must be square (P, P); the operator has shape {tuple(A.shape)}")
         return LinearMap(A.shape[0], A.matmat)
     smap = as_symmetric_map(A, Backend.NUMPY, name)
-    return LinearMap(smap.N, smap.apply)
+    return LinearMap(smap.N, smap.product())
 
 
 def rademacher(rng: np.random.Generator, P: int, m: int) -> np.ndarray:

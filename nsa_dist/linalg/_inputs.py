@@ -75,6 +75,13 @@ class SymmetricMap:
                 self._dense = ops.asarray(src)  # (N, N) float64, no copy where src already is one
         return self._dense
 
+    def product(self) -> Callable[[Any], Any]:
+        """``X ↦ G X`` uncounted, as a function that holds G but not this map."""
+        if self.apply is not None:
+            return self.apply
+        dense = self.dense
+        return lambda X: dense @ X
+
     def matmat(self, X: Any) -> Any:
         """G X for X (N, b) on the backend, counted in ``n_matvec``."""
         self.n_matvec += X.shape[1]
