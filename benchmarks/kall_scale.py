@@ -197,7 +197,7 @@ def run(layout: str, a: argparse.Namespace) -> dict:
 
     torch.set_num_threads(a.threads)
     spec = ExperimentSpec.model_validate(_spec(layout, a))
-    fp = check_fits(spec)
+    fp = check_fits(spec, gang_in_process=a.in_process)  # in process: the W members' parts in one
     phases = _Phases()
     sampler = _Sampler(phases, a.sample)
     sampler.start()

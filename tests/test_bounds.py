@@ -269,17 +269,16 @@ def test_nsa_run_counts_every_gang_member_it_holds_and_the_feature_pass(monkeypa
     import nsa_dist.pipeline.layout as layout_mod
     from nsa_dist.pipeline import run_experiment
 
-    spec = ExperimentSpec(
-        **{
-            **TINY,
-            "data": {"n": 6000},
-            "model": {"depth": 3, "width": 64},
-            "spectrum": {"k": 4, "layout": "matrix_free", "workers": 3, "images": []},
-        }
-    )
+    raw = {
+        **TINY,
+        "data": {"n": 6000},
+        "model": {"depth": 3, "width": 64},
+        "spectrum": {"k": 4, "layout": "matrix_free", "workers": 3, "images": []},
+    }
+    spec = ExperimentSpec(**raw)
     one, here = footprint(spec), footprint(spec, gang_in_process=True)
     G = one.parts["G (matrix_free layout)"]
-    assert here.parts["gang members in this process (W = 3: 2 × G more)"] == 2 * G, here.parts
+    assert here.parts["gang members in this process (W = 3: 2 × their own part more)"] == 2 * G, here.parts
     assert here.total - one.total == pytest.approx(2 * G)
     # the feature pass: one range of N/W = 2000 points, its features and the forward activations
     P, width = fc_sizes(spec.model)
@@ -291,11 +290,23 @@ def test_nsa_run_counts_every_gang_member_it_holds_and_the_feature_pass(monkeypa
     check_fits(spec)  # one member per process (a Ray gang) fits
     with pytest.raises(
         ResourceError,
-        match=r"^run 'run' needs ~.* GB in this process \(.*gang members in this process \(W = 3: 2 × G more\).*\), "
-        r"more than this machine's .*; run it as a sweep on Ray \(`nsa sweep`: one process per gang member\)",
+        match=r"^run 'run' needs ~.* GB in this process \(.*gang members in this process \(W = 3: 2 × their own "
+        r"part more\).*\), more than this machine's .*; its gang's members all live in this process \(nsa run\): "
+        r"run it with `nsa sweep` on a Ray cluster of several machines",
     ):
         run_experiment(spec, str(tmp_path / "s.zarr"))
     assert not (tmp_path / "s.zarr").exists()  # refused before the store was opened
+
+    # block_rows: the members share one copy of the block features (LocalGang hands the values
+    # themselves), so only the tiles are counted W times; its feature pass ends before any tile exists
+    tiles_spec = ExperimentSpec(**{**raw, "spectrum": {**raw["spectrum"], "layout": "block_rows"}})
+    one, here = footprint(tiles_spec), footprint(tiles_spec, gang_in_process=True)
+    feats = 6000 * width * 8
+    tiles = one.parts["G (block_rows layout)"] - feats
+    assert here.total - one.total == pytest.approx(2 * tiles) and "feature pass (transient)" not in one.parts
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: (one.total + here.total) / 2)
+    with pytest.raises(ResourceError, match=r"in this process .*; use spectrum.layout 'matrix_free' \(a member holds"):
+        run_experiment(tiles_spec, str(tmp_path / "t.zarr"))
 
 
 FEATURE_PASS = r"""

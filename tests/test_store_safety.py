@@ -451,16 +451,19 @@ def test_a_killed_sweep_driver_leaves_nothing_a_resubmission_cannot_resume(tmp_p
 
 
 def test_writers_opening_one_new_store_at_once_all_open_it(tmp_path):
-    """Six writers (threads) opening the same new local store together: each opens it.  One's
-    zarr.json being written made another's "non-empty directory that is not a store" check refuse
-    (21 of 600 opens before); a foreign non-empty directory is still refused."""
+    """Six writers (threads) opening the same new store together, local or an object store: each
+    opens it.  One's zarr.json being written made another's "non-empty directory / holds objects
+    but is not a store" check refuse (local: 21 of 600 opens before; memory://: 27 of 300); a
+    foreign non-empty directory is still refused."""
     import threading
+    import uuid
 
     from nsa_dist.store import SpectrumStore
 
     errors: list[str] = []
-    for r in range(30):
-        url = str(tmp_path / f"s{r}.zarr")
+    urls = [str(tmp_path / f"s{r}.zarr") for r in range(30)]
+    urls += [f"memory://new-{uuid.uuid4().hex}/s.zarr" for _ in range(100)]  # object store: 3-27 of 300 before
+    for r, url in enumerate(urls):
         start = threading.Barrier(6)
 
         def open_it(url: str, start: threading.Barrier, r: int) -> None:
@@ -475,7 +478,7 @@ def test_writers_opening_one_new_store_at_once_all_open_it(tmp_path):
             t.start()
         for t in threads:
             t.join()
-    assert not errors, f"{len(errors)} of 180 opens refused: {errors[:3]}"
+    assert not errors, f"{len(errors)} of {6 * len(urls)} opens refused: {errors[:3]}"
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match=r"is a non-empty directory that is not an nsa-dist spectrum store"):

@@ -8,11 +8,14 @@ Parts (bytes, lower estimates — a run refused here would certainly not fit):
 
 * the Gram of the run's layout, per worker — :func:`~nsa_dist.pipeline.layout.layout_bytes`;
   where the gang's W members share one process (``nsa run`` on a ``block_rows`` / ``matrix_free``
-  layout: :class:`~nsa_dist.pipeline.layout.LocalGang`), the other W − 1 members' parts too;
-* a distributed layout's feature pass, transient: one chunk's features before they are copied
-  into the range's arrays and its forward activations, c·(width + Σ n_out)·itemsize for
-  c = min(:data:`~nsa_dist.ntk.blocks.ROW_CHUNK`, points per range) points (measured on the
-  6×256 and 3×512 nets: 1.6–4.4× the chunk's features above what is kept);
+  layout: :class:`~nsa_dist.pipeline.layout.LocalGang`), the other W − 1 members' own parts too
+  (``block_rows``: their tiles — the block features are one shared copy; ``matrix_free``: their
+  shards' features);
+* a ``matrix_free`` shard's feature pass, transient: one chunk's features before they are copied
+  into the shard's arrays and its forward activations, c·(width + Σ n_out)·itemsize for
+  c = min(:data:`~nsa_dist.ntk.blocks.ROW_CHUNK`, N/W) points (measured on the 6×256 and 3×512
+  nets: 1.6–4.4× the chunk's features above what is kept; ``block_rows`` passes its blocks before
+  any tile exists, so its pass is not added to the tiles);
 * the top-k eigenvectors, N·k·8 (``k: all``: N² on the exact route, N·quadrature.top on the
   quadrature route, which also holds one column group's Lanczos basis and products (the probes', or φ's own
   longer run with ``quadrature.phi_steps``),
@@ -88,12 +91,17 @@ def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
     parts = {f"G ({lay.value} layout)": G}
     W = s.workers
     if lay is not Layout.LOCAL:
+        item = np.dtype(s.dtype).itemsize
         if gang_in_process and W > 1:
-            parts[f"gang members in this process (W = {W}: {W - 1} × G more)"] = (W - 1) * G
-        if isinstance(spec.model, ModelSpec):
-            per_range = -(-N // (W if lay is Layout.MATRIX_FREE else 4 * W))  # matrix_free: N/W, tiles: N/(4W)
+            # block_rows: the members share one copy of every block's features (LocalGang hands the
+            # values themselves), so only the tiles are W-fold; matrix_free: each holds its shard's
+            own = G - (N * width * item if lay is Layout.BLOCK_ROWS else 0.0)
+            parts[f"gang members in this process (W = {W}: {W - 1} × their own part more)"] = (W - 1) * own
+        if isinstance(spec.model, ModelSpec) and lay is Layout.MATRIX_FREE:
+            # the pass runs while earlier ranges' features are kept (block_rows: before any tile exists,
+            # so below the tiles it is not counted on top of them)
+            per_range = -(-N // W)  # a member's shard
             outs = (spec.model.depth - 1) * spec.model.width + spec.model.output_dim
-            item = np.dtype(s.dtype).itemsize
             parts["feature pass (transient)"] = float(min(ROW_CHUNK, per_range) * (width + outs) * item)
     parts["eigenvectors"] = 8.0 * N * k
     parts["data"] = 16.0 * N * spec.data.input_dim
@@ -125,10 +133,16 @@ def check_fits(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint
     machine = _layout._machine_bytes()
     if fp.total > machine:
         largest = max(fp.parts, key=fp.parts.get).split(" ")[0]
-        where = "in this process" if any(k.startswith("gang ") for k in fp.parts) else "on one worker"
+        gang = any(k.startswith("gang ") for k in fp.parts)
+        where = "in this process" if gang else "on one worker"
+        if gang and largest == "G":  # in one process more workers do not help: the gang's advice
+            largest = "gang"
+        fix = _FIX[largest]
+        if largest == "gang" and fp.layout is Layout.BLOCK_ROWS:
+            fix = "use spectrum.layout 'matrix_free' (a member holds only its shard's features); " + fix
         raise ResourceError(
             f"run {spec.name!r} needs ~{_gb(fp.total)} {where} ({fp.describe()}), more than "
-            f"this machine's {_gb(machine)}; {_FIX[largest]}"
+            f"this machine's {_gb(machine)}; {fix}"
         )
     budget = spec.spectrum.memory_budget_gb
     G = next(v for key, v in fp.parts.items() if key.startswith("G "))
@@ -143,7 +157,10 @@ def check_fits(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint
 
 _FIX = {
     "G": "lower data.n, or use spectrum.layout 'matrix_free' (or 'auto') with more spectrum.workers",
-    "gang": "run it as a sweep on Ray (`nsa sweep`: one process per gang member), or lower data.n",
+    "gang": (
+        "its gang's members all live in this process (nsa run): run it with `nsa sweep` on a Ray "
+        "cluster of several machines (one process per member), or lower data.n"
+    ),
     "feature": "raise spectrum.workers (smaller ranges per feature pass), or lower model.width",
     "eigenvectors": "lower spectrum.k (or quadrature.top)",
     "quadrature": "lower spectrum.quadrature.lanczos_steps, block_size or phi_steps",

@@ -81,7 +81,7 @@ class SpectrumStore(RunIndex):
                 "nsa-dist spectrum store (it has no zarr.json): refusing to write into it — give a new or "
                 "an existing store path"
             )
-        if not self.keys.local and self.keys.list_prefix(""):
+        if not self.keys.local and self.keys.list_prefix("") and not self._made_meanwhile():
             raise StoreError(
                 f"{self.url!r} holds objects but is not an nsa-dist spectrum store (no zarr.json): "
                 "refusing to write into it"
