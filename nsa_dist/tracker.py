@@ -116,7 +116,6 @@ class Tracker:
             raise ValueError(f"optimizer={optimizer!r} is not one of custom, gd")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-        self.store = store if isinstance(store, SpectrumStore) else SpectrumStore(store)
         self.model, user, self.data, K = measured_inputs(model, output, X, y, X_test, y_test)
         rec = record.model_dump() if isinstance(record, RecordSpec) else (record or {"log_points": 20})
         self.spec: ExperimentSpec = tracked_spec(
@@ -141,9 +140,10 @@ class Tracker:
 
         # one writer of this run at a time: the lease, the run created or reopened as `nsa run` does
         update = self.snapshots.with_update
-        self.tracked = TrackedRun.open(self.spec, self.store, self.data, self.model, pool, max_inflight, update)
+        self.tracked = TrackedRun.open(self.spec, store, self.data, self.model, pool, max_inflight, update)
         self.session, self.pool, self.schedule = self.tracked.session, self.tracked.pool, self.tracked.schedule
         self.plan, self.writer = self.session.plan, self.session.writer
+        self.store: SpectrumStore = self.writer.store
 
     # ------------------------------------------------------------------ the loop's calls
     @property

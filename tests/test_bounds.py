@@ -353,6 +353,59 @@ def test_the_feature_pass_estimate_is_below_what_the_pass_takes(model):
     print(f"feature pass: estimated {parts['feature pass (transient)'] / 1e6:.1f} MB, took {transient / 1e6:.1f} MB")
 
 
+@pytest.mark.parametrize("n_test", [24, 80])
+def test_the_test_point_gram_is_counted_as_the_analyzer_allocates_it(n_test):
+    """With ``spectrum.test_points`` the analyzer keeps a buffer for the test Gram beside the train
+    Gram's, from step to step, and at t0 assembles App. E's (M, N) cross kernel in it: the
+    estimate is the largest buffer the analyzer asks for, M·max(M, N)·itemsize (M < N and M > N)."""
+    from nsa_dist.data import load_dataset
+    from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
+
+    raw = {**TINY, "data": {"n": 48, "n_test": n_test}, "spectrum": {"k": 4, "images": [], "test_points": True}}
+    spec = ExperimentSpec(**raw)
+    parts = footprint(spec).parts
+    data = load_dataset(spec.data, seed=0)
+    plan = plan_run(spec, data)
+    analyzer, asked = SpectralAnalyzer(plan, data), {}
+    empty = analyzer._workspace.empty
+
+    def record(name, shape, dtype=torch.float64, column_major=False):
+        buf = empty(name, shape, dtype, column_major)
+        asked[name] = max(asked.get(name, 0), buf.nbytes)
+        return buf
+
+    analyzer._workspace.empty = record
+    for ck in Trainer(plan, data).train_until(4):
+        analyzer.analyze(ck)
+    assert asked["gram.test"] == parts["test-point Gram"] == n_test * max(n_test, 48) * 8, (asked, parts)
+    assert "test-point Gram" not in footprint(ExperimentSpec(**{**raw, "spectrum": {"k": 4, "images": []}})).parts
+
+
+def test_a_tracker_whose_analysis_cannot_fit_is_refused_before_the_store_is_touched(tmp_path):
+    """The Tracker counts as ``nsa run`` does (its spec records the network's P): a kernel past this
+    machine is one ResourceError naming the parts, and no store is created."""
+    from nsa_dist import Tracker
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    X, y = torch.randn(300_000, 2), torch.randn(300_000)
+    url = tmp_path / "t.zarr"
+    with pytest.raises(
+        ResourceError, match=r"^run 'big' needs ~.* GB on one worker \(G \(local layout\) .*\), more than"
+    ):
+        Tracker(str(url), "big", net, X, y, steps=4, record={"every": 2}, spectrum={"k": 4, "images": []})
+    assert not url.exists()
+    fp = footprint(
+        ExperimentSpec.model_validate(
+            {
+                **TINY,
+                "data": {"name": "arrays", "n": 10, "path": "sha1:0"},
+                "model": {"factory": "m:f", "source": "tracker", "input_dim": 2, "kwargs": {"n_params": 33}},
+            }
+        )
+    )
+    assert fp.P == 33 and fp.parts["parameters (P = 33)"] == 4.0 * 33 * 4 and fp.parts["data"] == 16.0 * 10 * 2
+
+
 # --------------------------------------------------------------------------- inputs
 
 

@@ -20,13 +20,17 @@ Parts (bytes, lower estimates — a run refused here would certainly not fit):
   quadrature route, which also holds one column group's Lanczos basis and products (the probes', or φ's own
   longer run with ``quadrature.phi_steps``),
   2·N·lanczos_steps·block_size·8 — :func:`~nsa_dist.linalg.quadrature.quadrature_basis_bytes`);
-* the data, N·d·16 (float64 as loaded, float32 copies in the trainer and the analyzer);
+* with ``spectrum.test_points``, the test Gram's own buffer, M·max(M, N)·itemsize held whole (App. E
+  assembles the (M, N) cross kernel in it at t0), on a gang only what it needs beyond G; its
+  eigenvectors M·k·8;
+* the data, (N + M)·d·16 (float64 as loaded, float32 copies in the trainer and the analyzer);
 * the parameters, P·4·(4 + slots) (trainer and analyzer copies, gradients, θ_t, optimizer slots);
 * the Hessian probes, P·8·(probes + lanczos_steps), when a ``hessian`` block is set;
 * the eigenvector images of 2-D data, nI·(R² + F²)·8.
 
 P and Σ_l (n_in + 1 + K·n_out) have closed forms for the fully-connected ``model`` block; a
-``model.factory`` network is known only once built, so its parameter terms are left out.
+``model.factory`` network is known only once built, so its parameter terms are left out — except
+a :class:`~nsa_dist.Tracker`'s, whose spec records the network's P (``kwargs.n_params``).
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
     ``gang_in_process``: a distributed layout's members all live in this process (``nsa run``),
     so its W members' parts of G are counted, not one."""
     N, s = spec.data.n, spec.spectrum
-    P, width = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (None, 0)
+    P, width = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (_counted_params(spec), 0)
     lay = _layout.choose_layout(spec, N, width).layout
     quadrature = energy_route(spec, lay) == "quadrature"
     q = s.quadrature
@@ -104,7 +108,8 @@ def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
             outs = (spec.model.depth - 1) * spec.model.width + spec.model.output_dim
             parts["feature pass (transient)"] = float(min(ROW_CHUNK, per_range) * (width + outs) * item)
     parts["eigenvectors"] = 8.0 * N * k
-    parts["data"] = 16.0 * N * spec.data.input_dim
+    parts.update(_test_points(spec, lay, G))
+    parts["data"] = 16.0 * (N + spec.data.n_test) * (spec.data.input_dim or spec.model.input_dim or 0)
     if quadrature:
         outputs = max(1, int(getattr(spec.model, "output_dim", 1)))
         parts["quadrature Lanczos basis"] = quadrature_basis_bytes(
@@ -165,10 +170,37 @@ _FIX = {
     "eigenvectors": "lower spectrum.k (or quadrature.top)",
     "quadrature": "lower spectrum.quadrature.lanczos_steps, block_size or phi_steps",
     "data": "lower data.n",
+    "test-point": "lower data.n_test, or set spectrum.test_points false",
+    "test": "lower data.n_test, or set spectrum.test_points false",
     "parameters": "lower model.width / model.depth",
     "Hessian": "lower hessian.probes / hessian.lanczos_steps",
     "eigenvector": "lower spectrum.image_size / spectrum.fourier_size",
 }
+
+
+def _counted_params(spec: ExperimentSpec) -> int | None:
+    """P of a network known only once built: a Tracker's spec records its count (``n_params``)."""
+    n = spec.model.kwargs.get("n_params") if spec.model.source == "tracker" else None
+    return int(n) if isinstance(n, int) else None
+
+
+def _test_points(spec: ExperimentSpec, lay: Layout, G: float) -> dict[str, float]:
+    """What ``spectrum.test_points`` adds to the train Gram's parts.  Held whole, the test Gram
+    has a buffer of its own beside the train Gram's, kept from step to step; at t0 App. E
+    assembles the cross kernel (M, N) in it, so it holds M·max(M, N) numbers.  On a gang the test
+    Gram is assembled after the train Gram is closed: only what it needs beyond G counts."""
+    M, s = spec.data.n_test, spec.spectrum
+    if not (s.test_points and M):
+        return {}
+    item = np.dtype(s.dtype).itemsize
+    if lay is Layout.LOCAL:
+        held = M * max(M, spec.data.n) * item
+    else:
+        held = max(
+            0.0,
+            _layout.layout_bytes(spec, M, fc_sizes(spec.model)[1] if isinstance(spec.model, ModelSpec) else 0)[lay] - G,
+        )
+    return {"test-point Gram": float(held), "test eigenvectors": 8.0 * M * min(M, int(s.k) if s.k != "all" else M)}
 
 
 def _gb(b: float) -> str:

@@ -21,6 +21,7 @@ from torch import nn
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError, NonFiniteError
+from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.pool import AnalysisPool
 from nsa_dist.pipeline.session import RunSession
@@ -73,7 +74,7 @@ class TrackedRun:
     def open(
         cls,
         spec: ExperimentSpec,
-        store: SpectrumStore,
+        store: str | SpectrumStore,
         data: Dataset,
         model: nn.Module,
         pool: Callable[[RunSession], AnalysisPool],
@@ -85,9 +86,13 @@ class TrackedRun:
         the other arguments as the class's.
 
         Raises:
+            ResourceError: the analysis would not fit this machine (:func:`~nsa_dist.pipeline.budget.check_fits`;
+                its members all in one process), before the store is opened.
             LeaseHeld, StoreError: as :meth:`RunSession.open`.
             whatever ``pool`` raises (the status stays as it was, the lease is given back).
         """
+        check_fits(spec, gang_in_process=True)
+        store = store if isinstance(store, SpectrumStore) else SpectrumStore(store)
         session = RunSession.open(spec, store, data=data, model=model, hint="reopen to continue")
         try:
             workers = pool(session)
