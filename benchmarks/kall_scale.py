@@ -105,11 +105,18 @@ class _Sampler(threading.Thread):
         self.anon: dict[str, dict[str, int]] = {}
         self.shmem: dict[str, dict[str, int]] = {}
         self.load: dict[str, float] = {}
+        self.partial: Path | None = None  # where the peaks so far are written every 30 s (bytes)
         self._halt = threading.Event()
 
     def run(self) -> None:
+        last = time.monotonic()
         while not self._halt.is_set():
             ph = self.phases.now
+            if self.partial is not None and time.monotonic() - last > 30:  # a run cut short keeps what it saw
+                last = time.monotonic()
+                self.partial.write_text(
+                    json.dumps({"phase_now": ph, "peak_GB": self.peak, "load": self.load}, indent=1)
+                )
             for name, pid in list(self.pids.items()):
                 r = _rss(pid)
                 for key, table in (("VmRSS", self.peak), ("RssAnon", self.anon), ("RssShmem", self.shmem)):
@@ -200,6 +207,7 @@ def run(layout: str, a: argparse.Namespace) -> dict:
     fp = check_fits(spec, gang_in_process=a.in_process)  # in process: the W members' parts in one
     phases = _Phases()
     sampler = _Sampler(phases, a.sample)
+    sampler.partial = OUT / f"kall-scale-{layout}-{a.n}.partial.json"
     sampler.start()
     res: dict = {
         "layout": layout,
@@ -290,7 +298,7 @@ def _until_eigenpairs(an, ck, gang) -> None:
     vector_to_parameters(torch.as_tensor(ck.theta, dtype=p.dtype, device=an.device), an.model.parameters())
     an.cost.timings = {}
     with an.cost.timed("gram"):
-        G = an._step_gram("train", ck.theta, gang)
+        G = P.step_gram(an, "train", ck.theta, gang)
     try:
         P.step_context(an, ck, G, StepNotes(an.plan.run_id, ck.step))
     finally:
@@ -303,11 +311,13 @@ def _products(an, ck, gang, width: int, reps: int, pids: dict[str, int]) -> dict
     import torch
     from torch.nn.utils import vector_to_parameters
 
+    from nsa_dist.pipeline import producers as P
+
     p = next(an.model.parameters())
     vector_to_parameters(torch.as_tensor(ck.theta, dtype=p.dtype, device=an.device), an.model.parameters())
     an.cost.timings = {}
     with an.cost.timed("gram"):
-        G = an._step_gram("train", ck.theta, gang)
+        G = P.step_gram(an, "train", ck.theta, gang)
     rng = np.random.default_rng(0)
     seconds, after = [], []
     try:
