@@ -309,6 +309,36 @@ def test_nsa_run_counts_every_gang_member_it_holds_and_the_feature_pass(monkeypa
         run_experiment(tiles_spec, str(tmp_path / "t.zarr"))
 
 
+def test_nsa_run_under_layout_auto_picks_what_fits_its_in_process_gang(monkeypatch, tmp_path):
+    """``layout: auto`` weighs the gang as ``nsa run`` holds it: one member's tiles fit the budget
+    but the 3 members' tiles in one process do not fit the machine, so ``nsa run`` takes
+    ``matrix_free`` (every point's features, 14 MB here) and runs, where it used to take
+    ``block_rows`` and then refuse itself; a Ray gang (one member per process) still takes
+    ``block_rows``."""
+    import nsa_dist.pipeline.layout as layout_mod
+    from nsa_dist.client import Client
+    from nsa_dist.pipeline import run_experiment, run_id
+
+    raw = {
+        **TINY,
+        "data": {"n": 6000},
+        "model": {"depth": 3, "width": 64},
+        "spectrum": {"k": 4, "layout": "auto", "workers": 3, "images": []},
+    }
+    spec = ExperimentSpec(**raw)
+    width = fc_sizes(spec.model)[1]
+    member = layout_mod.layout_bytes(spec, 6000, width)[layout_mod.Layout.BLOCK_ROWS]
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: 2.1 * member)  # the budget: 1.05 members' tiles
+    assert footprint(spec).layout.value == "block_rows"  # a Ray gang: one member per process
+    fp = check_fits(spec, gang_in_process=True)
+    assert fp.layout.value == "matrix_free", fp
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(spec, url).status == "done"
+    run = Client(url).run(run_id(spec))
+    assert run.attrs["layout"] == "matrix_free", run.attrs["layout_reason"]
+    assert "in this process as the tiles of its 3 gang members" in run.attrs["layout_reason"]
+
+
 FEATURE_PASS = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[2])

@@ -18,7 +18,7 @@ from nsa_dist.models import build_model
 from nsa_dist.ntk import gram
 from nsa_dist.ntk.shards import tile_plan
 from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run, run_experiment, run_id
-from nsa_dist.pipeline.layout import LocalGang, ShardedCurvature, ShardedGram, choose_layout
+from nsa_dist.pipeline.layout import LocalGang, ShardedCurvature, ShardedGram, choose_layout, layout_bytes
 from nsa_dist.pipeline.member import SpectralShard
 from nsa_dist.pipeline.services import SpectralService
 from nsa_dist.store import SpectrumStore
@@ -240,6 +240,23 @@ def test_layout_validation_and_auto_choice(tmp_path):
         {**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": 2, "memory_budget_gb": 1.2 * big / 1e9}}
     )
     assert choose_layout(tight, 97, 97 * 97).layout is Layout.MATRIX_FREE  # features as wide as G: no tiles
+    # nsa run's in-process gang: the W members' tiles add up in one process (the block features are
+    # one shared copy), so a budget that holds one member's tiles but not W of them means matrix_free
+    W, feats = 4, 97 * 74 * 8
+    one = ExperimentSpec.model_validate({**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": W}})
+    member = layout_bytes(one, 97, 74)[Layout.BLOCK_ROWS]
+    held = W * (member - feats) + feats
+    for budget, in_process, want in [
+        (1.1 * member, False, "block_rows"),
+        (1.1 * member, True, "matrix_free"),
+        (1.1 * held, True, "block_rows"),
+    ]:
+        spec = ExperimentSpec.model_validate(
+            {**BASE, "spectrum": {**BASE["spectrum"], "layout": "auto", "workers": W, "memory_budget_gb": budget / 1e9}}
+        )
+        choice = choose_layout(spec, 97, 74, in_process=in_process)
+        assert choice.layout.value == want, (budget, in_process, member, held, choice)
+        assert ("in this process as the tiles of its 4 gang members" in choice.reason) == in_process, choice.reason
     with pytest.raises(ValueError, match="block_rows.*couples samples.*'local'"):
         choose_layout(_spec(BASE, "block_rows", 2), 97, 74, coupled="batch norm in train mode")
     # a run: its measured feature width (96 floats per point, padded) against G at N = 400
@@ -253,14 +270,14 @@ def test_layout_validation_and_auto_choice(tmp_path):
                 **BASE["spectrum"],
                 "layout": "auto",
                 "workers": 2,
-                "memory_budget_gb": 0.8 * 8 * 400 * 400 / 1e9,
+                "memory_budget_gb": 0.9 * 8 * 400 * 400 / 1e9,  # the 2 members' tiles in one process fit
             },
         }
     )
     url = str(tmp_path / "s.zarr")
     assert run_experiment(spec, SpectrumStore(url)).status == "done"
     attrs = SpectrumStore(url).group(run_id(spec)).attrs
-    assert attrs["layout"] == "block_rows" and "per worker as tiles on 2 workers" in attrs["layout_reason"]
+    assert attrs["layout"] == "block_rows" and "in this process as the tiles of its 2" in attrs["layout_reason"], attrs
 
 
 def test_auto_layout_is_resolved_once_and_used_by_every_worker(tmp_path, monkeypatch):

@@ -87,7 +87,7 @@ def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
     so its W members' parts of G are counted, not one."""
     N, s = spec.data.n, spec.spectrum
     P, width = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (_counted_params(spec), 0)
-    lay = _layout.choose_layout(spec, N, width).layout
+    lay = _layout.choose_layout(spec, N, width, in_process=gang_in_process).layout
     quadrature = energy_route(spec, lay) == "quadrature"
     q = s.quadrature
     k = (min(q.top, N) if quadrature else N) if s.k == "all" else min(int(s.k), N)

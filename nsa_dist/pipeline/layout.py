@@ -461,7 +461,9 @@ def layout_budget(spec: ExperimentSpec) -> float:
     return gb * 1e9 if gb else 0.5 * _machine_bytes()
 
 
-def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str | None = None) -> LayoutChoice:
+def choose_layout(
+    spec: ExperimentSpec, N: int, feature_width: int, coupled: str | None = None, *, in_process: bool = False
+) -> LayoutChoice:
     """Resolve ``spectrum.layout`` for an N-point Gram; ``auto`` picks the first layout that fits.
 
     Per-worker bytes (:func:`layout_bytes`) against ``memory_budget_gb`` (default half this
@@ -471,6 +473,11 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
 
     ``coupled``: why the model couples samples (None: it does not) — its kernel is that of the
     whole batch's forward, which no split of the points reproduces: only ``local``.
+
+    ``in_process``: the gang's W members will all live in this process (``nsa run``'s and a
+    Tracker's in-process gang), so a gang layout is weighed by what the process holds, not one
+    member: ``block_rows``' W members' tiles beside the one shared copy of the block features
+    (more workers do not lower it), ``matrix_free``'s W shards, i.e. every point's features.
 
     Raises:
         ValueError: a distributed layout for a model that couples samples.
@@ -491,6 +498,10 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
     budget = layout_budget(spec)
     need = layout_bytes(spec, N, feature_width)
     local, tiles = need[Layout.LOCAL], need[Layout.BLOCK_ROWS]
+    where = f"per worker as tiles on {W} workers"
+    if in_process:  # the members' tiles add up; the block features are one copy (LocalGang shares them)
+        features = N * feature_width * np.dtype(s.dtype).itemsize
+        tiles, where = W * (tiles - features) + features, f"in this process as the tiles of its {W} gang members"
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if s.k == "all" and s.energy.value == "exact":
         return LayoutChoice(Layout.LOCAL, "k: all with energy: exact needs the whole G")
@@ -504,10 +515,9 @@ def choose_layout(spec: ExperimentSpec, N: int, feature_width: int, coupled: str
     if W > 1 and tiles <= budget:
         return LayoutChoice(
             Layout.BLOCK_ROWS,
-            f"G needs ~{gb(local)} whole (budget {gb(budget)}); ~{gb(tiles)} per worker as tiles on {W} workers",
+            f"G needs ~{gb(local)} whole (budget {gb(budget)}); ~{gb(tiles)} {where}",
         )
     return LayoutChoice(
         Layout.MATRIX_FREE,
-        f"G needs ~{gb(local)} whole and ~{gb(tiles)} per worker as tiles on "
-        f"{W} workers, over the budget {gb(budget)}: products J(JᵀV) only",
+        f"G needs ~{gb(local)} whole and ~{gb(tiles)} {where}, over the budget {gb(budget)}: products J(JᵀV) only",
     )

@@ -290,6 +290,7 @@ def plan_run(
     model: torch.nn.Module | None = None,
     *,
     materials: RunMaterials | None = None,
+    gang_in_process: bool = False,
 ) -> RunPlan:
     """The plan of ``spec`` on ``data``.
 
@@ -300,6 +301,8 @@ def plan_run(
             prototype from :class:`~nsa_dist.pipeline.materials.RunMaterials` (built once per
             process).  Only its parameter count and NTK route are read.
         materials: the run's materials already loaded (they give ``data``, ``model`` and the id).
+        gang_in_process: a gang layout's members will all live in this process (``layout: auto``
+            weighs their sum, :func:`~nsa_dist.pipeline.layout.choose_layout`).
 
     Raises:
         ValueError: ``spectrum.layout`` names a distributed layout for a network that couples samples.
@@ -314,7 +317,7 @@ def plan_run(
     route = resolve_route(model, X4, spec.spectrum.ntk_method)  # the run's one probe of the forward pass
     coupled = next(iter(route.routes.values()))[1] if route.method is NTKMethod.BATCH else None
     width = 0 if coupled else feature_width(model, X4[:2], route)
-    layout = choose_layout(spec, N, width, coupled)
+    layout = choose_layout(spec, N, width, coupled, in_process=gang_in_process)
     K = spectrum_size(spec, N, layout.layout)
     images = image_indices(spec, data, K)
     nI = len(images)

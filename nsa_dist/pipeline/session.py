@@ -66,6 +66,7 @@ def prepare_run(
     *,
     data: Dataset | None = None,
     key: str | None = None,
+    gang_in_process: bool = False,
 ) -> PreparedRun:
     """Plan the run on its data, create (or reopen and check) the run's group.
 
@@ -78,12 +79,14 @@ def prepare_run(
     (:class:`~nsa_dist.pipeline.materials.RunMaterials`).  ``data``: the run's points when the
     caller has them (a Tracker's arrays), else loaded from ``spec.data`` — again, even if this
     process loaded them before: the run is checked against what is there now.  ``key``: the
-    spec's run id when the caller computed it (for the lease).
+    spec's run id when the caller computed it (for the lease).  ``gang_in_process``: a gang layout's
+    members will all live in this process (``nsa run``, a Tracker), which ``layout: auto`` weighs
+    (:func:`~nsa_dist.pipeline.layout.choose_layout`).
     """
     if callable(model) and not isinstance(model, torch.nn.Module):
         model = model()
     materials = RunMaterials.load(spec, data=data, model=model, fresh=data is None, key=key)
-    plan, data = plan_run(spec, materials=materials), materials.data
+    plan, data = plan_run(spec, materials=materials, gang_in_process=gang_in_process), materials.data
     writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
     plan = pin_layout(writer, plan)
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
@@ -144,6 +147,7 @@ class RunSession:
         model: torch.nn.Module | None = None,
         hint: str = "re-run to resume",
         key: str | None = None,
+        gang_in_process: bool = False,
     ) -> RunSession:
         """Take the run's lease (unless ``token``, the caller's lease, is given) and prepare the run.
 
@@ -153,6 +157,7 @@ class RunSession:
             data, model: as :func:`prepare_run` (a callable ``model`` is built once the lease is taken).
             hint: how to continue the run after an interruption (the ``interrupted`` reason's tail).
             key: the spec's run id when the caller computed it (a sweep's driver, for its lease).
+            gang_in_process: as :func:`prepare_run`.
 
         Raises:
             LeaseHeld: another live process writes the run.
@@ -162,7 +167,9 @@ class RunSession:
         key = key or run_id(spec)
         lease = None if token is not None else store.lease([key], wait=wait).acquire()
         try:
-            prepared = prepare_run(spec, store, lease.token if lease else token, model, data=data, key=key)
+            prepared = prepare_run(
+                spec, store, lease.token if lease else token, model, data=data, key=key, gang_in_process=gang_in_process
+            )
         except BaseException as exc:
             if lease is not None:
                 lease.hand_back() if isinstance(exc, RunRefused) else lease.release()

@@ -93,7 +93,7 @@ class TrackedRun:
         """
         check_fits(spec, gang_in_process=True)
         store = store if isinstance(store, SpectrumStore) else SpectrumStore(store)
-        session = RunSession.open(spec, store, data=data, model=model, hint="reopen to continue")
+        session = RunSession.open(spec, store, data=data, model=model, hint="reopen to continue", gang_in_process=True)
         try:
             workers = pool(session)
         except BaseException as exc:
