@@ -339,6 +339,53 @@ def test_nsa_run_under_layout_auto_picks_what_fits_its_in_process_gang(monkeypat
     assert "in this process as the tiles of its 3 gang members" in run.attrs["layout_reason"]
 
 
+def test_the_plan_is_checked_with_its_measured_width_and_the_recorded_layout(monkeypatch, tmp_path):
+    """The check before the data is loaded knows only the spec; once planned, the run is checked
+    again with what the plan knows, before its group is created: (1) a run recorded as
+    ``block_rows`` by a Ray gang, resumed by ``nsa run`` (all members in one process), is refused
+    with the gang's advice — its layout is the recorded one, not what auto would pick now;
+    (2) a Tracker whose network couples samples (batch norm in train mode) runs ``local``, which
+    its spec (no feature width, no coupling) cannot tell."""
+    import nsa_dist.pipeline.layout as layout_mod
+    from nsa_dist import Tracker
+    from nsa_dist.pipeline import prepare_run, run_experiment
+    from nsa_dist.store import SpectrumStore
+
+    raw = {
+        **TINY,
+        "data": {"n": 6000},
+        "model": {"depth": 3, "width": 64},
+        "spectrum": {"k": 4, "layout": "auto", "workers": 3, "images": []},
+    }
+    spec = ExperimentSpec(**raw)
+    member = layout_mod.layout_bytes(spec, 6000, fc_sizes(spec.model)[1])[layout_mod.Layout.BLOCK_ROWS]
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: 2.1 * member)
+    url = str(tmp_path / "r.zarr")
+    made = prepare_run(spec, SpectrumStore(url))  # as a sweep's driver makes it: one member per process
+    assert made.plan.layout.layout.value == "block_rows"
+    for _ in range(2):  # refused, and the lease given back: the second try is refused the same way
+        with pytest.raises(
+            ResourceError, match=r"G \(block_rows layout\).*in this process|in this process.*block_rows"
+        ):
+            run_experiment(spec, url)
+    assert SpectrumStore(url).reader(made.plan.run_id).attrs["layout"] == "block_rows"
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    X, y = torch.randn(3000, 2), torch.randn(3000)
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: 1e8)  # G whole: 3000² · 16 · 1.1 = 0.16 GB
+    with pytest.raises(ResourceError, match=r"G \(local layout\)"):
+        Tracker(
+            str(tmp_path / "t.zarr"),
+            "bn",
+            net,
+            X,
+            y,
+            steps=4,
+            record={"every": 2},
+            spectrum={"k": 4, "images": [], "layout": "auto", "workers": 2},
+        )
+
+
 FEATURE_PASS = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[2])
@@ -383,15 +430,21 @@ def test_the_feature_pass_estimate_is_below_what_the_pass_takes(model):
     print(f"feature pass: estimated {parts['feature pass (transient)'] / 1e6:.1f} MB, took {transient / 1e6:.1f} MB")
 
 
-@pytest.mark.parametrize("n_test", [24, 80])
-def test_the_test_point_gram_is_counted_as_the_analyzer_allocates_it(n_test):
+@pytest.mark.parametrize("n_test, momentum", [(24, 0.0), (80, 0.0), (24, 0.9)])
+def test_the_test_point_gram_is_counted_as_the_analyzer_allocates_it(n_test, momentum):
     """With ``spectrum.test_points`` the analyzer keeps a buffer for the test Gram beside the train
-    Gram's, from step to step, and at t0 assembles App. E's (M, N) cross kernel in it: the
-    estimate is the largest buffer the analyzer asks for, M·max(M, N)·itemsize (M < N and M > N)."""
+    Gram's, from step to step; where App. E is measured (GD without momentum on the L2 loss) it
+    first assembles the (M, N) cross kernel in it at t0.  The estimate is the largest buffer the
+    analyzer asks for: M·max(M, N)·itemsize (M < N and M > N), M·M with momentum (no App. E)."""
     from nsa_dist.data import load_dataset
     from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
-    raw = {**TINY, "data": {"n": 48, "n_test": n_test}, "spectrum": {"k": 4, "images": [], "test_points": True}}
+    raw = {
+        **TINY,
+        "data": {"n": 48, "n_test": n_test},
+        "optimizer": {"name": "gd", "momentum": momentum},
+        "spectrum": {"k": 4, "images": [], "test_points": True},
+    }
     spec = ExperimentSpec(**raw)
     parts = footprint(spec).parts
     data = load_dataset(spec.data, seed=0)
@@ -407,8 +460,34 @@ def test_the_test_point_gram_is_counted_as_the_analyzer_allocates_it(n_test):
     analyzer._workspace.empty = record
     for ck in Trainer(plan, data).train_until(4):
         analyzer.analyze(ck)
-    assert asked["gram.test"] == parts["test-point Gram"] == n_test * max(n_test, 48) * 8, (asked, parts)
+    cols = max(n_test, 48) if momentum == 0 else n_test
+    assert asked["gram.test"] == parts["test-point Gram"] == n_test * cols * 8, (asked, parts)
+    assert parts["test eigenvectors"] == 8 * n_test * 4
     assert "test-point Gram" not in footprint(ExperimentSpec(**{**raw, "spectrum": {"k": 4, "images": []}})).parts
+
+
+def test_the_test_points_on_the_quadrature_route_and_on_an_in_process_gang():
+    """k: all on the quadrature route keeps quadrature.top test eigenvectors, not M; a gang's test
+    Gram counts what it needs beyond G, W members' worth where they share this process."""
+    import nsa_dist.pipeline.layout as layout_mod
+
+    kall = {**TINY, "data": {"n": 100_000, "n_test": 100_000}}
+    kall["spectrum"] = {"k": "all", "layout": "matrix_free", "workers": 4, "test_points": True, "images": []}
+    parts = footprint(ExperimentSpec(**kall)).parts
+    assert parts["test eigenvectors"] == 8 * 100_000 * 100, parts  # quadrature.top = 100 (M·M would be 80 GB)
+    for layout in ("block_rows", "matrix_free"):
+        raw = {**TINY, "data": {"n": 1000, "n_test": 4000}}
+        raw["spectrum"] = {"k": 4, "layout": layout, "workers": 4, "test_points": True, "images": []}
+        spec = ExperimentSpec(**raw)
+        width = fc_sizes(spec.model)[1]
+        for in_process in (False, True):
+            held = {}
+            for n in (1000, 4000):
+                one = layout_mod.layout_bytes(spec, n, width)[layout_mod.Layout(layout)]
+                shared = n * width * 8 if layout == "block_rows" else 0
+                held[n] = 4 * (one - shared) + shared if in_process else one
+            got = footprint(spec, gang_in_process=in_process).parts["test-point Gram"]
+            assert got == pytest.approx(held[4000] - held[1000]), (layout, in_process, got, held)
 
 
 def test_a_tracker_whose_analysis_cannot_fit_is_refused_before_the_store_is_touched(tmp_path):

@@ -294,7 +294,13 @@ def test_auto_layout_is_resolved_once_and_used_by_every_worker(tmp_path, monkeyp
     assert plan_run(spec, prep.data).layout.layout is Layout.MATRIX_FREE  # what it alone would pick
     analyzer, _ = SpectralService(url)._run(prep.plan)
     assert analyzer.plan.layout.layout is Layout.LOCAL and not analyzer.distributed, analyzer.plan.layout
-    assert prepare_run(spec, SpectrumStore(url)).plan.layout.layout is Layout.LOCAL  # a resume too
+    # a resume too, on a node where auto would not pick local but the recorded local run still fits
+    from nsa_dist.pipeline.budget import footprint
+
+    whole = footprint(spec, layout=Layout.LOCAL).total
+    monkeypatch.setattr(layout_mod, "_machine_bytes", lambda: 1.2 * whole)
+    assert plan_run(spec, prep.data).layout.layout is not Layout.LOCAL
+    assert prepare_run(spec, SpectrumStore(url)).plan.layout.layout is Layout.LOCAL
 
 
 def test_nsa_run_matrix_free_records_the_same_run_as_local(tmp_path):

@@ -36,6 +36,7 @@ a :class:`~nsa_dist.Tracker`'s, whose spec records the network's P (``kwargs.n_p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ from nsa_dist.errors import ResourceError
 from nsa_dist.linalg.quadrature import quadrature_basis_bytes
 from nsa_dist.ntk.blocks import ROW_CHUNK
 from nsa_dist.pipeline import layout as _layout
-from nsa_dist.pipeline.plan import energy_route
+from nsa_dist.pipeline.plan import constant_gram_applies, energy_route
 
 __all__ = ["Footprint", "fc_sizes", "footprint", "check_fits"]
 
@@ -80,14 +81,24 @@ class Footprint:
         return ", ".join(f"{k} {_gb(v)}" for v, k in big) or "under 1 MB"
 
 
-def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
+def footprint(
+    spec: ExperimentSpec,
+    gang_in_process: bool = False,
+    *,
+    layout: Layout | None = None,
+    width: int | None = None,
+    P: int | None = None,
+) -> Footprint:
     """The estimate of one worker's bytes for ``spec`` (see the module docstring).
 
     ``gang_in_process``: a distributed layout's members all live in this process (``nsa run``),
-    so its W members' parts of G are counted, not one."""
+    so its W members' parts of G are counted, not one.  ``layout``, ``width``, ``P``: what the run's
+    plan knows (the layout it will run — the recorded one of a resumed run —, the measured feature
+    width, the built network's parameter count) in place of what the spec alone gives."""
     N, s = spec.data.n, spec.spectrum
-    P, width = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (_counted_params(spec), 0)
-    lay = _layout.choose_layout(spec, N, width, in_process=gang_in_process).layout
+    P0, width0 = fc_sizes(spec.model) if isinstance(spec.model, ModelSpec) else (_counted_params(spec), 0)
+    P, width = (P0 if P is None else P), (width0 if width is None else width)
+    lay = layout or _layout.choose_layout(spec, N, width, in_process=gang_in_process).layout
     quadrature = energy_route(spec, lay) == "quadrature"
     q = s.quadrature
     k = (min(q.top, N) if quadrature else N) if s.k == "all" else min(int(s.k), N)
@@ -97,10 +108,9 @@ def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
     if lay is not Layout.LOCAL:
         item = np.dtype(s.dtype).itemsize
         if gang_in_process and W > 1:
-            # block_rows: the members share one copy of every block's features (LocalGang hands the
-            # values themselves), so only the tiles are W-fold; matrix_free: each holds its shard's
-            own = G - (N * width * item if lay is Layout.BLOCK_ROWS else 0.0)
-            parts[f"gang members in this process (W = {W}: {W - 1} × their own part more)"] = (W - 1) * own
+            parts[f"gang members in this process (W = {W}: {W - 1} × their own part more)"] = (
+                _held(spec, N, width, lay, True) - G
+            )
         if isinstance(spec.model, ModelSpec) and lay is Layout.MATRIX_FREE:
             # the pass runs while earlier ranges' features are kept (block_rows: before any tile exists,
             # so below the tiles it is not counted on top of them)
@@ -108,7 +118,7 @@ def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
             outs = (spec.model.depth - 1) * spec.model.width + spec.model.output_dim
             parts["feature pass (transient)"] = float(min(ROW_CHUNK, per_range) * (width + outs) * item)
     parts["eigenvectors"] = 8.0 * N * k
-    parts.update(_test_points(spec, lay, G))
+    parts.update(_test_points(spec, lay, width, k, gang_in_process))
     parts["data"] = 16.0 * (N + spec.data.n_test) * (spec.data.input_dim or spec.model.input_dim or 0)
     if quadrature:
         outputs = max(1, int(getattr(spec.model, "output_dim", 1)))
@@ -125,16 +135,17 @@ def footprint(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
     return Footprint(lay, parts, P)
 
 
-def check_fits(spec: ExperimentSpec, gang_in_process: bool = False) -> Footprint:
+def check_fits(spec: ExperimentSpec, gang_in_process: bool = False, **known: Any) -> Footprint:
     """Refuse a run that cannot fit before anything of it is allocated; its :class:`Footprint` otherwise.
     ``gang_in_process``: as in :func:`footprint` (``nsa run``: True; a Ray sweep's members each
-    have a process of their own).
+    have a process of their own); ``known``: what the plan knows (:func:`footprint`'s ``layout``,
+    ``width``, ``P``; :func:`check_plan_fits`).
 
     Raises:
         ResourceError: the estimate exceeds this machine's memory, or (``layout: auto`` with
             ``memory_budget_gb``) the Gram exceeds the per-worker budget in every layout.
     """
-    fp = footprint(spec, gang_in_process)
+    fp = footprint(spec, gang_in_process, **known)
     machine = _layout._machine_bytes()
     if fp.total > machine:
         largest = max(fp.parts, key=fp.parts.get).split(" ")[0]
@@ -184,23 +195,32 @@ def _counted_params(spec: ExperimentSpec) -> int | None:
     return int(n) if isinstance(n, int) else None
 
 
-def _test_points(spec: ExperimentSpec, lay: Layout, G: float) -> dict[str, float]:
+def _held(spec: ExperimentSpec, n: int, width: int, lay: Layout, gang_in_process: bool) -> float:
+    """Bytes this process holds for an n-point Gram in ``lay``: one worker's part, or with the gang
+    in this process its W members' — ``block_rows``: their tiles beside the one copy of the block
+    features they share (LocalGang hands the values themselves); ``matrix_free``: their shards'."""
+    one = _layout.layout_bytes(spec, n, width)[lay]
+    W = spec.spectrum.workers
+    if lay is Layout.LOCAL or not gang_in_process or W == 1:
+        return one
+    shared = n * width * np.dtype(spec.spectrum.dtype).itemsize if lay is Layout.BLOCK_ROWS else 0.0
+    return W * (one - shared) + shared
+
+
+def _test_points(spec: ExperimentSpec, lay: Layout, width: int, k: int, gang_in_process: bool) -> dict[str, float]:
     """What ``spectrum.test_points`` adds to the train Gram's parts.  Held whole, the test Gram
-    has a buffer of its own beside the train Gram's, kept from step to step; at t0 App. E
-    assembles the cross kernel (M, N) in it, so it holds M·max(M, N) numbers.  On a gang the test
-    Gram is assembled after the train Gram is closed: only what it needs beyond G counts."""
-    M, s = spec.data.n_test, spec.spectrum
+    has a buffer of its own beside the train Gram's, kept from step to step (M·M numbers); where
+    App. E is measured (GD without momentum on the L2 loss) it first assembles the (M, N) cross
+    kernel there at t0, so M·max(M, N).  On a gang the test Gram is assembled after the train
+    Gram is closed: only what it needs beyond G counts.  Its top min(k, M) eigenvectors too."""
+    M, N, s = spec.data.n_test, spec.data.n, spec.spectrum
     if not (s.test_points and M):
         return {}
-    item = np.dtype(s.dtype).itemsize
     if lay is Layout.LOCAL:
-        held = M * max(M, spec.data.n) * item
+        held = M * (max(M, N) if constant_gram_applies(spec) else M) * np.dtype(s.dtype).itemsize
     else:
-        held = max(
-            0.0,
-            _layout.layout_bytes(spec, M, fc_sizes(spec.model)[1] if isinstance(spec.model, ModelSpec) else 0)[lay] - G,
-        )
-    return {"test-point Gram": float(held), "test eigenvectors": 8.0 * M * min(M, int(s.k) if s.k != "all" else M)}
+        held = max(0.0, _held(spec, M, width, lay, gang_in_process) - _held(spec, N, width, lay, gang_in_process))
+    return {"test-point Gram": float(held), "test eigenvectors": 8.0 * M * min(k, M)}
 
 
 def _gb(b: float) -> str:

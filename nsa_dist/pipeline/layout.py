@@ -475,9 +475,11 @@ def choose_layout(
     whole batch's forward, which no split of the points reproduces: only ``local``.
 
     ``in_process``: the gang's W members will all live in this process (``nsa run``'s and a
-    Tracker's in-process gang), so a gang layout is weighed by what the process holds, not one
-    member: ``block_rows``' W members' tiles beside the one shared copy of the block features
-    (more workers do not lower it), ``matrix_free``'s W shards, i.e. every point's features.
+    Tracker's in-process gang), so ``block_rows`` is weighed by what the process holds, not one
+    member: the W members' tiles beside the one shared copy of the block features (more workers
+    do not lower it).  ``matrix_free``, the last resort, is taken without a budget test (in
+    process it holds every point's features; :func:`~nsa_dist.pipeline.budget.check_fits`
+    weighs those against the machine).
 
     Raises:
         ValueError: a distributed layout for a model that couples samples.

@@ -90,6 +90,12 @@ def run_id(spec: ExperimentSpec) -> str:
     return f"{spec.name}-{digest}"
 
 
+def constant_gram_applies(spec: ExperimentSpec) -> bool:
+    """Whether App. E / Eqs. 4–5 describe the run: full-batch GD without momentum on the L2 loss."""
+    opt = spec.optimizer
+    return LossName(spec.loss) is LossName.L2 and OptimizerName(opt.name) is OptimizerName.GD and opt.momentum == 0
+
+
 def energy_route(spec: ExperimentSpec, layout: Layout) -> str:
     """How E_t(φ, k) is measured: "quadrature" for ``k: all`` on a gang layout or with ``energy:
     quadrature`` (the top ``quadrature.top`` exactly, brackets beyond), else "exact"."""
@@ -149,6 +155,8 @@ class RunPlan:
         K: eigenpairs kept per step.
         image_indices: the eigenvectors drawn as images (1-based; empty without 2-D data).
         layout: where G_t lives (local, block_rows, matrix_free) and why.
+        feature_width: the block features' numbers per point, measured on the network (what the
+            layout and the memory check weigh; 0 for a network that couples samples).
         ntk_route: the NTK route the network takes, resolved once by the forward-pass probe
             (:func:`~nsa_dist.ntk.resolve_route`): every Gram of the run — training, test and
             cross kernels, on any process — is computed on it, never probing again.
@@ -164,6 +172,7 @@ class RunPlan:
     image_indices: tuple[int, ...]
     layout: LayoutChoice
     ntk_route: NTKRoute
+    feature_width: int = 0  # numbers per point of the block features (0: no per-layer features)
 
     @property
     def ntk_method(self) -> str:
@@ -321,7 +330,7 @@ def plan_run(
     K = spectrum_size(spec, N, layout.layout)
     images = image_indices(spec, data, K)
     nI = len(images)
-    s, h, Ko, opt = spec.spectrum, spec.hessian, spec.model.output_dim, spec.optimizer
+    s, h, Ko = spec.spectrum, spec.hessian, spec.model.output_dim
     curve = energy_route(spec, layout.layout) == "quadrature"
     if curve:
         from nsa_dist.linalg.quadrature import curve_ks
@@ -344,10 +353,7 @@ def plan_run(
         k_full=min(int(s.full_k), N * Ko) if Ko > 1 else 0,  # the full NK×NK kernel's top eigenvalues
         k_class=min(int(s.per_class_k), N) if Ko > 1 else 0,  # per diagonal block Θ_aa
         k_gram_change=min(int(s.gram_change_k), K),  # App. F: dG_t on the top eigenvectors
-        # App. E / Eqs. 4–5 describe the run: full-batch GD without momentum on the L2 loss
-        constant_gram=LossName(spec.loss) is LossName.L2
-        and OptimizerName(opt.name) is OptimizerName.GD
-        and opt.momentum == 0,
+        constant_gram=constant_gram_applies(spec),
         hessian=h is not None,
         hessian_I_k=N * Ko if h else 0,  # eigenvalues of I: measured and limit
         hessian_top_k=min(h.top_k, P - 1) if h else 0,
@@ -371,4 +377,5 @@ def plan_run(
         image_indices=images,
         layout=layout,
         ntk_route=route,
+        feature_width=width,
     )

@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from nsa_dist.config import ExperimentSpec
+from nsa_dist.config import ExperimentSpec, Layout
 from nsa_dist.data import Dataset
-from nsa_dist.errors import AnalysisError
+from nsa_dist.errors import AnalysisError, StoreError
 from nsa_dist.metrics import spectrum_preservation
 from nsa_dist.metrics.preservation import preservation_pair
+from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.materials import RunMaterials
@@ -87,11 +88,28 @@ def prepare_run(
         model = model()
     materials = RunMaterials.load(spec, data=data, model=model, fresh=data is None, key=key)
     plan, data = plan_run(spec, materials=materials, gang_in_process=gang_in_process), materials.data
+    # the check before the data was loaded knew only the spec: now the measured feature width, the
+    # built network's P and the layout the run will have (a resumed run's recorded one), before the
+    # run's group is created
+    check_fits(spec, gang_in_process, layout=_recorded_layout(store, plan), width=plan.feature_width, P=plan.dims.P)
     writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
     plan = pin_layout(writer, plan)
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         writer.write_static(plan.static_arrays(data))
     return PreparedRun(plan, data, writer, materials)
+
+
+def _recorded_layout(store: SpectrumStore, plan: RunPlan) -> Layout:
+    """The layout the run was created with, else (a new run, or one whose attributes cannot be
+    read — the writer then names what is wrong) the plan's."""
+    if store.has_run(plan.run_id):
+        try:
+            stored = store.reader(plan.run_id).attrs.get("layout")
+        except StoreError:
+            stored = None
+        if stored:
+            return Layout(stored)
+    return plan.layout.layout
 
 
 def pin_layout(writer: RunWriter, plan: RunPlan) -> RunPlan:
