@@ -20,9 +20,9 @@ Parts (bytes, lower estimates — a run refused here would certainly not fit):
   quadrature route, which also holds one column group's Lanczos basis and products (the probes', or φ's own
   longer run with ``quadrature.phi_steps``),
   2·N·lanczos_steps·block_size·8 — :func:`~nsa_dist.linalg.quadrature.quadrature_basis_bytes`);
-* with ``spectrum.test_points``, the test Gram's own buffer, M·max(M, N)·itemsize held whole (App. E
-  assembles the (M, N) cross kernel in it at t0), on a gang only what it needs beyond G; its
-  eigenvectors M·k·8;
+* with ``spectrum.test_points``, the test Gram's own buffer held whole, M·M·itemsize, or
+  M·max(M, N)·itemsize where App. E assembles the (M, N) cross kernel in it at t0 (GD without
+  momentum on the L2 loss); on a gang only what it needs beyond G; its eigenvectors M·min(k, M)·8;
 * the data, (N + M)·d·16 (float64 as loaded, float32 copies in the trainer and the analyzer);
 * the parameters, P·4·(4 + slots) (trainer and analyzer copies, gradients, θ_t, optimizer slots);
 * the Hessian probes, P·8·(probes + lanczos_steps), when a ``hessian`` block is set;
@@ -109,7 +109,7 @@ def footprint(
         item = np.dtype(s.dtype).itemsize
         if gang_in_process and W > 1:
             parts[f"gang members in this process (W = {W}: {W - 1} × their own part more)"] = (
-                _held(spec, N, width, lay, True) - G
+                _layout.held_bytes(spec, N, width, lay, True) - G
             )
         if isinstance(spec.model, ModelSpec) and lay is Layout.MATRIX_FREE:
             # the pass runs while earlier ranges' features are kept (block_rows: before any tile exists,
@@ -139,7 +139,7 @@ def check_fits(spec: ExperimentSpec, gang_in_process: bool = False, **known: Any
     """Refuse a run that cannot fit before anything of it is allocated; its :class:`Footprint` otherwise.
     ``gang_in_process``: as in :func:`footprint` (``nsa run``: True; a Ray sweep's members each
     have a process of their own); ``known``: what the plan knows (:func:`footprint`'s ``layout``,
-    ``width``, ``P``; :func:`check_plan_fits`).
+    ``width``, ``P``, as :func:`~nsa_dist.pipeline.session.prepare_run` passes them).
 
     Raises:
         ResourceError: the estimate exceeds this machine's memory, or (``layout: auto`` with
@@ -195,18 +195,6 @@ def _counted_params(spec: ExperimentSpec) -> int | None:
     return int(n) if isinstance(n, int) else None
 
 
-def _held(spec: ExperimentSpec, n: int, width: int, lay: Layout, gang_in_process: bool) -> float:
-    """Bytes this process holds for an n-point Gram in ``lay``: one worker's part, or with the gang
-    in this process its W members' — ``block_rows``: their tiles beside the one copy of the block
-    features they share (LocalGang hands the values themselves); ``matrix_free``: their shards'."""
-    one = _layout.layout_bytes(spec, n, width)[lay]
-    W = spec.spectrum.workers
-    if lay is Layout.LOCAL or not gang_in_process or W == 1:
-        return one
-    shared = n * width * np.dtype(spec.spectrum.dtype).itemsize if lay is Layout.BLOCK_ROWS else 0.0
-    return W * (one - shared) + shared
-
-
 def _test_points(spec: ExperimentSpec, lay: Layout, width: int, k: int, gang_in_process: bool) -> dict[str, float]:
     """What ``spectrum.test_points`` adds to the train Gram's parts.  Held whole, the test Gram
     has a buffer of its own beside the train Gram's, kept from step to step (M·M numbers); where
@@ -219,7 +207,11 @@ def _test_points(spec: ExperimentSpec, lay: Layout, width: int, k: int, gang_in_
     if lay is Layout.LOCAL:
         held = M * (max(M, N) if constant_gram_applies(spec) else M) * np.dtype(s.dtype).itemsize
     else:
-        held = max(0.0, _held(spec, M, width, lay, gang_in_process) - _held(spec, N, width, lay, gang_in_process))
+        held = max(
+            0.0,
+            _layout.held_bytes(spec, M, width, lay, gang_in_process)
+            - _layout.held_bytes(spec, N, width, lay, gang_in_process),
+        )
     return {"test-point Gram": float(held), "test eigenvectors": 8.0 * M * min(k, M)}
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "LayoutChoice",
     "choose_layout",
     "layout_bytes",
+    "held_bytes",
     "layout_budget",
 ]
 
@@ -455,6 +456,19 @@ def layout_bytes(spec: ExperimentSpec, N: int, feature_width: int) -> dict[Layou
     }
 
 
+def held_bytes(spec: ExperimentSpec, n: int, feature_width: int, layout: Layout, in_process: bool = False) -> float:
+    """Bytes one process holds for an n-point Gram in ``layout``: one worker's part
+    (:func:`layout_bytes`), or, with the gang's W members all in this process (``nsa run``, a
+    Tracker), theirs — ``block_rows``: the W members' tiles beside the one copy of the block
+    features they share (LocalGang hands the values themselves); ``matrix_free``: their W shards."""
+    one = layout_bytes(spec, n, feature_width)[layout]
+    W = spec.spectrum.workers
+    if layout is Layout.LOCAL or not in_process or W == 1:
+        return one
+    shared = n * feature_width * np.dtype(spec.spectrum.dtype).itemsize if layout is Layout.BLOCK_ROWS else 0.0
+    return W * (one - shared) + shared
+
+
 def layout_budget(spec: ExperimentSpec) -> float:
     """The per-worker bytes ``layout: auto`` fits into: ``memory_budget_gb``, else half this machine."""
     gb = spec.spectrum.memory_budget_gb
@@ -499,11 +513,10 @@ def choose_layout(
     W = s.workers
     budget = layout_budget(spec)
     need = layout_bytes(spec, N, feature_width)
-    local, tiles = need[Layout.LOCAL], need[Layout.BLOCK_ROWS]
-    where = f"per worker as tiles on {W} workers"
-    if in_process:  # the members' tiles add up; the block features are one copy (LocalGang shares them)
-        features = N * feature_width * np.dtype(s.dtype).itemsize
-        tiles, where = W * (tiles - features) + features, f"in this process as the tiles of its {W} gang members"
+    local, tiles = need[Layout.LOCAL], held_bytes(spec, N, feature_width, Layout.BLOCK_ROWS, in_process)
+    where = (
+        f"in this process as the tiles of its {W} gang members" if in_process else f"per worker as tiles on {W} workers"
+    )
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if s.k == "all" and s.energy.value == "exact":
         return LayoutChoice(Layout.LOCAL, "k: all with energy: exact needs the whole G")

@@ -59,9 +59,8 @@ def run_experiment(
     check_fits(spec, gang_in_process=True)  # before the data is loaded, the model built or the store opened
     store = SpectrumStore(store) if isinstance(store, str) else store
     torch.manual_seed(spec.seed)  # the global RNG a factory network's own randomness (dropout) draws from
-    with RunSession.open(
-        spec, store, wait=wait, key=key, gang_in_process=True
-    ) as session:  # key: run_id(spec) if the caller has it
+    # key: run_id(spec) if the caller has it; the gang layouts' members live in this process
+    with RunSession.open(spec, store, wait=wait, key=key, gang_in_process=True) as session:
         try:
             return _run(session, on_step, on_update, on_prepared)
         finally:  # a notebook looping over specs holds no finished run's data or network
