@@ -88,3 +88,36 @@ def test_spec_fields_reach_the_budget():
     assert own.parts[key] >= 16.0 * 200_000 * 240 > plain.parts[key] / 16  # one φ column of 240 steps at least
     with pytest.raises(ValueError, match="phi_width"):
         ExperimentSpec.model_validate({"spectrum": {"quadrature": {"phi_width": 1.5}}})
+
+
+def test_groups_side_by_side_give_the_groups_run_one_after_another(power_law):
+    """Column groups run side by side share each product with G (one pass over G for all their
+    columns); each group's rule is the same as when the groups run one after another (a basis cap
+    that fits one group), to rounding, and the brackets still hold."""
+    d = power_law
+    ks = curve_ks(N, 40)
+    kw = dict(lanczos_steps=12, probes=10, block_size=4, seed=2)
+    one_group = 16.0 * N * 12 * 4  # the basis cap that fits exactly one group of 4 columns
+    runs = {}
+    for name, cap in (("side by side", 1e9), ("one after another", one_group)):
+        runs[name] = spectral_curves(d["G"], d["w"][:K], d["V"][:, :K], d["phis"], ks, basis_bytes=cap, **kw)
+        _check_inside(runs[name], d, ks)
+    a, b = runs["side by side"], runs["one after another"]
+    assert a.n_products == b.n_products
+    for what, x, y in [("λ_k", a.eigenvalue, b.eigenvalue)] + [
+        (f"E({n})", a.energy[n], b.energy[n]) for n in d["phis"]
+    ]:
+        # the Gauss rules' nodes move with the products' last bits (a GEMM of more columns sums in
+        # another order): the brackets agree to 1e-7, the estimate inside them to 1e-6
+        for part, tol in (("lower", 1e-7), ("upper", 1e-7), ("value", 1e-6)):
+            u, v = getattr(x, part), getattr(y, part)
+            gap = float(np.max(np.abs(u - v)))
+            assert gap <= tol * max(1.0, float(np.max(np.abs(v)))), f"{what} {part} differs by {gap:.3g}"
+
+
+def test_the_budget_counts_the_groups_held_side_by_side():
+    """The memory estimate holds every column group of a wave: all 29 start columns at N = 10⁴ (the
+    defaults, 9.6 MB a column under the 1 GB cap), one group of 5 at N = 200,000 (192 MB a column)."""
+    assert quadrature_basis_bytes(10_000, 60, 16, probes=24, phi_columns=5) == 29 * 16.0 * 10_000 * 60
+    assert quadrature_basis_bytes(200_000, 60, 16, probes=24, phi_columns=5) == 5 * 16.0 * 200_000 * 60
+    assert quadrature_basis_bytes(60_000, 60, 16, probes=24, phi_columns=5) == 16 * 16.0 * 60_000 * 60

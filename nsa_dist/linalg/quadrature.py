@@ -54,16 +54,20 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from nsa_dist.linalg._backend import ArrayOps, Backend
-from nsa_dist.linalg._inputs import as_symmetric_map
+from nsa_dist.errors import NonFiniteError
+from nsa_dist.linalg._backend import ArrayOps, Backend, TorchOps
+from nsa_dist.linalg._inputs import _contiguous, _non_finite, as_symmetric_map, upcast_product
 from nsa_dist.linalg.lanczos import _qr_r, _ritz, _State
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CurveBracket",
@@ -106,16 +110,36 @@ def quadrature_basis_bytes(
     cap: float = _BASIS_BYTES,
     phi_steps: int | None = None,
     phi_columns: int = 5,
+    probes: int = 24,
 ) -> float:
-    """Bytes of the Lanczos basis the route holds at once (V and G·V, float64, one column group): the
-    probes' group, or with ``phi_steps`` the larger of it and the φ columns' own group (run after)."""
-    per_col = 16.0 * N * lanczos_steps
-    out = per_col * max(1, min(block_size, int(cap // per_col)))
+    """Bytes of the Lanczos bases the route holds at once (V and G·V, float64): the column groups that
+    run side by side (one wave, :func:`_wave`) of the probes (with φ's columns where they share the
+    probes' steps), or with ``phi_steps`` the larger of that and the φ columns' own wave (run after)."""
+    m = max(2, min(int(lanczos_steps), N))
+    per_col = 16.0 * N * m
+    shared = int(probes) + (0 if phi_steps is not None else int(phi_columns))
+    out = per_col * _held(max(1, shared), block_size, per_col, cap)
     if phi_steps is not None:
-        m = max(2, min(int(lanczos_steps), N))
         per_phi = 16.0 * N * _phi_steps(phi_steps, m, block_size, phi_columns, N)
-        out = max(out, per_phi * max(1, min(phi_columns, int(cap // per_phi))))
+        out = max(out, per_phi * _held(max(1, int(phi_columns)), block_size, per_phi, cap))
     return out
+
+
+def _wave(block_size: int, per_col: float, cap: float) -> tuple[int, int]:
+    """``(columns per group, groups side by side)``: start columns run in groups of ``block_size``
+    (fewer where one group's basis would pass ``cap``), and as many groups side by side as keep
+    their bases under ``cap`` together (at least one).  A wave's groups share each pass over G,
+    which a product pays once however many columns it has (an (N, 29) block cost 1.08× an
+    (N, 14) one with a float32 G upcast in slabs at N = 10⁴)."""
+    fit = int(cap // per_col)
+    group = max(1, min(int(block_size), fit))
+    return group, max(1, fit // group)
+
+
+def _held(n_cols: int, block_size: int, per_col: float, cap: float) -> int:
+    """Start columns whose bases are held at once (one wave) out of ``n_cols``."""
+    group, side = _wave(block_size, per_col, cap)
+    return min(n_cols, group * side)
 
 
 @dataclass(frozen=True)
@@ -184,7 +208,8 @@ def spectral_curves(
         block_size: columns (φ's and probes) per block Lanczos run: larger blocks resolve the
             spectrum better (sharper values, tighter Ritz bounds) at a (b·m)² eigh and a
             b·m-column basis per run; the Gauss-rule brackets do not depend on it.
-        basis_bytes: columns are run in groups whose Lanczos bases stay under this.
+        basis_bytes: columns are run in groups, and groups side by side (sharing each product
+            with G), whose Lanczos bases together stay under this.
         phi_steps: block steps of a separate run of the φ columns (None: φ's share the probes'
             blocks and their ``lanczos_steps``; 0: as many as keep its basis at one probe group's
             ``block_size · lanczos_steps`` columns, at most ``4 · lanczos_steps``; n: at most n).
@@ -198,20 +223,24 @@ def spectral_curves(
     Raises:
         ValueError: sizes that do not match, ks outside 1 … N, a non-PSD top eigenvalue.
     """
+    _check_knobs(lanczos_steps, probes, confidence, density_grid, block_size, basis_bytes, phi_steps, phi_width)
     A = _products(G)
     ops, N = A.ops, A.N
     lam = np.asarray(evals, dtype=np.float64).reshape(-1)
     K = lam.size
     U = np.asarray(evecs.detach().cpu().numpy() if hasattr(evecs, "detach") else evecs, dtype=np.float64)
-    ks = np.asarray(ks, dtype=np.int64)
+    ks_in = np.asarray(ks)
+    ks = ks_in.astype(np.int64)
     if U.shape != (N, K):
         raise ValueError(f"evecs must be (N, K) = ({N}, {K}), got {U.shape}")
-    if ks.ndim != 1 or ks.size == 0 or ks.min() < 1 or ks.max() > N or np.any(np.diff(ks) < 0):
-        raise ValueError(f"ks must be sorted integers in 1 … N = {N}, got {ks[:5]}…")
+    if ks.ndim != 1 or ks.size == 0 or ks.min() < 1 or ks.max() > N or np.any(np.diff(ks) < 0) or np.any(ks != ks_in):
+        raise ValueError(f"ks must be sorted integers in 1 … N = {N}, got {ks_in[:5]}…")
     if K < 1:
         raise ValueError("spectral_curves needs at least one exact eigenpair (K ≥ 1)")
+    _check_top(lam, U)
     cols, owners, norms2, top2 = _phi_columns(phis, U)
     m = max(2, min(int(lanczos_steps), N))
+    block_size = max(1, min(int(block_size), N - K)) if K < N else 1  # a block no wider than the tail
     rng = np.random.default_rng(seed)
     n_probe = int(probes) if K < N else 0
     Z = [np.asarray(cols[:, j]) for j in range(cols.shape[1])]
@@ -235,21 +264,24 @@ def spectral_curves(
     ritz: list[np.ndarray] = []
 
     def run(vectors: list[np.ndarray], steps_g: int, offset: int, done: Any = None) -> None:
-        per_group = max(1, min(int(block_size), int(basis_bytes // (16.0 * N * steps_g))))
-        for s in range(0, len(vectors), per_group):
-            block = np.column_stack(vectors[s : s + per_group])
-            out = _block_rule(
-                deflated,
-                ops.from_numpy(block),
-                steps_g,
-                ops,
-                A.sym_rtol,
-                seed + offset + s,
-                float(lam[0]),
-                done=None if done is None else done(offset + s, block.shape[1]),
-            )
-            runs[offset + s] = out
-            ritz.append(out[0])
+        group, per_wave = _wave(block_size, 16.0 * N * steps_g, basis_bytes)
+        starts = list(range(0, len(vectors), group))
+        for w in range(0, len(starts), per_wave):
+            gens = {}
+            for s in starts[w : w + per_wave]:
+                block = np.column_stack(vectors[s : s + group])
+                gens[s] = _block_rule(
+                    ops.from_numpy(block),
+                    steps_g,
+                    ops,
+                    A.sym_rtol,
+                    seed + offset + s,
+                    float(lam[0]),
+                    done=None if done is None else done(offset + s, block.shape[1]),
+                )
+            for s, out in sorted(_lockstep(gens, deflated, ops).items()):
+                runs[offset + s] = out
+                ritz.append(out[0])
 
     def rules_of(starts: list[int]) -> list[_Rule]:
         out = []
@@ -311,6 +343,46 @@ def spectral_curves(
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
 
 
+def _check_knobs(
+    lanczos_steps: int,
+    probes: int,
+    confidence: float,
+    density_grid: int,
+    block_size: int,
+    basis_bytes: float,
+    phi_steps: int | None,
+    phi_width: float,
+) -> None:
+    """One ValueError naming the first knob out of its range."""
+    bad = [
+        (lanczos_steps < 1, f"lanczos_steps must be ≥ 1, got {lanczos_steps}"),
+        (probes < 0, f"probes must be ≥ 0, got {probes}"),
+        (not 0.0 < confidence < 1.0, f"confidence must lie in (0, 1) (0.95, not 95), got {confidence}"),
+        (density_grid < 2, f"density_grid must be ≥ 2 points, got {density_grid}"),
+        (block_size < 1, f"block_size must be ≥ 1, got {block_size}"),
+        (not basis_bytes > 0, f"basis_bytes must be > 0, got {basis_bytes}"),
+        (phi_steps is not None and phi_steps < 0, f"phi_steps must be None or ≥ 0, got {phi_steps}"),
+        (not 0.0 <= phi_width < 1.0, f"phi_width must lie in [0, 1), got {phi_width}"),
+        (phi_width > 0 and phi_steps is None, "phi_width needs phi_steps (φ's own run, which it stops)"),
+    ]
+    for failed, message in bad:
+        if failed:
+            raise ValueError(message)
+
+
+def _check_top(lam: np.ndarray, U: np.ndarray) -> None:
+    """The exact top part as the brackets need it: finite, descending, PSD at the top."""
+    if not (np.isfinite(lam).all() and np.isfinite(U).all()):
+        raise ValueError("evals and evecs must be finite (NaN/inf in the top eigenpairs)")
+    if np.any(np.diff(lam) > 0):
+        raise ValueError(
+            "evals must be descending, λ_1 ≥ … ≥ λ_K (with the eigenvectors in the same order; "
+            "numpy.linalg.eigh returns them ascending)"
+        )
+    if lam[0] < 0:
+        raise ValueError(f"G must be positive semi-definite: its top eigenvalue is {lam[0]:.3g} < 0")
+
+
 def _phi_steps(phi_steps: int | None, m: int, block_size: int, n_phi: int, N: int) -> int:
     """Block steps of the φ columns' run (see :func:`spectral_curves`)."""
     if phi_steps:
@@ -360,29 +432,27 @@ def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule]
 
 
 class _DenseProducts:
-    """A dense torch G applied in float64 without a float64 copy of it: a float32 G is upcast one
-    slab of rows at a time (~64 MB), so the products are those of the stored matrix to float64
-    rounding.  (The whole copy was the route's largest block, 0.8 GB at N = 10⁴; float32 products
-    instead blurred λ_k below ~10⁻⁶·λ_1 into the bracket — at N = 500 the widths doubled.)"""
+    """A dense torch G applied in float64 without a float64 copy of it
+    (:func:`~nsa_dist.linalg._inputs.upcast_product`): the block rule's products are those of the
+    stored matrix to float64 rounding.  (The whole copy was the route's largest block, 0.8 GB at
+    N = 10⁴; float32 products instead blurred λ_k below ~10⁻⁶·λ_1 into the bracket — at N = 500
+    the widths doubled.)"""
 
     def __init__(self, G: Any) -> None:
-        from nsa_dist.linalg._backend import TorchOps
-
-        self.G, self.N, self.ops = G, int(G.shape[0]), TorchOps(G.device)
+        n_bad = _non_finite(G.detach())
+        if n_bad:
+            raise NonFiniteError(
+                f"G holds {n_bad} NaN/inf entries (of {G.shape[0] * G.shape[1]}); only finite matrices "
+                "have an eigendecomposition"
+            )
+        self.G, self.N, self.ops = G.detach(), int(G.shape[0]), TorchOps(G.device)
         self.eps = float(np.finfo(np.float64).eps)
         self.sym_rtol, self.n_matvec = float(np.sqrt(self.eps)), 0
-        self.rows = max(64, int(64e6 // (8 * max(self.N, 1))))
+        self._apply = upcast_product(self.G)
 
     def matmat(self, X: Any) -> Any:
-        import torch
-
         self.n_matvec += X.shape[1]
-        if self.G.dtype == torch.float64:
-            return self.G @ X
-        out = torch.empty((self.N, X.shape[1]), dtype=torch.float64, device=X.device)
-        for a in range(0, self.N, self.rows):
-            out[a : a + self.rows] = self.G[a : a + self.rows].to(torch.float64) @ X
-        return out
+        return self._apply(X)
 
 
 def _products(G: Any) -> Any:
@@ -516,7 +586,6 @@ def _jacobi_rule(d: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _block_rule(
-    matmat: Any,
     Z: Any,
     n_steps: int,
     ops: ArrayOps,
@@ -525,10 +594,12 @@ def _block_rule(
     scale: float = 0.0,
     done: Callable[[np.ndarray, np.ndarray, int], bool] | None = None,
     every: int = 20,
-) -> tuple[np.ndarray, np.ndarray, int, bool]:
+) -> Generator[Any, Any, tuple[np.ndarray, np.ndarray, int, bool]]:
     """:func:`~nsa_dist.linalg.lanczos.block_gauss_quadrature`'s rule on the same Krylov machinery,
-    also returning the block steps taken and whether the basis became invariant (then the rule is
-    exact for every f).  ``done(theta, W, steps)``, asked every ``every`` steps, ends the run early."""
+    as a generator driven by :func:`_lockstep`: it yields each block P to be multiplied and is sent
+    G·P back; it returns the rule (θ, W), the block steps taken and whether the basis became
+    invariant (then the rule is exact for every f).  ``done(theta, W, steps)``, asked every
+    ``every`` steps, ends the run early."""
     N, b = Z.shape
     Q, R = _qr_r(ops, Z)
     st = _State(ops, N, min(N, n_steps * b), b, np.random.default_rng(seed), sym_rtol)
@@ -540,7 +611,8 @@ def _block_rule(
         return theta, (R.T @ Y[: Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
 
     for _ in range(n_steps):
-        B, P_next = st.extend(P, Bc, matmat)
+        GP = yield P
+        B, P_next = st.extend(P, Bc, lambda _, GP=GP: GP)
         n = st.n
         if P_next is None:
             exhausted = True
@@ -554,6 +626,34 @@ def _block_rule(
         P = P_next
     theta, W = rule()
     return theta, W, st.steps, exhausted
+
+
+def _lockstep(gens: dict[int, Generator[Any, Any, Any]], matmat: Callable[[Any], Any], ops: ArrayOps) -> dict[int, Any]:
+    """Drive :func:`_block_rule` generators side by side: each round, one product of G with every
+    running generator's block side by side, each sent its columns back; their results by key."""
+    pending, out = {}, {}
+    for key, gen in gens.items():
+        try:
+            pending[key] = next(gen)
+        except StopIteration as stop:
+            out[key] = stop.value
+    while pending:
+        keys = list(pending)
+        X = pending[keys[0]]
+        for key in keys[1:]:
+            X = ops.hstack(X, pending[key])
+        GX = matmat(X)
+        at = 0
+        for key in keys:
+            b = pending[key].shape[1]
+            part = GX if len(keys) == 1 else _contiguous(GX[:, at : at + b])
+            at += b
+            try:
+                pending[key] = gens[key].send(part)
+            except StopIteration as stop:
+                out[key] = stop.value
+                del pending[key]
+    return out
 
 
 def _gauss_from_discrete(
@@ -599,11 +699,19 @@ def _phi_columns(
 ) -> tuple[np.ndarray, list[str], dict[str, float], dict[str, np.ndarray]]:
     """The finite non-zero φ columns (N, c), their owners, ‖φ‖² and the cumulative top energies Σ_{i≤k}⟨v_i, φ⟩²."""
     N = U.shape[0]
+    if not isinstance(phis, Mapping):
+        raise TypeError(f"phis must map names to vectors φ, got {type(phis).__name__}")
     cols, owners, norms2, top2 = [], [], {}, {}
     for name, phi in phis.items():
         if phi is None:
             continue
-        P = np.asarray(phi, dtype=np.float64).reshape(N, -1)
+        raw = np.asarray(phi.detach().cpu().numpy() if hasattr(phi, "detach") else phi)
+        if np.iscomplexobj(raw) or raw.ndim not in (1, 2) or raw.shape[0] != N:
+            raise ValueError(
+                f"φ {name!r} must be real, (N,) or (N, C) with N = {N}, got {raw.dtype} {raw.shape}"
+                + (" (a (C, N) φ: pass its transpose)" if raw.ndim == 2 and raw.shape[-1] == N else "")
+            )
+        P = raw.astype(np.float64).reshape(N, -1)
         if not np.isfinite(P).all():
             continue
         n2 = float(np.sum(P * P))
@@ -664,6 +772,7 @@ def _eigenvalue_curve(
     n_lo, n_hi, est = (np.minimum.accumulate(a) for a in (n_lo, n_hi, est))
     ritz_desc = [np.sort(r)[::-1] for r in ritz]
     floor = min(bottom, 0.0)
+    contradicted: list[int] = []
     for i in np.nonzero(tail)[0]:
         k = int(ks[i])
         lo = _last_at_least(bps, n_lo, k, floor)
@@ -672,8 +781,19 @@ def _eigenvalue_curve(
         hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1])
         v = _last_at_least(bps, est, k, 0.0)
         lower[i], upper[i] = max(lo - slack, floor), hi + slack
-        lower[i] = min(lower[i], upper[i])
+        if upper[i] < lower[i]:
+            # the statistical upper end fell below a proven lower end (Cauchy interlacing): the
+            # probes missed here, so only the proof holds — λ_k ≤ λ_K
+            upper[i] = max(float(lam[-1]) + slack, lower[i])
+            contradicted.append(k)
         value[i] = min(max(v, lower[i]), upper[i])
+    if contradicted:
+        log.info(
+            "λ_k's statistical upper end fell below its proven lower end at k = %s (of %d beyond the "
+            "top): there the bracket's upper end is λ_K",
+            contradicted[:10],
+            int(tail.sum()),
+        )
     return CurveBracket(value, lower, upper)
 
 
@@ -683,7 +803,9 @@ def _with_radau(
     """The probes' mean tail bounds at the breakpoints tightened by their Gauss–Radau bounds (about half
     the Gauss ones' gap) at up to ``points`` of them (Radau costs a tridiagonal eigh per point): a
     tail bound at t' carries to every t on its side by monotonicity — μ((t, ∞)) ≥ μ((t', ∞)) for
-    t ≤ t', μ([t, ∞)) ≤ μ([t', ∞)) for t ≥ t'."""
+    t ≤ t', μ([t, ∞)) ≤ μ([t', ∞)) for t ≥ t'.  The upper bound at a breakpoint holds on the whole
+    interval from the breakpoint before it (what λ_k's upper end needs): it comes from a t' below
+    that interval."""
     if bps.size == 0:
         return L, U
     T = bps[np.unique(np.linspace(0, bps.size - 1, min(points, bps.size)).round().astype(int))]
@@ -693,7 +815,10 @@ def _with_radau(
     ok = j < T.size
     L = L.copy()
     L[ok] = np.maximum(L[ok], Lr[j[ok]])
-    j = np.searchsorted(T, bps, side="right") - 1  # the largest T ≤ t
+    # the largest T < t (not ≤): the upper count at a breakpoint must hold on the whole interval
+    # down to the breakpoint before it — λ_k's upper end is the last breakpoint where it is still
+    # ≥ k — and a Radau bound at T says nothing about t just below T
+    j = np.searchsorted(T, bps, side="left") - 1
     ok = j >= 0
     U = U.copy()
     U[ok] = np.minimum(U[ok], Ur[j[ok]])

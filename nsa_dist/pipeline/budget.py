@@ -17,9 +17,10 @@ Parts (bytes, lower estimates — a run refused here would certainly not fit):
   nets: 1.6–4.4× the chunk's features above what is kept; ``block_rows`` passes its blocks before
   any tile exists, so its pass is not added to the tiles);
 * the top-k eigenvectors, N·k·8 (``k: all``: N² on the exact route, N·quadrature.top on the
-  quadrature route, which also holds one column group's Lanczos basis and products (the probes', or φ's own
-  longer run with ``quadrature.phi_steps``),
-  2·N·lanczos_steps·block_size·8 — :func:`~nsa_dist.linalg.quadrature.quadrature_basis_bytes`);
+  quadrature route, which also holds the Lanczos bases and products of the column groups that run
+  side by side (the probes' and φ's, or φ's own longer run with ``quadrature.phi_steps``),
+  2·N·lanczos_steps·8 per column, as many columns as fit the route's 1 GB cap together (at least
+  one group of ``block_size``) — :func:`~nsa_dist.linalg.quadrature.quadrature_basis_bytes`);
 * with ``spectrum.test_points``, the test Gram's own buffer held whole, M·M·itemsize, or
   M·max(M, N)·itemsize where App. E assembles the (M, N) cross kernel in it at t0 (GD without
   momentum on the L2 loss); on a gang only what it needs beyond G; its eigenvectors M·min(k, M)·8;
@@ -123,7 +124,7 @@ def footprint(
     if quadrature:
         outputs = max(1, int(getattr(spec.model, "output_dim", 1)))
         parts["quadrature Lanczos basis"] = quadrature_basis_bytes(
-            N, q.lanczos_steps, q.block_size, phi_steps=q.phi_steps, phi_columns=5 * outputs
+            N, q.lanczos_steps, q.block_size, phi_steps=q.phi_steps, phi_columns=5 * outputs, probes=q.probes
         )
     if P is not None:
         slots = {OptimizerName.ADAM: 2, OptimizerName.SGD: 1}.get(OptimizerName(spec.optimizer.name), 0)

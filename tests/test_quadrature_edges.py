@@ -1,0 +1,141 @@
+"""Edges of the quadrature route's brackets found by fuzzing ``spectral_curves``: λ_k's upper end
+where a Gauss–Radau bound sat on a breakpoint, a statistical upper end below the proven lower end,
+blocks wider than the tail, and arguments out of range.  A diagonal G makes every Rademacher probe's
+measure the tail's counting measure exactly, so there a miss cannot be chance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nsa_dist.errors import NonFiniteError
+from nsa_dist.linalg.quadrature import curve_ks, spectral_curves
+
+
+def _exact(G: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    w, V = np.linalg.eigh(G)
+    return w[::-1].copy(), V[:, ::-1].copy()
+
+
+def _misses(G: np.ndarray, K: int, ks: np.ndarray, **kw) -> list[str]:
+    w, V = _exact(G)
+    c = spectral_curves(torch.from_numpy(G), w[:K], V[:, :K], {"x": np.ones(G.shape[0])}, ks, **kw)
+    e, lk = c.eigenvalue, w[ks - 1]
+    out = np.nonzero((lk < e.lower) | (lk > e.upper))[0]
+    return [f"k={ks[i]}: λ_k={lk[i]:.12g} outside [{e.lower[i]:.12g}, {e.upper[i]:.12g}]" for i in out]
+
+
+@pytest.mark.parametrize(
+    "N, spectrum, K, kw",
+    [
+        (157, "1/i", 20, dict(lanczos_steps=7, probes=30, block_size=6, confidence=0.99, seed=10)),
+        (171, "3.4 decades", 13, dict(lanczos_steps=2, probes=8, block_size=3, confidence=0.99, seed=0)),
+        (120, "3.4 decades", 10, dict(lanczos_steps=5, probes=4, block_size=2, seed=3)),
+    ],
+)
+def test_a_diagonal_g_never_misses_lambda_k(N, spectrum, K, kw):
+    """Zero-variance probes: every λ_k inside its bracket, at every k (the upper end once took a
+    Gauss–Radau bound at a breakpoint for the interval below it and missed λ_{K+1} by 5·10⁵ widths)."""
+    lam = np.arange(1, N + 1) ** -1.0 if spectrum == "1/i" else 10.0 ** (-3.428 * np.arange(N) / (N - 1))
+    perm = np.random.default_rng(1).permutation(N)
+    misses = _misses(np.diag(lam[perm]), K, np.arange(1, N + 1), **kw)
+    assert not misses, f"{len(misses)} of {N - K} tail k outside: " + "; ".join(misses[:4])
+
+
+def test_lambda_after_the_top_inside_for_probe_seeds_of_a_rotated_g():
+    """λ_{K+1} of a non-diagonal G at 99 %: inside for (nearly) every seed — it missed for 20 of 20."""
+    N, K = 157, 20
+    Q, _ = np.linalg.qr(np.random.default_rng(1).standard_normal((N, N)))
+    G = (Q * np.arange(1, N + 1) ** -1.0) @ Q.T
+    G = (G + G.T) / 2
+    ks = np.array([1, K, K + 1, K + 2, N])
+    missed = [
+        s for s in range(10) if _misses(G, K, ks, lanczos_steps=7, probes=30, block_size=6, confidence=0.99, seed=s)
+    ]
+    assert len(missed) <= 1, f"λ_k outside its 99 % bracket for probe seeds {missed} of 10"
+
+
+def test_a_statistical_upper_end_below_the_proof_keeps_the_proof():
+    """Where the probes' upper end falls below the Ritz (Cauchy interlacing) lower end, the bracket
+    keeps the proven side and widens to λ_K, never collapsing onto the wrong value (seed 18: k = 10…15
+    were zero-width brackets below λ_k)."""
+    N, K = 38, 6
+    rng = np.random.default_rng(1450)
+    d = rng.uniform(2, 14)
+    lam = 10.0 ** (-d * np.arange(N) / (N - 1))
+    Q, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    misses = _misses(G, K, np.arange(1, N + 1), lanczos_steps=47, probes=23, block_size=5, seed=18)
+    assert not misses, "; ".join(misses[:4])
+
+
+@pytest.mark.parametrize("N", [5, 11, 12, 13])
+def test_n_below_the_block_size_runs(N):
+    """The default block (12) wider than the tail: clamped, not a broadcast error."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((N, N))
+    G = X @ X.T
+    w, V = _exact(G)
+    ks = curve_ks(N, 5)
+    c = spectral_curves(G, w[:2], V[:, :2], {"y": rng.standard_normal(N)}, ks)
+    lk = w[ks - 1]
+    assert np.all(lk >= c.eigenvalue.lower - 1e-9) and np.all(lk <= c.eigenvalue.upper + 1e-9)
+
+
+def _problem(N: int = 40, K: int = 5):
+    rng = np.random.default_rng(0)
+    Q, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    G = (Q * 10.0 ** (-4 * np.arange(N) / (N - 1))) @ Q.T
+    G = (G + G.T) / 2
+    w, V = _exact(G)
+    return G, w[:K], V[:, :K], curve_ks(N, 20)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(confidence=95), ValueError, "confidence"),
+        (dict(confidence=-0.5), ValueError, "confidence"),
+        (dict(lanczos_steps=0), ValueError, "lanczos_steps"),
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(probes=-1), ValueError, "probes"),
+        (dict(density_grid=-1), ValueError, "density_grid"),
+        (dict(basis_bytes=0), ValueError, "basis_bytes"),
+        (dict(phi_steps=-2), ValueError, "phi_steps"),
+        (dict(phi_steps=10, phi_width=5.0), ValueError, "phi_width"),
+        (dict(phi_width=0.01), ValueError, "phi_width needs phi_steps"),
+        (dict(evals="ascending"), ValueError, "descending"),
+        (dict(evals="negative"), ValueError, "positive semi-definite"),
+        (dict(evals="nan"), ValueError, "finite"),
+        (dict(phis="transposed"), ValueError, "transpose"),
+        (dict(phis="list"), TypeError, "phis must map"),
+        (dict(ks="fractional"), ValueError, "ks must be sorted integers"),
+        (dict(G="nan torch"), NonFiniteError, "NaN"),
+    ],
+)
+def test_bad_arguments_get_one_clear_error(change, error, match):
+    G, w, V, ks = _problem()
+    args = dict(G=G, evals=w, evecs=V, phis={"p": np.ones(G.shape[0])}, ks=ks)
+    kw = dict(lanczos_steps=10, probes=8)
+    for key, val in change.items():
+        if key == "evals":
+            args["evals"], args["evecs"] = {
+                "ascending": (w[::-1].copy(), V[:, ::-1].copy()),
+                "negative": (-w[::-1].copy(), V),
+                "nan": (np.full_like(w, np.nan), V),
+            }[val]
+        elif key == "phis":
+            P = np.random.default_rng(1).standard_normal((G.shape[0], 2))
+            args["phis"] = {"p": P.T.copy()} if val == "transposed" else [P]
+        elif key == "ks":
+            args["ks"] = ks.astype(float) + 0.5
+        elif key == "G":
+            Gt = torch.from_numpy(G.copy())
+            Gt[0, 0] = float("nan")
+            args["G"] = Gt
+        else:
+            kw[key] = val
+    with pytest.raises(error, match=match):
+        spectral_curves(args["G"], args["evals"], args["evecs"], args["phis"], args["ks"], **kw)
