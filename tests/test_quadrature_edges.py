@@ -139,3 +139,33 @@ def test_bad_arguments_get_one_clear_error(change, error, match):
             kw[key] = val
     with pytest.raises(error, match=match):
         spectral_curves(args["G"], args["evals"], args["evecs"], args["phis"], args["ks"], **kw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_energy_brackets_hold_across_near_equal_eigenvalues(seed):
+    """Pairs of eigenvalues 2.5–1000 δ apart (δ the exact route's rounding): eigh's eigenvectors
+    rotate within a pair by ~δ/gap, so a threshold moved out by δ alone missed E by up to 8·10⁻⁴;
+    the ramp bound (E ± δ/w over a window w) holds at every k."""
+    rng = np.random.default_rng(seed)
+    N, K, g = int(rng.integers(5, 30)), int(rng.integers(1, 4)), float(rng.choice([2.5, 4, 10, 100, 1000]))
+    lam = 10.0 ** (-3 * np.arange(N) / (N - 1))
+    delta = max(8, N) * np.finfo(float).eps * lam[0]
+    for i in range(1, N - 1, 2):
+        lam[i + 1] = lam[i] - g * delta
+    Q, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    w, V = _exact(G)
+    c = np.zeros(N)
+    c[K:] = rng.standard_normal(N - K)
+    phi = Q @ c
+    ks = np.arange(1, N + 1)
+    out = spectral_curves(
+        torch.from_numpy(G), w[:K], V[:, :K], {"p": phi}, ks, lanczos_steps=40, probes=16, block_size=4, seed=seed
+    )
+    b = out.energy["p"]
+    E = np.cumsum((V.T @ phi) ** 2) / (phi @ phi)
+    miss = np.nonzero((E < b.lower - 1e-10) | (E > b.upper + 1e-10))[0]
+    assert not miss.size, "; ".join(
+        f"k={ks[i]}: E={E[i]:.10f} outside [{b.lower[i]:.10f}, {b.upper[i]:.10f}]" for i in miss[:4]
+    )

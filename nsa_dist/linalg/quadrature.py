@@ -50,6 +50,12 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
   counts on the upper side: upper = 1), the top part enters each threshold only with the
   eigenvalues above / at it, and top eigenpairs within 2δ of a neighbour (the top K reaching into
   the null space when K > r) get the bracket of their cluster instead of the solver's value.
+  Eigenvalues a few δ apart are not a cluster, yet the exact route's eigenvectors rotate between them
+  by ~δ/gap: beyond the top, E's bracket takes the tightest of ramp bounds (threshold moved by w,
+  ± δ₆₄/w, :func:`_ramps`), which hold under a float64 reduction's backward error δ₆₄.  Not covered:
+  such a rotation inside the top part (k ≤ K, the solver's eigenvectors, E off by ≤ 1.1·10⁻⁵ on
+  eigenvalue pairs 2.5–1000·δ apart against 40-digit eigenvectors), and a float32 reduction's
+  rotations, which stay a threshold shift (a model).
 """
 
 from __future__ import annotations
@@ -88,11 +94,15 @@ BRACKET_SENTENCE = (
     "the exact route's rounding δ = max(N·eps₆₄·λ_1, 4·eps_G·‖G‖_F) (eps_G: the stored G's precision, "
     "in which the exact route reduces it), and where eigenvalues lie within it of each other (a "
     "rank-deficient G's null space, in the top part too) the bracket spans every value an eigensolver's "
-    "choice of basis gives (E up to 1 beyond the rank)"
+    "choice of basis gives (E up to 1 beyond the rank); beyond the top, E's bracket also holds the "
+    "rotation of eigenvectors among near-equal eigenvalues under a float64 reduction's backward error "
+    "δ₆₄ = N·eps₆₄·λ_1 (ramp bounds ± δ₆₄/w over windows w)"
 )
 
 _RADAU_POINTS = 400  # breakpoints of the counting function where the probes' Gauss–Radau bounds are taken
-_BASIS_BYTES = 1 << 30  # default cap of one group's Lanczos basis and products (two (N, b·m) float64 blocks)
+_BASIS_BYTES = (
+    1 << 30
+)  # default cap of the Lanczos bases and products held at once (two (N, b·m) float64 blocks a group)
 
 
 def curve_ks(N: int, points: int) -> np.ndarray:
@@ -337,6 +347,7 @@ def spectral_curves(
             top2.get(name),
             16.0 * A.eps,
             floor.delta,
+            floor.rotation,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
     notes = {"rounding_delta": floor.delta, "spectrum_bottom": floor.bottom, "phi_lanczos_steps": phi_done}
@@ -399,6 +410,7 @@ class _Floor:
 
     delta: float
     bottom: float
+    rotation: float = 0.0  # the float64 reduction's backward error ‖Δ‖ (products' when coarser): see _ramps
 
 
 def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule], ritz: list[np.ndarray]) -> _Floor:
@@ -424,8 +436,9 @@ def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule]
     low_ritz = min([0.0] + [float(np.min(r)) for r in ritz if r.size])
     # a float32 G's exact route reduces it in float32: its eigenvalues carry that rounding too (the
     # top one 0.6·eps₃₂·λ_1 and the null space's ±1.2·eps₃₂·λ_1 off a float64 eigh's at N = 2,000)
+    rotation = delta
     delta = max(delta, 4.0 * eps_g * fro)
-    return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta)
+    return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta, rotation)
 
 
 # --------------------------------------------------------------------------- the quadrature rules
@@ -841,6 +854,7 @@ def _energy_curve(
     top2: np.ndarray | None,
     slack: float = 0.0,
     shift: float = 0.0,
+    rotation: float = 0.0,
 ) -> CurveBracket:
     """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond;
     ``slack`` (16·eps of the products) widens each side for the products' rounding (float32: the
@@ -875,14 +889,17 @@ def _energy_curve(
             upper[idx] = np.minimum(hi / norm2 + slack, 1.0)
     tail = ~top
     if tail.any():
-        lo_t, hi_t, v_t = eig.upper[tail] + shift, eig.lower[tail] - shift, eig.value[tail]
-        # the top part above each threshold (all of it unless the threshold reaches the top's eigenvalues)
-        base_lo = top2_at(np.searchsorted(desc, -lo_t, side="left"))  # Σ over λ_i > lo_t
-        base_hi = top2_at(np.searchsorted(desc, -hi_t, side="right"))  # Σ over λ_i ≥ hi_t
-        low = base_lo + sum(r.radau(lo_t)[0] for r in rules)
-        high = base_hi + sum(r.radau(hi_t)[1] for r in rules)
+        v_t = eig.value[tail]
+        low, high = np.full(v_t.size, -np.inf), np.full(v_t.size, np.inf)
+        for w, turn in _ramps(rotation):
+            lo_t, hi_t = eig.upper[tail] + shift + w, eig.lower[tail] - shift - w
+            # the top part above each threshold (all of it unless the threshold reaches the top's eigenvalues)
+            base_lo = top2_at(np.searchsorted(desc, -lo_t, side="left"))  # Σ over λ_i > lo_t
+            base_hi = top2_at(np.searchsorted(desc, -hi_t, side="right"))  # Σ over λ_i ≥ hi_t
+            low = np.maximum(low, (base_lo + sum(r.radau(lo_t)[0] for r in rules)) / norm2 - turn)
+            high = np.minimum(high, (base_hi + sum(r.radau(hi_t)[1] for r in rules)) / norm2 + turn)
         val = top2[-1] + sum(r.tail_closed(v_t) for r in rules)
-        lower[tail], upper[tail] = np.maximum(low / norm2 - slack, 0.0), np.minimum(high / norm2 + slack, 1.0)
+        lower[tail], upper[tail] = np.maximum(low - slack, 0.0), np.minimum(high + slack, 1.0)
         lower[tail] = np.minimum(lower[tail], upper[tail])
         # E is non-decreasing in k: carry the bounds along the reported k
         lower[tail] = np.maximum.accumulate(np.maximum(lower[tail], lower[top].max(initial=0.0)))
@@ -892,6 +909,26 @@ def _energy_curve(
     last = ks == N
     value[last] = lower[last] = upper[last] = 1.0  # E(φ, N) = 1
     return CurveBracket(value, lower, upper)
+
+
+_RAMPS = tuple(2.0**j for j in range(1, 23, 2))  # ramp widths w / δ tried (δ/w: 0.5 … 4.8e-7)
+
+
+def _ramps(delta: float) -> list[tuple[float, float]]:
+    """``(w, δ/w)`` pairs for E's bracket where the exact route's eigenvectors are those of G + Δ,
+    ‖Δ‖_F ≤ δ (a float64 reduction's backward error, ``_Floor.rotation``): near-equal eigenvalues
+    rotate into each other there, so a threshold moved out by δ alone does not hold E (eigenvalue
+    pairs 4δ apart put E outside by up to 8·10⁻⁴).  For a ramp r from 0 to 1 over a width w with
+    r ≥ 1[x ≥ t] (or ≤), |φᵀ(r(G + Δ) − r(G))φ| ≤ ‖φ‖²·‖Δ‖_F / w (a function of slope 1/w is
+    Lipschitz with that constant in the Frobenius norm of symmetric matrices), so
+    E ≤ μ_φ([t − w, ∞))/‖φ‖² + δ/w and E ≥ μ_φ((t + w, ∞))/‖φ‖² − δ/w for every w: each w gives a
+    bound, the tightest is kept.  A float32 G's own storage rounding (``_Floor.delta`` beyond this)
+    stays a threshold shift — its exact route's eigenvectors are those of a float32 reduction, a
+    model (the worst case would blur E by ~0.1 over G's dense part at N = 10⁴).  δ = 0: the plain
+    thresholds."""
+    if delta <= 0:
+        return [(0.0, 0.0)]
+    return [(f * delta, 1.0 / f) for f in _RAMPS]
 
 
 def _density(lam: np.ndarray, N: int, probes: list[_Rule], n_grid: int) -> tuple[np.ndarray, np.ndarray]:
