@@ -169,3 +169,15 @@ def test_energy_brackets_hold_across_near_equal_eigenvalues(seed):
     assert not miss.size, "; ".join(
         f"k={ks[i]}: E={E[i]:.10f} outside [{b.lower[i]:.10f}, {b.upper[i]:.10f}]" for i in miss[:4]
     )
+
+
+def test_a_phi_in_the_top_eigenspace_stays_inside_zero_one_and_its_bracket():
+    """φ in span(top K): ‖Uᵀφ‖² may pass ‖φ‖² by an ulp — no value above 1 nor outside its bracket
+    (seen up to 2·10⁻¹⁵ by the fuzz)."""
+    G, w, V, ks = _problem(N=60, K=8)
+    rng = np.random.default_rng(4)
+    phis = {f"top{j}": V @ rng.standard_normal(8) for j in range(6)} | {"v1": V[:, 0] * 3.0}
+    c = spectral_curves(torch.from_numpy(G), w, V, phis, ks, lanczos_steps=10, probes=8)
+    for name, b in c.energy.items():
+        assert np.all(0.0 <= b.lower) and np.all(b.upper <= 1.0), f"{name}: bracket leaves [0, 1]"
+        assert np.all(b.lower <= b.value) and np.all(b.value <= b.upper), f"{name}: value outside its bracket"

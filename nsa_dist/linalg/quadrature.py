@@ -908,7 +908,10 @@ def _energy_curve(
         value[tail] = np.clip(np.maximum.accumulate(value[tail]), lower[tail], upper[tail])
     last = ks == N
     value[last] = lower[last] = upper[last] = 1.0  # E(φ, N) = 1
-    return CurveBracket(value, lower, upper)
+    # rounding (‖Uᵀφ‖² can pass ‖φ‖² by an ulp) must not put a value outside [0, 1] or its bracket
+    lower = np.clip(lower, 0.0, 1.0)
+    upper = np.clip(upper, lower, 1.0)
+    return CurveBracket(np.clip(value, lower, upper), lower, upper)
 
 
 _RAMPS = tuple(2.0**j for j in range(1, 23, 2))  # ramp widths w / δ tried (δ/w: 0.5 … 4.8e-7)
