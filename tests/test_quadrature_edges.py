@@ -181,3 +181,35 @@ def test_a_phi_in_the_top_eigenspace_stays_inside_zero_one_and_its_bracket():
     for name, b in c.energy.items():
         assert np.all(0.0 <= b.lower) and np.all(b.upper <= 1.0), f"{name}: bracket leaves [0, 1]"
         assert np.all(b.lower <= b.value) and np.all(b.value <= b.upper), f"{name}: value outside its bracket"
+
+
+def test_repeated_phi_columns_on_a_staircase_spectrum_keep_e_inside():
+    """φ with repeated columns (x, x, 2x) in its own run: the block rule repeats Ritz values, and the
+    Gauss–Radau weights from the two-eigvalsh product formula were off by 8× on those near-coincident
+    nodes — a zero-width E bracket 0.017 above the exact E at k = 44 (second fuzz)."""
+    rng = np.random.default_rng(479)
+    N = 376
+    steps = curve_ks(N, int(rng.integers(5, 30)))
+    lam, prev = np.empty(N), 0
+    for j, k in enumerate(steps):  # a staircase 2^-j with its jumps at reported k
+        lam[prev:k] = 2.0 ** (-j)
+        prev = k
+    lam *= 8.935474110498441e-05
+    Q, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    w, V = _exact(G)
+    K = 3
+    x = rng.standard_normal(N)
+    P = np.column_stack([x, x, 2 * x])
+    ks = curve_ks(N, 34)
+    E = (np.cumsum(np.sum((V.T @ P) ** 2, axis=1)) / np.sum(P * P))[ks - 1]
+    c = spectral_curves(
+        torch.from_numpy(G), w[:K], V[:, :K], {"p": P}, ks,
+        lanczos_steps=48, probes=8, block_size=3, seed=266, phi_steps=0, phi_width=0.05,
+    )  # fmt: skip
+    b = c.energy["p"]
+    miss = np.nonzero((E < b.lower - 1e-10) | (E > b.upper + 1e-10))[0]
+    assert not miss.size, "; ".join(
+        f"k={ks[i]}: E={E[i]:.10f} outside [{b.lower[i]:.10f}, {b.upper[i]:.10f}]" for i in miss[:4]
+    )

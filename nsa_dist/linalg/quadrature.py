@@ -590,7 +590,11 @@ def _jacobi_rule(d: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     dx = np.abs(x[:, None] - x[None, :])
     np.fill_diagonal(dx, 1.0)
     dy = np.abs(x[:, None] - y[None, :])
-    if not (dx > 0).all() or not (dy > 0).all():  # coincident nodes: the eigenvectors
+    # nodes closer than 10⁻⁶ of the scale: each computed node carries ~eps·‖J‖ of error, which the
+    # products turn into that error over the gap — near-coincident nodes (a block rule's repeated
+    # Ritz values for repeated φ columns) gave weights off by 8× (fuzz): the eigenvectors instead
+    tiny = 1e-6 * max(float(np.abs(x).max()), float(np.abs(d).max()), 1e-300)
+    if not (dx > tiny).all() or not (dy > tiny).all():
         x, Y = eigh_tridiagonal(d, e)
         return x, Y[0] ** 2
     lw = np.log(dy).sum(axis=1) - np.log(dx).sum(axis=1)
@@ -899,8 +903,9 @@ def _energy_curve(
             low = np.maximum(low, (base_lo + sum(r.radau(lo_t)[0] for r in rules)) / norm2 - turn)
             high = np.minimum(high, (base_hi + sum(r.radau(hi_t)[1] for r in rules)) / norm2 + turn)
         val = top2[-1] + sum(r.tail_closed(v_t) for r in rules)
-        lower[tail], upper[tail] = np.maximum(low - slack, 0.0), np.minimum(high + slack, 1.0)
-        lower[tail] = np.minimum(lower[tail], upper[tail])
+        lo_, hi_ = np.maximum(low - slack, 0.0), np.minimum(high + slack, 1.0)
+        # bounds that cross (numerical trouble in a rule) keep both ends rather than collapse onto one
+        lower[tail], upper[tail] = np.minimum(lo_, hi_), np.maximum(lo_, hi_)
         # E is non-decreasing in k: carry the bounds along the reported k
         lower[tail] = np.maximum.accumulate(np.maximum(lower[tail], lower[top].max(initial=0.0)))
         upper[tail] = np.minimum.accumulate(upper[tail][::-1])[::-1]
