@@ -210,7 +210,10 @@ class SweepCoordinator:
             quiet_ray_at_exit()
             raise
         except Exception as exc:  # a Ray error of a raylet gone under it is its cause's, not the runs'
-            cause = raylet_lost(ask_cluster=True) if _from_ray(exc) else None
+            # any error while this machine's raylet is found dead is its: a killed raylet also
+            # surfaced as a bare ConnectionResetError from Ray's sockets (rc 2, "Connection reset by
+            # peer", instead of the interrupted line); only a Ray error asks a joined cluster
+            cause = raylet_lost(ask_cluster=_from_ray(exc))
             if cause is None:
                 raise
             interrupted = f"interrupted: Ray's {cause}; re-run to resume"
