@@ -308,7 +308,7 @@ def spectral_curves(
         rules = rules_of(list(runs))
         phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
     floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
-    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom)
+    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.rotation)
     if own:
         done = None
         if phi_width > 0 and (ks > K).any():
@@ -331,7 +331,7 @@ def spectral_curves(
         phi_rules = rules_of([r for r in runs if r < n_phi_cols])
         # φ's Ritz values interlace too (a lower bound of λ_k), and their smallest moves the floor
         floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
-        eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom)
+        eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.rotation)
     steps_done = min([m] + [runs[r][2] for r in runs if r >= n_phi_cols or not own])
     phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
     energy = {}
@@ -751,6 +751,7 @@ def _eigenvalue_curve(
     confidence: float,
     slack: float = 0.0,
     bottom: float = 0.0,
+    leak: float = 0.0,
 ) -> CurveBracket:
     """λ_k: exact for k ≤ K, else the inverted bracket of the counting function (module docstring);
     ``slack``: the rounding of the products and of the exact route's eigenvalues, added to each
@@ -794,7 +795,10 @@ def _eigenvalue_curve(
         k = int(ks[i])
         lo = _last_at_least(bps, n_lo, k, floor)
         j = k - K - 1  # Cauchy interlacing: λ_{K+j+1} ≥ the (j+1)-th Ritz value of PGP on any subspace
-        lo = max([lo] + [float(r[j]) for r in ritz_desc if j < r.size])
+        # the Ritz values less 3·leak more (δ₆₄, the float64 products' and top eigenvectors' rounding):
+        # those leak top directions into PGP, which put a Ritz value 2δ₆₄ above λ_{K+1} when the tail
+        # sat 12 decades below λ_1 (fuzz); the proof holds for PGP of exact eigenvectors only
+        lo = max([lo] + [float(r[j]) - 3.0 * leak for r in ritz_desc if j < r.size])
         hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1])
         v = _last_at_least(bps, est, k, 0.0)
         lower[i], upper[i] = max(lo - slack, floor), hi + slack
