@@ -230,3 +230,30 @@ def test_ritz_lower_ends_hold_when_the_tail_sits_twelve_decades_below_the_top():
     G = (G + G.T) / 2
     misses = _misses(G, K, curve_ks(N, 40), lanczos_steps=29, probes=16, block_size=10, seed=793)
     assert not misses, "; ".join(misses[:4])
+
+
+def test_an_inexact_top_eigenvector_does_not_break_the_interlacing_lower_end():
+    """u_K tilted 10⁻³ towards v_{K+1} (a solver's tolerance): PGP keeps −sin·v_K + cos·v_{K+1},
+    whose Rayleigh quotient passes λ_{K+1} by sin²·(λ_K − λ_{K+1}), 10⁻⁷ here, far above rounding.
+    The interlacing lower end takes U's measured residual off (top_residual=None measures it); told
+    the residual is 0, it claims λ_{K+1} ≥ a Ritz value above it."""
+    N, K = 120, 10
+    rng = np.random.default_rng(7)
+    lam = np.linspace(1.0, 0.01, N) ** 2
+    Q, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    w, V = _exact(G)
+    U = V[:, :K].copy()
+    s = 1e-3
+    U[:, K - 1] = np.sqrt(1 - s * s) * V[:, K - 1] + s * V[:, K]
+    ks = np.arange(1, N + 1)
+    kw = dict(lanczos_steps=40, probes=12, block_size=6, seed=1)
+
+    def outside(**extra):
+        c = spectral_curves(torch.from_numpy(G), w[:K], U, {}, ks, **kw, **extra).eigenvalue
+        lk = w[ks - 1]
+        return [int(k) for k, a, x, b in zip(ks, c.lower, lk, c.upper, strict=True) if k > K and not a <= x <= b]
+
+    assert outside() == [], "the measured residual did not cover the tilted eigenvector"
+    assert K + 1 in outside(top_residual=0.0), "without the residual the lower end should pass λ_{K+1}"

@@ -27,7 +27,8 @@ The top K eigenpairs (λ_i, v_i) of G are known exactly (a top-k solve).  Beyond
   bounds the variance of ``zᵀMz`` for a Rademacher z and M the rank-n_tail spectral
   projector).  The bracket of λ_k inverts it: ``λ_k ≥ sup{t : n_lower(t) ≥ k}`` and
   ``λ_k ≤ inf{t : n_upper(t) < k}``, and λ_k ≥ the (k − K)-th Ritz value of A on the block
-  Krylov space (Cauchy interlacing, a proof), λ_k ≤ λ_K.
+  Krylov space (Cauchy interlacing, a proof for exact top eigenvectors; less ‖R‖₂ of the given
+  ones, R = GU − UΛ', which moves A's eigenvalues off G's tail by at most that), λ_k ≤ λ_K.
 
 * The value reported inside each bracket is the block rule's own estimate (the same
   inversion and tail sums with ν, which resolves the spectrum with b·m nodes), clipped into
@@ -89,7 +90,8 @@ BRACKET_SENTENCE = (
     "λ_k for k ≤ top and E(φ, k) for k ≤ top are exact; beyond, λ_k's bracket is statistical "
     "(stochastic Lanczos quadrature of G's counting function, Rademacher probes, normal "
     "approximation with the variance bound 2·n(t), pointwise confidence {c:g}) tightened by "
-    "Cauchy interlacing of Ritz values (provable), and E(φ, k)'s bracket is provable "
+    "Cauchy interlacing of Ritz values (provable, less the top eigenvectors' residual), and E(φ, k)'s "
+    "bracket is provable "
     "(Chebyshev–Markov–Stieltjes bounds of φ's spectral measure) given λ_k's bracket; both widened by "
     "the exact route's rounding δ = max(N·eps₆₄·λ_1, 4·eps_G·‖G‖_F) (eps_G: the stored G's precision, "
     "in which the exact route reduces it), and where eigenvalues lie within it of each other (a "
@@ -202,6 +204,7 @@ def spectral_curves(
     basis_bytes: float = _BASIS_BYTES,
     phi_steps: int | None = None,
     phi_width: float = 0.0,
+    top_residual: float | None = None,
 ) -> SpectralCurves:
     """λ_k and E(φ, k) at every ``ks`` from the top eigenpairs and products with G (see the module docstring).
 
@@ -229,6 +232,10 @@ def spectral_curves(
             φ column, the Gauss–Radau part of E's bracket (the φ measure's bounds at λ_k's
             estimate, relative to ‖φ‖²) is at most this at every reported k beyond the top; 0:
             always ``phi_steps``.  What is left of the width is then λ_k's bracket.
+        top_residual: ``max_i ‖G u_i − λ_i u_i‖`` of the given top eigenpairs (the solver's, e.g.
+            Lanczos's); None: measured here, one product of G with the K eigenvectors.  The
+            interlacing lower end of λ_k holds for PGP of exact eigenvectors; U's residual R moves
+            the tail's eigenvalues by at most ‖R‖₂ ≤ √K·max‖r_i‖, which is taken off it.
 
     Raises:
         ValueError: sizes that do not match, ks outside 1 … N, a non-PSD top eigenvalue.
@@ -257,6 +264,7 @@ def spectral_curves(
     Z += [rng.choice([-1.0, 1.0], size=N) for _ in range(n_probe)]
     Z = [z - U @ (U.T @ z) for z in Z]  # deflated start vectors
     Ub = ops.from_numpy(U)
+    leak = _top_leak(A, Ub, lam, ops, top_residual) if K < N else 0.0
 
     def deflated(X: Any) -> Any:
         X = X - Ub @ (Ub.T @ X)
@@ -307,8 +315,10 @@ def spectral_curves(
         run(Z, m, 0)
         rules = rules_of(list(runs))
         phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
-    floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
-    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.rotation)
+    floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
+    eig = _eigenvalue_curve(
+        lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, 3.0 * floor.rotation + floor.leak
+    )
     if own:
         done = None
         if phi_width > 0 and (ks > K).any():
@@ -330,8 +340,10 @@ def spectral_curves(
         run(Z[:n_phi_cols], m_phi, 0, done)
         phi_rules = rules_of([r for r in runs if r < n_phi_cols])
         # φ's Ritz values interlace too (a lower bound of λ_k), and their smallest moves the floor
-        floor = _rounding_floor(G, A, lam, N, probe_rules, ritz)
-        eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.rotation)
+        floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
+        eig = _eigenvalue_curve(
+            lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, 3.0 * floor.rotation + floor.leak
+        )
     steps_done = min([m] + [runs[r][2] for r in runs if r >= n_phi_cols or not own])
     phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
     energy = {}
@@ -350,7 +362,12 @@ def spectral_curves(
             floor.rotation,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
-    notes = {"rounding_delta": floor.delta, "spectrum_bottom": floor.bottom, "phi_lanczos_steps": phi_done}
+    notes = {
+        "rounding_delta": floor.delta,
+        "spectrum_bottom": floor.bottom,
+        "phi_lanczos_steps": phi_done,
+        "top_residual_bound": floor.leak,
+    }
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
 
 
@@ -411,9 +428,24 @@ class _Floor:
     delta: float
     bottom: float
     rotation: float = 0.0  # the float64 reduction's backward error ‖Δ‖ (products' when coarser): see _ramps
+    leak: float = 0.0  # ‖R‖₂ of the top eigenvectors (_top_leak): the interlacing lower end's allowance
 
 
-def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule], ritz: list[np.ndarray]) -> _Floor:
+def _top_leak(A: Any, Ub: Any, lam: np.ndarray, ops: ArrayOps, top_residual: float | None) -> float:
+    """A bound of ‖R‖₂, R = G U − U Λ' (Λ' = UᵀGU): with G̃ = G − R Uᵀ − U Rᵀ, range(U) is invariant
+    and PG̃P = PGP, so the tail eigenvalues of PGP are G̃'s and lie within ‖R‖₂ of G's (Weyl).  From
+    the solver's largest residual (√K of it bounds ‖GU − UΛ‖_F ≥ ‖R‖₂), else measured (K products)."""
+    K = lam.size
+    if top_residual is not None:
+        return math.sqrt(K) * float(top_residual)
+    GU = A.matmat(Ub)  # (N, K)
+    R = GU - Ub @ (Ub.T @ GU)
+    return float(np.linalg.norm(ops.to_numpy(ops.colnorms(R))))  # ‖R‖_F
+
+
+def _rounding_floor(
+    G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule], ritz: list[np.ndarray], leak: float = 0.0
+) -> _Floor:
     """:class:`_Floor` of this G: the smallest Ritz value of the deflated operator (an upper bound of its
     smallest eigenvalue; negative when the stored G is indefinite by rounding), minus ``4·eps_G·‖G‖_F``
     (the storage rounding of a PSD G moves its eigenvalues by at most ‖δG‖_2 ≲ eps_G·‖G‖_F for
@@ -438,7 +470,7 @@ def _rounding_floor(G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule]
     # top one 0.6·eps₃₂·λ_1 and the null space's ±1.2·eps₃₂·λ_1 off a float64 eigh's at N = 2,000)
     rotation = delta
     delta = max(delta, 4.0 * eps_g * fro)
-    return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta, rotation)
+    return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta, rotation, leak)
 
 
 # --------------------------------------------------------------------------- the quadrature rules
@@ -795,10 +827,10 @@ def _eigenvalue_curve(
         k = int(ks[i])
         lo = _last_at_least(bps, n_lo, k, floor)
         j = k - K - 1  # Cauchy interlacing: λ_{K+j+1} ≥ the (j+1)-th Ritz value of PGP on any subspace
-        # the Ritz values less 3·leak more (δ₆₄, the float64 products' and top eigenvectors' rounding):
-        # those leak top directions into PGP, which put a Ritz value 2δ₆₄ above λ_{K+1} when the tail
-        # sat 12 decades below λ_1 (fuzz); the proof holds for PGP of exact eigenvectors only
-        lo = max([lo] + [float(r[j]) - 3.0 * leak for r in ritz_desc if j < r.size])
+        # the Ritz values less ``leak``: the top eigenvectors' residual ‖R‖₂ (_top_leak) and 3·δ₆₄ for
+        # the products' rounding — a Ritz value sat 2δ₆₄ above λ_{K+1} with the tail 12 decades
+        # below λ_1 (fuzz); the interlacing proof holds for PGP of exact eigenvectors only
+        lo = max([lo] + [float(r[j]) - leak for r in ritz_desc if j < r.size])
         hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1])
         v = _last_at_least(bps, est, k, 0.0)
         lower[i], upper[i] = max(lo - slack, floor), hi + slack

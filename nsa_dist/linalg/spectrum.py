@@ -69,6 +69,7 @@ class StepSpectrum:
         n_matvec: products with G the solver used (0 for a dense factorisation).
         route: the route that ran: "eigenpairs" | "tridiagonal" | "one_vector".
         method: the eigensolver that ran on the eigenpairs route (None on the others).
+        max_residual: ``max_i ‖G v_i − λ_i v_i‖`` where the solver yields it (Lanczos), else None.
     """
 
     evals: np.ndarray
@@ -78,6 +79,7 @@ class StepSpectrum:
     n_matvec: int = 0
     route: str = "eigenpairs"
     method: EigMethod | None = None
+    max_residual: float | None = None
 
 
 def step_spectrum(
@@ -133,7 +135,9 @@ def step_spectrum(
         workspace=workspace,
     )
     sp = from_eigenpairs(eig.evals, eig.evecs, phis, indices, eig.n_matvec)
-    return StepSpectrum(sp.evals, sp.proj, sp.columns, sp.evecs, sp.n_matvec, "eigenpairs", eig.method)
+    return StepSpectrum(
+        sp.evals, sp.proj, sp.columns, sp.evecs, sp.n_matvec, "eigenpairs", eig.method, eig.max_residual
+    )
 
 
 def _matrix(phis: dict[str, np.ndarray], N: int) -> tuple[np.ndarray, dict[str, slice]]:

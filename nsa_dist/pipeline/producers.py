@@ -320,6 +320,7 @@ def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
         block_size=q.block_size,
         phi_steps=q.phi_steps,
         phi_width=q.phi_width,
+        top_residual=sp.max_residual,
     )
     run.cost.n_products["quadrature"] = c.n_products
     out = {
