@@ -765,3 +765,21 @@ def test_a_float32_matrix_applied_in_slabs_needs_no_float64_copy_and_solves_the_
     assert gap < 1e-12, f"eigenvalues of the float32 G and of its float64 copy differ by {gap:.2e}·λ_1"
     cos = np.abs(np.sum(a.evecs[:, :10] * b.evecs[:, :10], axis=0)).min()
     assert cos > 1 - 1e-9, f"top-10 eigenvectors differ: smallest |cos| {cos:.12f}"
+
+
+def test_a_read_only_or_reversed_float32_numpy_gram_solves_without_a_warning():
+    """np.load's memory map is read-only (torch warns when viewing it) and a reversed view has
+    negative strides (torch cannot view it: the float64 copy instead): both solve, silently."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((2200, 30)).astype(np.float32)
+    G = A @ A.T
+    G.setflags(write=False)
+    ref = np.linalg.eigvalsh(G.astype(np.float64))[::-1][:5]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for given in (G, G[::-1, ::-1]):
+            e = top_eigenpairs(given, 5, "lanczos")
+            gap = np.abs(e.evals - ref).max() / ref[0]
+            assert gap < 1e-12, f"top-5 off by {gap:.2e}·λ_1"

@@ -8,6 +8,7 @@ wants is found by one probe product (torch first when its ``dtype`` is a torch d
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -187,7 +188,9 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
     apply = None
     if slabs:
         try:
-            apply = upcast_product(torch.as_tensor(checked))  # a NumPy G viewed, not copied
+            with warnings.catch_warnings():  # a read-only NumPy G (np.load's mmap) is only read here
+                warnings.simplefilter("ignore", UserWarning)
+                apply = upcast_product(torch.as_tensor(checked))  # a NumPy G viewed, not copied
         except ValueError:  # a NumPy view torch cannot view (negative strides): the float64 copy
             apply = None
     return SymmetricMap(shape[0], ops, apply, source=checked)
