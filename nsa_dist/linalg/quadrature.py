@@ -319,9 +319,7 @@ def spectral_curves(
         rules = rules_of(list(runs))
         phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
     floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
-    eig = _eigenvalue_curve(
-        lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, 3.0 * floor.rotation + floor.leak
-    )
+    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.ritz_slack)
     if own:
         done = None
         if phi_width > 0 and (ks > K).any():
@@ -344,9 +342,7 @@ def spectral_curves(
         phi_rules = rules_of([r for r in runs if r < n_phi_cols])
         # φ's Ritz values interlace too (a lower bound of λ_k), and their smallest moves the floor
         floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
-        eig = _eigenvalue_curve(
-            lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, 3.0 * floor.rotation + floor.leak
-        )
+        eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.ritz_slack)
     steps_done = min([m] + [runs[r][2] for r in runs if r >= n_phi_cols or not own])
     phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
     energy = {}
@@ -431,7 +427,13 @@ class _Floor:
     delta: float
     bottom: float
     rotation: float = 0.0  # the float64 reduction's backward error ‖Δ‖ (products' when coarser): see _ramps
-    leak: float = 0.0  # ‖R‖₂ of the top eigenvectors (_top_leak): the interlacing lower end's allowance
+    leak: float = 0.0  # ‖R‖₂ of the top eigenvectors (_top_leak)
+
+    @property
+    def ritz_slack(self) -> float:
+        """What the interlacing lower end of λ_k gives up: the top eigenvectors' residual and 3·δ₆₄
+        for the products' rounding (see :func:`_eigenvalue_curve`)."""
+        return 3.0 * self.rotation + self.leak
 
 
 def _top_leak(A: Any, Ub: Any, lam: np.ndarray, ops: ArrayOps, top_residual: float | None) -> float:
