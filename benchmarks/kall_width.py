@@ -11,11 +11,18 @@ the exact E(φ, k) of every φ (y, f, residual, df, df_pred ∝ G·residual) at 
 knobs and prints, per φ, the largest E-bracket width (and its k), whether every exact value lies in
 its bracket, and the wall time.
 
+``floor``: what the exact route itself leaves undetermined at a step: E(φ, k) from a float32 ``eigh``
+of the stored float32 G (the exact route with ``spectrum.dtype: float32``) against the float64
+``eigh`` of ``prepare``, at every reported k, and the width the brackets' rounding model needs to
+hold every value such a reduction may return (δ = 4·eps₃₂·‖G‖_F; eigenvectors of eigenvalues within
+2δ of each other in any basis).
+
 ``routes``: one recorded step's time and peak memory (``_measure.measured``) of the pipeline's exact
 and quadrature routes (``SpectralAnalyzer``, ``layout: local``) at each cached step.
 
     python benchmarks/kall_width.py prepare --n 10000 --steps 0,100,1000 --dir /tmp/kw
     python benchmarks/kall_width.py widths --dir /tmp/kw --step 100 [--top 100 --lanczos-steps 60 ...]
+    python benchmarks/kall_width.py floor --dir /tmp/kw --step 100
     python benchmarks/kall_width.py routes --dir /tmp/kw
 """
 
@@ -111,7 +118,7 @@ def prepare(a: argparse.Namespace) -> None:
 def widths(a: argparse.Namespace) -> None:
     import torch
 
-    from nsa_dist.linalg.quadrature import curve_ks, spectral_curves
+    from nsa_dist.linalg.quadrature import curve_ks, describe_width, spectral_curves
 
     d = Path(a.dir)
     G = torch.from_numpy(np.load(d / f"G_{a.step}.npy"))
@@ -166,6 +173,53 @@ def widths(a: argparse.Namespace) -> None:
             f"  E({n:8s}) inside {ok}/{ks.size}; largest width {wd.max():.4f} at k = {ks[i]} "
             f"(E = {x[i]:.3f}); median beyond top {np.median(wd[ks > K]):.4f}; |value − exact| ≤ "
             f"{np.abs(b.value - x).max():.4f}",
+            flush=True,
+        )
+        if wd.max() > 0.02:
+            print(f"    {describe_width(n, c)}")
+
+
+def floor(a: argparse.Namespace) -> None:
+    import torch
+
+    from nsa_dist.linalg.quadrature import curve_ks
+
+    d = Path(a.dir)
+    G = torch.from_numpy(np.load(d / f"G_{a.step}.npy"))
+    z = np.load(d / f"exact_{a.step}.npz")
+    w = z["w"]
+    N = w.size
+    ks = curve_ks(N, a.points)
+    fro = float(torch.linalg.matrix_norm(G.double()))
+    delta = 4.0 * float(np.finfo(np.float32).eps) * fro
+    t = time.perf_counter()
+    w32, V32 = torch.linalg.eigh(G)  # the exact route's float32 reduction
+    sec = time.perf_counter() - t
+    w32, V32 = w32.flip(0).double().numpy(), V32.flip(1)
+    print(
+        f"N {N} step {a.step}: float32 eigh {sec:.1f} s (load {os.getloadavg()[0]:.1f}); λ_1 {w[0]:.6g}; "
+        f"δ = 4·eps₃₂·‖G‖_F = {delta:.3g}; #λ > δ (float64 eigh) {(w > delta).sum()}; "
+        f"max |λ32 − λ64| {np.abs(w32 - w).max():.3g}"
+    )
+    desc = -w
+    for n in PHIS:
+        p = z[f"phi_{n}"]
+        E32 = np.cumsum((V32.T @ torch.from_numpy(p.astype(np.float32))).double().numpy() ** 2) / np.sum(p**2)
+        E64 = z[f"E_{n}"]
+        diff = np.abs(E32 - E64)[ks - 1]
+        i = int(np.argmax(diff))
+        # the narrowest bracket holding every value of a reduction within δ, where eigenvectors of
+        # eigenvalues within 2δ of λ_k may rotate into each other (the route's cluster model): E
+        # between the energies before and after that cluster
+        lo_n = np.searchsorted(desc, -(w[ks - 1] + 2 * delta), side="left")  # #{λ_i > λ_k + 2δ}
+        hi_n = np.searchsorted(desc, -(w[ks - 1] - 2 * delta), side="right")  # #{λ_i ≥ λ_k − 2δ}
+        lo = np.where(lo_n > 0, E64[np.maximum(lo_n, 1) - 1], 0.0)
+        hi = E64[np.minimum(hi_n, N) - 1]
+        wd = hi - lo
+        j = int(np.argmax(wd))
+        print(
+            f"  E({n:8s}) float32 − float64 exact: largest {diff.max():.4f} at k = {ks[i]} (λ_k {w[ks[i] - 1]:.3g}); "
+            f"model floor width: largest {wd.max():.4f} at k = {ks[j]} (E64 {E64[ks[j] - 1]:.3f})",
             flush=True,
         )
 
@@ -231,8 +285,12 @@ def main() -> None:
     w.add_argument("--points", type=int, default=100)
     w.add_argument("--seed", type=int, default=0)
     sub.choices["routes"].add_argument("--which", default="exact,quadrature")
+    f = sub.add_parser("floor")
+    f.add_argument("--dir", required=True)
+    f.add_argument("--step", type=int, required=True)
+    f.add_argument("--points", type=int, default=100)
     a = ap.parse_args()
-    {"prepare": prepare, "widths": widths, "routes": routes}[a.cmd](a)
+    {"prepare": prepare, "widths": widths, "routes": routes, "floor": floor}[a.cmd](a)
 
 
 if __name__ == "__main__":

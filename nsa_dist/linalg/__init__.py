@@ -63,7 +63,7 @@ from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.eigenpairs import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator
-from nsa_dist.linalg.quadrature import SpectralCurves, atoms_density, curve_ks, spectral_curves
+from nsa_dist.linalg.quadrature import SpectralCurves, atoms_density, curve_ks, describe_width, spectral_curves
 from nsa_dist.linalg.spectrum import SpectrumRoute, StepSpectrum, step_spectrum
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "as_symmetric_map",
     "SpectralCurves",
     "atoms_density",
+    "describe_width",
     "curve_ks",
     "spectral_curves",
     "SpectrumRoute",

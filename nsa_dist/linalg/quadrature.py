@@ -84,6 +84,7 @@ __all__ = [
     "quadrature_basis_bytes",
     "BRACKET_SENTENCE",
     "atoms_density",
+    "describe_width",
 ]
 
 BRACKET_SENTENCE = (
@@ -175,6 +176,9 @@ class SpectralCurves:
         n_products: columns G was applied to.
         lanczos_steps: block steps taken (the Gauss rules have that many nodes).
         exact_from: k above which the brackets are estimates (K; N where everything is exact).
+        notes: ``rounding_delta`` (δ), ``spectrum_bottom``, ``phi_lanczos_steps``,
+            ``top_residual_bound``, ``delta64`` (a float64 reduction's δ) and ``widest``: per φ, the
+            largest width of E's bracket, its k and what it is made of there (:func:`describe_width`).
     """
 
     k: np.ndarray
@@ -319,7 +323,11 @@ def spectral_curves(
         rules = rules_of(list(runs))
         phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
     floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
-    eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.ritz_slack)
+    counts = _counts(lam, N, probe_rules, confidence) if probe_rules and (ks > K).any() else None
+    curve = lambda slack: _eigenvalue_curve(  # noqa: E731  λ_k's bracket with this rounding allowance
+        lam, N, ks, probe_rules, ritz, confidence, slack, floor.bottom, floor.ritz_slack, counts
+    )
+    eig = curve(floor.delta)
     if own:
         done = None
         if phi_width > 0 and (ks > K).any():
@@ -342,7 +350,7 @@ def spectral_curves(
         phi_rules = rules_of([r for r in runs if r < n_phi_cols])
         # φ's Ritz values interlace too (a lower bound of λ_k), and their smallest moves the floor
         floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
-        eig = _eigenvalue_curve(lam, N, ks, probe_rules, ritz, confidence, floor.delta, floor.bottom, floor.ritz_slack)
+        eig = curve(floor.delta)
     steps_done = min([m] + [runs[r][2] for r in runs if r >= n_phi_cols or not own])
     phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
     energy = {}
@@ -361,11 +369,20 @@ def spectral_curves(
             floor.rotation,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
+    plain = curve(0.0)
+    widest = {}
+    for name in phis:
+        idx = [j for j, o in enumerate(owners) if o == name]
+        widest[name] = _widest(
+            lam, N, ks, energy[name], plain, [phi_rules[j] for j in idx], norms2.get(name, np.nan), top2.get(name)
+        )
     notes = {
         "rounding_delta": floor.delta,
         "spectrum_bottom": floor.bottom,
         "phi_lanczos_steps": phi_done,
         "top_residual_bound": floor.leak,
+        "delta64": floor.rotation,
+        "widest": widest,
     }
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
 
@@ -789,8 +806,10 @@ def _eigenvalue_curve(
     slack: float = 0.0,
     bottom: float = 0.0,
     leak: float = 0.0,
+    counts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> CurveBracket:
-    """λ_k: exact for k ≤ K, else the inverted bracket of the counting function (module docstring);
+    """λ_k: exact for k ≤ K, else the inverted bracket of the counting function (module docstring,
+    :func:`_counts`, computed here unless given);
     ``slack``: the rounding of the products and of the exact route's eigenvalues, added to each
     side; ``bottom``: below G's smallest eigenvalue (:class:`_Floor`), the lower bound where the
     counting function does not reach k (G's numerical null space, whose rounded eigenvalues can be
@@ -806,25 +825,7 @@ def _eigenvalue_curve(
         return CurveBracket(value, lower, upper)
     if not probes:
         raise ValueError("k beyond the exact top part needs probes ≥ 1")
-    from scipy.stats import norm
-
-    q = float(norm.ppf(0.5 + confidence / 2))
-    p = len(probes)
-    # breakpoints: every Gauss node and every block-rule node of the probes, the top eigenvalues (of
-    # either sign: a rank-deficient G's null space holds rounded eigenvalues around 0)
-    bps = np.unique(np.concatenate([lam] + [r.x for r in probes] + [np.sort(r.theta) for r in probes]))
-    n_top = lambda t: np.searchsorted(-lam, -t, side="right")  # noqa: E731  #{i ≤ K: λ_i ≥ t}
-    L = np.mean([r.tail_lower(bps) for r in probes], axis=0)  # ≤ mean of μ_z((t, ∞))
-    Uu = np.mean([r.tail_upper(bps) for r in probes], axis=0)  # ≥ mean of μ_z([t, ∞))
-    L, Uu = _with_radau(bps, L, Uu, probes)
-    c = q * math.sqrt(2.0 / p)
-    root_hi = (c + np.sqrt(c * c + 4 * np.maximum(Uu, 0))) / 2  # √n_tail ≤ this (n ≤ Ū + c√n)
-    margin = c * root_hi
-    n_lo = n_top(bps) + np.clip(L - margin, 0, N - K)
-    n_hi = n_top(bps) + np.clip(Uu + margin, 0, N - K)
-    est = n_top(bps) + np.mean([r.tail_closed(bps) for r in probes], axis=0)
-    # n_lo, n_hi, est are non-increasing step functions of t, left-continuous at the breakpoints
-    n_lo, n_hi, est = (np.minimum.accumulate(a) for a in (n_lo, n_hi, est))
+    bps, n_lo, n_hi, est = counts if counts is not None else _counts(lam, N, probes, confidence)
     ritz_desc = [np.sort(r)[::-1] for r in ritz]
     floor = min(bottom, 0.0)
     contradicted: list[int] = []
@@ -853,6 +854,34 @@ def _eigenvalue_curve(
             int(tail.sum()),
         )
     return CurveBracket(value, lower, upper)
+
+
+def _counts(
+    lam: np.ndarray, N: int, probes: list[_Rule], confidence: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """G's counting function at the breakpoints: its statistical lower and upper bounds and the block
+    rules' estimate (what :func:`_eigenvalue_curve` inverts; independent of the rounding allowances)."""
+    from scipy.stats import norm
+
+    K = lam.size
+    q = float(norm.ppf(0.5 + confidence / 2))
+    p = len(probes)
+    # breakpoints: every Gauss node and every block-rule node of the probes, the top eigenvalues (of
+    # either sign: a rank-deficient G's null space holds rounded eigenvalues around 0)
+    bps = np.unique(np.concatenate([lam] + [r.x for r in probes] + [np.sort(r.theta) for r in probes]))
+    n_top = lambda t: np.searchsorted(-lam, -t, side="right")  # noqa: E731  #{i ≤ K: λ_i ≥ t}
+    L = np.mean([r.tail_lower(bps) for r in probes], axis=0)  # ≤ mean of μ_z((t, ∞))
+    Uu = np.mean([r.tail_upper(bps) for r in probes], axis=0)  # ≥ mean of μ_z([t, ∞))
+    L, Uu = _with_radau(bps, L, Uu, probes)
+    c = q * math.sqrt(2.0 / p)
+    root_hi = (c + np.sqrt(c * c + 4 * np.maximum(Uu, 0))) / 2  # √n_tail ≤ this (n ≤ Ū + c√n)
+    margin = c * root_hi
+    n_lo = n_top(bps) + np.clip(L - margin, 0, N - K)
+    n_hi = n_top(bps) + np.clip(Uu + margin, 0, N - K)
+    est = n_top(bps) + np.mean([r.tail_closed(bps) for r in probes], axis=0)
+    # n_lo, n_hi, est are non-increasing step functions of t, left-continuous at the breakpoints
+    n_lo, n_hi, est = (np.minimum.accumulate(a) for a in (n_lo, n_hi, est))
+    return bps, n_lo, n_hi, est
 
 
 def _with_radau(
@@ -958,6 +987,65 @@ def _energy_curve(
     lower = np.clip(lower, 0.0, 1.0)
     upper = np.clip(upper, lower, 1.0)
     return CurveBracket(np.clip(value, lower, upper), lower, upper)
+
+
+def _widest(
+    lam: np.ndarray,
+    N: int,
+    ks: np.ndarray,
+    got: CurveBracket,
+    plain: CurveBracket,
+    rules: list[_Rule],
+    norm2: float,
+    top2: np.ndarray | None,
+) -> dict[str, float]:
+    """Where φ's E bracket is widest and what it is made of there: ``rounding`` (the part the exact
+    route's rounding δ adds — the bracket less the one with δ = 0, ``plain`` λ_k brackets and
+    unshifted thresholds), ``phi`` (φ's own Gauss–Radau gap at λ_k's estimate: φ's Lanczos run) and
+    ``eigenvalue`` (the rest: λ_k's bracket, i.e. the probes' resolution and their statistics).  An
+    account for choosing knobs, not a bound; empty where E is not defined."""
+    width = got.upper - got.lower
+    if top2 is None or not np.isfinite(norm2) or not np.isfinite(width).any():
+        return {}
+    i = int(np.nanargmax(width))
+    out = {"width": float(width[i]), "k": int(ks[i]), "energy": float(got.value[i])}
+    if ks[i] <= lam.size or width[i] <= 0:
+        return {**out, "rounding": float(width[i]), "phi": 0.0, "eigenvalue": 0.0}
+    bare = _energy_curve(lam, N, ks, plain, rules, norm2, top2)
+    w0 = float(min(max(bare.upper[i] - bare.lower[i], 0.0), width[i]))
+    t = plain.value[i : i + 1]
+    gap = sum(float(np.subtract(*r.radau(t)[::-1])[0]) for r in rules) / norm2 if rules else 0.0
+    phi = float(min(max(gap, 0.0), w0))
+    return {**out, "rounding": float(width[i]) - w0, "phi": phi, "eigenvalue": w0 - phi}
+
+
+def _bracket_at(curves: SpectralCurves, k: int) -> tuple[float, float]:
+    i = int(np.searchsorted(curves.k, k))
+    return float(curves.eigenvalue.lower[i]), float(curves.eigenvalue.upper[i])
+
+
+def describe_width(name: str, curves: SpectralCurves) -> str:
+    """One sentence: where E(``name``, k)'s bracket is widest, what it is made of there and which knob
+    narrows each part ("" when E is not defined)."""
+    w = curves.notes.get("widest", {}).get(name) or {}
+    if not w:
+        return ""
+    notes = curves.notes
+    storage = notes.get("rounding_delta", 0.0) > 1.5 * notes.get("delta64", notes.get("rounding_delta", 0.0))
+    knob = {
+        "rounding": "the stored G's rounding δ = {:.3g} ({})".format(
+            notes.get("rounding_delta", float("nan")),
+            "a float32 G: only spectrum.dtype: float64 narrows it"
+            if storage
+            else "float64 already: no knob narrows it",
+        ),
+        "eigenvalue": "λ_k's bracket [{:.3g}, {:.3g}] (more quadrature.lanczos_steps, a larger quadrature.top "
+        "or more probes narrow it, each at more products)".format(*_bracket_at(curves, w["k"])),
+        "phi": "φ's own quadrature (quadrature.phi_steps narrows it)",
+    }
+    parts = sorted(((w.get(p, 0.0), p) for p in knob), reverse=True)
+    body = "; ".join(f"{v:.3f} {knob[p]}" for v, p in parts if v > 0.0005 * max(w["width"], 1e-300))
+    return f"E({name}, k)'s bracket is widest at k = {w['k']}: {w['width']:.3f}" + (f" — {body}" if body else "")
 
 
 _RAMPS = tuple(2.0**j for j in range(1, 23, 2))  # ramp widths w / δ tried (δ/w: 0.5 … 4.8e-7)

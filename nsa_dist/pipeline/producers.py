@@ -23,6 +23,7 @@ G times the probes, the φ and the spectrum); each producer below takes it and r
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ import torch
 
 from nsa_dist.config import Layout
 from nsa_dist.hessian.moments import hutchpp_moments
-from nsa_dist.linalg import StepSpectrum, atoms_density, spectral_curves, step_spectrum
+from nsa_dist.linalg import StepSpectrum, atoms_density, describe_width, spectral_curves, step_spectrum
 from nsa_dist.losses import training_residual as loss_residual
 from nsa_dist.metrics import (
     alignment_from_products,
@@ -55,6 +56,10 @@ from nsa_dist.pipeline.step_extras import predicted_update
 from nsa_dist.pipeline.trainer import CHUNK_POINTS
 from nsa_dist.store import step_specs
 from nsa_dist.store.records import HessianStep, ImageStep, KernelExtras, StepResult, not_computed
+
+log = logging.getLogger(__name__)
+
+WIDE_BRACKET = 0.02  # E's bracket wider than this is logged with what it is made of (issue 37's target)
 
 if TYPE_CHECKING:
     from nsa_dist.pipeline.spectral import SpectralAnalyzer
@@ -323,6 +328,10 @@ def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
         top_residual=sp.max_residual,
     )
     run.cost.n_products["quadrature"] = c.n_products
+    for name in ("y", "residual"):
+        w = c.notes["widest"].get(name) or {}
+        if w.get("width", 0.0) > WIDE_BRACKET:
+            log.info("step %d: %s", ctx.ck.step, describe_width(name, c))
     out = {
         "curve_eigenvalue": c.eigenvalue.value,
         "curve_eigenvalue_lower": c.eigenvalue.lower,

@@ -1,0 +1,97 @@
+"""What E's bracket is made of where it is widest (``notes["widest"]``, :func:`describe_width`): the
+stored G's rounding, λ_k's bracket, φ's own quadrature — so that a researcher knows which knob narrows
+a wide band, and that no knob narrows a float32 G's rounding.  The pipeline logs it for a band wider
+than 0.02."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.data import load_dataset
+from nsa_dist.linalg.quadrature import curve_ks, describe_width, spectral_curves
+from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
+
+N, K = 600, 20
+
+
+@pytest.fixture(scope="module")
+def case() -> dict:
+    """A G whose tail falls over 6 decades (as the NTK's does) below a gap after the top K, half of it
+    below a float32 G's rounding (δ ≈ 4·eps₃₂·‖G‖_F = 10⁻³); a target spread over every eigenvector."""
+    rng = np.random.default_rng(3)
+    Q, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    lam = np.concatenate([1e3 * np.logspace(0, -1, K), np.logspace(0, -6, N - K)])
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    phis = {"y": Q @ rng.standard_normal(N), "f": Q[:, :5] @ rng.standard_normal(5)}
+    return {"G": G, "phis": phis, "ks": curve_ks(N, 40)}
+
+
+def _curves(c: dict, dtype: torch.dtype):
+    G = torch.from_numpy(c["G"]).to(dtype)
+    w, V = np.linalg.eigh(G.double().numpy())
+    return spectral_curves(G, w[::-1][:K].copy(), V[:, ::-1][:, :K].copy(), c["phis"], c["ks"], lanczos_steps=60)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_the_parts_make_up_the_widest_bracket(case, dtype):
+    c = _curves(case, dtype)
+    for name, b in c.energy.items():
+        w = c.notes["widest"][name]
+        width = b.upper - b.lower
+        assert w["width"] == pytest.approx(width.max(), abs=1e-15) and w["k"] == case["ks"][np.argmax(width)], (
+            f"{name}: widest {w} against the curve's largest width {width.max()} at k = {case['ks'][np.argmax(width)]}"
+        )
+        parts = {p: w[p] for p in ("rounding", "eigenvalue", "phi")}
+        assert min(parts.values()) >= 0.0, f"{name}: a negative part in {parts}"
+        assert sum(parts.values()) == pytest.approx(w["width"], abs=1e-12), f"{name}: {parts} do not add to {w}"
+
+
+def test_a_float32_gs_band_is_its_rounding_and_a_float64_gs_is_not(case):
+    """The same G stored in float32 and float64: below the float32 rounding (half the spectrum) the
+    float32 band is the rounding's (0.59 of 0.60), which only a float64 G narrows; the float64 band
+    (0.035) is λ_k's."""
+    c32, c64 = _curves(case, torch.float32), _curves(case, torch.float64)
+    w32, w64 = c32.notes["widest"]["y"], c64.notes["widest"]["y"]
+    assert w32["rounding"] > 0.5 * w32["width"], f"float32: {w32}"
+    assert w64["rounding"] < 0.01 * w64["width"] and w64["eigenvalue"] > 0.5 * w64["width"], f"float64: {w64}"
+    s32, s64 = describe_width("y", c32), describe_width("y", c64)
+    assert s32.startswith(f"E(y, k)'s bracket is widest at k = {w32['k']}") and "spectrum.dtype: float64" in s32, s32
+    assert "lanczos_steps" in s64 and "spectrum.dtype" not in s64, s64
+    assert s64.index("λ_k's bracket") < s64.index("rounding"), f"the largest part first: {s64}"
+    assert describe_width("absent", c64) == ""
+
+
+def test_the_pipeline_logs_a_wide_band_with_what_narrows_it(caplog):
+    spec = ExperimentSpec.model_validate(
+        {
+            "name": "wide",
+            "seed": 0,
+            "data": {"n": 160, "n_test": 8},
+            "model": {"depth": 3, "width": 32},
+            "steps": 2,
+            "record": {"steps": [1]},
+            "spectrum": {
+                "dtype": "float32",
+                "k": "all",
+                "energy": "quadrature",
+                "images": [],
+                "quadrature": {"top": 10, "lanczos_steps": 8, "probes": 6, "curve_points": 30},
+            },
+        }
+    )
+    data = load_dataset(spec.data, seed=0)
+    plan = plan_run(spec, data)
+    ck = list(Trainer(plan, data).train_until(2))[-1]
+    with caplog.at_level(logging.INFO, logger="nsa_dist.pipeline.producers"):
+        a = SpectralAnalyzer(plan, data).analyze(ck).arrays()
+    width = max(np.max(a[f"curve_energy_{n}_upper"] - a[f"curve_energy_{n}_lower"]) for n in ("y", "residual"))
+    lines = [r.getMessage() for r in caplog.records if "bracket is widest" in r.getMessage()]
+    assert width > 0.02, f"the test needs a band wider than 0.02 (got {width})"
+    assert lines and all(line.startswith("step 1: E(") for line in lines), lines
+    assert any(f"{width:.3f}" in line for line in lines), f"the widest band {width:.3f} is not in {lines}"
