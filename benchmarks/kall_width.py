@@ -210,10 +210,10 @@ def floor(a: argparse.Namespace) -> None:
         i = int(np.argmax(diff))
         # the narrowest bracket holding every value of a reduction within δ, where eigenvectors of
         # eigenvalues within 2δ of λ_k may rotate into each other (the route's cluster model): E
-        # between the energies before and after that cluster
+        # between the energies before and after that cluster (exact where k ends it)
         lo_n = np.searchsorted(desc, -(w[ks - 1] + 2 * delta), side="left")  # #{λ_i > λ_k + 2δ}
         hi_n = np.searchsorted(desc, -(w[ks - 1] - 2 * delta), side="right")  # #{λ_i ≥ λ_k − 2δ}
-        lo = np.where(lo_n > 0, E64[np.maximum(lo_n, 1) - 1], 0.0)
+        lo = np.where(ks < hi_n, np.where(lo_n > 0, E64[np.maximum(lo_n, 1) - 1], 0.0), E64[ks - 1])
         hi = E64[np.minimum(hi_n, N) - 1]
         wd = hi - lo
         j = int(np.argmax(wd))
