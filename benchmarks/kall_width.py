@@ -4,7 +4,7 @@ Three commands, sharing a cache directory so that the expensive parts run once:
 
 ``prepare``: trains the NSA paper's net (6×256 leaky ReLU, Xavier, the 2-D image task, GD at lr 0.25)
 and at each ``--steps`` writes the step's checkpoint, its Gram (float32, as the pipeline's float32
-route forms it), the exact spectrum (float64 ``eigh`` of that G), the top ``--keep`` eigenvectors and
+route forms it; ``--gram-dtype float64``: as the default float64 route does), the exact spectrum (float64 ``eigh`` of that G), the top ``--keep`` eigenvectors and
 the exact E(φ, k) of every φ (y, f, residual, df, df_pred ∝ G·residual) at every k.
 
 ``widths``: calls :func:`nsa_dist.linalg.quadrature.spectral_curves` on a cached G with the given
@@ -91,7 +91,7 @@ def prepare(a: argparse.Namespace) -> None:
         print(f"step {ck.step}: loss {ck.loss:.4g}, trained {time.perf_counter() - t0:.0f} s", flush=True)
         model = build_model(spec.model, seed=0)
         vector_to_parameters(torch.as_tensor(ck.theta, dtype=torch.float32), model.parameters())
-        G = gram(model, X, dtype=torch.float32)
+        G = gram(model, X, dtype=getattr(torch, a.gram_dtype))
         np.save(d / f"G_{ck.step}.npy", G.numpy())
         t = time.perf_counter()
         w, V = np.linalg.eigh(G.numpy().astype(np.float64))
@@ -269,6 +269,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--steps", default="0,100,1000")
     p.add_argument("--keep", type=int, default=1000)
+    p.add_argument("--gram-dtype", default="float32", help="float64: G formed as the default float64 route forms it")
     p.add_argument("--dir", required=True)
     for name in ("widths", "routes"):
         q = sub.add_parser(name)
