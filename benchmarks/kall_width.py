@@ -4,8 +4,9 @@ Three commands, sharing a cache directory so that the expensive parts run once:
 
 ``prepare``: trains the NSA paper's net (6×256 leaky ReLU, Xavier, the 2-D image task, GD at lr 0.25)
 and at each ``--steps`` writes the step's checkpoint, its Gram (float32, as the pipeline's float32
-route forms it; ``--gram-dtype float64``: as the default float64 route does), the exact spectrum (float64 ``eigh`` of that G), the top ``--keep`` eigenvectors and
-the exact E(φ, k) of every φ (y, f, residual, df, df_pred ∝ G·residual) at every k.
+route forms it; ``--gram-dtype float64``: as the default float64 route does), the exact spectrum
+(float64 ``eigh`` of that G), the top ``--keep`` eigenvectors and the exact E(φ, k) of every φ (y,
+f, residual, df, df_pred ∝ G·residual) at every k.
 
 ``widths``: calls :func:`nsa_dist.linalg.quadrature.spectral_curves` on a cached G with the given
 knobs and prints, per φ, the largest E-bracket width (and its k), whether every exact value lies in

@@ -530,6 +530,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
     for k in (1, 5, 10, 20, 50):
         if k <= E.shape[1]:
             t.add_row(f"E(y, {k})", *(f"{E[i, k - 1]:.4f}" for i in cols))
+    if run.energy_route == "quadrature":
+        for phi in ("y", "residual"):
+            c = run.curve(f"energy_{phi}")
+            row = {int(st): r for st, r in zip(c.steps, c.upper - c.lower, strict=True)}
+            t.add_row(f"E({phi}, k) bracket, widest", *(_widest(row.get(int(steps[i])), c.k) for i in cols))
     t.add_row("alignment", *(f"{run.alignment['raw'][i]:.4f}" for i in cols))
     t.add_row("first-order error", *(f"{run.first_order['error'][i]:.4f}" for i in cols))
     con.print(t)
@@ -547,6 +552,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if gd_note(run):
         con.print(f"[red]{gd_note(run)}[/]")
     return 0
+
+
+def _widest(width: np.ndarray | None, k: np.ndarray) -> str:
+    """ "0.086 at k = 1,417": a step's widest E bracket on the quadrature route ("—" when not measured)."""
+    if width is None or not np.isfinite(width).any():
+        return "—"
+    j = int(np.nanargmax(width))
+    return f"{width[j]:.3f} at k = {int(k[j]):,}"
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:

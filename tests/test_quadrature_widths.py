@@ -1,7 +1,7 @@
 """What E's bracket is made of where it is widest (``notes["widest"]``, :func:`describe_width`): the
 stored G's rounding, λ_k's bracket, φ's own quadrature — so that a researcher knows which knob narrows
 a wide band, and that no knob narrows a float32 G's rounding.  The pipeline logs it for a band wider
-than 0.02."""
+than 0.02, and ``nsa show`` gives each shown step's widest band."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from nsa_dist.cli import main
+from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec
-from nsa_dist.data import load_dataset
 from nsa_dist.linalg.quadrature import curve_ks, describe_width, spectral_curves
-from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
+from nsa_dist.pipeline import run_experiment
+from nsa_dist.store import SpectrumStore
 
 N, K = 600, 20
 
@@ -67,15 +69,17 @@ def test_a_float32_gs_band_is_its_rounding_and_a_float64_gs_is_not(case):
     assert describe_width("absent", c64) == ""
 
 
-def test_the_pipeline_logs_a_wide_band_with_what_narrows_it(caplog):
+def test_the_pipeline_logs_a_wide_band_and_nsa_show_shows_it(caplog, capsys, tmp_path):
+    """A quadrature run whose band passes 0.02: each step logs what its widest bracket is made of,
+    and ``nsa show`` gives the widest bracket of y and the residual at the steps it shows."""
     spec = ExperimentSpec.model_validate(
         {
             "name": "wide",
             "seed": 0,
             "data": {"n": 160, "n_test": 8},
             "model": {"depth": 3, "width": 32},
-            "steps": 2,
-            "record": {"steps": [1]},
+            "steps": 3,
+            "record": {"steps": [0, 2]},
             "spectrum": {
                 "dtype": "float32",
                 "k": "all",
@@ -85,13 +89,24 @@ def test_the_pipeline_logs_a_wide_band_with_what_narrows_it(caplog):
             },
         }
     )
-    data = load_dataset(spec.data, seed=0)
-    plan = plan_run(spec, data)
-    ck = list(Trainer(plan, data).train_until(2))[-1]
+    url = str(tmp_path / "w.zarr")
     with caplog.at_level(logging.INFO, logger="nsa_dist.pipeline.producers"):
-        a = SpectralAnalyzer(plan, data).analyze(ck).arrays()
-    width = max(np.max(a[f"curve_energy_{n}_upper"] - a[f"curve_energy_{n}_lower"]) for n in ("y", "residual"))
+        assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("wide")
     lines = [r.getMessage() for r in caplog.records if "bracket is widest" in r.getMessage()]
-    assert width > 0.02, f"the test needs a band wider than 0.02 (got {width})"
-    assert lines and all(line.startswith("step 1: E(") for line in lines), lines
-    assert any(f"{width:.3f}" in line for line in lines), f"the widest band {width:.3f} is not in {lines}"
+    shown = []
+    for phi in ("y", "residual"):
+        c = run.curve(f"energy_{phi}")
+        width = c.upper - c.lower
+        assert width.shape == (2, c.k.size) and width.max() > 0.02, f"the test needs a band wider than 0.02: {phi}"
+        for i, step in enumerate(c.steps):
+            j = int(np.argmax(width[i]))
+            shown.append(f"{width[i, j]:.3f} at k = {int(c.k[j]):,}")
+            if width[i, j] > 0.02:
+                want = f"step {step}: E({phi}, k)'s bracket is widest at k = {int(c.k[j])}: {width[i, j]:.3f}"
+                assert any(line.startswith(want) for line in lines), f"{want!r} not in {lines}"
+    assert main(["show", "wide", "--store", url]) == 0
+    out = capsys.readouterr().out
+    assert "E(y, k) bracket, widest" in out and "E(residual, k) bracket, widest" in out, out
+    for text in shown:
+        assert text in out, f"{text!r} not in {out}"
