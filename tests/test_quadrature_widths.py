@@ -110,3 +110,55 @@ def test_the_pipeline_logs_a_wide_band_and_nsa_show_shows_it(caplog, capsys, tmp
     assert "E(y, k) bracket, widest" in out and "E(residual, k) bracket, widest" in out, out
     for text in shown:
         assert text in out, f"{text!r} not in {out}"
+
+
+class _Float32Products:
+    """G as an operator whose products come back in float32 (as a ``block_rows`` gang's under
+    ``spectrum.dtype: float32``)."""
+
+    def __init__(self, G: np.ndarray) -> None:
+        self.G, self.shape, self.dtype = G, G.shape, np.float32
+
+    def matmat(self, X: np.ndarray) -> np.ndarray:
+        return (self.G @ np.asarray(X, np.float64)).astype(np.float32)
+
+
+def test_float32_products_are_named_as_a_float32_g(case):
+    """An operator with float32 products and a dominant top eigenvalue (‖G‖_F < 3·λ_1) is a float32 G
+    too: its rounding part is narrowed only by a float64 G (the rule once compared δ with 1.5× the
+    float64 one and called it "float64 already")."""
+    G = case["G"]
+    w, V = np.linalg.eigh(G)
+    assert np.linalg.norm(G) < 3 * w[-1]
+    c = spectral_curves(
+        _Float32Products(G), w[::-1][:K].copy(), V[:, ::-1][:, :K].copy(), case["phis"], case["ks"], lanczos_steps=60
+    )
+    assert c.notes["storage_eps"] == pytest.approx(float(np.finfo(np.float32).eps))
+    text = describe_width("y", c)
+    assert "spectrum.dtype: float64" in text and "float64 already" not in text, text
+
+
+def test_the_account_logs_nothing_of_the_bracket_it_does_not_report(caplog):
+    """The bracket with δ = 0 (only for the account of the widths) logs none of its fallbacks: a
+    float32 G where it fell back to λ_K at k = 19 and 22 while the reported brackets did not."""
+    n = 200
+    rng = np.random.default_rng(1010)
+    Q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    G = torch.from_numpy((Q * np.logspace(2, -6, n)) @ Q.T).float()
+    G = (G + G.T) / 2
+    w, V = np.linalg.eigh(G.double().numpy())
+    with caplog.at_level(logging.INFO, logger="nsa_dist.linalg.quadrature"):
+        c = spectral_curves(
+            G,
+            w[::-1][:10].copy(),
+            V[:, ::-1][:, :10].copy(),
+            {"y": Q @ rng.standard_normal(n)},
+            curve_ks(n, 30),
+            lanczos_steps=30,
+            probes=12,
+            block_size=4,
+        )
+    said = [r.getMessage() for r in caplog.records if "fell below its proven lower end" in r.getMessage()]
+    i = np.searchsorted(c.k, [19, 22])
+    assert (c.eigenvalue.upper[i] < w[-10]).all(), f"the reported upper ends {c.eigenvalue.upper[i]} are λ_K"
+    assert not said, f"logged a fallback of the unreported bracket: {said}"

@@ -177,8 +177,10 @@ class SpectralCurves:
         lanczos_steps: block steps taken (the Gauss rules have that many nodes).
         exact_from: k above which the brackets are estimates (K; N where everything is exact).
         notes: ``rounding_delta`` (δ), ``spectrum_bottom``, ``phi_lanczos_steps``,
-            ``top_residual_bound``, ``delta64`` (a float64 reduction's δ) and ``widest``: per φ, the
-            largest width of E's bracket, its k and what it is made of there (:func:`describe_width`).
+            ``top_residual_bound``, ``delta64`` (a float64 reduction's δ, or the products' rounding
+            when coarser), ``storage_eps`` (the precision of the stored G or of its products) and
+            ``widest``: per φ, the largest width of E's bracket, its k and what it is made of there
+            (:func:`describe_width`).
     """
 
     k: np.ndarray
@@ -324,8 +326,8 @@ def spectral_curves(
         phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
     floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
     counts = _counts(lam, N, probe_rules, confidence) if probe_rules and (ks > K).any() else None
-    curve = lambda slack: _eigenvalue_curve(  # noqa: E731  λ_k's bracket with this rounding allowance
-        lam, N, ks, probe_rules, ritz, confidence, slack, floor.bottom, floor.ritz_slack, counts
+    curve = lambda slack, quiet=False: _eigenvalue_curve(  # noqa: E731  λ_k's bracket with this rounding allowance
+        lam, N, ks, probe_rules, ritz, confidence, slack, floor.bottom, floor.ritz_slack, counts, quiet
     )
     eig = curve(floor.delta)
     if own:
@@ -369,7 +371,7 @@ def spectral_curves(
             floor.rotation,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
-    plain = curve(0.0)
+    plain = curve(0.0, quiet=True)  # only for the account of the widths (_widest)
     widest = {}
     for name in phis:
         idx = [j for j, o in enumerate(owners) if o == name]
@@ -382,6 +384,7 @@ def spectral_curves(
         "phi_lanczos_steps": phi_done,
         "top_residual_bound": floor.leak,
         "delta64": floor.rotation,
+        "storage_eps": floor.eps_g,
         "widest": widest,
     }
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
@@ -445,6 +448,7 @@ class _Floor:
     bottom: float
     rotation: float = 0.0  # the float64 reduction's backward error ‖Δ‖ (products' when coarser): see _ramps
     leak: float = 0.0  # ‖R‖₂ of the top eigenvectors (_top_leak)
+    eps_g: float = float(np.finfo(np.float64).eps)  # the stored G's (or its products') precision
 
     @property
     def ritz_slack(self) -> float:
@@ -492,7 +496,7 @@ def _rounding_floor(
     # top one 0.6·eps₃₂·λ_1 and the null space's ±1.2·eps₃₂·λ_1 off a float64 eigh's at N = 2,000)
     rotation = delta
     delta = max(delta, 4.0 * eps_g * fro)
-    return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta, rotation, leak)
+    return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta, rotation, leak, eps_g)
 
 
 # --------------------------------------------------------------------------- the quadrature rules
@@ -807,9 +811,11 @@ def _eigenvalue_curve(
     bottom: float = 0.0,
     leak: float = 0.0,
     counts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+    quiet: bool = False,
 ) -> CurveBracket:
     """λ_k: exact for k ≤ K, else the inverted bracket of the counting function (module docstring,
-    :func:`_counts`, computed here unless given);
+    :func:`_counts`, computed here unless given; ``quiet``: a bracket that is not reported, whose
+    fallbacks are not logged);
     ``slack``: the rounding of the products and of the exact route's eigenvalues, added to each
     side; ``bottom``: below G's smallest eigenvalue (:class:`_Floor`), the lower bound where the
     counting function does not reach k (G's numerical null space, whose rounded eigenvalues can be
@@ -846,7 +852,7 @@ def _eigenvalue_curve(
             upper[i] = max(float(lam[-1]) + slack, lower[i])
             contradicted.append(k)
         value[i] = min(max(v, lower[i]), upper[i])
-    if contradicted:
+    if contradicted and not quiet:
         log.info(
             "λ_k's statistical upper end fell below its proven lower end at k = %s (of %d beyond the "
             "top): there the bracket's upper end is λ_K",
@@ -1028,10 +1034,10 @@ def describe_width(name: str, curves: SpectralCurves) -> str:
     """One sentence: where E(``name``, k)'s bracket is widest, what it is made of there and which knob
     narrows each part ("" when E is not defined)."""
     w = curves.notes.get("widest", {}).get(name) or {}
-    if not w:
+    if not w or w["width"] <= 0:
         return ""
     notes = curves.notes
-    storage = notes.get("rounding_delta", 0.0) > 1.5 * notes.get("delta64", notes.get("rounding_delta", 0.0))
+    storage = notes.get("storage_eps", 0.0) > 4 * float(np.finfo(np.float64).eps)  # a float32 G or products
     knob = {
         "rounding": "the stored G's rounding δ = {:.3g} ({})".format(
             notes.get("rounding_delta", float("nan")),
