@@ -162,3 +162,24 @@ def test_the_account_logs_nothing_of_the_bracket_it_does_not_report(caplog):
     i = np.searchsorted(c.k, [19, 22])
     assert (c.eigenvalue.upper[i] < w[-10]).all(), f"the reported upper ends {c.eigenvalue.upper[i]} are λ_K"
     assert not said, f"logged a fallback of the unreported bracket: {said}"
+
+
+def test_a_failing_account_costs_nothing_but_itself(case, monkeypatch, caplog):
+    """The widths' account runs inside every quadrature step: should it fail, the curves come back
+    the same, its notes empty, and one warning says so (no sentence, no end of the run)."""
+    import nsa_dist.linalg.quadrature as quad
+
+    ref = _curves(case, torch.float64)
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("an account that fails")
+
+    monkeypatch.setattr(quad, "_widest", broken)
+    with caplog.at_level(logging.WARNING, logger="nsa_dist.linalg.quadrature"):
+        got = _curves(case, torch.float64)
+    assert got.notes["widest"] == {} and describe_width("y", got) == ""
+    assert any("account of the brackets' widths failed" in r.getMessage() for r in caplog.records), caplog.text
+    for name, b in ref.energy.items():
+        for part in ("value", "lower", "upper"):
+            np.testing.assert_array_equal(getattr(got.energy[name], part), getattr(b, part), err_msg=f"{name} {part}")
+    np.testing.assert_array_equal(got.eigenvalue.upper, ref.eigenvalue.upper)

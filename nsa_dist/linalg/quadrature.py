@@ -371,13 +371,19 @@ def spectral_curves(
             floor.rotation,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
-    plain = curve(0.0, quiet=True)  # only for the account of the widths (_widest)
-    widest = {}
-    for name in phis:
-        idx = [j for j, o in enumerate(owners) if o == name]
-        widest[name] = _widest(
-            lam, N, ks, energy[name], plain, [phi_rules[j] for j in idx], norms2.get(name, np.nan), top2.get(name)
+    widest: dict[str, dict[str, float]] = {}
+    try:  # an account for choosing knobs: it must never cost the curves (a step, a run)
+        plain = curve(0.0, quiet=True)
+        for name in phis:
+            idx = [j for j, o in enumerate(owners) if o == name]
+            widest[name] = _widest(
+                lam, N, ks, energy[name], plain, [phi_rules[j] for j in idx], norms2.get(name, np.nan), top2.get(name)
+            )
+    except Exception as e:  # noqa: BLE001
+        log.warning(
+            "the account of the brackets' widths failed (%s: %s); the curves are not affected", type(e).__name__, e
         )
+        widest = {}
     notes = {
         "rounding_delta": floor.delta,
         "spectrum_bottom": floor.bottom,

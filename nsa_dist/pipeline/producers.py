@@ -329,7 +329,7 @@ def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
     )
     run.cost.n_products["quadrature"] = c.n_products
     for name in ("y", "residual"):
-        w = c.notes["widest"].get(name) or {}
+        w = c.notes.get("widest", {}).get(name) or {}
         if w.get("width", 0.0) > WIDE_BRACKET:
             log.info("step %d: %s", ctx.ck.step, describe_width(name, c))
     out = {
