@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -531,10 +531,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         if k <= E.shape[1]:
             t.add_row(f"E(y, {k})", *(f"{E[i, k - 1]:.4f}" for i in cols))
     if run.energy_route == "quadrature":
-        for phi in ("y", "residual"):
-            c = run.curve(f"energy_{phi}")
-            row = {int(st): r for st, r in zip(c.steps, c.upper - c.lower, strict=True)}
-            t.add_row(f"E({phi}, k) bracket, widest", *(_widest(row.get(int(steps[i])), c.k) for i in cols))
+        widths = run.bracket_widths(("y", "residual"))
+        for phi, rows in widths.groupby("phi", sort=False):
+            at = {int(r.step): r for r in rows.itertuples()}
+            t.add_row(f"E({phi}, k) bracket, widest", *(_widest(at.get(int(steps[i]))) for i in cols))
     t.add_row("alignment", *(f"{run.alignment['raw'][i]:.4f}" for i in cols))
     t.add_row("first-order error", *(f"{run.first_order['error'][i]:.4f}" for i in cols))
     con.print(t)
@@ -554,12 +554,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _widest(width: np.ndarray | None, k: np.ndarray) -> str:
-    """ "0.086 at k = 1,417": a step's widest E bracket on the quadrature route ("—" when not measured)."""
-    if width is None or not np.isfinite(width).any():
+def _widest(row: Any) -> str:
+    """ "0.086 at k = 1,417": a step's widest E bracket (a row of ``Run.bracket_widths``; "—" when not measured)."""
+    if row is None or not np.isfinite(row.width):
         return "—"
-    j = int(np.nanargmax(width))
-    return f"{width[j]:.3f} at k = {int(k[j]):,}"
+    return f"{row.width:.3f} at k = {row.k:,}"
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:

@@ -110,6 +110,26 @@ def test_the_pipeline_logs_a_wide_band_and_nsa_show_shows_it(caplog, capsys, tmp
     assert "E(y, k) bracket, widest" in out and "E(residual, k) bracket, widest" in out, out
     for text in shown:
         assert text in out, f"{text!r} not in {out}"
+    # the same as a table, for every φ the run stores
+    df = run.bracket_widths()
+    assert list(df.columns) == ["step", "phi", "width", "k", "value", "lower", "upper"]
+    assert sorted(set(df.phi)) == sorted(("y", "f", "residual", "df", "df_pred")) and len(df) == 10
+    for r in df.itertuples():
+        c = run.curve(f"energy_{r.phi}")
+        i, j = list(c.steps).index(r.step), list(c.k).index(r.k)
+        assert r.width == pytest.approx((c.upper - c.lower)[i].max(), abs=0) == r.upper - r.lower, r
+        assert (r.value, r.lower, r.upper) == (c.value[i, j], c.lower[i, j], c.upper[i, j]), r
+    with pytest.raises(ValueError, match="not one of"):
+        run.bracket_widths(("nope",))
+    # the exact route: every bracket a point, no row in nsa show
+    d = spec.model_dump(mode="json")
+    d["name"], d["spectrum"]["energy"] = "exact", "exact"
+    exact = ExperimentSpec.model_validate(d)
+    assert run_experiment(exact, SpectrumStore(url)).status == "done"
+    df = Client(url).run("exact").bracket_widths(("y", "residual"))
+    assert len(df) == 4 and (df.width == 0).all(), df
+    assert main(["show", "exact", "--store", url]) == 0
+    assert "bracket, widest" not in capsys.readouterr().out
 
 
 class _Float32Products:

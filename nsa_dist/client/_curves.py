@@ -88,6 +88,15 @@ class BracketedCurve:
         """(S, n) upper − lower."""
         return self.upper - self.lower
 
+    def widest(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per finished step, the largest bracket width and the (first) k where it is: (S,) float64
+        and (S,) int64; NaN and 0 at a step with no finite bracket."""
+        w = np.where(np.isfinite(self.width), self.width, -np.inf)
+        j = np.argmax(w, axis=1) if w.size else np.zeros(w.shape[0], np.int64)
+        best = w[np.arange(w.shape[0]), j] if w.size else np.full(w.shape[0], -np.inf)
+        ok = np.isfinite(best)
+        return np.where(ok, best, np.nan), np.where(ok, self.k[j] if self.k.size else 0, 0).astype(np.int64)
+
     def check_k(self, k: int) -> int:
         """``k`` as an int in 1..N that the curve covers, or a ValueError naming the range and why."""
         if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):

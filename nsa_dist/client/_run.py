@@ -21,6 +21,7 @@ from nsa_dist.metrics.preservation import preservation_pair
 from nsa_dist.store import PHIS
 
 if TYPE_CHECKING:
+    import pandas
     import xarray
 
 __all__ = ["Run", "PHI_NAMES"]
@@ -179,6 +180,31 @@ class Run(RunArrays):
             n = int(self.shape("X_test")[0]) if name == "energy_f_test" and self.has("X_test") else self.N
             cache[key] = read_curve(self, name, n)  # f_test: in the eigenbasis of the M×M test Gram
         return cache[key]
+
+    def bracket_widths(self, phis: tuple[str, ...] = PHIS) -> pandas.DataFrame:
+        """Where each E_t(φ, k)'s bracket is widest, per finished step: columns ``step``, ``phi``,
+        ``width``, ``k``, ``value``, ``lower``, ``upper`` (at that k).  0 everywhere on the exact
+        route; on the quadrature route the step's log says what each width is made of
+        (docs/curves.md).  A φ the run does not store is left out.
+
+        Raises:
+            ValueError: an unknown phi.
+        """
+        import pandas as pd
+
+        rows = []
+        for phi in phis:
+            self._check_phi(phi)
+            try:
+                c = self.curve(f"energy_{phi}")
+            except KeyError:
+                continue
+            width, k = c.widest()
+            j = np.searchsorted(c.k, k) if c.k.size else np.zeros(k.size, np.int64)
+            for i, step in enumerate(c.steps):
+                at = (c.value[i, j[i]], c.lower[i, j[i]], c.upper[i, j[i]]) if c.k.size else (np.nan,) * 3
+                rows.append((int(step), phi, float(width[i]), int(k[i]), *map(float, at)))
+        return pd.DataFrame(rows, columns=["step", "phi", "width", "k", "value", "lower", "upper"])
 
     @property
     def k_max(self) -> int:
