@@ -608,7 +608,7 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- Ray
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import SweepCoordinator, connect
-    from nsa_dist.cluster.runtime import RayletLost, core_worker_console_to_log, raylet_lost
+    from nsa_dist.cluster.runtime import RAYLET_GRACE, RayletLost, core_worker_console_to_log, raylet_lost
     from nsa_dist.specfile import check_data, load_sweep
 
     sweep = load_sweep(args.sweep, max_runs=args.max_runs)
@@ -635,7 +635,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         raise  # Ray's shutdown at exit writes more C++ lines about the lost node: they stay in the log
     except BaseException as exc:
         restore()
-        cause = raylet_lost() if isinstance(exc, Exception) else None  # e.g. a bare ConnectionResetError
+        # e.g. a bare ConnectionResetError
+        cause = raylet_lost(grace=RAYLET_GRACE) if isinstance(exc, Exception) else None
         if cause is not None:
             raise RayletLost(cause) from exc
         raise

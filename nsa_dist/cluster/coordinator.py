@@ -27,7 +27,14 @@ from nsa_dist.cluster.actors import spectral_workers, trainer_actor
 from nsa_dist.cluster.gang import RayGang
 from nsa_dist.cluster.pool import Analysis, DispatchQueue, RayAnalysisPool, task_cause
 from nsa_dist.cluster.resources import check_resources, resolve_gpus, resource_demand, threads
-from nsa_dist.cluster.runtime import RayletLost, alive_nodes, cluster_has_gpus, quiet_ray_at_exit, raylet_lost
+from nsa_dist.cluster.runtime import (
+    RAYLET_GRACE,
+    RayletLost,
+    alive_nodes,
+    cluster_has_gpus,
+    quiet_ray_at_exit,
+    raylet_lost,
+)
 from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import RunOutcome, RunPlan, RunSession, TrainingDiverged
 from nsa_dist.pipeline.budget import check_fits
@@ -213,7 +220,7 @@ class SweepCoordinator:
             # any error while this machine's raylet is found dead is its: a killed raylet also
             # surfaced as a bare ConnectionResetError from Ray's sockets (rc 2, "Connection reset by
             # peer", instead of the interrupted line); only a Ray error asks a joined cluster
-            cause = raylet_lost(ask_cluster=_from_ray(exc))
+            cause = raylet_lost(ask_cluster=_from_ray(exc), grace=RAYLET_GRACE)
             if cause is None:
                 raise
             interrupted = f"interrupted: Ray's {cause}; re-run to resume"

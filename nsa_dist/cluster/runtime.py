@@ -16,6 +16,7 @@ import ray
 from nsa_dist.errors import OutsideError
 
 __all__ = [
+    "RAYLET_GRACE",
     "RayletLost",
     "connect",
     "core_worker_console_to_log",
@@ -24,6 +25,9 @@ __all__ = [
     "auth_headers",
     "raylet_lost",
 ]
+
+
+RAYLET_GRACE = 2.0  # seconds an error waits for a dying raylet's exit status (raylet_lost's grace)
 
 
 class RayletLost(OutsideError):
@@ -104,14 +108,29 @@ def _start_embedded(kw: dict[str, Any], tries: int = EMBEDDED_TRIES, pause: floa
             time.sleep(pause * attempt)
 
 
-def raylet_lost(ask_cluster: bool = False) -> str | None:
+def raylet_lost(ask_cluster: bool = False, grace: float = 0.0) -> str | None:
     """What stopped, in a few words ("raylet on this machine stopped (pid 4242, killed by SIGKILL;
     its log: …/raylet.out)"); None while this machine's raylet runs.
 
     An embedded Ray's raylet and GCS are this process's children: their exit status says at once
     — cheap enough to ask at every turn of the coordinator's loop.  For a joined cluster (no child
     to look at), ``ask_cluster`` asks the GCS whether this node is alive (after a Ray error only:
-    one round trip)."""
+    one round trip).
+
+    ``grace``: seconds to keep asking before answering None — for an error that may be the
+    raylet's death seen early: a dying process closes its sockets before it can be reaped, so the
+    driver's "connection reset" can come while its exit status is not there yet (once in CI: the
+    run was marked with the generic interrupt reason, and a moment later the CLI found the raylet
+    dead)."""
+    deadline = time.monotonic() + (grace if ray.is_initialized() else 0.0)
+    while True:
+        cause = _raylet_lost(ask_cluster)
+        if cause is not None or time.monotonic() >= deadline:
+            return cause
+        time.sleep(0.1)
+
+
+def _raylet_lost(ask_cluster: bool) -> str | None:
     node = getattr(ray._private.worker, "_global_node", None)
     procs = getattr(node, "all_processes", None) or {}
     for kind, name in (
