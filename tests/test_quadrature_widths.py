@@ -203,3 +203,41 @@ def test_a_failing_account_costs_nothing_but_itself(case, monkeypatch, caplog):
         for part in ("value", "lower", "upper"):
             np.testing.assert_array_equal(getattr(got.energy[name], part), getattr(b, part), err_msg=f"{name} {part}")
     np.testing.assert_array_equal(got.eigenvalue.upper, ref.eigenvalue.upper)
+
+
+def test_a_failing_sentence_does_not_end_the_step(monkeypatch, caplog):
+    """The log sentence runs inside every quadrature step: should it fail, the step still ends with
+    its curves and one warning says so."""
+    import nsa_dist.pipeline.producers as producers
+
+    def broken(*args, **kwargs):
+        raise KeyError("a sentence that fails")
+
+    monkeypatch.setattr(producers, "describe_width", broken)
+    spec = ExperimentSpec.model_validate(
+        {
+            "name": "sentence",
+            "seed": 0,
+            "data": {"n": 160, "n_test": 8},
+            "model": {"depth": 3, "width": 32},
+            "steps": 2,
+            "record": {"steps": [1]},
+            "spectrum": {
+                "dtype": "float32",
+                "k": "all",
+                "energy": "quadrature",
+                "images": [],
+                "quadrature": {"top": 10, "lanczos_steps": 8, "probes": 6, "curve_points": 30},
+            },
+        }
+    )
+    from nsa_dist.data import load_dataset
+    from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
+
+    data = load_dataset(spec.data, seed=0)
+    plan = plan_run(spec, data)
+    ck = list(Trainer(plan, data).train_until(2))[-1]
+    with caplog.at_level(logging.WARNING, logger="nsa_dist.pipeline.producers"):
+        a = SpectralAnalyzer(plan, data).analyze(ck).arrays()
+    assert np.isfinite(a["curve_energy_residual_upper"]).all()
+    assert any("widths' sentence failed" in r.getMessage() for r in caplog.records), caplog.text

@@ -331,7 +331,10 @@ def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
     for name in ("y", "residual"):
         w = c.notes.get("widest", {}).get(name) or {}
         if w.get("width", 0.0) > WIDE_BRACKET:
-            log.info("step %d: %s", ctx.ck.step, describe_width(name, c))
+            try:  # a sentence for the log: it must never cost the step
+                log.info("step %d: %s", ctx.ck.step, describe_width(name, c))
+            except Exception as e:  # noqa: BLE001
+                log.warning("step %d: the widths' sentence failed (%s: %s)", ctx.ck.step, type(e).__name__, e)
     out = {
         "curve_eigenvalue": c.eigenvalue.value,
         "curve_eigenvalue_lower": c.eigenvalue.lower,
