@@ -69,17 +69,16 @@ def test_a_float32_gs_band_is_its_rounding_and_a_float64_gs_is_not(case):
     assert describe_width("absent", c64) == ""
 
 
-def test_the_pipeline_logs_a_wide_band_and_nsa_show_shows_it(caplog, capsys, tmp_path):
-    """A quadrature run whose band passes 0.02: each step logs what its widest bracket is made of,
-    and ``nsa show`` gives the widest bracket of y and the residual at the steps it shows."""
-    spec = ExperimentSpec.model_validate(
+def _wide_spec(name: str, steps: int, record: list[int]) -> ExperimentSpec:
+    """A small float32 quadrature run whose bands pass 0.02 (few probes and Lanczos steps)."""
+    return ExperimentSpec.model_validate(
         {
-            "name": "wide",
+            "name": name,
             "seed": 0,
             "data": {"n": 160, "n_test": 8},
             "model": {"depth": 3, "width": 32},
-            "steps": 3,
-            "record": {"steps": [0, 2]},
+            "steps": steps,
+            "record": {"steps": record},
             "spectrum": {
                 "dtype": "float32",
                 "k": "all",
@@ -89,6 +88,12 @@ def test_the_pipeline_logs_a_wide_band_and_nsa_show_shows_it(caplog, capsys, tmp
             },
         }
     )
+
+
+def test_the_pipeline_logs_a_wide_band_and_nsa_show_shows_it(caplog, capsys, tmp_path):
+    """A quadrature run whose band passes 0.02: each step logs what its widest bracket is made of,
+    and ``nsa show`` gives the widest bracket of y and the residual at the steps it shows."""
+    spec = _wide_spec("wide", 3, [0, 2])
     url = str(tmp_path / "w.zarr")
     with caplog.at_level(logging.INFO, logger="nsa_dist.pipeline.producers"):
         assert run_experiment(spec, SpectrumStore(url)).status == "done"
@@ -214,23 +219,7 @@ def test_a_failing_sentence_does_not_end_the_step(monkeypatch, caplog):
         raise KeyError("a sentence that fails")
 
     monkeypatch.setattr(producers, "describe_width", broken)
-    spec = ExperimentSpec.model_validate(
-        {
-            "name": "sentence",
-            "seed": 0,
-            "data": {"n": 160, "n_test": 8},
-            "model": {"depth": 3, "width": 32},
-            "steps": 2,
-            "record": {"steps": [1]},
-            "spectrum": {
-                "dtype": "float32",
-                "k": "all",
-                "energy": "quadrature",
-                "images": [],
-                "quadrature": {"top": 10, "lanczos_steps": 8, "probes": 6, "curve_points": 30},
-            },
-        }
-    )
+    spec = _wide_spec("sentence", 2, [1])
     from nsa_dist.data import load_dataset
     from nsa_dist.pipeline import SpectralAnalyzer, Trainer, plan_run
 
