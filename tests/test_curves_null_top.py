@@ -69,3 +69,35 @@ def test_null_space_in_the_top_part_is_bracketed_not_exact(tmp_path) -> None:
                 if k in ds["k"].values:
                     assert not bool(ds["exact"].sel(k=k)), f"t={t} k={k}: marked exact inside the null cluster"
             assert lower - TOL <= E[k - 1] <= upper + TOL, (t, k, lower, E[k - 1], upper)
+
+
+def test_a_cluster_at_one_step_leaves_the_other_steps_exact(tmp_path) -> None:
+    """The rank of G_t changes along training (here 44 at t = 0, 41 at t = 4: units die): the
+    top part is widened only at the step whose null cluster reaches it, and k between two grid
+    points are widened only at that step too (the helper's trial: k = 41, 43 at t = 0 got t = 4's
+    cluster bracket)."""
+    spec = ExperimentSpec.model_validate(
+        {
+            "name": "nullsteps",
+            "data": {"name": "image2d", "n": 200},
+            "model": {"depth": 2, "width": 16},
+            "steps": 5,
+            "record": {"every": 5},
+            "spectrum": {"k": "all", "dtype": "float64", "energy": "quadrature", "quadrature": {"top": 100}},
+        }
+    )
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run(run_id(spec))
+    ranks = []
+    for j, t in enumerate(run.steps):
+        model = build_model(spec.model, seed=spec.seed, dtype=torch.float64)
+        torch.nn.utils.vector_to_parameters(torch.as_tensor(run.g["theta"][j], dtype=torch.float64), model.parameters())
+        G = np.asarray(gram(model, torch.as_tensor(np.asarray(run.X), dtype=torch.float64), dtype=torch.float64))
+        lam = np.linalg.eigvalsh(G)[::-1]
+        r = int(np.sum(lam > 200 * np.finfo(np.float64).eps * lam[0] * 10))
+        ranks.append(r)
+        for k in range(1, r - 1):  # simple eigenvalues at this step: exact at this step
+            value, lower, upper = run.energy("y", k, step=int(t))
+            assert lower == upper == value, f"t={t} k={k} (rank {r} here): [{lower}, {upper}] around {value}"
+    assert len(set(ranks)) > 1, f"the test needs the rank to change along training, got {ranks}"

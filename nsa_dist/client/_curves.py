@@ -177,34 +177,36 @@ def _widen_top(
     have eigenvectors an eigensolver orders and rotates arbitrarily, so ``energy_<φ>`` there is one
     basis's value, not *the* value; the route stores the cluster's bracket at the grid's k ≤ K.
     A top k between two grid points takes the monotone bracket of its neighbours when either of
-    them is widened; such k are not ``exact``."""
+    them is widened.  Each step is widened by its own clusters only (the rank of G_t changes along
+    training); a k widened at any step is not ``exact`` (a flag per k: exact at every step)."""
     if grid.size == 0 or lower.shape[0] == 0:
         return
     where = np.isin(np.asarray(run.array("curve_k"), np.int64), grid)
     lo = np.asarray(run.per_step(f"{curve_name}_lower"), np.float64)[:, where]
     hi = np.asarray(run.per_step(f"{curve_name}_upper"), np.float64)[:, where]
     with np.errstate(invalid="ignore"):  # a point bracket (to the two routes' rounding) is no cluster
-        wide = np.any(hi - lo > 64 * np.finfo(np.float64).eps * np.fmax(np.abs(hi), 1.0), axis=0)
+        wide = hi - lo > 64 * np.finfo(np.float64).eps * np.fmax(np.abs(hi), 1.0)  # (S, grid): per step
     if not wide.any():
         return
-    cols = grid[wide] - 1
-    lower[:, cols] = np.fmin(lower[:, cols], lo[:, wide])
-    upper[:, cols] = np.fmax(upper[:, cols], hi[:, wide])
-    exact[cols] = False
     cols = grid - 1
+    for g in np.nonzero(wide.any(axis=0))[0]:
+        rows = wide[:, g]  # only the steps whose cluster reaches this k: the rank changes along training
+        lower[rows, cols[g]] = np.fmin(lower[rows, cols[g]], lo[rows, g])
+        upper[rows, cols[g]] = np.fmax(upper[rows, cols[g]], hi[rows, g])
+        exact[cols[g]] = False  # ``exact`` is per k: exact at every step
     # neighbours along the merged axis: the grid's top columns, then the tail's (a cluster at the
     # top's end is bounded by the first tail column)
     at = np.concatenate([cols, np.arange(K, lower.shape[1])])
-    flag = np.concatenate([wide, np.zeros(lower.shape[1] - K, bool)])
+    flag = np.concatenate([wide, np.zeros((wide.shape[0], lower.shape[1] - K), bool)], axis=1)
     for a in range(len(at) - 1):
-        if not (flag[a] or flag[a + 1]):
-            continue
+        rows = flag[:, a] | flag[:, a + 1]
         inner = np.arange(at[a] + 1, min(at[a + 1], K))
-        if inner.size == 0:
+        if inner.size == 0 or not rows.any():
             continue
         first, last = (at[a], at[a + 1]) if increasing else (at[a + 1], at[a])
-        lower[:, inner] = np.fmin(lower[:, inner], lower[:, [first]])
-        upper[:, inner] = np.fmax(upper[:, inner], upper[:, [last]])
+        block = np.ix_(rows, inner)
+        lower[block] = np.fmin(lower[block], lower[rows, first][:, None])
+        upper[block] = np.fmax(upper[block], upper[rows, last][:, None])
         exact[inner] = False
 
 
