@@ -100,7 +100,8 @@ def relative_energy(
     if undefined == "raise":
         nonzero_norms("phi", norm2, "the relative energy Σ⟨v_i,φ⟩²/‖φ‖²")
     with np.errstate(divide="ignore", invalid="ignore"):
-        energy = np.cumsum(P2, axis=-1) / np.asarray(norm2)[..., None]  # (K,) | (M, K)
+        # ≤ 1 by Bessel's inequality; the cumulative sum's rounding may pass it by ulps
+        energy = np.minimum(np.cumsum(P2, axis=-1) / np.asarray(norm2)[..., None], 1.0)  # (K,) | (M, K)
     energy[np.asarray(norm2) == 0] = np.nan  # 0/0 (only reached with undefined="nan")
     if not finite:
         energy[...] = np.nan
@@ -119,8 +120,9 @@ def _zeroed(phi: Any) -> np.ndarray:
 def energy_from_projections(P: np.ndarray, phi: np.ndarray) -> np.ndarray:
     """E(φ, k) for k = 1..K from the coordinates P = Vᵀφ (K, C) already computed (a step projects
     every φ once, during its eigensolve): Σ_c Σ_{i≤k} P_ic² / Σ_c ‖φ_c‖² (NSA §6; the pooled
-    :func:`relative_energy`); NaN for φ = 0 or a non-finite φ (the update of a diverging step)."""
+    :func:`relative_energy`), at most 1 (Bessel; the sum's rounding may pass it by ulps); NaN for
+    φ = 0 or a non-finite φ (the update of a diverging step)."""
     norm2 = float(np.sum(np.asarray(phi, dtype=np.float64) ** 2))
     if norm2 == 0.0 or not np.isfinite(norm2):
         return np.full(P.shape[0], np.nan)
-    return np.cumsum(np.sum(P**2, axis=1)) / norm2  # (K,)
+    return np.minimum(np.cumsum(np.sum(P**2, axis=1)) / norm2, 1.0)  # (K,)
