@@ -177,15 +177,17 @@ def scalar_sources(run: Run) -> list[Source]:
 def curve_sources(run: Run) -> list[Source]:
     """The quadrature route's curves beyond the exact top, every point: ``curve_energy_<φ>/k_<k>``,
     ``curve_energy_<φ>_lower/k_<k>``, ``curve_energy_<φ>_upper/k_<k>`` and the same of
-    ``curve_eigenvalue`` at each k of ``curve_k`` (the exact top part is ``energy_<φ>/k_<k>`` and
-    ``spectrum/lambda_<i>``); none on the exact route."""
-    if not run.has("curve_k"):
-        return []
-    ks_ = [int(k) for k in run.array("curve_k")]
+    ``curve_eigenvalue`` at each k of ``curve_k`` (``curve_energy_f_test…`` at each k of the test
+    Gram's ``curve_k_test``; the exact top part is ``energy_<φ>/k_<k>`` and ``spectrum/lambda_<i>``);
+    none on the exact route."""
     out = []
-    for name in run.array_names():
-        if name.startswith("curve_") and run.dimension_names(name) == ("step", "curve"):
-            out += [Source(f"{name}/k_{k}", name, (j,)) for j, k in enumerate(ks_)]
+    for grid, axis in (("curve_k", "curve"), ("curve_k_test", "curve_test")):
+        if not run.has(grid):
+            continue
+        ks_ = [int(k) for k in run.array(grid)]
+        for name in run.array_names():
+            if name.startswith("curve_") and run.dimension_names(name) == ("step", axis):
+                out += [Source(f"{name}/k_{k}", name, (j,)) for j, k in enumerate(ks_)]
     return out
 
 

@@ -8,8 +8,9 @@ Two routes store the curves (``spectrum.energy``; the run attribute ``energy_rou
 * **quadrature** — products with G_t only (gang layouts, or asked for): the top part
   (k ≤ ``spectrum.quadrature.top``) exact in ``energy_<φ>`` / ``eigenvalues``, beyond it
   ``curve_energy_<φ>`` / ``curve_eigenvalue`` with ``…_lower`` / ``…_upper`` at the k of
-  ``curve_k`` (a log grid to N).  The run attribute ``curve_bracket`` says how the brackets are
-  guaranteed (provable quadrature bounds, or statistical at ``curve_confidence``).
+  ``curve_k`` (a log grid to N; E_t(f_test, k) at ``curve_k_test``, the test Gram's grid to M).
+  The run attribute ``curve_bracket`` says how the brackets are guaranteed (provable quadrature
+  bounds, or statistical at ``curve_confidence``).
 
 :class:`BracketedCurve` joins the two parts: the exact top k = 1..K, then the grid beyond it.
 Between two grid points k_a < k < k_b the bracket follows from monotonicity alone — E_t(φ, ·)
@@ -108,6 +109,11 @@ class BracketedCurve:
             )
             raise ValueError(f"k={k} outside 1..{self.n_points} ({what})")
         top = int(self.k[-1]) if len(self.k) else 0
+        if k > top and self.route == "quadrature":
+            raise ValueError(
+                f"k={k}: this run measured {self.name} only for k ≤ {top}, its exact top part (a run "
+                f"written before the quadrature route measured {self.name} beyond it)"
+            )
         if k > top:
             raise ValueError(
                 f"k={k}: this run measured {self.name} only for k ≤ {top} (the eigenpairs it kept, "
@@ -171,6 +177,7 @@ def _widen_top(
     upper: np.ndarray,
     exact: np.ndarray,
     increasing: bool,
+    grid_name: str = "curve_k",
 ) -> None:
     """The top part's brackets where the quadrature route widened them, in place: top eigenpairs
     within the rounding of a neighbour (a rank-deficient G's null space reaching into the top K)
@@ -181,7 +188,7 @@ def _widen_top(
     training); a k widened at any step is not ``exact`` (a flag per k: exact at every step)."""
     if grid.size == 0 or lower.shape[0] == 0:
         return
-    where = np.isin(np.asarray(run.array("curve_k"), np.int64), grid)
+    where = np.isin(np.asarray(run.array(grid_name), np.int64), grid)
     lo = np.asarray(run.per_step(f"{curve_name}_lower"), np.float64)[:, where]
     hi = np.asarray(run.per_step(f"{curve_name}_upper"), np.float64)[:, where]
     with np.errstate(invalid="ignore"):  # a point bracket (to the two routes' rounding) is no cluster
@@ -226,8 +233,9 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
     route = energy_route(run)
     conf = run.attrs.get("curve_confidence")
     curve_name = f"curve_{name}"
-    if route == "quadrature" and run.has(curve_name) and run.has("curve_k"):
-        ck = np.asarray(run.array("curve_k"), np.int64)
+    grid_name = "curve_k_test" if name == "energy_f_test" else "curve_k"  # the test Gram's own grid, to M
+    if route == "quadrature" and run.has(curve_name) and run.has(grid_name):
+        ck = np.asarray(run.array(grid_name), np.int64)
         beyond = ck > K
         kk = np.concatenate([np.arange(1, K + 1, dtype=np.int64), ck[beyond]])
         parts = [np.asarray(run.per_step(f"{curve_name}{s}"), np.float64)[:, beyond] for s in ("", "_lower", "_upper")]
@@ -237,7 +245,7 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
         exact = np.concatenate(
             [np.ones(K, bool), np.all(parts[1] == parts[2], axis=0) if S else np.zeros(int(beyond.sum()), bool)]
         )
-        _widen_top(run, curve_name, ck[~beyond], K, lower, upper, exact, increasing=name != "eigenvalue")
+        _widen_top(run, curve_name, ck[~beyond], K, lower, upper, exact, name != "eigenvalue", grid_name)
         bracket = str(run.attrs.get("curve_bracket", "quadrature bounds (the run names no bracket kind)"))
         return BracketedCurve(
             name,

@@ -234,6 +234,15 @@ class RunPlan:
 
         return curve_ks(self.dims.N, self.spec.spectrum.quadrature.curve_points)
 
+    def curve_k_test(self) -> np.ndarray:
+        """The reported k of E_t(f_test, k) on the quadrature route (the test Gram's log grid to M;
+        empty when its top k_test is all of it or there are no test points)."""
+        if not self.dims.curve_points_test:
+            return np.zeros(0, dtype=np.int64)
+        from nsa_dist.linalg.quadrature import curve_ks
+
+        return curve_ks(self.dims.M, self.spec.spectrum.quadrature.curve_points)
+
     def energy_attrs(self) -> dict:
         """The run attributes saying how E_t(φ, k) was measured and how its brackets are guaranteed."""
         if self.energy_route != "quadrature":
@@ -290,6 +299,8 @@ class RunPlan:
             out["hessian_steps"] = np.isin(np.arange(len(self.record)), sorted(self.hessian_indices))
         if self.has("curve_k"):
             out["curve_k"] = self.curve_k()
+        if self.has("curve_k_test"):
+            out["curve_k_test"] = self.curve_k_test()
         return out
 
 
@@ -334,6 +345,7 @@ def plan_run(
     curve = energy_route(spec, layout.layout) == "quadrature"
     if curve:
         from nsa_dist.linalg.quadrature import curve_ks
+    k_test = min(K, M) if spec.spectrum.test_points and M else 0
     dims = RunDims(
         N=N,
         M=M,
@@ -343,7 +355,7 @@ def plan_run(
         S=len(record),
         T=spec.steps,
         K=K,
-        k_test=min(K, M) if spec.spectrum.test_points and M else 0,
+        k_test=k_test,
         n_images=nI,
         image_size=spec.spectrum.image_size if nI else 0,
         fourier_size=spec.spectrum.fourier_size if nI else 0,
@@ -365,6 +377,8 @@ def plan_run(
         hessian_trace_G=h is None or bool(h.trace_G),
         curve_points=len(curve_ks(N, s.quadrature.curve_points)) if curve else 0,
         gram_density_bins=s.quadrature.density_grid if curve else 0,
+        # the test Gram on the same route: its top k_test exact, brackets beyond (Fig. 3e to M)
+        curve_points_test=len(curve_ks(M, s.quadrature.curve_points)) if curve and 0 < k_test < M else 0,
     )
     return RunPlan(
         run_id=materials.run_id,

@@ -308,25 +308,9 @@ def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
     """The quadrature route of ``k: all``: λ_k and E_t(φ, k) at every reported k with their brackets,
     and G's SLQ density, from the exact top K and products with G (:mod:`nsa_dist.linalg.quadrature`)."""
     run, sp, phis, G = ctx.run, ctx.sp, ctx.phis, ctx.G
-    q = run.spec.spectrum.quadrature
     if sp.evecs is None:  # K = N (quadrature.top ≥ N): every eigenpair is exact
-        return _exact_curves(sp, phis, run.plan.curve_k(), q.density_grid)
-    c = spectral_curves(
-        G.G if isinstance(G, DenseGram) else G,
-        sp.evals,
-        sp.evecs,
-        phis,
-        run.plan.curve_k(),
-        lanczos_steps=q.lanczos_steps,
-        probes=q.probes,
-        confidence=q.confidence,
-        density_grid=q.density_grid,
-        seed=run.spec.seed,
-        block_size=q.block_size,
-        phi_steps=q.phi_steps,
-        phi_width=q.phi_width,
-        top_residual=sp.max_residual,
-    )
+        return _exact_curves(sp, phis, run.plan.curve_k(), run.spec.spectrum.quadrature.density_grid)
+    c = _curves(run, G, sp, phis, run.plan.curve_k())
     run.cost.n_products["quadrature"] = c.n_products
     for name in ("y", "residual"):
         w = c.notes.get("widest", {}).get(name) or {}
@@ -352,6 +336,28 @@ def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:
             }
         )
     return out
+
+
+def _curves(run: SpectralAnalyzer, G: StepGram, sp: StepSpectrum, phis: dict, ks: np.ndarray) -> Any:
+    """:func:`~nsa_dist.linalg.spectral_curves` of a Gram (training or test) from its top
+    eigenpairs ``sp``, with the run's quadrature knobs."""
+    q = run.spec.spectrum.quadrature
+    return spectral_curves(
+        G.G if isinstance(G, DenseGram) else G,
+        sp.evals,
+        sp.evecs,
+        phis,
+        ks,
+        lanczos_steps=q.lanczos_steps,
+        probes=q.probes,
+        confidence=q.confidence,
+        density_grid=q.density_grid,
+        seed=run.spec.seed,
+        block_size=q.block_size,
+        phi_steps=q.phi_steps,
+        phi_width=q.phi_width,
+        top_residual=sp.max_residual,
+    )
 
 
 def stored_eigenvectors(ctx: StepContext) -> dict[str, Any]:
@@ -444,16 +450,25 @@ def eigenvector_images(ctx: StepContext) -> ImageStep | None:
 
 
 def test_spectrum(run: SpectralAnalyzer, ck: Checkpoint, gang: Gang | None) -> dict[str, np.ndarray]:
-    """The test Gram's eigenvalues and E(f_test, k) (NSA Fig. 3e)."""
+    """The test Gram's eigenvalues and E(f_test, k) (NSA Fig. 3e): its top k_test, and on the
+    quadrature route every k beyond them with brackets, from the same knobs as the training Gram's."""
     G_t = step_gram(run, "test", ck.theta, gang)
+    ks = run.plan.curve_k_test()
     try:
-        sp_t = run._spectrum(G_t, run.plan.dims.k_test, "test", {"f_test": ck.f_test}, False)
+        sp_t = run._spectrum(G_t, run.plan.dims.k_test, "test", {"f_test": ck.f_test}, bool(ks.size))
+        out = {
+            "eigenvalues_test": sp_t.evals,
+            "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test),
+        }
+        if ks.size:
+            c = _curves(run, G_t, sp_t, {"f_test": ck.f_test}, ks)
+            run.cost.n_products["quadrature_test"] = c.n_products
+            b = c.energy["f_test"]
+            out.update({"curve_energy_f_test": b.value})
+            out.update({"curve_energy_f_test_lower": b.lower, "curve_energy_f_test_upper": b.upper})
     finally:
         G_t.close()
-    return {
-        "eigenvalues_test": sp_t.evals,
-        "energy_f_test": energy_from_projections(sp_t.proj["f_test"], ck.f_test),
-    }
+    return out
 
 
 def gram_knowledge(run: SpectralAnalyzer, G: StepGram, evals: np.ndarray) -> GramKnowledge | None:

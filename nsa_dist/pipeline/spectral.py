@@ -116,7 +116,12 @@ class SpectralAnalyzer:
             G.close()
         if self.plan.has("eigenvalues_test"):
             with self.cost.timed("test_points"):
-                test = notes.guard(("eigenvalues_test", "energy_f_test"), P.test_spectrum, self, ck, gang)
+                names = ("eigenvalues_test", "energy_f_test") + (
+                    ("curve_energy_f_test", "curve_energy_f_test_lower", "curve_energy_f_test_upper")
+                    if self.plan.has("curve_k_test")
+                    else ()
+                )
+                test = notes.guard(names, P.test_spectrum, self, ck, gang)
             if test is not None:
                 gram_step = dataclasses.replace(gram_step, **test)
         hessian = None

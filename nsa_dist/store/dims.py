@@ -45,6 +45,7 @@ class RunDims:
     constant_gram: bool = False  # App. E: the constant-Gram prediction of the test outputs
     curve_points: int = 0  # k: all on the quadrature route: the reported k of the curves (0: exact route / top-k)
     gram_density_bins: int = 0  # … and the grid of G's SLQ spectral density
+    curve_points_test: int = 0  # … and the reported k of E_t(f_test, k) beyond the test Gram's top k_test (0: none)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -61,6 +61,8 @@ _n_rec = lambda D: len(reconstruction_ks(D.K))  # noqa: E731
 _evecs = lambda D: D.store_eigenvectors  # noqa: E731
 _CURVE = lambda D: (D.curve_points,)  # noqa: E731
 _curve = lambda D: D.curve_points > 0  # noqa: E731
+_CURVE_TEST = lambda D: (D.curve_points_test,)  # noqa: E731
+_curve_test = lambda D: D.curve_points_test > 0  # noqa: E731
 CURVE_ARRAYS = ("curve_eigenvalue",) + tuple(f"curve_energy_{p}" for p in ("y", "f", "residual", "df", "df_pred"))
 
 
@@ -88,6 +90,11 @@ class GramStep:
     eigenvectors: np.ndarray = _array(lambda D: (D.N, D.K), "float32", _evecs, "eigenvectors")
     eigenvalues_test: np.ndarray = _array(lambda D: (D.k_test,), when=lambda D: D.k_test > 0)
     energy_f_test: np.ndarray = _array(lambda D: (D.k_test,), when=lambda D: D.k_test > 0)
+    # k: all on the quadrature route with test points: E_t(f_test, k) at the reported k of the test
+    # Gram (static curve_k_test), with its bracket (NSA Fig. 3e to M)
+    curve_energy_f_test: np.ndarray = _array(_CURVE_TEST, when=_curve_test)
+    curve_energy_f_test_lower: np.ndarray = _array(_CURVE_TEST, when=_curve_test)
+    curve_energy_f_test_upper: np.ndarray = _array(_CURVE_TEST, when=_curve_test)
     # Fig. 4d's f̄_{t,k} and App. F's dG_t, at the eigenvector steps
     reconstructions: np.ndarray = _array(lambda D: (_n_rec(D),) + _out(_N)(D), "float32", _evecs, "eigenvectors")
     reconstruction_images: np.ndarray = _array(

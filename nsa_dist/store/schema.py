@@ -113,6 +113,8 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         a.append(ArraySpec("hessian_steps", (D.S,), "bool", False))
     if D.curve_points:
         a.append(ArraySpec("curve_k", (D.curve_points,), "int64", False))
+    if D.curve_points_test:
+        a.append(ArraySpec("curve_k_test", (D.curve_points_test,), "int64", False))
     return a + [ArraySpec(name, (D.S,) + shape, dtype, True, at) for name, shape, dtype, at in step_array_specs(D)]
 
 
@@ -248,6 +250,10 @@ _DIMS: dict[str, tuple[str, ...]] = {
     "constant_gram_residual": ("step", "predicted_measured"),
     "constant_gram_energy": ("step", "k"),
     "curve_k": ("curve",),
+    "curve_k_test": ("curve_test",),
+    "curve_energy_f_test": ("step", "curve_test"),
+    "curve_energy_f_test_lower": ("step", "curve_test"),
+    "curve_energy_f_test_upper": ("step", "curve_test"),
     "gram_density_grid": ("step", "density"),
     "gram_density": ("step", "density"),
 }
