@@ -1,4 +1,5 @@
-"""The Hessian table of ``nsa show``: what a run measured of H = I + S and the paper's limits."""
+"""Parts of ``nsa show``: the line saying how a run measured its curves, and the Hessian table
+(what a run measured of H = I + S and the paper's limits)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,27 @@ if TYPE_CHECKING:
 
     from nsa_dist.client import Run
 
-__all__ = ["hessian_table"]
+__all__ = ["curves_line", "hessian_table"]
+
+
+def curves_line(run: Run) -> str:
+    """How the run measured λ_k and E_t(φ, k): the route, the k measured exactly and, on the
+    quadrature route, the kind of bracket beyond them (statistical at a confidence, or provable;
+    :attr:`Run.curve_bracket` has the whole sentence)."""
+    top, n = int(run.shape("eigenvalues")[1]), run.N
+    if run.energy_route == "exact":
+        if top >= n:
+            return f"curves: exact route, every k = 1..N = {n} exact (eigendecomposition of G_t; no bracket)"
+        return f"curves: exact route, k = 1..{top} exact (the eigenpairs kept, spectrum.k; no bracket)"
+    conf = run.attrs.get("curve_confidence")
+    if conf is not None:
+        kind = f"λ_k's statistical, confidence {float(conf):g}"
+    else:
+        kind = "provable" if run.attrs.get("curve_bracket") else "its kind not recorded"
+    return (
+        f"curves: quadrature route, k = 1..{top} exact, {top + 1}..{n} bracketed ({kind}; "
+        "Run.curve_bracket says how the brackets hold)"
+    )
 
 
 def _pm(value: float, se: float) -> str:

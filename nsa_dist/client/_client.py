@@ -65,13 +65,24 @@ class Client:
         return damage
 
     def run(self, run_id: str) -> Run:
-        """A run by id, by a unique id prefix, or by its name when only one run has it."""
+        """A run by its id, else by its name when exactly one run has it, else by a unique id prefix.
+
+        Raises:
+            StoreError: no run matches, or several do (the candidates are named).
+        """
         ids = self.store.run_ids()
         if run_id in ids:
             return Run(self.store, run_id)
-        hits = [r for r in ids if r.startswith(run_id)] or [r for r in ids if self._name_of(r) == run_id]
+        hits = [r for r in ids if r.startswith(run_id)]
+        # a run's id is its name with the spec's hash ("tiny-454f55d50e"): its name is a prefix of it
+        named = [r for r in hits or ids if self._name_of(r) == run_id]
+        if len(named) == 1:
+            return Run(self.store, named[0])
+        hits = named or hits
         if len(hits) == 1:
             return Run(self.store, hits[0])
         if not hits:
             raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {', '.join(ids[:10]) or 'none'})")
-        raise StoreError(f"{run_id!r} matches several runs: {', '.join(hits[:10])}; give the full id")
+        what = "runs are named" if named else "run ids start with"
+        more = f" … ({len(hits)} in all)" if len(hits) > 10 else ""
+        raise StoreError(f"{len(hits)} {what} {run_id!r}: {', '.join(hits[:10])}{more}; give the full id")

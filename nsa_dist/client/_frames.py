@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nsa_dist.errors import NSAError
 from nsa_dist.store import run_summaries
 from nsa_dist.store.schema import STATE_ARRAYS
 
@@ -21,6 +22,15 @@ if TYPE_CHECKING:
 
 __all__ = ["run_to_xarray", "runs_frame", "flatten_spec"]
 
+
+class NotFoundError(NSAError, KeyError):
+    """A sweep or a column the store does not have: a KeyError whose message reads as written
+    (``str()`` of a plain KeyError quotes it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 _ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k")
 
 
@@ -28,8 +38,8 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
     """The finished recorded steps of ``run`` (a :class:`~nsa_dist.client.Run`) with named dimensions.
 
     Per-step arrays (first dim "step") keep only the finished steps; coordinate ``step`` holds
-    t, ``k``-like coordinates run 1..K, ``curve`` is the quadrature route's k (``curve_k``),
-    ``train_step`` 0..T−1.  Attributes: the run id, status
+    t, ``k``-like coordinates run 1..K, ``curve`` is the quadrature route's k (``curve_k``;
+    ``curve_test``: ``curve_k_test``), ``train_step`` 0..T−1.  Attributes: the run id, status
     and spec (JSON string).  The resume state is left out unless ``state``.
 
     Returns:
@@ -58,8 +68,9 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
             coords[d] = (d, np.arange(1, ds.sizes[d] + 1))
     if "train_step" in ds.dims:
         coords["train_step"] = ("train_step", np.arange(ds.sizes["train_step"]))
-    if "curve" in ds.dims and "curve_k" in ds:  # the quadrature route's k: ds.curve_energy_y.sel(curve=400)
-        coords["curve"] = ("curve", np.asarray(ds["curve_k"].values, np.int64))
+    for axis, grid in (("curve", "curve_k"), ("curve_test", "curve_k_test")):
+        if axis in ds.dims and grid in ds:  # the quadrature route's k: ds.curve_energy_y.sel(curve=400)
+            coords[axis] = (axis, np.asarray(ds[grid].values, np.int64))
     ds = ds.assign_coords(coords)
     ds.attrs.update({"run_id": run.id, "status": str(run.status), "spec": json.dumps(run.attrs["spec"])})
     return ds
@@ -112,7 +123,7 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
 
     sweeps = store.sweeps()
     if sweep is not None and sweep not in sweeps:
-        raise KeyError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
+        raise NotFoundError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
     member = {rid: name for name, ids in sweeps.items() for rid in ids}
     known = store.run_ids()
     # a run of the sweep not created yet is left out
@@ -127,6 +138,6 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
     for key, value in where.items():
         col = key.replace("__", ".")
         if col not in df.columns:
-            raise KeyError(f"no column {col!r} to filter on; columns: {', '.join(df.columns)}")
+            raise NotFoundError(f"no column {col!r} to filter on; columns: {', '.join(df.columns)}")
         df = df[df[col] == value]
     return df.reset_index(drop=True)

@@ -13,9 +13,13 @@ from nsa_dist.client._arrays import RunArrays
 __all__ = ["HessianView"]
 
 
-def _part(part: str) -> int:
-    if part not in ("H", "I", "S"):
-        raise ValueError(f"part={part!r} is not one of 'H', 'I', 'S'")
+_MOMENT_PARTS = ("H", "I", "S", "I_exact", "I_limit")
+
+
+def _part(part: str, allowed: tuple[str, ...] = ("H", "I", "S")) -> int:
+    """The row of ``part`` (H, I, S) in a stored (…, 3, …) array, or a ValueError naming ``allowed``."""
+    if part not in allowed:
+        raise ValueError(f"part={part!r} is not one of {', '.join(map(repr, allowed))}")
     return "HIS".index(part)
 
 
@@ -56,7 +60,7 @@ class HessianView:
         if part in ("I_exact", "I_limit"):
             est = self._along("hessian_moments_I_exact" if part == "I_exact" else "hessian_I_limit_moments")
             return {"estimate": est, "stderr": np.zeros_like(est)}
-        j = _part(part)
+        j = _part(part, _MOMENT_PARTS)
         return {"estimate": self._along("hessian_moments")[:, j], "stderr": self._along("hessian_moments_stderr")[:, j]}
 
     @property
@@ -77,7 +81,8 @@ class HessianView:
 
     def top(self, part: str = "H") -> np.ndarray:
         """(Sh, k) the largest eigenvalues of H, I or S along the analysed steps."""
-        return self._along("hessian_top")[:, _part(part)]
+        j = _part(part)  # an unknown part is named before the run is read
+        return self._along("hessian_top")[:, j]
 
     def edge_of_stability(self) -> np.ndarray:
         """(Sh,) λ_max(H)·δ_t / 2 (:func:`nsa_dist.hessian.edge_of_stability`): GD on the local

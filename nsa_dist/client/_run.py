@@ -145,7 +145,7 @@ class Run(RunArrays):
     def energy_curve(self, phi: str = "y") -> xarray.Dataset:
         """E_t(φ, k) at every k the run measured, along the finished steps: an
         :class:`xarray.Dataset` with variables ``value``, ``lower``, ``upper`` (dims step, k),
-        coordinates ``step``, ``k`` and ``exact`` (k: True where the value is exact), attributes
+        coordinates ``step``, ``k`` and ``exact`` (k: True where the value is exact at every finished step), attributes
         ``route`` ("exact" / "quadrature"), ``bracket`` (how the brackets are guaranteed),
         ``confidence`` (statistical brackets), ``N`` and ``phi``.
 
@@ -181,11 +181,11 @@ class Run(RunArrays):
             cache[key] = read_curve(self, name, n)  # f_test: in the eigenbasis of the M×M test Gram
         return cache[key]
 
-    def bracket_widths(self, phis: tuple[str, ...] = PHIS) -> pandas.DataFrame:
+    def bracket_widths(self, phis: str | tuple[str, ...] = PHIS) -> pandas.DataFrame:
         """Where each E_t(φ, k)'s bracket is widest, per finished step: columns ``step``, ``phi``,
         ``width``, ``k``, ``value``, ``lower``, ``upper`` (at that k).  0 everywhere on the exact
         route; on the quadrature route the step's log says what each width is made of
-        (docs/curves.md).  A φ the run does not store is left out.
+        (docs/curves.md).  ``phis``: the φ, or one φ as a string.  A φ the run does not store is left out.
 
         Raises:
             ValueError: an unknown phi.
@@ -193,7 +193,7 @@ class Run(RunArrays):
         import pandas as pd
 
         rows = []
-        for phi in phis:
+        for phi in (phis,) if isinstance(phis, str) else phis:
             self._check_phi(phi)
             try:
                 c = self.curve(f"energy_{phi}")

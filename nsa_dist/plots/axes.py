@@ -16,6 +16,7 @@ puts ±linthresh and 0 a decade apart (:func:`symlog_y`), and δ_t is drawn as t
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -218,9 +219,20 @@ def new_figure(
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
-def ks(K: int, chosen: tuple[int, ...] | None = None) -> list[int]:
-    """The k (or eigenvector indices i) of ``chosen`` (default :data:`KS`) that are ≤ K."""
-    return [k for k in (chosen or KS) if k <= K]
+def ks(K: int, chosen: tuple[int, ...] | None = None, where: str = "") -> list[int]:
+    """The k (or eigenvector indices i) of ``chosen`` (default :data:`KS`) that are ≤ K.
+
+    With ``where`` (a figure), a chosen k beyond K is left out with one warning naming it: a figure
+    whose k stop below the run's (Fig. 2d's top K on the quadrature route, Fig. 3e's M test points);
+    a k the run never measured is refused before (:meth:`PlotOptions.check_ks`).
+    """
+    rows = [k for k in (chosen or KS) if k <= K]
+    if where and chosen and len(rows) < len(chosen):
+        left = ", ".join(str(k) for k in chosen if k > K)
+        logging.getLogger("nsa_dist.plots").warning(
+            "%s: k = %s not drawn (this figure stops at k = %d)", where, left, K
+        )
+    return rows
 
 
 @dataclass(frozen=True)
@@ -246,6 +258,20 @@ class PlotOptions:
                 f"step(s) {bad} are not finished recorded steps of run {run.id!r}; "
                 f"finished: {sorted(have)[:30]}{' …' if len(have) > 30 else ''}"
             )
+
+    def check_ks(self, run: Run) -> None:
+        """ValueError naming the k, the run and what it measured when a chosen k is outside 1..k_max
+        (:attr:`nsa_dist.client.Run.k_max`: N, or the K eigenpairs kept on the exact route)."""
+        top, n = run.k_max, run.N
+        bad = [k for k in self.ks or () if not 1 <= k <= top]
+        if bad:
+            why = (
+                f"every k up to N = {n}"
+                if top >= n
+                else f"the {top} eigenpairs it kept, spectrum.k; spectrum.k: all (layout local) or "
+                f"spectrum.energy: quadrature measures every k up to N = {n}"
+            )
+            raise ValueError(f"k={', '.join(map(str, bad))}: run {run.id!r} measured k = 1..{top} only ({why})")
 
 
 def gd_note(run: Run) -> str | None:

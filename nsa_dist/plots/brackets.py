@@ -114,10 +114,11 @@ def draw_bracketed_along_t(
 
 def bracket_caption(run: Run, drawn: bool = True) -> str:
     """The caption under a figure of bracketed curves: the route and how the band is guaranteed."""
-    if run.energy_route == "exact":
-        return "exact route: every k from the eigendecomposition of G_t (no bracket to draw)"
-    conf = run.attrs.get("curve_confidence")
     top = int(run.shape("eigenvalues")[1])
+    if run.energy_route == "exact":
+        which = f"every k = 1..N = {run.N}" if top >= run.N else f"k = 1..{top} (the eigenpairs kept)"
+        return f"exact route: {which} from the eigendecomposition of G_t (no bracket to draw)"
+    conf = run.attrs.get("curve_confidence")
     head = (
         f"quadrature route: k ≤ {top} exact; shaded band = bracket"
         + (f" at confidence {float(conf):g}" if conf is not None else "")

@@ -38,8 +38,7 @@ def fig2a(run: Run) -> Figure:
     ax.set(xscale="log", yscale="log", xlabel="index i", ylabel=r"eigenvalue $\lambda_i^t$")
     ax.grid(alpha=0.3, which="both")
     legend(ax)
-    if curve.route == "quadrature":
-        add_bracket_caption(fig, run, drawn)
+    add_bracket_caption(fig, run, drawn)
     return fig
 
 
@@ -50,7 +49,7 @@ def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
 
     fig, ax = new_figure(run, "2b", "individual eigenvalues along t")
     ax, curve = ax[0, 0], run.curve("eigenvalue")
-    rows = ks(int(curve.k[-1]), opts.ks)
+    rows = ks(int(curve.k[-1]), opts.ks, f"Fig. 2b of run {run.id!r}")
     cols, labels = colors(len(rows)), [rf"$\lambda_{{{i}}}^t$" for i in rows]
     drawn = False
     for c, i, label in zip(cols, rows, labels):
@@ -60,8 +59,7 @@ def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
             lower = np.maximum(lower, float(pos.min()) / 2 if len(pos) else 1e-300)
         drawn |= draw_bracketed_along_t(ax, run.steps, value, lower, upper, c, label)
     time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True, family=("i", labels, cols))
-    if curve.route == "quadrature":
-        add_bracket_caption(fig, run, drawn)
+    add_bracket_caption(fig, run, drawn)
     return fig
 
 
@@ -81,7 +79,7 @@ def fig2d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """δ_t λ_i^t / N along t for i in 1, 2, 5, 10, … ≤ K, with the stability limit 2 (log y)."""
     fig, ax = new_figure(run, "2d", r"$\delta_t \lambda_i^t / N$ along t")
     ax, p = ax[0, 0], run.lr_eigen_product()  # (S, K)
-    rows = ks(p.shape[1], opts.ks)
+    rows = ks(p.shape[1], opts.ks, f"Fig. 2d of run {run.id!r}")
     cols, labels = colors(len(rows)), [family_label("i", i) for i in rows]
     for c, i, label in zip(cols, rows, labels):
         ax.plot(run.steps, p[:, i - 1], "o-", ms=3, color=c, label=label)

@@ -42,7 +42,7 @@ def _curves(
     from nsa_dist.plots.brackets import draw_bracketed_along_t
 
     curve = run.curve(f"energy_{phi}")
-    rows = ks(int(curve.k[-1]), chosen)
+    rows = ks(int(curve.k[-1]), chosen, f"Fig. {_LABEL.get(phi, '3d')} of run {run.id!r} (φ = {phi})")
     cols = colors(len(rows))
     drawn = False
     for c, k in zip(cols, rows):
@@ -70,8 +70,7 @@ def energy_figure(run: Run, phi: str, opts: PlotOptions = PlotOptions()) -> Figu
         ax.plot([], [], "k-", label=r"first order $d\bar f_t$")  # legend entries for the two line styles
         ax.plot([], [], "k--", label=r"real $d\tilde f_t = f_{t+1} - f_t$")
     time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$", family=tuple(family))
-    if run.energy_route == "quadrature":
-        from nsa_dist.plots.brackets import add_bracket_caption
+    from nsa_dist.plots.brackets import add_bracket_caption
 
-        add_bracket_caption(fig, run, drawn)
+    add_bracket_caption(fig, run, drawn)  # the route, on both (the exact one: no band, and why)
     return fig

@@ -49,7 +49,7 @@ def fig7d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """
     if opts.pair or opts.ks:
         t1, t2 = opts.pair or (None, None)
-        rows = ks(int(run.shape("eigenvectors")[2]), opts.ks) if opts.ks else None
+        rows = ks(int(run.shape("eigenvectors")[2]), opts.ks, f"Fig. 7d of run {run.id!r}") if opts.ks else None
         P, t1, t2, rows = run.spectrum_preservation(t1, t2, rows)
     else:
         P, t1, t2, rows = run.spectrum_preservation()  # (rows, K)

@@ -112,13 +112,14 @@ def make_figure(run: Run, name: str, opts: PlotOptions | None = None) -> Figure 
     ``opts`` chooses the steps of the at-a-step figures, the pair of Fig. 7d and the k drawn.
 
     Raises:
-        ValueError: unknown ``name``, a run with no finished recorded step, or a chosen step
-            that is not a finished recorded step.
+        ValueError: unknown ``name``, a run with no finished recorded step, a chosen step
+            that is not a finished recorded step, or a chosen k the run did not measure.
     """
     _check_names([name])
     _require_steps(run)
     opts = opts or PlotOptions()
     opts.check_steps(run)
+    opts.check_ks(run)
     draw, needs = _FIGURES[name]
     return draw(run, opts) if needs(run) else None
 
@@ -147,13 +148,14 @@ def plot_run(
         The paths written, in the order of :data:`FIGURES` (or of ``figures``).
 
     Raises:
-        ValueError: an unknown figure name (the message lists the allowed ones), or a run with no
-            finished recorded step.
+        ValueError: an unknown figure name (the message lists the allowed ones), a run with no
+            finished recorded step, or a chosen step or k the run did not record (named).
     """
     names = _check_names(figures)
     _require_steps(run)
     opts = opts or PlotOptions()
     opts.check_steps(run)
+    opts.check_ks(run)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -127,7 +127,8 @@ def eqs45(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     legend(left)
     _say_if_diverging(left, run.array_attrs("constant_gram_residual"))
     measured = run.energy("residual")  # (S, K)
-    rows = chosen_ks(E.shape[1], opts.ks or (1, 10, 100, 500))
+    where = f"Eqs. 4–5 of run {run.id!r}"
+    rows = chosen_ks(E.shape[1], opts.ks, where) if opts.ks else chosen_ks(E.shape[1], (1, 10, 100, 500))
     cols, labels = colors(len(rows)), [family_label("k", k) for k in rows]
     for c, k, label in zip(cols, rows, labels):
         right.plot(run.steps, measured[:, k - 1], "o-", ms=3, color=c, label=label)

@@ -6,6 +6,7 @@ and a shaded band of ± one standard deviation.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -278,7 +279,8 @@ def plot_sweep(
     "scalar_energy_y_10" is the final E(y, 10) (:func:`summary_k`: below N) against the first varied
     field, one line per value of the second (if any).  "hessian_moments_<A>": Tr(A^k) along t (mean ± std over seeds);
     "hessian_width_convergence" and "hessian_regimes": against ``model.width`` at initialisation.
-    Figures a sweep cannot draw (no test points: 7c; no Hessian block; no width axis) are skipped.
+    Figures a sweep cannot draw (no test points: 7c; no Hessian block; no width axis) are skipped,
+    with a warning saying why for Fig. 7c and for each figure named in ``figures``.
     """
     names = list(_ALL if figures is None else figures)
     bad = [n for n in names if n not in _ALL]
@@ -316,6 +318,20 @@ def plot_sweep(
             else None
         ),
     }
+    over = (
+        "its runs record no Hessian (the spec's hessian block)"
+        if not hess
+        else f"it does not vary {_WIDTH}"
+        if not wide
+        else None
+    )
+    why = {
+        **dict.fromkeys(HESSIAN_SWEEP_FIGURES, over),
+        "hessian_width_convergence": over or "its runs record no Θ∞ limit of Tr(I^k)",
+        "hessian_regimes": over or "its runs record no ‖S‖_op",
+        "fig7c_test_loss": "its runs have no test points (data.n_test)",
+        "scalar_energy_y_10": "it varies no field",
+    }
     written = []
     for name in names:
         fig = draw[name]()
@@ -323,4 +339,6 @@ def plot_sweep(
             path = out / f"{name}.png"
             fig.savefig(path, dpi=DPI)
             written.append(path)
+        elif figures is not None or name == "fig7c_test_loss":
+            logging.getLogger("nsa_dist.plots").warning("sweep %r: %s not drawn: %s", sweep.name, name, why[name])
     return written

@@ -154,18 +154,20 @@ class Curves(Panel):
 
     Subclasses set ``title``, ``plots`` and ``figures`` (the names of ``nsa plot``'s figures it
     draws: :data:`nsa_dist.plots.registry.FIGURES` / the sweep figures) and implement
-    :meth:`series`; ``note`` (HTML-escaped here) is shown under the title when not empty.
+    :meth:`series`; ``note`` (HTML-escaped here) is shown under the title when not empty, in
+    ``note_color`` (red: a caveat on what the figure shows; grey: how it was measured).
     """
 
     plots: tuple[Plot, ...] = ()
     figures: tuple[str, ...] = ()
     css = ""
+    note_color = "#b00020"
     ncols = 3  # figures per row
 
     def __init__(self, run: Any = None, controls: Sequence[Model] = (), plots: tuple[Plot, ...] | None = None) -> None:
         self.controls = list(controls)
         self.plots = plots if plots is not None else type(self).plots
-        self.note = Div(text="", visible=False, styles={"color": "#b00020", "max-width": "900px"})
+        self.note = Div(text="", visible=False, styles={"color": self.note_color, "max-width": "900px"})
         self.sources: list[dict[str, ColumnDataSource]] = []
         figs = []
         for p in self.plots:

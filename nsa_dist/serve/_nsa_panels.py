@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 
+NOTE_GREY = "#555555"  # a note that is no caveat (the waiting note's colour, serve._live)
+
+
 class Fig1d(Curves):
     """‖df̃_t − df̄_t‖ / ‖df̃_t‖ and cos α_t along t (NSA Fig. 1d)."""
 
@@ -77,6 +80,7 @@ class Fig2a(Picked):
     bracket shaded where it is not a point (the quadrature route beyond its top)."""
 
     title = "NSA Fig. 2a — eigenvalues λ_i^t of G_t against i"
+    note_color = NOTE_GREY  # the bracket note: how the curves were measured, not a warning
     figures = ("fig2a_eigenvalues",)
     plots = (Plot("index i", "eigenvalue λ_i^t", x_log=True, y_log=True),)
 
@@ -97,6 +101,7 @@ class Fig2b(Curves):
     with its bracket shaded where it is not a point."""
 
     title = "NSA Fig. 2b — eigenvalues λ_i^t of G_t along t"
+    note_color = NOTE_GREY  # the bracket note: how the curves were measured, not a warning
     figures = ("fig2b_eigenvalues_t",)
     css = "nsa-plot-eigenvalues"
     plots = (Plot("step t", "eigenvalue λ_i^t", y_log=True, width=700),)
@@ -147,6 +152,7 @@ class Energy(Picked):
     is drawn dashed."""
 
     title = "NSA Fig. 3a–e — relative energy E_t(φ, k) = Σ_{i≤k} ⟨v_i^t, φ⟩² / ‖φ‖²"
+    note_color = NOTE_GREY  # the bracket note: how the curves were measured, not a warning
     figures = (
         "fig3a_energy_y",
         "fig3b_energy_f",

@@ -134,17 +134,19 @@ UNKNOWN_RUN = "no run with this id in the store"
 
 
 def open_run(store: SpectrumStore, rid: str) -> Run:
-    """The run ``?id=`` names, looked up among the runs the store lists only — its id, a unique id
-    prefix, or its name when one run has it — never as a path (``..`` names no listed run).
+    """The run ``?id=`` names, looked up among the runs the store lists only — its id, its name
+    when one run has it, or a unique id prefix (as :meth:`nsa_dist.client.Client.run`) — never as a
+    path (``..`` names no listed run).
 
     Raises:
         LookupError: :data:`UNKNOWN_RUN` (the same words for every id not listed, so the page tells
-            nothing of what exists outside the store), or the listed ids an ambiguous prefix matches.
+            nothing of what exists outside the store), or the listed ids an ambiguous name or prefix matches.
     """
     ids = store.run_ids()
     hits = [rid] if rid in ids else [r for r in ids if rid and r.startswith(rid)]
-    if not hits and rid:
-        hits = [r for r in ids if _spec_name(store, r) == rid]
+    if len(hits) != 1 and rid:  # a run's id is its name and a hash: its name is a prefix of it
+        named = [r for r in hits or ids if _spec_name(store, r) == rid]
+        hits = named if named else hits
     if not hits:
         raise LookupError(UNKNOWN_RUN)
     if len(hits) > 1:
