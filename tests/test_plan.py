@@ -135,3 +135,25 @@ def test_step_results_and_sizes_read_back_by_their_stored_names():
     D = RunDims.from_json(old)
     assert (D.hessian_top_k, D.hessian_moments, D.constant_gram, D.rng_bytes) == (2, False, True, 1)
     assert RunDims.from_json(D.to_json()) == D
+
+
+def test_chosen_images_beyond_the_kept_eigenpairs_are_named_once(caplog) -> None:
+    """spectrum.images beyond K (a gang layout's quadrature.top, chosen by layout: auto) are not drawn,
+    and the run says so once (a new user's trial: [1, 50, 150] stored image 1 only, silently); the
+    default list, meant as "those ≤ K", says nothing."""
+    import logging
+
+    base = {"data": {"n": 200}, "model": {"depth": 2, "width": 8}, "steps": 2}
+    spectrum = {"k": "all", "layout": "auto", "memory_budget_gb": 0.0001, "workers": 2, "quadrature": {"top": 10}}
+    spec = ExperimentSpec.model_validate({**base, "name": "img", "spectrum": {**spectrum, "images": [1, 50, 150]}})
+    with caplog.at_level(logging.WARNING, logger="nsa_dist"):
+        for _ in range(2):
+            plan = plan_run(spec, load_dataset(spec.data, seed=0))
+    assert plan.K == 10 and plan.dims.n_images == 1
+    said = [r.getMessage() for r in caplog.records if "spectrum.images" in r.getMessage()]
+    assert len(said) == 1 and "[50, 150]" in said[0] and "K = 10" in said[0], said
+    caplog.clear()
+    quiet = ExperimentSpec.model_validate({**base, "name": "img2", "spectrum": spectrum})
+    with caplog.at_level(logging.WARNING, logger="nsa_dist"):
+        plan_run(quiet, load_dataset(quiet.data, seed=0))
+    assert not [r for r in caplog.records if "spectrum.images" in r.getMessage()]

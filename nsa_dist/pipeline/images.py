@@ -75,4 +75,21 @@ def image_indices(spec: ExperimentSpec, data: Dataset, K: int) -> tuple[int, ...
     (N, 2, H, W) images); empty otherwise.  Decided without building the renderer."""
     if data.X.ndim != 2 or data.X.shape[1] != 2:
         return ()
-    return tuple(i for i in spec.spectrum.images if i <= K)
+    chosen = spec.spectrum.images
+    beyond = [i for i in chosen if i > K]
+    default = type(spec.spectrum).model_fields["images"].default_factory()
+    if beyond and chosen != default and (spec.name, tuple(beyond), K) not in _WARNED:  # the default: those ≤ K
+        _WARNED.add((spec.name, tuple(beyond), K))
+        import logging
+
+        logging.getLogger("nsa_dist").warning(
+            "run %r: spectrum.images %s are beyond the K = %d eigenpairs the run keeps (spectrum.k, or "
+            "quadrature.top on the quadrature route): not drawn",
+            spec.name,
+            beyond,
+            K,
+        )
+    return tuple(i for i in chosen if i <= K)
+
+
+_WARNED: set[tuple] = set()
