@@ -14,11 +14,13 @@
     nsa export RUN --tensorboard DIR     a run's scalars and spectra as TensorBoard event files
 The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
 Every failure is one line on stderr (`_one_line`); --debug or NSA_DEBUG=1 adds the traceback.
+`nsa run` and `nsa sweep` show the ``nsa_dist`` log's INFO records on stderr as "[nsa] …" lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import signal
@@ -30,9 +32,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
     from nsa_dist.client import Client
+    from nsa_dist.store import SpectrumStore
+    from nsa_dist.store.verify import Damage
 
 __all__ = ["main"]
 
@@ -110,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         nargs="+",
         default=None,
-        help="recorded steps of Figs. 1b, 4a-c, 6 (the paper: 20000 600000)",
+        help="recorded steps of the at-a-step figures: 1a-c and 4d (the last chosen), 4a, 4b-c, "
+        "6 (the first chosen) and energy_against_k (the paper: 20000 599999)",
     )
     pl.add_argument(
         "--pair",
@@ -118,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs=2,
         default=None,
         metavar=("T1", "T2"),
-        help="Fig. 7d: E_T1(v_i^T2, k) (the paper: 20000 600000)",
+        help="Fig. 7d: E_T1(v_i^T2, k) (the paper: 20000 599999)",
     )
     pl.add_argument(
         "--k",
@@ -157,9 +164,18 @@ def _parser() -> argparse.ArgumentParser:
         ("logs", "a job's logs"),
         ("cancel", "stop a job"),
     ):
-        q = sub.add_parser(name, help=hlp)
-        q.add_argument("job", nargs="?" if name == "status" else None)
-        q.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"))
+        q = sub.add_parser(name, help=hlp, description=hlp)
+        q.add_argument(
+            "job",
+            nargs="?" if name == "status" else None,
+            help="the Ray Job's id (as `nsa submit` printed it)"
+            + (" (default: every job)" if name == "status" else ""),
+        )
+        q.add_argument(
+            "--address",
+            default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
+            help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_ADDRESS or http://127.0.0.1:8265)",
+        )
         if name == "status":
             q.add_argument("--store", default=None, help="show the runs of this store instead of Ray jobs")
     v = sub.add_parser("verify", help="check every chunk of a store; --mark forgets damaged steps for a re-run")
@@ -205,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["NSA_DEBUG"] = "1"  # also for a submitted job's environment
     handler = _catch_sigterm()
     _SIGTERM_SEEN.clear()
+    unlog = _log_to_stderr() if args.cmd in ("run", "sweep") else None
     try:
         return {
             "run": _cmd_run,
@@ -231,10 +248,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nsa {args.cmd}: {line}", file=sys.stderr, flush=True)
         return rc
     finally:
+        if unlog is not None:
+            unlog()
         if handler is not _NOT_INSTALLED:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
         if saved_debug is None:
             os.environ.pop("NSA_DEBUG", None)
+
+
+class _LogLine(logging.Handler):
+    """Writes a record as "[nsa] message" to the current ``sys.stderr`` (a progress bar's redirect
+    included); a record's traceback is left out (one line a record)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"[nsa] {_flat(record.getMessage())}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - a log line never ends the command
+            self.handleError(record)
+
+
+def _log_to_stderr() -> Callable[[], None]:
+    """Show the ``nsa_dist`` logger's INFO records and above on stderr as "[nsa] …" lines while a
+    command runs (the pipeline's notes: a wide quadrature bracket, a model that couples samples);
+    nothing is added where a handler already prints to the console (no line twice).  Returns the
+    call that puts the logger back."""
+    log = logging.getLogger("nsa_dist")
+    consoles = (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    node: logging.Logger | None = log
+    while node is not None:  # the handlers a record reaches: this logger's, then its parents'
+        if any(getattr(h, "stream", None) in consoles for h in node.handlers):
+            return lambda: None
+        node = node.parent if node.propagate else None
+    line, level = _LogLine(logging.INFO), log.level
+    log.addHandler(line)
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+
+    def restore() -> None:
+        log.removeHandler(line)
+        log.setLevel(level)
+
+    return restore
 
 
 def _quiet_at_exit() -> None:
@@ -280,11 +334,14 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
     and the endpoint), then nsa-dist's own refusals and the builtin errors of bad input, then
     anything else as an unexpected error pointing to ``--debug``.
     """
-    from nsa_dist.errors import NSAError
+    from nsa_dist.errors import NSAError, StoreError
     from nsa_dist.specfile import SpecError
     from nsa_dist.store import describe_fault
 
-    if isinstance(exc, Terminated) or (isinstance(exc, KeyboardInterrupt) and _SIGTERM_SEEN):
+    sigterm = isinstance(exc, Terminated) or (isinstance(exc, KeyboardInterrupt) and _SIGTERM_SEEN)
+    if isinstance(exc, KeyboardInterrupt) and args.cmd == "serve":  # a reader: nothing to resume
+        return ("stopped (SIGTERM)", 143) if sigterm else ("stopped (Ctrl-C)", 130)
+    if sigterm:
         return "terminated (SIGTERM); re-run the same command to resume", 143
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C); re-run the same command to resume", 130
@@ -298,11 +355,49 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
         return f"error: {fault}", 2
     if isinstance(exc, SpecError):
         return f"error: {exc}", 2  # one line per problem in the file
+    local = _local_store(store)
+    if local is not None and isinstance(exc, StoreError) and str(exc).startswith("no spectrum store at"):
+        if local.is_file() or (local.is_dir() and any(local.iterdir())):  # `nsa run --store` refuses it too
+            kind = "a file" if local.is_file() else "a directory with other files"
+            return (
+                f"error: {store!r} is {kind}, not a spectrum store (it has no zarr.json); give the store's "
+                "path with --store PATH (or $NSA_STORE), or a new path to `nsa run SPEC.yaml --store`"
+            ), 2
+    if local is not None and isinstance(exc, OSError) and exc.filename and _within(Path(exc.filename), local):
+        return f"error: {_store_os_error(store, exc)}", 2
     if isinstance(exc, (NSAError, OSError, KeyError, ValueError)):
         return f"error: {_flat(str(exc))}", 2
     return (
         f"error: {type(exc).__name__}: {_flat(str(exc))} (unexpected; --debug or NSA_DEBUG=1 shows the traceback)"
     ), 1
+
+
+def _local_store(store: object) -> Path | None:
+    """The folder of a local store (a path or ``file://``); None for an object store or no store."""
+    if not isinstance(store, str) or ("://" in store and not store.startswith("file://")):
+        return None
+    return Path(store.removeprefix("file://"))
+
+
+def _within(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or inside it."""
+    path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
+    return path == folder or folder in path.parents
+
+
+def _store_os_error(store: str, exc: OSError) -> str:
+    """A system error under a local store's folder, naming the store, the file and the cause."""
+    what = exc.strerror or type(exc).__name__
+    where = f"store {store!r}: {what} for {exc.filename!r}"
+    parent = Path(os.path.abspath(exc.filename)).parent
+    if isinstance(exc, FileNotFoundError) and parent.is_dir():  # the folder is there: it takes no new entries
+        return (
+            f"{where}, though {str(parent)!r} exists: that file system takes no new folders; give --store "
+            "a path in a writable folder"
+        )
+    if isinstance(exc, PermissionError) or getattr(exc, "errno", None) == 30:  # EROFS
+        return f"{where}; give --store a path this user can write (or fix the folder's permissions)"
+    return f"{where}; check the path and the disk, or give --store another path"
 
 
 def _flat(text: str, limit: int = 2000) -> str:
@@ -510,6 +605,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     con.print(_esc(f"data fingerprint {run.data_fingerprint or '(not recorded: a run made before fingerprints)'}"))
     if run.attrs.get("layout"):
         con.print(_esc(f"spectrum layout {run.attrs['layout']} ({run.attrs.get('layout_reason')})"))
+    if run.has("eigenvalues"):
+        from nsa_dist._show import curves_line
+
+        con.print(_esc(curves_line(run)))
     steps = run.steps
     con.print(f"recorded {len(steps)}/{len(run.schedule)} steps")
     if not len(steps):
@@ -567,6 +666,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     if (args.run is None) == (args.sweep is None):
         raise ValueError("give either a RUN or --sweep NAME")
+    given = [f"--{name}" for name in ("scalar", "x", "line") if getattr(args, name) is not None]
+    if given and args.sweep is None:
+        raise ValueError(f"{'/'.join(given)}: only with --sweep NAME (across a sweep's runs), not with a RUN")
     if args.sweep is not None:
         return _plot_sweep(args)
     opts = PlotOptions(
@@ -674,9 +776,10 @@ class _SweepTable:
                 if self._last.get(r.run_id) != key:
                     self._last[r.run_id] = key
                     lam = f"{r.lambda_max:.5g}" if r.lambda_max is not None else "-"
+                    step = r.step if r.step is not None else "-"
+                    loss = f"{r.loss:.5g}" if r.loss is not None else "-"
                     print(
-                        f"[nsa] {r.run_id}: {r.status} {r.done}/{r.total} step {r.step} loss "
-                        f"{r.loss if r.loss is None else f'{r.loss:.5g}'} λ_max {lam}",
+                        f"[nsa] {r.run_id}: {r.status} {r.done}/{r.total} step {step} loss {loss} λ_max {lam}",
                         flush=True,
                     )
             return
@@ -761,7 +864,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(str(d))
     print(f"{args.store}: {len(damage)} damaged piece(s) in {len({d.run_id for d in damage})} of {n} run(s)")
     if not args.mark:
-        print("run `nsa verify --mark` to forget the damaged steps, then re-run to recompute them")
+        for line in _verify_advice(store, damage):
+            print(line)
         return 1
     for rid, idx in mark_damaged(SpectrumStore(args.store), damage).items():
         if idx is None:  # its folder was a symbolic link to nothing: removed
@@ -769,6 +873,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             continue
         print(f"{rid}: step indices {idx} marked not done; re-run it (nsa run / nsa sweep) to recompute them")
     return 0
+
+
+def _verify_advice(store: SpectrumStore, damage: list[Damage]) -> list[str]:
+    """What to do about the damage: `nsa verify STORE --mark` for chunks; damaged metadata (a
+    zarr.json), which --mark refuses, restored from a copy or its run deleted and re-run."""
+    metadata = [d for d in damage if d.key is None and d.index is None and not d.link]
+    runs, out = sorted({store.run_path(d.run_id) for d in metadata}), []
+    if runs:
+        out.append(
+            "damaged metadata (a zarr.json) cannot be repaired by --mark: restore the file from a copy, or "
+            f"delete the run's folder ({', '.join(runs[:3])}{' …' if len(runs) > 3 else ''}) and re-run it"
+        )
+    if len(metadata) < len(damage):
+        mark = f"nsa verify {shlex.quote(store.url)} --mark"
+        out.append(
+            f"run `{mark}` to forget the damaged steps, then re-run to recompute them"
+            + (" (once the metadata is restored or its run deleted)" if runs else "")
+        )
+    return out
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -6,9 +6,11 @@ here.  A validation error names the field, the value given and what is allowed.
 
 from __future__ import annotations
 
+import difflib
 import math
+import reprlib
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -17,6 +19,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     Tag,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -94,6 +97,12 @@ def is_id_neutral(field: Any) -> bool:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+def _stored(info: ValidationInfo) -> bool:
+    """Whether a spec is read back from a store (``context={"stored": True}``): the checks of what a
+    run cannot do are the author's, and a run stored before one was added stays readable."""
+    return bool((info.context or {}).get("stored"))
 
 
 class ModelSpec(_Strict):
@@ -485,7 +494,8 @@ class Layout(str, Enum):
     """Where one recorded step's Gram G_t lives while it is analysed (DESIGN.md, "Scaling one step").
 
     LOCAL: one worker holds the whole G (~N² entries) — fastest while G fits; the only layout
-    for ``k: all``.  BLOCK_ROWS: a gang of ``spectrum.workers`` workers holds the upper tile
+    for ``k: all`` with ``energy: exact`` (``k: all`` runs on every layout by the quadrature
+    route, :class:`EnergyRoute`).  BLOCK_ROWS: a gang of ``spectrum.workers`` workers holds the upper tile
     pairs, each a balanced share (~N²/(2W)); per-point features are computed once and shared;
     every metric is exact.  MATRIX_FREE: no G anywhere, ``G V = J (Jᵀ V)`` over data shards
     (~(N/W)·Σ(n_in + n_out) + P·b per worker) — for N whose G fits nowhere; ‖G‖_F is then
@@ -552,6 +562,19 @@ class QuadratureSpec(_Strict):
         json_schema_extra=ID_NEUTRAL,
     )
 
+    @field_validator("phi_width")
+    @classmethod
+    def _width_needs_steps(cls, v: float, info: ValidationInfo) -> float:
+        if v > 0 and info.data.get("phi_steps", 0) is None and not _stored(info):
+            raise ValueError(
+                "phi_width needs spectrum.quadrature.phi_steps (φ's own run, which it stops): set "
+                "phi_steps too (0: its automatic length), or drop phi_width"
+            )
+        return v
+
+
+_IMAGES = (1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000)  # spectrum.images' default: those ≤ K are drawn
+
 
 class SpectrumSpec(_Strict):
     """Spectral analysis at each recorded step."""
@@ -605,7 +628,7 @@ class SpectrumSpec(_Strict):
         "1000-point step on CPU at 10, so best with a store_eigenvectors list)",
     )
     images: list[int] = Field(
-        default_factory=lambda: [1, 2, 3, 4, 5, 6, 10, 100, 500, 1000, 2000, 4000],
+        default_factory=lambda: list(_IMAGES),
         description="2-D data: eigenvector indices (1-based) drawn as images + Fourier (Fig. 5)",
     )
     image_size: int = Field(48, ge=4)
@@ -613,7 +636,7 @@ class SpectrumSpec(_Strict):
     fourier_size: int = Field(41, ge=3)
 
     @model_validator(mode="after")
-    def _methods(self) -> SpectrumSpec:
+    def _methods(self, info: ValidationInfo) -> SpectrumSpec:
         if isinstance(self.k, int) and self.k < 1:
             raise ValueError(f"spectrum.k must be >= 1 or 'all', got {self.k}")
         if any(i < 1 for i in self.images):
@@ -635,6 +658,16 @@ class SpectrumSpec(_Strict):
             raise ValueError(
                 f"spectrum.eig_method='dense' needs layout='local' (G is never gathered with "
                 f"layout={layout.value!r}); use 'auto' or 'lanczos'"
+            )
+        quadrature = energy is EnergyRoute.QUADRATURE or (
+            self.k == "all" and energy is EnergyRoute.AUTO and layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE)
+        )
+        beyond = [i for i in self.images if i > self.quadrature.top]
+        if quadrature and beyond and self.images != list(_IMAGES) and not _stored(info):  # the default: those ≤ top
+            raise ValueError(
+                f"spectrum.images {beyond} are beyond spectrum.quadrature.top={self.quadrature.top}: the "
+                "quadrature route of k: all keeps only the top eigenvectors; raise quadrature.top to "
+                f"{max(beyond)} or drop those indices"
             )
         if isinstance(self.store_eigenvectors, list) and any(t < 0 for t in self.store_eigenvectors):
             raise ValueError(f"spectrum.store_eigenvectors steps must be >= 0, got {self.store_eigenvectors}")
@@ -920,6 +953,9 @@ class SweepSpec(_Strict):
             spec["name"] = f"{self.name}__{suffix}" if suffix else self.name
             try:
                 run = ExperimentSpec.model_validate(spec)
+            except ValidationError as exc:
+                problems = "; ".join(line.strip() for line in format_validation_error(exc).splitlines())
+                raise ValueError(f"sweep run {spec['name']!r} ({combo}) is not a valid experiment: {problems}") from exc
             except ValueError as exc:
                 raise ValueError(f"sweep run {spec['name']!r} ({combo}) is not a valid experiment: {exc}") from exc
             key = run.model_dump_json()
@@ -954,3 +990,76 @@ def _set_path(d: dict, path: str, value: Any) -> dict:
     else:
         out[head] = value
     return out
+
+
+# --------------------------------------------------------------------------- validation errors, one line each
+MAX_ERRORS = 20  # validation problems listed (then "… and N more")
+_SHORT = reprlib.Repr()  # how a rejected value is shown: a few levels and items, long strings cut
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 2, 4, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field.path: message (got value)``, at most ``MAX_ERRORS`` of them,
+    each value shortened (a huge input never becomes a huge message)."""
+    lines, errors = [], exc.errors()
+    root = globals().get(exc.title)
+    for e in errors[:MAX_ERRORS]:
+        loc = tuple(e["loc"])
+        allowed = _allowed_fields(root, loc) if e["type"] == "extra_forbidden" else None
+        if len(loc) > 1 and loc[0] == "model" and loc[1] in ("fc", "factory"):
+            loc = loc[:1] + loc[2:]  # drop the tag of the model block's union (a net or a factory)
+        where = ".".join(str(p) for p in loc) or ("" if root is SweepSpec else "(spec)")  # a sweep's line names its run
+        msg = _clip(e["msg"].removeprefix("Value error, "), 1000)
+        got = e.get("input")
+        got = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)})"
+        if allowed:
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            got += (f"; did you mean {close[0]!r}?" if close else "") + f" (allowed here: {', '.join(allowed)})"
+        lines.append(f"  {_clip(where, 200)}: {msg}{got}" if where else f"  {msg}{got}")
+    if len(errors) > MAX_ERRORS:
+        lines.append(f"  … and {len(errors) - MAX_ERRORS} more problems")
+    return "\n".join(lines)
+
+
+def _allowed_fields(root: object, loc: tuple) -> list[str] | None:
+    """The fields of the block that holds ``loc``'s last key (None: not a spec block, e.g. a sweep's base)."""
+    if not (isinstance(root, type) and issubclass(root, BaseModel)):
+        return None
+    cls, tagged = root, None
+    for p in loc[:-1]:
+        if isinstance(p, int):  # an item of a list of blocks
+            continue
+        if tagged is not None:
+            if p in tagged:  # the tag of a union's member (model: fc / factory)
+                cls, tagged = tagged[p], None
+                continue
+            if len(tagged) != 1:
+                return None
+            cls, tagged = next(iter(tagged.values())), None
+        field = cls.model_fields.get(str(p))
+        tagged = _blocks(field.annotation) if field is not None else None
+        if not tagged:
+            return None
+    if tagged is not None:
+        if len(tagged) != 1:
+            return None
+        cls = next(iter(tagged.values()))
+    return list(cls.model_fields)
+
+
+def _blocks(tp: object, tag: str | None = None) -> dict[str | None, type[BaseModel]]:
+    """The spec blocks (pydantic models) an annotation holds, by their union tag (None: untagged)."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return {tag: tp}
+    out: dict[str | None, type[BaseModel]] = {}
+    if get_origin(tp) is Annotated:
+        base, *meta = get_args(tp)
+        return _blocks(base, next((m.tag for m in meta if isinstance(m, Tag)), tag))
+    for arg in get_args(tp):  # a union, an optional, a list
+        out.update(_blocks(arg, tag))
+    return out
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"

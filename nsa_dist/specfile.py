@@ -7,7 +7,6 @@ Error messages are bounded too (``MAX_ERRORS`` problems, each value shown shorte
 
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING
 import yaml
 from pydantic import ValidationError
 
-from nsa_dist.config import ExperimentSpec, SweepSpec
+from nsa_dist.config import ExperimentSpec, SweepSpec, _clip, format_validation_error
 
 if TYPE_CHECKING:
     from nsa_dist.data import Location
@@ -24,36 +23,10 @@ __all__ = ["SpecError", "load_spec", "load_sweep", "format_validation_error", "c
 
 MAX_SPEC_BYTES = 16 << 20  # a spec or sweep file larger than this is refused unread
 MAX_SPEC_NODES = 1_000_000  # values of a spec once its YAML aliases are expanded
-MAX_ERRORS = 20  # validation problems listed (then "… and N more")
-_SHORT = reprlib.Repr()  # how a rejected value is shown: a few levels and items, long strings cut
-_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 2, 4, 6, 6, 6
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 
 
 class SpecError(ValueError):
     """A spec file is missing, not YAML, or not a valid experiment spec."""
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field.path: message (got value)``, at most ``MAX_ERRORS`` of them,
-    each value shortened (a huge input never becomes a huge message)."""
-    lines, errors = [], exc.errors()
-    for e in errors[:MAX_ERRORS]:
-        loc = tuple(e["loc"])
-        if len(loc) > 1 and loc[0] == "model" and loc[1] in ("fc", "factory"):
-            loc = loc[:1] + loc[2:]  # drop the tag of the model block's union (a net or a factory)
-        where = ".".join(str(p) for p in loc) or "(spec)"
-        msg = _clip(e["msg"].removeprefix("Value error, "), 1000)
-        got = e.get("input")
-        got = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)})"
-        lines.append(f"  {_clip(where, 200)}: {msg}{got}")
-    if len(errors) > MAX_ERRORS:
-        lines.append(f"  … and {len(errors) - MAX_ERRORS} more problems")
-    return "\n".join(lines)
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _check_expanded_size(obj: object, path: Path) -> None:
@@ -77,6 +50,12 @@ def _check_expanded_size(obj: object, path: Path) -> None:
 
 def _read_yaml(path: str | Path) -> dict:
     p = Path(path)
+    if p.is_dir():
+        found = sorted(q.name for q in p.iterdir() if q.suffix in (".yaml", ".yml"))[:5]
+        raise SpecError(
+            f"spec file {str(p)!r} is a directory; give a YAML spec file"
+            + (f" (it holds {', '.join(found)})" if found else "")
+        )
     if not p.is_file():
         raise SpecError(f"spec file {str(p)!r} does not exist")
     if p.stat().st_size > MAX_SPEC_BYTES:

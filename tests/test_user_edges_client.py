@@ -146,7 +146,10 @@ def test_a_run_is_found_by_its_exact_name_before_an_id_prefix(store_url: str, ca
         c.run("nosuch")
     assert open_run(c.store, "qauto").id == ids["qauto"]
     assert main(["show", "qauto", "--store", store_url]) == 0
-    assert capsys.readouterr().out.startswith(ids["qauto"])
+    out = capsys.readouterr().out
+    assert out.startswith(ids["qauto"]) and "curves: exact route, every k = 1..N = 16 exact" in out, out
+    assert main(["show", "quad", "--store", store_url]) == 0
+    assert "curves: quadrature route, k = 1..4 exact, 5..24 bracketed" in capsys.readouterr().out
 
 
 def test_hessian_moments_names_every_part(runs: dict[str, Run]) -> None:
@@ -209,3 +212,26 @@ def test_a_sweep_without_test_points_says_why_fig7c_is_left_out(
     assert [r.getMessage() for r in caplog.records] == [
         "sweep 'nt': hessian_regimes not drawn: its runs record no Hessian (the spec's hessian block)"
     ]
+
+
+def test_a_run_stored_before_a_new_spec_check_still_opens(store_url: str, tmp_path: Path) -> None:
+    """Spec checks added later (phi_width needs phi_steps, images within quadrature.top) refuse new
+    specs, never a stored run's: the reader validates the stored spec with ``context={"stored": True}``."""
+    import json
+    import shutil
+
+    from pydantic import ValidationError
+
+    url = str(tmp_path / "copy.zarr")
+    shutil.copytree(store_url, url)
+    rid = Client(url).run("quad").id
+    meta = Path(url) / "runs" / rid / "zarr.json"
+    doc = json.loads(meta.read_text())
+    spectrum = doc["attributes"]["spec"]["spectrum"]
+    spectrum["images"] = [1, 50]  # beyond top 4
+    spectrum["quadrature"]["phi_width"] = 0.01  # without phi_steps
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(ValidationError, match="phi_width needs"):
+        ExperimentSpec.model_validate(doc["attributes"]["spec"])
+    run = Client(url).run(rid)
+    assert run.spec.spectrum.images == [1, 50] and run.energy("y", 24, step=int(run.steps[-1]))[0] == 1.0

@@ -39,7 +39,7 @@ class RunArrays:
         self._r = store.reader(run_id)
         if "spec" not in self._r.attrs:
             raise StoreError(f"corrupt run {run_id!r}: {self._r.path}/zarr.json has no 'spec' attribute")
-        self.spec = ExperimentSpec.model_validate(self._r.attrs["spec"])
+        self.spec = ExperimentSpec.model_validate(self._r.attrs["spec"], context={"stored": True})
         self._set_state()
 
     def refresh(self) -> RunArrays:

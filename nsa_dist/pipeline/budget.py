@@ -164,10 +164,17 @@ def check_fits(spec: ExperimentSpec, gang_in_process: bool = False, **known: Any
     budget = spec.spectrum.memory_budget_gb
     G = next(v for key, v in fp.parts.items() if key.startswith("G "))
     if Layout(spec.spectrum.layout) is Layout.AUTO and budget and G > budget * 1e9:
+        fix = "lower data.n, or raise spectrum.workers or the budget"
+        if fp.layout is Layout.LOCAL:  # G stays whole on one worker: more workers cannot help
+            fix = "raise the budget or lower data.n"
+            if spec.spectrum.k == "all" and spec.spectrum.energy.value == "exact":
+                fix += (
+                    " (k: all with energy: exact needs the whole G on one worker; energy: quadrature "
+                    "or auto takes k: all on every layout)"
+                )
         raise ResourceError(
-            f"run {spec.name!r}: its Gram needs ~{_gb(G)} per worker even as {fp.layout.value}, more "
-            f"than spectrum.memory_budget_gb={budget:g}; lower data.n, or raise spectrum.workers "
-            "or the budget"
+            f"run {spec.name!r}: its Gram needs ~{_layout.size_text(G)} per worker even as {fp.layout.value}, "
+            f"more than spectrum.memory_budget_gb={budget:g} ({_layout.size_text(budget * 1e9)}); {fix}"
         )
     return fp
 

@@ -469,6 +469,14 @@ def held_bytes(spec: ExperimentSpec, n: int, feature_width: int, layout: Layout,
     return W * (one - shared) + shared
 
 
+def size_text(b: float) -> str:
+    """Bytes as people read them, 3 significant digits: "539 kB", "1.58 MB", "3.2 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.3g} B"
+
+
 def layout_budget(spec: ExperimentSpec) -> float:
     """The per-worker bytes ``layout: auto`` fits into: ``memory_budget_gb``, else half this machine."""
     gb = spec.spectrum.memory_budget_gb
@@ -509,7 +517,7 @@ def choose_layout(
             )
         return LayoutChoice(Layout.LOCAL, f"the model couples samples ({coupled}): the whole batch on one worker")
     if layout is not Layout.AUTO:
-        return LayoutChoice(layout, "set in the spec")
+        return LayoutChoice(layout, "set in the spec" if "layout" in s.model_fields_set else "the default")
     W = s.workers
     budget = layout_budget(spec)
     need = layout_bytes(spec, N, feature_width)
@@ -517,22 +525,22 @@ def choose_layout(
     where = (
         f"in this process as the tiles of its {W} gang members" if in_process else f"per worker as tiles on {W} workers"
     )
-    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    sz = size_text
     if s.k == "all" and s.energy.value == "exact":
         return LayoutChoice(Layout.LOCAL, "k: all with energy: exact needs the whole G")
     if s.k == "all" and local <= budget:
         return LayoutChoice(
             Layout.LOCAL,
-            f"k: all: G needs ~{gb(local)} on one worker, within the budget {gb(budget)}: every eigenpair exactly",
+            f"k: all: G needs ~{sz(local)} on one worker, within the budget {sz(budget)}: every eigenpair exactly",
         )
     if local <= budget:
-        return LayoutChoice(Layout.LOCAL, f"G needs ~{gb(local)} on one worker, within the budget {gb(budget)}")
+        return LayoutChoice(Layout.LOCAL, f"G needs ~{sz(local)} on one worker, within the budget {sz(budget)}")
     if W > 1 and tiles <= budget:
         return LayoutChoice(
             Layout.BLOCK_ROWS,
-            f"G needs ~{gb(local)} whole (budget {gb(budget)}); ~{gb(tiles)} {where}",
+            f"G needs ~{sz(local)} whole (budget {sz(budget)}); ~{sz(tiles)} {where}",
         )
     return LayoutChoice(
         Layout.MATRIX_FREE,
-        f"G needs ~{gb(local)} whole and ~{gb(tiles)} {where}, over the budget {gb(budget)}: products J(JᵀV) only",
+        f"G needs ~{sz(local)} whole and ~{sz(tiles)} {where}, over the budget {sz(budget)}: products J(JᵀV) only",
     )

@@ -369,10 +369,16 @@ class Lease:
     def _refusal(self, rid: str, other: LeaseInfo | None) -> LeaseHeld:
         if other is None:
             return LeaseHeld(f"run {rid!r} in {self.keys.url!r}: its lease vanished while taking it; retry")
+        waited = bool(self.wait)  # None (for ever) never gets here
         return LeaseHeld(
             f"run {rid!r} in {self.keys.url!r} is being written by another process ({other.who()}; "
             f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
-            "wait for it (--wait) or use another store"
+            + (
+                f"the wait of {self.wait:g} s ran out; wait longer (--wait SECONDS, or --wait alone: until it ends) "
+                "or use another store"
+                if waited
+                else "wait for it (--wait) or use another store"
+            )
         )
 
     def _attrs(self, released: bool = False) -> dict[str, Any]:
