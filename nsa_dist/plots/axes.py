@@ -240,7 +240,7 @@ class PlotOptions:
     """What the user chose for a run's figures (``nsa plot --step … --pair … --k …``).
 
     Attributes:
-        steps: recorded steps for the at-a-step figures (Figs. 1b, 4a–c, 6); None: the figure's default.
+        steps: steps of the at-a-step figures (Figs. 1a–c, 4a–d, 6, energy_against_k); None: each figure's own.
         pair: (t1, t2) of Fig. 7d, E_{t1}(v_i^{t2}, k); None: the stored / default pair.
         ks: the k (rows i) drawn in Figs. 2b, 2d, 3a–e and 7d; None: :data:`KS`.
     """

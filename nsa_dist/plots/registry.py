@@ -142,7 +142,7 @@ def plot_run(
         out_dir: folder for the PNGs, created if missing.
         figures: names from :data:`FIGURES` to draw (default all); figures whose arrays the run
             lacks (test points, eigenvectors, 2-D images) are skipped.
-        opts: :class:`PlotOptions` — steps (Figs. 1b, 4a–c, 6), the pair of Fig. 7d, the k list.
+        opts: :class:`PlotOptions` — steps (Figs. 1a–c, 4a–d, 6, energy_against_k), the pair of Fig. 7d, the k list.
 
     Returns:
         The paths written, in the order of :data:`FIGURES` (or of ``figures``).
