@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import dense_ntk
+from conftest import assert_close_rel, dense_ntk
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -370,3 +370,78 @@ def test_cross_kernel_with_a_table_of_the_batch_length():
     G = gram(model, x1, x2)
     err = float(((G - ref).abs().max() / ref.abs().max()).item())
     assert err <= 1e-12, f"cross kernel off by {err:.3e}"
+
+
+def _batch_reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """G = Σ_a J_a J_aᵀ of the full-batch forward by plain autograd, one output at a time (a train-mode
+    BatchNorm updates its running statistics in the forward, which jacrev refuses)."""
+    import copy
+
+    m = copy.deepcopy(model).double()
+    ps = [p for p in m.parameters() if p.requires_grad]
+    out = m(x.double()).reshape(x.shape[0], -1)
+    rows = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], ps, retain_graph=True)])
+        for i in range(out.shape[0])
+        for a in range(out.shape[1])
+    ]
+    J = torch.stack(rows).view(out.shape[0], out.shape[1], -1)
+    return torch.einsum("iap,jap->ij", J, J)
+
+
+def _conv_bn(n_out: int, flat: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3),
+        nn.BatchNorm2d(3, track_running_stats=False),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(flat, n_out),
+    )
+
+
+def test_batch_statistics_couple_even_where_the_halves_agree():
+    """A batch norm on the batch's own statistics couples the samples by construction; the probe's
+    halves-against-whole comparison misses it where the probe points repeat ([a, b, a, b]: the halves
+    have the batch's statistics) or the outputs are constant (a zero-initialised readout): each gave
+    a silently wrong Gram on the per-layer route (0.47, and 0.028 with 128-point feature chunks)."""
+    torch.manual_seed(0)
+    X = torch.randn(12, 2, 5, 5)
+    X[2:4] = X[0:2]
+    m = _conv_bn(2, 27)
+    assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-9, "repeated probe points")
+    X = torch.randn(160, 2, 4, 4)
+    m = _conv_bn(1, 12)
+    nn.init.zeros_(m[4].weight)
+    assert explain_method(m, X)[0].value == "batch"
+    assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-9, "zero readout, N = 160")
+    m = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).train()
+    nn.init.zeros_(m[3].weight)
+    X = torch.randn(12, 6)
+    before = m[1].running_mean.clone()
+    assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-9, "train-mode BatchNorm1d")
+    assert torch.equal(m[1].running_mean, before)
+
+
+def test_an_embedding_that_scales_its_gradient_by_frequency_gives_the_derivatives_kernel():
+    """``scale_grad_by_freq`` rescales autograd's gradient by token counts — not the function's
+    derivative, which the NTK is made of (the per-layer route was off by 1.3e-2); the flag is back on
+    afterwards."""
+
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(10, 4, scale_grad_by_freq=True)
+            self.h = nn.Linear(4, 2)
+
+        def forward(self, t):
+            return self.h(torch.tanh(self.e(t))).mean(1)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 10, (12, 5))
+    m = Emb().double()
+    plain = Emb().double()
+    plain.load_state_dict(m.state_dict())
+    plain.e.scale_grad_by_freq = False
+    for method in ("auto", "jacobian", "batch"):
+        assert_close_rel(gram(m, ids, dtype=torch.float64, method=method), dense_ntk(plain, ids), 1e-10, method)
+    assert m.e.scale_grad_by_freq

@@ -27,12 +27,19 @@ __all__ = ["preserved", "stateless", "batch_stat_modules", "exact_kernels", "cal
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model may run forwards freely; on exit its buffers (values) and every
-    module's training mode are what they were on entry."""
+    module's training mode are what they were on entry.  Inside it no embedding scales its gradient
+    by token frequency (``scale_grad_by_freq`` rescales autograd's gradient, not the function: the
+    NTK is made of the derivative)."""
     modes = [(m, m.training) for m in model.modules()]
     saved = [(b, b.detach().clone()) for b in model.buffers()]
+    scaled = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.scale_grad_by_freq]
+    for m in scaled:
+        m.scale_grad_by_freq = False
     try:
         yield model
     finally:
+        for m in scaled:
+            m.scale_grad_by_freq = True
         with torch.no_grad():
             for b, v in saved:
                 if not torch.equal(b, v):
