@@ -445,3 +445,28 @@ def test_an_embedding_that_scales_its_gradient_by_frequency_gives_the_derivative
     for method in ("auto", "jacobian", "batch"):
         assert_close_rel(gram(m, ids, dtype=torch.float64, method=method), dense_ntk(plain, ids), 1e-10, method)
     assert m.e.scale_grad_by_freq
+
+
+def test_a_hand_written_coupling_is_found_on_repeated_probe_points():
+    """``h − h.mean(0)`` couples the samples; on probe points [a, b, a, b] the halves have the batch's
+    mean, so the halves-vs-whole comparison saw nothing and the per-layer route was 0.26 off.  The
+    probe also moves the other points ([a, a, a, a]) and compares point 0's output and gradient."""
+
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.h = nn.Linear(5, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.h(h - h.mean(0, keepdim=True))
+
+    torch.manual_seed(0)
+    for zero in (False, True):
+        m = Centred().double()
+        if zero:
+            nn.init.zeros_(m.h.weight)
+        X = torch.randn(12, 5, dtype=torch.float64)
+        X[2:4] = X[0:2]
+        assert explain_method(m, X)[0].value == "batch", zero
+        assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-9, f"zero readout {zero}")

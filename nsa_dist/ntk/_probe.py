@@ -170,9 +170,35 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
             parts = torch.cat([as_2d(model(x[:h])), as_2d(model(x[h:]))])
         except Exception as e:  # a forward that cannot run on fewer points depends on the batch
             return f"its forward fails on a smaller batch ({type(e).__name__})"
-    if _close(whole, parts):
+    if not _close(whole, parts):
+        return "its outputs for half a batch differ from those of the whole batch"
+    return _first_point_moves(model, x)
+
+
+def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
+    """Why point 0's output or its gradient in θ changes when the other points of its batch do
+    (None: neither changes).  The halves above miss a coupling where the halves carry the batch's
+    statistics (probe points [a, b, a, b]) or the output is constant (a zero-initialised readout,
+    whose gradient — the features — still depends on the batch)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    other = x.clone()
+    other[1:] = x[:1]  # [a, a, a, a] against [a, b, c, d]
+    if not params or torch.equal(other, x):
         return None
-    return "its outputs for half a batch differ from those of the whole batch"
+    seen = []
+    for batch in (x, other):
+        try:
+            with torch.enable_grad():
+                out = as_2d(model(batch))
+                if not out.requires_grad:
+                    return None
+                g = torch.autograd.grad(out[0].sum(), params, allow_unused=True)
+        except Exception as e:  # a forward on repeated points that fails depends on the batch
+            return f"its forward fails on repeated points ({type(e).__name__})"
+        seen.append([out[0].detach()] + [t.detach() for t in g if t is not None])
+    if len(seen[0]) == len(seen[1]) and all(_close(a, b) for a, b in zip(*seen, strict=True)):
+        return None
+    return "one point's output or its gradient changes with the other points of its batch"
 
 
 def couples(model: nn.Module, x: torch.Tensor) -> str | None:
