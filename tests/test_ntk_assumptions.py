@@ -470,3 +470,35 @@ def test_a_hand_written_coupling_is_found_on_repeated_probe_points():
         X[2:4] = X[0:2]
         assert explain_method(m, X)[0].value == "batch", zero
         assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-9, f"zero readout {zero}")
+
+
+class _Squeezed(nn.Module):
+    """Scalar regression ending in ``.squeeze()`` (the usual idiom): a one-point batch returns ()."""
+
+    def __init__(self, recurrent: bool):
+        super().__init__()
+        self.recurrent = recurrent
+        self.r = nn.GRU(3, 4, batch_first=True) if recurrent else nn.Linear(3, 4)
+        self.n, self.h = nn.LayerNorm(4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        if self.recurrent:
+            z = self.r(x.view(len(x), -1, 3))[0][:, -1]
+        else:
+            z = self.r(x)
+        return self.h(torch.tanh(self.n(z))).squeeze()
+
+
+@pytest.mark.parametrize(
+    "recurrent, n, method",
+    [(True, 10, "auto"), (False, 10, "jacobian"), (False, 129, "auto"), (False, 1, "auto"), (True, 1, "batch")],
+)
+def test_a_forward_ending_in_squeeze_runs_on_every_route(recurrent, n, method):
+    """The exact route runs the network on one-point batches, and the per-layer route's last feature
+    chunk can hold one point (N = 129): there ``.squeeze()`` dropped the batch axis and the Gram failed
+    with an IndexError from inside the library (a new user's trial)."""
+    torch.manual_seed(0)
+    m = _Squeezed(recurrent).double()
+    X = torch.randn(n, 9 if recurrent else 3, dtype=torch.float64)
+    ref = dense_ntk(m, X) if n > 1 else _batch_reference(m, X)
+    assert_close_rel(gram(m, X, dtype=torch.float64, method=method), ref, 1e-10, f"{recurrent} {n} {method}")

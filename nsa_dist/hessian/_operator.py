@@ -73,7 +73,7 @@ class LossCurvatureOperator(LinearOperator):
         """θ ↦ f(xb; θ), (b, K)."""
 
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb,)))
+            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb,)), xb.shape[0])
 
         return f
 

@@ -269,7 +269,7 @@ def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss:
     G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K)
     if loss_ is LossName.CROSS_ENTROPY:
         with torch.no_grad():
-            R = curvature_sqrt(loss_, as_2d(model(X)), Yt)  # (N, K, K)
+            R = curvature_sqrt(loss_, as_2d(model(X), X.shape[0]), Yt)  # (N, K, K)
         G = torch.einsum("iab,ibjc,jdc->iajd", R, G, R)
     M = G.reshape(N * K, N * K).cpu().numpy() / N
     return np.linalg.eigvalsh((M + M.T) / 2)[::-1].copy()

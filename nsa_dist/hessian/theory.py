@@ -181,7 +181,7 @@ def output_hessian_traces(
         xb = X[s : s + b]
 
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return as_2d(call(model, {**p, **rest, **buffers}, (xb,)))
+            return as_2d(call(model, {**p, **rest, **buffers}, (xb,)), xb.shape[0])
 
         def second(u: dict[str, torch.Tensor]) -> torch.Tensor:
             first = lambda p: jvp(f, (p,), (u,))[1]  # noqa: E731 - ∇f·u at p

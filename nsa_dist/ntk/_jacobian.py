@@ -43,7 +43,7 @@ def jacobian_fn(
     state = {"vmap": True}
 
     def f_one(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return as_2d(call(model, {**p, **frozen, **buffers}, (x[None],)))[0]  # (K,)
+        return as_2d(call(model, {**p, **frozen, **buffers}, (x[None],)), 1)[0]  # (K,)
 
     jac = vmap(jacrev(f_one), in_dims=(None, 0))
 
@@ -53,7 +53,7 @@ def jacobian_fn(
         rows = []
         for i in range(xb.shape[0]):
             with torch.enable_grad():
-                out = as_2d(call(model, {**live, **frozen, **buffers}, (xb[i : i + 1],)))[0]  # (K,)
+                out = as_2d(call(model, {**live, **frozen, **buffers}, (xb[i : i + 1],)), 1)[0]  # (K,)
                 for a in range(K):
                     g = torch.autograd.grad(out[a], list(live.values()), retain_graph=a < K - 1, allow_unused=True)
                     rows.append(
@@ -139,7 +139,7 @@ def _batch_rows(model: nn.Module, x: torch.Tensor, K: int) -> Callable[[int, int
     params = {k: p.detach() for k, p in trainable_params(model).items()}
     frozen = {k: p.detach() for k, p in model.named_parameters() if k not in params}
     buffers = dict(model.named_buffers())
-    out, pull = vjp(lambda p: as_2d(call(model, {**p, **frozen, **buffers}, (x,))), params)  # (N, K)
+    out, pull = vjp(lambda p: as_2d(call(model, {**p, **frozen, **buffers}, (x,)), x.shape[0]), params)  # (N, K)
     N = out.shape[0]
 
     def rows(s: int, e: int) -> torch.Tensor:

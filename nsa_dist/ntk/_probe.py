@@ -151,8 +151,8 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
     """Why the model couples samples (None if it does not); UnsupportedModelError if its forward is
     random.  ``again``: the outputs of a second forward of x already run (else one is run here)."""
     with torch.no_grad():
-        whole = as_2d(model(x))
-        again = as_2d(model(x)) if again is None else again.detach()
+        whole = as_2d(model(x), x.shape[0])
+        again = as_2d(model(x), x.shape[0]) if again is None else again.detach()
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
             raise UnsupportedModelError(
@@ -167,7 +167,7 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
             return "batch statistics in " + ", ".join(bn)
         h = x.shape[0] // 2
         try:
-            parts = torch.cat([as_2d(model(x[:h])), as_2d(model(x[h:]))])
+            parts = torch.cat([as_2d(model(x[:h]), h), as_2d(model(x[h:]), x.shape[0] - h)])
         except Exception as e:  # a forward that cannot run on fewer points depends on the batch
             return f"its forward fails on a smaller batch ({type(e).__name__})"
     if not _close(whole, parts):
@@ -189,7 +189,7 @@ def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
     for batch in (x, other):
         try:
             with torch.enable_grad():
-                out = as_2d(model(batch))
+                out = as_2d(model(batch), batch.shape[0])
                 if not out.requires_grad:
                     return None
                 g = torch.autograd.grad(out[0].sum(), params, allow_unused=True)
@@ -450,7 +450,7 @@ class _Trace:
         handles = [m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self.cands.items()]
         try:
             with torch.enable_grad():
-                self.out = as_2d(model(xs))
+                self.out = as_2d(model(xs), xs.shape[0])
         finally:
             for h in handles:
                 h.remove()

@@ -111,7 +111,7 @@ def layer_passes(
     handles = [m.register_forward_hook(hook) for m in modules]
     try:
         with torch.enable_grad():
-            out = as_2d(model(x))  # (b, K)
+            out = as_2d(model(x), x.shape[0])  # (b, K)
             for m in modules:
                 calls = seen.get(id(m), [])
                 if len(calls) != 1:

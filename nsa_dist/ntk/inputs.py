@@ -72,6 +72,8 @@ def output_dim(model: nn.Module, x: torch.Tensor) -> int:
     n = min(2, x.shape[0])
     if not isinstance(out, torch.Tensor):
         raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
+    if n == 1 and out.numel() >= 1:  # one point: all of it is its outputs (a forward may squeeze the batch axis)
+        return int(out.numel())
     if out.ndim == 1 and out.shape[0] == n:
         return 1
     if out.ndim == 2 and out.shape[0] == n:
@@ -81,8 +83,11 @@ def output_dim(model: nn.Module, x: torch.Tensor) -> int:
     )
 
 
-def as_2d(out: torch.Tensor) -> torch.Tensor:
-    """(n,) → (n, 1); (n, K) unchanged."""
+def as_2d(out: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """(n,) → (n, 1); (n, K) unchanged.  ``n``: the batch's length; a one-point batch's output is
+    its one row whatever its shape (a forward ending in ``.squeeze()`` returns () or (K,) there)."""
+    if n == 1 or out.ndim == 0:
+        return out.reshape(1, -1)
     return out.unsqueeze(-1) if out.ndim == 1 else out
 
 

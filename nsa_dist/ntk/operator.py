@@ -52,7 +52,7 @@ class NTKOperator(LinearOperator):
 
     def _f(self, xb: torch.Tensor):
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb,)))  # (b, K)
+            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb,)), xb.shape[0])  # (b, K)
 
         return f
 
