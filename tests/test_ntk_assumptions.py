@@ -502,3 +502,63 @@ def test_a_forward_ending_in_squeeze_runs_on_every_route(recurrent, n, method):
     X = torch.randn(n, 9 if recurrent else 3, dtype=torch.float64)
     ref = dense_ntk(m, X) if n > 1 else _batch_reference(m, X)
     assert_close_rel(gram(m, X, dtype=torch.float64, method=method), ref, 1e-10, f"{recurrent} {n} {method}")
+
+
+def test_a_frozen_encoder_under_no_grad_and_layers_called_by_keyword():
+    """A frozen pretrained encoder run under ``torch.no_grad()`` feeding a trainable head: its
+    parameters' columns of J are zero (the exact route's autograd refused an output that does not
+    require grad), and the route says why; layers called as ``layer(input=x)``: the feature pass read
+    only positional inputs (IndexError).  Both against jacrev."""
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.r, self.h = nn.Embedding(10, 4), nn.LSTM(4, 5, batch_first=True), nn.Linear(5, 2)
+
+        def forward(self, t):
+            with torch.no_grad():
+                o, _ = self.r(self.e(t))
+            return self.h(o[:, -1])
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(input=torch.tanh(self.a(input=x)))
+
+    torch.manual_seed(0)
+    m, t = Frozen().double(), torch.randint(0, 10, (12, 5))
+    assert_close_rel(gram(m, t, dtype=torch.float64), dense_ntk(m, t), 1e-12, "frozen encoder")
+    assert "takes no part in the output's graph" in explain_method(m, t)[1]["e.weight"][1]
+    m, X = Keyword().double(), torch.randn(12, 6, dtype=torch.float64)
+    assert explain_method(m, X)[0].value == "structured"
+    assert_close_rel(gram(m, X, dtype=torch.float64), dense_ntk(m, X), 1e-12, "layer(input=x)")
+
+
+def test_an_eval_transformer_with_a_padding_mask_and_a_torchscript_layer():
+    """An eval-mode ``TransformerEncoder`` with ``src_key_padding_mask`` takes PyTorch's nested-tensor
+    path without grad (padded positions zeroed): the probe compared a no-grad forward with a grad one
+    and called the model random; a TorchScript submodule takes no Python hooks (a raw RuntimeError).
+    Both now measured, against full-batch autograd."""
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.t, self.h = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True), nn.Linear(8, 1)
+
+        def forward(self, x):
+            pad = torch.zeros(x.shape[:2], dtype=torch.bool)
+            pad[:, -1] = True
+            return self.h(self.t(x, src_key_padding_mask=pad)).mean(1).squeeze(-1)
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nested-tensor path's own notes
+        m, X = Encoder().double().eval(), torch.randn(8, 4, 8, dtype=torch.float64)
+        assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-10, "padded encoder")
+    m = nn.Sequential(torch.jit.script(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 2)).double()
+    X = torch.randn(12, 6, dtype=torch.float64)
+    assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-12, "TorchScript layer")

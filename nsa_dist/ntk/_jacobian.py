@@ -55,7 +55,12 @@ def jacobian_fn(
             with torch.enable_grad():
                 out = as_2d(call(model, {**live, **frozen, **buffers}, (xb[i : i + 1],)), 1)[0]  # (K,)
                 for a in range(K):
-                    g = torch.autograd.grad(out[a], list(live.values()), retain_graph=a < K - 1, allow_unused=True)
+                    # an output that none of these parameters reaches (a frozen encoder under no_grad): zeros
+                    g = (
+                        torch.autograd.grad(out[a], list(live.values()), retain_graph=a < K - 1, allow_unused=True)
+                        if out.requires_grad
+                        else [None] * len(live)
+                    )
                     rows.append(
                         torch.cat(
                             [

@@ -135,6 +135,8 @@ def _standard(m: nn.Module) -> bool:
         nn.BatchNorm2d,
         nn.BatchNorm3d,
     ] + ([nn.RMSNorm] if hasattr(nn, "RMSNorm") else [])
+    if isinstance(m, torch.jit.ScriptModule):  # TorchScript: neither its forward nor hooks are Python's
+        return False
     if type(m).forward is NTKLinear.forward:
         return True
     if isinstance(m, nn.Embedding) and m.max_norm is not None:
@@ -149,10 +151,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = None) -> str | None:
     """Why the model couples samples (None if it does not); UnsupportedModelError if its forward is
-    random.  ``again``: the outputs of a second forward of x already run (else one is run here)."""
-    with torch.no_grad():
-        whole = as_2d(model(x), x.shape[0])
-        again = as_2d(model(x), x.shape[0]) if again is None else again.detach()
+    random.  ``again``: the outputs of a second forward of x already run with grad (else one is run
+    here).  Every forward here runs with grad, as the Gram's own passes do: without it PyTorch may take
+    another path (an eval-mode TransformerEncoder's nested tensors zero padded positions)."""
+    with torch.enable_grad():
+        whole = as_2d(model(x), x.shape[0]).detach()
+        again = as_2d(model(x), x.shape[0]).detach() if again is None else again.detach()
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
             raise UnsupportedModelError(
@@ -167,7 +171,7 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
             return "batch statistics in " + ", ".join(bn)
         h = x.shape[0] // 2
         try:
-            parts = torch.cat([as_2d(model(x[:h]), h), as_2d(model(x[h:]), x.shape[0] - h)])
+            parts = torch.cat([as_2d(model(x[:h]), h), as_2d(model(x[h:]), x.shape[0] - h)]).detach()
         except Exception as e:  # a forward that cannot run on fewer points depends on the batch
             return f"its forward fails on a smaller batch ({type(e).__name__})"
     if not _close(whole, parts):
@@ -517,9 +521,12 @@ def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor
                 why = f"{KNOWN}: {label}: {c.why}"
             elif shared:
                 pn = shared[0]
+                n_uses = uses.get(id(m.get_parameter(pn)), 0)
                 why = (
-                    f"{ONCE}: parameter {mname}.{pn} is used {uses.get(id(m.get_parameter(pn)), 0)} times per "
-                    "forward (shared or tied)"
+                    f"{ONCE}: parameter {mname}.{pn} is used {n_uses} times per forward (shared or tied)"
+                    if n_uses
+                    else f"{ONCE}: parameter {mname}.{pn} takes no part in the output's graph (under no_grad, "
+                    "detached or unused): its columns of J are zero"
                 )
             elif not isinstance(c.a, torch.Tensor) or not isinstance(c.z, torch.Tensor):
                 why = f"{KNOWN}: {label} does not map one tensor to one tensor"

@@ -98,17 +98,18 @@ def layer_passes(
     seen: dict[int, list] = {}
     copy_out = {id(m): c for m, c in zip(modules, clone or [False] * len(modules))}
 
-    def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
-        if inp[0].shape[:1] != x.shape[:1] or out.shape[:1] != x.shape[:1]:  # the probe proved one row per point
-            raise Unproven(
-                f"{type(mod).__name__} saw {tuple(inp[0].shape)} → {tuple(out.shape)} in a feature pass "
-                f"of {x.shape[0]} points"
+    def hook(mod: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor | None:
+        a = args[0] if args else kwargs.get("input")  # a layer called as layer(input=x) too
+        if not isinstance(a, torch.Tensor) or a.shape[:1] != x.shape[:1] or out.shape[:1] != x.shape[:1]:
+            raise Unproven(  # the probe proved one row per point
+                f"{type(mod).__name__} saw {tuple(getattr(a, 'shape', ()))} → {tuple(out.shape)} in a feature "
+                f"pass of {x.shape[0]} points"
             )
-        acts[id(mod)], zs[id(mod)] = inp[0].detach(), out
-        seen.setdefault(id(mod), []).append((inp[0], inp[0]._version, out, out._version))
+        acts[id(mod)], zs[id(mod)] = a.detach(), out
+        seen.setdefault(id(mod), []).append((a, a._version, out, out._version))
         return out.clone() if copy_out[id(mod)] else None
 
-    handles = [m.register_forward_hook(hook) for m in modules]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
     try:
         with torch.enable_grad():
             out = as_2d(model(x), x.shape[0])  # (b, K)

@@ -6,6 +6,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from nsa_dist.errors import ModelForwardError, NSAError
@@ -58,6 +59,8 @@ def blame(model: nn.Module) -> Iterator[None]:
 
     handles = []
     for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):  # TorchScript takes no Python hooks: blame its caller
+            continue
         handles.append(m.register_forward_pre_hook(pre(name)))
         handles.append(m.register_forward_hook(post(name)))
     _local.active = True
