@@ -21,6 +21,7 @@ from conftest import assert_close_rel, dense_ntk
 from torch import nn
 from torch.nn.utils import parametrize
 
+from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk import explain_method, gram
 
 F64 = torch.float64
@@ -562,3 +563,31 @@ def test_an_eval_transformer_with_a_padding_mask_and_a_torchscript_layer():
     m = nn.Sequential(torch.jit.script(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 2)).double()
     X = torch.randn(12, 6, dtype=torch.float64)
     assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-12, "TorchScript layer")
+
+
+def test_a_forward_that_changes_its_input_in_place_is_refused_and_the_points_are_kept():
+    """``x /= 2`` on the tensor the model is given: the probe's forwards halved the caller's first
+    points and then called the model random.  Now one error naming the cause, and X as it was; an
+    in-place op that changes no value (a clamp within range) is measured as before."""
+
+    class Halving(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 2)
+
+        def forward(self, x):
+            x /= 2
+            return self.a(x)
+
+    class Clamping(Halving):
+        def forward(self, x):
+            return self.a(x.clamp_(-1e6, 1e6))
+
+    torch.manual_seed(0)
+    X = torch.randn(12, 6, dtype=torch.float64)
+    kept = X.clone()
+    with pytest.raises(UnsupportedModelError, match=r"changes its input in place .*x = x\.clone\(\)"):
+        gram(Halving().double(), X, dtype=torch.float64)
+    assert torch.equal(X, kept), "the caller's points were changed"
+    m = Clamping().double()
+    assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X.clone()), 1e-12, "in-place clamp")

@@ -208,8 +208,22 @@ def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
 def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     """Why the model couples samples, probed on the first points of x (None: it does not); the
     model's buffers and modes are unchanged afterwards."""
+    xs = x[:_PROBE_POINTS].clone()  # a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(x):
-        return _couples(model, x[:_PROBE_POINTS])
+        why = _couples(model, xs)
+    _unchanged_input(x[:_PROBE_POINTS], xs)
+    return why
+
+
+def _unchanged_input(x: torch.Tensor, seen: torch.Tensor) -> None:
+    """UnsupportedModelError when the probe's forwards changed the values of their input ``seen`` (a
+    copy of ``x``): every pass of the Gram would change the caller's points."""
+    if not torch.equal(x, seen):
+        raise UnsupportedModelError(
+            "the model's forward changes its input in place (e.g. x /= 2 on the tensor it is given): "
+            "every forward would measure other points and overwrite the caller's; copy it first in the "
+            "forward (x = x.clone())"
+        )
 
 
 def _rng_kept(x: torch.Tensor):
@@ -244,12 +258,13 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     The model's buffers and training modes are unchanged afterwards.
 
     Raises:
-        UnsupportedModelError: the forward is random (dropout in train mode).
+        UnsupportedModelError: the forward is random (dropout in train mode), or changes its input.
     """
     params = trainable_params(model)
-    xs = x[:_PROBE_POINTS]
+    xs = x[:_PROBE_POINTS].clone()  # a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(xs):
         trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
+        _unchanged_input(x[:_PROBE_POINTS], xs)
         coupling = _couples(model, xs, again=trace.out)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"

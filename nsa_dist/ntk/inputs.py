@@ -68,7 +68,7 @@ def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dt
 def output_dim(model: nn.Module, x: torch.Tensor) -> int:
     """K of a model mapping (n, …) → (n,) [K=1] or (n, K); else a ShapeError naming the shape."""
     with torch.no_grad():
-        out = model(x[:2])
+        out = model(x[:2].clone())  # a copy: a forward may write into its input
     n = min(2, x.shape[0])
     if not isinstance(out, torch.Tensor):
         raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")

@@ -67,7 +67,7 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
     """
     before = {name: b._version for name, b in model.named_buffers()}
     with preserved(model), torch.no_grad():
-        model(x)
+        model(x.clone())  # a copy: a forward may write into its input
         changed = [name for name, b in model.named_buffers() if b._version != before[name]]
     if not changed:
         return model
