@@ -137,8 +137,12 @@ def test_a_layout_the_spec_did_not_set_is_said_to_be_the_default():
     from nsa_dist.pipeline.layout import choose_layout
 
     default = choose_layout(ExperimentSpec.model_validate(TINY), 64, 40)
-    given = choose_layout(ExperimentSpec.model_validate({**TINY, "spectrum": {"layout": "local"}}), 64, 40)
+    given = choose_layout(ExperimentSpec.model_validate({**TINY, "spectrum": {"layout": "block_rows"}}), 64, 40)
+    # decided by value (a sweep's runs carry every field; the stored reason must not depend on how the
+    # run was submitted: tests/test_bit_identical.py)
+    dumped = ExperimentSpec.model_validate(ExperimentSpec.model_validate(TINY).model_dump(mode="json"))
     assert (default.reason, given.reason) == ("the default", "set in the spec")
+    assert choose_layout(dumped, 64, 40).reason == "the default"
 
 
 # ---------------------------------------------------------------------------- a run's log lines

@@ -517,7 +517,10 @@ def choose_layout(
             )
         return LayoutChoice(Layout.LOCAL, f"the model couples samples ({coupled}): the whole batch on one worker")
     if layout is not Layout.AUTO:
-        return LayoutChoice(layout, "set in the spec" if "layout" in s.model_fields_set else "the default")
+        # by value, not by what the spec's text named: a sweep's runs carry every field, and the reason
+        # is stored (the same run must store the same attributes, whichever way it was submitted)
+        default = type(s).model_fields["layout"].default
+        return LayoutChoice(layout, "the default" if layout == default else "set in the spec")
     W = s.workers
     budget = layout_budget(spec)
     need = layout_bytes(spec, N, feature_width)
