@@ -145,8 +145,13 @@ def _standard(m: nn.Module) -> bool:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the dtype's tolerance relative to their scale (not an absolute one: outputs scaled by
+    1e-9 hid a coupling)."""
     tol = 1e-9 if a.dtype == torch.float64 else 1e-4
-    return a.shape == b.shape and bool(((a - b).abs().max() <= tol * a.abs().max().clamp_min(1.0)).item())
+    if a.shape != b.shape:
+        return False
+    scale = torch.maximum(a.abs().max(), b.abs().max()) if a.numel() else a.new_zeros(())
+    return bool(((a - b).abs().max() <= tol * scale).item()) if a.numel() else True
 
 
 def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = None) -> str | None:
@@ -208,11 +213,34 @@ def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
 def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     """Why the model couples samples, probed on the first points of x (None: it does not); the
     model's buffers and modes are unchanged afterwards."""
-    xs = x[:_PROBE_POINTS].clone()  # a forward that writes into its input must not write into x
+    idx = _probe_index(x)
+    xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(x):
-        why = _couples(model, xs)
-    _unchanged_input(x[:_PROBE_POINTS], xs)
+        why = _couples(model, xs) or _one_point(x, idx)
+    _unchanged_input(x[idx], xs)
     return why
+
+
+_SCAN = 64  # rows searched for distinct probe points
+
+
+def _probe_index(x: torch.Tensor) -> list[int]:
+    """The first ``_PROBE_POINTS`` distinct points among the first ``_SCAN`` (repeated probe points
+    hide a coupling: halves of [a, a, a, a] are the whole's statistics); fewer when there are not."""
+    keep: list[int] = []
+    for i in range(min(x.shape[0], _SCAN)):
+        if all(not torch.equal(x[i], x[j]) for j in keep):
+            keep.append(i)
+            if len(keep) == _PROBE_POINTS:
+                break
+    return keep
+
+
+def _one_point(x: torch.Tensor, idx: list[int]) -> str | None:
+    """A coupling that cannot be ruled out: one distinct point among the first ones of several."""
+    if len(idx) < 2 <= x.shape[0]:
+        return f"unknown: the first {min(x.shape[0], _SCAN)} points are one point, so no probe can show it"
+    return None
 
 
 def _unchanged_input(x: torch.Tensor, seen: torch.Tensor) -> None:
@@ -261,15 +289,17 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
         UnsupportedModelError: the forward is random (dropout in train mode), or changes its input.
     """
     params = trainable_params(model)
-    xs = x[:_PROBE_POINTS].clone()  # a forward that writes into its input must not write into x
+    idx = _probe_index(x)
+    xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(xs):
         trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
-        _unchanged_input(x[:_PROBE_POINTS], xs)
-        coupling = _couples(model, xs, again=trace.out)
+        _unchanged_input(x[idx], xs)
+        coupling = _couples(model, xs, again=trace.out) or _one_point(x, idx)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})
-        return _plan_layers(model, trace, params)
+        reordered = _Trace(model, xs.flip(0)) if xs.shape[0] > 1 else None
+        return _plan_layers(model, trace, params, reordered)
 
 
 def _not_own(m: nn.Module, local: tuple[str, ...], attention: bool) -> str | None:
@@ -501,7 +531,12 @@ class _Trace:
         return f
 
 
-def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor]) -> ForwardPlan:
+def _plan_layers(
+    model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor], reordered: _Trace | None = None
+) -> ForwardPlan:
+    """Each parameter's route from the probe's traced forward; ``reordered``: the same points in
+    another order, whose rows must be one per point too (a forward that permutes the points by
+    their values — sort-and-dispatch — may leave an already ordered probe in place)."""
     owner = {}  # id(param) → (module name, module, local name)
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
@@ -559,6 +594,15 @@ def _plan_layers(model: nn.Module, trace: _Trace, params: dict[str, torch.Tensor
     rows = _own_rows(
         out, {n: (c.z, _batch_dim(m, n in attention), f"{_kind(m)} {n!r}") for n, (m, _, c) in proven.items()}
     )
+    if reordered is not None:
+        one = {n: c[0].z for n, c in reordered.calls.items() if len(c) == 1 and isinstance(c[0].z, torch.Tensor)}
+        again = {
+            n: (one[n], _batch_dim(m, n in attention), f"{_kind(m)} {n!r}")
+            for n, (m, _, _c) in proven.items()
+            if n not in rows and n in one
+        }
+        reversed_rows = _own_rows(reordered.out, again)
+        rows.update({n: why + " (the probe points in reverse order)" for n, why in reversed_rows.items()})
     for mname, (m, local, c) in proven.items():
         names = [canonical.get(id(m.get_parameter(pn)), f"{mname}.{pn}") for pn in local]
         if mname in rows:
