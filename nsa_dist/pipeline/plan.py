@@ -333,7 +333,8 @@ def plan_run(
     N, M = data.n, int(np.asarray(data.X_test).shape[0])
     P = sum(p.numel() for p in model.parameters())
     record = tuple(spec.record_steps())
-    X4 = model_inputs(np.asarray(data.X[:4]), model)  # on the network's device, as it is
+    # the probe takes the first distinct points among these (repeated points hide a coupling)
+    X4 = model_inputs(np.asarray(data.X[:64]), model)  # on the network's device, as it is
     route = resolve_route(model, X4, spec.spectrum.ntk_method)  # the run's one probe of the forward pass
     coupled = next(iter(route.routes.values()))[1] if route.method is NTKMethod.BATCH else None
     width = 0 if coupled else feature_width(model, X4[:2], route)

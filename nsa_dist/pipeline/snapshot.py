@@ -204,9 +204,9 @@ def _batch_stat_modules(model: nn.Module) -> list[str]:
     ]
 
 
-def couples_samples(model: nn.Module, X: torch.Tensor, points: int = 4) -> bool:
+def couples_samples(model: nn.Module, X: torch.Tensor, points: int = 64) -> bool:
     """Whether the model couples samples (BatchNorm in train mode or without running statistics):
-    the NTK core's probe, :func:`nsa_dist.ntk.sample_coupling`, on the first ``points`` points.
+    the NTK core's probe, :func:`nsa_dist.ntk.sample_coupling`, on the first distinct of the first ``points``.
     A random forward (dropout in train mode) cannot be judged and counts as not coupling.
     The model's buffers, modes and the global RNG state are as before."""
     try:

@@ -69,7 +69,7 @@ class Trainer:
         self._index = {t: i for i, t in enumerate(self.record)}
         self.opt = self._optimizer()
         big = self.X.shape[0] > CHUNK_POINTS
-        self._chunk = CHUNK_POINTS if big and sample_coupling(self.model, self.X[:4]) is None else None
+        self._chunk = CHUNK_POINTS if big and sample_coupling(self.model, self.X[:64]) is None else None
         self.gen = torch.Generator().manual_seed(spec.seed + 7919)
         self.step = 0
         self.on_update: Callable[[int, float], None] | None = None  # called after every update
