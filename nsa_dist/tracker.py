@@ -144,6 +144,9 @@ class Tracker:
         self.session, self.pool, self.schedule = self.tracked.session, self.tracked.pool, self.tracked.schedule
         self.plan, self.writer = self.session.plan, self.session.writer
         self.store: SpectrumStore = self.writer.store
+        # the trainable set is part of the run: the stored network digest, the NTK route resolved once
+        # on the analysis copy and the Hessian's parameter set are all fixed here
+        self._trainable = {k: p.requires_grad for k, p in self.model.named_parameters()}
 
     # ------------------------------------------------------------------ the loop's calls
     @property
@@ -200,11 +203,14 @@ class Tracker:
 
         Raises:
             ValueError: ``step`` is not in the schedule, was recorded before (in this session or in the
-                store), or the tracker is closed; nothing stored changes.
+                store), the tracker is closed, or a parameter's ``requires_grad`` changed since the
+                Tracker was created (the NTK / Hessian differentiate the trainable parameters of
+                the run, fixed then: record a fine-tuning phase as its own run); nothing stored changes.
             NonFiniteError: a NaN/inf loss or outputs (the run is marked failed; finished steps are kept).
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
         self.tracked.check()
+        self._check_trainable(step)
         i = self.tracked.recordable(step)
         self.tracked.advance(step)
         self.tracked.recorded.add(step)
@@ -214,6 +220,19 @@ class Tracker:
             raise self.tracked.diverged(step, f"loss is {given if not np.isfinite(given) else ck.loss} at step {step}")
         self.tracked.trace[step] = given
         self.tracked.pending = ck  # handed over with its update when the model is at step + 1
+
+    def _check_trainable(self, step: int) -> None:
+        """Refuse a step whose trainable set (``requires_grad``) differs from the Tracker's own."""
+        now = {k: p.requires_grad for k, p in self.model.named_parameters()}
+        changed = [k for k in self._trainable if now.get(k) != self._trainable[k]]
+        if changed:
+            shown = ", ".join(f"{k} ({'unfrozen' if now.get(k) else 'frozen'})" for k in changed[:6])
+            more = f", … ({len(changed)} in all)" if len(changed) > 6 else ""
+            raise ValueError(
+                f"step {step}: requires_grad changed since the Tracker was created for {shown}{more}; "
+                "a run's NTK and Hessian are over the trainable parameters it was created with — "
+                "record the phase with another trainable set as its own run (a new Tracker)"
+            )
 
     def _collect(self, block: bool) -> None:
         """Note the steps the pool finished (wait for one if ``block``)."""

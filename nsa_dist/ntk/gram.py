@@ -308,5 +308,5 @@ def ntk_operator(
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     model, x, _, K = _setup(model, x, None, dtype, output)
-    width = max(p.shape[0] for p in model.parameters())
+    width = max((p.shape[0] if p.ndim else 1) for p in model.parameters())
     return NTKOperator(model, x, K, full, block_size or default_block(x.shape[0], 8 * width, x.element_size()))
