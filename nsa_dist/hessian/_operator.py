@@ -61,7 +61,7 @@ class LossCurvatureOperator(LinearOperator):
         self._buffers = dict(model.named_buffers())
         self._sizes = [p.numel() for p in self._params.values()]
         self.block_size = block_size
-        self._width = max(p.shape[0] for p in self._params.values())
+        self._width = max((p.shape[0] if p.ndim else 1) for p in self._params.values())
 
     # ------------------------------------------------------------------ to implement
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

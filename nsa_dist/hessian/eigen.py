@@ -23,7 +23,9 @@ class Which(str, Enum):
     SMALLEST: the k smallest algebraic, ascending (most negative first), as the top of −A —
         the negative directions of H and S.
     MAGNITUDE: the k largest |λ|, by descending |λ|: both ends (k of each) merged — for S,
-        whose spectrum is two-sided and not symmetric about 0.  Costs two Lanczos runs.
+        whose spectrum is two-sided and not symmetric about 0.  Costs two Lanczos runs; when
+        2k ≥ P the two ends would overlap, and all P eigenpairs come from one dense eigh
+        (P products for an operator) instead.
     """
 
     LARGEST = "largest"
@@ -85,6 +87,10 @@ def extreme_eigenpairs(
     kw = {"method": method, "tol": tol, "max_iter": max_iter, "seed": seed}
     if w is Which.LARGEST:
         return top_eigenpairs(A, k, **kw)
+    if w is Which.MAGNITUDE and 2 * k >= P:  # the two ends overlap: all P eigenpairs, once each
+        full = top_eigenpairs(A, P, **{**kw, "method": "dense"})
+        order = np.argsort(-np.abs(full.evals), kind="stable")[:k]
+        return replace(full, evals=full.evals[order], evecs=full.evecs[:, order])
     low = top_eigenpairs(_negate(A), k, **kw)
     low = replace(low, evals=-low.evals)  # ascending
     if w is Which.SMALLEST:

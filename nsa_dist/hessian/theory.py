@@ -17,6 +17,7 @@ the kernel-PCA limit of I, and the rank bounds of I and S.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ import torch
 from torch.func import jvp, vmap
 
 from nsa_dist.config import LossName
+from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.hessian._loss import curvature_sqrt
 from nsa_dist.hessian._probes import as_linear_map, check_int, gaussian, rademacher
 from nsa_dist.hessian.moments import (
@@ -38,11 +40,22 @@ from nsa_dist.hessian.moments import (
 )
 from nsa_dist.hessian.operators import hessian_parts
 from nsa_dist.losses import parse_loss
-from nsa_dist.ntk.inputs import as_2d, default_block, prepare_inputs, prepare_model, trainable_params
-from nsa_dist.ntk.state import call, exact_kernels
+from nsa_dist.ntk import sample_coupling
+from nsa_dist.ntk.blame import blame
+from nsa_dist.ntk.inputs import (
+    as_2d,
+    default_block,
+    output_dim,
+    prepare_inputs,
+    prepare_model,
+    trainable_params,
+)
+from nsa_dist.ntk.state import call, exact_kernels, stateless
 
 if TYPE_CHECKING:
     from torch import nn
+
+_log = logging.getLogger("nsa_dist")
 
 __all__ = [
     "additivity_gap",
@@ -154,44 +167,106 @@ def output_hessian_traces(
         n_probes: m ≥ 1 probes.
         seed: NumPy seed of the probes.
         dtype: compute dtype (default float64; None: the model's).
-        block_size: points per block (default: about 256 MB of tangents).
+        block_size: points per block (default: about 256 MB of tangents; all N when the model
+            couples samples, e.g. train-mode batch norm).
 
     Returns:
         :class:`OutputTraces`.
 
     Raises:
         ValueError: n_probes < 1; as :func:`~nsa_dist.hessian.hessian_operator` for model and X.
+        UnsupportedModelError: PyTorch's forward-over-forward second derivatives of this model
+            disagree with reverse mode (checked once, on the first point and probe; wrong in
+            PyTorch 2.13 for layer_norm, instance_norm, train-mode batch_norm).
     """
     m = check_int("n_probes", n_probes, 1)
     model = prepare_model(model, dtype)
     X = prepare_inputs(model, X, "X", dtype)
+    with blame(model):
+        coupling = sample_coupling(model, X)
+        model = stateless(model, X[:2])  # train-mode batch norm: no running statistics written
     params = {k: p.detach() for k, p in trainable_params(model).items()}
     rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())
     sizes = [p.numel() for p in params.values()]
     P = sum(sizes)
-    Z = torch.as_tensor(rademacher(np.random.default_rng(seed), P, m), dtype=X.dtype, device=X.device)  # (P, m)
+    p0 = next(iter(params.values()))  # the probes' dtype: the parameters' (X may hold token ids)
+    Z = torch.as_tensor(rademacher(np.random.default_rng(seed), P, m), dtype=p0.dtype, device=p0.device)  # (P, m)
     U = {k: u.T.reshape((m,) + p.shape) for (k, p), u in zip(params.items(), Z.split(sizes))}
     N = X.shape[0]
-    b = block_size or default_block(
-        N, m * max(p.shape[0] for p in params.values()) * len(sizes) * 8, X.element_size(), 256e6
-    )
+    if coupling is not None:  # f(x_i) depends on the whole batch: one block of all N points
+        _log.info("the model couples samples (%s): output Hessian traces over the whole batch", coupling)
+        b = N
+    else:
+        width = max((p.shape[0] if p.ndim else 1) for p in params.values())  # a 0-dim parameter: 1
+        b = block_size or default_block(N, m * width * len(sizes) * 8, p0.element_size(), 256e6)
     out = []
     for s in range(0, N, b):
         xb = X[s : s + b]
 
-        def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        def f(p: dict[str, torch.Tensor], xb: torch.Tensor = xb) -> torch.Tensor:
             return as_2d(call(model, {**p, **rest, **buffers}, (xb,)), xb.shape[0])
 
-        def second(u: dict[str, torch.Tensor]) -> torch.Tensor:
+        def second(u: dict[str, torch.Tensor], f: Any = f) -> torch.Tensor:
             first = lambda p: jvp(f, (p,), (u,))[1]  # noqa: E731 - ∇f·u at p
             return jvp(first, (params,), (u,))[1]  # uᵀ ∇²f u, (b, K)
 
-        with torch.no_grad(), exact_kernels(model):
+        with torch.no_grad(), exact_kernels(model), blame(model):
             out.append(vmap(second)(U))  # (m, b, K)
+        if s == 0:
+            _check_forward_second(model, f, params, {k: u[0] for k, u in U.items()}, out[0][0, 0])
     q = torch.cat(out, dim=1).cpu().numpy().astype(np.float64)  # (m, N, K)
     se = q.std(axis=0, ddof=1) / np.sqrt(m) if m > 1 else np.full(q.shape[1:], np.nan)
     return OutputTraces(q.mean(axis=0), se, q)
+
+
+def _check_forward_second(
+    model: nn.Module, f: Any, params: dict[str, torch.Tensor], u: dict[str, torch.Tensor], fwd: torch.Tensor
+) -> None:
+    """Raise UnsupportedModelError when the forward-over-forward ``uᵀ ∇²f_k(x_0) u`` (``fwd``, (K,))
+    differs from reverse mode (``∇(∇f_k · u) · u`` by plain autograd): PyTorch's second-order
+    forward mode is wrong for some ops (layer_norm, instance_norm, train-mode batch_norm in 2.13)."""
+    with torch.enable_grad(), exact_kernels(model), blame(model):
+        pr = {k: p.clone().requires_grad_(True) for k, p in params.items()}
+        F = f(pr)[0]  # (K,) the first point's outputs
+        ref, first = [], []
+        for k in range(F.shape[0]):
+            g = torch.autograd.grad(F[k], list(pr.values()), create_graph=True, allow_unused=True)
+            gu = sum((gi * u[n]).sum() for gi, n in zip(g, pr) if gi is not None)
+            first.append(float(gu.detach().abs()) if torch.is_tensor(gu) else 0.0)
+            if not (torch.is_tensor(gu) and gu.requires_grad):
+                ref.append(0.0)
+                continue
+            h = torch.autograd.grad(gu, list(pr.values()), retain_graph=True, allow_unused=True)
+            ref.append(float(sum((hi.detach() * u[n]).sum() for hi, n in zip(h, pr) if hi is not None)))
+    ref_, fwd_ = np.array(ref), fwd.detach().cpu().double().numpy().reshape(-1)
+    rtol = 1e-6 if fwd.dtype == torch.float64 else 1e-3
+    scale = max(np.abs(ref_).max(), np.abs(fwd_).max(), rtol * max(first, default=0.0))
+    err = np.abs(fwd_ - ref_).max()
+    if not err <= rtol * scale:
+        suspects = sorted(
+            {
+                type(mod).__name__
+                for mod in model.modules()
+                if isinstance(mod, _FWD2_SUSPECTS)
+                and not (isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and not mod.training)
+            }
+        )
+        likely = f" (likely op: {', '.join(suspects)})" if suspects else ""
+        raise UnsupportedModelError(
+            f"forward-mode second derivatives of this model are wrong in this PyTorch {torch.__version__}"
+            f"{likely}: uᵀ∇²f u forward-over-forward {fwd_[np.argmax(np.abs(fwd_ - ref_))]:.6g} vs reverse mode "
+            f"{ref_[np.argmax(np.abs(fwd_ - ref_))]:.6g} (relative error {err / max(scale, 1e-300):.2g}), "
+            "so G (and Tr(S) via G) is not measured"
+        )
+
+
+_FWD2_SUSPECTS = (
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.modules.instancenorm._InstanceNorm,
+    torch.nn.modules.batchnorm._BatchNorm,
+)
 
 
 def trace_S_from_G(R: np.ndarray, traces: OutputTraces) -> tuple[float, float]:
@@ -285,7 +360,8 @@ def numerical_ranks(
     ``Rank(S) ≤ 2(L − 1) w N n_L`` (the Hessian paper; L Linear layers, hidden width w).
 
     Args:
-        model: a fully-connected network (its Linear layers give L, w, n_L), P ≤ 4096.
+        model: a fully-connected network (its Linear layers give L and w; n_L is the output size
+            K of a forward), P ≤ 4096.
         X: (N, d) inputs; Y: targets as for :func:`~nsa_dist.hessian.hessian_operator`.
         loss: "mse" | "cross_entropy".
         tol: relative tolerance: an eigenvalue counts when |λ| > tol · max|λ| (0 < tol < 1).
@@ -314,7 +390,9 @@ def numerical_ranks(
         evals[name] = lam
         top = np.abs(lam).max()
         ranks[name] = int(np.sum(np.abs(lam) > tol * top)) if top > 0 else 0
-    N, nL, L = X.shape[0], linears[-1].out_features, len(linears)
+    fm = prepare_model(model, None)
+    nL = output_dim(fm, prepare_inputs(fm, X, "X", None))  # K of a forward, not the last Linear registered
+    N, L = X.shape[0], len(linears)
     hidden = {m.out_features for m in linears[:-1]}
     bound_S = 2 * (L - 1) * hidden.pop() * N * nL if len(hidden) == 1 else (0 if L == 1 else None)
     return Ranks(ranks["I"], ranks["S"], ranks["H"], N * nL, bound_S, P, tol, evals)

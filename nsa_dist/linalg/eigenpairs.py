@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -100,6 +101,10 @@ def top_eigenpairs(
 
     Warns:
         LanczosConvergenceWarning: Lanczos reached ``max_iter`` before the tolerance.
+        RuntimeWarning: ``method="arpack"`` (single-vector ``eigsh``, which can return one copy
+            of a repeated eigenvalue and skip the others, "converged") missed an eigenvalue
+            above its k-th: found by one more ``eigsh`` on the deflated operator (a few dozen
+            products), and the result is block Lanczos's instead (``method`` LANCZOS).
     """
     method = parse_enum(EigMethod, method, "method")
     backend_ = parse_enum(Backend, backend, "backend")
@@ -118,7 +123,16 @@ def top_eigenpairs(
         return Eigenpairs(evals, _fix_signs(evecs), method, A.ops.name, A.n_matvec)
     if method is EigMethod.ARPACK:
         evals, evecs = _arpack_top(A, k, tol, max_iter, seed)
-        return Eigenpairs(evals, _fix_signs(evecs), method, "numpy", A.n_matvec)
+        above = _arpack_missed(A, evals, evecs, tol, seed)
+        if above is None:
+            return Eigenpairs(evals, _fix_signs(evecs), method, "numpy", A.n_matvec)
+        warnings.warn(
+            f"ARPACK (single-vector eigsh) missed an eigenvalue: {above:.6g} lies above its k-th {evals[-1]:.6g} "
+            "(a repeated eigenvalue); falling back to block Lanczos",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        method = EigMethod.LANCZOS
     tol = max(tol, 100 * A.eps)
     if A.source is not None and deflation_applies(A.source, k, backend_.value):
         res = deflated_lanczos(
@@ -215,6 +229,37 @@ def _arpack_top(A: SymmetricMap, k: int, tol: float, max_iter: int | None, seed:
         ) from err
     order = np.argsort(w)[::-1]
     return w[order], V[:, order]
+
+
+def _arpack_missed(A: SymmetricMap, evals: np.ndarray, V: np.ndarray, tol: float, seed: int) -> float | None:
+    """An eigenvalue ARPACK's single Krylov vector skipped (a copy of a repeated one), or None.
+
+    ``eigsh`` finds one vector of each eigenspace its start vector reaches: of a 10-fold
+    eigenvalue it may return one copy and then the next distinct eigenvalue, "converged".  The
+    top eigenvalue of ``B = P⊥ A P⊥ + λ_k V Vᵀ`` (``P⊥ = 1 − V Vᵀ``; the returned space held at
+    the k-th returned λ_k) exceeds λ_k exactly when such an eigenvalue exists: one more ``eigsh``
+    (k = 1) on B, a few dozen products."""
+    from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+
+    lam_k = float(evals[-1])
+
+    def apply(W: np.ndarray) -> np.ndarray:
+        W = W.reshape(A.N, -1)
+        C = V.T @ W
+        R = W - V @ C
+        AR = np.asarray(A.matmat(R), dtype=np.float64).reshape(A.N, -1)
+        return AR - V @ (V.T @ AR) + lam_k * (V @ C)
+
+    if A.N - V.shape[1] < 1:
+        return None
+    lo = LinearOperator((A.N, A.N), matvec=lambda v: apply(v).ravel(), matmat=apply, dtype=np.float64)
+    v0 = np.random.default_rng(seed + 1).standard_normal(A.N)
+    try:
+        top = float(eigsh(lo, k=1, which="LA", tol=max(tol, 1e-10), v0=v0, return_eigenvectors=False)[0])
+    except ArpackNoConvergence:
+        return None
+    scale = max(float(np.abs(evals).max()), np.finfo(np.float64).tiny)
+    return top if top > lam_k + max(1e-6, 100 * tol) * scale else None
 
 
 def _fix_signs(V: np.ndarray, owned: bool = False) -> np.ndarray:
