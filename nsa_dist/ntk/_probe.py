@@ -216,7 +216,7 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(x):
-        why = _couples(model, xs) or _one_point(x, idx)
+        why = _couples(model, xs)
     _unchanged_input(x[idx], xs)
     return why
 
@@ -226,21 +226,15 @@ _SCAN = 64  # rows searched for distinct probe points
 
 def _probe_index(x: torch.Tensor) -> list[int]:
     """The first ``_PROBE_POINTS`` distinct points among the first ``_SCAN`` (repeated probe points
-    hide a coupling: halves of [a, a, a, a] are the whole's statistics); fewer when there are not."""
+    hide a coupling: halves of [a, a, a, a] are the whole's statistics); the first points as they are
+    when there are no two distinct ones (a placeholder batch of zeros: nothing can be told from it)."""
     keep: list[int] = []
     for i in range(min(x.shape[0], _SCAN)):
         if all(not torch.equal(x[i], x[j]) for j in keep):
             keep.append(i)
             if len(keep) == _PROBE_POINTS:
                 break
-    return keep
-
-
-def _one_point(x: torch.Tensor, idx: list[int]) -> str | None:
-    """A coupling that cannot be ruled out: one distinct point among the first ones of several."""
-    if len(idx) < 2 <= x.shape[0]:
-        return f"unknown: the first {min(x.shape[0], _SCAN)} points are one point, so no probe can show it"
-    return None
+    return keep if len(keep) > 1 else list(range(min(x.shape[0], _PROBE_POINTS)))
 
 
 def _unchanged_input(x: torch.Tensor, seen: torch.Tensor) -> None:
@@ -294,7 +288,7 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     with preserved(model), _rng_kept(xs):
         trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
         _unchanged_input(x[idx], xs)
-        coupling = _couples(model, xs, again=trace.out) or _one_point(x, idx)
+        coupling = _couples(model, xs, again=trace.out)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})
