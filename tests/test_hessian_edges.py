@@ -210,3 +210,37 @@ def test_a_scalar_parameter_in_the_hessian_operator_and_the_traces():
     H = np.asarray(hessian_operator(m, X, Y).to_dense())
     assert H.shape == (9, 9) and np.allclose(H, H.T)
     assert output_hessian_traces(m, X, 4).estimate.shape == (5, 2)
+
+
+def test_tuple_output_models_take_output_everywhere_the_error_advises_it():
+    """A model returning (logits, extra): the ShapeError says to pass ``output=``, which
+    output_hessian_traces, gauss_newton_eigenvalues and numerical_ranks did not take; each now gives
+    what the same model with the selection done by hand gives."""
+    from nsa_dist.hessian import gauss_newton_eigenvalues
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.b(torch.tanh(self.a(x)))
+            return h, h.sum()
+
+    class First(nn.Module):
+        def __init__(self, pair):
+            super().__init__()
+            self.pair = pair
+
+        def forward(self, x):
+            return self.pair(x)[0]
+
+    torch.manual_seed(0)
+    m = Pair().double()
+    X, Y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    plain = First(m)
+    a, b = output_hessian_traces(m, X, 8, output=0), output_hessian_traces(plain, X, 8)
+    np.testing.assert_allclose(a.per_probe, b.per_probe, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(gauss_newton_eigenvalues(m, X, Y, output=0), gauss_newton_eigenvalues(plain, X, Y))
+    r, s = numerical_ranks(m, X, Y, output=0), numerical_ranks(plain, X, Y)
+    assert (r.I, r.S, r.H, r.bound_I) == (s.I, s.S, s.H, s.bound_I)

@@ -64,6 +64,8 @@ from nsa_dist.ntk.inputs import as_2d
 if TYPE_CHECKING:
     from torch import nn
 
+    from nsa_dist.models import OutputSelector
+
 __all__ = [
     "Moments",
     "hutchinson_moments",
@@ -245,7 +247,9 @@ def dense_moments(A: Any, max_order: int = 4) -> Moments:
     return Moments(est, np.zeros(kmax), Amap.n_products, "dense")
 
 
-def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse") -> np.ndarray:
+def gauss_newton_eigenvalues(
+    model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse", output: OutputSelector = None
+) -> np.ndarray:
     """The spectrum of I outside its null space, from the NTK Gram (exact, no Hessian products).
 
     ``I = (1/N) Jᵀ HC J`` has the same nonzero eigenvalues as ``(1/N) HC^{1/2} G HC^{1/2}``,
@@ -256,6 +260,7 @@ def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss:
         model: the module; X (N, d) inputs; Y targets as for :func:`~nsa_dist.hessian.hessian_operator`
             (only cross-entropy uses them).
         loss: "mse" | "cross_entropy".
+        output: which output is f when the model returns a dict, a tuple or a ``ModelOutput``.
 
     Returns:
         (N·K,) float64 NumPy, descending (the zeros of a rank-deficient Gram included).
@@ -264,9 +269,9 @@ def gauss_newton_eigenvalues(model: nn.Module, X: torch.Tensor, Y: Any, *, loss:
         as :func:`~nsa_dist.hessian.hessian_operator`.
     """
     loss_ = parse_loss(loss)
-    model, X, Yt = _setup(model, X, Y, loss_, torch.float64)
+    model, X, Yt = _setup(model, X, Y, loss_, torch.float64, output)
     N, K = Yt.shape
-    G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K)
+    G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K); model: f already selected
     if loss_ is LossName.CROSS_ENTROPY:
         with torch.no_grad():
             R = curvature_sqrt(loss_, as_2d(model(X), X.shape[0]), Yt)  # (N, K, K)

@@ -55,6 +55,8 @@ from nsa_dist.ntk.state import call, exact_kernels, stateless
 if TYPE_CHECKING:
     from torch import nn
 
+    from nsa_dist.models import OutputSelector
+
 _log = logging.getLogger("nsa_dist")
 
 __all__ = [
@@ -154,6 +156,7 @@ def output_hessian_traces(
     seed: int = 0,
     dtype: torch.dtype | None = torch.float64,
     block_size: int | None = None,
+    output: OutputSelector = None,
 ) -> OutputTraces:
     """The vector G of the Hessian paper (``G = Σ_p ∂²Y/∂θ_p²``) at the points X, by probes.
 
@@ -169,6 +172,7 @@ def output_hessian_traces(
         dtype: compute dtype (default float64; None: the model's).
         block_size: points per block (default: about 256 MB of tangents; all N when the model
             couples samples, e.g. train-mode batch norm).
+        output: which output is f when the model returns a dict, a tuple or a ``ModelOutput``.
 
     Returns:
         :class:`OutputTraces`.
@@ -180,7 +184,7 @@ def output_hessian_traces(
             PyTorch 2.13 for layer_norm, instance_norm, train-mode batch_norm).
     """
     m = check_int("n_probes", n_probes, 1)
-    model = prepare_model(model, dtype)
+    model = prepare_model(model, dtype, output)
     X = prepare_inputs(model, X, "X", dtype)
     with blame(model):
         coupling = sample_coupling(model, X)
@@ -354,7 +358,13 @@ _MAX_DENSE_P = 4096
 
 
 def numerical_ranks(
-    model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse", tol: float = 1e-9
+    model: nn.Module,
+    X: torch.Tensor,
+    Y: Any,
+    *,
+    loss: str | LossName = "mse",
+    tol: float = 1e-9,
+    output: OutputSelector = None,
 ) -> Ranks:
     """Ranks of the dense I, S and H of a small network, beside ``Rank(I) ≤ N n_L`` and
     ``Rank(S) ≤ 2(L − 1) w N n_L`` (the Hessian paper; L Linear layers, hidden width w).
@@ -365,6 +375,7 @@ def numerical_ranks(
         X: (N, d) inputs; Y: targets as for :func:`~nsa_dist.hessian.hessian_operator`.
         loss: "mse" | "cross_entropy".
         tol: relative tolerance: an eigenvalue counts when |λ| > tol · max|λ| (0 < tol < 1).
+        output: which output is f when the model returns a dict, a tuple or a ``ModelOutput``.
 
     Raises:
         ValueError: P too large for a dense eigendecomposition, a tol outside (0, 1), a model
@@ -382,7 +393,7 @@ def numerical_ranks(
         raise ValueError(
             f"numerical_ranks forms the dense P×P matrices: P = {P} > {_MAX_DENSE_P}; use a smaller network"
         )
-    H, I, S = hessian_parts(model, X, Y, loss=loss, dtype=torch.float64)
+    H, I, S = hessian_parts(model, X, Y, loss=loss, dtype=torch.float64, output=output)
     evals, ranks = {}, {}
     for name, op in (("I", I), ("S", S), ("H", H)):
         M = op.to_dense().cpu().numpy()
@@ -390,7 +401,7 @@ def numerical_ranks(
         evals[name] = lam
         top = np.abs(lam).max()
         ranks[name] = int(np.sum(np.abs(lam) > tol * top)) if top > 0 else 0
-    fm = prepare_model(model, None)
+    fm = prepare_model(model, None, output)
     nL = output_dim(fm, prepare_inputs(fm, X, "X", None))  # K of a forward, not the last Linear registered
     N, L = X.shape[0], len(linears)
     hidden = {m.out_features for m in linears[:-1]}
