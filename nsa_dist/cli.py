@@ -501,7 +501,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     client = Client(args.store)
     runs = client.runs()
     t = Table(title=f"runs in {_esc(args.store)}")
-    for col in ("id", "status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
+    # the id whole, whatever the width (piped output is 80 columns): it is what the other commands take
+    t.add_column("id", no_wrap=True, min_width=max([2] + [len(str(i)) for i in runs["id"]]) if len(runs) else None)
+    for col in ("status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
         t.add_column(col)
     for r in runs.to_dict("records"):
         note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from nsa_dist.cli import main as nsa
+from nsa_dist.client import Client
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"name": "e", "data": {"name": "image2d", "n": 64}, "model": {"depth": 2, "width": 16}, "steps": 2}
@@ -279,3 +280,15 @@ def test_sigterm_of_nsa_serve_says_it_stopped(tmp_path):
         proc.kill()
     assert proc.returncode == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == "nsa serve: stopped (SIGTERM)", err[-3000:]
+
+
+def test_ls_piped_shows_every_id_whole(tmp_path, capsys):
+    """Piped, ``nsa ls`` is 80 columns wide and cut the id to ``tiny-…``, which no other command takes."""
+    long = {**TINY, "name": "a-rather-long-run-name-for-a-sweep"}
+    store = str(tmp_path / "s.zarr")
+    assert nsa(["run", str(_spec(tmp_path, long)), "--store", store, "--plain"]) == 0
+    capsys.readouterr()
+    assert nsa(["ls", "--store", store]) == 0
+    out = capsys.readouterr().out
+    (rid,) = Client(store).runs()["id"]
+    assert rid in out, out
