@@ -502,7 +502,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     runs = client.runs()
     t = Table(title=f"runs in {_esc(args.store)}")
     # the id whole, whatever the width (piped output is 80 columns): it is what the other commands take
-    t.add_column("id", no_wrap=True, min_width=max([2] + [len(str(i)) for i in runs["id"]]) if len(runs) else None)
+    idw = max([2] + [len(str(i)) for i in runs["id"]]) if len(runs) else 2
+    t.add_column("id", no_wrap=True, min_width=idw)
     for col in ("status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
         t.add_column(col)
     for r in runs.to_dict("records"):
@@ -525,7 +526,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 ),
             )
         )
-    Console().print(t if len(runs) else f"no runs in {_esc(args.store)}")
+    con = Console()
+    if not con.is_terminal:  # piped: as wide as the columns need, not the 80 of no terminal
+        con = Console(width=max(con.width, idw + 100))
+    con.print(t if len(runs) else f"no runs in {_esc(args.store)}")
     return 0
 
 
