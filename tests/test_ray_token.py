@@ -24,8 +24,7 @@ from nsa_dist.cli import main as nsa
 def token_head():
     """A one-node Ray head on loopback with token auth on: (its dashboard address, the token)."""
     pytest.importorskip("ray")
-    temp_dir = tempfile.mkdtemp(prefix="nsa-raytok-", dir="/tmp")
-    port, dash, token = free_port(), free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -34,32 +33,42 @@ def token_head():
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     env.pop("RAY_AUTH_TOKEN_PATH", None)
-    head = [
-        str(BIN / "ray"),
-        "start",
-        "--head",
-        f"--port={port}",
-        "--num-cpus=1",
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        f"--temp-dir={temp_dir}",
-        "--node-ip-address=127.0.0.1",
-        "--disable-usage-stats",
-        *(
-            f"--{flag}={free_port()}"
-            for flag in (
-                "dashboard-agent-listen-port",
-                "dashboard-agent-grpc-port",
-                "runtime-env-agent-port",
-                "metrics-export-port",
-                "ray-client-server-port",
-            )
-        ),
-    ]
+    # two tries, each on fresh ports: a port taken between free_port() and ray's bind (other tests'
+    # clusters start on this machine too) failed `ray start` once in a fresh-clone CI run
+    for attempt in (1, 2):
+        temp_dir = tempfile.mkdtemp(prefix="nsa-raytok-", dir="/tmp")
+        port, dash = free_port(), free_port()
+        head = [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--temp-dir={temp_dir}",
+            "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats",
+            *(
+                f"--{flag}={free_port()}"
+                for flag in (
+                    "dashboard-agent-listen-port",
+                    "dashboard-agent-grpc-port",
+                    "runtime-env-agent-port",
+                    "metrics-export-port",
+                    "ray-client-server-port",
+                )
+            ),
+        ]
+        done = subprocess.run(head, env=env, capture_output=True, text=True, timeout=180)
+        if done.returncode == 0:
+            break
+        kill_cluster([temp_dir, f"127.0.0.1:{port}", f":{port}"])
+        if attempt == 2:
+            pytest.fail(f"ray start --head failed twice; its last output: {(done.stdout + done.stderr)[-2000:]}")
     address = f"http://127.0.0.1:{dash}"
     try:
-        subprocess.run(head, check=True, env=env, capture_output=True, timeout=180)
         deadline, mode = time.time() + 120, None
         while mode is None and time.time() < deadline:
             try:
