@@ -47,7 +47,8 @@ def spectral_workers(store_url: str, cl: ClusterSpec, has_gpus: bool) -> list[An
         max_restarts=-1,
         max_task_retries=cl.max_retries,
     )
-    return [cls.remote(store_url, threads=threads(cl.worker_cpus)) for _ in range(cl.spectral_workers)]
+    n, cpus = cl.spectral_workers, threads(cl.worker_cpus)
+    return [cls.remote(store_url, threads=cpus, relay_notes=True) for _ in range(n)]
 
 
 def tracked_run_workers(
@@ -71,7 +72,10 @@ def tracked_run_workers(
     cls = ray.remote(TrackedRunService).options(
         num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=max_retries
     )
-    return [cls.remote(store_url, plan, model_ref, data_ref, threads=threads(cpus), token=token) for _ in range(n)]
+    return [
+        cls.remote(store_url, plan, model_ref, data_ref, threads=threads(cpus), token=token, relay_notes=True)
+        for _ in range(n)
+    ]
 
 
 class _ShardFromRefs(SpectralShard):

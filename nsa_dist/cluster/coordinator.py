@@ -14,6 +14,7 @@ actors died with the raylet, not of anything in the runs), and a re-run resumes 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,10 @@ from nsa_dist.cluster.runtime import (
 from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import RunOutcome, RunPlan, RunSession, TrainingDiverged
 from nsa_dist.pipeline.budget import check_fits
+from nsa_dist.pipeline.notes import replay_notes
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SweepCoordinator", "RunProgress"]
 
@@ -358,6 +362,7 @@ class SweepCoordinator:
             return
         r.session.mark_done(a.index)
         p = r.progress
+        replay_notes(p.run_id, summary.get("notes"), log)
         p.done = int(r.done.sum())
         if p.step is None or summary["step"] >= p.step:  # analyses may finish out of order
             p.step, p.loss, p.lambda_max = summary["step"], summary["loss"], summary["lambda_max"]

@@ -7,6 +7,7 @@ in order); the driver fetches only the short summaries.  Ray restarts a dead wor
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any
 
@@ -17,9 +18,12 @@ from nsa_dist.cluster.actors import tracked_run_workers
 from nsa_dist.cluster.pool import Analysis, DispatchQueue, RayAnalysisPool, task_cause
 from nsa_dist.cluster.runtime import connect
 from nsa_dist.errors import AnalysisError
+from nsa_dist.pipeline.notes import replay_notes
 from nsa_dist.pipeline.pool import raise_failure
 
 __all__ = ["RayTrackerPool"]
+
+log = logging.getLogger(__name__)
 
 
 class RayTrackerPool:
@@ -119,6 +123,7 @@ class RayTrackerPool:
                 ) from exc
             if exc is not None:  # the analysis's own error, unwrapped from Ray's wrapper
                 raise_failure(self.run, a.step, task_cause(exc))
+            replay_notes(self.run, summary.get("notes"), log)
             out.append(summary)
         self.queue.dispatch()
         return out

@@ -19,6 +19,7 @@ import torch
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.materials import RunMaterials
+from nsa_dist.pipeline.notes import recorded_notes
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer
@@ -87,10 +88,11 @@ class SpectralService:
     with the run's :class:`~nsa_dist.pipeline.materials.RunMaterials` (at most
     :data:`~nsa_dist.pipeline.materials.MAX_RUNS` runs per process, least recently used dropped)."""
 
-    def __init__(self, store_url: str, threads: int | None = None) -> None:
+    def __init__(self, store_url: str, threads: int | None = None, relay_notes: bool = False) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.store_url = store_url
+        self.relay_notes = relay_notes  # in a Ray actor: the log's notes travel back in the summary
         self._serial = next(_SERIAL)  # what this service keeps with a run is its own (id() is reused)
 
     def pid(self) -> int:
@@ -114,11 +116,13 @@ class SpectralService:
         is distributed; this worker then drives Lanczos and the metrics on the gang's products.
         ``token``: the driver's lease token, fencing the write (LeaseLost once it lost the run).
         """
-        analyzer, writer = self._run(plan)
-        writer.token = token
-        result = analyzer.analyze(ck, gang)
-        writer.write_step(ck.index, result, ck.state)
+        with recorded_notes(self.relay_notes) as notes:
+            analyzer, writer = self._run(plan)
+            writer.token = token
+            result = analyzer.analyze(ck, gang)
+            writer.write_step(ck.index, result, ck.state)
         return {
+            "notes": notes,
             "run_id": plan.run_id,
             "index": ck.index,
             "step": ck.step,

@@ -20,6 +20,7 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import Dataset
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.model_state import analysis_copy
+from nsa_dist.pipeline.notes import recorded_notes
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.store import RunWriter, SpectrumStore
@@ -100,6 +101,8 @@ class TrackedRunService:
         data: the run's points and targets.
         threads: torch threads (Ray actors: their CPUs).
         token: the Tracker's lease token, fencing every write (LeaseLost once another took the run).
+        relay_notes: in a Ray actor: the ``nsa_dist`` log's notes of each step travel back in its
+            summary (:mod:`nsa_dist.pipeline.notes`).
     """
 
     def __init__(
@@ -110,9 +113,11 @@ class TrackedRunService:
         data: Dataset,
         threads: int | None = None,
         token: str | None = None,
+        relay_notes: bool = False,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
+        self.relay_notes = relay_notes
         self.spec = plan.spec
         self.analyzer = SpectralAnalyzer(plan, data, model=analysis_copy(model))
         self.writer: RunWriter = SpectrumStore(store_url).writer(
@@ -126,6 +131,7 @@ class TrackedRunService:
 
     def analyze_and_write(self, ck: Checkpoint) -> dict[str, Any]:
         """Compute recorded step ``ck.index`` and write it; returns a short summary."""
-        result = self.analyzer.analyze(ck)
-        self.writer.write_step(ck.index, result, ck.state)
-        return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": result.lambda_max}
+        with recorded_notes(self.relay_notes) as notes:
+            result = self.analyzer.analyze(ck)
+            self.writer.write_step(ck.index, result, ck.state)
+        return {"index": ck.index, "step": ck.step, "loss": ck.loss, "lambda_max": result.lambda_max, "notes": notes}
