@@ -271,3 +271,26 @@ def test_active_regime_divides_the_output_and_scales_the_learning_rate():
         h.limit_gram()
     with pytest.raises(ValueError, match="regime='active'.*init='ntk'"):
         ExperimentSpec(**{**base, "model": {"depth": 3, "width": 7, "regime": "active"}})
+
+
+def test_rank_bound_of_S_only_for_a_network_of_linear_layers():
+    """A trainable weight outside the Linear layers: its L and w read from the Linears alone gave
+    bound_S = 0 (L = 1) beside a numerical Rank(S) > 0 — a bound the model broke, reported as the paper's."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+            self.out = torch.nn.Linear(3, 1).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(x * self.w))
+
+    torch.manual_seed(0)
+    X, Y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    r = numerical_ranks(Scaled(), X, Y)
+    assert r.S > 0 and r.bound_S is None, r
+    frozen = Scaled()
+    frozen.w.requires_grad_(False)  # only the Linear trains: the bound holds again (L = 1: S = 0)
+    r = numerical_ranks(frozen, X, Y)
+    assert r.bound_S == 0 and r.S == 0, r

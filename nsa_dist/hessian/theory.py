@@ -340,7 +340,9 @@ class Ranks:
         I, S, H: the ranks.
         bound_I: N·n_L.
         bound_S: 2(L − 1)·w·N·n_L (None when the hidden widths differ: the paper states it for a
-            constant width w).
+            constant width w; None too when a trainable parameter lies outside the Linear layers —
+            a custom weight, a norm's affine, an embedding —: the paper's network has none, and
+            its L and w would not describe the model).
         P: parameters; tol: the relative tolerance; evals: {"I", "S", "H"} the dense spectra.
     """
 
@@ -405,5 +407,7 @@ def numerical_ranks(
     nL = output_dim(fm, prepare_inputs(fm, X, "X", None))  # K of a forward, not the last Linear registered
     N, L = X.shape[0], len(linears)
     hidden = {m.out_features for m in linears[:-1]}
-    bound_S = 2 * (L - 1) * hidden.pop() * N * nL if len(hidden) == 1 else (0 if L == 1 else None)
+    in_linears = {id(p) for m in linears for p in m.parameters()}
+    fc = all(id(p) in in_linears for p in model.parameters() if p.requires_grad)
+    bound_S = (2 * (L - 1) * hidden.pop() * N * nL if len(hidden) == 1 else (0 if L == 1 else None)) if fc else None
     return Ranks(ranks["I"], ranks["S"], ranks["H"], N * nL, bound_S, P, tol, evals)
