@@ -157,26 +157,9 @@ def off_loop(
     """Once, soon: ``read()`` in a worker thread (under ``lock``), then ``apply(result)`` on the
     document — a widget's redraw, without blocking the event loop on its read."""
 
-    def locked() -> Any:
-        if lock is None:
-            return read()
-        with lock:
-            return read()
-
-    def applied(result: Any) -> None:
-        if alive(doc):
-            apply(result)
-
     @without_document_lock
     async def go() -> None:
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(None, locked)
-        except Exception:
-            if alive(doc):
-                raise
-            return  # the session was destroyed during the read (its models' values with it)
-        if alive(doc):
-            doc.add_next_tick_callback(partial(applied, result))
+        await _read_then_apply(doc, read, apply, lock)
 
     if alive(doc):
         doc.add_next_tick_callback(go)
@@ -198,6 +181,25 @@ def every(
     """
     busy = threading.Event()
 
+    @without_document_lock
+    async def tick() -> None:
+        if busy.is_set() or not alive(doc):
+            return
+        busy.set()
+        try:
+            await _read_then_apply(doc, read, apply, lock)
+        finally:
+            busy.clear()
+
+    doc.add_periodic_callback(tick, int(period_s * 1000))
+
+
+async def _read_then_apply(
+    doc: Document, read: Callable[[], Any], apply: Callable[[Any], None], lock: threading.Lock | None
+) -> None:
+    """``read()`` in a worker thread (under ``lock``), then ``apply(result)`` on the document's next
+    tick — neither once the session is destroyed (an error of a read it outlived is dropped)."""
+
     def locked() -> Any:
         if lock is None:
             return read()
@@ -208,23 +210,14 @@ def every(
         if alive(doc):
             apply(result)
 
-    @without_document_lock
-    async def tick() -> None:
-        if busy.is_set() or not alive(doc):
-            return
-        busy.set()
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(None, locked)
-        except Exception:
-            if alive(doc):
-                raise
-            return  # the session was destroyed during the read (its models' values with it)
-        finally:
-            busy.clear()
-        if alive(doc):  # same thread as the session's destruction, no await between: no race
-            doc.add_next_tick_callback(partial(applied, result))
-
-    doc.add_periodic_callback(tick, int(period_s * 1000))
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(None, locked)
+    except Exception:
+        if alive(doc):
+            raise
+        return  # the session was destroyed during the read (its models' values with it)
+    if alive(doc):  # same thread as the session's destruction, no await between: no race
+        doc.add_next_tick_callback(partial(applied, result))
 
 
 def query_arg(doc: Document, name: str) -> str | None:
