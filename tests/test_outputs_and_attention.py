@@ -269,21 +269,34 @@ class _NoForwardRule(torch.autograd.Function):
         return g * x.cos()
 
 
+class _NoRuleAtAll(_NoForwardRule):
+    """An op that no AD mode can differentiate (its backward fails too)."""
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("no derivative of this op")
+
+
+class _Odd(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.a, self.b, self.op = nn.Linear(3, 4), nn.Linear(4, 1), op
+
+    def forward(self, x):
+        return self.b(self.op.apply(self.a(x))).squeeze(-1)
+
+
 def test_a_kernel_without_forward_mode_rule_is_one_clear_error_through_the_eigensolver():
     """A product that still cannot run is the ModelForwardError naming the module — also when it
-    surfaces through top_eigenpairs (not a TypeError about array types)."""
-
-    class Odd(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 1)
-
-        def forward(self, x):
-            return self.b(_NoForwardRule.apply(self.a(x))).squeeze(-1)
-
-    model, X = Odd().double(), torch.randn(5, 3, dtype=F64)
-    op = ntk_operator(model, X)
-    with pytest.raises(ModelForwardError, match="computing the NTK of Odd failed"):
+    surfaces through top_eigenpairs (not a TypeError about array types).  An op without a
+    forward-mode rule alone runs: the operator's products fall back to plain reverse passes."""
+    X = torch.randn(5, 3, dtype=F64)
+    model = _Odd(_NoForwardRule).double()
+    out, ps = model(X), list(model.parameters())  # the reference by plain autograd (torch.func refuses the op)
+    J = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, ps, retain_graph=True)]) for o in out])
+    assert_close_rel(ntk_operator(model, X).to_dense(), J @ J.T, 1e-12, "no forward-mode rule")
+    op = ntk_operator(_Odd(_NoRuleAtAll).double(), X)
+    with pytest.raises(ModelForwardError, match="computing the NTK of _Odd failed"):
         top_eigenpairs(op, 2)
 
 

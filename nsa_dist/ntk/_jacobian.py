@@ -189,7 +189,10 @@ def _batch_rows(model: nn.Module, x: torch.Tensor, K: int) -> Callable[[int, int
     params = {k: p.detach() for k, p in trainable_params(model).items()}
     frozen = {k: p.detach() for k, p in model.named_parameters() if k not in params}
     buffers = dict(model.named_buffers())
-    out, pull = vjp(lambda p: as_2d(call(model, {**p, **frozen, **buffers}, (x,)), x.shape[0]), params)  # (N, K)
+    # x copied inside the transform: a forward may write into its input (torch.func refuses a captured one)
+    out, pull = vjp(
+        lambda p: as_2d(call(model, {**p, **frozen, **buffers}, (x.clone(),)), x.shape[0]), params
+    )  # (N, K)
     N = out.shape[0]
     batched = not vmap_unsafe(model, params, {**frozen, **buffers}, x)
 

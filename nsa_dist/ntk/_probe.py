@@ -141,7 +141,16 @@ def _standard(m: nn.Module) -> bool:
         return True
     if isinstance(m, nn.Embedding) and m.max_norm is not None:
         return False  # renormalises its weight in place during the forward
-    return any(isinstance(m, k) and type(m).forward is k.forward for k in kinds)
+    # A stock forward that calls an overridable method must run the stock one too: ConvNd.forward
+    # calls self._conv_forward, and a subclass that overrides only that (weight standardisation, a
+    # pruning mask, a scaled or quantised weight) convolves with another weight than the registered
+    # one — the probe's reference forward would run the same override and prove nothing.
+    return any(
+        isinstance(m, k)
+        and type(m).forward is k.forward
+        and getattr(type(m), "_conv_forward", None) is getattr(k, "_conv_forward", None)
+        for k in kinds
+    )
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -154,16 +163,31 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a - b).abs().max() <= tol * scale).item()) if a.numel() else True
 
 
-def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = None) -> str | None:
+def _couples(
+    model: nn.Module,
+    x: torch.Tensor,
+    again: torch.Tensor | None = None,
+    window: tuple[torch.Tensor, list[int]] | None = None,
+) -> str | None:
     """Why the model couples samples (None if it does not); UnsupportedModelError if its forward is
     random.  ``again``: the outputs of a second forward of x already run with grad (else one is run
-    here).  Every forward here runs with grad, as the Gram's own passes do: without it PyTorch may take
-    another path (an eval-mode TransformerEncoder's nested tensors zero padded positions)."""
+    here).  ``window``: a copy of the points the probe points were chosen from (the first
+    ``_SCAN``) and the probe points' rows in it, forwarded as one batch too.  Every forward here
+    runs with grad, as the Gram's own passes do: without it PyTorch may take another path (an
+    eval-mode TransformerEncoder's nested tensors zero padded positions)."""
     with torch.enable_grad():
         whole = as_2d(model(x), x.shape[0]).detach()
         again = as_2d(model(x), x.shape[0]).detach() if again is None else again.detach()
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+            state = [] if drop else _changed_buffers(model, x)
+            if state:
+                raise UnsupportedModelError(
+                    f"the model's forward changes its state: every forward writes its buffer(s) {', '.join(state)}, "
+                    "and two forwards of the same points differ: its NTK is not defined at any one state; "
+                    "call model.eval() if the module updates its state only in training (e.g. spectral_norm), "
+                    "or keep the state out of the forward"
+                )
             raise UnsupportedModelError(
                 "the model's forward is random (two forwards of the same points differ"
                 + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
@@ -181,7 +205,60 @@ def _couples(model: nn.Module, x: torch.Tensor, again: torch.Tensor | None = Non
             return f"its forward fails on a smaller batch ({type(e).__name__})"
     if not _close(whole, parts):
         return "its outputs for half a batch differ from those of the whole batch"
-    return _first_point_moves(model, x)
+    return _batch_size_matters(model, x, whole, window) or _first_point_moves(model, x)
+
+
+def _changed_buffers(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The buffers one forward of x changes, in place or by reassignment (``self.mu = …``), as
+    "'name' (Type)" (the caller restores them: it runs inside ``preserved``)."""
+    before = {n: (b, b.detach().clone()) for n, b in model.named_buffers()}
+    owners = {f"{n}.{k}" if n else k: m for n, m in model.named_modules() for k in m._buffers}
+    try:
+        with torch.no_grad():
+            model(x.clone())
+    except Exception:  # noqa: BLE001 — the caller's own message then
+        return []
+    now = dict(model.named_buffers())
+    norms = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+    return [
+        f"{n!r} ({type(owners[n]).__name__})"
+        for n, (b, v) in before.items()
+        if (now.get(n) is not b or not torch.equal(b, v))
+        and not (isinstance(owners[n], norms) and owners[n].training)  # statistics its output does not read
+    ]
+
+
+def _batch_size_matters(
+    model: nn.Module, x: torch.Tensor, whole: torch.Tensor, window: tuple[torch.Tensor, list[int]] | None
+) -> str | None:
+    """Why the probe points' outputs change with the batch's size (None: they do not) — a forward
+    that branches on ``x.shape[0]`` or takes a batch statistic only past some size, which the
+    halves of four points never show.  The routes forward other sizes than the probe's: per-sample
+    Jacobians one point at a time, feature passes whole chunks (a run's later batches, too).  So
+    point 0 alone, and the probe window (the first ``_SCAN`` points, the most a run probes on) as one
+    batch, must give the probe batch's outputs."""
+    with torch.enable_grad():
+        try:
+            one = as_2d(model(x[:1].clone()), 1).detach()
+        except Exception:  # noqa: BLE001 — no per-sample route can run it either: that one fails loudly
+            one = None
+        if one is not None and not _close(whole[:1], one):
+            return (
+                "a point's outputs alone differ from its outputs in a batch (the forward depends on the batch's size)"
+            )
+        if window is None or window[0].shape[0] <= x.shape[0]:
+            return None
+        pts, rows = window
+        try:
+            big = as_2d(model(pts), pts.shape[0]).detach()
+        except Exception as e:  # noqa: BLE001
+            return f"its forward fails on a batch of {pts.shape[0]} points ({type(e).__name__})"
+    if big.shape[0] != pts.shape[0] or not _close(whole, big[rows]):
+        return (
+            f"the probe points' outputs in a batch of {pts.shape[0]} differ from those in a batch of "
+            f"{x.shape[0]} (the forward depends on the batch's size)"
+        )
+    return None
 
 
 def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
@@ -216,9 +293,14 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(x):
-        why = _couples(model, xs)
+        why = _couples(model, xs, window=_window(x, idx))
     _unchanged_input(x[idx], xs)
     return why
+
+
+def _window(x: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A copy of the points the probe points were chosen from, and their rows in it."""
+    return x[: min(x.shape[0], _SCAN)].clone(), idx
 
 
 _SCAN = 64  # rows searched for distinct probe points
@@ -288,7 +370,7 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     with preserved(model), _rng_kept(xs):
         trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
         _unchanged_input(x[idx], xs)
-        coupling = _couples(model, xs, again=trace.out)
+        coupling = _couples(model, xs, again=trace.out, window=_window(x, idx))
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})

@@ -10,19 +10,27 @@ from torch.func import jvp, vjp, vmap
 
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.models import OutputSelector, measured_module
+from nsa_dist.ntk._jacobian import vmap_unsafe
 from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, trainable_params
-from nsa_dist.ntk.state import call, exact_kernels, stateless
+from nsa_dist.ntk.state import call, dense_gradients, exact_kernels, stateless
 
 _log = logging.getLogger("nsa_dist")
+
+# What torch.func raises where it has no rule for an op (then plain autograd computes the same products).
+_NO_RULE = (RuntimeError, NotImplementedError, ValueError)
 
 
 class NTKOperator(LinearOperator):
     """The NTK Gramian as a linear operator, never formed: ``G V = J (Jᵀ V)``.
 
     One VJP pass over the data (blocked) gives ``U = Jᵀ V`` in parameter space, one JVP pass
-    gives ``J U``; cost O(N·P) per column, memory O(block·P + m·P) for m columns.
+    gives ``J U``; cost O(N·P) per column, memory O(block·P + m·P) for m columns.  Where torch.func
+    cannot run the forward's ops batched (no forward-mode rule: cdist, embedding_bag; a packed
+    sequence; an ``autograd.Function`` without ``setup_context``) or runs them wrong (cdist's batched
+    VJP), the same products come from plain reverse passes: one per cotangent for ``Jᵀ V``, one per
+    output row for ``J U`` — exact, slower.
     For ``kernel="trace"`` the operator is ``Σ_a J_a J_aᵀ`` on (N,) vectors; for ``"full"`` it is
     the (N·K)×(N·K) kernel acting on vectors laid out as (N, K) flattened row-major.
     ``matmat`` takes (N, m) numpy arrays or torch tensors and returns the same type
@@ -49,10 +57,19 @@ class NTKOperator(LinearOperator):
         self._params = {k: p.detach() for k, p in trainable_params(model).items()}
         self._rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
         self._buffers = dict(model.named_buffers())
+        # torch.func's batched products, unless the forward holds an op whose vmap is silently wrong
+        # (cdist's batched VJP was off by 1e-1..3e-1); set False when a transform has no rule (a packed
+        # sequence, forward AD of cdist or embedding_bag, an autograd.Function without setup_context)
+        # (checked on the first block, as the products forward it: a coupling model's whole batch)
+        with blame(model):
+            self._batched = not vmap_unsafe(model, self._params, {**self._rest, **self._buffers}, x[:block].clone())
 
     def _f(self, xb: torch.Tensor):
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb,)), xb.shape[0])  # (b, K)
+            # a copy made inside the transform: a forward may write into its input (x.clamp_(0, 1) on
+            # points already in range, which the probe lets pass), and torch.func refuses to mutate a
+            # tensor captured from outside
+            return as_2d(call(self.model, {**p, **self._rest, **self._buffers}, (xb.clone(),)), xb.shape[0])  # (b, K)
 
         return f
 
@@ -75,30 +92,93 @@ class NTKOperator(LinearOperator):
         m = Vr.shape[-1]
         n_cot = m if self.full else m * self.K
         U = {k: torch.zeros((n_cot,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
-        with exact_kernels(self.model), blame(self.model):
+        with exact_kernels(self.model), dense_gradients(self.model), blame(self.model):
             self._jt_into(U, Vr)
         return U
 
     def _jt_into(self, U: dict[str, torch.Tensor], Vr: torch.Tensor) -> None:
         for s in range(0, self.x.shape[0], self.block):
-            _, pull = vjp(self._f(self.x[s : s + self.block]), self._params)
-            (g,) = vmap(pull)(self._cotangents(Vr[s : s + self.block]))
+            xb, cot = self.x[s : s + self.block], self._cotangents(Vr[s : s + self.block])
+            g = None
+            if self._batched:
+                try:
+                    _, pull = vjp(self._f(xb), self._params)
+                    (g,) = vmap(pull)(cot)
+                except _NO_RULE as e:
+                    self._unbatched(e)
+            if g is None:
+                g = self._vjps(xb, cot)
             for k in U:
                 U[k] += g[k]
+
+    def _unbatched(self, e: Exception) -> None:
+        """From now on plain reverse passes: torch.func has no rule for some op of the forward."""
+        self._batched = False
+        _log.info(
+            "NTK operator products by plain reverse passes (torch.func: %s: %s)",
+            type(e).__name__,
+            str(e).strip().splitlines()[0][:200] if str(e).strip() else "",
+        )
+
+    def _live(self, xb: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Parameters that require grad and the block's outputs (b, K) of a plain autograd forward."""
+        live = {k: v.clone().requires_grad_(True) for k, v in self._params.items()}
+        with torch.enable_grad():
+            return live, self._f(xb)(live)
+
+    def _vjps(self, xb: torch.Tensor, cot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``Jᵀ c`` for each cotangent c (n_cot, b, K) by plain reverse passes (no torch.func)."""
+        live, out = self._live(xb)
+        ps = list(live.values())
+        rows = [
+            torch.autograd.grad(out, ps, c, retain_graph=True, allow_unused=True)
+            if out.requires_grad
+            else [None] * len(ps)
+            for c in cot
+        ]
+        return {
+            k: torch.stack([r[i] if r[i] is not None else torch.zeros_like(p) for r in rows])
+            for i, (k, p) in enumerate(live.items())
+        }
+
+    def _jvps(self, xb: torch.Tensor, U: dict[str, torch.Tensor], n_cot: int) -> torch.Tensor:
+        """``J u`` for each of the n_cot directions of U, (n_cot, b, K), from the block's Jacobian
+        rows by plain reverse passes, one per output (no forward mode, no double backward: cdist has
+        neither)."""
+        live, out = self._live(xb)
+        if not out.requires_grad:
+            return out.new_zeros((n_cot,) + tuple(out.shape))
+        ps = list(live.values())
+        flat = torch.cat([U[k].reshape(n_cot, -1) for k in live], 1)  # (n_cot, P)
+        rows = out.reshape(-1)
+        JU = out.new_empty(rows.shape[0], n_cot)
+        for r in range(rows.shape[0]):
+            g = torch.autograd.grad(rows[r], ps, retain_graph=r < rows.shape[0] - 1, allow_unused=True)
+            JU[r] = flat @ torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(g, ps)])
+        return JU.T.reshape((n_cot,) + tuple(out.shape))
 
     def j(self, U: dict[str, torch.Tensor], m: int) -> torch.Tensor:
         """``J U`` by one JVP pass: (N, m) traced (Σ over outputs) or (N, K, m) full."""
         N, K = self.x.shape[0], self.K
         out = torch.empty((N, K, m) if self.full else (N, m), dtype=self.dtype, device=self.x.device)
-        with exact_kernels(self.model), blame(self.model):
+        with exact_kernels(self.model), dense_gradients(self.model), blame(self.model):
             self._j_into(out, U, m)
         return out
 
     def _j_into(self, out: torch.Tensor, U: dict[str, torch.Tensor], m: int) -> None:
         N, K = self.x.shape[0], self.K
+        n_cot = next(iter(U.values())).shape[0]
         for s in range(0, N, self.block):
-            f = self._f(self.x[s : s + self.block])
-            JU = vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U)  # (n_cot, b, K)
+            xb = self.x[s : s + self.block]
+            JU = None
+            if self._batched:
+                f = self._f(xb)
+                try:
+                    JU = vmap(lambda u, f=f: jvp(f, (self._params,), (u,))[1])(U)  # (n_cot, b, K)
+                except _NO_RULE as e:
+                    self._unbatched(e)
+            if JU is None:
+                JU = self._jvps(xb, U, n_cot)
             if self.full:
                 out[s : s + self.block] = JU.permute(1, 2, 0)
             else:
@@ -144,6 +224,6 @@ def jacobian_vector_product(
         twin = stateless(model, x[:2])
         primals = {k: p.detach() for k, p in twin.named_parameters()}
         buffers = dict(twin.named_buffers())
-        with exact_kernels(twin):
-            _, out = jvp(lambda p: call(twin, {**p, **buffers}, (x,)), (primals,), (tangents,))
+        with exact_kernels(twin), dense_gradients(twin):
+            _, out = jvp(lambda p: call(twin, {**p, **buffers}, (x.clone(),)), (primals,), (tangents,))
     return out.detach()

@@ -21,31 +21,55 @@ from torch.func import functional_call
 
 from nsa_dist.errors import UnsupportedModelError
 
-__all__ = ["preserved", "stateless", "batch_stat_modules", "exact_kernels", "call"]
+__all__ = ["preserved", "dense_gradients", "stateless", "batch_stat_modules", "exact_kernels", "call"]
 
 
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block the model may run forwards freely; on exit its buffers (values) and every
-    module's training mode are what they were on entry.  Inside it no embedding scales its gradient
-    by token frequency (``scale_grad_by_freq`` rescales autograd's gradient, not the function: the
-    NTK is made of the derivative)."""
+    """Within the block the model may run forwards freely; on exit its buffers (the same tensors,
+    with the same values) and every module's training mode are what they were on entry.  Inside it
+    no embedding scales its gradient by token frequency (``scale_grad_by_freq`` rescales autograd's
+    gradient, not the function: the NTK is made of the derivative) or returns a sparse one
+    (:func:`dense_gradients`)."""
     modes = [(m, m.training) for m in model.modules()]
     saved = [(b, b.detach().clone()) for b in model.buffers()]
+    # the buffer slots themselves: a forward that reassigns a buffer (``self.n = self.n + 1``, an EMA
+    # written ``self.mu = 0.9 * self.mu + …``) leaves the saved tensor alone and puts a new one there
+    slots = [(m, dict(m._buffers)) for m in model.modules()]
     scaled = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.scale_grad_by_freq]
     for m in scaled:
         m.scale_grad_by_freq = False
     try:
-        yield model
+        with dense_gradients(model):
+            yield model
     finally:
         for m in scaled:
             m.scale_grad_by_freq = True
+        for m, bufs in slots:
+            for name, t in bufs.items():
+                if m._buffers.get(name) is not t:
+                    m._buffers[name] = t
         with torch.no_grad():
             for b, v in saved:
                 if not torch.equal(b, v):
                     b.data.copy_(v)  # through .data: no version bump, so a backward that saved b still runs
         for m, mode in modes:
             m.training = mode
+
+
+@contextlib.contextmanager
+def dense_gradients(model: nn.Module) -> Iterator[None]:
+    """Within the block no embedding returns a sparse gradient: ``sparse=True`` (Embedding,
+    EmbeddingBag) changes only the gradient's layout, which torch.func's transforms cannot batch
+    and the kernels' per-sample gradients cannot reshape — the same derivative, dense."""
+    sparse = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    for m in sparse:
+        m.sparse = False
+    try:
+        yield
+    finally:
+        for m in sparse:
+            m.sparse = True
 
 
 def batch_stat_modules(model: nn.Module) -> list[str]:
@@ -58,9 +82,15 @@ def batch_stat_modules(model: nn.Module) -> list[str]:
     ]
 
 
+# Norms whose train-mode forward updates running statistics it does not read (it normalises by the
+# batch's or the instance's own statistics).
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
 def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
-    """``model`` itself when its forward changes no buffer, else a copy whose train-mode batch norms
-    keep no running statistics (the same outputs: train mode normalises by the batch's statistics).
+    """``model`` itself when its forward changes no buffer, else a copy whose train-mode batch and
+    instance norms keep no running statistics (the same outputs: train mode normalises by the
+    batch's or the instance's statistics).
 
     Raises:
         UnsupportedModelError: a forward changes a buffer of another kind of module (named).
@@ -72,17 +102,17 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
     if not changed:
         return model
     owners = {f"{n}.{k}" if n else k: m for n, m in model.named_modules() for k, _ in m.named_buffers(recurse=False)}
-    other = [name for name in changed if not isinstance(owners[name], nn.modules.batchnorm._BatchNorm)]
+    other = [name for name in changed if not isinstance(owners[name], _NORMS)]
     if other:
         mod = owners[other[0]]
         raise UnsupportedModelError(
             f"the model's forward modifies its buffer {other[0]!r} ({type(mod).__name__}) in "
             "place; nsa-dist computes kernels only of forwards that change no state "
-            "besides batch-norm running statistics"
+            "besides batch- and instance-norm running statistics"
         )
     twin = copy.deepcopy(model)
     for m in twin.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+        if isinstance(m, _NORMS) and m.training:
             # as torch.func's replace_all_batch_norm_modules_
             m.running_mean = m.running_var = m.num_batches_tracked = None
     return twin
