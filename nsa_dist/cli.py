@@ -293,12 +293,15 @@ def _log_to_stderr() -> Callable[[], None]:
 
 def _quiet_at_exit() -> None:
     """Silence what the interpreter reports while collecting a failed store's leftovers at exit:
-    "Exception ignored in <coroutine …>" (sys.unraisablehook) and asyncio's "Task was destroyed
-    but it is pending!" (the "asyncio" logger)."""
+    "Exception ignored in <coroutine …>" (sys.unraisablehook), asyncio's "Task was destroyed
+    but it is pending!" (the "asyncio" logger) and "coroutine … was never awaited" (a Ctrl-C or
+    SIGTERM that lands inside a store call, between making its coroutine and running it)."""
     import logging
+    import warnings
 
     sys.unraisablehook = lambda unraisable: None
     logging.getLogger("asyncio").disabled = True
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 class Terminated(KeyboardInterrupt):

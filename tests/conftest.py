@@ -79,6 +79,30 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
         raise AssertionError(f"{what}: relative error {float(err):.3e} > {rtol:.1e}; worst entries {rows}")
 
 
+def small_run_spec(name: str) -> dict:
+    """A finished run in seconds with every array a reader or a repair touches (test points, 3 recorded steps)."""
+    return dict(
+        name=name,
+        data={"n": 32, "n_test": 8},
+        model={"depth": 2, "width": 16},
+        steps=30,
+        record={"every": 10},
+        spectrum={"k": 8, "test_points": True},
+    )
+
+
+def finished_run(tmp_path_factory, spec: dict, folder: str, store: str = "a.zarr") -> tuple[str, str]:
+    """(store URL, run id) of ``spec`` run to the end in a new store under ``folder``."""
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment
+    from nsa_dist.store import SpectrumStore
+
+    url = str(tmp_path_factory.mktemp(folder) / store)
+    out = run_experiment(ExperimentSpec(**spec), SpectrumStore(url))
+    assert out.status == "done", out
+    return url, out.run_id
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

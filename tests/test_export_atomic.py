@@ -15,29 +15,17 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import finished_run, small_run_spec
 
 from nsa_dist.cli import main as nsa
-from nsa_dist.config import ExperimentSpec
-from nsa_dist.pipeline import run_experiment
-from nsa_dist.store import SpectrumStore
 
-TINY = dict(
-    name="exp",
-    data={"n": 32, "n_test": 8},
-    model={"depth": 2, "width": 16},
-    steps=30,
-    record={"every": 10},
-    spectrum={"k": 8, "test_points": True},
-)
+TINY = small_run_spec("exp")
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> tuple[str, str]:
     """(store URL, run id) of one finished small run."""
-    url = str(tmp_path_factory.mktemp("export") / "s.zarr")
-    out = run_experiment(ExperimentSpec(**TINY), SpectrumStore(url))
-    assert out.status == "done"
-    return url, out.run_id
+    return finished_run(tmp_path_factory, TINY, "export", "s.zarr")
 
 
 def _export(url: str, rid: str, logdir: Path) -> int:

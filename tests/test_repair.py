@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import finished_run, small_run_spec
 
 from nsa_dist.cli import main as nsa
 from nsa_dist.client import Client
@@ -27,23 +28,13 @@ from nsa_dist.errors import StoreError
 from nsa_dist.pipeline import run_experiment
 from nsa_dist.store import SpectrumStore
 
-TINY = dict(
-    name="repair",
-    data={"n": 32, "n_test": 8},
-    model={"depth": 2, "width": 16},
-    steps=30,
-    record={"every": 10},
-    spectrum={"k": 8, "test_points": True},
-)
+TINY = small_run_spec("repair")
 
 
 @pytest.fixture(scope="module")
 def undamaged(tmp_path_factory) -> tuple[str, str]:
     """(store URL, run id) of one finished run, never damaged: the reference."""
-    url = str(tmp_path_factory.mktemp("repair") / "a.zarr")
-    out = run_experiment(ExperimentSpec(**TINY), SpectrumStore(url))
-    assert out.status == "done"
-    return url, out.run_id
+    return finished_run(tmp_path_factory, TINY, "repair")
 
 
 def _tree(root: Path) -> dict[str, str]:

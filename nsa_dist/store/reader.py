@@ -8,7 +8,9 @@ chunk is missing, or whose chunk fails its CRC32C checksum / zstd frame, is dama
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import math
 import os
 import stat
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from zarr.core.sync import sync
 
 from nsa_dist.errors import StoreError
 from nsa_dist.store.keys import METADATA_ERRORS
@@ -62,7 +65,31 @@ class RunReader:
         return self.store.run_status(self.id, self.attrs)
 
     def names(self) -> list[str]:
-        return sorted(self.g.array_keys())
+        """The run's arrays: every folder under the run holding an array's ``zarr.json``, and also
+        every folder whose ``zarr.json`` is unreadable or (for an array of the schema) missing —
+        reading one of those is then the StoreError naming the file, never an array silently
+        left out of a listing (an export, ``to_xarray``)."""
+        prefix = f"runs/{self.id}"
+        keys = self.store.keys
+        children = [k for k in keys.list_dir(prefix) if k != "zarr.json" and not k.endswith(".partial")]
+
+        async def metas() -> list[bytes | None]:
+            return list(await asyncio.gather(*(keys.get_async(f"{prefix}/{k}/zarr.json") for k in children)))
+
+        out = []
+        for name, raw in zip(children, sync(metas())):
+            if raw is None:
+                if name in self.specs:  # the array's folder is there, its metadata is not: damage
+                    out.append(name)
+                continue
+            try:
+                meta = json.loads(raw)
+            except ValueError:
+                out.append(name)  # unreadable: array() names the file
+                continue
+            if not isinstance(meta, dict) or meta.get("node_type") != "group":
+                out.append(name)
+        return sorted(out)
 
     def has(self, name: str) -> bool:
         try:
@@ -138,6 +165,8 @@ class RunReader:
         arr = self.array(name)
         a = self.specs.get(name)
         self._check_kinds(name)
+        if a is None and self.specs:
+            self._check_whole(name, arr)
         try:
             value = arr[...]
             if a is not None and not a.per_step and name != "loss_trace":
@@ -249,6 +278,19 @@ class RunReader:
                 f"{f' ({len(miss)} steps affected)' if len(miss) > 1 else ''}; run `nsa verify "
                 f"{self.store.url} --mark` and re-run to recompute it"
             )
+
+    def _check_whole(self, name: str, arr: zarr.Array) -> None:
+        """StoreError naming the first chunk missing from array ``name``, one written whole after the
+        run's last step (``preservation``, ``constant_gram_*``): every chunk of it is stored, so a
+        missing one is damage — never its fill value presented as data."""
+        present = self.present_chunks(name)
+        for c in chunk_grid(arr):
+            key = arr.metadata.encode_chunk_key(c)
+            if key not in present:
+                raise StoreError(
+                    f"run {self.id!r}: array {name!r} is damaged: chunk {self.path}/{name}/{key} is missing; "
+                    f"run `nsa verify {self.store.url} --mark` and re-run to write it anew"
+                )
 
     def _check_kinds(self, name: str) -> None:
         """StoreError naming the first entry of the wrong kind in array ``name``'s folder."""

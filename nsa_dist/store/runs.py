@@ -30,9 +30,21 @@ class RunIndex:
         self.keys, self.url, self.read_only = keys, keys.url, keys.read_only
 
     def run_ids(self) -> list[str]:
-        """Every run (a group with a zarr.json under ``runs/``), without opening any of them."""
+        """Every run (a group with a zarr.json under ``runs/``), without opening any of them, and
+        every run's folder that holds arrays but lost its zarr.json: listed, so that reading it
+        names the missing file (a ``damaged`` row, a ``nsa verify`` line) — never a run hidden."""
         return sorted(
-            k for k in self.keys.list_dir("runs") if k != "zarr.json" and self.keys.exists(f"runs/{k}/zarr.json")
+            k
+            for k in self.keys.list_dir("runs")
+            if k != "zarr.json" and (self.keys.exists(f"runs/{k}/zarr.json") or self._lost_metadata(k))
+        )
+
+    def _lost_metadata(self, run_id: str) -> bool:
+        """Whether ``runs/<run_id>`` has no zarr.json but holds an array (a run is created with its
+        zarr.json first, so this is damage, not a run being made)."""
+        prefix = f"runs/{run_id}"
+        return not self.keys.exists(f"{prefix}/zarr.json") and any(
+            self.keys.exists(f"{prefix}/{c}/zarr.json") for c in self.keys.list_dir(prefix) if c != "zarr.json"
         )
 
     def has_run(self, run_id: str) -> bool:
@@ -48,6 +60,12 @@ class RunIndex:
             StoreError: no such run (naming the runs there), or its zarr.json cannot be read.
         """
         if not self.has_run(run_id):
+            if self._lost_metadata(run_id):
+                raise StoreError(
+                    f"run {run_id!r}: {self.run_path(run_id)}/zarr.json is missing (the run's folder holds its "
+                    "arrays, its metadata is lost); restore the file from a copy, or delete the run's folder "
+                    "and re-run it"
+                )
             known = ", ".join(self.run_ids()[:10]) or "none"
             raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {known})")
         try:

@@ -48,6 +48,8 @@ class Damage:
     unfinished: bool = False  # not damage: a creation interrupted before its arrays were made (a re-run ends it)
     stray: bool = False  # an entry of the wrong kind no recorded step needs: removed, nothing recomputed
     link: bool = False  # ``path`` is a run's or an array's folder that is a symbolic link: replaced by a copy
+    post_run: bool = False  # in an array written after the last step (preservation …): --mark removes the
+    # array (``key``: its folder) and the re-run writes it anew; no step is recomputed
 
     def __str__(self) -> str:
         at = f" step {self.step} (index {self.index})" if self.index is not None else ""
@@ -172,8 +174,44 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                     stray=True,
                 )
             )
+    out += _verify_post_run(r)
     if steps is not None:
         out = [replace(d, step=int(steps[d.index]) if d.index is not None else None) for d in out]
+    return out
+
+
+def _verify_post_run(r: RunReader) -> list[Damage]:
+    """The arrays written after a run's last step (``preservation``, ``constant_gram_*``: not in
+    the schema, each written whole): unreadable metadata, a chunk missing, of the wrong kind or
+    failing its checksum.  Each damaged array is one Damage whose key is the array's folder:
+    ``--mark`` removes the array, and the re-run of the finished run writes it anew."""
+    out: list[Damage] = []
+    folder = lambda n: f"runs/{r.id}/{n}"  # noqa: E731
+    for name in r.names():
+        if name in r.specs:
+            continue
+        try:
+            arr = r.array(name)
+        except StoreError as exc:
+            out.append(
+                Damage(r.id, name, None, None, f"{r.path}/{name}/zarr.json", str(exc), folder(name), post_run=True)
+            )
+            continue
+        wrong, present = r.wrong_kinds(name), r.present_chunks(name)
+        for c in chunk_grid(arr):
+            key = arr.metadata.encode_chunk_key(c)
+            hit = covering(wrong, key)
+            if hit is not None:
+                problem, key = wrong[hit], hit
+            elif key not in present:
+                problem = "chunk missing (the array is written whole after the last step)"
+            else:
+                problem = chunk_problem(arr, chunk_selection(arr, c))
+            if problem:
+                out.append(
+                    Damage(r.id, name, None, None, f"{r.path}/{name}/{key}", problem, folder(name), post_run=True)
+                )
+                break  # the array is removed whole: one line for it
     return out
 
 
@@ -284,7 +322,8 @@ def mark_damaged(
             store.reopen(rid, token=lease.token).forget_steps(
                 idx,
                 list(dict.fromkeys(d.key for d in ds if d.key is not None)),
-                static_damaged=scratch or any(d.index is None and d.array != "loss_trace" and not d.stray for d in ds),
+                static_damaged=scratch
+                or any(d.index is None and d.array != "loss_trace" and not d.stray and not d.post_run for d in ds),
                 reason=f"{len(idx)} damaged step(s) marked for recompute by nsa verify; re-run to resume",
             )
             marked[rid] = idx

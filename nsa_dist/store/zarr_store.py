@@ -8,8 +8,10 @@ a CRC32C checksum, so a damaged chunk is an error naming the array, never a sile
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,11 +78,12 @@ class SpectrumStore(RunIndex):
         if self.keys.local and path.exists() and (not path.is_dir() or any(path.iterdir())):
             if self._made_meanwhile():
                 return
-            raise StoreError(
-                f"{self.url!r} is a non-empty {'directory' if path.is_dir() else 'file'} that is not an "
-                "nsa-dist spectrum store (it has no zarr.json): refusing to write into it — give a new or "
-                "an existing store path"
-            )
+            if not (path.is_dir() and not path.is_symlink() and _drop_root_leftovers(path)):
+                raise StoreError(
+                    f"{self.url!r} is a non-empty {'directory' if path.is_dir() else 'file'} that is not an "
+                    "nsa-dist spectrum store (it has no zarr.json): refusing to write into it — give a new or "
+                    "an existing store path"
+                )
         if not self.keys.local and self.keys.list_prefix("") and not self._made_meanwhile():
             raise StoreError(
                 f"{self.url!r} holds objects but is not an nsa-dist spectrum store (no zarr.json): "
@@ -273,6 +276,26 @@ class SpectrumStore(RunIndex):
     def write_lease(self, run_id: str, attrs: dict[str, Any]) -> None:
         """Write the lease group's metadata in one put (readers never see it half written)."""
         write_lease(self.keys, run_id, attrs)
+
+
+_ROOT_LEFTOVER = re.compile(r"zarr\.[0-9a-f]{32}\.partial")  # zarr.json's temporary file (LocalStore's atomic write)
+
+
+def _drop_root_leftovers(path: Path) -> bool:
+    """Remove what a process killed while writing a new store's root ``zarr.json`` leaves — a
+    directory holding nothing but that file's temporary ``zarr.<hex>.partial`` (Zarr's LocalStore
+    writes a file there, then renames it) — and say whether it did: the directory is then empty,
+    a new store, not a foreign one.  A directory with anything else is left as it is.  Called only
+    after no ``zarr.json`` appeared for a while (a live writer's rename takes microseconds)."""
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return False
+    if not entries or not all(e.is_file() and not e.is_symlink() and _ROOT_LEFTOVER.fullmatch(e.name) for e in entries):
+        return False
+    for e in entries:
+        e.unlink(missing_ok=True)
+    return True
 
 
 # --------------------------------------------------------------------------- one run's writer
@@ -499,8 +522,9 @@ class RunWriter:
             self.fence()
             if self._fence is not None:
                 self._fence.delete(self.store.keys.path / key)
-            else:
-                self.store.keys.delete(key)
+            else:  # an object store: the key, and every key under it when it names a folder
+                for k in [key, *self.store.keys.list_prefix(f"{key}/")]:
+                    self.store.keys.delete(k)
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
         """``loss_trace[start:start + len(values)] = values``, as whole chunks: they are read and
@@ -560,4 +584,5 @@ class RunWriter:
             compressors=CODECS(),
             dimension_names=dimension_names(name, value.ndim),
             attributes=dict(attrs or {}),
+            config={"write_empty_chunks": True},  # every chunk stored: a missing one is damage
         )[...] = value

@@ -1,0 +1,163 @@
+"""Reliability as a user meets it (third trial): damage every reader trips on is named, seen by
+``nsa verify``, repaired by ``--mark`` and a re-run, bit for bit.
+
+- An array's ``zarr.json`` that is unreadable or gone is named by every command — ``nsa export``
+  included, which lists the run's arrays first — never a bare JSON error, never an array silently
+  left out of the listing.
+- The arrays written after a run's last step (``preservation``, ``constant_gram_*``): a damaged or
+  missing chunk, or unreadable metadata, is an error naming the file (a missing chunk was read as
+  zeros and drawn as NSA Fig. 7d), ``nsa verify`` lists it (it said "no damage found"), ``--mark``
+  removes the array and the re-run writes it anew, equal to the undamaged run's.
+- A new store's root whose creation was killed while Zarr wrote its ``zarr.json`` (only the
+  temporary ``zarr.<hex>.partial`` left) is created by the next run — it was refused for ever as
+  "a non-empty directory that is not an nsa-dist spectrum store".
+
+Real stores on disk and real runs; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import finished_run, small_run_spec
+
+from nsa_dist.cli import main as nsa
+from nsa_dist.client import Client
+from nsa_dist.errors import StoreError
+from nsa_dist.store import SpectrumStore
+
+TINY = small_run_spec("rel3")
+
+
+@pytest.fixture(scope="module")
+def undamaged(tmp_path_factory) -> tuple[str, str]:
+    """(store URL, run id) of one finished run, never damaged: the reference."""
+    return finished_run(tmp_path_factory, TINY, "rel3")
+
+
+def _copy(undamaged: tuple[str, str], tmp_path: Path) -> tuple[str, str, Path]:
+    url, rid = undamaged
+    b = str(tmp_path / "b.zarr")
+    shutil.copytree(url, b)
+    return b, rid, Path(b) / "runs" / rid
+
+
+def _assert_same_arrays(a_url: str, b_url: str, rid: str) -> None:
+    a, b = Client(a_url).run(rid), Client(b_url).run(rid)
+    assert sorted(a.array_names()) == sorted(b.array_names())
+    for name in a.array_names():
+        np.testing.assert_array_equal(a.array(name), b.array(name), err_msg=f"array {name!r} differs")
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- array metadata
+def test_an_unreadable_array_zarr_json_is_named_by_export(undamaged, tmp_path, capsys):
+    b, rid, run = _copy(undamaged, tmp_path)
+    (run / "energy_y" / "zarr.json").write_text("garbage{")
+    assert nsa(["export", rid, "--store", b, "--tensorboard", str(tmp_path / "tb")]) == 2
+    line = _one_error(capsys)
+    assert f"{run}/energy_y/zarr.json is unreadable" in line, line
+    assert not (tmp_path / "tb" / rid).exists()
+
+
+def test_a_missing_array_zarr_json_is_listed_and_named_never_left_out(undamaged, tmp_path, capsys):
+    b, rid, run = _copy(undamaged, tmp_path)
+    (run / "eigenvalues" / "zarr.json").unlink()
+    r = Client(b).run(rid)
+    assert "eigenvalues" in r.array_names()  # listed: reading it names the damage
+    with pytest.raises(StoreError, match=r"array 'eigenvalues' is missing .*eigenvalues/zarr\.json"):
+        r.array("eigenvalues")
+    assert nsa(["export", rid, "--store", b, "--tensorboard", str(tmp_path / "tb")]) == 2
+    line = _one_error(capsys)
+    assert "array 'eigenvalues' is missing" in line and "eigenvalues/zarr.json" in line, line
+
+
+# --------------------------------------------------------------------------- post-run arrays
+def _truncate(run: Path) -> tuple[str, str]:
+    chunk = run / "preservation" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:10])
+    return "preservation", "preservation/c/0/0"
+
+
+def _remove(run: Path) -> tuple[str, str]:
+    (run / "preservation" / "c" / "0" / "0").unlink()
+    return "preservation", "preservation/c/0/0"
+
+
+def _garbage_meta(run: Path) -> tuple[str, str]:
+    (run / "constant_gram_energy" / "zarr.json").write_text("{")
+    return "constant_gram_energy", "constant_gram_energy/zarr.json"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _remove, _garbage_meta], ids=["truncated", "removed", "garbage-meta"])
+def test_a_damaged_post_run_array_is_named_verified_and_rewritten(undamaged, tmp_path, damage, capsys):
+    b, rid, run = _copy(undamaged, tmp_path)
+    name, where = damage(run)
+    with pytest.raises(StoreError) as e:  # never the fill value (zeros) presented as data
+        Client(b).run(rid).array(name)
+    assert f"{run}/{where}" in str(e.value), str(e.value)
+    assert nsa(["verify", b]) == 1
+    out = capsys.readouterr().out
+    assert f"{run}/{where}" in out and "no damage found" not in out, out
+    assert nsa(["verify", b, "--mark"]) == 0
+    assert f"{rid}: step indices [] marked not done" in capsys.readouterr().out  # no step recomputed
+    assert not (run / name).exists()  # removed whole; the steps are kept
+    assert Client(b).run(rid).steps.tolist() == Client(undamaged[0]).run(rid).steps.tolist()
+    assert nsa(["run", "--plain", "--store", b, _spec_file(tmp_path)]) == 0
+    assert "(0 recorded steps computed)" in capsys.readouterr().out
+    assert nsa(["verify", b]) == 0
+    _assert_same_arrays(undamaged[0], b, rid)
+
+
+def _spec_file(tmp_path: Path) -> str:
+    import yaml
+
+    path = tmp_path / "rel3.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+# --------------------------------------------------------------------------- store creation
+def test_a_store_whose_root_zarr_json_write_was_killed_is_created_by_the_next_run(undamaged, tmp_path, capsys):
+    store = tmp_path / "new.zarr"
+    store.mkdir()  # what a SIGKILL inside zarr's atomic write of the root zarr.json leaves
+    (store / "zarr.0123456789abcdef0123456789abcdef.partial").write_bytes(b'{"zarr_for')
+    assert nsa(["run", "--plain", "--store", str(store), _spec_file(tmp_path)]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in store.iterdir()) == ["leases", "runs", "zarr.json"]
+    _assert_same_arrays(undamaged[0], str(store), undamaged[1])
+    foreign = tmp_path / "foreign"  # anything else beside such a file: still not a store, refused
+    foreign.mkdir()
+    (foreign / "zarr.0123456789abcdef0123456789abcdef.partial").write_bytes(b"")
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="not an nsa-dist spectrum store"):
+        SpectrumStore(str(foreign))
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt", "zarr.0123456789abcdef0123456789abcdef.partial"]
+
+
+# --------------------------------------------------------------------------- a run's own metadata
+def test_a_run_whose_zarr_json_is_gone_is_listed_damaged_and_named_never_hidden(undamaged, tmp_path, capsys):
+    b, rid, run = _copy(undamaged, tmp_path)
+    (run / "zarr.json").unlink()  # its arrays and every recorded step are still there
+    rows = Client(b).runs()
+    assert rows["id"].tolist() == [rid] and rows["status"].tolist() == ["damaged"], rows[["id", "status"]]
+    assert f"{run}/zarr.json is missing" in rows["reason"].iloc[0]
+    with pytest.raises(StoreError, match=rf"{rid}.*{run}/zarr\.json is missing"):
+        Client(b).run(rid)
+    assert nsa(["show", rid, "--store", b]) == 2
+    assert f"{run}/zarr.json is missing" in _one_error(capsys)
+    assert nsa(["verify", b]) == 1  # not "0 run(s), no damage found"
+    out = capsys.readouterr().out
+    assert f"{run}/zarr.json" in out and "1 damaged piece(s) in 1 of 1 run(s)" in out, out
+    assert nsa(["verify", b, "--mark"]) == 2  # damaged metadata is not repaired: nothing deleted
+    assert sorted(p.name for p in run.iterdir()) == sorted(
+        p.name for p in (Path(undamaged[0]) / "runs" / rid).iterdir() if p.name != "zarr.json"
+    )
