@@ -50,12 +50,17 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
   rounding model, not a proof), E's thresholds are moved out by δ (so the whole null cluster
   counts on the upper side: upper = 1), the top part enters each threshold only with the
   eigenvalues above / at it, and top eigenpairs within 2δ of a neighbour (the top K reaching into
-  the null space when K > r) get the bracket of their cluster instead of the solver's value.
+  the null space when K > r) get the bracket of their cluster instead of the solver's value — as do
+  top eigenpairs within 4·‖R‖₂ of a neighbour (R the given eigenvectors' residual, ``leak``: a
+  solver's eigenvectors rotate between such eigenvalues), and λ_K when the deflated operator's
+  largest Ritz value comes within that of it (λ_{K+1} ≈ λ_K, a cluster straddling K: E(φ, K) may
+  take any part of v_{K+1}'s energy).
   Eigenvalues a few δ apart are not a cluster, yet the exact route's eigenvectors rotate between them
   by ~δ/gap: beyond the top, E's bracket takes the tightest of ramp bounds (threshold moved by w,
   ± δ₆₄/w, :func:`_ramps`), which hold under a float64 reduction's backward error δ₆₄.  Not covered:
   such a rotation inside the top part (k ≤ K, the solver's eigenvectors, E off by ≤ 1.1·10⁻⁵ on
-  eigenvalue pairs 2.5–1000·δ apart against 40-digit eigenvectors), and a float32 reduction's
+  eigenvalue pairs 2.5–1000·δ apart against 40-digit eigenvectors; by ~10⁻¹² on pairs a few ‖R‖
+  apart with block Lanczos's eigenvectors at tol 10⁻¹⁰), and a float32 reduction's
   rotations, which stay a threshold shift (a model).
 """
 
@@ -218,7 +223,7 @@ def spectral_curves(
         G: the symmetric PSD (N, N) matrix or operator (``shape`` + ``matmat``).
         evals: (K,) its top eigenvalues, descending; evecs: (N, K) the eigenvectors (NumPy or torch).
         phis: φ by name, (N,) or (N, C) (E sums the C columns); None or non-finite → NaN curves.
-        ks: reported k, 1 ≤ k ≤ N, sorted.
+        ks: reported k, 1 ≤ k ≤ N, strictly increasing.
         lanczos_steps: m, block steps of A = PGP from the block of φ's and probes.
         probes: Rademacher probes of the counting function.
         confidence: pointwise confidence of the counting function's bracket.
@@ -259,8 +264,14 @@ def spectral_curves(
     ks = ks_in.astype(np.int64)
     if U.shape != (N, K):
         raise ValueError(f"evecs must be (N, K) = ({N}, {K}), got {U.shape}")
-    if ks.ndim != 1 or ks.size == 0 or ks.min() < 1 or ks.max() > N or np.any(np.diff(ks) < 0) or np.any(ks != ks_in):
+    if ks.ndim != 1 or ks.size == 0 or ks.min() < 1 or ks.max() > N or np.any(ks != ks_in):
         raise ValueError(f"ks must be sorted integers in 1 … N = {N}, got {ks_in[:5]}…")
+    if np.any(np.diff(ks) <= 0):
+        bad = int(np.nonzero(np.diff(ks) <= 0)[0][0])
+        raise ValueError(
+            f"ks must be sorted integers in 1 … N = {N} without repeats (curve_ks gives such), got "
+            f"k = {ks[bad]} then {ks[bad + 1]}"
+        )
     if K < 1:
         raise ValueError("spectral_curves needs at least one exact eigenpair (K ≥ 1)")
     _check_top(lam, U)
@@ -287,7 +298,7 @@ def spectral_curves(
     # with phi_width φ's run stops once its own part of E's bracket there is below it.
     own = phi_steps is not None
     m_phi = _phi_steps(phi_steps, m, block_size, n_phi_cols, N) if own else m
-    runs: dict[int, tuple[np.ndarray, np.ndarray, int, bool]] = {}
+    runs: dict[int, tuple[np.ndarray, np.ndarray, int, bool, np.ndarray]] = {}
     ritz: list[np.ndarray] = []
 
     def run(vectors: list[np.ndarray], steps_g: int, offset: int, done: Any = None) -> None:
@@ -313,8 +324,8 @@ def spectral_curves(
     def rules_of(starts: list[int]) -> list[_Rule]:
         out = []
         for start in sorted(starts):
-            theta, W, steps, exhausted = runs[start]
-            out += [_Rule(theta, W[i], steps, exhausted) for i in range(W.shape[0])]
+            theta, W, steps, exhausted, res = runs[start]
+            out += [_Rule(theta, W[i], steps, exhausted, res) for i in range(W.shape[0])]
         return out
 
     if own:
@@ -355,6 +366,8 @@ def spectral_curves(
         eig = curve(floor.delta)
     steps_done = min([m] + [runs[r][2] for r in runs if r >= n_phi_cols or not own])
     phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
+    # the deflated operator's largest Ritz value (≤ its largest eigenvalue): a tail eigenvalue at λ_K
+    tail_top = max([-math.inf] + [float(np.max(r)) for r in ritz if r.size]) if K < N else -math.inf
     energy = {}
     for name in phis:
         idx = [j for j, o in enumerate(owners) if o == name]
@@ -369,6 +382,8 @@ def spectral_curves(
             16.0 * A.eps,
             floor.delta,
             floor.rotation,
+            floor.leak,
+            tail_top,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
     widest: dict[str, dict[str, float]] = {}
@@ -551,6 +566,7 @@ class _Rule:
     nu: np.ndarray
     steps: int
     exhausted: bool
+    residual: np.ndarray | None = None  # ‖G y_j − θ_j y_j‖ of each Ritz pair (None: not known)
     x: np.ndarray = None  # Gauss nodes ascending
     w: np.ndarray = None
     alpha: np.ndarray = None  # the Jacobi matrix of the moments (normalised measure)
@@ -563,8 +579,20 @@ class _Rule:
             self.x, self.w = self.theta[keep][order], self.nu[keep][order]
         else:
             self.x, self.w, self.alpha, self.beta = _gauss_from_discrete(self.theta[keep], self.nu[keep], self.steps)
-            if self.x.size < self.steps:  # fewer atoms than nodes: the moments determine μ = ν
+            if self.x.size < self.steps and self._converged(keep):
+                # fewer atoms than nodes: the moments determine μ = ν — where the nodes carrying the
+                # weight are eigenpairs (their Ritz residuals at rounding): a one-column run beside a
+                # repeated eigenvalue spends a step on a second copy of it that φ does not see (weight
+                # 3·10⁻²¹), so 49 nodes of 50 steps, and ν taken for μ missed E by 0.009–0.037
                 self.exhausted = True
+
+    def _converged(self, keep: np.ndarray) -> bool:
+        """Whether every Ritz pair carrying weight (≥ 10⁻¹² of the mass) has a residual at rounding."""
+        if self.residual is None:
+            return True
+        heavy = keep & (self.nu >= 1e-12 * self.mass)
+        scale = float(np.abs(self.theta).max()) if self.theta.size else 0.0
+        return bool(np.all(self.residual[heavy] <= 1e-8 * scale))
 
     def radau(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(≤ μ((t, ∞)), ≥ μ([t, ∞))) at each t from the canonical representation through t (Gauss–Radau
@@ -675,7 +703,7 @@ def _block_rule(
     scale: float = 0.0,
     done: Callable[[np.ndarray, np.ndarray, int], bool] | None = None,
     every: int = 20,
-) -> Generator[Any, Any, tuple[np.ndarray, np.ndarray, int, bool]]:
+) -> Generator[Any, Any, tuple[np.ndarray, np.ndarray, int, bool, np.ndarray]]:
     """:func:`~nsa_dist.linalg.lanczos.block_gauss_quadrature`'s rule on the same Krylov machinery,
     as a generator driven by :func:`_lockstep`: it yields each block P to be multiplied and is sent
     G·P back; it returns the rule (θ, W), the block steps taken and whether the basis became
@@ -687,26 +715,32 @@ def _block_rule(
     st.anorm = scale  # ‖G‖: the deflated operator's rounding is G's, whatever the size of its tail
     P, Bc, exhausted = Q, np.zeros((b, 0)), False
 
-    def rule() -> tuple[np.ndarray, np.ndarray]:
+    last: list[Any] = [None, 0]  # the coupling B of the next block to the last one, and its width
+
+    def rule() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         theta, Y = _ritz(st.H[: st.n, : st.n])  # descending, MKL's eigh on the products' threads
-        return theta, (R.T @ Y[: Q.shape[1]]) ** 2  # (b, n): column i's weights, row sums ‖z_i‖²
+        B, bp = last
+        # Ritz residuals ‖B · (Y's rows of the last block)‖ (0 where the basis is invariant)
+        res = np.zeros(theta.size) if B is None else np.linalg.norm(np.atleast_2d(B) @ Y[st.n - bp : st.n], axis=0)
+        return theta, (R.T @ Y[: Q.shape[1]]) ** 2, res  # (b, n): column i's weights, row sums ‖z_i‖²
 
     for _ in range(n_steps):
         GP = yield P
         B, P_next = st.extend(P, Bc, lambda _, GP=GP: GP)
+        last[:] = [B, P.shape[1]]
         n = st.n
         if P_next is None:
             exhausted = True
             break
         if n + P_next.shape[1] > st.M:
             break
-        if done is not None and st.steps % every == 0 and st.steps < n_steps and done(*rule(), st.steps):
+        if done is not None and st.steps % every == 0 and st.steps < n_steps and done(*rule()[:2], st.steps):
             break
         Bc = np.zeros((B.shape[0], n))
         Bc[:, n - P.shape[1] :] = B
         P = P_next
-    theta, W = rule()
-    return theta, W, st.steps, exhausted
+    theta, W, res = rule()
+    return theta, W, st.steps, exhausted, res
 
 
 def _lockstep(gens: dict[int, Generator[Any, Any, Any]], matmat: Callable[[Any], Any], ops: ArrayOps) -> dict[int, Any]:
@@ -795,6 +829,12 @@ def _phi_columns(
         P = raw.astype(np.float64).reshape(N, -1)
         if not np.isfinite(P).all():
             continue
+        # E(φ, k) does not depend on φ's scale, its squares do: a φ of 1e-160 put ⟨v, φ⟩² and ‖φ‖² in
+        # the subnormals (E off by 2·10⁻⁶ outside its bracket), 1e-200 made ‖φ‖² = 0 (NaN curves)
+        # and 1e160 made it inf (an eigh_tridiagonal error) — scaled by a power of 2 (exact) to max |φ| ∈ [1, 2)
+        top = float(np.max(np.abs(P))) if P.size else 0.0
+        if top > 0.0:
+            P = np.ldexp(P, -math.frexp(top)[1] + 1)
         n2 = float(np.sum(P * P))
         if n2 == 0.0:
             continue
@@ -848,7 +888,12 @@ def _eigenvalue_curve(
         # the Ritz values less ``leak``: the top eigenvectors' residual ‖R‖₂ (_top_leak) and 3·δ₆₄ for
         # the products' rounding — a Ritz value sat 2δ₆₄ above λ_{K+1} with the tail 12 decades
         # below λ_1 (fuzz); the interlacing proof holds for PGP of exact eigenvectors only
-        lo = max([lo] + [float(r[j]) - leak for r in ritz_desc if j < r.size])
+        # PGP's spectrum on the whole space is the tail's and K zeros (range(U)), so θ_j ≤ μ_j bounds
+        # λ_{K+j} only where μ_j > 0 (the top j of PGP all the tail's); at or below 0 — a G
+        # indefinite by more than rounding, its negative tail below those zeros — λ_{K+j} ≥ μ_{j+K}
+        # ≥ θ_{j+K} (a Gram made in float32 and held in float64: the lower end passed λ_82…λ_150 by
+        # up to 2.3·10⁻⁶ with the Krylov space the whole space, zero Ritz values on range(U))
+        lo = max([lo] + [_interlaced(r, j, K, leak) for r in ritz_desc if j < r.size])
         hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1])
         v = _last_at_least(bps, est, k, 0.0)
         lower[i], upper[i] = max(lo - slack, floor), hi + slack
@@ -866,6 +911,16 @@ def _eigenvalue_curve(
             int(tail.sum()),
         )
     return CurveBracket(value, lower, upper)
+
+
+def _interlaced(ritz_desc: np.ndarray, j: int, K: int, leak: float) -> float:
+    """A lower bound of λ_{K+j+1} from the Ritz values (descending) of PGP on a Krylov space, less
+    ``leak``: the (j+1)-th where it is above 0 by more than ``leak``, else the (j+K+1)-th (PGP's K
+    zeros on range(U) may sit above a negative tail), else −∞."""
+    th = float(ritz_desc[j]) - leak
+    if th > 0.0:
+        return th
+    return float(ritz_desc[j + K]) - leak if j + K < ritz_desc.size else -math.inf
 
 
 def _counts(
@@ -941,13 +996,18 @@ def _energy_curve(
     slack: float = 0.0,
     shift: float = 0.0,
     rotation: float = 0.0,
+    leak: float = 0.0,
+    tail_top: float = -math.inf,
 ) -> CurveBracket:
     """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond;
     ``slack`` (16·eps of the products) widens each side for the products' rounding (float32: the
     bound holds for the rounded products' moments, which differ from G's by about eps); ``shift``
     (the exact route's eigenvalue rounding, :class:`_Floor`) moves the thresholds outwards, so that
     eigenvalues the rounding may reorder around λ_k — the whole null space of a rank-deficient G,
-    whose eigenvectors the exact route orders arbitrarily — count on both sides."""
+    whose eigenvectors the exact route orders arbitrarily — count on both sides.  ``leak`` (the top
+    eigenvectors' residual bound ‖R‖₂, :func:`_top_leak`) widens what counts as a cluster in the top
+    part: a solver's eigenvectors rotate between eigenvalues ‖R‖ apart; ``tail_top`` (the deflated
+    operator's largest Ritz value) tells a cluster that straddles K: λ_{K+1} within it of λ_K."""
     nk = ks.size
     if top2 is None or not np.isfinite(norm2):
         nan = np.full(nk, np.nan)
@@ -959,16 +1019,21 @@ def _energy_curve(
     desc = -lam  # ascending, for searchsorted
     top2_at = lambda n: np.where(n > 0, top2[np.maximum(n, 1) - 1], 0.0)  # noqa: E731  Σ_{i≤n}⟨v_i, φ⟩²
     if shift > 0 and top.any():
-        # top eigenvalues within the rounding 2·shift of a neighbour (G's null space above all): the
-        # exact route may rotate and reorder their eigenvectors, so E(k) is only known between the
-        # energies before and after the cluster
+        # top eigenvalues within the rounding 2·shift of a neighbour (G's null space above all), or
+        # within 4·leak (a solver's eigenvectors, residual ‖R‖, rotate between such eigenvalues: E off by
+        # 7·10⁻⁸ at Lanczos's tolerance 10⁻¹⁰ on pairs 10⁻¹¹·λ_1 apart): the exact route may rotate and
+        # reorder their eigenvectors, so E(k) is only known between the energies before and after
+        # the cluster — a cluster reaching K takes in the tail's eigenvalues within it of λ_K (the
+        # largest Ritz value of the deflated operator, its top eigenvalue from below, there: a repeated
+        # λ_K = λ_{K+1} put E(φ, K) at a zero-width value 0.996 from another eigh's)
+        tie = 2 * shift + 4 * leak
         kt = ks[top]
-        a = np.searchsorted(desc, -(lam[kt - 1] + 2 * shift), side="left")  # #{λ_i > λ_k + 2·shift}
-        b = np.searchsorted(desc, -(lam[kt - 1] - 2 * shift), side="right")  # #{λ_i ≥ λ_k − 2·shift}
-        cl = (a + 1 < kt) | (b > kt)
+        a = np.searchsorted(desc, -(lam[kt - 1] + tie), side="left")  # #{λ_i > λ_k + tie}
+        b = np.searchsorted(desc, -(lam[kt - 1] - tie), side="right")  # #{λ_i ≥ λ_k − tie}
+        cl = (a + 1 < kt) | (b > kt) | ((b == K) & (tail_top + leak >= lam[kt - 1] - tie))
         if cl.any():
             hi = top2_at(b[cl]) + np.where(
-                b[cl] == K, sum(r.radau(lam[kt[cl] - 1] - 2 * shift)[1] for r in rules) if rules else 0.0, 0.0
+                b[cl] == K, sum(r.radau(lam[kt[cl] - 1] - tie)[1] for r in rules) if rules else 0.0, 0.0
             )
             idx = np.nonzero(top)[0][cl]
             lower[idx] = top2_at(a[cl]) / norm2
