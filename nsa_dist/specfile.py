@@ -65,7 +65,7 @@ def _read_yaml(path: str | Path) -> dict:
     try:
         raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML ({_clip(str(exc), 500)})") from exc
+        raise SpecError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from exc
     except RecursionError as exc:  # the parser recurses per level: [[[[…]]]] 50,000 deep
         raise SpecError(
             f"{p}: the YAML nests too deeply to read (thousands of levels of [ or {{); a spec file is a few levels deep"
@@ -144,3 +144,19 @@ def check_data(specs: Iterable[ExperimentSpec], source: str | Path, *, urls: boo
         if data.path is not None:
             files[data.path] = list(dict.fromkeys(files.get(data.path, []) + found))
     return files
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: where and what, e.g. "line 3, column 6: expected ',' or '}', but got ':' (while
+    parsing a flow mapping at line 2, column 7)" — PyYAML's own text spans several lines and names
+    "<unicode string>" instead of the file."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return _clip(" ".join(str(exc).split()), 500)
+    out = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, at = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context:
+        out += f" ({context}" + (f" at line {at.line + 1}, column {at.column + 1}" if at is not None else "") + ")"
+    if "'\\t'" in problem:  # PyYAML writes the character as '\t'
+        out += "; YAML indents with spaces, not tabs"
+    return _clip(out, 500)

@@ -292,3 +292,25 @@ def test_ls_piped_shows_every_id_whole(tmp_path, capsys):
     out = capsys.readouterr().out
     (rid,) = Client(store).runs()["id"]
     assert rid in out, out
+
+
+@pytest.mark.parametrize(
+    "text, where, hint",
+    [
+        (
+            "name: a\ndata: {name: image2d, n: 64\nsteps: 2\n",
+            "line 3, column 6: expected ',' or '}'",
+            "while parsing a flow mapping at line 2, column 7",
+        ),
+        ("name: a\n\tsteps: 2\n", "line 2, column 1: found character '\\t'", "YAML indents with spaces, not tabs"),
+    ],
+)
+def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path, capsys, text, where, hint):
+    """PyYAML's text took 6 lines and named "<unicode string>" instead of the file."""
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    assert nsa(["run", str(p), "--store", str(tmp_path / "s.zarr")]) == 2
+    err = _err(capsys)
+    assert len(err) == 1 and "bad.yaml: not valid YAML: " in err[0], err
+    assert where in err[0] and hint in err[0] and "unicode string" not in err[0], err
+    assert not (tmp_path / "s.zarr").exists()
