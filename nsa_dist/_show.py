@@ -21,6 +21,13 @@ def curves_line(run: Run) -> str:
     :attr:`Run.curve_bracket` has the whole sentence)."""
     top, n = int(run.shape("eigenvalues")[1]), run.N
     if run.energy_route == "exact":
+        mixed = _mixed_k(run)
+        if mixed:
+            return (
+                f"curves: exact route, k = 1..{top} of N = {n}, E(φ, k) exact except at k {mixed}: inside a "
+                "cluster of eigenvalues within rounding (a rank-deficient G's null space), where the "
+                "eigenvectors are one arbitrary basis — bracketed there (Run.energy, energy_curve)"
+            )
         if top >= n:
             return f"curves: exact route, every k = 1..N = {n} exact (eigendecomposition of G_t; no bracket)"
         return f"curves: exact route, k = 1..{top} exact (the eigenpairs kept, spectrum.k; no bracket)"
@@ -33,6 +40,15 @@ def curves_line(run: Run) -> str:
         f"curves: quadrature route, k = 1..{top} exact, {top + 1}..{n} bracketed ({kind}; "
         "Run.curve_bracket says how the brackets hold)"
     )
+
+
+def _mixed_k(run: Run) -> str:
+    """The k at which the exact route's E_t(y, k) is bracketed (an eigenvalue cluster), as ranges
+    ("41..63"); "" when every k is exact or the run stores no energy_y."""
+    try:
+        return run.curve("energy_y").inexact_ranges()
+    except KeyError:
+        return ""
 
 
 def _pm(value: float, se: float) -> str:

@@ -16,7 +16,7 @@ from nsa_dist.store import SpectrumStore
 N = 48
 BASE = {
     "data": {"n": N, "n_test": 12},
-    "model": {"depth": 2, "width": 24},
+    "model": {"depth": 2, "width": 96},  # G (N = 48) of full rank: no null-space cluster (width 24: rank 33)
     "steps": 6,
     "record": {"every": 3},
     "seed": 3,

@@ -35,7 +35,9 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = str(tmp_path_factory.mktemp("edges") / "s.zarr")
     store = SpectrumStore(url)
     specs = (
-        ExperimentSpec.model_validate({**BASE, "name": "qauto", "spectrum": {"k": "all"}}),
+        ExperimentSpec.model_validate(
+            {**BASE, "model": {"depth": 2, "width": 32}, "name": "qauto", "spectrum": {"k": "all"}}
+        ),
         ExperimentSpec.model_validate({**BASE, "name": "qautol", "spectrum": {"k": 4}}),
         ExperimentSpec.model_validate({**BASE, "name": "quad", "data": {"n": 24}, "spectrum": QUAD}),
     )

@@ -3,7 +3,9 @@
 Two routes store the curves (``spectrum.energy``; the run attribute ``energy_route`` says which):
 
 * **exact** — the whole G_t on one process, ``spectrum.k: all``: ``energy_<φ>`` (S, N) and
-  ``eigenvalues`` (S, N) hold every k; lower = upper = value.  A run that kept only the top K
+  ``eigenvalues`` (S, N) hold every k; lower = upper = value, except inside a cluster of
+  eigenvalues within the eigensolver's rounding (a rank-deficient G's null space), where E is
+  bracketed by the cluster's ends (:func:`_exact_clusters`).  A run that kept only the top K
   eigenpairs has its curve at k = 1..K, exact.
 * **quadrature** — products with G_t only (gang layouts, or asked for): the top part
   (k ≤ ``spectrum.quadrature.top``) exact in ``energy_<φ>`` / ``eigenvalues``, beyond it
@@ -54,7 +56,8 @@ class BracketedCurve:
         steps: (S,) the finished recorded steps t.
         k: (n,) the k (or i) measured, ascending, 1-based.
         value, lower, upper: (S, n) float64.
-        exact: (n,) True where the value is exact (the top part; every k on the exact route).
+        exact: (n,) True where the value is exact (the top part; every k on the exact route but
+            inside an eigenvalue cluster).
         n_points: N, the largest k there is.
         route: "exact" or "quadrature".
         bracket: how the brackets are guaranteed (the run's ``curve_bracket``, or exact).
@@ -88,6 +91,18 @@ class BracketedCurve:
     def width(self) -> np.ndarray:
         """(S, n) upper − lower."""
         return self.upper - self.lower
+
+    def inexact_ranges(self) -> str:
+        """The k where the value is bracketed rather than exact, as ranges ("41..63, 70"); "" when
+        every k is exact."""
+        ks = self.k[~np.asarray(self.exact, bool)].tolist()
+        parts: list[list[int]] = []
+        for k in ks:
+            if parts and parts[-1][1] == k - 1:
+                parts[-1][1] = k
+            else:
+                parts.append([k, k])
+        return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in parts)
 
     def widest(self) -> tuple[np.ndarray, np.ndarray]:
         """Per finished step, the largest bracket width and the (first) k where it is: (S,) float64
@@ -260,17 +275,71 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
             bracket,
             None if conf is None else float(conf),
         )
-    top.flags.writeable = False
+    lower, upper, exact = _exact_clusters(run, name, top, n_points)
+    for a in (top, lower, upper):
+        a.flags.writeable = False
     return BracketedCurve(
         name,
         np.asarray(run.steps),
         np.arange(1, K + 1, dtype=np.int64),
         top,
-        top,
-        top,
-        np.ones(K, bool),
+        lower,
+        upper,
+        exact,
         n_points,
         "exact",
         EXACT_BRACKET,
         None,
     )
+
+
+def _exact_clusters(
+    run: RunArrays, name: str, top: np.ndarray, n_points: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact route's brackets of E_t(φ, k): a point (lower = upper = value) except where other
+    eigenvalues lie within 2δ of λ_k, δ = n·eps·|λ_1| the eigensolver's rounding — above all the
+    null space of a rank-deficient G (fewer parameters than points).  There the dense eigh's
+    eigenvectors are an arbitrary basis of that eigenspace in an arbitrary order, so E(φ, k) is one
+    basis's value, not *the* value (docs/curves.md: "anything from E(φ, r) to 1" beyond the rank
+    r).  The window is the quadrature route's for its top part (``linalg.quadrature``: thresholds
+    λ_k ± 2δ, no chaining along a bulk whose spacing is below δ): with a = #{λ_i > λ_k + 2δ} and
+    b = #{λ_i ≥ λ_k − 2δ}, the eigenvectors of 1..k mix with others only when b > k (an eigenvalue
+    within 2δ below λ_k: those above λ_k + 2δ cannot reach past k), and then k gets
+    ``[E(a), E(b)]`` (E(0) = 0; 1 when the window reaches the K < n eigenpairs a run kept) and is not
+    ``exact`` — E(N) = 1 and the end of a cluster stay exact.  λ itself is left as it is (it is
+    basis-independent, within δ)."""
+    S, K = top.shape
+    lower, upper, exact = top, top, np.ones(K, bool)
+    if name == "eigenvalue" or S == 0 or K < 2:
+        return lower, upper, exact
+    lam_name = "eigenvalues_test" if name == "energy_f_test" else "eigenvalues"
+    if not run.has(lam_name):
+        return lower, upper, exact
+    lam = np.asarray(run.per_step(lam_name), np.float64)
+    if lam.ndim != 2 or lam.shape[1] != K:
+        return lower, upper, exact
+    try:
+        eps = float(np.finfo(np.dtype(str(run.spec.spectrum.dtype))).eps)
+    except (AttributeError, TypeError):
+        eps = float(np.finfo(np.float64).eps)
+    lower, upper = top.copy(), top.copy()
+    e_at = lambda s, n: np.where(n > 0, top[s, np.maximum(n, 1) - 1], 0.0)  # noqa: E731  E(φ, n), E(0) = 0
+    for s in range(S):
+        row = lam[s]
+        if not np.isfinite(row).all():
+            continue
+        tie = 2.0 * n_points * eps * float(np.max(np.abs(row)))
+        desc = -row  # ascending (the stored eigenvalues descend)
+        a = np.searchsorted(desc, -(row + tie), side="left")  # #{λ_i > λ_k + 2δ}
+        b = np.searchsorted(desc, -(row - tie), side="right")  # #{λ_i ≥ λ_k − 2δ}
+        k = np.arange(1, K + 1)
+        # eigenvectors mix across k only with an eigenvalue within 2δ below λ_k (b > k); at the last
+        # of K < n kept eigenpairs a window holding others may go on past it
+        wide = (b > k) | ((b == K) & (K < n_points) & (a + 1 < k))
+        if not wide.any():
+            continue
+        hi = np.where((b == K) & (K < n_points), 1.0, e_at(s, b))  # it may reach past the K kept
+        lower[s, wide] = np.fmin(lower[s, wide], e_at(s, a)[wide])
+        upper[s, wide] = np.fmax(upper[s, wide], hi[wide])
+        exact[wide] = False
+    return lower, upper, exact

@@ -114,7 +114,9 @@ class Run(RunArrays):
         phi: "y" labels, "f" outputs f_t, "residual" m_t, "df" real update, "df_pred" first-order
         update −(δ/N) G m, "f_test" outputs at the test points (eigenvectors of the test Gram).
         k: 1..N.  The exact route (``spectrum.k: all`` on one process) gives every k exactly
-        (lower = upper = value); the quadrature route gives the top part exactly and every other k
+        (lower = upper = value) except inside a cluster of eigenvalues within the eigensolver's
+        rounding (a rank-deficient G's null space: its eigenvectors are one arbitrary basis), where
+        E is bracketed by the cluster's ends; the quadrature route gives the top part exactly and every other k
         within its bracket (:attr:`curve_bracket` says how it is guaranteed); a k between two
         measured k is bracketed by its neighbours (E is non-decreasing in k).
         step: a finished recorded step t, −1 for the last (floats back), or None for every finished
@@ -183,9 +185,10 @@ class Run(RunArrays):
 
     def bracket_widths(self, phis: str | tuple[str, ...] = PHIS) -> pandas.DataFrame:
         """Where each E_t(φ, k)'s bracket is widest, per finished step: columns ``step``, ``phi``,
-        ``width``, ``k``, ``value``, ``lower``, ``upper`` (at that k).  0 everywhere on the exact
-        route; on the quadrature route the step's log says what each width is made of
-        (docs/curves.md).  ``phis``: the φ, or one φ as a string.  A φ the run does not store is left out.
+        ``width``, ``k``, ``value``, ``lower``, ``upper`` (at that k).  0 on the exact route but
+        inside an eigenvalue cluster (a rank-deficient G's null space); on the quadrature route
+        the step's log says what each width is made of (docs/curves.md).  ``phis``: the φ, or
+        one φ as a string.  A φ the run does not store is left out.
 
         Raises:
             ValueError: an unknown phi.

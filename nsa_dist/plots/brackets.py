@@ -117,6 +117,15 @@ def bracket_caption(run: Run, drawn: bool = True) -> str:
     top = int(run.shape("eigenvalues")[1])
     if run.energy_route == "exact":
         which = f"every k = 1..N = {run.N}" if top >= run.N else f"k = 1..{top} (the eigenpairs kept)"
+        try:
+            mixed = run.curve("energy_y").inexact_ranges()
+        except KeyError:  # no energy_y stored
+            mixed = ""
+        if mixed:
+            return (
+                f"exact route: {which} from the eigendecomposition of G_t (no bracket to draw) except "
+                f"E at k {mixed}: inside a cluster of eigenvalues within rounding (G's null space), shaded band"
+            )
         return f"exact route: {which} from the eigendecomposition of G_t (no bracket to draw)"
     conf = run.attrs.get("curve_confidence")
     head = (
