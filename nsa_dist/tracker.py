@@ -32,7 +32,9 @@ from nsa_dist.config import LossName, RecordSpec
 from nsa_dist.data import Dataset
 from nsa_dist.losses import parse_loss
 from nsa_dist.models import OutputSelector
+from nsa_dist.ntk import preserved
 from nsa_dist.pipeline import RunSession
+from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.model_state import analysis_copy
 from nsa_dist.pipeline.pool import ThreadAnalysisPool
 from nsa_dist.pipeline.snapshot import StepSnapshots, couples_samples, measured_inputs
@@ -139,7 +141,7 @@ class Tracker:
             return _analysis_pool(cluster, session, self.model, self.data, workers, worker_cpus, worker_gpus)
 
         # one writer of this run at a time: the lease, the run created or reopened as `nsa run` does
-        update = self.snapshots.with_update
+        update = self._with_update
         self.tracked = TrackedRun.open(self.spec, store, self.data, self.model, pool, max_inflight, update)
         self.session, self.pool, self.schedule = self.tracked.session, self.tracked.pool, self.tracked.schedule
         self.plan, self.writer = self.session.plan, self.session.writer
@@ -183,9 +185,12 @@ class Tracker:
         """Note the loss of update ``step`` for the store's loss curve (cheap; written at the next record).
 
         Raises:
+            ValueError: the Tracker is closed (the loss could no longer be written).
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
         self.tracked.check()
+        if self.tracked.closed:
+            raise ValueError(f"this Tracker is closed; the loss of step {step} would not be written")
         self.tracked.advance(step)
         self.tracked.trace[step] = float(loss)
 
@@ -220,6 +225,18 @@ class Tracker:
             raise self.tracked.diverged(step, f"loss is {given if not np.isfinite(given) else ck.loss} at step {step}")
         self.tracked.trace[step] = given
         self.tracked.pending = ck  # handed over with its update when the model is at step + 1
+
+    def _with_update(self, ck: Checkpoint, step: int) -> Checkpoint:
+        """``ck`` with its update, f_{t+1} computed in step t's per-module training modes: the loop may
+        have switched modes since ``record(t)`` (``model.eval()`` to record, ``model.train()`` to train),
+        and a train-mode dropout or batch-statistics forward would make Δf_t noise, not the change
+        of the function that J_t Δθ_t predicts.  The user's modes are restored after."""
+        modes = ck.model_state.training if ck.model_state is not None else {}
+        with preserved(self.model):
+            for name, m in self.model.named_modules():
+                if name in modes:
+                    m.training = modes[name]
+            return self.snapshots.with_update(ck, step)
 
     def _check_trainable(self, step: int) -> None:
         """Refuse a step whose trainable set (``requires_grad``) differs from the Tracker's own."""

@@ -275,9 +275,12 @@ class TrackedRun:
             self.interrupt(exc_type)
 
     def interrupt(self, cause: type[BaseException]) -> None:
-        """The loop raised ``cause``: wait for the steps out, then status ``interrupted``."""
-        self.pending = None
+        """The loop raised ``cause``: analyse the last recorded step too (θ_t was taken whole at
+        ``record(t)``; its update, never seen, is NaN), wait for the steps out, then status
+        ``interrupted``."""
         try:
+            if self.pending is not None:
+                self.advance(-1)  # -1 is no step + 1: the update is NaN
             self.drain()
         finally:
             self.closed = True
