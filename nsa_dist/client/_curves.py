@@ -297,7 +297,7 @@ def _exact_clusters(
     run: RunArrays, name: str, top: np.ndarray, n_points: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The exact route's brackets of E_t(φ, k): a point (lower = upper = value) except where other
-    eigenvalues lie within 2δ of λ_k, δ = n·eps·|λ_1| the eigensolver's rounding — above all the
+    eigenvalues lie within 2δ of λ_k, δ = n·eps₆₄·|λ_1| a float64 eigensolver's rounding — above all the
     null space of a rank-deficient G (fewer parameters than points).  There the dense eigh's
     eigenvectors are an arbitrary basis of that eigenspace in an arbitrary order, so E(φ, k) is one
     basis's value, not *the* value (docs/curves.md: "anything from E(φ, r) to 1" beyond the rank
@@ -318,10 +318,11 @@ def _exact_clusters(
     lam = np.asarray(run.per_step(lam_name), np.float64)
     if lam.ndim != 2 or lam.shape[1] != K:
         return lower, upper, exact
-    try:
-        eps = float(np.finfo(np.dtype(str(run.spec.spectrum.dtype))).eps)
-    except (AttributeError, TypeError):
-        eps = float(np.finfo(np.float64).eps)
+    # δ of a float64 reduction, whatever spectrum.dtype: a float32 G's own rounding model (δ ≥
+    # 4·eps₃₂·‖G‖_F, the quadrature route's) would bracket everything beyond its float32 numerical
+    # rank — [E(r₃₂), 1], 0.28 wide at N = 10⁴ — where its eigh's E lies within 0.0033 of the
+    # float64 one (benchmarks/kall_width.py floor); a float32 G's null space is thus not widened here
+    eps = float(np.finfo(np.float64).eps)
     lower, upper = top.copy(), top.copy()
     e_at = lambda s, n: np.where(n > 0, top[s, np.maximum(n, 1) - 1], 0.0)  # noqa: E731  E(φ, n), E(0) = 0
     for s in range(S):
