@@ -28,6 +28,8 @@ from nsa_dist.cli import main as nsa
 from nsa_dist.client import Client
 from nsa_dist.errors import StoreError
 from nsa_dist.store import SpectrumStore
+from nsa_dist.store.status import Status
+from nsa_dist.store.verify import verify_store
 
 TINY = small_run_spec("rel3")
 
@@ -161,3 +163,33 @@ def test_a_run_whose_zarr_json_is_gone_is_listed_damaged_and_named_never_hidden(
     assert sorted(p.name for p in run.iterdir()) == sorted(
         p.name for p in (Path(undamaged[0]) / "runs" / rid).iterdir() if p.name != "zarr.json"
     )
+
+
+# --------------------------------------------------------------------------- the done flags
+def test_a_lost_done_flag_is_damage_and_its_step_recomputed(undamaged, tmp_path, capsys):
+    """A finished run whose ``done`` chunk of one step is gone hid that step from every reader
+    (``nsa show``: 3/4 steps; ``nsa ls``: 4/4) while ``nsa verify`` said "no damage found"."""
+    b, rid, run = _copy(undamaged, tmp_path)
+    (run / "done" / "c" / "1").unlink()
+    assert Client(b).run(rid).steps.tolist() != Client(undamaged[0]).run(rid).steps.tolist()
+    assert nsa(["verify", b]) == 1
+    out = capsys.readouterr().out
+    assert f"{run}/done/c/1" in out and "done flag" in out and "no damage found" not in out, out
+    assert nsa(["verify", b, "--mark"]) == 0
+    assert f"{rid}: step indices [1] marked not done" in capsys.readouterr().out
+    assert nsa(["run", "--plain", "--store", b, _spec_file(tmp_path)]) == 0
+    assert "(1 recorded steps computed)" in capsys.readouterr().out
+    assert nsa(["verify", b]) == 0
+    _assert_same_arrays(undamaged[0], b, rid)
+
+
+def test_a_missing_done_flag_of_a_step_not_yet_recorded_is_not_damage(undamaged, tmp_path, capsys):
+    b, rid, run = _copy(undamaged, tmp_path)
+    for i in (2, 3):  # a run stopped after its second step: the later flags were never written
+        (run / "done" / "c" / str(i)).unlink()
+    assert nsa(["verify", b]) == 1  # the run says it finished: its flags must all be there
+    assert "2 damaged piece(s)" in capsys.readouterr().out
+    s = SpectrumStore(b)  # the same run as one stopped after its second step: nothing damaged
+    with s.lease([rid]) as lease:
+        s.reopen(rid, token=lease.token).set_status(Status.PENDING, "stopped by hand")
+    assert verify_store(s) == [], "a step not yet recorded has no flag: not damage"

@@ -129,13 +129,14 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
         else:
             want = r.expected(name) if name != "done" else np.ones(len(r.done), bool)
             present = r.present_chunks(name)
+            flag_lost = _flag_must_exist(r) if name == "done" else None
             for i in np.flatnonzero(want):
                 for c in r.step_chunks(name, int(i)):
                     key = arr.metadata.encode_chunk_key(c)
                     if wrong_kind(key, int(i)):
                         continue
                     if key not in present:
-                        if name != "done":
+                        if flag_lost is None or flag_lost[i]:
                             out.append(
                                 Damage(
                                     run_id,
@@ -143,7 +144,11 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                                     int(i),
                                     None,
                                     f"{r.path}/{name}/{key}",
-                                    "chunk missing (the step is marked done)",
+                                    "chunk missing (the step is marked done)"
+                                    if flag_lost is None
+                                    else "chunk missing where the step's done flag was written (the run is finished, "
+                                    "or a later step is done): the step's results are hidden from every reader, and "
+                                    "--mark has a re-run compute it again",
                                     None,
                                 )
                             )
@@ -178,6 +183,15 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
     if steps is not None:
         out = [replace(d, step=int(steps[d.index]) if d.index is not None else None) for d in out]
     return out
+
+
+def _flag_must_exist(r: RunReader) -> np.ndarray:
+    """Per recorded step, whether its ``done`` chunk must be stored: every step of a finished run,
+    and every step before a later done one (steps are recorded in order, and a step forgotten by
+    ``--mark`` has its flag written False).  Elsewhere a missing flag is a step not yet done."""
+    if r.status()[0] == "done":
+        return np.ones(len(r.done), bool)
+    return np.cumsum(r.done[::-1])[::-1] - r.done > 0
 
 
 def _verify_post_run(r: RunReader) -> list[Damage]:
