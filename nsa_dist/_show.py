@@ -25,7 +25,9 @@ def curves_line(run: Run) -> str:
         if mixed:
             return (
                 f"curves: exact route, k = 1..{top} of N = {n}, E(φ, k) exact except at k {mixed}: inside a "
-                "cluster of eigenvalues within rounding (a rank-deficient G's null space), where the "
+                "cluster of eigenvalues within rounding (a rank-deficient G's null space"
+                + (", or below a float32 G's rounding" if run.spec.spectrum.dtype == "float32" else "")
+                + "), where the "
                 "eigenvectors are one arbitrary basis — bracketed there (Run.energy, energy_curve)"
             )
         if top >= n:

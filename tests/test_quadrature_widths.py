@@ -126,13 +126,22 @@ def test_the_pipeline_logs_a_wide_band_and_nsa_show_shows_it(caplog, capsys, tmp
         assert (r.value, r.lower, r.upper) == (c.value[i, j], c.lower[i, j], c.upper[i, j]), r
     with pytest.raises(ValueError, match="not one of"):
         run.bracket_widths(("nope",))
-    # the exact route: every bracket a point, no row in nsa show
+    # the exact route: a bracket only inside the null space (this G's rank is ~134 of 160: the
+    # eigenvectors there are one arbitrary basis, docs/curves.md), a point everywhere else, and no
+    # widest-bracket row in nsa show (that row is the quadrature route's account of its knobs)
     d = spec.model_dump(mode="json")
-    d["name"], d["spectrum"]["energy"] = "exact", "exact"
+    d["name"], d["spectrum"]["energy"], d["spectrum"]["dtype"] = "exact", "exact", "float64"
     exact = ExperimentSpec.model_validate(d)
     assert run_experiment(exact, SpectrumStore(url)).status == "done"
-    df = Client(url).run("exact").bracket_widths(("y", "residual"))
-    assert len(df) == 4 and (df.width == 0).all(), df
+    run = Client(url).run("exact")
+    for phi in ("y", "residual"):
+        c = run.curve(f"energy_{phi}")
+        np.testing.assert_array_equal(c.lower[:, c.exact], c.value[:, c.exact])
+        np.testing.assert_array_equal(c.upper[:, c.exact], c.value[:, c.exact])
+        lam = run.eigenvalues
+        for i in range(len(c.steps)):  # every bracketed k lies in the step's null space
+            wide = c.upper[i] > c.lower[i]
+            assert wide.any() and (lam[i, wide] <= 1e-9 * lam[i, 0]).all(), (c.k[wide], lam[i, wide] / lam[i, 0])
     assert main(["show", "exact", "--store", url]) == 0
     assert "bracket, widest" not in capsys.readouterr().out
 

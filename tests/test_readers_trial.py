@@ -102,3 +102,36 @@ def test_show_and_caption_name_the_bracketed_k(run: Run) -> None:
     line = curves_line(run)
     assert "exact except at k" in line and "null space" in line, line
     assert "except E at k" in bracket_caption(run)
+
+
+@pytest.fixture(scope="module")
+def run32(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same run with ``spectrum.dtype: float32``: G formed and reduced in float32."""
+    d = SPEC.model_dump(mode="json")
+    d["name"], d["spectrum"]["dtype"] = "rankdef32", "float32"
+    url = str(tmp_path_factory.mktemp("trial32") / "s.zarr")
+    assert run_experiment(ExperimentSpec.model_validate(d), SpectrumStore(url)).status == "done"
+    return Client(url).run("rankdef32")
+
+
+def test_a_float32_exact_route_brackets_every_basis_of_the_null_space(run32: Run) -> None:
+    """A float32 eigh's null-space eigenvalues are float32 rounding (~10⁻⁶ here, far above the
+    float64 δ), so the float64 window left its one basis's E a point: 0.03–0.10 away from a dense
+    float64 eigh's in another basis of the null space.  Every such basis's E now lies inside (1e-4
+    slack: θ_t and the float32 reduction outside the null space)."""
+    rng = np.random.default_rng(0)
+    for t in run32.steps.tolist():
+        lam, V = _dense_eigh(run32, t)
+        r = int((lam > 1e-10 * lam[0]).sum())
+        assert N - r >= 10, r  # the premise: a null space of ≥ 10 eigenvalues
+        for phi in ("y", "residual"):
+            vec = run32.y if phi == "y" else run32.residual(t)
+            ds = run32.energy_curve(phi).sel(step=t)
+            lo, hi = ds["lower"].values, ds["upper"].values
+            assert not ds["exact"].values[r:-1].any()
+            for _ in range(10):
+                Q = np.linalg.qr(rng.standard_normal((N - r, N - r)))[0]
+                W = np.concatenate([V[:, :r], V[:, r:] @ Q], 1)
+                E = np.cumsum((W.T @ vec) ** 2) / (vec @ vec)
+                out = np.maximum(lo - E, E - hi).max()
+                assert out <= 1e-4, f"step {t}, {phi}: a null-space basis's E lies {out:.3g} outside the bracket"

@@ -124,7 +124,9 @@ def bracket_caption(run: Run, drawn: bool = True) -> str:
         if mixed:
             return (
                 f"exact route: {which} from the eigendecomposition of G_t (no bracket to draw) except "
-                f"E at k {mixed}: inside a cluster of eigenvalues within rounding (G's null space), shaded band"
+                f"E at k {mixed}: inside a cluster of eigenvalues within rounding (G's null space"
+                + (", or below a float32 G's rounding" if run.spec.spectrum.dtype == "float32" else "")
+                + "), shaded band"
             )
         return f"exact route: {which} from the eigendecomposition of G_t (no bracket to draw)"
     conf = run.attrs.get("curve_confidence")
