@@ -295,6 +295,16 @@ class DataSpec(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _density_noise(self, info: ValidationInfo) -> DataSpec:
+        if DataName(self.name) is DataName.DENSITY2D and self.noise == "gaussian" and not _stored(info):
+            raise ValueError(
+                "data.noise='gaussian' with density2d: the Gaussian fit puts noise points outside [0, 1]², "
+                "where the image's density is 0 and y = log p = -inf (every energy of y NaN); use "
+                "noise: uniform (the data's box)"
+            )
+        return self
+
 
 class OptimizerName(str, Enum):
     """GD: full batch (the NSA paper).  SGD: minibatches of ``batch_size``.  ADAM: full batch or minibatch Adam."""

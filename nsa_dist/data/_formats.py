@@ -118,8 +118,7 @@ def read_idx(path: Location, magic: int) -> np.ndarray:
         with _open(path) as f:
             raw = f.read(4)
             if len(raw) < 4 or struct.unpack(">I", raw)[0] != magic:
-                got = struct.unpack(">I", raw)[0] if len(raw) == 4 else f"{len(raw)} bytes"
-                raise ValueError(f"{str(path)!r}: expected {expected}, got magic {got}")
+                raise ValueError(f"{str(path)!r}: expected {expected}, {_what_magic(raw, magic)}")
             raw = f.read(4 * ndim)
             if len(raw) < 4 * ndim:
                 raise ValueError(f"{str(path)!r}: truncated header, expected {expected}")
@@ -130,6 +129,21 @@ def read_idx(path: Location, magic: int) -> np.ndarray:
     except (OSError, EOFError, zlib.error) as exc:  # BadGzipFile is an OSError; a cut-off stream is EOFError
         raise ValueError(f"{str(path)!r} is not a readable {'gzip ' if _gz(path) else ''}file ({exc})") from exc
     return data.reshape(dims)
+
+
+def _what_magic(raw: bytes, magic: int) -> str:
+    """What the first bytes of a file that is not the IDX file expected are, said plainly."""
+    if not raw:
+        return "got an empty file (0 bytes)"
+    if len(raw) < 4:
+        return f"got a file of {len(raw)} byte(s)"
+    got = struct.unpack(">I", raw)[0]
+    if raw[:2] == b"\x1f\x8b":
+        return f"got the gzip magic bytes 1f 8b (0x{got:08x}): a gzipped file named without .gz — gunzip it or add .gz"
+    other = {IDX_IMAGES: "an IDX image file (2051)", IDX_LABELS: "an IDX label file (2049)"}.get(got)
+    if other and got != magic:
+        return f"got {other}: images and labels swapped?"
+    return f"got magic {got} (0x{got:08x})"
 
 
 def _check_claim(path: Location, head: int, dims: tuple[int, ...], size: int, expected: str) -> None:

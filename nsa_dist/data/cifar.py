@@ -9,7 +9,7 @@ import numpy as np
 
 from nsa_dist.data._dataset import Dataset
 from nsa_dist.data._formats import read_pickle_batch
-from nsa_dist.data._paths import Location, directory, exists, join, regular_file
+from nsa_dist.data._paths import Location, directory, exists, is_url, join, regular_file
 from nsa_dist.data._targets import Target, check_sizes, draw, make_targets, parse_target
 
 __all__ = ["cifar10", "cifar100", "load_cifar_batches", "batch_files"]
@@ -59,6 +59,11 @@ def load_cifar_batches(paths: list[Location], label_key: str, K: int) -> tuple[n
                 f"{str(p)!r}: expected 'data' uint8 (m, {D_RGB}) and {label_key!r} (m,), got "
                 f"data {x.dtype} {x.shape} and labels {c.shape}"
             )
+        if c.size and c.dtype.kind not in "iu":  # floats would be truncated (1.7 → 1), bools read as 0/1
+            raise ValueError(
+                f"{str(p)!r}: {label_key!r} holds {c.dtype} values (e.g. {c.reshape(-1)[0].item()!r}), expected "
+                f"integer classes 0..{K - 1}"
+            )
         if c.size and not (c.min() >= 0 and c.max() < K):
             raise ValueError(f"{str(p)!r}: {label_key!r} holds values outside 0..{K - 1}")
         data.append(x)
@@ -78,8 +83,22 @@ def _files(folder: Location, names: tuple[str, ...], layout: _Layout, why: str) 
     naming one that is a directory or not a regular file."""
     missing = [name for name in names if not exists(join(folder, name))]
     if missing:
-        raise FileNotFoundError(f"{layout.name}: {missing} not found in {str(folder)!r} ({why}); {layout.expected}")
+        inner = join(folder, layout.folder)
+        hint = f" — {str(inner)!r} is there: pass that directory" if exists(inner) else ""
+        raise FileNotFoundError(
+            f"{layout.name}: {missing} not found in {str(folder)!r} ({why}); {layout.expected}{hint}"
+        )
     return [regular_file(join(folder, name), layout.name, "a CIFAR python batch file") for name in names]
+
+
+def _directory(path: Location, layout: _Layout) -> Location:
+    """``path`` checked to be a directory; the downloaded archive itself is named as such."""
+    if str(path).endswith((".tar.gz", ".tgz", ".tar")) and not is_url(path) and Path(path).is_file():
+        raise ValueError(
+            f"{layout.name}: {str(path)!r} is the archive, not the directory: extract it (tar xzf) and "
+            f"pass the {layout.folder!r} directory inside"
+        )
+    return directory(path, layout.name, layout.expected.removeprefix("expected "))
 
 
 def batch_files(name: str, path: Location, n_test: int) -> list[Location]:
@@ -92,7 +111,7 @@ def batch_files(name: str, path: Location, n_test: int) -> list[Location]:
         ValueError: ``path`` is not a directory, or a batch is not a regular file.
     """
     layout = {_CIFAR10.name: _CIFAR10, _CIFAR100.name: _CIFAR100}[name]
-    d = directory(path, layout.name, layout.expected.removeprefix("expected "))
+    d = _directory(path, layout)
     test = _files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch") if n_test > 0 else []
     return _files(d, layout.train, layout, "training batches") + test
 
@@ -110,7 +129,7 @@ def _cifar(
     """A seeded subset of one CIFAR variant; train and test drawn from independent streams."""
     check_sizes(n, n_test, layout.name)
     t = parse_target(target, layout.K, positive_class, layout.name)
-    d = directory(path, layout.name, layout.expected.removeprefix("expected "))
+    d = _directory(path, layout)
     rng_train, rng_test = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     pixels, labels = load_cifar_batches(_files(d, layout.train, layout, "training batches"), layout.label_key, layout.K)
     tr = draw(rng_train, len(labels), n, layout.name, "training images (n)")

@@ -109,8 +109,14 @@ def nce_dataset(
             f"nce: data.n={n} and data.n_test={n_test} must be >= 1 + ratio = {1 + ratio} "
             "(at least one data and one noise point)"
         )
-    rng = np.random.default_rng(seed)
     nd, ndt = n // (1 + ratio), n_test // (1 + ratio)
+    if nd + ndt < 2:
+        raise ValueError(
+            f"nce: data.n={n} and data.n_test={n_test} with ratio {ratio} give {nd + ndt} data sample(s); "
+            f"the noise q ({noise}) is fitted to the data samples and needs at least 2 (one has a box of "
+            "volume 0 and no covariance: every log q and X would be inf/NaN) — raise data.n"
+        )
+    rng = np.random.default_rng(seed)
     data = sample(rng, nd + ndt)  # (nd + ndt, d)
     log_q, sample_q = _noise(noise, data)  # q from all data samples: its box holds the test data too
     noise_pts = sample_q(rng, (n - nd) + (n_test - ndt))
@@ -123,6 +129,15 @@ def nce_dataset(
         out["y" + tag] = log_p(P) + shift
         out["label" + tag] = (np.arange(len(P)) < k).astype(np.float64)
         out["log_noise" + tag] = np.log(ratio) + log_q(P) + shift
+    arrays = {"X": X, "X_test": Xt, **out}
+    bad = [f"{k}: {int((~np.isfinite(v)).sum())} of {v.size} non-finite" for k, v in arrays.items()]
+    bad = [b for b, v in zip(bad, arrays.values()) if not np.isfinite(v).all()]
+    bad += [] if np.all(sx > 0) else ["X: an input coordinate of std 0 (standardising divides by it)"]
+    if bad:
+        raise ValueError(
+            f"nce ({meta.get('source')}): {'; '.join(bad)} with n={n}, n_test={n_test}, ratio={ratio}, "
+            f"noise={noise!r} — the losses and every energy of y would be NaN"
+        )
     meta = {**meta, "nce_noise": noise, "nce_ratio": ratio, "n_data": nd, "x_mean": mx.tolist(), "x_std": sx.tolist()}
     extra = {k: v for k, v in out.items() if k.startswith(("label", "log_noise"))}
     return Dataset((X - mx) / sx, out["y"], (Xt - mx) / sx, out["y_test"], meta, extra)
@@ -131,7 +146,20 @@ def nce_dataset(
 def density2d(
     n: int, *, n_test: int = 0, ratio: int = 1, noise: str = "uniform", image: str | Path | None = None, seed: int = 0
 ) -> Dataset:
-    """An image as a 2-D density on [0, 1]²: p(x) ∝ intensity(x) + FLOOR; NCE data + noise points."""
+    """An image as a 2-D density on [0, 1]²: p(x) ∝ intensity(x) + FLOOR; NCE data + noise points.
+
+    The noise is uniform over the data's box: p is 0 outside [0, 1]², so Gaussian noise would put
+    points where y = log p = −inf (every energy of y NaN) and is refused.
+
+    Raises:
+        ValueError: ``noise="gaussian"``; fewer than 2 data samples; the image's errors.
+    """
+    if noise == "gaussian":
+        raise ValueError(
+            "density2d: noise='gaussian' puts noise points outside [0, 1]², where the image's density "
+            "is 0 and y = log p = -inf (every energy of y would be NaN); use noise: uniform (the "
+            "data's box, inside [0, 1]²)"
+        )
     log_p, sample, _ = _image_density(image)
     meta = {"source": "density2d", "image": str(image) if image is not None else "skimage:camera", "seed": seed}
     return nce_dataset(log_p, sample, n, n_test, ratio, noise, seed, meta)

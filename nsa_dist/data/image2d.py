@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -12,18 +13,135 @@ from nsa_dist.data._paths import is_url, read_bytes, regular_file
 
 __all__ = ["image2d", "load_image", "image_function"]
 
+log = logging.getLogger(__name__)
+
+
+LUMINANCE = np.array([0.2125, 0.7154, 0.0721])  # ITU-R BT.709, as skimage.color.rgb2gray; sums to 1
+
+# PIL modes whose stored values are not gray or RGB intensities (palette indices, ink amounts,
+# chroma, …): converted to RGB by PIL, as every viewer shows them.  A plain decoder hands the raw
+# channels on: CMYK read as RGB(A) inverts the image, a palette TIFF gives its indices.
+_TO_RGB = frozenset({"P", "PA", "CMYK", "YCbCr", "LAB", "HSV"})
+_GRAY_ALPHA = frozenset({"LA", "La"})  # gray + alpha: the gray channel (alpha is dropped, as for RGBA)
+_ORIENTATION = 0x0112  # the EXIF orientation tag (phone photos store the sensor's rows and this tag)
+
+
+def _orient(img: np.ndarray, orientation: int) -> np.ndarray:
+    """The decoded rows / columns turned as EXIF ``orientation`` (1..8) says they are shown
+    (PIL's ``ImageOps.exif_transpose``): the image a viewer displays, not the sensor's."""
+    turns = {
+        2: lambda a: a[:, ::-1],
+        3: lambda a: a[::-1, ::-1],
+        4: lambda a: a[::-1],
+        5: lambda a: a.swapaxes(0, 1),
+        6: lambda a: np.rot90(a, -1),
+        7: lambda a: a[::-1, ::-1].swapaxes(0, 1),
+        8: lambda a: np.rot90(a, 1),
+    }
+    return np.ascontiguousarray(turns[orientation](img)) if orientation in turns else img
+
+
+def _decode(p: str | Path) -> np.ndarray:
+    """The image at ``p`` as its pixel array (H, W) or (H, W, C), upright as shown.
+
+    PIL reads the header (mode, frames, EXIF orientation); the pixels come from scikit-image's
+    ``imread`` (full 16-bit TIFF precision) except for modes that must be converted (``_TO_RGB``,
+    gray + alpha), which PIL converts.  One frame only: an animation or a multi-page TIFF is refused.
+    """
+    from PIL import Image
+
+    raw = read_bytes(p) if is_url(p) else None
+    src = (lambda: io.BytesIO(raw)) if raw is not None else (lambda: p)
+    if str(p).lower().endswith(".npy"):  # a NumPy array of intensities, rows first (never unpickled)
+        arr = np.load(src(), allow_pickle=False)
+        if arr.dtype.kind not in "biuf":
+            raise ValueError(f"image2d: {str(p)!r} holds a {arr.dtype} array, expected real intensities")
+        if not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[-1] in (3, 4))):
+            raise ValueError(
+                f"image2d: {str(p)!r} holds an array of shape {arr.shape}; expected (H, W) intensities or "
+                "(H, W, 3|4) RGB(A), rows first (a channels-first (C, H, W) array needs moveaxis(0, -1))"
+            )
+        return arr
+    try:
+        im = Image.open(src())
+    except Exception as exc:  # noqa: BLE001 - not a format PIL knows: imread below decides (and names the cause)
+        log.debug("image2d: PIL cannot identify %r (%s)", str(p), exc)
+        im = None
+    arr, orientation = None, 1
+    if im is not None:
+        with im:
+            depth = _png_depth(im) if im.format == "PNG" else 8  # before anything loads the pixels
+            frames = int(getattr(im, "n_frames", 1)) if im.format != "MPO" else 1  # MPO: a JPEG + previews
+            if frames > 1:
+                raise ValueError(
+                    f"image2d: {str(p)!r} holds {frames} frames (an animation or a multi-page file); "
+                    "expected one image — save the frame you mean as its own PNG"
+                )
+            try:
+                orientation = int(im.getexif().get(_ORIENTATION, 1) or 1)
+            except Exception as exc:  # noqa: BLE001 - a damaged EXIF block: the pixels are still the image
+                log.warning("image2d: %r has an unreadable EXIF block (%s); read as stored, not turned", str(p), exc)
+            if im.mode in _TO_RGB or im.mode in _GRAY_ALPHA:
+                if im.format == "TIFF":  # PIL turns an oriented TIFF's pixels itself, scrambling these modes
+                    import tifffile  # scikit-image's TIFF reader; imread would move a 2-channel axis of 3 or 4 rows
+
+                    arr = _tiff_converted(np.asarray(tifffile.imread(src())), im)
+                else:
+                    arr = np.asarray(im.convert("L" if im.mode in _GRAY_ALPHA else "RGB"))
+            elif depth == 16 and im.mode in ("RGB", "RGBA"):
+                log.warning(
+                    "image2d: %r is a 16-bit %s PNG; PIL (and so this reader) keeps 8 bits per channel "
+                    "(pixels within 1/255 of the file's); save it as 16-bit grayscale or TIFF to keep all 16",
+                    str(p),
+                    im.mode,
+                )
+    if arr is None:
+        from skimage.io import imread
+
+        arr = imread(src())
+    return _orient(np.asarray(arr), orientation)
+
+
+def _tiff_converted(raw: np.ndarray, im: object) -> np.ndarray:
+    """A TIFF's stored pixels ``raw`` (tifffile's reading, as stored) converted as PIL converts
+    mode ``im.mode``: gray + alpha → gray, palette indices → RGB, CMYK / YCbCr / … → RGB."""
+    from PIL import Image
+
+    mode = im.mode  # type: ignore[attr-defined]
+    first = raw[..., 0] if raw.ndim == 3 else raw
+    if mode in _GRAY_ALPHA:
+        return first
+    if mode in ("P", "PA"):
+        palette = np.asarray(im.getpalette("RGB"), dtype=np.uint8).reshape(-1, 3)  # type: ignore[attr-defined]
+        return palette[first]
+    H, W = raw.shape[:2]
+    return np.asarray(Image.frombytes(mode, (W, H), np.ascontiguousarray(raw, dtype=np.uint8).tobytes()).convert("RGB"))
+
+
+def _png_depth(im: object) -> int:
+    """A PNG's bit depth per channel from its decoder's raw mode (``RGB;16B`` → 16), else 8."""
+    tile = getattr(im, "tile", None) or []
+    rawmode = tile[0][3] if tile and len(tile[0]) > 3 else ""
+    rawmode = rawmode[0] if isinstance(rawmode, tuple) else rawmode
+    return 16 if isinstance(rawmode, str) and ";16" in rawmode else 8
+
 
 def load_image(path: str | Path | None = None) -> np.ndarray:
-    """A grayscale image as float64 (H, W) in [0, 1].
+    """A grayscale image as float64 (H, W) in [0, 1]: min-max scaled, row 0 the top row as shown.
+
+    Colour becomes BT.709 luminance 0.2125 R + 0.7154 G + 0.0721 B; alpha is dropped; palette,
+    CMYK and YCbCr images are converted to RGB first; a photo's EXIF orientation is applied.
 
     Args:
-        path: a PNG/JPEG file, a local path or an fsspec URL (``s3://bucket/mona_lisa.png``); None →
-            scikit-image's bundled ``camera`` photograph (a stand-in for the paper's Mona Lisa, which no
-            package ships).
+        path: a PNG/JPEG file (or TIFF, BMP, GIF …, or a ``.npy`` array (H, W) or (H, W, 3|4),
+            row 0 the top), a local path or an fsspec URL
+            (``s3://bucket/mona_lisa.png``); None → scikit-image's bundled ``camera`` photograph (a
+            stand-in for the paper's Mona Lisa, which no package ships).
 
     Raises:
         FileNotFoundError: ``path`` does not exist (the message names it, URL included).
-        ValueError: ``path`` is a directory, not a regular file, or not a readable PNG/JPEG image.
+        ValueError: ``path`` is a directory, not a regular file, not a readable image, more than
+            one frame, or has non-finite pixels.
     """
     if path is None:
         from skimage.data import camera
@@ -31,23 +149,30 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
         img = camera()
     else:
         p = regular_file(path, "image2d", "a PNG or JPEG image file")
-        from skimage.io import imread
-
         try:
-            img = imread(io.BytesIO(read_bytes(p)) if is_url(p) else p)
+            img = _decode(p)
         except Exception as exc:  # noqa: BLE001 - any decoder failure means "not an image"
-            raise ValueError(f"image2d: {str(p)!r} is not a readable PNG/JPEG image ({exc})") from exc
+            if isinstance(exc, ValueError) and str(exc).startswith("image2d:"):
+                raise
+            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # imageio's runs to 4 lines
+            raise ValueError(f"image2d: {str(p)!r} is not a readable PNG/JPEG image ({cause})") from exc
+    where = repr(str(path)) if path is not None else "the image"
     img = np.asarray(img, dtype=np.float64)
-    if img.ndim == 3:  # RGB(A) → luminance
-        img = img[..., :3] @ np.array([0.2125, 0.7154, 0.0721])
+    if img.ndim == 3 and img.shape[-1] == 2:  # gray + alpha from a decoder other than PIL
+        img = img[..., 0]
+    elif img.ndim == 3 and img.shape[-1] in (3, 4):  # RGB(A) → luminance
+        img = img[..., :3] @ LUMINANCE
     if img.ndim != 2 or min(img.shape) < 2:
-        raise ValueError(f"image2d: expected a 2-D grayscale or RGB image, got shape {img.shape}")
+        raise ValueError(
+            f"image2d: {where} decodes to shape {img.shape}; expected a 2-D grayscale or RGB(A) image "
+            "of at least 2×2 pixels"
+        )
     bad = ~np.isfinite(img)
     if bad.any():  # a float TIFF/EXR-like decode: NaN or inf pixels would read as a constant image
-        where = np.argwhere(bad)[0].tolist()
+        first = np.argwhere(bad)[0].tolist()
         raise ValueError(
-            f"image2d: {str(path) if path is not None else 'the image'!r} has {int(bad.sum())} non-finite "
-            f"pixel(s) (NaN/inf, the first at row {where[0]}, column {where[1]}); give an image "
+            f"image2d: {where} has {int(bad.sum())} non-finite "
+            f"pixel(s) (NaN/inf, the first at row {first[0]}, column {first[1]}); give an image "
             "whose pixels are numbers"
         )
     lo, hi = img.min(), img.max()
@@ -77,10 +202,18 @@ def image2d(
         n_test: number of test points.
         image: image path, or None for the bundled ``camera`` photograph.
         seed: sampling seed.
-        normalize: apply the normalisation above.
+        normalize: apply the normalisation above (needs n >= 2).
+
+    Raises:
+        ValueError: n < 1, n_test < 0, or n = 1 with ``normalize``; the image's errors (:func:`load_image`).
     """
     if n < 1 or n_test < 0:
         raise ValueError(f"image2d: need n >= 1 and n_test >= 0, got n={n}, n_test={n_test}")
+    if normalize and n < 2:
+        raise ValueError(
+            f"image2d: n={n} training point cannot be normalised with the training statistics (its std "
+            "is 0, so X and y would be 0/0); use n >= 2 or normalize=False"
+        )
     img = load_image(image)
     rng = np.random.default_rng(seed)
     U = rng.random((n + n_test, 2))  # (N+M, 2) in [0,1]²

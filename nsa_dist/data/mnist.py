@@ -17,6 +17,7 @@ from nsa_dist.errors import MissingDependencyError
 __all__ = ["mnist", "load_idx", "idx_files"]
 
 K = 10
+SHAPE = (28, 28)  # rows, cols of an MNIST image
 TRAIN_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")
 TEST_FILES = ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -33,10 +34,16 @@ def load_idx(directory: Location, files: tuple[str, str] = TRAIN_FILES) -> tuple
 
     Raises:
         FileNotFoundError: the directory or a file is missing (the message names what is expected).
-        ValueError: a file is not IDX, the two counts differ, or a label is outside 0..9.
+        ValueError: a file is not IDX, the images are not 28×28, the two counts differ, or a label
+            is outside 0..9.
     """
     paths = _split_files(directory, files)
     images = read_idx(paths[0], IDX_IMAGES)  # (N, 28, 28)
+    if images.shape[1:] != SHAPE:
+        raise ValueError(
+            f"mnist: {str(paths[0])!r} holds {images.shape[1]}×{images.shape[2]} images, expected MNIST's "
+            f"{SHAPE[0]}×{SHAPE[1]} (d = 784, or 196 pooled, as data.input_dim says)"
+        )
     labels = read_idx(paths[1], IDX_LABELS)  # (N,)
     if len(images) != len(labels):
         raise ValueError(
