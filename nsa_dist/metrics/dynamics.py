@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from nsa_dist.errors import ShapeError
-from nsa_dist.metrics._validate import as_real, check_rows, positive_scalar, work_dtype
+from nsa_dist.metrics._validate import as_real, check_rows, count, positive_scalar, work_dtype
 
 __all__ = [
     "constant_gram_dynamics",
@@ -137,6 +137,18 @@ class Decays(NamedTuple):
             return cls(np.log(np.abs(r)), np.sign(r))
 
 
+def _rates(lrs: Any) -> np.ndarray:
+    """``lrs`` as a 1-D float64 array of finite rates >= 0 (none: an empty array)."""
+    d = np.asarray(lrs.detach().cpu().numpy() if hasattr(lrs, "detach") else lrs).reshape(-1)
+    if d.size == 0:
+        return d.astype(np.float64)
+    d = as_real("lrs", d, (1,)).astype(np.float64)
+    if np.any(d < 0):
+        bad = np.flatnonzero(d < 0)[:10].tolist()
+        raise ValueError(f"lrs must be learning rates >= 0, got negative values at indices {bad} (min {d.min()})")
+    return d
+
+
 def constant_gram_log_decays(evals: Any, lrs: Any, offsets: Any, n: int) -> Decays:
     """r_i(t_j) = Π_{s<t_j−t_0} (1 − δ_s λ_i/N) at several steps as :class:`Decays`, one pass over the rates.
 
@@ -151,10 +163,19 @@ def constant_gram_log_decays(evals: Any, lrs: Any, offsets: Any, n: int) -> Deca
 
     Returns:
         :class:`Decays` of shape (S, K).
+
+    Raises:
+        NonFiniteError: NaN/inf in evals or lrs.
+        ValueError: a negative rate, or offsets not increasing within 0..T.
+        TypeError: non-integer offsets or n.
+        ShapeError: n < 1.
     """
     lam = as_real("evals", evals, (1,)).astype(np.float64)
-    d = np.asarray(lrs, np.float64).reshape(-1)
-    off = np.asarray(offsets, np.int64).reshape(-1)
+    d = _rates(lrs)
+    off = np.asarray(offsets).reshape(-1)
+    if off.size and off.dtype.kind not in "iu":
+        raise TypeError(f"offsets must be integers (steps t_j − t_0), got dtype {off.dtype}: {off.tolist()[:10]}")
+    off, n = off.astype(np.int64), count("n", n, 1)
     if np.any(np.diff(off) < 0) or (off.size and (off[0] < 0 or off[-1] > d.size)):
         raise ValueError(f"offsets must increase within 0..{d.size} (the rates given), got {off.tolist()[:10]}")
     log_abs, sign = np.empty((off.size, lam.size)), np.empty((off.size, lam.size))
@@ -198,7 +219,9 @@ def constant_gram_decays(evals: Any, lrs: Any, offsets: Any, n: int) -> np.ndarr
     return constant_gram_log_decays(evals, lrs, offsets, n).values()
 
 
-def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: Decays | Any) -> ConstantGramResidual:
+def constant_gram_residual(
+    evals: Any, proj: Any, m0_sq: float, decays: Decays | Any, *, complete: bool = False
+) -> ConstantGramResidual:
     """‖m̄_t‖ and E(m̄_t, k) under GD with G fixed at G_{t0} (NSA Eq. 5 / App. D Eq. 14), from projections.
 
     With p_i = ⟨v_i, m̄_{t0}⟩² (summed over output columns) and the decay r_i(t) = Π_{s=t0}^{t−1}
@@ -210,12 +233,24 @@ def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: Decays |
     norm is +inf only where it exceeds float64 (the prediction diverges there).
 
     Args:
-        evals: (K,) eigenvalues of G_{t0}; proj: (K,) p_i.
-        m0_sq: ‖m̄_{t0}‖².
+        evals: (K,) eigenvalues of G_{t0}, any order (matched with ``proj`` and the columns of
+            ``decays``); proj: (K,) p_i.
+        m0_sq: ‖m̄_{t0}‖² (the SQUARED norm, >= Σ p_i).
         decays: :class:`Decays` or finite values r_i(t_j), (S, K).
+        complete: the K eigenvectors span R^N (K = N): m̄^z = 0 exactly.  Pass it then: the
+            difference ‖m̄_{t0}‖² − Σ p_i is only rounding (e.g. ‖m̄‖² from float32-stored outputs,
+            ~1e-7 relative), and held fixed it would floor the predicted ‖m̄_t‖ at ~3e-4·‖m̄_{t0}‖
+            and drive E(m̄_t, K) to 0 once the residual has converged.
 
     Returns:
-        ``ConstantGramResidual(norm (S,), energy (S, K))`` float64.
+        ``ConstantGramResidual(norm (S,), energy (S, K))`` float64; ``energy[:, k-1]`` is the share
+        of the k LARGEST eigenvalues (inputs are sorted by descending eigenvalue first); NaN
+        where m̄_t = 0.
+
+    Raises:
+        ShapeError: mismatched shapes.
+        NonFiniteError: NaN/inf in evals, proj or m0_sq.
+        ValueError: a negative p_i or m0_sq, or m0_sq < Σ p_i (not ‖m̄_{t0}‖²).
     """
     lam = as_real("evals", evals, (1,)).astype(np.float64)
     p = as_real("proj", proj, (1,)).astype(np.float64)
@@ -223,7 +258,17 @@ def constant_gram_residual(evals: Any, proj: Any, m0_sq: float, decays: Decays |
     la = np.asarray(dec.log_abs, np.float64)
     if p.shape != lam.shape or la.ndim != 2 or la.shape[1] != lam.shape[0]:
         raise ShapeError(f"proj {p.shape}, evals {lam.shape} and decays {la.shape} must be (K,), (K,), (S, K)")
-    rest = max(float(m0_sq) - float(p.sum()), 0.0)  # ‖m̄^z‖², clipped at round-off
+    m0_sq = float(as_real("m0_sq", m0_sq, (0,)))
+    if np.any(p < 0) or m0_sq < 0:
+        raise ValueError(f"proj (min {p.min()}) and m0_sq ({m0_sq}) are squared norms and must be >= 0")
+    if m0_sq < float(p.sum()) * (1 - 1e-3):
+        raise ValueError(
+            f"m0_sq = {m0_sq} < Σ proj = {float(p.sum())}: ‖m̄_t0‖² cannot be below the energy of its "
+            "projections (Bessel); pass the SQUARED norm, with proj from orthonormal eigenvectors"
+        )
+    order = np.argsort(-lam, kind="stable")  # E(m̄_t, k) sums the k LARGEST eigenvalues' shares
+    lam, p, la = lam[order], p[order], la[:, order]
+    rest = 0.0 if complete else max(m0_sq - float(p.sum()), 0.0)  # ‖m̄^z‖², clipped at round-off
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         log_kept = 2.0 * la + np.log(p)[None, :]  # (S, K) log(r_i² p_i), −inf where p_i = 0 or r_i = 0
         log_rest = np.full((la.shape[0], 1), np.log(rest))

@@ -85,26 +85,26 @@ def relative_energy(
         raise ValueError(f"undefined={undefined!r} is not one of 'raise', 'nan'")
     try:
         V, phi = _validated(evecs, phi)
-        finite = True
+        bad: np.ndarray | bool = False
     except NonFiniteError:
         if undefined == "raise":
             raise
-        V, phi = _validated(evecs, _zeroed(phi))  # NaN/inf in evecs still raise
-        finite = False
+        raw = np.asarray(phi.detach().cpu().numpy() if hasattr(phi, "detach") else phi)
+        V, phi = _validated(evecs, _zeroed(raw))  # NaN/inf in evecs still raise
+        bad = ~np.isfinite(raw).all(axis=0) if raw.ndim == 2 else True  # () | (M,): the columns with NaN/inf
     if k is not None:
         k = count("k", k, 1, V.shape[1])
     P2 = _projections2(V, phi)  # (K,) | (M, K)
     norm2 = np.sum(np.square(phi.astype(np.float64)), axis=0)  # () | (M,)
     if pooled:
-        P2, norm2 = P2.reshape(-1, V.shape[1]).sum(axis=0), norm2.sum()  # (K,), ()
+        P2, norm2, bad = P2.reshape(-1, V.shape[1]).sum(axis=0), norm2.sum(), np.any(bad)  # (K,), (), ()
     if undefined == "raise":
         nonzero_norms("phi", norm2, "the relative energy Σ⟨v_i,φ⟩²/‖φ‖²")
     with np.errstate(divide="ignore", invalid="ignore"):
         # ≤ 1 by Bessel's inequality; the cumulative sum's rounding may pass it by ulps
         energy = np.minimum(np.cumsum(P2, axis=-1) / np.asarray(norm2)[..., None], 1.0)  # (K,) | (M, K)
     energy[np.asarray(norm2) == 0] = np.nan  # 0/0 (only reached with undefined="nan")
-    if not finite:
-        energy[...] = np.nan
+    energy[bad] = np.nan  # only the non-finite columns of φ (only reached with undefined="nan")
     if k is None:
         return energy
     out = energy[..., k - 1]
@@ -121,7 +121,11 @@ def energy_from_projections(P: np.ndarray, phi: np.ndarray) -> np.ndarray:
     """E(φ, k) for k = 1..K from the coordinates P = Vᵀφ (K, C) already computed (a step projects
     every φ once, during its eigensolve): Σ_c Σ_{i≤k} P_ic² / Σ_c ‖φ_c‖² (NSA §6; the pooled
     :func:`relative_energy`), at most 1 (Bessel; the sum's rounding may pass it by ulps); NaN for
-    φ = 0 or a non-finite φ (the update of a diverging step)."""
+    φ = 0 or a non-finite φ (the update of a diverging step).  P may be (K,) for one column; it is
+    summed in float64 whatever its dtype."""
+    P = np.asarray(P.detach().cpu().numpy() if hasattr(P, "detach") else P, dtype=np.float64)
+    P = P.reshape(P.shape[0], -1)  # (K, C)
+    phi = phi.detach().cpu().numpy() if hasattr(phi, "detach") else phi
     norm2 = float(np.sum(np.asarray(phi, dtype=np.float64) ** 2))
     if norm2 == 0.0 or not np.isfinite(norm2):
         return np.full(P.shape[0], np.nan)

@@ -17,6 +17,13 @@ def _lr_array(lr: Any, evals: np.ndarray) -> np.ndarray:
     lr = as_real("lr", lr, (0, 1, 2)).astype(np.float64)
     if np.any(lr <= 0):
         raise ValueError(f"lr must be > 0, got min(lr) = {lr.min()}")
+    if 0 < lr.ndim < evals.ndim:
+        # NumPy would align a (T,) δ_t with the LAST axis of (T, K) eigenvalues (the eigenvalue
+        # index): silently δ_k λ_tk/N when T == K.  A learning rate is per step, never per eigenvalue.
+        raise ShapeError(
+            f"lr of shape {lr.shape} against evals of shape {evals.shape} is ambiguous: "
+            "pass a scalar, or lr with as many dimensions as evals (e.g. lr[:, None] for evals (T, K))"
+        )
     try:
         np.broadcast_shapes(lr.shape, evals.shape)
     except ValueError:
@@ -42,7 +49,9 @@ def lr_eigen_product(evals: Any, lr: Any, N: int) -> np.ndarray:
         float64 array of the broadcast shape of ``evals`` and ``lr``.
 
     Raises:
-        ShapeError: ``lr`` does not broadcast against ``evals``, or N < 1.
+        ShapeError: ``lr`` does not broadcast against ``evals``, has fewer dimensions than a
+            non-scalar ``evals`` without being a scalar (δ_t (T,) for (T, K) eigenvalues: pass
+            ``lr[:, None]``), or N < 1.
         NonFiniteError: NaN/inf input.
         ValueError: an ``lr`` <= 0.
         TypeError: a non-real dtype, or N not an integer.

@@ -107,7 +107,7 @@ def fourier_transform_grid(phi: Any, X: Any, grid: FrequencyGrid) -> np.ndarray:
         as :func:`fourier_transform`.
     """
     P = np.asarray(grid.points, dtype=np.float64)
-    X_ = np.asarray(X)
+    X_ = as_real("X", X, (2,))  # torch tensors (requiring grad too) as for fourier_transform
     if len(grid.shape) != 2 or P.shape != (int(np.prod(grid.shape)), 2) or X_.ndim != 2 or X_.shape[1] != 2:
         return fourier_transform(phi, X, P)
     ax0, ax1 = P[:, 0].reshape(grid.shape)[:, 0], P[:, 1].reshape(grid.shape)[0, :]

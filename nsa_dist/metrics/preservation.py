@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from nsa_dist.errors import ShapeError
+from nsa_dist.errors import NonFiniteError, ShapeError
 from nsa_dist.metrics._validate import as_real, check_rows, count
 from nsa_dist.metrics.energy import relative_energy
 
@@ -43,12 +43,20 @@ def spectrum_preservation(evecs_t1: Any, evecs_t2: Any, i: int | Sequence[int] |
     if i is None:
         rows = np.arange(K2)
     elif np.ndim(i) == 0:
-        return relative_energy(V1, V2[:, count("i", i, 1, K2) - 1])  # (K1,)
+        rows = np.array([count("i", i, 1, K2) - 1], dtype=np.intp)
     else:
         rows = np.array([count("i", j, 1, K2) - 1 for j in i], dtype=np.intp)
         if rows.size == 0:
             raise ShapeError(f"i must name at least one eigenvector number in [1, {K2}], got {i!r}")
-    return relative_energy(V1, V2[:, rows])  # (len(rows), K1)
+    norm2 = np.sum(np.square(V2[:, rows].astype(np.float64)), axis=0)  # (len(rows),)
+    if np.any(norm2 == 0):
+        zero = (rows[norm2 == 0] + 1)[:10].tolist()
+        raise NonFiniteError(
+            f"evecs_t2 has zero columns (eigenvector numbers {zero}, 1-based): their energy "
+            "Σ⟨v_j,v_i⟩²/‖v_i‖² is 0/0; pass computed eigenvectors only"
+        )
+    out = relative_energy(V1, V2[:, rows])  # (len(rows), K1)
+    return out[0] if np.ndim(i) == 0 and i is not None else out
 
 
 def preservation_pair(eigenvector_steps: Sequence[T], *, listed: bool) -> tuple[T, T] | None:

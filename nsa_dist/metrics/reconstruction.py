@@ -31,11 +31,20 @@ def top_k_reconstructions(evecs: Any, phi: Any, ks: tuple[int, ...]) -> np.ndarr
         (len(ks), N) or (len(ks), N, Ko) float64.
 
     Raises:
-        ShapeError: evecs not (N, K), phi not (N,…), or a k outside 1..K.
+        ShapeError: evecs not (N, K) with K <= N, phi not (N,…), no k, or a k outside 1..K.
+        TypeError: a k that is not an integer.
     """
     V = as_real("evecs", evecs, (2,)).astype(np.float64)  # (N, K)
     f = as_real("phi", phi, (1, 2))
     check_rows("phi", f, "evecs", V)
+    if V.shape[1] > V.shape[0]:
+        raise ShapeError(f"evecs must be (N, K) with K <= N orthonormal columns, got shape {V.shape}")
+    ks_ = np.asarray(ks).reshape(-1)
+    if ks_.size == 0:
+        raise ShapeError(f"ks must hold at least one k in 1..K={V.shape[1]}, got {ks!r}")
+    if ks_.dtype.kind not in "iu":
+        raise TypeError(f"ks must be integers in 1..K={V.shape[1]}, got {ks!r} (dtype {ks_.dtype})")
+    ks = tuple(int(k) for k in ks_)
     if any(not 1 <= k <= V.shape[1] for k in ks):
         raise ShapeError(f"ks {list(ks)} must lie in 1..K={V.shape[1]}")
     F = f.astype(np.float64).reshape(V.shape[0], -1)  # (N, Ko)
