@@ -2,6 +2,29 @@
 
 Lightning is not a dependency: this module defines ``SpectrumCallback`` only when ``lightning``
 (or ``pytorch_lightning``) is importable, and otherwise raises an error naming what to install.
+
+Step t is Lightning's ``trainer.global_step`` — the t-th ``optimizer.step`` — and is recorded
+from ``on_before_optimizer_step``: the gradients are computed, θ is still θ_t, and the learning rate
+in the optimizer's groups is the δ_t that step applies (after a scheduler's ``step`` of the previous
+update, or a warm-up written into the groups in an overridden ``optimizer_step``).  So one record per
+optimizer step under gradient accumulation (not one per micro-batch), and under manual
+optimization one per ``opt.step()`` call, whichever optimizer steps (its own lr).  The update
+Δθ_t, Δf_t is taken at the end of the batch that made it (before validation runs), or at the end of
+training.  Checked against ``torch.func.jacrev`` at the optimizer's own θ_t, δ_t, θ_{t+1}
+(``tests/test_lightning.py``): full-batch and mini-batch SGD, momentum, Adam, per-step schedulers,
+gradient accumulation, max_steps / max_epochs, validation in between, the Tracker holding the
+LightningModule or the network inside it, resuming from a checkpoint, manual optimization.
+
+Refused with a ``ValueError`` naming the cause: an optimizer whose parameter groups have different
+learning rates (δ_t is ambiguous), and a Trainer that changed the tracked model's dtype or device
+after the Tracker was created (``precision="64-true"`` on a float32 module, ``"bf16-true"``, …:
+build the module in its training dtype first).  Mixed precision (``"bf16-mixed"``) is measured on
+the module's own float32 parameters, outside autocast.  An exception in training (Lightning's
+``on_exception``, a KeyboardInterrupt too) ends the run ``interrupted`` with every finished step
+kept; the end of training closes the Tracker, and a later ``fit`` with the same callback is refused
+before it trains (a new Tracker of the same name continues the run).  The model is recorded in the
+modes Lightning trains it in (train mode: a Dropout is active in the Tracker's forwards too).  One
+process only (no DDP).
 """
 
 from __future__ import annotations
@@ -23,23 +46,67 @@ except ImportError:  # pragma: no cover - depends on the environment
 if _pl is not None:
 
     class SpectrumCallback(_pl.Callback):
-        """Records the Tracker's due steps at the start of each training batch (θ_t before update t).
+        """Records the Tracker's due steps at each optimizer step (θ_t and δ_t as that step uses them).
 
         The Tracker must hold the module being trained (the LightningModule or the network inside
-        it); the step is ``trainer.global_step`` and δ_t the first optimizer's first group's lr.
-        The Tracker is closed at the end of training.
+        it), created in the dtype and on the device it trains in; the step is ``trainer.global_step``.
+        The Tracker is closed at the end of training, and ends the run ``interrupted`` on an exception.
         """
 
         def __init__(self, tracker: Any) -> None:
             self.tracker = tracker
+            self._layout = _layout(tracker.model)  # the dtypes and devices the Tracker was made for
+            self._ended = False  # a fit ended and closed the Tracker
 
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            if self._ended:
+                raise ValueError(
+                    "this SpectrumCallback's Tracker was closed when an earlier fit ended (or raised); to "
+                    "train on, give this fit a new SpectrumCallback with a new Tracker of the same run name "
+                    "(it continues the run)"
+                )
+            now = _layout(self.tracker.model)
+            if now != self._layout:
+                raise ValueError(
+                    f"the Trainer (precision={trainer.precision!r}) moved or cast the tracked model from "
+                    f"{_said(self._layout)} to {_said(now)} after the Tracker was created for it; the Tracker "
+                    "measures the model it was made for — build the module in the dtype and on the device it "
+                    "trains in (e.g. module.double() for precision='64-true') before creating the Tracker"
+                )
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             step = int(trainer.global_step)
             if self.tracker.due(step):
-                self.tracker.record(step, lr=float(trainer.optimizers[0].param_groups[0]["lr"]))
+                self.tracker.record(step, lr=_lr(optimizer, step))
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.tracker.due(int(trainer.global_step))  # the update of a step made in this batch
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self._ended = True
+            self.tracker.due(int(trainer.global_step))  # the last step's update, however long the run
             self.tracker.close()
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            self._ended = True
+            self.tracker.__exit__(type(exception), exception, exception.__traceback__)
+
+    def _lr(optimizer: Any, step: int) -> float:
+        """δ_t: the one learning rate of ``optimizer``'s parameter groups."""
+        lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        if len(set(lrs)) > 1:
+            raise ValueError(
+                f"step {step}: the parameter groups of {type(optimizer).__name__} have different learning rates "
+                f"{lrs}, so δ_t (the one learning rate of update t the Tracker stores) is ambiguous; give the "
+                "groups one learning rate, or record with Tracker.record in your own loop"
+            )
+        return lrs[0]
+
+    def _layout(model: Any) -> list[tuple[str, str]]:
+        return sorted({(str(p.dtype), str(p.device)) for p in model.parameters()})
+
+    def _said(layout: list[tuple[str, str]]) -> str:
+        return ", ".join(f"{d.removeprefix('torch.')} on {dev}" for d, dev in layout)
 
 else:
 
