@@ -281,10 +281,17 @@ def gauss_newton_eigenvalues(
 
 
 def gauss_newton_moments(
-    model: nn.Module, X: torch.Tensor, Y: Any, *, loss: str | LossName = "mse", max_order: int = 4
+    model: nn.Module,
+    X: torch.Tensor,
+    Y: Any,
+    *,
+    loss: str | LossName = "mse",
+    max_order: int = 4,
+    output: OutputSelector = None,
 ) -> Moments:
-    """Exact ``Tr(I^k) = Σ_i μ_i^k`` over :func:`gauss_newton_eigenvalues` μ (method "ntk_gram")."""
+    """Exact ``Tr(I^k) = Σ_i μ_i^k`` over :func:`gauss_newton_eigenvalues` μ (method "ntk_gram";
+    ``output`` as there)."""
     kmax = check_int("max_order", max_order, 1)
-    mu = gauss_newton_eigenvalues(model, X, Y, loss=loss)
+    mu = gauss_newton_eigenvalues(model, X, Y, loss=loss, output=output)
     est = np.array([np.sum(mu**k) for k in range(1, kmax + 1)])
     return Moments(est, np.zeros(kmax), 0, "ntk_gram")

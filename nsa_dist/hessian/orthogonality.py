@@ -62,7 +62,8 @@ def orthogonality(I: Any, S: Any, *, n_probes: int = 32, seed: int = 0, exact: b
         exact: materialise I and S with P products each and compute the norms densely.
 
     Returns:
-        :class:`Orthogonality`.
+        :class:`Orthogonality`; value and stderr NaN when I or S is the zero matrix (ρ = 0/0:
+        S = 0 at a zero loss gradient and for a network linear in θ), the norms still given.
 
     Raises:
         ValueError: n_probes < 2.
@@ -73,6 +74,8 @@ def orthogonality(I: Any, S: Any, *, n_probes: int = 32, seed: int = 0, exact: b
         E = np.eye(Imap.P)
         MI, MS = Imap(E), Smap(E)  # (P, P) each
         nIS, nI, nS = (float(np.linalg.norm(M)) for M in (MI @ MS, MI, MS))
+        if nI == 0 or nS == 0:  # ρ = 0/0: undefined (S = 0 at a zero loss gradient, a linear net's S)
+            return Orthogonality(np.nan, np.nan, nIS, nI, nS, Imap.n_products + Smap.n_products, "dense")
         return Orthogonality(nIS / (nI * nS), 0.0, nIS, nI, nS, Imap.n_products + Smap.n_products, "dense")
     m = check_int("n_probes", n_probes, 2)
     Z = rademacher(np.random.default_rng(seed), Imap.P, m)  # (P, m)
@@ -80,6 +83,11 @@ def orthogonality(I: Any, S: Any, *, n_probes: int = 32, seed: int = 0, exact: b
     IZ_ISZ = Imap(np.concatenate([Z, SZ], axis=1))  # (P, 2m): [I Z, I S Z]
     q = np.stack([np.sum(IZ_ISZ[:, m:] ** 2, 0), np.sum(IZ_ISZ[:, :m] ** 2, 0), np.sum(SZ**2, 0)])  # (3, m)
     a, b, c = q.mean(axis=1)
+    n_products = Imap.n_products + Smap.n_products
+    if b == 0 or c == 0:  # I or S is 0 (every ‖Iz‖ or ‖Sz‖ vanishes): ρ = 0/0, undefined
+        return Orthogonality(
+            np.nan, np.nan, float(np.sqrt(a)), float(np.sqrt(b)), float(np.sqrt(c)), n_products, "probes"
+        )
     value = float(np.sqrt(a / (b * c)))
     grad = 0.5 * np.array([1 / a, -1 / b, -1 / c])  # d log ρ / d (a, b, c)
     var_log = float(grad @ np.cov(q) @ grad) / m
@@ -89,7 +97,7 @@ def orthogonality(I: Any, S: Any, *, n_probes: int = 32, seed: int = 0, exact: b
         float(np.sqrt(a)),
         float(np.sqrt(b)),
         float(np.sqrt(c)),
-        Imap.n_products + Smap.n_products,
+        n_products,
         "probes",
     )
 

@@ -82,7 +82,8 @@ def slq_density(
         n_grid: points of the default grid (≥ 2).
         seed: NumPy seed of the probes.
         probe_block: probes run together (batched products); default as many as keep the
-            (m, P, block) float64 bases under ~512 MB.
+            (m, P, block) float64 bases under ~512 MB; capped at P (a block of P probes already
+            spans R^P in one step).
 
     Returns:
         :class:`SpectralDensity`; ``n_products ≤ n_probes · m`` (fewer once a block's Krylov
@@ -105,6 +106,7 @@ def slq_density(
     m = min(m, Amap.P)
     default_block = max(1, int(_BASIS_BYTES // (16 * m * Amap.P)))  # basis and products, float64
     block = check_int("probe_block", default_block if probe_block is None else probe_block, 1)
+    block = min(block, Amap.P)  # a block of more than P probes is rank-deficient: its Krylov basis breaks down
     rng = np.random.default_rng(seed)
     per_block = []
     for s in range(0, nv, block):

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from torch.func import jvp, vmap
 
+from nsa_dist._checks import check_finite
 from nsa_dist.config import LossName
-from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.hessian._loss import curvature_sqrt
+from nsa_dist.errors import ShapeError, UnsupportedModelError
+from nsa_dist.hessian._loss import curvature_sqrt, prepare_targets
 from nsa_dist.hessian._probes import as_linear_map, check_int, gaussian, rademacher
 from nsa_dist.hessian.moments import (
     Moments,
@@ -72,7 +73,12 @@ __all__ = [
 
 
 def power_moments(evals: np.ndarray, max_order: int = 4) -> np.ndarray:
-    """``Σ_i λ_i^k`` for k = 1..max_order, (max_order,) float64 (NaN where λ is NaN)."""
+    """``Σ_i λ_i^k`` for k = 1..max_order, (max_order,) float64 (NaN where λ is NaN).
+
+    Raises:
+        ValueError: max_order < 1.
+    """
+    check_int("max_order", max_order, 1)
     lam = np.asarray(evals, np.float64)
     return np.array([np.sum(lam**k) for k in range(1, max_order + 1)])
 
@@ -108,7 +114,7 @@ def additivity_gap(
     maps = [as_linear_map(A, name) for A, name in ((H, "H"), (I, "I"), (S, "S"))]
     P = maps[0].P
     if any(mp.P != P for mp in maps):
-        raise ValueError(f"H, I, S must have one size; got {[mp.P for mp in maps]}")
+        raise ShapeError(f"H, I, S must have one size (P, P); got P = {[mp.P for mp in maps]}")
     s = min(s, P)
     g, h, rng = m - s, -(-kmax // 2), np.random.default_rng(seed)
     est = np.zeros(kmax)
@@ -297,33 +303,52 @@ def limit_gauss_newton_eigenvalues(
 
     Args:
         theta: (N, N) symmetric Gram (e.g. :func:`~nsa_dist.ntk.limit_ntk` at the training points).
-        F: (N, K) outputs (cross-entropy: the logits whose softmax gives p; MSE: only K is read).
-        Y: (N, K) one-hot / probability targets (cross-entropy; rows summing to 1).
+        F: (N,) or (N, K) outputs (cross-entropy: the logits whose softmax gives p; MSE: only K is read).
+        Y: cross-entropy targets: (N, K) one-hot / probability rows or (N,) integer class indices
+            (default: uniform rows 1/K); unused for MSE.
         loss: "mse" | "cross_entropy".
 
     Returns:
         (N·K,) float64, descending.
 
     Raises:
-        ValueError: theta not square, F not (N, K), or cross-entropy without F.
+        ShapeError: theta not square, F without N rows, Y not fitting (N, K), cross-entropy with K = 1.
+        NonFiniteError: NaN/inf in theta, F or Y.
+        ValueError: theta not symmetric (beyond rounding), cross-entropy without F.
     """
     loss_ = parse_loss(loss)
-    T = np.asarray(theta.detach().cpu() if isinstance(theta, torch.Tensor) else theta, np.float64)
+    T0 = theta.detach().cpu() if isinstance(theta, torch.Tensor) else np.asarray(theta)
+    sym_rtol = 1e-8 if T0.dtype in (torch.float64, np.float64) else 1e-4  # a float32 Gram's rounding
+    T = np.asarray(T0, np.float64)
     if T.ndim != 2 or T.shape[0] != T.shape[1]:
-        raise ValueError(f"theta must be a square (N, N) Gram, got shape {T.shape}")
+        raise ShapeError(f"theta must be a square (N, N) Gram, got shape {T.shape}")
+    check_finite("theta", T)
     N = T.shape[0]
+    asym = float(np.abs(T - T.T).max(initial=0.0))
+    if asym > sym_rtol * max(float(np.abs(T).max(initial=0.0)), 1e-300):
+        raise ValueError(f"theta must be a symmetric Gram Θ̃(x_i, x_j) at one set of points; max |Θ − Θᵀ| = {asym:.3g}")
     if F is None:
         if loss_ is LossName.CROSS_ENTROPY:
             raise ValueError("the cross-entropy limit of I needs the outputs F (its HC = diag p − ppᵀ depends on them)")
         K = 1
     else:
-        Fa = np.asarray(F.detach().cpu() if isinstance(F, torch.Tensor) else F, np.float64).reshape(N, -1)
+        Fa = np.asarray(F.detach().cpu() if isinstance(F, torch.Tensor) else F, np.float64)
+        if Fa.ndim not in (1, 2) or Fa.shape[0] != N:
+            raise ShapeError(f"F must be (N,) or (N, K) with N = {N} (theta's size) rows; got shape {Fa.shape}")
+        check_finite("F", Fa)
+        Fa = Fa.reshape(N, -1)
         K = Fa.shape[1]
     if loss_ is LossName.L2:
         lam = np.linalg.eigvalsh((T + T.T) / 2) / N
         return np.sort(np.repeat(lam, K))[::-1].copy()
     Ft = torch.as_tensor(Fa, dtype=torch.float64)
-    Yt = torch.as_tensor(np.asarray(Y, np.float64).reshape(N, K)) if Y is not None else torch.ones(N, K) / K
+    if Y is None:
+        Yt = torch.full((N, K), 1.0 / K, dtype=torch.float64)
+    else:
+        Yv = Y.detach().cpu() if isinstance(Y, torch.Tensor) else Y
+        Yt = prepare_targets(Yv, loss_, N, K, torch.float64, torch.device("cpu"))
+    if K < 2:
+        raise ShapeError(f"loss='cross_entropy' needs K >= 2 outputs (logits); F has K = {K}")
     R = curvature_sqrt(loss_, Ft, Yt).numpy()  # (N, K, K)
     M = np.einsum("iab,ij,jbc->iajc", R, T, R).reshape(N * K, N * K) / N
     return np.linalg.eigvalsh((M + M.T) / 2)[::-1].copy()
