@@ -49,20 +49,18 @@ probes, dense float64 Hessians, trained ensembles).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.linalg
 import torch
 
 from nsa_dist._checks import check_finite
 from nsa_dist.config import Activation
 from nsa_dist.errors import ShapeError
 from nsa_dist.models import SOFTPLUS_SCALE, SOFTPLUS_SHIFT
-from nsa_dist.ntk.limit import as_points, check_options, cos_angle
+from nsa_dist.ntk.limit import as_points, check_options, cos_angle, gauss_hermite, resolved_nodes
 
 __all__ = ["SKernels", "limit_S_kernels", "limit_trace_S_init", "limit_trace_S2", "limit_trace_S_gd"]
 
@@ -151,7 +149,7 @@ def _expectations(
 ) -> dict[tuple[int, int], torch.Tensor]:
     """``𝕃^{σ^(a), σ^(b)}`` for the (a, b) of ``_PAIRS`` on broadcast (k11, k22, k12), by n×n
     Gauss–Hermite quadrature: u = √k11 z₁, u′ = √k22 (ρ z₁ + √(1 − ρ²) z₂)."""
-    z, w = _gauss_hermite(n)
+    z, w = gauss_hermite(n)
     k11, k22, k12 = torch.broadcast_tensors(k11, k22, k12)
     shape = k12.shape
     k11, k22, k12 = k11.reshape(-1), k22.reshape(-1), k12.reshape(-1)
@@ -174,74 +172,26 @@ def _expectations(
 
 
 _CHECK_PAIRS = ((0, 0), (1, 1), (2, 2), (0, 2), (3, 1))
-_QUAD_RTOL = 3e-5  # the target, of the Cauchy–Schwarz scale √(E σ^(a)² E σ^(b)²)
-_QUAD_ACCEPT = 1e-3  # the most accepted at _QUAD_MAX nodes
-_QUAD_MAX = 1024
-
-
-@functools.lru_cache(maxsize=8)
-def _gauss_hermite(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nodes, weights summing to 1) of n-node Gauss–Hermite for N(0, 1): NumPy's hermegauss up to
-    200 nodes (it overflows to NaN weights from about 300), Golub–Welsch above (the eigenpairs of
-    the Jacobi matrix with off-diagonal √k; a weight is the squared first eigenvector component)."""
-    if n <= 200:
-        z, w = np.polynomial.hermite_e.hermegauss(n)
-    else:
-        z, V = scipy.linalg.eigh_tridiagonal(np.zeros(n), np.sqrt(np.arange(1.0, n)))
-        w = V[0] ** 2
-    return torch.tensor(z, dtype=_F64), torch.tensor(w / w.sum(), dtype=_F64)
-
-
-def _resolution_error(derivs: _Derivs, n: int, sd: list[float]) -> tuple[float, float]:
-    """(worst relative error, its variance) of n-node Gauss–Hermite ``E[σ^(a)(u) σ^(b)(u)]``,
-    u ~ N(0, s²), over the standard deviations ``sd`` and the pairs of ``_CHECK_PAIRS``, against a
-    composite trapezoid in z on [−10, 10] with step 0.02 / max(1, s) (spectrally accurate)."""
-    zq, wq = _gauss_hermite(n)
-    worst, at = 0.0, 0.0
-    for si in sd:
-        h = 0.02 / max(1.0, si)
-        z = torch.arange(-10.0, 10.0 + h / 2, h, dtype=_F64)
-        w = torch.exp(-0.5 * z * z) * (h / math.sqrt(2 * math.pi))
-        w[0], w[-1] = w[0] / 2, w[-1] / 2
-        ref, gh = derivs(si * z), derivs(si * zq)
-        for a, b in _CHECK_PAIRS:
-            scale = math.sqrt(float((ref[a] ** 2) @ w) * float((ref[b] ** 2) @ w))
-            err = abs(float((gh[a] * gh[b]) @ wq) - float((ref[a] * ref[b]) @ w)) / max(scale, 1e-300)
-            err = err if math.isfinite(err) else math.inf
-            if err > worst:
-                worst, at = err, si * si
-    return worst, at
 
 
 def _resolve(derivs: _Derivs, n: int, variances: torch.Tensor, layer: int) -> int:
-    """The node count for one layer: n, doubled until Gauss–Hermite resolves σ and its derivatives at
-    every pre-activation variance (the diagonal ``E[σ^(a)(u) σ^(b)(u)]`` within ``_QUAD_RTOL``; at
-    ``_QUAD_MAX`` nodes within ``_QUAD_ACCEPT``).
-
-    σ̈ and σ⃛ live on |u| ≲ 3, and at a variance v the nodes ``√v z_i`` step over them: with 64 nodes
-    𝕃^{σ̈,σ̈} of tanh is 2 % off at v = 3 and has the wrong sign at v = 100.  The diagonal is the
-    hardest case (off it, u′ | u is smoother than u).
+    """The node count for one layer (:func:`~nsa_dist.ntk.limit.resolved_nodes` over σ and its
+    first three derivatives): σ̈ and σ⃛ live on |u| ≲ 3, and at a variance v the nodes ``√v z_i``
+    step over them — with 64 nodes 𝕃^{σ̈,σ̈} of tanh is 2 % off at v = 3 and has the wrong sign at
+    v = 100.
 
     Raises:
-        ValueError: not resolved with ``_QUAD_MAX`` nodes: inputs far from standardised (variance
-            above 4), or else a σ that is not smooth (a callable relu: σ̇ jumps).
+        ValueError: not resolved with 1024 nodes: inputs far from standardised (variance above 4),
+            or else a σ that is not smooth (a callable relu: σ̇ jumps).
     """
-    sd = sorted({round(float(v), 12) for v in variances.clamp_min(0).sqrt().tolist()})
-    while True:
-        err, v = _resolution_error(derivs, n, sd)
-        if err <= _QUAD_RTOL or (n >= _QUAD_MAX and err <= _QUAD_ACCEPT):
-            return n
-        if n >= _QUAD_MAX:
-            why = (
-                "the inputs are too large (Σ⁽¹⁾ = |x|²/n₀ + β²) — standardise them"
-                if v > 4
-                else "σ is not smooth (a kink or jump in σ, σ̇ or σ̈, as relu's: the limits of S need a smooth σ)"
-            )
-            raise ValueError(
-                f"{n} Gauss–Hermite nodes cannot resolve the activation at the pre-activation variance {v:.4g} "
-                f"of layer {layer} (an expectation off by {err:.2g} of its scale): {why}"
-            )
-        n = min(2 * n, _QUAD_MAX)
+    return resolved_nodes(
+        derivs,
+        _CHECK_PAIRS,
+        n,
+        variances,
+        layer,
+        "σ is not smooth (a kink or jump in σ, σ̇ or σ̈, as relu's: the limits of S need a smooth σ)",
+    )
 
 
 def _pair_matrices(derivs: _Derivs, n: int, K: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
