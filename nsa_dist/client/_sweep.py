@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nsa_dist.client._frames import runs_frame
+from nsa_dist.client._frames import flatten_spec, runs_frame
 from nsa_dist.client._run import Run
 from nsa_dist.store import run_arrays
 
@@ -150,23 +150,49 @@ def _stored_scalar(run: Run, name: str, k: int | None) -> np.ndarray:
 
 
 def varied_fields(spec: dict[str, Any]) -> list[str]:
-    """The dotted spec fields a recorded sweep spec varies (its grid's, then its variants'), seed included."""
-    varied = list(spec.get("grid", {})) + [p for v in spec.get("variants", []) for p in v]
-    return list(dict.fromkeys(varied))
+    """The dotted spec fields a recorded sweep spec varies (its grid's, then its variants'), seed included.
+
+    A path whose values are groups of fields (``grid: {model: [{depth: 2, width: 4}, …]}``) stands
+    for the dotted fields those values set ("model.depth", "model.width"): the columns of
+    :func:`~nsa_dist.client.runs_frame` that tell its grid points apart."""
+    values: dict[str, list[Any]] = {}
+    for path, vals in spec.get("grid", {}).items():
+        values.setdefault(path, []).extend(vals)
+    for variant in spec.get("variants", []):
+        for path, value in variant.items():
+            values.setdefault(path, []).append(value)
+    out: list[str] = []
+    for path, vals in values.items():
+        nested = [flatten_spec(v, path + ".") for v in vals if isinstance(v, dict) and v]
+        if nested:
+            out += [f for d in nested for f in d]
+        if len(nested) < len(vals):
+            out.append(path)
+    return list(dict.fromkeys(out))
 
 
 @dataclass(frozen=True)
 class Curve:
     """One grid point of a sweep along t: the mean over its n runs (seeds) and the spread.
 
+    The statistics are over all n runs at every t: where a run has no value (NaN: diverged, not
+    trained yet, a diagnostic it could not compute) the mean, std, min and max there are NaN —
+    never the mean of the runs left, which would mix seeds (a diverged seed dropped from the mean of
+    a large learning rate) or steps (a seed still running).  :attr:`count` says how many runs have
+    a value at each t.
+
     Attributes:
         key: grid field → value of this point (seed excluded).
         t: (T,) steps common to all its runs.
-        mean, std, lo, hi: (T,) mean, standard deviation (0 for one run), min and max over runs.
-        n: number of runs averaged.
+        mean, std, lo, hi: (T,) mean, standard deviation (0 for one run), min and max over the n
+            runs; NaN where any of them has no value (NaN); an infinite value stays in (mean ±inf).
+        n: number of runs averaged: the seeds with a finished step (a seed run twice under two
+            names counts once).
         bracket: (lower, upper), (T,) each, that contain the exact mean of an energy E_t(φ, k)
             (the means of the runs' brackets; lower = upper = mean where every run measured it
             exactly), None for other quantities.
+        count: (T,) the number of runs with a value (not NaN) at each t (None: all n).
+        total: the seeds of this grid point in the sweep, with or without a finished step (None: n).
     """
 
     key: dict[str, Any]
@@ -177,10 +203,17 @@ class Curve:
     hi: np.ndarray
     n: int
     bracket: tuple[np.ndarray, np.ndarray] | None = None
+    count: np.ndarray | None = None
+    total: int | None = None
 
     @property
     def label(self) -> str:
+        """ "width=8, depth=2 (3 seeds)"; "(2 of 3 seeds)" when some runs of the point have no
+        finished step yet."""
         name = ", ".join(f"{f.split('.')[-1]}={v}" for f, v in self.key.items()) or "all"
+        total = self.n if self.total is None else self.total
+        if total > self.n:
+            return name + f" ({self.n} of {total} seeds)"
         return name + (f" ({self.n} seeds)" if self.n > 1 else "")
 
 
@@ -208,20 +241,40 @@ class Sweep:
         """One run of the sweep by its id (a value of ``runs["id"]``)."""
         return Run(self.store, run_id)
 
-    def _finished(self) -> pandas.DataFrame:
-        return self.runs[self.runs["steps_done"] > 0]
+    def _finished(self) -> list[dict[str, Any]]:
+        """The rows of the runs with a finished step, one per grid point and seed, in the sweep's
+        order: two runs of one point with the same seed are one experiment under two names (a grid
+        of width [8, 8.0] or lr [1, 1.0] names two runs of the same spec), counted once — the one
+        with the most finished steps."""
+        rows = self.runs[self.runs["steps_done"] > 0].to_dict("records")
+        best: dict[tuple, dict[str, Any]] = {}
+        for row in rows:
+            one = (self._key(row), row.get("seed"))
+            if one not in best or row["steps_done"] > best[one]["steps_done"]:
+                best[one] = row
+        keep = {row["id"] for row in best.values()}
+        return [row for row in rows if row["id"] in keep]
+
+    def _key(self, row: dict[str, Any]) -> tuple:
+        return tuple(row[f] for f in self.fields)
 
     def groups(self) -> list[tuple[dict[str, Any], list[str]]]:
-        """(grid point, run ids) for each point of the grid, seeds pooled, in the sweep's order."""
+        """(grid point, run ids) for each point of the grid, seeds pooled (each seed once), in the
+        sweep's order."""
         out: dict[tuple, tuple[dict[str, Any], list[str]]] = {}
-        for row in self._finished().to_dict("records"):
-            key = tuple(row[f] for f in self.fields)
+        for row in self._finished():
+            key = self._key(row)
             out.setdefault(key, (dict(zip(self.fields, key)), []))[1].append(row["id"])
         return list(out.values())
 
     def curves(self, name: str, k: int | None = None) -> list[Curve]:
         """One :class:`Curve` of quantity ``name`` (see :func:`quantity`) per grid point; an energy
-        E_t(φ, k) carries the bracket of its mean (:attr:`Curve.bracket`)."""
+        E_t(φ, k) carries the bracket of its mean (:attr:`Curve.bracket`).  The mean is over every
+        run of the point at every t: NaN where one of them has no value (:attr:`Curve.count` says
+        how many have)."""
+        totals: dict[tuple, set] = {}
+        for row in self.runs.to_dict("records"):  # the seeds of each point, with or without a finished step
+            totals.setdefault(self._key(row), set()).add(row.get("seed"))
         curves = []
         for key, ids in self.groups():
             runs = [self.run(rid) for rid in ids]
@@ -237,32 +290,56 @@ class Sweep:
                 lo = np.stack([bi[1][j] for j, bi in zip(at, b)])
                 hi = np.stack([bi[2][j] for j, bi in zip(at, b)])
                 bracket = (lo.mean(0), hi.mean(0))  # the mean of exact values lies between the means of the bounds
+            ok = ~np.isnan(V)
+            W = np.where(ok.all(0), V, np.nan)  # a t where a run has no value has no mean over the runs
             with np.errstate(all="ignore"):
                 curves.append(
                     Curve(
-                        key, t, np.nanmean(V, 0), np.nanstd(V, 0), np.nanmin(V, 0), np.nanmax(V, 0), len(ids), bracket
+                        dict(key),
+                        t,
+                        W.mean(0),
+                        W.std(0),
+                        W.min(0),
+                        W.max(0),
+                        len(ids),
+                        bracket,
+                        ok.sum(0),
+                        max(len(totals.get(tuple(key.values()), ())), len(ids)),
                     )
                 )
         return curves
 
     def scalar(self, name: str, k: int | None = None, step: int | None = None) -> pandas.DataFrame:
-        """One row per finished run: id, the grid fields, seed, ``value`` = quantity ``name`` at
-        ``step`` (default: each run's last finished recorded step; "loss": last trained step)."""
+        """One row per finished run (each seed of a grid point once): id, the grid fields, seed,
+        ``value`` = quantity ``name`` at ``step`` (default: each run's last step with a finite
+        value — its last finished recorded step; "loss": its last trained step), ``step`` = the t
+        of that value (runs that failed or are still running end earlier than the others: their t
+        says so) and the run's ``status``."""
         import pandas as pd
 
         rows = []
-        for row in self._finished().to_dict("records"):
+        for row in self._finished():
             t, v = quantity(self.run(row["id"]), name, k)
             if step is None:
                 ok = np.flatnonzero(np.isfinite(v))
                 value = float(v[ok[-1]]) if len(ok) else float("nan")
+                at = int(t[ok[-1]]) if len(ok) else (int(t[-1]) if len(t) else -1)
             else:
                 where = np.flatnonzero(t == step)
                 if not len(where):
                     raise KeyError(f"step {step} is not a finished step of {row['id']!r} for {name!r}")
-                value = float(v[where[0]])
-            rows.append({"id": row["id"], **{f: row[f] for f in self.fields}, "seed": row.get("seed"), "value": value})
-        return pd.DataFrame(rows)
+                value, at = float(v[where[0]]), int(step)
+            rows.append(
+                {
+                    "id": row["id"],
+                    **{f: row[f] for f in self.fields},
+                    "seed": row.get("seed"),
+                    "value": value,
+                    "step": at,
+                    "status": row.get("status"),
+                }
+            )
+        return pd.DataFrame(rows, columns=["id", *self.fields, "seed", "value", "step", "status"])
 
     def smallest_k(self) -> int:
         """The largest k at which every finished run has E_t(φ, k): the smallest :attr:`Run.k_max`

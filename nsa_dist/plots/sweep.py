@@ -115,11 +115,43 @@ def fig7c(sweep: Sweep) -> Figure:
     return fig
 
 
+def _series(
+    sweep: Sweep, df, x: str, line: str | None
+) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray, list[str]]]:
+    """[(label, xs, mean, std, notes)] of ``df["value"]`` (:meth:`Sweep.scalar`) against field ``x``:
+    one line per value of ``line`` and of every other field the sweep varies, so that a mean is
+    over the seeds of one grid point only, never pooled over a field that is not drawn.  The mean
+    and std are over every run of the point (NaN when one of them has no value, NaN); ``notes``
+    names, per x, the steps t of its values where they are not the frame's last step (a run that
+    failed or is still running), else "" ."""
+    rest = [f for f in sweep.fields if f not in (x, line)]
+    by = ([line] if line else []) + rest
+    groups = [((), df)] if not by else list(df.groupby(by, sort=True, dropna=False))
+    last = df["step"].max() if "step" in df and len(df) else None
+    out = []
+    for lv, sub in groups:
+        lv = lv if isinstance(lv, tuple) else (lv,)
+        label = ", ".join(f"{f.split('.')[-1]}={v}" for f, v in zip(by, lv)) or "all"
+        xs, means, stds, notes = [], [], [], []
+        for xv, pt in sub.groupby(x, sort=True, dropna=False):
+            v = pt["value"].to_numpy(np.float64)
+            xs.append(xv)
+            means.append(v.mean() if len(v) else np.nan)
+            stds.append(v.std() if len(v) else np.nan)
+            steps = sorted(set(pt["step"].tolist())) if last is not None else []
+            notes.append("" if steps in ([], [last]) else "t = " + ", ".join(str(t) for t in steps))
+        out.append((label, np.asarray(xs), np.asarray(means), np.asarray(stds), notes))
+    return out
+
+
 def scalar_figure(
     sweep: Sweep, name: str, x: str, line: str | None = None, k: int | None = None, step: int | None = None
 ) -> Figure:
     """Quantity ``name`` at ``step`` (default the last) against grid field ``x``, one line per
-    value of field ``line``; error bars ± std over seeds.
+    value of field ``line`` and of each other field the sweep varies (a mean is never pooled over
+    a field); error bars ± std over seeds (mean and std over every seed: NaN where one has no
+    value, NaN).  At the last step, a point whose runs end earlier (failed, still running) is
+    marked with the t of its value.
 
     Raises:
         ValueError: ``x`` or ``line`` is not a field the sweep varies (they are listed).
@@ -130,14 +162,13 @@ def scalar_figure(
     df = sweep.scalar(name, k, step)
     what = f"{name}" + (f"(k={k})" if k else "") + (f" at t = {step}" if step is not None else " at the last step")
     fig, ax = _figure(sweep, "", what + " across the sweep (a summary, no figure of the paper)")
-    groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
-    cols, labels = colors(len(groups)), [f"{line.split('.')[-1]}={lv}" if line else name for lv, _ in groups]
-    for c, label, (_, sub) in zip(cols, labels, groups):
-        g = sub.groupby(x, sort=True)["value"]
-        mean, std = g.mean(), g.std(ddof=0).fillna(0.0)
-        ax.errorbar(
-            mean.index.to_numpy(), mean.to_numpy(), yerr=std.to_numpy(), fmt="o-", ms=4, capsize=3, color=c, label=label
-        )
+    series = _series(sweep, df, x, line)
+    cols, labels = colors(len(series)), [label if label != "all" else name for label, *_ in series]
+    for c, label, (_, xs, mean, std, notes) in zip(cols, labels, series):
+        ax.errorbar(xs, mean, yerr=std, fmt="o-", ms=4, capsize=3, color=c, label=label)
+        for xv, yv, note in zip(xs, mean, notes):
+            if note and np.isfinite(yv):
+                ax.annotate(note, (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7, color=c)
     ax.set(xlabel=x, ylabel=what)
     ax.grid(alpha=0.3)
     legend(ax, family=(line or name, labels, cols))
@@ -197,14 +228,12 @@ def fit_slope(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def _by_width(sweep: Sweep, name: str, k: int | None, step: int | None, line: str | None):
-    """[(line value, widths, mean, std)] of quantity ``name`` over ``model.width`` (seeds pooled)."""
+    """[(label, widths, mean, std)] of quantity ``name`` over ``model.width`` (seeds pooled), one
+    line per value of ``line`` and of each other field the sweep varies."""
     df = sweep.scalar(name, k, step)
-    groups = [(None, df)] if line is None else list(df.groupby(line, sort=True))
-    out = []
-    for lv, sub in groups:
-        g = sub.groupby(_WIDTH, sort=True)["value"]
-        out.append((lv, g.mean().index.to_numpy(np.float64), g.mean().to_numpy(), g.std(ddof=0).fillna(0.0).to_numpy()))
-    return out
+    return [
+        (label, np.asarray(w, np.float64), mean, std) for label, w, mean, std, _ in _series(sweep, df, _WIDTH, line)
+    ]
 
 
 def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1, 2)) -> Figure:
@@ -215,7 +244,7 @@ def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1,
         raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
     fig, ax = _figure(sweep, "", f"width convergence of I to its limit at t = {step}", paper="Hessian paper")
     for c, k in zip(colors(len(orders)), orders):
-        for _, w, mean, std in _by_width(sweep, "hessian_I_error", k, step, None):
+        for lab, w, mean, std in _by_width(sweep, "hessian_I_error", k, step, None):
             slope = fit_slope(w, mean)
             ax.errorbar(
                 w,
@@ -225,7 +254,7 @@ def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1,
                 ms=4,
                 capsize=3,
                 color=c,
-                label=f"|Tr(I^{k}) − limit| / limit: slope {slope:+.2f}",
+                label=f"|Tr(I^{k}) − limit| / limit{'' if lab == 'all' else f' ({lab})'}: slope {slope:+.2f}",
             )
     if len(ax.lines):
         w = np.asarray(sorted(sweep.runs[_WIDTH].unique()), np.float64)
@@ -261,7 +290,7 @@ def regimes_figure(sweep: Sweep, step: int = 0) -> Figure:
                 ms=4,
                 capsize=3,
                 color=c,
-                label=f"{lv or 'all'}: slope {fit_slope(w, mean):+.2f}",
+                label=f"{lv}: slope {fit_slope(w, mean):+.2f}",
             )
         ax.set(xlabel="width w", title=label, xscale="log", yscale="log")
         ax.grid(alpha=0.3, which="both")
