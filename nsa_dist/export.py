@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -210,6 +211,8 @@ def _derived(run: Run, tag: str) -> tuple[np.ndarray, np.ndarray]:
 
     if tag == "loss/train":
         return quantity(run, "loss")
+    if not len(run.steps):  # no finished recorded step yet: the training losses so far only
+        return run.steps, np.zeros(0)
     if tag == "spectrum/lambda_max":
         return quantity(run, "lambda_max")
     if tag == "spectrum/stability_bound":
@@ -268,8 +271,11 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
     The export is atomic: the event file is written into a temporary folder beside the
     destination (``logdir/.<run id>.*.partial``) and moved into place only once complete, so that
     a failure — a full disk, a damaged chunk of the run, Ctrl-C — leaves nothing behind and the
-    next export into ``logdir`` starts clean.  Events are written synchronously (TensorBoard's
-    ``SummaryWriter`` writes on a thread that prints a traceback of its own when the disk fills).
+    next export into ``logdir`` starts clean.  An export killed outright (SIGKILL, out of memory)
+    leaves its temporary folder, holding no file TensorBoard reads (the event file gets its name
+    only once complete), and the next export of the run on this host removes it.  Events are
+    written synchronously (TensorBoard's ``SummaryWriter`` writes on a thread that prints a
+    traceback of its own when the disk fills).
 
     Args:
         run: a recorded run (``Client(url).run(id)``); its finished steps are written.
@@ -290,16 +296,15 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
     require("tensorboard", "tensorboard", "nsa export --tensorboard")
 
     out = Path(logdir) / run.id
-    if out.is_dir() and any(out.glob("events.out.tfevents.*")):
-        raise StoreError(
-            f"{out} holds TensorBoard event files already: remove it (or export to another "
-            "directory) — a second export would interleave with the first"
-        )
+    _refuse_second(out)
+    _check_static(run)
     failed = None
     try:
         Path(logdir).mkdir(parents=True, exist_ok=True)
+        _remove_killed(Path(logdir), run.id)
         tmp = Path(logdir) / f".{run.id}.{uuid.uuid4().hex[:12]}.partial"
         tmp.mkdir()
+        (tmp / _OWNER).write_text(f"{socket.gethostname()}\n{os.getpid()}\n")
     except OSError as exc:
         failed = _write_error(exc, out)
     if failed is not None:
@@ -316,6 +321,44 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
     return replace(summary, logdir=out)
 
 
+def _check_static(run: Run) -> None:
+    """StoreError naming the first chunk missing from a static array of ``run``
+    (:meth:`~nsa_dist.store.reader.RunReader.static_damage`: ``steps`` read as its fill value would
+    put every point at t = 0), asked before anything is written, as of a finished step's chunk."""
+    damage = run._r.static_damage()  # the run's checked reader (nsa_dist.store.RunReader)
+    if damage is not None:
+        raise StoreError(damage)
+
+
+_OWNER = "writer"  # in a temporary folder: the host and process id of the export writing it
+_WRITING = "events.writing"  # the event file while it is written: no TensorBoard event file's name
+
+
+def _remove_killed(logdir: Path, rid: str) -> None:
+    """Remove the temporary folders ``logdir/.<rid>.*.partial`` of exports of ``rid`` killed on
+    this host (SIGKILL, out of memory: no handler ran), whose writer process is gone.  Each holds
+    at most an event file under a name TensorBoard does not read (:data:`_WRITING`), so that it
+    never shows as a run of its own; a folder of a live export, or of another host's, is left."""
+    for folder in logdir.glob(f".{glob_escape(rid)}.*.partial"):
+        try:
+            host, pid = (folder / _OWNER).read_text().split()[:2]
+        except (OSError, ValueError):
+            continue  # being created (its writer file comes next), or not an export's
+        if host != socket.gethostname() or _alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
+
+
 def _write_error(exc: OSError, out: Path) -> OutsideError:
     """The one-line error for an export folder that cannot be written (the folder, the cause)."""
     from nsa_dist._faults import outside_cause
@@ -324,11 +367,22 @@ def _write_error(exc: OSError, out: Path) -> OutsideError:
     return OutsideError(f"cannot write the export folder {out}: {cause}; nothing was left there")
 
 
+def _refuse_second(out: Path) -> None:
+    if out.is_dir() and any(out.glob("events.out.tfevents.*")):
+        raise StoreError(
+            f"{out} holds TensorBoard event files already: remove it (or export to another "
+            "directory) — a second export would interleave with the first"
+        )
+
+
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Move the finished export from ``tmp`` to ``out``: the folder in one rename, or — ``out``
-    exists already (without event files) — each file in one rename."""
+    exists already (without event files: an export of the run that finished meanwhile is
+    refused as at the start) — each file in one rename."""
+    _refuse_second(out)
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
+    (tmp / _OWNER).unlink()
     if not out.exists():
         os.rename(tmp, out)
         return
@@ -344,7 +398,7 @@ def _write_events(run: Run, folder: Path) -> ExportSummary:
 
     name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
     tags, n_scalars, n_spectra = [], 0, 0
-    with open(folder / name, "wb") as f:
+    with open(folder / _WRITING, "wb") as f:
         w = RecordWriter(f)
 
         def put(step: int, summary=None, **fields) -> None:
@@ -378,4 +432,5 @@ def _write_events(run: Run, folder: Path) -> ExportSummary:
             n_spectra += 1
         f.flush()
         os.fsync(f.fileno())
+    os.rename(folder / _WRITING, folder / name)  # complete: now an event file TensorBoard reads
     return ExportSummary(folder, tuple(tags), n_scalars, n_spectra)

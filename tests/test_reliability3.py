@@ -193,3 +193,24 @@ def test_a_missing_done_flag_of_a_step_not_yet_recorded_is_not_damage(undamaged,
     with s.lease([rid]) as lease:
         s.reopen(rid, token=lease.token).set_status(Status.PENDING, "stopped by hand")
     assert verify_store(s) == [], "a step not yet recorded has no flag: not damage"
+
+
+@pytest.mark.parametrize("chunk", ["steps/c/0", "y_test/c/0", "loss_trace/c/0"])
+def test_a_missing_static_chunk_is_damage_named_verified_and_rewritten(undamaged, tmp_path, chunk, capsys):
+    """A chunk of an array written whole at the run's creation (or ``loss_trace`` of a finished
+    run), deleted: the readers gave its fill value as data (``steps`` all 0: every step at t = 0)
+    and ``nsa verify`` said "no damage found"."""
+    b, rid, run = _copy(undamaged, tmp_path)
+    (run / chunk).unlink()
+    name = chunk.split("/")[0]
+    with pytest.raises(StoreError, match="is missing") as e:
+        Client(b).run(rid).array(name)
+    assert f"{run}/{chunk}" in str(e.value), str(e.value)
+    assert nsa(["verify", b]) == 1
+    out = capsys.readouterr().out
+    assert f"{run}/{chunk}" in out and "no damage found" not in out, out
+    assert nsa(["verify", b, "--mark"]) == 0
+    capsys.readouterr()
+    assert nsa(["run", "--plain", "--store", b, _spec_file(tmp_path)]) == 0, capsys.readouterr().err
+    assert nsa(["verify", b]) == 0
+    _assert_same_arrays(undamaged[0], b, rid)

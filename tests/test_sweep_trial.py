@@ -255,6 +255,13 @@ def test_scalar_figure_never_pools_a_field_it_does_not_draw(url: str) -> None:
             ]
             _same(np.asarray(ln.get_xdata(), np.float64), np.array([2.0, 3.0]), f"width={w}, lr={lr}: x")
             _same(np.asarray(ln.get_ydata(), np.float64), np.array(want), f"width={w}, lr={lr}: E(y, 2) at the end")
+    # nsa serve's sweep summary draws the same points: it pooled the lr too
+    from nsa_dist.serve.sweep_page import _by
+
+    served = {ser.label: ser for ser in _by(s.scalar("energy_y", 2), "model.depth", "model.width", (s, 2, {}))}
+    assert sorted(served) == want_labels, sorted(served)
+    for label, ln in lines.items():
+        _same(np.asarray(served[label].y, np.float64), np.asarray(ln.get_ydata(), np.float64), f"served {label}")
 
 
 @pytest.fixture()

@@ -482,11 +482,33 @@ class _EnergyMap:
         self.layout = row(*figs)
 
     @classmethod
+    def picked(cls, k: np.ndarray) -> np.ndarray:
+        """Indices into the measured ``k`` (ascending) of the map's rows: every one when there are
+        at most :data:`MAP_K`, else :data:`MAP_K` of them log-spaced in k (each a measured k; at
+        small k, where log-spaced points fall between integers, every k)."""
+        n = len(k)
+        if n <= cls.MAP_K:
+            return np.arange(n)
+
+        def spaced(m: int) -> np.ndarray:
+            return np.unique(np.clip(np.searchsorted(k, np.geomspace(k[0], k[-1], m)), 0, n - 1))
+
+        # points merge at small k: the most of them that give at most MAP_K rows
+        lo, hi, best = cls.MAP_K, min(64 * n, 1 << 20), spaced(cls.MAP_K)
+        while lo < hi:
+            m = (lo + hi + 1) // 2
+            got = spaced(m)
+            if len(got) <= cls.MAP_K:
+                lo, best = m, got
+            else:
+                hi = m - 1
+        return best
+
+    @classmethod
     def read(cls, curve: Any) -> dict[str, Any]:
         """The cells of both maps from a :class:`~nsa_dist.client.BracketedCurve` (worker thread)."""
         k = curve.k
-        want = np.geomspace(1, k[-1], min(cls.MAP_K, len(k)))  # log-spaced in k, each a measured k
-        pick = np.unique(np.clip(np.searchsorted(k, want), 0, len(k) - 1))
+        pick = cls.picked(np.asarray(k))
         k, value, width = k[pick], curve.value[:, pick], curve.width[:, pick]
         xe, ye = _edges(np.asarray(curve.steps, np.float64), False), _edges(k, True)
         S, n = value.shape

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from nsa_dist.client import Run
+from nsa_dist.errors import StoreError
 
 if TYPE_CHECKING:
     from nsa_dist.serve._live import Panel, Shared
@@ -179,6 +180,7 @@ class _Built:
         self.token, self.body, self.began, self.took = token, body, began, took
 
 
+_STATIC_S = 30.0
 _ALL_RUNS = '<a href="./">all runs</a>'
 _MAX_CHOICES = 4096  # characters of a request's widget choices (JSON); longer: ignored
 _CHOICE_KEY = re.compile(r"\d{1,3}\.(\d{1,3}|s)")
@@ -250,10 +252,25 @@ class RunPages:
         self._pruned = time.monotonic()
         # (run, tab, panel) → its widgets' options and its eigenvector slider's positions (0: none)
         self._widgets: dict[tuple[Any, ...], tuple[list[Any], int]] = {}
+        self._static: dict[tuple[Any, ...], tuple[float, str | None]] = {}  # (run, state) → (checked, damage)
         # the panels' modules and Bokeh's embedding, imported now: not in the first viewer's wait
         import bokeh.embed  # noqa: F401
 
         _sections()
+
+    def static_damage(self, snap: _Snapshot) -> str | None:
+        """:func:`static_damage` of ``snap``'s run, listed again at each new state of the run and
+        at least every :data:`_STATIC_S` (a listing per array: on an object store, requests)."""
+        key, now = (snap.run.id, snap.seen), time.monotonic()
+        with self._lock:
+            last = self._static.get(key)
+        if last is not None and now - last[0] < _STATIC_S:
+            return last[1]
+        damage = static_damage(snap.run)
+        with self._lock:
+            self._static = {k: v for k, v in self._static.items() if now - v[0] < _STATIC_S}
+            self._static[key] = (now, damage)
+        return damage
 
     def snapshot(self, rid: str) -> _Snapshot:
         return self.shared.get(("run", rid), lambda: _Snapshot(Run(self.store, rid)), self.refresh_s)
@@ -274,6 +291,9 @@ class RunPages:
             return _json({"message": f'{_ALL_RUNS}<p class="nsa-damaged"><b>cannot open this run:</b> {why}</p>'})
         try:
             sections = _section_classes(snap.run)
+            damage = self.static_damage(snap)
+            if damage:
+                raise StoreError(damage)
         except Exception as exc:  # noqa: BLE001 — metadata that cannot be read: the page's message
             why = html.escape(f"{type(exc).__name__}: {exc}")
             return _json({"message": f'{_ALL_RUNS}<p class="nsa-damaged"><b>cannot show this run:</b> {why}</p>'})
@@ -557,9 +577,22 @@ body { font-family: sans-serif; margin: 8px 16px; }
 """
 
 
-def _seen(run: Run) -> tuple[bytes, str, str]:
-    """What a redraw depends on: the finished steps and the status (and why)."""
-    return run.finished.tobytes(), str(run.status), str(run.reason)
+def _seen(run: Run) -> tuple[bytes, str, str, str]:
+    """What a redraw depends on: the finished steps, the status (and why), and when the run was
+    created and its status last written — a run deleted and recorded anew under the same id (a
+    Tracker's name) with as many steps finished is another state, never the old figures."""
+    made = repr((run.attrs.get("created"), run.attrs.get("updated")))
+    return run.finished.tobytes(), str(run.status), str(run.reason), made
+
+
+def static_damage(run: Run) -> str | None:
+    """The first chunk missing from a static array of ``run``, named (None: there is none):
+    :meth:`~nsa_dist.store.reader.RunReader.static_damage` — ``steps`` read as its fill value would
+    draw every step at t = 0 — so the page shows this instead."""
+    try:
+        return run._r.static_damage()  # the run's checked reader (nsa_dist.store.RunReader)
+    except StoreError:
+        return None  # damaged metadata: the panels that read the array name it
 
 
 def _read(p: Panel, run: Run, shareable: bool = False) -> Any:

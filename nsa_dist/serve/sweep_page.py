@@ -82,16 +82,22 @@ class SweepFigure(Curves):
 
 
 def _by(df: Any, x: str, line: str | None, args: Args) -> list[Series]:
-    """Mean ± std (over seeds) of ``df["value"]`` against field ``x``, one series per value of ``line``."""
+    """Mean ± std (over seeds) of ``df["value"]`` against field ``x``, one series per value of
+    ``line`` and of every other field the sweep varies — a mean is over the seeds of one grid point
+    only, never pooled over a field the figure does not draw (as ``nsa plot``'s scalar figure) —
+    and NaN where one of its seeds has no value."""
     rows = df[[_keep(args, {f: r[f] for f in args[0].fields}) for r in df.to_dict("records")]] if len(df) else df
-    groups = [(None, rows)] if line is None else list(rows.groupby(line, sort=True))
+    by = ([line] if line else []) + [f for f in args[0].fields if f not in (x, line)]
+    groups = [((), rows)] if not by else list(rows.groupby(by, sort=True, dropna=False))
     out = []
     for j, (lv, sub) in enumerate(groups):
-        g = sub.groupby(x, sort=True)["value"]
-        mean, std = g.mean(), g.std(ddof=0).fillna(0.0)
-        xs = np.asarray(mean.index.to_numpy(), np.float64)
-        label = f"{line.split('.')[-1]}={lv}" if line else "all"
-        out.append(Series(xs, mean.to_numpy(np.float64), label, color(j), err=std.to_numpy(np.float64)))
+        lv = lv if isinstance(lv, tuple) else (lv,)
+        pts = [(xv, pt["value"].to_numpy(np.float64)) for xv, pt in sub.groupby(x, sort=True, dropna=False)]
+        xs = np.asarray([xv for xv, _ in pts], np.float64)
+        mean = np.asarray([v.mean() for _, v in pts])
+        std = np.asarray([v.std() for _, v in pts])
+        label = ", ".join(f"{f.split('.')[-1]}={v}" for f, v in zip(by, lv)) or "all"
+        out.append(Series(xs, mean, label, color(j), err=std))
     return out
 
 
@@ -329,6 +335,21 @@ def sweep_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = N
             for f, d in zip(figures, got[2]):
                 f.update(d)
 
+        def refreshed(got: Any) -> None:
+            """A refresh's result on the page: the figures, or — the sweep or the store cannot be
+            read any more (deleted, unreachable) — the error in the header, the figures hidden
+            until a read succeeds again (never the last state's figures as if they were current)."""
+            for f in figures:
+                f.layout.visible = not isinstance(got, BaseException)
+            if isinstance(got, BaseException):
+                header.text = (
+                    f'<a href="./">all runs</a><p class="nsa-damaged"><b>cannot read sweep {html.escape(name)} '
+                    f"any more:</b> {html.escape(str(got))}; its figures come back when it can be read "
+                    "again</p>"
+                )
+                return
+            apply(got)
+
         apply(read_all())
         root = column(header, row(*pickers.values(), k), *(f.layout for f in figures))
 
@@ -356,13 +377,7 @@ def sweep_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = N
                     w.on_change("value", redraw)
             doc.title = f"nsa — sweep {name}"
             doc.add_root(root)
-            every(
-                doc,
-                refresh_s,
-                _guard(read_all),
-                lambda got: apply(got) if not isinstance(got, BaseException) else None,
-                lock,
-            )
+            every(doc, refresh_s, _guard(read_all), refreshed, lock)
 
         return attach
 

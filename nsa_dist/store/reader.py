@@ -167,6 +167,10 @@ class RunReader:
         self._check_kinds(name)
         if a is None and self.specs:
             self._check_whole(name, arr)
+        elif a is not None and not a.per_step:
+            missing = self.missing_static(name)
+            if missing is not None:
+                raise StoreError(missing)
         try:
             value = arr[...]
             if a is not None and not a.per_step and name != "loss_trace":
@@ -278,6 +282,49 @@ class RunReader:
                 f"{f' ({len(miss)} steps affected)' if len(miss) > 1 else ''}; run `nsa verify "
                 f"{self.store.url} --mark` and re-run to recompute it"
             )
+
+    def missing_static(self, name: str) -> str | None:
+        """The error naming the first chunk missing from static array ``name`` (``steps``,
+        ``curve_k``, ``hessian_steps``, ``y_test`` …: written whole, every chunk, when the run is
+        created), or from ``loss_trace`` below the last finished step (all of it once the run is
+        done); None when none is.  Read as its fill value such a chunk was wrong numbers: ``steps``
+        all 0 put every point at t = 0, ``curve_k`` all 0 every curve under k = 0."""
+        keys = self.missing_static_keys(name)
+        if not keys:
+            return None
+        return (
+            f"run {self.id!r}: array {name!r} is damaged: chunk {self.path}/{name}/{keys[0]} is missing "
+            f"(read as its fill value it would be wrong numbers); run `nsa verify {self.store.url} "
+            "--mark` and re-run to write it anew"
+        )
+
+    def missing_static_keys(self, name: str) -> list[str]:
+        """The chunk keys (relative to the array) :meth:`missing_static` names, in grid order."""
+        if not self.attrs.get("static_complete", False) or not self.has(name):
+            return []  # still being created: nothing is expected yet
+        arr = self.array(name)
+        if not arr.size:
+            return []
+        grid = list(chunk_grid(arr))
+        if name == "loss_trace" and self.status()[0] != "done":
+            done = np.flatnonzero(self.done)
+            try:
+                upto = int(self.read("steps")[done[-1]]) // arr.chunks[0] if len(done) else 0
+            except StoreError:  # ``steps`` itself damaged (named on its own): nothing to tell here
+                return []
+            grid = [c for c in grid if c[0] < upto]  # a live run writes its current chunk still
+        present = self.present_chunks(name)
+        keys = (arr.metadata.encode_chunk_key(c) for c in grid)
+        return [k for k in keys if k not in present]
+
+    def static_damage(self) -> str | None:
+        """:meth:`missing_static` of the first static array of the run's schema that has one."""
+        for name, a in self.specs.items():
+            if not a.per_step:
+                missing = self.missing_static(name)
+                if missing is not None:
+                    return missing
+        return None
 
     def _check_whole(self, name: str, arr: zarr.Array) -> None:
         """StoreError naming the first chunk missing from array ``name``, one written whole after the

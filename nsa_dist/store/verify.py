@@ -113,6 +113,20 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
             return hit is not None
 
         if not a.per_step:
+            for key in r.missing_static_keys(name):  # read as its fill value: wrong numbers
+                if covering(wrong, key) is not None:
+                    continue  # an entry of the wrong kind there: named as such below
+                out.append(
+                    Damage(
+                        run_id,
+                        name,
+                        None,
+                        None,
+                        f"{r.path}/{name}/{key}",
+                        "chunk missing (the array is written whole when the run is created)",
+                        f"runs/{run_id}/{name}/{key}",
+                    )
+                )
             for c in chunk_grid(arr):
                 key = arr.metadata.encode_chunk_key(c)
                 if wrong_kind(key, None):
