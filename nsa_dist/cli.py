@@ -698,8 +698,8 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 
     sweep = Client(args.store).sweep(args.sweep)
     k = args.k[0] if args.k else None  # Fig. 7a: default the paper's fraction of N (plots.axes.energy_k)
-    paths = plot_sweep(sweep, args.out, figures=args.figures, k=k)
-    if args.scalar:
+    fig = None
+    if args.scalar:  # the scalar figure is made (its fields and quantity checked) before any figure is written
         if not args.x:
             raise ValueError("--scalar needs --x FIELD (one of the sweep's fields: " + ", ".join(sweep.fields) + ")")
         kk = energy_k(sweep.smallest_n(), sweep.smallest_k(), k)
@@ -708,6 +708,8 @@ def _plot_sweep(args: argparse.Namespace) -> int:
         fig = scalar_figure(
             sweep, args.scalar, args.x, args.line, k=kk if args.scalar.startswith(("energy_", "hessian_")) else None
         )
+    paths = plot_sweep(sweep, args.out, figures=args.figures, k=k)
+    if fig is not None:
         path = args.out / f"scalar_{args.scalar}.png"
         fig.savefig(path, dpi=DPI)
         paths.append(path)

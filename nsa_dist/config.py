@@ -968,7 +968,7 @@ class SweepSpec(_Strict):
                 raise ValueError(f"sweep run {spec['name']!r} ({combo}) is not a valid experiment: {problems}") from exc
             except ValueError as exc:
                 raise ValueError(f"sweep run {spec['name']!r} ({combo}) is not a valid experiment: {exc}") from exc
-            key = run.model_dump_json()
+            key = run.model_dump_json(exclude={"name"})  # width [8, 8.0]: one experiment, run once
             if key not in seen:
                 seen.add(key)
                 out.append(run)

@@ -51,7 +51,15 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
     _record(store, SweepSpec(name="dw", base=small, grid=grid))
     models = [{"depth": 2, "width": 4}, {"depth": 3, "width": 6}]
     _record(store, SweepSpec(name="nest", base=small, grid={"model": models, "seed": [0, 1]}))
-    _record(store, SweepSpec(name="dup", base=small, grid={"model.width": [4, 4.0], "seed": [0, 1]}))
+    # "dup" as a store written before SweepSpec.expand ran one experiment once: the runs of width 4
+    # and of width 4.0 (two names, one spec) both in the sweep
+    dup = SweepSpec(name="dup", base=small, grid={"model.width": [4, 4.0], "seed": [0, 1]})
+    ids = [
+        i
+        for w in (4, 4.0)
+        for i in _record(store, dup.model_copy(update={"grid": {"model.width": [w], "seed": [0, 1]}}))
+    ]
+    store.record_sweep("dup", dup.model_dump(mode="json"), ids)
     return url
 
 
@@ -199,6 +207,7 @@ def test_cli_sweep_commands_on_bad_input(url: str, tmp_path: Path, capsys: pytes
         rc = main([*argv, "--store", url])
         err = capsys.readouterr().err
         assert rc == 2 and message in err, f"{argv}: rc {rc}, stderr {err!r}"
+    assert not list(Path(out).glob("*.png")), "a refused command wrote figures first"
     try:
         assert Client(url).sweep("empty").curves("loss") == []
         rc = main(["plot", "--sweep", "lr", "--out", out, "--store", url])
@@ -236,6 +245,10 @@ def test_a_seed_run_twice_under_two_names_counts_once(url: str) -> None:
     by_seed = {r["spec"]["seed"]: r for r in _point_runs(url, "dup", {"model.width": 4})}
     _same(cv.mean, _stats([by_seed[0]["energy_y"][:, 1], by_seed[1]["energy_y"][:, 1]])[0], cv.label)
     assert sorted(s.scalar("energy_y", 2)["seed"]) == [0, 1]
+    # and a sweep expanded now runs each experiment once (the runs above were made twice)
+    grid = {"model.width": [4, 4.0], "seed": [0, 1]}
+    again = SweepSpec(name="dup", base={**BASE, "data": {"n": 12}, "steps": 3}, grid=grid).expand()
+    assert [r.name for r in again] == ["dup__width-4__seed-0", "dup__width-4__seed-1"], [r.name for r in again]
 
 
 def test_scalar_figure_never_pools_a_field_it_does_not_draw(url: str) -> None:

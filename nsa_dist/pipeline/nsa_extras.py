@@ -126,9 +126,10 @@ def write_constant_gram(writer: RunWriter, spec: ExperimentSpec) -> None:
     learning rates δ_s, writes ``constant_gram_residual`` (S, 2) = [predicted ‖m̄_t‖, measured
     ‖m_t‖] and ``constant_gram_energy`` (S, K) = predicted E(m̄_t, k) in G_{t0}'s eigenbasis (the
     measured E_t(m_t, k) is ``energy_residual``).  Only for the paper's setting, full-batch GD
-    without momentum on the L2 loss; with K < N the rest of G_{t0}'s spectrum counts as 0.  Above
-    the stability bound the energies stay exact (log space) and the predicted norm is +inf where it
-    overflows; the arrays' attrs say where it diverges (:func:`divergence`).
+    without momentum on the L2 loss, one output (:func:`~nsa_dist.pipeline.plan.constant_gram_applies`);
+    with K < N the rest of G_{t0}'s spectrum counts as 0.  Above the stability bound the energies
+    stay exact (log space) and the predicted norm is +inf where it overflows; the arrays' attrs say
+    where it diverges (:func:`divergence`).
     """
     from nsa_dist.metrics import constant_gram_residual
 

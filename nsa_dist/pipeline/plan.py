@@ -91,9 +91,18 @@ def run_id(spec: ExperimentSpec) -> str:
 
 
 def constant_gram_applies(spec: ExperimentSpec) -> bool:
-    """Whether App. E / Eqs. 4–5 describe the run: full-batch GD without momentum on the L2 loss."""
+    """Whether App. E / Eqs. 4–5 describe the run: full-batch GD without momentum on the L2 loss,
+    one output.  With Ko > 1 outputs GD moves the stacked residual by the full (N·Ko)×(N·Ko)
+    kernel J Jᵀ, not by the output-traced Gram Σ_a J_a J_aᵀ whose eigenpairs the run records (its
+    λ_max is up to Ko times larger): the prediction from them would decay too fast, and call runs
+    divergent that are not, so it is not made (as for SGD, Adam, momentum and other losses)."""
     opt = spec.optimizer
-    return LossName(spec.loss) is LossName.L2 and OptimizerName(opt.name) is OptimizerName.GD and opt.momentum == 0
+    return (
+        LossName(spec.loss) is LossName.L2
+        and OptimizerName(opt.name) is OptimizerName.GD
+        and opt.momentum == 0
+        and spec.model.output_dim == 1
+    )
 
 
 def energy_route(spec: ExperimentSpec, layout: Layout) -> str:
