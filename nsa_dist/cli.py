@@ -596,6 +596,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from nsa_dist.client import Client
+    from nsa_dist.config import LossName
 
     run = Client(args.store).run(args.run)
     con = Console()
@@ -632,7 +633,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     t.add_row("λ_max" + (" (traced G)" if run.Ko > 1 else ""), *(f"{run.eigenvalues[i, 0]:.5g}" for i in cols))
     if run.Ko > 1:
         t.add_row("λ_max (full NK×NK kernel)", *(f"{run.lambda_max[i]:.5g}" for i in cols))
-    t.add_row("2N/λ_max vs δ", *(f"{run.stability_bound()[i]:.4g} vs {run.lr[i]:.4g}" for i in cols))
+    bound = "2N/λ_max vs δ" + ("" if LossName(run.spec.loss) is LossName.L2 else " (L2's GD bound)")
+    t.add_row(bound, *(f"{run.stability_bound()[i]:.4g} vs {run.lr[i]:.4g}" for i in cols))
     if run.has("loss_test"):
         t.add_row("test loss", *(f"{run.test_loss[i]:.5g}" for i in cols))
     for k in (1, 5, 10, 20, 50):

@@ -317,3 +317,29 @@ def test_run_killed_mid_way_resumes_bitwise_to_every_array(tmp_path, optimizer):
             )
             differ.append(f"{name} (max |diff| {gap})")
     assert not differ, f"killed at {n_done} done steps and resumed: arrays differ from the uninterrupted run: {differ}"
+
+
+def test_nsa_show_names_the_stability_bound_of_a_cross_entropy_run_as_l2s(tmp_path, capsys):
+    """2N/λ_max is GD's largest stable rate on the L2 loss only: a cross-entropy run (digits,
+    one-hot) trained stably at 10.7× it, so ``nsa show`` says whose bound it is."""
+    from nsa_dist.cli import main
+
+    url = str(tmp_path / "s.zarr")
+    ce = {
+        "name": "ce",
+        "data": {"name": "digits", "n": 24, "target": "onehot"},
+        "model": {"depth": 2, "width": 8},
+        "loss": "cross_entropy",
+        "steps": 2,
+        "record": {"every": 1},
+        "spectrum": {"k": 4},
+    }
+    l2 = {**ce, "name": "l2", "loss": "l2"}
+    for spec in (ce, l2):
+        assert run_experiment(ExperimentSpec.model_validate(spec), SpectrumStore(url)).status == "done"
+    capsys.readouterr()
+    assert main(["show", "ce", "--store", url]) == 0
+    assert "2N/λ_max vs δ (L2's GD bound)" in capsys.readouterr().out
+    assert main(["show", "l2", "--store", url]) == 0
+    out = capsys.readouterr().out
+    assert "2N/λ_max vs δ" in out and "L2's GD bound" not in out
