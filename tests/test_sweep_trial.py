@@ -389,3 +389,26 @@ def test_a_sweep_on_ray_read_while_running_and_after_a_grid_point_is_added(local
         assert len(runs) == 2 and {r["spec"]["seed"] for r in runs} == {0, 1}, cv.key
         _same(cv.mean, _stats([r["energy_y"][:, K - 1] for r in runs])[0], cv.label)
         _same(cv.std, _stats([r["energy_y"][:, K - 1] for r in runs])[1], cv.label)
+
+
+def test_a_grid_point_without_a_finished_step_is_named_not_silently_left_out(url, tmp_path, caplog) -> None:
+    """Both seeds of lr = 0.1 not started: the point vanished from Sweep.curves and every figure
+    without a word."""
+    import logging
+
+    from nsa_dist.plots import plot_sweep
+
+    copy = str(tmp_path / "c.zarr")
+    shutil.copytree(url, copy)
+    for rid in _sweep_ids(copy, "lr"):
+        if _direct(copy, rid)["spec"]["schedule"]["lr"] == 0.1:
+            g = zarr.open_group(f"{copy}/runs/{rid}", mode="r+")
+            g.attrs["status"] = "pending"
+            g["done"][:] = np.zeros(g["done"].shape, bool)
+    s = Client(copy).sweep("lr")
+    assert s.unfinished_points() == [{"schedule.lr": 0.1}], s.unfinished_points()
+    assert {c.key["schedule.lr"] for c in s.curves("loss")} == {x for x in LRS if x != 0.1}
+    with caplog.at_level(logging.WARNING, logger="nsa_dist.plots"):
+        plot_sweep(s, tmp_path / "figs", figures=["fig7b_train_loss"])
+    said = [r.getMessage() for r in caplog.records if "without a finished recorded step" in r.getMessage()]
+    assert said and "lr=0.1" in said[0], [r.getMessage() for r in caplog.records]

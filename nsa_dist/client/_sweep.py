@@ -267,6 +267,18 @@ class Sweep:
             out.setdefault(key, (dict(zip(self.fields, key)), []))[1].append(row["id"])
         return list(out.values())
 
+    def unfinished_points(self) -> list[dict[str, Any]]:
+        """The grid points none of whose runs has a finished recorded step yet (not started, or
+        failed before their first): :meth:`groups`, :meth:`curves` and the figures leave them out,
+        and ``nsa plot --sweep`` says which."""
+        done = {self._key(row) for row in self._finished()}
+        out: dict[tuple, dict[str, Any]] = {}
+        for row in self.runs.to_dict("records"):
+            key = self._key(row)
+            if key not in done:
+                out.setdefault(key, dict(zip(self.fields, key)))
+        return list(out.values())
+
     def curves(self, name: str, k: int | None = None) -> list[Curve]:
         """One :class:`Curve` of quantity ``name`` (see :func:`quantity`) per grid point; an energy
         E_t(φ, k) carries the bracket of its mean (:attr:`Curve.bracket`).  The mean is over every

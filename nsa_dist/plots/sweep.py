@@ -319,6 +319,15 @@ def plot_sweep(
         raise ValueError(f"sweep {sweep.name!r} has no run with a finished recorded step: nothing to plot")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    missing = sweep.unfinished_points()
+    if missing:  # never a grid point silently absent from every figure
+        said = "; ".join(", ".join(f"{f.split('.')[-1]}={v}" for f, v in p.items()) or "all" for p in missing)
+        logging.getLogger("nsa_dist.plots").warning(
+            "sweep %r: %d grid point(s) without a finished recorded step left out of every figure: %s",
+            sweep.name,
+            len(missing),
+            said,
+        )
     first = sweep.run(sweep.groups()[0][1][0])
     hess = first.has("hessian_moments")
     wide = hess and _WIDTH in sweep.fields
