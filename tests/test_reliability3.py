@@ -195,11 +195,10 @@ def test_a_missing_done_flag_of_a_step_not_yet_recorded_is_not_damage(undamaged,
     assert verify_store(s) == [], "a step not yet recorded has no flag: not damage"
 
 
-@pytest.mark.parametrize("chunk", ["steps/c/0", "y_test/c/0", "loss_trace/c/0"])
+@pytest.mark.parametrize("chunk", ["steps/c/0", "y_test/c/0"])
 def test_a_missing_static_chunk_is_damage_named_verified_and_rewritten(undamaged, tmp_path, chunk, capsys):
-    """A chunk of an array written whole at the run's creation (or ``loss_trace`` of a finished
-    run), deleted: the readers gave its fill value as data (``steps`` all 0: every step at t = 0)
-    and ``nsa verify`` said "no damage found"."""
+    """A chunk of an array written whole at the run's creation, deleted: the readers gave its fill
+    value as data (``steps`` all 0: every step at t = 0) and ``nsa verify`` said "no damage found"."""
     b, rid, run = _copy(undamaged, tmp_path)
     (run / chunk).unlink()
     name = chunk.split("/")[0]
@@ -214,3 +213,25 @@ def test_a_missing_static_chunk_is_damage_named_verified_and_rewritten(undamaged
     assert nsa(["run", "--plain", "--store", b, _spec_file(tmp_path)]) == 0, capsys.readouterr().err
     assert nsa(["verify", b]) == 0
     _assert_same_arrays(undamaged[0], b, rid)
+
+
+def test_a_tracker_recording_sparsely_is_not_damaged(tmp_path):
+    """A Tracker writes the loss trace only around the steps it notes: recording t = 0 and
+    199,999 of 200,000 leaves chunks 1 and 2 of ``loss_trace`` unwritten, NaN by their fill value —
+    no damage (a first version of the static-chunk check called the finished run damaged)."""
+    import torch
+
+    from nsa_dist import Tracker
+    from nsa_dist.store.verify import verify_store
+
+    url, T = str(tmp_path / "t.zarr"), 200_000
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    X, y = torch.randn(16, 2, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    with Tracker(url, "sparse", net, X, y, steps=T, record={"steps": [0, T - 1]}, spectrum={"k": 4}) as tr:
+        tr.record(0, lr=0.1)
+        tr.record(T - 1, lr=0.1)
+    run = Client(url).run("sparse")
+    assert run.status == "done" and run.steps.tolist() == [0, T - 1]
+    trace = run.loss_trace
+    assert np.isfinite(trace[[0, T - 1]]).all() and np.isnan(trace[70_000:130_000]).all()
+    assert verify_store(SpectrumStore(url)) == []

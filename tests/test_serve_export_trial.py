@@ -225,7 +225,6 @@ _MISSING = [  # (run, chunk of a static array) whose fill value the readers woul
     ("exact", "hessian_steps/c/0"),  # the Hessian's series left out
     ("quad", "curve_k/c/0"),  # every curve under one tag k_0
     ("exact", "y_test/c/0"),  # App. E's measured residual ‖f_test − 0‖
-    ("topk", "loss_trace/c/0"),  # loss/train left out
 ]
 
 

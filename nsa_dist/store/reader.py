@@ -286,9 +286,11 @@ class RunReader:
     def missing_static(self, name: str) -> str | None:
         """The error naming the first chunk missing from static array ``name`` (``steps``,
         ``curve_k``, ``hessian_steps``, ``y_test`` …: written whole, every chunk, when the run is
-        created), or from ``loss_trace`` below the last finished step (all of it once the run is
-        done); None when none is.  Read as its fill value such a chunk was wrong numbers: ``steps``
-        all 0 put every point at t = 0, ``curve_k`` all 0 every curve under k = 0."""
+        created), or None when none is.  Read as its fill value such a chunk was wrong numbers:
+        ``steps`` all 0 put every point at t = 0, ``curve_k`` all 0 every curve under k = 0.
+        ``loss_trace`` is not one: a Tracker writes only the chunks its logged and recorded steps
+        fall in (recording t = 0 and 199,999 leaves chunks 1 and 2 unwritten), and its fill value NaN
+        reads as what it is, no loss noted."""
         keys = self.missing_static_keys(name)
         if not keys:
             return None
@@ -300,21 +302,13 @@ class RunReader:
 
     def missing_static_keys(self, name: str) -> list[str]:
         """The chunk keys (relative to the array) :meth:`missing_static` names, in grid order."""
-        if not self.attrs.get("static_complete", False) or not self.has(name):
-            return []  # still being created: nothing is expected yet
+        if name == "loss_trace" or not self.attrs.get("static_complete", False) or not self.has(name):
+            return []  # loss_trace: chunks written as steps are noted; else still being created
         arr = self.array(name)
         if not arr.size:
             return []
-        grid = list(chunk_grid(arr))
-        if name == "loss_trace" and self.status()[0] != "done":
-            done = np.flatnonzero(self.done)
-            try:
-                upto = int(self.read("steps")[done[-1]]) // arr.chunks[0] if len(done) else 0
-            except StoreError:  # ``steps`` itself damaged (named on its own): nothing to tell here
-                return []
-            grid = [c for c in grid if c[0] < upto]  # a live run writes its current chunk still
         present = self.present_chunks(name)
-        keys = (arr.metadata.encode_chunk_key(c) for c in grid)
+        keys = (arr.metadata.encode_chunk_key(c) for c in chunk_grid(arr))
         return [k for k in keys if k not in present]
 
     def static_damage(self) -> str | None:
