@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nsa_dist.errors import OutsideError, StoreError
+from nsa_dist.store.lease import process_alive
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
@@ -344,19 +345,9 @@ def _remove_killed(logdir: Path, rid: str) -> None:
             host, pid = (folder / _OWNER).read_text().split()[:2]
         except (OSError, ValueError):
             continue  # being created (its writer file comes next), or not an export's
-        if host != socket.gethostname() or _alive(int(pid)):
+        if host != socket.gethostname() or process_alive(int(pid)):
             continue
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process: alive
-    return True
 
 
 def _write_error(exc: OSError, out: Path) -> OutsideError:

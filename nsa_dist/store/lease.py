@@ -235,13 +235,14 @@ class LeaseInfo:
         killed local writer's lease is taken over at once, without waiting for the ttl)."""
         if self.released or (now if now is not None else time.time()) - self.heartbeat >= self.ttl:
             return False
-        return self.host != socket.gethostname() or _alive(self.pid)
+        return self.host != socket.gethostname() or process_alive(self.pid)
 
     def who(self) -> str:
         return f"host {self.host}, pid {self.pid}, since {_iso(self.since)}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host is alive (another user's process counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
