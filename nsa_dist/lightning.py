@@ -23,8 +23,14 @@ the module's own float32 parameters, outside autocast.  An exception in training
 ``on_exception``, a KeyboardInterrupt too) ends the run ``interrupted`` with every finished step
 kept; the end of training closes the Tracker, and a later ``fit`` with the same callback is refused
 before it trains (a new Tracker of the same name continues the run).  The model is recorded in the
-modes Lightning trains it in (train mode: a Dropout is active in the Tracker's forwards too).  One
-process only (no DDP).
+modes Lightning trains it in (train mode: a Dropout is active in the Tracker's forwards too).
+
+DDP with ``strategy="ddp"`` (Lightning starts a process per device that runs the script again):
+every process creates its Tracker and callback as in one process; rank 0's records the run, the
+others write nothing (:class:`~nsa_dist.Tracker`'s distributed ranks).  ``"ddp_spawn"`` /
+``"ddp_notebook"`` are refused before training (they would send the Tracker, which writes from
+this process, to other processes); checked against a single-process run of the same full batch
+in float64 (``tests/test_lightning.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,13 @@ if _pl is not None:
             self.tracker = tracker
             self._layout = _layout(tracker.model)  # the dtypes and devices the Tracker was made for
             self._ended = False  # a fit ended and closed the Tracker
+
+        def __getstate__(self) -> Any:
+            raise TypeError(
+                "a SpectrumCallback cannot be sent to another process: its Tracker writes the run from the "
+                "process that created it — use strategy='ddp' (a process per device, each running the script "
+                "and creating its own Tracker; rank 0 records) instead of 'ddp_spawn' / 'ddp_notebook', or one device"
+            )
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             if self._ended:

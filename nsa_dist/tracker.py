@@ -18,10 +18,20 @@ the last step T − 1); otherwise it is NaN and so are those metrics.  Analyses 
 background thread (``cluster=None``) or on a Ray spectral-worker pool; at most ``max_inflight``
 checkpoints wait, so training blocks only when the analysis falls behind.  A failed analysis is
 raised as one :class:`~nsa_dist.errors.AnalysisError` (run, step, cause) at the next Tracker call.
+
+Distributed data parallel (DDP: ``torchrun``, Lightning's ``strategy="ddp"``): every rank runs the
+same loop on the same θ_t, so rank 0 records the run and every other rank's Tracker writes nothing
+(``due`` is False there; ``record``, ``log`` and ``close`` return at once).  The rank is
+``torch.distributed``'s when its process group is initialised, else the launcher's ``RANK``, else
+``NODE_RANK`` / ``LOCAL_RANK`` (what Lightning's launcher gives the processes it starts); create
+the Tracker after ``init_process_group`` where a launcher sets none of them.  Rank 0's own buffers
+(e.g. BatchNorm running statistics, which DDP broadcasts from it) are the ones recorded.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,7 +55,9 @@ from nsa_dist.store import SpectrumStore
 if TYPE_CHECKING:
     from nsa_dist.pipeline.tracked import ExperimentSpec
 
-__all__ = ["Tracker", "couples_samples"]
+__all__ = ["Tracker", "couples_samples", "distributed_rank"]
+
+_log = logging.getLogger("nsa_dist")
 
 
 class Tracker:
@@ -134,6 +146,16 @@ class Tracker:
             device=device,
             loss=loss,
         )
+        self._trainable = {k: p.requires_grad for k, p in self.model.named_parameters()}
+        self.rank = distributed_rank()
+        if self.rank:  # DDP: rank 0 records; this rank checked its inputs and writes nothing
+            _log.info(
+                "Tracker %r: distributed rank %d — rank 0 records this run, this process writes nothing",
+                name,
+                self.rank,
+            )
+            self.tracked = None
+            return
         ce = loss is LossName.CROSS_ENTROPY
         self.snapshots = StepSnapshots(self.model, self.data, cross_entropy=ce, name=self.spec.name)
 
@@ -146,28 +168,27 @@ class Tracker:
         self.session, self.pool, self.schedule = self.tracked.session, self.tracked.pool, self.tracked.schedule
         self.plan, self.writer = self.session.plan, self.session.writer
         self.store: SpectrumStore = self.writer.store
-        # the trainable set is part of the run: the stored network digest, the NTK route resolved once
-        # on the analysis copy and the Hessian's parameter set are all fixed here
-        self._trainable = {k: p.requires_grad for k, p in self.model.named_parameters()}
+        # the trainable set (self._trainable, above) is part of the run: the stored network digest, the
+        # NTK route resolved once on the analysis copy and the Hessian's parameter set are all fixed here
 
     # ------------------------------------------------------------------ the loop's calls
     @property
     def inflight(self) -> int:
-        return self.tracked.inflight
+        return self.tracked.inflight if self.tracked else 0
 
     @property
     def resubmitted(self) -> int:
         """Steps re-sent after their worker died."""
-        return self.pool.resubmitted
+        return self.pool.resubmitted if self.tracked else 0
 
     @property
     def max_seen_inflight(self) -> int:
-        return self.tracked.max_seen_inflight
+        return self.tracked.max_seen_inflight if self.tracked else 0
 
     @property
     def blocked(self) -> int:
         """Times record() waited for a free slot."""
-        return self.tracked.blocked
+        return self.tracked.blocked if self.tracked else 0
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a recorded step still to record: not in the store, not taken by this
@@ -177,6 +198,8 @@ class Tracker:
         Raises:
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
+        if self.tracked is None:
+            return False  # a DDP rank other than 0: rank 0 records
         self.tracked.check()
         self.tracked.advance(step)
         return self.tracked.due(step)
@@ -188,6 +211,8 @@ class Tracker:
             ValueError: the Tracker is closed (the loss could no longer be written).
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
+        if self.tracked is None:
+            return
         self.tracked.check()
         if self.tracked.closed:
             raise ValueError(f"this Tracker is closed; the loss of step {step} would not be written")
@@ -214,6 +239,8 @@ class Tracker:
             NonFiniteError: a NaN/inf loss or outputs (the run is marked failed; finished steps are kept).
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
+        if self.tracked is None:
+            return
         self.tracked.check()
         self._check_trainable(step)
         i = self.tracked.recordable(step)
@@ -261,27 +288,53 @@ class Tracker:
         Raises:
             AnalysisError: a recorded step's analysis failed (the run is marked failed).
         """
-        self.tracked.close()
+        if self.tracked is not None:
+            self.tracked.close()
 
     def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.tracked.exit(exc_type)
+        if self.tracked is not None:
+            self.tracked.exit(exc_type)
 
     # ------------------------------------------------------------------ resume
     @property
     def resume_step(self) -> int | None:
         """The last step of the unbroken run of recorded steps from 0 (None: nothing recorded)."""
+        self._writer_only("resume_step")
         i = self.writer.resume_index()
         return None if i is None else self.schedule[i]
 
     def theta_at(self, step: int) -> np.ndarray:
         """θ_t stored with recorded step ``step`` (to restart the loop from there)."""
+        self._writer_only("theta_at")
         i = self.tracked.index[step]
         if not self.session.done[i]:
             raise ValueError(f"step {step} is not recorded yet")
         return np.asarray(self.writer.read_step("theta", i))
+
+    def _writer_only(self, what: str) -> None:
+        if self.tracked is None:
+            raise ValueError(
+                f"Tracker.{what} on distributed rank {self.rank}: only rank 0 opens the run; read it there "
+                "and send it to the other ranks (torch.distributed.broadcast_object_list)"
+            )
+
+
+def distributed_rank() -> int:
+    """This process's global rank in a distributed (DDP) job, 0 when it is not in one:
+    ``torch.distributed``'s when a process group is initialised, else the ``RANK`` a launcher
+    (torchrun) set, else not 0 when ``NODE_RANK`` or ``LOCAL_RANK`` is (Lightning's launcher sets
+    these for the processes it starts)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    if os.environ.get("RANK", "").strip():
+        return int(os.environ["RANK"])
+    node, local = (int(os.environ.get(v, "").strip() or 0) for v in ("NODE_RANK", "LOCAL_RANK"))
+    return 0 if node == local == 0 else max(1, local)
 
 
 def _analysis_pool(

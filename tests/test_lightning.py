@@ -425,3 +425,54 @@ def test_double_precision_trainer_on_a_float64_module(tmp_path):
     url, m = str(tmp_path / "s.zarr"), Reg()
     _fit(m, _tracker(url, "p64", m.net, 3), max_steps=3, precision="64-true")
     _check(url, "p64", m.net, m.probe, list(range(3)))
+
+
+# ---------------------------------------------------------------------- DDP
+# Was: every process Lightning's ``strategy="ddp"`` starts runs the script again, so rank 1 created a
+# second Tracker of the run and died of LeaseHeld, and Lightning then killed rank 0: the user's
+# training and the run lost to the recording.  Now rank 0 records, the others write nothing.
+_DDP_SCRIPT = """
+import sys, warnings
+import torch
+sys.path.insert(0, {tests!r})
+import test_lightning as T
+from nsa_dist.tracker import distributed_rank
+
+url, out = sys.argv[1], sys.argv[2]
+m = T.Reg(opt="momentum")
+tr = T._tracker(url, "ddp", m.net, 5)
+# each of the 2 ranks takes half of the N points per step (DistributedSampler), DDP averages the gradients
+trainer = T._fit(m, tr, T._loader(T.N // 2), max_steps=5, devices=2, strategy="ddp")
+torch.save({{"rank": trainer.global_rank, "tracker_rank": tr.rank, "pre": m.probe.pre, "post": m.probe.post}},
+           f"{{out}}.{{trainer.global_rank}}")
+"""
+
+
+@pytest.mark.slow
+def test_ddp_rank_zero_records_the_run_and_the_other_rank_writes_nothing(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(_DDP_SCRIPT.format(tests=str(pathlib.Path(__file__).parent)))
+    url, out = str(tmp_path / "s.zarr"), str(tmp_path / "probe")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "NODE_RANK")}
+    done = subprocess.run([sys.executable, str(script), url, out], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = {r: torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)}
+    assert [seen[r]["tracker_rank"] for r in (0, 1)] == [0, 1]
+    for t in range(5):  # the two ranks stepped the same θ_t (DDP's averaged gradient)
+        torch.testing.assert_close(seen[0]["pre"][t][0], seen[1]["pre"][t][0], rtol=0, atol=1e-14)
+    probe = Probe()
+    probe.pre, probe.post = seen[0]["pre"], seen[0]["post"]
+    _check(url, "ddp", _net(), probe, list(range(5)))  # rank 0's θ_t, δ_t, θ_{t+1} against jacrev
+
+
+def test_ddp_spawn_is_refused_before_training_and_the_run_ends_interrupted(tmp_path):
+    """Was: ``TypeError: cannot pickle '_thread.lock' object`` from multiprocessing."""
+    url, m = str(tmp_path / "s.zarr"), Reg()
+    with pytest.raises(TypeError, match="cannot be sent to another process.*strategy='ddp'"):
+        _fit(m, _tracker(url, "spawn", m.net, 3), max_steps=3, devices=2, strategy="ddp_spawn")
+    assert m.probe.pre == {}  # not a step was taken
+    assert Client(url).run("spawn").status == "interrupted"
