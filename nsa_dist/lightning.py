@@ -3,17 +3,21 @@
 Lightning is not a dependency: this module defines ``SpectrumCallback`` only when ``lightning``
 (or ``pytorch_lightning``) is importable, and otherwise raises an error naming what to install.
 
-Step t is Lightning's ``trainer.global_step`` — the t-th ``optimizer.step`` — and is recorded
-from ``on_before_optimizer_step``: the gradients are computed, θ is still θ_t, and the learning rate
-in the optimizer's groups is the δ_t that step applies (after a scheduler's ``step`` of the previous
-update, or a warm-up written into the groups in an overridden ``optimizer_step``).  So one record per
-optimizer step under gradient accumulation (not one per micro-batch), and under manual
-optimization one per ``opt.step()`` call, whichever optimizer steps (its own lr).  The update
-Δθ_t, Δf_t is taken at the end of the batch that made it (before validation runs), or at the end of
-training.  Checked against ``torch.func.jacrev`` at the optimizer's own θ_t, δ_t, θ_{t+1}
-(``tests/test_lightning.py``): full-batch and mini-batch SGD, momentum, Adam, per-step schedulers,
-gradient accumulation, max_steps / max_epochs, validation in between, the Tracker holding the
-LightningModule or the network inside it, resuming from a checkpoint, manual optimization.
+Step t is Lightning's ``trainer.global_step`` — the t-th ``optimizer.step`` — and is recorded from
+``on_before_optimizer_step``: the gradients are computed, θ is still θ_t, and the learning rate in
+the optimizer's groups is the δ_t that step applies (after a scheduler's ``step`` of the previous
+update, or a warm-up written into the groups in an overridden ``optimizer_step``).  So one record
+per optimizer step under gradient accumulation (not one per micro-batch), and under manual
+optimization one per ``opt.step()`` call, whichever optimizer steps (its own lr).  The update Δθ_t,
+Δf_t is taken at the end of the batch that made it (before validation runs), or at the end of
+training.  The loss ``training_step`` returned for the batch of update t is the run's loss curve at
+t (``Run.loss_trace``: the optimizer's own loss, a mini-batch's under SGD, as under ``nsa run``),
+for every update, recorded or not — under automatic optimization without gradient accumulation (else
+the curve holds the recorded steps' full-batch loss only).  Checked against ``torch.func.jacrev`` at
+the optimizer's own θ_t, δ_t, θ_{t+1} (``tests/test_lightning.py``): full-batch and mini-batch SGD,
+momentum, Adam, per-step schedulers, gradient accumulation, max_steps / max_epochs, validation in
+between, the Tracker holding the LightningModule or the network inside it, resuming from a
+checkpoint, manual optimization.
 
 Refused with a ``ValueError`` naming the cause: an optimizer whose parameter groups have different
 learning rates (δ_t is ambiguous), and a Trainer that changed the tracked model's dtype or device
@@ -92,8 +96,16 @@ if _pl is not None:
             if self.tracker.due(step):
                 self.tracker.record(step, lr=_lr(optimizer, step))
 
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self._at = int(trainer.global_step)
+
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.tracker.due(int(trainer.global_step))  # the update of a step made in this batch
+            step = int(trainer.global_step)
+            self.tracker.due(step)  # the update of a step made in this batch
+            loss = _batch_loss(outputs)
+            made_one = step == getattr(self, "_at", step) + 1 and pl_module.automatic_optimization
+            if made_one and loss is not None and int(getattr(trainer, "accumulate_grad_batches", 1)) == 1:
+                self.tracker.log(step - 1, loss)  # the loss of the batch that made update t: the loss curve
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self._ended = True
@@ -103,6 +115,13 @@ if _pl is not None:
         def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
             self._ended = True
             self.tracker.__exit__(type(exception), exception, exception.__traceback__)
+
+    def _batch_loss(outputs: Any) -> float | None:
+        """The loss ``training_step`` returned (a scalar tensor or a dict's ``"loss"``), else None."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if hasattr(loss, "numel") and loss.numel() == 1:
+            return float(loss.detach())
+        return None
 
     def _lr(optimizer: Any, step: int) -> float:
         """δ_t: the one learning rate of ``optimizer``'s parameter groups."""

@@ -78,6 +78,7 @@ class Reg(pl.LightningModule):
         self.net = _net()
         self.opt, self.lr, self.sched, self.warmup, self.crash_at = opt, lr, sched, warmup, crash_at
         self.probe = Probe()
+        self.losses: dict[int, list[float]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -86,7 +87,9 @@ class Reg(pl.LightningModule):
         if self.global_step == self.crash_at:
             raise RuntimeError("user crash")
         x, y = batch
-        return 0.5 * ((self(x).squeeze(-1) - y) ** 2).mean()
+        loss = 0.5 * ((self(x).squeeze(-1) - y) ** 2).mean()
+        self.losses.setdefault(self.global_step, []).append(float(loss))  # every micro-batch's loss
+        return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -213,6 +216,27 @@ def test_sgd_minibatches_over_epochs_with_validation_between(tmp_path):
     tr = _tracker(url, "sgd", m.net, 8)
     _fit(m, tr, _loader(16, shuffle=True), _loader(), max_epochs=2, val_check_interval=2)
     _check(url, "sgd", m.net, m.probe, list(range(8)))
+
+
+def test_the_loss_curve_holds_each_updates_batch_loss(tmp_path):
+    """Was: only the recorded steps' full-batch L(θ_t) (steps 0, 3, 6, 7 of 8), NaN between.  Now every
+    update's loss as ``training_step`` returned it (a mini-batch's, as ``nsa run``'s SGD curve)."""
+    url, m = str(tmp_path / "s.zarr"), Reg(opt="momentum")
+    tr = _tracker(url, "curve", m.net, 8, record={"every": 3})
+    _fit(m, tr, _loader(16, shuffle=True), max_epochs=2)
+    want = np.array([m.losses[t][0] for t in range(8)])
+    got = Client(url).run("curve").loss_trace
+    np.testing.assert_array_equal(got, want, err_msg=f"stored {got} against the batches' {want}")
+    _check(url, "curve", m.net, m.probe, [0, 3, 6, 7])  # the recorded steps' own loss stays L(θ_t) over N
+
+
+def test_under_gradient_accumulation_the_curve_keeps_the_recorded_full_batch_loss(tmp_path):
+    url, m = str(tmp_path / "s.zarr"), Reg()
+    _fit(m, _tracker(url, "acc", m.net, 4, record={"every": 2}), _loader(16), max_steps=4, accumulate_grad_batches=2)
+    run = Client(url).run("acc")
+    got, recorded = run.loss_trace, [int(s) for s in run.steps]
+    assert recorded == [0, 2, 3] and np.isnan(got[1]) and np.isfinite(got[recorded]).all(), got
+    np.testing.assert_allclose(got[recorded], run.train_loss, rtol=1e-12)  # L(θ_t) over all N points
 
 
 def test_adam_with_a_per_step_scheduler_records_the_lr_of_each_update(tmp_path):
