@@ -201,6 +201,8 @@ class Tracker:
         if self.tracked is None:
             return False  # a DDP rank other than 0: rank 0 records
         self.tracked.check()
+        if self.tracked.closed:
+            return False
         self.tracked.advance(step)
         return self.tracked.due(step)
 
@@ -290,6 +292,13 @@ class Tracker:
         """
         if self.tracked is not None:
             self.tracked.close()
+
+    def stop(self, reason: str) -> None:
+        """End the run ``interrupted`` with ``reason`` while the loop trains on: every recorded step is
+        kept (the last one analysed, its update NaN when the model is not at its step + 1 yet), and
+        from then on ``due`` is False and ``record`` refused (a new Tracker of the name continues)."""
+        if self.tracked is not None and not self.tracked.closed:
+            self.tracked.interrupt(None, reason)
 
     def __enter__(self) -> Tracker:
         return self

@@ -364,7 +364,7 @@ class _Groups(Reg):
             ]
         )
         self.probe.attach(self, opt)
-        return opt
+        return opt if self.sched is None else {"optimizer": opt, "lr_scheduler": self.sched(opt)}
 
 
 def test_param_groups_with_one_lr_are_measured(tmp_path):
@@ -373,14 +373,29 @@ def test_param_groups_with_one_lr_are_measured(tmp_path):
     _check(url, "g1", m.net, m.probe, list(range(3)))
 
 
-def test_param_groups_with_different_lrs_are_refused(tmp_path):
+def test_param_groups_with_different_lrs_are_refused_before_training(tmp_path):
     """Was: δ_t = 0.05 stored (the first group's) for a net whose last layer trained at 0.01."""
     url, m = str(tmp_path / "s.zarr"), _Groups([0.05, 0.01])
-    with pytest.raises(
-        ValueError, match=r"step 0: the parameter groups of SGD have different learning rates \[0.05, 0.01\]"
-    ):
+    with pytest.raises(ValueError, match=r"the parameter groups of SGD have different learning rates \[0.05, 0.01\]"):
         _fit(m, _tracker(url, "g2", m.net, 3), max_steps=3)
+    assert m.probe.pre == {}  # not a step trained
     assert Client(url).run("g2").status == "interrupted"
+
+
+def test_group_rates_that_part_mid_run_stop_the_recording_not_the_training(tmp_path):
+    """Was: the ValueError at step 2's record ended the user's training there (2 of 5 steps trained)."""
+
+    def sched(opt):  # the groups' rates agree at steps 0, 1 and part at step 2
+        lam = [lambda t: 1.0, lambda t: 1.0 if t < 2 else 0.5]
+        return {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lam), "interval": "step"}
+
+    url, m = str(tmp_path / "s.zarr"), _Groups([0.05, 0.05])
+    m.sched = sched
+    _fit(m, _tracker(url, "part", m.net, 5), max_steps=5)
+    assert sorted(m.probe.pre) == list(range(5))  # the training ran to its end
+    run = Client(url).run("part")
+    assert "recording stopped at step 2: the parameter groups of SGD have different learning rates" in str(run.reason)
+    _check(url, "part", m.net, m.probe, [0, 1], status="interrupted")
 
 
 class _Manual(Reg):

@@ -274,10 +274,10 @@ class TrackedRun:
         elif not self.closed:
             self.interrupt(exc_type)
 
-    def interrupt(self, cause: type[BaseException]) -> None:
-        """The loop raised ``cause``: analyse the last recorded step too (θ_t was taken whole at
-        ``record(t)``; its update, never seen, is NaN), wait for the steps out, then status
-        ``interrupted``."""
+    def interrupt(self, cause: type[BaseException] | None, reason: str | None = None) -> None:
+        """The loop raised ``cause`` (or the recording stops for ``reason``): analyse the last recorded
+        step too (θ_t was taken whole at ``record(t)``; its update, never seen, is NaN), wait for the
+        steps out, then status ``interrupted``."""
         try:
             if self.pending is not None:
                 self.advance(-1)  # -1 is no step + 1: the update is NaN
@@ -285,7 +285,7 @@ class TrackedRun:
         finally:
             self.closed = True
             self.pool.close()
-            self.session.interrupt(cause=cause)
+            self.session.interrupt(reason, cause=cause)
             self.session.release()
 
     def _end(self) -> None:
