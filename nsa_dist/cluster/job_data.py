@@ -19,7 +19,10 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nsa_dist.data import Location
 
 __all__ = ["SHIP_LIMIT_BYTES", "SHIPPED_DIR", "prepare_job_data"]
 
@@ -28,14 +31,29 @@ SHIPPED_DIR = "_nsa_data"  # where absolute / escaping data paths are copied ins
 _TAKEN = {"sweep.yaml", "services", SHIPPED_DIR}  # names the job's working_dir already uses
 
 
-def _target(path: str, i: int) -> str:
-    """Where ``path``'s data go inside the working_dir: the same relative path when it stays inside
-    the submitting directory (and clear of the job's own files), else ``_nsa_data/<i>/<name>``."""
+def _target(path: str, i: int) -> tuple[str, str | None]:
+    """Where ``path``'s data go inside the working_dir, and the ``data.path`` the job's sweep names
+    them by: the same relative path when it stays inside the submitting directory (and clear of the
+    job's own files), else ``_nsa_data/<i>/<name>``.  With ``path`` kept, the second value is None.
+
+    A relative path is kept as written (``./data/x.png``, ``data//mnist/``, ``sub/../data``: the
+    same place once copied, :func:`_dirs_for` making the directories a ``..`` steps out of), so the
+    job's run ids are the ones a local ``nsa sweep`` computes."""
     norm = os.path.normpath(path)
     first = norm.split(os.sep, 1)[0]
-    if not os.path.isabs(norm) and first not in ("..", ".") and first not in _TAKEN:
-        return Path(norm).as_posix()
-    return f"{SHIPPED_DIR}/{i}/{Path(os.path.abspath(norm)).name}"
+    named = set(Path(path).parts) | {first}
+    if not os.path.isabs(norm) and first not in ("..", ".") and not named & _TAKEN:
+        return Path(norm).as_posix(), None
+    dest = f"{SHIPPED_DIR}/{i}/{Path(os.path.abspath(norm)).name}"
+    return dest, dest
+
+
+def _dirs_for(path: str) -> list[str]:
+    """The directories (relative, normalised) a kept relative ``path`` steps out of with ``..``:
+    they must exist in the working_dir for the path to resolve there as it does here."""
+    parts = Path(path).parts
+    out = [os.path.normpath(os.path.join(*parts[:k])) for k, part in enumerate(parts) if part == ".." and k]
+    return [d for d in out if d != "."]
 
 
 def _rewrite(obj: Any, moved: dict[str, str]) -> Any:
@@ -54,7 +72,13 @@ def _check_only_paths_moved(old: Any, new: Any, moved: dict[str, str]) -> None:
     Raises:
         RuntimeError: a rewrite touched anything else (a field whose value equals a data path).
     """
-    for a, b in zip(old.expand(), new.expand(), strict=True):
+    runs, shipped = old.expand(), new.expand()
+    if len(runs) != len(shipped):
+        raise RuntimeError(
+            f"shipping the data made {len(runs)} runs into {len(shipped)} (two data paths became one); "
+            "submit with the data in a bucket (data.path: s3://…) instead"
+        )
+    for a, b in zip(runs, shipped, strict=True):
         want = a.model_copy(update={"data": a.data.model_copy(update={"path": moved.get(a.data.path, a.data.path)})})
         if want.model_dump(exclude={"name"}) != b.model_dump(exclude={"name"}):
             raise RuntimeError(
@@ -63,7 +87,9 @@ def _check_only_paths_moved(old: Any, new: Any, moved: dict[str, str]) -> None:
             )
 
 
-def prepare_job_data(sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT_BYTES) -> dict[str, Any]:
+def prepare_job_data(
+    sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT_BYTES, *, max_runs: int | None = None
+) -> dict[str, Any]:
     """Copy the sweep's local data files into ``work`` and return the sweep the job gets.
 
     Args:
@@ -71,6 +97,7 @@ def prepare_job_data(sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT
             current directory, as for ``nsa run`` / ``nsa sweep``.
         work: the job's working_dir being assembled.
         limit: the most bytes of data that may travel with the job.
+        max_runs: the sweep's run limit as ``nsa submit --max-runs`` raised it (None: the default).
 
     Returns:
         the sweep as plain data (write it as the job's ``sweep.yaml``), data paths rewritten where
@@ -83,7 +110,7 @@ def prepare_job_data(sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT
     from nsa_dist.config import SweepSpec
     from nsa_dist.specfile import SpecError, check_data, load_sweep
 
-    sweep = load_sweep(sweep_file)
+    sweep = load_sweep(sweep_file, max_runs=max_runs)
     files = check_data(sweep.expand(), sweep_file, urls=False)  # data.path → its files, local only
     sizes = {os.path.realpath(f): os.stat(f).st_size for fs in files.values() for f in fs}
     total = sum(sizes.values())
@@ -96,17 +123,30 @@ def prepare_job_data(sweep_file: str | Path, work: Path, limit: int = SHIP_LIMIT
             "every node mounts)"
         )
     moved: dict[str, str] = {}
+    placed: dict[str, str] = {}  # each file written into work → the real file it copies
     for i, (path, found) in enumerate(files.items()):
-        target = _target(path, i)
-        if target != path:
-            moved[path] = target
+        target, named = _target(path, i)
         single = os.path.isfile(path)  # an image: the path is the file; else a directory of files
+
+        def where(t: str, f: Location, single: bool = single) -> str:
+            return t if single else f"{t}/{Path(f).name}"
+
+        if any(placed.get(where(target, f), os.path.realpath(f)) != os.path.realpath(f) for f in found):
+            # another data.path normalises to the same place but names other files (``link/..``
+            # through a symlink): this one moves, so neither run reads the other's data
+            target = named = f"{SHIPPED_DIR}/{i}/{Path(os.path.abspath(path)).name}"
+        if named is not None:
+            moved[path] = named
+        else:
+            for d in _dirs_for(path):
+                (work / d).mkdir(parents=True, exist_ok=True)
         for f in found:
-            dest = work / target if single else work / target / Path(f).name
+            placed[where(target, f)] = os.path.realpath(f)
+            dest = work / where(target, f)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, dest)
     raw = sweep.model_dump(mode="json")
     if moved:
         raw = _rewrite(raw, moved)
-        _check_only_paths_moved(sweep, SweepSpec.model_validate(raw), moved)
+        _check_only_paths_moved(sweep, SweepSpec.model_validate(raw, context={"max_runs": max_runs}), moved)
     return raw

@@ -137,7 +137,9 @@ def submit(
     work = Path(tempfile.mkdtemp(prefix="nsa-submit-"))
     try:
         # the sweep as the job sees it, its local data files copied into work (or refused: too big)
-        (work / "sweep.yaml").write_text(yaml.safe_dump(prepare_job_data(sweep_file, work), sort_keys=False))
+        (work / "sweep.yaml").write_text(
+            yaml.safe_dump(prepare_job_data(sweep_file, work, max_runs=max_runs), sort_keys=False)
+        )
         if _SERVICES.is_dir():  # a source checkout: the services/ entry point
             shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
             entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}{limit}"

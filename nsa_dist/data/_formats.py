@@ -41,16 +41,71 @@ IDX_LABELS = 2049  # 0x00000801: unsigned bytes, 1 dim (N,)
 
 
 def find_file(directory: Location, name: str) -> Location | None:
-    """``directory/name`` or ``directory/name.gz``, whichever exists (plain first); None if neither.
+    """``directory/name`` or ``directory/name.gz``, whichever exists; None if neither.
     ``directory`` may be an fsspec URL (a prefix).
 
+    When both exist (``gunzip -k`` keeps the .gz) the plain file is read, and only if the .gz
+    inflates to the same bytes: two different datasets under one name (an MNIST and a
+    Fashion-MNIST download in one folder, a re-downloaded .gz) are refused, not one of them
+    silently trained on.  That comparison reads both files, so it costs a read of each.
+
     Raises:
-        ValueError: the one that exists is a directory or not a regular file.
+        ValueError: the one that exists is a directory or not a regular file; or both exist and
+            hold different data (naming both and the first byte where they differ).
     """
-    for p in (join(directory, name), join(directory, f"{name}.gz")):
-        if exists(p):
-            return regular_file(p, "data", f"the file {name} (optionally gzipped as {name}.gz)")
-    return None
+    expected = f"the file {name} (optionally gzipped as {name}.gz)"
+    plain, gz = join(directory, name), join(directory, f"{name}.gz")
+    found = [regular_file(p, "data", expected) for p in (plain, gz) if exists(p)]
+    if len(found) == 2:
+        _check_same(*found)
+    return found[0] if found else None
+
+
+def _fill(f: BinaryIO, size: int) -> bytes:
+    """Up to ``size`` bytes of ``f``, fewer only at the end of the stream."""
+    parts, got = [], 0
+    while got < size:
+        part = f.read(size - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _check_same(plain: Location, gz: Location) -> None:
+    """Refuse ``plain`` and ``gz`` unless the gzip stream inflates to exactly ``plain``'s bytes.
+
+    Raises:
+        ValueError: they differ (the first differing byte, or which one is longer), or the .gz
+            is not a readable gzip file.
+    """
+    chunk, at = 1 << 20, 0
+    try:
+        with _open(plain) as a, _open(gz) as b:
+            while True:
+                x, y = _fill(a, chunk), _fill(b, chunk)
+                if x != y:
+                    n = min(len(x), len(y))
+                    k = next((i for i in range(n) if x[i] != y[i]), n)
+                    where = (
+                        f"they differ at byte {at + k:,}"
+                        if k < n
+                        else f"{str(plain if len(x) < len(y) else gz)!r} ends at byte {at + n:,}, the other goes on"
+                    )
+                    raise ValueError(
+                        f"data: both {str(plain)!r} and {str(gz)!r} exist and hold different data "
+                        f"({where}, the .gz read decompressed): two datasets under one name — remove "
+                        "the one you do not mean (neither was used)"
+                    )
+                if not x:
+                    return
+                at += len(x)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # a cut-off or damaged .gz
+        raise ValueError(
+            f"data: both {str(plain)!r} and {str(gz)!r} exist and the .gz is not a readable gzip file "
+            f"({exc}); remove the one you do not mean"
+        ) from exc
 
 
 _DEFLATE_MAX_RATIO = 1032  # deflate cannot inflate one byte to more than ~1032 (RFC 1951's longest match / 2 bits)

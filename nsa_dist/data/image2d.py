@@ -41,8 +41,10 @@ def _orient(img: np.ndarray, orientation: int) -> np.ndarray:
     return np.ascontiguousarray(turns[orientation](img)) if orientation in turns else img
 
 
-def _decode(p: str | Path) -> np.ndarray:
-    """The image at ``p`` as its pixel array (H, W) or (H, W, C), upright as shown.
+def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """The image at ``p`` as its pixel array (H, W) or (H, W, C), upright as shown, and the alpha
+    channel where a conversion below drops it (gray + alpha, a palette's transparency, a PNG's
+    tRNS colour key), else None (an alpha channel the decoder keeps is the array's last channel).
 
     PIL reads the header (mode, frames, EXIF orientation); the pixels come from scikit-image's
     ``imread`` (full 16-bit TIFF precision) except for modes that must be converted (``_TO_RGB``,
@@ -61,13 +63,13 @@ def _decode(p: str | Path) -> np.ndarray:
                 f"image2d: {str(p)!r} holds an array of shape {arr.shape}; expected (H, W) intensities or "
                 "(H, W, 3|4) RGB(A), rows first (a channels-first (C, H, W) array needs moveaxis(0, -1))"
             )
-        return arr
+        return arr, None
     try:
         im = Image.open(src())
     except Exception as exc:  # noqa: BLE001 - not a format PIL knows: imread below decides (and names the cause)
         log.debug("image2d: PIL cannot identify %r (%s)", str(p), exc)
         im = None
-    arr, orientation = None, 1
+    arr, orientation, alpha = None, 1, None
     if im is not None:
         with im:
             depth = _png_depth(im) if im.format == "PNG" else 8  # before anything loads the pixels
@@ -81,6 +83,13 @@ def _decode(p: str | Path) -> np.ndarray:
                 orientation = int(im.getexif().get(_ORIENTATION, 1) or 1)
             except Exception as exc:  # noqa: BLE001 - a damaged EXIF block: the pixels are still the image
                 log.warning("image2d: %r has an unreadable EXIF block (%s); read as stored, not turned", str(p), exc)
+            # transparency the conversions below (or the decoder, for a PNG's tRNS colour key on
+            # an L / RGB image) drop: only counted (_say_alpha), so its orientation does not matter
+            if im.mode in ("LA", "La", "PA") or (im.mode in ("P", "L", "RGB") and "transparency" in im.info):
+                try:
+                    alpha = np.asarray(im.convert("LA" if im.mode in _GRAY_ALPHA else "RGBA").getchannel("A"))
+                except Exception as exc:  # noqa: BLE001 - the pixels below still decode
+                    log.warning("image2d: %r: its alpha channel cannot be read (%s); it is dropped", str(p), exc)
             if im.mode in _TO_RGB or im.mode in _GRAY_ALPHA:
                 if im.format == "TIFF":  # PIL turns an oriented TIFF's pixels itself, scrambling these modes
                     import tifffile  # scikit-image's TIFF reader; imread would move a 2-channel axis of 3 or 4 rows
@@ -99,7 +108,7 @@ def _decode(p: str | Path) -> np.ndarray:
         from skimage.io import imread
 
         arr = imread(src())
-    return _orient(np.asarray(arr), orientation)
+    return _orient(np.asarray(arr), orientation), alpha
 
 
 def _tiff_converted(raw: np.ndarray, im: object) -> np.ndarray:
@@ -129,8 +138,10 @@ def _png_depth(im: object) -> int:
 def load_image(path: str | Path | None = None) -> np.ndarray:
     """A grayscale image as float64 (H, W) in [0, 1]: min-max scaled, row 0 the top row as shown.
 
-    Colour becomes BT.709 luminance 0.2125 R + 0.7154 G + 0.0721 B; alpha is dropped; palette,
-    CMYK and YCbCr images are converted to RGB first; a photo's EXIF orientation is applied.
+    Colour becomes BT.709 luminance 0.2125 R + 0.7154 G + 0.0721 B; alpha is dropped (a warning
+    counts the pixels that are not fully opaque: their targets are the colours stored under them);
+    palette, CMYK and YCbCr images are converted to RGB first; a photo's EXIF orientation is
+    applied.  A float array spanning more than float64's range (±1e308) is scaled before min-max.
 
     Args:
         path: a PNG/JPEG file (or TIFF, BMP, GIF …, or a ``.npy`` array (H, W) or (H, W, 3|4),
@@ -150,13 +161,18 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
     else:
         p = regular_file(path, "image2d", "a PNG or JPEG image file")
         try:
-            img = _decode(p)
+            img, alpha = _decode(p)
         except Exception as exc:  # noqa: BLE001 - any decoder failure means "not an image"
             if isinstance(exc, ValueError) and str(exc).startswith("image2d:"):
                 raise
             cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # imageio's runs to 4 lines
             raise ValueError(f"image2d: {str(p)!r} is not a readable PNG/JPEG image ({cause})") from exc
     where = repr(str(path)) if path is not None else "the image"
+    img = np.asarray(img)
+    if path is not None:
+        if alpha is None and img.ndim == 3 and img.shape[-1] in (2, 4):
+            alpha = img[..., -1]
+        _say_alpha(where, alpha)
     img = np.asarray(img, dtype=np.float64)
     if img.ndim == 3 and img.shape[-1] == 2:  # gray + alpha from a decoder other than PIL
         img = img[..., 0]
@@ -176,7 +192,35 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
             "whose pixels are numbers"
         )
     lo, hi = img.min(), img.max()
+    if hi > 0 > lo and hi > np.finfo(np.float64).max + lo:  # hi − lo overflows (|values| ~1e308)
+        scale = max(abs(lo), abs(hi))  # scaled first: hi − lo, and so (img − lo) / (hi − lo), is finite
+        img, lo, hi = img / scale, lo / scale, hi / scale
     return (img - lo) / (hi - lo) if hi > lo else np.zeros_like(img)
+
+
+def _say_alpha(where: str, alpha: np.ndarray | None) -> None:
+    """Warn when the dropped alpha channel is not opaque everywhere: the targets are then the
+    colours stored under the transparent pixels (often black, or anything), not what a viewer
+    shows over its background."""
+    if alpha is None or not alpha.size:
+        return
+    a = np.asarray(alpha)
+    if a.dtype in (np.uint8, np.uint16):  # a decoder's: opaque is the type's maximum
+        full = np.iinfo(a.dtype).max
+    else:  # a .npy's: opaque on the smallest usual scale that holds its values (1, 255, 65535)
+        top = float(np.nanmax(a)) if a.dtype.kind != "b" else 1.0
+        full = next((c for c in (1.0, 255.0, 65535.0) if top <= c), top)
+    seen = int(np.count_nonzero(a < full))
+    if seen:
+        log.warning(
+            "image2d: %s has an alpha channel and %d of %d pixels are not fully opaque (%d fully "
+            "transparent); alpha is dropped, so their targets are the colours stored under them, not "
+            "what a viewer shows over a background — flatten the image onto the background you mean",
+            where,
+            seen,
+            a.size,
+            int(np.count_nonzero(a == 0)),
+        )
 
 
 def image_function(img: np.ndarray, X: np.ndarray) -> np.ndarray:

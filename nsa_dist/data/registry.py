@@ -34,7 +34,9 @@ def load_dataset(spec: DataSpec, seed: int = 0) -> Dataset:
 def data_files(spec: DataSpec) -> list[Location]:
     """The files ``load_dataset(spec)`` reads from ``spec.path``, each checked — it exists, is a
     regular file, a local one is readable — without reading any (cheap: a stat per file, or one
-    request per object for a URL).  [] for data that has no path (bundled or generated).
+    request per object for a URL), except an MNIST file present both plain and ``.gz``: the two are
+    read and compared (different data under one name are refused).  [] for data that has no path
+    (bundled or generated).
 
     Returns:
         the files, local paths or fsspec URLs: the image (image2d, density2d), the IDX files
@@ -42,7 +44,8 @@ def data_files(spec: DataSpec) -> list[Location]:
 
     Raises:
         FileNotFoundError: the path or a file in it is missing (the message names it).
-        ValueError: a directory where a file is expected or the reverse, or not a regular file.
+        ValueError: a directory where a file is expected or the reverse, or not a regular file;
+            an MNIST file whose plain and .gz copies hold different data.
         PermissionError: a local file this user may not read.
     """
     from nsa_dist.config import DataName
