@@ -45,6 +45,11 @@ class _Image:
         self.fig.grid.visible = False
         self.symmetric = symmetric
 
+    def picture(self) -> _Image:
+        """An image over [0, 1]² of a picture's data: x₂ drawn downwards (see :func:`picture_data`)."""
+        picture_axes(self.fig)
+        return self
+
     def draw(self, img: Any, title: str, extent: tuple[float, float, float, float] | None = None) -> None:
         img = np.asarray(img, np.float64)
         x0, y0, w, h = extent or (0.0, 0.0, float(img.shape[1]), float(img.shape[0]))
@@ -53,6 +58,25 @@ class _Image:
         top = top or 1.0
         self.mapper.update(low=-top if self.symmetric else 0.0, high=top)
         self.fig.title.text = title
+
+
+def picture_data(run: Run) -> bool:
+    """Whether ``run``'s 2-D inputs are a picture's coordinates (``image2d``, ``density2d``): row i
+    of the image sits at x₂ = i/(H − 1), the top row at x₂ = 0, so a figure over (x₁, x₂) shows the
+    picture upright only with x₂ growing downwards, as an image's rows do."""
+    from nsa_dist.config import DataName
+
+    try:
+        return DataName(run.spec.data.name) in (DataName.IMAGE2D, DataName.DENSITY2D)
+    except (ValueError, AttributeError):
+        return False
+
+
+def picture_axes(fig: Any) -> None:
+    """Draw x₂ downwards on ``fig`` (labelled so), as the picture's rows run."""
+    fig.y_range.flipped = True
+    fig.yaxis.axis_label = "x₂ (down: the picture's rows)"
+    fig.xaxis.axis_label = fig.xaxis.axis_label or "x₁"
 
 
 class Eigenvectors(Panel):
@@ -72,9 +96,14 @@ class Eigenvectors(Panel):
         self.limit = float(run.spec.spectrum.fourier_limit) if self.images else 0.0
         n = min(_MAX_IMAGES, int(run.dims.n_images)) if self.images else 1
         if self.images:
-            self.vecs = [_Image(190) for _ in range(n)]
+            up = picture_data(run)  # the spatial images upright; the |Fourier| panels keep (ξ₁, ξ₂) up
+            self.vecs = [_Image(190).picture() if up else _Image(190) for _ in range(n)]
             self.ffts = [_Image(190, "Magma256", symmetric=False) for _ in range(n)]
-            self.residual = [_Image(260), _Image(260, "Magma256", symmetric=False)] if self.has_residual else []
+            self.residual = (
+                [_Image(260).picture() if up else _Image(260), _Image(260, "Magma256", symmetric=False)]
+                if self.has_residual
+                else []
+            )
             rows = ([row(*(i.fig for i in self.residual))] if self.residual else []) + [
                 row(*(i.fig for i in self.vecs)),
                 row(*(i.fig for i in self.ffts)),
@@ -163,6 +192,9 @@ class Fig1abc(Panel):
             self.sources.append(src)
             figs.append(fig)
         self.figs = figs
+        if picture_data(run):
+            for fig in figs:
+                picture_axes(fig)
         figs[1].add_layout(ColorBar(color_mapper=self.mapper, width=8), "right")
         super().__init__(column(self.step, row(*figs)))
 
@@ -203,7 +235,7 @@ class Fig4d(Panel):
         self.images = run.has("reconstruction_images")
         n = int(run.shape("reconstruction_k")[0])
         if self.images:
-            self.panels: list[Any] = [_Image(240) for _ in range(n)]
+            self.panels: list[Any] = [_Image(240).picture() if picture_data(run) else _Image(240) for _ in range(n)]
             figs = [p.fig for p in self.panels]
         else:
             self.panels = []
