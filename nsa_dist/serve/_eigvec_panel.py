@@ -64,12 +64,11 @@ def picture_data(run: Run) -> bool:
     """Whether ``run``'s 2-D inputs are a picture's coordinates (``image2d``, ``density2d``): row i
     of the image sits at x₂ = i/(H − 1), the top row at x₂ = 0, so a figure over (x₁, x₂) shows the
     picture upright only with x₂ growing downwards, as an image's rows do."""
-    from nsa_dist.config import DataName
-
     try:
-        return DataName(run.spec.data.name) in (DataName.IMAGE2D, DataName.DENSITY2D)
-    except (ValueError, AttributeError):
+        name = run.spec.data.name
+    except AttributeError:
         return False
+    return str(getattr(name, "value", name)) in ("image2d", "density2d")
 
 
 def picture_axes(fig: Any) -> None:
