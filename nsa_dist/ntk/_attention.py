@@ -106,15 +106,24 @@ def _call(args: tuple, kwargs: dict) -> dict:
     return call
 
 
-def attention_call_ok(m: nn.MultiheadAttention, args: tuple, kwargs: dict, out: object) -> str | None:
-    """Why one recorded call of m is outside the decomposition (None: inside, and it reproduces
-    the module's output to rounding)."""
+def _outside(args: tuple, kwargs: dict) -> str | None:
+    """Why a call with these arguments is not unmasked batched self-attention (None: it is)."""
     c = _call(args, kwargs)
     q = c.get("query")
     if not (q is c.get("key") is c.get("value")) or not isinstance(q, torch.Tensor) or q.ndim != 3:
         return "it is not called as batched self-attention (query is key is value)"
     if c["key_padding_mask"] is not None or c["attn_mask"] is not None or c["is_causal"]:
         return "it is called with a mask"
+    return None
+
+
+def attention_call_ok(m: nn.MultiheadAttention, args: tuple, kwargs: dict, out: object) -> str | None:
+    """Why one recorded call of m is outside the decomposition (None: inside, and it reproduces
+    the module's output to rounding)."""
+    why = _outside(args, kwargs)
+    if why is not None:
+        return why
+    q = _call(args, kwargs)["query"]
     with torch.no_grad():
         mine = decomposed(m, *projections(m), *args, **kwargs)
     ref = out[0] if isinstance(out, tuple) else out
@@ -158,14 +167,31 @@ def projections(m: nn.MultiheadAttention) -> tuple[Projection, Projection]:
 
 @contextlib.contextmanager
 def decomposed_forwards(pairs: list[tuple[nn.MultiheadAttention, Projection, Projection]]) -> Iterator[None]:
-    """Within the block, each attention module runs :func:`decomposed` through its projections."""
+    """Within the block, each attention module runs :func:`decomposed` through its projections.
+
+    A call outside the decomposition (a mask, query not key and value) raises
+    :class:`~nsa_dist.ntk._structured.Unproven`: the probe proved unmasked self-attention on its
+    points only, and a forward that passes a mask for some batches alone (``key_padding_mask=pad
+    if pad.any() else None``) would otherwise run without it — the caller takes the exact path."""
     for m, p_in, p_out in pairs:
-        m.forward = lambda *a, _m=m, _i=p_in, _o=p_out, **k: decomposed(_m, _i, _o, *a, **k)
+        m.forward = lambda *a, _m=m, _i=p_in, _o=p_out, **k: _checked(_m, _i, _o, *a, **k)
     try:
         yield
     finally:
         for m, _, _ in pairs:
             del m.forward
+
+
+def _checked(
+    m: nn.MultiheadAttention, p_in: Projection, p_out: Projection, *args: object, **kwargs: object
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`decomposed` for a call inside it, else :class:`~nsa_dist.ntk._structured.Unproven`."""
+    why = _outside(args, kwargs)
+    if why is not None:
+        from nsa_dist.ntk._structured import Unproven  # (_structured imports this module's users)
+
+        raise Unproven(f"{type(m).__name__}: {why} in a feature pass (the probe saw unmasked self-attention)")
+    return decomposed(m, p_in, p_out, *args, **kwargs)
 
 
 def _math_attention(

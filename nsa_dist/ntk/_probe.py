@@ -26,7 +26,10 @@ per-sample Jacobians (exact for any module), alone; a coupling model the full-ba
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +38,7 @@ from torch.nn.utils import parametrize
 
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
-from nsa_dist.ntk.inputs import as_2d, trainable_params
+from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import batch_stat_modules, preserved
 
 __all__ = ["Route", "FastLayer", "ForwardPlan", "plan_forward", "couples"]
@@ -176,7 +179,9 @@ def _couples(
     runs with grad, as the Gram's own passes do: without it PyTorch may take another path (an
     eval-mode TransformerEncoder's nested tensors zero padded positions)."""
     with torch.enable_grad():
-        whole = as_2d(model(x), x.shape[0]).detach()
+        whole = as_2d(model(x), x.shape[0])
+        _no_reentrant_checkpoint(whole)
+        whole = whole.detach()
         again = as_2d(model(x), x.shape[0]).detach() if again is None else again.detach()
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
@@ -206,6 +211,28 @@ def _couples(
     if not _close(whole, parts):
         return "its outputs for half a batch differ from those of the whole batch"
     return _batch_size_matters(model, x, whole, window) or _first_point_moves(model, x)
+
+
+def _no_reentrant_checkpoint(out: torch.Tensor) -> None:
+    """UnsupportedModelError when ``out`` was computed through ``torch.utils.checkpoint`` with
+    ``use_reentrant=True``: its backward runs only under ``.backward()`` — ``torch.autograd.grad``
+    and every torch.func transform refuse it, so no NTK route can differentiate the forward (it
+    surfaced as a batch route chosen for "a forward that fails on repeated points", then torch.func's
+    "autograd.Function … must override setup_context")."""
+    stack, seen = [out.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "CheckpointFunctionBackward":
+            raise UnsupportedModelError(
+                "the model's forward uses torch.utils.checkpoint with use_reentrant=True, whose backward runs "
+                "only under .backward() (torch.autograd.grad and torch.func refuse it), so its NTK cannot be "
+                "computed; checkpoint with use_reentrant=False (the same function), or turn activation "
+                "checkpointing off for the measurement (e.g. model.gradient_checkpointing_disable())"
+            )
+        stack.extend(nxt for nxt, _ in fn.next_functions)
 
 
 def _changed_buffers(model: nn.Module, x: torch.Tensor) -> list[str]:
@@ -287,12 +314,13 @@ def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
     return "one point's output or its gradient changes with the other points of its batch"
 
 
+@autograd_on
 def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     """Why the model couples samples, probed on the first points of x (None: it does not); the
     model's buffers and modes are unchanged afterwards."""
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
-    with preserved(model), _rng_kept(x):
+    with preserved(model), _rng_kept(x), _unzeroed(model):
         why = _couples(model, xs, window=_window(x, idx))
     _unchanged_input(x[idx], xs)
     return why
@@ -335,6 +363,43 @@ def _rng_kept(x: torch.Tensor):
     return torch.random.fork_rng(devices=[x.device.index or 0] if x.device.type == "cuda" else [])
 
 
+@contextlib.contextmanager
+def _unzeroed(model: nn.Module) -> Iterator[None]:
+    """Within the block every trainable parameter that is all zeros (a zero-initialised readout,
+    LoRA's B, ReZero's α, a zero-initialised last norm's γ) holds fixed random values; on exit it
+    holds its own values again (through ``.data``: no version bump).
+
+    The probe's proofs read gradients and outputs: behind a zero readout every layer's output
+    gradient δ is zero and the outputs constant, so "z's row k reaches only f_k", "the outputs do
+    not depend on the batch's size" held for any forward — and a run's route, probed once at θ_0,
+    took per-layer formulas for a layer of a sort-and-dispatch, a transposed axis or a batch
+    centring past 4 points at every later step (0.04–1.0 off).  Proven at a point where the
+    gradients flow, a route holds wherever training takes the zeros."""
+    zero: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad or nn.parameter.is_lazy(p):  # a lazy one: set by the forward
+            continue
+        if not p.is_floating_point() or p.numel() == 0:
+            continue
+        seen.add(id(p))
+        if not bool(p.detach().any()):
+            zero.append((p, p.detach().clone()))
+    if not zero:
+        yield
+        return
+    g = torch.Generator().manual_seed(13)
+    try:
+        for p, _ in zero:
+            fan_in = p[0].numel() if p.ndim > 1 else 1
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64) / math.sqrt(fan_in)
+            p.data.copy_(noise.to(dtype=p.dtype, device=p.device))
+        yield
+    finally:
+        for p, v in zero:
+            p.data.copy_(v)
+
+
 def _uses(out: torch.Tensor) -> dict[int, int]:
     """How often each leaf tensor (parameter) is used in the autograd graph of ``out``: its edges."""
     count: dict[int, int] = {}
@@ -367,7 +432,7 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     params = trainable_params(model)
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
-    with preserved(model), _rng_kept(xs):
+    with preserved(model), _rng_kept(xs), _unzeroed(model):
         trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
         _unchanged_input(x[idx], xs)
         coupling = _couples(model, xs, again=trace.out, window=_window(x, idx))

@@ -20,7 +20,7 @@ from nsa_dist.ntk._probe import ForwardPlan
 from nsa_dist.ntk._structured import Unproven, _chunk_features, structured_layers
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.gram import route_of
-from nsa_dist.ntk.inputs import output_dim, prepare_inputs, trainable_params
+from nsa_dist.ntk.inputs import autograd_on, output_dim, prepare_inputs, trainable_params
 from nsa_dist.ntk.layer_features import _features, per_layer_layers
 from nsa_dist.ntk.route import NTKRoute
 from nsa_dist.ntk.state import preserved
@@ -38,6 +38,7 @@ def row_blocks(n: int, n_parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
+@autograd_on
 def block_features(
     model: nn.Module,
     x: torch.Tensor,

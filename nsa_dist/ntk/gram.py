@@ -17,7 +17,14 @@ from nsa_dist.ntk._method import Kernel
 from nsa_dist.ntk._probe import ForwardPlan, plan_forward
 from nsa_dist.ntk._structured import Unproven, not_structured_reason, structured_gram, structured_layers
 from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.inputs import default_block, output_dim, prepare_inputs, prepare_model, trainable_params
+from nsa_dist.ntk.inputs import (
+    autograd_on,
+    default_block,
+    output_dim,
+    prepare_inputs,
+    prepare_model,
+    trainable_params,
+)
 from nsa_dist.ntk.layer_features import per_layer_gram, per_layer_layers
 from nsa_dist.ntk.operator import NTKOperator
 from nsa_dist.ntk.route import NTKRoute
@@ -75,6 +82,7 @@ def explain_method(
     return route.method, route.routes
 
 
+@autograd_on
 def resolve_route(
     model: nn.Module, x: torch.Tensor, method: str | NTKMethod = "auto", *, output: OutputSelector = None
 ) -> NTKRoute:
@@ -164,6 +172,7 @@ def _setup(
         return model, x1, x2, output_dim(model, x1)
 
 
+@autograd_on
 def gram(
     model: nn.Module,
     x1: torch.Tensor,
@@ -282,6 +291,7 @@ def _gram(
     return jacobian_gram(model, x1, x2, K, full, block)
 
 
+@autograd_on
 def ntk_operator(
     model: nn.Module,
     x: torch.Tensor,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from nsa_dist._checks import check_finite
 from nsa_dist.errors import ShapeError
@@ -16,8 +21,12 @@ from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
 # (per_layer: one forward/backward pass over the data per group).
 FEATURE_BYTES = 2 * 2**30
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 __all__ = [
     "FEATURE_BYTES",
+    "autograd_on",
     "prepare_model",
     "trainable_params",
     "prepare_inputs",
@@ -50,7 +59,8 @@ def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dtype | None) -> torch.Tensor:
     """Check ``x`` is a finite (n, …) tensor — (n, d) vectors, (n, C, H, W) images, (n, T) token
     ids — and move it to the model's device; floating inputs are cast to ``dtype`` (default the
-    model's), integer inputs stay integers."""
+    model's), integer inputs stay integers.  A tensor made under ``torch.inference_mode`` (which
+    autograd cannot record, nor track in-place changes of) is copied into a normal one."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape (n, d) or (n, …), got {type(x).__name__}")
     if x.ndim < 2 or x.shape[0] == 0 or any(s == 0 for s in x.shape[1:]):
@@ -59,10 +69,69 @@ def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dt
             f"and no empty axis, got {tuple(x.shape)}"
         )
     check_finite(name, x)
+    if x.is_inference():  # made under torch.inference_mode: autograd cannot record it (a normal copy)
+        with torch.inference_mode(False):
+            x = x.clone()
     p = next(iter(model.parameters()))
     if not (x.is_floating_point() or x.is_complex()):  # token ids, class indices: as the model takes them
         return x.to(device=p.device)
     return x.to(dtype=dtype or p.dtype, device=p.device)
+
+
+def autograd_on(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` run with ``torch.inference_mode`` off, parametrizations not cached and no autocast:
+    every NTK product differentiates the forward, in the compute dtype asked for.
+
+    - Inside inference mode (an evaluation loop's) nothing can be differentiated — not even under
+      ``torch.enable_grad()`` — so a call there failed with "Inference tensors do not track version
+      counter".
+    - Inside ``torch.nn.utils.parametrize.cached()`` a parametrized weight (weight_norm,
+      spectral_norm, orthogonal) is computed once from the registered original and reused: the
+      torch.func paths, which swap the original for their own tensor, read the cached weight and
+      differentiate nothing through it (a weight_norm network's Gram was 0.28 off, silently).
+    """
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with torch.inference_mode(False), _parametrizations_uncached(), _no_autocast():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    """Within the block no ``torch.autocast`` region of the caller's is in effect: a float32 model's
+    NTK is computed in float32 as documented (``dtype``: default the model's), not in bfloat16 — an
+    evaluation loop under ``torch.autocast("cpu", torch.bfloat16)`` gave Grams 1.5e-3 off, forward,
+    backward and the kernel's own products all in bfloat16."""
+    with contextlib.ExitStack() as stack:
+        for dev in _AUTOCAST_DEVICES:
+            try:
+                on = torch.is_autocast_enabled(dev)
+            except (RuntimeError, ValueError, TypeError):  # a device type this build does not know
+                continue
+            if on:
+                stack.enter_context(torch.autocast(dev, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def _parametrizations_uncached() -> Iterator[None]:
+    """Within the block every parametrized tensor is computed at each access (``parametrize.cached()``
+    suspended; the caller's cache is kept as it is for after the block)."""
+    depth = getattr(parametrize, "_cache_enabled", 0)
+    if not depth:
+        yield
+        return
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = depth
 
 
 def output_dim(model: nn.Module, x: torch.Tensor) -> int:

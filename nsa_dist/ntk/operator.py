@@ -13,8 +13,8 @@ from nsa_dist.models import OutputSelector, measured_module
 from nsa_dist.ntk._jacobian import vmap_unsafe
 from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.inputs import as_2d, trainable_params
-from nsa_dist.ntk.state import call, dense_gradients, exact_kernels, stateless
+from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
+from nsa_dist.ntk.state import call, dense_gradients, exact_kernels, renorm_copies, stateless
 
 _log = logging.getLogger("nsa_dist")
 
@@ -54,8 +54,9 @@ class NTKOperator(LinearOperator):
             _log.info("the model couples samples (%s): operator products over the whole batch", coupling)
             block = x.shape[0]
         self.model, self.x, self.K, self.full, self.block = model, x, K, full, block
-        self._params = {k: p.detach() for k, p in trainable_params(model).items()}
-        self._rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+        # (a max_norm embedding's weight copied: its forwards renormalise it in place)
+        self._params = renorm_copies(model, {k: p.detach() for k, p in trainable_params(model).items()})
+        self._rest = renorm_copies(model, {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad})
         self._buffers = dict(model.named_buffers())
         # torch.func's batched products, unless the forward holds an op whose vmap is silently wrong
         # (cdist's batched VJP was off by 1e-1..3e-1); set False when a transform has no rule (a packed
@@ -82,11 +83,13 @@ class NTKOperator(LinearOperator):
         # one cotangent per (column, output a): v placed in output a only -> Σ_a J_a J_aᵀ v
         return (Vb.T[:, None, :, None] * eye[None, :, None, :]).reshape(-1, Vb.shape[0], K)  # (m K, b, K)
 
+    @autograd_on
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         m, N, K = Vt.shape[1], self.x.shape[0], self.K
         Vr = Vt.reshape(N, K, m) if self.full else Vt  # (N, K, m) or (N, m)
         return self.j(self.jt(Vr), m).reshape(self.shape[0], m)
 
+    @autograd_on
     def jt(self, Vr: torch.Tensor) -> dict[str, torch.Tensor]:
         """``U = Jᵀ V`` by one VJP pass: Vr (N, m) traced or (N, K, m) full → (m·K or m, *param) per parameter."""
         m = Vr.shape[-1]
@@ -157,6 +160,7 @@ class NTKOperator(LinearOperator):
             JU[r] = flat @ torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(g, ps)])
         return JU.T.reshape((n_cot,) + tuple(out.shape))
 
+    @autograd_on
     def j(self, U: dict[str, torch.Tensor], m: int) -> torch.Tensor:
         """``J U`` by one JVP pass: (N, m) traced (Σ over outputs) or (N, K, m) full."""
         N, K = self.x.shape[0], self.K
@@ -193,6 +197,7 @@ class NTKOperator(LinearOperator):
         return f"NTKOperator(shape={self.shape}, dtype={self.dtype}, kernel={'full' if self.full else 'trace'})"
 
 
+@autograd_on
 def jacobian_vector_product(
     model: nn.Module, x: torch.Tensor, dtheta: torch.Tensor, *, output: OutputSelector = None
 ) -> torch.Tensor:
@@ -222,7 +227,7 @@ def jacobian_vector_product(
         off += p.numel()
     with blame(model):
         twin = stateless(model, x[:2])
-        primals = {k: p.detach() for k, p in twin.named_parameters()}
+        primals = renorm_copies(twin, {k: p.detach() for k, p in twin.named_parameters()})
         buffers = dict(twin.named_buffers())
         with exact_kernels(twin), dense_gradients(twin):
             _, out = jvp(lambda p: call(twin, {**p, **buffers}, (x.clone(),)), (primals,), (tangents,))

@@ -21,13 +21,14 @@ from torch.func import functional_call
 
 from nsa_dist.errors import UnsupportedModelError
 
-__all__ = ["preserved", "dense_gradients", "stateless", "batch_stat_modules", "exact_kernels", "call"]
+__all__ = ["preserved", "renorm_copies", "dense_gradients", "stateless", "batch_stat_modules", "exact_kernels", "call"]
 
 
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model may run forwards freely; on exit its buffers (the same tensors,
-    with the same values) and every module's training mode are what they were on entry.  Inside it
+    with the same values), the weights of its ``max_norm`` embeddings (which every forward
+    renormalises in place) and every module's training mode are what they were on entry.  Inside it
     no embedding scales its gradient by token frequency (``scale_grad_by_freq`` rescales autograd's
     gradient, not the function: the NTK is made of the derivative) or returns a sparse one
     (:func:`dense_gradients`)."""
@@ -36,6 +37,13 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     # the buffer slots themselves: a forward that reassigns a buffer (``self.n = self.n + 1``, an EMA
     # written ``self.mu = 0.9 * self.mu + …``) leaves the saved tensor alone and puts a new one there
     slots = [(m, dict(m._buffers)) for m in model.modules()]
+    # an embedding with max_norm renormalises the rows it looks up in place, in every forward
+    # (torch.embedding_renorm_ on its weight): its weight is put back too
+    renormed = [
+        (m.weight, m.weight.detach().clone())
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+    ]
     scaled = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.scale_grad_by_freq]
     for m in scaled:
         m.scale_grad_by_freq = False
@@ -50,11 +58,28 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
                 if m._buffers.get(name) is not t:
                     m._buffers[name] = t
         with torch.no_grad():
-            for b, v in saved:
+            for b, v in saved + renormed:
                 if not torch.equal(b, v):
                     b.data.copy_(v)  # through .data: no version bump, so a backward that saved b still runs
         for m, mode in modes:
             m.training = mode
+
+
+def renorm_copies(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (keyed by ``named_parameters()`` names, e.g. detached parameters for
+    ``torch.func``) with the weights of ``max_norm`` embeddings replaced by copies: such an
+    embedding renormalises the rows it looks up in place in every forward, and a detached
+    parameter shares the user's storage — products run outside :func:`preserved` would rewrite
+    the user's embedding."""
+    ids = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+    }
+    if not ids:
+        return tensors
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+    return {k: (v.detach().clone() if k in names else v) for k, v in tensors.items()}
 
 
 @contextlib.contextmanager
