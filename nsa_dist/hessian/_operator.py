@@ -17,8 +17,8 @@ from nsa_dist.config import LossName
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.inputs import as_2d, default_block, trainable_params
-from nsa_dist.ntk.state import call, exact_kernels, stateless
+from nsa_dist.ntk.inputs import as_2d, autograd_on, default_block, trainable_params
+from nsa_dist.ntk.state import call, exact_kernels, renorm_copies, stateless
 
 _log = logging.getLogger("nsa_dist")
 
@@ -43,6 +43,7 @@ class LossCurvatureOperator(LinearOperator):
 
     dim_name = "P"
 
+    @autograd_on  # products differentiate the forward: no inference mode, parametrize cache or autocast
     def __init__(
         self, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, loss: LossName, block_size: int | None
     ) -> None:
@@ -56,8 +57,9 @@ class LossCurvatureOperator(LinearOperator):
             block_size = X.shape[0]
         self.model, self.X, self.Y, self.loss = model, X, Y, loss  # X (N, d), Y (N, K)
         self.N, self.K = X.shape[0], Y.shape[1]
-        self._params = {k: p.detach() for k, p in trainable_params(model).items()}
-        self._rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+        # (a max_norm embedding's weight copied: its forwards renormalise it in place)
+        self._params = renorm_copies(model, {k: p.detach() for k, p in trainable_params(model).items()})
+        self._rest = renorm_copies(model, {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad})
         self._buffers = dict(model.named_buffers())
         self._sizes = [p.numel() for p in self._params.values()]
         self.block_size = block_size
@@ -87,6 +89,7 @@ class LossCurvatureOperator(LinearOperator):
     def _zeros(self, m: int) -> dict[str, torch.Tensor]:
         return {k: torch.zeros((m,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
 
+    @autograd_on
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
         m = Vt.shape[1]
