@@ -54,7 +54,7 @@ from nsa_dist.client._hessian import HessianView
 from nsa_dist.client._images import ImagesView
 from nsa_dist.client._kernel import KernelView
 from nsa_dist.client._run import PHI_NAMES, Run
-from nsa_dist.client._sweep import QUANTITIES, Curve, Sweep, quantity, varied_fields
+from nsa_dist.client._sweep import QUANTITIES, Curve, Sweep, quantity, records, varied_fields
 
 __all__ = [
     "Client",
@@ -68,6 +68,7 @@ __all__ = [
     "Curve",
     "QUANTITIES",
     "quantity",
+    "records",
     "varied_fields",
     "run_to_xarray",
     "runs_frame",

@@ -31,14 +31,15 @@ class NotFoundError(NSAError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-_ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k")
+_ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k", "hessian_I_k", "moment")
 
 
 def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
     """The finished recorded steps of ``run`` (a :class:`~nsa_dist.client.Run`) with named dimensions.
 
     Per-step arrays (first dim "step") keep only the finished steps; coordinate ``step`` holds
-    t, ``k``-like coordinates run 1..K, ``curve`` is the quadrature route's k (``curve_k``;
+    t, ``k``-like coordinates run 1..K (``moment``: the order k of Tr(A^k), 1..4; ``hessian_part``:
+    "H", "I", "S"), ``curve`` is the quadrature route's k (``curve_k``;
     ``curve_test``: ``curve_k_test``), ``train_step`` 0..T−1.  Attributes: the run id, status
     and spec (JSON string).  The resume state is left out unless ``state``.
 
@@ -66,6 +67,8 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
     for d in _ONE_BASED:
         if d in ds.dims:
             coords[d] = (d, np.arange(1, ds.sizes[d] + 1))
+    if ds.sizes.get("hessian_part") == 3:  # the rows of H = I + S in the stored (…, 3, …) arrays
+        coords["hessian_part"] = ("hessian_part", np.array(["H", "I", "S"]))
     if "train_step" in ds.dims:
         coords["train_step"] = ("train_step", np.arange(ds.sizes["train_step"]))
     for axis, grid in (("curve", "curve_k"), ("curve_test", "curve_k_test")):

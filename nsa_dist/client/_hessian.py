@@ -46,7 +46,14 @@ class HessianView:
         steps = self.steps
         if not len(steps):
             raise ValueError(f"run {self._a.id!r} has no finished step with Hessian measurements")
-        return self._a.index_of(int(steps[-1]) if step is None else step)
+        i = self._a.index_of(int(steps[-1]) if step is None else step)  # KeyError: not a finished step
+        if step is not None and not np.any(steps == step):  # a finished step never analysed: its rows are
+            # the arrays' fill (NaN), not a measurement that failed
+            raise KeyError(
+                f"step {step} is not a finished step with Hessian measurements of run {self._a.id!r}; "
+                f"analysed: {steps.tolist()[:20]}{' …' if len(steps) > 20 else ''} (hessian.every / hessian.steps)"
+            )
+        return i
 
     def moments(self, part: str = "H") -> dict[str, np.ndarray]:
         """Tr(A^k), k = 1..4, along the analysed steps: {"estimate": (Sh, 4), "stderr": (Sh, 4)}.
@@ -74,6 +81,9 @@ class HessianView:
 
         {"I": (2, k) [vᵀIv; vᵀSv] over the top-k eigenvectors of I, "S": the same over S's,
         "evals_I", "evals_S": their eigenvalues}.
+
+        Raises:
+            KeyError: ``step`` is not a finished step with Hessian measurements (they are named).
         """
         i = self._pos(step)
         R, E = self._a.row("hessian_rayleigh", i), self._a.row("hessian_rayleigh_evals", i)
@@ -93,7 +103,8 @@ class HessianView:
         return np.array([edge_of_stability(lam, d) for lam, d in zip(self.top("H")[:, 0], lr)], dtype=np.float64)
 
     def density(self, step: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed)."""
+        """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed;
+        KeyError for a step without Hessian measurements, as :meth:`rayleigh`)."""
         i = self._pos(step)
         return self._a.row("hessian_density_grid", i), self._a.row("hessian_density", i)
 

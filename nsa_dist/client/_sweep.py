@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from nsa_dist.store import SpectrumStore
 
-__all__ = ["Sweep", "Curve", "QUANTITIES", "quantity", "varied_fields"]
+__all__ = ["Sweep", "Curve", "QUANTITIES", "quantity", "records", "varied_fields"]
 
 QUANTITIES = (
     "loss",
@@ -89,6 +89,38 @@ def _hessian_quantity(run: Run, name: str, k: int | None) -> np.ndarray:
     if name == "hessian_orthogonality":
         return h.orthogonality["value"]
     return h.trace_S()["G"]
+
+
+_NEEDS = {
+    "loss": ("loss_trace",),
+    "loss_recorded": ("loss",),
+    "lambda_max": ("eigenvalues",),
+    "stability_bound": ("eigenvalues",),
+    "hessian_I_exact": ("hessian_moments_I_exact",),
+    "hessian_I_limit": ("hessian_I_limit_moments",),
+    "hessian_I_error": ("hessian_moments_I_exact", "hessian_I_limit_moments"),
+    "hessian_gap": ("hessian_additivity",),
+    "hessian_S_op": ("hessian_S_op",),
+    "hessian_orthogonality": ("hessian_orthogonality",),
+    "hessian_trace_S_G": ("hessian_trace_S_G",),
+}  # the stored arrays a quantity of QUANTITIES reads (default: "hessian_moments", or its own name)
+
+
+def records(run: Run, name: str) -> bool:
+    """Whether ``run``'s spec records quantity ``name`` (see :func:`quantity`): the arrays it reads are
+    part of the run's schema (a run without test points records no "loss_test", one without a
+    ``hessian:`` block no "hessian_…").  An array of the schema that is missing is damage, not
+    "not recorded": reading it is the error naming it."""
+    hessian = name.startswith("hessian_") and name in QUANTITIES
+    needs = _NEEDS.get(name, ("hessian_moments",) if hessian else (name,))
+    schema = {a.name for a in run_arrays(run.dims)}
+    return all(n in schema for n in needs)
+
+
+def _none_if_nan(v: Any) -> Any:
+    """A grid field's value as a key: NaN (a field a run's spec does not set, e.g. ``hessian.every``
+    of a variant without a ``hessian:`` block) as None, so that two runs of one point are one key."""
+    return None if isinstance(v, float) and np.isnan(v) else v
 
 
 def quantity(run: Run, name: str, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -256,7 +288,7 @@ class Sweep:
         return [row for row in rows if row["id"] in keep]
 
     def _key(self, row: dict[str, Any]) -> tuple:
-        return tuple(row[f] for f in self.fields)
+        return tuple(_none_if_nan(row[f]) for f in self.fields)
 
     def groups(self) -> list[tuple[dict[str, Any], list[str]]]:
         """(grid point, run ids) for each point of the grid, seeds pooled (each seed once), in the
@@ -283,12 +315,15 @@ class Sweep:
         """One :class:`Curve` of quantity ``name`` (see :func:`quantity`) per grid point; an energy
         E_t(φ, k) carries the bracket of its mean (:attr:`Curve.bracket`).  The mean is over every
         run of the point at every t: NaN where one of them has no value (:attr:`Curve.count` says
-        how many have)."""
+        how many have).  A grid point whose spec does not record ``name`` while others do (a variant
+        without test points or without a ``hessian:`` block) has no curve (:meth:`lacking` names them)."""
         totals: dict[tuple, set] = {}
         for row in self.runs.to_dict("records"):  # the seeds of each point, with or without a finished step
             totals.setdefault(self._key(row), set()).add(row.get("seed"))
-        curves = []
+        curves, skip = [], self._not_recording(name)
         for key, ids in self.groups():
+            if skip.intersection(ids):  # its spec records no such quantity: :meth:`lacking`
+                continue
             runs = [self.run(rid) for rid in ids]
             series = [quantity(r, name, k) for r in runs]
             t = series[0][0]
@@ -326,11 +361,14 @@ class Sweep:
         ``value`` = quantity ``name`` at ``step`` (default: each run's last step with a finite
         value — its last finished recorded step; "loss": its last trained step), ``step`` = the t
         of that value (runs that failed or are still running end earlier than the others: their t
-        says so) and the run's ``status``."""
+        says so) and the run's ``status``.  Runs whose spec does not record ``name`` while others
+        do have no row (:meth:`lacking`)."""
         import pandas as pd
 
-        rows = []
+        rows, skip = [], self._not_recording(name)
         for row in self._finished():
+            if row["id"] in skip:  # its spec records no such quantity: :meth:`lacking`
+                continue
             t, v = quantity(self.run(row["id"]), name, k)
             if step is None:
                 ok = np.flatnonzero(np.isfinite(v))
@@ -352,6 +390,21 @@ class Sweep:
                 }
             )
         return pd.DataFrame(rows, columns=["id", *self.fields, "seed", "value", "step", "status"])
+
+    def lacking(self, name: str) -> list[dict[str, Any]]:
+        """The grid points (with a finished step) whose runs' spec does not record quantity ``name``
+        (:func:`records`: no test points for "loss_test", no ``hessian:`` block for "hessian_…"):
+        :meth:`curves`, :meth:`scalar` and the sweep figures leave them out, and ``nsa plot --sweep``
+        says which."""
+        skip = self._not_recording(name)
+        return [key for key, ids in self.groups() if skip.intersection(ids)]
+
+    def _not_recording(self, name: str) -> set[str]:
+        """The ids of the finished runs whose spec does not record ``name`` — none when no run of the
+        sweep records it (reading it then is the error saying so, never an empty answer)."""
+        ids = [rid for _, group in self.groups() for rid in group]
+        skip = {rid for rid in ids if not records(self.run(rid), name)}
+        return set() if len(skip) == len(ids) else skip
 
     def smallest_k(self) -> int:
         """The largest k at which every finished run has E_t(φ, k): the smallest :attr:`Run.k_max`

@@ -350,7 +350,17 @@ def time_axis(
 
 def lr_steps(run: Run, t_end: int) -> tuple[np.ndarray, np.ndarray]:
     """(t, δ_t) at step 0, at every decay in (0, t_end] and at ``t_end``: the schedule's learning rate,
-    piecewise constant, to draw with ``drawstyle="steps-post"`` (δ_t holds from one decay to the next)."""
+    piecewise constant, to draw with ``drawstyle="steps-post"`` (δ_t holds from one decay to the next).
+
+    The schedule is the spec's only where it is the learning rate the run stored at its finished
+    steps (``run.lr``); otherwise — a Tracker run, whose δ_t is the user's (its spec holds the default
+    schedule) — the stored δ_t at the finished steps up to ``t_end``, held from one to the next."""
+    stored = np.asarray(run.lr, np.float64)
+    spec = np.array([run.spec.lr_at(int(s)) for s in run.steps], np.float64)
+    ok = np.isfinite(stored)
+    if not np.allclose(spec[ok], stored[ok], rtol=1e-9, atol=0.0):
+        keep = np.asarray(run.steps) <= t_end
+        return np.asarray(run.steps, np.int64)[keep], stored[keep]
     t = np.unique(np.concatenate([[0], decay_steps(run, t_end), [t_end]])).astype(np.int64)
     return t, np.array([run.spec.lr_at(int(s)) for s in t], np.float64)
 

@@ -45,7 +45,7 @@ def fig2a(run: Run) -> Figure:
 def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """Individual eigenvalues λ_i^t along t for i in 1, 2, 5, 10, … ≤ the largest i measured (log y),
     each with its bracket as a band where it is not a point."""
-    from nsa_dist.plots.brackets import add_bracket_caption, draw_bracketed_along_t
+    from nsa_dist.plots.brackets import _positive_floor, add_bracket_caption, draw_bracketed_along_t
 
     fig, ax = new_figure(run, "2b", "individual eigenvalues along t")
     ax, curve = ax[0, 0], run.curve("eigenvalue")
@@ -54,9 +54,11 @@ def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     drawn = False
     for c, i, label in zip(cols, rows, labels):
         value, lower, upper = curve.at(i)
-        if np.any(upper > lower):  # a log axis: a lower bound ≤ 0 is drawn at half the smallest positive value
-            pos = value[np.isfinite(value) & (value > 0)]
-            lower = np.maximum(lower, float(pos.min()) / 2 if len(pos) else 1e-300)
+        if np.any(upper > lower):  # a log axis: a lower bound ≤ 0 is drawn at half the smallest positive
+            # value or bound (the band runs off the bottom); a positive lower bound is drawn where it is,
+            # never raised (a band narrower than the stored bracket)
+            floor = _positive_floor(value, lower)
+            lower = np.where(np.isnan(lower) | (lower > 0), lower, floor)
         drawn |= draw_bracketed_along_t(ax, run.steps, value, lower, upper, c, label)
     time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True, family=("i", labels, cols))
     add_bracket_caption(fig, run, drawn)

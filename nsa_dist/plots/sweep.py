@@ -46,6 +46,7 @@ HESSIAN_SWEEP_FIGURES = (
 )  # drawn for sweeps with a hessian block (width figures: a width axis)
 _ALL = SWEEP_FIGURES + HESSIAN_SWEEP_FIGURES
 _WIDTH = "model.width"
+_STYLES = ("o-", "s--", "^:", "D-.", "v-", "P--", "X:", "*-.")  # marker and line style of the j-th line of a colour
 
 
 def _figure(sweep: Sweep, label: str, what: str, ncols: int = 0, paper: str = "NSA") -> tuple[Figure, Axes]:
@@ -209,8 +210,8 @@ def _points(ax: Axes, sweep: Sweep, curves: list[Curve], name: str, k: int) -> N
     df = sweep.scalar(name, k, step=int(curves[0].t[0]))
     for x, (c, cv) in enumerate(zip(colors(len(curves)), curves)):
         sub = df
-        for f, v in cv.key.items():
-            sub = sub[sub[f] == v]
+        for f, v in cv.key.items():  # a field this point's spec does not set is None in the key, NaN in df
+            sub = sub[sub[f].isna()] if v is None else sub[sub[f] == v]
         ax.plot(np.full(len(sub), x) + np.linspace(-0.15, 0.15, len(sub)), sub["value"], ".", color=c, alpha=0.6)
         ax.errorbar([x], cv.mean, yerr=cv.std, fmt="o", ms=6, capsize=4, color=c, label=cv.label)
     ax.set_xticks(
@@ -244,22 +245,27 @@ def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1,
         raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
     fig, ax = _figure(sweep, "", f"width convergence of I to its limit at t = {step}", paper="Hessian paper")
     for c, k in zip(colors(len(orders)), orders):
-        for lab, w, mean, std in _by_width(sweep, "hessian_I_error", k, step, None):
+        # one colour per order; the lines of one order (one per value of each other field the sweep
+        # varies) told apart by their marker and line style, so that each legend entry names one line
+        for j, (lab, w, mean, std) in enumerate(_by_width(sweep, "hessian_I_error", k, step, None)):
             slope = fit_slope(w, mean)
             ax.errorbar(
                 w,
                 mean,
                 yerr=std,
-                fmt="o-",
+                fmt=_STYLES[j % len(_STYLES)],
                 ms=4,
                 capsize=3,
                 color=c,
                 label=f"|Tr(I^{k}) − limit| / limit{'' if lab == 'all' else f' ({lab})'}: slope {slope:+.2f}",
             )
-    if len(ax.lines):
-        w = np.asarray(sorted(sweep.runs[_WIDTH].unique()), np.float64)
-        y0 = ax.lines[0].get_ydata()[0]
-        ax.plot(w, y0 * np.sqrt(w[0] / w), "k:", lw=1, label=r"$\propto w^{-1/2}$")
+    if len(ax.lines):  # anchored at the first drawn point of the first line, over the widths drawn
+        w = np.asarray(ax.lines[0].get_xdata(), np.float64)
+        y = np.asarray(ax.lines[0].get_ydata(), np.float64)
+        ok = np.isfinite(w) & np.isfinite(y) & (w > 0) & (y > 0)
+        if ok.any():
+            w, y0 = w[ok], y[ok][0]
+            ax.plot(w, y0 * np.sqrt(w[0] / w), "k:", lw=1, label=r"$\propto w^{-1/2}$")
     ax.set(xlabel="width w", ylabel="relative error", xscale="log", yscale="log")
     ax.grid(alpha=0.3, which="both")
     legend(ax)
@@ -309,7 +315,9 @@ def plot_sweep(
     field, one line per value of the second (if any).  "hessian_moments_<A>": Tr(A^k) along t (mean ± std over seeds);
     "hessian_width_convergence" and "hessian_regimes": against ``model.width`` at initialisation.
     Figures a sweep cannot draw (no test points: 7c; no Hessian block; no width axis) are skipped,
-    with a warning saying why for Fig. 7c and for each figure named in ``figures``.
+    with a warning saying why for Fig. 7c and for each figure named in ``figures``.  What a sweep can
+    draw is decided from every finished run: a figure some grid points record (a variant with test
+    points or a ``hessian:`` block) is drawn from those, with a warning naming the points it leaves out.
     """
     names = list(_ALL if figures is None else figures)
     bad = [n for n in names if n not in _ALL]
@@ -328,22 +336,27 @@ def plot_sweep(
             len(missing),
             said,
         )
-    first = sweep.run(sweep.groups()[0][1][0])
-    hess = first.has("hessian_moments")
+    from nsa_dist.client import records
+
+    # what the sweep can draw, from every finished run: a grid point (a variant) without test points
+    # or without a hessian: block neither hides the figure from the others nor breaks it
+    runs = [sweep.run(rid) for _, ids in sweep.groups() for rid in ids]
+    hess = any(records(r, "hessian_H") for r in runs)
     wide = hess and _WIDTH in sweep.fields
+    limits = wide and any(
+        records(r, "hessian_I_limit") and np.isfinite(r.hessian.moments("I_limit")["estimate"]).any() for r in runs
+    )
     draw = {
         "hessian_moments_H": lambda: hessian_moments_figure(sweep, "H") if hess else None,
         "hessian_moments_I": lambda: hessian_moments_figure(sweep, "I") if hess else None,
         "hessian_moments_S": lambda: hessian_moments_figure(sweep, "S") if hess else None,
-        "hessian_width_convergence": lambda: (
-            width_convergence(sweep)
-            if wide and np.isfinite(first.hessian.moments("I_limit")["estimate"]).any()
-            else None
+        "hessian_width_convergence": lambda: width_convergence(sweep) if limits else None,
+        "hessian_regimes": lambda: (
+            regimes_figure(sweep) if wide and any(records(r, "hessian_S_op") for r in runs) else None
         ),
-        "hessian_regimes": lambda: regimes_figure(sweep) if wide and first.has("hessian_S_op") else None,
         "fig7a_energy_y": lambda: fig7a(sweep, k),
         "fig7b_train_loss": lambda: fig7b(sweep),
-        "fig7c_test_loss": lambda: fig7c(sweep) if first.has("loss_test") else None,
+        "fig7c_test_loss": lambda: fig7c(sweep) if any(records(r, "loss_test") for r in runs) else None,
         "scalar_energy_y_10": lambda: (
             scalar_figure(
                 sweep,
@@ -370,6 +383,12 @@ def plot_sweep(
         "fig7c_test_loss": "its runs have no test points (data.n_test)",
         "scalar_energy_y_10": "it varies no field",
     }
+    reads = {
+        **{f"hessian_moments_{p}": f"hessian_{p}" for p in "HIS"},
+        "hessian_width_convergence": "hessian_I_limit",
+        "hessian_regimes": "hessian_S_op",
+        "fig7c_test_loss": "loss_test",
+    }
     written = []
     for name in names:
         fig = draw[name]()
@@ -377,6 +396,17 @@ def plot_sweep(
             path = out / f"{name}.png"
             fig.savefig(path, dpi=DPI)
             written.append(path)
+            lacking = sweep.lacking(reads[name]) if name in reads else []
+            if lacking:  # never a grid point silently absent from a figure
+                said = "; ".join(", ".join(f"{f.split('.')[-1]}={v}" for f, v in p.items()) or "all" for p in lacking)
+                logging.getLogger("nsa_dist.plots").warning(
+                    "sweep %r: %s leaves out %d grid point(s) whose runs do not record %s: %s",
+                    sweep.name,
+                    name,
+                    len(lacking),
+                    reads[name],
+                    said,
+                )
         elif figures is not None or name == "fig7c_test_loss":
             logging.getLogger("nsa_dist.plots").warning("sweep %r: %s not drawn: %s", sweep.name, name, why[name])
     return written
