@@ -48,15 +48,50 @@ DEFAULT_STORE = "nsa-results.zarr"
 def _store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store",
-        default=os.environ.get("NSA_STORE", DEFAULT_STORE),
+        type=_store_path,
+        default=os.environ.get("NSA_STORE") or DEFAULT_STORE,
         help="spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)",
     )
+
+
+def _count(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [least, most], else a usage error naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < least or (most is not None and v > most):
+            allowed = f"{least}..{most}" if most is not None else f">= {least}"
+            raise argparse.ArgumentTypeError(f"{v} is out of range (allowed: {allowed})")
+        return v
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not np.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text} seconds: give a finite number >= 0 (or no number: wait for ever)")
+    return v
+
+
+def _store_path(text: str) -> str:
+    """An argparse type: a store path or URL, never empty ('' was the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the store path is empty; give a path or URL (or unset an empty $NSA_STORE)")
+    return text
 
 
 def _wait_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait",
-        type=float,
+        type=_seconds,
         nargs="?",
         const=-1.0,
         default=0.0,
@@ -84,7 +119,7 @@ def _max_runs_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--max-runs",
-        type=int,
+        type=_count(1),
         default=None,
         metavar="N",
         help=f"accept a sweep of up to N runs (default {MAX_SWEEP_RUNS}; counted before expanding the grid)",
@@ -110,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="write the paper's figures for a run, or across a sweep's runs")
     pl.add_argument("run", nargs="?", default=None)
     pl.add_argument("--out", type=Path, required=True)
-    pl.add_argument("--figures", nargs="*", default=None, help="only these figure names")
+    pl.add_argument("--figures", nargs="+", default=None, help="only these figure names")
     pl.add_argument(
         "--step",
         type=int,
@@ -177,9 +212,11 @@ def _parser() -> argparse.ArgumentParser:
             help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_ADDRESS or http://127.0.0.1:8265)",
         )
         if name == "status":
-            q.add_argument("--store", default=None, help="show the runs of this store instead of Ray jobs")
+            q.add_argument(
+                "--store", type=_store_path, default=None, help="show the runs of this store instead of Ray jobs"
+            )
     v = sub.add_parser("verify", help="check every chunk of a store; --mark forgets damaged steps for a re-run")
-    v.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
+    v.add_argument("store", nargs="?", type=_store_path, default=os.environ.get("NSA_STORE") or DEFAULT_STORE)
     v.add_argument(
         "--mark",
         "--repair",
@@ -188,9 +225,9 @@ def _parser() -> argparse.ArgumentParser:
         help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)",
     )
     se = sub.add_parser("serve", help="a read-only web view of a store (runs, a run's figures, a sweep's), live")
-    se.add_argument("store", nargs="?", default=os.environ.get("NSA_STORE", DEFAULT_STORE))
+    se.add_argument("store", nargs="?", type=_store_path, default=os.environ.get("NSA_STORE") or DEFAULT_STORE)
     se.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    se.add_argument("--port", type=int, default=5006, help="port (0: any free one; default 5006)")
+    se.add_argument("--port", type=_count(0, 65535), default=5006, help="port (0: any free one; default 5006)")
     se.add_argument("--allow-remote", action="store_true", help="consent to listen on a non-loopback --host")
     se.add_argument(
         "--token",
@@ -362,9 +399,14 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> tuple[str, int]:
     if local is not None and isinstance(exc, StoreError) and str(exc).startswith("no spectrum store at"):
         if local.is_file() or (local.is_dir() and any(local.iterdir())):  # `nsa run --store` refuses it too
             kind = "a file" if local.is_file() else "a directory with other files"
+            how = (
+                f"`nsa {args.cmd} STORE`"
+                if args.cmd in ("verify", "serve")  # these take the store as their argument
+                else "--store PATH"
+            )
             return (
                 f"error: {store!r} is {kind}, not a spectrum store (it has no zarr.json); give the store's "
-                "path with --store PATH (or $NSA_STORE), or a new path to `nsa run SPEC.yaml --store`"
+                f"path with {how} (or $NSA_STORE), or a new path to `nsa run SPEC.yaml --store`"
             ), 2
     if local is not None and isinstance(exc, OSError) and exc.filename and _within(Path(exc.filename), local):
         return f"error: {_store_os_error(store, exc)}", 2
@@ -416,6 +458,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from nsa_dist.store import Status
 
     spec = load_spec(args.spec)
+    _check_device([spec], args.spec)
+    _check_factories([spec])
     check_data([spec], args.spec)  # a missing data file is said now, not after the store and the model
     rid = run_id(spec)
     fancy = sys.stderr.isatty() and not args.plain
@@ -435,6 +479,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     print(f"run {rid} done ({out.steps_computed} recorded steps computed) → {args.store}")
     return 0
+
+
+def _check_device(specs: list, source: Path) -> None:
+    """Refuse ``device: cuda`` where torch sees no GPU, before any store is touched (it failed at the
+    first step as torch's "AssertionError: Torch not compiled with CUDA enabled", exit 1)."""
+    from nsa_dist.specfile import SpecError
+
+    cuda = [s.name for s in specs if s.device == "cuda"]
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpecError(
+                f"{source}: device: cuda (run{'s' if len(cuda) > 1 else ''} {', '.join(map(repr, cuda[:3]))}"
+                f"{' …' if len(cuda) > 3 else ''}) but torch sees no CUDA GPU on this machine "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not compiled in'}); use device: auto "
+                "(CUDA when there is one) or cpu"
+            )
+
+
+def _check_factories(specs: list) -> None:
+    """Import every ``model.factory`` before any store is touched (a missing module left a new, empty
+    store behind its one-line error)."""
+    from nsa_dist.models import resolve_factory
+
+    for path in dict.fromkeys(s.model.factory for s in specs if getattr(s.model, "source", None) == "factory"):
+        resolve_factory(path)
 
 
 def _print_layout(run) -> None:
@@ -511,7 +582,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         t.add_column(col)
     for r in runs.to_dict("records"):
         note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""
-        lr = _recorded_lr(client, r) if r.get("data.name") == "arrays" else _lr(r.get("schedule.lr"))
+        lr = _recorded_lr(client, r) if r.get("data.name") == "arrays" else _lr(_first_lr(r))
         t.add_row(
             *map(
                 _esc,
@@ -568,6 +639,18 @@ def _recorded_lr(client: Client, row: dict) -> str:
     return _lr(lr[-1]) if len(lr) else "-"
 
 
+def _first_lr(row: dict) -> object:
+    """The learning rate of a spec run's first update: schedule.lr, times the width in the active
+    regime (the run's δ_0, as ``Run.lr`` stores it)."""
+    lr = row.get("schedule.lr")
+    if row.get("model.regime") == "active":
+        try:
+            return float(lr) * float(row.get("model.width"))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return lr
+    return lr
+
+
 def _lr(value: object) -> str:
     try:
         return f"{float(value):g}"
@@ -609,6 +692,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     else:
         net = f"{s.model.depth}×{s.model.width} {s.model.activation.value}"
     lr = "lr per step" if s.data.name.value == "arrays" else f"lr={s.schedule.lr}"
+    if getattr(s.model, "regime", "ntk") == "active":  # the update's δ is lr · width (ExperimentSpec.lr_at)
+        lr += f"×{s.model.width} (active regime: δ={s.lr_at(0):g})"
     con.print(
         _esc(f"data {s.data.name.value} N={s.data.n}  model {net}  {s.optimizer.name.value} {lr}  steps={s.steps}")
     )
@@ -680,6 +765,17 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     given = [f"--{name}" for name in ("scalar", "x", "line") if getattr(args, name) is not None]
     if given and args.sweep is None:
         raise ValueError(f"{'/'.join(given)}: only with --sweep NAME (across a sweep's runs), not with a RUN")
+    if args.sweep is not None:  # what a sweep's figures do not take is refused, not silently dropped
+        run_only = [f"--{name}" for name in ("step", "pair") if getattr(args, name) is not None]
+        if run_only:
+            raise ValueError(
+                f"{'/'.join(run_only)}: only with a RUN (its at-a-step figures); --sweep NAME draws every "
+                "run's whole schedule"
+            )
+        if args.k is not None and len(args.k) > 1:
+            raise ValueError(f"--k with --sweep takes one k (Fig. 7a's), got {len(args.k)}: {args.k}")
+        if args.scalar is None and (args.x is not None or args.line is not None):
+            raise ValueError("--x / --line: only with --scalar QUANTITY (the scalar figure they lay out)")
     if args.sweep is not None:
         return _plot_sweep(args)
     opts = PlotOptions(
@@ -728,6 +824,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     sweep = load_sweep(args.sweep, max_runs=args.max_runs)
     specs = sweep.expand()
+    if args.address is None:  # the embedded Ray runs on this machine (a cluster's nodes may have GPUs)
+        _check_device(specs, args.sweep)
+    _check_factories(specs)  # this process is the sweep's driver: it builds the models too
     check_data(specs, args.sweep)  # before Ray starts (≈ 9 s for the embedded one)
     table = _SweepTable(sweep.name, plain=args.plain or not sys.stderr.isatty())
     coordinator = SweepCoordinator(sweep, args.store, on_event=table.update, wait=_wait_seconds(args.wait))
@@ -836,6 +935,8 @@ def _wait_job(address: str, job: str, poll: float = 2.0) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.store is not None and args.job is not None:
+        raise ValueError(f"give a JOB ({args.job!r}: a Ray Job's status) or --store (its runs' status), not both")
     if args.store is not None:
         return _store_status(args.store)
     from nsa_dist.cluster import jobs

@@ -96,7 +96,46 @@ def is_id_neutral(field: Any) -> bool:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+    # allow_inf_nan=False: a YAML ``.inf`` / ``.nan`` in any number field is refused (an infinite
+    # lr or bias scale trained to NaN with no word of the cause)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """A boolean where a number belongs is refused: YAML 1.1 reads ``yes``/``no``/``on``/``off``
+        as booleans and pydantic would take True for 1 (``steps: yes`` ran one step)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _bool_in_number(field.annotation, v):
+            raise ValueError(
+                "a boolean where a number belongs (YAML reads yes/no/on/off/true/false as booleans); write the number"
+            )
+        return v
+
+
+def _bool_in_number(tp: Any, v: Any) -> bool:
+    """Whether ``v`` is (or holds, in a list, tuple or dict) a bool where annotation ``tp`` takes a number."""
+    import types
+    import typing
+
+    if get_origin(tp) is Annotated:
+        return _bool_in_number(get_args(tp)[0], v)
+    if isinstance(v, bool):
+        if tp in (int, float):
+            return True
+        if get_origin(tp) in (typing.Union, types.UnionType):
+            args = get_args(tp)
+            return bool(set(args) & {int, float}) and bool not in args and Any not in args
+        return False
+    origin, args = get_origin(tp), get_args(tp)
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_bool_in_number(a, v) for a in args if get_origin(a) in (list, tuple, dict))
+    if origin in (list, tuple) and isinstance(v, (list, tuple)) and args:
+        items = args if origin is tuple and Ellipsis not in args else args[:1] * len(v)
+        return any(_bool_in_number(a, x) for a, x in zip(items, v))
+    if origin is dict and isinstance(v, dict) and len(args) == 2:
+        return any(_bool_in_number(args[1], x) for x in v.values())
+    return False
 
 
 def _stored(info: ValidationInfo) -> bool:
@@ -323,8 +362,23 @@ class OptimizerSpec(_Strict):
     eps: float = Field(1e-8, gt=0.0)
 
     @model_validator(mode="after")
-    def _batch(self) -> OptimizerSpec:
+    def _batch(self, info: ValidationInfo) -> OptimizerSpec:
         name = OptimizerName(self.name)
+        if not _stored(info):  # a setting the optimizer named does not use is refused, not silently dropped
+            if any(not 0.0 <= b < 1.0 for b in self.betas):
+                raise ValueError(f"optimizer.betas must each be in [0, 1) (Adam's decay rates), got {list(self.betas)}")
+            if name is OptimizerName.ADAM and self.momentum != 0.0:
+                raise ValueError(
+                    f"optimizer.momentum={self.momentum:g} is not used by 'adam' (its momentum is betas[0]); "
+                    "drop it, or use name='gd' / 'sgd' for heavy-ball momentum"
+                )
+            unused = [f for f in ("betas", "eps") if getattr(self, f) != OptimizerSpec.model_fields[f].default]
+            if name in (OptimizerName.GD, OptimizerName.SGD) and unused:
+                raise ValueError(
+                    f"optimizer.{'/'.join(unused)} {'is' if len(unused) == 1 else 'are'} Adam's; "
+                    f"{name.value!r} does not use {'it' if len(unused) == 1 else 'them'}: drop "
+                    f"{'it' if len(unused) == 1 else 'them'}, or set name='adam'"
+                )
         if name is OptimizerName.SGD and self.batch_size is None:
             raise ValueError("optimizer.batch_size is required for optimizer.name='sgd' (use 'gd' for full batch)")
         if name is OptimizerName.GD and self.batch_size is not None:
@@ -361,6 +415,22 @@ class ScheduleSpec(_Strict):
     decay: float = Field(1.0, gt=0.0, le=1.0)
     every: int | None = Field(None, ge=1)
 
+    @model_validator(mode="after")
+    def _decay_needs_every(self, info: ValidationInfo) -> ScheduleSpec:
+        if _stored(info):
+            return self
+        if self.decay != 1.0 and self.every is None:
+            raise ValueError(
+                f"schedule.decay={self.decay:g} needs schedule.every (the steps between decays); without "
+                "it the learning rate would stay lr at every step"
+            )
+        if self.every is not None and self.decay == 1.0:
+            raise ValueError(
+                f"schedule.every={self.every} needs schedule.decay < 1 (the factor applied every "
+                f"{self.every} steps); with decay 1 the learning rate would stay lr: set decay, or drop every"
+            )
+        return self
+
     def lr_at(self, step: int) -> float:
         return self.lr * (self.decay ** (step // self.every) if self.every else 1.0)
 
@@ -376,7 +446,12 @@ class RecordSpec(_Strict):
     """
 
     every: int | None = Field(None, ge=1)
-    log_points: int | None = Field(None, ge=2, description="this many log-spaced steps")
+    log_points: int | None = Field(
+        None,
+        ge=2,
+        description="log-spaced steps: at most this many, fewer where early points round to the same step "
+        "(log_points: 20 of 1000 steps records 19)",
+    )
     steps: list[int] | None = None
 
     @model_validator(mode="after")
@@ -740,6 +815,15 @@ class HessianSpec(_Strict):
         "the measured I — fully-connected init='ntk' runs in the NTK regime only (NaN otherwise)",
     )
 
+    @model_validator(mode="after")
+    def _every_or_steps(self, info: ValidationInfo) -> HessianSpec:
+        if self.steps is not None and self.every != 1 and not _stored(info):
+            raise ValueError(
+                f"hessian: give every or steps, not both (hessian.steps {self.steps} would analyse those "
+                f"steps and ignore every={self.every})"
+            )
+        return self
+
     def indices(self, record: list[int]) -> list[int]:
         """Indices into the recording schedule ``record`` that are analysed."""
         if self.steps is not None:
@@ -784,22 +868,47 @@ class ExperimentSpec(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _fill_model_dims(cls, values: Any) -> Any:
+    def _fill_model_dims(cls, values: Any, info: ValidationInfo) -> Any:
         if not isinstance(values, dict):
             return values
+        if any(k in values and values[k] is None for k in ("data", "model")):
+            return values  # 'data:' with nothing under it: field validation says it is empty, no default run
         data, model = values.get("data") or {}, values.get("model") or {}
         if not isinstance(data, (dict, DataSpec)) or not isinstance(model, (dict, ModelSpec, FactoryModelSpec)):
             return values  # let field validation report "data" / "model" is not a mapping
         try:
-            data = data if isinstance(data, DataSpec) else DataSpec(**data)
+            data = data if isinstance(data, DataSpec) else DataSpec.model_validate(data, context=info.context)
         except ValueError:
-            return values  # field validation reports the data errors under "data."
+            return values  # field validation reports the data errors under "data." (a key not a name too)
         model = model.model_dump(exclude_unset=True) if isinstance(model, BaseModel) else dict(model)
         if DataName(data.name) is DataName.ARRAYS:
             return {**values, "data": data, "model": model}  # a Tracker's: the model block carries d and K
         model.setdefault("input_dim", data.input_dim)
         model.setdefault("output_dim", data.output_dim)
         return {**values, "data": data, "model": model}
+
+    @model_validator(mode="after")
+    def _measured_as_written(self, info: ValidationInfo) -> ExperimentSpec:
+        """A measurement the spec asks for that the run would silently skip is refused."""
+        if _stored(info) or DataName(self.data.name) is DataName.ARRAYS:
+            return self
+        s = self.spectrum
+        if s.test_points and self.data.n_test == 0:
+            raise ValueError(
+                "spectrum.test_points=true needs test points: set data.n_test > 0 (with data.n_test: 0 "
+                "the test Gram and E_t(f_test, k) would be skipped)"
+            )
+        if s.per_class_k > 0 and self.model.output_dim == 1:
+            raise ValueError(
+                f"spectrum.per_class_k={s.per_class_k}: per-class spectra are of K-output networks, this "
+                "one has K = 1 output; drop it (or use one-hot targets, data.target='onehot')"
+            )
+        if s.gram_change_k > 0 and s.store_eigenvectors is False:
+            raise ValueError(
+                f"spectrum.gram_change_k={s.gram_change_k} is measured at the eigenvector steps, and "
+                "spectrum.store_eigenvectors=false stores none: list the steps in store_eigenvectors"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dims_match(self) -> ExperimentSpec:
@@ -919,7 +1028,23 @@ class SweepSpec(_Strict):
         for path, values in self.grid.items():
             if not values:
                 raise ValueError(f"grid.{path} is an empty list; give at least one value")
-        limit = int((info.context or {}).get("max_runs") or MAX_SWEEP_RUNS)
+        named = [f"grid.{p}" for p in self.grid if p.split(".")[0] == "name"]
+        named += [f"variants[{i}].{p}" for i, v in enumerate(self.variants) for p in v if p.split(".")[0] == "name"]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)}: a sweep names its runs itself (<sweep name>__<field>-<value>…), so a "
+                "name there would be overwritten and its runs merged into one; set the sweep's name instead"
+            )
+        for i, variant in enumerate(self.variants):
+            overridden = [p for p in variant if any(_overlaps(p, g) for g in self.grid)]
+            if overridden:
+                raise ValueError(
+                    f"variants[{i}] sets {', '.join(overridden)}, which the grid sweeps: every grid point of that "
+                    "variant would get the variant's value (the grid's runs merged into one); put the value in "
+                    "the grid, or the field in the variants only"
+                )
+        given = (info.context or {}).get("max_runs")
+        limit = MAX_SWEEP_RUNS if given is None else int(given)  # 0 is a limit, not "the default"
         if self.size > limit:
             sizes = " × ".join(f"{len(v)} {k}" for k, v in self.grid.items())
             raise ValueError(
@@ -975,6 +1100,13 @@ class SweepSpec(_Strict):
         return out
 
 
+def _overlaps(a: str, b: str) -> bool:
+    """Whether dotted paths ``a`` and ``b`` set the same field (one is the other or holds it)."""
+    pa, pb = a.split("."), b.split(".")
+    n = min(len(pa), len(pb))
+    return pa[:n] == pb[:n]
+
+
 def _short(v: Any) -> str:
     """A value as a name fragment: only [A-Za-z0-9_.-], dicts/lists by their values."""
     import re
@@ -1022,7 +1154,10 @@ def format_validation_error(exc: ValidationError) -> str:
         where = ".".join(str(p) for p in loc) or ("" if root is SweepSpec else "(spec)")  # a sweep's line names its run
         msg = _clip(e["msg"].removeprefix("Value error, "), 1000)
         got = e.get("input")
-        got = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)})"
+        hint = _exponent_hint(got) if e["type"] == "int_parsing" else ""
+        if e["type"] == "model_type" and isinstance(got, str) and loc and loc[-1] in ("data", "optimizer"):
+            hint = f"; a block of fields: write `{loc[-1]}: {{name: {got}}}`"  # `optimizer: sgd`
+        got = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)}){hint}"
         if allowed:
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             got += (f"; did you mean {close[0]!r}?" if close else "") + f" (allowed here: {', '.join(allowed)})"
@@ -1030,6 +1165,20 @@ def format_validation_error(exc: ValidationError) -> str:
     if len(errors) > MAX_ERRORS:
         lines.append(f"  … and {len(errors) - MAX_ERRORS} more problems")
     return "\n".join(lines)
+
+
+def _exponent_hint(got: object) -> str:
+    """ "; YAML reads 1e3 as text: write 1000" for an integer written with an exponent (PyYAML's
+    YAML 1.1 takes ``1e3`` — no dot — for a string); "" otherwise."""
+    if not isinstance(got, str) or not any(c in got for c in "eE"):
+        return ""
+    try:
+        v = float(got)
+    except ValueError:
+        return ""
+    if not math.isfinite(v) or not v.is_integer():
+        return ""
+    return f"; YAML reads {got} as text, not a number: write {int(v)}"
 
 
 def _allowed_fields(root: object, loc: tuple) -> list[str] | None:

@@ -48,6 +48,73 @@ def _check_expanded_size(obj: object, path: Path) -> None:
             stack.extend(x)
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without its silent surprises (YAML 1.1): a key given twice in one mapping
+    (PyYAML keeps the last value), an integer with a leading zero (``010`` is octal 8) and a
+    base-60 number (``1:30`` is 90) are refused at their line instead of read as another value."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, object], yaml.Mark] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # '<<: *base' merges are overridden by the keys given beside them, by design
+                if key_node.tag != "tag:yaml.org,2002:str":  # every key of a spec is a field or path name
+                    kind = key_node.tag.rsplit(":", 1)[-1]
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key_node.value!r} is a YAML 1.1 {kind}, not a name (yes/no/on/off are booleans, "
+                        "~ is null, digits a number); quote it if it is a name",
+                        key_node.start_mark,
+                    )
+                key = (key_node.tag, key_node.value)
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key_node.value!r} is given twice in one mapping (first at line "
+                        f"{first[key].line + 1}); YAML would keep only the last value: give it once",
+                        key_node.start_mark,
+                    )
+                first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        self._refuse_yaml11_number(node, "integer")
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        self._refuse_yaml11_number(node, "number")
+        return super().construct_yaml_float(node)
+
+    def _refuse_yaml11_number(self, node: yaml.ScalarNode, what: str) -> None:
+        text = str(node.value).replace("_", "")
+        digits = text.lstrip("+-")
+        if ":" in text:
+            value = super().construct_yaml_int(node) if what == "integer" else super().construct_yaml_float(node)
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value} is the base-60 {what} {value} in YAML 1.1; quote it if it is text, or "
+                "write the number in decimal",
+                node.start_mark,
+            )
+        if what == "integer" and len(digits) > 1 and digits[0] == "0" and digits[1].isdigit():
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value} has a leading zero, which YAML 1.1 reads as the octal number "
+                f"{super().construct_yaml_int(node)}; write {int(text, 10)} (or that number, if octal was meant)",
+                node.start_mark,
+            )
+
+
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _SpecLoader.construct_yaml_int)
+_SpecLoader.add_constructor("tag:yaml.org,2002:float", _SpecLoader.construct_yaml_float)
+_SpecLoader.add_constructor("tag:yaml.org,2002:map", _SpecLoader.construct_yaml_map)
+
+
 def _read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
@@ -62,8 +129,17 @@ def _read_yaml(path: str | Path) -> dict:
         raise SpecError(
             f"{p}: {p.stat().st_size:,} bytes, more than a spec file's {MAX_SPEC_BYTES:,}; is it the right file?"
         )
+    data = p.read_bytes()
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise SpecError(
+            f"{p}: not UTF-8 text: byte 0x{data[exc.start]:02x} on line {line} ({exc.reason}); save the "
+            "file as UTF-8 (a spec's names are ASCII; comments may be any UTF-8)"
+        ) from None
+    try:
+        raw = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from exc
     except RecursionError as exc:  # the parser recurses per level: [[[[…]]]] 50,000 deep
@@ -71,6 +147,8 @@ def _read_yaml(path: str | Path) -> dict:
             f"{p}: the YAML nests too deeply to read (thousands of levels of [ or {{); a spec file is a few levels deep"
         ) from exc
     _check_expanded_size(raw, p)
+    if raw is None:
+        raise SpecError(f"{p}: the file holds no fields (empty, or only comments); write the spec's fields in it")
     if not isinstance(raw, dict):
         raise SpecError(f"{p}: expected a mapping of spec fields at the top level, got {type(raw).__name__}")
     return raw
@@ -83,6 +161,13 @@ def load_spec(path: str | Path) -> ExperimentSpec:
         SpecError: the file is missing, is not YAML, or fails validation (every problem listed).
     """
     raw = _read_yaml(path)
+    sweep = sorted({"base", "grid", "variants", "cluster"} & set(raw))
+    if sweep:
+        raise SpecError(
+            f"{path}: a sweep file (it has {', '.join(sweep)}), not one experiment: run it with "
+            f"`nsa sweep {path}` (or give `nsa run` a file of one experiment's fields)"
+        )
+    _no_empty_hessian(raw, path, "hessian")
     try:
         return ExperimentSpec.model_validate(raw)
     except ValidationError as exc:
@@ -102,11 +187,34 @@ def load_sweep(path: str | Path, max_runs: int | None = None) -> SweepSpec:
     """
     raw = _read_yaml(path)
     if not {"base", "grid", "variants", "cluster"} & set(raw):
+        _no_empty_hessian(raw, path, "hessian")
         raw = {"name": raw.get("name", "sweep"), "base": raw}
+    else:
+        stray = [k for k in raw if k in ExperimentSpec.model_fields and k not in SweepSpec.model_fields]
+        if stray:
+            one = len(stray) == 1
+            raise SpecError(
+                f"{path}: {', '.join(stray)} {'is an experiment field' if one else 'are experiment fields'} "
+                f"beside the sweep's base / grid: put {'it' if one else 'them'} under `base:` (the experiment "
+                "every run starts from)"
+            )
+        if isinstance(raw.get("base"), dict):
+            _no_empty_hessian(raw["base"], path, "base.hessian")
     try:
         return SweepSpec.model_validate(raw, context={"max_runs": max_runs})
     except ValidationError as exc:
         raise SpecError(f"{path}: invalid sweep spec\n{format_validation_error(exc)}") from exc
+
+
+def _no_empty_hessian(raw: dict, path: str | Path, where: str) -> None:
+    """``hessian:`` with nothing under it (its lines commented out) is YAML null, which the spec reads
+    as "no Hessian": refused, so that a block written to switch the measurement on never silently
+    switches it off."""
+    if "hessian" in raw and raw["hessian"] is None:
+        raise SpecError(
+            f"{path}: {where}: is empty (null), which would measure no Hessian; write `{where.split('.')[-1]}: {{}}` "
+            "for the default measurements, or remove the key for none"
+        )
 
 
 def check_data(specs: Iterable[ExperimentSpec], source: str | Path, *, urls: bool = True) -> dict[str, list[Location]]:
