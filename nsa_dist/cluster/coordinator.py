@@ -37,8 +37,9 @@ from nsa_dist.cluster.runtime import (
     raylet_lost,
 )
 from nsa_dist.config import ExperimentSpec, SweepSpec
-from nsa_dist.pipeline import RunOutcome, RunPlan, RunSession, TrainingDiverged
-from nsa_dist.pipeline.budget import check_fits
+from nsa_dist.errors import ResourceError
+from nsa_dist.pipeline import RunOutcome, RunPlan, RunSession, TrainingDiverged, layout as _layout
+from nsa_dist.pipeline.budget import check_fits, footprint
 from nsa_dist.pipeline.notes import replay_notes
 from nsa_dist.store import LeaseLost, RunWriter, SpectrumStore, Status
 
@@ -177,21 +178,32 @@ class SweepCoordinator:
     # ------------------------------------------------------------------ main loop
     def run(self, poll: float = 0.5) -> list[RunOutcome]:
         """Schedule until every run is done or failed; returns one outcome per run."""
-        has_gpus = cluster_has_gpus()
-        todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
-        if todo:
-            sizes = _gang_sizes(todo)
-            check_resources(
-                self.cl,
-                has_gpus,
-                ray.cluster_resources(),
-                sum(sizes),
-                min(len(todo), self.cl.max_concurrent_runs or len(todo)),
-                alive_nodes(),
-            )
-            self.pool = RayAnalysisPool(spectral_workers(self.store_url, self.cl, has_gpus))
-            for size in sizes:
-                self.gangs[size] = [self._new_gang(size, has_gpus)]
+        try:  # refused here (the cluster block does not fit, a gang cannot be placed): nothing was run,
+            # and the runs' leases go back, so that a corrected sweep in this process may write them
+            has_gpus = cluster_has_gpus()
+            todo = [r for r in self.runs.values() if not self._skip_if_finished(r)]
+            if todo:
+                sizes = _gang_sizes(todo)
+                check_resources(
+                    self.cl,
+                    has_gpus,
+                    ray.cluster_resources(),
+                    sum(sizes),
+                    min(len(todo), self.cl.max_concurrent_runs or len(todo)),
+                    alive_nodes(),
+                )
+                self._check_gangs_share_node(todo)
+                self.pool = RayAnalysisPool(spectral_workers(self.store_url, self.cl, has_gpus))
+                for size in sizes:
+                    self.gangs[size] = [self._new_gang(size, has_gpus)]
+        except BaseException:
+            if self.pool is not None:
+                self.pool.close()
+            for g in [g for gs in self.gangs.values() for g in gs]:
+                g.shutdown()
+            self.gangs.clear()
+            self.lease.release()
+            raise
         self._has_gpus = has_gpus
         limit = self.cl.max_concurrent_runs or len(todo)
         active: list[_Run] = []
@@ -263,6 +275,29 @@ class SweepCoordinator:
 
     def progress(self) -> list[RunProgress]:
         return [r.progress for r in self.runs.values()]
+
+    def _check_gangs_share_node(self, todo: list[_Run]) -> None:
+        """ResourceError for a distributed run whose whole gang cannot fit this machine when it is the
+        cluster's one node (an embedded ``nsa sweep``): every member's part of G is then in this
+        machine's memory together — ``check_fits`` weighed one member — and the members would be
+        killed for memory at the first step, step after step, ending in "a member died" only."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) != 1 or nodes[0].get("NodeID") != ray.get_runtime_context().get_node_id():
+            return  # members on several machines (or a node that is not this one): one member each is weighed
+        machine = _layout._machine_bytes()
+        for r in todo:
+            if not r.gang_size or r.gang_size < 2:
+                continue
+            p = r.plan
+            fp = footprint(r.spec, True, layout=p.layout.layout, width=p.feature_width, P=p.dims.P)
+            if fp.total > machine:
+                raise ResourceError(
+                    f"run {r.progress.run_id!r}: its gang of {r.gang_size} spectral workers "
+                    f"({p.layout.layout.value}) all run on this Ray cluster's one node, this machine, "
+                    f"and need ~{fp.total / 1e9:.3g} GB on it together ({fp.describe()}), more than its "
+                    f"{machine / 1e9:.3g} GB; lower data.n, use spectrum.layout 'matrix_free', or run "
+                    "on a Ray cluster of several machines"
+                )
 
     def _new_gang(self, size: int, has_gpus: bool) -> RayGang:
         return RayGang(
@@ -382,10 +417,15 @@ class SweepCoordinator:
             if isinstance(cause, LeaseLost):  # another driver took the run over: stop, write nothing
                 r.analyses.release(a)
                 raise cause from None
-            if isinstance(cause, RayActorError) and a.gang is not None:  # a gang member died mid-step
-                if not r.analyses.retry(a):  # the one retry Ray has no primitive for: a fresh gang recomputes
-                    died = f"a spectral-gang member died {a.attempts + 1} times"
-                    self._fail(r, RuntimeError(f"step index {a.index}: {died}"))
+            if isinstance(cause, RayActorError):
+                if a.gang is not None and a.gang.member_died(cause):  # a gang member died mid-step
+                    if not r.analyses.retry(a):  # the one retry Ray has no primitive for: a fresh gang recomputes
+                        died = f"a spectral-gang member died {a.attempts + 1} times"
+                        self._fail(r, RuntimeError(f"step index {a.index}: {died}"))
+                    return
+                # another actor the step needed (its trainer, restarts spent) is dead: its gang is whole
+                r.analyses.release(a)
+                self._fail(r, self._kept_dying(r, a, cause))
                 return
             r.analyses.release(a)
             if isinstance(cause, TrainingDiverged):  # keep the earlier steps still being analysed
@@ -396,16 +436,17 @@ class SweepCoordinator:
         elif isinstance(exc, RayActorError):  # Ray's restarts and task retries are spent: the run fails
             self._check_raylet(running, True)
             r.analyses.release(a, broken=a.gang is not None)
-            who = "its trainer" if self._trainer_dead(r) else "the spectral worker"
-            self._fail(
-                r,
-                RuntimeError(
-                    f"step index {a.index}: {who} kept dying (after cluster.max_retries="
-                    f"{self.cl.max_retries} restarts): {type(exc).__name__}"
-                ),
-            )
+            self._fail(r, self._kept_dying(r, a, exc))
         else:  # another of Ray's errors: the main loop asks whether the raylet is gone
             raise exc
+
+    def _kept_dying(self, r: _Run, a: Analysis, exc: BaseException) -> RuntimeError:
+        """The run's error once Ray's restarts of the actor a step needed are spent: which actor."""
+        who = "its trainer" if self._trainer_dead(r) else "the spectral worker"
+        return RuntimeError(
+            f"step index {a.index}: {who} kept dying (after cluster.max_retries="
+            f"{self.cl.max_retries} restarts): {type(exc).__name__}"
+        )
 
     @staticmethod
     def _trainer_dead(r: _Run) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, cast
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from nsa_dist.cluster.actors import gang_members
@@ -25,6 +26,11 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 __all__ = ["GangUnplaceable", "GangMembers", "RayGang"]
+
+
+def _from_ray(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of Ray's own errors."""
+    return any(c.__module__.split(".")[0] == "ray" for c in type(exc).__mro__)
 
 
 class _ActorCalls(ShardCalls):
@@ -50,7 +56,16 @@ class GangMembers:
         return _ActorCalls(self.actors[i])
 
     def get(self, handles: Iterable[Handle[T]]) -> list[T]:
-        return ray.get(cast("list[ray.ObjectRef[T]]", list(handles)))
+        """The results, or the error a member raised — as itself, as an in-process gang raises it
+        (a member's numerical error in a diagnostic is then that diagnostic's NaN, not taken for
+        Ray's failure and the step's); Ray's own errors (a member died) stay as Ray raises them."""
+        try:
+            return ray.get(cast("list[ray.ObjectRef[T]]", list(handles)))
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, Exception) and not _from_ray(cause):
+                raise cause from exc
+            raise
 
     def put(self, value: T) -> Handle[T]:
         return ray.put(value)
@@ -91,6 +106,24 @@ class RayGang:
         self.actors = gang_members(self.pg, size, cpus, gpus, resources, threads)
         self.members = GangMembers(self.actors)
         self.member_pids = self.members.get([m.pid() for m in each(self.members)])  # members are up before use
+
+    def member_died(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (a ``RayActorError`` a step's analysis raised) is the death of one of
+        this gang's members — not of another actor the step used (its trainer, whose restarts
+        are spent): only then is the gang's state gone and a fresh gang to recompute the step.
+        An error naming no actor counts as the gang's when a member does not answer."""
+        actor = getattr(exc, "actor_id", None)
+        if actor:
+            return actor in {a._actor_id.hex() for a in self.actors}
+        return not self.alive()
+
+    def alive(self, timeout: float = 30.0) -> bool:
+        """Whether every member answers within ``timeout`` seconds."""
+        try:
+            ray.get([a.pid.remote() for a in self.actors], timeout=timeout)
+        except (RayActorError, GetTimeoutError):
+            return False
+        return True
 
     def peak_rss(self) -> list[int]:
         return self.members.get([m.peak_rss() for m in each(self.members)])

@@ -88,7 +88,7 @@ def check_resources(
     actors of distributed layouts (each takes a worker's resources).  Given the alive ``nodes``,
     every actor (and ``trainers`` trainers) must also be placeable on some node (:func:`check_bundles_fit`).
     """
-    need = resource_demand(cl, has_gpus, gang_members)
+    need = resource_demand(cl, has_gpus, gang_members, max(1, trainers))
     short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
     if short:
         what = "; ".join(f"{k}: needs {v:g}, cluster has {a:g}" for k, (v, a) in short.items())

@@ -295,16 +295,24 @@ class DenseGram(LinearOperator):
         self.G = None
 
 
+def _working(gang: Gang, n: int) -> list[Member]:
+    """The members that take a share of ``n`` points: all of them, or the first ``n`` when the
+    gang has more members than points (a test set of 5 points on a gang of 8: each of 5 members
+    holds one point, the others idle) — never an error where ``layout: local`` gives the numbers."""
+    return each(gang)[: max(1, min(gang.size, n))]
+
+
 class _GangGram(LinearOperator):
-    """Common part of the gang layouts: a key naming the step's state on every member, release."""
+    """Common part of the gang layouts: a key naming the step's state on every working member, release."""
 
     def __init__(self, gang: Gang, N: int, dtype: np.dtype) -> None:
         super().__init__(N, np.dtype(dtype))
         self.gang = gang
+        self.members = _working(gang, N)
         self.key = f"g{os.getpid()}-{next(_keys)}"
 
     def close(self) -> None:
-        self.gang.get([m.release(self.key) for m in each(self.gang)])
+        self.gang.get([m.release(self.key) for m in self.members])
 
 
 class TiledGram(_GangGram):
@@ -317,9 +325,9 @@ class TiledGram(_GangGram):
 
     def __init__(self, gang: Gang, run: RunPlan, theta: np.ndarray, which: str, N: int, dtype: np.dtype) -> None:
         super().__init__(gang, N, dtype)
-        plan = tile_plan(N, gang.size)
+        members = self.members
+        plan = tile_plan(N, len(members))
         run_h, theta_h = gang.put(run), gang.put(theta)
-        members = each(gang)
         feats: dict[int, Handle[BlockFeatures]] = {}
         for m, owned in zip(members, plan.owners):
             feats.update(zip(owned, m.features(run_h, theta_h, which, [plan.ranges[b] for b in owned])))
@@ -335,7 +343,7 @@ class TiledGram(_GangGram):
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
         h = self.gang.put(np.ascontiguousarray(V))
-        parts = self.gang.get([m.tiles_matmat(self.key, h) for m in each(self.gang)])
+        parts = self.gang.get([m.tiles_matmat(self.key, h) for m in self.members])
         return np.sum(parts, axis=0).astype(self.dtype, copy=False)
 
     def sq_frobenius(self) -> tuple[float, float]:
@@ -343,7 +351,7 @@ class TiledGram(_GangGram):
 
     def trace_stats(self) -> dict[str, float]:
         """Exact ``sq_frobenius`` = ‖G‖_F² and ``trace`` = Tr(G), summed over the members' tiles."""
-        stats = self.gang.get([m.tiles_stats(self.key) for m in each(self.gang)])
+        stats = self.gang.get([m.tiles_stats(self.key) for m in self.members])
         return {k: float(sum(s[k] for s in stats)) for k in ("sq_frobenius", "trace")}
 
 
@@ -366,14 +374,14 @@ class ShardedGram(_GangGram):
         seed: int = 0,
     ) -> None:
         super().__init__(gang, N, dtype)
-        self.ranges = row_blocks(N, gang.size)
+        self.ranges = row_blocks(N, len(self.members))
         run_h, theta_h = gang.put(run), gang.put(theta)
-        self.nbytes = gang.get([m.shard(self.key, run_h, theta_h, which, r) for m, r in zip(each(gang), self.ranges)])
+        self.nbytes = gang.get([m.shard(self.key, run_h, theta_h, which, r) for m, r in zip(self.members, self.ranges)])
         self.probes, self.seed = frobenius_probes, seed
         self._fro: tuple[float, float] | None = None
 
     def _matmat(self, V: np.ndarray) -> np.ndarray:
-        members = each(self.gang)
+        members = self.members
         U = np.sum(
             self.gang.get(
                 [m.shard_jt(self.key, np.ascontiguousarray(V[a:b])) for m, (a, b) in zip(members, self.ranges)]
@@ -402,15 +410,16 @@ class ShardedCurvature:
     def __init__(self, gang: Gang, run: RunPlan, theta: np.ndarray, N: int, P: int) -> None:
         self.gang, self.shape = gang, (P, P)
         self.key = f"h{os.getpid()}-{next(_keys)}"
-        ranges = row_blocks(N, gang.size)
+        self.members = _working(gang, N)
+        ranges = row_blocks(N, len(self.members))
         run_h, theta_h = gang.put(run), gang.put(theta)
-        gang.get([m.curvature(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for m, r in zip(each(gang), ranges)])
+        gang.get([m.curvature(self.key, run_h, theta_h, r, (r[1] - r[0]) / N) for m, r in zip(self.members, ranges)])
 
     def part(self, name: str) -> _Part:
         return _Part(self, name)
 
     def close(self) -> None:
-        self.gang.get([m.release(self.key) for m in each(self.gang)])
+        self.gang.get([m.release(self.key) for m in self.members])
 
 
 class _Part(LinearOperator):
@@ -423,7 +432,8 @@ class _Part(LinearOperator):
     def _matmat(self, V: np.ndarray) -> np.ndarray:
         gang = self.owner.gang
         h = gang.put(np.ascontiguousarray(V))
-        return np.sum(gang.get([m.curvature_matmat(self.owner.key, self.name, h) for m in each(gang)]), axis=0)
+        parts = gang.get([m.curvature_matmat(self.owner.key, self.name, h) for m in self.owner.members])
+        return np.sum(parts, axis=0)
 
 
 # --------------------------------------------------------------------------- choosing a layout
