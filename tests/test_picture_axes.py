@@ -52,3 +52,36 @@ def test_other_2d_inputs_keep_x2_upwards(tmp_path):
     run = Client(str(tmp_path / "s.zarr")).run("arr")
     panels = {type(p).__name__: p for p in run_panels(run)}
     assert "Fig1abc" in panels and not any(f.y_range.flipped for f in panels["Fig1abc"].figs)
+
+
+def test_the_figures_draw_x2_downwards_on_a_pictures_spatial_panels(picture_run):
+    import matplotlib.pyplot as plt
+
+    from nsa_dist.plots.images import fig4bc, fig5
+    from nsa_dist.plots.inputs import fig1abc
+
+    for make in (fig1abc, fig4bc, fig5):
+        fig = make(picture_run)
+        spatial = [a for a in fig.axes if a.get_xlabel() == "$x_1$"]  # not the |Fourier| panels, not colour bars
+        fourier = [a for a in fig.axes if a.get_xlabel() == r"$\xi_1$"]
+        assert spatial and all(a.yaxis_inverted() for a in spatial), make.__name__
+        assert not any(a.yaxis_inverted() for a in fourier), make.__name__
+        if make is fig1abc:  # what the top of panel (a) shows is the picture's top row (x₂ = 0)
+            lo, hi = spatial[0].get_ylim()
+            assert lo > hi, (lo, hi)
+        plt.close(fig)
+
+
+def test_other_2d_inputs_keep_x2_upwards_in_the_figures(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from nsa_dist.plots.inputs import fig1abc
+
+    torch.manual_seed(0)
+    X = torch.rand(24, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    with Tracker(str(tmp_path / "s.zarr"), "arr", model, X, X.sum(1), steps=1, record={"every": 1}, device="cpu") as tr:
+        tr.record(0, lr=0.1)
+    fig = fig1abc(Client(str(tmp_path / "s.zarr")).run("arr"))
+    assert not any(a.yaxis_inverted() for a in fig.axes)
+    plt.close(fig)

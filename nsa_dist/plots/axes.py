@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.config import LossName
+from nsa_dist.config import DataName, LossName
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 __all__ = [
+    "picture_data",
+    "picture_down",
     "KS",
     "DPI",
     "PAPER_K_FRACTION",
@@ -449,3 +451,25 @@ def keep_flat(ax: Axes) -> None:
     if hi - lo <= FLAT_SPAN * size or size == 0.0:
         mid, pad = 0.5 * (lo + hi), FLAT_PAD * (size or 1.0)
         ax.set_ylim(mid - pad, mid + pad, auto=None)  # autoscale stays on: more data later rescales
+
+
+def picture_data(run: Run) -> bool:
+    """Whether ``run``'s 2-D inputs are a picture's coordinates (``image2d``, ``density2d``): the
+    picture's row i sits at x₂ = i/(H − 1), its top row at x₂ = 0 (:func:`nsa_dist.data.image2d.image_function`),
+    so a figure over (x₁, x₂) shows the picture upright only with x₂ growing downwards, as an
+    image's rows do (:func:`picture_down`); other 2-D data keep x₂ upwards."""
+    try:
+        name = run.spec.data.name
+    except AttributeError:
+        return False
+    try:
+        return DataName(name) in (DataName.IMAGE2D, DataName.DENSITY2D)
+    except ValueError:
+        return False
+
+
+def picture_down(ax: Axes) -> None:
+    """Draw x₂ downwards on ``ax`` (and say so in its label): a picture's data upright."""
+    if not ax.yaxis_inverted():
+        ax.invert_yaxis()
+    ax.set_ylabel("$x_2$ (down: the picture's rows)")

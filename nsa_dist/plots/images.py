@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, new_figure
+from nsa_dist.plots.axes import PlotOptions, new_figure, picture_data, picture_down
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -15,11 +15,14 @@ if TYPE_CHECKING:
     from nsa_dist.client import Run
 
 
-def _image(ax: Axes, img: np.ndarray, title: str, bar: bool = True) -> None:
-    """(R, R) values on [0, 1]² (row = x₂), diverging colours centred at 0."""
+def _image(ax: Axes, img: np.ndarray, title: str, bar: bool = True, down: bool = False) -> None:
+    """(R, R) values on [0, 1]² (row = x₂), diverging colours centred at 0; ``down``: x₂ drawn
+    downwards (a picture's data, :func:`~nsa_dist.plots.axes.picture_data`: upright)."""
     v = float(np.nanmax(np.abs(img))) or 1.0
     im = ax.imshow(img, origin="lower", extent=(0, 1, 0, 1), cmap="RdBu_r", vmin=-v, vmax=v)
     ax.set(title=title, xlabel="$x_1$", ylabel="$x_2$")
+    if down:
+        picture_down(ax)
     if bar:
         ax.figure.colorbar(im, ax=ax, shrink=0.85)
 
@@ -41,7 +44,7 @@ def fig4bc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     )
     for row, t in zip(ax, chosen):
         im = run.images.at(t)
-        _image(row[0], im["residual_image"], f"residual $m_t$, t = {t}")
+        _image(row[0], im["residual_image"], f"residual $m_t$, t = {t}", down=picture_data(run))
         _fourier(row[1], im["residual_fourier"], limit, rf"$|\hat m_t|$, t = {t}")
     return fig
 
@@ -68,7 +71,7 @@ def fig5(run: Run, opts: PlotOptions = PlotOptions(), *, label: str = "5", step:
         top, bottom = ax[2 * (j // ncols), j % ncols], ax[2 * (j // ncols) + 1, j % ncols]
         top.set_axis_on()
         bottom.set_axis_on()
-        _image(top, im["eigvec_images"][j], f"$v_{{{i}}}$", bar=False)
+        _image(top, im["eigvec_images"][j], f"$v_{{{i}}}$", bar=False, down=picture_data(run))
         _fourier(bottom, im["eigvec_fourier"][j], limit, rf"$|\hat v_{{{i}}}|$", bar=False)
         for a in (top, bottom):
             a.tick_params(labelsize=6)

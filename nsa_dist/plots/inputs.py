@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, new_figure
+from nsa_dist.plots.axes import PlotOptions, new_figure, picture_data, picture_down
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -37,4 +37,7 @@ def fig1abc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     a = ax[0, 2]
     a.scatter(X[:, 0], X[:, 1], s=max(0.3, 2000 / len(X)), c="k", lw=0)
     a.set(title=f"(c) the N = {len(X)} training points", xlabel="$x_1$", ylabel="$x_2$", aspect="equal")
+    if picture_data(run):  # the picture upright: its top row is at x₂ = 0
+        for a in ax[0]:
+            picture_down(a)
     return fig

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, colors, family_label, legend, new_figure
+from nsa_dist.plots.axes import PlotOptions, colors, family_label, legend, new_figure, picture_data
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -38,7 +38,7 @@ def fig4d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     f = run.outputs(t)
     for a, j, k in zip(ax[0], range(len(ks)), ks):
         if "images" in rec:
-            _image(a, rec["images"][j], f"k = {k}")
+            _image(a, rec["images"][j], f"k = {k}", down=picture_data(run))
             continue
         fk = np.asarray(rec["f"][j]).reshape(-1)
         a.plot(np.asarray(f).reshape(-1), fk, ".", ms=3)

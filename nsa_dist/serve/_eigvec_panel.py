@@ -15,6 +15,7 @@ import numpy as np
 from bokeh.layouts import column, row
 from bokeh.models import ColorBar, ColumnDataSource, Div, LinearColorMapper, Slider
 
+from nsa_dist.plots.axes import picture_data
 from nsa_dist.serve._curves import last_options, need, step_options, step_select
 from nsa_dist.serve._live import Panel, new_figure
 
@@ -58,17 +59,6 @@ class _Image:
         top = top or 1.0
         self.mapper.update(low=-top if self.symmetric else 0.0, high=top)
         self.fig.title.text = title
-
-
-def picture_data(run: Run) -> bool:
-    """Whether ``run``'s 2-D inputs are a picture's coordinates (``image2d``, ``density2d``): row i
-    of the image sits at x₂ = i/(H − 1), the top row at x₂ = 0, so a figure over (x₁, x₂) shows the
-    picture upright only with x₂ growing downwards, as an image's rows do."""
-    try:
-        name = run.spec.data.name
-    except AttributeError:
-        return False
-    return str(getattr(name, "value", name)) in ("image2d", "density2d")
 
 
 def picture_axes(fig: Any) -> None:
