@@ -11,6 +11,7 @@ Every other module of the store reaches the keys through it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,8 @@ class Keys:
         StoreError: fsspec cannot open the URL.
     """
 
-    def __init__(self, url: str, read_only: bool = False) -> None:
+    def __init__(self, url: str | os.PathLike, read_only: bool = False) -> None:
+        url = os.fspath(url)  # a pathlib.Path too ("argument of type 'PosixPath' is not iterable" before)
         self.url, self.read_only, self.local = url, read_only, is_local(url)
         if self.local:
             from zarr.storage import LocalStore

@@ -23,7 +23,7 @@ from zarr.core.sync import sync
 from nsa_dist.errors import StoreError
 from nsa_dist.store.keys import METADATA_ERRORS
 from nsa_dist.store.runs import RunIndex
-from nsa_dist.store.schema import ArraySpec, RunDims, dimension_names, run_arrays
+from nsa_dist.store.schema import SCHEMA_VERSION, ArraySpec, RunDims, dimension_names, run_arrays
 
 if TYPE_CHECKING:
     import zarr
@@ -46,6 +46,12 @@ class RunReader:
         )
         self.g = self.store.group(self.id)
         self.attrs: dict[str, Any] = self.g.attrs.asdict()
+        version = self.attrs.get("schema_version")
+        if version is not None and version != SCHEMA_VERSION:  # another nsa-dist's layout: never read as ours
+            raise StoreError(
+                f"run {self.id!r} in {self.store.url!r} has store schema {version}; this nsa-dist reads schema "
+                f"{SCHEMA_VERSION} (its arrays may mean other things): read it with the nsa-dist that wrote it"
+            )
         self._arrays: dict[str, Any] = {}
         self._chunks: dict[str, set[str]] = {}
         self._wrong: dict[str, dict[str, str]] = {}

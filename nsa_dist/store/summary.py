@@ -26,7 +26,7 @@ from nsa_dist.errors import StoreError
 from nsa_dist.store.lease import effective_status, parse_lease
 from nsa_dist.store.reader import RunReader
 from nsa_dist.store.runs import RunIndex
-from nsa_dist.store.schema import RunDims, run_arrays
+from nsa_dist.store.schema import SCHEMA_VERSION, RunDims, run_arrays
 from nsa_dist.store.status import Status
 
 __all__ = ["RunSummary", "run_summaries"]
@@ -91,6 +91,8 @@ async def _quick(store: RunIndex, rid: str, steps_too: bool) -> RunSummary:
     if meta is None:
         raise StoreError(f"no run {rid!r} in {store.url!r}")
     attrs = json.loads(meta).get("attributes", {})
+    if attrs.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:  # :func:`_checked`'s reader names it
+        raise StoreError(f"run {rid!r}: store schema {attrs.get('schema_version')}")
     status, reason = effective_status(attrs.get("status"), attrs.get("reason"), parse_lease(lease))
     base = dict(
         id=rid,
