@@ -14,7 +14,7 @@ from nsa_dist.config import EigMethod
 from nsa_dist.linalg._backend import Backend, HostWorkspace
 from nsa_dist.linalg._deflated import deflated_lanczos, deflation_applies
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
-from nsa_dist.linalg.lanczos import block_lanczos
+from nsa_dist.linalg.lanczos import LanczosResult, block_lanczos, default_block_size
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +134,9 @@ def top_eigenpairs(
         )
         method = EigMethod.LANCZOS
     tol = max(tol, 100 * A.eps)
+    block = _block_size(A, k)
+    b = block or default_block_size(A.N, k)
+    res, products = None, "float64"
     if A.source is not None and deflation_applies(A.source, k, backend_.value):
         res = deflated_lanczos(
             A.source,
@@ -142,33 +145,26 @@ def top_eigenpairs(
             max_iter=max_iter,
             seed=seed,
             start=start,
-            block_size=_block_size(A, k),
+            block_size=block,
             workspace=workspace,
         )
         if res is not None:
-            return Eigenpairs(
-                res.evals,
-                _fix_signs(res.evecs.numpy(), owned=True),
-                method,
-                "torch",
-                res.n_matvec,
-                float(res.residuals.max()),
-                res.converged,
-                products="deflated-float32",
-            )
-    res = block_lanczos(
-        A.matmat,
-        A.N,
-        k,
-        A.ops,
-        tol=tol,
-        max_iter=max_iter,
-        seed=seed,
-        sym_rtol=A.sym_rtol,
-        start=start,
-        block_size=_block_size(A, k),
-        workspace=workspace,
-    )
+            res, products = LanczosResult(res.evals, A.ops.asarray(res.evecs), *_rest(res)), "deflated-float32"
+    if res is None:
+        res = block_lanczos(
+            A.matmat,
+            A.N,
+            k,
+            A.ops,
+            tol=tol,
+            max_iter=max_iter,
+            seed=seed,
+            sym_rtol=A.sym_rtol,
+            start=start,
+            block_size=block,
+            workspace=workspace,
+        )
+    res, products = _recover_missed(A, k, res, products, b, tol, max_iter, seed)
     return Eigenpairs(
         res.evals,
         _fix_signs(A.ops.to_numpy(res.evecs), owned=True),
@@ -177,7 +173,112 @@ def top_eigenpairs(
         A.n_matvec,
         float(res.residuals.max()),
         res.converged,
+        products=products,
     )
+
+
+_MISSED_TRIES = 3  # Lanczos reruns with a wider block when copies of a repeated eigenvalue were missed
+
+
+def _rest(res: LanczosResult) -> tuple[Any, ...]:
+    return res.residuals, res.n_matvec, res.n_restarts, res.converged
+
+
+def _largest_cluster(evals: np.ndarray, tol: float) -> int:
+    """The most returned eigenvalues equal to within 10·tol·max|λ| (copies of a repeated one)."""
+    if evals.size < 2:
+        return int(evals.size)
+    scale = max(float(np.abs(evals).max()), np.finfo(np.float64).tiny)
+    breaks = np.flatnonzero(np.abs(np.diff(evals)) > 10 * tol * scale)  # evals descending
+    edges = np.concatenate([[-1], breaks, [evals.size - 1]])
+    return int(np.diff(edges).max())
+
+
+def _lanczos_missed(A: SymmetricMap, res: LanczosResult, tol: float, seed: int) -> float | None:
+    """An eigenvalue above the k-th returned one that block Lanczos did not return, or None.
+
+    A block of b start vectors meets a repeated eigenvalue's eigenspace in b directions, so of
+    an m-fold eigenvalue (m > b) Lanczos finds b copies plus what rounding adds, and may return
+    the next distinct eigenvalues in place of the rest, every residual small ("converged"; 96 of
+    a 100-fold top eigenvalue at N = 600, k = 120).  As for ARPACK (:func:`_arpack_missed`): the
+    top of ``B = P⊥ G P⊥ + λ_k V Vᵀ`` exceeds λ_k exactly when such an eigenvalue exists; a
+    short block Lanczos on B (≤ 64 products) gives a Ritz value, a lower bound of that top."""
+    from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
+
+    V, ops, N = res.evecs, A.ops, A.N
+    if V.shape[1] >= N:
+        return None
+    lam_k = float(res.evals[-1])
+
+    def apply(X: Any) -> Any:
+        C = V.T @ X
+        AR = A.matmat(X - V @ C)
+        return AR - V @ (V.T @ AR) + lam_k * (V @ C)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LanczosConvergenceWarning)
+        top = block_lanczos(
+            apply,
+            N,
+            1,
+            ops,
+            tol=1e-8,
+            max_iter=16,
+            seed=seed + 1,
+            block_size=max(1, min(4, N // 4)),
+            sym_rtol=float("inf"),
+        ).evals[0]
+    scale = max(float(np.abs(res.evals).max()), np.finfo(np.float64).tiny)
+    return float(top) if top > lam_k + max(1e-6, 100 * tol) * scale else None
+
+
+def _recover_missed(
+    A: SymmetricMap,
+    k: int,
+    res: LanczosResult,
+    products: str,
+    b: int,
+    tol: float,
+    max_iter: int | None,
+    seed: int,
+) -> tuple[LanczosResult, str]:
+    """Lanczos's result, checked for missed copies of a repeated eigenvalue where it returned at
+    least a block's worth of equal eigenvalues (:func:`_lanczos_missed`): on a miss, rerun with a
+    block wider than the copies found (float64 products, a random start); still missing after
+    :data:`_MISSED_TRIES` reruns: a warning, and ``converged`` False."""
+    from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
+
+    for attempt in range(_MISSED_TRIES + 1):
+        cluster = _largest_cluster(res.evals, tol)
+        if cluster < b:
+            return res, products
+        above = _lanczos_missed(A, res, tol, seed + attempt)
+        if above is None:
+            return res, products
+        if attempt == _MISSED_TRIES or b >= A.N:
+            break
+        b = min(A.N, 2 * max(b, cluster))
+        res, products = (
+            block_lanczos(
+                A.matmat,
+                A.N,
+                k,
+                A.ops,
+                tol=tol,
+                max_iter=max_iter,
+                seed=seed + attempt + 1,
+                sym_rtol=A.sym_rtol,
+                block_size=b,
+            ),
+            "float64",
+        )
+    warnings.warn(
+        f"Lanczos missed an eigenvalue: {above:.6g} lies above its k-th {res.evals[-1]:.6g} (copies of a "
+        f"repeated eigenvalue, {cluster} found) after {_MISSED_TRIES} reruns with wider blocks; use method='dense'",
+        LanczosConvergenceWarning,
+        stacklevel=3,
+    )
+    return LanczosResult(res.evals, res.evecs, *_rest(res)[:3], False), products
 
 
 def _block_size(A: SymmetricMap, k: int) -> int | None:

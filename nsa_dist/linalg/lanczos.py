@@ -108,10 +108,14 @@ def block_lanczos(
         max_basis: basis columns kept before a restart (default ``max(3k, k + 8b)``, ≤ N).
         sym_rtol: relative mismatch ``|xᵀ(Gy) − yᵀ(Gx)|`` above which G counts as non-symmetric.
         start: (N, s) NumPy or ``ops`` array, a warm start (e.g. the previous recorded step's
-            eigenvectors): the first block is ``orth(start · Ω)`` with Ω (s, b) Gaussian, a random
-            vector of span(start), so that the Krylov space starts with the unwanted
-            eigendirections damped by how well span(start) already holds the wanted ones.  s < b
-            columns are topped up with random ones.  None: a random block.
+            eigenvectors): the first block is ``orth([start · Ω, r])`` with Ω (s, b − 1) Gaussian,
+            random vectors of span(start), so that the Krylov space starts with the unwanted
+            eigendirections damped by how well span(start) already holds the wanted ones, and r
+            one random column, so that an eigenvector orthogonal to span(start) is not invisible
+            (a block-diagonal G whose new top lies in the block the last step's vectors had exact
+            zeros in was otherwise never found, "converged"); b = 1: the warm vector plus an
+            equal-norm random one.  s < b columns: start and b − s random ones.  None: a random
+            block.
         workspace: on torch's CPU, where the basis V and the products G V (N, M) live between
             calls (:class:`~nsa_dist.linalg._backend.HostWorkspace`); None: fresh memory.
 
@@ -168,9 +172,13 @@ def _start_block(ops: ArrayOps, N: int, b: int, rng: np.random.Generator, start:
     if S.ndim != 2 or S.shape[0] != N:
         raise ValueError(f"start must be an (N, s) block with N = {N}; got shape {tuple(S.shape)}")
     s = S.shape[1]
-    if s >= b:
-        return _qr(ops, S @ ops.from_numpy(rng.standard_normal((s, b))))
-    return _qr(ops, ops.hstack(S, ops.from_numpy(rng.standard_normal((N, b - s)))))
+    R = ops.from_numpy(rng.standard_normal((N, max(1, b - s))))  # (N, ≥ 1) random: never none
+    if b == 1:  # one column: the warm vector plus an equal-norm random one
+        x = S @ ops.from_numpy(rng.standard_normal((s, 1)))
+        return _qr(ops, x / float(ops.colnorms(x).max()) + R / float(ops.colnorms(R).max()))
+    if s >= b:  # b − 1 warm columns and one random one
+        return _qr(ops, ops.hstack(S @ ops.from_numpy(rng.standard_normal((s, b - 1))), R))
+    return _qr(ops, ops.hstack(S, R))
 
 
 def block_gauss_quadrature(

@@ -36,7 +36,7 @@ import numpy as np
 
 from nsa_dist._checks import parse_enum
 from nsa_dist.config import EigMethod
-from nsa_dist.linalg._backend import HostWorkspace
+from nsa_dist.linalg._backend import HostWorkspace, array_kind
 from nsa_dist.linalg.eigenpairs import top_eigenpairs
 from nsa_dist.linalg.tridiag import Solver, eig_projections, eig_weights
 
@@ -119,8 +119,9 @@ def step_spectrum(
         ValueError: an unknown route, solver or method (and as the route's solver raises).
     """
     r = parse_enum(SpectrumRoute, route, "route")
-    dense = not hasattr(G, "matmat")
+    dense = array_kind(G) is not None  # an operator with only ``matvec`` (or a sparse matrix) is not
     if r is not SpectrumRoute.EIGENPAIRS and dense and not vectors and k >= G.shape[0]:  # k: all
+        _check_dense(G)
         one_column = len(phis) == 1 and np.size(next(iter(phis.values()))) == G.shape[0]
         if r is SpectrumRoute.AUTO and one_column and not indices:  # no Q
             return _one_vector(G, k, *next(iter(phis.items())), solver)
@@ -138,6 +139,33 @@ def step_spectrum(
     return StepSpectrum(
         sp.evals, sp.proj, sp.columns, sp.evecs, sp.n_matvec, "eigenpairs", eig.method, eig.max_residual
     )
+
+
+def _check_dense(G: Any) -> None:
+    """Refuse on the tridiagonal routes what :func:`~nsa_dist.linalg.top_eigenpairs` refuses on the
+    eigenpairs one: those routes reduce one triangle, so an unsymmetric G came back as the spectrum
+    of that triangle, and an inf entry as ``λ_1 = inf`` (a NaN as a LAPACK ``info``).
+
+    Raises:
+        ShapeError: G not square 2-D.
+        NonFiniteError: NaN/inf entries (counted).
+        ValueError: complex entries, or max |G − Gᵀ| above √eps of G's dtype × max |G| (named).
+    """
+    from nsa_dist.errors import NonFiniteError, ShapeError
+    from nsa_dist.linalg._inputs import _check_symmetric, _eps_of, _non_finite, sym_rtol
+
+    shape = tuple(G.shape)
+    if len(shape) != 2 or shape[0] != shape[1]:
+        raise ShapeError(f"G must be a square 2-D (N, N) matrix, got shape {shape}")
+    if "complex" in str(G.dtype):
+        raise ValueError(f"G must be real symmetric, got dtype {G.dtype}")
+    n_bad = _non_finite(G)
+    if n_bad:
+        raise NonFiniteError(
+            f"G holds {n_bad} NaN/inf entries (of {shape[0] * shape[1]}); "
+            "only finite matrices have an eigendecomposition"
+        )
+    _check_symmetric(G, sym_rtol(_eps_of(G)), array_kind(G) or "numpy", "G")
 
 
 def _matrix(phis: dict[str, np.ndarray], N: int) -> tuple[np.ndarray, dict[str, slice]]:
