@@ -163,7 +163,7 @@ class HessianAnalysis:
             out[0] = limit_trace_S_init(k, K)
             opt = self.spec.optimizer
             if step is not None and opt.name == "gd" and opt.momentum == 0:
-                lrs = [self.spec.schedule.lr_at(s) for s in range(step)]
+                lrs = [self.spec.lr_at(s) for s in range(step)]  # the rates the trainer used
                 out[1] = limit_trace_S_gd(k, Y.numpy(), lrs, [step])[0]
         return out
 

@@ -77,11 +77,14 @@ class ThreadAnalysisPool:
         if not self.inflight:
             return []
         done, _ = cf.wait(list(self.inflight), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
+        failed = sorted((self.inflight[f], i, f) for i, f in enumerate(done) if f.exception() is not None)
+        if failed:  # only the failed step leaves: the finished ones beside it are returned by the next call
+            step, _, fut = failed[0]
+            del self.inflight[fut]
+            raise_failure(self.service.spec.name, step, fut.exception())
         out = []
-        for fut in done:
-            step = self.inflight.pop(fut)
-            if fut.exception() is not None:
-                raise_failure(self.service.spec.name, step, fut.exception())
+        for fut in sorted(done, key=self.inflight.__getitem__):
+            self.inflight.pop(fut)
             out.append(fut.result())
         return out
 

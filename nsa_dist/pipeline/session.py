@@ -270,8 +270,12 @@ class RunSession:
 
     def fail(self, cause: BaseException | str, step: int | None = None) -> str:
         """Status ``failed`` with ``cause`` (a reason, or an exception as :func:`failure_reason`
-        words it) and the step it happened at; returns the reason."""
+        words it) and the step it happened at; returns the reason.  A diverged run's losses since
+        its last checkpoint (:class:`TrainingDiverged`'s ``loss_trace``) are written first, so
+        that its loss curve reaches the step it diverged at."""
         reason, at = (cause, step) if isinstance(cause, str) else failure_reason(cause)
+        if isinstance(cause, TrainingDiverged) and len(cause.loss_trace):
+            self.writer.write_trace(cause.trace_start, cause.loss_trace)
         self.writer.set_status(Status.FAILED, reason, at if step is None else step)
         self.ended = True
         return reason

@@ -26,14 +26,22 @@ CHUNK_POINTS = 4096
 
 
 class TrainingDiverged(FloatingPointError):
-    """The loss became NaN/inf at ``step``."""
+    """The loss became NaN/inf at ``step``.
 
-    def __init__(self, step: int, loss: float) -> None:
+    ``loss_trace`` (float64) are the losses of steps ``trace_start`` … ``step`` not yet handed out
+    in a checkpoint — the optimizer's finite ones, then the non-finite one at ``step`` — for the
+    caller to write (``writer.write_trace(exc.trace_start, exc.loss_trace)``), so that the loss
+    curve of a diverged run reaches the step where it diverged.
+    """
+
+    def __init__(self, step: int, loss: float, trace_start: int | None = None, loss_trace: np.ndarray | None = None):
         super().__init__(f"training diverged at step {step}: loss = {loss} (lower the learning rate)")
         self.step, self.loss = step, loss
+        self.trace_start = step if trace_start is None else int(trace_start)
+        self.loss_trace = np.zeros(0) if loss_trace is None else np.asarray(loss_trace, np.float64)
 
     def __reduce__(self):  # survive pickling (Ray ships it from the trainer to the coordinator)
-        return (TrainingDiverged, (self.step, self.loss))
+        return (TrainingDiverged, (self.step, self.loss, self.trace_start, self.loss_trace))
 
 
 def _as_target(y: np.ndarray) -> torch.Tensor:
@@ -166,7 +174,7 @@ class Trainer:
             loss = loss if weight == 1.0 else loss * weight
             part = float(loss.detach())
             if not np.isfinite(part):
-                raise TrainingDiverged(self.step, part)
+                raise self._diverged(part)
             loss.backward()  # gradients add up over the pieces
             value += part
         self.opt.step()
@@ -174,6 +182,12 @@ class Trainer:
         if self.on_update is not None:
             self.on_update(self.step, value)
         return value
+
+    def _diverged(self, loss: float) -> TrainingDiverged:
+        """The error for a non-finite loss at the current step, with the losses not yet handed out
+        (those noted since the last checkpoint, then ``loss``)."""
+        trace = np.asarray([*self._trace, loss], np.float64)
+        return TrainingDiverged(self.step, loss, self._trace_start, trace)
 
     @torch.no_grad()
     def outputs(self, X: torch.Tensor) -> np.ndarray:
@@ -200,7 +214,7 @@ class Trainer:
             theta, f, f_test = self.theta(), self.outputs(self.X), self.outputs(self.X_test)
             loss = self.full_loss()
             if not np.isfinite(loss):
-                raise TrainingDiverged(t, loss)
+                raise self._diverged(loss)
             lr, state = self.spec.lr_at(t), self.state()
             self._trace.append(self._update())
             f_next = self.outputs(self.X)
