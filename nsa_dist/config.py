@@ -454,6 +454,13 @@ class RecordSpec(_Strict):
     )
     steps: list[int] | None = None
 
+    @field_validator("steps")
+    @classmethod
+    def _canonical(cls, v: list[int] | None) -> list[int] | None:
+        """Sorted, each step once: the same schedule is the same spec (and the same run id, so a
+        re-run with the steps in another order resumes the stored run instead of starting anew)."""
+        return None if v is None else sorted(set(v))
+
     @model_validator(mode="after")
     def _one(self) -> RecordSpec:
         given = [k for k in ("every", "log_points", "steps") if getattr(self, k) is not None]

@@ -85,3 +85,12 @@ def test_a_sweep_is_expanded_once(monkeypatch) -> None:
     assert len(calls) == n and runs[0] == runs[2]
     other = sweep.model_copy(update={"name": "other"})
     assert other.expand()[0].name.startswith("other__") and len(calls) == 2 * n
+
+
+def test_record_steps_in_another_order_are_the_same_run():
+    """``record.steps`` is a set of steps: given in another order, or with a step twice, the run
+    is the same (one id, so a re-run resumes it); the stored spec lists them sorted, once."""
+    base = dict(name="order", steps=60, data={"n": 20, "n_test": 4}, model={"depth": 1, "width": 8})
+    ids = {run_id(ExperimentSpec(**base, record={"steps": s})) for s in ([0, 20, 50], [50, 0, 20], [20, 50, 20, 0, 50])}
+    assert len(ids) == 1, f"one schedule, {len(ids)} run ids: {sorted(ids)}"
+    assert ExperimentSpec(**base, record={"steps": [50, 0, 20, 20]}).record.steps == [0, 20, 50]
