@@ -1016,7 +1016,10 @@ class SweepSpec(_Strict):
     ``grid`` maps dotted field paths of the experiment spec to lists of values; the sweep is
     their Cartesian product (e.g. ``{"model.depth": [2, 4, 6, 8], "model.width": [64, 256, 1024]}``,
     NSA Fig. 7).  ``variants`` adds explicit runs, each a dict of dotted paths → values applied to
-    every grid point (or to the base when the grid is empty).  Each resulting run is named
+    every grid point (or to the base when the grid is empty).  A value that is itself a block
+    (``spectrum: {layout: block_rows}``) replaces the base's whole block, whose other fields fall
+    back to their defaults; to change one field keep the rest, give its dotted path
+    (``spectrum.layout: block_rows``).  Each resulting run is named
     ``<name>__<field>-<value>__…`` and gets the stable id of its spec.  A sweep of more than
     ``MAX_SWEEP_RUNS`` runs (counted before anything is expanded) is refused unless validated
     with a higher ``context={"max_runs": N}`` (``nsa sweep --max-runs N``).
