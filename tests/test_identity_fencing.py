@@ -164,7 +164,9 @@ def test_a_data_file_replaced_at_the_same_path_is_refused_on_resume(tmp_path, ca
 def test_cluster_workers_refuse_data_that_differs_from_the_run(tmp_path):
     """Each node loads the data itself: a worker whose copy differs refuses before writing."""
     png = _png(tmp_path / "target.png", seed=1)
-    spec = ExperimentSpec(**{**TINY, "name": "nodes", "data": {"name": "image2d", "path": str(png), "n": 32}})
+    spec = ExperimentSpec(
+        **{**TINY, "name": "nodes", "data": {"name": "image2d", "path": str(png), "n": 32, "n_test": 8}}
+    )
     url = str(tmp_path / "s.zarr")
     run_experiment(spec, SpectrumStore(url))
     plan = plan_run(spec, load_dataset(spec.data))  # the driver's plan, made before the file changed

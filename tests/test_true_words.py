@@ -56,10 +56,14 @@ def test_a_directory_or_fifo_given_as_an_image_is_called_so(tmp_path, capsys):
     fifo = tmp_path / "pipe.png"
     os.mkfifo(fifo)
     url = str(tmp_path / "s.zarr")
-    rc, err = _run_cli(tmp_path, {**TINY, "data": {"name": "image2d", "path": str(folder), "n": 32}}, url, capsys)
+    rc, err = _run_cli(
+        tmp_path, {**TINY, "data": {"name": "image2d", "path": str(folder), "n": 32, "n_test": 8}}, url, capsys
+    )
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"{str(folder)!r} is a directory, expected a PNG or JPEG image file" in err, err
-    rc, err = _run_cli(tmp_path, {**TINY, "data": {"name": "image2d", "path": str(fifo), "n": 32}}, url, capsys)
+    rc, err = _run_cli(
+        tmp_path, {**TINY, "data": {"name": "image2d", "path": str(fifo), "n": 32, "n_test": 8}}, url, capsys
+    )
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"{str(fifo)!r} is not a regular file (it is a FIFO)" in err, err  # and it did not block reading it
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -90,7 +94,9 @@ def test_a_constant_image_target_is_refused_at_load_time(tmp_path, capsys):
     flat = tmp_path / "flat.png"
     Image.fromarray(np.full((16, 16), 128, np.uint8)).save(flat)
     url = str(tmp_path / "s.zarr")
-    rc, err = _run_cli(tmp_path, {**TINY, "data": {"name": "image2d", "path": str(flat), "n": 32}}, url, capsys)
+    rc, err = _run_cli(
+        tmp_path, {**TINY, "data": {"name": "image2d", "path": str(flat), "n": 32, "n_test": 8}}, url, capsys
+    )
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"data.path {str(flat)!r}: every training target y is 0" in err and "E(y, k)" in err, err
     assert not Path(url, "runs").exists() or not SpectrumStore(url).run_ids(), "a run was created for it"
