@@ -157,3 +157,8 @@ def test_a_diverged_runs_stored_loss_curve_reaches_the_step_it_diverged_at(tmp_p
     missing = np.flatnonzero(~finite[:diverged])
     assert finite[:diverged].all(), f"steps before {diverged} without a stored loss: {missing}"
     assert not finite[diverged], f"step {diverged}'s loss {trace[diverged]} should be the non-finite one"
+    from nsa_dist.plots.dynamics import loss
+
+    fig = loss(run)  # a log axis draws no inf: the figure marks where training diverged
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert any(f"diverged at t = {diverged}" in s for s in labels), labels

@@ -48,6 +48,10 @@ def loss(run: Run) -> Figure:
     t = np.arange(len(trace)) + 1
     ax.plot(t, trace, lw=1.0, label=r"$L(\theta_t)$, every step")
     ax.plot(run.steps + 1, run.train_loss, "o", ms=4, label="recorded steps")
+    at = run.failed_step
+    if at is not None and 0 <= at < len(trace) and not np.isfinite(trace[at]) and "diverged" in (run.reason or ""):
+        # a log axis draws no inf or NaN: the step where training diverged is marked instead
+        ax.axvline(at + 1, color="C3", ls="--", lw=1.0, label=f"diverged at t = {at} (loss = {trace[at]:g})")
     decay_lines(ax, run, float(len(trace) - 1), shift=1)
     ax.set(xscale="log", yscale="log", xlabel="step t + 1", ylabel=r"loss $L(\theta_t)$")
     ax.grid(alpha=0.3)
