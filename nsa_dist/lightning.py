@@ -29,7 +29,10 @@ the module's own float32 parameters, outside autocast.  An exception in training
 ``on_exception``, a KeyboardInterrupt too) ends the run ``interrupted`` with every finished step
 kept; the end of training closes the Tracker, and a later ``fit`` with the same callback is refused
 before it trains (a new Tracker of the same name continues the run).  The model is recorded in the
-modes Lightning trains it in (train mode: a Dropout is active in the Tracker's forwards too).
+modes it has in training: an active Dropout (train mode) makes its forward random — refused when the
+Tracker is created, and at a record (a module put in train mode after) the recording ends
+``interrupted`` while training goes on, as when a parameter's ``requires_grad`` changes mid-fit
+(:meth:`~nsa_dist.Tracker.record`).
 
 DDP with ``strategy="ddp"`` (Lightning starts a process per device that runs the script again):
 every process creates its Tracker and callback as in one process; rank 0's records the run, the

@@ -19,6 +19,13 @@ background thread (``cluster=None``) or on a Ray spectral-worker pool; at most `
 checkpoints wait, so training blocks only when the analysis falls behind.  A failed analysis is
 raised as one :class:`~nsa_dist.errors.AnalysisError` (run, step, cause) at the next Tracker call.
 
+What the Tracker cannot measure ends the recording, not the training: a model cast, moved or given
+other parameters after the Tracker was created, a ``requires_grad`` changed, a random forward (an
+active dropout) at ``record(t)`` end the run ``interrupted`` with the reason (``Tracker.stopped``),
+every recorded step kept, and the loop's later calls do nothing.  A δ_t that is not one number
+(parameter groups with different rates) or, under ``optimizer="gd"``, an update that is not
+full-batch GD at δ_t is stored as NaN.  The Tracker's own forwards run outside the loop's autocast.
+
 Distributed data parallel (DDP: ``torchrun``, Lightning's ``strategy="ddp"``): every rank runs the
 same loop on the same θ_t, so rank 0 records the run and every other rank's Tracker writes nothing
 (``due`` is False there; ``record``, ``log`` and ``close`` return at once).  The rank is
@@ -30,8 +37,12 @@ the Tracker after ``init_process_group`` where a launcher sets none of them.  Ra
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import os
+import re
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,9 +51,11 @@ from torch import nn
 
 from nsa_dist.config import LossName, RecordSpec
 from nsa_dist.data import Dataset
+from nsa_dist.errors import StoreError, UnsupportedModelError
 from nsa_dist.losses import parse_loss
 from nsa_dist.models import OutputSelector
 from nsa_dist.ntk import preserved
+from nsa_dist.ntk.inputs import autograd_on
 from nsa_dist.pipeline import RunSession
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.model_state import analysis_copy
@@ -96,6 +109,7 @@ class Tracker:
         NonFiniteError: NaN/inf in X or y.
         StoreError: the store holds a run of this name with another spec, data or network.
         TypeError: the model cannot be pickled for Ray workers (cluster set).
+        UnsupportedModelError: the model has float16 / bfloat16 parameters.
         LeaseLost: (from ``record`` / ``log`` / ``close``) another writer took the run over while this
             process was paused longer than the lease's ttl; the Tracker closes without writing more.
     """
@@ -130,6 +144,13 @@ class Tracker:
             raise ValueError(f"optimizer={optimizer!r} is not one of custom, gd")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
+        if low:
+            raise UnsupportedModelError(
+                f"the model has {', '.join(low)} parameters; the Tracker measures float32 or float64 models (f_t, "
+                "G_t and the update in that precision) — train a float32 model under torch.autocast for mixed "
+                "precision (the Tracker's own forwards run outside it)"
+            )
         self.model, user, self.data, K = measured_inputs(model, output, X, y, X_test, y_test)
         rec = record.model_dump() if isinstance(record, RecordSpec) else (record or {"log_points": 20})
         self.spec: ExperimentSpec = tracked_spec(
@@ -146,7 +167,12 @@ class Tracker:
             device=device,
             loss=loss,
         )
-        self._trainable = {k: p.requires_grad for k, p in self.model.named_parameters()}
+        self._user = user  # the user's module (self.model may wrap it): its names are the ones said
+        self._trainable = {k: p.requires_grad for k, p in user.named_parameters()}
+        self._layout = _parameter_layout(user)
+        self.stopped: str | None = None  # why the Tracker stopped recording by itself (training goes on)
+        self._said: set[str] = set()  # the warnings given (each kind once per Tracker)
+        self._gd_step: tuple[int, np.ndarray] | None = None  # optimizer="gd": (t, ∇L(θ_t)) of the pending step
         self.rank = distributed_rank()
         if self.rank:  # DDP: rank 0 records; this rank checked its inputs and writes nothing
             _log.info(
@@ -159,7 +185,10 @@ class Tracker:
         ce = loss is LossName.CROSS_ENTROPY
         self.snapshots = StepSnapshots(self.model, self.data, cross_entropy=ce, name=self.spec.name)
 
+        network = _network_digest(user, output)
+
         def pool(session: RunSession) -> Any:  # a copy of the network analyses, in a thread or on Ray
+            _same_network(session.writer, self.spec.name, network)  # before the run starts: nothing changes
             return _analysis_pool(cluster, session, self.model, self.data, workers, worker_cpus, worker_gpus)
 
         # one writer of this run at a time: the lease, the run created or reopened as `nsa run` does
@@ -193,7 +222,8 @@ class Tracker:
     def due(self, step: int) -> bool:
         """Whether ``step`` is a recorded step still to record: not in the store, not taken by this
         Tracker's ``record`` (so a loop that sees one step twice, e.g. under gradient accumulation,
-        records it once).  Also takes a pending update.
+        records it once).  Also takes a pending update.  False from the moment the model stops being
+        the one the run measures (see :meth:`record`): the recording stops there, training goes on.
 
         Raises:
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
@@ -201,13 +231,14 @@ class Tracker:
         if self.tracked is None:
             return False  # a DDP rank other than 0: rank 0 records
         self.tracked.check()
-        if self.tracked.closed:
+        if self.tracked.closed or not self._still_measurable(step):
             return False
         self.tracked.advance(step)
         return self.tracked.due(step)
 
     def log(self, step: int, loss: float) -> None:
         """Note the loss of update ``step`` for the store's loss curve (cheap; written at the next record).
+        Nothing once the Tracker stopped recording by itself (:attr:`stopped`).
 
         Raises:
             ValueError: the Tracker is closed (the loss could no longer be written).
@@ -216,69 +247,181 @@ class Tracker:
         if self.tracked is None:
             return
         self.tracked.check()
+        if self.stopped is not None:
+            return
         if self.tracked.closed:
             raise ValueError(f"this Tracker is closed; the loss of step {step} would not be written")
+        if not self._still_measurable(step):
+            return
         self.tracked.advance(step)
         self.tracked.trace[step] = float(loss)
 
     @torch.no_grad()
-    def record(self, step: int, lr: float, loss: float | None = None) -> None:
+    def record(self, step: int, lr: Any, loss: float | None = None) -> None:
         """Snapshot θ_t, the model's buffers and modes, and the outputs at recorded step ``step`` and
         queue its analysis; returns at once.  The user's model is left as it was (a train-mode
-        BatchNorm's running statistics are not advanced by the Tracker's own forwards).
+        BatchNorm's running statistics are not advanced by the Tracker's own forwards), and the
+        Tracker's forwards run outside the loop's ``torch.autocast`` (f_t in the model's own dtype).
+
+        The recording stops — the run ends ``interrupted`` with the reason, every recorded step kept,
+        :attr:`stopped` says why, a warning is logged, and from then on ``due`` is False and
+        ``record`` / ``log`` do nothing — when the model is no longer the one the run measures: a
+        parameter's ``requires_grad`` changed since the Tracker was created (the NTK / Hessian
+        differentiate the run's trainable parameters, fixed then: record a fine-tuning phase as its
+        own run under another name), the model was cast or moved (``model.double()``: create the
+        Tracker after), parameters were added, removed or reshaped, or its forward is random at
+        ``record(t)`` (a dropout in train mode: record in eval mode).  Training goes on.
 
         Args:
             step: t, one of the recording schedule's steps.
-            lr: δ_t, the learning rate of update t.
+            lr: δ_t, the learning rate of update t — a number, or the optimizer (or its scheduler, or
+                the scheduler's ``get_last_lr()``): its groups' one rate; groups with different rates
+                make δ_t ambiguous, stored as NaN (with a warning).  Under ``optimizer="gd"`` a step
+                whose update is not full-batch gradient descent at δ_t (Δθ_t ≠ −δ_t ∇L(θ_t): another
+                optimizer, clipping, mini-batches, another rate) stores δ_t as NaN, and so its
+                closed-form prediction and first-order metrics, with a warning.
             loss: the loop's own loss at t (checked, and kept in the loss curve); the stored ``loss`` is
                 L(θ_t) over all N points.
 
         Raises:
             ValueError: ``step`` is not in the schedule, was recorded before (in this session or in the
-                store), the tracker is closed, or a parameter's ``requires_grad`` changed since the
-                Tracker was created (the NTK / Hessian differentiate the trainable parameters of
-                the run, fixed then: record a fine-tuning phase as its own run); nothing stored changes.
+                store), or the tracker is closed; nothing stored changes.
             NonFiniteError: a NaN/inf loss or outputs (the run is marked failed; finished steps are kept).
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
         if self.tracked is None:
             return
         self.tracked.check()
-        self._check_trainable(step)
+        if self.stopped is not None or not self._still_measurable(step):
+            return
         i = self.tracked.recordable(step)
         self.tracked.advance(step)
+        why = self._unrecordable(step)
+        if why is not None:
+            self._stop(why)
+            return
+        rate = self._rate(step, lr)
         self.tracked.recorded.add(step)
-        ck = self.snapshots.take(step, i, lr)
+        ck = autograd_on(self.snapshots.take)(step, i, rate)  # the loop's autocast is not the model's f_t
         given = ck.loss if loss is None else float(loss)
         if not (np.isfinite(given) and np.isfinite(ck.loss)):
             raise self.tracked.diverged(step, f"loss is {given if not np.isfinite(given) else ck.loss} at step {step}")
+        if self.spec.optimizer.name == "gd" and ck.f.ndim == 1:
+            self._gd_step = (step, autograd_on(self._gradient)())
         self.tracked.trace[step] = given
         self.tracked.pending = ck  # handed over with its update when the model is at step + 1
+
+    def _rate(self, step: int, lr: Any) -> float:
+        """δ_t from what ``record`` was given: a number, an optimizer (or a scheduler, through its
+        optimizer: after the scheduler's step of update t − 1 its groups hold update t's rate) or a
+        list of group rates."""
+        groups = getattr(lr, "param_groups", None) or getattr(getattr(lr, "optimizer", None), "param_groups", None)
+        rates = [g["lr"] for g in groups] if groups is not None else lr if isinstance(lr, (list, tuple)) else [lr]
+        rates = [float(r) for r in rates]
+        if len(set(rates)) == 1:
+            return rates[0]
+        self._say_once(
+            "rates",
+            f"step {step}: δ_t is stored as NaN — the parameter groups have different learning rates {rates}, so "
+            "the one learning rate of update t is ambiguous (said once: so is every later step's while they differ)",
+        )
+        return math.nan
+
+    def _gradient(self) -> np.ndarray:
+        """∇L(θ) over all N points for the loss L = (1/N) Σ ½(f − y)², as a (P,) vector in parameter
+        order (zero for frozen parameters), computed without touching the parameters' ``.grad``."""
+        params = list(self.model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        with torch.enable_grad(), preserved(self.model):
+            f = self.model(self.snapshots.X)
+            L = 0.5 * ((f - self.snapshots.y) ** 2).mean()
+            grads = torch.autograd.grad(L, trainable, allow_unused=True)
+        by_param = {id(p): g for p, g in zip(trainable, grads)}
+        flat = [
+            (by_param.get(id(p)) if by_param.get(id(p)) is not None else torch.zeros_like(p)).reshape(-1)
+            for p in params
+        ]
+        return torch.cat(flat).detach().cpu().double().numpy()
 
     def _with_update(self, ck: Checkpoint, step: int) -> Checkpoint:
         """``ck`` with its update, f_{t+1} computed in step t's per-module training modes: the loop may
         have switched modes since ``record(t)`` (``model.eval()`` to record, ``model.train()`` to train),
         and a train-mode dropout or batch-statistics forward would make Δf_t noise, not the change
-        of the function that J_t Δθ_t predicts.  The user's modes are restored after."""
+        of the function that J_t Δθ_t predicts.  The user's modes are restored after, and the forward
+        runs outside the loop's autocast.  Under ``optimizer="gd"`` δ_t becomes NaN when Δθ_t is not
+        −δ_t ∇L(θ_t) (see :meth:`record`)."""
         modes = ck.model_state.training if ck.model_state is not None else {}
         with preserved(self.model):
             for name, m in self.model.named_modules():
                 if name in modes:
                     m.training = modes[name]
-            return self.snapshots.with_update(ck, step)
+            ck = autograd_on(self.snapshots.with_update)(ck, step)
+        gd, self._gd_step = self._gd_step, None
+        if gd is None or gd[0] != ck.step or not np.isfinite(ck.lr) or not np.isfinite(ck.dtheta).all():
+            return ck
+        want = -ck.lr * gd[1]  # full-batch GD's Δθ_t
+        off = float(np.linalg.norm(ck.dtheta.astype(np.float64) - want))
+        size = float(np.linalg.norm(want))
+        rounding = 4 * float(np.finfo(ck.theta.dtype).eps) * float(np.linalg.norm(ck.theta.astype(np.float64)))
+        if off <= 1e-3 * size + rounding:
+            return ck
+        self._say_once(
+            "gd",
+            f"step {ck.step}: δ_t is stored as NaN — optimizer='gd' predicts the update of full-batch gradient "
+            f"descent at δ_t = {ck.lr:.6g}, but the model's Δθ_t differs from −δ_t ∇L(θ_t) by "
+            f"{off / size if size else math.inf:.3g} of its size (another optimizer, gradient clipping, mini-batches "
+            "or another learning rate: use optimizer='custom', which predicts J_t Δθ_t from the update made; said "
+            "once: so is every later step's whose update is not GD)",
+        )
+        return replace(ck, lr=math.nan)
 
-    def _check_trainable(self, step: int) -> None:
-        """Refuse a step whose trainable set (``requires_grad``) differs from the Tracker's own."""
-        now = {k: p.requires_grad for k, p in self.model.named_parameters()}
+    def _say_once(self, kind: str, what: str) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            _log.warning("run %r: %s", self.spec.name, what)
+
+    def _still_measurable(self, step: int | None) -> bool:
+        """Whether the model is still the network the run measures — its parameters' names, shapes,
+        dtypes and devices as when the Tracker was created; else stop the recording (the pending
+        step's update NaN: f_{t+1} of another network is no update of step t's)."""
+        layout = _parameter_layout(self._user)
+        if layout == self._layout:
+            return True
+        why = _layout_change(self._layout, layout)
+        self._stop(f"recording stopped {'at close' if step is None else f'at step {step}'}: {why}")
+        return False
+
+    def _unrecordable(self, step: int) -> str | None:
+        """Why step ``step`` cannot be recorded on the model as it is now, None when it can: its
+        trainable set differs from the run's, or its forward is random.  (Neither touches the update
+        of the step before, which is the same function of the same parameters.)"""
+        now = {k: p.requires_grad for k, p in self._user.named_parameters()}
         changed = [k for k in self._trainable if now.get(k) != self._trainable[k]]
         if changed:
             shown = ", ".join(f"{k} ({'unfrozen' if now.get(k) else 'frozen'})" for k in changed[:6])
             more = f", … ({len(changed)} in all)" if len(changed) > 6 else ""
-            raise ValueError(
-                f"step {step}: requires_grad changed since the Tracker was created for {shown}{more}; "
-                "a run's NTK and Hessian are over the trainable parameters it was created with — "
-                "record the phase with another trainable set as its own run (a new Tracker)"
+            return (
+                f"recording stopped at step {step}: requires_grad changed since the Tracker was created for "
+                f"{shown}{more}; a run's NTK and Hessian are over the trainable parameters it was created with "
+                "— record the phase with another trainable set as its own run (a new Tracker under another name)"
             )
+        random = _random_modules(self._user)
+        if random:
+            return (
+                f"recording stopped at step {step}: the model's forward is random at record({step}) (dropout in "
+                f"train mode: {', '.join(repr(n) for n in random[:3])}), so f_t and its NTK are not defined — "
+                "call model.eval() around tr.record(t) (step t is analysed in the modes it has then)"
+            )
+        return None
+
+    def _stop(self, why: str) -> None:
+        """End the run ``interrupted`` with ``why`` (every recorded step kept, the pending one's update NaN:
+        the model is no longer the one measured) and stop recording; training goes on."""
+        _log.warning("run %r: %s", self.spec.name, why)
+        self.stopped = why
+        self._gd_step = None
+        if not self.tracked.closed:
+            self.tracked.interrupt(None, why)
 
     def _collect(self, block: bool) -> None:
         """Note the steps the pool finished (wait for one if ``block``)."""
@@ -287,11 +430,17 @@ class Tracker:
     def close(self) -> None:
         """Wait for every analysis; status ``done`` when every recorded step is in the store.
 
+        The last step's update is taken only from the model the run measures (else the recording
+        stops, as in :meth:`record`, and that update is NaN).
+
         Raises:
             AnalysisError: a recorded step's analysis failed (the run is marked failed).
         """
-        if self.tracked is not None:
-            self.tracked.close()
+        if self.tracked is None:
+            return
+        if not self.tracked.closed:
+            self._still_measurable(None)
+        self.tracked.close()
 
     def stop(self, reason: str) -> None:
         """End the run ``interrupted`` with ``reason`` while the loop trains on: every recorded step is
@@ -304,7 +453,9 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self.tracked is not None:
+        if exc_type is None:
+            self.close()
+        elif self.tracked is not None:
             self.tracked.exit(exc_type)
 
     # ------------------------------------------------------------------ resume
@@ -344,6 +495,79 @@ def distributed_rank() -> int:
         return int(os.environ["RANK"])
     node, local = (int(os.environ.get(v, "").strip() or 0) for v in ("NODE_RANK", "LOCAL_RANK"))
     return 0 if node == local == 0 else max(1, local)
+
+
+def _network_digest(model: nn.Module, output: OutputSelector) -> str:
+    """A digest of the network beyond its parameters' names and shapes (which the run's spec holds):
+    each module's class, a torch module's settings (``extra_repr``: a dropout rate, a norm's eps, a
+    slope — a user module's may show state that changes in training, so only its class counts) and
+    the output selector."""
+
+    def module(m: nn.Module) -> str:
+        cls = type(m)
+        settings = m.extra_repr() if cls.__module__.startswith("torch.") else ""
+        return f"{cls.__module__}.{cls.__qualname__}({re.sub(r' at 0x[0-9a-fA-F]+', '', settings)})"
+
+    parts = [f"{n}: {module(m)}" for n, m in model.named_modules()]
+    if output is None or isinstance(output, (str, int)):
+        parts.append(f"output: {output!r}")
+    else:
+        parts.append(
+            f"output: {getattr(output, '__module__', '')}.{getattr(output, '__qualname__', type(output).__qualname__)}"
+        )
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _same_network(writer: Any, name: str, network: str) -> None:
+    """Refuse to continue a run recorded with another network (same parameter names and shapes, other
+    modules or settings or output selector); note the network of a run that has none noted yet."""
+    stored = writer.attr("tracker_network")
+    if stored is None:
+        writer.set_attrs(tracker_network=network)
+    elif stored != network:
+        raise StoreError(
+            f"run {name!r} exists in {writer.store.url!r} recorded with another network: the same parameter "
+            f"names and shapes, but other modules or torch module settings (e.g. another activation or dropout rate) "
+            f"or another output selector (digest {stored} → {network}); refusing to continue it with this one — "
+            "use another name"
+        )
+
+
+def _parameter_layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, str]]:
+    """Each parameter's name, shape, dtype and device: what the run's θ_t vector and inputs were made for."""
+    return [(k, tuple(p.shape), str(p.dtype), str(p.device)) for k, p in model.named_parameters()]
+
+
+def _layout_change(before: list[tuple], now: list[tuple]) -> str:
+    """What changed between two :func:`_parameter_layout` s, in words."""
+    old, new = {e[0]: e[1:] for e in before}, {e[0]: e[1:] for e in now}
+    if old.keys() != new.keys() or any(old[k][0] != new[k][0] for k in old):
+        added, removed = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+        reshaped = sorted(k for k in old.keys() & new.keys() if old[k][0] != new[k][0])
+        parts = [
+            f"{what} {', '.join(names[:4])}"
+            for what, names in (("added", added), ("removed", removed), ("reshaped", reshaped))
+            if names
+        ]
+        return (
+            f"the model's parameters changed since the Tracker was created ({'; '.join(parts)}); a run measures "
+            "one network — record the new one as its own run (a new Tracker under another name)"
+        )
+    said = lambda d: ", ".join(sorted({f"{e[1].removeprefix('torch.')} on {e[2]}" for e in d.values()}))  # noqa: E731
+    return (
+        f"the model was cast or moved from {said(old)} to {said(new)} after the Tracker was created; the "
+        "Tracker measures the model it was made for — cast or move the model first (e.g. model.double()), "
+        "then create the Tracker"
+    )
+
+
+def _random_modules(model: nn.Module) -> list[str]:
+    """Names of the dropout modules that are active (train mode, p > 0): a random forward."""
+    return [
+        n or "<root>"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
 
 
 def _analysis_pool(

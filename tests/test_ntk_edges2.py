@@ -6,6 +6,8 @@ output of the full-batch forward — no torch.func)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -86,7 +88,12 @@ def test_ntk_operator_with_a_scalar_parameter(X, kernel):
 
 
 # ---------------------------------------------------------------- 2. trainable set changed mid-run
-def test_tracker_refuses_a_changed_trainable_set(tmp_path):
+def test_tracker_stops_recording_when_the_trainable_set_changes(tmp_path):
+    """A run's NTK is over the trainable set it was created with: unfreezing mid-run ends the
+    recording (``interrupted``, the reason naming the parameters, the recorded steps kept) while the
+    user's training goes on (was: a ValueError at every later record, ending the user's loop)."""
+    from nsa_dist.client import Client
+
     torch.manual_seed(0)
     X, y = torch.randn(16, 3), torch.randn(16, 2)
     m = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -94,15 +101,12 @@ def test_tracker_refuses_a_changed_trainable_set(tmp_path):
     tr = Tracker(str(tmp_path / "u.zarr"), "u", m, X, y, steps=3, record={"every": 1}, spectrum={"k": 2, "images": []})
     tr.record(0, lr=0.05)
     m[0].requires_grad_(True)  # unfrozen mid-run
-    with pytest.raises(ValueError, match=r"requires_grad changed.*0\.weight \(unfrozen\), 0\.bias"):
-        tr.record(1, lr=0.05)
-    m[0].requires_grad_(False)
-    m[2].requires_grad_(False)  # the head frozen instead
-    with pytest.raises(ValueError, match=r"2\.weight \(frozen\)"):
-        tr.record(1, lr=0.05)
-    m[2].requires_grad_(True)  # back to the run's trainable set: recording goes on
-    tr.record(1, lr=0.05)
+    tr.record(1, lr=0.05)  # no raise: the recording stops, training goes on
+    assert tr.stopped and re.search(r"requires_grad changed.*0\.weight \(unfrozen\), 0\.bias", tr.stopped), tr.stopped
+    assert not tr.due(2)
     tr.close()
+    run = Client(str(tmp_path / "u.zarr")).run("u")
+    assert run.status == "interrupted" and run.g["done"][:].tolist() == [True, False, False], (run.status, run.reason)
 
 
 # ---------------------------------------------------------------- 3. ops vmap gets wrong
