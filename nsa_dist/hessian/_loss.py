@@ -53,7 +53,10 @@ def prepare_targets(
             )
         Yt = Yt[:, None]
     if Yt.shape[1] != K:
-        raise ShapeError(f"Y must have K = {K} columns (the model's outputs); got shape {tuple(Yt.shape)}")
+        hint = ""
+        if loss is LossName.CROSS_ENTROPY and not (Yt.is_floating_point() or Yt.is_complex()):
+            hint = f" (integer class indices go as shape (N,): Y.reshape(-1), or one-hot rows (N, {K}))"
+        raise ShapeError(f"Y must have K = {K} columns (the model's outputs); got shape {tuple(Yt.shape)}{hint}")
     return Yt.to(dtype=dtype, device=device)
 
 

@@ -3,17 +3,39 @@
 Parameters are laid out as one flat vector θ ∈ R^P: the model's trainable parameters in
 ``named_parameters`` order, each flattened row-major — the layout of
 ``torch.cat([p.reshape(-1) for p in params])``.
+
+Products take forward mode where they can (``jvp``: ``H v`` forward-over-reverse, ``J v`` of I).
+
+* ``weight_norm`` (``torch.nn.utils.weight_norm`` and ``parametrizations.weight_norm``) calls the
+  fused ``_weight_norm_interface``, which has no forward-mode rule and, in PyTorch 2.13 on CPU, a
+  wrong double backward (``torch.autograd.functional.hessian`` of a weight-normed layer is not even
+  symmetric: 8.6 off a finite difference): within products ``torch._weight_norm`` is computed by
+  its composite formula ``v · g / ‖v‖`` (:func:`autograd_conventions`) — the same function, with
+  derivatives of every order right.
+* An ``Embedding``'s ``padding_idx`` row gets no gradient in reverse mode but moved with its
+  tangent in forward mode: within products it is looked up as a constant (:func:`autograd_conventions`),
+  as the gradient and the NTK's Jacobian see it.
+* Other ops without a forward-mode rule (a custom ``autograd.Function`` without ``jvp``): on the
+  first NotImplementedError saying so, an operator switches to reverse mode for good — ``H v =
+  (∇g)ᵀ v`` by a ``vjp`` of the gradient g (H is symmetric) and ``J v`` as the ``vjp`` of the
+  linear map ``w ↦ Jᵀ w`` — and checks once that the operator it then applies is symmetric (a
+  wrong double backward, as weight_norm's, shows as an asymmetric H): if not, it refuses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.func import jvp, vjp, vmap
+from torch.overrides import TorchFunctionMode
 
 from nsa_dist.config import LossName
+from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.ntk.blame import blame
@@ -22,7 +44,7 @@ from nsa_dist.ntk.state import call, exact_kernels, renorm_copies, stateless
 
 _log = logging.getLogger("nsa_dist")
 
-__all__ = ["LossCurvatureOperator"]
+__all__ = ["LossCurvatureOperator", "autograd_conventions", "copyable"]
 
 _BLOCK_BYTES = 256e6  # default block: about this much of per-column activations and tangents
 
@@ -51,7 +73,8 @@ class LossCurvatureOperator(LinearOperator):
         super().__init__(P, Y.dtype, "torch", X.device)
         with blame(model):
             coupling = sample_coupling(model, X)
-            model = stateless(model, X[:2])  # products change no buffer of the user's model
+            with copyable(model):
+                model = stateless(model, X[:2])  # products change no buffer of the user's model
         if coupling is not None:  # C of the batch forward: every product over all points at once
             _log.info("the model couples samples (%s): curvature products over the whole batch", coupling)
             block_size = X.shape[0]
@@ -64,6 +87,7 @@ class LossCurvatureOperator(LinearOperator):
         self._sizes = [p.numel() for p in self._params.values()]
         self.block_size = block_size
         self._width = max((p.shape[0] if p.ndim else 1) for p in self._params.values())
+        self._reverse = False  # True once an op of the model turned out to have no forward-mode rule
 
     # ------------------------------------------------------------------ to implement
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -79,6 +103,38 @@ class LossCurvatureOperator(LinearOperator):
 
         return f
 
+    def _forward_mode(self, product: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+        """``product()`` (a forward-mode product), or None — from then on for every product — when an
+        op of the model has no forward-mode rule (the caller then takes reverse mode)."""
+        if self._reverse:
+            return None
+        try:
+            return product()
+        except NotImplementedError as e:
+            if not _no_forward_rule(e):
+                raise
+            _log.info("an op of the model has no forward-mode AD (%s): Hessian products by reverse mode", e)
+            self._reverse = True
+            return None
+
+    def _hvp(self, g: Callable, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``∇g · u`` for each of the m columns u of U, g the gradient of a scalar of θ (so ∇g is a
+        symmetric Hessian): ``jvp(g)``, or ``vjp(g)`` — ``(∇g)ᵀ u``, the same — without forward mode."""
+        out = self._forward_mode(lambda: vmap(lambda u: jvp(g, (self._params,), (u,))[1])(U))
+        if out is not None:
+            return out
+        _, pull = vjp(g, self._params)
+        return vmap(lambda u: pull(u)[0])(U)
+
+    def _jvp(self, f: Callable, out: torch.Tensor, pull: Callable, U: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``J u`` (m, b, K) for f at θ (``out, pull = vjp(f, θ)``): ``jvp(f)``, or without forward mode
+        the ``vjp`` of the linear map ``w ↦ Jᵀ w = pull(w)`` (its transpose is J)."""
+        JU = self._forward_mode(lambda: vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U))
+        if JU is not None:
+            return JU
+        _, pull_t = vjp(lambda w: pull(w)[0], torch.zeros_like(out))
+        return vmap(lambda u: pull_t(u)[0])(U)
+
     def _blocks(self, m: int) -> Iterator[slice]:
         """Data blocks for a product with m columns (default: ~256 MB of per-column activations)."""
         width = m * self._width * len(self._sizes) * 8
@@ -92,11 +148,116 @@ class LossCurvatureOperator(LinearOperator):
     @autograd_on
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
+        forward_mode = not self._reverse
+        with exact_kernels(self.model), autograd_conventions(), blame(self.model):
+            AV = self._columns(Vt)
+            if forward_mode and self._reverse:  # switched to reverse mode in this product
+                self._check_symmetric()
+        return AV
+
+    def _columns(self, Vt: torch.Tensor) -> torch.Tensor:
         m = Vt.shape[1]
         U = {k: u.T.reshape((m,) + p.shape) for (k, p), u in zip(self._params.items(), Vt.split(self._sizes))}
-        with exact_kernels(self.model), blame(self.model):
-            AU = self._apply(U)
+        AU = self._apply(U)
         return torch.cat([AU[k].reshape(m, -1) for k in self._params], dim=1).T  # (P, m)
+
+    def _check_symmetric(self) -> None:
+        """UnsupportedModelError unless ``xᵀ A y = yᵀ A x`` for two fixed random x, y: reverse-over-reverse
+        products rest on PyTorch's double backward of every op, which is wrong for some."""
+        gen = torch.Generator().manual_seed(0)
+        V = torch.randn(self.shape[0], 2, generator=gen, dtype=torch.float64).to(self.dtype).to(self.device)
+        AV = self._columns(V)
+        a, b = float(V[:, 0] @ AV[:, 1]), float(V[:, 1] @ AV[:, 0])
+        scale = float(V.norm(dim=0).max() * AV.norm(dim=0).max())
+        tol = 1e-8 if self.dtype == torch.float64 else 1e-3
+        if not abs(a - b) <= tol * scale:
+            raise UnsupportedModelError(
+                f"an op of this model has no forward-mode AD in PyTorch {torch.__version__}, and its reverse-mode "
+                f"second derivatives are wrong: the {type(self).__name__}'s products are not symmetric "
+                f"(|xᵀAy − yᵀAx| = {abs(a - b):.3g}, {abs(a - b) / max(scale, 1e-300):.2g} of ‖x‖‖Ay‖), so this "
+                "curvature is not measured"
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, loss={self.loss.value!r}, N={self.N}, dtype={self.dtype})"
+
+
+def _no_forward_rule(e: NotImplementedError) -> bool:
+    """Whether PyTorch raised ``e`` for an op without forward-mode AD ("Trying to use forward AD with
+    …", "You must implement the jvp function … to use it with forward mode AD")."""
+    text = str(e)
+    return "forward AD" in text or "forward mode AD" in text
+
+
+class _AutogradConventions(TorchFunctionMode):
+    """Forward mode and every order of derivative as PyTorch's first-order reverse mode defines them
+    (module docstring): ``torch._weight_norm`` by its composite formula, and an embedding's
+    ``padding_idx`` row held constant where it is looked up."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if func is torch._weight_norm:
+            v, g, dim = (_arg(args, kwargs, i, k, 0) for i, k in enumerate(("v", "g", "dim")))
+            return v * (g / torch.norm_except_dim(v, 2, dim))
+        out = func(*args, **kwargs)
+        if func is F.embedding:  # (input, weight, padding_idx=None, …); its own torch.embedding call is not seen
+            idx, weight, pad = (
+                _arg(args, kwargs, i, k, None) for i, k in enumerate(("input", "weight", "padding_idx"))
+            )
+            pad = None if pad is None else pad % weight.shape[0]
+        elif func is torch.embedding:  # (weight, indices, padding_idx=-1 for none, …)
+            weight, idx, pad = (
+                _arg(args, kwargs, i, k, -1) for i, k in enumerate(("weight", "indices", "padding_idx"))
+            )
+            pad = None if pad < 0 else pad
+        else:
+            return out
+        if pad is None:
+            return out
+        # autograd's embedding backward leaves the padding row's gradient zero (the row is not trained);
+        # jvp would move the looked-up rows with it: those rows enter as constants
+        return torch.where((idx == pad).unsqueeze(-1), out.detach(), out)
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: object) -> object:
+    """Argument i (called ``name``) of a call, positional or keyword."""
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+@contextlib.contextmanager
+def autograd_conventions() -> Iterator[None]:
+    """Within the block products of every order differentiate the model as its first-order reverse
+    mode (``torch.autograd.grad``, the NTK's Jacobian) does, and forward mode runs where PyTorch's
+    fused kernels lack it:
+
+    * ``weight_norm`` (``torch.nn.utils.weight_norm`` or ``parametrizations.weight_norm``) computes
+      its weight by the composite formula instead of the fused ``_weight_norm_interface`` — which
+      has no forward-mode rule, and whose double backward is wrong in PyTorch 2.13;
+    * an ``Embedding`` with ``padding_idx`` looks the padding row up as a constant: reverse mode
+      gives that row no gradient, while forward mode (``jvp``) moved the looked-up row with its
+      tangent — H, I and S of an embedding model with padding were asymmetric, 0.77 off."""
+    with _AutogradConventions():
+        yield
+
+
+@contextlib.contextmanager
+def copyable(model: nn.Module) -> Iterator[None]:
+    """Within the block ``copy.deepcopy(model)`` works although the model uses the hook-based
+    ``torch.nn.utils.weight_norm``: its pre-hook leaves the computed weight, a non-leaf tensor, on
+    the module, and deepcopy refuses non-leaf tensors ("Only Tensors created explicitly by the user
+    …") — a float32 model measured in float64, or one with a train-mode batch norm, failed with
+    that torch error.  The weight is detached meanwhile (every forward recomputes it) and put back."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    held = []
+    for m in model.modules():
+        for hook in m._forward_pre_hooks.values():
+            t = getattr(m, hook.name, None) if isinstance(hook, WeightNorm) else None
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                held.append((m, hook.name, t))
+                setattr(m, hook.name, t.detach())
+    try:
+        yield
+    finally:
+        for m, name, t in held:
+            setattr(m, name, t)

@@ -55,11 +55,14 @@ import torch
 
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import curvature_sqrt
+from nsa_dist.hessian._operator import copyable
 from nsa_dist.hessian._probes import LinearMap, as_linear_map, check_int, gaussian, rademacher
 from nsa_dist.hessian.operators import _setup
 from nsa_dist.losses import parse_loss
-from nsa_dist.ntk import gram
+from nsa_dist.ntk import gram, preserved
+from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d
+from nsa_dist.ntk.state import stateless
 
 if TYPE_CHECKING:
     from torch import nn
@@ -271,10 +274,15 @@ def gauss_newton_eigenvalues(
     loss_ = parse_loss(loss)
     model, X, Yt = _setup(model, X, Y, loss_, torch.float64, output)
     N, K = Yt.shape
+    # as the Hessian operators: a forward that writes a buffer other than a norm's running statistics
+    # (spectral_norm's power iteration in train mode) is refused — its loss is another function at
+    # every forward; the outputs are those of a copy that writes none (the user's model is unchanged)
+    with blame(model), copyable(model):
+        once = stateless(model, X[:2])
     G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K); model: f already selected
     if loss_ is LossName.CROSS_ENTROPY:
-        with torch.no_grad():
-            R = curvature_sqrt(loss_, as_2d(model(X), X.shape[0]), Yt)  # (N, K, K)
+        with preserved(once), blame(once), torch.no_grad():
+            R = curvature_sqrt(loss_, as_2d(once(X), X.shape[0]), Yt)  # (N, K, K)
         G = torch.einsum("iab,ibjc,jdc->iajd", R, G, R)
     M = G.reshape(N * K, N * K).cpu().numpy() / N
     return np.linalg.eigvalsh((M + M.T) / 2)[::-1].copy()

@@ -7,7 +7,9 @@ decomposition is
 
 ``I`` the Gauss–Newton / Fisher part (PSD), ``S`` the residual part (indefinite, zero at a global
 minimum of MSE).  Every product runs blocked over the data with ``torch.func``; nothing of size
-P×P or N×P is formed.
+P×P or N×P is formed.  Products differentiate the model as its gradient (reverse mode) does —
+``weight_norm`` by its composite formula, an embedding's padding row a constant — and fall back to
+reverse mode for an op without a forward-mode rule (:mod:`nsa_dist.hessian._operator`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import grad, vjp, vmap
 
 from nsa_dist._checks import parse_enum
 from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import loss_curvature, loss_sum, prepare_targets
-from nsa_dist.hessian._operator import LossCurvatureOperator
+from nsa_dist.hessian._operator import LossCurvatureOperator, copyable
 from nsa_dist.losses import parse_loss, residual
 from nsa_dist.models import OutputSelector
 from nsa_dist.ntk.blame import blame
@@ -68,7 +70,7 @@ class HessianOperator(LossCurvatureOperator):
         for b in self._blocks(m):
             f, Yb = self._f(self.X[b]), self.Y[b]
             g = grad(lambda p: loss_sum(self.loss, f(p), Yb) / self.N)
-            HU = vmap(lambda u: jvp(g, (self._params,), (u,))[1])(U)  # (m, *shape) each
+            HU = self._hvp(g, U)  # (m, *shape) each
             for k in out:
                 out[k] += HU[k]
         return out
@@ -83,7 +85,7 @@ class GaussNewtonOperator(LossCurvatureOperator):
         for b in self._blocks(m):
             f, Yb = self._f(self.X[b]), self.Y[b]
             F, pull = vjp(f, self._params)  # F (b, K)
-            JU = vmap(lambda u: jvp(f, (self._params,), (u,))[1])(U)  # (m, b, K)
+            JU = self._jvp(f, F, pull, U)  # (m, b, K)
             W = loss_curvature(self.loss, F.detach(), Yb, JU) / self.N  # (m, b, K)
             (IU,) = vmap(pull)(W)
             for k in out:
@@ -110,7 +112,7 @@ class ResidualOperator(LossCurvatureOperator):
         for b in self._blocks(m):
             f, Rb = self._f(self.X[b]), self.R[b]
             g = grad(lambda p: (f(p) * Rb).sum() / self.N)
-            SU = vmap(lambda u: jvp(g, (self._params,), (u,))[1])(U)
+            SU = self._hvp(g, U)
             for k in out:
                 out[k] += SU[k]
         return out
@@ -127,7 +129,8 @@ def _setup(
     dtype: torch.dtype | None,
     output: OutputSelector = None,
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    model = prepare_model(model, dtype, output)
+    with copyable(model):  # a float32 model measured in float64 is a cast copy
+        model = prepare_model(model, dtype, output)
     X = prepare_inputs(model, X, "X", dtype)
     with preserved(model), blame(model):
         K = output_dim(model, X)
