@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["BracketedCurve", "read_curve", "energy_route", "EXACT_BRACKET"]
 
 EXACT_BRACKET = "exact: from the eigendecomposition of G_t (lower = upper = value)"
+TOP_RESOLUTION = 1e-8  # a top-part bracket narrower than this (relative for λ_k, absolute for E) reads as exact
 
 
 def energy_route(run: RunArrays) -> str:
@@ -200,14 +201,20 @@ def _widen_top(
     basis's value, not *the* value; the route stores the cluster's bracket at the grid's k ≤ K.
     A top k between two grid points takes the monotone bracket of its neighbours when either of
     them is widened.  Each step is widened by its own clusters only (the rank of G_t changes along
-    training); a k widened at any step is not ``exact`` (a flag per k: exact at every step)."""
+    training); a k widened at any step is not ``exact`` (a flag per k: exact at every step).  A
+    top-k solve's own brackets (λ_k ± its residual bound, E ± residual / gap) narrower than
+    :data:`TOP_RESOLUTION` are read as the exact values they are to that resolution."""
     if grid.size == 0 or lower.shape[0] == 0:
         return
     where = np.isin(np.asarray(run.array(grid_name), np.int64), grid)
     lo = np.asarray(run.per_step(f"{curve_name}_lower"), np.float64)[:, where]
     hi = np.asarray(run.per_step(f"{curve_name}_upper"), np.float64)[:, where]
-    with np.errstate(invalid="ignore"):  # a point bracket (to the two routes' rounding) is no cluster
-        wide = hi - lo > 64 * np.finfo(np.float64).eps * np.fmax(np.abs(hi), 1.0)  # (S, grid): per step
+    # a point bracket (to the two routes' rounding) is no cluster, nor one narrower than TOP_RESOLUTION (of
+    # λ_k, or of E's scale 1): a top-k solve's own bracket, its value ± the residual bound (λ) or the residual
+    # over the eigengap (E), stays "exact" to that resolution; a cluster's bracket is far wider
+    scale = np.fmax(np.abs(hi), 1.0) if increasing else np.abs(hi)
+    with np.errstate(invalid="ignore"):
+        wide = hi - lo > np.fmax(64 * np.finfo(np.float64).eps * np.fmax(np.abs(hi), 1.0), TOP_RESOLUTION * scale)
     if not wide.any():
         return
     cols = grid - 1

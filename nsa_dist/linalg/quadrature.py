@@ -28,7 +28,12 @@ The top K eigenpairs (λ_i, v_i) of G are known exactly (a top-k solve).  Beyond
   projector).  The bracket of λ_k inverts it: ``λ_k ≥ sup{t : n_lower(t) ≥ k}`` and
   ``λ_k ≤ inf{t : n_upper(t) < k}``, and λ_k ≥ the (k − K)-th Ritz value of A on the block
   Krylov space (Cauchy interlacing, a proof for exact top eigenvectors; less ‖R‖₂ of the given
-  ones, R = GU − UΛ', which moves A's eigenvalues off G's tail by at most that), λ_k ≤ λ_K.
+  ones, R = GU − UΛ', which moves A's eigenvalues off G's tail by at most that), λ_k ≤ λ_K + ‖R‖₂.
+  The top λ_k themselves are the solver's Ritz values θ_k: G̃ = G − RUᵀ − URᵀ has them as
+  eigenvalues and lies within ‖R‖₂ of G, so their bracket is θ_k ± ‖R‖₂ (Weyl), not a point.
+
+* **G's scale.**  Everything runs on G / 2^e with λ_1 / 2^e ∈ [½, 1) (exact), λ_k's bracket and the
+  density scaled back: the Lanczos recurrences and ‖G‖_F square G's entries.
 
 * The value reported inside each bracket is the block rule's own estimate (the same
   inversion and tail sums with ν, which resolves the spectrum with b·m nodes), clipped into
@@ -58,10 +63,11 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
   Eigenvalues a few δ apart are not a cluster, yet the exact route's eigenvectors rotate between them
   by ~δ/gap: beyond the top, E's bracket takes the tightest of ramp bounds (threshold moved by w,
   ± δ₆₄/w, :func:`_ramps`), which hold under a float64 reduction's backward error δ₆₄.  Not covered:
-  such a rotation inside the top part (k ≤ K, the solver's eigenvectors, E off by ≤ 1.1·10⁻⁵ on
-  eigenvalue pairs 2.5–1000·δ apart against 40-digit eigenvectors; by ~10⁻¹² on pairs a few ‖R‖
-  apart with block Lanczos's eigenvectors at tol 10⁻¹⁰), and a float32 reduction's
-  rotations, which stay a threshold shift (a model).
+  such a rotation inside the top part (k ≤ K, E off by ≤ 1.1·10⁻⁵ on eigenvalue pairs 2.5–1000·δ
+  apart against 40-digit eigenvectors), and a float32 reduction's rotations, which stay a threshold
+  shift (a model).  The solver's own rotation there is covered: its eigenvectors' residual ‖R‖ bounds
+  it (Davis–Kahan, :func:`_energy_curve`; it put E 1.5·10⁻⁶ off on eigenvalues 500·‖R‖ apart), and
+  its eigenvalues are G's to ‖R‖₂ (λ_k's top bracket).
 """
 
 from __future__ import annotations
@@ -93,7 +99,9 @@ __all__ = [
 ]
 
 BRACKET_SENTENCE = (
-    "λ_k for k ≤ top and E(φ, k) for k ≤ top are exact; beyond, λ_k's bracket is statistical "
+    "λ_k for k ≤ top is the top solve's, its bracket that value ± the solve's residual bound, and E(φ, k) "
+    "for k ≤ top is exact (bracketed by the residual over the eigengap, Davis–Kahan, where that passes 10⁻⁸); "
+    "beyond, λ_k's bracket is statistical "
     "(stochastic Lanczos quadrature of G's counting function, Rademacher probes, normal "
     "approximation with the variance bound 2·n(t), pointwise confidence {c:g}) tightened by "
     "Cauchy interlacing of Ritz values (provable, less the top eigenvectors' residual), and E(φ, k)'s "
@@ -275,6 +283,13 @@ def spectral_curves(
     if K < 1:
         raise ValueError("spectral_curves needs at least one exact eigenpair (K ≥ 1)")
     _check_top(lam, U)
+    # the curves are those of G / 2^e, λ_1 / 2^e ∈ [½, 1) (exact: a power of 2), scaled back at the end —
+    # squares of G's scale were left to the Lanczos recurrences and the rounding floor: a G of 10⁻¹⁷⁰
+    # (its squares below the smallest double) put λ_k outside its bracket and E(φ, k) 0.67 outside
+    # its own, and one of 10¹⁶⁰ (its squares inf) ended in an eigh_tridiagonal error
+    g_exp = _exponent(lam)
+    A, lam = _Scaled(A, g_exp), np.ldexp(lam, -g_exp)
+    top_residual = None if top_residual is None else float(np.ldexp(float(top_residual), -g_exp))
     cols, owners, norms2, top2 = _phi_columns(phis, U)
     m = max(2, min(int(lanczos_steps), N))
     block_size = max(1, min(int(block_size), N - K)) if K < N else 1  # a block no wider than the tail
@@ -337,9 +352,10 @@ def spectral_curves(
         phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
     floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
     counts = _counts(lam, N, probe_rules, confidence) if probe_rules and (ks > K).any() else None
-    curve = lambda slack, quiet=False: _eigenvalue_curve(  # noqa: E731  λ_k's bracket with this rounding allowance
-        lam, N, ks, probe_rules, ritz, confidence, slack, floor.bottom, floor.ritz_slack, counts, quiet
+    curve_at = lambda at, slack, quiet=True: _eigenvalue_curve(  # noqa: E731  λ_k's bracket at these k
+        lam, N, at, probe_rules, ritz, confidence, slack, floor.bottom, floor.ritz_slack, counts, quiet
     )
+    curve = lambda slack, quiet=False: curve_at(ks, slack, quiet)  # noqa: E731  at the reported k
     eig = curve(floor.delta)
     if own:
         done = None
@@ -368,6 +384,8 @@ def spectral_curves(
     phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
     # the deflated operator's largest Ritz value (≤ its largest eigenvalue): a tail eigenvalue at λ_K
     tail_top = max([-math.inf] + [float(np.max(r)) for r in ritz if r.size]) if K < N else -math.inf
+    # an upper end of λ_{K+1}: the gap below λ_K that E(φ, K)'s Davis–Kahan bound needs (_energy_curve)
+    next_upper = float(curve_at(np.array([K + 1]), floor.delta).upper[0]) if K < N and probe_rules else math.inf
     energy = {}
     for name in phis:
         idx = [j for j, o in enumerate(owners) if o == name]
@@ -384,6 +402,7 @@ def spectral_curves(
             floor.rotation,
             floor.leak,
             tail_top,
+            next_upper,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
     widest: dict[str, dict[str, float]] = {}
@@ -399,16 +418,41 @@ def spectral_curves(
             "the account of the brackets' widths failed (%s: %s); the curves are not affected", type(e).__name__, e
         )
         widest = {}
+    up = lambda x: np.ldexp(np.asarray(x, dtype=np.float64), g_exp)  # noqa: E731  back to G's scale
     notes = {
-        "rounding_delta": floor.delta,
-        "spectrum_bottom": floor.bottom,
+        "rounding_delta": float(up(floor.delta)),
+        "spectrum_bottom": float(up(floor.bottom)),
         "phi_lanczos_steps": phi_done,
-        "top_residual_bound": floor.leak,
-        "delta64": floor.rotation,
+        "top_residual_bound": float(up(floor.leak)),
+        "delta64": float(up(floor.rotation)),
         "storage_eps": floor.eps_g,
         "widest": widest,
     }
+    eig = CurveBracket(up(eig.value), up(eig.lower), up(eig.upper))
+    grid, dens = up(grid), np.ldexp(dens, -g_exp)
     return SpectralCurves(ks, eig, energy, grid, dens, A.n_matvec, steps_done, K if K < N else N, notes)
+
+
+def _exponent(lam: np.ndarray) -> int:
+    """e with max |λ_i| / 2^e ∈ [½, 1) (0 for an all-zero top)."""
+    top = float(np.max(np.abs(lam)))
+    return math.frexp(top)[1] if top > 0.0 else 0
+
+
+class _Scaled:
+    """The products of G / 2^e: G's applied, then multiplied by 2^−e (exact for normal numbers)."""
+
+    def __init__(self, A: Any, e: int) -> None:
+        self.A, self.factor = A, math.ldexp(1.0, -e)
+        self.N, self.ops, self.eps, self.sym_rtol = A.N, A.ops, A.eps, A.sym_rtol
+
+    @property
+    def n_matvec(self) -> int:
+        return self.A.n_matvec
+
+    def matmat(self, X: Any) -> Any:
+        out = self.A.matmat(X)
+        return out if self.factor == 1.0 else out * self.factor
 
 
 def _check_knobs(
@@ -872,6 +916,12 @@ def _eigenvalue_curve(
     value[top] = lower[top] = upper[top] = lam[ks[top] - 1]
     null = top & (np.abs(value) <= slack)  # top eigenvalues at G's rounding level: any such value
     lower[null], upper[null] = value[null] - slack, value[null] + slack
+    if K < N:
+        # a top-k solver's eigenvalues θ_k are G's to its residual: with R = GU − UΛ', G̃ = G − RUᵀ − URᵀ
+        # has the θ_k as eigenvalues (U invariant) and lies within ‖R‖₂ of G (Weyl), so λ_k ∈ θ_k ± ‖R‖₂
+        # where the θ_k are G̃'s top K; ``leak`` holds ‖R‖₂ and 3·δ₆₄ (Lanczos at tol 10⁻¹⁰ put λ_31 …
+        # λ_40 = 10⁻⁸·λ_1 off a dense eigh's by 2.3·10⁻¹¹·λ_1 — 0.2 % — at zero width)
+        lower[top], upper[top] = np.minimum(lower[top], value[top] - leak), np.maximum(upper[top], value[top] + leak)
     tail = ~top
     if not tail.any():
         return CurveBracket(value, lower, upper)
@@ -883,7 +933,11 @@ def _eigenvalue_curve(
     contradicted: list[int] = []
     for i in np.nonzero(tail)[0]:
         k = int(ks[i])
-        lo = _last_at_least(bps, n_lo, k, floor)
+        # the counting function is the deflated operator's, read at its Ritz values and Gauss nodes: its
+        # thresholds are off G's by ``leak`` too (its tail eigenvalues lie within ‖R‖₂ of G's, its nodes carry
+        # the products' rounding — an exhausted probe rule's node sat 1.5·δ₆₄ below λ_35, its upper end
+        # 1.5·10⁻¹⁴·λ_1 under it with δ = 3.3·10⁻¹⁴ at N = 150)
+        lo = _last_at_least(bps, n_lo, k, floor) - leak
         j = k - K - 1  # Cauchy interlacing: λ_{K+j+1} ≥ the (j+1)-th Ritz value of PGP on any subspace
         # the Ritz values less ``leak``: the top eigenvectors' residual ‖R‖₂ (_top_leak) and 3·δ₆₄ for
         # the products' rounding — a Ritz value sat 2δ₆₄ above λ_{K+1} with the tail 12 decades
@@ -894,13 +948,13 @@ def _eigenvalue_curve(
         # ≥ θ_{j+K} (a Gram made in float32 and held in float64: the lower end passed λ_82…λ_150 by
         # up to 2.3·10⁻⁶ with the Krylov space the whole space, zero Ritz values on range(U))
         lo = max([lo] + [_interlaced(r, j, K, leak) for r in ritz_desc if j < r.size])
-        hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1])
+        hi = min(_last_at_least(bps, n_hi, k, float(bps[0]) if bps.size else 0.0), lam[-1]) + leak
         v = _last_at_least(bps, est, k, 0.0)
         lower[i], upper[i] = max(lo - slack, floor), hi + slack
         if upper[i] < lower[i]:
             # the statistical upper end fell below a proven lower end (Cauchy interlacing): the
             # probes missed here, so only the proof holds — λ_k ≤ λ_K
-            upper[i] = max(float(lam[-1]) + slack, lower[i])
+            upper[i] = max(float(lam[-1]) + leak + slack, lower[i])
             contradicted.append(k)
         value[i] = min(max(v, lower[i]), upper[i])
     if contradicted and not quiet:
@@ -910,7 +964,13 @@ def _eigenvalue_curve(
             contradicted[:10],
             int(tail.sum()),
         )
-    return CurveBracket(value, lower, upper)
+    # λ_k ≥ λ_k' ≥ lower_k' for k < k': the top's lower ends θ_k − ‖R‖₂ sat below λ_{K+1}'s interlacing
+    # one (by 4.9·10⁻¹⁰·λ_1 with λ_31 … λ_40 = 10⁻⁸·λ_1 from a Lanczos solve at tol 10⁻¹⁰).  The upper
+    # ends are not carried: where a statistical one fell below the proof, λ_K stays (a proof)
+    lower = np.maximum.accumulate(lower[::-1])[::-1]
+    crossed = lower > upper  # a statistical upper end below a later k's lower end: as above, λ_K
+    upper[crossed] = np.maximum(float(lam[-1]) + leak + slack, lower[crossed])
+    return CurveBracket(np.clip(value, lower, upper), lower, upper)
 
 
 def _interlaced(ritz_desc: np.ndarray, j: int, K: int, leak: float) -> float:
@@ -998,6 +1058,7 @@ def _energy_curve(
     rotation: float = 0.0,
     leak: float = 0.0,
     tail_top: float = -math.inf,
+    next_upper: float = math.inf,
 ) -> CurveBracket:
     """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond;
     ``slack`` (16·eps of the products) widens each side for the products' rounding (float32: the
@@ -1007,7 +1068,22 @@ def _energy_curve(
     whose eigenvectors the exact route orders arbitrarily — count on both sides.  ``leak`` (the top
     eigenvectors' residual bound ‖R‖₂, :func:`_top_leak`) widens what counts as a cluster in the top
     part: a solver's eigenvectors rotate between eigenvalues ‖R‖ apart; ``tail_top`` (the deflated
-    operator's largest Ritz value) tells a cluster that straddles K: λ_{K+1} within it of λ_K."""
+    operator's largest Ritz value) tells a cluster that straddles K: λ_{K+1} within it of λ_K.
+
+    The top part's E(φ, k) = ‖U_kᵀφ‖² / ‖φ‖² is the given eigenvectors' (a top-k solve's, residual
+    R = GU − UΛ', ‖R‖₂ ≤ ``leak``).  Davis–Kahan's sin Θ theorem (residual form) against G's top-k
+    eigenvectors V_k: U_kᵀGU_k's eigenvalues are ≥ θ_k − ‖R‖₂ and G's (k+1)-th is ≤ θ_{k+1} + ‖R‖₂
+    (Weyl on G̃ = G − RUᵀ − URᵀ, :func:`_top_leak`; for k = K, ``next_upper``, λ_{K+1}'s upper end),
+    so with g the difference of the two (less δ₆₄ more, for margin), ‖U_kU_kᵀ − V_kV_kᵀ‖₂ = ‖sin Θ‖₂
+    ≤ ‖R‖₂ / g, and E moves by at most that: each top k's bracket holds E ± it (none where g ≤ 0: a
+    cluster, which the bounds at its ends carry over by monotonicity).  Where that bound is below
+    ``_DK_POINT`` (10⁻⁸) E stays a point (a stated resolution: an exact top part is a point, as the
+    pipeline and its readers take it).  Before, the top part was always a point: a Lanczos solve's
+    eigenvectors (residual 10⁻¹³) between eigenvalues 5.9·10⁻¹¹ apart (λ_31 … λ_40 ≈ 10⁻⁸·λ_1,
+    N = 200) put E 1.5·10⁻⁶ off a dense eigh's.  The exact route's own rotation there (its backward
+    error δ₆₄ over those gaps) stays the module docstring's "not covered".  Beyond the top, the ramps'
+    perturbation is δ₆₄ + √2·‖R‖_F (M − G̃ = Δ + RUᵀ + URᵀ, M the exact route's G + Δ: the tail's
+    measure is G̃'s, whose top eigenvectors are U exactly)."""
     nk = ks.size
     if top2 is None or not np.isfinite(norm2):
         nan = np.full(nk, np.nan)
@@ -1038,11 +1114,24 @@ def _energy_curve(
             idx = np.nonzero(top)[0][cl]
             lower[idx] = top2_at(a[cl]) / norm2
             upper[idx] = np.minimum(hi / norm2 + slack, 1.0)
+    if top.any() and leak > 0:
+        # Davis–Kahan at every top index (the docstring), carried by monotonicity over the indices
+        # between reported k: where g ≤ 0 (a cluster) the bounds at the cluster's ends hold
+        g = lam - rotation - leak - np.append(lam[1:] + leak + rotation, next_upper + rotation)
+        h = np.where(g > 0, leak / np.where(g > 0, g, 1.0), np.inf)
+        h[h < _DK_POINT] = 0.0  # a point where the bound is below any plotted resolution (docstring)
+        e = top2 / norm2
+        dk_lo = np.maximum.accumulate(e - h)  # E(k) ≥ E(i) ≥ e_i − h_i for i ≤ k
+        dk_hi = np.minimum.accumulate((e + h)[::-1])[::-1]  # E(k) ≤ E(i) ≤ e_i + h_i for k ≤ i ≤ K
+        kt = ks[top]
+        lo_k, hi_k = dk_lo[kt - 1], dk_hi[kt - 1]
+        lower[top] = np.where(lo_k < e[kt - 1], np.minimum(lower[top], lo_k - slack), lower[top])
+        upper[top] = np.where(hi_k > e[kt - 1], np.maximum(upper[top], hi_k + slack), upper[top])
     tail = ~top
     if tail.any():
         v_t = eig.value[tail]
         low, high = np.full(v_t.size, -np.inf), np.full(v_t.size, np.inf)
-        for w, turn in _ramps(rotation):
+        for w, turn in _ramps(rotation + math.sqrt(2.0) * leak):
             lo_t, hi_t = eig.upper[tail] + shift + w, eig.lower[tail] - shift - w
             # the top part above each threshold (all of it unless the threshold reaches the top's eigenvalues)
             base_lo = top2_at(np.searchsorted(desc, -lo_t, side="left"))  # Σ over λ_i > lo_t
@@ -1060,6 +1149,11 @@ def _energy_curve(
         value[tail] = np.clip(np.maximum.accumulate(value[tail]), lower[tail], upper[tail])
     last = ks == N
     value[last] = lower[last] = upper[last] = 1.0  # E(φ, N) = 1
+    # E(φ, k) ≤ E(φ, k') for k < k': a top cluster's upper end (its window reaching into the tail: the
+    # tail's whole measure down to λ_k − tie) is also bounded by the tail's upper ends after it — it
+    # stood 0.22 above the next k's upper end with λ_31 … λ_40 = 10⁻⁸·λ_1 in the top part of a Lanczos solve
+    upper = np.minimum.accumulate(upper[::-1])[::-1]
+    lower = np.maximum.accumulate(lower)
     # rounding (‖Uᵀφ‖² can pass ‖φ‖² by an ulp) must not put a value outside [0, 1] or its bracket
     lower = np.clip(lower, 0.0, 1.0)
     upper = np.clip(upper, lower, 1.0)
@@ -1125,6 +1219,7 @@ def describe_width(name: str, curves: SpectralCurves) -> str:
     return f"E({name}, k)'s bracket is widest at k = {w['k']}: {w['width']:.3f}" + (f" — {body}" if body else "")
 
 
+_DK_POINT = 1e-8  # E's top part stays a point where its Davis–Kahan half-width is below this (_energy_curve)
 _RAMPS = tuple(2.0**j for j in range(1, 23, 2))  # ramp widths w / δ tried (δ/w: 0.5 … 4.8e-7)
 
 
