@@ -358,3 +358,25 @@ def test_float32_hook_weight_norm_measured_in_float64() -> None:
     mu = gauss_newton_eigenvalues(net, X, Y)
     lam = np.sort(np.linalg.eigvalsh(ref["I"]))[::-1][: mu.size]
     _assert_rel(mu, lam, "eigenvalues of I of a float32 weight-normed network")
+
+
+def test_a_failing_forward_is_named_as_the_hessian_it_broke():
+    """The error names the measurement it broke (was "computing the NTK of …" for Hessian calls)."""
+    from nsa_dist.errors import ModelForwardError
+
+    class Breaks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 1).double()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls > 3:  # the probes pass; the products fail
+                raise RuntimeError("boom")
+            return self.lin(x)
+
+    X, Y = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    with pytest.raises(ModelForwardError, match=r"computing the loss Hessian of Breaks failed.*boom"):
+        H = hessian_operator(Breaks(), X, Y, part="H")
+        H.matmat(torch.eye(3, dtype=torch.float64))

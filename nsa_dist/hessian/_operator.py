@@ -71,7 +71,7 @@ class LossCurvatureOperator(LinearOperator):
     ) -> None:
         P = sum(p.numel() for p in trainable_params(model).values())
         super().__init__(P, Y.dtype, "torch", X.device)
-        with blame(model):
+        with blame(model, "the loss Hessian"):
             coupling = sample_coupling(model, X)
             with copyable(model):
                 model = stateless(model, X[:2])  # products change no buffer of the user's model
@@ -149,7 +149,7 @@ class LossCurvatureOperator(LinearOperator):
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
         forward_mode = not self._reverse
-        with exact_kernels(self.model), autograd_conventions(), blame(self.model):
+        with exact_kernels(self.model), autograd_conventions(), blame(self.model, "the loss Hessian"):
             AV = self._columns(Vt)
             if forward_mode and self._reverse:  # switched to reverse mode in this product
                 self._check_symmetric()

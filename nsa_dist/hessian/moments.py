@@ -277,11 +277,11 @@ def gauss_newton_eigenvalues(
     # as the Hessian operators: a forward that writes a buffer other than a norm's running statistics
     # (spectral_norm's power iteration in train mode) is refused — its loss is another function at
     # every forward; the outputs are those of a copy that writes none (the user's model is unchanged)
-    with blame(model), copyable(model):
+    with blame(model, "the loss Hessian"), copyable(model):
         once = stateless(model, X[:2])
     G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K); model: f already selected
     if loss_ is LossName.CROSS_ENTROPY:
-        with preserved(once), blame(once), torch.no_grad():
+        with preserved(once), blame(once, "the loss Hessian"), torch.no_grad():
             R = curvature_sqrt(loss_, as_2d(once(X), X.shape[0]), Yt)  # (N, K, K)
         G = torch.einsum("iab,ibjc,jdc->iajd", R, G, R)
     M = G.reshape(N * K, N * K).cpu().numpy() / N

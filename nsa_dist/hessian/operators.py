@@ -132,7 +132,7 @@ def _setup(
     with copyable(model):  # a float32 model measured in float64 is a cast copy
         model = prepare_model(model, dtype, output)
     X = prepare_inputs(model, X, "X", dtype)
-    with preserved(model), blame(model):
+    with preserved(model), blame(model, "the loss Hessian"):
         K = output_dim(model, X)
     cdt = next(p.dtype for p in model.parameters() if p.requires_grad)
     return model, X, prepare_targets(Y, loss, X.shape[0], K, cdt, X.device)

@@ -30,9 +30,10 @@ def _in_module_call(tb) -> bool:
 
 
 @contextlib.contextmanager
-def blame(model: nn.Module) -> Iterator[None]:
+def blame(model: nn.Module, what: str = "the NTK") -> Iterator[None]:
     """Run NTK / Hessian work on ``model``; an error from torch becomes one :class:`ModelForwardError`
-    naming the innermost module that was running (its qualified name and type) and the cause.
+    naming the innermost module that was running (its qualified name and type) and the cause;
+    ``what`` names the measurement in it ("the NTK", "the loss Hessian").
 
     nsa-dist's own errors pass through unchanged (as do errors the caller handles inside the block).
     """
@@ -77,7 +78,7 @@ def blame(model: nn.Module) -> Iterator[None]:
         if stack and _in_module_call(e.__traceback__):
             name, kind = stack[-1]
             where = f" in module {name or '<root>'!r} ({kind})"
-        raise ModelForwardError(f"computing the NTK of {type(model).__name__} failed{where}: {_first_line(e)}") from e
+        raise ModelForwardError(f"computing {what} of {type(model).__name__} failed{where}: {_first_line(e)}") from e
     finally:
         _local.active = False
         for h in handles:
