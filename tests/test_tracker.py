@@ -449,6 +449,23 @@ class TokenNet(torch.nn.Module):
         return self.lin(self.emb(x).flatten(1)).squeeze(-1)
 
 
+class FailsWhenMarked(torch.nn.Module):
+    """Its float64 (analysis) forward raises where its buffer ``bad`` is set, and is slow elsewhere:
+    one recorded step fails while an earlier one is still being analysed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+        self.register_buffer("bad", torch.zeros(()))
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            if bool(self.bad):
+                raise ValueError("this step's analysis fails")
+            time.sleep(0.02)
+        return self.lin(x).squeeze(-1)
+
+
 def _bn_cnn(**bn) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Conv2d(2, 3, 3),
@@ -826,5 +843,47 @@ def test_ray_tracker_analyses_step_state_and_reports_errors(local_ray, tmp_path)
             tr.close()
         assert Client(url).run("g").status == "failed" and Client(url).run("g").failed_step == 0
         tr.close()  # closed already: nothing more
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.slow
+def test_ray_tracker_keeps_a_step_finished_beside_a_failed_one(local_ray, tmp_path):
+    """Two steps returned by one Ray wait, one failed: the failure is raised and the finished step's
+    summary is still taken — marked done, its notes replayed (was: taken from the pool and dropped)."""
+    import sys
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        torch.manual_seed(0)
+        X, y = torch.randn(16, 3), torch.randn(16)
+        model = FailsWhenMarked()
+        url = str(tmp_path / "t.zarr")
+        kw = dict(record={"steps": [0, 1, 9]}, spectrum={"k": 4, "images": []}, workers=2, max_inflight=3)
+        tr = Tracker(url, "b", model, X, y, steps=10, cluster="auto", **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for t in range(3):  # step 0 handed over at t = 1, step 1 (marked) at t = 2: both in flight
+            if t == 1:
+                model.bad.fill_(1.0)
+            if tr.due(t):
+                tr.record(t, lr=0.05)
+            opt.zero_grad()
+            ((model(X) - y) ** 2).mean().backward()
+            opt.step()
+        running = tr.tracked.pool.queue.running
+        assert len(running) == 2, f"{len(running)} steps in flight, expected 2: the test needs both out at once"
+        deadline = time.monotonic() + 120
+        while len(local_ray.wait(list(running), num_returns=2, timeout=0)[0]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with pytest.raises(AnalysisError, match=r"recorded step 1 failed"):
+            tr.due(3)
+        run = Client(url).run("b")
+        assert run.status == "failed" and run.failed_step == 1, (run.status, run.failed_step)
+        assert run.g["done"][:].tolist() == [True, False, False], run.g["done"][:]
+        taken = [s["index"] for s in tr.tracked.finished]  # its summary taken (its notes replayed) too
+        assert taken == [0], f"summaries taken by the driver: {taken}"
+        tr.close()
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

@@ -79,6 +79,8 @@ class RayTrackerPool:
         self.queue = DispatchQueue(RayAnalysisPool(actors, self.pids), _checkpoint, probe=True)
         self._refs = (model_ref, data_ref)  # held for the pool's life: a restarted worker rebuilds from them
         self.max_retries, self.run = max_retries, plan.run_id
+        self._held: list[dict] = []  # summaries returned beside a failed step, for the next wait
+        self._failed: list[tuple[int, Analysis, BaseException]] = []  # failed steps not raised yet, by step
 
     @property
     def running(self) -> dict[Any, Analysis]:
@@ -86,9 +88,10 @@ class RayTrackerPool:
         return self.queue.running
 
     @property
-    def inflight(self) -> list[Analysis]:
-        """The steps handed over and not yet returned: running and queued."""
-        return [*self.queue.running.values(), *self.queue.queued]
+    def inflight(self) -> list[Any]:
+        """The steps handed over and not yet returned: running, queued, and finished or failed
+        beside a failure raised earlier (held for the next :meth:`wait`)."""
+        return [*self.queue.running.values(), *self.queue.queued, *self._held, *(f[1] for f in self._failed)]
 
     @property
     def resubmitted(self) -> int:
@@ -102,29 +105,40 @@ class RayTrackerPool:
     def wait(self, block: bool) -> list[dict]:
         """Summaries of finished steps (at least one if ``block`` and any is in flight).
 
+        Every step Ray returned at once is taken; when some failed, the earliest failed step is
+        raised and the rest — finished summaries and later failures — are held for the next calls
+        (counted in :attr:`inflight`), so a failure never drops a step finished beside it (as
+        :class:`~nsa_dist.pipeline.pool.ThreadAnalysisPool`).
+
         Raises:
             AnalysisError: a step's analysis failed (the worker's exception chained as its cause),
                 or its worker died more than ``max_retries`` times.
             LeaseLost: another writer took the run over.
         """
         self.queue.dispatch()  # a worker freed by a failed step takes the next queued one
-        if not self.queue.running:
-            return []
-        out = []
-        for ref in self.queue.ready(block):
-            a, summary, exc = self.queue.take(ref)
-            if exc is not None:  # its worker idle again: the steps queued behind it still run (or fail)
-                self.queue.release(a)
+        if not self._held and not self._failed:
+            if not self.queue.running:
+                return []
+            for ref in self.queue.ready(block):
+                a, summary, exc = self.queue.take(ref)
+                if exc is None:
+                    replay_notes(self.run, summary.get("notes"), log)
+                    self._held.append(summary)
+                else:  # its worker idle again: the steps queued behind it still run (or fail)
+                    self.queue.release(a)
+                    self._failed.append((a.step, a, exc))
+            self._failed.sort(key=lambda f: f[0])
+        if self._failed:
+            _, a, exc = self._failed.pop(0)
+            self.queue.dispatch()
             if isinstance(exc, RayActorError):
                 raise AnalysisError(
                     f"run {self.run!r}: the analysis of recorded step {a.step} failed: its spectral "
                     f"worker died {self.max_retries + 1} times",
                     a.step,
                 ) from exc
-            if exc is not None:  # the analysis's own error, unwrapped from Ray's wrapper
-                raise_failure(self.run, a.step, task_cause(exc))
-            replay_notes(self.run, summary.get("notes"), log)
-            out.append(summary)
+            raise_failure(self.run, a.step, task_cause(exc))  # the analysis's own error, unwrapped
+        out, self._held = sorted(self._held, key=lambda s: s["index"]), []
         self.queue.dispatch()
         return out
 
