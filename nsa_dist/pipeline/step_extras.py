@@ -45,7 +45,8 @@ def predicted_update(
 
         df̄_t = J Δθ_t = −(δ/N) G_t m_t − δ μ J_t b_{t−1}.
 
-    μ = 0 gives the paper's −(δ/N) G m.  Other optimizers (minibatch SGD, Adam) and K > 1 use
+    μ = 0 gives the paper's −(δ/N) G m.  Other optimizers (minibatch SGD, Adam), K > 1 and a step
+    without one learning rate (δ_t NaN: a Tracker's step whose update was not GD at one rate) use
     the actual update, J_t Δθ_t.
 
     Args:
@@ -59,7 +60,7 @@ def predicted_update(
         (N,) or (N, K) float64.
     """
     opt = spec.optimizer
-    if OptimizerName(opt.name) is not OptimizerName.GD or residual.ndim != 1:
+    if OptimizerName(opt.name) is not OptimizerName.GD or residual.ndim != 1 or not np.isfinite(ck.lr):
         return np.asarray(J_times(ck.dtheta), np.float64)
     N = residual.shape[0]
     pred = -(ck.lr / N) * np.asarray(G_times(np.asarray(residual, np.float64)), np.float64)  # (N,)
