@@ -40,7 +40,7 @@ from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, autograd_on, default_block, trainable_params
-from nsa_dist.ntk.state import call, exact_kernels, renorm_copies, stateless
+from nsa_dist.ntk.state import call, copyable, exact_kernels, renorm_copies, stateless  # copyable: re-exported
 
 _log = logging.getLogger("nsa_dist")
 
@@ -88,6 +88,7 @@ class LossCurvatureOperator(LinearOperator):
         self.block_size = block_size
         self._width = max((p.shape[0] if p.ndim else 1) for p in self._params.values())
         self._reverse = False  # True once an op of the model turned out to have no forward-mode rule
+        self._refused: UnsupportedModelError | None = None  # its reverse-mode products failed the symmetry check
 
     # ------------------------------------------------------------------ to implement
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -148,11 +149,17 @@ class LossCurvatureOperator(LinearOperator):
     @autograd_on
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
+        if self._refused is not None:  # every later product too: the parts of one analysis share it
+            raise self._refused
         forward_mode = not self._reverse
         with exact_kernels(self.model), autograd_conventions(), blame(self.model, "the loss Hessian"):
             AV = self._columns(Vt)
             if forward_mode and self._reverse:  # switched to reverse mode in this product
-                self._check_symmetric()
+                try:
+                    self._check_symmetric()
+                except UnsupportedModelError as e:
+                    self._refused = e
+                    raise
         return AV
 
     def _columns(self, Vt: torch.Tensor) -> torch.Tensor:
@@ -238,26 +245,3 @@ def autograd_conventions() -> Iterator[None]:
       tangent — H, I and S of an embedding model with padding were asymmetric, 0.77 off."""
     with _AutogradConventions():
         yield
-
-
-@contextlib.contextmanager
-def copyable(model: nn.Module) -> Iterator[None]:
-    """Within the block ``copy.deepcopy(model)`` works although the model uses the hook-based
-    ``torch.nn.utils.weight_norm``: its pre-hook leaves the computed weight, a non-leaf tensor, on
-    the module, and deepcopy refuses non-leaf tensors ("Only Tensors created explicitly by the user
-    …") — a float32 model measured in float64, or one with a train-mode batch norm, failed with
-    that torch error.  The weight is detached meanwhile (every forward recomputes it) and put back."""
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    held = []
-    for m in model.modules():
-        for hook in m._forward_pre_hooks.values():
-            t = getattr(m, hook.name, None) if isinstance(hook, WeightNorm) else None
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                held.append((m, hook.name, t))
-                setattr(m, hook.name, t.detach())
-    try:
-        yield
-    finally:
-        for m, name, t in held:
-            setattr(m, name, t)

@@ -23,7 +23,7 @@ from nsa_dist.ntk.gram import route_of
 from nsa_dist.ntk.inputs import autograd_on, output_dim, prepare_inputs, trainable_params
 from nsa_dist.ntk.layer_features import _features, per_layer_layers
 from nsa_dist.ntk.route import NTKRoute
-from nsa_dist.ntk.state import preserved
+from nsa_dist.ntk.state import preserved, refuse_state_writes
 
 __all__ = ["BlockFeatures", "block_features", "feature_width", "row_blocks"]
 
@@ -63,6 +63,8 @@ def block_features(
     if dtype is not None:
         model = model.to(dtype)  # caller passes a copy when it must keep its model
     x = prepare_inputs(model, x, "x", dtype)
+    with blame(model):
+        refuse_state_writes(model, x[:2])  # as gram: no in-place state, no parameter registered by a forward
     K = output_dim(model, x)
     with preserved(model), blame(model):
         plan, m = route_of(model, x, method)

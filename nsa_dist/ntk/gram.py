@@ -28,7 +28,7 @@ from nsa_dist.ntk.inputs import (
 from nsa_dist.ntk.layer_features import per_layer_gram, per_layer_layers
 from nsa_dist.ntk.operator import NTKOperator
 from nsa_dist.ntk.route import NTKRoute
-from nsa_dist.ntk.state import preserved, stateless
+from nsa_dist.ntk.state import preserved, refuse_state_writes, stateless
 
 __all__ = ["gram", "ntk_operator", "resolve_method", "resolve_route", "explain_method", "route_of"]
 
@@ -95,7 +95,10 @@ def resolve_route(
     """
     m = parse_enum(NTKMethod, method, "method")
     model = prepare_model(model, None, output)
-    plan = _plan(model, prepare_inputs(model, x, "x", None))
+    x = prepare_inputs(model, x, "x", None)
+    with blame(model):
+        refuse_state_writes(model, x[:2])  # as gram: a route of a forward that changes state is not one
+    plan = _plan(model, x)
     return NTKRoute.of(_choose(plan, m), plan, m, model)
 
 
@@ -168,6 +171,10 @@ def _setup(
                 f"x1 and x2 must have the same input dimension d (point shape); got x1 {tuple(x1.shape)} "
                 f"and x2 {tuple(x2.shape)}"
             )
+    with blame(model):
+        # the operators' and the Hessian's policy for every route: no in-place state (a train-mode
+        # spectral_norm), no parameter registered by a forward — even where two forwards agree
+        refuse_state_writes(model, x1[:2])
     with preserved(model), blame(model):
         return model, x1, x2, output_dim(model, x1)
 

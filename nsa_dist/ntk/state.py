@@ -21,14 +21,25 @@ from torch.func import functional_call
 
 from nsa_dist.errors import UnsupportedModelError
 
-__all__ = ["preserved", "renorm_copies", "dense_gradients", "stateless", "batch_stat_modules", "exact_kernels", "call"]
+__all__ = [
+    "preserved",
+    "renorm_copies",
+    "dense_gradients",
+    "stateless",
+    "refuse_state_writes",
+    "batch_stat_modules",
+    "exact_kernels",
+    "call",
+    "copyable",
+]
 
 
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model may run forwards freely; on exit its buffers (the same tensors,
     with the same values), the weights of its ``max_norm`` embeddings (which every forward
-    renormalises in place) and every module's training mode are what they were on entry.  Inside it
+    renormalises in place), its set of parameters and buffers (none a forward registered is left) and
+    every module's training mode are what they were on entry.  Inside it
     no embedding scales its gradient by token frequency (``scale_grad_by_freq`` rescales autograd's
     gradient, not the function: the NTK is made of the derivative) or returns a sparse one
     (:func:`dense_gradients`)."""
@@ -37,6 +48,9 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     # the buffer slots themselves: a forward that reassigns a buffer (``self.n = self.n + 1``, an EMA
     # written ``self.mu = 0.9 * self.mu + …``) leaves the saved tensor alone and puts a new one there
     slots = [(m, dict(m._buffers)) for m in model.modules()]
+    # a forward that registers a parameter or buffer (``self.s = nn.Parameter(…)`` on its first call,
+    # a buffer turned into a parameter) leaves the model with another parameter set: removed again
+    params = [(m, set(m._parameters.keys())) for m in model.modules()]  # keys(): a TorchScript module's dict
     # an embedding with max_norm renormalises the rows it looks up in place, in every forward
     # (torch.embedding_renorm_ on its weight): its weight is put back too
     renormed = [
@@ -53,7 +67,12 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m in scaled:
             m.scale_grad_by_freq = True
+        for m, names in params:
+            for name in set(m._parameters.keys()) - names:
+                del m._parameters[name]
         for m, bufs in slots:
+            for name in set(m._buffers.keys()) - set(bufs):
+                del m._buffers[name]
             for name, t in bufs.items():
                 if m._buffers.get(name) is not t:
                     m._buffers[name] = t
@@ -112,20 +131,35 @@ def batch_stat_modules(model: nn.Module) -> list[str]:
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
-def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
-    """``model`` itself when its forward changes no buffer, else a copy whose train-mode batch and
-    instance norms keep no running statistics (the same outputs: train mode normalises by the
-    batch's or the instance's statistics).
+def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The buffers of train-mode batch and instance norms that one forward of x writes in place
+    (their running statistics: the outputs do not read them), after checking that it writes no
+    other buffer in place and registers no parameter or buffer — the user's model is left as it was.
+
+    One policy for the NTK and the Hessian (every route, the operators and the Gram): a
+    train-mode ``spectral_norm`` runs a power iteration that rewrites its ``_u``/``_v`` in every
+    forward, so every forward computes another function.  Two forwards of a converged iteration
+    agree to within a float tolerance, yet the kernel measured at one state is not the next
+    forward's (1.8e-10 relative off a reference one forward later, in float64; within the float32
+    tolerance the iteration need not be near convergence at all), and torch.func's transforms
+    cannot run an in-place write of a captured buffer — it is refused, with ``model.eval()`` named.
 
     Raises:
-        UnsupportedModelError: a forward changes a buffer of another kind of module (named).
+        UnsupportedModelError: a forward writes a buffer in place other than a norm's running
+            statistics, or registers a parameter or buffer (named).
     """
-    before = {name: b._version for name, b in model.named_buffers()}
+    before = {name: (b, b._version) for name, b in model.named_buffers()}
+    params = {name for name, _ in model.named_parameters()}
     with preserved(model), torch.no_grad():
         model(x.clone())  # a copy: a forward may write into its input
-        changed = [name for name, b in model.named_buffers() if b._version != before[name]]
-    if not changed:
-        return model
+        changed = [name for name, (b, v) in before.items() if b._version != v]
+        new = [f"parameter {n!r}" for n, _ in model.named_parameters() if n not in params]
+        new += [f"buffer {n!r}" for n, _ in model.named_buffers() if n not in before]
+    if new:
+        raise UnsupportedModelError(
+            f"the model's forward registers {', '.join(new)}: its parameters are not fixed before a forward, "
+            "and a kernel over them is not defined; register them in __init__ (or run one forward before measuring)"
+        )
     owners = {f"{n}.{k}" if n else k: m for n, m in model.named_modules() for k, _ in m.named_buffers(recurse=False)}
     other = [name for name in changed if not isinstance(owners[name], _NORMS)]
     if other:
@@ -133,14 +167,54 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
         raise UnsupportedModelError(
             f"the model's forward modifies its buffer {other[0]!r} ({type(mod).__name__}) in "
             "place; nsa-dist computes kernels only of forwards that change no state "
-            "besides batch- and instance-norm running statistics"
+            "besides batch- and instance-norm running statistics; call model.eval() if the module "
+            "updates its state only in training (e.g. spectral_norm's power iteration)"
         )
-    twin = copy.deepcopy(model)
+    return changed
+
+
+def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``model`` itself when its forward changes no buffer, else a copy whose train-mode batch and
+    instance norms keep no running statistics (the same outputs: train mode normalises by the
+    batch's or the instance's statistics).
+
+    Raises:
+        UnsupportedModelError: as :func:`refuse_state_writes`.
+    """
+    if not refuse_state_writes(model, x):
+        return model
+    with copyable(model):
+        twin = copy.deepcopy(model)
     for m in twin.modules():
         if isinstance(m, _NORMS) and m.training:
             # as torch.func's replace_all_batch_norm_modules_
             m.running_mean = m.running_var = m.num_batches_tracked = None
     return twin
+
+
+@contextlib.contextmanager
+def copyable(model: nn.Module) -> Iterator[None]:
+    """Within the block ``copy.deepcopy(model)`` works although the model uses the hook-based
+    ``torch.nn.utils.weight_norm`` or ``torch.nn.utils.spectral_norm``: their pre-hooks leave the
+    computed weight, a non-leaf tensor, on the module, and deepcopy refuses non-leaf tensors ("Only
+    Tensors created explicitly by the user …") — a float32 model measured in float64, or one with a
+    train-mode batch norm, failed with that torch error.  The weight is detached meanwhile (every
+    forward recomputes it) and put back."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    held = []
+    for m in model.modules():
+        for hook in m._forward_pre_hooks.values():
+            t = getattr(m, hook.name, None) if isinstance(hook, (WeightNorm, SpectralNorm)) else None
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                held.append((m, hook.name, t))
+                setattr(m, hook.name, t.detach())
+    try:
+        yield
+    finally:
+        for m, name, t in held:
+            setattr(m, name, t)
 
 
 @contextlib.contextmanager
