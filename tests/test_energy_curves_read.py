@@ -404,3 +404,26 @@ def test_a_block_rows_runs_curves_read_the_same_way(quad_pair) -> None:
             assert np.all(lo <= want[:, k - 1] + slop) and np.all(want[:, k - 1] - slop <= hi), (name, k, lo, hi)
     v, lo, hi = rows.energy("y", 40)
     assert lo <= v <= hi and hi > lo
+
+
+def test_a_top_eigenvalue_bracket_is_read_relative_to_its_own_size():
+    """A λ bracket of ±0.1 % is a bracket at any scale of G (at 10⁻¹⁷⁰ an absolute floor read it as
+    exact); one of ±10⁻¹⁰ relative reads as exact at any scale (review of a753d5e)."""
+    from types import SimpleNamespace
+
+    from nsa_dist.client._curves import _widen_top
+
+    for s in (1.0, 1e-3, 1e-170):
+        for half, exact_read in ((1e-3, False), (1e-10, True)):
+            stored = {
+                "curve_k": np.array([1, 2, 3]),
+                "curve_eigenvalue_lower": np.array([[3.0, 2.0, 1.0 - half]]) * s,
+                "curve_eigenvalue_upper": np.array([[3.0, 2.0, 1.0 + half]]) * s,
+            }
+            run = SimpleNamespace(array=stored.__getitem__, per_step=stored.__getitem__)
+            lower, upper = np.array([[3.0, 2.0, 1.0]]) * s, np.array([[3.0, 2.0, 1.0]]) * s
+            exact = np.ones(3, bool)
+            _widen_top(run, "curve_eigenvalue", np.array([1, 2, 3]), 3, lower, upper, exact, False)
+            assert bool(exact[2]) is exact_read, (s, half, lower, upper)
+            if not exact_read:
+                assert lower[0, 2] == (1.0 - half) * s and upper[0, 2] == (1.0 + half) * s, (s, lower, upper)

@@ -212,9 +212,9 @@ def _widen_top(
     # a point bracket (to the two routes' rounding) is no cluster, nor one narrower than TOP_RESOLUTION (of
     # λ_k, or of E's scale 1): a top-k solve's own bracket, its value ± the residual bound (λ) or the residual
     # over the eigengap (E), stays "exact" to that resolution; a cluster's bracket is far wider
-    scale = np.fmax(np.abs(hi), 1.0) if increasing else np.abs(hi)
+    scale = np.fmax(np.abs(hi), 1.0) if increasing else np.abs(hi)  # E's scale is 1; λ_k's its own size
     with np.errstate(invalid="ignore"):
-        wide = hi - lo > np.fmax(64 * np.finfo(np.float64).eps * np.fmax(np.abs(hi), 1.0), TOP_RESOLUTION * scale)
+        wide = hi - lo > max(64 * np.finfo(np.float64).eps, TOP_RESOLUTION) * scale
     if not wide.any():
         return
     cols = grid - 1
