@@ -284,3 +284,52 @@ def test_a_parameter_registered_by_the_forward_is_refused(cls, route: str) -> No
     F = _reference(m, x)
     err = _err(gram(m, x, method=route if route != "operator" else "auto"), torch.einsum("iaja->ij", F))
     assert err < TOL, f"relative difference from the dense reference {err:.2e}"
+
+
+class _LazyHead(nn.Module):
+    """Builds its head (a submodule with parameters) on the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(3, 4, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(4, 2, dtype=D)
+        return self.head(torch.tanh(self.body(x)))
+
+
+class _RotaryCache(nn.Module):
+    """Registers a cache buffer (cos of positions, as a rotary embedding) on its first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "cos_cached" not in self._buffers:
+            self.register_buffer("cos_cached", torch.cos(torch.arange(3, dtype=D)), persistent=False)
+        return self.lin(x * self.cos_cached)
+
+
+def test_a_submodule_built_by_the_forward_is_refused_and_removed() -> None:
+    """Refused as a registered parameter, and the head the probe's forward built is not left on the
+    user's model (it was: a second gram measured the model with that random head; review of 0127b2d)."""
+    torch.manual_seed(0)
+    m, x = _LazyHead(), torch.randn(5, 3, dtype=D)
+    with pytest.raises(UnsupportedModelError, match=r"registers parameter 'head.weight'"):
+        gram(m, x)
+    assert [n for n, _ in m.named_parameters()] == ["body.weight", "body.bias"] and not hasattr(m, "head")
+
+
+@pytest.mark.parametrize("route", ["auto", "jacobian"])
+def test_a_cache_buffer_registered_by_the_forward_is_measured(route: str) -> None:
+    """A buffer a forward registers (a rotary cache) is computed state, not a parameter: measured exactly,
+    as before 0127b2d (which refused it as 'registers buffer'), and not left on the model."""
+    torch.manual_seed(0)
+    m, x = _RotaryCache(), torch.randn(5, 3, dtype=D)
+    G = gram(m, x, method=route)
+    assert "cos_cached" not in dict(m.named_buffers())
+    m(x)  # the reference with the cache in place
+    err = _err(G, torch.einsum("iaja->ij", _reference(m, x)))
+    assert err < TOL, f"relative difference from the dense reference {err:.2e}"

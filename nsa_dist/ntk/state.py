@@ -38,7 +38,8 @@ __all__ = [
 def preserved(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model may run forwards freely; on exit its buffers (the same tensors,
     with the same values), the weights of its ``max_norm`` embeddings (which every forward
-    renormalises in place), its set of parameters and buffers (none a forward registered is left) and
+    renormalises in place), its set of submodules, parameters and buffers (none a forward registered
+    is left) and
     every module's training mode are what they were on entry.  Inside it
     no embedding scales its gradient by token frequency (``scale_grad_by_freq`` rescales autograd's
     gradient, not the function: the NTK is made of the derivative) or returns a sparse one
@@ -51,6 +52,7 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     # a forward that registers a parameter or buffer (``self.s = nn.Parameter(…)`` on its first call,
     # a buffer turned into a parameter) leaves the model with another parameter set: removed again
     params = [(m, set(m._parameters.keys())) for m in model.modules()]  # keys(): a TorchScript module's dict
+    children = [(m, set(m._modules.keys())) for m in model.modules()]  # a submodule built by a forward: removed
     # an embedding with max_norm renormalises the rows it looks up in place, in every forward
     # (torch.embedding_renorm_ on its weight): its weight is put back too
     renormed = [
@@ -67,6 +69,9 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m in scaled:
             m.scale_grad_by_freq = True
+        for m, names in children:
+            for name in set(m._modules.keys()) - names:
+                del m._modules[name]
         for m, names in params:
             for name in set(m._parameters.keys()) - names:
                 del m._parameters[name]
@@ -146,15 +151,16 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
 
     Raises:
         UnsupportedModelError: a forward writes a buffer in place other than a norm's running
-            statistics, or registers a parameter or buffer (named).
+            statistics, or registers a parameter (named; a buffer it registers, a cache, is measured).
     """
     before = {name: (b, b._version) for name, b in model.named_buffers()}
     params = {name for name, _ in model.named_parameters()}
     with preserved(model), torch.no_grad():
         model(x.clone())  # a copy: a forward may write into its input
         changed = [name for name, (b, v) in before.items() if b._version != v]
+        # a buffer registered by a forward (a rotary-embedding cache built on the first call) is state the
+        # forward computes, not a parameter: measured as before; a parameter is not fixed before a forward
         new = [f"parameter {n!r}" for n, _ in model.named_parameters() if n not in params]
-        new += [f"buffer {n!r}" for n, _ in model.named_buffers() if n not in before]
     if new:
         raise UnsupportedModelError(
             f"the model's forward registers {', '.join(new)}: its parameters are not fixed before a forward, "
