@@ -505,3 +505,85 @@ def test_the_network_digest_is_stable_and_ignores_inplace():
         for seed in ("1", "2", "3")
     }
     assert len(seen) == 1 and "" not in seen, f"one script, digests {seen}"
+
+
+class _Float64Refuser(nn.Module):
+    """Trains in float32; its forward raises on the analysis's float64 inputs (every analysis fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise ValueError("no float64 here")
+        return self.lin(x).squeeze(-1)
+
+
+def test_the_loops_own_error_is_raised_when_an_analysis_failed_meanwhile(tmp_path):
+    """The loop raises while a step's analysis fails: the user sees their own error (was: a LeaseLost
+    from a second status write after the failed run gave its lease back), and the run is failed at
+    that step (review of this session's diffs)."""
+    X, y = _data()
+    model = _Float64Refuser()
+    url = str(tmp_path / "s.zarr")
+
+    class Boom(RuntimeError):
+        pass
+
+    with pytest.raises(Boom):
+        with _tracker(url, "fx", model, X, y.reshape(-1), steps=3) as tr:
+            tr.record(0, lr=0.1)
+            raise Boom("the user's loop broke")
+    run = Client(url).run("fx")
+    assert run.status == "failed" and run.failed_step == 0, (run.status, run.reason)
+
+
+def test_a_step_with_an_unknown_learning_rate_leaves_the_other_steps_figures(tmp_path):
+    """One clipped update in a GD loop stores δ_1 as NaN: Figs. 2c/2d's flow speed and δλ/N are NaN at
+    that step only, and `nsa plot` draws every figure (it raised NonFiniteError at fig2c, losing the rest)."""
+    from nsa_dist.plots import plot_run
+
+    X, y = _data()
+    y = y.reshape(-1)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    url = str(tmp_path / "s.zarr")
+    tr = _tracker(url, "nanlr", model, X, y, optimizer="gd", steps=4)
+    for t in range(4):
+        if tr.due(t):
+            tr.record(t, lr=0.1)
+        opt.zero_grad()
+        (0.5 * ((model(X).reshape(-1) - y) ** 2).mean()).backward()
+        if t == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        opt.step()
+    tr.close()
+    run = Client(url).run("nanlr")
+    assert np.isnan(run.lr[1]) and np.isfinite(run.lr[[0, 2, 3]]).all(), run.lr
+    for name, got in (("flow speed", run.flow_speed()), ("δλ/N", run.lr_eigen_product())):
+        assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2, 3]]).all(), f"{name}: {got[:, :3]}"
+    written = {p.stem for p in plot_run(run, tmp_path / "figs")}
+    assert {"fig2c_flow_speed", "fig2d_lr_eigen"} <= written, sorted(written)
+
+
+def test_a_tracked_gd_run_stores_no_constant_gram_prediction(tmp_path):
+    """App. E's constant-Gram prediction needs δ at every update; a Tracker knows δ_t only at its recorded
+    steps and stored the prediction at its spec's placeholder rate 0.25 for a loop at 0.1 (6.6 % off at
+    the first step): not made for Tracker runs (review of this session's diffs)."""
+    X, y = _data()
+    y = y.reshape(-1)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    url = str(tmp_path / "s.zarr")
+    tr = _tracker(url, "cg", model, X, y, optimizer="gd", steps=4)
+    for t in range(4):
+        if tr.due(t):
+            tr.record(t, lr=0.1)
+        opt.zero_grad()
+        (0.5 * ((model(X).reshape(-1) - y) ** 2).mean()).backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("cg")
+    assert run.status == "done"
+    assert not run.has("constant_gram_residual"), "a constant-Gram prediction at a rate the Tracker never saw"

@@ -100,7 +100,10 @@ class HessianView:
         from nsa_dist.hessian import edge_of_stability
 
         lr = self._a.per_step("lr")[self._index()]
-        return np.array([edge_of_stability(lam, d) for lam, d in zip(self.top("H")[:, 0], lr)], dtype=np.float64)
+        return np.array(  # NaN at a step whose δ_t is unknown (a Tracker's update that was not GD at one rate)
+            [edge_of_stability(lam, d) if np.isfinite(d) else np.nan for lam, d in zip(self.top("H")[:, 0], lr)],
+            dtype=np.float64,
+        )
 
     def density(self, step: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed;

@@ -385,12 +385,22 @@ class Run(RunArrays):
         return self.stability_eigenvalues[:, 0]
 
     def lr_eigen_product(self) -> np.ndarray:
-        """(S, K') δ_t λ_i^t / N (NSA Fig. 2d), λ of :attr:`stability_eigenvalues`; a GD formula."""
-        return lr_eigen_product(self.stability_eigenvalues, self.lr[:, None], self.N)
+        """(S, K') δ_t λ_i^t / N (NSA Fig. 2d), λ of :attr:`stability_eigenvalues`; a GD formula.  NaN
+        at a step whose δ_t is unknown (a Tracker's step whose update was not GD at one rate)."""
+        return self._per_known_lr(lr_eigen_product)
 
     def flow_speed(self) -> np.ndarray:
-        """(S, K') s_i^t = 1 − |1 − δ_t λ_i^t / N| (NSA Fig. 2c), λ of :attr:`stability_eigenvalues`; a GD formula."""
-        return flow_speed(self.stability_eigenvalues, self.lr[:, None], self.N)
+        """(S, K') s_i^t = 1 − |1 − δ_t λ_i^t / N| (NSA Fig. 2c), λ of :attr:`stability_eigenvalues`; a GD
+        formula.  NaN at a step whose δ_t is unknown (as :meth:`lr_eigen_product`)."""
+        return self._per_known_lr(flow_speed)
+
+    def _per_known_lr(self, fn) -> np.ndarray:
+        lam, lr = self.stability_eigenvalues, np.asarray(self.lr, np.float64)
+        out = np.full(lam.shape, np.nan)
+        known = np.isfinite(lr)
+        if known.any():
+            out[known] = fn(lam[known], lr[known, None], self.N)
+        return out
 
     def stability_bound(self) -> np.ndarray:
         """(S,) 2N/λ_max^t, the largest stable learning rate of GD on the L2 loss (NSA Fig. 1e),

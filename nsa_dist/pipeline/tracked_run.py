@@ -277,16 +277,21 @@ class TrackedRun:
     def interrupt(self, cause: type[BaseException] | None, reason: str | None = None) -> None:
         """The loop raised ``cause`` (or the recording stops for ``reason``): analyse the last recorded
         step too (θ_t was taken whole at ``record(t)``; its update, never seen, is NaN), wait for the
-        steps out, then status ``interrupted``."""
+        steps out, then status ``interrupted`` — unless a step's analysis failed meanwhile: the run is
+        then ``failed`` with that step (:meth:`abort`) and the loop's own error is the one raised (a
+        second status write after the lease was given back read as LeaseLost, hiding both)."""
         try:
             if self.pending is not None:
                 self.advance(-1)  # -1 is no step + 1: the update is NaN
             self.drain()
+        except AnalysisError:  # abort() marked the run failed and ended the session
+            pass
         finally:
             self.closed = True
             self.pool.close()
-            self.session.interrupt(reason, cause=cause)
-            self.session.release()
+            if not self.session.ended:
+                self.session.interrupt(reason, cause=cause)
+                self.session.release()
 
     def _end(self) -> None:
         self.closed = True
