@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util import ActorPool
 
 if TYPE_CHECKING:
@@ -71,7 +72,11 @@ class RayAnalysisPool:
         self._idle.push(w)
         if a.pids is None:
             return False
-        before, after = a.pids[0], ray.get(a.pids[1])
+        try:
+            after = ray.get(a.pids[1])
+        except RayActorError:  # the worker is dead for good (its restarts spent): the caller's error says so
+            return False
+        before = a.pids[0]
         self._pid[id(w)] = after
         return before is not None and after != before
 
