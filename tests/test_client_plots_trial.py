@@ -364,3 +364,26 @@ def test_fig1e_draws_the_stored_learning_rate_of_a_tracker_run(tmp_path: Path) -
         # steps-post: the value drawn at t is the last vertex at or before t
         got = v[np.flatnonzero(x <= t)[-1]]
         assert got == want, f"δ_t drawn at t = {t}: {got}, stored {want} (line {list(zip(x, v))})"
+
+
+def test_width_convergence_leaves_out_grid_points_without_a_limit(tmp_path: Path) -> None:
+    """A sweep over regime × width: the active regime has no limit of I (NaN errors), so its lines are
+    not drawn — they were legend entries "slope +nan" with nothing drawn — and the figure says so."""
+    from nsa_dist.plots.sweep import width_convergence
+
+    url = str(tmp_path / "rg.zarr")
+    store = SpectrumStore(url)
+    hessian = {k: v for k, v in HESSIAN.items() if k != "every"}
+    base = {**BASE, "data": {"n": 8}, "steps": 1, "record": {"every": 1}, "hessian": {**hessian, "steps": [0]}}
+    sweep = SweepSpec(name="rg", base=base, grid={"model.width": [3, 6], "model.regime": ["ntk", "active"]})
+    ids = []
+    for spec in sweep.expand():
+        assert run_experiment(spec, store).status == "done"
+        ids.append(run_id(spec))
+    store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
+    ax = width_convergence(Client(url).sweep("rg")).axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert not [lb for lb in labels if "nan" in lb], labels
+    assert [lb for lb in labels if "regime=ntk" in lb], labels
+    said = " ".join(t.get_text() for t in ax.texts)
+    assert "not drawn, no limit of I there" in said and "active" in said, said

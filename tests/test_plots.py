@@ -194,6 +194,9 @@ def test_gd_formula_note() -> None:
     adam = ExperimentSpec(data={"n": 64}, optimizer={"name": "adam", "batch_size": 16})
     note = gd_note(SimpleNamespace(spec=adam))
     assert "Adam" in note and "formulas of full-batch GD" in note, note
+    custom = SimpleNamespace(loss="l2", optimizer=SimpleNamespace(name="custom", momentum=0.0, batch_size=None))
+    note = gd_note(SimpleNamespace(spec=custom))  # a Tracker's own loop was said to "use GD"
+    assert "training loop of its own" in note and "uses GD" not in note, note
 
 
 # ---------------------------------------------------------------- right by default: every figure readable

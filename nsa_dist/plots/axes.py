@@ -287,7 +287,12 @@ def gd_note(run: Run) -> str | None:
         )
     if name == "gd" and o.momentum == 0:
         return None
-    what = {"sgd": f"minibatch SGD (batch {o.batch_size})", "adam": "Adam"}.get(name, "GD")
+    what = {
+        "gd": "GD",
+        "sgd": f"minibatch SGD (batch {o.batch_size})",
+        "adam": "Adam",
+        "custom": "a training loop of its own (a Tracker's: its update rule is not known)",
+    }.get(name, f"optimizer {name!r}")
     if o.momentum > 0:
         what += f" with momentum {o.momentum:g}"
     return (

@@ -73,6 +73,20 @@ def appF(run: Run) -> Figure:
     right.set(xlabel="step t", ylabel=r"relative to $\Vert\lambda_{1..k}\Vert$", yscale="log")
     right.grid(alpha=0.3)
     legend(right, fontsize=7)
+    act = str(getattr(getattr(run.spec.model, "activation", None), "value", getattr(run.spec.model, "activation", "")))
+    if act in ("relu", "leaky_relu"):  # the first-order change misses units that cross their kink
+        fig.text(
+            0.01,
+            0.005,
+            f"note: activation {act!r} is piecewise linear — Eqs. 25–26 differentiate it where it is smooth, "
+            "so dG's first-order value misses units that cross the kink in update t (a smooth σ, e.g. tanh, "
+            "matches the measured change to first order)",
+            fontsize=7,
+            color="crimson",
+            ha="left",
+            va="bottom",
+            wrap=True,
+        )
     return fig
 
 

@@ -244,10 +244,14 @@ def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1,
     if _WIDTH not in sweep.fields:
         raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
     fig, ax = _figure(sweep, "", f"width convergence of I to its limit at t = {step}", paper="Hessian paper")
+    skipped: list[str] = []  # grid points without a limit of I (regime: active, a factory model): not drawn
     for c, k in zip(colors(len(orders)), orders):
         # one colour per order; the lines of one order (one per value of each other field the sweep
         # varies) told apart by their marker and line style, so that each legend entry names one line
         for j, (lab, w, mean, std) in enumerate(_by_width(sweep, "hessian_I_error", k, step, None)):
+            if not np.isfinite(np.asarray(mean, np.float64)).any():  # no limit there (the active regime)
+                skipped.append(lab)
+                continue
             slope = fit_slope(w, mean)
             ax.errorbar(
                 w,
@@ -268,6 +272,15 @@ def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1,
             ax.plot(w, y0 * np.sqrt(w[0] / w), "k:", lw=1, label=r"$\propto w^{-1/2}$")
     ax.set(xlabel="width w", ylabel="relative error", xscale="log", yscale="log")
     ax.grid(alpha=0.3, which="both")
+    if skipped:
+        ax.text(
+            0.01,
+            0.01,
+            f"not drawn, no limit of I there: {', '.join(sorted(set(skipped)))}",
+            transform=ax.transAxes,
+            fontsize=7,
+            va="bottom",
+        )
     legend(ax)
     return fig
 
