@@ -539,27 +539,33 @@ def test_the_loops_own_error_is_raised_when_an_analysis_failed_meanwhile(tmp_pat
     assert run.status == "failed" and run.failed_step == 0, (run.status, run.reason)
 
 
-def test_a_step_with_an_unknown_learning_rate_leaves_the_other_steps_figures(tmp_path):
-    """One clipped update in a GD loop stores δ_1 as NaN: Figs. 2c/2d's flow speed and δλ/N are NaN at
-    that step only, and `nsa plot` draws every figure (it raised NonFiniteError at fig2c, losing the rest)."""
-    from nsa_dist.plots import plot_run
-
+def _gd_run(tmp_path, name: str, clip_at: int | None = None, T: int = 4):
+    """A full-batch GD loop at δ = 0.1 recorded at every step with optimizer="gd" (its gradient clipped at
+    step ``clip_at``, if given); the finished run as the Client reads it."""
     X, y = _data()
     y = y.reshape(-1)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     url = str(tmp_path / "s.zarr")
-    tr = _tracker(url, "nanlr", model, X, y, optimizer="gd", steps=4)
-    for t in range(4):
+    tr = _tracker(url, name, model, X, y, optimizer="gd", steps=T)
+    for t in range(T):
         if tr.due(t):
             tr.record(t, lr=0.1)
         opt.zero_grad()
         (0.5 * ((model(X).reshape(-1) - y) ** 2).mean()).backward()
-        if t == 1:
+        if t == clip_at:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         opt.step()
     tr.close()
-    run = Client(url).run("nanlr")
+    return Client(url).run(name)
+
+
+def test_a_step_with_an_unknown_learning_rate_leaves_the_other_steps_figures(tmp_path):
+    """One clipped update in a GD loop stores δ_1 as NaN: Figs. 2c/2d's flow speed and δλ/N are NaN at
+    that step only, and `nsa plot` draws every figure (it raised NonFiniteError at fig2c, losing the rest)."""
+    from nsa_dist.plots import plot_run
+
+    run = _gd_run(tmp_path, "nanlr", clip_at=1)
     assert np.isnan(run.lr[1]) and np.isfinite(run.lr[[0, 2, 3]]).all(), run.lr
     for name, got in (("flow speed", run.flow_speed()), ("δλ/N", run.lr_eigen_product())):
         assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2, 3]]).all(), f"{name}: {got[:, :3]}"
@@ -571,19 +577,6 @@ def test_a_tracked_gd_run_stores_no_constant_gram_prediction(tmp_path):
     """App. E's constant-Gram prediction needs δ at every update; a Tracker knows δ_t only at its recorded
     steps and stored the prediction at its spec's placeholder rate 0.25 for a loop at 0.1 (6.6 % off at
     the first step): not made for Tracker runs (review of this session's diffs)."""
-    X, y = _data()
-    y = y.reshape(-1)
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    url = str(tmp_path / "s.zarr")
-    tr = _tracker(url, "cg", model, X, y, optimizer="gd", steps=4)
-    for t in range(4):
-        if tr.due(t):
-            tr.record(t, lr=0.1)
-        opt.zero_grad()
-        (0.5 * ((model(X).reshape(-1) - y) ** 2).mean()).backward()
-        opt.step()
-    tr.close()
-    run = Client(url).run("cg")
+    run = _gd_run(tmp_path, "cg")
     assert run.status == "done"
     assert not run.has("constant_gram_residual"), "a constant-Gram prediction at a rate the Tracker never saw"
