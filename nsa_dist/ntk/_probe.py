@@ -198,11 +198,13 @@ def _couples(
                 + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
                 + "): its NTK is not defined; call model.eval() (or disable the randomness)"
             )
+        bn = batch_stat_modules(model)
+        if bn:  # they couple by construction; the halves below can miss it ([a, b, a, b], a constant output),
+            # and at one point they still write their running statistics, which only the batch route keeps
+            # out of the transforms (a per-sample route met torch.func's raw in-place error)
+            return "batch statistics in " + ", ".join(bn)
         if x.shape[0] < 2:
             return None
-        bn = batch_stat_modules(model)
-        if bn:  # they couple by construction; the halves below can miss it ([a, b, a, b], a constant output)
-            return "batch statistics in " + ", ".join(bn)
         h = x.shape[0] // 2
         try:
             parts = torch.cat([as_2d(model(x[:h]), h), as_2d(model(x[h:]), x.shape[0] - h)]).detach()
