@@ -97,6 +97,9 @@ class Tracker:
         cluster: None (a background thread of this process), "local" (an embedded Ray), "auto" (the
             running Ray cluster) or "ray://HOST:PORT".
         workers, worker_cpus, worker_gpus: the Ray spectral-worker pool.
+        max_retries: how often Ray re-runs a recorded step whose spectral worker died (it restarts the
+            worker each time); one more death fails that step's analysis (as ``cluster.max_retries``
+            of a spec).  Not used without ``cluster``.
         max_inflight: checkpoints waiting for analysis before ``record`` blocks.
         seed, device: as in a spec ("auto": CUDA when available).
         output: which output is f when the model returns a dict, a tuple or a Hugging Face
@@ -134,6 +137,7 @@ class Tracker:
         workers: int = 1,
         worker_cpus: float = 1.0,
         worker_gpus: float = 0.0,
+        max_retries: int = 3,
         max_inflight: int = 2,
         seed: int = 0,
         device: str = "auto",
@@ -144,6 +148,8 @@ class Tracker:
             raise ValueError(f"optimizer={optimizer!r} is not one of custom, gd")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         low = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
         if low:
             raise UnsupportedModelError(
@@ -189,7 +195,9 @@ class Tracker:
 
         def pool(session: RunSession) -> Any:  # a copy of the network analyses, in a thread or on Ray
             _same_network(session.writer, self.spec.name, network)  # before the run starts: nothing changes
-            return _analysis_pool(cluster, session, self.model, self.data, workers, worker_cpus, worker_gpus)
+            return _analysis_pool(
+                cluster, session, self.model, self.data, workers, worker_cpus, worker_gpus, max_retries
+            )
 
         # one writer of this run at a time: the lease, the run created or reopened as `nsa run` does
         update = self._with_update
@@ -593,7 +601,14 @@ def _random_modules(model: nn.Module) -> list[str]:
 
 
 def _analysis_pool(
-    cluster: str | None, session: RunSession, model: nn.Module, data: Dataset, workers: int, cpus: float, gpus: float
+    cluster: str | None,
+    session: RunSession,
+    model: nn.Module,
+    data: Dataset,
+    workers: int,
+    cpus: float,
+    gpus: float,
+    max_retries: int,
 ) -> Any:
     """A tracked run's analysis pool on a copy of ``model``: a background thread (``cluster`` None),
     or Ray spectral workers on ``cluster``; either writes with the session's lease token."""
@@ -602,7 +617,9 @@ def _analysis_pool(
         return ThreadAnalysisPool(TrackedRunService(url, plan, model, data, token=token))
     from nsa_dist.cluster.tracking import RayTrackerPool
 
-    return RayTrackerPool(cluster, url, plan, model, data, workers=workers, cpus=cpus, gpus=gpus, token=token)
+    return RayTrackerPool(
+        cluster, url, plan, model, data, workers=workers, cpus=cpus, gpus=gpus, max_retries=max_retries, token=token
+    )
 
 
 def _analysis_copy(model: nn.Module) -> nn.Module:

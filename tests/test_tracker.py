@@ -312,6 +312,41 @@ def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
     _assert_same(reference, run)
 
 
+@pytest.mark.slow
+def test_ray_worker_that_dies_past_max_retries_fails_its_step_with_the_cause(local_ray, tmp_path):
+    """``max_retries=0``: one kill of the worker mid-analysis fails that step's analysis.  The loop gets
+    one AnalysisError naming the death and the budget (the pool's release of a dead worker's step
+    raised Ray's raw RayActorError from its pid probe before), and the run is failed with it."""
+    url = str(tmp_path / "t.zarr")
+    tr, model, data = _tracker(url, cluster="auto", workers=1, max_inflight=2, max_retries=0)
+    (pid,) = tr.pool.pids
+    opt = torch.optim.SGD(model.parameters(), lr=SPEC.schedule.lr)
+    X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
+    killed = None
+    with pytest.raises(AnalysisError) as err:
+        for t in range(SPEC.steps):
+            opt.zero_grad()
+            loss = 0.5 * ((model(X) - y) ** 2).mean()
+            if tr.due(t):
+                tr.record(t, lr=SPEC.schedule.lr)
+            loss.backward()
+            opt.step()
+            if t in (7, 13, 19) and killed is None and _until_analysing(tr):
+                (killed,) = [a.step for a in tr.pool.running.values()]  # one worker: the step it runs
+                os.kill(pid, signal.SIGKILL)
+        tr.close()
+    assert killed is not None, "no analysis of steps 6, 12, 18 was caught running on the Ray worker: none killed"
+    msg = str(err.value)
+    assert "spectral worker died once (max_retries=0)" in msg and f"recorded step {killed}" in msg, msg
+    run = Client(url).run("eq")
+    assert run.status == "failed" and "died once" in (run.reason or ""), (run.status, run.reason)
+
+
+def test_tracker_refuses_a_negative_max_retries(tmp_path):
+    with pytest.raises(ValueError, match="max_retries must be an integer >= 0, got -1"):
+        _tracker(str(tmp_path / "t.zarr"), max_retries=-1)
+
+
 def test_lightning_callback_is_optional():
     import importlib.util
 

@@ -134,7 +134,7 @@ class RayTrackerPool:
             if isinstance(exc, RayActorError):
                 raise AnalysisError(
                     f"run {self.run!r}: the analysis of recorded step {a.step} failed: its spectral "
-                    f"worker died {self.max_retries + 1} times",
+                    f"worker died {_times(self.max_retries + 1)} (max_retries={self.max_retries})",
                     a.step,
                 ) from exc
             raise_failure(self.run, a.step, task_cause(exc))  # the analysis's own error, unwrapped
@@ -146,6 +146,10 @@ class RayTrackerPool:
         self.queue.pool.close()
         self.queue.running.clear()
         self.queue.queued.clear()
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
 
 
 def _checkpoint(a: Analysis) -> tuple:
