@@ -108,11 +108,24 @@ def _seed():
     torch.manual_seed(0)
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports on 127.0.0.1 that were free a moment ago.  They are bound together, so no
+    two are alike: asked one at a time, the kernel handed the same port out twice (a two-node
+    cluster's ``ray start`` failed on --dashboard-port and --runtime-env-agent-port both 41731)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            socks.append(socket.socket())
+            socks[-1].bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (for more than one, :func:`free_ports`)."""
+    return free_ports(1)[0]
 
 
 # ---------------------------------------------------------------------- processes started once
@@ -222,19 +235,6 @@ def two_node_cluster(s3_server: dict) -> Iterator[tuple[str, dict]]:
     s3:// stores.  Yields (the dashboard address, the environment its nodes and ``nsa`` run in).
     Token auth is disabled on loopback only."""
     pytest.importorskip("ray")
-    # one temp dir per node: nodes sharing one would garbage-collect each other's runtime envs
-    temp_dir, temp_dir2 = (tempfile.mkdtemp(prefix="nsa-ray-", dir="/tmp") for _ in range(2))
-    port, dash = free_port(), free_port()
-
-    def ports() -> list[str]:
-        return [
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
-        ]
-
     # the nodes run `python` from this environment (a real cluster has nsa-dist's deps in its image)
     env = {
         **os.environ,
@@ -244,35 +244,31 @@ def two_node_cluster(s3_server: dict) -> Iterator[tuple[str, dict]]:
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    head = [
-        str(BIN / "ray"),
-        "start",
-        "--head",
-        f"--port={port}",
-        "--num-cpus=1",
-        "--resources",
-        json.dumps({"head_node": 4}),
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        f"--temp-dir={temp_dir}",
-        *common,
-        *ports(),
-    ]
-    node = [
-        str(BIN / "ray"),
-        "start",
-        f"--address=127.0.0.1:{port}",
-        "--num-cpus=1",
-        "--resources",
-        json.dumps({"worker_node": 4}),
-        f"--temp-dir={temp_dir2}",
-        *common,
-        *ports()[:4],
-    ]
+    flags = ("dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent", "metrics-export")
+    flags += ("ray-client-server",)  # the head's only
+    # two tries, each on fresh ports and folders: a port taken between free_ports() and ray's bind
+    # (other tests' processes start on this machine too) fails `ray start`
+    for attempt in (1, 2):
+        # one temp dir per node: nodes sharing one would garbage-collect each other's runtime envs
+        temp_dir, temp_dir2 = (tempfile.mkdtemp(prefix="nsa-ray-", dir="/tmp") for _ in range(2))
+        port, dash, *spare = free_ports(2 + 5 + 4)  # every port of both nodes distinct
+        head = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1"]
+        head += ["--resources", json.dumps({"head_node": 4}), "--include-dashboard=true"]
+        head += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", *common]
+        head += [f"--{flag}-port={spare.pop()}" for flag in flags]
+        node = [str(BIN / "ray"), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1"]
+        node += ["--resources", json.dumps({"worker_node": 4}), f"--temp-dir={temp_dir2}", *common]
+        node += [f"--{flag}-port={spare.pop()}" for flag in flags[:4]]
+        done = subprocess.run(head, env=env, capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            done = subprocess.run(node, env=env, capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            break
+        kill_cluster([temp_dir, temp_dir2, f"127.0.0.1:{port}", f":{port}"])
+        if attempt == 2:
+            said = (done.stdout + done.stderr)[-2000:]
+            pytest.fail(f"the two-node cluster did not start, twice; `ray start` said: {said}")
     try:
-        subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
-        subprocess.run(node, check=True, env=env, capture_output=True, timeout=120)
         yield f"http://127.0.0.1:{dash}", env
     finally:
         kill_cluster([temp_dir, temp_dir2, f"127.0.0.1:{port}", f":{port}"])

@@ -15,7 +15,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import BIN, free_port, kill_cluster
+from conftest import BIN, free_ports, kill_cluster
 
 from nsa_dist.cli import main as nsa
 
@@ -37,7 +37,7 @@ def token_head():
     # clusters start on this machine too) failed `ray start` once in a fresh-clone CI run
     for attempt in (1, 2):
         temp_dir = tempfile.mkdtemp(prefix="nsa-raytok-", dir="/tmp")
-        port, dash = free_port(), free_port()
+        port, dash, *spare = free_ports(2 + 5)  # all distinct
         head = [
             str(BIN / "ray"),
             "start",
@@ -51,7 +51,7 @@ def token_head():
             "--node-ip-address=127.0.0.1",
             "--disable-usage-stats",
             *(
-                f"--{flag}={free_port()}"
+                f"--{flag}={spare.pop()}"
                 for flag in (
                     "dashboard-agent-listen-port",
                     "dashboard-agent-grpc-port",
