@@ -19,11 +19,13 @@ momentum, Adam, per-step schedulers, gradient accumulation, max_steps / max_epoc
 between, the Tracker holding the LightningModule or the network inside it, resuming from a
 checkpoint, manual optimization.
 
-Refused before training with a ``ValueError`` naming the cause: an optimizer whose parameter
-groups have different learning rates (δ_t is ambiguous; groups whose rates part later, under a
-scheduler, stop the recording there — the run ends ``interrupted`` with that reason and every
-recorded step, and training goes on), and a Trainer that changed the tracked model's dtype or device
-after the Tracker was created (``precision="64-true"`` on a float32 module, ``"bf16-true"``, …:
+An optimizer whose parameter groups have different learning rates (a backbone and a head trained
+at their own rates) is recorded as :meth:`~nsa_dist.Tracker.record` records it: δ_t, the one rate of
+update t, is ambiguous and stored as NaN (with a warning), Δf_t is predicted as J_t Δθ_t of the
+update made, and every spectrum is measured; so are the steps of groups whose rates part later
+under a scheduler.  Refused before training with a ``ValueError`` naming the cause: a Trainer that
+changed the tracked model's dtype or device after the Tracker was created (``precision="64-true"``
+on a float32 module, ``"bf16-true"``, …:
 build the module in its training dtype first).  Mixed precision (``"bf16-mixed"``) is measured on
 the module's own float32 parameters, outside autocast.  An exception in training (Lightning's
 ``on_exception``, a KeyboardInterrupt too) ends the run ``interrupted`` with every finished step
@@ -44,12 +46,9 @@ in float64 (``tests/test_lightning.py``).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from nsa_dist.errors import MissingDependencyError
-
-_log = logging.getLogger("nsa_dist")
 
 __all__ = ["SpectrumCallback"]
 
@@ -75,7 +74,6 @@ if _pl is not None:
             self.tracker = tracker
             self._layout = _layout(tracker.model)  # the dtypes and devices the Tracker was made for
             self._ended = False  # a fit ended and closed the Tracker
-            self._stopped = False  # the recording stopped (the run ended interrupted); training goes on
 
         def __getstate__(self) -> Any:
             raise TypeError(
@@ -99,28 +97,16 @@ if _pl is not None:
                     "measures the model it was made for — build the module in the dtype and on the device it "
                     "trains in (e.g. module.double() for precision='64-true') before creating the Tracker"
                 )
-            for opt in getattr(trainer, "optimizers", None) or []:
-                if _mixed(opt):  # refused before a step is trained: nothing is lost
-                    raise ValueError(_mixed(opt))
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             step = int(trainer.global_step)
-            if self.tracker.due(step):
-                why = _mixed(optimizer)
-                if why:  # the groups' rates parted mid-run: stop recording, never the user's training
-                    why = f"recording stopped at step {step}: {why}"
-                    _log.warning("run %r: %s", self.tracker.spec.name, why)
-                    self.tracker.stop(why)
-                    self._stopped = True
-                    return
-                self.tracker.record(step, lr=float(optimizer.param_groups[0]["lr"]))
+            if self.tracker.due(step):  # the optimizer's groups: one rate is δ_t, different ones NaN (said)
+                self.tracker.record(step, lr=[float(g["lr"]) for g in optimizer.param_groups])
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self._at = int(trainer.global_step)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if self._stopped:
-                return
             step = int(trainer.global_step)
             self.tracker.due(step)  # the update of a step made in this batch
             loss = _batch_loss(outputs)
@@ -143,17 +129,6 @@ if _pl is not None:
         if hasattr(loss, "numel") and loss.numel() == 1:
             return float(loss.detach())
         return None
-
-    def _mixed(optimizer: Any) -> str | None:
-        """Why ``optimizer``'s parameter groups have no one learning rate δ_t (None: they have one)."""
-        lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        if len(set(lrs)) < 2:
-            return None
-        return (
-            f"the parameter groups of {type(optimizer).__name__} have different learning rates {lrs}, so δ_t "
-            "(the one learning rate of update t the Tracker stores) is ambiguous; give the groups one "
-            "learning rate, or record with Tracker.record in your own loop"
-        )
 
     def _layout(model: Any) -> list[tuple[str, str]]:
         return sorted({(str(p.dtype), str(p.device)) for p in model.parameters()})
