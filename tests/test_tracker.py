@@ -284,14 +284,13 @@ def _until_analysing(tr, timeout: float = 120.0) -> bool:
     raise AssertionError(f"the analyses handed over neither ran nor came back in {timeout:.0f} s")
 
 
-@pytest.mark.slow
-def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
-    url = str(tmp_path / "t.zarr")
-    tr, model, data = _tracker(url, cluster="auto", workers=1, max_inflight=2)
+def _train_killing_once(tr, model, data, killed: list[int]) -> None:
+    """SPEC's GD loop under ``tr``, then ``close()``; once, at t = 7, 13 or 19 (step t − 1 was just handed
+    over on due(t)), SIGKILL the Ray worker while it analyses a step (not while idle), the step it ran
+    appended to ``killed`` (kept when a later call raises)."""
     (pid,) = tr.pool.pids
     opt = torch.optim.SGD(model.parameters(), lr=SPEC.schedule.lr)
     X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
-    killed = False
     for t in range(SPEC.steps):
         opt.zero_grad()
         loss = 0.5 * ((model(X) - y) ** 2).mean()
@@ -299,12 +298,20 @@ def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
             tr.record(t, lr=SPEC.schedule.lr)
         loss.backward()
         opt.step()
-        if t in (7, 13, 19) and not killed:  # step t − 1 was just handed over on due(t)
+        if t in (7, 13, 19) and not killed:
             assert tr.inflight >= 1
-            if _until_analysing(tr):  # the kill must land mid-analysis, not on an idle worker
+            if _until_analysing(tr):
+                killed += [a.step for a in tr.pool.running.values()]  # one worker: the step it runs
                 os.kill(pid, signal.SIGKILL)
-                killed = True
     tr.close()
+
+
+@pytest.mark.slow
+def test_killed_ray_worker_step_is_recomputed(local_ray, tmp_path, reference):
+    url = str(tmp_path / "t.zarr")
+    tr, model, data = _tracker(url, cluster="auto", workers=1, max_inflight=2)
+    killed: list[int] = []
+    _train_killing_once(tr, model, data, killed)
     assert killed, "no analysis of steps 6, 12, 18 was caught running on the Ray worker: none killed"
     assert tr.resubmitted >= 1, "the dead worker's step was not re-sent"
     run = Client(url).run("eq")
@@ -319,25 +326,12 @@ def test_ray_worker_that_dies_past_max_retries_fails_its_step_with_the_cause(loc
     raised Ray's raw RayActorError from its pid probe before), and the run is failed with it."""
     url = str(tmp_path / "t.zarr")
     tr, model, data = _tracker(url, cluster="auto", workers=1, max_inflight=2, max_retries=0)
-    (pid,) = tr.pool.pids
-    opt = torch.optim.SGD(model.parameters(), lr=SPEC.schedule.lr)
-    X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
-    killed = None
+    killed: list[int] = []
     with pytest.raises(AnalysisError) as err:
-        for t in range(SPEC.steps):
-            opt.zero_grad()
-            loss = 0.5 * ((model(X) - y) ** 2).mean()
-            if tr.due(t):
-                tr.record(t, lr=SPEC.schedule.lr)
-            loss.backward()
-            opt.step()
-            if t in (7, 13, 19) and killed is None and _until_analysing(tr):
-                (killed,) = [a.step for a in tr.pool.running.values()]  # one worker: the step it runs
-                os.kill(pid, signal.SIGKILL)
-        tr.close()
-    assert killed is not None, "no analysis of steps 6, 12, 18 was caught running on the Ray worker: none killed"
+        _train_killing_once(tr, model, data, killed)
+    assert killed, "no analysis of steps 6, 12, 18 was caught running on the Ray worker: none killed"
     msg = str(err.value)
-    assert "spectral worker died once (max_retries=0)" in msg and f"recorded step {killed}" in msg, msg
+    assert "spectral worker died once (max_retries=0)" in msg and f"recorded step {killed[0]}" in msg, msg
     run = Client(url).run("eq")
     assert run.status == "failed" and "died once" in (run.reason or ""), (run.status, run.reason)
 
