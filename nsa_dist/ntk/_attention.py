@@ -206,7 +206,14 @@ def _math_attention(
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` by its math backend: the composite of matmuls and a
     softmax that every AD mode differentiates (the fused CPU flash and CUDA kernels have no
-    forward-mode rule)."""
+    forward-mode rule).
+
+    A boolean ``attn_mask`` (True: take part; Hugging Face's masks) is made the additive mask
+    (0 / -inf) ``F.scaled_dot_product_attention`` makes of it before it dispatches; the aten math
+    kernel does not convert it (a padded Llama's ``ntk_operator`` was 0.28 off, a forward with a
+    boolean mask up to 1.2 off ``F.scaled_dot_product_attention``'s)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
     )[0]

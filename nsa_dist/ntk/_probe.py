@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from nsa_dist.errors import UnsupportedModelError
+from nsa_dist.errors import NonFiniteError, UnsupportedModelError
 from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import batch_stat_modules, preserved
@@ -183,6 +183,7 @@ def _couples(
         _no_reentrant_checkpoint(whole)
         whole = whole.detach()
         again = as_2d(model(x), x.shape[0]).detach() if again is None else again.detach()
+        _finite_outputs(whole, again)
         if not _close(whole, again):
             drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
             state = [] if drop else _changed_buffers(model, x)
@@ -213,6 +214,22 @@ def _couples(
     if not _close(whole, parts):
         return "its outputs for half a batch differ from those of the whole batch"
     return _batch_size_matters(model, x, whole, window) or _first_point_moves(model, x)
+
+
+def _finite_outputs(*outs: torch.Tensor) -> None:
+    """NonFiniteError when a probe forward's outputs hold NaN or inf: no kernel is defined there,
+    and the checks below, which compare outputs, would take the NaN for a forward that is random
+    (a left-padded Hugging Face BLOOM, whose fully masked attention rows give NaN, was refused as
+    "the model's forward is random")."""
+    for out in outs:
+        bad = ~torch.isfinite(out)
+        if bool(bad.any()):
+            rows = bad.reshape(out.shape[0], -1).any(1)
+            raise NonFiniteError(
+                f"the model's outputs hold NaN or inf at {int(rows.sum())} of the {out.shape[0]} probe points "
+                "(the first distinct points of x): its NTK is not defined there; check the forward at those "
+                "points (e.g. an attention row whose every key is masked, as a fully padded sequence gives)"
+            )
 
 
 def _no_reentrant_checkpoint(out: torch.Tensor) -> None:

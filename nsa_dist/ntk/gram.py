@@ -223,7 +223,7 @@ def gram(
 
     Raises:
         ShapeError: x1/x2 not (n, …), differing point shapes, or a model output not (n,) / (n, K).
-        NonFiniteError: NaN/inf in x1 or x2.
+        NonFiniteError: NaN/inf in x1 or x2, or in the model's outputs at the probe points.
         UnsupportedModelError: ``method="structured"`` / ``"per_layer"`` on a model outside its reach.
         ValueError: an unknown method or kernel, an :class:`NTKRoute` of another network, a block_size < 1,
             an ``out`` of the wrong shape,

@@ -14,7 +14,14 @@ from nsa_dist.ntk._jacobian import vmap_unsafe
 from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
-from nsa_dist.ntk.state import call, dense_gradients, exact_kernels, renorm_copies, stateless
+from nsa_dist.ntk.state import (
+    call,
+    dense_gradients,
+    exact_kernels,
+    padding_rows_constant,
+    renorm_copies,
+    stateless,
+)
 
 _log = logging.getLogger("nsa_dist")
 
@@ -165,7 +172,8 @@ class NTKOperator(LinearOperator):
         """``J U`` by one JVP pass: (N, m) traced (Σ over outputs) or (N, K, m) full."""
         N, K = self.x.shape[0], self.K
         out = torch.empty((N, K, m) if self.full else (N, m), dtype=self.dtype, device=self.x.device)
-        with exact_kernels(self.model), dense_gradients(self.model), blame(self.model):
+        # the padding rows of embeddings as reverse mode (Jᵀ v) sees them: no derivative from their lookups
+        with exact_kernels(self.model), padding_rows_constant(), dense_gradients(self.model), blame(self.model):
             self._j_into(out, U, m)
         return out
 

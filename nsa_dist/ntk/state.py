@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 from nsa_dist.errors import UnsupportedModelError
 
@@ -29,6 +31,7 @@ __all__ = [
     "refuse_state_writes",
     "batch_stat_modules",
     "exact_kernels",
+    "padding_rows_constant",
     "call",
     "copyable",
 ]
@@ -234,6 +237,47 @@ def exact_kernels(model: nn.Module) -> Iterator[None]:
     from nsa_dist.ntk._attention import composite_attention
 
     with composite_attention():
+        yield
+
+
+class _PaddingRowsConstant(TorchFunctionMode):
+    """An embedding lookup's ``padding_idx`` rows enter as constants (see :func:`padding_rows_constant`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.embedding:  # (input, weight, padding_idx=None, …); its own torch.embedding call is not seen
+            idx, weight, pad = (
+                _arg(args, kwargs, i, k, None) for i, k in enumerate(("input", "weight", "padding_idx"))
+            )
+            pad = None if pad is None else pad % weight.shape[0]
+        elif func is torch.embedding:  # (weight, indices, padding_idx=-1 for none, …)
+            weight, idx, pad = (
+                _arg(args, kwargs, i, k, -1) for i, k in enumerate(("weight", "indices", "padding_idx"))
+            )
+            pad = None if pad is None or pad < 0 else pad
+        else:
+            return out
+        if pad is None:
+            return out
+        return torch.where((idx == pad).unsqueeze(-1), out.detach(), out)
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: object) -> object:
+    """Argument i (called ``name``) of a call, positional or keyword."""
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+@contextlib.contextmanager
+def padding_rows_constant() -> Iterator[None]:
+    """Within the block (this thread only) an ``Embedding``'s ``padding_idx`` row is looked up as a
+    constant: forward mode (``jvp``) then differentiates the model as reverse mode does — autograd's
+    embedding backward gives that row no gradient from its lookups, so the NTK's Jacobian (every
+    Gram route) has none, while ``jvp`` moved the looked-up row with its tangent.  The NTK
+    operator's ``J u`` takes u from ``Jᵀ v``, whose padding row is zero unless another use fills it:
+    a head tied to the embedding (``tie_word_embeddings`` with ``padding_idx = pad_token_id``, as
+    Hugging Face builds Llama / Qwen2) made the operator 0.08 off the Gram, and not symmetric."""
+    with _PaddingRowsConstant():
         yield
 
 
