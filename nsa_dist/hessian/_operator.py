@@ -29,7 +29,6 @@ import logging
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import jvp, vjp, vmap
 from torch.overrides import TorchFunctionMode
@@ -40,7 +39,14 @@ from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, autograd_on, default_block, trainable_params
-from nsa_dist.ntk.state import call, copyable, exact_kernels, renorm_copies, stateless  # copyable: re-exported
+from nsa_dist.ntk.state import (  # copyable: re-exported
+    call,
+    copyable,
+    exact_kernels,
+    padding_rows_constant,
+    renorm_copies,
+    stateless,
+)
 
 _log = logging.getLogger("nsa_dist")
 
@@ -196,34 +202,15 @@ def _no_forward_rule(e: NotImplementedError) -> bool:
     return "forward AD" in text or "forward mode AD" in text
 
 
-class _AutogradConventions(TorchFunctionMode):
-    """Forward mode and every order of derivative as PyTorch's first-order reverse mode defines them
-    (module docstring): ``torch._weight_norm`` by its composite formula, and an embedding's
-    ``padding_idx`` row held constant where it is looked up."""
+class _WeightNormComposite(TorchFunctionMode):
+    """``torch._weight_norm`` by its composite formula (see :func:`autograd_conventions`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         kwargs = kwargs or {}
         if func is torch._weight_norm:
             v, g, dim = (_arg(args, kwargs, i, k, 0) for i, k in enumerate(("v", "g", "dim")))
             return v * (g / torch.norm_except_dim(v, 2, dim))
-        out = func(*args, **kwargs)
-        if func is F.embedding:  # (input, weight, padding_idx=None, …); its own torch.embedding call is not seen
-            idx, weight, pad = (
-                _arg(args, kwargs, i, k, None) for i, k in enumerate(("input", "weight", "padding_idx"))
-            )
-            pad = None if pad is None else pad % weight.shape[0]
-        elif func is torch.embedding:  # (weight, indices, padding_idx=-1 for none, …)
-            weight, idx, pad = (
-                _arg(args, kwargs, i, k, -1) for i, k in enumerate(("weight", "indices", "padding_idx"))
-            )
-            pad = None if pad < 0 else pad
-        else:
-            return out
-        if pad is None:
-            return out
-        # autograd's embedding backward leaves the padding row's gradient zero (the row is not trained);
-        # jvp would move the looked-up rows with it: those rows enter as constants
-        return torch.where((idx == pad).unsqueeze(-1), out.detach(), out)
+        return func(*args, **kwargs)
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str, default: object) -> object:
@@ -243,5 +230,5 @@ def autograd_conventions() -> Iterator[None]:
     * an ``Embedding`` with ``padding_idx`` looks the padding row up as a constant: reverse mode
       gives that row no gradient, while forward mode (``jvp``) moved the looked-up row with its
       tangent — H, I and S of an embedding model with padding were asymmetric, 0.77 off."""
-    with _AutogradConventions():
+    with _WeightNormComposite(), padding_rows_constant():  # the NTK operator's own padding convention
         yield
