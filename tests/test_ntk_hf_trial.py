@@ -180,6 +180,34 @@ def test_first_order_prediction_through_a_boolean_sdpa_mask_is_exact():
     assert _err(got, want) < TOL, f"J·dθ off the reference by {_err(got, want):.3e} (relative)"
 
 
+@pytest.mark.parametrize("model_of", [lambda: PaddedSdpaLM(kv_heads=1), TiedPaddedLM], ids=["bool-mask", "tied-pad"])
+def test_loss_hessian_of_both_patterns_is_the_dense_one(model_of):
+    """The loss Hessian's products run the same forward mode (composite attention, the padding rows'
+    convention, now ``ntk.state.padding_rows_constant``): H = I + S against the dense float64
+    Hessian of C(θ) = (1/2N) Σ ‖f − y‖², ``jacrev`` twice with ``F.scaled_dot_product_attention``
+    held to PyTorch's own math backend (the fused CPU kernel has no double backward)."""
+    from conftest import flat_model
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nsa_dist.hessian import hessian_operator
+
+    torch.manual_seed(0)
+    model = model_of().double().eval()
+    x = _padded_ids() % 12
+    y = torch.randn(model(x).shape, dtype=D, generator=torch.Generator().manual_seed(5))
+    theta, f = flat_model(model)
+
+    def C(v: torch.Tensor) -> torch.Tensor:
+        return 0.5 * ((f(v, x) - y) ** 2).sum() / x.shape[0]
+
+    with sdpa_kernel(SDPBackend.MATH):
+        dense = jacrev(jacrev(C))(theta)
+    eye = torch.eye(theta.numel(), dtype=D)
+    H, I, S = (hessian_operator(model, x, y, part=p) for p in "HIS")
+    for name, got in (("H", H.matmat(eye)), ("I + S", I.matmat(eye) + S.matmat(eye))):
+        assert _err(got, dense) < 1e-11, f"{name} off the dense Hessian by {_err(got, dense):.3e} (relative)"
+
+
 class MaskedPool(nn.Module):
     """Attention pooling over the non-pad tokens: a sequence of pads only has every key masked,
     and its softmax (as a padded Hugging Face attention row's) is NaN."""
