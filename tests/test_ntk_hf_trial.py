@@ -86,22 +86,27 @@ def _padded_ids() -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
-@pytest.mark.parametrize("kernel", ["trace", "full"])
-def test_operator_through_a_boolean_sdpa_mask_is_exact(kv_heads, kernel):
-    torch.manual_seed(0)
-    model = PaddedSdpaLM(kv_heads=kv_heads).double().eval()
-    x = _padded_ids()
+def _operator_and_grams_exact(model: nn.Module, x: torch.Tensor, kernel: str, methods: tuple[str, ...]) -> None:
+    """``ntk_operator(...).matmat(eye)`` and ``gram`` by each of ``methods`` against the jacrev reference."""
     R = _reference(model, x)
     N, K = R.shape[:2]
     R = R.diagonal(dim1=1, dim2=3).sum(-1) if kernel == "trace" else R.reshape(N * K, N * K)
     op = ntk_operator(model, x, kernel=kernel)
     G = op.matmat(torch.eye(op.shape[0], dtype=D))
     assert _err(G, R) < TOL, f"operator off the reference by {_err(G, R):.3e} (relative)"
-    for method in ("auto", "jacobian", "per_layer"):  # the Gram routes agree with it
+    for method in methods:  # the Gram routes agree with it
         Gg = gram(model, x, method=method, kernel=kernel)
         Gg = Gg if kernel == "trace" else Gg.reshape(N * K, N * K)
         assert _err(Gg, R) < TOL, f"gram(method={method!r}) off the reference by {_err(Gg, R):.3e}"
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kernel", ["trace", "full"])
+def test_operator_through_a_boolean_sdpa_mask_is_exact(kv_heads, kernel):
+    torch.manual_seed(0)
+    model = PaddedSdpaLM(kv_heads=kv_heads).double().eval()
+    x = _padded_ids()
+    _operator_and_grams_exact(model, x, kernel, ("auto", "jacobian", "per_layer"))
 
 
 def test_composite_attention_takes_a_boolean_mask_as_sdpa_does():
@@ -151,16 +156,7 @@ def test_operator_of_a_tied_embedding_with_padding_idx_is_the_grams_kernel(kerne
     torch.manual_seed(0)
     model = TiedPaddedLM().double().eval()
     x = _padded_ids() % 12
-    R = _reference(model, x)
-    N, K = R.shape[:2]
-    R = R.diagonal(dim1=1, dim2=3).sum(-1) if kernel == "trace" else R.reshape(N * K, N * K)
-    op = ntk_operator(model, x, kernel=kernel)
-    G = op.matmat(torch.eye(op.shape[0], dtype=D))
-    assert _err(G, R) < TOL, f"operator off the reference by {_err(G, R):.3e} (relative)"
-    for method in ("auto", "jacobian"):
-        Gg = gram(model, x, method=method, kernel=kernel)
-        Gg = Gg if kernel == "trace" else Gg.reshape(N * K, N * K)
-        assert _err(Gg, R) < TOL, f"gram(method={method!r}) off the reference by {_err(Gg, R):.3e}"
+    _operator_and_grams_exact(model, x, kernel, ("auto", "jacobian"))
 
 
 def test_first_order_prediction_through_a_boolean_sdpa_mask_is_exact():
