@@ -207,9 +207,10 @@ def _batch_stat_modules(model: nn.Module) -> list[str]:
 def couples_samples(model: nn.Module, X: torch.Tensor, points: int = 64) -> bool:
     """Whether the model couples samples (BatchNorm in train mode or without running statistics):
     the NTK core's probe, :func:`nsa_dist.ntk.sample_coupling`, on the first distinct of the first ``points``.
-    A random forward (dropout in train mode) cannot be judged and counts as not coupling.
+    A random forward (dropout in train mode) or NaN outputs (a diverged step, which the caller's own
+    check names and fails the run on) cannot be judged and count as not coupling.
     The model's buffers, modes and the global RNG state are as before."""
     try:
         return sample_coupling(model, X[:points]) is not None
-    except UnsupportedModelError:  # a random forward: no verdict
+    except (UnsupportedModelError, NonFiniteError):  # no verdict: this is a note, never the run's error
         return False
