@@ -38,6 +38,17 @@ def dense_jacobian(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([j.reshape(nk, -1) for j in J.values()], dim=1)
 
 
+def rotated_gram(lam, seed: int):
+    """(G, Q): the symmetric G = Q diag(lam) Qᵀ with a random orthogonal Q (NumPy, float64) — a Gram of a
+    chosen spectrum whose eigenvectors are no coordinate axes."""
+    import numpy as np
+
+    N = lam.size
+    Q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((N, N)))
+    G = (Q * lam) @ Q.T
+    return (G + G.T) / 2, Q
+
+
 def flat_model(model: torch.nn.Module):
     """(θ flat, f(v, X)): the model's parameters as one vector and the network as a function of it
     (for dense ``torch.func.hessian`` / ``jacrev`` references over all parameters)."""

@@ -13,16 +13,10 @@ import numpy as np
 import pytest
 import scipy.linalg as sla
 import torch
+from conftest import rotated_gram as _gram
 
 from nsa_dist.linalg.eigenpairs import top_eigenpairs
 from nsa_dist.linalg.quadrature import curve_ks, spectral_curves
-
-
-def _gram(lam: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    N = lam.size
-    Q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((N, N)))
-    G = (Q * lam) @ Q.T
-    return (G + G.T) / 2, Q
 
 
 def _routes(G: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
