@@ -5,9 +5,8 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
-# two pytest workers: every Ray-cluster module on one (tests/conftest.py groups them, so each
-# cluster starts once), the rest on the other — the suite waits on processes starting often
-# enough that the second worker fills those waits (TEST_WORKERS=0: one process, as before)
+# two pytest workers, tests dealt one by one; on each the Ray-cluster modules come last
+# (tests/conftest.py), so each worker starts the embedded Ray once (TEST_WORKERS=0: one process)
 TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint format bench bench-layouts bench-full-size clean
@@ -47,7 +46,7 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: install lint
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
