@@ -176,6 +176,35 @@ def test_first_order_prediction_through_a_boolean_sdpa_mask_is_exact():
     assert _err(got, want) < TOL, f"J·dθ off the reference by {_err(got, want):.3e} (relative)"
 
 
+def test_first_order_prediction_of_a_tied_padded_head_moves_the_padding_lookups():
+    """``jacobian_vector_product`` predicts how f moves under an update, so it keeps forward mode's
+    true derivative of the padding row's lookups (the operator and the Hessian take reverse mode's
+    convention, none): against the central difference of f along dθ it is exact, while J·dθ by
+    reverse mode's Jacobian misses the lookups' part (a GD step whose head gradient moved the pad
+    row: 2.3·10⁻⁵ of Δf, docs/design-notes.md)."""
+    from nsa_dist.ntk import jacobian_vector_product
+
+    torch.manual_seed(0)
+    model = TiedPaddedLM().double().eval()
+    x = _padded_ids() % 12
+    assert (x == 0).any(), "the batch must hold padding tokens"
+    params = dict(model.named_parameters())
+    dtheta = torch.randn(sum(p.numel() for p in params.values()), dtype=D, generator=torch.Generator().manual_seed(3))
+    flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
+
+    def f_at(v: torch.Tensor) -> torch.Tensor:
+        chunks = torch.split(v, [p.numel() for p in params.values()])
+        return functional_call(model, {k: c.view_as(p) for (k, p), c in zip(params.items(), chunks)}, (x,))
+
+    eps = 1e-5
+    want = (f_at(flat + eps * dtheta) - f_at(flat - eps * dtheta)) / (2 * eps)  # O(eps²) ≈ 1e-10
+    got = jacobian_vector_product(model, x, dtheta)
+    assert _err(got, want) < 1e-8, f"J·dθ off the central difference by {_err(got, want):.3e} (relative)"
+    jac = jacrev(lambda p: functional_call(model, p, (x,)))({k: p.detach() for k, p in params.items()})
+    reverse = torch.cat([j.reshape(*want.shape, -1) for j in jac.values()], -1) @ dtheta
+    assert _err(reverse, want) > 1e-4, "the pad row's lookups should move f here (else this test shows nothing)"
+
+
 @pytest.mark.parametrize("model_of", [lambda: PaddedSdpaLM(kv_heads=1), TiedPaddedLM], ids=["bool-mask", "tied-pad"])
 def test_loss_hessian_of_both_patterns_is_the_dense_one(model_of):
     """The loss Hessian's products run the same forward mode (composite attention, the padding rows'
