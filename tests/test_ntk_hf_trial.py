@@ -182,6 +182,8 @@ def test_first_order_prediction_of_a_tied_padded_head_moves_the_padding_lookups(
     convention, none): against the central difference of f along dθ it is exact, while J·dθ by
     reverse mode's Jacobian misses the lookups' part (a GD step whose head gradient moved the pad
     row: 2.3·10⁻⁵ of Δf, docs/design-notes.md)."""
+    from conftest import flat_model
+
     from nsa_dist.ntk import jacobian_vector_product
 
     torch.manual_seed(0)
@@ -189,15 +191,10 @@ def test_first_order_prediction_of_a_tied_padded_head_moves_the_padding_lookups(
     x = _padded_ids() % 12
     assert (x == 0).any(), "the batch must hold padding tokens"
     params = dict(model.named_parameters())
-    dtheta = torch.randn(sum(p.numel() for p in params.values()), dtype=D, generator=torch.Generator().manual_seed(3))
-    flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
-
-    def f_at(v: torch.Tensor) -> torch.Tensor:
-        chunks = torch.split(v, [p.numel() for p in params.values()])
-        return functional_call(model, {k: c.view_as(p) for (k, p), c in zip(params.items(), chunks)}, (x,))
-
+    flat, f = flat_model(model)
+    dtheta = torch.randn(flat.numel(), dtype=D, generator=torch.Generator().manual_seed(3))
     eps = 1e-5
-    want = (f_at(flat + eps * dtheta) - f_at(flat - eps * dtheta)) / (2 * eps)  # O(eps²) ≈ 1e-10
+    want = (f(flat + eps * dtheta, x) - f(flat - eps * dtheta, x)) / (2 * eps)  # O(eps²) ≈ 1e-10
     got = jacobian_vector_product(model, x, dtheta)
     assert _err(got, want) < 1e-8, f"J·dθ off the central difference by {_err(got, want):.3e} (relative)"
     jac = jacrev(lambda p: functional_call(model, p, (x,)))({k: p.detach() for k, p in params.items()})
