@@ -139,6 +139,66 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+# ---------------------------------------------------------------------- a process stopped at a point
+_SELF_STOP = """\
+import importlib, os, signal, sys
+module, _, path = {target!r}.partition(":")
+owner = importlib.import_module(module)
+*outer, attr = path.split(".")
+for name in outer:
+    owner = getattr(owner, name)
+inner = getattr(owner, attr)
+def stopping(*args, **kwargs):
+    hit = {when}
+    if hit and not {after!r}:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    out = inner(*args, **kwargs)
+    if hit and {after!r}:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return out
+setattr(owner, attr, stopping)
+from nsa_dist.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def stopping_cli(target: str, when: str = "True", after: bool = False) -> list[str]:
+    """The argv of ``nsa`` (before its own arguments) in a process that stops itself (SIGSTOP) at
+    one point: at the call of ``target`` ("module:function" or "module:Class.method") for which
+    ``when`` (a Python expression over ``args`` and ``kwargs``) is true — before it, or after it
+    returned with ``after``.  Everything else is the real CLI.
+
+    A test that kills or pauses a writer "when N steps are done" stops it here, then signals it
+    (:func:`wait_stopped`): a writer stopped from outside at a polled instant raced the poller,
+    and on a loaded machine it had already gone on (a CI failure of test_true_words, 2026-12-05)."""
+    return [sys.executable, "-c", _SELF_STOP.format(target=target, when=when, after=after)]
+
+
+def wait_stopped(proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Return once ``proc`` is stopped (state T); AssertionError (with its output) if it ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"the process ended (rc {proc.returncode}) before it stopped: {out}{err}")
+        if Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+            return
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError(f"the process did not stop within {timeout:.0f} s")
+
+
+def killed_after_step(args: list[str], index: int, env: dict) -> None:
+    """``nsa *args`` stopped once its writer wrote recorded step ``index``, then SIGKILLed."""
+    argv = stopping_cli("nsa_dist.store.zarr_store:RunWriter.write_step", f"args[1] == {index}", after=True)
+    proc = subprocess.Popen(argv + args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_stopped(proc)
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -9, proc.returncode
+
+
 # ---------------------------------------------------------------------- processes started once
 _LOCAL_RAY, _TWO_NODE = "local_ray", "two_node_cluster"
 
@@ -196,7 +256,7 @@ def moto_server(server_env: dict | None = None) -> Iterator[tuple[dict, subproce
         "AWS_DEFAULT_REGION": "us-east-1",
     }
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 180  # 60 s were within reach of a machine at 5–10× load
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()

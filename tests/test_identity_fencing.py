@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import wait_stopped
 from PIL import Image
 
 from nsa_dist.cli import main as nsa
@@ -72,17 +73,6 @@ def _assert_same_arrays(a_url: str, b_url: str, rid: str) -> None:
         np.testing.assert_array_equal(a[name], b[name], err_msg=f"array {name!r} differs from the uninterrupted run")
 
 
-def _wait_stopped(pid: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the writer ended (rc {proc.returncode}) before pausing: {proc.stderr.read()}")
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-            return
-        time.sleep(0.01)
-    raise AssertionError("the writer did not pause")
-
-
 def _stopped_outside_the_run_lock(proc: subprocess.Popen, url: str, rid: str) -> None:
     """``proc``, stopped, is stopped again where need be until it is stopped at an instant its lease
     heartbeat does not hold the run's lock (``leases/<run id>/lock``).  A writer stopped inside it
@@ -92,7 +82,7 @@ def _stopped_outside_the_run_lock(proc: subprocess.Popen, url: str, rid: str) ->
     import fcntl
 
     for _ in range(100):
-        _wait_stopped(proc.pid, proc)
+        wait_stopped(proc)
         fd = os.open(Path(url) / "leases" / rid / "lock", os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -221,7 +211,7 @@ def test_a_paused_writer_that_lost_its_lease_writes_nothing_more(tmp_path):
     ref = str(tmp_path / "ref.zarr")
     run_experiment(spec, SpectrumStore(ref))
     cmd = [sys.executable, "-c", _PAUSING_WRITER, json.dumps(SLOW)]
-    proc, url = _take_over_paused(tmp_path, SLOW, cmd, lambda p, u: _wait_stopped(p.pid, p))
+    proc, url = _take_over_paused(tmp_path, SLOW, cmd, lambda p, u: wait_stopped(p))
     finished = _files(url)
     os.kill(proc.pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=120)
@@ -333,7 +323,7 @@ def test_a_run_lock_held_by_a_stopped_process_is_one_error_naming_it(tmp_path):
         env=ENV,
     )
     try:
-        _wait_stopped(holder.pid, holder)
+        wait_stopped(holder)
         t0 = time.time()
         with pytest.raises(LockTimeout, match=rf"held by process {holder.pid} for over 1 s .*stopped"):
             with file_lock(lock, 1.0, "run 'r'"):

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import killed_after_step
 from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.client import Client
@@ -128,24 +127,11 @@ def test_killed_process_resumes_to_the_same_arrays(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "nsa_dist.cli", "run", str(path), "--plain"]
     assert run_experiment(ExperimentSpec(**spec), SpectrumStore(str(tmp_path / "a.zarr"))).status == "done"
-    proc = subprocess.Popen(
-        cmd + ["--store", str(tmp_path / "b.zarr")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
     rid = run_id(ExperimentSpec(**spec))
-    deadline = time.time() + 120
-    n_done = 0
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            n_done = int(np.sum(Client(str(tmp_path / "b.zarr")).run(rid).g["done"][:]))
-        except (StoreError, KeyError, FileNotFoundError, ValueError):
-            n_done = 0
-        if n_done >= 3:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert 3 <= n_done < 11
+    # the writer stops itself once its third step is written (a poller raced it), then is killed
+    killed_after_step(cmd[3:] + ["--store", str(tmp_path / "b.zarr")], 2, env)
+    n_done = int(np.sum(Client(str(tmp_path / "b.zarr")).run(rid).g["done"][:]))
+    assert n_done == 3, n_done
     out = subprocess.run(cmd + ["--store", str(tmp_path / "b.zarr")], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     a, b = Client(str(tmp_path / "a.zarr")).run(rid), Client(str(tmp_path / "b.zarr")).run(rid)

@@ -15,22 +15,20 @@ uninterrupted one, every array bitwise.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import killed_after_step
 from torch.func import functional_call, jacrev
 from torch.nn.utils import vector_to_parameters
 
 from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec
-from nsa_dist.errors import StoreError
 from nsa_dist.models import build_model
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
@@ -286,21 +284,10 @@ def test_run_killed_mid_way_resumes_bitwise_to_every_array(tmp_path, optimizer):
     cmd = [sys.executable, "-m", "nsa_dist.cli", "run", str(tmp_path / "spec.yaml"), "--plain"]
     assert run_experiment(ExperimentSpec(**spec), SpectrumStore(str(tmp_path / "a.zarr"))).status == "done"
     rid = run_id(ExperimentSpec(**spec))
-    proc = subprocess.Popen(
-        cmd + ["--store", str(tmp_path / "b.zarr")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    n_done, deadline = 0, time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            n_done = int(np.sum(Client(str(tmp_path / "b.zarr")).run(rid).g["done"][:]))
-        except (StoreError, KeyError, FileNotFoundError, ValueError):
-            n_done = 0
-        if n_done >= 4:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    # the writer stops itself once its fourth step is written (a poller raced it), then is killed
+    killed_after_step(cmd[3:] + ["--store", str(tmp_path / "b.zarr")], 3, env)
+    n_done = int(np.sum(Client(str(tmp_path / "b.zarr")).run(rid).g["done"][:]))
+    assert n_done == 4, n_done
     out = subprocess.run(cmd + ["--store", str(tmp_path / "b.zarr")], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     a, b = Client(str(tmp_path / "a.zarr")).run(rid), Client(str(tmp_path / "b.zarr")).run(rid)

@@ -237,21 +237,21 @@ class StoreContract:
     def test_a_lease_refuses_a_second_writer_and_a_running_run_without_one_reads_interrupted(self, run_url):
         store = SpectrumStore(run_url)
         w = _run(store)
-        with store.lease([RID], ttl=3.0) as lease:
+        with store.lease([RID], ttl=30.0) as lease:
             assert store.lease_info(RID).token == lease.token and store.creation_live(RID)
             with pytest.raises(LeaseHeld, match=f"run '{RID}' .* is being written by another process"):
-                SpectrumStore(run_url).lease([RID], ttl=3.0).acquire()
+                SpectrumStore(run_url).lease([RID], ttl=30.0).acquire()
             w.set_status(Status.RUNNING)
             assert SpectrumStore(run_url, mode="r").run_status(RID) == (Status.RUNNING, None)
         status, reason = SpectrumStore(run_url, mode="r").run_status(RID)
         assert status == Status.INTERRUPTED and "re-run to resume" in reason
         assert store.lease_info(RID).released
-        with store.lease([RID], ttl=3.0) as again:  # a released lease is taken at once
+        with store.lease([RID], ttl=30.0) as again:  # a released lease is taken at once
             assert store.lease_info(RID).token == again.token
 
     def test_a_writer_whose_lease_was_taken_over_writes_nothing_more(self, run_url):
         store = SpectrumStore(run_url)
-        with store.lease([RID], ttl=3.0) as lease:
+        with store.lease([RID], ttl=30.0) as lease:
             w = _run(store, token=lease.token, steps=(0,))
             _other_writer_takes_over(store, lease)
             with pytest.raises(LeaseLost, match="host node-7.elsewhere, pid 4242, since .* took the run over"):
@@ -304,7 +304,7 @@ class StoreContract:
         store.keys.delete(f"runs/{RID}/loss/c/1")
         damage = verify_store(store)
         assert [(d.array, d.index) for d in damage] == [("loss", 1)]
-        with store.lease([RID], ttl=3.0) as lease:
+        with store.lease([RID], ttl=30.0) as lease:
             with pytest.raises(LeaseHeld, match="being written by another process"):
                 mark_damaged(SpectrumStore(run_url), damage)
             assert store.reader(RID).done.tolist()[:2] == [True, True], "a refused repair changed the run"

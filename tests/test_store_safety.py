@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import stopping_cli, wait_stopped
 
 from nsa_dist.cli import main as nsa
 from nsa_dist.client import Client
@@ -263,34 +264,26 @@ def test_kill_at_many_instants_including_creation_resumes_bit_identical(tmp_path
     a, b = str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")
     run_experiment(spec, SpectrumStore(a))
     path = _spec_file(tmp_path, SLOW)
-    group = Path(b) / "runs" / rid / "zarr.json"
-    kills = [
-        ("the run's group appears (inside run creation)", lambda: group.exists()),
-        ("two steps are done", lambda: _n_done(b, rid) >= 2),
-        ("six steps are done", lambda: _n_done(b, rid) >= 6),
-        ("the last step is done (before preservation)", lambda: _n_done(b, rid) >= 10),
+    step = "nsa_dist.store.zarr_store:RunWriter.write_step"
+    kills = [  # each writer stops itself at its point, then is killed (a poller raced the writer)
+        ("inside run creation", "nsa_dist.store.zarr_store:RunWriter._create", "args[1].name == 'steps'", False),
+        ("two steps are done", step, "args[1] == 1", True),
+        ("six steps are done", step, "args[1] == 5", True),
+        ("the last step is done (before preservation)", "nsa_dist.pipeline.session:_write_preservation", "True", False),
     ]
-    for i, (what, cond) in enumerate(kills):
-        # run creation lasts ~0.15 s: a poller descheduled that long kills after it, so the first
-        # kill is tried again (on an empty store) up to 5 times, as test_true_words stops one
-        for _ in range(5 if i == 0 else 1):
-            if i == 0:
-                shutil.rmtree(b, ignore_errors=True)
-            proc = subprocess.Popen(
-                CMD + [str(path), "--store", b], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            _wait_for(cond, what, proc)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            assert proc.returncode == -signal.SIGKILL, f"not killed when {what}"
-            attrs = SpectrumStore(b).run_attrs(rid)
-            if attrs.get("creating") is True:
-                break
+    for i, (what, target, when, after) in enumerate(kills):
+        cmd = stopping_cli(target, when, after) + ["run", "--plain", str(path), "--store", b]
+        proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_stopped(proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL, f"not killed when {what}"
         if i == 0:
-            assert attrs.get("creating") is True, "the kill landed after run creation, not inside it, 5 times"
-        elif Client(b).run(rid).status != "done":
-            run = Client(b).run(rid)  # its writer is dead: the run shows interrupted, not running
-            assert run.status == "interrupted" and "re-run to resume" in run.reason, (run.status, run.reason)
+            assert SpectrumStore(b).run_attrs(rid).get("creating") is True, "the kill landed outside run creation"
+            continue
+        assert _n_done(b, rid) == (2, 6, 10)[i - 1], f"{_n_done(b, rid)} steps done when killed as {what}"
+        run = Client(b).run(rid)  # its writer is dead: the run shows interrupted, not running
+        assert run.status == "interrupted" and "re-run to resume" in run.reason, (run.status, run.reason)
     assert nsa(["run", "--plain", str(path), "--store", b]) == 0  # the resume need not be a process of its own
     assert Client(b).run(rid).status == "done"
     assert Client(b).run(rid).has("preservation")

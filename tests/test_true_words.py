@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from conftest import stopping_cli, wait_stopped
 from PIL import Image
 
 from nsa_dist.cli import main as nsa
@@ -118,41 +117,17 @@ def test_another_constant_target_is_warned_about(tmp_path, caplog):
 
 
 # --------------------------------------------------------------------------- interrupted creation
-# The real CLI in a process of its own that stops itself (SIGSTOP) just before it creates the run's
-# "steps" array: the run's group exists, ``creating`` is set, and neither "steps" nor "done" (which
-# every reader needs) is made.  Stopping it from outside at a polled instant raced the writer: on a
-# loaded machine the stop could land after "done" was made, and the reader then rightly saw a run
-# with no finished steps, not an absent array (a CI failure, 2026-12-05).
-_PAUSED_CLI = (
-    "import os, signal, sys\n"
-    "from nsa_dist.store.zarr_store import RunWriter\n"
-    "made = RunWriter._create\n"
-    "def create(self, a, overwrite=False):\n"
-    "    if a.name == 'steps':\n"
-    "        os.kill(os.getpid(), signal.SIGSTOP)\n"
-    "    return made(self, a, overwrite)\n"
-    "RunWriter._create = create\n"
-    "from nsa_dist.cli import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
-
-
 def _stop_inside_creation(spec_path: Path, url: str, rid: str) -> subprocess.Popen:
-    """An ``nsa run`` stopped after its run's group exists and before its creation ends."""
-    cmd = [sys.executable, "-c", _PAUSED_CLI, "run", "--plain", str(spec_path), "--store", url]
+    """An ``nsa run`` stopped after its run's group exists and before its creation ends: it stops
+    itself just before it creates the run's "steps" array, so neither "steps" nor "done" (which
+    every reader needs) is made.  (Stopped from outside at a polled instant, it could be past both
+    on a loaded machine, and the reader then rightly saw a run with no finished steps.)"""
+    cmd = stopping_cli("nsa_dist.store.zarr_store:RunWriter._create", "args[1].name == 'steps'")
+    cmd += ["run", "--plain", str(spec_path), "--store", url]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the writer ended (rc {proc.returncode}) before pausing: {proc.stderr.read()}")
-        if Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-            break
-        time.sleep(0.01)
-    else:
-        os.kill(proc.pid, signal.SIGKILL)
-        raise AssertionError("the writer did not pause inside its run's creation within 120 s")
+    wait_stopped(proc)
     run = Path(url) / "runs" / rid
-    assert SpectrumStore(url, mode="r").run_attrs(rid).get("creating"), "the writer paused outside creation"
+    assert SpectrumStore(url, mode="r").run_attrs(rid).get("creating"), "the writer stopped outside creation"
     assert not (run / "steps").exists() and not (run / "done").exists(), sorted(p.name for p in run.iterdir())
     return proc
 
