@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -21,6 +18,8 @@ import yaml
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
+
+from conftest import killed_after_step
 
 from nsa_dist.cli import main as nsa  # noqa: E402
 from nsa_dist.client import Client  # noqa: E402
@@ -163,20 +162,8 @@ def test_s3_run_killed_resumed_and_read_back(s3_env, tmp_path, capsys):
     path.write_text(yaml.safe_dump(SPEC))
     env = {**os.environ, **s3_env, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "nsa_dist.cli", "run", str(path), "--store", url, "--plain"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline, n_done = time.time() + 240, 0
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            n_done = int(Client(url).run(rid).array("done").sum())
-        except (StoreError, KeyError, ValueError, FileNotFoundError):
-            n_done = 0
-        if n_done >= 2:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.2)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"not killed (rc {proc.returncode}): {proc.stdout.read()[-2000:]}"
-    assert 2 <= n_done < 5
+    killed_after_step(cmd[3:], 1, env)  # stopped once two steps are written (a 0.2 s poller raced it)
+    assert int(Client(url).run(rid).array("done").sum()) == 2
     assert Client(url).run(rid).status == "interrupted"
     assert nsa(cmd[3:]) == 0  # the same command resumes it (in this process: the kill is what is tested)
     a, b = Client(local).run(rid), Client(url).run(rid)

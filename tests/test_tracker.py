@@ -479,19 +479,23 @@ class TokenNet(torch.nn.Module):
 
 
 class FailsWhenMarked(torch.nn.Module):
-    """Its float64 (analysis) forward raises where its buffer ``bad`` is set, and is slow elsewhere:
-    one recorded step fails while an earlier one is still being analysed."""
+    """Its float64 (analysis) forward raises where its buffer ``bad`` is set, and elsewhere waits
+    until the file ``gate`` exists: one recorded step fails while an earlier one is still being
+    analysed, however loaded the machine (a forward slowed by a fixed sleep could have ended first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: str) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(3, 1)
         self.register_buffer("bad", torch.zeros(()))
+        self.gate = gate
 
     def forward(self, x):
         if x.dtype == torch.float64:
             if bool(self.bad):
                 raise ValueError("this step's analysis fails")
-            time.sleep(0.02)
+            end = time.monotonic() + 300
+            while not os.path.exists(self.gate) and time.monotonic() < end:
+                time.sleep(0.01)
         return self.lin(x).squeeze(-1)
 
 
@@ -888,7 +892,7 @@ def test_ray_tracker_keeps_a_step_finished_beside_a_failed_one(local_ray, tmp_pa
     try:
         torch.manual_seed(0)
         X, y = torch.randn(16, 3), torch.randn(16)
-        model = FailsWhenMarked()
+        model = FailsWhenMarked(str(tmp_path / "go"))
         url = str(tmp_path / "t.zarr")
         kw = dict(record={"steps": [0, 1, 9]}, spectrum={"k": 4, "images": []}, workers=2, max_inflight=3)
         tr = Tracker(url, "b", model, X, y, steps=10, cluster="auto", **kw)
@@ -903,6 +907,7 @@ def test_ray_tracker_keeps_a_step_finished_beside_a_failed_one(local_ray, tmp_pa
             opt.step()
         running = tr.tracked.pool.queue.running
         assert len(running) == 2, f"{len(running)} steps in flight, expected 2: the test needs both out at once"
+        (tmp_path / "go").touch()  # step 0's analysis may go on now
         deadline = time.monotonic() + 120
         while len(local_ray.wait(list(running), num_returns=2, timeout=0)[0]) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
