@@ -134,6 +134,15 @@ def test_k_larger_than_n_is_a_logged_clamp(tmp_path, caplog):
         out = run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
     assert "spectrum.k=100 is larger than the 32 training points" in caplog.text
     assert Client(str(tmp_path / "s.zarr")).run(out.run_id).eigenvalues.shape == (2, 32)
+    # a spec without spectrum.k: the default's clamp is noted (INFO) and called the default, not a warning
+    caplog.clear()
+    spec = ExperimentSpec(**{**TINY, "name": "defaultk", "steps": 2, "record": {"every": 1}, "spectrum": {}})
+    with caplog.at_level(logging.INFO, logger="nsa_dist"):
+        run_experiment(spec, SpectrumStore(str(tmp_path / "s.zarr")))
+    said = [r for r in caplog.records if "is larger than the 32 training points" in r.getMessage()]
+    assert [(r.levelno, r.getMessage().split(":")[1].strip()[:32]) for r in said] == [
+        (logging.INFO, "spectrum.k=100 (the default) is ")
+    ], [(r.levelname, r.getMessage()) for r in said]
 
 
 # --------------------------------------------------------------------------- store roots

@@ -131,10 +131,15 @@ def spectrum_size(spec: ExperimentSpec, n: int, layout: Layout = Layout.LOCAL) -
         _WARNED.add((spec.name, k, n))
         import logging
 
-        logging.getLogger("nsa_dist").warning(
-            "run %r: spectrum.k=%d is larger than the %d training points; keeping all K=%d eigenpairs",
+        # the default k (a spec without `spectrum.k`) is only noted: a warning naming
+        # "spectrum.k=100" blamed the user for a number they never wrote
+        default = "k" not in spec.spectrum.model_fields_set
+        logging.getLogger("nsa_dist").log(
+            logging.INFO if default else logging.WARNING,
+            "run %r: spectrum.k=%d%s is larger than the %d training points; keeping all K=%d eigenpairs",
             spec.name,
             k,
+            " (the default)" if default else "",
             n,
             n,
         )
