@@ -58,7 +58,7 @@ from nsa_dist.ntk import preserved
 from nsa_dist.ntk.inputs import _AUTOCAST_DEVICES, autograd_on
 from nsa_dist.pipeline import RunSession
 from nsa_dist.pipeline.checkpoint import Checkpoint
-from nsa_dist.pipeline.model_state import analysis_copy
+from nsa_dist.pipeline.model_state import analysis_copy, theta_vector
 from nsa_dist.pipeline.pool import ThreadAnalysisPool
 from nsa_dist.pipeline.snapshot import StepSnapshots, couples_samples, measured_inputs
 from nsa_dist.pipeline.tracked import TrackedRunService, tracked_spec
@@ -205,6 +205,17 @@ class Tracker:
         self.session, self.pool, self.schedule = self.tracked.session, self.tracked.pool, self.tracked.schedule
         self.plan, self.writer = self.session.plan, self.session.writer
         self.store: SpectrumStore = self.writer.store
+        # the steps the store held when this Tracker opened the run: the loop passing one again is
+        # checked to be on the recorded path (its θ there is the stored θ_t) before any more is recorded
+        done = self.session.done
+        self._stored_before = {int(t): False for i, t in enumerate(self.schedule) if done[i]}
+        if len(self._stored_before) == len(self.schedule):
+            _log.warning(
+                "run %r: every recorded step of it is already in %s (a finished run): this Tracker records "
+                "nothing — give a new run another name to record it",
+                self.spec.name,
+                self.store.url,
+            )
         # the trainable set (self._trainable, above) is part of the run: the stored network digest, the
         # NTK route resolved once on the analysis copy and the Hessian's parameter set are all fixed here
 
@@ -231,7 +242,9 @@ class Tracker:
         """Whether ``step`` is a recorded step still to record: not in the store, not taken by this
         Tracker's ``record`` (so a loop that sees one step twice, e.g. under gradient accumulation,
         records it once).  Also takes a pending update.  False from the moment the model stops being
-        the one the run measures (see :meth:`record`): the recording stops there, training goes on.
+        the one the run measures (see :meth:`record`), or passes a step the store held when this
+        Tracker opened the run with parameters other than the stored θ_t (another initialisation or
+        trajectory: restore ``theta_at(resume_step)`` first): the recording stops there, training goes on.
 
         Raises:
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
@@ -239,7 +252,7 @@ class Tracker:
         if self.tracked is None:
             return False  # a DDP rank other than 0: rank 0 records
         self.tracked.check()
-        if self.tracked.closed or not self._still_measurable(step):
+        if self.tracked.closed or not self._still_measurable(step) or not self._on_the_recorded_path(step):
             return False
         self.tracked.advance(step)
         return self.tracked.due(step)
@@ -400,6 +413,31 @@ class Tracker:
         self._stop(f"recording stopped {'at close' if step is None else f'at step {step}'}: {why}")
         return False
 
+    def _on_the_recorded_path(self, step: int) -> bool:
+        """Whether the model, at a step the store held when this Tracker opened the run, is the
+        network recorded there: its θ is the stored θ_t (to ``THETA_MATCH`` of its norm; the stored
+        θ_t is float32).  Else stop the recording — a loop restarted from a fresh initialisation, or
+        on another trajectory, would add its steps to another network's (was: taken silently, the
+        run ``done`` with a loss curve that jumped between the two networks)."""
+        if self._stored_before.get(step, True):  # not stored before, or compared already
+            return True
+        self._stored_before[step] = True
+        stored = np.asarray(self.writer.read_step("theta", self.tracked.index[step]), np.float64)
+        off = float(np.linalg.norm(theta_vector(self.model).astype(np.float64) - stored))
+        size = float(np.linalg.norm(stored))
+        if off <= THETA_MATCH * size:
+            return True
+        resume = step if self.resume_step is None else self.resume_step
+        self._stop(
+            f"recording stopped at step {step}: the model is not the network this run recorded at step {step} — "
+            f"its parameters differ from the stored θ_{step} by {off / size if size else math.inf:.3g} of their "
+            "norm (another initialisation or another trajectory), and its steps would be mixed with the stored "
+            f"ones; continue the stored run from its state (torch.nn.utils.vector_to_parameters("
+            f"torch.as_tensor(tr.theta_at({resume})), model.parameters()) and the loop from step {resume}), "
+            "or record this network as its own run (a new Tracker under another name)"
+        )
+        return False
+
     def _unrecordable(self, step: int) -> str | None:
         """Why step ``step`` cannot be recorded on the model as it is now, None when it can: its
         trainable set differs from the run's, or its forward is random.  (Neither touches the update
@@ -489,6 +527,12 @@ class Tracker:
                 f"Tracker.{what} on distributed rank {self.rank}: only rank 0 opens the run; read it there "
                 "and send it to the other ranks (torch.distributed.broadcast_object_list)"
             )
+
+
+# How close the model's θ must be to the stored θ_t, relative to its norm, at a step a reopened run
+# already holds: far above the float32 rounding of the stored θ_t (~6e-8) and the drift of a re-run
+# that is not bit-deterministic over a few steps, far below the O(1) of another initialisation.
+THETA_MATCH = 1e-3
 
 
 def distributed_rank() -> int:

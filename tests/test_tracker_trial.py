@@ -105,9 +105,13 @@ def test_crash_in_the_loop_keeps_the_last_recorded_step(tmp_path):
     np.testing.assert_allclose(run.g["eigenvalues"][1][:4], np.sort(np.linalg.eigvalsh(J @ J.T))[::-1][:4], rtol=1e-4)
     assert np.isnan(run.g["df"][1]).all()
     assert np.isfinite(run.g["df"][0]).all()
-    again = Tracker(url, "crash", _mlp(), X, y, steps=T, record={"every": 2}, spectrum={"k": 4}, device="cpu")
-    assert again.resume_step == 2 and not again.due(2) and again.due(4)
+    model = _mlp()
+    again = Tracker(url, "crash", model, X, y, steps=T, record={"every": 2}, spectrum={"k": 4}, device="cpu")
+    assert again.resume_step == 2
     np.testing.assert_array_equal(again.theta_at(2), th.astype(np.float32))
+    # the loop restarts from the stored state (a model passing step 2 anywhere else would stop the recording)
+    torch.nn.utils.vector_to_parameters(torch.as_tensor(again.theta_at(2)), model.parameters())
+    assert not again.due(2) and again.due(4) and again.stopped is None
     again.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -430,6 +431,79 @@ def test_resume_with_another_network_of_the_same_parameters_is_refused(tmp_path)
         assert Client(url).run("re").status == "pending"  # the refusal changed nothing
     again = _tracker(url, "re", net(nn.Tanh()), X, y)
     assert again.resume_step == 0 and again.due(1)
+    again.close()
+
+
+def _resumed_loop(tr: Tracker, model: nn.Module, X, y, start: int, stop: int = T) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(start, stop):
+        if tr.due(t):
+            tr.record(t, lr=0.1)
+        opt.zero_grad()
+        _loss(model, X, y).backward()
+        opt.step()
+
+
+def test_a_reopened_run_takes_no_steps_of_a_network_off_its_recorded_path(tmp_path, caplog):
+    """A training script restarted after a crash with a freshly initialised network (another seed)
+    was taken by the reopened run: steps 0–2 of one network, 3–5 of the other, status done (a new
+    user's trial).  Passing a step the store holds with θ ≠ the stored θ_t now stops the recording
+    with the reason, the stored steps unchanged; the same network restored from theta_at, or re-run
+    bit-identically from step 0, continues it to the reference."""
+    X, y = _data()
+    url, ref = str(tmp_path / "s.zarr"), str(tmp_path / "ref.zarr")
+    whole = _tracker(ref, "p", first := _mlp(0), X, y)
+    _resumed_loop(whole, first, X, y, 0)
+    whole.close()
+
+    crashed = _tracker(url, "p", first := _mlp(0), X, y)
+    _resumed_loop(crashed, first, X, y, 0, stop=3)  # steps 0, 1 recorded, 2 pending
+    crashed.stop("the script crashed")  # step 2 kept, its update NaN
+    before = Client(url).run("p").array("theta").copy()
+    assert Client(url).run("p").steps.tolist() == [0, 1, 2]
+
+    other = _mlp(1)  # the script restarted from a fresh initialisation
+    with caplog.at_level(logging.WARNING, logger="nsa_dist"):
+        tr = _tracker(url, "p", other, X, y)
+        _resumed_loop(tr, other, X, y, 0)
+        tr.close()
+    run = Client(url).run("p")
+    assert tr.stopped and "not the network this run recorded at step 0" in tr.stopped, tr.stopped
+    assert "tr.theta_at(2)" in tr.stopped and "from step 2" in tr.stopped, tr.stopped
+    assert run.status == "interrupted" and run.reason == tr.stopped, (run.status, run.reason)
+    assert run.steps.tolist() == [0, 1, 2]
+    np.testing.assert_array_equal(run.array("theta"), before, err_msg="a stored θ changed")
+    assert tr.stopped in caplog.text
+
+    for how in ("restored", "re-run"):  # both continue it: on the recorded path at every stored step
+        url2 = str(tmp_path / f"{how}.zarr")
+        shutil.copytree(url, url2)
+        model = _mlp(7)
+        tr = _tracker(url2, "p", model, X, y)
+        start = tr.resume_step if how == "restored" else 0
+        if how == "restored":
+            torch.nn.utils.vector_to_parameters(torch.as_tensor(tr.theta_at(start)), model.parameters())
+        else:
+            model.load_state_dict(_mlp(0).state_dict())
+        _resumed_loop(tr, model, X, y, start)
+        tr.close()
+        assert tr.stopped is None, (how, tr.stopped)
+        a, b = Client(ref).run("p"), Client(url2).run("p")
+        assert b.status == "done" and b.steps.tolist() == list(range(T)), (how, b.status, b.reason)
+        for name in ("theta", "f", "eigenvalues", "loss"):
+            np.testing.assert_allclose(b.array(name), a.array(name), rtol=1e-5, atol=1e-7, err_msg=f"{how}: {name}")
+
+
+def test_reopening_a_finished_run_says_it_records_nothing(tmp_path, caplog):
+    X, y = _data()
+    url = str(tmp_path / "s.zarr")
+    tr = _tracker(url, "f", model := _mlp(0), X, y)
+    _resumed_loop(tr, model, X, y, 0)
+    tr.close()
+    with caplog.at_level(logging.WARNING, logger="nsa_dist"):
+        again = _tracker(url, "f", _mlp(1), X, y)
+    assert "every recorded step of it is already in" in caplog.text and "records nothing" in caplog.text
+    assert not any(again.due(t) for t in range(T))
     again.close()
 
 
