@@ -470,7 +470,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.store,
             on_step=progress.on_step,
             on_update=progress.on_update,
-            on_prepared=_print_layout,
+            on_prepared=_print_prepared,
             wait=_wait_seconds(args.wait),
             key=rid,  # the run id is computed once per command
         )
@@ -508,10 +508,22 @@ def _check_factories(specs: list) -> None:
         resolve_factory(path)
 
 
-def _print_layout(run) -> None:
+def _print_prepared(run) -> None:
+    """The run's layout, and where a run the store already holds goes on from (a re-run said only
+    "N steps", and resumed silently)."""
     lay = run.plan.layout
     workers = f" on {run.plan.spec.spectrum.workers} workers" if run.plan.distributed else ""
     print(f"[nsa] spectrum layout: {lay.layout.value}{workers} ({lay.reason})", file=sys.stderr, flush=True)
+    done = run.writer.done()
+    if not done.any():
+        return
+    stored = f"{int(done.sum())} of {len(done)} recorded steps already stored"
+    if done.all():
+        print(f"[nsa] run {run.run_id}: {stored}: nothing to compute", file=sys.stderr, flush=True)
+        return
+    i = run.writer.resume_index()
+    start = "step 0 (no stored state to start from)" if i is None else f"step {int(run.plan.record[i])}"
+    print(f"[nsa] run {run.run_id}: {stored}; training resumes from {start}", file=sys.stderr, flush=True)
 
 
 class _LogProgress:

@@ -470,3 +470,32 @@ def test_a_max_runs_of_zero_is_a_limit_not_the_default(tmp_path):
     with pytest.raises(SpecError, match="more than the limit 0"):
         runs = load_sweep(p, max_runs=0).expand()
         pytest.fail(f"max_runs=0 accepted {len(runs)} run(s)")
+
+
+def test_a_rerun_says_where_it_resumes_and_a_finished_one_that_nothing_is_left(tmp_path, capsys):
+    """``nsa run`` of a run the store holds in part said only "N steps" and resumed silently (a new
+    user's trial); it names the stored steps and the step training resumes from, or says that
+    nothing is left to compute."""
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment, run_id
+    from nsa_dist.store import SpectrumStore
+
+    text = "name: r\ndata: {name: image2d, n: 24}\nmodel: {depth: 2, width: 8}\nsteps: 12\nrecord: {every: 3}\n"
+    path, url = _file(tmp_path, text), str(tmp_path / "s.zarr")
+    spec = load_spec(path)
+    seen = []
+
+    def stop(ck, result):
+        seen.append(ck.step)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(ExperimentSpec.model_validate(spec.model_dump()), SpectrumStore(url), on_step=stop)
+    capsys.readouterr()
+    assert nsa(["run", "--plain", str(path), "--store", url]) == 0
+    err = capsys.readouterr().err
+    assert f"run {run_id(spec)}: 2 of 5 recorded steps already stored; training resumes from step 3" in err, err
+    assert nsa(["run", "--plain", str(path), "--store", url]) == 0
+    err = capsys.readouterr().err
+    assert f"run {run_id(spec)}: 5 of 5 recorded steps already stored: nothing to compute" in err, err
