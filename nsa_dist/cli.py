@@ -899,6 +899,9 @@ class _SweepTable:
                 key = (r.done, r.status)
                 if self._last.get(r.run_id) != key:
                     self._last[r.run_id] = key
+                    if r.step is None and r.total and r.done == r.total:  # skipped: nothing computed now
+                        print(f"[nsa] {r.run_id}: {r.status} {r.done}/{r.total} (already in the store)", flush=True)
+                        continue
                     lam = f"{r.lambda_max:.5g}" if r.lambda_max is not None else "-"
                     step = r.step if r.step is not None else "-"
                     loss = f"{r.loss:.5g}" if r.loss is not None else "-"

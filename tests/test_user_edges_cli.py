@@ -205,6 +205,11 @@ def test_a_plain_sweep_line_shows_a_dash_for_what_is_not_measured_yet(capsys):
     with _SweepTable("s", plain=True) as table:
         table.update([run])
     assert capsys.readouterr().out == "[nsa] s__a: running 0/4 step - loss - λ_max -\n"
+    # a run the re-run sweep skipped (every step stored): said so, not "step - loss - λ_max -"
+    done = SimpleNamespace(run_id="s__b", status="done", done=4, total=4, step=None, loss=None, lambda_max=None)
+    with _SweepTable("s", plain=True) as table:
+        table.update([done])
+    assert capsys.readouterr().out == "[nsa] s__b: done 4/4 (already in the store)\n"
 
 
 def test_ls_on_a_folder_or_file_that_is_no_store_gives_advice_that_works(tmp_path, capsys):
