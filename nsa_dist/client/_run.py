@@ -111,8 +111,9 @@ class Run(RunArrays):
     def energy(self, phi: str = "y", k: int | None = None, step: int | None = -1) -> Any:
         """E_t(φ, k) with its bracket: ``(value, lower, upper)`` at recorded step ``step``.
 
-        phi: "y" labels, "f" outputs f_t, "residual" m_t, "df" real update, "df_pred" first-order
-        update −(δ/N) G m, "f_test" outputs at the test points (eigenvectors of the test Gram).
+        phi: "y" labels (of an NCE run: the log-density centred over the points, ȳ = y − mean(y)),
+        "f" outputs f_t, "residual" m_t, "df" real update, "df_pred" first-order update −(δ/N) G m,
+        "f_test" outputs at the test points (eigenvectors of the test Gram).
         k: 1..N.  The exact route (``spectrum.k: all`` on one process) gives every k exactly
         (lower = upper = value) except inside a cluster of eigenvalues within the eigensolver's
         rounding (a rank-deficient G's null space: its eigenvectors are one arbitrary basis), where
