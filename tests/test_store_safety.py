@@ -381,6 +381,33 @@ def test_a_damaged_run_never_hides_the_others(tmp_path, capsys):
     assert [d.run_id for d in damage] == [bad] and str(meta) in damage[0].path
 
 
+def test_a_run_with_one_damaged_chunk_keeps_what_is_readable_in_its_row(tmp_path, capsys):
+    """The last step's λ_max chunk flipped: the run's row was "damaged 0/0" with N, L×W, loss and
+    λ_max blank, though its spec and every other step are intact; it keeps them, and names the file."""
+    from nsa_dist.store import run_summaries
+
+    url = str(tmp_path / "s.zarr")
+    rid = run_experiment(ExperimentSpec(**TINY), SpectrumStore(url)).run_id
+    total = len(Client(url).run(rid).steps)
+    chunk = Path(url) / "runs" / rid / "eigenvalues" / "c" / str(total - 1) / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    (row,) = run_summaries(SpectrumStore(url, mode="r"))
+    assert row.status == "damaged" and str(chunk) in row.reason, (row.status, row.reason)
+    assert (row.steps_done, row.steps_total) == (total, total), (row.steps_done, row.steps_total)
+    assert row.spec["model"]["width"] == TINY["model"]["width"] and np.isfinite(row.loss), row
+    assert np.isnan(row.lambda_max), row.lambda_max  # the damaged value is not made up
+    capsys.readouterr()
+    assert nsa(["ls", "--store", url]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if rid in ln)
+    assert (
+        "damaged" in line
+        and f"{total}/{total}" in line
+        and f"{TINY['model']['depth']}×{TINY['model']['width']}" in line
+    ), line
+
+
 def test_no_chunk_exceeds_the_object_store_bound_at_mnist_scale():
     from nsa_dist.store import RunDims
     from nsa_dist.store.schema import CHUNK_BYTES

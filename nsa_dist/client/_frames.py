@@ -94,7 +94,7 @@ def flatten_spec(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
     """One run's row; a damaged run has status "damaged" and the error (naming the file) as its
-    reason, so that it never hides the others."""
+    reason, so that it never hides the others, and keeps the spec fields that were readable."""
     row = {
         "id": summary.id,
         "sweep": sweep,
@@ -104,9 +104,8 @@ def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
         "steps_total": summary.steps_total,
         "last_step": summary.last_step,
     }
-    if summary.status == "damaged":
-        return row
-    return {**row, "data_fingerprint": summary.data_fingerprint, **flatten_spec(summary.spec)}
+    spec = summary.spec if isinstance(summary.spec, dict) else {}
+    return {**row, "data_fingerprint": summary.data_fingerprint, **flatten_spec(spec)}
 
 
 def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> pandas.DataFrame:

@@ -141,48 +141,29 @@ def _lambda_array(dims: RunDims) -> str | None:
 
 
 def _checked(store: RunIndex, rid: str, quick_error: BaseException, steps_too: bool) -> RunSummary:
-    """The row of a run whose quick read failed: the checked reader's error names the file."""
+    """The row of a run whose quick read failed: the checked reader's error names the file, and
+    what it read before the damage stays in the row (spec, sizes, progress; one damaged chunk of the
+    last step's λ_max left a row of blanks, "damaged 0/0", for a run whose other steps are intact)."""
+    row: dict[str, Any] = dict(id=rid, status=Status.DAMAGED, reason=None)
     try:
         r = RunReader(store, rid)
-        status, reason = r.status()
+        row.update(spec=r.attrs.get("spec") or {}, data_fingerprint=r.attrs.get("data_fingerprint"))
+        row["status"], row["reason"] = r.status()
+        row["steps_total"] = r.dims.S if r.dims else 0
         if not steps_too:
-            return RunSummary(
-                rid,
-                status,
-                reason,
-                None,
-                r.dims.S if r.dims else 0,
-                spec=r.attrs.get("spec") or {},
-                data_fingerprint=r.attrs.get("data_fingerprint"),
-            )
+            return RunSummary(**{**row, "steps_done": None})
         steps = r.read("steps")
         idx = np.flatnonzero(r.done)
-        if not len(idx):
-            return RunSummary(
-                rid,
-                status,
-                reason,
-                steps_total=len(steps),
-                spec=r.attrs.get("spec") or {},
-                data_fingerprint=r.attrs.get("data_fingerprint"),
-            )
-        last = int(idx[-1])
-        loss = float(r.read_step("loss", last))
-        lam_name = _lambda_array(r.dims) if r.dims else None
-        lam = float(r.read_step(lam_name, last)[0]) if lam_name else float("nan")
-        return RunSummary(
-            rid,
-            status,
-            reason,
-            len(idx),
-            len(steps),
-            int(steps[last]),
-            loss,
-            lam,
-            r.attrs.get("spec") or {},
-            r.attrs.get("data_fingerprint"),
-        )
+        row.update(steps_total=len(steps), steps_done=len(idx))
+        if len(idx):
+            last = int(idx[-1])
+            row["last_step"] = int(steps[last])
+            row["loss"] = float(r.read_step("loss", last))
+            lam_name = _lambda_array(r.dims) if r.dims else None
+            row["lambda_max"] = float(r.read_step(lam_name, last)[0]) if lam_name else float("nan")
+        return RunSummary(**row)
     except StoreError as exc:
-        return RunSummary(rid, Status.DAMAGED, str(exc))
+        return RunSummary(**{**row, "status": Status.DAMAGED, "reason": str(exc)})
     except Exception:  # noqa: BLE001 — the checked reader found nothing: report what the quick read met
-        return RunSummary(rid, Status.DAMAGED, f"run {rid!r}: {type(quick_error).__name__}: {quick_error}")
+        why = f"run {rid!r}: {type(quick_error).__name__}: {quick_error}"
+        return RunSummary(**{**row, "status": Status.DAMAGED, "reason": why})
