@@ -221,6 +221,23 @@ def test_cli_sweep_commands_on_bad_input(url: str, tmp_path: Path, capsys: pytes
 
 
 # ------------------------------------------------------------------ what was wrong, and is fixed
+def test_fields_that_every_block_sets_alike_vary_nothing() -> None:
+    """Variants that each replace the whole spectrum block, alike but for the layout, listed
+    spectrum.k and spectrum.images as grid fields (a new user's trial); a field set alike by every
+    point is left out, while one that some points leave to the base still varies."""
+    from nsa_dist.client import varied_fields
+
+    same = {"k": 12, "images": [1, 2]}
+    layouts = [{**same, "layout": "local"}, {**same, "layout": "block_rows", "workers": 2}]
+    assert varied_fields({"variants": [{"spectrum": b} for b in layouts]}) == ["spectrum.layout", "spectrum.workers"]
+    grid = {"model": [{"depth": 2, "width": 4}, {"depth": 3, "width": 4}], "seed": [0, 1]}
+    assert varied_fields({"grid": grid}) == ["model.depth", "seed"]
+    hess = {"top_k": 2}  # the first variant keeps the base's (no) hessian block: hessian.top_k varies
+    variants = [{"model.width": 2}, {"model.width": 3, "hessian": hess}, {"model.width": 6, "hessian": hess}]
+    assert varied_fields({"variants": variants}) == ["model.width", "hessian.top_k"]
+    assert varied_fields({"grid": {"model": [{"depth": 2, "width": 4}]}}) == ["model.depth", "model.width"]
+
+
 def test_a_grid_over_whole_blocks_keeps_its_points_apart(url: str) -> None:
     """grid: {model: [{depth: 2, width: 4}, {depth: 3, width: 6}]} — before, the sweep varied no
     column ("model" is no column of the frame) and Sweep.curves pooled both networks into one

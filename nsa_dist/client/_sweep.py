@@ -186,18 +186,25 @@ def varied_fields(spec: dict[str, Any]) -> list[str]:
 
     A path whose values are groups of fields (``grid: {model: [{depth: 2, width: 4}, …]}``) stands
     for the dotted fields those values set ("model.depth", "model.width"): the columns of
-    :func:`~nsa_dist.client.runs_frame` that tell its grid points apart."""
+    :func:`~nsa_dist.client.runs_frame` that tell its grid points apart.  A field that every one
+    of two or more such groups sets to the same value varies nothing and is left out (variants
+    that each replace the whole ``spectrum`` block, alike but for its layout, vary the layout)."""
     values: dict[str, list[Any]] = {}
-    for path, vals in spec.get("grid", {}).items():
+    grid, variants = spec.get("grid", {}), spec.get("variants", [])
+    for path, vals in grid.items():
         values.setdefault(path, []).extend(vals)
-    for variant in spec.get("variants", []):
+    for variant in variants:
         for path, value in variant.items():
             values.setdefault(path, []).append(value)
     out: list[str] = []
     for path, vals in values.items():
         nested = [flatten_spec(v, path + ".") for v in vals if isinstance(v, dict) and v]
-        if nested:
-            out += [f for d in nested for f in d]
+        in_variants = sum(path in v for v in variants)
+        everywhere = in_variants == 0 if path in grid else in_variants == len(variants)  # no point keeps the base's
+        alike = everywhere and len(nested) == len(vals) > 1  # every value a group: a field all set alike is fixed
+        for f in dict.fromkeys(f for d in nested for f in d):
+            if not (alike and all(f in d and d[f] == nested[0][f] for d in nested)):
+                out.append(f)
         if len(nested) < len(vals):
             out.append(path)
     return list(dict.fromkeys(out))
