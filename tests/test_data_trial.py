@@ -454,7 +454,7 @@ def test_npy_images(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"nan.npy' has 1 non-finite pixel.*row 2, column 6"):
         load_image(tmp_path / "nan.npy")
     np.save(tmp_path / "obj.npy", np.array([[1, "x"]], dtype=object), allow_pickle=True)
-    with pytest.raises(ValueError, match=r"obj.npy' is not a readable"):
+    with pytest.raises(ValueError, match=r"obj.npy' is not a readable .npy array of intensities \(Object arrays"):
         load_image(tmp_path / "obj.npy")  # never unpickled
     for shape in [(3, 5, 8), (5, 8, 2), (5,)]:
         np.save(tmp_path / "odd.npy", np.ones(shape))

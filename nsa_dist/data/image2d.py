@@ -55,7 +55,11 @@ def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     raw = read_bytes(p) if is_url(p) else None
     src = (lambda: io.BytesIO(raw)) if raw is not None else (lambda: p)
     if str(p).lower().endswith(".npy"):  # a NumPy array of intensities, rows first (never unpickled)
-        arr = np.load(src(), allow_pickle=False)
+        try:
+            arr = np.load(src(), allow_pickle=False)
+        except ValueError as exc:  # an object array (it would need unpickling), a damaged header
+            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"image2d: {str(p)!r} is not a readable .npy array of intensities ({cause})") from exc
         if arr.dtype.kind not in "biuf":
             raise ValueError(f"image2d: {str(p)!r} holds a {arr.dtype} array, expected real intensities")
         if not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[-1] in (3, 4))):
