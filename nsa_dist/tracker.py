@@ -216,6 +216,7 @@ class Tracker:
                 self.spec.name,
                 self.store.url,
             )
+            self._stored_before = {}  # nothing is recorded: nothing to check, and the run stays as it is
         # the trainable set (self._trainable, above) is part of the run: the stored network digest, the
         # NTK route resolved once on the analysis copy and the Hessian's parameter set are all fixed here
 

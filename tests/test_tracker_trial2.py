@@ -505,6 +505,7 @@ def test_reopening_a_finished_run_says_it_records_nothing(tmp_path, caplog):
     assert "every recorded step of it is already in" in caplog.text and "records nothing" in caplog.text
     assert not any(again.due(t) for t in range(T))
     again.close()
+    assert again.stopped is None and Client(url).run("f").status == "done"  # another network changed nothing
 
 
 def test_steps_out_of_order_skipped_or_repeated_store_nan_updates_never_wrong_ones(tmp_path):
