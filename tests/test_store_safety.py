@@ -234,18 +234,28 @@ def test_a_running_status_under_an_expired_lease_reads_interrupted(tmp_path, cap
 def test_two_concurrent_writers_one_computes_the_other_refuses(tmp_path):
     path = _spec_file(tmp_path, TINY)
     url = str(tmp_path / "s.zarr")
+    # whichever takes the run stops itself once its first step is written, so the other surely
+    # meets it live (started together, a lagging one could find the run finished and exit 0);
+    # a ttl far beyond the test keeps the stopped holder's lease fresh however loaded the machine
+    env = {**ENV, "NSA_LEASE_TTL": "600"}
+    cmd = stopping_cli("nsa_dist.store.zarr_store:RunWriter.write_step", "args[1] == 0", after=True)
+    cmd += CMD[3:] + [str(path), "--store", url]
     procs = [
-        subprocess.Popen(
-            CMD + [str(path), "--store", url], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
     ]
-    outs = [(p.wait(timeout=300), *p.communicate()) for p in procs]
-    rcs = sorted(o[0] for o in outs)
-    assert rcs == [0, 2], f"expected one writer to finish and one to refuse: {outs}"
-    winner, loser = (procs[0], procs[1]) if outs[0][0] == 0 else (procs[1], procs[0])
-    err = outs[procs.index(loser)][2]
+    deadline = time.time() + 300
+    while not any(p.poll() is not None for p in procs) and time.time() < deadline:
+        time.sleep(0.05)
+    ended = [p for p in procs if p.poll() is not None]
+    assert len(ended) == 1, f"expected one writer to refuse while the other holds the run: {[p.poll() for p in procs]}"
+    (loser,), (winner,) = ended, [p for p in procs if p is not ended[0]]
+    wait_stopped(winner)
+    out, err = loser.communicate()
+    assert loser.returncode == 2, f"rc {loser.returncode}: {out} {err}"
     assert f"pid {winner.pid}" in err and "being written by another process" in err, err
+    os.kill(winner.pid, signal.SIGCONT)
+    out, err = winner.communicate(timeout=300)
+    assert winner.returncode == 0, f"rc {winner.returncode}: {out} {err}"
     rid = run_id(ExperimentSpec(**TINY))
     run = Client(url).run(rid)
     assert run.status == "done" and len(run.steps) == 4
