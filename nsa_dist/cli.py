@@ -192,6 +192,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _store_arg(sm)
     sm.add_argument("--job-id", default=None)
+    sm.add_argument(
+        "--pip",
+        action="append",
+        default=None,
+        metavar="REQ",
+        help="a pip requirement the job needs on the cluster (its runtime_env's pip; repeatable)",
+    )
     sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
     _max_runs_arg(sm)
     for name, hlp in (
@@ -930,7 +937,7 @@ class _SweepTable:
 def _cmd_submit(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import jobs
 
-    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id, max_runs=args.max_runs)
+    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id, pip=args.pip, max_runs=args.max_runs)
     print(f"submitted job {job} to {args.address}")
     if args.wait:
         return _wait_job(args.address, job)

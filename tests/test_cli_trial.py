@@ -499,3 +499,13 @@ def test_a_rerun_says_where_it_resumes_and_a_finished_one_that_nothing_is_left(t
     assert nsa(["run", "--plain", str(path), "--store", url]) == 0
     err = capsys.readouterr().err
     assert f"run {run_id(spec)}: 5 of 5 recorded steps already stored: nothing to compute" in err, err
+
+
+def test_submit_takes_pip_requirements_as_deploy_readme_says(tmp_path) -> None:
+    """deploy/README.md documents `nsa submit --pip my-pkg==1.2`; the flag did not exist."""
+    args = _parser().parse_args(
+        ["submit", "s.yaml", "--address", "http://h:8265", "--pip", "my-pkg==1.2", "--pip", "other"]
+    )
+    assert args.pip == ["my-pkg==1.2", "other"]
+    assert _parser().parse_args(["submit", "s.yaml", "--address", "http://h:8265"]).pip is None
+    assert "nsa submit --pip my-pkg==1.2" in (Path(__file__).parents[1] / "deploy" / "README.md").read_text()

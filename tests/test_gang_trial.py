@@ -90,8 +90,12 @@ def test_check_resources_counts_every_concurrent_trainer():
     cluster's totals."""
     cl = ClusterSpec(spectral_workers=1, worker_cpus=1, trainer_cpus=2)
     check_resources(cl, False, {"CPU": 9.0}, gang_members=2, trainers=3)  # exactly enough
-    with pytest.raises(ValueError, match="CPU: needs 9, cluster has 6"):
+    with pytest.raises(ValueError, match="CPU: needs 9, cluster has 6") as e:
         check_resources(cl, False, {"CPU": 6.0}, gang_members=2, trainers=3)
+    # the message names what is counted and the knob that lowers the runs at once (a new user's
+    # trial fixed the same error with max_concurrent_runs, which it did not name)
+    assert "3 runs at once, a trainer each, 1 spectral worker(s), 2 gang member(s)" in str(e.value), e.value
+    assert "cluster.max_concurrent_runs" in str(e.value), e.value
 
 
 # ---------------------------------------------------------------------- on Ray

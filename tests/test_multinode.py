@@ -143,6 +143,19 @@ def test_submit_sweep_to_two_node_cluster_whose_nodes_meet_only_in_s3(two_node_c
         timeout=120,
     )
     assert sub.returncode == 0, sub.stderr[-2000:]
+    # the same --job-id again: one line saying it is taken (the dashboard's HTTP 500 traceback, cut
+    # off before its cause, was the error)
+    again = subprocess.run(
+        nsa
+        + ["submit", str(path), "--address", address, "--store", str(tmp_path / "c.zarr")]
+        + ["--job-id", "nsa-cancel-test"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1, again.stderr[-2000:]
+    assert "job id 'nsa-cancel-test' is taken on" in again.stderr and "another --job-id" in again.stderr, again.stderr
     cancel = subprocess.run(
         nsa + ["cancel", "nsa-cancel-test", "--address", address], env=env, capture_output=True, text=True, timeout=60
     )

@@ -310,6 +310,26 @@ def test_a_stopped_server_or_an_address_without_scheme_is_one_line(tmp_path, cap
     assert f"address '127.0.0.1:{port}' is not a Ray dashboard URL" in line and "http://HOST:8265" in line, line
 
 
+def test_the_gcs_port_given_as_the_dashboard_is_one_line_without_its_bytes(local_ray, capsys):
+    """``ray start`` prints the GCS address (host:6379); given as --address, its gRPC bytes reached
+    the terminal as 'BadStatusLine: \\x00\\x00\\x18…' (exit 1, a new user's trial)."""
+    address = "http://" + local_ray.get_runtime_context().gcs_address
+    assert nsa(["status", "--address", address]) == 2
+    line = _error_line(capsys.readouterr().err, "status")
+    assert f"{address} is not a Ray dashboard: what answers there does not speak HTTP" in line, line
+    assert "GCS port" in line and "8265" in line and line.isprintable(), repr(line)
+
+
+def test_a_token_file_that_is_not_there_is_named(web, capsys, monkeypatch):
+    web.ray_token = "the-secret-token"
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/nonexistent/token")
+    address = f"http://127.0.0.1:{web.server_address[1]}"
+    assert nsa(["status", "--address", address]) == 2
+    line = _error_line(capsys.readouterr().err, "status")
+    assert "RAY_AUTH_TOKEN_PATH names '/nonexistent/token', which is not a file" in line, line
+
+
 # --------------------------------------------------------------------------- --debug
 
 

@@ -36,6 +36,12 @@ def job_client(address: str) -> Any:
     """A Ray Jobs client for ``address``, made only after :func:`probe` saw a Ray dashboard there;
     the token (``RAY_AUTH_TOKEN``) goes only to a dashboard that said it wants one."""
     mode = probe(address)
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if mode == "token" and not os.environ.get("RAY_AUTH_TOKEN") and path and not os.path.isfile(path):
+        raise OutsideError(  # said as "got none" before, the file left unnamed
+            f"the Ray dashboard at {address} wants a token, and RAY_AUTH_TOKEN_PATH names {path!r}, which is "
+            "not a file: point it at the file holding the cluster's token, or set RAY_AUTH_TOKEN"
+        )
     from ray.job_submission import JobSubmissionClient
 
     return JobSubmissionClient(address, headers=auth_headers() if mode == "token" else None)
@@ -77,6 +83,7 @@ def probe(address: str) -> str:
 
 def _ask(base: str, path: str) -> tuple[int, str, bytes]:
     """(HTTP status, Server header, the first 64 KB of the body) of ``GET base+path``, no credentials."""
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -91,6 +98,12 @@ def _ask(base: str, path: str) -> tuple[int, str, bytes]:
         raise OutsideError(
             f"no Ray cluster answers at {base} ({reason}); start one, or pass --address / "
             "$RAY_ADDRESS (`nsa status --store PATH` shows a store's runs without a cluster)"
+        ) from None
+    except http.client.HTTPException as exc:  # a server that speaks no HTTP (its bytes are not shown)
+        raise OutsideError(
+            f"{base} is not a Ray dashboard: what answers there does not speak HTTP ({type(exc).__name__}) — "
+            "is it the cluster's GCS port (the address `ray start` prints)? The dashboard listens on port "
+            "8265 of the head node: give http://HOST:8265 (--address or $RAY_ADDRESS)"
         ) from None
 
 
@@ -151,6 +164,8 @@ def submit(
         runtime_env["working_dir"] = str(work)
         with _answered(address):
             client = job_client(address)
+            if job_id is not None:
+                _refuse_taken(client, address, job_id)
             deadline = time.time() + 90
             while True:  # a freshly started head has no job agent for a few seconds
                 try:
@@ -161,6 +176,20 @@ def submit(
                     time.sleep(2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _refuse_taken(client: Any, address: str, job_id: str) -> None:
+    """OutsideError when the cluster already has a job ``job_id`` (its dashboard answered a second
+    submission with HTTP 500 and its own traceback, cut off before the cause)."""
+    try:
+        info = client.get_job_info(job_id)
+    except RuntimeError:  # no such job: the id is free
+        return
+    state = getattr(info.status, "value", info.status)
+    raise OutsideError(
+        f"job id {job_id!r} is taken on {address} (a job {state} there); give another --job-id, or none "
+        "to let Ray name the job"
+    )
 
 
 def status(address: str, job_id: str | None = None) -> list[dict]:
@@ -212,5 +241,10 @@ def _answered(address: str) -> Iterator[None]:
             "holding it"
         ) from exc
     except (RuntimeError, OSError) as exc:
-        text = " ".join(str(exc).split())
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        if any(ln.startswith("Traceback (most recent call last)") for ln in lines):  # the server's own
+            # traceback: its first line and its last (the cause), not the frames between
+            text = f"{lines[0].split('Traceback')[0].strip()} … {lines[-1]}"
+        else:
+            text = " ".join(lines)
         raise OutsideError(f"the Ray dashboard at {address} answered: {text[:500]}") from exc

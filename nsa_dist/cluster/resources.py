@@ -81,7 +81,8 @@ def check_resources(
     trainers: int = 1,
     nodes: list[dict[str, float]] | None = None,
 ) -> None:
-    """Raise ValueError unless the cluster holds the worker pool, one trainer and the step gangs.
+    """Raise ValueError unless the cluster holds the worker pool, ``trainers`` trainers (one per run
+    running at once) and the step gangs.
 
     Ray would otherwise queue the actors forever (e.g. two 0.5-GPU workers and a 1-GPU trainer
     on a one-GPU machine, or a custom resource no node has).  ``gang_members``: the spectral-gang
@@ -92,10 +93,12 @@ def check_resources(
     short = {k: (v, available.get(k, 0.0)) for k, v in need.items() if v > available.get(k, 0.0) + 1e-9}
     if short:
         what = "; ".join(f"{k}: needs {v:g}, cluster has {a:g}" for k, (v, a) in short.items())
+        runs = f"{max(1, trainers)} runs at once, a trainer each, " if trainers > 1 else ""
         raise ValueError(
-            f"the sweep's cluster block does not fit this Ray cluster ({what}); lower "
-            "cluster.spectral_workers / worker_cpus / worker_gpus / trainer_cpus / trainer_gpus or "
-            "the *_resources, or add nodes"
+            f"the sweep's cluster block does not fit this Ray cluster ({what}: {runs}"
+            f"{cl.spectral_workers} spectral worker(s){f', {gang_members} gang member(s)' if gang_members else ''}); "
+            "lower cluster.max_concurrent_runs / spectral_workers / worker_cpus / worker_gpus / trainer_cpus / "
+            "trainer_gpus or the *_resources, or add nodes"
         )
     if nodes is not None:
         check_bundles_fit(
