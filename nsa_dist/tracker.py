@@ -208,15 +208,15 @@ class Tracker:
         # the steps the store held when this Tracker opened the run: the loop passing one again is
         # checked to be on the recorded path (its θ there is the stored θ_t) before any more is recorded
         done = self.session.done
-        self._stored_before = {int(t): False for i, t in enumerate(self.schedule) if done[i]}
-        if len(self._stored_before) == len(self.schedule):
+        self._unchecked = {int(t) for i, t in enumerate(self.schedule) if done[i]}
+        if len(self._unchecked) == len(self.schedule):
             _log.warning(
                 "run %r: every recorded step of it is already in %s (a finished run): this Tracker records "
                 "nothing — give a new run another name to record it",
                 self.spec.name,
                 self.store.url,
             )
-            self._stored_before = {}  # nothing is recorded: nothing to check, and the run stays as it is
+            self._unchecked = set()  # nothing is recorded: nothing to check, and the run stays as it is
         # the trainable set (self._trainable, above) is part of the run: the stored network digest, the
         # NTK route resolved once on the analysis copy and the Hessian's parameter set are all fixed here
 
@@ -420,9 +420,9 @@ class Tracker:
         θ_t is float32).  Else stop the recording — a loop restarted from a fresh initialisation, or
         on another trajectory, would add its steps to another network's (was: taken silently, the
         run ``done`` with a loss curve that jumped between the two networks)."""
-        if self._stored_before.get(step, True):  # not stored before, or compared already
+        if step not in self._unchecked:  # not stored before, or compared already
             return True
-        self._stored_before[step] = True
+        self._unchecked.discard(step)
         stored = np.asarray(self.writer.read_step("theta", self.tracked.index[step]), np.float64)
         off = float(np.linalg.norm(theta_vector(self.model).astype(np.float64) - stored))
         size = float(np.linalg.norm(stored))
