@@ -60,6 +60,29 @@ def test_every_nsa_command_is_a_real_cli_call():
     assert entry[:2] == ["nsa", "sweep"] and "--address" in entry
 
 
+def test_the_cluster_launchers_docker_line_carries_the_token_as_a_mounted_file():
+    """deploy/ray-cluster.yaml through Ray's own ``docker run`` builder: Ray runs that line through
+    the node's shell, so a ``$VAR`` in it would be the node's (unset there) and not the launching
+    machine's; the token must arrive as a file from ``file_mounts``, named by RAY_AUTH_TOKEN_PATH
+    (``ray start`` reading it there: ``test_ray_token``'s head is started so)."""
+    from ray.autoscaler._private.docker import docker_start_cmds
+
+    c = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    d = c["docker"]
+    for role in ("head", "worker"):
+        options = d.get("run_options", []) + d.get(f"{role}_run_options", [])
+        cmd = docker_start_cmds(
+            "ubuntu", d["image"], c["file_mounts"], d["container_name"], options, c["cluster_name"], "/root", "docker"
+        )
+        assert "$" not in cmd, f"the {role}'s docker line expands a variable on the node: {cmd}"
+        argv = shlex.split(cmd)
+        env = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a in ("--env", "-e"))
+        mounts = [argv[i + 1].split(":")[1] for i, a in enumerate(argv) if a == "-v"]
+        assert env.get("RAY_AUTH_MODE") == "token", (role, env)
+        path = env.get("RAY_AUTH_TOKEN_PATH", "")
+        assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), (role, path, mounts)
+
+
 def test_ray_version_matches_the_package_pin():
     pin = re.search(r'"ray\[default\]>=([\d.]+),<', (ROOT / "pyproject.toml").read_text()).group(1)
     for p in (DEPLOY / "kuberay").glob("*.yaml"):

@@ -1,5 +1,6 @@
 """Ray's token authentication on a real head (deploy/README.md, "Authentication"): a loopback head
-started with ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN``; ``nsa status`` against its dashboard
+started as deploy/ray-cluster.yaml starts one, with ``RAY_AUTH_MODE=token`` and the token in the
+file named by ``RAY_AUTH_TOKEN_PATH``; ``nsa status`` against its dashboard
 with no token, a wrong one and the right one (from ``RAY_AUTH_TOKEN`` and from the file named by
 ``RAY_AUTH_TOKEN_PATH``).  A missing or wrong token is one line saying which variable to set.
 """
@@ -25,14 +26,17 @@ def token_head():
     """A one-node Ray head on loopback with token auth on: (its dashboard address, the token)."""
     pytest.importorskip("ray")
     token = secrets.token_hex(16)
+    token_dir = tempfile.mkdtemp(prefix="nsa-auth-", dir="/tmp")
+    with open(os.path.join(token_dir, "auth_token"), "w") as f:  # as the cluster launcher's file_mounts leave it
+        f.write(token + "\n")
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": token,
+        "RAY_AUTH_TOKEN_PATH": os.path.join(token_dir, "auth_token"),
         "RAY_USAGE_STATS_ENABLED": "0",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
-    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    env.pop("RAY_AUTH_TOKEN", None)
     # two tries, each on fresh ports: a port taken between free_port() and ray's bind (other tests'
     # clusters start on this machine too) failed `ray start` once in a fresh-clone CI run
     for attempt in (1, 2):
