@@ -93,7 +93,7 @@ def table_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = N
     def listing(full: bool) -> tuple[list[RunSummary], list[str], dict[str, list[Any]], str]:
         rows = table.refresh() if full else table.quick()
         fields = table.fields()
-        return rows, fields, table.columns(rows, fields), _sweep_links(store.sweeps())
+        return rows, fields, table.columns(rows, fields), _sweep_links(store.sweeps(), {s.id for s in rows})
 
     def build(args: dict[str, str]) -> Any:
         from bokeh.layouts import column
@@ -175,11 +175,18 @@ def _count_text(rows: list[RunSummary]) -> str:
     return f"{len(rows)} runs" + (f" ({parts})" if parts else "")
 
 
-def _sweep_links(sweeps: dict[str, list[str]]) -> str:
+def _sweep_links(sweeps: dict[str, list[str]], listed: set[str] | None = None) -> str:
+    """The sweeps' links, each with its number of runs — "k of n runs" while only k of the n runs
+    the sweep names are in the table yet (a sweep names its runs before they start)."""
     if not sweeps:
         return ""
+
+    def count(ids: list[str]) -> str:
+        k = len(ids) if listed is None else len(set(ids) & listed)
+        return f"{len(ids)} runs" if k == len(ids) else f"{k} of {len(ids)} runs"
+
     links = " · ".join(
-        f'<a href="sweep?name={html.escape(quote(n, safe=""))}">{html.escape(n)}</a> ({len(ids)} runs)'
+        f'<a href="sweep?name={html.escape(quote(n, safe=""))}">{html.escape(n)}</a> ({count(ids)})'
         for n, ids in sorted(sweeps.items())
     )
     return f"sweeps: {links}"
