@@ -88,6 +88,77 @@ def test_gram_change_first_order_is_eq26() -> None:
     assert small["gram_change_fro"][2] < 0.3 * got["gram_change_fro"][2], (small, got)
 
 
+class _Normed(torch.nn.Module):
+    """An MLP through LayerNorm (affine, then plain) and RMSNorm: PyTorch 2.13's forward-over-forward
+    second derivatives of layer_norm / rms_norm are wrong (App. F's first order was 13 % off)."""
+
+    def __init__(self, K: int) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(3, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, K)
+        self.ln, self.plain, self.rms = (
+            torch.nn.LayerNorm(8),
+            torch.nn.LayerNorm(8, elementwise_affine=False),
+            torch.nn.RMSNorm(8),
+        )
+
+    def forward(self, x):
+        h = torch.tanh(self.ln(self.a(x)))
+        return self.c(self.rms(torch.tanh(self.plain(self.b(h)))))
+
+
+class _Encoder(torch.nn.Module):
+    """A pre-LN attention block over short sequences (nn.MultiheadAttention, GELU, residuals), pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.ln1, self.ln2 = torch.nn.Linear(2, 8), torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+        self.att = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.mlp, self.out = (
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)),
+            torch.nn.Linear(8, 1),
+        )
+
+    def forward(self, x):
+        h = self.inp(x)
+        a = self.ln1(h)
+        h = h + self.att(a, a, a, need_weights=False)[0]
+        h = h + self.mlp(self.ln2(h))
+        return self.out(h.mean(dim=1))
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [(lambda: _Normed(1), (9, 3)), (lambda: _Normed(2), (7, 3)), (_Encoder, (6, 4, 2))],
+    ids=["layer-rms-norm", "layer-rms-norm-2-outputs", "attention-block"],
+)
+def test_gram_change_first_order_is_the_derivative_through_normalisation_layers(make, shape) -> None:
+    """App. F's first order against a central difference of the dense G along Δθ (Richardson-
+    extrapolated: O(ε⁴)) on models people write every day — LayerNorm, RMSNorm, attention."""
+    torch.manual_seed(1)
+    model = make().double()
+    X = torch.randn(*shape, dtype=torch.float64)
+    theta, _ = flat_model(model)
+    dtheta = 0.02 * torch.randn_like(theta)
+
+    def gram_at(v):
+        torch.nn.utils.vector_to_parameters(v, model.parameters())
+        return dense_ntk(model, X).numpy()
+
+    def central(eps):
+        return (gram_at(theta + eps * dtheta) - gram_at(theta - eps * dtheta)) / (2 * eps)
+
+    dG = (4 * central(5e-3) - central(1e-2)) / 3
+    G0 = gram_at(theta)
+    V = np.linalg.eigh(G0)[1][:, ::-1][:, :4]
+    got = gram_change(model, X, theta.numpy(), dtheta.numpy(), V, torch.float64)
+    Dbar = V.T @ dG @ V
+    err = np.abs(got["gram_change"][1] - np.diag(Dbar)).max() / np.abs(Dbar).max()
+    assert err < 1e-6, (
+        f"first-order diag {got['gram_change'][1]} vs the dense derivative {np.diag(Dbar)} ({err:.2g} apart)"
+    )
+    assert got["gram_change_fro"][1] == pytest.approx(np.linalg.norm(Dbar), rel=1e-6)
+
+
 def test_gram_change_unknown_update_is_nan() -> None:
     model = _model()
     X = torch.randn(5, 2, dtype=torch.float64)

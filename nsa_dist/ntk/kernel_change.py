@@ -6,7 +6,10 @@
 * :func:`gram_change` — App. F: the change of the Gramian over update t, projected on the top
   eigenvectors, measured (G_{t+1} − G_t, from θ_{t+1} = θ_t + Δθ_t) and to first order
   (dG_t = ∂G/∂θ · Δθ_t = dJ Jᵀ + J dJᵀ, which for GD is −(δ/N)(Q_t + Q_tᵀ), Eq. 26).
-  Both by products with the network (forward-over-reverse), never the dense G.
+  Both by products with the network, never the dense G: the measured part by first-order
+  products, the first-order part by Hessian-vector products (forward over reverse, checked
+  once against reverse over reverse) — never forward over forward, which PyTorch 2.13 gets
+  wrong for ``layer_norm`` and ``rms_norm`` (a transformer's first-order dG was 13 % off).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ __all__ = ["cross_gram_times", "gram_change"]
 
 def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor) -> Callable:
     """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p, by one VJP and
-    JVPs (differentiable in p: App. F takes its JVP along Δθ)."""
+    JVPs."""
     import torch
     from torch.func import jvp, vjp
 
@@ -51,6 +54,61 @@ def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor) -> Callable:
         return torch.stack(cols, dim=1)  # (N, Kg)
 
     return GV
+
+
+def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, dp: dict) -> torch.Tensor:
+    """D̄ = Vᵀ (∂G/∂θ·Δθ) V, (Kg, Kg), by Hessian-vector products only.
+
+    With g_{i,a} = J_aᵀ v_i (the gradient of the scalar v_iᵀ f_a) and dg_{i,a} = ∇g_{i,a}·Δθ (that
+    scalar's Hessian times Δθ), v_iᵀ dG v_j = Σ_a ⟨dg_{i,a}, g_{j,a}⟩ + ⟨g_{i,a}, dg_{j,a}⟩, and
+    ⟨dg_{i,a}, g_{j,a}⟩ = v_jᵀ (J_a dg_{i,a}): one HVP and one first-order JVP per (i, a).  The
+    HVP is forward over reverse; the first one is compared with reverse over reverse (PyTorch's
+    second derivatives are wrong for some ops in one mode or the other), and a disagreement
+    raises instead of storing either.
+
+    Raises:
+        UnsupportedModelError: the two modes' second derivatives of this model disagree.
+    """
+    import torch
+    from torch.func import jvp, vjp
+
+    from nsa_dist.errors import UnsupportedModelError
+    from nsa_dist.ntk.state import call
+
+    def f(q):
+        out = call(model, q, (X,))
+        return out.reshape(out.shape[0], -1)  # (n, Ko)
+
+    fx = f(p0)
+    Kg, Ko = V.shape[1], fx.shape[1]
+    M = torch.zeros((Kg, Kg), dtype=V.dtype, device=V.device)  # M[i, j] = Σ_a ⟨dg_{i,a}, g_{j,a}⟩
+    for a in range(Ko):
+        for i in range(Kg):
+            cot = torch.zeros_like(fx)
+            cot[:, a] = V[:, i]
+            grad = lambda q, cot=cot: vjp(f, q)[1](cot)[0]  # noqa: E731 - q ↦ J_a(q)ᵀ v_i
+            dg = jvp(grad, (p0,), (dp,))[1]  # forward over reverse: ∇²(v_iᵀ f_a) Δθ
+            if a == 0 and i == 0:
+                _same_second_derivative(dg, vjp(grad, p0)[1](dp)[0], UnsupportedModelError)
+            M[i] += V.T @ jvp(f, (p0,), (dg,))[1][:, a]  # v_jᵀ J_a dg_{i,a} for every j
+    return M + M.T
+
+
+def _same_second_derivative(fwd: dict, rev: dict, error: type[Exception]) -> None:
+    """Raise ``error`` unless forward-over-reverse ``fwd`` and reverse-over-reverse ``rev`` (the same
+    Hessian-vector product, dicts like the parameters) agree to the dtype's precision."""
+    import torch
+
+    a = torch.cat([fwd[k].reshape(-1) for k in fwd]).double()
+    b = torch.cat([rev[k].reshape(-1) for k in fwd]).double()
+    rtol = 1e-7 if fwd[next(iter(fwd))].dtype == torch.float64 else 1e-3
+    err, scale = float((a - b).norm()), float(max(a.norm(), b.norm()))
+    if not err <= rtol * scale:
+        raise error(
+            f"the second derivatives of this model disagree between PyTorch {torch.__version__}'s forward and reverse "
+            f"modes (a Hessian-vector product {err / max(scale, 1e-300):.2g} apart), so App. F's first-order kernel "
+            "change is not measured"
+        )
 
 
 def _unflat(model: nn.Module, vec: np.ndarray, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -144,9 +202,12 @@ def gram_change(
     Returns:
         {"gram_change": (2, Kg) [diag D, diag D̄], "gram_change_fro": (3,) [‖D‖_F, ‖D̄‖_F, ‖D − D̄‖_F]};
         NaN when Δθ_t is not finite.
+
+    Raises:
+        UnsupportedModelError: PyTorch's forward and reverse modes disagree on this model's second
+            derivatives (see :func:`_first_order`).
     """
     import torch
-    from torch.func import jvp
 
     from nsa_dist.ntk.state import exact_kernels
 
@@ -166,10 +227,9 @@ def gram_change(
         p0, dp = unflat(theta), unflat(dtheta)
         p1 = {n: p0[n] + dp[n] for n in names}
         with exact_kernels(model):  # attention by composite kernels: forward-mode AD through it
-            G0V, dGV = jvp(GV, (p0,), (dp,))  # G_t V and (∂G/∂θ·Δθ) V, (N, Kg) each
-            G1V = GV(p1)
+            G0V, G1V = GV(p0), GV(p1)  # G_t V and G_{t+1} V, (N, Kg) each
+            Dbar = _first_order(model, Xd, V, p0, dp).detach().cpu().double().numpy()  # (Kg, Kg)
         D = (V.T @ (G1V - G0V)).detach().cpu().double().numpy()  # (Kg, Kg)
-        Dbar = (V.T @ dGV).detach().cpu().double().numpy()
     finally:
         model.to(orig)
     fro = np.linalg.norm
