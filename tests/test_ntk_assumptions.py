@@ -648,3 +648,86 @@ def test_points_permuted_by_their_values_are_not_proven_one_row_each():
     X[4:] = X[4:][torch.randperm(8)]
     assert explain_method(m, X)[1]["e.weight"][0] == "jacobian"
     assert_close_rel(gram(m, X, dtype=torch.float64), _batch_reference(m, X), 1e-10, "sort dispatch")
+
+
+class _Cached(nn.Module):
+    """A feature-cache hook (closure over the module), an activation list, a tensor attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.h = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.cache, self.acts, self.last = {}, [], None
+        self.l1.register_forward_hook(lambda m, i, o: o * 2.0)  # a hook that changes the output
+        self.l2.register_forward_hook(lambda m, i, o: self.cache.__setitem__("l2", o.detach()))
+
+    def forward(self, x):
+        h = torch.tanh(self.l2(torch.relu(self.l1(x))))
+        self.acts.append(h.detach())
+        self.last = h.detach()
+        return self.h(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["own-dtype", "cast-copy"])
+def test_what_a_forward_stores_inside_a_measurements_transforms_is_put_back(dtype):
+    """Activations stored by a hook or a forward inside ``torch.func``'s transforms cannot be read
+    afterwards ("… escaped from inside a function being vmapped"), and a float32 model measured in
+    float64 (a cast copy, whose hooks write into the user's module) could not be copied again:
+    the second ``gram`` raised a bare "Cannot access storage of TensorWrapper"."""
+    import numpy as np
+
+    from nsa_dist.hessian import hessian_operator
+    from nsa_dist.ntk import ntk_operator
+
+    torch.manual_seed(0)
+    model, X = _Cached(), torch.randn(12, 4)
+    ref = dense_ntk(_double(model), X.double())
+    model(X[:3])  # the user's own forward
+    P = sum(p.numel() for p in model.parameters())
+
+    def readable():
+        stored = [model.cache["l2"], model.last, *model.acts]
+        wrapped = [t for t in stored if torch._C._functorch.is_functorch_wrapped_tensor(t)]
+        assert not wrapped, f"{len(wrapped)} of the model's stored tensors are torch.func's: {wrapped[0]!r:.200}"
+        assert all(torch.isfinite(t).all() for t in stored)  # each one can be read
+
+    for _ in range(2):  # the second call copies the model again
+        assert_close_rel(gram(model, X, dtype=dtype), ref.to(dtype), 1e-5 if dtype == torch.float32 else 1e-10)
+        readable()
+        op = hessian_operator(model, X, torch.zeros(12), dtype=dtype)
+        op.matmat(torch.ones(P, 1, dtype=dtype))
+        readable()
+        ntk_operator(model, X).matmat(np.ones((12, 1)))
+        readable()
+    model(X[:2])  # the user's next forward stores its own tensors again
+    assert model.cache["l2"].shape == (2, 8) and model.last.shape == (2, 8)
+
+
+def _double(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model).double()
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1  # in every mode
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_a_buffer_written_in_every_mode_is_refused_with_the_fix_for_that_mode(train):
+    model = _Counting().train(train)
+    with pytest.raises(UnsupportedModelError) as e:
+        gram(model, torch.randn(5, 3))
+    text = str(e.value)
+    assert "modifies its buffer 'calls' (_Counting) in place" in text, text
+    if train:
+        assert "call model.eval()" in text, text
+    else:  # it was in eval mode: "call model.eval()" would send the user in a circle
+        assert "call model.eval()" not in text and "in eval mode already" in text and "if self.training:" in text, text
+    assert float(model.calls) == 0.0, "the probe's forwards leave the counter as it was"

@@ -40,6 +40,7 @@ from nsa_dist.ntk import sample_coupling
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, autograd_on, default_block, trainable_params
 from nsa_dist.ntk.state import (  # copyable: re-exported
+    attributes_kept,
     call,
     copyable,
     exact_kernels,
@@ -158,7 +159,12 @@ class LossCurvatureOperator(LinearOperator):
         if self._refused is not None:  # every later product too: the parts of one analysis share it
             raise self._refused
         forward_mode = not self._reverse
-        with exact_kernels(self.model), autograd_conventions(), blame(self.model, "the loss Hessian"):
+        with (
+            exact_kernels(self.model),
+            autograd_conventions(),
+            blame(self.model, "the loss Hessian"),
+            attributes_kept(self.model),  # activations a hook cached inside the transforms: put back
+        ):
             AV = self._columns(Vt)
             if forward_mode and self._reverse:  # switched to reverse mode in this product
                 try:

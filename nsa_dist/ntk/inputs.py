@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
@@ -15,7 +14,7 @@ from torch.nn.utils import parametrize
 from nsa_dist._checks import check_finite
 from nsa_dist.errors import ShapeError
 from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
-from nsa_dist.ntk.state import copyable
+from nsa_dist.ntk.state import cast_copy
 
 # Feature memory rule shared by the NTK paths: per-sample gradients / Jacobians of all points are
 # held in memory while they fit in this many bytes; past it they are split into groups of columns
@@ -45,8 +44,7 @@ def prepare_model(model: nn.Module, dtype: torch.dtype | None, output: OutputSel
     trainable_params(model)
     p = next(iter(model.parameters()))
     if dtype is not None and dtype != p.dtype:
-        with copyable(model):  # a hook-based weight_norm leaves a non-leaf weight that deepcopy refuses
-            model = copy.deepcopy(model).to(dtype)
+        model = cast_copy(model, dtype)
     return model
 
 

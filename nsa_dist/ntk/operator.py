@@ -15,6 +15,7 @@ from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import (
+    attributes_kept,
     call,
     dense_gradients,
     exact_kernels,
@@ -102,7 +103,7 @@ class NTKOperator(LinearOperator):
         m = Vr.shape[-1]
         n_cot = m if self.full else m * self.K
         U = {k: torch.zeros((n_cot,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
-        with exact_kernels(self.model), dense_gradients(self.model), blame(self.model):
+        with exact_kernels(self.model), dense_gradients(self.model), blame(self.model), attributes_kept(self.model):
             self._jt_into(U, Vr)
         return U
 
@@ -173,7 +174,13 @@ class NTKOperator(LinearOperator):
         N, K = self.x.shape[0], self.K
         out = torch.empty((N, K, m) if self.full else (N, m), dtype=self.dtype, device=self.x.device)
         # the padding rows of embeddings as reverse mode (Jᵀ v) sees them: no derivative from their lookups
-        with exact_kernels(self.model), padding_rows_constant(), dense_gradients(self.model), blame(self.model):
+        with (
+            exact_kernels(self.model),
+            padding_rows_constant(),
+            dense_gradients(self.model),
+            blame(self.model),
+            attributes_kept(self.model),  # activations a hook cached inside the transforms: put back
+        ):
             self._j_into(out, U, m)
         return out
 

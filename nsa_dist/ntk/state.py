@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,8 @@ __all__ = [
     "padding_rows_constant",
     "call",
     "copyable",
+    "cast_copy",
+    "attributes_kept",
 ]
 
 
@@ -64,10 +67,12 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
     ]
     scaled = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.scale_grad_by_freq]
+    # the user's module too when this is its cast copy: the copy's hooks are the user's, and write
+    # where the user's closures point
     for m in scaled:
         m.scale_grad_by_freq = False
     try:
-        with dense_gradients(model):
+        with dense_gradients(model), attributes_kept(model):
             yield model
     finally:
         for m in scaled:
@@ -90,6 +95,88 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
                     b.data.copy_(v)  # through .data: no version bump, so a backward that saved b still runs
         for m, mode in modes:
             m.training = mode
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}  # torch's own attributes of every module
+_ABSENT = object()
+_ORIGINALS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` cast to ``dtype``, remembered as the user's module's copy (so that
+    :func:`preserved` of the copy keeps the user's module's attributes too)."""
+    with copyable(model):
+        twin = copy.deepcopy(model).to(dtype)
+    _ORIGINALS[twin] = _ORIGINALS.get(model, model)
+    return twin
+
+
+def _escaped(v: Any) -> bool:
+    """Whether v is a tensor of a ``torch.func`` transform (unusable once the transform ended)."""
+    return isinstance(v, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(v)
+
+
+@contextlib.contextmanager
+def attributes_kept(model: nn.Module) -> Iterator[None]:
+    """On exit, what a forward hook or a forward stored in the module's own attributes inside a
+    ``torch.func`` transform (activations cached as ``self.cache["x"] = out.detach()``,
+    ``self.acts.append(out)``) is put back as it was on entry (:func:`_unescaped`) — in the
+    user's module too when ``model`` is its cast copy: the copy's hooks are the user's, and write
+    where the user's closures point."""
+    owners = [model] + ([_ORIGINALS[model]] if model in _ORIGINALS else [])
+    plain = [(o, _plain_state(o)) for o in owners]
+    try:
+        yield
+    finally:
+        for o, state in plain:
+            _unescaped(o, state)
+
+
+def _slots(m: nn.Module) -> Iterator[tuple[dict, Any, Any]]:
+    """(holder, key, value) of a module's own attributes (not torch's) and of the items of those
+    that are dicts."""
+    for name, v in list(vars(m).items()):
+        if name not in _MODULE_INTERNALS:
+            yield m.__dict__, name, v
+            if type(v) is dict:
+                yield from ((v, k, y) for k, y in list(v.items()))
+
+
+def _plain_state(model: nn.Module) -> list[tuple[nn.Module, str, Any, Any]]:
+    """Every module's own attributes (not torch's) as on entry, with a copy of the items of those
+    that are dicts or lists: where a forward hook or a forward stores activations
+    (``self.cache["x"] = out.detach()``, ``self.acts.append(out)``)."""
+    out = []
+    for m in model.modules():
+        for name, v in vars(m).items():
+            if name not in _MODULE_INTERNALS:
+                out.append((m, name, v, dict(v) if type(v) is dict else list(v) if type(v) is list else None))
+    return out
+
+
+def _unescaped(model: nn.Module, plain: list[tuple[nn.Module, str, Any, Any]]) -> None:
+    """Put back what a forward stored inside the measurement's ``torch.func`` transforms: such a
+    tensor is unusable afterwards (reading it raises "… escaped from inside a function being
+    vmapped"), and a copy of the model (a float32 model measured in float64) failed on it.  An
+    attribute, dict entry or list element holding one gets its value from before the measurement
+    back, or goes if it was not there; nothing else a forward stored is touched."""
+    seen = set()
+    for m, name, v, items in plain:
+        seen.add((id(m), name))
+        now = vars(m).get(name, _ABSENT)
+        if _escaped(now):
+            m.__dict__[name] = v
+        elif now is v and type(v) is dict and any(_escaped(x) for x in v.values()):
+            for k in [k for k, x in v.items() if _escaped(x)]:
+                if k in items and not _escaped(items[k]):
+                    v[k] = items[k]
+                else:
+                    del v[k]
+        elif now is v and type(v) is list and any(_escaped(x) for x in v):
+            v[:] = [x if not _escaped(x) else items[i] for i, x in enumerate(v) if not _escaped(x) or i < len(items)]
+    for m in model.modules():
+        for name in [n for n, x in vars(m).items() if (id(m), n) not in seen and _escaped(x)]:
+            del m.__dict__[name]
 
 
 def renorm_copies(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -173,11 +260,16 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
     other = [name for name in changed if not isinstance(owners[name], _NORMS)]
     if other:
         mod = owners[other[0]]
+        hint = (
+            "call model.eval() if the module updates its state only in training (e.g. spectral_norm's power iteration)"
+            if mod.training
+            else f"{type(mod).__name__} is in eval mode already: its forward writes the buffer in every "
+            "mode — update it only under `if self.training:` (or keep the count outside the module)"
+        )
         raise UnsupportedModelError(
             f"the model's forward modifies its buffer {other[0]!r} ({type(mod).__name__}) in "
             "place; nsa-dist computes kernels only of forwards that change no state "
-            "besides batch- and instance-norm running statistics; call model.eval() if the module "
-            "updates its state only in training (e.g. spectral_norm's power iteration)"
+            f"besides batch- and instance-norm running statistics; {hint}"
         )
     return changed
 
@@ -194,6 +286,7 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
         return model
     with copyable(model):
         twin = copy.deepcopy(model)
+    _ORIGINALS[twin] = _ORIGINALS.get(model, model)
     for m in twin.modules():
         if isinstance(m, _NORMS) and m.training:
             # as torch.func's replace_all_batch_norm_modules_
@@ -219,11 +312,18 @@ def copyable(model: nn.Module) -> Iterator[None]:
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 held.append((m, hook.name, t))
                 setattr(m, hook.name, t.detach())
+    # a tensor a forward stored inside some other code's torch.func transform cannot be copied
+    # ("Cannot access storage of TensorWrapper"): None in the copy, the user's left as it is
+    dead = [(holder, key, x) for m in model.modules() for holder, key, x in _slots(m) if _escaped(x)]
+    for holder, key, _ in dead:
+        holder[key] = None
     try:
         yield
     finally:
         for m, name, t in held:
             setattr(m, name, t)
+        for holder, key, x in dead:
+            holder[key] = x
 
 
 @contextlib.contextmanager
