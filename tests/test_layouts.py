@@ -259,6 +259,13 @@ def test_layout_validation_and_auto_choice(tmp_path):
         assert ("in this process as the tiles of its 4 gang members" in choice.reason) == in_process, choice.reason
     with pytest.raises(ValueError, match="block_rows.*couples samples.*'local'"):
         choose_layout(_spec(BASE, "block_rows", 2), 97, 74, coupled="batch norm in train mode")
+    # the route's own reason already says it: said once ("couples samples (the model couples samples (…" before)
+    route_reason = (
+        "the model couples samples (batch statistics in 'bn' (BatchNorm2d, train mode)): the kernel of the batch"
+    )
+    for lay in ("local", "auto"):
+        reason = choose_layout(_spec(BASE, lay, 2), 97, 0, coupled=route_reason).reason
+        assert reason == f"{route_reason}: the whole batch on one worker", reason
     # a run: its measured feature width (96 floats per point, padded) against G at N = 400
     spec = ExperimentSpec.model_validate(
         {

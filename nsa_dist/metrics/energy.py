@@ -63,7 +63,8 @@ def relative_energy(
 
     Args:
         evecs: (N, K) float array, orthonormal eigenvectors v_1..v_K of G_t as columns.
-        phi: (N,) vector φ (labels ȳ, outputs f̄_t, residual m̄_t, df̄_t, ...), or (N, M).
+        phi: (N,) vector φ (the paper's ȳ, f̄_t, m̄_t: the labels, outputs, residual, … at the N
+            points as vectors — not centred; the runs centre only an NCE run's y), or (N, M).
         k: if given, a count 1 <= k <= K; only E_t(φ, k) is returned.
         pooled: one energy for all columns of a (N, M) φ (no effect on a (N,) φ).
         undefined: a zero or non-finite φ (the update of a diverging step) raises ("raise") or

@@ -519,13 +519,14 @@ def choose_layout(
     s = spec.spectrum
     layout = Layout(s.layout)
     if coupled is not None:
+        # the route's reason says it already ("the model couples samples (…): the kernel of …")
+        why = coupled if coupled.startswith("the model couples samples") else f"the model couples samples ({coupled})"
         if layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
             raise ValueError(
-                f"spectrum.layout={layout.value!r} splits the points over workers, but the model couples "
-                f"samples ({coupled}): its kernel is that of the whole batch's forward; use layout "
-                "'local' (or put batch norm in eval mode)"
+                f"spectrum.layout={layout.value!r} splits the points over workers, but {why}: its kernel is "
+                "that of the whole batch's forward; use layout 'local' (or put batch norm in eval mode)"
             )
-        return LayoutChoice(Layout.LOCAL, f"the model couples samples ({coupled}): the whole batch on one worker")
+        return LayoutChoice(Layout.LOCAL, f"{why}: the whole batch on one worker")
     if layout is not Layout.AUTO:
         # by value, not by what the spec's text named: a sweep's runs carry every field, and the reason
         # is stored (the same run must store the same attributes, whichever way it was submitted)
