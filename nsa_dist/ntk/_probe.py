@@ -717,7 +717,12 @@ def _plan_layers(
         why = _not_own(m, local, att)
         why = None if why is None else f"{READS}: {label}: {why}"
         if why is None and len(seen) != 1:
-            why = f"{ONCE}: {label} is called {len(seen)} times per forward"
+            why = (
+                f"{ONCE}: {label} is called {len(seen)} times per forward"
+                if seen
+                else f"{ONCE}: {label} is never called as a module (its parameters are used directly, e.g. by "
+                "F.linear, or not at all)"
+            )
         tied = [pn for pn in local if homes[id(m.get_parameter(pn))] > 1]
         if why is None and tied:
             why = (
@@ -816,4 +821,6 @@ def _unowned(model: nn.Module, name: str, mname: str, m: nn.Module, pname: str) 
             f"{READS}: {_kind(host)} {layer!r}: its weight is computed by a parametrization "
             "(torch.nn.utils.parametrize)"
         )
+    if not mname:
+        return Route.JACOBIAN, f"{KNOWN}: {name!r} is a parameter of the model itself, used by its own forward"
     return Route.JACOBIAN, f"{KNOWN}: {type(m).__name__} ({mname!r}) has no per-layer formula"
