@@ -335,6 +335,37 @@ class DataSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _fields_apply(self, info: ValidationInfo) -> DataSpec:
+        """Refuse a setting the named data would silently ignore (a ``path`` for the bundled digits,
+        ``pool`` for cifar10, …): the run would train on other data than the author meant."""
+        if _stored(info):
+            return self
+        name = DataName(self.name)
+        density = (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE)
+        applies = {
+            "path": (DataName.IMAGE2D, DataName.DENSITY2D, DataName.MNIST, DataName.CIFAR10, DataName.CIFAR100),
+            "pool": (DataName.MNIST,),
+            "grayscale": (DataName.CIFAR10, DataName.CIFAR100),
+            "positive_class": tuple(_N_CLASSES),
+            "dim": (DataName.GAUSSIAN_MIXTURE,),
+            "noise": density,
+            "noise_ratio": density,
+        }
+        ignored = [
+            f"data.{f}={getattr(self, f)!r} applies to {', '.join(n.value for n in where)} only"
+            for f, where in applies.items()
+            if name not in where and getattr(self, f) != type(self).model_fields[f].default
+        ]
+        if self.positive_class != 0 and name in _N_CLASSES and Target(self.target) is not Target.ONE_VS_REST:
+            ignored.append(f"data.positive_class={self.positive_class} applies with target: one_vs_rest only")
+        if ignored:
+            raise ValueError(
+                f"{'; '.join(ignored)} — {name.value} would ignore it, and the run would not be the one "
+                "written; remove it (or name the data it is for)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _density_noise(self, info: ValidationInfo) -> DataSpec:
         if DataName(self.name) is DataName.DENSITY2D and self.noise == "gaussian" and not _stored(info):
             raise ValueError(

@@ -463,6 +463,23 @@ def test_npy_images(tmp_path: Path) -> None:
     rgb = np.random.default_rng(8).random((5, 8, 3))
     np.save(tmp_path / "rgb.npy", rgb)
     assert_same(load_image(tmp_path / "rgb.npy"), minmax(rgb @ BT709), "(H, W, 3) .npy")
+    # a header that promises 10¹⁰ floats in a small file: named, nothing allocated ("Unable to allocate 74.5 GiB")
+    big = (tmp_path / "rgb.npy").read_bytes().replace(b"(5, 8, 3)", b"(100000, 100000)")
+    (tmp_path / "big.npy").write_bytes(big)
+    with pytest.raises(ValueError, match=r"big.npy' is a damaged .npy: its header says float64 \(100000, 100000\)"):
+        load_image(tmp_path / "big.npy")
+    (tmp_path / "short.npy").write_bytes((tmp_path / "rgb.npy").read_bytes()[:-8])
+    with pytest.raises(ValueError, match=r"short.npy' is a damaged .npy: .* \(960 bytes\), the file holds 952"):
+        load_image(tmp_path / "short.npy")
+
+
+@pytest.mark.parametrize("name", ["xy.npz", "xy.png"])
+def test_an_npz_is_refused_not_read_as_an_image(tmp_path: Path, name: str) -> None:
+    """An .npz of (X, y) ran to 'done' with X as a 50×2 grayscale picture (imageio reads .npz)."""
+    np.savez(tmp_path / "xy.npz", X=np.random.default_rng(0).random((50, 2)), y=np.arange(50.0))
+    (tmp_path / name).write_bytes((tmp_path / "xy.npz").read_bytes())
+    with pytest.raises(ValueError, match=rf"{name}' is a zip archive \(a NumPy .npz\?\), not an image"):
+        image2d(20, image=str(tmp_path / name))
 
 
 @pytest.mark.parametrize("case", ["truncated_png", "text", "directory", "one_pixel_row", "missing"])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import yaml
+from pydantic import ValidationError
 
 from nsa_dist import linalg, ntk
 from nsa_dist.config import EigMethod, ExperimentSpec, NTKMethod
@@ -40,3 +42,41 @@ def test_a_bad_method_is_one_line_naming_the_allowed_values(tmp_path, field: str
 def test_precision_gives_the_torch_dtype() -> None:
     assert ExperimentSpec().spectrum.torch_dtype() is torch.float64
     assert ExperimentSpec(spectrum={"dtype": "float32"}).spectrum.torch_dtype() is torch.float32
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        (
+            {"name": "digits", "path": "mine.npy"},
+            "data.path='mine.npy' applies to image2d, density2d, mnist, cifar10, cifar100 only",
+        ),
+        ({"name": "image2d", "pool": True}, "data.pool=True applies to mnist only"),
+        ({"name": "mnist", "grayscale": False}, "data.grayscale=False applies to cifar10, cifar100 only"),
+        ({"name": "image2d", "noise_ratio": 3}, "data.noise_ratio=3 applies to density2d, gaussian_mixture only"),
+        ({"name": "digits", "dim": 3}, "data.dim=3 applies to gaussian_mixture only"),
+        ({"name": "mnist", "positive_class": 3}, "data.positive_class=3 applies with target: one_vs_rest only"),
+    ],
+)
+def test_a_data_setting_the_data_would_ignore_is_refused(data, said):
+    """A trial's data.path on digits trained on the bundled digits without a word."""
+    with pytest.raises(ValidationError, match=re.escape(said)):
+        ExperimentSpec(name="x", data=data)
+    # the same values where they apply, and a stored spec (every field) as it was written
+    ok = {
+        **data,
+        "name": {
+            "path": "image2d",
+            "pool": "mnist",
+            "grayscale": "cifar10",
+            "noise_ratio": "density2d",
+            "dim": "gaussian_mixture",
+            "positive_class": "mnist",
+        }[next(k for k in data if k != "name")],
+    }
+    if ok["name"] == "mnist" and "positive_class" in ok:
+        ok["target"] = "one_vs_rest"
+    spec = ExperimentSpec(
+        name="x", data=ok, **({"loss": "nce"} if ok["name"] in ("density2d", "gaussian_mixture") else {})
+    )
+    ExperimentSpec.model_validate(spec.model_dump(), context={"stored": True})

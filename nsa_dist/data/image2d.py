@@ -55,6 +55,7 @@ def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     raw = read_bytes(p) if is_url(p) else None
     src = (lambda: io.BytesIO(raw)) if raw is not None else (lambda: p)
     if str(p).lower().endswith(".npy"):  # a NumPy array of intensities, rows first (never unpickled)
+        _npy_size_checked(raw, p)
         try:
             arr = np.load(src(), allow_pickle=False)
         except ValueError as exc:  # an object array (it would need unpickling), a damaged header
@@ -111,8 +112,42 @@ def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     if arr is None:
         from skimage.io import imread
 
+        with io.BytesIO(raw) if raw is not None else open(p, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+        # imread (imageio) would take an .npz's first array as the pixels
+        if im is None and (zipped or str(p).lower().endswith(".npz")):
+            raise ValueError(
+                f"image2d: {str(p)!r} is a zip archive (a NumPy .npz?), not an image: image2d takes one picture "
+                "(PNG, JPEG, TIFF …) or one .npy array of intensities — np.save the array you mean"
+            )
         arr = imread(src())
     return _orient(np.asarray(arr), orientation), alpha
+
+
+def _npy_size_checked(raw: bytes | None, p: str | Path) -> None:
+    """Refuse a .npy whose header promises more (or fewer) bytes than the file holds, before
+    allocating what the header claims ("Unable to allocate 74.5 GiB" for a 928-byte file)."""
+    fmt = np.lib.format
+    with io.BytesIO(raw) if raw is not None else open(p, "rb") as f:
+        try:
+            version = fmt.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                return  # np.load reads (or names) it
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(f)
+        except ValueError as exc:
+            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"image2d: {str(p)!r} is not a readable .npy array of intensities ({cause})") from exc
+        start = f.tell()
+        have = f.seek(0, io.SEEK_END) - start
+    if dtype.hasobject:
+        return  # np.load names it (an object array would need unpickling)
+    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if have != want:
+        raise ValueError(
+            f"image2d: {str(p)!r} is a damaged .npy: its header says {dtype} {tuple(shape)} ({want:,} bytes), "
+            f"the file holds {have:,}"
+        )
 
 
 def _tiff_converted(raw: np.ndarray, im: object) -> np.ndarray:
@@ -163,7 +198,7 @@ def load_image(path: str | Path | None = None) -> np.ndarray:
 
         img = camera()
     else:
-        p = regular_file(path, "image2d", "a PNG or JPEG image file")
+        p = regular_file(path, "image2d", "an image file (PNG, JPEG, TIFF …) or a .npy array")
         try:
             img, alpha = _decode(p)
         except Exception as exc:  # noqa: BLE001 - any decoder failure means "not an image"

@@ -60,7 +60,7 @@ def data_files(spec: DataSpec) -> list[Location]:
     if spec.path is None:
         return []
     if name in (DataName.IMAGE2D, DataName.DENSITY2D):
-        return [regular_file(spec.path, name.value, "a PNG or JPEG image file")]
+        return [regular_file(spec.path, name.value, "an image file (PNG, JPEG, TIFF …) or a .npy array")]
     if name is DataName.MNIST:
         from nsa_dist.data.mnist import idx_files
 
