@@ -585,3 +585,13 @@ def test_density2d_gaussian_noise_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match=r"noise='gaussian' with density2d"):  # refused as a spec, not at load
         ExperimentSpec.model_validate(spec)
     ExperimentSpec.model_validate(spec, context={"stored": True})  # a stored run stays readable
+
+
+def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        image2d(10, image="pics/nope.npy")
+    assert f"'pics/nope.npy' does not exist, relative to the current directory {str(tmp_path)!r}" in str(e.value)
+    with pytest.raises(FileNotFoundError) as e:
+        image2d(10, image="~/nope-nsa.npy")
+    assert str(e.value).endswith("'~' is not expanded: write the home directory out"), str(e.value)

@@ -49,12 +49,12 @@ def _assert_names(line: str, url: str, cause: str) -> None:
 def test_local_and_file_urls_and_unknown_schemes_name_the_path(tmp_path, capsys):
     missing = str(tmp_path / "absent.png")
     cases = {
-        missing: "does not exist (expected a PNG or JPEG image file)",
-        f"file://{missing}": "does not exist (expected a PNG or JPEG image file)",
+        missing: "does not exist (expected an image file (PNG, JPEG, TIFF …) or a .npy array)",
+        f"file://{missing}": "does not exist (expected an image file (PNG, JPEG, TIFF …) or a .npy array)",
         "nosuch://bucket/face.png": "unknown scheme nosuch:// (fsspec: Protocol not known: nosuch)",
     }
     (tmp_path / "dir.png").mkdir()
-    cases[str(tmp_path / "dir.png")] = "is a directory, expected a PNG or JPEG image file"
+    cases[str(tmp_path / "dir.png")] = "is a directory, expected an image file (PNG, JPEG, TIFF …) or a .npy array"
     if importlib.util.find_spec("gcsfs") is None:
         cases["gs://bucket/face.png"] = "needs the gcsfs package: pip install 'nsa-dist[gcs]'"
     for url, cause in cases.items():
@@ -86,7 +86,11 @@ def test_s3_data_paths_name_the_url_and_the_cause(s3, tmp_path, capsys, monkeypa
     bucket = _bucket(s3)
     endpoint = s3["AWS_ENDPOINT_URL"]
     key = f"s3://{bucket}/absent/face.png"
-    _assert_names(_nsa_run(key, tmp_path, capsys), key, "does not exist (expected a PNG or JPEG image file)")
+    _assert_names(
+        _nsa_run(key, tmp_path, capsys),
+        key,
+        "does not exist (expected an image file (PNG, JPEG, TIFF …) or a .npy array)",
+    )
     gone = f"s3://nsa-missing-{uuid.uuid4().hex[:8]}/face.png"
     _assert_names(_nsa_run(gone, tmp_path, capsys), gone, f"bucket {gone.split('/')[2]!r} does not exist")
 

@@ -116,7 +116,10 @@ def test_data_in_s3_load_as_the_local_files_do(s3_env, tmp_path):
     absent = f"s3://{bucket}/sets/absent.png"
     with pytest.raises(FileNotFoundError) as exc:
         load_dataset(DataSpec(name="image2d", path=absent, n=4))
-    assert str(exc.value) == f"image2d: {absent!r} does not exist (expected a PNG or JPEG image file)"
+    assert (
+        str(exc.value)
+        == f"image2d: {absent!r} does not exist (expected an image file (PNG, JPEG, TIFF …) or a .npy array)"
+    )
     with pytest.raises(ValueError, match=f"image2d: {remote['mnist']!r} is a directory"):
         load_dataset(DataSpec(name="image2d", path=remote["mnist"], n=4))
     with pytest.raises(FileNotFoundError, match=r"\['train-labels-idx1-ubyte'\] not found in 's3://"):

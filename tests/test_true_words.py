@@ -58,7 +58,7 @@ def test_a_directory_or_fifo_given_as_an_image_is_called_so(tmp_path, capsys):
         tmp_path, {**TINY, "data": {"name": "image2d", "path": str(folder), "n": 32, "n_test": 8}}, url, capsys
     )
     assert rc == 2 and len(err.splitlines()) == 1, err
-    assert f"{str(folder)!r} is a directory, expected a PNG or JPEG image file" in err, err
+    assert f"{str(folder)!r} is a directory, expected an image file (PNG, JPEG, TIFF …) or a .npy array" in err, err
     rc, err = _run_cli(
         tmp_path, {**TINY, "data": {"name": "image2d", "path": str(fifo), "n": 32, "n_test": 8}}, url, capsys
     )

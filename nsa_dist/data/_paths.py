@@ -39,7 +39,9 @@ def _stat(path: Path, who: str, expected: str) -> os.stat_result:
     try:
         return os.stat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{who}: {str(path)!r} does not exist (expected {expected})") from None
+        where = "" if Path(path).is_absolute() else f", relative to the current directory {os.getcwd()!r}"
+        tilde = "; '~' is not expanded: write the home directory out" if str(path).startswith("~") else ""
+        raise FileNotFoundError(f"{who}: {str(path)!r} does not exist{where} (expected {expected}){tilde}") from None
 
 
 # packages whose exceptions mean "the filesystem behind a URL failed" (matched by name, never imported)
