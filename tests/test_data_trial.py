@@ -320,8 +320,8 @@ def test_cifar100_fine_labels_not_coarse(tmp_path: Path) -> None:
     [
         ([1.5, 2.0, 3.7, 0.2, 1.0, 2.0], r"'labels' holds float64 values \(e.g. 1.5\), expected integer classes"),
         ([True, False, True, True, False, True], r"'labels' holds bool values"),
-        ([0, 1, 2, 3, 4, 10], r"'labels' holds values outside 0..9"),
-        ([0, 1, 2, 3, 4, -1], r"'labels' holds values outside 0..9"),
+        ([0, 1, 2, 3, 4, 10], r"'labels' holds values outside 0..9 \(the first at index 5: 10\)"),
+        ([0, 1, 2, 3, 4, -1], r"'labels' holds values outside 0..9 \(the first at index 5: -1\)"),
     ],
 )
 def test_cifar_labels_that_are_not_classes_are_refused(tmp_path: Path, labels: list, match: str) -> None:
@@ -331,7 +331,7 @@ def test_cifar_labels_that_are_not_classes_are_refused(tmp_path: Path, labels: l
     batch = pickle.loads(p.read_bytes(), encoding="bytes")
     batch[b"labels"] = labels
     p.write_bytes(pickle.dumps(batch, protocol=2))
-    with pytest.raises(ValueError, match=r"data_batch_3'.*" + match):
+    with pytest.raises(ValueError, match=r"^cifar10: .*data_batch_3'.*" + match):
         cifar10(5, path=tmp_path / "cifar-10-batches-py")
 
 

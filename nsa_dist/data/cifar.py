@@ -43,7 +43,9 @@ _CIFAR10 = _Layout(
 _CIFAR100 = _Layout("cifar100", "cifar-100-python", ("train",), "test", "fine_labels", 100)
 
 
-def load_cifar_batches(paths: list[Location], label_key: str, K: int) -> tuple[np.ndarray, np.ndarray]:
+def load_cifar_batches(
+    paths: list[Location], label_key: str, K: int, who: str = "cifar"
+) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated CIFAR batches: pixels uint8 (N, 3072) — R, G, B planes of 32×32, row-major — and labels (N,).
 
     Raises:
@@ -56,16 +58,20 @@ def load_cifar_batches(paths: list[Location], label_key: str, K: int) -> tuple[n
         x, c = np.asarray(batch["data"]), np.asarray(batch[label_key])
         if x.ndim != 2 or x.shape[1] != D_RGB or x.dtype != np.uint8 or c.shape != (len(x),):
             raise ValueError(
-                f"{str(p)!r}: expected 'data' uint8 (m, {D_RGB}) and {label_key!r} (m,), got "
+                f"{who}: {str(p)!r}: expected 'data' uint8 (m, {D_RGB}) and {label_key!r} (m,), got "
                 f"data {x.dtype} {x.shape} and labels {c.shape}"
             )
         if c.size and c.dtype.kind not in "iu":  # floats would be truncated (1.7 → 1), bools read as 0/1
             raise ValueError(
-                f"{str(p)!r}: {label_key!r} holds {c.dtype} values (e.g. {c.reshape(-1)[0].item()!r}), expected "
+                f"{who}: {str(p)!r}: {label_key!r} holds {c.dtype} values (e.g. {c.reshape(-1)[0].item()!r}), expected "
                 f"integer classes 0..{K - 1}"
             )
         if c.size and not (c.min() >= 0 and c.max() < K):
-            raise ValueError(f"{str(p)!r}: {label_key!r} holds values outside 0..{K - 1}")
+            i = int(np.flatnonzero((c < 0) | (c >= K))[0])
+            raise ValueError(
+                f"{who}: {str(p)!r}: {label_key!r} holds values outside 0..{K - 1} "
+                f"(the first at index {i}: {c[i].item()})"
+            )
         data.append(x)
         labels.append(c.astype(np.int64))
     return np.concatenate(data), np.concatenate(labels)
@@ -131,11 +137,16 @@ def _cifar(
     t = parse_target(target, layout.K, positive_class, layout.name)
     d = _directory(path, layout)
     rng_train, rng_test = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
-    pixels, labels = load_cifar_batches(_files(d, layout.train, layout, "training batches"), layout.label_key, layout.K)
+    pixels, labels = load_cifar_batches(
+        _files(d, layout.train, layout, "training batches"), layout.label_key, layout.K, layout.name
+    )
     tr = draw(rng_train, len(labels), n, layout.name, "training images (n)")
     if n_test > 0:
         pixels_t, labels_t = load_cifar_batches(
-            _files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch"), layout.label_key, layout.K
+            _files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch"),
+            layout.label_key,
+            layout.K,
+            layout.name,
         )
         te = draw(rng_test, len(labels_t), n_test, layout.name, "test images (n_test)")
     else:
