@@ -343,7 +343,15 @@ class DataSpec(_Strict):
         name = DataName(self.name)
         density = (DataName.DENSITY2D, DataName.GAUSSIAN_MIXTURE)
         applies = {
-            "path": (DataName.IMAGE2D, DataName.DENSITY2D, DataName.MNIST, DataName.CIFAR10, DataName.CIFAR100),
+            # arrays: a Tracker's, whose path is the arrays' digest ("sha1:…")
+            "path": (
+                DataName.IMAGE2D,
+                DataName.DENSITY2D,
+                DataName.MNIST,
+                DataName.CIFAR10,
+                DataName.CIFAR100,
+                DataName.ARRAYS,
+            ),
             "pool": (DataName.MNIST,),
             "grayscale": (DataName.CIFAR10, DataName.CIFAR100),
             "positive_class": tuple(_N_CLASSES),

@@ -49,7 +49,7 @@ def test_precision_gives_the_torch_dtype() -> None:
     [
         (
             {"name": "digits", "path": "mine.npy"},
-            "data.path='mine.npy' applies to image2d, density2d, mnist, cifar10, cifar100 only",
+            "data.path='mine.npy' applies to image2d, density2d, mnist, cifar10, cifar100, arrays only",
         ),
         ({"name": "image2d", "pool": True}, "data.pool=True applies to mnist only"),
         ({"name": "mnist", "grayscale": False}, "data.grayscale=False applies to cifar10, cifar100 only"),

@@ -187,6 +187,10 @@ def test_clear_errors(tmp_path):
         Tracker(url, "e", model, data.X, data.y[:30], **kw)
     with pytest.raises(ShapeError, match=r"X must have shape"):
         Tracker(url, "e", model, data.X[:, 0], data.y, **kw)
+    two = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    labels = (data.y > 0).astype(np.int64)  # integer classes for a 2-output cross-entropy network
+    with pytest.raises(ShapeError, match=r"got \(40,\) — class labels\? one-hot them first: .*one_hot\(labels, 2\)"):
+        Tracker(url, "e", two, data.X, labels, loss="cross_entropy", **kw)
     with pytest.raises(ShapeError, match=r"must map \(n, …\) inputs to \(n,\) or \(n, K\)"):
         Tracker(
             url, "e", torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Unflatten(1, (3, 1))), data.X, data.y, **kw

@@ -164,9 +164,14 @@ def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> 
     want = (X.shape[0],) if out.ndim == 1 or column else (X.shape[0], K)
     if tuple(y.shape) != want:
         also = f" or {(X.shape[0], 1)}" if column else ""
+        labels = (
+            f" — class labels? one-hot them first: y = torch.nn.functional.one_hot(labels, {K}).float()"
+            if len(want) == 2 and tuple(y.shape) == want[:1] and not y.is_floating_point()
+            else ""
+        )
         raise ShapeError(
             f"y must have shape {want}{also} (N = {X.shape[0]} points, the model's output per "
-            f"point {tuple(out.shape[1:])}); got {tuple(y.shape)}"
+            f"point {tuple(out.shape[1:])}); got {tuple(y.shape)}{labels}"
         )
     if X_test is None:
         X_test, y_test = X.new_zeros((0,) + tuple(X.shape[1:])), y.new_zeros((0,) + tuple(y.shape[1:]))
