@@ -471,6 +471,10 @@ def test_npy_images(tmp_path: Path) -> None:
     (tmp_path / "short.npy").write_bytes((tmp_path / "rgb.npy").read_bytes()[:-8])
     with pytest.raises(ValueError, match=r"short.npy' is a damaged .npy: .* \(960 bytes\), the file holds 952"):
         load_image(tmp_path / "short.npy")
+    with open(tmp_path / "two.npy", "wb") as f:  # two arrays np.save'd into one file: np.load reads the first
+        np.save(f, rgb)
+        np.save(f, np.zeros(3))
+    assert_same(load_image(tmp_path / "two.npy"), minmax(rgb @ BT709), "the first of two arrays")
 
 
 @pytest.mark.parametrize("name", ["xy.npz", "xy.png"])

@@ -159,6 +159,22 @@ def test_gram_change_first_order_is_the_derivative_through_normalisation_layers(
     assert got["gram_change_fro"][1] == pytest.approx(np.linalg.norm(Dbar), rel=1e-6)
 
 
+def test_gram_change_puts_back_what_a_hook_cached() -> None:
+    torch.manual_seed(0)
+    model = _Normed(1).double()
+    cache: dict = {}
+    model.ln.register_forward_hook(lambda m, i, o: cache.__setitem__("ln", o.detach()))
+    model.cache = cache
+    X = torch.randn(6, 3, dtype=torch.float64)
+    theta, _ = flat_model(model)
+    V = np.linalg.eigh(dense_ntk(model, X).numpy())[1][:, ::-1][:, :2]
+    model(X)  # the user's own forward (after the reference's jacrev, which leaves a torch.func tensor)
+    gram_change(model, X, theta.numpy(), 0.01 * np.ones(theta.numel()), V, torch.float64)
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(cache["ln"]), (
+        "the hook's cache holds a torch.func tensor"
+    )
+
+
 def test_gram_change_unknown_update_is_nan() -> None:
     model = _model()
     X = torch.randn(5, 2, dtype=torch.float64)

@@ -702,6 +702,53 @@ def test_what_a_forward_stores_inside_a_measurements_transforms_is_put_back(dtyp
     assert model.cache["l2"].shape == (2, 8) and model.last.shape == (2, 8)
 
 
+class _Rebuilt(nn.Module):
+    """Activations kept in containers a forward builds anew, a deque, and a list it inserts into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import collections
+
+        self.l1, self.h = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.window, self.cache, self.ring, self.front = [], {}, collections.deque(maxlen=2), []
+        self.seen: dict[str, list] = {}
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        self.window = self.window[-2:] + [h.detach()]  # a new list each forward
+        self.cache = {"h": h.detach()}  # a new dict each forward
+        self.ring.append(h.detach())
+        self.front.insert(0, h.detach())
+        self.seen.setdefault("h", []).append(h.detach())  # a list inside a dict
+        return self.h(h)
+
+
+def test_containers_a_forward_rebuilds_are_put_back_too():
+    """A reviewer's cases: a list or dict rebuilt by the forward, a deque, insert(0, …) — each left
+    torch.func tensors in the user's module, and the next float64 measurement failed to copy it."""
+    import collections
+
+    torch.manual_seed(0)
+    model, X = _Rebuilt(), torch.randn(10, 4)
+    model(X[:3])
+    model(X[:3])
+    ref = dense_ntk(_double(model), X.double())
+    for dtype in (torch.float32, torch.float64, torch.float64):
+        assert_close_rel(
+            gram(model, X, dtype=dtype, method="jacobian"), ref.to(dtype), 1e-5 if dtype == torch.float32 else 1e-10
+        )
+        stored = [*model.window, *model.cache.values(), *model.ring, *model.front, *model.seen["h"]]
+        wrapped = [t for t in stored if torch._C._functorch.is_functorch_wrapped_tensor(t)]
+        assert not wrapped, f"{len(wrapped)} of the model's {len(stored)} stored tensors are torch.func's"
+    # no container changed type, and none holds one of its entry tensors twice (insert(0, …) put back by index did)
+    assert isinstance(model.ring, collections.deque) and model.ring.maxlen == 2
+    assert isinstance(model.window, list) and isinstance(model.cache, dict)
+    for name in ("front", "window"):
+        ids = [id(t) for t in getattr(model, name)]
+        assert len(set(ids)) == len(ids), f"{name} holds a tensor twice"
+    model(X[:2])  # and the user's next forward works on them
+
+
 def _double(model: nn.Module) -> nn.Module:
     import copy
 

@@ -209,7 +209,7 @@ def gram_change(
     """
     import torch
 
-    from nsa_dist.ntk.state import exact_kernels
+    from nsa_dist.ntk.state import attributes_kept, exact_kernels
 
     Kg = evecs.shape[1]
     if not np.all(np.isfinite(dtheta)):
@@ -226,7 +226,8 @@ def gram_change(
         GV = _gram_times(model, Xd, V)
         p0, dp = unflat(theta), unflat(dtheta)
         p1 = {n: p0[n] + dp[n] for n in names}
-        with exact_kernels(model):  # attention by composite kernels: forward-mode AD through it
+        # attention by composite kernels: forward-mode AD through it; activations a hook cached: put back
+        with exact_kernels(model), attributes_kept(model):
             G0V, G1V = GV(p0), GV(p1)  # G_t V and G_{t+1} V, (N, Kg) each
             Dbar = _first_order(model, Xd, V, p0, dp).detach().cpu().double().numpy()  # (Kg, Kg)
         D = (V.T @ (G1V - G0V)).detach().cpu().double().numpy()  # (Kg, Kg)

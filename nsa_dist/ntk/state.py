@@ -10,6 +10,7 @@ that leaves a module called twice, or a parameter tied into two modules, as it w
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import weakref
@@ -132,51 +133,106 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
             _unescaped(o, state)
 
 
-def _slots(m: nn.Module) -> Iterator[tuple[dict, Any, Any]]:
-    """(holder, key, value) of a module's own attributes (not torch's) and of the items of those
-    that are dicts."""
+_SEQUENCES = (list, collections.deque)
+_DEPTH = 3  # container levels searched below a module attribute (a dict of lists of tensors: 2)
+
+
+def _slots(m: nn.Module) -> Iterator[tuple[Any, Any, Any]]:
+    """(holder, key, value) of a module's own attributes (not torch's) and of the items of the
+    dicts, lists and deques they hold, ``_DEPTH`` levels down."""
+
+    def inside(v: Any, depth: int) -> Iterator[tuple[Any, Any, Any]]:
+        if depth == 0:
+            return
+        pairs = list(v.items()) if isinstance(v, dict) else list(enumerate(v)) if isinstance(v, _SEQUENCES) else []
+        for k, y in pairs:
+            yield v, k, y
+            yield from inside(y, depth - 1)
+
     for name, v in list(vars(m).items()):
         if name not in _MODULE_INTERNALS:
             yield m.__dict__, name, v
-            if type(v) is dict:
-                yield from ((v, k, y) for k, y in list(v.items()))
+            yield from inside(v, _DEPTH)
+
+
+def _items(v: Any) -> Any:
+    """A copy of a container's items (dict, list or deque), else None."""
+    return dict(v) if isinstance(v, dict) else list(v) if isinstance(v, _SEQUENCES) else None
 
 
 def _plain_state(model: nn.Module) -> list[tuple[nn.Module, str, Any, Any]]:
     """Every module's own attributes (not torch's) as on entry, with a copy of the items of those
-    that are dicts or lists: where a forward hook or a forward stores activations
+    that are dicts, lists or deques: where a forward hook or a forward stores activations
     (``self.cache["x"] = out.detach()``, ``self.acts.append(out)``)."""
-    out = []
-    for m in model.modules():
-        for name, v in vars(m).items():
-            if name not in _MODULE_INTERNALS:
-                out.append((m, name, v, dict(v) if type(v) is dict else list(v) if type(v) is list else None))
-    return out
+    return [
+        (m, name, v, _items(v)) for m in model.modules() for name, v in vars(m).items() if name not in _MODULE_INTERNALS
+    ]
+
+
+def _holds_escaped(v: Any, depth: int = _DEPTH) -> bool:
+    """Whether v is a torch.func tensor or a container holding one, ``depth`` levels down."""
+    if _escaped(v):
+        return True
+    if depth == 0 or not isinstance(v, (dict, *_SEQUENCES)):
+        return False
+    return any(_holds_escaped(x, depth - 1) for x in (v.values() if isinstance(v, dict) else v))
+
+
+def _clean(v: Any, items: Any, depth: int = _DEPTH) -> None:
+    """The entry items ``items`` back in container ``v`` where it now holds a torch.func tensor: a
+    dict's key gets its entry value or goes; a list or deque of the entry length gets its entry
+    item at that place, otherwise (items added or removed) the escaped ones go.  Containers inside
+    it lose their escaped items (``depth`` levels down)."""
+    if isinstance(v, dict):
+        for k in [k for k, x in v.items() if _escaped(x)]:
+            if isinstance(items, dict) and k in items and not _escaped(items[k]):
+                v[k] = items[k]
+            else:
+                del v[k]
+        inner = list(v.values())
+    elif isinstance(v, _SEQUENCES):
+        now = list(v)
+        same = isinstance(items, list) and len(items) == len(now)
+        kept = [
+            x if not _escaped(x) else items[i]
+            for i, x in enumerate(now)
+            if not _escaped(x) or (same and not _escaped(items[i]))
+        ]
+        if len(kept) != len(now) or any(a is not b for a, b in zip(kept, now)):
+            v.clear()
+            v.extend(kept)
+        inner = kept
+    else:
+        return
+    for x in inner:
+        if depth > 1 and _holds_escaped(x, depth - 1):
+            _clean(x, None, depth - 1)
 
 
 def _unescaped(model: nn.Module, plain: list[tuple[nn.Module, str, Any, Any]]) -> None:
     """Put back what a forward stored inside the measurement's ``torch.func`` transforms: such a
     tensor is unusable afterwards (reading it raises "… escaped from inside a function being
     vmapped"), and a copy of the model (a float32 model measured in float64) failed on it.  An
-    attribute, dict entry or list element holding one gets its value from before the measurement
-    back, or goes if it was not there; nothing else a forward stored is touched."""
+    attribute holding one, or a container built anew that holds one, gets its entry value back; a
+    container's item holding one gets its entry item back, or goes if it was not there (one level
+    deep: attributes, and the items of dicts, lists and deques); nothing else a forward stored is
+    touched."""
     seen = set()
     for m, name, v, items in plain:
         seen.add((id(m), name))
         now = vars(m).get(name, _ABSENT)
-        if _escaped(now):
-            m.__dict__[name] = v
-        elif now is v and type(v) is dict and any(_escaped(x) for x in v.values()):
-            for k in [k for k, x in v.items() if _escaped(x)]:
-                if k in items and not _escaped(items[k]):
-                    v[k] = items[k]
-                else:
-                    del v[k]
-        elif now is v and type(v) is list and any(_escaped(x) for x in v):
-            v[:] = [x if not _escaped(x) else items[i] for i, x in enumerate(v) if not _escaped(x) or i < len(items)]
+        if now is not v and _holds_escaped(now):  # an escaped tensor, or a container a forward built
+            m.__dict__[name] = now = v
+        if _holds_escaped(now):
+            _clean(now, items)
     for m in model.modules():
-        for name in [n for n, x in vars(m).items() if (id(m), n) not in seen and _escaped(x)]:
-            del m.__dict__[name]
+        for name, x in list(vars(m).items()):
+            if (id(m), name) in seen or name in _MODULE_INTERNALS:
+                continue
+            if _escaped(x):
+                del m.__dict__[name]
+            elif _holds_escaped(x):
+                _clean(x, None)
 
 
 def renorm_copies(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
