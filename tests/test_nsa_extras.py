@@ -159,6 +159,55 @@ def test_gram_change_first_order_is_the_derivative_through_normalisation_layers(
     assert got["gram_change_fro"][1] == pytest.approx(np.linalg.norm(Dbar), rel=1e-6)
 
 
+class _FrozenShared(torch.nn.Module):
+    """A Linear used twice, then a frozen Linear and a LayerNorm (an audit's model: 42 of 121
+    parameters frozen, dG 60–81 % off — the frozen ones were differentiated too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.s, self.frozen, self.ln, self.h = (
+            torch.nn.Linear(3, 6),
+            torch.nn.Linear(6, 6),
+            torch.nn.Linear(6, 6),
+            torch.nn.LayerNorm(6),
+            torch.nn.Linear(6, 1),
+        )
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.s(torch.tanh(self.s(torch.tanh(self.a(x))))))
+        return self.h(self.ln(torch.tanh(self.frozen(h))))
+
+
+def test_gram_change_of_a_model_with_frozen_parameters_is_the_trainable_kernels() -> None:
+    torch.manual_seed(2)
+    model = _FrozenShared().double()
+    X = torch.randn(8, 3, dtype=torch.float64)
+    theta, _ = flat_model(model)  # every parameter, as the store's θ_t
+    mask = torch.cat([torch.full((p.numel(),), float(p.requires_grad)) for p in model.parameters()]).double()
+    dtheta = 0.02 * torch.randn_like(theta) * mask  # training moves the trainable ones only
+
+    def gram_at(v):
+        torch.nn.utils.vector_to_parameters(v, model.parameters())
+        return dense_ntk(model, X).numpy()  # the kernel of the parameters with requires_grad
+
+    G0 = gram_at(theta)
+    V = np.linalg.eigh(G0)[1][:, ::-1][:, :3]
+    D = V.T @ (gram_at(theta + dtheta) - G0) @ V
+
+    def central(eps):
+        return (gram_at(theta + eps * dtheta) - gram_at(theta - eps * dtheta)) / (2 * eps)
+
+    Dbar = V.T @ ((4 * central(5e-3) - central(1e-2)) / 3) @ V
+    torch.nn.utils.vector_to_parameters(theta, model.parameters())
+    got = gram_change(model, X, theta.numpy(), dtheta.numpy(), V, torch.float64)
+    for row, want, what in ((0, D, "measured"), (1, Dbar, "first order")):
+        err = np.abs(got["gram_change"][row] - np.diag(want)).max() / np.abs(want).max()
+        assert err < 1e-6, (
+            f"{what}: {got['gram_change'][row]} vs the trainable kernel's {np.diag(want)} ({err:.2g} apart)"
+        )
+
+
 def test_gram_change_puts_back_what_a_hook_cached() -> None:
     torch.manual_seed(0)
     model = _Normed(1).double()

@@ -28,16 +28,16 @@ if TYPE_CHECKING:
 __all__ = ["cross_gram_times", "gram_change"]
 
 
-def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor) -> Callable:
-    """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p, by one VJP and
-    JVPs."""
+def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor, frozen: dict) -> Callable:
+    """p ↦ G(p) V with G = Σ_a J_a J_aᵀ (the output-traced Gram), J = ∂f(X)/∂p over the trainable
+    parameters p (``frozen``: the others' values, constants), by one VJP and JVPs."""
     import torch
     from torch.func import jvp, vjp
 
     from nsa_dist.ntk.state import call
 
     def f(p, Z):
-        out = call(model, p, (Z,))
+        out = call(model, {**p, **frozen}, (Z,))
         return out.reshape(out.shape[0], -1)  # (n, Ko)
 
     def GV(p):
@@ -56,7 +56,7 @@ def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor) -> Callable:
     return GV
 
 
-def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, dp: dict) -> torch.Tensor:
+def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, dp: dict, frozen: dict) -> torch.Tensor:
     """D̄ = Vᵀ (∂G/∂θ·Δθ) V, (Kg, Kg), by Hessian-vector products only.
 
     With g_{i,a} = J_aᵀ v_i (the gradient of the scalar v_iᵀ f_a) and dg_{i,a} = ∇g_{i,a}·Δθ (that
@@ -76,7 +76,7 @@ def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, d
     from nsa_dist.ntk.state import call
 
     def f(q):
-        out = call(model, q, (X,))
+        out = call(model, {**q, **frozen}, (X,))
         return out.reshape(out.shape[0], -1)  # (n, Ko)
 
     fx = f(p0)
@@ -223,13 +223,17 @@ def gram_change(
     try:
         Xd = X.to(dtype)
         V = torch.as_tensor(np.ascontiguousarray(evecs, np.float64), device=dev).to(dtype)  # (N, Kg)
-        GV = _gram_times(model, Xd, V)
         p0, dp = unflat(theta), unflat(dtheta)
         p1 = {n: p0[n] + dp[n] for n in names}
+        # G_t is the kernel of the trainable parameters: the frozen ones (θ holds every parameter) are
+        # constants — differentiated too, they made a frozen layer's run's dG 60–81 % off
+        train = {n for n, p in model.named_parameters() if p.requires_grad}
+        q0, q1, dq = ({n: p[n] for n in names if n in train} for p in (p0, p1, dp))
+        rest0, rest1 = ({n: p[n] for n in names if n not in train} for p in (p0, p1))
         # attention by composite kernels: forward-mode AD through it; activations a hook cached: put back
         with exact_kernels(model), attributes_kept(model):
-            G0V, G1V = GV(p0), GV(p1)  # G_t V and G_{t+1} V, (N, Kg) each
-            Dbar = _first_order(model, Xd, V, p0, dp).detach().cpu().double().numpy()  # (Kg, Kg)
+            G0V, G1V = _gram_times(model, Xd, V, rest0)(q0), _gram_times(model, Xd, V, rest1)(q1)  # (N, Kg) each
+            Dbar = _first_order(model, Xd, V, q0, dq, rest0).detach().cpu().double().numpy()  # (Kg, Kg)
         D = (V.T @ (G1V - G0V)).detach().cpu().double().numpy()  # (Kg, Kg)
     finally:
         model.to(orig)
