@@ -606,3 +606,17 @@ def test_gauss_newton_moments_take_the_output_selector_of_the_eigenvalues():
     _close("Tr(I^k) through output='logits'", got, _tr(Id), 1e-9, 1e-14)
     with pytest.raises(ValueError, match="max_order"):
         power_moments(np.ones(3), 0)
+
+
+def test_a_failure_of_the_per_point_traces_is_not_called_a_failure_of_the_loss_hessian():
+    """An audit: a SiLU model's note read "computing the loss Hessian failed" where the loss
+    Hessian was measured and only G_i's forward-over-forward pass had no rule (silu_backward)."""
+    from nsa_dist.errors import ModelForwardError
+    from nsa_dist.hessian.theory import output_hessian_traces
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.SiLU(), torch.nn.Linear(4, 1)).double()
+    with pytest.raises(ModelForwardError) as e:
+        output_hessian_traces(model, torch.randn(5, 2, dtype=torch.float64), 2)
+    assert str(e.value).startswith("computing the per-point output Hessian traces G_i of Sequential failed"), str(
+        e.value
+    )

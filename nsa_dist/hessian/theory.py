@@ -194,7 +194,7 @@ def output_hessian_traces(
     with copyable(model):  # a float32 model measured in float64 is a cast copy
         model = prepare_model(model, dtype, output)
     X = prepare_inputs(model, X, "X", dtype)
-    with blame(model, "the loss Hessian"):
+    with blame(model, _TRACES):
         coupling = sample_coupling(model, X)
         with copyable(model):
             model = stateless(model, X[:2])  # train-mode batch norm: no running statistics written
@@ -224,7 +224,7 @@ def output_hessian_traces(
             first = lambda p: jvp(f, (p,), (u,))[1]  # noqa: E731 - ∇f·u at p
             return jvp(first, (params,), (u,))[1]  # uᵀ ∇²f u, (b, K)
 
-        with torch.no_grad(), exact_kernels(model), autograd_conventions(), blame(model, "the loss Hessian"):
+        with torch.no_grad(), exact_kernels(model), autograd_conventions(), blame(model, _TRACES):
             out.append(vmap(second)(U))  # (m, b, K)
         if s == 0:
             _check_forward_second(model, f, params, {k: u[0] for k, u in U.items()}, out[0][0, 0])
@@ -239,7 +239,7 @@ def _check_forward_second(
     """Raise UnsupportedModelError when the forward-over-forward ``uᵀ ∇²f_k(x_0) u`` (``fwd``, (K,))
     differs from reverse mode (``∇(∇f_k · u) · u`` by plain autograd): PyTorch's second-order
     forward mode is wrong for some ops (layer_norm, instance_norm, train-mode batch_norm in 2.13)."""
-    with torch.enable_grad(), exact_kernels(model), autograd_conventions(), blame(model, "the loss Hessian"):
+    with torch.enable_grad(), exact_kernels(model), autograd_conventions(), blame(model, _TRACES):
         pr = {k: p.clone().requires_grad_(True) for k, p in params.items()}
         F = f(pr)[0]  # (K,) the first point's outputs
         ref, first = [], []
@@ -273,6 +273,8 @@ def _check_forward_second(
             "so G (and Tr(S) via G) is not measured"
         )
 
+
+_TRACES = "the per-point output Hessian traces G_i"  # what an error names (not the loss Hessian)
 
 _FWD2_SUSPECTS = (
     torch.nn.LayerNorm,
