@@ -925,3 +925,66 @@ def test_ray_tracker_keeps_a_step_finished_beside_a_failed_one(local_ray, tmp_pa
         tr.close()
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+class _CachingNet(torch.nn.Module):
+    """A forward hook caching an activation (a bound method) and a buffer the loop updates from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(2, 6), torch.nn.Linear(6, 1)
+        self.register_buffer("center", torch.zeros(6))
+        self.cache: dict = {}
+        self.l1.register_forward_hook(self._keep)
+
+    def _keep(self, module, inputs, out):
+        self.cache["h"] = out.detach()
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x) - self.center))
+
+
+def test_a_loop_that_reads_its_activation_cache_trains_alike_with_the_tracker(tmp_path):
+    """An audit: after record(t) the user's cache held the TEST points' activations (the
+    Tracker's f_test forward), so a loop updating a buffer from it trained differently."""
+    data = load_dataset(SPEC.data, seed=0)
+    X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
+    X_test = np.random.default_rng(0).standard_normal((7, 2))
+
+    def train(track: bool) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        model = _CachingNet()
+        tr = (
+            Tracker(
+                str(tmp_path / "c.zarr"),
+                f"c{int(track)}",
+                model,
+                data.X,
+                data.y,
+                X_test,
+                np.zeros(7),
+                steps=6,
+                record={"every": 2},
+                spectrum={"k": 4},
+            )
+            if track
+            else None
+        )
+        opt, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for t in range(6):
+            opt.zero_grad()
+            loss = 0.5 * ((model(X) - y) ** 2).mean()
+            if tr is not None and tr.due(t):
+                tr.record(t, lr=0.1, loss=loss.item())
+            assert model.cache["h"].shape == (X.shape[0], 6), "the cache holds the loop's own forward"
+            model.center.mul_(0.5).add_(0.5 * model.cache["h"].mean(0))  # the loop reads its cache
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if tr is not None:
+            tr.close()
+            assert Client(str(tmp_path / "c.zarr")).run("c1").status == "done"
+        return losses, torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+    (plain, th0), (tracked, th1) = train(False), train(True)
+    assert plain == tracked and torch.equal(th0, th1), (plain, tracked)

@@ -42,7 +42,7 @@ from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk.limit import limit_ntk
 from nsa_dist.ntk.operator import NTKOperator, jacobian_vector_product
 from nsa_dist.ntk.route import NTKRoute
-from nsa_dist.ntk.state import preserved
+from nsa_dist.ntk.state import attributes_restored, preserved
 
 __all__ = [
     "Kernel",
@@ -56,6 +56,7 @@ __all__ = [
     "ntk_operator",
     "prepare_model",
     "preserved",
+    "attributes_restored",
     "resolve_method",
     "resolve_route",
     "sample_coupling",

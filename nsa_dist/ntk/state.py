@@ -38,6 +38,7 @@ __all__ = [
     "copyable",
     "cast_copy",
     "attributes_kept",
+    "attributes_restored",
 ]
 
 
@@ -135,6 +136,47 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
 
 _SEQUENCES = (list, collections.deque)
 _DEPTH = 3  # container levels searched below a module attribute (a dict of lists of tensors: 2)
+
+
+@contextlib.contextmanager
+def attributes_restored(model: nn.Module) -> Iterator[None]:
+    """On exit every module's own attributes (not torch's) are what they were on entry: the
+    references, and the items of the dicts, lists and deques they hold, ``_DEPTH`` levels down;
+    attributes a forward added go.  For forwards a measurement runs on the user's module in the
+    user's own thread (the Tracker's f_t, f_test at ``record``): an activation cache the user's
+    loop reads next must hold the user's forward's, not the test points'."""
+    attrs = [(m, {n: v for n, v in vars(m).items() if n not in _MODULE_INTERNALS}) for m in model.modules()]
+    held: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+
+    def walk(v: Any, depth: int) -> None:
+        if depth == 0 or id(v) in seen or not isinstance(v, (dict, *_SEQUENCES)):
+            return
+        seen.add(id(v))
+        held.append((v, _items(v)))
+        for x in list(v.values() if isinstance(v, dict) else v):
+            walk(x, depth - 1)
+
+    for _, a in attrs:
+        for v in a.values():
+            walk(v, _DEPTH)
+    try:
+        yield
+    finally:
+        for c, items in held:
+            if isinstance(c, dict):
+                if c.keys() != items.keys() or any(c[k] is not v for k, v in items.items()):
+                    c.clear()
+                    c.update(items)
+            elif len(c) != len(items) or any(x is not y for x, y in zip(c, items)):
+                c.clear()
+                c.extend(items)
+        for m, a in attrs:
+            for n in [n for n in vars(m) if n not in _MODULE_INTERNALS and n not in a]:
+                del m.__dict__[n]
+            for n, v in a.items():
+                if m.__dict__.get(n, _ABSENT) is not v:
+                    m.__dict__[n] = v
 
 
 def _slots(m: nn.Module) -> Iterator[tuple[Any, Any, Any]]:

@@ -22,7 +22,7 @@ from nsa_dist.data import Dataset
 from nsa_dist.errors import NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss
 from nsa_dist.models import OutputSelector, SelectedOutput, measured_module, not_a_tensor, single_column
-from nsa_dist.ntk import preserved, sample_coupling
+from nsa_dist.ntk import attributes_restored, preserved, sample_coupling
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.model_state import ModelState, model_inputs, theta_vector
 from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES
@@ -59,10 +59,13 @@ class StepSnapshots:
         θ_t, with its buffers and modes and ``loss`` = L(θ_t) over all N points; its update is θ_t
         and f_t until :meth:`with_update` gives the real one."""
         mstate = ModelState.capture(self.model)  # buffers and modes of step t, with θ_t
-        self._say_coupling(step)
-        with preserved(self.model):
-            f = self.model(self.X)  # (N,) or (N, K)
-            f_test = self.model(self.X_test) if self.X_test.shape[0] else f.new_zeros((0,) + tuple(f.shape[1:]))
+        # the user's module, in the user's thread: an activation cache its loop reads next keeps the
+        # loop's own forward's (not the test points')
+        with attributes_restored(self.model):
+            self._say_coupling(step)
+            with preserved(self.model):
+                f = self.model(self.X)  # (N,) or (N, K)
+                f_test = self.model(self.X_test) if self.X_test.shape[0] else f.new_zeros((0,) + tuple(f.shape[1:]))
         L = (
             cross_entropy_loss(f, self.y)
             if self.ce
@@ -92,7 +95,7 @@ class StepSnapshots:
     def with_update(self, ck: Checkpoint, step: int) -> Checkpoint:
         """``ck`` with its update Δθ_t, Δf_t when the model is now at ``step`` = t + 1, else with NaN ones."""
         if step == ck.step + 1:
-            with torch.no_grad(), preserved(self.model):
+            with torch.no_grad(), preserved(self.model), attributes_restored(self.model):
                 theta1 = theta_vector(self.model)
                 f1 = _outputs(self.model(self.X))
             return replace(ck, dtheta=theta1 - ck.theta, df=f1 - ck.f)
@@ -146,7 +149,7 @@ def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> 
     for nm, a in (("X", X), ("y", y)):
         if not torch.isfinite(a.double()).all():
             raise NonFiniteError(f"{nm} holds NaN or inf")
-    with torch.no_grad(), preserved(model):
+    with torch.no_grad(), preserved(model), attributes_restored(model):
         out = model(model_inputs(X[:2], model))
     n = min(2, X.shape[0])
     if not isinstance(out, torch.Tensor):
