@@ -486,6 +486,19 @@ def test_an_npz_is_refused_not_read_as_an_image(tmp_path: Path, name: str) -> No
         image2d(20, image=str(tmp_path / name))
 
 
+def test_an_image_past_pils_pixel_limit_is_named_with_its_size(tmp_path: Path) -> None:
+    """A 196 Mpx PNG (its header; the pixels never decode) got PIL's 'could be decompression bomb DOS
+    attack' inside a 'not a readable PNG/JPEG image' line."""
+    big = png(tmp_path / "huge.png", np.zeros((2, 3)), 8, 0).read_bytes()
+    i = big.index(b"IHDR")
+    ihdr = struct.pack(">IIBBBBB", 14_000, 14_000, 8, 0, 0, 0, 0)
+    header = big[: i - 4] + struct.pack(">I", 13) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    (tmp_path / "huge.png").write_bytes(header + big[i + 4 + 13 + 4 :])
+    with pytest.raises(ValueError, match=r"huge.png' is 196 Mpx, above the 179 Mpx PIL decodes") as err:
+        image2d(20, image=str(tmp_path / "huge.png"))
+    assert "downscale it" in str(err.value) and "DOS attack" not in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("case", ["truncated_png", "text", "directory", "one_pixel_row", "missing"])
 def test_bad_images_one_error_naming_the_file(tmp_path: Path, case: str) -> None:
     p = tmp_path / "im ü.png"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,14 @@ def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
         return arr, None
     try:
         im = Image.open(src())
+    except Image.DecompressionBombError as exc:  # imread (PIL again underneath) would say it in PIL's words
+        px = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{int(px.group(1)) / 1e6:,.0f} Mpx" if px else "too large"
+        limit = int(Image.MAX_IMAGE_PIXELS or 0) * 2 / 1e6
+        raise ValueError(
+            f"image2d: {str(p)!r} is {size}, above the {limit:,.0f} Mpx PIL decodes (its guard against "
+            "decompression bombs); downscale it first — the task samples data.n pixels of it"
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - not a format PIL knows: imread below decides (and names the cause)
         log.debug("image2d: PIL cannot identify %r (%s)", str(p), exc)
         im = None
