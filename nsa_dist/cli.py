@@ -743,14 +743,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
         t.add_row("test loss", *(f"{run.test_loss[i]:.5g}" for i in cols))
     for k in (1, 5, 10, 20, 50):
         if k <= E.shape[1]:
-            t.add_row(f"E(y, {k})", *(f"{E[i, k - 1]:.4f}" for i in cols))
+            t.add_row(f"E(y, {k})", *(f"{E[i, k - 1]:.4g}" for i in cols))
     if run.energy_route == "quadrature":
         widths = run.bracket_widths(("y", "residual"))
         for phi, rows in widths.groupby("phi", sort=False):
             at = {int(r.step): r for r in rows.itertuples()}
             t.add_row(f"E({phi}, k) bracket, widest", *(_widest(at.get(int(steps[i]))) for i in cols))
-    t.add_row("alignment", *(f"{run.alignment['raw'][i]:.4f}" for i in cols))
-    t.add_row("first-order error", *(f"{run.first_order['error'][i]:.4f}" for i in cols))
+    t.add_row("alignment", *(f"{run.alignment['raw'][i]:.4g}" for i in cols))
+    t.add_row("first-order error", *(f"{run.first_order['error'][i]:.4g}" for i in cols))
     con.print(t)
     from nsa_dist._show import hessian_table
 

@@ -308,6 +308,14 @@ def test_a_valid_spec_runs_the_schedule_it_states_against_a_float64_ntk(ref_run,
         printed = [float(c.strip()) for c in rows[name]]
         want = [shown[0][j], shown[STEPS - 1][j]]
         np.testing.assert_allclose(printed, want, rtol=2e-4, atol=1e-4, err_msg=f"nsa show's {name} row vs float64")
+    # four significant digits of every stored number, however small (a fixed 4 decimals showed
+    # an E(y, 1) of 9.6e-06 as 0.0000)
+    ends, E = [0, len(run.steps) - 1], run.energy("y")
+    stored = {f"E(y, {k})": E[ends, k - 1] for k in (1, 5, 10, 20, 50) if k <= E.shape[1]}
+    stored |= {"alignment": run.alignment["raw"][ends], "first-order error": run.first_order["error"][ends]}
+    for name, want in stored.items():
+        printed = [float(c.strip()) for c in rows[name]]
+        np.testing.assert_allclose(printed, want, rtol=6e-4, atol=0, err_msg=f"nsa show's {name} row vs the store")
 
 
 def test_status_of_a_job_and_a_store_at_once_is_refused(ref_run, capsys):

@@ -501,3 +501,69 @@ def test_fig7a_on_the_exact_route_has_a_point_bracket_and_no_hatch(sweep_url: st
     fig = fig7a(sweep, 2)
     assert not [c for c in fig.axes[0].collections if c.get_hatch()], "a hatched bracket on the exact route"
     assert "bracket (quadrature)" not in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_eigenvalues_a_log_axis_leaves_out_are_said(tmp_path: Path) -> None:
+    """A G whose rank is below N = 24 (at most 13 parameters) stores its null space's λ at rounding
+    level, some ≤ 0: Figs. 2a/2b (here and on the page) left them out as gaps without a word; each now
+    says how many, at which i, how small."""
+    from nsa_dist.serve._nsa_panels import Fig2a, Fig2b
+
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(
+        name="rank13",  # at most 13 parameters
+        data={"n": 24},
+        model={"depth": 1, "width": 3},
+        steps=4,
+        record={"every": 2},
+        spectrum={"k": "all", "images": []},
+    )
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("rank13")
+    lam = np.asarray(run.eigenvalues, np.float64)
+    assert (np.abs(lam[:, 13:]) < 1e-12 * lam[:, :1]).all(), lam  # the null space: rounding only
+    drawn = np.arange(len(run.steps))  # ≤ 6 steps: Fig. 2a draws every one
+    bad = lam[drawn] <= 0
+    assert bad.any(), "no λ ≤ 0 to leave out: the run did not test what it should"
+    i = np.nonzero(bad)[1] + 1
+    said = f"log axis: {int(bad.sum())} value(s) λ_i ≤ 0 not drawn (i = {i.min()}…{i.max()}: "
+    fig = make_figure(run, "fig2a_eigenvalues")
+    assert said in fig._supxlabel.get_text().replace("\n", " "), fig._supxlabel.get_text()
+    panel = Fig2a(run)
+    assert said in panel.note_text(run), panel.note_text(run)
+    rows = [k for k in (1, 2, 5, 10, 20) if k <= 24]  # Fig. 2b's i: 1, 2, 5, 10, 20, … ≤ N
+    bad_b = lam[:, np.array(rows) - 1] <= 0
+    fig = make_figure(run, "fig2b_eigenvalues_t")
+    text = fig._supxlabel.get_text().replace("\n", " ")
+    if bad_b.any():
+        assert f"log axis: {int(bad_b.sum())} value(s) λ_i ≤ 0 not drawn (i = 20" in text, text
+        assert f"log axis: {int(bad_b.sum())} value(s)" in Fig2b(run).note_text(run)
+    else:
+        assert "log axis" not in text and "log axis" not in Fig2b(run).note_text(run), text
+
+
+def test_the_limit_at_initialisation_is_drawn_at_step_0(tmp_path: Path) -> None:
+    """E[Tr S] at initialisation was drawn at the first analysed step (t = 4 here), as if it were
+    that step's prediction, by `nsa plot` and on the page."""
+    from nsa_dist.serve._hessian_panels import TraceS
+
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(
+        name="late",
+        data={"n": 16},
+        model={"depth": 2, "width": 8, "init": "ntk", "regime": "ntk", "activation": "tanh"},
+        steps=8,
+        record={"every": 2},
+        spectrum={"k": 4, "images": []},
+        hessian={"steps": [4, 6], "probes": 2, "rayleigh_k": 2, "top_k": 1},
+    )
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("late")
+    h0 = float(run.hessian.S_limit()["trace_S_init"][0])
+    assert list(run.hessian.steps) == [4, 6] and np.isfinite(h0), (run.hessian.steps, h0)
+    ax = make_figure(run, "hessian_trace_S").axes[0]
+    (star,) = [ln for ln in ax.get_lines() if "at init" in ln.get_label()]
+    assert list(star.get_xdata()) == [0] and list(star.get_ydata()) == [h0], (star.get_xdata(), star.get_ydata())
+    (series,) = TraceS(run).series(run)
+    (mark,) = [s for s in series if "at init" in s.label]
+    assert list(mark.x) == [0] and list(mark.y) == [h0], (mark.x, mark.y)

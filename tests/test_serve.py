@@ -218,6 +218,35 @@ def test_the_run_page_draws_what_nsa_plot_draws_with_the_predictions(store):
     assert len(lr) == 2 * len(steps) - 1  # δ_t held between recorded steps: a staircase
 
 
+def test_the_eigenvector_panel_draws_every_stored_image(tmp_path):
+    """Images v_1 … v_6 only were drawn of [1, …, 6, 8, 10] (a cap of six, not said), where `nsa plot
+    fig5` draws all: every stored one now, six to a row, each above its |Fourier|."""
+    from nsa_dist.serve._eigvec_panel import Eigenvectors
+
+    url = str(tmp_path / "im.zarr")
+    spec = ExperimentSpec(
+        name="images",
+        data={"n": 24},
+        steps=2,
+        model={"depth": 2, "width": 8},
+        record={"every": 2},
+        spectrum={"k": 10, "images": [1, 2, 3, 4, 5, 6, 8, 10], "image_size": 4, "fourier_size": 3},
+    )
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("images")
+    panel = Eigenvectors(run)
+    panel.update(panel.guarded(run))
+    assert not panel.error.visible, panel.error.text
+    at = run.images.at(run.steps[-1])
+    titles = [v.fig.title.text for v in panel.vecs]
+    assert titles == [f"v_{i}" for i in (1, 2, 3, 4, 5, 6, 8, 10)], titles
+    for v, img, f, fft in zip(panel.vecs, at["eigvec_images"], panel.ffts, at["eigvec_fourier"]):
+        np.testing.assert_array_equal(v.source.data["image"][0], img)
+        np.testing.assert_array_equal(f.source.data["image"][0], np.asarray(fft).T)
+    widths = [len(r.children) for r in panel.body.children[1:]]  # below the slider row
+    assert widths == [2, 6, 6, 2, 2], widths  # the residual and its |Fourier|, then images over transforms
+
+
 @pytest.mark.slow  # an NCE run of its own
 def test_an_nce_runs_page_draws_what_nsa_plot_draws(tmp_path):
     from nsa_dist.plots.axes import gd_note

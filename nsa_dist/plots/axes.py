@@ -301,6 +301,21 @@ def gd_note(run: Run) -> str | None:
     )
 
 
+def nonpositive_note(values: np.ndarray, index: np.ndarray, top: float) -> str:
+    """What a log axis leaves out of eigenvalue curves: ``values`` (rows drawn × ``index``, the i of
+    each column) at or below 0 — rounding of a G whose rank is below N, or the bracket's lower end —
+    said with where and how small, "" when there are none (matplotlib and the page drop them as gaps)."""
+    v = np.asarray(values, np.float64).reshape(-1, len(index))
+    bad = np.isfinite(v) & (v <= 0)
+    if not bad.any():
+        return ""
+    i = np.asarray(index)[np.nonzero(bad)[1]]
+    at = f"i = {i.min()}" if i.min() == i.max() else f"i = {i.min()}…{i.max()}"
+    lo, hi = float(v[bad].min()), float(v[bad].max())
+    size = f"{lo:.2g}" if lo == hi else f"{lo:.2g} to {hi:.2g}"
+    return f"log axis: {int(bad.sum())} value(s) λ_i ≤ 0 not drawn ({at}: {size}, against λ_1 = {top:.4g})"
+
+
 def add_gd_note(fig: Figure, run: Run) -> None:
     """Write :func:`gd_note` at the bottom of ``fig`` when it applies."""
     note = gd_note(run)

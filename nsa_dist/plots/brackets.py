@@ -138,13 +138,15 @@ def bracket_caption(run: Run, drawn: bool = True) -> str:
     return f"{head} — {run.curve_bracket}"
 
 
-def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True) -> None:
-    """Write :func:`bracket_caption` under the axes of ``fig`` (laid out with them, wrapped to the width)."""
+def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True, more: str = "") -> None:
+    """Write :func:`bracket_caption` (then ``more``, a sentence of the figure's own) under the axes
+    of ``fig`` (laid out with them, wrapped to the width)."""
     import textwrap
 
     from nsa_dist.plots.axes import _text_width
 
-    text, pt, width = bracket_caption(run, drawn), 7.0, 0.96 * fig.bbox.width
+    text = bracket_caption(run, drawn) + (f"; {more}" if more else "")
+    pt, width = 7.0, 0.96 * fig.bbox.width
     # the characters per line from the font size, narrowed until the widest line fits (axes.fit_text
     # measures every trial line: seconds on a sentence this long)
     chars = max(20, int(width / (0.5 * pt * fig.dpi / 72)))

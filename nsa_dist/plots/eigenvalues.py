@@ -14,6 +14,7 @@ from nsa_dist.plots.axes import (
     ks,
     legend,
     new_figure,
+    nonpositive_note,
     some_steps,
     time_axis,
 )
@@ -38,7 +39,8 @@ def fig2a(run: Run) -> Figure:
     ax.set(xscale="log", yscale="log", xlabel="index i", ylabel=r"eigenvalue $\lambda_i^t$")
     ax.grid(alpha=0.3, which="both")
     legend(ax)
-    add_bracket_caption(fig, run, drawn)
+    top = float(np.nanmax(curve.value[idx, 0])) if np.isfinite(curve.value[idx, 0]).any() else float("nan")
+    add_bracket_caption(fig, run, drawn, nonpositive_note(curve.value[idx], curve.k, top))
     return fig
 
 
@@ -51,9 +53,10 @@ def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     ax, curve = ax[0, 0], run.curve("eigenvalue")
     rows = ks(int(curve.k[-1]), opts.ks, f"Fig. 2b of run {run.id!r}")
     cols, labels = colors(len(rows)), [rf"$\lambda_{{{i}}}^t$" for i in rows]
-    drawn = False
+    drawn, drawn_values = False, []
     for c, i, label in zip(cols, rows, labels):
         value, lower, upper = curve.at(i)
+        drawn_values.append(value)
         if np.any(upper > lower):  # a log axis: a lower bound ≤ 0 is drawn at half the smallest positive
             # value or bound (the band runs off the bottom); a positive lower bound is drawn where it is,
             # never raised (a band narrower than the stored bracket)
@@ -61,7 +64,8 @@ def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
             lower = np.where(np.isnan(lower) | (lower > 0), lower, floor)
         drawn |= draw_bracketed_along_t(ax, run.steps, value, lower, upper, c, label)
     time_axis(ax, run, r"eigenvalue $\lambda_i^t$", logy=True, family=("i", labels, cols))
-    add_bracket_caption(fig, run, drawn)
+    top = float(np.nanmax(curve.value[:, 0])) if np.isfinite(curve.value[:, 0]).any() else float("nan")
+    add_bracket_caption(fig, run, drawn, nonpositive_note(np.array(drawn_values).T, np.asarray(rows), top))
     return fig
 
 

@@ -195,7 +195,7 @@ def trace_S(run: Run) -> Figure:
             ax.plot(t, lim["trace_S"], "-.", color="C2", lw=1.6, label=r"limit E[Tr $S_t$] (MSE GD)")
         if np.isfinite(lim["trace_S_init"]).any():
             ax.plot(
-                [t[0]],
+                [0],  # at initialisation, whichever step the Hessian was first analysed at
                 [lim["trace_S_init"][0]],
                 "*",
                 color="C3",

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Eigenvectors", "Fig1abc", "Fig4d"]
 
-_MAX_IMAGES = 6
+_PER_ROW = 6  # eigenvector images side by side; more stored ones wrap onto further rows (each above its |Fourier|)
 
 
 class _Image:
@@ -83,7 +83,7 @@ class Eigenvectors(Panel):
         self.slider = Slider(title="stored step (index)", start=0, end=1, value=0, step=1, width=500, disabled=True)
         self.label = Div(text="", css_classes=["nsa-eigvec-step"])
         self.limit = float(run.spec.spectrum.fourier_limit) if self.images else 0.0
-        n = min(_MAX_IMAGES, int(run.dims.n_images)) if self.images else 1
+        n = int(run.dims.n_images) if self.images else 1  # every stored one, as `nsa plot fig5` draws them
         if self.images:
             up = picture_data(run)  # the spatial images upright; the |Fourier| panels keep (ξ₁, ξ₂) up
             self.vecs = [_Image(190).picture() if up else _Image(190) for _ in range(n)]
@@ -93,10 +93,10 @@ class Eigenvectors(Panel):
                 if self.has_residual
                 else []
             )
-            rows = ([row(*(i.fig for i in self.residual))] if self.residual else []) + [
-                row(*(i.fig for i in self.vecs)),
-                row(*(i.fig for i in self.ffts)),
-            ]
+            rows = [row(*(i.fig for i in self.residual))] if self.residual else []
+            for j in range(0, n, _PER_ROW):
+                rows += [row(*(i.fig for i in self.vecs[j : j + _PER_ROW]))]
+                rows += [row(*(i.fig for i in self.ffts[j : j + _PER_ROW]))]
         else:
             self.vecs, self.ffts, self.residual = [_Image(700, x="index i", y="point", height=300)], [], []
             rows = [row(self.vecs[0].fig)]

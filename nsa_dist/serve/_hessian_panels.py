@@ -241,7 +241,7 @@ class Additivity(_HessianCurves):
 
 class TraceS(_HessianCurves):
     """Proposition 4: Tr(S) as ∇Cᵀ·G and by Hutch++ on S (± standard errors) beside the limits
-    E[Tr S_t] along GD and E[Tr S] at initialisation (a star at the first analysed step)."""
+    E[Tr S_t] along GD and E[Tr S] at initialisation (a star at t = 0)."""
 
     title = "Hessian paper, Proposition 4 — Tr(S) = ∇Cᵀ·G against Hutch++ and the limits"
     figures = ("hessian_trace_S",)
@@ -258,7 +258,8 @@ class TraceS(_HessianCurves):
             if _finite(lim["trace_S"]):
                 out.append(Series(t, lim["trace_S"], "limit E[Tr S_t] (MSE GD)", _LIMIT_S, "dashdot", markers=False))
             if _finite(lim["trace_S_init"]) and len(t):
-                out.append(Series(t[:1], lim["trace_S_init"][:1], "limit E[Tr S] at init = K Tr(Φ̃)/N", _LIMIT_I))
+                # at t = 0, where it applies, whichever step the Hessian was first analysed at
+                out.append(Series(np.zeros(1), lim["trace_S_init"][:1], "limit E[Tr S] at init = K Tr(Φ̃)/N", _LIMIT_I))
         return [out + [hline(t, 0.0, "0")]]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from bokeh.models import Select
 
 from nsa_dist.plots import residual_projections
-from nsa_dist.plots.axes import gd_note, ks
+from nsa_dist.plots.axes import gd_note, ks, nonpositive_note
 from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, need, spread, stairs, step_options
 from nsa_dist.serve._live import Waiting
 
@@ -93,7 +93,10 @@ class Fig2a(Picked):
         return [[_against_k(curve, pos[t], f"t = {t}", color(j), log=True) for j, t in enumerate(self.picked(run))]]
 
     def note_text(self, run: Run) -> str:
-        return bracket_note(run)
+        curve = run.curve("eigenvalue")
+        pos = {int(t): j for j, t in enumerate(run.steps)}
+        rows = [pos[t] for t in self.picked(run) if t in pos]
+        return _joined(bracket_note(run), nonpositive_note(curve.value[rows], curve.k, _top(curve)))
 
 
 class Fig2b(Curves):
@@ -111,7 +114,20 @@ class Fig2b(Curves):
         return [[_along_t(curve, i, f"i = {i}", color(j), log=True) for j, i in enumerate(ks(int(curve.k[-1])))]]
 
     def note_text(self, run: Run) -> str:
-        return bracket_note(run)
+        curve, rows = run.curve("eigenvalue"), ks(int(run.curve("eigenvalue").k[-1]))
+        values = np.array([curve.at(i)[0] for i in rows]).T  # (steps, rows)
+        return _joined(bracket_note(run), nonpositive_note(values, np.asarray(rows), _top(curve)))
+
+
+def _top(curve: Any) -> float:
+    """λ_1 over the run's steps (NaN before any)."""
+    first = np.asarray(curve.value[:, 0], np.float64)
+    return float(np.nanmax(first)) if np.isfinite(first).any() else float("nan")
+
+
+def _joined(*notes: str) -> str:
+    """The non-empty notes of a panel as one."""
+    return "; ".join(n for n in notes if n)
 
 
 class Fig2c(Curves):
