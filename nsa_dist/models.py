@@ -319,13 +319,16 @@ def build_factory_model(
     if not isinstance(model, nn.Module):
         raise ModelFactoryError(f"model.factory={spec.factory!r} returned a {type(model).__name__}, not an nn.Module")
     model = measured_module(model, spec.output).to(dtype)
-    if spec.input_dim is not None:
-        _check_factory_output(spec, model, dtype)
+    if spec.input_dim is not None and _check_factory_output(spec, model, dtype):
+        # one column (n, 1), measured as the (n,) it means, as the Tracker does (the run stored f, df,
+        # … as (N, 1) against its (N,) schema and failed at step 0)
+        model = SelectedOutput(model, single_column)
     return model
 
 
-def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch.dtype) -> None:
-    """The model must map the data's (n, d) inputs to (n,) for K = 1 or (n, K)."""
+def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch.dtype) -> bool:
+    """The model must map the data's (n, d) inputs to (n,) for K = 1 or (n, K); whether it returns
+    one column (n, 1) for K = 1."""
     x = torch.zeros(2, spec.input_dim, dtype=dtype)
     try:
         with torch.no_grad():
@@ -347,6 +350,7 @@ def _check_factory_output(spec: FactoryModelSpec, model: nn.Module, dtype: torch
             f"model.factory={spec.factory!r} ({spec.kwargs}) returns {tuple(out.shape)} for "
             f"inputs (2, {spec.input_dim}); the targets need {want} (K = {K})"
         )
+    return K == 1 and tuple(out.shape) == (2, 1)
 
 
 # --------------------------------------------------------------------------- outputs as models return them

@@ -141,3 +141,50 @@ def test_factory_sweep_on_local_ray_equals_single_process_runs(local_ray, tmp_pa
         a, b = Client(ref).run(run_id(spec)), Client(url).run(run_id(spec))
         for name in ("theta", "f", "eigenvalues", "energy_y", "loss"):
             np.testing.assert_array_equal(a.g[name][:], b.g[name][:], err_msg=f"{spec.name}: {name}")
+
+
+def test_a_factory_ending_in_one_output_column_runs(tmp_path):
+    """``nn.Linear(width, 1)`` last: the factory check accepted the (n, 1) outputs, then step 0 failed
+    ("df has shape (32, 1), the store holds (32,)") and the run ended failed; now measured as (n,),
+    as the Tracker measures it."""
+    spec = ExperimentSpec(
+        name="column",
+        data={"n": 32},
+        model={"factory": "user_models:column_mlp", "kwargs": {"width": 8}},
+        steps=2,
+        record={"every": 1},
+        spectrum={"k": 8, "images": []},
+    )
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run(run_id(spec))
+    model = build_model(spec.model, seed=spec.seed)
+    with torch.no_grad():
+        want = model(torch.as_tensor(run.X, dtype=torch.float32)).reshape(-1).numpy()
+    np.testing.assert_allclose(run.outputs(0), want, rtol=1e-6, err_msg="f_0 against the factory's model")
+
+
+def test_a_factory_deciding_over_its_whole_batch_stores_the_batch_forwards_spectrum(tmp_path):
+    """A model that rescales its batch when it looks raw (max > 0.3 on the 2-D points): run alone, the
+    points below 0.3 decide otherwise, and `nsa run` stored λ_max 43.2 against the batch forward's
+    0.535 (per-sample Jacobians), nothing said."""
+    spec = ExperimentSpec(
+        name="auto",
+        data={"n": 32},
+        model={"factory": "user_models:auto_scale", "kwargs": {"width": 8}},
+        steps=1,
+        record={"every": 1},
+        spectrum={"k": 8, "images": [], "dtype": "float64"},
+    )
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run(run_id(spec))
+    assert "outputs alone differ" in run.attrs["ntk_paths"]["routes"]["body.0.weight"], run.attrs["ntk_paths"]
+    model = build_model(spec.model, seed=spec.seed).double()
+    X = torch.as_tensor(run.X, dtype=torch.float64)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    J = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (X,)))(params)
+    J = torch.cat([j.reshape(X.shape[0], -1) for j in J.values()], dim=1)
+    want = np.linalg.eigvalsh((J @ J.T).numpy())[::-1][:8]
+    got = np.asarray(run.eigenvalues[0], np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9 * want[0], err_msg="λ_i of G_0 (float32 data)")

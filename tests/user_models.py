@@ -58,3 +58,27 @@ class _Tied(nn.Module):
 def tied_mlp(d: int = 64, width: int = 6) -> nn.Module:
     """An MLP on (n, d) points whose two hidden Linear layers share one weight, with an in-place ReLU."""
     return _Tied(d, width)
+
+
+def column_mlp(d: int = 2, width: int = 8) -> nn.Module:
+    """An MLP ending in ``nn.Linear(width, 1)``: (n, 1) outputs, one target per point."""
+    return nn.Sequential(nn.Linear(d, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+class _AutoScale(nn.Module):
+    """Takes raw [0, 255] or unit-range inputs: rescales the batch when it looks raw — a decision over
+    the whole batch, which a point forwarded alone makes otherwise."""
+
+    def __init__(self, d: int, width: int, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.body = nn.Sequential(nn.Linear(d, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.max() > self.threshold:
+            x = x / 255.0 * 10
+        return self.body(x)[:, 0]
+
+
+def auto_scale(d: int = 2, width: int = 8, threshold: float = 0.3) -> nn.Module:
+    return _AutoScale(d, width, threshold)

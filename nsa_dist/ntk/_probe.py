@@ -171,11 +171,13 @@ def _couples(
     x: torch.Tensor,
     again: torch.Tensor | None = None,
     window: tuple[torch.Tensor, list[int]] | None = None,
+    all_points: torch.Tensor | None = None,
 ) -> str | None:
     """Why the model couples samples (None if it does not); UnsupportedModelError if its forward is
     random.  ``again``: the outputs of a second forward of x already run with grad (else one is run
     here).  ``window``: a copy of the points the probe points were chosen from (the first
-    ``_SCAN``) and the probe points' rows in it, forwarded as one batch too.  Every forward here
+    ``_SCAN``) and the probe points' rows in it, forwarded as one batch too.  ``all_points``: every
+    point the kernel is asked at (:func:`_whole_batch_differs`).  Every forward here
     runs with grad, as the Gram's own passes do: without it PyTorch may take another path (an
     eval-mode TransformerEncoder's nested tensors zero padded positions)."""
     with torch.enable_grad():
@@ -213,7 +215,11 @@ def _couples(
             return f"its forward fails on a smaller batch ({type(e).__name__})"
     if not _close(whole, parts):
         return "its outputs for half a batch differ from those of the whole batch"
-    return _batch_size_matters(model, x, whole, window) or _first_point_moves(model, x)
+    return (
+        _batch_size_matters(model, x, whole, window)
+        or _first_point_moves(model, x)
+        or (_whole_batch_differs(model, all_points) if all_points is not None else None)
+    )
 
 
 def _finite_outputs(*outs: torch.Tensor) -> None:
@@ -307,6 +313,80 @@ def _batch_size_matters(
     return None
 
 
+_WHOLE_BYTES = 256 * 2**20  # the largest whole-batch forward the check runs (a no-grad one)
+
+
+def _whole_batch_differs(model: nn.Module, x: torch.Tensor) -> str | None:
+    """Why the outputs of every point forwarded alone differ from its outputs in the one batch of all
+    the points (None: they do not, or there are too few points to tell more than the probe did).
+
+    The probe's batches (four points, their halves, point 0, the first 64) all hold the probe points,
+    so a forward that decides something over its whole batch — ``if x.max() > 1: x = x / 255``,
+    ``if x.sum() > 0`` — decides alike on every one of them, and the per-sample routes then ran each
+    point alone, where it decides otherwise (a Gram 0.35 off, an `nsa run`'s λ_max 80× off, nothing
+    said).  The kernel is the one batch's: each point alone must give its outputs in it.  A batch
+    whose forward would pass ``_WHOLE_BYTES`` (the first two points' module outputs, scaled) is
+    checked on its first points that fit.  With grad, as the Gram's own passes run."""
+    n = x.shape[0]
+    if n <= _PROBE_POINTS:
+        return None
+    per_point = _output_bytes(model, x[:2]) / 2
+    m = n if per_point * n <= _WHOLE_BYTES else max(_SCAN, int(_WHOLE_BYTES // max(per_point, 1.0)))
+    pts = x[: min(n, m)].clone()
+    with torch.enable_grad():
+        try:
+            batch = as_2d(model(pts), pts.shape[0]).detach()
+        except Exception as e:  # noqa: BLE001 — a forward that cannot run on the whole batch
+            return f"its forward fails on the batch of all {pts.shape[0]} points ({type(e).__name__})"
+        try:
+            alone = _one_at_a_time(model, pts)
+        except Exception:  # noqa: BLE001 — no per-sample route can run it either: that one fails loudly
+            return None
+    for i in range(pts.shape[0]):
+        if not _close(batch[i], alone[i]):
+            return (
+                f"point {i}'s outputs alone differ from its outputs in the batch of all {pts.shape[0]} points "
+                "(the forward decides something over its whole batch, e.g. `if x.max() > 1`)"
+            )
+    return None
+
+
+def _output_bytes(model: nn.Module, x: torch.Tensor) -> float:
+    """The bytes of the input and every tensor the modules of ``model`` return on the points ``x``
+    (what a forward with grad keeps, about)."""
+    big = [float(x.numel() * x.element_size())]
+
+    def hook(_m, _i, out):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                big.append(float(t.numel() * t.element_size()))
+
+    handles = []
+    for m in model.modules():
+        try:
+            handles.append(m.register_forward_hook(hook))
+        except RuntimeError:  # a TorchScript module takes no hooks: its input and the others' outputs count
+            pass
+    try:
+        with torch.no_grad():
+            model(x.clone())
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(big)
+
+
+def _one_at_a_time(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(n, K): each point's outputs forwarded alone — vmapped over single-point batches, or one by one
+    where vmap has no rule (a forward branching on its batch's values raises under vmap)."""
+    n = x.shape[0]
+    try:
+        out = torch.func.vmap(lambda xi: as_2d(model(xi[None]), 1)[0], randomness="error")(x)
+        return out.reshape(n, -1).detach()
+    except Exception:  # noqa: BLE001 — one forward per point
+        return torch.cat([as_2d(model(x[i : i + 1]), 1).detach() for i in range(n)])
+
+
 def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
     """Why point 0's output or its gradient in θ changes when the other points of its batch do
     (None: neither changes).  The halves above miss a coupling where the halves carry the batch's
@@ -340,7 +420,7 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(x), _unzeroed(model):
-        why = _couples(model, xs, window=_window(x, idx))
+        why = _couples(model, xs, window=_window(x, idx), all_points=x)
     _unchanged_input(x[idx], xs)
     return why
 
@@ -454,7 +534,7 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     with preserved(model), _rng_kept(xs), _unzeroed(model):
         trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
         _unchanged_input(x[idx], xs)
-        coupling = _couples(model, xs, again=trace.out, window=_window(x, idx))
+        coupling = _couples(model, xs, again=trace.out, window=_window(x, idx), all_points=x)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})

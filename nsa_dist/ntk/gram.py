@@ -240,11 +240,8 @@ def gram(
     with preserved(model):
         plan, m = route_of(model, x1, method)
         if m is NTKMethod.BATCH and _first_time(model):
-            _log.info(
-                "the model couples samples (%s): computing the kernel of the batch forward exactly "
-                "(full-batch Jacobian)",
-                next(iter(plan.routes.values()))[1],
-            )
+            # the route's reason already reads "the model couples samples (…): the kernel of the batch forward"
+            _log.info("%s, computed exactly (full-batch Jacobian)", next(iter(plan.routes.values()))[1])
         try:
             with blame(model):
                 G = _gram(model, plan, m, x1, x2, K, full, block_size, out)
