@@ -213,7 +213,8 @@ def _no_empty_hessian(raw: dict, path: str | Path, where: str) -> None:
     if "hessian" in raw and raw["hessian"] is None:
         raise SpecError(
             f"{path}: {where}: is empty (null), which would measure no Hessian; write `{where.split('.')[-1]}: {{}}` "
-            "for the default measurements, or remove the key for none"
+            "for the default measurements, or remove the key for none (a spec copied from a store's `hessian: null`: "
+            "remove it)"
         )
 
 

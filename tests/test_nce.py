@@ -97,6 +97,10 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
         # E_t(y, k) is of the centred log-density (its constant would carry most of ‖y‖²)
         V, yc = run.eigenvectors(int(t)), ds.y - ds.y.mean()
         np.testing.assert_allclose(run.energy("y")[i], np.cumsum((V.T @ yc) ** 2) / (yc @ yc), rtol=1e-4, atol=1e-6)
+        # and so is the alignment yᵀGy/(‖G‖_F‖y‖²): 0.81 of the raw log-density's, 0.12 of the centred's
+        G = J @ J.T
+        want = yc @ G @ yc / (np.linalg.norm(G) * (yc @ yc))
+        assert run.alignment["raw"][i] == pytest.approx(want, rel=1e-4), (t, run.alignment["raw"][i], want)
         # the energies of the residual are of the NCE derivative
         np.testing.assert_allclose(
             run.energy("residual")[i, -1], np.sum((run.eigenvectors(int(t)).T @ m) ** 2) / (m @ m), rtol=1e-4

@@ -283,7 +283,8 @@ def gd_note(run: Run) -> str | None:
     if LossName(run.spec.loss) is LossName.NCE and name == "gd" and o.momentum == 0:
         return (
             "note: 2N/λ_max, s_i and δλ/N are formulas of GD on the L2 loss (NSA §4); for NCE the "
-            "residual's Jacobian is diag(σ'(h)) ≤ 1/4, so GD's bound is 2N/(λ_max·max σ') ≥ 8N/λ_max"
+            "residual's Jacobian is D = diag(σ'(h)) ≤ 1/4, so linearised GD is stable below "
+            "2N/λ_max(D^½GD^½), which is at least 2N/(λ_max·max σ') ≥ 8N/λ_max (sufficient bounds, not the threshold)"
         )
     if name == "gd" and o.momentum == 0:
         return None
