@@ -839,3 +839,61 @@ def test_a_decision_over_the_whole_batch_takes_the_batch_forwards_kernel(linear)
         assert_close_rel(op.matmat(torch.eye(H.shape[0], dtype=torch.float64)), H, 1e-10, f"Hessian block {bs}")
     # the same points all in range decide alike alone and together: the fast routes stay
     assert explain_method(m, X / 255)[0].value != "batch"
+
+
+class _GCN(nn.Module):
+    """A transductive GCN over a fixed normalised graph of all N points: Â relu(Â X W₁) W₂ — its forward
+    runs on those N points only."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        A = (torch.rand(n, n, generator=g) < 0.2).double()
+        A = ((A + A.T) > 0).double() + torch.eye(n, dtype=torch.float64)
+        d = A.sum(1).rsqrt()
+        self.register_buffer("A", d[:, None] * A * d[None])
+        self.l1, self.l2 = nn.Linear(3, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return (self.A @ self.l2(torch.relu(self.A @ self.l1(x))))[:, 0]
+
+
+def test_a_transductive_gcn_is_measured_on_its_whole_graph(tmp_path):
+    """Every check forward ran on two (or four) points, where Â X W cannot: gram, the operators and the
+    Tracker failed ("mat1 and mat2 shapes cannot be multiplied (24x24 and 2x8)"), even with
+    method='batch'.  Now a forward that runs on the whole batch only is the batch forward's kernel."""
+    from nsa_dist import Tracker
+    from nsa_dist.client import Client
+    from nsa_dist.hessian import hessian_operator
+    from nsa_dist.ntk import ntk_operator
+
+    torch.manual_seed(0)
+    m = _GCN(24).double()
+    X, y = torch.randn(24, 3, dtype=torch.float64), torch.randn(24, dtype=torch.float64)
+    method, routes = explain_method(m, X)
+    assert method.value == "batch" and "runs on the batch of all 24 points only" in routes["l1.weight"][1], routes
+    want = _batch_reference(m, X)
+    for how in ("auto", "batch"):
+        assert_close_rel(gram(m, X, method=how, dtype=torch.float64), want, 1e-12, f"gram {how}")
+    assert_close_rel(ntk_operator(m, X).matmat(torch.eye(24, dtype=torch.float64)), want, 1e-12, "ntk_operator")
+    names, theta = zip(*[(n, p.detach()) for n, p in m.named_parameters()])
+
+    def loss(flat):
+        ps, i = {}, 0
+        for n, p in zip(names, theta):
+            ps[n] = flat[i : i + p.numel()].reshape(p.shape)
+            i += p.numel()
+        return 0.5 * ((torch.func.functional_call(m, ps, (X,)) - y) ** 2).sum() / 24
+
+    H = torch.func.hessian(loss)(torch.cat([p.reshape(-1) for p in theta]))
+    op = hessian_operator(m, X, y[:, None], part="H", dtype=torch.float64)
+    assert_close_rel(op.matmat(torch.eye(H.shape[0], dtype=torch.float64)), H, 1e-10, "the loss Hessian")
+    url = str(tmp_path / "s.zarr")
+    with Tracker(url, "gcn", m, X, y, steps=1, spectrum={"k": 6}, hessian={"probes": 2, "top_k": 1}) as tr:
+        tr.record(0, lr=0.1)
+    run = Client(url).run("gcn")
+    assert run.status == "done" and not run.notes, run.notes
+    lam = torch.linalg.eigvalsh(want).flip(0)[:6].numpy()
+    assert_close_rel(torch.as_tensor(run.eigenvalues[0]), torch.as_tensor(lam), 1e-9, "the Tracker's λ_1..6")
+    top = float(torch.linalg.eigvalsh(H)[-1])
+    assert abs(float(run.hessian.top("H")[0, 0]) - top) <= 1e-8 * abs(top), (run.hessian.top("H"), top)

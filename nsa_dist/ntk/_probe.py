@@ -330,7 +330,10 @@ def _whole_batch_differs(model: nn.Module, x: torch.Tensor) -> str | None:
     n = x.shape[0]
     if n <= _PROBE_POINTS:
         return None
-    per_point = _output_bytes(model, x[:2]) / 2
+    try:
+        per_point = _output_bytes(model, x[:2]) / 2
+    except Exception:  # noqa: BLE001 — a forward that runs on no fewer: the others say what it does
+        return None
     m = n if per_point * n <= _WHOLE_BYTES else max(_SCAN, int(_WHOLE_BYTES // max(per_point, 1.0)))
     pts = x[: min(n, m)].clone()
     with torch.enable_grad():
@@ -420,9 +423,29 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(x), _unzeroed(model):
-        why = _couples(model, xs, window=_window(x, idx), all_points=x)
+        try:
+            why = _couples(model, xs, window=_window(x, idx), all_points=x)
+        except Exception as e:
+            why = _only_whole(model, x, xs, e)
     _unchanged_input(x[idx], xs)
     return why
+
+
+def _only_whole(model: nn.Module, x: torch.Tensor, xs: torch.Tensor, e: Exception) -> str:
+    """Why a model whose forward failed on the probe points (``e``) couples samples: it runs on the
+    batch of all the points only (a transductive GCN over their fixed graph: Â relu(Â X W₁) W₂); else
+    ``e`` again."""
+    if x.shape[0] <= xs.shape[0] or isinstance(e, (UnsupportedModelError, NonFiniteError)):
+        raise e
+    try:
+        with torch.no_grad():
+            model(x.clone())
+    except Exception:  # noqa: BLE001 — it fails on the whole batch too: the probe's error stands
+        raise e from None
+    return (
+        f"its forward fails on the {xs.shape[0]} probe points ({type(e).__name__}) and runs on the batch of "
+        f"all {x.shape[0]} points only"
+    )
 
 
 def _window(x: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -532,7 +555,11 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(xs), _unzeroed(model):
-        trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
+        try:
+            trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
+        except Exception as e:
+            why = f"the model couples samples ({_only_whole(model, x, xs, e)}): the kernel of the batch forward"
+            return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})
         _unchanged_input(x[idx], xs)
         coupling = _couples(model, xs, again=trace.out, window=_window(x, idx), all_points=x)
         if coupling is not None:

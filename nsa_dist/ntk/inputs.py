@@ -136,9 +136,16 @@ def _parametrizations_uncached() -> Iterator[None]:
 
 def output_dim(model: nn.Module, x: torch.Tensor) -> int:
     """K of a model mapping (n, …) → (n,) [K=1] or (n, K); else a ShapeError naming the shape."""
+    few = x[:2]
     with torch.no_grad():
-        out = model(x[:2].clone())  # a copy: a forward may write into its input
-    n = min(2, x.shape[0])
+        try:
+            out = model(few.clone())  # a copy: a forward may write into its input
+        except Exception:
+            if x.shape[0] <= 2:
+                raise
+            few = x  # a forward that runs on all the points only (a transductive model over their graph)
+            out = model(few.clone())
+    n = few.shape[0]
     if not isinstance(out, torch.Tensor):
         raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
     if n == 1 and out.numel() >= 1:  # one point: all of it is its outputs (a forward may squeeze the batch axis)
@@ -148,7 +155,7 @@ def output_dim(model: nn.Module, x: torch.Tensor) -> int:
     if out.ndim == 2 and out.shape[0] == n:
         return int(out.shape[1])
     raise ShapeError(
-        f"model output must have shape (n,) or (n, K); for input {tuple(x[:2].shape)} it returned {tuple(out.shape)}"
+        f"model output must have shape (n,) or (n, K); for input {tuple(few.shape)} it returned {tuple(out.shape)}"
     )
 
 

@@ -324,6 +324,21 @@ def batch_stat_modules(model: nn.Module) -> list[str]:
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
+def leading(model: nn.Module, x: torch.Tensor, n: int = 2) -> torch.Tensor:
+    """The first ``n`` points of x for a cheap check forward, or all of x when the forward runs on no
+    fewer (a transductive model over a fixed graph of all the points — a GCN's Â X W — whose every
+    check on two points failed: "mat1 and mat2 shapes cannot be multiplied (32x32 and 2x16)").  The
+    model is left as it was."""
+    if x.shape[0] <= n:
+        return x
+    try:
+        with preserved(model), torch.no_grad():
+            model(x[:n].clone())
+    except Exception:  # noqa: BLE001 — the checks then forward the whole batch (a failure there is theirs)
+        return x
+    return x[:n]
+
+
 def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
     """The buffers of train-mode batch and instance norms that one forward of x writes in place
     (their running statistics: the outputs do not read them), after checking that it writes no
