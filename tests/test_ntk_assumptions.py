@@ -897,3 +897,23 @@ def test_a_transductive_gcn_is_measured_on_its_whole_graph(tmp_path):
     assert_close_rel(torch.as_tensor(run.eigenvalues[0]), torch.as_tensor(lam), 1e-9, "the Tracker's λ_1..6")
     top = float(torch.linalg.eigvalsh(H)[-1])
     assert abs(float(run.hessian.top("H")[0, 0]) - top) <= 1e-8 * abs(top), (run.hessian.top("H"), top)
+
+
+def test_an_unused_parameter_is_said_to_be_unused():
+    """A parameter registered on the model and never read was "a parameter of the model itself, used by
+    its own forward"; its kernel columns are zero, as the Gram finds."""
+
+    class Spare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = nn.Parameter(torch.randn(3, 4))
+            self.spare = nn.Parameter(torch.randn(5))
+
+        def forward(self, x):
+            return (x @ self.W).sum(1)
+
+    m, X = Spare().double(), torch.randn(6, 3, dtype=torch.float64)
+    routes = explain_method(m, X)[1]
+    assert "used by its own forward" in routes["W"][1], routes
+    assert "'spare' is not used by the probe's forward" in routes["spare"][1], routes
+    assert_close_rel(gram(m, X, dtype=torch.float64), dense_ntk(m, X), 1e-12, "gram with an unused parameter")

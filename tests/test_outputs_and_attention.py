@@ -448,6 +448,11 @@ def test_tracker_measures_the_selected_output(tmp_path, kind):
         assert_close_rel(torch.as_tensor(np.asarray(run.g["hessian_top"][i, 0])), Hr, 1e-8, f"H at t={t}")
     with pytest.raises(ShapeError, match=r"returns a dict with keys \['hidden', 'logits'\], not a tensor"):
         Tracker(str(tmp_path / "u.zarr"), "u", MultiOut("dict"), X, y, steps=3)
+    from nsa_dist.ntk import explain_method
+
+    # explain_method as gram (it raised "AttributeError: 'dict' object has no attribute 'ndim'")
+    with pytest.raises(ShapeError, match=r"returns a dict with keys \['hidden', 'logits'\], not a tensor"):
+        explain_method(MultiOut("dict"), X)
 
 
 def test_a_spec_factory_model_with_an_output_key_is_exact(tmp_path):

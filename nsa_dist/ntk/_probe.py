@@ -896,7 +896,7 @@ def _plan_layers(
         layers.append(FastLayer(mname, m, local, factored, clone))
     for n in params:
         if n not in routes:
-            routes[n] = _unowned(model, n, *owner[id(params[n])])
+            routes[n] = _unowned(model, n, *owner[id(params[n])], used=uses.get(id(params[n]), 0) > 0)
     order = list(params)
     generic = tuple(n for n in order if routes[n][0] == Route.JACOBIAN)
     return ForwardPlan(False, tuple(layers), generic, {n: routes[n] for n in order})
@@ -919,8 +919,9 @@ def _sample_axis(m: nn.Module, c: _Call, attention: bool, b: int, label: str) ->
     return None
 
 
-def _unowned(model: nn.Module, name: str, mname: str, m: nn.Module, pname: str) -> tuple[str, str]:
-    """The route and reason of a parameter outside every candidate layer."""
+def _unowned(model: nn.Module, name: str, mname: str, m: nn.Module, pname: str, used: bool = True) -> tuple[str, str]:
+    """The route and reason of a parameter outside every candidate layer (``used``: the probe's
+    forward reached it)."""
     if ".parametrizations." in f".{name}":
         layer = f".{name}".split(".parametrizations.")[0][1:]
         host = model.get_submodule(layer)
@@ -928,6 +929,8 @@ def _unowned(model: nn.Module, name: str, mname: str, m: nn.Module, pname: str) 
             f"{READS}: {_kind(host)} {layer!r}: its weight is computed by a parametrization "
             "(torch.nn.utils.parametrize)"
         )
+    if not used:  # registered, never read (its Jacobian columns are zero): "used by its own forward" was said
+        return Route.JACOBIAN, f"{KNOWN}: {name!r} is not used by the probe's forward (its gradient is zero there)"
     if not mname:
         return Route.JACOBIAN, f"{KNOWN}: {name!r} is a parameter of the model itself, used by its own forward"
     return Route.JACOBIAN, f"{KNOWN}: {type(m).__name__} ({mname!r}) has no per-layer formula"

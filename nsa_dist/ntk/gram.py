@@ -98,6 +98,8 @@ def resolve_route(
     x = prepare_inputs(model, x, "x", None)
     with blame(model):
         refuse_state_writes(model, leading(model, x))  # as gram: a route of a forward that changes state is not one
+    with preserved(model), blame(model):
+        output_dim(model, x)  # as gram: a dict or tuple output without `output=` is named, with its keys
     plan = _plan(model, x)
     return NTKRoute.of(_choose(plan, m), plan, m, model)
 
