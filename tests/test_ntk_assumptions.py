@@ -917,3 +917,15 @@ def test_an_unused_parameter_is_said_to_be_unused():
     assert "used by its own forward" in routes["W"][1], routes
     assert "'spare' is not used by the probe's forward" in routes["spare"][1], routes
     assert_close_rel(gram(m, X, dtype=torch.float64), dense_ntk(m, X), 1e-12, "gram with an unused parameter")
+
+
+def test_an_output_near_zero_is_not_taken_for_a_batch_decision():
+    """Point 7's float32 output is 2.6e-08 in the batch and 4.1e-08 alone (rounding of a batched against
+    a one-row matmul): compared to its own size that is a coupling; to the outputs' scale (0.59) it is
+    rounding — the fast route stays."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+    X = torch.randn(200, 16)
+    with torch.no_grad():
+        m[-1].bias -= m(X[7:8])[0]  # f(x_7) ≈ 0 by cancellation
+    assert explain_method(m, X)[0].value == "structured", explain_method(m, X)[1]["0.weight"]
