@@ -236,12 +236,13 @@ def gram(
         parse_enum(NTKMethod, method, "method")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    given = model  # said once per model given: a dtype's cast copy is a new object at every call
     model, x1, x2, K = _setup(model, x1, x2, dtype, output)
     if out is not None:
         _check_out(out, model, x1, x2, K, full)
     with preserved(model):
         plan, m = route_of(model, x1, method)
-        if m is NTKMethod.BATCH and _first_time(model):
+        if m is NTKMethod.BATCH and _first_time(given):
             # the route's reason already reads "the model couples samples (…): the kernel of the batch forward"
             _log.info("%s, computed exactly (full-batch Jacobian)", next(iter(plan.routes.values()))[1])
         try:
