@@ -188,3 +188,27 @@ def test_a_factory_deciding_over_its_whole_batch_stores_the_batch_forwards_spect
     want = np.linalg.eigvalsh((J @ J.T).numpy())[::-1][:8]
     got = np.asarray(run.eigenvalues[0], np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9 * want[0], err_msg="λ_i of G_0 (float32 data)")
+
+
+def test_a_run_compares_every_point_alone_with_the_whole_batch_not_the_first_64(tmp_path):
+    """A run's probe took the first 64 points only: with the one raw point at index 250, those decide
+    alike alone and together, and the run stored the per-sample kernel of a batch that rescales."""
+    from user_models import auto_scale
+
+    from nsa_dist import Tracker
+
+    torch.manual_seed(0)
+    model = auto_scale(d=4, width=8, threshold=1.0).double()
+    X = torch.rand(300, 4, dtype=torch.float64)
+    X[250] *= 255
+    y = torch.randn(300, dtype=torch.float64)
+    url = str(tmp_path / "s.zarr")
+    with Tracker(url, "late", model, X, y, steps=1, spectrum={"k": 4, "images": []}) as tr:
+        tr.record(0, lr=0.1)
+    run = Client(url).run("late")
+    assert "point 0's outputs alone differ" in run.attrs["ntk_paths"]["routes"]["body.0.weight"], run.attrs
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    J = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (X,)))(params)
+    J = torch.cat([j.reshape(300, -1) for j in J.values()], dim=1)
+    want = np.linalg.eigvalsh((J @ J.T).numpy())[::-1][:4]
+    np.testing.assert_allclose(run.eigenvalues[0], want, rtol=1e-9, err_msg="λ_1..4 of the batch forward's G")

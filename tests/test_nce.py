@@ -101,6 +101,10 @@ def test_nce_run_first_order_and_test_loss(tmp_path) -> None:
         G = J @ J.T
         want = yc @ G @ yc / (np.linalg.norm(G) * (yc @ yc))
         assert run.alignment["raw"][i] == pytest.approx(want, rel=1e-4), (t, run.alignment["raw"][i], want)
+        H = np.eye(len(yc)) - 1.0 / len(yc)  # the centred one: H G H against ȳ (centring twice moved it)
+        want_c = yc @ G @ yc / (np.linalg.norm(H @ G @ H) * (yc @ yc))
+        got_c = run.alignment["centered"][i]
+        assert got_c == pytest.approx(want_c, rel=1e-4), (t, got_c, want_c)
         # the energies of the residual are of the NCE derivative
         np.testing.assert_allclose(
             run.energy("residual")[i, -1], np.sum((run.eigenvectors(int(t)).T @ m) ** 2) / (m @ m), rtol=1e-4

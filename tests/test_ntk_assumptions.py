@@ -929,3 +929,28 @@ def test_an_output_near_zero_is_not_taken_for_a_batch_decision():
     with torch.no_grad():
         m[-1].bias -= m(X[7:8])[0]  # f(x_7) ≈ 0 by cancellation
     assert explain_method(m, X)[0].value == "structured", explain_method(m, X)[1]["0.weight"]
+
+
+def test_a_broken_forward_is_named_as_it_is_not_as_a_coupling():
+    """A forward that fails with grad only (``h.numpy()``) ran again without grad on the whole batch and
+    was called "fails on the 4 probe points and runs on the batch of all 40 points only"; a forward
+    broken on every input is named on two points, not after a forward of every point."""
+    from nsa_dist.errors import ModelForwardError
+
+    class Numpy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return torch.as_tensor(h.numpy()).sum(1) + h.sum(1)
+
+    X = torch.randn(40, 3)
+    with pytest.raises((RuntimeError, ModelForwardError), match="numpy") as e:
+        explain_method(Numpy(), X)
+    assert "couples samples" not in str(e.value), str(e.value)
+
+    broken = nn.Sequential(nn.Linear(5, 4), nn.Linear(3, 1))  # 4 features into a layer that takes 3
+    with pytest.raises(ModelForwardError, match=r"\(2x4 and 3x1\)"):
+        gram(broken, torch.randn(400, 5))

@@ -317,56 +317,99 @@ _WHOLE_BYTES = 256 * 2**20  # the largest whole-batch forward the check runs (a 
 
 
 def _whole_batch_differs(model: nn.Module, x: torch.Tensor) -> str | None:
-    """Why the outputs of every point forwarded alone differ from its outputs in the one batch of all
-    the points (None: they do not, or there are too few points to tell more than the probe did).
+    """Why the outputs of a point forwarded alone differ from its outputs in the one batch of all the
+    points (None: they do not, or there are too few points to tell more than the probe did).
 
     The probe's batches (four points, their halves, point 0, the first 64) all hold the probe points,
     so a forward that decides something over its whole batch — ``if x.max() > 1: x = x / 255``,
     ``if x.sum() > 0`` — decides alike on every one of them, and the per-sample routes then ran each
     point alone, where it decides otherwise (a Gram 0.35 off, an `nsa run`'s λ_max 80× off, nothing
-    said).  The kernel is the one batch's: each point alone must give its outputs in it.  A batch
-    whose forward would pass ``_WHOLE_BYTES`` (the first two points' module outputs, scaled) is
-    checked on its first points that fit.  With grad, as the Gram's own passes run."""
+    said).  The kernel is the one batch's: each point alone must give its outputs in it, to the
+    outputs' scale (as the halves are compared).  A batch whose forward would keep more than
+    ``_WHOLE_BYTES`` (measured on two points: the module outputs and the tensors autograd saves) is
+    checked on its first points that fit; a forward vmap cannot batch goes one point at a time, over
+    at most ``_ONE_BY_ONE`` points spread over the batch.  With grad, as the Gram's own passes run."""
     n = x.shape[0]
     if n <= _PROBE_POINTS:
         return None
     try:
-        per_point = _output_bytes(model, x[:2]) / 2
+        per_point = _kept_bytes(model, x[:2]) / 2
     except Exception:  # noqa: BLE001 — a forward that runs on no fewer: the others say what it does
         return None
     m = n if per_point * n <= _WHOLE_BYTES else max(_SCAN, int(_WHOLE_BYTES // max(per_point, 1.0)))
     pts = x[: min(n, m)].clone()
+    what = f"the batch of all {n} points" if pts.shape[0] == n else f"a batch of the first {pts.shape[0]} points"
     with torch.enable_grad():
         try:
             batch = as_2d(model(pts), pts.shape[0]).detach()
+        except _OUT_OF_MEMORY:
+            raise
         except Exception as e:  # noqa: BLE001 — a forward that cannot run on the whole batch
-            return f"its forward fails on the batch of all {pts.shape[0]} points ({type(e).__name__})"
+            return f"its forward fails on {what} ({type(e).__name__})"
         try:
-            alone = _one_at_a_time(model, pts)
+            i = _first_apart(model, pts, batch)
+        except _OUT_OF_MEMORY:
+            raise
         except Exception:  # noqa: BLE001 — no per-sample route can run it either: that one fails loudly
             return None
-    if alone.shape == batch.shape and _close(batch, alone):  # to the whole output's scale, as the halves
-        return None  # (a row's own: float32 rounding of an output near 0 by cancellation would count)
-    i = 0
-    if alone.shape == batch.shape:  # the first point off by more than _close allows
-        scale = float(torch.maximum(batch.abs().max(), alone.abs().max()))
-        tol = (1e-9 if batch.dtype == torch.float64 else 1e-4) * scale
-        i = int(((batch - alone).abs().reshape(batch.shape[0], -1).amax(1) > tol).nonzero()[0, 0])
+    if i is None:
+        return None
     return (
-        f"point {i}'s outputs alone differ from its outputs in the batch of all {pts.shape[0]} points "
+        f"point {i}'s outputs alone differ from its outputs in {what} "
         "(the forward decides something over its whole batch, e.g. `if x.max() > 1`)"
     )
 
 
-def _output_bytes(model: nn.Module, x: torch.Tensor) -> float:
-    """The bytes of the input and every tensor the modules of ``model`` return on the points ``x``
-    (what a forward with grad keeps, about)."""
+_OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)  # the machine's limit, not the model's coupling
+_ONE_BY_ONE = 1024  # points the one-at-a-time fallback forwards (about 0.1 ms each for a small net)
+
+
+def _first_apart(model: nn.Module, x: torch.Tensor, batch: torch.Tensor) -> int | None:
+    """The first point whose outputs alone differ from its row of ``batch`` by more than :func:`_close`
+    allows (the tolerance of the whole output's scale: to a row's own, float32 rounding of an output
+    near 0 by cancellation — 2.6e-08 in the batch, 4.1e-08 alone — would count); None: none does.
+    Vmapped over single-point batches, else one point at a time (a forward branching on its batch's
+    values raises under vmap) over at most ``_ONE_BY_ONE`` points spread over x, stopping at the
+    first that differs."""
+    n = batch.shape[0]
+    scale = float(batch.abs().max()) if batch.numel() else 0.0
+    tol = (1e-9 if batch.dtype == torch.float64 else 1e-4) * scale
+
+    def apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape != b.shape or bool(((a - b).abs() > tol).any())
+
+    try:
+        alone = torch.func.vmap(lambda xi: as_2d(model(xi[None]), 1)[0], randomness="error")(x)
+        alone = alone.reshape(n, -1).detach()
+    except _OUT_OF_MEMORY:
+        raise
+    except Exception:  # noqa: BLE001 — one forward per point
+        alone = None
+    if alone is not None:
+        if alone.shape != batch.shape:
+            return 0
+        off = ((alone - batch).abs().reshape(n, -1) > tol).any(1).nonzero()
+        return int(off[0, 0]) if len(off) else None
+    for i in torch.linspace(0, n - 1, min(n, _ONE_BY_ONE)).round().long().unique().tolist():
+        if apart(as_2d(model(x[i : i + 1]), 1).detach()[0], batch[i]):
+            return int(i)
+    return None
+
+
+def _kept_bytes(model: nn.Module, x: torch.Tensor) -> float:
+    """The bytes a forward with grad keeps on the points ``x``, about: its input, every tensor the
+    modules return and every tensor autograd saves for the backward pass (a forward on raw parameters,
+    ``tanh(x @ W1) @ W2``, has no module outputs to count)."""
     big = [float(x.numel() * x.element_size())]
+
+    def count(t):
+        if isinstance(t, torch.Tensor):
+            big.append(float(t.numel() * t.element_size()))
+        return t
 
     def hook(_m, _i, out):
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                big.append(float(t.numel() * t.element_size()))
+            count(t)
 
     handles = []
     for m in model.modules():
@@ -375,23 +418,12 @@ def _output_bytes(model: nn.Module, x: torch.Tensor) -> float:
         except RuntimeError:  # a TorchScript module takes no hooks: its input and the others' outputs count
             pass
     try:
-        with torch.no_grad():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
             model(x.clone())
     finally:
         for h in handles:
             h.remove()
     return sum(big)
-
-
-def _one_at_a_time(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """(n, K): each point's outputs forwarded alone — vmapped over single-point batches, or one by one
-    where vmap has no rule (a forward branching on its batch's values raises under vmap)."""
-    n = x.shape[0]
-    try:
-        out = torch.func.vmap(lambda xi: as_2d(model(xi[None]), 1)[0], randomness="error")(x)
-        return out.reshape(n, -1).detach()
-    except Exception:  # noqa: BLE001 — one forward per point
-        return torch.cat([as_2d(model(x[i : i + 1]), 1).detach() for i in range(n)])
 
 
 def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
@@ -439,10 +471,17 @@ def _only_whole(model: nn.Module, x: torch.Tensor, xs: torch.Tensor, e: Exceptio
     """Why a model whose forward failed on the probe points (``e``) couples samples: it runs on the
     batch of all the points only (a transductive GCN over their fixed graph: Â relu(Â X W₁) W₂); else
     ``e`` again."""
-    if x.shape[0] <= xs.shape[0] or isinstance(e, (UnsupportedModelError, NonFiniteError)):
+    if x.shape[0] <= xs.shape[0] or isinstance(e, (UnsupportedModelError, NonFiniteError, *_OUT_OF_MEMORY)):
+        raise e
+    try:  # a failure of the probe's with-grad forward that a no-grad one of the same points has not
+        with torch.no_grad():  # is not about the batch (`h.numpy()` in the forward): the probe's error stands
+            model(xs.clone())
+    except Exception:  # noqa: BLE001 — the probe points fail either way: does the whole batch run?
+        pass
+    else:
         raise e
     try:
-        with torch.no_grad():
+        with torch.enable_grad():  # as the probe ran
             model(x.clone())
     except Exception:  # noqa: BLE001 — it fails on the whole batch too: the probe's error stands
         raise e from None

@@ -14,7 +14,7 @@ from torch.nn.utils import parametrize
 from nsa_dist._checks import check_finite
 from nsa_dist.errors import ShapeError
 from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
-from nsa_dist.ntk.state import cast_copy
+from nsa_dist.ntk.state import cast_copy, forwarded_few
 
 # Feature memory rule shared by the NTK paths: per-sample gradients / Jacobians of all points are
 # held in memory while they fit in this many bytes; past it they are split into groups of columns
@@ -136,15 +136,8 @@ def _parametrizations_uncached() -> Iterator[None]:
 
 def output_dim(model: nn.Module, x: torch.Tensor) -> int:
     """K of a model mapping (n, …) → (n,) [K=1] or (n, K); else a ShapeError naming the shape."""
-    few = x[:2]
     with torch.no_grad():
-        try:
-            out = model(few.clone())  # a copy: a forward may write into its input
-        except Exception:
-            if x.shape[0] <= 2:
-                raise
-            few = x  # a forward that runs on all the points only (a transductive model over their graph)
-            out = model(few.clone())
+        few, out = forwarded_few(lambda p: model(p.clone()), x)  # a copy: a forward may write into its input
     n = few.shape[0]
     if not isinstance(out, torch.Tensor):
         raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")

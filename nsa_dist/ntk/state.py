@@ -14,7 +14,7 @@ import collections
 import contextlib
 import copy
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -324,6 +324,27 @@ def batch_stat_modules(model: nn.Module) -> list[str]:
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
+WHOLE_INPUT_BYTES = 64 * 2**20  # the largest batch of inputs a check forward falls back to
+
+
+def forwarded_few(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, n: int = 2) -> tuple[torch.Tensor, Any]:
+    """``(points, forward(points))`` for the first ``n`` points of x; where the forward fails on them,
+    for all of x — a transductive model over a fixed graph of all the points (a GCN's Â X W) runs on
+    no fewer — when its inputs take at most ``WHOLE_INPUT_BYTES`` and the whole batch runs; otherwise
+    the first failure is raised, as it was (a forward broken on every input is named on two points,
+    not after a forward of every point)."""
+    few = x[:n]
+    try:
+        return few, forward(few)
+    except Exception as e:
+        if x.shape[0] <= n or x.numel() * x.element_size() > WHOLE_INPUT_BYTES:
+            raise
+        try:
+            return x, forward(x)
+        except Exception:  # noqa: BLE001 — broken on the whole batch too: the first failure stands
+            raise e from None
+
+
 def leading(model: nn.Module, x: torch.Tensor, n: int = 2) -> torch.Tensor:
     """The first ``n`` points of x for a cheap check forward, or all of x when the forward runs on no
     fewer (a transductive model over a fixed graph of all the points — a GCN's Â X W — whose every
@@ -333,10 +354,9 @@ def leading(model: nn.Module, x: torch.Tensor, n: int = 2) -> torch.Tensor:
         return x
     try:
         with preserved(model), torch.no_grad():
-            model(x[:n].clone())
-    except Exception:  # noqa: BLE001 — the checks then forward the whole batch (a failure there is theirs)
-        return x
-    return x[:n]
+            return forwarded_few(lambda p: model(p.clone()), x, n)[0]
+    except Exception:  # noqa: BLE001 — broken either way: the checks' own forward of n points names it
+        return x[:n]
 
 
 def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:

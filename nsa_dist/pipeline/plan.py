@@ -351,9 +351,11 @@ def plan_run(
     N, M = data.n, int(np.asarray(data.X_test).shape[0])
     P = sum(p.numel() for p in model.parameters())
     record = tuple(spec.record_steps())
-    # the probe takes the first distinct points among these (repeated points hide a coupling)
+    # the probe takes the first distinct points among the first 64 (repeated points hide a coupling), and
+    # compares every point alone with the batch of all of them (a decision over the whole batch)
     X4 = model_inputs(np.asarray(data.X[:64]), model)  # on the network's device, as it is
-    route = resolve_route(model, X4, spec.spectrum.ntk_method)  # the run's one probe of the forward pass
+    X_all = model_inputs(np.asarray(data.X), model)
+    route = resolve_route(model, X_all, spec.spectrum.ntk_method)  # the run's one probe of the forward pass
     coupled = next(iter(route.routes.values()))[1] if route.method is NTKMethod.BATCH else None
     width = 0 if coupled else feature_width(model, X4[:2], route)
     layout = choose_layout(spec, N, width, coupled, in_process=gang_in_process)

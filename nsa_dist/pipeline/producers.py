@@ -287,13 +287,14 @@ def kernel_alignment(ctx: StepContext) -> dict[str, Any]:
     constant carried 0.81 of a run's alignment against 0.12 of the centred one)."""
     y, GY, G1 = ctx.run.y, ctx.GP[:, : ctx.C], ctx.GP[:, ctx.C]
     fro2, fro2_se = ctx.sq_frobenius
+    yp, GYp = y, GY  # the plain alignment's; the centred one centres y and G·y itself
     if is_nce(ctx.run.spec):
         Y = np.asarray(y, np.float64).reshape(len(y), -1)
         ybar = Y.mean(axis=0)
-        GY = np.asarray(GY, np.float64).reshape(Y.shape) - np.asarray(G1, np.float64).reshape(-1, 1) * ybar
-        y = Y - ybar
+        GYp = np.asarray(GY, np.float64).reshape(Y.shape) - np.asarray(G1, np.float64).reshape(-1, 1) * ybar
+        yp = Y - ybar
     return {
-        "alignment": ctx.notes.guard(("alignment",), alignment_from_products, y, GY, fro2),
+        "alignment": ctx.notes.guard(("alignment",), alignment_from_products, yp, GYp, fro2),
         "alignment_centered": ctx.notes.guard(("alignment_centered",), _centered_alignment, ctx, GY, G1, fro2, fro2_se),
     }
 

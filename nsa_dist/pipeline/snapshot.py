@@ -23,6 +23,7 @@ from nsa_dist.errors import NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss
 from nsa_dist.models import OutputSelector, SelectedOutput, measured_module, not_a_tensor, single_column
 from nsa_dist.ntk import attributes_restored, preserved, sample_coupling
+from nsa_dist.ntk.state import forwarded_few
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.model_state import ModelState, model_inputs, theta_vector
 from nsa_dist.pipeline.plan import TRACKED_RNG_BYTES
@@ -149,15 +150,9 @@ def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> 
     for nm, a in (("X", X), ("y", y)):
         if not torch.isfinite(a.double()).all():
             raise NonFiniteError(f"{nm} holds NaN or inf")
-    few = X[:2]
     with torch.no_grad(), preserved(model), attributes_restored(model):
-        try:
-            out = model(model_inputs(few, model))
-        except Exception:
-            if X.shape[0] <= 2:
-                raise
-            few = X  # a forward that runs on all the points only (a transductive model over their graph)
-            out = model(model_inputs(few, model))
+        # two points, or all of them for a forward that runs on no fewer (a transductive model over their graph)
+        few, out = forwarded_few(lambda p: model(model_inputs(p, model)), X)
     n = few.shape[0]
     if not isinstance(out, torch.Tensor):
         raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
