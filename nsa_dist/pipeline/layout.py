@@ -524,7 +524,8 @@ def choose_layout(
         if layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
             raise ValueError(
                 f"spectrum.layout={layout.value!r} splits the points over workers, but {why}: its kernel is "
-                "that of the whole batch's forward; use layout 'local' (or put batch norm in eval mode)"
+                "that of the whole batch's forward; use layout 'local'"
+                + (" (or put batch norm in eval mode)" if "batch statistics" in why else "")
             )
         return LayoutChoice(Layout.LOCAL, f"{why}: the whole batch on one worker")
     if layout is not Layout.AUTO:
