@@ -212,3 +212,19 @@ def test_a_run_compares_every_point_alone_with_the_whole_batch_not_the_first_64(
     J = torch.cat([j.reshape(300, -1) for j in J.values()], dim=1)
     want = np.linalg.eigvalsh((J @ J.T).numpy())[::-1][:4]
     np.testing.assert_allclose(run.eigenvalues[0], want, rtol=1e-9, err_msg="λ_1..4 of the batch forward's G")
+
+
+def test_a_sweeps_refused_run_is_named(tmp_path):
+    """A sweep whose grid puts a coupling model on a distributed layout was refused without saying which
+    of its runs (it names the run now; nothing is started)."""
+    from nsa_dist.pipeline.session import RunSession
+
+    base = dict(data={"n": 32}, steps=1, record={"every": 1}, spectrum={"k": 4, "images": []})
+    ok = ExperimentSpec(name="mlp", model={"factory": "user_models:column_mlp"}, **base)
+    bad = ExperimentSpec(
+        name="auto_rows",
+        model={"factory": "user_models:auto_scale"},
+        **{**base, "spectrum": {**base["spectrum"], "layout": "block_rows", "workers": 2}},
+    )
+    with pytest.raises(ValueError, match=r"^run 'auto_rows': spectrum.layout='block_rows' splits the points"):
+        RunSession.open_all([ok, bad], SpectrumStore(str(tmp_path / "s.zarr")))

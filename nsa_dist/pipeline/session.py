@@ -207,7 +207,15 @@ class RunSession:
         keys = [run_id(s) for s in specs]
         lease = store.lease(list(dict.fromkeys(keys)), wait=wait).acquire()
         try:
-            sessions = [cls.open(spec, store, token=lease.token, key=k) for spec, k in zip(specs, keys)]
+            sessions = []
+            for spec, k in zip(specs, keys):
+                try:
+                    sessions.append(cls.open(spec, store, token=lease.token, key=k))
+                except ValueError as exc:
+                    if type(exc) is not ValueError or len(specs) == 1:
+                        raise
+                    # a refusal of one grid run's spec (a distributed layout for a coupling model): which run
+                    raise ValueError(f"run {spec.name!r}: {exc}") from exc
             for s in sessions:  # the driver trains none of them: no network per run held for the sweep
                 s.prepared.materials.drop_network()
             return lease, sessions
