@@ -477,7 +477,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.store,
             on_step=progress.on_step,
             on_update=progress.on_update,
-            on_prepared=_print_prepared,
+            on_prepared=progress.prepared,
             wait=_wait_seconds(args.wait),
             key=rid,  # the run id is computed once per command
         )
@@ -534,17 +534,24 @@ def _print_prepared(run) -> None:
 
 
 class _LogProgress:
-    """Plain log lines: one per recorded step."""
+    """Plain log lines: one per recorded step.  The run's line comes once it is prepared (its data
+    loaded, its layout chosen): a refusal before that is the only line, not one after "N steps"."""
 
     def __init__(self, total: int, rid: str) -> None:
         self.total, self.rid, self.t0 = total, rid, time.perf_counter()
 
     def __enter__(self) -> _LogProgress:
-        print(f"[nsa] run {self.rid}: {self.total} steps", flush=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+    def prepared(self, run) -> None:
+        self.start()
+        _print_prepared(run)
+
+    def start(self) -> None:
+        print(f"[nsa] run {self.rid}: {self.total} steps", flush=True)
 
     def on_update(self, step: int, loss: float) -> None:
         pass
@@ -560,7 +567,9 @@ class _LogProgress:
 class _RichProgress(_LogProgress):
     """A rich progress bar over training steps showing loss and λ_max."""
 
-    def __enter__(self) -> _RichProgress:
+    bar = None
+
+    def start(self) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(
@@ -572,10 +581,10 @@ class _RichProgress(_LogProgress):
         )
         self.bar.__enter__()
         self.task = self.bar.add_task(self.rid, total=self.total, loss="-", lam="-")
-        return self
 
     def __exit__(self, *exc: object) -> None:
-        self.bar.__exit__(*exc)
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
 
     def on_update(self, step: int, loss: float) -> None:
         self.bar.update(self.task, completed=step, loss=f"{loss:.4g}")

@@ -517,3 +517,14 @@ def test_submit_takes_pip_requirements_as_deploy_readme_says(tmp_path) -> None:
     assert args.pip == ["my-pkg==1.2", "other"]
     assert _parser().parse_args(["submit", "s.yaml", "--address", "http://h:8265"]).pip is None
     assert "nsa submit --pip my-pkg==1.2" in (Path(__file__).parents[1] / "deploy" / "README.md").read_text()
+
+
+def test_a_run_refused_while_it_is_prepared_prints_no_run_line_first(tmp_path, capsys):
+    """A data file the loader refuses came after "[nsa] run …: 40 steps", as if the run had started."""
+    np.save(tmp_path / "bad.npy", np.zeros((5, 5, 2)))
+    spec = tmp_path / "s.yaml"
+    data = f"data: {{name: image2d, n: 16, path: {tmp_path / 'bad.npy'}}}"
+    spec.write_text(f"name: bad\n{data}\nmodel: {{depth: 2, width: 8}}\nsteps: 2\n")
+    assert nsa(["run", str(spec), "--store", str(tmp_path / "s.zarr"), "--plain"]) == 2
+    out, err = capsys.readouterr()
+    assert "[nsa] run" not in out and "bad.npy' holds an array of shape (5, 5, 2)" in err, (out, err)
