@@ -780,6 +780,20 @@ def test_a_buffer_written_in_every_mode_is_refused_with_the_fix_for_that_mode(tr
     assert float(model.calls) == 0.0, "the probe's forwards leave the counter as it was"
 
 
+def _dense_loss_hessian(m: nn.Module, X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """∇²_θ of ½‖f(X) − Y‖²/N over the flattened parameters, by torch.func.hessian."""
+    names, theta = zip(*[(n, p.detach()) for n, p in m.named_parameters()])
+
+    def loss(flat):
+        ps, i = {}, 0
+        for n, p in zip(names, theta):
+            ps[n] = flat[i : i + p.numel()].reshape(p.shape)
+            i += p.numel()
+        return 0.5 * ((torch.func.functional_call(m, ps, (X,)) - Y) ** 2).sum() / X.shape[0]
+
+    return torch.func.hessian(loss)(torch.cat([p.reshape(-1) for p in theta]))
+
+
 class _AutoScale(nn.Module):
     """Rescales the batch when it looks like raw [0, 255] pixels: one decision over the whole batch."""
 
@@ -823,17 +837,7 @@ def test_a_decision_over_the_whole_batch_takes_the_batch_forwards_kernel(linear)
         op = ntk_operator(m, X, block_size=bs, dtype=torch.float64)
         assert_close_rel(op.matmat(torch.eye(32, dtype=torch.float64)), want, 1e-12, f"ntk_operator block {bs}")
     Y = torch.randn(32, 1, dtype=torch.float64)
-    theta = [p.detach() for p in m.parameters()]
-    names = [n for n, _ in m.named_parameters()]
-
-    def loss(flat):
-        ps, i = {}, 0
-        for n, p in zip(names, theta):
-            ps[n] = flat[i : i + p.numel()].reshape(p.shape)
-            i += p.numel()
-        return 0.5 * ((torch.func.functional_call(m, ps, (X,)) - Y) ** 2).sum() / 32
-
-    H = torch.func.hessian(loss)(torch.cat([p.reshape(-1) for p in theta]))
+    H = _dense_loss_hessian(m, X, Y)
     for bs in (None, 4):
         op = hessian_operator(m, X, Y, part="H", dtype=torch.float64, block_size=bs)
         assert_close_rel(op.matmat(torch.eye(H.shape[0], dtype=torch.float64)), H, 1e-10, f"Hessian block {bs}")
@@ -876,16 +880,7 @@ def test_a_transductive_gcn_is_measured_on_its_whole_graph(tmp_path):
     for how in ("auto", "batch"):
         assert_close_rel(gram(m, X, method=how, dtype=torch.float64), want, 1e-12, f"gram {how}")
     assert_close_rel(ntk_operator(m, X).matmat(torch.eye(24, dtype=torch.float64)), want, 1e-12, "ntk_operator")
-    names, theta = zip(*[(n, p.detach()) for n, p in m.named_parameters()])
-
-    def loss(flat):
-        ps, i = {}, 0
-        for n, p in zip(names, theta):
-            ps[n] = flat[i : i + p.numel()].reshape(p.shape)
-            i += p.numel()
-        return 0.5 * ((torch.func.functional_call(m, ps, (X,)) - y) ** 2).sum() / 24
-
-    H = torch.func.hessian(loss)(torch.cat([p.reshape(-1) for p in theta]))
+    H = _dense_loss_hessian(m, X, y)
     op = hessian_operator(m, X, y[:, None], part="H", dtype=torch.float64)
     assert_close_rel(op.matmat(torch.eye(H.shape[0], dtype=torch.float64)), H, 1e-10, "the loss Hessian")
     url = str(tmp_path / "s.zarr")

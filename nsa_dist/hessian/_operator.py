@@ -44,7 +44,6 @@ from nsa_dist.ntk.state import (  # copyable: re-exported
     call,
     copyable,
     exact_kernels,
-    leading,
     padding_rows_constant,
     renorm_copies,
     stateless,
@@ -82,7 +81,7 @@ class LossCurvatureOperator(LinearOperator):
         with blame(model, "the loss Hessian"):
             coupling = sample_coupling(model, X)
             with copyable(model):
-                model = stateless(model, leading(model, X))  # products change no buffer of the user's model
+                model = stateless(model, X)  # products change no buffer of the user's model
         if coupling is not None:  # C of the batch forward: every product over all points at once
             _log.info("the model couples samples (%s): curvature products over the whole batch", coupling)
             block_size = X.shape[0]

@@ -62,7 +62,7 @@ from nsa_dist.losses import parse_loss
 from nsa_dist.ntk import gram, preserved
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d
-from nsa_dist.ntk.state import leading, stateless
+from nsa_dist.ntk.state import stateless
 
 if TYPE_CHECKING:
     from torch import nn
@@ -278,7 +278,7 @@ def gauss_newton_eigenvalues(
     # (spectral_norm's power iteration in train mode) is refused — its loss is another function at
     # every forward; the outputs are those of a copy that writes none (the user's model is unchanged)
     with blame(model, "the loss Hessian"), copyable(model):
-        once = stateless(model, leading(model, X))
+        once = stateless(model, X)
     G = gram(model, X, kernel="full", dtype=torch.float64)  # (N, K, N, K); model: f already selected
     if loss_ is LossName.CROSS_ENTROPY:
         with preserved(once), blame(once, "the loss Hessian"), torch.no_grad():

@@ -52,7 +52,7 @@ from nsa_dist.ntk.inputs import (
     prepare_model,
     trainable_params,
 )
-from nsa_dist.ntk.state import call, exact_kernels, leading, stateless
+from nsa_dist.ntk.state import call, exact_kernels, stateless
 
 if TYPE_CHECKING:
     from torch import nn
@@ -197,7 +197,7 @@ def output_hessian_traces(
     with blame(model, _TRACES):
         coupling = sample_coupling(model, X)
         with copyable(model):
-            model = stateless(model, leading(model, X))  # train-mode batch norm: no running statistics written
+            model = stateless(model, X)  # train-mode batch norm: no running statistics written
     params = {k: p.detach() for k, p in trainable_params(model).items()}
     rest = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())

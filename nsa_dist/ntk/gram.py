@@ -28,7 +28,7 @@ from nsa_dist.ntk.inputs import (
 from nsa_dist.ntk.layer_features import per_layer_gram, per_layer_layers
 from nsa_dist.ntk.operator import NTKOperator
 from nsa_dist.ntk.route import NTKRoute
-from nsa_dist.ntk.state import leading, preserved, refuse_state_writes, stateless
+from nsa_dist.ntk.state import preserved, refuse_state_writes, stateless
 
 __all__ = ["gram", "ntk_operator", "resolve_method", "resolve_route", "explain_method", "route_of"]
 
@@ -97,7 +97,7 @@ def resolve_route(
     model = prepare_model(model, None, output)
     x = prepare_inputs(model, x, "x", None)
     with blame(model):
-        refuse_state_writes(model, leading(model, x))  # as gram: a route of a forward that changes state is not one
+        refuse_state_writes(model, x)  # as gram: a route of a forward that changes state is not one
     with preserved(model), blame(model):
         output_dim(model, x)  # as gram: a dict or tuple output without `output=` is named, with its keys
     plan = _plan(model, x)
@@ -176,7 +176,7 @@ def _setup(
     with blame(model):
         # the operators' and the Hessian's policy for every route: no in-place state (a train-mode
         # spectral_norm), no parameter registered by a forward — even where two forwards agree
-        refuse_state_writes(model, leading(model, x1))
+        refuse_state_writes(model, x1)
     with preserved(model), blame(model):
         return model, x1, x2, output_dim(model, x1)
 
@@ -294,7 +294,7 @@ def _gram(
     P = sum(p.numel() for p in trainable_params(model).values())
     block = block_size or default_block(n, K * P, x1.element_size() if x1.is_floating_point() else 4, 256e6)
     if m is NTKMethod.BATCH:
-        return batch_jacobian_gram(stateless(model, leading(model, x1)), x1, x2, K, full, block)
+        return batch_jacobian_gram(stateless(model, x1), x1, x2, K, full, block)
     return jacobian_gram(model, x1, x2, K, full, block)
 
 

@@ -19,7 +19,6 @@ from nsa_dist.ntk.state import (
     call,
     dense_gradients,
     exact_kernels,
-    leading,
     padding_rows_constant,
     renorm_copies,
     stateless,
@@ -58,7 +57,7 @@ class NTKOperator(LinearOperator):
         super().__init__(x.shape[0] * (K if full else 1), dtype, "torch", x.device)
         with blame(model):
             coupling = couples(model, x)
-            model = stateless(model, leading(model, x))  # products change no buffer of the user's model
+            model = stateless(model, x)  # products change no buffer of the user's model
         if coupling is not None:  # the kernel of the batch forward: every product over all points at once
             _log.info("the model couples samples (%s): operator products over the whole batch", coupling)
             block = x.shape[0]
@@ -242,7 +241,7 @@ def jacobian_vector_product(
         tangents[k] = dtheta[off : off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
         off += p.numel()
     with blame(model):
-        twin = stateless(model, leading(model, x))
+        twin = stateless(model, x)
         primals = renorm_copies(twin, {k: p.detach() for k, p in twin.named_parameters()})
         buffers = dict(twin.named_buffers())
         with exact_kernels(twin), dense_gradients(twin):

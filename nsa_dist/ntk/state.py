@@ -345,22 +345,9 @@ def forwarded_few(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, n: in
             raise e from None
 
 
-def leading(model: nn.Module, x: torch.Tensor, n: int = 2) -> torch.Tensor:
-    """The first ``n`` points of x for a cheap check forward, or all of x when the forward runs on no
-    fewer (a transductive model over a fixed graph of all the points — a GCN's Â X W — whose every
-    check on two points failed: "mat1 and mat2 shapes cannot be multiplied (32x32 and 2x16)").  The
-    model is left as it was."""
-    if x.shape[0] <= n:
-        return x
-    try:
-        with preserved(model), torch.no_grad():
-            return forwarded_few(lambda p: model(p.clone()), x, n)[0]
-    except Exception:  # noqa: BLE001 — broken either way: the checks' own forward of n points names it
-        return x[:n]
-
-
 def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
-    """The buffers of train-mode batch and instance norms that one forward of x writes in place
+    """The buffers of train-mode batch and instance norms that one forward of x's first two points
+    (all of x for a forward that runs on no fewer: :func:`forwarded_few`) writes in place
     (their running statistics: the outputs do not read them), after checking that it writes no
     other buffer in place and registers no parameter or buffer — the user's model is left as it was.
 
@@ -379,7 +366,8 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
     before = {name: (b, b._version) for name, b in model.named_buffers()}
     params = {name for name, _ in model.named_parameters()}
     with preserved(model), torch.no_grad():
-        model(x.clone())  # a copy: a forward may write into its input
+        # two points (all of x for a forward that runs on no fewer); a copy: a forward may write into its input
+        forwarded_few(lambda p: model(p.clone()), x)
         changed = [name for name, (b, v) in before.items() if b._version != v]
         # a buffer registered by a forward (a rotary-embedding cache built on the first call) is state the
         # forward computes, not a parameter: measured as before; a parameter is not fixed before a forward
