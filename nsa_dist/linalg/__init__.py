@@ -62,7 +62,7 @@ from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
 from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
 from nsa_dist.linalg.eigenpairs import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
-from nsa_dist.linalg.operator import LinearOperator
+from nsa_dist.linalg.operator import LinearOperator, Materialised
 from nsa_dist.linalg.quadrature import SpectralCurves, atoms_density, curve_ks, describe_width, spectral_curves
 from nsa_dist.linalg.spectrum import SpectrumRoute, StepSpectrum, step_spectrum
 
@@ -75,6 +75,7 @@ __all__ = [
     "top_eigenpairs",
     "LanczosConvergenceWarning",
     "LinearOperator",
+    "Materialised",
     "SymmetricMap",
     "as_symmetric_map",
     "SpectralCurves",

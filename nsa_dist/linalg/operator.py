@@ -16,7 +16,7 @@ import torch
 
 from nsa_dist.errors import ShapeError
 
-__all__ = ["LinearOperator"]
+__all__ = ["LinearOperator", "Materialised"]
 
 
 class LinearOperator:
@@ -98,3 +98,46 @@ class LinearOperator:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
+
+
+class Materialised(LinearOperator):
+    """A symmetric ``source`` whose products go to it until it has made ``after`` columns, then
+    formed once as a dense (n, n) matrix (n more columns, ``FORM_BLOCK`` a product): every
+    product after that is one matrix product.
+
+    For a small n — the loss Hessian of a small network — the estimates of one analysis make
+    thousands of products a few columns at a time, each a pass through the model.  Forming the
+    matrix only once the source has spent n columns bounds the columns spent by twice those of
+    either choice made in hindsight (what needs few products is never formed): the default
+    ``after`` for n > ``FORM_BLOCK``.  A matrix that forms in one product (n ≤ ``FORM_BLOCK``)
+    is formed at the first: a product's fixed cost — 4–8 ms for a small network's Hessian,
+    against 0.02–0.04 ms a column at N = 24 (benchmarks/README.md) — is what the estimates'
+    few-column products pay.  The matrix is symmetrised, ``(A + Aᵀ)/2``: the source
+    is symmetric up to the rounding of its products.  ``n_products`` counts every product
+    through this operator; ``source.n_products`` those the source made.  An error of the
+    source's products is raised as it is, and nothing is kept of a formation that failed.
+    """
+
+    FORM_BLOCK = 512
+
+    def __init__(self, source: LinearOperator, after: int | None = None) -> None:
+        n = source.shape[0]
+        super().__init__(n, source.dtype, source.native, source.device)
+        self.source, self._A = source, None
+        self.after = (0 if n <= self.FORM_BLOCK else n) if after is None else after
+
+    @property
+    def formed(self) -> bool:
+        """Whether the dense matrix has been formed."""
+        return self._A is not None
+
+    def _matmat(self, V: Any) -> Any:
+        if self._A is None and self.source.n_products + V.shape[1] <= self.after:
+            return self.source.matmat(V)
+        if self._A is None:
+            A = self.source.to_dense(self.FORM_BLOCK)
+            self._A = (A + A.T) / 2
+        return self._A @ V
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.source!r})"

@@ -25,6 +25,7 @@ from nsa_dist.hessian import (
     slq_density,
     trace_S_from_G,
 )
+from nsa_dist.linalg import Materialised
 from nsa_dist.losses import parse_loss, residual as loss_gradient
 from nsa_dist.ntk import preserved
 from nsa_dist.ntk.inputs import as_2d, prepare_model
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 __all__ = ["GramKnowledge", "HessianAnalysis", "hessian_loss", "limit_reason"]
 
 PARTS = ("H", "I", "S")
+# H, I and S of at most this many parameters are formed as dense matrices (P columns each) once
+# each has made P products, and the estimates multiply those after it (linalg.Materialised):
+# ≤ 3 × 2048² float64 held, 96 MB (benchmarks/README.md, "The Hessian step of a small network")
+DENSE_P = 2048
 
 
 def hessian_loss(spec: ExperimentSpec) -> LossName:
@@ -89,7 +94,9 @@ class GramKnowledge:
 class HessianAnalysis:
     """Computes the Hessian quantities the spec asks for at its analysed recorded steps.
 
-    Everything is matrix-free (Hessian-vector products with torch.func, float64): moments by
+    Everything is matrix-free (Hessian-vector products with torch.func, float64) but for a small
+    network (P ≤ ``DENSE_P``), whose H, I, S are formed once as dense matrices and multiplied
+    after that (``linalg.Materialised``: the same estimates, to rounding): moments by
     Hutch++ with standard errors plus exact Tr(I^k) from the NTK Gram, orthogonality of I and S,
     the Fig. 3 Rayleigh quotients, top eigenvalues by Lanczos, and the SLQ density of H.
     """
@@ -225,6 +232,9 @@ class HessianAnalysis:
         if ops is None:
             H, I, S = hessian_parts(model, self.X, self.y, loss=self.loss, block_size=h.block_size, dtype=torch.float64)
             ops = {"H": H, "I": I, "S": S}
+        made = ops  # the products the step spends are those of these operators
+        if ops["H"].shape[0] <= DENSE_P:
+            ops = {p: Materialised(op) for p, op in ops.items()}
         H, I, S = ops["H"], ops["I"], ops["S"]
         m64 = prepare_model(model, torch.float64)
         X64 = self.X.to(torch.float64) if self.X.is_floating_point() else self.X  # token ids stay integers
@@ -304,5 +314,5 @@ class HessianAnalysis:
         part(("hessian_rayleigh", "hessian_rayleigh_evals"), rayleigh)
         part(("hessian_top", "hessian_S_op"), top)
         part(("hessian_density_grid", "hessian_density"), density)
-        out["hessian_products"] = sum(op.n_products for op in ops.values())
+        out["hessian_products"] = sum(op.n_products for op in made.values())
         return HessianStep(**out)
