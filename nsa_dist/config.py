@@ -374,6 +374,19 @@ class DataSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _arrays_are_a_trackers(self, info: ValidationInfo) -> DataSpec:
+        """``name: arrays`` names the arrays handed to a Tracker in memory (its ``path`` their
+        digest, ``sha1:…``): no spec can load them, and a file named there would not be read."""
+        digest = str(self.path or "").startswith("sha1:")
+        if DataName(self.name) is DataName.ARRAYS and not _stored(info) and not digest:
+            raise ValueError(
+                "data.name='arrays' is what a Tracker calls the arrays handed to it in memory; a spec cannot "
+                "load data by it (a path there would not be read): record your own arrays (.npz, CSV, …) "
+                "with nsa_dist.Tracker, or name built-in data (image2d, mnist, cifar10, …) with its path"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _density_noise(self, info: ValidationInfo) -> DataSpec:
         if DataName(self.name) is DataName.DENSITY2D and self.noise == "gaussian" and not _stored(info):
             raise ValueError(

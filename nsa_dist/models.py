@@ -6,7 +6,7 @@ import logging
 import math
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "describe_output",
     "measured_module",
     "not_a_tensor",
+    "user_named_modules",
     "resolve_factory",
     "select_output",
 ]
@@ -460,6 +461,14 @@ class SelectedOutput(nn.Module):
 
     def extra_repr(self) -> str:
         return f"output={_selector_name(self.output)}"
+
+
+def user_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``named_modules()`` of the module the user wrote: through the :class:`SelectedOutput` wrappers
+    the measurements put around it, so that a message names ``'2'``, not ``'model.2'``."""
+    while isinstance(model, SelectedOutput):
+        model = model.model
+    return model.named_modules()
 
 
 def single_column(out: torch.Tensor) -> torch.Tensor:

@@ -268,6 +268,42 @@ def test_a_replaced_file_changes_the_fingerprint_a_recompressed_one_does_not(tmp
     assert mnist(20, path=tmp_path / "m").fingerprint() == after
 
 
+def test_a_process_that_loads_the_data_after_it_changed_is_refused(tmp_path: Path) -> None:
+    """A gang member started after the data file changed (a replaced member of a ``block_rows``
+    run) reloaded it without a check and measured G of the new pixels against the old run's f
+    and y (λ_max 11,875 against 10,762, status done).  The plan now carries the run's
+    fingerprint, and every load from the source for it compares."""
+    import torch
+
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline.materials import RunMaterials
+    from nsa_dist.pipeline.member import SpectralShard
+    from nsa_dist.pipeline.session import RunSession
+    from nsa_dist.store import RunRefused, SpectrumStore
+
+    img, _, _, _ = mnist_dir(tmp_path / "m")
+    spec = ExperimentSpec(
+        name="fp", data={"name": "mnist", "n": 12, "path": str(tmp_path / "m")}, model={"depth": 2, "width": 4}, steps=2
+    )
+    session = RunSession.open(spec, SpectrumStore(str(tmp_path / "s.zarr")))
+    plan = session.plan
+    try:
+        assert plan.data_fingerprint == session.data.fingerprint()
+        theta = torch.nn.utils.parameters_to_vector(RunMaterials.load(plan).prototype.parameters()).detach().numpy()
+        RunMaterials.forget(plan.run_id)  # a fresh process: nothing of the run loaded yet
+        SpectralShard()._model(plan, theta)  # the same data: the member is built
+        RunMaterials.forget(plan.run_id)
+        changed = img.copy()
+        changed[:, 10:18, 10:18] = 255 - changed[:, 10:18, 10:18]
+        idx(tmp_path / "m" / "train-images-idx3-ubyte", changed)
+        opened = r"now loads as sha256:\w+, the run was opened on " + plan.data_fingerprint
+        with pytest.raises(RunRefused, match=opened):
+            SpectralShard()._model(plan, theta)
+    finally:
+        RunMaterials.forget(plan.run_id)
+        session.lease.release()
+
+
 # --------------------------------------------------------------------------- CIFAR: read right
 
 
@@ -499,12 +535,39 @@ def test_an_image_past_pils_pixel_limit_is_named_with_its_size(tmp_path: Path) -
     assert "downscale it" in str(err.value) and "DOS attack" not in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("case", ["truncated_png", "text", "directory", "one_pixel_row", "missing"])
-def test_bad_images_one_error_naming_the_file(tmp_path: Path, case: str) -> None:
+def test_a_cifar_batch_that_is_no_pickle_is_refused_before_it_is_read_whole(tmp_path: Path) -> None:
+    """A 600 MiB garbage ``data_batch_1`` was read into memory whole (868 MiB peak) before the
+    unpickler looked at its first byte."""
+    import tracemalloc
+
+    from nsa_dist.data._formats import read_pickle_batch
+
+    p = tmp_path / "data_batch_1"
+    with open(p, "wb") as f:
+        f.write(b"\xff\xfe garbage")  # no pickle opcode
+        f.truncate(64 << 20)  # 64 MiB (sparse)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"data_batch_1' is not a pickled dict with keys"):
+            read_pickle_batch(p, ("data", "labels"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB allocated to refuse a 64 MiB file that is no pickle"
+
+
+@pytest.mark.parametrize("case", ["truncated_png", "half_png", "text", "directory", "one_pixel_row", "missing"])
+def test_bad_images_one_error_naming_the_file(tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """One line naming the file; a PNG cut in half (header and EXIF read, pixels not) first warned
+    of 'an unreadable EXIF block … read as stored', then gave the truncation."""
     p = tmp_path / "im ü.png"
     Image.fromarray(np.arange(35, dtype=np.uint8).reshape(5, 7)).save(p)
     if case == "truncated_png":
         p.write_bytes(p.read_bytes()[:40])
+    elif case == "half_png":
+        noise = np.random.default_rng(0).integers(0, 256, (64, 64), dtype=np.uint8)
+        Image.fromarray(noise).save(p)
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
     elif case == "text":
         p.write_text("not an image")
     elif case == "directory":
@@ -514,9 +577,10 @@ def test_bad_images_one_error_naming_the_file(tmp_path: Path, case: str) -> None
         Image.fromarray(np.arange(7, dtype=np.uint8).reshape(1, 7)).save(p)
     else:
         p.unlink()
-    with pytest.raises((ValueError, FileNotFoundError)) as err:
+    with caplog.at_level(logging.WARNING), pytest.raises((ValueError, FileNotFoundError)) as err:
         load_image(p)
     assert str(p) in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 def test_image2d_axes_pixel_centres_and_normalisation(tmp_path: Path) -> None:

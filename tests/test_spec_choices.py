@@ -80,3 +80,17 @@ def test_a_data_setting_the_data_would_ignore_is_refused(data, said):
         name="x", data=ok, **({"loss": "nce"} if ok["name"] in ("density2d", "gaussian_mixture") else {})
     )
     ExperimentSpec.model_validate(spec.model_dump(), context={"stored": True})
+
+
+def test_arrays_name_a_trackers_data_and_no_spec_loads_them(tmp_path):
+    """``data: {name: arrays, path: my.npz}`` passed validation and trained on the bundled digits
+    (the loader's last line took every name it did not know), the file never read."""
+    from nsa_dist.data import load_dataset
+
+    for path in ("my.npz", None):
+        with pytest.raises(ValidationError, match=r"data.name='arrays' is what a Tracker calls the arrays"):
+            ExperimentSpec(name="x", data={"name": "arrays", "path": path}, model={"input_dim": 3})
+    # a Tracker's own spec (its path the arrays' digest) is valid, and read back; loading it is refused
+    tracked = ExperimentSpec(name="x", data={"name": "arrays", "path": "sha1:ab12"}, model={"input_dim": 3})
+    with pytest.raises(ValueError, match=r"a Tracker's arrays, handed to it in memory, cannot be loaded from a spec"):
+        load_dataset(tracked.data)

@@ -14,7 +14,14 @@ import torch
 from nsa_dist import Client, Tracker
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
-from nsa_dist.errors import AnalysisError, ModelForwardError, NonFiniteError, ShapeError, StoreError
+from nsa_dist.errors import (
+    AnalysisError,
+    ModelForwardError,
+    NonFiniteError,
+    ShapeError,
+    StoreError,
+    UnsupportedModelError,
+)
 from nsa_dist.models import build_model, cnn
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.store import SpectrumStore
@@ -134,7 +141,12 @@ def test_in_process_tracker_records_what_nsa_run_records(tmp_path, reference):
     _assert_same(reference, run)
     np.testing.assert_array_equal(run.g["loss_trace"][:], reference.g["loss_trace"][:])
     assert tr.max_seen_inflight <= 1
-    assert Client(url).runs()["id"].tolist() == ["eq"]
+    rows = Client(url).runs()
+    assert rows["id"].tolist() == ["eq"]
+    # the loop set the rates: the spec's placeholder schedule and optimizer settings are no column
+    # values to filter on (a tracked Adam run at lr 1e-3 was listed, and matched, as schedule.lr 0.25)
+    assert rows["schedule.lr"].isna().all() and rows["optimizer.betas"].isna().all(), rows.iloc[0].to_dict()
+    assert rows["optimizer.name"].tolist() == ["gd"] and rows["data.name"].tolist() == ["arrays"]
 
 
 def test_custom_optimizer_uses_the_jacobian_of_the_update(tmp_path, reference):
@@ -197,8 +209,26 @@ def test_clear_errors(tmp_path):
         )
     with pytest.raises(ShapeError, match="X_test, y_test"):
         Tracker(url, "e", model, data.X, data.y, np.zeros((3, 5)), np.zeros(3), **kw)
+    # test points are checked as the training points are (NaN in X_test stored NaN test spectra
+    # and a note blaming the learning rate; inf in y_test an inf test loss, without a word)
+    Xt, yt = data.X[:5].copy(), data.y[:5].copy()
+    Xt[3, 1], yt[2] = np.nan, np.inf
+    with pytest.raises(NonFiniteError, match=r"X_test holds 1 NaN/inf entries \(the first in point 3\)"):
+        Tracker(url, "e", model, data.X, data.y, Xt, data.y[:5], **kw)
+    with pytest.raises(NonFiniteError, match=r"y_test holds 1 NaN/inf entries \(the first in point 2\)"):
+        Tracker(url, "e", model, data.X, data.y, data.X[:5], yt, **kw)
+    # integer features (a uint8 pixel CSV) for a float network: torch's "mat1 and mat2 must have the same dtype"
+    pixels = (data.X * 255).astype(np.uint8)
+    with pytest.raises(TypeError, match=r"X is torch.uint8: integer inputs are kept as token ids.*pass X.float\(\)"):
+        Tracker(url, "e", model, pixels, data.y, **kw)
+    assert not SpectrumStore(url).has_run("e")
+    # a fresh module with dropout (train mode) ending in Linear(·, 1): named as the user's model names
+    # it ('2'), not through the (n, 1) → (n,) wrapper ('model.2')
+    drop = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    with pytest.raises(UnsupportedModelError, match=r"dropout in train mode: '2'\)"):
+        Tracker(url, "e", drop, data.X, data.y, **kw)
     Tracker(url, "e", model, data.X, data.y, **kw).close()
-    with pytest.raises(StoreError, match="different spec"):
+    with pytest.raises(StoreError, match=r"'e' .* was recorded from other arrays: X, y, X_test, y_test hash to sha1:"):
         Tracker(url, "e", model, data.X, data.y + 1.0, **kw)  # same name, other data
     with pytest.raises(StoreError, match="different spec"):
         Tracker(url, "e", build_model(SPEC.model.model_copy(update={"width": 8}), seed=0), data.X, data.y, **kw)
@@ -217,6 +247,19 @@ def test_nan_loss_fails_the_run_and_keeps_recorded_steps(tmp_path):
     assert run.failed_step == 12 and "loss is nan" in run.reason
     assert np.isfinite(run.g["eigenvalues"][:2]).all()
     assert np.isnan(run.g["first_order_error"][1])  # step 6's update was never seen: its first-order metrics are NaN
+    assert "step 6's update Δθ_t is not known" in run.notes[6]["first_order_error"], run.notes  # and say why
+
+
+def test_a_nan_loss_given_to_log_fails_the_run_at_its_step(tmp_path):
+    """log(7, nan) and log(8, nan) were taken silently, the failure said at the next record (step 9)."""
+    url = str(tmp_path / "t.zarr")
+    tr, model, data = _tracker(url)
+    _gd_loop(tr, model, data.X, data.y, SPEC.steps, SPEC.schedule.lr, stop=8)  # records 0 and 6
+    with pytest.raises(NonFiniteError, match=r"loss is nan at step 8; the run is marked failed, the 2 steps recorded"):
+        tr.log(8, float("nan"))
+    run = Client(url).run("eq")
+    assert run.status == "failed" and run.failed_step == 8 and run.g["done"][:2].all(), (run.status, run.failed_step)
+    assert np.isnan(run.g["loss_trace"][8]) and np.isfinite(run.g["loss_trace"][:8]).all()
 
 
 def test_image_inputs_with_a_cnn(tmp_path):
@@ -988,3 +1031,89 @@ def test_a_loop_that_reads_its_activation_cache_trains_alike_with_the_tracker(tm
 
     (plain, th0), (tracked, th1) = train(False), train(True)
     assert plain == tracked and torch.equal(th0, th1), (plain, tracked)
+
+
+def test_df_of_a_batch_norm_net_recorded_in_eval_and_trained_in_train_mode_keeps_step_ts_statistics(tmp_path):
+    """Δf_t is f(θ_{t+1}) − f(θ_t) with step t's running statistics: the training forward's update of
+    them is no change J_t Δθ_t predicts (the stored first-order error was 0.32 at step 6, against
+    0.0012 with step t's statistics)."""
+    torch.manual_seed(3)
+    X = torch.randn(24, 3)
+    y = torch.sin(X.sum(1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    url = str(tmp_path / "bn.zarr")
+    model.eval()
+    tr = Tracker(url, "bn", model, X, y, steps=7, record={"every": 3}, spectrum={"k": 4})
+    want = {}
+    for t in range(7):
+        model.eval()  # recorded in eval mode (running statistics) ...
+        if tr.due(t):
+            at_t = copy.deepcopy(model)
+            tr.record(t, lr=0.1)
+        model.train()  # ... trained in train mode (batch statistics, which move the running ones)
+        opt.zero_grad()
+        (0.5 * ((model(X).squeeze(-1) - y) ** 2).mean()).backward()
+        opt.step()
+        if t % 3 == 0:
+            with torch.no_grad():
+                f_t = at_t(X).squeeze(-1)
+                at_t.load_state_dict({**model.state_dict(), **{k: v for k, v in at_t.named_buffers()}})
+                want[t] = (at_t(X).squeeze(-1) - f_t).numpy()  # θ_{t+1} with step t's buffers
+    tr.close()
+    run = Client(url).run("bn")
+    assert run.status == "done"
+    for i, t in enumerate(run.g["steps"][:]):
+        got, ref = run.g["df"][i].astype(np.float64), want[int(t)].astype(np.float64)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 1e-5, f"step {t}: stored Δf is {err:.3g} of its size from f(θ_t+1) − f(θ_t) at step t's statistics"
+
+
+_UNCLOSED = """
+import sys, torch
+from nsa_dist import Tracker
+torch.manual_seed(0)
+X = torch.randn(32, 3)
+y = X.sum(1)
+model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+tr = Tracker(sys.argv[1], "r", model, X, y, steps=31, record={"every": 3}, spectrum={"k": 4}, max_inflight=2)
+for t in range(31):
+    L = 0.5 * ((model(X).squeeze(-1) - y) ** 2).mean()
+    if tr.due(t):
+        tr.record(t, lr=0.1, loss=L.item())
+    else:
+        tr.log(t, L.item())
+    if t == 25:
+        if sys.argv[2] == "raise":
+            raise RuntimeError("a bug in the loop")
+        break  # the script ends without close()
+    opt.zero_grad()
+    L.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "end"])
+def test_a_script_ending_without_close_keeps_every_recorded_step(tmp_path, how):
+    """No ``with``: an uncaught exception (or a script that never calls ``close()``) lost the steps in
+    flight — their analyses, run as the interpreter shut down, failed with "cannot schedule new
+    futures after shutdown" — and the pending one; 6 of 9 recorded steps were kept."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "loop.py"
+    script.write_text(_UNCLOSED)
+    url = str(tmp_path / "t.zarr")
+    out = subprocess.run([sys.executable, str(script), url, how], capture_output=True, text=True, timeout=300)
+    assert out.returncode == (1 if how == "raise" else 0), out.stderr[-2000:]
+    run = Client(url).run("r")
+    assert run.status == "interrupted" and run.g["done"][:9].all() and not run.g["done"][9:].any(), (
+        run.status,
+        run.g["done"][:],
+        out.stderr[-2000:],
+    )
+    why = "an uncaught RuntimeError (a bug in the loop)" if how == "raise" else "the process exited"
+    assert why in run.reason and "before Tracker.close()" in run.reason, run.reason

@@ -70,9 +70,15 @@ def _reference(model: nn.Module, X: torch.Tensor) -> tuple[np.ndarray, np.ndarra
 
 
 def _in_modes_of(model: nn.Module, like: nn.Module) -> nn.Module:
+    """``model``'s parameters with ``like``'s buffers and modes: θ_{t+1} as step t's network had it
+    (Δf_t is the change the parameter update makes; the running statistics the training forward
+    moved are no change J_t Δθ_t predicts)."""
     m = copy.deepcopy(model)
     for a, b in zip(m.modules(), like.modules()):
         a.training = b.training
+        for name, buf in b.named_buffers(recurse=False):
+            if getattr(a, name) is not None and getattr(a, name).shape == buf.shape:
+                getattr(a, name).copy_(buf)
     return m
 
 

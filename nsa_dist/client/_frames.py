@@ -105,7 +105,14 @@ def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
         "last_step": summary.last_step,
     }
     spec = summary.spec if isinstance(summary.spec, dict) else {}
-    return {**row, "data_fingerprint": summary.data_fingerprint, **flatten_spec(spec)}
+    flat = flatten_spec(spec)
+    if (spec.get("data") or {}).get("name") == "arrays":  # a Tracker's run: the user's loop set its rates
+        # and its optimizer's settings; the spec holds defaults there (the run's `lr` array has δ_t)
+        flat = {k: None if k.startswith(_SET_BY_THE_LOOP) and k != "optimizer.name" else v for k, v in flat.items()}
+    return {**row, "data_fingerprint": summary.data_fingerprint, **flat}
+
+
+_SET_BY_THE_LOOP = ("schedule.", "optimizer.")
 
 
 def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> pandas.DataFrame:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import io
 import math
 import pickle
 import struct
@@ -18,7 +17,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from nsa_dist.data._paths import Location, exists, file_size, join, open_binary, read_bytes, regular_file
+from nsa_dist.data._paths import Location, exists, file_size, join, open_binary, regular_file
 
 __all__ = ["find_file", "read_idx", "read_pickle_batch"]
 
@@ -250,11 +249,16 @@ def read_pickle_batch(path: Location, keys: tuple[str, ...]) -> dict[str, Any]:
             a dict, or lacks one of ``keys``.
     """
     expected = f"a pickled dict with keys {list(keys)} (the CIFAR 'python version' batch format)"
-    raw = read_bytes(path)  # opening and reading errors are the filesystem's, not the format's
-    try:
-        obj = _BatchUnpickler(io.BytesIO(raw), encoding="bytes").load()
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not this format"
-        raise ValueError(f"{str(path)!r} is not {expected} ({type(exc).__name__}: {exc})") from exc
+    # unpickled as it streams in: a file that is no pickle is refused at its first bytes, not
+    # after all of it was read (a 600 MiB one was, to 868 MiB of memory); opening and reading
+    # errors are the filesystem's, not the format's
+    with open_binary(path) as f:
+        try:
+            obj = _BatchUnpickler(f, encoding="bytes").load()
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not this format"
+            raise ValueError(f"{str(path)!r} is not {expected} ({type(exc).__name__}: {exc})") from exc
     if not isinstance(obj, dict):
         raise ValueError(f"{str(path)!r}: expected {expected}, got a pickled {type(obj).__name__}")
     batch = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}

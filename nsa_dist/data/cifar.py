@@ -140,7 +140,7 @@ def _cifar(
     pixels, labels = load_cifar_batches(
         _files(d, layout.train, layout, "training batches"), layout.label_key, layout.K, layout.name
     )
-    tr = draw(rng_train, len(labels), n, layout.name, "training images (n)")
+    tr = draw(rng_train, len(labels), n, layout.name, f"training images (n) from {str(d)!r}")
     if n_test > 0:
         pixels_t, labels_t = load_cifar_batches(
             _files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch"),
@@ -148,7 +148,7 @@ def _cifar(
             layout.K,
             layout.name,
         )
-        te = draw(rng_test, len(labels_t), n_test, layout.name, "test images (n_test)")
+        te = draw(rng_test, len(labels_t), n_test, layout.name, f"test images (n_test) from {str(d)!r}")
     else:
         pixels_t, labels_t, te = pixels, labels, np.arange(0)
     X, X_test = _features(pixels[tr], grayscale), _features(pixels_t[te], grayscale)

@@ -93,10 +93,11 @@ def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
                     f"image2d: {str(p)!r} holds {frames} frames (an animation or a multi-page file); "
                     "expected one image — save the frame you mean as its own PNG"
                 )
+            exif_error = None
             try:
                 orientation = int(im.getexif().get(_ORIENTATION, 1) or 1)
             except Exception as exc:  # noqa: BLE001 - a damaged EXIF block: the pixels are still the image
-                log.warning("image2d: %r has an unreadable EXIF block (%s); read as stored, not turned", str(p), exc)
+                exif_error = exc  # said once the pixels decode (a truncated file's own error comes first)
             # transparency the conversions below (or the decoder, for a PNG's tRNS colour key on
             # an L / RGB image) drop: only counted (_say_alpha), so its orientation does not matter
             if im.mode in ("LA", "La", "PA") or (im.mode in ("P", "L", "RGB") and "transparency" in im.info):
@@ -117,6 +118,12 @@ def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
                     "(pixels within 1/255 of the file's); save it as 16-bit grayscale or TIFF to keep all 16",
                     str(p),
                     im.mode,
+                )
+            if exif_error is not None:
+                if arr is None:
+                    im.load()  # the pixels decode (imread below reads them), else their error, not the EXIF's
+                log.warning(
+                    "image2d: %r has an unreadable EXIF block (%s); read as stored, not turned", str(p), exif_error
                 )
     if arr is None:
         from skimage.io import imread

@@ -168,7 +168,7 @@ def mnist(
         data_directory(path, who, f"a directory holding the IDX files {list(TRAIN_FILES + TEST_FILES)}, optionally .gz")
         rng_train, rng_test = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
         images, labels = load_idx(path, TRAIN_FILES)
-        tr = draw(rng_train, len(labels), n, who, "training images (n)")
+        tr = draw(rng_train, len(labels), n, who, f"training images (n) from {str(path)!r}")
         train = (images[tr], labels[tr])
         if n_test > 0:
             if any(find_file(path, name) is None for name in TEST_FILES):
@@ -177,7 +177,7 @@ def mnist(
                     f"(optionally .gz) in {str(path)!r}; they are missing"
                 )
             images_t, labels_t = load_idx(path, TEST_FILES)
-            te = draw(rng_test, len(labels_t), n_test, who, "test images (n_test)")
+            te = draw(rng_test, len(labels_t), n_test, who, f"test images (n_test) from {str(path)!r}")
             test = (images_t[te], labels_t[te])
         else:
             test = (images[:0], labels[:0])

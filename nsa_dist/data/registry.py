@@ -141,6 +141,12 @@ def _load(spec: DataSpec, seed: int) -> Dataset:
         return gaussian_mixture(
             spec.n, d=spec.dim, n_test=spec.n_test, ratio=spec.noise_ratio, noise=spec.noise, seed=seed
         )
-    from nsa_dist.data.digits import digits
+    if name is DataName.DIGITS:
+        from nsa_dist.data.digits import digits
 
-    return digits(spec.n, n_test=spec.n_test, target=target, positive_class=spec.positive_class, seed=seed)
+        return digits(spec.n, n_test=spec.n_test, target=target, positive_class=spec.positive_class, seed=seed)
+    raise ValueError(
+        f"data.name={name.value!r}: a Tracker's arrays, handed to it in memory, cannot be loaded from a spec"
+        if name is DataName.ARRAYS
+        else f"data.name={name.value!r} has no loader"
+    )

@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from nsa_dist.errors import NonFiniteError, UnsupportedModelError
+from nsa_dist.models import user_named_modules
 from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import batch_stat_modules, preserved
@@ -187,7 +188,9 @@ def _couples(
         again = as_2d(model(x), x.shape[0]).detach() if again is None else again.detach()
         _finite_outputs(whole, again)
         if not _close(whole, again):
-            drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+            drop = [
+                n for n, m in user_named_modules(model) if isinstance(m, nn.modules.dropout._DropoutNd) and m.training
+            ]
             state = [] if drop else _changed_buffers(model, x)
             if state:
                 raise UnsupportedModelError(

@@ -24,6 +24,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from nsa_dist.errors import UnsupportedModelError
+from nsa_dist.models import user_named_modules
 
 __all__ = [
     "preserved",
@@ -314,7 +315,7 @@ def batch_stat_modules(model: nn.Module) -> list[str]:
     running statistics) — they couple the samples of a batch — as "'name' (Type, why)"."""
     return [
         f"{name!r} ({type(m).__name__}, {'train mode' if m.training else 'no running statistics'})"
-        for name, m in model.named_modules()
+        for name, m in user_named_modules(model)
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
     ]
 

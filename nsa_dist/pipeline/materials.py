@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nsa_dist.config import DataName
 from nsa_dist.data import Dataset, load_dataset
 from nsa_dist.models import build_model
 from nsa_dist.pipeline.images import EigenImages, unit_coordinates
@@ -42,6 +43,22 @@ __all__ = ["MAX_RUNS", "RunMaterials"]
 MAX_RUNS = 2  # runs whose materials one process keeps (a spectral worker alternates between runs)
 _KEPT: OrderedDict[str, RunMaterials] = OrderedDict()  # by run id, least recently used first
 _LOCK = threading.Lock()
+
+
+def _same_data(plan: RunPlan, data: Dataset) -> None:
+    """RunRefused unless ``data`` is the data ``plan``'s run was opened with."""
+    from nsa_dist.store import RunRefused
+
+    loaded = data.fingerprint()
+    if loaded != plan.data_fingerprint:
+        d = plan.spec.data
+        what = f"data.path {d.path!r}" if d.path else f"the {DataName(d.name).value} data"
+        raise RunRefused(
+            f"run {plan.run_id!r}: {what} now loads as {loaded}, the run was opened on "
+            f"{plan.data_fingerprint}: the data changed while the run was running, and this process "
+            "would measure other points than the run trains on; refusing — restore the data, or start "
+            "a new run (change the spec's `name`)"
+        )
 
 
 class RunMaterials:
@@ -85,6 +102,9 @@ class RunMaterials:
 
         Raises:
             as :func:`~nsa_dist.data.load_dataset` (a missing or changed data file).
+            RunRefused: data loaded from its source for a plan that carries the run's data
+                fingerprint load as other data (the file changed since the run was opened: a
+                worker or a replaced gang member started after it would measure other points).
         """
         from nsa_dist.pipeline.plan import RunPlan, run_id  # here: the plan is made from materials
 
@@ -96,6 +116,8 @@ class RunMaterials:
                 return kept
         if data is None or fresh:
             data = load_dataset(spec.data, seed=spec.seed)
+            if isinstance(run, RunPlan) and run.data_fingerprint is not None:
+                _same_data(run, data)
         made = cls(rid, spec, data, model)
         if model is None:  # what the loader loaded or built is kept; a caller's network is the caller's
             with _LOCK:

@@ -178,6 +178,10 @@ class RunPlan:
         ntk_route: the NTK route the network takes, resolved once by the forward-pass probe
             (:func:`~nsa_dist.ntk.resolve_route`): every Gram of the run — training, test and
             cross kernels, on any process — is computed on it, never probing again.
+        data_fingerprint: the fingerprint of the data the run holds, set when the run is opened
+            (:func:`~nsa_dist.pipeline.session.prepare_run`): a process that loads the data
+            again from its source for this plan — a Ray worker, a replaced gang member — is
+            refused other data (:meth:`~nsa_dist.pipeline.materials.RunMaterials.load`).
     """
 
     run_id: str
@@ -191,6 +195,7 @@ class RunPlan:
     layout: LayoutChoice
     ntk_route: NTKRoute
     feature_width: int = 0  # numbers per point of the block features (0: no per-layer features)
+    data_fingerprint: str | None = None  # the run's data (Dataset.fingerprint), once the run is opened
 
     @property
     def ntk_method(self) -> str:

@@ -216,6 +216,14 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
     step's φ come first, so that a ``k: all`` step without stored eigenvectors projects them
     during the factorisation instead of forming V."""
     N = run.data.n
+    if not np.isfinite(ck.dtheta).any():  # why the update's quantities are NaN: said with them
+        made_of_update = ("df", "energy_df", "df_pred", "energy_df_pred", "first_order_error", "first_order_cos")
+        notes.note(
+            [n for n in (*made_of_update, "gram_change", "gram_change_fro") if run.plan.has(n)],
+            f"step {ck.step}'s update Δθ_t is not known: the training loop's step {ck.step + 1} was not seen "
+            f"after record({ck.step}) (the loop ended, was interrupted, or went on from another step), or the "
+            "update diverged — Δf_t and what is made of Δθ_t are NaN",
+        )
     with run.cost.timed("metrics"):
         residual = loss_residual(run.spec, run.data, ck.f)
         Y = run.y.reshape(N, -1)

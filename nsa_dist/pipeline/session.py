@@ -21,7 +21,7 @@ end it the same way; only where the checkpoints come from and where they are ana
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -92,8 +92,9 @@ def prepare_run(
     # built network's P and the layout the run will have (a resumed run's recorded one), before the
     # run's group is created
     check_fits(spec, gang_in_process, layout=_recorded_layout(store, plan), width=plan.feature_width, P=plan.dims.P)
-    writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=data.fingerprint(), token=token)
-    plan = pin_layout(writer, plan)
+    fingerprint = data.fingerprint()
+    writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=fingerprint, token=token)
+    plan = replace(pin_layout(writer, plan), data_fingerprint=fingerprint)
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         writer.write_static(plan.static_arrays(data))
     return PreparedRun(plan, data, writer, materials)

@@ -17,11 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from nsa_dist.data import Dataset
 from nsa_dist.errors import NonFiniteError, ShapeError, UnsupportedModelError
 from nsa_dist.losses import cross_entropy_loss
-from nsa_dist.models import OutputSelector, SelectedOutput, measured_module, not_a_tensor, single_column
+from nsa_dist.models import (
+    OutputSelector,
+    SelectedOutput,
+    measured_module,
+    not_a_tensor,
+    single_column,
+    user_named_modules,
+)
 from nsa_dist.ntk import attributes_restored, preserved, sample_coupling
 from nsa_dist.ntk.state import forwarded_few
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
@@ -93,12 +101,18 @@ class StepSnapshots:
             model_state=mstate,
         )
 
-    def with_update(self, ck: Checkpoint, step: int) -> Checkpoint:
-        """``ck`` with its update Δθ_t, Δf_t when the model is now at ``step`` = t + 1, else with NaN ones."""
+    def with_update(self, ck: Checkpoint, step: int, buffers: dict[str, torch.Tensor] | None = None) -> Checkpoint:
+        """``ck`` with its update Δθ_t, Δf_t when the model is now at ``step`` = t + 1, else with NaN ones.
+
+        ``buffers``: values the forward of θ_{t+1} takes for these buffers instead of the model's
+        (step t's running statistics: Δf_t is then the change J_t Δθ_t predicts); the model's own
+        buffers are not written."""
         if step == ck.step + 1:
             with torch.no_grad(), preserved(self.model), attributes_restored(self.model):
                 theta1 = theta_vector(self.model)
-                f1 = _outputs(self.model(self.X))
+                f1 = _outputs(
+                    functional_call(self.model, buffers, (self.X,), strict=False) if buffers else self.model(self.X)
+                )
             return replace(ck, dtheta=theta1 - ck.theta, df=f1 - ck.f)
         return replace(ck, dtheta=np.full_like(ck.theta, np.nan), df=np.full_like(ck.f, np.nan))
 
@@ -141,18 +155,37 @@ def _as_tensor(name: str, a: Any) -> torch.Tensor:
     return a.detach().cpu()
 
 
+def _finite(name: str, a: torch.Tensor) -> None:
+    """NonFiniteError naming ``name``, how many entries are NaN or inf and the first point holding one."""
+    bad = ~torch.isfinite(a.double())
+    if bad.any():
+        first = int(bad.reshape(a.shape[0], -1).any(dim=1).nonzero()[0, 0]) if a.ndim else 0
+        raise NonFiniteError(
+            f"{name} holds {int(bad.sum())} NaN/inf entries (the first in point {first}): clean the "
+            "data before handing it to the Tracker"
+        )
+
+
 def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> tuple[Dataset, int, bool]:
     """The checked data, the outputs per point K and whether the model's output is one
     column, (n, 1) — then measured as (n,), with y and y_test accepted as (N,) or (N, 1)."""
     X, y = _as_tensor("X", X), _as_tensor("y", y)
     if X.ndim < 2 or X.shape[0] == 0:
         raise ShapeError(f"X must have shape (N, d) or (N, …) with N >= 1, got {tuple(X.shape)}")
-    for nm, a in (("X", X), ("y", y)):
-        if not torch.isfinite(a.double()).all():
-            raise NonFiniteError(f"{nm} holds NaN or inf")
-    with torch.no_grad(), preserved(model), attributes_restored(model):
-        # two points, or all of them for a forward that runs on no fewer (a transductive model over their graph)
-        few, out = forwarded_few(lambda p: model(model_inputs(p, model)), X)
+    _finite("X", X)
+    _finite("y", y)
+    try:
+        with torch.no_grad(), preserved(model), attributes_restored(model):
+            # two points, or all of them for a forward that runs on no fewer (a transductive model over their graph)
+            few, out = forwarded_few(lambda p: model(model_inputs(p, model)), X)
+    except RuntimeError as e:
+        if X.is_floating_point():
+            raise
+        raise TypeError(
+            f"X is {X.dtype}: integer inputs are kept as token ids (for an embedding), and the model's "
+            f"forward failed on them ({e}); integer features (pixels 0–255, counts) go in as floats: "
+            "pass X.float() (and X_test.float())"
+        ) from e
     n = few.shape[0]
     if not isinstance(out, torch.Tensor):
         raise ShapeError(not_a_tensor(out) + " of shape (n,) or (n, K)")
@@ -183,6 +216,7 @@ def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> 
     X_test = _as_tensor("X_test", X_test)
     if X_test.shape[0] and X_test.is_floating_point() != X.is_floating_point():
         raise TypeError(f"X_test ({X_test.dtype}) and X ({X.dtype}) must both be floating points or both integer ids")
+    given_y_test = y_test
     y_test = (
         _as_tensor("y_test", y_test)
         if y_test is not None
@@ -190,6 +224,9 @@ def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> 
     )
     if column and y_test.ndim == 2 and y_test.shape[1] == 1:
         y_test = y_test.reshape(-1)
+    _finite("X_test", X_test)
+    if given_y_test is not None:  # none given: unknown test targets, NaN (the test loss is not measured)
+        _finite("y_test", y_test)
     if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:]):
         raise ShapeError(
             f"X_test, y_test must have shapes (M,) + {tuple(X.shape[1:])} and (M,) + "
@@ -209,7 +246,7 @@ def _batch_stat_modules(model: nn.Module) -> list[str]:
     """Names of the batch-norm modules normalising by the batch's own statistics (train mode, or no running stats)."""
     return [
         n
-        for n, m in model.named_modules()
+        for n, m in user_named_modules(model)
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
     ]
 

@@ -13,6 +13,11 @@ nothing at all once the lease was lost.
 
 from __future__ import annotations
 
+import atexit
+import logging
+import sys
+import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -69,6 +74,7 @@ class TrackedRun:
         self.finished: list[dict] = []
         self.blocked = 0
         self.max_seen_inflight = 0
+        _ended_with_the_process(self)
 
     @classmethod
     def open(
@@ -297,3 +303,47 @@ class TrackedRun:
         self.closed = True
         self.pool.close()
         self.session.release()
+
+
+# ---------------------------------------------------------------------- a process that ends unclosed
+_OPEN: weakref.WeakSet[TrackedRun] = weakref.WeakSet()  # the runs of this process not yet closed
+_HOOKED = threading.Lock()
+_REGISTERED = False
+_log = logging.getLogger("nsa_dist")
+
+
+def _ended_with_the_process(run: TrackedRun) -> None:
+    """Have ``run`` interrupted if the process exits with it still open (an uncaught exception outside
+    a ``with`` block, a script that never calls ``close()``).  The hook runs as threading shuts down,
+    before the thread pools and Zarr's own stop (an ``atexit`` hook runs after them: the analyses of
+    the steps out then failed with "cannot schedule new futures after shutdown", and the run lost
+    every recorded step still in flight)."""
+    global _REGISTERED
+    with _HOOKED:
+        if not _REGISTERED:
+            register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
+            (register or atexit.register)(_interrupt_open_runs)
+            _REGISTERED = True
+        _OPEN.add(run)
+
+
+def _interrupt_open_runs() -> None:
+    """Every run still open: its recorded steps finished, then status ``interrupted`` saying why."""
+    error = getattr(sys, "last_value", None)  # set when the main thread ended on an uncaught exception
+    for run in list(_OPEN):
+        if run.closed:
+            continue
+        name = run.session.spec.name
+        why = (
+            f"the process ended on an uncaught {type(error).__name__} ({error})"
+            if error is not None
+            else "the process exited"
+        )
+        _log.warning("run %r: %s before Tracker.close(): finishing the recorded steps, then interrupted", name, why)
+        try:
+            run.interrupt(
+                type(error) if error is not None else None,
+                f"{why} before Tracker.close(); every recorded step analysed is kept — reopen to continue",
+            )
+        except Exception as exc:  # noqa: BLE001 - the process is ending: say it, do not mask the user's error
+            _log.warning("run %r: could not be ended at exit (%s: %s)", name, type(exc).__name__, exc)

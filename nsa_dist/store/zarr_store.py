@@ -228,6 +228,13 @@ class SpectrumStore(RunIndex):
                 f"writes {SCHEMA_VERSION}; use a new store or run name"
             )
         diff = _diff(attrs.get("spec"), spec)
+        was, now = (str(((d or {}).get("data") or {}).get("path")) for d in (attrs.get("spec"), spec))
+        if len(diff) == 1 and was != now and was.startswith("sha1:") and now.startswith("sha1:"):
+            raise RunRefused(  # a Tracker's: its data path is the digest of the arrays it was handed
+                f"run {run_id!r} in {self.url!r} was recorded from other arrays: X, y, X_test, y_test hash to "
+                f"{now} now, the run's to {was}; refusing to mix them — hand the Tracker the run's data, "
+                "or use another name"
+            )
         if diff:
             raise RunRefused(
                 f"run {run_id!r} exists in {self.url!r} with a different spec ("
