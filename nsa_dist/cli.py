@@ -824,6 +824,16 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 
     sweep = Client(args.store).sweep(args.sweep)
     k = args.k[0] if args.k else None  # Fig. 7a: default the paper's fraction of N (plots.axes.energy_k)
+    if (
+        k is not None
+        and not (args.scalar or "").startswith("hessian_")
+        and len(sweep.groups())
+        and k > sweep.smallest_k()
+    ):
+        raise ValueError(  # a k above what every run stores was drawn as E_t(y, K): a flat line at 1
+            f"--k {k}: the sweep's runs store E(φ, k) for k ≤ {sweep.smallest_k()} (the fewest eigenpairs a run "
+            f"of sweep {args.sweep!r} keeps, of N ≥ {sweep.smallest_n()}); give a k in 1..{sweep.smallest_k()}"
+        )
     fig = None
     if args.scalar:  # the scalar figure is made (its fields and quantity checked) before any figure is written
         if not args.x:

@@ -364,3 +364,28 @@ class TestS3Store(StoreContract):
     @classmethod
     def new_url(cls, s3_bucket) -> Callable[[], str]:
         return lambda: f"s3://{s3_bucket}/{uuid.uuid4().hex[:8]}.zarr"
+
+
+def test_a_misspelt_run_name_is_found_among_many_runs():
+    """With 28 runs, `nsa show quikstart` listed the first ten ids and never the run meant."""
+    from nsa_dist.store.runs import no_such_run
+
+    ids = [f"run{i:02d}-0123456789" for i in range(26)] + ["quickstart-596f17d55e", "demo__depth-6-1234567890"]
+    msg = str(no_such_run("quikstart", "s.zarr", ids))
+    assert msg.startswith("no run 'quikstart' in 's.zarr' (runs: quickstart-596f17d55e, run00-"), msg
+    assert "… (28 in all)" in msg and msg.endswith("did you mean 'quickstart-596f17d55e'?"), msg
+    assert (
+        str(no_such_run("zz", "s.zarr", ids[:2]))
+        == "no run 'zz' in 's.zarr' (runs: run00-0123456789, run01-0123456789)"
+    )
+
+
+def test_a_status_reason_is_one_line(tmp_path):
+    """A reason of many lines (Ray's out-of-memory report) is stored as one line, capped."""
+    from nsa_dist.store.zarr_store import _REASON_CHARS
+
+    w = SpectrumStore(str(tmp_path / "s.zarr")).writer(RID, SPEC, DIMS)
+    w.set_status(Status.FAILED, "Task was killed due to low memory.\n\nMemory on the node:\n" + "x " * 2000, 3)
+    status, reason = w.status()
+    assert "\n" not in reason and len(reason) == _REASON_CHARS and reason.endswith("…"), reason[:200]
+    assert reason.startswith("Task was killed due to low memory. Memory on the node: x x"), reason[:200]

@@ -201,6 +201,7 @@ def test_cli_sweep_commands_on_bad_input(url: str, tmp_path: Path, capsys: pytes
         ),
         (["plot", "--sweep", "lr", "--out", out, "--scalar", "nope", "--x", "schedule.lr"], "unknown quantity 'nope'"),
         (["plot", "--sweep", "lr", "--out", out, "--scalar", "loss"], "--scalar needs --x FIELD"),
+        (["plot", "--sweep", "lr", "--out", out, "--k", "2000"], "--k 2000: the sweep's runs store E(φ, k) for k ≤"),
         (["show", "lr"], "run ids start with 'lr'"),
         (["show", "nope"], "no run 'nope'"),
     ]

@@ -9,6 +9,7 @@ from nsa_dist.client._run import Run
 from nsa_dist.client._sweep import Sweep
 from nsa_dist.errors import StoreError
 from nsa_dist.store import SpectrumStore, mark_damaged, verify_store
+from nsa_dist.store.runs import no_such_run
 
 if TYPE_CHECKING:
     import pandas
@@ -82,7 +83,7 @@ class Client:
         if len(hits) == 1:
             return Run(self.store, hits[0])
         if not hits:
-            raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {', '.join(ids[:10]) or 'none'})")
+            raise no_such_run(run_id, self.url, ids)
         what = "runs are named" if named else "run ids start with"
         more = f" … ({len(hits)} in all)" if len(hits) > 10 else ""
         raise StoreError(f"{len(hits)} {what} {run_id!r}: {', '.join(hits[:10])}{more}; give the full id")

@@ -16,7 +16,7 @@ from nsa_dist.store.keys import METADATA_ERRORS, Keys
 from nsa_dist.store.lease import LeaseInfo, effective_status, read_lease
 from nsa_dist.store.schema import RunDims
 
-__all__ = ["RunIndex"]
+__all__ = ["RunIndex", "no_such_run"]
 
 
 class RunIndex:
@@ -66,8 +66,7 @@ class RunIndex:
                     "arrays, its metadata is lost); restore the file from a copy, or delete the run's folder "
                     "and re-run it"
                 )
-            known = ", ".join(self.run_ids()[:10]) or "none"
-            raise StoreError(f"no run {run_id!r} in {self.url!r} (runs: {known})")
+            raise no_such_run(run_id, self.url, self.run_ids())
         try:
             return zarr.open_group(store=self.keys.zarr, path=f"runs/{run_id}", mode="r" if self.read_only else "r+")
         except METADATA_ERRORS as exc:
@@ -99,3 +98,16 @@ class RunIndex:
         """Whether a live writer (fresh lease) may still be creating run ``run_id``."""
         info = self.lease_info(run_id)
         return info is not None and info.fresh()
+
+
+def no_such_run(run_id: str, url: str, ids: list[str]) -> StoreError:
+    """The error for a run id the store does not hold: the ids closest to it first (a misspelt
+    name finds its run among hundreds), at most ten, and how many there are."""
+    import difflib
+
+    names = {i: i.rsplit("-", 1)[0] for i in ids}  # "quickstart-596f17d55e" is the run named "quickstart"
+    close = [i for i in ids if difflib.get_close_matches(run_id, [i, names[i]], n=1, cutoff=0.75)]
+    shown = (close + [i for i in ids if i not in close])[:10]
+    more = f" … ({len(ids)} in all)" if len(ids) > len(shown) else ""
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return StoreError(f"no run {run_id!r} in {url!r} (runs: {', '.join(shown) or 'none'}{more}){hint}")

@@ -285,6 +285,8 @@ class SpectrumStore(RunIndex):
         write_lease(self.keys, run_id, attrs)
 
 
+_REASON_CHARS = 600  # a status reason is one line: what `nsa ls / show / status` print
+
 _ROOT_LEFTOVER = re.compile(r"zarr\.[0-9a-f]{32}\.partial")  # zarr.json's temporary file (LocalStore's atomic write)
 
 
@@ -400,6 +402,11 @@ class RunWriter:
         return self.g.attrs.asdict()
 
     def set_status(self, status: Status, reason: str | None = None, failed_step: int | None = None) -> None:
+        """The run's status, with its reason as one line of at most ``_REASON_CHARS`` (a Ray
+        out-of-memory report was stored whole: 105 lines in ``nsa status``)."""
+        if reason is not None:
+            reason = " ".join(str(reason).split())
+            reason = reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 1] + "…"
         self.set_attrs(status=status, reason=reason, failed_step=failed_step, updated=time.time())
 
     def status(self) -> tuple[str | None, str | None]:
