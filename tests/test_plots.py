@@ -102,7 +102,7 @@ def test_residual_projections_sum_to_the_energy(tiny: Run) -> None:
     np.testing.assert_allclose(np.cumsum(p) / (m @ m), tiny.energy("residual")[-1], rtol=1e-4, atol=1e-6)
 
 
-def test_digits_run_skips_what_it_lacks(store_url: str, tmp_path: Path) -> None:
+def test_digits_run_skips_what_it_lacks(store_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = Client(store_url).run("digits")
     for name in NEEDS_EXTRAS:
         assert make_figure(run, name) is None, name
@@ -112,9 +112,15 @@ def test_digits_run_skips_what_it_lacks(store_url: str, tmp_path: Path) -> None:
     np.testing.assert_allclose(np.cumsum(p) / np.sum(m**2), run.energy("residual")[-1], rtol=1e-4, atol=1e-6)
     assert make_figure(run, "fig4a_residual_projections") is not None
     some = ("fig2a_eigenvalues", "fig3d_energy_df", "loss")
-    out = plot_run(run, tmp_path, figures=NEEDS_EXTRAS + some)
+    with caplog.at_level("WARNING", logger="nsa_dist"):
+        out = plot_run(run, tmp_path, figures=NEEDS_EXTRAS + some)
     assert [p.name for p in out] == [f"{n}.png" for n in some]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in out)
+    # named and not drawn: said (it printed nothing and exited 0, the folder empty)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not drawn:")]
+    assert len(said) == 1 and all(n in said[0] for n in NEEDS_EXTRAS), said
+    with pytest.raises(ValueError, match=r"no figure drawn: run 'digits.*' has no data for " + NEEDS_EXTRAS[0]):
+        plot_run(run, tmp_path / "none", figures=NEEDS_EXTRAS)
 
 
 def test_figures_subset(tiny: Run, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -158,11 +159,18 @@ def plot_run(
     opts.check_ks(run)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, skipped = [], []
     for name in names:
         fig = make_figure(run, name, opts)
-        if fig is not None:
-            path = out / f"{name}.png"
-            fig.savefig(path, dpi=DPI)
-            written.append(path)
+        if fig is None:
+            skipped.append(name)
+            continue
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=DPI)
+        written.append(path)
+    if figures is not None and skipped:  # asked for by name: never a silent nothing
+        what = f"run {run.id!r} has no data for {', '.join(skipped)} (its spec did not measure what they draw)"
+        if not written:
+            raise ValueError(f"no figure drawn: {what}")
+        logging.getLogger("nsa_dist").warning("not drawn: %s", what)
     return written
