@@ -1,5 +1,5 @@
-"""The Hessian step of a small network: H, I and S formed as dense matrices once each has made P
-products (``linalg.Materialised``, ``hessian_step.DENSE_P``) against products all the way.
+"""The Hessian step of a small network: H, I and S formed as dense matrices at their first product
+(``linalg.Materialised``, P ≤ ``hessian_step.DENSE_P``) against products all the way.
 
     python benchmarks/hessian_small.py [--n 24] [--width 8] [--depth 3] [--repeats 3]
 
@@ -80,7 +80,7 @@ def main() -> None:
     dense_s, ops_s = statistics.median(times[default]), statistics.median(times[0])
     print(f"N = {a.n}, {a.depth}×{a.width} tanh, P = {P}, {a.repeats} repeats, 1 torch thread")
     print(f"  products all the way: {ops_s:7.2f} s  ({int(out[0].hessian_products)} Hessian-vector products)")
-    print(f"  formed at P products: {dense_s:7.2f} s  ({int(out[default].hessian_products)} Hessian-vector products)")
+    print(f"  formed:               {dense_s:7.2f} s  ({int(out[default].hessian_products)} Hessian-vector products)")
     print(f"  speed-up {ops_s / dense_s:.2f}×; largest relative difference {worst:.1e} ({where})")
 
 

@@ -169,6 +169,23 @@ def test_gang_layouts_of_a_per_layer_model_equal_local(model):
     op.close()
 
 
+def test_the_hessian_of_a_model_with_frozen_parameters_on_a_gang_equals_local():
+    """The gang's curvature operators were sized by every parameter (P of the plan) while the members'
+    differentiate the trainable ones: "operator of shape (513, 513) got a block of shape (576, 8)",
+    every Hessian quantity NaN on block_rows / matrix_free (audit H)."""
+    base = {
+        **BASE,
+        "data": {"name": "image2d", "n": 24, "n_test": 4},
+        "model": {"factory": "user_models:frozen_first", "kwargs": {"width": 6}},
+        "spectrum": {**BASE["spectrum"], "images": []},
+    }
+    res = _analyses(base, [("local", 1), ("block_rows", 2)])
+    ref, got = res[("local", 1)], res[("block_rows", 2)]
+    assert not got.get("step_notes"), got.get("step_notes")
+    for name in ("hessian_top", "hessian_S_op", "hessian_moments"):
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-10, atol=1e-14, err_msg=name)
+
+
 @pytest.mark.parametrize("layout", ["block_rows", "matrix_free"])
 def test_no_process_forms_the_gram_on_a_gang(layout, monkeypatch):
     """Every metric of a distributed step without the N×N G: forming it anywhere fails the step."""

@@ -65,6 +65,13 @@ def column_mlp(d: int = 2, width: int = 8) -> nn.Module:
     return nn.Sequential(nn.Linear(d, width), nn.Tanh(), nn.Linear(width, 1))
 
 
+def frozen_first(d: int = 2, width: int = 8) -> nn.Module:
+    """An MLP whose first Linear is frozen (``requires_grad`` False): θ has parameters H does not."""
+    net = nn.Sequential(nn.Linear(d, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+    net[0].requires_grad_(False)
+    return net
+
+
 class _AutoScale(nn.Module):
     """Takes raw [0, 255] or unit-range inputs: rescales the batch when it looks raw — a decision over
     the whole batch, which a point forwarded alone makes otherwise."""

@@ -101,30 +101,25 @@ class LinearOperator:
 
 
 class Materialised(LinearOperator):
-    """A symmetric ``source`` whose products go to it until it has made ``after`` columns, then
-    formed once as a dense (n, n) matrix (n more columns, ``FORM_BLOCK`` a product): every
-    product after that is one matrix product.
+    """``source`` formed once as a dense (n, n) matrix (n columns, ``block`` a product) once it has
+    made ``after`` columns itself (default 0: at the first product); every product after that is
+    one matrix product.
 
     For a small n — the loss Hessian of a small network — the estimates of one analysis make
-    thousands of products a few columns at a time, each a pass through the model.  Forming the
-    matrix only once the source has spent n columns bounds the columns spent by twice those of
-    either choice made in hindsight (what needs few products is never formed): the default
-    ``after`` for n > ``FORM_BLOCK``.  A matrix that forms in one product (n ≤ ``FORM_BLOCK``)
-    is formed at the first: a product's fixed cost — 4–8 ms for a small network's Hessian,
-    against 0.02–0.04 ms a column at N = 24 (benchmarks/README.md) — is what the estimates'
-    few-column products pay.  The matrix is symmetrised, ``(A + Aᵀ)/2``: the source
-    is symmetric up to the rounding of its products.  ``n_products`` counts every product
-    through this operator; ``source.n_products`` those the source made.  An error of the
-    source's products is raised as it is, and nothing is kept of a formation that failed.
+    thousands of products a few columns at a time, each a pass through the model with a fixed
+    cost (4–8 ms through ``torch.func`` for such nets, against 0.02–0.04 ms a column at N = 24:
+    benchmarks/README.md).  The matrix is kept as formed, not symmetrised: an operator whose
+    products are not symmetric (a model PyTorch differentiates wrongly twice) is refused by the
+    eigensolvers' own checks as it was without this.  ``block`` bounds the columns of one
+    product (a product's memory grows with them: 512 columns of a small CNN's Hessian took
+    12 GB).  ``n_products`` counts every product through this operator; ``source.n_products``
+    those the source made.  An error of the source's products is raised as it is, and nothing
+    is kept of a formation that failed.
     """
 
-    FORM_BLOCK = 512
-
-    def __init__(self, source: LinearOperator, after: int | None = None) -> None:
-        n = source.shape[0]
-        super().__init__(n, source.dtype, source.native, source.device)
-        self.source, self._A = source, None
-        self.after = (0 if n <= self.FORM_BLOCK else n) if after is None else after
+    def __init__(self, source: LinearOperator, after: int = 0, block: int = 32) -> None:
+        super().__init__(source.shape[0], source.dtype, source.native, source.device)
+        self.source, self._A, self.after, self.block = source, None, after, block
 
     @property
     def formed(self) -> bool:
@@ -135,8 +130,7 @@ class Materialised(LinearOperator):
         if self._A is None and self.source.n_products + V.shape[1] <= self.after:
             return self.source.matmat(V)
         if self._A is None:
-            A = self.source.to_dense(self.FORM_BLOCK)
-            self._A = (A + A.T) / 2
+            self._A = self.source.to_dense(self.block)
         return self._A @ V
 
     def __repr__(self) -> str:

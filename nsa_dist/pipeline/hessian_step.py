@@ -38,10 +38,11 @@ if TYPE_CHECKING:
 __all__ = ["GramKnowledge", "HessianAnalysis", "hessian_loss", "limit_reason"]
 
 PARTS = ("H", "I", "S")
-# H, I and S of at most this many parameters are formed as dense matrices (P columns each) once
-# each has made P products, and the estimates multiply those after it (linalg.Materialised):
-# ≤ 3 × 2048² float64 held, 96 MB (benchmarks/README.md, "The Hessian step of a small network")
-DENSE_P = 2048
+# H, I and S of at most this many parameters are formed as dense matrices (P columns each, 32 a
+# product) at their first product, and the estimates multiply those (linalg.Materialised;
+# benchmarks/README.md, "The Hessian step of a small network").  Above it, forming once an
+# operator had made P products cost more products than it saved in some runs (audit H)
+DENSE_P = 512
 
 
 def hessian_loss(spec: ExperimentSpec) -> LossName:

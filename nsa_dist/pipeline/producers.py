@@ -511,7 +511,8 @@ def hessian(
     """H = I + S at this step: on the model here (local) or summed over the gang's data shards."""
     if not run.plan.distributed:
         return run.hessian.analyze(run.model, gram=gram, step=ck.step, notes=notes)
-    curv = ShardedCurvature(step_gang(run, gang), run.plan, ck.theta, run.data.n, run.plan.dims.P)
+    trainable = sum(q.numel() for q in run.model.parameters() if q.requires_grad)  # H is over θ's trainable part
+    curv = ShardedCurvature(step_gang(run, gang), run.plan, ck.theta, run.data.n, trainable)
     try:
         return run.hessian.analyze(
             run.model,
