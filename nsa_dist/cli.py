@@ -50,8 +50,12 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
         "--store",
         type=_store_path,
         default=os.environ.get("NSA_STORE") or DEFAULT_STORE,
-        help="spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)",
+        help=_STORE_HELP,
     )
+
+
+_STORE_HELP = "spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)"
+_RUN_HELP = "the run's id or name (`nsa ls` lists them)"
 
 
 def _count(least: int, most: int | None = None) -> Callable[[str], int]:
@@ -132,19 +136,23 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # the same flag after the command (`nsa run X --debug`)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_with_parents(common))
-    r = sub.add_parser("run", help="train one experiment and record its spectra")
-    r.add_argument("spec", type=Path)
+
+    def command(name: str, hlp: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=hlp, description=hlp)  # `nsa run --help` says what it does, too
+
+    r = command("run", "train one experiment and record its spectra")
+    r.add_argument("spec", type=Path, help="the experiment's spec file (YAML; examples/ has some)")
     _store_arg(r)
     r.add_argument("--plain", action="store_true", help="log lines instead of a progress bar")
     _wait_arg(r)
-    ls = sub.add_parser("ls", help="list the runs in a store")
+    ls = command("ls", "list the runs in a store")
     _store_arg(ls)
-    s = sub.add_parser("show", help="one run's status and measurements")
-    s.add_argument("run")
+    s = command("show", "one run's status and measurements")
+    s.add_argument("run", help=_RUN_HELP)
     _store_arg(s)
-    pl = sub.add_parser("plot", help="write the paper's figures for a run, or across a sweep's runs")
-    pl.add_argument("run", nargs="?", default=None)
-    pl.add_argument("--out", type=Path, required=True)
+    pl = command("plot", "write the paper's figures for a run, or across a sweep's runs")
+    pl.add_argument("run", nargs="?", default=None, help=_RUN_HELP + " (none with --sweep)")
+    pl.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write the figures (PNG) into")
     pl.add_argument("--figures", nargs="+", default=None, help="only these figure names")
     pl.add_argument(
         "--step",
@@ -175,15 +183,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--x", default=None, help="with --scalar: the grid field on the x axis (e.g. model.depth)")
     pl.add_argument("--line", default=None, help="with --scalar: one line per value of this grid field")
     _store_arg(pl)
-    sw = sub.add_parser("sweep", help="run a sweep (grid of experiments) on Ray")
-    sw.add_argument("sweep", type=Path)
+    sw = command("sweep", "run a sweep (grid of experiments) on Ray")
+    sw.add_argument("sweep", type=Path, help="the sweep's spec file (YAML: a base experiment and a grid)")
     _store_arg(sw)
     sw.add_argument("--address", default=None, help="Ray address to join (default: start an embedded local Ray)")
     sw.add_argument("--plain", action="store_true", help="log lines instead of a live table")
     _wait_arg(sw)
     _max_runs_arg(sw)
-    sm = sub.add_parser("submit", help="submit a sweep to a Ray cluster as a Ray Job")
-    sm.add_argument("sweep", type=Path)
+    sm = command("submit", "submit a sweep to a Ray cluster as a Ray Job")
+    sm.add_argument("sweep", type=Path, help="the sweep's spec file (YAML: a base experiment and a grid)")
     sm.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS"),
@@ -191,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         help="Ray dashboard address, e.g. http://HEAD:8265 (or $RAY_ADDRESS)",
     )
     _store_arg(sm)
-    sm.add_argument("--job-id", default=None)
+    sm.add_argument("--job-id", default=None, help="the Ray Job's id (default: Ray makes one, printed)")
     sm.add_argument(
         "--pip",
         action="append",
@@ -206,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
         ("logs", "a job's logs"),
         ("cancel", "stop a job"),
     ):
-        q = sub.add_parser(name, help=hlp, description=hlp)
+        q = command(name, hlp)
         q.add_argument(
             "job",
             nargs="?" if name == "status" else None,
@@ -222,8 +230,14 @@ def _parser() -> argparse.ArgumentParser:
             q.add_argument(
                 "--store", type=_store_path, default=None, help="show the runs of this store instead of Ray jobs"
             )
-    v = sub.add_parser("verify", help="check every chunk of a store; --mark forgets damaged steps for a re-run")
-    v.add_argument("store", nargs="?", type=_store_path, default=os.environ.get("NSA_STORE") or DEFAULT_STORE)
+    v = command("verify", "check every chunk of a store; --mark forgets damaged steps for a re-run")
+    v.add_argument(
+        "store",
+        nargs="?",
+        type=_store_path,
+        default=os.environ.get("NSA_STORE") or DEFAULT_STORE,
+        help=_STORE_HELP,
+    )
     v.add_argument(
         "--mark",
         "--repair",
@@ -231,8 +245,14 @@ def _parser() -> argparse.ArgumentParser:
         dest="mark",
         help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)",
     )
-    se = sub.add_parser("serve", help="a read-only web view of a store (runs, a run's figures, a sweep's), live")
-    se.add_argument("store", nargs="?", type=_store_path, default=os.environ.get("NSA_STORE") or DEFAULT_STORE)
+    se = command("serve", "a read-only web view of a store (runs, a run's figures, a sweep's), live")
+    se.add_argument(
+        "store",
+        nargs="?",
+        type=_store_path,
+        default=os.environ.get("NSA_STORE") or DEFAULT_STORE,
+        help=_STORE_HELP,
+    )
     se.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     se.add_argument("--port", type=_count(0, 65535), default=5006, help="port (0: any free one; default 5006)")
     se.add_argument("--allow-remote", action="store_true", help="consent to listen on a non-loopback --host")
@@ -242,10 +262,11 @@ def _parser() -> argparse.ArgumentParser:
         help="secret every request must carry (needed with --allow-remote; or $NSA_SERVE_TOKEN)",
     )
     se.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS", help="re-read the store this often")
-    ex = sub.add_parser("export", help="export a run's per-step scalars and spectra (TensorBoard event files)")
-    ex.add_argument("run")
+    ex = command("export", "export a run's per-step scalars and spectra (TensorBoard event files)")
+    ex.add_argument("run", help=_RUN_HELP)
     ex.add_argument("--tensorboard", type=Path, required=True, metavar="DIR", help="log directory to write")
     _store_arg(ex)
+    p.set_defaults(_commands=sub.choices)
     return p
 
 
@@ -257,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         or an outside failure, 130 on Ctrl-C and 143 on SIGTERM, 75 when this machine's Ray
         raylet stopped under a sweep (all three leave resumable runs).
     """
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    if extra:  # said by the command's own parser: its usage, not the top level's
+        args._commands[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    del args._commands
     args.argv = argv
     saved_debug = os.environ.get("NSA_DEBUG")
     debug = args.debug or bool(saved_debug)
@@ -994,10 +1018,12 @@ def _store_status(url: str) -> int:
     runs = Client(url).runs()
     if not len(runs):
         print(f"no runs in {url}")
-    for r in runs.to_dict("records"):
+    records = runs.to_dict("records")
+    wide = max((len(str(r["id"])) for r in records), default=0)  # ids of every length in one column
+    for r in records:
         reason = _text(r.get("reason"))
         print(
-            f"{r['id']}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}"
+            f"{str(r['id']):<{wide}}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}"
             + (f"  ({reason})" if reason else "")
         )
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import reprlib
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
@@ -212,7 +213,9 @@ class FactoryModelSpec(_Strict):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
     input_dim: int | None = Field(None, ge=1, description="d of the (flattened) inputs")
     output_dim: int = Field(1, ge=1, description="K, the number of outputs")
-    source: Literal["factory", "tracker"] = "factory"
+    source: Literal["factory", "tracker"] = Field(
+        "factory", description="set by a Tracker (not written in a spec)", json_schema_extra={"internal": True}
+    )
     output: str | int | None = Field(
         None,
         description="the output to measure when the model returns a dict, tuple "
@@ -241,8 +244,12 @@ class FactoryModelSpec(_Strict):
 
 def _model_kind(v: Any) -> str:
     """Which model block a value is: a factory when it names one."""
-    if isinstance(v, FactoryModelSpec) or (isinstance(v, dict) and "factory" in v):
+    if isinstance(v, FactoryModelSpec):
         return "factory"
+    if isinstance(v, dict):  # a key only a factory block has, or one misspelt from `factory`, makes it one:
+        keys = [str(k) for k in v]  # `factroy:` is then said as such, not as a net's unknown fields
+        if {"factory", "kwargs", "output"} & set(keys) or difflib.get_close_matches("factory", keys, n=1, cutoff=0.7):
+            return "factory"
     return "fc"
 
 
@@ -1206,7 +1213,7 @@ _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``field.path: message (got value)``, at most ``MAX_ERRORS`` of them,
     each value shortened (a huge input never becomes a huge message)."""
-    lines, errors = [], exc.errors()
+    lines, errors = [], _merge_union_branches(exc.errors())
     root = globals().get(exc.title)
     for e in errors[:MAX_ERRORS]:
         loc = tuple(e["loc"])
@@ -1216,7 +1223,8 @@ def format_validation_error(exc: ValidationError) -> str:
         where = ".".join(str(p) for p in loc) or ("" if root is SweepSpec else "(spec)")  # a sweep's line names its run
         msg = _clip(e["msg"].removeprefix("Value error, "), 1000)
         got = e.get("input")
-        hint = _exponent_hint(got) if e["type"] == "int_parsing" else ""
+        hint = _exponent_hint(got) if e["type"] in ("int_parsing", "union") else ""
+        hint = hint or e.get("_hint", "")
         if e["type"] == "model_type" and isinstance(got, str) and loc and loc[-1] in ("data", "optimizer"):
             hint = f"; a block of fields: write `{loc[-1]}: {{name: {got}}}`"  # `optimizer: sgd`
         got = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)}){hint}"
@@ -1227,6 +1235,46 @@ def format_validation_error(exc: ValidationError) -> str:
     if len(errors) > MAX_ERRORS:
         lines.append(f"  … and {len(errors) - MAX_ERRORS} more problems")
     return "\n".join(lines)
+
+
+_BRANCH = re.compile(r"(int|float|str|bool|none|literal\[.*\])")  # pydantic's loc item of a union's branch
+_BRANCH_WORDS = {"int": "an integer", "float": "a number", "str": "text", "bool": "true or false", "none": "null"}
+
+
+def _merge_union_branches(errors: list[dict]) -> list[dict]:
+    """The errors of one value refused by every branch of a union (``k: int | 'all'``) as one:
+    ``spectrum.k: expected an integer or 'all' (got 'al'); did you mean 'all'?`` — pydantic lists a
+    line per branch, under a loc ending in the branch's type (``spectrum.k.int``, ``…literal['all']``)."""
+    out: list[dict] = []
+    for e in errors:
+        loc = tuple(e["loc"])
+        tag = loc[-1] if loc and isinstance(loc[-1], str) and _BRANCH.fullmatch(loc[-1]) else None
+        prev = out[-1] if out else None
+        if tag is not None and prev is not None and prev.get("_branches") is not None and prev["loc"] == loc[:-1]:
+            prev["_branches"].append(e)
+        elif tag is not None:
+            out.append({**e, "loc": loc[:-1], "_branches": [e]})
+        else:
+            out.append(e)
+    merged = []
+    for e in out:
+        branches = e.pop("_branches", None)
+        if branches is None or len(branches) == 1:
+            merged.append(branches[0] if branches else e)
+            continue
+        alts, literals = [], []
+        for b in branches:
+            tag = b["loc"][-1]
+            if b["type"] == "literal_error":
+                alts.append(b.get("ctx", {}).get("expected", tag))
+                literals += [x.strip().strip("'\"") for x in alts[-1].split(" or ")]
+            else:
+                alts.append(_BRANCH_WORDS.get(tag, b["msg"]))
+        got = e.get("input")
+        close = difflib.get_close_matches(got, literals, n=1) if isinstance(got, str) else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        merged.append({**e, "type": "union", "msg": "expected " + " or ".join(alts), "_hint": hint})
+    return merged
 
 
 def _exponent_hint(got: object) -> str:
@@ -1266,7 +1314,7 @@ def _allowed_fields(root: object, loc: tuple) -> list[str] | None:
         if len(tagged) != 1:
             return None
         cls = next(iter(tagged.values()))
-    return list(cls.model_fields)
+    return [name for name, f in cls.model_fields.items() if not (f.json_schema_extra or {}).get("internal")]
 
 
 def _blocks(tp: object, tag: str | None = None) -> dict[str | None, type[BaseModel]]:

@@ -319,3 +319,70 @@ def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path, capsys, text, wh
     assert len(err) == 1 and "bad.yaml: not valid YAML: " in err[0], err
     assert where in err[0] and hint in err[0] and "unicode string" not in err[0], err
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_union_field_is_refused_in_one_line_with_a_guess(tmp_path, capsys):
+    """``spectrum.k: al`` printed pydantic's two union branches (``spectrum.k.int``, ``spectrum.k.literal['all']``)."""
+    for value, said in (
+        ("al", "spectrum.k: expected an integer or 'all' (got 'al'); did you mean 'all'?"),
+        ("2.5", "spectrum.k: expected an integer or 'all' (got 2.5)"),
+        ("1e3", "spectrum.k: expected an integer or 'all' (got '1e3'); YAML reads 1e3 as text, not a number: write"),
+    ):
+        p = tmp_path / "k.yaml"
+        p.write_text(yaml.safe_dump(TINY)[:-1] + f"\nspectrum: {{k: {value}}}\n")
+        assert nsa(["run", str(p), "--store", str(tmp_path / "s.zarr")]) == 2
+        err = capsys.readouterr().err
+        assert said in err and ".int" not in err and "literal[" not in err, err
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_misspelt_factory_key_is_said_as_such(tmp_path, capsys):
+    """``factroy:`` was taken for a net's block: every factory key (``kwargs`` too) was blamed, no
+    guess was offered, and the allowed list was the net's."""
+    spec = {**TINY, "model": {"factroy": "nsa_dist.models:cnn", "kwargs": {"width": 4}}}
+    assert nsa(["run", str(_spec(tmp_path, spec)), "--store", str(tmp_path / "s.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert "model.factroy: Extra inputs are not permitted" in err and "did you mean 'factory'?" in err, err
+    assert "model.kwargs" not in err and "depth" not in err, err
+    assert "(allowed here: factory, kwargs, input_dim, output_dim, output)" in err, err  # not the Tracker's `source`
+
+
+def test_a_flag_after_a_command_is_refused_with_that_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        nsa(["show", "somerun", "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: nsa show ") and "nsa show: error: unrecognized arguments: --bogus" in err, err
+
+
+def test_every_command_says_what_it_does_and_each_argument():
+    """Most commands' ``--help`` began with "positional arguments:", and ``run``, ``spec``, ``--out``,
+    ``--job-id`` and the stores of verify/serve had no word of help."""
+    import argparse
+
+    from nsa_dist.cli import _parser
+
+    (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, cmd in sub.choices.items():
+        if not cmd.description:
+            missing.append(f"nsa {name}: no description")
+        for a in cmd._actions:
+            if a.help is None:
+                missing.append(f"nsa {name} {'/'.join(a.option_strings) or a.dest}: no help")
+    assert not missing, "\n".join(missing)
+
+
+def test_a_misspelt_array_name_gets_a_guess_and_the_runs_arrays(tmp_path, capsys):
+    store = str(tmp_path / "s.zarr")
+    assert nsa(["run", str(_spec(tmp_path, TINY)), "--store", store, "--plain"]) == 0
+    long = {**TINY, "name": "a-rather-long-run-name-for-a-sweep"}
+    assert nsa(["run", str(_spec(tmp_path, long)), "--store", store, "--plain"]) == 0
+    run = Client(store).run("e")
+    with pytest.raises(Exception, match="no array 'gram_sq_frob'; did you mean 'gram_sq_frobenius'") as exc:
+        run.per_step("gram_sq_frob")
+    assert "— it has: X, " in str(exc.value) and "eigenvalues" in str(exc.value), exc.value
+    capsys.readouterr()
+    assert nsa(["status", "--store", store]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 2 and len({row.index(" done ") for row in rows}) == 1, rows  # one column

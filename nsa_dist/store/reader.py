@@ -9,6 +9,7 @@ chunk is missing, or whose chunk fails its CRC32C checksum / zstd frame, is dama
 from __future__ import annotations
 
 import asyncio
+import difflib
 import itertools
 import json
 import math
@@ -145,7 +146,11 @@ class RunReader:
                 f"run {self.id!r}: array {name!r} is missing ({self.path}/{name}/zarr.json); run `nsa verify "
                 f"{self.store.url}`"
             )
-        return f"run {self.id!r} has no array {name!r} (not recorded for this spec)"
+        names = sorted(self.specs)
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        said = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        listed = ", ".join(names[:60]) + (f", … ({len(names)} in all)" if len(names) > 60 else "")
+        return f"run {self.id!r} has no array {name!r}{said} — it has: {listed}"
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.array(name).shape)
