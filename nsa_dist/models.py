@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import math
 import sys
+import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -29,6 +32,7 @@ __all__ = [
     "measured_module",
     "not_a_tensor",
     "user_named_modules",
+    "copy_model",
     "resolve_factory",
     "select_output",
 ]
@@ -509,3 +513,102 @@ def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Modul
         return model
     _check_selector(output)
     return SelectedOutput(model, output)
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` whose hooks act on the copy.
+
+    ``deepcopy`` copies a hook that is a bound method or a ``functools.partial`` with the module it
+    holds, but a function is copied as itself: a hook written as a lambda or closure over the model
+    (``self.h.register_forward_pre_hook(lambda m, i: (i[0] * self.g,))``, a LoRA adapter added by
+    ``lambda m, i, o: o + self.B(self.A(i[0]))``), or reading it through a global name (a notebook's
+    ``model.g``), still read the *user's* modules from the copy's forward.  The copy's ``g`` was then
+    never used — its Jacobian columns zero, the user's ``g`` a constant (an NTK 2 % off, status
+    ``done``; a float32 model measured in float64 mixed dtypes) — and a network trained as a copy of
+    the built one never trained ``g``.  Here such a hook is rebuilt on the copy: its closure cells,
+    defaults and the global names it reads that hold a piece of the model (a module, a parameter, a
+    container of them) point at the copy's pieces; everything else it reads is left as it is."""
+    memo: dict[int, Any] = {}
+    twin = copy.deepcopy(model, memo)
+    for m in twin.modules():
+        for name in _HOOK_DICTS:
+            hooks = m.__dict__.get(name)
+            for key, fn in list((hooks or {}).items()):
+                new = _rebound(fn, memo, 0)
+                if new is not fn:
+                    hooks[key] = new
+    return twin
+
+
+def _rebound(fn: Any, memo: dict[int, Any], depth: int) -> Any:
+    """``fn`` reading the copy's pieces of the model (``memo``: deepcopy's, original id → copy)."""
+    if depth > 4:
+        return fn
+    if isinstance(fn, functools.partial):
+        inner = _rebound(fn.func, memo, depth + 1)
+        return fn if inner is fn.func else functools.partial(inner, *fn.args, **fn.keywords)
+    if not isinstance(fn, types.FunctionType):
+        return fn  # a bound method or a callable object: deepcopy copied what it holds
+    changed = False
+    cells = []
+    for c in fn.__closure__ or ():
+        try:
+            v = c.cell_contents
+        except ValueError:  # an empty cell (a name assigned later in the enclosing function)
+            cells.append(c)
+            continue
+        w = _piece(v, memo, depth)
+        changed |= w is not v
+        cells.append(types.CellType(w) if w is not v else c)
+    defaults = tuple(_piece(v, memo, depth) for v in fn.__defaults__ or ())
+    changed |= any(a is not b for a, b in zip(defaults, fn.__defaults__ or (), strict=True))
+    moved = {}
+    for n in _global_names(fn.__code__):
+        v = fn.__globals__.get(n)
+        w = _piece(v, memo, depth) if v is not None and not isinstance(v, types.ModuleType) else v
+        if w is not v:
+            moved[n] = w
+    if not changed and not moved:
+        return fn
+    glob = {**fn.__globals__, **moved} if moved else fn.__globals__  # a snapshot where a global moved
+    new = types.FunctionType(fn.__code__, glob, fn.__name__, defaults or fn.__defaults__, tuple(cells) or None)
+    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    new.__dict__.update(fn.__dict__)
+    return new
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names a function's code (and the code nested in it) may read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _global_names(c)
+    return names
+
+
+def _piece(v: Any, memo: dict[int, Any], depth: int) -> Any:
+    """The copy's counterpart of ``v`` when v is a piece of the model or holds one, else v itself."""
+    if id(v) in memo and memo[id(v)] is not v:
+        return memo[id(v)]
+    if isinstance(v, types.FunctionType | functools.partial):
+        return _rebound(v, memo, depth + 1)
+    if isinstance(v, list | tuple | dict | set):
+        items = v.values() if isinstance(v, dict) else v
+        if any(id(x) in memo or isinstance(x, nn.Module | torch.Tensor) for x in items):
+            try:
+                return copy.deepcopy(v, memo)
+            except Exception:  # noqa: BLE001 — a container deepcopy cannot copy: left as it is
+                return v
+    return v

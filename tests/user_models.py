@@ -89,3 +89,40 @@ class _AutoScale(nn.Module):
 
 def auto_scale(d: int = 2, width: int = 8, threshold: float = 0.3) -> nn.Module:
     return _AutoScale(d, width, threshold)
+
+
+class _GateHook(nn.Module):
+    """A gate on the head's input, applied by a forward pre-hook written as a closure over the module."""
+
+    def __init__(self, d: int = 2, width: int = 8) -> None:
+        super().__init__()
+        self.a, self.h = nn.Linear(d, width), nn.Linear(width, 1)
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, width))
+        self.h.register_forward_pre_hook(lambda m, i: (i[0] * self.g,))
+
+    def forward(self, x):
+        return self.h(torch.tanh(self.a(x))).squeeze(-1)
+
+
+def gate_hook(d: int = 2, width: int = 8) -> nn.Module:
+    return _GateHook(d, width)
+
+
+class _LoRAHook(nn.Module):
+    """A frozen base layer with a low-rank adapter added by a forward hook (closure over A and B)."""
+
+    def __init__(self, d: int = 2, width: int = 8, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Sequential(nn.Linear(d, width), nn.Tanh(), nn.Linear(width, 1))
+        for p in self.base[0].parameters():
+            p.requires_grad_(False)
+        self.A, self.B = nn.Linear(d, rank, bias=False), nn.Linear(rank, width, bias=False)
+        nn.init.normal_(self.B.weight, std=0.3)
+        self.base[0].register_forward_hook(lambda m, i, o: o + self.B(self.A(i[0])))
+
+    def forward(self, x):
+        return self.base(x).squeeze(-1)
+
+
+def lora_hook(d: int = 2, width: int = 8) -> nn.Module:
+    return _LoRAHook(d, width)

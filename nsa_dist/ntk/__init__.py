@@ -36,7 +36,7 @@ True
 
 from nsa_dist.config import NTKMethod
 from nsa_dist.ntk._method import Kernel
-from nsa_dist.ntk._probe import couples as sample_coupling
+from nsa_dist.ntk._probe import batch_decides, couples as sample_coupling
 from nsa_dist.ntk.gram import explain_method, gram, ntk_operator, resolve_method, resolve_route
 from nsa_dist.ntk.inputs import prepare_model
 from nsa_dist.ntk.limit import limit_ntk
@@ -49,6 +49,7 @@ __all__ = [
     "NTKMethod",
     "NTKOperator",
     "NTKRoute",
+    "batch_decides",
     "explain_method",
     "gram",
     "jacobian_vector_product",

@@ -40,7 +40,7 @@ from nsa_dist.errors import NonFiniteError, UnsupportedModelError
 from nsa_dist.models import user_named_modules
 from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
-from nsa_dist.ntk.state import batch_stat_modules, preserved
+from nsa_dist.ntk.state import FrequencyScaledLookups, batch_stat_modules, preserved
 
 __all__ = ["Route", "FastLayer", "ForwardPlan", "plan_forward", "couples"]
 
@@ -319,7 +319,7 @@ def _batch_size_matters(
 _WHOLE_BYTES = 256 * 2**20  # the largest whole-batch forward the check runs (a no-grad one)
 
 
-def _whole_batch_differs(model: nn.Module, x: torch.Tensor) -> str | None:
+def _whole_batch_differs(model: nn.Module, x: torch.Tensor, probed: bool = True) -> str | None:
     """Why the outputs of a point forwarded alone differ from its outputs in the one batch of all the
     points (None: they do not, or there are too few points to tell more than the probe did).
 
@@ -333,7 +333,7 @@ def _whole_batch_differs(model: nn.Module, x: torch.Tensor) -> str | None:
     checked on its first points that fit; a forward vmap cannot batch goes one point at a time, over
     at most ``_ONE_BY_ONE`` points spread over the batch.  With grad, as the Gram's own passes run."""
     n = x.shape[0]
-    if n <= _PROBE_POINTS:
+    if n <= (_PROBE_POINTS if probed else 1):  # ``probed``: the probe's batches were of these points
         return None
     try:
         per_point = _kept_bytes(model, x[:2]) / 2
@@ -453,6 +453,17 @@ def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
     if len(seen[0]) == len(seen[1]) and all(_close(a, b) for a, b in zip(*seen, strict=True)):
         return None
     return "one point's output or its gradient changes with the other points of its batch"
+
+
+@autograd_on
+def batch_decides(model: nn.Module, x: torch.Tensor) -> str | None:
+    """Why the outputs of points of x forwarded alone differ from theirs in the one batch of x (None:
+    they do not): :func:`_whole_batch_differs` for points the probe did not see — a route probed on
+    the training points measured the test points' Gram, or a cross Gram's second set, with each point
+    alone where the forward decides over its batch (``if x.max() > 1``; a test spectrum 1.5e-3 of
+    λ_max off, λ₃ 16× off, status ``done``)."""
+    with preserved(model), _rng_kept(x), _unzeroed(model):
+        return _whole_batch_differs(model, x.clone(), probed=False)
 
 
 @autograd_on
@@ -602,10 +613,19 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(xs), _unzeroed(model):
         try:
-            trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
+            with FrequencyScaledLookups() as lookups:
+                trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward
         except Exception as e:
             why = f"the model couples samples ({_only_whole(model, x, xs, e)}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})
+        if lookups.seen:
+            raise UnsupportedModelError(
+                f"the forward calls {lookups.seen[0]}(…, scale_grad_by_freq=True): autograd's gradient of that "
+                "lookup is scaled by each token's count in the batch, which is not the derivative of the "
+                "function, and the NTK is made of the derivative; use nn.Embedding / nn.EmbeddingBag with "
+                "scale_grad_by_freq=True (their flag is off while the NTK is measured) or pass "
+                "scale_grad_by_freq=False"
+            )
         _unchanged_input(x[idx], xs)
         coupling = _couples(model, xs, again=trace.out, window=_window(x, idx), all_points=x)
         if coupling is not None:

@@ -14,7 +14,7 @@ from nsa_dist.errors import ShapeError, UnsupportedModelError
 from nsa_dist.models import OutputSelector
 from nsa_dist.ntk._jacobian import batch_jacobian_gram, jacobian_gram
 from nsa_dist.ntk._method import Kernel
-from nsa_dist.ntk._probe import ForwardPlan, plan_forward
+from nsa_dist.ntk._probe import ForwardPlan, batch_decides, plan_forward
 from nsa_dist.ntk._structured import Unproven, not_structured_reason, structured_gram, structured_layers
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import (
@@ -245,6 +245,10 @@ def gram(
         if m is NTKMethod.BATCH and _first_time(given):
             # the route's reason already reads "the model couples samples (…): the kernel of the batch forward"
             _log.info("%s, computed exactly (full-batch Jacobian)", next(iter(plan.routes.values()))[1])
+        why = batch_decides(model, x2) if x2 is not None and m is not NTKMethod.BATCH else None
+        if why is not None:  # the probe saw x1's batches only; x2's forward decides over its batch
+            _log.info("the model's forward decides over its batch of x2 (%s): the full-batch Jacobian", why)
+            m = NTKMethod.BATCH
         try:
             with blame(model):
                 G = _gram(model, plan, m, x1, x2, K, full, block_size, out)

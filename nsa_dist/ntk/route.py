@@ -12,6 +12,7 @@ with the method first asked for, as a call without a route would.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -74,6 +75,18 @@ class NTKRoute:
         )
         return cls(
             NTKMethod(method), plan.coupled, layers, plan.generic, dict(plan.routes), NTKMethod(asked), modes_of(model)
+        )
+
+    def whole_batch(self, why: str) -> NTKRoute:
+        """This route for points whose forward decides over their batch (``why``): the batch route."""
+        reason = f"the model couples samples ({why}): the kernel of the batch forward"
+        return dataclasses.replace(
+            self,
+            method=NTKMethod.BATCH,
+            coupled=True,
+            layers=(),
+            generic=tuple(self.routes),
+            routes={n: ("batch", reason) for n in self.routes},
         )
 
     def holds_for(self, model: nn.Module) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +23,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.models import user_named_modules
+from nsa_dist.models import copy_model, user_named_modules
 
 __all__ = [
     "preserved",
@@ -69,7 +68,7 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
         for m in model.modules()
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
     ]
-    scaled = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.scale_grad_by_freq]
+    scaled = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq]
     # the user's module too when this is its cast copy: the copy's hooks are the user's, and write
     # where the user's closures point
     for m in scaled:
@@ -109,7 +108,7 @@ def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` cast to ``dtype``, remembered as the user's module's copy (so that
     :func:`preserved` of the copy keeps the user's module's attributes too)."""
     with copyable(model):
-        twin = copy.deepcopy(model).to(dtype)
+        twin = copy_model(model).to(dtype)
     _ORIGINALS[twin] = _ORIGINALS.get(model, model)
     return twin
 
@@ -346,6 +345,71 @@ def forwarded_few(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, n: in
             raise e from None
 
 
+def _refuse_captured_parameters(model: nn.Module) -> None:
+    """Refuse a forward hook that holds a trainable parameter itself — a default argument
+    (``lambda m, i, g=self.g: …``), a closure variable (``g = self.g`` before the lambda), a
+    global — rather than reading it through its module (``self.g``): every route measures the
+    model with its parameters substituted by name (``functional_call``), which cannot reach a tensor
+    held elsewhere, so the hook read a constant (an NTK 2.4 % off, status ``done``)."""
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    for where, m in user_named_modules(model):
+        for kind in ("_forward_pre_hooks", "_forward_hooks"):
+            for fn in getattr(m, kind, {}).values():
+                held = _held_parameters(fn, names, 0)
+                if held:
+                    raise UnsupportedModelError(
+                        f"a forward {'pre-' if kind == '_forward_pre_hooks' else ''}hook of module "
+                        f"{where or '(the model)'!r} holds parameter {held!r} itself (a default argument, a "
+                        "closure variable or a global), not through its module: the NTK is measured with the "
+                        "parameters substituted by name, which cannot reach that tensor — the hook would read "
+                        f"a constant. Read it through the module in the hook (e.g. `self.{held.rsplit('.', 1)[-1]}` "
+                        "or `module.<name>`)"
+                    )
+
+
+def _held_parameters(fn: Any, names: dict[int, str], depth: int) -> str | None:
+    """The name of a trainable parameter ``fn`` holds directly (None: none)."""
+    import functools
+    import types
+
+    if depth > 3:
+        return None
+    if isinstance(fn, functools.partial):
+        held = [*fn.args, *fn.keywords.values()]
+        return _first_held(held, names) or _held_parameters(fn.func, names, depth + 1)
+    if not isinstance(fn, types.FunctionType):
+        return None
+    held = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    for c in fn.__closure__ or ():
+        try:
+            held.append(c.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    code = [fn.__code__]
+    while code:
+        c = code.pop()
+        held += [fn.__globals__[n] for n in c.co_names if n in fn.__globals__]
+        code += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    found = _first_held(held, names)
+    if found:
+        return found
+    for v in held:
+        if isinstance(v, types.FunctionType | functools.partial):
+            found = _held_parameters(v, names, depth + 1)
+            if found:
+                return found
+    return None
+
+
+def _first_held(values: list, names: dict[int, str]) -> str | None:
+    for v in values:
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else (v,)
+        for x in items:
+            if isinstance(x, torch.Tensor) and id(x) in names:
+                return names[id(x)]
+    return None
+
+
 def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
     """The buffers of train-mode batch and instance norms that one forward of x's first two points
     (all of x for a forward that runs on no fewer: :func:`forwarded_few`) writes in place
@@ -364,6 +428,7 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
         UnsupportedModelError: a forward writes a buffer in place other than a norm's running
             statistics, or registers a parameter (named; a buffer it registers, a cache, is measured).
     """
+    _refuse_captured_parameters(model)
     before = {name: (b, b._version) for name, b in model.named_buffers()}
     params = {name for name, _ in model.named_parameters()}
     with preserved(model), torch.no_grad():
@@ -407,7 +472,7 @@ def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:
     if not refuse_state_writes(model, x):
         return model
     with copyable(model):
-        twin = copy.deepcopy(model)
+        twin = copy_model(model)
     _ORIGINALS[twin] = _ORIGINALS.get(model, model)
     for m in twin.modules():
         if isinstance(m, _NORMS) and m.training:
@@ -460,6 +525,25 @@ def exact_kernels(model: nn.Module) -> Iterator[None]:
 
     with composite_attention():
         yield
+
+
+class FrequencyScaledLookups(TorchFunctionMode):
+    """Sees the embedding lookups of a forward called with ``scale_grad_by_freq=True``
+    (``F.embedding`` / ``F.embedding_bag`` / ``torch.embedding`` / ``torch.embedding_bag`` in the
+    model's own code: the modules' flags are off inside :func:`preserved`): ``self.seen`` lists them."""
+
+    _AT = {F.embedding: 5, F.embedding_bag: 5, torch.embedding: 3, torch.embedding_bag: 3}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        at = self._AT.get(func)
+        if at is not None and _arg(args, kwargs, at, "scale_grad_by_freq", False):
+            self.seen.append(f"{getattr(func, '__module__', 'torch')}.{func.__name__}")
+        return func(*args, **kwargs)
 
 
 class _PaddingRowsConstant(TorchFunctionMode):

@@ -18,7 +18,6 @@ the caller's and are not kept.
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from torch import nn
 
 from nsa_dist.config import DataName
 from nsa_dist.data import Dataset, load_dataset
-from nsa_dist.models import build_model
+from nsa_dist.models import build_model, copy_model
 from nsa_dist.pipeline.images import EigenImages, unit_coordinates
 from nsa_dist.pipeline.model_state import model_inputs
 
@@ -146,7 +145,7 @@ class RunMaterials:
 
     def network(self, device: torch.device | str | None = None) -> nn.Module:
         """A copy of the prototype of its own (on ``device``), for a role that overwrites its parameters."""
-        net = copy.deepcopy(self.prototype)
+        net = copy_model(self.prototype)
         return net if device is None else net.to(device)
 
     def inputs(self, which: str, model: nn.Module, device: torch.device | str) -> torch.Tensor:

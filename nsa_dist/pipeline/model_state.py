@@ -9,12 +9,13 @@ batch's own statistics.  :class:`ModelState` is that missing part of step t, sna
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+
+from nsa_dist.models import copy_model
 
 __all__ = ["ModelState", "analysis_copy", "model_inputs", "theta_vector"]
 
@@ -84,7 +85,7 @@ def analysis_copy(model: nn.Module) -> nn.Module:
     Raises:
         TypeError, AttributeError, RuntimeError: from ``copy.deepcopy`` (the caller names the cause).
     """
-    return copy.deepcopy(model).cpu().to(_float_dtype(model))
+    return copy_model(model).cpu().to(_float_dtype(model))
 
 
 def model_inputs(

@@ -432,7 +432,7 @@ def _test_point_prediction(ctx: StepContext) -> np.ndarray:
         run.spec,
         run.dtype,
         out=run._cross_buffer(),
-        route=run.plan.ntk_route,
+        route=run.test_route,
     )
     if diverged is not None:
         ctx.notes.note(("constant_gram_f_test",), diverged)

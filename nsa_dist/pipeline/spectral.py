@@ -9,15 +9,18 @@ the renderer, the solver's workspace and warm starts) and composes the producers
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import numpy as np
 import torch
 from torch.nn.utils import vector_to_parameters
 
+from nsa_dist.config import NTKMethod
 from nsa_dist.data import Dataset
 from nsa_dist.linalg import HostWorkspace, SpectrumRoute
 from nsa_dist.losses import is_nce
-from nsa_dist.ntk import gram
+from nsa_dist.ntk import NTKRoute, batch_decides, gram
 from nsa_dist.pipeline import producers as P
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
@@ -27,6 +30,8 @@ from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.plan import RunPlan
 from nsa_dist.pipeline.step_extras import StepExtras
 from nsa_dist.store.records import GramStep, HessianStep, ImageStep, KernelExtras, StepResult
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SpectralAnalyzer"]
 
@@ -90,7 +95,24 @@ class SpectralAnalyzer:
         out = (
             self._workspace.empty(f"gram.{which}", (n, n), self.dtype) if which and self.device.type == "cpu" else None
         )
-        return gram(self.model, X, method=self.plan.ntk_route, block_size=block, dtype=self.dtype, out=out)
+        route = self.test_route if which == "test" else self.plan.ntk_route
+        return gram(self.model, X, method=route, block_size=block, dtype=self.dtype, out=out)
+
+    @functools.cached_property
+    def test_route(self) -> NTKRoute:
+        """The NTK route at the test points: the run's (probed on the training points), or the batch
+        route when a forward over the test points decides over their batch (``if x.max() > 1``)
+        where the training points' did not — each test point alone is then another function
+        (:func:`~nsa_dist.ntk.batch_decides`; checked once, at the first test Gram, as the training
+        points' at the probe).  App. E's cross kernel takes it too."""
+        route = self.plan.ntk_route
+        if route.method is NTKMethod.BATCH or self.X_test is None or self.X_test.shape[0] < 2:
+            return route
+        why = batch_decides(self.model, self.X_test)
+        if why is None:
+            return route
+        log.info("run %r: at the test points %s: their Gram is the batch forward's", self.spec.name, why)
+        return route.whole_batch(why)
 
     def analyze(self, ck: Checkpoint, gang: Gang | None = None) -> StepResult:
         """Every quantity of recorded step ``ck.index``; ``gang``: the gang of a distributed layout.
