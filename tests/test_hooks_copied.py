@@ -199,20 +199,6 @@ def test_a_functional_frequency_scaled_lookup_is_refused_naming_it():
         gram(_Bag(functional=True).double(), torch.randint(0, 10, (12, 6)))
 
 
-class _ScaledAutoScale(nn.Module):
-    """Rescales a batch that looks raw ([0, 255]); a learnt output scale keeps it off the structured route."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-        self.t = nn.Parameter(torch.tensor(1.0))
-
-    def forward(self, x):
-        if x.max() > 1.0:
-            x = x / 255.0 * 10
-        return self.t * self.body(x)[:, 0]
-
-
 def test_test_points_whose_batch_forward_decides_otherwise_take_the_batch_kernel(tmp_path):
     """A route probed on the training points measured the test Gram and the cross Gram with each
     test point alone, where a forward deciding over its batch (``if x.max() > 1``) decides otherwise:
@@ -221,7 +207,7 @@ def test_test_points_whose_batch_forward_decides_otherwise_take_the_batch_kernel
     from nsa_dist.client import Client
 
     torch.manual_seed(0)
-    model = _ScaledAutoScale().double()
+    model = user_models.scaled_auto_scale(d=4).double()
     X = torch.rand(40, 4, dtype=torch.float64)
     Xt = torch.rand(20, 4, dtype=torch.float64)
     Xt[15] *= 255  # a raw [0, 255] point: the test batch is rescaled as a whole
@@ -244,3 +230,43 @@ def test_test_points_whose_batch_forward_decides_otherwise_take_the_batch_kernel
     got = np.asarray(Client(url).run("t").per_step("eigenvalues_test")[0], dtype=np.float64)
     want = np.linalg.eigvalsh((J2 @ J2.T).detach().numpy())[::-1][:10]
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12 * want[0], err_msg="the stored test spectrum")
+
+
+@pytest.mark.parametrize("layout", ["local", "block_rows"])
+def test_a_runs_test_points_that_decide_over_their_batch_get_its_kernel_in_every_layout(layout):
+    """On a gang the test Gram was sharded with the training points' per-sample route."""
+    import dataclasses
+
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.data import load_dataset
+    from nsa_dist.pipeline.plan import plan_run
+    from nsa_dist.pipeline.spectral import SpectralAnalyzer
+    from nsa_dist.pipeline.trainer import Trainer
+
+    spec = ExperimentSpec.model_validate(
+        {
+            "name": "t",
+            "data": {"name": "image2d", "n": 24, "n_test": 6},
+            "model": {"factory": "user_models:scaled_auto_scale", "kwargs": {"width": 6, "threshold": 50.0}},
+            "steps": 3,
+            "spectrum": {"dtype": "float64", "k": 6, "test_points": True, "images": [], "layout": layout}
+            | ({"workers": 2} if layout != "local" else {}),
+        }
+    )
+    data = load_dataset(spec.data, seed=spec.seed)
+    X_test = data.X_test.copy()
+    X_test[2] *= 255  # one raw point: the test batch is rescaled as a whole
+    data = dataclasses.replace(data, X_test=X_test)
+    plan = plan_run(spec, data)
+    ck = list(Trainer(plan, data).train_until(3))[1]
+    got = SpectralAnalyzer(plan, data).analyze(ck).arrays()["eigenvalues_test"]
+    model = user_models.scaled_auto_scale(width=6, threshold=50.0).double()
+    torch.nn.utils.vector_to_parameters(torch.as_tensor(np.asarray(ck.theta, np.float64)), model.parameters())
+    Xt = torch.as_tensor(X_test, dtype=torch.float32).double()
+    ps = list(model.parameters())
+    out = model(Xt)
+    J = torch.stack(
+        [torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i], ps, retain_graph=True)]) for i in range(6)]
+    )
+    want = np.linalg.eigvalsh((J @ J.T).detach().numpy())[::-1]
+    np.testing.assert_allclose(np.ravel(got)[:6], want, rtol=1e-8, atol=1e-12 * want[0], err_msg=layout)

@@ -126,3 +126,22 @@ class _LoRAHook(nn.Module):
 
 def lora_hook(d: int = 2, width: int = 8) -> nn.Module:
     return _LoRAHook(d, width)
+
+
+class _ScaledAutoScale(nn.Module):
+    """Rescales a batch that looks raw ([0, 255]); a learnt output scale keeps it off the structured route."""
+
+    def __init__(self, d: int, width: int, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.body = nn.Sequential(nn.Linear(d, width), nn.Tanh(), nn.Linear(width, 1))
+        self.t = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        if x.max() > self.threshold:
+            x = x / 255.0 * 10
+        return self.t * self.body(x)[:, 0]
+
+
+def scaled_auto_scale(d: int = 2, width: int = 8, threshold: float = 1.0) -> nn.Module:
+    return _ScaledAutoScale(d, width, threshold)

@@ -138,7 +138,9 @@ class StepContext:
 def step_gram(run: SpectralAnalyzer, which: str, theta: np.ndarray, gang: Gang | None) -> StepGram:
     """G at the training (or test) points in the plan's layout: whole here, or on the gang."""
     plan = run.plan
-    if not plan.distributed:
+    # test points whose forward decides over their batch take the batch kernel, which a gang would
+    # split: formed here (a training set that couples samples gets no gang at all)
+    if not plan.distributed or (which == "test" and run.test_route.coupled):
         return DenseGram(run._gram(run.X if which == "train" else run.X_test, which))
     n, s = (run.data.n if which == "train" else run.X_test.shape[0]), run.spec.spectrum
     gang, dtype = step_gang(run, gang), np.dtype(s.dtype)
