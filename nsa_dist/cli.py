@@ -54,6 +54,13 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _store_positional(p: argparse.ArgumentParser) -> None:
+    """The store as the command's optional first argument (``nsa verify [STORE]``, ``nsa serve [STORE]``)."""
+    p.add_argument(
+        "store", nargs="?", type=_store_path, default=os.environ.get("NSA_STORE") or DEFAULT_STORE, help=_STORE_HELP
+    )
+
+
 _STORE_HELP = "spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)"
 _RUN_HELP = "the run's id or name (`nsa ls` lists them)"
 
@@ -231,13 +238,7 @@ def _parser() -> argparse.ArgumentParser:
                 "--store", type=_store_path, default=None, help="show the runs of this store instead of Ray jobs"
             )
     v = command("verify", "check every chunk of a store; --mark forgets damaged steps for a re-run")
-    v.add_argument(
-        "store",
-        nargs="?",
-        type=_store_path,
-        default=os.environ.get("NSA_STORE") or DEFAULT_STORE,
-        help=_STORE_HELP,
-    )
+    _store_positional(v)
     v.add_argument(
         "--mark",
         "--repair",
@@ -246,13 +247,7 @@ def _parser() -> argparse.ArgumentParser:
         help="delete the damaged chunks and mark their steps not done (a re-run recomputes them)",
     )
     se = command("serve", "a read-only web view of a store (runs, a run's figures, a sweep's), live")
-    se.add_argument(
-        "store",
-        nargs="?",
-        type=_store_path,
-        default=os.environ.get("NSA_STORE") or DEFAULT_STORE,
-        help=_STORE_HELP,
-    )
+    _store_positional(se)
     se.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     se.add_argument("--port", type=_count(0, 65535), default=5006, help="port (0: any free one; default 5006)")
     se.add_argument("--allow-remote", action="store_true", help="consent to listen on a non-loopback --host")

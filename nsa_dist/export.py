@@ -138,11 +138,12 @@ def scalar_sources(run: Run) -> list[Source]:
     App. F (``gram_change*``), the first-order accuracy, the Hessian's moments, their Θ∞ and S
     limits, orthogonality, additivity, ∇Cᵀ·G, ‖S‖_op … — one series per entry of its short axes
     (named: ``hessian_S_limit/trace_S2``, ``hessian_additivity/value/moment_2``) and per
-    i = 1, 2, 5, 10, … of a long one; the quadrature route's curves and their brackets at every k
-    they were measured at (:func:`curve_sources`); the first exports' names are kept (``loss/recorded``,
-    ``spectrum/lambda_<i>``, ``energy_<φ>/k_<k>``, ``hessian/Tr(<A>^<k>)``).  Derived from the
-    client: ``loss/train`` (every step), ``spectrum/lambda_max`` and ``spectrum/stability_bound``
-    (2N/λ_max of the kernel that sets GD's stability), ``hessian/edge_of_stability`` and App. E's
+    i = 1, 2, 5, 10, … of a long one (every class of an ``output`` axis); the quadrature route's
+    curves and their brackets at every k they were measured at (:func:`curve_sources`); the first
+    exports' names are kept (``loss/recorded``, ``spectrum/lambda_<i>``, ``energy_<φ>/k_<k>``,
+    ``hessian/Tr(<A>^<k>)``).  Derived from the client: ``loss/train`` (every step),
+    ``spectrum/lambda_max`` and ``spectrum/stability_bound`` (2N/λ_max of the kernel that sets GD's
+    stability), ``hessian/edge_of_stability`` and App. E's
     test residual ``app_E/test_residual/{predicted,measured}``.
     """
     from itertools import product
@@ -166,7 +167,9 @@ def scalar_sources(run: Run) -> list[Source]:
             continue
         axes = []
         for dim, n in zip(dims[1:], run.shape(name)[1:]):
-            idx = range(n) if n <= _FULL else [k - 1 for k in ks(n)]
+            # classes are series of their own: every one (a k or i axis is sampled; the output axis of
+            # `eigenvalues_per_class` was too, and 6 of 10 classes went missing without a word)
+            idx = range(n) if n <= _FULL or dim == "output" else [k - 1 for k in ks(n)]
             names = _LABELS.get(dim) if dim in _LABELS and len(_LABELS[dim]) == n else None
             axes.append([(j, names[j] if names else f"{dim}_{j + 1}") for j in idx])
         for combo in product(*axes):

@@ -50,6 +50,9 @@ __all__ = [
     "title_of",
     "ks",
     "gd_note",
+    "density_on_log_axis",
+    "density_note",
+    "DENSITY_FLOOR",
     "add_gd_note",
     "some_steps",
     "colors",
@@ -286,6 +289,13 @@ def gd_note(run: Run) -> str | None:
             "residual's Jacobian is D = diag(σ'(h)) ≤ 1/4, so linearised GD is stable below "
             "2N/λ_max(D^½GD^½), which is at least 2N/(λ_max·max σ') ≥ 8N/λ_max (sufficient bounds, not the threshold)"
         )
+    if LossName(run.spec.loss) is LossName.CROSS_ENTROPY and name == "gd" and o.momentum == 0:
+        return (
+            "note: 2N/λ_max, s_i and δλ/N are formulas of GD on the L2 loss (NSA §4); for cross-entropy "
+            "the residual's Jacobian is HC = diag p − ppᵀ (eigenvalues ≤ ½), so linearised GD is stable "
+            "below 2N/λ_max(HC^½ G HC^½) ≥ 4N/λ_max (a sufficient bound, not the threshold): shown for "
+            "reference only"
+        )
     if name == "gd" and o.momentum == 0:
         return None
     what = {
@@ -299,6 +309,31 @@ def gd_note(run: Run) -> str | None:
     return (
         f"note: δλ/N, s_i and 2N/λ_max are formulas of full-batch GD without momentum (NSA §4); "
         f"this run uses {what}, so they are shown for reference only"
+    )
+
+
+DENSITY_FLOOR = 1e-8  # of a density curve's peak: the lowest value a log axis draws
+
+
+def density_on_log_axis(dens: np.ndarray) -> tuple[np.ndarray, int]:
+    """A spectral density for a log y axis: values at or below ``DENSITY_FLOOR`` of its peak (0
+    between the quadrature's nodes) as NaN — gaps — and how many (they were drawn at 1e-8, as if
+    measured there)."""
+    d = np.array(dens, dtype=np.float64)
+    ok = np.isfinite(d)
+    peak = float(d[ok].max()) if ok.any() else 0.0
+    low = ok & (d <= DENSITY_FLOOR * peak)
+    d[low] = np.nan
+    return d, int(low.sum())
+
+
+def density_note(hidden: int, total: int) -> str:
+    """What :func:`density_on_log_axis` left out, said ("" when nothing)."""
+    if not hidden:
+        return ""
+    return (
+        f"log axis: {hidden} of {total} grid values at or below 10⁻⁸ of their curve's peak (the density "
+        "between the quadrature's nodes, 0 or rounding) are not drawn: gaps"
     )
 
 

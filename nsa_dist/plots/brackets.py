@@ -112,23 +112,29 @@ def draw_bracketed_along_t(
     return True
 
 
-def bracket_caption(run: Run, drawn: bool = True) -> str:
-    """The caption under a figure of bracketed curves: the route and how the band is guaranteed."""
-    top = int(run.shape("eigenvalues")[1])
-    if run.energy_route == "exact":
-        which = f"every k = 1..N = {run.N}" if top >= run.N else f"k = 1..{top} (the eigenpairs kept)"
-        try:
-            mixed = run.curve("energy_y").inexact_ranges()
-        except KeyError:  # no energy_y stored
-            mixed = ""
+def bracket_caption(run: Run, drawn: bool = True, phi: str = "y") -> str:
+    """The caption under a figure of bracketed curves of E_t(``phi``, k) (and λ_k, for "y"): the route
+    and how the band is guaranteed — of the test points' Gram (M × M, its own eigenpairs) for
+    ``phi="f_test"`` (Fig. 3e was captioned with the training curve's N, cluster ranges and route)."""
+    test = phi == "f_test"
+    top = int(run.shape("eigenvalues_test" if test else "eigenvalues")[1])
+    n, n_name, gram = (int(run.shape("X_test")[0]), "M", "the test points' G_t") if test else (run.N, "N", "G_t")
+    try:
+        curve = run.curve(f"energy_{phi}")
+    except KeyError:  # no such curve stored
+        curve = None
+    route = curve.route if curve is not None else run.energy_route
+    if route == "exact":
+        which = f"every k = 1..{n_name} = {n}" if top >= n else f"k = 1..{top} (the eigenpairs kept)"
+        mixed = curve.inexact_ranges() if curve is not None else ""
         if mixed:
             return (
-                f"exact route: {which} from the eigendecomposition of G_t (no bracket to draw) except "
+                f"exact route: {which} from the eigendecomposition of {gram} (no bracket to draw) except "
                 f"E at k {mixed}: inside a cluster of eigenvalues within rounding (G's null space"
                 + (", or below a float32 G's rounding" if run.spec.spectrum.dtype == "float32" else "")
                 + "), shaded band"
             )
-        return f"exact route: {which} from the eigendecomposition of G_t (no bracket to draw)"
+        return f"exact route: {which} from the eigendecomposition of {gram} (no bracket to draw)"
     conf = run.attrs.get("curve_confidence")
     head = (
         f"quadrature route: k ≤ {top} exact; shaded band = bracket"
@@ -138,14 +144,14 @@ def bracket_caption(run: Run, drawn: bool = True) -> str:
     return f"{head} — {run.curve_bracket}"
 
 
-def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True, more: str = "") -> None:
+def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True, more: str = "", phi: str = "y") -> None:
     """Write :func:`bracket_caption` (then ``more``, a sentence of the figure's own) under the axes
     of ``fig`` (laid out with them, wrapped to the width)."""
     import textwrap
 
     from nsa_dist.plots.axes import _text_width
 
-    text = bracket_caption(run, drawn) + (f"; {more}" if more else "")
+    text = bracket_caption(run, drawn, phi) + (f"; {more}" if more else "")
     pt, width = 7.0, 0.96 * fig.bbox.width
     # the characters per line from the font size, narrowed until the widest line fits (axes.fit_text
     # measures every trial line: seconds on a sentence this long)

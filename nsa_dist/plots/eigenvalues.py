@@ -69,9 +69,15 @@ def fig2b(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     return fig
 
 
+def _full_kernel(run: Run) -> str:
+    """Which λ_i^t GD's formulas take for Ko > 1: the full (N·Ko)×(N·Ko) kernel's, not Figs. 2a-b's
+    output-traced Gram's (one symbol named both: λ_1 9,004 in Fig. 2a, 1,825 behind Fig. 2c)."""
+    return r", $\lambda_i^t$ of the full $NK{\times}NK$ kernel" if run.Ko > 1 else ""
+
+
 def fig2c(run: Run) -> Figure:
     """Information-flow speed s_i^t = 1 − |1 − δ_t λ_i^t / N| along t for the top 8 eigenvectors."""
-    fig, ax = new_figure(run, "2c", "information flow speed of the top eigenvectors")
+    fig, ax = new_figure(run, "2c", "information flow speed of the top eigenvectors" + _full_kernel(run))
     ax, s = ax[0, 0], run.flow_speed()  # (S, K)
     top = min(8, s.shape[1])
     for c, i in zip(colors(top), range(1, top + 1)):
@@ -83,7 +89,7 @@ def fig2c(run: Run) -> Figure:
 
 def fig2d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """δ_t λ_i^t / N along t for i in 1, 2, 5, 10, … ≤ K, with the stability limit 2 (log y)."""
-    fig, ax = new_figure(run, "2d", r"$\delta_t \lambda_i^t / N$ along t")
+    fig, ax = new_figure(run, "2d", r"$\delta_t \lambda_i^t / N$ along t" + _full_kernel(run))
     ax, p = ax[0, 0], run.lr_eigen_product()  # (S, K)
     rows = ks(p.shape[1], opts.ks, f"Fig. 2d of run {run.id!r}")
     cols, labels = colors(len(rows)), [family_label("i", i) for i in rows]

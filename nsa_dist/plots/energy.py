@@ -72,5 +72,5 @@ def energy_figure(run: Run, phi: str, opts: PlotOptions = PlotOptions()) -> Figu
     time_axis(ax, run, rf"$E_t({_PHI_TEX[phi]}, k)$", family=tuple(family))
     from nsa_dist.plots.brackets import add_bracket_caption
 
-    add_bracket_caption(fig, run, drawn)  # the route, on both (the exact one: no band, and why)
+    add_bracket_caption(fig, run, drawn, phi=phi)  # the route, on both (the exact one: no band, and why)
     return fig

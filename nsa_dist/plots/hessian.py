@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import colors, family_label, legend, new_figure, some_steps, symlog_y, time_axis
+from nsa_dist.plots.axes import (
+    colors,
+    density_note,
+    density_on_log_axis,
+    family_label,
+    legend,
+    new_figure,
+    some_steps,
+    symlog_y,
+    time_axis,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -121,12 +131,17 @@ def density(run: Run) -> Figure:
     fig, ax = new_figure(run, TITLES["density"], "spectral density of H (stochastic Lanczos quadrature)", paper=_PAPER)
     ax, steps = ax[0, 0], run.hessian.steps
     pick = some_steps(len(steps), 4)
+    hidden = total = 0
     for j, c in zip(pick, colors(len(pick))):
         grid, dens = run.hessian.density(int(steps[j]))
-        ax.plot(grid, np.clip(dens, 1e-8, None), color=c, label=family_label("t", steps[j]))
+        drawn, low = density_on_log_axis(dens)
+        hidden, total = hidden + low, total + len(drawn)
+        ax.plot(grid, drawn, color=c, label=family_label("t", steps[j]))
     ax.set(xlabel="eigenvalue of H", ylabel="density", yscale="log")
     ax.grid(alpha=0.3)
     legend(ax)
+    if hidden:
+        fig.text(0.01, 0.005, density_note(hidden, total), fontsize=7, ha="left", va="bottom", wrap=True)
     return fig
 
 

@@ -87,9 +87,9 @@ class Eigenvectors(Panel):
         if self.images:
             up = picture_data(run)  # the spatial images upright; the |Fourier| panels keep (ξ₁, ξ₂) up
             self.vecs = [_Image(190).picture() if up else _Image(190) for _ in range(n)]
-            self.ffts = [_Image(190, "Magma256", symmetric=False) for _ in range(n)]
+            self.ffts = [_Image(190, "Magma256", symmetric=False, x="ξ₁", y="ξ₂") for _ in range(n)]
             self.residual = (
-                [_Image(260).picture() if up else _Image(260), _Image(260, "Magma256", symmetric=False)]
+                [_Image(260).picture() if up else _Image(260), _Image(260, "Magma256", symmetric=False, x="ξ₁", y="ξ₂")]
                 if self.has_residual
                 else []
             )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nsa_dist.plots.axes import density_note, density_on_log_axis
 from nsa_dist.serve._curves import (
     Curves,
     Picked,
@@ -189,8 +190,12 @@ class Density(_HessianPicked):
         out = []
         for j, t in enumerate(self.picked(run)):
             grid, dens = run.hessian.density(t)
-            out.append(Series(grid, np.clip(dens, 1e-8, None), f"t = {t}", color(j), markers=False))
+            out.append(Series(grid, density_on_log_axis(dens)[0], f"t = {t}", color(j), markers=False))
         return [out]
+
+    def note_text(self, run: Run) -> str:
+        counts = [density_on_log_axis(run.hessian.density(t)[1]) for t in self.picked(run)]
+        return density_note(sum(n for _, n in counts), sum(len(d) for d, _ in counts))
 
 
 class ISpectrum(_HessianPicked):

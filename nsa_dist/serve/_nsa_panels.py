@@ -130,6 +130,12 @@ def _joined(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
+def _gd_notes(run: Run) -> str:
+    """Figs. 2c-d's note: which λ_i^t (Ko > 1: the full kernel's, not Fig. 2a's), then :func:`gd_note`."""
+    full = "λ_i^t here are the full (N·Ko)×(N·Ko) kernel's, not Figs. 2a-b's output-traced Gram's" if run.Ko > 1 else ""
+    return "; ".join(n for n in (full, gd_note(run) or "") if n)
+
+
 class Fig2c(Curves):
     """s_i^t = 1 − |1 − δ_t λ_i^t / N| of the top 8 eigenvectors along t (NSA Fig. 2c)."""
 
@@ -142,7 +148,7 @@ class Fig2c(Curves):
         return [[Series(run.steps, s[:, i], f"i = {i + 1}", color(i)) for i in range(min(8, s.shape[1]))]]
 
     def note_text(self, run: Run) -> str:
-        return gd_note(run) or ""
+        return _gd_notes(run)
 
 
 class Fig2d(Curves):
@@ -158,7 +164,7 @@ class Fig2d(Curves):
         return [out + [hline(run.steps, 2.0, "2 (stability limit)", "#d62728", "dotted")]]
 
     def note_text(self, run: Run) -> str:
-        return gd_note(run) or ""
+        return _gd_notes(run)
 
 
 class Energy(Picked):

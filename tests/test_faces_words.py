@@ -1,0 +1,84 @@
+"""What each face says beside the stored numbers (audit L: every number matched; these were the
+words around them): a cross-entropy run's GD formulas carry their caveat, Figs. 2c-d say whose λ_i^t
+they take, Fig. 3e is captioned with the test Gram's route, every class is exported, and a Hessian
+density's log axis says what it leaves out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nsa_dist.client import Client
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.pipeline import run_experiment
+from nsa_dist.store import SpectrumStore
+
+CE = {
+    "name": "ce",
+    "data": {"name": "digits", "n": 60, "n_test": 24, "target": "onehot"},
+    "model": {"depth": 2, "width": 16, "output_dim": 10},
+    "loss": "cross_entropy",
+    "schedule": {"lr": 0.5},
+    "steps": 4,
+    "record": {"steps": [0, 3]},
+    "spectrum": {"k": "all", "test_points": True, "per_class_k": 5, "images": []},
+    "hessian": {"probes": 4, "rayleigh_k": 2, "top_k": 2, "density": True},
+}
+
+
+@pytest.fixture(scope="module")
+def ce_run(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("faces") / "s.zarr")
+    assert run_experiment(ExperimentSpec.model_validate(CE), SpectrumStore(url)).status == "done"
+    return Client(url).run("ce")
+
+
+def _texts(fig) -> str:
+    return " ".join(t.get_text() for t in fig.texts) + " " + " ".join(a.get_title() for a in fig.axes)
+
+
+def test_a_cross_entropy_runs_gd_formulas_carry_their_caveat_and_whose_eigenvalues(ce_run):
+    from nsa_dist.plots.registry import make_figure
+    from nsa_dist.serve._nsa_panels import Fig2c
+
+    for name in ("fig1e_lr_stability", "fig2c_flow_speed", "fig2d_lr_eigen"):
+        text = _texts(make_figure(ce_run, name))
+        assert "formulas of GD on the L2 loss" in text and "4N/λ_max" in text, (name, text)
+    assert "full $NK{\\times}NK$ kernel" in _texts(make_figure(ce_run, "fig2c_flow_speed"))
+    note = Fig2c(ce_run).note_text(ce_run)
+    assert note.startswith("λ_i^t here are the full (N·Ko)×(N·Ko) kernel's") and "cross-entropy" in note, note
+
+
+def test_fig3e_is_captioned_with_the_test_grams_own_size(ce_run):
+    from nsa_dist.plots.registry import make_figure
+
+    text = _texts(make_figure(ce_run, "fig3e_energy_f_test"))
+    assert "every k = 1..M = 24 from the eigendecomposition of the test points' G_t" in text, text
+    assert "N = 60" not in text, text
+
+
+def test_every_class_is_exported(ce_run, tmp_path):
+    from nsa_dist.export import scalar_sources
+
+    tags = {s.tag for s in scalar_sources(ce_run) if s.array == "eigenvalues_per_class"}
+    classes = {t.split("/")[1] for t in tags}
+    assert classes == {f"output_{c}" for c in range(1, 11)}, sorted(classes)
+
+
+def test_a_hessian_densitys_log_axis_says_what_it_leaves_out(ce_run):
+    from nsa_dist.plots.axes import density_on_log_axis
+    from nsa_dist.plots.registry import make_figure
+    from nsa_dist.serve._hessian_panels import Density
+
+    step = int(ce_run.hessian.steps[0])
+    dens = ce_run.hessian.density(step)[1]
+    drawn, hidden = density_on_log_axis(dens)
+    low = dens <= 1e-8 * dens.max()
+    assert hidden == int(low.sum()) and np.isnan(drawn[low]).all(), (hidden, int(low.sum()))
+    np.testing.assert_array_equal(drawn[~low], dens[~low])  # the rest drawn as stored
+    fig = make_figure(ce_run, "hessian_density")
+    panel = Density(ce_run)
+    assert hidden > 0, "this run's density has no values below the floor: the test says nothing"
+    assert "are not drawn: gaps" in _texts(fig) and "are not drawn: gaps" in panel.note_text(ce_run)
+    lines = [ln.get_ydata() for ln in fig.axes[0].get_lines()]
+    assert all(np.nanmin(np.asarray(y, float)) > 0 for y in lines)
