@@ -181,6 +181,7 @@ class Tracker:
         self._trainable = {k: p.requires_grad for k, p in user.named_parameters()}
         self._layout = _parameter_layout(user)
         self.stopped: str | None = None  # why the Tracker stopped recording by itself (training goes on)
+        self.finished = False  # the run was finished when this Tracker opened it: it records and writes nothing
         self._said: set[str] = set()  # the warnings given (each kind once per Tracker)
         self._gd_step: tuple[int, np.ndarray] | None = None  # optimizer="gd": (t, ∇L(θ_t)) of the pending step
         self.rank = distributed_rank()
@@ -221,6 +222,10 @@ class Tracker:
                 self.store.url,
             )
             self._unchecked = set()  # nothing is recorded: nothing to check, and the run stays as it is
+            # nothing written either — no loss from log() (it overwrote the stored loss curve with another
+            # loop's; a NaN one marked the finished run failed), no status: the lease goes back now
+            self.finished = True
+            self.tracked.leave_finished()
         # the trainable set (self._trainable, above) is part of the run: the stored network digest, the
         # NTK route resolved once on the analysis copy and the Hessian's parameter set are all fixed here
 
@@ -254,10 +259,17 @@ class Tracker:
         Raises:
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
-        if self.tracked is None:
-            return False  # a DDP rank other than 0: rank 0 records
+        if self.tracked is None or self.finished:
+            return False  # a DDP rank other than 0 (rank 0 records), or a finished run
         self.tracked.check()
         if self.tracked.closed or not self._still_measurable(step) or not self._on_the_recorded_path(step):
+            return False
+        if step < self.tracked.seen:  # the loop's counter went back: a step before the latest is not recorded
+            self._say_once(
+                "back",
+                f"the loop went back from step {self.tracked.seen} to step {step}: steps before the latest one "
+                "are not recorded (θ there would be a later step's)",
+            )
             return False
         self.tracked.advance(step)
         return self.tracked.due(step)
@@ -272,7 +284,7 @@ class Tracker:
             NonFiniteError: a NaN/inf loss (the run is marked failed at this step, as by
                 :meth:`record`; finished steps are kept).
         """
-        if self.tracked is None:
+        if self.tracked is None or self.finished:
             return
         self.tracked.check()
         if self.stopped is not None:
@@ -321,7 +333,7 @@ class Tracker:
             NonFiniteError: a NaN/inf loss or outputs (the run is marked failed; finished steps are kept).
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
         """
-        if self.tracked is None:
+        if self.tracked is None or self.finished:
             return
         self.tracked.check()
         if self.stopped is not None or not self._still_measurable(step):

@@ -198,6 +198,8 @@ class StoreContract:
         store = SpectrumStore(run_url)
         store.group(RID).attrs["creating"] = True  # its writer was killed while making the arrays
         store.keys.delete(f"runs/{RID}/loss/zarr.json")
+        status, reason = store.run_status(RID)
+        assert status == "interrupted" and reason.startswith("its creation was interrupted"), (status, reason)
         with pytest.raises(StoreError, match="its creation was interrupted before array 'loss' was made"):
             store.reader(RID).read("loss")
         (found,) = verify_store(store)

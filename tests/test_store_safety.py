@@ -299,6 +299,10 @@ def test_kill_at_many_instants_including_creation_resumes_bit_identical(tmp_path
         assert proc.returncode == -signal.SIGKILL, f"not killed when {what}"
         if i == 0:
             assert SpectrumStore(b).run_attrs(rid).get("creating") is True, "the kill landed outside run creation"
+            run = Client(b).run(rid)  # it read `pending`, no reason (audit K)
+            assert run.status == "interrupted" and "creation was interrupted" in run.reason, (run.status, run.reason)
+            listed = Client(b).runs().set_index("id").loc[rid]
+            assert listed["status"] == "interrupted" and "creation was interrupted" in listed["reason"], listed
             continue
         assert _n_done(b, rid) == (2, 6, 10)[i - 1], f"{_n_done(b, rid)} steps done when killed as {what}"
         run = Client(b).run(rid)  # its writer is dead: the run shows interrupted, not running

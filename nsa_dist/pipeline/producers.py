@@ -226,6 +226,13 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
             f"after record({ck.step}) (the loop ended, was interrupted, or went on from another step), or the "
             "update diverged — Δf_t and what is made of Δθ_t are NaN",
         )
+    if not np.isfinite(ck.lr) and np.isfinite(ck.dtheta).all() and run.plan.has("lr"):
+        notes.note(  # the Tracker's log said it once; the store says it at every such step
+            ["lr"],
+            f"δ_t of step {ck.step} is not known: the learning rate given is ambiguous (groups with different "
+            "rates), or under optimizer='gd' the update made is not full-batch gradient descent at it (another "
+            "optimizer, clipping, mini-batches, another rate) — Δf_t is predicted as J_t Δθ_t of the update made",
+        )
     with run.cost.timed("metrics"):
         residual = loss_residual(run.spec, run.data, ck.f)
         Y = run.y.reshape(N, -1)

@@ -74,7 +74,11 @@ def _run(session: RunSession, on_step, on_update, on_prepared) -> RunOutcome:
         on_prepared(session.prepared)
     plan, data, rid = session.plan, session.data, session.run_id
     trainer, analyzer = Trainer(plan, data), SpectralAnalyzer(plan, data)  # each a copy of the run's network
-    if session.complete():  # also a run killed between its last step and its preservation array
+    if session.complete():  # also a run killed between its last step and its preservation array: finished here
+        if session.writer.attr("status") == Status.DONE:
+            # finished before: left as it is — rewriting its post-run arrays again lost them to a kill
+            # between an array's re-creation and its data (a `done` run with `preservation` missing)
+            session.ended = True
         return RunOutcome(rid, Status.DONE)
     resume = session.writer.resume_index()
     if resume is not None:

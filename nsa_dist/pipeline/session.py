@@ -189,11 +189,11 @@ class RunSession:
             prepared = prepare_run(
                 spec, store, lease.token if lease else token, model, data=data, key=key, gang_in_process=gang_in_process
             )
+            return cls(prepared, lease, hint)  # reads the done flags: a damaged chunk of them gives the lease back
         except BaseException as exc:
             if lease is not None:
                 lease.hand_back() if isinstance(exc, RunRefused) else lease.release()
             raise
-        return cls(prepared, lease, hint)
 
     @classmethod
     def open_all(

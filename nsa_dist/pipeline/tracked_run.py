@@ -67,6 +67,7 @@ class TrackedRun:
         self.schedule = session.spec.record_steps()
         self.index = {t: i for i, t in enumerate(self.schedule)}  # step -> recorded-step index
         self.recorded: set[int] = set()  # steps taken by this Tracker
+        self.seen = -1  # the latest step the loop has been at (advance): a recorded step comes no earlier
         self.pending: Checkpoint | None = None
         self.trace: dict[int, float] = {}
         self.failure: AnalysisError | None = None
@@ -105,7 +106,8 @@ class TrackedRun:
         except BaseException as exc:
             session.end(exc)  # not started: the status stays, the lease is given back
             raise
-        session.start()
+        if not session.complete():  # a finished run stays `done`: the Tracker leaves it (leave_finished)
+            session.start()
         return cls(session, workers, max_inflight, update)
 
     def due(self, step: int) -> bool:
@@ -126,6 +128,12 @@ class TrackedRun:
             raise ValueError(
                 f"step {step} is not a recorded step of this run (schedule: {self.schedule[:8]}"
                 f"{' …' if len(self.schedule) > 8 else ''}); test tr.due(step) first"
+            )
+        if step < self.seen:
+            raise ValueError(
+                f"step {step} comes before step {self.seen}, where the loop already was: a step is recorded at "
+                f"θ_t before update t, in the loop's order (out of order, θ of another step would be stored as "
+                f"step {step}'s)"
             )
         if step in self.recorded or self.session.done[self.index[step]]:
             when = "by this Tracker" if step in self.recorded else "in the store, before this Tracker was opened"
@@ -150,6 +158,7 @@ class TrackedRun:
     def advance(self, step: int) -> None:
         """The loop is at ``step``: once past the pending checkpoint's step, submit it — with its
         update if the model is at its step + 1, else with NaN ones."""
+        self.seen = max(self.seen, step)
         ck = self.pending
         if ck is None or step == ck.step:
             return
@@ -211,6 +220,15 @@ class TrackedRun:
         self.flush_trace()
         self.session.fail(exc)  # its message and step
         self._end()
+
+    def leave_finished(self) -> None:
+        """The run was finished when opened: close without a word written (its status stays ``done``,
+        nothing is recorded) and give the lease back."""
+        self.closed = True
+        self.pool.close()
+        self.session.ended = True
+        self.session.release()
+        _OPEN.discard(self)
 
     def stop_lost(self) -> None:
         """The lease was taken over: close without writing (no status, no released lease)."""

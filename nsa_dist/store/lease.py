@@ -267,10 +267,13 @@ def parse_lease(raw: bytes | None) -> LeaseInfo | None:
 
 
 def effective_status(
-    status: str | None, reason: str | None, lease: LeaseInfo | None, now: float | None = None
+    status: str | None, reason: str | None, lease: LeaseInfo | None, now: float | None = None, *, creating: bool = False
 ) -> tuple[str | None, str | None]:
     """(status, reason) as it is: ``running`` only while its writer's lease is fresh, else
-    ``interrupted`` with the last sign of life."""
+    ``interrupted`` with the last sign of life; a run still marked ``creating`` whose writer holds
+    no fresh lease is ``interrupted`` too (its creation was: it read ``pending``, no reason)."""
+    if creating and not (lease is not None and lease.fresh(now)):
+        return Status.INTERRUPTED, f"its creation was interrupted; {INTERRUPTED_HINT}"
     if status != Status.RUNNING or (lease is not None and lease.fresh(now)):
         return status, reason
     if lease is None:

@@ -81,7 +81,9 @@ class RunIndex:
     def run_status(self, run_id: str, attrs: dict | None = None) -> tuple[str | None, str | None]:
         """(status, reason) as it is now: a ``running`` run whose lease expired is ``interrupted``."""
         a = attrs if attrs is not None else self.run_attrs(run_id)
-        return effective_status(a.get("status"), a.get("reason"), self.lease_info(run_id))
+        return effective_status(
+            a.get("status"), a.get("reason"), self.lease_info(run_id), creating=bool(a.get("creating"))
+        )
 
     def dims(self, run_id: str) -> RunDims:
         """The run's array sizes as stored when it was created."""

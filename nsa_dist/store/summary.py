@@ -93,7 +93,9 @@ async def _quick(store: RunIndex, rid: str, steps_too: bool) -> RunSummary:
     attrs = json.loads(meta).get("attributes", {})
     if attrs.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:  # :func:`_checked`'s reader names it
         raise StoreError(f"run {rid!r}: store schema {attrs.get('schema_version')}")
-    status, reason = effective_status(attrs.get("status"), attrs.get("reason"), parse_lease(lease))
+    status, reason = effective_status(
+        attrs.get("status"), attrs.get("reason"), parse_lease(lease), creating=bool(attrs.get("creating"))
+    )
     base = dict(
         id=rid,
         status=status,

@@ -59,7 +59,7 @@ class Damage:
 def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
     """Every damaged chunk or metadata file of one run."""
     try:
-        r = RunReader(store, run_id)
+        r = RunReader(store, run_id, tolerant=True)  # a damaged `done` chunk is named below, per step
     except StoreError as exc:
         folder = _linked(store, run_id)
         return [
@@ -123,7 +123,9 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                         None,
                         None,
                         f"{r.path}/{name}/{key}",
-                        "chunk missing (the array is written whole when the run is created)",
+                        "chunk missing (the losses of steps the run trained)"
+                        if name == "loss_trace"
+                        else "chunk missing (the array is written whole when the run is created)",
                         f"runs/{run_id}/{name}/{key}",
                     )
                 )
@@ -345,7 +347,7 @@ def mark_damaged(
             if not store.has_run(rid):
                 marked[rid] = None
                 continue
-            r = RunReader(store, rid)
+            r = RunReader(store, rid, tolerant=True)
             idx = list(range(len(r.done))) if scratch else _steps_to_recompute(r, ds)
             store.reopen(rid, token=lease.token).forget_steps(
                 idx,

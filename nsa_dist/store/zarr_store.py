@@ -478,7 +478,20 @@ class RunWriter:
 
     # ------------------------------------------------------------------ steps
     def done(self) -> np.ndarray:
-        return np.asarray(self.g["done"][:], dtype=bool)
+        """The recorded steps' done flags.
+
+        Raises:
+            StoreError: a chunk of them is unreadable (named, with the way out): a codec's own
+                "Stored and computed checksum do not match" named no run, array or file.
+        """
+        try:
+            return np.asarray(self.g["done"][:], dtype=bool)
+        except Exception as exc:  # noqa: BLE001 — a damaged chunk: said with the run and the file
+            raise StoreError(
+                f"run {self.run_id!r}: array 'done' (the recorded steps' done flags) is damaged under "
+                f"{self.store.url}/runs/{self.run_id}/done ({type(exc).__name__}: {exc}); run `nsa verify "
+                f"{self.store.url} --mark` (its steps are then recomputed by a re-run)"
+            ) from exc
 
     def write_step(self, index: int, result: StepResult, state: Any) -> None:
         """Everything of recorded step ``index``: results, θ/optimizer/RNG state, then the done flag.
@@ -531,14 +544,22 @@ class RunWriter:
             raise StoreError(f"run {self.run_id!r}: refusing to delete keys of another run: {', '.join(outside)}")
         self.set_attrs(static_complete=not static_damaged and bool(self.attr("static_complete", True)))
         self.set_status(Status.PENDING, reason)
+        flags = [k for k in chunk_keys if k.startswith(f"runs/{self.run_id}/done/")]
+        for key in flags:  # an unreadable chunk of the done flags first: marking steps in it would read it
+            self._delete(key)
         self.mark_not_done(indices)
         for key in chunk_keys:
-            self.fence()
-            if self._fence is not None:
-                self._fence.delete(self.store.keys.path / key)
-            else:  # an object store: the key, and every key under it when it names a folder
-                for k in [key, *self.store.keys.list_prefix(f"{key}/")]:
-                    self.store.keys.delete(k)
+            if key not in flags:
+                self._delete(key)
+
+    def _delete(self, key: str) -> None:
+        """Delete store key ``key`` of this run (fenced), and every key under it when it names a folder."""
+        self.fence()
+        if self._fence is not None:
+            self._fence.delete(self.store.keys.path / key)
+        else:  # an object store
+            for k in [key, *self.store.keys.list_prefix(f"{key}/")]:
+                self.store.keys.delete(k)
 
     def write_trace(self, start: int, values: np.ndarray) -> None:
         """``loss_trace[start:start + len(values)] = values``, as whole chunks: they are read and

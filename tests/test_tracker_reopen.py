@@ -1,0 +1,87 @@
+"""A Tracker never writes into a finished run, and records in the loop's order (audit K: a reopened
+finished run's loss curve was overwritten by another loop's losses, a NaN loss marked it failed; steps
+recorded out of order stored θ of one step as another's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from torch import nn
+
+from nsa_dist import Tracker
+
+torch.manual_seed(0)
+X = torch.randn(32, 2)
+Y = X[:, 0].sin()
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0))
+
+
+def _loop(url: str, model: nn.Module, lr: float, nan_at: int | None = None) -> Tracker:
+    tr = Tracker(url, "r", model, X, Y, steps=20, record={"every": 10}, spectrum={"k": 3, "images": []})
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for t in range(20):
+        if tr.due(t):
+            tr.record(t, lr=lr)
+        opt.zero_grad()
+        loss = 0.5 * ((model(X) - Y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        tr.log(t, float("nan") if t == nan_at else loss.item())
+    tr.close()
+    return tr
+
+
+def test_a_finished_run_reopened_is_left_as_it_is(tmp_path):
+    url = str(tmp_path / "s.zarr")
+    _loop(url, _net(1), 0.1)
+    run = zarr.open_group(url, mode="r")["runs/r"]
+    before = {name: run[name][...].copy() for name in ("loss_trace", "loss", "theta", "eigenvalues")}
+    attrs = dict(run.attrs)
+    again = _loop(url, _net(7), 0.3)  # another network under the same name: it records nothing
+    _loop(url, _net(1), 0.1, nan_at=5)  # a NaN loss: not this finished run's failure
+    run = zarr.open_group(url, mode="r")["runs/r"]
+    for name, was in before.items():
+        np.testing.assert_array_equal(run[name][...], was, err_msg=f"{name} of the finished run changed")
+    assert run.attrs["status"] == "done" and run.attrs.get("reason") == attrs.get("reason"), dict(run.attrs)
+    assert again.finished and not again.due(0)
+
+
+def test_steps_are_recorded_in_the_loops_order(tmp_path):
+    model = _net(1)
+    tr = Tracker(str(tmp_path / "s.zarr"), "o", model, X, Y, steps=40, record={"every": 10}, spectrum={"k": 3})
+    tr.record(20, lr=0.1)
+    with pytest.raises(ValueError, match=r"step 10 comes before step 20, where the loop already was"):
+        tr.record(10, lr=0.1)
+    tr.log(25, 0.1)
+    with pytest.raises(ValueError, match=r"step 20 comes before step 25|step 20 was already recorded"):
+        tr.record(20, lr=0.1)
+    tr.record(30, lr=0.1)
+    with pytest.raises(ValueError, match=r"step 0 comes before step 30"):
+        tr.record(0, lr=0.1)
+    tr.close()
+
+
+def test_a_learning_rate_stored_nan_says_why_in_the_step_notes(tmp_path):
+    """Under optimizer='gd' an Adam loop's δ_t is stored NaN: it was said in the log only (audit K)."""
+    from nsa_dist.client import Client
+
+    model = _net(1)
+    url = str(tmp_path / "s.zarr")
+    tr = Tracker(url, "a", model, X, Y, steps=4, record={"every": 2}, spectrum={"k": 3}, optimizer="gd")
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for t in range(4):
+        if tr.due(t):
+            tr.record(t, lr=0.05)
+        opt.zero_grad()
+        (0.5 * ((model(X) - Y) ** 2).mean()).backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("a")
+    assert np.isnan(run.per_step("lr")[0])
+    assert "not full-batch gradient descent" in run.notes[0]["lr"], run.notes
