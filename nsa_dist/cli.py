@@ -273,9 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         or an outside failure, 130 on Ctrl-C and 143 on SIGTERM, 75 when this machine's Ray
         raylet stopped under a sweep (all three leave resumable runs).
     """
-    args, extra = _parser().parse_known_args(argv)
-    if extra:  # said by the command's own parser: its usage, not the top level's
-        args._commands[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # after the command: said by its own parser (its usage); before it: by the top level's
+        words = list(sys.argv[1:] if argv is None else argv)
+        before = words.index(extra[0]) < words.index(args.cmd) if extra[0] in words and args.cmd in words else False
+        (parser if before else args._commands[args.cmd]).error(f"unrecognized arguments: {' '.join(extra)}")
     del args._commands
     args.argv = argv
     saved_debug = os.environ.get("NSA_DEBUG")

@@ -246,9 +246,9 @@ def _model_kind(v: Any) -> str:
     """Which model block a value is: a factory when it names one."""
     if isinstance(v, FactoryModelSpec):
         return "factory"
-    if isinstance(v, dict):  # a key only a factory block has, or one misspelt from `factory`, makes it one:
-        keys = [str(k) for k in v]  # `factroy:` is then said as such, not as a net's unknown fields
-        if {"factory", "kwargs", "output"} & set(keys) or difflib.get_close_matches("factory", keys, n=1, cutoff=0.7):
+    if isinstance(v, dict):  # `factory`, or a key misspelt from it, makes it one: `factroy:` is then said as
+        keys = [str(k) for k in v]  # such, not as a net's unknown field beside every factory key
+        if "factory" in keys or difflib.get_close_matches("factory", keys, n=1, cutoff=0.7):
             return "factory"
     return "fc"
 

@@ -33,6 +33,7 @@ __all__ = [
     "not_a_tensor",
     "user_named_modules",
     "copy_model",
+    "copied_from",
     "resolve_factory",
     "select_output",
 ]
@@ -527,19 +528,31 @@ _HOOK_DICTS = (
 )
 
 
+_COPIED_FROM: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def copied_from(model: nn.Module) -> nn.Module | None:
+    """The module :func:`copy_model` copied ``model`` from (None: not such a copy, or it is gone)."""
+    return _COPIED_FROM.get(model)
+
+
 def copy_model(model: nn.Module) -> nn.Module:
     """``copy.deepcopy(model)`` whose hooks act on the copy.
 
     ``deepcopy`` copies a hook that is a bound method or a ``functools.partial`` with the module it
     holds, but a function is copied as itself: a hook written as a lambda or closure over the model
     (``self.h.register_forward_pre_hook(lambda m, i: (i[0] * self.g,))``, a LoRA adapter added by
-    ``lambda m, i, o: o + self.B(self.A(i[0]))``), or reading it through a global name (a notebook's
-    ``model.g``), still read the *user's* modules from the copy's forward.  The copy's ``g`` was then
-    never used — its Jacobian columns zero, the user's ``g`` a constant (an NTK 2 % off, status
-    ``done``; a float32 model measured in float64 mixed dtypes) — and a network trained as a copy of
-    the built one never trained ``g``.  Here such a hook is rebuilt on the copy: its closure cells,
-    defaults and the global names it reads that hold a piece of the model (a module, a parameter, a
-    container of them) point at the copy's pieces; everything else it reads is left as it is."""
+    ``lambda m, i, o: o + self.B(self.A(i[0]))``) still read the *user's* modules from the copy's
+    forward.  The copy's ``g`` was then never used — its Jacobian columns zero, the user's ``g`` a
+    constant (an NTK 2 % off, status ``done``; a float32 model measured in float64 mixed dtypes) —
+    and a network trained as a copy of the built one never trained ``g``.  Here such a hook is
+    rebuilt on the copy — and so is a function kept on a module (``self.act = lambda z: … * self.alpha``):
+    its closure cells and defaults that hold a piece of the model (a module, a
+    parameter, a buffer — or a list, tuple or dict of them, or a ``partial`` over them) point at the
+    copy's pieces; what else they hold is left as it is, and so are the globals it reads (a global
+    ``model`` is the user's: a forward reading the model's parameters that way is refused by the
+    measurement, :func:`nsa_dist.ntk.state.refuse_state_writes`).  The copy remembers its original
+    (:func:`copied_from`)."""
     memo: dict[int, Any] = {}
     twin = copy.deepcopy(model, memo)
     for m in twin.modules():
@@ -549,6 +562,12 @@ def copy_model(model: nn.Module) -> nn.Module:
                 new = _rebound(fn, memo, 0)
                 if new is not fn:
                     hooks[key] = new
+        for key, fn in list(m.__dict__.items()):  # a function kept on the module: `self.act = lambda z: … self.a`
+            if isinstance(fn, types.FunctionType | functools.partial):
+                new = _rebound(fn, memo, 0)
+                if new is not fn:
+                    m.__dict__[key] = new
+    _COPIED_FROM[twin] = model
     return twin
 
 
@@ -558,10 +577,14 @@ def _rebound(fn: Any, memo: dict[int, Any], depth: int) -> Any:
         return fn
     if isinstance(fn, functools.partial):
         inner = _rebound(fn.func, memo, depth + 1)
-        return fn if inner is fn.func else functools.partial(inner, *fn.args, **fn.keywords)
+        args = tuple(_piece(a, memo, depth) for a in fn.args)
+        kw = {k: _piece(v, memo, depth) for k, v in fn.keywords.items()}
+        same = inner is fn.func and all(a is b for a, b in zip(args, fn.args, strict=True))
+        if same and all(kw[k] is fn.keywords[k] for k in kw):
+            return fn
+        return functools.partial(inner, *args, **kw)
     if not isinstance(fn, types.FunctionType):
         return fn  # a bound method or a callable object: deepcopy copied what it holds
-    changed = False
     cells = []
     for c in fn.__closure__ or ():
         try:
@@ -570,32 +593,18 @@ def _rebound(fn: Any, memo: dict[int, Any], depth: int) -> Any:
             cells.append(c)
             continue
         w = _piece(v, memo, depth)
-        changed |= w is not v
         cells.append(types.CellType(w) if w is not v else c)
     defaults = tuple(_piece(v, memo, depth) for v in fn.__defaults__ or ())
+    kwdefaults = {k: _piece(v, memo, depth) for k, v in (fn.__kwdefaults__ or {}).items()}
+    changed = any(a is not b for a, b in zip(cells, fn.__closure__ or (), strict=True))
     changed |= any(a is not b for a, b in zip(defaults, fn.__defaults__ or (), strict=True))
-    moved = {}
-    for n in _global_names(fn.__code__):
-        v = fn.__globals__.get(n)
-        w = _piece(v, memo, depth) if v is not None and not isinstance(v, types.ModuleType) else v
-        if w is not v:
-            moved[n] = w
-    if not changed and not moved:
+    changed |= any(kwdefaults[k] is not v for k, v in (fn.__kwdefaults__ or {}).items())
+    if not changed:
         return fn
-    glob = {**fn.__globals__, **moved} if moved else fn.__globals__  # a snapshot where a global moved
-    new = types.FunctionType(fn.__code__, glob, fn.__name__, defaults or fn.__defaults__, tuple(cells) or None)
-    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults or None, tuple(cells) or None)
+    new.__kwdefaults__, new.__qualname__ = kwdefaults or None, fn.__qualname__
     new.__dict__.update(fn.__dict__)
     return new
-
-
-def _global_names(code: types.CodeType) -> set[str]:
-    """The global names a function's code (and the code nested in it) may read."""
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _global_names(c)
-    return names
 
 
 def _piece(v: Any, memo: dict[int, Any], depth: int) -> Any:
@@ -604,11 +613,12 @@ def _piece(v: Any, memo: dict[int, Any], depth: int) -> Any:
         return memo[id(v)]
     if isinstance(v, types.FunctionType | functools.partial):
         return _rebound(v, memo, depth + 1)
-    if isinstance(v, list | tuple | dict | set):
-        items = v.values() if isinstance(v, dict) else v
-        if any(id(x) in memo or isinstance(x, nn.Module | torch.Tensor) for x in items):
-            try:
-                return copy.deepcopy(v, memo)
-            except Exception:  # noqa: BLE001 — a container deepcopy cannot copy: left as it is
-                return v
+    if depth < 4 and isinstance(v, list | tuple | dict):  # rebuilt only when an item is (or holds) a piece
+        items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+        mapped = [(k, _piece(x, memo, depth + 1)) for k, x in items]
+        if all(m is x for (_, m), (_, x) in zip(mapped, items, strict=True)):
+            return v
+        if isinstance(v, dict):
+            return type(v)(mapped) if type(v) is dict else {k: m for k, m in mapped}
+        return type(v)(m for _, m in mapped) if type(v) in (list, tuple) else [m for _, m in mapped]
     return v

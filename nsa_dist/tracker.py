@@ -214,7 +214,7 @@ class Tracker:
         # checked to be on the recorded path (its θ there is the stored θ_t) before any more is recorded
         done = self.session.done
         self._unchecked = {int(t) for i, t in enumerate(self.schedule) if done[i]}
-        if len(self._unchecked) == len(self.schedule):
+        if self.tracked.finished_before(self.session):
             _log.warning(
                 "run %r: every recorded step of it is already in %s (a finished run): this Tracker records "
                 "nothing — give a new run another name to record it",
@@ -271,7 +271,7 @@ class Tracker:
                 "are not recorded (θ there would be a later step's)",
             )
             return False
-        self.tracked.advance(step)
+        self.tracked.advance(step, seen=False)  # a loop may ask of a step ahead (due(t + 1) before record(t))
         return self.tracked.due(step)
 
     def log(self, step: int, loss: float) -> None:

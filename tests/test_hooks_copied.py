@@ -59,11 +59,42 @@ def _partial_gate() -> nn.Module:
     return m
 
 
+class _AttributeGate(nn.Module):
+    """A gate kept on the module as a function (a closure over the module), not as a hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.h, self.g = nn.Linear(2, 6), nn.Linear(6, 1), nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.gate = lambda z: z * self.g
+
+    def forward(self, x):
+        return self.h(self.gate(torch.tanh(self.a(x)))).squeeze(-1)
+
+
+def _kwonly_gate() -> nn.Module:
+    m = _GlobalGate()
+
+    def gate(mod, i, *, owner=m):
+        return (i[0] * owner.g,)
+
+    m.h.register_forward_pre_hook(gate)
+    return m
+
+
+def _partial_in_closure_gate() -> nn.Module:
+    m = _GlobalGate()
+    read = functools.partial(lambda owner, z: z * owner.g, m)
+    m.h.register_forward_pre_hook(lambda mod, i: (read(i[0]),))
+    return m
+
+
 BUILDERS = {
     "closure": user_models.gate_hook,
     "lora": user_models.lora_hook,
-    "global": _global_gate,
     "partial": _partial_gate,
+    "attribute": _AttributeGate,
+    "kwonly": _kwonly_gate,
+    "partial_in_closure": _partial_in_closure_gate,
 }
 
 
@@ -81,19 +112,62 @@ def test_a_float32_model_with_hooks_over_itself_measured_in_float64_is_exact(kin
     assert err < 1e-12, f"{kind}: relative error {err:.2e} of the float64 NTK of a float32 model"
 
 
-def test_a_hook_holding_a_parameter_itself_is_refused_naming_it():
-    """``lambda m, i, g=self.g: …`` holds the tensor: a measurement substitutes parameters by name and
-    cannot reach it (the NTK was 2.4 % off, status ``done``)."""
+class _Holder:
+    def __init__(self, g):
+        self.g = g
+
+    def __call__(self, mod, i):
+        return (i[0] * self.g,)
+
+
+def _object_gate() -> nn.Module:
+    m = _GlobalGate()
+    m.h.register_forward_pre_hook(_Holder(m.g))
+    return m
+
+
+def _nested_gate() -> nn.Module:
+    m = _GlobalGate()
+    held = {"p": [m.g]}
+    m.h.register_forward_pre_hook(lambda mod, i: (i[0] * held["p"][0],))
+    return m
+
+
+@pytest.mark.parametrize(
+    "build, cast",
+    [(b, c) for b in (_default_gate, _object_gate, _nested_gate) for c in (False, True)] + [(_global_gate, True)],
+    ids=lambda v: v.__name__ if callable(v) else ("cast" if v else "own dtype"),
+)
+def test_a_forward_reading_a_parameter_not_through_its_module_is_refused(build, cast):
+    """A hook holding the tensor itself (a default argument, a callable object, a nested container), or
+    — in a copy nsa-dist makes — reading the model through a global name (the user's model, not the
+    copy): a measurement substitutes parameters by name and cannot reach it (the NTK was 1–4 % off,
+    status ``done``).  In its own dtype (no copy) the global-name hook reads the measured module: exact
+    (``test_a_hook_reading_its_model_through_a_global_name…``)."""
     from nsa_dist.errors import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match=r"hook of module 'h' holds parameter 'g' itself .*self\.g"):
-        gram(_default_gate().double(), torch.randn(6, 2, dtype=torch.float64))
+    model = build() if cast else build().double()
+    with pytest.raises(UnsupportedModelError, match=r"reads parameter 'g' other than through its module"):
+        gram(model, torch.randn(6, 2), dtype=torch.float64 if cast else None)
 
 
-@pytest.mark.parametrize("kind", [*BUILDERS, "default"])
+def test_a_hook_reading_a_parameter_for_its_own_log_is_measured():
+    """A hook that holds a parameter but whose output does not depend on it (a logging hook) is fine."""
+    torch.manual_seed(0)
+    m = user_models.gate_hook().double()
+    norms = []
+    w = m.h.weight
+    m.h.register_forward_hook(lambda mod, i, o: norms.append(float(w.detach().norm())))
+    X = torch.randn(8, 2, dtype=torch.float64)
+    want = dense_ntk(m, X)
+    err = float((gram(m, X) - want).norm() / want.norm())
+    assert err < 1e-12, err
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
 def test_the_copy_trains_and_reads_its_own_parameters(kind):
     torch.manual_seed(0)
-    model = {**BUILDERS, "default": _default_gate}[kind]()
+    model = BUILDERS[kind]()
     twin = copy_model(model)
     X = torch.randn(5, 2)
     before = model(X).detach().clone()
@@ -270,3 +344,36 @@ def test_a_runs_test_points_that_decide_over_their_batch_get_its_kernel_in_every
     )
     want = np.linalg.eigvalsh((J @ J.T).detach().numpy())[::-1]
     np.testing.assert_allclose(np.ravel(got)[:6], want, rtol=1e-8, atol=1e-12 * want[0], err_msg=layout)
+
+
+def test_a_hook_reading_its_model_through_a_global_name_is_exact_in_its_own_dtype():
+    torch.manual_seed(0)
+    m = _global_gate().double()
+    X = torch.randn(8, 2, dtype=torch.float64)
+    want = dense_ntk(m, X)
+    err = float((gram(m, X) - want).norm() / want.norm())
+    assert err < 1e-12, err
+
+
+class _BufferTable(nn.Module):
+    """Token ids into a fixed (buffer) table, then a trained head: integer inputs, float features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(10, 4))
+        self.h = nn.Linear(4, 1)
+
+    def forward(self, t):
+        return self.h(torch.tanh(self.table[t].sum(1)))[:, 0]
+
+
+def test_integer_inputs_give_a_float_gram_on_the_structured_route():
+    """The structured route took the Gram's dtype from the inputs: token ids made an int64 Gram
+    (diagonal 1 where it is 4.1; review of this session's diff)."""
+    torch.manual_seed(0)
+    m = _BufferTable().double()
+    T = torch.randint(0, 10, (5, 6))
+    got, want = gram(m, T), gram(m, T, method="jacobian")
+    assert got.dtype == torch.float64, got.dtype
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-12, err

@@ -276,6 +276,14 @@ def test_layout_validation_and_auto_choice(tmp_path):
         assert ("in this process as the tiles of its 4 gang members" in choice.reason) == in_process, choice.reason
     with pytest.raises(ValueError, match="block_rows.*couples samples.*'local'"):
         choose_layout(_spec(BASE, "block_rows", 2), 97, 74, coupled="batch norm in train mode")
+    with pytest.raises(ValueError) as said:  # the route's "the kernel of the batch forward" not said twice
+        choose_layout(
+            _spec(BASE, "block_rows", 2),
+            97,
+            74,
+            coupled="the model couples samples (x): the kernel of the batch forward",
+        )
+    assert str(said.value).count("batch") == 1 + str(said.value).count("batch norm"), said.value
     # the route's own reason already says it: said once ("couples samples (the model couples samples (…" before)
     route_reason = (
         "the model couples samples (batch statistics in 'bn' (BatchNorm2d, train mode)): the kernel of the batch"

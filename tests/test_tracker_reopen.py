@@ -85,3 +85,64 @@ def test_a_learning_rate_stored_nan_says_why_in_the_step_notes(tmp_path):
     run = Client(url).run("a")
     assert np.isnan(run.per_step("lr")[0])
     assert "not full-batch gradient descent" in run.notes[0]["lr"], run.notes
+
+
+def test_a_loop_that_asks_due_of_the_next_step_records_every_step(tmp_path):
+    """``due(t + 1)`` as a look-ahead before ``record(t)`` is no step the loop passed (review: it
+    recorded nothing, saying the loop went back)."""
+    from nsa_dist.client import Client
+
+    model = _net(1)
+    url = str(tmp_path / "s.zarr")
+    tr = Tracker(url, "l", model, X, Y, steps=20, record={"every": 5}, spectrum={"k": 3})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(20):
+        tr.due(t + 1)
+        if tr.due(t):
+            tr.record(t, lr=0.1)
+        opt.zero_grad()
+        (0.5 * ((model(X) - Y) ** 2).mean()).backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("l")
+    assert run.status == "done" and len(run.steps) == 5, (run.status, run.steps)
+
+
+def test_a_run_whose_steps_are_all_stored_but_not_finished_is_finished_by_a_reopened_tracker(tmp_path):
+    """Killed between its last step and close(): every step stored, status not done.  A reopened
+    Tracker took it for a finished run and left it unfinished for ever (review)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    url = str(tmp_path / "s.zarr")
+    script = textwrap.dedent(
+        f"""
+        import os, time, torch, torch.nn as nn, zarr
+        from nsa_dist import Tracker
+        torch.manual_seed(0); X = torch.randn(32, 2); Y = X[:, 0].sin()
+        torch.manual_seed(1); model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0))
+        tr = Tracker({url!r}, "r", model, X, Y, steps=20, record={{"every": 10}}, spectrum={{"k": 3, "images": []}})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for t in range(20):
+            if tr.due(t): tr.record(t, lr=0.1)
+            opt.zero_grad(); loss = 0.5 * ((model(X) - Y) ** 2).mean(); loss.backward(); opt.step()
+            tr.log(t, loss.item())
+        tr.due(20)
+        for _ in range(240):
+            if zarr.open_group({url!r}, mode="r")["runs/r/done"][...].all(): break
+            time.sleep(0.5)
+        os._exit(0)
+        """
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(repo)}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=600)
+    run = zarr.open_group(url, mode="r")["runs/r"]
+    assert run["done"][...].all() and run.attrs["status"] != "done", dict(run.attrs)
+    tr = Tracker(url, "r", _net(1), X, Y, steps=20, record={"every": 10}, spectrum={"k": 3, "images": []})
+    assert not tr.finished
+    tr.close()
+    run = zarr.open_group(url, mode="r")["runs/r"]
+    assert run.attrs["status"] == "done" and "preservation" in run, dict(run.attrs)

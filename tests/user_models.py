@@ -145,3 +145,23 @@ class _ScaledAutoScale(nn.Module):
 
 def scaled_auto_scale(d: int = 2, width: int = 8, threshold: float = 1.0) -> nn.Module:
     return _ScaledAutoScale(d, width, threshold)
+
+
+class _DeadResidual(nn.Module):
+    """A residual MLP whose first layer's bias kills every ReLU: its NTK is a constant kernel c·11ᵀ."""
+
+    def __init__(self, d: int, width: int) -> None:
+        super().__init__()
+        self.inp, self.l1, self.out = nn.Linear(d, width), nn.Linear(width, width), nn.Linear(width, 1)
+        nn.init.constant_(self.inp.bias, -50.0)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.relu(self.inp(x))
+        o = self.l1(h)
+        o += h
+        return self.out(self.relu(o)).squeeze(-1)
+
+
+def dead_residual(d: int = 64, width: int = 6) -> nn.Module:
+    return _DeadResidual(d, width)

@@ -153,13 +153,22 @@ def _chunk_features(
     return feats
 
 
+def _compute_dtype(model: nn.Module, x: torch.Tensor) -> torch.dtype:
+    """The Gram's dtype: the points' when they are floats, else (token ids, indices into a table) the
+    model's parameters' — an integer input made an int64 Gram of a buffer-table model (diagonal 1
+    where it is 4.1)."""
+    if x.is_floating_point():
+        return x.dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
 def _features(
     model: nn.Module, layers: list[_Layer], x: torch.Tensor, K: int, chunk: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Features of every point of x, computed ``chunk`` points at a time."""
-    n = x.shape[0]
-    A_all = [torch.empty(n, lay.n_cols, dtype=x.dtype, device=x.device) for lay in layers]
-    D_all = [torch.empty(n, K, lay.n_out, dtype=x.dtype, device=x.device) for lay in layers]
+    n, dtype = x.shape[0], _compute_dtype(model, x)
+    A_all = [torch.empty(n, lay.n_cols, dtype=dtype, device=x.device) for lay in layers]
+    D_all = [torch.empty(n, K, lay.n_out, dtype=dtype, device=x.device) for lay in layers]
     for s in range(0, n, chunk):
         for l, (A, D) in enumerate(_chunk_features(model, layers, x[s : s + chunk], K)):
             A_all[l][s : s + chunk] = A
@@ -235,16 +244,17 @@ def structured_gram(
     n1 = x1.shape[0]
     n2 = n1 if sym else x2.shape[0]
     shape = (n1, K, n2, K) if full else (n1, n2)
-    itemsize = x1.element_size()
-    bufs = _Buffers(x1.dtype, x1.device)
+    dtype = _compute_dtype(model, x1)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bufs = _Buffers(dtype, x1.device)
     if sym and not full:
         plan = _lower_slots(n1, block, sum(lay.n_cols + K * lay.n_out for lay in layers))
         if plan is not None:  # every entry is written below: no zero fill needed
-            G = out if out is not None else torch.empty(shape, dtype=x1.dtype, device=x1.device)
+            G = out if out is not None else torch.empty(shape, dtype=dtype, device=x1.device)
             _sym_traced_in_place(G, model, layers, x1, K, block, plan, bufs)
             _mirror_upper(G, block, full)
             return G
-    G = out.zero_() if out is not None else torch.zeros(shape, dtype=x1.dtype, device=x1.device)
+    G = out.zero_() if out is not None else torch.zeros(shape, dtype=dtype, device=x1.device)
     starts1 = range(0, n1, block)
     for group in _layer_groups(layers, n1 + (0 if sym else n2), K, itemsize, G.numel() * itemsize):
         F1 = _features(model, group, x1, K, max(block, _FEATURE_CHUNK))

@@ -203,8 +203,10 @@ def gram(
         x2: (N2, …) points of the same point shape, or None for the symmetric Gramian at x1
             (upper tiles computed once).
         method: "auto" | "structured" | "per_layer" | "jacobian" (see :class:`NTKMethod`), probed
-            on x1's first points at every call; or an :class:`NTKRoute` of this network
-            (:func:`resolve_route`), taken as it is: no probe.
+            on x1's first points at every call (and x2 checked for a forward that decides over
+            its batch); or an :class:`NTKRoute` of this network (:func:`resolve_route`), taken as it
+            is: no probe — resolve it on the points it is used at (a forward deciding over its
+            batch, ``if x.max() > 1``, decides otherwise on other points).
         kernel: "trace" → (N1, N2), Σ_a ∇f_a·∇f_a (the Gramian itself when K = 1);
             "full" → (N1, K, N2, K).
         block_size: points per block (bounds memory); the result does not depend on it.
@@ -245,8 +247,12 @@ def gram(
         if m is NTKMethod.BATCH and _first_time(given):
             # the route's reason already reads "the model couples samples (…): the kernel of the batch forward"
             _log.info("%s, computed exactly (full-batch Jacobian)", next(iter(plan.routes.values()))[1])
-        why = batch_decides(model, x2) if x2 is not None and m is not NTKMethod.BATCH else None
-        if why is not None:  # the probe saw x1's batches only; x2's forward decides over its batch
+        # a probe on x1 saw x1's batches only: x2's forward may decide over its batch.  A route given
+        # (NTKRoute) is the caller's, for the points it was resolved for (the pipeline resolves the
+        # test points' own once: SpectralAnalyzer.test_route)
+        probed = not isinstance(method, NTKRoute)
+        why = batch_decides(model, x2) if probed and x2 is not None and m is not NTKMethod.BATCH else None
+        if why is not None:
             _log.info("the model's forward decides over its batch of x2 (%s): the full-batch Jacobian", why)
             m = NTKMethod.BATCH
         try:

@@ -23,7 +23,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.models import copy_model, user_named_modules
+from nsa_dist.models import copied_from, copy_model, user_named_modules
 
 __all__ = [
     "preserved",
@@ -345,69 +345,69 @@ def forwarded_few(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, n: in
             raise e from None
 
 
-def _refuse_captured_parameters(model: nn.Module) -> None:
-    """Refuse a forward hook that holds a trainable parameter itself — a default argument
-    (``lambda m, i, g=self.g: …``), a closure variable (``g = self.g`` before the lambda), a
-    global — rather than reading it through its module (``self.g``): every route measures the
-    model with its parameters substituted by name (``functional_call``), which cannot reach a tensor
-    held elsewhere, so the hook read a constant (an NTK 2.4 % off, status ``done``)."""
-    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    for where, m in user_named_modules(model):
-        for kind in ("_forward_pre_hooks", "_forward_hooks"):
-            for fn in getattr(m, kind, {}).values():
-                held = _held_parameters(fn, names, 0)
-                if held:
-                    raise UnsupportedModelError(
-                        f"a forward {'pre-' if kind == '_forward_pre_hooks' else ''}hook of module "
-                        f"{where or '(the model)'!r} holds parameter {held!r} itself (a default argument, a "
-                        "closure variable or a global), not through its module: the NTK is measured with the "
-                        "parameters substituted by name, which cannot reach that tensor — the hook would read "
-                        f"a constant. Read it through the module in the hook (e.g. `self.{held.rsplit('.', 1)[-1]}` "
-                        "or `module.<name>`)"
-                    )
-
-
-def _held_parameters(fn: Any, names: dict[int, str], depth: int) -> str | None:
-    """The name of a trainable parameter ``fn`` holds directly (None: none)."""
-    import functools
-    import types
-
-    if depth > 3:
-        return None
-    if isinstance(fn, functools.partial):
-        held = [*fn.args, *fn.keywords.values()]
-        return _first_held(held, names) or _held_parameters(fn.func, names, depth + 1)
-    if not isinstance(fn, types.FunctionType):
-        return None
-    held = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
-    for c in fn.__closure__ or ():
+def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
+    """Refuse a forward that reads one of the model's trainable parameters other than through its
+    module's attribute: every route measures the model with its parameters substituted by name
+    (``functional_call``), so a tensor held elsewhere — a hook's default argument (``g=self.g``), a
+    closure variable, a callable object or a bound method holding it, a global hook — enters as a
+    constant (an NTK 1–4 % off, status ``done``); so does, in a copy nsa-dist made (a float64 cast,
+    an analysis copy), a reference it could not follow to the user's module (a lambda stored as an
+    attribute, ``self.act = lambda z: … * self.alpha``).  Found, not guessed: one forward of two
+    points with the parameters substituted, and the leaves of its autograd graph must hold none of
+    the model's own (or, for a copy, of the module it was copied from)."""
+    own = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    for origin in _origins(model):
+        own.update({id(p): n for n, p in origin.named_parameters() if p.requires_grad})
+    if not own:
+        return
+    subs = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters() if p.requires_grad}
+    with preserved(model), torch.enable_grad():
         try:
-            held.append(c.cell_contents)
-        except ValueError:  # an empty cell
+            _, out = forwarded_few(lambda pts: call(model, subs, (pts.clone(),)), x)
+        except Exception:  # noqa: BLE001 — a forward that fails here fails loudly in the measurement
+            return
+    held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
+    if held:
+        raise UnsupportedModelError(
+            f"the model's forward reads parameter {held[0]!r} other than through its module's attribute — "
+            "held by a hook (a default argument, a closure variable, a callable object or a global hook), or "
+            "by a function stored on the module that a copy cannot follow — so the NTK, measured with the "
+            "parameters substituted by name, would take it as a constant; read it through the module in the "
+            "hook (`module.<name>`, `self.<name>` in a closure)"
+        )
+
+
+def _origins(model: nn.Module) -> list[nn.Module]:
+    """The modules ``model`` was copied from by nsa-dist (its cast or analysis copies), nearest first."""
+    out, m = [], model
+    while True:
+        m = _ORIGINALS.get(m) or copied_from(m)
+        if m is None or m in out:
+            return out
+        out.append(m)
+
+
+def _graph_leaves(out: Any) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that the outputs ``out`` (a tensor or a nest of them) were computed from."""
+    roots = [t.grad_fn for t in _tensors(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, leaves = set(), []
+    while roots:
+        node = roots.pop()
+        if node is None or node in seen:
             continue
-    code = [fn.__code__]
-    while code:
-        c = code.pop()
-        held += [fn.__globals__[n] for n in c.co_names if n in fn.__globals__]
-        code += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    found = _first_held(held, names)
-    if found:
-        return found
-    for v in held:
-        if isinstance(v, types.FunctionType | functools.partial):
-            found = _held_parameters(v, names, depth + 1)
-            if found:
-                return found
-    return None
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        roots.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return leaves
 
 
-def _first_held(values: list, names: dict[int, str]) -> str | None:
-    for v in values:
-        items = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else (v,)
-        for x in items:
-            if isinstance(x, torch.Tensor) and id(x) in names:
-                return names[id(x)]
-    return None
+def _tensors(out: Any) -> list[Any]:
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensors(v)]
+    return [out]
 
 
 def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
@@ -428,7 +428,6 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
         UnsupportedModelError: a forward writes a buffer in place other than a norm's running
             statistics, or registers a parameter (named; a buffer it registers, a cache, is measured).
     """
-    _refuse_captured_parameters(model)
     before = {name: (b, b._version) for name, b in model.named_buffers()}
     params = {name for name, _ in model.named_parameters()}
     with preserved(model), torch.no_grad():
@@ -458,6 +457,7 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
             "place; nsa-dist computes kernels only of forwards that change no state "
             f"besides batch- and instance-norm running statistics; {hint}"
         )
+    _refuse_held_parameters(model, x)  # after a forward: a lazy module's parameters exist now
     return changed
 
 
@@ -533,6 +533,7 @@ class FrequencyScaledLookups(TorchFunctionMode):
     model's own code: the modules' flags are off inside :func:`preserved`): ``self.seen`` lists them."""
 
     _AT = {F.embedding: 5, F.embedding_bag: 5, torch.embedding: 3, torch.embedding_bag: 3}
+    _WEIGHT = {F.embedding: 1, F.embedding_bag: 1, torch.embedding: 0, torch.embedding_bag: 0}
 
     def __init__(self) -> None:
         super().__init__()
@@ -541,7 +542,9 @@ class FrequencyScaledLookups(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         kwargs = kwargs or {}
         at = self._AT.get(func)
-        if at is not None and _arg(args, kwargs, at, "scale_grad_by_freq", False):
+        weight = _arg(args, kwargs, self._WEIGHT[func], "weight", None) if at is not None else None
+        trained = isinstance(weight, torch.Tensor) and weight.requires_grad  # a frozen table: no gradient to scale
+        if trained and _arg(args, kwargs, at, "scale_grad_by_freq", False):
             self.seen.append(f"{getattr(func, '__module__', 'torch')}.{func.__name__}")
         return func(*args, **kwargs)
 

@@ -522,8 +522,9 @@ def choose_layout(
         # the route's reason says it already ("the model couples samples (…): the kernel of …")
         why = coupled if coupled.startswith("the model couples samples") else f"the model couples samples ({coupled})"
         if layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
+            said = why.removesuffix(": the kernel of the batch forward")  # said once, below
             raise ValueError(
-                f"spectrum.layout={layout.value!r} splits the points over workers, but {why}: its kernel is "
+                f"spectrum.layout={layout.value!r} splits the points over workers, but {said}: its kernel is "
                 "that of the whole batch's forward; use layout 'local'"
                 + (" (or put batch norm in eval mode)" if "batch statistics" in why else "")
             )

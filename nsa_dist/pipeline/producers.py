@@ -321,12 +321,23 @@ def _centered_alignment(ctx: StepContext, GY: np.ndarray, G1: np.ndarray, fro2: 
     estimated directly: ‖G‖_F² − 2‖G1‖²/N + (1ᵀG1)²/N² would cancel the estimate's error into it."""
     spec = ctx.run.spec
     if fro2_se == 0.0:
-        hgh2 = centered_sq_frobenius(fro2, G1)
+        hgh2, hgh2_se = centered_sq_frobenius(fro2, G1), 0.0
     else:
-        hgh2 = float(
-            hutchpp_moments(_Centered(ctx.G), spec.spectrum.frobenius_probes, max_order=2, seed=spec.seed).estimate[1]
+        m = hutchpp_moments(_Centered(ctx.G), spec.spectrum.frobenius_probes, max_order=2, seed=spec.seed)
+        hgh2, hgh2_se = float(m.estimate[1]), float(m.stderr[1])
+    # G ≈ c·11ᵀ (every unit dead, a constant kernel): HGH is zero but for rounding — or, estimated, for
+    # the estimate's spread — and the ratio was noise: −8e-10 local, NaN on block_rows ×2, 0.325 on
+    # matrix_free for one network, status done and nothing said
+    if not hgh2 > max(_CENTERED_FLOOR * fro2, 3.0 * hgh2_se):
+        raise ValueError(
+            f"the centred Gram HGH is zero to {'rounding' if hgh2_se == 0.0 else 'its estimate’s spread'} "
+            f"(‖HGH‖_F² = {hgh2:.3g}{f' ± {hgh2_se:.2g}' if hgh2_se else ''} against ‖G‖_F² = {fro2:.3g}: G is "
+            "a constant kernel c·11ᵀ to that precision, e.g. every unit dead), so the centred alignment is 0/0"
         )
     return alignment_from_products(ctx.run.y, GY, hgh2, centered=True, G1=G1)
+
+
+_CENTERED_FLOOR = 1e-8  # ‖HGH‖_F² below this part of ‖G‖_F² is the cancellation's rounding, not HGH
 
 
 def quadrature_curves(ctx: StepContext) -> dict[str, np.ndarray]:

@@ -15,7 +15,14 @@ from nsa_dist.config import ExperimentSpec
 from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint, TrainerState
 from nsa_dist.pipeline.materials import RunMaterials
-from nsa_dist.pipeline.session import PreparedRun, RunSession, finish_run, pin_layout, prepare_run
+from nsa_dist.pipeline.session import (
+    PreparedRun,
+    RunSession,
+    finish_run,
+    pin_layout,
+    post_run_complete,
+    prepare_run,
+)
 from nsa_dist.pipeline.spectral import SpectralAnalyzer
 from nsa_dist.pipeline.trainer import Trainer, TrainingDiverged
 from nsa_dist.store import SpectrumStore, Status
@@ -75,7 +82,7 @@ def _run(session: RunSession, on_step, on_update, on_prepared) -> RunOutcome:
     plan, data, rid = session.plan, session.data, session.run_id
     trainer, analyzer = Trainer(plan, data), SpectralAnalyzer(plan, data)  # each a copy of the run's network
     if session.complete():  # also a run killed between its last step and its preservation array: finished here
-        if session.writer.attr("status") == Status.DONE:
+        if post_run_complete(session.writer, plan.spec):
             # finished before: left as it is — rewriting its post-run arrays again lost them to a kill
             # between an array's re-creation and its data (a `done` run with `preservation` missing)
             session.ended = True

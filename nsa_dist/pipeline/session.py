@@ -342,6 +342,21 @@ def finish_run(writer: RunWriter, spec: ExperimentSpec) -> None:
     writer.set_status(Status.DONE)
 
 
+def post_run_complete(writer: RunWriter, spec: ExperimentSpec) -> bool:
+    """Whether a ``done`` run holds every post-run array :func:`finish_run` writes for it, none of them
+    noted as not computed — then a re-run leaves it as it is (each array is re-created before its
+    data is written: a kill in between lost it); else a re-run finishes it again (an array removed by
+    ``nsa verify --mark``, a run of an older nsa-dist, a diagnostic that failed)."""
+    if writer.attr("status") != Status.DONE or writer.attr("post_run_notes"):
+        return False
+    want = ["constant_gram_residual", "constant_gram_energy"] if writer.dims.constant_gram else []
+    if spec.spectrum.store_eigenvectors and writer.dims.S >= 2:
+        at = [int(i) for i in np.flatnonzero(writer.store.reader(writer.run_id).read("eigenvector_steps"))]
+        if preservation_pair(at, listed=isinstance(spec.spectrum.store_eigenvectors, list)) is not None:
+            want.append("preservation")
+    return all(name in writer.g for name in want)
+
+
 def _write_preservation(writer: RunWriter, spec: ExperimentSpec) -> None:
     """E_{t1}(v_i^{t2}, k) between the steps :func:`~nsa_dist.metrics.preservation.preservation_pair`
     picks among those the run's stored ``eigenvector_steps`` mask marks (NSA Fig. 7d: the second

@@ -30,7 +30,7 @@ from nsa_dist.pipeline.budget import check_fits
 from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.pool import AnalysisPool
 from nsa_dist.pipeline.session import RunSession
-from nsa_dist.store import LeaseLost, SpectrumStore
+from nsa_dist.store import LeaseLost, SpectrumStore, Status
 
 __all__ = ["TrackedRun"]
 
@@ -106,7 +106,7 @@ class TrackedRun:
         except BaseException as exc:
             session.end(exc)  # not started: the status stays, the lease is given back
             raise
-        if not session.complete():  # a finished run stays `done`: the Tracker leaves it (leave_finished)
+        if not cls.finished_before(session):  # a finished run stays `done`: the Tracker leaves it (leave_finished)
             session.start()
         return cls(session, workers, max_inflight, update)
 
@@ -155,10 +155,12 @@ class TrackedRun:
         if not self.closed and self.inflight:
             self.collect(block=False)
 
-    def advance(self, step: int) -> None:
+    def advance(self, step: int, seen: bool = True) -> None:
         """The loop is at ``step``: once past the pending checkpoint's step, submit it — with its
-        update if the model is at its step + 1, else with NaN ones."""
-        self.seen = max(self.seen, step)
+        update if the model is at its step + 1, else with NaN ones.  ``seen``: the loop has been at
+        ``step`` (``record`` / ``log``; ``due`` may be asked of a step ahead)."""
+        if seen:
+            self.seen = max(self.seen, step)
         ck = self.pending
         if ck is None or step == ck.step:
             return
@@ -220,6 +222,12 @@ class TrackedRun:
         self.flush_trace()
         self.session.fail(exc)  # its message and step
         self._end()
+
+    @staticmethod
+    def finished_before(session: RunSession) -> bool:
+        """Whether the run was finished when opened: every step stored and status ``done`` (a run whose
+        steps are all stored but whose writer was killed before ``close()`` is finished by this one)."""
+        return session.complete() and session.writer.attr("status") == Status.DONE
 
     def leave_finished(self) -> None:
         """The run was finished when opened: close without a word written (its status stays ``done``,

@@ -357,7 +357,11 @@ class RunReader:
         model = spec.get("model")
         if not isinstance(model, dict) or model.get("source") == "tracker" or not self.done.any():
             return 0
-        return int(self.read("steps")[int(np.flatnonzero(self.done)[-1])]) + 1
+        try:
+            steps = self.read("steps")
+        except StoreError:  # damaged itself: named as such; the losses are checked once it is rewritten
+            return 0
+        return int(steps[int(np.flatnonzero(self.done)[-1])]) + 1
 
     def static_damage(self) -> str | None:
         """:meth:`missing_static` of the first static array of the run's schema that has one."""
