@@ -183,8 +183,11 @@ class HessianAnalysis:
         """Whether the step's NTK Gram G (N, N) gives I: one output, MSE (I = Jᵀ J / N ~ G / N)."""
         return self.loss is LossName.L2 and self.spec.model.output_dim == 1
 
-    def _exact_I(self, model: nn.Module, gram: GramKnowledge | None) -> tuple[np.ndarray, np.ndarray]:
-        """(eigenvalues of I outside its null space (N·K,), Tr(I^k) k = 1..4) — exact, NaN where unknown.
+    def _exact_I(
+        self, model: nn.Module, gram: GramKnowledge | None
+    ) -> tuple[np.ndarray, np.ndarray, tuple[tuple[str, ...], str] | None]:
+        """(eigenvalues of I outside its null space (N·K,), Tr(I^k) k = 1..4, why some are NaN) —
+        exact, NaN where unknown; the reason names the arrays it leaves NaN (in part or whole).
 
         ``gram``: what the step's spectral analysis already has of G = J Jᵀ (K = 1, MSE): its whole
         spectrum or, with a distributed layout, its exact trace and ‖G‖_F² — Tr(I) = Tr(G)/N and
@@ -193,16 +196,28 @@ class HessianAnalysis:
         """
         N = self.X.shape[0]
         nk = N * self.spec.model.output_dim
+        layout = self.plan.layout.layout.value  # auto resolved
         if gram is not None and self.gram_reusable and gram.evals is not None:
             mu = np.sort(np.asarray(gram.evals, np.float64))[::-1] / N
-            return mu, power_moments(mu)
+            return mu, power_moments(mu), None
         if gram is not None and self.gram_reusable and gram.trace is not None:
             moments = np.array([gram.trace / N, gram.sq_frobenius / N**2, np.nan, np.nan])
-            return np.full(nk, np.nan), moments
+            why = (
+                f"the NTK Gram is split across the {layout} gang, which reduces Tr(G) and ‖G‖_F² exactly "
+                "(Tr(I), Tr(I²) stored) but never holds G whole: I's eigenvalues and Tr(I³), Tr(I⁴) of "
+                "hessian_moments_I_exact are NaN "
+                "(hessian_moments' I row estimates every Tr(I^k) by Hutch++)"
+            )
+            # noted on the eigenvalues alone: a noted array is stored NaN whole, and Tr(I), Tr(I²) are known
+            return np.full(nk, np.nan), moments, (("hessian_I_eigenvalues",), why)
         if gram is not None and gram.distributed:
-            return np.full(nk, np.nan), np.full(4, np.nan)
+            why = (
+                f"the NTK Gram is never whole on one process on the {layout} gang, and I's exact moments and "
+                "eigenvalues need it (hessian_moments' I row estimates Tr(I^k) by Hutch++)"
+            )
+            return np.full(nk, np.nan), np.full(4, np.nan), (("hessian_moments_I_exact", "hessian_I_eigenvalues"), why)
         mu = gauss_newton_eigenvalues(model, self.X, self.y, loss=self.loss)
-        return mu, power_moments(mu)
+        return mu, power_moments(mu), None
 
     def _limit_I(self, F: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(limiting eigenvalues of I (N·K,), limiting Tr(I^k)), NaN when the limit does not apply."""
@@ -258,7 +273,9 @@ class HessianAnalysis:
             }  # (3, 4)
 
         def exact_I() -> dict[str, Any]:
-            mu, exact = self._exact_I(model, gram)
+            mu, exact, why = self._exact_I(model, gram)
+            if why is not None and notes is not None:
+                notes.note([n for n in why[0] if has(n)], why[1])
             return {"hessian_moments_I_exact": exact, "hessian_I_eigenvalues": mu}  # (4,), (N·K,)
 
         def limit_I() -> dict[str, Any]:
