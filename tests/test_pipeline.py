@@ -80,6 +80,28 @@ def test_stored_spectra_equal_recomputation_from_stored_checkpoint(tiny_run):
     assert im["eigvec_images"].shape == (3, 8, 8) and im["eigvec_fourier"].shape == (3, 5, 5)
 
 
+def test_the_images_and_fourier_transforms_are_recomputable_from_the_store_alone(tiny_run):
+    """The store keeps X standardised (the inputs the network saw), while the eigenvector images and
+    their Fourier transforms (NSA Eq. 27) are taken in image2d's [0, 1]² coordinates: the loader's
+    x_mean, x_std are a run attribute now (audit P recomputed Eq. 27 from the stored X, 35 % off)."""
+    url, spec, out = tiny_run
+    run = Client(url).run(out.run_id)
+    meta = run.data_meta
+    assert meta["source"] == "image2d" and len(meta["x_mean"]) == 2, meta
+    x = run.X * np.asarray(meta["x_std"]) + np.asarray(meta["x_mean"])  # the original coordinates
+    assert x.min() >= 0 and x.max() <= 1, (x.min(), x.max())
+    assert {"y_mean", "y_std"} <= set(meta), meta  # y standardised too
+    sp = spec.spectrum
+    axis = np.linspace(-sp.fourier_limit, sp.fourier_limit, sp.fourier_size)
+    xi = np.stack([g.ravel() for g in np.meshgrid(axis, axis, indexing="ij")], 1)
+    i, idx = len(run.steps) - 1, np.asarray(run.array("image_indices"))
+    V = run.array("eigenvectors")[i][:, idx - 1].astype(np.float64)
+    fourier = np.abs(np.exp(-2j * np.pi * xi @ x.T) @ V / x.shape[0]).T.reshape(-1, sp.fourier_size, sp.fourier_size)
+    stored = run.images.at(int(run.steps[-1]))["eigvec_fourier"]
+    err = np.max(np.abs(stored - fourier)) / np.max(fourier)
+    assert err < 1e-6, f"Eq. 27 from the store differs from the stored |v̂_i| by {err:.2e} relative"
+
+
 def test_rerun_skips_finished_work(tiny_run):
     url, spec, out = tiny_run
     again = run_experiment(spec, SpectrumStore(url))

@@ -63,6 +63,14 @@ class Run(RunArrays):
         return self.attrs.get("data_fingerprint")
 
     @property
+    def data_meta(self) -> dict:
+        """What the data's loader recorded: its source and, for data it standardised, the constants —
+        ``x_mean``, ``x_std`` (X holds (x − x_mean) / x_std, the inputs the network saw; the images and
+        Fourier transforms are taken at x = X·x_std + x_mean, e.g. on [0, 1]² for ``image2d``) and
+        ``y_mean``, ``y_std``.  {} for runs recorded before it was stored."""
+        return dict(self.attrs.get("data_meta") or {})
+
+    @property
     def X(self) -> np.ndarray:
         """(N, d) the training inputs."""
         return self.array("X")

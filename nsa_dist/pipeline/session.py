@@ -20,6 +20,7 @@ end it the same way; only where the checkpoints come from and where they are ana
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -96,6 +97,9 @@ def prepare_run(
     writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=fingerprint, token=token)
     plan = replace(pin_layout(writer, plan), data_fingerprint=fingerprint)
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
+        # the loader's constants (x_mean, x_std of standardised inputs, …): X in the store is what the
+        # network saw, and the images and Fourier transforms are taken in the original coordinates
+        writer.set_attrs(data_meta=json.loads(json.dumps(data.meta, default=str)))
         writer.write_static(plan.static_arrays(data))
     return PreparedRun(plan, data, writer, materials)
 
