@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -244,6 +245,26 @@ def jacobian_vector_product(
         twin = stateless(model, x)
         primals = renorm_copies(twin, {k: p.detach() for k, p in twin.named_parameters()})
         buffers = dict(twin.named_buffers())
+
+        def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return call(twin, {**p, **buffers}, (x.clone(),))
+
         with exact_kernels(twin), dense_gradients(twin):
-            _, out = jvp(lambda p: call(twin, {**p, **buffers}, (x.clone(),)), (primals,), (tangents,))
+            try:
+                _, out = jvp(f, (primals,), (tangents,))
+            except NotImplementedError as e:  # an op without forward-mode AD (weight_norm, a custom Function)
+                if "forward AD" not in str(e) and "forward mode AD" not in str(e):
+                    raise
+                _log.info("J·dθ by reverse mode (the vjp of the vjp): %s", str(e).strip().splitlines()[0][:200])
+                out = _jvp_by_reverse(f, primals, tangents)
     return out.detach()
+
+
+def _jvp_by_reverse(
+    f: Callable[[dict[str, torch.Tensor]], torch.Tensor], primals: dict[str, torch.Tensor], tangents: dict
+) -> torch.Tensor:
+    """``J · t`` without forward mode: w ↦ Jᵀw = pull(w) is linear in w, and its own vjp at any w
+    applied to t is (Jᵀ)ᵀ t = J t — two reverse passes and a double backward."""
+    out, pull = vjp(f, primals)
+    _, pull_t = vjp(lambda w: pull(w)[0], torch.zeros_like(out))
+    return pull_t(tangents)[0]
