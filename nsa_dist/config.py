@@ -851,9 +851,17 @@ class HessianSpec(_Strict):
     probes: int = Field(16, ge=1, description="random probes of the moment / orthogonality estimates")
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
     rayleigh_k: int = Field(
-        20, ge=0, description="Hessian paper Fig. 3: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off)"
+        20,
+        ge=0,
+        description="Hessian paper Fig. 3: vᵀIv, vᵀSv over the top-k eigenvectors of I and of S (0: off; "
+        "at most P − 1, P the trainable parameters: a larger k stores P − 1)",
     )
-    top_k: int = Field(5, ge=0, description="top eigenvalues of H, I, S by Lanczos, and ‖S‖_op = max |λ(S)| (0: off)")
+    top_k: int = Field(
+        5,
+        ge=0,
+        description="top eigenvalues of H, I, S by Lanczos, and ‖S‖_op = max |λ(S)| (0: off; at most P − 1, "
+        "P the trainable parameters: a larger k stores P − 1)",
+    )
     eig_tol: float = Field(
         1e-6,
         gt=0,

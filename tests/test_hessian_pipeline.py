@@ -13,7 +13,7 @@ from nsa_dist.client import Client
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.data import load_dataset
 from nsa_dist.models import build_model
-from nsa_dist.pipeline import run_experiment
+from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.plots import plot_run
 from nsa_dist.store import SpectrumStore
 
@@ -426,3 +426,28 @@ def test_hessian_sweep_quantities_and_figures(tmp_path):
     )
     w = np.array([16.0, 64.0, 256.0])
     assert fit_slope(w, 3 * w**-0.5) == pytest.approx(-0.5)
+
+
+def test_a_quantity_switched_off_is_said_so_by_its_accessor(tmp_path):
+    """Every accessor of a quantity the hessian block switched off said only "has no array
+    'hessian_moments'; did you mean 'hessian_products' …" and listed the run's arrays (audit O)."""
+    off = {"moments": False, "orthogonality": False, "rayleigh_k": 0, "top_k": 0, "density": False}
+    off |= {"additivity": False, "trace_G": False, "limit": False}
+    spec = ExperimentSpec(**{**SPEC, "name": "off", "steps": 6, "hessian": {"every": 2, **off}})
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    h = Client(url).run(run_id(spec)).hessian
+    assert len(h.steps) > 0
+    said = {
+        "hessian.moments: false": (lambda: h.moments("H"), lambda: h.moments("I_exact"), h.I_eigenvalues, h.S_limit),
+        "hessian.orthogonality: false": (lambda: h.orthogonality,),
+        "hessian.rayleigh_k: 0": (h.rayleigh,),
+        "hessian.top_k: 0": (lambda: h.top("H"), h.edge_of_stability),
+        "hessian.density: false": (h.density,),
+        "hessian.additivity: false": (h.additivity,),
+        "hessian.trace_G: false": (h.trace_S, h.G),
+    }
+    for switch, reads in said.items():
+        for read in reads:
+            with pytest.raises(KeyError, match=f"did not measure 'hessian_\\w+': its spec says {switch}"):
+                read()

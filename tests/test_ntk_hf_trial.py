@@ -257,3 +257,20 @@ def test_nan_outputs_are_named_not_taken_for_randomness(how):
             ntk_operator(model, x)
         else:
             gram(model, x, method=how)
+
+
+def test_a_nan_weight_is_named_as_the_cause():
+    """A NaN parameter made every output NaN and was reported as NaN outputs at the probe points with
+    the advice to check attention masks (audit O): the parameter is named, for the NTK and the Hessian."""
+    from nsa_dist.hessian import hessian_operator, hutchpp_moments
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    x, y = torch.randn(6, 3, dtype=D), torch.randn(6, 2, dtype=D)
+    for measure in (lambda: gram(model, x), lambda: hutchpp_moments(hessian_operator(model, x, y), 4)):
+        with pytest.raises(
+            NonFiniteError, match=r"parameters or buffers hold NaN or inf — 0\.weight \(1 of 24 entries\)"
+        ):
+            measure()

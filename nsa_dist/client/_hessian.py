@@ -15,6 +15,28 @@ __all__ = ["HessianView"]
 
 _MOMENT_PARTS = ("H", "I", "S", "I_exact", "I_limit")
 
+# the hessian block's switch that leaves each array out of a run
+_SWITCH = {
+    **dict.fromkeys(
+        (
+            "hessian_moments",
+            "hessian_moments_stderr",
+            "hessian_moments_I_exact",
+            "hessian_I_limit_moments",
+            "hessian_S_limit",
+            "hessian_I_eigenvalues",
+            "hessian_I_limit_eigenvalues",
+        ),
+        "hessian.moments: false",
+    ),
+    "hessian_orthogonality": "hessian.orthogonality: false",
+    **dict.fromkeys(("hessian_rayleigh", "hessian_rayleigh_evals"), "hessian.rayleigh_k: 0"),
+    **dict.fromkeys(("hessian_top", "hessian_S_op"), "hessian.top_k: 0"),
+    **dict.fromkeys(("hessian_density", "hessian_density_grid"), "hessian.density: false"),
+    "hessian_additivity": "hessian.additivity: false",
+    **dict.fromkeys(("hessian_G", "hessian_G_stderr", "hessian_trace_S_G"), "hessian.trace_G: false"),
+}
+
 
 def _part(part: str, allowed: tuple[str, ...] = ("H", "I", "S")) -> int:
     """The row of ``part`` (H, I, S) in a stored (…, 3, …) array, or a ValueError naming ``allowed``."""
@@ -40,7 +62,15 @@ class HessianView:
         return self._a.steps[self._index()]
 
     def _along(self, name: str) -> np.ndarray:
-        return self._a.per_step(name)[self._index()]
+        return self._a.per_step(self._recorded(name))[self._index()]
+
+    def _recorded(self, name: str) -> str:
+        """``name``, or a KeyError saying which setting of the run's spec left it out (the store's
+        "has no array …; did you mean …" named none)."""
+        if self._a.has(name) or name not in _SWITCH:
+            return name
+        why = "its spec has no hessian: block" if self._a.spec.hessian is None else f"its spec says {_SWITCH[name]}"
+        raise KeyError(f"run {self._a.id!r} did not measure {name!r}: {why}")
 
     def _pos(self, step: int | None) -> int:
         steps = self.steps
@@ -86,7 +116,10 @@ class HessianView:
             KeyError: ``step`` is not a finished step with Hessian measurements (they are named).
         """
         i = self._pos(step)
-        R, E = self._a.row("hessian_rayleigh", i), self._a.row("hessian_rayleigh_evals", i)
+        R, E = (
+            self._a.row(self._recorded("hessian_rayleigh"), i),
+            self._a.row(self._recorded("hessian_rayleigh_evals"), i),
+        )
         return {"I": R[0], "S": R[1], "evals_I": E[0], "evals_S": E[1]}
 
     def top(self, part: str = "H") -> np.ndarray:
@@ -109,7 +142,7 @@ class HessianView:
         """(grid, density) of the SLQ spectral density of H at ``step`` (default: the last analysed;
         KeyError for a step without Hessian measurements, as :meth:`rayleigh`)."""
         i = self._pos(step)
-        return self._a.row("hessian_density_grid", i), self._a.row("hessian_density", i)
+        return self._a.row(self._recorded("hessian_density_grid"), i), self._a.row(self._recorded("hessian_density"), i)
 
     def I_eigenvalues(self, limit: bool = False) -> np.ndarray:
         """(Sh, N·K) eigenvalues of I outside its null space, descending: measured exactly (from the
@@ -140,7 +173,8 @@ class HessianView:
     def G(self, step: int | None = None) -> dict[str, np.ndarray]:
         """G_i = Σ_p ∂²f(x_i)/∂θ_p² at ``step`` (default: the last analysed): {"estimate", "stderr"} (N,) or (N, K)."""
         i = self._pos(step)
-        return {"estimate": self._a.array("hessian_G")[i], "stderr": self._a.array("hessian_G_stderr")[i]}
+        g, se = self._recorded("hessian_G"), self._recorded("hessian_G_stderr")
+        return {"estimate": self._a.array(g)[i], "stderr": self._a.array(se)[i]}
 
     def S_norms(self) -> dict[str, np.ndarray]:
         """‖S‖_op (Lanczos, "op") beside the paper's bounds Tr(S^k)^{1/k} for k = 2 ("k2" = ‖S‖_F)

@@ -186,7 +186,7 @@ def _couples(
         _no_reentrant_checkpoint(whole)
         whole = whole.detach()
         again = as_2d(model(x), x.shape[0]).detach() if again is None else again.detach()
-        _finite_outputs(whole, again)
+        _finite_outputs(model, whole, again)
         if not _close(whole, again):
             drop = [
                 n for n, m in user_named_modules(model) if isinstance(m, nn.modules.dropout._DropoutNd) and m.training
@@ -225,15 +225,28 @@ def _couples(
     )
 
 
-def _finite_outputs(*outs: torch.Tensor) -> None:
+def _finite_outputs(model: nn.Module, *outs: torch.Tensor) -> None:
     """NonFiniteError when a probe forward's outputs hold NaN or inf: no kernel is defined there,
     and the checks below, which compare outputs, would take the NaN for a forward that is random
     (a left-padded Hugging Face BLOOM, whose fully masked attention rows give NaN, was refused as
-    "the model's forward is random")."""
+    "the model's forward is random").  Non-finite parameters or buffers are named as the cause
+    (a NaN weight was reported as NaN outputs at the points, with the advice to check masking)."""
     for out in outs:
         bad = ~torch.isfinite(out)
         if bool(bad.any()):
             rows = bad.reshape(out.shape[0], -1).any(1)
+            held = [
+                f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()} entries)"
+                for name, t in (*model.named_parameters(), *model.named_buffers())
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())
+            ]
+            if held:
+                raise NonFiniteError(
+                    f"the model's parameters or buffers hold NaN or inf — {', '.join(held[:5])}"
+                    + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+                    + f" — so its outputs are NaN or inf at {int(rows.sum())} of the {out.shape[0]} probe points "
+                    "and no NTK or Hessian is defined (a diverged training step, or a checkpoint loaded with NaN)"
+                )
             raise NonFiniteError(
                 f"the model's outputs hold NaN or inf at {int(rows.sum())} of the {out.shape[0]} probe points "
                 "(the first distinct points of x): its NTK is not defined there; check the forward at those "
