@@ -215,6 +215,16 @@ def _parser() -> argparse.ArgumentParser:
         help="a pip requirement the job needs on the cluster (its runtime_env's pip; repeatable)",
     )
     sm.add_argument("--wait", action="store_true", help="wait for the job and print its logs")
+    sm.add_argument(
+        "--wait-for-writers",
+        type=_seconds,
+        nargs="?",
+        const=-1.0,
+        default=0.0,
+        metavar="SECONDS",
+        help="the job's sweep waits (for ever, or SECONDS) for another live process writing one of its runs "
+        "instead of refusing it (nsa sweep --wait)",
+    )
     _max_runs_arg(sm)
     for name, hlp in (
         ("status", "job status (all jobs without JOB), or the runs of --store"),
@@ -978,7 +988,15 @@ class _SweepTable:
 def _cmd_submit(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import jobs
 
-    job = jobs.submit(args.sweep, args.address, args.store, job_id=args.job_id, pip=args.pip, max_runs=args.max_runs)
+    job = jobs.submit(
+        args.sweep,
+        args.address,
+        args.store,
+        job_id=args.job_id,
+        pip=args.pip,
+        max_runs=args.max_runs,
+        wait_writers=_wait_seconds(args.wait_for_writers),
+    )
     print(f"submitted job {job} to {args.address}")
     if args.wait:
         return _wait_job(args.address, job)
@@ -1006,8 +1024,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     found = jobs.status(args.address, args.job)
     for j in found:
-        print(f"{j['id']}  {j['status']:<10} {j['entrypoint']}  {j['message']}")
+        print(
+            f"{j['id']}  {j['status']:<10} {j['entrypoint']}  {_job_message(j['message'], whole=args.job is not None)}"
+        )
     return 0
+
+
+def _job_message(message: str, whole: bool) -> str:
+    """Ray's message of a job: whole for one job; in the listing its first line (a failed job's
+    message holds up to 20,000 characters of its log tail: 78 lines for 16 jobs, audit Q)."""
+    lines = [ln for ln in str(message).splitlines() if ln.strip()]
+    if whole or len(lines) <= 1:
+        return "\n".join(lines)
+    return f"{lines[0][:200]} … (nsa status JOB, nsa logs JOB)"
 
 
 def _store_status(url: str) -> int:

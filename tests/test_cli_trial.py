@@ -528,3 +528,36 @@ def test_a_run_refused_while_it_is_prepared_prints_no_run_line_first(tmp_path, c
     assert nsa(["run", str(spec), "--store", str(tmp_path / "s.zarr"), "--plain"]) == 2
     out, err = capsys.readouterr()
     assert "[nsa] run" not in out and "bad.npy' holds an array of shape (5, 5, 2)" in err, (out, err)
+
+
+def test_submit_passes_a_wait_for_other_writers_to_the_jobs_sweep() -> None:
+    """A job refused because another process wrote one of its runs said "wait for it (--wait)",
+    and `nsa submit --wait` waits for the job, not for the writer (audit Q): `--wait-for-writers`
+    reaches the job's `nsa sweep --wait` (the refusal names it: test_store_contract)."""
+    import shlex
+
+    from nsa_dist.cli import _wait_seconds
+    from nsa_dist.cluster.jobs import sweep_options
+
+    base = ["submit", "s.yaml", "--address", "http://h:8265"]
+    for flags, want in (([], 0.0), (["--wait-for-writers"], None), (["--wait-for-writers", "30"], 30.0)):
+        args = _parser().parse_args(base + flags)
+        job_sweep = ["sweep", "sweep.yaml", "--store", "s3://b/s.zarr"]
+        job_sweep += shlex.split(sweep_options(None, _wait_seconds(args.wait_for_writers)))
+        got = _wait_seconds(_parser().parse_args(job_sweep + ["--address", "auto", "--plain"]).wait)
+        assert got == want, (flags, sweep_options(None, _wait_seconds(args.wait_for_writers)), got)
+
+
+def test_the_job_listing_gives_each_job_one_line() -> None:
+    """`nsa status` listed a failed job with Ray's message: up to 20,000 characters of its log tail
+    (78 lines for 16 jobs, audit Q); one line each now, the whole message for `nsa status JOB`."""
+    from nsa_dist.cli import _job_message
+
+    tail = "Job entrypoint command failed with exit code 137, last available logs:\n" + "\n".join(
+        f"[nsa] step {i}/9 loss 0.1" for i in range(40)
+    )
+    one = _job_message(tail, whole=False)
+    assert "\n" not in one and one.startswith("Job entrypoint command failed with exit code 137"), one
+    assert "nsa logs JOB" in one
+    assert _job_message(tail, whole=True).count("\n") == 40
+    assert _job_message("Job finished successfully.", whole=False) == "Job finished successfully."

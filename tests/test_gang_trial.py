@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zarr
 
+from nsa_dist.client import Client
 from nsa_dist.cluster.resources import check_resources
 from nsa_dist.config import ClusterSpec, ExperimentSpec, SweepSpec
 from nsa_dist.data import load_dataset
@@ -246,6 +247,10 @@ def test_a_refused_sweep_gives_its_runs_back(local_ray, tmp_path):
     url = str(tmp_path / "s.zarr")
     with pytest.raises(ValueError, match="CPU: needs 11, cluster has 6"):
         SweepCoordinator(_small_sweep("refused", 9), url).run()
+    # its runs read pending with why (audit Q: "pending 0/7" and no word, as if queued)
+    for row in Client(url).runs().to_dict("records"):
+        assert row["status"] == "pending" and "not started" in row["reason"], row
+        assert "CPU: needs 11, cluster has 6" in row["reason"], row
     try:
         again = SweepCoordinator(_small_sweep("refused", 9), url)  # e.g. with a corrected cluster block
     except LeaseHeld as exc:

@@ -241,8 +241,9 @@ class StoreContract:
         w = _run(store)
         with store.lease([RID], ttl=30.0) as lease:
             assert store.lease_info(RID).token == lease.token and store.creation_live(RID)
-            with pytest.raises(LeaseHeld, match=f"run '{RID}' .* is being written by another process"):
+            with pytest.raises(LeaseHeld, match=f"run '{RID}' .* is being written by another process") as e:
                 SpectrumStore(run_url).lease([RID], ttl=30.0).acquire()
+            assert "(--wait; for a job, nsa submit --wait-for-writers)" in str(e.value), e.value  # audit Q
             w.set_status(Status.RUNNING)
             assert SpectrumStore(run_url, mode="r").run_status(RID) == (Status.RUNNING, None)
         status, reason = SpectrumStore(run_url, mode="r").run_status(RID)

@@ -170,6 +170,20 @@ class SweepCoordinator:
         self._gangs_out: list[RayGang] = []  # gangs lent to an analysis
         self.replaced_gangs = 0
 
+    def _say_not_started(self, exc: BaseException) -> None:
+        """Give each run still pending (none of its steps done) the reason the sweep stopped before
+        it began: they read ``pending`` with no word, like runs queued (audit Q: a sweep refused for
+        not fitting the cluster)."""
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        for r in self.runs.values():
+            try:
+                if r.writer.attrs().get("status", Status.PENDING) == Status.PENDING and not r.done.any():
+                    r.writer.set_status(
+                        Status.PENDING, reason=f"not started: the sweep stopped before any run began — {why}"
+                    )
+            except Exception as e:  # noqa: BLE001 - the sweep's own error is the one to raise
+                log.warning("run %s: its not-started reason was not stored: %s", r.session.run_id, e)
+
     @property
     def resubmitted(self) -> int:
         """(run, step) analyses recomputed after a gang member died."""
@@ -196,12 +210,13 @@ class SweepCoordinator:
                 self.pool = RayAnalysisPool(spectral_workers(self.store_url, self.cl, has_gpus))
                 for size in sizes:
                     self.gangs[size] = [self._new_gang(size, has_gpus)]
-        except BaseException:
+        except BaseException as exc:
             if self.pool is not None:
                 self.pool.close()
             for g in [g for gs in self.gangs.values() for g in gs]:
                 g.shutdown()
             self.gangs.clear()
+            self._say_not_started(exc)
             self.lease.release()
             raise
         self._has_gpus = has_gpus

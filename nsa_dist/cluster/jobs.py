@@ -121,6 +121,16 @@ def _snippet(body: bytes) -> str:
     return repr(text[:80] + ("…" if len(text) > 80 else ""))
 
 
+def sweep_options(max_runs: int | None = None, wait_writers: float | None = 0.0) -> str:
+    """The options the job's ``nsa sweep`` gets from ``nsa submit`` (a leading space, or "")."""
+    extra = f" --max-runs {int(max_runs)}" if max_runs else ""
+    if wait_writers is None:
+        extra += " --wait"
+    elif wait_writers > 0:
+        extra += f" --wait {float(wait_writers)!r}"
+    return extra
+
+
 def submit(
     sweep_file: str | Path,
     address: str,
@@ -129,17 +139,20 @@ def submit(
     job_id: str | None = None,
     pip: list[str] | None = None,
     max_runs: int | None = None,
+    wait_writers: float | None = 0.0,
 ) -> str:
     """Submit a sweep; returns the job id.  ``store_url`` must be reachable from every node.
 
     A local store path is made absolute (the job runs in a temporary directory of the cluster):
     it only works when that path is shared storage, as on a one-machine cluster.  ``max_runs``
-    raises the sweep's run limit here and in the job.
+    raises the sweep's run limit here and in the job.  ``wait_writers``: how long the job's sweep
+    waits for another live writer of one of its runs (``nsa sweep --wait``; None: until it ends,
+    0: refuse the run).
     """
     from nsa_dist.specfile import load_sweep
 
     load_sweep(sweep_file, max_runs=max_runs)  # fail here, not on the cluster, on a bad file
-    limit = f" --max-runs {int(max_runs)}" if max_runs else ""
+    extra = sweep_options(max_runs, wait_writers)
     if "://" not in store_url:
         store_url = os.path.abspath(store_url)
     runtime_env: dict[str, Any] = {"py_modules": [str(Path(__file__).parent.parent)]}  # nsa_dist/
@@ -155,11 +168,11 @@ def submit(
         )
         if _SERVICES.is_dir():  # a source checkout: the services/ entry point
             shutil.copytree(_SERVICES, work / "services", ignore=shutil.ignore_patterns("__pycache__"))
-            entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}{limit}"
+            entry = f"python services/sweep_job.py sweep.yaml --store {shlex.quote(store_url)}{extra}"
         else:  # an installed package: the same command without the wrapper
             entry = (
                 f"python -m nsa_dist.cli sweep sweep.yaml --address auto --plain "
-                f"--store {shlex.quote(store_url)}{limit}"
+                f"--store {shlex.quote(store_url)}{extra}"
             )
         runtime_env["working_dir"] = str(work)
         with _answered(address):

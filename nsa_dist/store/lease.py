@@ -378,10 +378,10 @@ class Lease:
             f"run {rid!r} in {self.keys.url!r} is being written by another process ({other.who()}; "
             f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
             + (
-                f"the wait of {self.wait:g} s ran out; wait longer (--wait SECONDS, or --wait alone: until it ends) "
-                "or use another store"
+                f"the wait of {self.wait:g} s ran out; wait longer (--wait SECONDS, or --wait alone: until it ends; "
+                "for a job, nsa submit --wait-for-writers) or use another store"
                 if waited
-                else "wait for it (--wait) or use another store"
+                else "wait for it (--wait; for a job, nsa submit --wait-for-writers) or use another store"
             )
         )
 
