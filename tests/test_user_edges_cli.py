@@ -239,7 +239,9 @@ def test_a_lease_refusal_after_wait_says_the_wait_ran_out(tmp_path):
     with SpectrumStore(url).lease(["r"], ttl=30.0):
         with pytest.raises(LeaseHeld, match=r"the wait of 0\.3 s ran out; wait longer \(--wait SECONDS"):
             SpectrumStore(url).lease(["r"], wait=0.3, ttl=30.0).acquire()
-        with pytest.raises(LeaseHeld, match=r"wait for it \(--wait\) or use another store$"):
+        with pytest.raises(
+            LeaseHeld, match=r"wait for it \(--wait; for a job, nsa submit --wait-for-writers\) or use another store$"
+        ):
             SpectrumStore(url).lease(["r"], ttl=30.0).acquire()
 
 
