@@ -82,3 +82,34 @@ def test_a_hessian_densitys_log_axis_says_what_it_leaves_out(ce_run):
     assert "are not drawn: gaps" in _texts(fig) and "are not drawn: gaps" in panel.note_text(ce_run)
     lines = [ln.get_ydata() for ln in fig.axes[0].get_lines()]
     assert all(np.nanmin(np.asarray(y, float)) > 0 for y in lines)
+
+
+def test_fig1e_says_full_kernel_in_its_legend_without_a_tab(ce_run):
+    """`" (full $NK{\\times}NK$ kernel)"` was not a raw string: its legend read "NK<tab>imes NK" (audit Y)."""
+    from nsa_dist.plots.registry import make_figure
+
+    labels = [t.get_text() for t in make_figure(ce_run, "fig1e_lr_stability").axes[0].get_legend().get_texts()]
+    assert any("{\\times}" in label for label in labels) and not any("\t" in label for label in labels), labels
+
+
+def test_the_served_fig1e_draws_the_schedule_not_a_slope_between_recorded_steps(tmp_path):
+    """δ halved at t = 6 between the recorded steps 0 and 7 was drawn from 7 on, joined to step 0 by a
+    slope (audit Y: a halving at 150 drawn at 231); the page now draws the schedule, as nsa plot does."""
+    from nsa_dist.serve._nsa_panels import Fig1e
+
+    spec = {
+        "name": "lr",
+        "data": {"n": 16},
+        "model": {"depth": 2, "width": 6},
+        "steps": 10,
+        "record": {"steps": [0, 7, 9]},
+        "schedule": {"lr": 0.2, "decay": 0.5, "every": 6},
+        "spectrum": {"k": 4, "images": []},
+    }
+    url = str(tmp_path / "s.zarr")
+    assert run_experiment(ExperimentSpec.model_validate(spec), SpectrumStore(url)).status == "done"
+    run = Client(url).run("lr")
+    stairs, recorded, _ = Fig1e(run).series(run)[0]
+    x, y = np.asarray(stairs.x), np.asarray(stairs.y)
+    assert set(y[x < 6]) == {0.2} and set(y[x > 6]) == {0.1}, (x, y)
+    assert not recorded.line and recorded.x.tolist() == [0, 7, 9]

@@ -34,7 +34,7 @@ def fig1e(run: Run) -> Figure:
     ts, lr = lr_steps(run, int(t[-1]))
     (line,) = ax.plot(ts, lr, "-", drawstyle="steps-post", label=r"$\delta_t$")
     ax.plot(t, run.lr, "o", ms=3, color=line.get_color())
-    kernel = " (full $NK{\times}NK$ kernel)" if run.Ko > 1 else ""
+    kernel = r" (full $NK{\times}NK$ kernel)" if run.Ko > 1 else ""
     ax.plot(t, run.stability_bound(), "s-", ms=3, label=r"$2N / \lambda_{max}^t$" + kernel)
     time_axis(ax, run, "learning rate", logy=True)
     add_gd_note(fig, run)

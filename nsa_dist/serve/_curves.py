@@ -57,6 +57,7 @@ class Series:
     err: Any = None
     band: Any = None
     band_x: Any = None
+    line: bool = True  # False: the markers alone (recorded values on a line drawn by another series)
 
 
 @dataclass(frozen=True)
@@ -103,11 +104,12 @@ def _columns(series: Sequence[Series], plot: Plot) -> dict[str, dict[str, list[A
     fy = positive if plot.y_log else (lambda a: np.asarray(a, np.float64))
     for s in series:
         x, y = fx(s.x), fy(s.y)
-        lines["xs"].append(x)
-        lines["ys"].append(y)
-        lines["color"].append(s.color)
-        lines["dash"].append(s.dash)
-        lines["label"].append(s.label)
+        if s.line:
+            lines["xs"].append(x)
+            lines["ys"].append(y)
+            lines["color"].append(s.color)
+            lines["dash"].append(s.dash)
+            lines["label"].append(s.label)
         if s.markers:
             dots["x"] += x.tolist()
             dots["y"] += y.tolist()

@@ -11,7 +11,7 @@ import numpy as np
 from bokeh.models import Select
 
 from nsa_dist.plots import residual_projections
-from nsa_dist.plots.axes import gd_note, ks, nonpositive_note
+from nsa_dist.plots.axes import gd_note, ks, lr_steps, nonpositive_note
 from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, need, spread, stairs, step_options
 from nsa_dist.serve._live import Waiting
 
@@ -54,19 +54,22 @@ class Fig1d(Curves):
 
 
 class Fig1e(Curves):
-    """δ_t (held between recorded steps) and GD's stability bound 2N/λ_max^t along t (NSA Fig. 1e)."""
+    """δ_t (the schedule's, piecewise constant between its decays; markers: the recorded values) and
+    GD's stability bound 2N/λ_max^t along t (NSA Fig. 1e), as ``nsa plot``'s figure draws them."""
 
     title = "NSA Fig. 1e — learning rate δ_t and its stability bound 2N/λ_max^t"
     figures = ("fig1e_lr_stability",)
     plots = (Plot("step t", "learning rate", y_log=True),)
 
     def series(self, run: Run) -> list[list[Series]]:
-        x, y = stairs(run.steps, run.lr)
+        # held from each decay to the next: from recorded steps alone a decay between two of them was
+        # drawn at the later one, joined by a slope (an audit: δ halved at t = 150 drawn at 231)
+        x, y = stairs(*lr_steps(run, int(run.steps[-1])))
         full = " (full NK×NK kernel)" if run.Ko > 1 else ""
         return [
             [
                 Series(x, y, "δ_t", color(0), markers=False),
-                Series(run.steps, run.lr, "δ_t", color(0)),
+                Series(run.steps, run.lr, "δ_t recorded", color(0), line=False),
                 Series(run.steps, run.stability_bound(), "2N/λ_max^t" + full, color(1)),
             ]
         ]
