@@ -86,4 +86,9 @@ class Client:
             raise no_such_run(run_id, self.url, ids)
         what = "runs are named" if named else "run ids start with"
         more = f" … ({len(hits)} in all)" if len(hits) > 10 else ""
-        raise StoreError(f"{len(hits)} {what} {run_id!r}: {', '.join(hits[:10])}{more}; give the full id")
+        sweep = (
+            f" ({run_id!r} is a sweep: `nsa plot --sweep {run_id}`, Client(…).sweep({run_id!r}) read it whole)"
+            if run_id in self.store.sweeps()
+            else ""
+        )
+        raise StoreError(f"{len(hits)} {what} {run_id!r}: {', '.join(hits[:10])}{more}; give the full id{sweep}")

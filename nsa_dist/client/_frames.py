@@ -116,7 +116,8 @@ _SET_BY_THE_LOOP = ("schedule.", "optimizer.")
 
 
 def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> pandas.DataFrame:
-    """One row per run: id, sweep, status, reason, steps_done, steps_total, last_step,
+    """One row per run: id, sweep (with ``sweep``: that one; else the sweeps it is in, ", "-joined
+    when several), status, reason, steps_done, steps_total, last_step,
     data_fingerprint (of the data the run was created from), then every spec field flattened to a
     dotted column ("model.depth", "schedule.lr", …).
 
@@ -133,11 +134,15 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
     sweeps = store.sweeps()
     if sweep is not None and sweep not in sweeps:
         raise NotFoundError(f"no sweep {sweep!r} in {store.url!r} (sweeps: {', '.join(sorted(sweeps)) or 'none'})")
-    member = {rid: name for name, ids in sweeps.items() for rid in ids}
+    member: dict[str, list[str]] = {}  # a run may be in several sweeps (the same spec in two grids)
+    for name, ids in sweeps.items():
+        for rid in ids:
+            member.setdefault(rid, []).append(name)
+    names = {rid: sweep if sweep is not None else ", ".join(sorted(set(n))) for rid, n in member.items()}
     known = store.run_ids()
     # a run of the sweep not created yet is left out
     ids = [rid for rid in sweeps[sweep] if rid in set(known)] if sweep is not None else known
-    rows = [_run_row(s, member.get(s.id)) for s in run_summaries(store, ids)]
+    rows = [_run_row(s, names.get(s.id)) for s in run_summaries(store, ids)]
     df = pd.DataFrame(
         rows,
         columns=None

@@ -181,6 +181,31 @@ def _stored_scalar(run: Run, name: str, k: int | None) -> np.ndarray:
     return values[:, k - 1]
 
 
+def _differ(runs: pandas.DataFrame, column: str) -> bool:
+    """Whether the runs hold more than one value in ``column`` (None and NaN one value)."""
+    if column not in runs.columns or column in _NOT_VARIED:
+        return False
+    return len({repr(_none_if_nan(v)) for v in runs[column]}) > 1
+
+
+# a run's own columns (runs_frame), not a spec field a grid point is told apart by; a sweep names
+# each of its runs apart, and the seed is pooled
+_NOT_VARIED = ("id", "sweep", "status", "reason", "steps_done", "steps_total", "last_step", "data_fingerprint", "name")
+
+
+def _beyond(run: Run, name: str, k: int | None) -> bool:
+    """Whether ``run`` has no column ``k`` of quantity ``name`` (E_t(φ, k) beyond its N or its stored
+    eigenpairs, λ_k of a stored (S, n) array with n < k)."""
+    if k is None:
+        return False
+    if name.startswith("energy_"):
+        return k > run.k_max
+    if name not in QUANTITIES:
+        spec = {a.name: a for a in run_arrays(run.dims) if a.per_step}.get(name)
+        return spec is not None and len(spec.shape) == 2 and k > spec.shape[1]
+    return False
+
+
 def varied_fields(spec: dict[str, Any]) -> list[str]:
     """The dotted spec fields a recorded sweep spec varies (its grid's, then its variants'), seed included.
 
@@ -223,8 +248,9 @@ class Curve:
     Attributes:
         key: grid field → value of this point (seed excluded).
         t: (T,) steps common to all its runs.
-        mean, std, lo, hi: (T,) mean, standard deviation (0 for one run), min and max over the n
-            runs; NaN where any of them has no value (NaN); an infinite value stays in (mean ±inf).
+        mean, std, lo, hi: (T,) mean, standard deviation (the population one, ddof 0: 0 for one
+            run), min and max over the n runs; NaN where any of them has no value (NaN); an infinite
+            value stays in (mean ±inf).
         n: number of runs averaged: the seeds with a finished step (a seed run twice under two
             names counts once).
         bracket: (lower, upper), (T,) each, that contain the exact mean of an energy E_t(φ, k)
@@ -244,16 +270,20 @@ class Curve:
     bracket: tuple[np.ndarray, np.ndarray] | None = None
     count: np.ndarray | None = None
     total: int | None = None
+    failed: int = 0
 
     @property
     def label(self) -> str:
         """ "width=8, depth=2 (3 seeds)"; "(2 of 3 seeds)" when some runs of the point have no
-        finished step yet."""
+        finished step yet; ", 2 failed" when runs of it failed (their curves end where they did)."""
         name = ", ".join(f"{f.split('.')[-1]}={v}" for f, v in self.key.items()) or "all"
         total = self.n if self.total is None else self.total
+        failed = f", {self.failed} failed" if self.failed else ""
         if total > self.n:
-            return name + f" ({self.n} of {total} seeds)"
-        return name + (f" ({self.n} seeds)" if self.n > 1 else "")
+            return name + f" ({self.n} of {total} seeds{failed})"
+        if self.n > 1:
+            return name + f" ({self.n} seeds{failed})"
+        return name + (" (failed)" if self.failed else "")
 
 
 class Sweep:
@@ -273,8 +303,11 @@ class Sweep:
         self.store, self.name = store, name
         self.runs: pandas.DataFrame = runs_frame(store, sweep=name)  # KeyError naming the known sweeps
         varied = varied_fields(store.sweep_spec(name))
-        self.seeded = "seed" in varied
-        self.fields = [f for f in varied if f != "seed" and f in self.runs.columns]
+        self.seeded = "seed" in varied or _differ(self.runs, "seed")
+        # the grid's fields, and any other spec field its runs differ in: a sweep re-submitted under
+        # its name keeps its earlier runs (store.record_sweep), whose grid or base may have been another
+        differing = [c for c in self.runs.columns if c not in varied and c != "seed" and _differ(self.runs, c)]
+        self.fields = [f for f in [*varied, *differing] if f != "seed" and f in self.runs.columns]
 
     def run(self, run_id: str) -> Run:
         """One run of the sweep by its id (a value of ``runs["id"]``)."""
@@ -327,7 +360,8 @@ class Sweep:
         totals: dict[tuple, set] = {}
         for row in self.runs.to_dict("records"):  # the seeds of each point, with or without a finished step
             totals.setdefault(self._key(row), set()).add(row.get("seed"))
-        curves, skip = [], self._not_recording(name)
+        curves, skip = [], self._not_recording(name, k)
+        status = dict(zip(self.runs["id"], self.runs["status"]))
         for key, ids in self.groups():
             if skip.intersection(ids):  # its spec records no such quantity: :meth:`lacking`
                 continue
@@ -359,6 +393,7 @@ class Sweep:
                         bracket,
                         ok.sum(0),
                         max(len(totals.get(tuple(key.values()), ())), len(ids)),
+                        sum(status.get(rid) == "failed" for rid in ids),
                     )
                 )
         return curves
@@ -368,11 +403,12 @@ class Sweep:
         ``value`` = quantity ``name`` at ``step`` (default: each run's last step with a finite
         value — its last finished recorded step; "loss": its last trained step), ``step`` = the t
         of that value (runs that failed or are still running end earlier than the others: their t
-        says so) and the run's ``status``.  Runs whose spec does not record ``name`` while others
-        do have no row (:meth:`lacking`)."""
+        says so; at a given ``step`` they did not reach, ``value`` is NaN) and the run's ``status``.
+        Runs whose spec does not record ``name`` (or whose N is below ``k``) while others do have no
+        row (:meth:`lacking`)."""
         import pandas as pd
 
-        rows, skip = [], self._not_recording(name)
+        rows, skip = [], self._not_recording(name, k)
         for row in self._finished():
             if row["id"] in skip:  # its spec records no such quantity: :meth:`lacking`
                 continue
@@ -382,10 +418,8 @@ class Sweep:
                 value = float(v[ok[-1]]) if len(ok) else float("nan")
                 at = int(t[ok[-1]]) if len(ok) else (int(t[-1]) if len(t) else -1)
             else:
-                where = np.flatnonzero(t == step)
-                if not len(where):
-                    raise KeyError(f"step {step} is not a finished step of {row['id']!r} for {name!r}")
-                value, at = float(v[where[0]]), int(step)
+                where = np.flatnonzero(t == step)  # none: the run failed or is still running before it
+                value, at = (float(v[where[0]]) if len(where) else float("nan")), int(step)
             rows.append(
                 {
                     "id": row["id"],
@@ -398,19 +432,20 @@ class Sweep:
             )
         return pd.DataFrame(rows, columns=["id", *self.fields, "seed", "value", "step", "status"])
 
-    def lacking(self, name: str) -> list[dict[str, Any]]:
+    def lacking(self, name: str, k: int | None = None) -> list[dict[str, Any]]:
         """The grid points (with a finished step) whose runs' spec does not record quantity ``name``
-        (:func:`records`: no test points for "loss_test", no ``hessian:`` block for "hessian_…"):
+        (:func:`records`: no test points for "loss_test", no ``hessian:`` block for "hessian_…"), or
+        that have no column ``k`` of it (an E_t(φ, k) beyond their N or their stored eigenpairs):
         :meth:`curves`, :meth:`scalar` and the sweep figures leave them out, and ``nsa plot --sweep``
         says which."""
-        skip = self._not_recording(name)
+        skip = self._not_recording(name, k)
         return [key for key, ids in self.groups() if skip.intersection(ids)]
 
-    def _not_recording(self, name: str) -> set[str]:
-        """The ids of the finished runs whose spec does not record ``name`` — none when no run of the
-        sweep records it (reading it then is the error saying so, never an empty answer)."""
+    def _not_recording(self, name: str, k: int | None = None) -> set[str]:
+        """The ids of the finished runs whose spec does not record ``name`` (at ``k``) — none when no
+        run of the sweep records it (reading it then is the error saying so, never an empty answer)."""
         ids = [rid for _, group in self.groups() for rid in group]
-        skip = {rid for rid in ids if not records(self.run(rid), name)}
+        skip = {rid for rid in ids if not records(self.run(rid), name) or _beyond(self.run(rid), name, k)}
         return set() if len(skip) == len(ids) else skip
 
     def smallest_k(self) -> int:

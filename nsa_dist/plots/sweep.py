@@ -61,7 +61,10 @@ def _lines(ax: Axes, curves: list[Curve], shift: int = 0, key: bool = True) -> N
     with its bracket hatched) and, with ``key``, their legend (more than ~10: a colour key)."""
     cols, bracketed = colors(len(curves)), False
     for c, cv in zip(cols, curves):
-        ax.plot(cv.t + shift, cv.mean, "-", lw=1.2, color=c, label=cv.label)
+        # a point with fewer than two values (a run that failed after its first step, one still at
+        # its first) is a marker: a line of one point draws nothing
+        few = int(np.isfinite(cv.mean).sum()) < 2
+        ax.plot(cv.t + shift, cv.mean, "o-" if few else "-", ms=4, lw=1.2, color=c, label=cv.label)
         if cv.n > 1:
             ax.fill_between(cv.t + shift, cv.mean - cv.std, cv.mean + cv.std, color=c, alpha=0.2, lw=0)
         if cv.bracket is not None and np.any(cv.bracket[1] > cv.bracket[0]):  # measured beyond the exact top
