@@ -67,7 +67,7 @@ class Run(RunArrays):
         """What the data's loader recorded: its source and, for data it standardised, the constants —
         ``x_mean``, ``x_std`` (X holds (x − x_mean) / x_std, the inputs the network saw; the images and
         Fourier transforms are taken at x = X·x_std + x_mean, e.g. on [0, 1]² for ``image2d``) and
-        ``y_mean``, ``y_std``.  {} for runs recorded before it was stored."""
+        ``y_mean``, ``y_std``.  {} for a run recorded before it was kept and not reopened since."""
         return dict(self.attrs.get("data_meta") or {})
 
     @property

@@ -21,6 +21,7 @@ end it the same way; only where the checkpoints come from and where they are ana
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,9 +39,11 @@ from nsa_dist.pipeline.checkpoint import Checkpoint
 from nsa_dist.pipeline.diagnostics import StepNotes
 from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.nsa_extras import write_constant_gram
-from nsa_dist.pipeline.plan import RunPlan, plan_run, run_id
+from nsa_dist.pipeline.plan import RunPlan, _tracked, plan_run, run_id, spec_json
 from nsa_dist.pipeline.trainer import TrainingDiverged
 from nsa_dist.store import Lease, LeaseLost, RunRefused, RunWriter, SpectrumStore, Status, StepResult
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PreparedRun", "RunSession", "failure_reason", "finish_run", "pin_layout", "prepare_run"]
 
@@ -94,14 +97,55 @@ def prepare_run(
     # run's group is created
     check_fits(spec, gang_in_process, layout=_recorded_layout(store, plan), width=plan.feature_width, P=plan.dims.P)
     fingerprint = data.fingerprint()
-    writer = store.writer(plan.run_id, plan.spec_json, plan.dims, data_fingerprint=fingerprint, token=token)
+    writer = store.writer(
+        plan.run_id, plan.spec_json, plan.dims, data_fingerprint=fingerprint, token=token, normalize=spec_as_today
+    )
     plan = replace(pin_layout(writer, plan), data_fingerprint=fingerprint)
-    if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
+    if not writer.static_complete() or writer.attr("data_meta") is None:
         # the loader's constants (x_mean, x_std of standardised inputs, …): X in the store is what the
-        # network saw, and the images and Fourier transforms are taken in the original coordinates
+        # network saw, and the images and Fourier transforms are taken in the original coordinates (a
+        # run recorded before they were kept gets them when reopened: its data's fingerprint was checked)
         writer.set_attrs(data_meta=json.loads(json.dumps(data.meta, default=str)))
+    if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         writer.write_static(plan.static_arrays(data))
     return PreparedRun(plan, data, writer, materials)
+
+
+def spec_as_today(stored: dict) -> dict | None:
+    """A stored spec (JSON) as this nsa-dist writes the same spec: the fields added since it was
+    recorded at their defaults; None when it no longer reads as a spec."""
+    try:
+        return spec_json(ExperimentSpec.model_validate(stored, context={"stored": True}))
+    except Exception:  # noqa: BLE001 - a spec of another shape is simply not the same run
+        return None
+
+
+def stored_run_id(
+    store: SpectrumStore, spec: ExperimentSpec, key: str | None = None, known: list[str] | None = None
+) -> str:
+    """The id ``spec``'s run has in ``store``: :func:`run_id` — or, when no run has it, the one run
+    of the spec's name whose stored spec is ``spec`` as an earlier nsa-dist recorded it (fields added
+    since then enter the hash: such a run was started again from step 0 under a new id, the old one
+    left "interrupted … re-run to resume" for ever).  ``known``: the store's run ids, when the caller
+    has listed them (a sweep's driver, once for all its runs)."""
+    key = key or run_id(spec)
+    if _tracked(spec) or (key in known if known is not None else store.has_run(key)):  # a Tracker's id: its name
+        return key
+    known = store.run_ids() if known is None else known
+    want, found = spec_json(spec), []
+    for rid in known:
+        if not rid.startswith(f"{spec.name}-") or len(rid) != len(key):
+            continue
+        try:
+            stored = store.reader(rid).attrs.get("spec")
+        except StoreError:
+            continue
+        if isinstance(stored, dict) and spec_as_today(stored) == want:
+            found.append(rid)
+    if len(found) == 1:
+        log.info("run %s: its spec's run, recorded by an earlier nsa-dist under the id %s, is resumed", key, found[0])
+        return found[0]
+    return key
 
 
 def _recorded_layout(store: SpectrumStore, plan: RunPlan) -> Layout:
@@ -187,7 +231,7 @@ class RunSession:
             StoreError: the store holds the run with another spec, schema or data (the lease taken
                 is handed back as it was).
         """
-        key = key or run_id(spec)
+        key = stored_run_id(store, spec, key)
         lease = None if token is not None else store.lease([key], wait=wait).acquire()
         try:
             prepared = prepare_run(
@@ -209,7 +253,8 @@ class RunSession:
         Raises:
             LeaseHeld, StoreError: as :meth:`open` (the lease is released).
         """
-        keys = [run_id(s) for s in specs]
+        known = store.run_ids()
+        keys = [stored_run_id(store, s, known=known) for s in specs]
         lease = store.lease(list(dict.fromkeys(keys)), wait=wait).acquire()
         try:
             sessions = []

@@ -24,7 +24,7 @@ from zarr.core.sync import sync
 from nsa_dist.errors import StoreError
 from nsa_dist.store.keys import METADATA_ERRORS
 from nsa_dist.store.runs import RunIndex
-from nsa_dist.store.schema import SCHEMA_VERSION, ArraySpec, RunDims, dimension_names, run_arrays
+from nsa_dist.store.schema import ADDED_ARRAYS, SCHEMA_VERSION, ArraySpec, RunDims, dimension_names, run_arrays
 
 if TYPE_CHECKING:
     import zarr
@@ -157,6 +157,11 @@ class RunReader:
             return (
                 f"run {self.id!r}: its creation was interrupted before array {name!r} was made; re-run it "
                 "(nsa run / nsa sweep) to finish creating it"
+            )
+        if name in ADDED_ARRAYS and not self.store.keys.list_dir(f"runs/{self.id}/{name}"):  # no folder at all
+            return (
+                f"run {self.id!r} has no array {name!r}: it was recorded by an earlier nsa-dist, before that "
+                "array existed (not damage; its other arrays read as they were) — re-running the run adds it"
             )
         if name in self.specs:
             return (

@@ -32,6 +32,9 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+# arrays schema 1 gained after stores were written: a run without one was recorded before it existed
+# (not damage; reopening the run creates it)
+ADDED_ARRAYS = ("eigenvector_steps", "step_notes")
 CHUNK_BYTES = 8 << 20  # the largest chunk written (8 MiB before compression): cheap to fetch from s3://
 STATE_ARRAYS = ("theta", "opt_slots", "rng_state")  # the resume state, written from the checkpoint's state
 

@@ -45,7 +45,8 @@ class Damage:
     path: str
     problem: str
     key: str | None = None  # the chunk's store key (to delete), None for metadata
-    unfinished: bool = False  # not damage: a creation interrupted before its arrays were made (a re-run ends it)
+    unfinished: bool = False  # not damage: a creation interrupted before its arrays were made, or an array
+    # added to the schema after the run was recorded (a re-run ends it)
     stray: bool = False  # an entry of the wrong kind no recorded step needs: removed, nothing recomputed
     link: bool = False  # ``path`` is a run's or an array's folder that is a symbolic link: replaced by a copy
     post_run: bool = False  # in an array written after the last step (preservation …): --mark removes the
@@ -95,9 +96,17 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
             arr = r.array(name)
         except StoreError as exc:
             folder = _linked(store, run_id, name)
+            older = folder is None and "recorded by an earlier nsa-dist" in str(exc)  # not damage: a re-run adds it
             out.append(
                 Damage(
-                    run_id, name, None, None, folder or f"{r.path}/{name}/zarr.json", str(exc), link=folder is not None
+                    run_id,
+                    name,
+                    None,
+                    None,
+                    folder or f"{r.path}/{name}/zarr.json",
+                    str(exc),
+                    link=folder is not None,
+                    unfinished=older,
                 )
             )
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import StepResult
 from nsa_dist.store.runs import RunIndex
 from nsa_dist.store.schema import (
+    ADDED_ARRAYS,
     SCHEMA_VERSION,
     STATE_ARRAYS,
     ArraySpec,
@@ -37,9 +39,6 @@ from nsa_dist.store.schema import (
 from nsa_dist.store.status import Status
 
 __all__ = ["SpectrumStore", "RunWriter", "CODECS"]
-
-# arrays that schema 1 gained after stores were written: created when such a run is reopened
-_ADDED = ("eigenvector_steps", "step_notes")
 
 
 def CODECS() -> list:
@@ -137,9 +136,13 @@ class SpectrumStore(RunIndex):
 
     # ------------------------------------------------------------------ sweeps
     def record_sweep(self, name: str, spec: dict, run_ids: list[str]) -> None:
-        """Note a sweep and its runs under ``sweeps/<name>`` (re-submitting it updates the record)."""
+        """Note a sweep and its runs under ``sweeps/<name>``.  Re-submitting it records its spec and
+        adds its new runs after the earlier ones, which stay (a part of the grid re-run under the
+        sweep's name dropped the rest from it: 7 finished runs of 11 no longer in their sweep)."""
         sweeps = self.root["sweeps"] if "sweeps" in self.root else self.root.create_group("sweeps")
         g = sweeps[name] if name in sweeps else sweeps.create_group(name)
+        earlier = [r for r in g.attrs.get("run_ids", []) if isinstance(r, str)]
+        run_ids = earlier + [r for r in run_ids if r not in set(earlier)]
         g.attrs.update({"spec": spec, "run_ids": run_ids, "updated": time.time()})
 
     def sweeps(self) -> dict[str, list[str]]:
@@ -177,6 +180,7 @@ class SpectrumStore(RunIndex):
         create: bool = True,
         data_fingerprint: str | None = None,
         token: str | None = None,
+        normalize: Callable[[dict], dict | None] | None = None,
     ) -> RunWriter:
         """Create run ``run_id``, or reopen it for resuming after checking spec, data, schema and arrays.
 
@@ -188,6 +192,10 @@ class SpectrumStore(RunIndex):
             data_fingerprint: :meth:`Dataset.fingerprint` of the data loaded for this run: recorded
                 when the run is created, compared when it is reopened.
             token: the writer lease's token; every write is fenced by it (:func:`check_holder`).
+            normalize: the stored spec as this nsa-dist writes one (fields added since it was stored
+                at their defaults; None: it does not read as a spec now), compared with ``spec``
+                instead of the stored JSON as it is — a run recorded before a field existed is the
+                same run (its resume was refused: "spectrum.quadrature.phi_width: None → 0.0").
 
         Raises:
             StoreError: another spec or schema, a missing / mis-shaped array, or data whose
@@ -228,6 +236,9 @@ class SpectrumStore(RunIndex):
                 f"writes {SCHEMA_VERSION}; use a new store or run name"
             )
         diff = _diff(attrs.get("spec"), spec)
+        if diff and normalize is not None and isinstance(attrs.get("spec"), dict):
+            today = normalize(attrs["spec"])
+            diff = _diff(today, spec) if today is not None else diff
         was, now = (str(((d or {}).get("data") or {}).get("path")) for d in (attrs.get("spec"), spec))
         if len(diff) == 1 and was != now and was.startswith("sha1:") and now.startswith("sha1:"):
             raise RunRefused(  # a Tracker's: its data path is the digest of the arrays it was handed
@@ -382,7 +393,7 @@ class RunWriter:
                     f"({type(exc).__name__}: {exc})"
                 ) from exc
             if arr is None:
-                if name in _ADDED:
+                if name in ADDED_ARRAYS:  # recorded before it existed: made now
                     self._create(a)
                     if a.per_step:  # the steps already done noted nothing: their chunks are written, not missing
                         for i in np.flatnonzero(self.done()):

@@ -1,0 +1,94 @@
+"""A run recorded by an earlier nsa-dist, reopened by this one (audit X): its stored spec lacks the
+fields added since (they were absent from the JSON, and entered the run id's hash)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from nsa_dist.client import Client
+from nsa_dist.config import ExperimentSpec
+from nsa_dist.pipeline import run_experiment, run_id
+from nsa_dist.store import SpectrumStore
+
+SPEC = ExperimentSpec(
+    name="old",
+    data={"n": 20},
+    model={"depth": 2, "width": 6},
+    steps=7,
+    record={"every": 3},
+    spectrum={"k": 5, "images": []},
+)
+
+
+def _as_recorded_before(url: str, rid: str, as_id: str | None = None) -> str:
+    """The run's stored spec without the fields added on 2026-12-03/04 (``spectrum.energy``,
+    ``spectrum.quadrature``), as the nsa-dist of 2026-12-02 wrote it — under ``as_id``, its id then."""
+    g = zarr.open_group(url, mode="r+")[f"runs/{rid}"]
+    spec = dict(g.attrs["spec"])
+    spec["spectrum"] = {k: v for k, v in spec["spectrum"].items() if k not in ("energy", "quadrature")}
+    g.attrs["spec"] = spec
+    if as_id is None:
+        return rid
+    os.rename(Path(url) / "runs" / rid, Path(url) / "runs" / as_id)
+    return as_id
+
+
+@pytest.mark.parametrize("same_id", [True, False], ids=["same-id", "earlier-id"])
+def test_a_run_recorded_before_fields_were_added_is_resumed_not_started_again(tmp_path, same_id):
+    """Same id (a default added to the hash-neutral fields): the resume was refused, "different spec
+    (spectrum.quadrature.phi_width: None → 0.0)". Another id (fields that entered the hash): the run
+    was started again from step 0 under a new id, the old one "interrupted … re-run to resume" for
+    ever.  Both are resumed now: the killed run's last step is computed, the earlier ones kept."""
+    url = str(tmp_path / "s.zarr")
+    rid = run_id(SPEC)
+    assert run_experiment(SPEC, SpectrumStore(url)).status == "done"
+    g = zarr.open_group(url, mode="r+")[f"runs/{rid}"]
+    del g.attrs["data_meta"]  # kept since 2026-12-06
+    before = np.asarray(g["eigenvalues"][:])
+    g["done"][-1] = False  # killed before its last recorded step was stored
+    g.attrs["status"] = "running"
+    old = _as_recorded_before(url, rid, None if same_id else "old-0123456789")
+    out = run_experiment(SPEC, SpectrumStore(url))
+    assert out.status == "done" and out.run_id == old and out.steps_computed == 1, out
+    assert Client(url).store.run_ids() == [old]
+    np.testing.assert_array_equal(Client(url).run(old).eigenvalues, before)  # the same steps, recomputed alike
+    assert Client(url).run(old).data_meta["source"] == "image2d"  # the loader's constants, kept now
+
+
+def test_a_spec_that_differs_is_still_refused(tmp_path):
+    url = str(tmp_path / "s.zarr")
+    rid = run_id(SPEC)
+    assert run_experiment(SPEC, SpectrumStore(url)).status == "done"
+    g = zarr.open_group(url, mode="r+")[f"runs/{rid}"]
+    spec = dict(g.attrs["spec"])
+    spec["spectrum"] = {**spec["spectrum"], "k": 4}
+    g.attrs["spec"] = spec
+    with pytest.raises(Exception, match=r"different spec \(spectrum\.k: 4 → 5\)"):
+        run_experiment(SPEC, SpectrumStore(url))
+
+
+def test_an_array_added_since_the_run_was_recorded_is_not_damage(tmp_path, capsys):
+    """A run recorded before step_notes existed: nsa verify called it damaged metadata and advised
+    deleting the run's folder (audit X: every run of a store of 2026-12-02); reading it said
+    "missing …; run nsa verify".  It is an older layout, which reopening completes."""
+    import shutil
+
+    from nsa_dist.cli import main as nsa
+
+    url = str(tmp_path / "s.zarr")
+    rid = run_id(SPEC)
+    assert run_experiment(SPEC, SpectrumStore(url)).status == "done"
+    shutil.rmtree(Path(url) / "runs" / rid / "step_notes")
+    capsys.readouterr()
+    assert nsa(["verify", url]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "recorded by an earlier nsa-dist, before that array existed" in out and "delete" not in out, out
+    with pytest.raises(Exception, match="recorded by an earlier nsa-dist, before that array existed"):
+        Client(url).run(rid).per_step("step_notes")
+    assert run_experiment(SPEC, SpectrumStore(url)).steps_computed == 0  # reopened: the array made, nothing recomputed
+    assert (Client(url).run(rid).per_step("step_notes") == "").all()
