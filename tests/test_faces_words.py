@@ -113,3 +113,13 @@ def test_the_served_fig1e_draws_the_schedule_not_a_slope_between_recorded_steps(
     x, y = np.asarray(stairs.x), np.asarray(stairs.y)
     assert set(y[x < 6]) == {0.2} and set(y[x > 6]) == {0.1}, (x, y)
     assert not recorded.line and recorded.x.tolist() == [0, 7, 9]
+
+
+def test_a_multi_output_runs_figures_say_which_kernel_they_draw(ce_run):
+    """Figs. 2a/2b/3 of a 10-output run drew the traced N×N Gram (λ_1 15,736) beside 1e/2c/2d's full
+    NK×NK kernel (λ_max 3,041) without a word on which (audit Y)."""
+    from nsa_dist.plots.registry import make_figure
+
+    for name in ("fig2a_eigenvalues", "fig3a_energy_y"):
+        assert "G_t: the N×N Gram Σ_a J_a J_aᵀ traced over its 10 outputs" in _texts(make_figure(ce_run, name)), name
+    assert "traced over its" not in _texts(make_figure(ce_run, "fig2c_flow_speed"))

@@ -451,3 +451,18 @@ def test_a_quantity_switched_off_is_said_so_by_its_accessor(tmp_path):
         for read in reads:
             with pytest.raises(KeyError, match=f"did not measure 'hessian_\\w+': its spec says {switch}"):
                 read()
+
+
+def test_s_norms_carry_their_standard_errors_to_the_figure(hess_run, tmp_path):
+    """Tr(S⁴)^{1/4} and ‖S‖_F come from Hutch++ estimates with standard errors but were drawn as bare
+    points beside ‖S‖_op, the inequality the figure is for (audit Y)."""
+    run, _ = hess_run
+    n, m = run.hessian.S_norms(), run.hessian.moments("S")
+    ok = n["k2"] > 0
+    np.testing.assert_allclose(n["k2_stderr"][ok], m["stderr"][ok, 1] / (2 * n["k2"][ok]))
+    assert np.isfinite(n["k4_stderr"]).all() and (n["k4_stderr"] >= 0).all(), n
+    from nsa_dist.plots.hessian import S_norms
+
+    ax = S_norms(run).axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert sum("±1 s.e." in label for label in labels) == 2, labels

@@ -214,8 +214,9 @@ def test_the_run_page_draws_what_nsa_plot_draws_with_the_predictions(store):
     np.testing.assert_array_equal(
         eqs["Eq. 5 with G_0 fixed"], pred[[int(np.flatnonzero(run.schedule == s)[0]) for s in steps], 0]
     )
-    lr = panels["fig1e_lr_stability"].sources[0]["lines"].data["xs"][0]
-    assert len(lr) == 2 * len(steps) - 1  # δ_t held between recorded steps: a staircase
+    lines = panels["fig1e_lr_stability"].sources[0]["lines"].data
+    x, y = np.asarray(lines["xs"][0]), np.asarray(lines["ys"][0])  # δ_t: the schedule's staircase, as nsa plot
+    assert x[0] == 0 and x[-1] == steps[-1] and np.allclose(y, run.lr[0]), (x, y)
 
 
 def test_the_eigenvector_panel_draws_every_stored_image(tmp_path):

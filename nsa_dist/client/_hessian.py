@@ -178,13 +178,20 @@ class HessianView:
 
     def S_norms(self) -> dict[str, np.ndarray]:
         """‖S‖_op (Lanczos, "op") beside the paper's bounds Tr(S^k)^{1/k} for k = 2 ("k2" = ‖S‖_F)
-        and k = 4 ("k4"), from the Hutch++ moments: (Sh,) each; ‖S‖_op ≤ k4 ≤ k2."""
-        m = self.moments("S")["estimate"]
-        with np.errstate(invalid="ignore"):
+        and k = 4 ("k4"), from the Hutch++ moments: (Sh,) each; ‖S‖_op ≤ k4 ≤ k2.  "k2_stderr",
+        "k4_stderr": their standard errors to first order (s.e.(Tr S^k) / (k·Tr(S^k)^{1 − 1/k}));
+        an estimate of Tr(S^k) at or below 0 gives 0 (its standard error says how far it may be)."""
+        m = self.moments("S")
+        est, se = m["estimate"], m["stderr"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            k2 = np.sqrt(np.clip(est[:, 1], 0, None))
+            k4 = np.clip(est[:, 3], 0, None) ** 0.25
             return {
                 "op": self._along("hessian_S_op"),
-                "k2": np.sqrt(np.clip(m[:, 1], 0, None)),
-                "k4": np.clip(m[:, 3], 0, None) ** 0.25,
+                "k2": k2,
+                "k4": k4,
+                "k2_stderr": np.where(k2 > 0, se[:, 1] / (2 * k2), np.sqrt(np.abs(se[:, 1]))),
+                "k4_stderr": np.where(k4 > 0, se[:, 3] / (4 * k4**3), np.abs(se[:, 3]) ** 0.25),
             }
 
     def __repr__(self) -> str:

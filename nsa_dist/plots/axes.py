@@ -220,8 +220,14 @@ def new_figure(
         ref = f" {label}"
     else:
         ref = f", {label}" if label else ""
-    set_title(fig, f"{paper}{ref} — {what}", f"run {run.id}")
+    sub = f"run {run.id}"
+    if paper == "NSA" and label not in _FULL_KERNEL and getattr(run, "Ko", 1) > 1:  # Figs. 1e, 2c-d say theirs
+        sub += f" — G_t: the N×N Gram Σ_a J_a J_aᵀ traced over its {run.Ko} outputs"
+    set_title(fig, f"{paper}{ref} — {what}", sub)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+_FULL_KERNEL = ("1e", "2c", "2d")  # the NSA figures whose λ are the full NK×NK kernel's (GD's stability)
 
 
 def ks(K: int, chosen: tuple[int, ...] | None = None, where: str = "") -> list[int]:

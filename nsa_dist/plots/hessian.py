@@ -62,18 +62,19 @@ def moments(run: Run) -> Figure:
                 ms=3,
                 color=c,
                 capsize=2,
-                label=f"{part} (Hutch++)",
+                label=f"{part} (Hutch++, ±1 s.e.)",
             )
-        ax.plot(t, exact[:, k], "k--", lw=1, label="I exact (NTK Gram)")
+        # markers on every line: a run with one analysed step draws points, not lines of one point
+        ax.plot(t, exact[:, k], "kx--", ms=5, lw=1, label="I exact (NTK Gram)")
         if run.has("hessian_I_limit_moments"):
             lim = run.hessian.moments("I_limit")["estimate"][:, k]
             if np.isfinite(lim).any():
-                ax.plot(t, lim, ":", color="C3", lw=1.6, label=r"I limit ($\Theta_\infty$, kernel PCA)")
+                ax.plot(t, lim, "d:", ms=4, color="C3", lw=1.6, label=r"I limit ($\Theta_\infty$, kernel PCA)")
         if S_lim is not None and k < 2:
             pred = S_lim["trace_S" if k == 0 else "trace_S2"]
             if np.isfinite(pred).any():
                 label = r"S limit: E[Tr $S_t$] (MSE GD)" if k == 0 else r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$"
-                ax.plot(t, pred, "-.", color="C2", lw=1.6, label=label)
+                ax.plot(t, pred, "v-.", ms=4, color="C2", lw=1.6, label=label)
                 legend(ax, fontsize=7)
         ax.set_title(f"Tr(A^{k + 1})", fontsize=10)
         symlog_y(ax, np.concatenate([ln.get_ydata() for ln in ax.get_lines()]))
@@ -228,8 +229,18 @@ def S_norms(run: Run) -> Figure:
     fig, ax = new_figure(run, TITLES["S_norms"], r"‖S‖_op ≤ Tr(S⁴)^{1/4} ≤ ‖S‖_F", paper=_PAPER)
     ax, t, n = ax[0, 0], run.hessian.steps, run.hessian.S_norms()
     ax.plot(t, n["op"], "o-", ms=3, label=r"$\Vert S\Vert_{op}$")
-    ax.plot(t, n["k4"], "s--", ms=3, label=r"Tr$(S^4)^{1/4}$")
-    ax.plot(t, n["k2"], "^--", ms=3, label=r"$\Vert S\Vert_F$ = Tr$(S^2)^{1/2}$")
+    ax.errorbar(
+        t, n["k4"], yerr=n["k4_stderr"], fmt="s--", ms=3, capsize=2, label=r"Tr$(S^4)^{1/4}$ (Hutch++, ±1 s.e.)"
+    )
+    ax.errorbar(
+        t,
+        n["k2"],
+        yerr=n["k2_stderr"],
+        fmt="^--",
+        ms=3,
+        capsize=2,
+        label=r"$\Vert S\Vert_F$ = Tr$(S^2)^{1/2}$ (±1 s.e.)",
+    )
     if run.has("hessian_S_limit") and np.isfinite(run.hessian.S_limit()["trace_S2"]).any():
         ax.plot(
             t,

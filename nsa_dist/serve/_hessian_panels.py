@@ -280,8 +280,8 @@ class SNorms(_HessianCurves):
         t, n = run.hessian.steps, run.hessian.S_norms()
         out = [
             Series(t, n["op"], "‖S‖_op", color(0)),
-            Series(t, n["k4"], "Tr(S⁴)^{1/4}", color(1), "dashed"),
-            Series(t, n["k2"], "‖S‖_F = Tr(S²)^{1/2}", color(2), "dashed"),
+            Series(t, n["k4"], "Tr(S⁴)^{1/4} (±1 s.e.)", color(1), "dashed", err=n["k4_stderr"]),
+            Series(t, n["k2"], "‖S‖_F = Tr(S²)^{1/2} (±1 s.e.)", color(2), "dashed", err=n["k2_stderr"]),
         ]
         if run.has("hessian_S_limit"):
             lim = run.hessian.S_limit()["trace_S2"]
