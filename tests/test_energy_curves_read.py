@@ -427,3 +427,16 @@ def test_a_top_eigenvalue_bracket_is_read_relative_to_its_own_size():
             assert bool(exact[2]) is exact_read, (s, half, lower, upper)
             if not exact_read:
                 assert lower[0, 2] == (1.0 - half) * s and upper[0, 2] == (1.0 + half) * s, (s, lower, upper)
+
+
+@pytest.mark.slow  # the pair of runs: ~40 s on a free core
+def test_figures_drawn_from_eigenvectors_say_they_stop_at_the_quadrature_top(quad_pair) -> None:
+    """Figs. 4a, 4d, 7d and Eqs. 4–5 stop at the exact top on the quadrature route, without a word while
+    2a/3c said so (audit Y: 4a ended at i = 20 where the paper goes to N)."""
+    from nsa_dist.plots import make_figure
+
+    ex, qu, _ = quad_pair
+    for name in ("fig4a_residual_projections", "fig4d_reconstructions", "fig7d_preservation", "eqs45_constant_gram"):
+        said = " ".join(t.get_text() for t in make_figure(qu, name).texts)
+        assert "its exact top 10 (spectrum.quadrature.top), so i and k stop at 10 here" in said, (name, said)
+        assert "quadrature route" not in " ".join(t.get_text() for t in make_figure(ex, name).texts), name

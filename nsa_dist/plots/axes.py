@@ -365,6 +365,25 @@ def add_gd_note(fig: Figure, run: Run) -> None:
         fig.text(0.01, 0.005, note, fontsize=7, color="crimson", ha="left", va="bottom", wrap=True)
 
 
+def add_top_note(fig: Figure, run: Run) -> None:
+    """On the quadrature route, say at the bottom of a figure drawn from eigenvectors that it stops at the
+    exact top K (the figure was cut at i, k ≤ K without a word, while Figs. 2a–b, 3 said so; audit Y)."""
+    if getattr(run, "energy_route", "exact") != "quadrature":
+        return
+    K = int(run.shape("eigenvalues")[1])
+    fig.text(
+        0.01,
+        0.005,
+        f"quadrature route: the eigenvectors are its exact top {K} (spectrum.quadrature.top), so i and k stop "
+        f"at {K} here; Figs. 2a–b and 3 bracket every k up to N",
+        fontsize=7,
+        color="0.35",
+        ha="left",
+        va="bottom",
+        wrap=True,
+    )
+
+
 def some_steps(S: int, most: int = 6) -> np.ndarray:
     """Up to ``most`` evenly spread indices into the S recorded steps, first and last included."""
     return np.unique(np.linspace(0, S - 1, min(S, most)).round().astype(int))

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, colors, family_label, ks, legend, new_figure
+from nsa_dist.plots.axes import PlotOptions, add_top_note, colors, family_label, ks, legend, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -38,6 +38,7 @@ def fig4a(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     ax.set(yscale="log", xlabel="index i", ylabel=r"$\langle v_i^t, m_t\rangle^2$")
     ax.grid(alpha=0.3, which="both")
     legend(ax, family=("t", labels, cols))
+    add_top_note(fig, run)
     return fig
 
 
@@ -70,4 +71,5 @@ def fig7d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     ax.set_title(f"$t_1$ = {t1}, $t_2$ = {t2}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     legend(ax, family=("i", [family_label("i", i) for i in rows], cols))
+    add_top_note(fig, run)
     return fig

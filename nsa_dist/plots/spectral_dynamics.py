@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, colors, family_label, legend, new_figure, picture_data
+from nsa_dist.plots.axes import PlotOptions, add_top_note, colors, family_label, legend, new_figure, picture_data
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -45,6 +45,7 @@ def fig4d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
         lim = [float(np.nanmin(f)), float(np.nanmax(f))]
         a.plot(lim, lim, "k--", lw=0.8)
         a.set(title=f"k = {k}", xlabel=r"$\bar f_t$", ylabel=r"$\bar f_{t,k}$")
+    add_top_note(fig, run)
     return fig
 
 
@@ -152,4 +153,5 @@ def eqs45(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     right.set(xlabel="step t", ylabel=r"$E_t(m_t, k)$", ylim=(-0.02, 1.02))
     right.grid(alpha=0.3)
     legend(right, family=("k", labels, cols), fontsize=7)
+    add_top_note(fig, run)
     return fig
