@@ -274,3 +274,13 @@ def test_sweep_opens_from_the_store_alone(store_url: str) -> None:
         "grid": (1, 2),
         "extra": {},
     }
+
+
+def test_image_and_preservation_rows_are_coordinates(store_url: str) -> None:
+    """`image` and `preservation_row` had no coordinates (the i sat in image_indices and in an
+    attribute): eigvec_images.sel(image=10) was impossible (audit U)."""
+    run = Client(store_url).run("lone")
+    ds = run.to_xarray()
+    np.testing.assert_array_equal(ds["image"].values, run.array("image_indices"))
+    np.testing.assert_array_equal(ds["eigvec_images"].sel(image=1).values, ds["eigvec_images"].isel(image=0).values)
+    np.testing.assert_array_equal(ds["preservation_row"].values, run.array_attrs("preservation")["rows"])

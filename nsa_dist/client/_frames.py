@@ -40,7 +40,9 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
     Per-step arrays (first dim "step") keep only the finished steps; coordinate ``step`` holds
     t, ``k``-like coordinates run 1..K (``moment``: the order k of Tr(A^k), 1..4; ``hessian_part``:
     "H", "I", "S"), ``curve`` is the quadrature route's k (``curve_k``;
-    ``curve_test``: ``curve_k_test``), ``train_step`` 0..T−1.  Attributes: the run id, status
+    ``curve_test``: ``curve_k_test``), ``image`` the drawn eigenvectors' i (``image_indices``:
+    ``ds.eigvec_images.sel(image=10)``), ``preservation_row`` Fig. 7d's rows i, ``train_step``
+    0..T−1.  Attributes: the run id, status
     and spec (JSON string).  The resume state is left out unless ``state``.
 
     Returns:
@@ -71,9 +73,12 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
         coords["hessian_part"] = ("hessian_part", np.array(["H", "I", "S"]))
     if "train_step" in ds.dims:
         coords["train_step"] = ("train_step", np.arange(ds.sizes["train_step"]))
-    for axis, grid in (("curve", "curve_k"), ("curve_test", "curve_k_test")):
+    for axis, grid in (("curve", "curve_k"), ("curve_test", "curve_k_test"), ("image", "image_indices")):
         if axis in ds.dims and grid in ds:  # the quadrature route's k: ds.curve_energy_y.sel(curve=400)
-            coords[axis] = (axis, np.asarray(ds[grid].values, np.int64))
+            coords[axis] = (axis, np.asarray(ds[grid].values, np.int64))  # image: the eigenvector's i
+    rows = ds["preservation"].attrs.get("rows") if "preservation" in ds else None
+    if rows is not None and len(rows) == ds.sizes.get("preservation_row", -1):  # Fig. 7d's rows i
+        coords["preservation_row"] = ("preservation_row", np.asarray(rows, np.int64))
     ds = ds.assign_coords(coords)
     ds.attrs.update({"run_id": run.id, "status": str(run.status), "spec": json.dumps(run.attrs["spec"])})
     return ds
