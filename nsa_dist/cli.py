@@ -492,7 +492,7 @@ def _flat(text: str, limit: int = 2000) -> str:
 
 # ---------------------------------------------------------------------------- run
 def _cmd_run(args: argparse.Namespace) -> int:
-    from nsa_dist.pipeline import run_experiment, run_id
+    from nsa_dist.pipeline import run_experiment
     from nsa_dist.specfile import check_data, load_spec
     from nsa_dist.store import Status
 
@@ -500,7 +500,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _check_device([spec], args.spec)
     _check_factories([spec])
     check_data([spec], args.spec)  # a missing data file is said now, not after the store and the model
-    rid = run_id(spec)
+    rid = _stored_id(spec, args.store)
     fancy = sys.stderr.isatty() and not args.plain
     progress = _RichProgress(spec.steps, rid) if fancy else _LogProgress(spec.steps, rid)
     with progress:
@@ -514,10 +514,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
             key=rid,  # the run id is computed once per command
         )
     if out.status == Status.FAILED:
-        print(f"run {rid} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)
+        print(f"run {out.run_id} FAILED: {out.reason} (earlier steps are kept in {args.store})", file=sys.stderr)
         return 1
-    print(f"run {rid} done ({out.steps_computed} recorded steps computed) → {args.store}")
+    print(f"run {out.run_id} done ({out.steps_computed} recorded steps computed) → {args.store}")
     return 0
+
+
+def _stored_id(spec: Any, store: str) -> str:
+    """The id the spec's run has in ``store`` (an earlier nsa-dist's run of it is resumed under its own
+    id: :func:`~nsa_dist.pipeline.session.stored_run_id`), without creating the store."""
+    from nsa_dist.pipeline import run_id
+    from nsa_dist.pipeline.session import stored_run_id
+    from nsa_dist.store import SpectrumStore
+
+    try:
+        return stored_run_id(SpectrumStore(store, mode="r"), spec)
+    except Exception:  # noqa: BLE001 - no store yet (or unreadable: the run says why): the spec's own id
+        return run_id(spec)
 
 
 def _check_device(specs: list, source: Path) -> None:

@@ -1184,6 +1184,20 @@ def _overlaps(a: str, b: str) -> bool:
     return pa[:n] == pb[:n]
 
 
+def spec_as_today(stored: Any) -> dict | None:
+    """A stored experiment spec (JSON) as this nsa-dist writes the same spec: the fields added since it
+    was recorded at their defaults (so a run recorded before them compares equal to today's spec of it);
+    None when it no longer reads as a spec."""
+    import json
+
+    if not isinstance(stored, dict):
+        return None
+    try:
+        return json.loads(ExperimentSpec.model_validate(stored, context={"stored": True}).model_dump_json())
+    except Exception:  # noqa: BLE001 - a spec of another shape is simply not today's spec of anything
+        return None
+
+
 def _short(v: Any) -> str:
     """A value as a name fragment: only [A-Za-z0-9_.-], dicts/lists by their values."""
     import re

@@ -123,3 +123,31 @@ def test_a_multi_output_runs_figures_say_which_kernel_they_draw(ce_run):
     for name in ("fig2a_eigenvalues", "fig3a_energy_y"):
         assert "G_t: the N×N Gram Σ_a J_a J_aᵀ traced over its 10 outputs" in _texts(make_figure(ce_run, name)), name
     assert "traced over its" not in _texts(make_figure(ce_run, "fig2c_flow_speed"))
+
+
+def test_fig1e_draws_no_schedule_for_a_run_whose_rate_is_unknown(tmp_path):
+    """A Tracker run with groups at different rates stores δ_t NaN: the figure drew the spec's default
+    schedule (0.25), a rate the loop never used (a review's repro)."""
+    import torch
+
+    from nsa_dist import Tracker
+    from nsa_dist.plots.axes import lr_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    X = torch.rand(10, 2, dtype=torch.float64)
+    y = X.sum(1, keepdim=True)
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1}, {"params": model[2].parameters(), "lr": 0.01}])
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "groups", model, X, y, steps=4, record={"every": 2}, spectrum={"k": 3}, hessian=None)
+    for t in range(4):
+        if tr.due(t):
+            tr.record(t, lr=opt)
+        opt.zero_grad()
+        (0.5 * ((model(X) - y) ** 2).mean()).backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("groups")
+    assert np.isnan(run.lr).all()
+    t, lr = lr_steps(run, int(run.steps[-1]))
+    assert np.isnan(lr).all(), (t, lr)

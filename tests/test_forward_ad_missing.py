@@ -115,3 +115,41 @@ def test_a_tracker_on_a_weight_norm_model_predicts_the_update(tmp_path):
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err < 1e-6, f"step {t}: stored df_pred differs from J·Δθ by {err:.2e} relative"
         assert np.isfinite(run.first_order["error"][i]), run.first_order
+
+
+def test_a_backward_that_cannot_be_differentiated_again_is_refused_not_guessed():
+    """A custom Function without jvp whose backward is @once_differentiable: torch.func differentiated
+    its backward as a constant and the vjp of the vjp gave J·dθ 50 % off without an error (a review's
+    repro); the fallback is checked by a central difference and refused (NaN with its reason)."""
+    from torch.autograd.function import once_differentiable
+
+    from nsa_dist.errors import ModelForwardError
+
+    class OnceCube(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x**3
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x**2 * g
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(OnceCube.apply(self.a(x)))
+
+    torch.manual_seed(0)
+    model, x = Net().double(), torch.randn(5, 2, dtype=torch.float64)
+    dtheta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    with pytest.raises(ModelForwardError, match="cannot be differentiated again"):
+        jacobian_vector_product(model, x, dtheta)

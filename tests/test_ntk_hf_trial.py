@@ -271,6 +271,29 @@ def test_a_nan_weight_is_named_as_the_cause():
     x, y = torch.randn(6, 3, dtype=D), torch.randn(6, 2, dtype=D)
     for measure in (lambda: gram(model, x), lambda: hutchpp_moments(hessian_operator(model, x, y), 4)):
         with pytest.raises(
-            NonFiniteError, match=r"parameters or buffers hold NaN or inf — 0\.weight \(1 of 24 entries\)"
+            NonFiniteError, match=r"parameters hold NaN or inf, or its buffers NaN — 0\.weight \(1 of 24 entries\)"
         ):
             measure()
+
+
+def test_an_inf_mask_buffer_is_not_blamed_for_nan_outputs():
+    """A −inf padding-mask buffer is what attention masks hold: a fully masked row's NaN output was
+    blamed on it as "a diverged training step" (a review's repro); the masking advice stays."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.score, self.out = nn.Linear(2, 1), nn.Linear(2, 1)
+            self.register_buffer("pad", torch.tensor([0.0, float("-inf"), float("-inf")]))
+
+        def forward(self, x):  # x (n, 3, 2): a row whose unmasked entry is -inf too is all masked
+            s = self.score(x)[..., 0] + self.pad + torch.where(x[..., 0, :1] > 5, float("-inf"), 0.0)
+            return self.out((s.softmax(-1)[..., None] * x).sum(1))
+
+    torch.manual_seed(0)
+    model = Masked().double()
+    x = torch.randn(5, 3, 2, dtype=D)
+    x[1, 0, 0] = 9.0
+    with pytest.raises(NonFiniteError, match="an attention row whose every key is masked") as e:
+        gram(model, x)
+    assert "buffers" not in str(e.value), e.value

@@ -85,6 +85,9 @@ def test_an_array_added_since_the_run_was_recorded_is_not_damage(tmp_path, capsy
     assert run_experiment(SPEC, SpectrumStore(url)).status == "done"
     shutil.rmtree(Path(url) / "runs" / rid / "step_notes")
     capsys.readouterr()
+    assert nsa(["verify", url]) == 1  # a run created today has step_notes: its loss is damage (a review's repro)
+    assert "step_notes" in capsys.readouterr().out
+    zarr.open_group(url, mode="r+")[f"runs/{rid}"].attrs["created"] = 1.7e9  # recorded in 2023, before it
     assert nsa(["verify", url]) == 0, capsys.readouterr()
     out = capsys.readouterr().out
     assert "recorded by an earlier nsa-dist, before that array existed" in out and "delete" not in out, out

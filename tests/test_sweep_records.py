@@ -94,3 +94,36 @@ def test_an_energy_k_beyond_some_runs_n_leaves_them_out_and_says_so(url):
 def test_a_sweep_name_given_as_a_run_says_it_is_a_sweep(url):
     with pytest.raises(StoreError, match=r"'grid' is a sweep: `nsa plot --sweep grid`"):
         Client(url).run("grid")
+
+
+def test_runs_recorded_by_two_versions_stay_one_grid_point(url):
+    """A seed of a grid point recorded by an earlier nsa-dist (its stored spec without spectrum.energy /
+    quadrature, which 0d09aaf resumes as the same run) split each point in two: its fields grew by 9
+    spectrum.* columns and the seeds were no longer pooled (a review's repro)."""
+    import zarr
+
+    (old,) = [r for r in SpectrumStore(url).sweeps()["grid"] if "depth-3" in r and "seed-1" in r]
+    g = zarr.open_group(url, mode="r+")[f"runs/{old}"]
+    spec = dict(g.attrs["spec"])
+    spec["spectrum"] = {k: v for k, v in spec["spectrum"].items() if k not in ("energy", "quadrature")}
+    g.attrs["spec"] = spec
+    sweep = Client(url).sweep("grid")
+    assert sweep.fields == ["model.depth"], sweep.fields
+    assert [len(ids) for _, ids in sweep.groups()] == [2, 2]
+
+
+def test_a_block_that_became_non_empty_is_a_field_not_a_crash():
+    """model.kwargs {} in one submission and {hidden: 8} in the next: the empty dict was a column value
+    and groups() raised "unhashable type: 'dict'" (a review's repro)."""
+    from nsa_dist.client._frames import flatten_spec
+    from nsa_dist.client._sweep import _hashable
+
+    assert flatten_spec({"model": {"kwargs": {}}}) == {"model.kwargs": None}
+    assert _hashable(({"depth": 2},)) == '[{"depth": 2}]'
+
+
+def test_a_step_no_run_recorded_is_an_error_not_nan(url):
+    """NaN is for the runs that stopped before a step; a step no run of the sweep recorded (4 of
+    0, 3, 5) gave NaN for every run with status done and no word (a review's repro)."""
+    with pytest.raises(KeyError, match=r"step 4 is no finished step of 'lambda_max' in any run of sweep 'lr'"):
+        Client(url).sweep("lr").scalar("lambda_max", step=4)

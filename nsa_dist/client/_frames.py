@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nsa_dist.config import spec_as_today
 from nsa_dist.errors import NSAError
 from nsa_dist.store import run_summaries
 from nsa_dist.store.schema import STATE_ARRAYS
@@ -92,8 +93,8 @@ def flatten_spec(d: dict, prefix: str = "") -> dict[str, Any]:
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
             out.update(flatten_spec(v, key + "."))
-        else:
-            out[key] = tuple(v) if isinstance(v, list) else v
+        else:  # an empty block is no value (a dict is no pandas key: a sweep's groups raised on it)
+            out[key] = tuple(v) if isinstance(v, list) else (None if isinstance(v, dict) else v)
     return out
 
 
@@ -109,7 +110,9 @@ def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
         "steps_total": summary.steps_total,
         "last_step": summary.last_step,
     }
-    spec = summary.spec if isinstance(summary.spec, dict) else {}
+    # as today's nsa-dist reads it: a run recorded before a field existed has its default there, so
+    # runs of one grid point recorded by two versions do not differ in it (a sweep split them)
+    spec = spec_as_today(summary.spec) or (summary.spec if isinstance(summary.spec, dict) else {})
     flat = flatten_spec(spec)
     if (spec.get("data") or {}).get("name") == "arrays":  # a Tracker's run: the user's loop set its rates
         # and its optimizer's settings; the spec holds defaults there (the run's `lr` array has δ_t)

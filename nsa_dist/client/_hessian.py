@@ -69,7 +69,12 @@ class HessianView:
         "has no array …; did you mean …" named none)."""
         if self._a.has(name) or name not in _SWITCH:
             return name
-        why = "its spec has no hessian: block" if self._a.spec.hessian is None else f"its spec says {_SWITCH[name]}"
+        h = self._a.spec.hessian
+        if h is not None:
+            field, off = _SWITCH[name].removeprefix("hessian.").split(": ")
+            if str(getattr(h, field)).lower() != off:  # switched on: the array is lost, the store says so
+                return name
+        why = "its spec has no hessian: block" if h is None else f"its spec says {_SWITCH[name]}"
         raise KeyError(f"run {self._a.id!r} did not measure {name!r}: {why}")
 
     def _pos(self, step: int | None) -> int:

@@ -181,6 +181,17 @@ def _stored_scalar(run: Run, name: str, k: int | None) -> np.ndarray:
     return values[:, k - 1]
 
 
+def _hashable(v: Any) -> Any:
+    """``v`` as a key: a list or dict value (a grid over blocks, a tuple of them) as its JSON text."""
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        import json
+
+        return json.dumps(v, sort_keys=True, default=str)
+
+
 def _differ(runs: pandas.DataFrame, column: str) -> bool:
     """Whether the runs hold more than one value in ``column`` (None and NaN one value)."""
     if column not in runs.columns or column in _NOT_VARIED:
@@ -328,7 +339,7 @@ class Sweep:
         return [row for row in rows if row["id"] in keep]
 
     def _key(self, row: dict[str, Any]) -> tuple:
-        return tuple(_none_if_nan(row[f]) for f in self.fields)
+        return tuple(_hashable(_none_if_nan(row[f])) for f in self.fields)
 
     def groups(self) -> list[tuple[dict[str, Any], list[str]]]:
         """(grid point, run ids) for each point of the grid, seeds pooled (each seed once), in the
@@ -408,7 +419,7 @@ class Sweep:
         row (:meth:`lacking`)."""
         import pandas as pd
 
-        rows, skip = [], self._not_recording(name, k)
+        rows, skip, reached = [], self._not_recording(name, k), False
         for row in self._finished():
             if row["id"] in skip:  # its spec records no such quantity: :meth:`lacking`
                 continue
@@ -419,7 +430,11 @@ class Sweep:
                 at = int(t[ok[-1]]) if len(ok) else (int(t[-1]) if len(t) else -1)
             else:
                 where = np.flatnonzero(t == step)  # none: the run failed or is still running before it
-                value, at = (float(v[where[0]]) if len(where) else float("nan")), int(step)
+                value, at, reached = (
+                    (float(v[where[0]]) if len(where) else float("nan")),
+                    int(step),
+                    reached or len(where),
+                )
             rows.append(
                 {
                     "id": row["id"],
@@ -429,6 +444,12 @@ class Sweep:
                     "step": at,
                     "status": row.get("status"),
                 }
+            )
+        if step is not None and rows and not reached:  # no run has it: a step the sweep does not record
+            recorded = sorted({int(t) for r in rows for t in quantity(self.run(r["id"]), name, k)[0]})
+            raise KeyError(
+                f"step {step} is no finished step of {name!r} in any run of sweep {self.name!r} (recorded: "
+                f"{recorded[:12]}{' …' if len(recorded) > 12 else ''})"
             )
         return pd.DataFrame(rows, columns=["id", *self.fields, "seed", "value", "step", "status"])
 

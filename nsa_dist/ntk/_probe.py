@@ -235,14 +235,17 @@ def _finite_outputs(model: nn.Module, *outs: torch.Tensor) -> None:
         bad = ~torch.isfinite(out)
         if bool(bad.any()):
             rows = bad.reshape(out.shape[0], -1).any(1)
-            held = [
-                f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()} entries)"
-                for name, t in (*model.named_parameters(), *model.named_buffers())
-                if t.is_floating_point() and not bool(torch.isfinite(t).all())
+            held = [  # a parameter NaN or inf; a buffer NaN (−inf is what attention masks hold)
+                f"{name} ({n} of {t.numel()} entries)"
+                for name, t, n in (
+                    *((k, p, int((~torch.isfinite(p)).sum())) for k, p in model.named_parameters()),
+                    *((k, b, int(torch.isnan(b).sum())) for k, b in model.named_buffers() if b.is_floating_point()),
+                )
+                if n
             ]
             if held:
                 raise NonFiniteError(
-                    f"the model's parameters or buffers hold NaN or inf — {', '.join(held[:5])}"
+                    f"the model's parameters hold NaN or inf, or its buffers NaN — {', '.join(held[:5])}"
                     + (f" and {len(held) - 5} more" if len(held) > 5 else "")
                     + f" — so its outputs are NaN or inf at {int(rows.sum())} of the {out.shape[0]} probe points "
                     "and no NTK or Hessian is defined (a diverged training step, or a checkpoint loaded with NaN)"

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nsa_dist.config import ExperimentSpec, Layout
+from nsa_dist.config import ExperimentSpec, Layout, spec_as_today
 from nsa_dist.data import Dataset
 from nsa_dist.errors import AnalysisError, StoreError
 from nsa_dist.metrics import spectrum_preservation
@@ -109,15 +109,6 @@ def prepare_run(
     if not writer.static_complete():  # new, made by a process killed before this, or repaired by nsa verify
         writer.write_static(plan.static_arrays(data))
     return PreparedRun(plan, data, writer, materials)
-
-
-def spec_as_today(stored: dict) -> dict | None:
-    """A stored spec (JSON) as this nsa-dist writes the same spec: the fields added since it was
-    recorded at their defaults; None when it no longer reads as a spec."""
-    try:
-        return spec_json(ExperimentSpec.model_validate(stored, context={"stored": True}))
-    except Exception:  # noqa: BLE001 - a spec of another shape is simply not the same run
-        return None
 
 
 def stored_run_id(

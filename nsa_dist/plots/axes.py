@@ -441,7 +441,8 @@ def lr_steps(run: Run, t_end: int) -> tuple[np.ndarray, np.ndarray]:
     stored = np.asarray(run.lr, np.float64)
     spec = np.array([run.spec.lr_at(int(s)) for s in run.steps], np.float64)
     ok = np.isfinite(stored)
-    if not np.allclose(spec[ok], stored[ok], rtol=1e-9, atol=0.0):
+    # no δ_t known (groups at different rates: NaN stored) is no evidence for the spec's schedule
+    if not ok.any() or not np.allclose(spec[ok], stored[ok], rtol=1e-9, atol=0.0):
         keep = np.asarray(run.steps) <= t_end
         return np.asarray(run.steps, np.int64)[keep], stored[keep]
     t = np.unique(np.concatenate([[0], decay_steps(run, t_end), [t_end]])).astype(np.int64)

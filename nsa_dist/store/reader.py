@@ -158,7 +158,9 @@ class RunReader:
                 f"run {self.id!r}: its creation was interrupted before array {name!r} was made; re-run it "
                 "(nsa run / nsa sweep) to finish creating it"
             )
-        if name in ADDED_ARRAYS and not self.store.keys.list_dir(f"runs/{self.id}/{name}"):  # no folder at all
+        created = self.attrs.get("created")
+        before = not isinstance(created, (int, float)) or created < ADDED_ARRAYS.get(name, float("-inf"))
+        if name in ADDED_ARRAYS and before and not self.store.keys.list_dir(f"runs/{self.id}/{name}"):
             return (
                 f"run {self.id!r} has no array {name!r}: it was recorded by an earlier nsa-dist, before that "
                 "array existed (not damage; its other arrays read as they were) — re-running the run adds it"

@@ -32,9 +32,10 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-# arrays schema 1 gained after stores were written: a run without one was recorded before it existed
-# (not damage; reopening the run creates it)
-ADDED_ARRAYS = ("eigenvector_steps", "step_notes")
+# arrays schema 1 gained after stores were written, with the time (Unix seconds) of the commit that
+# added each: a run created before then was recorded without it (not damage; reopening the run makes
+# it), a run created after that lacks it is damaged
+ADDED_ARRAYS = {"eigenvector_steps": 1796160336.0, "step_notes": 1796313424.0}
 CHUNK_BYTES = 8 << 20  # the largest chunk written (8 MiB before compression): cheap to fetch from s3://
 STATE_ARRAYS = ("theta", "opt_slots", "rng_state")  # the resume state, written from the checkpoint's state
 
