@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import dense_jacobian
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn.utils import parameters_to_vector
 
 from nsa_dist import Tracker
@@ -41,13 +42,23 @@ class _Cube(torch.autograd.Function):
         return 3 * x**2 * g
 
 
+class _OnceCube(_Cube):
+    """The same, with a backward that cannot be differentiated again."""
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
 class CubeNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, cube: type[torch.autograd.Function] = _Cube, d: int = 3, out: int = 2) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(3, 6), nn.Linear(6, 2)
+        self.cube, self.a, self.b = cube, nn.Linear(d, 6), nn.Linear(6, out)
 
     def forward(self, x):
-        return self.b(_Cube.apply(torch.tanh(self.a(x))))
+        return self.b(self.cube.apply(torch.tanh(self.a(x))))
 
 
 def _weight_norm_net() -> nn.Module:
@@ -121,35 +132,10 @@ def test_a_backward_that_cannot_be_differentiated_again_is_refused_not_guessed()
     """A custom Function without jvp whose backward is @once_differentiable: torch.func differentiated
     its backward as a constant and the vjp of the vjp gave J·dθ 50 % off without an error (a review's
     repro); the fallback is checked by a central difference and refused (NaN with its reason)."""
-    from torch.autograd.function import once_differentiable
-
     from nsa_dist.errors import ModelForwardError
 
-    class OnceCube(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x**3
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-
-        @staticmethod
-        @once_differentiable
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 3 * x**2 * g
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(2, 4), nn.Linear(4, 1)
-
-        def forward(self, x):
-            return self.b(OnceCube.apply(self.a(x)))
-
     torch.manual_seed(0)
-    model, x = Net().double(), torch.randn(5, 2, dtype=torch.float64)
+    model, x = CubeNet(_OnceCube, d=2, out=1).double(), torch.randn(5, 2, dtype=torch.float64)
     dtheta = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
     with pytest.raises(ModelForwardError, match="cannot be differentiated again"):
         jacobian_vector_product(model, x, dtheta)
