@@ -129,7 +129,7 @@ def stored_run_id(
             continue
         try:
             stored = store.reader(rid).attrs.get("spec")
-        except StoreError:
+        except Exception:  # noqa: BLE001 - a damaged run is none to resume here (verify and ls name it)
             continue
         if isinstance(stored, dict) and spec_as_today(stored) == want:
             found.append(rid)
