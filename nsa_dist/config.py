@@ -1190,7 +1190,7 @@ def spec_as_today(stored: Any) -> dict | None:
     None when it no longer reads as a spec."""
     import json
 
-    if not isinstance(stored, dict):
+    if not isinstance(stored, dict) or "name" not in stored:  # {} (a run that could not be read) is no spec
         return None
     try:
         return json.loads(ExperimentSpec.model_validate(stored, context={"stored": True}).model_dump_json())

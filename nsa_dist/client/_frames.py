@@ -112,7 +112,8 @@ def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
     }
     # as today's nsa-dist reads it: a run recorded before a field existed has its default there, so
     # runs of one grid point recorded by two versions do not differ in it (a sweep split them)
-    spec = spec_as_today(summary.spec) or (summary.spec if isinstance(summary.spec, dict) else {})
+    raw = summary.spec if isinstance(summary.spec, dict) else {}
+    spec = (spec_as_today(raw) if summary.status != "damaged" else None) or raw  # a damaged run: what was read
     flat = flatten_spec(spec)
     if (spec.get("data") or {}).get("name") == "arrays":  # a Tracker's run: the user's loop set its rates
         # and its optimizer's settings; the spec holds defaults there (the run's `lr` array has δ_t)
