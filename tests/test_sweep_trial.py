@@ -26,7 +26,8 @@ BASE = {
     "spectrum": {"k": 6},
 }
 LRS = [0.1, 0.1000000001, 50.0]  # two floats a hair apart, and one that diverges at step 3
-LABELS = ["lr=0.1 (2 seeds)", "lr=0.1000000001 (2 seeds)", "lr=50.0 (2 seeds, 2 failed)"]  # the legend says which failed
+# the legend says which runs failed
+LABELS = ["lr=0.1 (2 seeds)", "lr=0.1000000001 (2 seeds)", "lr=50.0 (2 seeds, 2 failed)"]
 K = 3
 
 
