@@ -1,8 +1,9 @@
 """The ``nsa`` command: run experiments and query the spectrum store.
 
     nsa run SPEC.yaml [--store PATH]     train + record spectra (resumes a run already stored)
-    nsa ls [--store PATH]                the runs in a store
+    nsa ls [--store PATH] [--sweep NAME] the runs in a store (a sweep's: its grid fields as columns)
     nsa show RUN [--store PATH]          one run's status and headline measurements
+    nsa show --sweep NAME                a sweep's grid, and each run's loss and E(y, k) at its last step
     nsa plot RUN --out DIR               the NSA paper's figures as PNGs (--step, --pair, --k)
     nsa plot --sweep NAME --out DIR      Fig. 7a–c across a sweep's runs (--scalar Q --x FIELD [--line FIELD])
     nsa sweep SWEEP.yaml [--address A]   a sweep on an embedded local Ray (or a cluster); --max-runs N
@@ -12,6 +13,7 @@
     nsa verify [STORE] [--mark]          list damaged steps; --mark: forget them so a re-run recomputes them
     nsa serve [STORE] [--port P]         a read-only web view of the store at http://127.0.0.1:P/, live
     nsa export RUN --tensorboard DIR     a run's scalars and spectra as TensorBoard event files
+    nsa export --sweep NAME --tensorboard DIR    every run of a sweep, one folder each
 The store defaults to $NSA_STORE or ./nsa-results.zarr (a path or an fsspec URL).
 Every failure is one line on stderr (`_one_line`); --debug or NSA_DEBUG=1 adds the traceback.
 `nsa run` and `nsa sweep` show the ``nsa_dist`` log's INFO records on stderr as "[nsa] …" lines.
@@ -154,9 +156,11 @@ def _parser() -> argparse.ArgumentParser:
     _wait_arg(r)
     ls = command("ls", "list the runs in a store")
     _store_arg(ls)
-    s = command("show", "one run's status and measurements")
-    s.add_argument("run", help=_RUN_HELP)
+    ls.add_argument("--sweep", default=None, metavar="NAME", help="only this sweep's runs, its grid fields as columns")
+    s = command("show", "one run's status and measurements, or a sweep's runs")
+    s.add_argument("run", nargs="?", default=None, help=_RUN_HELP + " (none with --sweep)")
     _store_arg(s)
+    s.add_argument("--sweep", default=None, metavar="NAME", help="the sweep's grid and each run's last measurements")
     pl = command("plot", "write the paper's figures for a run, or across a sweep's runs")
     pl.add_argument("run", nargs="?", default=None, help=_RUN_HELP + " (none with --sweep)")
     pl.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write the figures (PNG) into")
@@ -267,10 +271,11 @@ def _parser() -> argparse.ArgumentParser:
         help="secret every request must carry (needed with --allow-remote; or $NSA_SERVE_TOKEN)",
     )
     se.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS", help="re-read the store this often")
-    ex = command("export", "export a run's per-step scalars and spectra (TensorBoard event files)")
-    ex.add_argument("run", help=_RUN_HELP)
+    ex = command("export", "export a run's (or a sweep's runs') per-step scalars and spectra (TensorBoard event files)")
+    ex.add_argument("run", nargs="?", default=None, help=_RUN_HELP + " (none with --sweep)")
     ex.add_argument("--tensorboard", type=Path, required=True, metavar="DIR", help="log directory to write")
     _store_arg(ex)
+    ex.add_argument("--sweep", default=None, metavar="NAME", help="every run of this sweep, each in DIR/<run id>")
     p.set_defaults(_commands=sub.choices)
     return p
 
@@ -646,38 +651,54 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
 
     client = Client(args.store)
-    runs = client.runs()
-    t = Table(title=f"runs in {_esc(args.store)}")
+    if args.sweep is not None:  # the sweep's runs, told apart by the fields its grid varies
+        sweep = client.sweep(args.sweep)  # KeyError naming the known sweeps
+        runs, fields = sweep.runs, [*sweep.fields, *(["seed"] if sweep.seeded else [])]
+        title = f"sweep {_esc(args.sweep)} in {_esc(args.store)}"
+    else:
+        runs, fields = client.runs(), []
+        title = f"runs in {_esc(args.store)}"
+    in_sweeps = args.sweep is None and bool(len(runs)) and runs["sweep"].notna().any()
+    t = Table(title=title)
     # the id whole, whatever the width (piped output is 80 columns): it is what the other commands take
     idw = max([2] + [len(str(i)) for i in runs["id"]]) if len(runs) else 2
     t.add_column("id", no_wrap=True, min_width=idw)
-    for col in ("status", "recorded", "last step", "data", "N", "L×W", "optimizer", "lr", "note"):
+    t.add_column("status")
+    t.add_column("recorded")
+    t.add_column("last step")
+    shown = fields or ["data", "N", "L×W", "optimizer", "lr"]
+    for col in [*(["sweep"] if in_sweeps else []), *shown, "note"]:
         t.add_column(col)
     for r in runs.to_dict("records"):
         note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""
-        lr = _recorded_lr(client, r) if r.get("data.name") == "arrays" else _lr(_first_lr(r))
-        t.add_row(
-            *map(
-                _esc,
-                (
-                    r["id"],
-                    r["status"],
-                    f"{_int(r['steps_done'])}/{_int(r['steps_total'])}",
-                    _int(r["last_step"]),
-                    _text(r.get("data.name")),
-                    _int(r.get("data.n")),
-                    f"{_int(r.get('model.depth'))}×{_int(r.get('model.width'))}",
-                    _text(r.get("optimizer.name")),
-                    lr,
-                    note,
-                ),
-            )
-        )
+        if fields:
+            what = [_cell(r.get(f)) for f in fields]
+        else:
+            lr = _recorded_lr(client, r) if r.get("data.name") == "arrays" else _lr(_first_lr(r))
+            what = [
+                _text(r.get("data.name")),
+                _int(r.get("data.n")),
+                f"{_int(r.get('model.depth'))}×{_int(r.get('model.width'))}",
+                _text(r.get("optimizer.name")),
+                lr,
+            ]
+        progress = [r["id"], r["status"], f"{_int(r['steps_done'])}/{_int(r['steps_total'])}", _int(r["last_step"])]
+        t.add_row(*map(_esc, (*progress, *([_text(r.get("sweep"))] if in_sweeps else []), *what, note)))
     con = Console()
     if not con.is_terminal:  # piped: as wide as the columns need, not the 80 of no terminal
         con = Console(width=max(con.width, idw + 100))
-    con.print(t if len(runs) else f"no runs in {_esc(args.store)}")
+    con.print(t if len(runs) else f"no runs in {_esc(args.store)}" + (f"'s sweep {args.sweep}" if args.sweep else ""))
     return 0
+
+
+def _cell(value: object) -> str:
+    """A spec field's value in a table: an integer without ".0", a float as %g, else its text."""
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        v = float(value)
+        return _int(v) if not np.isfinite(v) or v.is_integer() else f"{v:g}"
+    return _text(value)
 
 
 def _esc(value: object) -> str:
@@ -690,7 +711,9 @@ def _esc(value: object) -> str:
 
 def _text(value: object) -> str:
     """A DataFrame cell as text: "" for a missing value (pandas reads a None among strings as NaN)."""
-    return "" if value is None or (isinstance(value, float) and np.isnan(value)) else str(value)
+    # pandas' NA (a nullable integer column's missing cell) by its type's name: no pandas import here
+    missing = value is None or type(value).__name__ == "NAType" or (isinstance(value, float) and np.isnan(value))
+    return "" if missing else str(value)
 
 
 def _int(value: object) -> str:
@@ -754,6 +777,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
     from nsa_dist.config import LossName
 
+    if (args.run is None) == (args.sweep is None):
+        raise ValueError("give either a RUN or --sweep NAME")
+    if args.sweep is not None:
+        return _show_sweep(args)
     run = Client(args.store).run(args.run)
     con = Console()
     con.print(
@@ -819,6 +846,63 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     if gd_note(run):
         con.print(f"[red]{gd_note(run)}[/]")
+    return 0
+
+
+def _show_sweep(args: argparse.Namespace) -> int:
+    """``nsa show --sweep NAME``: the grid, how many runs are where, and each finished run's loss
+    and E(y, k) at its last step (k = 10, or the largest every run has when that is smaller)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from nsa_dist.client import Client
+
+    sweep = Client(args.store).sweep(args.sweep)  # KeyError naming the known sweeps
+    con = Console()
+    if not con.is_terminal:  # piped: as wide as the columns need (ids whole), as `nsa ls`
+        con = Console(width=max(con.width, 160))
+    recorded = sweep.store.sweep_spec(args.sweep)
+    counts = sweep.runs["status"].value_counts()
+    con.print(
+        f"[bold]sweep {_esc(args.sweep)}[/]  {len(sweep.runs)} runs: "
+        + _esc(", ".join(f"{n} {status}" for status, n in counts.items()))
+    )
+    con.print(_esc(f"grid {json.dumps(recorded.get('grid') or {})}" + ("" if sweep.seeded else "  (one seed)")))
+    if recorded.get("variants"):
+        con.print(_esc(f"variants {json.dumps(recorded['variants'])}"))
+    extra = [f for f in sweep.fields if f not in (recorded.get("grid") or {})]
+    if extra:
+        con.print(_esc(f"its runs also differ in {', '.join(extra)} (a re-submission with another base)"))
+    unfinished = sweep.unfinished_points()
+    if unfinished:
+        con.print(_esc(f"{len(unfinished)} grid point(s) without a finished step: {unfinished[:5]}"))
+    if not sweep.groups():
+        return 0
+    k = min(10, sweep.smallest_k())
+    loss = sweep.scalar("loss").set_index("id")
+    energy = sweep.scalar("energy_y", k=k).set_index("id")
+    fields = [*sweep.fields, *(["seed"] if sweep.seeded else [])]
+    t = Table(title=f"each finished run at its last step (E(y, {k}): k = {k})")
+    for col in ["id", *fields, "status", "last step", "loss", f"E(y, {k})"]:
+        t.add_column(col, no_wrap=col == "id")
+    for rid, row in loss.iterrows():
+        e = energy["value"].get(rid, float("nan"))
+        t.add_row(
+            *map(
+                _esc,
+                (
+                    rid,
+                    *(_cell(row.get(f)) for f in fields),
+                    _text(row["status"]),
+                    _int(energy["step"].get(rid, row["step"])),
+                    f"{row['value']:.5g}",
+                    "-" if not np.isfinite(e) else f"{e:.4g}",
+                ),
+            )
+        )
+    con.print(t)
     return 0
 
 
@@ -1063,7 +1147,7 @@ def _store_status(url: str) -> int:
     for r in records:
         reason = _text(r.get("reason"))
         print(
-            f"{str(r['id']):<{wide}}  {str(r['status']):<11} {r['steps_done']}/{r['steps_total']}"
+            f"{str(r['id']):<{wide}}  {str(r['status']):<11} {_int(r['steps_done'])}/{_int(r['steps_total'])}"
             + (f"  ({reason})" if reason else "")
         )
     return 0
@@ -1134,12 +1218,34 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
     from nsa_dist.export import export_tensorboard
 
-    run = Client(args.store).run(args.run)
-    out = export_tensorboard(run, args.tensorboard)
-    print(
-        f"{run.id}: {out.scalars} scalar points in {len(out.tags)} tags and {out.spectra} spectra written to "
-        f"{out.logdir} (tensorboard --logdir {args.tensorboard})"
-    )
+    if (args.run is None) == (args.sweep is None):
+        raise ValueError("give either a RUN or --sweep NAME")
+    client = Client(args.store)
+    if args.sweep is None:
+        runs = [client.run(args.run)]
+    else:  # every run of the sweep with a finished step, each into its own DIR/<run id>
+        sweep = client.sweep(args.sweep)  # KeyError naming the known sweeps
+        runs = [sweep.run(rid) for rid in sweep.runs["id"][sweep.runs["steps_done"].fillna(0) > 0]]
+        if not runs:
+            raise ValueError(f"sweep {args.sweep!r} has no run with a finished step yet: nothing to export")
+    failed = []
+    for run in runs:
+        try:
+            out = export_tensorboard(run, args.tensorboard)
+        except Exception as exc:  # noqa: BLE001 - one run's failure is told, the sweep's others still go
+            if args.sweep is None:
+                raise
+            failed.append(run.id)
+            print(f"{run.id}: not exported: {exc}", file=sys.stderr)
+            continue
+        print(
+            f"{run.id}: {out.scalars} scalar points in {len(out.tags)} tags and {out.spectra} spectra written to "
+            f"{out.logdir} (tensorboard --logdir {args.tensorboard})"
+        )
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} of {len(runs)} runs of sweep {args.sweep!r} not exported: {', '.join(failed)}"
+        )
     return 0
 
 

@@ -17,6 +17,7 @@ from nsa_dist.plots.sweep import SWEEP_FIGURES, plot_sweep, scalar_figure
 from nsa_dist.store import SpectrumStore
 
 xr = pytest.importorskip("xarray")
+pd = pytest.importorskip("pandas")
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +285,64 @@ def test_image_and_preservation_rows_are_coordinates(store_url: str) -> None:
     np.testing.assert_array_equal(ds["image"].values, run.array("image_indices"))
     np.testing.assert_array_equal(ds["eigvec_images"].sel(image=1).values, ds["eigvec_images"].isel(image=0).values)
     np.testing.assert_array_equal(ds["preservation_row"].values, run.array_attrs("preservation")["rows"])
+
+
+def test_runs_counts_keep_one_dtype_whatever_the_progress(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """steps_done / steps_total / last_step are nullable integers: a run with no finished step
+    (last_step None) beside a finished one made the column float (7.0 in a table), and its dtype
+    depended on how far the runs had got."""
+    url = str(tmp_path / "p.zarr")
+    store = SpectrumStore(url)
+    spec = SweepSpec(
+        name="p",
+        base={
+            "data": {"n": 16},
+            "model": {"depth": 2, "width": 4},
+            "steps": 3,
+            "record": {"every": 3},
+            "spectrum": {"k": 4, "images": []},
+        },
+        grid={"seed": [0]},
+    )
+    one = spec.expand()[0]
+    out = run_experiment(one, store)
+    assert out.status == "done"
+    c = Client(url)
+    alone = c.runs()
+    store.writer("started-0001", store.run_attrs(out.run_id)["spec"], store.dims(out.run_id))  # no step yet
+    both = c.runs()
+    for df in (alone, both):
+        assert {str(df[col].dtype) for col in ("steps_done", "steps_total", "last_step")} == {"Int64"}, df.dtypes
+    row = both.set_index("id").loc["started-0001"]
+    assert row["steps_done"] == 0 and row["last_step"] is pd.NA, row
+    assert both.set_index("id").loc[out.run_id, "last_step"] == 2
+    assert main(["ls", "--store", url]) == 0
+    listed = capsys.readouterr().out
+    assert "<NA>" not in listed and ".0" not in listed, listed
+
+
+def test_cli_ls_show_export_of_a_sweep(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`nsa ls/show/export --sweep NAME`: a sweep's runs with its grid fields, its last measurements,
+    every run's TensorBoard folder — each command took one run or the whole store only."""
+    c = Client(store_url)
+    sw = c.runs(sweep="sw")
+    assert main(["ls", "--store", store_url, "--sweep", "sw"]) == 0
+    out = capsys.readouterr().out
+    assert all(rid in out for rid in sw["id"]) and "lone" not in out and "sweep sw" in out, out
+    assert "model.depth" in out and "seed" in out, out
+    assert main(["ls", "--store", store_url]) == 0  # the whole store: which sweep each run is in
+    out = capsys.readouterr().out
+    assert "sweep" in out.splitlines()[1] + out.splitlines()[2] and "sw2" in out, out
+    assert main(["show", "--store", store_url, "--sweep", "sw"]) == 0
+    out = capsys.readouterr().out
+    assert "4 runs: 4 done" in out and '"model.depth": [2, 3]' in out and "E(y, 10)" in out, out
+    sweep = c.sweep("sw")
+    e = sweep.scalar("energy_y", k=10).set_index("id")["value"]
+    assert all(f"{v:.4g}" in out for v in e), (e, out)  # each run's E(y, 10) at its last step
+    assert main(["show", "--store", store_url]) == 2
+    assert "give either a RUN or --sweep NAME" in capsys.readouterr().err
+    pytest.importorskip("tensorboard")
+    assert main(["export", "--store", store_url, "--sweep", "sw2", "--tensorboard", str(tmp_path / "tb")]) == 0
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == sorted(c.runs(sweep="sw2")["id"])
+    assert main(["export", "--store", store_url, "--sweep", "nope", "--tensorboard", str(tmp_path / "tb")]) == 2
+    assert "no sweep 'nope'" in capsys.readouterr().err

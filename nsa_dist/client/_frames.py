@@ -122,6 +122,7 @@ def _run_row(summary: RunSummary, sweep: str | None) -> dict[str, Any]:
 
 
 _SET_BY_THE_LOOP = ("schedule.", "optimizer.")
+_COUNTS = ("steps_done", "steps_total", "last_step")
 
 
 def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> pandas.DataFrame:
@@ -158,6 +159,9 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
         if rows
         else ["id", "sweep", "status", "reason", "steps_done", "steps_total", "last_step", "data_fingerprint"],
     )
+    # counts as pandas' nullable integers: a run not started yet (None) keeps the column integral,
+    # so its dtype does not depend on how far the runs have got (it was int, float or object)
+    df = df.astype({c: "Int64" for c in _COUNTS})
     for key, value in where.items():
         col = key.replace("__", ".")
         if col not in df.columns:
