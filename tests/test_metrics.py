@@ -459,12 +459,15 @@ class TestFourier:
 
 def test_energies_never_pass_one_where_the_sums_rounding_would() -> None:
     """Σ_{i≤k}⟨v_i, φ⟩²/‖φ‖² ≤ 1 (Bessel); the cumulative sum in float64 passes it by ulps for some φ
-    (seeds 2–5 here), and a stored E > 1 then lies outside the quadrature route's bracket, which is
+    (about 4 seeds in 10 here), and a stored E > 1 then lies outside the quadrature route's bracket, which is
     clipped at 1 (a new user's trial: 11 of 144 tail points of df_pred, by 6.7e-16)."""
     from nsa_dist.metrics.energy import energy_from_projections
 
     passed = 0
-    for seed in range(2, 6):
+    for seed in range(40):  # which seeds' plain sums pass 1 depends on the BLAS (seeds 2-5 on one
+        # Intel machine, none of them on an AMD EPYC's): until two have
+        if passed >= 2:
+            break
         r = np.random.default_rng(seed)
         A = r.standard_normal((300, 300))
         _, V = np.linalg.eigh(A + A.T)

@@ -189,12 +189,18 @@ def _batch_rows(model: nn.Module, x: torch.Tensor, K: int) -> Callable[[int, int
     params = {k: p.detach() for k, p in trainable_params(model).items()}
     frozen = {k: p.detach() for k, p in model.named_parameters() if k not in params}
     buffers = dict(model.named_buffers())
+
     # x copied inside the transform: a forward may write into its input (torch.func refuses a captured one)
-    out, pull = vjp(
-        lambda p: as_2d(call(model, {**p, **frozen, **buffers}, (x.clone(),)), x.shape[0]), params
-    )  # (N, K)
+    def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return as_2d(call(model, {**p, **frozen, **buffers}, (x.clone(),)), x.shape[0])  # (N, K)
+
+    try:
+        out, pull = vjp(f, params)
+        batched = not vmap_unsafe(model, params, {**frozen, **buffers}, x)
+    except (RuntimeError, NotImplementedError, ValueError):  # torch.func has no rule for an op of the
+        # forward (an autograd.Function without setup_context): the same rows by plain reverse passes
+        out, pull, batched = _plain_pull(f, params)
     N = out.shape[0]
-    batched = not vmap_unsafe(model, params, {**frozen, **buffers}, x)
 
     def rows(s: int, e: int) -> torch.Tensor:
         cot = torch.zeros((e - s) * K, N, K, dtype=out.dtype, device=out.device)
@@ -210,6 +216,21 @@ def _batch_rows(model: nn.Module, x: torch.Tensor, K: int) -> Callable[[int, int
         return J.view(e - s, K, -1)  # (b, K, P)
 
     return rows
+
+
+def _plain_pull(
+    f: Callable[[dict[str, torch.Tensor]], torch.Tensor], params: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[dict[str, torch.Tensor]]], bool]:
+    """``torch.func.vjp``'s (out, pull) by one plain autograd forward: ``pull(c)`` is one reverse pass."""
+    live = {k: p.clone().requires_grad_(True) for k, p in params.items()}
+    with torch.enable_grad():
+        out = f(live)
+
+    def pull(c: torch.Tensor) -> tuple[dict[str, torch.Tensor]]:
+        g = torch.autograd.grad(out, list(live.values()), c, retain_graph=True, allow_unused=True)
+        return ({k: torch.zeros_like(p) if t is None else t for (k, p), t in zip(live.items(), g)},)
+
+    return out.detach(), pull, False
 
 
 def batch_jacobian_gram(

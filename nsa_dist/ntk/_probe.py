@@ -38,6 +38,7 @@ from torch.nn.utils import parametrize
 
 from nsa_dist.errors import NonFiniteError, UnsupportedModelError
 from nsa_dist.models import user_named_modules
+from nsa_dist.ntk._adjoint import gradients_not_derivative
 from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import FrequencyScaledLookups, batch_stat_modules, preserved
@@ -490,9 +491,12 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
     with preserved(model), _rng_kept(x), _unzeroed(model):
         try:
-            why = _couples(model, xs, window=_window(x, idx), all_points=x)
+            with FrequencyScaledLookups() as lookups:  # (the operator's products are reverse and forward mode)
+                why = _couples(model, xs, window=_window(x, idx), all_points=x)
         except Exception as e:
             why = _only_whole(model, x, xs, e)
+        refuse_frequency_scaled(lookups)
+        refuse_false_gradients(model, x[idx])
     _unchanged_input(x[idx], xs)
     return why
 
@@ -616,6 +620,27 @@ def _uses(out: torch.Tensor) -> dict[int, int]:
     return count
 
 
+def refuse_false_gradients(model: nn.Module, xs: torch.Tensor) -> None:
+    """UnsupportedModelError when autograd's gradients at xs are not the derivative of the outputs
+    (a gradient hook, a straight-through estimator: :mod:`nsa_dist.ntk._adjoint`)."""
+    why = gradients_not_derivative(model, xs)
+    if why is not None:
+        raise UnsupportedModelError(why)
+
+
+def refuse_frequency_scaled(lookups: FrequencyScaledLookups) -> None:
+    """UnsupportedModelError when the forward called an embedding lookup with scale_grad_by_freq=True
+    in its own code (the modules' own flags are switched off: :func:`~nsa_dist.ntk.state.frequency_unscaled`)."""
+    if lookups.seen:
+        raise UnsupportedModelError(
+            f"the forward calls {lookups.seen[0]}(…, scale_grad_by_freq=True): autograd's gradient of that "
+            "lookup is scaled by each token's count in the batch, which is not the derivative of the "
+            "function, and the NTK is made of the derivative; use nn.Embedding / nn.EmbeddingBag with "
+            "scale_grad_by_freq=True (their flag is off while the NTK is measured) or pass "
+            "scale_grad_by_freq=False"
+        )
+
+
 def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     """Decide each trainable parameter's NTK path from probe forwards on the first few points of x.
 
@@ -634,16 +659,10 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
         except Exception as e:
             why = f"the model couples samples ({_only_whole(model, x, xs, e)}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})
-        if lookups.seen:
-            raise UnsupportedModelError(
-                f"the forward calls {lookups.seen[0]}(…, scale_grad_by_freq=True): autograd's gradient of that "
-                "lookup is scaled by each token's count in the batch, which is not the derivative of the "
-                "function, and the NTK is made of the derivative; use nn.Embedding / nn.EmbeddingBag with "
-                "scale_grad_by_freq=True (their flag is off while the NTK is measured) or pass "
-                "scale_grad_by_freq=False"
-            )
+        refuse_frequency_scaled(lookups)
         _unchanged_input(x[idx], xs)
         coupling = _couples(model, xs, again=trace.out, window=_window(x, idx), all_points=x)
+        refuse_false_gradients(model, xs)  # (after the randomness and coupling checks: their errors first)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})

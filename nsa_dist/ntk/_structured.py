@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.ntk._probe import ForwardPlan, Route, plan_forward
+from nsa_dist.ntk._probe import ForwardPlan, Route, _uses, plan_forward
 from nsa_dist.ntk.inputs import as_2d
 
 # Feature memory (Â, D for all points of one layer group) is kept under this fraction of the
@@ -120,6 +120,17 @@ def layer_passes(
                 a, va, z, vz = calls[0]
                 if a._version != va or (not copy_out[id(m)] and z._version != vz):
                     raise Unproven(f"a saved tensor of {type(m).__name__} was modified in place")
+            # each parameter used once in these points' graph, as the probe proved on its own points:
+            # a forward that reads a weight again for some points only (a per-point branch the probe
+            # points did not take) would add a term the layer's formula leaves out
+            uses = _uses(out)
+            for m in modules:
+                for name, p in m.named_parameters():
+                    if p.requires_grad and uses.get(id(p), 0) != 1:
+                        raise Unproven(
+                            f"parameter {name!r} of {type(m).__name__} is used {uses.get(id(p), 0)} times in a "
+                            "feature pass (once on the probe points)"
+                        )
             Z = [zs[id(m)] for m in modules]
             grads = [
                 torch.autograd.grad(out[:, a].sum(), Z, retain_graph=a < K - 1, allow_unused=True) for a in range(K)

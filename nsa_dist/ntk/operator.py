@@ -20,6 +20,7 @@ from nsa_dist.ntk.state import (
     call,
     dense_gradients,
     exact_kernels,
+    frequency_unscaled,
     padding_rows_constant,
     renorm_copies,
     stateless,
@@ -104,7 +105,13 @@ class NTKOperator(LinearOperator):
         m = Vr.shape[-1]
         n_cot = m if self.full else m * self.K
         U = {k: torch.zeros((n_cot,) + p.shape, dtype=p.dtype, device=p.device) for k, p in self._params.items()}
-        with exact_kernels(self.model), dense_gradients(self.model), blame(self.model), attributes_kept(self.model):
+        with (
+            exact_kernels(self.model),
+            dense_gradients(self.model),
+            frequency_unscaled(self.model),  # the derivative's Jᵀ, as the JVP's J: not scaled by token counts
+            blame(self.model),
+            attributes_kept(self.model),
+        ):
             self._jt_into(U, Vr)
         return U
 

@@ -27,6 +27,7 @@ from nsa_dist.models import copied_from, copy_model, user_named_modules
 
 __all__ = [
     "preserved",
+    "frequency_unscaled",
     "renorm_copies",
     "dense_gradients",
     "stateless",
@@ -68,17 +69,10 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
         for m in model.modules()
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
     ]
-    scaled = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq]
-    # the user's module too when this is its cast copy: the copy's hooks are the user's, and write
-    # where the user's closures point
-    for m in scaled:
-        m.scale_grad_by_freq = False
     try:
-        with dense_gradients(model), attributes_kept(model):
+        with frequency_unscaled(model), dense_gradients(model), attributes_kept(model):
             yield model
     finally:
-        for m in scaled:
-            m.scale_grad_by_freq = True
         for m, names in children:
             for name in set(m._modules.keys()) - names:
                 del m._modules[name]
@@ -97,6 +91,21 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
                     b.data.copy_(v)  # through .data: no version bump, so a backward that saved b still runs
         for m, mode in modes:
             m.training = mode
+
+
+@contextlib.contextmanager
+def frequency_unscaled(model: nn.Module) -> Iterator[None]:
+    """Within the block no ``nn.Embedding`` / ``nn.EmbeddingBag`` of the model scales its gradient by
+    token frequency: ``scale_grad_by_freq`` rescales autograd's gradient, not the function, and the
+    NTK and the Hessian are made of the derivative."""
+    scaled = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq]
+    for m in scaled:
+        m.scale_grad_by_freq = False
+    try:
+        yield
+    finally:
+        for m in scaled:
+            m.scale_grad_by_freq = True
 
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}  # torch's own attributes of every module

@@ -1,0 +1,192 @@
+"""What a fast route or the operator took for granted and the probe did not prove (an audit of about
+70 unusual models against jacrev, float64): each case measured against a dense reference, or one
+clear error where the gradients are not the derivative."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nsa_dist.errors import UnsupportedModelError
+from nsa_dist.ntk import explain_method, gram, ntk_operator
+from tests.conftest import assert_close_rel
+
+D = torch.float64
+
+
+def _rows(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """J (n·K, P) by plain reverse passes of the batch forward, the hooks as they are."""
+    ps = list(model.parameters())
+    out = model(x).reshape(-1)
+    return torch.stack(
+        [
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i], ps, retain_graph=True)])
+            for i in range(len(out))
+        ]
+    )
+
+
+def _operator(model: nn.Module, x: torch.Tensor, **kw) -> torch.Tensor:
+    op = ntk_operator(model, x, **kw)
+    return op.matmat(torch.eye(op.shape[0], dtype=D))
+
+
+class _Embed(nn.Module):
+    def __init__(self, functional: bool = False) -> None:
+        super().__init__()
+        self.e, self.o, self.functional = nn.Embedding(7, 4, scale_grad_by_freq=True), nn.Linear(4, 2), functional
+
+    def forward(self, t):
+        h = F.embedding(t, self.e.weight, scale_grad_by_freq=True) if self.functional else self.e(t)
+        return self.o(torch.tanh(h).mean(1))
+
+
+def test_the_operator_measures_the_derivative_of_a_frequency_scaled_embedding():
+    """``scale_grad_by_freq`` scales autograd's gradient by token counts: gram switched it off, the
+    operator's VJP did not (its JVP is unscaled), 7.5e-2 off the kernel without a word; the same lookup
+    written with F.embedding in the model's own code was measured by the operator anyway."""
+    torch.manual_seed(0)
+    t = torch.randint(0, 7, (10, 5), generator=torch.Generator().manual_seed(1))
+    m = _Embed().double()
+    plain = copy.deepcopy(m)
+    plain.e.scale_grad_by_freq = False  # the true derivative
+    J = _rows(plain, t)
+    full = J @ J.T  # (n·K, n·K), rows (i, a)
+    traced = full.view(10, 2, 10, 2).diagonal(dim1=1, dim2=3).sum(-1)
+    assert_close_rel(_operator(m, t), traced, 1e-12, "operator, traced")
+    assert_close_rel(_operator(m, t, kernel="full"), full, 1e-12, "operator, full")
+    assert_close_rel(gram(m, t), traced, 1e-12, "gram")
+    assert m.e.scale_grad_by_freq  # the user's flag is back
+    f = _Embed(functional=True).double()
+    f.load_state_dict(m.state_dict())
+    for measure in (lambda: gram(f, t), lambda: ntk_operator(f, t)):
+        with pytest.raises(UnsupportedModelError, match=r"embedding\(…, scale_grad_by_freq=True\)"):
+            measure()
+
+
+class _RowBranch(nn.Module):
+    """Reads ``a.weight`` a second time for the points with x₀ > 2 only: the probe's first points
+    do not take the branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(6, 5), nn.Linear(5, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        rows = [h[i] + 0.3 * self.a.weight.sum(1) if x[i, 0] > 2 else h[i] for i in range(x.shape[0])]
+        return self.o(torch.stack(rows))
+
+
+def test_a_weight_read_again_by_points_the_probe_did_not_see_leaves_the_fast_route():
+    """The probe proved "used once" on its 4 points; the structured route then left out the second
+    use at the other points (1.2e-2 off, 6.9e-2 on a cross Gram): every feature pass now counts the
+    uses again, and a layer used otherwise than the probe saw takes the exact route."""
+    torch.manual_seed(0)
+    x = torch.randn(12, 6, dtype=D)
+    x[6:, 0] += 5.0
+    m = _RowBranch().double()
+    assert explain_method(m, x)[0].value == "structured"  # what the probe proves on its points
+    J = _rows(m, x)
+    for method in ("auto", "structured", "per_layer"):
+        assert_close_rel(gram(m, x, method=method), J @ J.T, 1e-12, method)
+    x2 = torch.randn(5, 6, dtype=D)
+    x2[:, 0] += 5.0
+    assert_close_rel(gram(m, x[:6], x2), J[:6] @ _rows(m, x2).T, 1e-12, "cross Gram")
+
+
+class _Hooked(nn.Module):
+    def __init__(self, scale: float | None) -> None:
+        super().__init__()
+        self.a, self.b, self.o, self.scale = nn.Linear(6, 5), nn.Linear(5, 5), nn.Linear(5, 1), scale
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.requires_grad:
+            if self.scale is None:  # a hook that only looks (returns None): the gradient is unchanged
+                h.register_hook(lambda g: self.seen.append(g.detach()))
+            else:
+                h.register_hook(lambda g: g * self.scale)
+        return self.o(torch.tanh(self.b(h)))
+
+
+class _Reverse(torch.autograd.Function):  # a gradient reversal layer (domain-adversarial training)
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -0.5 * g
+
+
+class _GradientReversal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.b(_Reverse.apply(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("make", [lambda: _Hooked(3.0), _GradientReversal], ids=["hook_3g", "gradient_reversal"])
+def test_gradients_that_are_not_the_derivative_are_one_clear_error(make):
+    """A gradient hook g → 3g in the forward: gram measured the hooked gradients' kernel (2.5 off the
+    NTK) and the operator J·(J̃ᵀv), neither kernel (0.54 off the hooked one); a gradient reversal
+    Function (backward −g/2) likewise.  The adjoint test u·(J t) = (Jᵀu)·t on the probe points
+    now refuses both, naming the cause, for every route and the operator."""
+    torch.manual_seed(0)
+    m = make().double()
+    x = torch.randn(12, m.a.in_features, dtype=D)
+    measures = [lambda meth=meth: gram(m, x, method=meth) for meth in ("auto", "per_layer", "jacobian")]
+    for measure in [*measures, lambda: ntk_operator(m, x), lambda: explain_method(m, x)]:
+        with pytest.raises(UnsupportedModelError, match="gradients are not the derivative of its outputs"):
+            measure()
+
+
+def test_a_hook_that_only_looks_and_a_frozen_no_grad_encoder_are_measured():
+    """No false alarm: a hook returning None changes no gradient."""
+    torch.manual_seed(0)
+    m = _Hooked(None).double()
+    x = torch.randn(12, 6, dtype=D)
+    J = _rows(m, x)
+    assert_close_rel(gram(m, x), J @ J.T, 1e-12, "gram")
+    assert_close_rel(_operator(m, x), J @ J.T, 1e-12, "operator")
+    assert m.seen  # the user's hook ran
+
+
+class _Ident(torch.autograd.Function):  # old style: no setup_context, which torch.func refuses
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _CoupledFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.o = nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.o(_Ident.apply(torch.tanh(self.bn(self.a(x)))))
+
+
+def test_the_batch_route_falls_back_to_plain_autograd():
+    """A train-mode BatchNorm (the batch route) with an old-style autograd.Function: the batch route's
+    torch.func.vjp raised torch.func's "must override setup_context"; the same rows now come from
+    plain reverse passes, as on the other routes."""
+    torch.manual_seed(0)
+    m = _CoupledFunction().double()
+    x = torch.randn(10, 6, dtype=D)
+    assert explain_method(m, x)[0].value == "batch"
+    J = _rows(m, x)
+    assert_close_rel(gram(m, x), J @ J.T, 1e-12, "gram")
+    assert_close_rel(gram(m, x, block_size=3), J @ J.T, 1e-12, "gram, blocks of 3")
