@@ -95,3 +95,103 @@ def test_an_array_added_since_the_run_was_recorded_is_not_damage(tmp_path, capsy
         Client(url).run(rid).per_step("step_notes")
     assert run_experiment(SPEC, SpectrumStore(url)).steps_computed == 0  # reopened: the array made, nothing recomputed
     assert (Client(url).run(rid).per_step("step_notes") == "").all()
+
+
+# a run with every array added to schema 1 since: test points (loss_test), images (reconstruction_images), a Hessian
+EVERY_ADDED = ExperimentSpec(
+    name="older",
+    data={"n": 20, "n_test": 6},
+    model={"depth": 2, "width": 6},
+    steps=7,
+    record={"every": 3},
+    spectrum={"k": 5, "images": [1]},
+    hessian={"probes": 2, "rayleigh_k": 0, "top_k": 1, "density": False},
+)
+# what today's schema has and the runs of e6faf4d (2026-11-29), the first commit of schema 1, lack
+NOT_IN_E6FAF4D = {
+    "gram_sq_frobenius",
+    "loss_test",
+    "projections_residual",
+    "eigenvector_steps",
+    "hessian_additivity",
+    "hessian_I_limit_moments",
+    "hessian_G",
+    "hessian_G_stderr",
+    "hessian_trace_S_G",
+    "hessian_S_op",
+    "hessian_S_limit",
+    "reconstruction_k",
+    "reconstructions",
+    "reconstruction_images",
+    "step_notes",
+}
+
+
+def test_every_array_added_since_a_run_was_recorded_is_an_older_layout_not_damage(tmp_path, capsys):
+    """Runs recorded by the commits of 2026-11-29 … 2026-12-03 (e6faf4d on) lack more arrays than
+    step_notes and eigenvector_steps — gram_sq_frobenius, loss_test, projections_residual, Fig. 4d's
+    reconstructions, the Hessian paper's predictions: nsa verify called each such run damaged
+    metadata and advised deleting its folder.  Each is an older layout for a run created before the
+    array was added, damage for a run created after; resuming the run makes them (NaN at the steps
+    recorded before) and goes on with the arrays it was created with."""
+    import shutil
+
+    from nsa_dist.cli import main as nsa
+    from nsa_dist.store.schema import ADDED_ARRAYS
+    from nsa_dist.store.verify import verify_run
+
+    url = str(tmp_path / "s.zarr")
+    rid = run_id(EVERY_ADDED)
+    assert run_experiment(EVERY_ADDED, SpectrumStore(url)).status == "done"
+    g = zarr.open_group(url, mode="r+")[f"runs/{rid}"]
+    assert NOT_IN_E6FAF4D <= set(g.array_keys()), sorted(NOT_IN_E6FAF4D - set(g.array_keys()))
+    for name in NOT_IN_E6FAF4D:  # as the earliest runs of schema 1 were stored
+        shutil.rmtree(Path(url) / "runs" / rid / name)
+    for name in ("constant_gram_f_test", "constant_gram_residual", "constant_gram_energy"):  # App. E, since
+        shutil.rmtree(Path(url) / "runs" / rid / name, ignore_errors=True)
+    g.attrs["dims"] = {k: v for k, v in g.attrs["dims"].items() if k != "constant_gram"}  # not a field then
+
+    def verdicts(created: float) -> tuple[set[str], set[str]]:
+        g.attrs["created"] = created
+        found = verify_run(SpectrumStore(url), rid)
+        return {d.array for d in found if d.unfinished}, {d.array for d in found if not d.unfinished}
+
+    older, damaged = verdicts(g.attrs["created"])  # created today: every loss is damage
+    assert not older and damaged == NOT_IN_E6FAF4D, (older, damaged)
+    with pytest.raises(Exception, match=r"array 'loss_test' is missing .*nsa verify"):
+        Client(url).run(rid).per_step("loss_test")
+    g.attrs["created"] = 1795995669.0  # by e6faf4d
+    capsys.readouterr()
+    assert nsa(["verify", url]) == 0, capsys.readouterr()  # each said older layout, none damage
+    out = capsys.readouterr().out
+    assert "delete" not in out and all(f"array {n!r}: it was recorded by an earlier" in out for n in NOT_IN_E6FAF4D), (
+        out
+    )
+    added = ADDED_ARRAYS["hessian_G"]  # a run created as the Hessian paper's predictions were added
+    for created in (added - 1, added):  # before: those and later ones are older; at it: those are there
+        older, damaged = verdicts(created)
+        assert older == {n for n in NOT_IN_E6FAF4D if created < ADDED_ARRAYS[n]}, (created, older)
+        assert damaged == {n for n in NOT_IN_E6FAF4D if ADDED_ARRAYS[n] <= created}, (created, damaged)
+    with pytest.raises(Exception, match="corrupt run .* is missing"):  # not made silently over damage either
+        SpectrumStore(url).reopen(rid).check()
+
+    g.attrs["created"] = 1795995669.0
+    g["done"][-1] = False  # killed before its last recorded step was stored
+    g.attrs["status"] = "running"
+    for name in NOT_IN_E6FAF4D:
+        with pytest.raises(Exception, match="recorded by an earlier nsa-dist, before that array existed"):
+            Client(url).run(rid).array(name)
+    # resumed: the arrays made (NaN at the steps recorded before), the last step computed, App. E's
+    # constant-Gram arrays not begun half way (today's plan has them: the resume was refused as corrupt)
+    assert run_experiment(EVERY_ADDED, SpectrumStore(url)).steps_computed == 1
+    assert "constant_gram_f_test" not in zarr.open_group(url, mode="r")[f"runs/{rid}"]
+    assert NOT_IN_E6FAF4D <= set(zarr.open_group(url, mode="r")[f"runs/{rid}"].array_keys())
+    assert nsa(["verify", url]) == 0 and verify_run(SpectrumStore(url), rid) == [], capsys.readouterr()
+    run = Client(url).run(rid)
+    assert run.status == "done" and run.steps.tolist() == [0, 3, 6], run.steps
+    assert np.isnan(run.per_step("loss_test")[:2]).all() and np.isfinite(run.per_step("loss_test")[2])
+    assert (
+        np.isnan(run.per_step("gram_sq_frobenius")[:2]).all()
+        and np.isfinite(run.per_step("gram_sq_frobenius")[2]).all()
+    )
+    assert (run.per_step("step_notes")[:2] == "").all()

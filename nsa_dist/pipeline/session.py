@@ -100,7 +100,8 @@ def prepare_run(
     writer = store.writer(
         plan.run_id, plan.spec_json, plan.dims, data_fingerprint=fingerprint, token=token, normalize=spec_as_today
     )
-    plan = replace(pin_layout(writer, plan), data_fingerprint=fingerprint)
+    # a run recorded by an earlier nsa-dist goes on with its arrays (the switches named since off)
+    plan = replace(pin_layout(writer, plan), data_fingerprint=fingerprint, dims=writer.dims)
     if not writer.static_complete() or writer.attr("data_meta") is None:
         # the loader's constants (x_mean, x_std of standardised inputs, …): X in the store is what the
         # network saw, and the images and Fourier transforms are taken in the original coordinates (a

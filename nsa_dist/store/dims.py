@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 __all__ = ["RunDims"]
 
@@ -54,6 +54,16 @@ class RunDims:
     def from_json(cls, d: dict) -> RunDims:
         """The sizes as stored; a run written before the fields were named (``Hm``, ``Kt``, …) reads too."""
         return cls(**{_OLD_NAMES.get(k, k): v for k, v in d.items()})
+
+    def as_recorded(self, stored: dict) -> RunDims:
+        """These sizes with every field that the run's ``stored`` sizes lack (named since an earlier
+        nsa-dist recorded it) as the run reads it, at its default: a resumed run goes on with the
+        arrays it was created with (today's plan of a run with test points has App. E's
+        constant-Gram arrays, which a run of 2026-11-29 has not: its resume was refused as corrupt)."""
+        named = {_OLD_NAMES.get(k, k) for k in stored}
+        return replace(
+            self, **{f.name: f.default for f in fields(self) if f.name not in named and f.default is not MISSING}
+        )
 
 
 _OLD_NAMES = {

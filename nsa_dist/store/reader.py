@@ -24,7 +24,7 @@ from zarr.core.sync import sync
 from nsa_dist.errors import StoreError
 from nsa_dist.store.keys import METADATA_ERRORS
 from nsa_dist.store.runs import RunIndex
-from nsa_dist.store.schema import ADDED_ARRAYS, SCHEMA_VERSION, ArraySpec, RunDims, dimension_names, run_arrays
+from nsa_dist.store.schema import SCHEMA_VERSION, ArraySpec, RunDims, added_since, dimension_names, run_arrays
 
 if TYPE_CHECKING:
     import zarr
@@ -158,9 +158,7 @@ class RunReader:
                 f"run {self.id!r}: its creation was interrupted before array {name!r} was made; re-run it "
                 "(nsa run / nsa sweep) to finish creating it"
             )
-        created = self.attrs.get("created")
-        before = not isinstance(created, (int, float)) or created < ADDED_ARRAYS.get(name, float("-inf"))
-        if name in ADDED_ARRAYS and before and not self.store.keys.list_dir(f"runs/{self.id}/{name}"):
+        if added_since(name, self.attrs.get("created")) and not self.store.keys.list_dir(f"runs/{self.id}/{name}"):
             return (
                 f"run {self.id!r} has no array {name!r}: it was recorded by an earlier nsa-dist, before that "
                 "array existed (not damage; its other arrays read as they were) — re-running the run adds it"

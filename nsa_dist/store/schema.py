@@ -32,10 +32,32 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-# arrays schema 1 gained after stores were written, with the time (Unix seconds) of the commit that
-# added each: a run created before then was recorded without it (not damage; reopening the run makes
-# it), a run created after that lacks it is damaged
-ADDED_ARRAYS = {"eigenvector_steps": 1796160336.0, "step_notes": 1796313424.0}
+# arrays schema 1 gained after stores were written, each with the time (Unix seconds) from which every
+# line of development writes it: that of the last merge bringing in a branch without it (runs recorded
+# there lack it too), else of the commit that first wrote it.  A run created before then was recorded
+# without it (not damage; reopening the run makes it), a run created after that lacks it is damaged.
+# Found by recording runs (images, test points, a Hessian, k: all) with the code of earlier
+# commits from e6faf4d on and reading them with this one's
+ADDED_ARRAYS = {
+    # 3175a55 (ct 1796122748), 830078d (1796122486), ac71bbd (1796123213): merge 37fcf23
+    **dict.fromkeys(("gram_sq_frobenius", "loss_test", "projections_residual"), 1796136184.0),
+    # eigenvector_steps 11c67fa (1796160336), the Hessian paper's predictions 43183ad (1796159700): merge 3e8eee8
+    **dict.fromkeys(
+        (
+            "eigenvector_steps",
+            "hessian_additivity",
+            "hessian_I_limit_moments",
+            "hessian_G",
+            "hessian_G_stderr",
+            "hessian_trace_S_G",
+            "hessian_S_op",
+        ),
+        1796164303.0,
+    ),
+    # the limits of S 5da1c4e (1796181406), NSA Fig. 4d 8561a12 (1796181190): merge 89b0b9e
+    **dict.fromkeys(("hessian_S_limit", "reconstruction_k", "reconstructions", "reconstruction_images"), 1796186364.0),
+    "step_notes": 1796313424.0,  # 6fdc329
+}
 CHUNK_BYTES = 8 << 20  # the largest chunk written (8 MiB before compression): cheap to fetch from s3://
 STATE_ARRAYS = ("theta", "opt_slots", "rng_state")  # the resume state, written from the checkpoint's state
 
@@ -70,6 +92,12 @@ class ArraySpec:
     def fill(self) -> object:
         kind = np.dtype(self.dtype).kind
         return np.nan if kind == "f" else (False if kind == "b" else ("" if kind in "TU" else 0))
+
+
+def added_since(name: str, created: object) -> bool:
+    """Whether array ``name`` joined schema 1 after a run created at ``created`` (its ``created``
+    attribute; a run without a readable one predates them all): such a run was recorded without it."""
+    return name in ADDED_ARRAYS and (not isinstance(created, (int, float)) or created < ADDED_ARRAYS[name])
 
 
 def _split(chunk: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

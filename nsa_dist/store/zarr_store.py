@@ -27,12 +27,12 @@ from nsa_dist.store.reader import RunReader
 from nsa_dist.store.records import StepResult
 from nsa_dist.store.runs import RunIndex
 from nsa_dist.store.schema import (
-    ADDED_ARRAYS,
     SCHEMA_VERSION,
     STATE_ARRAYS,
     ArraySpec,
     RunDims,
     StepRecord,
+    added_since,
     dimension_names,
     run_arrays,
 )
@@ -253,6 +253,8 @@ class SpectrumStore(RunIndex):
                 + "); refusing to overwrite — use another name"
             )
         self._check_data(run_id, spec, attrs.get("data_fingerprint"), data_fingerprint)
+        if isinstance(attrs.get("dims"), dict):  # a run recorded before a switch existed keeps it off
+            dims = dims.as_recorded(attrs["dims"])
         w = RunWriter(self, run_id, g, dims, token=token)
         if data_fingerprint and not attrs.get("data_fingerprint"):  # a run made before fingerprints
             w.set_attrs(data_fingerprint=data_fingerprint)
@@ -382,7 +384,9 @@ class RunWriter:
         self.set_attrs(creating=False)
 
     def check(self) -> None:
-        """StoreError naming the first array that is missing or has the wrong shape/dtype."""
+        """StoreError naming the first array that is missing or has the wrong shape/dtype; an array
+        added to the schema after the run was created (none of its folder there) is made now."""
+        created = self.attr("created")
         for name, a in self.specs.items():
             try:
                 present = name in self.g
@@ -393,7 +397,8 @@ class RunWriter:
                     f"({type(exc).__name__}: {exc})"
                 ) from exc
             if arr is None:
-                if name in ADDED_ARRAYS:  # recorded before it existed: made now
+                if added_since(name, created) and not self.store.keys.list_dir(f"runs/{self.run_id}/{name}"):
+                    # recorded before it existed: made now
                     self._create(a)
                     if a.per_step:  # the steps already done noted nothing: their chunks are written, not missing
                         for i in np.flatnonzero(self.done()):
