@@ -54,6 +54,10 @@ __all__ = [
     "density_note",
     "DENSITY_FLOOR",
     "add_gd_note",
+    "add_top_note",
+    "footnote",
+    "FOOTNOTE_PT",
+    "LEGEND_OUTSIDE",
     "some_steps",
     "colors",
     "decay_steps",
@@ -366,22 +370,26 @@ def add_gd_note(fig: Figure, run: Run) -> None:
 
 
 def add_top_note(fig: Figure, run: Run) -> None:
-    """On the quadrature route, say at the bottom of a figure drawn from eigenvectors that it stops at the
-    exact top K (the figure was cut at i, k ≤ K without a word, while Figs. 2a–b, 3 said so; audit Y)."""
+    """On the quadrature route, say under the axes of a figure drawn from eigenvectors that it stops at the
+    exact top K (the figure was cut at i, k ≤ K without a word, while Figs. 2a–b, 3 said so; audit Y): one
+    or two lines in a small font, laid out below the axes (never over the x label)."""
     if getattr(run, "energy_route", "exact") != "quadrature":
         return
     K = int(run.shape("eigenvalues")[1])
-    fig.text(
-        0.01,
-        0.005,
+    footnote(
+        fig,
         f"quadrature route: the eigenvectors are its exact top {K} (spectrum.quadrature.top), so i and k stop "
-        f"at {K} here; Figs. 2a–b and 3 bracket every k up to N",
-        fontsize=7,
-        color="0.35",
-        ha="left",
-        va="bottom",
-        wrap=True,
+        f"at {K} here; Figs. 2a–b, 3 bracket every k to N",
     )
+
+
+FOOTNOTE_PT = 6.5  # a footnote's font size: one or two lines under the axes
+
+
+def footnote(fig: Figure, text: str, color: str = "0.35") -> None:
+    """``text`` under the axes of ``fig`` as its supxlabel, small and wrapped to the figure's width at draw
+    time, so that the layout engine keeps the axes above it and it stays inside the figure."""
+    fig.supxlabel(text, fontsize=FOOTNOTE_PT, color=color, wrap=True)
 
 
 def some_steps(S: int, most: int = 6) -> np.ndarray:
@@ -462,7 +470,9 @@ def legend(
     fontsize: float = 8,
     **kw,
 ) -> None:
-    """A legend of at most ``most`` entries (about 10), never one that buries the plot.
+    """A legend of at most ``most`` entries (about 10), never one that buries the plot: outside the axes, to
+    their right (:data:`LEGEND_OUTSIDE`; the layout engine makes room for it), so it hides no data — inside,
+    even at matplotlib's "best" place, it covered points of Figs. 2b, 3a, 3c and the Hessian moments.
 
     ``family`` = (name, labels, colours) names a family of lines (the k of Fig. 3, the steps of App. F,
     the grid points of a sweep) by their labels and colours: when the legend would hold more than
@@ -484,6 +494,8 @@ def legend(
         title = f"{len(pick)} of {len(labels)} entries shown"
         handles, labels = [handles[j] for j in pick], [labels[j] for j in pick]
     if labels:
+        for key, value in LEGEND_OUTSIDE.items():
+            kw.setdefault(key, value)
         ax.legend(
             handles,
             labels,
@@ -495,6 +507,7 @@ def legend(
         )
 
 
+LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}
 _legend = legend  # for time_axis, whose ``legend`` argument hides the function
 
 

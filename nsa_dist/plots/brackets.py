@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, colors, family_label, legend, new_figure, some_steps
+from nsa_dist.plots.axes import FOOTNOTE_PT, PlotOptions, colors, family_label, legend, new_figure, some_steps
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -141,7 +141,10 @@ def bracket_caption(run: Run, drawn: bool = True, phi: str = "y") -> str:
         + (f" at confidence {float(conf):g}" if conf is not None else "")
         + ("" if drawn else " (every bracket drawn here is a point)")
     )
-    return f"{head} — {run.curve_bracket}"
+    if conf is None:  # a run that names no confidence: its own sentence, whatever it says
+        return f"{head} — {run.curve_bracket}"
+    # the run's sentence (Run.curve_bracket) fills half a figure: its gist here, the rest one call away
+    return f"{head} — λ_k's bracket beyond k = {top} is statistical, E(φ, k)'s provable given it (Run.curve_bracket)"
 
 
 def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True, more: str = "", phi: str = "y") -> None:
@@ -152,7 +155,7 @@ def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True, more: str = "
     from nsa_dist.plots.axes import _text_width
 
     text = bracket_caption(run, drawn, phi) + (f"; {more}" if more else "")
-    pt, width = 7.0, 0.96 * fig.bbox.width
+    pt, width = FOOTNOTE_PT, 0.96 * fig.bbox.width
     # the characters per line from the font size, narrowed until the widest line fits (axes.fit_text
     # measures every trial line: seconds on a sentence this long)
     chars = max(20, int(width / (0.5 * pt * fig.dpi / 72)))
