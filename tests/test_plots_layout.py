@@ -124,3 +124,30 @@ def test_the_checks_see_a_legend_over_data_and_a_tall_footnote() -> None:
     fig.supxlabel("\n".join(["a footnote line"] * 12), fontsize=7)
     assert points_under_legends(fig)
     assert any("height" in p for p in text_problems(fig))
+
+
+def test_a_figures_notes_go_one_under_the_other():
+    """The GD-formula note, the density note and App. F's kink note were placed at the figure's
+    bottom-left corner apart from the bracket caption: two of them overlapped on one figure (a
+    quadrature run trained with Adam).  Every note is now a line of the one footnote."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from nsa_dist.plots.axes import footnote
+
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.plot([0, 1], [0, 1])
+    ax.set_xlabel("step t")
+    footnote(fig, "quadrature route: k ≤ 8 exact; shaded band = bracket")
+    footnote(fig, "δ_t and 2N/λ_max are formulas of full-batch GD; this run used Adam", color="crimson")
+    fig.canvas.draw()
+    assert fig.get_supxlabel().split("\n") == [
+        "quadrature route: k ≤ 8 exact; shaded band = bracket",
+        "δ_t and 2N/λ_max are formulas of full-batch GD; this run used Adam",
+    ]
+    assert fig._supxlabel.get_color() == "crimson"  # a warning among the notes: the footnote says so
+    r = fig.canvas.get_renderer()
+    note, label = fig._supxlabel.get_window_extent(r), ax.xaxis.label.get_window_extent(r)
+    assert note.y1 <= label.y0 + 1, (note, label)  # under the x label, never over it

@@ -366,7 +366,7 @@ def add_gd_note(fig: Figure, run: Run) -> None:
     """Write :func:`gd_note` at the bottom of ``fig`` when it applies."""
     note = gd_note(run)
     if note:
-        fig.text(0.01, 0.005, note, fontsize=7, color="crimson", ha="left", va="bottom", wrap=True)
+        footnote(fig, note, color="crimson")
 
 
 def add_top_note(fig: Figure, run: Run) -> None:
@@ -388,8 +388,13 @@ FOOTNOTE_PT = 6.5  # a footnote's font size: one or two lines under the axes
 
 def footnote(fig: Figure, text: str, color: str = "0.35") -> None:
     """``text`` under the axes of ``fig`` as its supxlabel, small and wrapped to the figure's width at draw
-    time, so that the layout engine keeps the axes above it and it stays inside the figure."""
-    fig.supxlabel(text, fontsize=FOOTNOTE_PT, color=color, wrap=True)
+    time, so that the layout engine keeps the axes above it and it stays inside the figure.  A figure's
+    second note goes on the line below the first (two notes placed apart overlapped), in crimson when
+    either is a warning."""
+    old = fig._supxlabel.get_text() if getattr(fig, "_supxlabel", None) is not None else ""
+    warn = color == "crimson" or bool(old and fig._supxlabel.get_color() == "crimson")
+    joined = "\n".join(t for t in (old, text) if t)
+    fig.supxlabel(joined, fontsize=FOOTNOTE_PT, color="crimson" if warn else color, wrap=True)
 
 
 def some_steps(S: int, most: int = 6) -> np.ndarray:

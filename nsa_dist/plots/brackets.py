@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import FOOTNOTE_PT, PlotOptions, colors, family_label, legend, new_figure, some_steps
+from nsa_dist.plots.axes import (
+    FOOTNOTE_PT,
+    PlotOptions,
+    colors,
+    family_label,
+    footnote,
+    legend,
+    new_figure,
+    some_steps,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -164,7 +173,7 @@ def add_bracket_caption(fig: Figure, run: Run, drawn: bool = True, more: str = "
         if max(_text_width(fig, ln, pt) for ln in lines) <= width:
             break
         chars = int(chars * 0.9)
-    fig.supxlabel("\n".join(lines), fontsize=pt, color="0.25")
+    footnote(fig, "\n".join(lines), color="0.25")
 
 
 _PHI_TEX = {

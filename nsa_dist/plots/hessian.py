@@ -17,6 +17,7 @@ from nsa_dist.plots.axes import (
     density_note,
     density_on_log_axis,
     family_label,
+    footnote,
     legend,
     new_figure,
     some_steps,
@@ -142,7 +143,7 @@ def density(run: Run) -> Figure:
     ax.grid(alpha=0.3)
     legend(ax)
     if hidden:
-        fig.text(0.01, 0.005, density_note(hidden, total), fontsize=7, ha="left", va="bottom", wrap=True)
+        footnote(fig, density_note(hidden, total))
     return fig
 
 

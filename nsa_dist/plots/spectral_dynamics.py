@@ -6,7 +6,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import PlotOptions, add_top_note, colors, family_label, legend, new_figure, picture_data
+from nsa_dist.plots.axes import (
+    PlotOptions,
+    add_top_note,
+    colors,
+    family_label,
+    footnote,
+    legend,
+    new_figure,
+    picture_data,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -76,17 +85,12 @@ def appF(run: Run) -> Figure:
     legend(right, fontsize=7)
     act = str(getattr(getattr(run.spec.model, "activation", None), "value", getattr(run.spec.model, "activation", "")))
     if act in ("relu", "leaky_relu"):  # the first-order change misses units that cross their kink
-        fig.text(
-            0.01,
-            0.005,
+        footnote(
+            fig,
             f"note: activation {act!r} is piecewise linear — Eqs. 25–26 differentiate it where it is smooth, "
             "so dG's first-order value misses units that cross the kink in update t (a smooth σ, e.g. tanh, "
             "matches the measured change to first order)",
-            fontsize=7,
             color="crimson",
-            ha="left",
-            va="bottom",
-            wrap=True,
         )
     return fig
 
