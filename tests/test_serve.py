@@ -1012,3 +1012,19 @@ def test_the_token_is_not_written_to_the_access_log(store, caplog):
         assert s.get(f"/run/data/x?token={secret}&id=1")[0] == 404
         assert s.get("/run/data?token=wrong")[0] == 403
     assert "token=" in caplog.text and secret not in caplog.text, caplog.text[-2000:]
+
+
+def test_the_run_table_names_every_sweep_a_run_is_in(tmp_path):
+    """A run in two sweeps (the same spec in two grids): the table showed one of them, runs() both."""
+    from nsa_dist.serve.table import RunTable
+
+    url = str(tmp_path / "two.zarr")
+    store = SpectrumStore(url)
+    spec = SPEC.model_copy(update={"name": "shared"})
+    rid = run_experiment(spec, store).run_id
+    store.record_sweep("grid-a", {"name": "grid-a"}, [rid])
+    store.record_sweep("grid-b", {"name": "grid-b"}, [rid])
+    table = RunTable(store)
+    rows = table.refresh()
+    cols = table.columns(rows, table.fields())
+    assert cols["sweep"] == ["grid-a, grid-b"] == Client(url).runs()["sweep"].tolist(), cols["sweep"]

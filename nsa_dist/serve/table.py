@@ -64,7 +64,11 @@ class RunTable:
 
     def columns(self, rows: list[RunSummary], fields: list[str]) -> dict[str, list[Any]]:
         """The table's columns (a Bokeh ``ColumnDataSource``'s data)."""
-        member = {rid: name for name, ids in self.store.sweeps().items() for rid in ids}
+        names: dict[str, list[str]] = {}  # a run in two sweeps (one spec in two grids) names both, as runs() does
+        for name, ids in sorted(self.store.sweeps().items()):
+            for rid in dict.fromkeys(ids):
+                names.setdefault(rid, []).append(name)
+        member = {rid: ", ".join(ns) for rid, ns in names.items()}
         flat = [flatten_spec(s.spec) for s in rows]
         cols: dict[str, list[Any]] = {
             "id": [s.id for s in rows],
