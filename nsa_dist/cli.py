@@ -866,8 +866,8 @@ def _show_sweep(args: argparse.Namespace) -> int:
     recorded = sweep.store.sweep_spec(args.sweep)
     counts = sweep.runs["status"].value_counts()
     con.print(
-        f"[bold]sweep {_esc(args.sweep)}[/]  {len(sweep.runs)} runs: "
-        + _esc(", ".join(f"{n} {status}" for status, n in counts.items()))
+        f"[bold]sweep {_esc(args.sweep)}[/]  {len(sweep.runs)} runs"
+        + (": " + _esc(", ".join(f"{n} {status}" for status, n in counts.items())) if len(sweep.runs) else "")
     )
     con.print(_esc(f"grid {json.dumps(recorded.get('grid') or {})}" + ("" if sweep.seeded else "  (one seed)")))
     if recorded.get("variants"):
@@ -878,32 +878,49 @@ def _show_sweep(args: argparse.Namespace) -> int:
     unfinished = sweep.unfinished_points()
     if unfinished:
         con.print(_esc(f"{len(unfinished)} grid point(s) without a finished step: {unfinished[:5]}"))
-    if not sweep.groups():
+    finished = sweep.runs[sweep.runs["steps_done"].fillna(0) > 0]
+    if not len(finished):
         return 0
-    k = min(10, sweep.smallest_k())
-    loss = sweep.scalar("loss").set_index("id")
-    energy = sweep.scalar("energy_y", k=k).set_index("id")
+    try:
+        k = min(10, sweep.smallest_k())
+    except Exception:  # noqa: BLE001 - a run that cannot be read: E(y, 10), and that run says why
+        k = 10
     fields = [*sweep.fields, *(["seed"] if sweep.seeded else [])]
     t = Table(title=f"each finished run at its last step (E(y, {k}): k = {k})")
     for col in ["id", *fields, "status", "last step", "loss", f"E(y, {k})"]:
         t.add_column(col, no_wrap=col == "id")
-    for rid, row in loss.iterrows():
-        e = energy["value"].get(rid, float("nan"))
+    for row in finished.to_dict("records"):  # one run at a time: a damaged one never hides the others
+        loss, energy = (_last_value(sweep.run(row["id"]), name, kk) for name, kk in (("loss", None), ("energy_y", k)))
         t.add_row(
             *map(
                 _esc,
                 (
-                    rid,
+                    row["id"],
                     *(_cell(row.get(f)) for f in fields),
                     _text(row["status"]),
-                    _int(energy["step"].get(rid, row["step"])),
-                    f"{row['value']:.5g}",
-                    "-" if not np.isfinite(e) else f"{e:.4g}",
+                    _int(row["last_step"]),
+                    loss if isinstance(loss, str) else f"{loss:.5g}",
+                    energy if isinstance(energy, str) else f"{energy:.4g}",
                 ),
             )
         )
     con.print(t)
     return 0
+
+
+def _last_value(run: Any, name: str, k: int | None) -> float | str:
+    """Quantity ``name`` of a run at its last finite value; "-" where it has none, or "unreadable
+    (<why>)" where the run's array cannot be read (a damaged chunk: ``nsa verify`` names it)."""
+    from nsa_dist.client import quantity
+
+    try:
+        v = quantity(run, name, k)[1]
+    except (KeyError, IndexError):  # not recorded, or no column k (a run with fewer eigenpairs)
+        return "-"
+    except Exception as e:  # noqa: BLE001 - one run's damage is told in its row
+        return f"unreadable ({type(e).__name__})"
+    ok = np.flatnonzero(np.isfinite(v))
+    return float(v[ok[-1]]) if len(ok) else "-"
 
 
 def _widest(row: Any) -> str:
@@ -1216,6 +1233,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
+    from nsa_dist.errors import NSAError
     from nsa_dist.export import export_tensorboard
 
     if (args.run is None) == (args.sweep is None):
@@ -1243,9 +1261,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             f"{out.logdir} (tensorboard --logdir {args.tensorboard})"
         )
     if failed:
-        raise RuntimeError(
-            f"{len(failed)} of {len(runs)} runs of sweep {args.sweep!r} not exported: {', '.join(failed)}"
-        )
+        raise NSAError(f"{len(failed)} of {len(runs)} runs of sweep {args.sweep!r} not exported: {', '.join(failed)}")
     return 0
 
 

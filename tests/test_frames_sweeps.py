@@ -346,3 +346,33 @@ def test_cli_ls_show_export_of_a_sweep(store_url: str, tmp_path: Path, capsys: p
     assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == sorted(c.runs(sweep="sw2")["id"])
     assert main(["export", "--store", store_url, "--sweep", "nope", "--tensorboard", str(tmp_path / "tb")]) == 2
     assert "no sweep 'nope'" in capsys.readouterr().err
+
+
+def test_a_damaged_run_never_hides_its_sweeps_other_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A review's repros: `nsa show --sweep` ended in one error for the whole sweep when one run's
+    energy array was unreadable, and a run whose metadata was unreadable (no spec) made every spec
+    field "varied" (56 columns in `nsa ls --sweep`)."""
+    url = str(tmp_path / "d.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(
+        name="sw",
+        base={
+            "data": {"n": 20},
+            "model": {"width": 6},
+            "steps": 4,
+            "record": {"every": 2},
+            "spectrum": {"k": 5, "images": []},
+        },
+        grid={"model.depth": [2, 3]},
+    )
+    ids = [run_experiment(s, store).run_id for s in sweep.expand()]
+    store.record_sweep("sw", sweep.model_dump(mode="json"), ids)
+    (Path(url) / "runs" / ids[1] / "energy_y" / "zarr.json").write_text("{not json")
+    assert main(["show", "--store", url, "--sweep", "sw"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
+    assert "unreadable" in rows[ids[1]] and "unreadable" not in rows[ids[0]], out
+    (Path(url) / "runs" / ids[1] / "zarr.json").write_text("{not json")
+    assert Client(url).sweep("sw").fields == ["model.depth"]
+    assert main(["ls", "--store", url, "--sweep", "sw"]) == 0
+    assert "data.n" not in capsys.readouterr().out

@@ -134,23 +134,40 @@ class _GradientReversal(nn.Module):
         return self.b(_Reverse.apply(torch.tanh(self.a(x))))
 
 
-@pytest.mark.parametrize("make", [lambda: _Hooked(3.0), _GradientReversal], ids=["hook_3g", "gradient_reversal"])
-def test_gradients_that_are_not_the_derivative_are_one_clear_error(make):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: _Hooked(3.0), lambda: _Hooked(1.5), _GradientReversal],
+    ids=["hook_3g", "hook_1.5g", "gradient_reversal"],
+)
+def test_gradients_that_are_not_the_derivative_are_one_clear_error(make, dtype):
     """A gradient hook g → 3g in the forward: gram measured the hooked gradients' kernel (2.5 off the
     NTK) and the operator J·(J̃ᵀv), neither kernel (0.54 off the hooked one); a gradient reversal
     Function (backward −g/2) likewise.  The adjoint test u·(J t) = (Jᵀu)·t on the probe points
     now refuses both, naming the cause, for every route and the operator."""
     torch.manual_seed(0)
-    m = make().double()
-    x = torch.randn(12, m.a.in_features, dtype=D)
+    m = make().to(dtype)  # float32 too: a review's float32 hook g → 3g passed a first version (3.8× off)
+    x = torch.randn(12, m.a.in_features, dtype=dtype)
     measures = [lambda meth=meth: gram(m, x, method=meth) for meth in ("auto", "per_layer", "jacobian")]
     for measure in [*measures, lambda: ntk_operator(m, x), lambda: explain_method(m, x)]:
         with pytest.raises(UnsupportedModelError, match="gradients are not the derivative of its outputs"):
             measure()
 
 
-def test_a_hook_that_only_looks_and_a_frozen_no_grad_encoder_are_measured():
-    """No false alarm: a hook returning None changes no gradient."""
+class _NoGradNorm(nn.Linear):
+    """A weight read with gradient and under torch.no_grad() (a scale taken without gradient): forward
+    mode differentiates through no_grad, reverse mode does not — a first version of the adjoint test
+    refused it, and the Hessian with it."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            s = self.weight.norm()
+        return F.linear(x, self.weight / s, self.bias)
+
+
+def test_a_hook_that_only_looks_and_a_weight_read_under_no_grad_are_measured():
+    """No false alarm: a hook returning None changes no gradient; a no_grad block is a constant, as
+    autograd (and training) takes it."""
     torch.manual_seed(0)
     m = _Hooked(None).double()
     x = torch.randn(12, 6, dtype=D)
@@ -158,6 +175,12 @@ def test_a_hook_that_only_looks_and_a_frozen_no_grad_encoder_are_measured():
     assert_close_rel(gram(m, x), J @ J.T, 1e-12, "gram")
     assert_close_rel(_operator(m, x), J @ J.T, 1e-12, "operator")
     assert m.seen  # the user's hook ran
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        m = nn.Sequential(_NoGradNorm(10, 32), nn.Tanh(), nn.Linear(32, 1)).to(dtype)
+        x = torch.randn(12, 10, dtype=dtype)
+        J = _rows(m, x).double()
+        assert_close_rel(gram(m, x), J @ J.T, tol, f"no_grad norm, {dtype}")
+        assert_close_rel(_operator(m, x), J @ J.T, tol, f"no_grad norm operator, {dtype}")
 
 
 class _Ident(torch.autograd.Function):  # old style: no setup_context, which torch.func refuses

@@ -117,6 +117,8 @@ def test_groups_side_by_side_give_the_groups_run_one_after_another(power_law):
             assert off.sum() <= jumps, (
                 f"{what} {part} differs at k = {ks[off].tolist()} by up to {float(np.max(np.abs(u - v))):.3g}"
             )
+            # a jump to the neighbouring node, not anywhere: within a tenth of the value (2.8 % measured)
+            assert np.all(np.abs(u - v)[off] <= 0.1 * np.abs(v)[off]), (what, part, ks[off], u[off], v[off])
 
 
 def test_the_budget_counts_the_groups_held_side_by_side():

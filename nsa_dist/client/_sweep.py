@@ -314,10 +314,12 @@ class Sweep:
         self.store, self.name = store, name
         self.runs: pandas.DataFrame = runs_frame(store, sweep=name)  # KeyError naming the known sweeps
         varied = varied_fields(store.sweep_spec(name))
-        self.seeded = "seed" in varied or _differ(self.runs, "seed")
+        # a damaged run's spec (unreadable: empty) differs from every other in every field: not counted
+        readable = self.runs[self.runs["status"] != "damaged"] if len(self.runs) else self.runs
+        self.seeded = "seed" in varied or _differ(readable, "seed")
         # the grid's fields, and any other spec field its runs differ in: a sweep re-submitted under
         # its name keeps its earlier runs (store.record_sweep), whose grid or base may have been another
-        differing = [c for c in self.runs.columns if c not in varied and c != "seed" and _differ(self.runs, c)]
+        differing = [c for c in readable.columns if c not in varied and c != "seed" and _differ(readable, c)]
         self.fields = [f for f in [*varied, *differing] if f != "seed" and f in self.runs.columns]
 
     def run(self, run_id: str) -> Run:

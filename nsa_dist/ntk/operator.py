@@ -21,6 +21,7 @@ from nsa_dist.ntk.state import (
     dense_gradients,
     exact_kernels,
     frequency_unscaled,
+    no_grad_as_constant,
     padding_rows_constant,
     renorm_copies,
     stateless,
@@ -185,6 +186,7 @@ class NTKOperator(LinearOperator):
         with (
             exact_kernels(self.model),
             padding_rows_constant(),
+            no_grad_as_constant(),  # a no_grad block as Jᵀv (reverse mode) takes it: a constant
             dense_gradients(self.model),
             blame(self.model),
             attributes_kept(self.model),  # activations a hook cached inside the transforms: put back
@@ -256,7 +258,7 @@ def jacobian_vector_product(
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return call(twin, {**p, **buffers}, (x.clone(),))
 
-        with exact_kernels(twin), dense_gradients(twin):
+        with exact_kernels(twin), dense_gradients(twin), torch.enable_grad(), no_grad_as_constant():
             try:
                 _, out = jvp(f, (primals,), (tangents,))
             except NotImplementedError as e:  # an op without forward-mode AD (weight_norm, a custom Function)

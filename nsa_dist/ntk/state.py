@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.models import copied_from, copy_model, user_named_modules
@@ -35,6 +36,7 @@ __all__ = [
     "batch_stat_modules",
     "exact_kernels",
     "padding_rows_constant",
+    "no_grad_as_constant",
     "call",
     "copyable",
     "cast_copy",
@@ -556,6 +558,25 @@ class FrequencyScaledLookups(TorchFunctionMode):
         if trained and _arg(args, kwargs, at, "scale_grad_by_freq", False):
             self.seen.append(f"{getattr(func, '__module__', 'torch')}.{func.__name__}")
         return func(*args, **kwargs)
+
+
+class _NoGradConstant(TorchFunctionMode):
+    """See :func:`no_grad_as_constant`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled():
+            args, kwargs = tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def no_grad_as_constant() -> TorchFunctionMode:
+    """Forward mode (``torch.func.jvp``) as reverse mode sees a ``torch.no_grad()`` block of the
+    forward: the block's inputs detached (detach drops the tangent), so that a parameter read there is
+    a constant, as autograd and training take it.  Forward mode differentiated through it: the
+    operator's J·u against its Jᵀv made a kernel 1.5e-4 off for a weight normalised by a norm taken
+    under no_grad.  Enter it with grad enabled: a no-grad caller would make every op a constant."""
+    return _NoGradConstant()
 
 
 class _PaddingRowsConstant(TorchFunctionMode):
