@@ -213,3 +213,26 @@ def test_the_batch_route_falls_back_to_plain_autograd():
     J = _rows(m, x)
     assert_close_rel(gram(m, x), J @ J.T, 1e-12, "gram")
     assert_close_rel(gram(m, x, block_size=3), J @ J.T, 1e-12, "gram, blocks of 3")
+
+
+def test_products_under_a_callers_no_grad_and_the_hessian_of_a_no_grad_block():
+    """Forward mode takes a no_grad block of the forward as a constant only while grad is enabled
+    around it: a caller's ``torch.no_grad()`` (an evaluation loop's) must not make every op one.
+    The Hessian's forward-over-reverse products take the block as reverse mode does."""
+    from nsa_dist.hessian import hessian_operator
+
+    torch.manual_seed(0)
+    m = nn.Sequential(_NoGradNorm(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    x, y = torch.randn(6, 3, dtype=D), torch.randn(6, 1, dtype=D)
+    J = _rows(m, x)
+    op = ntk_operator(m, x)
+    with torch.no_grad():
+        assert_close_rel(op.matmat(torch.eye(6, dtype=D)), J @ J.T, 1e-12, "operator under no_grad")
+    ps = list(m.parameters())
+    loss = 0.5 * ((m(x) - y) ** 2).sum() / x.shape[0]
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, ps, create_graph=True)])
+    dense = torch.stack(
+        [torch.cat([t.reshape(-1) for t in torch.autograd.grad(g[i], ps, retain_graph=True)]) for i in range(len(g))]
+    )  # reverse over reverse: the no_grad norm a constant, as training's gradient takes it
+    H = hessian_operator(m, x, y, part="H")
+    assert_close_rel(H.matmat(torch.eye(len(g), dtype=D)), dense, 1e-10, "loss Hessian")

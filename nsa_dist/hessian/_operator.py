@@ -44,6 +44,7 @@ from nsa_dist.ntk.state import (  # copyable: re-exported
     call,
     copyable,
     exact_kernels,
+    no_grad_as_constant,
     padding_rows_constant,
     renorm_copies,
     stateless,
@@ -117,7 +118,8 @@ class LossCurvatureOperator(LinearOperator):
         if self._reverse:
             return None
         try:
-            return product()
+            with no_grad_as_constant():  # a no_grad block a constant, as the reverse-mode products take it
+                return product()
         except NotImplementedError as e:
             if not _no_forward_rule(e):
                 raise

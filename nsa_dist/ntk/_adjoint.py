@@ -116,7 +116,7 @@ def _forward(  # noqa: ANN001
     step sizes — None when their u·(J t) disagree beyond the tolerance (a step across a kink or a jump:
     hard top-1 routing flipped by a float32 step)."""
     try:
-        with torch.enable_grad(), no_grad_as_constant():
+        with no_grad_as_constant():
             return jvp(f, (primals,), (t,))[1].detach(), "forward mode"
     except (RuntimeError, NotImplementedError, ValueError):
         pass

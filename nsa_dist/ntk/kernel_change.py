@@ -34,7 +34,7 @@ def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor, frozen: dict
     import torch
     from torch.func import jvp, vjp
 
-    from nsa_dist.ntk.state import call
+    from nsa_dist.ntk.state import call, no_grad_as_constant
 
     def f(p, Z):
         out = call(model, {**p, **frozen}, (Z,))
@@ -49,7 +49,8 @@ def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor, frozen: dict
                 cot = torch.zeros_like(fx)
                 cot[:, a] = V[:, j]
                 (u,) = pull(cot)  # J_aᵀ v_j, a dict like p
-                acc = acc + jvp(lambda q: f(q, X), (p,), (u,))[1][:, a]  # J_a J_aᵀ v_j, (N,)
+                with no_grad_as_constant():  # a no_grad block a constant, as the VJP takes it
+                    acc = acc + jvp(lambda q: f(q, X), (p,), (u,))[1][:, a]  # J_a J_aᵀ v_j, (N,)
             cols.append(acc)
         return torch.stack(cols, dim=1)  # (N, Kg)
 
@@ -73,7 +74,7 @@ def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, d
     from torch.func import jvp, vjp
 
     from nsa_dist.errors import UnsupportedModelError
-    from nsa_dist.ntk.state import call
+    from nsa_dist.ntk.state import call, no_grad_as_constant
 
     def f(q):
         out = call(model, {**q, **frozen}, (X,))
@@ -87,10 +88,12 @@ def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, d
             cot = torch.zeros_like(fx)
             cot[:, a] = V[:, i]
             grad = lambda q, cot=cot: vjp(f, q)[1](cot)[0]  # noqa: E731 - q ↦ J_a(q)ᵀ v_i
-            dg = jvp(grad, (p0,), (dp,))[1]  # forward over reverse: ∇²(v_iᵀ f_a) Δθ
+            with no_grad_as_constant():  # a no_grad block a constant, as reverse mode takes it
+                dg = jvp(grad, (p0,), (dp,))[1]  # forward over reverse: ∇²(v_iᵀ f_a) Δθ
             if a == 0 and i == 0:
                 _same_second_derivative(dg, vjp(grad, p0)[1](dp)[0], UnsupportedModelError)
-            M[i] += V.T @ jvp(f, (p0,), (dg,))[1][:, a]  # v_jᵀ J_a dg_{i,a} for every j
+            with no_grad_as_constant():
+                M[i] += V.T @ jvp(f, (p0,), (dg,))[1][:, a]  # v_jᵀ J_a dg_{i,a} for every j
     return M + M.T
 
 

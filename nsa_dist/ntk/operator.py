@@ -258,7 +258,7 @@ def jacobian_vector_product(
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return call(twin, {**p, **buffers}, (x.clone(),))
 
-        with exact_kernels(twin), dense_gradients(twin), torch.enable_grad(), no_grad_as_constant():
+        with exact_kernels(twin), dense_gradients(twin), no_grad_as_constant():
             try:
                 _, out = jvp(f, (primals,), (tangents,))
             except NotImplementedError as e:  # an op without forward-mode AD (weight_norm, a custom Function)

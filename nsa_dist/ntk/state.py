@@ -570,13 +570,15 @@ class _NoGradConstant(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def no_grad_as_constant() -> TorchFunctionMode:
+@contextlib.contextmanager
+def no_grad_as_constant() -> Iterator[None]:
     """Forward mode (``torch.func.jvp``) as reverse mode sees a ``torch.no_grad()`` block of the
     forward: the block's inputs detached (detach drops the tangent), so that a parameter read there is
     a constant, as autograd and training take it.  Forward mode differentiated through it: the
     operator's J·u against its Jᵀv made a kernel 1.5e-4 off for a weight normalised by a norm taken
-    under no_grad.  Enter it with grad enabled: a no-grad caller would make every op a constant."""
-    return _NoGradConstant()
+    under no_grad.  Grad is enabled inside (a caller's no_grad would make every op a constant)."""
+    with torch.enable_grad(), _NoGradConstant():
+        yield
 
 
 class _PaddingRowsConstant(TorchFunctionMode):
