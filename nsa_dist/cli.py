@@ -668,7 +668,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     t.add_column("last step")
     shown = fields or ["data", "N", "L×W", "optimizer", "lr"]
     for col in [*(["sweep"] if in_sweeps else []), *shown, "note"]:
-        t.add_column(col)
+        t.add_column(_esc(col))
     for r in runs.to_dict("records"):
         note = _text(r.get("reason")) if r["status"] in ("interrupted", "failed", "damaged") else ""
         if fields:
@@ -888,7 +888,7 @@ def _show_sweep(args: argparse.Namespace) -> int:
     fields = [*sweep.fields, *(["seed"] if sweep.seeded else [])]
     t = Table(title=f"each finished run at its last step (E(y, {k}): k = {k})")
     for col in ["id", *fields, "status", "last step", "loss", f"E(y, {k})"]:
-        t.add_column(col, no_wrap=col == "id")
+        t.add_column(_esc(col), no_wrap=col == "id")
     for row in finished.to_dict("records"):  # one run at a time: a damaged one never hides the others
         loss, energy = (_last_value(sweep.run(row["id"]), name, kk) for name, kk in (("loss", None), ("energy_y", k)))
         t.add_row(

@@ -44,6 +44,7 @@ from nsa_dist.ntk.state import (  # copyable: re-exported
     call,
     copyable,
     exact_kernels,
+    frequency_unscaled,
     no_grad_as_constant,
     padding_rows_constant,
     renorm_copies,
@@ -164,6 +165,7 @@ class LossCurvatureOperator(LinearOperator):
         with (
             exact_kernels(self.model),
             autograd_conventions(),
+            frequency_unscaled(self.model),  # the derivative's Hessian, not token-count-scaled gradients
             blame(self.model, "the loss Hessian"),
             attributes_kept(self.model),  # activations a hook cached inside the transforms: put back
         ):

@@ -102,11 +102,21 @@ class ResidualOperator(LossCurvatureOperator):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._residuals()
+
+    def _residuals(self) -> None:
+        """R at the parameters as they are now, and the version of each they were read at."""
         with torch.no_grad():
             F = torch.cat([self._f(self.X[b])(self._params) for b in self._blocks(1)])  # (N, K)
         self.R = residual(self.loss, F, self.Y)  # (N, K)
+        self._at = [p._version for p in self._params.values()]
 
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # H and I read the model's parameters as they are at each product (views of them): S too — after
+        # an in-place update (an optimizer step) it mixed the new ∇²f with the old residuals, 0.99 off
+        # a new S and H ≠ I + S by 0.47 of H, silently (an audit)
+        if [p._version for p in self._params.values()] != self._at:
+            self._residuals()
         m = next(iter(U.values())).shape[0]
         out = self._zeros(m)
         for b in self._blocks(m):
