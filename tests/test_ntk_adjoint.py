@@ -285,3 +285,36 @@ def test_hessian_parts_follow_parameters_changed_in_place():
     eye = torch.eye(ops["H"].shape[0], dtype=D)
     for part, R in _hessian_parts_dense(m, x, y).items():
         assert_close_rel(ops[part].matmat(eye), R, 1e-12, f"{part} after the step")
+
+
+def test_forward_mode_in_two_threads_keeps_its_tangents():
+    """Forward-mode AD's dual levels are the process's: a Tracker measuring J·Δθ in its thread while
+    the training thread's probe ran the adjoint test lost its tangents ("no level exists", or J·t = 0:
+    a CI run's Tracker test).  Every forward-mode product now runs under one lock."""
+    import threading
+
+    from nsa_dist.ntk import jacobian_vector_product
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 2)).double()
+    b = nn.Sequential(nn.Linear(3, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1)).double()
+    xa, xb = torch.randn(8, 4, dtype=D), torch.randn(8, 3, dtype=D)
+    dtheta = torch.randn(sum(p.numel() for p in a.parameters()), dtype=D)
+    want = (_rows(a, xa) @ dtheta).view(8, 2)
+    errors: list[str] = []
+
+    def products() -> None:
+        for i in range(40):
+            try:
+                got = jacobian_vector_product(a, xa, dtheta)
+                if not torch.allclose(got, want, rtol=1e-10, atol=1e-12):
+                    errors.append(f"J·dθ {i}: off by {float((got - want).abs().max()):.3g}")
+            except Exception as e:  # noqa: BLE001 - what the other thread made of it
+                errors.append(f"J·dθ {i}: {type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=products)
+    worker.start()
+    for _ in range(40):
+        explain_method(b, xb)  # the probe: its adjoint test runs forward mode in this thread
+    worker.join()
+    assert not errors, errors[:3]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -570,14 +571,21 @@ class _NoGradConstant(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# forward-mode AD's dual levels are the process's, not a thread's: a Tracker measuring in its thread
+# while the training thread probes a model lost its tangents (J·t = 0, "no level exists") — every
+# forward-mode product of nsa-dist runs under this lock (no_grad_as_constant takes it)
+FORWARD_AD_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def no_grad_as_constant() -> Iterator[None]:
     """Forward mode (``torch.func.jvp``) as reverse mode sees a ``torch.no_grad()`` block of the
     forward: the block's inputs detached (detach drops the tangent), so that a parameter read there is
     a constant, as autograd and training take it.  Forward mode differentiated through it: the
     operator's J·u against its Jᵀv made a kernel 1.5e-4 off for a weight normalised by a norm taken
-    under no_grad.  Grad is enabled inside (a caller's no_grad would make every op a constant)."""
-    with torch.enable_grad(), _NoGradConstant():
+    under no_grad.  Grad is enabled inside (a caller's no_grad would make every op a constant), and
+    :data:`FORWARD_AD_LOCK` held (forward mode's levels are shared by the process's threads)."""
+    with FORWARD_AD_LOCK, torch.enable_grad(), _NoGradConstant():
         yield
 
 
