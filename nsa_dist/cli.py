@@ -865,9 +865,11 @@ def _show_sweep(args: argparse.Namespace) -> int:
         con = Console(width=max(con.width, 160))
     recorded = sweep.store.sweep_spec(args.sweep)
     counts = sweep.runs["status"].value_counts()
+    uncreated = sweep.not_created()
     con.print(
         f"[bold]sweep {_esc(args.sweep)}[/]  {len(sweep.runs)} runs"
         + (": " + _esc(", ".join(f"{n} {status}" for status, n in counts.items())) if len(sweep.runs) else "")
+        + (f"; {len(uncreated)} not created yet" if uncreated else "")
     )
     con.print(_esc(f"grid {json.dumps(recorded.get('grid') or {})}" + ("" if sweep.seeded else "  (one seed)")))
     if recorded.get("variants"):

@@ -376,3 +376,31 @@ def test_a_damaged_run_never_hides_its_sweeps_other_runs(tmp_path: Path, capsys:
     assert Client(url).sweep("sw").fields == ["model.depth"]
     assert main(["ls", "--store", url, "--sweep", "sw"]) == 0
     assert "data.n" not in capsys.readouterr().out
+
+
+def test_grid_points_whose_runs_were_never_created_are_unfinished(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
+) -> None:
+    """A sweep driver stopped after recording the sweep and creating one of its runs: the other
+    grid point has no run in the store, and `unfinished_points` / `nsa plot --sweep` / `nsa show
+    --sweep` left it out silently (a review's finding) — a figure of one depth with no word of the other."""
+    url = str(tmp_path / "u.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(
+        name="sw",
+        base={"data": {"n": 16}, "model": {"width": 4}, "steps": 2, "record": {"every": 2}, "spectrum": {"k": 4}},
+        grid={"model.depth": [2, 3]},
+    )
+    first, second = sweep.expand()
+    assert run_experiment(first, store).status == "done"
+    store.record_sweep("sw", sweep.model_dump(mode="json"), [run_id(first), run_id(second)])
+    sw = Client(url).sweep("sw")
+    assert sw.not_created() == [run_id(second)]
+    assert sw.unfinished_points() == [{"model.depth": 3}], sw.unfinished_points()
+    assert [key for key, _ in sw.groups()] == [{"model.depth": 2}]
+    with caplog.at_level("WARNING", logger="nsa_dist.plots"):
+        plot_sweep(sw, tmp_path / "figs", figures=["fig7a_energy_y"])
+    assert "depth=3" in caplog.text, caplog.text
+    assert main(["show", "--store", url, "--sweep", "sw"]) == 0
+    out = capsys.readouterr().out
+    assert "1 runs: 1 done; 1 not created yet" in out and "model.depth" in out and "3" in out, out

@@ -14,6 +14,7 @@ import numpy as np
 
 from nsa_dist.client._frames import flatten_spec, runs_frame
 from nsa_dist.client._run import Run
+from nsa_dist.config import SweepSpec, spec_as_today
 from nsa_dist.store import run_arrays
 
 if TYPE_CHECKING:
@@ -353,16 +354,36 @@ class Sweep:
         return list(out.values())
 
     def unfinished_points(self) -> list[dict[str, Any]]:
-        """The grid points none of whose runs has a finished recorded step yet (not started, or
-        failed before their first): :meth:`groups`, :meth:`curves` and the figures leave them out,
-        and ``nsa plot --sweep`` says which."""
+        """The grid points none of whose runs has a finished recorded step yet (not started, not
+        created in the store yet, or failed before their first): :meth:`groups`, :meth:`curves` and
+        the figures leave them out, and ``nsa plot --sweep`` / ``nsa show --sweep`` say which."""
         done = {self._key(row) for row in self._finished()}
         out: dict[tuple, dict[str, Any]] = {}
-        for row in self.runs.to_dict("records"):
+        for row in [*self.runs.to_dict("records"), *self._planned()]:
             key = self._key(row)
             if key not in done:
                 out.setdefault(key, dict(zip(self.fields, key)))
         return list(out.values())
+
+    def not_created(self) -> list[str]:
+        """The run ids the sweep names that the store has no run of yet (a sweep whose driver
+        stopped before creating them): they are not in :attr:`runs`; their grid points are in
+        :meth:`unfinished_points`."""
+        have = set(self.runs["id"]) if len(self.runs) else set()
+        return [rid for rid in self.store.sweeps()[self.name] if rid not in have]
+
+    def _planned(self) -> list[dict[str, Any]]:
+        """The flattened specs of the recorded sweep spec's grid (today's reading of it), as rows
+        keyed like :attr:`runs`: a grid point whose runs were never created has no row there, and
+        was left out of :meth:`unfinished_points` silently.  [] for a recorded spec that no longer
+        reads as a sweep (an older nsa-dist's)."""
+        if not self.not_created():
+            return []
+        try:
+            specs = SweepSpec.model_validate(self.store.sweep_spec(self.name)).expand()
+        except Exception:  # noqa: BLE001 - another version's sweep spec: its created runs' rows only
+            return []
+        return [flatten_spec(spec_as_today(s.model_dump(mode="json")) or {}) for s in specs]
 
     def curves(self, name: str, k: int | None = None) -> list[Curve]:
         """One :class:`Curve` of quantity ``name`` (see :func:`quantity`) per grid point; an energy
