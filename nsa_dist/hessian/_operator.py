@@ -20,6 +20,12 @@ Products take forward mode where they can (``jvp``: ``H v`` forward-over-reverse
   (∇g)ᵀ v`` by a ``vjp`` of the gradient g (H is symmetric) and ``J v`` as the ``vjp`` of the
   linear map ``w ↦ Jᵀ w`` — and checks once that the operator it then applies is symmetric (a
   wrong double backward, as weight_norm's, shows as an asymmetric H): if not, it refuses.
+* An ``autograd.Function`` that ``torch.func`` cannot run at all (old style: ``forward(ctx, …)``
+  without ``setup_context``): on torch.func's error saying so, an operator switches to plain
+  autograd for good — one forward with a graph, then every column by double backward
+  (:meth:`LossCurvatureOperator._apply_plain`) — with the same symmetry check.
+* ``nn.EmbeddingBag`` (no forward-mode rule, no double backward in PyTorch) runs composite ops
+  within products (:func:`nsa_dist.ntk.state.exact_kernels`).
 """
 
 from __future__ import annotations
@@ -98,10 +104,15 @@ class LossCurvatureOperator(LinearOperator):
         self._width = max((p.shape[0] if p.ndim else 1) for p in self._params.values())
         self._reverse = False  # True once an op of the model turned out to have no forward-mode rule
         self._refused: UnsupportedModelError | None = None  # its reverse-mode products failed the symmetry check
+        self._plain = False  # True once torch.func could not run the model: plain autograd from then on
 
     # ------------------------------------------------------------------ to implement
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A U for m columns given as a dict of (m, *param.shape) tensors."""
+        raise NotImplementedError
+
+    def _apply_plain(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:meth:`_apply` by plain autograd (no torch.func transform): for a model torch.func cannot run."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers for subclasses
@@ -146,6 +157,49 @@ class LossCurvatureOperator(LinearOperator):
         _, pull_t = vjp(lambda w: pull(w)[0], torch.zeros_like(out))
         return vmap(lambda u: pull_t(u)[0])(U)
 
+    # ------------------------------------------------------------------ plain autograd (no torch.func)
+    def _leaves(self) -> dict[str, torch.Tensor]:
+        """The parameters as fresh leaves that require grad (a plain autograd forward's inputs)."""
+        return {k: p.detach().requires_grad_(True) for k, p in self._params.items()}
+
+    @staticmethod
+    def _grads(
+        out: torch.Tensor | list[torch.Tensor],
+        wrt: dict[str, torch.Tensor] | torch.Tensor,
+        cotangent: torch.Tensor | list[torch.Tensor] | None = None,
+        create_graph: bool = False,
+    ) -> dict[str, torch.Tensor] | torch.Tensor:
+        """``torch.autograd.grad`` of ``out`` (a tensor, or a list paired with ``cotangent``'s list)
+        at ``wrt`` (a dict of leaves, or one tensor), zeros where ``out`` does not depend on one
+        (or does not require grad at all); the graph is kept for the next column."""
+        outs = out if isinstance(out, list) else [out]
+        cots = cotangent if isinstance(cotangent, list) else [cotangent] * len(outs)
+        live = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
+        leaves = list(wrt.values()) if isinstance(wrt, dict) else [wrt]
+        if live:
+            got = torch.autograd.grad(
+                [o for o, _ in live],
+                leaves,
+                None if cotangent is None else [c for _, c in live],
+                retain_graph=True,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
+        else:
+            got = [None] * len(leaves)
+        full = [torch.zeros_like(x) if t is None else t for x, t in zip(leaves, got)]
+        return dict(zip(wrt, full)) if isinstance(wrt, dict) else full[0]
+
+    def _plain_hvp(self, scalar: Callable[[dict[str, torch.Tensor]], torch.Tensor], U: dict[str, torch.Tensor]):
+        """``∇²(scalar) u`` for each of the m columns u of U by double backward: the gradient once
+        with its graph, then one backward of ``∇scalar · u`` per column."""
+        theta = self._leaves()
+        g = self._grads(scalar(theta), theta, create_graph=True)
+        keys = list(theta)
+        m = next(iter(U.values())).shape[0]
+        cols = [self._grads([g[k] for k in keys], theta, [U[k][j] for k in keys]) for j in range(m)]
+        return {k: torch.stack([c[k] for c in cols]) for k in keys}
+
     def _blocks(self, m: int) -> Iterator[slice]:
         """Data blocks for a product with m columns (default: ~256 MB of per-column activations)."""
         width = m * self._width * len(self._sizes) * 8
@@ -161,7 +215,7 @@ class LossCurvatureOperator(LinearOperator):
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
         if self._refused is not None:  # every later product too: the parts of one analysis share it
             raise self._refused
-        forward_mode = not self._reverse
+        forward_mode, plain = not self._reverse, self._plain
         with (
             exact_kernels(self.model),
             autograd_conventions(),
@@ -169,8 +223,15 @@ class LossCurvatureOperator(LinearOperator):
             blame(self.model, "the loss Hessian"),
             attributes_kept(self.model),  # activations a hook cached inside the transforms: put back
         ):
-            AV = self._columns(Vt)
-            if forward_mode and self._reverse:  # switched to reverse mode in this product
+            try:
+                AV = self._columns(Vt)
+            except RuntimeError as e:  # torch.func cannot run an op of the model: plain autograd for good
+                if self._plain or not _functorch_refused(e):
+                    raise
+                _log.info("torch.func cannot run the model (%s): Hessian products by plain autograd", e)
+                self._plain = True
+                AV = self._columns(Vt)
+            if (forward_mode and self._reverse) or (self._plain and not plain):  # switched mode in this product
                 try:
                     self._check_symmetric()
                 except UnsupportedModelError as e:
@@ -181,7 +242,7 @@ class LossCurvatureOperator(LinearOperator):
     def _columns(self, Vt: torch.Tensor) -> torch.Tensor:
         m = Vt.shape[1]
         U = {k: u.T.reshape((m,) + p.shape) for (k, p), u in zip(self._params.items(), Vt.split(self._sizes))}
-        AU = self._apply(U)
+        AU = self._apply_plain(U) if self._plain else self._apply(U)
         return torch.cat([AU[k].reshape(m, -1) for k in self._params], dim=1).T  # (P, m)
 
     def _check_symmetric(self) -> None:
@@ -194,15 +255,29 @@ class LossCurvatureOperator(LinearOperator):
         scale = float(V.norm(dim=0).max() * AV.norm(dim=0).max())
         tol = 1e-8 if self.dtype == torch.float64 else 1e-3
         if not abs(a - b) <= tol * scale:
+            why = (
+                "torch.func cannot transform an autograd.Function of this model (no setup_context), and plain "
+                "autograd's second derivatives of it are wrong (a backward marked once_differentiable, or made of "
+                "ops autograd does not see)"
+                if self._plain
+                else f"an op of this model has no forward-mode AD in PyTorch {torch.__version__}, and its reverse-mode "
+                "second derivatives are wrong"
+            )
             raise UnsupportedModelError(
-                f"an op of this model has no forward-mode AD in PyTorch {torch.__version__}, and its reverse-mode "
-                f"second derivatives are wrong: the {type(self).__name__}'s products are not symmetric "
+                f"{why}: the {type(self).__name__}'s products are not symmetric "
                 f"(|xᵀAy − yᵀAx| = {abs(a - b):.3g}, {abs(a - b) / max(scale, 1e-300):.2g} of ‖x‖‖Ay‖), so this "
                 "curvature is not measured"
             )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, loss={self.loss.value!r}, N={self.N}, dtype={self.dtype})"
+
+
+def _functorch_refused(e: RuntimeError) -> bool:
+    """Whether ``e`` is torch.func's refusal of an ``autograd.Function`` it cannot transform ("In order
+    to use an autograd.Function with functorch transforms … it must override the setup_context
+    staticmethod")."""
+    return "setup_context" in str(e) and "functorch" in str(e)
 
 
 def _no_forward_rule(e: NotImplementedError) -> bool:

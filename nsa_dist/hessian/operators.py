@@ -75,6 +75,16 @@ class HessianOperator(LossCurvatureOperator):
                 out[k] += HU[k]
         return out
 
+    def _apply_plain(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = next(iter(U.values())).shape[0]
+        out = self._zeros(m)
+        for b in self._blocks(m):
+            f, Yb = self._f(self.X[b]), self.Y[b]
+            HU = self._plain_hvp(lambda p: loss_sum(self.loss, f(p), Yb) / self.N, U)
+            for k in out:
+                out[k] += HU[k]
+        return out
+
 
 class GaussNewtonOperator(LossCurvatureOperator):
     """``I v = (1/N) Jᵀ HC (J v)`` — ``jvp`` for ``J v`` (b, K), the loss curvature, ``vjp`` back."""
@@ -90,6 +100,24 @@ class GaussNewtonOperator(LossCurvatureOperator):
             (IU,) = vmap(pull)(W)
             for k in out:
                 out[k] += IU[k]
+        return out
+
+    def _apply_plain(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """J u as the derivative of the linear map ``w ↦ Jᵀ w`` at w (double backward), then Jᵀ back."""
+        m = next(iter(U.values())).shape[0]
+        out = self._zeros(m)
+        keys = list(self._params)
+        for b in self._blocks(m):
+            theta = self._leaves()
+            F = self._f(self.X[b])(theta)  # (b, K), with its graph
+            w = torch.zeros_like(F, requires_grad=True)
+            JTw = self._grads(F, theta, w, create_graph=True)  # linear in w
+            JU = torch.stack([self._grads([JTw[k] for k in keys], w, [U[k][j] for k in keys]) for j in range(m)])
+            W = loss_curvature(self.loss, F.detach(), self.Y[b], JU) / self.N  # (m, b, K)
+            for j in range(m):
+                IU = self._grads(F, theta, W[j])
+                for k in out:
+                    out[k][j] += IU[k]
         return out
 
 
@@ -111,18 +139,32 @@ class ResidualOperator(LossCurvatureOperator):
         self.R = residual(self.loss, F, self.Y)  # (N, K)
         self._at = [p._version for p in self._params.values()]
 
-    def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # H and I read the model's parameters as they are at each product (views of them): S too — after
-        # an in-place update (an optimizer step) it mixed the new ∇²f with the old residuals, 0.99 off
-        # a new S and H ≠ I + S by 0.47 of H, silently (an audit)
+    def _current(self) -> None:
+        """H and I read the model's parameters as they are at each product (views of them): S too —
+        after an in-place update (an optimizer step) it mixed the new ∇²f with the old residuals, 0.99
+        off a new S and H ≠ I + S by 0.47 of H, silently (an audit)."""
         if [p._version for p in self._params.values()] != self._at:
             self._residuals()
+
+    def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._current()
         m = next(iter(U.values())).shape[0]
         out = self._zeros(m)
         for b in self._blocks(m):
             f, Rb = self._f(self.X[b]), self.R[b]
             g = grad(lambda p: (f(p) * Rb).sum() / self.N)
             SU = self._hvp(g, U)
+            for k in out:
+                out[k] += SU[k]
+        return out
+
+    def _apply_plain(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._current()
+        m = next(iter(U.values())).shape[0]
+        out = self._zeros(m)
+        for b in self._blocks(m):
+            f, Rb = self._f(self.X[b]), self.R[b]
+            SU = self._plain_hvp(lambda p: (f(p) * Rb).sum() / self.N, U)
             for k in out:
                 out[k] += SU[k]
         return out

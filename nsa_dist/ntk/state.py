@@ -532,10 +532,13 @@ def exact_kernels(model: nn.Module) -> Iterator[None]:
     ``nn.MultiheadAttention``'s; the CPU flash kernel has no forward-mode rule) and no fused
     Transformer fast path (``_transformer_encoder_layer_fwd`` has none either) — the same
     function, differentiable every way.  Thread-local, for the duration of the block
-    (:func:`nsa_dist.ntk._attention.composite_attention`); ``model`` is not inspected."""
+    (:func:`nsa_dist.ntk._attention.composite_attention`); ``model`` is not inspected.  So is
+    ``F.embedding_bag`` (``nn.EmbeddingBag``), which has no forward-mode rule and no second
+    derivative in PyTorch (:func:`nsa_dist.ntk._bag.composite_bags`)."""
     from nsa_dist.ntk._attention import composite_attention
+    from nsa_dist.ntk._bag import composite_bags
 
-    with composite_attention():
+    with composite_attention(), composite_bags():
         yield
 
 
