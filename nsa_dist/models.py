@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from nsa_dist.config import Activation, FactoryModelSpec, Init, ModelSpec
-from nsa_dist.errors import ModelFactoryError, ShapeError
+from nsa_dist.errors import ModelFactoryError, ShapeError, UnsupportedModelError
 
 __all__ = [
     "CNN",
@@ -492,9 +492,16 @@ def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Modul
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``output`` is of no selector type.
+        UnsupportedModelError: a TorchScript module (the module it was made from is measured).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):  # torch.func's stateless calls refuse it, deep inside
+        raise UnsupportedModelError(
+            f"model is a TorchScript module ({type(model).__name__}, from torch.jit.script / torch.jit.trace): "
+            "its parameters cannot be swapped for the per-parameter derivatives every measurement takes; "
+            "pass the Python module it was made from (it shares the parameters, so a loop may train either)"
+        )
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
     while dynamo is not None and isinstance(model, dynamo.OptimizedModule):
         model = model._orig_mod

@@ -54,7 +54,7 @@ from nsa_dist.data import Dataset
 from nsa_dist.errors import StoreError, UnsupportedModelError
 from nsa_dist.losses import parse_loss
 from nsa_dist.models import OutputSelector, user_named_modules
-from nsa_dist.ntk import preserved
+from nsa_dist.ntk import attributes_restored, preserved
 from nsa_dist.ntk.inputs import _AUTOCAST_DEVICES, autograd_on
 from nsa_dist.pipeline import RunSession
 from nsa_dist.pipeline.checkpoint import Checkpoint
@@ -206,7 +206,9 @@ class Tracker:
 
         # one writer of this run at a time: the lease, the run created or reopened as `nsa run` does
         update = self._with_update
-        self.tracked = TrackedRun.open(self.spec, store, self.data, self.model, pool, max_inflight, update)
+        self.tracked = TrackedRun.open(
+            self.spec, store, self.data, self.model, pool, max_inflight, update, self.snapshots.moved
+        )
         self.session, self.pool, self.schedule = self.tracked.session, self.tracked.pool, self.tracked.schedule
         self.plan, self.writer = self.session.plan, self.session.writer
         self.store: SpectrumStore = self.writer.store
@@ -271,7 +273,8 @@ class Tracker:
                 "are not recorded (θ there would be a later step's)",
             )
             return False
-        self.tracked.advance(step, seen=False)  # a loop may ask of a step ahead (due(t + 1) before record(t))
+        # a loop may ask of a step ahead (due(t + 1) before update t): the pending step waits for its update
+        self.tracked.advance(step, seen=False, wait=True)
         return self.tracked.due(step)
 
     def log(self, step: int, loss: float) -> None:
@@ -293,7 +296,7 @@ class Tracker:
             raise ValueError(f"this Tracker is closed; the loss of step {step} would not be written")
         if not self._still_measurable(step):
             return
-        self.tracked.advance(step)
+        self.tracked.advance(step, wait=True)  # a loss logged as step t + 1 before update t: not yet taken
         if not np.isfinite(float(loss)):  # said at the step it happens, not at the next record
             self.tracked.trace[step] = float(loss)
             raise self.tracked.diverged(step, f"loss is {float(loss)} at step {step}")
@@ -485,6 +488,14 @@ class Tracker:
                 f"train mode: {', '.join(repr(n) for n in random[:3])}), so f_t and its NTK are not defined — "
                 "call model.eval() around tr.record(t) (step t is analysed in the modes it has then)"
             )
+        if autograd_on(_forward_differs)(self.model, self.snapshots.X):
+            return (
+                f"recording stopped at step {step}: the model's forward is random at record({step}) — two forwards "
+                "of the same points differ: a dropout that is not an nn.Dropout module (F.dropout(…, "
+                "training=self.training), nn.MultiheadAttention(dropout=…), F.scaled_dot_product_attention("
+                "dropout_p=…)), another random op, or a forward that changes the model's state — so f_t and its "
+                "NTK are not defined; call model.eval() around tr.record(t)"
+            )
         return None
 
     def _stop(self, why: str) -> None:
@@ -672,6 +683,19 @@ def _buffers_of(ck: Checkpoint, model: nn.Module) -> dict[str, torch.Tensor]:
         for name, value in ck.model_state.buffers.items()
         if name in now and tuple(now[name].shape) == tuple(np.shape(value))
     }
+
+
+@torch.no_grad()
+def _forward_differs(model: nn.Module, X: Any) -> bool:
+    """Whether two forwards of the first points of X differ (beyond a kernel's rounding): a random
+    forward that no module names — its analysis failed at the next call ("the model's forward is
+    random"), the run failed with nothing stored and the user's loop was ended (an audit).  The
+    user's random streams, buffers, modes and cached attributes are as they were."""
+    x = X[:64] if isinstance(X, torch.Tensor) else X  # enough draws that two masks never agree by chance
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), attributes_restored(model), preserved(model):
+        a, b = (torch.as_tensor(model(x)).double() for _ in range(2))
+    return not torch.allclose(a, b, rtol=1e-5, atol=1e-7 * float(a.abs().max().clamp(min=1.0)), equal_nan=True)
 
 
 def _random_modules(model: nn.Module) -> list[str]:

@@ -570,3 +570,28 @@ def test_a_compiled_submodule_is_reported_once(caplog):
     assert len(said) == 1 and "submodule '0' of Sequential" in said[0] and "uncompiled submodules" in said[0], said
     outer = torch.compile(nn.Linear(2, 1))
     assert isinstance(measured_module(outer), nn.Linear) and measured_module(outer) is outer._orig_mod
+
+
+def test_a_torchscript_model_is_refused_in_one_line_naming_what_to_pass(tmp_path):
+    """``torch.jit.script`` / ``torch.jit.trace`` of a whole model failed deep inside torch.func ("The
+    stateless API can't be used with Jitted modules") in gram, the operators and the Tracker (an
+    audit); a scripted submodule inside a Python model is measured, exactly."""
+    from nsa_dist import Tracker
+    from nsa_dist.errors import UnsupportedModelError
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    X, Y = torch.randn(5, 3, dtype=F64), torch.randn(5, 2, dtype=F64)
+    for jitted in (torch.jit.script(net), torch.jit.trace(net, X)):
+        for call in (
+            lambda: gram(jitted, X),
+            lambda: ntk_operator(jitted, X),
+            lambda: hessian_operator(jitted, X, Y),
+            lambda: Tracker(str(tmp_path / "s.zarr"), "j", jitted, X, Y, steps=1, spectrum={"k": 2, "images": []}),
+        ):
+            with pytest.raises(UnsupportedModelError, match="TorchScript module .* pass the Python module"):
+                call()
+    inner = nn.Sequential(torch.jit.script(nn.Linear(3, 4).double()), nn.Tanh(), nn.Linear(4, 2).double())
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    plain.load_state_dict(inner.state_dict())
+    assert_close_rel(gram(inner, X), dense_ntk(plain, X), 1e-12, "a scripted submodule's NTK")

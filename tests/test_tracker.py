@@ -710,6 +710,8 @@ def test_analysis_error_surfaces_at_the_next_call(tmp_path):
     url = str(tmp_path / "t.zarr")
     tr = Tracker(url, "f", model, X, y, steps=10, record={"every": 5}, spectrum={"k": 4, "images": []})
     tr.record(0, lr=0.1)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)  # update 0
     assert tr.due(1) is False  # hands step 0 to the analysis
     cf.wait(list(tr.pool.inflight))  # ... which has failed by now
     with pytest.raises(AnalysisError) as info:

@@ -101,6 +101,11 @@ class StepSnapshots:
             model_state=mstate,
         )
 
+    @torch.no_grad()
+    def moved(self, ck: Checkpoint) -> bool:
+        """Whether the model's parameters are no longer θ_t of ``ck`` (bit for bit, as taken)."""
+        return not np.array_equal(theta_vector(self.model), ck.theta)
+
     def with_update(self, ck: Checkpoint, step: int, buffers: dict[str, torch.Tensor] | None = None) -> Checkpoint:
         """``ck`` with its update Δθ_t, Δf_t when the model is now at ``step`` = t + 1, else with NaN ones.
 

@@ -44,6 +44,8 @@ class TrackedRun:
         max_inflight: checkpoints out for analysis before :meth:`submit` waits.
         update: ``(ck, step)`` → checkpoint ``ck`` with its update, the model being at ``step`` now
             (:meth:`~nsa_dist.pipeline.snapshot.StepSnapshots.with_update`).
+        moved: ``ck`` → whether the model's parameters are no longer θ_t of ``ck``
+            (:meth:`~nsa_dist.pipeline.snapshot.StepSnapshots.moved`); default: always.
 
     Attributes:
         schedule, index: the recorded steps, and each one's recorded-step index.
@@ -62,8 +64,10 @@ class TrackedRun:
         pool: AnalysisPool,
         max_inflight: int,
         update: Callable[[Checkpoint, int], Checkpoint],
+        moved: Callable[[Checkpoint], bool] | None = None,
     ) -> None:
         self.session, self.pool, self.max_inflight, self.update = session, pool, max_inflight, update
+        self.moved = moved or (lambda ck: True)
         self.schedule = session.spec.record_steps()
         self.index = {t: i for i, t in enumerate(self.schedule)}  # step -> recorded-step index
         self.recorded: set[int] = set()  # steps taken by this Tracker
@@ -87,6 +91,7 @@ class TrackedRun:
         pool: Callable[[RunSession], AnalysisPool],
         max_inflight: int,
         update: Callable[[Checkpoint, int], Checkpoint],
+        moved: Callable[[Checkpoint], bool] | None = None,
     ) -> TrackedRun:
         """Open the run on the caller's data and network (its lease taken, the run created or
         reopened as ``nsa run`` does), start its analysis ``pool(session)``, status ``running``;
@@ -108,7 +113,7 @@ class TrackedRun:
             raise
         if not cls.finished_before(session):  # a finished run stays `done`: the Tracker leaves it (leave_finished)
             session.start()
-        return cls(session, workers, max_inflight, update)
+        return cls(session, workers, max_inflight, update, moved)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a recorded step neither in the store nor taken by this Tracker."""
@@ -155,14 +160,19 @@ class TrackedRun:
         if not self.closed and self.inflight:
             self.collect(block=False)
 
-    def advance(self, step: int, seen: bool = True) -> None:
+    def advance(self, step: int, seen: bool = True, wait: bool = False) -> None:
         """The loop is at ``step``: once past the pending checkpoint's step, submit it — with its
         update if the model is at its step + 1, else with NaN ones.  ``seen``: the loop has been at
-        ``step`` (``record`` / ``log``; ``due`` may be asked of a step ahead)."""
+        ``step`` (``record`` / ``log``; ``due`` may be asked of a step ahead).  ``wait``: at step + 1
+        with the parameters still θ_t, keep the checkpoint pending — the loop asks of step t + 1
+        (``due(t + 1)``, a loss logged as ``log(t + 1, …)``) before it makes update t: submitted
+        then, Δθ_t and Δf_t were stored as exactly 0 (0.13–0.16 in truth, an audit), with status done."""
         if seen:
             self.seen = max(self.seen, step)
         ck = self.pending
         if ck is None or step == ck.step:
+            return
+        if wait and step == ck.step + 1 and not self.moved(ck):
             return
         ck = self.update(ck, step)
         self.pending = None
@@ -276,7 +286,11 @@ class TrackedRun:
             return
         if self.pending is not None:
             T = self.session.spec.steps
-            self.advance(T if self.pending.step == T - 1 else -1)
+            last = self.pending.step == T - 1
+            # the loop ended before making update T − 1 (θ still θ_{T−1}): its update is not known (NaN,
+            # with the step's note), not a Δθ of 0
+            made = last and self.moved(self.pending)
+            self.advance(T if made else -1)
         try:
             self.drain()
             self.flush_trace()

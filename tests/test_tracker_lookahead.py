@@ -1,0 +1,70 @@
+"""A loop that asks the Tracker of step t + 1 before it makes update t — ``tr.due(t + 1)`` to plan the
+next record, a loss logged with 1-based step numbers ``tr.log(t + 1, loss)``, or an early stop right
+after ``record(T − 1)``.  The pending step was submitted with θ_{t+1} = θ_t: Δθ_t and Δf_t stored as
+exactly 0 (0.13–0.16 in truth), δ_t NaN under optimizer="gd" with a wrong reason, status done (an
+audit).  Each stored Δf_t is checked against the loop's own f(θ_{t+1}) − f(θ_t)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from nsa_dist import Client, Tracker
+
+T, LR = 5, 0.1
+
+
+def _setup() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    return (
+        model,
+        torch.randn(16, 3, generator=g, dtype=torch.float64),
+        torch.randn(16, 1, generator=g, dtype=torch.float64),
+    )
+
+
+@pytest.mark.parametrize("ahead", ["due", "log", "break"])
+def test_a_step_asked_of_before_its_update_gets_the_update_made(tmp_path, ahead: str) -> None:
+    model, X, y = _setup()
+    url = str(tmp_path / "s.zarr")
+    tr = Tracker(url, "r", model, X, y, steps=T, record={"every": 2}, spectrum={"k": 4, "images": []},
+                 optimizer="gd", device="cpu")  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    truth = {}
+    for t in range(T):
+        recorded = tr.due(t)
+        if recorded:
+            tr.record(t, lr=LR)
+            with torch.no_grad():
+                f_t = model(X).reshape(-1).clone()
+        if ahead == "due":
+            tr.due(t + 1)  # planning the next step before this one's update
+        loss = 0.5 * ((model(X) - y) ** 2).mean()
+        if ahead == "log":
+            tr.log(t + 1, float(loss))  # the loss logged with 1-based step numbers, before the update
+        if ahead == "break" and t == T - 1:
+            break  # early stop right after the last record, before its update
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if recorded:
+            with torch.no_grad():
+                truth[t] = (model(X).reshape(-1) - f_t).numpy()
+    tr.close()
+    run = Client(url).run("r")
+    assert run.status == "done"
+    steps, lr = [int(t) for t in run.steps], run.lr
+    for i, t in enumerate(steps):
+        df = run.outputs(t, "df").reshape(-1)
+        if t in truth:
+            err = np.abs(df - truth[t]).max() / np.abs(truth[t]).max()
+            assert err < 1e-6, f"step {t}: stored Δf is {np.abs(df).max():.3g} in size, {err:.3g} off the update made"
+            assert lr[i] == pytest.approx(LR), (t, lr[i])
+        else:  # the loop stopped before update T − 1: not known, said
+            assert ahead == "break" and t == T - 1 and np.isnan(df).all(), (t, df)
+            assert "df" in run.notes.get(t, []) and "first_order_error" in run.notes[t], run.notes
+    assert (T - 1 in steps) and (T - 1 not in truth) == (ahead == "break")
