@@ -526,3 +526,40 @@ def test_cross_gram_times_is_the_dense_kernel_rows(K: int) -> None:
     np.testing.assert_allclose(buf.numpy(), dense_ntk(model, Xt, X).numpy(), rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match=r"out must be a contiguous tensor of shape \(4, 11\)"):
         cross_gram_times(model, Xt, X, V, torch.float64, out=torch.empty(11, 4, dtype=torch.float64))
+
+
+class _Tokens(torch.nn.Module):
+    """Token ids through an Embedding or an EmbeddingBag (mean over the sequence), then a Linear."""
+
+    def __init__(self, bag: bool) -> None:
+        super().__init__()
+        self.bag = bag
+        self.e = torch.nn.EmbeddingBag(9, 4, mode="mean") if bag else torch.nn.Embedding(9, 4)
+        self.o = torch.nn.Linear(4 if bag else 20, 1)
+
+    def forward(self, t):
+        h = torch.tanh(self.e(t))
+        return self.o(h if self.bag else h.flatten(1))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("bag", [False, True])
+def test_gram_change_of_a_token_model_is_the_dense_difference(bag: bool) -> None:
+    """App. F on token inputs: the ids were cast to the products' float dtype ("Expected tensor for
+    argument #1 'indices' to have one of the following scalar types: Long, Int"), so a token model's
+    dG_t was NaN at every step; an EmbeddingBag had no forward mode for its first order either."""
+    torch.manual_seed(0)
+    model = _Tokens(bag).double()
+    T = torch.randint(0, 9, (10, 5), generator=torch.Generator().manual_seed(1))
+    theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    dtheta = 1e-4 * torch.randn_like(theta)
+    G0 = dense_ntk(model, T).numpy()
+    torch.nn.utils.vector_to_parameters(theta + dtheta, model.parameters())
+    G1 = dense_ntk(model, T).numpy()
+    torch.nn.utils.vector_to_parameters(theta, model.parameters())
+    V = np.linalg.eigh(G0)[1][:, ::-1][:, :3]
+    got = gram_change(model, T, theta.numpy(), dtheta.numpy(), V, torch.float64)
+    D = V.T @ (G1 - G0) @ V
+    np.testing.assert_allclose(got["gram_change"][0], np.diag(D), rtol=1e-8, atol=1e-12 * np.abs(D).max())
+    # to first order: the measured change less the second-order term
+    assert got["gram_change_fro"][2] < 1e-3 * got["gram_change_fro"][0], got["gram_change_fro"]

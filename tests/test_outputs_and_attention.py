@@ -584,10 +584,10 @@ def test_a_torchscript_model_is_refused_in_one_line_naming_what_to_pass(tmp_path
     X, Y = torch.randn(5, 3, dtype=F64), torch.randn(5, 2, dtype=F64)
     for jitted in (torch.jit.script(net), torch.jit.trace(net, X)):
         for call in (
-            lambda: gram(jitted, X),
-            lambda: ntk_operator(jitted, X),
-            lambda: hessian_operator(jitted, X, Y),
-            lambda: Tracker(str(tmp_path / "s.zarr"), "j", jitted, X, Y, steps=1, spectrum={"k": 2, "images": []}),
+            lambda j=jitted: gram(j, X),
+            lambda j=jitted: ntk_operator(j, X),
+            lambda j=jitted: hessian_operator(j, X, Y),
+            lambda j=jitted: Tracker(str(tmp_path / "s.zarr"), "j", j, X, Y, steps=1, spectrum={"k": 2, "images": []}),
         ):
             with pytest.raises(UnsupportedModelError, match="TorchScript module .* pass the Python module"):
                 call()

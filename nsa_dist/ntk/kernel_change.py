@@ -224,7 +224,7 @@ def gram_change(
     orig = next(model.parameters()).dtype
     model.to(dtype)
     try:
-        Xd = X.to(dtype)
+        Xd = X.to(dtype) if X.is_floating_point() else X  # token ids stay integers
         V = torch.as_tensor(np.ascontiguousarray(evecs, np.float64), device=dev).to(dtype)  # (N, Kg)
         p0, dp = unflat(theta), unflat(dtheta)
         p1 = {n: p0[n] + dp[n] for n in names}
