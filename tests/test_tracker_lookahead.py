@@ -68,3 +68,26 @@ def test_a_step_asked_of_before_its_update_gets_the_update_made(tmp_path, ahead:
             assert ahead == "break" and t == T - 1 and np.isnan(df).all(), (t, df)
             assert "df" in run.notes.get(t, []) and "first_order_error" in run.notes[t], run.notes
     assert (T - 1 in steps) and (T - 1 not in truth) == (ahead == "break")
+
+
+def test_a_float64_gd_check_takes_no_rate_a_scheduler_moved(tmp_path) -> None:
+    """optimizer="gd" checks each update against −δ_t ∇L(θ_t): to 1 %, a float32 loop's rounding.  A
+    float64 loop whose ExponentialLR(0.997) applied 0.0997, 0.0994, … while the loop told δ = 0.1 passed
+    it, δ_t stored as 0.1 and the closed-form prediction 0.3–0.9 % off the update made (an audit); a
+    float64 model is checked to 10⁻⁶."""
+    model, X, y = _setup()
+    url = str(tmp_path / "s.zarr")
+    tr = Tracker(url, "r", model, X, y, steps=T, record={"every": 1}, spectrum={"k": 4, "images": []},
+                 optimizer="gd", device="cpu")  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.997)
+    for t in range(T):
+        tr.record(t, lr=LR)  # the rate the loop believes in, not the one the scheduler applies
+        opt.zero_grad()
+        (0.5 * ((model(X) - y) ** 2).mean()).backward()
+        opt.step()
+        sched.step()
+    tr.close()
+    run = Client(url).run("r")
+    assert run.lr[0] == pytest.approx(LR) and np.isnan(run.lr[1:]).all(), run.lr
+    assert all("lr" in run.notes.get(t, []) for t in range(1, T)), run.notes
