@@ -151,3 +151,31 @@ def test_a_figures_notes_go_one_under_the_other():
     r = fig.canvas.get_renderer()
     note, label = fig._supxlabel.get_window_extent(r), ax.xaxis.label.get_window_extent(r)
     assert note.y1 <= label.y0 + 1, (note, label)  # under the x label, never over it
+
+
+@pytest.mark.parametrize(
+    "optimizer, says",
+    [({"name": "gd"}, r"-(\delta_t/N) G_t \bar m_t"), ({"name": "adam"}, r"J_t \Delta\theta_t")],
+    ids=["gd", "adam"],
+)
+def test_fig3d_says_which_differential_it_draws(tmp_path, optimizer: dict, says: str) -> None:
+    """Fig. 3d's title gave the paper's −(δ_t/N) G_t m̄_t for every run; an Adam run's d f̄_t is
+    J_t Δθ_t of the update made (84× off that formula, an audit of the papers' quantities)."""
+    url = str(tmp_path / "o.zarr")
+    spec = ExperimentSpec.model_validate(
+        {
+            "name": "o",
+            "data": {"n": 16},
+            "model": {"depth": 2, "width": 8},
+            "steps": 2,
+            "optimizer": optimizer,
+            "record": {"every": 1},
+            "spectrum": {"k": 4, "images": []},
+        }  # fmt: skip
+    )
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    fig = make_figure(Client(url).run("o"), "fig3d_energy_df")
+    titles = [t.get_text() for t in fig.texts] + [fig._suptitle.get_text() if fig._suptitle else ""]
+    titles += [ax.get_title() for ax in fig.axes]
+    assert any(says in t for t in titles), titles
+    assert not text_problems(fig), text_problems(fig)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from nsa_dist.config import LossName
 from nsa_dist.plots.axes import PlotOptions, colors, family_label, ks, new_figure, time_axis
 
 if TYPE_CHECKING:
-    import numpy as np
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
@@ -53,6 +54,19 @@ def _curves(
     return "k", [family_label("k", k) for k in rows], cols, drawn
 
 
+def _df_pred_what(run: Run) -> str:
+    """Fig. 3d's title: what the run's first-order differential is (``predicted_update``) — the paper's
+    −(δ_t/N) G_t m̄_t only for full-batch GD of one output; the title said so for every run, where an
+    Adam run's was J_t Δθ_t, 84× off that formula (an audit)."""
+    o = run.spec.optimizer
+    name = o.name.value if hasattr(o.name, "value") else str(o.name)
+    if name != "gd" or run.Ko != 1:
+        return r"relative energy of the first-order differential $d\bar f_t = J_t \Delta\theta_t$ of the update made"
+    formula = r"-(\delta_t/N) G_t \bar m_t" + (r" - \delta_t \mu J_t b_{t-1}" if o.momentum > 0 else "")
+    unknown = r" (a step with no one δ_t: $J_t \Delta\theta_t$)" if np.isnan(run.lr).any() else ""
+    return rf"relative energy of the differential $d\bar f_t = {formula}${unknown}"
+
+
 def energy_figure(run: Run, phi: str, opts: PlotOptions = PlotOptions()) -> Figure:
     """E_t(φ, k) along t: φ = y (Fig. 3a), f (3b), residual (3c), f_test (3e),
     df_pred (3d; the real df = f_{t+1} − f_t drawn dashed in the same colours)."""
@@ -62,6 +76,8 @@ def energy_figure(run: Run, phi: str, opts: PlotOptions = PlotOptions()) -> Figu
             r"relative energy of the centred log-density $\bar y - \mathrm{mean}(\bar y)$ (NCE) in the top k "
             r"eigenvectors of $G_t$"
         )
+    if phi == "df_pred":
+        what = _df_pred_what(run)
     fig, ax = new_figure(run, _LABEL[phi], what)
     ax = ax[0, 0]
     *family, drawn = _curves(ax, run, phi, chosen=opts.ks)

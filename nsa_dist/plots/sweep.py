@@ -290,19 +290,27 @@ def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1,
 
 def regimes_figure(sweep: Sweep, step: int = 0) -> Figure:
     """The consequences of Proposition 4 over ``model.width`` at ``step``: Tr(S²)/Tr(I²) (grows ~w
-    in the active regime, bounded in the NTK regime), ‖S‖_op (→ 0 in the NTK regime) and ‖S‖_F
-    (finite at initialisation); one line per ``model.regime`` when the sweep varies it."""
+    in the active regime, bounded in the NTK regime), ‖S‖_op (→ 0 in the NTK regime, not vanishing in
+    the active one) and ‖S‖_F (finite at initialisation); one line per ``model.regime`` when the sweep
+    varies it.  The norms are of the Hessian the paper compares: the stored loss Hessian in the NTK
+    regime, w times it in the active regime ("the scaling of the learning rate essentially multiplies
+    the whole Hessian by w": drawn as stored, an active ‖S‖_op that should not vanish fell like
+    w^(-1/2), an audit) — the ratio is the same either way."""
     if _WIDTH not in sweep.fields:
         raise ValueError(f"sweep {sweep.name!r} does not vary {_WIDTH} (its fields: {', '.join(sweep.fields)})")
     line = "model.regime" if "model.regime" in sweep.fields else None
     fig, axes = _figure(sweep, "", f"NTK vs active regime over width at t = {step}", ncols=3, paper="Hessian paper")
     panels = (
         ("hessian_S_ratio", "Tr(S²) / Tr(I²)"),
-        ("hessian_S_op", r"$\Vert S\Vert_{op}$"),
-        ("hessian_S_fro", r"$\Vert S\Vert_F$"),
+        ("hessian_S_op", r"$\Vert S\Vert_{op}$ (active: of $w\,H$)"),
+        ("hessian_S_fro", r"$\Vert S\Vert_F$ (active: of $w\,H$)"),
     )
     for ax, (name, label) in zip(axes, panels):
-        series = _by_width(sweep, name, None, step, line)
+        df = sweep.scalar(name, None, step)
+        if name != "hessian_S_ratio" and "model.regime" in sweep.runs.columns:  # active: lr × w, so w·H
+            active = sweep.runs.set_index("id")["model.regime"].reindex(df["id"]).eq("active").to_numpy()
+            df = df.assign(value=np.where(active, df["value"] * df[_WIDTH].astype(float), df["value"]))
+        series = [(lb, np.asarray(w, np.float64), m, sd) for lb, w, m, sd, _ in _series(sweep, df, _WIDTH, line)]
         for c, (lv, w, mean, std) in zip(colors(len(series)), series):
             ax.errorbar(
                 w,
