@@ -43,3 +43,14 @@ def test_active_norms_are_of_w_times_the_loss_hessian(tmp_path) -> None:
         )
     ratio = fig.axes[0]
     assert all(np.isfinite(c.lines[0].get_ydata()).all() for c in ratio.containers)
+    # the browser's sweep page draws the same numbers
+    from nsa_dist.serve.sweep_page import Regimes
+
+    panels = Regimes(sw).series((sw, 10, {}))
+    for series, name in zip(panels[1:3], ("hessian_S_op", "hessian_S_fro")):
+        stored = sw.scalar(name, None, 0).set_index(["model.regime", "model.width"])["value"]
+        got = {s.label.split(":")[0]: np.asarray(s.y) for s in series}
+        np.testing.assert_allclose(
+            got["regime=active"], [4 * stored["active", 4], 16 * stored["active", 16]], rtol=1e-12
+        )
+        np.testing.assert_allclose(got["regime=ntk"], [stored["ntk", 4], stored["ntk", 16]], rtol=1e-12)

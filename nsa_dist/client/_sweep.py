@@ -476,6 +476,19 @@ class Sweep:
             )
         return pd.DataFrame(rows, columns=["id", *self.fields, "seed", "value", "step", "status"])
 
+    def as_the_paper_scales(self, df: pandas.DataFrame) -> pandas.DataFrame:
+        """``df`` (:meth:`scalar` of a Hessian eigenvalue or norm, of the first power in H) with the
+        values of ``model.regime: active`` runs multiplied by their width w: the Hessian paper's
+        active regime scales the learning rate by w, which "essentially multiplies the whole Hessian
+        by w", and compares that (its ‖S‖_op does not vanish), while the store holds the loss
+        Hessian itself (docs/store.md)."""
+        if "model.regime" not in self.runs.columns or not len(df):
+            return df
+        regime = self.runs.set_index("id")["model.regime"].reindex(df["id"])
+        width = self.runs.set_index("id")["model.width"].reindex(df["id"]).astype(float).to_numpy()
+        active = regime.eq("active").to_numpy()
+        return df.assign(value=np.where(active, df["value"].to_numpy(np.float64) * width, df["value"]))
+
     def lacking(self, name: str, k: int | None = None) -> list[dict[str, Any]]:
         """The grid points (with a finished step) whose runs' spec does not record quantity ``name``
         (:func:`records`: no test points for "loss_test", no ``hessian:`` block for "hessian_…"), or

@@ -307,9 +307,8 @@ def regimes_figure(sweep: Sweep, step: int = 0) -> Figure:
     )
     for ax, (name, label) in zip(axes, panels):
         df = sweep.scalar(name, None, step)
-        if name != "hessian_S_ratio" and "model.regime" in sweep.runs.columns:  # active: lr × w, so w·H
-            active = sweep.runs.set_index("id")["model.regime"].reindex(df["id"]).eq("active").to_numpy()
-            df = df.assign(value=np.where(active, df["value"] * df[_WIDTH].astype(float), df["value"]))
+        if name != "hessian_S_ratio":  # the active regime's lr × w: the paper's Hessian is w·H
+            df = sweep.as_the_paper_scales(df)
         series = [(lb, np.asarray(w, np.float64), m, sd) for lb, w, m, sd, _ in _series(sweep, df, _WIDTH, line)]
         for c, (lv, w, mean, std) in zip(colors(len(series)), series):
             ax.errorbar(

@@ -213,7 +213,7 @@ class Regimes(Curves):
     figures = ("hessian_regimes",)
     plots = tuple(
         Plot("width w", "", title=t, x_log=True, y_log=True, width=400, height=320)
-        for t in ("Tr(S²) / Tr(I²)", "‖S‖_op", "‖S‖_F")
+        for t in ("Tr(S²) / Tr(I²)", "‖S‖_op (active: of w·H)", "‖S‖_F (active: of w·H)")
     )
 
     def series(self, args: Args) -> list[list[Series]]:
@@ -221,7 +221,8 @@ class Regimes(Curves):
         line = "model.regime" if "model.regime" in sweep.fields else None
         out = []
         for name in ("hessian_S_ratio", "hessian_S_op", "hessian_S_fro"):
-            series = _by(sweep.scalar(name, None, 0), _WIDTH, line, args)
+            df = sweep.scalar(name, None, 0)
+            series = _by(df if name == "hessian_S_ratio" else sweep.as_the_paper_scales(df), _WIDTH, line, args)
             out.append(
                 [Series(s.x, s.y, f"{s.label}: slope {fit_slope(s.x, s.y):+.2f}", s.color, err=s.err) for s in series]
             )
