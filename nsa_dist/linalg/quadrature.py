@@ -1138,7 +1138,12 @@ def _energy_curve(
             base_hi = top2_at(np.searchsorted(desc, -hi_t, side="right"))  # Σ over λ_i ≥ hi_t
             low = np.maximum(low, (base_lo + sum(r.radau(lo_t)[0] for r in rules)) / norm2 - turn)
             high = np.minimum(high, (base_hi + sum(r.radau(hi_t)[1] for r in rules)) / norm2 + turn)
-        val = top2[-1] + sum(r.tail_closed(v_t) for r in rules)
+        # E(φ, k) counts λ_k itself: λ_k's estimate is a node of the rules (of the same eigenvalue, in
+        # another run's rounding), so the estimate takes the nodes within a rounding band below it too —
+        # at the node itself, one ulp moved a whole node's weight in or out (0.07 between a run on 1
+        # and on 2 BLAS threads, an audit)
+        band = np.maximum(shift, 1e-6 * np.abs(v_t))
+        val = top2[-1] + sum(r.tail_closed(v_t - band) for r in rules)
         lo_, hi_ = np.maximum(low - slack, 0.0), np.minimum(high + slack, 1.0)
         # bounds that cross (numerical trouble in a rule) keep both ends rather than collapse onto one
         lower[tail], upper[tail] = np.minimum(lo_, hi_), np.maximum(lo_, hi_)
