@@ -120,7 +120,7 @@ def test_a_forward_that_depends_on_the_batch_size_takes_the_batch_route(make):
     assert _err(gram(model, X, kernel="full"), _reference(model, X, full=True)) < 1e-10
     later = torch.randn(20, 4, dtype=D) * 2  # a later batch of the run, the route probed once on the first
     assert _err(gram(model, later, method=resolve_route(model, X)), _reference(model, later)) < 1e-10
-    with pytest.raises(UnsupportedModelError, match="split the points"):
+    with pytest.raises(UnsupportedModelError, match="splits the points among its members"):
         block_features(model, X, [(0, 6), (6, 12)])
 
 

@@ -53,9 +53,10 @@ class Client:
 
     def _name_of(self, rid: str) -> str | None:
         try:
-            return self.store.run_attrs(rid).get("spec", {}).get("name")
+            spec = self.store.run_attrs(rid).get("spec")
         except StoreError:
             return None  # a damaged run: never matched by name
+        return spec.get("name") if isinstance(spec, dict) else None  # garbage there: damage, named when read
 
     def verify(self, mark: bool = False) -> list:
         """Every damaged chunk or metadata file of the store (:func:`nsa_dist.store.verify_store`);

@@ -70,7 +70,9 @@ def block_features(
         plan, m = route_of(model, x, method)
         if m is NTKMethod.BATCH:
             raise UnsupportedModelError(
-                "block features split the points, but " + next(iter(plan.routes.values()))[1] + "; use layout 'local'"
+                "a gang layout (block_rows, matrix_free) splits the points among its members, but "
+                + next(iter(plan.routes.values()))[1]
+                + "; use layout 'local'"
             )
         try:
             if m is NTKMethod.STRUCTURED:

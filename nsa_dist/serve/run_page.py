@@ -158,7 +158,8 @@ def open_run(store: SpectrumStore, rid: str) -> Run:
 def _spec_name(store: SpectrumStore, rid: str) -> str | None:
     """Run ``rid``'s spec name, or None for a run whose attributes cannot be read."""
     try:
-        return store.run_attrs(rid).get("spec", {}).get("name")
+        spec = store.run_attrs(rid).get("spec")
+        return spec.get("name") if isinstance(spec, dict) else None
     except Exception:  # noqa: BLE001 — a damaged run is never matched by name
         return None
 

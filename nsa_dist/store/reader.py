@@ -55,6 +55,13 @@ class RunReader:
                 f"run {self.id!r} in {self.store.url!r} has store schema {version}; this nsa-dist reads schema "
                 f"{SCHEMA_VERSION} (its arrays may mean other things): read it with the nsa-dist that wrote it"
             )
+        spec = self.attrs.get("spec")
+        if spec is not None and not isinstance(spec, dict):  # was an AttributeError deep in a reader (verify:
+            # for the whole store), a bare pydantic error in the client, naming neither run nor file (an audit)
+            raise StoreError(
+                f"run {self.id!r}: its metadata's spec ({self.path}/zarr.json, attribute 'spec') is not a spec "
+                f"but a {type(spec).__name__}: restore the file from a copy, or delete the run's folder and re-run it"
+            )
         self._arrays: dict[str, Any] = {}
         self._chunks: dict[str, set[str]] = {}
         self._wrong: dict[str, dict[str, str]] = {}
@@ -65,7 +72,10 @@ class RunReader:
         except TypeError:
             self.dims = None
         self.specs: dict[str, ArraySpec] = {a.name: a for a in run_arrays(self.dims)} if self.dims else {}
-        self.done = self._read_done() if self.has("done") else np.zeros(0, bool)
+        if self.has("done") or self.attrs.get("creating") or self.tolerant:
+            self.done = self._read_done() if self.has("done") else np.zeros(0, bool)  # still being created
+        else:  # a run whose `done` was deleted read as one with no finished step, silently (an audit)
+            raise StoreError(self._absent("done"))
         return self
 
     def _read_done(self) -> np.ndarray:

@@ -103,6 +103,8 @@ async def _quick(store: RunIndex, rid: str, steps_too: bool) -> RunSummary:
         spec=attrs.get("spec") or {},
         data_fingerprint=attrs.get("data_fingerprint"),
     )
+    if not isinstance(base["spec"], dict):  # :func:`_checked`'s reader names it (was listed as a run, blank)
+        raise StoreError(f"run {rid!r}: its spec attribute is not a spec")
     if attrs.get("creating"):
         return RunSummary(**base)  # no array need exist yet
     dims = RunDims.from_json(attrs["dims"])
@@ -111,6 +113,8 @@ async def _quick(store: RunIndex, rid: str, steps_too: bool) -> RunSummary:
     open_ = lambda name: AsyncArray.open(StorePath(store.keys.zarr, f"runs/{rid}/{name}"), zarr_format=3)  # noqa: E731
     steps = await (await open_("steps")).getitem(slice(None))
     if status == Status.DONE:  # a finished run has every step done (nsa verify --mark makes it pending first)
+        if await store.keys.get_async(f"runs/{rid}/done/zarr.json") is None:  # deleted: "done 16/16" was listed
+            raise StoreError(f"run {rid!r}: its array 'done' is missing")
         idx = np.arange(len(steps))
     else:  # one chunk per recorded step: read only for runs still in progress
         idx = np.flatnonzero(np.asarray(await (await open_("done")).getitem(slice(None)), bool))

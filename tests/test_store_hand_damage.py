@@ -1,0 +1,58 @@
+"""Store metadata damaged by hand (an audit): a run whose ``done`` array was deleted read as a finished
+run with no step — the client gave ``steps == []``, ``nsa show`` "recorded 0/16 steps", ``nsa export``
+"0 spectra", ``nsa plot`` "wait for a step", each with exit 0; garbage in a run's ``spec`` attribute."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import finished_run, small_run_spec
+
+from nsa_dist.cli import main
+from nsa_dist.client import Client
+from nsa_dist.errors import StoreError
+
+
+def test_a_deleted_done_array_is_damage_named_by_every_reader(tmp_path_factory, tmp_path, capsys) -> None:
+    url, rid = finished_run(tmp_path_factory, small_run_spec("gone"), "gone")
+    other, _ = finished_run(tmp_path_factory, small_run_spec("kept"), "gone", store="b.zarr")
+    shutil.rmtree(Path(url) / "runs" / rid / "done")
+    with pytest.raises(StoreError, match=r"array 'done' is missing"):
+        Client(url).run(rid)
+    for argv in (["show", rid], ["plot", rid, "--out", str(tmp_path / "f")]):
+        assert main([*argv, "--store", url]) != 0, argv
+        assert "array 'done' is missing" in capsys.readouterr().err, argv
+    assert main(["verify", url]) == 1
+    assert "done" in capsys.readouterr().out
+    assert Client(url).runs().set_index("id").loc[rid, "status"] == "damaged"  # `nsa ls` said done 4/4
+    assert len(Client(other).run("kept").steps) == 4  # a store without the damage reads as before
+
+
+def test_garbage_in_a_runs_spec_attribute_is_damage_of_that_run_only(tmp_path_factory, capsys) -> None:
+    """``spec: "garbage{"`` in one run's zarr.json: ``nsa verify`` stopped with an AttributeError for the
+    whole store (the other runs never checked), ``nsa show`` and the client raised AttributeError /
+    a bare pydantic error naming neither run nor file."""
+    import json
+
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment
+    from nsa_dist.store import SpectrumStore
+
+    url, rid = finished_run(tmp_path_factory, small_run_spec("bad"), "garbage")
+    good = run_experiment(ExperimentSpec(**small_run_spec("good")), SpectrumStore(url)).run_id
+    meta = Path(url) / "runs" / rid / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["spec"] = "garbage{"
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(StoreError, match=r"its metadata's spec .* is not a spec but a str"):
+        Client(url).run(rid)
+    assert main(["show", rid, "--store", url]) == 2
+    assert "is not a spec" in capsys.readouterr().err
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert rid in out and "1 damaged piece(s) in 1 of 2 run(s)" in out, out
+    assert len(Client(url).run(good).steps) == 4
+    listed = Client(url).runs().set_index("id")["status"]
+    assert listed[rid] == "damaged" and listed[good] == "done", listed
