@@ -56,3 +56,19 @@ def test_garbage_in_a_runs_spec_attribute_is_damage_of_that_run_only(tmp_path_fa
     assert len(Client(url).run(good).steps) == 4
     listed = Client(url).runs().set_index("id")["status"]
     assert listed[rid] == "damaged" and listed[good] == "done", listed
+
+
+def test_an_array_whose_metadata_shape_was_edited_is_named_by_verify(tmp_path_factory, capsys) -> None:
+    """eigenvalues/zarr.json's shape edited: every reader called it damage and sent the user to
+    ``nsa verify --mark``, which found no damage (exit 0) and marked nothing — a circle."""
+    import json
+
+    url, rid = finished_run(tmp_path_factory, small_run_spec("shape"), "shape")
+    meta = Path(url) / "runs" / rid / "eigenvalues" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    want = list(doc["shape"])
+    doc["shape"] = [1, *want[1:]]
+    meta.write_text(json.dumps(doc))
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert f"array 'eigenvalues''s metadata says shape {tuple([1, *want[1:]])}, the run's dims say {tuple(want)}" in out

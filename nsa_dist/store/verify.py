@@ -110,6 +110,19 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                 )
             )
             continue
+        if tuple(arr.shape) != tuple(a.shape):  # metadata edited or from another run: every read fails or lies
+            out.append(
+                Damage(
+                    run_id,
+                    name,
+                    None,
+                    None,
+                    f"{r.path}/{name}/zarr.json",
+                    f"run {run_id!r}: array {name!r}'s metadata says shape {tuple(arr.shape)}, the run's dims say "
+                    f"{tuple(a.shape)}",
+                )
+            )
+            continue
         wrong, used = r.wrong_kinds(name), set()
 
         def wrong_kind(key: str, i: int | None) -> bool:
