@@ -72,3 +72,16 @@ def test_an_array_whose_metadata_shape_was_edited_is_named_by_verify(tmp_path_fa
     assert main(["verify", url]) == 1
     out = capsys.readouterr().out
     assert f"array 'eigenvalues''s metadata says shape {tuple([1, *want[1:]])}, the run's dims say {tuple(want)}" in out
+
+
+def test_a_damaged_chunk_leaves_every_figure_that_does_not_read_it(tmp_path_factory, tmp_path, capsys) -> None:
+    """One truncated eigenvalues chunk stopped `nsa plot` at the first figure reading it: 2 of ~20
+    figures written, the undamaged rest (which `nsa serve` still draws) never."""
+    url, rid = finished_run(tmp_path_factory, small_run_spec("chunk"), "chunk")
+    chunk = Path(url) / "runs" / rid / "eigenvalues" / "c" / "1" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:3])
+    assert main(["plot", rid, "--out", str(tmp_path / "f"), "--store", url]) == 2
+    err = capsys.readouterr().err
+    assert "not drawn (" in err and "fig2a_eigenvalues" in err and "eigenvalues/c/1/0" in err, err
+    drawn = {p.name for p in (tmp_path / "f").iterdir()}
+    assert {"loss.png", "fig7d_preservation.png"} <= drawn and "fig2a_eigenvalues.png" not in drawn, drawn
