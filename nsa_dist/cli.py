@@ -934,6 +934,7 @@ def _widest(row: Any) -> str:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
+    from nsa_dist.errors import NSAError, OutsideError
     from nsa_dist.plots import PlotOptions, plot_run
 
     if (args.run is None) == (args.sweep is None):
@@ -959,7 +960,16 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         pair=tuple(args.pair) if args.pair else None,
         ks=tuple(args.k) if args.k else None,
     )
-    paths = plot_run(Client(args.store).run(args.run), args.out, figures=args.figures, opts=opts)
+    run = Client(args.store).run(args.run)
+    try:
+        paths = plot_run(run, args.out, figures=args.figures, opts=opts)
+    except OSError as exc:  # the folder, read-only or full: one line naming it, as `nsa export` says it
+        if isinstance(exc, NSAError) or not str(exc.filename or "").startswith(str(args.out)):
+            raise
+        from nsa_dist._faults import outside_cause
+
+        cause = outside_cause(exc, str(args.out)) or f"{type(exc).__name__}: {exc.strerror or exc}"
+        raise OutsideError(f"cannot write the figures folder {args.out}: {cause}") from exc
     for p in paths:
         print(p)
     return 0

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nsa_dist.errors import OutsideError, StoreError
 from nsa_dist.plots import (
     brackets,
     dynamics,
@@ -153,8 +152,7 @@ def plot_run(
         ValueError: an unknown figure name (the message lists the allowed ones), a run with no
             finished recorded step, or a chosen step or k the run did not record (named).
         StoreError: a damaged array (the figures that do not read it are written first; the error
-            says how many and names the damaged file).
-        OutsideError: the folder cannot be written (read-only, full).
+            says how many and names the damaged file) — the first error of a figure, whatever it is.
     """
     names = _check_names(figures)
     _require_steps(run)
@@ -162,31 +160,27 @@ def plot_run(
     opts.check_steps(run)
     opts.check_ks(run)
     out = Path(out_dir)
-    written, skipped, damaged = [], [], {}
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            try:
-                fig = make_figure(run, name, opts)
-            except StoreError as exc:  # a damaged chunk: the figures that do not read it are still drawn
-                damaged[name] = str(exc)
-                continue
-            if fig is None:
-                skipped.append(name)
-                continue
-            path = out / f"{name}.png"
-            fig.savefig(path, dpi=DPI)
-            written.append(path)
-    except OSError as exc:  # a read-only or full disk: one line naming the folder, as `nsa export` says it
-        from nsa_dist._faults import outside_cause
-
-        cause = outside_cause(exc, str(out)) or f"{type(exc).__name__}: {exc.strerror or exc}"
-        raise OutsideError(f"cannot write the figures folder {out}: {cause}") from exc
-    if damaged:  # a damaged chunk stopped the whole plot after the first figures (an audit)
-        raise StoreError(
-            f"{len(written)} figure(s) written to {out}; {len(damaged)} not drawn ({', '.join(damaged)}) because "
-            f"run {run.id!r} is damaged: {next(iter(damaged.values()))}"
+    out.mkdir(parents=True, exist_ok=True)
+    written, skipped, failed = [], [], {}
+    for name in names:
+        try:
+            fig = make_figure(run, name, opts)
+        except Exception as exc:  # noqa: BLE001 - a damaged chunk: the figures that do not read it are still drawn
+            failed[name] = exc
+            continue
+        if fig is None:
+            skipped.append(name)
+            continue
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=DPI)
+        written.append(path)
+    if failed:  # one damaged chunk stopped the whole plot after the first figures (an audit): the first
+        # error, its type kept, saying what was drawn and what was not
+        first = next(iter(failed.values()))
+        first.args = (
+            f"{len(written)} figure(s) written to {out}; {len(failed)} not drawn ({', '.join(failed)}): {first}",
         )
+        raise first
     if figures is not None and skipped:  # asked for by name: never a silent nothing
         what = f"run {run.id!r} has no data for {', '.join(skipped)} (its spec did not measure what they draw)"
         if not written:
