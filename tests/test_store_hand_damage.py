@@ -85,3 +85,18 @@ def test_a_damaged_chunk_leaves_every_figure_that_does_not_read_it(tmp_path_fact
     assert "not drawn (" in err and "fig2a_eigenvalues" in err and "eigenvalues/c/1/0" in err, err
     drawn = {p.name for p in (tmp_path / "f").iterdir()}
     assert {"loss.png", "fig7d_preservation.png"} <= drawn and "fig2a_eigenvalues.png" not in drawn, drawn
+
+
+def test_a_damaged_store_root_says_how_to_write_it_anew_and_that_works(tmp_path_factory, capsys) -> None:
+    """The store's own zarr.json garbled: every command said it was unreadable and nothing more, every
+    intact run out of reach.  The error now gives the file's content; written back, the runs read."""
+    import re
+
+    url, rid = finished_run(tmp_path_factory, small_run_spec("root"), "root")
+    (Path(url) / "zarr.json").write_text("garbage")
+    assert main(["ls", "--store", url]) == 2
+    err = capsys.readouterr().err
+    assert "the store's own metadata" in err, err
+    (Path(url) / "zarr.json").write_text(re.search(r"write it anew as (\{.*\})", err).group(1))
+    assert main(["ls", "--store", url]) == 0
+    assert rid in capsys.readouterr().out and len(Client(url).run(rid).steps) == 4

@@ -22,6 +22,7 @@ from zarr.core.sync import sync
 
 from nsa_dist._fsspec import EXTRAS, require_extra, storage_options
 from nsa_dist.errors import StoreError
+from nsa_dist.store.schema import SCHEMA_VERSION
 
 __all__ = ["Keys", "METADATA_ERRORS", "is_local", "open_zarr_group"]
 
@@ -144,7 +145,14 @@ class Keys:
             raise StoreError(_no_store(self.url)) from exc
         except METADATA_ERRORS as exc:
             where = f"{self.url.rstrip('/')}/{path + '/' if path else ''}zarr.json"
-            raise StoreError(f"{where} is unreadable ({type(exc).__name__}: {exc})") from exc
+            fix = (
+                ""
+                if path
+                else "; it is the store's own metadata, not a run's (the runs are under runs/): restore it from a "
+                'copy, or write it anew as {"zarr_format": 3, "node_type": "group", "attributes": '
+                f'{{"nsa_dist_schema": {SCHEMA_VERSION}}}}}'
+            )
+            raise StoreError(f"{where} is unreadable ({type(exc).__name__}: {exc}){fix}") from exc
 
     def _check_bucket(self) -> None:
         """For a remote store that was not found: list its bucket, so that a missing bucket or an
