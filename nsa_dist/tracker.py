@@ -296,7 +296,9 @@ class Tracker:
             raise ValueError(f"this Tracker is closed; the loss of step {step} would not be written")
         if not self._still_measurable(step):
             return
-        self.tracked.advance(step, wait=True)  # a loss logged as step t + 1 before update t: not yet taken
+        # a loss logged as step t + 1 before update t: not yet taken; log(t + 1) may also come after
+        # update t + 1 (the README loop logs after opt.step())
+        self.tracked.advance(step, wait=True, after=True)
         if not np.isfinite(float(loss)):  # said at the step it happens, not at the next record
             self.tracked.trace[step] = float(loss)
             raise self.tracked.diverged(step, f"loss is {float(loss)} at step {step}")

@@ -168,3 +168,14 @@ def test_an_old_style_function_that_cannot_be_differentiated_twice_is_refused() 
     with pytest.raises(Exception) as e:
         op.matvec(torch.ones(op.shape[0], dtype=DT))
     assert "once_differentiable" in str(e.value) or "twice" in str(e.value), str(e.value)
+
+
+def test_the_last_bag_runs_to_the_inputs_end_as_pytorchs() -> None:
+    """include_last_offset with offsets[-1] short of the input: PyTorch's kernel runs the last bag to
+    the end ([9, 19] below); the composite stopped at the last offset ([9, 6]), a review's finding."""
+    W = torch.arange(10, dtype=DT).reshape(10, 1)
+    ids, offsets = torch.tensor([2, 3, 4, 6, 7, 6]), torch.tensor([0, 3, 5])
+    for mode in ("sum", "mean", "max"):
+        want = F.embedding_bag(ids, W, offsets, mode=mode, include_last_offset=True)
+        got = embedding_bag(ids, W, offsets, mode=mode, include_last_offset=True)
+        assert torch.equal(got, want), (mode, got.ravel().tolist(), want.ravel().tolist())

@@ -91,3 +91,43 @@ def test_a_float64_gd_check_takes_no_rate_a_scheduler_moved(tmp_path) -> None:
     run = Client(url).run("r")
     assert run.lr[0] == pytest.approx(LR) and np.isnan(run.lr[1:]).all(), run.lr
     assert all("lr" in run.notes.get(t, []) for t in range(1, T)), run.notes
+
+
+@pytest.mark.parametrize("loop", ["warmup", "micro_batches"])
+def test_an_update_that_moves_nothing_is_never_taken_from_a_later_step(tmp_path, loop: str) -> None:
+    """A review's repros of the wait above: an update that leaves θ as it was — a warmup's learning
+    rate 0 at step 0 (Hugging Face's schedules start there), micro-batches counted as steps — kept
+    the step pending, and ``log(t + 1)`` after update t + 1 took θ_{t+2} − θ_t (0.05–0.10, status done,
+    no note).  The warmup's optimizer step writes the parameters (Δθ = 0 taken, as made); the
+    micro-batch loop's update is not known: NaN with the note, never the later difference."""
+    model, X, y = _setup()
+    url = str(tmp_path / "s.zarr")
+    tr = Tracker(url, "r", model, X, y, steps=8, record={"every": 4}, spectrum={"k": 4, "images": []}, device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))  # lr 0 at step 0
+    truth = {}
+    for t in range(8):
+        recorded = tr.due(t)
+        if recorded:
+            tr.record(t, lr=opt)
+            with torch.no_grad():
+                f_t = model(X).reshape(-1).clone()
+        half = slice((t % 2) * 8, (t % 2 + 1) * 8) if loop == "micro_batches" else slice(None)
+        loss = 0.5 * ((model(X[half]) - y[half]) ** 2).mean()
+        loss.backward()
+        if loop == "warmup" or t % 2 == 1:
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        tr.log(t, float(loss))  # after the update, as the README's loop
+        if recorded:
+            with torch.no_grad():
+                truth[t] = (model(X).reshape(-1) - f_t).numpy()
+    tr.close()
+    run = Client(url).run("r")
+    for t in (0, 4):
+        df = run.outputs(t, "df").reshape(-1)
+        if loop == "warmup" or not np.isnan(df).all():
+            np.testing.assert_allclose(df, truth[t], atol=1e-12, err_msg=f"step {t}")
+        else:
+            assert "df" in run.notes.get(t, []), run.notes

@@ -72,7 +72,10 @@ def embedding_bag(
         count = keep.sum(dim=1)
     else:  # (n,) with offsets: bag b is input[offsets[b]:offsets[b + 1]], the last to the end
         starts = offsets[:-1] if include_last_offset else offsets
-        ends = offsets[1:] if include_last_offset else torch.cat([offsets[1:], offsets.new_tensor([input.shape[0]])])
+        # the last bag runs to the input's end, as PyTorch's kernel runs it even with include_last_offset
+        # (an offsets[-1] short of it: a review found [9, 6] against PyTorch's [9, 19])
+        inner = offsets[1:-1] if include_last_offset else offsets[1:]
+        ends = torch.cat([inner, offsets.new_tensor([input.shape[0]])])
         B = starts.shape[0]
         bag = torch.repeat_interleave(torch.arange(B, device=input.device), ends - starts)
         lo, hi = (int(starts[0]), int(ends[-1])) if B else (0, 0)

@@ -61,6 +61,7 @@ class StepSnapshots:
         self.X_test = model_inputs(data.X_test, model)  # (M, …) like X
         self.n_params = sum(q.numel() for q in model.parameters())
         self._coupling_said = False
+        self._versions: dict[int, list[int]] = {}  # the parameters' versions at the last step taken
 
     @torch.no_grad()
     def take(self, step: int, index: int, lr: float) -> Checkpoint:
@@ -81,6 +82,7 @@ class StepSnapshots:
             else 0.5 * ((f - self.y) ** 2).reshape(f.shape[0], -1).sum(1).mean()
         )
         theta = theta_vector(self.model)  # (P,)
+        self._versions = {index: [p._version for p in self.model.parameters()]}  # for :meth:`moved`
         fn = _outputs(f)
         state = TrainerState(
             step, theta, np.zeros((0, self.n_params), np.float32), np.zeros(TRACKED_RNG_BYTES, np.uint8)
@@ -103,7 +105,12 @@ class StepSnapshots:
 
     @torch.no_grad()
     def moved(self, ck: Checkpoint) -> bool:
-        """Whether the model's parameters are no longer θ_t of ``ck`` (bit for bit, as taken)."""
+        """Whether the model has moved since ``ck`` was taken: a parameter written in place since
+        (an optimizer step, even one of learning rate 0 — a warmup's first), or θ no longer θ_t bit
+        for bit (parameters replaced)."""
+        versions = self._versions.get(ck.index)
+        if versions is not None and versions != [p._version for p in self.model.parameters()]:
+            return True
         return not np.array_equal(theta_vector(self.model), ck.theta)
 
     def with_update(self, ck: Checkpoint, step: int, buffers: dict[str, torch.Tensor] | None = None) -> Checkpoint:

@@ -73,6 +73,7 @@ class TrackedRun:
         self.recorded: set[int] = set()  # steps taken by this Tracker
         self.seen = -1  # the latest step the loop has been at (advance): a recorded step comes no earlier
         self.pending: Checkpoint | None = None
+        self.waited: int | None = None  # the pending step asked of at its step + 1 before the model moved
         self.trace: dict[int, float] = {}
         self.failure: AnalysisError | None = None
         self.closed = False
@@ -160,20 +161,31 @@ class TrackedRun:
         if not self.closed and self.inflight:
             self.collect(block=False)
 
-    def advance(self, step: int, seen: bool = True, wait: bool = False) -> None:
+    def advance(self, step: int, seen: bool = True, wait: bool = False, after: bool = False) -> None:
         """The loop is at ``step``: once past the pending checkpoint's step, submit it — with its
         update if the model is at its step + 1, else with NaN ones.  ``seen``: the loop has been at
-        ``step`` (``record`` / ``log``; ``due`` may be asked of a step ahead).  ``wait``: at step + 1
-        with the parameters still θ_t, keep the checkpoint pending — the loop asks of step t + 1
-        (``due(t + 1)``, a loss logged as ``log(t + 1, …)``) before it makes update t: submitted
-        then, Δθ_t and Δf_t were stored as exactly 0 (0.13–0.16 in truth, an audit), with status done."""
+        ``step`` (``record`` / ``log``; ``due`` may be asked of a step ahead).
+
+        ``wait``: at step + 1 with the model not moved since θ_t (no parameter written in place, none
+        changed), keep the checkpoint pending — the loop asks of step t + 1 (``due(t + 1)``, a loss
+        logged as ``log(t + 1, …)``) before it makes update t: submitted then, Δθ_t and Δf_t were
+        stored as exactly 0 (0.13–0.16 in truth, an audit), with status done.  The wait is settled by
+        the next call at step t + 1 that finds the model moved — unless that call may come after the
+        loop's update t + 1 as well (``after``: ``log(t + 1, …)`` after ``opt.step()``), where θ may
+        already be θ_{t+2}: update t is then stored NaN with a note, never that difference (a skipped
+        step — GradScaler's, or micro-batches counted as steps — made the wait, and log(t + 1) after
+        update t + 1 took θ_{t+2} − θ_t, a review's finding)."""
         if seen:
             self.seen = max(self.seen, step)
         ck = self.pending
         if ck is None or step == ck.step:
             return
-        if wait and step == ck.step + 1 and not self.moved(ck):
-            return
+        if step == ck.step + 1 and not self.moved(ck):
+            if wait:
+                self.waited = ck.index
+                return
+        elif step == ck.step + 1 and self.waited == ck.index and after:
+            step = -1  # θ may be past update t + 1 already: update t is not known
         ck = self.update(ck, step)
         self.pending = None
         self.submit(ck)
