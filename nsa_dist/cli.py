@@ -1212,7 +1212,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _verify_advice(store: SpectrumStore, damage: list[Damage]) -> list[str]:
     """What to do about the damage: `nsa verify STORE --mark` for chunks; damaged metadata (a
     zarr.json), which --mark refuses, restored from a copy or its run deleted and re-run."""
-    metadata = [d for d in damage if d.key is None and d.index is None and not d.link]
+    metadata = [d for d in damage if d.metadata]
     runs, out = sorted({store.run_path(d.run_id) for d in metadata}), []
     if runs:
         out.append(

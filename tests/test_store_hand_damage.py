@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import finished_run, small_run_spec
 
@@ -100,3 +101,73 @@ def test_a_damaged_store_root_says_how_to_write_it_anew_and_that_works(tmp_path_
     (Path(url) / "zarr.json").write_text(re.search(r"write it anew as (\{.*\})", err).group(1))
     assert main(["ls", "--store", url]) == 0
     assert rid in capsys.readouterr().out and len(Client(url).run(rid).steps) == 4
+
+
+def _arrays(url: str, rid: str) -> dict:
+    import zarr
+
+    g = zarr.open_group(url, mode="r")[f"runs/{rid}"]
+    return {name: np.asarray(a[...]) for name, a in g.arrays()}
+
+
+def test_a_status_attribute_that_is_no_status_is_damage_and_mark_sets_it_pending(tmp_path_factory, capsys) -> None:
+    """``status: 12345`` in a run's zarr.json was listed as it was (``12345`` in `nsa ls`), `nsa
+    verify` found no damage (an audit): now damaged, named, and ``--mark`` makes the run resumable."""
+    import json
+
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment
+    from nsa_dist.store import SpectrumStore
+
+    spec = small_run_spec("odd")
+    url, rid = finished_run(tmp_path_factory, spec, "odd")
+    before = _arrays(url, rid)
+    meta = Path(url) / "runs" / rid / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["status"] = 12345
+    meta.write_text(json.dumps(doc))
+    row = Client(url).runs().set_index("id").loc[rid]
+    assert row["status"] == "damaged" and "12345" in row["reason"], row
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "its status attribute holds 12345" in out and "--mark" in out, out
+    assert main(["verify", url, "--mark"]) == 0
+    capsys.readouterr()
+    assert Client(url).runs().set_index("id").loc[rid, "status"] == "pending"
+    again = run_experiment(ExperimentSpec(**spec), SpectrumStore(url))
+    assert again.status == "done" and again.steps_computed == 0, again
+    after = _arrays(url, rid)
+    assert set(after) == set(before)
+    for name, a in before.items():
+        np.testing.assert_array_equal(after[name], a, err_msg=name)
+
+
+@pytest.mark.parametrize("gone", ["done", "eigenvalues", "loss_trace", "steps"])
+def test_an_array_folder_deleted_by_hand_is_made_anew_by_mark_and_recomputed_bitwise(
+    tmp_path_factory, gone, capsys
+) -> None:
+    """A run's array folder deleted: ``nsa verify --mark`` refused it as "damaged metadata (restore it,
+    or delete the run and re-run)" — the run's other arrays lost with it (an audit).  Now --mark makes
+    it anew and the re-run recomputes what it held, to the same bytes."""
+    from nsa_dist.config import ExperimentSpec
+    from nsa_dist.pipeline import run_experiment
+    from nsa_dist.store import SpectrumStore
+
+    spec = small_run_spec(f"gone-{gone.replace('_', '-')}")
+    url, rid = finished_run(tmp_path_factory, spec, "gone")
+    before = _arrays(url, rid)
+    shutil.rmtree(Path(url) / "runs" / rid / gone)
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert f"array {gone!r} is missing (its folder is gone); --mark makes it anew" in out, out
+    assert "cannot be repaired" not in out, out
+    assert main(["verify", url, "--mark"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    again = run_experiment(ExperimentSpec(**spec), SpectrumStore(url))
+    assert again.status == "done", again
+    assert again.steps_computed == (0 if gone == "steps" else 4), again
+    assert main(["verify", url]) == 0, capsys.readouterr().out
+    after = _arrays(url, rid)
+    assert set(after) == set(before)
+    for name, a in before.items():
+        np.testing.assert_array_equal(after[name], a, err_msg=name)

@@ -45,7 +45,7 @@ from typing import Any
 from nsa_dist.errors import StoreError
 from nsa_dist.store.keys import Keys
 from nsa_dist.store.locks import file_lock
-from nsa_dist.store.status import Status
+from nsa_dist.store.status import STORED_STATUSES, Status
 
 __all__ = [
     "Lease",
@@ -272,6 +272,8 @@ def effective_status(
     """(status, reason) as it is: ``running`` only while its writer's lease is fresh, else
     ``interrupted`` with the last sign of life; a run still marked ``creating`` whose writer holds
     no fresh lease is ``interrupted`` too (its creation was: it read ``pending``, no reason)."""
+    if status is not None and status not in STORED_STATUSES:  # shown as it was: '12345' in `nsa ls` (an audit)
+        return Status.DAMAGED, f"its status attribute holds {status!r}, no status: run `nsa verify` on the store"
     if creating and not (lease is not None and lease.fresh(now)):
         return Status.INTERRUPTED, f"its creation was interrupted; {INTERRUPTED_HINT}"
     if status != Status.RUNNING or (lease is not None and lease.fresh(now)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Status"]
+__all__ = ["STORED_STATUSES", "Status"]
 
 
 class Status(StrEnum):
@@ -22,3 +22,6 @@ class Status(StrEnum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"
     DAMAGED = "damaged"
+
+
+STORED_STATUSES = tuple(s.value for s in Status if s is not Status.DAMAGED)  # what a writer ever stores

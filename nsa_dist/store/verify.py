@@ -28,6 +28,7 @@ from nsa_dist.errors import StoreError
 from nsa_dist.store.fencing import RunFence
 from nsa_dist.store.reader import RunReader, chunk_grid, chunk_problem, chunk_selection, covering
 from nsa_dist.store.runs import RunIndex
+from nsa_dist.store.status import STORED_STATUSES
 from nsa_dist.store.zarr_store import SpectrumStore
 
 __all__ = ["Damage", "mark_damaged", "verify_run", "verify_store"]
@@ -51,6 +52,13 @@ class Damage:
     link: bool = False  # ``path`` is a run's or an array's folder that is a symbolic link: replaced by a copy
     post_run: bool = False  # in an array written after the last step (preservation …): --mark removes the
     # array (``key``: its folder) and the re-run writes it anew; no step is recomputed
+    remade: bool = False  # an array whose folder is gone (--mark makes it anew, empty: its steps recomputed)
+    # or a ``status`` attribute that is no status (--mark sets it ``pending``)
+
+    @property
+    def metadata(self) -> bool:
+        """A damaged zarr.json, which --mark cannot repair (restore it from a copy, or delete the run)."""
+        return self.key is None and self.index is None and not self.link and not self.remade
 
     def __str__(self) -> str:
         at = f" step {self.step} (index {self.index})" if self.index is not None else ""
@@ -72,6 +80,20 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                 folder or f"{store.run_path(run_id)}/zarr.json",
                 str(exc),
                 link=folder is not None,
+            )
+        ]
+    status = r.attrs.get("status")
+    if status is not None and status not in STORED_STATUSES:  # listed as it was ('12345' in `nsa ls`)
+        return [
+            Damage(
+                run_id,
+                "",
+                None,
+                None,
+                f"{r.path}/zarr.json",
+                f"its status attribute holds {status!r}, no status ({', '.join(STORED_STATUSES)}); --mark sets it "
+                "'pending' and a re-run resumes the run from its finished steps",
+                remade=True,
             )
         ]
     if r.attrs.get("creating"):  # no step can be recorded yet: nothing to check, nothing damaged
@@ -97,6 +119,8 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
         except StoreError as exc:
             folder = _linked(store, run_id, name)
             older = folder is None and "recorded by an earlier nsa-dist" in str(exc)  # not damage: a re-run adds it
+            gone = folder is None and not older and not store.keys.list_dir(f"runs/{run_id}/{name}")
+            again = "every recorded step" if a.per_step or name == "loss_trace" else "the array"
             out.append(
                 Damage(
                     run_id,
@@ -104,9 +128,13 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                     None,
                     None,
                     folder or f"{r.path}/{name}/zarr.json",
-                    str(exc),
+                    f"run {run_id!r}: array {name!r} is missing (its folder is gone); --mark makes it anew, empty, "
+                    f"and a re-run recomputes {again}"
+                    if gone
+                    else str(exc),
                     link=folder is not None,
                     unfinished=older,
+                    remade=gone,
                 )
             )
             continue
@@ -334,7 +362,7 @@ def mark_damaged(
         LeaseHeld: a live writer holds one of the runs.
     """
     damage = [d for d in damage if not d.unfinished]
-    meta = [d for d in damage if d.key is None and d.index is None and not d.link]
+    meta = [d for d in damage if d.metadata]
     if meta:
         raise StoreError(
             "cannot repair damaged metadata (restore it, or delete the run and re-run): "
@@ -360,7 +388,7 @@ def mark_damaged(
                     store.reopen(rid, token=lease.token).finish_creation()
                     scratch = True
                 ds = [d for d in verify_run(store, rid) if not d.unfinished]
-                meta = [d for d in ds if d.key is None and d.index is None and not d.link]
+                meta = [d for d in ds if d.metadata]
                 if meta:
                     raise StoreError(
                         f"run {rid!r}: the copy that replaced its linked folder has damaged metadata "
@@ -369,13 +397,22 @@ def mark_damaged(
             if not store.has_run(rid):
                 marked[rid] = None
                 continue
+            if any(d.remade and d.array for d in ds):  # an array's folder gone: made anew, empty
+                store.reopen(rid, token=lease.token).finish_creation()
             r = RunReader(store, rid, tolerant=True)
+            # a gone `done` says nothing of which steps finished, a gone per-step array holds none of them
+            scratch = scratch or any(
+                d.remade and d.array and (r.specs[d.array].per_step or d.array == "loss_trace") for d in ds
+            )
             idx = list(range(len(r.done))) if scratch else _steps_to_recompute(r, ds)
             store.reopen(rid, token=lease.token).forget_steps(
                 idx,
                 list(dict.fromkeys(d.key for d in ds if d.key is not None)),
                 static_damaged=scratch
-                or any(d.index is None and d.array != "loss_trace" and not d.stray and not d.post_run for d in ds),
+                or any(
+                    d.index is None and d.array and d.array != "loss_trace" and not d.stray and not d.post_run
+                    for d in ds
+                ),
                 reason=f"{len(idx)} damaged step(s) marked for recompute by nsa verify; re-run to resume",
             )
             marked[rid] = idx
