@@ -177,8 +177,9 @@ def test_workers_refuse_a_store_without_the_run(tmp_path):
     from nsa_dist.errors import StoreError
 
     spec = ExperimentSpec(name="nowhere", **BASE)
-    with pytest.raises(StoreError, match="shared storage that every node reaches"):
-        TrainerService(plan_run(spec, load_dataset(spec.data)), str(tmp_path / "other.zarr"))
+    trainer = TrainerService(plan_run(spec, load_dataset(spec.data)), str(tmp_path / "other.zarr"))
+    with pytest.raises(StoreError, match="shared storage that every node reaches"):  # at its first call: an
+        trainer.checkpoint(0)  # error in an actor's constructor kills the actor, its cause lost to the driver
 
 
 def test_cluster_block_must_fit_the_cluster():
@@ -287,3 +288,43 @@ def test_a_sweep_whose_lease_is_taken_over_stops_and_writes_nothing_more(local_r
     r = store.reader(rid)
     assert r.attrs["status"] == "running", "the fenced driver wrote a status after losing the run"
     assert at_swap and r.done.sum() <= at_swap[0] + 1, (at_swap, int(r.done.sum()))  # at most the step in flight
+
+
+def test_a_trainer_that_cannot_start_says_why_and_is_not_restarted_for_it(local_ray, tmp_path) -> None:
+    """The data file replaced while a sweep ran (an audit): each later run's trainer raised RunRefused in
+    its constructor, which killed the actor — the runs failed as "its trainer kept dying (after
+    cluster.max_retries=3 restarts): ActorDiedError", the cause only in 143 lines of Ray tracebacks.
+    The constructor's error is now the first call's, which the coordinator stores as the run's reason."""
+    import ray
+
+    from nsa_dist.cluster.actors import trainer_actor
+    from nsa_dist.cluster.pool import task_cause
+    from nsa_dist.config import ClusterSpec
+    from nsa_dist.pipeline.session import RunSession
+    from nsa_dist.store import RunRefused
+
+    img = tmp_path / "img.npy"
+    np.save(img, np.random.default_rng(0).random((20, 30)))
+    spec = ExperimentSpec(
+        name="chg",
+        data={"name": "image2d", "n": 16, "path": str(img)},
+        model={"depth": 2, "width": 4},
+        steps=4,
+        spectrum={"k": 4, "images": []},
+    )
+    url = str(tmp_path / "s.zarr")
+    session = RunSession.open(spec, SpectrumStore(url))
+    trainer = None
+    try:
+        np.save(img, np.random.default_rng(1).random((20, 30)))  # replaced before the trainer loads it
+        trainer = trainer_actor(session.prepared.plan, url, ClusterSpec(), False, session.lease.token)
+        with pytest.raises(ray.exceptions.RayError) as got:
+            ray.get(trainer.checkpoint.remote(0), timeout=120)
+        cause = task_cause(got.value)
+        assert isinstance(cause, RunRefused), f"{type(got.value).__name__}: {str(got.value)[:600]}"
+        assert "now loads as sha256:" in str(cause) and "the run was opened on" in str(cause), str(cause)
+        assert ray.get(trainer.pid.remote(), timeout=60) > 0  # alive: no restart spent on what cannot change
+    finally:
+        if trainer is not None:
+            ray.kill(trainer)
+        session.lease.release()

@@ -358,6 +358,8 @@ def test_cifar100_fine_labels_not_coarse(tmp_path: Path) -> None:
         ([True, False, True, True, False, True], r"'labels' holds bool values"),
         ([0, 1, 2, 3, 4, 10], r"'labels' holds values outside 0..9 \(the first at index 5: 10\)"),
         ([0, 1, 2, 3, 4, -1], r"'labels' holds values outside 0..9 \(the first at index 5: -1\)"),
+        ([0, 1, None, 3, 4, 5], r"'labels' holds object values \(e.g. None\)"),  # was an AttributeError
+        ([0, 1, 2, 2**70, 4, 5], r"holds values outside 0..9 \(the first at index 3: 1180591620717411303424\)"),
     ],
 )
 def test_cifar_labels_that_are_not_classes_are_refused(tmp_path: Path, labels: list, match: str) -> None:
@@ -390,6 +392,50 @@ def test_cifar_broken_batches_one_error_naming_the_file(tmp_path: Path, case: st
     with pytest.raises(ValueError) as err:
         cifar10(5, path=tmp_path / "cifar-10-batches-py")
     assert str(p) in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("how", ["protocol 5", "NumPy scalar labels", "empty bytes"])
+def test_cifar_batches_numpy_and_python_write_today_read_as_the_same_batch(tmp_path: Path, how: str) -> None:
+    """Refused as "can run code" (an audit): a batch pickled with protocol 5 (Python 3.14's default:
+    NumPy's ``_frombuffer``), labels kept as ``list(labels_array)`` (NumPy scalars), an empty
+    ``batch_label`` at protocol 2 (``bytes()``)."""
+    truth = cifar_tree(tmp_path)
+    d = tmp_path / "cifar-10-batches-py"
+    before = cifar10(11, n_test=4, path=d, grayscale=False, seed=2)
+    p = d / "data_batch_2"
+    batch = pickle.loads(p.read_bytes(), encoding="bytes")
+    if how == "protocol 5":
+        p.write_bytes(pickle.dumps(batch, protocol=5))
+    elif how == "NumPy scalar labels":
+        batch[b"labels"] = list(np.asarray(truth["data_batch_2"][1], np.int64))
+        p.write_bytes(pickle.dumps(batch, protocol=2))
+    else:
+        batch[b"batch_label"] = b""
+        p.write_bytes(pickle.dumps(batch, protocol=2))
+    after = cifar10(11, n_test=4, path=d, grayscale=False, seed=2)
+    for name in ("X", "y", "X_test", "y_test"):
+        np.testing.assert_array_equal(getattr(after, name), getattr(before, name), err_msg=name)
+
+
+@pytest.mark.parametrize("extra", ["a second pickle", "appended bytes", "bytes(n)"])
+def test_cifar_batch_with_more_than_one_pickle_or_a_bytes_bomb_is_refused(tmp_path: Path, extra: str) -> None:
+    """Two pickles in one batch file gave the first one's images alone (an audit), silently while n
+    fitted; ``bytes(n)`` — admitted now for protocol 2's empty bytes — would make n zero bytes."""
+    cifar_tree(tmp_path)
+    p = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    raw = p.read_bytes()
+    if extra == "a second pickle":
+        p.write_bytes(raw + raw)
+        match = "bytes follow its pickle"
+    elif extra == "appended bytes":
+        p.write_bytes(raw + b"\0" * 100)
+        match = "bytes follow its pickle"
+    else:  # protocol 2: GLOBAL __builtin__ bytes, (1,410,065,408,), REDUCE, STOP
+        p.write_bytes(b"\x80\x02c__builtin__\nbytes\nJ\x00\xe4\x0bT\x85R.")
+        match = r"refused bytes\(n\)"
+    with pytest.raises(ValueError, match=match) as err:
+        cifar10(5, path=tmp_path / "cifar-10-batches-py")
+    assert str(p) in str(err.value), str(err.value)
 
 
 # --------------------------------------------------------------------------- images: read right

@@ -32,8 +32,25 @@ _CIFAR_GLOBALS = frozenset(
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
         ("_codecs", "encode"),
+        # what NumPy and Python write for the same values otherwise: protocol 5 arrays (Python 3.14's
+        # default), NumPy integer scalars (``list(labels_array)``), protocol 2's empty bytes
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("__builtin__", "bytes"),
+        ("builtins", "bytes"),
     }
 )
+
+
+def _bytes(*args: Any) -> bytes:
+    """``bytes`` as a pickle may call it (``bytes()``, ``bytes(b"…")``) — never ``bytes(n)``, whose
+    n zero bytes a crafted file could set to any size."""
+    if args and isinstance(args[0], int):
+        raise pickle.UnpicklingError("refused bytes(n) — a CIFAR batch never makes n zero bytes")
+    return bytes(*args)
+
 
 IDX_IMAGES = 2051  # 0x00000803: unsigned bytes, 3 dims (N, rows, cols)
 IDX_LABELS = 2049  # 0x00000801: unsigned bytes, 1 dim (N,)
@@ -227,7 +244,7 @@ class _BatchUnpickler(pickle.Unpickler):
                 "numbers and NumPy arrays, and a pickle naming anything else can run code "
                 "(nothing of it was run)"
             )
-        return super().find_class(module, name)
+        return _bytes if name == "bytes" else super().find_class(module, name)
 
 
 def read_pickle_batch(path: Location, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -259,6 +276,11 @@ def read_pickle_batch(path: Location, keys: tuple[str, ...]) -> dict[str, Any]:
             raise
         except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not this format"
             raise ValueError(f"{str(path)!r} is not {expected} ({type(exc).__name__}: {exc})") from exc
+        if f.read(1):  # read as one batch, the rest ignored: two pickled batches in one file gave the first
+            raise ValueError(
+                f"{str(path)!r}: bytes follow its pickle — not one CIFAR batch (two pickles in one file, or a "
+                "file appended to): restore the batch from the dataset's archive"
+            )
     if not isinstance(obj, dict):
         raise ValueError(f"{str(path)!r}: expected {expected}, got a pickled {type(obj).__name__}")
     batch = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}

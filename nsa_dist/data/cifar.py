@@ -61,20 +61,28 @@ def load_cifar_batches(
                 f"{who}: {str(p)!r}: expected 'data' uint8 (m, {D_RGB}) and {label_key!r} (m,), got "
                 f"data {x.dtype} {x.shape} and labels {c.shape}"
             )
-        if c.size and c.dtype.kind not in "iu":  # floats would be truncated (1.7 → 1), bools read as 0/1
+        whole = [_plain(v) for v in c.reshape(-1)] if c.size and c.dtype.kind not in "iu" else []
+        if not all(type(v) is int for v in whole):  # an object array holds Python's values (None, 2**70);
+            # floats would be truncated (1.7 → 1), bools read as 0/1
+            first = next(v for v in whole if type(v) is not int)
             raise ValueError(
-                f"{who}: {str(p)!r}: {label_key!r} holds {c.dtype} values (e.g. {c.reshape(-1)[0].item()!r}), expected "
+                f"{who}: {str(p)!r}: {label_key!r} holds {c.dtype} values (e.g. {first!r}), expected "
                 f"integer classes 0..{K - 1}"
             )
         if c.size and not (c.min() >= 0 and c.max() < K):
             i = int(np.flatnonzero((c < 0) | (c >= K))[0])
             raise ValueError(
                 f"{who}: {str(p)!r}: {label_key!r} holds values outside 0..{K - 1} "
-                f"(the first at index {i}: {c[i].item()})"
+                f"(the first at index {i}: {_plain(c[i])})"
             )
         data.append(x)
         labels.append(c.astype(np.int64))
     return np.concatenate(data), np.concatenate(labels)
+
+
+def _plain(v: object) -> object:
+    """A NumPy scalar as Python's value; anything else as it is."""
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def _features(pixels: np.ndarray, grayscale: bool) -> np.ndarray:

@@ -52,9 +52,20 @@ class TrainerService:
             torch.set_num_threads(threads)
         self.plan, self.spec = plan, plan.spec
         self.run_id, self.store_url = plan.run_id, store_url
-        self.data = RunMaterials.load(plan, fresh=True).data
-        self.writer = open_writer(store_url, plan, self.data, token)
-        self._reset()
+        self._refused: Exception | None = None
+        try:
+            self.data = RunMaterials.load(plan, fresh=True).data
+            self.writer = open_writer(store_url, plan, self.data, token)
+            self._reset()
+        except Exception as exc:  # noqa: BLE001 — raised by the first call, where the driver reads its cause
+            # (raised here, it killed the actor: the run failed as "its trainer kept dying: ActorDiedError"
+            # after restarts that could not help, the cause — data changed under a sweep — only in Ray's
+            # tracebacks on the terminal: an audit)
+            self._refused = exc
+
+    def _usable(self) -> None:
+        if self._refused is not None:
+            raise self._refused
 
     def _reset(self, before: int | None = None) -> None:
         """A fresh trainer at the last stored checkpoint (with index < ``before`` when given)."""
@@ -69,10 +80,12 @@ class TrainerService:
         return os.getpid()
 
     def step(self) -> int:
+        self._usable()
         return self.trainer.step
 
     def checkpoint(self, index: int) -> Checkpoint:
         """Train until recorded step ``index`` and return its checkpoint (writes the loss trace)."""
+        self._usable()
         t = self.trainer.record[index]
         if self.trainer.step > t:  # asked again for a step already passed: start over from the store
             self._reset(before=index + 1)
