@@ -154,6 +154,37 @@ def test_gradients_that_are_not_the_derivative_are_one_clear_error(make, dtype):
             measure()
 
 
+class _WideHooked(nn.Module):
+    """One hidden layer of 10⁶ units (the NSA paper's widths go to 10⁴; a user's to 10⁶), optionally a
+    forward hook g → 1.001 g on it."""
+
+    def __init__(self, scale: float | None) -> None:
+        super().__init__()
+        self.a, self.o, self.scale = nn.Linear(2, 10**6), nn.Linear(10**6, 1), scale
+
+    def forward(self, x):
+        h = F.leaky_relu(self.a(x), 0.01)
+        if self.scale is not None and h.requires_grad:
+            h.register_hook(lambda g: g * self.scale)
+        return self.o(h)
+
+
+def test_a_float32_network_of_a_million_units_is_not_taken_for_a_hooked_one():
+    """Float32 sums over 10⁶ units put u·(J t) 1.2–2.2·10⁻⁴ off ‖t‖² with no hook at all, past the
+    float32 tolerance 10⁻⁴: the run failed with "a gradient hook registered in the forward …" (an
+    audit).  A float32 gap is now checked again on a float64 copy; a hook g → 1.001 g still is refused."""
+    torch.manual_seed(0)
+    x = torch.rand(6, 2)
+    m = _WideHooked(None)
+    J = _rows(m.double(), x.double())
+    m = m.float()
+    # float32 sums of 10⁶ terms: G itself is 7.5·10⁻⁵ off the float64 one
+    assert_close_rel(gram(m, x), J @ J.T, 3e-4, "gram of the float32 network against float64 J Jᵀ")
+    hooked = _WideHooked(1.001)
+    with pytest.raises(UnsupportedModelError, match="gradients are not the derivative of its outputs"):
+        gram(hooked, x)
+
+
 class _NoGradNorm(nn.Linear):
     """A weight read with gradient and under torch.no_grad() (a scale taken without gradient): forward
     mode differentiates through no_grad, reverse mode does not — a first version of the adjoint test
