@@ -892,7 +892,8 @@ def _show_sweep(args: argparse.Namespace) -> int:
     for col in ["id", *fields, "status", "last step", "loss", f"E(y, {k})"]:
         t.add_column(_esc(col), no_wrap=col == "id")
     for row in finished.to_dict("records"):  # one run at a time: a damaged one never hides the others
-        loss, energy = (_last_value(sweep.run(row["id"]), name, kk) for name, kk in (("loss", None), ("energy_y", k)))
+        run, last = sweep.run(row["id"]), row["last_step"]
+        loss, energy = (_value_at(run, name, kk, last) for name, kk in (("loss_recorded", None), ("energy_y", k)))
         t.add_row(
             *map(
                 _esc,
@@ -910,19 +911,21 @@ def _show_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _last_value(run: Any, name: str, k: int | None) -> float | str:
-    """Quantity ``name`` of a run at its last finite value; "-" where it has none, or "unreadable
-    (<why>)" where the run's array cannot be read (a damaged chunk: ``nsa verify`` names it)."""
+def _value_at(run: Any, name: str, k: int | None, step: Any) -> float | str:
+    """Quantity ``name`` of a run at recorded step ``step`` (the row's "last step": its last finite
+    value was shown, and "loss" the training loss of any later step — a minibatch's, or a diverged
+    run's 4.8·10¹² beside step 4's 17.8: an audit); "-" where it has none, or "unreadable (<why>)"
+    where the run's array cannot be read (a damaged chunk: ``nsa verify`` names it)."""
     from nsa_dist.client import quantity
 
     try:
-        v = quantity(run, name, k)[1]
+        t, v = quantity(run, name, k)
     except (KeyError, IndexError):  # not recorded, or no column k (a run with fewer eigenpairs)
         return "-"
     except Exception as e:  # noqa: BLE001 - one run's damage is told in its row
         return f"unreadable ({type(e).__name__})"
-    ok = np.flatnonzero(np.isfinite(v))
-    return float(v[ok[-1]]) if len(ok) else "-"
+    at = np.flatnonzero(np.asarray(t) == step) if step is not None and step == step else []
+    return float(v[at[0]]) if len(at) else "-"
 
 
 def _widest(row: Any) -> str:

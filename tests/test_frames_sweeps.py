@@ -11,7 +11,7 @@ from matplotlib.pyplot import imread
 
 from nsa_dist.cli import main
 from nsa_dist.client import Client
-from nsa_dist.config import SweepSpec
+from nsa_dist.config import ExperimentSpec, SweepSpec
 from nsa_dist.pipeline import run_experiment, run_id
 from nsa_dist.plots.sweep import SWEEP_FIGURES, plot_sweep, scalar_figure
 from nsa_dist.store import SpectrumStore
@@ -404,3 +404,64 @@ def test_grid_points_whose_runs_were_never_created_are_unfinished(
     assert main(["show", "--store", url, "--sweep", "sw"]) == 0
     out = capsys.readouterr().out
     assert "1 runs: 1 done; 1 not created yet" in out and "model.depth" in out and "3" in out, out
+
+
+def test_show_sweep_gives_each_runs_loss_at_the_step_it_names(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`nsa show --sweep`'s "loss" was the last finite training loss — an SGD run's last minibatch
+    (0.0998 beside step 11's L(θ) 0.271), a diverged run's 4.8·10¹² at a later step beside step 4's
+    17.8 (an audit) — under the heading "each finished run at its last step"."""
+    url = str(tmp_path / "l.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(
+        name="sw",
+        base={
+            "data": {"n": 24},
+            "model": {"width": 6, "depth": 2},
+            "optimizer": {"name": "sgd", "batch_size": 4},
+            "steps": 6,
+            "record": {"steps": [0, 3]},
+            "spectrum": {"k": 4, "images": []},
+        },
+        grid={"schedule.lr": [0.05, 0.2]},
+    )
+    ids = [run_experiment(s, store).run_id for s in sweep.expand()]
+    store.record_sweep("sw", sweep.model_dump(mode="json"), ids)
+    assert main(["show", "--store", url, "--sweep", "sw"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line.split("│") for line in out.splitlines() if line.count("│") > 3}
+    for rid in ids:
+        run = Client(url).run(rid)
+        last = int(rows[rid][-4])
+        at = run.train_loss[list(run.steps).index(last)]
+        assert last == run.steps[-1] and float(rows[rid][-3]) == pytest.approx(at, rel=1e-4), (rid, at, out)
+        assert not np.isclose(run.loss_trace[last], at, rtol=1e-3), "the minibatch loss must differ for the test to see"
+
+
+def test_every_short_or_k_like_axis_of_to_xarray_has_its_coordinate(tmp_path: Path) -> None:
+    """``ds.gram_change.sel(k_gram_change=1)`` gave i = 2's v_iᵀdG v_i (3.86 against 2.70) and
+    ``ds.reconstructions.sel(reconstruction=1)`` the second reconstruction (k = 12): those axes had no
+    coordinate, so ``sel`` took the label for a 0-based position (an audit)."""
+    spec = ExperimentSpec(
+        name="axes",
+        data={"n": 48, "n_test": 8},
+        model={"depth": 3, "width": 16},
+        steps=15,
+        record={"every": 5},
+        spectrum={"k": 12, "images": [], "gram_change_k": 4, "store_eigenvectors": [5, 14]},
+    )
+    url = str(tmp_path / "x.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("axes")
+    ds = run.to_xarray()
+    t = int(run.eigenvector_steps[0])
+    gc = run.kernel.gram_change()
+    got = ds.gram_change.sel(step=t, k_gram_change=1)
+    assert float(got.sel(measured_first_order="measured")) == gc["measured"][0][0], (got.values, gc)
+    assert float(got.sel(measured_first_order="first_order")) == gc["first_order"][0][0], (got.values, gc)
+    ks = list(run.g["reconstruction_k"][:])
+    np.testing.assert_array_equal(
+        ds.reconstructions.sel(reconstruction=ks[0]).values, ds.reconstructions.values[:, 0], err_msg=f"k = {ks[0]}"
+    )
+    np.testing.assert_array_equal(ds.predicted_step.values, run.g["steps"][:])
+    bare = {d for d in ds.dims if d not in ds.coords}
+    assert bare <= {"point", "test_point", "input", "output", "pixel_y", "pixel_x", "freq_y", "freq_x"}, bare

@@ -466,3 +466,29 @@ def test_s_norms_carry_their_standard_errors_to_the_figure(hess_run, tmp_path):
     ax = S_norms(run).axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert sum("±1 s.e." in label for label in labels) == 2, labels
+
+
+def test_the_i_spectrum_figure_leaves_out_is_null_space(tmp_path):
+    """With fewer parameters (9) than points (24), most of I's 24 stored eigenvalues are rounding of either
+    sign: the figure clipped them to 10⁻¹⁶ and drew them as values (an audit); now left out and counted."""
+    from nsa_dist.plots.hessian import I_spectrum
+
+    spec = ExperimentSpec(**{**SPEC, "name": "narrow", "model": {"depth": 2, "width": 2}, "steps": 4})
+    url = str(tmp_path / "n.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run("narrow")
+    mu = run.hessian.I_eigenvalues()
+    rank = [int(np.sum(m > 1e-12 * m[0])) for m in mu]  # ≤ P = 9; the rest |λ| < 10⁻¹⁵
+    assert max(rank) <= 9 and np.all(np.abs(mu[0, rank[0] :]) < 1e-14), mu[0]
+    fig = I_spectrum(run)
+    measured = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("measured")]
+    assert measured
+    left_out = 0
+    for ln in measured:
+        y = np.asarray(ln.get_ydata(), float)
+        r = int(np.isfinite(y).sum())
+        assert r in rank and np.isnan(y[r:]).all() and (y[:r] > 0).all(), (y, rank)
+        left_out = max(left_out, 24 - r)
+    assert any(f"{left_out} of the 24 eigenvalues are I's null space" in t.get_text() for t in fig.texts), [
+        t.get_text() for t in fig.texts
+    ]

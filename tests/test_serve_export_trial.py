@@ -480,3 +480,40 @@ def test_a_sweep_that_cannot_be_read_any_more_says_so_on_its_page(sweep_store, t
     ticks["apply"](ticks["read"]())  # one refresh, as the page's periodic callback runs it
     assert "cannot read sweep widths" in header.text and "no sweep" in header.text, header.text
     assert not any(f.visible for f in figures), "the last state's figures still shown as current"
+
+
+def test_a_step_whose_energy_is_nan_has_no_bracket_width_either(tmp_path) -> None:
+    """A Tracker loop that ends right after record(12): E_12(df, k) is NaN (update 12 not seen), and the
+    heat map of bracket widths showed 0 there — "exact" — and ``Run.bracket_widths`` k = 0 (an audit)."""
+    import pandas as pd
+    import torch
+    from torch import nn
+
+    from nsa_dist import Client, Tracker
+    from nsa_dist.serve._nsa_panels import _EnergyMap
+
+    torch.manual_seed(0)
+    X = torch.rand(40, 2)
+    y = torch.sin(3 * X[:, 0]) + X[:, 1] ** 2
+    model = nn.Sequential(nn.Linear(2, 12), nn.Tanh(), nn.Linear(12, 1), nn.Flatten(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    url = str(tmp_path / "t.zarr")
+    tr = Tracker(url, "ends", model, X, y, steps=13, record={"every": 4}, spectrum={"k": "all", "images": []})
+    for t in range(13):
+        loss = 0.5 * ((model(X) - y) ** 2).mean()
+        if tr.due(t):
+            tr.record(t, lr=opt, loss=loss.item())
+        if t == 12:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("ends")
+    assert list(run.steps) == [0, 4, 8, 12] and np.isnan(run.energy("df")[-1]).all()
+    maps = _EnergyMap.read(run.curve("energy_df"))
+    value, width = (np.asarray(m["v"], float).reshape(4, -1) for m in maps["maps"])
+    assert np.isnan(value[-1]).all() and np.isnan(width[-1]).all(), width[-1]
+    assert np.isfinite(width[:-1]).all() and maps["wide"] == np.nanmax(width)
+    bw = run.bracket_widths("df").set_index("step")
+    assert bw.loc[12, "k"] is pd.NA and bw.loc[0, "k"] > 0, bw

@@ -340,6 +340,19 @@ def _exact_clusters(
         if not np.isfinite(row).all():
             continue
         tie = 2.0 * max(n_points * eps * float(np.max(np.abs(row))), 4.0 * eps_g * float(np.sqrt(np.sum(row**2))))
+        if eps_g:
+            # a float32 reduction's eigenvectors turn between eigenvalues more than 2δ apart too, by up
+            # to δ / (gap − 2δ) (Davis–Kahan), and its projections round by ~n·eps₃₂: its E was reported
+            # exact where it lay 2.65·10⁻⁵ off a float64 eigh's at N = 64 (an audit).  A float64
+            # reduction's turn under its δ = n·eps₆₄·λ_1 stays unbracketed (docs/curves.md)
+            gap = np.full(K, np.inf)
+            gap[:-1] = row[:-1] - row[1:]
+            turn = 0.5 * tie / np.maximum(gap - tie, np.finfo(np.float64).tiny) + n_points * eps_g
+            if K == n_points:
+                turn[-1] = 0.0  # E(φ, N) = 1 whatever the basis
+            lower[s] = np.fmin(lower[s], np.clip(top[s] - turn, 0.0, 1.0))
+            upper[s] = np.fmax(upper[s], np.clip(top[s] + turn, 0.0, 1.0))
+            exact &= ~(2 * turn > TOP_RESOLUTION)
         desc = -row  # ascending (the stored eigenvalues descend)
         a = np.searchsorted(desc, -(row + tie), side="left")  # #{λ_i > λ_k + 2δ}
         b = np.searchsorted(desc, -(row - tie), side="right")  # #{λ_i ≥ λ_k − 2δ}

@@ -32,7 +32,28 @@ class NotFoundError(NSAError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-_ONE_BASED = ("k", "k_full", "k_test", "k_class", "hessian_k", "hessian_top_k", "hessian_I_k", "moment")
+_ONE_BASED = (
+    "k",
+    "k_full",
+    "k_test",
+    "k_class",
+    "k_gram_change",
+    "hessian_k",
+    "hessian_top_k",
+    "hessian_I_k",
+    "moment",
+)
+# short axes whose entries are named quantities: their names as coordinates (sel by position read i = 2
+# for k = 1 on k_gram_change, an audit; a name cannot be taken for a position)
+_NAMED = {
+    "measured_first_order": ("measured", "first_order"),
+    "predicted_measured": ("predicted", "measured"),
+    "gram_change_norm": ("measured", "predicted", "difference"),
+    "value_stderr": ("value", "stderr"),
+    "along": ("I", "S"),  # Hessian-paper Fig. 3: along I's / S's top eigenvectors …
+    "quotient": ("vIv", "vSv"),  # … the Rayleigh quotients vᵀIv and vᵀSv
+    "S_prediction": ("trace_S_init", "trace_S", "trace_S2"),  # as HessianView.S_limit names them
+}
 
 
 def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
@@ -42,8 +63,10 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
     t, ``k``-like coordinates run 1..K (``moment``: the order k of Tr(A^k), 1..4; ``hessian_part``:
     "H", "I", "S"), ``curve`` is the quadrature route's k (``curve_k``;
     ``curve_test``: ``curve_k_test``), ``image`` the drawn eigenvectors' i (``image_indices``:
-    ``ds.eigvec_images.sel(image=10)``), ``preservation_row`` Fig. 7d's rows i, ``train_step``
-    0..T−1.  Attributes: the run id, status
+    ``ds.eigvec_images.sel(image=10)``), ``reconstruction`` the k of Fig. 4d's reconstructions
+    (``reconstruction_k``), ``predicted_step`` every recorded step t (App. E's prediction made at
+    t0), ``preservation_row`` Fig. 7d's rows i, ``train_step`` 0..T−1; two- to three-entry axes of
+    named quantities by their names (``gram_change``'s "measured" / "first_order", …).  Attributes: the run id, status
     and spec (JSON string).  The resume state is left out unless ``state``.
 
     Returns:
@@ -72,9 +95,19 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
             coords[d] = (d, np.arange(1, ds.sizes[d] + 1))
     if ds.sizes.get("hessian_part") == 3:  # the rows of H = I + S in the stored (…, 3, …) arrays
         coords["hessian_part"] = ("hessian_part", np.array(["H", "I", "S"]))
+    for d, names in _NAMED.items():
+        if ds.sizes.get(d) == len(names):
+            coords[d] = (d, np.array(names))
     if "train_step" in ds.dims:
         coords["train_step"] = ("train_step", np.arange(ds.sizes["train_step"]))
-    for axis, grid in (("curve", "curve_k"), ("curve_test", "curve_k_test"), ("image", "image_indices")):
+    if "predicted_step" in ds.dims:  # App. E's prediction at t0 of every recorded step, finished or not
+        coords["predicted_step"] = ("predicted_step", np.asarray(run.array("steps"), np.int64))
+    for axis, grid in (
+        ("curve", "curve_k"),
+        ("curve_test", "curve_k_test"),
+        ("image", "image_indices"),
+        ("reconstruction", "reconstruction_k"),
+    ):
         if axis in ds.dims and grid in ds:  # the quadrature route's k: ds.curve_energy_y.sel(curve=400)
             coords[axis] = (axis, np.asarray(ds[grid].values, np.int64))  # image: the eigenvector's i
     rows = ds["preservation"].attrs.get("rows") if "preservation" in ds else None

@@ -194,7 +194,8 @@ class Run(RunArrays):
 
     def bracket_widths(self, phis: str | tuple[str, ...] = PHIS) -> pandas.DataFrame:
         """Where each E_t(φ, k)'s bracket is widest, per finished step: columns ``step``, ``phi``,
-        ``width``, ``k``, ``value``, ``lower``, ``upper`` (at that k).  0 on the exact route but
+        ``width``, ``k`` (``<NA>`` where the step's E is NaN), ``value``, ``lower``, ``upper`` (at that k).
+        0 on the exact route but
         inside an eigenvalue cluster (a rank-deficient G's null space); on the quadrature route
         the step's log says what each width is made of (docs/curves.md).  ``phis``: the φ, or
         one φ as a string.  A φ the run does not store is left out.
@@ -215,8 +216,11 @@ class Run(RunArrays):
             j = np.searchsorted(c.k, k) if c.k.size else np.zeros(k.size, np.int64)
             for i, step in enumerate(c.steps):
                 at = (c.value[i, j[i]], c.lower[i, j[i]], c.upper[i, j[i]]) if c.k.size else (np.nan,) * 3
-                rows.append((int(step), phi, float(width[i]), int(k[i]), *map(float, at)))
-        return pd.DataFrame(rows, columns=["step", "phi", "width", "k", "value", "lower", "upper"])
+                known = np.isfinite(width[i])  # a NaN step (its update not seen) has no widest k: it read k = 0
+                rows.append((int(step), phi, float(width[i]), int(k[i]) if known else None, *map(float, at)))
+        out = pd.DataFrame(rows, columns=["step", "phi", "width", "k", "value", "lower", "upper"])
+        out["k"] = out["k"].astype("Int64")
+        return out
 
     @property
     def k_max(self) -> int:

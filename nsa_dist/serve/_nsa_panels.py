@@ -543,8 +543,11 @@ class _EnergyMap:
             "bottom": np.tile(ye[:-1], S),
             "top": np.tile(ye[1:], S),
         }
-        w = np.nan_to_num(width.ravel(), nan=0.0)
-        return {"maps": [{**cells, "v": value.ravel()}, {**cells, "v": w}], "wide": float(w.max()) if w.size else 0.0}
+        # a point (no bracket) is width 0; where E itself is NaN (a step's update not seen) so is its width —
+        # it showed as 0, "exact" (an audit)
+        w = np.where(np.isfinite(value), np.nan_to_num(width, nan=0.0), np.nan).ravel()
+        wide = float(np.nanmax(w)) if np.isfinite(w).any() else 0.0
+        return {"maps": [{**cells, "v": value.ravel()}, {**cells, "v": w}], "wide": wide}
 
     def show(self, data: dict[str, Any]) -> None:
         for src, cols in zip(self.sources, data["maps"]):
