@@ -1023,6 +1023,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     sweep = load_sweep(args.sweep, max_runs=args.max_runs)
     specs = sweep.expand()
+    if len(specs) < sweep.size:  # grid values that are one experiment ([8, 8], [8, 8.0]) run once: said
+        print(
+            f"[nsa] sweep {sweep.name}: {sweep.size} grid points are {len(specs)} distinct experiments; each runs once",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.address is None:  # the embedded Ray runs on this machine (a cluster's nodes may have GPUs)
         _check_device(specs, args.sweep)
     _check_factories(specs)  # this process is the sweep's driver: it builds the models too

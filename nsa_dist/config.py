@@ -287,7 +287,7 @@ class DataSpec(_Strict):
     name: DataName = DataName.IMAGE2D
     n: int = Field(1000, ge=1, description="training points N")
     n_test: int = Field(0, ge=0, description="test points")
-    path: str | None = None
+    path: str | None = Field(None, min_length=1)  # '' read the current directory as the data (an audit)
     pool: bool = Field(False, description="mnist: 2x2 average pooling to 14x14")
     grayscale: bool = Field(True, description="cifar: luminance (d=1024) instead of RGB (d=3072)")
     target: Target = Target.LABEL
@@ -926,7 +926,9 @@ class ExperimentSpec(_Strict):
     loss: LossName = LossName.L2
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    steps: int = Field(1000, ge=1, description="number of training updates")
+    steps: int = Field(
+        1000, ge=1, le=10**15, description="number of training updates"
+    )  # 2**63 passed and broke the run after creating it; 1e23 a TypeError in the record grid (an audit)
     record: RecordSpec = Field(default_factory=lambda: RecordSpec(log_points=20))
     spectrum: SpectrumSpec = Field(default_factory=SpectrumSpec)
     hessian: HessianSpec | None = Field(None, description="loss-Hessian measurements (off when absent)")

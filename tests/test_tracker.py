@@ -217,6 +217,14 @@ def test_clear_errors(tmp_path):
         Tracker(url, "e", model, data.X, data.y, Xt, data.y[:5], **kw)
     with pytest.raises(NonFiniteError, match=r"y_test holds 1 NaN/inf entries \(the first in point 2\)"):
         Tracker(url, "e", model, data.X, data.y, data.X[:5], yt, **kw)
+    # float64 inputs finite only in float64 (an audit: "x holds 1 NaN/inf entries … lower the learning rate")
+    big = np.asarray(data.X, np.float64).copy()
+    big[7, 0] = 1e39
+    said = r"X is torch.float64 and 1 of its entries overflow the model's torch.float32 \(the first in point 7"
+    with pytest.raises(NonFiniteError, match=said):
+        Tracker(url, "e", model, big, data.y, **kw)
+    with pytest.raises(NonFiniteError, match=said.replace("X is", "X_test is").replace("point 7", "point 2")):
+        Tracker(url, "e", model, data.X, data.y, big[5:10], data.y[:5], **kw)
     # integer features (a uint8 pixel CSV) for a float network: torch's "mat1 and mat2 must have the same dtype"
     pixels = (data.X * 255).astype(np.uint8)
     with pytest.raises(TypeError, match=r"X is torch.uint8: integer inputs are kept as token ids.*pass X.float\(\)"):

@@ -59,6 +59,37 @@ def test_phi_width_without_phi_steps_is_an_invalid_spec_before_the_store(tmp_pat
     assert load_spec(_spec(tmp_path, ok, "ok.yaml")).spectrum.quadrature.phi_width == 0.05
 
 
+@pytest.mark.parametrize("steps", [2**63, 10**23])
+def test_a_number_of_steps_no_run_can_take_is_an_invalid_spec_before_the_store(tmp_path, capsys, steps):
+    """2**63 passed, the run was created and broke in its plan (OverflowError, a run pending 0/21 left in
+    the store); 10**23 a TypeError in the record grid's geomspace (an audit)."""
+    store = tmp_path / "s.zarr"
+    assert nsa(["run", str(_spec(tmp_path, {**TINY, "steps": steps})), "--store", str(store)]) == 2
+    err = _err(capsys)
+    assert err[0].endswith("invalid experiment spec") and len(err) == 2, err
+    assert err[1].strip().startswith("steps: Input should be less than or equal to 1000000000000000"), err
+    assert not store.exists()
+
+
+def test_an_empty_data_path_is_an_invalid_spec(tmp_path, capsys):
+    """``data.path: ''`` passed: mnist looked for its files "in ''", image2d read "'.' is a directory" (an audit)."""
+    spec = {**TINY, "data": {**TINY.get("data", {}), "path": ""}}
+    assert nsa(["run", str(_spec(tmp_path, spec)), "--store", str(tmp_path / "s.zarr")]) == 2
+    err = _err(capsys)
+    assert len(err) == 2 and err[1].strip() == "data.path: String should have at least 1 character (got '')", err
+
+
+def test_a_sweep_whose_grid_repeats_an_experiment_says_it_runs_once(tmp_path, capsys):
+    """``model.width: [8, 8]`` silently became one run (an audit).  Said before anything runs (here the
+    data path is missing, so nothing does)."""
+    base = {**TINY, "data": {"name": "image2d", "n": 16, "path": str(tmp_path / "absent.png")}}
+    sweep = {"name": "twice", "base": base, "grid": {"model.width": [8, 8, 12]}}
+    assert nsa(["sweep", str(_spec(tmp_path, sweep)), "--store", str(tmp_path / "s.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert "[nsa] sweep twice: 3 grid points are 2 distinct experiments; each runs once" in err, err
+    assert "absent.png" in err, err
+
+
 def test_a_misspelt_field_in_a_sweep_is_one_line_like_in_a_spec(tmp_path, capsys):
     """A typo in a sweep's grid or base was a raw pydantic dump (``model.fc.widht``, a URL)."""
     sweep = yaml.safe_load((REPO / "examples" / "sweep_tiny.yaml").read_text())

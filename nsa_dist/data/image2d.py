@@ -311,7 +311,7 @@ def image2d(
     if normalize and n < 2:
         raise ValueError(
             f"image2d: n={n} training point cannot be normalised with the training statistics (its std "
-            "is 0, so X and y would be 0/0); use n >= 2 or normalize=False"
+            "is 0, so X and y would be 0/0); use n >= 2 (a spec's data.n), or normalize=False calling image2d()"
         )
     img = load_image(image)
     rng = np.random.default_rng(seed)

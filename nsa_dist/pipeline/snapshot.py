@@ -178,6 +178,23 @@ def _finite(name: str, a: torch.Tensor) -> None:
         )
 
 
+def _fits(name: str, a: torch.Tensor, model: nn.Module) -> None:
+    """NonFiniteError when ``a`` (finite) overflows the model's floating dtype: a float64 X with an entry
+    of 10³⁹ read "x holds 1 NaN/inf entries … lower the learning rate" for a float32 model (an audit)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is None or not a.is_floating_point() or a.dtype == dtype:
+        return
+    bad = ~torch.isfinite(a.to(dtype))
+    if bad.any():
+        first = int(bad.reshape(a.shape[0], -1).any(dim=1).nonzero()[0, 0]) if a.ndim else 0
+        big = float(a.double().abs().max())
+        raise NonFiniteError(
+            f"{name} is {a.dtype} and {int(bad.sum())} of its entries overflow the model's {dtype} (the first "
+            f"in point {first}; the largest |value| {big:.3g}, {dtype}'s largest {torch.finfo(dtype).max:.3g}): "
+            "rescale the data, or measure a float64 model"
+        )
+
+
 def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> tuple[Dataset, int, bool]:
     """The checked data, the outputs per point K and whether the model's output is one
     column, (n, 1) — then measured as (n,), with y and y_test accepted as (N,) or (N, 1)."""
@@ -186,6 +203,7 @@ def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> 
         raise ShapeError(f"X must have shape (N, d) or (N, …) with N >= 1, got {tuple(X.shape)}")
     _finite("X", X)
     _finite("y", y)
+    _fits("X", X, model)  # the inputs go into the model in its dtype (y stays float64)
     try:
         with torch.no_grad(), preserved(model), attributes_restored(model):
             # two points, or all of them for a forward that runs on no fewer (a transductive model over their graph)
@@ -237,6 +255,7 @@ def checked_data(model: nn.Module, X: Any, y: Any, X_test: Any, y_test: Any) -> 
     if column and y_test.ndim == 2 and y_test.shape[1] == 1:
         y_test = y_test.reshape(-1)
     _finite("X_test", X_test)
+    _fits("X_test", X_test, model)
     if given_y_test is not None:  # none given: unknown test targets, NaN (the test loss is not measured)
         _finite("y_test", y_test)
     if tuple(X_test.shape[1:]) != tuple(X.shape[1:]) or tuple(y_test.shape) != (X_test.shape[0],) + tuple(y.shape[1:]):
