@@ -34,6 +34,7 @@ import numpy as np
 
 from nsa_dist.errors import OutsideError, StoreError
 from nsa_dist.store.lease import process_alive
+from nsa_dist.store.schema import AXIS_LABELS
 
 if TYPE_CHECKING:
     from nsa_dist.client import Run
@@ -85,16 +86,6 @@ PER_ITEM_DIMS = frozenset(
         "curve",
     }
 )
-_LABELS = {
-    "value_stderr": ("value", "stderr"),
-    "hessian_part": ("H", "I", "S"),
-    "S_prediction": ("trace_S_init", "trace_S", "trace_S2"),
-    "predicted_measured": ("predicted", "measured"),
-    "gram_change_norm": ("measured", "first_order", "difference"),
-    "measured_first_order": ("measured", "first_order"),
-    "along": ("along_I", "along_S"),
-    "quotient": ("vIv", "vSv"),
-}
 _FULL = 8  # an axis this short is exported whole; a longer one (k, i) at 1, 2, 5, 10, … (NSA Fig. 3's k)
 _ANY_STEP = ("every", "")
 
@@ -170,7 +161,7 @@ def scalar_sources(run: Run) -> list[Source]:
             # classes are series of their own: every one (a k or i axis is sampled; the output axis of
             # `eigenvalues_per_class` was too, and 6 of 10 classes went missing without a word)
             idx = range(n) if n <= _FULL or dim == "output" else [k - 1 for k in ks(n)]
-            names = _LABELS.get(dim) if dim in _LABELS and len(_LABELS[dim]) == n else None
+            names = AXIS_LABELS.get(dim) if len(AXIS_LABELS.get(dim, ())) == n else None
             axes.append([(j, names[j] if names else f"{dim}_{j + 1}") for j in idx])
         for combo in product(*axes):
             index, labels = tuple(j for j, _ in combo), tuple(lab for _, lab in combo)

@@ -417,10 +417,24 @@ def test_cifar_batches_numpy_and_python_write_today_read_as_the_same_batch(tmp_p
         np.testing.assert_array_equal(getattr(after, name), getattr(before, name), err_msg=name)
 
 
-@pytest.mark.parametrize("extra", ["a second pickle", "appended bytes", "bytes(n)"])
+class _Made:
+    """A pickle calling ``fn(*args)`` when loaded (what a crafted batch can ask of the admitted names)."""
+
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+@pytest.mark.parametrize(
+    "extra", ["a second pickle", "appended bytes", "bytes(n)", "bytes(NumPy n)", "void scalar", "object scalar"]
+)
 def test_cifar_batch_with_more_than_one_pickle_or_a_bytes_bomb_is_refused(tmp_path: Path, extra: str) -> None:
     """Two pickles in one batch file gave the first one's images alone (an audit), silently while n
-    fitted; ``bytes(n)`` — admitted now for protocol 2's empty bytes — would make n zero bytes."""
+    fitted; ``bytes(n)`` and NumPy's ``scalar`` — admitted now for protocol 2's empty bytes and NumPy
+    integer labels — made 10⁹ zeroed bytes from a 142–217-byte file (a review: ``bytes(np.int64(n))``,
+    ``scalar(dtype('V1000000000'))``)."""
     cifar_tree(tmp_path)
     p = tmp_path / "cifar-10-batches-py" / "data_batch_2"
     raw = p.read_bytes()
@@ -430,9 +444,17 @@ def test_cifar_batch_with_more_than_one_pickle_or_a_bytes_bomb_is_refused(tmp_pa
     elif extra == "appended bytes":
         p.write_bytes(raw + b"\0" * 100)
         match = "bytes follow its pickle"
-    else:  # protocol 2: GLOBAL __builtin__ bytes, (1,410,065,408,), REDUCE, STOP
+    elif extra == "bytes(n)":  # protocol 2: GLOBAL __builtin__ bytes, (1,410,065,408,), REDUCE, STOP
         p.write_bytes(b"\x80\x02c__builtin__\nbytes\nJ\x00\xe4\x0bT\x85R.")
-        match = r"refused bytes\(n\)"
+        match = r"refused bytes\(int\)"
+    elif extra == "bytes(NumPy n)":
+        p.write_bytes(pickle.dumps({b"data": _Made(bytes, np.int64(10**9)), b"labels": []}, protocol=2))
+        match = r"refused bytes\(int64\)"
+    else:
+        scalar = np._core.multiarray.scalar
+        dtype = np.dtype(("V", 10**9)) if extra == "void scalar" else np.dtype("O")
+        p.write_bytes(pickle.dumps({b"data": _Made(scalar, dtype), b"labels": []}, protocol=2))
+        match = r"refused a NumPy scalar of dtype"
     with pytest.raises(ValueError, match=match) as err:
         cifar10(5, path=tmp_path / "cifar-10-batches-py")
     assert str(p) in str(err.value), str(err.value)

@@ -341,18 +341,31 @@ def _exact_clusters(
             continue
         tie = 2.0 * max(n_points * eps * float(np.max(np.abs(row))), 4.0 * eps_g * float(np.sqrt(np.sum(row**2))))
         if eps_g:
-            # a float32 reduction's eigenvectors turn between eigenvalues more than 2δ apart too, by up
-            # to δ / (gap − 2δ) (Davis–Kahan), and its projections round by ~n·eps₃₂: its E was reported
-            # exact where it lay 2.65·10⁻⁵ off a float64 eigh's at N = 64 (an audit).  A float64
-            # reduction's turn under its δ = n·eps₆₄·λ_1 stays unbracketed (docs/curves.md)
+            # a float32 reduction's eigenvectors turn between eigenvalues more than 2δ apart too, and its
+            # projections round by ~n·eps₃₂: its E was reported exact where it lay 2.65·10⁻⁵ off a float64
+            # eigh's at N = 64 (an audit).  Two bounds on the true E(k), both under ‖Δ‖ ≤ δ, intersected:
+            # Davis–Kahan, |E − Ẽ| ≤ δ / (gap − δ) (tight where λ_k is isolated), and the ramps of
+            # linalg.quadrature._ramps over windows w, E ∈ [Ẽ(#{λ̃ > λ̃_k + w + δ}) − δ/w,
+            # Ẽ(#{λ̃ ≥ λ̃_k − w − δ}) + δ/w] (which hold where a gap near 2δ made the first one 44, a
+            # review).  A float64 reduction's turn under its δ = n·eps₆₄·λ_1 stays unbracketed (docs/curves.md)
+            delta = 0.5 * tie
             gap = np.full(K, np.inf)
             gap[:-1] = row[:-1] - row[1:]
-            turn = 0.5 * tie / np.maximum(gap - tie, np.finfo(np.float64).tiny) + n_points * eps_g
+            turn = np.where(gap > delta, delta / np.maximum(gap - delta, np.finfo(np.float64).tiny), np.inf)
+            lo, hi = top[s] - turn, top[s] + turn
+            desc = -row
+            for f in 2.0 ** np.arange(1, 48):
+                w = f * delta
+                a = np.searchsorted(desc, -(row + w + delta), side="left")
+                b = np.searchsorted(desc, -(row - w - delta), side="right")
+                lo = np.maximum(lo, e_at(s, a) - 1.0 / f)
+                hi = np.minimum(hi, np.where((b == K) & (K < n_points), 1.0, e_at(s, b)) + 1.0 / f)
+            rounding = n_points * eps_g
+            lo, hi = np.clip(lo - rounding, 0.0, 1.0), np.clip(hi + rounding, 0.0, 1.0)
             if K == n_points:
-                turn[-1] = 0.0  # E(φ, N) = 1 whatever the basis
-            lower[s] = np.fmin(lower[s], np.clip(top[s] - turn, 0.0, 1.0))
-            upper[s] = np.fmax(upper[s], np.clip(top[s] + turn, 0.0, 1.0))
-            exact &= ~(2 * turn > TOP_RESOLUTION)
+                lo[-1] = hi[-1] = top[s, -1]  # E(φ, N) = 1 whatever the basis
+            lower[s], upper[s] = np.fmin(lower[s], lo), np.fmax(upper[s], hi)
+            exact &= ~(hi - lo > TOP_RESOLUTION)
         desc = -row  # ascending (the stored eigenvalues descend)
         a = np.searchsorted(desc, -(row + tie), side="left")  # #{λ_i > λ_k + 2δ}
         b = np.searchsorted(desc, -(row - tie), side="right")  # #{λ_i ≥ λ_k − 2δ}

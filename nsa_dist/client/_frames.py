@@ -12,7 +12,7 @@ import numpy as np
 from nsa_dist.config import spec_as_today
 from nsa_dist.errors import NSAError
 from nsa_dist.store import run_summaries
-from nsa_dist.store.schema import STATE_ARRAYS
+from nsa_dist.store.schema import AXIS_LABELS, STATE_ARRAYS
 
 if TYPE_CHECKING:
     import pandas
@@ -43,17 +43,6 @@ _ONE_BASED = (
     "hessian_I_k",
     "moment",
 )
-# short axes whose entries are named quantities: their names as coordinates (sel by position read i = 2
-# for k = 1 on k_gram_change, an audit; a name cannot be taken for a position)
-_NAMED = {
-    "measured_first_order": ("measured", "first_order"),
-    "predicted_measured": ("predicted", "measured"),
-    "gram_change_norm": ("measured", "predicted", "difference"),
-    "value_stderr": ("value", "stderr"),
-    "along": ("I", "S"),  # Hessian-paper Fig. 3: along I's / S's top eigenvectors …
-    "quotient": ("vIv", "vSv"),  # … the Rayleigh quotients vᵀIv and vᵀSv
-    "S_prediction": ("trace_S_init", "trace_S", "trace_S2"),  # as HessianView.S_limit names them
-}
 
 
 def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
@@ -93,9 +82,7 @@ def run_to_xarray(run: RunArrays, *, state: bool = False) -> xarray.Dataset:
     for d in _ONE_BASED:
         if d in ds.dims:
             coords[d] = (d, np.arange(1, ds.sizes[d] + 1))
-    if ds.sizes.get("hessian_part") == 3:  # the rows of H = I + S in the stored (…, 3, …) arrays
-        coords["hessian_part"] = ("hessian_part", np.array(["H", "I", "S"]))
-    for d, names in _NAMED.items():
+    for d, names in AXIS_LABELS.items():  # named quantities, as the TensorBoard export's tags name them
         if ds.sizes.get(d) == len(names):
             coords[d] = (d, np.array(names))
     if "train_step" in ds.dims:

@@ -45,11 +45,28 @@ _CIFAR_GLOBALS = frozenset(
 
 
 def _bytes(*args: Any) -> bytes:
-    """``bytes`` as a pickle may call it (``bytes()``, ``bytes(b"…")``) — never ``bytes(n)``, whose
-    n zero bytes a crafted file could set to any size."""
-    if args and isinstance(args[0], int):
-        raise pickle.UnpicklingError("refused bytes(n) — a CIFAR batch never makes n zero bytes")
+    """``bytes`` as a pickle may call it (``bytes()``, ``bytes(b"…")``, ``bytes("…", "latin1")``) — never
+    ``bytes(n)`` (an int or a NumPy integer: n zero bytes a crafted file could set to any size, a review)."""
+    if args and not isinstance(args[0], (bytes, bytearray, str)):
+        raise pickle.UnpicklingError(
+            f"refused bytes({type(args[0]).__name__}) — a CIFAR batch makes bytes only from bytes or text"
+        )
     return bytes(*args)
+
+
+def _scalar(dtype: Any, *data: Any) -> Any:
+    """``numpy…multiarray.scalar`` for a number only: a void dtype of any size (``V1000000000``) made
+    NumPy allocate and zero it from a 142-byte file (a review)."""
+    if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc" or dtype.itemsize > 16:
+        raise pickle.UnpicklingError(f"refused a NumPy scalar of dtype {dtype!r} — a CIFAR batch holds numbers")
+    if data and not isinstance(data[0], bytes):
+        raise pickle.UnpicklingError("refused a NumPy scalar built from something other than its bytes")
+    try:
+        from numpy._core.multiarray import scalar
+    except ImportError:  # NumPy 1.x
+        from numpy.core.multiarray import scalar
+
+    return scalar(dtype, *data)
 
 
 IDX_IMAGES = 2051  # 0x00000803: unsigned bytes, 3 dims (N, rows, cols)
@@ -244,7 +261,7 @@ class _BatchUnpickler(pickle.Unpickler):
                 "numbers and NumPy arrays, and a pickle naming anything else can run code "
                 "(nothing of it was run)"
             )
-        return _bytes if name == "bytes" else super().find_class(module, name)
+        return {"bytes": _bytes, "scalar": _scalar}.get(name) or super().find_class(module, name)
 
 
 def read_pickle_batch(path: Location, keys: tuple[str, ...]) -> dict[str, Any]:

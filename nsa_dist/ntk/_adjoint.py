@@ -73,8 +73,15 @@ def _adjoint_gap(model: nn.Module, xs: torch.Tensor) -> str | None:
             return None
         worst, by = got
         tol = (_EXACT_TOL if by == "forward mode" else _DIFFERENCE_TOL)[dtype]
-        if worst > tol and dtype == torch.float32 and _rounding_only(twin, primals, rest, buffers, xs):
-            return None
+        if worst > tol and dtype == torch.float32:
+            rounding = _rounding_only(twin, primals, rest, buffers, xs)
+            if rounding:
+                return None
+            if rounding is None:  # no float64 copy runs (a float32 tensor attribute, too little memory): the
+                # float32 sums' own rounding, ~eps₃₂·√P, is allowed instead (a review: such a plain 10⁶-unit
+                # net was refused again)
+                size = sum(p.numel() for p in primals.values())
+                tol = max(tol, 4 * torch.finfo(torch.float32).eps * size**0.5)
     if worst <= tol:
         return None
     return (
@@ -123,12 +130,12 @@ def _worst_pair(f, primals: dict[str, torch.Tensor]) -> tuple[float, str] | None
 
 def _rounding_only(  # noqa: ANN001
     twin, primals: dict[str, torch.Tensor], rest: dict, buffers: dict, xs: torch.Tensor
-) -> bool:
+) -> bool | None:
     """Whether a float32 model's gap is its rounding: the same test on a float64 copy passes to float64's
-    forward-mode tolerance.  (Float32 sums over 10⁶ units put u·(J t) 1.2·10⁻⁴ off ‖t‖² with no hook at
-    all: a plain MLP of width 10⁶ was refused for a hook it did not have — an audit.)  A hook or a
-    Function with another backward changes the gradients in float64 as well; a forward that does not
-    run in float64, or computes in float32 inside, keeps the float32 verdict."""
+    forward-mode tolerance (None: no float64 copy runs, or it computes in float32 inside).  (Float32
+    sums over 10⁶ units put u·(J t) 1.2·10⁻⁴ off ‖t‖² with no hook at all: a plain MLP of width 10⁶ was
+    refused for a hook it did not have — an audit.)  A hook or a Function with another backward changes
+    the gradients in float64 as well."""
 
     def up(v):  # noqa: ANN001, ANN202
         return v.double() if torch.is_tensor(v) and v.is_floating_point() else v
@@ -144,9 +151,11 @@ def _rounding_only(  # noqa: ANN001
 
     try:
         got = _worst_pair(f64, p64)
-    except Exception:  # noqa: BLE001 - not runnable in float64: the float32 verdict stands
-        return False
-    return got is not None and got[1] == "forward mode" and got[0] <= _EXACT_TOL[torch.float64]
+    except Exception:  # noqa: BLE001 - not runnable in float64 (incl. running out of memory for the copy)
+        return None
+    if got is None or got[1] != "forward mode":
+        return None
+    return got[0] <= _EXACT_TOL[torch.float64]
 
 
 def _forward(  # noqa: ANN001

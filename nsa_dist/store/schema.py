@@ -29,6 +29,7 @@ __all__ = [
     "STATE_ARRAYS",
     "dimension_names",
     "step_specs",
+    "AXIS_LABELS",
 ]
 
 SCHEMA_VERSION = 1
@@ -227,6 +228,20 @@ def _casts(src: np.dtype, dst: np.dtype) -> bool:
 
 # --------------------------------------------------------------------------- dimension names
 _OUT = ("output",)
+# the names of the entries of the short axes whose entries are named quantities: the coordinates of
+# Run.to_xarray and the TensorBoard export's tags (one table: the two named gram_change_norm's second
+# entry and along's differently, a review)
+AXIS_LABELS: dict[str, tuple[str, ...]] = {
+    "value_stderr": ("value", "stderr"),
+    "hessian_part": ("H", "I", "S"),
+    "S_prediction": ("trace_S_init", "trace_S", "trace_S2"),  # as HessianView.S_limit names them
+    "predicted_measured": ("predicted", "measured"),
+    "gram_change_norm": ("measured", "first_order", "difference"),
+    "measured_first_order": ("measured", "first_order"),
+    "along": ("along_I", "along_S"),  # Hessian-paper Fig. 3: along I's / S's top eigenvectors …
+    "quotient": ("vIv", "vSv"),  # … the Rayleigh quotients vᵀIv and vᵀSv
+}
+
 _DIMS: dict[str, tuple[str, ...]] = {
     "X": ("point", "input"),
     "y": ("point",) + _OUT,

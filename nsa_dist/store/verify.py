@@ -82,9 +82,10 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                 link=folder is not None,
             )
         ]
-    status = r.attrs.get("status")
-    if status is not None and status not in STORED_STATUSES:  # listed as it was ('12345' in `nsa ls`)
-        return [
+    status, odd = r.attrs.get("status"), []
+    if status is not None and status not in STORED_STATUSES:  # listed as it was ('12345' in `nsa ls`); the
+        # run's other damage is checked too (returned alone, it hid a missing chunk that --mark then kept)
+        odd = [
             Damage(
                 run_id,
                 "",
@@ -98,8 +99,8 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
         ]
     if r.attrs.get("creating"):  # no step can be recorded yet: nothing to check, nothing damaged
         if store.creation_live(run_id):
-            return []
-        return [
+            return odd
+        return odd + [
             Damage(
                 run_id,
                 "",
@@ -111,7 +112,7 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
                 unfinished=True,
             )
         ]
-    out: list[Damage] = []
+    out: list[Damage] = list(odd)
     steps = None
     for name, a in r.specs.items():
         try:
