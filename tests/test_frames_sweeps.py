@@ -465,3 +465,11 @@ def test_every_short_or_k_like_axis_of_to_xarray_has_its_coordinate(tmp_path: Pa
     np.testing.assert_array_equal(ds.predicted_step.values, run.g["steps"][:])
     bare = {d for d in ds.dims if d not in ds.coords}
     assert bare <= {"point", "test_point", "input", "output", "pixel_y", "pixel_x", "freq_y", "freq_x"}, bare
+
+
+def test_app_f_on_a_run_that_did_not_measure_it_says_how_to(store_url: str) -> None:
+    """``run.kernel.gram_change()`` said "has no array 'gram_change' — it has: …" (a README walk-through)."""
+    from nsa_dist.errors import StoreError
+
+    with pytest.raises(StoreError, match=r"did not measure App. F's dG_t: .*spectrum.gram_change_k"):
+        Client(store_url).run("lone").kernel.gram_change()

@@ -175,6 +175,10 @@ def test_chosen_steps_pair_and_k(tiny: Run, tmp_path: Path) -> None:
         ValueError, match=r"step\(s\) \[11\] are not finished recorded steps.*finished: \[0, 10, 20, 30, 39\]"
     ):
         plot_run(tiny, tmp_path, opts=PlotOptions(steps=(11,)))
+    with pytest.raises(
+        ValueError, match=r"step\(s\) \[11, 12\] are not"
+    ):  # each once ([11, 12, 11, 12]: a walk-through)
+        plot_run(tiny, tmp_path, opts=PlotOptions(steps=(11, 12), pair=(11, 12)))
 
 
 def test_fig1abc_shows_target_and_output(tiny: Run) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from nsa_dist.client._arrays import RunArrays
+from nsa_dist.errors import StoreError
 
 __all__ = ["KernelView"]
 
@@ -50,6 +51,11 @@ class KernelView:
         """NSA App. F along the eigenvector steps: {"steps": (Se,), "measured", "first_order": (Se, Kg)
         v_iᵀ dG_t v_i, "fro": (Se, 3) ‖VᵀdG_tV‖_F measured, first order, their difference}."""
         a = self._a
+        if not a.has("gram_change"):  # "has no array 'gram_change'" said neither why nor how (a walk-through)
+            raise StoreError(
+                f"run {a.id!r} did not measure App. F's dG_t: its spec has spectrum.gram_change_k: 0 (or no "
+                "stored eigenvectors); record a run with spectrum.gram_change_k: 10, say, and store_eigenvectors"
+            )
         idx = np.asarray([a.index_of(int(t)) for t in a.eigenvector_steps], dtype=np.int64)
         gc = np.asarray(a.rows("gram_change", idx))  # (Se, 2, Kg)
         fro = np.asarray(a.rows("gram_change_fro", idx))

@@ -267,7 +267,7 @@ class PlotOptions:
     def check_steps(self, run: Run) -> None:
         """ValueError naming the finished steps when a chosen step is not one of them."""
         have = set(int(t) for t in run.steps)
-        bad = [t for t in (self.steps or ()) + (self.pair or ()) if t not in have]
+        bad = [t for t in dict.fromkeys((self.steps or ()) + (self.pair or ())) if t not in have]  # each once
         if bad:
             raise ValueError(
                 f"step(s) {bad} are not finished recorded steps of run {run.id!r}; "
