@@ -167,11 +167,16 @@ def _as_tensor(name: str, a: Any) -> torch.Tensor:
     return a.detach().cpu()
 
 
+def _first_point(bad: torch.Tensor) -> int:
+    """The first point (row) of a per-entry mask that holds a True entry (0 for a scalar)."""
+    return int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0]) if bad.ndim else 0
+
+
 def _finite(name: str, a: torch.Tensor) -> None:
     """NonFiniteError naming ``name``, how many entries are NaN or inf and the first point holding one."""
     bad = ~torch.isfinite(a.double())
     if bad.any():
-        first = int(bad.reshape(a.shape[0], -1).any(dim=1).nonzero()[0, 0]) if a.ndim else 0
+        first = _first_point(bad)
         raise NonFiniteError(
             f"{name} holds {int(bad.sum())} NaN/inf entries (the first in point {first}): clean the "
             "data before handing it to the Tracker"
@@ -186,7 +191,7 @@ def _fits(name: str, a: torch.Tensor, model: nn.Module) -> None:
         return
     bad = ~torch.isfinite(a.to(dtype))
     if bad.any():
-        first = int(bad.reshape(a.shape[0], -1).any(dim=1).nonzero()[0, 0]) if a.ndim else 0
+        first = _first_point(bad)
         big = float(a.double().abs().max())
         raise NonFiniteError(
             f"{name} is {a.dtype} and {int(bad.sum())} of its entries overflow the model's {dtype} (the first "

@@ -60,6 +60,11 @@ class Damage:
         """A damaged zarr.json, which --mark cannot repair (restore it from a copy, or delete the run)."""
         return self.key is None and self.index is None and not self.link and not self.remade
 
+    @classmethod
+    def of_run(cls, run_id: str, path: str, problem: str, **flags: bool) -> Damage:
+        """Damage of the run itself (its folder or its zarr.json), not of one of its arrays."""
+        return cls(run_id, "", None, None, path, problem, **flags)
+
     def __str__(self) -> str:
         at = f" step {self.step} (index {self.index})" if self.index is not None else ""
         return f"{self.run_id}: {self.array or '(run metadata)'}{at}: {self.problem} — {self.path}"
@@ -72,25 +77,14 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
     except StoreError as exc:
         folder = _linked(store, run_id)
         return [
-            Damage(
-                run_id,
-                "",
-                None,
-                None,
-                folder or f"{store.run_path(run_id)}/zarr.json",
-                str(exc),
-                link=folder is not None,
-            )
+            Damage.of_run(run_id, folder or f"{store.run_path(run_id)}/zarr.json", str(exc), link=folder is not None)
         ]
     status, odd = r.attrs.get("status"), []
     if status is not None and status not in STORED_STATUSES:  # listed as it was ('12345' in `nsa ls`); the
         # run's other damage is checked too (returned alone, it hid a missing chunk that --mark then kept)
         odd = [
-            Damage(
+            Damage.of_run(
                 run_id,
-                "",
-                None,
-                None,
                 f"{r.path}/zarr.json",
                 f"its status attribute holds {status!r}, no status ({', '.join(STORED_STATUSES)}); --mark sets it "
                 "'pending' and a re-run resumes the run from its finished steps",
@@ -101,11 +95,8 @@ def verify_run(store: RunIndex, run_id: str) -> list[Damage]:
         if store.creation_live(run_id):
             return odd
         return odd + [
-            Damage(
+            Damage.of_run(
                 run_id,
-                "",
-                None,
-                None,
                 f"{r.path}/zarr.json",
                 "its creation was interrupted (its writer "
                 "stopped before making every array); re-run it (nsa run / nsa sweep) to finish creating it",
@@ -315,11 +306,8 @@ def verify_store(store: RunIndex, run_ids: list[str] | None = None) -> list[Dama
         for e in sorted(os.scandir(runs), key=lambda e: e.name):
             if e.is_symlink() and e.name not in ids:
                 out.append(
-                    Damage(
+                    Damage.of_run(
                         e.name,
-                        "",
-                        None,
-                        None,
                         e.path,
                         f"the run's folder is a symbolic link (to "
                         f"{os.readlink(e.path)}) to no run's folder; --mark removes the link and a re-run "
