@@ -54,3 +54,51 @@ def test_active_norms_are_of_w_times_the_loss_hessian(tmp_path) -> None:
             got["regime=active"], [4 * stored["active", 4], 16 * stored["active", 16]], rtol=1e-12
         )
         np.testing.assert_allclose(got["regime=ntk"], [stored["ntk", 4], stored["ntk", 16]], rtol=1e-12)
+
+
+def test_width_axes_and_legends_leave_the_panels_readable(tmp_path) -> None:
+    """A walk-through: the log width axis labelled its minor ticks ("2×10¹ 4×10¹ 6×10¹", overlapping),
+    the regimes figure's legends at each panel's right squeezed the three panels to a third of their
+    width, and the moments figure's one legend took the second panel's place.  Now the width axis is
+    ticked at the widths, the regimes legends stand under their panels and the moments legend under
+    the figure, none over a panel."""
+    from nsa_dist.plots.sweep import hessian_moments_figure, width_convergence
+
+    url = str(tmp_path / "w.zarr")
+    store = SpectrumStore(url)
+    sweep = SweepSpec(
+        name="wid",
+        base={
+            "data": {"n": 6},
+            "model": {"depth": 2, "activation": "softplus", "init": "ntk"},
+            "steps": 2,
+            "record": {"steps": [0, 1]},
+            "spectrum": {"k": 3, "images": [], "dtype": "float64"},
+            "hessian": {"probes": 2, "rayleigh_k": 0, "top_k": 1, "density": False, "additivity": False},
+        },
+        grid={"model.width": [4, 8, 16, 32]},
+    )
+    ids = [run_experiment(s, store).run_id for s in sweep.expand()]
+    store.record_sweep("wid", sweep.model_dump(mode="json"), ids)
+    sw = Client(url).sweep("wid")
+    for fig in (regimes_figure(sw), width_convergence(sw, orders=(1,))):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            major = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+            minor = [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()]
+            assert major == ["4", "8", "16", "32"] and not minor, (major, minor)
+    fig = regimes_figure(sw)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        leg, box = ax.get_legend(), ax.get_window_extent(r)
+        assert leg is not None and leg.get_window_extent(r).y1 < box.y0, "a regimes legend not under its panel"
+        label = ax.xaxis.label.get_window_extent(r)
+        assert leg.get_window_extent(r).y1 <= label.y0 + 0.5, "a regimes legend over the x label"
+    fig = hessian_moments_figure(sw, "S")
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+    key = fig.legends[0].get_window_extent(r)
+    assert all(key.y1 < ax.get_window_extent(r).y0 for ax in fig.axes), "the moments legend over a panel"

@@ -58,6 +58,9 @@ __all__ = [
     "footnote",
     "FOOTNOTE_PT",
     "LEGEND_OUTSIDE",
+    "shared_legend",
+    "width_axis",
+    "step_axis",
     "some_steps",
     "colors",
     "decay_steps",
@@ -473,11 +476,15 @@ def legend(
     family: tuple[str, list[str], np.ndarray] | None = None,
     most: int = MAX_LEGEND,
     fontsize: float = 8,
+    below: bool = False,
     **kw,
 ) -> None:
     """A legend of at most ``most`` entries (about 10), never one that buries the plot: outside the axes, to
     their right (:data:`LEGEND_OUTSIDE`; the layout engine makes room for it), so it hides no data — inside,
     even at matplotlib's "best" place, it covered points of Figs. 2b, 3a, 3c and the Hessian moments.
+    ``below``: under the axes' x label instead (:func:`_below`), for a panel of a row, whose legend at
+    its right took the next panel's room (the regimes figure's three panels were squeezed to a third
+    of their width).
 
     ``family`` = (name, labels, colours) names a family of lines (the k of Fig. 3, the steps of App. F,
     the grid points of a sweep) by their labels and colours: when the legend would hold more than
@@ -499,7 +506,7 @@ def legend(
         title = f"{len(pick)} of {len(labels)} entries shown"
         handles, labels = [handles[j] for j in pick], [labels[j] for j in pick]
     if labels:
-        for key, value in LEGEND_OUTSIDE.items():
+        for key, value in (_below(ax) if below else LEGEND_OUTSIDE).items():
             kw.setdefault(key, value)
         ax.legend(
             handles,
@@ -507,9 +514,72 @@ def legend(
             fontsize=fontsize,
             title=title,
             title_fontsize=fontsize,
-            ncol=2 if len(labels) > 6 else 1,
+            # one column at the axes' right: two squeezed a one-panel figure to a strip (Fig. 7a of a
+            # sweep of 10 grid points: the legend was wider than the plot); ≤ 10 rows fit its height
+            ncol=2 if below and len(labels) > 3 else 1,
             **kw,
         )
+
+
+def _below(ax: Axes) -> dict:
+    """Legend placement under ``ax``: centred, its top 3.2 font sizes below the axes (the tick labels and
+    the x label stand there), in points so that it clears them at any panel height."""
+    import matplotlib
+    from matplotlib.transforms import offset_copy
+
+    drop = 3.2 * float(matplotlib.rcParams["font.size"])
+    return {
+        "loc": "upper center",
+        "bbox_to_anchor": (0.5, 0.0),
+        "bbox_transform": offset_copy(ax.transAxes, fig=ax.figure, y=-drop, units="points"),
+        "borderaxespad": 0.0,
+    }
+
+
+def shared_legend(fig: Figure, ax: Axes) -> None:
+    """Move ``ax``'s legend (the one key of a row of panels) under the whole figure, centred, in as many
+    columns as fit: at ``ax``'s right it took the next panel's place (the Hessian moments' first panel
+    left a gap as wide as itself).  A colour key (more lines than a legend holds) stays where it is."""
+    old = ax.get_legend()
+    if old is None:
+        return
+    handles, labels = old.legend_handles, [t.get_text() for t in old.get_texts()]
+    title = old.get_title().get_text() or None
+    old.remove()
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncol=max(1, min(len(labels), 4)),
+        fontsize=8,
+        title=title,
+        title_fontsize=8,
+    )
+
+
+def step_axis(ax: Axes) -> None:
+    """A symlog x axis of training steps t ≥ 0 (linear below t = 1, so t = 0 is drawn) starting at 0:
+    its margin below 0 put a "−5×10⁻²" tick over the 0 of a short run."""
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlim(left=0.0)
+
+
+def width_axis(ax: Axes, widths) -> None:
+    """A log x axis of network widths ticked at the widths drawn, as plain integers: matplotlib's own
+    ticks on a log axis spanning one or two decades label the minor ticks too ("2×10¹ 4×10¹ 6×10¹ 10²"),
+    and they overlapped on the regimes and width-convergence figures.  At most 8 labels (an even
+    selection, first and last kept)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    w = np.unique(np.asarray(widths, np.float64))
+    w = w[np.isfinite(w) & (w > 0)]
+    if not len(w):
+        return
+    ax.set_xscale("log")
+    shown = w[some_steps(len(w), 8)] if len(w) > 8 else w
+    ax.xaxis.set_major_locator(FixedLocator(shown))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}

@@ -13,7 +13,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nsa_dist.plots.axes import DPI, blank_figure, colors, energy_k, legend, set_title, symlog_y
+from nsa_dist.plots.axes import (
+    DPI,
+    blank_figure,
+    colors,
+    energy_k,
+    legend,
+    set_title,
+    shared_legend,
+    step_axis,
+    symlog_y,
+    width_axis,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -98,7 +109,8 @@ def fig7a(sweep: Sweep, k: int | None = None) -> Figure:
     k = energy_k(sweep.smallest_n(), sweep.smallest_k(), k)
     fig, ax = _figure(sweep, "7a", f"label energy $E_t(y, {k})$")
     _lines(ax, sweep.curves("energy_y", k))
-    ax.set(xlabel="step t", ylabel=f"$E_t(y, {k})$", xscale="symlog", ylim=(-0.02, 1.02))
+    ax.set(xlabel="step t", ylabel=f"$E_t(y, {k})$", ylim=(-0.02, 1.02))
+    step_axis(ax)
     return fig
 
 
@@ -199,12 +211,14 @@ def hessian_moments_figure(sweep: Sweep, part: str = "S") -> Figure:
             for line in ax.lines:
                 line.set_marker("o")
                 line.set_markersize(3)
-            ax.set(xlabel="step t", xscale="symlog")
+            ax.set(xlabel="step t")
+            step_axis(ax)
         ax.axhline(0, color="0.5", lw=0.8)
         ax.set_title(f"Tr({part}^{k})")
         symlog_y(ax, np.concatenate([c.mean for c in curves]))
         if k > 1 and ax.get_legend():
             ax.get_legend().remove()
+    shared_legend(fig, axes[0])
     return fig
 
 
@@ -273,7 +287,8 @@ def width_convergence(sweep: Sweep, step: int = 0, orders: tuple[int, ...] = (1,
         if ok.any():
             w, y0 = w[ok], y[ok][0]
             ax.plot(w, y0 * np.sqrt(w[0] / w), "k:", lw=1, label=r"$\propto w^{-1/2}$")
-    ax.set(xlabel="width w", ylabel="relative error", xscale="log", yscale="log")
+    ax.set(xlabel="width w", ylabel="relative error", yscale="log")
+    width_axis(ax, [w for line in ax.lines for w in np.asarray(line.get_xdata(), np.float64)])
     ax.grid(alpha=0.3, which="both")
     if skipped:
         ax.text(
@@ -321,9 +336,10 @@ def regimes_figure(sweep: Sweep, step: int = 0) -> Figure:
                 color=c,
                 label=f"{lv}: slope {fit_slope(w, mean):+.2f}",
             )
-        ax.set(xlabel="width w", title=label, xscale="log", yscale="log")
+        ax.set(xlabel="width w", title=label, yscale="log")
+        width_axis(ax, [w for _lv, ws, _m, _s in series for w in ws])
         ax.grid(alpha=0.3, which="both")
-        legend(ax)
+        legend(ax, below=True)
     return fig
 
 
