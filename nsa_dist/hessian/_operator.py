@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.func import jvp, vjp, vmap
+from torch.func import grad, jvp, vjp, vmap
 from torch.overrides import TorchFunctionMode
 
 from nsa_dist.config import LossName
@@ -44,7 +44,7 @@ from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.linalg.operator import LinearOperator
 from nsa_dist.ntk import sample_coupling
 from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.inputs import as_2d, autograd_on, default_block, trainable_params
+from nsa_dist.ntk.inputs import as_2d, autograd_on, default_block, functorch_refused, trainable_params
 from nsa_dist.ntk.state import (  # copyable: re-exported
     attributes_kept,
     call,
@@ -79,6 +79,7 @@ class LossCurvatureOperator(LinearOperator):
     """
 
     dim_name = "P"
+    _SECOND_ORDER = False  # products made of f's second derivatives (H, S): checked by _check_second_order
 
     @autograd_on  # products differentiate the forward: no inference mode, parametrize cache or autocast
     def __init__(
@@ -90,6 +91,7 @@ class LossCurvatureOperator(LinearOperator):
             coupling = sample_coupling(model, X)
             with copyable(model):
                 model = stateless(model, X)  # products change no buffer of the user's model
+        self._coupled = coupling is not None
         if coupling is not None:  # C of the batch forward: every product over all points at once
             _log.info("the model couples samples (%s): curvature products over the whole batch", coupling)
             block_size = X.shape[0]
@@ -105,6 +107,7 @@ class LossCurvatureOperator(LinearOperator):
         self._reverse = False  # True once an op of the model turned out to have no forward-mode rule
         self._refused: UnsupportedModelError | None = None  # its reverse-mode products failed the symmetry check
         self._plain = False  # True once torch.func could not run the model: plain autograd from then on
+        self._derivative_checked = not self._SECOND_ORDER  # (H and S) their products against a difference, once
 
     # ------------------------------------------------------------------ to implement
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -226,17 +229,20 @@ class LossCurvatureOperator(LinearOperator):
             try:
                 AV = self._columns(Vt)
             except RuntimeError as e:  # torch.func cannot run an op of the model: plain autograd for good
-                if self._plain or not _functorch_refused(e):
+                if self._plain or not functorch_refused(e):
                     raise
                 _log.info("torch.func cannot run the model (%s): Hessian products by plain autograd", e)
                 self._plain = True
                 AV = self._columns(Vt)
-            if (forward_mode and self._reverse) or (self._plain and not plain):  # switched mode in this product
-                try:
+            try:
+                if (forward_mode and self._reverse) or (self._plain and not plain):  # switched mode in this product
                     self._check_symmetric()
-                except UnsupportedModelError as e:
-                    self._refused = e
-                    raise
+                if not self._derivative_checked:
+                    self._derivative_checked = True
+                    self._check_second_order()
+            except UnsupportedModelError as e:
+                self._refused = e
+                raise
         return AV
 
     def _columns(self, Vt: torch.Tensor) -> torch.Tensor:
@@ -269,15 +275,110 @@ class LossCurvatureOperator(LinearOperator):
                 "curvature is not measured"
             )
 
+    def _check_second_order(self) -> None:
+        """UnsupportedModelError when the model's forward runs a custom ``autograd.Function`` and the
+        products' second derivatives of f disagree with a central difference of its (first-order)
+        gradients on the first few points.  Second derivatives through a Function are differentiations
+        of its backward: one written on a detached input — as a NumPy, C++ or CUDA-extension backward
+        is — gives a correct gradient and a wrong Hessian, and a symmetric one, so the symmetry check
+        passes (H and S 0.25–1.4 of max|H| off, status done: an audit).  Only models with such a
+        Function are differenced: elsewhere PyTorch's own rules hold, and a ``torch.no_grad()`` block
+        is a constant for the products but not for a difference (:func:`_second_order_gap`)."""
+        # a forward that couples its samples (a GCN over the whole graph) runs on all of them only
+        xs = self.X if self._coupled else self.X[: min(self.N, _CHECK_POINTS)]
+        f = self._f(xs)
+        theta = self._leaves()
+        with torch.enable_grad():
+            out = f(theta)
+        functions = python_functions(out)
+        if not functions or not out.requires_grad:
+            return
+        gen = torch.Generator().manual_seed(31)
+        u = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype).to(out.device)
+
+        def scalar(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (f(p) * u).sum()
+
+        def product(V: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # this operator's own mode
+            U = {k: v[None] for k, v in V.items()}
+            got = self._plain_hvp(scalar, U) if self._plain else self._hvp(grad(scalar), U)
+            return {k: t[0] for k, t in got.items()}
+
+        gap = _second_order_gap(scalar, self._params, product, gen, self._grads)
+        if gap is None:
+            return
+        raise UnsupportedModelError(
+            f"the model's forward runs the custom autograd.Function {', '.join(functions)}, and the second "
+            f"derivatives taken through it (differentiating its backward) are not those of its gradients: "
+            f"{type(self).__name__}'s product is {gap:.2g} (relative) off a central difference of the gradients "
+            "at the first points — a backward computed on detached inputs, in NumPy, or in a C++/CUDA extension "
+            "has a correct gradient and no correct derivative of its own; write the backward in differentiable "
+            "torch ops (or give it its own double backward), so this curvature is not measured"
+        )
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={self.shape}, loss={self.loss.value!r}, N={self.N}, dtype={self.dtype})"
 
 
-def _functorch_refused(e: RuntimeError) -> bool:
-    """Whether ``e`` is torch.func's refusal of an ``autograd.Function`` it cannot transform ("In order
-    to use an autograd.Function with functorch transforms … it must override the setup_context
-    staticmethod")."""
-    return "setup_context" in str(e) and "functorch" in str(e)
+_CHECK_POINTS = 4  # points the second-order check differences its gradients on
+_SECOND_TOL = {torch.float64: 1e-5, torch.float32: 3e-2}  # the difference's truncation and rounding
+
+
+def python_functions(out: torch.Tensor) -> list[str]:
+    """The custom ``torch.autograd.Function`` classes in ``out``'s autograd graph (their backward
+    nodes' names less "Backward"), each once."""
+    seen: set[int] = set()
+    names: list[str] = []
+    stack = [out.grad_fn] if out.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            name = type(node).__name__.removesuffix("Backward")
+            if name not in names:
+                names.append(name)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return names
+
+
+def _second_order_gap(scalar, params, product, gen, grads) -> float | None:  # noqa: ANN001
+    """The relative gap between ``product(v)`` (∇²scalar · v as the operator takes it) and a central
+    difference of ∇scalar along v, for up to three random v — None at the first v where they agree,
+    and where no v gives a difference that two step sizes agree on (a step across a kink proves
+    nothing either way)."""
+    dtype = next(iter(params.values())).dtype
+    tol = _SECOND_TOL.get(dtype, _SECOND_TOL[torch.float32])
+    eps = float(torch.finfo(dtype).eps)
+    norm = _norm(params.values())
+    worst = None
+    for _ in range(3):
+        v = {k: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for k, p in params.items()}
+        h = eps ** (1 / 3) * max(norm, 1.0) / max(_norm(v.values()), 1e-300)
+
+        def gradient(shift: float, v: dict[str, torch.Tensor] = v) -> torch.Tensor:
+            th = {k: (p + shift * v[k]).detach().requires_grad_(True) for k, p in params.items()}
+            with torch.enable_grad():
+                val = scalar(th)
+            return torch.cat([t.reshape(-1) for t in grads(val, th).values()]).double()
+
+        g0 = _norm([gradient(0.0)])
+        diffs = [(gradient(step) - gradient(-step)) / (2 * step) for step in (h, h / 4)]
+        Hv = torch.cat([t.reshape(-1) for t in product(v).values()]).double()
+        size = max(float(Hv.norm()), float(diffs[1].norm()))
+        floor = 64 * eps * g0 / h  # the difference's rounding
+        if float((diffs[0] - diffs[1]).norm()) > tol * size + floor:
+            continue  # the steps disagree: a kink or a jump between them
+        gap = float((Hv - diffs[1]).norm())
+        if gap <= tol * size + floor:
+            return None
+        worst = max(worst or 0.0, gap / max(size, 1e-300))
+    return worst
+
+
+def _norm(tensors) -> float:  # noqa: ANN001
+    return float(torch.sqrt(sum(((x.double() ** 2).sum() for x in tensors), torch.zeros((), dtype=torch.float64))))
 
 
 def _no_forward_rule(e: NotImplementedError) -> bool:

@@ -64,6 +64,8 @@ class HessianPart(str, Enum):
 class HessianOperator(LossCurvatureOperator):
     """``H v = ∇²_θ C v`` — forward-over-reverse, ``jvp(grad C_b)`` per data block b."""
 
+    _SECOND_ORDER = True
+
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m = next(iter(U.values())).shape[0]
         out = self._zeros(m)
@@ -127,6 +129,8 @@ class ResidualOperator(LossCurvatureOperator):
     Attributes:
         R: (N, K) the fixed output-space gradients ``∇_f c_i`` (f − y for MSE, p − y for CE).
     """
+
+    _SECOND_ORDER = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -41,7 +41,14 @@ from nsa_dist.models import user_named_modules
 from nsa_dist.ntk._adjoint import gradients_not_derivative
 from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
-from nsa_dist.ntk.state import FrequencyScaledLookups, batch_stat_modules, preserved
+from nsa_dist.ntk.state import (
+    FrequencyScaledLookups,
+    batch_stat_modules,
+    parameters_kept,
+    plain_scalars,
+    preserved,
+    refuse_parameter_writes,
+)
 
 __all__ = ["Route", "FastLayer", "ForwardPlan", "plan_forward", "couples"]
 
@@ -195,7 +202,7 @@ def _couples(
             state = [] if drop else _changed_buffers(model, x)
             if state:
                 raise UnsupportedModelError(
-                    f"the model's forward changes its state: every forward writes its buffer(s) {', '.join(state)}, "
+                    f"the model's forward changes its state: every forward writes its {', '.join(state)}, "
                     "and two forwards of the same points differ: its NTK is not defined at any one state; "
                     "call model.eval() if the module updates its state only in training (e.g. spectral_norm), "
                     "or keep the state out of the forward"
@@ -282,8 +289,11 @@ def _no_reentrant_checkpoint(out: torch.Tensor) -> None:
 
 def _changed_buffers(model: nn.Module, x: torch.Tensor) -> list[str]:
     """The buffers one forward of x changes, in place or by reassignment (``self.mu = …``), as
-    "'name' (Type)" (the caller restores them: it runs inside ``preserved``)."""
+    "'name' (Type)" (the caller restores them: it runs inside ``preserved``), and the plain attributes
+    it changes, as "attribute 'name' (Type)" (a warm-up counter ``self.calls += 1`` the forward reads
+    was called "random … call model.eval()", which changes nothing: an audit)."""
     before = {n: (b, b.detach().clone()) for n, b in model.named_buffers()}
+    scalars = plain_scalars(model)
     owners = {f"{n}.{k}" if n else k: m for n, m in model.named_modules() for k in m._buffers}
     try:
         with torch.no_grad():
@@ -292,12 +302,13 @@ def _changed_buffers(model: nn.Module, x: torch.Tensor) -> list[str]:
         return []
     now = dict(model.named_buffers())
     norms = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+    attributes = [f"attribute {k!r} ({type(m).__name__})" for m, k, v in scalars if m.__dict__.get(k, v) != v]
     return [
-        f"{n!r} ({type(owners[n]).__name__})"
+        f"buffer {n!r} ({type(owners[n]).__name__})"
         for n, (b, v) in before.items()
         if (now.get(n) is not b or not torch.equal(b, v))
         and not (isinstance(owners[n], norms) and owners[n].training)  # statistics its output does not read
-    ]
+    ] + attributes
 
 
 def _batch_size_matters(
@@ -489,12 +500,14 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     model's buffers and modes are unchanged afterwards."""
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
-    with preserved(model), _rng_kept(x), _unzeroed(model):
+    with preserved(model), _rng_kept(x), _unzeroed(model), parameters_kept(model) as written:
         try:
             with FrequencyScaledLookups() as lookups:  # (the operator's products are reverse and forward mode)
                 why = _couples(model, xs, window=_window(x, idx), all_points=x)
         except Exception as e:
+            refuse_parameter_writes(written())
             why = _only_whole(model, x, xs, e)
+        refuse_parameter_writes(written())
         refuse_frequency_scaled(lookups)
         refuse_false_gradients(model, x[idx])
     _unchanged_input(x[idx], xs)

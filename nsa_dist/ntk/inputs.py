@@ -33,6 +33,7 @@ __all__ = [
     "output_dim",
     "as_2d",
     "default_block",
+    "functorch_refused",
 ]
 
 
@@ -163,3 +164,14 @@ def as_2d(out: torch.Tensor, n: int | None = None) -> torch.Tensor:
 def default_block(n: int, width: int, itemsize: int, budget_bytes: float = 64e6) -> int:
     """A block size whose (block, width) working arrays stay near ``budget_bytes``."""
     return int(max(16, min(n, budget_bytes // max(1, width * itemsize))))
+
+
+def functorch_refused(e: BaseException) -> bool:
+    """Whether ``e`` is torch.func failing to transform an op it has no rule for: an
+    ``autograd.Function`` without ``setup_context`` ("In order to use an autograd.Function with
+    functorch transforms … it must override the setup_context staticmethod"), or a kernel that reads
+    its input's storage, which a transform's wrapped tensor has none of (an LSTM over a packed
+    sequence: "Cannot access data pointer of Tensor that doesn't have storage").  Plain autograd runs
+    both."""
+    msg = str(e)
+    return ("setup_context" in msg and "functorch" in msg) or "doesn't have storage" in msg

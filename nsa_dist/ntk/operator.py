@@ -14,7 +14,7 @@ from nsa_dist.models import OutputSelector, measured_module
 from nsa_dist.ntk._jacobian import vmap_unsafe
 from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
+from nsa_dist.ntk.inputs import as_2d, autograd_on, functorch_refused, trainable_params
 from nsa_dist.ntk.state import (
     attributes_kept,
     call,
@@ -250,7 +250,7 @@ def jacobian_vector_product(
     for k, p in params.items():
         tangents[k] = dtheta[off : off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
         off += p.numel()
-    with blame(model):
+    with blame(model, "J·dθ"):
         twin = stateless(model, x)
         primals = renorm_copies(twin, {k: p.detach() for k, p in twin.named_parameters()})
         buffers = dict(twin.named_buffers())
@@ -264,14 +264,40 @@ def jacobian_vector_product(
             except NotImplementedError as e:  # an op without forward-mode AD (weight_norm, a custom Function)
                 if "forward AD" not in str(e) and "forward mode AD" not in str(e):
                     raise
-                _log.info("J·dθ by reverse mode (the vjp of the vjp): %s", str(e).strip().splitlines()[0][:200])
-                out = _jvp_by_reverse(f, primals, tangents)
-                if not _agrees_with_difference(f, primals, tangents, out):
-                    raise NotImplementedError(
-                        "J·dθ: an op of the model has no forward-mode rule and its backward cannot be "
-                        "differentiated again (e.g. @once_differentiable), so neither mode gives J·dθ"
-                    ) from e
+                out = _instead(f, primals, tangents, _jvp_by_reverse, e, "an op of the model has no forward-mode rule")
+            except RuntimeError as e:  # (a subclass of it is above) torch.func cannot run an op (a packed LSTM)
+                if not functorch_refused(e):
+                    raise
+                out = _instead(f, primals, tangents, _jvp_plain, e, "torch.func cannot run an op of the model")
     return out.detach()
+
+
+def _instead(f, primals: dict, tangents: dict, how, e: Exception, why: str) -> torch.Tensor:  # noqa: ANN001
+    """J·dθ by ``how`` (:func:`_jvp_plain`, :func:`_jvp_by_reverse`: second derivatives of the backward)
+    where forward mode failed with ``e`` for the reason ``why``, checked against a central difference."""
+    _log.info("J·dθ by %s (%s): %s", how.__name__, why, str(e).strip().splitlines()[0][:200])
+    out = how(f, primals, tangents)
+    if not _agrees_with_difference(f, primals, tangents, out):
+        raise NotImplementedError(
+            f"J·dθ: {why} and its backward cannot be differentiated again (e.g. @once_differentiable), "
+            "so neither mode gives J·dθ"
+        ) from e
+    return out
+
+
+def _jvp_plain(
+    f: Callable[[dict[str, torch.Tensor]], torch.Tensor], primals: dict[str, torch.Tensor], tangents: dict
+) -> torch.Tensor:
+    """``J · t`` by plain autograd (no torch.func): the derivative of the linear map w ↦ Jᵀw at w = 0
+    applied to t, by double backward."""
+    leaves = {k: p.detach().requires_grad_(True) for k, p in primals.items()}
+    with torch.enable_grad():
+        out = f(leaves)
+        w = torch.zeros_like(out, requires_grad=True)
+        g = torch.autograd.grad(out, list(leaves.values()), w, create_graph=True, allow_unused=True)
+        live = [(gk, tangents[k]) for k, gk in zip(leaves, g) if gk is not None and gk.requires_grad]
+        jt = torch.autograd.grad([a for a, _ in live], w, [t for _, t in live], allow_unused=True)[0] if live else None
+    return torch.zeros_like(out) if jt is None else jt
 
 
 def _jvp_by_reverse(

@@ -29,6 +29,9 @@ from nsa_dist.models import copied_from, copy_model, user_named_modules
 
 __all__ = [
     "preserved",
+    "parameters_kept",
+    "refuse_parameter_writes",
+    "plain_scalars",
     "frequency_unscaled",
     "renorm_copies",
     "dense_gradients",
@@ -94,6 +97,69 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
                     b.data.copy_(v)  # through .data: no version bump, so a backward that saved b still runs
         for m, mode in modes:
             m.training = mode
+
+
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def plain_scalars(model: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """Every module's own attributes (not torch's) that hold a number, a string, a bool or None: the
+    Python state a forward may read and write (a data-dependent initialisation's flag, a counter)."""
+    return [
+        (m, k, v)
+        for m in model.modules()
+        for k, v in vars(m).items()
+        if k not in _MODULE_INTERNALS and isinstance(v, _SCALARS)
+    ]
+
+
+@contextlib.contextmanager
+def parameters_kept(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
+    """For the probe's first forwards: yields a function naming the parameters whose values a forward
+    changed; on exit, if any was, the parameters' values and the modules' plain attributes
+    (:func:`plain_scalars`) are put back.  A Glow-style ActNorm initialises itself from the first
+    batch it sees (``self.loc.data.copy_(-h.mean(0))`` behind a Python flag): ``gram`` initialised
+    the user's model from the probe points, flag set, and measured that model (an audit).  A copy of
+    the values is kept for the probe only: later forwards of a model that passed it write none."""
+    # a lazy parameter is the forward's to set (LazyLinear's weight takes its shape from the first input),
+    # and a max_norm embedding's weight is renormalised by every lookup (:func:`preserved` puts it back)
+    renormed = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm}
+    saved = [
+        (n, p, p.detach().clone())
+        for n, p in model.named_parameters()
+        if not nn.parameter.is_lazy(p) and id(p) not in renormed
+    ]
+    scalars = plain_scalars(model)
+
+    def same(p: torch.Tensor, v: torch.Tensor) -> bool:  # NaN where it was NaN (a diverged weight) is the same
+        return p.shape == v.shape and bool(torch.eq(p.detach(), v).logical_or(p.detach().isnan() & v.isnan()).all())
+
+    def written() -> list[str]:
+        return [n for n, p, v in saved if not same(p, v)]
+
+    try:
+        yield written
+    finally:
+        if written():
+            with torch.no_grad():
+                for _n, p, v in saved:
+                    if p.shape == v.shape and not same(p, v):
+                        p.data.copy_(v)
+            for m, k, v in scalars:
+                m.__dict__[k] = v
+
+
+def refuse_parameter_writes(names: list[str]) -> None:
+    """UnsupportedModelError when the probe's forwards changed the values of parameters ``names`` (they
+    are put back: :func:`parameters_kept`)."""
+    if names:
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise UnsupportedModelError(
+            f"the model's forward writes its own parameters ({shown} changed in a forward of the probe points) — "
+            "a data-dependent initialisation on the first forward (ActNorm, as in Glow), or a forward that "
+            "updates a weight: nsa-dist would measure the model at parameters set by its own probe points. Your model "
+            "is left as it was: run the forward on your own data first (the initialisation done), then measure"
+        )
 
 
 @contextlib.contextmanager
@@ -442,9 +508,10 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
     """
     before = {name: (b, b._version) for name, b in model.named_buffers()}
     params = {name for name, _ in model.named_parameters()}
-    with preserved(model), torch.no_grad():
+    with preserved(model), torch.no_grad(), parameters_kept(model) as written:
         # two points (all of x for a forward that runs on no fewer); a copy: a forward may write into its input
         forwarded_few(lambda p: model(p.clone()), x)
+        refuse_parameter_writes(written())
         changed = [name for name, (b, v) in before.items() if b._version != v]
         # a buffer registered by a forward (a rotary-embedding cache built on the first call) is state the
         # forward computes, not a parameter: measured as before; a parameter is not fixed before a forward
