@@ -1278,8 +1278,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             print(f"{run.id}: not exported: {exc}", file=sys.stderr)
             continue
         print(
-            f"{run.id}: {out.scalars} scalar points in {len(out.tags)} tags and {out.spectra} spectra written to "
-            f"{out.logdir} (tensorboard --logdir {args.tensorboard})"
+            f"{run.id}: {out.scalars} scalar points in {len(out.tags)} tags and {out.spectra} spectra "
+            + ("exported already (the same finished steps): kept in" if out.kept else "written to")
+            + f" {out.logdir} (tensorboard --logdir {args.tensorboard})"
         )
     if failed:
         raise NSAError(f"{len(failed)} of {len(runs)} runs of sweep {args.sweep!r} not exported: {', '.join(failed)}")

@@ -19,6 +19,7 @@ with ``EventAccumulator(path, size_guidance={"tensors": 0, "histograms": 0})``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -60,6 +61,7 @@ class ExportSummary:
     tags: tuple[str, ...]
     scalars: int
     spectra: int
+    kept: bool = False  # the folder held this export already (the same finished steps): nothing written
 
 
 # Axes along which an array holds one value per point, pixel, parameter, … (not a handful of
@@ -291,6 +293,9 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
     require("tensorboard", "tensorboard", "nsa export --tensorboard")
 
     out = Path(logdir) / run.id
+    done = _exported(out, run)
+    if done is not None:
+        return done
     _refuse_second(out)
     _check_static(run)
     failed = None
@@ -306,6 +311,17 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
         raise failed  # outside the handler: the OSError is not chained (it is not the store's)
     try:
         summary = _write_events(run, tmp)
+        (tmp / _MARK).write_text(
+            json.dumps(
+                {
+                    "run": run.id,
+                    "steps": [int(t) for t in run.steps],
+                    "tags": list(summary.tags),
+                    "scalars": summary.scalars,
+                    "spectra": summary.spectra,
+                }
+            )
+        )
         _move_into_place(tmp, out)
     except OSError as exc:
         failed = _write_error(exc, out)
@@ -314,6 +330,23 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
     if failed is not None:
         raise failed
     return replace(summary, logdir=out)
+
+
+_MARK = "nsa-export.json"  # beside the event file: the run and the finished steps it holds
+
+
+def _exported(out: Path, run: Run) -> ExportSummary | None:
+    """The summary of the export ``out`` holds already when it is this run's at the same finished
+    steps (None otherwise): exporting it again changes nothing, so it is kept, not refused — a killed
+    ``nsa export --sweep`` run again told the user to remove the complete exports it had made."""
+    try:
+        mark = json.loads((out / _MARK).read_text())
+        same = mark["run"] == run.id and mark["steps"] == [int(t) for t in run.steps]
+        if not same or not any(out.glob("events.out.tfevents.*")):
+            return None
+        return ExportSummary(out, tuple(mark["tags"]), int(mark["scalars"]), int(mark["spectra"]), kept=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_static(run: Run) -> None:

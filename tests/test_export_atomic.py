@@ -40,7 +40,9 @@ def _assert_complete(logdir: Path, rid: str) -> None:
     """The export in ``logdir`` is one event file TensorBoard's reader reads to the end."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert _leftovers(logdir) == [rid, f"{rid}/{next((logdir / rid).iterdir()).name}"], _leftovers(logdir)
+    left = _leftovers(logdir)
+    events = [p for p in left if p.startswith(f"{rid}/events.out.tfevents.")]
+    assert len(events) == 1 and set(left) - set(events) == {rid, f"{rid}/nsa-export.json"}, left
     acc = EventAccumulator(str(logdir / rid), size_guidance={"tensors": 0, "histograms": 0})
     acc.Reload()
     assert len(acc.Tensors("loss/train")) == TINY["steps"], len(acc.Tensors("loss/train"))

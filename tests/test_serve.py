@@ -514,6 +514,14 @@ def test_export_reads_back_with_tensorboards_reader(store, tmp_path, capsys):
             np.testing.assert_array_equal(h.histogram_value.bucket_limit, np.sort(lam))  # the spectrum, unbinned
             assert h.histogram_value.num == len(lam)
     capsys.readouterr()
+    # the same export again (the same finished steps: a killed `nsa export --sweep` run again) is kept,
+    # not refused; an export of other steps into the folder is refused (it would interleave)
+    events = sorted(p.name for p in (logdir / run.id).iterdir())
+    assert nsa(["export", "served", "--tensorboard", str(logdir), "--store", store]) == 0
+    assert "exported already (the same finished steps): kept" in capsys.readouterr().out
+    assert sorted(p.name for p in (logdir / run.id).iterdir()) == events
+    mark = logdir / run.id / "nsa-export.json"
+    mark.write_text(mark.read_text().replace('"steps": [0', '"steps": [7'))
     assert nsa(["export", "served", "--tensorboard", str(logdir), "--store", store]) == 2
     assert "holds TensorBoard event files already" in capsys.readouterr().err
     with pytest.raises(StoreError, match="no run 'nosuch'"):
