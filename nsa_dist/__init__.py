@@ -35,10 +35,42 @@ True
 >>> folder.cleanup()
 """
 
-from nsa_dist.client import Client, Run
-from nsa_dist.config import ExperimentSpec, ModelSpec, SweepSpec
-from nsa_dist.models import build_model
-from nsa_dist.tracker import Tracker
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nsa_dist.client import Client, Run
+    from nsa_dist.config import ExperimentSpec, ModelSpec, SweepSpec
+    from nsa_dist.models import build_model
+    from nsa_dist.tracker import Tracker
+
+# The front door's names are imported when first asked for (PEP 562): `import nsa_dist.cli` took
+# 3.3 s of torch, zarr and pandas before `nsa` could install its signal handlers, so Ctrl-C in those
+# seconds printed a 15-line KeyboardInterrupt traceback and SIGTERM killed it without a word (an audit).
+_HOMES = {
+    "Client": "nsa_dist.client",
+    "Run": "nsa_dist.client",
+    "ExperimentSpec": "nsa_dist.config",
+    "ModelSpec": "nsa_dist.config",
+    "SweepSpec": "nsa_dist.config",
+    "build_model": "nsa_dist.models",
+    "Tracker": "nsa_dist.tracker",
+}
+
+
+def __getattr__(name: str):  # noqa: ANN202 - the front door's names, imported on first use
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'nsa_dist' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
+
 
 __all__ = ["Client", "ExperimentSpec", "ModelSpec", "Run", "SweepSpec", "build_model", "Tracker", "__version__"]
 __version__ = "0.1.0"

@@ -22,12 +22,14 @@ Every failure is one line on stderr (`_one_line`); --debug or NSA_DEBUG=1 adds t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -304,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     _SIGTERM_SEEN.clear()
     unlog = _log_to_stderr() if args.cmd in ("run", "sweep") else None
     try:
+        with _signals_deferred():  # the heavy imports every command makes, where a signal cannot land safely
+            import torch  # noqa: F401
+
+            import nsa_dist.client  # noqa: F401
         return {
             "run": _cmd_run,
             "ls": _cmd_ls,
@@ -335,6 +341,30 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
         if saved_debug is None:
             os.environ.pop("NSA_DEBUG", None)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held back while torch is imported, then delivered: a KeyboardInterrupt
+    raised inside its import left torch half-initialised, and the handler's own imports then crashed
+    (37–55 lines, once a segmentation fault) — an audit's Ctrl-C in an `nsa` command's first 3 s.
+    The signal is noted by a handler that only notes it (blocking it with a signal mask did not
+    hold: torch's import unblocks it), and sent again after the block, where it is the one line of
+    every failure."""
+    held: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    try:
+        before = {k: signal.signal(k, lambda sig, _frame: held.append(sig)) for k in kinds}
+    except ValueError:  # not the main thread: signals go to it anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        for k, h in before.items():
+            signal.signal(k, h)
+        if held:
+            os.kill(os.getpid(), held[0])  # to the handler in place again (Python runs it before the next line)
 
 
 class _LogLine(logging.Handler):
