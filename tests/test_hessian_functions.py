@@ -58,6 +58,21 @@ class CubeNew(torch.autograd.Function):  # new style (torch.func runs it), a dif
         return 3 * x**2 * g
 
 
+class CubeNoVmap(torch.autograd.Function):  # new style without a vmap rule: torch.func's vmap refuses it
+    @staticmethod
+    def forward(x):
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
 class CubeNewDetached(CubeNew):
     @staticmethod
     def backward(ctx, g):
@@ -122,7 +137,7 @@ def test_a_backward_without_its_own_derivative_is_refused_for_H_and_S(cube) -> N
     assert err < 1e-12, f"I off by {err:.3g} of max|I|"
 
 
-@pytest.mark.parametrize("cube", [Cube, CubeNew], ids=["old-style", "new-style"])
+@pytest.mark.parametrize("cube", [Cube, CubeNew, CubeNoVmap], ids=["old-style", "new-style", "no-vmap-rule"])
 def test_a_differentiable_backward_is_measured(cube) -> None:  # noqa: ANN001
     torch.manual_seed(0)
     net = Net(cube).double()

@@ -171,7 +171,12 @@ def functorch_refused(e: BaseException) -> bool:
     ``autograd.Function`` without ``setup_context`` ("In order to use an autograd.Function with
     functorch transforms … it must override the setup_context staticmethod"), or a kernel that reads
     its input's storage, which a transform's wrapped tensor has none of (an LSTM over a packed
-    sequence: "Cannot access data pointer of Tensor that doesn't have storage").  Plain autograd runs
-    both."""
+    sequence: "Cannot access data pointer of Tensor that doesn't have storage"), or a new-style
+    Function with neither a ``vmap`` staticmethod nor ``generate_vmap_rule`` ("… does not have vmap
+    support").  Plain autograd runs them all."""
     msg = str(e)
-    return ("setup_context" in msg and "functorch" in msg) or "doesn't have storage" in msg
+    return (
+        ("setup_context" in msg and "functorch" in msg)
+        or "doesn't have storage" in msg
+        or ("vmap over" in msg and "does not have vmap support" in msg)  # a Function without a vmap rule
+    )
