@@ -708,7 +708,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             what = [
                 _text(r.get("data.name")),
                 _int(r.get("data.n")),
-                f"{_int(r.get('model.depth'))}×{_int(r.get('model.width'))}",
+                _net(r),
                 _text(r.get("optimizer.name")),
                 lr,
             ]
@@ -798,6 +798,15 @@ def _print_notes(con: Console, notes: dict[object, dict[str, str]], most: int = 
             con.print("  " + _esc(line), soft_wrap=True)
         if len(lines) > most:
             con.print(f"  … {len(lines) - most} more (Run.notes has them all)")
+
+
+def _net(r: dict) -> str:
+    """The L×W column of ``nsa ls``: depth × width of the built-in network, else the factory's name
+    (a factory or Tracker model has no depth or width: the column read "-×-", a walk-through)."""
+    factory = r.get("model.factory")
+    if isinstance(factory, str) and factory:
+        return factory.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    return f"{_int(r.get('model.depth'))}×{_int(r.get('model.width'))}"
 
 
 def _cmd_show(args: argparse.Namespace) -> int:

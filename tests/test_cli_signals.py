@@ -53,3 +53,23 @@ def test_the_command_line_imports_no_torch_before_its_handlers() -> None:
     # the front door's names are still there
     code = "from nsa_dist import Client, Tracker, SweepSpec; import nsa_dist; print(nsa_dist.Run.__name__)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "Run\n"
+
+
+def test_nsa_ls_names_a_tracker_or_factory_model(tmp_path, capsys) -> None:
+    """`nsa ls`'s L×W column read "-×-" for a model that is not the built-in MLP (a walk-through)."""
+    import torch
+
+    from nsa_dist import Tracker
+    from nsa_dist.cli import main
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    X, y = torch.randn(10, 2, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
+    url = str(tmp_path / "r.zarr")
+    tr = Tracker(url, "tiny", m.double(), X, y, steps=1, record={"every": 1}, spectrum={"k": 2, "images": []})
+    tr.record(0, lr=0.1, loss=1.0)
+    tr.close()
+    capsys.readouterr()
+    assert main(["ls", "--store", url]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "tiny" in line)
+    assert "Sequential" in row and "-×-" not in row, row
