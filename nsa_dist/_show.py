@@ -46,11 +46,19 @@ def curves_line(run: Run) -> str:
 
 def _mixed_k(run: Run) -> str:
     """The k at which the exact route's E_t(y, k) is bracketed (an eigenvalue cluster), as ranges
-    ("41..63"); "" when every k is exact or the run stores no energy_y."""
+    ("41..63"), and the recorded steps where (" at t = 0, 100" — the line named no step, a
+    walk-through); "" when every k is exact or the run stores no energy_y."""
     try:
-        return run.curve("energy_y").inexact_ranges()
+        curve = run.curve("energy_y")
     except KeyError:
         return ""
+    ranges = curve.inexact_ranges()
+    if not ranges:
+        return ""
+    wide = np.asarray(curve.upper > curve.lower)  # (S, k): bracketed there
+    steps = [int(t) for t in np.asarray(curve.steps)[wide.any(axis=1)]]
+    shown = ", ".join(map(str, steps[:6])) + (f" … ({len(steps)} steps)" if len(steps) > 6 else "")
+    return f"{ranges} (at t = {shown})" if steps else ranges
 
 
 def _pm(value: float, se: float) -> str:

@@ -101,6 +101,10 @@ def test_show_and_caption_name_the_bracketed_k(run: Run) -> None:
 
     line = curves_line(run)
     assert "exact except at k" in line and "null space" in line, line
+    # and at which recorded steps (the line named none: a walk-through)
+    c = run.curve("energy_y")
+    steps = [int(t) for t in c.steps[(c.upper > c.lower).any(axis=1)]]
+    assert steps and f"(at t = {', '.join(map(str, steps[:6]))}" in line, (steps, line)
     assert "except E at k" in bracket_caption(run)
 
 
