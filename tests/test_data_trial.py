@@ -744,3 +744,15 @@ def test_a_missing_relative_path_names_the_directory_it_was_looked_for_in(tmp_pa
     with pytest.raises(FileNotFoundError) as e:
         image2d(10, image="~/nope-nsa.npy")
     assert str(e.value).endswith("'~' is not expanded: write the home directory out"), str(e.value)
+
+
+def test_a_dangling_link_and_a_link_loop_are_named(tmp_path: Path, monkeypatch) -> None:
+    """A data path that is a symbolic link to nothing said only "does not exist", and a link to itself
+    gave a bare "[Errno 40] Too many levels of symbolic links" (audit D)."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink("nothere.npy", "dangling.npy")
+    os.symlink("loop.npy", "loop.npy")
+    with pytest.raises(FileNotFoundError, match=r"'dangling.npy' does not exist \(a symbolic link to 'nothere.npy'"):
+        image2d(10, image="dangling.npy")
+    with pytest.raises(OSError, match=r"^image2d: 'loop.npy' cannot be read: Too many levels of symbolic links"):
+        image2d(10, image="loop.npy")

@@ -41,7 +41,17 @@ def _stat(path: Path, who: str, expected: str) -> os.stat_result:
     except FileNotFoundError:
         where = "" if Path(path).is_absolute() else f", relative to the current directory {os.getcwd()!r}"
         tilde = "; '~' is not expanded: write the home directory out" if str(path).startswith("~") else ""
-        raise FileNotFoundError(f"{who}: {str(path)!r} does not exist{where} (expected {expected}){tilde}") from None
+        link = f" (a symbolic link to {os.readlink(path)!r}, which does not)" if os.path.islink(path) else ""
+        raise FileNotFoundError(
+            f"{who}: {str(path)!r} does not exist{link}{where} (expected {expected}){tilde}"
+        ) from None
+    except PermissionError as exc:  # a folder on the way without search (x) permission: [Errno 13] alone before
+        raise PermissionError(
+            f"{who}: {str(path)!r} cannot be reached: permission denied ({exc.filename or path}: a folder on "
+            "its way without execute/search permission for this user, or the file without read permission)"
+        ) from None
+    except OSError as exc:  # a symbolic-link loop (ELOOP), a name too long …: the path and the cause
+        raise OSError(f"{who}: {str(path)!r} cannot be read: {exc.strerror}") from None
 
 
 # packages whose exceptions mean "the filesystem behind a URL failed" (matched by name, never imported)
