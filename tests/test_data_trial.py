@@ -756,3 +756,14 @@ def test_a_dangling_link_and_a_link_loop_are_named(tmp_path: Path, monkeypatch) 
         image2d(10, image="dangling.npy")
     with pytest.raises(OSError, match=r"^image2d: 'loop.npy' cannot be read: Too many levels of symbolic links"):
         image2d(10, image="loop.npy")
+
+
+def test_a_gz_with_bytes_appended_says_so(tmp_path: Path) -> None:
+    """A .gz whole but followed by other bytes was refused in gzip's own words only: "is not a readable
+    gzip file (Not a gzipped file (b'ga'))" for a file that is one (audit D)."""
+    mnist_dir(tmp_path, gz=True)
+    f = tmp_path / "train-images-idx3-ubyte.gz"
+    f.write_bytes(f.read_bytes() + b"garbage!")
+    with pytest.raises(ValueError, match="holds other bytes after its gzip stream") as e:
+        mnist(10, path=tmp_path)
+    assert "download it again" in str(e.value)

@@ -215,8 +215,24 @@ def read_idx(path: Location, magic: int) -> np.ndarray:
             _check_claim(path, 4 + 4 * ndim, dims, size, expected)
             data = _read_exact(f, path, size, expected)
     except (OSError, EOFError, zlib.error) as exc:  # BadGzipFile is an OSError; a cut-off stream is EOFError
+        if _gz(path) and isinstance(exc, gzip.BadGzipFile) and "Not a gzipped file" in str(exc) and _starts_gzip(path):
+            # the data were read whole: gzip reads on for a second member and finds other bytes (audit D: its
+            # own words alone, "Not a gzipped file (b'ga')", for a file that is one)
+            raise ValueError(
+                f"{str(path)!r} holds other bytes after its gzip stream ({exc}): something was appended to "
+                "the file, or two files were joined — download it again"
+            ) from exc
         raise ValueError(f"{str(path)!r} is not a readable {'gzip ' if _gz(path) else ''}file ({exc})") from exc
     return data.reshape(dims)
+
+
+def _starts_gzip(path) -> bool:  # noqa: ANN001
+    """Whether the file at ``path`` begins with gzip's magic bytes."""
+    try:
+        with open_binary(path) as f:
+            return f.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False
 
 
 def _what_magic(raw: bytes, magic: int) -> str:
