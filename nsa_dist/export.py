@@ -315,6 +315,8 @@ def export_tensorboard(run: Run, logdir: str | Path) -> ExportSummary:
             json.dumps(
                 {
                     "run": run.id,
+                    "status": run.status,
+                    "data_fingerprint": run.data_fingerprint,
                     "steps": [int(t) for t in run.steps],
                     "tags": list(summary.tags),
                     "scalars": summary.scalars,
@@ -336,12 +338,20 @@ _MARK = "nsa-export.json"  # beside the event file: the run and the finished ste
 
 
 def _exported(out: Path, run: Run) -> ExportSummary | None:
-    """The summary of the export ``out`` holds already when it is this run's at the same finished
-    steps (None otherwise): exporting it again changes nothing, so it is kept, not refused — a killed
-    ``nsa export --sweep`` run again told the user to remove the complete exports it had made."""
+    """The summary of the export ``out`` holds already when it is of this run done, as it is now (None
+    otherwise): exporting it again changes nothing, so it is kept, not refused — a killed ``nsa export
+    --sweep`` run again told the user to remove the complete exports it had made.  Only a run that was
+    done at that export and is now: a run exported while running can gain arrays between its steps
+    (those written after the last step, App. E's, 10 tags in a review) that the same steps do not show;
+    and the same data fingerprint (another store's run of the same id)."""
     try:
         mark = json.loads((out / _MARK).read_text())
-        same = mark["run"] == run.id and mark["steps"] == [int(t) for t in run.steps]
+        same = (
+            mark["run"] == run.id
+            and mark["status"] == "done" == run.status
+            and mark["data_fingerprint"] == run.data_fingerprint
+            and mark["steps"] == [int(t) for t in run.steps]
+        )
         if not same or not any(out.glob("events.out.tfevents.*")):
             return None
         return ExportSummary(out, tuple(mark["tags"]), int(mark["scalars"]), int(mark["spectra"]), kept=True)

@@ -58,6 +58,8 @@ def test_a_forward_that_initialises_its_parameters_is_refused_and_the_model_left
     before = {k: v.clone() for k, v in m.state_dict().items()}
     with pytest.raises(UnsupportedModelError, match=r"writes its own parameters \('loc', 'logs'"):
         gram(m, x)
+    with pytest.raises(UnsupportedModelError, match=r"writes its own parameters \('loc', 'logs'"):
+        hessian_operator(m, x, torch.randn(16, 1, dtype=F64))  # its setup's first forward (a review)
     changed = [k for k, v in m.state_dict().items() if not torch.equal(v, before[k])]
     assert not changed and not bool(m.initialized), f"gram changed the model: {changed}, initialized={m.initialized}"
     # the user's own first batch initialises it, then the kernel is measured (against per-sample autograd)

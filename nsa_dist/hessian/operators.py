@@ -29,7 +29,7 @@ from nsa_dist.losses import parse_loss, residual
 from nsa_dist.models import OutputSelector
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
-from nsa_dist.ntk.state import preserved
+from nsa_dist.ntk.state import parameters_kept, preserved, refuse_parameter_writes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -188,8 +188,9 @@ def _setup(
     with copyable(model):  # a float32 model measured in float64 is a cast copy
         model = prepare_model(model, dtype, output)
     X = prepare_inputs(model, X, "X", dtype)
-    with preserved(model), blame(model, "the loss Hessian"):
-        K = output_dim(model, X)
+    with preserved(model), blame(model, "the loss Hessian"), parameters_kept(model) as written:
+        K = output_dim(model, X)  # the first forward: a data-dependent initialisation (ActNorm) is refused here
+        refuse_parameter_writes(written())
     cdt = next(p.dtype for p in model.parameters() if p.requires_grad)
     return model, X, prepare_targets(Y, loss, X.shape[0], K, cdt, X.device)
 

@@ -302,7 +302,11 @@ def _changed_buffers(model: nn.Module, x: torch.Tensor) -> list[str]:
         return []
     now = dict(model.named_buffers())
     norms = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
-    attributes = [f"attribute {k!r} ({type(m).__name__})" for m, k, v in scalars if m.__dict__.get(k, v) != v]
+    attributes = [  # (NaN where it was NaN is unchanged: a `tau = nan` the forward never writes was named)
+        f"attribute {k!r} ({type(m).__name__})"
+        for m, k, v in scalars
+        if (now_v := m.__dict__.get(k, v)) != v and not (now_v != now_v and v != v)
+    ]
     return [
         f"buffer {n!r} ({type(owners[n]).__name__})"
         for n, (b, v) in before.items()

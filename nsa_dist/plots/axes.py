@@ -558,17 +558,20 @@ def shared_legend(fig: Figure, ax: Axes) -> None:
 
 
 def step_axis(ax: Axes) -> None:
-    """A symlog x axis of training steps t ≥ 0 (linear below t = 1, so t = 0 is drawn) starting at 0:
-    its margin below 0 put a "−5×10⁻²" tick over the 0 of a short run."""
+    """A symlog x axis of training steps t ≥ 0 (linear below t = 1, so t = 0 is drawn), starting at 0
+    when t = 0 is drawn: its margin below 0 put a "−5×10⁻²" tick over the 0 of a short run (curves
+    that start later keep the default limits: from 0 they filled the last 2 % of the axis)."""
     ax.set_xscale("symlog", linthresh=1.0)
-    ax.set_xlim(left=0.0)
+    lo = ax.dataLim.intervalx[0]
+    if np.isfinite(lo) and lo <= 0:
+        ax.set_xlim(left=0.0)
 
 
 def width_axis(ax: Axes, widths) -> None:
     """A log x axis of network widths ticked at the widths drawn, as plain integers: matplotlib's own
     ticks on a log axis spanning one or two decades label the minor ticks too ("2×10¹ 4×10¹ 6×10¹ 10²"),
-    and they overlapped on the regimes and width-convergence figures.  At most 8 labels (an even
-    selection, first and last kept)."""
+    and they overlapped on the regimes and width-convergence figures.  At most 6 labels (an even
+    selection, first and last kept: 12 widths 4..8192 overlapped in a 4-inch panel at 8)."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
     w = np.unique(np.asarray(widths, np.float64))
@@ -576,7 +579,7 @@ def width_axis(ax: Axes, widths) -> None:
     if not len(w):
         return
     ax.set_xscale("log")
-    shown = w[some_steps(len(w), 8)] if len(w) > 8 else w
+    shown = w[some_steps(len(w), 6)] if len(w) > 6 else w
     ax.xaxis.set_major_locator(FixedLocator(shown))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
