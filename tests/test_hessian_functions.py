@@ -147,3 +147,65 @@ def test_a_float32_differentiable_function_is_not_refused() -> None:
     H = _dense(hessian_parts(net, X, Y)[0]).double()
     err = float((H - ref["H"]).abs().max() / ref["H"].abs().max())
     assert err < 1e-4, f"float32 H off by {err:.3g} of max|H|"
+
+
+class SwishDetached(torch.autograd.Function):  # old style, backward on a detached input
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach()
+        s = torch.sigmoid(x)
+        return g * s * (1 + x * (1 - s))
+
+
+class Float32Only(torch.autograd.Function):  # a kernel for float32 only (as a CUDA extension may be)
+    @staticmethod
+    def forward(ctx, x):
+        if x.dtype != torch.float32:
+            raise TypeError("this kernel is float32 only")
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x.detach() ** 2 * g
+
+
+class SideBranch(nn.Module):
+    """A tanh net with a side branch through the Function, weighted by ``s``."""
+
+    def __init__(self, fn, s: float) -> None:  # noqa: ANN001
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.fn, self.s = (
+            nn.Linear(3, 8),
+            nn.Linear(8, 2),
+            nn.Linear(3, 4),
+            nn.Linear(4, 2),
+            fn,
+            s,
+        )
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + self.s * self.d(self.fn.apply(self.c(x)))
+
+
+def test_a_float32_model_is_differenced_in_float64() -> None:
+    """A wrong second derivative on a side branch (1.5 % of the product) passed the float32 difference's
+    3·10⁻² tolerance (a review): the check runs on a float64 twin of the parameters and points."""
+    torch.manual_seed(0)
+    net = SideBranch(SwishDetached, 0.1)
+    X, Y = _data(torch.float32)
+    H = hessian_parts(net, X, Y)[0]
+    with pytest.raises(UnsupportedModelError, match=r"autograd\.Function SwishDetached"):
+        _dense(H)
+    # a Function that runs in float32 only is checked in float32: a large error is still refused there
+    net = Net(Float32Only)
+    H = hessian_parts(net, X, Y)[0]
+    with pytest.raises(UnsupportedModelError, match=r"autograd\.Function Float32Only"):
+        _dense(H)

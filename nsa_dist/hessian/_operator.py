@@ -286,13 +286,39 @@ class LossCurvatureOperator(LinearOperator):
         is a constant for the products but not for a difference (:func:`_second_order_gap`)."""
         # a forward that couples its samples (a GCN over the whole graph) runs on all of them only
         xs = self.X if self._coupled else self.X[: min(self.N, _CHECK_POINTS)]
+        if self.dtype != torch.float64 and self._second_order_in_float64(xs):
+            return
+        self._second_order_at(xs)
+
+    def _second_order_in_float64(self, xs: torch.Tensor) -> bool:
+        """The check of a float32 (bf16, …) operator on a float64 twin of its parameters, buffers and points:
+        whether it was made (UnsupportedModelError when it refuses).  A float32 difference resolves a
+        second derivative to its 3·10⁻² tolerance only: a Function wrong on a side branch 1.7–2 % of
+        max|H| passed (a review); float64 resolves 10⁻⁵.  A forward that cannot run in float64 (a
+        float32-only kernel, a float32 tensor it keeps outside its buffers) or a difference float64
+        cannot settle (a cast to float32 inside) leaves the check to the operator's own dtype."""
+        keep = self._params, self._rest, self._buffers
+        try:
+            self._params, self._rest, self._buffers = ({k: _widened(t) for k, t in d.items()} for d in keep)
+            return self._second_order_at(_widened(xs))
+        except UnsupportedModelError:
+            raise
+        except Exception as e:  # noqa: BLE001  any failure of the twin: the check in the model's own dtype
+            _log.debug("the float64 second-order check could not run (%s: %s)", type(e).__name__, e)
+            return False
+        finally:
+            self._params, self._rest, self._buffers = keep
+
+    def _second_order_at(self, xs: torch.Tensor) -> bool:
+        """The check at points ``xs`` with the operator's current parameters: whether a difference
+        settled it (None from :func:`_second_order_gap` where no step pair agreed)."""
         f = self._f(xs)
         theta = self._leaves()
         with torch.enable_grad():
             out = f(theta)
         functions = python_functions(out)
         if not functions or not out.requires_grad:
-            return
+            return True
         gen = torch.Generator().manual_seed(31)
         u = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype).to(out.device)
 
@@ -304,9 +330,9 @@ class LossCurvatureOperator(LinearOperator):
             got = self._plain_hvp(scalar, U) if self._plain else self._hvp(grad(scalar), U)
             return {k: t[0] for k, t in got.items()}
 
-        gap = _second_order_gap(scalar, self._params, product, gen, self._grads)
+        settled, gap = _second_order_gap(scalar, self._params, product, gen, self._grads)
         if gap is None:
-            return
+            return settled
         raise UnsupportedModelError(
             f"the model's forward runs the custom autograd.Function {', '.join(functions)}, and the second "
             f"derivatives taken through it (differentiating its backward) are not those of its gradients: "
@@ -343,11 +369,11 @@ def python_functions(out: torch.Tensor) -> list[str]:
     return names
 
 
-def _second_order_gap(scalar, params, product, gen, grads) -> float | None:  # noqa: ANN001
-    """The relative gap between ``product(v)`` (∇²scalar · v as the operator takes it) and a central
-    difference of ∇scalar along v, for up to three random v — None at the first v where they agree,
-    and where no v gives a difference that two step sizes agree on (a step across a kink proves
-    nothing either way)."""
+def _second_order_gap(scalar, params, product, gen, grads) -> tuple[bool, float | None]:  # noqa: ANN001
+    """(settled, gap): the relative gap between ``product(v)`` (∇²scalar · v as the operator takes it)
+    and a central difference of ∇scalar along v, for up to three random v — gap None at the first v
+    where they agree (settled), and where no v gives a difference that two step sizes agree on (a
+    step across a kink proves nothing either way: not settled)."""
     dtype = next(iter(params.values())).dtype
     tol = _SECOND_TOL.get(dtype, _SECOND_TOL[torch.float32])
     eps = float(torch.finfo(dtype).eps)
@@ -378,7 +404,7 @@ def _second_order_gap(scalar, params, product, gen, grads) -> float | None:  # n
             first = [float(scalar(_shift(params, v, a)) - scalar(_shift(params, v, -a))) / (2 * a) for a in (h, h / 4)]
         agree = abs(first[0] - first[1]) <= tol * abs(first[1]) + floor_of(s0, h)
         if agree and abs(first[1] - slope) > tol * max(abs(slope), abs(first[1])) + floor_of(s0, h):
-            return None
+            return True, None
         diffs = [(gradient(step) - gradient(-step)) / (2 * step) for step in (h, h / 4)]
         Hv = torch.cat([t.reshape(-1) for t in product(v).values()]).double()
         size = max(float(Hv.norm()), float(diffs[1].norm()))
@@ -387,9 +413,16 @@ def _second_order_gap(scalar, params, product, gen, grads) -> float | None:  # n
             continue  # the steps disagree: a kink or a jump between them
         gap = float((Hv - diffs[1]).norm())  # (first order held: the products' derivative is the function's)
         if gap <= tol * size + floor:
-            return None
+            return True, None
         worst = max(worst or 0.0, gap / max(size, 1e-300))
-    return worst
+    return worst is not None, worst
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """A float64 (complex128) copy of a floating (complex) tensor; integer ones as they are."""
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.to(torch.float64) if t.is_floating_point() else t
 
 
 def _shift(params: dict[str, torch.Tensor], v: dict[str, torch.Tensor], step: float) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from nsa_dist._checks import check_finite
-from nsa_dist.errors import ShapeError
+from nsa_dist.errors import ShapeError, UnsupportedModelError
 from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
 from nsa_dist.ntk.state import cast_copy, forwarded_few
 
@@ -54,6 +54,16 @@ def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameters: its NTK is zero")
+    complex_ = [k for k, p in params.items() if p.is_complex()]
+    if complex_:
+        # gram took the complex gradients' product without a conjugate: 5 % off the kernel over the real
+        # and imaginary parts, returned complex (an audit's FFT filter); the Hessian counted 5 entries for 10
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has complex trainable parameters ({', '.join(repr(k) for k in complex_[:5])}): "
+            "nsa-dist measures kernels and curvatures over real parameters — register a complex weight as two "
+            "real ones and build it in the forward (w = torch.complex(w_re, w_im)): the same function, "
+            "measured over its real and imaginary parts"
+        )
     return params
 
 
@@ -76,7 +86,14 @@ def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dt
     p = next(iter(model.parameters()))
     if not (x.is_floating_point() or x.is_complex()):  # token ids, class indices: as the model takes them
         return x.to(device=p.device)
-    return x.to(dtype=dtype or p.dtype, device=p.device)
+    # the model's dtype is its real parameters' (a complex filter registered first made real points complex,
+    # and the first Linear failed on them); a real x stays real, a complex one complex
+    target = dtype or next((q.dtype for q in model.parameters() if q.is_floating_point()), p.dtype)
+    if x.is_complex():
+        target = torch.promote_types(target, torch.complex64)
+    elif target.is_complex:
+        target = torch.empty(0, dtype=target).real.dtype
+    return x.to(dtype=target, device=p.device)
 
 
 def autograd_on(fn: Callable[P, R]) -> Callable[P, R]:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -54,11 +55,10 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model may run forwards freely; on exit its buffers (the same tensors,
     with the same values), the weights of its ``max_norm`` embeddings (which every forward
     renormalises in place), its set of submodules, parameters and buffers (none a forward registered
-    is left) and
-    every module's training mode are what they were on entry.  Inside it
-    no embedding scales its gradient by token frequency (``scale_grad_by_freq`` rescales autograd's
-    gradient, not the function: the NTK is made of the derivative) or returns a sparse one
-    (:func:`dense_gradients`)."""
+    is left), every module's training mode and its own attributes (:func:`attributes_restored`) are
+    what they were on entry.  Inside it no embedding scales its gradient by token frequency
+    (``scale_grad_by_freq`` rescales autograd's gradient, not the function: the NTK is made of the
+    derivative) or returns a sparse one (:func:`dense_gradients`)."""
     modes = [(m, m.training) for m in model.modules()]
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     # the buffer slots themselves: a forward that reassigns a buffer (``self.n = self.n + 1``, an EMA
@@ -70,13 +70,10 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     children = [(m, set(m._modules.keys())) for m in model.modules()]  # a submodule built by a forward: removed
     # an embedding with max_norm renormalises the rows it looks up in place, in every forward
     # (torch.embedding_renorm_ on its weight): its weight is put back too
-    renormed = [
-        (m.weight, m.weight.detach().clone())
-        for m in model.modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
-    ]
+    ids = renormed_weights(model)
+    renormed = [(p, p.detach().clone()) for p in model.parameters() if id(p) in ids]
     try:
-        with frequency_unscaled(model), dense_gradients(model), attributes_kept(model):
+        with frequency_unscaled(model), dense_gradients(model), attributes_kept(model), attributes_restored(model):
             yield model
     finally:
         for m, names in children:
@@ -113,6 +110,38 @@ def plain_scalars(model: nn.Module) -> list[tuple[nn.Module, str, Any]]:
     ]
 
 
+# parameters a functional max_norm lookup renormalises (``F.embedding(idx, self.table, max_norm=1)``), by id:
+# what nn.Embedding(max_norm=…) is to :func:`renormed_weights`, found by the probe (:func:`parameters_kept`)
+_FUNCTIONAL_RENORM: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def renormed_weights(model: nn.Module) -> set[int]:
+    """The ids of the parameters every forward renormalises in place: the weights of ``max_norm``
+    embeddings, and parameters the probe saw looked up by a functional ``max_norm`` embedding."""
+    ids = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+    }
+    return ids | {id(p) for p in model.parameters() if _FUNCTIONAL_RENORM.get(id(p)) is p}
+
+
+class _RenormSeen(TorchFunctionMode):
+    """Records the weights that ``F.embedding`` / ``F.embedding_bag`` look up with a ``max_norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if func in (F.embedding, F.embedding_bag) and len(args) > 1:
+            max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
+            if max_norm is not None and isinstance(args[1], torch.Tensor):
+                self.seen[id(args[1])] = args[1]
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def parameters_kept(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
     """For the probe's first forwards: yields a function naming the parameters whose values a forward
@@ -120,33 +149,44 @@ def parameters_kept(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
     (:func:`plain_scalars`) are put back.  A Glow-style ActNorm initialises itself from the first
     batch it sees (``self.loc.data.copy_(-h.mean(0))`` behind a Python flag): ``gram`` initialised
     the user's model from the probe points, flag set, and measured that model (an audit).  A copy of
-    the values is kept for the probe only: later forwards of a model that passed it write none."""
+    the values is kept for the probe only: later forwards of a model that passed it write none.
+
+    A parameter looked up by a functional ``max_norm`` embedding (``F.embedding(idx, self.table,
+    max_norm=1)``) is renormalised by every forward, as an ``nn.Embedding(max_norm=…)``'s weight is:
+    not a write of the kind refused (it was, as "writes its own parameters": a review).  It is put
+    back and remembered (:func:`renormed_weights`), so the routes renormalise copies of it."""
     # a lazy parameter is the forward's to set (LazyLinear's weight takes its shape from the first input),
     # and a max_norm embedding's weight is renormalised by every lookup (:func:`preserved` puts it back)
-    renormed = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm}
+    renormed = renormed_weights(model)
     saved = [
         (n, p, p.detach().clone())
         for n, p in model.named_parameters()
         if not nn.parameter.is_lazy(p) and id(p) not in renormed
     ]
     scalars = plain_scalars(model)
+    lookups = _RenormSeen()
 
     def same(p: torch.Tensor, v: torch.Tensor) -> bool:  # NaN where it was NaN (a diverged weight) is the same
         return p.shape == v.shape and bool(torch.eq(p.detach(), v).logical_or(p.detach().isnan() & v.isnan()).all())
 
     def written() -> list[str]:
-        return [n for n, p, v in saved if not same(p, v)]
+        return [n for n, p, v in saved if id(p) not in lookups.seen and not same(p, v)]
 
     try:
-        yield written
+        with lookups:
+            yield written
     finally:
-        if written():
+        if written() or lookups.seen:
             with torch.no_grad():
                 for _n, p, v in saved:
                     if p.shape == v.shape and not same(p, v):
                         p.data.copy_(v)
+        if written():
             for m, k, v in scalars:
                 m.__dict__[k] = v
+        for _n, p, _v in saved:
+            if id(p) in lookups.seen:
+                _FUNCTIONAL_RENORM[id(p)] = p
 
 
 def refuse_parameter_writes(names: list[str]) -> None:
@@ -213,17 +253,41 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
 
 
 _SEQUENCES = (list, collections.deque)
+_SMALL_TENSOR = 4096  # elements of a tensor attribute whose values attributes_restored keeps (a flag, a count)
 _DEPTH = 3  # container levels searched below a module attribute (a dict of lists of tensors: 2)
 
 
 @contextlib.contextmanager
 def attributes_restored(model: nn.Module) -> Iterator[None]:
     """On exit every module's own attributes (not torch's) are what they were on entry: the
-    references, and the items of the dicts, lists and deques they hold, ``_DEPTH`` levels down;
-    attributes a forward added go.  For forwards a measurement runs on the user's module in the
-    user's own thread (the Tracker's f_t, f_test at ``record``): an activation cache the user's
-    loop reads next must hold the user's forward's, not the test points'."""
-    attrs = [(m, {n: v for n, v in vars(m).items() if n not in _MODULE_INTERNALS}) for m in model.modules()]
+    references, the values of small tensors (a flag a forward sets in place), and the items of the
+    dicts, lists and deques they hold, ``_DEPTH`` levels down; attributes a forward added go.  A lazy
+    module's are left to its first forward (its sizes are set with the parameters it makes).
+
+    For every forward a measurement runs (:func:`preserved`), and in the user's own thread (the
+    Tracker's f_t, f_test at ``record``): an activation cache the user's loop reads next must hold
+    the user's forward's, not the test points'; a counter must not count the probe's forwards; and
+    a cache a forward grows (a position table re-registered as a longer buffer, its length kept in
+    an int) must stay one: :func:`preserved` put the buffer back and kept the length, and ``gram``'s
+    next forward failed (6 rows expected, 2 found)."""
+    # a lazy module's first forward sets its sizes (LazyLinear's in_features) as it makes its parameters,
+    # which stay: its attributes stay too
+    attrs = [
+        (m, {n: v for n, v in vars(m).items() if n not in _MODULE_INTERNALS})
+        for m in model.modules()
+        if not (isinstance(m, LazyModuleMixin) and m.has_uninitialized_params())
+    ]
+    # a small tensor attribute written in place (a flag ``self.initialized.fill_(1)``, a step count): its values
+    small = [
+        (v, v.detach().clone())
+        for _, a in attrs
+        for v in a.values()
+        if isinstance(v, torch.Tensor)
+        and not isinstance(v, nn.Parameter)
+        and not _escaped(v)
+        and not v.requires_grad
+        and v.numel() <= _SMALL_TENSOR
+    ]
     held: list[tuple[Any, Any]] = []
     seen: set[int] = set()
 
@@ -241,6 +305,12 @@ def attributes_restored(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
+        with torch.no_grad():
+            for t, v in small:
+                if t.shape != v.shape:
+                    t.data = v
+                elif not bool(torch.eq(t, v).logical_or(t.isnan() & v.isnan()).all()):
+                    t.data.copy_(v)
         for c, items in held:
             if isinstance(c, dict):
                 if c.keys() != items.keys() or any(c[k] is not v for k, v in items.items()):
@@ -361,11 +431,7 @@ def renorm_copies(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
     embedding renormalises the rows it looks up in place in every forward, and a detached
     parameter shares the user's storage — products run outside :func:`preserved` would rewrite
     the user's embedding."""
-    ids = {
-        id(m.weight)
-        for m in model.modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
-    }
+    ids = renormed_weights(model)
     if not ids:
         return tensors
     names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
@@ -711,7 +777,8 @@ def call(model: nn.Module, tensors: dict[str, torch.Tensor], args: tuple[Any, ..
     in the user's module in place of its Parameter.  Here every attribute slot is swapped once,
     under its first name, and a Parameter tied into two modules (an embedding's weight reused by
     the output head) gets the same replacement in both, so the forward sees the tying and the
-    derivative in the one entry sums both uses."""
+    derivative in the one entry sums both uses.  The module's own attributes are put back after it
+    (:func:`attributes_restored`), as its tensors are."""
     canon: dict[int, str] = {}  # tensor → its first name (the one named_parameters() keeps)
     slots: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -729,4 +796,8 @@ def call(model: nn.Module, tensors: dict[str, torch.Tensor], args: tuple[Any, ..
                 slots[name] = tensors[first]
                 used.add(first)
     slots.update({k: v for k, v in tensors.items() if k not in used})
-    return functional_call(model, slots, args, tie_weights=False)
+    # functional_call puts the module's tensors back, and with them a buffer the forward re-registered
+    # (a cache it grew); the module's attributes go back too, or the cache's length kept in an int
+    # says the entry buffer is the grown one (the next block's forward failed, 6 rows expected, 2 found)
+    with attributes_restored(model):
+        return functional_call(model, slots, args, tie_weights=False)
