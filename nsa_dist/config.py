@@ -1234,6 +1234,13 @@ _SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset 
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 
 
+_EMPTY_EXAMPLES = {  # what an empty block of a spec could hold (format_validation_error)
+    "data": ", e.g. `data: {name: image2d, n: 10000}`",
+    "model": ", e.g. `model: {depth: 6, width: 256}`",
+    "optimizer": ", e.g. `optimizer: {name: sgd}`",
+}
+
+
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``field.path: message (got value)``, at most ``MAX_ERRORS`` of them,
     each value shortened (a huge input never becomes a huge message)."""
@@ -1251,7 +1258,11 @@ def format_validation_error(exc: ValidationError) -> str:
         hint = hint or e.get("_hint", "")
         if e["type"] == "model_type" and isinstance(got, str) and loc and loc[-1] in ("data", "optimizer"):
             hint = f"; a block of fields: write `{loc[-1]}: {{name: {got}}}`"  # `optimizer: sgd`
-        got = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)}){hint}"
+        empty = e["type"] in ("model_type", "dict_type") and got is None and bool(loc)
+        if empty:  # `data:` with nothing under it (its fields not indented, or left out): YAML reads null
+            msg = f"the `{loc[-1]}:` block is empty (YAML read null) — give its fields indented under it"
+            hint = _EMPTY_EXAMPLES.get(str(loc[-1]), "")
+        got = "" if isinstance(got, dict) else hint if empty else f" (got {_SHORT.repr(got)}){hint}"
         if allowed:
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             got += (f"; did you mean {close[0]!r}?" if close else "") + f" (allowed here: {', '.join(allowed)})"

@@ -136,11 +136,11 @@ def test_an_integer_written_with_an_exponent_says_how_to_write_it(tmp_path, caps
         ("optimizer: {name: sgd, batch_size: 8, eps: 0.1}", "optimizer.eps is Adam's; 'sgd' does not use it"),
         ("optimizer: {name: adam, betas: [1.5, 0.9]}", "optimizer.betas must each be in [0, 1)"),
         ("hessian: {every: 2, steps: [0]}", "hessian: give every or steps, not both"),
-        ("data:\n#  name: mnist", "data: Input should be a valid dictionary"),
+        ("data:\n#  name: mnist", "data: the `data:` block is empty (YAML read null)"),
         ("spectrum: {test_points: true, images: []}", "spectrum.test_points=true needs test points"),
         ("spectrum: {per_class_k: 3, images: []}", "spectrum.per_class_k=3: per-class spectra are of K-output"),
         ("spectrum: {gram_change_k: 2, store_eigenvectors: false}", "spectrum.gram_change_k=2 is measured at"),
-        ("model:", "model: Input should be a valid dictionary"),
+        ("model:", "model: the `model:` block is empty (YAML read null) — give its fields indented under it, e.g."),
     ],
 )
 def test_a_setting_the_run_would_not_use_is_refused(tmp_path, capsys, block, says):
