@@ -288,7 +288,7 @@ class LossCurvatureOperator(LinearOperator):
         xs = self.X if self._coupled else self.X[: min(self.N, _CHECK_POINTS)]
         if self.dtype != torch.float64 and self._second_order_in_float64(xs):
             return
-        self._second_order_at(xs)
+        self._second_order_at(xs, ())
 
     def _second_order_in_float64(self, xs: torch.Tensor) -> bool:
         """The check of a float32 (bf16, …) operator on a float64 twin of its parameters, buffers and points:
@@ -296,11 +296,18 @@ class LossCurvatureOperator(LinearOperator):
         second derivative to its 3·10⁻² tolerance only: a Function wrong on a side branch 1.7–2 % of
         max|H| passed (a review); float64 resolves 10⁻⁵.  A forward that cannot run in float64 (a
         float32-only kernel, a float32 tensor it keeps outside its buffers) or a difference float64
-        cannot settle (a cast to float32 inside) leaves the check to the operator's own dtype."""
+        cannot settle (a cast to float32 inside) leaves the check to the operator's own dtype — and so
+        does a twin whose forward runs fewer of the Functions: a library that dispatches float32 to its
+        fused Function and float64 to plain ops (the twin settled on the plain ops, and a Function 0.135
+        of max|H| off was measured: a review)."""
+        with torch.enable_grad():
+            own = python_functions(self._f(xs)(self._leaves()))
+        if not own:
+            return True
         keep = self._params, self._rest, self._buffers
         try:
             self._params, self._rest, self._buffers = ({k: _widened(t) for k, t in d.items()} for d in keep)
-            return self._second_order_at(_widened(xs))
+            return self._second_order_at(_widened(xs), own)
         except UnsupportedModelError:
             raise
         except Exception as e:  # noqa: BLE001  any failure of the twin: the check in the model's own dtype
@@ -309,14 +316,17 @@ class LossCurvatureOperator(LinearOperator):
         finally:
             self._params, self._rest, self._buffers = keep
 
-    def _second_order_at(self, xs: torch.Tensor) -> bool:
+    def _second_order_at(self, xs: torch.Tensor, needed: tuple[str, ...] | list[str]) -> bool:
         """The check at points ``xs`` with the operator's current parameters: whether a difference
-        settled it (None from :func:`_second_order_gap` where no step pair agreed)."""
+        settled it (None from :func:`_second_order_gap` where no step pair agreed); not settled where
+        the forward runs not all of the Functions ``needed``."""
         f = self._f(xs)
         theta = self._leaves()
         with torch.enable_grad():
             out = f(theta)
         functions = python_functions(out)
+        if not set(needed) <= set(functions):
+            return False
         if not functions or not out.requires_grad:
             return True
         gen = torch.Generator().manual_seed(31)

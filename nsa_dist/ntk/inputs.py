@@ -14,7 +14,7 @@ from torch.nn.utils import parametrize
 from nsa_dist._checks import check_finite
 from nsa_dist.errors import ShapeError, UnsupportedModelError
 from nsa_dist.models import OutputSelector, measured_module, not_a_tensor
-from nsa_dist.ntk.state import cast_copy, forwarded_few
+from nsa_dist.ntk.state import cast_copy, forwarded_few, preserved
 
 # Feature memory rule shared by the NTK paths: per-sample gradients / Jacobians of all points are
 # held in memory while they fit in this many bytes; past it they are split into groups of columns
@@ -43,10 +43,16 @@ def prepare_model(model: nn.Module, dtype: torch.dtype | None, output: OutputSel
     (:func:`nsa_dist.models.measured_module`), a copy cast to ``dtype`` if it differs."""
     model = measured_module(model, output)
     trainable_params(model)
-    p = next(iter(model.parameters()))
-    if dtype is not None and dtype != p.dtype:
+    if dtype is not None and dtype != model_dtype(model):
         model = cast_copy(model, dtype)
     return model
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The model's floating dtype: its first real floating parameter's (a complex filter or an integer
+    table registered first is not the model's precision), else its first parameter's."""
+    first = next(iter(model.parameters()))
+    return next((q.dtype for q in model.parameters() if q.is_floating_point()), first.dtype)
 
 
 def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -88,7 +94,7 @@ def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dt
         return x.to(device=p.device)
     # the model's dtype is its real parameters' (a complex filter registered first made real points complex,
     # and the first Linear failed on them); a real x stays real, a complex one complex
-    target = dtype or next((q.dtype for q in model.parameters() if q.is_floating_point()), p.dtype)
+    target = dtype or model_dtype(model)
     if x.is_complex():
         target = torch.promote_types(target, torch.complex64)
     elif target.is_complex:
@@ -153,8 +159,10 @@ def _parametrizations_uncached() -> Iterator[None]:
 
 
 def output_dim(model: nn.Module, x: torch.Tensor) -> int:
-    """K of a model mapping (n, …) → (n,) [K=1] or (n, K); else a ShapeError naming the shape."""
-    with torch.no_grad():
+    """K of a model mapping (n, …) → (n,) [K=1] or (n, K); else a ShapeError naming the shape.  The
+    model is left as it was (a Tracker's constructor ran this forward outside any measurement: a train-mode
+    norm's running statistics and a counter moved, a review)."""
+    with torch.no_grad(), preserved(model):
         few, out = forwarded_few(lambda p: model(p.clone()), x)  # a copy: a forward may write into its input
     n = few.shape[0]
     if not isinstance(out, torch.Tensor):

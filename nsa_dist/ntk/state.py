@@ -126,20 +126,24 @@ def renormed_weights(model: nn.Module) -> set[int]:
     return ids | {id(p) for p in model.parameters() if _FUNCTIONAL_RENORM.get(id(p)) is p}
 
 
-class _RenormSeen(TorchFunctionMode):
-    """Records the weights that ``F.embedding`` / ``F.embedding_bag`` look up with a ``max_norm``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: dict[int, torch.Tensor] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
-        kwargs = kwargs or {}
-        if func in (F.embedding, F.embedding_bag) and len(args) > 1:
-            max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
-            if max_norm is not None and isinstance(args[1], torch.Tensor):
-                self.seen[id(args[1])] = args[1]
-        return func(*args, **kwargs)
+def _renormalised(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether ``after`` is ``before`` with some rows scaled down to one common norm — what
+    ``torch.embedding_renorm_`` (a ``max_norm`` lookup) does to the rows it looks up: each changed row
+    a multiple in (0, 1) of itself, all of them at one 2-, 1- or ∞-norm."""
+    if before.ndim != 2 or before.shape != after.shape or not before.is_floating_point():
+        return False
+    b, a = before.double(), after.double()
+    rows = (a != b).any(dim=1).nonzero().flatten()
+    if rows.numel() == 0:
+        return False
+    b, a = b[rows], a[rows]
+    scale = (a * b).sum(1) / (b * b).sum(1).clamp_min(1e-300)  # the multiple, where it is one
+    if not bool(((scale > 0) & (scale < 1)).all()) or not torch.allclose(a, scale[:, None] * b, rtol=1e-5, atol=0):
+        return False
+    return any(
+        bool(torch.allclose(n, n[:1].expand_as(n), rtol=1e-4, atol=0))
+        for n in (a.norm(dim=1), a.abs().sum(1), a.abs().amax(1))
+    )
 
 
 @contextlib.contextmanager
@@ -153,8 +157,10 @@ def parameters_kept(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
 
     A parameter looked up by a functional ``max_norm`` embedding (``F.embedding(idx, self.table,
     max_norm=1)``) is renormalised by every forward, as an ``nn.Embedding(max_norm=…)``'s weight is:
-    not a write of the kind refused (it was, as "writes its own parameters": a review).  It is put
-    back and remembered (:func:`renormed_weights`), so the routes renormalise copies of it."""
+    not a write of the kind refused (it was, as "writes its own parameters": a review).  Told by what
+    the write did (:func:`_renormalised`: rows scaled down to one norm — a TorchFunctionMode over the
+    probe's forwards cost 0.2 s of a 1.5 s Hessian setup), it is put back and remembered
+    (:func:`renormed_weights`), so the routes renormalise copies of it."""
     # a lazy parameter is the forward's to set (LazyLinear's weight takes its shape from the first input),
     # and a max_norm embedding's weight is renormalised by every lookup (:func:`preserved` puts it back)
     renormed = renormed_weights(model)
@@ -164,29 +170,30 @@ def parameters_kept(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
         if not nn.parameter.is_lazy(p) and id(p) not in renormed
     ]
     scalars = plain_scalars(model)
-    lookups = _RenormSeen()
 
     def same(p: torch.Tensor, v: torch.Tensor) -> bool:  # NaN where it was NaN (a diverged weight) is the same
         return p.shape == v.shape and bool(torch.eq(p.detach(), v).logical_or(p.detach().isnan() & v.isnan()).all())
 
+    def changed() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        return [(n, p, v) for n, p, v in saved if not same(p, v)]
+
     def written() -> list[str]:
-        return [n for n, p, v in saved if id(p) not in lookups.seen and not same(p, v)]
+        return [n for n, p, v in changed() if not _renormalised(v, p.detach())]
 
     try:
-        with lookups:
-            yield written
+        yield written
     finally:
-        if written() or lookups.seen:
-            with torch.no_grad():
-                for _n, p, v in saved:
-                    if p.shape == v.shape and not same(p, v):
-                        p.data.copy_(v)
-        if written():
+        moved = changed()
+        names = written()
+        with torch.no_grad():
+            for n, p, v in moved:
+                if p.shape == v.shape:
+                    p.data.copy_(v)
+                if n not in names:
+                    _FUNCTIONAL_RENORM[id(p)] = p
+        if names:
             for m, k, v in scalars:
                 m.__dict__[k] = v
-        for _n, p, _v in saved:
-            if id(p) in lookups.seen:
-                _FUNCTIONAL_RENORM[id(p)] = p
 
 
 def refuse_parameter_writes(names: list[str]) -> None:
@@ -226,7 +233,12 @@ def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` cast to ``dtype``, remembered as the user's module's copy (so that
     :func:`preserved` of the copy keeps the user's module's attributes too)."""
     with copyable(model):
-        twin = copy_model(model).to(dtype)
+        # Module.to(float64) casts a complex tensor to a real one (its imaginary part dropped: a frozen
+        # complex filter's kernel 41 % off, a review): complex tensors take dtype's complex counterpart
+        wide = torch.promote_types(dtype, torch.complex64) if dtype.is_floating_point else dtype
+        twin = copy_model(model)._apply(
+            lambda t: t.to(wide if t.is_complex() else dtype) if t.is_floating_point() or t.is_complex() else t
+        )
     _ORIGINALS[twin] = _ORIGINALS.get(model, model)
     return twin
 
@@ -278,16 +290,7 @@ def attributes_restored(model: nn.Module) -> Iterator[None]:
         if not (isinstance(m, LazyModuleMixin) and m.has_uninitialized_params())
     ]
     # a small tensor attribute written in place (a flag ``self.initialized.fill_(1)``, a step count): its values
-    small = [
-        (v, v.detach().clone())
-        for _, a in attrs
-        for v in a.values()
-        if isinstance(v, torch.Tensor)
-        and not isinstance(v, nn.Parameter)
-        and not _escaped(v)
-        and not v.requires_grad
-        and v.numel() <= _SMALL_TENSOR
-    ]
+    small = [(v, v._version, v.detach().clone()) for _, a in attrs for v in a.values() if _small_plain(v)]
     held: list[tuple[Any, Any]] = []
     seen: set[int] = set()
 
@@ -306,10 +309,12 @@ def attributes_restored(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            for t, v in small:
-                if t.shape != v.shape:
+            for t, version, v in small:
+                # written in place (its version moved), or on the CPU through .data (no version): values back;
+                # a device tensor is not compared (a synchronisation per call)
+                if t.shape != v.shape or t.dtype != v.dtype:
                     t.data = v
-                elif not bool(torch.eq(t, v).logical_or(t.isnan() & v.isnan()).all()):
+                elif t._version != version or (t.device.type == "cpu" and not _same_values(t, v)):
                     t.data.copy_(v)
         for c, items in held:
             if isinstance(c, dict):
@@ -325,6 +330,31 @@ def attributes_restored(model: nn.Module) -> Iterator[None]:
             for n, v in a.items():
                 if m.__dict__.get(n, _ABSENT) is not v:
                     m.__dict__[n] = v
+
+
+def _small_plain(v: Any) -> bool:
+    """A tensor attribute :func:`attributes_restored` keeps the values of: dense, on a real device, not a
+    parameter, not requiring grad, at most ``_SMALL_TENSOR`` elements (a sparse adjacency, a meta
+    placeholder, a quantized or nested tensor is kept by reference only: their comparisons failed)."""
+    return (
+        isinstance(v, torch.Tensor)
+        and not isinstance(v, nn.Parameter)
+        and v.layout == torch.strided
+        and not v.is_meta
+        and not v.is_quantized
+        and not v.is_nested
+        and not _escaped(v)
+        and not v.requires_grad
+        and v.numel() <= _SMALL_TENSOR
+    )
+
+
+def _same_values(t: torch.Tensor, v: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (a flag or a count: a NaN attribute is not written by being NaN)."""
+    same = torch.eq(t, v)
+    if t.is_floating_point() or t.is_complex():
+        same = same | (t.isnan() & v.isnan())
+    return bool(same.all())
 
 
 def _slots(m: nn.Module) -> Iterator[tuple[Any, Any, Any]]:
@@ -507,10 +537,20 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
     subs = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters() if p.requires_grad}
     with preserved(model), torch.enable_grad():
         try:
-            _, out = forwarded_few(lambda pts: call(model, subs, (pts.clone(),)), x)
+            few, out = forwarded_few(lambda pts: call(model, subs, (pts.clone(),)), x)
         except Exception:  # noqa: BLE001 — a forward that fails here fails loudly in the measurement
             return
-    held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
+        held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
+        # and every other point, a chunk at a time: a tensor held for some points only (a branch the first
+        # two do not take) entered every route as a constant, 4.9 % off (an audit)
+        for chunk in _rest_in_chunks(x, few.shape[0], _HELD_CHUNK_BYTES):
+            if held:
+                break
+            try:
+                out = call(model, subs, (chunk.clone(),))
+            except Exception:  # noqa: BLE001
+                break
+            held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
     if held:
         raise UnsupportedModelError(
             f"the model's forward reads parameter {held[0]!r} other than through its module's attribute — "
@@ -519,6 +559,24 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
             "parameters substituted by name, would take it as a constant; read it through the module in the "
             "hook (`module.<name>`, `self.<name>` in a closure)"
         )
+
+
+_HELD_CHUNK_BYTES = 4 * 2**20  # inputs per forward of the held-parameter check over the other points (with a graph)
+
+
+def _rest_in_chunks(x: torch.Tensor, start: int, chunk_bytes: int = WHOLE_INPUT_BYTES) -> Iterator[torch.Tensor]:
+    """x's points from ``start`` on, in chunks of at most ``chunk_bytes`` of inputs and at least two points
+    (a train-mode norm refuses a batch of one: the last chunk takes its neighbour's)."""
+    n = x.shape[0]
+    per = max(1, x[:1].numel() * x.element_size())
+    size = max(2, chunk_bytes // per)
+    s = start
+    while s < n:
+        e = min(n, s + size)
+        if n - e == 1:
+            e = n
+        yield x[s:e]
+        s = e
 
 
 def _origins(model: nn.Module) -> list[nn.Module]:
@@ -576,7 +634,15 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
     params = {name for name, _ in model.named_parameters()}
     with preserved(model), torch.no_grad(), parameters_kept(model) as written:
         # two points (all of x for a forward that runs on no fewer); a copy: a forward may write into its input
-        forwarded_few(lambda p: model(p.clone()), x)
+        few, _ = forwarded_few(lambda p: model(p.clone()), x)
+        # then the other points, a chunk at a time: a forward that writes a buffer (or a weight) for some
+        # points only (`if x.abs().max() > 3: self.peak.copy_(…)`) was measured when the first two did not
+        # (an audit); a chunk that fails ends this (the measurement's own forward names the failure)
+        for chunk in _rest_in_chunks(x, few.shape[0]):
+            try:
+                model(chunk.clone())
+            except Exception:  # noqa: BLE001
+                break
         refuse_parameter_writes(written())
         changed = [name for name, (b, v) in before.items() if b._version != v]
         # a buffer registered by a forward (a rotary-embedding cache built on the first call) is state the
@@ -602,8 +668,61 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
             "place; nsa-dist computes kernels only of forwards that change no state "
             f"besides batch- and instance-norm running statistics; {hint}"
         )
+    _refuse_data_initialised(model, x)
     _refuse_held_parameters(model, x)  # after a forward: a lazy module's parameters exist now
     return changed
+
+
+def _set_tensors(model: nn.Module, entry: dict[tuple[int, str], Any]) -> dict[tuple[int, str], torch.Tensor]:
+    """The modules' own attributes a forward set to a tensor since ``entry`` (their references then)."""
+    return {
+        (id(m), k): v
+        for m in model.modules()
+        for k, v in vars(m).items()
+        if k not in _MODULE_INTERNALS and isinstance(v, torch.Tensor) and entry.get((id(m), k), _ABSENT) is not v
+    }
+
+
+def _refuse_data_initialised(model: nn.Module, x: torch.Tensor) -> None:
+    """Refuse a forward that initialises a plain attribute from its input on its first call and keeps
+    it (``if self.loc is None: self.loc = -h.mean(0)``, an ActNorm whose shift is not a parameter):
+    every measurement puts the attributes back (:func:`attributes_restored`), so each of its forwards
+    initialised it again from its own block of points — a kernel that moved with the block size (18 %
+    between blocks of 4 and 16, a review) — and before that the probe's points set it for good.  Told
+    apart from a cache of the shapes (the same for other points) and from a value recomputed by every
+    call (a padding mask: the first points' again after other points')."""
+    if x.shape[0] < 2:
+        return
+    entry = {(id(m), k): v for m in model.modules() for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
+    few = x[:2]
+    other = x[-2:] if x.shape[0] >= 4 else (few * 1.5 + 0.25 if few.is_floating_point() else None)
+    if other is None:
+        return
+    try:
+        with preserved(model), torch.no_grad():
+            model(few.clone())
+            first = _set_tensors(model, entry)
+        if not first:
+            return
+        with preserved(model), torch.no_grad():
+            model(other.clone())
+            second = _set_tensors(model, entry)
+            model(few.clone())
+            again = _set_tensors(model, entry)
+    except Exception:  # noqa: BLE001 — a forward that fails on these points fails loudly in the measurement
+        return
+    names = {(id(m), k): f"{n}.{k}" if n else k for n, m in model.named_modules() for k in vars(m)}
+    for key, v in first.items():
+        w, z = second.get(key), again.get(key)
+        if w is None or z is None or w.shape != v.shape or z.shape != w.shape:
+            continue
+        if not _same_values(v, w) and _same_values(z, w):  # from the points, and kept by the next call
+            raise UnsupportedModelError(
+                f"the model's forward sets its attribute {names.get(key, key[1])!r} from its input on its first "
+                "call and keeps it (a data-dependent initialisation, as Glow's ActNorm): each measurement would "
+                "set it from its own points. Your model is left as it was: run the forward on your own data "
+                "first (the initialisation done), then measure"
+            )
 
 
 def stateless(model: nn.Module, x: torch.Tensor) -> nn.Module:

@@ -1,0 +1,151 @@
+"""What a fast NTK route assumes about a layer holds on every point, not only the probe's few (session 26).
+
+An audit built models that behave like plain layers on the probe's first points and otherwise on later
+ones, and got a wrong kernel with no error: a hook rescaling a Linear's output for large points only
+(the structured kernel 0.70 off), a forward that sorts its batch by length and restores the order (the
+probe's points shared one length and stayed in place: 0.87 off), a parameter held by a lambda on a branch
+only later points take (every route 4.9 % off), a buffer written in place by later points only.  Now the
+feature passes take a hook's output downstream of the captured layer output and check, on every pass,
+that each row of a layer gets its gradient from its own point; the held-parameter and state-write checks
+forward every point.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from nsa_dist.errors import UnsupportedModelError
+from nsa_dist.ntk import gram, ntk_operator
+
+F64 = torch.float64
+
+
+def _points() -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, dtype=F64) * 0.3
+    x[5:] *= 10  # the last points are large: the probe's first ones are not
+    return x
+
+
+def _reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The trace kernel from per-point autograd Jacobians of the whole batch's forward (a forward that
+    sorts its batch is a function of the batch), on a copy."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(x)
+    out = out.reshape(x.shape[0], -1)
+    J = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.cat([g.reshape(-1) for g in torch.autograd.grad(out[i, a], params, retain_graph=True)])
+                    for a in range(out.shape[1])
+                ]
+            )
+            for i in range(x.shape[0])
+        ]
+    )
+    return torch.einsum("iap,jap->ij", J, J)
+
+
+def _damp_large(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    big = inputs[0].abs().amax(1, keepdim=True) > 1.0
+    return torch.where(big, 0.5 * out, out) if big.any() else None
+
+
+def _check(model: nn.Module, x: torch.Tensor, what: str) -> None:
+    ref = _reference(model, x)
+    for name, G in [
+        ("auto", gram(model, x)),
+        ("structured", gram(model, x, method="structured")),
+        ("per_layer", gram(model, x, method="per_layer")),
+        ("ntk_operator", ntk_operator(model, x).matmat(torch.eye(x.shape[0], dtype=F64))),
+    ]:
+        err = float((torch.as_tensor(G) - ref).abs().max() / ref.abs().max())
+        assert err < 1e-12, f"{what}: {name} off the per-point autograd kernel by {err:.3g}"
+
+
+def test_a_hook_that_rescales_some_points_outputs_is_taken_in() -> None:
+    x = _points()
+    m = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    m[0].register_forward_hook(_damp_large)
+    _check(m, x, "a hook halving the large points' outputs")
+
+
+class Sorted(nn.Module):
+    """Rows sorted by length for the layers, the caller's order restored after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(6, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort((x != 0).sum(1), descending=True, stable=True)
+        return self.out(torch.tanh(self.proj(x[order])))[torch.argsort(order)]
+
+
+def test_a_forward_that_sorts_its_batch_is_measured_exactly() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 6, dtype=F64)
+    for i, n in enumerate([3, 3, 3, 3, 5, 2, 6, 4]):  # the probe's points share one length
+        x[i, n:] = 0
+    _check(Sorted().double(), x, "rows sorted by length")
+
+
+def test_a_global_forward_hook_sends_the_layers_to_the_exact_route() -> None:
+    x = _points()
+    m = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    m[0].damped = True  # (a mark, not the module's identity: the reference runs on a copy)
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, inp, out: _damp_large(mod, inp, out) if getattr(mod, "damped", False) else None
+    )
+    try:
+        _check(m, x, "a global hook halving the large points' outputs")
+    finally:
+        handle.remove()
+
+
+class HeldOnSomePoints(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.o = nn.Linear(5, 8), nn.Linear(8, 2)
+        self.scale = nn.Parameter(torch.full((8,), 0.7))
+        self.extra = lambda h, g=self.scale: h * g  # the parameter held by a default argument
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l(x))
+        big = x.abs().amax(1, keepdim=True) > 1.0
+        return self.o(torch.where(big, self.extra(h), h) if big.any() else h)
+
+
+class PeakOnSomePoints(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("peak", torch.tensor(1.0))
+        self.l, self.o = nn.Linear(5, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.detach().abs().max()
+        if m > self.peak:
+            self.peak.copy_(m)
+        return self.o(torch.tanh(self.l(x / self.peak)))
+
+
+@pytest.mark.parametrize(
+    "model, says",
+    [
+        (HeldOnSomePoints, r"reads parameter 'scale' other than through its module's attribute"),
+        (PeakOnSomePoints, r"modifies its buffer 'peak' \(PeakOnSomePoints\) in place"),
+    ],
+    ids=["held-parameter", "buffer-write"],
+)
+def test_what_only_later_points_do_is_refused_by_name(model, says: str) -> None:  # noqa: ANN001
+    m = model().double().eval()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=says):
+        gram(m, _points())
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), "the refused model was changed"
