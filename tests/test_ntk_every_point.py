@@ -149,3 +149,17 @@ def test_what_only_later_points_do_is_refused_by_name(model, says: str) -> None:
     with pytest.raises(UnsupportedModelError, match=says):
         gram(m, _points())
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), "the refused model was changed"
+
+
+def test_the_test_points_and_a_gang_members_ranges_are_checked_too() -> None:
+    """gram's x2 (the test points) and a gang member's ranges (block_rows, matrix_free) were checked on
+    their first two points only."""
+    from nsa_dist.ntk.blocks import block_features
+
+    x = _points()
+    m = HeldOnSomePoints().double().eval()
+    says = r"reads parameter 'scale' other than through its module's attribute"
+    with pytest.raises(UnsupportedModelError, match=says):
+        gram(m, x[:4], x[4:])
+    with pytest.raises(UnsupportedModelError, match=says):
+        block_features(m, x, [(0, 4), (4, 8)])

@@ -64,7 +64,10 @@ def block_features(
         model = model.to(dtype)  # caller passes a copy when it must keep its model
     x = prepare_inputs(model, x, "x", dtype)
     with blame(model):
-        refuse_state_writes(model, x[:2])  # as gram: no in-place state, no parameter registered by a forward
+        # as gram: no in-place state, no parameter registered by a forward or held outside its module, on
+        # every point of these ranges (a gang's members together check all of them)
+        lo, hi = min(a for a, _ in ranges), max(b for _, b in ranges)
+        refuse_state_writes(model, x[lo:hi] if hi > lo else x[:2])
     K = output_dim(model, x)
     with preserved(model), blame(model):
         plan, m = route_of(model, x, method)

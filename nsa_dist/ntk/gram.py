@@ -175,8 +175,9 @@ def _setup(
             )
     with blame(model):
         # the operators' and the Hessian's policy for every route: no in-place state (a train-mode
-        # spectral_norm), no parameter registered by a forward — even where two forwards agree
-        refuse_state_writes(model, x1)
+        # spectral_norm), no parameter registered by a forward — even where two forwards agree; on
+        # every point measured (a state write or a held parameter of some points only)
+        refuse_state_writes(model, x1 if x2 is None else torch.cat([x1, x2]))
     with preserved(model), blame(model):
         return model, x1, x2, output_dim(model, x1)
 
