@@ -353,3 +353,12 @@ def test_a_tracker_built_on_a_model_leaves_its_state_as_it_was(tmp_path) -> None
         assert not changed and m.calls == 0, f"Tracker(...) changed {changed}, calls {m.calls}"
     finally:
         tracker.stop("enough")
+
+
+def test_j_dtheta_of_a_model_with_a_complex_parameter_is_refused_by_name() -> None:
+    """dθ is a real vector over every parameter: a complex one took a complex dθ, or failed in torch's words."""
+    torch.manual_seed(0)
+    m = Filter(trainable=True).double()
+    P = sum(p.numel() for p in m.parameters())
+    with pytest.raises(UnsupportedModelError, match=r"complex parameters \('w'\)"):
+        jacobian_vector_product(m, torch.randn(6, 8, dtype=F64), torch.randn(P, dtype=F64))

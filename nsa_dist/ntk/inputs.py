@@ -60,17 +60,22 @@ def trainable_params(model: nn.Module) -> dict[str, torch.Tensor]:
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameters: its NTK is zero")
+    refuse_complex(model, params, "trainable ")
+    return params
+
+
+def refuse_complex(model: nn.Module, params: dict[str, torch.Tensor], which: str = "") -> None:
+    """UnsupportedModelError naming ``params``' complex ones: gram took the complex gradients' product
+    without a conjugate (5 % off the kernel over the real and imaginary parts, returned complex: an
+    audit's FFT filter), the Hessian counted 5 entries for 10, J·dθ cast a real dθ to complex."""
     complex_ = [k for k, p in params.items() if p.is_complex()]
     if complex_:
-        # gram took the complex gradients' product without a conjugate: 5 % off the kernel over the real
-        # and imaginary parts, returned complex (an audit's FFT filter); the Hessian counted 5 entries for 10
         raise UnsupportedModelError(
-            f"{type(model).__name__} has complex trainable parameters ({', '.join(repr(k) for k in complex_[:5])}): "
+            f"{type(model).__name__} has complex {which}parameters ({', '.join(repr(k) for k in complex_[:5])}): "
             "nsa-dist measures kernels and curvatures over real parameters — register a complex weight as two "
             "real ones and build it in the forward (w = torch.complex(w_re, w_im)): the same function, "
             "measured over its real and imaginary parts"
         )
-    return params
 
 
 def prepare_inputs(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dtype | None) -> torch.Tensor:

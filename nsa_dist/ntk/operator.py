@@ -14,7 +14,7 @@ from nsa_dist.models import OutputSelector, measured_module
 from nsa_dist.ntk._jacobian import vmap_unsafe
 from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
-from nsa_dist.ntk.inputs import as_2d, autograd_on, functorch_refused, trainable_params
+from nsa_dist.ntk.inputs import as_2d, autograd_on, functorch_refused, model_dtype, refuse_complex, trainable_params
 from nsa_dist.ntk.state import (
     attributes_kept,
     call,
@@ -242,10 +242,11 @@ def jacobian_vector_product(
 
     model = measured_module(model, output)
     params = dict(model.named_parameters())
+    refuse_complex(model, params)  # dθ is a real vector over every parameter
     P = sum(p.numel() for p in params.values())
     if dtheta.numel() != P:
         raise ShapeError(f"dθ must have the model's P = {P} entries, got {dtheta.numel()}")
-    dtype = next(iter(params.values())).dtype
+    dtype = model_dtype(model)
     tangents, off = {}, 0
     for k, p in params.items():
         tangents[k] = dtheta[off : off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
