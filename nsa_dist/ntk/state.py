@@ -127,9 +127,10 @@ def renormed_weights(model: nn.Module) -> set[int]:
 
 
 def _renormalised(before: torch.Tensor, after: torch.Tensor) -> bool:
-    """Whether ``after`` is ``before`` with some rows scaled down to one common norm — what
-    ``torch.embedding_renorm_`` (a ``max_norm`` lookup) does to the rows it looks up: each changed row
-    a multiple in (0, 1) of itself, all of them at one 2-, 1- or ∞-norm."""
+    """Whether ``after`` is ``before`` with some rows scaled down — what ``torch.embedding_renorm_`` (a
+    ``max_norm`` lookup, of any ``norm_type``) does to the rows it looks up: each changed row a multiple
+    in (0, 1) of itself.  (A data-dependent initialisation sets values, not multiples of the old ones;
+    a forward that shrinks a weight in every call is refused as random, its two forwards differing.)"""
     if before.ndim != 2 or before.shape != after.shape or not before.is_floating_point():
         return False
     b, a = before.double(), after.double()
@@ -138,12 +139,8 @@ def _renormalised(before: torch.Tensor, after: torch.Tensor) -> bool:
         return False
     b, a = b[rows], a[rows]
     scale = (a * b).sum(1) / (b * b).sum(1).clamp_min(1e-300)  # the multiple, where it is one
-    if not bool(((scale > 0) & (scale < 1)).all()) or not torch.allclose(a, scale[:, None] * b, rtol=1e-5, atol=0):
-        return False
-    return any(
-        bool(torch.allclose(n, n[:1].expand_as(n), rtol=1e-4, atol=0))
-        for n in (a.norm(dim=1), a.abs().sum(1), a.abs().amax(1))
-    )
+    ok = bool(((scale > 0) & (scale < 1)).all())
+    return ok and bool(torch.allclose(a, scale[:, None] * b, rtol=1e-5, atol=0))
 
 
 @contextlib.contextmanager
@@ -158,7 +155,7 @@ def parameters_kept(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
     A parameter looked up by a functional ``max_norm`` embedding (``F.embedding(idx, self.table,
     max_norm=1)``) is renormalised by every forward, as an ``nn.Embedding(max_norm=…)``'s weight is:
     not a write of the kind refused (it was, as "writes its own parameters": a review).  Told by what
-    the write did (:func:`_renormalised`: rows scaled down to one norm — a TorchFunctionMode over the
+    the write did (:func:`_renormalised`: rows scaled down — a TorchFunctionMode over the
     probe's forwards cost 0.2 s of a 1.5 s Hessian setup), it is put back and remembered
     (:func:`renormed_weights`), so the routes renormalise copies of it."""
     # a lazy parameter is the forward's to set (LazyLinear's weight takes its shape from the first input),
@@ -309,13 +306,19 @@ def attributes_restored(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
+            unsure: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             for t, version, v in small:
-                # written in place (its version moved), or on the CPU through .data (no version): values back;
-                # a device tensor is not compared (a synchronisation per call)
                 if t.shape != v.shape or t.dtype != v.dtype:
                     t.data = v
-                elif t._version != version or (t.device.type == "cpu" and not _same_values(t, v)):
+                elif t._version != version:  # written in place
                     t.data.copy_(v)
+                else:  # or through .data, which moves no version: compared, one synchronisation per device
+                    unsure.setdefault(t.device, []).append((t, v))
+            for pairs in unsure.values():
+                moved = torch.stack([_differs(t, v) for t, v in pairs]).tolist()
+                for (t, v), m in zip(pairs, moved):
+                    if m:
+                        t.data.copy_(v)
         for c, items in held:
             if isinstance(c, dict):
                 if c.keys() != items.keys() or any(c[k] is not v for k, v in items.items()):
@@ -349,12 +352,17 @@ def _small_plain(v: Any) -> bool:
     )
 
 
-def _same_values(t: torch.Tensor, v: torch.Tensor) -> bool:
-    """Equal values, NaN where NaN (a flag or a count: a NaN attribute is not written by being NaN)."""
+def _differs(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor (no synchronisation): whether t's values differ from v's, NaN equal to NaN."""
     same = torch.eq(t, v)
     if t.is_floating_point() or t.is_complex():
         same = same | (t.isnan() & v.isnan())
-    return bool(same.all())
+    return ~same.all()
+
+
+def _same_values(t: torch.Tensor, v: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (a flag or a count: a NaN attribute is not written by being NaN)."""
+    return not bool(_differs(t, v))
 
 
 def _slots(m: nn.Module) -> Iterator[tuple[Any, Any, Any]]:
@@ -673,55 +681,87 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
     return changed
 
 
-def _set_tensors(model: nn.Module, entry: dict[tuple[int, str], Any]) -> dict[tuple[int, str], torch.Tensor]:
-    """The modules' own attributes a forward set to a tensor since ``entry`` (their references then)."""
-    return {
-        (id(m), k): v
-        for m in model.modules()
-        for k, v in vars(m).items()
-        if k not in _MODULE_INTERNALS and isinstance(v, torch.Tensor) and entry.get((id(m), k), _ABSENT) is not v
-    }
+def _tensor_slots(model: nn.Module) -> dict[tuple[int, Any], tuple[str, torch.Tensor]]:
+    """Every tensor a module holds outside its parameters, by slot — its buffers, its own attributes and
+    the items of the dicts, lists and deques they hold, ``_DEPTH`` levels down — with a name to show."""
+    out: dict[tuple[int, Any], tuple[str, torch.Tensor]] = {}
+
+    def walk(holder: Any, key: Any, v: Any, label: str, depth: int) -> None:
+        if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+            out[(id(holder), key)] = (label, v)
+        elif depth and isinstance(v, dict):
+            for k, y in list(v.items()):
+                walk(v, k, y, f"{label}[{k!r}]", depth - 1)
+        elif depth and isinstance(v, _SEQUENCES):
+            for i, y in enumerate(list(v)):
+                walk(v, i, y, f"{label}[{i}]", depth - 1)
+
+    for n, m in model.named_modules():
+        pre = f"{n}." if n else ""
+        for k, v in m._buffers.items():
+            walk(m._buffers, k, v, pre + k, 0)
+        for k, v in list(vars(m).items()):
+            if k not in _MODULE_INTERNALS:
+                walk(m.__dict__, k, v, pre + k, _DEPTH)
+    return out
+
+
+def _set_since(model: nn.Module, entry: dict[tuple[int, Any], tuple[str, torch.Tensor]]) -> dict:
+    """The slots of :func:`_tensor_slots` a forward set to another tensor since ``entry``."""
+    return {k: lv for k, lv in _tensor_slots(model).items() if k not in entry or entry[k][1] is not lv[1]}
+
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    return len(ta) == len(tb) and all(
+        not isinstance(x, torch.Tensor)
+        or (x.shape == y.shape and bool(torch.isclose(x, y, rtol=1e-6, atol=0, equal_nan=True).all()))
+        for x, y in zip(ta, tb)
+    )
 
 
 def _refuse_data_initialised(model: nn.Module, x: torch.Tensor) -> None:
-    """Refuse a forward that initialises a plain attribute from its input on its first call and keeps
-    it (``if self.loc is None: self.loc = -h.mean(0)``, an ActNorm whose shift is not a parameter):
-    every measurement puts the attributes back (:func:`attributes_restored`), so each of its forwards
-    initialised it again from its own block of points — a kernel that moved with the block size (18 %
-    between blocks of 4 and 16, a review) — and before that the probe's points set it for good.  Told
-    apart from a cache of the shapes (the same for other points) and from a value recomputed by every
-    call (a padding mask: the first points' again after other points')."""
+    """Refuse a forward that initialises state from its input on its first call, keeps it and reads it
+    (``if self.loc is None: self.loc = -h.mean(0)``, an ActNorm whose shift is not a parameter — in
+    an attribute, a buffer registered as None, a dict or a list): every measurement puts the state
+    back (:func:`attributes_restored`, :func:`preserved`), so each of its forwards initialised it again
+    from its own block of points — a kernel that moved with the block size (18 % between blocks of 4
+    and 16, a review) — and before that the probe's points set it for good.  Told apart from a cache
+    of the shapes (the same for other points), from a value recomputed by every call (a padding mask:
+    the first points' again after other points'), and from one the outputs do not read (a first batch
+    kept for a plot, a running maximum for a monitor: the first points' outputs unchanged)."""
     if x.shape[0] < 2:
         return
-    entry = {(id(m), k): v for m in model.modules() for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
+    entry = _tensor_slots(model)
     few = x[:2]
     other = x[-2:] if x.shape[0] >= 4 else (few * 1.5 + 0.25 if few.is_floating_point() else None)
     if other is None:
         return
     try:
         with preserved(model), torch.no_grad():
-            model(few.clone())
-            first = _set_tensors(model, entry)
+            out_first = model(few.clone())
+            first = _set_since(model, entry)
         if not first:
             return
         with preserved(model), torch.no_grad():
             model(other.clone())
-            second = _set_tensors(model, entry)
-            model(few.clone())
-            again = _set_tensors(model, entry)
+            second = _set_since(model, entry)
+            out_again = model(few.clone())
+            again = _set_since(model, entry)
     except Exception:  # noqa: BLE001 — a forward that fails on these points fails loudly in the measurement
         return
-    names = {(id(m), k): f"{n}.{k}" if n else k for n, m in model.named_modules() for k in vars(m)}
-    for key, v in first.items():
-        w, z = second.get(key), again.get(key)
+    if _same_outputs(out_first, out_again):
+        return  # what it kept, the outputs do not read
+    for key, (name, v) in first.items():
+        w, z = second.get(key, (None, None))[1], again.get(key, (None, None))[1]
         if w is None or z is None or w.shape != v.shape or z.shape != w.shape:
             continue
         if not _same_values(v, w) and _same_values(z, w):  # from the points, and kept by the next call
             raise UnsupportedModelError(
-                f"the model's forward sets its attribute {names.get(key, key[1])!r} from its input on its first "
-                "call and keeps it (a data-dependent initialisation, as Glow's ActNorm): each measurement would "
-                "set it from its own points. Your model is left as it was: run the forward on your own data "
-                "first (the initialisation done), then measure"
+                f"the model's forward sets {name!r} from its input on its first call and keeps it (a "
+                "data-dependent initialisation, as Glow's ActNorm): each measurement would set it from its "
+                "own points. Your model is left as it was: run the forward on your own data first (the "
+                "initialisation done), then measure"
             )
 
 
