@@ -518,16 +518,18 @@ class Flaky(torch.nn.Module):
         return self.lin(x).squeeze(-1)
 
 
+SEEN_DTYPES: list[torch.dtype] = []  # TokenNet's inputs (outside the module: measurements put its state back)
+
+
 class TokenNet(torch.nn.Module):
     """Embedding of (n, T) token ids; refuses anything but integer ids, as nn.Embedding does."""
 
     def __init__(self, vocab: int = 10, T: int = 5) -> None:
         super().__init__()
         self.emb, self.lin = torch.nn.Embedding(vocab, 4), torch.nn.Linear(4 * T, 1)
-        self.seen: list[torch.dtype] = []
 
     def forward(self, x):
-        self.seen.append(x.dtype)
+        SEEN_DTYPES.append(x.dtype)
         if x.dtype != torch.long:
             raise TypeError(f"TokenNet takes int64 token ids, got {x.dtype}")
         return self.lin(self.emb(x).flatten(1)).squeeze(-1)
@@ -785,6 +787,7 @@ def test_integer_token_ids_reach_the_model_as_integers(tmp_path):
     torch.manual_seed(0)
     ids, y = torch.randint(0, 10, (12, 5)), torch.randn(12)
     model = TokenNet()
+    SEEN_DTYPES.clear()
     url = str(tmp_path / "t.zarr")
     with pytest.raises(KeyboardInterrupt):  # leave before the analysis (the NTK core's part) runs
         with Tracker(
@@ -794,7 +797,7 @@ def test_integer_token_ids_reach_the_model_as_integers(tmp_path):
             assert tr.pool.service.analyzer.X.dtype == torch.int64
             assert tr.pool.service.analyzer.X_test.dtype == torch.int64
             raise KeyboardInterrupt
-    assert model.seen and set(model.seen) == {torch.int64}, model.seen
+    assert SEEN_DTYPES and set(SEEN_DTYPES) == {torch.int64}, SEEN_DTYPES
     np.testing.assert_array_equal(Client(url).run("tok").g["X"][:], ids.numpy().astype(np.float64))
     with pytest.raises(TypeError, match="both be floating points or both integer ids"):
         Tracker(str(tmp_path / "u.zarr"), "u", TokenNet(), ids, y, ids[:3].float(), y[:3], steps=4)

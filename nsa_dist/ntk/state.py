@@ -267,7 +267,7 @@ _DEPTH = 3  # container levels searched below a module attribute (a dict of list
 
 
 @contextlib.contextmanager
-def attributes_restored(model: nn.Module) -> Iterator[None]:
+def attributes_restored(model: nn.Module, values: bool = True) -> Iterator[None]:
     """On exit every module's own attributes (not torch's) are what they were on entry: the
     references, the values of small tensors (a flag a forward sets in place), and the items of the
     dicts, lists and deques they hold, ``_DEPTH`` levels down; attributes a forward added go.  A lazy
@@ -287,7 +287,9 @@ def attributes_restored(model: nn.Module) -> Iterator[None]:
         if not (isinstance(m, LazyModuleMixin) and m.has_uninitialized_params())
     ]
     # a small tensor attribute written in place (a flag ``self.initialized.fill_(1)``, a step count): its values
-    small = [(v, v._version, v.detach().clone()) for _, a in attrs for v in a.values() if _small_plain(v)]
+    # (``values=False`` inside torch.func's transforms, around each functional call: a copy into a captured
+    # tensor is refused there — as is the in-place write it would undo)
+    small = [(v, v._version, v.detach().clone()) for _, a in attrs for v in a.values() if values and _small_plain(v)]
     held: list[tuple[Any, Any]] = []
     seen: set[int] = set()
 
@@ -958,5 +960,5 @@ def call(model: nn.Module, tensors: dict[str, torch.Tensor], args: tuple[Any, ..
     # functional_call puts the module's tensors back, and with them a buffer the forward re-registered
     # (a cache it grew); the module's attributes go back too, or the cache's length kept in an int
     # says the entry buffer is the grown one (the next block's forward failed, 6 rows expected, 2 found)
-    with attributes_restored(model):
+    with attributes_restored(model, values=False):
         return functional_call(model, slots, args, tie_weights=False)
