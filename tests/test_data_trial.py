@@ -767,3 +767,16 @@ def test_a_gz_with_bytes_appended_says_so(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds other bytes after its gzip stream") as e:
         mnist(10, path=tmp_path)
     assert "download it again" in str(e.value)
+
+
+def test_an_npz_given_to_nsa_run_makes_no_store(tmp_path: Path, capsys) -> None:
+    """`nsa run` made the store's folders (zarr.json, leases/, runs/) before the load refused the .npz."""
+    from nsa_dist.cli import main
+
+    np.savez(tmp_path / "xy.npz", X=np.zeros((4, 2)), y=np.zeros(4))
+    spec = tmp_path / "s.yaml"
+    data = f"{{name: image2d, n: 16, path: {tmp_path / 'xy.npz'}}}"
+    spec.write_text(f"name: x\ndata: {data}\nmodel: {{depth: 2, width: 4}}\nsteps: 2\n")
+    rc = main(["run", str(spec), "--store", str(tmp_path / "s.zarr"), "--plain"])
+    assert rc != 0 and "is a zip archive" in capsys.readouterr().err
+    assert not (tmp_path / "s.zarr").exists(), "a store was made for a spec whose data is refused"

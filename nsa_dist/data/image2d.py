@@ -129,15 +129,33 @@ def _decode(p: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
         from skimage.io import imread
 
         with io.BytesIO(raw) if raw is not None else open(p, "rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"
+            zipped = f.read(4) == _ZIP_MAGIC
         # imread (imageio) would take an .npz's first array as the pixels
         if im is None and (zipped or str(p).lower().endswith(".npz")):
-            raise ValueError(
-                f"image2d: {str(p)!r} is a zip archive (a NumPy .npz?), not an image: image2d takes one picture "
-                "(PNG, JPEG, TIFF …) or one .npy array of intensities — np.save the array you mean"
-            )
+            raise ValueError(_zip_refused(p))
         arr = imread(src())
     return _orient(np.asarray(arr), orientation), alpha
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _zip_refused(p: str | Path) -> str:
+    return (
+        f"image2d: {str(p)!r} is a zip archive (a NumPy .npz?), not an image: image2d takes one picture "
+        "(PNG, JPEG, TIFF …) or one .npy array of intensities — np.save the array you mean"
+    )
+
+
+def refuse_zip(path: str | Path) -> None:
+    """ValueError for a local .npz (a zip archive) given as an image, before a run makes anything (its
+    store's folders were made first, then the load refused it)."""
+    p = Path(path)
+    if p.suffix.lower() == ".npz":
+        raise ValueError(_zip_refused(p))
+    with open(p, "rb") as f:
+        if f.read(4) == _ZIP_MAGIC:
+            raise ValueError(_zip_refused(p))
 
 
 def _npy_size_checked(raw: bytes | None, p: str | Path) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nsa_dist.data._dataset import Dataset
-from nsa_dist.data._paths import Location, regular_file
+from nsa_dist.data._paths import Location, is_url, regular_file
 
 if TYPE_CHECKING:
     from nsa_dist.config import DataSpec
@@ -60,7 +60,12 @@ def data_files(spec: DataSpec) -> list[Location]:
     if spec.path is None:
         return []
     if name in (DataName.IMAGE2D, DataName.DENSITY2D):
-        return [regular_file(spec.path, name.value, "an image file (PNG, JPEG, TIFF …) or a .npy array")]
+        found = regular_file(spec.path, name.value, "an image file (PNG, JPEG, TIFF …) or a .npy array")
+        if not is_url(found):
+            from nsa_dist.data.image2d import refuse_zip
+
+            refuse_zip(found)
+        return [found]
     if name is DataName.MNIST:
         from nsa_dist.data.mnist import idx_files
 
