@@ -179,3 +179,55 @@ def test_the_last_bag_runs_to_the_inputs_end_as_pytorchs() -> None:
         want = F.embedding_bag(ids, W, offsets, mode=mode, include_last_offset=True)
         got = embedding_bag(ids, W, offsets, mode=mode, include_last_offset=True)
         assert torch.equal(got, want), (mode, got.ravel().tolist(), want.ravel().tolist())
+
+
+class _Checkpointed(nn.Module):
+    """The hidden layer under non-reentrant activation checkpointing (torch.func: "don't yet support
+    saved tensor hooks")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(5, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.o(checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=False))
+
+
+class _Differentiates(nn.Module):
+    """Outputs u(x) and ∂u/∂x₀ by torch.autograd.grad inside the forward (a physics-informed net:
+    torch.func refuses its ``requires_grad_()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.o = nn.Linear(5, 6), nn.Linear(6, 1)
+
+    def forward(self, x):
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            u = self.o(torch.tanh(self.a(x)))
+            du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return torch.cat([u, du[:, :1]], 1)
+
+
+def test_models_torch_func_cannot_transform_take_plain_autograd() -> None:
+    """Non-reentrant checkpointing and a forward that differentiates itself failed H, I and S with
+    torch.func's error (an audit), where plain autograd differentiates them; the references are the
+    same functions written without either."""
+    g = torch.Generator().manual_seed(2)
+    X, Y = torch.randn(12, 5, generator=g, dtype=DT), torch.randn(12, 2, generator=g, dtype=DT)
+    torch.manual_seed(0)
+
+    def plain(p, x):
+        return torch.tanh(x @ p["a.weight"].T + p["a.bias"]) @ p["o.weight"].T + p["o.bias"]
+
+    def by_hand(p, x):  # u and ∂u/∂x₀ = Σ_j o_j (1 − tanh²(a_j·x + b_j)) a_j0
+        h = torch.tanh(x @ p["a.weight"].T + p["a.bias"])
+        u = h @ p["o.weight"].T + p["o.bias"]
+        return torch.cat([u, ((1 - h**2) * p["o.weight"][0]) @ p["a.weight"][:, :1]], 1)
+
+    for m, forward, what in [(_Checkpointed(), plain, "checkpointed"), (_Differentiates(), by_hand, "a PINN")]:
+        m = m.to(DT)
+        assert torch.allclose(forward(dict(m.named_parameters()), X), m(X), atol=1e-14, rtol=0), what
+        _check(m, X, Y, _dense(m, forward, X, Y), what)

@@ -513,7 +513,7 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
             why = _only_whole(model, x, xs, e)
         refuse_parameter_writes(written())
         refuse_frequency_scaled(lookups)
-        refuse_false_gradients(model, x[idx])
+        refuse_false_gradients(model, x[idx], x)  # on every point of x: a hook on later points only
     _unchanged_input(x[idx], xs)
     return why
 
@@ -637,10 +637,11 @@ def _uses(out: torch.Tensor) -> dict[int, int]:
     return count
 
 
-def refuse_false_gradients(model: nn.Module, xs: torch.Tensor) -> None:
-    """UnsupportedModelError when autograd's gradients at xs are not the derivative of the outputs
-    (a gradient hook, a straight-through estimator: :mod:`nsa_dist.ntk._adjoint`)."""
-    why = gradients_not_derivative(model, xs)
+def refuse_false_gradients(model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = None) -> None:
+    """UnsupportedModelError when autograd's gradients at the probe's points xs — then at every point
+    of x — are not the derivative of the outputs (a gradient hook, a straight-through estimator:
+    :mod:`nsa_dist.ntk._adjoint`)."""
+    why = gradients_not_derivative(model, xs, x)
     if why is not None:
         raise UnsupportedModelError(why)
 
@@ -679,7 +680,7 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
         refuse_frequency_scaled(lookups)
         _unchanged_input(x[idx], xs)
         coupling = _couples(model, xs, again=trace.out, window=_window(x, idx), all_points=x)
-        refuse_false_gradients(model, xs)  # (after the randomness and coupling checks: their errors first)
+        refuse_false_gradients(model, xs, x)  # every point (after the randomness and coupling checks: errors first)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})

@@ -14,7 +14,7 @@ from nsa_dist.errors import ShapeError, UnsupportedModelError
 from nsa_dist.models import OutputSelector
 from nsa_dist.ntk._jacobian import batch_jacobian_gram, jacobian_gram
 from nsa_dist.ntk._method import Kernel
-from nsa_dist.ntk._probe import ForwardPlan, batch_decides, plan_forward
+from nsa_dist.ntk._probe import ForwardPlan, batch_decides, plan_forward, refuse_false_gradients
 from nsa_dist.ntk._structured import Unproven, not_structured_reason, structured_gram, structured_layers
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import (
@@ -252,6 +252,8 @@ def gram(
         # (NTKRoute) is the caller's, for the points it was resolved for (the pipeline resolves the
         # test points' own once: SpectralAnalyzer.test_route)
         probed = not isinstance(method, NTKRoute)
+        if probed and x2 is not None:  # x2's gradients too (a hook on points the probe of x1 never saw)
+            refuse_false_gradients(model, x2[:2], x2)
         why = batch_decides(model, x2) if probed and x2 is not None and m is not NTKMethod.BATCH else None
         if why is not None:
             _log.info("the model's forward decides over its batch of x2 (%s): the full-batch Jacobian", why)

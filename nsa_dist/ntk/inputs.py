@@ -203,10 +203,15 @@ def functorch_refused(e: BaseException) -> bool:
     its input's storage, which a transform's wrapped tensor has none of (an LSTM over a packed
     sequence: "Cannot access data pointer of Tensor that doesn't have storage"), or a new-style
     Function with neither a ``vmap`` staticmethod nor ``generate_vmap_rule`` ("… does not have vmap
-    support").  Plain autograd runs them all."""
+    support"), or non-reentrant activation checkpointing ("… don't yet support saved tensor hooks"), or a
+    forward that differentiates itself (a PINN's ``x.requires_grad_()`` and ``torch.autograd.grad`` of
+    its output: "… inside of a function being transformed by a functorch transform").  Plain autograd
+    runs them all."""
     msg = str(e)
     return (
         ("setup_context" in msg and "functorch" in msg)
         or "doesn't have storage" in msg
         or ("vmap over" in msg and "does not have vmap support" in msg)  # a Function without a vmap rule
+        or "support saved tensor hooks" in msg  # torch.utils.checkpoint(use_reentrant=False)
+        or "being transformed by a functorch transform" in msg  # requires_grad_() / autograd.grad in the forward
     )

@@ -38,6 +38,7 @@ __all__ = [
     "dense_gradients",
     "stateless",
     "refuse_state_writes",
+    "rest_in_chunks",
     "batch_stat_modules",
     "exact_kernels",
     "padding_rows_constant",
@@ -553,7 +554,7 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
         held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
         # and every other point, a chunk at a time: a tensor held for some points only (a branch the first
         # two do not take) entered every route as a constant, 4.9 % off (an audit)
-        for chunk in _rest_in_chunks(x, few.shape[0], _HELD_CHUNK_BYTES):
+        for chunk in rest_in_chunks(x, few.shape[0], _HELD_CHUNK_BYTES):
             if held:
                 break
             try:
@@ -574,7 +575,7 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
 _HELD_CHUNK_BYTES = 4 * 2**20  # inputs per forward of the held-parameter check over the other points (with a graph)
 
 
-def _rest_in_chunks(x: torch.Tensor, start: int, chunk_bytes: int = WHOLE_INPUT_BYTES) -> Iterator[torch.Tensor]:
+def rest_in_chunks(x: torch.Tensor, start: int, chunk_bytes: int = WHOLE_INPUT_BYTES) -> Iterator[torch.Tensor]:
     """x's points from ``start`` on, in chunks of at most ``chunk_bytes`` of inputs and at least two points
     (a train-mode norm refuses a batch of one: the last chunk takes its neighbour's)."""
     n = x.shape[0]
@@ -648,7 +649,7 @@ def refuse_state_writes(model: nn.Module, x: torch.Tensor) -> list[str]:
         # then the other points, a chunk at a time: a forward that writes a buffer (or a weight) for some
         # points only (`if x.abs().max() > 3: self.peak.copy_(…)`) was measured when the first two did not
         # (an audit); a chunk that fails ends this (the measurement's own forward names the failure)
-        for chunk in _rest_in_chunks(x, few.shape[0]):
+        for chunk in rest_in_chunks(x, few.shape[0]):
             try:
                 model(chunk.clone())
             except Exception:  # noqa: BLE001
