@@ -15,8 +15,13 @@ difference of the forward itself at two step sizes.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.func import jvp
 
 from nsa_dist.ntk.inputs import as_2d, trainable_params
@@ -40,41 +45,58 @@ _EXACT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # J t by forward mode: 
 _DIFFERENCE_TOL = {torch.float64: 1e-6, torch.float32: 1e-2}
 
 
-def gradients_not_derivative(model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = None) -> str | None:
+def gradients_not_derivative(
+    model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = None, label: str = "points", offset: int = 0
+) -> str | None:
     """:func:`_adjoint_gap`'s reason; None where the test itself cannot run on these points (a forward
     that runs on its whole batch only, reentrant checkpointing, an op with no derivative at all): the
     probe's other checks and the routes' own errors speak for those models.
 
-    ``x``: every point measured, tested after the probe's points ``xs`` a chunk at a time (one random
-    direction each): a gradient hook or a gradient-reversal Function that acts on later points only
-    (a flag in the input the probe's points do not carry) put every route's kernel 0.24–2.3 off and
-    the loss Hessian 1.3 off, status done (an audit)."""
+    ``x``: every point measured (``label`` and their indices from ``offset`` in the reason), after the probe's
+    points ``xs``, a chunk at a time: a gradient hook or a gradient-reversal Function that acts on later points only
+    (a flag in the input the probe's points do not carry) put every route's kernel 0.24–2.3 off and the loss Hessian
+    1.3 off, status done (an audit).  A chunk is tested where its forward can make autograd's gradients other than
+    the derivative — it registers a tensor hook, or its graph holds a Python ``autograd.Function`` (a module's full
+    backward hooks are one) — or the model has legacy module backward hooks; one forward with a graph tells (the
+    whole test cost 1.2–1.5× a plain network's ``gram``, a review)."""
     try:
-        return _adjoint_gap(model, xs, x)
+        return _adjoint_gap(model, xs, x, label, offset)
     except Exception:  # noqa: BLE001 - see above
         return None
 
 
-def _adjoint_gap(model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = None) -> str | None:
+def _adjoint_gap(
+    model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = None, label: str = "points", offset: int = 0
+) -> str | None:
     """Why the model's reverse-mode gradients at the (few) points ``xs`` — then at every point of ``x``,
     a chunk at a time — are not the derivative of its outputs (None: they are, to rounding; or the
     test cannot run: a 16-bit model, a forward that torch.func and a difference both cannot take).
     Runs inside the caller's :func:`~nsa_dist.ntk.state.preserved`."""
     params = trainable_params(model)
     dtype = next(iter(params.values())).dtype
-    if dtype not in _EXACT_TOL or not xs.shape[0]:
+    first = xs if xs.shape[0] or x is None else x[:2]  # (no xs: the probe tested them, or none is made)
+    if dtype not in _EXACT_TOL or not first.shape[0]:
         return None
-    twin = stateless(model, xs)
-    primals = renorm_copies(twin, {k: p.detach() for k, p in trainable_params(twin).items()})
-    rest = {k: p.detach() for k, p in twin.named_parameters() if not p.requires_grad}
-    buffers = dict(twin.named_buffers())
+    made: dict[str, object] = {}
+
+    def parts() -> tuple[nn.Module, dict, dict, dict]:  # the stateless twin and its tensors, made once needed
+        if not made:
+            twin = stateless(model, first)
+            made.update(
+                twin=twin,
+                primals=renorm_copies(twin, {k: p.detach() for k, p in trainable_params(twin).items()}),
+                rest={k: p.detach() for k, p in twin.named_parameters() if not p.requires_grad},
+                buffers=dict(twin.named_buffers()),
+            )
+        return made["twin"], made["primals"], made["rest"], made["buffers"]  # type: ignore[return-value]
 
     def gap(pts: torch.Tensor, pairs: int) -> tuple[float, float, str] | None:
+        twin, primals, rest, buffers = parts()
+
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return as_2d(call(twin, {**p, **rest, **buffers}, (pts.clone(),)), pts.shape[0])
 
-        # the padding rows of embeddings as reverse mode sees them (no derivative from their lookups)
-        with exact_kernels(twin), dense_gradients(twin), frequency_unscaled(twin), padding_rows_constant():
+        with _Measuring(twin):
             got = _worst_pair(f, primals, pairs)
             if got is None:
                 return None
@@ -91,39 +113,137 @@ def _adjoint_gap(model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = No
                     tol = max(tol, 4 * torch.finfo(torch.float32).eps * size**0.5)
         return None if worst <= tol else (worst, tol, by)
 
-    found, where = gap(xs, _PAIRS), "the probe points"
+    def screened(pts: torch.Tensor) -> bool:  # the model's own forward (the caller's `preserved` puts state back)
+        own = renorm_copies(model, {k: p.detach() for k, p in params.items()})  # (a max_norm table: a copy)
+        frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
+
+        def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return as_2d(call(model, {**p, **frozen}, (pts.clone(),)), pts.shape[0])
+
+        try:
+            return _may_alter_gradients(f, own, lambda: _Measuring(model))
+        except Exception:  # noqa: BLE001 - a forward that fails here: the test itself says what it can
+            return True
+
+    found, where = (gap(xs, _PAIRS), "the probe points") if xs.shape[0] else (None, "")
     if found is None and x is not None and x.shape[0] > xs.shape[0]:
-        start = 0
-        for chunk in rest_in_chunks(x, 0, _CHUNK_BYTES):
+        every = _legacy_backward_hooks(model)
+        start = offset
+        for chunk in rest_in_chunks(x, 0, _CHUNK_BYTES, _CHUNK_POINTS):
             try:
-                found = gap(chunk, 1)
+                if every or screened(chunk):
+                    found = gap(chunk, 1)
             except Exception:  # noqa: BLE001 - a chunk the test cannot take: the measurement speaks for it
                 break
             if found is not None:
-                where = f"points {start}–{start + chunk.shape[0] - 1}"
+                where = f"{label} {start}–{start + chunk.shape[0] - 1}"
                 break
             start += chunk.shape[0]
     if found is None:
         return None
     worst, tol, by = found
     return (
-        f"the model's gradients are not the derivative of its outputs: with t = Jᵀu from autograd, u·(J t) by "
-        f"{by} is not ‖t‖² (off by {worst:.2g} of it at {where}; rounding allows {tol:g}) — a "
-        "gradient hook registered in the forward (Tensor.register_hook), a module backward hook that "
-        "replaces grad_input, or a custom autograd.Function whose backward is not its forward's derivative "
-        "(a straight-through estimator, a gradient reversal)"
+        f"the model's gradients are not the derivative of its outputs: for random u and t, u·(J t) by "
+        f"{by} is not (Jᵀu)·t with Jᵀu from autograd (off by {worst:.2g} of its scale at {where}; rounding "
+        f"allows {tol:g}) — a gradient hook registered in the forward (Tensor.register_hook), a module backward "
+        "hook that replaces grad_input, or a custom autograd.Function whose backward is not its forward's "
+        "derivative (a straight-through estimator, a gradient reversal)"
         + ("" if by == "forward mode" else ", or a parameter also used under torch.no_grad()")
         + "; the NTK is made of the derivative, and these gradients give another kernel: remove the hook "
         "or give the Function its true derivative while measuring"
     )
 
 
+class _Measuring(contextlib.ExitStack):
+    """The contexts every product of the test runs in (the routes' own: exact kernels, dense gradients,
+    token counts unscaled, embeddings' padding rows constant)."""
+
+    def __init__(self, twin: nn.Module) -> None:
+        super().__init__()
+        self._twin = twin
+
+    def __enter__(self) -> _Measuring:
+        super().__enter__()
+        for cm in (
+            exact_kernels(self._twin),
+            dense_gradients(self._twin),
+            frequency_unscaled(self._twin),
+            padding_rows_constant(),
+        ):
+            self.enter_context(cm)
+        return self
+
+
+def _legacy_backward_hooks(model: nn.Module) -> bool:
+    """Whether a module's backward hooks act outside a Python Function node of the graph: the legacy
+    ``register_backward_hook`` (on the module's last grad_fn), and global module backward hooks."""
+    from torch.nn.modules import module as _module
+
+    if getattr(_module, "_global_backward_hooks", None) or getattr(_module, "_global_backward_pre_hooks", None):
+        return True
+    return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
+
+
+def _may_alter_gradients(f, primals: dict[str, torch.Tensor], measuring) -> bool:  # noqa: ANN001
+    """Whether one forward of f with a graph registers a tensor hook or puts a Python ``autograd.Function``
+    in its graph (a module's full backward hooks run in one) — what can make autograd's gradients
+    other than the derivative.  (A hook a C++ extension's op installs is not seen: the probe's points
+    are tested whatever this says, where a route is probed.)"""
+    live = {k: p.detach().requires_grad_(True) for k, p in primals.items()}  # (views: no copy of the weights)
+    with _hooks_watched() as seen, measuring(), torch.enable_grad():
+        out = f(live)
+    if seen:
+        return True
+    stack, visited = [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if isinstance(node, BackwardCFunction):
+            return True
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return False
+
+
+_WATCH_LOCK = threading.Lock()
+_WATCHERS: list[list[int]] = []
+_REGISTER_HOOK = torch.Tensor.register_hook
+
+
+def _watching_register_hook(self: torch.Tensor, hook):  # noqa: ANN001, ANN202
+    for seen in list(_WATCHERS):
+        seen.append(1)
+    return _REGISTER_HOOK(self, hook)
+
+
+@contextlib.contextmanager
+def _hooks_watched() -> Iterator[list[int]]:
+    """Within the block, every ``Tensor.register_hook`` call is counted in the list yielded (one wrapper
+    of torch's method installed while any block is open, in any thread)."""
+    seen: list[int] = []
+    with _WATCH_LOCK:
+        if not _WATCHERS:
+            torch.Tensor.register_hook = _watching_register_hook
+        _WATCHERS.append(seen)
+    try:
+        yield seen
+    finally:
+        with _WATCH_LOCK:
+            _WATCHERS.remove(seen)
+            if not _WATCHERS:
+                torch.Tensor.register_hook = _REGISTER_HOOK
+
+
 _CHUNK_BYTES = 4 * 2**20  # inputs per chunk of the every-point test (forward and reverse mode over it)
+_CHUNK_POINTS = 2048  # and points: a 2-input net's 4 MB were 524,288 points, +0.4 GB of activations (a review)
 
 
 def _worst_pair(f, primals: dict[str, torch.Tensor], pairs: int = _PAIRS) -> tuple[float, str] | None:  # noqa: ANN001
-    """(the largest |u·(J t) − ‖t‖²| / ‖t‖² over ``pairs`` random directions u, how J t was taken); None
-    where no J t could be taken or f does not depend on the parameters."""
+    """(the largest gap over ``pairs`` random directions u, how J t was taken); None where no J t could
+    be taken or f does not depend on the parameters.  Per u, with g = Jᵀu as autograd gives it (as
+    training takes it): |u·(J g) − ‖g‖²| / ‖g‖², and for the first u also |u·(J r) − g·r| / (‖g‖‖r‖/√n)
+    for a random r over the n live entries."""
     gen = torch.Generator().manual_seed(29)
 
     def rand(like: torch.Tensor) -> torch.Tensor:
@@ -134,7 +254,7 @@ def _worst_pair(f, primals: dict[str, torch.Tensor], pairs: int = _PAIRS) -> tup
         out = f(live)
     if not out.requires_grad:
         return None
-    worst, by = 0.0, "forward mode"
+    worst, by, taken = 0.0, "forward mode", 0
     for i in range(pairs):
         u = rand(out)
         g = torch.autograd.grad(out, list(live.values()), u, retain_graph=i < pairs - 1, allow_unused=True)
@@ -146,11 +266,27 @@ def _worst_pair(f, primals: dict[str, torch.Tensor], pairs: int = _PAIRS) -> tup
         rhs = sum(float((gk.double() ** 2).sum()) for gk in g if gk is not None)
         if not rhs > 0:
             continue
-        Jt, by = _forward(f, primals, t, u, rhs)
-        if Jt is None:  # no forward mode, and a difference that step sizes do not agree on
-            return None
-        worst = max(worst, abs(float((u.double() * Jt.double()).sum()) - rhs) / rhs)
-    return worst, by
+        Jt, how = _forward(f, primals, t, u, rhs, rhs)
+        if Jt is not None:  # (None: no forward mode, and a difference that cannot tell)
+            worst, by, taken = max(worst, abs(_dot(u, Jt) - rhs) / rhs), how, taken + 1
+        if i:
+            continue
+        # and a direction r off the gradients' range: autograd's gradient projected (a hook zeroing some
+        # units, a gradient reversal of weight 0 in its warm-up) keeps u·(J t) = ‖t‖² for every t = Jᵀu
+        # it gives — 0.20 and 0.30 off kernels passed (a review) — and shows in u·(J r) against g·r, whose
+        # size is ‖g‖‖r‖/√n for a random r
+        r = {k: torch.zeros_like(p) if gk is None else rand(p) for (k, p), gk in zip(primals.items(), g)}
+        n = sum(p.numel() for p, gk in zip(primals.values(), g) if gk is not None)
+        target = sum(_dot(gk, r[k]) for k, gk in zip(primals, g) if gk is not None)
+        scale = rhs**0.5 * _norm(r.values()) / n**0.5
+        Jr, how = _forward(f, primals, r, u, target, scale)
+        if Jr is not None:
+            worst, by, taken = max(worst, abs(_dot(u, Jr) - target) / scale), how, taken + 1
+    return (worst, by) if taken else None
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() * b.double()).sum())
 
 
 def _rounding_only(  # noqa: ANN001
@@ -184,11 +320,15 @@ def _rounding_only(  # noqa: ANN001
 
 
 def _forward(  # noqa: ANN001
-    f, primals: dict[str, torch.Tensor], t: dict[str, torch.Tensor], u: torch.Tensor, rhs: float
+    f, primals: dict[str, torch.Tensor], t: dict[str, torch.Tensor], u: torch.Tensor, target: float, scale: float
 ) -> tuple[torch.Tensor | None, str]:
     """(J t, how): forward mode, else a central difference of f (an op without a forward-mode rule) at two
-    step sizes — None when their u·(J t) disagree beyond the tolerance (a step across a kink or a jump:
-    hard top-1 routing flipped by a float32 step)."""
+    step sizes — None when their u·(J t) disagree beyond the tolerance of ``scale`` (a step across a
+    kink or a jump: hard top-1 routing flipped by a float32 step), or when the smaller step's gap from
+    ``target`` (what autograd's gradient gives) is under 0.8 of the larger's: a gap that shrinks with
+    the step is the difference's truncation (ReLU kinks inside the step: 0.021, 0.014, 0.008 of the
+    scale at steps h, h/4, h/16 over 2,000 points of a float32 net with a cdist layer — refused, a
+    review), where a gradient hook's gap stays as it is."""
     try:
         with no_grad_as_constant():
             return jvp(f, (primals,), (t,))[1].detach(), "forward mode"
@@ -206,8 +346,8 @@ def _forward(  # noqa: ANN001
             plus = f({k: p + h * t[k] for k, p in primals.items()})
             minus = f({k: p - h * t[k] for k, p in primals.items()})
         quotients.append((plus - minus) / (2 * h))
-    a, b = (float((u.double() * q.double()).sum()) for q in quotients)
-    if abs(a - b) > _DIFFERENCE_TOL[dtype] * rhs:
+    a, b = (_dot(u, q) for q in quotients)
+    if abs(a - b) > _DIFFERENCE_TOL[dtype] * scale or abs(b - target) < 0.8 * abs(a - target):
         return None, how
     return quotients[1], how
 

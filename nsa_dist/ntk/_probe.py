@@ -637,11 +637,13 @@ def _uses(out: torch.Tensor) -> dict[int, int]:
     return count
 
 
-def refuse_false_gradients(model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = None) -> None:
+def refuse_false_gradients(
+    model: nn.Module, xs: torch.Tensor, x: torch.Tensor | None = None, label: str = "points", offset: int = 0
+) -> None:
     """UnsupportedModelError when autograd's gradients at the probe's points xs — then at every point
-    of x — are not the derivative of the outputs (a gradient hook, a straight-through estimator:
-    :mod:`nsa_dist.ntk._adjoint`)."""
-    why = gradients_not_derivative(model, xs, x)
+    of x (``label``, indices from ``offset`` in the message) — are not the derivative of the outputs (a gradient hook, a
+    straight-through estimator: :mod:`nsa_dist.ntk._adjoint`)."""
+    why = gradients_not_derivative(model, xs, x, label, offset)
     if why is not None:
         raise UnsupportedModelError(why)
 
@@ -680,7 +682,8 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
         refuse_frequency_scaled(lookups)
         _unchanged_input(x[idx], xs)
         coupling = _couples(model, xs, again=trace.out, window=_window(x, idx), all_points=x)
-        refuse_false_gradients(model, xs, x)  # every point (after the randomness and coupling checks: errors first)
+        refuse_false_gradients(model, xs)  # (after the randomness and coupling checks: their errors first; every
+        # point is gram's and a gang member's to test, after this)
         if coupling is not None:
             why = f"the model couples samples ({coupling}): the kernel of the batch forward"
             return ForwardPlan(True, (), tuple(params), {n: (Route.BATCH, why) for n in params})

@@ -16,7 +16,7 @@ from torch import nn
 from nsa_dist.config import NTKMethod
 from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.ntk._jacobian import jacobian_fn
-from nsa_dist.ntk._probe import ForwardPlan
+from nsa_dist.ntk._probe import ForwardPlan, refuse_false_gradients
 from nsa_dist.ntk._structured import Unproven, _chunk_features, structured_layers
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.gram import route_of
@@ -71,6 +71,8 @@ def block_features(
     K = output_dim(model, x)
     with preserved(model), blame(model):
         plan, m = route_of(model, x, method)
+        # autograd's gradients the derivative on these ranges' points (after the probe's own errors)
+        refuse_false_gradients(model, x[:0], x[lo:hi], offset=lo)
         if m is NTKMethod.BATCH:
             raise UnsupportedModelError(
                 "a gang layout (block_rows, matrix_free) splits the points among its members, but "

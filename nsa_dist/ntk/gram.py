@@ -245,6 +245,13 @@ def gram(
         _check_out(out, model, x1, x2, K, full)
     with preserved(model):
         plan, m = route_of(model, x1, method)
+        with blame(model):
+            # autograd's gradients the derivative on every point (a hook or a gradient reversal on some points
+            # only), whatever the route — one given (NTKRoute) is not probed; after the probe, whose
+            # randomness and coupling errors come first (the operator's `couples` tests every point)
+            refuse_false_gradients(model, x1[:0], x1)  # (the probe tested its own points)
+            if x2 is not None:
+                refuse_false_gradients(model, x2[:0], x2, "x2's points")
         if m is NTKMethod.BATCH and _first_time(given):
             # the route's reason already reads "the model couples samples (…): the kernel of the batch forward"
             _log.info("%s, computed exactly (full-batch Jacobian)", next(iter(plan.routes.values()))[1])
@@ -252,8 +259,6 @@ def gram(
         # (NTKRoute) is the caller's, for the points it was resolved for (the pipeline resolves the
         # test points' own once: SpectralAnalyzer.test_route)
         probed = not isinstance(method, NTKRoute)
-        if probed and x2 is not None:  # x2's gradients too (a hook on points the probe of x1 never saw)
-            refuse_false_gradients(model, x2[:2], x2)
         why = batch_decides(model, x2) if probed and x2 is not None and m is not NTKMethod.BATCH else None
         if why is not None:
             _log.info("the model's forward decides over its batch of x2 (%s): the full-batch Jacobian", why)

@@ -554,7 +554,7 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
         held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
         # and every other point, a chunk at a time: a tensor held for some points only (a branch the first
         # two do not take) entered every route as a constant, 4.9 % off (an audit)
-        for chunk in rest_in_chunks(x, few.shape[0], _HELD_CHUNK_BYTES):
+        for chunk in rest_in_chunks(x, few.shape[0], _HELD_CHUNK_BYTES, _HELD_CHUNK_POINTS):
             if held:
                 break
             try:
@@ -573,14 +573,18 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
 
 
 _HELD_CHUNK_BYTES = 4 * 2**20  # inputs per forward of the held-parameter check over the other points (with a graph)
+_HELD_CHUNK_POINTS = 4096  # and points: 4 MB of a 2-input net are 524,288 points, and their graph gigabytes
 
 
-def rest_in_chunks(x: torch.Tensor, start: int, chunk_bytes: int = WHOLE_INPUT_BYTES) -> Iterator[torch.Tensor]:
-    """x's points from ``start`` on, in chunks of at most ``chunk_bytes`` of inputs and at least two points
-    (a train-mode norm refuses a batch of one: the last chunk takes its neighbour's)."""
+def rest_in_chunks(
+    x: torch.Tensor, start: int, chunk_bytes: int = WHOLE_INPUT_BYTES, max_points: int | None = None
+) -> Iterator[torch.Tensor]:
+    """x's points from ``start`` on, in chunks of at most ``chunk_bytes`` of inputs (and ``max_points``
+    points) and at least two points (a train-mode norm refuses a batch of one: the last chunk takes its
+    neighbour's)."""
     n = x.shape[0]
     per = max(1, x[:1].numel() * x.element_size())
-    size = max(2, chunk_bytes // per)
+    size = max(2, min(chunk_bytes // per, max_points or n))
     s = start
     while s < n:
         e = min(n, s + size)
