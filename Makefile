@@ -1,4 +1,5 @@
-# nsa-dist: `make demo` runs the main job on the embedded default, `make test` runs the tests.
+# nsa-dist: `make demo` runs the main job on the embedded default, `make test` the tests but the slow ones
+# (under 10 minutes on 2 cores), `make test-all` every test (what CI runs: .ci/run).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PYTEST_ARGS ?=
 # (tests/conftest.py), so each worker starts the embedded Ray once (TEST_WORKERS=0: one process)
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast lint format bench bench-layouts bench-full-size clean
+.PHONY: install demo test test-slow test-all lint format bench bench-layouts bench-full-size clean
 
 install: $(VENV)/.installed
 
@@ -34,7 +35,7 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(PY) -m nsa_dist.demo
 
-# ruff's rules and import-linter's contracts are in pyproject.toml; CI runs them through `make test`
+# ruff's rules and import-linter's contracts are in pyproject.toml; CI runs them through `make test-all`
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -45,11 +46,16 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# `slow`: multi-process tests and those tests/slow.txt names (measured above 6 s); test-all runs them too
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 test: install lint
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
-test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+test-slow: install
+	$(PY) -m pytest -q -m slow $(XDIST) $(PYTEST_ARGS)
+
+test-all: install lint
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # nngeometry (benchmark (d) only) declares torchvision, which would drag in another torch build;
 # it never imports it, so it is installed without dependencies.
@@ -78,7 +84,7 @@ clean:
 # The model zoo: every torchvision classification model (tiny configurations where the default is
 # too large) and tiny Hugging Face transformers, gram() against a float64 torch.func.jacrev
 # reference; its table is in benchmarks/README.md. Its own venv: torchvision needs another torch
-# build than the CPU one above. Never part of `make test`.
+# build than the CPU one above. Never part of `make test` / `make test-all`.
 ZOO_VENV ?= .venv-zoo
 .PHONY: zoo
 zoo: $(ZOO_VENV)/.installed

@@ -203,8 +203,17 @@ def killed_after_step(args: list[str], index: int, env: dict) -> None:
 _LOCAL_RAY, _TWO_NODE = "local_ray", "two_node_cluster"
 
 
+_SLOW = [
+    line.strip()
+    for line in (Path(__file__).parent / "slow.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Modules using the session's embedded Ray run after all others, then those using the two-node
+    """The tests tests/slow.txt names are marked ``slow`` (``make test`` leaves them to ``make test-all``,
+    which CI runs); then modules using the session's embedded Ray run after all others, then those using the two-node
     cluster: each is started when its first module starts and stopped at the end of the session, so
     neither sits idle on the cores while unrelated tests run (the order within a module is kept).
 
@@ -215,6 +224,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     worker 962 s, with two tests that assert no Ray was started failing behind it.  (The
     ``xdist_group`` marks this hook set before did nothing: xdist 3.8 writes the group into
     ``item._nodeid``, which pytest 9's node ids no longer read.)"""
+
+    for item in items:
+        if any(item.nodeid == s or item.nodeid.startswith((s + "::", s + "[")) for s in _SLOW):
+            item.add_marker(pytest.mark.slow)
 
     def rank(item) -> int:
         names = modules.get(item.nodeid.split("::")[0], set())
