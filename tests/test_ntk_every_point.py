@@ -355,3 +355,94 @@ def test_a_differences_truncation_at_relu_kinks_is_no_hook() -> None:
     ref = gram(m, x[:40], dtype=torch.float64, method="jacobian")
     err = float((G[:40, :40].double() - ref).norm() / ref.norm())
     assert err < 1e-6, f"the float32 kernel's first 40 points off the float64 Jacobians' by {err:.3g}"
+
+
+class UnguardedOnSomePoints(nn.Module):
+    """A hook tripling the hidden gradient of a batch holding a flagged point, registered without
+    ``if h.requires_grad`` — it fails under forward mode and no_grad, so the test itself could not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if bool((x[:, :1].abs() > 1.0).any()):
+            h = h * 1.0
+            h.register_hook(lambda g: 3 * g)
+        return self.b(h)
+
+
+def test_a_hook_the_test_cannot_run_with_is_refused() -> None:
+    """The chunk's test raised ("cannot register a hook on a tensor that doesn't require gradient") and
+    the model passed: auto 1.54 off, jacobian 1.15 (a review).  A test that cannot run where the forward
+    registers a hook refuses it by name."""
+    m = UnguardedOnSomePoints().double()
+    for method in ("auto", "jacobian"):
+        with pytest.raises(
+            UnsupportedModelError, match=r"registers a gradient hook at points \d+–\d+.*cannot be tested"
+        ):
+            gram(m, _points(), method=method)
+
+
+class _ReluFunction(torch.autograd.Function):
+    """ReLU as a Python Function with the right backward and no forward-mode rule."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, out) -> None:  # noqa: ANN001
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        return g * (x > 0).to(g.dtype)
+
+    @staticmethod
+    def vmap(info, dims, x):  # noqa: ANN001, ANN205
+        return _ReluFunction.apply(x), dims[0]
+
+
+class _BumpsFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.l, self.o = nn.Parameter(torch.randn(64, 20)), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(_ReluFunction.apply(self.l(torch.cdist(x, self.c))))
+
+
+def test_a_difference_across_kinks_in_the_random_direction_is_no_hook() -> None:
+    """A float32 cdist net with a right Python ReLU Function was refused ("off by 0.04", the random
+    direction's difference across kinks; its float64 copy passed by a difference, which the fallback
+    did not accept), a review."""
+    torch.manual_seed(0)
+    m, x = _BumpsFunction(), torch.randn(100, 20)
+    G = gram(m, x)
+    ref = gram(m, x, dtype=torch.float64, method="jacobian")
+    err = float((G.double() - ref).norm() / ref.norm())
+    assert err < 1e-6, f"the float32 kernel off the float64 Jacobians' by {err:.3g}"
+
+
+def test_the_watch_of_register_hook_puts_back_what_was_in_place() -> None:
+    """A library's own wrapper of Tensor.register_hook, installed after nsa_dist was imported, was
+    replaced by torch's for good after one gram (a review)."""
+    original = torch.Tensor.register_hook
+    calls: list[int] = []
+
+    def wrapper(self, hook):  # noqa: ANN001, ANN202
+        calls.append(1)
+        return original(self, hook)
+
+    torch.Tensor.register_hook = wrapper
+    try:
+        gram(ScaledOnSomePoints("none").double(), _points())
+        with pytest.raises(UnsupportedModelError):
+            gram(ScaledOnSomePoints("hook").double(), _points())
+        assert torch.Tensor.register_hook is wrapper, "the user's wrapper was not put back"
+        assert calls, "the user's wrapper was bypassed while the hooks were watched"
+    finally:
+        torch.Tensor.register_hook = original

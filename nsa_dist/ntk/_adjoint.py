@@ -113,7 +113,7 @@ def _adjoint_gap(
                     tol = max(tol, 4 * torch.finfo(torch.float32).eps * size**0.5)
         return None if worst <= tol else (worst, tol, by)
 
-    def screened(pts: torch.Tensor) -> bool:  # the model's own forward (the caller's `preserved` puts state back)
+    def screened(pts: torch.Tensor) -> str | None:  # the model's own forward (the caller's `preserved` puts state back)
         own = renorm_copies(model, {k: p.detach() for k, p in params.items()})  # (a max_norm table: a copy)
         frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
 
@@ -123,22 +123,43 @@ def _adjoint_gap(
         try:
             return _may_alter_gradients(f, own, lambda: _Measuring(model))
         except Exception:  # noqa: BLE001 - a forward that fails here: the test itself says what it can
-            return True
+            return "function"
 
-    found, where = (gap(xs, _PAIRS), "the probe points") if xs.shape[0] else (None, "")
-    if found is None and x is not None and x.shape[0] > xs.shape[0]:
-        every = _legacy_backward_hooks(model)
-        start = offset
-        for chunk in rest_in_chunks(x, 0, _CHUNK_BYTES, _CHUNK_POINTS):
-            try:
-                if every or screened(chunk):
-                    found = gap(chunk, 1)
-            except Exception:  # noqa: BLE001 - a chunk the test cannot take: the measurement speaks for it
-                break
-            if found is not None:
+    def tested(pts: torch.Tensor, pairs: int, seen: str | None) -> tuple[float, float, str] | None:
+        try:
+            return gap(pts, pairs)
+        except Exception as e:
+            # the test cannot run where the forward registers a gradient hook (one without `if z.requires_grad`
+            # fails under forward mode and no_grad): refused — it passed, and the kernel was 1.2–1.5 off (a review)
+            if (seen or screened(pts)) == "hook":
+                raise _Untestable(f"{type(e).__name__}: {e}") from None
+            raise
+
+    where = "the probe points"
+    try:
+        found = tested(xs, _PAIRS, None) if xs.shape[0] else None
+        if found is None and x is not None and x.shape[0] > xs.shape[0]:
+            every = "hook" if _legacy_backward_hooks(model) else None
+            start = offset
+            for chunk in rest_in_chunks(x, 0, _CHUNK_BYTES, _CHUNK_POINTS):
+                seen = every or screened(chunk)
                 where = f"{label} {start}–{start + chunk.shape[0] - 1}"
-                break
-            start += chunk.shape[0]
+                try:
+                    if seen:
+                        found = tested(chunk, 1, seen)
+                except _Untestable:
+                    raise
+                except Exception:  # noqa: BLE001 - a chunk the test cannot take: the measurement speaks for it
+                    break
+                if found is not None:
+                    break
+                start += chunk.shape[0]
+    except _Untestable as e:
+        return (
+            f"the model's forward registers a gradient hook at {where}, and whether its gradients are the "
+            f"derivative of its outputs cannot be tested there ({e}) — a hook that changes the gradient gives "
+            "another kernel than the NTK; register it only `if tensor.requires_grad`, or remove it while measuring"
+        )
     if found is None:
         return None
     worst, tol, by = found
@@ -184,16 +205,20 @@ def _legacy_backward_hooks(model: nn.Module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
 
 
-def _may_alter_gradients(f, primals: dict[str, torch.Tensor], measuring) -> bool:  # noqa: ANN001
-    """Whether one forward of f with a graph registers a tensor hook or puts a Python ``autograd.Function``
-    in its graph (a module's full backward hooks run in one) — what can make autograd's gradients
-    other than the derivative.  (A hook a C++ extension's op installs is not seen: the probe's points
-    are tested whatever this says, where a route is probed.)"""
+class _Untestable(Exception):
+    """The adjoint test failed to run where the forward registers a gradient hook."""
+
+
+def _may_alter_gradients(f, primals: dict[str, torch.Tensor], measuring) -> str | None:  # noqa: ANN001
+    """Whether one forward of f with a graph registers a tensor hook (``"hook"``) or puts a Python
+    ``autograd.Function`` in its graph (``"function"``; a module's full backward hooks run in one) — what can
+    make autograd's gradients other than the derivative (None: neither).  (A hook a C++ extension's op installs
+    is not seen: the probe's points are tested whatever this says, where a route is probed.)"""
     live = {k: p.detach().requires_grad_(True) for k, p in primals.items()}  # (views: no copy of the weights)
     with _hooks_watched() as seen, measuring(), torch.enable_grad():
         out = f(live)
     if seen:
-        return True
+        return "hook"
     stack, visited = [out.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -201,29 +226,31 @@ def _may_alter_gradients(f, primals: dict[str, torch.Tensor], measuring) -> bool
             continue
         visited.add(node)
         if isinstance(node, BackwardCFunction):
-            return True
+            return "function"
         stack.extend(nxt for nxt, _ in node.next_functions)
-    return False
+    return None
 
 
 _WATCH_LOCK = threading.Lock()
 _WATCHERS: list[list[int]] = []
-_REGISTER_HOOK = torch.Tensor.register_hook
+_IN_PLACE: list = []  # the method in place when the first open block installed the wrapper
 
 
 def _watching_register_hook(self: torch.Tensor, hook):  # noqa: ANN001, ANN202
     for seen in list(_WATCHERS):
         seen.append(1)
-    return _REGISTER_HOOK(self, hook)
+    return _IN_PLACE[0](self, hook)
 
 
 @contextlib.contextmanager
 def _hooks_watched() -> Iterator[list[int]]:
     """Within the block, every ``Tensor.register_hook`` call is counted in the list yielded (one wrapper
-    of torch's method installed while any block is open, in any thread)."""
+    of the method in place — torch's, or a library's own wrapper of it, which it calls — installed while
+    any block is open, in any thread, and that method put back after the last)."""
     seen: list[int] = []
     with _WATCH_LOCK:
         if not _WATCHERS:
+            _IN_PLACE[:] = [torch.Tensor.register_hook]
             torch.Tensor.register_hook = _watching_register_hook
         _WATCHERS.append(seen)
     try:
@@ -232,7 +259,7 @@ def _hooks_watched() -> Iterator[list[int]]:
         with _WATCH_LOCK:
             _WATCHERS.remove(seen)
             if not _WATCHERS:
-                torch.Tensor.register_hook = _REGISTER_HOOK
+                torch.Tensor.register_hook = _IN_PLACE.pop()
 
 
 _CHUNK_BYTES = 4 * 2**20  # inputs per chunk of the every-point test (forward and reverse mode over it)
@@ -314,9 +341,11 @@ def _rounding_only(  # noqa: ANN001
         got = _worst_pair(f64, p64)
     except Exception:  # noqa: BLE001 - not runnable in float64 (incl. running out of memory for the copy)
         return None
-    if got is None or got[1] != "forward mode":
+    if got is None:
         return None
-    return got[0] <= _EXACT_TOL[torch.float64]
+    # a float64 difference at its own tolerance: a float32 step across ReLU kinks put the random
+    # direction's gap at 0.04 of its scale, the float64 copy's at 1e-11 (a review)
+    return got[0] <= (_EXACT_TOL if got[1] == "forward mode" else _DIFFERENCE_TOL)[torch.float64]
 
 
 def _forward(  # noqa: ANN001
