@@ -610,13 +610,35 @@ def test_gauss_newton_moments_take_the_output_selector_of_the_eigenvalues():
 
 def test_a_failure_of_the_per_point_traces_is_not_called_a_failure_of_the_loss_hessian():
     """An audit: a SiLU model's note read "computing the loss Hessian failed" where the loss
-    Hessian was measured and only G_i's forward-over-forward pass had no rule (silu_backward)."""
+    Hessian was measured and only G_i's forward-over-forward pass had no rule (silu_backward; G_i
+    of such a model is now taken by reverse mode, tests/test_hessian_follows.py).  A Function that
+    torch.func cannot transform fails G_i: the error names G_i."""
+    from torch.autograd.function import once_differentiable
+
     from nsa_dist.errors import ModelForwardError
     from nsa_dist.hessian.theory import output_hessian_traces
 
-    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.SiLU(), torch.nn.Linear(4, 1)).double()
+    class Tanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * (1 - y * y)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(Tanh.apply(self.a(x)))
+
     with pytest.raises(ModelForwardError) as e:
-        output_hessian_traces(model, torch.randn(5, 2, dtype=torch.float64), 2)
-    assert str(e.value).startswith("computing the per-point output Hessian traces G_i of Sequential failed"), str(
-        e.value
-    )
+        output_hessian_traces(Net().double(), torch.randn(5, 2, dtype=torch.float64), 2)
+    assert str(e.value).startswith("computing the per-point output Hessian traces G_i of Net failed"), str(e.value)

@@ -83,7 +83,13 @@ class LossCurvatureOperator(LinearOperator):
 
     @autograd_on  # products differentiate the forward: no inference mode, parametrize cache or autocast
     def __init__(
-        self, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, loss: LossName, block_size: int | None
+        self,
+        model: nn.Module,
+        X: torch.Tensor,
+        Y: torch.Tensor,
+        loss: LossName,
+        block_size: int | None,
+        source: nn.Module | None = None,
     ) -> None:
         P = sum(p.numel() for p in trainable_params(model).values())
         super().__init__(P, Y.dtype, "torch", X.device)
@@ -108,6 +114,56 @@ class LossCurvatureOperator(LinearOperator):
         self._refused: UnsupportedModelError | None = None  # its reverse-mode products failed the symmetry check
         self._plain = False  # True once torch.func could not run the model: plain autograd from then on
         self._derivative_checked = not self._SECOND_ORDER  # (H and S) their products against a difference, once
+        self._follow(source if source is not None else model)
+
+    # ------------------------------------------------------------------ the parameters a product is at
+    def _follow(self, source: nn.Module) -> None:
+        """Products follow ``source``'s parameters (the user's model) as they are at each product:
+        the values they were last read at are kept, and a product first compares them (O(P))."""
+        mine, theirs = list(self.model.parameters()), list(source.parameters())
+        if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+            raise ValueError(  # a copy (a cast, a stateless twin) keeps the order and shapes of its source
+                f"the operator's model and {type(source).__name__} hold different parameters "
+                f"({len(mine)} against {len(theirs)})"
+            )
+        self._source, self._mine = theirs, mine
+        self._seen = [p.detach().clone() for p in theirs]
+
+    def _sync(self) -> None:
+        """Read the model's parameters again where they changed since the last product, however they
+        were changed: ``p.data.copy_(…)`` and ``p.data -= …`` (a hand-written SGD loop) bump no
+        version counter, and ``p.data = new`` replaces the storage the products held — S mixed the
+        new θ's ∇²f with the old residuals (S 0.64 off, H ≠ I + S by 0.28 of H), or all three stayed
+        at the old θ (H 0.80 off the new Hessian), silently (an audit).  A copy the operator computes
+        with (a cast to ``dtype``, a stateless twin) takes the new values.
+
+        Raises:
+            ValueError: a parameter changed shape, dtype or device since the operator was built.
+        """
+        changed = False
+        for p, seen in zip(self._source, self._seen):
+            if p.shape != seen.shape or p.dtype != seen.dtype or p.device != seen.device:
+                raise ValueError(
+                    f"a parameter of the model changed from {tuple(seen.shape)} {seen.dtype} on {seen.device} to "
+                    f"{tuple(p.shape)} {p.dtype} on {p.device} after its curvature operators were built (a cast, "
+                    "a move, a resize): build them again for the model as it is now"
+                )
+            changed = changed or not torch.equal(p.detach(), seen)
+        if not changed:
+            return
+        with torch.no_grad():
+            for p, q in zip(self._source, self._mine):
+                if q is not p:
+                    q.copy_(p.detach().to(q.dtype))
+        self._seen = [p.detach().clone() for p in self._source]
+        self._params = renorm_copies(self.model, {k: p.detach() for k, p in trainable_params(self.model).items()})
+        self._rest = renorm_copies(
+            self.model, {k: p.detach() for k, p in self.model.named_parameters() if not p.requires_grad}
+        )
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """What a subclass derives from the parameters, read again after they changed."""
 
     # ------------------------------------------------------------------ to implement
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -218,6 +274,7 @@ class LossCurvatureOperator(LinearOperator):
         """A V for V (P, m): parameter-shaped columns in, (P, m) out."""
         if self._refused is not None:  # every later product too: the parts of one analysis share it
             raise self._refused
+        self._sync()
         forward_mode, plain = not self._reverse, self._plain
         with (
             exact_kernels(self.model),

@@ -137,21 +137,14 @@ class ResidualOperator(LossCurvatureOperator):
         self._residuals()
 
     def _residuals(self) -> None:
-        """R at the parameters as they are now, and the version of each they were read at."""
+        """R at the parameters the products are at."""
         with torch.no_grad():
             F = torch.cat([self._f(self.X[b])(self._params) for b in self._blocks(1)])  # (N, K)
         self.R = residual(self.loss, F, self.Y)  # (N, K)
-        self._at = [p._version for p in self._params.values()]
 
-    def _current(self) -> None:
-        """H and I read the model's parameters as they are at each product (views of them): S too —
-        after an in-place update (an optimizer step) it mixed the new ∇²f with the old residuals, 0.99
-        off a new S and H ≠ I + S by 0.47 of H, silently (an audit)."""
-        if [p._version for p in self._params.values()] != self._at:
-            self._residuals()
+    _refresh = _residuals  # the parameters changed (an optimizer step, a hand-written update): R with them
 
     def _apply(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self._current()
         m = next(iter(U.values())).shape[0]
         out = self._zeros(m)
         for b in self._blocks(m):
@@ -163,7 +156,6 @@ class ResidualOperator(LossCurvatureOperator):
         return out
 
     def _apply_plain(self, U: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self._current()
         m = next(iter(U.values())).shape[0]
         out = self._zeros(m)
         for b in self._blocks(m):
@@ -212,8 +204,9 @@ def hessian_parts(
     loss_ = parse_loss(loss)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
+    source = model
     model, X, Yt = _setup(model, X, Y, loss_, dtype, output)
-    return tuple(_CLASSES[part](model, X, Yt, loss_, block_size) for part in HessianPart)  # type: ignore[return-value]
+    return tuple(_CLASSES[part](model, X, Yt, loss_, block_size, source) for part in HessianPart)  # type: ignore[return-value]
 
 
 def hessian_operator(
@@ -232,7 +225,10 @@ def hessian_operator(
     ``H = I + S`` with ``I = (1/N) Jᵀ HC J`` and ``S = (1/N) Σ_i ∇_f c_i · ∇²_θ f(x_i)`` (the
     Hessian paper's decomposition of ``H(C ∘ Y)``).  The operator has ``shape == (P, P)``,
     ``matmat(V)`` for V (P, m) NumPy or torch (the same type back), ``matvec``, ``to_dense()``
-    and an ``n_products`` counter; it works with :func:`nsa_dist.linalg.top_eigenpairs`.
+    and an ``n_products`` counter; it works with :func:`nsa_dist.linalg.top_eigenpairs`.  It follows
+    the model: each product is at the parameters as they are then, however they were changed (an
+    optimizer step, ``p.data -= …``, ``load_state_dict``, ``p.data = new``); a cast, a move or a resize
+    of a parameter after the operator was built is refused (build it again).
 
     Args:
         model: a module mapping (n, d) → (n,) or (n, K); the parameters are those with
@@ -263,5 +259,6 @@ def hessian_operator(
     loss_ = parse_loss(loss)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
+    source = model
     model, X, Yt = _setup(model, X, Y, loss_, dtype, output)
-    return _CLASSES[part_](model, X, Yt, loss_, block_size)
+    return _CLASSES[part_](model, X, Yt, loss_, block_size, source)

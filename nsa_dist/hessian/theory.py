@@ -29,7 +29,7 @@ from nsa_dist._checks import check_finite
 from nsa_dist.config import LossName
 from nsa_dist.errors import ShapeError, UnsupportedModelError
 from nsa_dist.hessian._loss import curvature_sqrt, prepare_targets
-from nsa_dist.hessian._operator import autograd_conventions, copyable
+from nsa_dist.hessian._operator import _no_forward_rule, autograd_conventions, copyable
 from nsa_dist.hessian._probes import as_linear_map, check_int, gaussian, rademacher
 from nsa_dist.hessian.moments import (
     Moments,
@@ -213,7 +213,7 @@ def output_hessian_traces(
     else:
         width = max((p.shape[0] if p.ndim else 1) for p in params.values())  # a 0-dim parameter: 1
         b = block_size or default_block(N, m * width * len(sizes) * 8, p0.element_size(), 256e6)
-    out = []
+    out, reverse = [], False
     for s in range(0, N, b):
         xb = X[s : s + b]
 
@@ -225,12 +225,57 @@ def output_hessian_traces(
             return jvp(first, (params,), (u,))[1]  # uᵀ ∇²f u, (b, K)
 
         with torch.no_grad(), exact_kernels(model), autograd_conventions(), blame(model, _TRACES):
-            out.append(vmap(second)(U))  # (m, b, K)
-        if s == 0:
+            got = None if reverse else _forward_second(second, U)
+            if got is None:  # an op without forward-mode AD (silu's backward in 2.13): reverse mode from now on
+                reverse = True
+                got = _reverse_second(f, params, U)
+            out.append(got)  # (m, b, K)
+        if s == 0 and not reverse:
             _check_forward_second(model, f, params, {k: u[0] for k, u in U.items()}, out[0][0, 0])
     q = torch.cat(out, dim=1).cpu().numpy().astype(np.float64)  # (m, N, K)
     se = q.std(axis=0, ddof=1) / np.sqrt(m) if m > 1 else np.full(q.shape[1:], np.nan)
     return OutputTraces(q.mean(axis=0), se, q)
+
+
+def _forward_second(second: Any, U: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """``uᵀ ∇²f u`` (m, b, K) forward-over-forward, or None when an op of the model has no
+    forward-mode rule for its derivative (``aten::silu_backward`` in PyTorch 2.13: G failed with
+    that NotImplementedError, an audit)."""
+    try:
+        return vmap(second)(U)
+    except NotImplementedError as e:
+        if not _no_forward_rule(e):
+            raise
+        _log.info("an op of the model has no forward-over-forward AD (%s): G by reverse mode", e)
+        return None
+
+
+def _reverse_second(f: Any, params: dict[str, torch.Tensor], U: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``uᵀ ∇²f_ik u`` for every point i and output k by reverse mode only, per probe u: with w a
+    (b, K) leaf, ``b(w) = u · ∇_θ(u · ∇_θ(wᵀ f))`` is linear in w and its gradient is the (b, K)
+    array wanted — three backward passes for all points at once (plain autograd's double backward
+    of each op, which the forward-mode check takes as its reference)."""
+    m = next(iter(U.values())).shape[0]
+    rows = []
+    with torch.enable_grad():
+        for j in range(m):
+            theta = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+            F = f(theta)
+            w = torch.zeros_like(F, requires_grad=True)
+            leaves = list(theta.values())
+            g = torch.autograd.grad((F * w).sum(), leaves, create_graph=True, allow_unused=True)
+            a = sum((gi * U[k][j]).sum() for gi, k in zip(g, theta) if gi is not None)
+            if not (torch.is_tensor(a) and a.requires_grad):  # f linear in θ: no second derivative
+                rows.append(torch.zeros_like(F).detach())
+                continue
+            h = torch.autograd.grad(a, leaves, create_graph=True, allow_unused=True)
+            c = sum((hi * U[k][j]).sum() for hi, k in zip(h, theta) if hi is not None)
+            if not (torch.is_tensor(c) and c.requires_grad):
+                rows.append(torch.zeros_like(F).detach())
+                continue
+            (sw,) = torch.autograd.grad(c, w, allow_unused=True)
+            rows.append(torch.zeros_like(F).detach() if sw is None else sw.detach())
+    return torch.stack(rows)
 
 
 def _check_forward_second(

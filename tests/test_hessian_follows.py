@@ -1,0 +1,168 @@
+"""The curvature operators follow the model: a product is at the parameters as they are then,
+however they were changed — a hand-written SGD loop's ``p.data -= lr * p.grad`` bumps no version
+counter and ``p.data = new`` replaces the storage the products held (audit S: S 0.64 off with
+H ≠ I + S by 0.28 of H, or all three at the old θ, 0.80 off, no error)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, hessian, jacrev
+
+from nsa_dist.hessian import hessian_parts
+
+F64 = torch.float64
+
+
+def dense_parts(model: nn.Module, X: torch.Tensor, Y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """H of C = (1/2N) Σ‖f − y‖² by torch.func.hessian, I = JᵀJ / N by jacrev, S = H − I."""
+    names = [k for k, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    shapes = [params[k].shape for k in names]
+    sizes = [params[k].numel() for k in names]
+    theta = torch.cat([params[k].detach().reshape(-1) for k in names])
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        p = {k: v.view(s) for k, v, s in zip(names, t.split(sizes), shapes)}
+        return functional_call(model, p, (X,)).reshape(X.shape[0], -1)
+
+    def C(t: torch.Tensor) -> torch.Tensor:
+        return 0.5 * ((f(t) - Y) ** 2).sum() / X.shape[0]
+
+    H = hessian(C)(theta)
+    J = jacrev(f)(theta).reshape(-1, theta.numel())
+    Iref = J.T @ J / X.shape[0]
+    return H, Iref, H - Iref
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _update(model: nn.Module, how: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    new = {
+        k: v + 0.3 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.is_floating_point() else v
+        for k, v in model.state_dict().items()
+    }
+    if how == "load_state_dict":
+        model.load_state_dict(new)
+        return
+    if how == "optimizer":
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        opt.step()
+        return
+    for k, p in model.named_parameters():
+        if how == "data.copy_":
+            p.data.copy_(new[k])
+        elif how == "data -=":
+            p.data -= new[k] - p.data
+        elif how == "no_grad copy_":
+            with torch.no_grad():
+                p.copy_(new[k])
+        elif how == "data = new":
+            p.data = new[k].clone()
+
+
+@pytest.mark.parametrize(
+    "how", ["data.copy_", "data -=", "no_grad copy_", "load_state_dict", "optimizer", "data = new"]
+)
+def test_products_are_at_the_parameters_as_they_are_now(how):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    X, Y = torch.randn(8, 3, dtype=F64), torch.randn(8, 2, dtype=F64)
+    H, I, S = hessian_parts(model, X, Y)
+    eye = torch.eye(H.shape[0], dtype=F64)
+    before = [A.matmat(eye) for A in (H, I, S)]
+    _update(model, how)
+    Hr, Ir, Sr = dense_parts(model, X, Y)
+    got = [A.matmat(eye) for A in (H, I, S)]
+    errs = {n: rel(g, r) for n, g, r in zip("HIS", got, (Hr, Ir, Sr))}
+    assert max(errs.values()) < 1e-10, f"after {how}: H, I, S against the dense parts at the new θ: {errs}"
+    assert rel(got[1] + got[2], got[0]) < 1e-10, f"after {how}: H ≠ I + S by {rel(got[1] + got[2], got[0]):.2g}"
+    assert rel(before[2], Sr) > 1e-3, "the update did not change S: the test measures nothing"
+
+
+def _fresh_matches(make, X, Y, **kw):
+    """Operators built before an update, applied after it, against operators built after it."""
+    model = make()
+    H, I, S = hessian_parts(model, X, Y, **kw)
+    P = H.shape[0]
+    V = torch.randn(P, 3, generator=torch.Generator().manual_seed(2), dtype=F64)
+    for A in (H, I, S):
+        A.matmat(V)
+    _update(model, "data.copy_")
+    fresh = hessian_parts(model, X, Y, **kw)
+    for name, old, new in zip("HIS", (H, I, S), fresh):
+        a, b = old.matmat(V.to(old.dtype)), new.matmat(V.to(new.dtype))
+        assert rel(a, b) < 1e-10, f"{name} built before the update is {rel(a, b):.2g} off one built after it"
+
+
+def test_a_cast_copy_and_a_stateless_twin_follow_the_users_model():
+    torch.manual_seed(0)
+    X, Y = torch.randn(10, 3), torch.randn(10, 1)
+    # float32 model measured in float64: the operators compute with a cast copy
+    _fresh_matches(lambda: nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)), X, Y, dtype=F64)
+
+    # a train-mode batch norm: the operators compute with a copy that keeps no running statistics
+    def bn():
+        return nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 1)).double().train()
+
+    _fresh_matches(bn, X.double(), Y.double())
+
+
+def test_a_max_norm_embedding_follows():
+    torch.manual_seed(0)
+
+    class Tok(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e, self.h = nn.Embedding(7, 4, max_norm=1.0), nn.Linear(4, 1)
+
+        def forward(self, t):
+            return self.h(torch.tanh(self.e(t).mean(1)))
+
+    X = torch.randint(0, 7, (9, 3))
+    _fresh_matches(lambda: Tok().double(), X, torch.randn(9, 1, dtype=F64))
+
+
+def test_a_cast_after_the_operators_were_built_is_refused_by_name():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    X, Y = torch.randn(6, 3), torch.randn(6, 1)
+    H, _, _ = hessian_parts(model, X, Y)
+    model.double()
+    with pytest.raises(
+        ValueError, match=r"changed from \(4, 3\) torch.float32 on cpu to \(4, 3\) torch.float64 .*build them again"
+    ):
+        H.matvec(torch.ones(H.shape[0]))
+
+
+def test_output_hessian_traces_of_an_op_without_forward_over_forward_ad():
+    """SiLU's backward has no forward-mode rule in PyTorch 2.13: G failed with torch's
+    NotImplementedError (audit S); it is now taken by reverse mode, each probe's zᵀ∇²f_ik z against
+    jacrev∘jacrev."""
+    from nsa_dist.hessian import output_hessian_traces
+    from nsa_dist.hessian._probes import rademacher
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.SiLU(), nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2)).double()
+    X = torch.randn(5, 3, dtype=F64)
+    tr = output_hessian_traces(model, X, 3, seed=7)
+    names = [k for k, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    sizes = [params[k].numel() for k in names]
+    theta = torch.cat([params[k].detach().reshape(-1) for k in names])
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        p = {k: v.view(params[k].shape) for k, v in zip(names, t.split(sizes))}
+        return functional_call(model, p, (X,))
+
+    Hf = jacrev(jacrev(f))(theta)  # (N, K, P, P)
+    Z = torch.as_tensor(rademacher(__import__("numpy").random.default_rng(7), theta.numel(), 3))
+    ref = torch.einsum("pm,ikpq,qm->mik", Z, Hf, Z).numpy()
+    err = abs(tr.per_probe - ref).max() / abs(ref).max()
+    assert err < 1e-10, f"zᵀ∇²f z by reverse mode {err:.2g} off jacrev∘jacrev"
