@@ -30,6 +30,7 @@ and quadrature routes (``SpectralAnalyzer``, ``layout: local``) at each cached s
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pickle
 import sys
@@ -225,6 +226,57 @@ def floor(a: argparse.Namespace) -> None:
         )
 
 
+def limits(a: argparse.Namespace) -> None:
+    """The narrowest E-brackets a λ_k bracket of a given absolute half-width allows, from the exact
+    spectrum: the energy of φ over the eigenvalues within ±(Δ + δ) of λ_k, largest over the reported
+    k beyond ``--top``.  δ = N·eps₆₄·λ_1 is the rounding the route's brackets allow the exact route
+    (a float64 G); Δ = λ_{top+1}·(π/2m)² models what m Lanczos steps of the deflated G resolve at the
+    spectrum's lower edge (a degree-m polynomial's resolution there) — a model, with no statistical
+    margin and no loss at the quadrature nodes, so a lower bound of what the route can reach."""
+    from nsa_dist.linalg.quadrature import curve_ks
+
+    z = np.load(Path(a.dir) / f"exact_{a.step}.npz")
+    w = z["w"]
+    N, K = w.size, a.top
+    ks = curve_ks(N, a.points)
+    ks = ks[ks > K]
+    desc = -w
+    delta = N * float(np.finfo(np.float64).eps) * float(w[0])
+
+    def widest(E: np.ndarray, half: float) -> tuple[float, int]:
+        E0 = np.concatenate([[0.0], E])
+        lo = np.searchsorted(desc, -(w[ks - 1] + half), side="left")  # #{λ_i > λ_k + half}
+        hi = np.searchsorted(desc, -(w[ks - 1] - half), side="right")  # #{λ_i ≥ λ_k − half}
+        wd = E0[hi] - E0[lo]
+        j = int(np.argmax(wd))
+        return float(wd[j]), int(ks[j])
+
+    print(f"N {N} step {a.step} top {K}: λ_1 {w[0]:.4g}, λ_(top+1) {w[K]:.3g}, δ = N·eps₆₄·λ_1 = {delta:.3g}")
+    for n in a.phis.split(","):
+        E = z[f"E_{n}"]
+        row = [f"perfect count {widest(E, delta)[0]:.3f}@{widest(E, delta)[1]}"]
+        for m in (int(x) for x in a.steps.split(",")):
+            res = float(w[K]) * (math.pi / (2 * m)) ** 2
+            wd, k = widest(E, res + delta)
+            row.append(f"m {m} (Δ {res:.1e}) {wd:.3f}@{k}")
+        print(f"  E({n:8s}) narrowest largest width: " + "; ".join(row), flush=True)
+    if a.drivers:  # how far two float64 LAPACK reductions of the stored G fall apart, against δ
+        import scipy.linalg as sl
+
+        G = np.load(Path(a.dir) / f"G_{a.step}.npy").astype(np.float64)
+        for drv in a.drivers.split(","):
+            t = time.perf_counter()
+            w2, V2 = sl.eigh(G, driver=drv)
+            w2, V2 = w2[::-1], V2[:, ::-1]
+            parts = [f"eigh driver {drv} ({time.perf_counter() - t:.0f} s): max |λ − λ_evd| {np.abs(w2 - w).max():.3g}"]
+            for n in a.phis.split(","):
+                p = z[f"phi_{n}"]
+                E2 = np.cumsum((V2.T @ p) ** 2) / np.sum(p**2)
+                d = np.abs(E2 - z[f"E_{n}"])[ks - 1]
+                parts.append(f"max |E({n}) − E_evd| {d.max():.2g} at k = {ks[int(np.argmax(d))]}")
+            print("  " + "; ".join(parts), flush=True)
+
+
 def routes(a: argparse.Namespace) -> None:
     from nsa_dist.data import load_dataset
     from nsa_dist.pipeline import SpectralAnalyzer, plan_run
@@ -291,8 +343,16 @@ def main() -> None:
     f.add_argument("--dir", required=True)
     f.add_argument("--step", type=int, required=True)
     f.add_argument("--points", type=int, default=100)
+    lim = sub.add_parser("limits")
+    lim.add_argument("--dir", required=True)
+    lim.add_argument("--step", type=int, required=True)
+    lim.add_argument("--top", type=int, default=1000)
+    lim.add_argument("--points", type=int, default=100)
+    lim.add_argument("--steps", default="120,240,480,960,1920", help="Lanczos steps m modelled")
+    lim.add_argument("--phis", default="y,residual")
+    lim.add_argument("--drivers", default="", help="e.g. evr,ev: also reduce G with these scipy eigh drivers")
     a = ap.parse_args()
-    {"prepare": prepare, "widths": widths, "routes": routes, "floor": floor}[a.cmd](a)
+    {"prepare": prepare, "widths": widths, "routes": routes, "floor": floor, "limits": limits}[a.cmd](a)
 
 
 if __name__ == "__main__":
