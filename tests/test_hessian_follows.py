@@ -166,3 +166,78 @@ def test_output_hessian_traces_of_an_op_without_forward_over_forward_ad():
     ref = torch.einsum("pm,ikpq,qm->mik", Z, Hf, Z).numpy()
     err = abs(tr.per_probe - ref).max() / abs(ref).max()
     assert err < 1e-10, f"zᵀ∇²f z by reverse mode {err:.2g} off jacrev∘jacrev"
+
+
+def test_a_function_without_jvp_is_not_taken_by_reverse_mode_unchecked():
+    """A review: the reverse-mode fallback also took a custom Function without jvp, whose backward on the
+    saved output detached (as a C++ or NumPy kernel's) gives a wrong second derivative — G 0.25 off, no
+    error.  Only PyTorch's own ops without a forward-over-forward rule take it."""
+    from nsa_dist.errors import ModelForwardError
+    from nsa_dist.hessian import output_hessian_traces
+
+    class Tanh(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return torch.tanh(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(output.detach())
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * (1 - y * y)
+
+    class Act(nn.Module):
+        def forward(self, x):
+            return Tanh.apply(x)
+
+    model = nn.Sequential(nn.Linear(3, 4), Act(), nn.Linear(4, 2)).double()
+    with pytest.raises(ModelForwardError, match="jvp"):
+        output_hessian_traces(model, torch.randn(5, 3, dtype=F64), 2)
+
+
+def _bn_eval() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 1)).double()
+    m.train()(torch.randn(32, 3, dtype=F64) * 2 + 1)  # running statistics away from their start
+    return m.eval()
+
+
+@pytest.mark.parametrize("dtype", [None, F64])
+def test_buffers_changed_after_the_build_are_followed(dtype):
+    """A review: only the parameters were watched — an eval-mode batch norm's running statistics moved (a
+    train-mode forward between products, a load_state_dict) left S 0.03 and a cast copy's H 0.45 off."""
+    X, Y = torch.randn(9, 3, dtype=F64), torch.randn(9, 1, dtype=F64)
+    model = _bn_eval()
+    if dtype is None:
+        model = model.float()
+        X, Y = X.float(), Y.float()
+    ops = hessian_parts(model, X, Y, dtype=dtype)
+    V = torch.randn(ops[0].shape[0], 2, generator=torch.Generator().manual_seed(3), dtype=F64)
+    for A in ops:
+        A.matmat(V.to(A.dtype))
+    with torch.no_grad():
+        model.train()(torch.randn(32, 3, dtype=X.dtype) - 1)  # moves the running statistics only
+    model.eval()
+    fresh = hessian_parts(model, X, Y, dtype=dtype)
+    for name, old, new in zip("HIS", ops, fresh):
+        a, b = old.matmat(V.to(old.dtype)), new.matmat(V.to(new.dtype))
+        assert rel(a, b) < 1e-10, f"{name} built before the statistics moved is {rel(a, b):.2g} off one built after"
+
+
+def test_a_change_of_what_is_trained_or_of_a_mode_is_refused_by_name():
+    X, Y = torch.randn(6, 3, dtype=F64), torch.randn(6, 1, dtype=F64)
+    model = _bn_eval()
+    H, _, _ = hessian_parts(model, X, Y)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="trainable .*build them again"):
+        H.matvec(torch.ones(H.shape[0], dtype=F64))
+    model = _bn_eval()
+    H, _, _ = hessian_parts(model, X, Y)
+    model.train()
+    with pytest.raises(ValueError, match="train and eval mode.*build them again"):
+        H.matvec(torch.ones(H.shape[0], dtype=F64))

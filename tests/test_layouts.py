@@ -437,3 +437,18 @@ def test_gang_too_large_fails_fast(local_ray, tmp_path):
         RayGang(9, cpus=1)
     with pytest.raises(ValueError, match="CPU: needs 11, cluster has 6"):  # 1 worker + 9 members + 1 trainer
         SweepCoordinator(_sweep("huge", "block_rows", 9), str(tmp_path / "s.zarr")).run()
+
+
+def test_a_batch_method_asked_for_is_named_not_taken_for_a_coupling():
+    """An audit: ``ntk_method: batch`` with a gang layout said "the model couples samples (Linear used once;
+    proven on the probe points)" — the probe had proven the points independent; the setting is the cause."""
+    data = load_dataset(_spec(BASE, "local", 1).data, seed=0)
+    batch = {**BASE, "spectrum": {**BASE["spectrum"], "ntk_method": "batch"}}
+    for layout in ("block_rows", "matrix_free"):
+        spec = _spec(batch, layout, 2)
+        with pytest.raises(ValueError, match="ntk_method='batch' computes the kernel of the whole batch") as e:
+            plan_run(spec, data)
+        assert "couples samples" not in str(e.value), e.value
+    plan = plan_run(_spec(batch, "auto", 1), data)
+    reason = plan.layout.reason
+    assert plan.layout.layout is Layout.LOCAL and reason.startswith("spectrum.ntk_method='batch'"), plan.layout

@@ -487,3 +487,31 @@ def test_a_float64_model_computing_a_part_in_float32_is_not_refused() -> None:
         assert err < 1e-6, f"{method}: {err:.2g} off the per-point autograd reference"
     with pytest.raises(UnsupportedModelError, match="not the derivative"):
         gram(PartlyFloat32(hook=True), x)
+
+
+class HookedBeside(nn.Module):
+    """A float64 net with a real gradient hook beside a float32 or bf16 tensor off the differentiated path."""
+
+    def __init__(self, extra: str) -> None:
+        super().__init__()
+        self.a, self.b, self.extra = nn.Linear(5, 12), nn.Linear(12, 2), extra
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.extra == "bf16":
+            _ = torch.zeros(1, dtype=torch.bfloat16)  # a statistics tensor, unused
+        elif self.extra == "f32mask":
+            h = h * torch.ones(h.shape[-1])  # a float32 mask, promoted back to float64 exactly
+        if h.requires_grad:
+            h.register_hook(lambda g: g * (1 + 5e-5))
+        return self.b(h)
+
+
+@pytest.mark.parametrize("extra", ["bf16", "f32mask"])
+def test_a_lower_precision_tensor_off_the_differentiated_path_loosens_nothing(extra: str) -> None:
+    """A review of the allowance above: every floating dtype the forward's ops returned counted, so an unused
+    bf16 zero skipped the test and a float32 mask loosened it to float32's (a hook 2× accepted, 0.89 off; a
+    hook 1 + 5·10⁻⁵ accepted).  Only tensors on the differentiated path count."""
+    with pytest.raises(UnsupportedModelError, match="not the derivative"):
+        gram(HookedBeside(extra), _points())

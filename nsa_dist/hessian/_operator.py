@@ -118,48 +118,82 @@ class LossCurvatureOperator(LinearOperator):
 
     # ------------------------------------------------------------------ the parameters a product is at
     def _follow(self, source: nn.Module) -> None:
-        """Products follow ``source``'s parameters (the user's model) as they are at each product:
-        the values they were last read at are kept, and a product first compares them (O(P))."""
-        mine, theirs = list(self.model.parameters()), list(source.parameters())
-        if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
-            raise ValueError(  # a copy (a cast, a stateless twin) keeps the order and shapes of its source
-                f"the operator's model and {type(source).__name__} hold different parameters "
-                f"({len(mine)} against {len(theirs)})"
-            )
-        self._source, self._mine = theirs, mine
-        self._seen = [p.detach().clone() for p in theirs]
+        """Products follow ``source`` (the user's model) as it is at each product: its parameters and
+        buffers by name (the operator's model may be a copy — a cast, a stateless twin — or a wrapper
+        whose names carry a prefix), their values when last read, which parameters are trainable and
+        each module's mode; a product first compares them (O(P))."""
+        mine = [n for n, _ in self.model.named_parameters()]
+        theirs = [n for n, _ in source.named_parameters()]
+        if len(mine) != len(theirs):
+            raise ValueError(f"the operator's model and {type(source).__name__} hold different parameters")
+        a, b = mine[0], theirs[0]
+        cut, add = (a[: len(a) - len(b)], "") if a.endswith(b) else ("", b[: len(b) - len(a)])
+        to_src = lambda n: add + n[len(cut) :] if n.startswith(cut) else None  # noqa: E731
+        if [to_src(n) for n in mine] != theirs:
+            raise ValueError(f"the operator's model and {type(source).__name__} hold different parameters")
+        bufs = {n for n, _ in source.named_buffers()}
+        self._source = source
+        self._pairs = [(n, to_src(n), True) for n in mine] + [
+            (n, to_src(n), False) for n, _ in self.model.named_buffers() if to_src(n) in bufs
+        ]
+        self._flags = self._flags_now()
+        self._seen = [t.detach().clone() for t in self._watched()]
+
+    def _flags_now(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        src = self._source
+        return tuple(p.requires_grad for p in src.parameters()), tuple(m.training for m in src.modules())
+
+    def _watched(self) -> list[torch.Tensor]:
+        """The source's tensors the pairs name, as they are now (a reassigned buffer is the new one)."""
+        params, buffers = dict(self._source.named_parameters()), dict(self._source.named_buffers())
+        return [(params if is_param else buffers)[src] for _, src, is_param in self._pairs]
 
     def _sync(self) -> None:
-        """Read the model's parameters again where they changed since the last product, however they
-        were changed: ``p.data.copy_(…)`` and ``p.data -= …`` (a hand-written SGD loop) bump no
-        version counter, and ``p.data = new`` replaces the storage the products held — S mixed the
-        new θ's ∇²f with the old residuals (S 0.64 off, H ≠ I + S by 0.28 of H), or all three stayed
-        at the old θ (H 0.80 off the new Hessian), silently (an audit).  A copy the operator computes
-        with (a cast to ``dtype``, a stateless twin) takes the new values.
+        """Read the model again where it changed since the last product, however it was changed:
+        ``p.data -= lr·p.grad`` (a hand-written SGD loop) bumps no version counter and ``p.data = new``
+        replaces the storage the products held — S mixed the new θ's ∇²f with the old residuals (0.64
+        off, H ≠ I + S by 0.28 of H), or all three stayed at the old θ (0.80 off), no error (an audit);
+        a batch norm's running statistics moved by a train-mode forward, or an orthogonal
+        parametrization's base buffer replaced (H, I, S 0.03–0.45 off, a review).  A copy the operator
+        computes with takes the new values.
 
         Raises:
-            ValueError: a parameter changed shape, dtype or device since the operator was built.
+            ValueError: a parameter or buffer changed shape, dtype or device, a parameter's
+                ``requires_grad`` or a module's train/eval mode changed since the operator was built
+                (the operator's size or function is another: build it again).
         """
-        changed = False
-        for p, seen in zip(self._source, self._seen):
-            if p.shape != seen.shape or p.dtype != seen.dtype or p.device != seen.device:
+        grads, modes = self._flags_now()
+        if grads != self._flags[0]:
+            raise ValueError(
+                "which parameters of the model are trainable (requires_grad) changed after its curvature operators "
+                "were built: the operators differentiate the parameters trainable then — build them again"
+            )
+        if modes != self._flags[1]:
+            raise ValueError(
+                "a module of the model was switched between train and eval mode after its curvature operators "
+                "were built (a batch norm or a dropout computes another function): build them again"
+            )
+        now = self._watched()
+        for (name, _, _), t, seen in zip(self._pairs, now, self._seen):
+            if t.shape != seen.shape or t.dtype != seen.dtype or t.device != seen.device:
                 raise ValueError(
-                    f"a parameter of the model changed from {tuple(seen.shape)} {seen.dtype} on {seen.device} to "
-                    f"{tuple(p.shape)} {p.dtype} on {p.device} after its curvature operators were built (a cast, "
+                    f"{name} of the model changed from {tuple(seen.shape)} {seen.dtype} on {seen.device} to "
+                    f"{tuple(t.shape)} {t.dtype} on {t.device} after its curvature operators were built (a cast, "
                     "a move, a resize): build them again for the model as it is now"
                 )
-            changed = changed or not torch.equal(p.detach(), seen)
-        if not changed:
+        if not now or not bool(torch.stack([torch.ne(t.detach(), s).any() for t, s in zip(now, self._seen)]).any()):
             return
+        mine = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         with torch.no_grad():
-            for p, q in zip(self._source, self._mine):
-                if q is not p:
-                    q.copy_(p.detach().to(q.dtype))
-        self._seen = [p.detach().clone() for p in self._source]
+            for (name, _, _), t in zip(self._pairs, now):
+                if mine[name] is not t:
+                    mine[name].copy_(t.detach().to(mine[name].dtype))
+        self._seen = [t.detach().clone() for t in now]
         self._params = renorm_copies(self.model, {k: p.detach() for k, p in trainable_params(self.model).items()})
         self._rest = renorm_copies(
             self.model, {k: p.detach() for k, p in self.model.named_parameters() if not p.requires_grad}
         )
+        self._buffers = dict(self.model.named_buffers())
         self._refresh()
 
     def _refresh(self) -> None:

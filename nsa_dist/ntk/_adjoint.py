@@ -43,6 +43,7 @@ _PAIRS = 2  # random output directions u
 _EXACT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # J t by forward mode: rounding only
 # J t by a central difference (no forward-mode rule): its truncation and rounding (steps eps^(1/3), a quarter of it)
 _DIFFERENCE_TOL = {torch.float64: 1e-6, torch.float32: 1e-2}
+_HALF_TOL = 5e-2  # a float64 model whose differentiated path runs a 16-bit part: that rounding, a hook's O(1) beyond
 
 
 def gradients_not_derivative(
@@ -104,9 +105,7 @@ def _adjoint_gap(
             tol = (_EXACT_TOL if by == "forward mode" else _DIFFERENCE_TOL)[dtype]
             if worst > tol and dtype == torch.float64:
                 inner = _coarsest(f, primals)  # a float64 model computing a part in float32 (T5's RMS norm)
-                if inner not in _EXACT_TOL:
-                    return None  # a 16-bit part: its rounding is all the test could see
-                tol = max(tol, (_EXACT_TOL if by == "forward mode" else _DIFFERENCE_TOL)[inner])
+                tol = max(tol, (_EXACT_TOL if by == "forward mode" else _DIFFERENCE_TOL).get(inner, _HALF_TOL))
             if worst > tol and dtype == torch.float32:
                 rounding = _rounding_only(twin, primals, rest, buffers, pts)
                 if rounding:
@@ -181,7 +180,9 @@ def _adjoint_gap(
 
 
 class _Dtypes(torch.overrides.TorchFunctionMode):
-    """The floating dtypes of the tensors a forward's ops return."""
+    """The floating dtypes of the tensors a forward's ops return on the differentiated path (requiring
+    grad): an unused bf16 zero, a float32 mask or ``arange(n).float()`` beside it loosened the test for a
+    float64 model with a real hook — 0.89 off accepted (a review)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -190,7 +191,7 @@ class _Dtypes(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
                 self.seen.add(t.dtype)
         return out
 
@@ -200,8 +201,9 @@ def _coarsest(f, primals: dict[str, torch.Tensor]) -> torch.dtype:  # noqa: ANN0
     float32 (Hugging Face's T5 layer norm takes the variance of its float64 input in float32), and the
     test's forward mode then differs from autograd at float32 rounding (1.5·10⁻⁸ against float64's
     10⁻⁹: a T5 encoder exact to 6·10⁻¹⁶ of jacrev was refused, `make zoo`)."""
-    with torch.no_grad(), _Dtypes() as seen:
-        f(primals)
+    leaves = {k: p.detach().requires_grad_(True) for k, p in primals.items()}
+    with torch.enable_grad(), _Dtypes() as seen:
+        f(leaves)
     floats = seen.seen or {torch.float64}
     return max(floats, key=lambda d: torch.finfo(d).eps)
 

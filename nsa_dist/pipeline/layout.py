@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from nsa_dist.pipeline.member import SpectralShard
     from nsa_dist.pipeline.plan import RunPlan
 
+COUPLES = "the model couples samples"  # how the probe's reason for the batch route begins
+BATCH_ASKED = "spectrum.ntk_method='batch' computes the kernel of the whole batch's forward at once"
+
 __all__ = [
     "Handle",
     "Member",
@@ -518,9 +521,16 @@ def choose_layout(
     """
     s = spec.spectrum
     layout = Layout(s.layout)
+    if coupled == BATCH_ASKED:
+        if layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
+            raise ValueError(
+                f"spectrum.layout={layout.value!r} splits the points over workers, but {BATCH_ASKED}, which no "
+                "split of the points reproduces: use ntk_method 'auto' (or 'per_layer', 'jacobian'), or layout 'local'"
+            )
+        return LayoutChoice(Layout.LOCAL, f"{BATCH_ASKED}: the whole batch on one worker")
     if coupled is not None:
         # the route's reason says it already ("the model couples samples (…): the kernel of …")
-        why = coupled if coupled.startswith("the model couples samples") else f"the model couples samples ({coupled})"
+        why = coupled if coupled.startswith(COUPLES) else f"{COUPLES} ({coupled})"
         if layout in (Layout.BLOCK_ROWS, Layout.MATRIX_FREE):
             said = why.removesuffix(": the kernel of the batch forward")  # said once, below
             raise ValueError(

@@ -28,7 +28,7 @@ from nsa_dist.metrics import reconstruction_ks
 from nsa_dist.ntk import NTKMethod, NTKRoute, resolve_route
 from nsa_dist.ntk.blocks import feature_width
 from nsa_dist.pipeline.images import image_indices
-from nsa_dist.pipeline.layout import LayoutChoice, choose_layout
+from nsa_dist.pipeline.layout import BATCH_ASKED, COUPLES, LayoutChoice, choose_layout
 from nsa_dist.pipeline.materials import RunMaterials
 from nsa_dist.pipeline.model_state import model_inputs
 from nsa_dist.store import RunDims, run_arrays
@@ -362,6 +362,11 @@ def plan_run(
     X_all = model_inputs(np.asarray(data.X), model)
     route = resolve_route(model, X_all, spec.spectrum.ntk_method)  # the run's one probe of the forward pass
     coupled = next(iter(route.routes.values()))[1] if route.method is NTKMethod.BATCH else None
+    asked = NTKMethod(spec.spectrum.ntk_method) is NTKMethod.BATCH
+    if coupled is not None and asked and not coupled.startswith(COUPLES):
+        # asked for, not found by the probe: the route's reason is then a layer's ("Linear used once; …"), which
+        # the layout's error and reason read as the model's coupling (an audit)
+        coupled = BATCH_ASKED
     width = 0 if coupled else feature_width(model, X4[:2], route)
     layout = choose_layout(spec, N, width, coupled, in_process=gang_in_process)
     K = spectrum_size(spec, N, layout.layout)
