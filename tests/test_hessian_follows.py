@@ -239,5 +239,33 @@ def test_a_change_of_what_is_trained_or_of_a_mode_is_refused_by_name():
     model = _bn_eval()
     H, _, _ = hessian_parts(model, X, Y)
     model.train()
-    with pytest.raises(ValueError, match="train and eval mode.*build them again"):
+    with pytest.raises(ValueError, match=r"module .1. \(BatchNorm1d\) .* switched to train mode.*build them again"):
         H.matvec(torch.ones(H.shape[0], dtype=F64))
+
+
+def test_what_the_follow_must_not_refuse():
+    """The second review: a compiled model with an output selector was refused at the build (its names
+    `_orig_mod.…` against the selector's `model.…`), a forward that adds a submodule at its first call and a
+    plain MLP switched to eval for validation were refused as a mode change."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(3, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            if not hasattr(self, "act"):
+                self.act = nn.Tanh()
+            return {"out": self.l2(self.act(self.l1(x)))}
+
+    torch.manual_seed(0)
+    X, Y = torch.randn(6, 3, dtype=F64), torch.randn(6, 2, dtype=F64)
+    for make in (lambda m: m, torch.compile):
+        model = Net().double()
+        H, I, S = hessian_parts(make(model), X, Y, output="out")
+        eye = torch.eye(H.shape[0], dtype=F64)
+        first = [A.matmat(eye) for A in (H, I, S)]
+        model.eval()
+        again = [A.matmat(eye) for A in (H, I, S)]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert rel(again[1] + again[2], again[0]) < 1e-12

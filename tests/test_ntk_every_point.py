@@ -515,3 +515,26 @@ def test_a_lower_precision_tensor_off_the_differentiated_path_loosens_nothing(ex
     hook 1 + 5·10⁻⁵ accepted).  Only tensors on the differentiated path count."""
     with pytest.raises(UnsupportedModelError, match="not the derivative"):
         gram(HookedBeside(extra), _points())
+
+
+class HookedSideBranch(nn.Module):
+    """A float64 net with a small gradient hook and a float32 side branch that changes no output bit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 12), nn.Linear(12, 2)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = h + 1e-30 * h.to(torch.float32).double()
+        if h.requires_grad:
+            h.register_hook(lambda g: g * (1 + 1e-4))
+        return self.b(h)
+
+
+def test_a_harmless_float32_branch_does_not_loosen_the_test_for_a_hook() -> None:
+    """The second review: allowing float32's 10⁻⁴ wherever the differentiated path held a float32 tensor let a
+    hook 1 + 10⁻⁴ through (the kernel 3·10⁻⁵ off); the casts are now undone and float64's allowance kept."""
+    with pytest.raises(UnsupportedModelError, match="not the derivative"):
+        gram(HookedSideBranch(), _points())

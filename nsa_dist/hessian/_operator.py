@@ -31,6 +31,8 @@ Products take forward mode where they can (``jvp``: ``H v`` forward-over-reverse
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 
@@ -139,9 +141,13 @@ class LossCurvatureOperator(LinearOperator):
         self._flags = self._flags_now()
         self._seen = [t.detach().clone() for t in self._watched()]
 
-    def _flags_now(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    def _flags_now(self) -> tuple[dict[str, bool], dict[str, bool]]:
+        """Which parameters are trainable, and the mode of each module whose mode can change what it
+        computes (:func:`_mode_matters`), by name: a module a forward adds later is not one of them, and a
+        plain MLP switched to eval for validation changes nothing (a review: both were refused)."""
         src = self._source
-        return tuple(p.requires_grad for p in src.parameters()), tuple(m.training for m in src.modules())
+        grads = {n: p.requires_grad for n, p in src.named_parameters()}
+        return grads, {n: m.training for n, m in src.named_modules() if _mode_matters(m)}
 
     def _watched(self) -> list[torch.Tensor]:
         """The source's tensors the pairs name, as they are now (a reassigned buffer is the new one)."""
@@ -163,16 +169,20 @@ class LossCurvatureOperator(LinearOperator):
                 (the operator's size or function is another: build it again).
         """
         grads, modes = self._flags_now()
-        if grads != self._flags[0]:
-            raise ValueError(
-                "which parameters of the model are trainable (requires_grad) changed after its curvature operators "
-                "were built: the operators differentiate the parameters trainable then — build them again"
-            )
-        if modes != self._flags[1]:
-            raise ValueError(
-                "a module of the model was switched between train and eval mode after its curvature operators "
-                "were built (a batch norm or a dropout computes another function): build them again"
-            )
+        for n, was in self._flags[0].items():
+            if grads.get(n) is not was:
+                raise ValueError(
+                    f"parameter {n!r} of the model is {'no longer' if was else 'now'} trainable (requires_grad) or "
+                    "gone since its curvature operators were built: they differentiate the parameters trainable then "
+                    "— build them again"
+                )
+        for n, was in self._flags[1].items():
+            if modes.get(n, was) is not was:
+                kind = type(dict(self._source.named_modules())[n]).__name__
+                raise ValueError(
+                    f"module {n or '<root>'!r} ({kind}) of the model was switched to {'eval' if was else 'train'} mode "
+                    "after its curvature operators were built: it computes another function — build them again"
+                )
         now = self._watched()
         for (name, _, _), t, seen in zip(self._pairs, now, self._seen):
             if t.shape != seen.shape or t.dtype != seen.dtype or t.device != seen.device:
@@ -181,7 +191,7 @@ class LossCurvatureOperator(LinearOperator):
                     f"{tuple(t.shape)} {t.dtype} on {t.device} after its curvature operators were built (a cast, "
                     "a move, a resize): build them again for the model as it is now"
                 )
-        if not now or not bool(torch.stack([torch.ne(t.detach(), s).any() for t, s in zip(now, self._seen)]).any()):
+        if not now or not bool(torch.stack([_differs(t.detach(), s) for t, s in zip(now, self._seen)]).any()):
             return
         mine = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         with torch.no_grad():
@@ -539,6 +549,46 @@ def _no_forward_rule(e: NotImplementedError) -> bool:
     …", "You must implement the jvp function … to use it with forward mode AD")."""
     text = str(e)
     return "forward AD" in text or "forward mode AD" in text
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether a and b differ anywhere, NaN equal to NaN (an unused NaN buffer re-read every product)."""
+    ne = a != b
+    if a.is_floating_point():
+        ne &= ~(torch.isnan(a) & torch.isnan(b))
+    return ne.any()
+
+
+_MODE_DEPENDENT = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.dropout._DropoutNd,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.RNNBase,
+)
+
+
+def _mode_matters(m: nn.Module) -> bool:
+    """Whether ``m``'s train/eval mode can change what it computes: PyTorch's norms, dropouts, attention
+    and recurrent layers; any module of another library or of the user whose forward reads
+    ``training`` (or whose source cannot be read); not PyTorch's other layers and containers."""
+    return _mode_matters_for(type(m))
+
+
+@functools.lru_cache(maxsize=4096)
+def _mode_matters_for(cls: type) -> bool:
+    if issubclass(cls, _MODE_DEPENDENT):
+        return True
+    if cls.__module__.startswith("torch.nn."):
+        return False
+    try:
+        return "training" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
 
 
 class _WeightNormComposite(TorchFunctionMode):

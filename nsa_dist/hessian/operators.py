@@ -26,7 +26,7 @@ from nsa_dist.config import LossName
 from nsa_dist.hessian._loss import loss_curvature, loss_sum, prepare_targets
 from nsa_dist.hessian._operator import LossCurvatureOperator, copyable
 from nsa_dist.losses import parse_loss, residual
-from nsa_dist.models import OutputSelector
+from nsa_dist.models import OutputSelector, measured_module
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import output_dim, prepare_inputs, prepare_model
 from nsa_dist.ntk.state import parameters_kept, preserved, refuse_parameter_writes
@@ -204,7 +204,7 @@ def hessian_parts(
     loss_ = parse_loss(loss)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
-    source = model
+    source = measured_module(model, output)  # the names the operator's own model has (a copy keeps them)
     model, X, Yt = _setup(model, X, Y, loss_, dtype, output)
     return tuple(_CLASSES[part](model, X, Yt, loss_, block_size, source) for part in HessianPart)  # type: ignore[return-value]
 
@@ -259,6 +259,6 @@ def hessian_operator(
     loss_ = parse_loss(loss)
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ValueError(f"block_size must be None or an int >= 1, got {block_size!r}")
-    source = model
+    source = measured_module(model, output)  # the names the operator's own model has (a copy keeps them)
     model, X, Yt = _setup(model, X, Y, loss_, dtype, output)
     return _CLASSES[part_](model, X, Yt, loss_, block_size, source)

@@ -43,7 +43,6 @@ _PAIRS = 2  # random output directions u
 _EXACT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # J t by forward mode: rounding only
 # J t by a central difference (no forward-mode rule): its truncation and rounding (steps eps^(1/3), a quarter of it)
 _DIFFERENCE_TOL = {torch.float64: 1e-6, torch.float32: 1e-2}
-_HALF_TOL = 5e-2  # a float64 model whose differentiated path runs a 16-bit part: that rounding, a hook's O(1) beyond
 
 
 def gradients_not_derivative(
@@ -104,8 +103,12 @@ def _adjoint_gap(
             worst, by = got
             tol = (_EXACT_TOL if by == "forward mode" else _DIFFERENCE_TOL)[dtype]
             if worst > tol and dtype == torch.float64:
-                inner = _coarsest(f, primals)  # a float64 model computing a part in float32 (T5's RMS norm)
-                tol = max(tol, (_EXACT_TOL if by == "forward mode" else _DIFFERENCE_TOL).get(inner, _HALF_TOL))
+                # a float64 model computing a part in float32 (T5's RMS norm): the test again with its casts
+                # down made no-ops, at float64's allowance — passed only where those casts were all of the gap
+                with _Float64Throughout() as casts:
+                    again = _worst_pair(f, primals, pairs)
+                if casts.made and again is not None and again[0] <= tol:
+                    return None
             if worst > tol and dtype == torch.float32:
                 rounding = _rounding_only(twin, primals, rest, buffers, pts)
                 if rounding:
@@ -179,33 +182,36 @@ def _adjoint_gap(
     )
 
 
-class _Dtypes(torch.overrides.TorchFunctionMode):
-    """The floating dtypes of the tensors a forward's ops return on the differentiated path (requiring
-    grad): an unused bf16 zero, a float32 mask or ``arange(n).float()`` beside it loosened the test for a
-    float64 model with a real hook — 0.89 off accepted (a review)."""
+_DOWN = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type}
+
+
+class _Float64Throughout(torch.overrides.TorchFunctionMode):
+    """A float64 tensor's casts to a coarser float (``.to``, ``.float()``, ``.half()``, ``.bfloat16()``,
+    ``.type``) return it unchanged; ``made`` counts them.  Hugging Face T5's layer norm takes the
+    variance of its float64 input in float32, and the test's forward mode differed from autograd by
+    1.5·10⁻⁸ against float64's 10⁻⁹: a T5 encoder exact to 6·10⁻¹⁶ of jacrev was refused (`make zoo`).
+    Allowing float32's 10⁻⁴ wherever a float32 tensor appeared (the first fix) let a hook 1 + 10⁻⁴
+    through beside a harmless float32 branch (kernel 3·10⁻⁵ off, a review); here the casts are undone
+    and the gap must fall to float64's allowance."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: set[torch.dtype] = set()
+        self.made = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
-                self.seen.add(t.dtype)
+        x = args[0] if args else None
+        if (
+            func in _DOWN
+            and isinstance(x, torch.Tensor)
+            and x.dtype == torch.float64
+            and isinstance(out, torch.Tensor)
+            and out.is_floating_point()
+            and out.dtype != torch.float64
+        ):
+            self.made += 1
+            return x if x.device == out.device else x.to(out.device)
         return out
-
-
-def _coarsest(f, primals: dict[str, torch.Tensor]) -> torch.dtype:  # noqa: ANN001
-    """The least precise floating dtype a forward computes in: a float64 model may compute a part in
-    float32 (Hugging Face's T5 layer norm takes the variance of its float64 input in float32), and the
-    test's forward mode then differs from autograd at float32 rounding (1.5·10⁻⁸ against float64's
-    10⁻⁹: a T5 encoder exact to 6·10⁻¹⁶ of jacrev was refused, `make zoo`)."""
-    leaves = {k: p.detach().requires_grad_(True) for k, p in primals.items()}
-    with torch.enable_grad(), _Dtypes() as seen:
-        f(leaves)
-    floats = seen.seen or {torch.float64}
-    return max(floats, key=lambda d: torch.finfo(d).eps)
 
 
 class _Measuring(contextlib.ExitStack):
