@@ -565,7 +565,11 @@ _MODE_DEPENDENT = (
     nn.modules.dropout._DropoutNd,
     nn.AlphaDropout,
     nn.FeatureAlphaDropout,
+    nn.RReLU,
     nn.MultiheadAttention,
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
     nn.RNNBase,
@@ -573,9 +577,9 @@ _MODE_DEPENDENT = (
 
 
 def _mode_matters(m: nn.Module) -> bool:
-    """Whether ``m``'s train/eval mode can change what it computes: PyTorch's norms, dropouts, attention
-    and recurrent layers; any module of another library or of the user whose forward reads
-    ``training`` (or whose source cannot be read); not PyTorch's other layers and containers."""
+    """Whether ``m``'s train/eval mode can change what it computes: PyTorch's norms, dropouts, RReLU,
+    attention, transformer and recurrent layers; any other module whose forward reads ``training`` (or
+    whose source cannot be read); not a layer or container whose forward does not."""
     return _mode_matters_for(type(m))
 
 
@@ -583,8 +587,6 @@ def _mode_matters(m: nn.Module) -> bool:
 def _mode_matters_for(cls: type) -> bool:
     if issubclass(cls, _MODE_DEPENDENT):
         return True
-    if cls.__module__.startswith("torch.nn."):
-        return False
     try:
         return "training" in inspect.getsource(cls.forward)
     except (OSError, TypeError):
