@@ -138,16 +138,16 @@ class LossCurvatureOperator(LinearOperator):
         self._pairs = [(n, to_src(n), True) for n in mine] + [
             (n, to_src(n), False) for n, _ in self.model.named_buffers() if to_src(n) in bufs
         ]
+        self._to_src = to_src
         self._flags = self._flags_now()
         self._seen = [t.detach().clone() for t in self._watched()]
 
     def _flags_now(self) -> tuple[dict[str, bool], dict[str, bool]]:
-        """Which parameters are trainable, and the mode of each module whose mode can change what it
-        computes (:func:`_mode_matters`), by name: a module a forward adds later is not one of them, and a
-        plain MLP switched to eval for validation changes nothing (a review: both were refused)."""
+        """Which parameters are trainable, and each module's mode, by name (a module a forward adds later
+        is not one of them: it was refused as a mode change, a review)."""
         src = self._source
         grads = {n: p.requires_grad for n, p in src.named_parameters()}
-        return grads, {n: m.training for n, m in src.named_modules() if _mode_matters(m)}
+        return grads, {n: m.training for n, m in src.named_modules()}
 
     def _watched(self) -> list[torch.Tensor]:
         """The source's tensors the pairs name, as they are now (a reassigned buffer is the new one)."""
@@ -176,13 +176,25 @@ class LossCurvatureOperator(LinearOperator):
                     "gone since its curvature operators were built: they differentiate the parameters trainable then "
                     "— build them again"
                 )
-        for n, was in self._flags[1].items():
-            if modes.get(n, was) is not was:
-                kind = type(dict(self._source.named_modules())[n]).__name__
-                raise ValueError(
-                    f"module {n or '<root>'!r} ({kind}) of the model was switched to {'eval' if was else 'train'} mode "
-                    "after its curvature operators were built: it computes another function — build them again"
-                )
+        switched = [n for n, was in self._flags[1].items() if modes.get(n, was) is not was]
+        if switched:
+            src = dict(self._source.named_modules())
+            for n in switched:
+                if _mode_matters(src[n]):  # a norm, a dropout, …: the operator's set-up depends on it
+                    was = self._flags[1][n]
+                    raise ValueError(
+                        f"module {n or '<root>'!r} ({type(src[n]).__name__}) of the model was switched to "
+                        f"{'eval' if was else 'train'} mode after its curvature operators were built: it computes "
+                        "another function — build them again"
+                    )
+            # any other module's mode is followed (a helper, a hook or a parent may read it: S stayed at the old
+            # residuals, 0.53 off, a review): the operator's own copy takes it, and S's residuals are read again
+            mine = dict(self.model.named_modules())
+            for mn, m in mine.items():
+                sn = self._to_src(mn)
+                if sn in src and m is not src[sn]:
+                    m.training = src[sn].training
+            self._flags = (self._flags[0], {n: modes.get(n, was) for n, was in self._flags[1].items()})
         now = self._watched()
         for (name, _, _), t, seen in zip(self._pairs, now, self._seen):
             if t.shape != seen.shape or t.dtype != seen.dtype or t.device != seen.device:
@@ -191,7 +203,9 @@ class LossCurvatureOperator(LinearOperator):
                     f"{tuple(t.shape)} {t.dtype} on {t.device} after its curvature operators were built (a cast, "
                     "a move, a resize): build them again for the model as it is now"
                 )
-        if not now or not bool(torch.stack([_differs(t.detach(), s) for t, s in zip(now, self._seen)]).any()):
+        if not switched and (
+            not now or not bool(torch.stack([_differs(t.detach(), s) for t, s in zip(now, self._seen)]).any())
+        ):
             return
         mine = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         with torch.no_grad():

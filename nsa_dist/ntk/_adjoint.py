@@ -102,11 +102,16 @@ def _adjoint_gap(
                 return None
             worst, by = got
             tol = (_EXACT_TOL if by == "forward mode" else _DIFFERENCE_TOL)[dtype]
-            if worst > tol and dtype == torch.float64:
-                # a float64 model computing a part in float32 (T5's RMS norm): the test again with its casts
-                # down made no-ops, at float64's allowance — passed only where those casts were all of the gap
-                with _Float64Throughout() as casts:
-                    again = _worst_pair(f, primals, pairs)
+            if tol < worst <= _EXACT_TOL[torch.float32] and dtype == torch.float64:
+                # a float64 model computing a part in float32 (T5's RMS norm): a gap within float32's allowance,
+                # and the test again with its casts down made no-ops at float64's — passed only where those casts
+                # were all of the gap (a hook acting on float32 gradients only, 3× — a gap of 0.41 — passed the
+                # re-run alone; a forward failing under it was taken for a pass: the third review)
+                try:
+                    with _Float64Throughout() as casts:
+                        again = _worst_pair(f, primals, pairs)
+                except Exception:  # noqa: BLE001 - a forward that cannot run so (a float32 buffer in a matmul)
+                    return None  # its gap is within float32's allowance: what this forward's float32 part makes
                 if casts.made and again is not None and again[0] <= tol:
                     return None
             if worst > tol and dtype == torch.float32:
@@ -182,7 +187,15 @@ def _adjoint_gap(
     )
 
 
-_DOWN = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type}
+_DOWN = {
+    torch.Tensor.to,
+    torch.Tensor.float,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.type,
+    torch.Tensor.type_as,
+    torch.as_tensor,
+}
 
 
 class _Float64Throughout(torch.overrides.TorchFunctionMode):
@@ -210,7 +223,7 @@ class _Float64Throughout(torch.overrides.TorchFunctionMode):
             and out.dtype != torch.float64
         ):
             self.made += 1
-            return x if x.device == out.device else x.to(out.device)
+            return x.clone() if x.device == out.device else x.to(out.device)  # a copy, as the cast made one
         return out
 
 
