@@ -105,10 +105,7 @@ class LossCurvatureOperator(LinearOperator):
             block_size = X.shape[0]
         self.model, self.X, self.Y, self.loss = model, X, Y, loss  # X (N, d), Y (N, K)
         self.N, self.K = X.shape[0], Y.shape[1]
-        # (a max_norm embedding's weight copied: its forwards renormalise it in place)
-        self._params = renorm_copies(model, {k: p.detach() for k, p in trainable_params(model).items()})
-        self._rest = renorm_copies(model, {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad})
-        self._buffers = dict(model.named_buffers())
+        self._read_model()
         self._sizes = [p.numel() for p in self._params.values()]
         self.block_size = block_size
         self._width = max((p.shape[0] if p.ndim else 1) for p in self._params.values())
@@ -165,8 +162,9 @@ class LossCurvatureOperator(LinearOperator):
 
         Raises:
             ValueError: a parameter or buffer changed shape, dtype or device, a parameter's
-                ``requires_grad`` or a module's train/eval mode changed since the operator was built
-                (the operator's size or function is another: build it again).
+                ``requires_grad`` changed, or a module whose mode the set-up depends on
+                (:func:`_mode_matters`) was switched between train and eval since the operator was
+                built (build it again); any other module's mode is followed.
         """
         grads, modes = self._flags_now()
         for n, was in self._flags[0].items():
@@ -213,12 +211,17 @@ class LossCurvatureOperator(LinearOperator):
                 if mine[name] is not t:
                     mine[name].copy_(t.detach().to(mine[name].dtype))
         self._seen = [t.detach().clone() for t in now]
-        self._params = renorm_copies(self.model, {k: p.detach() for k, p in trainable_params(self.model).items()})
-        self._rest = renorm_copies(
-            self.model, {k: p.detach() for k, p in self.model.named_parameters() if not p.requires_grad}
-        )
-        self._buffers = dict(self.model.named_buffers())
+        self._read_model()
         self._refresh()
+
+    def _read_model(self) -> None:
+        """The tensors the products compute with, read from the operator's model: the trainable
+        parameters, the frozen ones and the buffers (a max_norm embedding's weight copied: its forwards
+        renormalise it in place)."""
+        model = self.model
+        self._params = renorm_copies(model, {k: p.detach() for k, p in trainable_params(model).items()})
+        self._rest = renorm_copies(model, {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad})
+        self._buffers = dict(model.named_buffers())
 
     def _refresh(self) -> None:
         """What a subclass derives from the parameters, read again after they changed."""
