@@ -614,3 +614,82 @@ def test_a_wrong_function_in_a_float32_part_of_a_float64_net_is_refused(scale: f
     assert err < 1e-6, f"{err:.2g} off the per-point autograd reference"
     with pytest.raises(UnsupportedModelError, match="not the derivative"):
         gram(Float32SubModule(scale), x)
+
+
+def _flagged() -> torch.Tensor:
+    """32 points; the last 12 carry a flag (x₀ = 3) the first 20 do not (x₀ ≤ 2)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 3, dtype=F64)
+    x[:, 0] = x[:, 0].clamp(max=2.0)
+    x[20:, 0] = 3.0
+    return x
+
+
+class NodeHooked(nn.Module):
+    """A graph node's hook (or a saved-tensors unpack hook) that triples the gradient of flagged points only."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.l1, self.l2, self.l3 = nn.Linear(3, 16), nn.Linear(16, 16), nn.Linear(16, 2)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flag = x[:, :1] > 2.5
+        h = torch.tanh(self.l1(x))
+        if self.how == "saved":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: 3 * t):
+                h2 = torch.tanh(self.l2(h)) * 1.0
+            return self.l3(torch.where(flag, h2, torch.tanh(self.l2(h))))
+        h2 = h * 1.0
+        if h2.requires_grad and self.how == "prehook":
+            h2.grad_fn.register_prehook(lambda gs: (3 * gs[0],))
+        if h2.requires_grad and self.how == "hook":
+            h2.grad_fn.register_hook(lambda gi, go: tuple(None if g is None else 3 * g for g in gi))
+        return self.l3(torch.tanh(self.l2(torch.where(flag, h2, h))))
+
+
+@pytest.mark.parametrize("how", ["prehook", "hook", "saved"])
+def test_node_and_saved_tensor_hooks_on_later_points_are_refused(how: str) -> None:
+    """The chunk screen saw Tensor.register_hook and Python Functions only: a grad_fn's hook or prehook, or a
+    saved-tensors unpack hook, acting on later points put every route 0.62–10.9 off, status done (an audit)."""
+    model, x = NodeHooked(how), _flagged()
+    with pytest.raises(UnsupportedModelError, match="not the derivative"):
+        gram(model, x)
+    with pytest.raises(UnsupportedModelError, match="not the derivative"):
+        ntk_operator(model, x)
+
+
+def test_non_reentrant_checkpointing_is_measured_exactly() -> None:
+    """Its saved-tensors hooks are seen by the screen, tested, and pass."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2, self.l3 = nn.Linear(3, 16), nn.Linear(16, 16), nn.Linear(16, 2)
+            self.double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.l1(x))
+            return self.l3(checkpoint(lambda z: torch.tanh(self.l2(z)), h, use_reentrant=False))
+
+    model, x = Checkpointed(), _flagged()
+    ref = _reference(model, x)
+    for method in ("auto", "jacobian", "per_layer"):
+        err = float((gram(model, x, method=method) - ref).abs().max() / ref.abs().max())
+        assert err < 1e-12, f"{method}: {err:.2g} off the per-point autograd reference"
+
+
+def test_the_operator_takes_a_model_with_an_observing_full_backward_hook() -> None:
+    """The forward-mode products read ``requires_grad`` on a detached copy inside the module's backward-hook
+    Function (the no_grad-as-constant mode): torch's "Error while setting up backward hooks" (an audit)."""
+    model = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+    calls: list[int] = []
+    model[2].register_full_backward_hook(lambda mod, gi, go: calls.append(1))
+    x = _flagged()
+    ref = _reference(model, x)
+    V = torch.randn(x.shape[0], 3, dtype=F64)
+    GV = ntk_operator(model, x).matmat(V)
+    err = float((GV - ref @ V).abs().max() / (ref @ V).abs().max())
+    assert err < 1e-12, f"{err:.2g} off the per-point autograd reference"

@@ -869,6 +869,11 @@ class _NoGradConstant(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         kwargs = kwargs or {}
         if not torch.is_grad_enabled():
+            if getattr(func, "__name__", "") == "__get__":  # an attribute: read on the tensor itself (a detached
+                # copy's requires_grad made a module's full backward hook mark every output non-differentiable:
+                # torch's "Error while setting up backward hooks" in the NTK operator, an audit), a tensor detached
+                out = func(*args, **kwargs)
+                return out.detach() if isinstance(out, torch.Tensor) else out
             args, kwargs = tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, (args, kwargs))
         return func(*args, **kwargs)
 
