@@ -98,6 +98,8 @@ class Net(nn.Module):
             h = _Tanh15.apply(h) if h.dtype == torch.float32 else torch.tanh(h)
         elif how == "nojvp101":
             h = _Tanh101.apply(h)
+        elif how == "nojvp15":
+            h = _Tanh15.apply(h)
         elif how in ("sin3", "ste"):
             h = _Sin3.apply(h, how)
         elif how in ("bf16trip", "f16trip"):
@@ -137,6 +139,10 @@ def _pair(how: str, dtype: torch.dtype, n: int = 16, seed: int = 0) -> tuple[Net
         ("hook3", torch.bfloat16),
         ("hook3", torch.float16),
         ("nojvp101", torch.float32),
+        ("nojvp15", torch.bfloat16),
+        ("nojvp15", torch.float16),
+        ("sin3", torch.bfloat16),
+        ("sin3", torch.float16),
         ("sin3", torch.float64),
         ("sin3", torch.float32),
         ("ste", torch.float64),
@@ -170,3 +176,25 @@ def test_a_true_derivative_in_a_coarser_float_is_measured(
     model, x, ref = _pair(how, dtype, n=8, seed=seed)
     err = _off(gram(model, x), ref)
     assert err < allowed, f"{how} {dtype}: {err:.2g} off the float64 reference (allowed {allowed:g})"
+
+
+def test_a_c_level_profiler_is_left_running() -> None:
+    """The chunk screen watches C calls with a profile function; under cProfile (Python < 3.12 sets it as the
+    profile function) it replaced it, failed to call it on, and the user's profiling stopped for the rest of
+    the run (a review).  Now a profiler it cannot call on is left in place, and every chunk is tested."""
+    import cProfile
+    import sys
+
+    model, x, ref = _pair("", torch.float64, n=40)
+    prof = cProfile.Profile()
+    before = sys.getprofile()
+    prof.enable()
+    try:
+        within = sys.getprofile()
+        G = gram(model, x)
+        after = sys.getprofile()
+    finally:
+        prof.disable()
+    assert after is within, f"the profile function was {within!r} before gram and {after!r} after"
+    assert sys.getprofile() is before
+    assert _off(G, ref) < 1e-12

@@ -103,8 +103,13 @@ def _adjoint_gap(
 
         with _Measuring(twin):
             got = _worst_pair(f, primals, pairs)
-            if got is None:
+            if got is None and dtype == torch.float64:
                 return None
+            # a 16-bit model takes no difference (its steps tell nothing) and a float32 one's may not tell (kinks
+            # over many points): a Function without forward mode, or whose jvp is as wrong as its backward (3×),
+            # passed a bf16 / fp16 model untested (the kernel 1.0 off, a review) — the float64 copy is asked
+            if got is None:
+                got = _Gap(math.inf, "no J t", math.inf, next(iter(primals.values())).dtype)
             worst, by, tol, coarse = got
             if dtype == torch.float64:
                 fine = _EXACT_TOL[dtype] if by == "forward mode" else _DIFFERENCE_TOL[dtype]
@@ -122,7 +127,7 @@ def _adjoint_gap(
                 if again == "coarse" and by != "forward mode":  # a difference at the coarse part's steps
                     return None
                 return (worst, fine, by, _other(again))
-            if worst <= (tol if by == "forward mode" else _DIFFERENCE_TOL[torch.float64]):
+            if worst <= (tol if by == "forward mode" else _DIFFERENCE_TOL[torch.float64]) and dtype == torch.float32:
                 return None
             # a float32 or 16-bit model: a gap of its rounding, or a difference (whose steps see 1.01× Functions
             # as rounding: the kernel 0.0105 off, an audit), is judged on a float64 copy — the same model only
@@ -132,8 +137,8 @@ def _adjoint_gap(
             again = _in_float64(f, primals, rest, buffers, pts, _PAIRS, coarse)
             if isinstance(again, _Gap):
                 return None if again.worst <= again.tol else (again.worst, again.tol, again.by + _COPY, "")
-            if isinstance(again, tuple):
-                return (worst, tol, by, _other(again))
+            if isinstance(again, tuple):  # (no J t of the model's own: the gradients' distance is the gap)
+                return (worst, tol, by, _other(again)) if math.isfinite(worst) else (*again, _COPIED, "")
             if again in ("cannot run", "coarse") and by == "forward mode":  # no float64 copy runs (a float32
                 # tensor attribute, too little memory): the coarse float's own rounding, ~eps·√P, is allowed
                 # instead (a review: such a plain 10⁶-unit float32 net was refused again)
@@ -290,7 +295,7 @@ def _may_alter_gradients(f, primals: dict[str, torch.Tensor], measuring) -> str 
         out = f(live)
     if seen or "hook" in c_seen:
         return "hook"
-    if "saved" in c_seen:
+    if "saved" in c_seen or "unwatched" in c_seen:  # (unwatched: tested, as a saved-tensors chunk is)
         return "saved"
     return "function" if _python_functions(out) else None
 
@@ -305,6 +310,11 @@ def _c_hooks_watched() -> Iterator[set[str]]:
     can replace) and the push of saved-tensors hooks.  A profile function already set is called on."""
     seen: set[str] = set()
     before = sys.getprofile()
+    if before is not None and not callable(before):  # a C-level profiler (cProfile before Python 3.12): not
+        # replaced — a profile function that cannot call it on would stop it for the rest of the run (a review)
+        seen.add("unwatched")
+        yield seen
+        return
 
     def watch(frame, event, arg):  # noqa: ANN001, ANN202
         if event == "c_call":
@@ -488,6 +498,9 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 _COPY = " on a float64 copy of the model"
+_COPIED = (
+    "a float64 copy of the model, whose gradients differ from the model's own (a hook or Function on some dtypes only)"
+)
 
 
 def _other(again: object) -> str:
