@@ -104,7 +104,7 @@ def residual(loss: LossName | str, f: Array, y: Array, *, log_noise: np.ndarray 
     ``y`` the labels c and ``log_noise`` = log(ν q).
 
     Args:
-        loss: a :class:`~nsa_dist.config.LossName` or its value.
+        loss: a :class:`~nsa_dist.config.LossName` or its value, or "mse" (= "l2").
         f: outputs (N,) or (N, K) — a NumPy array (any real dtype) or a torch tensor.
         y: targets of f's shape (one-hot or probability rows for cross_entropy; nce: labels (N,)).
         log_noise: nce only: log(ν q(x_i)), (N,).
@@ -116,7 +116,8 @@ def residual(loss: LossName | str, f: Array, y: Array, *, log_noise: np.ndarray 
     Raises:
         ValueError: an unknown loss, or nce without ``log_noise`` or with tensors.
     """
-    loss = LossName(loss)
+    # "mse" too, as the Hessian API takes it (its residuals for trace_S_from_G were refused by name: an audit)
+    loss = LossName.L2 if loss == "mse" else LossName(loss)
     is_tensor = isinstance(f, torch.Tensor)
     if loss is LossName.NCE:
         if log_noise is None or is_tensor:

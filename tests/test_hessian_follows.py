@@ -292,3 +292,64 @@ def test_a_mode_read_through_a_helper_is_followed():
     Hr, Ir, Sr = dense_parts(model, X, Y)
     errs = {n: rel(A.matmat(eye), r) for n, A, r in zip("HIS", (H, I, S), (Hr, Ir, Sr))}
     assert max(errs.values()) < 1e-10, f"after the switch, against the dense parts in train mode: {errs}"
+
+
+@pytest.mark.parametrize("what", ["X", "Y", "Y numpy"])
+def test_the_data_is_the_data_given_at_the_build(what):
+    """The operators held the caller's X and Y: changed in place afterwards, H and I used the new data and S
+    its old residuals — H ≠ I + S by 0.17–0.66 (an audit).  They now keep the data given at the build."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    X, Y = torch.randn(8, 3, dtype=F64), torch.randn(8, 2, dtype=F64)
+    Yn = Y.numpy().copy()
+    H, I, S = hessian_parts(model, X, Yn if what == "Y numpy" else Y)
+    ref = dense_parts(model, X.clone(), Y.clone())
+    {"X": X, "Y": Y}.get(what, torch.from_numpy(Yn)).mul_(2)  # (torch.from_numpy: the same memory as Yn)
+    eye = torch.eye(H.shape[0], dtype=F64)
+    got = [A.matmat(eye) for A in (H, I, S)]
+    errs = {n: rel(g, r) for n, g, r in zip("HIS", got, ref)}
+    assert max(errs.values()) < 1e-10, f"after {what} changed in place: H, I, S against the data at the build: {errs}"
+
+
+def test_slq_density_takes_a_float32_operator():
+    """Its Krylov code checked the products' symmetry at float64's 1.5e-8: every float32 H and I was refused as
+    "not symmetric" (3e-8 off: float32 rounding), naming functions the caller never called (an audit)."""
+    from nsa_dist.hessian import slq_density
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3))
+    X, Y = torch.randn(40, 3), torch.randint(0, 3, (40,))
+    H, I, _ = hessian_parts(model, X, Y, loss="cross_entropy")
+    for A in (H, I):
+        est, err = slq_density(A, n_probes=4, n_steps=20, seed=1).moment(1)  # Tr(A) / P and its standard error
+        exact = float(torch.trace(A.matmat(torch.eye(A.shape[0])))) / A.shape[0]
+        assert abs(est - exact) <= 4 * err, f"Tr/P {est:.4g} ± {err:.2g} against the exact {exact:.4g}"
+
+
+def test_cross_entropy_targets_must_be_real_and_non_negative():
+    """Negative rows made the documented-PSD I indefinite (an entry −0.745), complex targets lost their imaginary
+    part with a torch warning only (an audit)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    X = torch.randn(6, 3, dtype=F64)
+    with pytest.raises(ValueError, match="non-negative"):
+        hessian_parts(model, X, -torch.ones(6, 3, dtype=F64), loss="cross_entropy")
+    with pytest.raises(TypeError, match="real"):
+        hessian_parts(model, X, torch.ones(6, 3, dtype=torch.complex128), loss="cross_entropy")
+
+
+def test_residuals_for_trace_s_from_g_take_the_hessian_apis_loss_names():
+    """``losses.residual("mse", …)`` was refused ("not a valid LossName") though the Hessian API takes "mse", and
+    an R of the wrong shape met NumPy's reshape error in ``trace_S_from_G`` (an audit)."""
+    import numpy as np
+
+    from nsa_dist.errors import ShapeError
+    from nsa_dist.hessian import output_hessian_traces, trace_S_from_G
+    from nsa_dist.losses import residual
+
+    f, y = np.array([[1.0, 2.0]]), np.array([[0.5, 0.0]])
+    assert np.array_equal(residual("mse", f, y), residual("l2", f, y))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    traces = output_hessian_traces(model, torch.randn(5, 3, dtype=F64), n_probes=2)
+    with pytest.raises(ShapeError, match="traces' shape"):
+        trace_S_from_G(np.zeros((5, 3)), traces)

@@ -26,13 +26,16 @@ def prepare_targets(
 
     Raises:
         ShapeError: Y's shape does not fit N points and K outputs (or K = 1 for cross-entropy).
-        ValueError: class indices outside 0..K−1.
+        ValueError: class indices outside 0..K−1, negative cross-entropy targets.
+        TypeError: complex targets.
         NonFiniteError: NaN/inf targets.
     """
     Yt = Y if isinstance(Y, torch.Tensor) else torch.as_tensor(np.asarray(Y))
     if Yt.ndim not in (1, 2) or Yt.shape[0] != N:
         raise ShapeError(f"Y must have shape (N,) or (N, K) with N = {N} points (the rows of X); got {tuple(Yt.shape)}")
     check_finite("Y", Yt)
+    if Yt.is_complex():  # (its imaginary part was dropped with a torch warning only: an audit)
+        raise TypeError(f"Y must be real; got dtype {Yt.dtype}")
     if loss is LossName.CROSS_ENTROPY:
         if K < 2:
             raise ShapeError(f"loss='cross_entropy' needs a model with K >= 2 outputs (logits); this one has K = {K}")
@@ -52,6 +55,12 @@ def prepare_targets(
                 f"outputs, so Y must be (N, K) = ({N}, {K})"
             )
         Yt = Yt[:, None]
+    if loss is LossName.CROSS_ENTROPY and Yt.is_floating_point() and bool((Yt < 0).any()):
+        # a negative weight makes HC indefinite: I, documented PSD, had a most negative entry −0.745 (an audit)
+        raise ValueError(
+            f"cross_entropy targets must be non-negative (one-hot or probability rows); Y has {int((Yt < 0).sum())} "
+            f"negative entries (the smallest {float(Yt.min()):.3g})"
+        )
     if Yt.shape[1] != K:
         hint = ""
         if loss is LossName.CROSS_ENTROPY and not (Yt.is_floating_point() or Yt.is_complex()):

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from nsa_dist.errors import ShapeError
-from nsa_dist.linalg import Backend, as_symmetric_map
+from nsa_dist.linalg import Backend, as_symmetric_map, sym_rtol
 from nsa_dist.linalg.operator import LinearOperator
 
 __all__ = ["LinearMap", "as_linear_map", "rademacher", "gaussian", "check_int"]
@@ -21,10 +22,11 @@ class LinearMap:
     Attributes:
         P: dimension.
         n_products: columns applied through this map.
+        sym_rtol: the products' relative asymmetry a Krylov solver tolerates (their precision's rounding).
     """
 
-    def __init__(self, P: int, apply: Callable[[np.ndarray], Any]) -> None:
-        self.P, self._apply, self.n_products = P, apply, 0
+    def __init__(self, P: int, apply: Callable[[np.ndarray], Any], sym_rtol: float = 1.5e-8) -> None:
+        self.P, self._apply, self.n_products, self.sym_rtol = P, apply, 0, sym_rtol
 
     def __call__(self, V: np.ndarray) -> np.ndarray:
         self.n_products += V.shape[1]
@@ -48,9 +50,19 @@ def as_linear_map(A: Any, name: str = "A") -> LinearMap:
     if isinstance(A, LinearOperator):
         if len(A.shape) != 2 or A.shape[0] != A.shape[1]:
             raise ShapeError(f"{name} must be square (P, P); the operator has shape {tuple(A.shape)}")
-        return LinearMap(A.shape[0], A.matmat)
+        # a float32 operator's products are symmetric to float32's rounding (slq_density refused every float32
+        # H and I at float64's 1.5e-8: an audit)
+        return LinearMap(A.shape[0], A.matmat, sym_rtol(_eps(A.dtype)))
     smap = as_symmetric_map(A, Backend.NUMPY, name)
-    return LinearMap(smap.N, smap.product())
+    return LinearMap(smap.N, smap.product(), smap.sym_rtol)  # (inf for a dense matrix: checked here already)
+
+
+def _eps(dtype: Any) -> float:
+    """The machine epsilon of a torch or NumPy floating dtype (float64's for anything else)."""
+    try:
+        return float(torch.finfo(dtype).eps) if isinstance(dtype, torch.dtype) else float(np.finfo(dtype).eps)
+    except (TypeError, ValueError):
+        return float(np.finfo(np.float64).eps)
 
 
 def rademacher(rng: np.random.Generator, P: int, m: int) -> np.ndarray:

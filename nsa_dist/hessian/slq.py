@@ -128,7 +128,9 @@ def slq_density(
     per_block = []
     for s in range(0, nv, block):
         b = min(block, nv - s)
-        theta, W, _ = block_gauss_quadrature(Amap, rademacher(rng, Amap.P, b), m, _NUMPY, seed=seed + s)
+        theta, W, _ = block_gauss_quadrature(
+            Amap, rademacher(rng, Amap.P, b), m, _NUMPY, sym_rtol=Amap.sym_rtol, seed=seed + s
+        )
         per_block.append((theta, W / Amap.P))  # unit probes: each row sums to 1
     width = max(t.size for t, _ in per_block)
     nodes, weights = np.zeros((nv, width)), np.zeros((nv, width))

@@ -334,7 +334,13 @@ _FWD2_SUSPECTS = (
 def trace_S_from_G(R: np.ndarray, traces: OutputTraces) -> tuple[float, float]:
     """``Tr(S) = (1/N) Σ_i R_iᵀ G_i`` (R_i = ∇_f c_i: f − y for MSE, p − y for cross-entropy) and
     its standard error over the probes; R (N,) or (N, K) like the traces."""
-    R = np.asarray(R, np.float64).reshape(traces.estimate.shape)
+    R = np.asarray(R, np.float64)
+    if R.size != traces.estimate.size:
+        raise ShapeError(
+            f"R must have the traces' shape {tuple(traces.estimate.shape)} (N points × K outputs, or (N,)); "
+            f"got {tuple(R.shape)}"
+        )
+    R = R.reshape(traces.estimate.shape)
     N = R.shape[0]
     per = np.einsum("mik,ik->m", traces.per_probe, R) / N  # (m,)
     se = float(per.std(ddof=1) / np.sqrt(len(per))) if len(per) > 1 else float("nan")

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from nsa_dist.config import EigMethod
 from nsa_dist.linalg._backend import ArrayOps, Backend, HostWorkspace
-from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map
+from nsa_dist.linalg._inputs import SymmetricMap, as_symmetric_map, sym_rtol
 from nsa_dist.linalg.eigenpairs import Eigenpairs, top_eigenpairs
 from nsa_dist.linalg.lanczos import LanczosConvergenceWarning
 from nsa_dist.linalg.operator import LinearOperator, Materialised
@@ -67,6 +67,7 @@ from nsa_dist.linalg.quadrature import SpectralCurves, atoms_density, curve_ks, 
 from nsa_dist.linalg.spectrum import SpectrumRoute, StepSpectrum, step_spectrum
 
 __all__ = [
+    "sym_rtol",
     "ArrayOps",
     "Backend",
     "EigMethod",
