@@ -198,3 +198,29 @@ def test_a_c_level_profiler_is_left_running() -> None:
     assert after is within, f"the profile function was {within!r} before gram and {after!r} after"
     assert sys.getprofile() is before
     assert _off(G, ref) < 1e-12
+
+
+class _SoftmaxIn32(nn.Module):
+    """A float64 attention whose softmax takes its scores in float32 (``dtype=`` of the op, not a cast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qk, self.head = nn.Embedding(11, 8), nn.Linear(8, 16), nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        q, k = self.qk(x).chunk(2, -1)
+        a = torch.softmax(torch.einsum("btd,bsd->bts", q, k) / 8**0.5, -1, dtype=torch.float32).to(x.dtype)
+        return self.head(a @ x)[:, -1]
+
+
+def test_an_ops_own_float32_dtype_in_a_float64_model_is_not_a_hook() -> None:
+    """The re-run with the casts undone kept ``softmax(…, dtype=torch.float32)``, stayed coarse, and the model
+    was refused as holding a gradient hook (a gap of 5·10⁻⁹ against float64's 10⁻⁹: an audit)."""
+    torch.manual_seed(0)
+    model, ids = _SoftmaxIn32().double(), torch.randint(0, 11, (6, 5))
+    p = {n: t.detach() for n, t in model.named_parameters()}
+    jac = jacrev(lambda q: functional_call(model, q, (ids,)))(p)
+    J = torch.cat([j.reshape(6, 4, -1) for j in jac.values()], 2)
+    ref = torch.einsum("iap,jap->ij", J, J)
+    assert _off(gram(model, ids), ref) < 1e-6

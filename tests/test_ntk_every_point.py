@@ -693,3 +693,35 @@ def test_the_operator_takes_a_model_with_an_observing_full_backward_hook() -> No
     GV = ntk_operator(model, x).matmat(V)
     err = float((GV - ref @ V).abs().max() / (ref @ V).abs().max())
     assert err < 1e-12, f"{err:.2g} off the per-point autograd reference"
+
+
+class HardMixture(nn.Module):
+    """Token-level top-1 routing to two experts: no sample sees another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.gate = nn.Embedding(11, 8), nn.Linear(8, 2, bias=False)
+        self.experts, self.head = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)]), nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).reshape(-1, 8)
+        idx, y = self.gate(x).argmax(-1), torch.zeros_like(x)
+        for e, ex in enumerate(self.experts):
+            sel = (idx == e).nonzero(as_tuple=True)[0]
+            if sel.numel():
+                y = y.index_add(0, sel, ex(x[sel]))
+        return self.head(x + y).view(*ids.shape, 3).mean(1)
+
+
+def test_a_hard_mixture_whose_first_point_skips_an_expert_is_not_coupled() -> None:
+    """The probe's batch [a, a, a, a] never reached expert 1, its gradient was None against a zero tensor in
+    [a, b, c, d], and the lists' lengths differed: per_layer refused the model as coupling samples (an audit)."""
+    torch.manual_seed(0)
+    model = HardMixture().double()
+    with torch.no_grad():
+        first = int((model.gate(model.emb.weight).argmax(-1) == 0).nonzero()[0])
+    ids = torch.randint(0, 11, (8, 4))
+    ids[0] = first  # point 0's tokens all take expert 0
+    ref = _reference(model, ids)
+    err = float((gram(model, ids, method="per_layer") - ref).abs().max() / ref.abs().max())
+    assert err < 1e-12, f"{err:.2g} off the per-point autograd reference"

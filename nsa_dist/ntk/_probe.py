@@ -481,8 +481,10 @@ def _first_point_moves(model: nn.Module, x: torch.Tensor) -> str | None:
                 g = torch.autograd.grad(out[0].sum(), params, allow_unused=True)
         except Exception as e:  # a forward on repeated points that fails depends on the batch
             return f"its forward fails on repeated points ({type(e).__name__})"
-        seen.append([out[0].detach()] + [t.detach() for t in g if t is not None])
-    if len(seen[0]) == len(seen[1]) and all(_close(a, b) for a, b in zip(*seen, strict=True)):
+        # a parameter outside one batch's graph has a zero gradient, not none: a hard top-1 mixture of experts
+        # whose batch [a, a, a, a] never reached expert 1 read as coupling (an audit)
+        seen.append([out[0].detach()] + [torch.zeros_like(p) if t is None else t.detach() for p, t in zip(params, g)])
+    if all(_close(a, b) for a, b in zip(*seen, strict=True)):
         return None
     return "one point's output or its gradient changes with the other points of its batch"
 
