@@ -353,3 +353,33 @@ def test_residuals_for_trace_s_from_g_take_the_hessian_apis_loss_names():
     traces = output_hessian_traces(model, torch.randn(5, 3, dtype=F64), n_probes=2)
     with pytest.raises(ShapeError, match="traces' shape"):
         trace_S_from_G(np.zeros((5, 3)), traces)
+
+
+def test_bf16_operators_take_numpy_targets_and_slq():
+    """A bf16 model with a NumPy Y failed in the data copy (NumPy has no bfloat16), and slq_density on a bf16
+    operator failed turning its products into NumPy (the second review)."""
+    import numpy as np
+
+    from nsa_dist.hessian import slq_density
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).bfloat16()
+    X = torch.randn(64, 8).bfloat16()
+    H, _, _ = hessian_parts(model, X, np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32))
+    est, _ = slq_density(H, n_probes=2, n_steps=10).moment(1)
+    assert np.isfinite(est)
+
+
+def test_cross_entropy_rounding_below_zero_is_no_negative_weight():
+    """Integer rows with a −1 passed the sign check (I indefinite); a −1e−17 of a user's softmax was refused
+    (the second review)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    X = torch.randn(10, 4, dtype=F64)
+    oh = torch.nn.functional.one_hot(torch.arange(10) % 3, 3)
+    bad = oh.clone()
+    bad[0] = torch.tensor([-1, 0, 0])
+    with pytest.raises(ValueError, match="non-negative"):
+        hessian_parts(model, X, bad, loss="cross_entropy")
+    near = oh.double()
+    near[0, 1] = -1e-17
+    hessian_parts(model, X, near, loss="cross_entropy")

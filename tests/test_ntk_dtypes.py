@@ -224,3 +224,20 @@ def test_an_ops_own_float32_dtype_in_a_float64_model_is_not_a_hook() -> None:
     J = torch.cat([j.reshape(6, 4, -1) for j in jac.values()], 2)
     ref = torch.einsum("iap,jap->ij", J, J)
     assert _off(gram(model, ids), ref) < 1e-6
+
+
+def test_a_deep_bf16_net_without_hooks_is_measured() -> None:
+    """A 16-bit model whose graph holds no Python Function is judged by its own forward mode: the float64
+    copy is no twin of a chaotic deep bf16 net (30 tanh layers, gain 2: its gradients 1 apart from the
+    copy's) and refused it (the second review)."""
+    import math
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.Tanh()]
+    for _ in range(29):
+        lin = nn.Linear(64, 64)
+        nn.init.normal_(lin.weight, std=2 / math.sqrt(64))
+        layers += [lin, nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(64, 1)).to(torch.bfloat16)
+    G = gram(model, (3 * torch.randn(32, 16)).to(torch.bfloat16))
+    assert G.shape == (32, 32) and bool(torch.isfinite(G).all())

@@ -55,8 +55,9 @@ def prepare_targets(
                 f"outputs, so Y must be (N, K) = ({N}, {K})"
             )
         Yt = Yt[:, None]
-    if loss is LossName.CROSS_ENTROPY and Yt.is_floating_point() and bool((Yt < 0).any()):
-        # a negative weight makes HC indefinite: I, documented PSD, had a most negative entry −0.745 (an audit)
+    if loss is LossName.CROSS_ENTROPY and Yt.dtype != torch.bool and bool((Yt < _rounding_below(Yt)).any()):
+        # a negative weight makes HC indefinite: I, documented PSD, had a most negative entry −0.745 (an audit);
+        # integer rows too, and a rounding's −1e-17 of a user's softmax is no negative weight (a review)
         raise ValueError(
             f"cross_entropy targets must be non-negative (one-hot or probability rows); Y has {int((Yt < 0).sum())} "
             f"negative entries (the smallest {float(Yt.min()):.3g})"
@@ -67,6 +68,13 @@ def prepare_targets(
             hint = f" (integer class indices go as shape (N,): Y.reshape(-1), or one-hot rows (N, {K}))"
         raise ShapeError(f"Y must have K = {K} columns (the model's outputs); got shape {tuple(Yt.shape)}{hint}")
     return Yt.to(dtype=dtype, device=device)
+
+
+def _rounding_below(Y: torch.Tensor) -> float:
+    """The most negative entry of targets that is rounding, not a weight: −16·eps·max(1, max|Y|) (0 for integers)."""
+    if not Y.is_floating_point() or not Y.numel():
+        return 0.0
+    return -16 * float(torch.finfo(Y.dtype).eps) * max(1.0, float(Y.abs().max()))
 
 
 def loss_sum(loss: LossName, F: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:

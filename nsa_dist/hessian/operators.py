@@ -198,8 +198,10 @@ def _own(t: torch.Tensor, given: object) -> torch.Tensor:
         shares = isinstance(given, torch.Tensor) and given.device == t.device and _same_storage(t, given)
     elif isinstance(given, torch.Tensor):
         shares = given.device.type == "cpu" and _same_storage(t, given)
-    else:
-        shares = isinstance(given, np.ndarray) and np.shares_memory(given, t.detach().numpy())
+    else:  # (a bfloat16 t, which NumPy cannot view, was cast from what was given: no shared memory)
+        shares = (
+            isinstance(given, np.ndarray) and t.dtype != torch.bfloat16 and np.shares_memory(given, t.detach().numpy())
+        )
     if not shares:
         return t
     with torch.inference_mode(False):  # (built inside the caller's inference_mode: a normal tensor all the same)

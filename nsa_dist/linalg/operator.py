@@ -75,7 +75,10 @@ class LinearOperator:
         if is_torch and self.native != "torch":
             return torch.as_tensor(out, device=V.device)
         if not is_torch and self.native == "torch":
-            return out.detach().cpu().numpy()
+            out = out.detach().cpu()
+            # (NumPy has no bfloat16: a bf16 operator's products reach NumPy callers in float32 — slq_density
+            # failed on every bf16 H, I and S, a review)
+            return (out.float() if out.dtype == torch.bfloat16 else out).numpy()
         return out
 
     def matvec(self, v: Any) -> Any:

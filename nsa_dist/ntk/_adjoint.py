@@ -109,8 +109,12 @@ def _adjoint_gap(
             # over many points): a Function without forward mode, or whose jvp is as wrong as its backward (3×),
             # passed a bf16 / fp16 model untested (the kernel 1.0 off, a review) — the float64 copy is asked
             if got is None:
-                got = _Gap(math.inf, "no J t", math.inf, next(iter(primals.values())).dtype)
-            worst, by, tol, coarse = got
+                got = _Gap(math.inf, "no J t", math.inf, next(iter(primals.values())).dtype, True)
+            worst, by, tol, coarse, functions = got
+            if dtype not in (torch.float64, torch.float32) and not functions:  # a 16-bit model without a Python
+                # Function: its own forward mode is its test (a copy was no twin of a deep bf16 net — 30 tanh
+                # layers, the gradients 1 apart — refused, and cost ~7 bytes a parameter: a review)
+                return None if worst <= tol else (worst, tol, by, "")
             if dtype == torch.float64:
                 fine = _EXACT_TOL[dtype] if by == "forward mode" else _DIFFERENCE_TOL[dtype]
                 # a coarser part's allowance: forward mode's rounding there, a difference's at its steps
@@ -137,6 +141,9 @@ def _adjoint_gap(
             again = _in_float64(f, primals, rest, buffers, pts, _PAIRS, coarse)
             if isinstance(again, _Gap):
                 return None if again.worst <= again.tol else (again.worst, again.tol, again.by + _COPY, "")
+            if isinstance(again, tuple) and dtype != torch.float32:  # a 16-bit model's copy that is no twin of it
+                # (its own rounding): the copy tells nothing either way
+                return None if worst <= tol else (worst, tol, by, "")
             if isinstance(again, tuple):  # (no J t of the model's own: the gradients' distance is the gap)
                 return (worst, tol, by, _other(again)) if math.isfinite(worst) else (*again, _COPIED, "")
             if again in ("cannot run", "coarse") and by == "forward mode":  # no float64 copy runs (a float32
@@ -195,6 +202,14 @@ def _adjoint_gap(
     if found is None:
         return None
     worst, tol, by, note = found
+    if by == _COPIED:
+        return (
+            f"the model's gradients are not the derivative of its outputs: at {where} no forward-mode or difference "
+            f"test of the model itself could be taken, and autograd's gradients are {worst:.2g} apart from those of "
+            f"a float64 copy of the model, where rounding allows {tol:.2g} — a gradient hook or a custom "
+            "autograd.Function acting on some dtypes only; the NTK is made of the derivative: remove the hook or "
+            "give the Function its true derivative while measuring"
+        )
     return (
         f"the model's gradients are not the derivative of its outputs: for random u and t, u·(J t) by "
         f"{by} is not (Jᵀu)·t with Jᵀu from autograd (off by {worst:.2g} of its scale at {where}; rounding "
@@ -434,7 +449,7 @@ def _worst_pair(f, primals: dict[str, torch.Tensor], pairs: int = _PAIRS) -> _Ga
     if not seen:
         return None
     worst, by, tol = max(seen, key=lambda m: m[0] / m[2])  # the gap furthest beyond its way's allowance
-    return _Gap(worst, by, tol, coarse.dtype)
+    return _Gap(worst, by, tol, coarse.dtype, functions)
 
 
 def _python_functions(out: torch.Tensor) -> bool:
@@ -471,6 +486,7 @@ class _Gap(NamedTuple):
     by: str  # how J t was taken: "forward mode" or "a central difference"
     tol: float  # the rounding allowed that way
     coarse: torch.dtype  # the coarsest float the forward computes in
+    functions: bool = False  # whether the graph holds a Python autograd.Function
 
 
 class _Coarsest(torch.overrides.TorchFunctionMode):
@@ -509,9 +525,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 _COPY = " on a float64 copy of the model"
-_COPIED = (
-    "a float64 copy of the model, whose gradients differ from the model's own (a hook or Function on some dtypes only)"
-)
+_COPIED = "a float64 copy's gradients"
 
 
 def _other(again: object) -> str:
