@@ -466,19 +466,18 @@ def _python_functions(out: torch.Tensor) -> bool:
     return False
 
 
-def _lifted(primals: dict, rest: dict, buffers: dict, pts: torch.Tensor) -> tuple[dict, dict, dict, torch.Tensor, int]:
-    """The tensors with every coarser float lifted to float64, and how many were."""
-    count = 0
+def _lifted(primals: dict, rest: dict, buffers: dict, pts: torch.Tensor) -> tuple[dict, dict, dict, torch.Tensor]:
+    """The tensors with every coarser float lifted to float64."""
 
     def up(v):  # noqa: ANN001, ANN202
-        nonlocal count
-        if torch.is_tensor(v) and v.is_floating_point() and v.dtype != torch.float64:
-            count += 1
-            return v.double()
-        return v
+        return v.double() if torch.is_tensor(v) and v.is_floating_point() and v.dtype != torch.float64 else v
 
-    out = ({k: up(v) for k, v in primals.items()}, {k: up(v) for k, v in rest.items()})
-    return (*out, {k: up(v) for k, v in buffers.items()}, up(pts), count)
+    return (
+        {k: up(v) for k, v in primals.items()},
+        {k: up(v) for k, v in rest.items()},
+        {k: up(v) for k, v in buffers.items()},
+        up(pts),
+    )
 
 
 class _Gap(NamedTuple):
@@ -548,19 +547,19 @@ def _in_float64(  # noqa: ANN001
     ``"coarse"`` (a part stays coarser: the copy tells no more), or (apart, allowed) where autograd's
     gradients there are not the model's own to ``coarse``'s rounding (a hook or a Function acting on float32
     tensors only, which the copy would not test)."""
-    lifted = _lifted(primals, rest, buffers, pts)
+    p64, rest64, buffers64, pts64 = _lifted(primals, rest, buffers, pts)
 
     def f64(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        return f(p, *lifted[1:4])
+        return f(p, rest64, buffers64, pts64)
 
     try:
         with _Float64Throughout():
-            again = _worst_pair(f64, lifted[0], pairs)
+            again = _worst_pair(f64, p64, pairs)
             if again is None:
                 return "cannot run"
             if again.coarse != torch.float64:
                 return "coarse"
-            lift = _gradient(f64, lifted[0], torch.Generator().manual_seed(31))
+            lift = _gradient(f64, p64, torch.Generator().manual_seed(31))
         own = _gradient(f, primals, torch.Generator().manual_seed(31))
     except Exception:  # noqa: BLE001 - not runnable so (incl. running out of memory for the copy)
         return "cannot run"
