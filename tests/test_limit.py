@@ -129,6 +129,33 @@ def test_quadrature_refines_its_nodes_for_unstandardised_inputs():
         limit_ntk(_x(3) * 100.0, depth=2, activation=lambda u: torch.tanh(8 * u))
 
 
+def _cubic_limit(x: torch.Tensor, depth: int, beta: float) -> torch.Tensor:
+    """Θ∞ of σ(u) = u³ in closed form (Isserlis): E[u³u′³] = 9abc + 6c³, E[σ̇σ̇′] = 9(ab + 2c²) for
+    Var u = a, Var u′ = b, Cov = c."""
+    S = x @ x.T / x.shape[1] + beta**2
+    theta = S.clone()
+    for _ in range(1, depth):
+        d = torch.diag(S)
+        a, b = d[:, None], d[None, :]
+        S, Sd = 9 * a * b * S + 6 * S**3 + beta**2, 9 * (a * b + 2 * S**2)
+        theta = theta * Sd + S
+    return theta
+
+
+def test_a_fast_growing_activation_is_measured_or_refused_by_name():
+    """σ(u) = u³ multiplies the variance by ~15 per layer (4·10²⁶ at depth 5): Gauss–Hermite is exact
+    for it, but the trapezoid grid the check compares with shrank its step as 1/s and asked for a
+    0.6 TB array at depth 5 (a raw allocation error).  The grid's step now stops at s = 100, depth 5–6
+    agree with Isserlis' closed form, and at depth 7, where the moments leave float64, the refusal says so."""
+    x = _x(5, seed=0)
+    for depth in (4, 5, 6):
+        got, want = limit_ntk(x, depth=depth, activation=lambda u: u**3, bias_scale=0.1), _cubic_limit(x, depth, 0.1)
+        err = float(((got - want).abs() / want.abs()).max())
+        assert err < 1e-10, f"depth {depth}: u³'s Θ∞ {err:.3g} off Isserlis' closed form (relative, worst entry)"
+    with pytest.raises(ValueError, match="not finite in float64: σ grows too fast"):
+        limit_ntk(x, depth=7, activation=lambda u: u**3, bias_scale=0.1)
+
+
 def test_depth_one_is_the_input_kernel_and_cross_blocks_agree():
     x1, x2 = _x(5, seed=4), _x(4, seed=5)
     assert_close_rel(limit_ntk(x1, depth=1, bias_scale=BETA), x1 @ x1.T / 3 + BETA**2, 1e-15, "depth 1")

@@ -57,7 +57,9 @@ def _gram_times(model: nn.Module, X: torch.Tensor, V: torch.Tensor, frozen: dict
     return GV
 
 
-def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, dp: dict, frozen: dict) -> torch.Tensor:
+def _first_order(
+    model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, dp: dict, frozen: dict, dfrozen: dict
+) -> torch.Tensor:
     """D̄ = Vᵀ (∂G/∂θ·Δθ) V, (Kg, Kg), by Hessian-vector products only.
 
     With g_{i,a} = J_aᵀ v_i (the gradient of the scalar v_iᵀ f_a) and dg_{i,a} = ∇g_{i,a}·Δθ (that
@@ -66,6 +68,11 @@ def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, d
     HVP is forward over reverse; the first one is compared with reverse over reverse (PyTorch's
     second derivatives are wrong for some ops in one mode or the other), and a disagreement
     raises instead of storing either.
+
+    J is over the trainable parameters ``p0``; the frozen ones (``frozen``) are constants of the
+    kernel but not of the update: where Δθ moves them too (``dfrozen`` not zero — a user's loop that
+    sets a frozen parameter), dg_{i,a} takes their motion as well (∇_p g·Δp + ∇_r g·Δr), as the
+    measured D does.
 
     Raises:
         UnsupportedModelError: the two modes' second derivatives of this model disagree.
@@ -76,10 +83,11 @@ def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, d
     from nsa_dist.errors import UnsupportedModelError
     from nsa_dist.ntk.state import call, no_grad_as_constant
 
-    def f(q):
-        out = call(model, {**q, **frozen}, (X,))
+    def f(q, r=frozen):
+        out = call(model, {**q, **r}, (X,))
         return out.reshape(out.shape[0], -1)  # (n, Ko)
 
+    moved = any(bool(torch.any(d != 0)) for d in dfrozen.values())
     fx = f(p0)
     Kg, Ko = V.shape[1], fx.shape[1]
     M = torch.zeros((Kg, Kg), dtype=V.dtype, device=V.device)  # M[i, j] = Σ_a ⟨dg_{i,a}, g_{j,a}⟩
@@ -87,14 +95,33 @@ def _first_order(model: nn.Module, X: torch.Tensor, V: torch.Tensor, p0: dict, d
         for i in range(Kg):
             cot = torch.zeros_like(fx)
             cot[:, a] = V[:, i]
-            grad = lambda q, cot=cot: vjp(f, q)[1](cot)[0]  # noqa: E731 - q ↦ J_a(q)ᵀ v_i
+            grad = lambda q, r=frozen, cot=cot: vjp(lambda q_: f(q_, r), q)[1](cot)[0]  # noqa: E731 - J_a(q)ᵀ v_i
             with no_grad_as_constant():  # a no_grad block a constant, as reverse mode takes it
-                dg = jvp(grad, (p0,), (dp,))[1]  # forward over reverse: ∇²(v_iᵀ f_a) Δθ
+                # forward over reverse: ∇²(v_iᵀ f_a) Δθ (with the frozen parameters' own motion)
+                dg = jvp(grad, (p0, frozen), (dp, dfrozen))[1] if moved else jvp(grad, (p0,), (dp,))[1]
             if a == 0 and i == 0:
-                _same_second_derivative(dg, vjp(grad, p0)[1](dp)[0], UnsupportedModelError)
+                rev = _reverse_second(f, p0, frozen, dp, dfrozen, cot, moved)
+                _same_second_derivative(dg, rev, UnsupportedModelError)
             with no_grad_as_constant():
                 M[i] += V.T @ jvp(f, (p0,), (dg,))[1][:, a]  # v_jᵀ J_a dg_{i,a} for every j
     return M + M.T
+
+
+def _reverse_second(
+    f: Callable, p0: dict, frozen: dict, dp: dict, dfrozen: dict, cot: torch.Tensor, moved: bool
+) -> dict:
+    """The same Hessian-vector product as the forward-over-reverse dg, by reverse over reverse:
+    ∇_p of ⟨∇_(p, r) (cotᵀ f), (Δp, Δr)⟩ (the frozen r's part only where Δr moves them)."""
+    from torch.func import grad, vjp
+
+    if not moved:
+        return vjp(lambda q: vjp(f, q)[1](cot)[0], p0)[1](dp)[0]
+
+    def along(q):
+        gq, gr = vjp(f, q, frozen)[1](cot)
+        return sum((gq[n] * dp[n]).sum() for n in gq) + sum((gr[n] * dfrozen[n]).sum() for n in gr)
+
+    return grad(along)(p0)
 
 
 def _same_second_derivative(fwd: dict, rev: dict, error: type[Exception]) -> None:
@@ -232,11 +259,11 @@ def gram_change(
         # constants — differentiated too, they made a frozen layer's run's dG 60–81 % off
         train = {n for n, p in model.named_parameters() if p.requires_grad}
         q0, q1, dq = ({n: p[n] for n in names if n in train} for p in (p0, p1, dp))
-        rest0, rest1 = ({n: p[n] for n in names if n not in train} for p in (p0, p1))
+        rest0, rest1, drest = ({n: p[n] for n in names if n not in train} for p in (p0, p1, dp))
         # attention by composite kernels: forward-mode AD through it; activations a hook cached: put back
         with exact_kernels(model), attributes_kept(model):
             G0V, G1V = _gram_times(model, Xd, V, rest0)(q0), _gram_times(model, Xd, V, rest1)(q1)  # (N, Kg) each
-            Dbar = _first_order(model, Xd, V, q0, dq, rest0).detach().cpu().double().numpy()  # (Kg, Kg)
+            Dbar = _first_order(model, Xd, V, q0, dq, rest0, drest).detach().cpu().double().numpy()  # (Kg, Kg)
         D = (V.T @ (G1V - G0V)).detach().cpu().double().numpy()  # (Kg, Kg)
     finally:
         model.to(orig)

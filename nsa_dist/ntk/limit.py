@@ -95,6 +95,7 @@ def gauss_hermite(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(z, dtype=_F64), torch.tensor(w / w.sum(), dtype=_F64)
 
 
+_GRID_S_MAX = 100.0  # the trapezoid reference's step in z stops shrinking at this standard deviation
 QUAD_RTOL = 3e-5  # the target, of the Cauchy–Schwarz scale √(E f² E g²)
 QUAD_ACCEPT = 1e-3  # the most accepted at QUAD_MAX nodes
 QUAD_MAX = 1024
@@ -105,7 +106,7 @@ def quadrature_error(
 ) -> tuple[float, float]:
     """(worst relative error, its variance) of n-node Gauss–Hermite ``E[f_a(u) f_b(u)]``, u ~ N(0, s²),
     ``fns(u)`` = [f_0(u), f_1(u), …] (σ and its derivatives), over the standard deviations ``sd`` and
-    ``pairs`` (a, b), against a composite trapezoid in z on [−10, 10] with step 0.02 / max(1, s)
+    ``pairs`` (a, b), against a composite trapezoid in z on [−10, 10] with step 0.02 / min(max(1, s), 100)
     (spectrally accurate), relative to √(E f_a² E f_b²).
 
     At a variance v the nodes √v z_i step over the part of u where σ bends (|u| ≲ 3): with 64 nodes
@@ -114,7 +115,10 @@ def quadrature_error(
     zq, wq = gauss_hermite(n)
     worst, at = 0.0, 0.0
     for si in sd:
-        h = 0.02 / max(1.0, si)
+        # step 0.02 in u up to s = _GRID_S_MAX; beyond it the grid stops growing (a cubic σ at depth 5
+        # reached s ~ 1e13 and asked for a 0.6 TB grid): at such scales a σ that bends near u = 0 is a
+        # step in z, which Gauss–Hermite does not resolve either, and the check refuses it
+        h = 0.02 / min(max(1.0, si), _GRID_S_MAX)
         z = torch.arange(-10.0, 10.0 + h / 2, h, dtype=_F64)
         w = torch.exp(-0.5 * z * z) * (h / math.sqrt(2 * math.pi))
         w[0], w[-1] = w[0] / 2, w[-1] / 2
@@ -146,6 +150,12 @@ def resolved_nodes(
     sd = sorted({round(float(v), 12) for v in variances.clamp_min(0).sqrt().tolist()})
     while True:
         err, v = quadrature_error(fns, pairs, n, sd)
+        if err == math.inf:  # not a resolution: σ's moments themselves leave float64 (σ(u) = u³ at depth 7)
+            raise ValueError(
+                f"the Gaussian expectations of σ at the pre-activation variance {v:.4g} of layer {layer} are not "
+                "finite in float64: σ grows too fast for this depth (the limiting kernel overflows), or σ or σ̇ "
+                "is not finite somewhere on the real line"
+            )
         if err <= QUAD_RTOL or (n >= QUAD_MAX and err <= QUAD_ACCEPT):
             return n
         if n >= QUAD_MAX:
