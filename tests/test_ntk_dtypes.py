@@ -11,6 +11,8 @@ float64 model with a bf16 round trip was refused for a hook it did not have.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -241,3 +243,36 @@ def test_a_deep_bf16_net_without_hooks_is_measured() -> None:
     model = nn.Sequential(*layers, nn.Linear(64, 1)).to(torch.bfloat16)
     G = gram(model, (3 * torch.randn(32, 16)).to(torch.bfloat16))
     assert G.shape == (32, 32) and bool(torch.isfinite(G).all())
+
+
+class _AutocastMiddle(nn.Module):
+    """A float32 net with a bf16 autocast region in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 64), nn.Linear(64, 64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.b(h))
+        return self.c(h.float())
+
+
+def test_a_per_sample_route_refusing_a_16_bit_region_says_its_rounding_may_be_the_cause() -> None:
+    """bf16 rounding changes with the batch's size, so the per-sample routes' batch comparisons read a
+    float32 net's autocast region as "the forward decides something over its whole batch" (an audit):
+    the refusal now names the bf16 computations; `auto` measures the batch forward's kernel."""
+    torch.manual_seed(0)
+    model, x = _AutocastMiddle(), torch.randn(40, 4)
+    for method in ("structured", "per_layer"):
+        with pytest.raises(UnsupportedModelError, match="rounding of its bfloat16 computations") as e:
+            gram(model, x, method=method)
+        assert "use method='auto'" in str(e.value), str(e.value)
+    twin = copy.deepcopy(nn.Sequential(model.a, nn.Tanh(), model.b, nn.Tanh(), model.c))  # no autocast
+    off = _off(gram(model, x), _reference(twin, x))
+    assert off < 1e-2, f"auto's kernel of the bf16-autocast net is {off:.2g} off the float64 reference"
+    plain = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 1))  # a true coupling in float32: no such note
+    with pytest.raises(UnsupportedModelError, match="batch statistics") as e:
+        gram(plain, x, method="structured")
+    assert "bfloat16" not in str(e.value), str(e.value)

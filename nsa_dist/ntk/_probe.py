@@ -38,7 +38,7 @@ from torch.nn.utils import parametrize
 
 from nsa_dist.errors import NonFiniteError, UnsupportedModelError
 from nsa_dist.models import user_named_modules
-from nsa_dist.ntk._adjoint import gradients_not_derivative
+from nsa_dist.ntk._adjoint import _Coarsest, gradients_not_derivative
 from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed, projections
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import (
@@ -176,6 +176,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _couples(
+    model: nn.Module,
+    x: torch.Tensor,
+    again: torch.Tensor | None = None,
+    window: tuple[torch.Tensor, list[int]] | None = None,
+    all_points: torch.Tensor | None = None,
+) -> str | None:
+    """:func:`_coupling`'s reason, with :func:`_sixteen_bit`'s note where the forward computes in 16 bits."""
+    why = _coupling(model, x, again, window, all_points)
+    return None if why is None else why + _sixteen_bit(model, x)
+
+
+def _coupling(
     model: nn.Module,
     x: torch.Tensor,
     again: torch.Tensor | None = None,
@@ -518,6 +530,26 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
         refuse_false_gradients(model, x[idx], x)  # on every point of x: a hook on later points only
     _unchanged_input(x[idx], xs)
     return why
+
+
+def _sixteen_bit(model: nn.Module, xs: torch.Tensor) -> str:
+    """A note for a coupling found in a float32 or float64 model whose forward computes in a 16-bit float
+    (a bf16 autocast region, a ``.half()`` branch): 16-bit rounding changes with the batch's size, so the
+    comparisons of batches that found the coupling cannot tell it from that rounding (an audit read a
+    bf16 autocast region as "the forward decides something over its whole batch")."""
+    try:
+        with _Coarsest(trainable_params(model)) as seen:
+            out = model(xs[:2].clone())
+    except Exception:  # noqa: BLE001 — the reason already given stands
+        return ""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    floats = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    if seen.dtype not in (torch.float16, torch.bfloat16) or not floats or floats[0].dtype == seen.dtype:
+        return ""
+    return (
+        f"; or only the rounding of its {str(seen.dtype).removeprefix('torch.')} computations (autocast or a "
+        "cast), which changes with the batch's size: a per-sample route cannot tell that from a coupling"
+    )
 
 
 def _only_whole(model: nn.Module, x: torch.Tensor, xs: torch.Tensor, e: Exception) -> str:
