@@ -51,6 +51,7 @@ from nsa_dist.ntk.state import (  # copyable: re-exported
     attributes_kept,
     call,
     copyable,
+    data_as_constant,
     exact_kernels,
     frequency_unscaled,
     no_grad_as_constant,
@@ -643,6 +644,7 @@ def autograd_conventions() -> Iterator[None]:
       has no forward-mode rule, and whose double backward is wrong in PyTorch 2.13;
     * an ``Embedding`` with ``padding_idx`` looks the padding row up as a constant: reverse mode
       gives that row no gradient, while forward mode (``jvp``) moved the looked-up row with its
-      tangent — H, I and S of an embedding model with padding were asymmetric, 0.77 off."""
-    with _WeightNormComposite(), padding_rows_constant():  # the NTK operator's own padding convention
+      tangent — H, I and S of an embedding model with padding were asymmetric, 0.77 off;
+    * a tensor read through ``.data`` is a constant at every level (:func:`~nsa_dist.ntk.state.data_as_constant`)."""
+    with _WeightNormComposite(), padding_rows_constant(), data_as_constant():  # the NTK operator's conventions
         yield

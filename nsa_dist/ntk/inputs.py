@@ -205,8 +205,9 @@ def functorch_refused(e: BaseException) -> bool:
     Function with neither a ``vmap`` staticmethod nor ``generate_vmap_rule`` ("… does not have vmap
     support"), or non-reentrant activation checkpointing ("… don't yet support saved tensor hooks"), or a
     forward that differentiates itself (a PINN's ``x.requires_grad_()`` and ``torch.autograd.grad`` of
-    its output: "… inside of a function being transformed by a functorch transform").  Plain autograd
-    runs them all."""
+    its output: "… inside of a function being transformed by a functorch transform"), or an op vmap has
+    no batching rule for (an eval-mode ``nn.RReLU``'s ``aten::rrelu_with_noise``: the Hessian failed with
+    vmap's message, an audit).  Plain autograd runs them all."""
     msg = str(e)
     return (
         ("setup_context" in msg and "functorch" in msg)
@@ -214,4 +215,5 @@ def functorch_refused(e: BaseException) -> bool:
         or ("vmap over" in msg and "does not have vmap support" in msg)  # a Function without a vmap rule
         or "support saved tensor hooks" in msg  # torch.utils.checkpoint(use_reentrant=False)
         or "being transformed by a functorch transform" in msg  # requires_grad_() / autograd.grad in the forward
+        or "vmap: we do not yet support aten::" in msg  # an op without a batching rule (eval-mode RReLU)
     )

@@ -8,8 +8,8 @@
   (dG_t = ∂G/∂θ · Δθ_t = dJ Jᵀ + J dJᵀ, which for GD is −(δ/N)(Q_t + Q_tᵀ), Eq. 26).
   Both by products with the network, never the dense G: the measured part by first-order
   products, the first-order part by Hessian-vector products (forward over reverse, checked
-  once against reverse over reverse) — never forward over forward, which PyTorch 2.13 gets
-  wrong for ``layer_norm`` and ``rms_norm`` (a transformer's first-order dG was 13 % off).
+  once against a central difference of the gradients) — never forward over forward, which PyTorch
+  2.13 gets wrong for ``layer_norm`` and ``rms_norm`` (a transformer's first-order dG was 13 % off).
 """
 
 from __future__ import annotations
@@ -64,10 +64,17 @@ def _first_order(
 
     With g_{i,a} = J_aᵀ v_i (the gradient of the scalar v_iᵀ f_a) and dg_{i,a} = ∇g_{i,a}·Δθ (that
     scalar's Hessian times Δθ), v_iᵀ dG v_j = Σ_a ⟨dg_{i,a}, g_{j,a}⟩ + ⟨g_{i,a}, dg_{j,a}⟩, and
-    ⟨dg_{i,a}, g_{j,a}⟩ = v_jᵀ (J_a dg_{i,a}): one HVP and one first-order JVP per (i, a).  The
-    HVP is forward over reverse; the first one is compared with reverse over reverse (PyTorch's
-    second derivatives are wrong for some ops in one mode or the other), and a disagreement
-    raises instead of storing either.
+    ⟨dg_{i,a}, g_{j,a}⟩ = v_jᵀ (J_a dg_{i,a}): one HVP and one first-order JVP per (i, a).
+
+    J is autograd's (a ``torch.no_grad()`` block or a ``.data`` read a constant, as training's gradient
+    takes it), but G's change is that of its values: dg is the derivative of the map θ ↦ g(θ), through
+    such blocks too — forward mode over reverse with no convention, since forward mode differentiates
+    through ``no_grad`` and the inner reverse level keeps it a constant (taken under the constant
+    convention at both levels, a weight normalised by a norm taken under no_grad gave a first-order
+    change 0.23 where G's derivative was −0.033, status done: an audit).  The first dg is compared with
+    a central difference of g along Δθ (PyTorch's second derivatives are wrong for some ops in one mode
+    or another); where two steps of the difference disagree (a kink between them) with reverse over
+    reverse; a disagreement raises instead of storing either.
 
     J is over the trainable parameters ``p0``; the frozen ones (``frozen``) are constants of the
     kernel but not of the update: where Δθ moves them too (``dfrozen`` not zero — a user's loop that
@@ -75,13 +82,12 @@ def _first_order(
     measured D does.
 
     Raises:
-        UnsupportedModelError: the two modes' second derivatives of this model disagree.
+        UnsupportedModelError: the model's second derivatives disagree with the difference (or the modes).
     """
     import torch
     from torch.func import jvp, vjp
 
-    from nsa_dist.errors import UnsupportedModelError
-    from nsa_dist.ntk.state import call, no_grad_as_constant
+    from nsa_dist.ntk.state import FORWARD_AD_LOCK, call, no_grad_as_constant
 
     def f(q, r=frozen):
         out = call(model, {**q, **r}, (X,))
@@ -96,15 +102,65 @@ def _first_order(
             cot = torch.zeros_like(fx)
             cot[:, a] = V[:, i]
             grad = lambda q, r=frozen, cot=cot: vjp(lambda q_: f(q_, r), q)[1](cot)[0]  # noqa: E731 - J_a(q)ᵀ v_i
-            with no_grad_as_constant():  # a no_grad block a constant, as reverse mode takes it
+            with FORWARD_AD_LOCK, torch.enable_grad():  # no constant convention at the outer level (above)
                 # forward over reverse: ∇²(v_iᵀ f_a) Δθ (with the frozen parameters' own motion)
                 dg = jvp(grad, (p0, frozen), (dp, dfrozen))[1] if moved else jvp(grad, (p0,), (dp,))[1]
             if a == 0 and i == 0:
-                rev = _reverse_second(f, p0, frozen, dp, dfrozen, cot, moved)
-                _same_second_derivative(dg, rev, UnsupportedModelError)
+                _checked_second(
+                    dg,
+                    grad,
+                    p0,
+                    frozen,
+                    dp,
+                    dfrozen,
+                    lambda c=cot: _reverse_second(f, p0, frozen, dp, dfrozen, c, moved),
+                )
             with no_grad_as_constant():
                 M[i] += V.T @ jvp(f, (p0,), (dg,))[1][:, a]  # v_jᵀ J_a dg_{i,a} for every j
     return M + M.T
+
+
+def _checked_second(
+    dg: dict, grad: Callable, p0: dict, frozen: dict, dp: dict, dfrozen: dict, reverse: Callable[[], dict]
+) -> None:
+    """UnsupportedModelError unless ``dg`` (forward over reverse) is the derivative of ``grad`` along
+    (Δp, Δr): a central difference at steps h and h/4 (their agreement first: across a kink they differ
+    and prove nothing, and then reverse over reverse, ``reverse()``, is the reference)."""
+    import torch
+
+    from nsa_dist.errors import UnsupportedModelError
+
+    flat = lambda d: torch.cat([t.reshape(-1) for t in d.values()]).double() if d else torch.zeros(0)  # noqa: E731
+    dtype = next(iter(p0.values())).dtype
+    eps = float(torch.finfo(dtype).eps)
+    norm = float(torch.cat([flat(p0), flat(frozen)]).norm())
+    dnorm = float(torch.cat([flat(dp), flat(dfrozen)]).norm())
+    got = flat(dg)
+    if dnorm == 0.0:
+        return
+    h = eps ** (1 / 3) * max(norm, 1.0) / dnorm
+
+    def at(step: float) -> torch.Tensor:
+        q = {k: (p + step * dp[k]).detach() for k, p in p0.items()}
+        r = {k: (p + step * dfrozen[k]).detach() for k, p in frozen.items()}
+        with torch.enable_grad():
+            return flat(grad(q, r))
+
+    g0 = float(at(0.0).norm())
+    d1, d2 = ((at(s) - at(-s)) / (2 * s) for s in (h, h / 4))
+    tol = 1e-5 if dtype == torch.float64 else 3e-2
+    floor = 64 * eps * g0 / h  # the difference's rounding
+    size = max(float(got.norm()), float(d2.norm()))
+    if float((d1 - d2).norm()) <= tol * size + floor:
+        gap = float((got - d2).norm())
+        if gap <= tol * size + floor:
+            return
+        raise UnsupportedModelError(
+            f"the second derivatives PyTorch {torch.__version__} takes of this model are not those of its gradients: "
+            f"a Hessian-vector product is {gap / max(size, 1e-300):.2g} (relative) off a central difference of the "
+            "gradients, so App. F's first-order kernel change is not measured"
+        )
+    _same_second_derivative(dg, reverse(), UnsupportedModelError)
 
 
 def _reverse_second(

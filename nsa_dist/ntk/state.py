@@ -863,11 +863,36 @@ class FrequencyScaledLookups(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_DATA = torch.Tensor.data  # the ``.data`` attribute's descriptor (its getter's ``__self__``)
+
+
+class _DataConstant(TorchFunctionMode):
+    """See :func:`data_as_constant`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if getattr(func, "__self__", None) is _DATA:
+            return args[0].detach()
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def data_as_constant() -> Iterator[None]:
+    """A tensor read through ``.data`` in the forward is a constant at every level of torch.func's
+    transforms, as plain autograd takes it: nested (forward over reverse, reverse over reverse) ``.data``
+    dropped the inner level only, and a Hessian of a model scaling by ``self.a.bias.data[0]`` came back
+    0.49 off and not symmetric, a straight-through estimator written with ``.data`` 1.4 off (an audit).
+    ``detach()`` shares the storage, so a forward writing through ``.data`` still writes."""
+    with _DataConstant():
+        yield
+
+
 class _NoGradConstant(TorchFunctionMode):
     """See :func:`no_grad_as_constant`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DATA:  # ``t.data``: a constant (:func:`data_as_constant`)
+            return args[0].detach()
         if not torch.is_grad_enabled():
             if getattr(func, "__name__", "") == "__get__":  # an attribute: read on the tensor itself (a detached
                 # copy's requires_grad made a module's full backward hook mark every output non-differentiable:
@@ -890,8 +915,9 @@ def no_grad_as_constant() -> Iterator[None]:
     forward: the block's inputs detached (detach drops the tangent), so that a parameter read there is
     a constant, as autograd and training take it.  Forward mode differentiated through it: the
     operator's J·u against its Jᵀv made a kernel 1.5e-4 off for a weight normalised by a norm taken
-    under no_grad.  Grad is enabled inside (a caller's no_grad would make every op a constant), and
-    :data:`FORWARD_AD_LOCK` held (forward mode's levels are shared by the process's threads)."""
+    under no_grad.  A ``.data`` read likewise (:func:`data_as_constant`).  Grad is enabled inside (a
+    caller's no_grad would make every op a constant), and :data:`FORWARD_AD_LOCK` held (forward mode's
+    levels are shared by the process's threads)."""
     with FORWARD_AD_LOCK, torch.enable_grad(), _NoGradConstant():
         yield
 
