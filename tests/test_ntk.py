@@ -169,6 +169,9 @@ def test_bad_inputs_raise_clear_errors():
         gram(model, x, block_size=0)
     with pytest.raises(ShapeError, match=r"\(n,\) or \(n, K\)"):
         gram(nn.Sequential(nn.Linear(2, 6), nn.Unflatten(1, (2, 3))).double(), x)
+    seq = nn.Linear(3, 2).double()  # (n, T, 3) → (n, T, 2): one point's outputs are all its outputs, not x2's
+    with pytest.raises(ShapeError, match=r"\(n,\) or \(n, K\)"):  # (autograd's raw shape error, an audit)
+        gram(seq, torch.randn(1, 4, 3, dtype=F64), torch.randn(4, 4, 3, dtype=F64))
     with pytest.raises(TypeError, match="torch.nn.Module"):
         gram(lambda t: t, x)
     with pytest.raises(ShapeError, match="operator of shape"):

@@ -58,6 +58,7 @@ from nsa_dist.ntk.state import (  # copyable: re-exported
     padding_rows_constant,
     renorm_copies,
     stateless,
+    ties_as_backward,
 )
 
 _log = logging.getLogger("nsa_dist")
@@ -645,6 +646,8 @@ def autograd_conventions() -> Iterator[None]:
     * an ``Embedding`` with ``padding_idx`` looks the padding row up as a constant: reverse mode
       gives that row no gradient, while forward mode (``jvp``) moved the looked-up row with its
       tangent — H, I and S of an embedding model with padding were asymmetric, 0.77 off;
-    * a tensor read through ``.data`` is a constant at every level (:func:`~nsa_dist.ntk.state.data_as_constant`)."""
-    with _WeightNormComposite(), padding_rows_constant(), data_as_constant():  # the NTK operator's conventions
+    * a tensor read through ``.data`` is a constant at every level (:func:`~nsa_dist.ntk.state.data_as_constant`);
+    * PReLU, fmax, clamp with tensor bounds, atan2 and nan_to_num take their backward's derivative at ties
+      and kinks in every mode (:func:`~nsa_dist.ntk.state.ties_as_backward`)."""
+    with _WeightNormComposite(), padding_rows_constant(), data_as_constant(), ties_as_backward():
         yield

@@ -525,13 +525,46 @@ class _Floor:
 def _top_leak(A: Any, Ub: Any, lam: np.ndarray, ops: ArrayOps, top_residual: float | None) -> float:
     """A bound of ‖R‖₂, R = G U − U Λ' (Λ' = UᵀGU): with G̃ = G − R Uᵀ − U Rᵀ, range(U) is invariant
     and PG̃P = PGP, so the tail eigenvalues of PGP are G̃'s and lie within ‖R‖₂ of G's (Weyl).  From
-    the solver's largest residual (√K of it bounds ‖GU − UΛ‖_F ≥ ‖R‖₂), else measured (K products)."""
+    the solver's largest residual (√K of it bounds ‖GU − UΛ‖_F ≥ ‖R‖₂), else measured (K products),
+    with the given evals' largest distance from their vectors' Rayleigh quotients added.
+
+    Raises:
+        ValueError: (measured only) evecs not orthonormal, or evals not their Rayleigh quotients
+            (another order, other pairs) beyond rounding."""
     K = lam.size
     if top_residual is not None:
         return math.sqrt(K) * float(top_residual)
+    gram_u = np.asarray(ops.to_numpy(Ub.T @ Ub), dtype=np.float64)
+    orth = float(np.abs(gram_u - np.eye(K)).max())
+    if orth > _ORTHONORMAL_TOL:
+        raise ValueError(
+            f"evecs must have orthonormal columns (max |UᵀU − I| = {orth:.3g}): the exact top part's eigenvectors"
+        )
     GU = A.matmat(Ub)  # (N, K)
-    R = GU - Ub @ (Ub.T @ GU)
-    return float(np.linalg.norm(ops.to_numpy(ops.colnorms(R))))  # ‖R‖_F
+    UtGU = Ub.T @ GU
+    R = GU - Ub @ UtGU
+    # the evals as given against the evecs' Rayleigh quotients: a top eigenpair is G's to ‖R‖₂ only where
+    # its value is its vector's (evals 10⁻⁶ off their exact vectors' put λ_1 outside its bracket, the top
+    # vectors in the wrong order E(y, 1) at 0.00054 for 0.00203 — an audit); a gross mismatch is refused, a
+    # small one (evals rounded to float32 beside float64 vectors) widens the bracket by it
+    theta = np.diagonal(np.asarray(ops.to_numpy(UtGU), dtype=np.float64))
+    apart = np.abs(theta - lam)
+    worst = int(np.argmax(apart))
+    # judged on G's own scale (an all-zero G — every unit dead — has evals of rounding against θ = 0: no pairs
+    # to refuse there, a run goes on), and within a float64 reduction's rounding not added
+    scale = max(float(np.abs(theta).max()), float(np.max(ops.to_numpy(ops.colnorms(GU)))))
+    if scale > 0 and apart[worst] > _EVALS_TOL * scale:
+        raise ValueError(
+            f"evals are not the Rayleigh quotients of evecs: λ_{worst + 1} = {lam[worst]:.9g} given, "
+            f"u_{worst + 1}ᵀ G u_{worst + 1} = {theta[worst]:.9g} (evals and evecs must be the same pairs, in "
+            "the same descending order)"
+        )
+    extra = float(apart.max()) if apart.max() > Ub.shape[0] * np.finfo(np.float64).eps * scale else 0.0
+    return float(np.linalg.norm(ops.to_numpy(ops.colnorms(R)))) + extra  # ‖R‖_F + max |θ_i − λ_i|
+
+
+_ORTHONORMAL_TOL = 1e-3  # the evecs' max |UᵀU − I| (a float32 eigh's at N = 10⁴: ~10⁻⁵)
+_EVALS_TOL = 1e-4  # |u_iᵀGu_i − λ_i| refused beyond this fraction of λ_1 (a float32 eigh's: ~10⁻⁷)
 
 
 def _rounding_floor(

@@ -202,6 +202,14 @@ def _adjoint_gap(
     if found is None:
         return None
     worst, tol, by, note = found
+    if math.isnan(worst) and by.startswith("forward mode"):  # not a gap: forward mode's own 0·∞ (an audit's lp_pool)
+        return (
+            f"u·(J t) by forward mode is NaN at {where} (a 0·∞ in an op's forward-mode rule: a square root or "
+            "p-norm of exact zeros — lp_pool over an all-zero window, vector_norm of a zero row — even where a later "
+            "where or relu leaves autograd's gradients finite), so whether the gradients are the derivative cannot be "
+            "tested and forward-mode products are not defined there; keep the argument of the root away from 0 (e.g. "
+            "add a small epsilon) while measuring"
+        )
     if by == _COPIED:
         return (
             f"the model's gradients are not the derivative of its outputs: at {where} no forward-mode or difference "

@@ -179,7 +179,15 @@ def _setup(
         # every point measured (a state write or a held parameter of some points only)
         refuse_state_writes(model, x1 if x2 is None else torch.cat([x1, x2]))
     with preserved(model), blame(model):
-        return model, x1, x2, output_dim(model, x1)
+        K = output_dim(model, x1)
+        # x2's outputs too: a one-point x1 takes all of its outputs as K, and a (n, T, C) model then met
+        # autograd's raw shape error on an x2 of several points (an audit)
+        if x2 is not None and output_dim(model, x2) != K:
+            raise ShapeError(
+                f"the model's outputs at x1 and at x2 differ in size: {K} per point at x1 {tuple(x1.shape)}, "
+                f"{output_dim(model, x2)} at x2 {tuple(x2.shape)}"
+            )
+        return model, x1, x2, K
 
 
 @autograd_on

@@ -866,6 +866,96 @@ class FrequencyScaledLookups(TorchFunctionMode):
 _DATA = torch.Tensor.data  # the ``.data`` attribute's descriptor (its getter's ``__self__``)
 
 
+def _prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.prelu`` as ``where(x > 0, x, w·x)``: its backward's slope at 0 (the weight) in every mode."""
+    if weight.numel() != 1 and x.ndim >= 1:
+        shape = [1] * x.ndim
+        shape[1 if x.ndim >= 2 else 0] = weight.numel()
+        weight = weight.reshape(shape)
+    else:
+        weight = weight.reshape(())
+    return torch.where(x > 0, x, weight * x)
+
+
+def _fmax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.fmax`` as the ``where`` its backward takes: a where a ≥ b or b is NaN."""
+    return torch.where((a >= b) | torch.isnan(b), a, b)
+
+
+def _clamp(x: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None) -> torch.Tensor:
+    """``torch.clamp`` with tensor bounds as its backward takes it: x wherever lo ≤ x ≤ hi (at a bound too)."""
+    out = x if lo is None else torch.where(x < lo, lo, x)
+    return out if hi is None else torch.where(x > hi, hi, out)
+
+
+def _atan2(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``torch.atan2`` with the derivative its backward gives at (0, 0), 0, instead of forward mode's NaN."""
+    at0 = (x == 0) & (y == 0)
+    safe = torch.atan2(torch.where(at0, torch.zeros_like(y), y), torch.where(at0, torch.ones_like(x), x))
+    return torch.where(at0, torch.atan2(y, x).detach(), safe)
+
+
+def _nan_to_num(x: torch.Tensor, nan: float | None = 0.0, posinf: float | None = None, neginf: float | None = None):
+    """``torch.nan_to_num`` as ``where``: a non-finite value's tangent dropped, as its backward drops it (forward
+    mode multiplied a NaN tangent by 0: NaN, after a fully masked softmax row)."""
+    if not x.is_floating_point():
+        return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+    fi = torch.finfo(x.dtype)
+    out = torch.where(torch.isnan(x), torch.full_like(x, 0.0 if nan is None else nan), x)
+    out = torch.where(x == float("inf"), torch.full_like(x, fi.max if posinf is None else posinf), out)
+    return torch.where(x == float("-inf"), torch.full_like(x, fi.min if neginf is None else neginf), out)
+
+
+def _tie_rule(func: Callable, args: tuple, kwargs: dict) -> Callable[[], torch.Tensor] | None:
+    """The composite of :func:`ties_as_backward` for this call, or None."""
+    if "out" in kwargs:
+        return None
+    if func in (F.prelu, torch.prelu):
+        x, w = (_arg(args, kwargs, i, k, None) for i, k in enumerate(("input", "weight")))
+        return lambda: _prelu(x, w)
+    if func in (torch.fmax, torch.Tensor.fmax) and not kwargs:
+        return lambda: _fmax(*args)
+    if func in (torch.atan2, torch.Tensor.atan2, torch.arctan2) and not kwargs:
+        return lambda: _atan2(*args)
+    if func in (torch.nan_to_num, torch.Tensor.nan_to_num):
+        x = _arg(args, kwargs, 0, "input", None)
+        nan, pos, neg = (
+            _arg(args, kwargs, i, k, d) for i, k, d in ((1, "nan", 0.0), (2, "posinf", None), (3, "neginf", None))
+        )
+        return lambda: _nan_to_num(x, nan, pos, neg)
+    if func in (torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip):
+        x, lo, hi = (_arg(args, kwargs, i, k, None) for i, k in enumerate(("input", "min", "max")))
+        if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+            if not all(b is None or isinstance(b, torch.Tensor) for b in (lo, hi)):
+                return None  # a tensor and a number: as it is (rare)
+            if lo is not None and hi is not None and bool((lo > hi).any()):
+                return None  # torch's value there is hi, not this where's
+            return lambda: _clamp(x, lo, hi)
+    return None
+
+
+class _TiesAsBackward(TorchFunctionMode):
+    """See :func:`ties_as_backward`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        rule = _tie_rule(func, args, kwargs)
+        return rule() if rule is not None else func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def ties_as_backward() -> Iterator[None]:
+    """Ops whose forward-mode rule (PyTorch 2.13) is not their backward's transpose at some points computed as
+    ``where`` composites of the same values, whose derivatives in every mode are the backward's: PReLU at 0
+    (forward mode's slope 1 against the weight), ``fmax`` at a tie and ``clamp`` with tensor bounds at a
+    bound (the other branch's tangent), ``atan2`` at (0, 0) and ``nan_to_num`` of a non-finite value (NaN
+    tangents where the backward is 0).  Zero biases and a point at the origin met them: an operator's G 0.08
+    off and not symmetric, I 0.03–0.05 off JᵀJ/N, H NaN (an audit).  (PReLU's double backward has the
+    forward rule's slope too, so reverse over reverse needs the composite as well.)"""
+    with _TiesAsBackward():
+        yield
+
+
 class _DataConstant(TorchFunctionMode):
     """See :func:`data_as_constant`."""
 
@@ -893,6 +983,9 @@ class _NoGradConstant(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__self__", None) is _DATA:  # ``t.data``: a constant (:func:`data_as_constant`)
             return args[0].detach()
+        rule = _tie_rule(func, args, kwargs)  # forward mode as the backward at ties (:func:`ties_as_backward`)
+        if rule is not None:
+            return rule()
         if not torch.is_grad_enabled():
             if getattr(func, "__name__", "") == "__get__":  # an attribute: read on the tensor itself (a detached
                 # copy's requires_grad made a module's full backward hook mark every output non-differentiable:
