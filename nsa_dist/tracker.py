@@ -195,6 +195,10 @@ class Tracker:
             return
         ce = loss is LossName.CROSS_ENTROPY
         self.snapshots = StepSnapshots(self.model, self.data, cross_entropy=ce, name=self.spec.name)
+        # a copy as the analysis has it, to tell at each record whether the model still computes what a copy
+        # made now computes at its parameters and buffers (state outside them: an attribute, a plain-tensor
+        # mask, a swapped module, which the analysis copy does not follow)
+        self._twin = _analysis_copy(self.model)
 
         network = _network_digest(user, output)
 
@@ -216,6 +220,9 @@ class Tracker:
         # checked to be on the recorded path (its θ there is the stored θ_t) before any more is recorded
         done = self.session.done
         self._unchecked = {int(t) for i, t in enumerate(self.schedule) if done[i]}
+        # the stored step a reopened run continues from: the first new step recorded must not hold its θ
+        last = self.writer.resume_index() if self._unchecked else None
+        self._continued_from = None if last is None else int(self.schedule[last])
         if self.tracked.finished_before(self.session):
             _log.warning(
                 "run %r: every recorded step of it is already in %s (a finished run): this Tracker records "
@@ -284,8 +291,9 @@ class Tracker:
         Raises:
             ValueError: the Tracker is closed (the loss could no longer be written).
             AnalysisError: the analysis of an earlier recorded step failed (the run is marked failed).
-            NonFiniteError: a NaN/inf loss (the run is marked failed at this step, as by
-                :meth:`record`; finished steps are kept).
+            NonFiniteError: a NaN/inf loss with a non-finite parameter (the run is marked failed at
+                this step, as by :meth:`record`; finished steps are kept).  A NaN/inf loss with finite
+                parameters (a batch the loop skips) is kept in the loss curve, with a warning.
         """
         if self.tracked is None or self.finished:
             return
@@ -293,7 +301,9 @@ class Tracker:
         if self.stopped is not None:
             return
         if self.tracked.closed:
-            raise ValueError(f"this Tracker is closed; the loss of step {step} would not be written")
+            raise ValueError(
+                f"this Tracker is closed{self.tracked.why_closed}; the loss of step {step} would not be written"
+            )
         if not self._still_measurable(step):
             return
         # a loss logged as step t + 1 before update t: not yet taken; log(t + 1) may also come after
@@ -301,7 +311,19 @@ class Tracker:
         self.tracked.advance(step, wait=True, after=True)
         if not np.isfinite(float(loss)):  # said at the step it happens, not at the next record
             self.tracked.trace[step] = float(loss)
-            raise self.tracked.diverged(step, f"loss is {float(loss)} at step {step}")
+            bad = _non_finite_parameters(self._user)
+            if not bad:  # a batch the loop skips (θ untouched): the curve keeps its NaN, the run goes on — it
+                # failed the run and then refused every later log (an audit's loop skipping one corrupt batch)
+                _log.warning(
+                    "the loss logged at step %d is %s but the parameters are finite: kept in the loss curve; "
+                    "the run goes on (a non-finite parameter would end it)",
+                    step,
+                    float(loss),
+                )
+                return
+            raise self.tracked.diverged(
+                step, f"loss is {float(loss)} at step {step}, with non-finite parameters ({bad})"
+            )
         self.tracked.trace[step] = float(loss)
 
     @torch.no_grad()
@@ -346,7 +368,7 @@ class Tracker:
             return
         i = self.tracked.recordable(step)
         self.tracked.advance(step)
-        why = self._unrecordable(step)
+        why = self._unrecordable(step) or self._not_moved_since_resume(step)
         if why is not None:
             self._stop(why)
             return
@@ -471,6 +493,24 @@ class Tracker:
         )
         return False
 
+    def _not_moved_since_resume(self, step: int) -> str | None:
+        """Why the first new step of a reopened run cannot be recorded: the model holds θ of the stored step the
+        run continues from, bit for bit, at a later step — the loop restored ``theta_at(s)`` and started at
+        s + 1 (every later step was stored with the step before's θ, status done: an audit)."""
+        s, self._continued_from = self._continued_from, None
+        if s is None or step <= s:
+            return None
+        stored = np.asarray(self.writer.read_step("theta", self.tracked.index[s]))
+        if not np.array_equal(theta_vector(self.model).astype(stored.dtype), stored):
+            return None
+        return (
+            f"recording stopped at step {step}: the model's parameters are the stored θ_{s} bit for bit, so the "
+            f"loop is at step {step} without "
+            + (f"update {s}" if step - 1 == s else f"updates {s} … {step - 1}")
+            + f" — restored from theta_at({s}), it must go on from step {s} (for t in range({s}, …)), where the "
+            f"update of step {s} is made"
+        )
+
     def _unrecordable(self, step: int) -> str | None:
         """Why step ``step`` cannot be recorded on the model as it is now, None when it can: its
         trainable set differs from the run's, or its forward is random.  (Neither touches the update
@@ -499,6 +539,15 @@ class Tracker:
                 "training=self.training), nn.MultiheadAttention(dropout=…), F.scaled_dot_product_attention("
                 "dropout_p=…)), another random op, or a forward that changes the model's state — so f_t and its "
                 "NTK are not defined; call model.eval() around tr.record(t)"
+            )
+        if autograd_on(_copy_differs)(self._twin, self.model, self.snapshots.X):
+            return (
+                f"recording stopped at step {step}: the model no longer computes what a copy of it made when the "
+                "Tracker was created computes at the same parameters and buffers — state outside them changed (an "
+                "attribute such as a scale or a temperature, a mask held as a plain tensor, a module replaced), "
+                "which the analysis's copy does not follow, so f_t and G_t would be of two functions; keep such "
+                "state in registered buffers (self.register_buffer) or parameters, or record each phase as its "
+                "own run"
             )
         return None
 
@@ -710,6 +759,46 @@ def _forward_differs(model: nn.Module, X: Any) -> bool:
     return not torch.allclose(a, b, rtol=1e-5, atol=1e-7 * max(scale, 1.0))
 
 
+@torch.no_grad()
+def _copy_differs(twin: nn.Module, model: nn.Module, X: Any) -> bool:
+    """Whether ``model``'s outputs on the first points of X differ (beyond rounding) from those of ``twin`` — a
+    copy made at the Tracker's creation — run at the model's parameters, buffers and per-module modes now.
+    An annealed attribute read λ₁ 35.9 for 224.7, a pruning mask held as a plain tensor E 0.16 off, a
+    swapped activation E 0.30 off, status done (an audit: the analysis copy is made once).  The user's
+    random streams, buffers, modes and cached attributes are as they were."""
+    x = X[:16] if isinstance(X, torch.Tensor) else X
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), attributes_restored(model), preserved(model):
+        a = torch.as_tensor(model(x)).double().cpu()
+    dtype = next((p.dtype for p in twin.parameters() if p.is_floating_point()), torch.float32)
+    state = {  # copies: a train-mode norm of the twin writes its running statistics into what it is given
+        k: v.detach().to(device="cpu", dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
+        for k, v in model.state_dict(keep_vars=True).items()
+    }
+    modes = {n: m.training for n, m in model.named_modules()}
+    kept = {n: m.training for n, m in twin.named_modules()}
+    try:
+        for n, m in twin.named_modules():
+            m.training = modes.get(n, m.training)
+        with torch.random.fork_rng(devices=[]), attributes_restored(twin), preserved(twin):
+            xt = x.cpu().to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x.cpu()
+            b = torch.as_tensor(torch.func.functional_call(twin, state, (xt,), strict=False)).double()
+    except Exception:  # noqa: BLE001 — a copy that cannot run so: the analysis itself will say what fails
+        return False
+    finally:
+        for n, m in twin.named_modules():
+            m.training = kept.get(n, m.training)
+    if a.shape != b.shape:
+        return True
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return True
+    a, b = a[finite], b[finite]
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    rtol = 1e-9 if dtype == torch.float64 else 1e-4
+    return bool(((a - b).abs() > rtol * max(scale, 1e-30)).any())
+
+
 def _random_modules(model: nn.Module) -> list[str]:
     """Names of the dropout modules that are active (train mode, p > 0): a random forward."""
     return [
@@ -752,3 +841,9 @@ def _analysis_copy(model: nn.Module) -> nn.Module:
             "analyses a copy of it, in a thread or pickled to the Ray spectral workers — keep "
             "unpicklable state (locks, open files, data loaders) outside the module"
         ) from exc
+
+
+def _non_finite_parameters(model: nn.Module) -> str:
+    """The names of the model's parameters holding a NaN/inf, as one phrase ('' when every one is finite)."""
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    return ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") if bad else ""

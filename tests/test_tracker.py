@@ -263,11 +263,42 @@ def test_a_nan_loss_given_to_log_fails_the_run_at_its_step(tmp_path):
     url = str(tmp_path / "t.zarr")
     tr, model, data = _tracker(url)
     _gd_loop(tr, model, data.X, data.y, SPEC.steps, SPEC.schedule.lr, stop=8)  # records 0 and 6
-    with pytest.raises(NonFiniteError, match=r"loss is nan at step 8; the run is marked failed, the 2 steps recorded"):
+    with torch.no_grad():
+        next(model.parameters())[0].fill_(float("nan"))  # the update diverged
+    with pytest.raises(
+        NonFiniteError, match=r"loss is nan at step 8, with non-finite parameters .*; the run is marked"
+    ):
         tr.log(8, float("nan"))
     run = Client(url).run("eq")
     assert run.status == "failed" and run.failed_step == 8 and run.g["done"][:2].all(), (run.status, run.failed_step)
     assert np.isnan(run.g["loss_trace"][8]) and np.isfinite(run.g["loss_trace"][:8]).all()
+    with pytest.raises(ValueError, match=r"this Tracker is closed \(it ended the run at step 8: loss is nan"):
+        tr.log(9, 0.1)  # the loop goes on: the error says why the Tracker closed
+
+
+def test_a_skipped_non_finite_batch_leaves_the_run_going(tmp_path):
+    """A loop that skips a batch whose loss is NaN (θ untouched) lost its run: log() failed it ("training
+    diverged") and every later call raised "this Tracker is closed" into the loop (an audit).  With finite
+    parameters the NaN stays in the loss curve and the run goes on."""
+    url = str(tmp_path / "t.zarr")
+    tr, model, data = _tracker(url)
+    opt = torch.optim.SGD(model.parameters(), lr=SPEC.schedule.lr)
+    X, y = torch.as_tensor(data.X, dtype=torch.float32), torch.as_tensor(data.y, dtype=torch.float32)
+    for t in range(SPEC.steps):
+        opt.zero_grad()
+        loss = 0.5 * ((model(X) - y) ** 2).reshape(X.shape[0], -1).sum(1).mean() * (float("nan") if t == 3 else 1.0)
+        if tr.due(t):
+            tr.record(t, lr=SPEC.schedule.lr, loss=loss.item())
+        else:
+            tr.log(t, loss.item())
+        if torch.isfinite(loss):
+            loss.backward()
+            opt.step()
+    tr.close()
+    run = Client(url).run("eq")
+    assert run.status == "done" and run.g["done"][:].all(), (run.status, run.g["done"][:])
+    trace = np.asarray(run.g["loss_trace"][:])
+    assert np.isnan(trace[3]) and np.isfinite(np.delete(trace, 3)).all(), trace
 
 
 def test_image_inputs_with_a_cnn(tmp_path):

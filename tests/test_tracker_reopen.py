@@ -146,3 +146,31 @@ def test_a_run_whose_steps_are_all_stored_but_not_finished_is_finished_by_a_reop
     tr.close()
     run = zarr.open_group(url, mode="r")["runs/r"]
     assert run.attrs["status"] == "done" and "preservation" in run, dict(run.attrs)
+
+
+def test_a_loop_resumed_one_step_late_is_stopped_not_recorded(tmp_path):
+    """Reopened, θ restored from theta_at(s), the loop started at s + 1: every later step was stored with the
+    step before's θ (bit for bit), status done (an audit, session 30).  The recording now stops there."""
+    url = str(tmp_path / "s.zarr")
+    kw = dict(steps=6, record={"every": 1}, spectrum={"k": 3, "images": []})
+
+    def loop(tr: Tracker, model: nn.Module, start: int, stop: int) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for t in range(start, stop):
+            if tr.due(t):
+                tr.record(t, lr=opt)
+            opt.zero_grad()
+            (0.5 * ((model(X) - Y) ** 2).mean()).backward()
+            opt.step()
+        tr.close()
+
+    first = _net(1)
+    loop(Tracker(url, "r", first, X, Y, **kw), first, 0, 3)  # steps 0, 1, 2; then the process stops
+    model = _net(9)
+    tr = Tracker(url, "r", model, X, Y, **kw)
+    s = tr.resume_step
+    torch.nn.utils.vector_to_parameters(torch.as_tensor(tr.theta_at(s)), model.parameters())
+    loop(tr, model, s + 1, 6)  # one step late
+    run = zarr.open_group(url, mode="r")["runs/r"]
+    assert run.attrs["status"] == "interrupted" and f"stored θ_{s} bit for bit" in run.attrs["reason"], dict(run.attrs)
+    assert list(run["done"][:].astype(int)) == [1, 1, 1, 0, 0, 0]

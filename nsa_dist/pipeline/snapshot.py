@@ -160,11 +160,14 @@ def measured_inputs(
 
 
 def _as_tensor(name: str, a: Any) -> torch.Tensor:
+    """The caller's array as a CPU tensor of its own: a copy, never a view — a loop that shuffles or augments
+    its X or y in place (``rng.shuffle(X)`` for minibatches) changed a float64 run's data under the Tracker,
+    and later steps were measured on other points than the stored ones (E(y, k) 0.33 off, df 1.1, an audit)."""
     if isinstance(a, np.ndarray):
         a = torch.from_numpy(a)
     if not isinstance(a, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(a).__name__}")
-    return a.detach().cpu()
+    return a.detach().cpu().clone()
 
 
 def _first_point(bad: torch.Tensor) -> int:

@@ -78,6 +78,7 @@ class TrackedRun:
         self.trace: dict[int, float] = {}
         self.failure: AnalysisError | None = None
         self.closed = False
+        self.why_closed = ""  # why it closed by itself (a diverged run), for the errors of later calls
         self.finished: list[dict] = []
         self.blocked = 0
         self.max_seen_inflight = 0
@@ -130,7 +131,7 @@ class TrackedRun:
                 in the store).
         """
         if self.closed:
-            raise ValueError("this Tracker is closed")
+            raise ValueError("this Tracker is closed" + self.why_closed)
         if step not in self.index:
             raise ValueError(
                 f"step {step} is not a recorded step of this run (schedule: {self.schedule[:8]}"
@@ -294,6 +295,7 @@ class TrackedRun:
         self.drain()
         self.flush_trace()
         self.session.fail(f"training diverged: {why}", step)
+        self.why_closed = f" (it ended the run at step {step}: {why})"
         self._end()
         return NonFiniteError(
             f"run {self.session.spec.name!r}: {why}; the run is marked failed, the "
