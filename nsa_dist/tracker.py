@@ -390,7 +390,13 @@ class Tracker:
         list of group rates."""
         groups = getattr(lr, "param_groups", None) or getattr(getattr(lr, "optimizer", None), "param_groups", None)
         rates = [g["lr"] for g in groups] if groups is not None else lr if isinstance(lr, (list, tuple)) else [lr]
-        rates = [float(r) for r in rates]
+        try:
+            rates = [float(r) for r in rates]
+        except (TypeError, ValueError) as e:  # lr=None, lr=opt.param_groups: float()'s own error (an audit)
+            raise TypeError(
+                f"record({step}, lr=…): lr must be the learning rate of update t (a number), the optimizer or its "
+                f"scheduler, or a list of its groups' rates; got {type(lr).__name__} ({e})"
+            ) from e
         if len(set(rates)) == 1:
             return rates[0]
         self._say_once(

@@ -463,7 +463,9 @@ def _perturbed(N: int, rel: float, seed: int = 3) -> np.ndarray:
 
 
 def test_warm_start_saves_products() -> None:
-    """The previous G's eigenvectors as the start block: same accuracy, fewer products (issue 22)."""
+    """The previous G's eigenvectors as the start block: same accuracy, no more products (issue 22) — the
+    saving (156 against 192 here) now pays for the check a warm start takes for an eigenvalue its
+    invariant start hid (≤ 36 products; tests/test_eigensolve_misses.py)."""
     G0, G1 = psd(600), _perturbed(600, 1e-6)
     prev = top_eigenpairs(G0, 40, "lanczos")
     cold = top_eigenpairs(G1, 40, "lanczos")
@@ -472,7 +474,7 @@ def test_warm_start_saves_products() -> None:
     ref = (w[::-1].copy(), V[:, ::-1].copy())
     for ep in (cold, warm):
         assert_matches_reference(G1, ep, ref)
-    assert warm.n_matvec < cold.n_matvec, (warm.n_matvec, cold.n_matvec)
+    assert warm.n_matvec <= cold.n_matvec, (warm.n_matvec, cold.n_matvec)
 
 
 def test_gated_checks_change_nothing_but_the_number_of_full_checks(monkeypatch) -> None:

@@ -1,4 +1,6 @@
-"""The Tracker holds the data it was given as of the call: a loop that changes its arrays afterwards
+"""The Tracker in loops people write (audit T, session 30).
+
+It holds the data it was given as of the call: a loop that changes its arrays afterwards
 (an in-place shuffle for minibatches, label noise, augmentation) does not change what is measured.
 
 An audit (session 30): the Tracker kept views of the caller's float64 arrays (numpy's default), and an
@@ -82,3 +84,16 @@ def test_state_outside_parameters_and_buffers_stops_the_recording(tmp_path) -> N
     assert run.status == "interrupted" and "state outside them changed" in run.reason, (run.status, run.reason)
     assert list(np.asarray(run.g["done"][:]).astype(int)) == [1, 0, 0, 0]
     assert tr.stopped is not None and "step 1" in tr.stopped
+
+
+@pytest.mark.parametrize("lr", [None, [{"lr": 0.1}]], ids=["none", "param-groups"])
+def test_a_learning_rate_of_another_kind_is_named(tmp_path, lr) -> None:  # noqa: ANN001
+    """record(t, lr=None) or lr=opt.param_groups met float()'s own TypeError; the step stays recordable."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    X, y = torch.randn(10, 3), torch.randn(10, 1)
+    tr = Tracker(str(tmp_path / "s.zarr"), "r", model, X, y, steps=2, record={"every": 1}, spectrum={"k": 2})
+    with pytest.raises(TypeError, match=r"lr must be the learning rate of update t .* got (NoneType|list)"):
+        tr.record(0, lr=lr)
+    tr.record(0, lr=0.1)
+    tr.close()
