@@ -37,11 +37,13 @@ the Tracker after ``init_process_group`` where a launcher sets none of them.  Ra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +225,7 @@ class Tracker:
         # the stored step a reopened run continues from: the first new step recorded must not hold its θ
         last = self.writer.resume_index() if self._unchecked else None
         self._continued_from = None if last is None else int(self.schedule[last])
+        self._first_seen: int | None = None  # the first step the loop called due / log / record with
         if self.tracked.finished_before(self.session):
             _log.warning(
                 "run %r: every recorded step of it is already in %s (a finished run): this Tracker records "
@@ -270,6 +273,7 @@ class Tracker:
         """
         if self.tracked is None or self.finished:
             return False  # a DDP rank other than 0 (rank 0 records), or a finished run
+        self._seen(step)
         self.tracked.check()
         if self.tracked.closed or not self._still_measurable(step) or not self._on_the_recorded_path(step):
             return False
@@ -297,6 +301,7 @@ class Tracker:
         """
         if self.tracked is None or self.finished:
             return
+        self._seen(step)
         self.tracked.check()
         if self.stopped is not None:
             return
@@ -363,6 +368,7 @@ class Tracker:
         """
         if self.tracked is None or self.finished:
             return
+        self._seen(step)
         self.tracked.check()
         if self.stopped is not None or not self._still_measurable(step):
             return
@@ -499,12 +505,18 @@ class Tracker:
         )
         return False
 
+    def _seen(self, step: int) -> None:
+        if self._first_seen is None:
+            self._first_seen = int(step)
+
     def _not_moved_since_resume(self, step: int) -> str | None:
-        """Why the first new step of a reopened run cannot be recorded: the model holds θ of the stored step the
-        run continues from, bit for bit, at a later step — the loop restored ``theta_at(s)`` and started at
-        s + 1 (every later step was stored with the step before's θ, status done: an audit)."""
+        """Why the first new step of a reopened run cannot be recorded: the loop's first call was after the
+        stored step s the run continues from, and the model holds θ_s bit for bit — restored from
+        ``theta_at(s)`` and started at s + 1 (every later step was stored with the step before's θ, status
+        done: an audit).  A loop that went through step s (due(s), log(s)) made update s, even one that
+        changed nothing (a learning rate 0, a skipped AMP step: a review)."""
         s, self._continued_from = self._continued_from, None
-        if s is None or step <= s:
+        if s is None or step <= s or (self._first_seen is not None and self._first_seen <= s):
             return None
         stored = np.asarray(self.writer.read_step("theta", self.tracked.index[s]))
         if not np.array_equal(theta_vector(self.model).astype(stored.dtype), stored):
@@ -774,13 +786,14 @@ def _copy_differs(twin: nn.Module, model: nn.Module, X: Any) -> bool:
     random streams, buffers, modes and cached attributes are as they were."""
     x = X[:16] if isinstance(X, torch.Tensor) else X
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), attributes_restored(model), preserved(model):
+    with torch.random.fork_rng(devices=devices), attributes_restored(model), preserved(model), _full_float32():
         a = torch.as_tensor(model(x)).double().cpu()
     dtype = next((p.dtype for p in twin.parameters() if p.is_floating_point()), torch.float32)
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
     state = {  # copies: a train-mode norm of the twin writes its running statistics into what it is given
         k: v.detach().to(device="cpu", dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
-        for k, v in model.state_dict(keep_vars=True).items()
-    }
+        for k, v in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
+    }  # (named_buffers: non-persistent ones too, which state_dict leaves out — a review)
     modes = {n: m.training for n, m in model.named_modules()}
     kept = {n: m.training for n, m in twin.named_modules()}
     try:
@@ -801,8 +814,23 @@ def _copy_differs(twin: nn.Module, model: nn.Module, X: Any) -> bool:
         return True
     a, b = a[finite], b[finite]
     scale = float(a.abs().max()) if a.numel() else 0.0
-    rtol = 1e-9 if dtype == torch.float64 else 1e-4
+    # the model's own float and device against the CPU copy's: float64 on the CPU to 1e-9, float32 (another
+    # device's kernels, summation orders) to 1e-3, a 16-bit model's float32 copy to 3e-2 — what it catches
+    # (the audit's cases) is 0.16–5× off
+    rtol = 3e-2 if torch.finfo(own).bits <= 16 else 1e-9 if own == torch.float64 and not devices else 1e-3
     return bool(((a - b).abs() > rtol * max(scale, 1e-30)).any())
+
+
+@contextlib.contextmanager
+def _full_float32() -> Iterator[None]:
+    """CUDA matmuls and convolutions in full float32 (TF32 off, cuDNN's default for convolutions is on: a
+    CNN's outputs ~10⁻³ off the CPU copy's), restored after."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 def _random_modules(model: nn.Module) -> list[str]:

@@ -115,3 +115,30 @@ def test_a_forward_mode_nan_is_named_not_blamed_on_hooks() -> None:
     with pytest.raises(UnsupportedModelError, match="by forward mode is NaN") as e:
         gram(_LpPool().double(), _grid(F64))
     assert "register_hook" not in str(e.value), str(e.value)
+
+
+def test_the_composites_keep_the_ops_values() -> None:
+    """Inside ties_as_backward every rewritten op returns torch's own value — NaN bounds of clamp and a
+    16-bit nan_to_num with an out-of-range replacement included (a review: the where composite returned x
+    for a NaN bound, and full_like raised on 1e6 in float16)."""
+    from nsa_dist.ntk.state import ties_as_backward
+
+    x = torch.tensor([0.2, -3.0, 0.0, float("nan")], dtype=F64)
+    nanb = torch.full_like(x, float("nan"))
+    w = torch.tensor([0.25], dtype=F64)
+    cases = [
+        (torch.clamp, (x,), {"min": nanb}),
+        (torch.clamp, (x,), {"min": torch.zeros_like(x), "max": torch.ones_like(x)}),
+        (torch.clamp, (x,), {"max": torch.zeros_like(x)}),
+        (torch.fmax, (x, torch.zeros_like(x)), {}),
+        (torch.atan2, (torch.tensor([0.0, -0.0, 1.0], dtype=F64), torch.tensor([-0.0, 0.0, 0.0], dtype=F64)), {}),
+        (torch.nan_to_num, (torch.tensor([float("nan"), float("inf"), 1.0], dtype=torch.float16),), {"nan": 1e6}),
+        (torch.nan_to_num, (torch.tensor([float("-inf"), 2.0], dtype=F64),), {}),
+        (torch.nn.functional.prelu, (x.reshape(1, 4, 1),), {"weight": w}),
+    ]
+    for op, args, kwargs in cases:
+        want = op(*args, **kwargs)
+        with ties_as_backward():
+            got = op(*args, **kwargs)
+        assert got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan()), (op.__name__, got, want)
+        assert torch.equal(got[~got.isnan()], want[~want.isnan()]), (op.__name__, got, want)

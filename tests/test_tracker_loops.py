@@ -97,3 +97,37 @@ def test_a_learning_rate_of_another_kind_is_named(tmp_path, lr) -> None:  # noqa
         tr.record(0, lr=lr)
     tr.record(0, lr=0.1)
     tr.close()
+
+
+class _EmaScaled(nn.Module):
+    """An output scale kept in a non-persistent buffer, moved by the loop (an EMA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 8), nn.Linear(8, 1)
+        self.register_buffer("scale", torch.ones(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.l2(torch.tanh(self.l1(x)))
+
+
+def test_a_non_persistent_buffer_the_loop_moves_is_followed(tmp_path) -> None:  # noqa: ANN001
+    """Buffers outside state_dict are buffers all the same: the twin check took them from state_dict and
+    stopped such a run at step 0 (a review)."""
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(20, 3, generator=g), torch.randn(20, 1, generator=g)
+    torch.manual_seed(0)
+    model = _EmaScaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    url = str(tmp_path / "s.zarr")
+    tr = Tracker(url, "r", model, X, y, steps=4, record={"every": 1}, spectrum={"k": "all"}, device="cpu")
+    for t in range(4):
+        model.scale.fill_(1.0 + 0.5 * t)
+        if tr.due(t):
+            tr.record(t, lr=opt)
+        opt.zero_grad()
+        (0.5 * ((model(X) - y) ** 2).mean()).backward()
+        opt.step()
+    tr.close()
+    run = Client(url).run("r")
+    assert run.status == "done" and np.asarray(run.g["done"][:]).all(), (run.status, run.reason)

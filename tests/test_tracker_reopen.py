@@ -174,3 +174,34 @@ def test_a_loop_resumed_one_step_late_is_stopped_not_recorded(tmp_path):
     run = zarr.open_group(url, mode="r")["runs/r"]
     assert run.attrs["status"] == "interrupted" and f"stored θ_{s} bit for bit" in run.attrs["reason"], dict(run.attrs)
     assert list(run["done"][:].astype(int)) == [1, 1, 1, 0, 0, 0]
+
+
+def test_a_resume_whose_first_update_changes_nothing_goes_on(tmp_path):
+    """A correct resume from step s whose update s changes nothing (a learning rate 0 there: a warmup restart,
+    a skipped AMP step) holds θ_s at step s + 1 too: the loop passed step s, so it is not one step late (the
+    check stopped it: a review)."""
+    url = str(tmp_path / "s.zarr")
+    kw = dict(steps=6, record={"every": 1}, spectrum={"k": 3, "images": []})
+    lrs = [0.1, 0.1, 0.0, 0.1, 0.1, 0.1]
+
+    def loop(tr: Tracker, model: nn.Module, start: int, stop: int) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for t in range(start, stop):
+            for group in opt.param_groups:
+                group["lr"] = lrs[t]
+            if tr.due(t):
+                tr.record(t, lr=opt)
+            opt.zero_grad()
+            (0.5 * ((model(X) - Y) ** 2).mean()).backward()
+            opt.step()
+        tr.close()
+
+    first = _net(1)
+    loop(Tracker(url, "r", first, X, Y, **kw), first, 0, 3)
+    model = _net(9)
+    tr = Tracker(url, "r", model, X, Y, **kw)
+    s = tr.resume_step
+    torch.nn.utils.vector_to_parameters(torch.as_tensor(tr.theta_at(s)), model.parameters())
+    loop(tr, model, s, 6)  # from step s, as the docs say
+    run = zarr.open_group(url, mode="r")["runs/r"]
+    assert run.attrs["status"] == "done" and run["done"][:].all(), (run.attrs["status"], run.attrs.get("reason"))

@@ -901,9 +901,13 @@ def _nan_to_num(x: torch.Tensor, nan: float | None = 0.0, posinf: float | None =
     if not x.is_floating_point():
         return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
     fi = torch.finfo(x.dtype)
-    out = torch.where(torch.isnan(x), torch.full_like(x, 0.0 if nan is None else nan), x)
-    out = torch.where(x == float("inf"), torch.full_like(x, fi.max if posinf is None else posinf), out)
-    return torch.where(x == float("-inf"), torch.full_like(x, fi.min if neginf is None else neginf), out)
+
+    def full(v: float) -> torch.Tensor:  # as torch casts it (1e6 in float16: inf, not full_like's error)
+        return torch.full_like(x, v, dtype=torch.float64).to(x.dtype)
+
+    out = torch.where(torch.isnan(x), full(0.0 if nan is None else nan), x)
+    out = torch.where(x == float("inf"), full(fi.max if posinf is None else posinf), out)
+    return torch.where(x == float("-inf"), full(fi.min if neginf is None else neginf), out)
 
 
 def _tie_rule(func: Callable, args: tuple, kwargs: dict) -> Callable[[], torch.Tensor] | None:
@@ -930,6 +934,8 @@ def _tie_rule(func: Callable, args: tuple, kwargs: dict) -> Callable[[], torch.T
                 return None  # a tensor and a number: as it is (rare)
             if lo is not None and hi is not None and bool((lo > hi).any()):
                 return None  # torch's value there is hi, not this where's
+            if any(b is not None and b.is_floating_point() and bool(torch.isnan(b).any()) for b in (lo, hi)):
+                return None  # a NaN bound: torch's value is NaN there (a review)
             return lambda: _clamp(x, lo, hi)
     return None
 
