@@ -61,26 +61,29 @@ class _Annealed(nn.Module):
         return self.scale * self.l2(torch.tanh(self.l1(x)))
 
 
-def test_state_outside_parameters_and_buffers_stops_the_recording(tmp_path) -> None:  # noqa: ANN001
-    """The analysis runs on a copy made when the Tracker was created, which follows the parameters and
-    buffers only: an annealed attribute stored λ₁ 35.9 for 224.7, status done (an audit).  The recording now
-    stops with the reason at the first step where the model and such a copy differ; the steps before stay."""
+def _annealed_run(url: str, model: nn.Module, anneal) -> tuple[Tracker, object]:  # noqa: ANN001
+    """Four recorded GD steps of ``model`` with ``anneal(model, t)`` called before each; (tracker, run)."""
     g = torch.Generator().manual_seed(1)
     X, y = torch.randn(20, 3, generator=g), torch.randn(20, 1, generator=g)
-    torch.manual_seed(0)
-    model = _Annealed()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    url = str(tmp_path / "s.zarr")
     tr = Tracker(url, "r", model, X, y, steps=4, record={"every": 1}, spectrum={"k": "all"}, device="cpu")
     for t in range(4):
-        model.scale = 1.0 + 0.5 * t
+        anneal(model, t)
         if tr.due(t):
             tr.record(t, lr=opt)
         opt.zero_grad()
         (0.5 * ((model(X) - y) ** 2).mean()).backward()
         opt.step()
     tr.close()
-    run = Client(url).run("r")
+    return tr, Client(url).run("r")
+
+
+def test_state_outside_parameters_and_buffers_stops_the_recording(tmp_path) -> None:  # noqa: ANN001
+    """The analysis runs on a copy made when the Tracker was created, which follows the parameters and
+    buffers only: an annealed attribute stored λ₁ 35.9 for 224.7, status done (an audit).  The recording now
+    stops with the reason at the first step where the model and such a copy differ; the steps before stay."""
+    torch.manual_seed(0)
+    tr, run = _annealed_run(str(tmp_path / "s.zarr"), _Annealed(), lambda m, t: setattr(m, "scale", 1.0 + 0.5 * t))
     assert run.status == "interrupted" and "state outside them changed" in run.reason, (run.status, run.reason)
     assert list(np.asarray(run.g["done"][:]).astype(int)) == [1, 0, 0, 0]
     assert tr.stopped is not None and "step 1" in tr.stopped
@@ -114,20 +117,6 @@ class _EmaScaled(nn.Module):
 def test_a_non_persistent_buffer_the_loop_moves_is_followed(tmp_path) -> None:  # noqa: ANN001
     """Buffers outside state_dict are buffers all the same: the twin check took them from state_dict and
     stopped such a run at step 0 (a review)."""
-    g = torch.Generator().manual_seed(1)
-    X, y = torch.randn(20, 3, generator=g), torch.randn(20, 1, generator=g)
     torch.manual_seed(0)
-    model = _EmaScaled()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    url = str(tmp_path / "s.zarr")
-    tr = Tracker(url, "r", model, X, y, steps=4, record={"every": 1}, spectrum={"k": "all"}, device="cpu")
-    for t in range(4):
-        model.scale.fill_(1.0 + 0.5 * t)
-        if tr.due(t):
-            tr.record(t, lr=opt)
-        opt.zero_grad()
-        (0.5 * ((model(X) - y) ** 2).mean()).backward()
-        opt.step()
-    tr.close()
-    run = Client(url).run("r")
+    _, run = _annealed_run(str(tmp_path / "s.zarr"), _EmaScaled(), lambda m, t: m.scale.fill_(1.0 + 0.5 * t))
     assert run.status == "done" and np.asarray(run.g["done"][:]).all(), (run.status, run.reason)

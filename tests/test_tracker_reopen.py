@@ -148,41 +148,10 @@ def test_a_run_whose_steps_are_all_stored_but_not_finished_is_finished_by_a_reop
     assert run.attrs["status"] == "done" and "preservation" in run, dict(run.attrs)
 
 
-def test_a_loop_resumed_one_step_late_is_stopped_not_recorded(tmp_path):
-    """Reopened, θ restored from theta_at(s), the loop started at s + 1: every later step was stored with the
-    step before's θ (bit for bit), status done (an audit, session 30).  The recording now stops there."""
-    url = str(tmp_path / "s.zarr")
+def _resumed(url: str, late: int, lrs: list[float]) -> zarr.Group:
+    """Steps 0, 1, 2 recorded, the process stops; another process reopens the run, restores θ from
+    theta_at(s) and runs its loop from step s + ``late`` to 6 at the rates ``lrs``; the stored run."""
     kw = dict(steps=6, record={"every": 1}, spectrum={"k": 3, "images": []})
-
-    def loop(tr: Tracker, model: nn.Module, start: int, stop: int) -> None:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for t in range(start, stop):
-            if tr.due(t):
-                tr.record(t, lr=opt)
-            opt.zero_grad()
-            (0.5 * ((model(X) - Y) ** 2).mean()).backward()
-            opt.step()
-        tr.close()
-
-    first = _net(1)
-    loop(Tracker(url, "r", first, X, Y, **kw), first, 0, 3)  # steps 0, 1, 2; then the process stops
-    model = _net(9)
-    tr = Tracker(url, "r", model, X, Y, **kw)
-    s = tr.resume_step
-    torch.nn.utils.vector_to_parameters(torch.as_tensor(tr.theta_at(s)), model.parameters())
-    loop(tr, model, s + 1, 6)  # one step late
-    run = zarr.open_group(url, mode="r")["runs/r"]
-    assert run.attrs["status"] == "interrupted" and f"stored θ_{s} bit for bit" in run.attrs["reason"], dict(run.attrs)
-    assert list(run["done"][:].astype(int)) == [1, 1, 1, 0, 0, 0]
-
-
-def test_a_resume_whose_first_update_changes_nothing_goes_on(tmp_path):
-    """A correct resume from step s whose update s changes nothing (a learning rate 0 there: a warmup restart,
-    a skipped AMP step) holds θ_s at step s + 1 too: the loop passed step s, so it is not one step late (the
-    check stopped it: a review)."""
-    url = str(tmp_path / "s.zarr")
-    kw = dict(steps=6, record={"every": 1}, spectrum={"k": 3, "images": []})
-    lrs = [0.1, 0.1, 0.0, 0.1, 0.1, 0.1]
 
     def loop(tr: Tracker, model: nn.Module, start: int, stop: int) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -202,6 +171,21 @@ def test_a_resume_whose_first_update_changes_nothing_goes_on(tmp_path):
     tr = Tracker(url, "r", model, X, Y, **kw)
     s = tr.resume_step
     torch.nn.utils.vector_to_parameters(torch.as_tensor(tr.theta_at(s)), model.parameters())
-    loop(tr, model, s, 6)  # from step s, as the docs say
-    run = zarr.open_group(url, mode="r")["runs/r"]
+    loop(tr, model, s + late, 6)
+    return zarr.open_group(url, mode="r")["runs/r"]
+
+
+def test_a_loop_resumed_one_step_late_is_stopped_not_recorded(tmp_path):
+    """Reopened, θ restored from theta_at(s), the loop started at s + 1: every later step was stored with the
+    step before's θ (bit for bit), status done (an audit, session 30).  The recording now stops there."""
+    run = _resumed(str(tmp_path / "s.zarr"), 1, [0.1] * 6)
+    assert run.attrs["status"] == "interrupted" and "stored θ_2 bit for bit" in run.attrs["reason"], dict(run.attrs)
+    assert list(run["done"][:].astype(int)) == [1, 1, 1, 0, 0, 0]
+
+
+def test_a_resume_whose_first_update_changes_nothing_goes_on(tmp_path):
+    """A correct resume from step s whose update s changes nothing (a learning rate 0 there: a warmup restart,
+    a skipped AMP step) holds θ_s at step s + 1 too: the loop passed step s, so it is not one step late (the
+    check stopped it: a review)."""
+    run = _resumed(str(tmp_path / "s.zarr"), 0, [0.1, 0.1, 0.0, 0.1, 0.1, 0.1])
     assert run.attrs["status"] == "done" and run["done"][:].all(), (run.attrs["status"], run.attrs.get("reason"))
