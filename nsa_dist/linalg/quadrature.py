@@ -300,6 +300,7 @@ def spectral_curves(
     Z = [z - U @ (U.T @ z) for z in Z]  # deflated start vectors
     Ub = ops.from_numpy(U)
     leak = _top_leak(A, Ub, lam, ops, top_residual) if K < N else 0.0
+    asym = math.ldexp(_asymmetry(G), -g_exp)  # a dense G's own asymmetry (at G's scale / 2^e, as lam)
 
     def deflated(X: Any) -> Any:
         X = X - Ub @ (Ub.T @ X)
@@ -350,7 +351,7 @@ def spectral_curves(
         run(Z, m, 0)
         rules = rules_of(list(runs))
         phi_rules, probe_rules = rules[:n_phi_cols], rules[n_phi_cols:]
-    floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
+    floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak, asym)
     counts = _counts(lam, N, probe_rules, confidence) if probe_rules and (ks > K).any() else None
     curve_at = lambda at, slack, quiet=True: _eigenvalue_curve(  # noqa: E731  λ_k's bracket at these k
         lam, N, at, probe_rules, ritz, confidence, slack, floor.bottom, floor.ritz_slack, counts, quiet
@@ -378,7 +379,7 @@ def spectral_curves(
         run(Z[:n_phi_cols], m_phi, 0, done)
         phi_rules = rules_of([r for r in runs if r < n_phi_cols])
         # φ's Ritz values interlace too (a lower bound of λ_k), and their smallest moves the floor
-        floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak)
+        floor = _rounding_floor(G, A, lam, N, probe_rules, ritz, leak, asym)
         eig = curve(floor.delta)
     steps_done = min([m] + [runs[r][2] for r in runs if r >= n_phi_cols or not own])
     phi_done = max([0] + [runs[r][2] for r in runs if r < n_phi_cols]) if n_phi_cols else 0
@@ -567,8 +568,33 @@ _ORTHONORMAL_TOL = 1e-3  # the evecs' max |UᵀU − I| (a float32 eigh's at N =
 _EVALS_TOL = 1e-4  # |u_iᵀGu_i − λ_i| refused beyond this fraction of λ_1 (a float32 eigh's: ~10⁻⁷)
 
 
+def _asymmetry(G: Any) -> float:
+    """‖G − Gᵀ‖_F / 2 of a dense G (NumPy or torch; 0 for an operator), a row block at a time in float64: the
+    exact route reduces one triangle, a symmetric matrix within that of (G + Gᵀ)/2 in the 2-norm (Weyl),
+    and the products apply G as stored — a G asymmetric by 4·10⁻¹⁰ of max|G| (within the 1.5·10⁻⁸ the
+    symmetry check allows) put 8 of 300 eigh eigenvalues outside their brackets (an audit)."""
+    import torch
+
+    T = torch.from_numpy(G) if isinstance(G, np.ndarray) else G
+    if not (isinstance(T, torch.Tensor) and T.ndim == 2 and T.shape[0] == T.shape[1] and T.is_floating_point()):
+        return 0.0
+    T, n, acc = T.detach(), int(T.shape[0]), 0.0
+    rows = max(1, (1 << 22) // max(n, 1))  # 32 MB of float64 a block
+    for s in range(0, n, rows):
+        d = T[s : s + rows].double() - T[:, s : s + rows].T.double()
+        acc += float((d * d).sum())
+    return math.sqrt(acc) / 2
+
+
 def _rounding_floor(
-    G: Any, A: Any, lam: np.ndarray, N: int, probes: list[_Rule], ritz: list[np.ndarray], leak: float = 0.0
+    G: Any,
+    A: Any,
+    lam: np.ndarray,
+    N: int,
+    probes: list[_Rule],
+    ritz: list[np.ndarray],
+    leak: float = 0.0,
+    asym: float = 0.0,
 ) -> _Floor:
     """:class:`_Floor` of this G: the smallest Ritz value of the deflated operator (an upper bound of its
     smallest eigenvalue; negative when the stored G is indefinite by rounding), minus ``4·eps_G·‖G‖_F``
@@ -592,8 +618,8 @@ def _rounding_floor(
     low_ritz = min([0.0] + [float(np.min(r)) for r in ritz if r.size])
     # a float32 G's exact route reduces it in float32: its eigenvalues carry that rounding too (the
     # top one 0.6·eps₃₂·λ_1 and the null space's ±1.2·eps₃₂·λ_1 off a float64 eigh's at N = 2,000)
-    rotation = delta
-    delta = max(delta, 4.0 * eps_g * fro)
+    rotation = delta + asym  # ``asym``: a dense G's own ‖G − Gᵀ‖_F / 2 (:func:`_asymmetry`)
+    delta = max(delta, 4.0 * eps_g * fro) + asym
     return _Floor(delta, low_ritz - 4.0 * eps_g * fro - delta, rotation, leak, eps_g)
 
 
