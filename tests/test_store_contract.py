@@ -241,7 +241,7 @@ class StoreContract:
         w = _run(store)
         with store.lease([RID], ttl=30.0) as lease:
             assert store.lease_info(RID).token == lease.token and store.creation_live(RID)
-            with pytest.raises(LeaseHeld, match=f"run '{RID}' .* is being written by another process") as e:
+            with pytest.raises(LeaseHeld, match=f"run '{RID}' .* is being written by this same process") as e:
                 SpectrumStore(run_url).lease([RID], ttl=30.0).acquire()
             assert "(--wait; for a job, nsa submit --wait-for-writers)" in str(e.value), e.value  # audit Q
             w.set_status(Status.RUNNING)
@@ -308,7 +308,7 @@ class StoreContract:
         damage = verify_store(store)
         assert [(d.array, d.index) for d in damage] == [("loss", 1)]
         with store.lease([RID], ttl=30.0) as lease:
-            with pytest.raises(LeaseHeld, match="being written by another process"):
+            with pytest.raises(LeaseHeld, match="being written by this same process"):
                 mark_damaged(SpectrumStore(run_url), damage)
             assert store.reader(RID).done.tolist()[:2] == [True, True], "a refused repair changed the run"
             w = store.reopen(RID, token=lease.token)

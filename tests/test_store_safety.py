@@ -364,7 +364,7 @@ def test_damaged_chunks_are_named_found_by_verify_and_recomputed(tmp_path, capsy
     with SpectrumStore(b).lease([rid]):  # a live writer holds the run: the repair goes through a writer, so waits
         assert nsa(["verify", b, "--mark"]) == 2
     err = capsys.readouterr().err
-    assert "being written by another process" in err and len(err.strip().splitlines()) == 1, err
+    assert "being written by this same process" in err and len(err.strip().splitlines()) == 1, err
     assert Client(b).run(rid).steps.tolist() == [0, 10, 20, 29], "a refused repair changed the run"
     assert nsa(["verify", b, "--mark"]) == 0
     assert "step indices [1, 2] marked not done" in capsys.readouterr().out

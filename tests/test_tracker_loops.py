@@ -120,3 +120,17 @@ def test_a_non_persistent_buffer_the_loop_moves_is_followed(tmp_path) -> None:  
     torch.manual_seed(0)
     _, run = _annealed_run(str(tmp_path / "s.zarr"), _EmaScaled(), lambda m, t: m.scale.fill_(1.0 + 0.5 * t))
     assert run.status == "done" and np.asarray(run.g["done"][:]).all(), (run.status, run.reason)
+
+
+def test_a_second_tracker_on_a_run_of_this_process_says_so(tmp_path) -> None:  # noqa: ANN001
+    """The lease refusal named "another process" with this process's own pid (an audit)."""
+    from nsa_dist.store.lease import LeaseHeld
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    X, y = torch.randn(10, 3), torch.randn(10, 1)
+    kw = dict(steps=2, record={"every": 1}, spectrum={"k": 2})
+    url = str(tmp_path / "s.zarr")
+    with Tracker(url, "r", model, X, y, **kw):
+        with pytest.raises(LeaseHeld, match=r"by this same process .* close that one first"):
+            Tracker(url, "r", model, X, y, **kw)

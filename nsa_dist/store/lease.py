@@ -376,8 +376,16 @@ class Lease:
         if other is None:
             return LeaseHeld(f"run {rid!r} in {self.keys.url!r}: its lease vanished while taking it; retry")
         waited = bool(self.wait)  # None (for ever) never gets here
+        # a holder in this very process was called "another process" with this process's pid (an audit)
+        ours = other.host == self.host and other.pid == self.pid
+        who = (
+            f"this same process (pid {self.pid}, since {_iso(other.since)}: another Tracker, run or store object of "
+            "it holds the run — close that one first, tracker.close() or leave its `with` block"
+            if ours
+            else f"another process ({other.who()}"
+        )
         return LeaseHeld(
-            f"run {rid!r} in {self.keys.url!r} is being written by another process ({other.who()}; "
+            f"run {rid!r} in {self.keys.url!r} is being written by {who}; "
             f"last heartbeat {time.time() - other.heartbeat:.1f} s ago): refusing to write it twice — "
             + (
                 f"the wait of {self.wait:g} s ran out; wait longer (--wait SECONDS, or --wait alone: until it ends; "
