@@ -45,3 +45,35 @@ def test_copies_of_a_repeated_top_eigenvalue_just_above_another_cluster_are_foun
     P = Q[:, :40]  # the top eigenspace: every returned vector lies in it
     outside = np.linalg.norm(got.evecs - P @ (P.T @ got.evecs), axis=0).max()
     assert outside < 1e-3, f"returned vectors lie {outside:.2f} outside the 40-fold top eigenspace: {got.evals[-3:]}"
+
+
+@pytest.mark.parametrize(
+    ("method", "scale"),
+    [("lanczos", 1e155), ("lanczos", 1e-162), ("lanczos", 1e-300), ("arpack", 1e-17), ("arpack", 1e-100)],
+)
+@pytest.mark.parametrize("as_operator", [False, True])
+def test_a_gram_at_any_float64_scale_gets_its_own_top(method: str, scale: float, as_operator: bool) -> None:
+    """Column norms square G's entries: at λ_1 ~ 10¹⁵⁵ they overflowed (inf residuals, λ/λ_1 0.21 for 1)
+    and at ~10⁻¹⁶² underflowed (zero residuals: λ/λ_1 0.14 for 1, "converged"); ARPACK's residuals
+    missed tol below λ_1 ~ 10⁻¹⁷ (audit E)."""
+    rng = np.random.default_rng(2)
+    J = rng.standard_normal((200, 20))
+    G0 = J @ J.T
+    G0 /= np.linalg.eigvalsh(G0)[-1]
+    w = np.linalg.eigvalsh(G0)[::-1][:5]
+    G = scale * G0
+    arg = G
+    if as_operator:
+        from scipy.sparse.linalg import aslinearoperator
+
+        arg = aslinearoperator(G)
+    got = top_eigenpairs(arg, 5, method, seed=1)
+    lam = got.evals / scale
+    assert got.converged
+    assert np.abs(lam - w).max() < 1e-9, f"λ/scale {lam} against eigh's {w}"
+    res = np.linalg.norm(G0 @ got.evecs - got.evecs * lam, axis=0).max()
+    assert res < 1e-8, f"‖G v − λ v‖/λ_1 {res:.2g}"
+    if got.max_residual is not None:
+        assert got.max_residual / scale == pytest.approx(res, rel=0.5, abs=1e-12), (
+            f"reported residual {got.max_residual / scale:.3g} of λ_1, measured {res:.3g}"
+        )

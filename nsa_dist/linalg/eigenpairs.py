@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from dataclasses import dataclass
@@ -121,13 +122,15 @@ def top_eigenpairs(
     if method is EigMethod.DENSE:
         evals, evecs = _dense_top(A, k)
         return Eigenpairs(evals, _fix_signs(evecs), method, A.ops.name, A.n_matvec)
+    scale = _Rescale.install(A)
     if method is EigMethod.ARPACK:
         evals, evecs = _arpack_top(A, k, tol, max_iter, seed)
         above = _arpack_missed(A, evals, evecs, tol, seed)
         if above is None:
-            return Eigenpairs(evals, _fix_signs(evecs), method, "numpy", A.n_matvec)
+            return Eigenpairs(scale.back(evals), _fix_signs(evecs), method, "numpy", A.n_matvec)
         warnings.warn(
-            f"ARPACK (single-vector eigsh) missed an eigenvalue: {above:.6g} lies above its k-th {evals[-1]:.6g} "
+            f"ARPACK (single-vector eigsh) missed an eigenvalue: {scale.back(above):.6g} lies above its k-th "
+            f"{scale.back(evals[-1]):.6g} "
             "(a repeated eigenvalue); falling back to block Lanczos",
             RuntimeWarning,
             stacklevel=2,
@@ -166,15 +169,47 @@ def top_eigenpairs(
         )
     res, products = _recover_missed(A, k, res, products, b, tol, max_iter, seed, warm=start is not None)
     return Eigenpairs(
-        res.evals,
+        scale.back(res.evals),
         _fix_signs(A.ops.to_numpy(res.evecs), owned=True),
         method,
         A.ops.name,
         A.n_matvec,
-        float(res.residuals.max()),
+        scale.back(float(res.residuals.max())),
         res.converged,
         products=products,
     )
+
+
+class _Rescale:
+    """The solvers' G as ``G·2⁻ᵉ``, e fixed by the first product's largest entry where that lies outside
+    [2⁻³², 2³²]: column norms square G's entries, so a G of λ_1 ≳ 10¹⁵⁵ overflowed them (inf residuals)
+    and one of λ_1 ≲ 10⁻¹⁶² underflowed them (zero residuals, wrong eigenvalues reported converged, an
+    audit), and ARPACK's tolerance has an absolute floor (its residuals missed tol at λ_1 ≲ 10⁻¹⁷).  A power
+    of two scales exactly, so within the range nothing changes and outside it the solve is the one at
+    λ_1 ~ 1; :meth:`back` returns eigenvalues and residuals to G's scale.  Only products through
+    ``A.matmat`` are scaled: a float32 G's deflated route reads its source (float32's range needs none)."""
+
+    _SAFE = 32
+
+    def __init__(self, product: Any) -> None:
+        self.product, self.e = product, None
+
+    @classmethod
+    def install(cls, A: SymmetricMap) -> _Rescale:
+        scale = cls(A.product() if A.source is None or str(A.source.dtype) in ("float64", "torch.float64") else None)
+        if scale.product is not None:
+            A.apply = scale
+        return scale
+
+    def __call__(self, X: Any) -> Any:
+        W = self.product(X)
+        if self.e is None:
+            m = float(abs(W).max()) if W.shape[0] * W.shape[1] else 0.0
+            self.e = math.frexp(m)[1] if math.isfinite(m) and m > 0 and abs(math.frexp(m)[1]) > self._SAFE else 0
+        return W if self.e == 0 else W * math.ldexp(1.0, -self.e)
+
+    def back(self, x: Any) -> Any:
+        return x if not self.e else x * math.ldexp(1.0, self.e)
 
 
 _MISSED_TRIES = 3  # Lanczos reruns with a wider block when copies of a repeated eigenvalue were missed
