@@ -244,3 +244,40 @@ def test_tuple_output_models_take_output_everywhere_the_error_advises_it():
     np.testing.assert_allclose(gauss_newton_eigenvalues(m, X, Y, output=0), gauss_newton_eigenvalues(plain, X, Y))
     r, s = numerical_ranks(m, X, Y, output=0), numerical_ranks(plain, X, Y)
     assert (r.I, r.S, r.H, r.bound_I) == (s.I, s.S, s.H, s.bound_I)
+
+
+class _Expanded(nn.Module):
+    """A Linear whose weight is an ``expand``-ed Parameter (stride 0 along its rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(5, 4).double()
+        self.l.weight = nn.Parameter(torch.randn(1, 5, dtype=torch.float64).expand(4, 5))
+        self.o = nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.l(x)))
+
+
+def test_hessian_of_a_stride_zero_parameter_matches_double_backward():
+    """Forward mode's dual of a stride-0 Parameter failed with torch's raw "more than one element of
+    the written-to tensor" (audit L): its entries are coordinates of their own, as autograd has them."""
+    from torch.func import functional_call
+
+    from nsa_dist.hessian import hessian_parts
+
+    torch.manual_seed(0)
+    model, X, Y = _Expanded(), torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    H, I, S = hessian_parts(model, X, Y)
+    names = [n for n, _ in model.named_parameters()]
+    vals = tuple(p.detach().contiguous().clone() for p in model.parameters())
+
+    def loss(*flat: torch.Tensor) -> torch.Tensor:
+        return 0.5 * ((functional_call(model, dict(zip(names, flat)), (X,)) - Y) ** 2).sum(1).mean()
+
+    blocks = torch.autograd.functional.hessian(loss, vals)
+    rows = [[blocks[i][j].reshape(a.numel(), b.numel()) for j, b in enumerate(vals)] for i, a in enumerate(vals)]
+    ref = torch.cat([torch.cat(row, 1) for row in rows]).numpy()
+    got = np.asarray(H.to_dense())
+    assert np.abs(got - ref).max() < 1e-12 * np.abs(ref).max(), f"H off by {np.abs(got - ref).max():.3g}"
+    assert np.abs(np.asarray(I.to_dense()) + np.asarray(S.to_dense()) - got).max() < 1e-12

@@ -221,7 +221,7 @@ class LossCurvatureOperator(LinearOperator):
         parameters, the frozen ones and the buffers (a max_norm embedding's weight copied: its forwards
         renormalise it in place)."""
         model = self.model
-        self._params = renorm_copies(model, {k: p.detach() for k, p in trainable_params(model).items()})
+        self._params = renorm_copies(model, {k: _own_memory(p.detach()) for k, p in trainable_params(model).items()})
         self._rest = renorm_copies(model, {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad})
         self._buffers = dict(model.named_buffers())
 
@@ -651,3 +651,13 @@ def autograd_conventions() -> Iterator[None]:
       and kinks in every mode (:func:`~nsa_dist.ntk.state.ties_as_backward`)."""
     with _WeightNormComposite(), padding_rows_constant(), data_as_constant(), ties_as_backward():
         yield
+
+
+def _own_memory(p: torch.Tensor) -> torch.Tensor:
+    """``p``, or a contiguous copy where entries share memory (an ``expand``-ed Parameter, stride 0):
+    forward mode's dual tensors take the primal's strides, and a tangent written into one memory
+    location from several entries is refused by torch (the Hessian's products failed on such a model,
+    an audit; its entries are coordinates of their own, as autograd's gradient of it has them)."""
+    if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+        return p.contiguous()
+    return p
