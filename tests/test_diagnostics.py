@@ -223,3 +223,80 @@ def test_store_strings_are_never_rich_markup_in_the_cli(tmp_path, capsys) -> Non
     assert main(["show", out.run_id, "--store", url]) == 0
     shown = capsys.readouterr().out
     assert reason in shown.replace("\n", "") and "ValueError: [/oops]" in shown, shown
+
+
+def _unexplained_nans(run) -> dict[int, list[str]]:
+    """{step: [arrays the step writes (the store's own step_specs) that are NaN in every entry, no note]}."""
+    from nsa_dist.store.schema import step_specs
+
+    hess = run.array("hessian_steps")[run.finished] if run.has("hessian_steps") else np.zeros(len(run.steps), bool)
+    out: dict[int, list[str]] = {}
+    for i, t in enumerate(run.steps.tolist()):
+        specs = step_specs(run.dims, eigenvectors=run.stores_eigenvectors(t), hessian=bool(hess[i]), first=i == 0)
+        for name in sorted(set(specs) - {"step_notes"}):
+            row = np.asarray(run.per_step(name)[i])
+            if row.dtype.kind in "fc" and row.size and np.isnan(row).all() and name not in run.notes.get(int(t), {}):
+                out.setdefault(int(t), []).append(name)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "over", "status"),
+    [
+        # a one-vs-rest class with no point among the N: y constant, the centred alignment 0/0
+        (
+            "ovr_empty",
+            {
+                "data": {"name": "digits", "n": 6, "n_test": 4, "target": "one_vs_rest", "positive_class": 9},
+                "spectrum": {"k": "all", "test_points": True},
+                "steps": 3,
+                "record": {"every": 1},
+            },
+            "done",
+        ),
+        # an NCE update whose Δθ is finite and whose outputs overflow: df and its comparisons NaN
+        (
+            "nce_div",
+            {
+                "loss": "nce",
+                "data": {"name": "gaussian_mixture", "dim": 2, "n": 40, "noise": "gaussian", "noise_ratio": 1},
+                "model": {"depth": 3, "width": 16},
+                "schedule": {"lr": 1000.0},
+                "steps": 8,
+                "record": {"every": 1},
+                "spectrum": {"k": 10},
+            },
+            "failed",
+        ),
+        # a learning rate decayed to nothing: Δf_t = 0 exactly, E(Δf, k) and the first order 0/0
+        (
+            "lr_gone",
+            {
+                "data": {"n": 24},
+                "schedule": {"lr": 0.25, "decay": 1e-200, "every": 1},
+                "steps": 4,
+                "record": {"every": 1},
+                "spectrum": {"k": 6},
+            },
+            "done",
+        ),
+    ],
+)
+def test_every_nan_a_finished_step_stores_has_its_reason(tmp_path, name, over, status) -> None:
+    """Audit N: these stored NaN with an empty step note (the README: a NaN always comes with its reason)."""
+    base = {"name": name, "model": {"depth": 2, "width": 8}, "optimizer": {"name": "gd"}, "schedule": {"lr": 0.1}}
+    spec = ExperimentSpec.model_validate({**base, **over})
+    url = str(tmp_path / "s.zarr")
+    out = run_experiment(spec, SpectrumStore(url))
+    assert out.status == status, out
+    run = Client(url).run(out.run_id)
+    assert len(run.steps) >= 1
+    missing = _unexplained_nans(run)
+    assert missing == {}, f"NaN without a note: {missing}"
+    if name == "ovr_empty":
+        assert "constant" in run.notes[0]["alignment_centered"]
+    elif name == "lr_gone":
+        assert "is 0 at every point" in run.notes[2]["first_order_error"], run.notes
+    else:
+        last = run.notes[int(run.steps[-1])]
+        assert "not finite" in last["df"] and np.isfinite(run.per_step("df_pred")[-1]).all()

@@ -478,3 +478,20 @@ def test_energies_never_pass_one_where_the_sums_rounding_would() -> None:
             assert np.max(E) <= 1.0, f"seed {seed}: E passes 1 by {np.max(E) - 1:.3g}"
             assert E[-1] == pytest.approx(1.0, abs=1e-14)
     assert passed, "no seed whose plain sum passes 1: the test no longer exercises the rounding"
+
+
+@pytest.mark.parametrize("scale", [1e-201, 1e-310, 1e160])
+def test_the_energy_of_a_vanishing_or_huge_phi_is_its_direction_s(scale):
+    """E is scale-free: ‖φ‖² of a φ ~ 10⁻²⁰¹ (a learning rate decayed to nothing: df̄_t) underflowed and
+    E was stored NaN; ~10¹⁶⁰ overflowed (an audit)."""
+    from nsa_dist.metrics.energy import energy_from_projections
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((30, 30))
+    V = np.linalg.eigh(A @ A.T)[1][:, ::-1][:, :5]
+    phi = rng.standard_normal(30)
+    ref = relative_energy(V, phi)
+    for got in (relative_energy(V, phi * scale), energy_from_projections(V.T @ (phi * scale), phi * scale)):
+        assert np.abs(got - ref).max() < 1e-12, f"E of φ·{scale:g}: {got} against {ref}"
+    both = np.column_stack([phi, phi * scale])  # one column each: each its own
+    np.testing.assert_allclose(relative_energy(V, both), np.stack([ref, ref]), atol=1e-12)

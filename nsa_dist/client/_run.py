@@ -369,6 +369,12 @@ class Run(RunArrays):
         """
         from nsa_dist.losses import residual
 
+        if str(getattr(self.spec.loss, "value", self.spec.loss)) == "nce":
+            raise ValueError(
+                f"run {self.id!r} is an NCE run: its residual m_t = σ(f_t − log(ν q)) − c needs each point's label c "
+                "(data or noise) and the noise log-density log(ν q), which the store does not keep — its energies "
+                "E_t(m, k) and projections are stored (energy('residual', k), per_step('projections_residual'))"
+            )
         return residual(self.spec.loss, self.outputs(step), self.y)
 
     # ------------------------------------------------------------------ GD's stability

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import numpy as np
@@ -95,6 +96,7 @@ def relative_energy(
         bad = ~np.isfinite(raw).all(axis=0) if raw.ndim == 2 else True  # () | (M,): the columns with NaN/inf
     if k is not None:
         k = count("k", k, 1, V.shape[1])
+    phi = _unit_scale(phi, per_column=not pooled)  # squares neither underflow nor overflow
     P2 = _projections2(V, phi)  # (K,) | (M, K)
     norm2 = np.sum(np.square(phi.astype(np.float64)), axis=0)  # () | (M,)
     if pooled:
@@ -112,6 +114,19 @@ def relative_energy(
     return float(out) if out.ndim == 0 else out
 
 
+def _unit_scale(phi: np.ndarray, per_column: bool) -> np.ndarray:
+    """``phi`` times a power of two per column (or one for all) that brings its largest |entry| into
+    [½, 1): E is scale-free, and the squares of a φ ~ 10⁻²⁰¹ (a vanishing update) underflowed to 0/0,
+    those of a φ ~ 10¹⁶⁰ overflowed.  Exact (no rounding), zero and non-finite columns left as they are."""
+    if phi.dtype.kind not in "fc" or phi.size == 0:
+        return phi
+    top = np.abs(phi).max(axis=0) if per_column else np.abs(phi).max()
+    e = np.frexp(np.where(np.isfinite(top) & (top > 0), top, 1.0))[1]
+    if not np.any(e):
+        return phi
+    return np.ldexp(phi, -np.asarray(e, dtype=np.int32)).astype(phi.dtype, copy=False)
+
+
 def _zeroed(phi: Any) -> np.ndarray:
     """``phi`` with its NaN/inf entries replaced by 0 (the caller then returns NaN)."""
     arr = np.asarray(phi.detach().cpu().numpy() if hasattr(phi, "detach") else phi)
@@ -126,8 +141,12 @@ def energy_from_projections(P: np.ndarray, phi: np.ndarray) -> np.ndarray:
     summed in float64 whatever its dtype."""
     P = np.asarray(P.detach().cpu().numpy() if hasattr(P, "detach") else P, dtype=np.float64)
     P = P.reshape(P.shape[0], -1)  # (K, C)
-    phi = phi.detach().cpu().numpy() if hasattr(phi, "detach") else phi
-    norm2 = float(np.sum(np.asarray(phi, dtype=np.float64) ** 2))
+    phi = np.asarray(phi.detach().cpu().numpy() if hasattr(phi, "detach") else phi, dtype=np.float64)
+    top = float(np.abs(phi).max()) if phi.size else 0.0
+    if 0.0 < top < np.inf:  # P and φ scaled alike by a power of two: ‖φ‖² of a φ ~ 10⁻²⁰¹ underflowed to 0/0
+        e = -math.frexp(top)[1]
+        P, phi = np.ldexp(P, e), np.ldexp(phi, e)
+    norm2 = float(np.sum(phi**2))
     if norm2 == 0.0 or not np.isfinite(norm2):
         return np.full(P.shape[0], np.nan)
     return np.minimum(np.cumsum(np.sum(P**2, axis=1)) / norm2, 1.0)  # (K,)

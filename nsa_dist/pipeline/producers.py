@@ -226,6 +226,14 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
             f"after record({ck.step}) (the loop ended, was interrupted, or went on from another step), or the "
             "update diverged — Δf_t and what is made of Δθ_t are NaN",
         )
+    elif not np.isfinite(ck.df).all():  # Δθ finite, f(θ_{t+1}) not: the update overflowed the outputs
+        bad = int(np.size(ck.df) - np.isfinite(ck.df).sum())
+        notes.note(
+            [n for n in ("df", "energy_df", "first_order_error", "first_order_cos") if run.plan.has(n)],
+            f"f(θ_{{t+1}}) after step {ck.step}'s update is not finite at {bad} of {np.size(ck.df)} outputs (the "
+            "update diverged: its Δθ_t is finite, the outputs it leads to overflow) — Δf_t and what is compared "
+            "with it are NaN; df̄_t = J_t Δθ_t is kept",
+        )
     if not np.isfinite(ck.lr) and np.isfinite(ck.dtheta).all() and run.plan.has("lr"):
         notes.note(  # the Tracker's log said it once; the store says it at every such step
             ["lr"],
@@ -249,10 +257,36 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
             lambda d: _jvp_outputs(run, d),
         )
         phis = {"y": run.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
+    _zero_phis(run, ck, phis, notes)
     with run.cost.timed("eigenpairs"):
         given = {k: v for k, v in phis.items() if v is not None}
         sp = run._spectrum(G, run.plan.K, "train", given, run.plan.needs_eigenvectors(ck.index))
     return StepContext(run, ck, G, notes, residual, GP, C, phis, sp)
+
+
+_ZERO_WHY = {
+    "df": "the update changed no output (a zero learning rate, or no parameter moved)",
+    "df_pred": "J_t Δθ_t is 0 (Δθ_t = 0: a zero learning rate, or no parameter moved)",
+    "residual": "the loss's gradient in f is 0 (the outputs fit the targets exactly)",
+    "f": "the network's outputs are 0 (e.g. a zero-initialised last layer)",
+    "y": "the target is 0",
+}
+
+
+def _zero_phis(run: SpectralAnalyzer, ck: Checkpoint, phis: dict[str, Any], notes: StepNotes) -> None:
+    """Note each φ that is 0 at every point: E(φ, k) = ‖V_kᵀφ‖²/‖φ‖² is 0/0 there (and, for Δf_t, the
+    first order's relative error and cos α) — they were stored NaN with no reason (an audit)."""
+    for name, phi in phis.items():
+        if phi is None or not np.isfinite(phi).all() or np.any(phi):
+            continue
+        names = [f"energy_{name}", f"curve_energy_{name}", f"curve_energy_{name}_lower", f"curve_energy_{name}_upper"]
+        names += {"df": ["first_order_error", "first_order_cos"], "df_pred": ["first_order_cos"]}.get(name, [])
+        also = {"df": " and the first order's relative error and cos α", "df_pred": " and the first order's cos α"}
+        notes.note(
+            [n for n in names if run.plan.has(n)],
+            f"φ = {name} is 0 at every point at step {ck.step}: {_ZERO_WHY[name]} — E({name}, k) is 0/0"
+            + (f"{also[name]} are undefined" if name in also else ""),
+        )
 
 
 def gram_spectrum(ctx: StepContext) -> dict[str, Any]:
@@ -311,9 +345,17 @@ def kernel_alignment(ctx: StepContext) -> dict[str, Any]:
         GYp = np.asarray(GY, np.float64).reshape(Y.shape) - np.asarray(G1, np.float64).reshape(-1, 1) * ybar
         yp = Y - ybar
     return {
-        "alignment": ctx.notes.guard(("alignment",), alignment_from_products, yp, GYp, fro2),
+        "alignment": ctx.notes.guard(("alignment",), _plain_alignment, yp, GYp, fro2, is_nce(ctx.run.spec)),
         "alignment_centered": ctx.notes.guard(("alignment_centered",), _centered_alignment, ctx, GY, G1, fro2, fro2_se),
     }
+
+
+def _plain_alignment(y: np.ndarray, GY: np.ndarray, fro2: float, centred: bool) -> float:
+    """The plain alignment; ``centred``: NCE's y is the log-density centred over the points, 0 where
+    that density is one value at every point."""
+    if centred and not np.any(y):
+        raise ValueError("the target log-density is one value at every point (the centred y is 0): alignment 0/0")
+    return alignment_from_products(y, GY, fro2)
 
 
 def _centered_alignment(ctx: StepContext, GY: np.ndarray, G1: np.ndarray, fro2: float, fro2_se: float) -> float:
@@ -334,7 +376,19 @@ def _centered_alignment(ctx: StepContext, GY: np.ndarray, G1: np.ndarray, fro2: 
             f"(‖HGH‖_F² = {hgh2:.3g}{f' ± {hgh2_se:.2g}' if hgh2_se else ''} against ‖G‖_F² = {fro2:.3g}: G is "
             "a constant kernel c·11ᵀ to that precision, e.g. every unit dead), so the centred alignment is 0/0"
         )
+    _not_constant(ctx.run.y)
     return alignment_from_products(ctx.run.y, GY, hgh2, centered=True, G1=G1)
+
+
+def _not_constant(y: np.ndarray) -> None:
+    """Raise where the target is one value at every point: y − ȳ = 0, and the centred alignment is 0/0
+    (a one-vs-rest class with no point among the N: NaN was stored with no reason, an audit)."""
+    Y = np.asarray(y, np.float64).reshape(len(y), -1)
+    if not np.any(Y - Y.mean(axis=0)):
+        raise ValueError(
+            f"the target y is constant over the {len(Y)} points ({np.unique(Y)[:3].tolist()}: y − ȳ = 0), so the "
+            "centred alignment is 0/0 — e.g. a one-vs-rest class with no point among them"
+        )
 
 
 _CENTERED_FLOOR = 1e-8  # ‖HGH‖_F² below this part of ‖G‖_F² is the cancellation's rounding, not HGH
@@ -564,14 +618,27 @@ def part_names(run: SpectralAnalyzer, ck: Checkpoint, part: type) -> tuple[str, 
 
 
 def with_notes(run: SpectralAnalyzer, result: StepResult, ck: Checkpoint, notes: StepNotes) -> StepResult:
-    """``result`` with every noted array that this step writes as NaN, and ``step_notes``."""
-    if not notes.reasons:
-        return dataclasses.replace(result, gram=dataclasses.replace(result.gram, step_notes=""))
+    """``result`` with every noted array that this step writes as NaN, and ``step_notes`` — where an
+    array came out NaN in every entry with no diagnostic's reason (a 0/0 or an overflow inside it that
+    raised nothing), that is said too: no NaN is stored unexplained."""
     expected = expected_arrays(run, ck)
     arrays = result.arrays()
+    unexplained = sorted(n for n in expected - set(notes.reasons) if _all_nan(arrays.get(n)))
+    if unexplained:
+        notes.note(unexplained, "computed as NaN in every entry with no reason raised (a 0/0 or an overflow inside it)")
+    if not notes.reasons:
+        return dataclasses.replace(result, gram=dataclasses.replace(result.gram, step_notes=""))
     arrays.update({n: not_computed(n, run.plan.dims) for n in notes.reasons if n in expected})
     arrays["step_notes"] = notes.json()
     return StepResult.from_arrays(arrays)
+
+
+def _all_nan(v: Any) -> bool:
+    """Whether ``v`` is a non-empty float array (or float) that is NaN in every entry."""
+    if v is None or isinstance(v, (str, bytes)):
+        return False
+    a = np.asarray(v)
+    return a.dtype.kind in "fc" and a.size > 0 and bool(np.isnan(a).all())
 
 
 def _exact_curves(
