@@ -171,6 +171,44 @@ def test_hessian_spec_errors():
 # --------------------------------------------------------------------------- issue 10: theory beside measurement
 
 
+def test_the_limits_hold_along_training_only_where_the_ntk_stays_at_its_limit():
+    """Audit S: an Adam run stored the I and S limits after initialisation (the NTK change grows with width
+    under Adam), and GD past the limiting kernel's stability bound (a catapult) an E[Tr S_t] of −1.5·10¹⁹."""
+    from nsa_dist.data import load_dataset
+    from nsa_dist.ntk import limit_ntk
+    from nsa_dist.pipeline import plan_run
+    from nsa_dist.pipeline.hessian_step import HessianAnalysis
+
+    X = torch.randn(6, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = np.zeros(6)
+    model = {"depth": 2, "width": 4, "init": "ntk", "activation": "tanh"}
+    lam = float(np.linalg.eigvalsh(limit_ntk(X, depth=2, activation="tanh").numpy())[-1])
+    bound = 2 * 6 / lam  # lr·λ_max(Θ̃∞)/N = 2 for the L2 loss
+
+    def analysis(**over) -> HessianAnalysis:
+        es = ExperimentSpec(**{**SPEC, "model": model, **over})
+        return HessianAnalysis(plan_run(es, load_dataset(es.data)), X, y)
+
+    adam = analysis(optimizer={"name": "adam"})
+    assert adam.trained_reason(0) is None and "optimizer='adam'" in adam.trained_reason(3)
+    for lr, momentum, holds in ((0.9 * bound, 0.0, True), (1.1 * bound, 0.0, False), (1.1 * bound, 0.5, True)):
+        h = analysis(optimizer={"name": "gd", "momentum": momentum}, schedule={"lr": lr})
+        why = h.trained_reason(3)
+        assert (why is None) == holds and h.trained_reason(0) is None, (lr / bound, momentum, why)
+        if not holds:
+            assert "stability bound" in why and "= 2.2 ≥ 2" in why, why
+
+
+def test_an_adam_run_stores_its_limits_at_initialisation_only(tmp_path):
+    model = {"depth": 2, "width": 6, "init": "ntk", "activation": "tanh"}
+    run, _ = _run(tmp_path, **{**SPEC, "model": model, "optimizer": {"name": "adam"}, "schedule": {"lr": 1e-3},
+                               "hessian": {**SPEC["hessian"], "every": 1, "probes": 4}})  # fmt: skip
+    lim = run.hessian.I_eigenvalues(limit=True)
+    assert np.isfinite(lim[0]).all() and np.isnan(lim[1:]).all(), lim
+    later = run.notes[int(run.hessian.steps[1])]
+    assert "optimizer='adam'" in later["hessian_I_limit_eigenvalues"] and "hessian_S_limit" in later, later
+
+
 def _dense_loss_parts(model, X, Y, ce: bool):
     """Dense H, I, S and J of the MSE or cross-entropy loss (float64), HC = diag p − ppᵀ for CE."""
     flat, net = flat_model(model)

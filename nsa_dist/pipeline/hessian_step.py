@@ -137,6 +137,37 @@ class HessianAnalysis:
             )
         return self._theta_inf
 
+    def trained_reason(self, step: int | None) -> str | None:
+        """Why the limits, which hold at initialisation, do not hold at training step ``step`` (None: they
+        do): the NTK stays at Θ∞ along training only for gradient descent (plain, momentum, SGD) below the
+        limiting kernel's stability bound — Adam moves every parameter by ~lr whatever the width (its NTK
+        change grew with width in an audit: 0.02–0.07 at width 256, 0.13–0.23 at 2048, GD's fell to 0.005),
+        and a rate past lr·c·λ_max(Θ̃∞)/N = 2(1 + momentum) (c the loss's largest curvature in f: 1 for the
+        L2 loss, ½ cross-entropy, ¼ NCE) throws the net out of the lazy regime (a catapult: the audit's
+        E[Tr S_t] prediction −1.5·10¹⁹ where wide nets converged to 7·10⁻⁴)."""
+        if not step or self.limit_reason is not None:
+            return None
+        opt = self.spec.optimizer
+        if opt.name == "adam":
+            return (
+                "optimizer='adam': Adam's updates do not keep the NTK at its limit Θ∞ along training at any "
+                "width (the limits hold at initialisation, step 0)"
+            )
+        curvature = {LossName.L2: 1.0, LossName.CROSS_ENTROPY: 0.5}.get(self.loss, 0.25)
+        lam = float(torch.linalg.eigvalsh(self.limit_gram())[-1])
+        N = self.X.shape[0]
+        rates = np.array([self.spec.lr_at(s) for s in range(step)])
+        worst = int(np.argmax(rates))
+        x = float(rates[worst]) * curvature * lam / N
+        bound = 2.0 * (1.0 + opt.momentum)
+        if x >= bound:
+            return (
+                f"the learning rate {rates[worst]:.4g} of update {worst} passes the limiting kernel's stability "
+                f"bound (lr·c·λ_max(Θ̃∞)/N = {x:.3g} ≥ {bound:g}, c = {curvature:g} the loss's curvature): the "
+                "network leaves the lazy regime, where Θ∞ holds (the limits hold at initialisation, step 0)"
+            )
+        return None
+
     def s_limit_reason(self) -> str | None:
         """Why the limits of S do not apply (None: they do): those of I, plus a smooth σ."""
         if self.limit_reason is not None:
@@ -267,6 +298,13 @@ class HessianAnalysis:
 
         def moments() -> dict[str, Any]:
             est = [hutchpp_moments(ops[p], h.probes, max_order=4, seed=self.seed) for p in PARTS]
+            if notes is not None and has("hessian_moments_stderr") and np.isnan([m.stderr for m in est]).all():
+                g = h.probes - h.probes // 2
+                notes.note(
+                    ["hessian_moments_stderr"],
+                    f"Hutch++'s standard error needs at least 2 Hutchinson probes beside its sketch: hessian.probes = "
+                    f"{h.probes} leaves {g} (the moments themselves are estimated)",
+                )
             return {
                 "hessian_moments": np.stack([m.estimate for m in est]),  # (3, 4)
                 "hessian_moments_stderr": np.stack([m.stderr for m in est]),
@@ -279,6 +317,13 @@ class HessianAnalysis:
             return {"hessian_moments_I_exact": exact, "hessian_I_eigenvalues": mu}  # (4,), (N·K,)
 
         def limit_I() -> dict[str, Any]:
+            why = self.limit_reason or self.trained_reason(step)
+            if why is not None and notes is not None:
+                names = [n for n in ("hessian_I_limit_moments", "hessian_I_limit_eigenvalues") if has(n)]
+                notes.note(names, f"the infinite-width limit of I does not apply: {why}")
+            if why is not None:
+                nan = np.full(F.shape[0] * F.shape[1], np.nan)
+                return {"hessian_I_limit_moments": np.full(4, np.nan), "hessian_I_limit_eigenvalues": nan}
             mu_inf, limit = self._limit_I(F.cpu())
             return {"hessian_I_limit_moments": limit, "hessian_I_limit_eigenvalues": mu_inf}
 
@@ -325,7 +370,13 @@ class HessianAnalysis:
         part(("hessian_moments", "hessian_moments_stderr"), moments)
         part(("hessian_moments_I_exact", "hessian_I_eigenvalues"), exact_I)
         part(("hessian_I_limit_moments", "hessian_I_limit_eigenvalues"), limit_I)
-        part(("hessian_S_limit",), lambda: {"hessian_S_limit": self._limit_S(F, step)})  # (3,)
+        why_S = self.s_limit_reason() or self.trained_reason(step)
+        if why_S is not None and notes is not None and has("hessian_S_limit"):
+            notes.note(["hessian_S_limit"], f"the infinite-width limits of S do not apply: {why_S}")
+        if why_S is None:
+            part(("hessian_S_limit",), lambda: {"hessian_S_limit": self._limit_S(F, step)})  # (3,)
+        elif has("hessian_S_limit"):
+            out["hessian_S_limit"] = np.full(3, np.nan)
         part(("hessian_additivity",), additivity)
         part(("hessian_G", "hessian_G_stderr", "hessian_trace_S_G"), trace_G)
         part(("hessian_orthogonality",), orthogonal)
