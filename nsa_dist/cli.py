@@ -639,7 +639,7 @@ class _LogProgress:
     def on_step(self, ck, result) -> None:
         print(
             f"[nsa] step {ck.step:>8}/{self.total}  loss {ck.loss:.5g}  λ_max {result.lambda_max:.5g}  "
-            f"E(y,10) {result.energy_y_at(10):.3f}  ({time.perf_counter() - self.t0:.1f} s)",
+            f"E(y,{result.summary_k}) {result.energy_y_at(10):.3f}  ({time.perf_counter() - self.t0:.1f} s)",
             flush=True,
         )
 
@@ -1055,6 +1055,19 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- Ray
+def _base_name_unused(sweep: Any) -> None:
+    """Say that a base's own name names no run (a spec copied into ``base:`` keeps its name; the runs are
+    named ``<sweep name>__<field>-<value>…``: it was dropped without a word, an audit)."""
+    own = sweep.base.get("name")
+    if own is not None and own != sweep.name:
+        print(
+            f"[nsa] sweep {sweep.name}: base.name {own!r} names no run — the runs are named "
+            f"{sweep.name}__<field>-<value>… (the sweep's name)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import SweepCoordinator, connect
     from nsa_dist.cluster.runtime import RAYLET_GRACE, RayletLost, core_worker_console_to_log, raylet_lost
@@ -1062,6 +1075,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     sweep = load_sweep(args.sweep, max_runs=args.max_runs)
     specs = sweep.expand()
+    _base_name_unused(sweep)
     if len(specs) < sweep.size:  # grid values that are one experiment ([8, 8], [8, 8.0]) run once: said
         print(
             f"[nsa] sweep {sweep.name}: {sweep.size} grid points are {len(specs)} distinct experiments; each runs once",

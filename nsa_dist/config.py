@@ -848,7 +848,12 @@ class HessianSpec(_Strict):
     every: int = Field(1, ge=1, description="every n-th recorded step")
     steps: list[int] | None = Field(None, description="or exactly these (recorded) training steps")
     moments: bool = Field(True, description="Tr(A^k), k = 1..4, A in H, I, S (Hutch++) and exact Tr(I^k)")
-    probes: int = Field(16, ge=1, description="random probes of the moment / orthogonality estimates")
+    probes: int = Field(
+        16,
+        ge=1,
+        description="random probes of the moment / orthogonality estimates (≥ 2: the orthogonality estimate "
+        "and every standard error need two; 1 is refused in a new spec)",
+    )
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
     rayleigh_k: int = Field(
         20,
@@ -888,6 +893,15 @@ class HessianSpec(_Strict):
         description="the infinite-width prediction of I (kernel PCA of Θ∞, limit_ntk) beside "
         "the measured I — fully-connected init='ntk' runs in the NTK regime only (NaN otherwise)",
     )
+
+    @model_validator(mode="after")
+    def _two_probes(self, info: ValidationInfo) -> HessianSpec:
+        if self.probes < 2 and not _stored(info):  # a run stored before this check stays readable
+            raise ValueError(
+                f"hessian.probes: {self.probes} — the orthogonality estimate and every standard error need at "
+                "least 2 probes (they were NaN at every step); give 2 or more"
+            )
+        return self
 
     @model_validator(mode="after")
     def _every_or_steps(self, info: ValidationInfo) -> HessianSpec:

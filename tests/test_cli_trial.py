@@ -141,6 +141,8 @@ def test_an_integer_written_with_an_exponent_says_how_to_write_it(tmp_path, caps
         ("spectrum: {per_class_k: 3, images: []}", "spectrum.per_class_k=3: per-class spectra are of K-output"),
         ("spectrum: {gram_change_k: 2, store_eigenvectors: false}", "spectrum.gram_change_k=2 is measured at"),
         ("model:", "model: the `model:` block is empty (YAML read null) — give its fields indented under it, e.g."),
+        # audit D: the orthogonality and every standard error were NaN at every step, the run done
+        ("hessian: {probes: 1}", "hessian.probes: 1 — the orthogonality estimate and every standard error need"),
     ],
 )
 def test_a_setting_the_run_would_not_use_is_refused(tmp_path, capsys, block, says):
@@ -561,3 +563,11 @@ def test_the_job_listing_gives_each_job_one_line() -> None:
     assert "nsa logs JOB" in one
     assert _job_message(tail, whole=True).count("\n") == 40
     assert _job_message("Job finished successfully.", whole=False) == "Job finished successfully."
+
+
+def test_the_progress_line_names_the_k_of_its_energy(tmp_path, capsys):
+    """Audit D: with spectrum.k = 5 the line printed E(y,5)'s value as "E(y,10)"."""
+    spec = _file(tmp_path, TINY + "spectrum: {k: 5, images: []}\nrecord: {every: 2}\n")
+    assert nsa(["run", str(spec), "--store", str(tmp_path / "s.zarr"), "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "E(y,5) " in out and "E(y,10)" not in out, out

@@ -90,6 +90,15 @@ def test_a_sweep_whose_grid_repeats_an_experiment_says_it_runs_once(tmp_path, ca
     assert "absent.png" in err, err
 
 
+def test_a_sweep_says_its_base_name_names_no_run(tmp_path, capsys):
+    """Audit D: base.name (a spec copied under ``base:``) was dropped without a word."""
+    base = {**TINY, "data": {"name": "image2d", "n": 16, "path": str(tmp_path / "absent.png")}}
+    sweep = {"name": "sw", "base": base, "grid": {"seed": [0, 1]}}
+    assert nsa(["sweep", str(_spec(tmp_path, sweep)), "--store", str(tmp_path / "s.zarr")]) == 2
+    err = capsys.readouterr().err
+    assert "[nsa] sweep sw: base.name 'e' names no run — the runs are named sw__<field>-<value>" in err, err
+
+
 def test_a_misspelt_field_in_a_sweep_is_one_line_like_in_a_spec(tmp_path, capsys):
     """A typo in a sweep's grid or base was a raw pydantic dump (``model.fc.widht``, a URL)."""
     sweep = yaml.safe_load((REPO / "examples" / "sweep_tiny.yaml").read_text())

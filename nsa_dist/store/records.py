@@ -250,9 +250,15 @@ class StepResult:
         return float(lam[0])
 
     def energy_y_at(self, k: int) -> float:
-        """E_t(y, k) (k capped at K)."""
+        """E_t(y, k) (k capped at K: :attr:`summary_k` says which k the progress line's E(y, 10) is)."""
         E = self.gram.energy_y
         return float(E[min(k, len(E)) - 1])
+
+    @property
+    def summary_k(self) -> int:
+        """The k of the progress line's E(y, k): 10, or K where the run keeps fewer (E(y, 5) was labelled
+        E(y,10), an audit)."""
+        return min(10, len(self.gram.energy_y))
 
 
 def step_array_specs(D: RunDims) -> list[tuple[str, tuple[int, ...], str, str]]:
