@@ -114,6 +114,7 @@ class HessianAnalysis:
         self.loss = hessian_loss(spec) if self.h else LossName.L2
         self.limit_reason = limit_reason(spec) if self.h and self.h.limit else "hessian.limit is off"
         self._theta_inf: torch.Tensor | None = None  # Θ̃∞ at the training points, computed once per run
+        self._lam_inf: float | None = None  # its largest eigenvalue (trained_reason), once per run
         self._s_kernels: Any = None  # Σ̃, Θ̃∞, Φ̃, Υ̃, Λ̃ (the limits of S), computed once per run
 
     def limit_gram(self) -> torch.Tensor:
@@ -154,15 +155,14 @@ class HessianAnalysis:
                 "width (the limits hold at initialisation, step 0)"
             )
         curvature = {LossName.L2: 1.0, LossName.CROSS_ENTROPY: 0.5}.get(self.loss, 0.25)
-        lam = float(torch.linalg.eigvalsh(self.limit_gram())[-1])
-        N = self.X.shape[0]
-        rates = np.array([self.spec.lr_at(s) for s in range(step)])
-        worst = int(np.argmax(rates))
-        x = float(rates[worst]) * curvature * lam / N
+        if self._lam_inf is None:
+            self._lam_inf = float(torch.linalg.eigvalsh(self.limit_gram())[-1])
+        rate = self.spec.lr_at(0)  # the schedule's largest (decay ≤ 1)
+        x = rate * curvature * self._lam_inf / self.X.shape[0]
         bound = 2.0 * (1.0 + opt.momentum)
         if x >= bound:
             return (
-                f"the learning rate {rates[worst]:.4g} of update {worst} passes the limiting kernel's stability "
+                f"the learning rate {rate:.4g} passes the limiting kernel's stability "
                 f"bound (lr·c·λ_max(Θ̃∞)/N = {x:.3g} ≥ {bound:g}, c = {curvature:g} the loss's curvature): the "
                 "network leaves the lazy regime, where Θ∞ holds (the limits hold at initialisation, step 0)"
             )
