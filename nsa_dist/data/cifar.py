@@ -126,8 +126,8 @@ def batch_files(name: str, path: Location, n_test: int) -> list[Location]:
     """
     layout = {_CIFAR10.name: _CIFAR10, _CIFAR100.name: _CIFAR100}[name]
     d = _directory(path, layout)
-    test = _files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch") if n_test > 0 else []
-    return _files(d, layout.train, layout, "training batches") + test
+    train = _files(d, layout.train, layout, "training batches")  # first: a folder of another set misses these
+    return train + (_files(d, (layout.test,), layout, f"n_test={n_test} needs the test batch") if n_test > 0 else [])
 
 
 def _cifar(
