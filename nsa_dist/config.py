@@ -852,7 +852,7 @@ class HessianSpec(_Strict):
         16,
         ge=1,
         description="random probes of the moment / orthogonality estimates (≥ 2: the orthogonality estimate "
-        "and every standard error need two; 1 is refused in a new spec)",
+        "needs two, 1 is refused in a new spec; ≥ 4 for Hutch++'s standard errors)",
     )
     orthogonality: bool = Field(True, description="‖IS‖_F / (‖I‖_F ‖S‖_F)")
     rayleigh_k: int = Field(
@@ -898,8 +898,8 @@ class HessianSpec(_Strict):
     def _two_probes(self, info: ValidationInfo) -> HessianSpec:
         if self.probes < 2 and not _stored(info):  # a run stored before this check stays readable
             raise ValueError(
-                f"hessian.probes: {self.probes} — the orthogonality estimate and every standard error need at "
-                "least 2 probes (they were NaN at every step); give 2 or more"
+                f"hessian.probes: {self.probes} — the orthogonality estimate needs at least 2 probes (it and every "
+                "standard error were NaN at every step); give 2 or more (4 or more for Hutch++'s standard errors)"
             )
         return self
 

@@ -142,7 +142,7 @@ def test_an_integer_written_with_an_exponent_says_how_to_write_it(tmp_path, caps
         ("spectrum: {gram_change_k: 2, store_eigenvectors: false}", "spectrum.gram_change_k=2 is measured at"),
         ("model:", "model: the `model:` block is empty (YAML read null) — give its fields indented under it, e.g."),
         # audit D: the orthogonality and every standard error were NaN at every step, the run done
-        ("hessian: {probes: 1}", "hessian.probes: 1 — the orthogonality estimate and every standard error need"),
+        ("hessian: {probes: 1}", "hessian.probes: 1 — the orthogonality estimate needs at least 2 probes"),
     ],
 )
 def test_a_setting_the_run_would_not_use_is_refused(tmp_path, capsys, block, says):

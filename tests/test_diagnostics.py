@@ -268,6 +268,12 @@ def _unexplained_nans(run) -> dict[int, list[str]]:
             },
             "failed",
         ),
+        # an update that overflows J_t Δθ_t at some points (a partial inf row of df̄_t, no note: a review)
+        (
+            "huge_lr",
+            {"data": {"n": 24}, "schedule": {"lr": 1e38}, "steps": 3, "record": {"every": 1}, "spectrum": {"k": 6}},
+            "failed",
+        ),
         # a learning rate decayed to nothing: Δf_t = 0 exactly, E(Δf, k) and the first order 0/0
         (
             "lr_gone",
@@ -292,9 +298,16 @@ def test_every_nan_a_finished_step_stores_has_its_reason(tmp_path, name, over, s
     run = Client(url).run(out.run_id)
     assert len(run.steps) >= 1
     missing = _unexplained_nans(run)
+    for i, t in enumerate(run.steps.tolist()):  # and no inf stored as a measurement
+        for array in ("df_pred", "energy_df_pred", "first_order_error", "first_order_cos"):
+            if run.has(array):
+                row = np.asarray(run.per_step(array)[i])
+                assert not np.isinf(row).any(), f"{array} at step {t}: {row}"
     assert missing == {}, f"NaN without a note: {missing}"
     if name == "ovr_empty":
         assert "constant" in run.notes[0]["alignment_centered"]
+    elif name == "huge_lr":
+        assert "not finite" in run.notes[0]["df_pred"], run.notes
     elif name == "lr_gone":
         assert "is 0 at every point" in run.notes[2]["first_order_error"], run.notes
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -122,7 +123,7 @@ def top_eigenpairs(
     if method is EigMethod.DENSE:
         evals, evecs = _dense_top(A, k)
         return Eigenpairs(evals, _fix_signs(evecs), method, A.ops.name, A.n_matvec)
-    scale = _Rescale.install(A)
+    scale = _Rescale.install(A, method is EigMethod.ARPACK)
     if method is EigMethod.ARPACK:
         evals, evecs = _arpack_top(A, k, tol, max_iter, seed)
         above = _arpack_missed(A, evals, evecs, tol, seed)
@@ -167,7 +168,9 @@ def top_eigenpairs(
             block_size=block,
             workspace=workspace,
         )
-    res, products = _recover_missed(A, k, res, products, b, tol, max_iter, seed, warm=start is not None)
+    res, products = _recover_missed(
+        A, k, res, products, b, tol, max_iter, seed, warm=start is not None, back=scale.back
+    )
     return Eigenpairs(
         scale.back(res.evals),
         _fix_signs(A.ops.to_numpy(res.evecs), owned=True),
@@ -195,8 +198,11 @@ class _Rescale:
         self.product, self.e = product, None
 
     @classmethod
-    def install(cls, A: SymmetricMap) -> _Rescale:
-        scale = cls(A.product() if A.source is None or str(A.source.dtype) in ("float64", "torch.float64") else None)
+    def install(cls, A: SymmetricMap, always: bool = False) -> _Rescale:
+        """``always``: ARPACK, whose products all go through ``A.matmat`` (its tolerance floor is absolute: a
+        float32 G at λ_1 ~ 10⁻²⁰ needs the scaling too)."""
+        f64 = A.source is None or str(A.source.dtype) in ("float64", "torch.float64")
+        scale = cls(A.product() if f64 or always else None)
         if scale.product is not None:
             A.apply = scale
         return scale
@@ -205,7 +211,9 @@ class _Rescale:
         W = self.product(X)
         if self.e is None:
             m = float(abs(W).max()) if W.shape[0] * W.shape[1] else 0.0
-            self.e = math.frexp(m)[1] if math.isfinite(m) and m > 0 and abs(math.frexp(m)[1]) > self._SAFE else 0
+            e = math.frexp(m)[1] if math.isfinite(m) and m > 0 else 0
+            # clamped: 2^±1024 is not a float (a subnormal G's e is below −1022)
+            self.e = max(-1000, min(1000, e)) if abs(e) > self._SAFE else 0
         return W if self.e == 0 else W * math.ldexp(1.0, -self.e)
 
     def back(self, x: Any) -> Any:
@@ -279,6 +287,7 @@ def _recover_missed(
     max_iter: int | None,
     seed: int,
     warm: bool = False,
+    back: Callable[[Any], Any] = lambda x: x,
 ) -> tuple[LanczosResult, str]:
     """Lanczos's result, checked for missed copies of a repeated eigenvalue where it returned at
     least a block's worth of equal eigenvalues (:func:`_lanczos_missed`), and for any missed eigenvalue
@@ -314,7 +323,7 @@ def _recover_missed(
             "float64",
         )
     warnings.warn(
-        f"Lanczos missed an eigenvalue: {above:.6g} lies above its k-th {res.evals[-1]:.6g} (copies of a "
+        f"Lanczos missed an eigenvalue: {back(above):.6g} lies above its k-th {back(res.evals[-1]):.6g} (copies of a "
         f"repeated eigenvalue, {cluster} found) after {_MISSED_TRIES} reruns with wider blocks; use method='dense'",
         LanczosConvergenceWarning,
         stacklevel=3,

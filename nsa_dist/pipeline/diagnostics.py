@@ -49,14 +49,16 @@ class StepNotes:
         self.run_id, self.step = run_id, step
         self.reasons: dict[str, str] = {}
 
-    def note(self, names: Iterable[str], reason: str) -> None:
-        """Record that ``names`` are NaN at this step because of ``reason`` (one log line)."""
+    def note(self, names: Iterable[str], reason: str, quiet: bool = False) -> None:
+        """Record that ``names`` are NaN at this step because of ``reason`` (one log line; none with
+        ``quiet``: a reason of the whole run, logged at its first step only)."""
         names = [n for n in names if n not in self.reasons]
         if not names:
             return
         reason = " ".join(str(reason).split())[:500]
         where = f"step {self.step}" if self.step is not None else "after the last step"
-        log.warning("run %s %s: %s not computed (NaN): %s", self.run_id, where, ", ".join(names), reason)
+        if not quiet:
+            log.warning("run %s %s: %s not computed (NaN): %s", self.run_id, where, ", ".join(names), reason)
         self.reasons.update({n: reason for n in names})
 
     def guard(self, names: Iterable[str], fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:

@@ -115,6 +115,7 @@ class HessianAnalysis:
         self.limit_reason = limit_reason(spec) if self.h and self.h.limit else "hessian.limit is off"
         self._theta_inf: torch.Tensor | None = None  # Θ̃∞ at the training points, computed once per run
         self._lam_inf: float | None = None  # its largest eigenvalue (trained_reason), once per run
+        self._said: set[str] = set()  # the run-wide reasons already logged (_note_once)
         self._s_kernels: Any = None  # Σ̃, Θ̃∞, Φ̃, Υ̃, Λ̃ (the limits of S), computed once per run
 
     def limit_gram(self) -> torch.Tensor:
@@ -137,6 +138,12 @@ class HessianAnalysis:
                 bias_scale=m.bias_scale,
             )
         return self._theta_inf
+
+    def _note_once(self, notes: StepNotes, names: list[str], reason: str) -> None:
+        """``notes.note``, logged at the first step it is noted at only (a reason of the whole run, e.g. a
+        Xavier init's: every Hessian step of a default run logged it twice, a review)."""
+        notes.note(names, reason, quiet=reason in self._said)
+        self._said.add(reason)
 
     def trained_reason(self, step: int | None) -> str | None:
         """Why the limits, which hold at initialisation, do not hold at training step ``step`` (None: they
@@ -300,10 +307,11 @@ class HessianAnalysis:
             est = [hutchpp_moments(ops[p], h.probes, max_order=4, seed=self.seed) for p in PARTS]
             if notes is not None and has("hessian_moments_stderr") and np.isnan([m.stderr for m in est]).all():
                 g = h.probes - h.probes // 2
-                notes.note(
+                self._note_once(
+                    notes,
                     ["hessian_moments_stderr"],
                     f"Hutch++'s standard error needs at least 2 Hutchinson probes beside its sketch: hessian.probes = "
-                    f"{h.probes} leaves {g} (the moments themselves are estimated)",
+                    f"{h.probes} leaves {g} (the moments themselves are estimated; 4 probes or more give it)",
                 )
             return {
                 "hessian_moments": np.stack([m.estimate for m in est]),  # (3, 4)
@@ -320,7 +328,7 @@ class HessianAnalysis:
             why = self.limit_reason or self.trained_reason(step)
             if why is not None and notes is not None:
                 names = [n for n in ("hessian_I_limit_moments", "hessian_I_limit_eigenvalues") if has(n)]
-                notes.note(names, f"the infinite-width limit of I does not apply: {why}")
+                self._note_once(notes, names, f"the infinite-width limit of I does not apply: {why}")
             if why is not None:
                 nan = np.full(F.shape[0] * F.shape[1], np.nan)
                 return {"hessian_I_limit_moments": np.full(4, np.nan), "hessian_I_limit_eigenvalues": nan}
@@ -372,7 +380,7 @@ class HessianAnalysis:
         part(("hessian_I_limit_moments", "hessian_I_limit_eigenvalues"), limit_I)
         why_S = self.s_limit_reason() or self.trained_reason(step)
         if why_S is not None and notes is not None and has("hessian_S_limit"):
-            notes.note(["hessian_S_limit"], f"the infinite-width limits of S do not apply: {why_S}")
+            self._note_once(notes, ["hessian_S_limit"], f"the infinite-width limits of S do not apply: {why_S}")
         if why_S is None:
             part(("hessian_S_limit",), lambda: {"hessian_S_limit": self._limit_S(F, step)})  # (3,)
         elif has("hessian_S_limit"):

@@ -226,6 +226,14 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
             f"after record({ck.step}) (the loop ended, was interrupted, or went on from another step), or the "
             "update diverged — Δf_t and what is made of Δθ_t are NaN",
         )
+    elif not np.isfinite(ck.dtheta).all():  # Δθ finite in part: the update diverged at some parameters
+        made_of_update = ("df", "energy_df", "df_pred", "energy_df_pred", "first_order_error", "first_order_cos")
+        bad = int(np.size(ck.dtheta) - np.isfinite(ck.dtheta).sum())
+        notes.note(
+            [n for n in made_of_update if run.plan.has(n)],
+            f"step {ck.step}'s update Δθ_t is not finite at {bad} of {np.size(ck.dtheta)} parameters (the update "
+            "diverged) — Δf_t and what is made of Δθ_t are NaN",
+        )
     elif not np.isfinite(ck.df).all():  # Δθ finite, f(θ_{t+1}) not: the update overflowed the outputs
         bad = int(np.size(ck.df) - np.isfinite(ck.df).sum())
         notes.note(
@@ -256,6 +264,15 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
             lambda v: GP[:, C + 1],
             lambda d: _jvp_outputs(run, d),
         )
+        stored = np.abs(np.nan_to_num(np.asarray(df_pred, np.float64), nan=np.inf)) if df_pred is not None else None
+        if stored is not None and not (stored <= _F32_MAX).all():  # J_t Δθ_t overflowed, or float32 storage would
+            bad = int((~(stored <= _F32_MAX)).sum())
+            notes.note(
+                [n for n in ("df_pred", "energy_df_pred", "first_order_error", "first_order_cos") if run.plan.has(n)],
+                f"df̄_t = J_t Δθ_t of step {ck.step} is not finite in float32 (as stored) at {bad} of {stored.size} "
+                "outputs: an update that large overflows the first-order prediction",
+            )
+            df_pred = None
         phis = {"y": run.energy_target, "f": ck.f, "residual": residual, "df": ck.df, "df_pred": df_pred}
     _zero_phis(run, ck, phis, notes)
     with run.cost.timed("eigenpairs"):
@@ -264,12 +281,13 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
     return StepContext(run, ck, G, notes, residual, GP, C, phis, sp)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)  # df̄_t is stored in float32: beyond this it would read ±inf
 _ZERO_WHY = {
     "df": "the update changed no output (a zero learning rate, or no parameter moved)",
     "df_pred": "J_t Δθ_t is 0 (Δθ_t = 0: a zero learning rate, or no parameter moved)",
     "residual": "the loss's gradient in f is 0 (the outputs fit the targets exactly)",
     "f": "the network's outputs are 0 (e.g. a zero-initialised last layer)",
-    "y": "the target is 0",
+    "y": "the target is 0 (an NCE run's centred log-density: constant over the points)",
 }
 
 
