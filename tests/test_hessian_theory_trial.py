@@ -642,3 +642,24 @@ def test_a_failure_of_the_per_point_traces_is_not_called_a_failure_of_the_loss_h
     with pytest.raises(ModelForwardError) as e:
         output_hessian_traces(Net().double(), torch.randn(5, 2, dtype=torch.float64), 2)
     assert str(e.value).startswith("computing the per-point output Hessian traces G_i of Net failed"), str(e.value)
+
+
+def test_rayleigh_quotients_on_a_repeated_or_paired_eigenvalue_do_not_depend_on_the_solver_s_basis():
+    """S's ± pairs of one |λ| were ordered by rounding, and vᵀIv on a repeated eigenvalue's eigenvectors took
+    any value of the eigenspace (the local and gang layouts stored 3.5361 and 3.5342 where it spans 2.29 to
+    11.33, an audit): now the tie puts +λ first and the basis diagonalises I compressed to the eigenspace."""
+    rng = np.random.default_rng(0)
+    P = 30
+    Q, _ = np.linalg.qr(rng.standard_normal((P, P)))
+    s = np.concatenate([[5.0, 5.0, -5.0, 3.0, -2.0], rng.uniform(-1, 1, P - 5)])
+    Sd = (Q * s) @ Q.T
+    B = rng.standard_normal((P, 6))
+    Id = B @ B.T
+    Sd, Id = (Sd + Sd.T) / 2, (Id + Id.T) / 2
+    C = Q[:, :2].T @ Id @ Q[:, :2]  # I compressed to S's double eigenvalue 5
+    want = np.linalg.eigvalsh((C + C.T) / 2)[::-1]
+    runs = [rayleigh_quotients(Id, Sd, 4, method=m, seed=seed)[1] for m in ("lanczos", "dense") for seed in (0, 1, 2)]
+    for r in runs:
+        _close("S's top by |λ|: +5, +5, −5, 3", r.evals, [5.0, 5.0, -5.0, 3.0], 1e-8, 1e-12)
+        _close("vᵀIv on the double eigenvalue", r.vIv[:2], want, 1e-7, 1e-10)
+        _close("vᵀIv elsewhere", r.vIv[2:], runs[0].vIv[2:], 1e-7, 1e-10)

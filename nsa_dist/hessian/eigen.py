@@ -89,7 +89,7 @@ def extreme_eigenpairs(
         return top_eigenpairs(A, k, **kw)
     if w is Which.MAGNITUDE and 2 * k >= P:  # the two ends overlap: all P eigenpairs, once each
         full = top_eigenpairs(A, P, **{**kw, "method": "dense"})
-        order = np.argsort(-np.abs(full.evals), kind="stable")[:k]
+        order = _by_magnitude(full.evals, tol)[:k]
         return replace(full, evals=full.evals[order], evecs=full.evecs[:, order])
     low = top_eigenpairs(_negate(A), k, **kw)
     low = replace(low, evals=-low.evals)  # ascending
@@ -98,7 +98,7 @@ def extreme_eigenpairs(
     high = top_eigenpairs(A, k, **kw)
     evals = np.concatenate([high.evals, low.evals])  # (2k,)
     evecs = np.concatenate([high.evecs, low.evecs], axis=1)  # (P, 2k)
-    order = np.argsort(-np.abs(evals), kind="stable")[:k]
+    order = _by_magnitude(evals, tol)[:k]
     res = [r for r in (high.max_residual, low.max_residual) if r is not None]
     return replace(
         high,
@@ -108,6 +108,19 @@ def extreme_eigenpairs(
         max_residual=max(res) if res else None,
         converged=high.converged and low.converged,
     )
+
+
+def _by_magnitude(evals: np.ndarray, tol: float) -> np.ndarray:
+    """The order of ``evals`` by |λ| descending, where |λ| within the solve's accuracy (10·tol of the
+    largest) counts as a tie and a tie puts +λ before −λ: S's spectrum comes in ± pairs of one |λ|, and
+    rounding alone decided which came first — and which the top k kept (a gang and the local layout
+    stored them swapped, an audit)."""
+    a = np.abs(evals)
+    desc = np.argsort(-a, kind="stable")
+    scale = float(a.max()) if a.size else 0.0
+    tie = np.concatenate([[False], -np.diff(a[desc]) <= 10 * tol * scale])  # close to the one before
+    group = np.cumsum(~tie)  # (n,) a tie group's id, in descending |λ|
+    return desc[np.lexsort((-evals[desc], group))]
 
 
 def edge_of_stability(lam_max: float, lr: float) -> float:
