@@ -279,6 +279,7 @@ def test_scalar_figure_never_pools_a_field_it_does_not_draw(url: str) -> None:
     s = Client(url).sweep("dw")
     ax = scalar_figure(s, "energy_y", "model.depth", line="model.width", k=2).axes[0]
     lines = {cont.get_label(): cont.lines[0] for cont in ax.containers}
+    assert list(ax.get_xticks()) == [2, 3], ax.get_xticks()  # an integer field's values (2.0, 2.2, … before)
     want_labels = sorted(f"width={w}, lr={lr}" for w in (4, 6) for lr in (0.05, 0.2))
     assert sorted(lines) == want_labels, sorted(lines)
     for w in (4, 6):

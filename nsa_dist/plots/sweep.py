@@ -186,6 +186,9 @@ def scalar_figure(
             if note and np.isfinite(yv):
                 ax.annotate(note, (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7, color=c)
     ax.set(xlabel=x, ylabel=what)
+    xs_all = np.concatenate([np.asarray(xs) for _, xs, *_ in series]) if series else np.array([])
+    if xs_all.dtype.kind in "iu" or (xs_all.dtype.kind == "f" and np.all(xs_all == np.round(xs_all))):
+        ax.set_xticks(np.unique(xs_all))  # an integer field (depth, width): its values, not 2.0, 2.2, …
     ax.grid(alpha=0.3)
     legend(ax, family=(line or name, labels, cols))
     return fig
