@@ -295,6 +295,7 @@ def _zero_phis(run: SpectralAnalyzer, ck: Checkpoint, phis: dict[str, Any], note
     """Note each φ that is 0 at every point: E(φ, k) = ‖V_kᵀφ‖²/‖φ‖² is 0/0 there (and, for Δf_t, the
     first order's relative error and cos α) — they were stored NaN with no reason (an audit)."""
     for name, phi in phis.items():
+        phi = None if phi is None else np.asarray(phi.detach().cpu() if hasattr(phi, "detach") else phi)
         if phi is None or not np.isfinite(phi).all() or np.any(phi):
             continue
         names = [f"energy_{name}", f"curve_energy_{name}", f"curve_energy_{name}_lower", f"curve_energy_{name}_upper"]
@@ -655,7 +656,7 @@ def _all_nan(v: Any) -> bool:
     """Whether ``v`` is a non-empty float array (or float) that is NaN in every entry."""
     if v is None or isinstance(v, (str, bytes)):
         return False
-    a = np.asarray(v)
+    a = np.asarray(v.detach().cpu() if hasattr(v, "detach") else v)  # (a tensor on a GPU too)
     return a.dtype.kind in "fc" and a.size > 0 and bool(np.isnan(a).all())
 
 
