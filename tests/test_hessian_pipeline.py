@@ -197,6 +197,9 @@ def test_the_limits_hold_along_training_only_where_the_ntk_stays_at_its_limit():
         assert (why is None) == holds and h.trained_reason(0) is None, (lr / bound, momentum, why)
         if not holds:
             assert "stability bound" in why and "= 2.2 ≥ 2" in why, why
+    broken = analysis()  # a limit that cannot be computed is a reason (called outside the notes' guard)
+    broken.limit_gram = lambda: (_ for _ in ()).throw(ValueError("overflows float64"))
+    assert "could not be computed (ValueError: overflows float64)" in broken.trained_reason(3)
 
 
 def test_an_adam_run_stores_its_limits_at_initialisation_only(tmp_path):

@@ -163,7 +163,10 @@ class HessianAnalysis:
             )
         curvature = {LossName.L2: 1.0, LossName.CROSS_ENTROPY: 0.5}.get(self.loss, 0.25)
         if self._lam_inf is None:
-            self._lam_inf = float(torch.linalg.eigvalsh(self.limit_gram())[-1])
+            try:  # called outside the notes' guard (why_S): a limit that cannot be computed is a reason, not an end
+                self._lam_inf = float(torch.linalg.eigvalsh(self.limit_gram())[-1])
+            except (ValueError, RuntimeError, ArithmeticError) as exc:
+                return f"the limiting kernel Θ̃∞ could not be computed ({type(exc).__name__}: {exc})"
         rate = self.spec.lr_at(0)  # the schedule's largest (decay ≤ 1)
         x = rate * curvature * self._lam_inf / self.X.shape[0]
         bound = 2.0 * (1.0 + opt.momentum)
