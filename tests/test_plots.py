@@ -77,6 +77,32 @@ def test_every_figure_written_and_readable(written: list[Path]) -> None:
         assert img[..., :3].std() > 0.01, f"{p.name} is blank"
 
 
+def test_fourier_panels_start_their_log_scale_at_the_sampling_noise(tiny: Run) -> None:
+    """|m̂_t| was drawn on a linear scale: at small N one bright pixel (the mean) on speckle as bright
+    as the signal.  Now a log scale from the sampling standard error ‖φ‖₂/N (the residual's from the
+    stored outputs; 1/N for a unit eigenvector), black below it."""
+    from matplotlib.colors import LogNorm
+
+    from nsa_dist.plots import PlotOptions
+
+    n = tiny.y.shape[0]
+    fig = make_figure(tiny, "fig4bc_residual_fourier", PlotOptions(steps=(10, 30)))
+    fourier = [a for a in fig.axes if a.get_title().startswith(r"$|\hat m_t|$")]
+    assert len(fourier) == 2
+    for ax, t in zip(fourier, (10, 30)):
+        m = np.asarray(tiny.outputs(t), np.float64).reshape(-1) - np.asarray(tiny.y, np.float64).reshape(-1)
+        floor = np.linalg.norm(m) / n
+        (im,) = ax.get_images()
+        stored = np.asarray(tiny.images.at(t)["residual_fourier"], np.float64).T
+        assert isinstance(im.norm, LogNorm) and np.isclose(im.norm.vmin, floor, rtol=1e-6), (t, im.norm.vmin, floor)
+        assert np.isclose(im.norm.vmax, max(stored.max(), 10 * floor))
+        np.testing.assert_array_equal(np.asarray(im.get_array()), np.clip(stored, im.norm.vmin, None))
+    fig = make_figure(tiny, "fig5_eigenvectors")
+    norms = {a.get_images()[0].norm.vmin for a in fig.axes if a.get_title().startswith(r"$|\hat v")}
+    assert norms == {1.0 / n}, norms
+    assert "1/N" in fig.get_suptitle()
+
+
 def test_decay_lines_at_the_schedule(tiny: Run) -> None:
     fig = make_figure(tiny, "fig1e_lr_stability")
     ax = fig.axes[0]

@@ -241,9 +241,14 @@ def test_the_eigenvector_panel_draws_every_stored_image(tmp_path):
     at = run.images.at(run.steps[-1])
     titles = [v.fig.title.text for v in panel.vecs]
     assert titles == [f"v_{i}" for i in (1, 2, 3, 4, 5, 6, 8, 10)], titles
+    floor = 1.0 / 24  # a unit eigenvector's sampling s.e.: the |Fourier| panels' log scale starts there
     for v, img, f, fft in zip(panel.vecs, at["eigvec_images"], panel.ffts, at["eigvec_fourier"]):
         np.testing.assert_array_equal(v.source.data["image"][0], img)
-        np.testing.assert_array_equal(f.source.data["image"][0], np.asarray(fft).T)
+        np.testing.assert_array_equal(f.source.data["image"][0], np.clip(np.asarray(fft, np.float64).T, floor, None))
+        assert type(f.mapper).__name__ == "LogColorMapper" and f.mapper.low == floor, (f.mapper, f.mapper.low)
+        assert f.mapper.high == max(float(np.max(fft)), 10 * floor)
+    m = np.asarray(run.outputs(run.steps[-1]), np.float64).reshape(-1) - np.asarray(run.y, np.float64).reshape(-1)
+    assert np.isclose(panel.residual[1].mapper.low, np.linalg.norm(m) / 24, rtol=1e-6), panel.residual[1].mapper.low
     widths = [len(r.children) for r in panel.body.children[1:]]  # below the slider row
     assert widths == [2, 6, 6, 2, 2], widths  # the residual and its |Fourier|, then images over transforms
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from bokeh.layouts import column, row
-from bokeh.models import ColorBar, ColumnDataSource, Div, LinearColorMapper, Slider
+from bokeh.models import ColorBar, ColumnDataSource, Div, LinearColorMapper, LogColorMapper, Slider
 
 from nsa_dist.plots.axes import picture_data
+from nsa_dist.plots.images import fourier_floors, fourier_scale
 from nsa_dist.serve._curves import last_options, need, step_options, step_select
 from nsa_dist.serve._live import Panel, new_figure
 
@@ -28,7 +29,8 @@ _PER_ROW = 6  # eigenvector images side by side; more stored ones wrap onto furt
 
 
 class _Image:
-    """One image figure: its source, colour mapper (symmetric about 0, or 0..max) and title."""
+    """One image figure: its source, colour mapper (symmetric about 0, 0..max, or — ``log`` — a
+    |Fourier| panel's log scale from the sampling noise, as ``nsa plot`` draws it) and title."""
 
     def __init__(
         self,
@@ -38,22 +40,32 @@ class _Image:
         x: str = "",
         y: str = "",
         height: int | None = None,
+        log: bool = False,
     ) -> None:
         self.source = ColumnDataSource({"image": [], "dw": [], "dh": [], "x": [], "y": []})
         self.fig = new_figure("", x, y, width=size, height=height or size)
-        self.mapper = LinearColorMapper(palette=palette)
+        self.mapper = LogColorMapper(palette=palette) if log else LinearColorMapper(palette=palette)
         self.fig.image(image="image", x="x", y="y", dw="dw", dh="dh", source=self.source, color_mapper=self.mapper)
         self.fig.grid.visible = False
-        self.symmetric = symmetric
+        self.symmetric, self.log = symmetric, log
 
     def picture(self) -> _Image:
         """An image over [0, 1]² of a picture's data: x₂ drawn downwards (see :func:`picture_data`)."""
         picture_axes(self.fig)
         return self
 
-    def draw(self, img: Any, title: str, extent: tuple[float, float, float, float] | None = None) -> None:
+    def draw(
+        self, img: Any, title: str, extent: tuple[float, float, float, float] | None = None, floor: float | None = None
+    ) -> None:
+        """``floor``: a log panel's sampling noise (:func:`~nsa_dist.plots.images.fourier_floors`)."""
         img = np.asarray(img, np.float64)
         x0, y0, w, h = extent or (0.0, 0.0, float(img.shape[1]), float(img.shape[0]))
+        if self.log:
+            low, high = fourier_scale(img, floor)
+            self.source.data = {"image": [np.clip(img, low, None)], "x": [x0], "y": [y0], "dw": [w], "dh": [h]}
+            self.mapper.update(low=low, high=high)
+            self.fig.title.text = title
+            return
         self.source.data = {"image": [img], "x": [x0], "y": [y0], "dw": [w], "dh": [h]}
         top = float(np.nanmax(np.abs(img))) if np.isfinite(img).any() else 1.0
         top = top or 1.0
@@ -87,11 +99,10 @@ class Eigenvectors(Panel):
         if self.images:
             up = picture_data(run)  # the spatial images upright; the |Fourier| panels keep (ξ₁, ξ₂) up
             self.vecs = [_Image(190).picture() if up else _Image(190) for _ in range(n)]
-            self.ffts = [_Image(190, "Magma256", symmetric=False, x="ξ₁", y="ξ₂") for _ in range(n)]
+            fft = {"palette": "Magma256", "symmetric": False, "x": "ξ₁", "y": "ξ₂", "log": True}
+            self.ffts = [_Image(190, **fft) for _ in range(n)]
             self.residual = (
-                [_Image(260).picture() if up else _Image(260), _Image(260, "Magma256", symmetric=False, x="ξ₁", y="ξ₂")]
-                if self.has_residual
-                else []
+                [_Image(260).picture() if up else _Image(260), _Image(260, **fft)] if self.has_residual else []
             )
             rows = [row(*(i.fig for i in self.residual))] if self.residual else []
             for j in range(0, n, _PER_ROW):
@@ -120,7 +131,8 @@ class Eigenvectors(Panel):
     def at(self, run: Run, step: int) -> dict[str, Any]:
         """What the panel draws at ``step`` (worker thread)."""
         if self.images:
-            return {"step": step, **run.images.at(step)}
+            floors = dict(zip(("residual_floor", "eigvec_floor"), fourier_floors(run, step)))
+            return {"step": step, **run.images.at(step), **floors}
         return {"step": step, "eigvec_images": run.eigenvectors(step)[None], "indices": None}
 
     def read(self, run: Run) -> dict[str, Any]:
@@ -149,12 +161,16 @@ class Eigenvectors(Panel):
         if self.residual:
             self.residual[0].draw(data["residual_image"], f"Fig. 4b: residual m_t, t = {t}", (0, 0, 1, 1))
             self.residual[1].draw(
-                np.asarray(data["residual_fourier"]).T, f"Fig. 4c: |m̂_t|, t = {t}", (-L, -L, 2 * L, 2 * L)
+                np.asarray(data["residual_fourier"]).T,
+                f"Fig. 4c: |m̂_t|, t = {t} (log; black: below the sampling s.e.)",
+                (-L, -L, 2 * L, 2 * L),
+                data.get("residual_floor"),
             )
         for j, (v, f) in enumerate(zip(self.vecs, self.ffts)):
             i = int(data["indices"][j])
             v.draw(data["eigvec_images"][j], f"v_{i}", (0, 0, 1, 1))
-            f.draw(np.asarray(data["eigvec_fourier"][j]).T, f"|v̂_{i}|", (-L, -L, 2 * L, 2 * L))
+            fourier = np.asarray(data["eigvec_fourier"][j]).T
+            f.draw(fourier, f"|v̂_{i}|", (-L, -L, 2 * L, 2 * L), data.get("eigvec_floor"))
 
 
 class Fig1abc(Panel):
