@@ -44,10 +44,12 @@ from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import (
     FrequencyScaledLookups,
     batch_stat_modules,
+    draws_random,
     parameters_kept,
     plain_scalars,
     preserved,
     refuse_parameter_writes,
+    rng_states,
 )
 
 __all__ = ["Route", "FastLayer", "ForwardPlan", "plan_forward", "couples"]
@@ -202,16 +204,22 @@ def _coupling(
     runs with grad, as the Gram's own passes do: without it PyTorch may take another path (an
     eval-mode TransformerEncoder's nested tensors zero padded positions)."""
     with torch.enable_grad():
+        before = rng_states(model)
         whole = as_2d(model(x), x.shape[0])
+        drew = draws_random(model, before)  # proof of a random forward, where two forwards may still agree
         _no_reentrant_checkpoint(whole)
         whole = whole.detach()
-        again = as_2d(model(x), x.shape[0]).detach() if again is None else again.detach()
+        if again is None:  # whole was the first forward: a lazy module draws its initial values there only
+            before = rng_states(model)
+            again = as_2d(model(x), x.shape[0])
+            drew = drew and draws_random(model, before)
+        again = again.detach()
         _finite_outputs(model, whole, again)
-        if not _close(whole, again):
+        if drew or not _close(whole, again):
             drop = [
                 n for n, m in user_named_modules(model) if isinstance(m, nn.modules.dropout._DropoutNd) and m.training
             ]
-            state = [] if drop else _changed_buffers(model, x)
+            state = [] if drop or drew else _changed_buffers(model, x)
             if state:
                 raise UnsupportedModelError(
                     f"the model's forward changes its state: every forward writes its {', '.join(state)}, "
@@ -220,7 +228,8 @@ def _coupling(
                     "or keep the state out of the forward"
                 )
             raise UnsupportedModelError(
-                "the model's forward is random (two forwards of the same points differ"
+                "the model's forward is random ("
+                + ("it draws from torch's random numbers" if drew else "two forwards of the same points differ")
                 + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
                 + "): its NTK is not defined; call model.eval() (or disable the randomness)"
             )

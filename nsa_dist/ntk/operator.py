@@ -19,11 +19,14 @@ from nsa_dist.ntk.state import (
     attributes_kept,
     call,
     dense_gradients,
+    draws_random,
     exact_kernels,
     frequency_unscaled,
     no_grad_as_constant,
     padding_rows_constant,
     renorm_copies,
+    rng_states,
+    set_rng_states,
     stateless,
 )
 
@@ -237,8 +240,9 @@ def jacobian_vector_product(
     Raises:
         ShapeError: dθ does not have P entries.
         ModelForwardError: the forward fails (the module is named).
+        UnsupportedModelError: the forward is random (it draws from torch's generator: train-mode dropout).
     """
-    from nsa_dist.errors import ShapeError
+    from nsa_dist.errors import ShapeError, UnsupportedModelError
 
     model = measured_module(model, output)
     params = dict(model.named_parameters())
@@ -251,6 +255,23 @@ def jacobian_vector_product(
     for k, p in params.items():
         tangents[k] = dtheta[off : off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
         off += p.numel()
+    before = rng_states(model)
+    try:
+        out = _jvp(model, x, params, tangents)
+        if draws_random(model, before):  # its kernel and J·dθ are those of one random draw
+            drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+            raise UnsupportedModelError(
+                "J·dθ: the model's forward is random (it draws from torch's random numbers"
+                + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
+                + "): call model.eval() (or disable the randomness)"
+            )
+    finally:
+        set_rng_states(before)
+    return out
+
+
+def _jvp(model: nn.Module, x: torch.Tensor, params: dict, tangents: dict) -> torch.Tensor:
+    """:func:`jacobian_vector_product`'s pass."""
     with blame(model, "J·dθ"):
         twin = stateless(model, x)
         primals = renorm_copies(twin, {k: p.detach() for k, p in twin.named_parameters()})

@@ -51,6 +51,27 @@ __all__ = [
 ]
 
 
+def rng_states(model: nn.Module) -> list[tuple[torch.device | None, torch.Tensor]]:
+    """The global random generators a forward of ``model`` may draw from: the CPU's (device None) and
+    that of each CUDA device holding a parameter or buffer, with their states now."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"}
+    return [(None, torch.get_rng_state())] + [(d, torch.cuda.get_rng_state(d)) for d in sorted(devices, key=str)]
+
+
+def set_rng_states(states: list[tuple[torch.device | None, torch.Tensor]]) -> None:
+    """Put back the generators' states :func:`rng_states` took."""
+    for d, state in states:
+        if d is None:
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, d)
+
+
+def draws_random(model: nn.Module, before: list[tuple[torch.device | None, torch.Tensor]]) -> bool:
+    """Whether a generator of :func:`rng_states` moved since ``before`` (a forward drew from it)."""
+    return any(not torch.equal(a, b) for (_, a), (_, b) in zip(before, rng_states(model)))
+
+
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model may run forwards freely; on exit its buffers (the same tensors,
@@ -73,10 +94,12 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     # (torch.embedding_renorm_ on its weight): its weight is put back too
     ids = renormed_weights(model)
     renormed = [(p, p.detach().clone()) for p in model.parameters() if id(p) in ids]
+    rng = rng_states(model)  # a random forward (train-mode dropout) draws from them: the caller's draws stay its own
     try:
         with frequency_unscaled(model), dense_gradients(model), attributes_kept(model), attributes_restored(model):
             yield model
     finally:
+        set_rng_states(rng)
         for m, names in children:
             for name in set(m._modules.keys()) - names:
                 del m._modules[name]
