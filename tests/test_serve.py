@@ -963,6 +963,20 @@ def test_a_foreign_host_name_is_refused_without_a_token(store, caplog):
     assert refused and all("\n" not in r.getMessage() for r in refused), [r.getMessage() for r in refused]
 
 
+def test_a_query_argument_that_is_not_utf8_is_a_400_not_a_500(store, caplog):
+    """`/?x=%ff` and `/sweep?name=%ff` answered 500 with two UnicodeDecodeError tracebacks (an audit)."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    with _Served(ServeOptions(store, port=0)) as s:
+        for path in ("/?x=%ff", "/sweep?name=%ff", "/sweep?name=%c3%28", f"/run?id={run_id(SPEC)}&x=%ff"):
+            status, body, _ = s.get(path)
+            assert status == 400, (path, status, body[:300])
+        assert s.get("/sweep?name=caf%C3%A9")[0] == 200  # UTF-8 beyond ASCII is fine
+    tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert not tracebacks, [r.getMessage()[:200] for r in tracebacks]
+
+
 def test_damaged_metadata_is_a_panel_message_not_a_500(store, tmp_path, caplog):
     import logging
 

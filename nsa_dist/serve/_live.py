@@ -147,7 +147,7 @@ def request_args(doc_or_ctx: Any) -> dict[str, str]:
     for name, values in (request.arguments or {}).items() if request is not None else ():
         if values:
             v = values[0]
-            out[name] = v.decode() if isinstance(v, bytes) else str(v)
+            out[name] = v.decode(errors="replace") if isinstance(v, bytes) else str(v)  # (refused before: 400)
     return out
 
 

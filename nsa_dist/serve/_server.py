@@ -167,6 +167,8 @@ def _auth(token: str | None, bound: str = "127.0.0.1") -> Any:
         if token is None and not _host_ok(handler, bound):
             _log_refused_host(handler)
             raise HTTPError(403)
+        if not _utf8_query(handler.request):  # a page's arguments are decoded as UTF-8: a 500 and two tracebacks
+            raise HTTPError(400, reason="Query arguments must be UTF-8")
         user = get_user(handler)
         if isinstance(handler, WebSocketHandler):
             if user is None:
@@ -190,6 +192,17 @@ def _auth(token: str | None, bound: str = "127.0.0.1") -> Any:
             return Refused
 
     return TokenAuth()
+
+
+def _utf8_query(request: Any) -> bool:
+    """Whether every query argument's value of ``request`` is UTF-8 (``?name=%ff`` is not)."""
+    try:
+        for values in (request.arguments or {}).values():
+            for v in values:
+                v.decode("utf-8") if isinstance(v, bytes) else None
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _without_token_arg(request: Any) -> str:
@@ -289,6 +302,10 @@ def _run_handlers(pages: Any, token: str | None, refresh_s: float, bound: str = 
             if get_user(self) is None:
                 self.set_status(403)
                 self.finish(_REFUSED)
+                return
+            if not _utf8_query(self.request):  # as the Bokeh pages (their arguments are decoded as UTF-8)
+                self.set_status(400)
+                self.finish("nsa serve: query arguments must be UTF-8")
 
     class RunPage(Guarded):
         def get(self) -> None:
