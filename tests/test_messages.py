@@ -63,6 +63,25 @@ def test_nsa_ls_shows_counts_as_integers_and_a_trackers_recorded_lr(tmp_path, ca
     assert "0.0371" in out and ".0×" not in out, out
 
 
+@pytest.mark.slow  # starts a Ray of its own
+def test_the_embedded_ray_is_started_whatever_cluster_ray_address_names(tmp_path) -> None:
+    """Ray's ``ray.init()`` joins the cluster RAY_ADDRESS (or the last ``ray start``) names: `nsa sweep`
+    without --address met another session's head and failed ("num_cpus must not be provided")."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from nsa_dist.cluster import runtime; import ray\n"
+        "r = runtime.connect(None, num_cpus=1)\n"
+        "print('cpus', r.get('CPU'))\n"
+        "ray.shutdown()\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9", "OMP_NUM_THREADS": "1"}  # nothing listens on port 9
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "cpus 1.0" in done.stdout, (done.stdout + done.stderr)[-2000:]
+
+
 def test_an_embedded_ray_that_times_out_starting_is_started_again_then_named(monkeypatch) -> None:
     """Ray waits a fixed 30 s for its raylet; under load it raises a bare "timed out during
     startup".  Injected here (a loaded machine cannot be made on demand): started again, and after

@@ -75,7 +75,11 @@ def _init(address: str | None, num_cpus: int | None, resources: dict[str, float]
     if not ray.is_initialized():
         kw: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
         if address in (None, "local"):
-            kw.update(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, resources=resources)
+            # address "local": Ray's own default joins the cluster RAY_ADDRESS or its last `ray start`
+            # names (an audit: `nsa sweep` met another session's head and failed "num_cpus must not be
+            # provided"); the embedded Ray is this process's own
+            kw.update(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False)
+            kw.update(resources=resources)
             _start_embedded(kw)
         elif address == "auto" and os.environ.get("RAY_ADDRESS"):
             ray.init(**kw)  # inside a Ray Job: the job manager's RAY_ADDRESS names the cluster
