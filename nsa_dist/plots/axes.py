@@ -213,13 +213,14 @@ def new_figure(
     panel: tuple[float, float] = (6.4, 4.4),
     paper: str = "NSA",
     images: bool = False,
+    note: str = "",
 ) -> tuple[Figure, np.ndarray]:
     """A constrained-layout Agg figure and its (nrows, ncols) axes, titled "<paper> Fig. <label> — <what>"
     when ``label`` is a figure number of the paper ("2a", "3"), "<paper> App. X — <what>" /
     "<paper> Eqs. 4–5 — <what>" for an appendix or equations, else "<paper>, <label> — <what>" for the
     statement of the paper a figure draws ("Theorem 1", "Proposition 4") or "" for none.  A title too
     wide for the figure is set smaller, then wrapped (:func:`set_title`); ``images``: panels of a fixed
-    aspect (:func:`blank_figure`)."""
+    aspect (:func:`blank_figure`); ``note``: said after the run on the line below the title."""
     fig = blank_figure((panel[0] * ncols, panel[1] * nrows), images=images)
     if label[:1].isdigit():
         ref = f" Fig. {label}"
@@ -230,6 +231,7 @@ def new_figure(
     sub = f"run {run.id}"
     if paper == "NSA" and label not in _FULL_KERNEL and getattr(run, "Ko", 1) > 1:  # Figs. 1e, 2c-d say theirs
         sub += f" — G_t: the N×N Gram Σ_a J_a J_aᵀ traced over its {run.Ko} outputs"
+    sub += f" — {note}" if note else ""
     set_title(fig, f"{paper}{ref} — {what}", sub)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 

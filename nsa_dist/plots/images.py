@@ -100,12 +100,12 @@ def fig5(run: Run, opts: PlotOptions = PlotOptions(), *, label: str = "5", step:
     fig, ax = new_figure(
         run,
         label,
-        f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}\n"
-        f"|Fourier| on a log colour scale, black below the sampling s.e. 1/N = {floor:.1e}",
+        f"eigenvectors of $G_t$ and their Fourier transforms, t = {t}",
         nrows=2 * lines,
         ncols=ncols,
         panel=(2.3, 2.3),
         images=True,
+        note=f"|Fourier| on a log colour scale, black below the sampling s.e. 1/N = {floor:.1e}",
     )
     for a in ax.ravel():
         a.set_axis_off()
