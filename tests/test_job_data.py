@@ -7,8 +7,10 @@ tests/test_multinode.py, remote (s3://) data in tests/test_s3.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +120,31 @@ def test_relative_data_keep_their_place_and_run_ids(in_tmp):
     assert len(list((work / "data/cifar-10-batches-py").iterdir())) == 5
 
 
+def test_a_moved_file_keeps_its_name_and_run_id_whatever_its_place_in_the_sweep(in_tmp):
+    """An absolute data path travelled as ``_nsa_data/<its position>/face.png``: a second job whose sweep
+    put another file first named the same file ``_nsa_data/1/face.png`` — another run id, the run
+    computed again — and a different ``face.png`` at position 0 clashed with the stored run (an audit).
+    The folder is now the files' content digest."""
+    faces = []
+    for i, folder in enumerate(("a", "b")):
+        (in_tmp / folder).mkdir()
+        yy, xx = np.mgrid[0:24, 0:32]
+        Image.fromarray(((xx * (7 + i) + yy * 3) % 256).astype(np.uint8)).save(in_tmp / folder / "face.png")
+        faces.append(str(in_tmp / folder / "face.png"))
+
+    def job_ids(paths: list[str], name: str) -> list[str]:
+        sweep = {**_sweep({}), "variants": [{"data": {"name": "image2d", "path": p, "n": 16}} for p in paths]}
+        (in_tmp / f"{name}.yaml").write_text(yaml.safe_dump(sweep))
+        work = in_tmp / f"work-{name}"
+        work.mkdir()
+        return [run_id(r) for r in SweepSpec.model_validate(prepare_job_data(f"{name}.yaml", work)).expand()]
+
+    alone = job_ids([faces[0]], "one")
+    behind = job_ids([faces[1], faces[0]], "two")
+    assert behind[1] == alone[0], (alone, behind)  # the same file: the same run
+    assert behind[0] != alone[0]  # another file of the same name: another run
+
+
 def test_absolute_and_escaping_data_move_and_the_job_sweep_says_where(in_tmp):
     d = write_datasets(in_tmp / "elsewhere")
     (in_tmp / "here").mkdir()
@@ -128,7 +155,9 @@ def test_absolute_and_escaping_data_move_and_the_job_sweep_says_where(in_tmp):
     os.chdir(in_tmp / "here")
     job = prepare_job_data("sweep.yaml", work)
     paths = [r.data.path for r in SweepSpec.model_validate(job).expand()]
-    assert paths == [f"{SHIPPED_DIR}/0/face.png", f"{SHIPPED_DIR}/1/mnist"]
+    face = hashlib.sha256(d["image2d"].read_bytes() + b"\0").hexdigest()[:16]
+    assert paths[0] == f"{SHIPPED_DIR}/{face}/face.png", paths
+    assert re.fullmatch(rf"{SHIPPED_DIR}/[0-9a-f]{{16}}/mnist", paths[1]) and paths[1].split("/")[1] != face, paths
     os.chdir(work)  # where the job runs: the moved data load as the originals did
     for r, orig in zip(SweepSpec.model_validate(job).expand(), load_sweep(in_tmp / "here" / "sweep.yaml").expand()):
         os.chdir(in_tmp / "here")

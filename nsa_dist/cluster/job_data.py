@@ -5,8 +5,10 @@ and the files its loader reads are copied into the job's working directory, whic
 every node and makes the workers' current directory.  A relative path that stays inside the
 submitting directory keeps its place (``data/mnist`` → ``<working_dir>/data/mnist``), so the
 job's specs — and run ids — are the ones a local ``nsa sweep`` would compute; an absolute or
-escaping one (``/data/x.png``, ``../mnist``) is copied to ``_nsa_data/<i>/<name>`` and the sweep the
-job gets says so.  URLs (``s3://``, ``gs://``, ``file://`` for a filesystem every node mounts) are
+escaping one (``/data/x.png``, ``../mnist``) is copied to ``_nsa_data/<digest>/<name>`` — the
+folder named by the files' content, so one file travels under one name whatever its place in the
+sweep (the run keeps its id from job to job) and two files of one name never share it — and the
+sweep the job gets says so.  URLs (``s3://``, ``gs://``, ``file://`` for a filesystem every node mounts) are
 read by the nodes themselves and are left as they are.
 
 Ray refuses a working_dir over ~500 MiB, and every job upload is held in the head's object
@@ -16,6 +18,7 @@ largest file and the ``s3://`` alternative.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -31,10 +34,28 @@ SHIPPED_DIR = "_nsa_data"  # where absolute / escaping data paths are copied ins
 _TAKEN = {"sweep.yaml", "services", SHIPPED_DIR}  # names the job's working_dir already uses
 
 
-def _target(path: str, i: int) -> tuple[str, str | None]:
+def _digest(files: list[Location], single: bool) -> str:
+    """16 hex digits of SHA-256 over ``files``' contents (and, for a folder's files, their names):
+    the folder an absolute or escaping data path travels in.  Its position in the sweep named it
+    before (``_nsa_data/0/face.png``): a second job with another data path first gave the same file
+    another name, so another run id — its run computed again — and a different ``face.png`` at the
+    old place clashed with the stored run ("created from other data", an audit)."""
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda f: Path(f).name):
+        if not single:
+            h.update(Path(f).name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _target(path: str, key: str) -> tuple[str, str | None]:
     """Where ``path``'s data go inside the working_dir, and the ``data.path`` the job's sweep names
     them by: the same relative path when it stays inside the submitting directory (and clear of the
-    job's own files), else ``_nsa_data/<i>/<name>``.  With ``path`` kept, the second value is None.
+    job's own files), else ``_nsa_data/<key>/<name>`` (``key``: :func:`_digest`).  With ``path``
+    kept, the second value is None.
 
     A relative path is kept as written (``./data/x.png``, ``data//mnist/``, ``sub/../data``: the
     same place once copied, :func:`_dirs_for` making the directories a ``..`` steps out of), so the
@@ -44,7 +65,7 @@ def _target(path: str, i: int) -> tuple[str, str | None]:
     named = set(Path(path).parts) | {first}
     if not os.path.isabs(norm) and first not in ("..", ".") and not named & _TAKEN:
         return Path(norm).as_posix(), None
-    dest = f"{SHIPPED_DIR}/{i}/{Path(os.path.abspath(norm)).name}"
+    dest = f"{SHIPPED_DIR}/{key}/{Path(os.path.abspath(norm)).name}"
     return dest, dest
 
 
@@ -124,9 +145,10 @@ def prepare_job_data(
         )
     moved: dict[str, str] = {}
     placed: dict[str, str] = {}  # each file written into work → the real file it copies
-    for i, (path, found) in enumerate(files.items()):
-        target, named = _target(path, i)
+    for path, found in files.items():
         single = os.path.isfile(path)  # an image: the path is the file; else a directory of files
+        key = _digest(found, single)
+        target, named = _target(path, key)
 
         def where(t: str, f: Location, single: bool = single) -> str:
             return t if single else f"{t}/{Path(f).name}"
@@ -134,7 +156,7 @@ def prepare_job_data(
         if any(placed.get(where(target, f), os.path.realpath(f)) != os.path.realpath(f) for f in found):
             # another data.path normalises to the same place but names other files (``link/..``
             # through a symlink): this one moves, so neither run reads the other's data
-            target = named = f"{SHIPPED_DIR}/{i}/{Path(os.path.abspath(path)).name}"
+            target = named = f"{SHIPPED_DIR}/{key}/{Path(os.path.abspath(path)).name}"
         if named is not None:
             moved[path] = named
         else:
