@@ -5,8 +5,9 @@ Two routes store the curves (``spectrum.energy``; the run attribute ``energy_rou
 * **exact** — the whole G_t on one process, ``spectrum.k: all``: ``energy_<φ>`` (S, N) and
   ``eigenvalues`` (S, N) hold every k; lower = upper = value, except inside a cluster of
   eigenvalues within the eigensolver's rounding (a rank-deficient G's null space), where E is
-  bracketed by the cluster's ends (:func:`_exact_clusters`).  A run that kept only the top K
-  eigenpairs has its curve at k = 1..K, exact.
+  bracketed by the cluster's ends (:func:`_exact_clusters`), and — under float32 — λ_k ± the
+  rounding δ = 4·eps₃₂·‖G‖_F of the reduction (:func:`_rounding`).  A run that kept only the
+  top K eigenpairs has its curve at k = 1..K.
 * **quadrature** — products with G_t only (gang layouts, or asked for): the top part
   (k ≤ ``spectrum.quadrature.top``) exact in ``energy_<φ>`` / ``eigenvalues``, beyond it
   ``curve_energy_<φ>`` / ``curve_eigenvalue`` with ``…_lower`` / ``…_upper`` at the k of
@@ -35,7 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = ["BracketedCurve", "read_curve", "energy_route", "EXACT_BRACKET"]
 
-EXACT_BRACKET = "exact: from the eigendecomposition of G_t (lower = upper = value)"
+EXACT_BRACKET = (
+    "exact: from the eigendecomposition of G_t (lower = upper = value but where rounding leaves a value "
+    "unresolved: E in a cluster of eigenvalues within 2δ; in float32 λ_k ± δ and the projections' rounding)"
+)
 TOP_RESOLUTION = 1e-8  # a top-part bracket narrower than this (relative for λ_k, absolute for E) reads as exact
 
 
@@ -268,6 +272,7 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
             [np.ones(K, bool), np.all(parts[1] == parts[2], axis=0) if S else np.zeros(int(beyond.sum()), bool)]
         )
         _widen_top(run, curve_name, ck[~beyond], K, lower, upper, exact, name != "eigenvalue", grid_name)
+        _rounding(run, name, value, lower, upper, exact, n_points, quadrature=True)
         bracket = str(run.attrs.get("curve_bracket", "quadrature bounds (the run names no bracket kind)"))
         return BracketedCurve(
             name,
@@ -283,6 +288,9 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
             None if conf is None else float(conf),
         )
     lower, upper, exact = _exact_clusters(run, name, top, n_points)
+    if name == "eigenvalue":
+        lower, upper = top.copy(), top.copy()
+        _rounding(run, name, top, lower, upper, exact, n_points, quadrature=False)
     for a in (top, lower, upper):
         a.flags.writeable = False
     return BracketedCurve(
@@ -298,6 +306,57 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
         EXACT_BRACKET,
         None,
     )
+
+
+def _rounding(
+    run: RunArrays,
+    name: str,
+    value: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    exact: np.ndarray,
+    n_points: int,
+    *,
+    quadrature: bool,
+) -> None:
+    """Widen the brackets, in place, by what the reduction's rounding leaves unresolved (an audit ran
+    one spec in float32 and float64: the float32 brackets were points the float64 values lay outside).
+
+    Under ``spectrum.dtype: float32`` only (a float64 run's λ and E stay points outside clusters):
+
+    * λ_k (both routes): ± δ, δ = max(n·eps₆₄·|λ_1|, 4·eps₃₂·‖G‖_F) — Weyl's bound for a perturbation
+      of G of that size, the δ of :func:`_exact_clusters`; float32's tail was stored to 2.6 % (λ₂₇₄)
+      and with the wrong sign (λ₄₀₀ −4.1e-6 for −3e-14) at N = 400, where δ = 6e-4.  ‖G‖_F is the
+      stored ``gram_sq_frobenius`` (else the stored eigenvalues').
+    * E(φ, k) on the quadrature route: ± n·eps₃₂, the projections' rounding the exact route's
+      brackets already carry (quadrature's missed the float64 values by up to 1.2e-6 at N = 400).
+
+    A k whose bracket is wider than :data:`TOP_RESOLUTION` (relative for λ_k, absolute for E) at any
+    step is not ``exact``."""
+    S = value.shape[0]
+    eps32 = float(np.finfo(np.float32).eps) if run.spec.spectrum.dtype == "float32" else 0.0
+    if S == 0 or not eps32:  # float64: λ and E stay points but in clusters (docs/curves.md: below n·eps₆₄·λ_1)
+        return
+    if name != "eigenvalue":
+        if quadrature:
+            r = n_points * eps32
+            keep = np.isfinite(value)
+            lower[keep] = np.clip(lower[keep] - r, 0.0, 1.0)
+            upper[keep] = np.clip(upper[keep] + r, 0.0, 1.0)
+            exact &= ~np.any(upper - lower > TOP_RESOLUTION, axis=0)
+        return
+    lam = np.asarray(run.per_step("eigenvalues"), np.float64).reshape(S, -1)
+    with np.errstate(invalid="ignore"):
+        top = np.nanmax(np.abs(lam), axis=1) if lam.shape[1] else np.zeros(S)
+        fro = np.sqrt(np.nansum(lam**2, axis=1))
+        if run.has("gram_sq_frobenius"):
+            stored = np.asarray(run.per_step("gram_sq_frobenius"), np.float64).reshape(S, -1)[:, 0]
+            fro = np.where(np.isfinite(stored) & (stored > 0), np.sqrt(np.abs(stored)), fro)
+        delta = np.maximum(n_points * float(np.finfo(np.float64).eps) * top, 4.0 * eps32 * fro)[:, None]
+        keep = np.isfinite(value) & np.isfinite(delta)
+        lower[keep] = np.fmin(lower, value - delta)[keep]
+        upper[keep] = np.fmax(upper, value + delta)[keep]
+        exact &= ~np.any(upper - lower > TOP_RESOLUTION * np.abs(value), axis=0)
 
 
 def _exact_clusters(

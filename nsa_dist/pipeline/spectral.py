@@ -77,6 +77,7 @@ class SpectralAnalyzer:
         self._workspace = HostWorkspace()  # the host solver's big blocks, reused by every step and Gram
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
         self._local_gang: LocalGang | None = None  # the in-process gang, made at the first distributed step
+        self.logged: set[str] = set()  # the run-wide remarks already logged (once per run)
 
     timings = property(lambda self: self.cost.timings, doc="Seconds of the last analysed step, by part.")
     n_products = property(lambda self: self.cost.n_products, doc="Eigensolver products with G, by Gram.")
