@@ -1211,6 +1211,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from nsa_dist.cluster import jobs
 
     found = jobs.status(args.address, args.job)
+    if not found:  # an empty listing read as a failed query (an audit)
+        print(f"no jobs on the cluster at {args.address or os.environ.get('RAY_ADDRESS', '')}".rstrip())
     for j in found:
         print(
             f"{j['id']}  {j['status']:<10} {j['entrypoint']}  {_job_message(j['message'], whole=args.job is not None)}"

@@ -92,16 +92,20 @@ def test_nsa_status_against_a_token_head(token_head, tmp_path, capsys, monkeypat
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(var, raising=False)
 
+    said: list[str] = []
+
     def status() -> tuple[int, str]:
         capsys.readouterr()
         rc = nsa(["status", "--address", address])
-        return rc, capsys.readouterr().err.strip()
+        out = capsys.readouterr()
+        said.append(out.out.strip())
+        return rc, out.err.strip()
 
     rc, err = status()
     assert rc == 2 and err == (
         f"nsa status: error: the Ray dashboard at {address} wants a token (its token "
         "authentication is on) and got none: set RAY_AUTH_TOKEN to the cluster's token, or "
-        "RAY_AUTH_TOKEN_PATH to a file holding it"
+        "RAY_AUTH_TOKEN_PATH to a file holding it (`ray start` keeps its token in ~/.ray/auth_token on the head)"
     ), (rc, err)
     monkeypatch.setenv("RAY_AUTH_TOKEN", "not-" + token)
     rc, err = status()
@@ -112,6 +116,7 @@ def test_nsa_status_against_a_token_head(token_head, tmp_path, capsys, monkeypat
     ), (rc, err)
     monkeypatch.setenv("RAY_AUTH_TOKEN", token)
     assert status() == (0, ""), "the right token in RAY_AUTH_TOKEN"
+    assert said[-1] == f"no jobs on the cluster at {address}", said[-1]  # an empty listing is said
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     (tmp_path / "tok").write_text(token + "\n")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))

@@ -251,7 +251,7 @@ def _answered(address: str) -> Iterator[None]:
         raise OutsideError(
             f"the Ray dashboard at {address} wants a token (its token authentication is on) and got "
             "none: set RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file "
-            "holding it"
+            "holding it (`ray start` keeps its token in ~/.ray/auth_token on the head)"
         ) from exc
     except (RuntimeError, OSError) as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
