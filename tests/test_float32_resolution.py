@@ -141,6 +141,11 @@ def test_float32_quadrature_brackets_hold_the_exact_float64_energies(tmp_path):
         truth = np.asarray(e64.curve(name).value)[:, np.asarray(c.k) - 1]
         n, worst = _outside(c, truth)
         assert n == 0, f"{name}: {n} exact float64 values outside the float32 quadrature brackets (by {worst:.3g})"
+    # its SLQ density below float32's resolution was noise (3.6e-5 for 3.2e5 in the audit): NaN there
+    grid, dens = q32.gram_density(step=None)
+    floor = 4 * np.finfo(np.float32).eps * np.sqrt(q32.per_step("gram_sq_frobenius")[:, :1].astype(np.float64))
+    below = np.abs(grid) < floor
+    assert below.any() and np.isnan(dens[below]).all() and np.isfinite(dens[~below]).all()
 
 
 def test_the_kernel_change_of_a_float32_run_is_measured_in_float64(tmp_path):
