@@ -171,3 +171,33 @@ def test_the_kernel_change_of_a_float32_run_is_measured_in_float64(tmp_path):
         a, b = r32.per_step(name).astype(np.float64), r64.per_step(name).astype(np.float64)
         rel = np.max(np.abs(a - b)) / np.max(np.abs(b))
         assert rel < 1e-6, f"{name}: float32 run {a.ravel()[:4]} against float64 {b.ravel()[:4]} ({rel:.3g})"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_numerical_rank_is_said_and_drawn_where_projections_are_one_basis_of_many(tmp_path, dtype):
+    """Beyond G_t's numerical rank the eigenvectors are one basis of many, so ⟨v_i, m⟩² there is that
+    basis's value (float32 stored 0.54 for the float64 run's 3.11, an audit): Run.numerical_rank counts
+    the eigenvalues above the rounding δ, and Fig. 4a shades the indices beyond it."""
+    from nsa_dist.plots import make_figure
+
+    spec = ExperimentSpec(
+        name=f"rank-{dtype}",
+        data={"n": 64, "n_test": 0},
+        model={"depth": 2, "width": 8},  # 2·8 + 8 + 8 + 1 = 33 parameters: rank ≤ 33 < N
+        steps=4,
+        record={"steps": [0, 3]},
+        spectrum={"k": "all", "dtype": dtype, "images": []},
+    )
+    url = str(tmp_path / "r.zarr")
+    assert run_experiment(spec, SpectrumStore(url)).status == "done"
+    run = Client(url).run(spec.name)
+    lam = np.asarray(run.eigenvalues, np.float64)
+    fro = np.sqrt(run.per_step("gram_sq_frobenius")[:, 0].astype(np.float64))
+    eps32 = np.finfo(np.float32).eps if dtype == "float32" else 0.0
+    delta = np.maximum(64 * np.finfo(np.float64).eps * lam[:, 0], 4 * eps32 * fro)
+    want = (lam > delta[:, None]).sum(axis=1)
+    assert run.numerical_rank(step=None).tolist() == want.tolist() and (want <= 33).all() and (want >= 10).all()
+    assert run.numerical_rank(3) == want[1]
+    ax = make_figure(run, "fig4a_residual_projections").axes[0]
+    spans = [p for p in ax.patches if p.get_label() == "beyond $G_t$'s numerical rank"]
+    assert len(spans) == 1 and np.isclose(spans[0].get_x(), want.min() + 0.5), [p.get_label() for p in ax.patches]

@@ -32,9 +32,16 @@ def fig4a(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     ax, steps = ax[0, 0], run.steps
     chosen = sorted(set(opts.steps)) if opts.steps else sorted({int(steps[0]), int(steps[-1])})
     cols, labels = colors(len(chosen)), [family_label("t", t) for t in chosen]
+    rank = None
     for c, t, label in zip(cols, chosen, labels):
         p = residual_projections(run, t)
         ax.plot(np.arange(1, len(p) + 1), np.where(p > 0, p, np.nan), "o-", ms=3, color=c, label=label)
+        r = run.numerical_rank(t)
+        rank = r if rank is None else min(rank, r)
+        if r < len(p):
+            ax.axvline(r + 0.5, color=c, ls=":", lw=1)
+    if rank is not None and rank < len(p):  # beyond it: rounding's eigenvalues, one basis of many
+        ax.axvspan(rank + 0.5, len(p) + 0.5, color="0.92", zorder=0, label="beyond $G_t$'s numerical rank")
     ax.set(yscale="log", xlabel="index i", ylabel=r"$\langle v_i^t, m_t\rangle^2$")
     ax.grid(alpha=0.3, which="both")
     legend(ax, family=("t", labels, cols))

@@ -296,8 +296,9 @@ class Fig4a(Picked):
         need(self.steps_of(run), "step with stored projections (or eigenvectors)")
         out = []
         for j, t in enumerate(self.picked(run)):
-            p = residual_projections(run, t)
-            out.append(Series(np.arange(1, len(p) + 1), p, f"t = {t}", color(j), markers=len(p) <= 60))
+            p, r = residual_projections(run, t), run.numerical_rank(t)
+            label = f"t = {t}" + (f" (beyond i = {r}: G_t's numerical rank, one basis of many)" if r < len(p) else "")
+            out.append(Series(np.arange(1, len(p) + 1), p, label, color(j), markers=len(p) <= 60))
         return [out]
 
 
