@@ -1226,7 +1226,9 @@ def _job_message(message: str, whole: bool) -> str:
     lines = [ln for ln in str(message).splitlines() if ln.strip()]
     if whole or len(lines) <= 1:
         return "\n".join(lines)
-    return f"{lines[0][:200]} … (nsa status JOB, nsa logs JOB)"
+    # the log tail's last line is the job's own one-line cause (nsa's "error: …"; an audit: the listing
+    # showed only Ray's "entrypoint command failed with exit code 2")
+    return f"{lines[0][:120]} … {lines[-1].strip()[:200]} (nsa status JOB, nsa logs JOB)"
 
 
 def _store_status(url: str) -> int:

@@ -560,7 +560,9 @@ def test_the_job_listing_gives_each_job_one_line() -> None:
     )
     one = _job_message(tail, whole=False)
     assert "\n" not in one and one.startswith("Job entrypoint command failed with exit code 137"), one
-    assert "nsa logs JOB" in one
+    assert "nsa logs JOB" in one and "[nsa] step 39/9 loss 0.1" in one  # the tail's last line: the job's own cause
+    failed = "Job entrypoint command failed with exit code 2, last available logs:\n[nsa] step 1\nnsa sweep: error: bad"
+    assert "nsa sweep: error: bad" in _job_message(failed, whole=False)
     assert _job_message(tail, whole=True).count("\n") == 40
     assert _job_message("Job finished successfully.", whole=False) == "Job finished successfully."
 
