@@ -43,13 +43,13 @@ from nsa_dist.ntk._attention import attention_call_ok, attention_ok, decomposed,
 from nsa_dist.ntk.inputs import as_2d, autograd_on, trainable_params
 from nsa_dist.ntk.state import (
     FrequencyScaledLookups,
+    RandomDraws,
     batch_stat_modules,
-    draws_random,
     parameters_kept,
     plain_scalars,
     preserved,
     refuse_parameter_writes,
-    rng_states,
+    rng_kept,
 )
 
 __all__ = ["Route", "FastLayer", "ForwardPlan", "plan_forward", "couples"]
@@ -204,15 +204,15 @@ def _coupling(
     runs with grad, as the Gram's own passes do: without it PyTorch may take another path (an
     eval-mode TransformerEncoder's nested tensors zero padded positions)."""
     with torch.enable_grad():
-        before = rng_states(model)
-        whole = as_2d(model(x), x.shape[0])
-        drew = draws_random(model, before)  # proof of a random forward, where two forwards may still agree
+        with RandomDraws() as draws:
+            whole = as_2d(model(x), x.shape[0])
+        drew = bool(draws.drew)  # proof of a random forward, where two forwards may still agree
         _no_reentrant_checkpoint(whole)
         whole = whole.detach()
         if again is None:  # whole was the first forward: a lazy module draws its initial values there only
-            before = rng_states(model)
-            again = as_2d(model(x), x.shape[0])
-            drew = drew and draws_random(model, before)
+            with RandomDraws() as draws:
+                again = as_2d(model(x), x.shape[0])
+            drew = drew and bool(draws.drew)
         again = again.detach()
         _finite_outputs(model, whole, again)
         if drew or not _close(whole, again):
@@ -517,7 +517,7 @@ def batch_decides(model: nn.Module, x: torch.Tensor) -> str | None:
     the training points measured the test points' Gram, or a cross Gram's second set, with each point
     alone where the forward decides over its batch (``if x.max() > 1``; a test spectrum 1.5e-3 of
     λ_max off, λ₃ 16× off, status ``done``)."""
-    with preserved(model), _rng_kept(x), _unzeroed(model):
+    with preserved(model), rng_kept(x), _unzeroed(model):
         return _whole_batch_differs(model, x.clone(), probed=False)
 
 
@@ -527,7 +527,7 @@ def couples(model: nn.Module, x: torch.Tensor) -> str | None:
     model's buffers and modes are unchanged afterwards."""
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
-    with preserved(model), _rng_kept(x), _unzeroed(model), parameters_kept(model) as written:
+    with preserved(model), rng_kept(x), _unzeroed(model), parameters_kept(model) as written:
         try:
             with FrequencyScaledLookups() as lookups:  # (the operator's products are reverse and forward mode)
                 why = _couples(model, xs, window=_window(x, idx), all_points=x)
@@ -615,11 +615,6 @@ def _unchanged_input(x: torch.Tensor, seen: torch.Tensor) -> None:
             "every forward would measure other points and overwrite the caller's; copy it first in the "
             "forward (x = x.clone())"
         )
-
-
-def _rng_kept(x: torch.Tensor):
-    """The global RNG state is the same after the probes (a random forward draws from it)."""
-    return torch.random.fork_rng(devices=[x.device.index or 0] if x.device.type == "cuda" else [])
 
 
 @contextlib.contextmanager
@@ -715,7 +710,7 @@ def plan_forward(model: nn.Module, x: torch.Tensor) -> ForwardPlan:
     params = trainable_params(model)
     idx = _probe_index(x)
     xs = x[idx]  # a copy: a forward that writes into its input must not write into x
-    with preserved(model), _rng_kept(xs), _unzeroed(model):
+    with preserved(model), rng_kept(xs), _unzeroed(model):
         try:
             with FrequencyScaledLookups() as lookups:
                 trace = _Trace(model, xs)  # the forward with grad and hooks: also the randomness check's second forward

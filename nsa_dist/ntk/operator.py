@@ -16,17 +16,17 @@ from nsa_dist.ntk._probe import couples
 from nsa_dist.ntk.blame import blame
 from nsa_dist.ntk.inputs import as_2d, autograd_on, functorch_refused, model_dtype, refuse_complex, trainable_params
 from nsa_dist.ntk.state import (
+    RandomDraws,
     attributes_kept,
     call,
     dense_gradients,
-    draws_random,
     exact_kernels,
     frequency_unscaled,
     no_grad_as_constant,
     padding_rows_constant,
+    preserved,
     renorm_copies,
-    rng_states,
-    set_rng_states,
+    rng_kept,
     stateless,
 )
 
@@ -255,19 +255,16 @@ def jacobian_vector_product(
     for k, p in params.items():
         tangents[k] = dtheta[off : off + p.numel()].to(device=p.device, dtype=dtype).view_as(p)
         off += p.numel()
-    before = rng_states(model)
-    try:
-        out = _jvp(model, x, params, tangents)
-        if draws_random(model, before):  # its kernel and J·dθ are those of one random draw
-            drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
-            raise UnsupportedModelError(
-                "J·dθ: the model's forward is random (it draws from torch's random numbers"
-                + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
-                + "): call model.eval() (or disable the randomness)"
-            )
-    finally:
-        set_rng_states(before)
-    return out
+    with torch.no_grad(), blame(model, "J·dθ"), preserved(model), rng_kept(x), RandomDraws() as draws:
+        model(x.clone())
+    if draws.drew:  # its J·dθ would be that of one random draw
+        drop = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+        raise UnsupportedModelError(
+            "J·dθ: the model's forward is random (it draws from torch's random numbers"
+            + (f"; dropout in train mode: {', '.join(repr(d) for d in drop)}" if drop else "")
+            + "): call model.eval() (or disable the randomness)"
+        )
+    return _jvp(model, x, params, tangents)
 
 
 def _jvp(model: nn.Module, x: torch.Tensor, params: dict, tangents: dict) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from nsa_dist.errors import UnsupportedModelError
@@ -51,25 +52,47 @@ __all__ = [
 ]
 
 
-def rng_states(model: nn.Module) -> list[tuple[torch.device | None, torch.Tensor]]:
-    """The global random generators a forward of ``model`` may draw from: the CPU's (device None) and
-    that of each CUDA device holding a parameter or buffer, with their states now."""
-    devices = {t.device for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"}
-    return [(None, torch.get_rng_state())] + [(d, torch.cuda.get_rng_state(d)) for d in sorted(devices, key=str)]
+def rng_kept(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Called from the main thread: the global generators (CPU, and x's CUDA device) as they were on
+    exit — the probe of a random forward draws before it is refused, and the caller's later draws
+    (its own dropout) stay what they would have been.  From another thread (a Tracker's analysis)
+    nothing is written back: the training loop draws meanwhile in the main thread, and a restore
+    repeated its draws (a review: 13,779 of 30,415)."""
+    if threading.current_thread() is not threading.main_thread():
+        return contextlib.nullcontext()
+    return torch.random.fork_rng(devices=[x.device.index or 0] if x.device.type == "cuda" else [])
 
 
-def set_rng_states(states: list[tuple[torch.device | None, torch.Tensor]]) -> None:
-    """Put back the generators' states :func:`rng_states` took."""
-    for d, state in states:
-        if d is None:
-            torch.set_rng_state(state)
-        else:
-            torch.cuda.set_rng_state(state, d)
+class RandomDraws(TorchDispatchMode):
+    """Within the block (this thread only: a dispatch mode), whether any op drew random numbers — an
+    op tagged ``nondeterministic_seeded`` (dropout's ``bernoulli_``, ``rand``/``randn``, ``normal_``,
+    ``randperm``, …): ``drew`` lists them.  A forward that draws is random (train-mode dropout), and
+    proven so, where two of its forwards may still agree (a probe whose two forwards drew the same
+    mask took it for deterministic: an audit).  Thread-local, so a training loop drawing in another
+    thread is not seen, and nothing of the global generators is read or written back (a restore of
+    their state from an analysis thread repeated the training thread's draws: a review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            self.drew.append(str(func))
+        return func(*args, **kwargs)
 
 
-def draws_random(model: nn.Module, before: list[tuple[torch.device | None, torch.Tensor]]) -> bool:
-    """Whether a generator of :func:`rng_states` moved since ``before`` (a forward drew from it)."""
-    return any(not torch.equal(a, b) for (_, a), (_, b) in zip(before, rng_states(model)))
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a ``nondeterministic_seeded`` op draws here: the fused attention kernels carry the tag
+    for their dropout, and draw only with ``dropout_p`` > 0 (an eval-mode Transformer layer's flash
+    kernel is deterministic)."""
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    p = kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)
+    return bool(p)
 
 
 @contextlib.contextmanager
@@ -94,12 +117,10 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
     # (torch.embedding_renorm_ on its weight): its weight is put back too
     ids = renormed_weights(model)
     renormed = [(p, p.detach().clone()) for p in model.parameters() if id(p) in ids]
-    rng = rng_states(model)  # a random forward (train-mode dropout) draws from them: the caller's draws stay its own
     try:
         with frequency_unscaled(model), dense_gradients(model), attributes_kept(model), attributes_restored(model):
             yield model
     finally:
-        set_rng_states(rng)
         for m, names in children:
             for name in set(m._modules.keys()) - names:
                 del m._modules[name]
