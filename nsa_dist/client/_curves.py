@@ -272,7 +272,10 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
             [np.ones(K, bool), np.all(parts[1] == parts[2], axis=0) if S else np.zeros(int(beyond.sum()), bool)]
         )
         _widen_top(run, curve_name, ck[~beyond], K, lower, upper, exact, name != "eigenvalue", grid_name)
+        at_n = (lower[:, -1].copy(), upper[:, -1].copy(), exact[-1]) if kk.size and kk[-1] == n_points else None
         _rounding(run, name, value, lower, upper, exact, n_points, quadrature=True)
+        if at_n is not None and name != "eigenvalue":  # E(φ, N) = 1 whatever the rounding, as on the exact route
+            lower[:, -1], upper[:, -1], exact[-1] = at_n
         bracket = str(run.attrs.get("curve_bracket", "quadrature bounds (the run names no bracket kind)"))
         return BracketedCurve(
             name,

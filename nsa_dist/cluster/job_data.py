@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,11 +52,11 @@ def _digest(files: list[Location], single: bool) -> str:
     return h.hexdigest()[:16]
 
 
-def _target(path: str, key: str) -> tuple[str, str | None]:
+def _target(path: str, key: Callable[[], str]) -> tuple[str, str | None]:
     """Where ``path``'s data go inside the working_dir, and the ``data.path`` the job's sweep names
     them by: the same relative path when it stays inside the submitting directory (and clear of the
-    job's own files), else ``_nsa_data/<key>/<name>`` (``key``: :func:`_digest`).  With ``path``
-    kept, the second value is None.
+    job's own files), else ``_nsa_data/<key()>/<name>`` (``key``: :func:`_digest`, read only for a path
+    that moves).  With ``path`` kept, the second value is None.
 
     A relative path is kept as written (``./data/x.png``, ``data//mnist/``, ``sub/../data``: the
     same place once copied, :func:`_dirs_for` making the directories a ``..`` steps out of), so the
@@ -65,7 +66,7 @@ def _target(path: str, key: str) -> tuple[str, str | None]:
     named = set(Path(path).parts) | {first}
     if not os.path.isabs(norm) and first not in ("..", ".") and not named & _TAKEN:
         return Path(norm).as_posix(), None
-    dest = f"{SHIPPED_DIR}/{key}/{Path(os.path.abspath(norm)).name}"
+    dest = f"{SHIPPED_DIR}/{key()}/{Path(os.path.abspath(norm)).name}"
     return dest, dest
 
 
@@ -147,8 +148,7 @@ def prepare_job_data(
     placed: dict[str, str] = {}  # each file written into work → the real file it copies
     for path, found in files.items():
         single = os.path.isfile(path)  # an image: the path is the file; else a directory of files
-        key = _digest(found, single)
-        target, named = _target(path, key)
+        target, named = _target(path, lambda found=found, single=single: _digest(found, single))
 
         def where(t: str, f: Location, single: bool = single) -> str:
             return t if single else f"{t}/{Path(f).name}"
@@ -156,7 +156,7 @@ def prepare_job_data(
         if any(placed.get(where(target, f), os.path.realpath(f)) != os.path.realpath(f) for f in found):
             # another data.path normalises to the same place but names other files (``link/..``
             # through a symlink): this one moves, so neither run reads the other's data
-            target = named = f"{SHIPPED_DIR}/{key}/{Path(os.path.abspath(path)).name}"
+            target = named = f"{SHIPPED_DIR}/{_digest(found, single)}/{Path(os.path.abspath(path)).name}"
         if named is not None:
             moved[path] = named
         else:

@@ -78,6 +78,7 @@ class SpectralAnalyzer:
         self._warm: dict[str, np.ndarray] = {}  # spectrum.warm_start: the last Lanczos eigenvectors, by Gram
         self._local_gang: LocalGang | None = None  # the in-process gang, made at the first distributed step
         self.logged: set[str] = set()  # the run-wide remarks already logged (once per run)
+        self.rounding_checked_lr: float | None = None  # the rate the float32 update's rounding was last checked at
 
     timings = property(lambda self: self.cost.timings, doc="Seconds of the last analysed step, by part.")
     n_products = property(lambda self: self.cost.n_products, doc="Eigensolver products with G, by Gram.")

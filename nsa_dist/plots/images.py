@@ -27,17 +27,20 @@ def _image(ax: Axes, img: np.ndarray, title: str, bar: bool = True, down: bool =
         ax.figure.colorbar(im, ax=ax, shrink=0.85)
 
 
-def fourier_floors(run: Run, step: int) -> tuple[float | None, float]:
+def fourier_floors(run: Run, step: int, residual: bool = True) -> tuple[float | None, float]:
     """The sampling noise of a stored |φ̂(ξ)| (Eq. 27: the mean of φ(x_i)·e^{−2πiξ·x_i} over the N
     training points): its standard error ‖φ‖₂/N (the mean over N i.i.d. points of a function φ has
     variance ≤ E|φ(x)|²/N = ‖φ‖₂²/N²).  Over F² frequencies of pure noise the largest |φ̂| is about
     √(ln F²) of it (2.7 at 41²): a value is signal where it stands well above that.
 
-    Returns (the residual m_t's, None where the store cannot give ‖m_t‖ — an NCE run; each unit
-    eigenvector's, 1/N).  A linear colour scale drew the noise as the picture: at N = 400 the
-    |m̂_t| panel was one bright pixel (the mean) on a field of speckle as bright as the signal.
+    Returns (the residual m_t's, None where the store cannot give ‖m_t‖ — an NCE run — or where
+    ``residual`` is False; each unit eigenvector's, 1/N).  A linear colour scale drew the noise as
+    the picture: at N = 400 the |m̂_t| panel was one bright pixel (the mean) on a field of speckle
+    as bright as the signal.
     """
     n = int(np.shape(run.y)[0])
+    if not residual:  # the eigenvectors' only: the residual is not read
+        return None, 1.0 / n
     try:
         m = np.asarray(run.residual(step), np.float64).reshape(n, -1)[:, 0]  # the image's column (producers)
     except ValueError:
@@ -93,7 +96,7 @@ def fig4bc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
 def fig5(run: Run, opts: PlotOptions = PlotOptions(), *, label: str = "5", step: int | None = None) -> Figure:
     """Eigenvectors v_i of G_t at ``step`` (default the last) as images, each above its |Fourier|, six per line."""
     t, limit = int(run.steps[-1]) if step is None else step, run.spec.spectrum.fourier_limit
-    im, (_, floor) = run.images.at(t), fourier_floors(run, t)
+    im, (_, floor) = run.images.at(t), fourier_floors(run, t, residual=False)
     idx = [int(i) for i in im["indices"]]
     ncols = min(6, len(idx))
     lines = -(-len(idx) // ncols)

@@ -131,7 +131,7 @@ class Eigenvectors(Panel):
     def at(self, run: Run, step: int) -> dict[str, Any]:
         """What the panel draws at ``step`` (worker thread)."""
         if self.images:
-            floors = dict(zip(("residual_floor", "eigvec_floor"), fourier_floors(run, step)))
+            floors = dict(zip(("residual_floor", "eigvec_floor"), fourier_floors(run, step, self.has_residual)))
             return {"step": step, **run.images.at(step), **floors}
         return {"step": step, "eigvec_images": run.eigenvectors(step)[None], "indices": None}
 
