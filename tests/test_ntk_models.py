@@ -448,6 +448,64 @@ def test_measuring_draws_nothing_from_the_generators_and_rewinds_no_other_thread
     assert len(draws) > 64 and len(set(draws)) == len(draws), f"{len(draws) - len(set(draws))} repeated draws"
 
 
+@pytest.mark.parametrize("kind", ["mha", "encoder_layer"])
+def test_a_fully_padded_sequence_is_measured_by_every_route_and_the_hessian(kind):
+    """A sample whose keys are all masked (a fully padded sequence) gets zero attention from the fused
+    and math kernels, so the model's output there is finite; the explicit softmax the composite path
+    computed weights by was NaN there, and ntk_operator, J·dθ and the Hessian operators came out NaN
+    where gram was exact (two audits).  Now each equals its reference: gram (checked against jacrev
+    elsewhere), J from jacrev, H by plain autograd under the math kernel."""
+    from torch.func import functional_call, jacrev
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nsa_dist.hessian import hessian_parts
+    from nsa_dist.ntk import jacobian_vector_product
+
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = (
+                nn.MultiheadAttention(4, 2, batch_first=True)
+                if kind == "mha"
+                else nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.0, batch_first=True)
+            )
+            self.out = nn.Linear(4, 1)
+
+        def forward(self, x):
+            e = x.reshape(x.shape[0], 3, 4)
+            pad = e[..., 0] > 0.9  # read from the data: a sample with every position flagged is all padding
+            if kind == "mha":
+                e = self.att(e, e, e, key_padding_mask=pad, need_weights=False)[0]
+            else:
+                e = self.att(e, src_key_padding_mask=pad)
+            return self.out(e.mean(1))
+
+    torch.manual_seed(0)
+    model = Padded().double().eval()
+    x = torch.randn(4, 12, dtype=F64) * 0.3
+    x[2, 0::4] = 1.0  # sample 2: all three positions padded
+    assert torch.isfinite(model(x)).all()
+    G = gram(model, x)
+    op = ntk_operator(model, x).matmat(torch.eye(4, dtype=F64))
+    assert_close_rel(op, G, 1e-12, f"{kind}: ntk_operator against gram")
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    J = torch.cat([j.reshape(4, -1) for j in jacrev(lambda p: functional_call(model, p, (x,)))(params).values()], 1)
+    dt = torch.randn(J.shape[1], dtype=F64)
+    assert_close_rel(jacobian_vector_product(model, x, dt).reshape(-1), J @ dt, 1e-12, f"{kind}: J·dθ")
+    y = torch.randn(4, 1, dtype=F64)
+    names, sizes = list(params), [p.numel() for p in params.values()]
+    theta = torch.cat([p.reshape(-1) for p in params.values()])
+
+    def loss(t):
+        p = dict(zip(names, (a.view_as(q) for a, q in zip(t.split(sizes), params.values()))))
+        return 0.5 * ((functional_call(model, p, (x,)) - y) ** 2).sum() / 4
+
+    with sdpa_kernel(SDPBackend.MATH):
+        H_ref = torch.autograd.functional.hessian(loss, theta)
+    H, _, _ = hessian_parts(model, x, y)
+    assert_close_rel(H.to_dense(), H_ref, 1e-10, f"{kind}: the loss Hessian")
+
+
 def test_a_failing_module_is_named_not_a_torch_traceback():
     class Picky(nn.Module):
         def __init__(self):

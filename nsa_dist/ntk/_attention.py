@@ -240,9 +240,55 @@ class _CompositeAttention(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             call = inspect.signature(func).bind(*args, **kwargs).arguments
             if not call.get("need_weights", True):
+                call, dead = _live_rows(call)
                 out, _ = func(**{**call, "need_weights": True})
-                return out, None
+                return _dead_rows_out(out, dead, call.get("out_proj_bias")), None
         return func(*args, **kwargs)
+
+
+def _live_rows(call: dict) -> tuple[dict, torch.Tensor | None]:
+    """``F.multi_head_attention_forward``'s arguments with no query row whose keys are all masked,
+    and those rows (N, L) bool (None: none can be, or the masks are not of a form this reads).
+
+    Without weights the fused and math kernels give such a row (a fully padded sequence) zero
+    attention, so the output there is ``out_proj``'s bias; the explicit softmax this mode computes
+    the weights by is NaN there — the kernel, the operator and the Hessian of a padded batch came out
+    NaN where ``gram`` was exact (two audits).  The row's masks are lifted (one additive mask per
+    head, 0 on that row), and :func:`_dead_rows_out` puts the bias there.  Read for a key padding
+    mask and a 2-D attention mask (bool or additive); a 3-D one (per head), ``is_causal``,
+    ``add_zero_attn``, ``bias_k`` and static keys are left as they are (no row of theirs is all
+    masked, or its heads may differ)."""
+    kpm, am, q = call.get("key_padding_mask"), call.get("attn_mask"), call["query"]
+    if (kpm is None and am is None) or call.get("is_causal") or call.get("add_zero_attn"):
+        return call, None
+    if call.get("bias_k") is not None or call.get("static_k") is not None or (am is not None and am.dim() != 2):
+        return call, None
+    batched = q.dim() == 3
+    L, S = q.shape[0], call["key"].shape[0]
+    n = q.shape[1] if batched else 1
+    h = int(call["num_heads"])
+
+    def additive(m: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        if m is None:
+            return q.new_zeros(shape)
+        m = m.reshape(shape)
+        return torch.where(m, float("-inf"), 0.0).to(q.dtype) if m.dtype == torch.bool else m.to(q.dtype)
+
+    mask = additive(kpm, (n, 1, S)) + additive(am, (1, L, S))  # (n, L, S)
+    dead = torch.isneginf(mask).all(-1)  # (n, L)
+    mask = torch.where(dead[..., None], 0.0, mask).to(q.dtype)
+    mask = mask.repeat_interleave(h, dim=0) if batched else mask.expand(h, L, S)  # (n·h, L, S): per head
+    return {**call, "key_padding_mask": None, "attn_mask": mask}, dead
+
+
+def _dead_rows_out(out: torch.Tensor, dead: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out`` (L, N, E) or (L, E) with the all-masked rows ``dead`` (N, L) set to ``out_proj``'s bias
+    (0 without one): zero attention through the output projection, as the fused kernel gives."""
+    if dead is None:
+        return out
+    rows = dead.transpose(0, 1)[..., None] if out.dim() == 3 else dead[0][:, None]  # (L, N, 1) or (L, 1)
+    fill = bias if bias is not None else out.new_zeros(())
+    return torch.where(rows, fill.to(out.dtype), out)
 
 
 @contextlib.contextmanager
