@@ -506,6 +506,59 @@ def test_a_fully_padded_sequence_is_measured_by_every_route_and_the_hessian(kind
     assert_close_rel(H.to_dense(), H_ref, 1e-10, f"{kind}: the loss Hessian")
 
 
+def test_ops_tagged_random_that_draw_nothing_here_are_not_a_random_forward():
+    """``rrelu_with_noise`` in eval mode (nn.RReLU) carries the nondeterministic_seeded tag and draws
+    nothing: the randomness check refused it (a review); its kernel is measured again."""
+    from nsa_dist.ntk import jacobian_vector_product
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.RReLU(), nn.Linear(8, 1)).double().eval()
+    x = torch.randn(6, 3, dtype=F64)
+    assert_close_rel(gram(model, x), dense_ntk(model, x), 1e-12, "eval-mode RReLU")
+    P = sum(p.numel() for p in model.parameters())
+    assert torch.isfinite(jacobian_vector_product(model, x, torch.ones(P, dtype=F64))).all()
+    with pytest.raises(UnsupportedModelError, match="random"):
+        gram(model.train(), x)  # in training it draws: refused
+
+
+def test_a_causal_encoder_over_padded_sequences_and_a_per_head_mask():
+    """nn.TransformerEncoder passes is_causal with its causal mask: a left-padded or fully padded
+    sequence then has rows with every key masked, which ntk_operator gave as NaN (a review); now
+    equal to gram.  A per-head (3-D) mask with such a row is not lifted: said, not NaN."""
+    from nsa_dist.errors import NonFiniteError
+
+    L, E = 3, 4
+
+    class Causal(nn.Module):
+        def __init__(self, per_head: bool):
+            super().__init__()
+            self.per_head = per_head
+            layer = nn.TransformerEncoderLayer(E, 2, 6, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+            self.att = nn.MultiheadAttention(E, 2, batch_first=True)
+            self.out = nn.Linear(E, 1)
+
+        def forward(self, x):
+            e = x.reshape(x.shape[0], L, E)
+            pad = e[..., 0] > 0.9
+            if self.per_head:
+                am = torch.zeros(x.shape[0] * 2, L, L, dtype=x.dtype)
+                return self.out(self.att(e, e, e, key_padding_mask=pad, attn_mask=am, need_weights=False)[0].mean(1))
+            causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=x.dtype)
+            return self.out(self.enc(e, mask=causal, src_key_padding_mask=pad).mean(1))
+
+    torch.manual_seed(0)
+    x = torch.randn(4, L * E, dtype=F64) * 0.3
+    x[2, 0::E] = 1.0  # sample 2 fully padded
+    x[1, 0] = 1.0  # sample 1 left-padded: its first row sees only masked keys under the causal mask
+    model = Causal(False).double().eval()
+    G = gram(model, x)
+    assert_close_rel(G, dense_ntk(model, x), 1e-12, "causal encoder: gram")
+    assert_close_rel(ntk_operator(model, x).matmat(torch.eye(4, dtype=F64)), G, 1e-12, "causal encoder: operator")
+    with pytest.raises(NonFiniteError, match="composite"):
+        ntk_operator(Causal(True).double().eval(), x).matmat(torch.eye(4, dtype=F64))
+
+
 def test_a_failing_module_is_named_not_a_torch_traceback():
     class Picky(nn.Module):
         def __init__(self):

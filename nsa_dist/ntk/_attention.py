@@ -255,11 +255,11 @@ def _live_rows(call: dict) -> tuple[dict, torch.Tensor | None]:
     the weights by is NaN there — the kernel, the operator and the Hessian of a padded batch came out
     NaN where ``gram`` was exact (two audits).  The row's masks are lifted (one additive mask per
     head, 0 on that row), and :func:`_dead_rows_out` puts the bias there.  Read for a key padding
-    mask and a 2-D attention mask (bool or additive); a 3-D one (per head), ``is_causal``,
-    ``add_zero_attn``, ``bias_k`` and static keys are left as they are (no row of theirs is all
-    masked, or its heads may differ)."""
+    mask and a 2-D attention mask (bool or additive; a causal one too, which comes with
+    ``is_causal``); a 3-D one (per head: its heads' rows may die apart, which the output cannot
+    undo), ``add_zero_attn``, ``bias_k`` and static keys are left as they are."""
     kpm, am, q = call.get("key_padding_mask"), call.get("attn_mask"), call["query"]
-    if (kpm is None and am is None) or call.get("is_causal") or call.get("add_zero_attn"):
+    if (kpm is None and am is None) or call.get("add_zero_attn"):  # (is_causal comes with its attn_mask)
         return call, None
     if call.get("bias_k") is not None or call.get("static_k") is not None or (am is not None and am.dim() != 2):
         return call, None

@@ -101,7 +101,18 @@ class NTKOperator(LinearOperator):
     def _matmat(self, Vt: torch.Tensor) -> torch.Tensor:
         m, N, K = Vt.shape[1], self.x.shape[0], self.K
         Vr = Vt.reshape(N, K, m) if self.full else Vt  # (N, K, m) or (N, m)
-        return self.j(self.jt(Vr), m).reshape(self.shape[0], m)
+        out = self.j(self.jt(Vr), m).reshape(self.shape[0], m)
+        if bool(torch.isfinite(Vt).all()) and not bool(torch.isfinite(out).all()):
+            # the probe saw finite outputs: a product that is not finite is the composite kernels' (an
+            # attention row whose keys are all masked per head) — said, never handed on as a kernel
+            from nsa_dist.errors import NonFiniteError
+
+            raise NonFiniteError(
+                f"G·v of {type(self.model).__name__} is not finite where its outputs are: an op's composite "
+                "(differentiable) kernel is NaN where the model's own is not — e.g. an attention row whose keys "
+                "are all masked under a per-head (3-D) mask; gram() measures it by another route"
+            )
+        return out
 
     @autograd_on
     def jt(self, Vr: torch.Tensor) -> dict[str, torch.Tensor]:

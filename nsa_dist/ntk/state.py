@@ -84,15 +84,25 @@ class RandomDraws(TorchDispatchMode):
 
 
 def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a ``nondeterministic_seeded`` op draws here: the fused attention kernels carry the tag
-    for their dropout, and draw only with ``dropout_p`` > 0 (an eval-mode Transformer layer's flash
-    kernel is deterministic)."""
-    names = [a.name for a in func._schema.arguments]
-    if "dropout_p" not in names:
-        return True
-    i = names.index("dropout_p")
-    p = kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)
-    return bool(p)
+    """Whether a ``nondeterministic_seeded`` op draws here: ops that draw only in training or for a
+    dropout carry the tag regardless — the fused attention kernels (``dropout_p``), cuDNN's RNN
+    (``dropout``, ``train``), ``native_dropout`` (``p``, ``train``), ``rrelu_with_noise``
+    (``training``): an eval-mode Transformer layer or ``nn.RReLU`` draws nothing (a review)."""
+    schema = func._schema.arguments
+    names = [a.name for a in schema]
+
+    def value(name: str) -> Any:
+        i = names.index(name)
+        if name in kwargs:
+            return kwargs[name]
+        return args[i] if i < len(args) else schema[i].default_value
+
+    if any(flag in names and value(flag) is False for flag in ("train", "training")):
+        return False
+    probs = [n for n in ("dropout_p", "dropout") if n in names]
+    if "dropout" in func.name() and "p" in names:
+        probs.append("p")
+    return not any(isinstance(value(n), (int, float)) and value(n) == 0 for n in probs)
 
 
 @contextlib.contextmanager
