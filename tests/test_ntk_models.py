@@ -557,6 +557,11 @@ def test_a_causal_encoder_over_padded_sequences_and_a_per_head_mask():
     assert_close_rel(ntk_operator(model, x).matmat(torch.eye(4, dtype=F64)), G, 1e-12, "causal encoder: operator")
     with pytest.raises(NonFiniteError, match="composite"):
         ntk_operator(Causal(True).double().eval(), x).matmat(torch.eye(4, dtype=F64))
+    from nsa_dist.hessian import hessian_parts
+
+    H, _, _ = hessian_parts(Causal(True).double().eval(), x, torch.randn(4, 1, dtype=F64))
+    with pytest.raises(NonFiniteError, match="composite"):  # numpy's "eigenvalues did not converge" before
+        H.to_dense()
 
 
 def test_a_failing_module_is_named_not_a_torch_traceback():

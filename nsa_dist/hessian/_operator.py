@@ -363,6 +363,14 @@ class LossCurvatureOperator(LinearOperator):
             except UnsupportedModelError as e:
                 self._refused = e
                 raise
+        if bool(torch.isfinite(Vt).all()) and not bool(torch.isfinite(AV).all()):
+            from nsa_dist.errors import NonFiniteError
+
+            raise NonFiniteError(  # a NaN operator read as a matrix: numpy's "eigenvalues did not converge" (an audit)
+                f"the loss Hessian's product of {type(self.model).__name__} is not finite for a finite vector: an op's "
+                "composite (differentiable) kernel is NaN where the model's own is not — e.g. an attention row whose "
+                "keys are all masked under a per-head (3-D) mask — or the loss is not finite at these outputs"
+            )
         return AV
 
     def _columns(self, Vt: torch.Tensor) -> torch.Tensor:
