@@ -311,6 +311,20 @@ def read_curve(run: RunArrays, name: str, n_points: int) -> BracketedCurve:
     )
 
 
+def rounding_delta(run: RunArrays, lam: np.ndarray, n_points: int) -> np.ndarray:
+    """(S,) the rounding δ of each step's reduction of G_t from its stored eigenvalues ``lam`` (S, K):
+    max(N·eps₆₄·|λ_1|, and under ``spectrum.dtype: float32`` 4·eps₃₂·‖G_t‖_F), ‖G_t‖_F the stored
+    ``gram_sq_frobenius`` (else the stored eigenvalues')."""
+    eps32 = float(np.finfo(np.float32).eps) if run.spec.spectrum.dtype == "float32" else 0.0
+    with np.errstate(invalid="ignore"):
+        top = np.nanmax(np.abs(lam), axis=1) if lam.shape[1] else np.zeros(len(lam))
+        fro = np.sqrt(np.nansum(lam**2, axis=1))
+        if run.has("gram_sq_frobenius"):
+            stored = np.asarray(run.per_step("gram_sq_frobenius"), np.float64).reshape(len(lam), -1)[:, 0]
+            fro = np.where(np.isfinite(stored) & (stored > 0), np.sqrt(np.abs(stored)), fro)
+        return np.maximum(n_points * float(np.finfo(np.float64).eps) * top, 4.0 * eps32 * fro)
+
+
 def _rounding(
     run: RunArrays,
     name: str,
@@ -348,14 +362,8 @@ def _rounding(
             upper[keep] = np.clip(upper[keep] + r, 0.0, 1.0)
             exact &= ~np.any(upper - lower > TOP_RESOLUTION, axis=0)
         return
-    lam = np.asarray(run.per_step("eigenvalues"), np.float64).reshape(S, -1)
+    delta = rounding_delta(run, np.asarray(run.per_step("eigenvalues"), np.float64).reshape(S, -1), n_points)[:, None]
     with np.errstate(invalid="ignore"):
-        top = np.nanmax(np.abs(lam), axis=1) if lam.shape[1] else np.zeros(S)
-        fro = np.sqrt(np.nansum(lam**2, axis=1))
-        if run.has("gram_sq_frobenius"):
-            stored = np.asarray(run.per_step("gram_sq_frobenius"), np.float64).reshape(S, -1)[:, 0]
-            fro = np.where(np.isfinite(stored) & (stored > 0), np.sqrt(np.abs(stored)), fro)
-        delta = np.maximum(n_points * float(np.finfo(np.float64).eps) * top, 4.0 * eps32 * fro)[:, None]
         keep = np.isfinite(value) & np.isfinite(delta)
         lower[keep] = np.fmin(lower, value - delta)[keep]
         upper[keep] = np.fmax(upper, value + delta)[keep]

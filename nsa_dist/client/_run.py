@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nsa_dist.client._arrays import RunArrays
-from nsa_dist.client._curves import EXACT_BRACKET, BracketedCurve, energy_route, read_curve
+from nsa_dist.client._curves import EXACT_BRACKET, BracketedCurve, energy_route, read_curve, rounding_delta
 from nsa_dist.client._frames import run_to_xarray
 from nsa_dist.client._hessian import HessianView
 from nsa_dist.client._images import ImagesView
@@ -229,14 +229,7 @@ class Run(RunArrays):
         ``constant_gram_energy``) there are that basis's values (float32 ones were 0.54 for 3.11, an
         audit).  An int at ``step`` (−1: the last finished step); None: (S,) at every finished step."""
         lam = np.asarray(self.eigenvalues, np.float64)
-        fro = np.sqrt(np.nansum(lam**2, axis=1))
-        if self.has("gram_sq_frobenius"):
-            stored = np.asarray(self.per_step("gram_sq_frobenius"), np.float64).reshape(len(lam), -1)[:, 0]
-            fro = np.where(np.isfinite(stored) & (stored > 0), np.sqrt(np.abs(stored)), fro)
-        eps32 = float(np.finfo(np.float32).eps) if self.spec.spectrum.dtype == "float32" else 0.0
-        top = np.nanmax(np.abs(lam), axis=1) if lam.shape[1] else np.zeros(len(lam))
-        delta = np.maximum(self.N * float(np.finfo(np.float64).eps) * top, 4.0 * eps32 * fro)
-        rank = (lam > delta[:, None]).sum(axis=1)
+        rank = (lam > rounding_delta(self, lam, self.N)[:, None]).sum(axis=1)
         if step is None:
             return rank
         return int(rank[int(np.flatnonzero(self.steps == self._step(step))[0])])
