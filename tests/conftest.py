@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -295,7 +296,8 @@ def s3_server() -> Iterator[dict]:
 def kill_cluster(marks: list[str]) -> None:
     """Stop exactly the processes whose command line holds one of ``marks``, and their children
     (``ray stop`` would stop every Ray on the machine; agents rename themselves, so children are
-    found through their parents)."""
+    found through their parents); then remove the marks that are folders (the nodes' ``--temp-dir``s:
+    6 MB of session logs each, left in /tmp by every run of the suite before)."""
     import psutil
 
     procs = set()
@@ -311,6 +313,9 @@ def kill_cluster(marks: list[str]) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(list(procs), timeout=10)
+    for m in marks:
+        if os.path.isdir(m):
+            shutil.rmtree(m, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,7 @@ def token_head():
         assert mode == "token", f"the head's dashboard answered authentication_mode {mode!r}"
         yield address, token
     finally:
-        kill_cluster([temp_dir, f"127.0.0.1:{port}", f":{port}"])
+        kill_cluster([temp_dir, token_dir, f"127.0.0.1:{port}", f":{port}"])
 
 
 @pytest.mark.slow
