@@ -266,3 +266,67 @@ def test_an_all_zero_gram_gives_curves_not_an_error():
     V = np.eye(N)[:, :K]
     c = spectral_curves(torch.from_numpy(G), w, V, {"y": np.ones(N)}, curve_ks(N, 10), lanczos_steps=5, probes=4)
     assert np.isfinite(c.eigenvalue.lower).all() and np.isfinite(c.energy["y"].upper).all()
+
+
+def _energy_above(w: np.ndarray, V: np.ndarray, phi: np.ndarray, t: float, strict: bool = True) -> float:
+    keep = w > t if strict else w >= t
+    return float(((V[:, keep].T @ phi) ** 2).sum() / (phi @ phi))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sin_theta_bounds_hold_for_any_perturbation_of_the_norm(seed):
+    """E's Davis–Kahan ends (``_sin_theta_lower`` / ``_upper``) against the exact projectors of M = G + Δ,
+    ‖Δ‖₂ ≤ δ: random Δ, and the worst kind — a rotation between an eigenvector above the window and
+    one below it, φ in their span — where sin Θ's bound is all but attained; φ with almost all its
+    energy on one side (where the bound is used) and spread.  No case outside, and the worst cases
+    come within 5 % of the bound's loss: a bound too loose by a factor fails too."""
+    from nsa_dist.linalg.quadrature import _sin_theta_lower, _sin_theta_upper
+
+    rng = np.random.default_rng(seed)
+    N = 40
+    lam = np.sort(rng.uniform(0.0, 1.0, N))[::-1]
+    Q, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    G = (Q * lam) @ Q.T
+    used = {"lower": [], "upper": []}
+    for case in range(300):
+        worst = case % 3 == 0
+        up = int(rng.integers(0, N - 2))
+        dn = int(rng.integers(up + 1, N))
+        if worst:  # the window just inside the pair's gap, φ = cos α·u ∓ sin α·d, Δ = ε(udᵀ + duᵀ)
+            t, width = float(lam[dn]), float(lam[up] - lam[dn]) * (1 - 1e-9)
+            delta = float(rng.uniform(1e-3, 3e-2)) * width
+            D = np.outer(Q[:, up], Q[:, dn])
+            D = D + D.T
+            alpha = float(rng.uniform(0.05, 1.5))
+            sign = rng.choice([-1.0, 1.0])
+            phi = np.cos(alpha) * Q[:, up] + sign * np.sin(alpha) * Q[:, dn]
+        else:
+            t = float(lam[up + 1])
+            width = float(rng.uniform(0.2, 3.0)) * float(lam[up] - lam[min(up + 2, N - 1)] + 1e-3)
+            delta = float(rng.uniform(0.01, 0.5)) * width
+            D = rng.standard_normal((N, N))
+            D = D + D.T
+            c = np.where(lam > t, 1.0, rng.choice([0.05, 1.0])) * rng.standard_normal(N)
+            phi = Q @ c
+        D *= delta / np.linalg.norm(D, 2)
+        wm, Vm = np.linalg.eigh(G + D)
+        cw = delta / width
+        # the lower end: M's energy above t against G's above t + w; the upper: M's at or above t
+        # against G's at or above t − w
+        a = _energy_above(lam, Q, phi, t + width)
+        e_low = _energy_above(wm, Vm, phi, t)
+        lo = float(_sin_theta_lower(np.array([a]), cw)[0])
+        assert lo <= e_low + 1e-12, f"case {case}: lower {lo:.12f} above M's {e_low:.12f} (a = {a:.6f}, c = {cw:.3g})"
+        t_up = t
+        if worst:  # M's eigenvalues at or above u's (moved up by ~ε²/gap) against G's down to just above d's
+            t_up = float(wm[np.argmin(np.abs(wm - lam[up]))])
+            width = (t_up - float(lam[dn])) * (1 - 1e-9)
+            cw = delta / width
+        b = _energy_above(lam, Q, phi, t_up - width, strict=False)
+        e_up = _energy_above(wm, Vm, phi, t_up, strict=False)
+        hi = float(_sin_theta_upper(np.array([b]), cw)[0])
+        assert e_up <= hi + 1e-12, f"case {case}: upper {hi:.12f} below M's {e_up:.12f} (b = {b:.6f}, c = {cw:.3g})"
+        if worst:
+            used["lower"].append((a - e_low) / (a - lo))
+            used["upper"].append((e_up - b) / (hi - b))
+    assert max(used["lower"]) > 0.95 and max(used["upper"]) > 0.95, {k: max(v) for k, v in used.items()}

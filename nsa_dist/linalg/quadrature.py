@@ -62,7 +62,8 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
   take any part of v_{K+1}'s energy).
   Eigenvalues a few δ apart are not a cluster, yet the exact route's eigenvectors rotate between them
   by ~δ/gap: beyond the top, E's bracket takes the tightest of ramp bounds (threshold moved by w,
-  ± δ₆₄/w, :func:`_ramps`), which hold under a float64 reduction's backward error δ₆₄.  Not covered:
+  ± δ₆₄/w, :func:`_ramps`) and Davis–Kahan's sin Θ bounds over the same windows, which hold under
+  a float64 reduction's backward error δ₆₄.  Not covered:
   such a rotation inside the top part (k ≤ K, E off by ≤ 1.1·10⁻⁵ on eigenvalue pairs 2.5–1000·δ
   apart against 40-digit eigenvectors), and a float32 reduction's rotations, which stay a threshold
   shift (a model).  The solver's own rotation there is covered: its eigenvectors' residual ‖R‖ bounds
@@ -1195,8 +1196,10 @@ def _energy_curve(
             # the top part above each threshold (all of it unless the threshold reaches the top's eigenvalues)
             base_lo = top2_at(np.searchsorted(desc, -lo_t, side="left"))  # Σ over λ_i > lo_t
             base_hi = top2_at(np.searchsorted(desc, -hi_t, side="right"))  # Σ over λ_i ≥ hi_t
-            low = np.maximum(low, (base_lo + sum(r.radau(lo_t)[0] for r in rules)) / norm2 - turn)
-            high = np.minimum(high, (base_hi + sum(r.radau(hi_t)[1] for r in rules)) / norm2 + turn)
+            above = (base_lo + sum(r.radau(lo_t)[0] for r in rules)) / norm2  # μ((lo_t, ∞)) ≥ above
+            at = (base_hi + sum(r.radau(hi_t)[1] for r in rules)) / norm2  # μ([hi_t, ∞)) ≤ at
+            low = np.maximum(low, np.maximum(above - turn, _sin_theta_lower(above, turn)))
+            high = np.minimum(high, np.minimum(at + turn, _sin_theta_upper(at, turn)))
         # E(φ, k) counts λ_k itself: λ_k's estimate is a node of the rules (of the same eigenvalue, in
         # another run's rounding), so the estimate takes the nodes within a rounding band below it too —
         # at the node itself, one ulp moved a whole node's weight in or out (0.07 between a run on 1
@@ -1295,13 +1298,34 @@ def _ramps(delta: float) -> list[tuple[float, float]]:
     r ≥ 1[x ≥ t] (or ≤), |φᵀ(r(G + Δ) − r(G))φ| ≤ ‖φ‖²·‖Δ‖_F / w (a function of slope 1/w is
     Lipschitz with that constant in the Frobenius norm of symmetric matrices), so
     E ≤ μ_φ([t − w, ∞))/‖φ‖² + δ/w and E ≥ μ_φ((t + w, ∞))/‖φ‖² − δ/w for every w: each w gives a
-    bound, the tightest is kept.  A float32 G's own storage rounding (``_Floor.delta`` beyond this)
-    stays a threshold shift — its exact route's eigenvectors are those of a float32 reduction, a
-    model (the worst case would blur E by ~0.1 over G's dense part at N = 10⁴).  δ = 0: the plain
-    thresholds."""
+    bound, the tightest is kept — and the same windows give Davis–Kahan's bounds
+    (:func:`_sin_theta_lower`, :func:`_sin_theta_upper`), tighter where φ's energy is almost all on
+    one side of the threshold: y's widest bracket at N = 10⁴ lay there.  A float32 G's own storage
+    rounding (``_Floor.delta`` beyond this) stays a threshold shift — its exact route's eigenvectors
+    are those of a float32 reduction, a model (the worst case would blur E by ~0.1 over G's dense
+    part at N = 10⁴).  δ = 0: the plain thresholds."""
     if delta <= 0:
         return [(0.0, 0.0)]
     return [(f * delta, 1.0 / f) for f in _RAMPS]
+
+
+def _sin_theta_lower(a: np.ndarray, c: float) -> np.ndarray:
+    """E's lower end from Davis–Kahan where the ramp's is loose: with P the exact route's projector on
+    its eigenvalues above t (M = G + Δ, ‖Δ‖₂ ≤ δ) and Q G's on its eigenvalues above t + w, the sin Θ
+    theorem gives ‖(I − P)Q‖₂ ≤ δ/w = ``c``, so ‖(I − P)φ‖ ≤ ‖(I − Q)φ‖ + c·‖Qφ‖ and
+    E ≥ 1 − (√(1 − a) + c·√a)² for a = ‖Qφ‖²/‖φ‖² ≥ ``a`` (the bound falls with a only above
+    c²/(1 + c²), its maximum 1 + c² there).  Where φ's energy is almost all above the threshold (y and
+    f late in the curve) the loss is ≈ 2c·√(a(1 − a)) against the ramp's c: a tenth at a = 0.99."""
+    a = np.clip(np.maximum(a, c * c / (1.0 + c * c)), 0.0, 1.0)
+    return 1.0 - (np.sqrt(1.0 - a) + c * np.sqrt(a)) ** 2
+
+
+def _sin_theta_upper(b: np.ndarray, c: float) -> np.ndarray:
+    """E's upper end the same way: P the exact route's projector on its eigenvalues ≥ t, Q G's on
+    its eigenvalues ≥ t − w, ‖P(I − Q)‖₂ ≤ c, so ‖Pφ‖ ≤ ‖Qφ‖ + c·‖(I − Q)φ‖ and
+    E ≤ (√b + c·√(1 − b))² for b = ‖Qφ‖²/‖φ‖² ≤ ``b`` (the bound rises with b below 1/(1 + c²))."""
+    b = np.clip(np.minimum(b, 1.0 / (1.0 + c * c)), 0.0, 1.0)
+    return (np.sqrt(b) + c * np.sqrt(1.0 - b)) ** 2
 
 
 def _density(lam: np.ndarray, N: int, probes: list[_Rule], n_grid: int) -> tuple[np.ndarray, np.ndarray]:
