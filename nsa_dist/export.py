@@ -86,6 +86,7 @@ PER_ITEM_DIMS = frozenset(
         "preservation_row",
         "train_step",
         "curve",
+        "curve_test",  # exported by k through curve_sources, as "curve": its position is not a k
     }
 )
 _FULL = 8  # an axis this short is exported whole; a longer one (k, i) at 1, 2, 5, 10, … (NSA Fig. 3's k)

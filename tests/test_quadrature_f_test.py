@@ -95,8 +95,12 @@ def test_the_client_reads_f_test_to_m(tmp_path) -> None:
     value, lower, upper = run.energy("f_test", M - 7, step=4)
     assert lower <= value <= upper and upper - lower < 1.0
     assert run.energy("f_test", M, step=4) == (1.0, 1.0, 1.0)
-    from nsa_dist.export import curve_sources
+    from nsa_dist.export import curve_sources, scalar_sources
 
     tags = {s.tag for s in curve_sources(run)}
     for s in ("", "_lower", "_upper"):
         assert f"curve_energy_f_test{s}/k_{M}" in tags and f"curve_energy_y{s}/k_{N}" in tags, sorted(tags)[:5]
+    # the grid's positions are not k: f_test's curve went out a second time as …/curve_test_<position>
+    # (curve_test_10 held E at k = 12), beside its …/k_<k> series
+    by_position = sorted(s.tag for s in scalar_sources(run) if "/curve_test_" in s.tag or "/curve_" in s.tag)
+    assert not by_position, f"curve arrays exported by grid position too: {by_position[:4]}"
