@@ -276,6 +276,37 @@ def test_a_nan_loss_given_to_log_fails_the_run_at_its_step(tmp_path):
         tr.log(9, 0.1)  # the loop goes on: the error says why the Tracker closed
 
 
+def test_an_interrupted_loop_keeps_the_losses_logged_after_its_last_record(tmp_path):
+    """An exception at step 13 of a loop recording every 5 and logging every step: the losses of steps
+    11 and 12 (logged after the record of 10) were NaN in the stored loss curve (an audit); the
+    interrupt at interpreter exit takes the same path."""
+    url = str(tmp_path / "t.zarr")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    X = torch.randn(32, 3, generator=torch.Generator().manual_seed(1))
+    y = torch.sin(X.sum(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = {}
+    with pytest.raises(RuntimeError, match="a crash at 13"):
+        with Tracker(url, "r", model, X, y, steps=30, record={"every": 5}, spectrum={"k": 4}, device="cpu") as tr:
+            for t in range(30):
+                if t == 13:
+                    raise RuntimeError("a crash at 13")
+                loss = 0.5 * ((model(X).squeeze(-1) - y) ** 2).mean()
+                if tr.due(t):
+                    tr.record(t, lr=0.1)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                tr.log(t, loss.item())
+                logged[t] = loss.item()
+    run = Client(url).run("r")
+    trace = np.asarray(run.loss_trace)
+    assert run.status == "interrupted" and list(run.steps) == [0, 5, 10], (run.status, run.steps)
+    np.testing.assert_array_equal(trace[:13], [logged[t] for t in range(13)], err_msg="logged losses lost")
+    assert np.isnan(trace[13:]).all()
+
+
 def test_a_skipped_non_finite_batch_leaves_the_run_going(tmp_path):
     """A loop that skips a batch whose loss is NaN (θ untouched) lost its run: log() failed it ("training
     diverged") and every later call raised "this Tracker is closed" into the loop (an audit).  With finite

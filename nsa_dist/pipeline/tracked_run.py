@@ -358,6 +358,7 @@ class TrackedRun:
             if self.pending is not None:
                 self.advance(-1)  # -1 is no step + 1: the update is NaN
             self.drain()
+            self.flush_trace()  # the losses logged after the last record (up to every − 1 of them were lost)
         except AnalysisError:  # abort() marked the run failed and ended the session
             pass
         finally:
