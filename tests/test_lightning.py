@@ -173,7 +173,9 @@ def _check(url: str, name: str, net: nn.Module, probe: Probe, steps: list[int], 
     for t in steps:
         i = index[t]
         theta, lrs = probe.pre[t]
-        np.testing.assert_array_equal(g["theta"][i], theta.float().numpy())  # the store keeps θ in float32
+        # the resume state keeps θ in the module's own dtype (a float64 one's was rounded to float32)
+        assert g["theta"].dtype == (np.float64 if theta.dtype == torch.float64 else np.float32), g["theta"].dtype
+        np.testing.assert_array_equal(g["theta"][i], theta.numpy().astype(g["theta"].dtype))
         if len(set(lrs)) == 1:
             assert float(g["lr"][i]) == lrs[0], (t, float(g["lr"][i]), lrs[0])
         else:  # groups at different rates: no one δ_t

@@ -189,3 +189,77 @@ def test_a_resume_whose_first_update_changes_nothing_goes_on(tmp_path):
     check stopped it: a review)."""
     run = _resumed(str(tmp_path / "s.zarr"), 0, [0.1, 0.1, 0.0, 0.1, 0.1, 0.1])
     assert run.attrs["status"] == "done" and run["done"][:].all(), (run.attrs["status"], run.attrs.get("reason"))
+
+
+def _f64_tracker(url: str, model: nn.Module) -> Tracker:
+    return Tracker(
+        url, "f64", model, X.double(), Y.double(), steps=20, record={"every": 5}, spectrum={"k": 3, "images": []}
+    )
+
+
+def _f64_loop(url: str, model: nn.Module, stop: int | None = None, start: int = 0) -> Tracker:
+    """A float64 GD loop recorded every 5 steps; ``stop``: the loop ends there, its Tracker closed (paused)."""
+    X64, Y64 = X.double(), Y.double()
+    tr = _f64_tracker(url, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(start, stop or 20):
+        if tr.due(t):
+            tr.record(t, lr=0.1)
+        opt.zero_grad()
+        (0.5 * ((model(X64) - Y64) ** 2).mean()).backward()
+        opt.step()
+    tr.close()
+    return tr
+
+
+def _resume(url: str) -> nn.Module:
+    """The documented resume: a new network set to ``theta_at(resume_step)``, its loop from there."""
+    from torch.nn.utils import vector_to_parameters
+
+    model = _net(3).double()
+    tr = _f64_tracker(url, model)
+    step, theta = tr.resume_step, tr.theta_at(tr.resume_step)
+    vector_to_parameters(torch.as_tensor(theta, dtype=torch.float64), model.parameters())
+    tr.close()
+    _f64_loop(url, model, start=step)
+    return model
+
+
+def test_a_float64_models_resume_state_is_its_theta_exactly(tmp_path):
+    """θ_t of a float64 model was stored in float32: ``theta_at`` handed back θ_t rounded to 6·10⁻⁸ (the
+    resumed loop left the recorded trajectory) and a reader's kernel at the stored θ_t was another
+    network's.  Now the resume state is in the model's dtype, and the resumed run is the uninterrupted one."""
+    url, whole = str(tmp_path / "s.zarr"), str(tmp_path / "w.zarr")
+    _f64_loop(url, _net(3).double(), stop=12)  # recorded 0, 5, 10; paused
+    assert zarr.open_group(url, mode="r")["runs/f64"]["theta"].dtype == np.float64
+    _resume(url)
+    _f64_loop(whole, _net(3).double())
+    run, ref = (zarr.open_group(u, mode="r")["runs/f64"] for u in (url, whole))
+    assert run.attrs["status"] == "done", dict(run.attrs)
+    for name in ("theta", "eigenvalues"):
+        np.testing.assert_array_equal(
+            run[name][:], ref[name][:], err_msg=f"{name}: the resumed run left the trajectory"
+        )
+
+
+def test_a_float64_run_recorded_with_float32_state_resumes_in_it(tmp_path):
+    """A run the nsa-dist before this wrote (float32 θ, no ``state_dtype`` in its sizes) goes on in its own
+    arrays, not refused as corrupt."""
+    url = str(tmp_path / "s.zarr")
+    _f64_loop(url, _net(3).double(), stop=12)
+    g = zarr.open_group(url, mode="r+")["runs/f64"]
+    dims = dict(g.attrs["dims"])
+    del dims["state_dtype"]
+    g.attrs["dims"] = dims
+    for name in ("theta", "opt_slots"):
+        arr = g[name]
+        old, attrs, chunks, names = arr[...], dict(arr.attrs), arr.chunks, arr.metadata.dimension_names
+        del g[name]
+        new = g.create_array(
+            name, shape=old.shape, dtype="float32", chunks=chunks, fill_value=np.nan, dimension_names=names
+        )
+        new[...] = old.astype(np.float32)
+        new.attrs.update(attrs)
+    _resume(url)
+    g = zarr.open_group(url, mode="r")["runs/f64"]
+    assert g.attrs["status"] == "done" and g["theta"].dtype == np.float32, (dict(g.attrs), g["theta"].dtype)

@@ -410,6 +410,9 @@ def plan_run(
         gram_density_bins=s.quadrature.density_grid if curve else 0,
         # the test Gram on the same route: its top k_test exact, brackets beyond (Fig. 3e to M)
         curve_points_test=len(curve_ks(M, s.quadrature.curve_points)) if curve and 0 < k_test < M else 0,
+        state_dtype="float64"
+        if _tracked(spec) and any(p.dtype == torch.float64 for p in model.parameters())
+        else "float32",
     )
     return RunPlan(
         run_id=materials.run_id,

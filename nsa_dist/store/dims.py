@@ -46,6 +46,10 @@ class RunDims:
     curve_points: int = 0  # k: all on the quadrature route: the reported k of the curves (0: exact route / top-k)
     gram_density_bins: int = 0  # … and the grid of G's SLQ spectral density
     curve_points_test: int = 0  # … and the reported k of E_t(f_test, k) beyond the test Gram's top k_test (0: none)
+    # θ_t and the optimizer slots of the resume state: a float64 Tracker model's in float64 (in float32 they
+    # were θ_t rounded to 6·10⁻⁸: theta_at's resume left the recorded trajectory, a reader's own kernel at the
+    # stored θ_t missed the stored spectrum in the 7th digit); the float32 trainer's and a runs' before it float32
+    state_dtype: str = "float32"
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -133,8 +133,8 @@ def _run_arrays(D: RunDims) -> list[ArraySpec]:
         ArraySpec("image_indices", (D.n_images,), "int64", False),
         ArraySpec("loss_trace", (D.T,), "float64", False),
         ArraySpec("done", (D.S,), "bool", True),
-        ArraySpec("theta", (D.S, D.P), "float32", True),
-        ArraySpec("opt_slots", (D.S, D.n_slots, D.P), "float32", True),
+        ArraySpec("theta", (D.S, D.P), D.state_dtype, True),
+        ArraySpec("opt_slots", (D.S, D.n_slots, D.P), D.state_dtype, True),
         ArraySpec("rng_state", (D.S, D.rng_bytes), "uint8", True),
     ]
     if D.store_eigenvectors:
