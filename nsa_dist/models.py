@@ -488,6 +488,9 @@ def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Modul
     * a ``torch.compile``'d model (``OptimizedModule``) is measured through the module it wraps
       (``_orig_mod``, the same parameters): the measurements run many forwards under hooks and
       ``torch.func`` transforms, each of which would make Dynamo recompile until its limit;
+    * a ``DistributedDataParallel`` or ``DataParallel`` wrapper through its ``module`` (the same
+      parameters): its forward is a collective (DDP broadcasts the buffers: a Tracker's probe on rank 0
+      waited for a rank that never came) and its parameter names carry a ``module.`` prefix;
     * with ``output`` given, a :class:`SelectedOutput` of it.
 
     Raises:
@@ -503,8 +506,9 @@ def measured_module(model: nn.Module, output: OutputSelector = None) -> nn.Modul
             "pass the Python module it was made from (it shares the parameters, so a loop may train either)"
         )
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
-    while dynamo is not None and isinstance(model, dynamo.OptimizedModule):
-        model = model._orig_mod
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    while isinstance(model, wrappers) or (dynamo is not None and isinstance(model, dynamo.OptimizedModule)):
+        model = model._orig_mod if not isinstance(model, wrappers) else model.module
     if dynamo is not None and model not in _compiled_said:
         inner = [name for name, m in model.named_modules() if isinstance(m, dynamo.OptimizedModule)]
         if inner:

@@ -5,6 +5,7 @@ run, the other rank's Tracker writes nothing; every stored step against ``torch.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ from nsa_dist import Tracker
 
 def net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 12), nn.Tanh(), nn.Linear(12, 1)).double()
+    return {NET}
 
 def data():
     g = torch.Generator().manual_seed(1)
@@ -37,8 +38,9 @@ def data():
 def main(rank, url, out, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
     model, (X, y) = net(), data()
-    tr = Tracker(url, "ddp", model, X, y, steps={T}, record={{"every": 1}}, spectrum={{"k": {K}}}, device="cpu")
     ddp = nn.parallel.DistributedDataParallel(model)
+    given = ddp if {WRAPPED} else model  # the wrapper: measured through the module it wraps
+    tr = Tracker(url, "ddp", given, X, y, steps={T}, record={{"every": 1}}, spectrum={{"k": {K}}}, device="cpu")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     mine = slice(rank * {N} // 2, (rank + 1) * {N} // 2)  # each rank's half; DDP averages the gradients
     thetas = []
@@ -59,9 +61,17 @@ if __name__ == "__main__":
 """
 
 
-def _net() -> nn.Module:
+_NETS = {
+    "plain": "nn.Sequential(nn.Linear(3, 12), nn.Tanh(), nn.Linear(12, 1)).double()",
+    # buffers: DDP's forward broadcasts them, a collective the other rank never joined while rank 0's
+    # Tracker probed the wrapper (it hung in Tracker.__init__)
+    "batchnorm": "nn.Sequential(nn.Linear(3, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 1)).double().eval()",
+}
+
+
+def _net(kind: str = "plain") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 12), nn.Tanh(), nn.Linear(12, 1)).double()
+    return eval(_NETS[kind])
 
 
 def _data():
@@ -71,23 +81,34 @@ def _data():
 
 
 @pytest.mark.slow
-def test_rank_zero_records_a_plain_ddp_loop_exactly(tmp_path):
+@pytest.mark.parametrize("kind, wrapped", [("plain", False), ("batchnorm", True)], ids=["module", "wrapper"])
+def test_rank_zero_records_a_plain_ddp_loop_exactly(tmp_path, kind, wrapped):
+    """The Tracker given the module, or the DistributedDataParallel wrapper around it (measured through
+    the module: its parameters were stored as ``module.0.weight``, and a model with buffers hung)."""
     from conftest import free_port
 
     script = tmp_path / "ddp_loop.py"
-    script.write_text(_SCRIPT.format(N=N, K=K, T=T))
+    script.write_text(_SCRIPT.format(N=N, K=K, T=T, NET=_NETS[kind], WRAPPED=wrapped))
     url, out = str(tmp_path / "s.zarr"), str(tmp_path / "seen")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "NODE_RANK")}
-    done = subprocess.run(
-        [sys.executable, str(script), url, out, str(free_port())], capture_output=True, text=True, timeout=240, env=env
+    cmd = [sys.executable, str(script), url, out, str(free_port())]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the spawned ranks too
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the two ranks did not finish in 240 s (a collective one rank never joined?): {stderr[-2000:]}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = {r: torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)}
     assert [seen[r]["rank"] for r in (0, 1)] == [0, 1]
     run = Client(url).run("ddp")
     assert run.status == "done" and [int(s) for s in run.steps] == list(range(T))
     X, y = _data()
-    m = _net()
+    m = _net(kind)
     for t in range(T):
         theta = seen[0]["thetas"][t]
         torch.testing.assert_close(theta, seen[1]["thetas"][t], rtol=0, atol=1e-14)  # DDP kept the ranks equal
