@@ -1164,6 +1164,10 @@ for t in range(31):
     if t == 25:
         if sys.argv[2] == "raise":
             raise RuntimeError("a bug in the loop")
+        if sys.argv[2] == "sigterm":  # as torchrun stops every rank when one dies
+            import os, signal
+            os.kill(os.getpid(), signal.SIGTERM)
+            continue
         break  # the script ends without close()
     opt.zero_grad()
     L.backward()
@@ -1171,11 +1175,13 @@ for t in range(31):
 """
 
 
-@pytest.mark.parametrize("how", ["raise", "end"])
+@pytest.mark.parametrize("how", ["raise", "end", "sigterm"])
 def test_a_script_ending_without_close_keeps_every_recorded_step(tmp_path, how):
     """No ``with``: an uncaught exception (or a script that never calls ``close()``) lost the steps in
     flight — their analyses, run as the interpreter shut down, failed with "cannot schedule new
-    futures after shutdown" — and the pending one; 6 of 9 recorded steps were kept."""
+    futures after shutdown" — and the pending one; 6 of 9 recorded steps were kept.  SIGTERM killed
+    the process on the spot (the steps in flight lost, the status left ``running``: torchrun's way of
+    stopping rank 0 when another rank dies); it now ends the loop as an exception, exit status 143."""
     import subprocess
     import sys
 
@@ -1183,12 +1189,16 @@ def test_a_script_ending_without_close_keeps_every_recorded_step(tmp_path, how):
     script.write_text(_UNCLOSED)
     url = str(tmp_path / "t.zarr")
     out = subprocess.run([sys.executable, str(script), url, how], capture_output=True, text=True, timeout=300)
-    assert out.returncode == (1 if how == "raise" else 0), out.stderr[-2000:]
+    assert out.returncode == {"raise": 1, "end": 0, "sigterm": 143}[how], (out.returncode, out.stderr[-2000:])
     run = Client(url).run("r")
     assert run.status == "interrupted" and run.g["done"][:9].all() and not run.g["done"][9:].any(), (
         run.status,
         run.g["done"][:],
         out.stderr[-2000:],
     )
-    why = "an uncaught RuntimeError (a bug in the loop)" if how == "raise" else "the process exited"
+    why = {
+        "raise": "an uncaught RuntimeError (a bug in the loop)",
+        "end": "the process exited",
+        "sigterm": "the process was sent SIGTERM",
+    }[how]
     assert why in run.reason and "before Tracker.close()" in run.reason, run.reason

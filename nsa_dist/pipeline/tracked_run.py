@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import signal
 import sys
 import threading
 import weakref
@@ -394,6 +396,40 @@ def _ended_with_the_process(run: TrackedRun) -> None:
             (register or atexit.register)(_interrupt_open_runs)
             _REGISTERED = True
         _OPEN.add(run)
+        _exit_on_sigterm()
+
+
+class TerminatedWhileRecording(SystemExit):
+    """SIGTERM while a Tracker's run was open: raised in the main thread, so the ``with`` block, a
+    Lightning ``on_exception`` or the interpreter's exit interrupts the run with its steps in flight
+    finished (the default action killed the process on the spot: under ``torchrun`` — which sends it
+    to every rank when one dies — rank 0's steps out for analysis were lost and the status stayed
+    ``running``).  Exit status 143, as a process ended by the signal reports it to a shell."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def _exit_on_sigterm() -> None:
+    """Install the SIGTERM handler once, from the main thread, where the process has the default
+    action (a handler of the program's own is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+_SIGTERM_SEEN: list[int] = []
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """With a run open: unwind the main thread (:class:`TerminatedWhileRecording`); a second SIGTERM
+    (or one with every run closed) takes the default action, at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if any(not r.closed for r in list(_OPEN)):
+        _SIGTERM_SEEN.append(signum)
+        raise TerminatedWhileRecording()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _interrupt_open_runs() -> None:
@@ -404,7 +440,9 @@ def _interrupt_open_runs() -> None:
             continue
         name = run.session.spec.name
         why = (
-            f"the process ended on an uncaught {type(error).__name__} ({error})"
+            "the process was sent SIGTERM"
+            if _SIGTERM_SEEN
+            else f"the process ended on an uncaught {type(error).__name__} ({error})"
             if error is not None
             else "the process exited"
         )
