@@ -11,7 +11,8 @@ per optimizer step under gradient accumulation (not one per micro-batch), and un
 optimization one per ``opt.step()`` call, whichever optimizer steps (its own lr).  The update Δθ_t,
 Δf_t is taken at the end of the batch that made it (before validation runs), or at the end of
 training.  The loss ``training_step`` returned for the batch of update t is the run's loss curve at
-t (``Run.loss_trace``: the optimizer's own loss, a mini-batch's under SGD, as under ``nsa run``),
+t (``Run.loss_trace``: the optimizer's own loss, a mini-batch's under SGD, as under ``nsa run``;
+under DDP the mean of the ranks' batch losses),
 for every update, recorded or not — under automatic optimization without gradient accumulation (else
 the curve holds the recorded steps' full-batch loss only).  Checked against ``torch.func.jacrev`` at
 the optimizer's own θ_t, δ_t, θ_{t+1} (``tests/test_lightning.py``): full-batch and mini-batch SGD,
@@ -112,7 +113,12 @@ if _pl is not None:
             loss = _batch_loss(outputs)
             made_one = step == getattr(self, "_at", step) + 1 and pl_module.automatic_optimization
             if made_one and loss is not None and int(getattr(trainer, "accumulate_grad_batches", 1)) == 1:
-                self.tracker.log(step - 1, loss)  # the loss of the batch that made update t: the loss curve
+                if int(getattr(trainer, "world_size", 1)) > 1:
+                    # DDP: the mean of the ranks' batch losses, the loss of the global batch the averaged
+                    # gradient is of (rank 0's shard alone was stored: 0.68 for the global 0.52, an audit).
+                    # Every rank runs this hook at this step, so the collective is joined by all
+                    loss = trainer.strategy.reduce(loss.detach().reshape(()).clone(), reduce_op="mean")
+                self.tracker.log(step - 1, float(loss))  # the loss of the batch that made update t: the loss curve
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self._ended = True
@@ -123,11 +129,11 @@ if _pl is not None:
             self._ended = True
             self.tracker.__exit__(type(exception), exception, exception.__traceback__)
 
-    def _batch_loss(outputs: Any) -> float | None:
-        """The loss ``training_step`` returned (a scalar tensor or a dict's ``"loss"``), else None."""
+    def _batch_loss(outputs: Any) -> Any:
+        """The loss ``training_step`` returned (a one-element tensor, or a dict's ``"loss"``), else None."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if hasattr(loss, "numel") and loss.numel() == 1:
-            return float(loss.detach())
+            return loss.detach()
         return None
 
     def _layout(model: Any) -> list[tuple[str, str]]:
