@@ -89,6 +89,14 @@ def test_an_energy_k_beyond_some_runs_n_leaves_them_out_and_says_so(url):
     assert curve.key == {"data.n": 24} and np.isfinite(curve.mean).all()
     assert sweep.lacking("energy_y", 20) == [{"data.n": 16}]
     assert sweep.scalar("energy_y", k=20)["data.n"].tolist() == [24]
+    # beyond every run: one error naming the sweep and the largest k it has (was "this run measured …",
+    # naming no run, and lacking() said [] — as if none lacked it)
+    for read in (lambda: sweep.curves("energy_y", 30), lambda: sweep.scalar("energy_y", k=30)):
+        with pytest.raises(
+            ValueError, match=r"k=30: no finished run of sweep 'sizes' has energy_y at k = 30 \(the largest"
+        ):
+            read()
+    assert sweep.lacking("energy_y", 30) == [{"data.n": 16}, {"data.n": 24}]
 
 
 def test_a_sweep_name_given_as_a_run_says_it_is_a_sweep(url):

@@ -495,14 +495,29 @@ class Sweep:
         that have no column ``k`` of it (an E_t(φ, k) beyond their N or their stored eigenpairs):
         :meth:`curves`, :meth:`scalar` and the sweep figures leave them out, and ``nsa plot --sweep``
         says which."""
-        skip = self._not_recording(name, k)
+        skip = self._lacking_ids(name, k)[0]
         return [key for key, ids in self.groups() if skip.intersection(ids)]
+
+    def _lacking_ids(self, name: str, k: int | None) -> tuple[set[str], list[str]]:
+        ids = [rid for _, group in self.groups() for rid in group]
+        return {rid for rid in ids if not records(self.run(rid), name) or _beyond(self.run(rid), name, k)}, ids
 
     def _not_recording(self, name: str, k: int | None = None) -> set[str]:
         """The ids of the finished runs whose spec does not record ``name`` (at ``k``) — none when no
-        run of the sweep records it (reading it then is the error saying so, never an empty answer)."""
-        ids = [rid for _, group in self.groups() for rid in group]
-        skip = {rid for rid in ids if not records(self.run(rid), name) or _beyond(self.run(rid), name, k)}
+        run of the sweep records it (reading it then is the error saying so, never an empty answer);
+        a ``k`` beyond every run's columns is that error here, naming the sweep (the run's own said
+        "this run", not which).
+
+        Raises:
+            ValueError: no finished run of the sweep has column ``k`` of ``name``."""
+        skip, ids = self._lacking_ids(name, k)
+        if ids and len(skip) == len(ids) and k is not None and any(records(self.run(r), name) for r in ids):
+            largest = max(self.run(r).k_max if name.startswith("energy_") else 0 for r in ids)
+            most = f" (the largest any run has: k = {largest})" if largest else ""
+            raise ValueError(
+                f"k={k}: no finished run of sweep {self.name!r} has {name} at k = {k}{most}; "
+                "spectrum.k: all or spectrum.energy: quadrature measures every k up to N"
+            )
         return set() if len(skip) == len(ids) else skip
 
     def smallest_k(self) -> int:
