@@ -95,6 +95,7 @@ def test_the_client_reads_f_test_to_m(tmp_path) -> None:
     value, lower, upper = run.energy("f_test", M - 7, step=4)
     assert lower <= value <= upper and upper - lower < 1.0
     assert run.energy("f_test", M, step=4) == (1.0, 1.0, 1.0)
+    assert "f_test" in set(run.bracket_widths().phi)  # every φ the run stores (f_test was left out)
     from nsa_dist.export import curve_sources, scalar_sources
 
     tags = {s.tag for s in curve_sources(run)}

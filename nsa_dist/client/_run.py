@@ -192,13 +192,13 @@ class Run(RunArrays):
             cache[key] = read_curve(self, name, n)  # f_test: in the eigenbasis of the M×M test Gram
         return cache[key]
 
-    def bracket_widths(self, phis: str | tuple[str, ...] = PHIS) -> pandas.DataFrame:
+    def bracket_widths(self, phis: str | tuple[str, ...] = PHI_NAMES) -> pandas.DataFrame:
         """Where each E_t(φ, k)'s bracket is widest, per finished step: columns ``step``, ``phi``,
         ``width``, ``k`` (``<NA>`` where the step's E is NaN), ``value``, ``lower``, ``upper`` (at that k).
         0 on the exact route but
         inside an eigenvalue cluster (a rank-deficient G's null space); on the quadrature route
         the step's log says what each width is made of (docs/curves.md).  ``phis``: the φ, or
-        one φ as a string.  A φ the run does not store is left out.
+        one φ as a string (default: every φ, f_test too).  A φ the run does not store is left out.
 
         Raises:
             ValueError: an unknown phi.
