@@ -63,6 +63,8 @@ def _store_positional(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "store", nargs="?", type=_store_path, default=os.environ.get("NSA_STORE") or DEFAULT_STORE, help=_STORE_HELP
     )
+    # the other commands' --store too (`nsa verify --store X` was "unrecognized arguments: --store")
+    p.add_argument("--store", dest="store_option", type=_store_path, default=None, help="the same as STORE")
 
 
 _STORE_HELP = "spectrum store path or URL (default: $NSA_STORE or ./nsa-results.zarr)"
@@ -297,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         before = words.index(extra[0]) < words.index(args.cmd) if extra[0] in words and args.cmd in words else False
         (parser if before else args._commands[args.cmd]).error(f"unrecognized arguments: {' '.join(extra)}")
     del args._commands
+    if getattr(args, "store_option", None) is not None:  # `nsa verify --store X`, `nsa serve --store X`
+        default = _store_path(os.environ.get("NSA_STORE") or DEFAULT_STORE)
+        if args.store not in (default, args.store_option):
+            parser.error(f"nsa {args.cmd}: two stores given ({args.store!r} and --store {args.store_option!r})")
+        args.store = args.store_option
     args.argv = argv
     saved_debug = os.environ.get("NSA_DEBUG")
     debug = args.debug or bool(saved_debug)

@@ -340,8 +340,13 @@ def test_verify_of_a_folder_that_is_no_store_names_its_own_argument(tmp_path, ca
         assert rc == 2 and want in err and "not a spectrum store" in err, f"{cmd}: exit {rc}, stderr {err!r}"
         if cmd == "verify":
             assert "--store PATH" not in err, err
-            with pytest.raises(SystemExit):  # the advice it no longer gives is indeed a usage error
-                _parser().parse_args(["verify", "--store", "x"])
+    # `--store` as every other command takes it (was "unrecognized arguments: --store"); two stores: refused
+    rc = nsa(["verify", "--store", str(tmp_path / "plain")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a spectrum store" in err, f"exit {rc}, stderr {err!r}"
+    with pytest.raises(SystemExit):
+        nsa(["verify", str(tmp_path / "a.zarr"), "--store", str(tmp_path / "plain")])
+    assert "two stores given" in capsys.readouterr().err
 
 
 def test_every_example_validates_and_every_command_has_help(capsys):
