@@ -733,7 +733,11 @@ class SpectrumSpec(_Strict):
     layout: Layout = Field(Layout.LOCAL, description="local | block_rows | matrix_free | auto (see Layout)")
     workers: int = Field(1, ge=1, description="spectral workers sharing one step's G (block_rows, matrix_free)")
     memory_budget_gb: float | None = Field(
-        None, gt=0, description="per-worker memory for layout=auto (default: half of this machine's memory)"
+        None,
+        gt=0,
+        description="layout=auto: the memory a worker's share of G_t may take — the layout chosen is one whose "
+        "part fits (default: half of this machine's memory); the process's own ~0.4 GB (torch, Ray) and the "
+        "temporaries come on top, and an explicit layout is run as set",
     )
     frobenius_probes: int = Field(32, ge=2, description="matrix_free: Hutch++ probes of ‖G‖_F²")
 

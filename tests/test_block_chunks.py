@@ -53,3 +53,25 @@ def test_chunked_features_equal_one_pass(make, d, monkeypatch):
             assert Aw.shape == Ac.shape and Dw.shape == Dc.shape, (r, j, Aw.shape, Ac.shape, Dw.shape, Dc.shape)
             err = max(np.abs(Aw - Ac).max(), np.abs(Dw - Dc).max()) / max(np.abs(Aw).max(), np.abs(Dw).max(), 1e-300)
             assert err < 1e-13, f"range {r}, pair {j}: chunked features differ by {err:.3g} (relative)"
+
+
+@pytest.mark.parametrize("cap", [1, 3 * 16 * 8, 10**9], ids=["one-point", "three-points", "whole"])
+def test_shard_products_in_byte_capped_chunks_equal_j_and_jt(cap, monkeypatch):
+    """A matrix_free shard's products J_s U and J_sᵀ V run in chunks of at most ``CHUNK_BYTES`` of
+    (points × columns × outputs) — 134 MB twice over at 2,048 points before (an audit) — and equal
+    the dense float64 Jacobian's, however small the chunks."""
+    from torch.func import functional_call, jacrev
+
+    from nsa_dist.ntk import shards
+
+    torch.manual_seed(0)
+    model, x = _mlp().to(F64), torch.randn(13, 3, dtype=F64)
+    monkeypatch.setattr(shards, "CHUNK_BYTES", cap)
+    shard = shards.FeatureShard(block_features(model, x, [(0, 13)], dtype=F64)[0], K=2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    J = torch.cat([j.reshape(26, -1) for j in jacrev(lambda p: functional_call(model, p, (x,)))(params).values()], 1)
+    G = (J @ J.T).reshape(13, 2, 13, 2).diagonal(dim1=1, dim2=3).sum(-1)  # Σ_a J_a J_aᵀ
+    V = np.random.default_rng(1).standard_normal((13, 3))
+    GV = shard.j(shard.jt(V))
+    err = np.abs(GV - G.numpy() @ V).max() / np.abs(G.numpy() @ V).max()
+    assert err < 1e-13, f"J_s J_sᵀ V differs from the dense traced Gram's product by {err:.3g} (relative)"

@@ -279,7 +279,12 @@ def test_nsa_run_counts_every_gang_member_it_holds_and_the_feature_pass(monkeypa
     one, here = footprint(spec), footprint(spec, gang_in_process=True)
     G = one.parts["G (matrix_free layout)"]
     assert here.parts["gang members in this process (W = 3: 2 × their own part more)"] == 2 * G, here.parts
-    assert here.total - one.total == pytest.approx(2 * G)
+    # and each member's product temporaries (capped: CHUNK_BYTES each)
+    from nsa_dist.ntk.shards import CHUNK_BYTES
+
+    assert here.parts["matrix_free products (transient)"] == 3 * one.parts["matrix_free products (transient)"]
+    assert one.parts["matrix_free products (transient)"] == CHUNK_BYTES
+    assert here.total - one.total == pytest.approx(2 * G + 2 * CHUNK_BYTES)
     # the feature pass: one range of N/W = 2000 points, its features and the forward activations
     P, width = fc_sizes(spec.model)
     outs = (spec.model.depth - 1) * spec.model.width + spec.model.output_dim

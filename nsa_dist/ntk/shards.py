@@ -33,7 +33,16 @@ from nsa_dist.ntk.route import NTKRoute
 
 __all__ = ["TilePlan", "tile_plan", "GramTiles", "FeatureShard", "JacobianShard", "shard_features"]
 
-_CHUNK = 2048  # points per contraction chunk of the matrix-free products
+_CHUNK = 2048  # points per contraction chunk of the matrix-free products …
+# … and at most this many bytes of a chunk's (points × columns × outputs) temporary: at 2,048 points,
+# 32 columns and 256 outputs it was 134 MB twice over, ~0.3 GB a member held above its shard's features
+# whatever N (an audit: 5–12× the footprint's estimate at N = 2,000–4,000)
+CHUNK_BYTES = 32 << 20
+
+
+def _rows(m: int, q: int, itemsize: int) -> int:
+    """Points per chunk of a product with ``m`` columns over a layer of ``q`` outputs."""
+    return max(1, min(_CHUNK, CHUNK_BYTES // max(1, m * q * itemsize)))
 
 
 @dataclass(frozen=True)
@@ -236,9 +245,10 @@ class FeatureShard:
         parts = []
         for A, D in self.feats:
             U = torch.zeros(m * D.shape[1], A.shape[1], dtype=A.dtype, device=A.device)  # (m·q, c)
-            for s in range(0, self.n, _CHUNK):
-                VD = Vt[s : s + _CHUNK, :, None] * D[s : s + _CHUNK, None, :]  # (b, m, q)
-                U += VD.reshape(VD.shape[0], -1).T @ A[s : s + _CHUNK]
+            b = _rows(m, D.shape[1], A.element_size())
+            for s in range(0, self.n, b):
+                VD = Vt[s : s + b, :, None] * D[s : s + b, None, :]  # (b, m, q)
+                U += VD.reshape(VD.shape[0], -1).T @ A[s : s + b]
             parts.append(U.reshape(m, -1).double())
         return torch.cat(parts, dim=1).cpu().numpy()
 
@@ -253,9 +263,12 @@ class FeatureShard:
             q = D.shape[1]
             Ul = Ut[:, off : off + w].reshape(m * q, A.shape[1])  # (m·q, c)
             off += w
-            for s in range(0, self.n, _CHUNK):
-                T = A[s : s + _CHUNK] @ Ul.T  # (b, m·q)
-                out[s : s + _CHUNK] += (T.view(T.shape[0], m, q) * D[s : s + _CHUNK, None, :]).sum(-1)
+            b = _rows(m, q, A.element_size())
+            for s in range(0, self.n, b):
+                T = A[s : s + b] @ Ul.T  # (b, m·q)
+                out[s : s + b] += torch.bmm(T.view(T.shape[0], m, q), D[s : s + b, :, None])[
+                    ..., 0
+                ]  # Σ_q, no (b, m, q) copy
         return out.double().cpu().numpy()
 
 

@@ -16,6 +16,8 @@ Parts (bytes, lower estimates — a run refused here would certainly not fit):
   c = min(:data:`~nsa_dist.ntk.blocks.ROW_CHUNK`, N/W) points (measured on the 6×256 and 3×512
   nets: 1.6–4.4× the chunk's features above what is kept; ``block_rows`` passes its blocks before
   any tile exists, so its pass is not added to the tiles);
+* a ``matrix_free`` member's product temporaries: one chunk of (points × columns × outputs),
+  at most :data:`~nsa_dist.ntk.shards.CHUNK_BYTES` (each member's, where they share the process);
 * the top-k eigenvectors, N·k·8 (``k: all``: N² on the exact route, N·quadrature.top on the
   quadrature route, which also holds the Lanczos bases and products of the column groups that run
   side by side (the probes' and φ's, or φ's own longer run with ``quadrature.phi_steps``),
@@ -45,6 +47,7 @@ from nsa_dist.config import DataName, ExperimentSpec, Layout, ModelSpec, Optimiz
 from nsa_dist.errors import ResourceError
 from nsa_dist.linalg.quadrature import quadrature_basis_bytes
 from nsa_dist.ntk.blocks import ROW_CHUNK
+from nsa_dist.ntk.shards import CHUNK_BYTES
 from nsa_dist.pipeline import layout as _layout
 from nsa_dist.pipeline.plan import constant_gram_applies, energy_route
 
@@ -118,6 +121,10 @@ def footprint(
             per_range = -(-N // W)  # a member's shard
             outs = (spec.model.depth - 1) * spec.model.width + spec.model.output_dim
             parts["feature pass (transient)"] = float(min(ROW_CHUNK, per_range) * (width + outs) * item)
+        if lay is Layout.MATRIX_FREE:
+            # each product's chunk temporary (J_s U: points × columns × outputs), capped by bytes
+            members = W if gang_in_process else 1
+            parts["matrix_free products (transient)"] = float(CHUNK_BYTES * members)
     parts["eigenvectors"] = 8.0 * N * k
     parts.update(_test_points(spec, lay, width, k, gang_in_process))
     parts["data"] = 16.0 * (N + spec.data.n_test) * (spec.data.input_dim or spec.model.input_dim or 0)
@@ -152,7 +159,7 @@ def check_fits(spec: ExperimentSpec, gang_in_process: bool = False, **known: Any
         largest = max(fp.parts, key=fp.parts.get).split(" ")[0]
         gang = any(k.startswith("gang ") for k in fp.parts)
         where = "in this process" if gang else "on one worker"
-        if gang and largest == "G":  # in one process more workers do not help: the gang's advice
+        if gang and largest in ("G", "matrix_free"):  # in one process more workers do not help: the gang's advice
             largest = "gang"
         fix = _FIX[largest]
         if largest == "gang" and fp.layout is Layout.BLOCK_ROWS:
@@ -186,6 +193,7 @@ _FIX = {
         "cluster of several machines (one process per member), or lower data.n"
     ),
     "feature": "raise spectrum.workers (smaller ranges per feature pass), or lower model.width",
+    "matrix_free": "run it where a worker has more memory (a member's product temporaries take up to 32 MB)",
     "eigenvectors": "lower spectrum.k (or quadrature.top)",
     "quadrature": "lower spectrum.quadrature.lanczos_steps, block_size or phi_steps",
     "data": "lower data.n",
