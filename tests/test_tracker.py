@@ -1202,3 +1202,69 @@ def test_a_script_ending_without_close_keeps_every_recorded_step(tmp_path, how):
         "sigterm": "the process was sent SIGTERM",
     }[how]
     assert why in run.reason and "before Tracker.close()" in run.reason, run.reason
+
+
+_FORKS_AND_SIGNALS = """
+import os, signal, sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from nsa_dist import Tracker
+from nsa_dist.pipeline import tracked_run
+
+url, how = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+X = torch.randn(32, 3)
+y = torch.sin(X.sum(1))
+model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if how == "sigterm-in-close":  # the signal lands while close() waits for the steps out
+    drain = tracked_run.TrackedRun.drain
+    def once(self):
+        if self.inflight and not getattr(tracked_run, "sent", False):
+            tracked_run.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return drain(self)
+    tracked_run.TrackedRun.drain = once
+loader = DataLoader(TensorDataset(X, y), batch_size=32, num_workers=1 if how == "workers" else 0)
+try:
+    with Tracker(url, "r", model, X, y, steps=12, record={"every": 3}, spectrum={"k": 4}, device="cpu") as tr:
+        t = 0
+        while t < 12:
+            for xb, yb in loader:  # a forked worker per epoch, which exits at the epoch's end
+                loss = 0.5 * ((model(xb).squeeze(-1) - yb) ** 2).mean()
+                if tr.due(t):
+                    tr.record(t, lr=0.1)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                tr.log(t, loss.item())
+                t += 1
+except SystemExit as e:  # as pytest and IPython catch it: the process goes on
+    print("caught", e.code)
+from nsa_dist import Client
+run = Client(url).run("r")
+print("status", run.status, "|", run.reason, "|", bool(run.g["done"][:].all()))
+again = Tracker(url, "r", model, X, y, steps=12, record={"every": 3}, spectrum={"k": 4}, device="cpu")
+again.close()  # this process may open the run again: the lease was given back
+"""
+
+
+@pytest.mark.parametrize("how", ["workers", "sigterm-in-close"])
+def test_forked_workers_and_a_sigterm_in_close_keep_the_run(tmp_path, how):
+    """A DataLoader's forked worker exiting at an epoch's end ran the interpreter's exit hook on its copy
+    of the parent's open run: status interrupted, the writer's folder removed, the parent's next write
+    LeaseLost — every step lost (a review).  A SIGTERM while close() waited for the steps out left the
+    status running and the lease held (the same process could not reopen the run)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "loop.py"
+    script.write_text(_FORKS_AND_SIGNALS)
+    url = str(tmp_path / "t.zarr")
+    out = subprocess.run([sys.executable, str(script), url, how], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    if how == "workers":
+        assert "status done | None | True" in out.stdout, out.stdout
+    else:
+        assert "caught 143" in out.stdout, out.stdout
+        assert "status interrupted | the process was sent SIGTERM" in out.stdout and "| True" in out.stdout, out.stdout
+    assert Client(url).run("r").status == "done"  # reopened by the same process and closed, all steps there

@@ -84,6 +84,7 @@ class TrackedRun:
         self.finished: list[dict] = []
         self.blocked = 0
         self.max_seen_inflight = 0
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) has this object too: not its run
         _ended_with_the_process(self)
 
     @classmethod
@@ -324,6 +325,9 @@ class TrackedRun:
         try:
             self.drain()
             self.flush_trace()
+        except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM while the steps out finish
+            self.interrupt(type(exc))  # they finish (a second SIGTERM kills), then status interrupted
+            raise
         finally:
             self.closed = True
             self.pool.close()
@@ -356,6 +360,8 @@ class TrackedRun:
         steps out, then status ``interrupted`` — unless a step's analysis failed meanwhile: the run is
         then ``failed`` with that step (:meth:`abort`) and the loop's own error is the one raised (a
         second status write after the lease was given back read as LeaseLost, hiding both)."""
+        if reason is None and cause is not None and issubclass(cause, TerminatedWhileRecording):
+            reason = "the process was sent SIGTERM; every recorded step analysed is kept — reopen to continue"
         try:
             if self.pending is not None:
                 self.advance(-1)  # -1 is no step + 1: the update is NaN
@@ -394,9 +400,29 @@ def _ended_with_the_process(run: TrackedRun) -> None:
         if not _REGISTERED:
             register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
             (register or atexit.register)(_interrupt_open_runs)
+            os.register_at_fork(after_in_child=_forget_in_child)
             _REGISTERED = True
         _OPEN.add(run)
+        _SIGTERM_SEEN.clear()  # a SIGTERM before this run (caught by the program) is not why it ends
         _exit_on_sigterm()
+
+
+def _ours(run: TrackedRun) -> bool:
+    """Whether ``run`` is this process's open run (not a forked child's copy of its parent's)."""
+    return not run.closed and run.pid == os.getpid()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, multiprocessing's fork) leaves its parent's runs alone: at
+    its exit the interpreter's hook interrupted them (status ``interrupted``, the writer's folder gone,
+    the parent's next write LeaseLost — every step of a ``with Tracker`` loop lost at the first epoch's
+    end), and a SIGTERM to it (``DataLoader`` stopping its workers) did the same."""
+    _OPEN.clear()
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # forked from a thread other than the main one: not the child's main thread
+        pass
 
 
 class TerminatedWhileRecording(SystemExit):
@@ -411,22 +437,27 @@ class TerminatedWhileRecording(SystemExit):
 
 
 def _exit_on_sigterm() -> None:
-    """Install the SIGTERM handler once, from the main thread, where the process has the default
-    action (a handler of the program's own is left alone)."""
-    if threading.current_thread() is not threading.main_thread():
+    """Install the SIGTERM handler from the main thread where the process has the default action (a
+    handler of the program's own, Ray's, Lightning's, is left alone) — once per process: after it has
+    fired, SIGTERM keeps its default action (a program that catches the SystemExit — pytest, IPython —
+    is not kept alive by a handler installed again at its next run)."""
+    global _SIGTERM_INSTALLED
+    if _SIGTERM_INSTALLED or threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
+        _SIGTERM_INSTALLED = True
 
 
+_SIGTERM_INSTALLED = False
 _SIGTERM_SEEN: list[int] = []
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    """With a run open: unwind the main thread (:class:`TerminatedWhileRecording`); a second SIGTERM
-    (or one with every run closed) takes the default action, at once."""
+    """With a run of this process open: unwind the main thread (:class:`TerminatedWhileRecording`); a
+    second SIGTERM (or one with no run open) takes the default action, at once."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if any(not r.closed for r in list(_OPEN)):
+    if any(_ours(r) for r in list(_OPEN)):
         _SIGTERM_SEEN.append(signum)
         raise TerminatedWhileRecording()
     os.kill(os.getpid(), signal.SIGTERM)
@@ -436,7 +467,7 @@ def _interrupt_open_runs() -> None:
     """Every run still open: its recorded steps finished, then status ``interrupted`` saying why."""
     error = getattr(sys, "last_value", None)  # set when the main thread ended on an uncaught exception
     for run in list(_OPEN):
-        if run.closed:
+        if not _ours(run):  # closed, or a forked child's copy of its parent's run
             continue
         name = run.session.spec.name
         why = (
