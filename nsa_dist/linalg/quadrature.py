@@ -1198,8 +1198,10 @@ def _energy_curve(
             base_hi = top2_at(np.searchsorted(desc, -hi_t, side="right"))  # Σ over λ_i ≥ hi_t
             above = (base_lo + sum(r.radau(lo_t)[0] for r in rules)) / norm2  # μ((lo_t, ∞)) ≥ above
             at = (base_hi + sum(r.radau(hi_t)[1] for r in rules)) / norm2  # μ([hi_t, ∞)) ≤ at
-            low = np.maximum(low, np.maximum(above - turn, _sin_theta_lower(above, turn)))
-            high = np.minimum(high, np.minimum(at + turn, _sin_theta_upper(at, turn)))
+            # the products' rounding (slack, added to every end below) enters the sin Θ ends before them:
+            # near a = 1 they move by ~2c√slack, not slack (a review: 9.8e-4 at float32's slack, c = 0.5)
+            low = np.maximum(low, np.maximum(above - turn, _sin_theta_lower(above - slack, turn) + slack))
+            high = np.minimum(high, np.minimum(at + turn, _sin_theta_upper(at + slack, turn) - slack))
         # E(φ, k) counts λ_k itself: λ_k's estimate is a node of the rules (of the same eigenvalue, in
         # another run's rounding), so the estimate takes the nodes within a rounding band below it too —
         # at the node itself, one ulp moved a whole node's weight in or out (0.07 between a run on 1
