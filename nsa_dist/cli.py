@@ -1027,7 +1027,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _plot_sweep(args: argparse.Namespace) -> int:
     from nsa_dist.client import Client
     from nsa_dist.plots import plot_sweep, scalar_figure
-    from nsa_dist.plots.axes import DPI, energy_k
+    from nsa_dist.plots.axes import DPI, energy_k, readable
 
     sweep = Client(args.store).sweep(args.sweep)
     k = args.k[0] if args.k else None  # Fig. 7a: default the paper's fraction of N (plots.axes.energy_k)
@@ -1054,7 +1054,7 @@ def _plot_sweep(args: argparse.Namespace) -> int:
     paths = plot_sweep(sweep, args.out, figures=args.figures, k=k)
     if fig is not None:
         path = args.out / f"scalar_{args.scalar}.png"
-        fig.savefig(path, dpi=DPI)
+        readable(fig).savefig(path, dpi=DPI)
         paths.append(path)
     for p in paths:
         print(p)

@@ -15,6 +15,7 @@ from nsa_dist.client import Client, Run
 from nsa_dist.config import ExperimentSpec
 from nsa_dist.pipeline import run_experiment
 from nsa_dist.plots import FIGURES, make_figure, plot_run, residual_projections
+from nsa_dist.plots.axes import PlotOptions, readable
 from nsa_dist.store import SpectrumStore
 
 # figures a 2-D run with test points, images and eigenvectors has, and those a digits run lacks
@@ -603,3 +604,42 @@ def test_the_limit_at_initialisation_is_drawn_at_step_0(tmp_path: Path) -> None:
     (series,) = TraceS(run).series(run)
     (mark,) = [s for s in series if "at init" in s.label]
     assert list(mark.x) == [0] and list(mark.y) == [h0], (mark.x, mark.y)
+
+
+def test_a_failed_runs_figures_say_so_and_draw_its_single_step(tmp_path: Path) -> None:
+    """A run that diverged after one recorded step: only its loss figure said so, and the time plots
+    drew its one step as nothing (a line of one point) on ticks 0.5 apart (an audit)."""
+    from nsa_dist.plots.axes import title_of
+
+    url = str(tmp_path / "s.zarr")
+    spec = ExperimentSpec(
+        name="boom",
+        data={"n": 48},
+        model={"depth": 2, "width": 16},
+        optimizer={"name": "gd"},
+        schedule={"lr": 40.0},  # diverges within the first recorded interval
+        steps=40,
+        record={"every": 20},
+        spectrum={"k": 5, "images": []},
+    )
+    out = run_experiment(spec, SpectrumStore(url))
+    run = Client(url).run("boom")
+    assert out.status == "failed" and len(run.steps) == 1, (out.status, run.steps)
+    seen = 0
+    for name in ("fig2b_eigenvalues_t", "fig3a_energy_y", "fig1d_first_order"):
+        fig = make_figure(run, name, PlotOptions())
+        readable(fig)
+        lines = fig.get_suptitle().split("\n")
+        assert "FAILED at t =" in " ".join(lines[1:]) and "diverged" in fig.get_suptitle(), fig.get_suptitle()
+        assert "FAILED" not in title_of(fig), title_of(fig)  # the figure's own title is read back whole
+        fig.canvas.draw()
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                x, y = (np.asarray(v, np.float64) for v in line.get_data())
+                if line.get_transform() == ax.transData and (np.isfinite(x) & np.isfinite(y)).sum() == 1:
+                    assert line.get_marker() not in ("None", "", None), f"{name}: a one-point line drawn as nothing"
+                    seen += 1
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            if ax.get_xscale() == "linear" and ax.get_lines():
+                assert all(float(t).is_integer() for t in ticks), f"{name}: step ticks {ticks}"
+    assert seen, "no one-point line was checked"

@@ -188,9 +188,13 @@ def fit_text(fig: Figure, text: str, width: float, sizes: tuple[float, float] = 
 
 def set_title(fig: Figure, head: str, sub: str) -> None:
     """The figure's title: ``head`` (what it shows, fitted to the width by :func:`fit_text`) over ``sub``
-    (the run or sweep, one line) — every line inside the canvas; :func:`title_of` reads ``head`` back."""
-    text, pt = fit_text(fig, head, 0.96 * fig.bbox.width)
-    fig.suptitle(f"{text}\n{sub}", fontsize=pt)
+    (the run or sweep, wrapped at the title's size where it is wider: a failed run's says why) — every
+    line inside the canvas; :func:`title_of` reads ``head`` back."""
+    width = 0.96 * fig.bbox.width
+    text, pt = fit_text(fig, head, width)
+    lines = _greedy(fig, _words(sub), width, pt) if _text_width(fig, sub, pt) > width else [sub]
+    fig.suptitle("\n".join([text, *lines]), fontsize=pt)
+    fig._nsa_title = (head, len(lines))  # type: ignore[attr-defined]  (title_of)
 
 
 def title_of(fig: Figure) -> str:
@@ -201,7 +205,56 @@ def title_of(fig: Figure) -> str:
     >>> "\\n" in fig.get_suptitle(), title_of(fig)
     (True, 'NSA Fig. 3e — a title far too long for a figure this narrow')
     """
-    return " ".join(fig.get_suptitle().split("\n")[:-1])
+    n_sub = getattr(fig, "_nsa_title", (None, 1))[1]  # the run's line(s) under it: a failed run's can wrap
+    return " ".join(fig.get_suptitle().split("\n")[:-n_sub])
+
+
+def readable(fig: Figure) -> Figure:
+    """The last pass before a figure is saved: a data line with one finite point gets a marker (it drew
+    nothing: a one-step run, the one good step of a failed run — an audit found such panels empty), and a
+    linear x axis whose lines all sit at integers (steps t, indices i) no more than 10 apart gets integer
+    ticks (it was ticked 0.5, 1.5, …), centred on a single one."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:
+        xs: list[np.ndarray] = []
+        for line in ax.get_lines():
+            if line.get_transform() != ax.transData:  # axhline / axvline: axes coordinates
+                continue
+            try:
+                x, y = (np.asarray(v, dtype=np.float64).ravel() for v in line.get_data())
+            except (TypeError, ValueError):  # dates, categories
+                xs = []
+                break
+            ok = np.isfinite(x) & np.isfinite(y) if x.shape == y.shape else np.isfinite(x)
+            if ok.sum() == 1 and line.get_marker() in (None, "", " ", "None", "none"):
+                line.set_marker("o")
+                line.set_markersize(max(4.0, line.get_linewidth() * 3))
+            xs.append(x[ok])
+        x = np.concatenate(xs) if xs else np.zeros(0)
+        if ax.get_xscale() != "linear" or not x.size or not np.all(x == np.round(x)):
+            continue
+        lo, hi = float(x.min()), float(x.max())
+        if hi - lo <= 10:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if hi == lo:
+                ax.set_xlim(lo - 1, hi + 1)
+    return fig
+
+
+def _unfinished(run: Run) -> str:
+    """ " (FAILED at t = 5: training diverged: loss is nan …)" for a run that did not finish, so that
+    every figure of it says so (an audit: only the loss figure did; the others ended their lines at
+    the last good step, or drew the one step there was, without a word); "" for a finished run."""
+    status = str(getattr(run, "status", "done") or "done")
+    if status == "done":
+        return ""
+    at = getattr(run, "failed_step", None)
+    why = " ".join(str(getattr(run, "reason", "") or "").split())
+    why = why if len(why) <= 50 else why.split(" (")[0]  # the cause, not its advice in brackets
+    why = why if len(why) <= 50 else why[:49] + "…"
+    where = f" at t = {at}" if at is not None and status == "failed" else ""
+    return f" ({status.upper()}{where}{': ' + why if why else ''})"
 
 
 def new_figure(
@@ -228,7 +281,7 @@ def new_figure(
         ref = f" {label}"
     else:
         ref = f", {label}" if label else ""
-    sub = f"run {run.id}"
+    sub = f"run {run.id}" + _unfinished(run)
     if paper == "NSA" and label not in _FULL_KERNEL and getattr(run, "Ko", 1) > 1:  # Figs. 1e, 2c-d say theirs
         sub += f" — G_t: the N×N Gram Σ_a J_a J_aᵀ traced over its {run.Ko} outputs"
     sub += f" — {note}" if note else ""

@@ -18,7 +18,7 @@ from nsa_dist.plots import (
     projections,
     spectral_dynamics,
 )
-from nsa_dist.plots.axes import DPI, PlotOptions
+from nsa_dist.plots.axes import DPI, PlotOptions, readable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -172,7 +172,7 @@ def plot_run(
             skipped.append(name)
             continue
         path = out / f"{name}.png"
-        fig.savefig(path, dpi=DPI)
+        readable(fig).savefig(path, dpi=DPI)
         written.append(path)
     if failed:  # one damaged chunk stopped the whole plot after the first figures (an audit): the first
         # error, its type kept, saying what was drawn and what was not

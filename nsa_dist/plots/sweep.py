@@ -19,6 +19,7 @@ from nsa_dist.plots.axes import (
     colors,
     energy_k,
     legend,
+    readable,
     set_title,
     shared_legend,
     step_axis,
@@ -436,7 +437,7 @@ def plot_sweep(
         fig = draw[name]()
         if fig is not None:
             path = out / f"{name}.png"
-            fig.savefig(path, dpi=DPI)
+            readable(fig).savefig(path, dpi=DPI)
             written.append(path)
             lacking = sweep.lacking(reads[name]) if name in reads else []
             if lacking:  # never a grid point silently absent from a figure
