@@ -105,7 +105,9 @@ def test_show_and_caption_name_the_bracketed_k(run: Run) -> None:
     c = run.curve("energy_y")
     steps = [int(t) for t in c.steps[(c.upper > c.lower).any(axis=1)]]
     assert steps and f"(at t = {', '.join(map(str, steps[:6]))}" in line, (steps, line)
-    assert "except E at k" in bracket_caption(run)
+    assert "except E at k" in bracket_caption(run) and "shaded band" in bracket_caption(run)
+    # a figure whose drawn k fall outside the cluster says there is no band (it said "shaded band", none drawn)
+    assert "no band in this figure" in bracket_caption(run, drawn=False), bracket_caption(run, drawn=False)
 
 
 @pytest.fixture(scope="module")

@@ -141,7 +141,9 @@ def bracket_caption(run: Run, drawn: bool = True, phi: str = "y") -> str:
                 f"exact route: {which} from the eigendecomposition of {gram} (no bracket to draw) except "
                 f"E at k {mixed}: inside a cluster of eigenvalues within rounding (G's null space"
                 + (", or below a float32 G's rounding" if run.spec.spectrum.dtype == "float32" else "")
-                + "), shaded band"
+                # a band only where a k drawn falls there (Fig. 3a's k = 1 … 400 said "shaded band" of 333..399
+                # with none drawn: an audit)
+                + ("), shaded band" if drawn else "; no band in this figure)")
             )
         return f"exact route: {which} from the eigendecomposition of {gram} (no bracket to draw)"
     conf = run.attrs.get("curve_confidence")
