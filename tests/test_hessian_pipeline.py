@@ -111,7 +111,7 @@ _TITLES = {
     "hessian_fig3_rayleigh": "Hessian paper Fig. 3 — Rayleigh quotients",
     "hessian_additivity": "Hessian paper, Theorem 1 — additivity",
     "hessian_trace_S": "Hessian paper, Proposition 4 — Tr(S)",
-    "hessian_S_norms": "Hessian paper, Proposition 4, consequence 2 — ‖S‖_op",
+    "hessian_S_norms": "Hessian paper, Proposition 4, consequence 2 — $\\Vert S\\Vert_{op}$",
     "hessian_I_spectrum": "Hessian paper, § the matrix I (kernel PCA of Θ∞) — eigenvalues of I",
     "hessian_density": "Hessian paper, § the matrix I (a few large eigenvalues, a bulk) — spectral density",
     "hessian_edge_of_stability": "Hessian paper — edge of stability",

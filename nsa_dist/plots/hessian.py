@@ -48,7 +48,9 @@ def moments(run: Run) -> Figure:
     """Fig. 1: Tr(A^k), k = 1..4, for A = H, I, S along t with ±1 standard error, the exact Tr(I^k),
     the infinite-width prediction of Tr(I^k) from Θ∞ and the limits of S: E[Tr S_t] (MSE GD) in
     the k = 1 panel, Tr(S²) = ∇CᵀΥ̃∇C in the k = 2 panel (NTK-parametrised FC runs)."""
-    fig, axes = new_figure(run, TITLES["moments"], "moments Tr(A^k) of H = I + S", 1, 4, panel=(4.2, 4.0), paper=_PAPER)
+    fig, axes = new_figure(
+        run, TITLES["moments"], r"moments Tr$(A^k)$ of H = I + S", 1, 4, panel=(4.2, 4.0), paper=_PAPER
+    )
     S_lim = run.hessian.S_limit() if run.has("hessian_S_limit") else None
     t = run.hessian.steps
     exact = run.hessian.moments("I_exact")["estimate"]
@@ -77,7 +79,7 @@ def moments(run: Run) -> Figure:
                 label = r"S limit: E[Tr $S_t$] (MSE GD)" if k == 0 else r"S limit: $\nabla C^T\tilde\Upsilon\nabla C$"
                 ax.plot(t, pred, "v-.", ms=4, color="C2", lw=1.6, label=label)
                 legend(ax, fontsize=7)
-        ax.set_title(f"Tr(A^{k + 1})", fontsize=10)
+        ax.set_title(f"Tr$(A^{{{k + 1}}})$", fontsize=10)
         symlog_y(ax, np.concatenate([ln.get_ydata() for ln in ax.get_lines()]))
         time_axis(ax, run, "trace" if k == 0 else "", legend=k == 0)
     return fig
@@ -96,7 +98,7 @@ def orthogonality(run: Run) -> Figure:
         capsize=2,
         label=r"$\Vert IS\Vert_F / (\Vert I\Vert_F\Vert S\Vert_F)$",
     )
-    time_axis(ax, run, "normalised ‖IS‖_F")
+    time_axis(ax, run, r"normalised $\Vert IS\Vert_F$")
     return fig
 
 
@@ -119,7 +121,10 @@ def rayleigh(run: Run) -> Figure:
 def edge_of_stability(run: Run) -> Figure:
     """λ_max(H)·δ_t / 2 along t against 1 (GD on the local quadratic is stable below 1)."""
     fig, ax = new_figure(
-        run, TITLES["edge_of_stability"], "edge of stability λ_max(H)·δ/2 (not a paper figure)", paper=_PAPER
+        run,
+        TITLES["edge_of_stability"],
+        r"edge of stability $\lambda_{max}(H)\cdot\delta/2$ (not a paper figure)",
+        paper=_PAPER,
     )
     ax = ax[0, 0]
     ax.plot(run.hessian.steps, run.hessian.edge_of_stability(), "o-", ms=3, label=r"$\lambda_{max}(H)\,\delta_t / 2$")
@@ -188,7 +193,7 @@ def additivity(run: Run) -> Figure:
     fig, axes = new_figure(
         run,
         TITLES["additivity"],
-        "additivity: (Tr H^k − Tr I^k − Tr S^k) / Tr H^k",
+        r"additivity: (Tr $H^k$ − Tr $I^k$ − Tr $S^k$) / Tr $H^k$",
         1,
         4,
         panel=(4.2, 4.0),
@@ -199,7 +204,7 @@ def additivity(run: Run) -> Figure:
     for k, ax in enumerate(axes[0]):
         with np.errstate(all="ignore"):
             rel, se = g["estimate"][:, k] / np.abs(H[:, k]), g["stderr"][:, k] / np.abs(H[:, k])
-        ax.errorbar(t, rel, yerr=se, fmt="o-", ms=3, capsize=2, label="gap / |Tr(H^k)|")
+        ax.errorbar(t, rel, yerr=se, fmt="o-", ms=3, capsize=2, label=r"gap / |Tr$(H^k)$|")
         ax.axhline(0, color="0.5", lw=0.8)
         ax.set_title(f"k = {k + 1}", fontsize=10)
         time_axis(ax, run, "relative gap" if k == 0 else "", legend=k == 0)
@@ -235,7 +240,9 @@ def trace_S(run: Run) -> Figure:
 def S_norms(run: Run) -> Figure:
     """‖S‖_op (Lanczos) beside the bounds Tr(S^k)^{1/k}, k = 2 (‖S‖_F) and 4: the paper's
     consequence 2 (‖S‖_op → 0 with width while ‖S‖_F stays finite)."""
-    fig, ax = new_figure(run, TITLES["S_norms"], r"‖S‖_op ≤ Tr(S⁴)^{1/4} ≤ ‖S‖_F", paper=_PAPER)
+    fig, ax = new_figure(
+        run, TITLES["S_norms"], r"$\Vert S\Vert_{op}$ ≤ Tr$(S^4)^{1/4}$ ≤ $\Vert S\Vert_F$", paper=_PAPER
+    )
     ax, t, n = ax[0, 0], run.hessian.steps, run.hessian.S_norms()
     ax.plot(t, n["op"], "o-", ms=3, label=r"$\Vert S\Vert_{op}$")
     ax.errorbar(

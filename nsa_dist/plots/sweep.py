@@ -202,7 +202,7 @@ def hessian_moments_figure(sweep: Sweep, part: str = "S") -> Figure:
     """Tr(A^k), k = 1..4, of A = ``part`` ("H", "I", "S", "I_exact", "I_limit") along t per grid
     point: mean ± std over the seeds (symlog y: Tr(S^k) changes sign)."""
     one_step = all(len(c.t) == 1 for c in sweep.curves(f"hessian_{part}", 1))
-    what = f"moments Tr({part}^k)" + (
+    what = f"moments Tr$({part}^k)$" + (
         f" at t = {sweep.curves(f'hessian_{part}', 1)[0].t[0]:d}, per grid point" if one_step else " along training"
     )
     fig, axes = _figure(sweep, "1", what, ncols=4, paper="Hessian paper")
