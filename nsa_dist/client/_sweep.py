@@ -511,9 +511,10 @@ class Sweep:
         Raises:
             ValueError: no finished run of the sweep has column ``k`` of ``name``."""
         skip, ids = self._lacking_ids(name, k)
-        if ids and len(skip) == len(ids) and k is not None and any(records(self.run(r), name) for r in ids):
-            largest = max(self.run(r).k_max if name.startswith("energy_") else 0 for r in ids)
-            most = f" (the largest any run has: k = {largest})" if largest else ""
+        energy = name.startswith("energy_")  # another array's own error names its range (k in 1..n)
+        if energy and ids and len(skip) == len(ids) and k is not None and any(records(self.run(r), name) for r in ids):
+            largest = max(self.run(r).k_max for r in ids)
+            most = f" (the largest any run has: k = {largest})"
             raise ValueError(
                 f"k={k}: no finished run of sweep {self.name!r} has {name} at k = {k}{most}; "
                 "spectrum.k: all or spectrum.energy: quadrature measures every k up to N"
