@@ -664,6 +664,14 @@ def symlog_y(ax: Axes, values: np.ndarray) -> None:
     v = v[np.isfinite(v) & (v > 0)]
     top = float(v.max()) if len(v) else 1.0
     ax.set_yscale("symlog", linthresh=10.0 ** np.floor(np.log10(top) - 3), linscale=1.0)
+    # a margin in the scale's own coordinates: the autoscaled limits sat on the outermost seed's dot and
+    # error bar, cut in half by the frame (an audit)
+    lo, hi = ax.dataLim.intervaly
+    if np.isfinite(lo) and np.isfinite(hi) and hi > lo:
+        tr = ax.yaxis.get_transform()
+        a, b = tr.transform([lo, hi])
+        pad = 0.06 * (b - a)
+        ax.set_ylim(*tr.inverted().transform([a - pad, b + pad]))
 
 
 def keep_flat(ax: Axes) -> None:

@@ -221,7 +221,7 @@ def hessian_moments_figure(sweep: Sweep, part: str = "S") -> Figure:
             ax.set(xlabel="step t")
             step_axis(ax)
         ax.axhline(0, color="0.5", lw=0.8)
-        ax.set_title(f"Tr({part}^{k})")
+        ax.set_title(f"Tr$({part}^{k})$")
         symlog_y(ax, np.concatenate([c.mean for c in curves]))
         if k > 1 and ax.get_legend():
             ax.get_legend().remove()
