@@ -95,3 +95,28 @@ def test_brackets_contain_every_value_the_exact_route_can_return(case, phi_steps
         assert np.all(b.lower <= b.value) and np.all(b.value <= b.upper)
         top = ks <= min(K, r)
         np.testing.assert_allclose(b.value[top], x[top], rtol=1e-8, atol=1e-10, err_msg=f"E({name}, k ≤ K) exact")
+
+
+def test_the_value_inside_the_null_space_is_not_the_brackets_top():
+    """Beyond a rank r the λ_k estimates are rounding at 0 and every node of the rules sat there: the
+    value counted them all and drew E = 1 (the bracket's top) from k ≈ r on, where the exact route gave
+    0.926 … 0.977 (an audit).  φ's energy left is now spread over the k left: within 0.05 of a dense
+    eigh's (any basis of the null space gives about that for a φ of random direction), still in the bracket."""
+    rng = np.random.default_rng(3)
+    n, r = 300, 120
+    lam = np.zeros(n)
+    lam[:r] = 10.0 ** np.linspace(2, -3, r)
+    Q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    G = (Q * lam) @ Q.T
+    G = (G + G.T) / 2
+    w, V = np.linalg.eigh(G)
+    w, V = w[::-1].copy(), V[:, ::-1].copy()
+    phi = rng.standard_normal(n)
+    ks = curve_ks(n, 60)
+    c = spectral_curves(torch.from_numpy(G), w[:40], V[:, :40], {"p": phi}, ks, lanczos_steps=40, probes=16, seed=1)
+    b = c.energy["p"]
+    E = np.cumsum((V.T @ phi) ** 2) / (phi @ phi)
+    inner = (ks > r + 5) & (ks < n)
+    assert inner.sum() >= 5 and np.all(b.lower[inner] <= b.value[inner]) and np.all(b.value[inner] <= b.upper[inner])
+    off = np.abs(b.value[inner] - E[ks[inner] - 1])
+    assert off.max() < 0.05, f"value {b.value[inner][np.argmax(off)]:.4f} for E {E[ks[inner][np.argmax(off)] - 1]:.4f}"
