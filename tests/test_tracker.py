@@ -1224,9 +1224,23 @@ if how == "sigterm-in-close":  # the signal lands while close() waits for the st
             os.kill(os.getpid(), signal.SIGTERM)
         return drain(self)
     tracked_run.TrackedRun.drain = once
+if how == "sigterm-in-submit":  # … while a record waits for a free slot (the analysis behind): that step was lost
+    from nsa_dist.pipeline import tracked
+    slow = tracked.TrackedRunService.analyze_and_write
+    tracked.TrackedRunService.analyze_and_write = lambda self, ck: (__import__("time").sleep(0.5), slow(self, ck))[1]
+    collect = tracked_run.TrackedRun.collect
+    def blocked(self, block):
+        if block and self.unsent is not None and not getattr(tracked_run, "sent", False):
+            tracked_run.sent = True
+            print("waiting with step", self.unsent.step, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return collect(self, block)
+    tracked_run.TrackedRun.collect = blocked
 loader = DataLoader(TensorDataset(X, y), batch_size=32, num_workers=1 if how == "workers" else 0)
 try:
-    with Tracker(url, "r", model, X, y, steps=12, record={"every": 3}, spectrum={"k": 4}, device="cpu") as tr:
+    with Tracker(
+        url, "r", model, X, y, steps=12, record={"every": 3}, spectrum={"k": 4}, device="cpu", max_inflight=1
+    ) as tr:
         t = 0
         while t < 12:
             for xb, yb in loader:  # a forked worker per epoch, which exits at the epoch's end
@@ -1242,13 +1256,13 @@ except SystemExit as e:  # as pytest and IPython catch it: the process goes on
     print("caught", e.code)
 from nsa_dist import Client
 run = Client(url).run("r")
-print("status", run.status, "|", run.reason, "|", bool(run.g["done"][:].all()))
+print("status", run.status, "|", run.reason, "|", bool(run.g["done"][:].all()), run.g["done"][:].astype(int).tolist())
 again = Tracker(url, "r", model, X, y, steps=12, record={"every": 3}, spectrum={"k": 4}, device="cpu")
 again.close()  # this process may open the run again: the lease was given back
 """
 
 
-@pytest.mark.parametrize("how", ["workers", "sigterm-in-close"])
+@pytest.mark.parametrize("how", ["workers", "sigterm-in-close", "sigterm-in-submit"])
 def test_forked_workers_and_a_sigterm_in_close_keep_the_run(tmp_path, how):
     """A DataLoader's forked worker exiting at an epoch's end ran the interpreter's exit hook on its copy
     of the parent's open run: status interrupted, the writer's folder removed, the parent's next write
@@ -1264,7 +1278,12 @@ def test_forked_workers_and_a_sigterm_in_close_keep_the_run(tmp_path, how):
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     if how == "workers":
         assert "status done | None | True" in out.stdout, out.stdout
+    elif how == "sigterm-in-submit":  # the step whose submission waited is analysed, the run interrupted
+        waited = int(out.stdout.split("waiting with step ")[1].split()[0])
+        done = eval(out.stdout.split("status interrupted |")[1].splitlines()[0].rsplit("| ", 1)[1].split(" ", 1)[1])
+        assert done[waited // 3] == 1 and all(done[: waited // 3]), out.stdout
     else:
         assert "caught 143" in out.stdout, out.stdout
         assert "status interrupted | the process was sent SIGTERM" in out.stdout and "| True" in out.stdout, out.stdout
-    assert Client(url).run("r").status == "done"  # reopened by the same process and closed, all steps there
+    if how != "sigterm-in-submit":  # reopened by the same process and closed, all steps there
+        assert Client(url).run("r").status == "done"

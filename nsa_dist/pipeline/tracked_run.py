@@ -84,6 +84,7 @@ class TrackedRun:
         self.finished: list[dict] = []
         self.blocked = 0
         self.max_seen_inflight = 0
+        self.unsent: Checkpoint | None = None  # a checkpoint with its update, waiting for a free slot
         self.pid = os.getpid()  # a forked child (a DataLoader worker) has this object too: not its run
         _ended_with_the_process(self)
 
@@ -205,18 +206,21 @@ class TrackedRun:
                 )
             step = -1
         ck = self.update(ck, step)
-        self.pending = None
+        self.unsent, self.pending = ck, None  # one statement: a signal finds the step in one of the two
         self.submit(ck)
 
     def submit(self, ck: Checkpoint) -> None:
         """Hand ``ck`` to the pool once fewer than ``max_inflight`` steps are out (the losses noted
-        so far are written first)."""
+        so far are written first).  Until the pool has it, ``ck`` is :attr:`unsent`: a Ctrl-C or
+        SIGTERM while this waits for a free slot lost the step (a review), :meth:`interrupt` sends it."""
+        self.unsent = ck
         self.collect(block=False)
         while self.inflight >= self.max_inflight:
             self.blocked += 1
             self.collect(block=True)
         self.flush_trace()
         self.pool.submit(ck)
+        self.unsent = None
         self.max_seen_inflight = max(self.max_seen_inflight, self.inflight)
 
     def collect(self, block: bool) -> None:
@@ -315,14 +319,14 @@ class TrackedRun:
         """
         if self.closed:
             return
-        if self.pending is not None:
-            T = self.session.spec.steps
-            last = self.pending.step == T - 1
-            # the loop ended before making update T − 1 (θ still θ_{T−1}): its update is not known (NaN,
-            # with the step's note), not a Δθ of 0
-            made = last and self.moved(self.pending)
-            self.advance(T if made else -1)
         try:
+            if self.pending is not None:
+                T = self.session.spec.steps
+                last = self.pending.step == T - 1
+                # the loop ended before making update T − 1 (θ still θ_{T−1}): its update is not known (NaN,
+                # with the step's note), not a Δθ of 0
+                made = last and self.moved(self.pending)
+                self.advance(T if made else -1)
             self.drain()
             self.flush_trace()
         except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM while the steps out finish
@@ -363,6 +367,9 @@ class TrackedRun:
         if reason is None and cause is not None and issubclass(cause, TerminatedWhileRecording):
             reason = "the process was sent SIGTERM; every recorded step analysed is kept — reopen to continue"
         try:
+            if self.unsent is not None and self.failure is None:  # its wait for a slot was interrupted
+                ck, self.unsent = self.unsent, None
+                self.pool.submit(ck)
             if self.pending is not None:
                 self.advance(-1)  # -1 is no step + 1: the update is NaN
             self.drain()
@@ -371,10 +378,15 @@ class TrackedRun:
             pass
         finally:
             self.closed = True
-            self.pool.close()
-            if not self.session.ended:
-                self.session.interrupt(reason, cause=cause)
-                self.session.release()
+            try:
+                self.pool.close()  # waits for the analyses out: a third Ctrl-C here left the status running
+            finally:
+                if not self.session.ended:
+                    if self.failure is not None:  # abort() was cut short before it said so: the run failed
+                        self.session.fail(self.failure)
+                    else:
+                        self.session.interrupt(reason, cause=cause)
+                    self.session.release()
 
     def _end(self) -> None:
         self.closed = True
@@ -417,7 +429,9 @@ def _forget_in_child() -> None:
     its exit the interpreter's hook interrupted them (status ``interrupted``, the writer's folder gone,
     the parent's next write LeaseLost — every step of a ``with Tracker`` loop lost at the first epoch's
     end), and a SIGTERM to it (``DataLoader`` stopping its workers) did the same."""
+    global _SIGTERM_INSTALLED
     _OPEN.clear()
+    _SIGTERM_INSTALLED = False  # a run the child opens itself gets the handler again
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
