@@ -214,7 +214,11 @@ def test_fig1abc_shows_target_and_output(tiny: Run) -> None:
     assert sorted(panels) == ["(a)", "(b)", "(c)"]
     np.testing.assert_allclose(panels["(a)"].collections[0].get_array(), tiny.y)
     np.testing.assert_allclose(panels["(b)"].collections[0].get_array(), tiny.outputs(int(tiny.steps[-1])))
-    np.testing.assert_allclose(panels["(c)"].collections[0].get_offsets(), tiny.X)
+    # the points over the picture's own coordinates (the loader's standardisation undone): [0, 1]², as Figs. 4–6
+    m = tiny.data_meta
+    picture = np.asarray(tiny.X) * np.asarray(m["x_std"]) + np.asarray(m["x_mean"])
+    np.testing.assert_allclose(panels["(c)"].collections[0].get_offsets(), picture)
+    assert picture.min() >= -1e-9 and picture.max() <= 1 + 1e-9, (picture.min(), picture.max())
 
 
 def test_gd_formula_note() -> None:

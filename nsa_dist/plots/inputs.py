@@ -24,8 +24,14 @@ def _surface(ax: Axes, X: np.ndarray, v: np.ndarray, title: str, vmin: float, vm
 
 def fig1abc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     """(a) the target y at the training points, (b) the output f_t at the last chosen step
-    (default the last recorded), (c) the training points; in the data's (normalised) coordinates."""
+    (default the last recorded), (c) the training points — over the picture's own coordinates where the
+    loader standardised them (``data_meta``'s x_mean, x_std undone: Figs. 4–6 draw [0, 1]², this one drew
+    the network's standardised inputs, [−1.8, 1.6] — an audit), else the data's."""
     X, y = run.X, run.y  # (N, 2), (N,)
+    meta = getattr(run, "data_meta", None) or {}
+    mean, std = meta.get("x_mean"), meta.get("x_std")
+    if mean is not None and std is not None and np.shape(mean) == np.shape(std) == (np.shape(X)[1],):
+        X = np.asarray(X, np.float64) * np.asarray(std, np.float64) + np.asarray(mean, np.float64)
     t = int(opts.steps[-1]) if opts.steps else int(run.steps[-1])
     f = run.outputs(t)  # (N,)
     lo, hi = float(np.min(y)), float(np.max(y))
