@@ -647,3 +647,16 @@ def test_a_failed_runs_figures_say_so_and_draw_its_single_step(tmp_path: Path) -
             if ax.get_xscale() == "linear" and ax.get_lines():
                 assert all(float(t).is_integer() for t in ticks), f"{name}: step ticks {ticks}"
     assert seen, "no one-point line was checked"
+
+
+def test_a_reason_with_a_dollar_sign_is_drawn_as_text() -> None:
+    """The reason under a failed run's title comes from the store (a user's exception message): one
+    unbalanced $ made matplotlib parse mathtext and the figure's draw fail."""
+    from types import SimpleNamespace
+
+    from nsa_dist.plots.axes import new_figure
+
+    run = SimpleNamespace(id="r", status="failed", failed_step=3, reason="the loader raised: cost $5 is odd", Ko=1)
+    fig, _ = new_figure(run, "2b", "individual eigenvalues along t")
+    fig.canvas.draw()  # raised ValueError (mathtext) before the escape
+    assert "cost \\$5" in fig.get_suptitle(), fig.get_suptitle()

@@ -253,6 +253,7 @@ def _unfinished(run: Run) -> str:
     why = " ".join(str(getattr(run, "reason", "") or "").split())
     why = why if len(why) <= 50 else why.split(" (")[0]  # the cause, not its advice in brackets
     why = why if len(why) <= 50 else why[:49] + "…"
+    why = why.replace("$", r"\$")  # a store's string: never mathtext (an unbalanced $ failed the figure's draw)
     where = f" at t = {at}" if at is not None and status == "failed" else ""
     return f" ({status.upper()}{where}{': ' + why if why else ''})"
 
