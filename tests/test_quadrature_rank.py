@@ -101,7 +101,8 @@ def test_the_value_inside_the_null_space_is_not_the_brackets_top():
     """Beyond a rank r the λ_k estimates are rounding at 0 and every node of the rules sat there: the
     value counted them all and drew E = 1 (the bracket's top) from k ≈ r on, where the exact route gave
     0.926 … 0.977 (an audit).  φ's energy left is now spread over the k left: within 0.05 of a dense
-    eigh's (any basis of the null space gives about that for a φ of random direction), still in the bracket."""
+    eigh's on average over the bases of the null space an eigh may return (one basis's E moves about the
+    mean by ~0.045 here: 180 null directions holding 0.6 of φ), still in the bracket."""
     rng = np.random.default_rng(3)
     n, r = 300, 120
     lam = np.zeros(n)
@@ -115,8 +116,14 @@ def test_the_value_inside_the_null_space_is_not_the_brackets_top():
     ks = curve_ks(n, 60)
     c = spectral_curves(torch.from_numpy(G), w[:40], V[:, :40], {"p": phi}, ks, lanczos_steps=40, probes=16, seed=1)
     b = c.energy["p"]
-    E = np.cumsum((V.T @ phi) ** 2) / (phi @ phi)
     inner = (ks > r + 5) & (ks < n)
     assert inner.sum() >= 5 and np.all(b.lower[inner] <= b.value[inner]) and np.all(b.value[inner] <= b.upper[inner])
-    off = np.abs(b.value[inner] - E[ks[inner] - 1])
-    assert off.max() < 0.05, f"value {b.value[inner][np.argmax(off)]:.4f} for E {E[ks[inner][np.argmax(off)] - 1]:.4f}"
+    # the mean of E over random orthonormal bases of the null space (what the value aims at), by 50 draws
+    Vr, null = V[:, :r], V[:, r:]
+    mean = np.zeros(n)
+    for _ in range(50):
+        B = null @ np.linalg.qr(rng.standard_normal((n - r, n - r)))[0]
+        mean += np.cumsum((np.hstack([Vr, B]).T @ phi) ** 2) / (phi @ phi) / 50
+    off = np.abs(b.value[inner] - mean[ks[inner] - 1])
+    i = int(np.argmax(off))
+    assert off.max() < 0.04, f"value {b.value[inner][i]:.4f} for a mean E {mean[ks[inner][i] - 1]:.4f}"

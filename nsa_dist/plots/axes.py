@@ -192,7 +192,8 @@ def set_title(fig: Figure, head: str, sub: str) -> None:
     line inside the canvas; :func:`title_of` reads ``head`` back."""
     width = 0.96 * fig.bbox.width
     text, pt = fit_text(fig, head, width)
-    lines = _greedy(fig, _words(sub), width, pt) if _text_width(fig, sub, pt) > width else [sub]
+    # wrapped only where it would leave the canvas (a failed run's reason): a line that fits stays whole
+    lines = _greedy(fig, _words(sub), width, pt) if _text_width(fig, sub, pt) > fig.bbox.width else [sub]
     fig.suptitle("\n".join([text, *lines]), fontsize=pt)
     fig._nsa_title = (head, len(lines))  # type: ignore[attr-defined]  (title_of)
 
