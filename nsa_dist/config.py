@@ -735,9 +735,9 @@ class SpectrumSpec(_Strict):
     memory_budget_gb: float | None = Field(
         None,
         gt=0,
-        description="layout=auto: the memory a worker's share of G_t may take — the layout chosen is one whose "
-        "part fits (default: half of this machine's memory); the process's own ~0.4 GB (torch, Ray) and the "
-        "temporaries come on top, and an explicit layout is run as set",
+        description="the memory a worker's share of G_t may take: layout=auto chooses a layout whose part fits "
+        "(default: half of this machine's memory), an explicit layout whose part does not is refused before the "
+        "run starts; the process's own ~0.4 GB (torch, Ray) and the temporaries come on top",
     )
     frobenius_probes: int = Field(32, ge=2, description="matrix_free: Hutch++ probes of ‖G‖_F²")
 

@@ -261,6 +261,25 @@ def test_the_memory_estimate_refuses_past_the_machine_and_past_an_auto_budget(mo
     assert check_fits(ExperimentSpec(**roomy)).layout.value == "local"
 
 
+@pytest.mark.parametrize("layout", ["local", "block_rows", "matrix_free"])
+def test_a_budget_bounds_an_explicit_layout_too(layout):
+    """``memory_budget_gb`` with a layout set (not ``auto``): a Gram whose part exceeds the budget
+    is refused before the run starts, naming the layout, its part and the ways out (the budget was
+    ignored there: a worker went past what the researcher allowed, with no word)."""
+    n = 2000
+    spectrum = {"k": 4, "layout": layout, "workers": 2}
+    part = footprint(ExperimentSpec(**{**TINY, "data": {"n": n}, "spectrum": spectrum}))
+    G = next(v for key, v in part.parts.items() if key.startswith("G "))
+    tight = ExperimentSpec(**{**TINY, "data": {"n": n}, "spectrum": {**spectrum, "memory_budget_gb": 0.5 * G / 1e9}})
+    with pytest.raises(ResourceError) as err:
+        check_fits(tight)
+    line = str(err.value)
+    assert f"per worker even as {layout}" in line and "spectrum.memory_budget_gb=" in line, line
+    assert "set spectrum.layout 'auto'" in line, line
+    roomy = ExperimentSpec(**{**TINY, "data": {"n": n}, "spectrum": {**spectrum, "memory_budget_gb": 2 * G / 1e9}})
+    assert check_fits(roomy).layout.value == layout
+
+
 def test_nsa_run_counts_every_gang_member_it_holds_and_the_feature_pass(monkeypatch, tmp_path):
     """``nsa run`` on a distributed layout keeps the W members of its in-process gang in one process:
     the estimate counts W parts of G there (one per process on a Ray gang), and the feature pass's

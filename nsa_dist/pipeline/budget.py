@@ -150,8 +150,8 @@ def check_fits(spec: ExperimentSpec, gang_in_process: bool = False, **known: Any
     ``width``, ``P``, as :func:`~nsa_dist.pipeline.session.prepare_run` passes them).
 
     Raises:
-        ResourceError: the estimate exceeds this machine's memory, or (``layout: auto`` with
-            ``memory_budget_gb``) the Gram exceeds the per-worker budget in every layout.
+        ResourceError: the estimate exceeds this machine's memory, or (with ``memory_budget_gb``)
+            the Gram's part exceeds the per-worker budget in the layout set (``auto``: in every layout).
     """
     fp = footprint(spec, gang_in_process, **known)
     machine = _layout._machine_bytes()
@@ -170,9 +170,15 @@ def check_fits(spec: ExperimentSpec, gang_in_process: bool = False, **known: Any
         )
     budget = spec.spectrum.memory_budget_gb
     G = next(v for key, v in fp.parts.items() if key.startswith("G "))
-    if Layout(spec.spectrum.layout) is Layout.AUTO and budget and G > budget * 1e9:
+    if budget and G > budget * 1e9:  # the budget bounds every layout, the one set as the one chosen
         fix = "lower data.n, or raise spectrum.workers or the budget"
-        if fp.layout is Layout.LOCAL:  # G stays whole on one worker: more workers cannot help
+        if Layout(spec.spectrum.layout) is not Layout.AUTO:
+            fix = (
+                f"set spectrum.layout 'auto' (the first layout whose part fits), "
+                f"{'use a gang layout with more' if fp.layout is Layout.LOCAL else 'raise'} spectrum.workers, "
+                "raise the budget or lower data.n"
+            )
+        elif fp.layout is Layout.LOCAL:  # G stays whole on one worker: more workers cannot help
             fix = "raise the budget or lower data.n"
             if spec.spectrum.k == "all" and spec.spectrum.energy.value == "exact":
                 fix += (
