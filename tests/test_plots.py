@@ -221,6 +221,46 @@ def test_fig1abc_shows_target_and_output(tiny: Run) -> None:
     assert picture.min() >= -1e-9 and picture.max() <= 1 + 1e-9, (picture.min(), picture.max())
 
 
+def test_fig4a_many_indices_draws_points_and_their_binned_means(tiny: Run, monkeypatch) -> None:
+    """Past a few dozen indices Fig. 4a's joined points drew a solid band across decades (an audit
+    looked at it: unreadable at K = 400): each ⟨v_i, m_t⟩² is a point, and a line joins their means
+    over runs of consecutive i."""
+    from nsa_dist.plots import projections
+    from nsa_dist.plots.projections import residual_projections
+
+    monkeypatch.setattr(projections, "_JOINED", 5)
+    monkeypatch.setattr(projections, "_BINS", 4)
+    ax = make_figure(tiny, "fig4a_residual_projections").axes[0]
+    t = int(tiny.steps[-1])
+    p = residual_projections(tiny, t)
+    assert len(p) == 20
+    lines = [ln for ln in ax.get_lines() if len(ln.get_xdata()) and ln.get_transform() == ax.transData]
+    points = [ln for ln in lines if ln.get_linestyle() == "None" and len(ln.get_xdata()) == 20]
+    means = [ln for ln in lines if ln.get_label() == f"t = {t}"]
+    assert len(points) == 2 and len(means) == 1, [(ln.get_label(), ln.get_linestyle()) for ln in lines]
+    np.testing.assert_allclose(np.asarray(points[1].get_ydata(), float), np.where(p > 0, p, np.nan))
+    np.testing.assert_allclose(means[0].get_xdata(), [3.0, 8.0, 13.0, 18.0])
+    np.testing.assert_allclose(means[0].get_ydata(), p.reshape(4, 5).mean(axis=1), rtol=1e-12)
+    labels = ax.get_legend_handles_labels()[1]
+    assert "each i (points)" in labels and "mean over 4 bins of i (lines)" in labels, labels
+
+
+def test_fig1abc_tells_nce_data_from_noise_points(nce_run: Run, tiny: Run) -> None:
+    """An NCE run's training points are data samples (first, N // (1 + ν)) and noise samples: panel
+    (c) draws them apart and says how many of each (drawn alike, they were one cloud)."""
+    fig = make_figure(nce_run, "fig1abc_target_output_points")
+    c = next(ax for ax in fig.axes if ax.get_title().startswith("(c)"))
+    assert "20 data, 20 noise" in c.get_title(), c.get_title()
+    m = nce_run.data_meta
+    X = np.asarray(nce_run.X, np.float64)
+    picture = X * np.asarray(m["x_std"]) + np.asarray(m["x_mean"]) if m.get("x_std") is not None else X
+    by_label = {col.get_label(): col.get_offsets() for col in c.collections}
+    np.testing.assert_allclose(by_label["data (p)"], picture[:20])
+    np.testing.assert_allclose(by_label["noise (q)"], picture[20:])
+    c = next(ax for ax in make_figure(tiny, "fig1abc_target_output_points").axes if ax.get_title().startswith("(c)"))
+    assert len(c.collections) == 1 and "noise" not in c.get_title()  # an L2 run's points: one kind
+
+
 def test_gd_formula_note() -> None:
     from types import SimpleNamespace
 

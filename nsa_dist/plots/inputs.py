@@ -40,10 +40,33 @@ def fig1abc(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     )
     _surface(ax[0, 0], X, y, "(a) target $y$", lo, hi)
     _surface(ax[0, 1], X, f, f"(b) output $f_t$, t = {t}", lo, hi)
-    a = ax[0, 2]
-    a.scatter(X[:, 0], X[:, 1], s=max(0.3, 2000 / len(X)), c="k", lw=0)
-    a.set(title=f"(c) the N = {len(X)} training points", xlabel="$x_1$", ylabel="$x_2$", aspect="equal")
+    a, size = ax[0, 2], max(0.3, 2000 / len(X))
+    nd = _nce_data_points(run, len(X))
+    if nd is None:
+        a.scatter(X[:, 0], X[:, 1], s=size, c="k", lw=0)
+        a.set(title=f"(c) the N = {len(X)} training points", xlabel="$x_1$", ylabel="$x_2$", aspect="equal")
+    else:  # NCE: the data samples and the noise samples the loss tells apart (drawn alike, they were one cloud)
+        a.scatter(X[nd:, 0], X[nd:, 1], s=1.6 * size, marker="x", c="tab:orange", lw=0.6, label="noise (q)")
+        a.scatter(X[:nd, 0], X[:nd, 1], s=size, c="k", lw=0, label="data (p)")
+        a.set(
+            title=f"(c) the N = {len(X)} training points:\n{nd} data, {len(X) - nd} noise",
+            xlabel="$x_1$",
+            ylabel="$x_2$",
+            aspect="equal",
+        )
+        a.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), markerscale=2, frameon=False)
     if picture_data(run):  # the picture upright: its top row is at x₂ = 0
         for a in ax[0]:
             picture_down(a)
     return fig
+
+
+def _nce_data_points(run: Run, n: int) -> int | None:
+    """How many of an NCE run's ``n`` training points are data samples (the loader puts them first,
+    n // (1 + ν), then the noise samples), or None for a run of another loss."""
+    spec = getattr(run, "spec", None)
+    loss = getattr(getattr(spec, "loss", None), "value", getattr(spec, "loss", None))
+    ratio = getattr(getattr(spec, "data", None), "noise_ratio", None)
+    if loss != "nce" or not isinstance(ratio, int) or ratio < 1:
+        return None
+    return n // (1 + ratio)

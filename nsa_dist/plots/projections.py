@@ -35,7 +35,13 @@ def fig4a(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     rank = None
     for c, t, label in zip(cols, chosen, labels):
         p = residual_projections(run, t)
-        ax.plot(np.arange(1, len(p) + 1), np.where(p > 0, p, np.nan), "o-", ms=3, color=c, label=label)
+        i = np.arange(1, len(p) + 1)
+        if len(p) <= _JOINED:
+            ax.plot(i, np.where(p > 0, p, np.nan), "o-", ms=3, color=c, label=label)
+        else:  # hundreds of points joined drew a solid band: the points, and their mean per bin of i
+            ax.plot(i, np.where(p > 0, p, np.nan), "o", ms=1.8, alpha=0.35, mec="none", color=c)
+            centre, mean = _binned_mean(p)
+            ax.plot(centre, np.where(mean > 0, mean, np.nan), "-", lw=2.2, color=c, label=label)
         r = run.numerical_rank(t)
         rank = r if rank is None else min(rank, r)
         if r < len(p):
@@ -44,9 +50,26 @@ def fig4a(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
         ax.axvspan(rank + 0.5, len(p) + 0.5, color="0.92", zorder=0, label="beyond $G_t$'s numerical rank")
     ax.set(yscale="log", xlabel="index i", ylabel=r"$\langle v_i^t, m_t\rangle^2$")
     ax.grid(alpha=0.3, which="both")
+    if rank is not None and len(p) > _JOINED:
+        ax.plot([], [], "o", ms=3, color="0.4", alpha=0.6, label="each i (points)")
+        ax.plot([], [], "-", lw=2.2, color="0.4", label=f"mean over {_BINS} bins of i (lines)")
     legend(ax, family=("t", labels, cols))
     add_top_note(fig, run)
     return fig
+
+
+_JOINED = 60  # Fig. 4a joins its points up to this many indices; beyond, points and binned means
+_BINS = 40
+
+
+def _binned_mean(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The mean of ``p`` over :data:`_BINS` runs of consecutive indices i (1-based), at each run's
+    middle index: the energy per eigenvector along the spectrum, where the points scatter over
+    decades from one i to the next."""
+    edges = np.linspace(0, len(p), _BINS + 1).round().astype(int)
+    centre = np.array([(a + b + 1) / 2 for a, b in zip(edges[:-1], edges[1:]) if b > a])
+    mean = np.array([p[a:b].mean() for a, b in zip(edges[:-1], edges[1:]) if b > a])
+    return centre, mean
 
 
 def fig7d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
