@@ -393,6 +393,9 @@ def _write_error(exc: OSError, out: Path) -> OutsideError:
     from nsa_dist._faults import outside_cause
 
     cause = outside_cause(exc, str(out)) or f"{type(exc).__name__}: {exc.strerror or exc}"
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():  # said "FileExistsError: File exists" (an audit)
+        cause = f"{existing} is a file, not a folder"
     return OutsideError(f"cannot write the export folder {out}: {cause}; nothing was left there")
 
 

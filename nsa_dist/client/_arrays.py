@@ -154,6 +154,10 @@ class RunArrays:
         Raises:
             KeyError: ``step`` is not a finished recorded step (the finished ones are named).
         """
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+            # an array compared element-wise picked its first match (outputs(run.steps) gave step 0's),
+            # False matched step 0, 10.0 matched step 10 (an audit): one integer step, or this error
+            raise KeyError(f"step={step!r} is not a recorded step t (one integer; run.steps lists them)")
         steps = self.steps
         where = np.flatnonzero(steps == step)
         if not len(where):
@@ -165,6 +169,6 @@ class RunArrays:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({self.id!r}, status={self.status!r}, "
+            f"{type(self).__name__}({self.id!r}, status={str(getattr(self.status, 'value', self.status))!r}, "
             f"steps={len(self.finished)}/{len(self.schedule)})"
         )

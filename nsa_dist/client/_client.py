@@ -72,6 +72,8 @@ class Client:
         Raises:
             StoreError: no run matches, or several do (the candidates are named).
         """
+        if not isinstance(run_id, str):  # None, 123: a TypeError from str.startswith (an audit)
+            raise StoreError(f"a run is named by its id or name, a string (`nsa ls` lists them); got {run_id!r}")
         ids = self.store.run_ids()
         if run_id in ids:
             return Run(self.store, run_id)

@@ -186,5 +186,10 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
         col = key.replace("__", ".")
         if col not in df.columns:
             raise NotFoundError(f"no column {col!r} to filter on; columns: {', '.join(df.columns)}")
-        df = df[df[col] == value]
+        kept = df[df[col] == value]
+        if not len(kept) and len(df):  # '3' for 3, 'Done' for 'done' matched nothing, silently (an audit)
+            near = sorted({repr(v) for v in df[col] if str(v).lower() == str(value).lower()})
+            if near:
+                raise ValueError(f"{key}={value!r} matches no run; column {col!r} holds {', '.join(near)}")
+        df = kept
     return df.reset_index(drop=True)

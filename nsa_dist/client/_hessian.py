@@ -53,6 +53,9 @@ class HessianView:
 
     def _index(self) -> np.ndarray:
         """Positions (into the run's ``steps``) of the finished steps whose Hessian was analysed."""
+        if not self._a.has("hessian_steps") and self._a.spec.hessian is None:
+            # the store's "has no array 'hessian_steps'; did you mean 'eigenvector_steps'?" (an audit)
+            raise KeyError(f"run {self._a.id!r} did not measure the Hessian: its spec has no hessian: block")
         mask = self._a.array("hessian_steps")[self._a.finished]
         return np.flatnonzero(mask)
 

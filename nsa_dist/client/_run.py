@@ -132,7 +132,8 @@ class Run(RunArrays):
         step (three (S,) arrays back).
 
         Without ``k``: the stored top-K energies along t, (S, K) (``energy_<φ>``: every k on the
-        exact route with ``k: all``, the exact top part on the quadrature route).
+        exact route with ``k: all``, the exact top part on the quadrature route); with a ``step``
+        other than −1 or None too, that step's row (K,).
 
         Raises:
             ValueError: an unknown phi; k outside 1..N, or beyond what the run measured (a run that
@@ -141,7 +142,13 @@ class Run(RunArrays):
         """
         self._check_phi(phi)
         if k is None:
-            return self.per_step(f"energy_{phi}")
+            rows = self.per_step(f"energy_{phi}")
+            if step is None or (
+                not isinstance(step, (bool, np.bool_)) and isinstance(step, int | np.integer) and step == -1
+            ):
+                return rows
+            # a step was named: its row (it was ignored — energy("y", step=5) gave every step's, 5 unrecorded)
+            return rows[int(np.flatnonzero(self.steps == self._step(step))[0])]
         return self._at(self.curve(f"energy_{phi}"), k, step)
 
     def eigenvalue(self, i: int, step: int | None = -1) -> Any:
@@ -222,17 +229,33 @@ class Run(RunArrays):
         out["k"] = out["k"].astype("Int64")
         return out
 
-    def numerical_rank(self, step: int | None = -1) -> Any:
-        """#{i: λ_i^t > δ} among the stored eigenvalues, δ the reduction's rounding — max(N·eps₆₄·λ_1,
-        and under ``spectrum.dtype: float32`` 4·eps₃₂·‖G_t‖_F): beyond it the eigenvalues are rounding
-        and the eigenvectors one basis of many, so per-eigenvector arrays (``projections_residual``,
-        ``constant_gram_energy``) there are that basis's values (float32 ones were 0.54 for 3.11, an
-        audit).  An int at ``step`` (−1: the last finished step); None: (S,) at every finished step."""
+    def numerical_rank(self, step: int | None = -1, *, among_stored: bool = False) -> Any:
+        """#{i: λ_i^t > δ}, δ the reduction's rounding — max(N·eps₆₄·λ_1, and under ``spectrum.dtype:
+        float32`` 4·eps₃₂·‖G_t‖_F): beyond it the eigenvalues are rounding and the eigenvectors one
+        basis of many, so per-eigenvector arrays (``projections_residual``, ``constant_gram_energy``)
+        there are that basis's values (float32 ones were 0.54 for 3.11, an audit).  An int at ``step``
+        (−1: the last finished step); None: (S,) at every finished step.  ``among_stored``: the count
+        among the K stored eigenvalues (K where all K lie above δ — a lower bound of the rank then).
+
+        Raises:
+            ValueError: (not ``among_stored``) the run kept K < N eigenvalues and all K at the step lie
+                above δ: the rank is ≥ K, not known (it read K — an audit: 8 for a rank of 44).
+            KeyError: ``step`` is not a finished recorded step.
+        """
         lam = np.asarray(self.eigenvalues, np.float64)
-        rank = (lam > rounding_delta(self, lam, self.N)[:, None]).sum(axis=1)
-        if step is None:
-            return rank
-        return int(rank[int(np.flatnonzero(self.steps == self._step(step))[0])])
+        rank, steps = (lam > rounding_delta(self, lam, self.N)[:, None]).sum(axis=1), self.steps
+        if step is not None:
+            at = int(np.flatnonzero(steps == self._step(step))[0])
+            rank, steps = rank[at : at + 1], steps[at : at + 1]
+        K = lam.shape[1]
+        if not among_stored and K < self.N and np.any(rank >= K):
+            raise ValueError(
+                f"run {self.id!r} kept the top {K} of N = {self.N} eigenvalues and all {K} lie above the "
+                f"rounding at step(s) {steps[rank >= K].tolist()[:5]}: G_t's numerical rank "
+                f"there is ≥ {K}, not known (spectrum.k: all measures it; numerical_rank(among_stored=True) "
+                "counts the stored ones)"
+            )
+        return rank if step is None else int(rank[0])
 
     @property
     def k_max(self) -> int:
@@ -340,7 +363,9 @@ class Run(RunArrays):
             t1 = int(pair[0]) if t1 is None else t1
             t2 = int(pair[1]) if t2 is None else t2
         V1, V2 = self.eigenvectors(t1), self.eigenvectors(t2)
-        rows = i or [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
+        rows = list(i) if i is not None else [j for j in (1, 2, 3, 5, 10, 20, 50, 100) if j <= V2.shape[1]]
+        if not rows:  # i=[] gave the default rows (an audit)
+            raise ValueError(f"i={i!r}: give the rows i (1..{V2.shape[1]}) of E_t1(v_i^t2, k), or None for the default")
         return spectrum_preservation(V1, V2, i=rows), t1, t2, rows
 
     # ------------------------------------------------------------------ training
@@ -360,7 +385,12 @@ class Run(RunArrays):
     @property
     def test_loss(self) -> np.ndarray:
         """(S,) L_test(θ_t): the run's loss at the test points (NSA Fig. 7c) — (1/M) Σ_j ½‖f_t(x_j) − y_j‖²
-        for L2, the NCE loss over the held-out data and noise points for ``loss: nce``."""
+        for L2, the NCE loss over the held-out data and noise points for ``loss: nce``.
+
+        Raises:
+            KeyError: the run has no test points (data.n_test: 0)."""
+        if not self.has("loss_test") and not int(getattr(self.dims, "M", 0) or 0):
+            raise KeyError(f"run {self.id!r} has no test loss: it has no test points (data.n_test: 0)")
         return self.per_step("loss_test")
 
     @property

@@ -118,6 +118,11 @@ def records(run: Run, name: str) -> bool:
     return all(n in schema for n in needs)
 
 
+def _stores(run: Run, name: str) -> bool:
+    """Whether ``name`` is a per-step array of ``run``'s schema."""
+    return any(a.name == name and a.per_step for a in run_arrays(run.dims))
+
+
 def _none_if_nan(v: Any) -> Any:
     """A grid field's value as a key: NaN (a field a run's spec does not set, e.g. ``hessian.every``
     of a variant without a ``hessian:`` block) as None, so that two runs of one point are one key."""
@@ -138,8 +143,16 @@ def quantity(run: Run, name: str, k: int | None = None) -> tuple[np.ndarray, np.
     Raises:
         ValueError: an unknown name (the allowed are listed) or an energy without k.
     """
+    if k is not None and (isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer))):
+        # True was read as k = 1, 2.0 failed deep in NumPy (an audit): one integer k, or this error
+        raise ValueError(f"quantity {name!r}: k must be an integer, got k={k!r}")
     if name not in QUANTITIES:
         return run.steps, _stored_scalar(run, name, k)
+    if k is not None and not (name.startswith("energy_") or name in _HESSIAN_K):
+        raise ValueError(
+            f"quantity {name!r} takes no k (got k={k!r}): k is the k of the energy_<φ> quantities, the "
+            f"moment order of {', '.join(_HESSIAN_K)}, or the column of a stored (S, n) array"
+        )
     if name.startswith("hessian_"):
         return run.hessian.steps, np.asarray(_hessian_quantity(run, name, k), np.float64)
     if name == "loss":
@@ -175,6 +188,8 @@ def _stored_scalar(run: Run, name: str, k: int | None) -> np.ndarray:
         )
     values = run.per_step(name).astype(np.float64)
     if values.ndim == 1:
+        if k is not None:
+            raise ValueError(f"quantity {name!r} has one value per step and takes no k (got k={k!r})")
         return values
     n = values.shape[1]
     if k is None or not 1 <= k <= n:
@@ -495,7 +510,10 @@ class Sweep:
         that have no column ``k`` of it (an E_t(φ, k) beyond their N or their stored eigenpairs):
         :meth:`curves`, :meth:`scalar` and the sweep figures leave them out, and ``nsa plot --sweep``
         says which."""
-        skip = self._lacking_ids(name, k)[0]
+        skip, ids = self._lacking_ids(name, k)
+        if ids and name not in QUANTITIES and not any(_stores(self.run(r), name) for r in ids):
+            # an unknown name "lacked" at every grid point (an audit): say it is unknown
+            _stored_scalar(self.run(ids[0]), name, k)  # ValueError: unknown quantity, the allowed listed
         return [key for key, ids in self.groups() if skip.intersection(ids)]
 
     def _lacking_ids(self, name: str, k: int | None) -> tuple[set[str], list[str]]:

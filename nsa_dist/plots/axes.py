@@ -83,13 +83,21 @@ def energy_k(n: int, k_stored: int, requested: int | None = None) -> int:
 
     The paper's fraction of N (400 of 10⁴), at least 1, capped by the eigenpairs stored
     (``k_stored``) and kept below N: at k = N every E is 1 and the curve says nothing.
-    An explicit ``requested`` k is only capped by what is stored.
+    An explicit ``requested`` k is drawn as given: an integer in 1..``k_stored``, else a ValueError
+    (it was clamped: k = −3 and 0 drew E_t(y, 1), k = 100 of 8 stored drew k = 8 — an audit).
 
     >>> energy_k(10_000, 10_000), energy_k(1000, 100), energy_k(20, 20), energy_k(50, 50, requested=50)
     (400, 40, 1, 50)
     """
     if requested is not None:
-        return max(1, min(int(requested), int(k_stored)))
+        if isinstance(requested, (bool, np.bool_)) or not isinstance(requested, (int, np.integer)):
+            raise ValueError(f"k={requested!r}: give an integer k in 1..{int(k_stored)}")
+        if not 1 <= requested <= k_stored:
+            raise ValueError(
+                f"k={requested}: E_t(y, k) is stored for k in 1..{int(k_stored)} (the fewest eigenpairs a run "
+                f"keeps; spectrum.k: all or spectrum.energy: quadrature measures every k up to N)"
+            )
+        return int(requested)
     return max(1, min(round(PAPER_K_FRACTION * n), int(k_stored), int(n) - 1))
 
 

@@ -42,7 +42,7 @@ def fig4a(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
             ax.plot(i, np.where(p > 0, p, np.nan), "o", ms=1.8, alpha=0.35, mec="none", color=c)
             centre, mean = _binned_mean(p)
             ax.plot(centre, np.where(mean > 0, mean, np.nan), "-", lw=2.2, color=c, label=label)
-        r = run.numerical_rank(t)
+        r = run.numerical_rank(t, among_stored=True)
         rank = r if rank is None else min(rank, r)
         if r < len(p):
             ax.axvline(r + 0.5, color=c, ls=":", lw=1)

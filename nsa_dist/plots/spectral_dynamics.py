@@ -155,7 +155,7 @@ def eqs45(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
     right.plot([], [], "ko-", ms=3, label="measured")
     right.plot([], [], "k--", label="Eq. 5")
     right.set(xlabel="step t", ylabel=r"$E_t(m_t, k)$", ylim=(-0.02, 1.02))
-    rank = run.numerical_rank(int(run.steps[0])) if len(run.steps) else E.shape[1]
+    rank = run.numerical_rank(int(run.steps[0]), among_stored=True) if len(run.steps) else E.shape[1]
     beyond = [k for k in rows if k > rank]
     if beyond:  # G_{t0}'s eigenvectors there are one basis of many: Eq. 5's E is that basis's value
         right.set_title(f"k = {', '.join(map(str, beyond))}: beyond $G_{{{t0}}}$'s numerical rank {rank}", fontsize=8)

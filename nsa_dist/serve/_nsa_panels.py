@@ -296,7 +296,7 @@ class Fig4a(Picked):
         need(self.steps_of(run), "step with stored projections (or eigenvectors)")
         out = []
         for j, t in enumerate(self.picked(run)):
-            p, r = residual_projections(run, t), run.numerical_rank(t)
+            p, r = residual_projections(run, t), run.numerical_rank(t, among_stored=True)
             label = f"t = {t}" + (f" (beyond i = {r}: G_t's numerical rank, one basis of many)" if r < len(p) else "")
             out.append(Series(np.arange(1, len(p) + 1), p, label, color(j), markers=len(p) <= 60))
         return [out]
