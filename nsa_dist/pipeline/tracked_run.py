@@ -461,6 +461,38 @@ def _exit_on_sigterm() -> None:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
         _SIGTERM_INSTALLED = True
+        _end_the_shell_after_sigterm()
+
+
+_SHELLS: weakref.WeakSet = weakref.WeakSet()  # the IPython shells told to end after a SIGTERM
+
+
+def _end_the_shell_after_sigterm() -> None:
+    """In an IPython shell (a Jupyter kernel, ``ipython``): after the cell a SIGTERM landed in, end
+    the process as SIGTERM asks.  IPython catches a cell's SystemExit and goes on, so the kernel
+    outlived every SIGTERM (a scheduler's stop, papermill's), with a run opened outside a ``with``
+    block left open, and the next SIGTERM — the handler was spent — killed it with steps in flight
+    (an audit).  After that cell, the runs still open finish their recorded steps and end
+    ``interrupted``, then SIGTERM's default action ends the kernel.  IPython is never imported here."""
+    get = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    shell = get() if callable(get) else None
+    events = getattr(shell, "events", None)
+    if events is None or shell in _SHELLS:
+        return
+    try:
+        events.register("post_execute", _after_a_cell)
+        _SHELLS.add(shell)
+    except Exception as exc:  # noqa: BLE001 — an IPython without the event: the SystemExit alone, as before
+        _log.debug("no post_execute event in this IPython (%s)", exc)
+
+
+def _after_a_cell() -> None:
+    if not _SIGTERM_SEEN:
+        return
+    _log.warning("the process was sent SIGTERM: its Tracker runs are ended (their recorded steps kept); ending it")
+    _interrupt_open_runs()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 _SIGTERM_INSTALLED = False
