@@ -21,7 +21,7 @@ from nsa_dist.linalg.lanczos import LanczosResult, block_lanczos, default_block_
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EigMethod", "Eigenpairs", "top_eigenpairs"]
+__all__ = ["EigMethod", "Eigenpairs", "top_eigenpairs", "dense_chosen"]
 
 _DENSE_N = 500  # AUTO: dense eigh up to this N
 _DENSE_FRACTION = 1 / 3  # AUTO: dense eigh when k > N/3
@@ -119,7 +119,7 @@ def top_eigenpairs(
     A = as_symmetric_map(G_or_operator, Backend.NUMPY if method is EigMethod.ARPACK else backend_)
     k = _parse_k(k, A.N)
     if method is EigMethod.AUTO:
-        method = EigMethod.DENSE if k > _DENSE_FRACTION * A.N or A.N <= _DENSE_N else EigMethod.LANCZOS
+        method = EigMethod.DENSE if dense_chosen(method, k, A.N) else EigMethod.LANCZOS
     if method is EigMethod.DENSE:
         evals, evecs = _dense_top(A, k)
         return Eigenpairs(evals, _fix_signs(evecs), method, A.ops.name, A.n_matvec)
@@ -340,6 +340,13 @@ def _block_size(A: SymmetricMap, k: int) -> int | None:
     if A.source is not None and A.N >= 4096 and k >= 64:
         return 48
     return None
+
+
+def dense_chosen(method: EigMethod | str, k: int, N: int) -> bool:
+    """Whether :func:`top_eigenpairs` with ``method`` reduces the whole G (LAPACK eigh) for the top
+    ``k`` of N: ``dense``, or ``auto`` with k > N/3 or N ≤ 500."""
+    method = parse_enum(EigMethod, method, "method")
+    return method is EigMethod.DENSE or (method is EigMethod.AUTO and (k > _DENSE_FRACTION * N or N <= _DENSE_N))
 
 
 def _dense_top(A: SymmetricMap, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -45,6 +45,7 @@ import numpy as np
 
 from nsa_dist.config import DataName, ExperimentSpec, Layout, ModelSpec, OptimizerName
 from nsa_dist.errors import ResourceError
+from nsa_dist.linalg.eigenpairs import dense_chosen
 from nsa_dist.linalg.quadrature import quadrature_basis_bytes
 from nsa_dist.ntk.blocks import ROW_CHUNK
 from nsa_dist.ntk.shards import CHUNK_BYTES
@@ -126,6 +127,11 @@ def footprint(
             members = W if gang_in_process else 1
             parts["matrix_free products (transient)"] = float(CHUNK_BYTES * members)
     parts["eigenvectors"] = 8.0 * N * k
+    if lay is Layout.LOCAL and (s.k == "all" and not quadrature or dense_chosen(s.eig_method, k, N)):
+        # the reduction's own temporaries beside G and V (LAPACK's workspace, the tridiagonal's
+        # vectors): measured ~0.9·N² numbers at N = 8,000, k: all (2.09 GB above the process's
+        # 0.31 GB against 1.64 GB counted without them — Audit B's "1.5–2× uncounted")
+        parts["dense eigensolver (transient)"] = float(N) * N * np.dtype(s.dtype).itemsize
     parts.update(_test_points(spec, lay, width, k, gang_in_process))
     parts["data"] = 16.0 * (N + spec.data.n_test) * (spec.data.input_dim or spec.model.input_dim or 0)
     if quadrature:
@@ -201,6 +207,7 @@ _FIX = {
     "feature": "raise spectrum.workers (smaller ranges per feature pass), or lower model.width",
     "matrix_free": "run it where a worker has more memory (a member's product temporaries take up to 32 MB)",
     "eigenvectors": "lower spectrum.k (or quadrature.top)",
+    "dense": "lower data.n, take k: all by spectrum.energy 'quadrature', or a top-k below N/3 (Lanczos)",
     "quadrature": "lower spectrum.quadrature.lanczos_steps, block_size or phi_steps",
     "data": "lower data.n",
     "test-point": "lower data.n_test, or set spectrum.test_points false",
