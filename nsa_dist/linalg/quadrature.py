@@ -63,10 +63,10 @@ So the energy bracket is provable given λ_k's bracket, which is statistical at 
   Eigenvalues a few δ apart are not a cluster, yet the exact route's eigenvectors rotate between them
   by ~δ/gap: beyond the top, E's bracket takes the tightest of ramp bounds (threshold moved by w,
   ± δ₆₄/w, :func:`_ramps`) and Davis–Kahan's sin Θ bounds over the same windows, which hold under
-  a float64 reduction's backward error δ₆₄.  Not covered:
-  such a rotation inside the top part (k ≤ K, E off by ≤ 1.1·10⁻⁵ on eigenvalue pairs 2.5–1000·δ
-  apart against 40-digit eigenvectors), and a float32 reduction's rotations, which stay a threshold
-  shift (a model).  The solver's own rotation there is covered: its eigenvectors' residual ‖R‖ bounds
+  a float64 reduction's backward error δ₆₄ — under a float32 G's, δ₃₂ = 4·eps₃₂·‖G‖_F (with δ₆₄
+  there a float32 run's E lay 1.15·10⁻⁵ above its bracket, Audit Q3).  Not covered: such a rotation
+  inside the top part (k ≤ K, E off by ≤ 1.1·10⁻⁵ on eigenvalue pairs 2.5–1000·δ apart against
+  40-digit eigenvectors).  The solver's own rotation there is covered: its eigenvectors' residual ‖R‖ bounds
   it (Davis–Kahan, :func:`_energy_curve`; it put E 1.5·10⁻⁶ off on eigenvalues 500·‖R‖ apart), and
   its eigenvalues are G's to ‖R‖₂ (λ_k's top bracket).
 """
@@ -112,8 +112,8 @@ BRACKET_SENTENCE = (
     "in which the exact route reduces it), and where eigenvalues lie within it of each other (a "
     "rank-deficient G's null space, in the top part too) the bracket spans every value an eigensolver's "
     "choice of basis gives (E up to 1 beyond the rank); beyond the top, E's bracket also holds the "
-    "rotation of eigenvectors among near-equal eigenvalues under a float64 reduction's backward error "
-    "δ₆₄ = N·eps₆₄·λ_1 (ramp bounds ± δ₆₄/w over windows w)"
+    "rotation of eigenvectors among near-equal eigenvalues under the exact route's backward error "
+    "δ₆₄ = N·eps₆₄·λ_1, or a float32 G's δ (ramp bounds ± δ/w over windows w)"
 )
 
 _RADAU_POINTS = 400  # breakpoints of the counting function where the probes' Gauss–Radau bounds are taken
@@ -405,6 +405,7 @@ def spectral_curves(
             floor.leak,
             tail_top,
             next_upper,
+            ramp_delta=floor.delta if floor.eps_g > 4.0 * float(np.finfo(np.float64).eps) else floor.rotation,
         )
     grid, dens = _density(lam, N, probe_rules, density_grid)
     widest: dict[str, dict[str, float]] = {}
@@ -1119,6 +1120,7 @@ def _energy_curve(
     leak: float = 0.0,
     tail_top: float = -math.inf,
     next_upper: float = math.inf,
+    ramp_delta: float | None = None,
 ) -> CurveBracket:
     """E(φ, k) with its bracket: exact for k ≤ K, the tail measure's bounds at λ_k's bracket beyond;
     ``slack`` (16·eps of the products) widens each side for the products' rounding (float32: the
@@ -1191,7 +1193,11 @@ def _energy_curve(
     if tail.any():
         v_t = eig.value[tail]
         low, high = np.full(v_t.size, -np.inf), np.full(v_t.size, np.inf)
-        for w, turn in _ramps(rotation + math.sqrt(2.0) * leak):
+        # ``ramp_delta``: the tail eigenvectors' rotation the ramps hold — the float64 reduction's δ₆₄, or a float32
+        # G's δ₃₂ (its exact route reduces it in float32: with δ₆₄ there E(residual, 54) lay 1.15·10⁻⁵ above
+        # its bracket, a GRU's and a cross-entropy MLP's float32 runs — Audit Q3; the readers' float32 exact
+        # route already held that rotation)
+        for w, turn in _ramps((rotation if ramp_delta is None else ramp_delta) + math.sqrt(2.0) * leak):
             lo_t, hi_t = eig.upper[tail] + shift + w, eig.lower[tail] - shift - w
             # the top part above each threshold (all of it unless the threshold reaches the top's eigenvalues)
             base_lo = top2_at(np.searchsorted(desc, -lo_t, side="left"))  # Σ over λ_i > lo_t
