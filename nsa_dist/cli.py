@@ -1045,13 +1045,15 @@ def _plot_sweep(args: argparse.Namespace) -> int:
     if args.scalar:  # the scalar figure is made (its fields and quantity checked) before any figure is written
         if not args.x:
             raise ValueError("--scalar needs --x FIELD (one of the sweep's fields: " + ", ".join(sweep.fields) + ")")
-        kk = energy_k(sweep.smallest_n(), sweep.smallest_k(), k)
         if args.scalar.startswith("hessian_"):  # k: the moment order of Tr(A^k)
             kk = args.k[0] if args.k else None
+        else:
+            kk = energy_k(sweep.smallest_n(), sweep.smallest_k(), k)
         fig = scalar_figure(
             sweep, args.scalar, args.x, args.line, k=kk if args.scalar.startswith(("energy_", "hessian_")) else None
         )
-    paths = plot_sweep(sweep, args.out, figures=args.figures, k=k)
+    hessian_k = (args.scalar or "").startswith("hessian_")  # --k: Tr(A^k)'s order there, not Fig. 7a's k
+    paths = plot_sweep(sweep, args.out, figures=args.figures, k=None if hessian_k else k)
     if fig is not None:
         path = args.out / f"scalar_{args.scalar}.png"
         readable(fig).savefig(path, dpi=DPI)

@@ -736,8 +736,8 @@ class SpectrumSpec(_Strict):
         None,
         gt=0,
         description="the memory a worker's share of G_t may take: layout=auto chooses a layout whose part fits "
-        "(default: half of this machine's memory), an explicit layout whose part does not is refused before the "
-        "run starts; the process's own ~0.4 GB (torch, Ray) and block_rows' transient products come on top",
+        "(default: half of this machine's memory); an explicit layout whose part does not is run as set, with a "
+        "warning; the process's own ~0.4 GB (torch, Ray) and block_rows' transient products come on top",
     )
     frobenius_probes: int = Field(32, ge=2, description="matrix_free: Hutch++ probes of ‖G‖_F²")
 

@@ -33,6 +33,16 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Client:
         assert run_experiment(spec, store).status == "done"
         ids.append(run_id(spec))
     store.record_sweep(sweep.name, sweep.model_dump(mode="json"), ids)
+    hw = SweepSpec(
+        name="hw",
+        base={**BASE, "spectrum": {"k": 2, "images": []}, "hessian": {"probes": 4, "lanczos_steps": 6}},
+        grid={"model.width": [6, 8]},
+    )
+    ids = []
+    for spec in hw.expand():
+        assert run_experiment(spec, store).status == "done"
+        ids.append(run_id(spec))
+    store.record_sweep(hw.name, hw.model_dump(mode="json"), ids)
     return Client(url)
 
 
@@ -116,7 +126,8 @@ def test_names_and_filters_that_cannot_match_say_why(client: Client, tmp_path) -
         client.runs(model__depth="2")
     with pytest.raises(ValueError, match=r"status='Done' matches no run; column 'status' holds 'done'"):
         client.runs(status="Done")
-    assert len(client.runs(model__depth=2)) == 4
+    assert len(client.runs(model__depth=2)) == 6 and len(client.runs(model__width=8)) == 5
+    assert set(client.runs(hessian__probes=None)["id"]) == {r for r in client.runs()["id"] if not r.startswith("hw")}
     run = client.run("kall")
     with pytest.raises(KeyError, match="did not measure the Hessian: its spec has no hessian: block"):
         run.hessian.steps  # noqa: B018 — the property's read is the test
@@ -135,3 +146,53 @@ def test_export_into_a_file_says_it_is_a_file(client: Client, tmp_path) -> None:
     afile.write_text("x")
     with pytest.raises(OutsideError, match=r"afile.txt is a file, not a folder"):
         export_tensorboard(client.run("kall"), afile)
+
+
+def test_review_a_hessian_scalar_k_is_its_order_not_fig7as_k(client: Client, tmp_path, capsys) -> None:
+    """``--scalar hessian_H --k 3``: k is Tr(H^k)'s order, above the sweep's 2 stored eigenpairs — it was
+    also handed to Fig. 7a, which now refuses a k beyond K (a review: exit 2, no figure)."""
+    from nsa_dist.cli import main
+
+    out = tmp_path / "hk"
+    argv = ["plot", "--store", client.url, "--sweep", "hw", "--scalar", "hessian_H", "--x", "model.width", "--k", "3"]
+    assert main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    assert (out / "scalar_hessian_H.png").is_file() and (out / "fig7a_energy_y.png").is_file()
+
+
+def test_review_the_sweep_pages_k_is_capped_and_shown(client: Client) -> None:
+    from nsa_dist.serve.sweep_page import chosen_k, default_k
+
+    sw = client.sweep("sw")
+    assert chosen_k(sw, 99, auto=False) == 5 and chosen_k(sw, -3, auto=False) == 1  # K = 5
+    assert chosen_k(sw, 3, auto=False) == 3 and chosen_k(sw, 3, auto=True) == default_k(sw)
+
+
+def test_review_sweep_scalar_and_eigenvector_steps_are_integers(client: Client) -> None:
+    sw, run = client.sweep("sw"), client.run("kall")
+    assert list(sw.scalar("loss_recorded", step=2)["step"]) == [2, 2]
+    for bad in (2.0, np.array([2, 4]), True):
+        with pytest.raises(KeyError, match="is not a recorded step t"):
+            sw.scalar("loss_recorded", step=bad)
+        with pytest.raises(KeyError, match="is not a recorded step t"):
+            run.stores_eigenvectors(bad)
+    with pytest.raises(KeyError, match="is not a recorded step t"):
+        run.stores_eigenvectors(2.9)  # was int(2.9) = 2: True
+
+
+def test_review_serve_fig4a_draws_points_and_binned_means_as_nsa_plot(client: Client, monkeypatch) -> None:
+    from nsa_dist.plots import projections, residual_projections
+    from nsa_dist.serve import _nsa_panels
+    from nsa_dist.serve.run_page import run_panels
+
+    monkeypatch.setattr(_nsa_panels, "_JOINED", 5)
+    monkeypatch.setattr(projections, "_BINS", 4)
+    run = client.run("kall")
+    panel = next(p for p in run_panels(run) if "fig4a_residual_projections" in p.figures)
+    panel.update(panel.guarded(run))
+    assert not panel.error.visible, panel.error.text
+    lines, dots = panel.sources[0]["lines"].data, panel.sources[0]["dots"].data
+    assert lines["label"] and all("mean over 4 bins of i" in lb for lb in lines["label"]), lines["label"]
+    t = int(lines["label"][-1].split("t = ")[1].split(":")[0])
+    p = residual_projections(run, t)
+    np.testing.assert_allclose(lines["ys"][-1], p.reshape(4, 6).mean(axis=1), rtol=1e-12)
+    assert len(dots["x"]) == 24 * len(lines["label"])  # every projection a point, none joined

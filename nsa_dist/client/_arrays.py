@@ -121,6 +121,8 @@ class RunArrays:
 
     def stores_eigenvectors(self, step: int) -> bool:
         """Whether finished recorded step ``step`` holds eigenvectors (:attr:`eigenvector_mask`)."""
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+            raise KeyError(f"step={step!r} is not a recorded step t (one integer; run.steps lists them)")
         return bool(np.any(self.eigenvector_steps == int(step)))
 
     def per_step(self, name: str) -> np.ndarray:

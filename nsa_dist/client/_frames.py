@@ -186,8 +186,12 @@ def runs_frame(store: SpectrumStore, sweep: str | None = None, **where: Any) -> 
         col = key.replace("__", ".")
         if col not in df.columns:
             raise NotFoundError(f"no column {col!r} to filter on; columns: {', '.join(df.columns)}")
-        kept = df[df[col] == value]
-        if not len(kept) and len(df):  # '3' for 3, 'Done' for 'done' matched nothing, silently (an audit)
+        missing = value is None or (isinstance(value, float) and np.isnan(value))
+        # None / NaN: the runs whose spec leaves the field unset (== never matched them: a review)
+        kept = df[df[col].isna()] if missing else df[df[col] == value]
+        if (
+            not len(kept) and len(df) and not missing
+        ):  # '3' for 3, 'Done' for 'done' matched nothing, silently (an audit)
             near = sorted({repr(v) for v in df[col] if str(v).lower() == str(value).lower()})
             if near:
                 raise ValueError(f"{key}={value!r} matches no run; column {col!r} holds {', '.join(near)}")

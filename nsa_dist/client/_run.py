@@ -249,11 +249,12 @@ class Run(RunArrays):
             rank, steps = rank[at : at + 1], steps[at : at + 1]
         K = lam.shape[1]
         if not among_stored and K < self.N and np.any(rank >= K):
+            how = "the exact route, spectrum.energy: exact," if self.energy_route == "quadrature" else "spectrum.k: all"
             raise ValueError(
                 f"run {self.id!r} kept the top {K} of N = {self.N} eigenvalues and all {K} lie above the "
                 f"rounding at step(s) {steps[rank >= K].tolist()[:5]}: G_t's numerical rank "
-                f"there is ≥ {K}, not known (spectrum.k: all measures it; numerical_rank(among_stored=True) "
-                "counts the stored ones)"
+                f"there is ≥ {K}, not known ({how} measures it; numerical_rank(among_stored=True) counts "
+                "the stored ones)"
             )
         return rank if step is None else int(rank[0])
 

@@ -467,6 +467,9 @@ class Sweep:
                 value = float(v[ok[-1]]) if len(ok) else float("nan")
                 at = int(t[ok[-1]]) if len(ok) else (int(t[-1]) if len(t) else -1)
             else:
+                if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+                    # 2.0 matched step 2, an array failed in NumPy's broadcast (a review): one integer step
+                    raise KeyError(f"step={step!r} is not a recorded step t (one integer, or None for each run's last)")
                 where = np.flatnonzero(t == step)  # none: the run failed or is still running before it
                 value, at, reached = (
                     (float(v[where[0]]) if len(where) else float("nan")),

@@ -487,8 +487,8 @@ def _end_the_shell_after_sigterm() -> None:
 
 
 def _after_a_cell() -> None:
-    if not _SIGTERM_SEEN:
-        return
+    if not _SIGTERM_SEEN or threading.current_thread() is not threading.main_thread():
+        return  # (a subshell's cell, off the main thread: the next main-thread cell ends it — signal.signal needs it)
     _log.warning("the process was sent SIGTERM: its Tracker runs are ended (their recorded steps kept); ending it")
     _interrupt_open_runs()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -12,6 +12,7 @@ from bokeh.models import Select
 
 from nsa_dist.plots import residual_projections
 from nsa_dist.plots.axes import gd_note, ks, lr_steps, nonpositive_note
+from nsa_dist.plots.projections import _JOINED, _binned_mean
 from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, need, spread, stairs, step_options
 from nsa_dist.serve._live import Waiting
 
@@ -298,7 +299,13 @@ class Fig4a(Picked):
         for j, t in enumerate(self.picked(run)):
             p, r = residual_projections(run, t), run.numerical_rank(t, among_stored=True)
             label = f"t = {t}" + (f" (beyond i = {r}: G_t's numerical rank, one basis of many)" if r < len(p) else "")
-            out.append(Series(np.arange(1, len(p) + 1), p, label, color(j), markers=len(p) <= 60))
+            i = np.arange(1, len(p) + 1)
+            if len(p) <= _JOINED:
+                out.append(Series(i, p, label, color(j)))
+            else:  # as nsa plot's Fig. 4a: the points, and their means over runs of i (joined, a solid band)
+                centre, mean = _binned_mean(p)
+                out.append(Series(i, p, f"{label}: each i", color(j), line=False))
+                out.append(Series(centre, mean, f"t = {t}: mean over {len(centre)} bins of i", color(j), markers=False))
         return [out]
 
 

@@ -310,10 +310,7 @@ def sweep_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = N
 
         def args() -> Args:
             s = state["snap"].sweep
-            kk = int(k.value)
-            if len(s.groups()):  # the default follows the runs; a k the user chose is only capped by K
-                kk = energy_k(s.smallest_n(), s.smallest_k(), None if state["auto"] else kk)
-            return s, kk, {f: list(p.value) for f, p in pickers.items()}
+            return s, chosen_k(s, int(k.value), state["auto"]), {f: list(p.value) for f, p in pickers.items()}
 
         def data(f: Curves, a: Args) -> Any:
             chosen = (a[1], tuple(sorted((field, tuple(v)) for field, v in a[2].items())))
@@ -330,7 +327,7 @@ def sweep_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = N
 
         def apply(got: tuple[str, int, list[Any]]) -> None:
             header.text = got[0]
-            if state["auto"] and k.value != got[1]:
+            if k.value != got[1]:
                 state["shown"] = got[1]
                 k.value = got[1]
             for f, d in zip(figures, got[2]):
@@ -383,6 +380,16 @@ def sweep_page(store: SpectrumStore, refresh_s: float, shared: Shared | None = N
         return attach
 
     return prepared(build)
+
+
+def chosen_k(sweep: Sweep, value: int, auto: bool) -> int:
+    """Fig. 7a's k on the sweep page: the default (:func:`default_k`) while the viewer has not chosen
+    one, else the spinner's ``value`` capped to 1..K, the fewest eigenpairs a run keeps — the page
+    shows the k drawn (``energy_k`` refuses a k outside: a spinner past K blanked the page, a review)."""
+    if not len(sweep.groups()):
+        return value
+    top = sweep.smallest_k()
+    return energy_k(sweep.smallest_n(), top, None if auto else min(max(int(value), 1), top))
 
 
 def default_k(sweep: Sweep) -> int | None:
