@@ -474,7 +474,10 @@ class Run(RunArrays):
     def _per_known_lr(self, fn) -> np.ndarray:
         lam, lr = self.stability_eigenvalues, np.asarray(self.lr, np.float64)
         out = np.full(lam.shape, np.nan)
-        known = np.isfinite(lr)
+        # δ_t = 0 (a warmup from 0, an audit: the whole figure was refused, "lr must be > 0"): no flow, δλ/N
+        # and s = 1 − |1 − 0| both 0; a negative or unknown δ_t: NaN
+        out[lr == 0] = 0.0
+        known = np.isfinite(lr) & (lr > 0)
         if known.any():
             out[known] = fn(lam[known], lr[known, None], self.N)
         return out

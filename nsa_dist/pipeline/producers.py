@@ -291,7 +291,9 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
             ["lr"],
             f"δ_t of step {ck.step} is not known: the learning rate given is ambiguous (groups with different "
             "rates), or under optimizer='gd' the update made is not full-batch gradient descent at it (another "
-            "optimizer, clipping, mini-batches, another rate) — Δf_t is predicted as J_t Δθ_t of the update made",
+            "optimizer, weight decay, clipping, mini-batches, another rate, a reduced-precision loop's rounding) — "
+            "Δf_t is predicted as J_t Δθ_t of the update made",
+            quiet=True,  # logged once by the Tracker (it was logged again at every such step: Audit K4)
         )
     with run.cost.timed("metrics"):
         ck = dataclasses.replace(ck, df=float64_change(run, ck))
