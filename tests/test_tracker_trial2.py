@@ -714,22 +714,10 @@ def test_a_warmup_from_a_zero_rate_keeps_figures_2c_and_2d(tmp_path):
     At δ_t = 0 both are 0 (no flow); the other steps are δλ/N and 1 − |1 − δλ/N|."""
     from nsa_dist.plots import make_figure
 
-    X, y = _data()
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))
-    url = str(tmp_path / "s.zarr")
-    tr = _tracker(url, "warm", model, X, y, steps=3)
-    for t in range(3):
-        if tr.due(t):
-            tr.record(t, lr=opt)
-        loss = _loss(model, X, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    tr.close()
-    run = Client(url).run("warm")
+    run = _recorded_with_opt(tmp_path, "warm", model, opt, sched)
     np.testing.assert_allclose(run.lr, [0.0, 0.05, 0.1])
     lam = run.stability_eigenvalues
     np.testing.assert_array_equal(run.lr_eigen_product()[0], 0.0)
@@ -737,3 +725,37 @@ def test_a_warmup_from_a_zero_rate_keeps_figures_2c_and_2d(tmp_path):
     np.testing.assert_allclose(run.lr_eigen_product()[1:], run.lr[1:, None] * lam[1:] / run.N, rtol=1e-12)
     for name in ("fig2c_flow_speed", "fig2d_lr_eigen"):
         assert make_figure(run, name) is not None
+
+
+def test_figures_2c_2d_say_where_the_rate_is_unknown(tmp_path):
+    """Parameter groups with different rates: δ_t is NaN at every step, and Figs. 2c–2d were blank panels
+    on a broken axis (−0.04 … 0.04) that said nothing (Audit K4)."""
+    from nsa_dist.plots import make_figure
+
+    model = _mlp()
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.02}, {"params": model[2].parameters()}], lr=0.1)
+    run = _recorded_with_opt(tmp_path, "groups", model, opt)
+    assert np.isnan(run.lr).all()
+    for name, ylim in (("fig2c_flow_speed", (-0.02, 1.02)), ("fig2d_lr_eigen", (1e-3, 10.0))):
+        ax = make_figure(run, name).axes[0]
+        said = [t.get_text() for t in ax.texts]
+        assert any(t.startswith("δ_t unknown at every step") for t in said), said
+        np.testing.assert_allclose(ax.get_ylim(), ylim)
+
+
+def _recorded_with_opt(tmp_path, name: str, model: nn.Module, opt, sched=None):
+    """Three full-batch steps of ``opt`` (and ``sched``) recorded with ``lr=opt``: the run."""
+    X, y = _data()
+    url = str(tmp_path / "s.zarr")
+    tr = _tracker(url, name, model, X, y, steps=3)
+    for t in range(3):
+        if tr.due(t):
+            tr.record(t, lr=opt)
+        loss = _loss(model, X, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    tr.close()
+    return Client(url).run(name)

@@ -20,6 +20,7 @@ from nsa_dist.plots.axes import (
 )
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from nsa_dist.client import Run
@@ -83,8 +84,31 @@ def fig2c(run: Run) -> Figure:
     for c, i in zip(colors(top), range(1, top + 1)):
         ax.plot(run.steps, s[:, i - 1], "o-", ms=3, color=c, label=f"i = {i}")
     time_axis(ax, run, r"$s_i^t = 1 - |1 - \delta_t \lambda_i^t / N|$")
+    _unknown_rates(ax, run, (-0.02, 1.02))
     add_gd_note(fig, run)
     return fig
+
+
+def _unknown_rates(ax: Axes, run: Run, empty_ylim: tuple[float, float]) -> None:
+    """Say where δ_t is unknown (NaN: parameter groups with different rates, or a Tracker's update that
+    was not GD at the rate given) — the lines stop there; with no known δ_t the panel was blank on a
+    broken axis (−0.04 … 0.04, an audit): it says so on a sane one."""
+    lr = np.asarray(run.lr, np.float64)
+    unknown = int((~np.isfinite(lr)).sum())
+    if not unknown:
+        return
+    every = unknown == lr.size
+    what = (
+        "δ_t unknown at every step" if every else f"δ_t unknown at {unknown} of {lr.size} steps (not drawn there)"
+    ) + ":\nparameter groups with different rates,\nor updates that were not GD at the rate given"
+    ax.text(0.5, 0.5 if every else 0.03, what, transform=ax.transAxes, ha="center", va="center" if every else "bottom",
+            fontsize=8, color="0.3")  # fmt: skip
+    if every:
+        ax.set_ylim(*empty_ylim)
+        steps = np.asarray(run.steps, np.float64)
+        if steps.size:
+            lo, hi = float(steps.min()), float(steps.max())
+            ax.set_xlim(lo - 1, hi + 1) if hi == lo else ax.set_xlim(lo, hi)
 
 
 def fig2d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
@@ -97,5 +121,6 @@ def fig2d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
         ax.plot(run.steps, p[:, i - 1], "o-", ms=3, color=c, label=label)
     ax.axhline(2.0, color="crimson", ls=":", lw=1.2, label="2 (stability limit)")
     time_axis(ax, run, r"$\delta_t \lambda_i^t / N$", logy=True, family=("i", labels, cols))
+    _unknown_rates(ax, run, (1e-3, 10.0))
     add_gd_note(fig, run)
     return fig
