@@ -267,8 +267,9 @@ def step_context(run: SpectralAnalyzer, ck: Checkpoint, G: StepGram, notes: Step
         notes.note(
             [n for n in (*made_of_update, "gram_change", "gram_change_fro") if run.plan.has(n)],
             f"step {ck.step}'s update Δθ_t is not known: the training loop's step {ck.step + 1} was not seen "
-            f"after record({ck.step}) (the loop ended, was interrupted, or went on from another step), or the "
-            "update diverged — Δf_t and what is made of Δθ_t are NaN",
+            f"after record({ck.step}) with the model moved (the loop ended, was interrupted, went on from another "
+            "step, or updates every few steps — gradient accumulation counted in micro-batches: count optimizer "
+            "steps), or the update diverged — Δf_t and what is made of Δθ_t are NaN",
         )
     elif not np.isfinite(ck.dtheta).all():  # Δθ finite in part: the update diverged at some parameters
         made_of_update = ("df", "energy_df", "df_pred", "energy_df_pred", "first_order_error", "first_order_cos")
