@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch import nn
 
-from nsa_dist.errors import UnsupportedModelError
 from nsa_dist.hessian import extreme_eigenpairs, hessian_operator, numerical_ranks, output_hessian_traces
 from nsa_dist.hessian._probes import rademacher
 from nsa_dist.linalg import top_eigenpairs
@@ -56,11 +55,31 @@ def _mlp(*middle: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------- output_hessian_traces
 
 
-def test_traces_layernorm_raises_instead_of_wrong_G():
+def test_traces_layernorm_by_reverse_mode_where_forward_mode_is_wrong():
+    """PyTorch 2.13's forward-over-forward second derivatives of layer_norm are wrong: G was refused
+    (Tr(S) via G NaN in a run, Audit H3); it is measured by reverse mode, the check's reference."""
     model = _mlp(nn.LayerNorm(5, elementwise_affine=False))
     X = torch.randn(4, 3, dtype=torch.float64)
-    with pytest.raises(UnsupportedModelError, match="forward-mode second derivatives.*LayerNorm"):
-        output_hessian_traces(model, X, 4)
+    tr = output_hessian_traces(model, X, 4, seed=5)
+    np.testing.assert_allclose(tr.per_probe, _reference_forms(model, X, 4, seed=5), rtol=1e-10, atol=1e-12)
+
+
+def test_a_layernorm_tracker_run_measures_tr_s_via_g(tmp_path):
+    """Audit H3: an attention-style model with LayerNorm stored Tr(S) via G as NaN ("forward-mode second
+    derivatives … wrong"); by reverse mode it is measured, and agrees with Hutch++'s Tr(S) on S."""
+    from nsa_dist import Tracker
+    from nsa_dist.client import Client
+
+    model = _mlp(nn.LayerNorm(5))
+    X, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    url = str(tmp_path / "s.zarr")
+    with Tracker(url, "ln", model, X, y, steps=1, record={"steps": [0]}, spectrum={"k": 4, "images": []},
+                 hessian={"probes": 16, "lanczos_steps": 8}) as tr:  # fmt: skip
+        tr.record(0, lr=0.1)
+    tr_s = Client(url).run("ln").hessian.trace_S()
+    assert np.isfinite(tr_s["G"]).all() and np.isfinite(tr_s["G_stderr"]).all(), tr_s
+    gap, se = abs(tr_s["G"][0] - tr_s["hutchpp"][0]), np.hypot(tr_s["G_stderr"][0], tr_s["hutchpp_stderr"][0])
+    assert gap <= 4 * se, (tr_s, gap / se)
 
 
 def test_traces_per_probe_match_reverse_mode_without_layernorm():
@@ -103,12 +122,12 @@ def test_traces_token_ids():
     np.testing.assert_allclose(tr.per_probe, _reference_forms(model, X, 2, seed=3), rtol=1e-10, atol=1e-12)
 
 
-def test_traces_train_batchnorm_clean_error_and_state_untouched():
+def test_traces_train_batchnorm_by_reverse_mode_and_state_untouched():
     model = _mlp(nn.BatchNorm1d(5)).train()
     before = {k: b.clone() for k, b in model.named_buffers()}
     X = torch.randn(6, 3, dtype=torch.float64)
-    with pytest.raises(UnsupportedModelError, match="forward-mode second derivatives.*BatchNorm1d"):
-        output_hessian_traces(model, X, 2)
+    tr = output_hessian_traces(model, X, 2, seed=6)  # by reverse mode (forward mode is wrong for it)
+    np.testing.assert_allclose(tr.per_probe, _reference_forms(model, X, 2, seed=6), rtol=1e-10, atol=1e-12)
     for k, b in model.named_buffers():
         assert torch.equal(b, before[k]), k
 

@@ -184,11 +184,12 @@ def output_hessian_traces(
     Returns:
         :class:`OutputTraces`.
 
+    PyTorch's forward-over-forward second derivatives are checked once (first point and probe) against
+    reverse mode; where they disagree (layer_norm, instance_norm, train-mode batch_norm in PyTorch 2.13)
+    every block is computed by reverse mode, three backward passes per probe.
+
     Raises:
         ValueError: n_probes < 1; as :func:`~nsa_dist.hessian.hessian_operator` for model and X.
-        UnsupportedModelError: PyTorch's forward-over-forward second derivatives of this model
-            disagree with reverse mode (checked once, on the first point and probe; wrong in
-            PyTorch 2.13 for layer_norm, instance_norm, train-mode batch_norm).
     """
     m = check_int("n_probes", n_probes, 1)
     with copyable(model):  # a float32 model measured in float64 is a cast copy
@@ -231,7 +232,15 @@ def output_hessian_traces(
                 got = _reverse_second(f, params, U)
             out.append(got)  # (m, b, K)
         if s == 0 and not reverse:
-            _check_forward_second(model, f, params, {k: u[0] for k, u in U.items()}, out[0][0, 0])
+            try:
+                _check_forward_second(model, f, params, {k: u[0] for k, u in U.items()}, out[0][0, 0])
+            except UnsupportedModelError as e:
+                # wrong forward-over-forward (layer_norm, instance_norm, train-mode batch_norm in 2.13): G by
+                # reverse mode, the check's own reference — G and Tr(S) via G were NaN there (Audit H3)
+                _log.info("%s: G by reverse mode instead", e)
+                reverse = True
+                with torch.no_grad(), exact_kernels(model), autograd_conventions(), blame(model, _TRACES):
+                    out[0] = _reverse_second(f, params, U)
     q = torch.cat(out, dim=1).cpu().numpy().astype(np.float64)  # (m, N, K)
     se = q.std(axis=0, ddof=1) / np.sqrt(m) if m > 1 else np.full(q.shape[1:], np.nan)
     return OutputTraces(q.mean(axis=0), se, q)
