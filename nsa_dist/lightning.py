@@ -28,10 +28,12 @@ under a scheduler.  Refused before training with a ``ValueError`` naming the cau
 changed the tracked model's dtype or device after the Tracker was created (``precision="64-true"``
 on a float32 module, ``"bf16-true"``, …:
 build the module in its training dtype first).  Mixed precision (``"bf16-mixed"``) is measured on
-the module's own float32 parameters, outside autocast.  An exception in training (Lightning's
-``on_exception``, a KeyboardInterrupt too) ends the run ``interrupted`` with every finished step
-kept; the end of training closes the Tracker, and a later ``fit`` with the same callback is refused
-before it trains (a new Tracker of the same name continues the run).  The model is recorded in the
+the module's own float32 parameters, outside autocast; under ``optimizer="gd"`` its updates, rounded
+by bf16 (0.3–0.8 % off −δ∇L), are not taken for GD: δ_t is NaN and Δf_t predicted as J_t Δθ_t. An
+exception in training (Lightning's ``on_exception``, a KeyboardInterrupt too) ends the run
+``interrupted`` with every finished step kept; the end of training closes the Tracker, and a later
+``fit`` with the same callback is refused before it trains (a new Tracker of the same name
+continues the run).  The model is recorded in the
 modes it has in training: an active Dropout (train mode) makes its forward random — refused when the
 Tracker is created, and at a record (a module put in train mode after) the recording ends
 ``interrupted`` while training goes on, as when a parameter's ``requires_grad`` changes mid-fit

@@ -354,8 +354,8 @@ class Tracker:
                 make δ_t ambiguous, stored as NaN (with a warning).  Under ``optimizer="gd"`` a step
                 whose update is not full-batch gradient descent at δ_t (Δθ_t ≠ −δ_t ∇L(θ_t): another
                 optimizer, clipping, mini-batches, another rate; checked for one output, to 10⁻⁶ for a
-                float64 model, 10⁻⁴ for a float32 one on the CPU, 1 % elsewhere — a reduced-precision
-                loop's rounding) stores δ_t as NaN, with a warning, and predicts that step's Δf_t as
+                float64 model, 10⁻⁴ for a float32 one, 1 % where TF32 or 16-bit parameters round — a
+                reduced-precision loop's rounding) stores δ_t as NaN, with a warning, and predicts that step's Δf_t as
                 J_t Δθ_t of the update made (as ``optimizer="custom"``).
             loss: the loop's own loss at t (checked, and kept in the loss curve); the stored ``loss`` is
                 L(θ_t) over all N points.
@@ -386,7 +386,8 @@ class Tracker:
             raise self.tracked.diverged(step, f"loss is {given if not np.isfinite(given) else ck.loss} at step {step}")
         if self.spec.optimizer.name == "gd" and ck.f.ndim == 1:
             first = next(self.model.parameters())
-            self._gd_step = (step, autograd_on(self._gradient)(), _autocast_tolerance(first.dtype, first.device.type))
+            tol = _autocast_tolerance(first.dtype, first.device.type, _tf32(self.model, first.device.type))
+            self._gd_step = (step, autograd_on(self._gradient)(), tol)
         self.tracked.trace[step] = given
         self.tracked.pending = ck  # handed over with its update when the model is at step + 1
 
@@ -403,6 +404,15 @@ class Tracker:
                 f"record({step}, lr=…): lr must be the learning rate of update t (a number), the optimizer or its "
                 f"scheduler, or a list of its groups' rates; got {type(lr).__name__} ({e})"
             ) from e
+        if any(r < 0 for r in rates):
+            raise ValueError(f"record({step}, lr=…): a learning rate must be ≥ 0, got {rates}")
+        if len(set(rates)) == 1 and not math.isfinite(rates[0]):
+            self._say_once(  # NaN was stored without a word once the per-step note went quiet (a review)
+                "nonfinite",
+                f"step {step}: δ_t is stored as NaN — the learning rate given is {rates[0]} (said once: so is every "
+                "later step's given so)",
+            )
+            return math.nan
         if len(set(rates)) == 1:
             return rates[0]
         self._say_once(
@@ -700,19 +710,29 @@ def _same_network(writer: Any, name: str, network: str) -> None:
         )
 
 
-def _autocast_tolerance(dtype: torch.dtype, device: str = "cpu") -> float:
+def _tf32(model: nn.Module, device: str) -> bool:
+    """Whether a float32 model's products on ``device`` may round to TF32 (~10⁻³): CUDA matmuls with
+    ``torch.backends.cuda.matmul.allow_tf32``, convolutions with ``torch.backends.cudnn.allow_tf32``
+    (on by default) where the model has any."""
+    if device != "cuda":
+        return False
+    convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return bool(torch.backends.cuda.matmul.allow_tf32) or (convs and bool(torch.backends.cudnn.allow_tf32))
+
+
+def _autocast_tolerance(dtype: torch.dtype, device: str = "cpu", tf32: bool = False) -> float:
     """The relative tolerance of the GD check of update t of a model in ``dtype`` on ``device`` (beside
     4·eps·‖θ‖ for the rounding of θ_{t+1} − θ_t): float64, which neither autocast nor TF32 touch, 10⁻⁶;
-    float32 on the CPU 10⁻⁴ (its gradient rounds at ~10⁻⁷; at 1 % a weight decay of 5·10⁻⁴ and a
-    cosine schedule's rate 0.5 % below the δ given passed as GD, and the closed-form prediction put the
-    first-order error 1.5–3.4× off — Audit K4); float32 elsewhere (TF32 convolutions round at ~10⁻³)
-    or in 16 bits 1 %; and 4·eps of an autocast dtype active at ``record`` when larger (``record``
-    usually runs outside the loop's autocast, whose update — 0.28–0.48 % off −δ∇L for a bf16 loop —
-    then fails the check: δ_t NaN, the prediction J_t Δθ_t, never a wrong closed form).  Clipping,
-    momentum, mini-batches or another rate moved the update by 51 % to 94×."""
+    float32 10⁻⁴ (its gradient rounds at ~10⁻⁷, a plain loop's update was ≤ 2·10⁻⁵ off; at 1 % a weight
+    decay of 5·10⁻⁴ and a cosine schedule's rate 0.5 % below the δ given passed as GD, and the closed-form
+    prediction put the first-order error 1.5–3.4× off — Audit K4); float32 whose products may round to
+    TF32 (``tf32``: ~10⁻³) or 16-bit parameters 1 %; and 4·eps of an autocast dtype active at ``record``
+    when larger (``record`` usually runs outside the loop's autocast, whose update — 0.28–0.48 % off
+    −δ∇L for a bf16 loop — then fails the check: δ_t NaN, the prediction J_t Δθ_t, never a wrong
+    closed form).  Clipping, momentum, mini-batches or another rate moved the update by 51 % to 94×."""
     if dtype == torch.float64:
         tol = 1e-6
-    elif dtype == torch.float32 and device == "cpu":
+    elif dtype == torch.float32 and not tf32:
         tol = 1e-4
     else:
         tol = 1e-2

@@ -129,7 +129,7 @@ def test_names_and_filters_that_cannot_match_say_why(client: Client, tmp_path) -
     assert len(client.runs(model__depth=2)) == 6 and len(client.runs(model__width=8)) == 5
     assert set(client.runs(hessian__probes=None)["id"]) == {r for r in client.runs()["id"] if not r.startswith("hw")}
     run = client.run("kall")
-    with pytest.raises(KeyError, match="did not measure the Hessian: its spec has no hessian: block"):
+    with pytest.raises(StoreError, match="did not measure the Hessian: its spec has no hessian: block"):
         run.hessian.steps  # noqa: B018 — the property's read is the test
     with pytest.raises(KeyError, match="has no test loss: it has no test points"):
         run.test_loss  # noqa: B018

@@ -759,3 +759,55 @@ def _recorded_with_opt(tmp_path, name: str, model: nn.Module, opt, sched=None):
             sched.step()
     tr.close()
     return Client(url).run(name)
+
+
+def test_a_rate_given_as_nan_is_said_and_a_negative_one_refused(tmp_path, caplog):
+    """A NaN rate (a warmup formula's 0/0) was stored without a word once the per-step note went quiet,
+    and a negative one made flow_speed() blank a figure's step (a review): NaN is said once, a negative
+    rate is refused at record naming it."""
+    import logging
+
+    X, y = _data()
+    model = _mlp()
+    tr = _tracker(str(tmp_path / "s.zarr"), "nanlr", model, X, y, steps=3)
+    with caplog.at_level(logging.WARNING, logger="nsa_dist"):
+        tr.record(0, lr=float("nan"))
+    said = [r.getMessage() for r in caplog.records if "the learning rate given is nan" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    tr.due(1)
+    with pytest.raises(ValueError, match=r"record\(1, lr=…\): a learning rate must be ≥ 0, got \[-0.1\]"):
+        tr.record(1, lr=-0.1)
+    tr.close()
+
+
+def test_the_gd_check_is_tight_unless_products_may_round_to_tf32():
+    from nsa_dist.tracker import _autocast_tolerance, _tf32
+
+    assert _autocast_tolerance(torch.float64) == 1e-6
+    assert _autocast_tolerance(torch.float32, "cpu") == 1e-4
+    assert _autocast_tolerance(torch.float32, "cuda", tf32=False) == 1e-4  # a GPU's plain float32: as tight
+    assert _autocast_tolerance(torch.float32, "cuda", tf32=True) == 1e-2
+    assert _autocast_tolerance(torch.bfloat16, "cpu") == 1e-2
+    assert not _tf32(_mlp(), "cpu")
+    conv = nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(2, 1))
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        assert _tf32(conv, "cuda") and not _tf32(_mlp(), "cuda")  # cuDNN's TF32 rounds convolutions only
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert _tf32(_mlp(), "cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_fig2d_says_where_a_zero_rate_is_not_drawn(tmp_path):
+    """Fig. 2d's log axis cannot show δ_t λ/N = 0 (a warmup from 0): the step was dropped without a word."""
+    from nsa_dist.plots import make_figure
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))
+    run = _recorded_with_opt(tmp_path, "warm0", model, opt, sched)
+    said = [t.get_text() for t in make_figure(run, "fig2d_lr_eigen").axes[0].texts]
+    assert any("δ_t = 0 at 1 of 3 steps (0 on the log axis: not drawn)" in t for t in said), said
+    assert not make_figure(run, "fig2c_flow_speed").axes[0].texts  # 2c's linear axis draws the 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from nsa_dist.client._arrays import RunArrays
+from nsa_dist.errors import StoreError
 
 __all__ = ["HessianView"]
 
@@ -55,7 +56,10 @@ class HessianView:
         """Positions (into the run's ``steps``) of the finished steps whose Hessian was analysed."""
         if not self._a.has("hessian_steps") and self._a.spec.hessian is None:
             # the store's "has no array 'hessian_steps'; did you mean 'eigenvector_steps'?" (an audit)
-            raise KeyError(f"run {self._a.id!r} did not measure the Hessian: its spec has no hessian: block")
+            raise StoreError(
+                f"run {self._a.id!r} did not measure the Hessian: its spec has no hessian: block (it has no array "
+                "'hessian_steps')"
+            )
         mask = self._a.array("hessian_steps")[self._a.finished]
         return np.flatnonzero(mask)
 

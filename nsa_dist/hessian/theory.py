@@ -237,7 +237,7 @@ def output_hessian_traces(
             except UnsupportedModelError as e:
                 # wrong forward-over-forward (layer_norm, instance_norm, train-mode batch_norm in 2.13): G by
                 # reverse mode, the check's own reference — G and Tr(S) via G were NaN there (Audit H3)
-                _log.info("%s: G by reverse mode instead", e)
+                _log.info("G by reverse mode: %s", str(e).split(", so G")[0])
                 reverse = True
                 with torch.no_grad(), exact_kernels(model), autograd_conventions(), blame(model, _TRACES):
                     out[0] = _reverse_second(f, params, U)

@@ -89,20 +89,27 @@ def fig2c(run: Run) -> Figure:
     return fig
 
 
-def _unknown_rates(ax: Axes, run: Run, empty_ylim: tuple[float, float]) -> None:
+def _unknown_rates(ax: Axes, run: Run, empty_ylim: tuple[float, float], zero_hidden: bool = False) -> None:
     """Say where δ_t is unknown (NaN: parameter groups with different rates, or a Tracker's update that
     was not GD at the rate given) — the lines stop there; with no known δ_t the panel was blank on a
     broken axis (−0.04 … 0.04, an audit): it says so on a sane one."""
     lr = np.asarray(run.lr, np.float64)
     unknown = int((~np.isfinite(lr)).sum())
-    if not unknown:
+    zeros = int((lr == 0).sum()) if zero_hidden else 0  # δ_t = 0 (a warmup from 0): 0 on a log axis is not drawn
+    if not unknown and not zeros:
         return
-    every = unknown == lr.size
-    what = (
-        "δ_t unknown at every step" if every else f"δ_t unknown at {unknown} of {lr.size} steps (not drawn there)"
-    ) + ":\nparameter groups with different rates,\nor updates that were not GD at the rate given"
-    ax.text(0.5, 0.5 if every else 0.03, what, transform=ax.transAxes, ha="center", va="center" if every else "bottom",
-            fontsize=8, color="0.3")  # fmt: skip
+    every = unknown + zeros == lr.size
+    lines = []
+    if unknown:
+        lines.append(
+            ("δ_t unknown at every step" if unknown == lr.size else f"δ_t unknown at {unknown} of {lr.size} steps")
+            + " (not given, parameter groups with different rates,\nor updates that were not GD at the rate given)"
+        )
+    if zeros:
+        lines.append(f"δ_t = 0 at {zeros} of {lr.size} steps (0 on the log axis: not drawn)")
+    ax.text(0.5, 0.5 if every else 0.03, "\n".join(lines), transform=ax.transAxes, ha="center",
+            va="center" if every else "bottom", fontsize=8, color="0.3",
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})  # fmt: skip
     if every:
         ax.set_ylim(*empty_ylim)
         steps = np.asarray(run.steps, np.float64)
@@ -121,6 +128,6 @@ def fig2d(run: Run, opts: PlotOptions = PlotOptions()) -> Figure:
         ax.plot(run.steps, p[:, i - 1], "o-", ms=3, color=c, label=label)
     ax.axhline(2.0, color="crimson", ls=":", lw=1.2, label="2 (stability limit)")
     time_axis(ax, run, r"$\delta_t \lambda_i^t / N$", logy=True, family=("i", labels, cols))
-    _unknown_rates(ax, run, (1e-3, 10.0))
+    _unknown_rates(ax, run, (1e-3, 10.0), zero_hidden=True)
     add_gd_note(fig, run)
     return fig
