@@ -584,9 +584,31 @@ def forwarded_few(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, n: in
             raise e from None
 
 
-def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
-    """Refuse a forward that reads one of the model's trainable parameters other than through its
-    module's attribute: every route measures the model with its parameters substituted by name
+def _refuse_held_parameters(model: nn.Module, x: torch.Tensor, tries: int = 3) -> None:
+    """:func:`_held_parameters`, refused only when every one of ``tries`` looks finds the same parameter
+    held: a Tracker's analysis thread runs this beside the training thread, and twice in fresh-clone CI
+    one look saw a parameter the next did not (a run's step lost, "reads parameter 'layers.0.bias'
+    other than through its module's attribute", on models that hold none) — a tensor held by a hook is
+    held at every look."""
+    held = _held_parameters(model, x)
+    for _ in range(tries - 1):
+        if not held:
+            return
+        again = _held_parameters(model, x)
+        held = [n for n in held if n in again]
+    if held:
+        raise UnsupportedModelError(
+            f"the model's forward reads parameter {held[0]!r} other than through its module's attribute — "
+            "held by a hook (a default argument, a closure variable, a callable object or a global hook), or "
+            "by a function stored on the module that a copy cannot follow — so the NTK, measured with the "
+            "parameters substituted by name, would take it as a constant; read it through the module in the "
+            "hook (`module.<name>`, `self.<name>` in a closure)"
+        )
+
+
+def _held_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The trainable parameters a forward reads other than through their module's attribute (what
+    :func:`_refuse_held_parameters` refuses): every route measures the model with its parameters substituted by name
     (``functional_call``), so a tensor held elsewhere — a hook's default argument (``g=self.g``), a
     closure variable, a callable object or a bound method holding it, a global hook — enters as a
     constant (an NTK 1–4 % off, status ``done``); so does, in a copy nsa-dist made (a float64 cast,
@@ -598,13 +620,13 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
     for origin in _origins(model):
         own.update({id(p): n for n, p in origin.named_parameters() if p.requires_grad})
     if not own:
-        return
+        return []
     subs = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters() if p.requires_grad}
     with preserved(model), torch.enable_grad():
         try:
             few, out = forwarded_few(lambda pts: call(model, subs, (pts.clone(),)), x)
         except Exception:  # noqa: BLE001 — a forward that fails here fails loudly in the measurement
-            return
+            return []
         held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
         # and every other point, a chunk at a time: a tensor held for some points only (a branch the first
         # two do not take) entered every route as a constant, 4.9 % off (an audit)
@@ -616,14 +638,7 @@ def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
             except Exception:  # noqa: BLE001
                 break
             held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
-    if held:
-        raise UnsupportedModelError(
-            f"the model's forward reads parameter {held[0]!r} other than through its module's attribute — "
-            "held by a hook (a default argument, a closure variable, a callable object or a global hook), or "
-            "by a function stored on the module that a copy cannot follow — so the NTK, measured with the "
-            "parameters substituted by name, would take it as a constant; read it through the module in the "
-            "hook (`module.<name>`, `self.<name>` in a closure)"
-        )
+    return held
 
 
 _HELD_CHUNK_BYTES = 4 * 2**20  # inputs per forward of the held-parameter check over the other points (with a graph)
