@@ -616,9 +616,13 @@ def _held_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
     attribute, ``self.act = lambda z: … * self.alpha``).  Found, not guessed: one forward of two
     points with the parameters substituted, and the leaves of its autograd graph must hold none of
     the model's own (or, for a copy, of the module it was copied from)."""
-    own = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    # the tensors themselves are kept while their ids are compared: a parameter object the training thread
+    # replaced meanwhile would free its id for a tensor made here (a subs clone) — a parameter "held" by
+    # the check's own clone (the race of _refuse_held_parameters' docstring, one way it can happen)
+    kept = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for origin in _origins(model):
-        own.update({id(p): n for n, p in origin.named_parameters() if p.requires_grad})
+        kept += [(n, p) for n, p in origin.named_parameters() if p.requires_grad]
+    own = {id(p): n for n, p in kept}
     if not own:
         return []
     subs = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters() if p.requires_grad}
@@ -638,6 +642,7 @@ def _held_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
             except Exception:  # noqa: BLE001
                 break
             held = [own[id(t)] for t in _graph_leaves(out) if id(t) in own]
+    del kept  # (alive until here)
     return held
 
 
