@@ -725,6 +725,13 @@ def test_a_warmup_from_a_zero_rate_keeps_figures_2c_and_2d(tmp_path):
     np.testing.assert_allclose(run.lr_eigen_product()[1:], run.lr[1:, None] * lam[1:] / run.N, rtol=1e-12)
     for name in ("fig2c_flow_speed", "fig2d_lr_eigen"):
         assert make_figure(run, name) is not None
+    # δ_0 = 0 is not drawn on Fig. 2d's log axis: both `nsa plot` and `nsa serve` say so (Fig. 2c draws it)
+    from nsa_dist.serve import _nsa_panels as panels
+
+    said = [t.get_text() for t in make_figure(run, "fig2d_lr_eigen").axes[0].texts]
+    assert any("δ_t = 0 at 1 of 3 steps" in t for t in said), said
+    assert "δ_t = 0 at 1 of 3 steps" in panels.Fig2d().note_text(run)
+    assert "δ_t = 0" not in panels.Fig2c().note_text(run)
 
 
 def test_figures_2c_2d_say_where_the_rate_is_unknown(tmp_path):
@@ -741,6 +748,12 @@ def test_figures_2c_2d_say_where_the_rate_is_unknown(tmp_path):
         said = [t.get_text() for t in ax.texts]
         assert any(t.startswith("δ_t unknown at every step") for t in said), said
         np.testing.assert_allclose(ax.get_ylim(), ylim)
+    # and `nsa serve`'s panels of the same figures say it too (they said nothing: a review)
+    from nsa_dist.serve import _nsa_panels as panels
+
+    for panel in (panels.Fig2c, panels.Fig2d):
+        note = panel().note_text(run)
+        assert "δ_t unknown at every step" in note and "\n" not in note, (panel.__name__, note)
 
 
 def _recorded_with_opt(tmp_path, name: str, model: nn.Module, opt, sched=None):

@@ -357,6 +357,24 @@ class PlotOptions:
             raise ValueError(f"k={', '.join(map(str, bad))}: run {run.id!r} measured k = 1..{top} only ({why})")
 
 
+def unknown_rate_lines(run: Run, zero_hidden: bool = False) -> tuple[list[str], bool]:
+    """Where δ_t is unknown (NaN: not given, parameter groups with different rates, or a Tracker's update
+    that was not GD at the rate given) and, with ``zero_hidden`` (a log axis), where δ_t = 0 is not drawn:
+    the lines of Figs. 2c–2d's note (none: every δ_t known and drawn), and whether that is every step."""
+    lr = np.asarray(run.lr, np.float64)
+    unknown = int((~np.isfinite(lr)).sum())
+    zeros = int((lr == 0).sum()) if zero_hidden else 0  # δ_t = 0 (a warmup from 0): 0 on a log axis is not drawn
+    lines = []
+    if unknown:
+        lines.append(
+            ("δ_t unknown at every step" if unknown == lr.size else f"δ_t unknown at {unknown} of {lr.size} steps")
+            + " (not given, parameter groups with different rates,\nor updates that were not GD at the rate given)"
+        )
+    if zeros:
+        lines.append(f"δ_t = 0 at {zeros} of {lr.size} steps (0 on the log axis: not drawn)")
+    return lines, bool(lines) and unknown + zeros == lr.size
+
+
 def gd_note(run: Run) -> str | None:
     """A note for figures of GD formulas (s_i, δλ/N, 2N/λ_max; NSA §4) on a run that is not plain GD."""
     o = run.spec.optimizer

@@ -17,6 +17,7 @@ from nsa_dist.plots.axes import (
     nonpositive_note,
     some_steps,
     time_axis,
+    unknown_rate_lines,
 )
 
 if TYPE_CHECKING:
@@ -93,20 +94,9 @@ def _unknown_rates(ax: Axes, run: Run, empty_ylim: tuple[float, float], zero_hid
     """Say where δ_t is unknown (NaN: parameter groups with different rates, or a Tracker's update that
     was not GD at the rate given) — the lines stop there; with no known δ_t the panel was blank on a
     broken axis (−0.04 … 0.04, an audit): it says so on a sane one."""
-    lr = np.asarray(run.lr, np.float64)
-    unknown = int((~np.isfinite(lr)).sum())
-    zeros = int((lr == 0).sum()) if zero_hidden else 0  # δ_t = 0 (a warmup from 0): 0 on a log axis is not drawn
-    if not unknown and not zeros:
+    lines, every = unknown_rate_lines(run, zero_hidden)
+    if not lines:
         return
-    every = unknown + zeros == lr.size
-    lines = []
-    if unknown:
-        lines.append(
-            ("δ_t unknown at every step" if unknown == lr.size else f"δ_t unknown at {unknown} of {lr.size} steps")
-            + " (not given, parameter groups with different rates,\nor updates that were not GD at the rate given)"
-        )
-    if zeros:
-        lines.append(f"δ_t = 0 at {zeros} of {lr.size} steps (0 on the log axis: not drawn)")
     ax.text(0.5, 0.5 if every else 0.03, "\n".join(lines), transform=ax.transAxes, ha="center",
             va="center" if every else "bottom", fontsize=8, color="0.3",
             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})  # fmt: skip

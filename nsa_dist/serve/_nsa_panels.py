@@ -11,7 +11,7 @@ import numpy as np
 from bokeh.models import Select
 
 from nsa_dist.plots import residual_projections
-from nsa_dist.plots.axes import gd_note, ks, lr_steps, nonpositive_note
+from nsa_dist.plots.axes import gd_note, ks, lr_steps, nonpositive_note, unknown_rate_lines
 from nsa_dist.plots.projections import _JOINED, _binned_mean
 from nsa_dist.serve._curves import Curves, Picked, Plot, Series, color, hline, need, spread, stairs, step_options
 from nsa_dist.serve._live import Waiting
@@ -134,10 +134,12 @@ def _joined(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
-def _gd_notes(run: Run) -> str:
-    """Figs. 2c-d's note: which λ_i^t (Ko > 1: the full kernel's, not Fig. 2a's), then :func:`gd_note`."""
+def _gd_notes(run: Run, log_axis: bool = False) -> str:
+    """Figs. 2c-d's note: which λ_i^t (Ko > 1: the full kernel's, not Fig. 2a's), :func:`gd_note`, and
+    where δ_t is unknown (or, on Fig. 2d's log axis, 0): the curves stop there, as in ``nsa plot``."""
     full = "λ_i^t here are the full (N·Ko)×(N·Ko) kernel's, not Figs. 2a-b's output-traced Gram's" if run.Ko > 1 else ""
-    return "; ".join(n for n in (full, gd_note(run) or "") if n)
+    rates = " ".join(unknown_rate_lines(run, zero_hidden=log_axis)[0]).replace("\n", " ")
+    return "; ".join(n for n in (full, gd_note(run) or "", rates) if n)
 
 
 class Fig2c(Curves):
@@ -168,7 +170,7 @@ class Fig2d(Curves):
         return [out + [hline(run.steps, 2.0, "2 (stability limit)", "#d62728", "dotted")]]
 
     def note_text(self, run: Run) -> str:
-        return _gd_notes(run)
+        return _gd_notes(run, log_axis=True)
 
 
 class Energy(Picked):
