@@ -196,3 +196,19 @@ def test_review_serve_fig4a_draws_points_and_binned_means_as_nsa_plot(client: Cl
     p = residual_projections(run, t)
     np.testing.assert_allclose(lines["ys"][-1], p.reshape(4, 6).mean(axis=1), rtol=1e-12)
     assert len(dots["x"]) == 24 * len(lines["label"])  # every projection a point, none joined
+
+
+@pytest.mark.parametrize("value", ["no", 0.0, 1, None])
+def test_true_or_false_options_take_a_bool(client: Client, value) -> None:
+    """``I_eigenvalues(limit="no")`` read the limit's eigenvalues and ``to_xarray(state="no")`` added the
+    resume state: a truthy string was True (Audit A2's cosmetic rest).  Each option takes True or False."""
+    run, hw = client.run("kall"), client.run(next(r for r in client.runs()["id"] if r.startswith("hw")))
+    for read, name in (
+        (lambda: hw.hessian.I_eigenvalues(limit=value), "limit"),
+        (lambda: run.to_xarray(state=value), "state"),
+        (lambda: run.numerical_rank(among_stored=value), "among_stored"),
+        (lambda: client.verify(mark=value), "mark"),
+    ):
+        with pytest.raises(TypeError, match=f"{name}={value!r} must be True or False"):
+            read()
+    np.testing.assert_array_equal(hw.hessian.I_eigenvalues(limit=np.bool_(True)), hw.hessian.I_eigenvalues(True))

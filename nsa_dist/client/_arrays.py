@@ -174,3 +174,11 @@ class RunArrays:
             f"{type(self).__name__}({self.id!r}, status={str(getattr(self.status, 'value', self.status))!r}, "
             f"steps={len(self.finished)}/{len(self.schedule)})"
         )
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` as a reader's True/False option ``name``: a bool (numpy's too), else TypeError naming it —
+    ``limit="no"`` read as True, ``state=0.0`` as False (Audit A2's cosmetic rest)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be True or False")
+    return bool(value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nsa_dist.client._arrays import flag
 from nsa_dist.client._frames import runs_frame
 from nsa_dist.client._run import Run
 from nsa_dist.client._sweep import Sweep
@@ -61,6 +62,7 @@ class Client:
     def verify(self, mark: bool = False) -> list:
         """Every damaged chunk or metadata file of the store (:func:`nsa_dist.store.verify_store`);
         ``mark``: delete the damaged chunks and mark their steps not done (needs a writable store)."""
+        mark = flag(mark, "mark")
         damage = verify_store(self.store)
         if mark and damage:
             mark_damaged(SpectrumStore(self.url), damage)

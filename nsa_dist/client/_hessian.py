@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nsa_dist.client._arrays import RunArrays
+from nsa_dist.client._arrays import RunArrays, flag
 from nsa_dist.errors import StoreError
 
 __all__ = ["HessianView"]
@@ -160,7 +160,7 @@ class HessianView:
         """(Sh, N·K) eigenvalues of I outside its null space, descending: measured exactly (from the
         NTK Gram; NaN with a distributed layout) or, ``limit=True``, the kernel PCA of Θ∞
         weighted by HC (NaN where the limit does not apply, see docs/store.md)."""
-        return self._along("hessian_I_limit_eigenvalues" if limit else "hessian_I_eigenvalues")
+        return self._along("hessian_I_limit_eigenvalues" if flag(limit, "limit") else "hessian_I_eigenvalues")
 
     def additivity(self) -> dict[str, np.ndarray]:
         """Theorem 1's gap Tr(H^k) − Tr(I^k) − Tr(S^k), k = 1..4 (shared probes):

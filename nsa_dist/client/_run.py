@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nsa_dist.client._arrays import RunArrays
+from nsa_dist.client._arrays import RunArrays, flag
 from nsa_dist.client._curves import EXACT_BRACKET, BracketedCurve, energy_route, read_curve, rounding_delta
 from nsa_dist.client._frames import run_to_xarray
 from nsa_dist.client._hessian import HessianView
@@ -248,7 +248,7 @@ class Run(RunArrays):
             at = int(np.flatnonzero(steps == self._step(step))[0])
             rank, steps = rank[at : at + 1], steps[at : at + 1]
         K = lam.shape[1]
-        if not among_stored and K < self.N and np.any(rank >= K):
+        if not flag(among_stored, "among_stored") and K < self.N and np.any(rank >= K):
             how = "the exact route, spectrum.energy: exact," if self.energy_route == "quadrature" else "spectrum.k: all"
             raise ValueError(
                 f"run {self.id!r} kept the top {K} of N = {self.N} eigenvalues and all {K} lie above the "
@@ -496,7 +496,7 @@ class Run(RunArrays):
         ``step`` is a coordinate (the recorded t), ``k`` / ``k_full`` / ``k_test`` run from 1;
         ``state=True`` adds the resume state (theta, opt_slots, rng_state).  Needs xarray.
         """
-        return run_to_xarray(self, state=state)
+        return run_to_xarray(self, state=flag(state, "state"))
 
     def __repr__(self) -> str:
         return f"Run({self.id!r}, status={self.status!r}, steps={len(self.finished)}/{len(self.schedule)})"
