@@ -542,9 +542,23 @@ _HOOK_DICTS = (
 _COPIED_FROM: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
+# the original's parameters as they were when the copy was made: another thread may be running the original
+# meanwhile (a Tracker's training thread), and a functional call there puts temporaries in its slots
+_COPIED_PARAMETERS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, nn.Parameter], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def copied_from(model: nn.Module) -> nn.Module | None:
     """The module :func:`copy_model` copied ``model`` from (None: not such a copy, or it is gone)."""
     return _COPIED_FROM.get(model)
+
+
+def copied_parameters(model: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
+    """``named_parameters()`` of the module :func:`copy_model` copied ``model`` from, as they were at the
+    copy (empty: not such a copy) — read without touching the original, which another thread may be
+    running with its parameters swapped (``torch.func.functional_call``) at this moment."""
+    return _COPIED_PARAMETERS.get(model, ())
 
 
 def copy_model(model: nn.Module) -> nn.Module:
@@ -565,6 +579,7 @@ def copy_model(model: nn.Module) -> nn.Module:
     measurement, :func:`nsa_dist.ntk.state.refuse_state_writes`).  The copy remembers its original
     (:func:`copied_from`)."""
     memo: dict[int, Any] = {}
+    params = tuple(model.named_parameters())
     twin = copy.deepcopy(model, memo)
     for m in twin.modules():
         for name in _HOOK_DICTS:
@@ -579,6 +594,7 @@ def copy_model(model: nn.Module) -> nn.Module:
                 if new is not fn:
                     m.__dict__[key] = new
     _COPIED_FROM[twin] = model
+    _COPIED_PARAMETERS[twin] = params
     return twin
 
 

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.models import copied_from, copy_model, user_named_modules
+from nsa_dist.models import copied_from, copied_parameters, copy_model, user_named_modules
 
 __all__ = [
     "preserved",
@@ -584,18 +584,9 @@ def forwarded_few(forward: Callable[[torch.Tensor], Any], x: torch.Tensor, n: in
             raise e from None
 
 
-def _refuse_held_parameters(model: nn.Module, x: torch.Tensor, tries: int = 3) -> None:
-    """:func:`_held_parameters`, refused only when every one of ``tries`` looks finds the same parameter
-    held: a Tracker's analysis thread runs this beside the training thread, and twice in fresh-clone CI
-    one look saw a parameter the next did not (a run's step lost, "reads parameter 'layers.0.bias'
-    other than through its module's attribute", on models that hold none) — a tensor held by a hook is
-    held at every look."""
+def _refuse_held_parameters(model: nn.Module, x: torch.Tensor) -> None:
+    """UnsupportedModelError naming a parameter :func:`_held_parameters` finds."""
     held = _held_parameters(model, x)
-    for _ in range(tries - 1):
-        if not held:
-            return
-        again = _held_parameters(model, x)
-        held = [n for n in held if n in again]
     if held:
         raise UnsupportedModelError(
             f"the model's forward reads parameter {held[0]!r} other than through its module's attribute — "
@@ -616,12 +607,17 @@ def _held_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
     attribute, ``self.act = lambda z: … * self.alpha``).  Found, not guessed: one forward of two
     points with the parameters substituted, and the leaves of its autograd graph must hold none of
     the model's own (or, for a copy, of the module it was copied from)."""
-    # the tensors themselves are kept while their ids are compared: a parameter object the training thread
-    # replaced meanwhile would free its id for a tensor made here (a subs clone) — a parameter "held" by
-    # the check's own clone (the race of _refuse_held_parameters' docstring, one way it can happen)
+    # the tensors themselves are kept while their ids are compared (an id is an object's only while it lives);
+    # and an original's parameters are those it had when nsa-dist copied it (:func:`copied_parameters`), not what
+    # its slots hold now: a Tracker's training thread runs the user's module beside this analysis thread, and
+    # its own checks swap temporaries into those slots (functional_call) — read here, one such temporary freed
+    # a moment later gave its id to a subs clone below, a parameter "held" on a model that holds none (twice in
+    # fresh-clone CI), while the real parameters, out of their slots then, were not compared at all
     kept = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for m in [model, *_origins(model)]:
+        kept += [(n, p) for n, p in copied_parameters(m) if p.requires_grad]
     for origin in _origins(model):
-        kept += [(n, p) for n, p in origin.named_parameters() if p.requires_grad]
+        kept += [(n, p) for n, p in origin.named_parameters() if p.requires_grad]  # one replaced since the copy
     own = {id(p): n for n, p in kept}
     if not own:
         return []
