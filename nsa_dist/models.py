@@ -542,23 +542,28 @@ _HOOK_DICTS = (
 _COPIED_FROM: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
-# the original's parameters as they were when the copy was made: another thread may be running the original
-# meanwhile (a Tracker's training thread), and a functional call there puts temporaries in its slots
-_COPIED_PARAMETERS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, nn.Parameter], ...]] = (
-    weakref.WeakKeyDictionary()
-)
+# the parameters of each module nsa-dist copied, as the thread running it last saw them outside a functional
+# call (at the copy; a Tracker's at each record), by weak reference: another thread — a Tracker's analysis —
+# asks for them while the training thread may have temporaries swapped into the slots (functional_call)
+_PARAMETERS_OF: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, weakref.ref], ...]] = weakref.WeakKeyDictionary()
+
+
+def note_parameters(model: nn.Module) -> None:
+    """Remember ``model``'s ``named_parameters()`` now (:func:`noted_parameters`): to be called by the thread
+    that runs the model, outside any functional call of it."""
+    _PARAMETERS_OF[model] = tuple((n, weakref.ref(p)) for n, p in model.named_parameters())
+
+
+def noted_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``model``'s parameters as last noted (:func:`note_parameters`; at every :func:`copy_model` of it), the
+    live ones — read without touching the module, which another thread may be running with temporaries
+    swapped into its slots at this moment (a parameter freed since is held by nothing)."""
+    return [(n, p) for n, r in _PARAMETERS_OF.get(model, ()) if (p := r()) is not None]
 
 
 def copied_from(model: nn.Module) -> nn.Module | None:
     """The module :func:`copy_model` copied ``model`` from (None: not such a copy, or it is gone)."""
     return _COPIED_FROM.get(model)
-
-
-def copied_parameters(model: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
-    """``named_parameters()`` of the module :func:`copy_model` copied ``model`` from, as they were at the
-    copy (empty: not such a copy) — read without touching the original, which another thread may be
-    running with its parameters swapped (``torch.func.functional_call``) at this moment."""
-    return _COPIED_PARAMETERS.get(model, ())
 
 
 def copy_model(model: nn.Module) -> nn.Module:
@@ -579,7 +584,7 @@ def copy_model(model: nn.Module) -> nn.Module:
     measurement, :func:`nsa_dist.ntk.state.refuse_state_writes`).  The copy remembers its original
     (:func:`copied_from`)."""
     memo: dict[int, Any] = {}
-    params = tuple(model.named_parameters())
+    note_parameters(model)
     twin = copy.deepcopy(model, memo)
     for m in twin.modules():
         for name in _HOOK_DICTS:
@@ -594,7 +599,6 @@ def copy_model(model: nn.Module) -> nn.Module:
                 if new is not fn:
                     m.__dict__[key] = new
     _COPIED_FROM[twin] = model
-    _COPIED_PARAMETERS[twin] = params
     return twin
 
 

@@ -55,7 +55,7 @@ from nsa_dist.config import LossName, RecordSpec
 from nsa_dist.data import Dataset
 from nsa_dist.errors import StoreError, UnsupportedModelError
 from nsa_dist.losses import parse_loss
-from nsa_dist.models import OutputSelector, user_named_modules
+from nsa_dist.models import OutputSelector, note_parameters, user_named_modules
 from nsa_dist.ntk import attributes_restored, preserved
 from nsa_dist.ntk.inputs import _AUTOCAST_DEVICES, autograd_on
 from nsa_dist.pipeline import RunSession
@@ -380,6 +380,9 @@ class Tracker:
             return
         rate = self._rate(step, lr)
         self.tracked.recorded.add(step)
+        # the parameters the analysis thread's held-parameter check compares, noted here, in the thread that
+        # runs the model and outside its functional calls (one replaced since the copy is among them)
+        note_parameters(self.model)
         ck = autograd_on(self.snapshots.take)(step, i, rate)  # the loop's autocast is not the model's f_t
         given = ck.loss if loss is None else float(loss)
         if not (np.isfinite(given) and np.isfinite(ck.loss)):

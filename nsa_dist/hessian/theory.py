@@ -52,7 +52,7 @@ from nsa_dist.ntk.inputs import (
     prepare_model,
     trainable_params,
 )
-from nsa_dist.ntk.state import call, exact_kernels, stateless
+from nsa_dist.ntk.state import FORWARD_AD_LOCK, call, exact_kernels, stateless
 
 if TYPE_CHECKING:
     from torch import nn
@@ -251,7 +251,10 @@ def _forward_second(second: Any, U: dict[str, torch.Tensor]) -> torch.Tensor | N
     forward-mode rule for its derivative (``aten::silu_backward`` in PyTorch 2.13: G failed with
     that NotImplementedError, an audit)."""
     try:
-        return vmap(second)(U)
+        # forward mode's levels are the process's: a Tracker's training thread probes the user's model in
+        # forward mode beside this (the lock every other forward-mode product takes; Audit TS found this one without)
+        with FORWARD_AD_LOCK:
+            return vmap(second)(U)
     except NotImplementedError as e:
         # PyTorch's own ops only: a custom Function without jvp took reverse mode through its backward, which
         # no check guards there — a backward on detached or NumPy tensors put G 0.25–0.70 off (a review)

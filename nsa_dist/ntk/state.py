@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from nsa_dist.errors import UnsupportedModelError
-from nsa_dist.models import copied_from, copied_parameters, copy_model, user_named_modules
+from nsa_dist.models import copied_from, copy_model, noted_parameters, user_named_modules
 
 __all__ = [
     "preserved",
@@ -607,17 +607,15 @@ def _held_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
     attribute, ``self.act = lambda z: … * self.alpha``).  Found, not guessed: one forward of two
     points with the parameters substituted, and the leaves of its autograd graph must hold none of
     the model's own (or, for a copy, of the module it was copied from)."""
-    # the tensors themselves are kept while their ids are compared (an id is an object's only while it lives);
-    # and an original's parameters are those it had when nsa-dist copied it (:func:`copied_parameters`), not what
-    # its slots hold now: a Tracker's training thread runs the user's module beside this analysis thread, and
-    # its own checks swap temporaries into those slots (functional_call) — read here, one such temporary freed
-    # a moment later gave its id to a subs clone below, a parameter "held" on a model that holds none (twice in
-    # fresh-clone CI), while the real parameters, out of their slots then, were not compared at all
+    # the tensors themselves are kept while their ids are compared (an id is an object's only while it lives:
+    # one freed meanwhile gave its id to a subs clone below, a parameter "held" on a model holding none — twice
+    # in fresh-clone CI); and an original's parameters are those noted by the thread that runs it
+    # (:func:`noted_parameters`), never read from its slots: a Tracker's training thread runs the user's module
+    # beside this analysis thread, and its record-time checks swap temporaries into those slots — a parameter
+    # really held (a global hook's) was missed whenever this look fell inside such a swap
     kept = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    for m in [model, *_origins(model)]:
-        kept += [(n, p) for n, p in copied_parameters(m) if p.requires_grad]
     for origin in _origins(model):
-        kept += [(n, p) for n, p in origin.named_parameters() if p.requires_grad]  # one replaced since the copy
+        kept += [(n, p) for n, p in noted_parameters(origin) if p.requires_grad]
     own = {id(p): n for n, p in kept}
     if not own:
         return []
@@ -665,13 +663,19 @@ def rest_in_chunks(
 
 
 def _origins(model: nn.Module) -> list[nn.Module]:
-    """The modules ``model`` was copied from by nsa-dist (its cast or analysis copies), nearest first."""
-    out, m = [], model
-    while True:
-        m = _ORIGINALS.get(m) or copied_from(m)
-        if m is None or m in out:
-            return out
-        out.append(m)
+    """The modules ``model`` was copied from by nsa-dist (its cast or analysis copies, and the modules
+    those were copied from), nearest first: both links of each — the user's module a cast copy stands
+    for (``_ORIGINALS``) and the module it was copied from (:func:`copied_from`), which differ for a
+    copy of a copy (a stateless copy of a float64 cast)."""
+    out: list[nn.Module] = []
+    todo = [model]
+    while todo:
+        m = todo.pop(0)
+        for o in (copied_from(m), _ORIGINALS.get(m)):
+            if o is not None and o is not model and all(o is not x for x in out):
+                out.append(o)
+                todo.append(o)
+    return out
 
 
 def _graph_leaves(out: Any) -> list[torch.Tensor]:

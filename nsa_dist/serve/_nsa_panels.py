@@ -138,7 +138,7 @@ def _gd_notes(run: Run, log_axis: bool = False) -> str:
     """Figs. 2c-d's note: which λ_i^t (Ko > 1: the full kernel's, not Fig. 2a's), :func:`gd_note`, and
     where δ_t is unknown (or, on Fig. 2d's log axis, 0): the curves stop there, as in ``nsa plot``."""
     full = "λ_i^t here are the full (N·Ko)×(N·Ko) kernel's, not Figs. 2a-b's output-traced Gram's" if run.Ko > 1 else ""
-    rates = " ".join(unknown_rate_lines(run, zero_hidden=log_axis)[0]).replace("\n", " ")
+    rates = "; ".join(unknown_rate_lines(run, zero_hidden=log_axis)[0]).replace("\n", " ")
     return "; ".join(n for n in (full, gd_note(run) or "", rates) if n)
 
 
