@@ -177,3 +177,37 @@ def test_a_noted_parameter_is_not_kept_alive() -> None:
     user.load_state_dict({k: v.clone() for k, v in user.state_dict().items()}, assign=True)
     gc.collect()
     assert old() is None and copy is not None
+
+
+@pytest.mark.slow  # 16 s: a float32 G of the deflated route's smallest size, and its float64 eigvalsh
+def test_no_warning_filters_are_swapped_by_the_eigensolvers(monkeypatch, tmp_path) -> None:
+    """``warnings.catch_warnings()`` swaps the process's warning filters, under every other thread too: the
+    eigensolver silenced its own convergence warnings and a read-only float32 G's view that way, in the
+    analysis thread beside a Tracker's training thread (Audit TS).  A top-k of a read-only float32 G (an
+    np.load mmap, the deflated float32 route and the missed-eigenvalue check) enters none, and warns of
+    nothing even where every warning is an error."""
+    import warnings
+
+    from nsa_dist.linalg import top_eigenpairs
+    from nsa_dist.linalg._deflated import MIN_K, MIN_N
+
+    entered: list[int] = []
+    enter = warnings.catch_warnings.__enter__
+
+    def counted(self):  # noqa: ANN001, ANN202
+        entered.append(1)
+        return enter(self)
+
+    rng = np.random.default_rng(0)
+    n = max(MIN_N, 300)
+    A = rng.standard_normal((n, 40))
+    G = (A @ A.T / 40).astype(np.float32)
+    np.save(tmp_path / "g.npy", G)
+    G = np.load(tmp_path / "g.npy", mmap_mode="r")
+    monkeypatch.setattr(warnings.catch_warnings, "__enter__", counted)
+    with warnings.catch_warnings():  # the test's own: counted once
+        warnings.simplefilter("error")
+        got = top_eigenpairs(G, max(MIN_K, 8), "lanczos")
+    want = np.linalg.eigvalsh(np.asarray(G, np.float64))[::-1][: got.evals.size]
+    np.testing.assert_allclose(got.evals, want, rtol=0, atol=1e-5 * want[0])
+    assert entered == [1], f"the eigensolver entered warnings.catch_warnings {len(entered) - 1} times"

@@ -32,7 +32,6 @@ when it cannot:
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 
 from nsa_dist.linalg._backend import HostWorkspace, TorchOps, convert, host_empty
-from nsa_dist.linalg.lanczos import LanczosConvergenceWarning, LanczosResult, _qr, block_lanczos
+from nsa_dist.linalg.lanczos import LanczosResult, _qr, block_lanczos
 
 __all__ = ["DeflatedGram", "deflated_lanczos", "deflation_applies"]
 
@@ -169,21 +168,20 @@ def deflated_lanczos(
         return None
     # symmetry: G was checked on entry, and D.matmat is symmetric up to its float32 rounding, which
     # the check below measures (Lanczos's own test would report a rounding error as a non-symmetric G)
-    with warnings.catch_warnings():  # not converged: the float64 products run and warn
-        warnings.simplefilter("ignore", LanczosConvergenceWarning)
-        res = block_lanczos(
-            D.matmat,
-            G.shape[0],
-            k,
-            TorchOps("cpu"),
-            tol=tol / 2,
-            max_iter=max_iter,
-            seed=seed,
-            start=start,
-            block_size=block_size,
-            sym_rtol=float("inf"),
-            workspace=workspace,
-        )
+    res = block_lanczos(  # not converged: the float64 products run (res.converged, read below)
+        D.matmat,
+        G.shape[0],
+        k,
+        TorchOps("cpu"),
+        tol=tol / 2,
+        max_iter=max_iter,
+        seed=seed,
+        start=start,
+        block_size=block_size,
+        sym_rtol=float("inf"),
+        workspace=workspace,
+        warn=False,
+    )
     scale = float(np.abs(res.evals).max())
     idx = _sample(k)
     X = res.evecs[:, idx]  # (N, m)

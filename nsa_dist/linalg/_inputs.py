@@ -8,7 +8,6 @@ wants is found by one probe product (torch first when its ``dtype`` is a torch d
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -188,12 +187,28 @@ def _dense_map(G: Any, backend: Backend, name: str) -> SymmetricMap:
     apply = None
     if slabs:
         try:
-            with warnings.catch_warnings():  # a read-only NumPy G (np.load's mmap) is only read here
-                warnings.simplefilter("ignore", UserWarning)
-                apply = upcast_product(torch.as_tensor(checked))  # a NumPy G viewed, not copied
+            apply = upcast_product(_viewed(checked))  # a NumPy G viewed, not copied
         except ValueError:  # a NumPy view torch cannot view (negative strides): the float64 copy
             apply = None
     return SymmetricMap(shape[0], ops, apply, source=checked)
+
+
+def _viewed(G: Any) -> torch.Tensor:
+    """G as a tensor over the same memory.  A read-only NumPy G (np.load's mmap), which is only read here,
+    through a writable NumPy view of it: ``torch.as_tensor`` warns of a read-only array, and silencing that
+    with ``warnings.catch_warnings()`` swapped the process's warning filters under every other thread (a
+    Tracker's training thread beside its analysis: Audit TS)."""
+    if isinstance(G, np.ndarray) and not G.flags.writeable:
+        G = np.asarray(_WritableView(G))
+    return torch.as_tensor(G)
+
+
+class _WritableView:
+    """A NumPy array interface over a read-only array's memory, marked writable (and keeping it alive)."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.keep = a
+        self.__array_interface__ = {**a.__array_interface__, "data": (a.__array_interface__["data"][0], False)}
 
 
 def upcast_product(G: torch.Tensor, slab_bytes: float = 8e6) -> Callable[[torch.Tensor], torch.Tensor]:

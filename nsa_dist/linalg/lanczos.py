@@ -89,6 +89,7 @@ def block_lanczos(
     sym_rtol: float = 1.5e-8,
     start: Any = None,
     workspace: HostWorkspace | None = None,
+    warn: bool = True,
 ) -> LanczosResult:
     """Top-k (largest algebraic) eigenpairs of a symmetric operator by thick-restart block Lanczos.
 
@@ -118,6 +119,9 @@ def block_lanczos(
             block.
         workspace: on torch's CPU, where the basis V and the products G V (N, M) live between
             calls (:class:`~nsa_dist.linalg._backend.HostWorkspace`); None: fresh memory.
+        warn: False: no LanczosConvergenceWarning (a caller that reads ``converged`` itself) — not
+            ``warnings.catch_warnings()``, which swaps the process's filters under every other thread
+            (a Tracker's training thread beside its analysis: Audit TS).
 
     Returns:
         :class:`LanczosResult`.
@@ -153,7 +157,8 @@ def block_lanczos(
             res = np.zeros(k) if B is None else np.linalg.norm(B @ Y[n - bp :, :k], axis=0)
             scale = float(np.abs(theta).max())
             if res.max() <= tol * scale or P_next is None or st.steps >= max_iter:
-                return st.finish(theta, Y, k, tol, P_next is None or res.max() <= tol * scale, restarts)
+                done = P_next is None or res.max() <= tol * scale
+                return st.finish(theta, Y, k, tol, done or not warn, restarts, converged=done)
             if full:
                 Bc = st.restart(theta, Y, B, bp, _keep(k, M, P_next.shape[1]))
                 restarts += 1
@@ -313,14 +318,14 @@ class _State:
         return B @ Y[n - bp :, :l]
 
     def finish(
-        self, theta: np.ndarray, Y: np.ndarray, k: int, tol: float, converged: bool, restarts: int
+        self, theta: np.ndarray, Y: np.ndarray, k: int, tol: float, quiet: bool, restarts: int, converged: bool
     ) -> LanczosResult:
         ops, n = self.ops, self.n
         Yk = ops.from_numpy(Y[:, :k])  # (n, k)
         X = self.V[:, :n] @ Yk  # (N, k)
         R = self.AV[:, :n] @ Yk - X * ops.from_numpy(theta[:k])  # (N, k)
         res = ops.to_numpy(ops.colnorms(R))
-        if not converged:
+        if not quiet:
             scale = float(np.abs(theta).max()) or 1.0
             warnings.warn(
                 f"Lanczos stopped after max_iter={self.steps} block products ({self.n_matvec} "
