@@ -1,5 +1,8 @@
-"""The held-parameter check on a copy while another thread runs the original.
+"""A Tracker's two threads: the training thread runs the user's model, the analysis thread a copy of it
+(Audits TS and TW).  What they share — the user's module, forward mode's levels, the warning filters,
+the run in the store — and how each stays right with the other running.
 
+The held-parameter check on a copy while another thread runs the original.
 A Tracker analyses a copy of the user's model in a thread while the training thread runs the model
 itself, and the Tracker's own record-time checks there (the coupling probe) swap temporaries into
 its parameter slots (``torch.func.functional_call``).  The check read the original's parameters from
@@ -211,3 +214,45 @@ def test_no_warning_filters_are_swapped_by_the_eigensolvers(monkeypatch, tmp_pat
     want = np.linalg.eigvalsh(np.asarray(G, np.float64))[::-1][: got.evals.size]
     np.testing.assert_allclose(got.evals, want, rtol=0, atol=1e-5 * want[0])
     assert entered == [1], f"the eigensolver entered warnings.catch_warnings {len(entered) - 1} times"
+
+
+def test_only_the_training_thread_writes_a_runs_attributes_and_loss_trace(monkeypatch, tmp_path) -> None:
+    """Zarr rewrites a group's whole ``zarr.json`` from each writer's cached attributes and a chunk of the loss
+    trace holds many steps: two writers of one run updating either at once lost 600 of 600 attributes and 407
+    of 900 losses (Audit TW's controls).  A Tracker's two threads are safe because the analysis thread writes
+    its steps' own chunks only — pinned here: every attribute, status and loss-trace write comes from the
+    training thread, and every step its analysis writes from the analysis thread."""
+    from nsa_dist import Tracker
+    from nsa_dist.client import Client
+    from nsa_dist.store.zarr_store import RunWriter
+
+    who: dict[str, set[str]] = {}
+    for name in ("set_attrs", "set_status", "write_trace", "write_array", "write_step"):
+        original = getattr(RunWriter, name)
+
+        def spy(self, *a, _name=name, _original=original, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            who.setdefault(_name, set()).add(threading.current_thread().name)
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(RunWriter, name, spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    X, y = torch.randn(16, 2, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    url = str(tmp_path / "s.zarr")
+    tr = Tracker(url, "w", model, X, y, steps=6, record={"every": 2}, spectrum={"k": "all"}, device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for t in range(6):
+        loss = 0.5 * ((model(X) - y) ** 2).mean()
+        if tr.due(t):
+            tr.record(t, lr=opt, loss=loss.item())
+        else:
+            tr.log(t, loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    tr.close()
+    main = threading.main_thread().name
+    assert Client(url).run("w").status == "done"
+    for name in ("set_attrs", "set_status", "write_trace"):
+        assert who.get(name) == {main}, (name, who.get(name))
+    assert who["write_step"] and all(n.startswith("nsa-tracker") for n in who["write_step"]), who["write_step"]
