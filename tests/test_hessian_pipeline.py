@@ -130,6 +130,12 @@ def test_every_hessian_plot_title_follows_the_papers_numbering(hess_run):
         assert "Fig. —" not in title and "— —" not in title, title
         if "_fig" in name:  # a figure named after its number carries that number
             assert f"Fig. {name.split('_fig')[1][0]} " in title, (name, title)
+    # the additivity gaps' y axes write their values out: no "+1.2e-3" offset above a panel (Audit V)
+    fig = make_figure(run, "hessian_additivity")
+    fig.canvas.draw()
+    offsets = [ax.yaxis.get_offset_text().get_text() for ax in fig.axes if ax.get_yscale() == "linear"]
+    assert offsets and not any("+" in o for o in offsets), offsets
+    assert all(not ax.yaxis.get_major_formatter().get_useOffset() for ax in fig.axes if ax.get_yscale() == "linear")
 
 
 def test_the_limits_of_S_apply_only_where_derived():
