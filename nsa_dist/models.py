@@ -550,8 +550,12 @@ _PARAMETERS_OF: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, weakref.re
 
 def note_parameters(model: nn.Module) -> None:
     """Remember ``model``'s ``named_parameters()`` now (:func:`noted_parameters`): to be called by the thread
-    that runs the model, outside any functional call of it."""
-    _PARAMETERS_OF[model] = tuple((n, weakref.ref(p)) for n, p in model.named_parameters())
+    that runs the model, outside any functional call of it — where one is under way (a slot holds a plain
+    tensor, functional_call's temporary: a signal handler's hand-over inside the Tracker's own probe, or
+    another thread's copy) the note before stands."""
+    params = tuple(model.named_parameters())
+    if all(isinstance(p, nn.Parameter) for _, p in params) or model not in _PARAMETERS_OF:
+        _PARAMETERS_OF[model] = tuple((n, weakref.ref(p)) for n, p in params)
 
 
 def noted_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -380,9 +380,6 @@ class Tracker:
             return
         rate = self._rate(step, lr)
         self.tracked.recorded.add(step)
-        # the parameters the analysis thread's held-parameter check compares, noted here, in the thread that
-        # runs the model and outside its functional calls (one replaced since the copy is among them)
-        note_parameters(self.model)
         ck = autograd_on(self.snapshots.take)(step, i, rate)  # the loop's autocast is not the model's f_t
         given = ck.loss if loss is None else float(loss)
         if not (np.isfinite(given) and np.isfinite(ck.loss)):
@@ -450,6 +447,11 @@ class Tracker:
         0.0012 of first-order error).  The user's buffers and modes are restored after, and the
         forward runs outside the loop's autocast.  Under ``optimizer="gd"`` δ_t becomes NaN when
         Δθ_t is not −δ_t ∇L(θ_t) (see :meth:`record`)."""
+        # the parameters the analysis thread's held-parameter check compares, noted as the step is handed over
+        # (every hand-over comes through here), in the thread that runs the model: a parameter replaced since
+        # the copy (load_state_dict(assign=True)) and read by a global hook is held — noted at record(t) only,
+        # one replaced before due(t + 1) handed step t over was missed (a review)
+        note_parameters(self.model)
         modes = ck.model_state.training if ck.model_state is not None else {}
         with preserved(self.model):
             for name, m in self.model.named_modules():
