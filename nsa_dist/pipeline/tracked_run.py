@@ -238,10 +238,12 @@ class TrackedRun:
         except AnalysisError as exc:
             self.abort(exc)
             raise
-        except Exception as exc:
+        except Exception as exc:  # our own bookkeeping failed: the steps out still finish and are kept
+            self.pending = None
+            self._settle()
+            self.flush_trace()
             self.session.fail(exc)
-            self.closed = True
-            self.session.release()
+            self._end()
             raise
 
     def _take(self, summaries: list[dict]) -> None:
@@ -258,14 +260,20 @@ class TrackedRun:
         """After a failed analysis: let the other queued steps finish (what they store is kept), mark
         the run failed with the error's message and step, and close; later calls raise it again."""
         self.failure, self.pending = exc, None
+        self._settle()
+        self.flush_trace()
+        self.session.fail(exc)  # its message and step
+        self._end()
+
+    def _settle(self) -> None:
+        """Let every step out for analysis finish (what they store is kept), noting those that did; a
+        later failure is not the one reported.  (Released unsettled, a step's write met a fence that was
+        gone: Audit TW.)"""
         while self.inflight:
             try:
                 self._take(self.pool.wait(True))
             except Exception:  # noqa: BLE001 - the first failure is the one reported
                 pass
-        self.flush_trace()
-        self.session.fail(exc)  # its message and step
-        self._end()
 
     @staticmethod
     def finished_before(session: RunSession) -> bool:
